@@ -1,0 +1,59 @@
+"""The `xtoken` console script: one subcommand per module, imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
+# Imports are lazy so that `xtoken projection build` never imports zmq or fastapi.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("services.demo", "run the main job on the embedded CPU default"),
+    "projection": ("services.projection_cli", "build or inspect projection matrices"),
+    "queue": ("services.queue.cli", "run or query a transfer-queue server"),
+    "collator": ("services.collator.cli", "collate a text corpus into a queue"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xtoken", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        sp.set_defaults(_module=module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            sp.set_defaults(_missing=True)
+            continue
+        module.add_arguments(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(message)s",
+    )
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        print(f"xtoken {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""xtoken_core."""
