@@ -1,0 +1,61 @@
+"""Project rules written as tests: import direction, docstrings, CLI surface."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CORE = ROOT / "xtoken_core"
+FORBIDDEN_IN_CORE = ("zmq", "fastapi", "uvicorn", "ray", "services", "starlette")
+
+
+def _python_files(package: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _imported_roots(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("path", _python_files(CORE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_core_never_imports_services_or_network_stacks(path):
+    bad = _imported_roots(path) & set(FORBIDDEN_IN_CORE)
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: xtoken_core must stay pure"
+
+
+@pytest.mark.parametrize(
+    "path",
+    _python_files(CORE) + _python_files(ROOT / "services"),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_module_has_a_docstring(path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    assert ast.get_docstring(tree), f"{path.relative_to(ROOT)} has no module docstring"
+
+
+def _public_functions(path: pathlib.Path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if not node.name.startswith("_"):
+                yield node
+
+
+def test_every_public_function_and_class_in_core_has_a_docstring():
+    missing = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for path in _python_files(CORE)
+        for node in _public_functions(path)
+        if not ast.get_docstring(node)
+    ]
+    assert not missing, "public names without a docstring:\n" + "\n".join(missing)
