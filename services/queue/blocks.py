@@ -1,0 +1,191 @@
+"""Stored field blocks: one field of one put, dense [N, ...] or jagged, and reads over them.
+
+Legend: N samples in a request, R rows of a block, S the total tokens of a jagged field (its
+``values`` leading dimension).
+
+A put keeps each field as ONE block, usually views into the received wire buffers (zero-copy).
+Reads of consecutive rows of one block are slices; other reads gather run by run (a run is a
+stretch of consecutive rows of one block), never one tensor op per sample for contiguous rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.queue.errors import StoreError
+from xtoken_core.wire.tensors import JaggedColumn, is_jagged
+
+# A block whose live rows hold less than this share of its storage bytes is copied down.
+COMPACT_BELOW = 0.5
+
+FieldValue = torch.Tensor | JaggedColumn
+
+
+def as_field(name: str, value: object, n: int) -> FieldValue:
+    """Normalize a put field to a dense tensor [N, ...] or a JaggedColumn of N rows.
+
+    Args:
+        name: field name, for error messages.
+        value: dense tensor [N, ...], ``torch.jagged`` nested tensor [N, j, ...], or JaggedColumn.
+        n: number of keys in the put.
+
+    Returns:
+        The dense tensor or a JaggedColumn.
+
+    Raises:
+        StoreError: ``bad_request`` when the row count or the offsets do not match.
+    """
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        if not is_jagged(value):
+            raise StoreError(
+                "bad_request",
+                f"field {name!r}: nested layout {value.layout} is not supported; "
+                "send a torch.jagged nested tensor",
+            )
+        try:
+            value = JaggedColumn.from_nested(value)
+        except ValueError as e:
+            raise StoreError("bad_request", f"field {name!r}: {e}") from None
+    if isinstance(value, JaggedColumn):
+        if value.num_rows != n:
+            raise StoreError(
+                "bad_request",
+                f"field {name!r}: {value.num_rows} jagged rows do not match {n} keys; "
+                "send one row per key",
+            )
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() < 1 or value.shape[0] != n:
+            raise StoreError(
+                "bad_request",
+                f"field {name!r}: shape {tuple(value.shape)} does "
+                f"not have {n} rows (one per key); send [N, ...] or a jagged tensor",
+            )
+        return value
+    raise StoreError(
+        "bad_request",
+        f"field {name!r}: {type(value).__name__} is not a tensor; "
+        "send a tensor [N, ...] or a torch.jagged nested tensor",
+    )
+
+
+def storage_id(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+class Block:
+    """One field of one put: R rows, dense or jagged, plus which rows are still live."""
+
+    __slots__ = (
+        "field",
+        "values",
+        "offsets",
+        "offs",
+        "jagged",
+        "keys",
+        "live",
+        "storages",
+        "nbytes",
+        "row_nbytes",
+        "live_bytes",
+        "partition",
+    )
+
+    def __init__(self, partition: str, field_name: str, value: FieldValue, keys: list[str]):
+        self.partition = partition
+        self.field = field_name
+        self.keys: list[str | None] = list(keys)
+        self.live = len(keys)
+        if isinstance(value, JaggedColumn):
+            self.jagged = True
+            self.values = value.values
+            self.offsets = value.offsets
+            self.offs: list[int] = value.offsets.tolist()
+            per_token = value.values.element_size() * math.prod(value.values.shape[1:])
+            offs = self.offs
+            self.row_nbytes = [(offs[i + 1] - offs[i]) * per_token + 8 for i in range(len(keys))]
+            tensors = (value.values, value.offsets)
+        else:
+            self.jagged = False
+            self.values = value
+            self.offsets = None
+            self.offs = []
+            row = value.element_size() * math.prod(value.shape[1:])
+            self.row_nbytes = [row] * len(keys)
+            tensors = (value,)
+        self.storages = {storage_id(t) for t in tensors}
+        self.nbytes = sum(size for _, size in self.storages)
+        self.live_bytes = sum(self.row_nbytes)
+
+    def row(self, i: int) -> torch.Tensor:
+        if self.jagged:
+            return self.values[self.offs[i] : self.offs[i + 1]]
+        return self.values[i]
+
+
+def schema_of(value: FieldValue) -> tuple[bool, torch.dtype, tuple[int, ...]]:
+    if isinstance(value, JaggedColumn):
+        return (True, value.values.dtype, tuple(value.values.shape[1:]))
+    return (False, value.dtype, tuple(value.shape[1:]))
+
+
+def runs_of(cells: list[tuple[Block, int]]) -> list[tuple[Block, int, int]]:
+    """Group (block, row) cells into runs of consecutive rows of one block: (block, r0, r1)."""
+    runs: list[tuple[Block, int, int]] = []
+    block0, r0 = cells[0]
+    prev = r0
+    for block, r in cells[1:]:
+        if block is block0 and r == prev + 1:
+            prev = r
+            continue
+        runs.append((block0, r0, prev + 1))
+        block0, r0, prev = block, r, r
+    runs.append((block0, r0, prev + 1))
+    return runs
+
+
+def assemble(cells: list[tuple[Block, int]]) -> FieldValue:
+    """Build one field of N rows from (block, row) cells; a single run is a zero-copy view."""
+    runs = runs_of(cells)
+    if not runs[0][0].jagged:
+        pieces = [block.values[r0:r1] for block, r0, r1 in runs]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    values, offsets = [], [torch.zeros(1, dtype=torch.int64)]
+    base = 0
+    for block, r0, r1 in runs:
+        start, stop = block.offs[r0], block.offs[r1]
+        values.append(block.values[start:stop])
+        if len(runs) == 1 and start == 0:
+            return JaggedColumn(values[0], block.offsets[r0 : r1 + 1])
+        offsets.append(block.offsets[r0 + 1 : r1 + 1] - (start - base))
+        base += stop - start
+    return JaggedColumn(values[0] if len(values) == 1 else torch.cat(values), torch.cat(offsets))
+
+
+def gather_rows(value: FieldValue, rows: list[int]) -> FieldValue:
+    """Rows ``rows`` of a field (views where the rows are one run)."""
+    if isinstance(value, JaggedColumn):
+        offs = value.offsets.tolist()
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            start = offs[rows[0]]
+            return JaggedColumn(
+                value.values[start : offs[rows[-1] + 1]],
+                value.offsets[rows[0] : rows[-1] + 2] - start,
+            )
+        return JaggedColumn.from_rows([value.values[offs[r] : offs[r + 1]] for r in rows])
+    return (
+        value[rows[0] : rows[-1] + 1]
+        if rows == list(range(rows[0], rows[-1] + 1))
+        else value[torch.tensor(rows, dtype=torch.int64)]
+    )
+
+
+def copy_rows(value: FieldValue) -> FieldValue:
+    """A compact copy owning its own storage."""
+    if isinstance(value, JaggedColumn):
+        start, stop = int(value.offsets[0]), int(value.offsets[-1])
+        return JaggedColumn(value.values[start:stop].clone(), (value.offsets - start).clone())
+    return value.clone()

@@ -1,0 +1,42 @@
+"""Queue error types: StoreError (the store refuses a request) and QueueError (client side)."""
+
+from __future__ import annotations
+
+# Error codes of `error` replies produced by the queue (wire codes come from xtoken_core.wire).
+BAD_REQUEST = "bad_request"
+NOT_FOUND = "not_found"
+MISSING_FIELD = "missing_field"
+UNKNOWN_LEASE = "unknown_lease"
+QUEUE_FULL = "queue_full"
+TIMEOUT = "timeout"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+
+
+class StoreError(ValueError):
+    """A request the store refuses; ``code`` is the wire error code, ``retryable`` says if a
+    retry of the same request can succeed later."""
+
+    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+class QueueError(RuntimeError):
+    """An error reply from the queue server, or a client-side timeout.
+
+    Attributes:
+        code: the error code (``queue_full``, ``timeout``, ``bad_body``, ...).
+        retryable: whether sending the same request again can succeed.
+        request_type: the request that failed.
+    """
+
+    def __init__(
+        self, code: str, message: str, *, retryable: bool = False, request_type: str = ""
+    ) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+        self.request_type = request_type

@@ -1,0 +1,688 @@
+"""The transfer-queue sample store: partitions, keys, fields, task leases, capacity (no sockets).
+
+Legend: N samples in a request, R rows of a stored block, L tokens in one sample, S the total
+tokens of a jagged field over its rows (its ``values`` leading dimension).
+
+A put of N samples keeps each field as ONE block: a jagged ``values[S, ...] + offsets[N+1]``
+pair or a dense ``tensor[N, ...]``, usually views into the received wire buffers (zero-copy). A
+sample is a small dict ``field -> (block, row)``; reads of consecutive rows of one block are
+slices (zero-copy), other reads gather run by run, never one tensor op per sample when rows are
+contiguous. Memory is accounted per underlying storage (what is really kept alive), not per
+view, so ``bytes_used`` is honest when a block is shared or partly cleared; blocks that fall
+below half live are compacted.
+
+The store is single-threaded by design: the server's event loop owns it. Time comes from an
+injectable ``clock`` so that lease expiry is testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.queue.blocks import (
+    COMPACT_BELOW,
+    Block,
+    FieldValue,
+    as_field,
+    assemble,
+    copy_rows,
+    gather_rows,
+    schema_of,
+)
+from services.queue.errors import StoreError
+from xtoken_core.wire.tensors import JaggedColumn
+
+logger = logging.getLogger(__name__)
+
+# Tombstones in a partition's insertion order list before it is rebuilt.
+ORDER_COMPACT_MIN = 1024
+
+
+@dataclass
+class _Task:
+    consumed: set[str] = field(default_factory=set)
+    leased: dict[str, int] = field(default_factory=dict)  # key -> lease id
+    watermark: int = 0  # every order position below it is consumed or cleared
+
+
+@dataclass
+class _Lease:
+    lease_id: int
+    partition: str
+    task: str
+    keys: set[str]
+    deadline: float
+
+
+@dataclass
+class _Partition:
+    samples: dict[str, dict[str, tuple[Block, int]]] = field(default_factory=dict)
+    order: list[str | None] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+    tombstones: int = 0
+    blocks: set[Block] = field(default_factory=set)
+    schema: dict[str, tuple[bool, torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    tasks: dict[str, _Task] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Outcome of a put.
+
+    Attributes:
+        blocked: the put does not fit in the free capacity now; nothing was stored.
+        stored: new (key, field) cells written.
+        duplicates: (key, field) cells that already existed and were left as they were.
+        new_samples: keys that did not exist before.
+        nbytes: bytes this put added to ``bytes_used`` (or would add, when blocked).
+    """
+
+    blocked: bool
+    stored: int = 0
+    duplicates: int = 0
+    new_samples: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Samples read from the store: ``fields[name]`` has one row per key, in ``keys`` order.
+
+    Attributes:
+        keys: N keys.
+        fields: name -> dense tensor [N, ...] or JaggedColumn of N rows.
+        lease_id: set for claims, None for gets.
+        nbytes: bytes of the rows returned.
+    """
+
+    keys: list[str]
+    fields: dict[str, FieldValue]
+    lease_id: int | None = None
+    nbytes: int = 0
+
+
+class _Rate:
+    """Samples and bytes per second over a sliding window."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.events: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def add(self, now: float, samples: int, nbytes: int) -> None:
+        self.events.append((now, samples, nbytes))
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self.events and self.events[0][0] < now - self.window_s:
+            self.events.popleft()
+
+    def rates(self, now: float, started: float) -> tuple[float, float]:
+        self._prune(now)
+        span = max(min(self.window_s, now - started), 1e-3)
+        return (sum(e[1] for e in self.events) / span, sum(e[2] for e in self.events) / span)
+
+
+class SampleStore:
+    """Partitions of keyed samples with per-task leases and byte capacity.
+
+    Args:
+        capacity_bytes: limit on ``bytes_used``; puts beyond it are blocked (back-pressure).
+        clock: monotonic seconds; injectable for tests.
+        rate_window_s: window of the put/claim rates in ``stats``.
+
+    Raises:
+        ValueError: capacity_bytes is not positive.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rate_window_s: float = 10.0,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0; pass e.g. 8GiB")
+        self.capacity_bytes = int(capacity_bytes)
+        self.clock = clock
+        self._parts: dict[str, _Partition] = {}
+        self._storages: dict[tuple[int, int], int] = {}  # storage id -> blocks referencing it
+        self.bytes_used = 0
+        self._leases: dict[int, _Lease] = {}
+        self._lease_heap: list[tuple[float, int]] = []
+        self._lease_ids = itertools.count(1)
+        self._started = clock()
+        self._put_rate = _Rate(rate_window_s)
+        self._claim_rate = _Rate(rate_window_s)
+
+    # ---------------------------------------------------------------- KV calls
+
+    def put(self, partition: str, keys: Sequence[str], fields: Mapping[str, object]) -> PutResult:
+        """Store fields of N samples; existing (key, field) cells are kept (idempotent).
+
+        Args:
+            partition: partition name (created on first put).
+            keys: N unique keys.
+            fields: name -> dense tensor [N, ...] or jagged (nested tensor or JaggedColumn) of N rows.
+
+        Returns:
+            PutResult; ``blocked`` means it does not fit now and nothing was stored.
+
+        Raises:
+            StoreError: ``bad_request`` for malformed input; ``queue_full`` (not retryable) when
+                the put alone is larger than the whole capacity.
+        """
+        keys = list(keys)
+        n = len(keys)
+        if not partition or not isinstance(partition, str):
+            raise StoreError("bad_request", f"partition={partition!r} must be a non-empty string")
+        if len(set(keys)) != n:
+            dup = [k for k, c in collections.Counter(keys).items() if c > 1][:3]
+            raise StoreError("bad_request", f"put has duplicate keys {dup}; keys must be unique")
+        if not fields:
+            raise StoreError("bad_request", "put has no fields; send at least one field")
+        norm = {name: as_field(name, value, n) for name, value in fields.items()}
+        part = self._parts.get(partition)
+        samples = part.samples if part is not None else {}
+        if part is not None:
+            self._check_schema(part, norm)
+        # Which cells are new: field -> rows to keep.
+        new_rows: dict[str, list[int]] = {}
+        duplicates = 0
+        for name in norm:
+            rows = []
+            for i, k in enumerate(keys):
+                s = samples.get(k)
+                if s is not None and name in s:
+                    duplicates += 1
+                else:
+                    rows.append(i)
+            if rows:
+                new_rows[name] = rows
+        blocks: list[Block] = []
+        for name, rows in new_rows.items():
+            value = norm[name]
+            if len(rows) != n:
+                value = gather_rows(value, rows)
+                bkeys = [keys[i] for i in rows]
+            else:
+                bkeys = keys
+            block = Block(partition, name, value, bkeys)
+            if block.live_bytes < COMPACT_BELOW * block.nbytes:
+                # A small slice of a big buffer: keep a copy, not the whole buffer.
+                block = Block(partition, name, copy_rows(value), bkeys)
+            blocks.append(block)
+        added = self._added_bytes(blocks)
+        if added > self.capacity_bytes:
+            raise StoreError(
+                "queue_full",
+                f"put of {added} bytes is larger than the whole queue "
+                f"capacity ({self.capacity_bytes} bytes); split the put or raise "
+                "--capacity",
+                retryable=False,
+            )
+        if added and self.bytes_used + added > self.capacity_bytes:
+            return PutResult(blocked=True, nbytes=added)
+        if part is None:
+            part = self._parts[partition] = _Partition()
+            self._check_schema(part, norm)
+        for name, value in norm.items():
+            part.schema.setdefault(name, schema_of(value))
+        new_samples = 0
+        for k in keys:
+            if k not in part.samples:
+                part.samples[k] = {}
+                part.index[k] = len(part.order)
+                part.order.append(k)
+                new_samples += 1
+        stored = 0
+        for block in blocks:
+            self._add_block(part, block)
+            name = block.field
+            for r, k in enumerate(block.keys):
+                part.samples[k][name] = (block, r)
+            stored += len(block.keys)
+        self._put_rate.add(self.clock(), new_samples, added)
+        return PutResult(
+            blocked=False,
+            stored=stored,
+            duplicates=duplicates,
+            new_samples=new_samples,
+            nbytes=added,
+        )
+
+    def get(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> Batch:
+        """Read fields of samples by key.
+
+        Args:
+            partition: partition name.
+            keys: N keys, each must exist.
+            fields: names to read; None reads the fields every one of the samples has.
+
+        Returns:
+            Batch with one row per key for every field.
+
+        Raises:
+            StoreError: ``not_found`` for a missing partition or key, ``missing_field`` when a
+                sample lacks a requested field.
+        """
+        part = self._part(partition)
+        keys = list(keys)
+        missing = [k for k in keys if k not in part.samples]
+        if missing:
+            raise StoreError(
+                "not_found",
+                f"keys {missing[:5]} are not in partition {partition!r} ({len(missing)} missing)",
+            )
+        return self._read(part, partition, keys, fields)
+
+    def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
+        """Remove samples (all of the partition when ``keys`` is None); frees their bytes.
+
+        Args:
+            partition: partition name; a missing partition clears nothing.
+            keys: keys to remove; unknown keys are ignored (clear is idempotent).
+
+        Returns:
+            Number of samples removed.
+        """
+        part = self._parts.get(partition)
+        if part is None:
+            return 0
+        if keys is None:
+            removed = len(part.samples)
+            for block in list(part.blocks):
+                self._drop_block(part, block)
+            for lease in [le for le in self._leases.values() if le.partition == partition]:
+                del self._leases[lease.lease_id]
+            del self._parts[partition]
+            return removed
+        removed = 0
+        touched: set[Block] = set()
+        for k in keys:
+            sample = part.samples.pop(k, None)
+            if sample is None:
+                continue
+            removed += 1
+            pos = part.index.pop(k)
+            part.order[pos] = None
+            part.tombstones += 1
+            for block, r in sample.values():
+                block.keys[r] = None
+                block.live -= 1
+                block.live_bytes -= block.row_nbytes[r]
+                touched.add(block)
+            for task in part.tasks.values():
+                task.consumed.discard(k)
+                lease_id = task.leased.pop(k, None)
+                if lease_id is not None and lease_id in self._leases:
+                    self._leases[lease_id].keys.discard(k)
+        for block in touched:
+            if block.live == 0:
+                self._drop_block(part, block)
+            elif block.live_bytes < COMPACT_BELOW * block.nbytes:
+                self._compact_block(part, block)
+        if part.tombstones >= ORDER_COMPACT_MIN and part.tombstones * 2 > len(part.order):
+            part.order = [k for k in part.order if k is not None]
+            part.index = {k: i for i, k in enumerate(part.order)}
+            part.tombstones = 0
+            for task in part.tasks.values():
+                task.watermark = 0
+        return removed
+
+    def list(self, partition: str | None = None) -> dict:
+        """List partitions (``partition`` None) or the keys of one partition.
+
+        Args:
+            partition: partition name or None.
+
+        Returns:
+            ``{"partitions": {name: samples}}`` or ``{"partition", "keys", "fields"}`` with keys
+            in insertion order and the field names present in any sample.
+        """
+        if partition is None:
+            return {"partitions": {p: len(part.samples) for p, part in self._parts.items()}}
+        part = self._parts.get(partition)
+        if part is None:
+            return {"partition": partition, "keys": [], "fields": []}
+        return {
+            "partition": partition,
+            "keys": [k for k in part.order if k is not None],
+            "fields": sorted(part.schema),
+        }
+
+    # ---------------------------------------------------------------- task calls
+
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        lease_s: float,
+        fields: Sequence[str] | None = None,
+    ) -> Batch | None:
+        """Lease up to ``batch_size`` samples that have every required field and that ``task``
+        has neither consumed nor leased, in insertion order.
+
+        Args:
+            partition: partition name (a missing one has nothing ready).
+            task: consumer task name; tasks consume independently.
+            required_fields: fields a sample must have to be claimable.
+            batch_size: most samples to return (>= 1).
+            lease_s: seconds before unacked samples become claimable again.
+            fields: fields to return; None returns ``required_fields``.
+
+        Returns:
+            A Batch with a ``lease_id``, or None when nothing is ready.
+
+        Raises:
+            StoreError: ``bad_request`` for a bad batch size or lease.
+        """
+        if batch_size < 1:
+            raise StoreError("bad_request", f"batch_size={batch_size} must be >= 1")
+        if not lease_s > 0:
+            raise StoreError("bad_request", f"lease={lease_s}s must be > 0")
+        self.expire_leases()
+        part = self._parts.get(partition)
+        if part is None:
+            return None
+        state = part.tasks.get(task)
+        if state is None:
+            state = part.tasks[task] = _Task()
+        order, consumed, leased, samples = part.order, state.consumed, state.leased, part.samples
+        i, end = state.watermark, len(order)
+        while i < end and (order[i] is None or order[i] in consumed):
+            i += 1
+        state.watermark = i
+        required = tuple(required_fields)
+        picked: list[str] = []
+        for j in range(i, end):
+            k = order[j]
+            if k is None or k in consumed or k in leased:
+                continue
+            s = samples[k]
+            if all(f in s for f in required):
+                picked.append(k)
+                if len(picked) == batch_size:
+                    break
+        if not picked:
+            return None
+        batch = self._read(
+            part, partition, picked, list(fields) if fields is not None else list(required)
+        )
+        lease_id = next(self._lease_ids)
+        deadline = self.clock() + lease_s
+        self._leases[lease_id] = _Lease(lease_id, partition, task, set(picked), deadline)
+        heapq.heappush(self._lease_heap, (deadline, lease_id))
+        for k in picked:
+            leased[k] = lease_id
+        self._claim_rate.add(self.clock(), len(picked), batch.nbytes)
+        return Batch(batch.keys, batch.fields, lease_id, batch.nbytes)
+
+    def ack(
+        self, partition: str, task: str, lease_id: int, keys: Sequence[str] | None = None
+    ) -> int:
+        """Mark leased samples consumed by ``task``.
+
+        Args:
+            partition, task: as claimed.
+            lease_id: from the claim.
+            keys: subset of the lease; None acks the whole lease.
+
+        Returns:
+            Number of samples marked consumed.
+
+        Raises:
+            StoreError: ``unknown_lease`` when the lease expired or never existed (its samples
+                are redelivered); ``bad_request`` when a key is not in the lease.
+        """
+        lease, state = self._lease(partition, task, lease_id)
+        todo = set(lease.keys) if keys is None else set(keys)
+        bad = todo - lease.keys
+        if bad:
+            raise StoreError("bad_request", f"keys {sorted(bad)[:5]} are not in lease {lease_id}")
+        for k in todo:
+            state.leased.pop(k, None)
+            state.consumed.add(k)
+        lease.keys -= todo
+        if not lease.keys:
+            del self._leases[lease_id]
+        return len(todo)
+
+    def nack(
+        self, partition: str, task: str, lease_id: int, keys: Sequence[str] | None = None
+    ) -> int:
+        """Give leased samples back: claimable again at once.
+
+        Args:
+            partition, task, lease_id, keys: as for ``ack``.
+
+        Returns:
+            Number of samples released.
+
+        Raises:
+            StoreError: as for ``ack``.
+        """
+        lease, state = self._lease(partition, task, lease_id)
+        todo = set(lease.keys) if keys is None else set(keys)
+        bad = todo - lease.keys
+        if bad:
+            raise StoreError("bad_request", f"keys {sorted(bad)[:5]} are not in lease {lease_id}")
+        self._release(lease, state, todo)
+        return len(todo)
+
+    def status(self, partition: str, task: str) -> dict:
+        """Consumption status of one task on one partition.
+
+        Returns:
+            ``{"samples", "consumed", "leased", "pending", "leases"}`` where pending samples are
+            neither consumed nor leased by the task (whatever fields they have).
+        """
+        self.expire_leases()
+        part = self._parts.get(partition)
+        if part is None:
+            return {"samples": 0, "consumed": 0, "leased": 0, "pending": 0, "leases": 0}
+        state = part.tasks.get(task) or _Task()
+        n_leases = sum(
+            1 for le in self._leases.values() if le.partition == partition and le.task == task
+        )
+        samples = len(part.samples)
+        return {
+            "samples": samples,
+            "consumed": len(state.consumed),
+            "leased": len(state.leased),
+            "pending": samples - len(state.consumed) - len(state.leased),
+            "leases": n_leases,
+        }
+
+    def stats(self) -> dict:
+        """Samples and bytes per partition, per-task counts, put/claim rates.
+
+        Returns:
+            A msgpack-able dict.
+        """
+        self.expire_leases()
+        now = self.clock()
+        put_sps, put_bps = self._put_rate.rates(now, self._started)
+        claim_sps, claim_bps = self._claim_rate.rates(now, self._started)
+        parts = {}
+        for name, part in self._parts.items():
+            parts[name] = {
+                "samples": len(part.samples),
+                "bytes": sum(b.nbytes for b in part.blocks),
+                "tasks": {
+                    t: {"consumed": len(s.consumed), "leased": len(s.leased)}
+                    for t, s in part.tasks.items()
+                },
+            }
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "bytes_used": self.bytes_used,
+            "samples": sum(len(p.samples) for p in self._parts.values()),
+            "partitions": parts,
+            "leases": len(self._leases),
+            "rates": {
+                "window_s": self._put_rate.window_s,
+                "put_samples_per_s": put_sps,
+                "put_bytes_per_s": put_bps,
+                "claim_samples_per_s": claim_sps,
+                "claim_bytes_per_s": claim_bps,
+            },
+        }
+
+    def expire_leases(self, now: float | None = None) -> set[str]:
+        """Release every lease whose deadline has passed.
+
+        Returns:
+            Partitions that got samples back (parked claims there may now succeed).
+        """
+        now = self.clock() if now is None else now
+        touched: set[str] = set()
+        heap = self._lease_heap
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue
+            part = self._parts.get(lease.partition)
+            if part is not None and lease.keys:
+                logger.debug(
+                    "[queue] lease %d of task %r expired: %d samples redelivered",
+                    lease_id,
+                    lease.task,
+                    len(lease.keys),
+                )
+                self._release(lease, part.tasks[lease.task], set(lease.keys))
+                touched.add(lease.partition)
+            self._leases.pop(lease_id, None)
+        return touched
+
+    def next_lease_deadline(self) -> float | None:
+        """Earliest live lease deadline (clock seconds), or None."""
+        heap = self._lease_heap
+        while heap and heap[0][1] not in self._leases:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    # ---------------------------------------------------------------- internals
+
+    def _part(self, partition: str) -> _Partition:
+        part = self._parts.get(partition)
+        if part is None:
+            raise StoreError(
+                "not_found",
+                f"partition {partition!r} does not exist; known: {sorted(self._parts)[:10]}",
+            )
+        return part
+
+    def _lease(self, partition: str, task: str, lease_id: int) -> tuple[_Lease, _Task]:
+        self.expire_leases()
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.partition != partition or lease.task != task:
+            raise StoreError(
+                "unknown_lease",
+                f"lease {lease_id} of task {task!r} on partition "
+                f"{partition!r} is unknown or expired; its samples are redelivered "
+                "(raise lease_ms if steps take longer)",
+            )
+        return lease, self._parts[partition].tasks[task]
+
+    def _release(self, lease: _Lease, state: _Task, keys: set[str]) -> None:
+        part = self._parts[lease.partition]
+        for k in keys:
+            if state.leased.get(k) == lease.lease_id:
+                del state.leased[k]
+                pos = part.index.get(k)
+                if pos is not None and pos < state.watermark:
+                    state.watermark = pos
+        lease.keys -= keys
+        if not lease.keys:
+            self._leases.pop(lease.lease_id, None)
+
+    def _check_schema(self, part: _Partition, norm: Mapping[str, FieldValue]) -> None:
+        for name, value in norm.items():
+            want = part.schema.get(name)
+            got = schema_of(value)
+            if want is not None and want != got:
+                raise StoreError(
+                    "bad_request",
+                    f"field {name!r}: got (jagged={got[0]}, "
+                    f"dtype={got[1]}, row dims={got[2]}) but the partition stores "
+                    f"(jagged={want[0]}, dtype={want[1]}, row dims={want[2]}); "
+                    "send the same layout, dtype and trailing shape",
+                )
+
+    def _added_bytes(self, blocks: Iterable[Block]) -> int:
+        seen: set[tuple[int, int]] = set()
+        added = 0
+        for block in blocks:
+            for sid in block.storages:
+                if sid not in self._storages and sid not in seen:
+                    seen.add(sid)
+                    added += sid[1]
+        return added
+
+    def _add_block(self, part: _Partition, block: Block) -> None:
+        part.blocks.add(block)
+        for sid in block.storages:
+            count = self._storages.get(sid, 0)
+            if count == 0:
+                self.bytes_used += sid[1]
+            self._storages[sid] = count + 1
+
+    def _drop_block(self, part: _Partition, block: Block) -> None:
+        part.blocks.discard(block)
+        for sid in block.storages:
+            count = self._storages[sid] - 1
+            if count == 0:
+                del self._storages[sid]
+                self.bytes_used -= sid[1]
+            else:
+                self._storages[sid] = count
+
+    def _compact_block(self, part: _Partition, block: Block) -> None:
+        rows = [r for r, k in enumerate(block.keys) if k is not None]
+        keys = [block.keys[r] for r in rows]
+        value = JaggedColumn(block.values, block.offsets) if block.jagged else block.values
+        fresh = Block(block.partition, block.field, copy_rows(gather_rows(value, rows)), keys)
+        self._drop_block(part, block)
+        self._add_block(part, fresh)
+        for r, k in enumerate(keys):
+            part.samples[k][block.field] = (fresh, r)
+
+    def _read(
+        self, part: _Partition, partition: str, keys: list[str], fields: Sequence[str] | None
+    ) -> Batch:
+        samples = [part.samples[k] for k in keys]
+        if fields is None:
+            names = set(samples[0]) if samples else set()
+            for s in samples[1:]:
+                names &= set(s)
+            fields = sorted(names)
+        out: dict[str, FieldValue] = {}
+        nbytes = 0
+        for name in fields:
+            cells = []
+            for k, s in zip(keys, samples):
+                cell = s.get(name)
+                if cell is None:
+                    raise StoreError(
+                        "missing_field",
+                        f"sample {k!r} of partition {partition!r} "
+                        f"has no field {name!r}; has {sorted(s)}",
+                    )
+                cells.append(cell)
+                nbytes += cell[0].row_nbytes[cell[1]]
+            out[name] = assemble(cells)
+        return Batch(keys, out, None, nbytes)
