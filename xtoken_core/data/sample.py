@@ -1,0 +1,232 @@
+"""The sample schema: field names, dtypes, axes and pad values of one collated sample.
+
+A collated sample travels *jagged* (no padding): every per-token field is a 1-D tensor of the
+sample's own length, every per-chunk field a 1-D tensor of ``alignment_num_chunks`` entries, and
+every per-sample field a 0-d tensor. A trainer materializes a right-padded batch with
+:func:`pad_samples`, which yields exactly the tensors that ``CrossTokenizerCollator.__call__``
+returns for the same texts (a test holds both to equality).
+
+Shape legend: B samples in a batch, T student tokens, U teacher tokens, C chunks (alignment
+pairs). Padded widths: ``T = round_up(max(1, longest student sample), make_seq_div_by_student)``
+(same for U with the teacher divisor), ``C = max(1, most chunks in the batch)``; the widths are
+never 0, so an all-empty batch still yields [B, >=1] tensors (all padding).
+
+Masks and pads:
+
+* ``token_mask`` / ``teacher_token_mask`` (bool): True on the sample's real tokens, False on
+  padding. A per-token loss multiplies by ``token_mask.float()``.
+* ``sample_mask`` (float32, 0-d / [B]): 1.0 for a sample with at least one student token, 0.0 for
+  an empty text (it stays in the batch, in its slot, but contributes nothing).
+* ``input_ids`` pads with the student pad id, ``teacher_input_ids`` with the teacher pad id
+  (see ``CrossTokenizerCollator.pad_values``), chunk ids with -1, masks with False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+# Axes of a field in one jagged sample.
+STUDENT_TOKEN = "student_token"  # [T]
+TEACHER_TOKEN = "teacher_token"  # [U]
+CHUNK = "chunk"  # [C]
+SAMPLE = "sample"  # 0-d
+
+# Symbolic pad values resolved per run by :func:`pad_values`.
+STUDENT_PAD_ID = "student_pad_id"
+TEACHER_PAD_ID = "teacher_pad_id"
+
+# The alignment fields (AlignmentBatch field names, DESIGN.md), prefixed "alignment_" here.
+ALIGNMENT_PREFIX = "alignment_"
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """One field of a collated sample.
+
+    Attributes:
+        name: key in the sample dict and in the padded batch dict.
+        dtype: torch dtype (the same in both forms).
+        axis: ``"student_token"`` [T], ``"teacher_token"`` [U], ``"chunk"`` [C] or
+            ``"sample"`` (0-d in a sample, [B] in a batch; never padded).
+        pad: value written into padding: a number/bool, or ``"student_pad_id"`` /
+            ``"teacher_pad_id"`` (resolved by :func:`pad_values`); None for per-sample fields.
+    """
+
+    name: str
+    dtype: torch.dtype
+    axis: str
+    pad: int | float | bool | str | None
+
+
+SAMPLE_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec("input_ids", torch.int64, STUDENT_TOKEN, STUDENT_PAD_ID),
+    FieldSpec("input_lengths", torch.int64, SAMPLE, None),
+    FieldSpec("token_mask", torch.bool, STUDENT_TOKEN, False),
+    FieldSpec("sample_mask", torch.float32, SAMPLE, None),
+    FieldSpec("teacher_input_ids", torch.int64, TEACHER_TOKEN, TEACHER_PAD_ID),
+    FieldSpec("teacher_input_lengths", torch.int64, SAMPLE, None),
+    FieldSpec("teacher_token_mask", torch.bool, TEACHER_TOKEN, False),
+    FieldSpec("alignment_pair_valid", torch.bool, CHUNK, False),
+    FieldSpec("alignment_pair_is_correct", torch.bool, CHUNK, False),
+    FieldSpec("alignment_student_exact_partition_mask", torch.bool, STUDENT_TOKEN, False),
+    FieldSpec("alignment_teacher_exact_partition_mask", torch.bool, TEACHER_TOKEN, False),
+    FieldSpec("alignment_student_chunk_id", torch.int64, STUDENT_TOKEN, -1),
+    FieldSpec("alignment_teacher_chunk_id", torch.int64, TEACHER_TOKEN, -1),
+    FieldSpec("alignment_num_chunks", torch.int64, SAMPLE, None),
+)
+FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS}
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
+
+# Per-sample field that holds each jagged axis' length.
+LENGTH_FIELD: dict[str, str] = {
+    STUDENT_TOKEN: "input_lengths",
+    TEACHER_TOKEN: "teacher_input_lengths",
+    CHUNK: "alignment_num_chunks",
+}
+
+
+def fields_on_axis(axis: str) -> tuple[str, ...]:
+    """Names of the fields on one axis.
+
+    Args:
+        axis: one of ``"student_token"``, ``"teacher_token"``, ``"chunk"``, ``"sample"``.
+
+    Returns:
+        The field names, in schema order.
+
+    Raises:
+        ValueError: on an unknown axis.
+    """
+    if axis not in (STUDENT_TOKEN, TEACHER_TOKEN, CHUNK, SAMPLE):
+        raise ValueError(
+            f"unknown axis {axis!r}; use one of {STUDENT_TOKEN}, {TEACHER_TOKEN}, {CHUNK}, {SAMPLE}"
+        )
+    return tuple(f.name for f in SAMPLE_FIELDS if f.axis == axis)
+
+
+def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | float | bool]:
+    """Concrete pad value of every padded field for one run.
+
+    Args:
+        student_pad_id: id written into padding of ``input_ids``.
+        teacher_pad_id: id written into padding of ``teacher_input_ids``.
+
+    Returns:
+        ``{field name: pad value}`` for every field that is not per-sample.
+    """
+    resolved = {STUDENT_PAD_ID: int(student_pad_id), TEACHER_PAD_ID: int(teacher_pad_id)}
+    return {
+        f.name: resolved.get(f.pad, f.pad) if isinstance(f.pad, str) else f.pad
+        for f in SAMPLE_FIELDS
+        if f.axis != SAMPLE
+    }
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``max(n, 1)`` (padded widths are never 0).
+
+    Args:
+        n: length to cover.
+        multiple: divisor, >= 1.
+
+    Returns:
+        The padded width.
+    """
+    n = max(int(n), 1)
+    return -(-n // multiple) * multiple
+
+
+def validate_sample(sample: Mapping[str, torch.Tensor]) -> None:
+    """Check that a jagged sample follows the schema.
+
+    Args:
+        sample: ``{field name: tensor}`` as made by ``CrossTokenizerCollator.collate_one``.
+            Extra keys are allowed (e.g. a key or teacher handle added later).
+
+    Raises:
+        ValueError: on a missing field, a wrong dtype or rank, or a length that disagrees with
+            its length field; the message names the field.
+    """
+    missing = [name for name in FIELD_NAMES if name not in sample]
+    if missing:
+        raise ValueError(f"sample lacks fields {missing}; build it with collate_one()")
+    for spec in SAMPLE_FIELDS:
+        value = sample[spec.name]
+        if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype:
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"field {spec.name!r}: expected a {spec.dtype} tensor, got {got}")
+        want_dim = 0 if spec.axis == SAMPLE else 1
+        if value.dim() != want_dim:
+            raise ValueError(
+                f"field {spec.name!r}: expected {want_dim}-d, got shape {tuple(value.shape)}"
+            )
+    for spec in SAMPLE_FIELDS:
+        if spec.axis == SAMPLE:
+            continue
+        length = int(sample[LENGTH_FIELD[spec.axis]])
+        if sample[spec.name].shape[0] != length:
+            raise ValueError(
+                f"field {spec.name!r} has {sample[spec.name].shape[0]} entries but "
+                f"{LENGTH_FIELD[spec.axis]} = {length}"
+            )
+
+
+def pad_samples(
+    samples: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    student_pad_id: int,
+    teacher_pad_id: int,
+    make_seq_div_by_student: int = 1,
+    make_seq_div_by_teacher: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Materialize a right-padded batch from jagged samples.
+
+    Args:
+        samples: B jagged samples (see :func:`validate_sample`).
+        student_pad_id: pad id of ``input_ids``.
+        teacher_pad_id: pad id of ``teacher_input_ids``.
+        make_seq_div_by_student: T is rounded up to a multiple of this.
+        make_seq_div_by_teacher: U is rounded up to a multiple of this.
+
+    Returns:
+        ``{field: tensor}``: per-student-token fields [B, T], per-teacher-token [B, U],
+        per-chunk [B, C], per-sample [B]; dtypes as in :data:`SAMPLE_FIELDS`.
+
+    Raises:
+        ValueError: on an empty ``samples``, a divisor < 1, or a sample that breaks the schema.
+    """
+    if not samples:
+        raise ValueError("pad_samples needs at least one sample, got an empty sequence")
+    for name, div in (
+        ("make_seq_div_by_student", make_seq_div_by_student),
+        ("make_seq_div_by_teacher", make_seq_div_by_teacher),
+    ):
+        if int(div) < 1:
+            raise ValueError(f"{name} must be >= 1, got {div!r}")
+    for sample in samples:
+        validate_sample(sample)
+    pads = pad_values(student_pad_id=student_pad_id, teacher_pad_id=teacher_pad_id)
+    widths = {
+        STUDENT_TOKEN: round_up(
+            max(int(s["input_lengths"]) for s in samples), make_seq_div_by_student
+        ),
+        TEACHER_TOKEN: round_up(
+            max(int(s["teacher_input_lengths"]) for s in samples), make_seq_div_by_teacher
+        ),
+        CHUNK: max(1, max(int(s["alignment_num_chunks"]) for s in samples)),
+    }
+    batch_size = len(samples)
+    out: dict[str, torch.Tensor] = {}
+    for spec in SAMPLE_FIELDS:
+        if spec.axis == SAMPLE:
+            out[spec.name] = torch.stack([s[spec.name] for s in samples])
+            continue
+        padded = torch.full((batch_size, widths[spec.axis]), pads[spec.name], dtype=spec.dtype)
+        for row, sample in enumerate(samples):
+            values = sample[spec.name]
+            padded[row, : values.shape[0]] = values
+        out[spec.name] = padded
+    return out
