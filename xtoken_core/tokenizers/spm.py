@@ -1,0 +1,105 @@
+"""XTokenizer over a SentencePiece model (e.g. Mistral's, with byte fallback)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from xtoken_core.tokenizers.base import ROLE_SPECIAL, XTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class SentencePieceTokenizer(XTokenizer):
+    """A SentencePiece ``.model`` with exact byte spans (via the ``sentencepiece`` library).
+
+    Token bytes: ``▁`` -> space, ``<0xHH>`` byte-fallback pieces -> that byte, control and
+    unknown pieces -> b"". ``encode`` adds BOS (as Mistral models expect) when
+    ``add_special_tokens`` is True. The dummy-prefix ``▁`` covers no byte of the text (see
+    ``spans.py``).
+    """
+
+    def __init__(self, model_file: str | Path, name: str | None = None) -> None:
+        """Load a SentencePiece model file.
+
+        Args:
+            model_file: path to the serialized model.
+            name: display name (defaults to the path).
+
+        Raises:
+            ValueError: if the file is missing or not a SentencePiece model.
+        """
+        import sentencepiece as spm
+
+        path = Path(model_file)
+        if not path.is_file():
+            raise ValueError(f"SentencePiece model {str(path)!r} does not exist")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as exc:
+            raise ValueError(f"cannot load {str(path)!r} as a SentencePiece model: {exc}") from exc
+        self.name = name or str(path)
+        self.vocab_size = int(self._sp.get_piece_size())
+        sp = self._sp
+
+        def opt(i: int) -> int | None:
+            return None if i < 0 else int(i)
+
+        self.bos_id, self.eos_id, self.pad_id = opt(sp.bos_id()), opt(sp.eos_id()), opt(sp.pad_id())
+        self._dummy_prefix = self._reads_dummy_prefix(path)
+        token_bytes: list[bytes] = []
+        roles = np.zeros(self.vocab_size, dtype=np.int8)
+        for tid in range(self.vocab_size):
+            piece = sp.id_to_piece(tid)
+            if sp.is_control(tid) or sp.is_unused(tid):
+                token_bytes.append(b"")
+                roles[tid] = ROLE_SPECIAL
+            elif sp.is_unknown(tid):
+                token_bytes.append(b"")  # stands for text we cannot name: spans come from offsets
+            elif sp.is_byte(tid):
+                token_bytes.append(bytes([int(piece[3:5], 16)]))
+            else:
+                token_bytes.append(piece.replace("▁", " ").encode("utf-8"))
+        self._token_bytes = token_bytes
+        self._roles = roles
+        self._finish_init()
+        logger.info("[tokenizers] loaded %s (vocab_size=%d)", self.name, self.vocab_size)
+
+    @staticmethod
+    def _reads_dummy_prefix(path: Path) -> bool:
+        """Whether the model adds a dummy ``▁`` before the text (SentencePiece's default)."""
+        try:
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.ParseFromString(path.read_bytes())
+            return bool(proto.normalizer_spec.add_dummy_prefix)
+        except Exception:  # protobuf missing or unusual file: SentencePiece's default
+            return True
+
+    def _raw_encode(self, text: str, add_special_tokens: bool):
+        proto = self._sp.encode(text, out_type="proto")
+        pieces = proto.pieces
+        n = len(pieces)
+        extra = 1 if add_special_tokens and self.bos_id is not None else 0
+        ids_N = np.empty(n + extra, dtype=np.int64)
+        offsets_N2 = np.zeros((n + extra, 2), dtype=np.int64)
+        if extra:
+            ids_N[0] = self.bos_id
+        ids_N[extra:] = [p.id for p in pieces]
+        offsets_N2[extra:, 0] = [p.begin for p in pieces]
+        offsets_N2[extra:, 1] = [p.end for p in pieces]
+        return ids_N, offsets_N2, False
+
+    def encode_bytes_to_ids(self, text: str) -> list[int]:
+        """Plain tokenization of ``text`` without BOS/EOS.
+
+        Args:
+            text: any string.
+
+        Returns:
+            The token ids.
+        """
+        return list(self._sp.encode(text, out_type=int))
