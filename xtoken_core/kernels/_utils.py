@@ -1,0 +1,112 @@
+"""Shared helpers for the Triton kernels: optional import, interpreter mode, lazy per-mode JIT."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:  # Triton is optional: without it every kernel falls back to its PyTorch reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+    tl = None
+
+__all__ = ["LazyJit", "interpret_mode", "lazy_jit", "next_power_of_2", "tl", "triton", "use_triton"]
+
+
+def interpret_mode() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``), read now.
+
+    Returns:
+        True when the environment variable is set to a true value.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a kernel should run on ``tensor``: Triton is importable and the tensor is on CUDA,
+    or the Triton interpreter is on (then CPU tensors run interpreted).
+
+    Args:
+        tensor: the kernel's main input.
+
+    Returns:
+        True to launch the Triton kernel, False to use the PyTorch reference.
+    """
+    if triton is None:
+        return False
+    return tensor.is_cuda or interpret_mode()
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``max(n, 1)``.
+
+    Args:
+        n: a non-negative integer.
+
+    Returns:
+        The power of two.
+    """
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class LazyJit:
+    """A ``@triton.jit`` kernel compiled for the mode current at launch time.
+
+    ``triton.jit`` picks compiled vs interpreted when it decorates, which pins a module-level
+    kernel to the value ``TRITON_INTERPRET`` had at import. ``LazyJit`` decorates on first launch
+    per mode instead, so a test can switch the interpreter on for its own scope only (see
+    tests/xtoken_core/kernels/conftest.py). Kernels wrapped this way must not call other jitted
+    helpers (inline them).
+
+    Args:
+        fn: the kernel body, a plain Python function written in the Triton language.
+        jit_kwargs: keyword arguments for ``triton.jit``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any) -> None:
+        self.fn = fn
+        self.jit_kwargs = jit_kwargs
+        self._by_mode: dict[bool, Any] = {}
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = fn.__doc__
+
+    def jitted(self) -> Any:
+        """The ``triton.jit`` object for the current mode (decorated once per mode).
+
+        Returns:
+            A ``JITFunction`` or, under ``TRITON_INTERPRET=1``, an ``InterpretedFunction``.
+
+        Raises:
+            RuntimeError: Triton is not installed.
+        """
+        if triton is None:
+            raise RuntimeError("triton is not installed: install it or run on the reference path")
+        mode = interpret_mode()
+        kernel = self._by_mode.get(mode)
+        if kernel is None:
+            kernel = triton.jit(self.fn, **self.jit_kwargs)
+            self._by_mode[mode] = kernel
+        return kernel
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.jitted()[grid]
+
+
+def lazy_jit(fn: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
+    """Decorator form of :class:`LazyJit` (``@lazy_jit`` or ``@lazy_jit(debug=True)``).
+
+    Args:
+        fn: the kernel body.
+        jit_kwargs: keyword arguments for ``triton.jit``.
+
+    Returns:
+        A :class:`LazyJit`, or a decorator making one.
+    """
+    if fn is None:
+        return lambda f: LazyJit(f, **jit_kwargs)
+    return LazyJit(fn, **jit_kwargs)
