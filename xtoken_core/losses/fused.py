@@ -1,0 +1,170 @@
+"""Kernel-backed KD terms: the reference conventions, with the fused kernels doing the heavy parts.
+
+Same signatures and conventions as :func:`xtoken_core.losses.reference.pkl_kd_loss` and
+:func:`~xtoken_core.losses.reference.gold_kd_loss`; only the producers of the chunk-level tensors
+differ: the fused chunk-averaged log-softmax replaces ``log_softmax`` + one-hot bmm, and the
+P-KL student average is a scatter (``index_add``, O(T*K)) instead of a one-hot bmm (O(C*T*K)).
+The chunk-level math (KL, renormalization, L1) is the reference's own.
+
+Legend (shape suffixes in this file):
+    B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
+    C chunk slots, K selected teacher columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from xtoken_core.losses import reference
+from xtoken_core.losses.reference import KDTerms
+from xtoken_core.losses.utils import chunk_sizes
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_AVG_NAME = "chunk_avg_log_softmax"
+_KERNEL_MODULES = ("xtoken_core.kernels", "xtoken_core.kernels.chunk_avg_log_softmax")
+
+
+@functools.cache
+def load_chunk_avg_log_softmax() -> Callable | None:
+    """The fused ``chunk_avg_log_softmax(logits_BTV, chunk_id_BT, num_chunks, temperature)``.
+
+    Returns:
+        The function, or None when the kernels (or Triton) cannot be imported.
+    """
+    for name in _KERNEL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            logger.debug("[losses] %s not importable: %s", name, exc)
+            continue
+        fn = getattr(module, _CHUNK_AVG_NAME, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def kernels_available() -> bool:
+    """Whether the fused kernels can be used (importable; CUDA is checked by the caller)."""
+    return load_chunk_avg_log_softmax() is not None
+
+
+def _require_kernel() -> Callable:
+    fn = load_chunk_avg_log_softmax()
+    if fn is None:
+        raise RuntimeError(
+            f"backend='kernel' but {_CHUNK_AVG_NAME} is not importable from {_KERNEL_MODULES} "
+            "(Triton missing?); use backend='auto' or 'reference'"
+        )
+    return fn
+
+
+def chunk_mean_scatter(
+    x_BTK: torch.Tensor, chunk_id_BT: torch.Tensor, num_chunks: int
+) -> torch.Tensor:
+    """Per-chunk mean by ``index_add`` (O(T*K)), equal to the one-hot reference.
+
+    Args:
+        x_BTK: ``[B, T, K]`` values.
+        chunk_id_BT: ``[B, T]`` ids in ``[-1, C)``.
+        num_chunks: C.
+
+    Returns:
+        ``[B, C, K]`` means (0 for empty chunks).
+    """
+    B, T, K = x_BTK.shape
+    # Slot 0 of every sample collects the -1 positions and is dropped.
+    rows_BT = (
+        chunk_id_BT + 1 + torch.arange(B, device=chunk_id_BT.device).view(-1, 1) * (num_chunks + 1)
+    )
+    sums = x_BTK.new_zeros(B * (num_chunks + 1), K).index_add(
+        0, rows_BT.reshape(-1), x_BTK.reshape(B * T, K)
+    )
+    sums_BCK = sums.view(B, num_chunks + 1, K)[:, 1:]
+    sizes_BC = chunk_sizes(chunk_id_BT, num_chunks).to(x_BTK.dtype)
+    return sums_BCK / sizes_BC.clamp_min(1).unsqueeze(-1)
+
+
+def pkl_kd_loss(
+    student_logits_BTV: torch.Tensor,
+    teacher_logits_BUW: torch.Tensor,
+    student_chunk_id_BT: torch.Tensor,
+    teacher_chunk_id_BU: torch.Tensor,
+    valid_BC: torch.Tensor,
+    projection_VW: torch.Tensor,
+    *,
+    temperature: float,
+    vocab_topk: int | None,
+    reverse_kl: bool,
+) -> KDTerms:
+    """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
+
+    Returns:
+        :class:`~xtoken_core.losses.reference.KDTerms`.
+
+    Raises:
+        RuntimeError: the kernels are not importable.
+    """
+    chunk_avg = _require_kernel()
+    C = valid_BC.shape[1]
+    teacher_logits_BUW = teacher_logits_BUW.detach()
+    idx_K = reference.select_teacher_columns(teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk)
+    with torch.no_grad():
+        teacher_lp_BCK = chunk_avg(
+            teacher_logits_BUW[..., idx_K].contiguous(), teacher_chunk_id_BU, C, temperature
+        ).float()
+    projection_VK = reference.restrict_columns(projection_VW, idx_K)
+    q_BTK = reference.project_student_probs(student_logits_BTV, projection_VK, temperature)
+    q_BCK = chunk_mean_scatter(q_BTK, student_chunk_id_BT, C)
+    teacher_lp_NK, q_NK = teacher_lp_BCK[valid_BC], q_BCK[valid_BC].to(teacher_lp_BCK.dtype)
+    kd = reference.pkl_chunk_kl(teacher_lp_NK, q_NK, reverse_kl).sum() * temperature**2
+    return KDTerms(
+        kd=kd,
+        kl=kd.detach(),
+        l1=kd.new_zeros(()),
+        correct=reference._argmax_agree(q_NK.detach(), teacher_lp_NK),
+        num_valid=valid_BC.sum().to(kd.dtype),
+    )
+
+
+def gold_kd_loss(
+    student_logits_BTV: torch.Tensor,
+    teacher_logits_BUW: torch.Tensor,
+    student_chunk_id_BT: torch.Tensor,
+    teacher_chunk_id_BU: torch.Tensor,
+    valid_BC: torch.Tensor,
+    exact_map: dict[str, torch.Tensor],
+    *,
+    temperature: float,
+    uncommon_topk: int,
+    reverse_kl: bool,
+) -> KDTerms:
+    """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference.gold_kd_loss`.
+
+    Returns:
+        :class:`~xtoken_core.losses.reference.KDTerms`.
+
+    Raises:
+        RuntimeError: the kernels are not importable.
+    """
+    chunk_avg = _require_kernel()
+    C = valid_BC.shape[1]
+    student_lp_BCV = chunk_avg(student_logits_BTV, student_chunk_id_BT, C, temperature).float()
+    with torch.no_grad():
+        teacher_lp_BCW = chunk_avg(
+            teacher_logits_BUW.detach(), teacher_chunk_id_BU, C, temperature
+        ).float()
+    return reference.gold_terms_from_chunks(
+        teacher_lp_BCW,
+        student_lp_BCV,
+        valid_BC,
+        exact_map,
+        temperature=temperature,
+        uncommon_topk=uncommon_topk,
+        reverse_kl=reverse_kl,
+    )

@@ -1,0 +1,383 @@
+"""CrossTokenizerLoss: the public loss API (input checks, projections, backends, global scaling).
+
+Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
+tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
+micro-batches of a step and over the DP ranks gives the step's value. ``num_valid_chunks`` is
+the local count (summed the same way).
+
+Legend (shape suffixes in this file):
+    B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from xtoken_core.losses import fused, reference
+from xtoken_core.losses.config import CrossTokenizerLossConfig
+from xtoken_core.losses.utils import (
+    AlignmentView,
+    alignment_from_batch,
+    check_chunk_ids,
+    dp_all_reduce_sum,
+    shift_chunk_ids,
+    sparse_projection_from_topk,
+)
+
+logger = logging.getLogger(__name__)
+
+METRIC_KEYS = (
+    "loss",
+    "kl_loss",
+    "ce_loss",
+    "kl_common",
+    "l1_uncommon",
+    "proj_accuracy",
+    "num_valid_chunks",
+    "accuracy",
+)
+
+
+def _check_finite(name: str, x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} holds NaN or inf; check the model forward (fp16 overflow?)")
+
+
+class CrossTokenizerLoss:
+    """Cross-tokenizer KD loss (P-KL, gold or relaxed gold) plus the student CE.
+
+    Usage per optimizer step::
+
+        counts = loss_fn.count_valid(micro_batches)          # all-reduced over DP
+        for mb in micro_batches:
+            loss, metrics = loss_fn(student_logits, teacher_logits, mb, **counts)
+            loss.backward()                                  # then SUM gradients over DP
+
+    Args:
+        config: a validated :class:`CrossTokenizerLossConfig`.
+    """
+
+    def __init__(self, config: CrossTokenizerLossConfig) -> None:
+        self.config = config
+        self._cache: dict[tuple, Any] = {}
+
+    # ----------------------------------------------------------------- projections
+
+    def _projection_vocab(self, i: int, V: int, W: int, device: torch.device) -> torch.Tensor:
+        key = ("sparse", i, device, V, W)
+        if key in self._cache:
+            return self._cache[key]
+        source = self.config.projections[i]
+        if isinstance(source, tuple):
+            indices, likelihoods = source
+            matrix = sparse_projection_from_topk(
+                indices.to(device),
+                likelihoods.to(device),
+                student_vocab_size=V,
+                teacher_vocab_size=W,
+            )
+        else:
+            from xtoken_core.data.projection import get_sparse_projection_matrix
+
+            matrix = get_sparse_projection_matrix(
+                source, device, student_vocab_size=V, teacher_vocab_size=W
+            )
+            if tuple(matrix.shape) != (V, W):
+                raise ValueError(
+                    f"projection {os.fspath(source)!r} is {tuple(matrix.shape)}, wider than the "
+                    f"vocabularies (student {V}, teacher {W}); use the projection built for these "
+                    "tokenizers or set teacher_vocab_size"
+                )
+        self._cache[key] = matrix
+        return matrix
+
+    def _exact_map(self, i: int, V: int, W: int, device: torch.device) -> dict[str, torch.Tensor]:
+        key = ("exact", i, device, V, W, self.config.xtoken_loss)
+        if key in self._cache:
+            return self._cache[key]
+        from xtoken_core.data.projection import build_exact_token_map, exact_token_map_from_topk
+
+        source = self.config.projections[i]
+        if isinstance(source, tuple):
+            indices, likelihoods = (t.to(device) for t in source)
+            exact = exact_token_map_from_topk(
+                indices, likelihoods, xtoken_loss=self.config.xtoken_loss, teacher_vocab_size=W
+            )
+            rows = indices.shape[0]
+        else:
+            exact = build_exact_token_map(
+                source, device, xtoken_loss=self.config.xtoken_loss, teacher_vocab_size=W
+            )
+            from xtoken_core.data.projection import get_topk_projection
+
+            rows = get_topk_projection(source, device)[0].shape[0]
+        if rows > V:
+            raise ValueError(
+                f"projection {i} has {rows} student rows but the student vocab is {V}; use the "
+                "projection built for this student tokenizer"
+            )
+        if rows < V:  # student ids without a projection row are uncommon
+            exact = dict(exact)
+            extra = torch.arange(rows, V, device=device)
+            exact["uncommon_student"] = torch.cat([exact["uncommon_student"], extra])
+        self._cache[key] = exact
+        return exact
+
+    # ----------------------------------------------------------------- helpers
+
+    def _backend(self, device: torch.device):
+        choice = self.config.backend
+        if choice == "reference":
+            return reference
+        if choice == "kernel":
+            return fused
+        if device.type == "cuda" and fused.kernels_available():
+            return fused
+        return reference
+
+    def _teacher_list(self, teacher_logits) -> list[torch.Tensor]:
+        teachers = (
+            list(teacher_logits) if isinstance(teacher_logits, list | tuple) else [teacher_logits]
+        )
+        if len(teachers) != self.config.num_teachers:
+            raise ValueError(
+                f"got {len(teachers)} teacher logits for {self.config.num_teachers} teachers "
+                f"(teacher_weights={self.config.teacher_weights}); pass one per teacher"
+            )
+        return teachers
+
+    def _valid_chunks(
+        self, batch: Mapping[str, Any], alignment: AlignmentView, B: int, T: int, U: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shifted ids and the validity mask of one teacher, after the cheap shape checks."""
+        C = alignment.max_chunks
+        s_ids, t_ids = alignment.student_chunk_id, alignment.teacher_chunk_id
+        if self.config.check_inputs:
+            if alignment.pair_valid.dim() != 2 or alignment.pair_valid.shape[0] != B or C < 1:
+                raise ValueError(
+                    f"alignment_pair_valid is {tuple(alignment.pair_valid.shape)}, expected "
+                    f"[{B}, C] with C >= 1"
+                )
+            if tuple(s_ids.shape) != (B, T):
+                raise ValueError(
+                    f"alignment_student_chunk_id is {tuple(s_ids.shape)} but the student logits "
+                    f"are [{B}, {T}, V]; the alignment must come from the same batch"
+                )
+            if t_ids.dim() != 2 or t_ids.shape[0] != B or (U is not None and t_ids.shape[1] != U):
+                raise ValueError(
+                    f"alignment_teacher_chunk_id is {tuple(t_ids.shape)} but the teacher logits "
+                    f"are [{B}, {U}, W]; the alignment must come from the same batch"
+                )
+            if (
+                alignment.pair_is_correct is not None
+                and alignment.pair_is_correct.shape != alignment.pair_valid.shape
+            ):
+                raise ValueError(
+                    f"alignment_pair_is_correct is {tuple(alignment.pair_is_correct.shape)}, "
+                    f"expected {tuple(alignment.pair_valid.shape)} like alignment_pair_valid"
+                )
+            check_chunk_ids("alignment_student_chunk_id", s_ids, C)
+            check_chunk_ids("alignment_teacher_chunk_id", t_ids, C)
+        s_ids, t_ids = shift_chunk_ids(s_ids), shift_chunk_ids(t_ids)
+        valid_BC = reference.chunk_validity(
+            s_ids,
+            t_ids,
+            alignment.pair_valid,
+            sample_mask_B=batch.get("sample_mask"),
+            pair_is_correct_BC=alignment.pair_is_correct,
+            exact_token_match_only=self.config.exact_token_match_only,
+        )
+        return s_ids, t_ids, valid_BC
+
+    @staticmethod
+    def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:
+        mask_BT = torch.ones(B, max(T - 1, 0), dtype=torch.bool)
+        if batch.get("token_mask") is not None:
+            mask_BT = batch["token_mask"][:, 1:].bool()
+        if batch.get("sample_mask") is not None:
+            mask_BT = mask_BT & batch["sample_mask"].bool().view(-1, 1).to(mask_BT.device)
+        return mask_BT.sum().float()
+
+    # ----------------------------------------------------------------- public API
+
+    def count_valid(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """First pass over a step's micro-batches: the global denominators.
+
+        Needs only the alignment and masks (no logits). Collective: every DP rank must call it.
+
+        Args:
+            batches: the micro-batches this rank will run in the step.
+
+        Returns:
+            ``{"global_valid_chunks": [num_teachers] float32, "global_valid_tokens": scalar
+            float32}``, summed over the micro-batches and all-reduced over the DP group; pass
+            them as keywords to ``__call__``.
+        """
+        chunks = torch.zeros(self.config.num_teachers, dtype=torch.float32)
+        tokens = torch.zeros((), dtype=torch.float32)
+        device = None
+        for batch in batches:
+            for i in range(self.config.num_teachers):
+                alignment = alignment_from_batch(batch, i)
+                device = alignment.student_chunk_id.device
+                B, T = alignment.student_chunk_id.shape
+                _, _, valid_BC = self._valid_chunks(batch, alignment, B, T, None)
+                chunks[i] += valid_BC.sum().float().cpu()
+            tokens += self._ce_token_count(batch, B, T).cpu()
+        if device is not None and device.type == "cuda":  # NCCL reduces CUDA tensors only
+            chunks, tokens = chunks.to(device), tokens.to(device)
+        return {
+            "global_valid_chunks": dp_all_reduce_sum(chunks),
+            "global_valid_tokens": dp_all_reduce_sum(tokens),
+        }
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | Sequence[torch.Tensor],
+        batch: Mapping[str, Any],
+        *,
+        global_valid_chunks: torch.Tensor | float | Sequence[float] | None = None,
+        global_valid_tokens: torch.Tensor | float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch.
+
+        Args:
+            student_logits: ``[B, T, V]`` (any float dtype; computed in fp32, fp64 kept).
+            teacher_logits: ``[B, U, W']`` or one per teacher; columns past the teacher vocab
+                (lm_head padding) are dropped. Treated as constants.
+            batch: flat mapping with ``alignment_*`` keys (``teacher{i}_alignment_*`` overrides
+                per teacher), and optionally ``input_ids`` (needed when ``ce_weight > 0``),
+                ``token_mask`` [B, T], ``sample_mask`` [B].
+            global_valid_chunks: valid-chunk count over the global batch (scalar or one per
+                teacher); None: this micro-batch's own count.
+            global_valid_tokens: CE token count over the global batch; None: this micro-batch's.
+
+        Returns:
+            ``(loss, metrics)``: scalar loss and detached scalar metrics (:data:`METRIC_KEYS`).
+
+        Raises:
+            ValueError: shape mismatches, chunk ids out of range, a projection wider than the
+                vocabularies, NaN/inf logits, missing batch keys.
+        """
+        cfg = self.config
+        teachers = self._teacher_list(teacher_logits)
+        if student_logits.dim() != 3:
+            raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
+        B, T, V = student_logits.shape
+        device = student_logits.device
+        if cfg.check_inputs:
+            _check_finite("student_logits", student_logits)
+        backend = self._backend(device)
+        dtype = reference.compute_dtype(student_logits)
+
+        if global_valid_chunks is not None:
+            chunk_denoms = torch.as_tensor(global_valid_chunks, dtype=dtype, device=device).reshape(
+                -1
+            )
+            if chunk_denoms.numel() == 1:
+                chunk_denoms = chunk_denoms.expand(cfg.num_teachers)
+            if chunk_denoms.numel() != cfg.num_teachers:
+                raise ValueError(
+                    f"global_valid_chunks has {chunk_denoms.numel()} entries for "
+                    f"{cfg.num_teachers} teachers; pass a scalar or one count per teacher"
+                )
+        zero = student_logits.new_zeros((), dtype=dtype)
+        kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
+        for i, (weight, z_t) in enumerate(zip(cfg.teacher_weights, teachers)):
+            name = "teacher_logits" if cfg.num_teachers == 1 else f"teacher_logits[{i}]"
+            if z_t.dim() != 3 or z_t.shape[0] != B:
+                raise ValueError(f"{name} is {tuple(z_t.shape)}, expected [{B}, U, W]")
+            W = cfg.teacher_vocab_size[i] or z_t.shape[-1]
+            if z_t.shape[-1] < W:
+                raise ValueError(
+                    f"{name} has {z_t.shape[-1]} columns but teacher_vocab_size is {W}; fix "
+                    "teacher_vocab_size"
+                )
+            z_t = z_t[..., :W]
+            if cfg.check_inputs:
+                _check_finite(name, z_t)
+            alignment = alignment_from_batch(batch, i)
+            s_ids, t_ids, valid_BC = self._valid_chunks(batch, alignment, B, T, z_t.shape[1])
+            s_ids, t_ids, valid_BC = s_ids.to(device), t_ids.to(device), valid_BC.to(device)
+            if cfg.gold_loss:
+                terms = backend.gold_kd_loss(
+                    student_logits,
+                    z_t,
+                    s_ids,
+                    t_ids,
+                    valid_BC,
+                    self._exact_map(i, V, W, device),
+                    temperature=cfg.temperature,
+                    uncommon_topk=cfg.uncommon_topk,
+                    reverse_kl=cfg.reverse_kl,
+                )
+            else:
+                terms = backend.pkl_kd_loss(
+                    student_logits,
+                    z_t,
+                    s_ids,
+                    t_ids,
+                    valid_BC,
+                    self._projection_vocab(i, V, W, device),
+                    temperature=cfg.temperature,
+                    vocab_topk=cfg.vocab_topk,
+                    reverse_kl=cfg.reverse_kl,
+                )
+            denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
+            denom = denom.to(dtype).clamp_min(1)
+            kd = kd + weight * terms.kd.to(dtype) / denom
+            kl_common = kl_common + weight * terms.kl.to(dtype) / denom
+            l1_uncommon = l1_uncommon + weight * terms.l1.to(dtype) / denom
+            proj_accuracy = proj_accuracy + terms.correct.to(dtype) / denom / cfg.num_teachers
+            num_valid = num_valid + terms.num_valid.to(dtype) / cfg.num_teachers
+
+        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
+        if "input_ids" in batch:
+            input_ids = batch["input_ids"]
+            if cfg.check_inputs and tuple(input_ids.shape) != (B, T):
+                raise ValueError(f"input_ids is {tuple(input_ids.shape)}, expected [{B}, {T}]")
+            if cfg.check_inputs and token_mask is not None and tuple(token_mask.shape) != (B, T):
+                raise ValueError(f"token_mask is {tuple(token_mask.shape)}, expected [{B}, {T}]")
+            nll_sum, correct, n_tokens = reference.student_ce_loss(
+                student_logits,
+                input_ids.to(device),
+                None if token_mask is None else token_mask.to(device),
+                None if sample_mask is None else sample_mask.to(device),
+            )
+        elif cfg.ce_weight > 0:
+            raise ValueError(
+                "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
+            )
+        else:
+            nll_sum, correct, n_tokens = zero, zero, zero
+        tok_denom = (
+            n_tokens
+            if global_valid_tokens is None
+            else torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
+        )
+        tok_denom = tok_denom.to(dtype).clamp_min(1)
+        ce = nll_sum.to(dtype) / tok_denom
+        loss = reference.combine_losses(
+            kd,
+            ce,
+            kl_weight=cfg.kl_weight,
+            ce_weight=cfg.ce_weight,
+            dynamic_scaling=cfg.dynamic_scaling,
+        )
+        metrics = {
+            "loss": loss.detach(),
+            "kl_loss": kd.detach(),
+            "ce_loss": ce.detach(),
+            "kl_common": kl_common.detach(),
+            "l1_uncommon": l1_uncommon.detach(),
+            "proj_accuracy": proj_accuracy.detach(),
+            "num_valid_chunks": num_valid.detach(),
+            "accuracy": (correct.to(dtype) / tok_denom).detach(),
+        }
+        return loss, metrics
