@@ -14,6 +14,7 @@ Ext values (their payload is itself a msgpack array):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,9 +242,10 @@ def _as_bytes_view(frame: Any, index: int) -> memoryview:
             ) from None
         mv = memoryview(buffer)
     if mv.ndim != 1 or mv.format != "B":
-        if not mv.c_contiguous:
-            raise WireError(BAD_FRAMES, f"frame {index} is not a contiguous buffer")
-        mv = mv.cast("B")
+        try:
+            mv = mv.cast("B")
+        except (TypeError, ValueError):
+            raise WireError(BAD_FRAMES, f"frame {index} is not a contiguous byte buffer") from None
     return mv
 
 
@@ -289,6 +291,9 @@ class _Decoder:
             raise _bad(f"{what}: shape must be a list of <= {self.limits.max_ndim} dims")
         if not all(_is_uint(d) and d <= _MAX_DIM for d in shape):
             raise _bad(f"{what}: shape {shape!r} must hold non-negative ints <= 2**48")
+        if math.prod(max(d, 1) for d in shape) > _MAX_DIM:
+            # zero-size shapes still need strides that fit int64
+            raise _bad(f"{what}: shape {shape!r} spans more than 2**48 elements")
         return tuple(shape)
 
     def make_tensor(
