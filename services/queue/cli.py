@@ -1,0 +1,186 @@
+"""`xtoken queue`: run a transfer-queue server (`serve`) or print its stats (`stats`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size: ``512MiB``, ``8GiB``, ``1e9``, ``2GB``, ``1048576``.
+
+    Args:
+        text: a number (int or float notation) with an optional unit (B, KB/MB/GB/TB powers of
+            1000, KiB/MiB/GiB/TiB powers of 1024; case-insensitive).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: not a size, or not positive.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"size {text!r} is not understood; write e.g. 512MiB, 8GiB, 2GB or 1e9")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be > 0")
+    return size
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `serve` and `stats` sub-subcommands."""
+    sub = parser.add_subparsers(dest="queue_command", metavar="{serve,stats}", required=True)
+    serve = sub.add_parser("serve", help="run a queue server until SIGTERM/SIGINT")
+    serve.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:5555",
+        help="ZMQ endpoint: tcp://HOST:PORT (PORT * = any free) or ipc://PATH",
+    )
+    serve.add_argument(
+        "--capacity",
+        type=_size_arg,
+        default=parse_size("8GiB"),
+        help="bytes of samples the queue holds before puts wait (default 8GiB)",
+    )
+    serve.add_argument(
+        "--put-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a put waits for capacity when it gives no timeout_ms",
+    )
+    serve.add_argument(
+        "--claim-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a claim waits for data when it gives no timeout_ms",
+    )
+    serve.add_argument(
+        "--lease", type=float, default=60.0, help="lease seconds when a claim gives no lease_ms"
+    )
+    serve.add_argument(
+        "--max-message-bytes",
+        type=_size_arg,
+        default=None,
+        help="largest accepted message (default: the wire default, 2GiB)",
+    )
+    serve.add_argument(
+        "--ready-file", default=None, help="write the bound endpoint to this file once listening"
+    )
+    stats = sub.add_parser("stats", help="print a queue server's stats")
+    stats.add_argument("--queue", required=True, help="server endpoint, e.g. tcp://host:5555")
+    stats.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen queue command; returns the exit status."""
+    if args.queue_command == "serve":
+        return _serve(args)
+    return _stats(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.queue.server import QueueServer, ServerConfig
+    from xtoken_core.wire import DEFAULT_LIMITS, WireLimits
+
+    limits = DEFAULT_LIMITS
+    if args.max_message_bytes:
+        limits = WireLimits(
+            max_message_bytes=args.max_message_bytes,
+            max_body_bytes=min(DEFAULT_LIMITS.max_body_bytes, args.max_message_bytes),
+        )
+    config = ServerConfig(
+        bind=args.bind,
+        capacity_bytes=args.capacity,
+        put_timeout_s=args.put_timeout,
+        claim_timeout_s=args.claim_timeout,
+        lease_s=args.lease,
+        limits=limits,
+        ready_file=args.ready_file,
+    )
+    server = QueueServer(config)
+    endpoint = server.bind()
+    print(f"[queue] listening on {endpoint}", flush=True)
+    server.install_signal_handlers()
+    server.serve_forever()
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from services.queue.client import QueueClient
+    from services.queue.errors import QueueError
+
+    try:
+        with QueueClient(args.queue, timeout_s=args.timeout, retries=0) as client:
+            stats = client.stats()
+    except QueueError as e:
+        print(f"xtoken queue stats: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(format_stats(stats))
+    return 0
+
+
+def format_stats(stats: dict) -> str:
+    """Render a stats reply as a plain-text table.
+
+    Args:
+        stats: the ``stats`` reply body.
+
+    Returns:
+        The table, one row per (partition, task).
+    """
+    used, cap = stats.get("bytes_used", 0), stats.get("capacity_bytes", 0)
+    rates = stats.get("rates", {})
+    lines = [
+        f"bytes {used} / {cap} ({100.0 * used / max(cap, 1):.1f}%)  samples {stats.get('samples', 0)}"
+        f"  leases {stats.get('leases', 0)}  parked claims {stats.get('parked_claims', 0)}"
+        f"  parked puts {stats.get('parked_puts', 0)}",
+        f"put {rates.get('put_samples_per_s', 0.0):.1f} samples/s "
+        f"{rates.get('put_bytes_per_s', 0.0) / 1e6:.2f} MB/s   claim "
+        f"{rates.get('claim_samples_per_s', 0.0):.1f} samples/s "
+        f"{rates.get('claim_bytes_per_s', 0.0) / 1e6:.2f} MB/s "
+        f"(last {rates.get('window_s', 0)}s)",
+        "",
+        f"{'partition':<20} {'samples':>9} {'bytes':>14} {'task':<16} {'consumed':>9} {'leased':>7}",
+    ]
+    for name, part in sorted(stats.get("partitions", {}).items()):
+        tasks = sorted(part.get("tasks", {}).items()) or [("-", {"consumed": "", "leased": ""})]
+        for i, (task, t) in enumerate(tasks):
+            head = (
+                f"{name:<20} {part['samples']:>9} {part['bytes']:>14}"
+                if i == 0
+                else f"{'':<20} {'':>9} {'':>14}"
+            )
+            lines.append(f"{head} {task:<16} {t['consumed']!s:>9} {t['leased']!s:>7}")
+    return "\n".join(lines)

@@ -1,0 +1,466 @@
+"""Queue clients: QueueClient (sync, DEALER) and AsyncQueueClient (zmq.asyncio), same methods.
+
+Every method sends one request and returns the reply body (a dict); an ``error`` reply raises
+QueueError with its code and ``retryable``. A request that gets no reply within ``timeout_s``
+(plus the server-side wait the request itself asks for) is retried ``retries`` times on a fresh
+socket, then raises QueueError("timeout"). Retries are safe for puts (idempotent by key); a
+retried claim may leave a lease unanswered, which the server redelivers when it expires.
+Jagged fields of replies are ``JaggedColumn`` (values + offsets views of the received frames).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from services.queue import errors as codes
+from services.queue.errors import QueueError
+from xtoken_core.wire import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    WireError,
+    WireLimits,
+    decode_message,
+    encode_message,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PUT_TIMEOUT_S = 30.0
+DEFAULT_CLAIM_TIMEOUT_S = 1.0
+DEFAULT_LEASE_S = 60.0
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else max(0, int(round(seconds * 1000)))
+
+
+class _Requests:
+    """Builds request bodies and reads replies; shared by the sync and asyncio clients."""
+
+    def __init__(
+        self, address: str, timeout_s: float, retries: int, limits: WireLimits | None, name: str
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be > 0 (seconds to wait for a reply)")
+        if retries < 0:
+            raise ValueError(f"retries={retries}: must be >= 0")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.limits = limits or DEFAULT_LIMITS
+        self.name = name or f"client-{os.getpid()}"
+        self._ids = itertools.count(1)
+
+    def _socket_options(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + (1 << 20))
+
+    def _decode(self, frames: list[Any], request_id: int, msg_type: str) -> dict[str, Any] | None:
+        """Reply body, or None for a stale reply (another request id); raises on error replies."""
+        try:
+            msg = decode_message(frames, limits=self.limits, jagged="column")
+        except WireError as e:
+            raise QueueError(
+                e.code, f"undecodable reply to {msg_type}: {e.message}", request_type=msg_type
+            ) from None
+        if msg.request_id != request_id:
+            logger.debug("dropping stale reply %d (waiting for %d)", msg.request_id, request_id)
+            return None
+        if msg.msg_type == "error":
+            body = msg.body
+            raise QueueError(
+                str(body.get("code")),
+                str(body.get("message")),
+                retryable=bool(body.get("retryable")),
+                request_type=msg_type,
+            )
+        return msg.body
+
+    def _timeout_error(self, msg_type: str, waited_s: float) -> QueueError:
+        return QueueError(
+            codes.TIMEOUT,
+            f"no reply to {msg_type} from {self.address} within {waited_s:.1f}s after "
+            f"{self.retries + 1} attempt(s); is the server up? raise timeout_s "
+            f"(now {self.timeout_s}) or retries (now {self.retries})",
+            retryable=True,
+            request_type=msg_type,
+        )
+
+    @staticmethod
+    def body_put(partition, keys, fields, timeout_s):
+        return {
+            "partition": partition,
+            "keys": list(keys),
+            "fields": dict(fields),
+            "timeout_ms": _ms(timeout_s),
+        }
+
+    @staticmethod
+    def body_claim(partition, task, required_fields, batch_size, fields, timeout_s, lease_s):
+        return {
+            "partition": partition,
+            "task": task,
+            "required_fields": list(required_fields),
+            "fields": None if fields is None else list(fields),
+            "batch_size": batch_size,
+            "timeout_ms": _ms(timeout_s),
+            "lease_ms": max(1, _ms(lease_s)),
+        }
+
+    @staticmethod
+    def body_lease(partition, task, lease_id, keys):
+        return {
+            "partition": partition,
+            "task": task,
+            "lease_id": lease_id,
+            "keys": None if keys is None else list(keys),
+        }
+
+
+class QueueClient(_Requests):
+    """Synchronous client over one DEALER socket (not thread-safe: one per thread).
+
+    Args:
+        address: server endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        timeout_s: seconds to wait for a reply, on top of the wait a request asks for.
+        retries: extra attempts after a timeout, each on a fresh socket.
+        limits: wire limits (must match the server's for large messages).
+        name: client name sent in ``hello``.
+        context: zmq Context (the process-wide one by default).
+
+    Raises:
+        ValueError: a non-positive timeout or negative retries.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        limits: WireLimits | None = None,
+        name: str = "",
+        context: zmq.Context | None = None,
+    ) -> None:
+        super().__init__(address, timeout_s, retries, limits, name)
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            self._socket_options(sock)
+            sock.connect(self.address)
+            self._sock = sock
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+        return self._sock
+
+    def close(self) -> None:
+        """Close the socket (a later request opens a new one)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> QueueClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(
+        self, msg_type: str, body: dict[str, Any], *, wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """Send one request and return the reply body.
+
+        Args:
+            msg_type: request type.
+            body: request body.
+            wait_s: server-side wait the request asks for (added to ``timeout_s``).
+
+        Returns:
+            The reply body.
+
+        Raises:
+            QueueError: an error reply, or ``timeout`` after all retries.
+            TypeError: a body value that cannot travel on the wire.
+        """
+        request_id = next(self._ids)
+        frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
+        budget_s = self.timeout_s + wait_s
+        for attempt in range(self.retries + 1):
+            sock = self._socket()
+            sock.send_multipart(frames, copy=False)
+            deadline = time.monotonic() + budget_s
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not self._poller.poll(left_ms):
+                    break
+                reply = self._decode(sock.recv_multipart(copy=False), request_id, msg_type)
+                if reply is not None:
+                    return reply
+            logger.warning(
+                "no reply to %s from %s in %.1fs (attempt %d of %d): reconnecting",
+                msg_type,
+                self.address,
+                budget_s,
+                attempt + 1,
+                self.retries + 1,
+            )
+            self.close()
+        raise self._timeout_error(msg_type, budget_s)
+
+    def hello(self) -> dict[str, Any]:
+        """Handshake: check the protocol version; returns server info."""
+        return self.request("hello", {"protocol_version": PROTOCOL_VERSION, "client": self.name})
+
+    def put(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Mapping[str, Any],
+        *,
+        timeout_s: float | None = DEFAULT_PUT_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """Store fields of N samples (idempotent per key).
+
+        Args:
+            partition: partition name.
+            keys: N unique keys.
+            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows.
+            timeout_s: how long the server may wait for capacity (None: server default).
+
+        Returns:
+            ``{"written", "duplicates", "new_samples", "nbytes"}``.
+
+        Raises:
+            QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``, ...
+        """
+        body = self.body_put(partition, keys, fields, timeout_s)
+        return self.request("put", body, wait_s=timeout_s or 0.0)
+
+    def get(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Read fields of samples by key; returns ``{"keys", "fields"}``."""
+        body = {
+            "partition": partition,
+            "keys": list(keys),
+            "fields": None if fields is None else list(fields),
+        }
+        return self.request("get", body)
+
+    def clear(self, partition: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
+        """Remove samples (all when ``keys`` is None); returns ``{"count"}``."""
+        return self.request(
+            "clear", {"partition": partition, "keys": None if keys is None else list(keys)}
+        )
+
+    def list(self, partition: str | None = None) -> dict[str, Any]:
+        """List partitions, or the keys and field names of one partition."""
+        return self.request("list", {"partition": partition})
+
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        *,
+        fields: Sequence[str] | None = None,
+        timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> dict[str, Any]:
+        """Lease up to ``batch_size`` ready samples, waiting up to ``timeout_s`` for data.
+
+        Returns:
+            ``{"keys", "fields", "lease_id"}``; ``keys`` is empty (lease_id None) on timeout.
+        """
+        body = self.body_claim(
+            partition, task, required_fields, batch_size, fields, timeout_s, lease_s
+        )
+        return self.request("claim", body, wait_s=timeout_s)
+
+    def ack(
+        self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Mark leased samples consumed; returns ``{"count"}``."""
+        return self.request("ack", self.body_lease(partition, task, lease_id, keys))
+
+    def nack(
+        self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Give leased samples back for redelivery; returns ``{"count"}``."""
+        return self.request("nack", self.body_lease(partition, task, lease_id, keys))
+
+    def status(self, partition: str, task: str) -> dict[str, Any]:
+        """Consumption status of a task: samples, consumed, leased, pending, leases."""
+        return self.request("status", {"partition": partition, "task": task})
+
+    def stats(self) -> dict[str, Any]:
+        """Server stats: bytes, samples per partition, tasks, rates."""
+        return self.request("stats", {})
+
+
+class AsyncQueueClient(_Requests):
+    """asyncio client (zmq.asyncio); requests on one client run one at a time.
+
+    Args: as QueueClient (``context`` is a ``zmq.asyncio.Context``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        limits: WireLimits | None = None,
+        name: str = "",
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        super().__init__(address, timeout_s, retries, limits, name)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._lock: asyncio.Lock | None = None
+
+    def close(self) -> None:
+        """Close the socket."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def __aenter__(self) -> AsyncQueueClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    async def request(
+        self, msg_type: str, body: dict[str, Any], *, wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """As ``QueueClient.request``, awaitable."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        request_id = next(self._ids)
+        frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
+        budget_s = self.timeout_s + wait_s
+        async with self._lock:
+            for attempt in range(self.retries + 1):
+                if self._sock is None:
+                    self._sock = self._ctx.socket(zmq.DEALER)
+                    self._socket_options(self._sock)
+                    self._sock.connect(self.address)
+                sock = self._sock
+                await sock.send_multipart(frames, copy=False)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + budget_s
+                try:
+                    while True:
+                        left = deadline - loop.time()
+                        if left <= 0:
+                            raise TimeoutError
+                        got = await asyncio.wait_for(sock.recv_multipart(copy=False), left)
+                        reply = self._decode(got, request_id, msg_type)
+                        if reply is not None:
+                            return reply
+                except TimeoutError:
+                    logger.warning(
+                        "no reply to %s from %s in %.1fs (attempt %d of %d)",
+                        msg_type,
+                        self.address,
+                        budget_s,
+                        attempt + 1,
+                        self.retries + 1,
+                    )
+                    self.close()
+        raise self._timeout_error(msg_type, budget_s)
+
+    async def hello(self) -> dict[str, Any]:
+        """Handshake; see QueueClient.hello."""
+        return await self.request(
+            "hello", {"protocol_version": PROTOCOL_VERSION, "client": self.name}
+        )
+
+    async def put(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Mapping[str, Any],
+        *,
+        timeout_s: float | None = DEFAULT_PUT_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """See QueueClient.put."""
+        body = self.body_put(partition, keys, fields, timeout_s)
+        return await self.request("put", body, wait_s=timeout_s or 0.0)
+
+    async def get(
+        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """See QueueClient.get."""
+        return await self.request(
+            "get",
+            {
+                "partition": partition,
+                "keys": list(keys),
+                "fields": None if fields is None else list(fields),
+            },
+        )
+
+    async def clear(self, partition: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
+        """See QueueClient.clear."""
+        return await self.request(
+            "clear", {"partition": partition, "keys": None if keys is None else list(keys)}
+        )
+
+    async def list(self, partition: str | None = None) -> dict[str, Any]:
+        """See QueueClient.list."""
+        return await self.request("list", {"partition": partition})
+
+    async def claim(
+        self,
+        partition: str,
+        task: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        *,
+        fields: Sequence[str] | None = None,
+        timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> dict[str, Any]:
+        """See QueueClient.claim."""
+        body = self.body_claim(
+            partition, task, required_fields, batch_size, fields, timeout_s, lease_s
+        )
+        return await self.request("claim", body, wait_s=timeout_s)
+
+    async def ack(
+        self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """See QueueClient.ack."""
+        return await self.request("ack", self.body_lease(partition, task, lease_id, keys))
+
+    async def nack(
+        self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """See QueueClient.nack."""
+        return await self.request("nack", self.body_lease(partition, task, lease_id, keys))
+
+    async def status(self, partition: str, task: str) -> dict[str, Any]:
+        """See QueueClient.status."""
+        return await self.request("status", {"partition": partition, "task": task})
+
+    async def stats(self) -> dict[str, Any]:
+        """See QueueClient.stats."""
+        return await self.request("stats", {})

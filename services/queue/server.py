@@ -1,0 +1,517 @@
+"""The transfer-queue process shell: a ZMQ ROUTER event loop around SampleStore.
+
+One thread, one event loop: requests are decoded and answered in arrival order; claims that find
+nothing ready and puts that do not fit are parked (never polled, never slept on) and answered
+when data arrives, bytes are freed or their deadline passes. ``zmq.Poller`` waits until the next
+deadline, so a blocked client never delays another. Every request gets exactly one reply or
+error with its request id; malformed input gets an error reply and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from services.queue import errors as codes
+from services.queue.errors import StoreError
+from services.queue.store import SampleStore
+from xtoken_core.wire import (
+    DEFAULT_LIMITS,
+    HEADER_SIZE,
+    PROTOCOL_VERSION,
+    WireError,
+    WireLimits,
+    decode_message,
+    encode_message,
+    validate_body,
+)
+from xtoken_core.wire.header import TYPE_NAMES
+
+logger = logging.getLogger(__name__)
+
+# Poll at least this often so that a signal is noticed promptly (pyzmq retries EINTR itself).
+_MAX_POLL_MS = 100
+# Requests handled per poll wake-up before timers are checked again.
+_BATCH_RECV = 256
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one queue server process.
+
+    Args:
+        bind: ZMQ endpoint, ``tcp://host:port`` (port ``*`` = any free port) or ``ipc://path``.
+        capacity_bytes: store capacity (``--capacity``).
+        put_timeout_s: how long a put waits for capacity when it gives no ``timeout_ms``.
+        claim_timeout_s: how long a claim waits for data when it gives no ``timeout_ms``.
+        lease_s: lease length when a claim gives no ``lease_ms``.
+        limits: wire limits enforced on every message.
+        ready_file: where to write the bound endpoint once listening (atomic), or None.
+
+    Raises:
+        ValueError: a non-positive capacity or a negative timeout.
+    """
+
+    bind: str = "tcp://127.0.0.1:5555"
+    capacity_bytes: int = 8 * 1024**3
+    put_timeout_s: float = 30.0
+    claim_timeout_s: float = 1.0
+    lease_s: float = 60.0
+    limits: WireLimits = field(default_factory=lambda: DEFAULT_LIMITS)
+    ready_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={self.capacity_bytes}: must be > 0 (--capacity)")
+        for name in ("put_timeout_s", "claim_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s={self.lease_s}: must be > 0 (--lease)")
+
+
+@dataclass
+class _Parked:
+    kind: str  # "claim" or "put"
+    ident: bytes
+    request_id: int
+    body: dict[str, Any]
+    deadline: float
+    frames: Any = None  # keeps a parked put's received buffers alive
+    done: bool = False
+
+
+class QueueServer:
+    """ROUTER socket + SampleStore + parked requests.
+
+    Args:
+        config: the server settings.
+        context: a zmq Context (a new one by default).
+    """
+
+    def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.store = SampleStore(config.capacity_bytes)
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._stopping = False
+        self._parked_claims: dict[str, collections.deque[_Parked]] = collections.defaultdict(
+            collections.deque
+        )
+        self._parked_puts: collections.deque[_Parked] = collections.deque()
+        self._timers: list[tuple[float, int, _Parked]] = []
+        self._seq = itertools.count()
+        self.endpoint = ""
+        self.requests = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def bind(self) -> str:
+        """Create and bind the ROUTER socket; returns the bound endpoint."""
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a gone client must not raise in the loop
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        # zmq drops peers above MAXMSGSIZE without a reply; keep it above the wire limit so that
+        # an oversize message is decoded far enough to get a "too_large" error reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes + (1 << 20))
+        sock.bind(self.config.bind)
+        self._sock = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        logger.info(
+            "[queue] listening on %s (capacity %d bytes, protocol v%d)",
+            self.endpoint,
+            self.config.capacity_bytes,
+            PROTOCOL_VERSION,
+        )
+        if self.config.ready_file:
+            tmp = f"{self.config.ready_file}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(self.endpoint + "\n")
+            os.replace(tmp, self.config.ready_file)
+        return self.endpoint
+
+    def install_signal_handlers(self) -> None:
+        """Make SIGTERM and SIGINT stop the loop cleanly (main thread only)."""
+
+        def _stop(signum: int, _frame: Any) -> None:
+            logger.info("[queue] %s: stopping", signal.Signals(signum).name)
+            self._stopping = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    def stop(self) -> None:
+        """Ask the loop to stop (takes effect within ~0.1 s)."""
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        """Run the event loop until ``stop`` (or a signal); then answer what is left with
+        ``shutting_down`` errors and close the socket."""
+        if self._sock is None:
+            self.bind()
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stopping:
+            timeout_ms = self._poll_timeout_ms()
+            if poller.poll(timeout_ms):
+                for _ in range(_BATCH_RECV):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+            self._run_timers()
+        self._shutdown(sock)
+
+    def _shutdown(self, sock: zmq.Socket) -> None:
+        message = "the queue server is shutting down; retry against its replacement"
+        n = 0
+        while True:  # requests already received by the socket
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(frames) >= 2:
+                rid, rtype = _peek_header(frames[1])
+                self._send_error(frames[0].bytes, rid, codes.SHUTTING_DOWN, message, True, rtype)
+                n += 1
+        for parked in self._all_parked():
+            self._send_error(
+                parked.ident, parked.request_id, codes.SHUTTING_DOWN, message, True, parked.kind
+            )
+            n += 1
+        self._parked_claims.clear()
+        self._parked_puts.clear()
+        self._timers.clear()
+        sock.close(linger=1000)  # flush the error replies
+        self._sock = None
+        logger.info(
+            "[queue] stopped after %d requests (%d answered shutting_down)", self.requests, n
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        self.requests += 1
+        if len(frames) < 2:
+            self._send_error(
+                ident, 0, "bad_frames", "empty message: needs a header and a body", False, None
+            )
+            return
+        rid, rtype = _peek_header(frames[1])
+        try:
+            msg = decode_message(frames[1:], limits=self.config.limits, jagged="column")
+            validate_body(msg.msg_type, msg.body)
+        except WireError as e:
+            self._send_error(ident, rid, e.code, e.message, e.retryable, rtype)
+            return
+        try:
+            handler = getattr(self, f"_on_{msg.msg_type}", None)
+            if handler is None:
+                raise StoreError(
+                    codes.BAD_REQUEST, f"{msg.msg_type!r} is not a request type the queue accepts"
+                )
+            reply = handler(ident, msg.request_id, msg.body, frames)
+        except StoreError as e:
+            self._send_error(ident, rid, e.code, str(e), e.retryable, msg.msg_type)
+            return
+        except Exception as e:  # a bug: log it, answer, keep serving
+            logger.exception("[queue] internal error on %s", msg.msg_type)
+            self._send_error(
+                ident, rid, codes.INTERNAL, f"{type(e).__name__}: {e}", False, msg.msg_type
+            )
+            return
+        if reply is not None:
+            self._send_reply(ident, msg.request_id, reply)
+
+    def _on_hello(self, ident, rid, body, frames):
+        if body["protocol_version"] != PROTOCOL_VERSION:
+            raise StoreError(
+                "bad_version",
+                f"client speaks protocol {body['protocol_version']}, "
+                f"this server {PROTOCOL_VERSION}; upgrade the older side",
+            )
+        logger.debug("[queue] hello from %s", body["client"])
+        return {
+            "server": "xtoken-queue",
+            "protocol_version": PROTOCOL_VERSION,
+            "capacity_bytes": self.store.capacity_bytes,
+            "pid": os.getpid(),
+            "endpoint": self.endpoint,
+        }
+
+    def _on_put(self, ident, rid, body, frames):
+        result = self.store.put(body["partition"], body["keys"], body["fields"])
+        if not result.blocked:
+            self._wake_claims(body["partition"])
+            return _put_reply(result)
+        timeout_ms = body.get("timeout_ms")
+        timeout_s = self.config.put_timeout_s if timeout_ms is None else timeout_ms / 1000
+        if timeout_s <= 0:
+            raise self._full_error(result.nbytes)
+        self._park(_Parked("put", ident, rid, body, time.monotonic() + timeout_s, frames))
+        return None
+
+    def _on_get(self, ident, rid, body, frames):
+        batch = self.store.get(body["partition"], body["keys"], body.get("fields"))
+        return {"keys": batch.keys, "fields": batch.fields}
+
+    def _on_clear(self, ident, rid, body, frames):
+        count = self.store.clear(body["partition"], body.get("keys"))
+        self._wake_puts()
+        return {"count": count}
+
+    def _on_list(self, ident, rid, body, frames):
+        return self.store.list(body.get("partition"))
+
+    def _on_claim(self, ident, rid, body, frames):
+        batch = self._try_claim(body)
+        if batch is not None:
+            return batch
+        timeout_ms = body.get("timeout_ms")
+        timeout_s = self.config.claim_timeout_s if timeout_ms is None else timeout_ms / 1000
+        if timeout_s <= 0:
+            return {"keys": [], "fields": {}, "lease_id": None}
+        self._park(_Parked("claim", ident, rid, body, time.monotonic() + timeout_s))
+        return None
+
+    def _on_ack(self, ident, rid, body, frames):
+        count = self.store.ack(
+            body["partition"], body["task"], _lease_id(body["lease_id"]), body.get("keys")
+        )
+        return {"count": count}
+
+    def _on_nack(self, ident, rid, body, frames):
+        count = self.store.nack(
+            body["partition"], body["task"], _lease_id(body["lease_id"]), body.get("keys")
+        )
+        self._wake_claims(body["partition"])
+        return {"count": count}
+
+    def _on_status(self, ident, rid, body, frames):
+        return self.store.status(body["partition"], body["task"])
+
+    def _on_stats(self, ident, rid, body, frames):
+        stats = self.store.stats()
+        stats["parked_claims"] = sum(
+            1 for q in self._parked_claims.values() for p in q if not p.done
+        )
+        stats["parked_puts"] = sum(1 for p in self._parked_puts if not p.done)
+        stats["requests"] = self.requests
+        return stats
+
+    # ---------------------------------------------------------------- parking
+
+    def _try_claim(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        lease_ms = body.get("lease_ms")
+        lease_s = self.config.lease_s if lease_ms is None else lease_ms / 1000
+        batch = self.store.claim(
+            body["partition"],
+            body["task"],
+            body["required_fields"],
+            body["batch_size"],
+            lease_s,
+            body.get("fields"),
+        )
+        if batch is None:
+            return None
+        return {"keys": batch.keys, "fields": batch.fields, "lease_id": batch.lease_id}
+
+    def _park(self, parked: _Parked) -> None:
+        if parked.kind == "claim":
+            self._parked_claims[parked.body["partition"]].append(parked)
+        else:
+            self._parked_puts.append(parked)
+        heapq.heappush(self._timers, (parked.deadline, next(self._seq), parked))
+
+    def _wake_claims(self, partition: str) -> None:
+        """Retry the parked claims of a partition in arrival order; keep those still empty."""
+        queue = self._parked_claims.pop(partition, None)
+        if not queue:
+            return
+        keep: collections.deque[_Parked] = collections.deque()
+        for parked in queue:
+            if parked.done:
+                continue
+            try:
+                reply = self._try_claim(parked.body)
+            except StoreError as e:
+                parked.done = True
+                self._send_error(
+                    parked.ident, parked.request_id, e.code, str(e), e.retryable, "claim"
+                )
+                continue
+            if reply is None:
+                keep.append(parked)
+            else:
+                parked.done = True
+                self._send_reply(parked.ident, parked.request_id, reply)
+        if keep:
+            self._parked_claims[partition] = keep
+
+    def _wake_puts(self) -> None:
+        """Retry parked puts in arrival order (first-come first-served for the freed bytes)."""
+        woken: set[str] = set()
+        while self._parked_puts:
+            parked = self._parked_puts[0]
+            if parked.done:
+                self._parked_puts.popleft()
+                continue
+            body = parked.body
+            try:
+                result = self.store.put(body["partition"], body["keys"], body["fields"])
+            except StoreError as e:
+                self._parked_puts.popleft()
+                parked.done = True
+                self._send_error(
+                    parked.ident, parked.request_id, e.code, str(e), e.retryable, "put"
+                )
+                continue
+            if result.blocked:
+                break
+            self._parked_puts.popleft()
+            parked.done = True
+            parked.frames = None
+            woken.add(body["partition"])
+            self._send_reply(parked.ident, parked.request_id, _put_reply(result))
+        for partition in woken:
+            self._wake_claims(partition)
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [time.monotonic() + _MAX_POLL_MS / 1000]
+        while self._timers and self._timers[0][2].done:
+            heapq.heappop(self._timers)
+        if self._timers:
+            deadlines.append(self._timers[0][0])
+        lease = self.store.next_lease_deadline()
+        if lease is not None:
+            deadlines.append(lease)
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000 + 0.999))
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        for partition in self.store.expire_leases(now):
+            self._wake_claims(partition)
+        while self._timers and (self._timers[0][2].done or self._timers[0][0] <= now):
+            _, _, parked = heapq.heappop(self._timers)
+            if parked.done:
+                continue
+            parked.done = True
+            if parked.kind == "claim":
+                self._send_reply(
+                    parked.ident, parked.request_id, {"keys": [], "fields": {}, "lease_id": None}
+                )
+            else:
+                parked.frames = None
+                err = self._full_error(0)
+                self._send_error(parked.ident, parked.request_id, err.code, str(err), True, "put")
+
+    def _all_parked(self) -> list[_Parked]:
+        out = [p for q in self._parked_claims.values() for p in q if not p.done]
+        return out + [p for p in self._parked_puts if not p.done]
+
+    def _full_error(self, nbytes: int) -> StoreError:
+        used, cap = self.store.bytes_used, self.store.capacity_bytes
+        need = f"{nbytes} more bytes" if nbytes else "more bytes"
+        return StoreError(
+            codes.QUEUE_FULL,
+            f"queue is full ({used} of {cap} bytes used) and the "
+            f"put needs {need}; consumers must clear samples, or raise --capacity "
+            "or the put timeout_ms",
+            retryable=True,
+        )
+
+    # ---------------------------------------------------------------- sending
+
+    def _send_reply(self, ident: bytes, request_id: int, body: dict[str, Any]) -> None:
+        try:
+            frames = encode_message("reply", body, request_id=request_id, limits=self.config.limits)
+        except (WireError, TypeError) as e:
+            logger.exception("[queue] cannot encode a reply")
+            code = e.code if isinstance(e, WireError) else codes.INTERNAL
+            self._send_error(ident, request_id, code, f"reply cannot be encoded: {e}", False, None)
+            return
+        self._send([ident, *frames])
+
+    def _send_error(
+        self,
+        ident: bytes,
+        request_id: int,
+        code: str,
+        message: str,
+        retryable: bool,
+        request_type: str | None,
+    ) -> None:
+        body = {
+            "code": code,
+            "message": message,
+            "retryable": bool(retryable),
+            "request_type": request_type,
+        }
+        self._send([ident, *encode_message("error", body, request_id=request_id)])
+
+    def _send(self, frames: list[Any]) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("[queue] send queue of a client is full: reply dropped")
+
+
+def _peek_header(frame: zmq.Frame) -> tuple[int, str | None]:
+    """Request id and type from a header frame, as far as it can be read (0, None otherwise)."""
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    if len(buf) != HEADER_SIZE:
+        return 0, None
+    (code,) = struct.unpack_from("<H", buf, 6)
+    (rid,) = struct.unpack_from("<Q", buf, 8)
+    return rid, TYPE_NAMES.get(code)
+
+
+def _lease_id(value: int | str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise StoreError(
+            codes.UNKNOWN_LEASE, f"lease_id={value!r} is not a lease id this server issued"
+        ) from None
+
+
+def _put_reply(result: Any) -> dict[str, Any]:
+    return {
+        "written": result.stored,
+        "duplicates": result.duplicates,
+        "new_samples": result.new_samples,
+        "nbytes": result.nbytes,
+    }
+
+
+def serve(config: ServerConfig) -> int:
+    """Bind, install signal handlers, serve until SIGTERM/SIGINT.
+
+    Args:
+        config: the server settings.
+
+    Returns:
+        0 after a clean shutdown.
+    """
+    server = QueueServer(config)
+    server.bind()
+    server.install_signal_handlers()
+    server.serve_forever()
+    return 0
