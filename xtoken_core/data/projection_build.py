@@ -12,7 +12,10 @@ that applies:
    produces for ``b`` wins, otherwise the lowest id. O(1) per token through a bytes -> id dict.
 3. **re-tokenized**: ``b`` is valid UTF-8 on its own: the teacher tokenizer encodes it (batched),
    and the result is kept only if it round-trips (the teacher pieces' bytes concatenate back to
-   exactly ``b``; normalizers and SentencePiece's dummy prefix can break this).
+   exactly ``b``). When the pieces spell ``b" " + b``, the tokenizer added a SentencePiece dummy
+   prefix: the space is removed from the first piece, which is re-spelled with the teacher token
+   for its remaining bytes (or a greedy split of them, as in rule 4). Other mismatches
+   (normalizers such as NFC, unknown-token pieces) fail the round trip and fall to rule 4.
 4. **byte fallback**: otherwise (partial UTF-8 characters of byte-level BPE, or a failed round
    trip) ``b`` is split greedily into the longest teacher tokens that match it byte for byte.
    Byte-level BPE teachers have all 256 single bytes and SentencePiece teachers with byte fallback
@@ -95,6 +98,7 @@ class BuildStats:
     exact_rows: int
     special_rows: int
     retokenized_rows: int
+    dummy_prefix_repaired_rows: int
     byte_fallback_rows: int
     unmapped_rows: int
     truncated_rows: int
@@ -171,6 +175,39 @@ def _greedy_split(b: bytes, index: dict[bytes, int], max_len: int) -> list[int] 
         else:
             return None
     return out
+
+
+def _round_trip(
+    ids: Sequence[int],
+    b: bytes,
+    teacher_bytes: list[bytes],
+    index: dict[bytes, int],
+    max_len: int,
+) -> tuple[list[int] | None, bool]:
+    """Check that teacher ``ids`` spell exactly ``b``; repair a SentencePiece dummy prefix.
+
+    Returns:
+        ``(ids or None when the round trip fails, whether a dummy prefix was removed)``.
+    """
+    if not ids or not all(0 <= t < len(teacher_bytes) for t in ids):
+        return None, False
+    got = b"".join(teacher_bytes[t] for t in ids)
+    if got == b:
+        return list(ids), False
+    if got != b" " + b:
+        return None, False
+    # The tokenizer put a space before the text (SentencePiece's dummy prefix): drop it from the
+    # first piece, re-spelling what is left of that piece with teacher tokens.
+    head_bytes = teacher_bytes[ids[0]][1:]
+    if not head_bytes:
+        head: list[int] | None = []
+    elif head_bytes in index:
+        head = [index[head_bytes]]
+    else:
+        head = _greedy_split(head_bytes, index, max_len)
+    if head is None or not head + list(ids[1:]):
+        return None, False
+    return head + list(ids[1:]), True
 
 
 def _rows_from_pieces(
@@ -259,7 +296,7 @@ def build_projection_with_stats(
         piece_pos.extend(range(len(ids)))
         piece_ids.extend(ids)
 
-    counts = dict.fromkeys(("exact", "special", "retok", "fallback", "none"), 0)
+    counts = dict.fromkeys(("exact", "special", "retok", "prefix", "fallback", "none"), 0)
     to_encode: list[tuple[int, bytes, str]] = []
     to_split: list[tuple[int, bytes]] = []
     for s in rows:
@@ -286,12 +323,14 @@ def build_projection_with_stats(
             to_split.append((s, b))
 
     encoded = _encode_many(teacher_tok, [text for _, _, text in to_encode])
-    for (s, b, _), ids in zip(to_encode, encoded):
-        if ids and b"".join(teacher_bytes[t] if 0 <= t < num_t else b"\0\0" for t in ids) == b:
+    for (s, b, _), raw_ids in zip(to_encode, encoded):
+        ids, repaired = _round_trip(raw_ids, b, teacher_bytes, index, max_len)
+        if ids is None:
+            to_split.append((s, b))
+        else:
             add(s, ids)
             counts["retok"] += 1
-        else:
-            to_split.append((s, b))
+            counts["prefix"] += repaired
     for s, b in to_split:
         ids = _greedy_split(b, index, max_len)
         if ids is None:
@@ -319,6 +358,7 @@ def build_projection_with_stats(
         exact_rows=counts["exact"],
         special_rows=counts["special"],
         retokenized_rows=counts["retok"],
+        dummy_prefix_repaired_rows=counts["prefix"],
         byte_fallback_rows=counts["fallback"],
         unmapped_rows=counts["none"],
         truncated_rows=truncated,

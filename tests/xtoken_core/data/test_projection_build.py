@@ -130,12 +130,31 @@ def test_decay_one_weights_pieces_equally():
 
 
 def test_failed_round_trip_falls_back_to_teacher_bytes():
-    # A SentencePiece-like teacher prepends a dummy-prefix space piece, so "abc" encodes to
-    # " abc": the round trip fails and the greedy byte split is used instead.
+    # A lossy encoding (like a normalizer rewriting the text) spells other bytes than the token.
+    student, teacher = _pair(encode_override={"abc": [4]})
+    result, stats = build_projection_with_stats(student, teacher, top_k=4)
+    assert _row(result, 2) == ([4, 9, -1, -1], [2 / 3, 1 / 3, 0, 0])
+    assert stats.retokenized_rows == 2 and stats.byte_fallback_rows == 2
+
+
+def test_dummy_prefix_piece_is_dropped():
+    # A SentencePiece-like teacher prepends a space piece: "abc" encodes to " " "ab" "c".
     student, teacher = _pair(encode_prefix=[5])
     result, stats = build_projection_with_stats(student, teacher, top_k=4)
     assert _row(result, 2) == ([4, 9, -1, -1], [2 / 3, 1 / 3, 0, 0])
-    assert stats.retokenized_rows == 0 and stats.byte_fallback_rows == 4
+    assert _row(result, 5) == ([5, 5, -1, -1], [2 / 3, 1 / 3, 0, 0])
+    assert stats.retokenized_rows == 3 and stats.dummy_prefix_repaired_rows == 3
+
+
+def test_dummy_prefix_merged_into_the_first_piece_is_stripped():
+    # "abc" encodes to " ab" "c" (the space merged into the first piece): " ab" -> "ab".
+    student = FakeTokenizer("student", STUDENT_PIECES, STUDENT_ROLES)
+    teacher = FakeTokenizer(
+        "teacher", TEACHER_PIECES + [b" ab"], TEACHER_ROLES, encode_override={"abc": [12, 9]}
+    )
+    result, stats = build_projection_with_stats(student, teacher, top_k=4, student_ids=[2])
+    assert _row(result, 2) == ([4, 9, -1, -1], [2 / 3, 1 / 3, 0, 0])
+    assert stats.dummy_prefix_repaired_rows == 1 and stats.byte_fallback_rows == 0
 
 
 def test_student_ids_restricts_the_rows_built():
