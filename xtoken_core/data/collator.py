@@ -1,0 +1,259 @@
+"""CrossTokenizerCollator: tokenize a text twice (student, teacher), truncate, align once, pack.
+
+Two outputs from the same steps:
+
+* ``collator(batch)``: a right-padded batch, a flat ``{key: tensor}`` dict (keys, dtypes, pad
+  values and widths: see :mod:`xtoken_core.data.sample`).
+* ``collator.collate_one(text)``: ONE jagged sample (no padding) for the transfer queue.
+  ``sample.pad_samples([collate_one(t) for t in texts], **collator.pad_kwargs())`` equals
+  ``collator(texts)`` exactly.
+
+Decisions (documented here once):
+
+* No chat template. ``add_special_tokens=True`` (default) keeps each tokenizer's own specials
+  (e.g. BOS for Mistral, nothing for Qwen3); the aligner pairs specials by role.
+* Truncation: each side keeps its first ``ctx_length_*`` tokens. A sample is never dropped; the
+  two sides may be cut at different bytes (the aligner makes the longer tail one-sided).
+* Empty text: kept in its slot with whatever tokens the tokenizers emit for "" (often none),
+  ``sample_mask = 0.0`` (contributes nothing). Every non-empty text has ``sample_mask = 1.0``.
+* ``token_mask`` is bool: True on real tokens, False on padding.
+* Pad id per side: the tokenizer's ``pad_id``, else its ``eos_id``, else 0.
+* Widths: ``T = round_up(max(1, longest), make_seq_div_by_*)``: the width may exceed the context
+  length when the context length is not a multiple of the divisor (only padding is added).
+
+Shape legend: B texts, T student tokens, U teacher tokens, C chunks (alignment pairs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from xtoken_core.align.batch import AlignmentBatch
+from xtoken_core.data import sample as schema
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_pad_id(tokenizer: Any) -> int:
+    """Pad id used for a tokenizer: its ``pad_id``, else its ``eos_id``, else 0.
+
+    Args:
+        tokenizer: an XTokenizer (anything with optional ``pad_id`` / ``eos_id`` attributes).
+
+    Returns:
+        The id written into padding.
+    """
+    for attr in ("pad_id", "eos_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _text_of(item: Any, index: int) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, Mapping) and isinstance(item.get("text"), str):
+        return item["text"]
+    got = type(item.get("text")).__name__ if isinstance(item, Mapping) else type(item).__name__
+    raise ValueError(
+        f"batch item {index}: expected a str or a mapping with a string 'text' key, got {got}"
+    )
+
+
+class CrossTokenizerCollator:
+    """Tokenize twice, align once, return tensors (padded batch or one jagged sample).
+
+    Args:
+        student_tokenizer: XTokenizer of the student model.
+        teacher_tokenizer: XTokenizer of the teacher model.
+        aligner: a ``TokenAligner`` (used through ``align_tokenized(student, teacher)``, once
+            per text; the batch is padded with ``AlignmentBatch.from_samples``).
+        ctx_length_student: student token cap per text, >= 1.
+        ctx_length_teacher: teacher token cap per text, >= 1.
+        make_seq_div_by_student: pad T to a multiple of this (e.g. TP * CP * 2), >= 1.
+        make_seq_div_by_teacher: pad U to a multiple of this, >= 1.
+        add_special_tokens: let each tokenizer add its usual specials (BOS...).
+
+    Raises:
+        ValueError: on a context length or divisor < 1 (or not an int).
+    """
+
+    def __init__(
+        self,
+        *,
+        student_tokenizer: Any,
+        teacher_tokenizer: Any,
+        aligner: Any,
+        ctx_length_student: int,
+        ctx_length_teacher: int,
+        make_seq_div_by_student: int = 1,
+        make_seq_div_by_teacher: int = 1,
+        add_special_tokens: bool = True,
+    ) -> None:
+        for name, value in (
+            ("ctx_length_student", ctx_length_student),
+            ("ctx_length_teacher", ctx_length_teacher),
+            ("make_seq_div_by_student", make_seq_div_by_student),
+            ("make_seq_div_by_teacher", make_seq_div_by_teacher),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.student_tokenizer = student_tokenizer
+        self.teacher_tokenizer = teacher_tokenizer
+        self.aligner = aligner
+        self.ctx_length_student = int(ctx_length_student)
+        self.ctx_length_teacher = int(ctx_length_teacher)
+        self.make_seq_div_by_student = int(make_seq_div_by_student)
+        self.make_seq_div_by_teacher = int(make_seq_div_by_teacher)
+        self.add_special_tokens = bool(add_special_tokens)
+        self.student_pad_id = resolve_pad_id(student_tokenizer)
+        self.teacher_pad_id = resolve_pad_id(teacher_tokenizer)
+
+    # ---- public ---------------------------------------------------------------------------
+    def pad_kwargs(self) -> dict[str, int]:
+        """Keyword arguments for :func:`xtoken_core.data.sample.pad_samples` matching this collator.
+
+        Returns:
+            ``{"student_pad_id", "teacher_pad_id", "make_seq_div_by_student",
+            "make_seq_div_by_teacher"}``.
+        """
+        return {
+            "student_pad_id": self.student_pad_id,
+            "teacher_pad_id": self.teacher_pad_id,
+            "make_seq_div_by_student": self.make_seq_div_by_student,
+            "make_seq_div_by_teacher": self.make_seq_div_by_teacher,
+        }
+
+    def pad_values(self) -> dict[str, int | float | bool]:
+        """Pad value of every padded output field (see ``sample.pad_values``).
+
+        Returns:
+            ``{field name: pad value}``.
+        """
+        return schema.pad_values(
+            student_pad_id=self.student_pad_id, teacher_pad_id=self.teacher_pad_id
+        )
+
+    def tokenize(self, texts: Sequence[str]) -> tuple[list[Any], list[Any]]:
+        """Tokenize every text with both tokenizers and truncate to the context lengths.
+
+        Args:
+            texts: B strings.
+
+        Returns:
+            (student, teacher): two lists of B ``TokenizedText`` (ids, byte spans, roles).
+        """
+        student = [
+            self.student_tokenizer.encode(t, self.add_special_tokens).truncated(
+                self.ctx_length_student
+            )
+            for t in texts
+        ]
+        teacher = [
+            self.teacher_tokenizer.encode(t, self.add_special_tokens).truncated(
+                self.ctx_length_teacher
+            )
+            for t in texts
+        ]
+        return student, teacher
+
+    def __call__(self, batch: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """Collate B texts into one right-padded batch.
+
+        Args:
+            batch: B items, each a str or a mapping with a string ``"text"`` key.
+
+        Returns:
+            ``input_ids`` [B, T] int64, ``input_lengths`` [B] int64, ``token_mask`` [B, T] bool,
+            ``sample_mask`` [B] float32, ``teacher_input_ids`` [B, U] int64,
+            ``teacher_input_lengths`` [B] int64, ``teacher_token_mask`` [B, U] bool, and
+            ``alignment_<field>`` for every AlignmentBatch field ([B, C], [B, T], [B, U], [B]).
+
+        Raises:
+            ValueError: on an empty batch or an item without text.
+        """
+        if len(batch) == 0:
+            raise ValueError("CrossTokenizerCollator needs at least one text, got an empty batch")
+        texts = [_text_of(item, i) for i, item in enumerate(batch)]
+        student, teacher = self.tokenize(texts)
+        lengths_s = [len(t) for t in student]
+        lengths_u = [len(t) for t in teacher]
+        widths = {
+            schema.STUDENT_TOKEN: schema.round_up(max(lengths_s), self.make_seq_div_by_student),
+            schema.TEACHER_TOKEN: schema.round_up(max(lengths_u), self.make_seq_div_by_teacher),
+        }
+        alignments = [self.aligner.align_tokenized(s, t) for s, t in zip(student, teacher)]
+        widths[schema.CHUNK] = max([1] + [int(a.num_chunks) for a in alignments])
+        alignment = AlignmentBatch.from_samples(
+            alignments,
+            student_len=widths[schema.STUDENT_TOKEN],
+            teacher_len=widths[schema.TEACHER_TOKEN],
+            max_pairs=widths[schema.CHUNK],
+        ).to_flat_dict(prefix=schema.ALIGNMENT_PREFIX)
+        pads = self.pad_values()
+
+        out: dict[str, torch.Tensor] = {}
+        out["input_ids"] = _pad_rows(
+            [t.ids for t in student], widths[schema.STUDENT_TOKEN], pads["input_ids"]
+        )
+        out["input_lengths"] = torch.tensor(lengths_s, dtype=torch.int64)
+        out["token_mask"] = _length_mask(out["input_lengths"], widths[schema.STUDENT_TOKEN])
+        out["sample_mask"] = torch.tensor([1.0 if t else 0.0 for t in texts], dtype=torch.float32)
+        out["teacher_input_ids"] = _pad_rows(
+            [t.ids for t in teacher], widths[schema.TEACHER_TOKEN], pads["teacher_input_ids"]
+        )
+        out["teacher_input_lengths"] = torch.tensor(lengths_u, dtype=torch.int64)
+        out["teacher_token_mask"] = _length_mask(
+            out["teacher_input_lengths"], widths[schema.TEACHER_TOKEN]
+        )
+        out.update(alignment)
+        return {name: out[name] for name in schema.FIELD_NAMES}
+
+    def collate_one(self, text: Any) -> dict[str, torch.Tensor]:
+        """Collate one text into a jagged sample (no padding).
+
+        Args:
+            text: a str or a mapping with a string ``"text"`` key.
+
+        Returns:
+            The fields of :data:`xtoken_core.data.sample.SAMPLE_FIELDS`: per-student-token
+            fields [T], per-teacher-token [U], per-chunk [C] (C = ``alignment_num_chunks``),
+            per-sample 0-d tensors, T and U being this sample's own lengths.
+
+        Raises:
+            ValueError: if the item has no text.
+        """
+        text = _text_of(text, 0)
+        (student,), (teacher,) = self.tokenize([text])
+        alignment = self.aligner.align_tokenized(student, teacher)
+        out: dict[str, torch.Tensor] = {
+            "input_ids": torch.from_numpy(np.array(student.ids, dtype=np.int64)),
+            "input_lengths": torch.tensor(len(student), dtype=torch.int64),
+            "token_mask": torch.ones(len(student), dtype=torch.bool),
+            "sample_mask": torch.tensor(1.0 if text else 0.0, dtype=torch.float32),
+            "teacher_input_ids": torch.from_numpy(np.array(teacher.ids, dtype=np.int64)),
+            "teacher_input_lengths": torch.tensor(len(teacher), dtype=torch.int64),
+            "teacher_token_mask": torch.ones(len(teacher), dtype=torch.bool),
+        }
+        out.update(alignment.to_flat_dict(prefix=schema.ALIGNMENT_PREFIX))
+        return {name: out[name] for name in schema.FIELD_NAMES}
+
+
+def _pad_rows(rows: list[np.ndarray], width: int, pad: int) -> torch.Tensor:
+    """Right-pad B 1-D id arrays into an int64 [B, width] tensor."""
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
+    return out
+
+
+def _length_mask(lengths_B: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: True where position < length."""
+    return torch.arange(width).unsqueeze(0) < lengths_B.unsqueeze(1)
