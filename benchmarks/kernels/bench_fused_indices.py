@@ -1,0 +1,149 @@
+"""Benchmark: fused_indices_to_multihot (Triton) fwd+bwd vs the PyTorch reference.
+
+Usage (GPU):  python benchmarks/kernels/bench_fused_indices.py
+Smoke (CPU):  TRITON_INTERPRET=1 python benchmarks/kernels/bench_fused_indices.py --quick
+
+Routing: every token picks its top-k of 2E global experts; the first E are local, so about half
+of the slots are dropped, as on a rank holding half of the experts. Rows are appended to
+benchmarks/results/kernels_fused_indices.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import subprocess
+import time
+
+import torch
+
+from xtoken_core.kernels import fused_indices as fi
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "kernels_fused_indices.jsonl"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _time_ms(fn, device: str, reps: int) -> float:
+    """Median milliseconds of fn(); CUDA events through triton's do_bench on GPU."""
+    if device == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _inputs(n: int, k: int, e: int, device: str, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.rand(n, 2 * e, generator=gen, device=device)
+    probs_NK, indices_NK = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    grad_NE = torch.randn(n, e, generator=gen, device=device)
+    return indices_NK, probs_NK.contiguous(), grad_NE
+
+
+def _fwd_bwd(convert, indices_NK, probs_NK, e, grad_NE):
+    leaf = probs_NK.detach().requires_grad_(True)
+    probs_NE = convert(indices_NK, leaf, e)
+    (grad,) = torch.autograd.grad(probs_NE, leaf, grad_NE)
+    return grad
+
+
+def _fused(indices_NK, probs_NK, e):
+    return fi.IndicesToMultihot.apply(indices_NK, probs_NK, e)[1]
+
+
+def _reference(indices_NK, probs_NK, e):
+    return fi.indices_to_multihot_reference(indices_NK, probs_NK, e)[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter smoke)")
+    parser.add_argument("--no-save", action="store_true", help="do not append to results")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if args.quick:
+        grid = [(64, 2, 8), (128, 8, 64)]
+    else:
+        grid = [(n, k, e) for n in (4096, 65536) for e in (8, 64, 256) for k in (2, 8)]
+    commit = _commit()
+    rows = []
+    for n, k, e in grid:
+        indices_NK, probs_NK, grad_NE = _inputs(n, k, e, device, seed=n + 7 * k + e)
+        # Correctness first: same outputs and gradient as the reference on these inputs.
+        ref = fi.indices_to_multihot_reference(indices_NK, probs_NK, e)
+        out = fi.indices_to_multihot_forward(indices_NK, probs_NK, e)
+        assert all(torch.equal(a, b) for a, b in zip(ref, out)), (n, k, e)
+        assert torch.equal(
+            _fwd_bwd(_fused, indices_NK, probs_NK, e, grad_NE),
+            _fwd_bwd(_reference, indices_NK, probs_NK, e, grad_NE),
+        ), (n, k, e)
+        reps = 3 if args.quick else 20
+        fwd_fused = functools.partial(fi.indices_to_multihot_forward, indices_NK, probs_NK, e)
+        fwd_ref = functools.partial(fi.indices_to_multihot_reference, indices_NK, probs_NK, e)
+        both = (indices_NK, probs_NK, e, grad_NE)
+        t = {
+            "fused_fwd_ms": _time_ms(fwd_fused, device, reps),
+            "ref_fwd_ms": _time_ms(fwd_ref, device, reps),
+            "fused_fwdbwd_ms": _time_ms(functools.partial(_fwd_bwd, _fused, *both), device, reps),
+            "ref_fwdbwd_ms": _time_ms(functools.partial(_fwd_bwd, _reference, *both), device, reps),
+        }
+        # Fewest bytes: fwd reads ids+probs, writes mask+probs+position; bwd reads ids, the
+        # position and grad at the K slots, writes the [N, K] grad.
+        fwd_bytes = n * k * (8 + 4) + n * e * (1 + 4 + 1)
+        bwd_bytes = n * k * (8 + 1 + 4 + 4)
+        row = {
+            "commit": commit,
+            "device": dev_name,
+            "tokens": n,
+            "experts": e,
+            "topk": k,
+            **{key: round(v, 5) for key, v in t.items()},
+            "fwd_speedup": round(t["ref_fwd_ms"] / t["fused_fwd_ms"], 2),
+            "fwdbwd_speedup": round(t["ref_fwdbwd_ms"] / t["fused_fwdbwd_ms"], 2),
+            "fused_fwdbwd_GBps": round((fwd_bytes + bwd_bytes) / (t["fused_fwdbwd_ms"] * 1e6), 1),
+        }
+        rows.append(row)
+    header = (
+        f"{'tokens':>7} {'E':>4} {'K':>2} | {'fused fwd':>10} {'ref fwd':>10} {'x':>6} | "
+        f"{'fused f+b':>10} {'ref f+b':>10} {'x':>6} | {'GB/s':>7}"
+    )
+    print(f"fused_indices_to_multihot on {dev_name} (ms, median; x = reference / fused)")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['tokens']:>7} {r['experts']:>4} {r['topk']:>2} | {r['fused_fwd_ms']:>10.4f} "
+            f"{r['ref_fwd_ms']:>10.4f} {r['fwd_speedup']:>6.1f} | {r['fused_fwdbwd_ms']:>10.4f} "
+            f"{r['ref_fwdbwd_ms']:>10.4f} {r['fwdbwd_speedup']:>6.1f} | "
+            f"{r['fused_fwdbwd_GBps']:>7.1f}"
+        )
+    if not args.no_save and not args.quick:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        with RESULTS.open("a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"appended {len(rows)} rows to {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
