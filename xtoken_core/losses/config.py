@@ -6,13 +6,12 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
 #: A projection is a file path (dense top-k or sparse format) or an in-memory dense top-k pair
 #: ``(indices Long[V_s, K], likelihoods Float[V_s, K])`` with -1 for "no entry".
-ProjectionSource = Union[str, os.PathLike, tuple[torch.Tensor, torch.Tensor]]
+ProjectionSource = str | os.PathLike | tuple[torch.Tensor, torch.Tensor]
 
 MODES = ("pkl", "gold", "xtoken")
 BACKENDS = ("auto", "reference", "kernel")

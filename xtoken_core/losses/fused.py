@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable
 
@@ -27,12 +28,14 @@ from xtoken_core.losses.utils import chunk_sizes
 logger = logging.getLogger(__name__)
 
 _CHUNK_AVG_NAME = "chunk_avg_log_softmax"
-_KERNEL_MODULES = ("xtoken_core.kernels", "xtoken_core.kernels.chunk_avg_log_softmax")
+_KERNEL_MODULES = ("xtoken_core.kernels", "xtoken_core.kernels.chunk_log_softmax")
 
 
 @functools.cache
 def load_chunk_avg_log_softmax() -> Callable | None:
     """The fused ``chunk_avg_log_softmax(logits_BTV, chunk_id_BT, num_chunks, temperature)``.
+
+    It returns ``(avg_BCV fp32, sizes_BC)``.
 
     Returns:
         The function, or None when the kernels (or Triton) cannot be imported.
@@ -50,8 +53,10 @@ def load_chunk_avg_log_softmax() -> Callable | None:
 
 
 def kernels_available() -> bool:
-    """Whether the fused kernels can be used (importable; CUDA is checked by the caller)."""
-    return load_chunk_avg_log_softmax() is not None
+    """Whether the fused kernels can run: importable and Triton installed (CUDA: caller's check)."""
+    return (
+        importlib.util.find_spec("triton") is not None and load_chunk_avg_log_softmax() is not None
+    )
 
 
 def _require_kernel() -> Callable:
@@ -112,12 +117,17 @@ def pkl_kd_loss(
     """
     chunk_avg = _require_kernel()
     C = valid_BC.shape[1]
+    dtype = reference.compute_dtype(student_logits_BTV)
     teacher_logits_BUW = teacher_logits_BUW.detach()
     idx_K = reference.select_teacher_columns(teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk)
     with torch.no_grad():
-        teacher_lp_BCK = chunk_avg(
-            teacher_logits_BUW[..., idx_K].contiguous(), teacher_chunk_id_BU, C, temperature
-        ).float()
+        teacher_lp_BCK, _ = chunk_avg(
+            teacher_logits_BUW[..., idx_K].contiguous(),
+            teacher_chunk_id_BU,
+            C,
+            temperature,
+            out_dtype=dtype,
+        )
     projection_VK = reference.restrict_columns(projection_VW, idx_K)
     q_BTK = reference.project_student_probs(student_logits_BTV, projection_VK, temperature)
     q_BCK = chunk_mean_scatter(q_BTK, student_chunk_id_BT, C)
@@ -154,11 +164,14 @@ def gold_kd_loss(
     """
     chunk_avg = _require_kernel()
     C = valid_BC.shape[1]
-    student_lp_BCV = chunk_avg(student_logits_BTV, student_chunk_id_BT, C, temperature).float()
+    dtype = reference.compute_dtype(student_logits_BTV)
+    student_lp_BCV, _ = chunk_avg(
+        student_logits_BTV, student_chunk_id_BT, C, temperature, out_dtype=dtype
+    )
     with torch.no_grad():
-        teacher_lp_BCW = chunk_avg(
-            teacher_logits_BUW.detach(), teacher_chunk_id_BU, C, temperature
-        ).float()
+        teacher_lp_BCW, _ = chunk_avg(
+            teacher_logits_BUW.detach(), teacher_chunk_id_BU, C, temperature, out_dtype=dtype
+        )
     return reference.gold_terms_from_chunks(
         teacher_lp_BCW,
         student_lp_BCV,

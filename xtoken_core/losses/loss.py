@@ -48,6 +48,22 @@ def _check_finite(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} holds NaN or inf; check the model forward (fp16 overflow?)")
 
 
+def _check_ce_targets(input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
+    counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
+    if token_mask_BT is not None:
+        counted_BT = counted_BT & token_mask_BT.bool().to(counted_BT.device)
+    if sample_mask_B is not None:
+        counted_BT = counted_BT & sample_mask_B.bool().view(-1, 1).to(counted_BT.device)
+    counted_BT[:, 0] = False  # the first token is never a target
+    targets = input_ids_BT[counted_BT]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        bad = int(targets.max()) if int(targets.max()) >= V else int(targets.min())
+        raise ValueError(
+            f"input_ids hold {bad} at a counted position but the student vocab is {V}; "
+            "mask it out with token_mask or fix the tokenizer/model pairing"
+        )
+
+
 class CrossTokenizerLoss:
     """Cross-tokenizer KD loss (P-KL, gold or relaxed gold) plus the student CE.
 
@@ -344,6 +360,8 @@ class CrossTokenizerLoss:
                 raise ValueError(f"input_ids is {tuple(input_ids.shape)}, expected [{B}, {T}]")
             if cfg.check_inputs and token_mask is not None and tuple(token_mask.shape) != (B, T):
                 raise ValueError(f"token_mask is {tuple(token_mask.shape)}, expected [{B}, {T}]")
+            if cfg.check_inputs:
+                _check_ce_targets(input_ids, token_mask, sample_mask, V)
             nll_sum, correct, n_tokens = reference.student_ce_loss(
                 student_logits,
                 input_ids.to(device),
