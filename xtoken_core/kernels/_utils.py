@@ -15,7 +15,24 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-__all__ = ["LazyJit", "interpret_mode", "lazy_jit", "next_power_of_2", "tl", "triton", "use_triton"]
+# Reductions go through ``tl.reduce`` with Triton's own combine functions instead of
+# ``tl.sum`` / ``tl.max``: those are jitted library functions, fixed to compiled or interpreted
+# when triton is imported, so they fail in a kernel interpreted after a plain import. The
+# interpreter recognises these combine functions by identity and reduces with numpy.
+SUM_COMBINE = tl.standard._sum_combine if tl is not None else None
+MAX_COMBINE = tl.standard._elementwise_max if tl is not None else None
+
+__all__ = [
+    "MAX_COMBINE",
+    "SUM_COMBINE",
+    "LazyJit",
+    "interpret_mode",
+    "lazy_jit",
+    "next_power_of_2",
+    "tl",
+    "triton",
+    "use_triton",
+]
 
 
 def interpret_mode() -> bool:

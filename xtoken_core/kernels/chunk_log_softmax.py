@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ._utils import lazy_jit, next_power_of_2, tl, use_triton
+from ._utils import MAX_COMBINE, SUM_COMBINE, lazy_jit, next_power_of_2, tl, use_triton
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ if tl is not None:
             for v0 in range(0, V, BLOCK_V):
                 v = v0 + offs
                 x2 = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32) * scale2
-                m_new = tl.maximum(m, tl.max(x2, axis=0))
-                s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(x2 - m_new), axis=0)
+                m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
+                s = s * tl.exp2(m - m_new) + tl.reduce(tl.exp2(x2 - m_new), 0, SUM_COMBINE)
                 m = m_new
             tl.store(lse_R_ptr + r, (m + tl.log2(s)) * 0.6931471805599453)
         else:
@@ -135,7 +135,7 @@ if tl is not None:
         vmask = v < V
         start = tl.load(offsets_S1_ptr + s_id)
         end = tl.load(offsets_S1_ptr + s_id + 1)
-        acc = tl.zeros((BLOCK_V,), tl.float32)
+        acc = tl.full((BLOCK_V,), 0.0, tl.float32)
         for i in range(start, end):
             r = tl.load(order_N_ptr + i)
             row_ptr = logits_ptr + (r // T) * stride_b + (r % T) * stride_t
@@ -187,7 +187,7 @@ if tl is not None:
         else:
             tl.store(
                 out_ptr,
-                tl.zeros((BLOCK_V,), tl.float32).to(dlogits_ptr.dtype.element_ty),
+                tl.full((BLOCK_V,), 0.0, tl.float32).to(dlogits_ptr.dtype.element_ty),
                 mask=vmask,
             )
 

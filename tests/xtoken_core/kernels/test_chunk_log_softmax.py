@@ -1,0 +1,181 @@
+"""chunk_avg_log_softmax: Triton forward/backward vs the PyTorch references (interpreted on CPU)."""
+
+import pytest
+import torch
+
+from xtoken_core.kernels import chunk_log_softmax as cls
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-5, rtol=1e-5)}
+# Gradients are rounded to the logits dtype: allow one bf16 ulp.
+GRAD_TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
+
+
+def _inputs(B, T, V, C, dtype, seed, contiguous_runs=False):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=gen) * 4).to(dtype)
+    if contiguous_runs:  # what the aligner produces: sorted runs of ids, -1 padding at the end
+        lengths = torch.randint(1, 4, (B, T), generator=gen)
+        cid = torch.repeat_interleave(torch.arange(T), lengths[0])[:T].repeat(B, 1)
+        cid = torch.where(cid < C, cid, torch.full_like(cid, -1))
+        cid[:, -2:] = -1
+    else:
+        cid = torch.randint(-1, C, (B, T), generator=gen)
+    cid[:, 0] = -1
+    cid[cid == C // 2] = -1  # chunk C // 2 is empty everywhere
+    return logits.to(DEVICE), cid.to(DEVICE)
+
+
+def _run_both(logits, cid, C, temperature, grad_seed=7):
+    x = logits.detach().clone().requires_grad_()
+    avg, sizes = cls.chunk_avg_log_softmax(x, cid, C, temperature)
+    gen = torch.Generator().manual_seed(grad_seed)
+    g = torch.randn(avg.shape, generator=gen).to(DEVICE)
+    (avg * g).sum().backward()
+    xr = logits.detach().clone().requires_grad_()
+    avg_r, sizes_r = cls.chunk_avg_log_softmax_reference(xr, cid, C, temperature)
+    (avg_r * g).sum().backward()
+    return (avg, sizes, x.grad), (avg_r, sizes_r, xr.grad)
+
+
+SHAPES = [(1, 7, 67, 3), (2, 37, 300, 13), (2, 19, 129, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_forward_and_backward_match_reference(dtype, shape, temperature):
+    B, T, V, C = shape
+    logits, cid = _inputs(B, T, V, C, dtype, seed=sum(shape))
+    (avg, sizes, grad), (avg_r, sizes_r, grad_r) = _run_both(logits, cid, C, temperature)
+    assert avg.dtype == torch.float32 and avg.shape == (B, C, V)
+    torch.testing.assert_close(sizes, sizes_r, atol=0, rtol=0)
+    torch.testing.assert_close(avg, avg_r, **TOL[dtype])
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    torch.testing.assert_close(grad, grad_r, **GRAD_TOL[dtype])
+
+
+def test_contiguous_runs_match_reference():
+    logits, cid = _inputs(2, 33, 101, 11, torch.float32, seed=3, contiguous_runs=True)
+    (avg, sizes, grad), (avg_r, sizes_r, grad_r) = _run_both(logits, cid, 11, 0.8)
+    torch.testing.assert_close(sizes, sizes_r, atol=0, rtol=0)
+    torch.testing.assert_close(avg, avg_r, **TOL[torch.float32])
+    torch.testing.assert_close(grad, grad_r, **GRAD_TOL[torch.float32])
+
+
+def test_empty_chunks_give_zero_rows_and_size_zero():
+    B, T, V, C = 2, 11, 70, 7
+    logits, cid = _inputs(B, T, V, C, torch.float32, seed=5)
+    avg, sizes = cls.chunk_avg_log_softmax(logits, cid, C)
+    empty = sizes == 0
+    assert bool(empty[:, C // 2].all())
+    assert bool((avg[empty] == 0).all())
+    assert bool((avg[~empty] < 0).all())  # log-probabilities of non-empty chunks
+
+
+def test_positions_outside_every_chunk_get_zero_gradient():
+    logits, cid = _inputs(2, 23, 90, 9, torch.bfloat16, seed=11)
+    x = logits.clone().requires_grad_()
+    avg, _ = cls.chunk_avg_log_softmax(x, cid, 9, 1.3)
+    avg.sum().backward()  # an expanded (stride-0) gradient
+    assert bool((x.grad[cid < 0] == 0).all())
+    assert bool((x.grad[cid >= 0] != 0).any())
+
+
+def test_gradient_matches_float64_autograd():
+    logits, cid = _inputs(1, 17, 83, 5, torch.float32, seed=2)
+    x = logits.clone().requires_grad_()
+    avg, _ = cls.chunk_avg_log_softmax(x, cid, 5, 2.5)
+    g = torch.randn_like(avg)
+    (avg * g).sum().backward()
+    x64 = logits.double().requires_grad_()
+    lp = torch.log_softmax(x64 / 2.5, -1)
+    onehot_BCT = (cid[:, None, :] == torch.arange(5, device=DEVICE)[None, :, None]).double()
+    avg64 = torch.bmm(onehot_BCT, lp) / onehot_BCT.sum(-1, keepdim=True).clamp(min=1)
+    (avg64 * g.double()).sum().backward()
+    err = (x.grad.double() - x64.grad).norm() / x64.grad.norm()
+    assert err < 1e-5
+
+
+def test_matches_one_hot_bmm_reference_of_losses():
+    reference = pytest.importorskip("xtoken_core.losses.reference")
+    logits, cid = _inputs(2, 29, 150, 9, torch.float32, seed=13)
+    avg, sizes = cls.chunk_avg_log_softmax(logits, cid, 9, 1.5)
+    lp = torch.log_softmax(logits.float() / 1.5, -1)
+    avg_r, sizes_r = reference.chunk_average_log_probs(lp, cid, 9)
+    torch.testing.assert_close(sizes, sizes_r.float(), atol=0, rtol=0)
+    torch.testing.assert_close(avg, avg_r, atol=2e-5, rtol=1e-5)
+
+
+def test_row_strided_logits_view_matches_contiguous():
+    logits, cid = _inputs(2, 13, 96, 5, torch.float32, seed=17)
+    view = logits[:, :, :77]  # a teacher vocab slice: rows are strided, last dim contiguous
+    x = view.clone().requires_grad_()
+    (avg, sizes, grad), (avg_r, _, grad_r) = _run_both(view, cid, 5, 1.0)
+    torch.testing.assert_close(avg, avg_r, **TOL[torch.float32])
+    torch.testing.assert_close(grad, grad_r, **GRAD_TOL[torch.float32])
+    assert x.shape == grad.shape
+
+
+def test_bf16_output_dtype_is_honoured():
+    logits, cid = _inputs(1, 9, 70, 4, torch.bfloat16, seed=19)
+    avg, _ = cls.chunk_avg_log_softmax(logits, cid, 4, out_dtype=torch.bfloat16)
+    avg_r, _ = cls.chunk_avg_log_softmax_reference(logits, cid, 4)
+    assert avg.dtype == torch.bfloat16
+    torch.testing.assert_close(avg.float(), avg_r, atol=5e-2, rtol=1e-2)
+
+
+def test_two_runs_are_bitwise_equal():
+    logits, cid = _inputs(2, 31, 130, 7, torch.bfloat16, seed=23)
+    outs = [_run_both(logits, cid, 7, 1.3)[0] for _ in range(2)]
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)
+
+
+def test_out_of_range_chunk_ids_raise():
+    logits = torch.randn(1, 5, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="num_chunks"):
+        cls.chunk_avg_log_softmax(logits, torch.tensor([[0, 1, 4, -1, 0]], device=DEVICE), 3)
+    with pytest.raises(ValueError, match="num_chunks"):
+        cls.chunk_avg_log_softmax(logits, torch.tensor([[0, -2, 1, 1, 0]], device=DEVICE), 3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf")])
+def test_non_positive_temperature_raises(temperature):
+    logits = torch.randn(1, 5, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="temperature"):
+        cls.chunk_avg_log_softmax(logits, torch.zeros(1, 5, dtype=torch.long), 1, temperature)
+
+
+def test_mismatched_chunk_id_shape_raises():
+    with pytest.raises(ValueError, match="chunk_id_BT shape"):
+        cls.chunk_avg_log_softmax(torch.randn(1, 5, 20), torch.zeros(1, 4, dtype=torch.long), 2)
+
+
+def test_cpu_fallback_without_interpreter_is_the_reference(no_interpreter):
+    logits, cid = _inputs(1, 12, 50, 4, torch.float32, seed=29)
+    x = logits.clone().requires_grad_()
+    avg, sizes = cls.chunk_avg_log_softmax(x, cid, 4, 1.2)
+    avg.sum().backward()
+    avg_r, sizes_r = cls.chunk_avg_log_softmax_reference(logits, cid, 4, 1.2)
+    assert torch.equal(avg, avg_r) and torch.equal(sizes, sizes_r)
+    assert bool((x.grad[cid < 0] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_full_size_matches_reference_on_gpu(dtype):
+    B, T, V, C = 2, 2048, 151936, 1640
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(B, T, V, device="cuda", generator=gen) * 4).to(dtype)
+    cid = torch.sort(torch.randint(0, C, (B, T), device="cuda", generator=gen), dim=1).values
+    cid[:, -100:] = -1
+    (avg, sizes, grad), (avg_r, sizes_r, grad_r) = _run_both(logits, cid, C, 1.5)
+    torch.testing.assert_close(sizes, sizes_r, atol=0, rtol=0)
+    torch.testing.assert_close(avg, avg_r, atol=1e-4, rtol=1e-5)
+    rel = (grad.double() - grad_r.double()).norm() / grad_r.double().norm()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2)
+    again = _run_both(logits, cid, C, 1.5)[0]
+    assert torch.equal(again[0], avg) and torch.equal(again[2], grad)
