@@ -13,7 +13,9 @@ Rules (documented once here, relied on by the aligner):
   length the bytes are split by token length, otherwise the first token takes the whole group
   and the others get an empty span at its end. Bytes no token claims between two groups (e.g. a
   combining mark merged by NFC) go to the group that decoded more bytes than it covers, else to
-  the previous group.
+  the previous group, and bytes after the last token to it; whitespace the tokenizer dropped
+  (e.g. a Whitespace pre-tokenizer, a Strip normalizer) stays uncovered, so spans tile except
+  across such whitespace.
 * SentencePiece's dummy-prefix ``▁`` covers no byte of the text: a leading ``▁`` piece alone gets
   the empty span [0, 0); ``▁Hi`` at the start covers only ``Hi``.
 * Special tokens get an empty span at the end of the previous content token (0 at the start).
@@ -93,7 +95,12 @@ def compute_byte_spans(
             offs_M2 = np.asarray(offsets_N2, dtype=np.int64)[content_M]
             if offsets_are_chars:
                 offs_M2 = char_to_byte_offsets(text)[offs_M2]
-            spans_M2 = _spans_from_offsets(offs_M2, lens_M)
+            spans_M2 = _spans_from_offsets(offs_M2, lens_M, text_bytes)
+            # Characters after the last token that a normalizer merged into it (e.g. a
+            # trailing combining mark under NFC) belong to it; stripped whitespace does not.
+            tail = text_bytes[spans_M2[-1, 1] :]
+            if tail and not _is_whitespace(tail):
+                spans_M2[-1, 1] = len(text_bytes)
         spans_N2[content_M] = spans_M2
     # Specials: empty span at the end of the previous content token (0 before any).
     if len(content_M) < n:
@@ -107,12 +114,13 @@ def compute_byte_spans(
     return spans_N2
 
 
-def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray) -> np.ndarray:
+def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray, text_bytes: bytes) -> np.ndarray:
     """Slow path: spans from byte offsets in the original text, grouped where offsets overlap.
 
     Args:
         offs_M2: int64 [M, 2] byte offsets of content tokens in the original text.
         lens_M: int64 [M] decoded byte length of each token.
+        text_bytes: the original text as UTF-8.
 
     Returns:
         int64 [M, 2] tiling spans.
@@ -142,6 +150,8 @@ def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray) -> np.ndarray:
             g[2] = prev[3]
             g[3] = max(g[3], g[2])
         gap = g[2] - prev[3]
+        if gap > 0 and _is_whitespace(text_bytes[prev[3] : g[2]]):
+            continue  # whitespace the tokenizer dropped stays uncovered
         if gap > 0:
             if g[4] - (g[3] - g[2]) >= gap:
                 g[2] -= gap
@@ -157,3 +167,8 @@ def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray) -> np.ndarray:
             out[first:stop] = ge
             out[first, 0] = gs
     return out
+
+
+def _is_whitespace(raw: bytes) -> bool:
+    """True if the bytes decode to whitespace only (a gap the tokenizer dropped on purpose)."""
+    return raw.decode("utf-8", "replace").isspace()

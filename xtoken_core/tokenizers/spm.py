@@ -18,7 +18,8 @@ class SentencePieceTokenizer(XTokenizer):
     Token bytes: ``▁`` -> space, ``<0xHH>`` byte-fallback pieces -> that byte, control and
     unknown pieces -> b"". ``encode`` adds BOS (as Mistral models expect) when
     ``add_special_tokens`` is True. The dummy-prefix ``▁`` covers no byte of the text (see
-    ``spans.py``).
+    ``spans.py``). SentencePiece reads a literal ``▁`` in the text as a space; such tokens are
+    placed by SentencePiece's own byte offsets.
     """
 
     def __init__(self, model_file: str | Path, name: str | None = None) -> None:
