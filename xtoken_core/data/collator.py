@@ -149,17 +149,15 @@ class CrossTokenizerCollator:
         Returns:
             (student, teacher): two lists of B ``TokenizedText`` (ids, byte spans, roles).
         """
+        texts = list(texts)
+        # encode_batch: the tokenizer may batch natively (one call per side per batch).
         student = [
-            self.student_tokenizer.encode(t, self.add_special_tokens).truncated(
-                self.ctx_length_student
-            )
-            for t in texts
+            x.truncated(self.ctx_length_student)
+            for x in self.student_tokenizer.encode_batch(texts, self.add_special_tokens)
         ]
         teacher = [
-            self.teacher_tokenizer.encode(t, self.add_special_tokens).truncated(
-                self.ctx_length_teacher
-            )
-            for t in texts
+            x.truncated(self.ctx_length_teacher)
+            for x in self.teacher_tokenizer.encode_batch(texts, self.add_special_tokens)
         ]
         return student, teacher
 
@@ -176,7 +174,8 @@ class CrossTokenizerCollator:
             ``alignment_<field>`` for every AlignmentBatch field ([B, C], [B, T], [B, U], [B]).
 
         Raises:
-            ValueError: on an empty batch or an item without text.
+            ValueError: on an empty batch or an item without text; UnicodeEncodeError (a
+                ValueError) for a text holding a lone surrogate.
         """
         if len(batch) == 0:
             raise ValueError("CrossTokenizerCollator needs at least one text, got an empty batch")

@@ -365,7 +365,16 @@ def _iter_jsonl(path: pathlib.Path, field: str) -> Iterator[tuple[str, str]]:
                 f"{path}: line {number}: expected a JSON object with a string field {field!r}, "
                 f"got {got}; fix the record or pass text_field="
             )
-        yield f"{path.name}:{number}", record[field]
+        text = record[field]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # JSON escapes can spell lone surrogates ("\\ud800") that no tokenizer can encode.
+            raise ValueError(
+                f"{path}: line {number}: {field!r} holds a lone surrogate "
+                f"U+{ord(text[exc.start]):04X} at character {exc.start}; fix the escape"
+            ) from None
+        yield f"{path.name}:{number}", text
 
 
 def _iter_txt(path: pathlib.Path, split: str) -> Iterator[tuple[str, str]]:

@@ -169,3 +169,12 @@ def test_unknown_suffix_and_missing_file_are_rejected(tmp_path):
         iter_texts(path)
     with pytest.raises(FileNotFoundError):
         iter_texts(tmp_path / "missing.jsonl")
+
+
+def test_json_escaped_lone_surrogate_names_the_line(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "x\\ud800y"}\n', encoding="utf-8")
+    with pytest.raises(
+        ValueError, match=r"s\.jsonl: line 2: 'text' holds a lone surrogate U\+D800"
+    ):
+        list(iter_texts(path))
