@@ -32,3 +32,29 @@ __all__ = [
 ]
 
 # Other modules of this package append their exports below.
+
+from xtoken_core.data.projection import (  # noqa: E402
+    build_exact_token_map,
+    clear_projection_caches,
+    exact_token_map_from_topk,
+    get_sparse_projection_matrix,
+    get_topk_projection,
+    parse_projection_file,
+)
+from xtoken_core.data.projection_build import (  # noqa: E402
+    build_projection,
+    build_projection_with_stats,
+    projection_stats,
+)
+
+__all__ += [
+    "build_exact_token_map",
+    "build_projection",
+    "build_projection_with_stats",
+    "clear_projection_caches",
+    "exact_token_map_from_topk",
+    "get_sparse_projection_matrix",
+    "get_topk_projection",
+    "parse_projection_file",
+    "projection_stats",
+]
