@@ -1,0 +1,64 @@
+"""CrossTokenizerLossConfig validation: every bad value names itself and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xtoken_core.losses import CrossTokenizerLossConfig
+
+PROJ = (torch.tensor([[0, -1], [1, 0]]), torch.tensor([[1.0, 0.0], [0.5, 0.5]]))
+
+
+def test_mode_sets_the_loss_flags():
+    assert CrossTokenizerLossConfig(projection=PROJ, mode="pkl").loss_mode == "pkl"
+    gold = CrossTokenizerLossConfig(projection=PROJ, mode="gold")
+    assert gold.gold_loss and not gold.xtoken_loss
+    xtoken = CrossTokenizerLossConfig(projection=PROJ, mode="xtoken")
+    assert xtoken.gold_loss and xtoken.xtoken_loss and xtoken.loss_mode == "xtoken"
+
+
+def test_defaults_give_one_teacher_with_weight_one():
+    cfg = CrossTokenizerLossConfig(projection="proj.pt")
+    assert cfg.teacher_weights == (1.0,) and cfg.num_teachers == 1
+    assert cfg.projections == ("proj.pt",) and cfg.teacher_vocab_size == (None,)
+
+
+def test_one_projection_is_shared_by_every_teacher():
+    cfg = CrossTokenizerLossConfig(
+        projection=PROJ, teacher_weights=[0.5, 0.5], teacher_vocab_size=7
+    )
+    assert len(cfg.projections) == 2 and cfg.teacher_vocab_size == (7, 7)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"xtoken_loss": True}, "xtoken_loss=True needs gold_loss=True"),
+        ({"mode": "kl"}, "mode='kl' is unknown"),
+        ({"mode": "pkl", "gold_loss": True}, "contradicts"),
+        ({"backend": "triton"}, "backend='triton' is unknown"),
+        ({"temperature": -1.0}, "temperature=-1.0 must be > 0"),
+        ({"temperature": 0}, "temperature=0 must be > 0"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"vocab_topk": 0}, "vocab_topk=0"),
+        ({"uncommon_topk": 0}, "uncommon_topk=0"),
+        ({"kl_weight": -0.1}, "kl_weight=-0.1"),
+        ({"ce_weight": float("inf")}, "ce_weight=inf"),
+        ({"projection": None}, "projection is required"),
+        ({"projection": 3}, "projection of type int"),
+        ({"projection": [PROJ, 3]}, r"projection\[1\] is int"),
+        ({"projection": (PROJ[0], PROJ[1][:1])}, "must both be"),
+        ({"projection": (PROJ[0].float(), PROJ[1])}, "indices must be an integer tensor"),
+        ({"projection": (PROJ[0] - 2, PROJ[1])}, "use -1 for 'no entry'"),
+        ({"teacher_weights": []}, "empty"),
+        ({"teacher_weights": [1.0, -1.0]}, "must be finite and >= 0"),
+        ({"projection": [PROJ, PROJ], "teacher_weights": [1, 1, 1]}, "2 projections for 3"),
+        ({"teacher_weights": [1, 1], "teacher_vocab_size": [5, 6, 7]}, "3 entries for 2 teachers"),
+        ({"teacher_vocab_size": 0}, "teacher_vocab_size entry 0"),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_value(kwargs, message):
+    kwargs.setdefault("projection", PROJ)
+    with pytest.raises(ValueError, match=message):
+        CrossTokenizerLossConfig(**kwargs)
