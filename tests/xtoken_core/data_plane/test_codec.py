@@ -1,0 +1,348 @@
+"""The jagged <-> padded codec: every documented contract of reference/codec.md and its errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+from xtoken_core.data_plane.codec import (
+    columns_to_samples,
+    from_wire_fields,
+    materialize,
+    maybe_pack_jagged,
+    pack_jagged_fields,
+    pack_per_token_field,
+    pad_jagged,
+    response_from_nested,
+    samples_to_columns,
+    stack_or_nest,
+    to_nested_by_length,
+    to_wire_fields,
+    unwrap_wire_stripped_payload,
+)
+from xtoken_core.wire import JaggedColumn, decode_message, encode_message, is_jagged
+
+
+def _rows(nested: torch.Tensor) -> list[list]:
+    return [r.tolist() for r in JaggedColumn.from_nested(nested).rows()]
+
+
+# -- to_nested_by_length -------------------------------------------------------------------
+
+
+def test_to_nested_by_length_keeps_each_rows_prefix():
+    padded = torch.arange(12).reshape(3, 4)
+    nested = to_nested_by_length(padded, torch.tensor([2, 0, 4]))
+    assert is_jagged(nested)
+    assert _rows(nested) == [[0, 1], [], [8, 9, 10, 11]]
+
+
+def test_to_nested_by_length_keeps_trailing_dims():
+    padded = torch.randn(2, 5, 3)
+    nested = to_nested_by_length(padded, torch.tensor([1, 5]))
+    col = JaggedColumn.from_nested(nested)
+    assert torch.equal(col.row(0), padded[0, :1]) and torch.equal(col.row(1), padded[1])
+
+
+def test_to_nested_by_length_handles_zero_rows():
+    nested = to_nested_by_length(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64))
+    assert nested.size(0) == 0
+
+
+@pytest.mark.parametrize(
+    "padded, lengths, match",
+    [
+        (torch.zeros(3), torch.tensor([1, 1, 1]), r"\[N, S"),
+        (torch.zeros(2, 3), torch.tensor([1, 1, 1]), "3 entries for 2 rows"),
+        (torch.zeros(2, 3), torch.tensor([1, 4]), "exceeds"),
+        (torch.zeros(2, 3), torch.tensor([1, -1]), "negative"),
+        (torch.zeros(2, 3), torch.tensor([1.0, 2.0]), "integer"),
+        (torch.zeros(2, 3), torch.tensor([[1, 2]]), "1-D"),
+    ],
+)
+def test_to_nested_by_length_refuses_bad_input(padded, lengths, match):
+    with pytest.raises(ValueError, match=match):
+        to_nested_by_length(padded, lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 6), max_size=6), st.integers(0, 2))
+def test_padding_then_stripping_is_the_identity(lengths, extra):
+    rows = [torch.randn(k, 2) for k in lengths]
+    col = (
+        JaggedColumn.from_rows(rows)
+        if rows
+        else JaggedColumn(torch.empty(0, 2), torch.zeros(1, dtype=torch.int64))
+    )
+    padded = pad_jagged(col, 7.0, seqlen=max(lengths, default=0) + extra)
+    assert padded.shape == (len(lengths), max(lengths, default=0) + extra, 2)
+    lengths_N = torch.tensor(lengths, dtype=torch.int64)
+    back = JaggedColumn.from_nested(to_nested_by_length(padded, lengths_N))
+    assert torch.equal(back.offsets, col.offsets) and torch.equal(back.values, col.values)
+
+
+# -- stack_or_nest ----------------------------------------------------------------------------
+
+
+def test_stack_or_nest_stacks_equal_shapes():
+    out = stack_or_nest([torch.ones(2, 3), torch.zeros(2, 3)])
+    assert not out.is_nested and out.shape == (2, 2, 3)
+
+
+def test_stack_or_nest_nests_ragged_rows():
+    out = stack_or_nest([torch.arange(3), torch.arange(1)])
+    assert is_jagged(out) and _rows(out) == [[0, 1, 2], [0]]
+
+
+def test_stack_or_nest_of_nothing_is_an_empty_tensor():
+    out = stack_or_nest([])
+    assert out.shape == (0,)
+
+
+def test_stack_or_nest_refuses_rows_ragged_beyond_dim_zero():
+    with pytest.raises(ValueError, match="ragged in dim 0"):
+        stack_or_nest([torch.zeros(2, 3), torch.zeros(2, 4)])
+
+
+# -- unwrap_wire_stripped_payload ----------------------------------------------------------
+
+
+def test_stripped_non_tensor_data_signature_becomes_none():
+    assert unwrap_wire_stripped_payload(TensorDict({}, batch_size=[])) is None
+
+
+def test_non_tensor_data_yields_its_payload():
+    assert unwrap_wire_stripped_payload(NonTensorData({"a": 1})) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        TensorDict({"x": torch.zeros(2)}, batch_size=[]),
+        TensorDict({}, batch_size=[3]),
+        "text",
+        None,
+    ],
+    ids=["has-tensors", "has-batch", "str", "none"],
+)
+def test_anything_else_passes_through_unchanged(item):
+    assert unwrap_wire_stripped_payload(item) is item
+
+
+# -- maybe_pack_jagged / pack_per_token_field ----------------------------------------------
+
+
+def test_maybe_pack_jagged_packs_only_exact_per_token_shapes():
+    lengths = torch.tensor([2, 3])
+    assert is_jagged(maybe_pack_jagged(torch.zeros(2, 3, 4), lengths))
+    wider = torch.zeros(2, 4)
+    assert maybe_pack_jagged(wider, lengths) is wider  # S != max(lengths)
+    other_n = torch.zeros(3, 3)
+    assert maybe_pack_jagged(other_n, lengths) is other_n
+    vector = torch.zeros(2)
+    assert maybe_pack_jagged(vector, lengths) is vector
+
+
+def test_pack_per_token_field_cuts_extra_right_padding():
+    val = torch.arange(10).reshape(2, 5)  # S = 5 > max(lengths) = 3 (rounded up for TP)
+    out = pack_per_token_field(val, torch.tensor([3, 1]))
+    assert _rows(out) == [[0, 1, 2], [5]]
+
+
+@pytest.mark.parametrize("val", [torch.zeros(2, 2), torch.zeros(3, 5), torch.zeros(2)])
+def test_pack_per_token_field_leaves_what_cannot_be_jaggedized(val):
+    assert pack_per_token_field(val, torch.tensor([3, 1])) is val
+
+
+def test_pack_helpers_validate_lengths():
+    with pytest.raises(ValueError, match="negative"):
+        maybe_pack_jagged(torch.zeros(2, 3), torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match="1-D"):
+        pack_per_token_field(torch.zeros(2, 3), torch.tensor(3))
+
+
+# -- pack_jagged_fields ----------------------------------------------------------------------
+
+
+def test_pack_jagged_fields_builds_a_tensordict_of_the_put_layout():
+    lengths = torch.tensor([2, 4])
+    td = pack_jagged_fields(
+        {
+            "ids": torch.arange(8).reshape(2, 4),
+            "score": torch.tensor([0.5, 1.0]),
+            "np_ids": np.arange(8).reshape(2, 4),
+            "text": np.array(["a", "bb"], dtype=object),
+        },
+        lengths=lengths,
+    )
+    assert td.batch_size == (2,)
+    assert is_jagged(td["ids"]) and _rows(td["ids"]) == [[0, 1], [4, 5, 6, 7]]
+    assert not td["score"].is_nested
+    assert is_jagged(td["np_ids"])
+    assert isinstance(td.get("text"), NonTensorStack)
+
+
+def test_pack_jagged_fields_without_lengths_keeps_tensors_rectangular():
+    td = pack_jagged_fields({"ids": torch.zeros(3, 4)}, lengths=None)
+    assert td.batch_size == (3,) and not td["ids"].is_nested
+
+
+def test_pack_jagged_fields_refuses_other_types_and_mismatched_rows():
+    with pytest.raises(TypeError, match="'bad'"):
+        pack_jagged_fields({"bad": [1, 2]}, lengths=None)
+    with pytest.raises(ValueError, match="rows"):
+        pack_jagged_fields({"a": torch.zeros(2), "b": torch.zeros(3)}, lengths=None)
+
+
+# -- response_from_nested --------------------------------------------------------------------
+
+
+def test_response_from_nested_takes_the_left_shifted_response_slice():
+    full = to_nested_by_length(torch.arange(20).reshape(2, 10), torch.tensor([5, 7]))
+    response_mask = to_nested_by_length(torch.ones(2, 3), torch.tensor([2, 3]))
+    # row 0: P=3, Q=2 -> positions 2, 3; row 1: P=4, Q=3 -> positions 13, 14, 15
+    assert _rows(response_from_nested(full, response_mask)) == [[2, 3], [13, 14, 15]]
+
+
+def test_response_from_nested_handles_empty_responses_and_trailing_dims():
+    full = JaggedColumn.from_rows([torch.randn(4, 2), torch.randn(2, 2)]).to_nested()
+    mask = JaggedColumn.from_rows([torch.ones(0), torch.ones(1)]).to_nested()
+    out = JaggedColumn.from_nested(response_from_nested(full, mask))
+    assert out.lengths().tolist() == [0, 1]
+    assert torch.equal(out.row(1), JaggedColumn.from_nested(full).row(1)[0:1])
+
+
+def test_response_from_nested_needs_a_prompt_token():
+    full = JaggedColumn.from_rows([torch.arange(2)]).to_nested()
+    mask = JaggedColumn.from_rows([torch.ones(2)]).to_nested()
+    with pytest.raises(ValueError, match="prompt token"):
+        response_from_nested(full, mask)
+
+
+def test_response_from_nested_refuses_non_jagged_or_mismatched_rows():
+    full = JaggedColumn.from_rows([torch.arange(4)]).to_nested()
+    with pytest.raises(ValueError, match="jagged"):
+        response_from_nested(torch.zeros(1, 4), full)
+    mask = JaggedColumn.from_rows([torch.ones(1), torch.ones(1)]).to_nested()
+    with pytest.raises(ValueError, match="rows"):
+        response_from_nested(full, mask)
+
+
+# -- materialize -----------------------------------------------------------------------------
+
+
+def _wire_td() -> TensorDict:
+    lengths = torch.tensor([3, 0, 1])
+    return TensorDict(
+        {
+            "ids": to_nested_by_length(torch.arange(9).reshape(3, 3), lengths),
+            "mask": to_nested_by_length(torch.ones(3, 3, dtype=torch.bool), lengths),
+            "probs": to_nested_by_length(torch.ones(3, 3, 2, dtype=torch.bfloat16), lengths),
+            "score": torch.tensor([1.0, 2.0, 3.0]),
+            "text": NonTensorStack.from_list(["a", "b", "c"]),
+        },
+        batch_size=[3],
+    )
+
+
+def test_materialize_pads_each_field_with_its_own_pad_value():
+    out = materialize(_wire_td(), pad_value_dict={"ids": -100})
+    assert isinstance(out, dict)
+    assert out["ids"].tolist() == [[0, 1, 2], [-100, -100, -100], [6, -100, -100]]
+    assert out["mask"].tolist() == [[True] * 3, [False] * 3, [True, False, False]]
+    assert out["probs"].dtype == torch.bfloat16 and out["probs"].shape == (3, 3, 2)
+    assert torch.equal(out["score"], torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_materialize_turns_non_tensor_leaves_into_object_arrays():
+    text = materialize(_wire_td())["text"]
+    assert isinstance(text, np.ndarray) and text.dtype == object and text.shape == (3,)
+    assert text.tolist() == ["a", "b", "c"]
+
+
+def test_materialize_pads_to_an_absolute_seqlen():
+    out = materialize(_wire_td(), pad_to_seqlen=8)
+    assert out["ids"].shape == (3, 8) and out["probs"].shape == (3, 8, 2)
+    assert out["score"].shape == (3,)
+
+
+def test_materialize_refuses_a_seqlen_shorter_than_a_row():
+    with pytest.raises(ValueError, match="pad_to_seqlen=2"):
+        materialize(_wire_td(), pad_to_seqlen=2)
+
+
+def test_materialize_jagged_layout_passes_nested_leaves_through():
+    td = _wire_td()
+    out = materialize(td, layout="jagged")
+    assert out["ids"] is td["ids"]
+
+
+def test_materialize_accepts_a_decoded_wire_body_with_jagged_columns():
+    td = _wire_td()
+    fields = {k: td[k] for k in ("ids", "mask", "probs", "score")}
+    decoded = decode_message(encode_message("reply", {"fields": fields}), jagged="column")
+    out = materialize(decoded.body["fields"], pad_value_dict={"ids": -1})
+    assert torch.equal(out["ids"], materialize(td, pad_value_dict={"ids": -1})["ids"])
+
+
+def test_materialize_of_zero_rows_gives_empty_rectangles():
+    empty = JaggedColumn(torch.empty(0, 2), torch.zeros(1, dtype=torch.int64))
+    out = materialize({"x": empty}, pad_to_seqlen=4)
+    assert out["x"].shape == (0, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"layout": "dense"}, "layout"), ({"pad_to_seqlen": -1}, "pad_to_seqlen")],
+)
+def test_materialize_refuses_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        materialize(_wire_td(), **kwargs)
+
+
+def test_materialize_refuses_unknown_leaves():
+    with pytest.raises(TypeError, match="'x'"):
+        materialize({"x": [1, 2]})
+
+
+# -- per-sample <-> columnar and wire helpers -----------------------------------------------
+
+
+def test_samples_and_columns_convert_both_ways():
+    samples = [
+        {"ids": torch.arange(3), "label": torch.tensor(1)},
+        {"ids": torch.arange(0), "label": torch.tensor(0)},
+    ]
+    columns = samples_to_columns(samples)
+    assert is_jagged(columns["ids"]) and columns["label"].tolist() == [1, 0]
+    back = columns_to_samples(columns)
+    assert [s["ids"].tolist() for s in back] == [[0, 1, 2], []]
+    assert [int(s["label"]) for s in back] == [1, 0]
+
+
+def test_samples_with_different_keys_are_refused():
+    with pytest.raises(ValueError, match="keys"):
+        samples_to_columns([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}])
+
+
+def test_columns_with_different_row_counts_are_refused():
+    with pytest.raises(ValueError, match="disagree"):
+        columns_to_samples({"a": torch.zeros(2), "b": torch.zeros(3)})
+
+
+def test_wire_fields_round_trip_through_a_put_message():
+    td = _wire_td().exclude("text")
+    body = {"partition": "p", "keys": ["a", "b", "c"], "fields": to_wire_fields(td)}
+    decoded = decode_message(encode_message("put", body))
+    back = from_wire_fields(decoded.body["fields"])
+    assert back.batch_size == (3,)
+    assert materialize(back)["ids"].tolist() == materialize(td)["ids"].tolist()
+
+
+def test_non_tensor_fields_cannot_become_wire_fields():
+    with pytest.raises(TypeError, match="'text'"):
+        to_wire_fields(_wire_td())
