@@ -52,6 +52,22 @@ def load_chunk_avg_log_softmax() -> Callable | None:
     return None
 
 
+@functools.cache
+def load_project_by_gather() -> Callable | None:
+    """The gather projection ``project_by_gather(p_NS, (indices, likelihoods, idx), out_dtype)``.
+
+    Returns:
+        The function, or None when it cannot be imported.
+    """
+    try:
+        module = importlib.import_module("xtoken_core.kernels.projection_gather")
+    except ImportError as exc:
+        logger.debug("[losses] projection_gather not importable: %s", exc)
+        return None
+    fn = getattr(module, "project_by_gather", None)
+    return fn if callable(fn) else None
+
+
 def kernels_available() -> bool:
     """Whether the fused kernels can run: importable and Triton installed (CUDA: caller's check)."""
     return (
@@ -106,8 +122,13 @@ def pkl_kd_loss(
     temperature: float,
     vocab_topk: int | None,
     reverse_kl: bool,
+    projection_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> KDTerms:
     """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
+
+    With ``projection_topk`` (the dense ``(indices [V_rows, K], likelihoods)`` form of M, on the
+    logits' device) the projection runs as gathers (``project_by_gather``), else through
+    :class:`~xtoken_core.losses.utils.Fp32SparseMM` on ``projection_VW``.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -128,8 +149,17 @@ def pkl_kd_loss(
             temperature,
             out_dtype=dtype,
         )
-    projection_VK = reference.restrict_columns(projection_VW, idx_K)
-    q_BTK = reference.project_student_probs(student_logits_BTV, projection_VK, temperature)
+    project = load_project_by_gather()
+    if projection_topk is not None and project is not None:
+        indices_VK, likelihoods_VK = projection_topk
+        B, T, V = student_logits_BTV.shape
+        rows = indices_VK.shape[0]  # student ids past the rows have no entries
+        probs_NV = torch.softmax(student_logits_BTV.to(dtype) / temperature, -1).reshape(B * T, V)
+        q_NK = project(probs_NV[:, :rows], (indices_VK, likelihoods_VK, idx_K), out_dtype=dtype)
+        q_BTK = q_NK.reshape(B, T, -1)
+    else:
+        projection_VK = reference.restrict_columns(projection_VW, idx_K)
+        q_BTK = reference.project_student_probs(student_logits_BTV, projection_VK, temperature)
     q_BCK = chunk_mean_scatter(q_BTK, student_chunk_id_BT, C)
     teacher_lp_NK, q_NK = teacher_lp_BCK[valid_BC], q_BCK[valid_BC].to(teacher_lp_BCK.dtype)
     kd = reference.pkl_chunk_kl(teacher_lp_NK, q_NK, reverse_kl).sum() * temperature**2

@@ -112,6 +112,24 @@ class CrossTokenizerLoss:
         self._cache[key] = matrix
         return matrix
 
+    def _projection_topk(
+        self, i: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dense top-k form of projection i on ``device`` (None for a sparse-layout file)."""
+        key = ("topk", i, device)
+        if key not in self._cache:
+            source = self.config.projections[i]
+            if isinstance(source, tuple):
+                self._cache[key] = tuple(t.to(device) for t in source)
+            else:
+                from xtoken_core.data.projection import get_topk_projection
+
+                try:
+                    self._cache[key] = get_topk_projection(source, device)
+                except ValueError:  # sparse {(s, t): w} layout: the kernel path uses sparse mm
+                    self._cache[key] = None
+        return self._cache[key]
+
     def _exact_map(self, i: int, V: int, W: int, device: torch.device) -> dict[str, torch.Tensor]:
         key = ("exact", i, device, V, W, self.config.xtoken_loss)
         if key in self._cache:
@@ -334,6 +352,9 @@ class CrossTokenizerLoss:
                     reverse_kl=cfg.reverse_kl,
                 )
             else:
+                extra = {}
+                if backend is fused:
+                    extra["projection_topk"] = self._projection_topk(i, device)
                 terms = backend.pkl_kd_loss(
                     student_logits,
                     z_t,
@@ -344,6 +365,7 @@ class CrossTokenizerLoss:
                     temperature=cfg.temperature,
                     vocab_topk=cfg.vocab_topk,
                     reverse_kl=cfg.reverse_kl,
+                    **extra,
                 )
             denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
             denom = denom.to(dtype).clamp_min(1)

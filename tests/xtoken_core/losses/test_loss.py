@@ -495,8 +495,11 @@ def test_projection_file_gives_the_same_loss_as_tensors(tmp_path):
         )
 
 
+@pytest.mark.parametrize("interpret", [False, True], ids=["torch-fallback", "triton-interpret"])
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
-def test_kernel_backend_matches_reference_values_and_gradients(mode):
+def test_kernel_backend_matches_reference_values_and_gradients(mode, interpret, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
     zs, zt = make_logits(15)
     batch = make_batch(15)
     results = {}
