@@ -53,3 +53,31 @@ def test_demo_rejects_bad_options(tmp_path, capsys):
         cli.main(["demo", "--limit", "2", "--ctx-student", "0", "--corpus-dir", str(tmp_path)]) == 2
     )
     assert "ctx_length_student" in capsys.readouterr().err
+
+
+def test_demo_totals_agree_with_alignment_stats():
+    from services.demo import _Totals
+    from xtoken_core.align import AlignmentBatch, TokenAligner, alignment_stats
+    from xtoken_core.data.collator import CrossTokenizerCollator
+    from xtoken_core.tokenizers import load_tokenizer
+
+    collator = CrossTokenizerCollator(
+        student_tokenizer=load_tokenizer("qwen3"),
+        teacher_tokenizer=load_tokenizer("mistral"),
+        aligner=TokenAligner(),
+        ctx_length_student=12,
+        ctx_length_teacher=9,
+    )
+    texts = ["Hello, world! How are you today, my friend?", "", "naïve café", "x = [1, 2, 3]"]
+    batch = collator(texts)
+    totals = _Totals()
+    totals.add(texts, batch, (12, 9))
+    report = totals.report(1.0)
+    reference = alignment_stats(AlignmentBatch.from_flat_dict(batch))
+    assert report["chunks"] == reference["chunks"]
+    assert report["valid_pair_fraction"] == round(reference["valid_fraction"], 4)
+    assert report["student_tokens"] == int(batch["input_lengths"].sum())
+    assert report["empty_samples"] == 1
+    # Mistral adds a BOS the qwen3 side cannot pair: one one-sided teacher token per sample.
+    assert report["teacher_one_sided_tokens"] >= len(texts)
+    assert report["student_samples_at_ctx"] == 1 and report["samples_per_second"] == 4.0

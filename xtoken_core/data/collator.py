@@ -4,7 +4,8 @@ Two outputs from the same steps:
 
 * ``collator(batch)``: a right-padded batch, a flat ``{key: tensor}`` dict (keys, dtypes, pad
   values and widths: see :mod:`xtoken_core.data.sample`).
-* ``collator.collate_one(text)``: ONE jagged sample (no padding) for the transfer queue.
+* ``collator.collate_one(text)`` / ``collate_samples(texts)``: jagged samples (no padding) for
+  the transfer queue.
   ``sample.pad_samples([collate_one(t) for t in texts], **collator.pad_kwargs())`` equals
   ``collator(texts)`` exactly.
 
@@ -228,20 +229,39 @@ class CrossTokenizerCollator:
         Raises:
             ValueError: if the item has no text.
         """
-        text = _text_of(text, 0)
-        (student,), (teacher,) = self.tokenize([text])
-        alignment = self.aligner.align_tokenized(student, teacher)
-        out: dict[str, torch.Tensor] = {
-            "input_ids": torch.from_numpy(np.array(student.ids, dtype=np.int64)),
-            "input_lengths": torch.tensor(len(student), dtype=torch.int64),
-            "token_mask": torch.ones(len(student), dtype=torch.bool),
-            "sample_mask": torch.tensor(1.0 if text else 0.0, dtype=torch.float32),
-            "teacher_input_ids": torch.from_numpy(np.array(teacher.ids, dtype=np.int64)),
-            "teacher_input_lengths": torch.tensor(len(teacher), dtype=torch.int64),
-            "teacher_token_mask": torch.ones(len(teacher), dtype=torch.bool),
-        }
-        out.update(alignment.to_flat_dict(prefix=schema.ALIGNMENT_PREFIX))
-        return {name: out[name] for name in schema.FIELD_NAMES}
+        return self.collate_samples([text])[0]
+
+    def collate_samples(self, batch: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
+        """Collate B texts into B jagged samples (what a collator worker puts on the queue).
+
+        Same result as ``[collate_one(x) for x in batch]``, tokenizing each side in one call.
+
+        Args:
+            batch: B items, each a str or a mapping with a string ``"text"`` key.
+
+        Returns:
+            B sample dicts (see :meth:`collate_one`).
+
+        Raises:
+            ValueError: if an item has no text.
+        """
+        texts = [_text_of(item, i) for i, item in enumerate(batch)]
+        student, teacher = self.tokenize(texts)
+        samples = []
+        for text, s, t in zip(texts, student, teacher):
+            alignment = self.aligner.align_tokenized(s, t)
+            out: dict[str, torch.Tensor] = {
+                "input_ids": torch.from_numpy(np.array(s.ids, dtype=np.int64)),
+                "input_lengths": torch.tensor(len(s), dtype=torch.int64),
+                "token_mask": torch.ones(len(s), dtype=torch.bool),
+                "sample_mask": torch.tensor(1.0 if text else 0.0, dtype=torch.float32),
+                "teacher_input_ids": torch.from_numpy(np.array(t.ids, dtype=np.int64)),
+                "teacher_input_lengths": torch.tensor(len(t), dtype=torch.int64),
+                "teacher_token_mask": torch.ones(len(t), dtype=torch.bool),
+            }
+            out.update(alignment.to_flat_dict(prefix=schema.ALIGNMENT_PREFIX))
+            samples.append({name: out[name] for name in schema.FIELD_NAMES})
+        return samples
 
 
 def _pad_rows(rows: list[np.ndarray], width: int, pad: int) -> torch.Tensor:

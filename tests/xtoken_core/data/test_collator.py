@@ -132,8 +132,10 @@ def test_batch_of_one_matches_its_row_in_a_batch_of_many(tokenizers):
 def _assert_jagged_equals_padded(collator, texts):
     batch = collator(texts)
     samples = [collator.collate_one(t) for t in texts]
-    for sample in samples:
+    many = collator.collate_samples(texts)
+    for sample, other in zip(samples, many, strict=True):
         S.validate_sample(sample)
+        assert all(torch.equal(sample[k], other[k]) for k in S.FIELD_NAMES)
     rebuilt = S.pad_samples(samples, **collator.pad_kwargs())
     assert list(rebuilt) == list(batch)
     for name in batch:
