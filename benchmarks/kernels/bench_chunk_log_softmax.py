@@ -1,0 +1,189 @@
+"""Benchmark: fused chunk-averaged log-softmax vs the one-hot bmm reference (GPU, fwd + bwd).
+
+Prints one table and appends rows to benchmarks/results/kernels_chunk_log_softmax.jsonl.
+Floor = (logits read + gradient written) / measured device copy bandwidth; the "io floor" also
+counts the fp32 output written and its gradient read.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+from xtoken_core.kernels import chunk_log_softmax as cls  # noqa: E402
+from xtoken_core.losses.reference import chunk_average_log_probs  # noqa: E402
+
+SHAPES = [(b, t, v) for v in (151936, 131072) for t in (1024, 4096) for b in (1, 2)]
+TEMPERATURE = 2.0
+
+
+def _chunk_ids(B, T, C, gen):
+    """Sorted runs of 1-2 positions (C ~ 0.8 T), a padded tail of -1."""
+    lengths = torch.randint(1, 3, (T,), generator=gen, device="cuda")
+    cid = torch.repeat_interleave(torch.arange(T, device="cuda"), lengths)[:T]
+    cid = torch.where(cid < C, cid, torch.full_like(cid, -1))
+    cid[-16:] = -1
+    return cid.expand(B, T).contiguous()
+
+
+def _reference(x, cid, C):
+    lp = torch.log_softmax(x.float() / TEMPERATURE, dim=-1)
+    return chunk_average_log_probs(lp, cid, C)
+
+
+def run_shape(B, T, V, bw_gbs, with_reference=True):
+    gen = torch.Generator(device="cuda").manual_seed(B * T + V)
+    C = int(0.8 * T)
+    logits = (torch.randn(B, T, V, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    cid = _chunk_ids(B, T, C, gen)
+    x = logits.clone().requires_grad_()
+    g = torch.randn(B, C, V, device="cuda", generator=gen)
+
+    def kernel_fwd_bwd():
+        avg, _ = cls.chunk_avg_log_softmax(x, cid, C, TEMPERATURE)
+        avg.backward(g)
+
+    def kernel_fwd():
+        with torch.no_grad():
+            cls.chunk_avg_log_softmax(x, cid, C, TEMPERATURE)
+
+    def ref_fwd_bwd():
+        avg, _ = _reference(x, cid, C)
+        avg.backward(g)
+
+    # correctness + determinism at this shape
+    avg1, _ = cls.chunk_avg_log_softmax(x, cid, C, TEMPERATURE)
+    avg1.backward(g)
+    grad1 = x.grad.clone()
+    x.grad = None
+    avg2, _ = cls.chunk_avg_log_softmax(x, cid, C, TEMPERATURE)
+    avg2.backward(g)
+    deterministic = bool(torch.equal(avg1, avg2) and torch.equal(grad1, x.grad))
+    x.grad = None
+    with torch.no_grad():
+        avg_r, _ = _reference(x, cid, C)
+    err = float((avg1.double() - avg_r.double()).norm() / avg_r.double().norm())
+    del avg1, avg2, grad1, avg_r
+
+    ms = _common.bench_ms(kernel_fwd_bwd, grad_to_none=[x])
+    ms_fwd = _common.bench_ms(kernel_fwd)
+    logits_bytes = logits.numel() * logits.element_size()
+    out_bytes = B * C * V * 4
+    extra = _common.extra_peak_bytes(kernel_fwd_bwd, out_bytes + logits_bytes)
+    x.grad = None
+    floor_bytes = 2 * logits_bytes
+    io_bytes = floor_bytes + 2 * out_bytes
+    row = dict(
+        bench="chunk_avg_log_softmax",
+        commit=_common.commit(),
+        device=_common.device_name(),
+        B=B,
+        T=T,
+        V=V,
+        C=C,
+        dtype="bf16",
+        ms_fwd_bwd=ms,
+        ms_fwd=ms_fwd,
+        copy_gbs=bw_gbs,
+        achieved_gbs=floor_bytes / (ms * 1e-3) / 1e9,
+        x_floor=ms / (floor_bytes / (bw_gbs * 1e9) * 1e3),
+        x_io_floor=ms / (io_bytes / (bw_gbs * 1e9) * 1e3),
+        extra_peak_pct_logits=100.0 * extra / logits_bytes,
+        rel_err=err,
+        deterministic=deterministic,
+        config=dict(cls.KERNEL_CONFIG),
+    )
+    if with_reference:
+        try:
+            row["ms_ref_bmm"] = _common.bench_ms(ref_fwd_bwd, warmup=1, rep=1, grad_to_none=[x])
+            row["speedup_vs_bmm"] = row["ms_ref_bmm"] / ms
+            ref_extra = _common.extra_peak_bytes(ref_fwd_bwd, out_bytes + logits_bytes)
+            row["ref_extra_peak_pct_logits"] = 100.0 * ref_extra / logits_bytes
+        except torch.OutOfMemoryError:
+            row["ms_ref_bmm"] = "oom"
+        x.grad = None
+    return row
+
+
+def sweep_configs(bw_gbs):
+    """A few block/warp variants on one shape; keeps the fastest in KERNEL_CONFIG."""
+    variants = [
+        dict(
+            lse_block_v=4096,
+            lse_warps=8,
+            acc_block_v=2048,
+            acc_warps=4,
+            bwd_block_v=2048,
+            bwd_warps=4,
+        ),
+        dict(
+            lse_block_v=8192,
+            lse_warps=16,
+            acc_block_v=4096,
+            acc_warps=8,
+            bwd_block_v=4096,
+            bwd_warps=8,
+        ),
+        dict(
+            lse_block_v=2048,
+            lse_warps=4,
+            acc_block_v=1024,
+            acc_warps=4,
+            bwd_block_v=1024,
+            bwd_warps=4,
+        ),
+    ]
+    best, rows = None, []
+    for v in variants:
+        cls.KERNEL_CONFIG.update(v)
+        row = run_shape(2, 4096, 151936, bw_gbs, with_reference=False)
+        rows.append(row)
+        if best is None or row["ms_fwd_bwd"] < best[0]:
+            best = (row["ms_fwd_bwd"], dict(v))
+    cls.KERNEL_CONFIG.update(best[1])
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="benchmarks/results/kernels_chunk_log_softmax.jsonl")
+    parser.add_argument("--no-sweep", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 1
+    bw = _common.copy_bandwidth_gbs()
+    rows = [] if args.no_sweep else sweep_configs(bw)
+    for r in rows:
+        r["sweep"] = True
+    for B, T, V in SHAPES:
+        rows.append(run_shape(B, T, V, bw))
+    _common.append_rows(args.results, rows)
+    _common.print_table(
+        rows,
+        [
+            "B",
+            "T",
+            "V",
+            "ms_fwd_bwd",
+            "ms_fwd",
+            "ms_ref_bmm",
+            "speedup_vs_bmm",
+            "achieved_gbs",
+            "copy_gbs",
+            "x_floor",
+            "x_io_floor",
+            "extra_peak_pct_logits",
+            "rel_err",
+            "deterministic",
+        ],
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
