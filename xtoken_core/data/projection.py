@@ -11,9 +11,10 @@ token. Two on-disk layouts are read (both loaded without running code):
 
 Caches: every cache key starts with ``(realpath(path), st_mtime_ns, st_size)`` so that two
 spellings of one file share an entry and a rewritten file is re-read; entries of an older version
-of the same file are evicted on the next miss. ``device`` is normalized with ``torch.device``
-("cuda" and "cuda:0" are distinct keys). Cached tensors are shared: callers must not modify them
-in place. ``clear_projection_caches()`` empties every cache (tests).
+of the same file are evicted on the next miss. ``device`` is normalized with ``torch.device`` and
+a bare "cuda" gets the current CUDA device index, so "cuda" and "cuda:0" share one entry. Cached
+tensors are shared: callers must not modify them in place. ``clear_projection_caches()`` empties
+every cache (tests).
 
 Shape legend: S student vocab (rows of the file), W teacher vocab, K top-k slots per row,
 N non-zeros of the COO form.
@@ -319,6 +320,14 @@ def clear_projection_caches() -> None:
             cache.clear()
 
 
+def _normalize_device(device: torch.device | str) -> torch.device:
+    """torch.device with the current CUDA index filled in ("cuda" and "cuda:0" share entries)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -354,7 +363,7 @@ def get_sparse_projection_matrix(
     """
     _check_size("student_vocab_size", student_vocab_size)
     _check_size("teacher_vocab_size", teacher_vocab_size)
-    device = torch.device(device)
+    device = _normalize_device(device)
     key = (_file_key(path), device, student_vocab_size, teacher_vocab_size)
     hit = _cache_get(_SPARSE_PROJECTION_CACHE, key)
     if hit is not None:
@@ -396,7 +405,7 @@ def get_topk_projection(
         ValueError: the file is invalid or in the sparse ``{(s, t): weight}`` layout, which has no
             per-row top-k weights.
     """
-    device = torch.device(device)
+    device = _normalize_device(device)
     key = (_file_key(path), device)
     hit = _cache_get(_TOPK_PROJECTION_CACHE, key)
     if hit is not None:
@@ -528,7 +537,7 @@ def build_exact_token_map(
         or teacher_vocab_size <= 0
     ):
         raise ValueError(f"teacher_vocab_size must be a positive int, got {teacher_vocab_size!r}")
-    device = torch.device(device)
+    device = _normalize_device(device)
     key: tuple[Hashable, ...] = (_file_key(path), device, bool(xtoken_loss), teacher_vocab_size)
     hit = _cache_get(_EXACT_TOKEN_MAP_CACHE, key)
     if hit is not None:

@@ -338,3 +338,20 @@ def test_timestamps_are_part_of_the_cache_key(tmp_path):
     path = _save(tmp_path, EXACT)
     key = P._file_key(path)
     assert key[0] == os.path.realpath(path) and key[1] == os.stat(path).st_mtime_ns
+
+
+@pytest.mark.gpu
+def test_cuda_copies_match_cpu_and_share_one_entry_per_device(tmp_path):
+    path = _save(tmp_path, EXACT)
+    sizes = {"student_vocab_size": 10, "teacher_vocab_size": 12}
+    cpu = P.get_sparse_projection_matrix(path, "cpu", **sizes)
+    gpu = P.get_sparse_projection_matrix(path, "cuda", **sizes)
+    assert gpu.device.type == "cuda" and gpu.is_coalesced()
+    assert P.get_sparse_projection_matrix(path, f"cuda:{gpu.device.index}", **sizes) is gpu
+    assert torch.equal(gpu.to_dense().cpu(), cpu.to_dense())
+    for relaxed in (False, True):
+        on_cpu = P.build_exact_token_map(path, "cpu", xtoken_loss=relaxed, teacher_vocab_size=12)
+        on_gpu = P.build_exact_token_map(path, "cuda", xtoken_loss=relaxed, teacher_vocab_size=12)
+        for name, tensor in on_gpu.items():
+            assert tensor.device.type == "cuda"
+            assert torch.equal(tensor.cpu(), on_cpu[name]), name
