@@ -166,7 +166,40 @@ class XTokenizer(ABC):
             ValueError: (UnicodeEncodeError) if the text is not valid Unicode for UTF-8.
         """
         text_bytes = text.encode("utf-8")
-        ids_N, offsets_N2, offsets_are_chars = self._raw_encode(text, add_special_tokens)
+        return self._finish_encode(text, text_bytes, *self._raw_encode(text, add_special_tokens))
+
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[TokenizedText]:
+        """Tokenize several texts (see ``encode``); HF tokenizers encode the batch natively.
+
+        Args:
+            texts: the texts.
+            add_special_tokens: as in ``encode``.
+
+        Returns:
+            One TokenizedText per text, in order.
+
+        Raises:
+            ValueError: (UnicodeEncodeError) if a text is not valid Unicode for UTF-8.
+        """
+        texts = list(texts)
+        all_bytes = [t.encode("utf-8") for t in texts]
+        raw = self._raw_encode_batch(texts, add_special_tokens)
+        return [self._finish_encode(t, b, *r) for t, b, r in zip(texts, all_bytes, raw)]
+
+    def _raw_encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[tuple]:
+        """Batch version of ``_raw_encode`` (override where the backend batches natively)."""
+        return [self._raw_encode(t, add_special_tokens) for t in texts]
+
+    def _finish_encode(
+        self,
+        text: str,
+        text_bytes: bytes,
+        ids_N: np.ndarray,
+        offsets_N2: np.ndarray,
+        offsets_are_chars: bool,
+    ) -> TokenizedText:
         roles_N = self._roles[ids_N] if len(ids_N) else np.zeros(0, dtype=np.int8)
         spans_N2 = compute_byte_spans(
             text,
@@ -180,20 +213,6 @@ class XTokenizer(ABC):
             dummy_prefix=self._dummy_prefix,
         )
         return TokenizedText(ids_N, spans_N2, roles_N.astype(np.int8), text)
-
-    def encode_batch(
-        self, texts: list[str], add_special_tokens: bool = True
-    ) -> list[TokenizedText]:
-        """Tokenize several texts (see ``encode``).
-
-        Args:
-            texts: the texts.
-            add_special_tokens: as in ``encode``.
-
-        Returns:
-            One TokenizedText per text, in order.
-        """
-        return [self.encode(t, add_special_tokens) for t in texts]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for as a piece of text.

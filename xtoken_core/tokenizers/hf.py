@@ -171,6 +171,14 @@ class HFTokenizer(XTokenizer):
         offsets_N2 = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
         return ids_N, offsets_N2, True
 
+    def _raw_encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[tuple]:
+        out = []
+        for enc in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens):
+            ids_N = np.asarray(enc.ids, dtype=np.int64)
+            offsets_N2 = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            out.append((ids_N, offsets_N2, True))
+        return out
+
     def encode_bytes_to_ids(self, text: str) -> list[int]:
         """Plain tokenization of ``text`` without special tokens.
 

@@ -180,3 +180,9 @@ def test_encode_batch_matches_encode_and_handles_empty_text(name):
         tok.encode(t).ids.tolist() for t in ["", "a b", "   "]
     ]
     assert (batch[0].roles != 0).all()  # empty text: only specials, if any
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_lone_surrogate_text_is_rejected_with_a_value_error(name):
+    with pytest.raises(ValueError):
+        load_tokenizer(name).encode("a\ud800b")
