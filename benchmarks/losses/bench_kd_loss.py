@@ -1,0 +1,234 @@
+"""Benchmark: the whole KD loss, reference formulation vs the kernel-backed path (fwd + bwd).
+
+For each mode (P-KL, gold, relaxed gold / xtoken), each (B, T, V_s, V_t) shape, bf16 logits and
+~0.8 T chunks of 1-2 tokens per side, it times ``CrossTokenizerLoss(...)(...)`` forward and
+backward with ``backend="reference"`` (one-hot bmm chunk averages, fp32 [B, T, V] copies) and
+``backend="kernel"`` (fused chunk-averaged log-softmax, projection by gather), and reports the
+median time, the peak memory above the inputs, both ratios and the relative loss difference.
+The CE term is off (ce_weight=0) so that only the KD term is measured.
+
+Prints one table and appends rows to benchmarks/results/losses_kd_loss.jsonl.
+GPU: ``python benchmarks/losses/bench_kd_loss.py``; CPU smoke run: ``--smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+
+# (V_s, V_t): Qwen3 student / Mistral-like teacher, Llama-3 student / Qwen3 teacher.
+VOCAB_PAIRS = [(151936, 131072), (128256, 151936)]
+SHAPES = [(b, t) for t in (1024, 4096) for b in (1, 2)]
+MODES = ("pkl", "gold", "xtoken")
+TEMPERATURE = 2.0
+VOCAB_TOPK = 8192
+PROJ_K = 8
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("XTOKEN_COMMIT", "unknown")
+
+
+def _chunk_ids(B: int, T: int, C: int, gen: torch.Generator, device) -> torch.Tensor:
+    """Runs of 1-2 positions, ids < C, a padded tail of -1 (one row per sample, varied)."""
+    rows = []
+    for _ in range(B):
+        lengths = torch.randint(1, 3, (T,), generator=gen, device=device)
+        cid = torch.repeat_interleave(torch.arange(T, device=device), lengths)[:T]
+        cid = torch.where(cid < C, cid, torch.full_like(cid, -1))
+        cid[-8:] = -1
+        rows.append(cid)
+    return torch.stack(rows)
+
+
+def _projection(V_s: int, V_t: int, gen: torch.Generator, device):
+    """60% of the shared id range maps one-hot (common vocab); other rows get K random ids."""
+    indices = torch.randint(0, V_t, (V_s, PROJ_K), generator=gen, device=device)
+    likelihoods = torch.rand(V_s, PROJ_K, generator=gen, device=device) + 0.05
+    likelihoods = likelihoods / likelihoods.sum(1, keepdim=True)
+    n_exact = int(0.6 * min(V_s, V_t))
+    indices[:n_exact, 0] = torch.arange(n_exact, device=device)
+    indices[:n_exact, 1:] = -1
+    likelihoods[:n_exact, 0] = 1.0
+    likelihoods[:n_exact, 1:] = 0.0
+    return indices, likelihoods
+
+
+def _make_inputs(B, T, V_s, V_t, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    C = int(0.8 * T)
+    student = (torch.randn(B, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
+    teacher = (torch.randn(B, T, V_t, generator=gen, device=device) * 3).to(torch.bfloat16)
+    batch = {
+        "alignment_pair_valid": torch.ones(B, C, dtype=torch.bool, device=device),
+        "alignment_pair_is_correct": torch.ones(B, C, dtype=torch.bool, device=device),
+        "alignment_student_chunk_id": _chunk_ids(B, T, C, gen, device),
+        "alignment_teacher_chunk_id": _chunk_ids(B, T, C, gen, device),
+        "alignment_num_chunks": torch.full((B,), C, device=device),
+    }
+    return student, teacher, batch, _projection(V_s, V_t, gen, device), C
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure(fn, device, reps: int) -> tuple[float, int]:
+    """Median ms over ``reps`` runs after one warm-up, and the peak bytes above the start."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated() - base
+    return statistics.median(times), peak
+
+
+def run_case(mode, B, T, V_s, V_t, device, reps) -> dict:
+    student, teacher, batch, projection, C = _make_inputs(B, T, V_s, V_t, device, seed=B * T)
+    x = student.clone().requires_grad_()
+    row = dict(
+        bench="kd_loss",
+        mode=mode,
+        B=B,
+        T=T,
+        C=C,
+        V_s=V_s,
+        V_t=V_t,
+        dtype="bf16",
+        vocab_topk=VOCAB_TOPK if mode == "pkl" else None,
+    )
+    losses = {}
+    for backend in ("reference", "kernel"):
+        loss_fn = CrossTokenizerLoss(
+            CrossTokenizerLossConfig(
+                projection=projection,
+                mode=mode,
+                temperature=TEMPERATURE,
+                vocab_topk=VOCAB_TOPK,
+                ce_weight=0.0,
+                backend=backend,
+            )
+        )
+
+        def fwd_bwd(loss_fn=loss_fn):
+            x.grad = None
+            loss, _ = loss_fn(x, teacher, batch)
+            loss.backward()
+            return loss
+
+        try:
+            losses[backend] = float(fwd_bwd().detach())
+            ms, peak = _measure(fwd_bwd, device, reps)
+            row[f"ms_{backend}"] = ms
+            row[f"peak_gib_{backend}"] = peak / 2**30
+        except torch.OutOfMemoryError:
+            row[f"ms_{backend}"] = "oom"
+            row[f"peak_gib_{backend}"] = "oom"
+        x.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if len(losses) == 2:
+        row["loss_rel_diff"] = abs(losses["kernel"] - losses["reference"]) / max(
+            abs(losses["reference"]), 1e-30
+        )
+    if isinstance(row.get("ms_reference"), float) and isinstance(row.get("ms_kernel"), float):
+        row["speedup"] = row["ms_reference"] / row["ms_kernel"]
+        if row["peak_gib_kernel"]:
+            row["mem_ratio"] = row["peak_gib_reference"] / row["peak_gib_kernel"]
+    return row
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    """One fixed-width table (benchmarks are CLIs: print is their output)."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="benchmarks/results/losses_kd_loss.jsonl")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes, no results file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        device, pairs, shapes = torch.device("cpu"), [(211, 197)], [(1, 64), (2, 64)]
+    elif torch.cuda.is_available():
+        device, pairs, shapes = torch.device("cuda"), VOCAB_PAIRS, SHAPES
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference bmm stays true fp32
+    else:
+        print("needs a CUDA device (or --smoke)")
+        return 1
+    device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    commit = _commit()
+    rows = []
+    for V_s, V_t in pairs:
+        for B, T in shapes:
+            for mode in args.modes:
+                row = run_case(mode, B, T, V_s, V_t, device, args.reps)
+                row.update(commit=commit, device=device_name)
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    print_table(
+        rows,
+        [
+            "mode",
+            "B",
+            "T",
+            "V_s",
+            "V_t",
+            "ms_reference",
+            "ms_kernel",
+            "speedup",
+            "peak_gib_reference",
+            "peak_gib_kernel",
+            "mem_ratio",
+            "loss_rel_diff",
+        ],
+    )
+    if not args.smoke:
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "a", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
