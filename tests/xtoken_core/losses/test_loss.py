@@ -617,3 +617,39 @@ def test_missing_alignment_keys_are_rejected():
     del batch["alignment_pair_valid"]
     with pytest.raises(ValueError, match="alignment_pair_valid"):
         _call(batch=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
+def test_kernel_backend_matches_reference_on_cuda_with_bf16_logits(mode):
+    g = torch.Generator().manual_seed(30)
+    Bn, Tn, Vn, Wn = 2, 257, 1031, 997
+    batch = make_alignment(31, Bn=Bn, Tn=Tn, Un=Tn, Cn=200)
+    batch = {k: v.cuda() for k, v in batch.items()}
+    indices = torch.randint(0, Wn, (Vn, K), generator=g)
+    likelihoods = torch.rand(Vn, K, generator=g) + 0.1
+    indices[:300, 0], indices[:300, 1:], likelihoods[:300] = (
+        torch.arange(300).view(-1, 1)[:, 0],
+        -1,
+        torch.tensor([1.0, 0, 0]),
+    )
+    zs = (3 * torch.randn(Bn, Tn, Vn, generator=g)).to(torch.bfloat16).cuda().requires_grad_()
+    zt = (3 * torch.randn(Bn, Tn, Wn, generator=g)).to(torch.bfloat16).cuda()
+    out = {}
+    for backend in ("reference", "kernel"):
+        zs.grad = None
+        loss, _ = run_api(
+            zs,
+            zt,
+            batch,
+            projection=(indices, likelihoods),
+            mode=mode,
+            vocab_topk=500,
+            ce_weight=0.0,
+            temperature=2.0,
+            backend=backend,
+        )
+        loss.backward()
+        out[backend] = (loss.detach().float(), zs.grad.float().clone())
+    torch.testing.assert_close(out["kernel"][0], out["reference"][0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out["kernel"][1], out["reference"][1], rtol=2e-2, atol=1e-6)
