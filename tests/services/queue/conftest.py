@@ -61,9 +61,9 @@ class ServerProcess:
         self._log.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """A server shared by a test module (tests use their own partitions)."""
+    """A server shared by the queue tests (each test uses its own partitions)."""
     srv = ServerProcess(tmp_path_factory.mktemp("queue"), "--capacity", "256MiB")
     yield srv
     srv.stop()

@@ -1,0 +1,68 @@
+"""`xtoken queue`: size parsing, `stats` table and JSON against a real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services import cli
+from services.queue import cli as queue_cli
+from services.queue.cli import format_stats, parse_size
+from services.queue.client import QueueClient
+from tests.services.queue.conftest import ROOT
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * 2**20),
+        ("8GiB", 8 * 2**30),
+        ("1e9", 10**9),
+        ("2GB", 2 * 10**9),
+        ("4096", 4096),
+        ("1.5KiB", 1536),
+        ("16 kib", 16384),
+    ],
+)
+def test_parse_size_understands_units(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "8XB", "0", "-1GiB"])
+def test_parse_size_rejects_nonsense_naming_the_format(text):
+    with pytest.raises(ValueError, match="512MiB|must be > 0"):
+        parse_size(text)
+
+
+def test_bad_capacity_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["queue", "serve", "--capacity", "lots"])
+    assert exc.value.code == 2 and "512MiB" in capsys.readouterr().err
+
+
+def test_stats_command_prints_json_and_a_table(server):
+    with QueueClient(server.address) as client:
+        client.put("cli-part", ["a", "b"], {"x": torch.zeros(2, 8)})
+        lease = client.claim("cli-part", "trainer", ["x"], 1)
+        client.ack("cli-part", "trainer", lease["lease_id"])
+    cmd = [sys.executable, "-m", "services.cli", "queue", "stats", "--queue", server.address]
+    proc = subprocess.run([*cmd, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    part = stats["partitions"]["cli-part"]
+    assert part["samples"] == 2 and part["tasks"]["trainer"]["consumed"] == 1
+    table = format_stats(stats)
+    row = next(line for line in table.splitlines() if line.startswith("cli-part"))
+    assert row.split()[1:] == ["2", str(part["bytes"]), "trainer", "1", "0"]
+
+
+def test_stats_command_fails_cleanly_without_a_server(capsys):
+    args = cli.build_parser().parse_args(
+        ["queue", "stats", "--queue", "tcp://127.0.0.1:1", "--timeout", "0.3"]
+    )
+    assert queue_cli.run(args) == 1
+    assert "timeout" in capsys.readouterr().err
