@@ -298,3 +298,37 @@ def test_alignment_stats_counts_chunks_and_one_sided():
     assert stats["one_sided"] == 1.0  # Llama's BOS has no partner
     assert stats["chunks"] == stats["valid_chunks"] + 1
     assert stats["one_to_one_fraction"] == 1.0  # "Hello", " world" are the same tokens
+
+
+@st.composite
+def two_tilings(draw):
+    """Two random tilings of [0, L) (the teacher possibly truncated earlier)."""
+    length = draw(st.integers(0, 40))
+    inner = list(range(1, length))
+    s_cuts = sorted(
+        {0, length} | set(draw(st.lists(st.sampled_from(inner), max_size=20)) if inner else [])
+    )
+    t_cuts = sorted(
+        {0, length} | set(draw(st.lists(st.sampled_from(inner), max_size=20)) if inner else [])
+    )
+    t_keep = draw(st.integers(1, max(1, len(t_cuts))))
+    return s_cuts, t_cuts[:t_keep]
+
+
+def _spans(cuts):
+    return np.array([[a, b] for a, b in zip(cuts[:-1], cuts[1:])], dtype=np.int64).reshape(-1, 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tilings=two_tilings())
+def test_valid_chunk_boundaries_are_exactly_the_common_token_boundaries(tilings):
+    s_cuts, t_cuts = tilings
+    sample = ALIGNER.align_sample(_spans(s_cuts), _spans(t_cuts))
+    end = min(s_cuts[-1], t_cuts[-1])
+    common = sorted(set(s_cuts) & set(t_cuts) & set(range(end + 1)))
+    s_spans = _spans(s_cuts)
+    got = []
+    for k in np.flatnonzero(sample.pair_valid):
+        sp = s_spans[sample.student_chunk_id == k]
+        got.append((int(sp[:, 0].min()), int(sp[:, 1].max())))
+    assert got == list(zip(common[:-1], common[1:]))
