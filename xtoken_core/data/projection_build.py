@@ -9,7 +9,8 @@ that applies:
 2. **exact**: ``b`` equals the bytes of a (non-special) teacher token t: one-hot row
    ``[t, -1, ...] / [1, 0, ...]``. When several teacher tokens share those bytes (e.g. a
    SentencePiece piece and its ``<0xHH>`` byte-fallback twin), the one the teacher tokenizer itself
-   produces for ``b`` wins, otherwise the lowest id. O(1) per token through a bytes -> id dict.
+   produces for ``b`` (alone, or after a newline) wins, otherwise the lowest id. O(1) per token
+   through a bytes -> id dict.
 3. **re-tokenized**: ``b`` is valid UTF-8 on its own: the teacher tokenizer encodes it (batched),
    and the result is kept only if it round-trips (the teacher pieces' bytes concatenate back to
    exactly ``b``). When the pieces spell ``b" " + b``, the tokenizer added a SentencePiece dummy
@@ -137,7 +138,12 @@ def _role_map(tok: TokenizerLike) -> dict[str, int]:
 
 
 def _teacher_bytes_index(teacher: TokenizerLike, teacher_bytes: list[bytes]) -> dict[bytes, int]:
-    """bytes -> teacher id; on duplicate bytes the id the teacher itself produces wins."""
+    """bytes -> teacher id, resolving byte strings that several teacher ids spell.
+
+    The id the teacher itself produces wins: the single piece it encodes the text to, else the
+    last piece when it encodes "\n" + text (a context that starts a new piece, which also gets
+    past a SentencePiece dummy prefix); otherwise the lowest id.
+    """
     index: dict[bytes, int] = {}
     dups: dict[bytes, list[int]] = {}
     for t, b in enumerate(teacher_bytes):
@@ -153,9 +159,13 @@ def _teacher_bytes_index(teacher: TokenizerLike, teacher_bytes: list[bytes]) -> 
             decodable.append((b, b.decode("utf-8")))
         except UnicodeDecodeError:
             pass
-    for (b, _), ids in zip(decodable, _encode_many(teacher, [s for _, s in decodable])):
+    alone = _encode_many(teacher, [text for _, text in decodable])
+    after_newline = _encode_many(teacher, ["\n" + text for _, text in decodable])
+    for (b, _), ids, ctx_ids in zip(decodable, alone, after_newline):
         if len(ids) == 1 and ids[0] in dups[b]:
             index[b] = ids[0]
+        elif ctx_ids and ctx_ids[-1] in dups[b]:
+            index[b] = ctx_ids[-1]
     if dups:
         logger.debug("[projection] %d teacher byte strings have several token ids", len(dups))
     return index

@@ -157,6 +157,18 @@ def test_dummy_prefix_merged_into_the_first_piece_is_stripped():
     assert stats.dummy_prefix_repaired_rows == 1 and stats.byte_fallback_rows == 0
 
 
+def test_duplicate_teacher_bytes_resolve_to_the_piece_produced_after_a_newline():
+    # With a dummy prefix "a" alone encodes to " " "a" (two pieces); after a newline the last
+    # piece is the id the teacher really produces for "a" (11, not its byte twin 2).
+    student = FakeTokenizer("student", STUDENT_PIECES, STUDENT_ROLES)
+    teacher = FakeTokenizer("teacher", TEACHER_PIECES + [b"\n"], TEACHER_ROLES, encode_prefix=[5])
+    result = build_projection(student, teacher, top_k=2, student_ids=[7])
+    assert _row(result, 7) == ([11, -1], [1, 0])
+    lowest = FakeTokenizer("teacher", TEACHER_PIECES, TEACHER_ROLES, encode_prefix=[5])
+    result = build_projection(student, lowest, top_k=2, student_ids=[7])
+    assert _row(result, 7) == ([2, -1], [1, 0])  # no way to tell: the lowest id
+
+
 def test_student_ids_restricts_the_rows_built():
     student, teacher = _pair()
     result, stats = build_projection_with_stats(student, teacher, top_k=3, student_ids=[2, 1])
