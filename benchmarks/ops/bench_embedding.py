@@ -69,6 +69,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small table (CPU smoke)")
     parser.add_argument("--no-save", action="store_true", help="do not append to results")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -78,7 +79,7 @@ def main() -> int:
     weight = torch.randn(vocab, hidden, generator=gen, device=device).to(torch.bfloat16)
     table_bytes = weight.numel() * weight.element_size()
     op = NativeEmbeddingOp()
-    commit = _commit()
+    commit = args.commit or _commit()
     rows = []
     for b, t in batches:
         ids = torch.randint(0, vocab, (b, t), generator=gen, device=device, dtype=torch.int32)

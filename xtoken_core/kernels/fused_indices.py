@@ -359,6 +359,8 @@ class IndicesToMultihot(torch.autograd.Function):
             indices_NK, probs_indices_NK, num_of_local_experts
         )
         ctx.save_for_backward(indices_NK, position_NE)
+        # The multihot output never has a gradient: do not let autograd fill a zero [N, E] for it.
+        ctx.set_materialize_grads(False)
         ctx.probs_dtype = probs_indices_NK.dtype
         ctx.mark_non_differentiable(multihot_NE)
         return multihot_NE, probs_NE
