@@ -66,7 +66,7 @@ def run_shape(B, T, V, bw_gbs, with_reference=True):
     x.grad = None
     with torch.no_grad():
         avg_r, _ = _reference(x, cid, C)
-    err = float((avg1.double() - avg_r.double()).norm() / avg_r.double().norm())
+    err = float((avg1.detach().double() - avg_r.double()).norm() / avg_r.double().norm())
     del avg1, avg2, grad1, avg_r
 
     ms = _common.bench_ms(kernel_fwd_bwd, grad_to_none=[x])

@@ -1,6 +1,7 @@
 """Benchmark: projection by gather vs fp32 torch.sparse.mm (Fp32SparseMM), GPU, fwd + bwd.
 
 Prints one table and appends rows to benchmarks/results/kernels_projection_gather.jsonl.
+The reference gets fp32 probabilities (its own input dtype, no cast timed).
 M is a random dense top-k table (K=8, 40 % of slots -1); the selected columns are the J teacher
 ids used most by M (the common tokens a vocab top-k picks), which maximises entries per column.
 """
@@ -31,7 +32,7 @@ def _matrix(gen):
     return indices, likelihoods
 
 
-def run_shape(N, J, indices, likelihoods, bw_gbs, gen):
+def run_shape(N, J, indices, likelihoods, bw_gbs, gen, p_dtype=torch.bfloat16):
     counts = torch.bincount(indices[indices >= 0], minlength=W_VOCAB)
     idx = torch.argsort(counts, descending=True, stable=True)[:J]
     torch.cuda.synchronize()
@@ -39,7 +40,8 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen):
     index = pg.build_gather_index(indices, likelihoods, idx)
     m_sub = index.sparse_matrix()
     p = torch.softmax(torch.randn(N, S_VOCAB, device="cuda", generator=gen), -1)
-    p = p.to(torch.bfloat16)
+    xr = p.clone().requires_grad_()  # the reference's natural input: fp32 probabilities
+    p = p.to(p_dtype)
     x = p.clone().requires_grad_()
     g = torch.randn(N, J, device="cuda", generator=gen)
 
@@ -52,7 +54,7 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen):
             pg.project_by_gather(x, index)
 
     def ref_fwd_bwd():
-        q = Fp32SparseMM.apply(m_sub, x.t()).t()
+        q = Fp32SparseMM.apply(m_sub, xr.t()).t()
         q.backward(g)
 
     q1 = pg.project_by_gather(x, index)
@@ -63,13 +65,13 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen):
     q2.backward(g)
     deterministic = bool(torch.equal(q1, q2) and torch.equal(grad1, x.grad))
     x.grad = None
-    q_ref = Fp32SparseMM.apply(m_sub, x.detach().t()).t()
-    err = float((q1.double() - q_ref.double()).norm() / q_ref.double().norm())
+    q_ref = Fp32SparseMM.apply(m_sub, xr.detach().t()).t()
+    err = float((q1.detach().double() - q_ref.double()).norm() / q_ref.double().norm())
     del q1, q2, grad1, q_ref
 
     ms = _common.bench_ms(kernel_fwd_bwd, grad_to_none=[x])
     ms_fwd = _common.bench_ms(kernel_fwd)
-    ms_ref = _common.bench_ms(ref_fwd_bwd, grad_to_none=[x])
+    ms_ref = _common.bench_ms(ref_fwd_bwd, grad_to_none=[xr])
     p_bytes = p.numel() * p.element_size()
     io_bytes = 2 * p_bytes + 2 * N * J * 4
     extra = _common.extra_peak_bytes(kernel_fwd_bwd, p_bytes + N * J * 4)
@@ -84,7 +86,7 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen):
         K=K,
         entries=int(index.col_rows_E.numel()),
         k_eff=int(index.ell_cols_SK.shape[1]),
-        dtype="bf16",
+        dtype=str(p_dtype).replace("torch.", ""),
         build_ms=build_ms,
         ms_fwd_bwd=ms,
         ms_fwd=ms_fwd,
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                 best = (row["ms_fwd_bwd"], dict(v))
         pg.KERNEL_CONFIG.update(best[1])
     for N, J in SHAPES:
-        rows.append(run_shape(N, J, indices, likelihoods, bw, gen))
+        for p_dtype in (torch.bfloat16, torch.float32):
+            rows.append(run_shape(N, J, indices, likelihoods, bw, gen, p_dtype))
     _common.append_rows(args.results, rows)
     _common.print_table(
         rows,
