@@ -153,16 +153,32 @@ def assemble(cells: list[tuple[Block, int]]) -> FieldValue:
     if not runs[0][0].jagged:
         pieces = [block.values[r0:r1] for block, r0, r1 in runs]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    values, offsets = [], [torch.zeros(1, dtype=torch.int64)]
-    base = 0
+    if len(runs) == 1:
+        # One run (the common claim/get): a view of values, offsets from the Python copy.
+        block, r0, r1 = runs[0]
+        start, stop = block.offs[r0], block.offs[r1]
+        offsets = block.offsets[r0 : r1 + 1]
+        if start and r1 - r0 <= 32:  # a small list beats two tensor ops
+            offsets = torch.tensor([o - start for o in block.offs[r0 : r1 + 1]], dtype=torch.int64)
+        elif start:
+            offsets = offsets - start
+        return _trusted_column(block.values[start:stop], offsets)
+    values, lengths = [], []
     for block, r0, r1 in runs:
         start, stop = block.offs[r0], block.offs[r1]
         values.append(block.values[start:stop])
-        if len(runs) == 1 and start == 0:
-            return JaggedColumn(values[0], block.offsets[r0 : r1 + 1])
-        offsets.append(block.offsets[r0 + 1 : r1 + 1] - (start - base))
-        base += stop - start
-    return JaggedColumn(values[0] if len(values) == 1 else torch.cat(values), torch.cat(offsets))
+        offs = block.offs
+        lengths.extend(offs[r + 1] - offs[r] for r in range(r0, r1))
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
+    return _trusted_column(torch.cat(values), offsets)
+
+
+def _trusted_column(values: torch.Tensor, offsets: torch.Tensor) -> JaggedColumn:
+    """A JaggedColumn built from offsets the store already validated (skips re-checking)."""
+    column = JaggedColumn.__new__(JaggedColumn)
+    column.values, column.offsets = values, offsets
+    return column
 
 
 def gather_rows(value: FieldValue, rows: list[int]) -> FieldValue:

@@ -194,10 +194,14 @@ class SampleStore:
         samples = part.samples if part is not None else {}
         if part is not None:
             self._check_schema(part, norm)
-        # Which cells are new: field -> rows to keep.
-        new_rows: dict[str, list[int]] = {}
+        # Which cells are new: field -> rows to keep. Fast path: none of the keys exist yet.
+        all_new = samples.keys().isdisjoint(keys)
+        new_rows: dict[str, list[int] | None] = {}
         duplicates = 0
         for name in norm:
+            if all_new:
+                new_rows[name] = None  # every row
+                continue
             rows = []
             for i, k in enumerate(keys):
                 s = samples.get(k)
@@ -206,11 +210,11 @@ class SampleStore:
                 else:
                     rows.append(i)
             if rows:
-                new_rows[name] = rows
+                new_rows[name] = rows if len(rows) != n else None
         blocks: list[Block] = []
         for name, rows in new_rows.items():
             value = norm[name]
-            if len(rows) != n:
+            if rows is not None:
                 value = gather_rows(value, rows)
                 bkeys = [keys[i] for i in rows]
             else:
@@ -236,19 +240,20 @@ class SampleStore:
             self._check_schema(part, norm)
         for name, value in norm.items():
             part.schema.setdefault(name, schema_of(value))
-        new_samples = 0
-        for k in keys:
-            if k not in part.samples:
-                part.samples[k] = {}
-                part.index[k] = len(part.order)
-                part.order.append(k)
-                new_samples += 1
+        fresh = keys if all_new else [k for k in keys if k not in part.samples]
+        if fresh:
+            start = len(part.order)
+            part.samples.update({k: {} for k in fresh})
+            part.index.update(zip(fresh, range(start, start + len(fresh))))
+            part.order.extend(fresh)
+        new_samples = len(fresh)
         stored = 0
+        samples = part.samples
         for block in blocks:
             self._add_block(part, block)
             name = block.field
             for r, k in enumerate(block.keys):
-                part.samples[k][name] = (block, r)
+                samples[k][name] = (block, r)
             stored += len(block.keys)
         self._put_rate.add(self.clock(), new_samples, added)
         return PutResult(
