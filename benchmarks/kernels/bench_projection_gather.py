@@ -116,9 +116,9 @@ def main(argv=None) -> int:
     rows = []
     if not args.no_sweep:
         variants = [
-            dict(fwd_block_n=16, fwd_block_j=16, fwd_block_e=64, bwd_block_n=16, bwd_block_s=512),
-            dict(fwd_block_n=32, fwd_block_j=32, fwd_block_e=32, bwd_block_n=32, bwd_block_s=1024),
-            dict(fwd_block_n=8, fwd_block_j=16, fwd_block_e=128, bwd_block_n=8, bwd_block_s=256),
+            dict(fwd_block_n=32, fwd_block_e=32, bwd_block_n=8, bwd_block_s=256),
+            dict(fwd_block_n=64, fwd_block_e=16, bwd_block_n=16, bwd_block_s=512),
+            dict(fwd_block_n=16, fwd_block_e=64, bwd_block_n=32, bwd_block_s=1024),
         ]
         best = None
         for v in variants:

@@ -6,7 +6,8 @@ Legend (shape suffixes):
     K non-zeros per row of M (dense top-k format), E entries of M restricted to ``idx``.
 
 Math. q[n, j] = sum_s p[n, s] * M[s, idx[j]] and dp[n, s] = sum_j dq[n, j] * M[s, idx[j]].
-The forward walks a CSC list per selected column (rows s and weights, sorted by (j, s)); the
+The forward walks a CSC list per selected column (rows s and weights, sorted by (j, s)) for a
+block of rows of p at a time; the
 backward walks each row's <= K entries (an ELL table [S, K'] with K' = the most entries any row
 keeps after the restriction). Both accumulate in fp32 in a fixed order: no atomics, bitwise
 deterministic, any float dtype for p (bf16 included).
@@ -32,9 +33,8 @@ __all__ = [
 ]
 
 KERNEL_CONFIG = {
-    "fwd_block_n": 16,
-    "fwd_block_j": 16,
-    "fwd_block_e": 64,
+    "fwd_block_n": 32,
+    "fwd_block_e": 32,
     "fwd_warps": 4,
     "bwd_block_n": 16,
     "bwd_block_s": 512,
@@ -217,47 +217,35 @@ if tl is not None:
         q_ptr,
         col_ptr,
         col_rows,
-        col_j,
         col_w,
         N,
         J,
-        num_jb,
         stride_pn,
         stride_qn,
         BLOCK_N: tl.constexpr,
-        BLOCK_J: tl.constexpr,
         BLOCK_E: tl.constexpr,
     ):
-        # Program (n block, j block). For each row n of the block, walk the entries of columns
-        # [j0, j0 + BLOCK_J) in BLOCK_E chunks: gather p[n, s_e] * w_e and reduce the chunk
-        # into its columns with a one-hot mask (entries are sorted by column): fixed order.
+        # Program (n block, column j); j varies fastest so the programs running together share
+        # the rows of one n block (kept in L2). Walk the CSC list of column j in BLOCK_E chunks:
+        #   q[n, j] = sum_e p[n, s_e] * w_e   ([BLOCK_N, BLOCK_E] gather, fixed-order fp32 sums)
         pid = tl.program_id(0)
-        nb = pid // num_jb
-        jb = pid % num_jb
-        j0 = jb * BLOCK_J
-        offs_j = tl.arange(0, BLOCK_J)
+        nb = pid // J
+        j = pid % J
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        rows = p_ptr + n.to(tl.int64) * stride_pn
         offs_e = tl.arange(0, BLOCK_E)
-        e_start = tl.load(col_ptr + j0)
-        e_end = tl.load(col_ptr + tl.minimum(j0 + BLOCK_J, J))
-        for i in range(0, BLOCK_N):
-            n = nb * BLOCK_N + i
-            if n < N:
-                p_row = p_ptr + n.to(tl.int64) * stride_pn
-                acc = tl.full((BLOCK_J,), 0.0, tl.float32)
-                for e0 in range(e_start, e_end, BLOCK_E):
-                    e = e0 + offs_e
-                    em = e < e_end
-                    s = tl.load(col_rows + e, mask=em, other=0)
-                    w = tl.load(col_w + e, mask=em, other=0.0)
-                    c = tl.load(col_j + e, mask=em, other=-1) - j0
-                    x = tl.load(p_row + s, mask=em, other=0.0).to(tl.float32) * w
-                    hit = c[:, None] == offs_j[None, :]
-                    acc += tl.reduce(tl.where(hit, x[:, None], 0.0), 0, SUM_COMBINE)
-                tl.store(
-                    q_ptr + n.to(tl.int64) * stride_qn + j0 + offs_j,
-                    acc.to(q_ptr.dtype.element_ty),
-                    mask=(j0 + offs_j) < J,
-                )
+        e_start = tl.load(col_ptr + j)
+        e_end = tl.load(col_ptr + j + 1)
+        acc = tl.full((BLOCK_N,), 0.0, tl.float32)
+        for e0 in range(e_start, e_end, BLOCK_E):
+            e = e0 + offs_e
+            em = e < e_end
+            s = tl.load(col_rows + e, mask=em, other=0)
+            w = tl.load(col_w + e, mask=em, other=0.0)
+            x = tl.load(rows[:, None] + s[None, :], mask=nm[:, None] & em[None, :], other=0.0)
+            acc += tl.reduce(x.to(tl.float32) * w[None, :], 1, SUM_COMBINE)
+        tl.store(q_ptr + n.to(tl.int64) * stride_qn + j, acc.to(q_ptr.dtype.element_ty), mask=nm)
 
     @lazy_jit
     def _gather_bwd_kernel(
@@ -326,22 +314,18 @@ def project_by_gather_forward(
     q_NJ = torch.empty((N, J), device=p_NS.device, dtype=out_dtype)
     if N == 0 or J == 0:
         return q_NJ
-    bn, bj = KERNEL_CONFIG["fwd_block_n"], KERNEL_CONFIG["fwd_block_j"]
-    num_jb = _cdiv(J, bj)
-    _gather_fwd_kernel[(_cdiv(N, bn) * num_jb,)](
+    bn = KERNEL_CONFIG["fwd_block_n"]
+    _gather_fwd_kernel[(_cdiv(N, bn) * J,)](
         p_NS,
         q_NJ,
         index.col_ptr_J1,
         index.col_rows_E,
-        index.col_j_E,
         index.col_w_E,
         N,
         J,
-        num_jb,
         p_NS.stride(0),
         q_NJ.stride(0),
         BLOCK_N=bn,
-        BLOCK_J=bj,
         BLOCK_E=KERNEL_CONFIG["fwd_block_e"],
         num_warps=KERNEL_CONFIG["fwd_warps"],
     )
