@@ -14,7 +14,7 @@ bounded chunk.
 Backward: ``grad_weight[v] = sum of grad_out rows whose id is v``. PyTorch's embedding backward
 accumulates those rows with atomics on GPUs, so collisions (padding, frequent tokens) make the
 result order-dependent. Here the rows are stably sorted by id and each id's segment is summed by
-a fixed pairwise tree (shifted copies and element-wise adds, no atomics, no scatter-add),
+a fixed pairwise tree (gathers and element-wise adds on distinct rows, no atomics, no scatter-add),
 in fp32 (fp64 for fp64 tables), then cast to the weight dtype: bitwise reproducible on every
 device, with or without ``torch.use_deterministic_algorithms(True)``. Rows of ids that do not occur
 get exactly zero (dense gradient, the default) or are absent (``sparse_grad=True``: a coalesced
@@ -94,12 +94,13 @@ def segment_sum_rows(
     max_count = int(counts_U.max())
     step = 1
     while step < max_count:
-        # Rank r (r divisible by 2*step) takes in rank r+step of its segment; whole-tensor
-        # element-wise ops, so no data-dependent launch sizes and no write collisions.
-        active_M1 = (((rank_M % (2 * step)) == 0) & (rank_M + step < count_M))[:, None]
-        partner_MH = torch.zeros_like(rows_MH)
-        partner_MH[: M - step] = rows_MH[step:]
-        rows_MH = torch.where(active_M1, rows_MH + partner_MH, rows_MH)
+        # Rank r (r divisible by 2*step) takes in rank r+step of its segment. Only those rows
+        # are touched (half as many each round: O(M*H) in all); they are distinct, so the
+        # index_copy_ never collides and its result does not depend on launch order.
+        active_M = ((rank_M % (2 * step)) == 0) & (rank_M + step < count_M)
+        dst = active_M.nonzero().squeeze(1)
+        summed = rows_MH.index_select(0, dst) + rows_MH.index_select(0, dst + step)
+        rows_MH.index_copy_(0, dst, summed)
         step *= 2
     return unique_ids_U, rows_MH.index_select(0, starts_U)
 
