@@ -346,3 +346,16 @@ def test_wire_fields_round_trip_through_a_put_message():
 def test_non_tensor_fields_cannot_become_wire_fields():
     with pytest.raises(TypeError, match="'text'"):
         to_wire_fields(_wire_td())
+
+
+@pytest.mark.parametrize(
+    "lengths", [[100, 0, 70], [1, 0, 3], [200]], ids=["long-rows", "short-rows", "one-row"]
+)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.bfloat16])
+def test_pad_jagged_matches_a_row_by_row_reference(lengths, dtype):
+    rows = [torch.randint(0, 2, (k, 3)).to(dtype) for k in lengths]
+    want = torch.full((len(rows), 210, 3), 1, dtype=dtype)
+    for i, r in enumerate(rows):
+        want[i, : len(r)] = r
+    got = pad_jagged(JaggedColumn.from_rows(rows), pad_value=1, seqlen=210)
+    assert got.dtype == dtype and torch.equal(got, want)
