@@ -1,0 +1,384 @@
+"""Collator run: read a corpus, skip keys already queued, feed N worker processes, report progress.
+
+The parent process reads the texts (``iter_texts``: stable keys ``"<file>:<line>"``), asks the
+queue which keys it already holds (``list``) and skips them, groups the rest into batches of
+``batch`` texts and hands them to N ``worker_main`` processes through a bounded queue. Workers
+put their own samples (the tensors never pass through the parent). Restarting a run therefore
+does no duplicate work, and a put that races with another collator is harmless (puts are
+idempotent by key).
+
+Stopping: at the end of the data every worker gets ``None`` and exits after its last put; on
+``request_stop()`` (SIGTERM/SIGINT in the CLI) the parent stops reading, workers finish their
+in-flight put and abandon queued batches. Either way ``run()`` returns a summary; a bad input
+line or a worker error stops the workers and raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue as queue_mod
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.collator.worker import WorkerConfig, worker_main
+
+logger = logging.getLogger(__name__)
+
+# Seconds between two waits on the task queue while it is full (the parent drains results then).
+_SUBMIT_POLL_S = 0.1
+# Seconds to wait for a worker to exit after it was told to stop, on top of the put timeout.
+_EXIT_GRACE_S = 30.0
+
+
+class QueueUnreachableError(ConnectionError):
+    """The queue server did not answer the handshake; the message names address and timeout."""
+
+
+@dataclass
+class RunConfig:
+    """One collator run.
+
+    Args:
+        data: corpus file (``.jsonl``, ``.txt`` or ``.parquet``).
+        worker: settings shared by every worker (queue address, partition, tokenizers).
+        workers: number of worker processes, >= 1.
+        batch: texts per put, >= 1.
+        limit: use only the first ``limit`` texts of the file (None = all).
+        text_field: JSON field / parquet column with the text.
+        txt_split: ``.txt`` documents: ``"blank_line"`` or ``"line"``.
+        log_every_s: seconds between progress log lines.
+        skip_queued: ask the queue for the keys it holds and skip them.
+
+    Raises:
+        ValueError: ``workers``, ``batch`` or ``limit`` below 1, or ``log_every_s`` <= 0.
+    """
+
+    data: str
+    worker: WorkerConfig
+    workers: int = 1
+    batch: int = 64
+    limit: int | None = None
+    text_field: str = "text"
+    txt_split: str = "blank_line"
+    log_every_s: float = 10.0
+    skip_queued: bool = True
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}: must be >= 1 (--workers)")
+        if self.batch < 1:
+            raise ValueError(f"batch={self.batch}: must be >= 1 (--batch)")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1, or omitted for the whole file")
+        if self.log_every_s <= 0:
+            raise ValueError(f"log_every_s={self.log_every_s}: must be > 0 (--log-every)")
+
+
+@dataclass
+class RunSummary:
+    """What a run did.
+
+    Attributes:
+        read: texts read from the file (within ``limit``).
+        skipped: texts skipped because the queue already held their key.
+        samples: samples put by the workers.
+        written: samples that were new to the queue (``samples - written`` were duplicates).
+        nbytes: payload bytes put.
+        elapsed_s: seconds from the first dispatched batch to the last result.
+        stopped: True when the run was stopped before the end of the data.
+        worker_ready_s: per worker, seconds from the start to its tokenizers being loaded.
+        steady_samples_per_s: samples/s between the first and the last finished batch (start-up
+            excluded; 0 with fewer than two batches).
+    """
+
+    read: int = 0
+    skipped: int = 0
+    samples: int = 0
+    written: int = 0
+    nbytes: int = 0
+    elapsed_s: float = 0.0
+    stopped: bool = False
+    worker_ready_s: list[float] = field(default_factory=list)
+    steady_samples_per_s: float = 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples put per second of the run."""
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Payload bytes put per second of the run."""
+        return self.nbytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def line(self) -> str:
+        """One human-readable line."""
+        return (
+            f"{self.samples} samples put ({self.written} new, {self.skipped} skipped as already "
+            f"queued, {self.read} read) in {self.elapsed_s:.1f}s: {self.samples_per_s:.1f} "
+            f"samples/s, {self.bytes_per_s / 1e6:.2f} MB/s"
+            + (" [stopped early]" if self.stopped else "")
+        )
+
+
+def check_queue(address: str, timeout_s: float, partition: str | None) -> set[str]:
+    """Handshake with the queue and return the keys it already holds in ``partition``.
+
+    Args:
+        address: queue endpoint.
+        timeout_s: seconds to wait for each reply (``--queue-timeout``).
+        partition: partition whose keys to list, or None to only check the connection.
+
+    Returns:
+        The keys already stored in the partition (empty for None or a new partition).
+
+    Raises:
+        QueueUnreachableError: no reply within ``timeout_s`` (names the address and the setting).
+        QueueError: any other error reply (e.g. a protocol version mismatch).
+    """
+    from services.queue.client import QueueClient
+    from services.queue.errors import QueueError
+
+    try:
+        with QueueClient(address, timeout_s=timeout_s, retries=0, name="collator") as client:
+            client.hello()
+            if partition is None:
+                return set()
+            return set(client.list(partition).get("keys", []))
+    except QueueError as e:
+        if e.code == "timeout":
+            raise QueueUnreachableError(
+                f"queue {address} is unreachable: no reply within {timeout_s:g}s "
+                f"(--queue-timeout); start it with `xtoken queue serve --bind {address}` or "
+                "check the address"
+            ) from None
+        raise
+
+
+class CollatorRun:
+    """The parent side of a run: reader, dispatcher, progress, worker lifecycle.
+
+    Args:
+        config: the run settings.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.summary = RunSummary()
+        self._stop_requested = False
+        self._procs: list[Any] = []
+        self._exited: set[int] = set()
+        self._ready_at: dict[int, float] = {}
+        self._error: str | None = None
+        self._last_log = 0.0
+        self._start = 0.0
+        self._first_done: tuple[float, int] | None = None
+
+    def request_stop(self) -> None:
+        """Stop reading; workers finish their in-flight put and exit (safe from a signal handler)."""
+        self._stop_requested = True
+
+    # ------------------------------------------------------------------------- run
+
+    def run(self) -> RunSummary:
+        """Collate the corpus into the queue.
+
+        Returns:
+            The run summary (``stopped`` True when ``request_stop`` ended it early).
+
+        Raises:
+            QueueUnreachableError: the queue did not answer.
+            ValueError: a bad corpus line (names file and line); the workers are stopped first.
+            RuntimeError: a worker failed (its error message) or died.
+        """
+        from xtoken_core.data.corpus import iter_texts
+
+        cfg = self.config
+        queued = (
+            check_queue(cfg.worker.queue, cfg.worker.queue_timeout_s, cfg.worker.partition)
+            if cfg.skip_queued
+            else check_queue(cfg.worker.queue, cfg.worker.queue_timeout_s, None)
+        )
+        texts = iter_texts(cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split)
+        if queued:
+            logger.info(
+                "[collator] %d keys already in partition %r: skipping them",
+                len(queued),
+                cfg.worker.partition,
+            )
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds zmq state
+        self._ctx = ctx
+        self._tasks = ctx.Queue(maxsize=2 * cfg.workers)
+        self._results = ctx.Queue()
+        self._stop_event = ctx.Event()
+        self._start = self._last_log = time.monotonic()
+        try:
+            finished = self._dispatch(texts, queued)
+            self.summary.stopped = not finished
+            self._shutdown(graceful=finished)
+        except BaseException:
+            self._shutdown(graceful=False)
+            raise
+        self.summary.elapsed_s = time.monotonic() - self._start
+        self.summary.worker_ready_s = [
+            self._ready_at[i] - self._start for i in sorted(self._ready_at)
+        ]
+        if self._error is not None:
+            raise RuntimeError(f"collator worker failed: {self._error}")
+        logger.info("[collator] done: %s", self.summary.line())
+        return self.summary
+
+    # ------------------------------------------------------------------------- internals
+
+    def _dispatch(self, texts: Any, queued: set[str]) -> bool:
+        """Read, skip, batch and submit; True when the data ended, False when stopped."""
+        cfg = self.config
+        batch: list[tuple[str, str]] = []
+        for key, text in texts:
+            if self._should_stop():
+                return False
+            self.summary.read += 1
+            if key in queued:
+                self.summary.skipped += 1
+            else:
+                batch.append((key, text))
+                if len(batch) >= cfg.batch:
+                    if not self._submit(batch):
+                        return False
+                    batch = []
+            if cfg.limit is not None and self.summary.read >= cfg.limit:
+                break
+        if batch and not self._submit(batch):
+            return False
+        for _ in self._procs:
+            if not self._submit(None):
+                return False
+        return True
+
+    def _start_workers(self) -> None:
+        """Start the worker processes (on the first batch: a run with nothing to do starts none)."""
+        cfg = self.config
+        level = logging.getLogger().getEffectiveLevel()
+        for i in range(cfg.workers):
+            p = self._ctx.Process(
+                target=worker_main,
+                args=(i, cfg.worker, self._tasks, self._results, self._stop_event, level),
+                name=f"xtoken-collator-{i}",
+                daemon=True,
+            )
+            p.start()
+            self._procs.append(p)
+        logger.info(
+            "[collator] %d worker(s) collating %s into %s partition %r (%s -> %s)",
+            cfg.workers,
+            cfg.data,
+            cfg.worker.queue,
+            cfg.worker.partition,
+            cfg.worker.student,
+            cfg.worker.teacher,
+        )
+
+    def _should_stop(self) -> bool:
+        return self._stop_requested or self._error is not None
+
+    def _submit(self, batch: list[tuple[str, str]] | None) -> bool:
+        """Put one task, draining results while the task queue is full; False if stopped."""
+        if not self._procs:
+            if batch is None:
+                return True  # no worker was started: nobody to tell
+            self._start_workers()
+        while True:
+            self._drain(wait_s=0.0)
+            if self._should_stop():
+                return False
+            try:
+                self._tasks.put(batch, timeout=_SUBMIT_POLL_S)
+                return True
+            except queue_mod.Full:
+                continue
+
+    def _drain(self, wait_s: float) -> None:
+        """Handle worker messages (waiting up to ``wait_s`` for the first), then log progress."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                left = deadline - time.monotonic()
+                msg = self._results.get(timeout=left) if left > 0 else self._results.get_nowait()
+            except queue_mod.Empty:
+                break
+            self._handle(msg)
+            deadline = 0.0  # got one: take the rest without waiting
+        for i, p in enumerate(self._procs):
+            if i not in self._exited and not p.is_alive() and p.exitcode not in (None, 0):
+                self._exited.add(i)
+                self._error = self._error or f"worker {i} died with exit code {p.exitcode}"
+        now = time.monotonic()
+        if now - self._last_log >= self.config.log_every_s:
+            self._last_log = now
+            self._log_progress(now)
+
+    def _handle(self, msg: tuple) -> None:
+        kind, index = msg[0], msg[1]
+        if kind == "done":
+            counts = msg[2]
+            now = time.monotonic()
+            if self._first_done is None:
+                self._first_done = (now, counts["samples"])
+            elif now > self._first_done[0]:
+                self.summary.steady_samples_per_s = (
+                    self.summary.samples + counts["samples"] - self._first_done[1]
+                ) / (now - self._first_done[0])
+            self.summary.samples += counts["samples"]
+            self.summary.written += counts["written"]
+            self.summary.nbytes += counts["nbytes"]
+        elif kind == "ready":
+            self._ready_at[index] = time.monotonic()
+        elif kind == "error":
+            logger.error("[collator] worker %d failed: %s", index, msg[2])
+            self._error = self._error or f"worker {index}: {msg[2]}"
+        elif kind == "exit":
+            self._exited.add(index)
+
+    def _log_progress(self, now: float) -> None:
+        elapsed = max(now - self._start, 1e-9)
+        s = self.summary
+        logger.info(
+            "[collator] %d samples put (%d new, %d skipped), %.1f samples/s, %.2f MB/s",
+            s.samples,
+            s.written,
+            s.skipped,
+            s.samples / elapsed,
+            s.nbytes / elapsed / 1e6,
+        )
+
+    def _shutdown(self, graceful: bool) -> None:
+        """Wait for every worker to exit; on a stop, abandon the batches still queued."""
+        if not graceful:
+            self._stop_event.set()
+            self._abandon_tasks()
+        deadline = time.monotonic() + self.config.worker.put_timeout_s + _EXIT_GRACE_S
+        while len(self._exited) < len(self._procs) and time.monotonic() < deadline:
+            self._drain(wait_s=0.2)
+            if all(not p.is_alive() for p in self._procs):
+                self._drain(wait_s=0.0)
+                break
+        for i, p in enumerate(self._procs):
+            p.join(timeout=5.0)
+            if p.is_alive():
+                logger.warning("[collator] worker %d did not exit: terminating it", i)
+                p.terminate()
+                p.join(timeout=5.0)
+        self._tasks.cancel_join_thread()  # abandoned batches must not block our exit
+
+    def _abandon_tasks(self) -> None:
+        dropped = 0
+        while True:
+            try:
+                if self._tasks.get_nowait() is not None:
+                    dropped += 1
+            except (queue_mod.Empty, OSError, ValueError):
+                break
+        if dropped:
+            logger.info("[collator] stopping: %d queued batch(es) abandoned", dropped)

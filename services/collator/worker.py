@@ -1,0 +1,255 @@
+"""Collator worker: collate batches of (key, text) into jagged samples and put them on the queue.
+
+Two layers, as for every service:
+
+* ``CollatorWorker`` (logic, no process): owns the tokenizers and the collator, turns a batch of
+  ``(key, text)`` pairs into one ``put`` (keys + fields) and sends it through a queue client.
+* ``worker_main`` (process shell): the loop of one ``multiprocessing`` worker: loads the
+  tokenizers once, takes batches from a task queue, reports counts to a result queue, stops on a
+  ``None`` task, on the shared stop event, or on SIGTERM (after its in-flight put: a put is one
+  message, so a sample is either stored whole or not at all).
+
+Shape legend: N samples in a put, R total rows of a jagged field (sum of the N lengths).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_mod
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xtoken_core.data import sample as schema
+from xtoken_core.wire import JaggedColumn
+
+logger = logging.getLogger(__name__)
+
+# How long a worker waits on the task queue before it looks at the stop flags again.
+_TASK_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker process needs to build its collator and reach the queue.
+
+    Args:
+        queue: queue server endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        partition: partition the samples are put into.
+        student: student tokenizer name or path (``load_tokenizer``).
+        teacher: teacher tokenizer name or path.
+        ctx_student: student context length (tokens kept per text), >= 1.
+        ctx_teacher: teacher context length, >= 1.
+        queue_timeout_s: seconds to wait for a reply from the queue (``--queue-timeout``).
+        put_timeout_s: seconds the server may hold a put while the queue is full.
+
+    Raises:
+        ValueError: a context length < 1 or a non-positive timeout.
+    """
+
+    queue: str
+    partition: str
+    student: str
+    teacher: str
+    ctx_student: int = 2048
+    ctx_teacher: int = 2048
+    queue_timeout_s: float = 10.0
+    put_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("ctx_student", "ctx_teacher"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})"
+                )
+        for name in ("queue_timeout_s", "put_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+
+
+def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+    """Pack N jagged samples (``collate_samples`` output) into the fields of one ``put``.
+
+    Per-sample (0-d) fields are stacked to ``[N]``; per-token and per-chunk fields always become a
+    ``JaggedColumn`` (one values ``[R]`` + one offsets ``[N+1]`` buffer), even when every row
+    happens to have the same length, so that a field's layout never changes between puts.
+
+    Args:
+        samples: N >= 1 dicts with the fields of ``xtoken_core.data.sample.SAMPLE_FIELDS``.
+
+    Returns:
+        field name -> ``[N]`` tensor or ``JaggedColumn`` of N rows.
+
+    Raises:
+        ValueError: no samples, or a sample misses a schema field.
+    """
+    if not samples:
+        raise ValueError("samples_to_put_fields needs at least one sample, got none")
+    fields: dict[str, Any] = {}
+    for spec in schema.SAMPLE_FIELDS:
+        try:
+            rows = [s[spec.name] for s in samples]
+        except KeyError:
+            raise ValueError(
+                f"a sample misses field {spec.name!r}; samples must come from "
+                "CrossTokenizerCollator.collate_samples"
+            ) from None
+        if spec.axis == schema.SAMPLE:
+            fields[spec.name] = torch.stack(rows)
+        else:
+            fields[spec.name] = JaggedColumn.from_rows(list(rows), dtype=spec.dtype)
+    return fields
+
+
+def put_nbytes(fields: Mapping[str, Any]) -> int:
+    """Payload bytes of put fields (tensor data, offsets included).
+
+    Args:
+        fields: output of :func:`samples_to_put_fields`.
+
+    Returns:
+        Total bytes of the buffers that travel.
+    """
+    total = 0
+    for value in fields.values():
+        tensors = (value.values, value.offsets) if isinstance(value, JaggedColumn) else (value,)
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+class CollatorWorker:
+    """Tokenizers + collator + a queue client: one batch of texts in, one put out.
+
+    Args:
+        config: the worker settings.
+        client: a queue client with ``put(partition, keys, fields, timeout_s=)`` (a
+            ``QueueClient`` by default, opened lazily).
+
+    Raises:
+        ValueError: unknown tokenizer names (from ``load_tokenizer``).
+    """
+
+    def __init__(self, config: WorkerConfig, client: Any | None = None) -> None:
+        from xtoken_core.align import TokenAligner
+        from xtoken_core.data.collator import CrossTokenizerCollator
+        from xtoken_core.tokenizers import load_tokenizer
+
+        self.config = config
+        self.collator = CrossTokenizerCollator(
+            student_tokenizer=load_tokenizer(config.student),
+            teacher_tokenizer=load_tokenizer(config.teacher),
+            aligner=TokenAligner(),
+            ctx_length_student=config.ctx_student,
+            ctx_length_teacher=config.ctx_teacher,
+        )
+        self._client = client
+
+    @property
+    def client(self) -> Any:
+        """The queue client (created on first use)."""
+        if self._client is None:
+            from services.queue.client import QueueClient
+
+            self._client = QueueClient(
+                self.config.queue,
+                timeout_s=self.config.queue_timeout_s,
+                retries=2,
+                name=f"collator-{os.getpid()}",
+            )
+        return self._client
+
+    def collate(self, items: Sequence[tuple[str, str]]) -> tuple[list[str], dict[str, Any]]:
+        """Collate a batch without sending it.
+
+        Args:
+            items: N ``(key, text)`` pairs with unique keys.
+
+        Returns:
+            ``(keys, fields)`` ready for ``client.put``.
+        """
+        keys = [k for k, _ in items]
+        samples = self.collator.collate_samples([t for _, t in items])
+        return keys, samples_to_put_fields(samples)
+
+    def process(self, items: Sequence[tuple[str, str]]) -> dict[str, int]:
+        """Collate a batch and put it (one message; idempotent by key).
+
+        Args:
+            items: N ``(key, text)`` pairs with unique keys.
+
+        Returns:
+            ``{"samples": N, "written": new samples, "nbytes": payload bytes}``.
+
+        Raises:
+            QueueError: the queue refused the put or did not answer (names the address).
+        """
+        keys, fields = self.collate(items)
+        reply = self.client.put(
+            self.config.partition, keys, fields, timeout_s=self.config.put_timeout_s
+        )
+        return {
+            "samples": len(keys),
+            "written": int(reply.get("new_samples", reply.get("written", len(keys)))),
+            "nbytes": put_nbytes(fields),
+        }
+
+    def close(self) -> None:
+        """Close the queue client."""
+        if self._client is not None and hasattr(self._client, "close"):
+            self._client.close()
+
+
+def worker_main(
+    index: int,
+    config: WorkerConfig,
+    tasks: Any,
+    results: Any,
+    stop: Any,
+    log_level: int = logging.INFO,
+) -> None:
+    """Body of one worker process (a ``multiprocessing`` target).
+
+    Args:
+        index: worker number (for logs).
+        config: the worker settings.
+        tasks: multiprocessing queue of batches (lists of ``(key, text)``); ``None`` = no more.
+        results: multiprocessing queue receiving ``("ready", index)``, ``("done", index,
+            counts)`` per batch, ``("error", index, message)``, ``("exit", index)``.
+        stop: multiprocessing Event; set = abandon queued batches and exit.
+        log_level: logging level of this process.
+    """
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(message)s")
+    terminated = False
+
+    def _on_term(signum: int, frame: Any) -> None:
+        nonlocal terminated
+        terminated = True  # finish the in-flight batch, then exit
+
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, _on_term)
+    torch.set_num_threads(1)  # N workers share the cores; one thread each
+    worker = None
+    try:
+        started = time.monotonic()
+        worker = CollatorWorker(config)
+        logger.debug("[collator] worker %d ready in %.1fs", index, time.monotonic() - started)
+        results.put(("ready", index))
+        while not (terminated or stop.is_set()):
+            try:
+                batch = tasks.get(timeout=_TASK_POLL_S)
+            except queue_mod.Empty:
+                continue
+            if batch is None:
+                break
+            results.put(("done", index, worker.process(batch)))
+    except Exception as e:  # reported to the parent, which stops the run
+        results.put(("error", index, f"{type(e).__name__}: {e}"))
+    finally:
+        if worker is not None:
+            worker.close()
+        results.put(("exit", index))

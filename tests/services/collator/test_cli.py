@@ -1,0 +1,157 @@
+"""`xtoken collator` end to end: real queue server, real collator processes, demo corpus slice."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+from services.collator.worker import CollatorWorker, WorkerConfig
+from services.queue.client import QueueClient
+from tests.services.collator.conftest import (
+    CTX,
+    ROOT,
+    STUDENT,
+    TEACHER,
+    collator_cmd,
+    run_collator,
+)
+from xtoken_core.data import sample as schema
+from xtoken_core.data.corpus import iter_texts
+from xtoken_core.data_plane.codec import columns_to_samples
+
+
+def _expected(path) -> dict[str, dict[str, torch.Tensor]]:
+    """key -> sample, collated in-process with the settings the CLI runs use."""
+    items = list(iter_texts(path))
+    config = WorkerConfig(
+        queue="unused", partition="unused", student=STUDENT, teacher=TEACHER,
+        ctx_student=CTX, ctx_teacher=CTX,
+    )  # fmt: skip
+    collator = CollatorWorker(config).collator
+    samples = collator.collate_samples([t for _, t in items])
+    return {k: s for (k, _), s in zip(items, samples)}
+
+
+@pytest.fixture(scope="module")
+def expected(corpus_slice):
+    return _expected(corpus_slice)
+
+
+def _queued(address: str, partition: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Every sample of a partition, by key (fails on duplicate keys)."""
+    with QueueClient(address, timeout_s=10) as client:
+        keys = client.list(partition)["keys"]
+        assert len(keys) == len(set(keys)), "duplicate keys in the queue"
+        if not keys:
+            return {}
+        reply = client.get(partition, keys)
+    samples = columns_to_samples(reply["fields"])
+    return dict(zip(reply["keys"], samples))
+
+
+def _assert_samples_equal(got: dict, want: dict) -> None:
+    for key, sample in got.items():
+        assert set(sample) == set(schema.FIELD_NAMES), key
+        for name in schema.FIELD_NAMES:
+            assert sample[name].dtype == want[key][name].dtype, (key, name)
+            assert torch.equal(sample[name], want[key][name]), (key, name)
+
+
+@pytest.fixture(scope="module")
+def filled(queue_server, corpus_slice):
+    """Two collators (2 and 1 workers) run concurrently over the same slice, one partition."""
+    procs = [
+        subprocess.Popen(
+            collator_cmd(
+                queue_server.address, corpus_slice, "both", "--workers", w, "--batch", "8"
+            ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in ("2", "1")
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def test_two_collators_put_every_line_exactly_once(queue_server, filled, expected):
+    codes, outs = filled
+    assert codes == [0, 0], outs
+    got = _queued(queue_server.address, "both")
+    assert sorted(got) == sorted(expected)
+    _assert_samples_equal(got, expected)
+    with QueueClient(queue_server.address, timeout_s=10) as client:
+        stats = client.stats()
+    assert stats["partitions"]["both"]["samples"] == len(expected)
+
+
+def test_restart_skips_queued_keys_and_adds_nothing(queue_server, filled, corpus_slice, expected):
+    assert filled[0] == [0, 0]
+    proc, summary = run_collator(queue_server.address, corpus_slice, "both", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert summary["skipped"] == len(expected)
+    assert summary["samples"] == 0
+    assert sorted(_queued(queue_server.address, "both")) == sorted(expected)
+
+
+def test_sigterm_mid_run_exits_zero_and_a_rerun_completes(queue_server, corpus_slice, expected):
+    address, partition = queue_server.address, "sigterm"
+    proc = subprocess.Popen(
+        collator_cmd(address, corpus_slice, partition, "--workers", "1", "--batch", "1"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        with QueueClient(address, timeout_s=10) as client:
+            while not client.list(partition)["keys"]:
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "collator put nothing in 90 s"
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "stopped early" in out
+    partial = _queued(address, partition)
+    assert 0 < len(partial) < len(expected)
+    _assert_samples_equal(partial, expected)  # whole samples only
+
+    rerun, summary = run_collator(address, corpus_slice, partition, "--workers", "1")
+    assert rerun.returncode == 0, rerun.stderr
+    assert summary["skipped"] == len(partial)
+    assert summary["written"] == len(expected) - len(partial)
+    final = _queued(address, partition)
+    assert sorted(final) == sorted(expected)
+    _assert_samples_equal(final, expected)
+
+
+def test_invalid_utf8_fails_with_an_error_naming_the_line(queue_server, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "bro\xffken"}\n')
+    proc, summary = run_collator(queue_server.address, data, "bad-utf8")
+    assert proc.returncode == 1
+    assert "line 3" in proc.stderr and "UTF-8" in proc.stderr, proc.stderr
+    assert summary is None
+
+
+def test_unreachable_queue_names_the_address_and_the_timeout_setting(corpus_slice):
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    proc, _ = run_collator(address, corpus_slice, "p", "--queue-timeout", "0.5", timeout=60)
+    assert proc.returncode == 1
+    assert address in proc.stderr and "--queue-timeout" in proc.stderr, proc.stderr
