@@ -138,6 +138,81 @@ def test_cpu_fallback_without_interpreter_is_the_reference(no_interpreter):
     torch.testing.assert_close(pg.project_by_gather(p, index), pg.project_reference(p, index))
 
 
+def test_long_columns_cut_into_pieces_and_chunked_rows_match_reference(monkeypatch):
+    # piece_len 2 makes most columns "heavy" (partials summed in order); a tiny chunk budget
+    # makes the forward transpose p in several chunks of rows.
+    indices, likelihoods, idx = _matrix(301, 5, 40, 23, seed=21)
+    index = pg.build_gather_index(indices, likelihoods, idx, piece_len=2)
+    assert index.heavy_cols_H.numel() > 0 and index.num_partials > index.heavy_cols_H.numel()
+    monkeypatch.setitem(pg.KERNEL_CONFIG, "fwd_chunk_bytes", 301 * 4 * 8)  # 8 rows a chunk
+    monkeypatch.setitem(pg.KERNEL_CONFIG, "fwd_block_n", 8)
+    p = _probs(37, 301, torch.float32, seed=22)
+    q = pg.project_by_gather(p, index)
+    q64 = p.double() @ _dense_restricted(indices, likelihoods, idx)
+    torch.testing.assert_close(q.double(), q64, atol=1e-6, rtol=1e-5)
+
+
+def test_pieces_cover_every_column_in_runs_of_at_most_piece_len():
+    indices, likelihoods, idx = _matrix(301, 5, 40, 23, seed=23)
+    index = pg.build_gather_index(indices, likelihoods, idx, piece_len=3)
+    J = index.num_cols
+    start, end = index.piece_start_P.long(), index.piece_end_P.long()
+    dest = index.piece_dest_P.long()
+    assert bool(((end - start) <= 3).all()) and bool((end >= start).all())
+    # Pieces tile the entries in column order, without gaps or overlaps.
+    assert int(start[0]) == 0 and int(end[-1]) == index.col_rows_E.numel()
+    assert torch.equal(start[1:], end[:-1])
+    # A light column writes its own row; partial rows are numbered densely from J on.
+    sizes = index.col_ptr_J1[1:] - index.col_ptr_J1[:-1]
+    j_P = torch.repeat_interleave(torch.arange(J, device=DEVICE), ((sizes + 2) // 3).clamp(min=1))
+    light = dest < J
+    assert torch.equal(dest[light], j_P[light])
+    partial = dest[dest >= J] - J
+    assert torch.equal(partial, torch.arange(index.num_partials, device=DEVICE))
+    ptr = index.heavy_ptr_H1.long()
+    assert int(ptr[-1]) == index.num_partials
+    assert torch.equal(index.heavy_cols_H.long(), torch.nonzero(sizes > 3).flatten())
+    assert torch.equal(j_P[~light].unique(), index.heavy_cols_H.long())
+
+
+def test_strided_rows_of_p_match_contiguous():
+    # fused.py passes probs[:, :rows]: a column slice, rows strided past S.
+    indices, likelihoods, idx = _matrix(67, 3, 53, 17, seed=25)
+    index = pg.build_gather_index(indices, likelihoods, idx)
+    wide = _probs(13, 80, torch.bfloat16, seed=26)
+    x = wide[:, :67].clone().requires_grad_()
+    xs = wide.clone().requires_grad_()
+    q = pg.project_by_gather(x, index)
+    qs = pg.project_by_gather(xs[:, :67], index)
+    assert torch.equal(q, qs)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    q.backward(g)
+    qs.backward(g)
+    assert torch.equal(xs.grad[:, :67], x.grad) and bool((xs.grad[:, 67:] == 0).all())
+
+
+def test_selected_ids_past_the_matrix_width_are_empty_columns():
+    indices, likelihoods, _ = _matrix(40, 3, 30, 5, seed=27)
+    idx = torch.tensor([2, 500, 7, 31], device=DEVICE)  # 500 and 31 are used by no row
+    index = pg.build_gather_index(indices, likelihoods, idx)
+    p = _probs(6, 40, torch.float32, seed=28)
+    q = pg.project_by_gather(p, index)
+    assert bool((q[:, [1, 3]] == 0).all())
+    q64 = p.double() @ _dense_restricted(indices, likelihoods, idx)
+    torch.testing.assert_close(q.double(), q64, atol=1e-6, rtol=1e-5)
+
+
+def test_new_selection_reuses_matrix_cache_and_equals_a_fresh_build():
+    indices, likelihoods, idx = _matrix(120, 4, 90, 20, seed=29)
+    pg.build_gather_index(indices, likelihoods, idx)  # warms the (t, s)-sorted cache of M
+    idx2 = torch.flip(idx, [0])[:15]
+    cached = pg.build_gather_index(indices, likelihoods, idx2)
+    pg._TM_CACHE.clear()
+    fresh = pg.build_gather_index(indices, likelihoods, idx2)
+    for name in ("col_ptr_J1", "col_rows_E", "col_w_E", "ell_cols_SK", "ell_w_SK"):
+        assert torch.equal(getattr(cached, name), getattr(fresh, name)), name
+
+
 @pytest.mark.gpu
 def test_full_size_matches_reference_and_is_deterministic_on_gpu():
     S, K, W, J, N = 151936, 8, 128256, 8192, 2048
