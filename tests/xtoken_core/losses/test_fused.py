@@ -1,0 +1,159 @@
+"""Fused KD path (losses.fused with kd_fused kernels) against the reference KD functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xtoken_core.data.projection import exact_token_map_from_topk
+from xtoken_core.losses import fused, reference
+from xtoken_core.losses.utils import shift_chunk_ids, sparse_projection_from_topk
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B, T, U, V, W, C, K = 2, 23, 19, 61, 53, 12, 3
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_without_cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _chunk_ids(Bn, Tn, Cn, gen):
+    rows = []
+    for _ in range(Bn):
+        lengths = torch.randint(1, 3, (Tn,), generator=gen)
+        cid = torch.repeat_interleave(torch.arange(Tn), lengths)[:Tn]
+        cid = torch.where(cid < Cn, cid, torch.full_like(cid, -1))
+        cid[-2:] = -1
+        rows.append(cid)
+    return shift_chunk_ids(torch.stack(rows))
+
+
+def _projection(Vn, Wn, gen, n_exact=20):
+    """Rows < n_exact one-hot (common vocab), the rest K random teacher ids."""
+    indices = torch.randint(0, Wn, (Vn, K), generator=gen)
+    likelihoods = torch.rand(Vn, K, generator=gen) + 0.1
+    likelihoods /= likelihoods.sum(1, keepdim=True)
+    indices[:n_exact, 0], indices[:n_exact, 1:] = torch.arange(n_exact), -1
+    likelihoods[:n_exact, 0], likelihoods[:n_exact, 1:] = 1.0, 0.0
+    return indices, likelihoods
+
+
+def _case(seed, dtype, Bn=B, Tn=T, Un=U, Vn=V, Wn=W, Cn=C, valid_p=0.8):
+    gen = torch.Generator().manual_seed(seed)
+    s_ids, t_ids = _chunk_ids(Bn, Tn, Cn, gen), _chunk_ids(Bn, Un, Cn, gen)
+    valid = reference.chunk_validity(s_ids, t_ids, torch.rand(Bn, Cn, generator=gen) < valid_p)
+    indices, likelihoods = _projection(Vn, Wn, gen)
+    zs = (3 * torch.randn(Bn, Tn, Vn, generator=gen)).to(dtype)
+    zt = (3 * torch.randn(Bn, Un, Wn, generator=gen)).to(dtype)
+    to = lambda x: x.to(DEVICE)  # noqa: E731
+    return to(zs), to(zt), to(s_ids), to(t_ids), to(valid), to(indices), to(likelihoods)
+
+
+def _run(module, mode, zs, zt, s_ids, t_ids, valid, indices, likelihoods, **kw):
+    x = zs.detach().clone().requires_grad_()
+    Wn = zt.shape[-1]
+    opts = dict(temperature=kw.get("temperature", 1.7), reverse_kl=kw.get("reverse_kl", False))
+    if mode == "pkl":
+        M = sparse_projection_from_topk(
+            indices, likelihoods, student_vocab_size=zs.shape[-1], teacher_vocab_size=Wn
+        )
+        terms = module.pkl_kd_loss(
+            x, zt, s_ids, t_ids, valid, M, vocab_topk=kw.get("vocab_topk", 17), **opts
+        )
+    else:
+        exact = kw.get("exact") or exact_token_map_from_topk(
+            indices, likelihoods, xtoken_loss=mode == "xtoken", teacher_vocab_size=Wn
+        )
+        terms = module.gold_kd_loss(
+            x, zt, s_ids, t_ids, valid, exact, uncommon_topk=kw.get("uncommon_topk", 9), **opts
+        )
+    terms.kd.backward()
+    return terms, x.grad
+
+
+def _assert_match(mode, case, grad_tol, **kw):
+    assert fused.fused_path_available(case[0], case[1])
+    ref, g_ref = _run(reference, mode, *case, **kw)
+    got, g_got = _run(fused, mode, *case, **kw)
+    for name in ("kd", "kl", "l1", "num_valid"):
+        torch.testing.assert_close(
+            getattr(got, name).float(), getattr(ref, name).float(), rtol=2e-5, atol=1e-6
+        )
+    assert got.correct.item() == ref.correct.item()
+    assert g_got.dtype == case[0].dtype and g_got.shape == case[0].shape
+    torch.testing.assert_close(g_got.float(), g_ref.float(), **grad_tol)
+
+
+@pytest.mark.parametrize("reverse_kl", [False, True], ids=["fwd-kl", "rev-kl"])
+@pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
+def test_fp32_values_gradients_and_metrics_match_the_reference(mode, reverse_kl):
+    case = _case(1, torch.float32)
+    _assert_match(mode, case, dict(rtol=1e-4, atol=1e-6), reverse_kl=reverse_kl)
+
+
+@pytest.mark.parametrize("mode", ["pkl", "gold"])
+def test_bf16_logits_match_the_reference_within_bf16_rounding(mode):
+    case = _case(2, torch.bfloat16)
+    ref, g_ref = _run(reference, mode, *case, temperature=2.0)
+    got, g_got = _run(fused, mode, *case, temperature=2.0)
+    torch.testing.assert_close(got.kd, ref.kd, rtol=1e-4, atol=1e-6)
+    rel = (g_got.float() - g_ref.float()).norm() / g_ref.float().norm()
+    assert rel < 1e-2, rel
+
+
+def test_pkl_with_every_teacher_column_matches_the_reference():
+    case = _case(3, torch.float32)
+    _assert_match("pkl", case, dict(rtol=1e-4, atol=1e-6), vocab_topk=None)
+
+
+def test_no_valid_chunk_gives_zero_loss_and_zero_gradient():
+    for mode in ("pkl", "gold"):
+        case = list(_case(4, torch.float32))
+        case[4] = torch.zeros_like(case[4])
+        terms, grad = _run(fused, mode, *case)
+        assert terms.kd.item() == 0.0 and terms.num_valid.item() == 0
+        assert bool((grad == 0).all())
+
+
+def test_gold_with_empty_common_vocab_or_empty_top_m_matches_the_reference():
+    case = _case(5, torch.float32)
+    Vn, Wn = case[0].shape[-1], case[1].shape[-1]
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    no_common = {
+        "common_student": empty,
+        "common_teacher": empty,
+        "uncommon_student": torch.arange(Vn, device=DEVICE),
+        "uncommon_teacher": torch.arange(Wn, device=DEVICE),
+    }
+    _assert_match("gold", case, dict(rtol=1e-4, atol=1e-6), exact=no_common)
+    _assert_match("gold", case, dict(rtol=1e-4, atol=1e-6), uncommon_topk=0)
+
+
+def test_projection_tables_are_built_once_per_matrix():
+    indices, likelihoods = _projection(V, W, torch.Generator().manual_seed(6))
+    M = sparse_projection_from_topk(
+        indices.to(DEVICE), likelihoods.to(DEVICE), student_vocab_size=V, teacher_vocab_size=W
+    )
+    first = fused.projection_tables(M)
+    assert fused.projection_tables(M) is first
+    dense = M.to_dense()
+    ell = torch.zeros(V, W, device=DEVICE)
+    rows = torch.arange(V, device=DEVICE).view(-1, 1).expand_as(first.ell_t_SP)
+    has = first.ell_t_SP >= 0
+    ell.index_put_((rows[has], first.ell_t_SP[has].long()), first.ell_w_SP[has], accumulate=True)
+    assert torch.equal(ell, dense)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
+def test_cuda_bf16_at_a_vocab_scale_size_matches_the_reference(mode):
+    case = _case(7, torch.bfloat16, Bn=2, Tn=515, Un=509, Vn=20011, Wn=18013, Cn=400)
+    ref, g_ref = _run(reference, mode, *case, temperature=2.0, vocab_topk=1500, uncommon_topk=512)
+    got, g_got = _run(fused, mode, *case, temperature=2.0, vocab_topk=1500, uncommon_topk=512)
+    torch.testing.assert_close(got.kd, ref.kd, rtol=1e-4, atol=1e-6)
+    rel = (g_got.float() - g_ref.float()).norm() / g_ref.float().norm()
+    assert rel < 1e-2, rel
