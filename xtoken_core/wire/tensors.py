@@ -245,7 +245,7 @@ def as_wire_tensor(x: Any, path: str) -> torch.Tensor:
     x = x.detach()
     if x.device.type != "cpu":
         x = x.cpu()
-    if not x.is_contiguous() or x.storage_offset() < 0:
+    if not x.is_contiguous():
         x = x.contiguous()
     return x
 

@@ -359,3 +359,16 @@ def test_pad_jagged_matches_a_row_by_row_reference(lengths, dtype):
         want[i, : len(r)] = r
     got = pad_jagged(JaggedColumn.from_rows(rows), pad_value=1, seqlen=210)
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[100, 0, 70], [1, 0, 3]], ids=["long-rows", "short-rows"])
+def test_codec_on_cuda_matches_cpu(lengths):
+    rows = [torch.randn(k, 2) for k in lengths]
+    col = JaggedColumn.from_rows(rows)
+    cuda = JaggedColumn(col.values.cuda(), col.offsets.cuda())
+    padded = pad_jagged(cuda, pad_value=-1.0, seqlen=128)
+    assert padded.is_cuda and torch.equal(padded.cpu(), pad_jagged(col, -1.0, 128))
+    nested = to_nested_by_length(padded, torch.tensor(lengths, device="cuda"))
+    assert nested.is_cuda
+    assert torch.equal(JaggedColumn.from_nested(nested).values.cpu(), col.values)
