@@ -3,8 +3,12 @@
 For each mode (P-KL, gold, relaxed gold / xtoken), each (B, T, V_s, V_t) shape, bf16 logits and
 ~0.8 T chunks of 1-2 tokens per side, it times ``CrossTokenizerLoss(...)(...)`` forward and
 backward with ``backend="reference"`` (one-hot bmm chunk averages, fp32 [B, T, V] copies) and
-``backend="kernel"`` (fused chunk-averaged log-softmax, projection by gather), and reports the
-median time, the peak memory above the inputs, both ratios and the relative loss difference.
+``backend="kernel"`` (the fused path of xtoken_core/losses/fused.py), and reports the median
+time, the peak memory above the inputs, both ratios, the relative loss difference and the
+relative gradient error (norm of the difference over the norm of the reference gradient).
+Floors: ``floor_ms`` is the fewest bytes a fwd+bwd must move (student logits read twice, teacher
+logits read once, the gradient written once) over the measured device-to-device copy rate;
+``grad_gib`` is the gradient itself, the least memory the kernel path can peak at.
 The CE term is off (ce_weight=0) so that only the KD term is measured.
 
 Prints one table and appends rows to benchmarks/results/losses_kd_loss.jsonl.
@@ -111,7 +115,25 @@ def _measure(fn, device, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def run_case(mode, B, T, V_s, V_t, device, reps) -> dict:
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate in bytes/s (bytes read plus written), median of 10."""
+    src = torch.randn(2**28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2**30 / statistics.median(times)
+
+
+def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None) -> dict:
     student, teacher, batch, projection, C = _make_inputs(B, T, V_s, V_t, device, seed=B * T)
     x = student.clone().requires_grad_()
     row = dict(
@@ -125,7 +147,7 @@ def run_case(mode, B, T, V_s, V_t, device, reps) -> dict:
         dtype="bf16",
         vocab_topk=VOCAB_TOPK if mode == "pkl" else None,
     )
-    losses = {}
+    losses, grads = {}, {}
     for backend in ("reference", "kernel"):
         loss_fn = CrossTokenizerLoss(
             CrossTokenizerLossConfig(
@@ -146,6 +168,7 @@ def run_case(mode, B, T, V_s, V_t, device, reps) -> dict:
 
         try:
             losses[backend] = float(fwd_bwd().detach())
+            grads[backend] = x.grad.float().clone() if backend == "reference" else x.grad.float()
             ms, peak = _measure(fwd_bwd, device, reps)
             row[f"ms_{backend}"] = ms
             row[f"peak_gib_{backend}"] = peak / 2**30
@@ -159,6 +182,14 @@ def run_case(mode, B, T, V_s, V_t, device, reps) -> dict:
         row["loss_rel_diff"] = abs(losses["kernel"] - losses["reference"]) / max(
             abs(losses["reference"]), 1e-30
         )
+    if len(grads) == 2:
+        ref_norm = grads["reference"].norm()
+        row["grad_rel_err"] = float((grads["kernel"] - grads["reference"]).norm() / ref_norm)
+    grads.clear()
+    elt = student.element_size()
+    row["grad_gib"] = B * T * V_s * elt / 2**30
+    if copy_bps:
+        row["floor_ms"] = (3 * B * T * V_s + B * T * V_t) * elt / copy_bps * 1e3
     if isinstance(row.get("ms_reference"), float) and isinstance(row.get("ms_kernel"), float):
         row["speedup"] = row["ms_reference"] / row["ms_kernel"]
         if row["peak_gib_kernel"]:
@@ -197,12 +228,15 @@ def main(argv=None) -> int:
         return 1
     device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     commit = _commit()
+    copy_bps = copy_bandwidth(device) if device.type == "cuda" else None
     rows = []
     for V_s, V_t in pairs:
         for B, T in shapes:
             for mode in args.modes:
-                row = run_case(mode, B, T, V_s, V_t, device, args.reps)
+                row = run_case(mode, B, T, V_s, V_t, device, args.reps, copy_bps)
                 row.update(commit=commit, device=device_name)
+                if copy_bps:
+                    row["copy_gbs"] = copy_bps / 1e9
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print_table(
@@ -219,7 +253,10 @@ def main(argv=None) -> int:
             "peak_gib_reference",
             "peak_gib_kernel",
             "mem_ratio",
+            "grad_gib",
+            "floor_ms",
             "loss_rel_diff",
+            "grad_rel_err",
         ],
     )
     if not args.smoke:

@@ -1,0 +1,72 @@
+"""Profile: where the KD loss's fwd+bwd time goes, fused path vs the composed kernel path (GPU).
+
+Runs ``torch.profiler`` over one fwd+bwd of ``CrossTokenizerLoss`` (after a warm-up) for each
+mode at one shape, prints the top kernels by CUDA time per path and writes the full tables to
+``--out``. Usage: ``python benchmarks/losses/profile_kd_loss.py --out /tmp/profile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from unittest import mock
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _make_inputs  # noqa: E402
+
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, fused  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="profile_out")
+    parser.add_argument("--B", type=int, default=2)
+    parser.add_argument("--T", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--paths", nargs="+", default=["fused", "composed"])
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    student, teacher, batch, projection, _ = _make_inputs(args.B, args.T, 151936, 131072, device, 1)
+    x = student.clone().requires_grad_()
+    for mode in ("pkl", "gold"):
+        loss_fn = CrossTokenizerLoss(
+            CrossTokenizerLossConfig(
+                projection=projection,
+                mode=mode,
+                temperature=TEMPERATURE,
+                vocab_topk=VOCAB_TOPK,
+                ce_weight=0.0,
+                backend="kernel",
+            )
+        )
+        for path in args.paths:
+            patch = mock.patch.object(fused, "fused_path_available", return_value=path == "fused")
+            with patch:
+                for _ in range(2):  # warm-up: compile, caches
+                    x.grad = None
+                    loss_fn(x, teacher, batch)[0].backward()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    x.grad = None
+                    loss_fn(x, teacher, batch)[0].backward()
+                    torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+            with open(os.path.join(args.out, f"profile_{mode}_{path}.txt"), "w") as fh:
+                fh.write(table)
+            events = [e for e in prof.key_averages() if e.device_time_total > 0]
+            events.sort(key=lambda e: -e.self_device_time_total)
+            total = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"== {mode} {path} B={args.B} T={args.T}: {total:.2f} ms of kernels")
+            for e in events[: args.top]:
+                ms = e.self_device_time_total / 1e3
+                print(f"  {ms:8.2f} ms  x{e.count:<4d} {e.key[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
