@@ -219,7 +219,7 @@ if tl is not None:
         e_start = tl.load(ptr_K1_ptr + j0)
         e_end = tl.load(ptr_K1_ptr + tl.minimum(j0 + BLOCK_J, K))
         offs_e = tl.arange(0, BLOCK_E)
-        acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+        acc = tl.full((BLOCK_N, BLOCK_J), 0.0, tl.float32)
         for e0 in range(e_start, e_end, BLOCK_E):
             e = e0 + offs_e
             em = e < e_end
@@ -325,7 +325,7 @@ if tl is not None:
             tl.store(out_ptr, dz.to(dz_ptr.dtype.element_ty), mask=vm)
         else:
             tl.store(
-                out_ptr, tl.zeros((BLOCK_V,), dtype=tl.float32).to(dz_ptr.dtype.element_ty), mask=vm
+                out_ptr, tl.full((BLOCK_V,), 0.0, tl.float32).to(dz_ptr.dtype.element_ty), mask=vm
             )
 
     @lazy_jit
