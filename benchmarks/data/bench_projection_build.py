@@ -48,7 +48,7 @@ COLUMNS = (
     "file MiB",
     "exact",
     "special",
-    "re-tokenized (dummy prefix)",
+    "re-tokenized",
     "byte fallback",
     "unmapped",
     "truncated",
@@ -113,9 +113,7 @@ def _bench_pair(student_name: str, teacher_name: str, top_k: int) -> dict:
         "file MiB": f"{size_mib:.1f}",
         "exact": stats.exact_rows,
         "special": stats.special_rows,
-        "re-tokenized (dummy prefix)": (
-            f"{stats.retokenized_rows} ({stats.dummy_prefix_repaired_rows})"
-        ),
+        "re-tokenized": stats.retokenized_rows,
         "byte fallback": stats.byte_fallback_rows,
         "unmapped": stats.unmapped_rows,
         "truncated": stats.truncated_rows,
@@ -123,6 +121,16 @@ def _bench_pair(student_name: str, teacher_name: str, top_k: int) -> dict:
         "common strict": common["strict"],
         "common relaxed": common["relaxed"],
     }
+
+
+def _last_header(path: Path) -> str | None:
+    """The last table header line of a results file (None if it has none)."""
+    headers = [
+        line.rstrip("\n")
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.startswith("| date")
+    ]
+    return headers[-1] if headers else None
 
 
 def main() -> int:
@@ -160,6 +168,8 @@ def main() -> int:
                     "exact-token map (strict / relaxed) of the gold loss.\n\n"
                 )
                 f.write(lines[0] + "\n" + lines[1] + "\n")
+            elif _last_header(RESULTS) != lines[0]:  # the columns changed: start a new table
+                f.write("\n" + lines[0] + "\n" + lines[1] + "\n")
             f.write("\n".join(lines[2:]) + "\n")
     return 0
 

@@ -9,14 +9,11 @@ that applies:
 2. **exact**: ``b`` equals the bytes of a (non-special) teacher token t: one-hot row
    ``[t, -1, ...] / [1, 0, ...]``. When several teacher tokens share those bytes (e.g. a
    SentencePiece piece and its ``<0xHH>`` byte-fallback twin), the one the teacher tokenizer itself
-   produces for ``b`` (alone, or after a newline) wins, otherwise the lowest id. O(1) per token
-   through a bytes -> id dict.
-3. **re-tokenized**: ``b`` is valid UTF-8 on its own: the teacher tokenizer encodes it (batched),
-   and the result is kept only if it round-trips (the teacher pieces' bytes concatenate back to
-   exactly ``b``). When the pieces spell ``b" " + b``, the tokenizer added a SentencePiece dummy
-   prefix: the space is removed from the first piece, which is re-spelled with the teacher token
-   for its remaining bytes (or a greedy split of them, as in rule 4). Other mismatches
-   (normalizers such as NFC, unknown-token pieces) fail the round trip and fall to rule 4.
+   produces for ``b`` wins, otherwise the lowest id. O(1) per token through a bytes -> id dict.
+3. **re-tokenized**: ``b`` is valid UTF-8 on its own: the teacher tokenizer encodes it as running
+   text (``encode_batch_bytes_to_ids``: no specials, no SentencePiece dummy prefix, batched), and
+   the result is kept only if it round-trips (the teacher pieces' bytes concatenate back to
+   exactly ``b``). Mismatches (normalizers such as NFC, unknown-token pieces) fall to rule 4.
 4. **byte fallback**: otherwise (partial UTF-8 characters of byte-level BPE, or a failed round
    trip) ``b`` is split greedily into the longest teacher tokens that match it byte for byte.
    Byte-level BPE teachers have all 256 single bytes and SentencePiece teachers with byte fallback
@@ -77,7 +74,7 @@ class TokenizerLike(Protocol):
         """Exact bytes of one token (b"" for special tokens)."""
 
     def encode_bytes_to_ids(self, text: str) -> list[int]:
-        """Token ids for ``text``, without special tokens."""
+        """Token ids for ``text`` as running text: no special tokens, no prefix space."""
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special (control) token."""
@@ -99,7 +96,6 @@ class BuildStats:
     exact_rows: int
     special_rows: int
     retokenized_rows: int
-    dummy_prefix_repaired_rows: int
     byte_fallback_rows: int
     unmapped_rows: int
     truncated_rows: int
@@ -140,9 +136,8 @@ def _role_map(tok: TokenizerLike) -> dict[str, int]:
 def _teacher_bytes_index(teacher: TokenizerLike, teacher_bytes: list[bytes]) -> dict[bytes, int]:
     """bytes -> teacher id, resolving byte strings that several teacher ids spell.
 
-    The id the teacher itself produces wins: the single piece it encodes the text to, else the
-    last piece when it encodes "\n" + text (a context that starts a new piece, which also gets
-    past a SentencePiece dummy prefix); otherwise the lowest id.
+    The id the teacher itself produces wins (the single piece it encodes the bytes to as running
+    text); otherwise the lowest id.
     """
     index: dict[bytes, int] = {}
     dups: dict[bytes, list[int]] = {}
@@ -160,12 +155,9 @@ def _teacher_bytes_index(teacher: TokenizerLike, teacher_bytes: list[bytes]) -> 
         except UnicodeDecodeError:
             pass
     alone = _encode_many(teacher, [text for _, text in decodable])
-    after_newline = _encode_many(teacher, ["\n" + text for _, text in decodable])
-    for (b, _), ids, ctx_ids in zip(decodable, alone, after_newline):
+    for (b, _), ids in zip(decodable, alone):
         if len(ids) == 1 and ids[0] in dups[b]:
             index[b] = ids[0]
-        elif ctx_ids and ctx_ids[-1] in dups[b]:
-            index[b] = ctx_ids[-1]
     if dups:
         logger.debug("[projection] %d teacher byte strings have several token ids", len(dups))
     return index
@@ -187,37 +179,11 @@ def _greedy_split(b: bytes, index: dict[bytes, int], max_len: int) -> list[int] 
     return out
 
 
-def _round_trip(
-    ids: Sequence[int],
-    b: bytes,
-    teacher_bytes: list[bytes],
-    index: dict[bytes, int],
-    max_len: int,
-) -> tuple[list[int] | None, bool]:
-    """Check that teacher ``ids`` spell exactly ``b``; repair a SentencePiece dummy prefix.
-
-    Returns:
-        ``(ids or None when the round trip fails, whether a dummy prefix was removed)``.
-    """
+def _round_trip(ids: Sequence[int], b: bytes, teacher_bytes: list[bytes]) -> list[int] | None:
+    """The teacher ``ids`` when their bytes spell exactly ``b``, else None."""
     if not ids or not all(0 <= t < len(teacher_bytes) for t in ids):
-        return None, False
-    got = b"".join(teacher_bytes[t] for t in ids)
-    if got == b:
-        return list(ids), False
-    if got != b" " + b:
-        return None, False
-    # The tokenizer put a space before the text (SentencePiece's dummy prefix): drop it from the
-    # first piece, re-spelling what is left of that piece with teacher tokens.
-    head_bytes = teacher_bytes[ids[0]][1:]
-    if not head_bytes:
-        head: list[int] | None = []
-    elif head_bytes in index:
-        head = [index[head_bytes]]
-    else:
-        head = _greedy_split(head_bytes, index, max_len)
-    if head is None or not head + list(ids[1:]):
-        return None, False
-    return head + list(ids[1:]), True
+        return None
+    return list(ids) if b"".join(teacher_bytes[t] for t in ids) == b else None
 
 
 def _rows_from_pieces(
@@ -306,7 +272,7 @@ def build_projection_with_stats(
         piece_pos.extend(range(len(ids)))
         piece_ids.extend(ids)
 
-    counts = dict.fromkeys(("exact", "special", "retok", "prefix", "fallback", "none"), 0)
+    counts = dict.fromkeys(("exact", "special", "retok", "fallback", "none"), 0)
     to_encode: list[tuple[int, bytes, str]] = []
     to_split: list[tuple[int, bytes]] = []
     for s in rows:
@@ -334,13 +300,12 @@ def build_projection_with_stats(
 
     encoded = _encode_many(teacher_tok, [text for _, _, text in to_encode])
     for (s, b, _), raw_ids in zip(to_encode, encoded):
-        ids, repaired = _round_trip(raw_ids, b, teacher_bytes, index, max_len)
+        ids = _round_trip(raw_ids, b, teacher_bytes)
         if ids is None:
             to_split.append((s, b))
         else:
             add(s, ids)
             counts["retok"] += 1
-            counts["prefix"] += repaired
     for s, b in to_split:
         ids = _greedy_split(b, index, max_len)
         if ids is None:
@@ -368,7 +333,6 @@ def build_projection_with_stats(
         exact_rows=counts["exact"],
         special_rows=counts["special"],
         retokenized_rows=counts["retok"],
-        dummy_prefix_repaired_rows=counts["prefix"],
         byte_fallback_rows=counts["fallback"],
         unmapped_rows=counts["none"],
         truncated_rows=truncated,

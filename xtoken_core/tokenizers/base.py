@@ -138,14 +138,31 @@ class XTokenizer(ABC):
 
     @abstractmethod
     def encode_bytes_to_ids(self, text: str) -> list[int]:
-        """Plain tokenization of ``text`` without special tokens (used by the projection builder).
+        """Plain tokenization of ``text`` as a piece of running text (the projection builder's view).
+
+        No special tokens and no prefix space: SentencePiece's dummy ``▁`` (and a Hugging Face
+        Metaspace / Prepend / ByteLevel ``add_prefix_space``) is not added, so ``"ing"`` gives
+        the pieces of ``"ing"``, not of ``" ing"``. Wherever the tokenizer does not normalize
+        the text (byte-level BPE, SentencePiece with the identity normalizer), the pieces'
+        ``token_bytes`` concatenate to exactly ``text.encode("utf-8")``.
 
         Args:
-            text: any string.
+            text: any string encodable as UTF-8.
 
         Returns:
-            The token ids.
+            The token ids (empty for "").
         """
+
+    def encode_batch_bytes_to_ids(self, texts: list[str]) -> list[list[int]]:
+        """``encode_bytes_to_ids`` of several texts (backends override it to batch natively).
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            One id list per text, in order.
+        """
+        return [self.encode_bytes_to_ids(t) for t in texts]
 
     # ---- public API -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> TokenizedText:

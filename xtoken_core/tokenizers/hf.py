@@ -51,6 +51,58 @@ def _token_content(value) -> str | None:
     return value
 
 
+def without_prefix_space(spec: dict) -> dict | None:
+    """A copy of a tokenizer.json spec that adds no space before the text, or None if none is added.
+
+    Turns off the components that put a space (``▁`` / ``Ġ``) before the first word: a
+    ``Metaspace`` pre-tokenizer's ``prepend_scheme`` / ``add_prefix_space``, a ``ByteLevel``
+    pre-tokenizer's ``add_prefix_space``, and ``Prepend`` normalizers (Llama-2 style).
+
+    Args:
+        spec: the parsed tokenizer.json.
+
+    Returns:
+        The modified copy, or None when the spec adds no prefix space.
+    """
+    spec = json.loads(json.dumps(spec))
+    changed = False
+
+    def fix_pre(node):
+        nonlocal changed
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "Sequence":
+            for child in node.get("pretokenizers") or []:
+                fix_pre(child)
+        elif kind == "Metaspace":
+            if node.get("prepend_scheme", "always") != "never":
+                node["prepend_scheme"] = "never"
+                changed = True
+            if node.get("add_prefix_space"):
+                node["add_prefix_space"] = False
+                changed = True
+        elif kind == "ByteLevel" and node.get("add_prefix_space"):
+            node["add_prefix_space"] = False
+            changed = True
+
+    def fix_norm(node):
+        nonlocal changed
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "Prepend":
+            changed = True
+            return None
+        if node.get("type") == "Sequence":
+            kept = [fix_norm(child) for child in node.get("normalizers") or []]
+            node["normalizers"] = [child for child in kept if child is not None]
+        return node
+
+    fix_pre(spec.get("pre_tokenizer"))
+    spec["normalizer"] = fix_norm(spec.get("normalizer"))
+    return spec if changed else None
+
+
 class HFTokenizer(XTokenizer):
     """A tokenizer.json (HF ``tokenizers``) with exact byte spans.
 
@@ -86,6 +138,11 @@ class HFTokenizer(XTokenizer):
         # Literal "<|endoftext|>" in training text is text, never a control token.
         self._tok.encode_special_tokens = True
         spec = json.loads(path.read_text(encoding="utf-8"))
+        self._plain_tok = self._tok
+        plain_spec = without_prefix_space(spec)
+        if plain_spec is not None:
+            self._plain_tok = Tokenizer.from_str(json.dumps(plain_spec))
+            self._plain_tok.encode_special_tokens = True
         self.name = name or str(path)
         config_path = path.parent / "tokenizer_config.json"
         config = (
@@ -180,7 +237,7 @@ class HFTokenizer(XTokenizer):
         return out
 
     def encode_bytes_to_ids(self, text: str) -> list[int]:
-        """Plain tokenization of ``text`` without special tokens.
+        """Plain tokenization of ``text``: no special tokens, no prefix space (see the base).
 
         Args:
             text: any string.
@@ -188,4 +245,16 @@ class HFTokenizer(XTokenizer):
         Returns:
             The token ids.
         """
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._plain_tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch_bytes_to_ids(self, texts: list[str]) -> list[list[int]]:
+        """``encode_bytes_to_ids`` of several texts in one native (Rust, parallel) call.
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            One id list per text, in order.
+        """
+        encs = self._plain_tok.encode_batch(list(texts), add_special_tokens=False)
+        return [list(enc.ids) for enc in encs]

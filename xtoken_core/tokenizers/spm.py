@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,10 @@ class SentencePieceTokenizer(XTokenizer):
             return None if i < 0 else int(i)
 
         self.bos_id, self.eos_id, self.pad_id = opt(sp.bos_id()), opt(sp.eos_id()), opt(sp.pad_id())
-        self._dummy_prefix = self._reads_dummy_prefix(path)
+        self._model_bytes = path.read_bytes()
+        self._dummy_prefix = self._reads_dummy_prefix(self._model_bytes)
+        self._plain = None
+        self._plain_lock = threading.Lock()
         token_bytes: list[bytes] = []
         roles = np.zeros(self.vocab_size, dtype=np.int8)
         for tid in range(self.vocab_size):
@@ -69,13 +73,13 @@ class SentencePieceTokenizer(XTokenizer):
         logger.info("[tokenizers] loaded %s (vocab_size=%d)", self.name, self.vocab_size)
 
     @staticmethod
-    def _reads_dummy_prefix(path: Path) -> bool:
+    def _reads_dummy_prefix(model_bytes: bytes) -> bool:
         """Whether the model adds a dummy ``▁`` before the text (SentencePiece's default)."""
         try:
             from sentencepiece import sentencepiece_model_pb2
 
             proto = sentencepiece_model_pb2.ModelProto()
-            proto.ParseFromString(path.read_bytes())
+            proto.ParseFromString(model_bytes)
             return bool(proto.normalizer_spec.add_dummy_prefix)
         except Exception:  # protobuf missing or unusual file: SentencePiece's default
             return True
@@ -94,13 +98,42 @@ class SentencePieceTokenizer(XTokenizer):
         offsets_N2[extra:, 1] = [p.end for p in pieces]
         return ids_N, offsets_N2, False
 
+    @property
+    def _plain_sp(self):
+        """A second processor of the same model without the dummy prefix (built on first use)."""
+        with self._plain_lock:
+            if self._plain is None:
+                if not self._dummy_prefix:
+                    self._plain = self._sp
+                else:
+                    import sentencepiece as spm
+                    from sentencepiece import sentencepiece_model_pb2
+
+                    proto = sentencepiece_model_pb2.ModelProto()
+                    proto.ParseFromString(self._model_bytes)
+                    proto.normalizer_spec.add_dummy_prefix = False
+                    self._plain = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+            return self._plain
+
     def encode_bytes_to_ids(self, text: str) -> list[int]:
-        """Plain tokenization of ``text`` without BOS/EOS.
+        """Plain tokenization of ``text``: no BOS/EOS and no dummy-prefix ``▁`` (see the base).
 
         Args:
             text: any string.
 
         Returns:
-            The token ids.
+            The token ids; with Mistral's identity normalizer their bytes spell ``text``.
         """
-        return list(self._sp.encode(text, out_type=int))
+        return list(self._plain_sp.encode(text, out_type=int))
+
+    def encode_batch_bytes_to_ids(self, texts: list[str]) -> list[list[int]]:
+        """``encode_bytes_to_ids`` of several texts in one native (multi-threaded) call.
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            One id list per text, in order.
+        """
+        texts = list(texts)
+        return [list(ids) for ids in self._plain_sp.encode(texts, out_type=int)] if texts else []
