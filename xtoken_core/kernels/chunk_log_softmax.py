@@ -9,10 +9,15 @@ Math. With x = z / temperature and lse_r = logsumexp_v x[r, v]:
     dz[r, v]   = (1 / (temperature * n_s)) * (g[s, v] - softmax(x_r)[v] * sum_v' g[s, v'])
                  for the segment s of row r, and 0 for rows with chunk id -1.
 
-Forward is two memory-bound passes over the logits (row logsumexp by an online softmax, then a
-segmented sum per (segment, V block) over rows sorted by segment: no atomics, deterministic).
-Backward is one pass. Only the input logits and one fp32 scalar per row are saved: no [B, T, V]
-fp32 copy is ever made.
+Forward, one of two schedules (``KERNEL_CONFIG["fwd_fused"]``), both deterministic (fixed-order
+sums over rows sorted by segment, no atomics):
+    two-pass: a row logsumexp kernel (online softmax), then a segmented sum per
+              (segment, V block): two reads of the logits, many small programs.
+    fused:    one program per segment: pass 1 takes the logsumexp of each of its rows, pass 2
+              sums the rows block by block in reverse V order (the blocks read last are re-read
+              first, while still in L2) and writes avg = sum(z) / (T n) - mean(lse). One launch.
+Backward is one pass (plus a row sum of the incoming gradient). Only the input logits and one
+fp32 scalar per row are saved: no [B, T, V] fp32 copy is ever made.
 """
 
 import logging
@@ -35,6 +40,9 @@ _LN2 = 0.6931471805599453
 
 # Block sizes per pass (GPU). Benchmarks may override entries; tests run them interpreted.
 KERNEL_CONFIG = {
+    "fwd_fused": False,
+    "fused_block_v": 2048,
+    "fused_warps": 4,
     "lse_block_v": 4096,
     "lse_warps": 8,
     "acc_block_v": 2048,
@@ -92,25 +100,81 @@ if tl is not None:
         scale2,  # log2(e) / temperature: x2 = z * scale2 is the row in base-2 units
         BLOCK_V: tl.constexpr,
     ):
-        # One program per row r. Online softmax in base 2 over V blocks, one exp2 per element:
-        #   m' = max(m, max_blk x2);  s' = s * 2^(m - m') + sum_blk 2^(x2 - m')
-        # lse (natural log) = (m + log2 s) * ln 2. Rows outside every chunk are skipped.
+        # One program per row r. Online softmax in base 2 over V blocks, one exp2 per element
+        # and one block max per step; the sums stay per lane until the end:
+        #   m' = max(m, max_blk x2);  s_lane' = s_lane * 2^(m - m') + 2^(x2 - m')
+        # lse (natural log) = (m + log2 sum_lanes s_lane) * ln 2. Rows outside every chunk skip.
         r = tl.program_id(0).to(tl.int64)
         seg = tl.load(seg_R_ptr + r)
         if seg >= 0:
             row_ptr = logits_ptr + (r // T) * stride_b + (r % T) * stride_t
             offs = tl.arange(0, BLOCK_V)
             m = tl.full([], -1.0e30, tl.float32)
-            s = tl.full([], 0.0, tl.float32)
+            s_lane = tl.full((BLOCK_V,), 0.0, tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 v = v0 + offs
                 x2 = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32) * scale2
                 m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
-                s = s * tl.exp2(m - m_new) + tl.reduce(tl.exp2(x2 - m_new), 0, SUM_COMBINE)
+                s_lane = s_lane * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
                 m = m_new
-            tl.store(lse_R_ptr + r, (m + tl.log2(s)) * 0.6931471805599453)
+            total = tl.reduce(s_lane, 0, SUM_COMBINE)
+            tl.store(lse_R_ptr + r, (m + tl.log2(total)) * 0.6931471805599453)
         else:
             tl.store(lse_R_ptr + r, 0.0)
+
+    @lazy_jit
+    def _chunk_fused_fwd_kernel(
+        logits_ptr,
+        order_N_ptr,
+        offsets_S1_ptr,
+        lse_R_ptr,
+        out_SV_ptr,
+        T,
+        V,
+        stride_b,
+        stride_t,
+        scale2,  # log2(e) / temperature
+        inv_temp,
+        BLOCK_V: tl.constexpr,
+    ):
+        # One program per segment s, rows order[offsets[s]:offsets[s+1]].
+        # Pass 1, per row: lse_r by the online softmax of _row_lse_kernel (stored for backward).
+        # Pass 2, per V block from the last to the first (pass 1 read those last: L2 hits):
+        #   out[s, v] = (sum_{r in s} z[r, v]) * inv_temp / n_s - (sum_{r in s} lse_r) / n_s
+        # Empty segments write 0 rows. Fixed order everywhere: deterministic.
+        s_id = tl.program_id(0).to(tl.int64)
+        start = tl.load(offsets_S1_ptr + s_id)
+        end = tl.load(offsets_S1_ptr + s_id + 1)
+        offs = tl.arange(0, BLOCK_V)
+        lse_sum = tl.full([], 0.0, tl.float32)
+        for i in range(start, end):
+            r = tl.load(order_N_ptr + i)
+            row_ptr = logits_ptr + (r // T) * stride_b + (r % T) * stride_t
+            m = tl.full([], -1.0e30, tl.float32)
+            s_lane = tl.full((BLOCK_V,), 0.0, tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                v = v0 + offs
+                x2 = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32) * scale2
+                m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
+                s_lane = s_lane * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
+                m = m_new
+            lse = (m + tl.log2(tl.reduce(s_lane, 0, SUM_COMBINE))) * 0.6931471805599453
+            tl.store(lse_R_ptr + r, lse)
+            lse_sum += lse
+        n = tl.maximum(end - start, 1).to(tl.float32)
+        shift = lse_sum / n
+        scale = inv_temp / n
+        num_vb = (V + BLOCK_V - 1) // BLOCK_V
+        for k in range(0, num_vb):
+            v = (num_vb - 1 - k) * BLOCK_V + offs
+            vmask = v < V
+            acc = tl.full((BLOCK_V,), 0.0, tl.float32)
+            for i in range(start, end):
+                r = tl.load(order_N_ptr + i)
+                row_ptr = logits_ptr + (r // T) * stride_b + (r % T) * stride_t
+                acc += tl.load(row_ptr + v, mask=vmask, other=0.0).to(tl.float32)
+            out = acc * scale - shift
+            tl.store(out_SV_ptr + s_id * V + v, out.to(out_SV_ptr.dtype.element_ty), mask=vmask)
 
     @lazy_jit
     def _chunk_acc_kernel(
@@ -218,34 +282,53 @@ def _validate(logits_BTV, chunk_id_BT, num_chunks, temperature) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
 
 
-def _segments(chunk_id_BT: torch.Tensor, num_chunks: int):
+def _segments(chunk_id_BT: torch.Tensor, num_chunks: int, check: bool = True):
     """Segment structure: per-row segment id, rows sorted by segment, segment offsets.
+
+    Ids outside [-1, num_chunks) are treated as -1 (so kernels stay in bounds) and flagged.
+
+    Args:
+        chunk_id_BT: [B, T] integer chunk ids.
+        num_chunks: C.
+        check: raise now on a bad id (a device sync); False returns the flag for
+            :func:`_raise_on_bad_ids`, to be read after the kernels are queued.
 
     Returns:
         seg_R int64 [R] (-1 = no chunk), order_N int64 [R] (rows sorted by segment, invalid rows
-        last), offsets_S1 int64 [S + 1], sizes_S int64 [S].
+        last), offsets_S1 int64 [S + 1], sizes_S int64 [S], and with ``check=False`` the bad-id
+        flag (a 0-d bool tensor).
 
     Raises:
-        ValueError: a chunk id is < -1 or >= num_chunks.
+        ValueError: with ``check``, a chunk id is < -1 or >= num_chunks.
     """
     B, T = chunk_id_BT.shape
     S = B * num_chunks
     cid_BT = chunk_id_BT.to(torch.long)
-    if cid_BT.numel() and bool(((cid_BT < -1) | (cid_BT >= num_chunks)).any()):
-        lo, hi = int(cid_BT.min()), int(cid_BT.max())
-        raise ValueError(
-            f"chunk ids must lie in [-1, num_chunks={num_chunks}), got range [{lo}, {hi}]: "
-            "raise num_chunks or mark positions outside every chunk with -1"
-        )
+    ok_BT = (cid_BT >= -1) & (cid_BT < num_chunks)
+    bad = ~ok_BT.all() if cid_BT.numel() else torch.zeros((), dtype=torch.bool)
+    if check:
+        _raise_on_bad_ids(bad, cid_BT, num_chunks)
     base_B1 = torch.arange(B, device=cid_BT.device)[:, None] * num_chunks
-    seg_BT = torch.where(cid_BT >= 0, base_B1 + cid_BT, torch.full_like(cid_BT, -1))
+    seg_BT = torch.where(ok_BT & (cid_BT >= 0), base_B1 + cid_BT, torch.full_like(cid_BT, -1))
     seg_R = seg_BT.reshape(-1).contiguous()
     key_R = torch.where(seg_R >= 0, seg_R, torch.full_like(seg_R, S))
     sorted_key_R, order_R = torch.sort(key_R, stable=True)
     bounds_S1 = torch.arange(S + 1, device=cid_BT.device)
     offsets_S1 = torch.searchsorted(sorted_key_R, bounds_S1).contiguous()
     sizes_S = offsets_S1[1:] - offsets_S1[:-1]
-    return seg_R, order_R.contiguous(), offsets_S1, sizes_S
+    if check:
+        return seg_R, order_R.contiguous(), offsets_S1, sizes_S
+    return seg_R, order_R.contiguous(), offsets_S1, sizes_S, bad
+
+
+def _raise_on_bad_ids(bad: torch.Tensor, cid_BT: torch.Tensor, num_chunks: int) -> None:
+    """Raise ValueError when ``bad`` (0-d bool, possibly on the GPU: this syncs) is set."""
+    if bool(bad):
+        lo, hi = int(cid_BT.min()), int(cid_BT.max())
+        raise ValueError(
+            f"chunk ids must lie in [-1, num_chunks={num_chunks}), got range [{lo}, {hi}]: "
+            "raise num_chunks or mark positions outside every chunk with -1"
+        )
 
 
 def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperature, out_dtype):
@@ -263,42 +346,61 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
     """
     B, T, V = logits_BTV.shape
     C = num_chunks
-    seg_R, order_R, offsets_S1, sizes_S = _segments(chunk_id_BT, C)
+    seg_R, order_R, offsets_S1, sizes_S, bad = _segments(chunk_id_BT, C, check=False)
     sizes_Sf = sizes_S.to(torch.float32)
     R, S = B * T, B * C
     lse_R = torch.empty(R, device=logits_BTV.device, dtype=torch.float32)
     avg_BCV = torch.empty(B, C, V, device=logits_BTV.device, dtype=out_dtype)
     sb, st = logits_BTV.stride(0), logits_BTV.stride(1)
-    if R > 0 and V > 0:
-        block = _block("lse_block_v", V)
-        _row_lse_kernel[(R,)](
-            logits_BTV,
-            seg_R,
-            lse_R,
-            T,
-            V,
-            sb,
-            st,
-            _LOG2E / temperature,
-            BLOCK_V=block,
-            num_warps=KERNEL_CONFIG["lse_warps"],
-        )
-    if S > 0 and V > 0:
-        block = _block("acc_block_v", V)
-        _chunk_acc_kernel[(S, _cdiv(V, block))](
-            logits_BTV,
-            order_R,
-            offsets_S1,
-            lse_R,
-            avg_BCV,
-            T,
-            V,
-            sb,
-            st,
-            1.0 / temperature,
-            BLOCK_V=block,
-            num_warps=KERNEL_CONFIG["acc_warps"],
-        )
+    if KERNEL_CONFIG["fwd_fused"]:
+        if S > 0 and V > 0:
+            _chunk_fused_fwd_kernel[(S,)](
+                logits_BTV,
+                order_R,
+                offsets_S1,
+                lse_R,
+                avg_BCV,
+                T,
+                V,
+                sb,
+                st,
+                _LOG2E / temperature,
+                1.0 / temperature,
+                BLOCK_V=_block("fused_block_v", V),
+                num_warps=KERNEL_CONFIG["fused_warps"],
+            )
+    else:
+        if R > 0 and V > 0:
+            _row_lse_kernel[(R,)](
+                logits_BTV,
+                seg_R,
+                lse_R,
+                T,
+                V,
+                sb,
+                st,
+                _LOG2E / temperature,
+                BLOCK_V=_block("lse_block_v", V),
+                num_warps=KERNEL_CONFIG["lse_warps"],
+            )
+        if S > 0 and V > 0:
+            block = _block("acc_block_v", V)
+            _chunk_acc_kernel[(S, _cdiv(V, block))](
+                logits_BTV,
+                order_R,
+                offsets_S1,
+                lse_R,
+                avg_BCV,
+                T,
+                V,
+                sb,
+                st,
+                1.0 / temperature,
+                BLOCK_V=block,
+                num_warps=KERNEL_CONFIG["acc_warps"],
+            )
+    # Checked once the kernels are queued, so the sync overlaps their work.
+    _raise_on_bad_ids(bad, chunk_id_BT, C)
     return avg_BCV, sizes_Sf.view(B, C), lse_R, seg_R, sizes_Sf
 
 
