@@ -1,0 +1,206 @@
+"""TransferQueue 0.1.11 side of bench_queue.py: runs the same workloads, prints one JSON object.
+
+Run with the separate venv (see README.md): ``.venv-bench/bin/python benchmarks/queue/tq_harness.py``.
+TransferQueue's controller and storage unit are ``@ray.remote`` classes whose work happens in
+their own ZMQ threads; here their undecorated classes (``__ray_actor_class__``) run in one
+server process started with multiprocessing, without a Ray cluster, and the client talks to
+them over TCP like it does under Ray. One storage unit (our queue is one server process too).
+"get" is TransferQueue's consumer path: ``get_meta`` (sample selection, marks them consumed
+for the task) + ``get_data`` (fetch from the storage unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import workloads  # noqa: E402
+
+QUIET = "ERROR"
+
+
+def _serve(conn) -> None:
+    """Server process: TransferQueue controller + one SimpleStorage unit, no Ray cluster."""
+    os.environ.setdefault("TQ_LOG_LEVEL", QUIET)
+    logging.disable(logging.WARNING)
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    controller = TransferQueueController.__ray_actor_class__()
+    unit = SimpleStorageUnit.__ray_actor_class__(
+        {"total_storage_size": None, "num_data_storage_units": 1}
+    )
+    conn.send((controller.get_zmq_server_info(), unit.get_zmq_server_info(), os.getpid()))
+    conn.recv()  # any message: stop
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc/<pid>/status."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _tensordict(cols):
+    import torch
+    from tensordict import TensorDict
+
+    fields = {
+        name: torch.nested.nested_tensor_from_jagged(values, offsets)
+        for name, (values, offsets) in cols.items()
+    }
+    n = int(next(iter(cols.values()))[1].numel() - 1)
+    return TensorDict(fields, batch_size=[n])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rss-mb", type=int, default=500)
+    parser.add_argument("--lat-iters", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(child,), daemon=True)
+    t0 = time.perf_counter()
+    server.start()
+    controller_info, unit_info, pid = parent.recv()
+    startup_s = time.perf_counter() - t0
+
+    import numpy as np
+    import torch
+    import transfer_queue
+    from transfer_queue import TransferQueueClient
+
+    torch.set_num_threads(1)
+    client = TransferQueueClient("bench", controller_info)
+    client.initialize_storage_manager("SimpleStorage", {"zmq_info": {"unit0": unit_info}})
+    version = getattr(transfer_queue, "__version__", "?")
+    out: dict = {"system": f"TransferQueue {version}", "startup_s": startup_s}
+    fields = list(workloads.FIELDS)
+
+    def put(cols, partition):
+        client.put(data=_tensordict(cols), partition_id=partition)
+
+    def get(n, partition, task="bench"):
+        meta = client.get_meta(
+            data_fields=fields, batch_size=n, partition_id=partition, task_name=task
+        )
+        return client.get_data(meta)
+
+    # warm-up (connections, first partition)
+    warm = workloads.columns(workloads.lengths(4, 8, 16, 99), 99)
+    put(warm, "warm")
+    get(4, "warm")
+    client.clear_partition("warm")
+
+    # server memory: ~rss_mb of W1-like batches
+    base = rss_bytes(pid)
+    stored, i = 0, 0
+    while stored < args.rss_mb * 1e6:
+        cols = workloads.columns(
+            workloads.lengths(
+                workloads.W1_SAMPLES, workloads.W1_MIN_LEN, workloads.W1_MAX_LEN, 100 + i
+            ),
+            100 + i,
+        )
+        put(cols, f"rss{i}")
+        stored += workloads.nbytes(cols)
+        i += 1
+    time.sleep(0.5)
+    after = rss_bytes(pid)
+    out["rss"] = {"baseline": base, "after": after, "stored": stored}
+    for j in range(i):
+        client.clear_partition(f"rss{j}")
+
+    # W1: 64 samples, L in 512..4096, input_ids [L] int64 + hidden [L, 64] float32
+    lens = workloads.lengths(
+        workloads.W1_SAMPLES, workloads.W1_MIN_LEN, workloads.W1_MAX_LEN, args.seed
+    )
+    cols = workloads.columns(lens, args.seed)
+    nbytes = workloads.nbytes(cols)
+    put_s, get_s = [], []
+    for r in range(args.rounds):
+        t = time.perf_counter()
+        put(cols, f"w1_{r}")
+        put_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        got = get(workloads.W1_SAMPLES, f"w1_{r}")
+        get_s.append(time.perf_counter() - t)
+        if r == 0:
+            want = torch.nested.nested_tensor_from_jagged(*cols["hidden"])
+            assert torch.equal(got["hidden"][5], want[5]), "TransferQueue returned other data"
+        del got
+        client.clear_partition(f"w1_{r}")
+    out["w1"] = {"nbytes": nbytes, "put_s": put_s, "get_s": get_s}
+
+    # W2: 4096 samples of ~20 tokens, puts and gets of 64
+    batches = [
+        workloads.columns(
+            workloads.lengths(
+                workloads.W2_BATCH, workloads.W2_MIN_LEN, workloads.W2_MAX_LEN, 1000 + b
+            ),
+            1000 + b,
+        )
+        for b in range(workloads.W2_SAMPLES // workloads.W2_BATCH)
+    ]
+    t = time.perf_counter()
+    for b in batches:
+        put(b, "w2")
+    w2_put = time.perf_counter() - t
+    t = time.perf_counter()
+    seen = 0
+    for _ in batches:
+        seen += get(workloads.W2_BATCH, "w2")["input_ids"].size(0)
+    w2_get = time.perf_counter() - t
+    assert seen == workloads.W2_SAMPLES, seen
+    client.clear_partition("w2")
+    out["w2"] = {"samples": workloads.W2_SAMPLES, "put_s": w2_put, "get_s": w2_get}
+
+    # claim round trip on a ready sample: get_meta(batch 1), and get_meta + get_data
+    lat_cols = workloads.columns(
+        workloads.lengths(args.lat_iters, workloads.W2_MIN_LEN, workloads.W2_MAX_LEN, 7), 7
+    )
+    put(lat_cols, "lat")
+    meta_s, full_s = [], []
+    for _ in range(args.lat_iters):
+        t = time.perf_counter()
+        meta = client.get_meta(
+            data_fields=fields, batch_size=1, partition_id="lat", task_name="lat"
+        )
+        t1 = time.perf_counter()
+        client.get_data(meta)
+        t2 = time.perf_counter()
+        meta_s.append(t1 - t)
+        full_s.append(t2 - t)
+    out["claim"] = {
+        "meta_p50_ms": float(np.percentile(meta_s, 50) * 1e3),
+        "meta_p99_ms": float(np.percentile(meta_s, 99) * 1e3),
+        "p50_ms": float(np.percentile(full_s, 50) * 1e3),
+        "p99_ms": float(np.percentile(full_s, 99) * 1e3),
+        "iters": args.lat_iters,
+    }
+    client.clear_partition("lat")
+    client.close()
+    parent.send("stop")
+    server.join(10)
+    if server.is_alive():
+        server.terminate()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
