@@ -3,10 +3,15 @@
 Prints one table and appends rows to benchmarks/results/kernels_projection_gather.jsonl.
 The reference gets fp32 probabilities (its own input dtype, no cast timed).
 M is a random dense top-k table (K=8, 40 % of slots -1); the selected columns are the J teacher
-ids used most by M (the common tokens a vocab top-k picks), which maximises entries per column.
+ids used most by M (the common tokens a vocab top-k picks), which maximises entries per column
+(the longest column holds ~43k entries: the forward cuts it into pieces).
+Floor = (p read + q written + dq read + dp written) / measured copy bandwidth. Part timings:
+transpose of p (the forward's chunked copy), forward, backward alone; build_ms is the per-micro-
+batch index build for a new selection (M's sorted entries cached), build_cold_ms without cache.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -16,10 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 from xtoken_core.kernels import projection_gather as pg  # noqa: E402
+from xtoken_core.kernels._utils import transpose_into  # noqa: E402
 from xtoken_core.losses.utils import Fp32SparseMM  # noqa: E402
 
 S_VOCAB, W_VOCAB, K = 151936, 131072, 8
 SHAPES = [(2048, 8192), (8192, 8192), (8192, 2048)]  # N rows, J columns
+SWEEP_SHAPE = (8192, 8192)
 
 
 def _matrix(gen):
@@ -36,6 +43,12 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen, p_dtype=torch.bfloat16):
     counts = torch.bincount(indices[indices >= 0], minlength=W_VOCAB)
     idx = torch.argsort(counts, descending=True, stable=True)[:J]
     torch.cuda.synchronize()
+
+    def cold_build():
+        pg._TM_CACHE.clear()
+        return pg.build_gather_index(indices, likelihoods, idx)
+
+    build_cold_ms = _common.bench_ms(cold_build, warmup=5, rep=20)
     build_ms = _common.bench_ms(lambda: pg.build_gather_index(indices, likelihoods, idx), rep=100)
     index = pg.build_gather_index(indices, likelihoods, idx)
     m_sub = index.sparse_matrix()
@@ -65,12 +78,20 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen, p_dtype=torch.bfloat16):
     q2.backward(g)
     deterministic = bool(torch.equal(q1, q2) and torch.equal(grad1, x.grad))
     x.grad = None
-    q_ref = Fp32SparseMM.apply(m_sub, xr.detach().t()).t()
+    q_ref = Fp32SparseMM.apply(m_sub, xr.t()).t()
+    q_ref.backward(g)
     err = float((q1.detach().double() - q_ref.double()).norm() / q_ref.double().norm())
+    grad_err = float((grad1.double() - xr.grad.double()).norm() / xr.grad.double().norm())
+    xr.grad = None
     del q1, q2, grad1, q_ref
 
     ms = _common.bench_ms(kernel_fwd_bwd, grad_to_none=[x])
     ms_fwd = _common.bench_ms(kernel_fwd)
+    ms_bwd = _common.bench_ms(lambda: pg.project_by_gather_backward(g, index, p_dtype))
+    nc = min(N, max(64, pg.KERNEL_CONFIG["fwd_chunk_bytes"] // (S_VOCAB * p.element_size())))
+    buf = torch.empty((S_VOCAB, nc), device="cuda", dtype=p_dtype)
+    ms_transpose_p = _common.bench_ms(lambda b=buf: transpose_into(p[:nc], b)) * N / nc
+    del buf
     ms_ref = _common.bench_ms(ref_fwd_bwd, grad_to_none=[xr])
     p_bytes = p.numel() * p.element_size()
     io_bytes = 2 * p_bytes + 2 * N * J * 4
@@ -88,14 +109,19 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen, p_dtype=torch.bfloat16):
         k_eff=int(index.ell_cols_SK.shape[1]),
         dtype=str(p_dtype).replace("torch.", ""),
         build_ms=build_ms,
+        build_cold_ms=build_cold_ms,
         ms_fwd_bwd=ms,
         ms_fwd=ms_fwd,
+        ms_bwd=ms_bwd,
+        ms_transpose_p=ms_transpose_p,
+        floor_ms=io_bytes / (bw_gbs * 1e9) * 1e3,
         ms_ref_sparse_mm=ms_ref,
         speedup_vs_sparse_mm=ms_ref / ms,
         copy_gbs=bw_gbs,
         x_io_floor=ms / (io_bytes / (bw_gbs * 1e9) * 1e3),
         extra_peak_pct_p=100.0 * extra / p_bytes,
         rel_err=err,
+        grad_rel_err=grad_err,
         deterministic=deterministic,
         config=dict(pg.KERNEL_CONFIG),
     )
@@ -106,6 +132,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="benchmarks/results/kernels_projection_gather.jsonl")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--config", default="", help="JSON dict merged into KERNEL_CONFIG")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -114,18 +141,32 @@ def main(argv=None) -> int:
     indices, likelihoods = _matrix(gen)
     bw = _common.copy_bandwidth_gbs()
     rows = []
+    if args.config:
+        pg.KERNEL_CONFIG.update(json.loads(args.config))
     if not args.no_sweep:
         variants = [
-            dict(fwd_block_n=32, fwd_block_e=32, bwd_block_n=8, bwd_block_s=256),
-            dict(fwd_block_n=64, fwd_block_e=16, bwd_block_n=16, bwd_block_s=512),
-            dict(fwd_block_n=16, fwd_block_e=64, bwd_block_n=32, bwd_block_s=1024),
+            dict(fwd_block_n=64, fwd_block_e=32, piece_len=512, bwd_block_n=64, bwd_block_s=64),
+            dict(fwd_block_n=32, fwd_block_e=32, piece_len=512, bwd_block_n=32, bwd_block_s=64),
+            dict(fwd_block_n=64, fwd_block_e=16, piece_len=256, bwd_block_n=128, bwd_block_s=32),
+            dict(fwd_block_n=128, fwd_block_e=16, piece_len=512, bwd_block_n=64, bwd_block_s=128),
+            dict(
+                fwd_block_n=64,
+                fwd_block_e=64,
+                piece_len=1024,
+                bwd_block_n=64,
+                bwd_block_s=64,
+                fwd_warps=8,
+                bwd_warps=8,
+            ),
         ]
         best = None
         for v in variants:
             pg.KERNEL_CONFIG.update(v)
-            row = run_shape(8192, 8192, indices, likelihoods, bw, gen)
+            pg._CACHE.clear()
+            row = run_shape(*SWEEP_SHAPE, indices, likelihoods, bw, gen)
             row["sweep"] = True
             rows.append(row)
+            print("sweep", v, f"{row['ms_fwd_bwd']:.3f} ms", flush=True)
             if best is None or row["ms_fwd_bwd"] < best[0]:
                 best = (row["ms_fwd_bwd"], dict(v))
         pg.KERNEL_CONFIG.update(best[1])
@@ -140,14 +181,19 @@ def main(argv=None) -> int:
             "J",
             "entries",
             "k_eff",
+            "dtype",
             "build_ms",
             "ms_fwd_bwd",
             "ms_fwd",
+            "ms_bwd",
+            "ms_transpose_p",
+            "floor_ms",
             "ms_ref_sparse_mm",
             "speedup_vs_sparse_mm",
             "x_io_floor",
             "extra_peak_pct_p",
             "rel_err",
+            "grad_rel_err",
             "deterministic",
         ],
     )
