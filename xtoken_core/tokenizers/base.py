@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xtoken_core.tokenizers.spans import compute_byte_spans
+from xtoken_core.tokenizers.spans import PackedTokenBytes, compute_byte_spans
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,8 @@ class XTokenizer(ABC):
 
     def _finish_init(self) -> None:
         """Build the per-id lookup tables once the subclass filled _token_bytes and _roles."""
-        self._token_len = np.fromiter(
-            (len(b) for b in self._token_bytes), dtype=np.int64, count=len(self._token_bytes)
-        )
+        self._packed = PackedTokenBytes(self._token_bytes)
+        self._token_len = self._packed.len_V
         # Role table: the named special ids win over the generic "special" role (eos over pad).
         for tid, role in (
             (self.pad_id, ROLE_PAD),
@@ -132,8 +131,10 @@ class XTokenizer(ABC):
         """Tokenize one text.
 
         Returns:
-            (ids int64 [N], offsets int64 [N, 2], offsets_are_chars): the tokenizer's own
-            offsets in the original text (characters or bytes).
+            (ids int64 [N], offsets int64 [N, 2] or a callable returning them,
+            offsets_are_chars): the tokenizer's own offsets in the original text (characters or
+            bytes). The offsets are read only where the token bytes do not spell the text (a
+            normalizer changed it), so a callable lets a backend skip building them.
         """
 
     @abstractmethod
@@ -214,7 +215,7 @@ class XTokenizer(ABC):
         text: str,
         text_bytes: bytes,
         ids_N: np.ndarray,
-        offsets_N2: np.ndarray,
+        offsets_N2,
         offsets_are_chars: bool,
     ) -> TokenizedText:
         roles_N = self._roles[ids_N] if len(ids_N) else np.zeros(0, dtype=np.int8)
@@ -228,6 +229,7 @@ class XTokenizer(ABC):
             token_len=self._token_len,
             is_content_N=roles_N == ROLE_CONTENT,
             dummy_prefix=self._dummy_prefix,
+            packed=self._packed,
         )
         return TokenizedText(ids_N, spans_N2, roles_N.astype(np.int8), text)
 

@@ -223,18 +223,18 @@ class HFTokenizer(XTokenizer):
                 self._token_bytes[tid] = b""
 
     def _raw_encode(self, text: str, add_special_tokens: bool):
-        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
-        ids_N = np.asarray(enc.ids, dtype=np.int64)
-        offsets_N2 = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-        return ids_N, offsets_N2, True
+        return self._unpack(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def _raw_encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[tuple]:
-        out = []
-        for enc in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens):
-            ids_N = np.asarray(enc.ids, dtype=np.int64)
-            offsets_N2 = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-            out.append((ids_N, offsets_N2, True))
-        return out
+        # One native call: Rust tokenizes the batch (in parallel where it has cores).
+        encs = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [self._unpack(enc) for enc in encs]
+
+    @staticmethod
+    def _unpack(enc) -> tuple:
+        """(ids, lazy offsets, chars): offsets are converted only when spans need them."""
+        ids_N = np.asarray(enc.ids, dtype=np.int64)
+        return ids_N, lambda: np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), True
 
     def encode_bytes_to_ids(self, text: str) -> list[int]:
         """Plain tokenization of ``text``: no special tokens, no prefix space (see the base).

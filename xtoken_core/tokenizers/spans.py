@@ -1,6 +1,7 @@
 """Exact UTF-8 byte spans of tokens in the original text, from offsets and token bytes.
 
-Legend: N tokens, M content tokens, L characters of the text.
+Legend: N tokens, M content tokens, L characters of the text, V vocabulary, Z bytes of all
+tokens of a vocabulary.
 
 Rules (documented once here, relied on by the aligner):
 * Content spans are non-decreasing, never overlap, and tile the bytes they cover.
@@ -47,17 +48,58 @@ def char_to_byte_offsets(text: str) -> np.ndarray:
     return out
 
 
+class PackedTokenBytes:
+    """The bytes of every token of a vocabulary in one buffer, for vectorized spelling checks.
+
+    Attributes:
+        data_Z: uint8 [Z] all token bytes, concatenated in id order.
+        start_V: int64 [V] offset of each token's bytes in ``data_Z``.
+        len_V: int64 [V] byte length of each token.
+    """
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        """Pack ``token_bytes`` (id -> bytes)."""
+        self.len_V = np.fromiter(
+            (len(b) for b in token_bytes), dtype=np.int64, count=len(token_bytes)
+        )
+        self.start_V = np.zeros(len(token_bytes), dtype=np.int64)
+        if len(token_bytes) > 1:
+            np.cumsum(self.len_V[:-1], out=self.start_V[1:])
+        self.data_Z = np.frombuffer(b"".join(token_bytes), dtype=np.uint8)
+
+    def spells(self, ids_M: np.ndarray, lens_M: np.ndarray, skip_first: int, text_bytes: bytes):
+        """Whether tokens ``ids_M`` (the first one minus ``skip_first`` leading bytes) spell text.
+
+        Args:
+            ids_M: int64 [M] token ids.
+            lens_M: int64 [M] byte lengths used (``len_V[ids_M]``, the first minus skip_first).
+            skip_first: leading bytes of the first token that are no text (a dummy prefix).
+            text_bytes: the text as UTF-8; ``lens_M.sum()`` must equal its length.
+
+        Returns:
+            True when the concatenated token bytes equal ``text_bytes``.
+        """
+        starts_M = self.start_V[ids_M]
+        starts_M[0] += skip_first
+        ends_M = np.cumsum(lens_M)
+        # Byte j of the text comes from token m at data_Z[starts_M[m] + (j - (ends_M[m] - lens_M[m]))].
+        shift_Z = np.repeat(starts_M - (ends_M - lens_M), lens_M)
+        gathered_Z = self.data_Z[shift_Z + np.arange(len(text_bytes), dtype=np.int64)]
+        return bool(np.array_equal(gathered_Z, np.frombuffer(text_bytes, dtype=np.uint8)))
+
+
 def compute_byte_spans(
     text: str,
     text_bytes: bytes,
     ids_N: np.ndarray,
-    offsets_N2: np.ndarray,
+    offsets_N2,
     *,
     offsets_are_chars: bool,
     token_bytes: list[bytes],
     token_len: np.ndarray,
     is_content_N: np.ndarray,
     dummy_prefix: bool = False,
+    packed: PackedTokenBytes | None = None,
 ) -> np.ndarray:
     """Byte span [start, end) of every token in ``text_bytes`` (see module docstring for rules).
 
@@ -65,13 +107,15 @@ def compute_byte_spans(
         text: the original text.
         text_bytes: ``text.encode("utf-8")``.
         ids_N: int64 [N] token ids.
-        offsets_N2: int64 [N, 2] the tokenizer's offsets in the original text.
+        offsets_N2: int64 [N, 2] the tokenizer's offsets in the original text, or a callable
+            returning them (called only when the token bytes do not spell the text).
         offsets_are_chars: True for character offsets (HF tokenizers), False for byte offsets
             (SentencePiece).
         token_bytes: id -> bytes the token decodes to (b"" for specials).
         token_len: int64 [vocab] ``len(token_bytes[id])``.
         is_content_N: bool [N] True for content tokens, False for special tokens.
         dummy_prefix: the first content token carries a SentencePiece dummy-prefix space.
+        packed: the same vocabulary packed (vectorized check); None checks with ``bytes.join``.
 
     Returns:
         int64 [N, 2] spans.
@@ -83,16 +127,25 @@ def compute_byte_spans(
     content_M = np.flatnonzero(is_content_N)
     if len(content_M):
         cids_M = ids_N[content_M]
-        lens_M = token_len[cids_M].copy()
-        pieces = [token_bytes[i] for i in cids_M.tolist()]
-        if dummy_prefix and pieces[0].startswith(b" "):
+        lens_M = token_len[cids_M]
+        skip = 1 if dummy_prefix and token_bytes[int(cids_M[0])][:1] == b" " else 0
+        if skip:
+            lens_M = lens_M.copy()
             lens_M[0] -= 1
-            pieces[0] = pieces[0][1:]
-        if int(lens_M.sum()) == len(text_bytes) and b"".join(pieces) == text_bytes:
+        exact = int(lens_M.sum()) == len(text_bytes)
+        if exact and packed is not None:
+            exact = packed.spells(cids_M, lens_M, skip, text_bytes)
+        elif exact:
+            pieces = [token_bytes[i] for i in cids_M.tolist()]
+            pieces[0] = pieces[0][skip:]
+            exact = b"".join(pieces) == text_bytes
+        if exact:
             ends_M = np.cumsum(lens_M)
             spans_M2 = np.stack([ends_M - lens_M, ends_M], axis=1)
         else:
-            offs_M2 = np.asarray(offsets_N2, dtype=np.int64)[content_M]
+            if callable(offsets_N2):
+                offsets_N2 = offsets_N2()
+            offs_M2 = np.asarray(offsets_N2, dtype=np.int64).reshape(-1, 2)[content_M]
             if offsets_are_chars:
                 offs_M2 = char_to_byte_offsets(text)[offs_M2]
             spans_M2 = _spans_from_offsets(offs_M2, lens_M, text_bytes)

@@ -85,18 +85,27 @@ class SentencePieceTokenizer(XTokenizer):
             return True
 
     def _raw_encode(self, text: str, add_special_tokens: bool):
-        proto = self._sp.encode(text, out_type="proto")
-        pieces = proto.pieces
-        n = len(pieces)
-        extra = 1 if add_special_tokens and self.bos_id is not None else 0
-        ids_N = np.empty(n + extra, dtype=np.int64)
-        offsets_N2 = np.zeros((n + extra, 2), dtype=np.int64)
-        if extra:
-            ids_N[0] = self.bos_id
-        ids_N[extra:] = [p.id for p in pieces]
-        offsets_N2[extra:, 0] = [p.begin for p in pieces]
-        offsets_N2[extra:, 1] = [p.end for p in pieces]
-        return ids_N, offsets_N2, False
+        return self._raw_encode_batch([text], add_special_tokens)[0]
+
+    def _raw_encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[tuple]:
+        # Ids of the whole batch in one native call; the byte offsets (a slower protobuf
+        # encoding) are computed only for texts whose token bytes do not spell the text.
+        extra = [self.bos_id] if add_special_tokens and self.bos_id is not None else []
+        all_ids = self._sp.encode(list(texts), out_type=int) if texts else []
+        out = []
+        for text, ids in zip(texts, all_ids):
+            ids_N = np.asarray(extra + ids, dtype=np.int64)
+            out.append((ids_N, lambda text=text: self._offsets(text, len(extra)), False))
+        return out
+
+    def _offsets(self, text: str, extra: int) -> np.ndarray:
+        """int64 [extra + pieces, 2] SentencePiece's byte offsets (zeros for the BOS rows)."""
+        pieces = self._sp.encode(text, out_type="proto").pieces
+        offsets_N2 = np.zeros((len(pieces) + extra, 2), dtype=np.int64)
+        offsets_N2[extra:] = np.array([(p.begin, p.end) for p in pieces], dtype=np.int64).reshape(
+            -1, 2
+        )
+        return offsets_N2
 
     @property
     def _plain_sp(self):

@@ -186,3 +186,60 @@ def test_encode_batch_matches_encode_and_handles_empty_text(name):
 def test_lone_surrogate_text_is_rejected_with_a_value_error(name):
     with pytest.raises(ValueError):
         load_tokenizer(name).encode("a\ud800b")
+
+
+def _spans_both_ways(tok, text):
+    """Spans from the packed (vectorized) spelling check and from the bytes.join check."""
+    from xtoken_core.tokenizers.spans import compute_byte_spans
+
+    ids, offsets, chars = tok._raw_encode(text, True)
+    content = tok._roles[ids] == 0
+    common = dict(
+        offsets_are_chars=chars,
+        token_bytes=tok._token_bytes,
+        token_len=tok._token_len,
+        is_content_N=content,
+        dummy_prefix=tok._dummy_prefix,
+    )
+    raw = text.encode("utf-8")
+    packed = compute_byte_spans(text, raw, ids, offsets, packed=tok._packed, **common)
+    joined = compute_byte_spans(text, raw, ids, offsets, packed=None, **common)
+    return packed, joined
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=25, deadline=None)
+@given(text=texts)
+def test_packed_spelling_check_gives_the_same_spans_as_joining_bytes(name, text):
+    packed, joined = _spans_both_ways(load_tokenizer(name), text)
+    assert np.array_equal(packed, joined)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_offsets_are_read_only_when_the_tokens_do_not_spell_the_text(name):
+    from xtoken_core.tokenizers.spans import compute_byte_spans
+
+    tok = load_tokenizer(name)
+    calls = []
+    # Qwen3 normalizes to NFC: the Angstrom sign U+212B becomes U+00C5, other bytes than the text.
+    for text, spelled in (("plain words here", True), ("ﬁ Ａ \u212b", name != "qwen3")):
+        ids, offsets, chars = tok._raw_encode(text, True)
+
+        def lazy(offsets=offsets, text=text):
+            calls.append(text)
+            return offsets() if callable(offsets) else offsets
+
+        got = compute_byte_spans(
+            text,
+            text.encode("utf-8"),
+            ids,
+            lazy,
+            offsets_are_chars=chars,
+            token_bytes=tok._token_bytes,
+            token_len=tok._token_len,
+            is_content_N=tok._roles[ids] == 0,
+            dummy_prefix=tok._dummy_prefix,
+            packed=tok._packed,
+        )
+        assert np.array_equal(got, tok.encode(text).spans)
+        assert (text in calls) != spelled
