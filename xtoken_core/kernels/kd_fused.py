@@ -19,7 +19,7 @@ Per row ``r`` with ``x = z / temperature`` and ``lse_r = logsumexp_v x[r, v]``
 * P-KL projection: ``q[r, j] = sum_{e in col j} p[r, s_e] * w_e`` (CSC of ``M[:, idx]``), done
   as ``p_tile [rows, entries] @ onehot_w [entries, columns]`` per tile (fp32, "ieee").
 * P-KL backward: ``dz[r, s] = (1/T) p[r, s] (dp[r, s] - dot_r)`` with
-  ``dp[r, s] = sum_k dq[r, j_sk] w_sk`` (ELL of ``M[:, idx]``) and ``dot_r = sum_j dq q``.
+  ``dp[r, s] = sum_k dq[r, j_ks] w_ks`` (slot-major ELL of ``M[:, idx]``) and ``dot_r = sum_j dq q``.
 * gold backward: ``dz[r, v] = (G[n, v] - p[r, v] gsum_n) / (T n_size)`` where ``G`` is the
   compact chunk gradient (common columns dense, top-m uncommon columns as a fix-up pass).
 """
@@ -60,9 +60,9 @@ KERNEL_CONFIG = {
     "proj_block_e": 32,
     "proj_block_j": 32,
     "proj_warps": 4,
-    "pbwd_block_n": 16,
+    "pbwd_block_n": 32,
     "pbwd_block_v": 256,
-    "pbwd_warps": 4,
+    "pbwd_warps": 8,
     "gbwd_block_v": 2048,
     "gbwd_warps": 4,
     "gtop_block_m": 1024,
@@ -244,8 +244,8 @@ if tl is not None:
         lse_R_ptr,
         dq_ptr,
         dot_R_ptr,
-        ell_j_ptr,
-        ell_w_ptr,
+        ell_j_PS_ptr,
+        ell_w_PS_ptr,
         dz_ptr,
         R,
         T,
@@ -258,35 +258,40 @@ if tl is not None:
         scale2,
         inv_temp,
         P: tl.constexpr,
-        BLOCK_P: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        # Program (row block, vocab block): the ELL tile [BLOCK_V, P] is loaded once, then per row
-        #   dp[s] = sum_k dq[r, j_sk] w_sk;  dz[r, s] = p[r, s] (dp[s] - dot_r) / T
-        # Every dz element is written (0 on rows of no valid chunk: p = 0 there).
+        # Program (row block, vocab block), vocab blocks fastest (the row block's dq rows stay
+        # in L2). ELL slots are packed to the front of each row of M, so a slot with no entry in
+        # this vocab block ends the useful work; it is skipped without loading dq.
+        #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
         pid = tl.program_id(0)
         nb = pid // num_vb
         vb = pid % num_vb
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < R
+        n64 = n.to(tl.int64)
         v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         vm = v < V
-        k = tl.arange(0, BLOCK_P)
-        tile_mask = (v < S)[:, None] & (k[None, :] < P)
-        tile = v[:, None].to(tl.int64) * P + k[None, :]
-        cols = tl.load(ell_j_ptr + tile, mask=tile_mask, other=-1)
-        w = tl.load(ell_w_ptr + tile, mask=tile_mask, other=0.0)
-        has = cols >= 0
-        for i in range(0, BLOCK_N):
-            r = (nb * BLOCK_N + i).to(tl.int64)
-            if r < R:
-                row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
-                z = tl.load(row_ptr + v, mask=vm, other=0.0).to(tl.float32)
-                lse2 = tl.load(lse_R_ptr + r) * 1.4426950408889634
-                p = tl.exp2(z * scale2 - lse2)
-                g = tl.load(dq_ptr + r * dq_stride + cols, mask=has, other=0.0)
-                dp = tl.reduce(g * w, 1, SUM_COMBINE)
-                dz = p * (dp - tl.load(dot_R_ptr + r)) * inv_temp
-                tl.store(dz_ptr + r * V + v, dz.to(dz_ptr.dtype.element_ty), mask=vm)
+        sm = v < S
+        mask = nm[:, None] & vm[None, :]
+        rows = z_ptr + (n64 // T) * stride_b + (n64 % T) * stride_t
+        z = tl.load(rows[:, None] + v[None, :], mask=mask, other=0.0).to(tl.float32)
+        lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
+        p = tl.exp2(z * scale2 - lse2[:, None])
+        dq_rows = dq_ptr + n64 * dq_stride
+        dp = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
+        for k in range(0, P):
+            j = tl.load(ell_j_PS_ptr + k * S + v, mask=sm, other=-1)
+            if tl.reduce(j, 0, MAX_COMBINE) >= 0:
+                w = tl.load(ell_w_PS_ptr + k * S + v, mask=sm, other=0.0)
+                g = tl.load(
+                    dq_rows[:, None] + j[None, :], mask=nm[:, None] & (j >= 0)[None, :], other=0.0
+                )
+                dp += g * w[None, :]
+        dot = tl.load(dot_R_ptr + n, mask=nm, other=0.0)
+        dz = p * (dp - dot[:, None]) * inv_temp
+        tl.store(dz_ptr + n64[:, None] * V + v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
     @lazy_jit
     def _gold_bwd_dense_kernel(
@@ -559,8 +564,8 @@ def project_rows_backward(
     lse_R: torch.Tensor,
     dq_RK: torch.Tensor,
     dot_R: torch.Tensor,
-    ell_j_SP: torch.Tensor,
-    ell_w_SP: torch.Tensor,
+    ell_j_PS: torch.Tensor,
+    ell_w_PS: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
     """Gradient of :func:`project_rows_forward` w.r.t. the logits, in the logits dtype.
@@ -570,8 +575,9 @@ def project_rows_backward(
         lse_R: [B*T] fp32 row logsumexp.
         dq_RK: [B*T, K] fp32 gradient of q (last dim contiguous).
         dot_R: [B*T] fp32 ``sum_j dq[r, j] q[r, j]``.
-        ell_j_SP: [S, P] int32 selected-column index of each row entry of M, -1 = none (S <= V).
-        ell_w_SP: [S, P] fp32 weights.
+        ell_j_PS: [P, S] int32 (slot-major ELL) selected-column index of each row entry of M,
+            -1 = none, entries packed to the low slots of each row (S <= V).
+        ell_w_PS: [P, S] fp32 weights.
         temperature: softmax temperature.
 
     Returns:
@@ -579,13 +585,13 @@ def project_rows_backward(
     """
     B, T, V = z_BTV.shape
     R = B * T
-    S, P = ell_j_SP.shape
+    P, S = ell_j_PS.shape
     dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
     if R == 0 or V == 0:
         return dz_BTV
     if dq_RK.stride(-1) != 1:
         dq_RK = dq_RK.contiguous()
-    bn = KERNEL_CONFIG["pbwd_block_n"]
+    bn = _block("pbwd_block_n", R, 16)
     bv = _block("pbwd_block_v", V, 16)
     num_vb = _cdiv(V, bv)
     _proj_bwd_kernel[(_cdiv(R, bn) * num_vb,)](
@@ -593,8 +599,8 @@ def project_rows_backward(
         lse_R,
         dq_RK,
         dot_R,
-        ell_j_SP,
-        ell_w_SP,
+        ell_j_PS,
+        ell_w_PS,
         dz_BTV,
         R,
         T,
@@ -607,7 +613,6 @@ def project_rows_backward(
         _LOG2E / temperature,
         1.0 / temperature,
         P=P,
-        BLOCK_P=next_power_of_2(P),
         BLOCK_N=bn,
         BLOCK_V=bv,
         num_warps=KERNEL_CONFIG["pbwd_warps"],

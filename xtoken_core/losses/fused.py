@@ -395,14 +395,19 @@ def _restrict(tables: ProjectionTables, idx_K: torch.Tensor):
     pos_W = torch.full((W,), -1, dtype=torch.int32, device=device)
     pos_W[idx_K] = torch.arange(K, dtype=torch.int32, device=device)
     ell_t = tables.ell_t_SP
-    ell_j_SP = torch.where(ell_t >= 0, pos_W[ell_t.clamp(min=0).long()], -1).contiguous()
+    ell_j_SP = torch.where(ell_t >= 0, pos_W[ell_t.clamp(min=0).long()], -1)
+    # Pack the kept entries of each row to the low slots: the backward kernel stops at the
+    # first slot with no entry in its vocab block.
+    front_SP = torch.argsort((ell_j_SP < 0).to(torch.int8), dim=1, stable=True)
+    ell_j_PS = ell_j_SP.gather(1, front_SP).t().contiguous()
+    ell_w_PS = tables.ell_w_SP.gather(1, front_SP).t().contiguous()
     return (
         ptr_K1,
         tables.col_rows_E[src_E].contiguous(),
         cols_E.to(torch.int32),
         tables.col_w_E[src_E].contiguous(),
-        ell_j_SP,
-        tables.ell_w_SP,
+        ell_j_PS,
+        ell_w_PS,
     )
 
 
@@ -413,21 +418,21 @@ class ProjectRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_BTV, nidx_R, ptr_K1, rows_E, cols_E, w_E, ell_j_SP, ell_w_SP, temperature):
+    def forward(ctx, z_BTV, nidx_R, ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS, temperature):
         kernels = _kd_kernels()
         lse_R = kernels.row_logsumexp(z_BTV, nidx_R, temperature)
         q_RK = kernels.project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
-        ctx.save_for_backward(z_BTV, lse_R, q_RK, ell_j_SP, ell_w_SP)
+        ctx.save_for_backward(z_BTV, lse_R, q_RK, ell_j_PS, ell_w_PS)
         ctx.temperature = temperature
         return q_RK
 
     @staticmethod
     def backward(ctx, dq_RK):
-        z_BTV, lse_R, q_RK, ell_j_SP, ell_w_SP = ctx.saved_tensors
+        z_BTV, lse_R, q_RK, ell_j_PS, ell_w_PS = ctx.saved_tensors
         dq_RK = dq_RK.to(torch.float32).contiguous()
         dot_R = torch.linalg.vecdot(dq_RK, q_RK)
         dz_BTV = _kd_kernels().project_rows_backward(
-            z_BTV, lse_R, dq_RK, dot_R, ell_j_SP, ell_w_SP, ctx.temperature
+            z_BTV, lse_R, dq_RK, dot_R, ell_j_PS, ell_w_PS, ctx.temperature
         )
         return dz_BTV, None, None, None, None, None, None, None, None
 

@@ -95,7 +95,9 @@ def _restricted_projection(S, W, idx, seed, P=3):
     order = torch.argsort(j_E * S + s_E)
     ptr = torch.searchsorted(j_E[order], torch.arange(idx.numel() + 1))
     csc = (ptr, s_E[order].int(), j_E[order].int(), w_E[order].float())
-    ell = (j.int(), torch.where(j >= 0, w, 0.0).float())
+    front = torch.argsort((j < 0).to(torch.int8), dim=1, stable=True)  # entries in low slots
+    j, w = j.gather(1, front), w.gather(1, front)
+    ell = (j.t().contiguous().int(), torch.where(j >= 0, w, 0.0).t().contiguous().float())
     return [x.to(DEVICE) for x in csc], [x.to(DEVICE) for x in ell], dense.to(DEVICE)
 
 
