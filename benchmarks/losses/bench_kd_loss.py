@@ -133,7 +133,7 @@ def copy_bandwidth(device) -> float:
     return 2 * 2**30 / statistics.median(times)
 
 
-def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None) -> dict:
+def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=True) -> dict:
     student, teacher, batch, projection, C = _make_inputs(B, T, V_s, V_t, device, seed=B * T)
     x = student.clone().requires_grad_()
     row = dict(
@@ -146,6 +146,7 @@ def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None) -> dict:
         V_t=V_t,
         dtype="bf16",
         vocab_topk=VOCAB_TOPK if mode == "pkl" else None,
+        check_inputs=check_inputs,
     )
     losses, grads = {}, {}
     for backend in ("reference", "kernel"):
@@ -157,6 +158,7 @@ def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None) -> dict:
                 vocab_topk=VOCAB_TOPK,
                 ce_weight=0.0,
                 backend=backend,
+                check_inputs=check_inputs,
             )
         )
 
@@ -216,6 +218,12 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default="benchmarks/results/losses_kd_loss.jsonl")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--no-check-inputs",
+        action="store_true",
+        help="check_inputs=False for both backends (no finite/range scans of the logits)",
+    )
+    parser.add_argument("--shapes", nargs="+", default=None, help="BxT, e.g. 1x1024 2x4096")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes, no results file")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -226,6 +234,8 @@ def main(argv=None) -> int:
     else:
         print("needs a CUDA device (or --smoke)")
         return 1
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     commit = _commit()
     copy_bps = copy_bandwidth(device) if device.type == "cuda" else None
@@ -233,7 +243,9 @@ def main(argv=None) -> int:
     for V_s, V_t in pairs:
         for B, T in shapes:
             for mode in args.modes:
-                row = run_case(mode, B, T, V_s, V_t, device, args.reps, copy_bps)
+                row = run_case(
+                    mode, B, T, V_s, V_t, device, args.reps, copy_bps, not args.no_check_inputs
+                )
                 row.update(commit=commit, device=device_name)
                 if copy_bps:
                     row["copy_gbs"] = copy_bps / 1e9
@@ -243,6 +255,7 @@ def main(argv=None) -> int:
         rows,
         [
             "mode",
+            "check_inputs",
             "B",
             "T",
             "V_s",

@@ -21,7 +21,7 @@ Per row ``r`` with ``x = z / temperature`` and ``lse_r = logsumexp_v x[r, v]``
 * P-KL backward: ``dz[r, s] = (1/T) p[r, s] (dp[r, s] - dot_r)`` with
   ``dp[r, s] = sum_k dq[r, j_ks] w_ks`` (slot-major ELL of ``M[:, idx]``) and ``dot_r = sum_j dq q``.
 * gold backward: ``dz[r, v] = (G[n, v] - p[r, v] gsum_n) / (T n_size)`` where ``G`` is the
-  compact chunk gradient (common columns dense, top-m uncommon columns as a fix-up pass).
+  chunk gradient kept as two compact blocks (common columns, uncommon columns).
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ KERNEL_CONFIG = {
     "pbwd_warps": 8,
     "gbwd_block_v": 2048,
     "gbwd_warps": 4,
-    "gtop_block_m": 1024,
-    "gtop_warps": 4,
 }
 
 
@@ -294,11 +292,12 @@ if tl is not None:
         tl.store(dz_ptr + n64[:, None] * V + v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
     @lazy_jit
-    def _gold_bwd_dense_kernel(
+    def _gold_bwd_kernel(
         z_ptr,
         lse_R_ptr,
         nidx_R_ptr,
-        g_NC_ptr,
+        gc_ptr,
+        gu_ptr,
         cpos_V_ptr,
         gsum_N_ptr,
         coef_N_ptr,
@@ -308,12 +307,17 @@ if tl is not None:
         V,
         stride_b,
         stride_t,
-        g_stride,
+        gc_stride,
+        gu_stride,
         scale2,
+        HAS_COMMON: tl.constexpr,
+        HAS_UNCOMMON: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        # Program (row r, vocab block), n = chunk of r:
-        #   dz[r, v] = (gscale * G[n, cpos[v]] - p[r, v] * gsum[n]) * coef[n]  (G = 0 off common)
+        # Program (row r, vocab block), n = chunk of r; c = cpos[v] says where v's chunk
+        # gradient lives: c >= 0 common block, c <= -2 uncommon block at -c - 2, -1 nowhere.
+        #   G = gscale[0] gc[n, c] + gscale[1] gu[n, -c - 2]
+        #   dz[r, v] = (G - p[r, v] gsum[n]) coef[n]
         r = tl.program_id(0).to(tl.int64)
         vb = tl.program_id(1)
         v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -324,50 +328,22 @@ if tl is not None:
             row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
             z = tl.load(row_ptr + v, mask=vm, other=0.0).to(tl.float32)
             p = tl.exp2(z * scale2 - tl.load(lse_R_ptr + r) * 1.4426950408889634)
-            cp = tl.load(cpos_V_ptr + v, mask=vm, other=-1)
-            g = tl.load(g_NC_ptr + n * g_stride + cp, mask=cp >= 0, other=0.0)
-            dz = (tl.load(gscale_ptr) * g - p * tl.load(gsum_N_ptr + n)) * tl.load(coef_N_ptr + n)
+            c = tl.load(cpos_V_ptr + v, mask=vm, other=-1)
+            g = tl.full((BLOCK_V,), 0.0, tl.float32)
+            if HAS_COMMON:
+                gc = tl.load(gc_ptr + n * gc_stride + c, mask=c >= 0, other=0.0)
+                g += tl.load(gscale_ptr) * gc
+            if HAS_UNCOMMON:
+                gu = tl.load(gu_ptr + n * gu_stride + (-2 - c), mask=c <= -2, other=0.0)
+                g += tl.load(gscale_ptr + 1) * gu
+            dz = (g - p * tl.load(gsum_N_ptr + n)) * tl.load(coef_N_ptr + n)
             tl.store(out_ptr, dz.to(dz_ptr.dtype.element_ty), mask=vm)
         else:
             tl.store(
-                out_ptr, tl.full((BLOCK_V,), 0.0, tl.float32).to(dz_ptr.dtype.element_ty), mask=vm
+                out_ptr,
+                tl.full((BLOCK_V,), 0.0, tl.float32).to(dz_ptr.dtype.element_ty),
+                mask=vm,
             )
-
-    @lazy_jit
-    def _gold_bwd_top_kernel(
-        z_ptr,
-        lse_R_ptr,
-        nidx_R_ptr,
-        ids_NM_ptr,
-        g_NM_ptr,
-        gsum_N_ptr,
-        coef_N_ptr,
-        gscale_ptr,
-        dz_ptr,
-        T,
-        V,
-        M,
-        stride_b,
-        stride_t,
-        scale2,
-        BLOCK_M: tl.constexpr,
-    ):
-        # Program (row r, top block): overwrite the dense pass at the top-m uncommon ids of r's
-        # chunk (distinct, never common) with
-        #   dz[r, v_i] = (gscale * g[n, i] - p[r, v_i] * gsum[n]) * coef[n]
-        r = tl.program_id(0).to(tl.int64)
-        mb = tl.program_id(1)
-        n = tl.load(nidx_R_ptr + r).to(tl.int64)
-        if n >= 0:
-            i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-            im = i < M
-            v = tl.load(ids_NM_ptr + n * M + i, mask=im, other=0).to(tl.int64)
-            g = tl.load(g_NM_ptr + n * M + i, mask=im, other=0.0)
-            row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
-            z = tl.load(row_ptr + v, mask=im, other=0.0).to(tl.float32)
-            p = tl.exp2(z * scale2 - tl.load(lse_R_ptr + r) * 1.4426950408889634)
-            dz = (tl.load(gscale_ptr) * g - p * tl.load(gsum_N_ptr + n)) * tl.load(coef_N_ptr + n)
-            tl.store(dz_ptr + r * V + v, dz.to(dz_ptr.dtype.element_ty), mask=im)
 
 
 # --------------------------------------------------------------------------- host wrappers
@@ -624,32 +600,29 @@ def gold_backward(
     z_BTV: torch.Tensor,
     lse_R: torch.Tensor,
     nidx_R: torch.Tensor,
-    g_common_NC: torch.Tensor,
+    g_common_NC: torch.Tensor | None,
+    g_uncommon_NU: torch.Tensor | None,
     cpos_V: torch.Tensor,
-    top_ids_NM: torch.Tensor,
-    g_top_NM: torch.Tensor,
     gsum_N: torch.Tensor,
     coef_N: torch.Tensor,
     gscale_2: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """Logits gradient of a loss on chunk-averaged log-probs given as a compact chunk gradient.
+    """Logits gradient of a loss on chunk-averaged log-probs given as compact chunk gradients.
 
-    The chunk gradient is ``gscale[0] * g_common`` on the common columns (``cpos_V`` maps a
-    vocab id to its common position, -1 = not common) plus ``gscale[1] * g_top`` on the top-m
-    ids of each chunk (uncommon, distinct), 0 elsewhere.
+    The chunk gradient of chunk n at vocab id v is ``gscale[0] * g_common[n, c]`` when
+    ``c = cpos[v] >= 0``, ``gscale[1] * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0.
 
     Args:
         z_BTV: [B, T, V] logits.
         lse_R: [B*T] fp32 row logsumexp.
         nidx_R: [B*T] int valid-chunk index per row, -1 = none (gradient 0).
-        g_common_NC: [N, Mc] fp32 (Mc may be 0).
-        cpos_V: [V] int32.
-        top_ids_NM: [N, M] int32 vocab ids (M may be 0).
-        g_top_NM: [N, M] fp32.
+        g_common_NC: [N, Mc] fp32, or None.
+        g_uncommon_NU: [N, Mu] fp32, or None.
+        cpos_V: [V] int32 position code (see above).
         gsum_N: [N] fp32, the total (scaled) chunk gradient of each chunk.
         coef_N: [N] fp32, ``1 / (temperature * chunk size)``.
-        gscale_2: [2] fp32 scales of the common and the top parts (upstream gradients).
+        gscale_2: [2] fp32 scales of the common and uncommon parts (upstream gradients).
         temperature: softmax temperature.
 
     Returns:
@@ -660,14 +633,15 @@ def gold_backward(
     dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
     if R == 0 or V == 0:
         return dz_BTV
-    scale2 = _LOG2E / temperature
+    has_c = g_common_NC is not None and g_common_NC.numel() > 0
+    has_u = g_uncommon_NU is not None and g_uncommon_NU.numel() > 0
     bv = _block("gbwd_block_v", V, 16)
-    g_common = g_common_NC if g_common_NC.numel() else gsum_N  # any valid pointer when empty
-    _gold_bwd_dense_kernel[(R, _cdiv(V, bv))](
+    _gold_bwd_kernel[(R, _cdiv(V, bv))](
         z_BTV,
         lse_R,
         nidx_R,
-        g_common,
+        g_common_NC if has_c else gsum_N,  # any valid pointer when absent
+        g_uncommon_NU if has_u else gsum_N,
         cpos_V,
         gsum_N,
         coef_N,
@@ -677,31 +651,12 @@ def gold_backward(
         V,
         z_BTV.stride(0),
         z_BTV.stride(1),
-        g_common_NC.stride(0) if g_common_NC.numel() else 0,
-        scale2,
+        g_common_NC.stride(0) if has_c else 0,
+        g_uncommon_NU.stride(0) if has_u else 0,
+        _LOG2E / temperature,
+        HAS_COMMON=has_c,
+        HAS_UNCOMMON=has_u,
         BLOCK_V=bv,
         num_warps=KERNEL_CONFIG["gbwd_warps"],
     )
-    M = top_ids_NM.shape[1] if top_ids_NM.dim() == 2 else 0
-    if M > 0 and top_ids_NM.shape[0] > 0:
-        bm = _block("gtop_block_m", M, 16)
-        _gold_bwd_top_kernel[(R, _cdiv(M, bm))](
-            z_BTV,
-            lse_R,
-            nidx_R,
-            top_ids_NM.contiguous(),
-            g_top_NM.contiguous(),
-            gsum_N,
-            coef_N,
-            gscale_2[1:],
-            dz_BTV,
-            T,
-            V,
-            M,
-            z_BTV.stride(0),
-            z_BTV.stride(1),
-            scale2,
-            BLOCK_M=bm,
-            num_warps=KERNEL_CONFIG["gtop_warps"],
-        )
     return dz_BTV

@@ -496,8 +496,9 @@ class GoldStudent(torch.autograd.Function):
     """Student side of the gold loss from the logits: ``(kl_sum, l1_sum, correct)``.
 
     The chunk gradient is computed in the forward in compact form (common columns ``[N, Mc]``,
-    written over the teacher's common block, which is not needed afterwards; top-m uncommon
-    ``[N, m]`` with its vocab ids) and expanded to ``dz`` by the backward kernels.
+    written over the teacher's common block, which is not needed afterwards; uncommon columns
+    ``[N, Mu]``, written over the student's uncommon block once its top-m is taken) and
+    expanded to ``dz`` by one backward kernel.
     """
 
     @staticmethod
@@ -509,28 +510,26 @@ class GoldStudent(torch.autograd.Function):
         N, Mc = teacher_common_NC.shape
         m = teacher_top_Nm.shape[1]
         V = z_BTV.shape[-1]
+        device = z_BTV.device
         lse_R = kernels.row_logsumexp(z_BTV, rows.nidx_R, temperature)
-        if m > 0:
-            s_unc_NX = kernels.chunk_mean_columns(
+        g_unc_NU = None
+        l1_sum = torch.zeros((), dtype=torch.float32, device=device)
+        gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
+        if m > 0 and N > 0:
+            s_unc_NU = kernels.chunk_mean_columns(
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us
             )
-            top = torch.topk(s_unc_NX, m, dim=-1)
-            del s_unc_NX
+            top = torch.topk(s_unc_NU, m, dim=-1)
             s_top_Nm = top.values.exp_()
-            top_ids_Nm = us[top.indices].to(torch.int32)
             diff_Nm = s_top_Nm - teacher_top_Nm
             l1_sum = diff_Nm.abs().sum()
-            g_top_Nm = diff_Nm.sign_().mul_(s_top_Nm)
-            del top, diff_Nm, s_top_Nm
+            g_top_Nm = diff_Nm.sign_().mul_(s_top_Nm)  # d|e^s - u| / ds
             gsum_top_N = g_top_Nm.sum(-1)
-        else:
-            l1_sum = z_BTV.new_zeros((), dtype=torch.float32)
-            top_ids_Nm = torch.zeros((N, 0), dtype=torch.int32, device=z_BTV.device)
-            g_top_Nm = torch.zeros((N, 0), dtype=torch.float32, device=z_BTV.device)
-            gsum_top_N = torch.zeros(N, dtype=torch.float32, device=z_BTV.device)
-        kl_sum = z_BTV.new_zeros((), dtype=torch.float32)
-        correct = z_BTV.new_zeros((), dtype=torch.float32)
-        gsum_common_N = torch.zeros(N, dtype=torch.float32, device=z_BTV.device)
+            g_unc_NU = s_unc_NU.zero_().scatter_(1, top.indices, g_top_Nm)  # reuse the block
+            del top, diff_Nm, s_top_Nm, g_top_Nm
+        kl_sum = torch.zeros((), dtype=torch.float32, device=device)
+        correct = torch.zeros((), dtype=torch.float32, device=device)
+        gsum_common_N = torch.zeros(N, dtype=torch.float32, device=device)
         g_common_NC = teacher_common_NC  # overwritten block by block with the chunk gradient
         if Mc > 0 and N > 0:
             s_common_NC = kernels.chunk_mean_columns(
@@ -550,39 +549,24 @@ class GoldStudent(torch.autograd.Function):
                     u.copy_(e.neg_())
                 gsum_common_N[i : i + step] = u.sum(-1)
             del s_common_NC
-        cpos_V = torch.full((V,), -1, dtype=torch.int32, device=z_BTV.device)
-        cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=z_BTV.device)
+        # Where each vocab id's chunk gradient lives (the code of kd_fused.gold_backward).
+        cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
+        cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
+        if g_unc_NU is not None:
+            cpos_V[us] = -2 - torch.arange(us.numel(), dtype=torch.int32, device=device)
         coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         ctx.save_for_backward(
-            z_BTV,
-            lse_R,
-            rows.nidx_R,
-            g_common_NC,
-            cpos_V,
-            top_ids_Nm,
-            g_top_Nm,
-            gsum_common_N,
-            gsum_top_N,
+            z_BTV, lse_R, rows.nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_common_N, gsum_top_N,
             coef_N,
-        )
+        )  # fmt: skip
         ctx.temperature = temperature
         ctx.mark_non_differentiable(correct)
         return kl_sum, l1_sum, correct
 
     @staticmethod
     def backward(ctx, d_kl, d_l1, d_correct):
-        (
-            z_BTV,
-            lse_R,
-            nidx_R,
-            g_common_NC,
-            cpos_V,
-            top_ids_Nm,
-            g_top_Nm,
-            gsum_common_N,
-            gsum_top_N,
-            coef_N,
-        ) = ctx.saved_tensors
+        (z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_common_N, gsum_top_N,
+         coef_N) = ctx.saved_tensors  # fmt: skip
         zero = torch.zeros((), dtype=torch.float32, device=z_BTV.device)
         gscale_2 = torch.stack(
             [
@@ -592,18 +576,9 @@ class GoldStudent(torch.autograd.Function):
         )
         gsum_N = gscale_2[0] * gsum_common_N + gscale_2[1] * gsum_top_N
         dz_BTV = _kd_kernels().gold_backward(
-            z_BTV,
-            lse_R,
-            nidx_R,
-            g_common_NC,
-            cpos_V,
-            top_ids_Nm,
-            g_top_Nm,
-            gsum_N,
-            coef_N,
-            gscale_2,
+            z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_N, coef_N, gscale_2,
             ctx.temperature,
-        )
+        )  # fmt: skip
         return dz_BTV, None, None, None, None, None, None
 
 

@@ -126,28 +126,30 @@ def test_projection_forward_and_backward_match_the_dense_formula(dtype):
     torch.testing.assert_close(dz.reshape(B * T, V).double(), z64.grad, **tol)
 
 
-def test_gold_backward_matches_autograd_of_the_weighted_chunk_means():
+@pytest.mark.parametrize("parts", ["both", "common-only", "uncommon-only"])
+def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
     B, T, V, N, temp = 2, 9, 45, 5, 1.4
     z = _logits(B, T, V, torch.float32, seed=11)
     nidx, order, offsets = _rows(B, T, N, seed=12)
     gen = torch.Generator().manual_seed(13)
-    common = torch.randperm(V, generator=gen)[:20].to(DEVICE)
-    uncommon = torch.tensor(sorted(set(range(V)) - set(common.tolist())), device=DEVICE)
-    m = 6
-    top_pos = torch.stack([torch.randperm(uncommon.numel(), generator=gen)[:m] for _ in range(N)])
-    top_ids = uncommon[top_pos.to(DEVICE)].int()
+    perm = torch.randperm(V, generator=gen).to(DEVICE)
+    common, uncommon = perm[:20], perm[20:40]  # ids perm[40:] get no gradient
     g_common = torch.randn(N, common.numel(), generator=gen).to(DEVICE)
-    g_top = torch.randn(N, m, generator=gen).to(DEVICE)
+    g_unc = torch.randn(N, uncommon.numel(), generator=gen).to(DEVICE)
     gscale = torch.tensor([0.7, -1.3], device=DEVICE)
-    G = torch.zeros(N, V, device=DEVICE)  # the dense chunk gradient the compact form encodes
-    G[:, common] = gscale[0] * g_common
-    G.scatter_(1, top_ids.long(), gscale[1] * g_top)
-    sizes = (offsets[1:] - offsets[:-1]).float()
     cpos = torch.full((V,), -1, dtype=torch.int32, device=DEVICE)
-    cpos[common] = torch.arange(common.numel(), dtype=torch.int32, device=DEVICE)
+    G = torch.zeros(N, V, device=DEVICE)  # the dense chunk gradient the compact blocks encode
+    if parts != "uncommon-only":
+        cpos[common] = torch.arange(common.numel(), dtype=torch.int32, device=DEVICE)
+        G[:, common] = gscale[0] * g_common
+    if parts != "common-only":
+        cpos[uncommon] = -2 - torch.arange(uncommon.numel(), dtype=torch.int32, device=DEVICE)
+        G[:, uncommon] = gscale[1] * g_unc
+    sizes = (offsets[1:] - offsets[:-1]).float()
     lse = kf.row_logsumexp(z, nidx, temp)
     dz = kf.gold_backward(
-        z, lse, nidx, g_common, cpos, top_ids, g_top, G.sum(-1),
+        z, lse, nidx, g_common if parts != "uncommon-only" else None,
+        g_unc if parts != "common-only" else None, cpos, G.sum(-1),
         1.0 / (temp * sizes.clamp_min(1)), gscale, temp,
     )  # fmt: skip
     z64 = z.detach().double().requires_grad_()
