@@ -113,7 +113,7 @@ def _w2_batches():
 # ----------------------------------------------------------------------------- xtoken queue
 
 
-def bench_xtoken(rounds: int, rss_mb: int, lat_iters: int, seed: int) -> dict:
+def bench_xtoken(rounds: int, w2_reps: int, rss_mb: int, lat_iters: int, seed: int) -> dict:
     """Run every workload against a real `xtoken queue serve` subprocess."""
     import torch
 
@@ -140,7 +140,7 @@ def bench_xtoken(rounds: int, rss_mb: int, lat_iters: int, seed: int) -> dict:
             client.clear("warm")
             out["rss"] = _rss_phase(client, server.pid, rss_mb)
             out["w1"] = _w1_phase(client, rounds, seed)
-            out["w2"] = _w2_phase(client)
+            out["w2"] = _w2_phase(client, w2_reps)
             out["claim"] = _claim_phase(client, lat_iters)
     except BaseException:
         server.terminate()
@@ -195,22 +195,25 @@ def _w1_phase(client, rounds: int, seed: int) -> dict:
     return {"nbytes": workloads.nbytes(cols), "put_s": put_s, "get_s": get_s}
 
 
-def _w2_phase(client) -> dict:
+def _w2_phase(client, reps: int) -> dict:
     batches = [_jagged(b) for b in _w2_batches()]
     n = workloads.W2_BATCH
-    t = time.perf_counter()
-    for b, fields in enumerate(batches):
-        client.put("w2", [f"b{b}-{j}" for j in range(n)], fields)
-    put_s = time.perf_counter() - t
-    seen = 0
-    t = time.perf_counter()
-    for _ in batches:
-        got = client.claim("w2", "bench", FIELDS, n, timeout_s=5)
-        client.ack("w2", "bench", got["lease_id"])
-        seen += len(got["keys"])
-    get_s = time.perf_counter() - t
-    assert seen == workloads.W2_SAMPLES, seen
-    client.clear("w2")
+    put_s, get_s = [], []
+    for r in range(reps):
+        part = f"w2_{r}"
+        t = time.perf_counter()
+        for b, fields in enumerate(batches):
+            client.put(part, [f"b{b}-{j}" for j in range(n)], fields)
+        put_s.append(time.perf_counter() - t)
+        seen = 0
+        t = time.perf_counter()
+        for _ in batches:
+            got = client.claim(part, "bench", FIELDS, n, timeout_s=5)
+            client.ack(part, "bench", got["lease_id"])
+            seen += len(got["keys"])
+        get_s.append(time.perf_counter() - t)
+        assert seen == workloads.W2_SAMPLES, seen
+        client.clear(part)
     return {"samples": workloads.W2_SAMPLES, "put_s": put_s, "get_s": get_s}
 
 
@@ -251,6 +254,8 @@ def _raw_server(endpoint_conn) -> None:
             sock.send_multipart([ident, b"ok"])
         elif op == b"get":
             sock.send_multipart([ident, *store.pop(0)], copy=False)
+        elif op == b"ping":
+            sock.send_multipart([ident, b"pong"])
         elif op == b"stop":
             sock.send_multipart([ident, b"bye"])
             break
@@ -258,7 +263,7 @@ def _raw_server(endpoint_conn) -> None:
     ctx.term()
 
 
-def bench_raw(rounds: int, seed: int) -> dict:
+def bench_raw(rounds: int, w2_reps: int, lat_iters: int, seed: int) -> dict:
     """Raw pyzmq multipart sends of the same buffers (W1 and W2)."""
     import zmq
 
@@ -300,14 +305,22 @@ def bench_raw(rounds: int, seed: int) -> dict:
         get_s.append(time.perf_counter() - t)
         assert sum(len(f.buffer) for f in got) == sum(f.nbytes for f in frames)
     batches = [frames_of(b) for b in _w2_batches()]
-    t = time.perf_counter()
-    for fr in batches:
-        put(fr)
-    w2_put = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in batches:
-        get()
-    w2_get = time.perf_counter() - t
+    w2_put, w2_get = [], []
+    for _ in range(w2_reps):
+        t = time.perf_counter()
+        for fr in batches:
+            put(fr)
+        w2_put.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in batches:
+            get()
+        w2_get.append(time.perf_counter() - t)
+    rtt = []
+    for _ in range(lat_iters):
+        t = time.perf_counter()
+        sock.send(b"ping")
+        sock.recv_multipart(copy=False)
+        rtt.append(time.perf_counter() - t)
     sock.send(b"stop")
     sock.recv_multipart()
     sock.close()
@@ -316,18 +329,20 @@ def bench_raw(rounds: int, seed: int) -> dict:
         "system": "raw pyzmq",
         "w1": {"nbytes": workloads.nbytes(cols), "put_s": put_s, "get_s": get_s},
         "w2": {"samples": workloads.W2_SAMPLES, "put_s": w2_put, "get_s": w2_get},
+        "claim": {"p50_ms": _pct(rtt, 50) * 1e3, "p99_ms": _pct(rtt, 99) * 1e3, "iters": lat_iters},
     }
 
 
 # ----------------------------------------------------------------------------- TransferQueue
 
 
-def bench_tq(rounds: int, rss_mb: int, lat_iters: int, seed: int) -> dict | None:
+def bench_tq(rounds: int, w2_reps: int, rss_mb: int, lat_iters: int, seed: int) -> dict | None:
     """Run tq_harness.py with the TransferQueue venv; None when that venv is missing."""
     if not TQ_PYTHON.exists():
         print(f"[bench] {TQ_PYTHON} not found: skipping TransferQueue (see README.md)")
         return None
     cmd = [str(TQ_PYTHON), str(HERE / "tq_harness.py"), "--rounds", str(rounds)]
+    cmd += ["--w2-reps", str(w2_reps)]
     cmd += ["--rss-mb", str(rss_mb), "--lat-iters", str(lat_iters), "--seed", str(seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if proc.returncode != 0:
@@ -405,8 +420,8 @@ def _summarize(res: dict | None) -> dict:
         s["w1_put_mb_s"] = nb / statistics.median(res["w1"]["put_s"]) / 1e6
         s["w1_get_mb_s"] = nb / statistics.median(res["w1"]["get_s"]) / 1e6
     if "w2" in res:
-        s["w2_put_samples_s"] = res["w2"]["samples"] / res["w2"]["put_s"]
-        s["w2_get_samples_s"] = res["w2"]["samples"] / res["w2"]["get_s"]
+        s["w2_put_samples_s"] = res["w2"]["samples"] / statistics.median(res["w2"]["put_s"])
+        s["w2_get_samples_s"] = res["w2"]["samples"] / statistics.median(res["w2"]["get_s"])
     if "claim" in res:
         s["claim_p50_ms"] = res["claim"]["p50_ms"]
         s["claim_p99_ms"] = res["claim"]["p99_ms"]
@@ -446,14 +461,16 @@ def _table(ours: dict, tq: dict, raw: dict, tq_res: dict | None, collator: list[
     lines.append(
         f"| claim round trip p50 ms (batch 1) | {f(ours.get('claim_p50_ms'), '{:.3f}')} "
         f"| {f(tq_claim.get('p50_ms'), '{:.3f}')} (get_meta only "
-        f"{f(tq_claim.get('meta_p50_ms'), '{:.3f}')}) | - | "
+        f"{f(tq_claim.get('meta_p50_ms'), '{:.3f}')}) "
+        f"| {f(raw.get('claim_p50_ms'), '{:.3f}')} (empty req/rep) | "
         f"{f(ratio(tq_claim.get('p50_ms'), ours.get('claim_p50_ms')), '{:.1f}x faster')} | - "
         f"| p50 <= 0.3 ms |"
     )
     lines.append(
         f"| claim round trip p99 ms | {f(ours.get('claim_p99_ms'), '{:.3f}')} "
         f"| {f(tq_claim.get('p99_ms'), '{:.3f}')} (get_meta only "
-        f"{f(tq_claim.get('meta_p99_ms'), '{:.3f}')}) | - | - | - | reported |"
+        f"{f(tq_claim.get('meta_p99_ms'), '{:.3f}')}) "
+        f"| {f(raw.get('claim_p99_ms'), '{:.3f}')} | - | - | reported |"
     )
     lines.append(
         f"| server RSS growth / stored bytes | {f(ours.get('rss_growth_over_stored'), '{:.3f}')} "
@@ -485,16 +502,17 @@ def main() -> int:
     rounds = args.rounds or (3 if args.quick else 15)
     rss_mb = 150 if args.quick else 500
     lat_iters = 200 if args.quick else 2000
-    collator_limit = args.collator_limit or (32 if args.quick else 240)
+    w2_reps = 2 if args.quick else 5
+    collator_limit = args.collator_limit or (32 if args.quick else 2000)
 
     print(f"[bench] raw pyzmq ({rounds} rounds)", flush=True)
-    raw_res = bench_raw(rounds, args.seed)
+    raw_res = bench_raw(rounds, w2_reps, lat_iters, args.seed)
     print("[bench] xtoken queue", flush=True)
-    ours_res = bench_xtoken(rounds, rss_mb, lat_iters, args.seed)
+    ours_res = bench_xtoken(rounds, w2_reps, rss_mb, lat_iters, args.seed)
     tq_res = None
     if not args.no_tq:
         print("[bench] TransferQueue (subprocess, .venv-bench)", flush=True)
-        tq_res = bench_tq(rounds, rss_mb, lat_iters, args.seed)
+        tq_res = bench_tq(rounds, w2_reps, rss_mb, lat_iters, args.seed)
     collator = []
     if not args.no_collator:
         print(f"[bench] collator service ({collator_limit} demo texts)", flush=True)
@@ -540,11 +558,16 @@ def main() -> int:
     with open(RESULTS_JSONL, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
     if not args.quick:
+        # Hand-written analysis below "## Notes" survives a rerun.
+        notes = ""
+        if RESULTS_MD.exists() and "\n## Notes" in RESULTS_MD.read_text(encoding="utf-8"):
+            text = RESULTS_MD.read_text(encoding="utf-8")
+            notes = "\n" + text[text.index("\n## Notes") :].lstrip("\n")
         RESULTS_MD.write_text(
             "# Queue benchmark (benchmarks/queue/bench_queue.py)\n\n"
             f"commit `{commit}`, {row['time']}, {device}, {rounds} rounds (median), "
             f"TransferQueue 0.1.11 without a Ray cluster (controller + 1 SimpleStorage unit in "
-            f"one process, see tq_harness.py).\n\n{shape}\n\n{table}\n",
+            f"one process, see tq_harness.py).\n\n{shape}\n\n{table}\n{notes}",
             encoding="utf-8",
         )
     return 0

@@ -65,6 +65,7 @@ def _tensordict(cols):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--w2-reps", type=int, default=5)
     parser.add_argument("--rss-mb", type=int, default=500)
     parser.add_argument("--lat-iters", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
@@ -156,17 +157,19 @@ def main() -> int:
         )
         for b in range(workloads.W2_SAMPLES // workloads.W2_BATCH)
     ]
-    t = time.perf_counter()
-    for b in batches:
-        put(b, "w2")
-    w2_put = time.perf_counter() - t
-    t = time.perf_counter()
-    seen = 0
-    for _ in batches:
-        seen += get(workloads.W2_BATCH, "w2")["input_ids"].size(0)
-    w2_get = time.perf_counter() - t
-    assert seen == workloads.W2_SAMPLES, seen
-    client.clear_partition("w2")
+    w2_put, w2_get = [], []
+    for r in range(args.w2_reps):
+        t = time.perf_counter()
+        for b in batches:
+            put(b, f"w2_{r}")
+        w2_put.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        seen = 0
+        for _ in batches:
+            seen += get(workloads.W2_BATCH, f"w2_{r}")["input_ids"].size(0)
+        w2_get.append(time.perf_counter() - t)
+        assert seen == workloads.W2_SAMPLES, seen
+        client.clear_partition(f"w2_{r}")
     out["w2"] = {"samples": workloads.W2_SAMPLES, "put_s": w2_put, "get_s": w2_get}
 
     # claim round trip on a ready sample: get_meta(batch 1), and get_meta + get_data

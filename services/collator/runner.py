@@ -89,8 +89,8 @@ class RunSummary:
         elapsed_s: seconds from the first dispatched batch to the last result.
         stopped: True when the run was stopped before the end of the data.
         worker_ready_s: per worker, seconds from the start to its tokenizers being loaded.
-        steady_samples_per_s: samples/s between the first and the last finished batch (start-up
-            excluded; 0 with fewer than two batches).
+        steady_samples_per_s: samples/s from the first worker being ready (tokenizers loaded) to
+            the last finished batch: the collation rate without process start-up.
     """
 
     read: int = 0
@@ -174,7 +174,7 @@ class CollatorRun:
         self._error: str | None = None
         self._last_log = 0.0
         self._start = 0.0
-        self._first_done: tuple[float, int] | None = None
+        self._last_done = 0.0
 
     def request_stop(self) -> None:
         """Stop reading; workers finish their in-flight put and exit (safe from a signal handler)."""
@@ -322,19 +322,17 @@ class CollatorRun:
     def _handle(self, msg: tuple) -> None:
         kind, index = msg[0], msg[1]
         if kind == "done":
-            counts = msg[2]
-            now = time.monotonic()
-            if self._first_done is None:
-                self._first_done = (now, counts["samples"])
-            elif now > self._first_done[0]:
-                self.summary.steady_samples_per_s = (
-                    self.summary.samples + counts["samples"] - self._first_done[1]
-                ) / (now - self._first_done[0])
+            counts, t_done = msg[2], msg[3]
             self.summary.samples += counts["samples"]
             self.summary.written += counts["written"]
             self.summary.nbytes += counts["nbytes"]
+            self._last_done = max(self._last_done, t_done)
+            if self._ready_at and self._last_done > min(self._ready_at.values()):
+                self.summary.steady_samples_per_s = self.summary.samples / (
+                    self._last_done - min(self._ready_at.values())
+                )
         elif kind == "ready":
-            self._ready_at[index] = time.monotonic()
+            self._ready_at[index] = msg[2]
         elif kind == "error":
             logger.error("[collator] worker %d failed: %s", index, msg[2])
             self._error = self._error or f"worker {index}: {msg[2]}"

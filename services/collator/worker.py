@@ -218,8 +218,9 @@ def worker_main(
         index: worker number (for logs).
         config: the worker settings.
         tasks: multiprocessing queue of batches (lists of ``(key, text)``); ``None`` = no more.
-        results: multiprocessing queue receiving ``("ready", index)``, ``("done", index,
-            counts)`` per batch, ``("error", index, message)``, ``("exit", index)``.
+        results: multiprocessing queue receiving ``("ready", index, t)``, ``("done", index,
+            counts, t)`` per batch (``t``: ``time.monotonic()``, one clock for all processes on
+            Linux), ``("error", index, message)``, ``("exit", index)``.
         stop: multiprocessing Event; set = abandon queued batches and exit.
         log_level: logging level of this process.
     """
@@ -238,7 +239,7 @@ def worker_main(
         started = time.monotonic()
         worker = CollatorWorker(config)
         logger.debug("[collator] worker %d ready in %.1fs", index, time.monotonic() - started)
-        results.put(("ready", index))
+        results.put(("ready", index, time.monotonic()))
         while not (terminated or stop.is_set()):
             try:
                 batch = tasks.get(timeout=_TASK_POLL_S)
@@ -246,7 +247,8 @@ def worker_main(
                 continue
             if batch is None:
                 break
-            results.put(("done", index, worker.process(batch)))
+            counts = worker.process(batch)
+            results.put(("done", index, counts, time.monotonic()))
     except Exception as e:  # reported to the parent, which stops the run
         results.put(("error", index, f"{type(e).__name__}: {e}"))
     finally:
