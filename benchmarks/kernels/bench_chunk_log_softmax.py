@@ -129,7 +129,8 @@ def run_shape(B, T, V, bw_gbs, with_reference=True):
 
 
 def sweep_configs(bw_gbs):
-    """Forward schedules and block sizes on two shapes; keeps the best (geometric mean)."""
+    """Block sizes on two shapes; keeps the best (geometric mean). The fused forward schedule
+    (fwd_fused=True) measured slower on the H100 (see the results file) and is left out."""
     bwd = dict(bwd_block_v=2048, bwd_warps=4)
     variants = [
         dict(fwd_fused=False, lse_block_v=4096, lse_warps=8, acc_block_v=2048, acc_warps=4, **bwd),
@@ -142,9 +143,6 @@ def sweep_configs(bw_gbs):
             bwd_block_v=1024,
             bwd_warps=4,
         ),
-        dict(fwd_fused=True, fused_block_v=2048, fused_warps=4, **bwd),
-        dict(fwd_fused=True, fused_block_v=4096, fused_warps=8, **bwd),
-        dict(fwd_fused=True, fused_block_v=1024, fused_warps=4, bwd_block_v=4096, bwd_warps=8),
     ]
     best, rows = None, []
     for v in variants:
@@ -178,6 +176,9 @@ def main(argv=None) -> int:
         r["sweep"] = True
     for B, T, V in SHAPES:
         rows.append(run_shape(B, T, V, bw))
+    repeat = run_shape(*SWEEP_SHAPES[0], bw)  # run-to-run spread on the tightest shape
+    repeat["repeat"] = True
+    rows.append(repeat)
     _common.append_rows(args.results, rows)
     _common.print_table(
         rows,

@@ -128,6 +128,50 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen, p_dtype=torch.bfloat16):
     return row
 
 
+def sweep_transpose(gen, bw_gbs) -> list[dict]:
+    """Tile shapes for the transposed copy (and torch's strided copy); keeps the fastest."""
+    from xtoken_core.kernels import _utils
+
+    nc = 1664
+    src = torch.rand(nc, S_VOCAB, device="cuda", generator=gen).to(torch.bfloat16)
+    dst = torch.empty(S_VOCAB, nc, device="cuda", dtype=torch.bfloat16)
+    variants = [
+        dict(block_r=64, block_c=64, warps=4, torch=False),
+        dict(block_r=64, block_c=128, warps=4, torch=False),
+        dict(block_r=128, block_c=128, warps=8, torch=False),
+        dict(block_r=32, block_c=256, warps=4, torch=False),
+        dict(block_r=128, block_c=64, warps=4, torch=False),
+        dict(block_r=64, block_c=64, warps=4, torch=True),
+    ]
+    rows, best = [], None
+    for v in variants:
+        _utils.TRANSPOSE_CONFIG.update(v)
+        transpose_into(src, dst)
+        ok = bool(torch.equal(dst, src.t()))
+        ms = _common.bench_ms(lambda: transpose_into(src, dst))
+        gbs = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+        print("transpose", v, f"{ms:.3f} ms {gbs:.0f} GB/s ok={ok}", flush=True)
+        rows.append(
+            dict(
+                bench="transpose_into",
+                commit=_common.commit(),
+                device=_common.device_name(),
+                rows=nc,
+                cols=S_VOCAB,
+                dtype="bfloat16",
+                ms=ms,
+                gbs=gbs,
+                copy_gbs=bw_gbs,
+                correct=ok,
+                config=dict(v),
+            )
+        )
+        if ok and (best is None or ms < best[0]):
+            best = (ms, dict(v))
+    _utils.TRANSPOSE_CONFIG.update(best[1])
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="benchmarks/results/kernels_projection_gather.jsonl")
@@ -140,24 +184,21 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     indices, likelihoods = _matrix(gen)
     bw = _common.copy_bandwidth_gbs()
-    rows = []
+    rows = sweep_transpose(gen, bw)
     if args.config:
         pg.KERNEL_CONFIG.update(json.loads(args.config))
     if not args.no_sweep:
         variants = [
-            dict(fwd_block_n=64, fwd_block_e=32, piece_len=512, bwd_block_n=64, bwd_block_s=64),
-            dict(fwd_block_n=32, fwd_block_e=32, piece_len=512, bwd_block_n=32, bwd_block_s=64),
-            dict(fwd_block_n=64, fwd_block_e=16, piece_len=256, bwd_block_n=128, bwd_block_s=32),
             dict(fwd_block_n=128, fwd_block_e=16, piece_len=512, bwd_block_n=64, bwd_block_s=128),
             dict(
-                fwd_block_n=64,
-                fwd_block_e=64,
-                piece_len=1024,
-                bwd_block_n=64,
+                fwd_block_n=128,
+                fwd_block_e=32,
+                piece_len=512,
+                bwd_block_n=128,
                 bwd_block_s=64,
-                fwd_warps=8,
                 bwd_warps=8,
             ),
+            dict(fwd_block_n=64, fwd_block_e=32, piece_len=512, bwd_block_n=64, bwd_block_s=64),
         ]
         best = None
         for v in variants:
@@ -173,6 +214,9 @@ def main(argv=None) -> int:
     for N, J in SHAPES:
         for p_dtype in (torch.bfloat16, torch.float32):
             rows.append(run_shape(N, J, indices, likelihoods, bw, gen, p_dtype))
+    repeat = run_shape(*SWEEP_SHAPE, indices, likelihoods, bw, gen)  # run-to-run spread
+    repeat["repeat"] = True
+    rows.append(repeat)
     _common.append_rows(args.results, rows)
     _common.print_table(
         rows,

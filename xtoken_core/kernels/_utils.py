@@ -162,7 +162,7 @@ if tl is not None:
         )
 
 
-TRANSPOSE_CONFIG = {"block_r": 64, "block_c": 64, "warps": 4}
+TRANSPOSE_CONFIG = {"block_r": 64, "block_c": 64, "warps": 4, "torch": False}
 
 
 def transpose_into(src_RC: torch.Tensor, dst_CR: torch.Tensor) -> torch.Tensor:
@@ -189,7 +189,7 @@ def transpose_into(src_RC: torch.Tensor, dst_CR: torch.Tensor) -> torch.Tensor:
         )
     if R == 0 or C == 0:
         return dst_CR
-    if not use_triton(src_RC):
+    if not use_triton(src_RC) or (TRANSPOSE_CONFIG["torch"] and src_RC.is_cuda):
         return dst_CR.copy_(src_RC.t())
     br = min(TRANSPOSE_CONFIG["block_r"], next_power_of_2(R))
     bc = min(TRANSPOSE_CONFIG["block_c"], next_power_of_2(C))

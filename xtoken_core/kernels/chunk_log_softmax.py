@@ -41,6 +41,10 @@ _LN2 = 0.6931471805599453
 # Block sizes per pass (GPU). Benchmarks may override entries; tests run them interpreted.
 KERNEL_CONFIG = {
     "fwd_fused": False,
+    # Chunk ids already on the GPU are range-checked only when this is True (a device sync per
+    # call, which stalls the host queue); unchecked, out-of-range ids count as -1 (ignored, as
+    # in the one-hot reference). Ids passed on the CPU are always checked, on the host.
+    "check_device_ids": False,
     "fused_block_v": 2048,
     "fused_warps": 4,
     "lse_block_v": 4096,
@@ -285,18 +289,16 @@ def _validate(logits_BTV, chunk_id_BT, num_chunks, temperature) -> None:
 def _segments(chunk_id_BT: torch.Tensor, num_chunks: int, check: bool = True):
     """Segment structure: per-row segment id, rows sorted by segment, segment offsets.
 
-    Ids outside [-1, num_chunks) are treated as -1 (so kernels stay in bounds) and flagged.
+    Ids outside [-1, num_chunks) are treated as -1, so the kernels stay in bounds unchecked.
 
     Args:
         chunk_id_BT: [B, T] integer chunk ids.
         num_chunks: C.
-        check: raise now on a bad id (a device sync); False returns the flag for
-            :func:`_raise_on_bad_ids`, to be read after the kernels are queued.
+        check: raise on a bad id (a device sync when the ids are on the GPU).
 
     Returns:
         seg_R int64 [R] (-1 = no chunk), order_N int64 [R] (rows sorted by segment, invalid rows
-        last), offsets_S1 int64 [S + 1], sizes_S int64 [S], and with ``check=False`` the bad-id
-        flag (a 0-d bool tensor).
+        last), offsets_S1 int64 [S + 1], sizes_S int64 [S].
 
     Raises:
         ValueError: with ``check``, a chunk id is < -1 or >= num_chunks.
@@ -305,9 +307,8 @@ def _segments(chunk_id_BT: torch.Tensor, num_chunks: int, check: bool = True):
     S = B * num_chunks
     cid_BT = chunk_id_BT.to(torch.long)
     ok_BT = (cid_BT >= -1) & (cid_BT < num_chunks)
-    bad = ~ok_BT.all() if cid_BT.numel() else torch.zeros((), dtype=torch.bool)
-    if check:
-        _raise_on_bad_ids(bad, cid_BT, num_chunks)
+    if check and cid_BT.numel():
+        _raise_on_bad_ids(~ok_BT.all(), cid_BT, num_chunks)
     base_B1 = torch.arange(B, device=cid_BT.device)[:, None] * num_chunks
     seg_BT = torch.where(ok_BT & (cid_BT >= 0), base_B1 + cid_BT, torch.full_like(cid_BT, -1))
     seg_R = seg_BT.reshape(-1).contiguous()
@@ -316,9 +317,7 @@ def _segments(chunk_id_BT: torch.Tensor, num_chunks: int, check: bool = True):
     bounds_S1 = torch.arange(S + 1, device=cid_BT.device)
     offsets_S1 = torch.searchsorted(sorted_key_R, bounds_S1).contiguous()
     sizes_S = offsets_S1[1:] - offsets_S1[:-1]
-    if check:
-        return seg_R, order_R.contiguous(), offsets_S1, sizes_S
-    return seg_R, order_R.contiguous(), offsets_S1, sizes_S, bad
+    return seg_R, order_R.contiguous(), offsets_S1, sizes_S
 
 
 def _raise_on_bad_ids(bad: torch.Tensor, cid_BT: torch.Tensor, num_chunks: int) -> None:
@@ -346,7 +345,8 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
     """
     B, T, V = logits_BTV.shape
     C = num_chunks
-    seg_R, order_R, offsets_S1, sizes_S, bad = _segments(chunk_id_BT, C, check=False)
+    check = not chunk_id_BT.is_cuda or KERNEL_CONFIG["check_device_ids"]
+    seg_R, order_R, offsets_S1, sizes_S = _segments(chunk_id_BT, C, check=check)
     sizes_Sf = sizes_S.to(torch.float32)
     R, S = B * T, B * C
     lse_R = torch.empty(R, device=logits_BTV.device, dtype=torch.float32)
@@ -399,8 +399,6 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
                 BLOCK_V=block,
                 num_warps=KERNEL_CONFIG["acc_warps"],
             )
-    # Checked once the kernels are queued, so the sync overlaps their work.
-    _raise_on_bad_ids(bad, chunk_id_BT, C)
     return avg_BCV, sizes_Sf.view(B, C), lse_R, seg_R, sizes_Sf
 
 
@@ -515,12 +513,16 @@ def chunk_avg_log_softmax(
         (avg_BCV, sizes_BC).
 
     Raises:
-        ValueError: bad shapes or dtypes, temperature <= 0, chunk ids outside [-1, C).
+        ValueError: bad shapes or dtypes, temperature <= 0, chunk ids outside [-1, C) (ids
+            passed on the CPU always; ids already on the GPU only with
+            ``KERNEL_CONFIG["check_device_ids"]``, else they count as -1: no device sync).
     """
     _validate(logits_BTV, chunk_id_BT, num_chunks, temperature)
+    if not chunk_id_BT.is_cuda and chunk_id_BT.numel():  # free on the host: always checked
+        cid_BT = chunk_id_BT.to(torch.long)
+        _raise_on_bad_ids(((cid_BT < -1) | (cid_BT >= num_chunks)).any(), cid_BT, num_chunks)
     chunk_id_BT = chunk_id_BT.to(logits_BTV.device)
     if not use_triton(logits_BTV):
-        _segments(chunk_id_BT, num_chunks)  # same id validation as the kernel path
         avg_BCV, sizes_BC = chunk_avg_log_softmax_reference(
             logits_BTV, chunk_id_BT, num_chunks, temperature
         )

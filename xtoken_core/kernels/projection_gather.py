@@ -51,14 +51,14 @@ __all__ = [
     "project_reference",
 ]
 
-KERNEL_CONFIG = {
-    "fwd_block_n": 64,
-    "fwd_block_e": 32,
+KERNEL_CONFIG = {  # best of the H100 sweep in benchmarks/kernels/bench_projection_gather.py
+    "fwd_block_n": 128,
+    "fwd_block_e": 16,
     "fwd_warps": 4,
     "piece_len": 512,  # entries per forward program at most (read when an index is built)
     "fwd_chunk_bytes": 512 << 20,  # transposed copy of p: at most this many bytes at once
     "bwd_block_n": 64,
-    "bwd_block_s": 64,
+    "bwd_block_s": 128,
     "bwd_warps": 4,
 }
 

@@ -142,11 +142,27 @@ def test_two_runs_are_bitwise_equal(fwd_schedule):
 
 
 def test_out_of_range_chunk_ids_raise(fwd_schedule):
+    # Ids passed on the CPU are checked on the host before they move to the logits' device.
     logits = torch.randn(1, 5, 20, device=DEVICE)
     with pytest.raises(ValueError, match="num_chunks"):
-        cls.chunk_avg_log_softmax(logits, torch.tensor([[0, 1, 4, -1, 0]], device=DEVICE), 3)
+        cls.chunk_avg_log_softmax(logits, torch.tensor([[0, 1, 4, -1, 0]]), 3)
     with pytest.raises(ValueError, match="num_chunks"):
-        cls.chunk_avg_log_softmax(logits, torch.tensor([[0, -2, 1, 1, 0]], device=DEVICE), 3)
+        cls.chunk_avg_log_softmax(logits, torch.tensor([[0, -2, 1, 1, 0]]), 3)
+
+
+@pytest.mark.gpu
+def test_device_ids_out_of_range_count_as_minus_one_unless_checked(monkeypatch):
+    logits = torch.randn(1, 5, 20, device="cuda")
+    bad = torch.tensor([[0, 1, 4, -2, 0]], device="cuda")
+    avg, sizes = cls.chunk_avg_log_softmax(logits, bad, 3)
+    avg_r, sizes_r = cls.chunk_avg_log_softmax_reference(
+        logits, torch.tensor([[0, 1, -1, -1, 0]], device="cuda"), 3
+    )
+    torch.testing.assert_close(sizes, sizes_r, atol=0, rtol=0)
+    torch.testing.assert_close(avg, avg_r, **TOL[torch.float32])
+    monkeypatch.setitem(cls.KERNEL_CONFIG, "check_device_ids", True)
+    with pytest.raises(ValueError, match="num_chunks"):
+        cls.chunk_avg_log_softmax(logits, bad, 3)
 
 
 @pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf")])
