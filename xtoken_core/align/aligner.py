@@ -17,8 +17,9 @@ How it works (per sample, vectorized over tokens):
 5. Zero-width specials pair by role (bos/eos/pad) with the other side's special at the same byte
    position, in order; each pair is a valid chunk, unpaired specials are one-sided chunks.
 Chunks are numbered in byte order (specials at a boundary between the chunk ending there and
-the chunk starting there). Cost: O(N log N) numpy work per sample (searchsorted over sorted
-boundaries), no per-token Python loop; only the few zero-width specials are paired in Python.
+the chunk starting there). Cost: O(N + L) numpy work per sample (L = bytes covered: common
+boundaries and token regions are found by marking boundaries on the byte axis), no per-token
+Python loop; only the few zero-width specials are paired and ordered in Python.
 """
 
 from __future__ import annotations
@@ -55,43 +56,65 @@ class _Side:
             )
         self.n = n
         start_N, end_N = spans_N2[:, 0], spans_N2[:, 1]
-        if (end_N[mask_N] < start_N[mask_N]).any():
+        if ((end_N < start_N) & mask_N).any():
             raise ValueError(
                 f"{side}: a span has end < start; spans must be [start, end) byte pairs"
             )
         zero_N = start_N == end_N
         self.marker_N = mask_N & (roles_N != ROLE_CONTENT) & zero_N
         content_N = mask_N & ~self.marker_N
-        self.content_idx = np.flatnonzero(content_N)
-        self.start = start_N[self.content_idx]
-        self.end = end_N[self.content_idx]
+        if content_N.all():  # the common case: no padding, no zero-width specials
+            self.content_idx = np.arange(n)
+            self.start, self.end = start_N, end_N
+        else:
+            self.content_idx = np.flatnonzero(content_N)
+            self.start = start_N[self.content_idx]
+            self.end = end_N[self.content_idx]
         nonempty = self.end > self.start
-        self.ne_idx = np.flatnonzero(nonempty)  # positions within content arrays
+        self.all_nonempty = bool(nonempty.all())
+        if self.all_nonempty:
+            self.ne_idx = np.arange(len(self.start))  # positions within content arrays
+            ne_start, ne_end = self.start, self.end
+        else:
+            self.ne_idx = np.flatnonzero(nonempty)
+            ne_start, ne_end = self.start[self.ne_idx], self.end[self.ne_idx]
         self.covered_end = int(self.end.max()) if len(self.end) else 0
-        self.first_start = int(self.start[self.ne_idx[0]]) if len(self.ne_idx) else 0
-        ne_start, ne_end = self.start[self.ne_idx], self.end[self.ne_idx]
-        if len(ne_start) > 1 and (ne_start[1:] < ne_end[:-1]).any():
-            raise ValueError(
-                f"{side}: content spans overlap or go backwards; spans must be ordered and "
-                "disjoint (use XTokenizer.encode to compute them)"
-            )
-        # Boundaries: the sorted unique starts and ends of non-empty spans (already ordered).
-        both = np.stack([ne_start, ne_end], axis=1).ravel()
-        if len(both):
-            keep = np.ones(len(both), dtype=bool)
-            keep[1:] = both[1:] != both[:-1]
-            both = both[keep]
-        self.boundaries = both
+        self.first_start = int(ne_start[0]) if len(ne_start) else 0
+        # Boundaries: the sorted unique starts and ends of non-empty spans. Non-empty spans that
+        # are ordered and disjoint have strictly increasing ends; a start is a new boundary only
+        # after a gap (bytes no token covers).
+        if len(ne_start) > 1:
+            gap = ne_start[1:] != ne_end[:-1]
+            if (ne_start[1:][gap] < ne_end[:-1][gap]).any():
+                raise ValueError(
+                    f"{side}: content spans overlap or go backwards; spans must be ordered and "
+                    "disjoint (use XTokenizer.encode to compute them)"
+                )
+            if gap.any():
+                both = np.concatenate([ne_start[:1], ne_end, ne_start[1:][gap]])
+                both.sort()
+                self.boundaries = both
+            else:
+                self.boundaries = np.concatenate([ne_start[:1], ne_end])
+        else:
+            self.boundaries = np.concatenate([ne_start, ne_end])
         self.marker_idx = np.flatnonzero(self.marker_N)
         self.marker_pos = start_N[self.marker_idx]
         self.marker_role = roles_N[self.marker_idx]
 
-    def regions(self, cuts: np.ndarray) -> np.ndarray:
-        """Region index of every content token (len(cuts) = tail), -1 where none."""
+    def regions(self, cuts_at_or_before: np.ndarray) -> np.ndarray:
+        """Region index of every content token (len(cuts) = tail), -1 where none.
+
+        Args:
+            cuts_at_or_before: int [L + 1] number of cuts <= each byte offset (or a
+                ``_SortedCuts`` giving the same by binary search).
+        """
+        if self.all_nonempty:
+            return cuts_at_or_before[self.start]
         region = np.full(len(self.content_idx), -1, dtype=np.int64)
         if len(self.ne_idx) == 0:
             return region
-        region[self.ne_idx] = np.searchsorted(cuts, self.start[self.ne_idx], side="right")
+        region[self.ne_idx] = cuts_at_or_before[self.start[self.ne_idx]]
         if len(self.ne_idx) < len(region):
             # Empty spans join the previous non-empty token, or the next one at the start.
             pos = np.arange(len(region))
@@ -102,6 +125,16 @@ class _Side:
             src = np.where(prev >= 0, prev, nxt)
             region = region[src]
         return region
+
+
+class _SortedCuts:
+    """``cuts_at_or_before[x]`` for any byte offsets x, by binary search (sparse offsets)."""
+
+    def __init__(self, cuts: np.ndarray) -> None:
+        self.cuts = cuts
+
+    def __getitem__(self, x: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.cuts, x, side="right")
 
 
 class TokenAligner:
@@ -257,19 +290,32 @@ class TokenAligner:
 def _align(s: _Side, t: _Side) -> SampleAlignment:
     """Core of align_sample (see the module docstring)."""
     end = min(s.covered_end, t.covered_end)
-    # Common boundaries of two sorted unique arrays.
-    if len(s.boundaries) and len(t.boundaries):
-        pos = np.searchsorted(t.boundaries, s.boundaries)
-        hit = pos < len(t.boundaries)
-        hit[hit] = t.boundaries[pos[hit]] == s.boundaries[hit]
-        common = s.boundaries[hit]
-        common = common[common <= end]
-    else:
+    # Byte-axis marking is linear in the bytes covered; spans far apart (arbitrary offsets passed
+    # to align_sample) use sorted-array searches instead, O(N log N) in the tokens.
+    on_byte_axis = max(s.covered_end, t.covered_end) <= 16 * (s.n + t.n) + 4096
+    s_b = s.boundaries[: np.searchsorted(s.boundaries, end, side="right")]
+    t_b = t.boundaries[: np.searchsorted(t.boundaries, end, side="right")]
+    if not (len(s_b) and len(t_b)):
         common = np.zeros(0, dtype=np.int64)
+    elif on_byte_axis:
+        hits = np.zeros(end + 1, dtype=np.int8)
+        hits[s_b] = 1
+        hits[t_b] += 1
+        common = np.flatnonzero(hits == 2)
+    else:
+        pos = np.minimum(np.searchsorted(t_b, s_b), len(t_b) - 1)
+        common = s_b[t_b[pos] == s_b]
     cuts = common if len(common) and common[-1] == end else np.append(common, end)
     r_count = len(cuts) + 1  # region len(cuts) = the tail, at or past `end`
-    s_region = s.regions(cuts)
-    t_region = t.regions(cuts)
+    # Region of a token = number of cuts at or before its start byte.
+    if on_byte_axis:
+        is_cut = np.zeros(max(s.covered_end, t.covered_end) + 1, dtype=np.int32)
+        is_cut[cuts] = 1
+        cuts_at_or_before = np.cumsum(is_cut)
+    else:
+        cuts_at_or_before = _SortedCuts(cuts)
+    s_region = s.regions(cuts_at_or_before)
+    t_region = t.regions(cuts_at_or_before)
 
     def region_stats(side: _Side, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ok = region >= 0
@@ -295,34 +341,35 @@ def _align(s: _Side, t: _Side) -> SampleAlignment:
     pairs, s_alone, t_alone = _pair_markers(s, t)
     n_regions = len(used_idx)
     n_pairs, n_s_alone, n_t_alone = len(pairs), len(s_alone), len(t_alone)
-    # Sort key of every chunk: (byte position, 0 = special / 1 = content, tie-break order).
-    key_pos = np.concatenate(
-        [
-            lo[used_idx],
-            s.marker_pos[[p[0] for p in pairs]] if n_pairs else np.zeros(0, np.int64),
-            s.marker_pos[s_alone] if n_s_alone else np.zeros(0, np.int64),
-            t.marker_pos[t_alone] if n_t_alone else np.zeros(0, np.int64),
-        ]
-    ).astype(np.int64)
-    # The tail region sorts after everything at `end`.
-    key_kind = np.concatenate(
-        [
-            np.where(used_idx == r_count - 1, 2, 1),
-            np.zeros(n_pairs + n_s_alone + n_t_alone, np.int64),
-        ]
-    )
-    key_order = np.concatenate(
-        [
-            np.zeros(n_regions, np.int64),
-            np.array([p[0] for p in pairs], np.int64),
-            np.asarray(s_alone, np.int64),
-            np.asarray(t_alone, np.int64) + s.n,
-        ]
-    )
-    order = np.lexsort((key_order, key_kind, key_pos))
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    num_chunks = len(order)
+    # Chunk order: by byte position; a special sorts before the region starting at its position
+    # (regions are already in order, with strictly increasing starts), specials among
+    # themselves by (position, student index, then teacher index).
+    n_markers = n_pairs + n_s_alone + n_t_alone
+    rank = np.empty(n_regions + n_markers, dtype=np.int64)
+    if n_markers == 0:
+        rank[:] = np.arange(n_regions)
+    else:
+        m_pos = np.concatenate(
+            [
+                s.marker_pos[[p[0] for p in pairs]] if n_pairs else np.zeros(0, np.int64),
+                s.marker_pos[s_alone] if n_s_alone else np.zeros(0, np.int64),
+                t.marker_pos[t_alone] if n_t_alone else np.zeros(0, np.int64),
+            ]
+        ).astype(np.int64)
+        m_order = np.concatenate(
+            [
+                np.array([p[0] for p in pairs], np.int64),
+                np.asarray(s_alone, np.int64),
+                np.asarray(t_alone, np.int64) + s.n,
+            ]
+        )
+        m_sorted = np.lexsort((m_order, m_pos))
+        before_region = np.searchsorted(lo[used_idx], m_pos[m_sorted], side="left")
+        rank[:n_regions] = np.arange(n_regions) + np.searchsorted(
+            before_region, np.arange(n_regions), side="right"
+        )
+        rank[n_regions + m_sorted] = before_region + np.arange(n_markers)
+    num_chunks = n_regions + n_markers
 
     chunk_valid = np.concatenate(
         [region_valid[used_idx], np.ones(n_pairs, bool), np.zeros(n_s_alone + n_t_alone, bool)]

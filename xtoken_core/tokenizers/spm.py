@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -11,6 +12,21 @@ import numpy as np
 from xtoken_core.tokenizers.base import ROLE_SPECIAL, XTokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def _num_threads() -> int:
+    """Threads of a batch encode: 1 when ``TOKENIZERS_PARALLELISM`` is off, else all cores.
+
+    One switch for both backends: Hugging Face ``tokenizers`` reads the same variable, so a
+    collator worker process that sets it to ``false`` tokenizes on one core with either.
+    """
+    off = os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in (
+        "0",
+        "false",
+        "off",
+        "no",
+    )
+    return 1 if off else -1
 
 
 class SentencePieceTokenizer(XTokenizer):
@@ -91,7 +107,9 @@ class SentencePieceTokenizer(XTokenizer):
         # Ids of the whole batch in one native call; the byte offsets (a slower protobuf
         # encoding) are computed only for texts whose token bytes do not spell the text.
         extra = [self.bos_id] if add_special_tokens and self.bos_id is not None else []
-        all_ids = self._sp.encode(list(texts), out_type=int) if texts else []
+        all_ids = (
+            self._sp.encode(list(texts), out_type=int, num_threads=_num_threads()) if texts else []
+        )
         out = []
         for text, ids in zip(texts, all_ids):
             ids_N = np.asarray(extra + ids, dtype=np.int64)

@@ -332,3 +332,16 @@ def test_valid_chunk_boundaries_are_exactly_the_common_token_boundaries(tilings)
         sp = s_spans[sample.student_chunk_id == k]
         got.append((int(sp[:, 0].min()), int(sp[:, 1].max())))
     assert got == list(zip(common[:-1], common[1:]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tilings=two_tilings(), offset=st.sampled_from([10**6, 10**12]))
+def test_spans_at_far_byte_offsets_align_like_spans_at_zero(tilings, offset):
+    # Far offsets take the binary-search path instead of marking the byte axis: same result.
+    s_cuts, t_cuts = tilings
+    near = ALIGNER.align_sample(_spans(s_cuts), _spans(t_cuts))
+    far = ALIGNER.align_sample(_spans(s_cuts) + offset, _spans(t_cuts) + offset)
+    assert far.num_chunks == near.num_chunks
+    for name in ("pair_valid", "student_chunk_id", "teacher_chunk_id"):
+        assert np.array_equal(getattr(far, name), getattr(near, name))
+    assert np.array_equal(far.student_exact_partition_mask, near.student_exact_partition_mask)
