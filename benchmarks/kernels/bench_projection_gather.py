@@ -88,7 +88,9 @@ def run_shape(N, J, indices, likelihoods, bw_gbs, gen, p_dtype=torch.bfloat16):
     ms = _common.bench_ms(kernel_fwd_bwd, grad_to_none=[x])
     ms_fwd = _common.bench_ms(kernel_fwd)
     ms_bwd = _common.bench_ms(lambda: pg.project_by_gather_backward(g, index, p_dtype))
-    nc = min(N, max(64, pg.KERNEL_CONFIG["fwd_chunk_bytes"] // (S_VOCAB * p.element_size())))
+    bn = pg.KERNEL_CONFIG["fwd_block_n"]  # the forward's chunk: a multiple of the block
+    nc = min(N, max(bn, pg.KERNEL_CONFIG["fwd_chunk_bytes"] // (S_VOCAB * p.element_size())))
+    nc = max(bn, nc // bn * bn)
     buf = torch.empty((S_VOCAB, nc), device="cuda", dtype=p_dtype)
     ms_transpose_p = _common.bench_ms(lambda b=buf: transpose_into(p[:nc], b)) * N / nc
     del buf
