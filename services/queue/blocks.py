@@ -11,16 +11,19 @@ stretch of consecutive rows of one block), never one tensor op per sample for co
 from __future__ import annotations
 
 import math
+from array import array
 
 import torch
 
 from services.queue.errors import StoreError
-from xtoken_core.wire.tensors import JaggedColumn, is_jagged
+from xtoken_core.wire.tensors import JaggedColumn, RawJagged, RawTensor, is_jagged, tensor_bytes
 
 # A block whose live rows hold less than this share of its storage bytes is copied down.
 COMPACT_BELOW = 0.5
 
 FieldValue = torch.Tensor | JaggedColumn
+# What a wire read returns: the rows' bytes, ready for encode_message (no torch op per read).
+WireValue = RawTensor | RawJagged
 
 
 def as_field(name: str, value: object, n: int) -> FieldValue:
@@ -92,6 +95,8 @@ class Block:
         "row_nbytes",
         "live_bytes",
         "partition",
+        "_wire",
+        "row_stride",
     )
 
     def __init__(self, partition: str, field_name: str, value: FieldValue, keys: list[str]):
@@ -119,6 +124,17 @@ class Block:
         self.storages = {storage_id(t) for t in tensors}
         self.nbytes = sum(size for _, size in self.storages)
         self.live_bytes = sum(self.row_nbytes)
+        self._wire: memoryview | None = None
+        # bytes per value row (per token of a jagged field, per sample of a dense one)
+        self.row_stride = self.values.element_size() * math.prod(self.values.shape[1:])
+
+    def wire_bytes(self) -> memoryview | None:
+        """The values' bytes as one 1-D memoryview (cached), or None when not contiguous."""
+        if self._wire is None:
+            if not self.values.is_contiguous():
+                return None
+            self._wire = tensor_bytes(self.values)
+        return self._wire
 
     def row(self, i: int) -> torch.Tensor:
         if self.jagged:
@@ -172,6 +188,46 @@ def assemble(cells: list[tuple[Block, int]]) -> FieldValue:
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
     return _trusted_column(torch.cat(values), offsets)
+
+
+def assemble_wire(cells: list[tuple[Block, int]]) -> FieldValue | WireValue:
+    """``assemble`` for a reply: the rows as bytes (RawJagged / RawTensor), no torch op.
+
+    A single run is a zero-copy memoryview slice of the block's values; several runs are joined
+    into one bytes object (one copy, as ``assemble`` would make). Falls back to ``assemble``
+    for blocks whose values are not contiguous.
+    """
+    runs = runs_of(cells)
+    views = [block.wire_bytes() for block, _, _ in runs]
+    if any(v is None for v in views):
+        return assemble(cells)
+    block0 = runs[0][0]
+    stride = block0.row_stride
+    dtype, inner = block0.values.dtype, tuple(block0.values.shape[1:])
+    if not block0.jagged:
+        n = sum(r1 - r0 for _, r0, r1 in runs)
+        if len(runs) == 1:
+            _, r0, r1 = runs[0]
+            data = views[0][r0 * stride : r1 * stride]
+        else:
+            data = b"".join(v[r0 * stride : r1 * stride] for v, (_, r0, r1) in zip(views, runs))
+        return RawTensor(dtype, (n, *inner), data)
+    if len(runs) == 1:
+        block, r0, r1 = runs[0]
+        offs = block.offs
+        start, stop = offs[r0], offs[r1]
+        offsets = array("q", [o - start for o in offs[r0 : r1 + 1]] if start else offs[r0 : r1 + 1])
+        return RawJagged(
+            dtype, inner, r1 - r0, stop - start, views[0][start * stride : stop * stride], offsets
+        )
+    pieces, offsets, total = [], array("q", [0]), 0
+    for v, (block, r0, r1) in zip(views, runs):
+        offs = block.offs
+        start, stop = offs[r0], offs[r1]
+        pieces.append(v[start * stride : stop * stride])
+        offsets.extend([o - start + total for o in offs[r0 + 1 : r1 + 1]])
+        total += stop - start
+    return RawJagged(dtype, inner, len(offsets) - 1, total, b"".join(pieces), offsets)
 
 
 def _trusted_column(values: torch.Tensor, offsets: torch.Tensor) -> JaggedColumn:

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from services.queue import errors as codes
 from services.queue.errors import QueueError
+from services.queue.transport import recv_frames, send_frames
 from xtoken_core.wire import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
@@ -202,13 +203,14 @@ class QueueClient(_Requests):
         budget_s = self.timeout_s + wait_s
         for attempt in range(self.retries + 1):
             sock = self._socket()
-            sock.send_multipart(frames, copy=False)
+            send_frames(sock, frames)
             deadline = time.monotonic() + budget_s
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0 or not self._poller.poll(left_ms):
                     break
-                reply = self._decode(sock.recv_multipart(copy=False), request_id, msg_type)
+                # header and body as bytes (copied), tensor frames zero-copy
+                reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type)
                 if reply is not None:
                     return reply
             logger.warning(

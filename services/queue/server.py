@@ -25,6 +25,7 @@ import zmq
 from services.queue import errors as codes
 from services.queue.errors import StoreError
 from services.queue.store import SampleStore
+from services.queue.transport import recv_frames, send_frames
 from xtoken_core.wire import (
     DEFAULT_LIMITS,
     HEADER_SIZE,
@@ -113,6 +114,18 @@ class QueueServer:
         self._seq = itertools.count()
         self.endpoint = ""
         self.requests = 0
+        self._handlers = {
+            "hello": self._on_hello,
+            "put": self._on_put,
+            "get": self._on_get,
+            "clear": self._on_clear,
+            "list": self._on_list,
+            "claim": self._on_claim,
+            "ack": self._on_ack,
+            "nack": self._on_nack,
+            "status": self._on_status,
+            "stats": self._on_stats,
+        }
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -169,7 +182,7 @@ class QueueServer:
             if poller.poll(timeout_ms):
                 for _ in range(_BATCH_RECV):
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = recv_frames(sock, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._on_frames(frames)
@@ -181,12 +194,12 @@ class QueueServer:
         n = 0
         while True:  # requests already received by the socket
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, zmq.NOBLOCK)
             except zmq.Again:
                 break
             if len(frames) >= 2:
                 rid, rtype = _peek_header(frames[1])
-                self._send_error(frames[0].bytes, rid, codes.SHUTTING_DOWN, message, True, rtype)
+                self._send_error(frames[0], rid, codes.SHUTTING_DOWN, message, True, rtype)
                 n += 1
         for parked in self._all_parked():
             self._send_error(
@@ -204,8 +217,8 @@ class QueueServer:
 
     # ---------------------------------------------------------------- requests
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        ident = frames[0].bytes
+    def _on_frames(self, frames: list[Any]) -> None:
+        ident = frames[0]
         self.requests += 1
         if len(frames) < 2:
             self._send_error(
@@ -220,7 +233,7 @@ class QueueServer:
             self._send_error(ident, rid, e.code, e.message, e.retryable, rtype)
             return
         try:
-            handler = getattr(self, f"_on_{msg.msg_type}", None)
+            handler = self._handlers.get(msg.msg_type)
             if handler is None:
                 raise StoreError(
                     codes.BAD_REQUEST, f"{msg.msg_type!r} is not a request type the queue accepts"
@@ -267,7 +280,7 @@ class QueueServer:
         return None
 
     def _on_get(self, ident, rid, body, frames):
-        batch = self.store.get(body["partition"], body["keys"], body.get("fields"))
+        batch = self.store.get(body["partition"], body["keys"], body.get("fields"), wire=True)
         return {"keys": batch.keys, "fields": batch.fields}
 
     def _on_clear(self, ident, rid, body, frames):
@@ -326,6 +339,7 @@ class QueueServer:
             body["batch_size"],
             lease_s,
             body.get("fields"),
+            wire=True,
         )
         if batch is None:
             return None
@@ -468,14 +482,14 @@ class QueueServer:
         if self._sock is None:
             return
         try:
-            self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._sock, frames, zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("[queue] send queue of a client is full: reply dropped")
 
 
-def _peek_header(frame: zmq.Frame) -> tuple[int, str | None]:
+def _peek_header(frame: Any) -> tuple[int, str | None]:
     """Request id and type from a header frame, as far as it can be read (0, None otherwise)."""
-    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
     if len(buf) != HEADER_SIZE:
         return 0, None
     (code,) = struct.unpack_from("<H", buf, 6)

@@ -31,8 +31,10 @@ from services.queue.blocks import (
     COMPACT_BELOW,
     Block,
     FieldValue,
+    WireValue,
     as_field,
     assemble,
+    assemble_wire,
     copy_rows,
     gather_rows,
     schema_of,
@@ -98,13 +100,14 @@ class Batch:
 
     Attributes:
         keys: N keys.
-        fields: name -> dense tensor [N, ...] or JaggedColumn of N rows.
+        fields: name -> dense tensor [N, ...] or JaggedColumn of N rows (RawTensor / RawJagged
+            bytes for ``wire=True`` reads).
         lease_id: set for claims, None for gets.
         nbytes: bytes of the rows returned.
     """
 
     keys: list[str]
-    fields: dict[str, FieldValue]
+    fields: dict[str, FieldValue | WireValue]
     lease_id: int | None = None
     nbytes: int = 0
 
@@ -265,7 +268,12 @@ class SampleStore:
         )
 
     def get(
-        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        wire: bool = False,
     ) -> Batch:
         """Read fields of samples by key.
 
@@ -273,6 +281,8 @@ class SampleStore:
             partition: partition name.
             keys: N keys, each must exist.
             fields: names to read; None reads the fields every one of the samples has.
+            wire: return fields as RawJagged / RawTensor bytes (what a reply encodes without
+                touching torch) instead of tensors.
 
         Returns:
             Batch with one row per key for every field.
@@ -289,7 +299,7 @@ class SampleStore:
                 "not_found",
                 f"keys {missing[:5]} are not in partition {partition!r} ({len(missing)} missing)",
             )
-        return self._read(part, partition, keys, fields)
+        return self._read(part, partition, keys, fields, wire)
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove samples (all of the partition when ``keys`` is None); frees their bytes.
@@ -376,6 +386,8 @@ class SampleStore:
         batch_size: int,
         lease_s: float,
         fields: Sequence[str] | None = None,
+        *,
+        wire: bool = False,
     ) -> Batch | None:
         """Lease up to ``batch_size`` samples that have every required field and that ``task``
         has neither consumed nor leased, in insertion order.
@@ -387,6 +399,7 @@ class SampleStore:
             batch_size: most samples to return (>= 1).
             lease_s: seconds before unacked samples become claimable again.
             fields: fields to return; None returns ``required_fields``.
+            wire: return fields as wire bytes, as for ``get``.
 
         Returns:
             A Batch with a ``lease_id``, or None when nothing is ready.
@@ -424,7 +437,7 @@ class SampleStore:
         if not picked:
             return None
         batch = self._read(
-            part, partition, picked, list(fields) if fields is not None else list(required)
+            part, partition, picked, list(fields) if fields is not None else list(required), wire
         )
         lease_id = next(self._lease_ids)
         deadline = self.clock() + lease_s
@@ -667,7 +680,12 @@ class SampleStore:
             part.samples[k][block.field] = (fresh, r)
 
     def _read(
-        self, part: _Partition, partition: str, keys: list[str], fields: Sequence[str] | None
+        self,
+        part: _Partition,
+        partition: str,
+        keys: list[str],
+        fields: Sequence[str] | None,
+        wire: bool = False,
     ) -> Batch:
         samples = [part.samples[k] for k in keys]
         if fields is None:
@@ -689,5 +707,5 @@ class SampleStore:
                     )
                 cells.append(cell)
                 nbytes += cell[0].row_nbytes[cell[1]]
-            out[name] = assemble(cells)
+            out[name] = assemble_wire(cells) if wire else assemble(cells)
         return Batch(keys, out, None, nbytes)

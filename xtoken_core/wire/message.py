@@ -36,6 +36,8 @@ from xtoken_core.wire.tensors import (
     DTYPE_NAMES,
     WIRE_DTYPES,
     JaggedColumn,
+    RawJagged,
+    RawTensor,
     _check_offsets,
     _nested_values_offsets,
     as_wire_tensor,
@@ -55,6 +57,20 @@ _MAX_DIM = 2**48
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 Frame = bytes | bytearray | memoryview
+
+# Fast-path tables. torch dtype -> (wire name, itemsize, tensor.numpy() works for it).
+_FAST_DTYPES: dict[torch.dtype, tuple[str, int, bool]] = {
+    dtype: (name, dtype.itemsize, dtype != torch.bfloat16) for dtype, name in DTYPE_NAMES.items()
+}
+_PLAIN_TYPES = (str, float, bool, type(None))
+# Types a decoded body may hold besides dict and list (exact types; subclasses take the slow path).
+_LEAF_TYPES = frozenset({type(None), bool, int, float, str, bytes, torch.Tensor, JaggedColumn})
+# Offsets of at most this many entries are checked in Python (cheaper than numpy for few rows).
+_SMALL_OFFSETS = 256
+
+
+class _Slow(Exception):
+    """The fast encoder met something unusual: redo the message on the checked, path-naming path."""
 
 
 @dataclass
@@ -102,6 +118,133 @@ class _Encoder:
                 f"{path}); send smaller batches or raise WireLimits.max_message_bytes",
             )
         return len(self.buffers) + 1
+
+    # The fast path: plain bodies and CPU tensors, no per-value path strings, no torch op beyond
+    # .numpy(). Anything unusual raises _Slow and the message is redone by ``value`` (below),
+    # which checks everything and names the offending path.
+
+    def fast(self, x: Any, depth: int) -> Any:
+        t = type(x)
+        if t is dict:
+            if depth >= MAX_DEPTH:
+                raise _Slow
+            out = {}
+            for k, v in x.items():
+                if type(k) is not str:
+                    raise _Slow
+                tv = type(v)
+                if tv in _PLAIN_TYPES:
+                    out[k] = v
+                elif tv is int:
+                    if not _INT_MIN <= v <= _INT_MAX:
+                        raise _Slow
+                    out[k] = v
+                else:
+                    out[k] = self.fast(v, depth + 1)
+            return out
+        if t is list or t is tuple:
+            if depth >= MAX_DEPTH:
+                raise _Slow
+            for v in x:
+                if type(v) is not str:
+                    break
+            else:
+                return x  # a list of str (keys, field names): as is
+            return [self.fast(v, depth + 1) for v in x]
+        if t in _PLAIN_TYPES:
+            return x
+        if t is int:
+            if not _INT_MIN <= x <= _INT_MAX:
+                raise _Slow
+            return x
+        if t is RawJagged:
+            return self.raw_jagged(x, "")
+        if t is JaggedColumn:
+            return self.fast_jagged(x.values, x.offsets)
+        if t is torch.Tensor:
+            name, data = self.fast_tensor(x)
+            payload = msgpack.packb([name, list(x.shape), data], use_bin_type=True)
+            return msgpack.ExtType(EXT_TENSOR, payload)
+        if t is RawTensor:
+            return self.raw_tensor(x, "")
+        if t is bytes:
+            return x
+        raise _Slow
+
+    def fast_tensor(self, x: torch.Tensor) -> tuple[str, int | bytes]:
+        """(wire dtype name, placed data) of a plain CPU tensor, or _Slow."""
+        info = _FAST_DTYPES.get(x.dtype)
+        if (
+            info is None
+            or not x.is_cpu
+            or x.requires_grad
+            or x.is_nested
+            or x.ndim > self.limits.max_ndim
+            or not x.is_contiguous()
+        ):
+            raise _Slow
+        name, itemsize, numpy_ok = info
+        nbytes = x.numel() * itemsize
+        if nbytes < self.inline_max_bytes and numpy_ok:
+            return name, x.numpy().tobytes()
+        return name, self.place(tensor_bytes(x), "")
+
+    def fast_jagged(self, values: torch.Tensor, offsets: torch.Tensor) -> msgpack.ExtType:
+        if type(values) is not torch.Tensor or type(offsets) is not torch.Tensor:
+            raise _Slow
+        if offsets.dtype != torch.int64 or values.ndim < 1:
+            raise _Slow
+        name, values_data = self.fast_tensor(values)
+        _, offsets_data = self.fast_tensor(offsets)
+        shape = list(values.shape)
+        payload = msgpack.packb(
+            [name, shape[1:], offsets.numel() - 1, shape[0], values_data, offsets_data],
+            use_bin_type=True,
+        )
+        return msgpack.ExtType(EXT_JAGGED, payload)
+
+    def raw_data(self, data: Any, expected: int, what: str, path: str) -> int | bytes:
+        buf = data if type(data) is bytes else memoryview(data).cast("B")
+        if len(buf) != expected:
+            raise ValueError(
+                f"{what} at {path or 'body'} holds {len(buf)} bytes, its dtype and shape need "
+                f"{expected}; build it from the tensor's own bytes"
+            )
+        if len(buf) < self.inline_max_bytes:
+            return bytes(buf)
+        return self.place(buf if type(buf) is memoryview else memoryview(buf), path)
+
+    def raw_tensor(self, x: RawTensor, path: str) -> msgpack.ExtType:
+        name = DTYPE_NAMES.get(x.dtype)
+        if name is None or len(x.shape) > self.limits.max_ndim:
+            raise TypeError(f"RawTensor of dtype {x.dtype} at {path or 'body'} cannot travel")
+        data = self.raw_data(x.data, num_bytes(x.shape, x.dtype), "RawTensor data", path)
+        payload = msgpack.packb([name, list(x.shape), data], use_bin_type=True)
+        return msgpack.ExtType(EXT_TENSOR, payload)
+
+    def raw_jagged(self, x: RawJagged, path: str) -> msgpack.ExtType:
+        name = DTYPE_NAMES.get(x.dtype)
+        if name is None or len(x.inner_shape) + 1 > self.limits.max_ndim:
+            raise TypeError(f"RawJagged of dtype {x.dtype} at {path or 'body'} cannot travel")
+        values_data = self.raw_data(
+            x.values,
+            num_bytes((x.total_rows, *x.inner_shape), x.dtype),
+            "RawJagged values",
+            path,
+        )
+        offsets_data = self.raw_data(x.offsets, (x.num_rows + 1) * 8, "RawJagged offsets", path)
+        payload = msgpack.packb(
+            [
+                name,
+                list(x.inner_shape),
+                x.num_rows,
+                x.total_rows,
+                values_data,
+                offsets_data,
+            ],
+            use_bin_type=True,
+        )
+        return msgpack.ExtType(EXT_JAGGED, payload)
 
     def tensor(self, x: Any, path: str) -> msgpack.ExtType:
         t = as_wire_tensor(x, path)
@@ -155,6 +298,10 @@ class _Encoder:
             return bytes(x)
         if isinstance(x, JaggedColumn):
             return self.jagged(x.values, x.offsets, path)
+        if isinstance(x, RawJagged):
+            return self.raw_jagged(x, path)
+        if isinstance(x, RawTensor):
+            return self.raw_tensor(x, path)
         if isinstance(x, torch.Tensor):
             if x.is_nested:
                 try:
@@ -210,7 +357,12 @@ def encode_message(
     if not isinstance(body, dict):
         raise TypeError(f"message body must be a dict, got {type(body).__name__}")
     enc = _Encoder(limits, inline_max_bytes)
-    packed_body = msgpack.packb(enc.value(body, "body", 0), use_bin_type=True)
+    try:
+        packed_body = msgpack.packb(enc.fast(body, 0), use_bin_type=True)
+    except (_Slow, WireError, TypeError, ValueError):
+        # Unusual input or an error: the checked path raises it again, naming the value's path.
+        enc = _Encoder(limits, inline_max_bytes)
+        packed_body = msgpack.packb(enc.value(body, "body", 0), use_bin_type=True)
     if len(packed_body) > limits.max_body_bytes:
         raise WireError(
             TOO_LARGE,
@@ -309,7 +461,11 @@ class _Decoder:
             )
         if dtype == torch.bool and buf.nbytes and int(np.frombuffer(buf, np.uint8).max()) > 1:
             raise _bad(f"{what}: bool tensor holds bytes other than 0 and 1")
-        # Inline bytes are small: copy them so the tensor is writable and aligned.
+        if inline and expected:
+            # Inline bytes are small: copy them so the tensor is writable; a fresh bytearray is
+            # malloc-aligned, and one frombuffer (plus a view for ndim != 1) is all torch does.
+            flat = torch.frombuffer(bytearray(buf), dtype=dtype)
+            return flat if len(shape) == 1 else flat.view(shape)
         return tensor_from_buffer(buf, dtype, shape, copy=self.copy or inline)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
@@ -341,7 +497,10 @@ class _Decoder:
             offsets = self.make_tensor(
                 self.buffer(fields[5], "jagged offsets"), torch.int64, (n + 1,), "jagged offsets"
             )
-            _check_offsets(offsets.numpy(), r, _bad)
+            if n < _SMALL_OFFSETS:
+                _check_small_offsets(offsets.tolist(), r)
+            else:
+                _check_offsets(offsets.numpy(), r, _bad)
             column = JaggedColumn.__new__(JaggedColumn)  # already validated: skip __post_init__
             column.values, column.offsets = values, offsets
             return column if self.as_column else column.to_nested()
@@ -349,22 +508,39 @@ class _Decoder:
 
     def check(self, x: Any, depth: int) -> None:
         """Refuse anything but the body value types, and non-str keys."""
-        if x is None or isinstance(
-            x, bool | int | float | str | bytes | torch.Tensor | JaggedColumn
-        ):
-            return
-        if depth > MAX_DEPTH:
-            raise _bad(f"body nests deeper than {MAX_DEPTH}")
-        if isinstance(x, dict):
+        t = type(x)
+        if t is dict:
+            if depth > MAX_DEPTH:
+                raise _bad(f"body nests deeper than {MAX_DEPTH}")
             for k, v in x.items():
-                if not isinstance(k, str):
+                if type(k) is not str:
                     raise _bad(f"dict key {k!r} is not a str")
-                self.check(v, depth + 1)
-        elif isinstance(x, list):
+                tv = type(v)
+                if tv is dict or tv is list or tv not in _LEAF_TYPES:
+                    self.check(v, depth + 1)
+        elif t is list:
+            if depth > MAX_DEPTH:
+                raise _bad(f"body nests deeper than {MAX_DEPTH}")
             for v in x:
-                self.check(v, depth + 1)
-        else:
-            raise _bad(f"body holds a {type(x).__name__}, which is not a wire value")
+                tv = type(v)
+                if tv is dict or tv is list or tv not in _LEAF_TYPES:
+                    self.check(v, depth + 1)
+        elif t not in _LEAF_TYPES and not isinstance(x, torch.Tensor):
+            raise _bad(f"body holds a {t.__name__}, which is not a wire value")
+
+
+def _check_small_offsets(offsets: list[int], total: int) -> None:
+    """``_check_offsets`` for a few rows, in Python (no numpy round trip)."""
+    if offsets[0] != 0 or offsets[-1] != total:
+        raise _bad(
+            f"jagged offsets run from {offsets[0]} to {offsets[-1]}; they must run from 0 to "
+            f"the {total} value rows"
+        )
+    prev = 0
+    for o in offsets:
+        if o < prev:
+            raise _bad("jagged offsets decrease; row lengths must be >= 0")
+        prev = o
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -405,7 +581,9 @@ def decode_message(
     if jagged not in ("nested", "column"):
         raise ValueError(f"jagged={jagged!r}: use 'nested' or 'column'")
     limits = limits or DEFAULT_LIMITS
-    if isinstance(frames, str | bytes | bytearray | memoryview) or not isinstance(frames, Sequence):
+    if type(frames) is not list and (
+        isinstance(frames, str | bytes | bytearray | memoryview) or not isinstance(frames, Sequence)
+    ):
         raise WireError(
             BAD_FRAMES, f"frames must be a sequence of buffers, got {type(frames).__name__}"
         )
@@ -438,7 +616,7 @@ def decode_message(
     if not isinstance(body, dict):
         raise _bad(f"body must be a msgpack map, got {type(body).__name__}")
     dec.check(body, 0)
-    unused = sorted(set(range(2, len(views))) - dec.used)
-    if unused:
+    if len(views) > 2 and len(dec.used) != len(views) - 2:
+        unused = sorted(set(range(2, len(views))) - dec.used)
         raise WireError(BAD_FRAMES, f"frames {unused[:8]} are not referenced by the body")
     return Message(msg_type, request_id, body)

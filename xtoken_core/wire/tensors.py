@@ -160,6 +160,57 @@ class JaggedColumn:
         return cls(torch.cat(rows, 0), offsets)
 
 
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A dense tensor already in wire form: dtype, shape and its raw little-endian bytes.
+
+    What a server that forwards stored bytes hands to ``encode_message``: encoding it touches no
+    torch op (the bytes go inline or as a frame, zero copy). Decodes as a ``torch.Tensor``.
+
+    Attributes:
+        dtype: a wire dtype (a key of ``DTYPE_NAMES``).
+        shape: the tensor shape.
+        data: ``prod(shape) * itemsize`` bytes (bytes or a 1-D byte memoryview).
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class RawJagged:
+    """A jagged column already in wire form: values ``[R, *D]`` and offsets ``[N+1]`` as bytes.
+
+    Encoding it touches no torch op; it decodes exactly like the ``JaggedColumn`` it stands for.
+    The producer guarantees the offsets are valid (0 .. R, non-decreasing).
+
+    Attributes:
+        dtype: dtype of the values (a key of ``DTYPE_NAMES``).
+        inner_shape: D, the per-row dims.
+        num_rows: N.
+        total_rows: R.
+        values: ``R * prod(D) * itemsize`` bytes (bytes or a 1-D byte memoryview).
+        offsets: ``(N + 1) * 8`` bytes, little-endian int64.
+    """
+
+    dtype: torch.dtype
+    inner_shape: tuple[int, ...]
+    num_rows: int
+    total_rows: int
+    values: bytes | memoryview
+    offsets: bytes | memoryview
+
+    def to_column(self) -> JaggedColumn:
+        """Return the column as tensors over copies of the bytes (writable, owned)."""
+        shape = (self.total_rows, *self.inner_shape)
+        values = tensor_from_buffer(memoryview(self.values).cast("B"), self.dtype, shape, copy=True)
+        offsets = tensor_from_buffer(
+            memoryview(self.offsets).cast("B"), torch.int64, (self.num_rows + 1,), copy=True
+        )
+        return JaggedColumn(values, offsets)
+
+
 def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor shape={tuple(x.shape)} dtype={x.dtype}"
