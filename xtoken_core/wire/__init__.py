@@ -22,7 +22,7 @@ from xtoken_core.wire.message import (
     encode_message,
 )
 from xtoken_core.wire.schema import BODY_SPECS, json_schema, validate_body
-from xtoken_core.wire.tensors import WIRE_DTYPES, JaggedColumn, is_jagged
+from xtoken_core.wire.tensors import WIRE_DTYPES, JaggedColumn, RawJagged, RawTensor, is_jagged
 
 __all__ = [
     "BAD_BODY",
@@ -43,6 +43,8 @@ __all__ = [
     "WIRE_ERROR_CODES",
     "JaggedColumn",
     "Message",
+    "RawJagged",
+    "RawTensor",
     "WireError",
     "WireLimits",
     "decode_message",

@@ -249,3 +249,63 @@ def test_get_matches_per_row_reference_for_any_key_order(lengths, picks, split):
         i = keys.index(k)
         assert torch.equal(col.row(j), rows[i])
         assert batch.fields["d"][j].item() == float(i)
+
+
+def _decoded(value):
+    """A wire-read field as the client sees it (encoded, then decoded as a column/tensor)."""
+    from xtoken_core.wire import decode_message, encode_message
+
+    return decode_message(encode_message("reply", {"f": value}), jagged="column").body["f"]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [["a"], ["b", "c"], ["a", "b", "c", "d"], ["d", "a"], ["c", "x", "b"], ["x", "y"]],
+    ids=["one-row", "one-run", "whole-block", "two-runs", "three-blocks", "other-put"],
+)
+def test_wire_reads_carry_the_bytes_of_tensor_reads(keys):
+    store = SampleStore(1 << 20)
+    hidden = torch.arange(4 * 6 * 2, dtype=torch.float32).reshape(24, 2)
+    store.put(
+        "p",
+        ["a", "b", "c", "d"],
+        {
+            "ids": ids_field([1, 2, 0, 3]),
+            "hidden": JaggedColumn(hidden[:6], torch.tensor([0, 1, 3, 3, 6])),
+            "n": torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]),
+        },
+    )
+    store.put(
+        "p",
+        ["x", "y"],
+        {
+            "ids": ids_field([4, 1], start=50),
+            "hidden": JaggedColumn(hidden[6:11], torch.tensor([0, 4, 5])),
+            "n": torch.tensor([[9, 9], [0, 0]]),
+        },
+    )
+    tensors = store.get("p", keys).fields
+    raw = store.get("p", keys, wire=True).fields
+    for name in ("ids", "hidden"):
+        got = _decoded(raw[name])
+        assert torch.equal(got.values, tensors[name].values), name
+        assert torch.equal(got.offsets, tensors[name].offsets), name
+    assert torch.equal(_decoded(raw["n"]), tensors["n"])
+
+
+def test_a_single_run_wire_read_is_a_view_of_the_stored_bytes():
+    store = SampleStore(1 << 20)
+    values = torch.arange(10, dtype=torch.int64)
+    store.put("p", ["a", "b", "c"], {"ids": JaggedColumn(values, torch.tensor([0, 2, 7, 10]))})
+    raw = store.get("p", ["b", "c"], wire=True).fields["ids"]
+    assert raw.num_rows == 2 and raw.total_rows == 8
+    values[2] = 99  # stored zero-copy: the wire read sees the same memory
+    assert _decoded(raw).values[0].item() == 99
+
+
+def test_wire_reads_of_non_contiguous_blocks_fall_back_to_tensors():
+    store = SampleStore(1 << 20)
+    dense = torch.arange(12).reshape(3, 4).t()[:3]  # [3, 3], not contiguous
+    store.put("p", ["a", "b", "c"], {"n": dense})
+    got = store.claim("p", "t", ["n"], 2, 60.0, wire=True).fields["n"]
+    assert torch.equal(_decoded(got), dense[:2])
