@@ -1,0 +1,611 @@
+"""POSIX shared-memory tensor handles: write tensors into a /dev/shm segment, map them elsewhere.
+
+Legend: N rows of a jagged tensor, R total rows of its values, D... the inner dims.
+
+A producer creates a ``ShmSegment`` (one file under /dev/shm named ``xtk_<pid>_<16 hex>``,
+mode 0600), writes tensors into it at 64-byte aligned offsets and sends their small handles
+(``ShmTensorHandle.to_dict()``: plain str/int/list values, msgpack-able) to a consumer on the
+same host. The consumer maps the segment (``ShmReader`` / ``open_handle``) and gets zero-copy
+torch tensors over the mapping.
+
+Ownership (why nothing leaks):
+  * The consumer **adopts** a segment: it maps it and unlinks its name at once (``unlink=True``,
+    the default). From then on the memory is an anonymous shared mapping that the kernel frees
+    when the last mapping goes, whichever process dies first.
+  * The mapping lives exactly as long as the tensors that view it: every tensor is a view of one
+    uint8 tensor built by ``torch.from_numpy(np.frombuffer(mmap))``; the numpy array holds a
+    buffer export of the ``mmap`` object (so it cannot be closed under the tensors) and the
+    tensor storage holds the array. When the last view is freed the mmap object is collected
+    and unmapped. (``torch.frombuffer`` alone does not hold an export: closing the mmap would
+    leave dangling tensors, so it is not used here.)
+  * The producer unlinks too (``ShmSegment.unlink``, idempotent) once the consumer answered or
+    gave up, so a segment whose consumer never came is not left behind. Only a producer killed
+    between creating a segment and handing it over leaves a file; ``sweep_orphans`` removes those
+    of dead processes.
+
+Validation: everything read from a handle is checked before any byte is touched (name pattern,
+same owner uid, regular file, declared size == file size, bounds, alignment, dtype/shape vs
+nbytes, jagged offsets, bool bytes) and refused with a ``ValueError`` that names the value.
+Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from xtoken_core.wire.tensors import DTYPE_NAMES, WIRE_DTYPES, JaggedColumn
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "xtk_"
+# Names this module creates and the only ones it opens: xtk_<pid>_<16 hex>.
+NAME_RE = re.compile(r"xtk_([0-9]{1,10})_[0-9a-f]{16}")
+# Every tensor starts at a multiple of this (cache line; any dtype's alignment divides it).
+ALIGN = 64
+# A segment larger than this is refused on open (1 TiB: a sanity bound, not a policy).
+MAX_SEGMENT_BYTES = 1 << 40
+MAX_NDIM = 32
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def new_segment_name() -> str:
+    """Return a fresh segment name ``xtk_<pid>_<16 hex>``."""
+    return f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+
+
+def check_name(name: Any) -> str:
+    """Return ``name`` if it is an xtoken segment name, else raise.
+
+    Raises:
+        ValueError: not a str of the form ``xtk_<pid>_<16 hex>``.
+    """
+    if not isinstance(name, str) or NAME_RE.fullmatch(name) is None:
+        raise ValueError(
+            f"shm segment name {name!r} is not an xtoken segment (expected xtk_<pid>_<16 hex>); "
+            "only segments made by xtoken_core.ipc.ShmSegment can be opened"
+        )
+    return name
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def _uint8_view(mm: mmap.mmap) -> torch.Tensor:
+    """A uint8 tensor over the whole mapping that keeps the mapping alive (see module doc)."""
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+def _view(base_S: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    """``shape`` of ``dtype`` at byte ``offset`` of the uint8 tensor ``base_S`` (a view)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    flat = base_S[offset : offset + nbytes]
+    if dtype != torch.uint8:
+        flat = flat.view(dtype)
+    return flat.view(shape)
+
+
+@dataclass(frozen=True)
+class ShmTensorHandle:
+    """Where a tensor lives in a shared-memory segment; ``to_dict`` is what travels.
+
+    A dense tensor is ``shape`` of ``dtype`` at byte ``offset``. A jagged tensor (``offsets_at``
+    set) is values ``shape = [R, *D]`` at ``offset`` plus int64 offsets ``[N+1]`` at byte
+    ``offsets_at``; it opens as a ``JaggedColumn``.
+
+    Attributes:
+        name: segment name (``xtk_<pid>_<16 hex>``).
+        size: segment size in bytes (checked against the file on open).
+        offset: byte offset of the (values) data, a multiple of the dtype's itemsize.
+        nbytes: ``prod(shape) * itemsize``.
+        dtype: a wire dtype.
+        shape: the tensor (values) shape.
+        offsets_at: byte offset of the jagged offsets, or None for a dense tensor.
+        num_rows: N for a jagged tensor (0 for a dense one).
+    """
+
+    name: str
+    size: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets_at: int | None = None
+    num_rows: int = 0
+
+    @property
+    def jagged(self) -> bool:
+        """True for a jagged handle."""
+        return self.offsets_at is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the msgpack-able description ``{kind: "shm", name, size, offset, nbytes, dtype,
+        shape[, offsets: {offset, num_rows}]}``."""
+        out: dict[str, Any] = {
+            "kind": "shm",
+            "name": self.name,
+            "size": self.size,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "dtype": DTYPE_NAMES[self.dtype],
+            "shape": list(self.shape),
+        }
+        if self.offsets_at is not None:
+            out["offsets"] = {"offset": self.offsets_at, "num_rows": self.num_rows}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ShmTensorHandle:
+        """Parse and check a handle received from another process (no file is touched).
+
+        Args:
+            d: the dict ``to_dict`` made.
+
+        Returns:
+            The handle.
+
+        Raises:
+            ValueError: a missing key, wrong kind, bad name, out-of-bounds or misaligned offset,
+                unknown dtype, or a shape that does not match ``nbytes``.
+        """
+        if not isinstance(d, dict) or d.get("kind") != "shm":
+            raise ValueError(f"not a shm tensor handle: {_short(d)}; expected {{kind: 'shm', ...}}")
+        missing = [k for k in ("name", "size", "offset", "nbytes", "dtype", "shape") if k not in d]
+        if missing:
+            raise ValueError(f"shm handle misses {missing}: {_short(d)}")
+        jag = d.get("offsets")
+        if jag is not None:
+            if not isinstance(jag, dict) or "offset" not in jag or "num_rows" not in jag:
+                raise ValueError(f"shm handle offsets must be {{offset, num_rows}}, got {jag!r}")
+            offsets_at, num_rows = jag["offset"], jag["num_rows"]
+        else:
+            offsets_at, num_rows = None, 0
+        dtype = WIRE_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(
+                f"shm handle dtype {d['dtype']!r} is not a wire dtype; use one of "
+                f"{sorted(WIRE_DTYPES)}"
+            )
+        shape = d["shape"]
+        if not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
+            raise ValueError(f"shm handle shape {shape!r} must be a list of <= {MAX_NDIM} ints")
+        return validated(
+            cls(
+                check_name(d["name"]),
+                d["size"],
+                d["offset"],
+                d["nbytes"],
+                dtype,
+                tuple(shape),
+                offsets_at,
+                num_rows,
+            )
+        )
+
+    def open(self, *, unlink: bool = True) -> torch.Tensor | JaggedColumn:
+        """Map the segment and return the tensor (see ``ShmReader.open``)."""
+        return ShmReader(unlink=unlink).open(self)
+
+
+def _is_uint(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def validated(h: ShmTensorHandle) -> ShmTensorHandle:
+    """Return ``h`` after checking its numbers against each other (not against the file).
+
+    Raises:
+        ValueError: naming the field that is out of range.
+    """
+    check_name(h.name)
+    if not _is_uint(h.size) or not 0 < h.size <= MAX_SEGMENT_BYTES:
+        raise ValueError(f"shm handle size {h.size!r} must be an int in (0, 2**40]")
+    if not all(_is_uint(s) and s <= 2**48 for s in h.shape):
+        raise ValueError(f"shm handle shape {list(h.shape)!r} must hold non-negative ints")
+    item = h.dtype.itemsize
+    if not _is_uint(h.nbytes) or h.nbytes != math.prod(h.shape) * item:
+        raise ValueError(
+            f"shm handle nbytes {h.nbytes!r} != prod(shape {list(h.shape)}) * itemsize {item} "
+            f"of {DTYPE_NAMES.get(h.dtype, h.dtype)}"
+        )
+    if not _is_uint(h.offset) or h.offset % item or h.offset + h.nbytes > h.size:
+        raise ValueError(
+            f"shm handle offset {h.offset!r} + nbytes {h.nbytes} is outside the {h.size}-byte "
+            f"segment or not a multiple of itemsize {item}"
+        )
+    if h.offsets_at is not None:
+        if not h.shape:
+            raise ValueError("jagged shm handle needs values of >= 1 dim [R, *D]")
+        n = h.num_rows
+        if not _is_uint(n) or n > 2**48:
+            raise ValueError(f"jagged shm handle num_rows {n!r} must be a non-negative int")
+        end = h.offsets_at + (n + 1) * 8 if _is_uint(h.offsets_at) else -1
+        if not _is_uint(h.offsets_at) or h.offsets_at % 8 or end > h.size:
+            raise ValueError(
+                f"jagged shm handle offsets at {h.offsets_at!r} ({n + 1} int64) are outside the "
+                f"{h.size}-byte segment or not 8-byte aligned"
+            )
+    elif h.num_rows != 0:
+        raise ValueError(f"dense shm handle has num_rows {h.num_rows!r}; only jagged ones do")
+    return h
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+class ShmSegment:
+    """Producer side: one shared-memory segment this process created and writes tensors into.
+
+    Use ``ShmSegment.create(nbytes)`` (``layout_bytes`` sizes a set of tensors), then ``write`` /
+    ``write_jagged`` each tensor, send the handles, and ``close()`` when done; ``unlink()``
+    after the consumer answered (a no-op if it already adopted the segment). As a context
+    manager it closes and unlinks on exit.
+
+    Args: use ``create``.
+    """
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self.size = size
+        self._mm: mmap.mmap | None = mm
+        self._used = 0
+        self._linked = True
+
+    @classmethod
+    def create(cls, nbytes: int) -> ShmSegment:
+        """Create and map a new segment of at least ``nbytes`` (rounded up to ``ALIGN``).
+
+        The pages are allocated up front (``posix_fallocate``), so a full /dev/shm fails here
+        with an ``OSError`` instead of a SIGBUS on the first write.
+
+        Args:
+            nbytes: bytes needed (``layout_bytes`` of the tensors to write).
+
+        Returns:
+            The segment, mapped read-write.
+
+        Raises:
+            ValueError: ``nbytes`` negative or above 1 TiB.
+            OSError: /dev/shm missing or full (``ENOSPC``); nothing is left behind.
+        """
+        if not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_SEGMENT_BYTES:
+            raise ValueError(f"nbytes={nbytes!r}: a segment holds 0 .. 2**40 bytes")
+        size = max(ALIGN, align_up(nbytes))
+        name = new_segment_name()
+        path = _path(name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(name)
+            raise
+        os.close(fd)
+        return cls(name, size, mm)
+
+    @staticmethod
+    def layout_bytes(nbytes_list: list[int]) -> int:
+        """Bytes a segment needs for buffers of these sizes, each at an aligned offset."""
+        return sum(align_up(n) for n in nbytes_list)
+
+    def alloc(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` at the next aligned offset; returns the offset.
+
+        Raises:
+            ValueError: the segment has no room left (size it with ``layout_bytes``).
+        """
+        offset = align_up(self._used)
+        if offset + nbytes > self.size:
+            raise ValueError(
+                f"shm segment {self.name} of {self.size} bytes has no room for {nbytes} more at "
+                f"offset {offset}; size it with ShmSegment.layout_bytes"
+            )
+        self._used = offset + nbytes
+        return offset
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A writable tensor over bytes of this segment (to fill it in place).
+
+        Drop the views before ``close``; a live view makes ``close`` raise ``BufferError``.
+        """
+        if self._mm is None:
+            raise ValueError(f"shm segment {self.name} is closed")
+        return _view(_uint8_view(self._mm), offset, dtype, tuple(shape))
+
+    def _copy_in(self, offset: int, src: torch.Tensor) -> None:
+        if self._mm is None:
+            raise ValueError(f"shm segment {self.name} is closed")
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return
+        src = src.detach()
+        if src.device.type != "cpu":
+            src = src.cpu()
+        src = src.contiguous().reshape(-1)
+        if src.dtype != torch.uint8:
+            src = src.view(torch.uint8)
+        # one memcpy into the mapping (no intermediate copy, no export left behind)
+        self._mm[offset : offset + nbytes] = memoryview(src.numpy())
+
+    def write(self, tensor: torch.Tensor) -> ShmTensorHandle:
+        """Copy a dense tensor into the segment.
+
+        Args:
+            tensor: any shape, a wire dtype, any device (copied to the host).
+
+        Returns:
+            Its handle.
+
+        Raises:
+            ValueError: unsupported dtype, or no room left.
+        """
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"tensor dtype {tensor.dtype} cannot go into shm; use one of {sorted(WIRE_DTYPES)}"
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = self.alloc(nbytes)
+        self._copy_in(offset, tensor)
+        return ShmTensorHandle(
+            self.name, self.size, offset, nbytes, tensor.dtype, tuple(tensor.shape)
+        )
+
+    def write_jagged(self, column: JaggedColumn) -> ShmTensorHandle:
+        """Copy a jagged column (values ``[R, *D]`` + offsets ``[N+1]``) into the segment.
+
+        Args:
+            column: the column; its offsets must start at 0 (as ``JaggedColumn`` checks).
+
+        Returns:
+            The jagged handle (opens as a ``JaggedColumn``).
+
+        Raises:
+            ValueError: unsupported dtype, or no room left.
+        """
+        values_RD, offsets_N1 = column.values, column.offsets
+        values = self.write(values_RD)
+        offsets_at = self.alloc(offsets_N1.numel() * 8)
+        self._copy_in(offsets_at, offsets_N1.to(torch.int64))
+        return ShmTensorHandle(
+            self.name,
+            self.size,
+            values.offset,
+            values.nbytes,
+            values.dtype,
+            values.shape,
+            offsets_at,
+            offsets_N1.numel() - 1,
+        )
+
+    def close(self) -> None:
+        """Unmap this process's view (the segment itself lives on until unlinked and unmapped
+        everywhere). Raises ``BufferError`` while tensors from ``view`` are alive."""
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def unlink(self) -> None:
+        """Remove the name (idempotent; a consumer that adopted it removed it already)."""
+        if self._linked:
+            self._linked = False
+            _unlink_quietly(self.name)
+
+    def __enter__(self) -> ShmSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.close()
+        finally:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        return f"ShmSegment({self.name!r}, size={self.size}, used={self._used})"
+
+
+def _unlink_quietly(name: str) -> bool:
+    try:
+        os.unlink(_path(name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class ShmReader:
+    """Consumer side: opens handles, mapping each segment once (segments adopted on first use).
+
+    Keep one reader per received message so that handles into one segment share one mapping.
+
+    Args:
+        unlink: adopt each segment (unlink its name right after mapping it).
+    """
+
+    def __init__(self, *, unlink: bool = True) -> None:
+        self.unlink = unlink
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def segment(self, name: str, size: int) -> torch.Tensor:
+        """Map segment ``name`` (checked) and return a uint8 tensor ``[size]`` over it.
+
+        Raises:
+            ValueError: a bad name, a missing file, another owner, not a regular file, or a
+                file size other than ``size``.
+        """
+        base_S = self._maps.get(name)
+        if base_S is not None:
+            if base_S.numel() != size:
+                raise ValueError(
+                    f"shm segment {name} is {base_S.numel()} bytes, a handle says {size}"
+                )
+            return base_S
+        check_name(name)
+        try:
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError(
+                f"shm segment {name} does not exist (already adopted, its producer gave up, or "
+                "it lives on another host / in another container's /dev/shm)"
+            ) from None
+        except OSError as e:
+            raise ValueError(f"shm segment {name} cannot be opened: {e}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise ValueError(
+                    f"shm segment {name} is not a regular file owned by uid {os.geteuid()} "
+                    f"(uid {st.st_uid}); refused"
+                )
+            if st.st_size != size:
+                raise ValueError(
+                    f"shm segment {name} is {st.st_size} bytes, the handle says {size}; refused"
+                )
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        if self.unlink:
+            _unlink_quietly(name)
+        base_S = _uint8_view(mm)
+        del mm  # the array export inside base_S keeps the mapping alive, nothing else does
+        self._maps[name] = base_S
+        return base_S
+
+    def open(self, handle: ShmTensorHandle | dict[str, Any]) -> torch.Tensor | JaggedColumn:
+        """Return the tensor a handle describes, a zero-copy view of the mapping.
+
+        Args:
+            handle: a ``ShmTensorHandle`` or the dict of ``to_dict``.
+
+        Returns:
+            A tensor of ``shape``, or a ``JaggedColumn`` (values ``[R, *D]``, offsets
+            ``[N+1]``) for a jagged handle. Writable; the mapping lives as long as it does.
+
+        Raises:
+            ValueError: anything wrong with the handle, the segment, or the jagged offsets.
+        """
+        h = handle if isinstance(handle, ShmTensorHandle) else ShmTensorHandle.from_dict(handle)
+        if isinstance(handle, ShmTensorHandle):
+            validated(h)
+        base_S = self.segment(h.name, h.size)
+        values = _view(base_S, h.offset, h.dtype, h.shape)
+        if h.dtype == torch.bool and h.nbytes:
+            if int(base_S[h.offset : h.offset + h.nbytes].max()) > 1:
+                raise ValueError(f"bool tensor in shm segment {h.name} holds bytes other than 0/1")
+        if h.offsets_at is None:
+            return values
+        offsets_N1 = _view(base_S, h.offsets_at, torch.int64, (h.num_rows + 1,))
+        offs = offsets_N1.numpy()
+        if int(offs[0]) != 0 or int(offs[-1]) != h.shape[0] or bool((np.diff(offs) < 0).any()):
+            raise ValueError(
+                f"jagged offsets in shm segment {h.name} must run from 0 to R={h.shape[0]} "
+                f"without decreasing; got {offs[:4].tolist()}...{int(offs[-1])}"
+            )
+        column = JaggedColumn.__new__(JaggedColumn)  # checked just above
+        column.values, column.offsets = values, offsets_N1
+        return column
+
+
+def open_handle(handle: ShmTensorHandle | dict[str, Any], *, unlink: bool = True):
+    """Open one handle (``ShmReader(unlink=unlink).open(handle)``)."""
+    return ShmReader(unlink=unlink).open(handle)
+
+
+def write_tensors(tensors: list[torch.Tensor | JaggedColumn]) -> tuple[ShmSegment, list]:
+    """Write several tensors / jagged columns into one new segment.
+
+    Args:
+        tensors: dense tensors and ``JaggedColumn`` s.
+
+    Returns:
+        ``(segment, handles)``, handles in input order. Close and unlink the segment when the
+        consumer answered.
+
+    Raises:
+        ValueError: unsupported dtype.
+        OSError: /dev/shm is missing or full.
+    """
+    sizes: list[int] = []
+    for t in tensors:
+        if isinstance(t, JaggedColumn):
+            sizes += [t.values.numel() * t.values.element_size(), t.offsets.numel() * 8]
+        else:
+            sizes.append(t.numel() * t.element_size())
+    segment = ShmSegment.create(ShmSegment.layout_bytes(sizes))
+    try:
+        handles = [
+            segment.write_jagged(t) if isinstance(t, JaggedColumn) else segment.write(t)
+            for t in tensors
+        ]
+    except BaseException:
+        segment.close()
+        segment.unlink()
+        raise
+    return segment, handles
+
+
+def sweep_orphans(*, min_age_s: float = 300.0) -> list[str]:
+    """Unlink xtoken segments of this uid whose creator process is gone and that are old.
+
+    A producer killed between creating a segment and handing it over leaves its file behind;
+    a server runs this now and then. Both conditions are needed: the pid is checked in this
+    pid namespace only, and a young segment may still be on its way to a consumer.
+
+    Args:
+        min_age_s: only segments not modified for this long.
+
+    Returns:
+        The names removed.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        m = NAME_RE.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            st = os.stat(_path(name), follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid() or now - st.st_mtime < min_age_s:
+            continue
+        if _pid_alive(int(m.group(1))):
+            continue
+        if _unlink_quietly(name):
+            removed.append(name)
+    if removed:
+        logger.info("[ipc] removed %d orphaned shm segments", len(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
