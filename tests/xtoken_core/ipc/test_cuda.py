@@ -85,6 +85,7 @@ def test_spawned_child_reads_a_slot_of_the_parents_buffer_zero_copy():
     torch.cuda.synchronize()  # writes must be done before a handle is published
     handle = CudaIpcHandle.export(buffer).slot(5)
     assert handle.open().data_ptr() == buffer[5].data_ptr()  # same process: the original
+    expected = buffer[5].double().sum().item()
     proc = subprocess.run(
         [sys.executable, "-c", CHILD],
         input=msgpack.packb(handle.to_dict()).hex() + "\n",
@@ -95,7 +96,7 @@ def test_spawned_child_reads_a_slot_of_the_parents_buffer_zero_copy():
     )
     assert proc.returncode == 0, proc.stderr
     total, shape, device = proc.stdout.split(maxsplit=2)
-    assert float(total) == buffer[5].double().sum().item()
+    assert float(total) == expected
     assert shape == "[16]" and device.startswith("cuda")
     torch.cuda.synchronize()
     assert buffer[5, 0].item() == -1.0 and buffer[4, 0].item() == 64.0
