@@ -79,7 +79,7 @@ def _jagged(cols):
 class Server:
     """`xtoken queue serve` subprocess, optionally under cProfile (stopped by SIGTERM)."""
 
-    def __init__(self, profile: str | None) -> None:
+    def __init__(self, profile: str | None, extra: list[str]) -> None:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix="hot-path-"))
         ready = tmp / "ready"
         cmd = [sys.executable]
@@ -87,6 +87,7 @@ class Server:
             cmd += ["-m", "cProfile", "-o", profile]
         cmd += ["-m", "services.cli", "--log-level", "WARNING", "queue", "serve"]
         cmd += ["--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready), "--capacity", "8GiB"]
+        cmd += extra
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
         while not ready.exists():
             if self.proc.poll() is not None:
@@ -334,6 +335,9 @@ def main() -> int:
     parser.add_argument("--phases", default=",".join(ALL_PHASES), help="comma-separated")
     parser.add_argument("--profile-server", default=None, help="write the server's cProfile here")
     parser.add_argument("--profile-client", default=None, help="write the client's cProfile here")
+    parser.add_argument(
+        "--server-args", default="", help="extra `queue serve` flags, e.g. '--busy-poll-us 0'"
+    )
     parser.add_argument("--note", default="", help="free text stored with the row")
     parser.add_argument("--no-save", action="store_true", help="do not append a results row")
     args = parser.parse_args()
@@ -352,7 +356,7 @@ def main() -> int:
         res["codec"] = phase_codec(args.iters)
     if "raw" in phases:
         res["raw"] = phase_raw(args.iters, args.rounds)
-    server = Server(args.profile_server)
+    server = Server(args.profile_server, args.server_args.split())
     prof = cProfile.Profile() if args.profile_client else None
     try:
         with QueueClient(server.address, timeout_s=60) as client:
@@ -376,7 +380,10 @@ def main() -> int:
         pstats.Stats(args.profile_client).sort_stats("tottime").print_stats(25)
 
     commit = _commit()
-    print(f"\ncommit {commit} | {os.cpu_count()} cores, loopback TCP | {args.note}")
+    print(
+        f"\ncommit {commit} | {os.cpu_count()} cores, loopback TCP | server args "
+        f"'{args.server_args}' | {args.note}"
+    )
     print("| phase | metric | value |")
     print("|---|---|---|")
     for phase, figures in res.items():
@@ -391,6 +398,7 @@ def main() -> int:
             "iters": args.iters,
             "rounds": args.rounds,
             "note": args.note,
+            "server_args": args.server_args,
             **res,
         }
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

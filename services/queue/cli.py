@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lease", type=float, default=60.0, help="lease seconds when a claim gives no lease_ms"
     )
     serve.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=1000,
+        help="after requests, poll without sleeping this many microseconds before blocking "
+        "(shorter round trips for a CPU core; 0 = off; default 1000)",
+    )
+    serve.add_argument(
         "--max-message-bytes",
         type=_size_arg,
         default=None,
@@ -123,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         put_timeout_s=args.put_timeout,
         claim_timeout_s=args.claim_timeout,
         lease_s=args.lease,
+        busy_poll_us=args.busy_poll_us,
         limits=limits,
         ready_file=args.ready_file,
     )

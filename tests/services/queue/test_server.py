@@ -345,3 +345,20 @@ def test_server_errors_raise_queue_error_with_code(server):
         with pytest.raises(QueueError) as exc:
             client.ack("nowhere", "t", 123456)
         assert exc.value.code == "unknown_lease"
+
+
+@pytest.mark.parametrize("busy_poll_us", [-1, 2_000_000])
+def test_busy_poll_outside_its_range_is_refused_naming_the_flag(busy_poll_us):
+    from services.queue.server import ServerConfig
+
+    with pytest.raises(ValueError, match="--busy-poll-us"):
+        ServerConfig(busy_poll_us=busy_poll_us)
+
+
+def test_a_server_without_busy_polling_answers_claims_and_parked_claims(make_server):
+    srv = make_server("--busy-poll-us", "0")
+    with QueueClient(srv.address, timeout_s=10) as client:
+        client.put("nb", ["a"], {"x": torch.arange(4).reshape(1, 4)})
+        got = client.claim("nb", "t", ["x"], 1)
+        assert got["keys"] == ["a"] and got["fields"]["x"].tolist() == [[0, 1, 2, 3]]
+        assert client.claim("nb", "t", ["x"], 1, timeout_s=0.2)["keys"] == []
