@@ -32,6 +32,7 @@ from xtoken_core.wire.errors import (
     WireLimits,
 )
 from xtoken_core.wire.header import pack_header, unpack_header
+from xtoken_core.wire.shm import SHM_EXT_CODES, ShmField, ShmReader, decode_shm_ext
 from xtoken_core.wire.tensors import (
     DTYPE_NAMES,
     WIRE_DTYPES,
@@ -169,6 +170,8 @@ class _Encoder:
             return self.raw_tensor(x, "")
         if t is bytes:
             return x
+        if t is ShmField:
+            return x.to_ext()
         raise _Slow
 
     def fast_tensor(self, x: torch.Tensor) -> tuple[str, int | bytes]:
@@ -312,6 +315,8 @@ class _Encoder:
             return self.tensor(x, path)
         if isinstance(x, np.ndarray):
             return self.tensor(x, path)
+        if isinstance(x, ShmField):
+            return x.to_ext()
         if isinstance(x, np.generic) and x.dtype.kind in "biuf":
             return self.value(x.item(), path, depth)
         raise TypeError(
@@ -410,8 +415,11 @@ def _is_uint(x: Any) -> bool:
 
 
 class _Decoder:
-    def __init__(self, frames: list[memoryview], limits: WireLimits, copy: bool, jagged: str):
+    def __init__(
+        self, frames: list[memoryview], limits: WireLimits, copy: bool, jagged: str, shm=False
+    ):
         self.frames = frames
+        self.shm: bool | ShmReader = shm  # a ShmReader once the first shm ext is adopted
         self.limits = limits
         self.copy = copy
         self.as_column = jagged == "column"
@@ -504,6 +512,10 @@ class _Decoder:
             column = JaggedColumn.__new__(JaggedColumn)  # already validated: skip __post_init__
             column.values, column.offsets = values, offsets
             return column if self.as_column else column.to_nested()
+        if code in SHM_EXT_CODES and self.shm:
+            if self.shm is True:
+                self.shm = ShmReader()
+            return decode_shm_ext(code, fields, self.shm, self.as_column)
         raise _bad(f"unknown ext type {code}")
 
     def check(self, x: Any, depth: int) -> None:
@@ -553,6 +565,7 @@ def decode_message(
     limits: WireLimits | None = None,
     copy: bool = False,
     jagged: str = "nested",
+    shm: bool = False,
 ) -> Message:
     """Decode ZMQ frames into a Message; tensors alias the frames' memory unless ``copy``.
 
@@ -569,6 +582,8 @@ def decode_message(
         jagged: ``"nested"`` (default) rebuilds jagged fields as ``torch.jagged`` nested
             tensors ``[N, j, *D]``; ``"column"`` as ``JaggedColumn`` (what a server that slices
             rows per key wants).
+        shm: adopt shared-memory tensors (ext 3/4, xtoken_core/wire/shm.py): map and unlink
+            their segments; off, they are ``bad_body``. Same-host receivers only.
 
     Returns:
         The message.
@@ -604,7 +619,7 @@ def decode_message(
             TOO_LARGE, f"body is {views[1].nbytes} bytes > max_body_bytes={limits.max_body_bytes}"
         )
     msg_type, request_id = unpack_header(views[0])
-    dec = _Decoder(views, limits, copy, jagged)
+    dec = _Decoder(views, limits, copy, jagged, shm)
     try:
         body = msgpack.unpackb(
             views[1], raw=False, use_list=True, strict_map_key=True, ext_hook=dec.ext_hook
