@@ -19,11 +19,18 @@ step() {
   [ $rc -eq 0 ] || status=1
 }
 
-step device nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-step gpu_tests_kernels $PY -m pytest -q -m gpu -p no:cacheprovider \
-  tests/xtoken_core/kernels/test_chunk_log_softmax.py tests/xtoken_core/kernels/test_projection_gather.py
-step bench_chunk_log_softmax $PY benchmarks/kernels/bench_chunk_log_softmax.py \
+# Steps to run, by name (default: all). Example: STEPS="device gpu_tests bench_kd_loss".
+STEPS=${STEPS:-"device gpu_tests bench_chunk_log_softmax bench_projection_gather bench_kd_loss bench_fused_indices bench_embedding"}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+want device && step device nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+# Every @pytest.mark.gpu test of the library (services need pyzmq, which the GPU image lacks).
+want gpu_tests && step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/xtoken_core
+want bench_chunk_log_softmax && step bench_chunk_log_softmax $PY benchmarks/kernels/bench_chunk_log_softmax.py \
   --results "$OUT/kernels_chunk_log_softmax.jsonl"
-step bench_projection_gather $PY benchmarks/kernels/bench_projection_gather.py \
+want bench_projection_gather && step bench_projection_gather $PY benchmarks/kernels/bench_projection_gather.py \
   --results "$OUT/kernels_projection_gather.jsonl"
+want bench_kd_loss && step bench_kd_loss $PY benchmarks/losses/bench_kd_loss.py --results "$OUT/losses_kd_loss.jsonl"
+want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
+want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status
