@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from services.queue import errors as codes
 from services.queue.errors import QueueError
+from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
 from xtoken_core.wire import (
     DEFAULT_LIMITS,
@@ -139,9 +140,12 @@ class QueueClient(_Requests):
         limits: wire limits (must match the server's for large messages).
         name: client name sent in ``hello``.
         context: zmq Context (the process-wide one by default).
+        shm: ``"auto"`` puts of >= ``shm_min_bytes`` to a same-host server through shared
+            memory, ``"never"``, or ``"always"`` (services/queue/shm_transport.py).
+        shm_min_bytes: the ``auto`` threshold (tensor bytes of one put).
 
     Raises:
-        ValueError: a non-positive timeout or negative retries.
+        ValueError: a non-positive timeout, negative retries, an unknown ``shm`` mode.
     """
 
     def __init__(
@@ -153,11 +157,14 @@ class QueueClient(_Requests):
         limits: WireLimits | None = None,
         name: str = "",
         context: zmq.Context | None = None,
+        shm: str = "auto",
+        shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
     ) -> None:
         super().__init__(address, timeout_s, retries, limits, name)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._poller = zmq.Poller()
+        self._shm = ShmPuts(address, shm, shm_min_bytes)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -251,6 +258,10 @@ class QueueClient(_Requests):
             QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``, ...
         """
         body = self.body_put(partition, keys, fields, timeout_s)
+        if self._shm.wants(fields):
+            reply = self._shm.put(self, body, timeout_s or 0.0)
+            if reply is not None:
+                return reply
         return self.request("put", body, wait_s=timeout_s or 0.0)
 
     def get(

@@ -194,7 +194,7 @@ class QueueServer:
             # loop usually arrives within it, and a spinning process answers it without waking.
             ready = False
             while monotonic() < spin_until:
-                if sock.get(zmq.EVENTS) & zmq.POLLIN:
+                if poller.poll(0):
                     ready = True
                     break
             if ready or poller.poll(self._poll_timeout_ms()):
@@ -246,7 +246,9 @@ class QueueServer:
             return
         rid, rtype = _peek_header(frames[1])
         try:
-            msg = decode_message(frames[1:], limits=self.config.limits, jagged="column")
+            # shm=True: same-host clients may send tensors as shared-memory segments, which the
+            # decoder adopts (xtoken_core/wire/shm.py; bad references are bad_body).
+            msg = decode_message(frames[1:], limits=self.config.limits, jagged="column", shm=True)
             validate_body(msg.msg_type, msg.body)
         except WireError as e:
             self._send_error(ident, rid, e.code, e.message, e.retryable, rtype)
@@ -284,6 +286,7 @@ class QueueServer:
             "capacity_bytes": self.store.capacity_bytes,
             "pid": os.getpid(),
             "endpoint": self.endpoint,
+            "shm": True,  # adopts shared-memory tensors (ext 3/4) from same-host clients
         }
 
     def _on_put(self, ident, rid, body, frames):

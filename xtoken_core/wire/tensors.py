@@ -308,6 +308,11 @@ def tensor_bytes(x: torch.Tensor) -> memoryview:
     """
     if x.numel() == 0:
         return memoryview(b"")
+    if x.dtype != torch.bfloat16:  # numpy has no bfloat16
+        try:
+            return memoryview(x.numpy()).cast("B")  # one torch op; raises for strided views
+        except (TypeError, RuntimeError):  # not C-contiguous, or needs grad
+            pass
     flat = x.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
