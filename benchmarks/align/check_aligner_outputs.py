@@ -9,11 +9,14 @@ byte offsets; right-padded batches through ``TokenAligner.align``.
 
     python benchmarks/align/check_aligner_outputs.py --dump /tmp/align_golden.pkl
     python benchmarks/align/check_aligner_outputs.py --compare /tmp/align_golden.pkl
+    git show HEAD~3:xtoken_core/align/aligner.py > /tmp/ref_aligner.py   # dump an older one
+    python benchmarks/align/check_aligner_outputs.py --dump /tmp/ref.pkl --aligner-file /tmp/ref_aligner.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import pickle
 import random
@@ -40,7 +43,7 @@ def _text_pool(rng: random.Random) -> list[str]:
     ascii_ = rng.sample([t for t in texts if t.isascii()], 80)
     pool = non_ascii[:60] + ascii_
     longs = []
-    for i in range(6):
+    for _ in range(6):
         parts = rng.sample(texts, 40)
         longs.append("\n\n".join(parts)[:17_000])
     return pool, longs
@@ -145,9 +148,53 @@ def synthetic_cases(rng: random.Random):
         yield f"syn:{k}", kw
 
 
-def _record(fn):
+def _tiled_side(rng: random.Random, length: int, first: int):
+    """Spans tiling [first, length) with zero-width tokens of any role anywhere (fast path)."""
+    inner = range(first + 1, max(first + 1, length))
+    cuts = sorted({first, length} | {rng.choice(inner) for _ in range(rng.randint(0, 30)) if inner})
+    spans, roles = [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        while rng.random() < 0.12:
+            spans.append([a, a])
+            roles.append(rng.choice([0, 0, 1, 2, 3, 4]))
+        spans.append([a, b])
+        roles.append(0)
+    while rng.random() < 0.25:
+        end = cuts[-1]
+        spans.append([end, end])
+        roles.append(rng.choice([0, 1, 2, 3, 4]))
+    return np.array(spans, dtype=np.int64).reshape(-1, 2), np.array(roles, dtype=np.int8)
+
+
+def tiled_cases(rng: random.Random):
+    """(name, kwargs) of gap-free tilings: shared or different first bytes, truncations, padding."""
+    for k in range(900):
+        length = rng.choice([1, 2, 3, 8, 30, 120])
+        first = 0 if rng.random() < 0.85 else rng.randint(0, 2)
+        s_spans, s_roles = _tiled_side(rng, length, min(first, length - 1))
+        t_len = length if rng.random() < 0.5 else rng.randint(1, length)
+        t_spans, t_roles = _tiled_side(
+            rng, t_len, min(0 if rng.random() < 0.9 else first, t_len - 1)
+        )
+        if rng.random() < 0.3:
+            s_spans, s_roles = s_spans[: rng.randint(0, len(s_spans))], s_roles[: len(s_spans)]
+            s_roles = s_roles[: len(s_spans)]
+        kw = dict(student_spans=s_spans, teacher_spans=t_spans)
+        if rng.random() < 0.8:
+            kw.update(student_roles=s_roles, teacher_roles=t_roles)
+        if rng.random() < 0.3:  # right padding (a mask prefix) or holes
+            for side, n in (("student", len(s_spans)), ("teacher", len(t_spans))):
+                keep = rng.randint(0, n)
+                mask = np.arange(n) < keep
+                if rng.random() < 0.2 and n:
+                    mask[rng.randrange(n)] ^= True
+                kw[f"{side}_mask"] = mask
+        yield f"tiled:{k}", kw
+
+
+def _record(fn, *args, **kwargs):
     try:
-        out = fn()
+        out = fn(*args, **kwargs)
     except ValueError as e:
         return ("ValueError", str(e))
     if hasattr(out, "num_chunks") and not hasattr(out, "batch_size"):
@@ -162,14 +209,21 @@ def _record(fn):
     )
 
 
-def run_all() -> dict[str, object]:
-    """Every case name -> its recorded output (or error message)."""
+def run_all(aligner_cls=TokenAligner) -> dict[str, object]:
+    """Every case name -> its recorded output (or error message).
+
+    Args:
+        aligner_cls: the TokenAligner class to run (default: this checkout's).
+
+    Returns:
+        dict case name -> recorded outputs.
+    """
     rng = random.Random(1234)
-    aligner = TokenAligner()
+    aligner = aligner_cls()
     out: dict[str, object] = {}
     batch_inputs = []
-    for name, kw in itertools.chain(text_cases(rng), synthetic_cases(rng)):
-        out[name] = _record(lambda: aligner.align_sample(**kw))
+    for name, kw in itertools.chain(text_cases(rng), synthetic_cases(rng), tiled_cases(rng)):
+        out[name] = _record(aligner.align_sample, **kw)
         if name.startswith("deepseek:mistral:") and len(batch_inputs) < 40:
             batch_inputs.append(kw)
     # Right-padded batches through align().
@@ -188,9 +242,7 @@ def run_all() -> dict[str, object]:
                 roles[j, :n] = kw[f"{side}_roles"]
             arrs[side] = (np.zeros((len(group), w), np.int64), spans, mask, roles)
         s, t = arrs["student"], arrs["teacher"]
-        out[f"batch:{i}"] = _record(
-            lambda: aligner.align(s[0], t[0], s[1], t[1], s[2], t[2], s[3], t[3])
-        )
+        out[f"batch:{i}"] = _record(aligner.align, s[0], t[0], s[1], t[1], s[2], t[2], s[3], t[3])
     return out
 
 
@@ -200,9 +252,20 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--dump", type=Path, help="write the outputs here")
     group.add_argument("--compare", type=Path, help="compare against this dump")
+    parser.add_argument(
+        "--aligner-file",
+        type=Path,
+        help="run the TokenAligner of this aligner.py instead (e.g. one from git show)",
+    )
     args = parser.parse_args()
+    aligner_cls = TokenAligner
+    if args.aligner_file:
+        spec = importlib.util.spec_from_file_location("_reference_aligner", args.aligner_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        aligner_cls = module.TokenAligner
     t0 = time.perf_counter()
-    got = run_all()
+    got = run_all(aligner_cls)
     print(f"{len(got)} cases in {time.perf_counter() - t0:.1f} s")
     if args.dump:
         args.dump.write_bytes(pickle.dumps(got))
