@@ -356,7 +356,9 @@ def _align(s: _Side, t: _Side) -> SampleAlignment:
     used_idx = np.flatnonzero(region_used)
 
     # Specials: pair by role at equal byte positions, in order on both sides.
-    pairs, s_alone, t_alone = _pair_markers(s, t)
+    pairs, s_alone, t_alone = _pair_markers(
+        s.marker_pos.tolist(), s.marker_role.tolist(), t.marker_pos.tolist(), t.marker_role.tolist()
+    )
     n_regions = len(used_idx)
     n_pairs, n_s_alone, n_t_alone = len(pairs), len(s_alone), len(t_alone)
     # Chunk order: by byte position; a special sorts before the region starting at its position
@@ -428,8 +430,8 @@ def _align(s: _Side, t: _Side) -> SampleAlignment:
 class _Tiled:
     """One side whose spans tile their bytes without gaps: the fast path's view (internal).
 
-    Every span starts where the previous one ends and at least one is non-empty; the few
-    zero-width tokens (specials, SentencePiece dummy pieces) are listed by index.
+    Every span starts where the previous one ends and at least one is non-empty. The few
+    zero-width tokens (specials, SentencePiece dummy pieces) are kept as Python lists.
     """
 
     __slots__ = (
@@ -439,6 +441,7 @@ class _Tiled:
         "first",
         "covered_end",
         "zero_idx",
+        "lead",
         "empty_lead",
         "marker_idx",
         "marker_pos",
@@ -458,22 +461,22 @@ def _tiled(spans_N2: np.ndarray, roles_N: np.ndarray | None) -> _Tiled | None:
     x = _Tiled()
     x.n, x.start_N, x.end_N = n, start_N, end_N
     x.first, x.covered_end = int(start_N[0]), int(end_N[-1])
-    x.zero_idx, x.empty_lead = zero_idx, False
-    no_markers = np.zeros(0, np.int64)
-    x.marker_idx, x.marker_pos, x.marker_role = no_markers, no_markers, no_markers
+    x.zero_idx, x.lead, x.empty_lead = zero_idx, 0, False
+    x.marker_idx, x.marker_pos, x.marker_role = [], [], []
     if len(zero_idx):
-        if (end_N[zero_idx] < start_N[zero_idx]).any():
+        zero = zero_idx.tolist()
+        zero_spans = spans_N2[zero_idx].tolist()
+        if any(e < a for a, e in zero_spans):
             return None  # the general path raises the error
-        if roles_N is None:
-            x.empty_lead = bool(zero_idx[0] == 0)
-        else:
-            is_marker = roles_N[zero_idx] != ROLE_CONTENT
-            x.marker_idx = zero_idx[is_marker]
-            x.marker_pos = start_N[x.marker_idx]
-            x.marker_role = roles_N[x.marker_idx]
-            # An empty content span before the first non-empty one joins the first region.
-            lead = zero_idx == np.arange(len(zero_idx))
-            x.empty_lead = bool((lead & ~is_marker).any())
+        zero_roles = [ROLE_CONTENT] * len(zero) if roles_N is None else roles_N[zero_idx].tolist()
+        while x.lead < len(zero) and zero[x.lead] == x.lead:
+            x.lead += 1  # zero-width tokens before the first non-empty one
+        x.empty_lead = ROLE_CONTENT in zero_roles[: x.lead]  # they join the first region
+        for i, (a, _), role in zip(zero, zero_spans, zero_roles):
+            if role != ROLE_CONTENT:
+                x.marker_idx.append(i)
+                x.marker_pos.append(a)
+                x.marker_role.append(role)
     return x
 
 
@@ -519,7 +522,7 @@ def _align_tiled(s: _Tiled, t: _Tiled) -> SampleAlignment | None:
     boundary starts a token on both sides: regions are the same on both sides and all are valid
     chunks, except the last one when E is not a boundary of the longer side (it straddles E).
     The longer side's tokens starting at or past E are the one-sided tail (one chunk slot).
-    Region k of a side starts at its token idx_R[k]; tokens before idx_R[0] (zero-width ones)
+    Region k of a side starts at its token idx_R[k]; the zero-width tokens before idx_R[0]
     count in region 0, so chunk ids are a repeat of per-region values.
     """
     first = s.first
@@ -541,83 +544,92 @@ def _align_tiled(s: _Tiled, t: _Tiled) -> SampleAlignment | None:
         longer = s if s.covered_end > end else t
         cut_L[longer.end_N[np.searchsorted(longer.end_N, end, side="right")]] = True
 
-    def starts(x: _Tiled) -> np.ndarray:
-        flag_N = cut_L[x.start_N]
-        if len(x.zero_idx):
-            flag_N[x.zero_idx] = False
-        return np.flatnonzero(flag_N)
+    s_flag_N = cut_L[s.start_N]
+    if len(s.zero_idx):
+        s_flag_N[s.zero_idx] = False
+    s_idx_R = np.flatnonzero(s_flag_N)
+    t_flag_N = cut_L[t.start_N]
+    if len(t.zero_idx):
+        t_flag_N[t.zero_idx] = False
+    t_idx_R = np.flatnonzero(t_flag_N)
+    r_two = min(len(s_idx_R), len(t_idx_R))  # two-sided regions; the longer side adds a tail
+    has_tail = len(s_idx_R) != len(t_idx_R)
+    assert abs(len(s_idx_R) - len(t_idx_R)) <= 1, "tilings disagree below the shorter end"
 
-    s_idx, t_idx = starts(s), starts(t)
-    r_two = min(len(s_idx), len(t_idx))  # two-sided regions; the longer side may add a tail
-    has_tail = len(s_idx) != len(t_idx)
-    assert abs(len(s_idx) - len(t_idx)) <= 1, "tilings disagree below the shorter end"
-
-    pairs, s_alone, t_alone = _pair_markers(s, t)
-    # Markers in chunk order: by byte position, then student index, then teacher index.
-    s_pos, t_pos = s.marker_pos.tolist(), t.marker_pos.tolist()
-    markers = sorted(
-        [(s_pos[i], 0, i, True) for i, _ in pairs]
-        + [(s_pos[i], 0, i, False) for i in s_alone]
-        + [(t_pos[k], 1, k, False) for k in t_alone]
-    )
-
-    def regions_before(pos: int) -> int:
-        """Used regions starting before byte ``pos``."""
-        if pos <= first:
-            return 0
-        if pos >= end:
-            return r_two + (has_tail and pos > end)
-        j = np.searchsorted(s.start_N, pos, side="left")
-        return int(np.searchsorted(s_idx, j, side="left"))
-
-    before = [regions_before(m[0]) for m in markers]
+    # Specials in chunk order (by byte position, then student index, then teacher index) and
+    # the number of regions before each (those starting before its byte).
+    markers: list[tuple[int, int, int, int]] = []  # (pos, side, marker index, partner or -1)
+    before: list[int] = []
+    if s.marker_idx or t.marker_idx:
+        pairs, s_alone, t_alone = _pair_markers(
+            s.marker_pos, s.marker_role, t.marker_pos, t.marker_role
+        )
+        s_pos, t_pos = s.marker_pos, t.marker_pos
+        markers = sorted(
+            [(s_pos[i], 0, i, k) for i, k in pairs]
+            + [(s_pos[i], 0, i, -1) for i in s_alone]
+            + [(t_pos[k], 1, k, -1) for k in t_alone]
+        )
+        for pos, *_ in markers:
+            if pos <= first:
+                before.append(0)
+            elif pos >= end:
+                before.append(r_two + (has_tail and pos > end))
+            else:
+                j = np.searchsorted(s.start_N, pos, side="left")
+                before.append(int(np.searchsorted(s_idx_R, j, side="left")))
     num_chunks = r_two + has_tail + len(markers)
     pair_valid = np.ones(num_chunks, dtype=bool)
-    # Chunk slot of region k: k + markers placed before it (bisect: before is sorted).
+    # Chunk slot of region k: k + specials placed before it (``before`` is sorted).
     if straddle:
         pair_valid[r_two - 1 + bisect_right(before, r_two - 1)] = False
     if has_tail:
         pair_valid[r_two + bisect_right(before, r_two)] = False
 
-    def token_outputs(x: _Tiled, idx_R: np.ndarray, one_R: np.ndarray):
+    def per_region(x: _Tiled, idx_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens per region (zero-width ones included) and bool [r_two] "one content token"."""
         r = len(idx_R)
-        bounds = np.empty(r + 1, dtype=np.int64)
-        bounds[0] = 0
-        bounds[1:r] = idx_R[1:]
-        bounds[r] = x.n
-        per_region_R = bounds[1:] - bounds[:-1]  # tokens per region, zero-width ones included
-        values_R = np.arange(r, dtype=np.int64)
-        for b in before:
+        size_R = np.empty(r, dtype=np.int64)
+        np.subtract(idx_R[1:], idx_R[:-1], out=size_R[:-1])
+        size_R[-1] = x.n - idx_R[-1]
+        size_R[0] += idx_R[0]
+        one_R = size_R[:r_two] == 1
+        if x.lead or x.marker_idx:
+            # Specials are not content: take them off their region's count.
+            fix: dict[int, int] = {}
+            for m in x.marker_idx:
+                k = 0 if m < x.lead else int(np.searchsorted(idx_R, m, side="right")) - 1
+                fix[k] = fix.get(k, 0) + 1
+            for k, c in fix.items():
+                if k < r_two:
+                    one_R[k] = size_R[k] - c == 1
+        return size_R, one_R
+
+    s_size_R, s_one_R = per_region(s, s_idx_R)
+    t_size_R, t_one_R = per_region(t, t_idx_R)
+    one_R = s_one_R & t_one_R
+    if straddle:
+        one_R[-1] = False
+
+    def token_outputs(x: _Tiled, idx_R: np.ndarray, size_R: np.ndarray):
+        r = len(idx_R)
+        lead_markers = bisect_right(before, 0)
+        values_R = np.arange(lead_markers, lead_markers + r, dtype=np.int64)
+        for b in before[lead_markers:]:
             values_R[b:] += 1
         values_R[r_two:] = -1  # the one-sided tail
-        chunk_N = np.repeat(values_R, per_region_R)
+        chunk_N = np.repeat(values_R, size_R)
         exact_N = np.zeros(x.n, dtype=bool)
         exact_N[idx_R[:r_two]] = one_R
         return chunk_N, exact_N
 
-    def alone_regions(x: _Tiled, idx_R: np.ndarray) -> np.ndarray:
-        """bool [r_two]: the region holds exactly one content token of this side."""
-        r = len(idx_R)
-        count_R = np.empty(r, dtype=np.int64)
-        count_R[:-1] = idx_R[1:] - idx_R[:-1]
-        count_R[-1] = x.n - idx_R[-1]
-        if x.empty_lead:
-            count_R[0] += 1
-        for m in x.marker_idx.tolist():
-            if m > idx_R[0]:  # a special inside a region is not one of its content tokens
-                count_R[np.searchsorted(idx_R, m, side="right") - 1] -= 1
-        return count_R[:r_two] == 1
-
-    one_R = alone_regions(s, s_idx) & alone_regions(t, t_idx)
-    if straddle:
-        one_R[-1] = False
-    s_chunk, s_exact = token_outputs(s, s_idx, one_R)
-    t_chunk, t_exact = token_outputs(t, t_idx, one_R)
-    for j, (_, side, i, paired) in enumerate(markers):
+    s_chunk, s_exact = token_outputs(s, s_idx_R, s_size_R)
+    t_chunk, t_exact = token_outputs(t, t_idx_R, t_size_R)
+    for j, (_, side, i, partner) in enumerate(markers):
         slot = before[j] + j
-        if paired:
+        if partner >= 0:
             s_chunk[s.marker_idx[i]] = slot
-            t_chunk[t.marker_idx[dict(pairs)[i]]] = slot
+            t_chunk[t.marker_idx[partner]] = slot
         else:
             pair_valid[slot] = False
             if side == 0:
@@ -635,18 +647,24 @@ def _align_tiled(s: _Tiled, t: _Tiled) -> SampleAlignment | None:
     )
 
 
-def _pair_markers(s: _Side, t: _Side) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+def _pair_markers(
+    s_pos: list[int], s_role: list[int], t_pos: list[int], t_role: list[int]
+) -> tuple[list[tuple[int, int]], list[int], list[int]]:
     """Pair zero-width specials by (position, role), monotone on both sides.
+
+    Args:
+        s_pos: byte position of each student special, in token order.
+        s_role: its role code.
+        t_pos: same for the teacher.
+        t_role: same for the teacher.
 
     Returns:
         (pairs as (student marker index, teacher marker index), unpaired student marker
-        indices, unpaired teacher marker indices); indices into each side's marker arrays.
+        indices, unpaired teacher marker indices); indices into each side's marker lists.
     """
-    ns, nt = len(s.marker_idx), len(t.marker_idx)
+    ns, nt = len(s_pos), len(t_pos)
     if ns == 0 or nt == 0:
         return [], list(range(ns)), list(range(nt))
-    s_pos, s_role = s.marker_pos.tolist(), s.marker_role.tolist()
-    t_pos, t_role = t.marker_pos.tolist(), t.marker_role.tolist()
     pairs: list[tuple[int, int]] = []
     s_alone: list[int] = []
     j = 0
