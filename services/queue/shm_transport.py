@@ -7,13 +7,15 @@ adopts the segment (maps it, unlinks its name) and stores views of it; replies s
 frames.
 
 Modes (``QueueClient(..., shm=...)``):
-  * ``"auto"`` (default): for a same-host address (``tcp://127.0.0.1``, ``tcp://localhost``,
-    ``tcp://[::1]``, ``ipc://``, ``inproc://``), puts of at least ``shm_min_bytes`` go through
-    shared memory once the server's hello says ``shm: true``. Anything that stops it (a server
+  * ``"auto"`` (default): for a loopback TCP address (``tcp://127.x``, ``tcp://localhost``,
+    ``tcp://[::1]``), puts of at least ``shm_min_bytes`` go through shared memory once the
+    server's hello says ``shm: true``. Not for ``ipc://``: a unix socket moved W1 puts faster
+    than a fresh segment (whose page allocation dominates) in benchmarks/queue/bench_shm_put.py. Anything that stops it (a server
     without it, a /dev/shm that is full or private to another container) falls back to frames
     for the rest of the client's life, with one warning.
   * ``"never"``: always frames.
-  * ``"always"``: every put through shared memory, whatever its size or address; failures raise.
+  * ``"always"``: every put through shared memory, whatever its size or address (``ipc://``
+    included); failures raise.
 
 Ownership: the client unlinks the segment after the server answered (a no-op when the server
 adopted it), so a server that never got the message leaves nothing behind; a client killed
@@ -39,13 +41,8 @@ SHM_MODES = ("auto", "never", "always")
 DEFAULT_SHM_MIN_BYTES = 1 << 20
 # A segment of a dead process this old is an orphan: its put never left the process.
 ORPHAN_AGE_S = 60.0
-_LOCAL_PREFIXES = (
-    "ipc://",
-    "inproc://",
-    "tcp://127.",
-    "tcp://localhost:",
-    "tcp://[::1]:",
-)
+_LOOPBACK_TCP = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+_LOCAL_PREFIXES = ("ipc://", "inproc://", *_LOOPBACK_TCP)
 
 
 def is_same_host(address: str) -> bool:
@@ -72,7 +69,7 @@ class ShmPuts:
             raise ValueError(f"shm_min_bytes={min_bytes}: must be >= 0")
         self.mode = mode
         self.min_bytes = min_bytes if mode == "auto" else 0
-        self.enabled = mode == "always" or (mode == "auto" and is_same_host(address))
+        self.enabled = mode == "always" or (mode == "auto" and address.startswith(_LOOPBACK_TCP))
         self.server_ok: bool | None = None
         self.puts = 0
         if self.enabled:

@@ -40,6 +40,8 @@ def test_same_host_addresses():
     assert is_same_host("tcp://localhost:1") and is_same_host("tcp://[::1]:1")
     assert not is_same_host("tcp://10.1.2.3:5555") and not is_same_host("tcp://queue:5555")
     assert not ShmPuts("tcp://queue:5555", "auto", 1).enabled
+    assert ShmPuts("tcp://127.0.0.1:5555", "auto", 1).enabled
+    assert not ShmPuts("ipc:///tmp/q.sock", "auto", 1).enabled  # a unix socket is as fast
     assert ShmPuts("tcp://queue:5555", "always", 1).enabled
     with pytest.raises(ValueError, match="shm="):
         ShmPuts("tcp://127.0.0.1:1", "sometimes", 1)
