@@ -174,10 +174,16 @@ def main() -> int:
         "commit": _commit(),
         "device": device_name(),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
     rows = [{**bench_pair(p, texts, args.ctx, args.rounds), **common} for p in args.pairs]
+    for r in rows:  # other processes on the machine skew the figures: keep the load beside them
+        r["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     widths = [max(len(h), *(len(str(r[k])) for r in rows)) for h, k in COLUMNS]
-    print(f"TokenAligner, {args.samples} demo texts, ctx {args.ctx}, {common['device']}")
+    print(
+        f"TokenAligner, {args.samples} demo texts, ctx {args.ctx}, {common['device']} "
+        f"(load {common['load_average_1m']} -> {rows[-1]['load_average_1m_end']})"
+    )
     print("  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)))
     for r in rows:
         print("  ".join(str(r[k]).rjust(w) for (_, k), w in zip(COLUMNS, widths)))

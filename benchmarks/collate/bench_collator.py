@@ -186,11 +186,14 @@ def main() -> int:
     rows = [
         {**bench_pair(p, texts, args.ctx, args.batch, args.rounds), **common} for p in args.pairs
     ]
+    for r in rows:  # other processes on the machine skew the figures: keep the load beside them
+        r["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     cells = [[_cell(r, k) for _, k in COLUMNS] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(COLUMNS)]
     print(
         f"Collator, {args.samples} texts of >= {args.chars} chars, ctx {args.ctx}, batch "
-        f"{args.batch}, {common['device']} (load {common['load_average_1m']})"
+        f"{args.batch}, {common['device']} (load {common['load_average_1m']} -> "
+        f"{rows[-1]['load_average_1m_end']})"
     )
     print("  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)))
     for c in cells:
