@@ -13,6 +13,7 @@ Phases (each on its own partition):
   w1          64 samples, L ~ U[512, 4096], int64 [L] + float32 [L, 64]: put and get MB/s
   raw         raw pyzmq tiny round trip and the W1/W2 bytes as multipart frames
   codec       in-process encode/decode of the claim1 reply (no sockets)
+  w1pair      W1 through the queue and through raw pyzmq alternately, round by round: ratios
 
 Usage:
   python benchmarks/queue/profile_hot_path.py [--iters 2000] [--rounds 7]
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import workloads  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "queue_hot_path.jsonl"
-ALL_PHASES = ("codec", "raw", "claim1", "claim2", "w2", "w1")
+ALL_PHASES = ("codec", "raw", "claim1", "claim2", "w2", "w1", "w1pair")
 
 
 def _commit() -> str:
@@ -189,6 +190,59 @@ def phase_w1(client, rounds: int) -> dict:
         "nbytes": nbytes,
         "put_mb_s": nbytes / statistics.median(put_s) / 1e6,
         "get_mb_s": nbytes / statistics.median(get_s) / 1e6,
+    }
+
+
+def phase_w1pair(client, rounds: int) -> dict:
+    """W1 put/get, each round also through the raw pyzmq pair (same moment, same bytes)."""
+    import zmq
+
+    mp = multiprocessing.get_context("spawn")
+    parent, child = mp.Pipe()
+    proc = mp.Process(target=_raw_server, args=(child,), daemon=True)
+    proc.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(parent.recv())
+    lens = workloads.lengths(workloads.W1_SAMPLES, workloads.W1_MIN_LEN, workloads.W1_MAX_LEN, 0)
+    cols = workloads.columns(lens, 0)
+    nbytes = workloads.nbytes(cols)
+    fields = _jagged(cols)
+    frames = [memoryview(t.numpy()) for pair in cols.values() for t in pair]
+    keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
+    t_s: dict[str, list[float]] = {"put": [], "get": [], "raw_put": [], "raw_get": []}
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        sock.send_multipart([b"put", *frames], copy=False)
+        sock.recv_multipart()
+        t1 = time.perf_counter()
+        sock.send(b"get")
+        sock.recv_multipart(copy=False)
+        t2 = time.perf_counter()
+        client.put(f"w1p-{r}", keys, fields)
+        t3 = time.perf_counter()
+        got = client.claim(f"w1p-{r}", "t", list(workloads.FIELDS), len(keys), timeout_s=5)
+        client.ack(f"w1p-{r}", "t", got["lease_id"])
+        t4 = time.perf_counter()
+        del got
+        client.clear(f"w1p-{r}")
+        if r:  # round 0 warms both up
+            t_s["raw_put"].append(t1 - t0)
+            t_s["raw_get"].append(t2 - t1)
+            t_s["put"].append(t3 - t2)
+            t_s["get"].append(t4 - t3)
+    sock.send(b"stop")
+    sock.recv()
+    sock.close()
+    proc.join(10)
+    med = {k: statistics.median(v) for k, v in t_s.items()}
+    return {
+        "put_mb_s": nbytes / med["put"] / 1e6,
+        "raw_put_mb_s": nbytes / med["raw_put"] / 1e6,
+        "put_over_raw": med["raw_put"] / med["put"],
+        "get_mb_s": nbytes / med["get"] / 1e6,
+        "raw_get_mb_s": nbytes / med["raw_get"] / 1e6,
+        "get_over_raw": med["raw_get"] / med["get"],
     }
 
 
@@ -371,6 +425,8 @@ def main() -> int:
                 res["w2"] = phase_w2(client, args.rounds)
             if "w1" in phases:
                 res["w1"] = phase_w1(client, args.rounds)
+            if "w1pair" in phases:
+                res["w1pair"] = phase_w1pair(client, args.rounds)
             if prof:
                 prof.disable()
     finally:

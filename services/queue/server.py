@@ -204,6 +204,8 @@ class QueueServer:
                     except zmq.Again:
                         break
                     self._on_frames(frames)
+                    if not poller.poll(0):  # cheaper than the zmq.Again of an empty recv
+                        break
                 spin_until = monotonic() + busy_s
             self._run_timers()
         self._shutdown(sock)
