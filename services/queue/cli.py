@@ -88,9 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--busy-poll-us",
         type=int,
-        default=1000,
-        help="after requests, poll without sleeping this many microseconds before blocking "
-        "(shorter round trips for a CPU core; 0 = off; default 1000)",
+        default=300,
+        help="after requests, poll without sleeping (yielding the core) this many microseconds "
+        "before blocking: shorter round trips on a host slow to wake a process; 0 = off "
+        "(default 300)",
     )
     serve.add_argument(
         "--max-message-bytes",

@@ -74,7 +74,7 @@ class ServerConfig:
     lease_s: float = 60.0
     limits: WireLimits = field(default_factory=lambda: DEFAULT_LIMITS)
     ready_file: str | None = None
-    busy_poll_us: int = 1000
+    busy_poll_us: int = 300
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -189,6 +189,7 @@ class QueueServer:
         busy_s = self.config.busy_poll_us / 1e6
         spin_until = 0.0
         monotonic = time.monotonic
+        sched_yield = getattr(os, "sched_yield", lambda: None)
         while not self._stopping:
             # Busy poll for a short while after the last request: the next one of a client in a
             # loop usually arrives within it, and a spinning process answers it without waking.
@@ -197,6 +198,7 @@ class QueueServer:
                 if poller.poll(0):
                     ready = True
                     break
+                sched_yield()  # the zmq IO threads and clients on this core go first
             if ready or poller.poll(self._poll_timeout_ms()):
                 for _ in range(_BATCH_RECV):
                     try:
