@@ -133,7 +133,9 @@ def bench_xtoken(rounds: int, w2_reps: int, rss_mb: int, lat_iters: int, seed: i
     out: dict = {"system": "xtoken", "startup_s": time.perf_counter() - t0}
     address = ready.read_text().strip()
     try:
-        with QueueClient(address, timeout_s=60) as client:
+        # Frames over TCP: the like-for-like comparison with TransferQueue and raw pyzmq, and an
+        # honest RSS row (shared-memory puts are measured by bench_shm_put.py).
+        with QueueClient(address, timeout_s=60, shm="never") as client:
             client.hello()
             warm = workloads.columns(workloads.lengths(4, 8, 16, 99), 99)
             client.put("warm", [f"k{i}" for i in range(4)], _jagged(warm))
