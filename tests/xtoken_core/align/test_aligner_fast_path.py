@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xtoken_core.align import ALIGNMENT_FIELDS, TokenAligner
+from xtoken_core.align import ALIGNMENT_FIELDS, TokenAligner, tiled
 from xtoken_core.align import aligner as aligner_mod
 from xtoken_core.tokenizers import ROLE_BOS, ROLE_CONTENT, ROLE_EOS, load_tokenizer
 
@@ -77,8 +77,8 @@ def test_fast_path_matches_general_path_on_random_tilings(pair, with_roles):
     t_spans, t_roles, t_mask = padded(t_spans, t_roles, t_pad)
     if not with_roles:
         s_roles, t_roles = np.zeros_like(s_roles), np.zeros_like(t_roles)
-    s_fast = aligner_mod._tiled_prefix(s_spans, s_mask, s_roles if with_roles else None)
-    t_fast = aligner_mod._tiled_prefix(t_spans, t_mask, t_roles if with_roles else None)
+    s_fast = tiled.tiled_side(s_spans, s_mask, s_roles if with_roles else None)
+    t_fast = tiled.tiled_side(t_spans, t_mask, t_roles if with_roles else None)
     assert s_fast is not None and t_fast is not None, "a gap-free tiling takes the fast path"
     got = ALIGNER.align_sample(
         s_spans,
@@ -99,9 +99,9 @@ def test_fast_path_matches_general_path_on_real_tokenizers(s_name, t_name, caps)
     text = "  Hello wörld!\n\tdef f(x):  return x**2  # 你好 🇺🇸 e\u0301\n" * 4
     student = load_tokenizer(s_name).encode(text).truncated(caps[0])
     teacher = load_tokenizer(t_name).encode(text).truncated(caps[1])
-    s = aligner_mod._tiled_prefix(student.spans, None, student.roles)
-    t = aligner_mod._tiled_prefix(teacher.spans, None, teacher.roles)
-    fast = aligner_mod._align_tiled(s, t)
+    s = tiled.tiled_side(student.spans, None, student.roles)
+    t = tiled.tiled_side(teacher.spans, None, teacher.roles)
+    fast = tiled.align_tiled(s, t)
     assert fast is not None, "real tokenizer output takes the fast path"
     ones_s, ones_t = np.ones(len(student), bool), np.ones(len(teacher), bool)
     slow = general_path(student.spans, teacher.spans, ones_s, ones_t, student.roles, teacher.roles)
