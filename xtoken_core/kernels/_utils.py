@@ -22,10 +22,15 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 SUM_COMBINE = tl.standard._sum_combine if tl is not None else None
 MAX_COMBINE = tl.standard._elementwise_max if tl is not None else None
 
+#: log2(e): the kernels work in base 2 (``exp2``), ``x2 = x * LOG2E``.
+LOG2E = 1.4426950408889634
+
 __all__ = [
+    "LOG2E",
     "MAX_COMBINE",
     "SUM_COMBINE",
     "LazyJit",
+    "cdiv",
     "interpret_mode",
     "lazy_jit",
     "next_power_of_2",
@@ -58,6 +63,19 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if triton is None:
         return False
     return tensor.is_cuda or interpret_mode()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, the number of blocks of size ``b`` that cover ``a`` (launch grids).
+
+    Args:
+        a: extent (>= 0).
+        b: block size (> 0).
+
+    Returns:
+        ``ceil(a / b)``.
+    """
+    return (a + b - 1) // b
 
 
 def next_power_of_2(n: int) -> int:

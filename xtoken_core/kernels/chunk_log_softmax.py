@@ -25,7 +25,16 @@ import math
 
 import torch
 
-from ._utils import MAX_COMBINE, SUM_COMBINE, lazy_jit, next_power_of_2, tl, use_triton
+from ._utils import (
+    LOG2E,
+    MAX_COMBINE,
+    SUM_COMBINE,
+    cdiv,
+    lazy_jit,
+    next_power_of_2,
+    tl,
+    use_triton,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +44,6 @@ __all__ = [
     "ChunkAvgLogSoftmax",
 ]
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 # Block sizes per pass (GPU). Benchmarks may override entries; tests run them interpreted.
 KERNEL_CONFIG = {
@@ -364,7 +371,7 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
                 V,
                 sb,
                 st,
-                _LOG2E / temperature,
+                LOG2E / temperature,
                 1.0 / temperature,
                 BLOCK_V=_block("fused_block_v", V),
                 num_warps=KERNEL_CONFIG["fused_warps"],
@@ -379,13 +386,13 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
                 V,
                 sb,
                 st,
-                _LOG2E / temperature,
+                LOG2E / temperature,
                 BLOCK_V=_block("lse_block_v", V),
                 num_warps=KERNEL_CONFIG["lse_warps"],
             )
         if S > 0 and V > 0:
             block = _block("acc_block_v", V)
-            _chunk_acc_kernel[(S, _cdiv(V, block))](
+            _chunk_acc_kernel[(S, cdiv(V, block))](
                 logits_BTV,
                 order_R,
                 offsets_S1,
@@ -426,7 +433,7 @@ def chunk_avg_log_softmax_backward(
         return dlogits_BTV
     gsum_S = torch.sum(grad_BCV, dim=-1, dtype=torch.float32).reshape(-1).contiguous()
     block = _block("bwd_block_v", V)
-    _chunk_bwd_kernel[(R, _cdiv(V, block))](
+    _chunk_bwd_kernel[(R, cdiv(V, block))](
         logits_BTV,
         grad_BCV,
         seg_R,
@@ -442,16 +449,12 @@ def chunk_avg_log_softmax_backward(
         grad_BCV.stride(0),
         grad_BCV.stride(1),
         grad_BCV.stride(2),
-        _LOG2E / temperature,
+        LOG2E / temperature,
         1.0 / temperature,
         BLOCK_V=block,
         num_warps=KERNEL_CONFIG["bwd_warps"],
     )
     return dlogits_BTV
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 class ChunkAvgLogSoftmax(torch.autograd.Function):

@@ -1,8 +1,10 @@
-"""Fused KD-loss kernels: row logsumexp, gathered chunk averages, P-KL projection and gold backward.
+"""Fused KD-loss row kernels: row logsumexp, gathered chunk averages, column max (shared config).
 
 These kernels let the whole cross-tokenizer loss run from the bf16 logits plus one fp32 scalar
-per row, never an fp32 ``[B, T, V]`` copy (see :mod:`xtoken_core.losses.fused` for how they are
-composed, and DESIGN "Losses" for the math they implement).
+per row, never an fp32 ``[B, T, V]`` copy. The P-KL projection kernels live in
+:mod:`xtoken_core.kernels.kd_pkl`, the gold backward in :mod:`xtoken_core.kernels.kd_gold`; all
+three read their block sizes from :data:`KERNEL_CONFIG` here. :mod:`xtoken_core.losses.fused`
+composes them (DESIGN "Losses" has the math they implement).
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, N valid chunks,
@@ -16,12 +18,7 @@ Per row ``r`` with ``x = z / temperature`` and ``lse_r = logsumexp_v x[r, v]``
 * ``lse``: online softmax in base 2, one ``exp2`` per element. Rows outside every valid chunk
   get ``lse = +inf`` so that every later ``p`` of theirs is exactly 0.
 * chunk average over gathered columns: ``out[n, i] = mean_{r in n} (x[r, cols[i]] - lse_r)``.
-* P-KL projection: ``q[r, j] = sum_{e in col j} p[r, s_e] * w_e`` (CSC of ``M[:, idx]``), done
-  as ``p_tile [rows, entries] @ onehot_w [entries, columns]`` per tile (fp32, "ieee").
-* P-KL backward: ``dz[r, s] = (1/T) p[r, s] (dp[r, s] - dot_r)`` with
-  ``dp[r, s] = sum_k dq[r, j_ks] w_ks`` (slot-major ELL of ``M[:, idx]``) and ``dot_r = sum_j dq q``.
-* gold backward: ``dz[r, v] = (G[n, v] - p[r, v] gsum_n) / (T n_size)`` where ``G`` is the
-  chunk gradient kept as two compact blocks (common columns, uncommon columns).
+* column max: ``max_W[w] = max_{r used} z[r, w]`` (P-KL teacher column selection).
 """
 
 from __future__ import annotations
@@ -30,24 +27,31 @@ import logging
 
 import torch
 
-from ._utils import MAX_COMBINE, SUM_COMBINE, lazy_jit, next_power_of_2, tl, use_triton
+from ._utils import (
+    LOG2E,
+    MAX_COMBINE,
+    SUM_COMBINE,
+    cdiv,
+    lazy_jit,
+    next_power_of_2,
+    tl,
+    use_triton,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "KERNEL_CONFIG",
+    "block_for",
+    "check_rows",
     "chunk_mean_columns",
     "column_max",
-    "gold_backward",
-    "project_rows_backward",
-    "project_rows_forward",
     "row_logsumexp",
     "use_triton",
 ]
 
-_LOG2E = 1.4426950408889634
-
-#: Block sizes and warps per kernel (GPU); small problems shrink the blocks to fit.
+#: Block sizes and warps per kernel (GPU), for this module, kd_pkl and kd_gold; small problems
+#: shrink the blocks to fit.
 KERNEL_CONFIG = {
     "lse_block_v": 4096,
     "lse_warps": 8,
@@ -68,11 +72,17 @@ KERNEL_CONFIG = {
 }
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
+def block_for(key: str, n: int, floor: int = 1) -> int:
+    """Configured block size ``KERNEL_CONFIG[key]``, shrunk to the problem, at least ``floor``.
 
+    Args:
+        key: a :data:`KERNEL_CONFIG` key.
+        n: the extent the block tiles.
+        floor: the smallest block allowed (a power of two).
 
-def _block(key: str, n: int, floor: int = 1) -> int:
+    Returns:
+        ``max(min(config, next_power_of_2(n)), floor)``.
+    """
     block = KERNEL_CONFIG[key]
     return max(min(block, next_power_of_2(n)), floor)
 
@@ -179,177 +189,20 @@ if tl is not None:
                 acc = tl.maximum(acc, z)
         tl.store(part_QW_ptr + q.to(tl.int64) * W + w, acc, mask=wm)
 
-    @lazy_jit
-    def _proj_fwd_kernel(
-        z_ptr,
-        lse_R_ptr,
-        ptr_K1_ptr,
-        rows_E_ptr,
-        cols_E_ptr,
-        w_E_ptr,
-        q_ptr,
-        R,
-        T,
-        K,
-        num_jb,
-        stride_b,
-        stride_t,
-        q_stride,
-        scale2,
-        BLOCK_N: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_J: tl.constexpr,
-    ):
-        # Program (row block, column block); column blocks vary fastest so that the programs in
-        # flight share one row block (kept in L2). Entries of columns [j0, j0 + BLOCK_J) are
-        # contiguous in the CSC list; each tile of BLOCK_E entries does
-        #   acc[n, j] += sum_e p[n, s_e] * (w_e if col_e == j else 0)      (fp32 dot, "ieee")
-        pid = tl.program_id(0)
-        nb = pid // num_jb
-        jb = pid % num_jb
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < R
-        n64 = n.to(tl.int64)
-        rows = z_ptr + (n64 // T) * stride_b + (n64 % T) * stride_t
-        lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
-        j0 = jb * BLOCK_J
-        jj = tl.arange(0, BLOCK_J)
-        e_start = tl.load(ptr_K1_ptr + j0)
-        e_end = tl.load(ptr_K1_ptr + tl.minimum(j0 + BLOCK_J, K))
-        offs_e = tl.arange(0, BLOCK_E)
-        acc = tl.full((BLOCK_N, BLOCK_J), 0.0, tl.float32)
-        for e0 in range(e_start, e_end, BLOCK_E):
-            e = e0 + offs_e
-            em = e < e_end
-            s = tl.load(rows_E_ptr + e, mask=em, other=0).to(tl.int64)
-            w = tl.load(w_E_ptr + e, mask=em, other=0.0)
-            c = tl.load(cols_E_ptr + e, mask=em, other=-1) - j0
-            mask = nm[:, None] & em[None, :]
-            z = tl.load(rows[:, None] + s[None, :], mask=mask, other=0.0).to(tl.float32)
-            p = tl.where(mask, tl.exp2(z * scale2 - lse2[:, None]), 0.0)
-            onehot = tl.where(c[:, None] == jj[None, :], w[:, None], 0.0)
-            acc += tl.dot(p, onehot, input_precision="ieee")
-        j = j0 + jj
-        tl.store(
-            q_ptr + n64[:, None] * q_stride + j[None, :],
-            acc,
-            mask=nm[:, None] & (j[None, :] < K),
-        )
-
-    @lazy_jit
-    def _proj_bwd_kernel(
-        z_ptr,
-        lse_R_ptr,
-        dq_ptr,
-        dot_R_ptr,
-        ell_j_PS_ptr,
-        ell_w_PS_ptr,
-        dz_ptr,
-        R,
-        T,
-        V,
-        S,
-        num_vb,
-        stride_b,
-        stride_t,
-        dq_stride,
-        scale2,
-        inv_temp,
-        P: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
-        # Program (row block, vocab block), vocab blocks fastest (the row block's dq rows stay
-        # in L2). ELL slots are packed to the front of each row of M, so a slot with no entry in
-        # this vocab block ends the useful work; it is skipped without loading dq.
-        #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
-        pid = tl.program_id(0)
-        nb = pid // num_vb
-        vb = pid % num_vb
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < R
-        n64 = n.to(tl.int64)
-        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vm = v < V
-        sm = v < S
-        mask = nm[:, None] & vm[None, :]
-        rows = z_ptr + (n64 // T) * stride_b + (n64 % T) * stride_t
-        z = tl.load(rows[:, None] + v[None, :], mask=mask, other=0.0).to(tl.float32)
-        lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
-        p = tl.exp2(z * scale2 - lse2[:, None])
-        dq_rows = dq_ptr + n64 * dq_stride
-        dp = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
-        for k in range(0, P):
-            j = tl.load(ell_j_PS_ptr + k * S + v, mask=sm, other=-1)
-            if tl.reduce(j, 0, MAX_COMBINE) >= 0:
-                w = tl.load(ell_w_PS_ptr + k * S + v, mask=sm, other=0.0)
-                g = tl.load(
-                    dq_rows[:, None] + j[None, :], mask=nm[:, None] & (j >= 0)[None, :], other=0.0
-                )
-                dp += g * w[None, :]
-        dot = tl.load(dot_R_ptr + n, mask=nm, other=0.0)
-        dz = p * (dp - dot[:, None]) * inv_temp
-        tl.store(dz_ptr + n64[:, None] * V + v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-
-    @lazy_jit
-    def _gold_bwd_kernel(
-        z_ptr,
-        lse_R_ptr,
-        nidx_R_ptr,
-        gc_ptr,
-        gu_ptr,
-        cpos_V_ptr,
-        gsum_N_ptr,
-        coef_N_ptr,
-        gscale_ptr,
-        dz_ptr,
-        T,
-        V,
-        stride_b,
-        stride_t,
-        gc_stride,
-        gu_stride,
-        scale2,
-        HAS_COMMON: tl.constexpr,
-        HAS_UNCOMMON: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-    ):
-        # Program (row r, vocab block), n = chunk of r; c = cpos[v] says where v's chunk
-        # gradient lives: c >= 0 common block, c <= -2 uncommon block at -c - 2, -1 nowhere.
-        #   G = gscale[0] gc[n, c] + gscale[1] gu[n, -c - 2]
-        #   dz[r, v] = (G - p[r, v] gsum[n]) coef[n]
-        r = tl.program_id(0).to(tl.int64)
-        vb = tl.program_id(1)
-        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vm = v < V
-        n = tl.load(nidx_R_ptr + r).to(tl.int64)
-        out_ptr = dz_ptr + r * V + v
-        if n >= 0:
-            row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
-            z = tl.load(row_ptr + v, mask=vm, other=0.0).to(tl.float32)
-            p = tl.exp2(z * scale2 - tl.load(lse_R_ptr + r) * 1.4426950408889634)
-            c = tl.load(cpos_V_ptr + v, mask=vm, other=-1)
-            g = tl.full((BLOCK_V,), 0.0, tl.float32)
-            if HAS_COMMON:
-                gc = tl.load(gc_ptr + n * gc_stride + c, mask=c >= 0, other=0.0)
-                g += tl.load(gscale_ptr) * gc
-            if HAS_UNCOMMON:
-                gu = tl.load(gu_ptr + n * gu_stride + (-2 - c), mask=c <= -2, other=0.0)
-                g += tl.load(gscale_ptr + 1) * gu
-            dz = (g - p * tl.load(gsum_N_ptr + n)) * tl.load(coef_N_ptr + n)
-            tl.store(out_ptr, dz.to(dz_ptr.dtype.element_ty), mask=vm)
-        else:
-            tl.store(
-                out_ptr,
-                tl.full((BLOCK_V,), 0.0, tl.float32).to(dz_ptr.dtype.element_ty),
-                mask=vm,
-            )
-
 
 # --------------------------------------------------------------------------- host wrappers
 
 
-def _check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor) -> None:
+def check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor) -> None:
+    """Check the logits layout and the per-row chunk index that the row kernels need.
+
+    Args:
+        z_BTV: [B, T, V] logits.
+        nidx_R: [B*T] valid-chunk index per row.
+
+    Raises:
+        ValueError: the logits are not 3-d with a contiguous last dim, or the row count differs.
+    """
     if z_BTV.dim() != 3 or z_BTV.stride(-1) != 1:
         raise ValueError(
             f"logits must be [B, T, V] with a contiguous last dim, got shape {tuple(z_BTV.shape)} "
@@ -376,7 +229,7 @@ def row_logsumexp(z_BTV: torch.Tensor, nidx_R: torch.Tensor, temperature: float)
     Raises:
         ValueError: bad layout or row count.
     """
-    _check_rows(z_BTV, nidx_R)
+    check_rows(z_BTV, nidx_R)
     B, T, V = z_BTV.shape
     lse_R = torch.empty(B * T, device=z_BTV.device, dtype=torch.float32)
     if B * T == 0:
@@ -391,8 +244,8 @@ def row_logsumexp(z_BTV: torch.Tensor, nidx_R: torch.Tensor, temperature: float)
         V,
         z_BTV.stride(0),
         z_BTV.stride(1),
-        _LOG2E / temperature,
-        BLOCK_V=_block("lse_block_v", V, 16),
+        LOG2E / temperature,
+        BLOCK_V=block_for("lse_block_v", V, 16),
         num_warps=KERNEL_CONFIG["lse_warps"],
     )
     return lse_R
@@ -425,8 +278,8 @@ def chunk_mean_columns(
     out_NX = torch.empty((N, X), device=z_BTV.device, dtype=torch.float32)
     if N == 0 or X == 0:
         return out_NX
-    block = _block("cols_block_x", X, 16)
-    _chunk_cols_kernel[(N, _cdiv(X, block))](
+    block = block_for("cols_block_x", X, 16)
+    _chunk_cols_kernel[(N, cdiv(X, block))](
         z_BTV,
         lse_R,
         order_R,
@@ -456,16 +309,16 @@ def column_max(z_BTW: torch.Tensor, nidx_R: torch.Tensor) -> torch.Tensor:
     Returns:
         max_W fp32 [W] (-inf where no row is used), equal to the masked ``amax`` exactly.
     """
-    _check_rows(z_BTW, nidx_R)
+    check_rows(z_BTW, nidx_R)
     B, T, W = z_BTW.shape
     R = B * T
     rows = KERNEL_CONFIG["colmax_rows"]
-    Q = max(_cdiv(R, rows), 1)
+    Q = max(cdiv(R, rows), 1)
     part_QW = torch.empty((Q, W), device=z_BTW.device, dtype=torch.float32)
     if R == 0 or W == 0:
         return part_QW.fill_(float("-inf")).amax(0)
-    block = _block("colmax_block_w", W, 16)
-    _col_max_kernel[(_cdiv(W, block), Q)](
+    block = block_for("colmax_block_w", W, 16)
+    _col_max_kernel[(cdiv(W, block), Q)](
         z_BTW,
         nidx_R,
         part_QW,
@@ -479,184 +332,3 @@ def column_max(z_BTW: torch.Tensor, nidx_R: torch.Tensor) -> torch.Tensor:
         num_warps=KERNEL_CONFIG["colmax_warps"],
     )
     return part_QW.amax(0)
-
-
-def project_rows_forward(
-    z_BTV: torch.Tensor,
-    lse_R: torch.Tensor,
-    ptr_K1: torch.Tensor,
-    rows_E: torch.Tensor,
-    cols_E: torch.Tensor,
-    w_E: torch.Tensor,
-    temperature: float,
-) -> torch.Tensor:
-    """``q = softmax(z / T) @ M[:, idx]`` straight from the logits (no probability tensor).
-
-    Args:
-        z_BTV: [B, T, V] logits, last dim contiguous.
-        lse_R: [B*T] fp32 row logsumexp (``+inf`` rows give q = 0).
-        ptr_K1: [K + 1] int64, entries of selected column j are ``ptr[j]:ptr[j + 1]``.
-        rows_E: [E] int32 student rows of the entries (< V).
-        cols_E: [E] int32 selected-column index j of each entry (non-decreasing).
-        w_E: [E] fp32 weights.
-        temperature: softmax temperature.
-
-    Returns:
-        q_RK fp32 [B*T, K].
-    """
-    B, T, V = z_BTV.shape
-    R, K = B * T, ptr_K1.numel() - 1
-    q_RK = torch.empty((R, K), device=z_BTV.device, dtype=torch.float32)
-    if R == 0 or K == 0:
-        return q_RK
-    bn, bj = KERNEL_CONFIG["proj_block_n"], KERNEL_CONFIG["proj_block_j"]
-    num_jb = _cdiv(K, bj)
-    _proj_fwd_kernel[(_cdiv(R, bn) * num_jb,)](
-        z_BTV,
-        lse_R,
-        ptr_K1,
-        rows_E,
-        cols_E,
-        w_E,
-        q_RK,
-        R,
-        T,
-        K,
-        num_jb,
-        z_BTV.stride(0),
-        z_BTV.stride(1),
-        q_RK.stride(0),
-        _LOG2E / temperature,
-        BLOCK_N=bn,
-        BLOCK_E=KERNEL_CONFIG["proj_block_e"],
-        BLOCK_J=bj,
-        num_warps=KERNEL_CONFIG["proj_warps"],
-    )
-    return q_RK
-
-
-def project_rows_backward(
-    z_BTV: torch.Tensor,
-    lse_R: torch.Tensor,
-    dq_RK: torch.Tensor,
-    dot_R: torch.Tensor,
-    ell_j_PS: torch.Tensor,
-    ell_w_PS: torch.Tensor,
-    temperature: float,
-) -> torch.Tensor:
-    """Gradient of :func:`project_rows_forward` w.r.t. the logits, in the logits dtype.
-
-    Args:
-        z_BTV: [B, T, V] logits.
-        lse_R: [B*T] fp32 row logsumexp.
-        dq_RK: [B*T, K] fp32 gradient of q (last dim contiguous).
-        dot_R: [B*T] fp32 ``sum_j dq[r, j] q[r, j]``.
-        ell_j_PS: [P, S] int32 (slot-major ELL) selected-column index of each row entry of M,
-            -1 = none, entries packed to the low slots of each row (S <= V).
-        ell_w_PS: [P, S] fp32 weights.
-        temperature: softmax temperature.
-
-    Returns:
-        dz_BTV, contiguous, every element written.
-    """
-    B, T, V = z_BTV.shape
-    R = B * T
-    P, S = ell_j_PS.shape
-    dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
-    if R == 0 or V == 0:
-        return dz_BTV
-    if dq_RK.stride(-1) != 1:
-        dq_RK = dq_RK.contiguous()
-    bn = _block("pbwd_block_n", R, 16)
-    bv = _block("pbwd_block_v", V, 16)
-    num_vb = _cdiv(V, bv)
-    _proj_bwd_kernel[(_cdiv(R, bn) * num_vb,)](
-        z_BTV,
-        lse_R,
-        dq_RK,
-        dot_R,
-        ell_j_PS,
-        ell_w_PS,
-        dz_BTV,
-        R,
-        T,
-        V,
-        S,
-        num_vb,
-        z_BTV.stride(0),
-        z_BTV.stride(1),
-        dq_RK.stride(0),
-        _LOG2E / temperature,
-        1.0 / temperature,
-        P=P,
-        BLOCK_N=bn,
-        BLOCK_V=bv,
-        num_warps=KERNEL_CONFIG["pbwd_warps"],
-    )
-    return dz_BTV
-
-
-def gold_backward(
-    z_BTV: torch.Tensor,
-    lse_R: torch.Tensor,
-    nidx_R: torch.Tensor,
-    g_common_NC: torch.Tensor | None,
-    g_uncommon_NU: torch.Tensor | None,
-    cpos_V: torch.Tensor,
-    gsum_N: torch.Tensor,
-    coef_N: torch.Tensor,
-    gscale_2: torch.Tensor,
-    temperature: float,
-) -> torch.Tensor:
-    """Logits gradient of a loss on chunk-averaged log-probs given as compact chunk gradients.
-
-    The chunk gradient of chunk n at vocab id v is ``gscale[0] * g_common[n, c]`` when
-    ``c = cpos[v] >= 0``, ``gscale[1] * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0.
-
-    Args:
-        z_BTV: [B, T, V] logits.
-        lse_R: [B*T] fp32 row logsumexp.
-        nidx_R: [B*T] int valid-chunk index per row, -1 = none (gradient 0).
-        g_common_NC: [N, Mc] fp32, or None.
-        g_uncommon_NU: [N, Mu] fp32, or None.
-        cpos_V: [V] int32 position code (see above).
-        gsum_N: [N] fp32, the total (scaled) chunk gradient of each chunk.
-        coef_N: [N] fp32, ``1 / (temperature * chunk size)``.
-        gscale_2: [2] fp32 scales of the common and uncommon parts (upstream gradients).
-        temperature: softmax temperature.
-
-    Returns:
-        dz_BTV in the logits dtype, contiguous.
-    """
-    B, T, V = z_BTV.shape
-    R = B * T
-    dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
-    if R == 0 or V == 0:
-        return dz_BTV
-    has_c = g_common_NC is not None and g_common_NC.numel() > 0
-    has_u = g_uncommon_NU is not None and g_uncommon_NU.numel() > 0
-    bv = _block("gbwd_block_v", V, 16)
-    _gold_bwd_kernel[(R, _cdiv(V, bv))](
-        z_BTV,
-        lse_R,
-        nidx_R,
-        g_common_NC if has_c else gsum_N,  # any valid pointer when absent
-        g_uncommon_NU if has_u else gsum_N,
-        cpos_V,
-        gsum_N,
-        coef_N,
-        gscale_2,
-        dz_BTV,
-        T,
-        V,
-        z_BTV.stride(0),
-        z_BTV.stride(1),
-        g_common_NC.stride(0) if has_c else 0,
-        g_uncommon_NU.stride(0) if has_u else 0,
-        _LOG2E / temperature,
-        HAS_COMMON=has_c,
-        HAS_UNCOMMON=has_u,
-        BLOCK_V=bv,
-        num_warps=KERNEL_CONFIG["gbwd_warps"],
-    )
-    return dz_BTV

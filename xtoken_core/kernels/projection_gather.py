@@ -32,6 +32,7 @@ import torch
 
 from ._utils import (
     SUM_COMBINE,
+    cdiv,
     interpret_mode,
     lazy_jit,
     next_power_of_2,
@@ -465,10 +466,6 @@ if tl is not None:
         )
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def _block_n(key: str, n: int) -> int:
     """Configured block over rows of p; interpreted, no wider than the rows (cheap on CPU)."""
     block = KERNEL_CONFIG[key]
@@ -503,7 +500,7 @@ def project_by_gather_forward(
     bn = _block_n("fwd_block_n", N)
     per_row = S * p_NS.element_size()
     nc = max(bn, (KERNEL_CONFIG["fwd_chunk_bytes"] // per_row) // bn * bn)
-    nc = min(nc, _cdiv(N, bn) * bn)
+    nc = min(nc, cdiv(N, bn) * bn)
     P = index.piece_start_P.numel()
     H = index.heavy_cols_H.numel()
     pT_SC = torch.empty((S, nc), device=p_NS.device, dtype=p_NS.dtype)
@@ -511,7 +508,7 @@ def project_by_gather_forward(
     for n0 in range(0, N, nc):
         m = min(nc, N - n0)
         transpose_into(p_NS[n0 : n0 + m], pT_SC[:, :m])
-        _gather_fwd_kernel[(_cdiv(m, bn) * P,)](
+        _gather_fwd_kernel[(cdiv(m, bn) * P,)](
             pT_SC,
             buf_AC,
             index.piece_start_P,
@@ -528,7 +525,7 @@ def project_by_gather_forward(
             num_warps=KERNEL_CONFIG["fwd_warps"],
         )
         if H:
-            _sum_partials_kernel[(_cdiv(m, bn) * H,)](
+            _sum_partials_kernel[(cdiv(m, bn) * H,)](
                 buf_AC,
                 index.heavy_cols_H,
                 index.heavy_ptr_H1,
@@ -565,8 +562,8 @@ def project_by_gather_backward(
     dqT_JN = transpose_into(dq_NJ, torch.empty((J, N), device=dq_NJ.device, dtype=dq_NJ.dtype))
     bn = _block_n("bwd_block_n", N)
     bs = min(KERNEL_CONFIG["bwd_block_s"], next_power_of_2(S))
-    num_sb = _cdiv(S, bs)
-    _gather_bwd_kernel[(_cdiv(N, bn) * num_sb,)](
+    num_sb = cdiv(S, bs)
+    _gather_bwd_kernel[(cdiv(N, bn) * num_sb,)](
         dqT_JN,
         dp_NS,
         index.ell_cols_SK,

@@ -329,7 +329,35 @@ def pkl_kd_loss(
         student_logits_BTV, restrict_columns(projection_VW, idx_K), temperature
     )
     q_BCK, _ = chunk_average_log_probs(q_BTK, student_chunk_id_BT, C)
-    teacher_lp_NK, q_NK = teacher_lp_BCK[valid_BC], q_BCK[valid_BC]
+    return pkl_terms_from_chunks(
+        teacher_lp_BCK[valid_BC],
+        q_BCK[valid_BC],
+        valid_BC,
+        temperature=temperature,
+        reverse_kl=reverse_kl,
+    )
+
+
+def pkl_terms_from_chunks(
+    teacher_lp_NK: torch.Tensor,
+    q_NK: torch.Tensor,
+    valid_BC: torch.Tensor,
+    *,
+    temperature: float,
+    reverse_kl: bool,
+) -> KDTerms:
+    """P-KL KD sums from the valid chunks' averages (shared by the reference and kernel paths).
+
+    Args:
+        teacher_lp_NK: ``[N, K]`` chunk-averaged teacher log-probs ``L_c`` of the valid chunks.
+        q_NK: ``[N, K]`` chunk-averaged projected student probabilities ``q_c`` (same dtype).
+        valid_BC: ``[B, C]`` bool (N = its count).
+        temperature: T (for the T**2 factor).
+        reverse_kl: reverse KL.
+
+    Returns:
+        :class:`KDTerms` (``l1`` is 0).
+    """
     kl_N = pkl_chunk_kl(teacher_lp_NK, q_NK, reverse_kl) * temperature**2
     kd = kl_N.sum()
     return KDTerms(
@@ -337,7 +365,7 @@ def pkl_kd_loss(
         kl=kd.detach(),
         l1=kd.new_zeros(()),
         correct=_argmax_agree(q_NK.detach(), teacher_lp_NK),
-        num_valid=valid_BC.sum().to(dtype),
+        num_valid=valid_BC.sum().to(kd.dtype),
     )
 
 
@@ -414,18 +442,41 @@ def gold_terms_from_chunks(
     kl_N, l1_N = gold_chunk_terms(
         teacher_lp_NW, student_lp_NV, exact_map, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl
     )
-    scale = temperature**2
-    kl, l1 = kl_N.sum() * scale, l1_N.sum() * scale
     correct = _argmax_agree(
         student_lp_NV.detach()[:, exact_map["common_student"]],
         teacher_lp_NW[:, exact_map["common_teacher"]],
     )
+    return gold_terms_from_sums(kl_N.sum(), l1_N.sum(), correct, valid_BC, temperature=temperature)
+
+
+def gold_terms_from_sums(
+    kl_sum: torch.Tensor,
+    l1_sum: torch.Tensor,
+    correct: torch.Tensor,
+    valid_BC: torch.Tensor,
+    *,
+    temperature: float,
+) -> KDTerms:
+    """Gold KD terms from the unscaled KL and L1 sums over the valid chunks (times T**2 here).
+
+    Args:
+        kl_sum: scalar common-vocab KL sum (differentiable).
+        l1_sum: scalar uncommon L1 sum (differentiable, same dtype).
+        correct: scalar count of valid chunks whose common-vocab argmaxes agree.
+        valid_BC: ``[B, C]`` bool.
+        temperature: T.
+
+    Returns:
+        :class:`KDTerms` with ``kd = (kl + l1) * T**2``.
+    """
+    scale = temperature**2
+    kl, l1 = kl_sum * scale, l1_sum * scale
     return KDTerms(
         kd=kl + l1,
         kl=kl.detach(),
         l1=l1.detach(),
         correct=correct,
-        num_valid=valid_BC.sum().to(student_lp_BCV.dtype),
+        num_valid=valid_BC.sum().to(kl.dtype),
     )
 
 

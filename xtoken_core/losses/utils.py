@@ -1,7 +1,8 @@
-"""Loss plumbing: fp32 sparse matmul, DP count reduction, chunk-id helpers, in-memory projections.
+"""Loss plumbing: fp32 sparse matmul, DP counts, chunk ids and rows, alignment view, projections.
 
 Legend (shape suffixes in this file):
-    B batch, T tokens (either side), C chunk slots (``max_pairs``), N non-zeros,
+    B batch, T tokens (either side), C chunk slots (``max_pairs``), N non-zeros (projections)
+    or valid chunks (chunk rows), R rows (``B*T``), S flattened ``[B, C]`` slots,
     V student vocab, W teacher vocab, K top-k slots of a dense projection row,
     X columns of the dense operand of a sparse matmul.
 """
@@ -162,6 +163,52 @@ def check_chunk_ids(name: str, chunk_id_BT: torch.Tensor, num_chunks: int) -> No
             f"(num_chunks = alignment_pair_valid.shape[1] = {num_chunks}); "
             "re-run the aligner or widen alignment_pair_valid"
         )
+
+
+# --------------------------------------------------------------------------- valid-chunk rows
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """Rows of each valid chunk on one side (valid chunks numbered 0..N-1 in ``[B, C]`` order).
+
+    Attributes:
+        nidx_R: int64 [R], valid-chunk index of each row, -1 = none.
+        order_R: int64 [R], rows sorted by valid chunk (rows of no valid chunk last).
+        offsets_N1: int64 [N + 1], rows of chunk n are ``order[offsets[n]:offsets[n + 1]]``.
+        sizes_N: fp32 [N], rows per chunk.
+    """
+
+    nidx_R: torch.Tensor
+    order_R: torch.Tensor
+    offsets_N1: torch.Tensor
+    sizes_N: torch.Tensor
+
+
+def chunk_rows(chunk_id_BT: torch.Tensor, valid_BC: torch.Tensor, num_valid: int) -> ChunkRows:
+    """Group the rows of the valid chunks (no host sync besides what the caller did).
+
+    Args:
+        chunk_id_BT: [B, T] shifted chunk ids in [-1, C).
+        valid_BC: [B, C] bool.
+        num_valid: N, ``valid_BC.sum()``.
+
+    Returns:
+        :class:`ChunkRows`.
+    """
+    B, T = chunk_id_BT.shape
+    C = valid_BC.shape[1]
+    device = chunk_id_BT.device
+    flat_S = valid_BC.reshape(-1).to(device)
+    segmap_S = torch.where(flat_S, torch.cumsum(flat_S, 0) - 1, -1)
+    cid_BT = chunk_id_BT.long()
+    seg_BT = torch.arange(B, device=device).view(-1, 1) * C + cid_BT.clamp(min=0)
+    nidx_R = torch.where(cid_BT >= 0, segmap_S[seg_BT], -1).reshape(-1).contiguous()
+    key_R = torch.where(nidx_R >= 0, nidx_R, num_valid)
+    sorted_R, order_R = torch.sort(key_R, stable=True)
+    offsets_N1 = torch.searchsorted(sorted_R, torch.arange(num_valid + 1, device=device))
+    sizes_N = (offsets_N1[1:] - offsets_N1[:-1]).to(torch.float32)
+    return ChunkRows(nidx_R, order_R.contiguous(), offsets_N1.contiguous(), sizes_N)
 
 
 # --------------------------------------------------------------------------- alignment view

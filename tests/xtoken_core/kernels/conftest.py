@@ -10,6 +10,8 @@ is pinned to whatever ``TRITON_INTERPRET`` was when it was imported).
 import pytest
 import torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(autouse=True)
 def _triton_interpreter_without_cuda(monkeypatch):
@@ -25,3 +27,24 @@ def no_interpreter(monkeypatch):
         pytest.skip("the CPU fallback path is only taken without CUDA")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     yield
+
+
+# --------------------------------------------------------------------------- fused KD kernel cases
+
+
+def kd_logits(B, T, V, dtype, seed, pad=0):
+    """Random ``[B, T, V]`` logits on DEVICE; a vocab-sliced view (row stride != V) when pad > 0."""
+    gen = torch.Generator().manual_seed(seed)
+    z = (torch.randn(B, T, V + pad, generator=gen) * 3).to(dtype).to(DEVICE)
+    return z[..., :V]
+
+
+def kd_rows(B, T, N, seed):
+    """nidx [B*T] with runs of 1-3 rows per chunk, some rows in no chunk, and the order/offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    nidx = torch.randint(0, N, (B * T,), generator=gen)
+    nidx[torch.rand(B * T, generator=gen) < 0.2] = -1
+    key = torch.where(nidx >= 0, nidx, N)
+    sorted_key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(sorted_key, torch.arange(N + 1))
+    return nidx.to(DEVICE), order.to(DEVICE), offsets.to(DEVICE)

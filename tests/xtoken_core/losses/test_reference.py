@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xtoken_core.losses import reference
-from xtoken_core.losses.fused import chunk_mean_scatter
+from xtoken_core.losses.composed import chunk_mean_scatter
 from xtoken_core.losses.utils import (
     Fp32SparseMM,
     chunk_sizes,

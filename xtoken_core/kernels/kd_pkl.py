@@ -1,0 +1,414 @@
+"""Fused P-KL projection: ``q = softmax(z / T) @ M[:, idx]`` from the logits, kernels + autograd.
+
+The projection ``M[S, W]`` is held twice (:class:`ProjectionTables`, built once per matrix): as
+a CSC list for the forward gathers and as an ELL table for the backward gathers, so that no
+``[B, T, V]`` probability tensor is ever materialized. Block sizes come from
+:data:`xtoken_core.kernels.kd_fused.KERNEL_CONFIG`.
+
+Legend (shape suffixes):
+    R rows of the logits (flattened B x T), V vocabulary of the logits, W teacher vocabulary
+    (columns of M), S student vocabulary (rows of M), K selected teacher columns, E entries of
+    M, P entries per row of M (ELL width).
+
+* forward: ``q[r, j] = sum_{e in col j} p[r, s_e] * w_e`` (CSC of ``M[:, idx]``), done
+  as ``p_tile [rows, entries] @ onehot_w [entries, columns]`` per tile (fp32, "ieee").
+* backward: ``dz[r, s] = (1/T) p[r, s] (dp[r, s] - dot_r)`` with
+  ``dp[r, s] = sum_k dq[r, j_ks] w_ks`` (slot-major ELL of ``M[:, idx]``) and ``dot_r = sum_j dq q``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ._utils import LOG2E, MAX_COMBINE, cdiv, lazy_jit, tl
+from .kd_fused import KERNEL_CONFIG, block_for, row_logsumexp
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ProjectRows",
+    "ProjectionTables",
+    "project_rows_backward",
+    "project_rows_forward",
+    "projection_tables",
+    "restrict_tables",
+]
+
+
+if tl is not None:
+
+    @lazy_jit
+    def _proj_fwd_kernel(
+        z_ptr,
+        lse_R_ptr,
+        ptr_K1_ptr,
+        rows_E_ptr,
+        cols_E_ptr,
+        w_E_ptr,
+        q_ptr,
+        R,
+        T,
+        K,
+        num_jb,
+        stride_b,
+        stride_t,
+        q_stride,
+        scale2,
+        BLOCK_N: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+    ):
+        # Program (row block, column block); column blocks vary fastest so that the programs in
+        # flight share one row block (kept in L2). Entries of columns [j0, j0 + BLOCK_J) are
+        # contiguous in the CSC list; each tile of BLOCK_E entries does
+        #   acc[n, j] += sum_e p[n, s_e] * (w_e if col_e == j else 0)      (fp32 dot, "ieee")
+        pid = tl.program_id(0)
+        nb = pid // num_jb
+        jb = pid % num_jb
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < R
+        n64 = n.to(tl.int64)
+        rows = z_ptr + (n64 // T) * stride_b + (n64 % T) * stride_t
+        lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
+        j0 = jb * BLOCK_J
+        jj = tl.arange(0, BLOCK_J)
+        e_start = tl.load(ptr_K1_ptr + j0)
+        e_end = tl.load(ptr_K1_ptr + tl.minimum(j0 + BLOCK_J, K))
+        offs_e = tl.arange(0, BLOCK_E)
+        acc = tl.full((BLOCK_N, BLOCK_J), 0.0, tl.float32)
+        for e0 in range(e_start, e_end, BLOCK_E):
+            e = e0 + offs_e
+            em = e < e_end
+            s = tl.load(rows_E_ptr + e, mask=em, other=0).to(tl.int64)
+            w = tl.load(w_E_ptr + e, mask=em, other=0.0)
+            c = tl.load(cols_E_ptr + e, mask=em, other=-1) - j0
+            mask = nm[:, None] & em[None, :]
+            z = tl.load(rows[:, None] + s[None, :], mask=mask, other=0.0).to(tl.float32)
+            p = tl.where(mask, tl.exp2(z * scale2 - lse2[:, None]), 0.0)
+            onehot = tl.where(c[:, None] == jj[None, :], w[:, None], 0.0)
+            acc += tl.dot(p, onehot, input_precision="ieee")
+        j = j0 + jj
+        tl.store(
+            q_ptr + n64[:, None] * q_stride + j[None, :],
+            acc,
+            mask=nm[:, None] & (j[None, :] < K),
+        )
+
+    @lazy_jit
+    def _proj_bwd_kernel(
+        z_ptr,
+        lse_R_ptr,
+        dq_ptr,
+        dot_R_ptr,
+        ell_j_PS_ptr,
+        ell_w_PS_ptr,
+        dz_ptr,
+        R,
+        T,
+        V,
+        S,
+        num_vb,
+        stride_b,
+        stride_t,
+        dq_stride,
+        scale2,
+        inv_temp,
+        P: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        # Program (row block, vocab block), vocab blocks fastest (the row block's dq rows stay
+        # in L2). ELL slots are packed to the front of each row of M, so a slot with no entry in
+        # this vocab block ends the useful work; it is skipped without loading dq.
+        #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
+        pid = tl.program_id(0)
+        nb = pid // num_vb
+        vb = pid % num_vb
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < R
+        n64 = n.to(tl.int64)
+        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        vm = v < V
+        sm = v < S
+        mask = nm[:, None] & vm[None, :]
+        rows = z_ptr + (n64 // T) * stride_b + (n64 % T) * stride_t
+        z = tl.load(rows[:, None] + v[None, :], mask=mask, other=0.0).to(tl.float32)
+        lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
+        p = tl.exp2(z * scale2 - lse2[:, None])
+        dq_rows = dq_ptr + n64 * dq_stride
+        dp = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
+        for k in range(0, P):
+            j = tl.load(ell_j_PS_ptr + k * S + v, mask=sm, other=-1)
+            if tl.reduce(j, 0, MAX_COMBINE) >= 0:
+                w = tl.load(ell_w_PS_ptr + k * S + v, mask=sm, other=0.0)
+                g = tl.load(
+                    dq_rows[:, None] + j[None, :], mask=nm[:, None] & (j >= 0)[None, :], other=0.0
+                )
+                dp += g * w[None, :]
+        dot = tl.load(dot_R_ptr + n, mask=nm, other=0.0)
+        dz = p * (dp - dot[:, None]) * inv_temp
+        tl.store(dz_ptr + n64[:, None] * V + v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------- host wrappers
+
+
+def project_rows_forward(
+    z_BTV: torch.Tensor,
+    lse_R: torch.Tensor,
+    ptr_K1: torch.Tensor,
+    rows_E: torch.Tensor,
+    cols_E: torch.Tensor,
+    w_E: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """``q = softmax(z / T) @ M[:, idx]`` straight from the logits (no probability tensor).
+
+    Args:
+        z_BTV: [B, T, V] logits, last dim contiguous.
+        lse_R: [B*T] fp32 row logsumexp (``+inf`` rows give q = 0).
+        ptr_K1: [K + 1] int64, entries of selected column j are ``ptr[j]:ptr[j + 1]``.
+        rows_E: [E] int32 student rows of the entries (< V).
+        cols_E: [E] int32 selected-column index j of each entry (non-decreasing).
+        w_E: [E] fp32 weights.
+        temperature: softmax temperature.
+
+    Returns:
+        q_RK fp32 [B*T, K].
+    """
+    B, T, V = z_BTV.shape
+    R, K = B * T, ptr_K1.numel() - 1
+    q_RK = torch.empty((R, K), device=z_BTV.device, dtype=torch.float32)
+    if R == 0 or K == 0:
+        return q_RK
+    bn, bj = KERNEL_CONFIG["proj_block_n"], KERNEL_CONFIG["proj_block_j"]
+    num_jb = cdiv(K, bj)
+    _proj_fwd_kernel[(cdiv(R, bn) * num_jb,)](
+        z_BTV,
+        lse_R,
+        ptr_K1,
+        rows_E,
+        cols_E,
+        w_E,
+        q_RK,
+        R,
+        T,
+        K,
+        num_jb,
+        z_BTV.stride(0),
+        z_BTV.stride(1),
+        q_RK.stride(0),
+        LOG2E / temperature,
+        BLOCK_N=bn,
+        BLOCK_E=KERNEL_CONFIG["proj_block_e"],
+        BLOCK_J=bj,
+        num_warps=KERNEL_CONFIG["proj_warps"],
+    )
+    return q_RK
+
+
+def project_rows_backward(
+    z_BTV: torch.Tensor,
+    lse_R: torch.Tensor,
+    dq_RK: torch.Tensor,
+    dot_R: torch.Tensor,
+    ell_j_PS: torch.Tensor,
+    ell_w_PS: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """Gradient of :func:`project_rows_forward` w.r.t. the logits, in the logits dtype.
+
+    Args:
+        z_BTV: [B, T, V] logits.
+        lse_R: [B*T] fp32 row logsumexp.
+        dq_RK: [B*T, K] fp32 gradient of q (last dim contiguous).
+        dot_R: [B*T] fp32 ``sum_j dq[r, j] q[r, j]``.
+        ell_j_PS: [P, S] int32 (slot-major ELL) selected-column index of each row entry of M,
+            -1 = none, entries packed to the low slots of each row (S <= V).
+        ell_w_PS: [P, S] fp32 weights.
+        temperature: softmax temperature.
+
+    Returns:
+        dz_BTV, contiguous, every element written.
+    """
+    B, T, V = z_BTV.shape
+    R = B * T
+    P, S = ell_j_PS.shape
+    dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
+    if R == 0 or V == 0:
+        return dz_BTV
+    if dq_RK.stride(-1) != 1:
+        dq_RK = dq_RK.contiguous()
+    bn = block_for("pbwd_block_n", R, 16)
+    bv = block_for("pbwd_block_v", V, 16)
+    num_vb = cdiv(V, bv)
+    _proj_bwd_kernel[(cdiv(R, bn) * num_vb,)](
+        z_BTV,
+        lse_R,
+        dq_RK,
+        dot_R,
+        ell_j_PS,
+        ell_w_PS,
+        dz_BTV,
+        R,
+        T,
+        V,
+        S,
+        num_vb,
+        z_BTV.stride(0),
+        z_BTV.stride(1),
+        dq_RK.stride(0),
+        LOG2E / temperature,
+        1.0 / temperature,
+        P=P,
+        BLOCK_N=bn,
+        BLOCK_V=bv,
+        num_warps=KERNEL_CONFIG["pbwd_warps"],
+    )
+    return dz_BTV
+
+
+# --------------------------------------------------------------------------- tables + autograd
+
+
+@dataclass(frozen=True)
+class ProjectionTables:
+    """M[S, W] as a CSC list (forward gathers) and an ELL table (backward gathers).
+
+    Attributes:
+        col_ptr_W1: int64 [W + 1], entries of teacher column t are ``col_ptr[t]:col_ptr[t + 1]``.
+        col_rows_E: int32 [E] student rows, sorted by (t, s).
+        col_w_E: fp32 [E] weights.
+        ell_t_SP: int32 [S, P] teacher id of each row entry, -1 = none.
+        ell_w_SP: fp32 [S, P] weights (0 where none).
+    """
+
+    col_ptr_W1: torch.Tensor
+    col_rows_E: torch.Tensor
+    col_w_E: torch.Tensor
+    ell_t_SP: torch.Tensor
+    ell_w_SP: torch.Tensor
+
+
+_TABLES: dict[tuple, tuple[ProjectionTables, torch.Tensor]] = {}
+
+
+def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
+    """CSC + ELL tables of a sparse projection, built once per matrix (cached, 4 entries).
+
+    Args:
+        projection_VW: sparse COO ``M[V, W]`` (frozen; the cache keys on its storage).
+
+    Returns:
+        :class:`ProjectionTables` on the matrix's device.
+    """
+    values = projection_VW._values()
+    key = (
+        values.data_ptr(),
+        projection_VW._indices().data_ptr(),
+        values.numel(),
+        tuple(projection_VW.shape),
+        values.device,
+        values._version,
+    )
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit[0]
+    M = projection_VW if projection_VW.is_coalesced() else projection_VW.coalesce()
+    S, W = M.shape
+    ind_2E, w_E = M.indices(), M.values().to(torch.float32)
+    keep_E = w_E != 0
+    s_E, t_E, w_E = ind_2E[0][keep_E], ind_2E[1][keep_E], w_E[keep_E]
+    device = w_E.device
+    counts_S = torch.bincount(s_E, minlength=S)
+    P = max(int(counts_S.max()) if s_E.numel() else 0, 1)
+    slot_E = torch.arange(s_E.numel(), device=device) - (torch.cumsum(counts_S, 0) - counts_S)[s_E]
+    ell_t_SP = torch.full((S, P), -1, dtype=torch.int32, device=device)
+    ell_w_SP = torch.zeros((S, P), dtype=torch.float32, device=device)
+    ell_t_SP[s_E, slot_E] = t_E.to(torch.int32)
+    ell_w_SP[s_E, slot_E] = w_E
+    order_E = torch.argsort(t_E * S + s_E)
+    col_t_E = t_E[order_E]
+    tables = ProjectionTables(
+        col_ptr_W1=torch.searchsorted(col_t_E, torch.arange(W + 1, device=device)).contiguous(),
+        col_rows_E=s_E[order_E].to(torch.int32).contiguous(),
+        col_w_E=w_E[order_E].contiguous(),
+        ell_t_SP=ell_t_SP,
+        ell_w_SP=ell_w_SP,
+    )
+    if len(_TABLES) >= 4:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (tables, projection_VW)  # holding M keeps its storage from being reused
+    return tables
+
+
+def restrict_tables(
+    tables: ProjectionTables, idx_K: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSC lists and ELL column positions of ``M[:, idx]`` (one host sync for the entry count).
+
+    Args:
+        tables: :class:`ProjectionTables` of ``M[S, W]``.
+        idx_K: [K] int64 selected teacher columns (distinct).
+
+    Returns:
+        ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS)``, the arguments of
+        :class:`ProjectRows` after the logits and row index: CSC pointers, student rows,
+        selected-column index and weight of each entry, and the slot-major ELL table of
+        selected-column positions (-1 = none, packed to the low slots) with its weights.
+    """
+    device = idx_K.device
+    K = idx_K.numel()
+    starts_K = tables.col_ptr_W1[idx_K]
+    counts_K = tables.col_ptr_W1[idx_K + 1] - starts_K
+    ptr_K1 = torch.zeros(K + 1, dtype=torch.int64, device=device)
+    torch.cumsum(counts_K, 0, out=ptr_K1[1:])
+    E = int(ptr_K1[-1])
+    cols_E = torch.repeat_interleave(torch.arange(K, device=device), counts_K, output_size=E)
+    src_E = starts_K[cols_E] + torch.arange(E, device=device) - ptr_K1[cols_E]
+    W = tables.col_ptr_W1.numel() - 1
+    pos_W = torch.full((W,), -1, dtype=torch.int32, device=device)
+    pos_W[idx_K] = torch.arange(K, dtype=torch.int32, device=device)
+    ell_t = tables.ell_t_SP
+    ell_j_SP = torch.where(ell_t >= 0, pos_W[ell_t.clamp(min=0).long()], -1)
+    # Pack the kept entries of each row to the low slots: the backward kernel stops at the
+    # first slot with no entry in its vocab block.
+    front_SP = torch.argsort((ell_j_SP < 0).to(torch.int8), dim=1, stable=True)
+    ell_j_PS = ell_j_SP.gather(1, front_SP).t().contiguous()
+    ell_w_PS = tables.ell_w_SP.gather(1, front_SP).t().contiguous()
+    return (
+        ptr_K1,
+        tables.col_rows_E[src_E].contiguous(),
+        cols_E.to(torch.int32),
+        tables.col_w_E[src_E].contiguous(),
+        ell_j_PS,
+        ell_w_PS,
+    )
+
+
+class ProjectRows(torch.autograd.Function):
+    """``q[R, K] = softmax(z / T) @ M[:, idx]`` from the logits; backward by ELL gathers.
+
+    Saves the logits, the row logsumexp and q (``sum_j dq q`` is the softmax correction).
+    """
+
+    @staticmethod
+    def forward(ctx, z_BTV, nidx_R, ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS, temperature):
+        lse_R = row_logsumexp(z_BTV, nidx_R, temperature)
+        q_RK = project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
+        ctx.save_for_backward(z_BTV, lse_R, q_RK, ell_j_PS, ell_w_PS)
+        ctx.temperature = temperature
+        return q_RK
+
+    @staticmethod
+    def backward(ctx, dq_RK):
+        z_BTV, lse_R, q_RK, ell_j_PS, ell_w_PS = ctx.saved_tensors
+        dq_RK = dq_RK.to(torch.float32).contiguous()
+        dot_R = torch.linalg.vecdot(dq_RK, q_RK)
+        dz_BTV = project_rows_backward(
+            z_BTV, lse_R, dq_RK, dot_R, ell_j_PS, ell_w_PS, ctx.temperature
+        )
+        return dz_BTV, None, None, None, None, None, None, None, None
