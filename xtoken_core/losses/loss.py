@@ -344,13 +344,10 @@ class CrossTokenizerLoss:
             alignment = alignment_from_batch(batch, i)
             s_ids, t_ids, valid_BC = self._valid_chunks(batch, alignment, B, T, z_t.shape[1])
             s_ids, t_ids, valid_BC = s_ids.to(device), t_ids.to(device), valid_BC.to(device)
+            common = (student_logits, z_t, s_ids, t_ids, valid_BC)
             if cfg.gold_loss:
                 terms = backend.gold_kd_loss(
-                    student_logits,
-                    z_t,
-                    s_ids,
-                    t_ids,
-                    valid_BC,
+                    *common,
                     self._exact_map(i, V, W, device),
                     temperature=cfg.temperature,
                     uncommon_topk=cfg.uncommon_topk,
@@ -361,11 +358,7 @@ class CrossTokenizerLoss:
                 if backend is fused:
                     extra["projection_topk"] = self._projection_topk(i, device)
                 terms = backend.pkl_kd_loss(
-                    student_logits,
-                    z_t,
-                    s_ids,
-                    t_ids,
-                    valid_BC,
+                    *common,
                     self._projection_vocab(i, V, W, device),
                     temperature=cfg.temperature,
                     vocab_topk=cfg.vocab_topk,

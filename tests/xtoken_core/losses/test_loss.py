@@ -109,14 +109,18 @@ def naive_kd(
     proj,
     *,
     mode,
-    temp,
-    reverse,
-    vocab_topk,
-    uncommon_topk,
-    exact_only,
+    temp=1.0,
+    reverse=False,
+    vocab_topk=None,
+    uncommon_topk=8192,
+    exact_only=False,
     prefix="alignment_",
 ):
-    """Sum over valid chunks of the per-chunk loss times temp**2, and the number of valid chunks."""
+    """Sum over valid chunks of the per-chunk loss times temp**2, and the number of valid chunks.
+
+    The defaults are the config's (``vocab_topk=None``: every column, what the default 8192
+    keeps of these small vocabularies).
+    """
     zs, zt = zs.detach().double(), zt.detach().double()
     Bn, Tn, Vn = zs.shape
     Un, Wn = zt.shape[1], zt.shape[2]
@@ -227,7 +231,6 @@ def test_loss_matches_loop_computation_in_every_mode(mode, reverse, temp):
         reverse=reverse,
         vocab_topk=6,
         uncommon_topk=4,
-        exact_only=False,
     )
     nll, n_tok = naive_ce(zs, batch)
     assert n > 0
@@ -248,18 +251,7 @@ def test_pkl_with_all_teacher_columns_matches_loop_computation():
     zs, zt = make_logits(1)
     batch = make_batch(1)
     _, metrics = run_api(zs, zt, batch, mode="pkl", vocab_topk=None, backend="reference")
-    kd_sum, n = naive_kd(
-        zs,
-        zt,
-        batch,
-        make_projection(),
-        mode="pkl",
-        temp=1.0,
-        reverse=False,
-        vocab_topk=None,
-        uncommon_topk=8192,
-        exact_only=False,
-    )
+    kd_sum, n = naive_kd(zs, zt, batch, make_projection(), mode="pkl")
     assert metrics["kl_loss"].item() == pytest.approx(kd_sum / n, rel=1e-9)
 
 
@@ -301,18 +293,7 @@ def test_masked_samples_count_neither_in_kd_nor_in_ce():
     batch = make_batch(4)
     batch["sample_mask"] = torch.tensor([True, False, True])
     loss, metrics = run_api(zs, zt, batch, mode="gold", backend="reference")
-    kd_sum, n = naive_kd(
-        zs,
-        zt,
-        batch,
-        make_projection(),
-        mode="gold",
-        temp=1.0,
-        reverse=False,
-        vocab_topk=None,
-        uncommon_topk=8192,
-        exact_only=False,
-    )
+    kd_sum, n = naive_kd(zs, zt, batch, make_projection(), mode="gold")
     nll, n_tok = naive_ce(zs, batch)
     assert loss.item() == pytest.approx(kd_sum / n + nll / n_tok, rel=1e-9)
     loss.backward()
@@ -345,18 +326,7 @@ def test_gold_with_empty_common_vocab_has_only_the_uncommon_term():
     )
     assert metrics["kl_common"].item() == 0.0
     assert metrics["proj_accuracy"].item() == 0.0
-    kd_sum, n = naive_kd(
-        zs,
-        zt,
-        batch,
-        (indices, likelihoods),
-        mode="xtoken",
-        temp=1.0,
-        reverse=False,
-        vocab_topk=None,
-        uncommon_topk=8192,
-        exact_only=False,
-    )
+    kd_sum, n = naive_kd(zs, zt, batch, (indices, likelihoods), mode="xtoken")
     assert metrics["l1_uncommon"].item() == pytest.approx(kd_sum / n, rel=1e-9)
 
 
@@ -379,31 +349,8 @@ def test_several_teachers_are_weighted_with_their_own_alignment_and_vocab():
         ce_weight=0.0,
         backend="reference",
     )
-    kd0, n0 = naive_kd(
-        zs,
-        zt0,
-        batch,
-        make_projection(),
-        mode="gold",
-        temp=1.0,
-        reverse=False,
-        vocab_topk=None,
-        uncommon_topk=8192,
-        exact_only=False,
-    )
-    kd1, n1 = naive_kd(
-        zs,
-        zt1,
-        batch,
-        proj1,
-        mode="gold",
-        temp=1.0,
-        reverse=False,
-        vocab_topk=None,
-        uncommon_topk=8192,
-        exact_only=False,
-        prefix="teacher1_alignment_",
-    )
+    kd0, n0 = naive_kd(zs, zt0, batch, make_projection(), mode="gold")
+    kd1, n1 = naive_kd(zs, zt1, batch, proj1, mode="gold", prefix="teacher1_alignment_")
     assert n0 != n1
     assert loss.item() == pytest.approx(0.25 * kd0 / n0 + 0.75 * kd1 / n1, rel=1e-9)
 
@@ -431,16 +378,7 @@ def test_exact_token_match_only_keeps_only_correct_pairs():
         zs, zt, batch, mode="pkl", exact_token_match_only=True, vocab_topk=5, backend="reference"
     )
     kd_sum, n = naive_kd(
-        zs,
-        zt,
-        batch,
-        make_projection(),
-        mode="pkl",
-        temp=1.0,
-        reverse=False,
-        vocab_topk=5,
-        uncommon_topk=8192,
-        exact_only=True,
+        zs, zt, batch, make_projection(), mode="pkl", vocab_topk=5, exact_only=True
     )
     _, all_metrics = run_api(zs, zt, batch, mode="pkl", vocab_topk=5, backend="reference")
     assert 0 < n < all_metrics["num_valid_chunks"].item()
