@@ -11,20 +11,21 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from xtoken_core.data.projection import exact_token_map_from_topk
-from xtoken_core.data.projection_build import build_projection_with_stats
-from xtoken_core.tokenizers import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "projection_build.md"
+from xtoken_core.data.projection import exact_token_map_from_topk  # noqa: E402
+from xtoken_core.data.projection_build import build_projection_with_stats  # noqa: E402
+from xtoken_core.tokenizers import load_tokenizer  # noqa: E402
+
+RESULTS = _common.RESULTS_DIR / "projection_build.md"
 DEFAULT_PAIRS = (
     "qwen3:mistral",
     "mistral:qwen3",
@@ -56,29 +57,6 @@ COLUMNS = (
     "common strict",
     "common relaxed",
 )
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _device() -> str:
-    model = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores}-core CPU"
 
 
 def _bench_pair(student_name: str, teacher_name: str, top_k: int) -> dict:
@@ -144,8 +122,8 @@ def main() -> int:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     common = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
-        "commit": _commit(),
-        "device": _device(),
+        "commit": _common.commit(),
+        "device": _common.cpu_name(),
     }
     rows = []
     for pair in args.pairs:

@@ -12,42 +12,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
-import statistics
-import subprocess
-import time
+import sys
 
 import torch
 
-from xtoken_core.kernels import fused_indices as fi
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "kernels_fused_indices.jsonl"
+from xtoken_core.kernels import fused_indices as fi  # noqa: E402
 
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _time_ms(fn, device: str, reps: int) -> float:
-    """Median milliseconds of fn(); CUDA events through triton's do_bench on GPU."""
-    if device == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+RESULTS = _common.RESULTS_DIR / "kernels_fused_indices.jsonl"
 
 
 def _graph_ms(fn) -> float:
@@ -55,7 +30,6 @@ def _graph_ms(fn) -> float:
 
     Returns NaN when fn cannot be captured.
     """
-    import triton.testing
 
     try:
         side = torch.cuda.Stream()
@@ -70,7 +44,7 @@ def _graph_ms(fn) -> float:
     except RuntimeError as exc:  # capture is best effort; eager numbers are always reported
         print(f"graph capture failed: {exc}")
         return float("nan")
-    return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
+    return _common.bench_ms(graph.replay, warmup=25, rep=100)
 
 
 def _inputs(n: int, k: int, e: int, device: str, seed: int):
@@ -108,15 +82,15 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    dev_name = _common.device_name(device)
     if args.quick:
         grid = [(64, 2, 8), (128, 8, 64)]
     else:
         grid = [(n, k, e) for n in (4096, 65536) for e in (8, 64, 256) for k in (2, 8)]
-    commit = args.commit or _commit()
+    commit = args.commit or _common.commit()
     # What one eager torch.autograd.grad call costs with no real work: the eager f+b floor.
     tiny = torch.ones(4, device=device)
-    floor_ms = _time_ms(functools.partial(_autograd_floor, tiny), device, 20)
+    floor_ms = _common.time_ms(functools.partial(_autograd_floor, tiny), device, 20)
     rows = []
     for n, k, e in grid:
         indices_NK, probs_NK, grad_NE = _inputs(n, k, e, device, seed=n + 7 * k + e)
@@ -133,10 +107,14 @@ def main() -> int:
         fwd_ref = functools.partial(fi.indices_to_multihot_reference, indices_NK, probs_NK, e)
         both = (indices_NK, probs_NK, e, grad_NE)
         t = {
-            "fused_fwd_ms": _time_ms(fwd_fused, device, reps),
-            "ref_fwd_ms": _time_ms(fwd_ref, device, reps),
-            "fused_fwdbwd_ms": _time_ms(functools.partial(_fwd_bwd, _fused, *both), device, reps),
-            "ref_fwdbwd_ms": _time_ms(functools.partial(_fwd_bwd, _reference, *both), device, reps),
+            "fused_fwd_ms": _common.time_ms(fwd_fused, device, reps),
+            "ref_fwd_ms": _common.time_ms(fwd_ref, device, reps),
+            "fused_fwdbwd_ms": _common.time_ms(
+                functools.partial(_fwd_bwd, _fused, *both), device, reps
+            ),
+            "ref_fwdbwd_ms": _common.time_ms(
+                functools.partial(_fwd_bwd, _reference, *both), device, reps
+            ),
         }
         if device == "cuda":
             # GPU time alone: replaying a captured graph removes launch and autograd overhead,
@@ -186,10 +164,7 @@ def main() -> int:
             f"{r['fwdbwd_graph_speedup']:>6.1f} {r['fused_fwdbwd_graph_GBps']:>7.1f}"
         )
     if not args.no_save and not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _common.append_rows(RESULTS, rows)
         print(f"appended {len(rows)} rows to {RESULTS}")
     return 0
 

@@ -21,13 +21,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common  # noqa: E402
+
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig  # noqa: E402
 
 # (V_s, V_t): Qwen3 student / Mistral-like teacher, Llama-3 student / Qwen3 teacher.
 VOCAB_PAIRS = [(151936, 131072), (128256, 151936)]
@@ -36,16 +38,6 @@ MODES = ("pkl", "gold", "xtoken")
 TEMPERATURE = 2.0
 VOCAB_TOPK = 8192
 PROJ_K = 8
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("XTOKEN_COMMIT", "unknown")
 
 
 def _chunk_ids(B: int, T: int, C: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -115,24 +107,6 @@ def _measure(fn, device, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy rate in bytes/s (bytes read plus written), median of 10."""
-    src = torch.randn(2**28, device=device)  # 1 GiB
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2**30 / statistics.median(times)
-
-
 def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=True) -> dict:
     student, teacher, batch, projection, C = _make_inputs(B, T, V_s, V_t, device, seed=B * T)
     x = student.clone().requires_grad_()
@@ -199,20 +173,6 @@ def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=Tru
     return row
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
-def print_table(rows: list[dict], cols: list[str]) -> None:
-    """One fixed-width table (benchmarks are CLIs: print is their output)."""
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="benchmarks/results/losses_kd_loss.jsonl")
@@ -236,9 +196,10 @@ def main(argv=None) -> int:
         return 1
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    commit = _commit()
-    copy_bps = copy_bandwidth(device) if device.type == "cuda" else None
+    device_name = _common.device_name(device)
+    commit = _common.commit()
+    # Device-to-device copy rate in bytes/s (bytes read plus written) over 1 GiB.
+    copy_bps = _common.copy_bandwidth_gbs(1 << 30) * 1e9 if device.type == "cuda" else None
     rows = []
     for V_s, V_t in pairs:
         for B, T in shapes:
@@ -251,7 +212,7 @@ def main(argv=None) -> int:
                     row["copy_gbs"] = copy_bps / 1e9
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    print_table(
+    _common.print_table(
         rows,
         [
             "mode",
@@ -273,10 +234,7 @@ def main(argv=None) -> int:
         ],
     )
     if not args.smoke:
-        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-        with open(args.results, "a", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
+        _common.append_rows(args.results, rows)
     return 0
 
 

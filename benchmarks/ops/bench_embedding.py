@@ -13,56 +13,19 @@ Rows are appended to benchmarks/results/ops_embedding.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import statistics
-import subprocess
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from xtoken_core.ops.embedding import NativeEmbeddingOp
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "ops_embedding.jsonl"
+from xtoken_core.ops.embedding import NativeEmbeddingOp  # noqa: E402
+
+RESULTS = _common.RESULTS_DIR / "ops_embedding.jsonl"
 MiB = 1024 * 1024
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _time_ms(fn, device: str, reps: int) -> float:
-    if device == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
-def _extra_peak_bytes(fn) -> int:
-    """Peak bytes allocated by fn() beyond what was live before it (result kept alive)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del result
-    return peak
 
 
 def main() -> int:
@@ -72,14 +35,14 @@ def main() -> int:
     parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    dev_name = _common.device_name(device)
     vocab, hidden = (4096, 256) if args.quick else (151_936, 4_096)
     batches = [(2, 64)] if args.quick else [(1, 4096), (8, 2048)]
     gen = torch.Generator(device=device).manual_seed(0)
     weight = torch.randn(vocab, hidden, generator=gen, device=device).to(torch.bfloat16)
     table_bytes = weight.numel() * weight.element_size()
     op = NativeEmbeddingOp()
-    commit = args.commit or _commit()
+    commit = args.commit or _common.commit()
     rows = []
     for b, t in batches:
         ids = torch.randint(0, vocab, (b, t), generator=gen, device=device, dtype=torch.int32)
@@ -99,8 +62,10 @@ def main() -> int:
             "rows_fp32_MiB": round(rows_bytes / MiB, 1),
         }
         if device == "cuda":
-            extra = _extra_peak_bytes(lambda ids=ids: op.forward_fp32(ids, weight))
-            naive = _extra_peak_bytes(lambda ids=ids: F.embedding(ids.long(), weight.float()))
+            extra = _common.extra_peak_bytes(lambda ids=ids: op.forward_fp32(ids, weight))
+            naive = _common.extra_peak_bytes(
+                lambda ids=ids: F.embedding(ids.long(), weight.float())
+            )
             row.update(
                 extra_peak_MiB=round(extra / MiB, 1),
                 naive_extra_peak_MiB=round(naive / MiB, 1),
@@ -121,13 +86,27 @@ def main() -> int:
 
         row.update(
             fwd_fp32_ms=round(
-                _time_ms(lambda ids=ids: op.forward_fp32(ids, weight), device, reps), 4
+                _common.time_ms(
+                    lambda ids=ids: op.forward_fp32(ids, weight), device, reps, warmup=10, rep=50
+                ),
+                4,
             ),
             fwd_torch_ms=round(
-                _time_ms(lambda ids=ids: F.embedding(ids.long(), weight).float(), device, reps), 4
+                _common.time_ms(
+                    lambda ids=ids: F.embedding(ids.long(), weight).float(),
+                    device,
+                    reps,
+                    warmup=10,
+                    rep=50,
+                ),
+                4,
             ),
-            fwdbwd_native_ms=round(_time_ms(fwd_bwd_native, device, reps), 4),
-            fwdbwd_torch_ms=round(_time_ms(fwd_bwd_torch, device, reps), 4),
+            fwdbwd_native_ms=round(
+                _common.time_ms(fwd_bwd_native, device, reps, warmup=10, rep=50), 4
+            ),
+            fwdbwd_torch_ms=round(
+                _common.time_ms(fwd_bwd_torch, device, reps, warmup=10, rep=50), 4
+            ),
         )
         rows.append(row)
         del grad_out, leaf
@@ -147,10 +126,7 @@ def main() -> int:
             f"{r['fwd_torch_ms']:>8.3f} | {r['fwdbwd_native_ms']:>8.3f} {r['fwdbwd_torch_ms']:>8.3f}"
         )
     if not args.no_save and not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _common.append_rows(RESULTS, rows)
         print(f"appended {len(rows)} rows to {RESULTS}")
     return 0
 

@@ -13,40 +13,19 @@ Rows are appended to benchmarks/results/wire_codec.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import platform
-import statistics
-import subprocess
-import time
+import sys
 
 import torch
 
-from xtoken_core.data_plane.codec import materialize
-from xtoken_core.wire import JaggedColumn, WireLimits, decode_message, encode_message
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results" / "wire_codec.jsonl"
+from xtoken_core.data_plane.codec import materialize  # noqa: E402
+from xtoken_core.wire import JaggedColumn, WireLimits, decode_message, encode_message  # noqa: E402
+
+RESULTS = _common.RESULTS_DIR / "wire_codec.jsonl"
 LIMITS = WireLimits(max_frames=1 << 20)
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _time_ms(fn, reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def _batch(n: int, mean_len: int, seed: int = 0) -> dict[str, JaggedColumn]:
@@ -72,9 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [(64, 256), (256, 1024)] if args.quick else [(64, 256), (256, 1024), (1024, 2048)]
     reps = 3 if args.quick else 10
-    device = (
-        f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    )
+    device = f"cpu ({_common.cpu_name()}, {torch.get_num_threads()} threads)"
+    commit = _common.commit()
     rows = []
     print(
         f"{'N':>6} {'L':>6} {'MB':>7} {'frames':>7} {'jagged ms':>10} {'GB/s':>6} "
@@ -91,19 +69,19 @@ def main() -> None:
         }
         frames = _roundtrip(body)
         nbytes = sum(memoryview(f).nbytes for f in frames)
-        t_jagged = _time_ms(lambda body=body: _roundtrip(body), reps)
-        t_rows = _time_ms(lambda per_row=per_row: _roundtrip(per_row), reps)
-        t_copy = _time_ms(lambda body=body: _roundtrip(body, copy=True), reps)
+        t_jagged = _common.cpu_median_ms(lambda body=body: _roundtrip(body), reps)
+        t_rows = _common.cpu_median_ms(lambda per_row=per_row: _roundtrip(per_row), reps)
+        t_copy = _common.cpu_median_ms(lambda body=body: _roundtrip(body, copy=True), reps)
         nested = {name: c.to_nested() for name, c in cols.items()}
-        t_pad = _time_ms(lambda cols=cols: materialize(cols), reps)
+        t_pad = _common.cpu_median_ms(lambda cols=cols: materialize(cols), reps)
 
         def to_padded(nested=nested):
             for nt in nested.values():
                 torch.nested.to_padded_tensor(nt, 0)
 
-        t_to_padded = _time_ms(to_padded, reps)
+        t_to_padded = _common.cpu_median_ms(to_padded, reps)
         row = {
-            "commit": _commit(),
+            "commit": commit,
             "device": device,
             "shape": {"N": n, "mean_len": mean_len, "fields": len(cols)},
             "message_mb": round(nbytes / 1e6, 3),
@@ -123,10 +101,7 @@ def main() -> None:
             f"{row['jagged_gb_per_s']:>6} {t_rows:>11.3f} {row['per_row_over_jagged']:>6} "
             f"{t_copy:>8.3f} {row['copy_over_zero_copy']:>5} {t_pad:>7.3f} {t_to_padded:>13.3f}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    _common.append_rows(RESULTS, rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""Shared benchmark helpers: commit, machine description, timing, peak memory, result rows, tables.
+
+A benchmark script imports this module after putting ``benchmarks/`` on ``sys.path``::
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import _common  # noqa: E402
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+
+# --------------------------------------------------------------------------- what ran where
+
+
+def commit() -> str:
+    """Short commit of the working tree (or $XTOKEN_COMMIT, else "unknown", where git fails)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("XTOKEN_COMMIT", "unknown")
+
+
+def cpu_name() -> str:
+    """CPU model (from /proc/cpuinfo where readable) and the cores this process may use."""
+    model = platform.processor() or "cpu"
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores}-core CPU"
+
+
+def device_name(device: str | torch.device = "cuda") -> str:
+    """Name of CUDA device 0 for a CUDA ``device``, else :func:`cpu_name`."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(0)
+    return cpu_name()
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def bench_ms(fn: Callable[[], object], *, warmup=25, rep=200, grad_to_none=None) -> float:
+    """Median milliseconds of ``fn`` with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(
+        triton.testing.do_bench(
+            fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"
+        )
+    )
+
+
+def cpu_median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median wall-clock milliseconds of ``reps`` calls of ``fn`` after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def time_ms(fn: Callable[[], object], device: str, reps: int, *, warmup=25, rep=100) -> float:
+    """Median milliseconds of ``fn``: :func:`bench_ms` (``warmup``/``rep`` in ms) on CUDA, else
+    :func:`cpu_median_ms` over ``reps`` calls."""
+    if device == "cuda":
+        return bench_ms(fn, warmup=warmup, rep=rep)
+    return cpu_median_ms(fn, reps)
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), rep=300)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def extra_peak_bytes(fn: Callable[[], object], necessary_bytes: int = 0) -> int:
+    """Peak CUDA memory allocated while ``fn`` runs, beyond what was allocated before and the
+    ``necessary_bytes`` of outputs (e.g. the result and the gradient); the result is kept
+    alive until the peak is read."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - necessary_bytes
+    del result
+    return peak
+
+
+# --------------------------------------------------------------------------- output
+
+
+def append_rows(path: str | os.PathLike, rows: Iterable[dict]) -> int:
+    """Append JSON rows to ``path`` (one per line), creating its folder.
+
+    Returns:
+        The number of rows written.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("a", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+            n += 1
+    return n
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    """Print rows as one fixed-width table (benchmarks are CLIs: print is their output)."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
