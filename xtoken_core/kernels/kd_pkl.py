@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._utils import LOG2E, MAX_COMBINE, cdiv, lazy_jit, tl
+from ._utils import LOG2E, MAX_COMBINE, cdiv, lazy_jit, next_power_of_2, tl
 from .kd_fused import KERNEL_CONFIG, block_for, row_logsumexp
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,69 @@ if tl is not None:
             acc,
             mask=nm[:, None] & (j[None, :] < K),
         )
+
+    @lazy_jit
+    def _restrict_csc_kernel(
+        idx_K_ptr,
+        col_ptr_W1_ptr,
+        ptr_K1_ptr,
+        src_rows_ptr,
+        src_w_ptr,
+        rows_E_ptr,
+        cols_E_ptr,
+        w_E_ptr,
+        pos_W_ptr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per selected column j (teacher id t = idx[j]): copy the CSC entries of
+        # column t of M to ptr[j]:ptr[j + 1] of the restricted lists, and record pos[t] = j.
+        j = tl.program_id(0)
+        t = tl.load(idx_K_ptr + j)
+        s0 = tl.load(col_ptr_W1_ptr + t)
+        cnt = tl.load(col_ptr_W1_ptr + t + 1) - s0
+        d0 = tl.load(ptr_K1_ptr + j)
+        tl.store(pos_W_ptr + t, j.to(tl.int32))
+        offs = tl.arange(0, BLOCK)
+        for e0 in range(0, cnt, BLOCK):
+            e = e0 + offs
+            em = e < cnt
+            rows = tl.load(src_rows_ptr + s0 + e, mask=em, other=0)
+            w = tl.load(src_w_ptr + s0 + e, mask=em, other=0.0)
+            tl.store(rows_E_ptr + d0 + e, rows, mask=em)
+            tl.store(w_E_ptr + d0 + e, w, mask=em)
+            tl.store(cols_E_ptr + d0 + e, tl.full((BLOCK,), 0, tl.int32) + j, mask=em)
+
+    @lazy_jit
+    def _restrict_ell_kernel(
+        ell_t_SP_ptr,
+        ell_w_SP_ptr,
+        pos_W_ptr,
+        ell_j_PS_ptr,
+        ell_w_PS_ptr,
+        S,
+        P: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        # Program per block of rows s of M: keep the entries whose teacher id is selected
+        # (pos[t] >= 0), written slot-major to the low slots in their original order (the
+        # backward kernel stops at the first slot with no entry in its vocab block); the other
+        # slots get j = -1, w = 0.
+        s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        sm = s < S
+        s64 = s.to(tl.int64)
+        cnt = tl.full((BLOCK_S,), 0, tl.int64)
+        for k in range(0, P):
+            t = tl.load(ell_t_SP_ptr + s64 * P + k, mask=sm, other=-1)
+            w = tl.load(ell_w_SP_ptr + s64 * P + k, mask=sm, other=0.0)
+            j = tl.load(pos_W_ptr + tl.maximum(t, 0), mask=sm & (t >= 0), other=-1)
+            keep = sm & (j >= 0)
+            tl.store(ell_j_PS_ptr + cnt * S + s64, j, mask=keep)
+            tl.store(ell_w_PS_ptr + cnt * S + s64, w, mask=keep)
+            cnt += keep.to(tl.int64)
+        for k in range(0, P):
+            fill = sm & (cnt <= k)
+            tl.store(ell_j_PS_ptr + k * S + s64, tl.full((BLOCK_S,), -1, tl.int32), mask=fill)
+            tl.store(ell_w_PS_ptr + k * S + s64, tl.full((BLOCK_S,), 0.0, tl.float32), mask=fill)
 
     @lazy_jit
     def _proj_bwd_kernel(
@@ -284,6 +347,8 @@ class ProjectionTables:
         col_w_E: fp32 [E] weights.
         ell_t_SP: int32 [S, P] teacher id of each row entry, -1 = none.
         ell_w_SP: fp32 [S, P] weights (0 where none).
+        col_count_W: int64 [W] entries per teacher column.
+        max_col_count: the largest entry count of a column (host int).
     """
 
     col_ptr_W1: torch.Tensor
@@ -291,6 +356,8 @@ class ProjectionTables:
     col_w_E: torch.Tensor
     ell_t_SP: torch.Tensor
     ell_w_SP: torch.Tensor
+    col_count_W: torch.Tensor
+    max_col_count: int
 
 
 _TABLES: dict[tuple, tuple[ProjectionTables, torch.Tensor]] = {}
@@ -332,12 +399,16 @@ def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
     ell_w_SP[s_E, slot_E] = w_E
     order_E = torch.argsort(t_E * S + s_E)
     col_t_E = t_E[order_E]
+    col_ptr_W1 = torch.searchsorted(col_t_E, torch.arange(W + 1, device=device)).contiguous()
+    col_count_W = (col_ptr_W1[1:] - col_ptr_W1[:-1]).contiguous()
     tables = ProjectionTables(
-        col_ptr_W1=torch.searchsorted(col_t_E, torch.arange(W + 1, device=device)).contiguous(),
+        col_ptr_W1=col_ptr_W1,
         col_rows_E=s_E[order_E].to(torch.int32).contiguous(),
         col_w_E=w_E[order_E].contiguous(),
         ell_t_SP=ell_t_SP,
         ell_w_SP=ell_w_SP,
+        col_count_W=col_count_W,
+        max_col_count=int(col_count_W.max()) if W else 0,
     )
     if len(_TABLES) >= 4:
         _TABLES.pop(next(iter(_TABLES)))
@@ -348,45 +419,61 @@ def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
 def restrict_tables(
     tables: ProjectionTables, idx_K: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSC lists and ELL column positions of ``M[:, idx]`` (one host sync for the entry count).
+    """CSC lists and ELL column positions of ``M[:, idx]``, with no host sync (Triton).
+
+    The entry lists are sized for all E_M entries of M (the restricted count E is only known
+    on the device); entries past ``ptr_K1[-1]`` are never read by the forward kernel.
 
     Args:
-        tables: :class:`ProjectionTables` of ``M[S, W]``.
+        tables: :class:`ProjectionTables` of ``M[S, W]`` on ``idx_K``'s device.
         idx_K: [K] int64 selected teacher columns (distinct).
 
     Returns:
         ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS)``, the arguments of
-        :class:`ProjectRows` after the logits and row index: CSC pointers, student rows,
-        selected-column index and weight of each entry, and the slot-major ELL table of
-        selected-column positions (-1 = none, packed to the low slots) with its weights.
+        :class:`ProjectRows` after the logits and row index: CSC pointers [K + 1], student rows,
+        selected-column index and weight of each entry ([E_M], valid up to ``ptr_K1[-1]``), and
+        the slot-major ELL table [P, S] of selected-column positions (-1 = none, packed to the
+        low slots) with its weights (0 where none).
     """
     device = idx_K.device
     K = idx_K.numel()
-    starts_K = tables.col_ptr_W1[idx_K]
-    counts_K = tables.col_ptr_W1[idx_K + 1] - starts_K
-    ptr_K1 = torch.zeros(K + 1, dtype=torch.int64, device=device)
-    torch.cumsum(counts_K, 0, out=ptr_K1[1:])
-    E = int(ptr_K1[-1])
-    cols_E = torch.repeat_interleave(torch.arange(K, device=device), counts_K, output_size=E)
-    src_E = starts_K[cols_E] + torch.arange(E, device=device) - ptr_K1[cols_E]
+    E_M = tables.col_rows_E.numel()
+    S, P = tables.ell_t_SP.shape
     W = tables.col_ptr_W1.numel() - 1
+    ptr_K1 = torch.zeros(K + 1, dtype=torch.int64, device=device)
+    torch.cumsum(tables.col_count_W[idx_K], 0, out=ptr_K1[1:])
+    rows_E = torch.empty(E_M, dtype=torch.int32, device=device)
+    cols_E = torch.empty(E_M, dtype=torch.int32, device=device)
+    w_E = torch.empty(E_M, dtype=torch.float32, device=device)
     pos_W = torch.full((W,), -1, dtype=torch.int32, device=device)
-    pos_W[idx_K] = torch.arange(K, dtype=torch.int32, device=device)
-    ell_t = tables.ell_t_SP
-    ell_j_SP = torch.where(ell_t >= 0, pos_W[ell_t.clamp(min=0).long()], -1)
-    # Pack the kept entries of each row to the low slots: the backward kernel stops at the
-    # first slot with no entry in its vocab block.
-    front_SP = torch.argsort((ell_j_SP < 0).to(torch.int8), dim=1, stable=True)
-    ell_j_PS = ell_j_SP.gather(1, front_SP).t().contiguous()
-    ell_w_PS = tables.ell_w_SP.gather(1, front_SP).t().contiguous()
-    return (
-        ptr_K1,
-        tables.col_rows_E[src_E].contiguous(),
-        cols_E.to(torch.int32),
-        tables.col_w_E[src_E].contiguous(),
-        ell_j_PS,
-        ell_w_PS,
-    )
+    if K > 0:
+        _restrict_csc_kernel[(K,)](
+            idx_K,
+            tables.col_ptr_W1,
+            ptr_K1,
+            tables.col_rows_E,
+            tables.col_w_E,
+            rows_E,
+            cols_E,
+            w_E,
+            pos_W,
+            BLOCK=max(min(next_power_of_2(tables.max_col_count), 128), 16),
+        )
+    ell_j_PS = torch.empty((P, S), dtype=torch.int32, device=device)
+    ell_w_PS = torch.empty((P, S), dtype=torch.float32, device=device)
+    if S > 0:
+        block_s = 256
+        _restrict_ell_kernel[(cdiv(S, block_s),)](
+            tables.ell_t_SP,
+            tables.ell_w_SP,
+            pos_W,
+            ell_j_PS,
+            ell_w_PS,
+            S,
+            P=P,
+            BLOCK_S=block_s,
+        )
+    return ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS
 
 
 class ProjectRows(torch.autograd.Function):

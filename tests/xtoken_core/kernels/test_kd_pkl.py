@@ -55,3 +55,41 @@ def test_projection_forward_and_backward_match_the_dense_formula(dtype):
     assert dz.dtype == dtype and dz.shape == (B, T, V)
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(dz.reshape(B * T, V).double(), z64.grad, **tol)
+
+
+def test_restricted_tables_hold_exactly_the_selected_columns_of_m_packed_low():
+    S, W, P = 50, 37, 4
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randint(0, W, (S, P), generator=gen)
+    w = torch.rand(S, P, generator=gen) + 0.1
+    w[torch.rand(S, P, generator=gen) < 0.3] = 0.0
+    rows = torch.arange(S).view(-1, 1).expand(S, P)
+    M = torch.sparse_coo_tensor(
+        torch.stack([rows.flatten(), t.flatten()]), w.flatten(), (S, W), check_invariants=True
+    )
+    M = M.coalesce().to(DEVICE)
+    dense_SW = M.to_dense().double().cpu()
+    idx = torch.tensor([0, 3, 4, 8, 11, 20, 21, 30, 36], device=DEVICE)
+    ptr, rows_E, cols_E, w_E, ell_j, ell_w = kd_pkl.restrict_tables(
+        kd_pkl.projection_tables(M), idx
+    )
+    want_SK = dense_SW[:, idx.cpu()]
+    E = int(ptr[-1])
+    assert E == int((want_SK != 0).sum())
+    ptr, rows_E, cols_E, w_E = (
+        x.cpu().long() if x.dtype != torch.float32 else x.cpu()
+        for x in (ptr, rows_E[:E], cols_E[:E], w_E[:E])
+    )
+    assert torch.equal(torch.repeat_interleave(torch.arange(idx.numel()), ptr.diff()), cols_E)
+    csc_SK = torch.zeros_like(want_SK).index_put_((rows_E, cols_E), w_E.double(), accumulate=True)
+    torch.testing.assert_close(csc_SK, want_SK)
+    ell_j, ell_w = ell_j.cpu().long(), ell_w.cpu()
+    assert ell_j.shape == (P, S)
+    kept = ell_j >= 0
+    assert bool((kept[1:] <= kept[:-1]).all())  # entries packed to the low slots
+    assert bool((ell_w[~kept] == 0).all())
+    s_idx = torch.arange(S).view(1, -1).expand(P, S)
+    ell_SK = torch.zeros_like(want_SK).index_put_(
+        (s_idx[kept], ell_j[kept]), ell_w[kept].double(), accumulate=True
+    )
+    torch.testing.assert_close(ell_SK, want_SK)
