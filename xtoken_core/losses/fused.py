@@ -33,7 +33,7 @@ import torch
 from xtoken_core.losses import composed, reference
 from xtoken_core.losses.composed import kernels_available
 from xtoken_core.losses.reference import KDTerms
-from xtoken_core.losses.utils import ChunkRows, chunk_rows
+from xtoken_core.losses.utils import ChunkRows, chunk_rows, valid_chunk_numbering
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +87,20 @@ def _fused_inputs(
     student_chunk_id_BT: torch.Tensor,
     teacher_chunk_id_BU: torch.Tensor,
     valid_BC: torch.Tensor,
+    num_valid: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, ChunkRows, ChunkRows]:
-    """Kernel-ready logits, ``valid_BC`` on their device, N (one host sync), rows per side."""
+    """Kernel-ready logits, ``valid_BC`` on their device, N, rows per side.
+
+    N is ``num_valid`` when the caller read it already, else ``valid_BC.sum()`` (one host sync).
+    The valid-chunk numbering is computed once and shared by both sides.
+    """
     zs_BTV = _last_dim_contiguous(student_logits_BTV)
     zt_BUW = _last_dim_contiguous(teacher_logits_BUW.detach())
     valid_BC = valid_BC.to(zs_BTV.device)
-    N = int(valid_BC.sum())
-    t_rows = chunk_rows(teacher_chunk_id_BU, valid_BC, N)
-    s_rows = chunk_rows(student_chunk_id_BT, valid_BC, N)
+    N = int(valid_BC.sum()) if num_valid is None else int(num_valid)
+    segmap_S = valid_chunk_numbering(valid_BC)
+    t_rows = chunk_rows(teacher_chunk_id_BU, valid_BC, N, segmap_S)
+    s_rows = chunk_rows(student_chunk_id_BT, valid_BC, N, segmap_S)
     return zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows
 
 
@@ -109,18 +115,24 @@ def _pkl_fused(
     temperature,
     vocab_topk,
     reverse_kl,
+    num_valid,
 ) -> KDTerms:
     kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
-        student_logits_BTV, teacher_logits_BUW, student_chunk_id_BT, teacher_chunk_id_BU, valid_BC
+        student_logits_BTV,
+        teacher_logits_BUW,
+        student_chunk_id_BT,
+        teacher_chunk_id_BU,
+        valid_BC,
+        num_valid,
     )
     W = zt_BUW.shape[-1]
     with torch.no_grad():
         if vocab_topk is None or vocab_topk >= W:
             idx_K = torch.arange(W, device=zt_BUW.device)
         else:  # same ids as reference.select_teacher_columns: exact max, same topk input
-            used_R = torch.where(teacher_chunk_id_BU.reshape(-1) >= 0, 0, -1)
-            max_W = kernels.rows.column_max(zt_BUW, used_R)
+            # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
+            max_W = kernels.rows.column_max(zt_BUW, teacher_chunk_id_BU.reshape(-1).contiguous())
             idx_K = torch.sort(torch.topk(max_W, vocab_topk).indices).values
         zt_BUK = zt_BUW[..., idx_K]
         lse_t_R = kernels.rows.row_logsumexp(zt_BUK, t_rows.nidx_R, temperature)
@@ -152,10 +164,16 @@ def _gold_fused(
     temperature,
     uncommon_topk,
     reverse_kl,
+    num_valid,
 ) -> KDTerms:
     kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
-        student_logits_BTV, teacher_logits_BUW, student_chunk_id_BT, teacher_chunk_id_BU, valid_BC
+        student_logits_BTV,
+        teacher_logits_BUW,
+        student_chunk_id_BT,
+        teacher_chunk_id_BU,
+        valid_BC,
+        num_valid,
     )
     ut = exact_map["uncommon_teacher"]
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
@@ -200,6 +218,7 @@ def pkl_kd_loss(
     vocab_topk: int | None,
     reverse_kl: bool,
     projection_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_valid: int | None = None,
 ) -> KDTerms:
     """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
 
@@ -219,6 +238,8 @@ def pkl_kd_loss(
         vocab_topk: number of teacher columns kept (None: all).
         reverse_kl: reverse KL.
         projection_topk: dense form of M (composed path only).
+        num_valid: N = ``valid_BC.sum()`` when the caller read it already (spares the fused
+            path its host sync); None: counted here.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -236,7 +257,7 @@ def pkl_kd_loss(
     )
     opts = dict(temperature=temperature, vocab_topk=vocab_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _pkl_fused(*args, **opts)
+        return _pkl_fused(*args, **opts, num_valid=num_valid)
     return composed.pkl_kd_loss(*args, **opts, projection_topk=projection_topk)
 
 
@@ -251,6 +272,7 @@ def gold_kd_loss(
     temperature: float,
     uncommon_topk: int,
     reverse_kl: bool,
+    num_valid: int | None = None,
 ) -> KDTerms:
     """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference.gold_kd_loss`.
 
@@ -266,6 +288,7 @@ def gold_kd_loss(
         temperature: T.
         uncommon_topk: cap on the sorted-probability L1 length.
         reverse_kl: reverse KL on the common vocab.
+        num_valid: N = ``valid_BC.sum()`` when the caller read it already; None: counted here.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -283,5 +306,5 @@ def gold_kd_loss(
     )
     opts = dict(temperature=temperature, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _gold_fused(*args, **opts)
+        return _gold_fused(*args, **opts, num_valid=num_valid)
     return composed.gold_kd_loss(*args, **opts)

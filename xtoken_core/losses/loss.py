@@ -12,6 +12,7 @@ Legend (shape suffixes in this file):
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,30 +44,89 @@ METRIC_KEYS = (
 )
 
 
-def _check_finite(name: str, x: torch.Tensor) -> None:
-    # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V] copy:
-    # NaN and inf propagate through the sum. A non-finite sum of finite (huge) values is possible,
-    # so only then is the exact element-wise check paid.
-    if bool(torch.isfinite(x.sum(dtype=torch.float32))):
-        return
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} holds NaN or inf; check the model forward (fp16 overflow?)")
+class _DeferredChecks:
+    """Input checks queued as device reductions and read back with one host sync per device.
 
+    Each check adds a small fp64 piece (an fp32 sum, an id min/max, a count); :meth:`run` reads
+    them all at once and raises the first failure in the order the checks were queued.
+    """
 
-def _check_ce_targets(input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
-    counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
-    if token_mask_BT is not None:
-        counted_BT = counted_BT & token_mask_BT.bool().to(counted_BT.device)
-    if sample_mask_B is not None:
-        counted_BT = counted_BT & sample_mask_B.bool().view(-1, 1).to(counted_BT.device)
-    counted_BT[:, 0] = False  # the first token is never a target
-    targets = input_ids_BT[counted_BT]
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
-        bad = int(targets.max()) if int(targets.max()) >= V else int(targets.min())
-        raise ValueError(
-            f"input_ids hold {bad} at a counted position but the student vocab is {V}; "
-            "mask it out with token_mask or fix the tokenizer/model pairing"
-        )
+    def __init__(self) -> None:
+        self._items: list[tuple[str, str, Any, torch.Tensor]] = []
+
+    def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
+        self._items.append((kind, name, extra, piece.to(torch.float64).reshape(-1)))
+        return len(self._items) - 1
+
+    def finite(self, name: str, x: torch.Tensor) -> None:
+        # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
+        # copy: NaN and inf propagate through the sum. A non-finite sum of finite (huge) values
+        # is possible, so only then is the exact element-wise check paid.
+        self._add("finite", name, x, x.sum(dtype=torch.float32))
+
+    def id_range(self, name: str, ids_BT: torch.Tensor, num_chunks: int) -> None:
+        if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {ids_BT.dtype}")
+        if ids_BT.numel():
+            self._add("ids", name, num_chunks, torch.stack(torch.aminmax(ids_BT)))
+
+    def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
+        counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
+        if token_mask_BT is not None:
+            counted_BT = counted_BT & token_mask_BT.bool().to(counted_BT.device)
+        if sample_mask_B is not None:
+            counted_BT = counted_BT & sample_mask_B.bool().view(-1, 1).to(counted_BT.device)
+        counted_BT[:, 0] = False  # the first token is never a target
+        if input_ids_BT.numel():  # uncounted positions read as 0, a valid id
+            targets_BT = torch.where(counted_BT, input_ids_BT, 0)
+            self._add("targets", "input_ids", V, torch.stack(torch.aminmax(targets_BT)))
+
+    def count(self, mask: torch.Tensor) -> int:
+        """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
+        return self._add("count", "", None, mask.sum())
+
+    def run(self) -> list[list[float]]:
+        """Read every queued piece (one sync per device) and raise the first failed check.
+
+        Returns:
+            The values of each queued piece, in order (counts as ``[n]``).
+
+        Raises:
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
+        """
+        by_device: dict[torch.device, list[int]] = {}
+        for i, item in enumerate(self._items):
+            by_device.setdefault(item[3].device, []).append(i)
+        values: list[list[float]] = [[] for _ in self._items]
+        for slots in by_device.values():
+            flat = torch.cat([self._items[i][3] for i in slots]).tolist()
+            at = 0
+            for i in slots:
+                n = self._items[i][3].numel()
+                values[i], at = flat[at : at + n], at + n
+        for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
+            if kind == "finite" and not math.isfinite(vals[0]):
+                if not bool(torch.isfinite(extra).all()):
+                    raise ValueError(
+                        f"{name} holds NaN or inf; check the model forward (fp16 overflow?)"
+                    )
+            elif kind == "ids":
+                lo, hi = int(vals[0]), int(vals[1])
+                if lo < -1 or hi >= extra:
+                    raise ValueError(
+                        f"{name} has ids in [{lo}, {hi}] but must lie in [-1, {extra}) "
+                        f"(num_chunks = alignment_pair_valid.shape[1] = {extra}); "
+                        "re-run the aligner or widen alignment_pair_valid"
+                    )
+            elif kind == "targets":
+                lo, hi = int(vals[0]), int(vals[1])
+                if lo < 0 or hi >= extra:
+                    bad = hi if hi >= extra else lo
+                    raise ValueError(
+                        f"input_ids hold {bad} at a counted position but the student vocab is "
+                        f"{extra}; mask it out with token_mask or fix the tokenizer/model pairing"
+                    )
+        return values
 
 
 class CrossTokenizerLoss:
@@ -191,9 +251,19 @@ class CrossTokenizerLoss:
         return teachers
 
     def _valid_chunks(
-        self, batch: Mapping[str, Any], alignment: AlignmentView, B: int, T: int, U: int | None
+        self,
+        batch: Mapping[str, Any],
+        alignment: AlignmentView,
+        B: int,
+        T: int,
+        U: int | None,
+        checks: _DeferredChecks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Shifted ids and the validity mask of one teacher, after the cheap shape checks."""
+        """Shifted ids and the validity mask of one teacher, after the cheap shape checks.
+
+        With ``checks`` the id-range check is queued there (and the ids clamped so that nothing
+        indexes out of bounds before it runs); without, it syncs here.
+        """
         C = alignment.max_chunks
         s_ids, t_ids = alignment.student_chunk_id, alignment.teacher_chunk_id
         if self.config.check_inputs:
@@ -220,8 +290,13 @@ class CrossTokenizerLoss:
                     f"alignment_pair_is_correct is {tuple(alignment.pair_is_correct.shape)}, "
                     f"expected {tuple(alignment.pair_valid.shape)} like alignment_pair_valid"
                 )
-            check_chunk_ids("alignment_student_chunk_id", s_ids, C)
-            check_chunk_ids("alignment_teacher_chunk_id", t_ids, C)
+            if checks is None:
+                check_chunk_ids("alignment_student_chunk_id", s_ids, C)
+                check_chunk_ids("alignment_teacher_chunk_id", t_ids, C)
+            else:
+                checks.id_range("alignment_student_chunk_id", s_ids, C)
+                checks.id_range("alignment_teacher_chunk_id", t_ids, C)
+                s_ids, t_ids = s_ids.clamp(-1, C - 1), t_ids.clamp(-1, C - 1)
         s_ids, t_ids = shift_chunk_ids(s_ids), shift_chunk_ids(t_ids)
         valid_BC = reference.chunk_validity(
             s_ids,
@@ -310,8 +385,9 @@ class CrossTokenizerLoss:
             raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
         B, T, V = student_logits.shape
         device = student_logits.device
-        if cfg.check_inputs:
-            _check_finite("student_logits", student_logits)
+        checks = _DeferredChecks() if cfg.check_inputs else None
+        if checks is not None:
+            checks.finite("student_logits", student_logits)
         backend = self._backend(device)
         dtype = reference.compute_dtype(student_logits)
 
@@ -326,9 +402,11 @@ class CrossTokenizerLoss:
                     f"global_valid_chunks has {chunk_denoms.numel()} entries for "
                     f"{cfg.num_teachers} teachers; pass a scalar or one count per teacher"
                 )
-        zero = student_logits.new_zeros((), dtype=dtype)
-        kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
-        for i, (weight, z_t) in enumerate(zip(cfg.teacher_weights, teachers)):
+        # Phase 1: shapes, alignment and validity of every teacher; the value checks (finite
+        # logits, chunk-id range, CE targets) and the valid-chunk counts are read back with one
+        # host sync, before any kernel that relies on them.
+        prepared = []
+        for i, z_t in enumerate(teachers):
             name = "teacher_logits" if cfg.num_teachers == 1 else f"teacher_logits[{i}]"
             if z_t.dim() != 3 or z_t.shape[0] != B:
                 raise ValueError(f"{name} is {tuple(z_t.shape)}, expected [{B}, U, W]")
@@ -339,12 +417,40 @@ class CrossTokenizerLoss:
                     "teacher_vocab_size"
                 )
             z_t = z_t[..., :W]
-            if cfg.check_inputs:
-                _check_finite(name, z_t)
+            if checks is not None:
+                checks.finite(name, z_t)
             alignment = alignment_from_batch(batch, i)
-            s_ids, t_ids, valid_BC = self._valid_chunks(batch, alignment, B, T, z_t.shape[1])
+            s_ids, t_ids, valid_BC = self._valid_chunks(
+                batch, alignment, B, T, z_t.shape[1], checks
+            )
             s_ids, t_ids, valid_BC = s_ids.to(device), t_ids.to(device), valid_BC.to(device)
+            slot = checks.count(valid_BC) if checks is not None and backend is fused else None
+            prepared.append((W, z_t, s_ids, t_ids, valid_BC, slot))
+        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
+        if "input_ids" in batch:
+            input_ids = batch["input_ids"]
+            if cfg.check_inputs and tuple(input_ids.shape) != (B, T):
+                raise ValueError(f"input_ids is {tuple(input_ids.shape)}, expected [{B}, {T}]")
+            if cfg.check_inputs and token_mask is not None and tuple(token_mask.shape) != (B, T):
+                raise ValueError(f"token_mask is {tuple(token_mask.shape)}, expected [{B}, {T}]")
+            if checks is not None:
+                checks.ce_targets(input_ids, token_mask, sample_mask, V)
+        elif cfg.ce_weight > 0:
+            raise ValueError(
+                "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
+            )
+        values = checks.run() if checks is not None else None
+
+        # Phase 2: the KD terms.
+        zero = student_logits.new_zeros((), dtype=dtype)
+        kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
+        for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot)) in enumerate(
+            zip(cfg.teacher_weights, prepared, strict=True)
+        ):
             common = (student_logits, z_t, s_ids, t_ids, valid_BC)
+            extra = {}
+            if backend is fused and slot is not None:
+                extra["num_valid"] = int(values[slot][0])
             if cfg.gold_loss:
                 terms = backend.gold_kd_loss(
                     *common,
@@ -352,9 +458,9 @@ class CrossTokenizerLoss:
                     temperature=cfg.temperature,
                     uncommon_topk=cfg.uncommon_topk,
                     reverse_kl=cfg.reverse_kl,
+                    **extra,
                 )
             else:
-                extra = {}
                 if backend is fused:
                     extra["projection_topk"] = self._projection_topk(i, device)
                 terms = backend.pkl_kd_loss(
@@ -373,24 +479,12 @@ class CrossTokenizerLoss:
             proj_accuracy = proj_accuracy + terms.correct.to(dtype) / denom / cfg.num_teachers
             num_valid = num_valid + terms.num_valid.to(dtype) / cfg.num_teachers
 
-        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
         if "input_ids" in batch:
-            input_ids = batch["input_ids"]
-            if cfg.check_inputs and tuple(input_ids.shape) != (B, T):
-                raise ValueError(f"input_ids is {tuple(input_ids.shape)}, expected [{B}, {T}]")
-            if cfg.check_inputs and token_mask is not None and tuple(token_mask.shape) != (B, T):
-                raise ValueError(f"token_mask is {tuple(token_mask.shape)}, expected [{B}, {T}]")
-            if cfg.check_inputs:
-                _check_ce_targets(input_ids, token_mask, sample_mask, V)
             nll_sum, correct, n_tokens = reference.student_ce_loss(
                 student_logits,
                 input_ids.to(device),
                 None if token_mask is None else token_mask.to(device),
                 None if sample_mask is None else sample_mask.to(device),
-            )
-        elif cfg.ce_weight > 0:
-            raise ValueError(
-                "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
             )
         else:
             nll_sum, correct, n_tokens = zero, zero, zero

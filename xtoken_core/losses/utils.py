@@ -185,13 +185,33 @@ class ChunkRows:
     sizes_N: torch.Tensor
 
 
-def chunk_rows(chunk_id_BT: torch.Tensor, valid_BC: torch.Tensor, num_valid: int) -> ChunkRows:
+def valid_chunk_numbering(valid_BC: torch.Tensor) -> torch.Tensor:
+    """Number the valid chunks 0..N-1 in ``[B, C]`` order.
+
+    Args:
+        valid_BC: [B, C] bool.
+
+    Returns:
+        segmap_S int64 [B*C]: the valid-chunk index of each slot, -1 where not valid.
+    """
+    flat_S = valid_BC.reshape(-1)
+    return torch.where(flat_S, torch.cumsum(flat_S, 0) - 1, -1)
+
+
+def chunk_rows(
+    chunk_id_BT: torch.Tensor,
+    valid_BC: torch.Tensor,
+    num_valid: int,
+    segmap_S: torch.Tensor | None = None,
+) -> ChunkRows:
     """Group the rows of the valid chunks (no host sync besides what the caller did).
 
     Args:
         chunk_id_BT: [B, T] shifted chunk ids in [-1, C).
         valid_BC: [B, C] bool.
         num_valid: N, ``valid_BC.sum()``.
+        segmap_S: :func:`valid_chunk_numbering` of ``valid_BC`` on the ids' device, when the
+            caller shares it between both sides; None: computed here.
 
     Returns:
         :class:`ChunkRows`.
@@ -199,8 +219,8 @@ def chunk_rows(chunk_id_BT: torch.Tensor, valid_BC: torch.Tensor, num_valid: int
     B, T = chunk_id_BT.shape
     C = valid_BC.shape[1]
     device = chunk_id_BT.device
-    flat_S = valid_BC.reshape(-1).to(device)
-    segmap_S = torch.where(flat_S, torch.cumsum(flat_S, 0) - 1, -1)
+    if segmap_S is None:
+        segmap_S = valid_chunk_numbering(valid_BC.to(device))
     cid_BT = chunk_id_BT.long()
     seg_BT = torch.arange(B, device=device).view(-1, 1) * C + cid_BT.clamp(min=0)
     nidx_R = torch.where(cid_BT >= 0, segmap_S[seg_BT], -1).reshape(-1).contiguous()

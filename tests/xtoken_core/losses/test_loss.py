@@ -550,6 +550,46 @@ def test_ce_targets_outside_the_student_vocab_are_rejected():
         _call(batch=batch)
 
 
+@pytest.mark.parametrize("mode", ["pkl", "gold"])
+def test_kernel_backend_rejects_bad_values_after_its_single_readback(mode, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zs, zt = make_logits(20)  # fp32: the fused path
+    zs, zt = zs.detach().float().requires_grad_(), zt.float()
+    batch = make_batch(20)
+    batch["alignment_student_chunk_id"][1, 3] = -2
+    with pytest.raises(ValueError, match=r"alignment_student_chunk_id has ids in \[-2, "):
+        _call(zs=zs, zt=zt, batch=batch, mode=mode, backend="kernel")
+    batch = make_batch(20)
+    batch["input_ids"][1, 4] = -1
+    batch["token_mask"][1, 4] = True
+    with pytest.raises(ValueError, match="input_ids hold -1"):
+        _call(zs=zs, zt=zt, batch=batch, mode=mode, backend="kernel")
+    zt[0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="teacher_logits holds NaN or inf"):
+        _call(zs=zs, zt=zt, mode=mode, backend="kernel")
+
+
+@pytest.mark.parametrize("mode", ["pkl", "gold"])
+def test_kernel_backend_gives_the_same_loss_with_and_without_input_checks(mode, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zs, zt = make_logits(21)  # fp32: the fused path (fp64 takes the composed kernels)
+    zs, zt = zs.detach().float().requires_grad_(), zt.float()
+    batch = make_batch(21)
+    got = {}
+    for check in (True, False):
+        zs.grad = None
+        loss, metrics = run_api(
+            zs, zt, batch, mode=mode, vocab_topk=6, backend="kernel", check_inputs=check
+        )
+        loss.backward()
+        got[check] = (loss.detach(), zs.grad.clone(), metrics["num_valid_chunks"])
+    assert got[True][2].item() > 0
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_missing_alignment_keys_are_rejected():
     batch = make_batch(20)
     del batch["alignment_pair_valid"]
