@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from unittest import mock
 
 import torch
@@ -28,12 +29,13 @@ def main(argv=None) -> int:
     parser.add_argument("--T", type=int, default=4096)
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--paths", nargs="+", default=["fused", "composed"])
+    parser.add_argument("--modes", nargs="+", default=["pkl", "gold"], choices=["pkl", "gold"])
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
     student, teacher, batch, projection, _ = _make_inputs(args.B, args.T, 151936, 131072, device, 1)
     x = student.clone().requires_grad_()
-    for mode in ("pkl", "gold"):
+    for mode in args.modes:
         loss_fn = CrossTokenizerLoss(
             CrossTokenizerLossConfig(
                 projection=projection,
@@ -51,6 +53,11 @@ def main(argv=None) -> int:
                     x.grad = None
                     loss_fn(x, teacher, batch)[0].backward()
                 torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                x.grad = None
+                loss_fn(x, teacher, batch)[0].backward()
+                torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - t0) * 1e3
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     x.grad = None
                     loss_fn(x, teacher, batch)[0].backward()
@@ -65,6 +72,17 @@ def main(argv=None) -> int:
             for e in events[: args.top]:
                 ms = e.self_device_time_total / 1e3
                 print(f"  {ms:8.2f} ms  x{e.count:<4d} {e.key[:90]}")
+            # Host side: wall time unprofiled, launches, syncs, and the top ops by host time.
+            averages = {e.key: e for e in prof.key_averages()}
+            launches = sum(
+                e.count for k, e in averages.items() if "LaunchKernel" in k or "cuLaunch" in k
+            )
+            syncs = sum(e.count for k, e in averages.items() if "Synchronize" in k or "Memcpy" in k)
+            print(f"  wall {wall_ms:.2f} ms unprofiled; {launches} launches; {syncs} sync/memcpy")
+            host = sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)
+            for e in host[: args.top]:
+                ms = e.cpu_time_total / 1e3
+                print(f"  host {ms:8.2f} ms  x{e.count:<4d} {e.key[:80]}")
     return 0
 
 
