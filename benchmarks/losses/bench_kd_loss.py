@@ -185,7 +185,19 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--shapes", nargs="+", default=None, help="BxT, e.g. 1x1024 2x4096")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes, no results file")
+    parser.add_argument(
+        "--kernel-config",
+        default=None,
+        help="JSON file of KERNEL_CONFIG overrides (e.g. bench_pkl_backward.py --best)",
+    )
     args = parser.parse_args(argv)
+    if args.kernel_config and os.path.exists(args.kernel_config):
+        from xtoken_core.kernels.kd_fused import KERNEL_CONFIG
+
+        with open(args.kernel_config) as fh:
+            overrides = json.load(fh)
+        KERNEL_CONFIG.update(overrides)
+        print(f"KERNEL_CONFIG overrides: {overrides}", file=sys.stderr)
     if args.smoke:
         device, pairs, shapes = torch.device("cpu"), [(211, 197)], [(1, 64), (2, 64)]
     elif torch.cuda.is_available():

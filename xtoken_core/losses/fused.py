@@ -33,7 +33,12 @@ import torch
 from xtoken_core.losses import composed, reference
 from xtoken_core.losses.composed import kernels_available
 from xtoken_core.losses.reference import KDTerms
-from xtoken_core.losses.utils import ChunkRows, chunk_rows, valid_chunk_numbering
+from xtoken_core.losses.utils import (
+    ChunkRows,
+    chunk_row_index,
+    chunk_rows,
+    valid_chunk_numbering,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +93,11 @@ def _fused_inputs(
     teacher_chunk_id_BU: torch.Tensor,
     valid_BC: torch.Tensor,
     num_valid: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, ChunkRows, ChunkRows]:
+    student_index_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, ChunkRows | torch.Tensor, ChunkRows]:
     """Kernel-ready logits, ``valid_BC`` on their device, N, rows per side.
+
+    With ``student_index_only`` the student side is only its ``nidx_R`` (no sort).
 
     N is ``num_valid`` when the caller read it already, else ``valid_BC.sum()`` (one host sync).
     The valid-chunk numbering is computed once and shared by both sides.
@@ -100,7 +108,10 @@ def _fused_inputs(
     N = int(valid_BC.sum()) if num_valid is None else int(num_valid)
     segmap_S = valid_chunk_numbering(valid_BC)
     t_rows = chunk_rows(teacher_chunk_id_BU, valid_BC, N, segmap_S)
-    s_rows = chunk_rows(student_chunk_id_BT, valid_BC, N, segmap_S)
+    if student_index_only:  # P-KL sums the student side by index_add: no row order needed
+        s_rows = chunk_row_index(student_chunk_id_BT, valid_BC, segmap_S)
+    else:
+        s_rows = chunk_rows(student_chunk_id_BT, valid_BC, N, segmap_S)
     return zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows
 
 
@@ -118,13 +129,14 @@ def _pkl_fused(
     num_valid,
 ) -> KDTerms:
     kernels = _kd_kernels()
-    zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
+    zs_BTV, zt_BUW, valid_BC, N, s_nidx_R, t_rows = _fused_inputs(
         student_logits_BTV,
         teacher_logits_BUW,
         student_chunk_id_BT,
         teacher_chunk_id_BU,
         valid_BC,
         num_valid,
+        student_index_only=True,
     )
     W = zt_BUW.shape[-1]
     with torch.no_grad():
@@ -143,11 +155,12 @@ def _pkl_fused(
         restricted = kernels.pkl.restrict_tables(
             kernels.pkl.projection_tables(projection_VW), idx_K
         )
-    q_RK = kernels.pkl.ProjectRows.apply(zs_BTV, s_rows.nidx_R, *restricted, float(temperature))
+    q_RK = kernels.pkl.ProjectRows.apply(zs_BTV, s_nidx_R, *restricted, float(temperature))
     K = q_RK.shape[1]
-    dest_R = torch.where(s_rows.nidx_R >= 0, s_rows.nidx_R, N)
+    dest_R = torch.where(s_nidx_R >= 0, s_nidx_R, N)
     q_sum_NK = q_RK.new_zeros(N + 1, K).index_add(0, dest_R, q_RK)[:N]
-    q_NK = q_sum_NK / s_rows.sizes_N.clamp_min(1).unsqueeze(-1)
+    sizes_N = q_RK.new_zeros(N + 1).index_add_(0, dest_R, q_RK.new_ones(dest_R.numel()))[:N]
+    q_NK = q_sum_NK / sizes_N.clamp_min(1).unsqueeze(-1)
     return reference.pkl_terms_from_chunks(
         teacher_lp_NK, q_NK, valid_BC, temperature=temperature, reverse_kl=reverse_kl
     )

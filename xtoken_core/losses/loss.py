@@ -55,7 +55,7 @@ class _DeferredChecks:
         self._items: list[tuple[str, str, Any, torch.Tensor]] = []
 
     def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
-        self._items.append((kind, name, extra, piece.to(torch.float64).reshape(-1)))
+        self._items.append((kind, name, extra, piece.reshape(-1)))
         return len(self._items) - 1
 
     def finite(self, name: str, x: torch.Tensor) -> None:
@@ -68,7 +68,9 @@ class _DeferredChecks:
         if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {ids_BT.dtype}")
         if ids_BT.numel():
-            self._add("ids", name, num_chunks, torch.stack(torch.aminmax(ids_BT)))
+            self._add(
+                "ids", name, num_chunks, torch.cat([m.reshape(1) for m in torch.aminmax(ids_BT)])
+            )
 
     def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
         counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
@@ -79,7 +81,8 @@ class _DeferredChecks:
         counted_BT[:, 0] = False  # the first token is never a target
         if input_ids_BT.numel():  # uncounted positions read as 0, a valid id
             targets_BT = torch.where(counted_BT, input_ids_BT, 0)
-            self._add("targets", "input_ids", V, torch.stack(torch.aminmax(targets_BT)))
+            minmax = torch.aminmax(targets_BT)
+            self._add("targets", "input_ids", V, torch.cat([m.reshape(1) for m in minmax]))
 
     def count(self, mask: torch.Tensor) -> int:
         """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
@@ -99,7 +102,9 @@ class _DeferredChecks:
             by_device.setdefault(item[3].device, []).append(i)
         values: list[list[float]] = [[] for _ in self._items]
         for slots in by_device.values():
-            flat = torch.cat([self._items[i][3] for i in slots]).tolist()
+            # cat promotes every piece to the first one's float64 (exact for ids and counts)
+            pieces = [self._items[i][3] for i in slots]
+            flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]]).tolist()
             at = 0
             for i in slots:
                 n = self._items[i][3].numel()
@@ -444,6 +449,7 @@ class CrossTokenizerLoss:
         # Phase 2: the KD terms.
         zero = student_logits.new_zeros((), dtype=dtype)
         kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
+        acc_5 = None
         for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot)) in enumerate(
             zip(cfg.teacher_weights, prepared, strict=True)
         ):
@@ -473,11 +479,17 @@ class CrossTokenizerLoss:
                 )
             denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
             denom = denom.to(dtype).clamp_min(1)
-            kd = kd + weight * terms.kd.to(dtype) / denom
-            kl_common = kl_common + weight * terms.kl.to(dtype) / denom
-            l1_uncommon = l1_uncommon + weight * terms.l1.to(dtype) / denom
-            proj_accuracy = proj_accuracy + terms.correct.to(dtype) / denom / cfg.num_teachers
-            num_valid = num_valid + terms.num_valid.to(dtype) / cfg.num_teachers
+            # One stacked update for the five sums: [kd, kl, l1] * w / d, correct / d / n_t,
+            # num_valid / n_t (kd keeps its gradient through the stack).
+            sums_5 = torch.stack([terms.kd, terms.kl, terms.l1, terms.correct, terms.num_valid]).to(
+                dtype
+            )
+            scale_5 = torch.stack([weight / denom] * 3 + [1 / denom, denom.new_ones(())])
+            scaled_5 = sums_5 * scale_5
+            scaled_5 = torch.cat([scaled_5[:3], scaled_5[3:] / cfg.num_teachers])
+            acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
+        if acc_5 is not None:
+            kd, kl_common, l1_uncommon, proj_accuracy, num_valid = acc_5.unbind()
 
         if "input_ids" in batch:
             nll_sum, correct, n_tokens = reference.student_ce_loss(

@@ -198,6 +198,30 @@ def valid_chunk_numbering(valid_BC: torch.Tensor) -> torch.Tensor:
     return torch.where(flat_S, torch.cumsum(flat_S, 0) - 1, -1)
 
 
+def chunk_row_index(
+    chunk_id_BT: torch.Tensor, valid_BC: torch.Tensor, segmap_S: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Valid-chunk index of every row (the ``nidx_R`` of :class:`ChunkRows`, without the sort).
+
+    Args:
+        chunk_id_BT: [B, T] shifted chunk ids in [-1, C).
+        valid_BC: [B, C] bool.
+        segmap_S: :func:`valid_chunk_numbering` of ``valid_BC`` on the ids' device; None:
+            computed here.
+
+    Returns:
+        nidx_R int64 [B*T], -1 for rows of no valid chunk.
+    """
+    B = chunk_id_BT.shape[0]
+    C = valid_BC.shape[1]
+    device = chunk_id_BT.device
+    if segmap_S is None:
+        segmap_S = valid_chunk_numbering(valid_BC.to(device))
+    cid_BT = chunk_id_BT.long()
+    seg_BT = torch.arange(B, device=device).view(-1, 1) * C + cid_BT.clamp(min=0)
+    return torch.where(cid_BT >= 0, segmap_S[seg_BT], -1).reshape(-1).contiguous()
+
+
 def chunk_rows(
     chunk_id_BT: torch.Tensor,
     valid_BC: torch.Tensor,
@@ -216,14 +240,8 @@ def chunk_rows(
     Returns:
         :class:`ChunkRows`.
     """
-    B, T = chunk_id_BT.shape
-    C = valid_BC.shape[1]
     device = chunk_id_BT.device
-    if segmap_S is None:
-        segmap_S = valid_chunk_numbering(valid_BC.to(device))
-    cid_BT = chunk_id_BT.long()
-    seg_BT = torch.arange(B, device=device).view(-1, 1) * C + cid_BT.clamp(min=0)
-    nidx_R = torch.where(cid_BT >= 0, segmap_S[seg_BT], -1).reshape(-1).contiguous()
+    nidx_R = chunk_row_index(chunk_id_BT, valid_BC, segmap_S)
     key_R = torch.where(nidx_R >= 0, nidx_R, num_valid)
     sorted_R, order_R = torch.sort(key_R, stable=True)
     offsets_N1 = torch.searchsorted(sorted_R, torch.arange(num_valid + 1, device=device))

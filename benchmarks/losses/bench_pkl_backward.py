@@ -1,0 +1,112 @@
+"""Benchmark: block sizes of the P-KL projection backward kernel (kd_pkl._proj_bwd_kernel).
+
+Times ``kd_pkl.project_rows_backward`` (read the logits, gather ``dq`` through the restricted
+ELL table, write ``dz``) at the KD-loss benchmark's shape (bf16 logits, V_s 151,936, V_t
+131,072, 8,192 selected teacher columns, 8-entry projection rows) for a few
+``(pbwd_block_n, pbwd_block_v, pbwd_warps)`` choices. Prints one table, appends rows to
+benchmarks/results/losses_pkl_backward.jsonl and, with ``--best``, writes the fastest choice as
+JSON (``bench_kd_loss.py --kernel-config`` reads it). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _projection  # noqa: E402
+
+from xtoken_core.kernels import kd_fused, kd_pkl  # noqa: E402
+from xtoken_core.losses.utils import sparse_projection_from_topk  # noqa: E402
+
+#: (block_n, block_v, warps) candidates; the first is the current default.
+CONFIGS = [
+    (32, 256, 8),
+    (16, 256, 4),
+    (16, 512, 4),
+    (16, 512, 8),
+    (32, 128, 4),
+    (32, 512, 8),
+    (64, 128, 8),
+    (64, 256, 8),
+    (16, 1024, 8),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="benchmarks/results/losses_pkl_backward.jsonl")
+    parser.add_argument("--best", default=None, help="write the fastest config here (JSON)")
+    parser.add_argument("--T", type=int, default=1024)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 1
+    device = torch.device("cuda")
+    V_s, V_t, T = 151936, 131072, args.T
+    gen = torch.Generator(device=device).manual_seed(0)
+    z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
+    indices, likelihoods = _projection(V_s, V_t, gen, device)
+    M = sparse_projection_from_topk(
+        indices, likelihoods, student_vocab_size=V_s, teacher_vocab_size=V_t
+    )
+    idx_K = torch.sort(torch.randperm(V_t, device=device)[:VOCAB_TOPK]).values
+    tables = kd_pkl.restrict_tables(kd_pkl.projection_tables(M), idx_K)
+    nidx_R = torch.arange(T, device=device)
+    lse_R = kd_fused.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
+    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device)
+    dot_R = torch.randn(T, generator=gen, device=device)
+    saved = {k: kd_fused.KERNEL_CONFIG[k] for k in ("pbwd_block_n", "pbwd_block_v", "pbwd_warps")}
+    rows = []
+    try:
+        for bn, bv, warps in CONFIGS:
+            kd_fused.KERNEL_CONFIG.update(pbwd_block_n=bn, pbwd_block_v=bv, pbwd_warps=warps)
+            ms = _common.bench_ms(
+                lambda: kd_pkl.project_rows_backward(
+                    z_BTV, lse_R, dq_RK, dot_R, tables[4], tables[5], TEMPERATURE
+                )
+            )
+            rows.append(
+                dict(
+                    bench="pkl_backward",
+                    commit=_common.commit(),
+                    device=_common.device_name(device),
+                    T=T,
+                    V_s=V_s,
+                    K=VOCAB_TOPK,
+                    P=int(tables[4].shape[0]),
+                    block_n=bn,
+                    block_v=bv,
+                    warps=warps,
+                    ms=ms,
+                    gbs=2 * z_BTV.numel() * z_BTV.element_size() / ms / 1e6,
+                )
+            )
+    finally:
+        kd_fused.KERNEL_CONFIG.update(saved)
+    for row in rows:
+        row["vs_default"] = rows[0]["ms"] / row["ms"]
+    _common.print_table(rows, ["block_n", "block_v", "warps", "ms", "gbs", "vs_default"])
+    _common.append_rows(args.results, rows)
+    best = min(rows, key=lambda r: r["ms"])
+    if args.best:
+        with open(args.best, "w") as fh:
+            json.dump(
+                dict(
+                    pbwd_block_n=best["block_n"],
+                    pbwd_block_v=best["block_v"],
+                    pbwd_warps=best["warps"],
+                ),
+                fh,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
