@@ -64,9 +64,9 @@ KERNEL_CONFIG = {
     "proj_block_e": 32,
     "proj_block_j": 32,
     "proj_warps": 4,
-    "pbwd_block_n": 32,
+    "pbwd_block_n": 16,
     "pbwd_block_v": 256,
-    "pbwd_warps": 8,
+    "pbwd_warps": 4,
     "gbwd_block_v": 2048,
     "gbwd_warps": 4,
 }
