@@ -41,18 +41,25 @@ def commit() -> str:
         return os.environ.get("XTOKEN_COMMIT", "unknown")
 
 
-def cpu_name() -> str:
-    """CPU model (from /proc/cpuinfo where readable) and the cores this process may use."""
-    model = platform.processor() or "cpu"
+def cpu_model(fallback: str = "cpu") -> str:
+    """CPU model from /proc/cpuinfo where readable, else ``platform.processor()``, else ``fallback``."""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores}-core CPU"
+    return platform.processor() or fallback
+
+
+def usable_cores() -> int | None:
+    """Cores this process may run on (its affinity mask where the OS has one, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def cpu_name() -> str:
+    """CPU model (from /proc/cpuinfo where readable) and the cores this process may use."""
+    return f"{cpu_model()}, {usable_cores()}-core CPU"
 
 
 def device_name(device: str | torch.device = "cuda") -> str:
@@ -143,6 +150,14 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def print_cells(headers: list[str], cells: list[list[str]]) -> None:
+    """Print already formatted ``cells`` (one list per row) under ``headers``, right-justified."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for c in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
 
 
 def _fmt(v) -> str:

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import platform
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from xtoken_core.align import TokenAligner
-from xtoken_core.data.corpus import build_demo_corpus, iter_texts
-from xtoken_core.tokenizers import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
+
+from xtoken_core.align import TokenAligner  # noqa: E402
+from xtoken_core.data.corpus import build_demo_corpus, iter_texts  # noqa: E402
+from xtoken_core.tokenizers import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "align_aligner.jsonl"
@@ -40,28 +41,19 @@ DEFAULT_PAIRS = (
 )
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def device_name() -> str:
     """``"<N>-core CPU <model>"`` of this machine (cores usable by this process)."""
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cores}-core CPU {model}"
+    return f"{_common.usable_cores()}-core CPU {_common.cpu_model(fallback='unknown')}"
+
+
+def run_fields() -> dict:
+    """Fields every row of a run carries: commit, device, date and the 1-minute load average."""
+    return {
+        "commit": _common.commit(),
+        "device": device_name(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def long_texts(num: int, min_chars: int) -> list[str]:
@@ -170,28 +162,17 @@ def main() -> int:
     args = parser.parse_args()
 
     texts = long_texts(args.samples, args.min_chars)
-    common = {
-        "commit": _commit(),
-        "device": device_name(),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-    }
+    common = run_fields()
     rows = [{**bench_pair(p, texts, args.ctx, args.rounds), **common} for p in args.pairs]
     for r in rows:  # other processes on the machine skew the figures: keep the load beside them
         r["load_average_1m_end"] = round(os.getloadavg()[0], 2)
-    widths = [max(len(h), *(len(str(r[k])) for r in rows)) for h, k in COLUMNS]
     print(
         f"TokenAligner, {args.samples} demo texts, ctx {args.ctx}, {common['device']} "
         f"(load {common['load_average_1m']} -> {rows[-1]['load_average_1m_end']})"
     )
-    print("  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)))
-    for r in rows:
-        print("  ".join(str(r[k]).rjust(w) for (_, k), w in zip(COLUMNS, widths)))
+    _common.print_cells([h for h, _ in COLUMNS], [[str(r[k]) for _, k in COLUMNS] for r in rows])
     if not args.no_append:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _common.append_rows(RESULTS, rows)
     return 0
 
 

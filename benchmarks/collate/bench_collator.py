@@ -20,8 +20,6 @@ import os
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per process, set before any use
 
 import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -33,7 +31,10 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.align.bench_aligner import _commit, device_name, long_texts  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402
+
+from benchmarks.align.bench_aligner import long_texts, run_fields  # noqa: E402
 from xtoken_core.align import TokenAligner  # noqa: E402
 from xtoken_core.data.collator import CrossTokenizerCollator  # noqa: E402
 from xtoken_core.tokenizers import load_tokenizer  # noqa: E402
@@ -200,12 +201,7 @@ def main() -> int:
     torch.set_num_threads(1)
     texts = long_texts(args.samples + args.batch, args.chars)
     texts, warm = texts[: args.samples], texts[args.samples :]
-    common = {
-        "commit": _commit(),
-        "device": device_name(),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-    }
+    common = run_fields()
     rows = [
         {**bench_pair(p, texts, warm, args.ctx, args.batch, args.rounds), **common}
         for p in args.pairs
@@ -213,15 +209,12 @@ def main() -> int:
     for r in rows:  # other processes on the machine skew the figures: keep the load beside them
         r["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     cells = [[_cell(r, k) for _, k in COLUMNS] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(COLUMNS)]
     print(
         f"Collator, {args.samples} texts of >= {args.chars} chars, ctx {args.ctx}, batch "
         f"{args.batch}, {common['device']} (load {common['load_average_1m']} -> "
         f"{rows[-1]['load_average_1m_end']})"
     )
-    print("  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)))
-    for c in cells:
-        print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
+    _common.print_cells([h for h, _ in COLUMNS], cells)
     for r in rows:
         print(
             f"targets {r['student']}->{r['teacher']}: align <= {TARGET_ALIGN_MS} ms "
@@ -230,10 +223,7 @@ def main() -> int:
             f"{r['target_scaling_ok']}"
         )
     if not args.no_append:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _common.append_rows(RESULTS, rows)
     return 0
 
 
