@@ -26,7 +26,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,10 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(ROOT))
 
+import _common  # noqa: E402
 import workloads  # noqa: E402
 
 RESULTS_JSONL = ROOT / "benchmarks" / "results" / "queue.jsonl"
@@ -49,48 +50,10 @@ FIELDS = list(workloads.FIELDS)
 # ----------------------------------------------------------------------------- helpers
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=ROOT,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, from /proc/<pid>/status."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def _pct(xs: list[float], q: float) -> float:
     import numpy as np
 
     return float(np.percentile(xs, q))
-
-
-def _jagged(cols):
-    from xtoken_core.wire import JaggedColumn
-
-    return {name: JaggedColumn(values, offsets) for name, (values, offsets) in cols.items()}
 
 
 def _w1(seed: int):
@@ -138,7 +101,7 @@ def bench_xtoken(rounds: int, w2_reps: int, rss_mb: int, lat_iters: int, seed: i
         with QueueClient(address, timeout_s=60, shm="never") as client:
             client.hello()
             warm = workloads.columns(workloads.lengths(4, 8, 16, 99), 99)
-            client.put("warm", [f"k{i}" for i in range(4)], _jagged(warm))
+            client.put("warm", [f"k{i}" for i in range(4)], workloads.jagged(warm))
             client.clear("warm")
             out["rss"] = _rss_phase(client, server.pid, rss_mb)
             out["w1"] = _w1_phase(client, rounds, seed)
@@ -154,7 +117,7 @@ def bench_xtoken(rounds: int, w2_reps: int, rss_mb: int, lat_iters: int, seed: i
 
 
 def _rss_phase(client, pid: int, rss_mb: int) -> dict:
-    base = rss_bytes(pid)
+    base = workloads.rss_bytes(pid)
     stored, i = 0, 0
     while stored < rss_mb * 1e6:
         cols = workloads.columns(
@@ -163,11 +126,13 @@ def _rss_phase(client, pid: int, rss_mb: int) -> dict:
             ),
             100 + i,
         )
-        client.put(f"rss{i}", [f"s{j}" for j in range(workloads.W1_SAMPLES)], _jagged(cols))
+        client.put(
+            f"rss{i}", [f"s{j}" for j in range(workloads.W1_SAMPLES)], workloads.jagged(cols)
+        )
         stored += workloads.nbytes(cols)
         i += 1
     time.sleep(0.5)
-    after = rss_bytes(pid)
+    after = workloads.rss_bytes(pid)
     for j in range(i):
         client.clear(f"rss{j}")
     return {"baseline": base, "after": after, "stored": stored}
@@ -177,7 +142,7 @@ def _w1_phase(client, rounds: int, seed: int) -> dict:
     import torch
 
     cols = _w1(seed)
-    fields = _jagged(cols)
+    fields = workloads.jagged(cols)
     keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
     put_s, get_s = [], []
     for r in range(rounds):
@@ -198,7 +163,7 @@ def _w1_phase(client, rounds: int, seed: int) -> dict:
 
 
 def _w2_phase(client, reps: int) -> dict:
-    batches = [_jagged(b) for b in _w2_batches()]
+    batches = [workloads.jagged(b) for b in _w2_batches()]
     n = workloads.W2_BATCH
     put_s, get_s = [], []
     for r in range(reps):
@@ -223,7 +188,7 @@ def _claim_phase(client, iters: int) -> dict:
     cols = workloads.columns(
         workloads.lengths(iters, workloads.W2_MIN_LEN, workloads.W2_MAX_LEN, 7), 7
     )
-    client.put("lat", [f"s{j}" for j in range(iters)], _jagged(cols))
+    client.put("lat", [f"s{j}" for j in range(iters)], workloads.jagged(cols))
     lat = []
     for _ in range(iters):
         t = time.perf_counter()
@@ -522,8 +487,8 @@ def main() -> int:
 
     ours, tq, raw = _summarize(ours_res), _summarize(tq_res), _summarize(raw_res)
     table = _table(ours, tq, raw, tq_res, collator)
-    commit = _commit()
-    device = f"{_cpu_model()}, {os.cpu_count()} cores (CPU, loopback TCP)"
+    commit = _common.commit()
+    device = f"{_common.cpu_model(fallback='unknown')}, {os.cpu_count()} cores (CPU, loopback TCP)"
     shape = (
         f"W1 {workloads.W1_SAMPLES} x L~U[{workloads.W1_MIN_LEN},{workloads.W1_MAX_LEN}] "
         f"(int64 [L] + float32 [L,{workloads.HIDDEN}], "
@@ -556,9 +521,7 @@ def main() -> int:
             for k in ("w1_put_mb_s", "w1_get_mb_s", "w2_put_samples_s", "w2_get_samples_s")
         },
     }
-    RESULTS_JSONL.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS_JSONL, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    _common.append_rows(RESULTS_JSONL, [row])
     if not args.quick:
         # Hand-written analysis below "## Notes" survives a rerun.
         notes = ""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import pathlib
 import statistics
@@ -25,6 +24,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "queue.jsonl"
 
 
@@ -61,7 +63,7 @@ def run_mode(address: str, shm: str, rounds: int, seed: int) -> dict:
     from services.queue.client import QueueClient
 
     cols = bench_queue._w1(seed)
-    fields = bench_queue._jagged(cols)
+    fields = workloads.jagged(cols)
     nbytes = workloads.nbytes(cols)
     keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
     put_s, get_s = [], []
@@ -117,8 +119,8 @@ def main() -> int:
     raw = bench_queue._summarize(bench_queue.bench_raw(args.rounds, 1, 50, args.seed))
     raw_put, raw_get = raw["w1_put_mb_s"], raw["w1_get_mb_s"]
 
-    commit = bench_queue._commit()
-    device = f"{bench_queue._cpu_model()}, {os.cpu_count()} cores (CPU)"
+    commit = _common.commit()
+    device = f"{_common.cpu_model(fallback='unknown')}, {os.cpu_count()} cores (CPU)"
     nbytes = workloads.nbytes(bench_queue._w1(args.seed))
     lines = [
         "| W1 (41 MB / put) | put MB/s | put ms | get (claim+fetch) MB/s | put / raw | put / tcp frames |",
@@ -148,8 +150,7 @@ def main() -> int:
             "shm_put_vs_tcp_frames": results["tcp shm"]["put_mb_s"] / base,
         },
     }
-    with open(RESULTS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    _common.append_rows(RESULTS, [row])
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import multiprocessing
 import os
 import pathlib
@@ -39,8 +38,10 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(ROOT))
 
+import _common  # noqa: E402
 import workloads  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "queue_hot_path.jsonl"
@@ -48,30 +49,22 @@ ALL_PHASES = ("codec", "raw", "claim1", "claim2", "w2", "w1", "w1pair")
 
 
 def _commit() -> str:
+    """Short commit, with ``+dirty`` when services/queue or xtoken_core/wire has changes."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "services/queue", "xtoken_core/wire"],
             capture_output=True,
             text=True,
             cwd=ROOT,
         )
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
+    return _common.commit() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
-def _jagged(cols):
-    from xtoken_core.wire import JaggedColumn
-
-    return {name: JaggedColumn(values, offsets) for name, (values, offsets) in cols.items()}
 
 
 # ----------------------------------------------------------------------------- server
@@ -108,7 +101,7 @@ def phase_claim(client, iters: int, fields: tuple[str, ...]) -> dict:
     cols = workloads.columns(workloads.lengths(iters + 50, 20, 20, 7), 7)
     cols = {k: v for k, v in cols.items() if k in fields}
     part = f"claim-{len(fields)}-{time.monotonic_ns()}"
-    client.put(part, [f"s{j}" for j in range(iters + 50)], _jagged(cols))
+    client.put(part, [f"s{j}" for j in range(iters + 50)], workloads.jagged(cols))
     for _ in range(50):  # warm-up
         got = client.claim(part, "t", list(fields), 1, timeout_s=5)
         client.ack(part, "t", got["lease_id"])
@@ -133,7 +126,7 @@ def phase_claim(client, iters: int, fields: tuple[str, ...]) -> dict:
 
 def _w2_batches():
     return [
-        _jagged(
+        workloads.jagged(
             workloads.columns(
                 workloads.lengths(
                     workloads.W2_BATCH, workloads.W2_MIN_LEN, workloads.W2_MAX_LEN, 1000 + b
@@ -172,7 +165,7 @@ def phase_w1(client, rounds: int) -> dict:
     lens = workloads.lengths(workloads.W1_SAMPLES, workloads.W1_MIN_LEN, workloads.W1_MAX_LEN, 0)
     cols = workloads.columns(lens, 0)
     nbytes = workloads.nbytes(cols)
-    fields = _jagged(cols)
+    fields = workloads.jagged(cols)
     keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
     put_s, get_s = [], []
     for r in range(rounds):
@@ -207,7 +200,7 @@ def phase_w1pair(client, rounds: int) -> dict:
     lens = workloads.lengths(workloads.W1_SAMPLES, workloads.W1_MIN_LEN, workloads.W1_MAX_LEN, 0)
     cols = workloads.columns(lens, 0)
     nbytes = workloads.nbytes(cols)
-    fields = _jagged(cols)
+    fields = workloads.jagged(cols)
     frames = [memoryview(t.numpy()) for pair in cols.values() for t in pair]
     keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
     t_s: dict[str, list[float]] = {"put": [], "get": [], "raw_put": [], "raw_get": []}
@@ -457,9 +450,7 @@ def main() -> int:
             "server_args": args.server_args,
             **res,
         }
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        _common.append_rows(RESULTS, [row])
     return 0
 
 

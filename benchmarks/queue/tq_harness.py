@@ -42,14 +42,6 @@ def _serve(conn) -> None:
     conn.recv()  # any message: stop
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, from /proc/<pid>/status."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def _tensordict(cols):
     import torch
     from tensordict import TensorDict
@@ -108,7 +100,7 @@ def main() -> int:
     client.clear_partition("warm")
 
     # server memory: ~rss_mb of W1-like batches
-    base = rss_bytes(pid)
+    base = workloads.rss_bytes(pid)
     stored, i = 0, 0
     while stored < args.rss_mb * 1e6:
         cols = workloads.columns(
@@ -121,7 +113,7 @@ def main() -> int:
         stored += workloads.nbytes(cols)
         i += 1
     time.sleep(0.5)
-    after = rss_bytes(pid)
+    after = workloads.rss_bytes(pid)
     out["rss"] = {"baseline": base, "after": after, "stored": stored}
     for j in range(i):
         client.clear_partition(f"rss{j}")

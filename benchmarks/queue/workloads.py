@@ -5,6 +5,8 @@ Legend: N samples, L_i tokens of sample i, R = sum L_i, H hidden width (64).
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 
 HIDDEN = 64
@@ -54,3 +56,19 @@ def columns(lengths_N: list[int], seed: int) -> dict[str, tuple[torch.Tensor, to
 def nbytes(cols: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Payload bytes of a batch (values only: what a sample is made of)."""
     return sum(v.numel() * v.element_size() for v, _ in cols.values())
+
+
+def jagged(cols: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """The columns as ``xtoken_core.wire.JaggedColumn`` fields (imported here: the
+    TransferQueue harness runs without xtoken)."""
+    from xtoken_core.wire import JaggedColumn
+
+    return {name: JaggedColumn(values, offsets) for name, (values, offsets) in cols.items()}
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc/<pid>/status."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
