@@ -100,6 +100,49 @@ def chunk_avg_log_softmax_reference(
 if tl is not None:
 
     @lazy_jit
+    def _segments_kernel(
+        cid_ptr,
+        seg_R_ptr,
+        order_R_ptr,
+        offsets_S1_ptr,
+        sizes_S_ptr,
+        R,
+        T,
+        C,
+        S,
+        BLOCK_R: tl.constexpr,
+    ):
+        # One program per segment s in [0, S]; s == S is the bucket of rows outside every chunk.
+        # key_r = b * C + cid_r for ids in [0, C), else S (the stable-sort key of _segments).
+        # Pass 1: offsets[s] = #rows with key < s. Pass 2: rows with key == s, in row order,
+        # go to order[offsets[s] + rank]: a stable counting sort, identical to sorting by key.
+        # Program 0 also writes seg_R (key, or -1). No atomics: deterministic.
+        s = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_R).to(tl.int64)
+        before = tl.full([], 0, tl.int64)
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + offs
+            in_r = r < R
+            cid = tl.load(cid_ptr + r, mask=in_r, other=-1).to(tl.int64)
+            ok = (cid >= 0) & (cid < C)
+            key = tl.where(ok, (r // T) * C + cid, S)
+            tl.store(seg_R_ptr + r, tl.where(ok, key, -1), mask=in_r & ((r * 0 + s) == 0))
+            before += tl.reduce(((key < s) & in_r).to(tl.int64), 0, SUM_COMBINE)
+        running = before
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + offs
+            in_r = r < R
+            cid = tl.load(cid_ptr + r, mask=in_r, other=-1).to(tl.int64)
+            ok = (cid >= 0) & (cid < C)
+            key = tl.where(ok, (r // T) * C + cid, S)
+            hit = ((key == s) & in_r).to(tl.int64)
+            rank = tl.associative_scan(hit, 0, SUM_COMBINE) - 1
+            tl.store(order_R_ptr + running + rank, r, mask=hit > 0)
+            running += tl.reduce(hit, 0, SUM_COMBINE)
+        tl.store(offsets_S1_ptr + s, before)
+        tl.store(sizes_S_ptr + s, (running - before).to(tl.float32), mask=s < S)
+
+    @lazy_jit
     def _row_lse_kernel(
         logits_ptr,
         seg_R_ptr,
@@ -327,6 +370,50 @@ def _segments(chunk_id_BT: torch.Tensor, num_chunks: int, check: bool = True):
     return seg_R, order_R.contiguous(), offsets_S1, sizes_S
 
 
+#: Above this many (segment, row) pairs the one-launch segment kernel (each of its S + 1
+#: programs scans all R ids) gives way to the sort-based torch path.
+SEGMENTS_KERNEL_MAX_WORK = 1 << 27
+
+
+def _segments_device(chunk_id_BT: torch.Tensor, num_chunks: int):
+    """Segment structure of :func:`_segments` (same values, bit for bit) in one Triton launch.
+
+    Replaces ~15 small torch ops (where, stable sort, searchsorted, ...) by a stable counting
+    sort: no host sync and no data-dependent sizes. Falls back to :func:`_segments` (unchecked)
+    for empty inputs or when S * R exceeds ``SEGMENTS_KERNEL_MAX_WORK``.
+
+    Args:
+        chunk_id_BT: [B, T] integer chunk ids on the kernels' device; out-of-range ids count
+            as -1.
+        num_chunks: C.
+
+    Returns:
+        seg_R int64 [R], order_R int64 [R], offsets_S1 int64 [S + 1], sizes_S fp32 [S].
+    """
+    B, T = chunk_id_BT.shape
+    R, S = B * T, B * num_chunks
+    if R == 0 or (S + 1) * R > SEGMENTS_KERNEL_MAX_WORK:
+        seg_R, order_R, offsets_S1, sizes_S = _segments(chunk_id_BT, num_chunks, check=False)
+        return seg_R, order_R, offsets_S1, sizes_S.to(torch.float32)
+    buf_N = torch.empty(2 * R + S + 1, device=chunk_id_BT.device, dtype=torch.long)
+    sizes_S = torch.empty(S + 1, device=chunk_id_BT.device, dtype=torch.float32)
+    seg_R, order_R, offsets_S1 = buf_N[:R], buf_N[R : 2 * R], buf_N[2 * R :]
+    _segments_kernel[(S + 1,)](
+        chunk_id_BT.contiguous(),
+        seg_R,
+        order_R,
+        offsets_S1,
+        sizes_S,
+        R,
+        T,
+        num_chunks,
+        S,
+        BLOCK_R=min(1024, next_power_of_2(R)),
+        num_warps=4,
+    )
+    return seg_R, order_R, offsets_S1, sizes_S[:S]
+
+
 def _raise_on_bad_ids(bad: torch.Tensor, cid_BT: torch.Tensor, num_chunks: int) -> None:
     """Raise ValueError when ``bad`` (0-d bool, possibly on the GPU: this syncs) is set."""
     if bool(bad):
@@ -352,9 +439,10 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
     """
     B, T, V = logits_BTV.shape
     C = num_chunks
-    check = not chunk_id_BT.is_cuda or KERNEL_CONFIG["check_device_ids"]
-    seg_R, order_R, offsets_S1, sizes_S = _segments(chunk_id_BT, C, check=check)
-    sizes_Sf = sizes_S.to(torch.float32)
+    if (not chunk_id_BT.is_cuda or KERNEL_CONFIG["check_device_ids"]) and chunk_id_BT.numel():
+        cid_BT = chunk_id_BT.to(torch.long)
+        _raise_on_bad_ids(((cid_BT < -1) | (cid_BT >= C)).any(), cid_BT, C)
+    seg_R, order_R, offsets_S1, sizes_Sf = _segments_device(chunk_id_BT, C)
     R, S = B * T, B * C
     lse_R = torch.empty(R, device=logits_BTV.device, dtype=torch.float32)
     avg_BCV = torch.empty(B, C, V, device=logits_BTV.device, dtype=out_dtype)
