@@ -16,6 +16,8 @@ sums over rows sorted by segment, no atomics):
     fused:    one program per segment: pass 1 takes the logsumexp of each of its rows, pass 2
               sums the rows block by block in reverse V order (the blocks read last are re-read
               first, while still in L2) and writes avg = sum(z) / (T n) - mean(lse). One launch.
+The segment structure (rows sorted by segment, offsets, sizes) is one small launch, a stable
+counting sort (``_segments_kernel``), not a torch sort: no host sync, few host ops.
 Backward is one pass (plus a row sum of the incoming gradient). Only the input logits and one
 fp32 scalar per row are saved: no [B, T, V] fp32 copy is ever made.
 """
