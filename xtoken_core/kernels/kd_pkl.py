@@ -176,7 +176,8 @@ if tl is not None:
         num_vb,
         stride_b,
         stride_t,
-        dq_stride,
+        dq_stride_n,
+        dq_stride_j,
         scale2,
         inv_temp,
         P: tl.constexpr,
@@ -184,7 +185,8 @@ if tl is not None:
         BLOCK_V: tl.constexpr,
     ):
         # Program (row block, vocab block), vocab blocks fastest (the row block's dq rows stay
-        # in L2). ELL slots are packed to the front of each row of M, so a slot with no entry in
+        # in L2); with dq stored column-major one gather of column j reads the block's rows from
+        # one or two sectors instead of BLOCK_N. ELL slots are packed to the front of each row of M, so a slot with no entry in
         # this vocab block ends the useful work; it is skipped without loading dq.
         #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
         pid = tl.program_id(0)
@@ -201,14 +203,16 @@ if tl is not None:
         z = tl.load(rows[:, None] + v[None, :], mask=mask, other=0.0).to(tl.float32)
         lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
         p = tl.exp2(z * scale2 - lse2[:, None])
-        dq_rows = dq_ptr + n64 * dq_stride
+        dq_rows = dq_ptr + n64 * dq_stride_n
         dp = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
         for k in range(0, P):
             j = tl.load(ell_j_PS_ptr + k * S + v, mask=sm, other=-1)
             if tl.reduce(j, 0, MAX_COMBINE) >= 0:
                 w = tl.load(ell_w_PS_ptr + k * S + v, mask=sm, other=0.0)
                 g = tl.load(
-                    dq_rows[:, None] + j[None, :], mask=nm[:, None] & (j >= 0)[None, :], other=0.0
+                    dq_rows[:, None] + j.to(tl.int64)[None, :] * dq_stride_j,
+                    mask=nm[:, None] & (j >= 0)[None, :],
+                    other=0.0,
                 )
                 dp += g * w[None, :]
         dot = tl.load(dot_R_ptr + n, mask=nm, other=0.0)
@@ -287,7 +291,7 @@ def project_rows_backward(
     Args:
         z_BTV: [B, T, V] logits.
         lse_R: [B*T] fp32 row logsumexp.
-        dq_RK: [B*T, K] fp32 gradient of q (last dim contiguous).
+        dq_RK: [B*T, K] fp32 gradient of q, any strides (column-major gathers best).
         dot_R: [B*T] fp32 ``sum_j dq[r, j] q[r, j]``.
         ell_j_PS: [P, S] int32 (slot-major ELL) selected-column index of each row entry of M,
             -1 = none, entries packed to the low slots of each row (S <= V).
@@ -303,8 +307,6 @@ def project_rows_backward(
     dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
     if R == 0 or V == 0:
         return dz_BTV
-    if dq_RK.stride(-1) != 1:
-        dq_RK = dq_RK.contiguous()
     bn = block_for("pbwd_block_n", R, 16)
     bv = block_for("pbwd_block_v", V, 16)
     num_vb = cdiv(V, bv)
@@ -324,6 +326,7 @@ def project_rows_backward(
         z_BTV.stride(0),
         z_BTV.stride(1),
         dq_RK.stride(0),
+        dq_RK.stride(1),
         LOG2E / temperature,
         1.0 / temperature,
         P=P,

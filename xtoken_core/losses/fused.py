@@ -54,6 +54,7 @@ def _kd_kernels() -> SimpleNamespace | None:
         return SimpleNamespace(
             rows=importlib.import_module("xtoken_core.kernels.kd_fused"),
             pkl=importlib.import_module("xtoken_core.kernels.kd_pkl"),
+            pkl_terms=importlib.import_module("xtoken_core.kernels.kd_pkl_terms"),
             gold=importlib.import_module("xtoken_core.kernels.kd_gold"),
         )
     except ImportError as exc:  # pragma: no cover - only without triton
@@ -129,14 +130,13 @@ def _pkl_fused(
     num_valid,
 ) -> KDTerms:
     kernels = _kd_kernels()
-    zs_BTV, zt_BUW, valid_BC, N, s_nidx_R, t_rows = _fused_inputs(
+    zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
         student_logits_BTV,
         teacher_logits_BUW,
         student_chunk_id_BT,
         teacher_chunk_id_BU,
         valid_BC,
         num_valid,
-        student_index_only=True,
     )
     W = zt_BUW.shape[-1]
     with torch.no_grad():
@@ -155,14 +155,24 @@ def _pkl_fused(
         restricted = kernels.pkl.restrict_tables(
             kernels.pkl.projection_tables(projection_VW), idx_K
         )
-    q_RK = kernels.pkl.ProjectRows.apply(zs_BTV, s_nidx_R, *restricted, float(temperature))
-    K = q_RK.shape[1]
-    dest_R = torch.where(s_nidx_R >= 0, s_nidx_R, N)
-    q_sum_NK = q_RK.new_zeros(N + 1, K).index_add(0, dest_R, q_RK)[:N]
-    sizes_N = q_RK.new_zeros(N + 1).index_add_(0, dest_R, q_RK.new_ones(dest_R.numel()))[:N]
-    q_NK = q_sum_NK / sizes_N.clamp_min(1).unsqueeze(-1)
-    return reference.pkl_terms_from_chunks(
-        teacher_lp_NK, q_NK, valid_BC, temperature=temperature, reverse_kl=reverse_kl
+    sums_4 = kernels.pkl_terms.ProjectedChunkKL.apply(
+        zs_BTV,
+        s_rows.nidx_R,
+        s_rows.order_R,
+        s_rows.offsets_N1,
+        teacher_lp_NK,
+        *restricted,
+        float(temperature),
+        bool(reverse_kl),
+        reference.PROB_EPS,
+    )
+    kd, l1, correct, num_valid = sums_4.unbind()
+    return KDTerms(
+        kd=kd,
+        kl=kd.detach(),
+        l1=l1.detach(),
+        correct=correct.detach(),
+        num_valid=num_valid.detach(),
     )
 
 

@@ -53,6 +53,9 @@ def test_projection_forward_and_backward_match_the_dense_formula(dtype):
     dz = kd_pkl.project_rows_backward(z, lse, dq, dot, *ell, temp)
     (q_ref * dq.double()).sum().backward()
     assert dz.dtype == dtype and dz.shape == (B, T, V)
+    dq_column_major = dq.t().contiguous().t()  # the layout kd_pkl_terms writes
+    dz_cm = kd_pkl.project_rows_backward(z, lse, dq_column_major, dot, *ell, temp)
+    assert torch.equal(dz_cm, dz)
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(dz.reshape(B * T, V).double(), z64.grad, **tol)
 
