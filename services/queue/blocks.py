@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Callable
 
 import torch
 
 from services.queue.errors import StoreError
+from xtoken_core.ipc.shm import ShmTensorHandle
+from xtoken_core.wire.shm import ShmField
 from xtoken_core.wire.tensors import JaggedColumn, RawJagged, RawTensor, is_jagged, tensor_bytes
 
 # A block whose live rows hold less than this share of its storage bytes is copied down.
@@ -228,6 +231,42 @@ def assemble_wire(cells: list[tuple[Block, int]]) -> FieldValue | WireValue:
         offsets.extend([o - start + total for o in offs[r0 + 1 : r1 + 1]])
         total += stop - start
     return RawJagged(dtype, inner, len(offsets) - 1, total, b"".join(pieces), offsets)
+
+
+# Where a tensor lives in shared memory: (segment name, segment size, mapping address) or None.
+Locate = Callable[[torch.Tensor], tuple[str, int, int] | None]
+
+
+def assemble_shm(
+    cells: list[tuple[Block, int]], locate: Locate
+) -> FieldValue | WireValue | ShmField:
+    """``assemble_wire`` for a reply that may reference shared memory: rows that are one run of
+    a block stored in a shared segment become a ``ShmField`` (values by reference, jagged
+    offsets rebased and inline); anything else falls back to ``assemble_wire`` (frames)."""
+    runs = runs_of(cells)
+    where = locate(runs[0][0].values) if len(runs) == 1 else None
+    if where is None or not runs[0][0].values.is_contiguous():
+        return assemble_wire(cells)
+    name, size, base = where
+    block, r0, r1 = runs[0]
+    values = block.values
+    stride = block.row_stride
+    inner = tuple(values.shape[1:])
+    at = values.data_ptr() - base
+    if not block.jagged:
+        shape = (r1 - r0, *inner)
+        handle = ShmTensorHandle(
+            name, size, at + r0 * stride, (r1 - r0) * stride, values.dtype, shape
+        )
+        return ShmField(handle)
+    offs = block.offs
+    start, stop = offs[r0], offs[r1]
+    shape = (stop - start, *inner)
+    handle = ShmTensorHandle(
+        name, size, at + start * stride, (stop - start) * stride, values.dtype, shape
+    )
+    offsets = array("q", [o - start for o in offs[r0 : r1 + 1]])
+    return ShmField(handle, offsets.tobytes())
 
 
 def _trusted_column(values: torch.Tensor, offsets: torch.Tensor) -> JaggedColumn:

@@ -94,6 +94,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 300)",
     )
     serve.add_argument(
+        "--shm-pool-free",
+        type=_size_arg,
+        default=parse_size("1GiB"),
+        help="most bytes of free shared-memory segments kept for reuse by same-host puts; "
+        "they count against --capacity and are dropped first when room is needed (default 1GiB)",
+    )
+    serve.add_argument(
+        "--shm-reserve-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a shared-memory reservation stays valid without its put (default 60)",
+    )
+    serve.add_argument(
         "--max-message-bytes",
         type=_size_arg,
         default=None,
@@ -132,6 +145,8 @@ def _serve(args: argparse.Namespace) -> int:
         claim_timeout_s=args.claim_timeout,
         lease_s=args.lease,
         busy_poll_us=args.busy_poll_us,
+        shm_pool_free_bytes=args.shm_pool_free,
+        shm_reserve_s=args.shm_reserve_timeout,
         limits=limits,
         ready_file=args.ready_file,
     )

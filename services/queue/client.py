@@ -6,6 +6,8 @@ QueueError with its code and ``retryable``. A request that gets no reply within 
 socket, then raises QueueError("timeout"). Retries are safe for puts (idempotent by key); a
 retried claim may leave a lease unanswered, which the server redelivers when it expires.
 Jagged fields of replies are ``JaggedColumn`` (values + offsets views of the received frames).
+Same-host clients put through the server's shared-memory pool and may ask claims and gets to
+answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from services.queue import errors as codes
 from services.queue.errors import QueueError
 from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
+from xtoken_core.ipc.shm import ShmReader, ShmRegion
 from xtoken_core.wire import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
@@ -68,10 +71,17 @@ class _Requests:
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes + (1 << 20))
 
-    def _decode(self, frames: list[Any], request_id: int, msg_type: str) -> dict[str, Any] | None:
-        """Reply body, or None for a stale reply (another request id); raises on error replies."""
+    def _decode(
+        self,
+        frames: list[Any],
+        request_id: int,
+        msg_type: str,
+        shm: ShmReader | None = None,
+    ) -> dict[str, Any] | None:
+        """Reply body, or None for a stale reply (another request id); raises on error replies.
+        With ``shm``, shared-memory references of the reply are opened by that reader."""
         try:
-            msg = decode_message(frames, limits=self.limits, jagged="column")
+            msg = decode_message(frames, limits=self.limits, jagged="column", shm=shm or False)
         except WireError as e:
             raise QueueError(
                 e.code, f"undecodable reply to {msg_type}: {e.message}", request_type=msg_type
@@ -140,8 +150,8 @@ class QueueClient(_Requests):
         limits: wire limits (must match the server's for large messages).
         name: client name sent in ``hello``.
         context: zmq Context (the process-wide one by default).
-        shm: ``"auto"`` puts of >= ``shm_min_bytes`` to a same-host server through shared
-            memory, ``"never"``, or ``"always"`` (services/queue/shm_transport.py).
+        shm: ``"auto"`` puts of >= ``shm_min_bytes`` to a same-host server through its
+            shared-memory pool, ``"never"``, or ``"always"`` (services/queue/shm_transport.py).
         shm_min_bytes: the ``auto`` threshold (tensor bytes of one put).
 
     Raises:
@@ -189,7 +199,12 @@ class QueueClient(_Requests):
         self.close()
 
     def request(
-        self, msg_type: str, body: dict[str, Any], *, wait_s: float = 0.0
+        self,
+        msg_type: str,
+        body: dict[str, Any],
+        *,
+        wait_s: float = 0.0,
+        shm: ShmReader | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the reply body.
 
@@ -197,6 +212,7 @@ class QueueClient(_Requests):
             msg_type: request type.
             body: request body.
             wait_s: server-side wait the request asks for (added to ``timeout_s``).
+            shm: open shared-memory references of the reply with this reader.
 
         Returns:
             The reply body.
@@ -217,7 +233,7 @@ class QueueClient(_Requests):
                 if left_ms <= 0 or not self._poller.poll(left_ms):
                     break
                 # header and body as bytes (copied), tensor frames zero-copy
-                reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type)
+                reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type, shm)
                 if reply is not None:
                     return reply
             logger.warning(
@@ -242,6 +258,7 @@ class QueueClient(_Requests):
         fields: Mapping[str, Any],
         *,
         timeout_s: float | None = DEFAULT_PUT_TIMEOUT_S,
+        reservation: ShmRegion | None = None,
     ) -> dict[str, Any]:
         """Store fields of N samples (idempotent per key).
 
@@ -250,30 +267,88 @@ class QueueClient(_Requests):
             keys: N unique keys.
             fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows.
             timeout_s: how long the server may wait for capacity (None: server default).
+            reservation: a region from ``reserve``: tensors built in it are sent by reference
+                (no copy), the others are copied into it. One put per reservation.
 
         Returns:
             ``{"written", "duplicates", "new_samples", "nbytes"}``.
 
         Raises:
-            QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``, ...
+            QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``,
+                ``bad_request`` for a reservation that expired or was used already, ...
         """
         body = self.body_put(partition, keys, fields, timeout_s)
+        if reservation is not None:
+            return self._shm.put(self, body, timeout_s or 0.0, reservation)
         if self._shm.wants(fields):
             reply = self._shm.put(self, body, timeout_s or 0.0)
             if reply is not None:
                 return reply
         return self.request("put", body, wait_s=timeout_s or 0.0)
 
+    def reserve(self, nbytes: int, *, timeout_s: float | None = DEFAULT_PUT_TIMEOUT_S) -> ShmRegion:
+        """Reserve ``nbytes`` of the server's shared-memory pool, to build a put in place.
+
+        ``with client.reserve(n) as r: ids = r.empty((R,), torch.int64); ...;
+        client.put(p, keys, {"ids": JaggedColumn(ids, offsets)}, reservation=r)``. Size it
+        with ``xtoken_core.wire.shm.fields_layout_bytes`` (each buffer is 64-byte aligned). An
+        unused reservation is reclaimed after the server's ``shm_reserve_ms`` (hello).
+
+        Args:
+            nbytes: bytes needed (> 0).
+            timeout_s: how long the server may wait for capacity (None: server default).
+
+        Returns:
+            The region (``empty``, ``write``; its ``token`` names it in the put).
+
+        Raises:
+            QueueError: ``queue_full`` after ``timeout_s``; ``shm_unavailable`` when this client
+                cannot share memory with the server (not the same host, or shm="never").
+        """
+        if not self._shm.pool(self):
+            raise QueueError(
+                codes.SHM_UNAVAILABLE,
+                f"reserve needs a same-host server with a shared-memory pool and shm='auto' or "
+                f"'always' (address {self.address}, shm={self._shm.mode!r}); put frames instead",
+            )
+        return self._shm.reserve(self, nbytes, timeout_s)
+
     def get(
-        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        shm: bool = False,
+        copy: bool = False,
     ) -> dict[str, Any]:
-        """Read fields of samples by key; returns ``{"keys", "fields"}``."""
+        """Read fields of samples by key; returns ``{"keys", "fields"}``.
+
+        Args:
+            partition: partition name.
+            keys: keys to read.
+            fields: field names (None: all).
+            shm: fields stored in the server's shared-memory pool come back as views of it,
+                valid until the samples are cleared (shm_transport.py); ignored unless this
+                client shares memory with the server.
+            copy: with ``shm``, return private copies instead of views.
+        """
         body = {
             "partition": partition,
             "keys": list(keys),
             "fields": None if fields is None else list(fields),
         }
-        return self.request("get", body)
+        return self._shm_request("get", body, 0.0, shm, copy)
+
+    def _shm_request(
+        self, msg_type: str, body: dict[str, Any], wait_s: float, shm: bool, copy: bool
+    ) -> dict[str, Any]:
+        if not (shm and self._shm.pool(self)):
+            return self.request(msg_type, body, wait_s=wait_s)
+        reply = self.request(msg_type, {**body, "shm": True}, wait_s=wait_s, shm=self._shm.reader)
+        if copy and reply.get("fields"):
+            reply["fields"] = self._shm.private(reply["fields"])
+        return reply
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
         """Remove samples (all when ``keys`` is None); returns ``{"count"}``."""
@@ -295,8 +370,19 @@ class QueueClient(_Requests):
         fields: Sequence[str] | None = None,
         timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S,
         lease_s: float = DEFAULT_LEASE_S,
+        shm: bool = False,
+        copy: bool = False,
     ) -> dict[str, Any]:
         """Lease up to ``batch_size`` ready samples, waiting up to ``timeout_s`` for data.
+
+        Args:
+            partition, task, required_fields, batch_size, fields: see PROTOCOL.md ``claim``.
+            timeout_s: how long the server holds the claim open for data.
+            lease_s: lease length before redelivery.
+            shm: fields stored in the server's shared-memory pool come back as views of it
+                (no bytes through the socket), valid until the samples are cleared
+                (shm_transport.py); ignored unless this client shares memory with the server.
+            copy: with ``shm``, return private copies instead of views.
 
         Returns:
             ``{"keys", "fields", "lease_id"}``; ``keys`` is empty (lease_id None) on timeout.
@@ -304,7 +390,7 @@ class QueueClient(_Requests):
         body = self.body_claim(
             partition, task, required_fields, batch_size, fields, timeout_s, lease_s
         )
-        return self.request("claim", body, wait_s=timeout_s)
+        return self._shm_request("claim", body, timeout_s, shm, copy)
 
     def ack(
         self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None

@@ -10,6 +10,7 @@ UNKNOWN_LEASE = "unknown_lease"
 QUEUE_FULL = "queue_full"
 TIMEOUT = "timeout"
 SHUTTING_DOWN = "shutting_down"
+SHM_UNAVAILABLE = "shm_unavailable"
 INTERNAL = "internal"
 
 

@@ -1,10 +1,12 @@
 """The transfer-queue process shell: a ZMQ ROUTER event loop around SampleStore.
 
 One thread, one event loop: requests are decoded and answered in arrival order; claims that find
-nothing ready and puts that do not fit are parked (never polled, never slept on) and answered
-when data arrives, bytes are freed or their deadline passes. ``zmq.Poller`` waits until the next
-deadline, so a blocked client never delays another. Every request gets exactly one reply or
-error with its request id; malformed input gets an error reply and the loop goes on.
+nothing ready and puts (or shared-memory reservations) that do not fit are parked (never polled,
+never slept on) and answered when data arrives, bytes are freed or their deadline passes.
+``zmq.Poller`` waits until the next deadline, so a blocked client never delays another. Every
+request gets exactly one reply or error with its request id; malformed input gets an error reply
+and the loop goes on. Same-host producers put through the server's shared-memory pool
+(shm_pool.py): ``reserve`` lends a segment, the put references it, the store keeps views of it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import zmq
 
 from services.queue import errors as codes
 from services.queue.errors import StoreError
+from services.queue.shm_pool import PoolSegment, ShmPool
+from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
-from services.queue.transport import recv_frames, send_frames
+from services.queue.transport import COPY_BELOW, recv_frames, send_frames
+from xtoken_core.ipc.shm import ShmReader, sweep_orphans
 from xtoken_core.wire import (
     DEFAULT_LIMITS,
     HEADER_SIZE,
@@ -62,6 +67,11 @@ class ServerConfig:
             before blocking (``--busy-poll-us``). A sleeping process is woken in ~0.1 ms on a
             loaded or virtualized host, a spinning one at once: this trades up to this much CPU
             per burst of requests for round trips 2-3x shorter. 0 always blocks.
+        shm_pool_free_bytes: most bytes of free shared-memory segments kept for reuse
+            (``--shm-pool-free``); they count against the capacity and are dropped first when
+            room is needed.
+        shm_reserve_s: seconds a shared-memory reservation stays valid without a put
+            (``--shm-reserve-timeout``).
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -75,6 +85,8 @@ class ServerConfig:
     limits: WireLimits = field(default_factory=lambda: DEFAULT_LIMITS)
     ready_file: str | None = None
     busy_poll_us: int = 300
+    shm_pool_free_bytes: int = 1 << 30
+    shm_reserve_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -88,17 +100,26 @@ class ServerConfig:
             raise ValueError(
                 f"busy_poll_us={self.busy_poll_us}: must be in [0, 1e6] (--busy-poll-us; 0 = off)"
             )
+        if self.shm_pool_free_bytes < 0:
+            raise ValueError(
+                f"shm_pool_free_bytes={self.shm_pool_free_bytes}: must be >= 0 (--shm-pool-free)"
+            )
+        if not self.shm_reserve_s > 0:
+            raise ValueError(
+                f"shm_reserve_s={self.shm_reserve_s}: must be > 0 (--shm-reserve-timeout)"
+            )
 
 
 @dataclass
 class _Parked:
-    kind: str  # "claim" or "put"
+    kind: str  # "claim", "put" or "reserve"
     ident: bytes
     request_id: int
     body: dict[str, Any]
     deadline: float
     frames: Any = None  # keeps a parked put's received buffers alive
     done: bool = False
+    segment: PoolSegment | None = None  # a parked put's staged shared-memory segment
 
 
 class QueueServer:
@@ -111,7 +132,18 @@ class QueueServer:
 
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
-        self.store = SampleStore(config.capacity_bytes)
+        self.pool = ShmPool(config.shm_pool_free_bytes, config.shm_reserve_s)
+        self.store = SampleStore(
+            config.capacity_bytes,
+            held=lambda: self.pool.held_bytes,
+            trim=self.pool.trim,
+            on_release=lambda ptr: self.pool.release(ptr, self._send_seq),
+        )
+        # Zero-copy replies still owned by zmq: a released pool segment is not written again
+        # before those sent before its release are gone (shm_pool.py).
+        self._send_seq = 0
+        self._trackers: collections.deque[tuple[int, zmq.MessageTracker]] = collections.deque()
+        self._refs: list[tuple[str, int, int]] = []
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._stopping = False
@@ -134,6 +166,7 @@ class QueueServer:
             "nack": self._on_nack,
             "status": self._on_status,
             "stats": self._on_stats,
+            "reserve": self._on_reserve,
         }
 
     # ---------------------------------------------------------------- lifecycle
@@ -150,6 +183,8 @@ class QueueServer:
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes + (1 << 20))
         sock.bind(self.config.bind)
         self._sock = sock
+        # pool segments of a server killed with SIGKILL, producers' segments that never left
+        sweep_orphans(min_age_s=ORPHAN_AGE_S)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info(
             "[queue] listening on %s (capacity %d bytes, protocol v%d)",
@@ -183,7 +218,12 @@ class QueueServer:
         ``shutting_down`` errors and close the socket."""
         if self._sock is None:
             self.bind()
-        sock = self._sock
+        try:
+            self._loop(self._sock)
+        finally:
+            self.pool.close()
+
+    def _loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         busy_s = self.config.busy_poll_us / 1e6
@@ -249,10 +289,13 @@ class QueueServer:
             )
             return
         rid, rtype = _peek_header(frames[1])
+        # Same-host clients may send tensors as references into the server's pool (resolved
+        # against its own mapping, checked against the put's reservation in _on_put) or into a
+        # segment of their own (adopted); bad references are bad_body (xtoken_core/wire/shm.py).
+        reader = ShmReader(segments=self.pool.views)
+        self._refs = reader.refs
         try:
-            # shm=True: same-host clients may send tensors as shared-memory segments, which the
-            # decoder adopts (xtoken_core/wire/shm.py; bad references are bad_body).
-            msg = decode_message(frames[1:], limits=self.config.limits, jagged="column", shm=True)
+            msg = decode_message(frames[1:], limits=self.config.limits, jagged="column", shm=reader)
             validate_body(msg.msg_type, msg.body)
         except WireError as e:
             self._send_error(ident, rid, e.code, e.message, e.retryable, rtype)
@@ -291,22 +334,105 @@ class QueueServer:
             "pid": os.getpid(),
             "endpoint": self.endpoint,
             "shm": True,  # adopts shared-memory tensors (ext 3/4) from same-host clients
+            "shm_pool": True,  # answers reserve; put.reservation; claim/get shm
+            "shm_reserve_ms": int(self.config.shm_reserve_s * 1000),
         }
 
     def _on_put(self, ident, rid, body, frames):
-        result = self.store.put(body["partition"], body["keys"], body["fields"])
+        seg = None
+        token = body.get("reservation")
+        if token is not None:
+            seg, done = self.pool.stage(token, rid)
+            if done is not None:
+                return done  # a retry of a put that was stored: the same reply again
+        try:
+            self.pool.check_refs(seg, self._refs)
+            result = self._store_put(body, seg, rid)
+        except BaseException:
+            if seg is not None:
+                self.pool.unstage(seg)
+            raise
         if not result.blocked:
             self._wake_claims(body["partition"])
             return _put_reply(result)
         timeout_ms = body.get("timeout_ms")
         timeout_s = self.config.put_timeout_s if timeout_ms is None else timeout_ms / 1000
         if timeout_s <= 0:
+            if seg is not None:
+                self.pool.unstage(seg)
             raise self._full_error(result.nbytes)
-        self._park(_Parked("put", ident, rid, body, time.monotonic() + timeout_s, frames))
+        parked = _Parked("put", ident, rid, body, time.monotonic() + timeout_s, frames)
+        parked.segment = seg
+        self._park(parked)
         return None
 
+    def _store_put(self, body: dict[str, Any], seg: PoolSegment | None, rid: int) -> Any:
+        """store.put, with a staged pool segment's bytes counted once; a stored put hands the
+        segment's bytes from the pool to the store."""
+        prepaid = seg.size if seg is not None else 0
+        result = self.store.put(body["partition"], body["keys"], body["fields"], prepaid=prepaid)
+        if seg is not None and not result.blocked:
+            self.pool.stored(seg, self.store.holds_storage(seg.ptr), rid, _put_reply(result))
+        return result
+
+    def _on_reserve(self, ident, rid, body, frames):
+        nbytes = body["nbytes"]
+        if nbytes > self.store.capacity_bytes:
+            raise StoreError(
+                codes.QUEUE_FULL,
+                f"reserve of {nbytes} bytes is larger than the whole queue capacity "
+                f"({self.store.capacity_bytes} bytes); split the put or raise --capacity",
+            )
+        reply = self._try_reserve(nbytes)
+        if reply is not None:
+            return reply
+        timeout_ms = body.get("timeout_ms")
+        timeout_s = self.config.put_timeout_s if timeout_ms is None else timeout_ms / 1000
+        if timeout_s <= 0:
+            raise self._full_error(nbytes)
+        self._park(_Parked("reserve", ident, rid, body, time.monotonic() + timeout_s))
+        return None
+
+    def _try_reserve(self, nbytes: int) -> dict[str, Any] | None:
+        try:
+            seg = self.pool.reserve(nbytes, self.store.room(), self._segment_ready)
+        except OSError as e:
+            raise StoreError(
+                codes.SHM_UNAVAILABLE,
+                f"the server cannot create a shared-memory segment of {nbytes} bytes: {e} "
+                "(is /dev/shm full or too small? raise its size, e.g. docker --shm-size); "
+                "send the put as frames",
+            ) from None
+        if seg is None:
+            return None
+        return {
+            "name": seg.name,
+            "size": seg.size,
+            "offset": 0,
+            "nbytes": seg.size,
+            "token": seg.token,
+            "expires_ms": int(self.config.shm_reserve_s * 1000),
+        }
+
+    def _segment_ready(self, seg: PoolSegment) -> bool:
+        """Whether every zero-copy reply sent before ``seg`` was released has left zmq."""
+        trackers = self._trackers
+        while trackers and trackers[0][1].done:
+            trackers.popleft()
+        return not any(seq <= seg.released_seq and not t.done for seq, t in trackers)
+
+    def _shm_locate(self, tensor: Any) -> tuple[str, int, int] | None:
+        seg = self.pool.locate(tensor)
+        return None if seg is None else (seg.name, seg.size, seg.ptr)
+
     def _on_get(self, ident, rid, body, frames):
-        batch = self.store.get(body["partition"], body["keys"], body.get("fields"), wire=True)
+        batch = self.store.get(
+            body["partition"],
+            body["keys"],
+            body.get("fields"),
+            wire=True,
+            shm=self._shm_locate if body.get("shm") else None,
+        )
         return {"keys": batch.keys, "fields": batch.fields}
 
     def _on_clear(self, ident, rid, body, frames):
@@ -351,6 +477,7 @@ class QueueServer:
         )
         stats["parked_puts"] = sum(1 for p in self._parked_puts if not p.done)
         stats["requests"] = self.requests
+        stats["shm_pool"] = self.pool.stats()
         return stats
 
     # ---------------------------------------------------------------- parking
@@ -366,6 +493,7 @@ class QueueServer:
             lease_s,
             body.get("fields"),
             wire=True,
+            shm=self._shm_locate if body.get("shm") else None,
         )
         if batch is None:
             return None
@@ -413,21 +541,29 @@ class QueueServer:
                 continue
             body = parked.body
             try:
-                result = self.store.put(body["partition"], body["keys"], body["fields"])
+                if parked.kind == "reserve":
+                    reply = self._try_reserve(body["nbytes"])
+                    if reply is None:
+                        break
+                else:
+                    result = self._store_put(body, parked.segment, parked.request_id)
+                    if result.blocked:
+                        break
+                    reply = _put_reply(result)
+                    woken.add(body["partition"])
             except StoreError as e:
                 self._parked_puts.popleft()
                 parked.done = True
+                if parked.segment is not None:
+                    self.pool.unstage(parked.segment)
                 self._send_error(
-                    parked.ident, parked.request_id, e.code, str(e), e.retryable, "put"
+                    parked.ident, parked.request_id, e.code, str(e), e.retryable, parked.kind
                 )
                 continue
-            if result.blocked:
-                break
             self._parked_puts.popleft()
             parked.done = True
             parked.frames = None
-            woken.add(body["partition"])
-            self._send_reply(parked.ident, parked.request_id, _put_reply(result))
+            self._send_reply(parked.ident, parked.request_id, reply)
         for partition in woken:
             self._wake_claims(partition)
 
@@ -440,12 +576,17 @@ class QueueServer:
         lease = self.store.next_lease_deadline()
         if lease is not None:
             deadlines.append(lease)
+        reservation = self.pool.next_deadline()
+        if reservation is not None:
+            deadlines.append(reservation)
         return max(0, int((min(deadlines) - time.monotonic()) * 1000 + 0.999))
 
     def _run_timers(self) -> None:
         now = time.monotonic()
         for partition in self.store.expire_leases(now):
             self._wake_claims(partition)
+        if self.pool.expire(now):
+            self._wake_puts()  # reclaimed reservations gave room back
         while self._timers and (self._timers[0][2].done or self._timers[0][0] <= now):
             _, _, parked = heapq.heappop(self._timers)
             if parked.done:
@@ -457,8 +598,12 @@ class QueueServer:
                 )
             else:
                 parked.frames = None
+                if parked.segment is not None:
+                    self.pool.unstage(parked.segment)
                 err = self._full_error(0)
-                self._send_error(parked.ident, parked.request_id, err.code, str(err), True, "put")
+                self._send_error(
+                    parked.ident, parked.request_id, err.code, str(err), True, parked.kind
+                )
 
     def _all_parked(self) -> list[_Parked]:
         out = [p for q in self._parked_claims.values() for p in q if not p.done]
@@ -507,10 +652,16 @@ class QueueServer:
     def _send(self, frames: list[Any]) -> None:
         if self._sock is None:
             return
+        # Zero-copy frames may view pool segments: track them while any segment is stored.
+        track = bool(self.pool.segments) and any(len(f) >= COPY_BELOW for f in frames[3:])
         try:
-            send_frames(self._sock, frames, zmq.NOBLOCK)
+            tracker = send_frames(self._sock, frames, zmq.NOBLOCK, track=track)
         except zmq.Again:
             logger.warning("[queue] send queue of a client is full: reply dropped")
+            return
+        if tracker is not None:
+            self._send_seq += 1
+            self._trackers.append((self._send_seq, tracker))
 
 
 def _peek_header(frame: Any) -> tuple[int, str | None]:

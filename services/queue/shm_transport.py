@@ -1,27 +1,37 @@
-"""Same-host puts through shared memory: the client writes a put's tensors into one /dev/shm segment.
+"""Same-host puts and gets through the server's shared-memory pool (client side).
 
 Over loopback TCP a put's bytes are copied twice by the kernel (into the socket and out of it)
-and capped at the loopback rate; through shared memory the client copies them once into a
-segment and sends a small message of references (ext 3/4, xtoken_core/wire/shm.py). The server
-adopts the segment (maps it, unlinks its name) and stores views of it; replies still go out as
-frames.
+and capped at the loopback rate. Through the pool (services/queue/shm_pool.py) a put is:
+``reserve`` (a small round trip: the server lends a region of one of its /dev/shm segments),
+one memcpy of the tensors into it (or none: ``QueueClient.reserve`` + ``ShmRegion.empty`` build
+them in place), and a put of references (ext 3/4, xtoken_core/wire/shm.py). The client maps
+each pool segment once (cached by name), so a warm put touches no fresh page; the server stores
+views of its own mapping and recycles the segment when the samples are cleared.
+
+Gets: ``claim(..., shm=True)`` / ``get(..., shm=True)`` ask for references instead of frames
+for the fields stored in the pool; the client returns views of its mapping.
+
+**Lifetime contract of shm views.** A view returned by a claim/get with ``shm=True`` shows the
+sample's bytes until that sample is removed from the queue (``clear`` of its key or partition,
+by anyone); after that the server may lend the segment to another put, and the view then shows
+that put's bytes. The view never becomes invalid memory (the mapping lives as long as the
+tensor, even after the server unlinked the segment or exited). Views are read-only by contract:
+writing into one changes the stored sample for every reader. ``copy=True`` returns private
+tensors instead (one memcpy out of the segment). Fields whose rows are not one contiguous run
+of one stored put, or that were put as frames, still travel as frames.
 
 Modes (``QueueClient(..., shm=...)``):
-  * ``"auto"`` (default): for a loopback TCP address (``tcp://127.x``, ``tcp://localhost``,
-    ``tcp://[::1]``), puts of at least ``shm_min_bytes`` go through shared memory once the
-    server's hello says ``shm: true``. Not for ``ipc://``: a unix socket moved W1 puts faster
-    than a fresh segment (whose page allocation dominates) in benchmarks/queue/bench_shm_put.py. Anything that stops it (a server
-    without it, a /dev/shm that is full or private to another container) falls back to frames
-    for the rest of the client's life, with one warning.
+  * ``"auto"`` (default): for a same-host address (``ipc://``, ``tcp://127.x``,
+    ``tcp://localhost``, ``tcp://[::1]``), puts of at least ``shm_min_bytes`` go through the
+    pool once the server's hello says ``shm_pool: true``. Anything that stops it (a server
+    without it, a /dev/shm the server cannot grow or that is private to another container)
+    falls back to frames for the rest of the client's life, with one warning.
   * ``"never"``: always frames.
-  * ``"always"``: every put through shared memory, whatever its size or address (``ipc://``
-    included); failures raise.
+  * ``"always"``: every put through shared memory, whatever its size or address; failures raise.
 
-Ownership: the client unlinks the segment after the server answered (a no-op when the server
-adopted it), so a server that never got the message leaves nothing behind; a client killed
-after sending leaves the segment to the server, which adopts it when it reads the message. A
-client killed between writing a segment and handing the message to the kernel leaves a file:
-every new shm-enabled client removes such files of dead processes (``sweep_orphans``).
+A server that says ``shm: true`` but not ``shm_pool`` gets the older per-put segments: the
+client writes a fresh segment per put, the server adopts (maps and unlinks) it. A client killed
+between writing such a segment and sending it leaves a file that ``sweep_orphans`` removes.
 """
 
 from __future__ import annotations
@@ -29,18 +39,28 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from services.queue import errors as codes
 from services.queue.errors import QueueError
-from xtoken_core.ipc.shm import sweep_orphans
-from xtoken_core.wire import BAD_BODY
-from xtoken_core.wire.shm import fields_nbytes, fields_to_shm
+from xtoken_core.ipc.shm import ShmReader, ShmRegion, sweep_orphans
+from xtoken_core.wire import BAD_BODY, UNKNOWN_TYPE, JaggedColumn
+from xtoken_core.wire.shm import (
+    fields_into_region,
+    fields_layout_bytes,
+    fields_nbytes,
+    fields_to_shm,
+)
 
 logger = logging.getLogger(__name__)
 
 SHM_MODES = ("auto", "never", "always")
 DEFAULT_SHM_MIN_BYTES = 1 << 20
-# A segment of a dead process this old is an orphan: its put never left the process.
+# A segment of a dead process this old is an orphan: its put never left the process, or its
+# server was killed.
 ORPHAN_AGE_S = 60.0
+# Pool segments a client keeps mapped (least recently used dropped; views keep their own).
+MAX_CACHED_SEGMENTS = 64
 _LOOPBACK_TCP = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
 _LOCAL_PREFIXES = ("ipc://", "inproc://", *_LOOPBACK_TCP)
 
@@ -50,8 +70,14 @@ def is_same_host(address: str) -> bool:
     return address.startswith(_LOCAL_PREFIXES)
 
 
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else max(0, int(round(seconds * 1000)))
+
+
 class ShmPuts:
-    """Decides which puts go through shared memory and sends them (one per client).
+    """Decides which puts go through shared memory, sends them, and opens shm replies.
+
+    One per client (not thread-safe, like the client).
 
     Args:
         address: the server endpoint.
@@ -69,9 +95,13 @@ class ShmPuts:
             raise ValueError(f"shm_min_bytes={min_bytes}: must be >= 0")
         self.mode = mode
         self.min_bytes = min_bytes if mode == "auto" else 0
-        self.enabled = mode == "always" or (mode == "auto" and address.startswith(_LOOPBACK_TCP))
-        self.server_ok: bool | None = None
+        self.enabled = mode == "always" or (mode == "auto" and is_same_host(address))
+        # per-put segments only where they beat frames (not over a unix socket)
+        self._per_put_ok = mode == "always" or address.startswith(_LOOPBACK_TCP)
+        self.server: dict[str, Any] | None = None
         self.puts = 0
+        # mappings of the server's pool segments, shared by puts and shm replies
+        self.reader = ShmReader(unlink=False, max_cached=MAX_CACHED_SEGMENTS)
         if self.enabled:
             # segments of producers killed before their put left the process (see module doc)
             sweep_orphans(min_age_s=ORPHAN_AGE_S)
@@ -79,6 +109,14 @@ class ShmPuts:
     def wants(self, fields: Any) -> bool:
         """Whether a put of these fields should go through shared memory."""
         return self.enabled and (self.min_bytes == 0 or fields_nbytes(fields) >= self.min_bytes)
+
+    def pool(self, client: Any) -> bool:
+        """Whether puts and replies may use the server's pool (asks hello once)."""
+        if not self.enabled:
+            return False
+        if self.server is None:
+            self.server = client.hello()
+        return bool(self.server.get("shm_pool"))
 
     def _give_up(self, why: str) -> None:
         if self.mode == "always":
@@ -88,13 +126,56 @@ class ShmPuts:
         logger.warning("[queue-client] shared-memory puts off (%s): sending frames", why)
         self.enabled = False
 
-    def put(self, client: Any, body: dict[str, Any], wait_s: float) -> dict[str, Any] | None:
+    def reserve(self, client: Any, nbytes: int, timeout_s: float | None) -> ShmRegion:
+        """Reserve a region of the server's pool and map it (cached by segment name).
+
+        Args:
+            client: the ``QueueClient``.
+            nbytes: bytes needed (``fields_layout_bytes`` of the tensors).
+            timeout_s: how long the server may wait for capacity (None: server default).
+
+        Returns:
+            The region, with its token.
+
+        Raises:
+            QueueError: the server's error (``queue_full``, ``shm_unavailable``, ...), or
+                ``bad_request`` when the segment cannot be mapped here (another host or
+                container: use frames).
+        """
+        reply = client.request(
+            "reserve", {"nbytes": nbytes, "timeout_ms": _ms(timeout_s)}, wait_s=timeout_s or 0.0
+        )
+        try:
+            base_S = self.reader.segment(reply["name"], reply["size"])
+            return ShmRegion(
+                reply["name"],
+                reply["size"],
+                base_S,
+                reply["offset"],
+                reply["nbytes"],
+                reply["token"],
+            )
+        except ValueError as e:
+            raise QueueError(
+                codes.SHM_UNAVAILABLE,
+                f"cannot map the server's shared-memory segment: {e}; the server is not on this "
+                "host or not in this /dev/shm: use shm='never'",
+            ) from None
+
+    def put(
+        self,
+        client: Any,
+        body: dict[str, Any],
+        wait_s: float,
+        region: ShmRegion | None = None,
+    ) -> dict[str, Any] | None:
         """Send a put through shared memory.
 
         Args:
             client: the ``QueueClient`` (its ``hello`` and ``request`` are used).
             body: the put body with tensor fields.
             wait_s: server-side wait of the put.
+            region: a reservation the caller made (tensors built in it are not copied).
 
         Returns:
             The reply, or None when the put must be sent as frames instead (auto mode).
@@ -103,11 +184,32 @@ class ShmPuts:
             QueueError: the server's error reply; in ``always`` mode also when shared memory
                 cannot be used.
         """
-        if self.server_ok is None:
-            self.server_ok = bool(client.hello().get("shm"))
-        if not self.server_ok:
-            self._give_up("the server does not adopt shared-memory tensors")
+        if region is None and not self.pool(client):
+            if not self.enabled:
+                return None
+            if self.server.get("shm") and self._per_put_ok:
+                return self._put_per_segment(client, body, wait_s)
+            self._give_up("the server has no shared-memory pool")
             return None
+        if region is None:
+            try:
+                region = self.reserve(client, fields_layout_bytes(body["fields"]), wait_s)
+            except QueueError as e:
+                if e.code not in (codes.SHM_UNAVAILABLE, UNKNOWN_TYPE):
+                    raise
+                self._give_up(str(e))
+                return None
+        fields = fields_into_region(body["fields"], region)
+        reply = client.request(
+            "put", {**body, "fields": fields, "reservation": region.token}, wait_s=wait_s
+        )
+        self.puts += 1
+        return reply
+
+    def _put_per_segment(
+        self, client: Any, body: dict[str, Any], wait_s: float
+    ) -> dict[str, Any] | None:
+        """The older path: one fresh segment per put, adopted by the server."""
         try:
             segment, fields = fields_to_shm(body["fields"])
         except OSError as e:
@@ -124,3 +226,16 @@ class ShmPuts:
             segment.unlink()
         self.puts += 1
         return reply
+
+    def private(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` with every view of a pool segment replaced by a private copy."""
+        out = {}
+        for name, value in fields.items():
+            if isinstance(value, JaggedColumn):
+                owned = self.reader.owns
+                if owned(value.values) or owned(value.offsets):
+                    value = JaggedColumn(value.values.clone(), value.offsets.clone())
+            elif isinstance(value, torch.Tensor) and self.reader.owns(value):
+                value = value.clone()
+            out[name] = value
+        return out

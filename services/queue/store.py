@@ -31,9 +31,11 @@ from services.queue.blocks import (
     COMPACT_BELOW,
     Block,
     FieldValue,
+    Locate,
     WireValue,
     as_field,
     assemble,
+    assemble_shm,
     assemble_wire,
     copy_rows,
     gather_rows,
@@ -137,9 +139,16 @@ class SampleStore:
     """Partitions of keyed samples with per-task leases and byte capacity.
 
     Args:
-        capacity_bytes: limit on ``bytes_used``; puts beyond it are blocked (back-pressure).
+        capacity_bytes: limit on ``bytes_used`` plus ``held()``; puts beyond it are blocked
+            (back-pressure).
         clock: monotonic seconds; injectable for tests.
         rate_window_s: window of the put/claim rates in ``stats``.
+        held: bytes held for the queue outside the store (a shared-memory pool's reserved and
+            free segments), counted against the capacity.
+        trim: give back up to n held bytes that are only a cache (free pool segments) when a
+            put needs room; returns the bytes given back.
+        on_release: called with a storage's data pointer when the store drops its last view
+            of it (a pool takes its segment back).
 
     Raises:
         ValueError: capacity_bytes is not positive.
@@ -151,6 +160,9 @@ class SampleStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         rate_window_s: float = 10.0,
+        held: Callable[[], int] | None = None,
+        trim: Callable[[int], int] | None = None,
+        on_release: Callable[[int], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0; pass e.g. 8GiB")
@@ -165,16 +177,43 @@ class SampleStore:
         self._started = clock()
         self._put_rate = _Rate(rate_window_s)
         self._claim_rate = _Rate(rate_window_s)
+        self._held = held or (lambda: 0)
+        self._trim = trim
+        self._on_release = on_release
+
+    def room(self) -> int:
+        """Capacity bytes neither stored nor held outside the store."""
+        return self.capacity_bytes - self.bytes_used - self._held()
+
+    def _fits(self, added: int) -> bool:
+        short = added - self.room()
+        if short > 0 and self._trim is not None:
+            self._trim(short)
+            short = added - self.room()
+        return short <= 0
+
+    def holds_storage(self, ptr: int) -> bool:
+        """Whether a stored block still views the storage at data pointer ``ptr``."""
+        return any(sid[0] == ptr for sid in self._storages)
 
     # ---------------------------------------------------------------- KV calls
 
-    def put(self, partition: str, keys: Sequence[str], fields: Mapping[str, object]) -> PutResult:
+    def put(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Mapping[str, object],
+        *,
+        prepaid: int = 0,
+    ) -> PutResult:
         """Store fields of N samples; existing (key, field) cells are kept (idempotent).
 
         Args:
             partition: partition name (created on first put).
             keys: N unique keys.
             fields: name -> dense tensor [N, ...] or jagged (nested tensor or JaggedColumn) of N rows.
+            prepaid: bytes of this put already counted in ``held()`` (its shared-memory
+                segment, reserved before the put): not counted twice when checking room.
 
         Returns:
             PutResult; ``blocked`` means it does not fit now and nothing was stored.
@@ -222,11 +261,17 @@ class SampleStore:
                 bkeys = [keys[i] for i in rows]
             else:
                 bkeys = keys
-            block = Block(partition, name, value, bkeys)
-            if block.live_bytes < COMPACT_BELOW * block.nbytes:
+            blocks.append(Block(partition, name, value, bkeys))
+        # The fields of one shared-memory put share one segment: judge a block's share of its
+        # buffers together with the put's other blocks over the same buffers.
+        for i, block in enumerate(blocks):
+            group = [b for b in blocks if b.storages & block.storages]
+            sids = set().union(*(b.storages for b in group))
+            live = sum(b.live_bytes for b in group)
+            if live < COMPACT_BELOW * sum(size for _, size in sids):
                 # A small slice of a big buffer: keep a copy, not the whole buffer.
-                block = Block(partition, name, copy_rows(value), bkeys)
-            blocks.append(block)
+                value = JaggedColumn(block.values, block.offsets) if block.jagged else block.values
+                blocks[i] = Block(partition, block.field, copy_rows(value), block.keys)
         added = self._added_bytes(blocks)
         if added > self.capacity_bytes:
             raise StoreError(
@@ -236,7 +281,7 @@ class SampleStore:
                 "--capacity",
                 retryable=False,
             )
-        if added and self.bytes_used + added > self.capacity_bytes:
+        if added and not self._fits(added - prepaid):
             return PutResult(blocked=True, nbytes=added)
         if part is None:
             part = self._parts[partition] = _Partition()
@@ -274,6 +319,7 @@ class SampleStore:
         fields: Sequence[str] | None = None,
         *,
         wire: bool = False,
+        shm: Locate | None = None,
     ) -> Batch:
         """Read fields of samples by key.
 
@@ -283,6 +329,8 @@ class SampleStore:
             fields: names to read; None reads the fields every one of the samples has.
             wire: return fields as RawJagged / RawTensor bytes (what a reply encodes without
                 touching torch) instead of tensors.
+            shm: with ``wire``, fields stored in shared memory (where ``shm`` locates them)
+                are returned as ``ShmField`` references when their rows are one run.
 
         Returns:
             Batch with one row per key for every field.
@@ -299,7 +347,7 @@ class SampleStore:
                 "not_found",
                 f"keys {missing[:5]} are not in partition {partition!r} ({len(missing)} missing)",
             )
-        return self._read(part, partition, keys, fields, wire)
+        return self._read(part, partition, keys, fields, wire, shm)
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove samples (all of the partition when ``keys`` is None); frees their bytes.
@@ -388,6 +436,7 @@ class SampleStore:
         fields: Sequence[str] | None = None,
         *,
         wire: bool = False,
+        shm: Locate | None = None,
     ) -> Batch | None:
         """Lease up to ``batch_size`` samples that have every required field and that ``task``
         has neither consumed nor leased, in insertion order.
@@ -400,6 +449,7 @@ class SampleStore:
             lease_s: seconds before unacked samples become claimable again.
             fields: fields to return; None returns ``required_fields``.
             wire: return fields as wire bytes, as for ``get``.
+            shm: shared-memory references, as for ``get``.
 
         Returns:
             A Batch with a ``lease_id``, or None when nothing is ready.
@@ -437,7 +487,12 @@ class SampleStore:
         if not picked:
             return None
         batch = self._read(
-            part, partition, picked, list(fields) if fields is not None else list(required), wire
+            part,
+            partition,
+            picked,
+            list(fields) if fields is not None else list(required),
+            wire,
+            shm,
         )
         lease_id = next(self._lease_ids)
         deadline = self.clock() + lease_s
@@ -666,6 +721,8 @@ class SampleStore:
             if count == 0:
                 del self._storages[sid]
                 self.bytes_used -= sid[1]
+                if self._on_release is not None:
+                    self._on_release(sid[0])
             else:
                 self._storages[sid] = count
 
@@ -686,6 +743,7 @@ class SampleStore:
         keys: list[str],
         fields: Sequence[str] | None,
         wire: bool = False,
+        shm: Locate | None = None,
     ) -> Batch:
         samples = [part.samples[k] for k in keys]
         if fields is None:
@@ -707,5 +765,10 @@ class SampleStore:
                     )
                 cells.append(cell)
                 nbytes += cell[0].row_nbytes[cell[1]]
-            out[name] = assemble_wire(cells) if wire else assemble(cells)
+            if not wire:
+                out[name] = assemble(cells)
+            elif shm is not None:
+                out[name] = assemble_shm(cells, shm)
+            else:
+                out[name] = assemble_wire(cells)
         return Batch(keys, out, None, nbytes)

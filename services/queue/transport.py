@@ -30,15 +30,26 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, copied: int = SERVER_COPIED_FR
     return frames
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+def send_frames(
+    sock: zmq.Socket, frames: list[Any], flags: int = 0, *, track: bool = False
+) -> zmq.MessageTracker | None:
     """Send one multipart message, copying small frames and passing large ones zero-copy.
 
     Args:
         sock: the socket.
         frames: bytes or 1-D byte memoryviews (kept referenced by zmq until sent).
         flags: extra send flags (e.g. ``zmq.NOBLOCK``).
+        track: return a tracker that is done once zmq let go of the zero-copy frames.
+
+    Returns:
+        With ``track``, the tracker (None when every frame was copied); else None.
     """
     last = len(frames) - 1
     more = flags | zmq.SNDMORE
+    trackers = []
     for i, frame in enumerate(frames):
-        sock.send(frame, more if i < last else flags, copy=len(frame) < COPY_BELOW)
+        copy = len(frame) < COPY_BELOW
+        got = sock.send(frame, more if i < last else flags, copy=copy, track=track and not copy)
+        if track and not copy:
+            trackers.append(got)
+    return zmq.MessageTracker(*trackers) if trackers else None

@@ -31,6 +31,7 @@ Nothing is ever unpickled.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import mmap
@@ -39,6 +40,7 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,6 +335,13 @@ class ShmSegment:
             raise ValueError(f"shm segment {self.name} is closed")
         return _view(_uint8_view(self._mm), offset, dtype, tuple(shape))
 
+    def base(self) -> torch.Tensor:
+        """A uint8 tensor ``[size]`` over the whole mapping (keeps the mapping alive, so
+        ``close`` raises ``BufferError`` while it or a view of it lives)."""
+        if self._mm is None:
+            raise ValueError(f"shm segment {self.name} is closed")
+        return _uint8_view(self._mm)
+
     def _copy_in(self, offset: int, src: torch.Tensor) -> None:
         if self._mm is None:
             raise ValueError(f"shm segment {self.name} is closed")
@@ -424,6 +433,132 @@ class ShmSegment:
         return f"ShmSegment({self.name!r}, size={self.size}, used={self._used})"
 
 
+class ShmRegion:
+    """Producer side: a byte range of a segment that another process owns and lent to us.
+
+    A queue server's pool reserves ``[offset, offset + nbytes)`` of one of its segments for one
+    put; the producer maps the segment (``ShmReader``, cached by name, so a warm put maps
+    nothing), then either builds tensors in place (``empty``) or copies them in (``write``),
+    and sends the handles. Tensors already inside the region are referenced, not copied.
+
+    Args:
+        name: the segment name.
+        size: the segment size in bytes.
+        base_S: uint8 tensor ``[size]`` over the mapped segment.
+        offset: first byte of the region (a multiple of ``ALIGN``).
+        nbytes: bytes of the region.
+        token: the reservation's token (what a put names to use it).
+
+    Raises:
+        ValueError: the region does not lie inside the segment.
+    """
+
+    def __init__(
+        self, name: str, size: int, base_S: torch.Tensor, offset: int, nbytes: int, token: str = ""
+    ) -> None:
+        if not (_is_uint(offset) and _is_uint(nbytes) and offset % ALIGN == 0):
+            raise ValueError(f"shm region offset {offset!r} / nbytes {nbytes!r} are not valid")
+        if offset + nbytes > size or base_S.numel() != size:
+            raise ValueError(
+                f"shm region [{offset}, {offset + nbytes}) is outside segment {name} of {size} bytes"
+            )
+        self.name, self.size, self.offset, self.nbytes, self.token = (
+            name,
+            size,
+            offset,
+            nbytes,
+            token,
+        )
+        self._base_S = base_S
+        self._ptr = base_S.data_ptr()
+        self._used = offset
+
+    def __enter__(self) -> ShmRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass  # an unused reservation is reclaimed by its owner when it expires
+
+    def alloc(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` at the next aligned offset of the region; returns the offset.
+
+        Raises:
+            ValueError: the region has no room left (reserve more bytes).
+        """
+        offset = align_up(self._used)
+        if offset + nbytes > self.offset + self.nbytes:
+            raise ValueError(
+                f"shm region of {self.nbytes} bytes has no room for {nbytes} more bytes at "
+                f"offset {offset - self.offset}; reserve at least layout_bytes of the tensors"
+            )
+        self._used = offset + nbytes
+        return offset
+
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new uninitialized tensor inside the region, to fill in place (zero extra copy).
+
+        Raises:
+            ValueError: ``dtype`` is not a wire dtype, or no room is left.
+        """
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype} cannot go into shm; use one of {sorted(WIRE_DTYPES)}")
+        shape = tuple(int(d) for d in shape)
+        offset = self.alloc(math.prod(shape) * dtype.itemsize)
+        return _view(self._base_S, offset, dtype, shape)
+
+    def locate(self, tensor: torch.Tensor) -> int | None:
+        """Byte offset in the segment of a contiguous tensor that lies inside the region, else
+        None (it will be copied in)."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        start = tensor.data_ptr() - self._ptr
+        end = start + tensor.numel() * tensor.element_size()
+        if self.offset <= start and end <= self.offset + self.nbytes:
+            return start
+        return None
+
+    def write(self, tensor: torch.Tensor) -> ShmTensorHandle:
+        """The handle of a dense tensor: in place if it lies in the region, else copied in.
+
+        Raises:
+            ValueError: unsupported dtype, or no room left.
+        """
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"tensor dtype {tensor.dtype} cannot go into shm; use one of {sorted(WIRE_DTYPES)}"
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = self.locate(tensor)
+        if offset is None:
+            offset = self.alloc(nbytes)
+            if nbytes:
+                src = tensor.detach().cpu().contiguous().reshape(-1)
+                if src.dtype != torch.uint8:
+                    src = src.view(torch.uint8)
+                self._base_S[offset : offset + nbytes].copy_(src)
+        return ShmTensorHandle(
+            self.name, self.size, offset, nbytes, tensor.dtype, tuple(tensor.shape)
+        )
+
+    def write_jagged(self, column: JaggedColumn) -> ShmTensorHandle:
+        """The jagged handle of a column (values and int64 offsets placed as by ``write``)."""
+        values = self.write(column.values)
+        offsets = self.write(column.offsets.to(torch.int64))
+        return ShmTensorHandle(
+            self.name,
+            self.size,
+            values.offset,
+            values.nbytes,
+            values.dtype,
+            values.shape,
+            offsets.offset,
+            column.offsets.numel() - 1,
+        )
+
+    def __repr__(self) -> str:
+        return f"ShmRegion({self.name!r}, offset={self.offset}, nbytes={self.nbytes})"
+
+
 def _unlink_quietly(name: str) -> bool:
     try:
         os.unlink(_path(name))
@@ -433,17 +568,43 @@ def _unlink_quietly(name: str) -> bool:
 
 
 class ShmReader:
-    """Consumer side: opens handles, mapping each segment once (segments adopted on first use).
+    """Consumer side: opens handles, mapping each segment once.
 
-    Keep one reader per received message so that handles into one segment share one mapping.
+    A reader made for one received message adopts each segment on first use (``unlink=True``).
+    A long-lived reader (``unlink=False, max_cached=K``) keeps the K most recently used
+    mappings of segments that someone else owns (a queue server's pool), so that a warm read
+    maps nothing; evicting a mapping never invalidates tensors already returned (they hold it).
 
     Args:
         unlink: adopt each segment (unlink its name right after mapping it).
+        segments: name -> uint8 tensor over a segment this process already maps (its own pool);
+            such names are resolved without opening any file and never unlinked.
+        max_cached: most mappings kept (least recently used dropped first); None = no bound.
+
+    Attributes:
+        refs: ``(name, start, end)`` byte ranges of every buffer opened in a known segment, in
+            order (a server checks them against what the sender was allowed to reference).
     """
 
-    def __init__(self, *, unlink: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        unlink: bool = True,
+        segments: Mapping[str, torch.Tensor] | None = None,
+        max_cached: int | None = None,
+    ) -> None:
+        if max_cached is not None and max_cached < 1:
+            raise ValueError(f"max_cached={max_cached}: keep at least 1 mapping, or None")
         self.unlink = unlink
-        self._maps: dict[str, torch.Tensor] = {}
+        self.known = segments if segments is not None else {}
+        self.max_cached = max_cached
+        self._maps: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self.refs: list[tuple[str, int, int]] = []
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` views a segment this reader mapped (not a known one)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(base_S.data_ptr() == ptr for base_S in self._maps.values())
 
     def segment(self, name: str, size: int) -> torch.Tensor:
         """Map segment ``name`` (checked) and return a uint8 tensor ``[size]`` over it.
@@ -452,7 +613,11 @@ class ShmReader:
             ValueError: a bad name, a missing file, another owner, not a regular file, or a
                 file size other than ``size``.
         """
-        base_S = self._maps.get(name)
+        base_S = self.known.get(name)
+        if base_S is None:
+            base_S = self._maps.get(name)
+            if base_S is not None:
+                self._maps.move_to_end(name)
         if base_S is not None:
             if base_S.numel() != size:
                 raise ValueError(
@@ -488,6 +653,8 @@ class ShmReader:
         base_S = _uint8_view(mm)
         del mm  # the array export inside base_S keeps the mapping alive, nothing else does
         self._maps[name] = base_S
+        if self.max_cached is not None and len(self._maps) > self.max_cached:
+            self._maps.popitem(last=False)  # tensors handed out keep their own reference
         return base_S
 
     def open(self, handle: ShmTensorHandle | dict[str, Any]) -> torch.Tensor | JaggedColumn:
@@ -507,6 +674,10 @@ class ShmReader:
         if isinstance(handle, ShmTensorHandle):
             validated(h)
         base_S = self.segment(h.name, h.size)
+        if h.name in self.known:
+            self.refs.append((h.name, h.offset, h.offset + h.nbytes))
+            if h.offsets_at is not None:
+                self.refs.append((h.name, h.offsets_at, h.offsets_at + (h.num_rows + 1) * 8))
         values = _view(base_S, h.offset, h.dtype, h.shape)
         if h.dtype == torch.bool and h.nbytes:
             if int(base_S[h.offset : h.offset + h.nbytes].max()) > 1:

@@ -14,7 +14,8 @@ HEADER_SIZE = HEADER_STRUCT.size
 MAX_REQUEST_ID = 2**64 - 1
 
 # The registry of message types. Codes are part of the protocol: never reuse or renumber one;
-# a new type needs a PROTOCOL_VERSION bump (see proto/PROTOCOL.md).
+# a new type needs a PROTOCOL_VERSION bump, unless clients send it only after the server's
+# hello advertised it (``reserve``: ``shm_pool: true``), see proto/PROTOCOL.md.
 MESSAGE_TYPES: dict[str, int] = {
     "hello": 1,
     "reply": 2,
@@ -28,6 +29,7 @@ MESSAGE_TYPES: dict[str, int] = {
     "nack": 10,
     "status": 11,
     "stats": 12,
+    "reserve": 13,
 }
 TYPE_NAMES: dict[int, str] = {code: name for name, code in MESSAGE_TYPES.items()}
 

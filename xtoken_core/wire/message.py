@@ -416,7 +416,7 @@ def _is_uint(x: Any) -> bool:
 
 class _Decoder:
     def __init__(
-        self, frames: list[memoryview], limits: WireLimits, copy: bool, jagged: str, shm=False
+        self, frames: list[memoryview], limits: WireLimits, copy: bool, jagged: str, shm: Any
     ):
         self.frames = frames
         self.shm: bool | ShmReader = shm  # a ShmReader once the first shm ext is adopted
@@ -565,7 +565,7 @@ def decode_message(
     limits: WireLimits | None = None,
     copy: bool = False,
     jagged: str = "nested",
-    shm: bool = False,
+    shm: bool | ShmReader = False,
 ) -> Message:
     """Decode ZMQ frames into a Message; tensors alias the frames' memory unless ``copy``.
 
@@ -582,8 +582,10 @@ def decode_message(
         jagged: ``"nested"`` (default) rebuilds jagged fields as ``torch.jagged`` nested
             tensors ``[N, j, *D]``; ``"column"`` as ``JaggedColumn`` (what a server that slices
             rows per key wants).
-        shm: adopt shared-memory tensors (ext 3/4, xtoken_core/wire/shm.py): map and unlink
-            their segments; off, they are ``bad_body``. Same-host receivers only.
+        shm: accept shared-memory tensors (ext 3/4, xtoken_core/wire/shm.py): ``True`` adopts
+            their segments (maps and unlinks them); a ``ShmReader`` opens them its way (a
+            server's own pool, a client's cache of mappings; its ``refs`` then list what was
+            opened). Off, they are ``bad_body``. Same-host receivers only.
 
     Returns:
         The message.

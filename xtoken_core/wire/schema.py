@@ -43,6 +43,14 @@ _KEYS_OR_ALL = FieldSpec(
     "str_list", required=False, nullable=True, description="keys; null/absent = all keys"
 )
 
+_SHM_REPLY = FieldSpec(
+    "bool",
+    required=False,
+    nullable=True,
+    description="same-host clients: fields stored in the server's shared-memory pool come back "
+    "as references (ext 3/4) instead of frames; valid until the samples are cleared",
+)
+
 BODY_SPECS: dict[str, dict[str, FieldSpec]] = {
     "hello": {
         "protocol_version": FieldSpec("uint", description="PROTOCOL_VERSION of the client"),
@@ -73,6 +81,13 @@ BODY_SPECS: dict[str, dict[str, FieldSpec]] = {
             nullable=True,
             description="wait this long for capacity, then fail with 'full'; null = server default",
         ),
+        "reservation": FieldSpec(
+            "str",
+            required=False,
+            nullable=True,
+            description="token of a reserve reply: the fields reference that region of the "
+            "server's shared-memory pool (ext 3/4); one put per reservation",
+        ),
     },
     "get": {
         "partition": _PARTITION,
@@ -80,6 +95,7 @@ BODY_SPECS: dict[str, dict[str, FieldSpec]] = {
         "fields": FieldSpec(
             "str_list", required=False, nullable=True, description="field names; null/absent = all"
         ),
+        "shm": _SHM_REPLY,
     },
     "clear": {"partition": _PARTITION, "keys": _KEYS_OR_ALL},
     "list": {
@@ -112,6 +128,7 @@ BODY_SPECS: dict[str, dict[str, FieldSpec]] = {
             nullable=True,
             description="lease length before redelivery; null = server default",
         ),
+        "shm": _SHM_REPLY,
     },
     "ack": {
         "partition": _PARTITION,
@@ -137,6 +154,18 @@ BODY_SPECS: dict[str, dict[str, FieldSpec]] = {
     },
     "status": {"partition": _PARTITION, "task": _TASK},
     "stats": {},
+    "reserve": {
+        "nbytes": FieldSpec(
+            "posint", description="bytes the put needs in the server's shared-memory pool"
+        ),
+        "timeout_ms": FieldSpec(
+            "uint",
+            required=False,
+            nullable=True,
+            description="wait this long for capacity, then fail with 'queue_full'; "
+            "null = server default",
+        ),
+    },
 }
 assert set(BODY_SPECS) == set(MESSAGE_TYPES), "every message type needs a body spec"
 
@@ -250,9 +279,10 @@ _TENSOR_DEFS = {
         "description": (
             "a msgpack ext value: EXT_TENSOR=1 [dtype, shape, data] or EXT_JAGGED=2 [dtype, "
             "inner_shape, N, R, values_data, offsets_data]; data = frame index or inline bin. "
-            "See PROTOCOL.md 'Tensors'."
+            "Same host, after hello said shm: EXT_SHM_TENSOR=3 / EXT_SHM_JAGGED=4 reference "
+            "a shared-memory segment. See PROTOCOL.md 'Tensors'."
         ),
-        "x-msgpack-ext": [1, 2],
+        "x-msgpack-ext": [1, 2, 3, 4],
     }
 }
 

@@ -1,0 +1,396 @@
+"""The server's recycled shared-memory pool: segments lent to same-host producers, put by reference.
+
+A producer asks for a region (``reserve``), writes its tensors into it and puts references to
+it; the server stores views of its own mapping of the segment (no byte copied, no page
+allocated), and takes the segment back when the store drops the last sample that uses it. A
+warm put therefore costs one memcpy into pages that are already there, and a claim can hand
+out references into the same pages.
+
+Segment life cycle (one region = one whole segment)::
+
+    create -> reserved (token, deadline) -> staged (put in progress or parked)
+           -> stored (the store holds views) -> free -> reserved ... | unlinked
+
+* Names are ``xtk_<server pid>_<16 hex>`` (xtoken_core.ipc.shm): ``sweep_orphans`` removes the
+  segments of a server killed with SIGKILL; ``close`` unlinks all of them on a clean exit.
+* Sizes are rounded up to 1/8 of their power of two (at most 12.5% slack), so that puts of
+  similar sizes reuse each other's segments; a free segment is reused for any request it
+  holds with at most 25% slack.
+* Bytes: every segment is memory the server holds. Stored ones are counted by the store (they
+  are the storage of its blocks); reserved, staged and free ones are ``held_bytes`` and count
+  against the same capacity; free ones are dropped first when room is needed and beyond
+  ``max_free_bytes``.
+* A released segment is reused only after the zero-copy replies sent before its release have
+  left the process (``ready``), so a reply is never overwritten while on its way out.
+
+No sockets here: the server shell (server.py) calls it from its event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.queue import errors as codes
+from services.queue.errors import StoreError
+from xtoken_core.ipc.shm import ALIGN, ShmSegment, align_up
+
+logger = logging.getLogger(__name__)
+
+# Smallest segment: below this a frame costs less than a region.
+MIN_SEGMENT_BYTES = 1 << 16
+# A free segment serves a request of n bytes if it is at most this much larger.
+REUSE_SLACK = 1.25
+# Tokens of completed puts remembered to answer a retried put (same request id) again.
+USED_TOKENS = 1024
+
+
+def segment_bytes(nbytes: int) -> int:
+    """The segment size for a request of ``nbytes``: rounded up to 1/8 of its power of two."""
+    n = max(MIN_SEGMENT_BYTES, align_up(nbytes))
+    step = max(ALIGN, 1 << max(0, n.bit_length() - 4))  # 1/8 of the power of two below n
+    return (n + step - 1) // step * step
+
+
+@dataclass(eq=False)
+class PoolSegment:
+    """One segment of the pool and its state.
+
+    Attributes:
+        segment: the mapped segment (name, size).
+        base_S: uint8 tensor ``[size]`` over the mapping; stored views share its storage.
+        state: ``"free"``, ``"reserved"``, ``"staged"`` or ``"stored"``.
+        token: the outstanding reservation's token.
+        deadline: when an unused reservation is reclaimed (clock seconds).
+        released_seq: the server's send counter when the segment was last released.
+        uses: how many puts it has carried.
+    """
+
+    segment: ShmSegment
+    base_S: torch.Tensor
+    state: str = "free"
+    token: str = ""
+    deadline: float = 0.0
+    released_seq: int = -1
+    uses: int = 0
+
+    @property
+    def name(self) -> str:
+        """The segment name."""
+        return self.segment.name
+
+    @property
+    def size(self) -> int:
+        """The segment size in bytes."""
+        return self.segment.size
+
+    @property
+    def ptr(self) -> int:
+        """Address of the mapping in this process (the storage id of stored views)."""
+        return self.base_S.data_ptr()
+
+
+class ShmPool:
+    """Shared-memory segments lent to producers and recycled when their samples are removed.
+
+    Args:
+        max_free_bytes: most bytes kept in free segments (more are unlinked).
+        reserve_s: seconds a reservation stays valid without a put.
+        clock: monotonic seconds; injectable for tests.
+
+    Raises:
+        ValueError: negative ``max_free_bytes`` or a non-positive ``reserve_s``.
+    """
+
+    def __init__(
+        self,
+        max_free_bytes: int,
+        reserve_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_free_bytes < 0:
+            raise ValueError(f"max_free_bytes={max_free_bytes}: must be >= 0 (--shm-pool-free)")
+        if not reserve_s > 0:
+            raise ValueError(f"reserve_s={reserve_s}: must be > 0 (--shm-reserve-timeout)")
+        self.max_free_bytes = int(max_free_bytes)
+        self.reserve_s = float(reserve_s)
+        self.clock = clock
+        self.segments: dict[str, PoolSegment] = {}  # name -> segment (what the decoder resolves)
+        self.views: dict[str, torch.Tensor] = {}  # name -> base_S, for ShmReader(segments=...)
+        self._by_ptr: dict[int, PoolSegment] = {}
+        self._reserved: dict[str, PoolSegment] = {}  # token -> segment
+        self._deadlines: list[tuple[float, str]] = []
+        self._free: collections.deque[PoolSegment] = collections.deque()
+        self._used_tokens: collections.OrderedDict[str, tuple[int, dict]] = (
+            collections.OrderedDict()
+        )
+        self.held_bytes = 0  # reserved + staged + free: memory the store does not count
+        self.free_bytes = 0
+        self.created = self.reused = self.unlinked = self.expired = 0
+
+    # ---------------------------------------------------------------- reserve
+
+    def reserve(
+        self, nbytes: int, room: int, ready: Callable[[PoolSegment], bool]
+    ) -> PoolSegment | None:
+        """Lend a segment of at least ``nbytes`` under a fresh token.
+
+        Args:
+            nbytes: bytes the producer needs.
+            room: capacity bytes not used by the store nor held by the pool.
+            ready: whether a free segment may be written again (its replies have left).
+
+        Returns:
+            The reserved segment, or None when it does not fit in ``room`` even after dropping
+            free segments (the caller waits for room or answers ``queue_full``).
+
+        Raises:
+            OSError: /dev/shm is full (the caller answers an error; nothing is left behind).
+        """
+        seg = self._take_free(nbytes, ready)
+        if seg is None:
+            size = segment_bytes(nbytes)
+            while room < size and self._free:
+                room += self._drop_oldest_free()  # its bytes were held: the room grows
+            if room < size:
+                return None
+            seg = self._create(size)
+        else:
+            self.reused += 1
+        seg.state = "reserved"
+        seg.token = secrets.token_hex(16)
+        seg.deadline = self.clock() + self.reserve_s
+        self._reserved[seg.token] = seg
+        heapq.heappush(self._deadlines, (seg.deadline, seg.token))
+        return seg
+
+    def _take_free(self, nbytes: int, ready: Callable[[PoolSegment], bool]) -> PoolSegment | None:
+        best = None
+        for seg in self._free:
+            if nbytes <= seg.size <= REUSE_SLACK * nbytes + MIN_SEGMENT_BYTES and ready(seg):
+                if best is None or seg.size < best.size:
+                    best = seg
+        if best is not None:
+            self._free.remove(best)
+            self.free_bytes -= best.size
+        return best
+
+    def _drop_oldest_free(self) -> int:
+        """Unlink the oldest free segment; returns its size."""
+        seg = self._free.popleft()
+        self.free_bytes -= seg.size
+        self._unlink(seg)
+        return seg.size
+
+    def trim(self, nbytes: int) -> int:
+        """Unlink free segments until ``nbytes`` are given back (or none is left).
+
+        Returns:
+            Bytes given back.
+        """
+        freed = 0
+        while freed < nbytes and self._free:
+            freed += self._drop_oldest_free()
+        return freed
+
+    def _create(self, size: int) -> PoolSegment:
+        segment = ShmSegment.create(size)
+        seg = PoolSegment(segment, segment.base())
+        self.segments[seg.name] = seg
+        self.views[seg.name] = seg.base_S
+        self._by_ptr[seg.ptr] = seg
+        self.held_bytes += seg.size
+        self.created += 1
+        return seg
+
+    def _unlink(self, seg: PoolSegment) -> None:
+        del self.segments[seg.name]
+        del self.views[seg.name]
+        del self._by_ptr[seg.ptr]
+        self.held_bytes -= seg.size
+        seg.segment.unlink()  # the mapping goes when the last view (ours, a reply's) is freed
+        self.unlinked += 1
+
+    # ---------------------------------------------------------------- put
+
+    def stage(self, token: object, request_id: int) -> tuple[PoolSegment | None, dict | None]:
+        """Take the reservation a put names, before the put is stored.
+
+        Args:
+            token: the put body's ``reservation``.
+            request_id: the put's request id (a retry of a completed put carries the same).
+
+        Returns:
+            ``(segment, None)`` to go on with the put, or ``(None, reply)`` for a retried put
+            that was already stored (answer it the same again).
+
+        Raises:
+            StoreError: ``bad_request`` for a token that is unknown, expired or already used by
+                another put.
+        """
+        if not isinstance(token, str):
+            raise StoreError(
+                codes.BAD_REQUEST, f"put.reservation={token!r} must be the token of a reserve reply"
+            )
+        seg = self._reserved.pop(token, None)
+        if seg is None:
+            used = self._used_tokens.get(token)
+            if used is not None and used[0] == request_id:
+                return None, used[1]
+            why = "was already used by another put (one put per reservation: reserve again)"
+            if used is None:
+                why = (
+                    "is unknown or expired (reservations last --shm-reserve-timeout "
+                    f"{self.reserve_s:g}s: reserve right before the put)"
+                )
+            raise StoreError(codes.BAD_REQUEST, f"shm reservation {token[:12]}... {why}")
+        seg.state = "staged"
+        return seg, None
+
+    def check_refs(self, seg: PoolSegment | None, refs: list[tuple[str, int, int]]) -> None:
+        """Refuse a put whose references into the pool leave its own reserved segment.
+
+        Args:
+            seg: the put's staged segment (None: the put named no reservation).
+            refs: ``(name, start, end)`` of every shared-memory buffer the put references.
+
+        Raises:
+            StoreError: ``bad_request`` naming the offending reference.
+        """
+        for name, start, end in refs:
+            if name not in self.segments:
+                continue  # a producer's own segment (adopted; xtoken_core/wire/shm.py)
+            if seg is None:
+                raise StoreError(
+                    codes.BAD_REQUEST,
+                    f"put references pool segment {name} without a reservation; send the "
+                    "reserve reply's token as put.reservation",
+                )
+            if name != seg.name or not 0 <= start <= end <= seg.size:
+                raise StoreError(
+                    codes.BAD_REQUEST,
+                    f"put references {name}[{start}:{end}], outside its reservation "
+                    f"{seg.name}[0:{seg.size}]",
+                )
+
+    def stored(self, seg: PoolSegment, referenced: bool, request_id: int, reply: dict) -> None:
+        """The put is in the store: its bytes are the store's now. Remember the token (to
+        answer a retry), and take the segment back at once when the store kept no view of it
+        (every cell a duplicate, or copied out)."""
+        self._used_tokens[seg.token] = (request_id, reply)
+        while len(self._used_tokens) > USED_TOKENS:
+            self._used_tokens.popitem(last=False)
+        seg.token = ""
+        seg.uses += 1
+        seg.state = "stored"
+        self.held_bytes -= seg.size
+        if not referenced:
+            self.release(seg.ptr, -1)
+
+    def unstage(self, seg: PoolSegment) -> None:
+        """A staged put was refused or timed out: the segment is free again (no reply ever
+        referenced it)."""
+        if seg.state in ("staged", "reserved"):
+            self._to_free(seg, -1)
+
+    def release(self, ptr: int, send_seq: int) -> None:
+        """The store dropped the last view of a storage: a stored segment becomes free.
+
+        Args:
+            ptr: the storage's data pointer (ignored unless it is a stored pool segment).
+            send_seq: the server's send counter now (see ``ready`` of ``reserve``).
+        """
+        seg = self._by_ptr.get(ptr)
+        if seg is None or seg.state != "stored":
+            return
+        self.held_bytes += seg.size
+        self._to_free(seg, send_seq)
+
+    def _to_free(self, seg: PoolSegment, send_seq: int) -> None:
+        seg.state, seg.token, seg.released_seq = "free", "", send_seq
+        if self.free_bytes + seg.size > self.max_free_bytes:
+            self._unlink(seg)
+            return
+        self._free.append(seg)
+        self.free_bytes += seg.size
+
+    # ---------------------------------------------------------------- reads
+
+    def locate(self, tensor: torch.Tensor) -> PoolSegment | None:
+        """The stored segment a tensor views, or None."""
+        seg = self._by_ptr.get(tensor.untyped_storage().data_ptr())
+        return seg if seg is not None and seg.state == "stored" else None
+
+    @property
+    def stored_segments(self) -> int:
+        """Segments whose views the store holds."""
+        return sum(1 for s in self.segments.values() if s.state == "stored")
+
+    # ---------------------------------------------------------------- timers
+
+    def expire(self, now: float | None = None) -> int:
+        """Reclaim reservations past their deadline; returns how many."""
+        now = self.clock() if now is None else now
+        n = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, token = heapq.heappop(self._deadlines)
+            seg = self._reserved.pop(token, None)
+            if seg is None:
+                continue
+            logger.info("[queue] shm reservation of %s expired unused: reclaimed", seg.name)
+            self.unstage(seg)
+            n += 1
+        self.expired += n
+        return n
+
+    def next_deadline(self) -> float | None:
+        """Earliest reservation deadline, or None."""
+        while self._deadlines and self._deadlines[0][1] not in self._reserved:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def stats(self) -> dict:
+        """Segments and bytes by state, and counters."""
+        by_state: collections.Counter[str] = collections.Counter()
+        bytes_by_state: collections.Counter[str] = collections.Counter()
+        for seg in self.segments.values():
+            by_state[seg.state] += 1
+            bytes_by_state[seg.state] += seg.size
+        return {
+            "segments": len(self.segments),
+            "bytes": sum(s.size for s in self.segments.values()),
+            "held_bytes": self.held_bytes,
+            "max_free_bytes": self.max_free_bytes,
+            "by_state": dict(by_state),
+            "bytes_by_state": dict(bytes_by_state),
+            "created": self.created,
+            "reused": self.reused,
+            "unlinked": self.unlinked,
+            "expired": self.expired,
+        }
+
+    def close(self) -> int:
+        """Unlink every segment (clean exit); returns how many. Mappings stay valid in every
+        process that still maps them until it drops them."""
+        n = len(self.segments)
+        for seg in list(self.segments.values()):
+            seg.segment.unlink()
+        self.segments.clear()
+        self.views.clear()
+        self._by_ptr.clear()
+        self._free.clear()
+        self._reserved.clear()
+        self.held_bytes = self.free_bytes = 0
+        if n:
+            logger.info("[queue] shm pool: unlinked %d segments", n)
+        return n
