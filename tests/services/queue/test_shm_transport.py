@@ -81,11 +81,11 @@ def test_auto_mode_uses_shm_only_above_the_threshold(server):
 def test_auto_mode_falls_back_to_frames_and_always_mode_raises(server):
     fields = {"x": torch.ones(2, 1 << 18)}
     with QueueClient(server.address, timeout_s=20, shm="auto") as client:
-        client._shm.server_ok = False  # as if the server had not advertised shm
+        client._shm.server = {"shm": False}  # as if the server had not advertised shm
         assert client.put("shm-fallback", ["a", "b"], fields)["written"] == 2
         assert not client._shm.enabled and client._shm.puts == 0
     with QueueClient(server.address, timeout_s=20, shm="always") as client:
-        client._shm.server_ok = False
+        client._shm.server = {"shm": False}
         with pytest.raises(QueueError, match="shm='always'"):
             client.put("shm-fallback", ["c"], {"x": torch.ones(1, 4)})
 

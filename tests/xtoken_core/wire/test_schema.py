@@ -36,6 +36,7 @@ VALID = {
     "nack": {"partition": "p", "task": "t", "lease_id": "L3", "keys": ["a"]},
     "status": {"partition": "p", "task": "t"},
     "stats": {},
+    "reserve": {"nbytes": 1 << 20, "timeout_ms": None},
 }
 
 
