@@ -77,6 +77,11 @@ class _Partition:
     tasks: dict[str, _Task] = field(default_factory=dict)
 
 
+def _main_storage(block: Block) -> tuple[int, int]:
+    """The largest buffer a block views (its values; a shared-memory put's segment)."""
+    return max(block.storages, key=lambda sid: sid[1])
+
+
 @dataclass(frozen=True)
 class PutResult:
     """Outcome of a put.
@@ -170,6 +175,7 @@ class SampleStore:
         self.clock = clock
         self._parts: dict[str, _Partition] = {}
         self._storages: dict[tuple[int, int], int] = {}  # storage id -> blocks referencing it
+        self._live: dict[tuple[int, int], int] = {}  # storage id -> live row bytes viewing it
         self.bytes_used = 0
         self._leases: dict[int, _Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
@@ -262,15 +268,19 @@ class SampleStore:
             else:
                 bkeys = keys
             blocks.append(Block(partition, name, value, bkeys))
-        # The fields of one shared-memory put share one segment: judge a block's share of its
-        # buffers together with the put's other blocks over the same buffers.
+        # The fields of one shared-memory put share one segment: judge how much of a buffer is
+        # live over all the blocks that view it.
+        live: collections.Counter[tuple[int, int]] = collections.Counter()
+        for block in blocks:
+            for sid in block.storages:
+                live[sid] += block.live_bytes
         for i, block in enumerate(blocks):
-            group = [b for b in blocks if b.storages & block.storages]
-            sids = set().union(*(b.storages for b in group))
-            live = sum(b.live_bytes for b in group)
-            if live < COMPACT_BELOW * sum(size for _, size in sids):
+            sid = _main_storage(block)
+            if self._live.get(sid, 0) + live[sid] < COMPACT_BELOW * sid[1]:
                 # A small slice of a big buffer: keep a copy, not the whole buffer.
-                value = JaggedColumn(block.values, block.offsets) if block.jagged else block.values
+                value = (
+                    JaggedColumn(block.values, block.offsets) if block.jagged else block.values
+                )
                 blocks[i] = Block(partition, block.field, copy_rows(value), block.keys)
         added = self._added_bytes(blocks)
         if added > self.capacity_bytes:
@@ -384,6 +394,8 @@ class SampleStore:
                 block.keys[r] = None
                 block.live -= 1
                 block.live_bytes -= block.row_nbytes[r]
+                for sid in block.storages:
+                    self._live[sid] -= block.row_nbytes[r]
                 touched.add(block)
             for task in part.tasks.values():
                 task.consumed.discard(k)
@@ -393,7 +405,8 @@ class SampleStore:
         for block in touched:
             if block.live == 0:
                 self._drop_block(part, block)
-            elif block.live_bytes < COMPACT_BELOW * block.nbytes:
+        for block in touched:
+            if block.live and block in part.blocks and self._sparse(block):
                 self._compact_block(part, block)
         if part.tombstones >= ORDER_COMPACT_MIN and part.tombstones * 2 > len(part.order):
             part.order = [k for k in part.order if k is not None]
@@ -706,9 +719,16 @@ class SampleStore:
                     added += sid[1]
         return added
 
+    def _sparse(self, block: Block) -> bool:
+        """Whether the live rows of every block viewing the block's main buffer hold less than
+        ``COMPACT_BELOW`` of it (then the block is copied down)."""
+        sid = _main_storage(block)
+        return self._live.get(sid, 0) < COMPACT_BELOW * sid[1]
+
     def _add_block(self, part: _Partition, block: Block) -> None:
         part.blocks.add(block)
         for sid in block.storages:
+            self._live[sid] = self._live.get(sid, 0) + block.live_bytes
             count = self._storages.get(sid, 0)
             if count == 0:
                 self.bytes_used += sid[1]
@@ -717,9 +737,11 @@ class SampleStore:
     def _drop_block(self, part: _Partition, block: Block) -> None:
         part.blocks.discard(block)
         for sid in block.storages:
+            self._live[sid] -= block.live_bytes
             count = self._storages[sid] - 1
             if count == 0:
                 del self._storages[sid]
+                del self._live[sid]
                 self.bytes_used -= sid[1]
                 if self._on_release is not None:
                     self._on_release(sid[0])
