@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._utils import LOG2E, MAX_COMBINE, cdiv, lazy_jit, next_power_of_2, tl
+from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_power_of_2, tl
 from .kd_fused import KERNEL_CONFIG, block_for, row_logsumexp
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,35 @@ if tl is not None:
             acc,
             mask=nm[:, None] & (j[None, :] < K),
         )
+
+    @lazy_jit
+    def _restrict_ptr_kernel(
+        idx_K_ptr,
+        col_count_W_ptr,
+        ptr_K1_ptr,
+        pos_W_ptr,
+        K,
+        W,
+        BLOCK: tl.constexpr,
+    ):
+        # Programs fill pos[w] = -1 by blocks; program 0 also writes the CSC pointers of the
+        # selected columns, ptr[0] = 0, ptr[j + 1] = sum_{i <= j} count[idx[i]] (running scan).
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        w = pid * BLOCK + offs
+        tl.store(pos_W_ptr + w, tl.full((BLOCK,), -1, tl.int32), mask=w < W)
+        if pid == 0:
+            tl.store(ptr_K1_ptr, tl.full([], 0, tl.int64))
+            run = tl.full([], 0, tl.int64)
+            for k0 in range(0, K, BLOCK):
+                k = k0 + offs
+                km = k < K
+                t = tl.load(idx_K_ptr + k, mask=km, other=0)
+                cnt = tl.load(col_count_W_ptr + t, mask=km, other=0).to(tl.int64)
+                tl.store(
+                    ptr_K1_ptr + 1 + k, run + tl.associative_scan(cnt, 0, SUM_COMBINE), mask=km
+                )
+                run += tl.reduce(cnt, 0, SUM_COMBINE)
 
     @lazy_jit
     def _restrict_csc_kernel(
@@ -422,7 +451,7 @@ def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
 def restrict_tables(
     tables: ProjectionTables, idx_K: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSC lists and ELL column positions of ``M[:, idx]``, with no host sync (Triton).
+    """CSC lists and ELL column positions of ``M[:, idx]``, with no host sync (three launches).
 
     The entry lists are sized for all E_M entries of M (the restricted count E is only known
     on the device); entries past ``ptr_K1[-1]`` are never read by the forward kernel.
@@ -443,12 +472,15 @@ def restrict_tables(
     E_M = tables.col_rows_E.numel()
     S, P = tables.ell_t_SP.shape
     W = tables.col_ptr_W1.numel() - 1
-    ptr_K1 = torch.zeros(K + 1, dtype=torch.int64, device=device)
-    torch.cumsum(tables.col_count_W[idx_K], 0, out=ptr_K1[1:])
+    ptr_K1 = torch.empty(K + 1, dtype=torch.int64, device=device)
     rows_E = torch.empty(E_M, dtype=torch.int32, device=device)
     cols_E = torch.empty(E_M, dtype=torch.int32, device=device)
     w_E = torch.empty(E_M, dtype=torch.float32, device=device)
-    pos_W = torch.full((W,), -1, dtype=torch.int32, device=device)
+    pos_W = torch.empty((W,), dtype=torch.int32, device=device)
+    block = 1024
+    _restrict_ptr_kernel[(max(cdiv(W, block), 1),)](
+        idx_K, tables.col_count_W, ptr_K1, pos_W, K, W, BLOCK=block
+    )
     if K > 0:
         _restrict_csc_kernel[(K,)](
             idx_K,

@@ -323,8 +323,9 @@ class ProjectedChunkKL(torch.autograd.Function):
     """Sums of the P-KL chunk terms from the student logits, four launches forward, two back.
 
     ``apply(z_BTV, nidx_R, order_R, offsets_N1, lp_NK, ptr_K1, rows_E, cols_E, w_E, ell_j_PS,
-    ell_w_PS, temperature, reverse_kl, eps)`` returns a [4] fp32 tensor ``(kd, l1 = 0, correct,
-    num_valid)`` summed over the valid chunks; only ``kd`` carries a gradient (to ``z_BTV``).
+    ell_w_PS, temperature, reverse_kl, eps)`` returns ``(kd, metrics_3)``: the scalar KD sum
+    over the valid chunks (its gradient flows to ``z_BTV``) and the [3] fp32 sums
+    ``(l1 = 0, correct, num_valid)`` (no gradient).
     The projection tables are those of :func:`xtoken_core.kernels.kd_pkl.restrict_tables`; the
     rows are the student side's valid-chunk rows (index, order, offsets).
     """
@@ -356,15 +357,21 @@ class ProjectedChunkKL(torch.autograd.Function):
             z_BTV, nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j_PS, ell_w_PS
         )
         ctx.opts = (float(temperature), bool(reverse_kl), float(eps))
-        return out_N4.sum(0)
+        ctx.set_materialize_grads(False)  # the metrics get no gradient: no zeros for it
+        sums_4 = out_N4.sum(0)
+        metrics_3 = sums_4[1:]
+        ctx.mark_non_differentiable(metrics_3)
+        return sums_4[0], metrics_3
 
     @staticmethod
-    def backward(ctx, grad_4):
+    def backward(ctx, grad_kd, grad_metrics):
         z_BTV, nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j, ell_w = (
             ctx.saved_tensors
         )
+        if grad_kd is None:
+            return (None,) * 14
         temperature, reverse_kl, eps = ctx.opts
-        grad = grad_4.to(torch.float32).contiguous()
+        grad = grad_kd.to(torch.float32).reshape(1)
         dq_RK, dot_R = chunk_kl_backward(
             grad, q_RK, nidx_R, offsets_N1, lp_NK, qc_NK, stats_N2, temperature, reverse_kl, eps
         )

@@ -35,14 +35,19 @@ from xtoken_core.losses.composed import kernels_available
 from xtoken_core.losses.reference import KDTerms
 from xtoken_core.losses.utils import (
     ChunkRows,
-    chunk_row_index,
     chunk_rows,
     valid_chunk_numbering,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fused_path_available", "gold_kd_loss", "kernels_available", "pkl_kd_loss"]
+__all__ = [
+    "fused_path_available",
+    "gold_kd_loss",
+    "kernels_available",
+    "pkl_kd_loss",
+    "plan_chunks",
+]
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -55,6 +60,7 @@ def _kd_kernels() -> SimpleNamespace | None:
             rows=importlib.import_module("xtoken_core.kernels.kd_fused"),
             pkl=importlib.import_module("xtoken_core.kernels.kd_pkl"),
             pkl_terms=importlib.import_module("xtoken_core.kernels.kd_pkl_terms"),
+            plan=importlib.import_module("xtoken_core.kernels.kd_rows"),
             gold=importlib.import_module("xtoken_core.kernels.kd_gold"),
         )
     except ImportError as exc:  # pragma: no cover - only without triton
@@ -87,6 +93,47 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def plan_chunks(
+    student_chunk_id_BT: torch.Tensor,
+    teacher_chunk_id_BU: torch.Tensor,
+    pair_valid_BC: torch.Tensor,
+    *,
+    sample_mask_B: torch.Tensor | None = None,
+    pair_is_correct_BC: torch.Tensor | None = None,
+    exact_token_match_only: bool = False,
+):
+    """Shifted ids, validity, N and both sides' valid-chunk rows in two launches, no sync.
+
+    The fused path's replacement for :func:`~xtoken_core.losses.utils.shift_chunk_ids`,
+    :func:`~xtoken_core.losses.reference.chunk_validity` and
+    :func:`~xtoken_core.losses.utils.chunk_rows` (see
+    :func:`xtoken_core.kernels.kd_rows.plan_chunks`); pass the result as ``plan`` to
+    :func:`pkl_kd_loss` / :func:`gold_kd_loss`. Needs Triton (:func:`fused_path_available`).
+
+    Args:
+        student_chunk_id_BT: [B, T] raw (unshifted) student chunk ids.
+        teacher_chunk_id_BU: [B, U] raw teacher chunk ids.
+        pair_valid_BC: [B, C] bool.
+        sample_mask_B: [B] or None.
+        pair_is_correct_BC: [B, C] bool or None.
+        exact_token_match_only: keep only the chunks with ``pair_is_correct``.
+
+    Returns:
+        A :class:`xtoken_core.kernels.kd_rows.ChunkPlan`.
+
+    Raises:
+        ValueError: ``exact_token_match_only`` without ``pair_is_correct_BC``.
+    """
+    return _kd_kernels().plan.plan_chunks(
+        student_chunk_id_BT,
+        teacher_chunk_id_BU,
+        pair_valid_BC,
+        sample_mask_B=sample_mask_B,
+        pair_is_correct_BC=pair_is_correct_BC,
+        exact_token_match_only=exact_token_match_only,
+    )
+
+
 def _fused_inputs(
     student_logits_BTV: torch.Tensor,
     teacher_logits_BUW: torch.Tensor,
@@ -94,25 +141,25 @@ def _fused_inputs(
     teacher_chunk_id_BU: torch.Tensor,
     valid_BC: torch.Tensor,
     num_valid: int | None,
-    student_index_only: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, ChunkRows | torch.Tensor, ChunkRows]:
+    plan=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, ChunkRows, ChunkRows]:
     """Kernel-ready logits, ``valid_BC`` on their device, N, rows per side.
 
-    With ``student_index_only`` the student side is only its ``nidx_R`` (no sort).
-
-    N is ``num_valid`` when the caller read it already, else ``valid_BC.sum()`` (one host sync).
-    The valid-chunk numbering is computed once and shared by both sides.
+    With a ``plan`` (:func:`plan_chunks`) the rows are its; else they are grouped here, with
+    one valid-chunk numbering shared by both sides. N is ``num_valid`` when the caller read it
+    already, else read here (one host sync).
     """
     zs_BTV = _last_dim_contiguous(student_logits_BTV)
     zt_BUW = _last_dim_contiguous(teacher_logits_BUW.detach())
+    if plan is not None:
+        N = int(plan.stats_5[4]) if num_valid is None else int(num_valid)
+        s_rows, t_rows = ChunkRows(*plan.rows(0, N)), ChunkRows(*plan.rows(1, N))
+        return zs_BTV, zt_BUW, plan.valid_BC, N, s_rows, t_rows
     valid_BC = valid_BC.to(zs_BTV.device)
     N = int(valid_BC.sum()) if num_valid is None else int(num_valid)
     segmap_S = valid_chunk_numbering(valid_BC)
     t_rows = chunk_rows(teacher_chunk_id_BU, valid_BC, N, segmap_S)
-    if student_index_only:  # P-KL sums the student side by index_add: no row order needed
-        s_rows = chunk_row_index(student_chunk_id_BT, valid_BC, segmap_S)
-    else:
-        s_rows = chunk_rows(student_chunk_id_BT, valid_BC, N, segmap_S)
+    s_rows = chunk_rows(student_chunk_id_BT, valid_BC, N, segmap_S)
     return zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows
 
 
@@ -128,6 +175,7 @@ def _pkl_fused(
     vocab_topk,
     reverse_kl,
     num_valid,
+    plan,
 ) -> KDTerms:
     kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
@@ -137,6 +185,7 @@ def _pkl_fused(
         teacher_chunk_id_BU,
         valid_BC,
         num_valid,
+        plan,
     )
     W = zt_BUW.shape[-1]
     with torch.no_grad():
@@ -155,7 +204,7 @@ def _pkl_fused(
         restricted = kernels.pkl.restrict_tables(
             kernels.pkl.projection_tables(projection_VW), idx_K
         )
-    sums_4 = kernels.pkl_terms.ProjectedChunkKL.apply(
+    kd, sums_3 = kernels.pkl_terms.ProjectedChunkKL.apply(
         zs_BTV,
         s_rows.nidx_R,
         s_rows.order_R,
@@ -166,14 +215,8 @@ def _pkl_fused(
         bool(reverse_kl),
         reference.PROB_EPS,
     )
-    kd, l1, correct, num_valid = sums_4.unbind()
-    return KDTerms(
-        kd=kd,
-        kl=kd.detach(),
-        l1=l1.detach(),
-        correct=correct.detach(),
-        num_valid=num_valid.detach(),
-    )
+    l1, correct, num_valid = sums_3.unbind()
+    return KDTerms(kd=kd, kl=kd.detach(), l1=l1, correct=correct, num_valid=num_valid)
 
 
 def _gold_fused(
@@ -188,6 +231,7 @@ def _gold_fused(
     uncommon_topk,
     reverse_kl,
     num_valid,
+    plan,
 ) -> KDTerms:
     kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
@@ -197,6 +241,7 @@ def _gold_fused(
         teacher_chunk_id_BU,
         valid_BC,
         num_valid,
+        plan,
     )
     ut = exact_map["uncommon_teacher"]
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
@@ -242,6 +287,7 @@ def pkl_kd_loss(
     reverse_kl: bool,
     projection_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_valid: int | None = None,
+    plan=None,
 ) -> KDTerms:
     """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
 
@@ -263,6 +309,8 @@ def pkl_kd_loss(
         projection_topk: dense form of M (composed path only).
         num_valid: N = ``valid_BC.sum()`` when the caller read it already (spares the fused
             path its host sync); None: counted here.
+        plan: :func:`plan_chunks` of this batch (fused path): its rows replace the grouping
+            done here, and its shifted ids and validity must be the ones passed.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -280,7 +328,7 @@ def pkl_kd_loss(
     )
     opts = dict(temperature=temperature, vocab_topk=vocab_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _pkl_fused(*args, **opts, num_valid=num_valid)
+        return _pkl_fused(*args, **opts, num_valid=num_valid, plan=plan)
     return composed.pkl_kd_loss(*args, **opts, projection_topk=projection_topk)
 
 
@@ -296,6 +344,7 @@ def gold_kd_loss(
     uncommon_topk: int,
     reverse_kl: bool,
     num_valid: int | None = None,
+    plan=None,
 ) -> KDTerms:
     """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference.gold_kd_loss`.
 
@@ -312,6 +361,7 @@ def gold_kd_loss(
         uncommon_topk: cap on the sorted-probability L1 length.
         reverse_kl: reverse KL on the common vocab.
         num_valid: N = ``valid_BC.sum()`` when the caller read it already; None: counted here.
+        plan: :func:`plan_chunks` of this batch (fused path), as for :func:`pkl_kd_loss`.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -329,5 +379,5 @@ def gold_kd_loss(
     )
     opts = dict(temperature=temperature, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _gold_fused(*args, **opts, num_valid=num_valid)
+        return _gold_fused(*args, **opts, num_valid=num_valid, plan=plan)
     return composed.gold_kd_loss(*args, **opts)

@@ -72,6 +72,10 @@ class _DeferredChecks:
                 "ids", name, num_chunks, torch.cat([m.reshape(1) for m in torch.aminmax(ids_BT)])
             )
 
+    def id_bounds(self, name: str, minmax_2: torch.Tensor, num_chunks: int) -> None:
+        """Queue an id-range check from a device ``[min, max]`` pair (min > max: no ids)."""
+        self._add("ids", name, num_chunks, minmax_2)
+
     def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
         counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
         if token_mask_BT is not None:
@@ -87,6 +91,10 @@ class _DeferredChecks:
     def count(self, mask: torch.Tensor) -> int:
         """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
         return self._add("count", "", None, mask.sum())
+
+    def value(self, piece: torch.Tensor) -> int:
+        """Queue a device value computed elsewhere; returns its slot in :meth:`run`'s result."""
+        return self._add("count", "", None, piece)
 
     def run(self) -> list[list[float]]:
         """Read every queued piece (one sync per device) and raise the first failed check.
@@ -117,7 +125,7 @@ class _DeferredChecks:
                     )
             elif kind == "ids":
                 lo, hi = int(vals[0]), int(vals[1])
-                if lo < -1 or hi >= extra:
+                if lo <= hi and (lo < -1 or hi >= extra):
                     raise ValueError(
                         f"{name} has ids in [{lo}, {hi}] but must lie in [-1, {extra}) "
                         f"(num_chunks = alignment_pair_valid.shape[1] = {extra}); "
@@ -234,6 +242,20 @@ class CrossTokenizerLoss:
 
     # ----------------------------------------------------------------- helpers
 
+    def _metric_scales(
+        self, weight: float, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(coef_5, bias_5)`` with ``sums_5 * (coef_5 / denom + bias_5)`` the scaled sums of
+        one teacher (cached per device: no host-to-device copy per call)."""
+        key = ("metric_scales", weight, dtype, device)
+        if key not in self._cache:
+            per_teacher = 1.0 / self.config.num_teachers
+            self._cache[key] = (
+                torch.tensor([weight] * 3 + [per_teacher, 0.0], dtype=dtype, device=device),
+                torch.tensor([0.0] * 4 + [per_teacher], dtype=dtype, device=device),
+            )
+        return self._cache[key]
+
     def _backend(self, device: torch.device):
         choice = self.config.backend
         if choice == "reference":
@@ -255,6 +277,36 @@ class CrossTokenizerLoss:
             )
         return teachers
 
+    def _check_alignment_shapes(
+        self, alignment: AlignmentView, B: int, T: int, U: int | None
+    ) -> None:
+        """The cheap shape checks of one teacher's alignment against the logits."""
+        C = alignment.max_chunks
+        s_ids, t_ids = alignment.student_chunk_id, alignment.teacher_chunk_id
+        if alignment.pair_valid.dim() != 2 or alignment.pair_valid.shape[0] != B or C < 1:
+            raise ValueError(
+                f"alignment_pair_valid is {tuple(alignment.pair_valid.shape)}, expected "
+                f"[{B}, C] with C >= 1"
+            )
+        if tuple(s_ids.shape) != (B, T):
+            raise ValueError(
+                f"alignment_student_chunk_id is {tuple(s_ids.shape)} but the student logits "
+                f"are [{B}, {T}, V]; the alignment must come from the same batch"
+            )
+        if t_ids.dim() != 2 or t_ids.shape[0] != B or (U is not None and t_ids.shape[1] != U):
+            raise ValueError(
+                f"alignment_teacher_chunk_id is {tuple(t_ids.shape)} but the teacher logits "
+                f"are [{B}, {U}, W]; the alignment must come from the same batch"
+            )
+        if (
+            alignment.pair_is_correct is not None
+            and alignment.pair_is_correct.shape != alignment.pair_valid.shape
+        ):
+            raise ValueError(
+                f"alignment_pair_is_correct is {tuple(alignment.pair_is_correct.shape)}, "
+                f"expected {tuple(alignment.pair_valid.shape)} like alignment_pair_valid"
+            )
+
     def _valid_chunks(
         self,
         batch: Mapping[str, Any],
@@ -272,29 +324,7 @@ class CrossTokenizerLoss:
         C = alignment.max_chunks
         s_ids, t_ids = alignment.student_chunk_id, alignment.teacher_chunk_id
         if self.config.check_inputs:
-            if alignment.pair_valid.dim() != 2 or alignment.pair_valid.shape[0] != B or C < 1:
-                raise ValueError(
-                    f"alignment_pair_valid is {tuple(alignment.pair_valid.shape)}, expected "
-                    f"[{B}, C] with C >= 1"
-                )
-            if tuple(s_ids.shape) != (B, T):
-                raise ValueError(
-                    f"alignment_student_chunk_id is {tuple(s_ids.shape)} but the student logits "
-                    f"are [{B}, {T}, V]; the alignment must come from the same batch"
-                )
-            if t_ids.dim() != 2 or t_ids.shape[0] != B or (U is not None and t_ids.shape[1] != U):
-                raise ValueError(
-                    f"alignment_teacher_chunk_id is {tuple(t_ids.shape)} but the teacher logits "
-                    f"are [{B}, {U}, W]; the alignment must come from the same batch"
-                )
-            if (
-                alignment.pair_is_correct is not None
-                and alignment.pair_is_correct.shape != alignment.pair_valid.shape
-            ):
-                raise ValueError(
-                    f"alignment_pair_is_correct is {tuple(alignment.pair_is_correct.shape)}, "
-                    f"expected {tuple(alignment.pair_valid.shape)} like alignment_pair_valid"
-                )
+            self._check_alignment_shapes(alignment, B, T, U)
             if checks is None:
                 check_chunk_ids("alignment_student_chunk_id", s_ids, C)
                 check_chunk_ids("alignment_teacher_chunk_id", t_ids, C)
@@ -312,6 +342,38 @@ class CrossTokenizerLoss:
             exact_token_match_only=self.config.exact_token_match_only,
         )
         return s_ids, t_ids, valid_BC
+
+    def _planned_chunks(
+        self,
+        batch: Mapping[str, Any],
+        alignment: AlignmentView,
+        B: int,
+        T: int,
+        U: int,
+        device: torch.device,
+        checks: _DeferredChecks | None,
+    ):
+        """:meth:`_valid_chunks` for the fused path: one :func:`fused.plan_chunks` (two
+        launches) gives the shifted ids, validity, N and both sides' rows; the id-range checks
+        are queued from its device stats."""
+        if self.config.check_inputs:
+            self._check_alignment_shapes(alignment, B, T, U)
+        sample_mask = batch.get("sample_mask")
+        plan = fused.plan_chunks(
+            alignment.student_chunk_id.to(device),
+            alignment.teacher_chunk_id.to(device),
+            alignment.pair_valid.to(device),
+            sample_mask_B=None if sample_mask is None else sample_mask.to(device),
+            pair_is_correct_BC=None
+            if alignment.pair_is_correct is None
+            else alignment.pair_is_correct.to(device),
+            exact_token_match_only=self.config.exact_token_match_only,
+        )
+        if checks is not None:
+            C = alignment.max_chunks
+            checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
+            checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
+        return plan
 
     @staticmethod
     def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:
@@ -425,12 +487,20 @@ class CrossTokenizerLoss:
             if checks is not None:
                 checks.finite(name, z_t)
             alignment = alignment_from_batch(batch, i)
-            s_ids, t_ids, valid_BC = self._valid_chunks(
-                batch, alignment, B, T, z_t.shape[1], checks
-            )
-            s_ids, t_ids, valid_BC = s_ids.to(device), t_ids.to(device), valid_BC.to(device)
-            slot = checks.count(valid_BC) if checks is not None and backend is fused else None
-            prepared.append((W, z_t, s_ids, t_ids, valid_BC, slot))
+            plan = slot = None
+            if backend is fused and fused.fused_path_available(student_logits, z_t):
+                plan = self._planned_chunks(batch, alignment, B, T, z_t.shape[1], device, checks)
+                s_ids, t_ids = plan.student_chunk_id_BT, plan.teacher_chunk_id_BU
+                valid_BC = plan.valid_BC
+                slot = checks.value(plan.stats_5[4:5]) if checks is not None else None
+            else:
+                s_ids, t_ids, valid_BC = self._valid_chunks(
+                    batch, alignment, B, T, z_t.shape[1], checks
+                )
+                s_ids, t_ids, valid_BC = s_ids.to(device), t_ids.to(device), valid_BC.to(device)
+                if checks is not None and backend is fused:
+                    slot = checks.count(valid_BC)
+            prepared.append((W, z_t, s_ids, t_ids, valid_BC, slot, plan))
         token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
         if "input_ids" in batch:
             input_ids = batch["input_ids"]
@@ -450,13 +520,15 @@ class CrossTokenizerLoss:
         zero = student_logits.new_zeros((), dtype=dtype)
         kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
         acc_5 = None
-        for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot)) in enumerate(
+        for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot, plan)) in enumerate(
             zip(cfg.teacher_weights, prepared, strict=True)
         ):
             common = (student_logits, z_t, s_ids, t_ids, valid_BC)
             extra = {}
             if backend is fused and slot is not None:
                 extra["num_valid"] = int(values[slot][0])
+            if plan is not None:
+                extra["plan"] = plan
             if cfg.gold_loss:
                 terms = backend.gold_kd_loss(
                     *common,
@@ -478,18 +550,17 @@ class CrossTokenizerLoss:
                     **extra,
                 )
             denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
-            denom = denom.to(dtype).clamp_min(1)
-            # One stacked update for the five sums: [kd, kl, l1] * w / d, correct / d / n_t,
-            # num_valid / n_t (kd keeps its gradient through the stack).
-            sums_5 = torch.stack([terms.kd, terms.kl, terms.l1, terms.correct, terms.num_valid]).to(
-                dtype
-            )
-            scale_5 = torch.stack([weight / denom] * 3 + [1 / denom, denom.new_ones(())])
-            scaled_5 = sums_5 * scale_5
-            scaled_5 = torch.cat([scaled_5[:3], scaled_5[3:] / cfg.num_teachers])
+            # One update for the five sums in three launches: [kd, kl, l1] * w / d,
+            # correct / d / n_t, num_valid / n_t as sums * (coef / d + bias), the constants
+            # cached on the device (kd keeps its gradient through the stack).
+            coef_5, bias_5 = self._metric_scales(weight, dtype, device)
+            scale_5 = torch.addcdiv(bias_5, coef_5, denom.to(dtype).clamp_min(1))
+            sums_5 = torch.stack([terms.kd, terms.kl, terms.l1, terms.correct, terms.num_valid])
+            scaled_5 = sums_5.to(dtype) * scale_5
             acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
         if acc_5 is not None:
-            kd, kl_common, l1_uncommon, proj_accuracy, num_valid = acc_5.unbind()
+            kd = acc_5[0]
+            kl_common, l1_uncommon, proj_accuracy, num_valid = acc_5.detach()[1:].unbind()
 
         if "input_ids" in batch:
             nll_sum, correct, n_tokens = reference.student_ce_loss(
@@ -498,15 +569,16 @@ class CrossTokenizerLoss:
                 None if token_mask is None else token_mask.to(device),
                 None if sample_mask is None else sample_mask.to(device),
             )
-        else:
-            nll_sum, correct, n_tokens = zero, zero, zero
-        tok_denom = (
-            n_tokens
-            if global_valid_tokens is None
-            else torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
-        )
-        tok_denom = tok_denom.to(dtype).clamp_min(1)
-        ce = nll_sum.to(dtype) / tok_denom
+            tok_denom = (
+                n_tokens
+                if global_valid_tokens is None
+                else torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
+            )
+            tok_denom = tok_denom.to(dtype).clamp_min(1)
+            ce = nll_sum.to(dtype) / tok_denom
+            accuracy = correct.to(dtype) / tok_denom
+        else:  # no CE tokens: both terms are 0 over any denominator
+            ce, accuracy = zero, zero
         loss = reference.combine_losses(
             kd,
             ce,
@@ -522,6 +594,6 @@ class CrossTokenizerLoss:
             "l1_uncommon": l1_uncommon.detach(),
             "proj_accuracy": proj_accuracy.detach(),
             "num_valid_chunks": num_valid.detach(),
-            "accuracy": (correct.to(dtype) / tok_denom).detach(),
+            "accuracy": accuracy.detach(),
         }
         return loss, metrics
