@@ -3,7 +3,9 @@
 Times ``kd_pkl.project_rows_backward`` (read the logits, gather ``dq`` through the restricted
 ELL table, write ``dz``) at the KD-loss benchmark's shape (bf16 logits, V_s 151,936, V_t
 131,072, 8,192 selected teacher columns, 8-entry projection rows) for a few
-``(pbwd_block_n, pbwd_block_v, pbwd_warps)`` choices. Prints one table, appends rows to
+``(pbwd_block_n, pbwd_block_v, pbwd_warps)`` choices, with ``dq`` stored row-major ([R, K], as
+autograd hands it) and column-major ([K, R], as kd_pkl_terms writes it: one gather of column j
+reads the block's rows from one or two sectors). Prints one table, appends rows to
 benchmarks/results/losses_pkl_backward.jsonl and, with ``--best``, writes the fastest choice as
 JSON (``bench_kd_loss.py --kernel-config`` reads it). GPU only.
 """
@@ -37,7 +39,10 @@ CONFIGS = [
     (64, 128, 8),
     (64, 256, 8),
     (16, 1024, 8),
+    (32, 256, 4),
+    (64, 64, 4),
 ]
+LAYOUTS = ("row", "col")
 
 
 def main(argv=None) -> int:
@@ -61,15 +66,17 @@ def main(argv=None) -> int:
     tables = kd_pkl.restrict_tables(kd_pkl.projection_tables(M), idx_K)
     nidx_R = torch.arange(T, device=device)
     lse_R = kd_fused.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
-    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device)
+    dq_row = torch.randn(T, VOCAB_TOPK, generator=gen, device=device)
+    dq_by_layout = {"row": dq_row, "col": dq_row.t().contiguous().t()}
     dot_R = torch.randn(T, generator=gen, device=device)
     saved = {k: kd_fused.KERNEL_CONFIG[k] for k in ("pbwd_block_n", "pbwd_block_v", "pbwd_warps")}
     rows = []
     try:
-        for bn, bv, warps in CONFIGS:
+        for (bn, bv, warps), layout in ((c, lay) for lay in LAYOUTS for c in CONFIGS):
             kd_fused.KERNEL_CONFIG.update(pbwd_block_n=bn, pbwd_block_v=bv, pbwd_warps=warps)
+            dq_RK = dq_by_layout[layout]
             ms = _common.bench_ms(
-                lambda: kd_pkl.project_rows_backward(
+                lambda dq_RK=dq_RK: kd_pkl.project_rows_backward(
                     z_BTV, lse_R, dq_RK, dot_R, tables[4], tables[5], TEMPERATURE
                 )
             )
@@ -85,6 +92,7 @@ def main(argv=None) -> int:
                     block_n=bn,
                     block_v=bv,
                     warps=warps,
+                    dq=layout,
                     ms=ms,
                     gbs=2 * z_BTV.numel() * z_BTV.element_size() / ms / 1e6,
                 )
@@ -93,7 +101,7 @@ def main(argv=None) -> int:
         kd_fused.KERNEL_CONFIG.update(saved)
     for row in rows:
         row["vs_default"] = rows[0]["ms"] / row["ms"]
-    _common.print_table(rows, ["block_n", "block_v", "warps", "ms", "gbs", "vs_default"])
+    _common.print_table(rows, ["dq", "block_n", "block_v", "warps", "ms", "gbs", "vs_default"])
     _common.append_rows(args.results, rows)
     best = min(rows, key=lambda r: r["ms"])
     if args.best:
@@ -103,6 +111,7 @@ def main(argv=None) -> int:
                     pbwd_block_n=best["block_n"],
                     pbwd_block_v=best["block_v"],
                     pbwd_warps=best["warps"],
+                    pkl_dq_transposed=best["dq"] == "col",
                 ),
                 fh,
             )

@@ -111,3 +111,14 @@ def test_exact_match_only_without_pair_is_correct_is_rejected():
         kd_rows.plan_chunks(
             ids, ids, torch.ones(1, 2, dtype=torch.bool, device=DEVICE), exact_token_match_only=True
         )
+
+
+@pytest.mark.gpu
+def test_cuda_plan_at_the_benchmark_size_equals_the_torch_composition():
+    B, T, U, C = 2, 4096, 4001, 3276
+    gen = torch.Generator().manual_seed(11)
+    s_raw, t_raw = _runs(B, T, C), _runs(B, U, C)
+    s_raw[1, 100:140] = torch.randint(-1, C, (40,), generator=gen)  # some out-of-order ids
+    pair_valid = torch.rand(B, C, generator=gen) < 0.9
+    plan = kd_rows.plan_chunks(s_raw.cuda(), t_raw.cuda(), pair_valid.cuda())
+    _assert_plan(plan, s_raw, t_raw, pair_valid, C)
