@@ -55,6 +55,10 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _size_or_zero_arg(text: str) -> int:
+    return 0 if str(text).strip() == "0" else _size_arg(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` and `stats` sub-subcommands."""
     sub = parser.add_subparsers(dest="queue_command", metavar="{serve,stats}", required=True)
@@ -95,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--shm-pool-free",
-        type=_size_arg,
+        type=_size_or_zero_arg,
         default=parse_size("1GiB"),
         help="most bytes of free shared-memory segments kept for reuse by same-host puts; "
         "they count against --capacity and are dropped first when room is needed (default 1GiB)",

@@ -41,7 +41,8 @@ def test_same_host_addresses():
     assert not is_same_host("tcp://10.1.2.3:5555") and not is_same_host("tcp://queue:5555")
     assert not ShmPuts("tcp://queue:5555", "auto", 1).enabled
     assert ShmPuts("tcp://127.0.0.1:5555", "auto", 1).enabled
-    assert not ShmPuts("ipc:///tmp/q.sock", "auto", 1).enabled  # a unix socket is as fast
+    assert ShmPuts("ipc:///tmp/q.sock", "auto", 1).enabled  # the pool beats a unix socket too
+    assert not ShmPuts("ipc:///tmp/q.sock", "auto", 1)._per_put_ok  # fresh segments do not
     assert ShmPuts("tcp://queue:5555", "always", 1).enabled
     with pytest.raises(ValueError, match="shm="):
         ShmPuts("tcp://127.0.0.1:1", "sometimes", 1)
