@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from xtoken_core.ipc import SHM_DIR, ShmReader, ShmSegment, ShmTensorHandle, write_tensors
-from xtoken_core.ipc.shm import open_handle, sweep_orphans
+from xtoken_core.ipc.shm import ShmRegion, open_handle, sweep_orphans
 from xtoken_core.wire import JaggedColumn
 from xtoken_core.wire.tensors import WIRE_DTYPES
 
@@ -259,3 +259,53 @@ def test_sweep_removes_old_segments_of_dead_processes_only():
         for p in (dead, mine, young):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_a_caching_reader_maps_each_segment_once_keeps_the_newest_and_never_unlinks():
+    segments = [ShmSegment.create(4096) for _ in range(3)]
+    try:
+        for i, seg in enumerate(segments):
+            seg.write(torch.full((4,), i, dtype=torch.int64))
+        reader = ShmReader(unlink=False, max_cached=2)
+        handles = [ShmTensorHandle(s.name, s.size, 0, 32, torch.int64, (4,)) for s in segments]
+        first = reader.open(handles[0])
+        assert reader.open(handles[0]).data_ptr() == first.data_ptr()  # one mapping
+        reader.open(handles[1])
+        reader.open(handles[2])  # evicts segment 0's mapping, not the tensor viewing it
+        assert list(reader._maps) == [segments[1].name, segments[2].name]
+        assert first.tolist() == [0, 0, 0, 0] and reader.owns(reader.open(handles[2]))
+        assert not reader.owns(first) and not reader.owns(torch.zeros(4))
+        assert all(os.path.exists(os.path.join(SHM_DIR, s.name)) for s in segments)
+        assert reader.refs == []  # only references into known segments are recorded
+        with pytest.raises(ValueError, match="max_cached"):
+            ShmReader(max_cached=0)
+    finally:
+        for seg in segments:
+            seg.unlink()
+
+
+def test_a_region_hands_out_aligned_tensors_inside_its_bounds_only():
+    seg = ShmSegment.create(4096)
+    try:
+        base_S = seg.base()
+        region = ShmRegion(seg.name, seg.size, base_S, 1024, 1024, "tok")
+        a = region.empty((10,), torch.int64)
+        b = region.empty((3, 5), torch.bfloat16)
+        assert region.locate(a) == 1024 and region.locate(b) == 1024 + 128
+        assert region.locate(torch.zeros(3)) is None
+        assert region.locate(base_S[0:8]) is None  # in the segment, not in the region
+        assert region.locate(b.t()) is None  # not contiguous: copied
+        handle = region.write(torch.arange(6, dtype=torch.int32))
+        assert handle.offset == 1024 + 192 and handle.offset % 64 == 0
+        assert base_S[handle.offset : handle.offset + 24].view(torch.int32).tolist() == list(
+            range(6)
+        )
+        with pytest.raises(ValueError, match="no room"):
+            region.empty((1024,), torch.float32)
+        with pytest.raises(ValueError, match="outside segment"):
+            ShmRegion(seg.name, seg.size, base_S, 4032, 128)
+        with pytest.raises(ValueError, match="cannot go into shm"):
+            region.empty((2,), torch.complex64)
+        del a, b, base_S, region
+    finally:
+        seg.unlink()

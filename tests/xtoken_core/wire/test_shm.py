@@ -8,9 +8,18 @@ import msgpack
 import pytest
 import torch
 
-from xtoken_core.ipc import SHM_DIR
+from xtoken_core.ipc import SHM_DIR, ShmReader, ShmSegment, ShmTensorHandle
+from xtoken_core.ipc.shm import ShmRegion
 from xtoken_core.wire import JaggedColumn, WireError, decode_message, encode_message
-from xtoken_core.wire.shm import EXT_SHM_JAGGED, EXT_SHM_TENSOR, fields_nbytes, fields_to_shm
+from xtoken_core.wire.shm import (
+    EXT_SHM_JAGGED,
+    EXT_SHM_TENSOR,
+    ShmField,
+    fields_into_region,
+    fields_layout_bytes,
+    fields_nbytes,
+    fields_to_shm,
+)
 
 
 def _put_fields():
@@ -87,3 +96,61 @@ def test_bad_shm_references_are_bad_body(code, payload, match):
 def test_fields_nbytes_counts_values_and_offsets():
     fields = _put_fields()
     assert fields_nbytes(fields) == (8 * 8 + 3 * 8) + (8 * 4 * 4 + 3 * 8) + 2
+
+
+def _pool_segment(size: int = 1 << 16):
+    """A segment this process owns, as a server's pool holds it: (segment, its uint8 view)."""
+    segment = ShmSegment.create(size)
+    return segment, segment.base()
+
+
+def test_fields_built_in_a_region_travel_by_reference_and_the_others_are_copied_in():
+    segment, base_S = _pool_segment()
+    try:
+        region = ShmRegion(segment.name, segment.size, base_S, 0, segment.size, "t")
+        built = region.empty((3, 4), torch.float32)
+        built.copy_(torch.arange(12.0).view(3, 4))
+        ids = JaggedColumn.from_rows([torch.arange(5), torch.arange(2)])
+        fields = {"built": built, "ids": ids, "note": "kept"}
+        need = fields_layout_bytes({"built": built, "ids": ids})
+        assert need == 64 + 64 + 64  # 48 B, 56 B of values, 24 B of offsets: 64-aligned each
+        refs = fields_into_region(fields, region)
+        assert refs["note"] == "kept"
+        assert refs["built"].handle.offset == built.data_ptr() - base_S.data_ptr()  # not copied
+        frames = encode_message("put", {"fields": refs})
+        assert len(frames) == 2
+        reader = ShmReader(segments={segment.name: base_S})
+        got = decode_message(frames, jagged="column", shm=reader).body["fields"]
+        assert got["built"].data_ptr() == built.data_ptr()
+        assert torch.equal(got["ids"].values, ids.values)
+        assert torch.equal(got["ids"].offsets, ids.offsets)
+        assert os.path.exists(os.path.join(SHM_DIR, segment.name))  # known: never unlinked
+        assert [r[0] for r in reader.refs] == [segment.name] * 3
+        with pytest.raises(ValueError, match="no room"):
+            fields_into_region({"big": torch.zeros(1 << 15)}, region)
+    finally:
+        segment.unlink()
+
+
+def test_jagged_references_with_inline_offsets_decode_and_bad_inline_offsets_are_bad_body():
+    segment, base_S = _pool_segment()
+    try:
+        base_S[:40].view(torch.int64).copy_(torch.arange(5))
+        handle = ShmTensorHandle(segment.name, segment.size, 0, 40, torch.int64, (5,))
+        field = ShmField(handle, torch.tensor([0, 2, 2, 5]).numpy().tobytes())
+        reader = ShmReader(segments={segment.name: base_S})
+        frames = encode_message("reply", {"fields": {"x": field}})
+        got = decode_message(frames, jagged="column", shm=reader).body["fields"]["x"]
+        assert [r.tolist() for r in got.rows()] == [[0, 1], [], [2, 3, 4]]
+        for bad in ([0, 3, 2, 5], [1, 2, 2, 5], [0, 2, 2, 6]):
+            field = ShmField(handle, torch.tensor(bad).numpy().tobytes())
+            frames = encode_message("reply", {"fields": {"x": field}})
+            with pytest.raises(WireError, match="shm") as e:
+                decode_message(frames, jagged="column", shm=reader)
+            assert e.value.code == "bad_body"
+        payload = ["int64", [], 3, 5, segment.name, segment.size, 0, b"\x00" * 7]
+        body = msgpack.packb({"x": msgpack.ExtType(EXT_SHM_JAGGED, msgpack.packb(payload))})
+        with pytest.raises(WireError, match="inline offsets"):
+            decode_message([frames[0], body], shm=reader)
+    finally:
+        segment.unlink()
