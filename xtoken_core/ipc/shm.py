@@ -32,6 +32,7 @@ Nothing is ever unpickled.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
 import mmap
@@ -532,10 +533,9 @@ class ShmRegion:
         if offset is None:
             offset = self.alloc(nbytes)
             if nbytes:
-                src = tensor.detach().cpu().contiguous().reshape(-1)
-                if src.dtype != torch.uint8:
-                    src = src.view(torch.uint8)
-                self._base_S[offset : offset + nbytes].copy_(src)
+                src = tensor.detach().cpu().contiguous()
+                # one libc memcpy (large copies use streaming stores); bounds checked by alloc
+                ctypes.memmove(self._ptr + offset, src.data_ptr(), nbytes)
         return ShmTensorHandle(
             self.name, self.size, offset, nbytes, tensor.dtype, tuple(tensor.shape)
         )
