@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _projection  # noqa: E402
 
-from xtoken_core.kernels import kd_fused, kd_pkl  # noqa: E402
+from xtoken_core.kernels import kd_fused, kd_pkl, kd_pkl_terms  # noqa: E402
+from xtoken_core.losses.reference import PROB_EPS  # noqa: E402
 from xtoken_core.losses.utils import sparse_projection_from_topk  # noqa: E402
 
 #: (block_n, block_v, warps) candidates; the first is the default before the first sweep
@@ -43,6 +44,75 @@ CONFIGS = [
     (64, 64, 4),
 ]
 LAYOUTS = ("row", "col")
+#: (klb_block_r, klb_block_k, klb_warps) candidates of the chunk-KL backward (kd_pkl_terms),
+#: which writes the column-major dq the projection backward reads; the first is the default.
+KL_CONFIGS = [
+    (8, 256, 4),
+    (4, 256, 4),
+    (2, 512, 4),
+    (4, 512, 4),
+    (2, 1024, 4),
+    (1, 1024, 4),
+    (1, 2048, 8),
+    (16, 128, 4),
+]
+
+
+def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
+    """Time kd_pkl_terms.chunk_kl_backward (column-major dq) over KL_CONFIGS; print a table."""
+    K = VOCAB_TOPK
+    nidx_R = torch.arange(T, device=device) * 4 // 5  # chunks of 1-2 rows, like the KD bench
+    N = int(nidx_R[-1]) + 1
+    offsets_N1 = torch.searchsorted(nidx_R, torch.arange(N + 1, device=device))
+    q_RK = torch.rand(T, K, generator=gen, device=device) / K
+    lp_NK = torch.log_softmax(torch.randn(N, K, generator=gen, device=device), -1)
+    _, qc_NK, stats_N2 = kd_pkl_terms.chunk_kl_forward(
+        q_RK, torch.arange(T, device=device), offsets_N1, lp_NK, TEMPERATURE, False, PROB_EPS
+    )
+    grad = torch.ones(1, device=device)
+    keys = ("klb_block_r", "klb_block_k", "klb_warps", "pkl_dq_transposed")
+    saved = {k: kd_fused.KERNEL_CONFIG[k] for k in keys}
+    rows = []
+    try:
+        kd_fused.KERNEL_CONFIG["pkl_dq_transposed"] = True
+        for br, bk, warps in KL_CONFIGS:
+            kd_fused.KERNEL_CONFIG.update(klb_block_r=br, klb_block_k=bk, klb_warps=warps)
+            ms = _common.bench_ms(
+                lambda: kd_pkl_terms.chunk_kl_backward(
+                    grad,
+                    q_RK,
+                    nidx_R,
+                    offsets_N1,
+                    lp_NK,
+                    qc_NK,
+                    stats_N2,
+                    TEMPERATURE,
+                    False,
+                    PROB_EPS,
+                )
+            )
+            rows.append(
+                dict(
+                    bench="pkl_chunk_kl_backward",
+                    commit=_common.commit(),
+                    device=_common.device_name(device),
+                    T=T,
+                    K=K,
+                    N=N,
+                    block_r=br,
+                    block_k=bk,
+                    warps=warps,
+                    ms=ms,
+                    # q read, dq written, the chunk rows of q_n and L read once
+                    gbs=(2 * T + 2 * N) * K * 4 / ms / 1e6,
+                )
+            )
+    finally:
+        kd_fused.KERNEL_CONFIG.update(saved)
+    for row in rows:
+        row["vs_default"] = rows[0]["ms"] / row["ms"]
+    _common.print_table(rows, ["block_r", "block_k", "warps", "ms", "gbs", "vs_default"])
+    return rows
 
 
 def main(argv=None) -> int:
@@ -104,6 +174,9 @@ def main(argv=None) -> int:
     _common.print_table(rows, ["dq", "block_n", "block_v", "warps", "ms", "gbs", "vs_default"])
     _common.append_rows(args.results, rows)
     best = min(rows, key=lambda r: r["ms"])
+    kl_rows = _sweep_chunk_kl_backward(T, device, gen)
+    _common.append_rows(args.results, kl_rows)
+    kl_best = min(kl_rows, key=lambda r: r["ms"])
     if args.best:
         with open(args.best, "w") as fh:
             json.dump(
@@ -112,6 +185,9 @@ def main(argv=None) -> int:
                     pbwd_block_v=best["block_v"],
                     pbwd_warps=best["warps"],
                     pkl_dq_transposed=best["dq"] == "col",
+                    klb_block_r=kl_best["block_r"],
+                    klb_block_k=kl_best["block_k"],
+                    klb_warps=kl_best["warps"],
                 ),
                 fh,
             )

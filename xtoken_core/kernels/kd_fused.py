@@ -17,7 +17,8 @@ Per row ``r`` with ``x = z / temperature`` and ``lse_r = logsumexp_v x[r, v]``
 
 * ``lse``: online softmax in base 2, one ``exp2`` per element. Rows outside every valid chunk
   get ``lse = +inf`` so that every later ``p`` of theirs is exactly 0.
-* chunk average over gathered columns: ``out[n, i] = mean_{r in n} (x[r, cols[i]] - lse_r)``.
+* chunk average over gathered columns: ``out[n, i] = mean_{r in n} (x[r, cols[i]] - lse_r)``;
+  with the lse over those columns only, in one launch (P-KL teacher side).
 * column max: ``max_W[w] = max_{r used} z[r, w]`` (P-KL teacher column selection).
 """
 
@@ -45,6 +46,7 @@ __all__ = [
     "block_for",
     "check_rows",
     "chunk_mean_columns",
+    "chunk_mean_log_softmax_columns",
     "column_max",
     "row_logsumexp",
     "use_triton",
@@ -57,6 +59,8 @@ KERNEL_CONFIG = {
     "lse_warps": 8,
     "cols_block_x": 1024,
     "cols_warps": 4,
+    "lsm_block_x": 2048,
+    "lsm_warps": 4,
     "colmax_block_w": 1024,
     "colmax_rows": 64,
     "colmax_warps": 4,
@@ -65,7 +69,7 @@ KERNEL_CONFIG = {
     "proj_block_j": 32,
     "proj_warps": 4,
     "pbwd_block_n": 16,
-    "pbwd_block_v": 256,
+    "pbwd_block_v": 512,
     "pbwd_warps": 4,
     "pkl_dq_transposed": True,  # kd_pkl_terms writes dq as [K, R]: the backward gathers columns
     "klf_block_k": 1024,
@@ -163,6 +167,67 @@ if tl is not None:
             acc += z * inv_temp - tl.load(lse_R_ptr + r)
         out = acc / tl.maximum(end - start, 1).to(tl.float32)
         tl.store(out_ptr + n * out_stride + i, out, mask=im)
+
+    @lazy_jit
+    def _chunk_lsm_cols_kernel(
+        z_ptr,
+        order_ptr,
+        offsets_N1_ptr,
+        cols_X_ptr,
+        lse_R_ptr,
+        out_ptr,
+        T,
+        X,
+        stride_b,
+        stride_t,
+        out_stride,
+        scale2,  # log2(e) / temperature
+        inv_temp,
+        HAS_COLS: tl.constexpr,
+        BLOCK_X: tl.constexpr,
+    ):
+        # Program per chunk n: the log-softmax over the gathered columns only, chunk-averaged.
+        # Pass 1, per row r of n: lse_r over the X columns (online, base 2), kept in lse_R.
+        # Pass 2 (same program: its rows are still in L2):
+        #   out[n, i] = sum_{r in n} (z[r, col_i] / T - lse_r) / max(|n|, 1)
+        n = tl.program_id(0).to(tl.int64)
+        start = tl.load(offsets_N1_ptr + n)
+        end = tl.load(offsets_N1_ptr + n + 1)
+        offs = tl.arange(0, BLOCK_X)
+        for k in range(start, end):
+            r = tl.load(order_ptr + k)
+            row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
+            m = tl.full([], -1.0e30, tl.float32)
+            s_lane = tl.full((BLOCK_X,), 0.0, tl.float32)
+            for x0 in range(0, X, BLOCK_X):
+                i = x0 + offs
+                im = i < X
+                if HAS_COLS:
+                    col = tl.load(cols_X_ptr + i, mask=im, other=0).to(tl.int64)
+                else:
+                    col = i.to(tl.int64)
+                x2 = tl.load(row_ptr + col, mask=im, other=float("-inf")).to(tl.float32) * scale2
+                m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
+                s_lane = s_lane * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
+                m = m_new
+            total = tl.reduce(s_lane, 0, SUM_COMBINE)
+            tl.store(lse_R_ptr + r, (m + tl.log2(total)) * 0.6931471805599453)
+        tl.debug_barrier()  # pass 2 reads the lse values this program stored
+        size = tl.maximum(end - start, 1).to(tl.float32)
+        for x0 in range(0, X, BLOCK_X):
+            i = x0 + offs
+            im = i < X
+            if HAS_COLS:
+                col = tl.load(cols_X_ptr + i, mask=im, other=0).to(tl.int64)
+            else:
+                col = i.to(tl.int64)
+            acc = tl.full((BLOCK_X,), 0.0, tl.float32)
+            for k in range(start, end):
+                r = tl.load(order_ptr + k)
+                row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
+                z = tl.load(row_ptr + col, mask=im, other=0.0).to(tl.float32)
+                acc += z * inv_temp - tl.load(lse_R_ptr + r)
+            tl.store(out_ptr + n * out_stride + i, acc / size, mask=im)
 
     @lazy_jit
     def _col_max_kernel(
@@ -301,6 +366,57 @@ def chunk_mean_columns(
         HAS_COLS=cols_X is not None,
         BLOCK_X=block,
         num_warps=KERNEL_CONFIG["cols_warps"],
+    )
+    return out_NX
+
+
+def chunk_mean_log_softmax_columns(
+    z_BTV: torch.Tensor,
+    order_R: torch.Tensor,
+    offsets_N1: torch.Tensor,
+    temperature: float,
+    cols_X: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunk-averaged log-softmax restricted to a column subset, in one launch.
+
+    Equal to ``chunk_mean_columns(z[..., cols], row_logsumexp(z[..., cols]), ...)`` without
+    the gathered copy: the softmax is over the ``X`` gathered columns only (the P-KL teacher
+    side over its selected columns).
+
+    Args:
+        z_BTV: [B, T, V] logits, last dim contiguous.
+        order_R: [B*T] int64, rows sorted by valid chunk.
+        offsets_N1: [N + 1] int64, rows of chunk n are ``order[offsets[n]:offsets[n + 1]]``.
+        temperature: softmax temperature.
+        cols_X: [X] int column ids (None: all V columns).
+
+    Returns:
+        out_NX fp32 [N, X]: ``mean_{r in n} log_softmax(z[r, cols] / T)`` (0 for an empty chunk).
+    """
+    B, T, V = z_BTV.shape
+    N = offsets_N1.numel() - 1
+    X = V if cols_X is None else cols_X.numel()
+    out_NX = torch.empty((N, X), device=z_BTV.device, dtype=torch.float32)
+    if N == 0 or X == 0:
+        return out_NX
+    lse_R = torch.empty(B * T, device=z_BTV.device, dtype=torch.float32)
+    _chunk_lsm_cols_kernel[(N,)](
+        z_BTV,
+        order_R,
+        offsets_N1,
+        cols_X if cols_X is not None else offsets_N1,
+        lse_R,
+        out_NX,
+        T,
+        X,
+        z_BTV.stride(0),
+        z_BTV.stride(1),
+        out_NX.stride(0),
+        LOG2E / temperature,
+        1.0 / temperature,
+        HAS_COLS=cols_X is not None,
+        BLOCK_X=block_for("lsm_block_x", X, 16),
+        num_warps=KERNEL_CONFIG["lsm_warps"],
     )
     return out_NX
 

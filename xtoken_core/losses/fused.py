@@ -194,13 +194,14 @@ def _pkl_fused(
         else:  # same ids as reference.select_teacher_columns: exact max, same topk input
             # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
             max_W = kernels.rows.column_max(zt_BUW, teacher_chunk_id_BU.reshape(-1).contiguous())
-            idx_K = torch.sort(torch.topk(max_W, vocab_topk).indices).values
-        zt_BUK = zt_BUW[..., idx_K]
-        lse_t_R = kernels.rows.row_logsumexp(zt_BUK, t_rows.nidx_R, temperature)
-        teacher_lp_NK = kernels.rows.chunk_mean_columns(
-            zt_BUK, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature
+            # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
+            # then sorts the values; skip that sort (ids are sorted ascending here). The CPU
+            # kernel may break ties differently without it, so it keeps sorted=True there.
+            top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
+            idx_K = torch.sort(top.indices).values
+        teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
+            zt_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K
         )
-        del zt_BUK
         restricted = kernels.pkl.restrict_tables(
             kernels.pkl.projection_tables(projection_VW), idx_K
         )

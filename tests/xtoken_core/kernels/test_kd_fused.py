@@ -54,3 +54,36 @@ def test_column_max_of_no_used_row_is_minus_inf():
     z = kd_logits(1, 5, 40, torch.float32, seed=6)
     got = kf.column_max(z, torch.full((5,), -1, device=DEVICE))
     assert bool(torch.isneginf(got).all())
+
+
+@pytest.mark.parametrize("with_cols", [False, True])
+def test_chunk_mean_log_softmax_columns_is_the_mean_of_the_log_softmax_over_those_columns(
+    with_cols, monkeypatch
+):
+    monkeypatch.setitem(kf.KERNEL_CONFIG, "lsm_block_x", 16)  # several column blocks
+    B, T, V, N = 2, 11, 53, 6
+    z = kd_logits(B, T, V, torch.bfloat16, seed=7, pad=3)
+    nidx, order, offsets = kd_rows(B, T, N, seed=8)
+    cols = torch.tensor([50, 3, 17, 0, 44, 29, 8, 9, 10, 31, 2, 5, 1, 40, 41, 42, 52, 20, 21])
+    cols = cols.to(DEVICE) if with_cols else None
+    out = kf.chunk_mean_log_softmax_columns(z, order, offsets, 0.7, cols)
+    zc = z.double().reshape(B * T, V)
+    logp = torch.log_softmax((zc if cols is None else zc[:, cols]) / 0.7, -1)
+    ref = torch.zeros(N, logp.shape[1], dtype=torch.float64, device=DEVICE)
+    for n in range(N):
+        rows = (nidx == n).nonzero().flatten()
+        if rows.numel():
+            ref[n] = logp[rows].mean(0)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_topk_selects_the_same_ids_sorted_or_not_under_ties():
+    # fused.py asks torch.topk for an unsorted selection: on CUDA the selected set (ties
+    # included) must not depend on ``sorted``. bf16 maxima tie a lot.
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(131072, generator=gen, device="cuda") * 3).to(torch.bfloat16).float()
+    for k in (8192, 1000, 77):
+        a = torch.sort(torch.topk(x, k).indices).values
+        b = torch.sort(torch.topk(x, k, sorted=False).indices).values
+        assert torch.equal(a, b)
