@@ -22,6 +22,48 @@ from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _make_inputs  # noqa: E402
 from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, fused  # noqa: E402
 
 
+def _launch_costs(device, n: int = 300) -> None:
+    """Host microseconds per call of a tiny torch op and of a tiny Triton kernel (our wrapper)."""
+    from xtoken_core.kernels import kd_fused
+
+    a = torch.ones(16, device=device)
+    z = torch.ones(1, 1, 16, device=device)
+    nidx = torch.zeros(1, dtype=torch.long, device=device)
+    for name, fn in (
+        ("torch add", lambda: a + 1),
+        ("triton row_logsumexp", lambda: kd_fused.row_logsumexp(z, nidx, 1.0)),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host_us = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        print(f"  launch cost: {name}: {host_us:.1f} us host per call")
+
+
+def _fwd_bwd_split(forward, x, label: str, reps: int = 5) -> None:
+    """Median host ms of the forward call, its wait for the GPU, and the same for backward."""
+    parts = {"fwd host": [], "fwd gpu tail": [], "bwd host": [], "bwd gpu tail": []}
+    for _ in range(reps):
+        x.grad = None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = forward()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            parts[key].append(value * 1e3)
+    cells = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.2f}" for k, v in parts.items())
+    print(f"  {label} host split (ms): {cells}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="profile_out")
@@ -30,9 +72,14 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--paths", nargs="+", default=["fused", "composed"])
     parser.add_argument("--modes", nargs="+", default=["pkl", "gold"], choices=["pkl", "gold"])
+    parser.add_argument(
+        "--host", action="store_true", help="also time the host side (launch costs, fwd/bwd)"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
+    if args.host:
+        _launch_costs(device)
     student, teacher, batch, projection, _ = _make_inputs(args.B, args.T, 151936, 131072, device, 1)
     x = student.clone().requires_grad_()
     for mode in args.modes:
@@ -58,6 +105,9 @@ def main(argv=None) -> int:
                 loss_fn(x, teacher, batch)[0].backward()
                 torch.cuda.synchronize()
                 wall_ms = (time.perf_counter() - t0) * 1e3
+                if args.host:
+                    fwd = lambda fn=loss_fn: fn(x, teacher, batch)[0]  # noqa: E731
+                    _fwd_bwd_split(fwd, x, f"{mode} {path}")
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     x.grad = None
                     loss_fn(x, teacher, batch)[0].backward()
