@@ -1,9 +1,10 @@
-"""W1 put/get through the queue: shared-memory puts vs frames (tcp://127.0.0.1 and ipc://) vs raw pyzmq.
+"""W1 put/get through the queue: the shared-memory pool vs frames (tcp://127.0.0.1 and ipc://) vs raw pyzmq.
 
 Workload W1 of workloads.py (64 samples, L ~ U[512, 4096], int64 [L] + float32 [L, 64], ~41 MB
-per put). Each round: one put of the 64 samples (timed), one claim of all 64 + ack (timed,
-replies are frames in every mode), clear. Median over the rounds. The raw pyzmq floor is
-bench_queue.bench_raw (multipart sends of the same buffers over loopback TCP).
+per put). Each round: one put of the 64 samples (timed), one claim of all 64 + ack (timed;
+frames in the frames modes, views of the pool with ``shm=True`` in the shm modes), clear.
+Median over the rounds after a warm-up round. The raw pyzmq floor is bench_queue.bench_raw
+(multipart sends of the same buffers over loopback TCP).
 
     python benchmarks/queue/bench_shm_put.py [--rounds 10]
 
@@ -75,7 +76,14 @@ def run_mode(address: str, shm: str, rounds: int, seed: int) -> dict:
             client.put(part, keys, fields)
             put = time.perf_counter() - t
             t = time.perf_counter()
-            got = client.claim(part, "bench", workloads.FIELDS, workloads.W1_SAMPLES, timeout_s=5)
+            got = client.claim(
+                part,
+                "bench",
+                workloads.FIELDS,
+                workloads.W1_SAMPLES,
+                timeout_s=5,
+                shm=shm == "always",
+            )
             client.ack(part, "bench", got["lease_id"])
             get = time.perf_counter() - t
             if r == 0:
@@ -123,7 +131,8 @@ def main() -> int:
     device = f"{_common.cpu_model(fallback='unknown')}, {os.cpu_count()} cores (CPU)"
     nbytes = workloads.nbytes(bench_queue._w1(args.seed))
     lines = [
-        "| W1 (41 MB / put) | put MB/s | put ms | get (claim+fetch) MB/s | put / raw | put / tcp frames |",
+        "| W1 (41 MB / put) | put MB/s | put ms | get (claim+fetch) MB/s | put / raw "
+        "| put / tcp frames |",
         "|---|---|---|---|---|---|",
     ]
     base = results["tcp frames"]["put_mb_s"]

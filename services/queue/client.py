@@ -29,6 +29,7 @@ from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
 from xtoken_core.ipc.shm import ShmReader, ShmRegion
 from xtoken_core.wire import (
+    BAD_BODY,
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     WireError,
@@ -345,7 +346,22 @@ class QueueClient(_Requests):
     ) -> dict[str, Any]:
         if not (shm and self._shm.pool(self)):
             return self.request(msg_type, body, wait_s=wait_s)
-        reply = self.request(msg_type, {**body, "shm": True}, wait_s=wait_s, shm=self._shm.reader)
+        try:
+            reply = self.request(
+                msg_type, {**body, "shm": True}, wait_s=wait_s, shm=self._shm.reader
+            )
+        except QueueError as e:
+            if e.code != BAD_BODY or "shm:" not in e.message:
+                raise
+            # The reply referenced shared memory this process cannot map (another /dev/shm).
+            self._shm.give_up(f"a {msg_type} reply could not be mapped: {e.message}")
+            raise QueueError(
+                codes.SHM_UNAVAILABLE,
+                f"{e.message}; shared memory is now off for this client: retry and the fields "
+                "come as frames (a claim's samples are redelivered when its lease expires)",
+                retryable=True,
+                request_type=msg_type,
+            ) from None
         if copy and reply.get("fields"):
             reply["fields"] = self._shm.private(reply["fields"])
         return reply

@@ -118,7 +118,12 @@ class ShmPuts:
             self.server = client.hello()
         return bool(self.server.get("shm_pool"))
 
-    def _give_up(self, why: str) -> None:
+    def give_up(self, why: str) -> None:
+        """Stop using shared memory (one warning); in ``always`` mode raise instead.
+
+        Raises:
+            QueueError: in ``always`` mode.
+        """
         if self.mode == "always":
             raise QueueError(
                 codes.BAD_REQUEST, f"shm='always' but {why}; use shm='auto' to fall back to frames"
@@ -189,7 +194,7 @@ class ShmPuts:
                 return None
             if self.server.get("shm") and self._per_put_ok:
                 return self._put_per_segment(client, body, wait_s)
-            self._give_up("the server has no shared-memory pool")
+            self.give_up("the server has no shared-memory pool")
             return None
         if region is None:
             try:
@@ -197,7 +202,7 @@ class ShmPuts:
             except QueueError as e:
                 if e.code not in (codes.SHM_UNAVAILABLE, UNKNOWN_TYPE):
                     raise
-                self._give_up(str(e))
+                self.give_up(str(e))
                 return None
         fields = fields_into_region(body["fields"], region)
         reply = client.request(
@@ -213,13 +218,13 @@ class ShmPuts:
         try:
             segment, fields = fields_to_shm(body["fields"])
         except OSError as e:
-            self._give_up(f"no shared memory segment: {e} (is /dev/shm full?)")
+            self.give_up(f"no shared memory segment: {e} (is /dev/shm full?)")
             return None
         try:
             reply = client.request("put", {**body, "fields": fields}, wait_s=wait_s)
         except QueueError as e:
             if e.code == BAD_BODY and e.message.startswith(("shm:", "unknown ext")):
-                self._give_up(f"the server could not adopt the segment: {e}")
+                self.give_up(f"the server could not adopt the segment: {e}")
                 return None
             raise
         finally:

@@ -278,9 +278,7 @@ class SampleStore:
             sid = _main_storage(block)
             if self._live.get(sid, 0) + live[sid] < COMPACT_BELOW * sid[1]:
                 # A small slice of a big buffer: keep a copy, not the whole buffer.
-                value = (
-                    JaggedColumn(block.values, block.offsets) if block.jagged else block.values
-                )
+                value = JaggedColumn(block.values, block.offsets) if block.jagged else block.values
                 blocks[i] = Block(partition, block.field, copy_rows(value), block.keys)
         added = self._added_bytes(blocks)
         if added > self.capacity_bytes:
