@@ -1,5 +1,7 @@
 """Benchmark: block sizes of the P-KL projection backward kernel (kd_pkl._proj_bwd_kernel).
 
+Also sweeps the chunk-KL backward (kd_pkl_terms) and the projection forward block sizes.
+
 Times ``kd_pkl.project_rows_backward`` (read the logits, gather ``dq`` through the restricted
 ELL table, write ``dz``) at the KD-loss benchmark's shape (bf16 logits, V_s 151,936, V_t
 131,072, 8,192 selected teacher columns, 8-entry projection rows) for a few
@@ -56,6 +58,54 @@ KL_CONFIGS = [
     (1, 2048, 8),
     (16, 128, 4),
 ]
+#: (proj_block_n, proj_block_e, proj_block_j, proj_warps) of the projection forward; first = default.
+FWD_CONFIGS = [
+    (32, 32, 32, 4),
+    (64, 32, 32, 4),
+    (32, 64, 32, 4),
+    (16, 32, 64, 4),
+    (32, 32, 64, 4),
+    (64, 64, 32, 8),
+    (16, 64, 32, 4),
+    (32, 16, 32, 4),
+    (64, 32, 64, 8),
+]
+
+
+def _sweep_projection_forward(z_BTV, lse_R, tables, device) -> list[dict]:
+    """Time kd_pkl.project_rows_forward over FWD_CONFIGS; print a table."""
+    keys = ("proj_block_n", "proj_block_e", "proj_block_j", "proj_warps")
+    saved = {k: kd_fused.KERNEL_CONFIG[k] for k in keys}
+    rows = []
+    try:
+        for cfg in FWD_CONFIGS:
+            kd_fused.KERNEL_CONFIG.update(zip(keys, cfg, strict=True))
+            ms = _common.bench_ms(
+                lambda: kd_pkl.project_rows_forward(z_BTV, lse_R, *tables[:4], TEMPERATURE)
+            )
+            bn, be, bj, warps = cfg
+            rows.append(
+                dict(
+                    bench="pkl_projection_forward",
+                    commit=_common.commit(),
+                    device=_common.device_name(device),
+                    T=z_BTV.shape[1],
+                    V_s=z_BTV.shape[2],
+                    K=VOCAB_TOPK,
+                    block_n=bn,
+                    block_e=be,
+                    block_j=bj,
+                    warps=warps,
+                    ms=ms,
+                    gbs=z_BTV.numel() * z_BTV.element_size() / ms / 1e6,
+                )
+            )
+    finally:
+        kd_fused.KERNEL_CONFIG.update(saved)
+    for row in rows:
+        row["vs_default"] = rows[0]["ms"] / row["ms"]
+    _common.print_table(rows, ["block_n", "block_e", "block_j", "warps", "ms", "gbs", "vs_default"])
+    return rows
 
 
 def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
@@ -177,6 +227,9 @@ def main(argv=None) -> int:
     kl_rows = _sweep_chunk_kl_backward(T, device, gen)
     _common.append_rows(args.results, kl_rows)
     kl_best = min(kl_rows, key=lambda r: r["ms"])
+    fwd_rows = _sweep_projection_forward(z_BTV, lse_R, tables, device)
+    _common.append_rows(args.results, fwd_rows)
+    fwd_best = min(fwd_rows, key=lambda r: r["ms"])
     if args.best:
         with open(args.best, "w") as fh:
             json.dump(
@@ -188,6 +241,10 @@ def main(argv=None) -> int:
                     klb_block_r=kl_best["block_r"],
                     klb_block_k=kl_best["block_k"],
                     klb_warps=kl_best["warps"],
+                    proj_block_n=fwd_best["block_n"],
+                    proj_block_e=fwd_best["block_e"],
+                    proj_block_j=fwd_best["block_j"],
+                    proj_warps=fwd_best["warps"],
                 ),
                 fh,
             )
