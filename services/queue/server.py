@@ -372,7 +372,9 @@ class QueueServer:
         prepaid = seg.size if seg is not None else 0
         result = self.store.put(body["partition"], body["keys"], body["fields"], prepaid=prepaid)
         if seg is not None and not result.blocked:
-            self.pool.stored(seg, self.store.holds_storage(seg.ptr), rid, _put_reply(result))
+            self.pool.stored(
+                seg, self.store.holds_storage(seg.ptr, seg.size), rid, _put_reply(result)
+            )
         return result
 
     def _on_reserve(self, ident, rid, body, frames):

@@ -198,9 +198,9 @@ class SampleStore:
             short = added - self.room()
         return short <= 0
 
-    def holds_storage(self, ptr: int) -> bool:
-        """Whether a stored block still views the storage at data pointer ``ptr``."""
-        return any(sid[0] == ptr for sid in self._storages)
+    def holds_storage(self, ptr: int, nbytes: int) -> bool:
+        """Whether a stored block still views the storage of ``nbytes`` at data pointer ``ptr``."""
+        return (ptr, nbytes) in self._storages
 
     # ---------------------------------------------------------------- KV calls
 

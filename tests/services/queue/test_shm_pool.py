@@ -68,7 +68,7 @@ def put_through_pool(pool: ShmPool, store: SampleStore, partition: str, keys, va
     assert done is None and staged is seg
     pool.check_refs(staged, reader.refs)
     result = store.put(partition, keys, msg.body["fields"], prepaid=seg.size)
-    pool.stored(seg, store.holds_storage(seg.ptr), rid, {"written": result.stored})
+    pool.stored(seg, store.holds_storage(seg.ptr, seg.size), rid, {"written": result.stored})
     return result, seg
 
 
