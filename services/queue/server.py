@@ -587,8 +587,10 @@ class QueueServer:
         now = time.monotonic()
         for partition in self.store.expire_leases(now):
             self._wake_claims(partition)
-        if self.pool.expire(now):
-            self._wake_puts()  # reclaimed reservations gave room back
+        held = self.pool.held_bytes
+        self.pool.expire(now)
+        if self.pool.held_bytes < held:
+            self._wake_puts()  # retired segments were unlinked: room for parked puts
         while self._timers and (self._timers[0][2].done or self._timers[0][0] <= now):
             _, _, parked = heapq.heappop(self._timers)
             if parked.done:

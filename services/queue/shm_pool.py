@@ -10,9 +10,12 @@ Segment life cycle (one region = one whole segment)::
 
     create -> reserved (token, deadline) -> staged (put in progress or parked)
            -> stored (the store holds views) -> free -> reserved ... | unlinked
+              reserved -> expired (deadline passed) -> unlinked one period later
 
 * Names are ``xtk_<server pid>_<16 hex>`` (xtoken_core.ipc.shm): ``sweep_orphans`` removes the
   segments of a server killed with SIGKILL; ``close`` unlinks all of them on a clean exit.
+* A reservation not used within ``reserve_s`` is retired: never lent again (its producer may
+  still be writing), unlinked one period (at least ``RETIRE_MIN_S``) later.
 * Sizes are rounded up to 1/8 of their power of two (at most 12.5% slack), so that puts of
   similar sizes reuse each other's segments; a free segment is reused for any request it
   holds with at most 25% slack.
@@ -48,6 +51,8 @@ logger = logging.getLogger(__name__)
 MIN_SEGMENT_BYTES = 1 << 16
 # A free segment serves a request of n bytes if it is at most this much larger.
 REUSE_SLACK = 1.25
+# An expired reservation's segment stays mapped (never lent) at least this long before unlink.
+RETIRE_MIN_S = 10.0
 # Tokens of completed puts remembered to answer a retried put (same request id) again.
 USED_TOKENS = 1024
 
@@ -66,7 +71,7 @@ class PoolSegment:
     Attributes:
         segment: the mapped segment (name, size).
         base_S: uint8 tensor ``[size]`` over the mapping; stored views share its storage.
-        state: ``"free"``, ``"reserved"``, ``"staged"`` or ``"stored"``.
+        state: ``"free"``, ``"reserved"``, ``"staged"``, ``"stored"`` or ``"expired"``.
         token: the outstanding reservation's token.
         deadline: when an unused reservation is reclaimed (clock seconds).
         released_seq: the server's send counter when the segment was last released.
@@ -129,6 +134,7 @@ class ShmPool:
         self._reserved: dict[str, PoolSegment] = {}  # token -> segment
         self._deadlines: list[tuple[float, str]] = []
         self._free: collections.deque[PoolSegment] = collections.deque()
+        self._retired: collections.deque[tuple[float, PoolSegment]] = collections.deque()
         self._used_tokens: collections.OrderedDict[str, tuple[int, dict]] = (
             collections.OrderedDict()
         )
@@ -337,7 +343,8 @@ class ShmPool:
     # ---------------------------------------------------------------- timers
 
     def expire(self, now: float | None = None) -> int:
-        """Reclaim reservations past their deadline; returns how many."""
+        """Retire reservations past their deadline, and unlink the segments retired one period
+        ago; returns how many reservations expired now."""
         now = self.clock() if now is None else now
         n = 0
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -345,17 +352,26 @@ class ShmPool:
             seg = self._reserved.pop(token, None)
             if seg is None:
                 continue
-            logger.info("[queue] shm reservation of %s expired unused: reclaimed", seg.name)
-            self.unstage(seg)
+            # Never lent again: a producer that stalled past the deadline may still be writing
+            # into it. Kept mapped for one more period (its late put gets "expired", not "no
+            # such segment"), then unlinked; its bytes stay counted until then.
+            logger.info("[queue] shm reservation of %s expired unused: retired", seg.name)
+            seg.state, seg.token = "expired", ""
+            self._retired.append((now + max(self.reserve_s, RETIRE_MIN_S), seg))
             n += 1
+        while self._retired and self._retired[0][0] <= now:
+            self._unlink(self._retired.popleft()[1])
         self.expired += n
         return n
 
     def next_deadline(self) -> float | None:
-        """Earliest reservation deadline, or None."""
+        """Earliest reservation deadline or retired segment's unlink time, or None."""
         while self._deadlines and self._deadlines[0][1] not in self._reserved:
             heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        if self._retired:
+            times.append(self._retired[0][0])
+        return min(times) if times else None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -389,6 +405,7 @@ class ShmPool:
         self.views.clear()
         self._by_ptr.clear()
         self._free.clear()
+        self._retired.clear()
         self._reserved.clear()
         self.held_bytes = self.free_bytes = 0
         if n:

@@ -199,11 +199,16 @@ def test_bad_tokens_and_refs_are_refused_with_what_to_do(pool):
     pool.check_refs(None, [("xtk_1_0123456789abcdef", 0, 64)])  # not ours: adopted elsewhere
 
 
-def test_an_unused_reservation_expires_and_its_segment_is_free_again(pool):
+def test_an_unused_reservation_expires_and_its_segment_is_unlinked(pool):
     seg = pool.reserve(MiB, 64 * MiB, always)
     assert pool.next_deadline() == pytest.approx(105.0)
     assert pool.expire(104.0) == 0
-    assert pool.expire(105.0) == 1 and seg.state == "free" and pool.next_deadline() is None
+    path = os.path.join(SHM_DIR, seg.name)
+    assert pool.expire(105.0) == 1 and seg.state == "expired"
+    assert pool.next_deadline() == pytest.approx(115.0)  # retired for max(reserve_s, 10 s)
+    # never lent again (its producer may still write into it), unlinked one period later
+    assert pool.reserve(MiB, 64 * MiB, always) is not seg
+    assert pool.expire(115.0) == 1 and seg.name not in pool.segments and not os.path.exists(path)
     with pytest.raises(StoreError, match="unknown or expired"):
         pool.stage(seg.token or "0" * 32, 1)
 
