@@ -74,7 +74,7 @@ KERNEL_CONFIG = {
     "pkl_dq_transposed": True,  # kd_pkl_terms writes dq as [K, R]: the backward gathers columns
     "klf_block_k": 1024,
     "klf_warps": 4,
-    "klb_block_r": 8,
+    "klb_block_r": 4,
     "klb_block_k": 256,
     "klb_warps": 4,
     "gbwd_block_v": 2048,

@@ -98,26 +98,35 @@ if tl is not None:
         )
 
     @lazy_jit
-    def _restrict_ptr_kernel(
+    def _restrict_ell_kernel(
         idx_K_ptr,
         col_count_W_ptr,
+        ell_t_SP_ptr,
+        ell_w_SP_ptr,
         ptr_K1_ptr,
-        pos_W_ptr,
+        ell_j_PS_ptr,
+        ell_w_PS_ptr,
         K,
-        W,
-        BLOCK: tl.constexpr,
+        S,
+        P: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
-        # Programs fill pos[w] = -1 by blocks; program 0 also writes the CSC pointers of the
-        # selected columns, ptr[0] = 0, ptr[j + 1] = sum_{i <= j} count[idx[i]] (running scan).
+        # Program 0: CSC pointers of the selected columns, ptr[0] = 0,
+        # ptr[j + 1] = sum_{i <= j} count[idx[i]] (running scan).
+        # Programs 1..: a block of rows s of M each. An entry with teacher id t is kept when t
+        # is selected; its column j is found by binary search in the ascending idx (no [W]
+        # position map to fill). Kept entries go slot-major to the low slots in their original
+        # order (the backward kernel stops at the first slot with no entry in its vocab block);
+        # the other slots get j = -1, w = 0.
         pid = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        w = pid * BLOCK + offs
-        tl.store(pos_W_ptr + w, tl.full((BLOCK,), -1, tl.int32), mask=w < W)
         if pid == 0:
+            offs_k = tl.arange(0, BLOCK_K)
             tl.store(ptr_K1_ptr, tl.full([], 0, tl.int64))
             run = tl.full([], 0, tl.int64)
-            for k0 in range(0, K, BLOCK):
-                k = k0 + offs
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
                 km = k < K
                 t = tl.load(idx_K_ptr + k, mask=km, other=0)
                 cnt = tl.load(col_count_W_ptr + t, mask=km, other=0).to(tl.int64)
@@ -125,6 +134,34 @@ if tl is not None:
                     ptr_K1_ptr + 1 + k, run + tl.associative_scan(cnt, 0, SUM_COMBINE), mask=km
                 )
                 run += tl.reduce(cnt, 0, SUM_COMBINE)
+        else:
+            s = (pid - 1) * BLOCK_S + tl.arange(0, BLOCK_S)
+            sm = s < S
+            s64 = s.to(tl.int64)
+            cnt = tl.full((BLOCK_S,), 0, tl.int64)
+            for k in range(0, P):
+                t = tl.load(ell_t_SP_ptr + s64 * P + k, mask=sm, other=-1).to(tl.int64)
+                w = tl.load(ell_w_SP_ptr + s64 * P + k, mask=sm, other=0.0)
+                lo = tl.full((BLOCK_S,), 0, tl.int64)  # first i with idx[i] >= t
+                hi = tl.full((BLOCK_S,), 0, tl.int64) + K
+                for _ in tl.static_range(SEARCH_STEPS):
+                    open_ = lo < hi
+                    mid = (lo + hi) // 2
+                    v = tl.load(idx_K_ptr + mid, mask=open_, other=0)
+                    right = open_ & (v < t)
+                    lo = tl.where(right, mid + 1, lo)
+                    hi = tl.where(open_ & ~right, mid, hi)
+                hit = tl.load(idx_K_ptr + lo, mask=sm & (t >= 0) & (lo < K), other=-1)
+                keep = sm & (t >= 0) & (hit == t)
+                tl.store(ell_j_PS_ptr + cnt * S + s64, lo.to(tl.int32), mask=keep)
+                tl.store(ell_w_PS_ptr + cnt * S + s64, w, mask=keep)
+                cnt += keep.to(tl.int64)
+            for k in range(0, P):
+                fill = sm & (cnt <= k)
+                tl.store(ell_j_PS_ptr + k * S + s64, tl.full((BLOCK_S,), -1, tl.int32), mask=fill)
+                tl.store(
+                    ell_w_PS_ptr + k * S + s64, tl.full((BLOCK_S,), 0.0, tl.float32), mask=fill
+                )
 
     @lazy_jit
     def _restrict_csc_kernel(
@@ -136,17 +173,15 @@ if tl is not None:
         rows_E_ptr,
         cols_E_ptr,
         w_E_ptr,
-        pos_W_ptr,
         BLOCK: tl.constexpr,
     ):
         # One program per selected column j (teacher id t = idx[j]): copy the CSC entries of
-        # column t of M to ptr[j]:ptr[j + 1] of the restricted lists, and record pos[t] = j.
+        # column t of M to ptr[j]:ptr[j + 1] of the restricted lists.
         j = tl.program_id(0)
         t = tl.load(idx_K_ptr + j)
         s0 = tl.load(col_ptr_W1_ptr + t)
         cnt = tl.load(col_ptr_W1_ptr + t + 1) - s0
         d0 = tl.load(ptr_K1_ptr + j)
-        tl.store(pos_W_ptr + t, j.to(tl.int32))
         offs = tl.arange(0, BLOCK)
         for e0 in range(0, cnt, BLOCK):
             e = e0 + offs
@@ -156,38 +191,6 @@ if tl is not None:
             tl.store(rows_E_ptr + d0 + e, rows, mask=em)
             tl.store(w_E_ptr + d0 + e, w, mask=em)
             tl.store(cols_E_ptr + d0 + e, tl.full((BLOCK,), 0, tl.int32) + j, mask=em)
-
-    @lazy_jit
-    def _restrict_ell_kernel(
-        ell_t_SP_ptr,
-        ell_w_SP_ptr,
-        pos_W_ptr,
-        ell_j_PS_ptr,
-        ell_w_PS_ptr,
-        S,
-        P: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-    ):
-        # Program per block of rows s of M: keep the entries whose teacher id is selected
-        # (pos[t] >= 0), written slot-major to the low slots in their original order (the
-        # backward kernel stops at the first slot with no entry in its vocab block); the other
-        # slots get j = -1, w = 0.
-        s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-        sm = s < S
-        s64 = s.to(tl.int64)
-        cnt = tl.full((BLOCK_S,), 0, tl.int64)
-        for k in range(0, P):
-            t = tl.load(ell_t_SP_ptr + s64 * P + k, mask=sm, other=-1)
-            w = tl.load(ell_w_SP_ptr + s64 * P + k, mask=sm, other=0.0)
-            j = tl.load(pos_W_ptr + tl.maximum(t, 0), mask=sm & (t >= 0), other=-1)
-            keep = sm & (j >= 0)
-            tl.store(ell_j_PS_ptr + cnt * S + s64, j, mask=keep)
-            tl.store(ell_w_PS_ptr + cnt * S + s64, w, mask=keep)
-            cnt += keep.to(tl.int64)
-        for k in range(0, P):
-            fill = sm & (cnt <= k)
-            tl.store(ell_j_PS_ptr + k * S + s64, tl.full((BLOCK_S,), -1, tl.int32), mask=fill)
-            tl.store(ell_w_PS_ptr + k * S + s64, tl.full((BLOCK_S,), 0.0, tl.float32), mask=fill)
 
     @lazy_jit
     def _proj_bwd_kernel(
@@ -451,14 +454,14 @@ def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
 def restrict_tables(
     tables: ProjectionTables, idx_K: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSC lists and ELL column positions of ``M[:, idx]``, with no host sync (three launches).
+    """CSC lists and ELL column positions of ``M[:, idx]``, with no host sync (two launches).
 
     The entry lists are sized for all E_M entries of M (the restricted count E is only known
     on the device); entries past ``ptr_K1[-1]`` are never read by the forward kernel.
 
     Args:
         tables: :class:`ProjectionTables` of ``M[S, W]`` on ``idx_K``'s device.
-        idx_K: [K] int64 selected teacher columns (distinct).
+        idx_K: [K] int64 selected teacher columns, distinct and ascending.
 
     Returns:
         ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS)``, the arguments of
@@ -471,15 +474,27 @@ def restrict_tables(
     K = idx_K.numel()
     E_M = tables.col_rows_E.numel()
     S, P = tables.ell_t_SP.shape
-    W = tables.col_ptr_W1.numel() - 1
     ptr_K1 = torch.empty(K + 1, dtype=torch.int64, device=device)
     rows_E = torch.empty(E_M, dtype=torch.int32, device=device)
     cols_E = torch.empty(E_M, dtype=torch.int32, device=device)
     w_E = torch.empty(E_M, dtype=torch.float32, device=device)
-    pos_W = torch.empty((W,), dtype=torch.int32, device=device)
-    block = 1024
-    _restrict_ptr_kernel[(max(cdiv(W, block), 1),)](
-        idx_K, tables.col_count_W, ptr_K1, pos_W, K, W, BLOCK=block
+    ell_j_PS = torch.empty((P, S), dtype=torch.int32, device=device)
+    ell_w_PS = torch.empty((P, S), dtype=torch.float32, device=device)
+    block_s = 256
+    _restrict_ell_kernel[(1 + cdiv(S, block_s),)](
+        idx_K,
+        tables.col_count_W,
+        tables.ell_t_SP,
+        tables.ell_w_SP,
+        ptr_K1,
+        ell_j_PS,
+        ell_w_PS,
+        K,
+        S,
+        P=P,
+        SEARCH_STEPS=max(K.bit_length(), 1),
+        BLOCK_S=block_s,
+        BLOCK_K=1024,
     )
     if K > 0:
         _restrict_csc_kernel[(K,)](
@@ -491,22 +506,7 @@ def restrict_tables(
             rows_E,
             cols_E,
             w_E,
-            pos_W,
             BLOCK=max(min(next_power_of_2(tables.max_col_count), 128), 16),
-        )
-    ell_j_PS = torch.empty((P, S), dtype=torch.int32, device=device)
-    ell_w_PS = torch.empty((P, S), dtype=torch.float32, device=device)
-    if S > 0:
-        block_s = 256
-        _restrict_ell_kernel[(cdiv(S, block_s),)](
-            tables.ell_t_SP,
-            tables.ell_w_SP,
-            pos_W,
-            ell_j_PS,
-            ell_w_PS,
-            S,
-            P=P,
-            BLOCK_S=block_s,
         )
     return ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS
 
