@@ -64,6 +64,24 @@ def _fwd_bwd_split(forward, x, label: str, reps: int = 5) -> None:
     print(f"  {label} host split (ms): {cells}")
 
 
+def _python_profile(forward, x, reps: int, top: int) -> None:
+    """cProfile ``reps`` fwd+bwd: the Python functions with the most own time (host cost)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(reps):
+        x.grad = None
+        forward().backward()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumtime").print_stats(top)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="profile_out")
@@ -74,6 +92,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["pkl", "gold"], choices=["pkl", "gold"])
     parser.add_argument(
         "--host", action="store_true", help="also time the host side (launch costs, fwd/bwd)"
+    )
+    parser.add_argument(
+        "--cprofile", type=int, default=0, help="cProfile this many fwd+bwd (Python host time)"
     )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -105,9 +126,11 @@ def main(argv=None) -> int:
                 loss_fn(x, teacher, batch)[0].backward()
                 torch.cuda.synchronize()
                 wall_ms = (time.perf_counter() - t0) * 1e3
+                fwd = lambda fn=loss_fn: fn(x, teacher, batch)[0]  # noqa: E731
                 if args.host:
-                    fwd = lambda fn=loss_fn: fn(x, teacher, batch)[0]  # noqa: E731
                     _fwd_bwd_split(fwd, x, f"{mode} {path}")
+                if args.cprofile:
+                    _python_profile(fwd, x, args.cprofile, args.top)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     x.grad = None
                     loss_fn(x, teacher, batch)[0].backward()
