@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -13,6 +15,7 @@ import torch
 
 from services.queue.client import QueueClient
 from services.queue.errors import QueueError
+from tests.services.queue.conftest import ROOT
 from tests.services.queue.test_server import raw_request
 from xtoken_core.ipc import SHM_DIR
 from xtoken_core.ipc.shm import sweep_orphans
@@ -258,3 +261,58 @@ def test_sigterm_unlinks_the_pool_and_a_sigkilled_servers_pool_is_swept(make_ser
     assert len(server_segments(pids[1])) == 3  # SIGKILL: left behind until swept
     removed = sweep_orphans(min_age_s=0)
     assert not server_segments(pids[1]) and len([n for n in removed if str(pids[1]) in n]) == 3
+
+
+SLOW_READER = r"""
+import os, signal, sys, time, torch, zmq
+from xtoken_core.wire import decode_message, encode_message
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+claim = {"partition": "pool-race", "task": "slow", "required_fields": ["x"], "batch_size": 2,
+         "timeout_ms": 30000}
+sock.send_multipart(encode_message("claim", claim, request_id=1))  # parked: no data yet
+time.sleep(0.3)
+print("parked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # stops reading: the reply will back up in the server
+reply = decode_message(sock.recv_multipart())
+want = torch.arange(2 * (8 << 20), dtype=torch.int32).view(2, -1)
+print("same" if torch.equal(reply.body["fields"]["x"], want) else "corrupted", flush=True)
+"""
+
+
+def test_a_segment_is_not_lent_again_while_a_frames_reply_of_it_is_still_on_its_way(server):
+    keys = ["a", "b"]
+    old = {"x": torch.arange(2 * (8 << 20), dtype=torch.int32).view(2, -1)}  # 64 MiB
+    new = {"x": torch.full((2, 8 << 20), -7, dtype=torch.int32)}
+    with QueueClient(server.address, timeout_s=30, shm_min_bytes=0) as producer:
+        # a reader whose claim waits for the data, and that stops reading before it arrives:
+        # most of its frames reply then waits in the server's zmq queue, zero-copy over the
+        # pool segment
+        slow = subprocess.Popen(
+            [sys.executable, "-c", SLOW_READER, server.address],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert slow.stdout.readline().strip() == "parked"
+            deadline = time.monotonic() + 10
+            while _state(slow.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            producer.put("pool-race", keys, old)  # wakes the claim: 64 MiB into a stalled socket
+            created = producer.stats()["shm_pool"]["created"]
+            time.sleep(0.2)
+            producer.clear("pool-race")
+            producer.put("pool-race-2", keys, new)  # must not overwrite the bytes being sent
+            assert producer.stats()["shm_pool"]["created"] == created + 1
+            os.kill(slow.pid, signal.SIGCONT)
+            assert slow.stdout.readline().strip() == "same"
+        finally:
+            slow.kill()
+            slow.wait(10)
+        producer.clear("pool-race-2")
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
