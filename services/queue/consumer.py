@@ -120,6 +120,10 @@ class BatchConsumer:
         lease_s: lease length; a batch not acked by then is redelivered.
         claim_timeout_s: how long one claim waits on the server for data.
         idle_timeout_s: stop iterating after this long without data (None: run until ``stop``).
+        shm: claim through the server's shared-memory pool when it is on this host: fields
+            stored there arrive as views (no bytes through the socket) and are copied once,
+            into the padded batch. Assumes no one clears samples while they are leased (the
+            views contract, services/queue/shm_transport.py).
 
     Raises:
         ValueError: a bad batch size, prefetch or claim timeout.
@@ -139,6 +143,7 @@ class BatchConsumer:
         lease_s: float = 60.0,
         claim_timeout_s: float = 1.0,
         idle_timeout_s: float | None = None,
+        shm: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -161,6 +166,7 @@ class BatchConsumer:
         self.lease_s = lease_s
         self.claim_timeout_s = claim_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.shm = shm
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"consumer-{task}", daemon=True)
@@ -260,6 +266,7 @@ class BatchConsumer:
             retries=self._client.retries,
             limits=self._client.limits,
             name=f"{self._client.name}-prefetch",
+            shm=self._client._shm.mode,
         )
         idle = 0.0
         try:
@@ -272,6 +279,7 @@ class BatchConsumer:
                     fields=self.fields,
                     timeout_s=self.claim_timeout_s,
                     lease_s=self.lease_s,
+                    shm=self.shm,
                 )
                 if not got["keys"]:
                     idle += self.claim_timeout_s
@@ -281,6 +289,8 @@ class BatchConsumer:
                 idle = 0.0
                 lease = Lease(self.partition, self.task, got["lease_id"], list(got["keys"]))
                 batch = pad_fields(got["fields"], self.pad_values)
+                if self.shm:  # padded fields are new tensors; dense ones may view the pool
+                    batch = client._shm.private(batch)
                 if not self._put((batch, lease)):
                     client.nack(lease.partition, lease.task, lease.lease_id)
                     break

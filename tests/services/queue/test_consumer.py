@@ -83,3 +83,34 @@ def test_stop_gives_back_batches_claimed_ahead(server):
         assert status["leased"] == 0  # prefetched leases were given back
         assert status["pending"] == 10
         assert client.claim("stop", "train", ["input_ids"], 1)["keys"] == ["s002"]
+
+
+def test_a_shm_consumer_yields_private_batches_that_outlive_the_samples(server):
+    n, width = 6, 4096  # 6 x L x 4096 float32: a put of several MiB, through the pool
+    lengths = [5, 0, 17, 3, 9, 1]
+    rows = [torch.randn(L, width) for L in lengths]
+    keys = [f"s{i}" for i in range(n)]
+    with QueueClient(server.address, shm_min_bytes=0) as client:
+        fields = {"h": JaggedColumn.from_rows(rows), "w": torch.randn(n, 1 << 16)}
+        client.put("consume-shm", keys, fields)
+        assert client._shm.puts == 1
+        with BatchConsumer(
+            client,
+            "consume-shm",
+            "train",
+            ["h", "w"],
+            batch_size=n,
+            idle_timeout_s=0.4,
+            claim_timeout_s=0.2,
+            shm=True,
+        ) as consumer:
+            batch, lease = next(consumer)
+            consumer.ack(lease)
+        client.clear("consume-shm")
+        reuse = {"h": JaggedColumn.from_rows([r + 1 for r in rows]), "w": fields["w"] + 1}
+        client.put("consume-shm-2", keys, reuse)  # lent the same segment again
+        order = [keys.index(k) for k in lease.keys]
+        for j, i in enumerate(order):
+            assert torch.equal(batch["h"][j, : lengths[i]], rows[i])
+            assert torch.equal(batch["w"][j], fields["w"][i])
+        client.clear("consume-shm-2")
