@@ -199,6 +199,17 @@ def format_stats(stats: dict) -> str:
         f"{rates.get('claim_samples_per_s', 0.0):.1f} samples/s "
         f"{rates.get('claim_bytes_per_s', 0.0) / 1e6:.2f} MB/s "
         f"(last {rates.get('window_s', 0)}s)",
+    ]
+    pool = stats.get("shm_pool")
+    if pool:
+        by_state = pool.get("bytes_by_state", {})
+        lines.append(
+            f"shm pool {pool.get('segments', 0)} segments {pool.get('bytes', 0)} bytes "
+            f"(stored {by_state.get('stored', 0)}, free {by_state.get('free', 0)}, "
+            f"reserved {by_state.get('reserved', 0)})  created {pool.get('created', 0)}  "
+            f"reused {pool.get('reused', 0)}"
+        )
+    lines += [
         "",
         f"{'partition':<20} {'samples':>9} {'bytes':>14} {'task':<16} {'consumed':>9} {'leased':>7}",
     ]

@@ -58,6 +58,8 @@ def test_stats_command_prints_json_and_a_table(server):
     table = format_stats(stats)
     row = next(line for line in table.splitlines() if line.startswith("cli-part"))
     assert row.split()[1:] == ["2", str(part["bytes"]), "trainer", "1", "0"]
+    pool = next(line for line in table.splitlines() if line.startswith("shm pool"))
+    assert pool.split()[2:4] == [str(stats["shm_pool"]["segments"]), "segments"]
 
 
 def test_stats_command_fails_cleanly_without_a_server(capsys):
