@@ -6,8 +6,9 @@ QueueError with its code and ``retryable``. A request that gets no reply within 
 socket, then raises QueueError("timeout"). Retries are safe for puts (idempotent by key); a
 retried claim may leave a lease unanswered, which the server redelivers when it expires.
 Jagged fields of replies are ``JaggedColumn`` (values + offsets views of the received frames).
-Same-host clients put through the server's shared-memory pool and may ask claims and gets to
-answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py).
+Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
+to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py); the
+AsyncQueueClient sends and receives frames only.
 """
 
 from __future__ import annotations
