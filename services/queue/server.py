@@ -656,7 +656,7 @@ class QueueServer:
     def _send(self, frames: list[Any]) -> None:
         if self._sock is None:
             return
-        # Zero-copy frames may view pool segments: track them while any segment is stored.
+        # Zero-copy frames may view pool segments: track them while the pool has any (shm_pool.py).
         track = bool(self.pool.segments) and any(len(f) >= COPY_BELOW for f in frames[3:])
         try:
             tracker = send_frames(self._sock, frames, zmq.NOBLOCK, track=track)
