@@ -175,6 +175,7 @@ if tl is not None:
         offsets_N1_ptr,
         cols_X_ptr,
         lse_R_ptr,
+        num_valid_ptr,
         out_ptr,
         T,
         X,
@@ -184,15 +185,24 @@ if tl is not None:
         scale2,  # log2(e) / temperature
         inv_temp,
         HAS_COLS: tl.constexpr,
+        DEVICE_N: tl.constexpr,
         BLOCK_X: tl.constexpr,
     ):
         # Program per chunk n: the log-softmax over the gathered columns only, chunk-averaged.
         # Pass 1, per row r of n: lse_r over the X columns (online, base 2), kept in lse_R.
         # Pass 2 (same program: its rows are still in L2):
         #   out[n, i] = sum_{r in n} (z[r, col_i] / T - lse_r) / max(|n|, 1)
+        # With DEVICE_N the grid covers every chunk slot and programs n >= N (N read on the
+        # device) do no work: the host never needs N.
         n = tl.program_id(0).to(tl.int64)
         start = tl.load(offsets_N1_ptr + n)
         end = tl.load(offsets_N1_ptr + n + 1)
+        if DEVICE_N:
+            live = n < tl.load(num_valid_ptr)
+            end = tl.where(live, end, start)
+            X_run = tl.where(live, X, 0)
+        else:
+            X_run = X
         offs = tl.arange(0, BLOCK_X)
         for k in range(start, end):
             r = tl.load(order_ptr + k)
@@ -214,7 +224,7 @@ if tl is not None:
             tl.store(lse_R_ptr + r, (m + tl.log2(total)) * 0.6931471805599453)
         tl.debug_barrier()  # pass 2 reads the lse values this program stored
         size = tl.maximum(end - start, 1).to(tl.float32)
-        for x0 in range(0, X, BLOCK_X):
+        for x0 in range(0, X_run, BLOCK_X):
             i = x0 + offs
             im = i < X
             if HAS_COLS:
@@ -376,6 +386,7 @@ def chunk_mean_log_softmax_columns(
     offsets_N1: torch.Tensor,
     temperature: float,
     cols_X: torch.Tensor | None = None,
+    num_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunk-averaged log-softmax restricted to a column subset, in one launch.
 
@@ -389,6 +400,9 @@ def chunk_mean_log_softmax_columns(
         offsets_N1: [N + 1] int64, rows of chunk n are ``order[offsets[n]:offsets[n + 1]]``.
         temperature: softmax temperature.
         cols_X: [X] int column ids (None: all V columns).
+        num_valid: int64 device tensor holding N when ``offsets_N1`` covers more slots than
+            there are valid chunks (rows n >= N of the result are left unwritten); None: N is
+            ``offsets_N1.numel() - 1``.
 
     Returns:
         out_NX fp32 [N, X]: ``mean_{r in n} log_softmax(z[r, cols] / T)`` (0 for an empty chunk).
@@ -406,6 +420,7 @@ def chunk_mean_log_softmax_columns(
         offsets_N1,
         cols_X if cols_X is not None else offsets_N1,
         lse_R,
+        num_valid if num_valid is not None else offsets_N1,
         out_NX,
         T,
         X,
@@ -415,6 +430,7 @@ def chunk_mean_log_softmax_columns(
         LOG2E / temperature,
         1.0 / temperature,
         HAS_COLS=cols_X is not None,
+        DEVICE_N=num_valid is not None,
         BLOCK_X=block_for("lsm_block_x", X, 16),
         num_warps=KERNEL_CONFIG["lsm_warps"],
     )

@@ -38,9 +38,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ProjectedChunkKL", "chunk_kl_backward", "chunk_kl_forward"]
 
-#: Columns of the per-chunk output of :func:`chunk_kl_forward` (summed over chunks by the caller).
-SUM_COLUMNS = ("kd", "l1", "correct", "num_valid")
-
 if tl is not None:
 
     @lazy_jit
@@ -49,6 +46,7 @@ if tl is not None:
         order_R_ptr,
         offsets_N1_ptr,
         lp_NK_ptr,
+        num_valid_ptr,
         qc_NK_ptr,
         out_N4_ptr,
         stats_N2_ptr,
@@ -59,13 +57,23 @@ if tl is not None:
         t2,
         eps,
         REVERSE: tl.constexpr,
+        DEVICE_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         # One program per valid chunk n. Pass 1: q_n = (sum of its rows) / |n| (fixed row order),
         # stored for pass 2 and the backward, with tot and both argmaxes. Pass 2: the KL and gu.
+        # With DEVICE_N the grid covers every chunk slot; programs n >= N (N read on the
+        # device) only write a zero output row.
         n = tl.program_id(0).to(tl.int64)
         start = tl.load(offsets_N1_ptr + n)
         end = tl.load(offsets_N1_ptr + n + 1)
+        if DEVICE_N:
+            live = n < tl.load(num_valid_ptr)
+            end = tl.where(live, end, start)
+            K_run = tl.where(live, K, 0)
+        else:
+            live = n >= 0
+            K_run = K
         size = tl.maximum(end - start, 1).to(tl.float32)
         offs = tl.arange(0, BLOCK_K)
         tot_lane = tl.full((BLOCK_K,), 0.0, tl.float32)
@@ -73,7 +81,7 @@ if tl is not None:
         best_l = tl.full([], float("-inf"), tl.float32)
         arg_q = tl.full([], 0, tl.int64)
         arg_l = tl.full([], 0, tl.int64)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K_run, BLOCK_K):
             k = k0 + offs
             km = k < K
             acc = tl.full((BLOCK_K,), 0.0, tl.float32)
@@ -100,7 +108,7 @@ if tl is not None:
         c = tl.maximum(tot, eps)
         kl_lane = tl.full((BLOCK_K,), 0.0, tl.float32)
         gu_lane = tl.full((BLOCK_K,), 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K_run, BLOCK_K):
             k = k0 + offs
             km = k < K
             qc = tl.load(qc_NK_ptr + n * qc_stride + k, mask=km, other=0.0)
@@ -118,10 +126,11 @@ if tl is not None:
             kl_lane += tl.where(km, kl, 0.0)
             gu_lane += tl.where(km, g * u, 0.0)
         kl_n = tl.reduce(kl_lane, 0, SUM_COMBINE)
+        one = live.to(tl.float32)
         tl.store(out_N4_ptr + n * 4, kl_n * t2)
         tl.store(out_N4_ptr + n * 4 + 1, 0.0)
-        tl.store(out_N4_ptr + n * 4 + 2, (arg_q == arg_l).to(tl.float32))
-        tl.store(out_N4_ptr + n * 4 + 3, 1.0)
+        tl.store(out_N4_ptr + n * 4 + 2, (arg_q == arg_l).to(tl.float32) * one)
+        tl.store(out_N4_ptr + n * 4 + 3, one)
         tl.store(stats_N2_ptr + n * 2, tot)
         tl.store(stats_N2_ptr + n * 2 + 1, tl.reduce(gu_lane, 0, SUM_COMBINE))
 
@@ -204,6 +213,7 @@ def chunk_kl_forward(
     temperature: float,
     reverse_kl: bool,
     eps: float,
+    num_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every P-KL chunk term in one launch (module docstring has the math).
 
@@ -215,6 +225,8 @@ def chunk_kl_forward(
         temperature: T (the KL is scaled by T**2).
         reverse_kl: reverse KL.
         eps: probability floor before a log.
+        num_valid: int64 device tensor holding N when ``offsets_N1`` covers more slots than
+            there are valid chunks (their output rows are 0); None: N = ``lp_NK.shape[0]``.
 
     Returns:
         ``(out_N4, qc_NK, stats_N2)``: per chunk ``(T^2 kl_n, 0, correct_n, 1)`` (sum over
@@ -233,6 +245,7 @@ def chunk_kl_forward(
         order_R,
         offsets_N1,
         lp_NK,
+        num_valid if num_valid is not None else offsets_N1,
         qc_NK,
         out_N4,
         stats_N2,
@@ -243,6 +256,7 @@ def chunk_kl_forward(
         float(temperature) ** 2,
         float(eps),
         REVERSE=bool(reverse_kl),
+        DEVICE_N=num_valid is not None,
         BLOCK_K=block_for("klf_block_k", K, 16),
         num_warps=KERNEL_CONFIG["klf_warps"],
     )
@@ -323,11 +337,12 @@ class ProjectedChunkKL(torch.autograd.Function):
     """Sums of the P-KL chunk terms from the student logits, four launches forward, two back.
 
     ``apply(z_BTV, nidx_R, order_R, offsets_N1, lp_NK, ptr_K1, rows_E, cols_E, w_E, ell_j_PS,
-    ell_w_PS, temperature, reverse_kl, eps)`` returns ``(kd, metrics_3)``: the scalar KD sum
+    ell_w_PS, temperature, reverse_kl, eps, num_valid=None)`` returns ``(kd, metrics_3)``: the scalar KD sum
     over the valid chunks (its gradient flows to ``z_BTV``) and the [3] fp32 sums
     ``(l1 = 0, correct, num_valid)`` (no gradient).
     The projection tables are those of :func:`xtoken_core.kernels.kd_pkl.restrict_tables`; the
-    rows are the student side's valid-chunk rows (index, order, offsets).
+    rows are the student side's valid-chunk rows (index, order, offsets); ``num_valid`` is a
+    device N when the offsets cover more slots than valid chunks (:func:`chunk_kl_forward`).
     """
 
     @staticmethod
@@ -347,11 +362,12 @@ class ProjectedChunkKL(torch.autograd.Function):
         temperature,
         reverse_kl,
         eps,
+        num_valid=None,
     ):
         lse_R = row_logsumexp(z_BTV, nidx_R, temperature)
         q_RK = project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
         out_N4, qc_NK, stats_N2 = chunk_kl_forward(
-            q_RK, order_R, offsets_N1, lp_NK, temperature, reverse_kl, eps
+            q_RK, order_R, offsets_N1, lp_NK, temperature, reverse_kl, eps, num_valid
         )
         ctx.save_for_backward(
             z_BTV, nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j_PS, ell_w_PS
@@ -369,11 +385,11 @@ class ProjectedChunkKL(torch.autograd.Function):
             ctx.saved_tensors
         )
         if grad_kd is None:
-            return (None,) * 14
+            return (None,) * 15
         temperature, reverse_kl, eps = ctx.opts
         grad = grad_kd.to(torch.float32).reshape(1)
         dq_RK, dot_R = chunk_kl_backward(
             grad, q_RK, nidx_R, offsets_N1, lp_NK, qc_NK, stats_N2, temperature, reverse_kl, eps
         )
         dz_BTV = project_rows_backward(z_BTV, lse_R, dq_RK, dot_R, ell_j, ell_w, temperature)
-        return (dz_BTV,) + (None,) * 13
+        return (dz_BTV,) + (None,) * 14

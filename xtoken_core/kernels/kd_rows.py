@@ -234,16 +234,20 @@ class ChunkPlan:
     offsets_2: tuple[torch.Tensor, torch.Tensor]
     sizes_2: tuple[torch.Tensor, torch.Tensor]
 
-    def rows(self, side: int, num_valid: int) -> tuple[torch.Tensor, ...]:
+    def rows(self, side: int, num_valid: int | None) -> tuple[torch.Tensor, ...]:
         """One side's ``(nidx_R, order_R, offsets_N1, sizes_N)`` for N valid chunks.
 
         Args:
             side: 0 student, 1 teacher.
-            num_valid: N, read back from ``stats_5[4]``.
+            num_valid: N, read back from ``stats_5[4]``; None: every slot (S + 1 offsets, S
+                sizes), of which only the first N (+ 1) are written, for kernels that read N
+                on the device.
 
         Returns:
             The fields of :class:`xtoken_core.losses.utils.ChunkRows`, in order.
         """
+        if num_valid is None:
+            return self.nidx_2[side], self.order_2[side], self.offsets_2[side], self.sizes_2[side]
         return (
             self.nidx_2[side],
             self.order_2[side],

@@ -142,16 +142,21 @@ def _fused_inputs(
     valid_BC: torch.Tensor,
     num_valid: int | None,
     plan=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, ChunkRows, ChunkRows]:
+    device_n: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None, ChunkRows, ChunkRows]:
     """Kernel-ready logits, ``valid_BC`` on their device, N, rows per side.
 
     With a ``plan`` (:func:`plan_chunks`) the rows are its; else they are grouped here, with
     one valid-chunk numbering shared by both sides. N is ``num_valid`` when the caller read it
-    already, else read here (one host sync).
+    already, else read here (one host sync); with ``device_n`` and a plan it stays on the device
+    (N is None, the rows cover every chunk slot, ``plan.stats_5[4]`` holds N).
     """
     zs_BTV = _last_dim_contiguous(student_logits_BTV)
     zt_BUW = _last_dim_contiguous(teacher_logits_BUW.detach())
     if plan is not None:
+        if device_n:
+            s_rows, t_rows = ChunkRows(*plan.rows(0, None)), ChunkRows(*plan.rows(1, None))
+            return zs_BTV, zt_BUW, plan.valid_BC, None, s_rows, t_rows
         N = int(plan.stats_5[4]) if num_valid is None else int(num_valid)
         s_rows, t_rows = ChunkRows(*plan.rows(0, N)), ChunkRows(*plan.rows(1, N))
         return zs_BTV, zt_BUW, plan.valid_BC, N, s_rows, t_rows
@@ -186,7 +191,10 @@ def _pkl_fused(
         valid_BC,
         num_valid,
         plan,
+        device_n=True,
     )
+    # With a plan, N stays on the device: the chunk kernels cover every slot and skip n >= N.
+    device_N = None if plan is None else plan.stats_5[4:5]
     W = zt_BUW.shape[-1]
     with torch.no_grad():
         if vocab_topk is None or vocab_topk >= W:
@@ -200,7 +208,7 @@ def _pkl_fused(
             top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
             idx_K = torch.sort(top.indices).values
         teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
-            zt_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K
+            zt_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
         )
         restricted = kernels.pkl.restrict_tables(
             kernels.pkl.projection_tables(projection_VW), idx_K
@@ -215,6 +223,7 @@ def _pkl_fused(
         float(temperature),
         bool(reverse_kl),
         reference.PROB_EPS,
+        device_N,
     )
     l1, correct, num_valid = sums_3.unbind()
     return KDTerms(kd=kd, kl=kd.detach(), l1=l1, correct=correct, num_valid=num_valid)

@@ -53,6 +53,7 @@ class _DeferredChecks:
 
     def __init__(self) -> None:
         self._items: list[tuple[str, str, Any, torch.Tensor]] = []
+        self._pending: list[tuple[list[int], torch.Tensor, Any]] = []
 
     def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
         self._items.append((kind, name, extra, piece.reshape(-1)))
@@ -96,6 +97,29 @@ class _DeferredChecks:
         """Queue a device value computed elsewhere; returns its slot in :meth:`run`'s result."""
         return self._add("count", "", None, piece)
 
+    def start(self) -> None:
+        """Queue the readback of every piece (one copy per device, no host wait on CUDA).
+
+        The copies go to pinned host memory behind an event, so the host can keep launching
+        work that does not depend on the checks; :meth:`finish` waits for them.
+        """
+        by_device: dict[torch.device, list[int]] = {}
+        for i, item in enumerate(self._items):
+            by_device.setdefault(item[3].device, []).append(i)
+        self._pending = []
+        for slots in by_device.values():
+            # cat promotes every piece to the first one's float64 (exact for ids and counts)
+            pieces = [self._items[i][3] for i in slots]
+            flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]])
+            event = None
+            if flat.is_cuda:
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                flat = host
+            self._pending.append((slots, flat, event))
+
     def run(self) -> list[list[float]]:
         """Read every queued piece (one sync per device) and raise the first failed check.
 
@@ -105,18 +129,28 @@ class _DeferredChecks:
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
         """
-        by_device: dict[torch.device, list[int]] = {}
-        for i, item in enumerate(self._items):
-            by_device.setdefault(item[3].device, []).append(i)
+        self.start()
+        return self.finish()
+
+    def finish(self) -> list[list[float]]:
+        """Wait for the readback of :meth:`start` and raise the first failed check.
+
+        Returns:
+            The values of each queued piece, in order (counts as ``[n]``).
+
+        Raises:
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
+        """
         values: list[list[float]] = [[] for _ in self._items]
-        for slots in by_device.values():
-            # cat promotes every piece to the first one's float64 (exact for ids and counts)
-            pieces = [self._items[i][3] for i in slots]
-            flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]]).tolist()
+        for slots, flat, event in self._pending:
+            if event is not None:
+                event.synchronize()
+            flat = flat.tolist()
             at = 0
             for i in slots:
                 n = self._items[i][3].numel()
                 values[i], at = flat[at : at + n], at + n
+        self._pending = []
         for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
             if kind == "finite" and not math.isfinite(vals[0]):
                 if not bool(torch.isfinite(extra).all()):
@@ -471,7 +505,8 @@ class CrossTokenizerLoss:
                 )
         # Phase 1: shapes, alignment and validity of every teacher; the value checks (finite
         # logits, chunk-id range, CE targets) and the valid-chunk counts are read back with one
-        # host sync, before any kernel that relies on them.
+        # host sync, before any kernel that relies on them (the fused P-KL kernels rely on none:
+        # they index with clamped ids and take N on the device).
         prepared = []
         for i, z_t in enumerate(teachers):
             name = "teacher_logits" if cfg.num_teachers == 1 else f"teacher_logits[{i}]"
@@ -514,7 +549,15 @@ class CrossTokenizerLoss:
             raise ValueError(
                 "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
             )
-        values = checks.run() if checks is not None else None
+        # The fused P-KL path with a chunk plan keeps N on the device: its checks are read back
+        # after the KD kernels are queued (they index only with clamped ids), so the host does
+        # not wait for the GPU here; every other path reads them now.
+        deferred = all(p[-1] is not None for p in prepared) and not cfg.gold_loss
+        values = None
+        if checks is not None:
+            checks.start()
+            if not deferred:
+                values = checks.finish()
 
         # Phase 2: the KD terms.
         zero = student_logits.new_zeros((), dtype=dtype)
@@ -525,7 +568,7 @@ class CrossTokenizerLoss:
         ):
             common = (student_logits, z_t, s_ids, t_ids, valid_BC)
             extra = {}
-            if backend is fused and slot is not None:
+            if backend is fused and slot is not None and values is not None:
                 extra["num_valid"] = int(values[slot][0])
             if plan is not None:
                 extra["plan"] = plan
@@ -564,6 +607,8 @@ class CrossTokenizerLoss:
             kd = kd_i if i == 0 else kd + kd_i
         if acc_5 is not None:
             kl_common, l1_uncommon, proj_accuracy, num_valid = acc_5[1:].unbind()
+        if checks is not None and deferred:
+            checks.finish()  # raises on bad input before the CE gather and before returning
 
         if "input_ids" in batch:
             nll_sum, correct, n_tokens = reference.student_ce_loss(

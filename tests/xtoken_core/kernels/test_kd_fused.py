@@ -87,3 +87,16 @@ def test_cuda_topk_selects_the_same_ids_sorted_or_not_under_ties():
         a = torch.sort(torch.topk(x, k).indices).values
         b = torch.sort(torch.topk(x, k, sorted=False).indices).values
         assert torch.equal(a, b)
+
+
+def test_chunk_mean_log_softmax_columns_with_a_device_n_skips_the_extra_slots():
+    B, T, V, N = 2, 11, 53, 6
+    z = kd_logits(B, T, V, torch.bfloat16, seed=9)
+    _, order, offsets = kd_rows(B, T, N, seed=10)
+    cols = torch.tensor([50, 3, 17, 0, 44], device=DEVICE)
+    want = kf.chunk_mean_log_softmax_columns(z, order, offsets, 0.7, cols)
+    garbage = torch.tensor([-3, 10**6], device=DEVICE)  # never read: programs n >= N stop
+    got = kf.chunk_mean_log_softmax_columns(
+        z, order, torch.cat([offsets, garbage]), 0.7, cols, torch.tensor([N], device=DEVICE)
+    )
+    assert got.shape == (N + 2, cols.numel()) and torch.equal(got[:N], want)

@@ -112,3 +112,26 @@ def test_no_valid_chunk_gives_empty_terms_and_zero_row_gradients():
         reference.PROB_EPS,
     )
     assert bool((dq == 0).all()) and bool((dot == 0).all())
+
+
+def test_device_n_covers_extra_slots_with_zero_rows_and_the_same_terms(small_blocks):
+    q_RK, lp_NK = _inputs(seed=2)
+    nidx, order, offsets = _rows()
+    extra = 3  # slots past N: garbage offsets and teacher rows that must not be read
+    offsets_S1 = torch.cat([offsets, torch.tensor([-5, 10**6, 7])])
+    lp_SK = torch.cat([lp_NK, torch.full((extra, K), float("nan"))])
+    args = [x.to(DEVICE) for x in (q_RK, order, offsets, lp_NK)]
+    want, _, _ = kd_pkl_terms.chunk_kl_forward(*args, TEMP, False, reference.PROB_EPS)
+    num_valid = torch.tensor([N], device=DEVICE)
+    got, _, _ = kd_pkl_terms.chunk_kl_forward(
+        args[0],
+        args[1],
+        offsets_S1.to(DEVICE),
+        lp_SK.to(DEVICE),
+        TEMP,
+        False,
+        reference.PROB_EPS,
+        num_valid,
+    )
+    assert torch.equal(got[:N], want)
+    assert got[N:].tolist() == [[0.0] * 4] * extra
