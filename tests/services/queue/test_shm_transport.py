@@ -152,7 +152,7 @@ def test_a_garbage_shm_handle_gets_bad_body_and_the_server_goes_on(server, paylo
         assert client.hello()["shm"] is True
 
 
-def test_capacity_counts_the_adopted_segment_and_a_refused_put_leaks_nothing(make_server):
+def test_capacity_counts_the_pool_segment_and_a_refused_put_leaks_nothing(make_server):
     srv = make_server("--capacity", "3MiB")
     with QueueClient(srv.address, timeout_s=20, shm="always") as client:
         client.put("cap", ["a"], {"x": torch.zeros(1, 2 << 18)}, timeout_s=0)  # 2 MiB
@@ -163,4 +163,10 @@ def test_capacity_counts_the_adopted_segment_and_a_refused_put_leaks_nothing(mak
         assert e.value.code == "queue_full"
         assert not my_segments()
         client.clear("cap")
-        assert client.stats()["bytes_used"] == 0
+        stats = client.stats()
+        assert stats["bytes_used"] == 0
+        assert stats["shm_pool"]["held_bytes"] == 2 << 20  # the free segment still counts
+    with QueueClient(srv.address, timeout_s=20, shm="never") as client:
+        # frames that need the room: the free segment is dropped to make it
+        client.put("cap", ["c"], {"x": torch.zeros(1, 2 << 18)}, timeout_s=0)
+        assert client.stats()["shm_pool"]["segments"] == 0
