@@ -174,7 +174,6 @@ if tl is not None:
         order_ptr,
         offsets_N1_ptr,
         cols_X_ptr,
-        lse_R_ptr,
         num_valid_ptr,
         out_ptr,
         T,
@@ -188,10 +187,11 @@ if tl is not None:
         DEVICE_N: tl.constexpr,
         BLOCK_X: tl.constexpr,
     ):
-        # Program per chunk n: the log-softmax over the gathered columns only, chunk-averaged.
-        # Pass 1, per row r of n: lse_r over the X columns (online, base 2), kept in lse_R.
-        # Pass 2 (same program: its rows are still in L2):
-        #   out[n, i] = sum_{r in n} (z[r, col_i] / T - lse_r) / max(|n|, 1)
+        # Program per chunk n: the log-softmax over the gathered columns only, chunk-averaged,
+        # with one gather of each row (the gathers touch every sector of a row: a second pass
+        # would read the row again). mean_r (x_r - lse_r) = mean_r x_r - mean_r lse_r, so:
+        #   per row r of n: out[n, :] += z[r, cols] / T (the row buffer stays in L2) while lse_r
+        #   runs online (base 2); then out[n, :] = out[n, :] / |n| - sum_r lse_r / |n|.
         # With DEVICE_N the grid covers every chunk slot and programs n >= N (N read on the
         # device) do no work: the host never needs N.
         n = tl.program_id(0).to(tl.int64)
@@ -204,40 +204,36 @@ if tl is not None:
         else:
             X_run = X
         offs = tl.arange(0, BLOCK_X)
+        out_row = out_ptr + n * out_stride
+        lse_sum = tl.full([], 0.0, tl.float32)
         for k in range(start, end):
             r = tl.load(order_ptr + k)
             row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
             m = tl.full([], -1.0e30, tl.float32)
             s_lane = tl.full((BLOCK_X,), 0.0, tl.float32)
-            for x0 in range(0, X, BLOCK_X):
+            for x0 in range(0, X_run, BLOCK_X):
                 i = x0 + offs
                 im = i < X
                 if HAS_COLS:
                     col = tl.load(cols_X_ptr + i, mask=im, other=0).to(tl.int64)
                 else:
                     col = i.to(tl.int64)
-                x2 = tl.load(row_ptr + col, mask=im, other=float("-inf")).to(tl.float32) * scale2
+                z = tl.load(row_ptr + col, mask=im, other=float("-inf")).to(tl.float32)
+                x2 = z * scale2
                 m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
                 s_lane = s_lane * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
                 m = m_new
-            total = tl.reduce(s_lane, 0, SUM_COMBINE)
-            tl.store(lse_R_ptr + r, (m + tl.log2(total)) * 0.6931471805599453)
-        tl.debug_barrier()  # pass 2 reads the lse values this program stored
+                prev = tl.load(out_row + i, mask=im & ((offs * 0 + k) > start), other=0.0)
+                tl.store(out_row + i, prev + z * inv_temp, mask=im)
+            lse_sum += (m + tl.log2(tl.reduce(s_lane, 0, SUM_COMBINE))) * 0.6931471805599453
+            tl.debug_barrier()  # the next row reads back this row's sums
         size = tl.maximum(end - start, 1).to(tl.float32)
+        mean_lse = lse_sum / size
         for x0 in range(0, X_run, BLOCK_X):
             i = x0 + offs
             im = i < X
-            if HAS_COLS:
-                col = tl.load(cols_X_ptr + i, mask=im, other=0).to(tl.int64)
-            else:
-                col = i.to(tl.int64)
-            acc = tl.full((BLOCK_X,), 0.0, tl.float32)
-            for k in range(start, end):
-                r = tl.load(order_ptr + k)
-                row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
-                z = tl.load(row_ptr + col, mask=im, other=0.0).to(tl.float32)
-                acc += z * inv_temp - tl.load(lse_R_ptr + r)
-            tl.store(out_ptr + n * out_stride + i, acc / size, mask=im)
+            acc = tl.load(out_row + i, mask=im & ((offs * 0 + end) > start), other=0.0)
+            tl.store(out_row + i, acc / size - mean_lse, mask=im)
 
     @lazy_jit
     def _col_max_kernel(
@@ -413,13 +409,11 @@ def chunk_mean_log_softmax_columns(
     out_NX = torch.empty((N, X), device=z_BTV.device, dtype=torch.float32)
     if N == 0 or X == 0:
         return out_NX
-    lse_R = torch.empty(B * T, device=z_BTV.device, dtype=torch.float32)
     _chunk_lsm_cols_kernel[(N,)](
         z_BTV,
         order_R,
         offsets_N1,
         cols_X if cols_X is not None else offsets_N1,
-        lse_R,
         num_valid if num_valid is not None else offsets_N1,
         out_NX,
         T,
