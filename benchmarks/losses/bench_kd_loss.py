@@ -4,7 +4,8 @@ For each mode (P-KL, gold, relaxed gold / xtoken), each (B, T, V_s, V_t) shape, 
 ~0.8 T chunks of 1-2 tokens per side, it times ``CrossTokenizerLoss(...)(...)`` forward and
 backward with ``backend="reference"`` (one-hot bmm chunk averages, fp32 [B, T, V] copies) and
 ``backend="kernel"`` (the fused path of xtoken_core/losses/fused.py), and reports the median
-time, the peak memory above the inputs, both ratios, the relative loss difference and the
+time (at least 5 runs and 0.3 s of runs: the fast cases are host-bound, and host jitter is
+their noise), the peak memory above the inputs, both ratios, the relative loss difference and the
 relative gradient error (norm of the difference over the norm of the reference gradient).
 Floors: ``floor_ms`` is the fewest bytes a fwd+bwd must move (student logits read twice, teacher
 logits read once, the gradient written once) over the measured device-to-device copy rate;
@@ -85,12 +86,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _measure(fn, device, reps: int) -> tuple[float, int]:
-    """Median ms over ``reps`` runs after one warm-up, and the peak bytes above the start."""
+def _measure(fn, device, reps: int, min_ms: float = 0.0) -> tuple[float, int]:
+    """Median ms over at least ``reps`` runs and ``min_ms`` of runs, after one warm-up, and
+    the peak bytes above the start (fast cases get more runs: host jitter is their noise)."""
     fn()
     _sync(device)
     times = []
-    for _ in range(reps):
+    while len(times) < reps or sum(times) < min_ms:
         _sync(device)
         t0 = time.perf_counter()
         fn()
@@ -107,7 +109,9 @@ def _measure(fn, device, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=True) -> dict:
+def run_case(
+    mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=True, min_ms=0.0
+) -> dict:
     student, teacher, batch, projection, C = _make_inputs(B, T, V_s, V_t, device, seed=B * T)
     x = student.clone().requires_grad_()
     row = dict(
@@ -145,7 +149,7 @@ def run_case(mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=Tru
         try:
             losses[backend] = float(fwd_bwd().detach())
             grads[backend] = x.grad.float().clone() if backend == "reference" else x.grad.float()
-            ms, peak = _measure(fwd_bwd, device, reps)
+            ms, peak = _measure(fwd_bwd, device, reps, min_ms)
             row[f"ms_{backend}"] = ms
             row[f"peak_gib_{backend}"] = peak / 2**30
         except torch.OutOfMemoryError:
@@ -177,7 +181,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="benchmarks/results/losses_kd_loss.jsonl")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="at least this many timed runs")
+    parser.add_argument(
+        "--min-ms", type=float, default=300.0, help="and at least this much time of timed runs"
+    )
     parser.add_argument(
         "--no-check-inputs",
         action="store_true",
@@ -217,7 +224,16 @@ def main(argv=None) -> int:
         for B, T in shapes:
             for mode in args.modes:
                 row = run_case(
-                    mode, B, T, V_s, V_t, device, args.reps, copy_bps, not args.no_check_inputs
+                    mode,
+                    B,
+                    T,
+                    V_s,
+                    V_t,
+                    device,
+                    args.reps,
+                    copy_bps,
+                    not args.no_check_inputs,
+                    args.min_ms,
                 )
                 row.update(commit=commit, device=device_name)
                 if copy_bps:
