@@ -6,9 +6,12 @@ Same signatures and conventions as :func:`xtoken_core.losses.reference.pkl_kd_lo
 * **fused** (here; Triton runs: CUDA, or ``TRITON_INTERPRET=1``; fp32/bf16/fp16 logits): the
   kernels of :mod:`xtoken_core.kernels.kd_fused` read the logits directly and keep one fp32
   scalar per row; only valid chunks are computed (compact ``[N, ...]``), and only the columns
-  the loss uses. P-KL (:mod:`xtoken_core.kernels.kd_pkl`): ``q = softmax(z/T) @ M[:, idx]`` by
-  CSC gathers from the logits, backward by ELL gathers (never a ``[B, T, V]`` probability
-  tensor). Gold (:mod:`xtoken_core.kernels.kd_gold`): chunk averages over the common columns
+  the loss uses. The chunk bookkeeping (shifted ids, validity, N, both sides' row groups) is
+  one :func:`plan_chunks` (:mod:`xtoken_core.kernels.kd_rows`, two launches). P-KL
+  (:mod:`xtoken_core.kernels.kd_pkl`, :mod:`xtoken_core.kernels.kd_pkl_terms`):
+  ``q = softmax(z/T) @ M[:, idx]`` by CSC gathers from the logits, every chunk term (mean,
+  renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
+  ``[B, T, V]`` probability tensor); with a plan, N stays on the device (no host sync). Gold (:mod:`xtoken_core.kernels.kd_gold`): chunk averages over the common columns
   and the uncommon columns separately, top-m on the compact uncommon block, and a backward that
   rebuilds ``dz`` from the logits, the row logsumexp and the compact chunk gradient.
 * **composed** (:mod:`xtoken_core.losses.composed`; float64 logits, or no Triton on CPU): the

@@ -48,7 +48,9 @@ class _DeferredChecks:
     """Input checks queued as device reductions and read back with one host sync per device.
 
     Each check adds a small fp64 piece (an fp32 sum, an id min/max, a count); :meth:`run` reads
-    them all at once and raises the first failure in the order the checks were queued.
+    them all at once and raises the first failure in the order the checks were queued
+    (:meth:`start` + :meth:`finish`, split so that work independent of the checks can be queued
+    while the readback is in flight).
     """
 
     def __init__(self) -> None:
