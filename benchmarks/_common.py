@@ -27,7 +27,14 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 
 def commit() -> str:
-    """Short commit of the working tree (or $XTOKEN_COMMIT, else "unknown", where git fails)."""
+    """Short commit that was measured: $XTOKEN_COMMIT when set, else git HEAD, else "unknown".
+
+    The variable wins because a copied working tree (the GPU device copy) can carry a stale
+    ``.git`` whose HEAD is not the code being run.
+    """
+    env = os.environ.get("XTOKEN_COMMIT")
+    if env:
+        return env
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -38,7 +45,7 @@ def commit() -> str:
         )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("XTOKEN_COMMIT", "unknown")
+        return "unknown"
 
 
 def cpu_model(fallback: str = "cpu") -> str:
