@@ -20,6 +20,9 @@ Per row ``r`` with ``x = z / temperature`` and ``lse_r = logsumexp_v x[r, v]``
 * chunk average over gathered columns: ``out[n, i] = mean_{r in n} (x[r, cols[i]] - lse_r)``;
   with the lse over those columns only, in one launch (P-KL teacher side).
 * column max: ``max_W[w] = max_{r used} z[r, w]`` (P-KL teacher column selection).
+* ascending ids: a set of distinct column ids (``torch.topk``'s indices) in ascending order,
+  by a flag per column and a prefix sum, in one launch (replaces ``torch.sort``, a radix sort
+  of a dozen launches).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "KERNEL_CONFIG",
+    "ascending_ids",
     "block_for",
     "check_rows",
     "chunk_mean_columns",
@@ -64,6 +68,8 @@ KERNEL_CONFIG = {
     "colmax_block_w": 1024,
     "colmax_rows": 64,
     "colmax_warps": 4,
+    "ids_block": 4096,
+    "ids_warps": 8,
     "proj_block_n": 32,
     "proj_block_e": 32,
     "proj_block_j": 32,
@@ -266,6 +272,29 @@ if tl is not None:
                 acc = tl.maximum(acc, z)
         tl.store(part_QW_ptr + q.to(tl.int64) * W + w, acc, mask=wm)
 
+    @lazy_jit
+    def _ascending_ids_kernel(ids_K_ptr, flag_W_ptr, out_K_ptr, K, W, BLOCK: tl.constexpr):
+        # One program: flag[w] = 1 for every w in ids, then each flagged w goes to the slot
+        # given by the exclusive prefix sum of the flags (ascending). The barriers order this
+        # program's own global writes before its reads.
+        offs = tl.arange(0, BLOCK)
+        zero = tl.full((BLOCK,), 0, tl.int32)
+        for w0 in range(0, W, BLOCK):
+            tl.store(flag_W_ptr + w0 + offs, zero, mask=w0 + offs < W)
+        tl.debug_barrier()
+        for k0 in range(0, K, BLOCK):
+            km = k0 + offs < K
+            i = tl.load(ids_K_ptr + k0 + offs, mask=km, other=0)
+            tl.store(flag_W_ptr + i, zero + 1, mask=km)
+        tl.debug_barrier()
+        run = tl.full([], 0, tl.int32)
+        for w0 in range(0, W, BLOCK):
+            w = w0 + offs
+            f = tl.load(flag_W_ptr + w, mask=w < W, other=0)
+            slot = run + tl.associative_scan(f, 0, SUM_COMBINE) - f
+            tl.store(out_K_ptr + slot, w.to(tl.int64), mask=f != 0)
+            run += tl.reduce(f, 0, SUM_COMBINE)
+
 
 # --------------------------------------------------------------------------- host wrappers
 
@@ -464,3 +493,34 @@ def column_max(z_BTW: torch.Tensor, nidx_R: torch.Tensor) -> torch.Tensor:
         num_warps=KERNEL_CONFIG["colmax_warps"],
     )
     return part_QW.amax(0)
+
+
+def ascending_ids(ids_K: torch.Tensor, W: int) -> torch.Tensor:
+    """The distinct ids ``ids_K`` (in ``[0, W)``, any order) sorted ascending, in one launch.
+
+    Equal to ``torch.sort(ids_K).values`` for distinct ids (e.g. the indices of
+    ``torch.topk``); duplicates collapse, so the tail of the result is then unspecified. Runs
+    where :func:`use_triton` says so, else ``torch.sort``.
+
+    Args:
+        ids_K: [K] int, distinct, each in ``[0, W)`` (not checked: it costs a host sync).
+        W: the id range (the teacher vocab).
+
+    Returns:
+        int64 [K], ascending.
+    """
+    K = ids_K.numel()
+    if not use_triton(ids_K) or K == 0:
+        return torch.sort(ids_K.reshape(-1)).values.to(torch.int64)
+    out_K = torch.empty(K, device=ids_K.device, dtype=torch.int64)
+    flag_W = torch.empty(W, device=ids_K.device, dtype=torch.int32)
+    _ascending_ids_kernel[(1,)](
+        ids_K.reshape(-1),
+        flag_W,
+        out_K,
+        K,
+        W,
+        BLOCK=block_for("ids_block", max(W, K), 16),
+        num_warps=KERNEL_CONFIG["ids_warps"],
+    )
+    return out_K

@@ -206,10 +206,11 @@ def _pkl_fused(
             # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
             max_W = kernels.rows.column_max(zt_BUW, teacher_chunk_id_BU.reshape(-1).contiguous())
             # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
-            # then sorts the values; skip that sort (ids are sorted ascending here). The CPU
-            # kernel may break ties differently without it, so it keeps sorted=True there.
+            # then sorts the values; skip that sort. The CPU kernel may break ties differently
+            # without it, so it keeps sorted=True there. The ids go in ascending order by one
+            # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
             top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
-            idx_K = torch.sort(top.indices).values
+            idx_K = kernels.rows.ascending_ids(top.indices, W)
         teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
             zt_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
         )

@@ -100,3 +100,20 @@ def test_chunk_mean_log_softmax_columns_with_a_device_n_skips_the_extra_slots():
         z, order, torch.cat([offsets, garbage]), 0.7, cols, torch.tensor([N], device=DEVICE)
     )
     assert got.shape == (N + 2, cols.numel()) and torch.equal(got[:N], want)
+
+
+@pytest.mark.parametrize(("K", "W"), [(1, 1), (7, 50), (300, 301), (37, 9000), (0, 5)])
+def test_ascending_ids_equals_sort_of_distinct_ids(K, W):
+    gen = torch.Generator().manual_seed(K + W)
+    ids = torch.randperm(W, generator=gen)[:K].to(DEVICE)
+    out = kf.ascending_ids(ids, W)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, torch.sort(ids).values.to(torch.int64))
+
+
+def test_ascending_ids_of_topk_indices_under_ties():
+    # the fused P-KL use: the indices of an unsorted topk over bf16-rounded maxima (many ties)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3000, generator=gen) * 2).to(torch.bfloat16).float().to(DEVICE)
+    top = torch.topk(x, 700, sorted=False).indices
+    assert torch.equal(kf.ascending_ids(top, 3000), torch.sort(top).values)
