@@ -49,6 +49,7 @@ __all__ = [
 #: binder, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, hooks,
 #: *bound_args)``); read from their source. Any other version takes the normal launch.
 _FAST_LAUNCH_VERSIONS = ("3.6.", "3.7.", "3.8.", "3.9.")
+_FAST_LAUNCH_SUPPORTED = triton is not None and triton.__version__.startswith(_FAST_LAUNCH_VERSIONS)
 
 
 def interpret_mode() -> bool:
@@ -132,9 +133,11 @@ class LazyJit:
         Raises:
             RuntimeError: Triton is not installed.
         """
+        return self._jitted_for(interpret_mode())
+
+    def _jitted_for(self, mode: bool) -> Any:
         if triton is None:
             raise RuntimeError("triton is not installed: install it or run on the reference path")
-        mode = interpret_mode()
         kernel = self._by_mode.get(mode)
         if kernel is None:
             kernel = triton.jit(self.fn, **self.jit_kwargs)
@@ -142,11 +145,13 @@ class LazyJit:
         return kernel
 
     def __getitem__(self, grid: Any) -> Any:
-        if callable(grid) or not fast_launch_enabled():
-            return self.jitted()[grid]
-        return functools.partial(self._launch, tuple(grid))
+        mode = interpret_mode()
+        jitted = self._jitted_for(mode)
+        if mode or callable(grid) or not fast_launch_enabled():
+            return jitted[grid]
+        return functools.partial(self._launch, jitted, tuple(grid))
 
-    def _launch(self, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    def _launch(self, jitted: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
         """``kernel[grid](*args, **kwargs)``, by a direct call of the compiled kernel when the
         same specialization was launched before (compiled mode only).
 
@@ -157,8 +162,7 @@ class LazyJit:
         launch hooks or pre-run hooks set, and on the first launch of a specialization (which
         compiles and caches it).
         """
-        jitted = self.jitted()
-        if interpret_mode() or jitted.pre_run_hooks or _launch_hooks_set():
+        if jitted.pre_run_hooks or _launch_hooks_set():
             return jitted[grid](*args, **kwargs)
         device = _driver.active.get_current_device()
         binder = jitted.device_caches[device][4]
@@ -199,7 +203,7 @@ def fast_launch_enabled() -> bool:
     Returns:
         True to use the fast path (it still falls back per call, see :class:`LazyJit`).
     """
-    if triton is None or not triton.__version__.startswith(_FAST_LAUNCH_VERSIONS):
+    if not _FAST_LAUNCH_SUPPORTED:
         return False
     return os.environ.get("XTOKEN_TRITON_FAST_LAUNCH", "1").lower() not in ("0", "false", "off")
 
