@@ -117,3 +117,40 @@ def test_ascending_ids_of_topk_indices_under_ties():
     x = (torch.randn(3000, generator=gen) * 2).to(torch.bfloat16).float().to(DEVICE)
     top = torch.topk(x, 700, sorted=False).indices
     assert torch.equal(kf.ascending_ids(top, 3000), torch.sort(top).values)
+
+
+def _topk_set_lowest_ties(x, k):
+    # independent: sort by (value desc, id asc), take k, return the ids ascending
+    order = sorted(range(x.numel()), key=lambda i: (-x[i].item(), i))
+    return torch.tensor(sorted(order[:k]), dtype=torch.int64)
+
+
+@pytest.mark.parametrize(("W", "K"), [(1, 1), (50, 7), (300, 299), (5000, 700), (5000, 5000)])
+def test_topk_ids_are_the_largest_with_lowest_ids_on_ties(W, K):
+    gen = torch.Generator().manual_seed(W + K)
+    # bf16-rounded values tie a lot; a few negatives, -inf, and a large tie block
+    x = (torch.randn(W, generator=gen) * 2).to(torch.bfloat16).float()
+    x[::7] = -float("inf")
+    x[::11] = 1.0
+    got = kf.topk_ids(x.to(DEVICE), K).cpu()
+    assert got.dtype == torch.int64
+    assert torch.equal(got, _topk_set_lowest_ties(x, K))
+
+
+def test_topk_ids_rejects_bad_k_and_layout():
+    x = torch.zeros(5, device=DEVICE)
+    with pytest.raises(ValueError, match="K = 6"):
+        kf.topk_ids(x, 6)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kf.topk_ids(x.double(), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_topk_ids_equals_the_cuda_topk_set_at_full_size():
+    # the fused P-KL use: 8192 of 131072 bf16 column maxima (many ties at the boundary)
+    gen = torch.Generator().manual_seed(9)
+    for scale in (3.0, 0.05):
+        x = (torch.randn(131072, generator=gen) * scale).to(torch.bfloat16).float().cuda()
+        want = torch.sort(torch.topk(x, 8192).indices).values
+        assert torch.equal(kf.topk_ids(x, 8192), want)
