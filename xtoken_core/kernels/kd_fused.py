@@ -53,7 +53,6 @@ __all__ = [
     "chunk_mean_log_softmax_columns",
     "column_max",
     "row_logsumexp",
-    "topk_ids",
     "use_triton",
 ]
 
@@ -71,8 +70,6 @@ KERNEL_CONFIG = {
     "colmax_warps": 4,
     "ids_block": 4096,
     "ids_warps": 8,
-    "topk_block": 4096,
-    "topk_warps": 16,
     "proj_block_n": 32,
     "proj_block_e": 32,
     "proj_block_j": 32,
@@ -297,52 +294,6 @@ if tl is not None:
             slot = run + tl.associative_scan(f, 0, SUM_COMBINE) - f
             tl.store(out_K_ptr + slot, w.to(tl.int64), mask=f != 0)
             run += tl.reduce(f, 0, SUM_COMBINE)
-
-    @lazy_jit
-    def _topk_ids_kernel(x_W_ptr, out_K_ptr, W, K, BLOCK: tl.constexpr):
-        # One program: the ids of the K largest of x, ascending, ties at the K-th value to the
-        # lowest ids (as torch.topk on CUDA). Radix select on an order-preserving int32 key
-        # (4 passes of an 8-bit digit histogram over the ids still matching the prefix), then
-        # one compaction pass: key > kth, plus the first k_rem ids with key == kth.
-        offs = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 512)
-        prefix = tl.full([], 0, tl.int32)
-        k_rem = tl.full([], 0, tl.int32) + K
-        for p in tl.static_range(4):
-            hist = tl.full((512,), 0, tl.int32)
-            for w0 in range(0, W, BLOCK):
-                w = w0 + offs
-                bits = tl.load(x_W_ptr + w, mask=w < W, other=0.0).to(tl.int32, bitcast=True)
-                u = bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648  # unsigned order bits
-                digit = (u >> (24 - 8 * p)) & 255
-                if p > 0:
-                    match = ((u >> (32 - 8 * p)) & ((1 << (8 * p)) - 1)) == prefix
-                    digit = tl.where(match & (w < W), digit, 256)
-                else:
-                    digit = tl.where(w < W, digit, 256)
-                hist += tl.histogram(digit, 512)
-            hist = tl.where(bins < 256, hist, 0)
-            total = tl.reduce(hist, 0, SUM_COMBINE)
-            above = total - tl.associative_scan(hist, 0, SUM_COMBINE)  # ids with digit > b
-            hit = (bins < 256) & (above < k_rem) & (above + hist >= k_rem)
-            d = tl.reduce(tl.where(hit, bins, -1), 0, MAX_COMBINE)
-            k_rem -= tl.reduce(tl.where(bins > d, hist, 0), 0, SUM_COMBINE)
-            prefix = (prefix << 8) | d
-        kth = prefix ^ -2147483648  # back to the signed key order
-        run_tie = tl.full([], 0, tl.int32)
-        run_take = tl.full([], 0, tl.int32)
-        for w0 in range(0, W, BLOCK):
-            w = w0 + offs
-            wm = w < W
-            bits = tl.load(x_W_ptr + w, mask=wm, other=0.0).to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            eq = (wm & (key == kth)).to(tl.int32)
-            tie_rank = run_tie + tl.associative_scan(eq, 0, SUM_COMBINE) - eq
-            take = ((wm & (key > kth)) | ((eq != 0) & (tie_rank < k_rem))).to(tl.int32)
-            slot = run_take + tl.associative_scan(take, 0, SUM_COMBINE) - take
-            tl.store(out_K_ptr + slot, w.to(tl.int64), mask=take != 0)
-            run_tie += tl.reduce(eq, 0, SUM_COMBINE)
-            run_take += tl.reduce(take, 0, SUM_COMBINE)
 
 
 # --------------------------------------------------------------------------- host wrappers
@@ -571,44 +522,5 @@ def ascending_ids(ids_K: torch.Tensor, W: int) -> torch.Tensor:
         W,
         BLOCK=block_for("ids_block", max(W, K), 16),
         num_warps=KERNEL_CONFIG["ids_warps"],
-    )
-    return out_K
-
-
-def topk_ids(x_W: torch.Tensor, K: int) -> torch.Tensor:
-    """Ids of the ``K`` largest entries of ``x_W``, ascending, in one launch.
-
-    The set of ``torch.topk(x_W, K).indices`` on CUDA: every entry above the K-th largest
-    value, then the lowest ids among the entries equal to it (float order of the bit patterns:
-    ``-0.0 < +0.0``, NaN above inf). Replaces ``torch.topk`` + a sort (about 15 launches of
-    host time). Runs where :func:`use_triton` says so, else ``torch.topk`` + ``torch.sort``.
-
-    Args:
-        x_W: [W] fp32, contiguous.
-        K: how many ids, ``0 <= K <= W``.
-
-    Returns:
-        int64 [K], ascending.
-
-    Raises:
-        ValueError: ``K`` outside ``[0, W]``, or ``x_W`` not a contiguous fp32 vector.
-    """
-    W = x_W.numel()
-    if not 0 <= K <= W:
-        raise ValueError(f"topk_ids: K = {K} must lie in [0, {W}] (the length of x_W)")
-    if x_W.dtype != torch.float32 or x_W.dim() != 1 or x_W.stride(0) != 1:
-        raise ValueError(
-            f"topk_ids needs a contiguous fp32 vector, got {x_W.dtype} {tuple(x_W.shape)}"
-        )
-    if not use_triton(x_W) or K == 0:
-        return torch.sort(torch.topk(x_W, K).indices).values
-    out_K = torch.empty(K, device=x_W.device, dtype=torch.int64)
-    _topk_ids_kernel[(1,)](
-        x_W,
-        out_K,
-        W,
-        K,
-        BLOCK=block_for("topk_block", W, 16),
-        num_warps=KERNEL_CONFIG["topk_warps"],
     )
     return out_K

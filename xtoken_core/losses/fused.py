@@ -205,9 +205,12 @@ def _pkl_fused(
         else:  # same ids as reference.select_teacher_columns: exact max, same topk input
             # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
             max_W = kernels.rows.column_max(zt_BUW, teacher_chunk_id_BU.reshape(-1).contiguous())
-            # The set of torch.topk on CUDA (ties at the K-th value to the lowest ids), in
-            # ascending order, by one radix-select launch (topk + sort are ~25 launches).
-            idx_K = kernels.rows.topk_ids(max_W, vocab_topk)
+            # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
+            # then sorts the values; skip that sort. The CPU kernel may break ties differently
+            # without it, so it keeps sorted=True there. The ids go in ascending order by one
+            # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
+            top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
+            idx_K = kernels.rows.ascending_ids(top.indices, W)
         teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
             zt_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
         )
