@@ -336,6 +336,7 @@ class QueueServer:
             "shm": True,  # adopts shared-memory tensors (ext 3/4) from same-host clients
             "shm_pool": True,  # answers reserve; put.reservation; claim/get shm
             "shm_reserve_ms": int(self.config.shm_reserve_s * 1000),
+            "shm_probe": self.pool.probe(),  # {name, nonce}: proves a client shares /dev/shm
         }
 
     def _on_put(self, ident, rid, body, frames):

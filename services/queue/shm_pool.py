@@ -141,6 +141,31 @@ class ShmPool:
         self.held_bytes = 0  # reserved + staged + free: memory the store does not count
         self.free_bytes = 0
         self.created = self.reused = self.unlinked = self.expired = 0
+        self._probe: tuple[ShmSegment, str] | None = None
+
+    # ---------------------------------------------------------------- probe
+
+    def probe(self) -> dict[str, str] | None:
+        """A tiny segment holding a random nonce, created on first use: ``{name, nonce}``.
+
+        A client whose address does not prove it is on this host (``tcp://queue:5555`` from
+        another container) reads the segment by name; only a process that sees this server's
+        /dev/shm finds the nonce, so the pool is used exactly where it can work. None when no
+        segment can be created (the hello then offers no probe).
+        """
+        if self._probe is None:
+            nonce = secrets.token_hex(16)
+            try:
+                segment = ShmSegment.create(len(nonce))
+            except OSError as e:
+                logger.warning("[queue] no shared-memory probe segment: %s", e)
+                return None
+            segment.view(0, torch.uint8, (len(nonce),)).copy_(
+                torch.frombuffer(bytearray(nonce.encode()), dtype=torch.uint8)
+            )
+            self._probe = (segment, nonce)
+        segment, nonce = self._probe
+        return {"name": segment.name, "nonce": nonce}
 
     # ---------------------------------------------------------------- reserve
 
@@ -399,6 +424,9 @@ class ShmPool:
         """Unlink every segment (clean exit); returns how many. Mappings stay valid in every
         process that still maps them until it drops them."""
         n = len(self.segments)
+        if self._probe is not None:
+            self._probe[0].unlink()
+            self._probe = None
         for seg in list(self.segments.values()):
             seg.segment.unlink()
         self.segments.clear()

@@ -23,7 +23,11 @@ of one stored put, or that were put as frames, still travel as frames.
 Modes (``QueueClient(..., shm=...)``):
   * ``"auto"`` (default): for a same-host address (``ipc://``, ``tcp://127.x``,
     ``tcp://localhost``, ``tcp://[::1]``), puts of at least ``shm_min_bytes`` go through the
-    pool once the server's hello says ``shm_pool: true``. Anything that stops it (a server
+    pool once the server's hello says ``shm_pool: true``. For any other address (``tcp://queue:
+    5555`` from a container beside the server's) the client reads the probe segment named in
+    the hello (``shm_probe``: a random nonce in the server's /dev/shm) and uses the pool only
+    when it finds the nonce, i.e. it shares the server's /dev/shm (docker ``ipc:
+    service:queue``); otherwise it sends frames, silently. Anything that stops it (a server
     without it, a /dev/shm the server cannot grow or that is private to another container)
     falls back to frames for the rest of the client's life, with one warning.
   * ``"never"``: always frames.
@@ -37,13 +41,14 @@ between writing such a segment and sending it leaves a file that ``sweep_orphans
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from services.queue import errors as codes
 from services.queue.errors import QueueError
-from xtoken_core.ipc.shm import ShmReader, ShmRegion, sweep_orphans
+from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmRegion, check_name, sweep_orphans
 from xtoken_core.wire import BAD_BODY, UNKNOWN_TYPE, JaggedColumn
 from xtoken_core.wire.shm import (
     fields_into_region,
@@ -70,6 +75,33 @@ def is_same_host(address: str) -> bool:
     return address.startswith(_LOCAL_PREFIXES)
 
 
+def shares_server_shm(probe: Any) -> bool:
+    """Whether this process sees the server's /dev/shm: the hello's probe segment holds its nonce.
+
+    Args:
+        probe: the hello's ``shm_probe`` (``{name, nonce}``), or anything else (False).
+
+    Returns:
+        True only when the named segment exists here and starts with exactly the nonce.
+    """
+    if not isinstance(probe, dict):
+        return False
+    nonce = probe.get("nonce")
+    if not isinstance(nonce, str) or not 16 <= len(nonce) <= 64:
+        return False
+    try:
+        name = check_name(probe.get("name"))
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (ValueError, OSError):
+        return False
+    try:
+        return os.read(fd, len(nonce)) == nonce.encode()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else max(0, int(round(seconds * 1000)))
 
@@ -94,16 +126,21 @@ class ShmPuts:
         if min_bytes < 0:
             raise ValueError(f"shm_min_bytes={min_bytes}: must be >= 0")
         self.mode = mode
+        self.address = address
         self.min_bytes = min_bytes if mode == "auto" else 0
-        self.enabled = mode == "always" or (mode == "auto" and is_same_host(address))
+        local = is_same_host(address)
+        self.enabled = mode != "never"
+        # auto, other address: the pool only if the hello's probe shows a shared /dev/shm
+        self._probe_first = mode == "auto" and not local
         # per-put segments only where they beat frames (not over a unix socket)
         self._per_put_ok = mode == "always" or address.startswith(_LOOPBACK_TCP)
         self.server: dict[str, Any] | None = None
         self.puts = 0
         # mappings of the server's pool segments, shared by puts and shm replies
         self.reader = ShmReader(unlink=False, max_cached=MAX_CACHED_SEGMENTS)
-        if self.enabled:
-            # segments of producers killed before their put left the process (see module doc)
+        if self.enabled and local:
+            # segments of producers killed before their put left the process (see module doc);
+            # not through a probe: another container's pids are not ours to judge
             sweep_orphans(min_age_s=ORPHAN_AGE_S)
 
     def wants(self, fields: Any) -> bool:
@@ -116,6 +153,12 @@ class ShmPuts:
             return False
         if self.server is None:
             self.server = client.hello()
+        if self._probe_first:
+            self._probe_first = False
+            if not shares_server_shm(self.server.get("shm_probe")):
+                logger.debug("[queue-client] %s: no shared /dev/shm, frames", self.address)
+                self.enabled = False
+                return False
         return bool(self.server.get("shm_pool"))
 
     def give_up(self, why: str) -> None:

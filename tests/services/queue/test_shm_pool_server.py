@@ -252,15 +252,16 @@ def test_sigterm_unlinks_the_pool_and_a_sigkilled_servers_pool_is_swept(make_ser
             client.reserve(1 << 20)  # outstanding
             client.put("q", ["a"], {"x": torch.ones(1, 1 << 18)})
             client.clear("q")  # free
-            pid = client.hello()["pid"]
-        assert len(server_segments(pid)) == 3
+            hello = client.hello()
+            pid, probe = hello["pid"], hello["shm_probe"]["name"]
+        assert probe in server_segments(pid) and len(server_segments(pid) - {probe}) == 3
         srv.proc.send_signal(sig)
         srv.proc.wait(20)
         pids.append(pid)
     assert not server_segments(pids[0])  # SIGTERM: unlinked on the way out
-    assert len(server_segments(pids[1])) == 3  # SIGKILL: left behind until swept
+    assert len(server_segments(pids[1])) == 4  # SIGKILL: pool + probe left until swept
     removed = sweep_orphans(min_age_s=0)
-    assert not server_segments(pids[1]) and len([n for n in removed if str(pids[1]) in n]) == 3
+    assert not server_segments(pids[1]) and len([n for n in removed if str(pids[1]) in n]) == 4
 
 
 SLOW_READER = r"""

@@ -14,10 +14,11 @@ import torch
 
 from services.queue.client import QueueClient
 from services.queue.errors import QueueError
-from services.queue.shm_transport import ShmPuts, is_same_host
+from services.queue.shm_transport import ShmPuts, is_same_host, shares_server_shm
 from tests.services.queue.conftest import ROOT
 from tests.services.queue.test_server import raw_request
 from xtoken_core.ipc import SHM_DIR
+from xtoken_core.ipc.shm import ShmSegment
 from xtoken_core.wire import JaggedColumn, encode_message
 from xtoken_core.wire.shm import EXT_SHM_TENSOR
 
@@ -39,13 +40,62 @@ def test_same_host_addresses():
     assert is_same_host("tcp://127.0.0.1:5555") and is_same_host("ipc:///tmp/q.sock")
     assert is_same_host("tcp://localhost:1") and is_same_host("tcp://[::1]:1")
     assert not is_same_host("tcp://10.1.2.3:5555") and not is_same_host("tcp://queue:5555")
-    assert not ShmPuts("tcp://queue:5555", "auto", 1).enabled
+    remote = ShmPuts("tcp://queue:5555", "auto", 1)
+    assert remote._probe_first and not ShmPuts("tcp://127.0.0.1:5555", "auto", 1)._probe_first
+    assert not ShmPuts("tcp://queue:5555", "never", 1).enabled
     assert ShmPuts("tcp://127.0.0.1:5555", "auto", 1).enabled
     assert ShmPuts("ipc:///tmp/q.sock", "auto", 1).enabled  # the pool beats a unix socket too
     assert not ShmPuts("ipc:///tmp/q.sock", "auto", 1)._per_put_ok  # fresh segments do not
     assert ShmPuts("tcp://queue:5555", "always", 1).enabled
     with pytest.raises(ValueError, match="shm="):
         ShmPuts("tcp://127.0.0.1:1", "sometimes", 1)
+
+
+def test_the_shm_probe_matches_only_its_own_nonce_in_a_visible_segment():
+    nonce = "0123456789abcdef0123456789abcdef"
+    with ShmSegment.create(len(nonce)) as seg:
+        seg.view(0, torch.uint8, (len(nonce),)).copy_(torch.tensor(list(nonce.encode())))
+        assert shares_server_shm({"name": seg.name, "nonce": nonce})
+        assert not shares_server_shm({"name": seg.name, "nonce": nonce[::-1]})
+        assert not shares_server_shm({"name": seg.name, "nonce": "short"})
+    assert not shares_server_shm({"name": seg.name, "nonce": nonce})  # unlinked: not visible
+    for bad in (None, [], {"nonce": nonce}, {"name": "../../etc/passwd", "nonce": nonce}):
+        assert not shares_server_shm(bad)
+
+
+def _any_local_address(address: str) -> str:
+    """The same server through tcp://0.0.0.0:PORT: local, but not provably so from the string
+    (like tcp://queue:5555 from a container that shares the server's /dev/shm)."""
+    return "tcp://0.0.0.0:" + address.rsplit(":", 1)[1]
+
+
+def test_a_client_at_a_non_loopback_address_uses_the_pool_once_the_probe_proves_shared_shm(server):
+    address = _any_local_address(server.address)
+    assert not is_same_host(address)
+    ids = JaggedColumn.from_rows([torch.arange(1 << 17), torch.arange(5)])
+    with QueueClient(address, timeout_s=20) as client:
+        client.put("shm-probe", ["a", "b"], {"ids": ids})
+        assert client._shm.puts == 1 and client._shm.enabled
+        got = client.get("shm-probe", ["a", "b"], shm=True)
+        assert client._shm.reader.owns(got["fields"]["ids"].values)  # a view of the pool
+    assert [torch.equal(a, b) for a, b in zip(got["fields"]["ids"].rows(), ids.rows())] == [
+        True,
+        True,
+    ]
+
+
+def test_without_the_probe_segment_a_non_loopback_client_sends_frames(make_server):
+    srv = make_server("--capacity", "64MiB")
+    with QueueClient(srv.address, timeout_s=20) as first:
+        probe = first.hello()["shm_probe"]
+    os.unlink(os.path.join(SHM_DIR, probe["name"]))  # as if the server's /dev/shm were private
+    big = {"x": torch.ones(2, 1 << 18)}
+    with QueueClient(_any_local_address(srv.address), timeout_s=20) as client:
+        assert client.put("no-probe", ["a", "b"], big)["written"] == 2
+        assert client._shm.puts == 0 and not client._shm.enabled
+        got = client.get("no-probe", ["a", "b"], shm=True)
+    assert torch.equal(got["fields"]["x"], big["x"])
+    assert "Traceback" not in srv.log()
 
 
 def test_put_via_shm_and_claim_via_frames_return_identical_data(server):
