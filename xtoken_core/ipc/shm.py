@@ -256,6 +256,15 @@ def _short(x: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+def _shm_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor that may go into shared memory; ValueError for an unsupported dtype."""
+    if tensor.dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"tensor dtype {tensor.dtype} cannot go into shm; use one of {sorted(WIRE_DTYPES)}"
+        )
+    return tensor.numel() * tensor.element_size()
+
+
 class ShmSegment:
     """Producer side: one shared-memory segment this process created and writes tensors into.
 
@@ -370,11 +379,7 @@ class ShmSegment:
         Raises:
             ValueError: unsupported dtype, or no room left.
         """
-        if tensor.dtype not in DTYPE_NAMES:
-            raise ValueError(
-                f"tensor dtype {tensor.dtype} cannot go into shm; use one of {sorted(WIRE_DTYPES)}"
-            )
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _shm_nbytes(tensor)
         offset = self.alloc(nbytes)
         self._copy_in(offset, tensor)
         return ShmTensorHandle(
@@ -524,11 +529,7 @@ class ShmRegion:
         Raises:
             ValueError: unsupported dtype, or no room left.
         """
-        if tensor.dtype not in DTYPE_NAMES:
-            raise ValueError(
-                f"tensor dtype {tensor.dtype} cannot go into shm; use one of {sorted(WIRE_DTYPES)}"
-            )
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = _shm_nbytes(tensor)
         offset = self.locate(tensor)
         if offset is None:
             offset = self.alloc(nbytes)
