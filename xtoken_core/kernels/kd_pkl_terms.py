@@ -27,6 +27,7 @@ chunk gets ``d kd / d q_r = T^2 (d kl_n / d q_n) / |n|``. The backward kernel al
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +37,14 @@ from .kd_pkl import project_rows_backward, project_rows_forward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProjectedChunkKL", "chunk_kl_backward", "chunk_kl_forward"]
+__all__ = [
+    "ChunkKLSaved",
+    "ProjectedChunkKL",
+    "chunk_kl_backward",
+    "chunk_kl_forward",
+    "projected_chunk_kl_backward",
+    "projected_chunk_kl_forward",
+]
 
 if tl is not None:
 
@@ -333,6 +341,94 @@ def chunk_kl_backward(
 # --------------------------------------------------------------------------- autograd
 
 
+class ChunkKLSaved(NamedTuple):
+    """What the backward of :func:`projected_chunk_kl_forward` reads (all on the logits' device)."""
+
+    nidx_R: torch.Tensor
+    offsets_N1: torch.Tensor
+    lp_NK: torch.Tensor
+    lse_R: torch.Tensor
+    q_RK: torch.Tensor
+    qc_NK: torch.Tensor
+    stats_N2: torch.Tensor
+    ell_j_PS: torch.Tensor
+    ell_w_PS: torch.Tensor
+
+
+def projected_chunk_kl_forward(
+    z_BTV,
+    nidx_R,
+    order_R,
+    offsets_N1,
+    lp_NK,
+    ptr_K1,
+    rows_E,
+    cols_E,
+    w_E,
+    ell_j_PS,
+    ell_w_PS,
+    temperature,
+    reverse_kl,
+    eps,
+    num_valid=None,
+) -> tuple[torch.Tensor, ChunkKLSaved]:
+    """The forward of :class:`ProjectedChunkKL` without autograd: four launches, no host sync.
+
+    Args: as :class:`ProjectedChunkKL` (``z_BTV`` last dim contiguous).
+
+    Returns:
+        ``(sums_4, saved)``: the fp32 sums ``(kd, l1 = 0, correct, num_valid)`` over the chunks
+        and the tensors :func:`projected_chunk_kl_backward` needs.
+    """
+    lse_R = row_logsumexp(z_BTV, nidx_R, temperature)
+    q_RK = project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
+    out_N4, qc_NK, stats_N2 = chunk_kl_forward(
+        q_RK, order_R, offsets_N1, lp_NK, temperature, reverse_kl, eps, num_valid
+    )
+    saved = ChunkKLSaved(
+        nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j_PS, ell_w_PS
+    )
+    return out_N4.sum(0), saved
+
+
+def projected_chunk_kl_backward(
+    grad: torch.Tensor,
+    z_BTV: torch.Tensor,
+    saved: ChunkKLSaved,
+    temperature: float,
+    reverse_kl: bool,
+    eps: float,
+) -> torch.Tensor:
+    """``d loss / d z`` of the KD sum of :func:`projected_chunk_kl_forward`, in two launches.
+
+    Args:
+        grad: fp32 tensor whose first element is ``d loss / d kd`` (read on the device).
+        z_BTV: the forward's logits.
+        saved: the forward's :class:`ChunkKLSaved`.
+        temperature: T.
+        reverse_kl: reverse KL.
+        eps: probability floor.
+
+    Returns:
+        dz_BTV in the logits dtype, contiguous.
+    """
+    dq_RK, dot_R = chunk_kl_backward(
+        grad,
+        saved.q_RK,
+        saved.nidx_R,
+        saved.offsets_N1,
+        saved.lp_NK,
+        saved.qc_NK,
+        saved.stats_N2,
+        temperature,
+        reverse_kl,
+        eps,
+    )
+    return project_rows_backward(
+        z_BTV, saved.lse_R, dq_RK, dot_R, saved.ell_j_PS, saved.ell_w_PS, temperature
+    )
+
+
 class ProjectedChunkKL(torch.autograd.Function):
     """Sums of the P-KL chunk terms from the student logits, four launches forward, two back.
 
@@ -346,50 +442,22 @@ class ProjectedChunkKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        z_BTV,
-        nidx_R,
-        order_R,
-        offsets_N1,
-        lp_NK,
-        ptr_K1,
-        rows_E,
-        cols_E,
-        w_E,
-        ell_j_PS,
-        ell_w_PS,
-        temperature,
-        reverse_kl,
-        eps,
-        num_valid=None,
-    ):
-        lse_R = row_logsumexp(z_BTV, nidx_R, temperature)
-        q_RK = project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
-        out_N4, qc_NK, stats_N2 = chunk_kl_forward(
-            q_RK, order_R, offsets_N1, lp_NK, temperature, reverse_kl, eps, num_valid
-        )
-        ctx.save_for_backward(
-            z_BTV, nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j_PS, ell_w_PS
-        )
+    def forward(ctx, z_BTV, *args):
+        sums_4, saved = projected_chunk_kl_forward(z_BTV, *args)
+        ctx.save_for_backward(z_BTV, *saved)
+        temperature, reverse_kl, eps = args[10:13]
         ctx.opts = (float(temperature), bool(reverse_kl), float(eps))
+        ctx.num_args = 1 + len(args)
         ctx.set_materialize_grads(False)  # the metrics get no gradient: no zeros for it
-        sums_4 = out_N4.sum(0)
         metrics_3 = sums_4[1:]
         ctx.mark_non_differentiable(metrics_3)
         return sums_4[0], metrics_3
 
     @staticmethod
     def backward(ctx, grad_kd, grad_metrics):
-        z_BTV, nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j, ell_w = (
-            ctx.saved_tensors
-        )
+        z_BTV, *saved = ctx.saved_tensors
         if grad_kd is None:
-            return (None,) * 15
-        temperature, reverse_kl, eps = ctx.opts
+            return (None,) * ctx.num_args
         grad = grad_kd.to(torch.float32).reshape(1)
-        dq_RK, dot_R = chunk_kl_backward(
-            grad, q_RK, nidx_R, offsets_N1, lp_NK, qc_NK, stats_N2, temperature, reverse_kl, eps
-        )
-        dz_BTV = project_rows_backward(z_BTV, lse_R, dq_RK, dot_R, ell_j, ell_w, temperature)
-        return (dz_BTV,) + (None,) * 14
+        dz_BTV = projected_chunk_kl_backward(grad, z_BTV, ChunkKLSaved(*saved), *ctx.opts)
+        return (dz_BTV,) + (None,) * (ctx.num_args - 1)

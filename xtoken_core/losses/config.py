@@ -64,6 +64,11 @@ class CrossTokenizerLossConfig:
             (lm_head padding) are sliced to it. None: the logits' width.
         backend: "auto" (kernels on CUDA when importable), "reference" or "kernel".
         check_inputs: run the cheap input checks (shapes, chunk-id range, finite logits).
+        cuda_graphs: replay the fused P-KL KD phase as a CUDA graph when a call passes logits
+            at the addresses of an earlier call (a training loop does): the same kernels and
+            bitwise the same results, without ~50 kernel launches of host time per call
+            (:mod:`xtoken_core.losses.graphed`). ``XTOKEN_CUDA_GRAPHS=0`` turns it off too.
+        cuda_graph_cache: graphs kept at most (each holds the phase's working memory).
     """
 
     projection: ProjectionSource | Sequence[ProjectionSource] | None = None
@@ -82,6 +87,8 @@ class CrossTokenizerLossConfig:
     teacher_vocab_size: int | Sequence[int | None] | None = None
     backend: str = "auto"
     check_inputs: bool = True
+    cuda_graphs: bool = True
+    cuda_graph_cache: int = 2
     projections: tuple[ProjectionSource, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +119,11 @@ class CrossTokenizerLossConfig:
             raise ValueError(f"vocab_topk={self.vocab_topk!r} must be a positive int or None (all)")
         if not isinstance(self.uncommon_topk, int) or self.uncommon_topk < 1:
             raise ValueError(f"uncommon_topk={self.uncommon_topk!r} must be a positive int")
+        if not isinstance(self.cuda_graph_cache, int) or self.cuda_graph_cache < 1:
+            raise ValueError(
+                f"cuda_graph_cache={self.cuda_graph_cache!r} must be an int >= 1 (graphs kept); "
+                "set cuda_graphs=False to use none"
+            )
         for name in ("kl_weight", "ce_weight"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

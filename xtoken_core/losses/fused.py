@@ -171,6 +171,63 @@ def _fused_inputs(
     return zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows
 
 
+def pkl_teacher_side(
+    teacher_logits_BUW: torch.Tensor,
+    teacher_chunk_id_BU: torch.Tensor,
+    t_rows: ChunkRows,
+    tables,
+    *,
+    temperature: float,
+    vocab_topk: int | None,
+    device_N: torch.Tensor | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The P-KL teacher side and the projection restricted to its columns, no host sync.
+
+    Picks the ``vocab_topk`` teacher ids with the largest max-logit over the used rows (the
+    ids of :func:`reference.select_teacher_columns`), chunk-averages the teacher
+    ``log_softmax(z / T)`` over them and restricts the projection tables to them.
+
+    Args:
+        teacher_logits_BUW: [B, U, W] teacher logits, last dim contiguous.
+        teacher_chunk_id_BU: [B, U] shifted teacher chunk ids (rows with an id >= 0 are used).
+        t_rows: the teacher side's valid-chunk rows.
+        tables: :class:`xtoken_core.kernels.kd_pkl.ProjectionTables` of M.
+        temperature: T.
+        vocab_topk: number of teacher columns kept (None: all).
+        device_N: int64 [1] device N when the rows cover every chunk slot, else None.
+
+    Returns:
+        ``(teacher_lp_NK, restricted)``: [N, K] fp32 chunk-averaged teacher log-probabilities
+        and the restricted tables of :func:`xtoken_core.kernels.kd_pkl.restrict_tables`.
+    """
+    kernels = _kd_kernels()
+    W = teacher_logits_BUW.shape[-1]
+    with torch.no_grad():
+        if vocab_topk is None or vocab_topk >= W:
+            idx_K = torch.arange(W, device=teacher_logits_BUW.device)
+        else:  # same ids as reference.select_teacher_columns: exact max, same topk input
+            # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
+            max_W = kernels.rows.column_max(
+                teacher_logits_BUW, teacher_chunk_id_BU.reshape(-1).contiguous()
+            )
+            # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
+            # then sorts the values; skip that sort. The CPU kernel may break ties differently
+            # without it, so it keeps sorted=True there. The ids go in ascending order by one
+            # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
+            top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
+            idx_K = kernels.rows.ascending_ids(top.indices, W)
+        teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
+            teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
+        )
+        restricted = kernels.pkl.restrict_tables(tables, idx_K)
+    return teacher_lp_NK, restricted
+
+
+def pkl_projection_tables(projection_VW: torch.Tensor):
+    """The cached CSC + ELL tables of a sparse projection (:func:`kd_pkl.projection_tables`)."""
+    return _kd_kernels().pkl.projection_tables(projection_VW)
+
+
 def _pkl_fused(
     student_logits_BTV,
     teacher_logits_BUW,
@@ -198,25 +255,15 @@ def _pkl_fused(
     )
     # With a plan, N stays on the device: the chunk kernels cover every slot and skip n >= N.
     device_N = None if plan is None else plan.stats_5[4:5]
-    W = zt_BUW.shape[-1]
-    with torch.no_grad():
-        if vocab_topk is None or vocab_topk >= W:
-            idx_K = torch.arange(W, device=zt_BUW.device)
-        else:  # same ids as reference.select_teacher_columns: exact max, same topk input
-            # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
-            max_W = kernels.rows.column_max(zt_BUW, teacher_chunk_id_BU.reshape(-1).contiguous())
-            # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
-            # then sorts the values; skip that sort. The CPU kernel may break ties differently
-            # without it, so it keeps sorted=True there. The ids go in ascending order by one
-            # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
-            top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
-            idx_K = kernels.rows.ascending_ids(top.indices, W)
-        teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
-            zt_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
-        )
-        restricted = kernels.pkl.restrict_tables(
-            kernels.pkl.projection_tables(projection_VW), idx_K
-        )
+    teacher_lp_NK, restricted = pkl_teacher_side(
+        zt_BUW,
+        teacher_chunk_id_BU,
+        t_rows,
+        pkl_projection_tables(projection_VW),
+        temperature=temperature,
+        vocab_topk=vocab_topk,
+        device_N=device_N,
+    )
     kd, sums_3 = kernels.pkl_terms.ProjectedChunkKL.apply(
         zs_BTV,
         s_rows.nidx_R,

@@ -12,14 +12,14 @@ Legend (shape suffixes in this file):
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from xtoken_core.losses import fused, reference
+from xtoken_core.losses import fused, graphed, reference
+from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.utils import (
     AlignmentView,
@@ -44,140 +44,6 @@ METRIC_KEYS = (
 )
 
 
-class _DeferredChecks:
-    """Input checks queued as device reductions and read back with one host sync per device.
-
-    Each check adds a small fp64 piece (an fp32 sum, an id min/max, a count); :meth:`run` reads
-    them all at once and raises the first failure in the order the checks were queued
-    (:meth:`start` + :meth:`finish`, split so that work independent of the checks can be queued
-    while the readback is in flight).
-    """
-
-    def __init__(self) -> None:
-        self._items: list[tuple[str, str, Any, torch.Tensor]] = []
-        self._pending: list[tuple[list[int], torch.Tensor, Any]] = []
-
-    def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
-        self._items.append((kind, name, extra, piece.reshape(-1)))
-        return len(self._items) - 1
-
-    def finite(self, name: str, x: torch.Tensor) -> None:
-        # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
-        # copy: NaN and inf propagate through the sum. A non-finite sum of finite (huge) values
-        # is possible, so only then is the exact element-wise check paid.
-        self._add("finite", name, x, x.sum(dtype=torch.float32))
-
-    def id_range(self, name: str, ids_BT: torch.Tensor, num_chunks: int) -> None:
-        if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor, got dtype {ids_BT.dtype}")
-        if ids_BT.numel():
-            self._add(
-                "ids", name, num_chunks, torch.cat([m.reshape(1) for m in torch.aminmax(ids_BT)])
-            )
-
-    def id_bounds(self, name: str, minmax_2: torch.Tensor, num_chunks: int) -> None:
-        """Queue an id-range check from a device ``[min, max]`` pair (min > max: no ids)."""
-        self._add("ids", name, num_chunks, minmax_2)
-
-    def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
-        counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
-        if token_mask_BT is not None:
-            counted_BT = counted_BT & token_mask_BT.bool().to(counted_BT.device)
-        if sample_mask_B is not None:
-            counted_BT = counted_BT & sample_mask_B.bool().view(-1, 1).to(counted_BT.device)
-        counted_BT[:, 0] = False  # the first token is never a target
-        if input_ids_BT.numel():  # uncounted positions read as 0, a valid id
-            targets_BT = torch.where(counted_BT, input_ids_BT, 0)
-            minmax = torch.aminmax(targets_BT)
-            self._add("targets", "input_ids", V, torch.cat([m.reshape(1) for m in minmax]))
-
-    def count(self, mask: torch.Tensor) -> int:
-        """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
-        return self._add("count", "", None, mask.sum())
-
-    def value(self, piece: torch.Tensor) -> int:
-        """Queue a device value computed elsewhere; returns its slot in :meth:`run`'s result."""
-        return self._add("count", "", None, piece)
-
-    def start(self) -> None:
-        """Queue the readback of every piece (one copy per device, no host wait on CUDA).
-
-        The copies go to pinned host memory behind an event, so the host can keep launching
-        work that does not depend on the checks; :meth:`finish` waits for them.
-        """
-        by_device: dict[torch.device, list[int]] = {}
-        for i, item in enumerate(self._items):
-            by_device.setdefault(item[3].device, []).append(i)
-        self._pending = []
-        for slots in by_device.values():
-            # cat promotes every piece to the first one's float64 (exact for ids and counts)
-            pieces = [self._items[i][3] for i in slots]
-            flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]])
-            event = None
-            if flat.is_cuda:
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                flat = host
-            self._pending.append((slots, flat, event))
-
-    def run(self) -> list[list[float]]:
-        """Read every queued piece (one sync per device) and raise the first failed check.
-
-        Returns:
-            The values of each queued piece, in order (counts as ``[n]``).
-
-        Raises:
-            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
-        """
-        self.start()
-        return self.finish()
-
-    def finish(self) -> list[list[float]]:
-        """Wait for the readback of :meth:`start` and raise the first failed check.
-
-        Returns:
-            The values of each queued piece, in order (counts as ``[n]``).
-
-        Raises:
-            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
-        """
-        values: list[list[float]] = [[] for _ in self._items]
-        for slots, flat, event in self._pending:
-            if event is not None:
-                event.synchronize()
-            flat = flat.tolist()
-            at = 0
-            for i in slots:
-                n = self._items[i][3].numel()
-                values[i], at = flat[at : at + n], at + n
-        self._pending = []
-        for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
-            if kind == "finite" and not math.isfinite(vals[0]):
-                if not bool(torch.isfinite(extra).all()):
-                    raise ValueError(
-                        f"{name} holds NaN or inf; check the model forward (fp16 overflow?)"
-                    )
-            elif kind == "ids":
-                lo, hi = int(vals[0]), int(vals[1])
-                if lo <= hi and (lo < -1 or hi >= extra):
-                    raise ValueError(
-                        f"{name} has ids in [{lo}, {hi}] but must lie in [-1, {extra}) "
-                        f"(num_chunks = alignment_pair_valid.shape[1] = {extra}); "
-                        "re-run the aligner or widen alignment_pair_valid"
-                    )
-            elif kind == "targets":
-                lo, hi = int(vals[0]), int(vals[1])
-                if lo < 0 or hi >= extra:
-                    bad = hi if hi >= extra else lo
-                    raise ValueError(
-                        f"input_ids hold {bad} at a counted position but the student vocab is "
-                        f"{extra}; mask it out with token_mask or fix the tokenizer/model pairing"
-                    )
-        return values
-
-
 class CrossTokenizerLoss:
     """Cross-tokenizer KD loss (P-KL, gold or relaxed gold) plus the student CE.
 
@@ -195,6 +61,7 @@ class CrossTokenizerLoss:
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
         self.config = config
         self._cache: dict[tuple, Any] = {}
+        self._graphs: graphed.GraphedPklPhase | None = None
 
     # ----------------------------------------------------------------- projections
 
@@ -292,6 +159,64 @@ class CrossTokenizerLoss:
             )
         return self._cache[key]
 
+    def _graph_eligible(self, backend, student_logits: torch.Tensor, teachers) -> bool:
+        """Whether this call's KD phase goes through :class:`graphed.GraphedPklPhase`."""
+        cfg = self.config
+        return (
+            cfg.cuda_graphs
+            and not cfg.gold_loss
+            and backend is fused
+            and student_logits.is_cuda
+            and student_logits.dtype != torch.float64
+            and graphed.graphs_enabled()
+            and not torch.cuda.is_current_stream_capturing()
+            and all(fused.fused_path_available(student_logits, z_t) for z_t in teachers)
+        )
+
+    def _graph_teacher(self, i, alignment, z_t, V: int, W: int, dtype, device):
+        coef_5, bias_5 = self._metric_scales(self.config.teacher_weights[i], dtype, device)
+        return graphed.PklTeacher(
+            logits_BUW=z_t,
+            student_chunk_id_BT=alignment.student_chunk_id,
+            teacher_chunk_id_BU=alignment.teacher_chunk_id,
+            pair_valid_BC=alignment.pair_valid,
+            pair_is_correct_BC=alignment.pair_is_correct,
+            tables=fused.pkl_projection_tables(self._projection_vocab(i, V, W, device)),
+            coef_5=coef_5,
+            bias_5=bias_5,
+        )
+
+    def _graph_phase(self, student_logits, teachers, sample_mask, chunk_denoms, checks):
+        """Run the graphed P-KL phase; queue its checks in the order of the eager path."""
+        cfg = self.config
+        if self._graphs is None:
+            self._graphs = graphed.GraphedPklPhase(cfg.cuda_graph_cache)
+        spec = graphed.PklSpec(
+            temperature=float(cfg.temperature),
+            vocab_topk=cfg.vocab_topk,
+            reverse_kl=bool(cfg.reverse_kl),
+            exact_token_match_only=bool(cfg.exact_token_match_only),
+        )
+        kd, metrics_4n, checks_X = self._graphs(
+            spec, student_logits, teachers, sample_mask, chunk_denoms
+        )
+        if checks is not None:  # checks_X may be graph memory: start() copies it this call
+            checks.finite("student_logits", student_logits, total=checks_X[0:1])
+            for i, t in enumerate(teachers):
+                name = "teacher_logits" if len(teachers) == 1 else f"teacher_logits[{i}]"
+                at = 1 + 6 * i
+                C = t.pair_valid_BC.shape[1]
+                checks.finite(name, t.logits_BUW, total=checks_X[at : at + 1])
+                checks.id_bounds("alignment_student_chunk_id", checks_X[at + 1 : at + 3], C)
+                checks.id_bounds("alignment_teacher_chunk_id", checks_X[at + 3 : at + 5], C)
+        return kd, metrics_4n
+
+    @property
+    def graph_stats(self) -> dict[str, Any] | None:
+        """CUDA-graph counts of the P-KL phase (eager, captures, replays, evictions, disabled
+        reason), or None before the first graph-eligible call."""
+        return None if self._graphs is None else self._graphs.stats
+
     def _backend(self, device: torch.device):
         choice = self.config.backend
         if choice == "reference":
@@ -350,7 +275,7 @@ class CrossTokenizerLoss:
         B: int,
         T: int,
         U: int | None,
-        checks: _DeferredChecks | None = None,
+        checks: DeferredChecks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Shifted ids and the validity mask of one teacher, after the cheap shape checks.
 
@@ -387,7 +312,7 @@ class CrossTokenizerLoss:
         T: int,
         U: int,
         device: torch.device,
-        checks: _DeferredChecks | None,
+        checks: DeferredChecks | None,
     ):
         """:meth:`_valid_chunks` for the fused path: one :func:`fused.plan_chunks` (two
         launches) gives the shifted ids, validity, N and both sides' rows; the id-range checks
@@ -488,10 +413,13 @@ class CrossTokenizerLoss:
             raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
         B, T, V = student_logits.shape
         device = student_logits.device
-        checks = _DeferredChecks() if cfg.check_inputs else None
-        if checks is not None:
-            checks.finite("student_logits", student_logits)
+        checks = DeferredChecks() if cfg.check_inputs else None
         backend = self._backend(device)
+        # P-KL on the fused path: the whole KD phase as one CUDA graph replay (graphed.py); it
+        # computes the logits' check sums and the plan stats itself
+        graph_teachers = [] if self._graph_eligible(backend, student_logits, teachers) else None
+        if checks is not None and graph_teachers is None:
+            checks.finite("student_logits", student_logits)
         dtype = reference.compute_dtype(student_logits)
 
         if global_valid_chunks is not None:
@@ -521,9 +449,14 @@ class CrossTokenizerLoss:
                     "teacher_vocab_size"
                 )
             z_t = z_t[..., :W]
+            alignment = alignment_from_batch(batch, i)
+            if graph_teachers is not None:
+                if cfg.check_inputs:
+                    self._check_alignment_shapes(alignment, B, T, z_t.shape[1])
+                graph_teachers.append(self._graph_teacher(i, alignment, z_t, V, W, dtype, device))
+                continue
             if checks is not None:
                 checks.finite(name, z_t)
-            alignment = alignment_from_batch(batch, i)
             plan = slot = None
             if backend is fused and fused.fused_path_available(student_logits, z_t):
                 plan = self._planned_chunks(batch, alignment, B, T, z_t.shape[1], device, checks)
@@ -539,6 +472,15 @@ class CrossTokenizerLoss:
                     slot = checks.count(valid_BC)
             prepared.append((W, z_t, s_ids, t_ids, valid_BC, slot, plan))
         token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
+        graph_out = None
+        if graph_teachers is not None:
+            graph_out = self._graph_phase(
+                student_logits,
+                graph_teachers,
+                sample_mask,
+                None if global_valid_chunks is None else chunk_denoms,
+                checks,
+            )
         if "input_ids" in batch:
             input_ids = batch["input_ids"]
             if cfg.check_inputs and tuple(input_ids.shape) != (B, T):
@@ -565,48 +507,52 @@ class CrossTokenizerLoss:
         zero = student_logits.new_zeros((), dtype=dtype)
         kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
         acc_5 = None
-        for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot, plan)) in enumerate(
-            zip(cfg.teacher_weights, prepared, strict=True)
-        ):
-            common = (student_logits, z_t, s_ids, t_ids, valid_BC)
-            extra = {}
-            if backend is fused and slot is not None and values is not None:
-                extra["num_valid"] = int(values[slot][0])
-            if plan is not None:
-                extra["plan"] = plan
-            if cfg.gold_loss:
-                terms = backend.gold_kd_loss(
-                    *common,
-                    self._exact_map(i, V, W, device),
-                    temperature=cfg.temperature,
-                    uncommon_topk=cfg.uncommon_topk,
-                    reverse_kl=cfg.reverse_kl,
-                    **extra,
+        if graph_out is not None:
+            kd, metrics_4n = graph_out
+            kl_common, l1_uncommon, proj_accuracy, num_valid = metrics_4n[:4].unbind()
+        else:
+            for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot, plan)) in enumerate(
+                zip(cfg.teacher_weights, prepared, strict=True)
+            ):
+                common = (student_logits, z_t, s_ids, t_ids, valid_BC)
+                extra = {}
+                if backend is fused and slot is not None and values is not None:
+                    extra["num_valid"] = int(values[slot][0])
+                if plan is not None:
+                    extra["plan"] = plan
+                if cfg.gold_loss:
+                    terms = backend.gold_kd_loss(
+                        *common,
+                        self._exact_map(i, V, W, device),
+                        temperature=cfg.temperature,
+                        uncommon_topk=cfg.uncommon_topk,
+                        reverse_kl=cfg.reverse_kl,
+                        **extra,
+                    )
+                else:
+                    if backend is fused:
+                        extra["projection_topk"] = self._projection_topk(i, device)
+                    terms = backend.pkl_kd_loss(
+                        *common,
+                        self._projection_vocab(i, V, W, device),
+                        temperature=cfg.temperature,
+                        vocab_topk=cfg.vocab_topk,
+                        reverse_kl=cfg.reverse_kl,
+                        **extra,
+                    )
+                denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
+                # One update for the five sums in three launches: [kd, kl, l1] * w / d,
+                # correct / d / n_t, num_valid / n_t as sums * (coef / d + bias), the constants
+                # cached on the device. The metrics are detached; the gradient takes one multiply.
+                coef_5, bias_5 = self._metric_scales(weight, dtype, device)
+                scale_5 = torch.addcdiv(bias_5, coef_5, denom.to(dtype).clamp_min(1))
+                sums_5 = torch.stack(
+                    [terms.kd.detach(), terms.kl, terms.l1, terms.correct, terms.num_valid]
                 )
-            else:
-                if backend is fused:
-                    extra["projection_topk"] = self._projection_topk(i, device)
-                terms = backend.pkl_kd_loss(
-                    *common,
-                    self._projection_vocab(i, V, W, device),
-                    temperature=cfg.temperature,
-                    vocab_topk=cfg.vocab_topk,
-                    reverse_kl=cfg.reverse_kl,
-                    **extra,
-                )
-            denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
-            # One update for the five sums in three launches: [kd, kl, l1] * w / d,
-            # correct / d / n_t, num_valid / n_t as sums * (coef / d + bias), the constants
-            # cached on the device. The metrics are detached; the gradient takes one multiply.
-            coef_5, bias_5 = self._metric_scales(weight, dtype, device)
-            scale_5 = torch.addcdiv(bias_5, coef_5, denom.to(dtype).clamp_min(1))
-            sums_5 = torch.stack(
-                [terms.kd.detach(), terms.kl, terms.l1, terms.correct, terms.num_valid]
-            )
-            scaled_5 = sums_5.to(dtype) * scale_5
-            kd_i = terms.kd.to(dtype) * scale_5[0]
-            acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
-            kd = kd_i if i == 0 else kd + kd_i
+                scaled_5 = sums_5.to(dtype) * scale_5
+                kd_i = terms.kd.to(dtype) * scale_5[0]
+                acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
+                kd = kd_i if i == 0 else kd + kd_i
         if acc_5 is not None:
             kl_common, l1_uncommon, proj_accuracy, num_valid = acc_5[1:].unbind()
         if checks is not None and deferred:

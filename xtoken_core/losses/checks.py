@@ -1,0 +1,145 @@
+"""Input checks of the loss queued as device reductions and read back with one host sync."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["DeferredChecks"]
+
+
+class DeferredChecks:
+    """Input checks queued as device reductions and read back with one host sync per device.
+
+    Each check adds a small fp64 piece (an fp32 sum, an id min/max, a count); :meth:`run` reads
+    them all at once and raises the first failure in the order the checks were queued
+    (:meth:`start` + :meth:`finish`, split so that work independent of the checks can be queued
+    while the readback is in flight).
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[str, str, Any, torch.Tensor]] = []
+        self._pending: list[tuple[list[int], torch.Tensor, Any]] = []
+
+    def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
+        self._items.append((kind, name, extra, piece.reshape(-1)))
+        return len(self._items) - 1
+
+    def finite(self, name: str, x: torch.Tensor, total: torch.Tensor | None = None) -> None:
+        """Queue the NaN/inf check of ``x`` (``total``: its fp32 sum, computed elsewhere)."""
+        # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
+        # copy: NaN and inf propagate through the sum. A non-finite sum of finite (huge) values
+        # is possible, so only then is the exact element-wise check paid.
+        self._add("finite", name, x, x.sum(dtype=torch.float32) if total is None else total)
+
+    def id_range(self, name: str, ids_BT: torch.Tensor, num_chunks: int) -> None:
+        if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {ids_BT.dtype}")
+        if ids_BT.numel():
+            self._add(
+                "ids", name, num_chunks, torch.cat([m.reshape(1) for m in torch.aminmax(ids_BT)])
+            )
+
+    def id_bounds(self, name: str, minmax_2: torch.Tensor, num_chunks: int) -> None:
+        """Queue an id-range check from a device ``[min, max]`` pair (min > max: no ids)."""
+        self._add("ids", name, num_chunks, minmax_2)
+
+    def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
+        counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
+        if token_mask_BT is not None:
+            counted_BT = counted_BT & token_mask_BT.bool().to(counted_BT.device)
+        if sample_mask_B is not None:
+            counted_BT = counted_BT & sample_mask_B.bool().view(-1, 1).to(counted_BT.device)
+        counted_BT[:, 0] = False  # the first token is never a target
+        if input_ids_BT.numel():  # uncounted positions read as 0, a valid id
+            targets_BT = torch.where(counted_BT, input_ids_BT, 0)
+            minmax = torch.aminmax(targets_BT)
+            self._add("targets", "input_ids", V, torch.cat([m.reshape(1) for m in minmax]))
+
+    def count(self, mask: torch.Tensor) -> int:
+        """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
+        return self._add("count", "", None, mask.sum())
+
+    def value(self, piece: torch.Tensor) -> int:
+        """Queue a device value computed elsewhere; returns its slot in :meth:`run`'s result."""
+        return self._add("count", "", None, piece)
+
+    def start(self) -> None:
+        """Queue the readback of every piece (one copy per device, no host wait on CUDA).
+
+        The copies go to pinned host memory behind an event, so the host can keep launching
+        work that does not depend on the checks; :meth:`finish` waits for them.
+        """
+        by_device: dict[torch.device, list[int]] = {}
+        for i, item in enumerate(self._items):
+            by_device.setdefault(item[3].device, []).append(i)
+        self._pending = []
+        for slots in by_device.values():
+            # cat promotes every piece to the first one's float64 (exact for ids and counts)
+            pieces = [self._items[i][3] for i in slots]
+            flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]])
+            event = None
+            if flat.is_cuda:
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                flat = host
+            self._pending.append((slots, flat, event))
+
+    def run(self) -> list[list[float]]:
+        """Read every queued piece (one sync per device) and raise the first failed check.
+
+        Returns:
+            The values of each queued piece, in order (counts as ``[n]``).
+
+        Raises:
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
+        """
+        self.start()
+        return self.finish()
+
+    def finish(self) -> list[list[float]]:
+        """Wait for the readback of :meth:`start` and raise the first failed check.
+
+        Returns:
+            The values of each queued piece, in order (counts as ``[n]``).
+
+        Raises:
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
+        """
+        values: list[list[float]] = [[] for _ in self._items]
+        for slots, flat, event in self._pending:
+            if event is not None:
+                event.synchronize()
+            flat = flat.tolist()
+            at = 0
+            for i in slots:
+                n = self._items[i][3].numel()
+                values[i], at = flat[at : at + n], at + n
+        self._pending = []
+        for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
+            if kind == "finite" and not math.isfinite(vals[0]):
+                if not bool(torch.isfinite(extra).all()):
+                    raise ValueError(
+                        f"{name} holds NaN or inf; check the model forward (fp16 overflow?)"
+                    )
+            elif kind == "ids":
+                lo, hi = int(vals[0]), int(vals[1])
+                if lo <= hi and (lo < -1 or hi >= extra):
+                    raise ValueError(
+                        f"{name} has ids in [{lo}, {hi}] but must lie in [-1, {extra}) "
+                        f"(num_chunks = alignment_pair_valid.shape[1] = {extra}); "
+                        "re-run the aligner or widen alignment_pair_valid"
+                    )
+            elif kind == "targets":
+                lo, hi = int(vals[0]), int(vals[1])
+                if lo < 0 or hi >= extra:
+                    bad = hi if hi >= extra else lo
+                    raise ValueError(
+                        f"input_ids hold {bad} at a counted position but the student vocab is "
+                        f"{extra}; mask it out with token_mask or fix the tokenizer/model pairing"
+                    )
+        return values
