@@ -122,13 +122,16 @@ class PhaseResult:
             num_valid)`` over the teachers, then each teacher's KD scale (weight / denominator).
         checks_X: fp64 ``[1 + 6 n]``: the student logits' fp32 sum, then per teacher its logits'
             sum and the plan stats (student id min, max, teacher id min, max, N).
-        student_BTV: the student logits as the kernels read them (last dim contiguous).
+        student_BTV: the contiguous copy the kernels read when the student logits' last dim
+            is strided, else None (they read the logits themselves: a graph must not hold a
+            reference to the logits it was captured with, or their address could never be
+            freed and taken by the next step's logits).
         saved: per teacher, the :class:`~xtoken_core.kernels.kd_pkl_terms.ChunkKLSaved`.
     """
 
     out_F: torch.Tensor
     checks_X: torch.Tensor
-    student_BTV: torch.Tensor
+    student_BTV: torch.Tensor | None
     saved: tuple
 
 
@@ -208,7 +211,10 @@ def kd_phase(
         saved.append(saved_i)
     checks_X = torch.cat([c.to(torch.float64) for c in checks])
     return PhaseResult(
-        out_F=torch.cat([acc_5, *scales]), checks_X=checks_X, student_BTV=zs_BTV, saved=tuple(saved)
+        out_F=torch.cat([acc_5, *scales]),
+        checks_X=checks_X,
+        student_BTV=zs_BTV if student_logits_BTV.stride(-1) != 1 else None,
+        saved=tuple(saved),
     )
 
 
@@ -299,24 +305,58 @@ class _Entry:
 
 
 class _Run:
-    """One call's phase: its result now, and the tensors its backward reads later."""
+    """One call's phase: its inputs and result, and where its backward finds them again.
+
+    The backward's tensors travel through ``ctx.save_for_backward`` (:meth:`flatten`), so that
+    autograd frees them after the backward as it does for any Function: the logits of a
+    finished step do not outlive it, and the next step's logits can take their addresses.
+    """
 
     def __init__(self, spec, inputs, result, entry=None, generation=0) -> None:
         self.spec = spec
-        self.inputs = inputs  # (student, teachers, sample_mask, denoms) for a recompute
+        self.inputs = inputs  # (student, teachers, sample_mask, denoms)
         self.result = result
         self.entry = entry
         self.generation = generation
+        self.num_teachers = len(inputs[1])
+        self.aux = [(t.tables, t.coef_5, t.bias_5) for t in inputs[1]]
 
-    def backward_result(self) -> PhaseResult:
-        if self.entry is None:
-            return self.result
-        if self.entry.alive and self.entry.generation == self.generation:
-            return self.result
-        # the graph ran again (or was dropped) since this forward: its memory holds another
-        # call's tensors, so rebuild this call's from its inputs
-        with torch.no_grad():
-            return kd_phase(self.spec, *self.inputs)
+    def flatten(self) -> list[torch.Tensor | None]:
+        """Every tensor the backward may read, in the order :meth:`restore` expects."""
+        student, teachers, sample_mask, denoms = self.inputs
+        flat = [student, sample_mask, denoms, self.result.student_BTV]
+        for t in teachers:
+            flat += [t.logits_BUW, *t.small()]
+        for saved in self.result.saved:
+            flat += list(saved)
+        return flat
+
+    def backward_tensors(self, flat: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, tuple]:
+        """``(student_BTV, saved)`` of this call from :meth:`flatten`'s tensors, recomputed when
+        the graph ran again (or was dropped) since this forward: its memory then holds another
+        call's tensors."""
+        student, sample_mask, denoms, student_BTV = flat[:4]
+        n = self.num_teachers
+        per = [flat[4 + 5 * i : 9 + 5 * i] for i in range(n)]
+        saved_flat = flat[4 + 5 * n :]
+        stale = self.entry is not None and (
+            not self.entry.alive or self.entry.generation != self.generation
+        )
+        if stale:
+            teachers = [PklTeacher(*p, *aux) for p, aux in zip(per, self.aux, strict=True)]
+            with torch.no_grad():
+                result = kd_phase(self.spec, student, teachers, sample_mask, denoms)
+            student_BTV, saved = result.student_BTV, result.saved
+        else:
+            saved_type = fused._kd_kernels().pkl_terms.ChunkKLSaved
+            width = len(saved_type._fields)
+            saved = tuple(saved_type(*saved_flat[i * width : (i + 1) * width]) for i in range(n))
+        return (student.detach() if student_BTV is None else student_BTV), saved
+
+    def detach_tensors(self) -> _Run:
+        """Forget the tensors (they now live in the autograd context) and keep the rest."""
+        self.inputs = self.result = None
+        return self
 
 
 class _PhaseFunction(torch.autograd.Function):
@@ -327,9 +367,9 @@ class _PhaseFunction(torch.autograd.Function):
         out_F = run.result.out_F
         kd = out_F[0].clone()
         metrics = out_F[1:].clone()  # 4 sums, then the teachers' KD scales (for backward)
-        ctx.run = run
-        # the logits are saved for autograd's in-place check (an edit before backward raises)
-        ctx.save_for_backward(student_logits_BTV, metrics)
+        # the logits among them: autograd's in-place check (an edit before backward raises)
+        ctx.save_for_backward(metrics, *run.flatten())
+        ctx.run = run.detach_tensors()
         ctx.mark_non_differentiable(metrics)
         ctx.set_materialize_grads(False)
         return kd, metrics
@@ -338,17 +378,13 @@ class _PhaseFunction(torch.autograd.Function):
     def backward(ctx, grad_kd, grad_metrics):
         if grad_kd is None:
             return None, None
-        student_BTV, metrics = ctx.saved_tensors
+        metrics, *flat = ctx.saved_tensors
         run = ctx.run
-        result = run.backward_result()
-        if student_BTV.stride(-1) == 1:  # else the kernels read the phase's contiguous copy
-            student_BTV = student_BTV.detach()
-        else:
-            student_BTV = result.student_BTV
+        student_BTV, saved_all = run.backward_tensors(flat)
         pkl_terms = fused._kd_kernels().pkl_terms
         grad = grad_kd.to(torch.float32).reshape(1)
         dz_BTV = None
-        for i, saved in enumerate(result.saved):
+        for i, saved in enumerate(saved_all):
             dz_i = pkl_terms.projected_chunk_kl_backward(
                 grad * metrics[4 + i : 5 + i],
                 student_BTV,
@@ -425,8 +461,9 @@ class GraphedPklPhase:
         if run is None:
             with torch.no_grad():
                 run = _Run(spec, inputs, kd_phase(spec, *inputs))
+        checks_X = run.result.checks_X
         kd, metrics = _PhaseFunction.apply(student_logits_BTV, run)
-        return kd, metrics, run.result.checks_X
+        return kd, metrics, checks_X
 
     def _capture(self, key, spec, inputs, small) -> _Run | None:
         student, teachers, sample_mask, denoms = inputs
