@@ -180,7 +180,8 @@ def pkl_teacher_side(
     temperature: float,
     vocab_topk: int | None,
     device_N: torch.Tensor | None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    with_sum: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """The P-KL teacher side and the projection restricted to its columns, no host sync.
 
     Picks the ``vocab_topk`` teacher ids with the largest max-logit over the used rows (the
@@ -195,21 +196,27 @@ def pkl_teacher_side(
         temperature: T.
         vocab_topk: number of teacher columns kept (None: all).
         device_N: int64 [1] device N when the rows cover every chunk slot, else None.
+        with_sum: also return the fp32 sum of the teacher logits when the top-k pass reads
+            them all anyway (their finite check), else None.
 
     Returns:
-        ``(teacher_lp_NK, restricted)``: [N, K] fp32 chunk-averaged teacher log-probabilities
-        and the restricted tables of :func:`xtoken_core.kernels.kd_pkl.restrict_tables`.
+        ``(teacher_lp_NK, restricted, total)``: [N, K] fp32 chunk-averaged teacher
+        log-probabilities, the restricted tables of
+        :func:`xtoken_core.kernels.kd_pkl.restrict_tables`, and the sum (or None).
     """
     kernels = _kd_kernels()
     W = teacher_logits_BUW.shape[-1]
+    total = None
     with torch.no_grad():
         if vocab_topk is None or vocab_topk >= W:
             idx_K = torch.arange(W, device=teacher_logits_BUW.device)
         else:  # same ids as reference.select_teacher_columns: exact max, same topk input
             # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
             max_W = kernels.rows.column_max(
-                teacher_logits_BUW, teacher_chunk_id_BU.reshape(-1).contiguous()
+                teacher_logits_BUW, teacher_chunk_id_BU.reshape(-1).contiguous(), with_sum=with_sum
             )
+            if with_sum:
+                max_W, total = max_W
             # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
             # then sorts the values; skip that sort. The CPU kernel may break ties differently
             # without it, so it keeps sorted=True there. The ids go in ascending order by one
@@ -220,7 +227,7 @@ def pkl_teacher_side(
             teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
         )
         restricted = kernels.pkl.restrict_tables(tables, idx_K)
-    return teacher_lp_NK, restricted
+    return teacher_lp_NK, restricted, total
 
 
 def pkl_projection_tables(projection_VW: torch.Tensor):
@@ -255,7 +262,7 @@ def _pkl_fused(
     )
     # With a plan, N stays on the device: the chunk kernels cover every slot and skip n >= N.
     device_N = None if plan is None else plan.stats_5[4:5]
-    teacher_lp_NK, restricted = pkl_teacher_side(
+    teacher_lp_NK, restricted, _ = pkl_teacher_side(
         zt_BUW,
         teacher_chunk_id_BU,
         t_rows,

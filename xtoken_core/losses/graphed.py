@@ -161,12 +161,14 @@ def kd_phase(
     kernels = fused._kd_kernels()
     zs_BTV = fused._last_dim_contiguous(student_logits_BTV.detach())
     device = zs_BTV.device
-    checks = [zs_BTV.sum(dtype=torch.float32).reshape(1)]
+    # The finite checks are plain fp32 sums of the logits, taken by passes that read them
+    # anyway: the student's row-logsumexp pass, the teacher's column-max pass.
+    row_sums_R = torch.empty(zs_BTV.shape[0] * zs_BTV.shape[1], device=device)
+    checks = [row_sums_R]  # summed at the end, once the first teacher's pass has filled it
     acc_5 = None
     scales, saved = [], []
     for i, t in enumerate(teachers):
         zt_BUW = fused._last_dim_contiguous(t.logits_BUW.detach())
-        checks.append(zt_BUW.sum(dtype=torch.float32).reshape(1))
         plan = kernels.plan.plan_chunks(
             t.student_chunk_id_BT.to(device),
             t.teacher_chunk_id_BU.to(device),
@@ -177,10 +179,9 @@ def kd_phase(
             else t.pair_is_correct_BC.to(device),
             exact_token_match_only=spec.exact_token_match_only,
         )
-        checks.append(plan.stats_5)
         device_N = plan.stats_5[4:5]
         s_rows, t_rows = ChunkRows(*plan.rows(0, None)), ChunkRows(*plan.rows(1, None))
-        teacher_lp_NK, restricted = fused.pkl_teacher_side(
+        teacher_lp_NK, restricted, teacher_sum = fused.pkl_teacher_side(
             zt_BUW,
             plan.teacher_chunk_id_BU,
             t_rows,
@@ -188,7 +189,11 @@ def kd_phase(
             temperature=spec.temperature,
             vocab_topk=spec.vocab_topk,
             device_N=device_N,
+            with_sum=True,
         )
+        if teacher_sum is None:  # all columns kept: no column-max pass
+            teacher_sum = zt_BUW.sum(dtype=torch.float32)
+        checks += [teacher_sum.reshape(1), plan.stats_5]
         sums_4, saved_i = kernels.pkl_terms.projected_chunk_kl_forward(
             zs_BTV,
             s_rows.nidx_R,
@@ -200,6 +205,7 @@ def kd_phase(
             bool(spec.reverse_kl),
             reference.PROB_EPS,
             device_N,
+            row_sums_R=row_sums_R if i == 0 else None,
         )
         # (kd, kl, l1, correct, num_valid) * (coef / denom + bias), as the loss scales them
         denom = sums_4[3] if chunk_denoms is None else chunk_denoms[i]
@@ -209,6 +215,9 @@ def kd_phase(
         acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
         scales.append(scale_5[:1])
         saved.append(saved_i)
+    if not teachers:
+        row_sums_R = zs_BTV.sum(dtype=torch.float32)
+    checks[0] = row_sums_R.sum().reshape(1)
     checks_X = torch.cat([c.to(torch.float64) for c in checks])
     return PhaseResult(
         out_F=torch.cat([acc_5, *scales]),
