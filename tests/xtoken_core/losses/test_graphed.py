@@ -292,5 +292,7 @@ def test_a_training_loop_replays_its_graph(padded_vocab):
             del loss
         assert torch.equal(results[0][0], results[1][0]), step
         assert torch.equal(results[0][1], results[1][1]), step
+    # the two loss objects' steps interleave, so the addresses alternate between two sets:
+    # eager, eager, capture, capture, then every step replays one of the two graphs
     stats = fns[0].graph_stats
-    assert stats["captures"] <= 2 and stats["replays"] >= 5, stats
+    assert stats["captures"] <= 2 and stats["replays"] >= 4, stats
