@@ -104,6 +104,7 @@ def plan_chunks(
     sample_mask_B: torch.Tensor | None = None,
     pair_is_correct_BC: torch.Tensor | None = None,
     exact_token_match_only: bool = False,
+    device: torch.device | None = None,
 ):
     """Shifted ids, validity, N and both sides' valid-chunk rows in two launches, no sync.
 
@@ -120,6 +121,7 @@ def plan_chunks(
         sample_mask_B: [B] or None.
         pair_is_correct_BC: [B, C] bool or None.
         exact_token_match_only: keep only the chunks with ``pair_is_correct``.
+        device: where the plan is made (the inputs are moved there); None: the student ids'.
 
     Returns:
         A :class:`xtoken_core.kernels.kd_rows.ChunkPlan`.
@@ -127,8 +129,9 @@ def plan_chunks(
     Raises:
         ValueError: ``exact_token_match_only`` without ``pair_is_correct_BC``.
     """
+    # the kernel wrapper moves every other input to the student ids' device
     return _kd_kernels().plan.plan_chunks(
-        student_chunk_id_BT,
+        student_chunk_id_BT if device is None else student_chunk_id_BT.to(device),
         teacher_chunk_id_BU,
         pair_valid_BC,
         sample_mask_B=sample_mask_B,

@@ -169,15 +169,14 @@ def kd_phase(
     scales, saved = [], []
     for i, t in enumerate(teachers):
         zt_BUW = fused._last_dim_contiguous(t.logits_BUW.detach())
-        plan = kernels.plan.plan_chunks(
-            t.student_chunk_id_BT.to(device),
-            t.teacher_chunk_id_BU.to(device),
-            t.pair_valid_BC.to(device),
-            sample_mask_B=None if sample_mask_B is None else sample_mask_B.to(device),
-            pair_is_correct_BC=None
-            if t.pair_is_correct_BC is None
-            else t.pair_is_correct_BC.to(device),
+        plan = fused.plan_chunks(
+            t.student_chunk_id_BT,
+            t.teacher_chunk_id_BU,
+            t.pair_valid_BC,
+            sample_mask_B=sample_mask_B,
+            pair_is_correct_BC=t.pair_is_correct_BC,
             exact_token_match_only=spec.exact_token_match_only,
+            device=device,
         )
         device_N = plan.stats_5[4:5]
         s_rows, t_rows = ChunkRows(*plan.rows(0, None)), ChunkRows(*plan.rows(1, None))
@@ -459,7 +458,10 @@ class GraphedPklPhase:
             _layout(chunk_denoms),
         )
         inputs = (student_logits_BTV, tuple(teachers), sample_mask_B, chunk_denoms)
-        action = self.policy.decide(key)
+        # a graph is captured and replayed on the current device: logits elsewhere run eagerly
+        device = student_logits_BTV.device
+        elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
+        action = "eager" if elsewhere else self.policy.decide(key)
         run = None
         if action == "replay":
             entry = self.policy.entries[key]

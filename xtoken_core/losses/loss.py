@@ -321,14 +321,13 @@ class CrossTokenizerLoss:
             self._check_alignment_shapes(alignment, B, T, U)
         sample_mask = batch.get("sample_mask")
         plan = fused.plan_chunks(
-            alignment.student_chunk_id.to(device),
-            alignment.teacher_chunk_id.to(device),
-            alignment.pair_valid.to(device),
-            sample_mask_B=None if sample_mask is None else sample_mask.to(device),
-            pair_is_correct_BC=None
-            if alignment.pair_is_correct is None
-            else alignment.pair_is_correct.to(device),
+            alignment.student_chunk_id,
+            alignment.teacher_chunk_id,
+            alignment.pair_valid,
+            sample_mask_B=sample_mask,
+            pair_is_correct_BC=alignment.pair_is_correct,
             exact_token_match_only=self.config.exact_token_match_only,
+            device=device,
         )
         if checks is not None:
             C = alignment.max_chunks
