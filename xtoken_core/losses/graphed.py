@@ -293,8 +293,11 @@ class GraphPolicy:
 class _Entry:
     """One captured graph: its static inputs, its outputs and a replay generation."""
 
-    def __init__(self, graph, static_small, static_denoms, result: PhaseResult) -> None:
+    def __init__(self, graph, static_small, static_denoms, result: PhaseResult, keep) -> None:
         self.graph = graph
+        # the projection tables and metric constants the graph reads by address: alive as long
+        # as the graph (so their memory, and the ids in the key, are never reused under it)
+        self.keep = keep
         self.static_small = static_small
         self.static_denoms = static_denoms
         self.result = result
@@ -505,7 +508,8 @@ class GraphedPklPhase:
         except Exception as exc:  # a kernel or library call that cannot be captured
             self.policy.disable(f"capture failed ({type(exc).__name__}: {exc}); running eagerly")
             return None
-        entry = _Entry(graph, static_small, static_denoms, result)
+        keep = [(t.tables, t.coef_5, t.bias_5) for t in teachers]
+        entry = _Entry(graph, static_small, static_denoms, result, keep)
         for old in self.policy.add(key, entry):
             old.alive = False
         generation = entry.replay(small, denoms)
