@@ -305,11 +305,12 @@ class _Entry:
         self.alive = True
 
     def replay(self, small: Sequence[torch.Tensor | None], denoms: torch.Tensor | None) -> int:
+        # plain copies (a pinned CPU source is read before the call returns, as ``.to`` does)
         for dst, src in zip(self.static_small, small, strict=True):
             if dst is not None:
-                dst.copy_(src, non_blocking=True)
+                dst.copy_(src)
         if denoms is not None:
-            self.static_denoms.copy_(denoms, non_blocking=True)
+            self.static_denoms.copy_(denoms)
         self.graph.replay()
         self.generation += 1
         return self.generation
