@@ -33,6 +33,7 @@ X the flat checks (1 + 6 per teacher).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
@@ -112,6 +113,17 @@ class PklTeacher:
             self.pair_is_correct_BC,
         )
 
+    def with_small(self, small: Sequence[torch.Tensor | None]) -> PklTeacher:
+        """This teacher with other small inputs (in :meth:`small`'s order)."""
+        s_ids, t_ids, pair_valid, pair_is_correct = small
+        return dataclasses.replace(
+            self,
+            student_chunk_id_BT=s_ids,
+            teacher_chunk_id_BU=t_ids,
+            pair_valid_BC=pair_valid,
+            pair_is_correct_BC=pair_is_correct,
+        )
+
 
 @dataclass
 class PhaseResult:
@@ -164,7 +176,7 @@ def kd_phase(
     # The finite checks are plain fp32 sums of the logits, taken by passes that read them
     # anyway: the student's row-logsumexp pass, the teacher's column-max pass.
     row_sums_R = torch.empty(zs_BTV.shape[0] * zs_BTV.shape[1], device=device)
-    checks = [row_sums_R]  # summed at the end, once the first teacher's pass has filled it
+    teacher_checks = []
     acc_5 = None
     scales, saved = [], []
     for i, t in enumerate(teachers):
@@ -192,7 +204,7 @@ def kd_phase(
         )
         if teacher_sum is None:  # all columns kept: no column-max pass
             teacher_sum = zt_BUW.sum(dtype=torch.float32)
-        checks += [teacher_sum.reshape(1), plan.stats_5]
+        teacher_checks += [teacher_sum.reshape(1), plan.stats_5]
         sums_4, saved_i = kernels.pkl_terms.projected_chunk_kl_forward(
             zs_BTV,
             s_rows.nidx_R,
@@ -214,9 +226,8 @@ def kd_phase(
         acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
         scales.append(scale_5[:1])
         saved.append(saved_i)
-    if not teachers:
-        row_sums_R = zs_BTV.sum(dtype=torch.float32)
-    checks[0] = row_sums_R.sum().reshape(1)
+    # the first teacher's row-logsumexp pass has filled row_sums_R (a loss has >= 1 teacher)
+    checks = [row_sums_R.sum().reshape(1), *teacher_checks]
     checks_X = torch.cat([c.to(torch.float64) for c in checks])
     return PhaseResult(
         out_F=torch.cat([acc_5, *scales]),
@@ -273,6 +284,10 @@ class GraphPolicy:
             self._seen.popitem(last=False)
         self.stats["eager"] += 1
         return "eager"
+
+    def forget(self, key: Hashable) -> None:
+        """Drop ``key`` from the keys seen once (its eager run failed: it is not captured)."""
+        self._seen.pop(key, None)
 
     def add(self, key: Hashable, entry: Any) -> list[Any]:
         """Keep a captured ``entry``; returns the entries evicted to make room."""
@@ -474,8 +489,14 @@ class GraphedPklPhase:
         elif action == "capture":
             run = self._capture(key, spec, inputs, small)
         if run is None:
-            with torch.no_grad():
-                run = _Run(spec, inputs, kd_phase(spec, *inputs))
+            try:
+                with torch.no_grad():
+                    run = _Run(spec, inputs, kd_phase(spec, *inputs))
+            except Exception:
+                # bad input (e.g. exact_token_match_only without pair_is_correct): this key is
+                # not one to capture, and a capture must never be what finds the error
+                self.policy.forget(key)
+                raise
         checks_X = run.result.checks_X
         kd, metrics = _PhaseFunction.apply(student_logits_BTV, run)
         return kd, metrics, checks_X
@@ -487,21 +508,10 @@ class GraphedPklPhase:
             None if x is None else torch.empty(x.shape, dtype=x.dtype, device=device) for x in small
         ]
         static_denoms = None if denoms is None else torch.empty_like(denoms, device=device)
-        it = iter(static_small)
         static_teachers = [
-            PklTeacher(
-                t.logits_BUW,
-                next(it),
-                next(it),
-                next(it),
-                next(it),
-                t.tables,
-                t.coef_5,
-                t.bias_5,
-            )
-            for t in teachers
+            t.with_small(static_small[4 * i : 4 * i + 4]) for i, t in enumerate(teachers)
         ]
-        static_mask = next(it)
+        static_mask = static_small[-1]
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):

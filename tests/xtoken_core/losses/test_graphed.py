@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.xtoken_core.losses.test_loss import make_alignment
 from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, graphed
 
 Bn, Tn, Un, Vn, Wn, Cn, Kp = 2, 97, 89, 523, 401, 70, 3
@@ -21,30 +22,12 @@ def make_projection(V=Vn, W=Wn):
 
 
 def make_batch(seed, device, bad_ids=False, Tn=Tn, Un=Un, Cn=Cn):
-    """Runs of 1-3 tokens per side, ~15% invalid pairs, a padded tail; ``bad_ids``: one id >= C."""
-    g = torch.Generator().manual_seed(seed)
-    s_ids = torch.full((Bn, Tn), -1, dtype=torch.long)
-    t_ids = torch.full((Bn, Un), -1, dtype=torch.long)
-    pair_valid = torch.zeros(Bn, Cn, dtype=torch.bool)
-    for b in range(Bn):
-        ps = pt = 0
-        for c in range(Cn):
-            ls, lt = (int(x) for x in torch.randint(1, 4, (2,), generator=g))
-            if ps + ls > Tn or pt + lt > Un:
-                break
-            s_ids[b, ps : ps + ls], t_ids[b, pt : pt + lt] = c, c
-            ps, pt = ps + ls, pt + lt
-            pair_valid[b, c] = bool(torch.rand((), generator=g) > 0.15)
+    """test_loss's alignment (runs of 1-3 tokens, ~15% invalid pairs) with a sample mask on
+    ``device``; ``bad_ids``: one student id >= C."""
+    batch = make_alignment(seed, Bn=Bn, Tn=Tn, Un=Un, Cn=Cn)
     if bad_ids:
-        s_ids[1, 2] = Cn + 4
-    batch = {
-        "alignment_pair_valid": pair_valid,
-        "alignment_pair_is_correct": pair_valid & (torch.rand(Bn, Cn, generator=g) > 0.3),
-        "alignment_student_chunk_id": s_ids,
-        "alignment_teacher_chunk_id": t_ids,
-        "alignment_num_chunks": pair_valid.sum(1),
-        "sample_mask": torch.tensor([True, seed % 3 != 2]),
-    }
+        batch["alignment_student_chunk_id"][1, 2] = Cn + 4
+    batch["sample_mask"] = torch.tensor([True, seed % 3 != 2])
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -115,6 +98,14 @@ def test_policy_stops_capturing_when_keys_never_repeat_after_capture():
     assert policy.stats["captures"] == 2 * policy.capacity + 3
 
 
+def test_policy_does_not_capture_a_key_whose_eager_run_failed():
+    policy = graphed.GraphPolicy(capacity=2)
+    assert policy.decide("bad") == "eager"
+    policy.forget("bad")  # its eager run raised
+    assert policy.decide("bad") == "eager"
+    assert policy.decide("bad") == "capture"
+
+
 def test_policy_rejects_a_capacity_below_one():
     with pytest.raises(ValueError, match="capacity=0"):
         graphed.GraphPolicy(capacity=0)
@@ -161,6 +152,30 @@ def test_phase_path_matches_the_fused_path_interpreted_on_cpu(monkeypatch, rever
     assert stats["eager"] == 1 and "capture failed" in stats["disabled"], stats
     with pytest.raises(ValueError, match="alignment_student_chunk_id has ids in"):
         phase_fn(zs, zts, make_batch(0, "cpu", bad_ids=True, Tn=T, Un=U, Cn=C))
+    short = make_batch(0, "cpu", Tn=T - 1, Un=U, Cn=C)
+    with pytest.raises(ValueError, match=r"alignment_student_chunk_id is \(2, 14\)"):
+        phase_fn(zs, zts, short)
+
+
+def test_bad_input_on_the_phase_path_raises_without_a_capture(monkeypatch):
+    """exact_token_match_only without pair_is_correct fails in the eager run of a new key; the
+    key is not captured next time (a capture must not be what finds bad input, nor turn the
+    graphs off for good: on CPU any capture fails, so a capture would show in the stats)."""
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU tests")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(CrossTokenizerLoss, "_graph_eligible", lambda self, *a: True)
+    T, U, V, W, C = 15, 13, 41, 37, 10
+    zs = torch.randn(Bn, T, V).requires_grad_()
+    zt = torch.randn(Bn, U, W)
+    fn = loss_fn(True, projection=make_projection(V, W), vocab_topk=20, mode="pkl")
+    fn.config.exact_token_match_only = True
+    batch = make_batch(0, "cpu", Tn=T, Un=U, Cn=C)
+    del batch["alignment_pair_is_correct"]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs alignment_pair_is_correct"):
+            fn(zs, zt, batch)
+    assert fn.graph_stats["disabled"] is None and fn.graph_stats["captures"] == 0
 
 
 # ----------------------------------------------------------------------------- GPU: the graphs
