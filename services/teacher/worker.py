@@ -1,0 +1,276 @@
+"""Teacher worker logic: one request (B teacher-id rows) in, full-vocab logits in a ring slot out.
+
+``TeacherWorker`` owns the teacher model and its logit ring and knows nothing of sockets: the
+process shell (main.py) claims requests from the queue, calls :meth:`TeacherWorker.compute`
+and writes the returned fields back onto the request record.
+
+Transports (DESIGN.md, "Teacher logits"):
+* ``shm`` / ``cuda_ipc``: the logits go into a slot of a ring allocated and exported once; the
+  result names the slot (a handle with a generation). The trainer reads the slot in place and
+  releases it after its backward; :meth:`compute` blocks while every slot is still held.
+* ``hidden``: the final (post-norm) hidden states travel through the queue; the trainer applies
+  the teacher's output layer itself. About W/d fewer bytes than logits.
+
+Legend: B rows of a request, U its longest row, W the teacher vocab (logits width), d hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import field
+from typing import Any, Literal
+
+import torch
+
+from services.teacher.protocol import Request, Result, hidden_field, new_instance, result_field
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("shm", "cuda_ipc", "hidden")
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` -> bfloat16 on CUDA, float32 elsewhere; else the torch dtype of that name.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a float dtype; use auto, bfloat16, float32")
+    return dtype
+
+
+@dataclasses.dataclass
+class TeacherConfig:
+    """Settings of one teacher process (the ``teacher`` section of a run config)."""
+
+    queue: str = field(
+        default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"}
+    )
+    partition: str = field(default="train", metadata={"help": "sample partition of the run"})
+    group: int = field(
+        default=0, metadata={"help": "teacher group served: requests of <partition>.teacher<group>"}
+    )
+    model: str = field(
+        default="smollm2",
+        metadata={"help": "teacher model: a local HF directory, a preset name, or smollm2"},
+    )
+    tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer name or path"})
+    vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "model vocab of a preset model (default: the tokenizer's vocab)"},
+    )
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    dtype: str = field(
+        default="auto", metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)"}
+    )
+    transport: Literal["shm", "cuda_ipc", "hidden"] = field(
+        default="shm", metadata={"help": "how logits reach the trainer: shm, cuda_ipc, hidden"}
+    )
+    slots: int = field(default=2, metadata={"help": "slots of the logit ring (>= 2)"})
+    max_batch: int = field(default=8, metadata={"help": "most rows of one request (slot rows)"})
+    max_length: int = field(
+        default=2048, metadata={"help": "longest teacher row (the teacher context length)"}
+    )
+    logits_dtype: str = field(
+        default="bfloat16", metadata={"help": "dtype of the logits in the ring / hidden states"}
+    )
+    checksum: bool = field(
+        default=False, metadata={"help": "put a float64 checksum of each slot in its handle"}
+    )
+    lease_s: float = field(
+        default=120.0, metadata={"help": "lease of a claimed request (redelivered if we die)"}
+    )
+    claim_timeout_s: float = field(default=1.0, metadata={"help": "server-side wait of a claim"})
+    queue_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
+    )
+    heartbeat_s: float = field(default=0.5, metadata={"help": "ring heartbeat period"})
+    seed: int = field(default=0, metadata={"help": "seed of a preset model's random weights"})
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: use one of {', '.join(TRANSPORTS)}")
+        if self.transport == "cuda_ipc" and not str(self.device).startswith("cuda"):
+            raise ValueError(
+                f"transport=cuda_ipc needs a CUDA device, got device={self.device!r}; use "
+                "transport=shm on CPU"
+            )
+        if self.slots < 2:
+            raise ValueError(
+                f"slots={self.slots}: the ring needs >= 2 slots so that the teacher computes "
+                "batch k+1 while the trainer trains on batch k"
+            )
+        for name in ("max_batch", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.group < 0:
+            raise ValueError(f"group={self.group}: must be >= 0")
+        for name in ("lease_s", "claim_timeout_s", "queue_timeout_s", "heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        resolve_dtype(self.dtype, self.device)
+        resolve_dtype(self.logits_dtype, self.device)
+
+
+class TeacherWorker:
+    """The teacher model, its output layer and its logit ring.
+
+    Args:
+        config: the teacher settings.
+        model: an already loaded causal LM (tests); default: ``load_model(config.model)``.
+
+    Raises:
+        ValueError: a model whose vocab is smaller than its tokenizer's, a bad config.
+    """
+
+    def __init__(self, config: TeacherConfig, model: torch.nn.Module | None = None) -> None:
+        from xtoken_core.data.collator import resolve_pad_id
+        from xtoken_core.models import check_vocab, load_model, model_vocab_size, split_lm_head
+        from xtoken_core.tokenizers import load_tokenizer
+
+        self.config = config
+        self.instance = new_instance()
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.logits_dtype = resolve_dtype(config.logits_dtype, config.device)
+        tokenizer = load_tokenizer(config.tokenizer)
+        self.pad_id = resolve_pad_id(tokenizer)
+        self.tokenizer_vocab = int(tokenizer.vocab_size)
+        if model is None:
+            model = load_model(
+                config.model,
+                vocab_size=config.vocab_size or self.tokenizer_vocab,
+                dtype=self.dtype,
+                device=self.device,
+                seed=config.seed,
+            )
+        self.model = model.eval().requires_grad_(False)
+        self.width = model_vocab_size(self.model)
+        check_vocab(f"teacher model {config.model!r}", self.width, self.tokenizer_vocab)
+        self.backbone, self.lm_head = split_lm_head(self.model)
+        self.ring = None
+        if config.transport != "hidden":
+            from xtoken_core.ipc.logit_ring import LogitRingWriter
+
+            self.ring = LogitRingWriter(
+                transport=config.transport,
+                num_slots=config.slots,
+                slot_shape=(config.max_batch, config.max_length, self.width),
+                dtype=self.logits_dtype,
+                device=self.device,
+                heartbeat_s=config.heartbeat_s,
+            )
+        self.computed = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, request: Request) -> str | None:
+        """Why a request cannot be served (a message for the trainer), or None."""
+        cfg = self.config
+        B, U = request.ids_BU.shape
+        if B < 1:
+            return f"request {request.key!r} has no rows"
+        if B > cfg.max_batch or U > cfg.max_length:
+            return (
+                f"request {request.key!r} is {B} x {U} tokens, over the teacher's slot of "
+                f"{cfg.max_batch} x {cfg.max_length}: raise teacher max_batch / max_length or "
+                "lower the trainer's micro_batch / teacher context"
+            )
+        top = int(request.ids_BU.max()) if request.ids_BU.numel() else 0
+        if int(request.ids_BU.min()) < 0 or top >= self.width:
+            return (
+                f"request {request.key!r} has teacher ids outside [0, {self.width}): collate "
+                f"with the teacher's tokenizer ({self.config.tokenizer!r})"
+            )
+        return None
+
+    def error_fields(self, request_key: str, rank: int, message: str) -> dict[str, Any]:
+        """The result fields that tell trainer ``rank`` why its request was refused."""
+        result = Result(self.config.transport, self.instance, None, None, self.width, 0, 0, message)
+        return {result_field(rank): result.blob()}
+
+    @torch.no_grad()
+    def hidden_states(self, request: Request) -> torch.Tensor:
+        """Final (post-norm) hidden states ``[B, U, d]`` of a request."""
+        ids_BU = request.ids_BU.to(self.device, non_blocking=True)
+        pos_U = torch.arange(ids_BU.shape[1], device=self.device)
+        mask_BU = (pos_U[None, :] < request.lengths_B.to(self.device)[:, None]).to(torch.int64)
+        return self.backbone(ids_BU, mask_BU)
+
+    @torch.no_grad()
+    def logits(self, request: Request) -> torch.Tensor:
+        """Full-vocab logits ``[B, U, W]`` (the model dtype) of a request, no ring."""
+        return self.lm_head(self.hidden_states(request))
+
+    def compute(
+        self, request: Request, stop: threading.Event | None = None
+    ) -> dict[str, Any]:
+        """Serve one request.
+
+        Args:
+            request: a decoded request (see protocol.py).
+            stop: set while waiting for a free slot = give up (raises InterruptedError).
+
+        Returns:
+            The fields to write onto the request record (``result<rank>``, and ``hidden<rank>``
+            for the hidden transport); an error result when the request is malformed.
+
+        Raises:
+            InterruptedError: ``stop`` was set while every slot was held.
+        """
+        problem = self.check(request)
+        if problem is not None:
+            logger.warning("[teacher] refusing %s", problem)
+            return self.error_fields(request.key, request.rank, problem)
+        B, U = request.ids_BU.shape
+        cfg = self.config
+        if self.ring is None:  # hidden transport
+            hidden_BUd = self.hidden_states(request).to(self.logits_dtype)
+            result = Result("hidden", self.instance, None, None, self.width, B, U)
+            self.computed += 1
+            return {
+                result_field(request.rank): result.blob(),
+                hidden_field(request.rank): hidden_BUd.unsqueeze(0).cpu(),
+            }
+        slot = self._acquire(stop)
+        hidden_BUd = self.hidden_states(request)
+        out_BUW = self.ring.buffer(slot)[:B, :U]
+        out_BUW.copy_(self.lm_head(hidden_BUd))
+        handle = self.ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
+        result = Result(cfg.transport, self.instance, self.ring.descriptor, handle, self.width, B, U)
+        self.computed += 1
+        return {result_field(request.rank): result.blob()}
+
+    def _acquire(self, stop: threading.Event | None) -> int:
+        waited = 0.0
+        while True:
+            try:
+                return self.ring.acquire(timeout_s=1.0, stop=stop)
+            except TimeoutError:
+                if stop is not None and stop.is_set():
+                    raise InterruptedError("stopping while every ring slot was held") from None
+                waited += 1.0
+                if waited % 30 == 0:
+                    logger.warning(
+                        "[teacher] all %d ring slots held by trainers for %.0fs",
+                        self.config.slots,
+                        waited,
+                    )
+
+    def close(self) -> None:
+        """Mark the ring closed (its handles become stale) and free it."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    def __enter__(self) -> TeacherWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,176 @@
+"""Settings of a trainer process (the ``trainer`` section of a run config), nested per concern."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Literal
+
+LOSS_MODES = ("pkl", "gold", "xtoken", "ce")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW with linear warmup and a cosine decay to ``min_lr_ratio * lr``."""
+
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    min_lr_ratio: float = field(
+        default=0.1, metadata={"help": "final learning rate as a fraction of lr (cosine end)"}
+    )
+    grad_clip: float = field(
+        default=1.0, metadata={"help": "clip the global gradient norm to this (0: off)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}: must be > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip}: must be >= 0 (0 turns clipping off)")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """The distillation loss (xtoken_core.losses); ``ce`` trains on the student CE alone."""
+
+    mode: Literal["pkl", "gold", "xtoken", "ce"] = field(
+        default="pkl",
+        metadata={"help": "pkl (projected KL), gold, xtoken (relaxed gold) or ce (no teacher)"},
+    )
+    projection: str | None = field(
+        default=None,
+        metadata={"help": "projection file (xtoken projection build); needed unless mode=ce"},
+    )
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature of the KD term"})
+    kl_weight: float = field(default=1.0, metadata={"help": "weight of the KD term"})
+    ce_weight: float = field(default=1.0, metadata={"help": "weight of the student CE term"})
+    vocab_topk: int | None = field(
+        default=8192, metadata={"help": "teacher columns kept by P-KL (None: all)"}
+    )
+    uncommon_topk: int = field(default=8192, metadata={"help": "gold: sorted-L1 length cap"})
+    reverse_kl: bool = field(default=False, metadata={"help": "KL(student || teacher)"})
+    dynamic_scaling: bool = field(default=False, metadata={"help": "scale KD by |ce| / |kd|"})
+    backend: Literal["auto", "reference", "kernel"] = field(
+        default="auto", metadata={"help": "loss backend: auto (Triton on CUDA), reference, kernel"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOSS_MODES:
+            raise ValueError(f"mode={self.mode!r}: use one of {', '.join(LOSS_MODES)}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: must be > 0")
+        if self.kl_weight < 0 or self.ce_weight < 0:
+            raise ValueError("kl_weight and ce_weight must be >= 0")
+        if self.mode == "ce" and self.ce_weight == 0:
+            raise ValueError("mode=ce with ce_weight=0 trains nothing; set ce_weight > 0")
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the loss needs teacher logits."""
+        return self.mode != "ce"
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Settings of one trainer rank (rank and world size come from torchrun's environment)."""
+
+    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"})
+    partition: str = field(default="train", metadata={"help": "sample partition of the run"})
+    student: str = field(
+        default="student-25m",
+        metadata={"help": "student model: a local HF directory or a preset name"},
+    )
+    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
+    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
+    teacher_model: str | None = field(
+        default=None,
+        metadata={"help": "teacher model spec (the hidden transport loads its output layer)"},
+    )
+    teacher_vocab_size: int | None = field(
+        default=None, metadata={"help": "vocab of a preset teacher (default: its tokenizer's)"}
+    )
+    teacher_groups: int = field(
+        default=1, metadata={"help": "teacher groups; rank r asks group r % teacher_groups"}
+    )
+    vocab_size: int | None = field(
+        default=None, metadata={"help": "vocab of a preset student (default: its tokenizer's)"}
+    )
+    device: str = field(
+        default="cpu", metadata={"help": "cpu, or cuda (each rank takes cuda:LOCAL_RANK)"}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "compute dtype: auto (bfloat16 autocast on cuda, float32 on cpu)"},
+    )
+    parallel: Literal["ddp", "fsdp"] = field(
+        default="ddp", metadata={"help": "data parallel: ddp, or fsdp (fully_shard) for big students"}
+    )
+    micro_batch: int = field(default=4, metadata={"help": "samples per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps (0: until the data ends)"})
+    epochs: int = field(default=1, metadata={"help": "passes over the data"})
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    run_dir: str = field(default="runs/default", metadata={"help": "metrics, checkpoints, export"})
+    checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0: off)"})
+    eval_every: int = field(default=50, metadata={"help": "steps between held-out evals (0: off)"})
+    heldout: str | None = field(
+        default=None, metadata={"help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte"}
+    )
+    eval_texts: int = field(default=32, metadata={"help": "held-out texts per eval"})
+    eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
+    export: bool = field(default=True, metadata={"help": "export the final student (HF dir)"})
+    lease_s: float = field(
+        default=300.0, metadata={"help": "lease of claimed samples (redelivered if we die)"}
+    )
+    teacher_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "wait this long for a teacher result before asking again"},
+    )
+    claim_timeout_s: float = field(default=1.0, metadata={"help": "server-side wait of a claim"})
+    queue_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
+    )
+    idle_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "end the epoch after this long without data even without the collators' "
+            "end-of-data marker (None: wait for the marker)"
+        },
+    )
+    verify_logits: bool = field(
+        default=False, metadata={"help": "check each slot's checksum (teacher checksum=true)"}
+    )
+    dead_after_s: float = field(
+        default=5.0, metadata={"help": "a teacher whose heartbeat is older is dead"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the student init and data order"})
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("max_steps", "checkpoint_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        for name in ("lease_s", "teacher_timeout_s", "claim_timeout_s", "queue_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.eval_ctx < 2:
+            raise ValueError(f"eval_ctx={self.eval_ctx}: must be >= 2 tokens")
+        if self.loss.mode != "ce" and not self.loss.projection:
+            raise ValueError(
+                f"loss.mode={self.loss.mode} needs loss.projection (a file from `xtoken projection "
+                "build`); `xtoken run` builds one when the run config leaves it empty"
+            )

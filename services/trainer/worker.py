@@ -1,0 +1,441 @@
+"""Trainer worker logic: the student, its optimizer and schedule, the loss, and one optimizer step.
+
+``TrainerWorker`` is built and tested without sockets: a step takes micro-batches that already
+hold their padded fields and a way to get their teacher logits (main.py's feed fills those from
+the queue and the logit ring). Data parallel needs an initialized process group (the shell's);
+with one process the worker runs as is.
+
+One step (DESIGN.md, "Losses"): the global denominators over every micro-batch of every rank
+(``count_valid``, one all-reduce), then per micro-batch the student forward, the teacher logits,
+the loss and its backward (gradients synchronized on the last micro-batch only), then gradient
+clipping, a non-finite check, AdamW and the schedule. A rank with no data in a step runs one
+empty micro-batch (zero loss) so the gradient all-reduce still meets every rank.
+
+Legend: B samples, T student tokens, U teacher tokens, V student vocab, W teacher vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from services.teacher.worker import resolve_dtype
+from services.trainer.config import TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer")
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch of a step.
+
+    Attributes:
+        keys: sample keys, in row order.
+        batch: padded fields (``xtoken_core.data.batch.pad_batch``), on the CPU.
+        teacher_logits: returns ``[B, U, W']`` teacher logits (blocks until the teacher is done;
+            may raise to say the micro-batch must be dropped); None when the loss needs none.
+        done: called after the micro-batch's backward was queued (releases its ring slot).
+        context: the feed's bookkeeping (leases, request), opaque to the worker.
+    """
+
+    keys: list[str]
+    batch: dict[str, torch.Tensor]
+    teacher_logits: Callable[[], torch.Tensor] | None = None
+    done: Callable[[], None] | None = None
+    context: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Real student tokens of the micro-batch."""
+        return int(self.batch["input_lengths"].sum())
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one optimizer step did (this rank's view; ``metrics`` are summed over DP ranks).
+
+    Attributes:
+        step: the step number after this step.
+        metrics: loss parts (global values), ``grad_norm``, ``lr``, ``tokens`` (all ranks).
+        times: seconds per phase of :data:`PHASES` on this rank.
+        skipped: True when the gradient was not finite and the update was skipped.
+        keys: sample keys this rank trained in the step.
+    """
+
+    step: int
+    metrics: dict[str, float]
+    times: dict[str, float]
+    skipped: bool
+    keys: list[str]
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then a cosine decay to ``min_lr_ratio`` at ``max_steps``.
+
+    Args:
+        warmup_steps: steps of the linear warmup.
+        max_steps: last step of the decay (0: constant after warmup).
+        min_lr_ratio: final multiplier.
+
+    Returns:
+        The multiplier of the base learning rate at a step.
+    """
+
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if max_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class _PhaseClock:
+    """Seconds per phase; on CUDA the GPU phases are timed by events read once per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.events: list[tuple[str, Any, Any]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str, gpu: bool = False) -> Iterator[None]:
+        if gpu and self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((name, start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.host[name] += time.perf_counter() - t0
+
+    def seconds(self) -> dict[str, float]:
+        out = dict(self.host)
+        for name, start, end in self.events:  # after the step's sync: no extra wait
+            out[name] += start.elapsed_time(end) / 1000.0
+        return out
+
+
+class TrainerWorker:
+    """The student side of distillation.
+
+    Args:
+        config: the trainer settings.
+        rank: data-parallel rank.
+        world_size: data-parallel size (> 1 needs an initialized process group).
+        device: this rank's device (default: ``config.device``).
+        model: an already built student (tests); default ``load_model(config.student)``.
+
+    Raises:
+        ValueError: vocab mismatches between the student, its tokenizer and the projection.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        from xtoken_core.data.collator import resolve_pad_id
+        from xtoken_core.models import check_vocab, load_model, model_vocab_size
+        from xtoken_core.tokenizers import load_tokenizer
+
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device or config.device)
+        self.autocast_dtype = resolve_dtype(config.dtype, str(self.device))
+        student_tok = load_tokenizer(config.student_tokenizer)
+        teacher_tok = load_tokenizer(config.teacher_tokenizer)
+        self.student_pad_id = resolve_pad_id(student_tok)
+        self.teacher_pad_id = resolve_pad_id(teacher_tok)
+        self.student_tokenizer = student_tok
+        torch.manual_seed(config.seed)
+        if model is None:
+            model = load_model(
+                config.student,
+                vocab_size=config.vocab_size or student_tok.vocab_size,
+                dtype=torch.float32,
+                device=self.device,
+                seed=config.seed,
+            )
+        self.vocab = model_vocab_size(model)
+        check_vocab(f"student model {config.student!r}", self.vocab, student_tok.vocab_size)
+        self.loss_fn = None
+        if config.loss.uses_teacher:
+            self.loss_fn = self._build_loss(teacher_tok.vocab_size)
+        self.module = model.to(self.device).train()
+        self.model = self._parallelize(self.module)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lr_lambda(config.optim.warmup_steps, config.max_steps, config.optim.min_lr_ratio),
+        )
+        self.step = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build_loss(self, teacher_vocab: int) -> Any:
+        from xtoken_core.data.projection import parse_projection_file
+        from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+        from xtoken_core.models import check_vocab
+
+        lc = self.config.loss
+        _, _, rows, cols = parse_projection_file(lc.projection)
+        check_vocab(f"projection {lc.projection!r} (student rows)", self.vocab, rows)
+        teacher_width = self.config.teacher_vocab_size or teacher_vocab
+        if cols > teacher_width:
+            raise ValueError(
+                f"projection {lc.projection!r} has {cols} teacher columns but the teacher vocab is "
+                f"{teacher_width}: build it for this teacher tokenizer "
+                f"({self.config.teacher_tokenizer!r}) with `xtoken projection build`"
+            )
+        return CrossTokenizerLoss(
+            CrossTokenizerLossConfig(
+                projection=lc.projection,
+                mode=lc.mode,
+                temperature=lc.temperature,
+                kl_weight=lc.kl_weight,
+                ce_weight=lc.ce_weight,
+                vocab_topk=lc.vocab_topk,
+                uncommon_topk=lc.uncommon_topk,
+                reverse_kl=lc.reverse_kl,
+                dynamic_scaling=lc.dynamic_scaling,
+                teacher_vocab_size=teacher_width,
+                backend=lc.backend,
+            )
+        )
+
+    def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.world_size == 1:
+            return module
+        if self.config.parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in _decoder_layers(module):
+                fully_shard(layer)
+            return fully_shard(module)
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        oc = self.config.optim
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": oc.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        fused = self.device.type == "cuda"
+        return torch.optim.AdamW(
+            groups, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, fused=fused
+        )
+
+    # ------------------------------------------------------------------ batches
+
+    def pad(self, fields: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Padded micro-batch fields from claimed jagged fields (the schema's pad values)."""
+        from xtoken_core.data.batch import pad_batch
+
+        return pad_batch(
+            fields, student_pad_id=self.student_pad_id, teacher_pad_id=self.teacher_pad_id
+        )
+
+    def count_valid(self, micro_batches: Sequence[MicroBatch]) -> dict[str, torch.Tensor]:
+        """Global denominators of a step (collective over the DP group)."""
+        if self.loss_fn is not None:
+            return self.loss_fn.count_valid([mb.batch for mb in micro_batches])
+        from xtoken_core.losses.utils import dp_all_reduce_sum
+
+        tokens = torch.zeros((), dtype=torch.float32)
+        for mb in micro_batches:
+            b = mb.batch
+            mask = b["token_mask"][:, 1:] & b["sample_mask"].bool()[:, None]
+            tokens += mask.sum()
+        if self.device.type == "cuda":
+            tokens = tokens.to(self.device)
+        return {"global_valid_tokens": dp_all_reduce_sum(tokens)}
+
+    # ------------------------------------------------------------------ step
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        if self.world_size == 1 or last:
+            if self.config.parallel == "fsdp" and self.world_size > 1:
+                self.model.set_requires_gradient_sync(True)
+            return contextlib.nullcontext()
+        if self.config.parallel == "fsdp":
+            self.model.set_requires_gradient_sync(False)
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda" and self.autocast_dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.autocast_dtype)
+        return contextlib.nullcontext()
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _loss(self, logits_BTV, batch, counts, teacher_logits) -> tuple[torch.Tensor, dict]:
+        if self.loss_fn is None:
+            from xtoken_core.losses.reference import student_ce_loss
+
+            nll, correct, _ = student_ce_loss(
+                logits_BTV, batch["input_ids"], batch["token_mask"], batch["sample_mask"]
+            )
+            denom = counts["global_valid_tokens"].clamp_min(1.0)
+            ce = nll / denom
+            return ce, {"loss": ce.detach(), "ce_loss": ce.detach(), "accuracy": correct / denom}
+        return self.loss_fn(logits_BTV, teacher_logits, batch, **counts)
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], clock: Any = None) -> StepResult:
+        """One optimizer step over this rank's micro-batches (collective over the DP group).
+
+        Args:
+            micro_batches: this rank's micro-batches (may be empty when the rank has no data).
+            clock: a phase clock already holding this step's data wait (main.py), or None.
+
+        Returns:
+            The step result.
+        """
+        clock = clock or _PhaseClock(self.device)
+        counts = self.count_valid(micro_batches)
+        counts = {k: v.to(self.device) for k, v in counts.items()}
+        sums: dict[str, torch.Tensor] = {}
+        runs = list(micro_batches) or [None]  # None: an empty micro-batch (no data on this rank)
+        scale = float(self.world_size) if self.config.parallel == "ddp" else 1.0
+        for i, mb in enumerate(runs):
+            with self._sync(last=i == len(runs) - 1):
+                if mb is None:
+                    self._empty_backward()
+                    continue
+                batch = self._to_device(mb.batch)
+                with clock.phase("forward", gpu=True), self._autocast():
+                    logits_BTV = self.model(
+                        input_ids=batch["input_ids"], attention_mask=batch["token_mask"].long()
+                    ).logits
+                teacher = None
+                if mb.teacher_logits is not None:
+                    with clock.phase("teacher_wait"):
+                        teacher = mb.teacher_logits()
+                with clock.phase("loss", gpu=True):
+                    loss, metrics = self._loss(logits_BTV, batch, counts, teacher)
+                with clock.phase("backward", gpu=True):
+                    # DDP averages gradients over ranks; the loss is already divided by the
+                    # global denominators, so scale back to a sum
+                    (loss * scale).backward()
+                del logits_BTV, teacher
+                if mb.done is not None:
+                    mb.done()
+                for k, v in metrics.items():
+                    if k != "num_valid_chunks":
+                        sums[k] = sums.get(k, 0.0) + v.detach().float()
+        with clock.phase("optimizer", gpu=True):
+            skipped, grad_norm = self._optimizer_step()
+        metrics = self._reduce_metrics(sums, micro_batches, grad_norm)
+        self.step += 1
+        return StepResult(
+            step=self.step,
+            metrics=metrics,
+            times=clock.seconds(),
+            skipped=skipped,
+            keys=[k for mb in micro_batches for k in mb.keys],
+        )
+
+    def _empty_backward(self) -> None:
+        ids = torch.full((1, 2), self.student_pad_id, dtype=torch.long, device=self.device)
+        with self._autocast():
+            logits = self.model(input_ids=ids).logits
+        (logits.float().sum() * 0.0).backward()
+
+    def _optimizer_step(self) -> tuple[bool, torch.Tensor]:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.config.optim.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        finite = bool(torch.isfinite(grad_norm))  # one host sync per step
+        if finite:
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+            logger.warning(
+                "[trainer] step %d: gradient norm is %s, update skipped (%d skipped so far)",
+                self.step + 1,
+                float(grad_norm),
+                self.skipped_steps,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return not finite, grad_norm.detach()
+
+    def _reduce_metrics(self, sums, micro_batches, grad_norm) -> dict[str, float]:
+        from xtoken_core.losses.utils import dp_all_reduce_sum
+
+        names = sorted(sums)
+        tokens = float(sum(mb.num_tokens for mb in micro_batches))
+        vec = torch.tensor(
+            [float(sums[n]) for n in names] + [tokens, float(len(micro_batches))],
+            dtype=torch.float64,
+        )
+        if self.world_size > 1:
+            device = self.device if self.device.type == "cuda" else torch.device("cpu")
+            vec = dp_all_reduce_sum(vec.to(device)).cpu()
+        out = {n: float(vec[i]) for i, n in enumerate(names)}
+        out["tokens"] = float(vec[len(names)])
+        out["micro_batches"] = float(vec[len(names) + 1])
+        out["grad_norm"] = float(grad_norm)
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        return out
+
+    # ------------------------------------------------------------------ eval
+
+    @torch.no_grad()
+    def evaluate(self, texts: list[str]) -> dict[str, float]:
+        """Held-out bits per byte of the student (``xtoken_core.models.eval``)."""
+        from xtoken_core.models.eval import bits_per_byte
+
+        self.module.eval()
+        try:
+            with self._autocast():
+                return bits_per_byte(
+                    self.module,
+                    self.student_tokenizer,
+                    texts,
+                    ctx=self.config.eval_ctx,
+                    device=self.device,
+                )
+        finally:
+            self.module.train()
+
+
+def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF causal LM (FSDP shards each one)."""
+    for name in ("model.layers", "transformer.h", "gpt_neox.layers"):
+        obj: Any = module
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return list(obj)
+    return []
