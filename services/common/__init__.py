@@ -1,0 +1,1 @@
+"""Shared process plumbing of every service: typed configs and the one process lifecycle."""

@@ -1,0 +1,718 @@
+"""Typed dataclass configs: command-line flags generated from the fields, strict dict loading.
+
+A service's settings are a (nested) dataclass whose fields carry their help text::
+
+    @dataclass
+    class Optim:
+        lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+
+    @dataclass
+    class Config:
+        steps: int = field(default=100, metadata={"help": "optimizer steps"})
+        optim: Optim = field(default_factory=Optim)
+
+    add_arguments(parser, Config)        # --steps, --optim.lr, --config FILE
+    config = from_args(Config, parser.parse_args())
+
+Each default is written once, in the dataclass. Precedence: dataclass default < ``--config FILE``
+(a JSON or YAML mapping of this config) < flags given on the command line. ``from_dict`` is
+strict: an unknown key, a missing required key or a value of the wrong type raises
+:class:`ConfigError` naming the full dotted path (``optim.lr``); an error of a dataclass's
+``__post_init__`` is re-raised with its path prefixed.
+
+Field metadata understood here (all optional):
+
+* ``help``: the flag's help text.
+* ``flag``: the flag's name instead of the field name (``"capacity"`` -> ``--capacity``; nested
+  flags keep their prefix).
+* ``parse``: ``str -> value`` used for a string given to a non-string field, on the command line
+  and in a file (e.g. a byte size ``"8GiB"``); a ``ValueError`` it raises names the problem.
+* ``metavar``: the flag's metavar.
+* ``cli``: False leaves the field out of the flags (it is still read from ``--config``).
+
+Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
+``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
+``tuple[X, ...]`` and fixed tuples (several values after the flag), ``dict[str, X]`` and ``Any``
+(a JSON value on the command line), nested dataclasses (flags ``--section.field``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import enum
+import functools
+import json
+import os
+import pathlib
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar, Union
+
+__all__ = ["ConfigError", "add_arguments", "from_args", "from_dict", "load_file", "to_dict"]
+
+T = TypeVar("T")
+
+# argparse dests of the generated flags: prefixed so that they never meet the caller's own.
+_DEST = "xtoken_cfg:"
+_CONFIG_DEST = "xtoken_cfg_file"
+_NONE_WORDS = ("none", "null")
+_MISSING = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A config that cannot be built: the message names the dotted path and what to change."""
+
+
+# ----------------------------------------------------------------------------- type helpers
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _non_none(tp: Any) -> list[Any]:
+    return [a for a in typing.get_args(tp) if a is not type(None)]
+
+
+def _optional_dataclass(tp: Any) -> type | None:
+    """The dataclass of ``D`` or ``D | None``, else None."""
+    if _is_union(tp):
+        members = _non_none(tp)
+        tp = members[0] if len(members) == 1 else None
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "any value"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(tp):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} settings"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Resolved field types of a dataclass (string annotations included), cached."""
+    hints = _HINTS.get(cls)
+    if hints is not None:
+        return hints
+    # Classes nested in classes (``Trainer.Config``) may name their siblings unqualified.
+    localns: dict[str, Any] = {}
+    owner: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split(".")[:-1]:
+        owner = getattr(owner, part, None)
+        if owner is None or part == "<locals>":
+            break
+        localns.update(vars(owner))
+    try:
+        hints = typing.get_type_hints(cls, localns=localns or None)
+    except NameError as e:
+        raise TypeError(
+            f"cannot resolve the field types of {cls.__qualname__} ({e}); define the dataclasses "
+            "of a config at module level"
+        ) from None
+    _HINTS[cls] = hints
+    return hints
+
+
+def _check_dataclass(cls: Any) -> None:
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"expected a dataclass type, got {cls!r}")
+
+
+# ----------------------------------------------------------------------------- from_dict
+
+
+class _Mismatch(ConfigError):
+    """A value of the wrong type right at ``path`` (unions try their next member on it)."""
+
+
+def _mismatch(tp: Any, value: Any, path: str) -> _Mismatch:
+    return _Mismatch(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
+
+
+def _accepts_str(tp: Any) -> bool:
+    if tp is str or tp is Any:
+        return True
+    if _is_union(tp):
+        return any(_accepts_str(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:
+        return any(isinstance(a, str) for a in typing.get_args(tp))
+    return isinstance(tp, type) and issubclass(tp, enum.Enum | pathlib.PurePath)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check (and where lossless, convert) one value against a field type."""
+    if tp is Any:
+        return value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(tp):
+        if value is None and type(None) in args:
+            return None
+        for member in _non_none(tp):
+            try:
+                return _convert(member, value, path)
+            except _Mismatch:
+                continue
+        raise _mismatch(tp, value, path)
+    if origin is Literal:
+        for choice in args:
+            if type(value) is type(choice) and value == choice:
+                return choice
+        raise _mismatch(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _mismatch(tp, value, path)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _mismatch(tp, value, path)
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise _mismatch(tp, value, path)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _mismatch(tp, value, path)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _mismatch(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        for member in tp:
+            if type(value) is type(member.value) and value == member.value:
+                return member
+        raise _mismatch(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, pathlib.PurePath):
+        if isinstance(value, str | pathlib.PurePath):
+            return tp(value)
+        raise _mismatch(tp, value, path)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):
+            return from_dict(tp, value, path=path)
+        raise _mismatch(tp, value, path)
+    if origin in (list, Sequence) or tp in (list, Sequence):
+        if isinstance(value, list | tuple):
+            elem = args[0] if args else Any
+            return [_convert(elem, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        raise _mismatch(tp, value, path)
+    if origin is tuple or tp is tuple:
+        if not isinstance(value, list | tuple):
+            raise _mismatch(tp, value, path)
+        if not args or (len(args) == 2 and args[1] is Ellipsis):
+            elem = args[0] if args else Any
+            return tuple(_convert(elem, v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _Mismatch(
+                f"{path}: expected {len(args)} values ({_type_name(tp)}), got {_show(value)}"
+            )
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise _mismatch(tp, value, path)
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _convert(key_tp, k, f"{path} key {k!r}"): _convert(val_tp, v, _join(path, k))
+            for k, v in value.items()
+        }
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise _mismatch(tp, value, path)
+    raise TypeError(f"{path}: config fields of type {tp!r} are not supported")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
+    """Build a config dataclass from a mapping, strictly.
+
+    Args:
+        cls: the dataclass type.
+        data: ``{field name: value}``; nested dataclass fields take nested mappings (or
+            instances); missing keys keep the dataclass default.
+        path: dotted path of ``data`` inside a larger config (error messages start with it).
+
+    Returns:
+        The config instance.
+
+    Raises:
+        ConfigError: an unknown key (names the known keys and a close match), a missing
+            required key, a value of the wrong type (names the expected type and the value),
+            or a ``ValueError`` of the dataclass's ``__post_init__`` (with the path prefixed).
+        TypeError: ``cls`` is not a dataclass, or a field has an unsupported type.
+    """
+    _check_dataclass(cls)
+    if not isinstance(data, Mapping):
+        where = path or cls.__name__
+        raise ConfigError(
+            f"{where}: expected a mapping of {cls.__name__} settings, got {_show(data)}"
+        )
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
+            raise ConfigError(
+                f"unknown key {_join(path, key)!r}: {cls.__name__} knows "
+                f"{', '.join(fields) or 'no keys'}{hint}"
+            )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        key_path = _join(path, name)
+        if name not in data:
+            if f.default is _MISSING and f.default_factory is _MISSING:
+                flag = _join(_flag_name(path), _flag_name(f.metadata.get("flag", name)))
+                raise ConfigError(
+                    f"missing required key {key_path!r} ({_type_name(hints[name])}): set it in "
+                    f"the config file or with --{flag}"
+                )
+            continue
+        value, parse = data[name], f.metadata.get("parse")
+        if parse is not None and isinstance(value, str) and not _accepts_str(hints[name]):
+            try:
+                value = parse(value)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise ConfigError(f"{key_path}: {e}") from None
+        kwargs[name] = _convert(hints[name], value, key_path)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # __post_init__ validation (ConfigError included)
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from e
+
+
+def _flag_name(path: str) -> str:
+    return path.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- to_dict
+
+
+def _plain(value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _plain(getattr(value, f.name), _join(path, f.name))
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, pathlib.PurePath):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, _join(path, k)) for k, v in value.items()}
+    raise TypeError(f"{path}: {_show(value)} has no JSON form; use a str/int/float field")
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The JSON-able form of a config (nested dicts, lists for tuples, values of enums).
+
+    Args:
+        obj: a dataclass instance.
+
+    Returns:
+        A dict that ``from_dict(type(obj), ...)`` turns back into an equal config.
+
+    Raises:
+        TypeError: ``obj`` is not a dataclass instance, or holds a value with no JSON form.
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"to_dict takes a dataclass instance, got {_show(obj)}")
+    return _plain(obj, "")
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@functools.cache
+def _yaml_loader() -> Any:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader that reads ``1e-4`` as a float (YAML 1.1 needs ``1.0e-4``)."""
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+            |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+            re.X,
+        ),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> dict[str, Any]:
+    """Read a config mapping from a JSON or YAML file.
+
+    Args:
+        path: ``.json``, ``.yaml`` or ``.yml`` (another suffix: JSON, then YAML).
+        section: dotted key of the sub-mapping to return (e.g. ``"trainer"`` of a run
+            config); None returns the whole file.
+
+    Returns:
+        The mapping (an empty YAML file gives ``{}``).
+
+    Raises:
+        ConfigError: the file is missing or unreadable, does not parse (names the line), is not
+            a mapping, or lacks ``section`` (names the sections it has).
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+    suffix = path.suffix.lower()
+    data: Any
+    if suffix in (".yaml", ".yml"):
+        data = _parse_yaml(text, path)
+    elif suffix == ".json":
+        data = _parse_json(text, path)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = _parse_yaml(text, path)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {str(path)!r} holds {_show(data)}, not a mapping")
+    if section:
+        for i, key in enumerate(section.split(".")):
+            if not isinstance(data, Mapping) or key not in data:
+                have = ", ".join(map(str, data)) if isinstance(data, Mapping) else "no sections"
+                where = ".".join(section.split(".")[:i]) or "the top level"
+                raise ConfigError(
+                    f"config file {str(path)!r} has no section {section!r} (at {where}: {have})"
+                )
+            data = data[key]
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"section {section!r} of {str(path)!r} is {_show(data)}, not a mapping"
+            )
+    return dict(data)
+
+
+def _parse_json(text: str, path: pathlib.Path) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} "
+            f"column {e.colno}"
+        ) from None
+
+
+def _parse_yaml(text: str, path: pathlib.Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    path: str  # dotted field path, the key in from_dict
+    flag: str  # "--optim.lr"
+    tp: Any
+    field: dataclasses.Field
+    owner: type  # the dataclass holding the field
+
+
+def _leaves(cls: type, path: str = "", flag_prefix: str = "") -> Iterator[_Leaf]:
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get("cli", True) is False:
+            continue
+        tp = hints[f.name]
+        segment = _flag_name(f.metadata.get("flag", f.name))
+        nested = _optional_dataclass(tp)
+        if nested is not None:
+            yield from _leaves(nested, _join(path, f.name), f"{flag_prefix}{segment}.")
+        else:
+            yield _Leaf(_join(path, f.name), f"--{flag_prefix}{segment}", tp, f, cls)
+
+
+def _none_or(conv: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() in _NONE_WORDS else conv(text)
+
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def _bool_word(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; write true or false")
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON; write e.g. '{{\"key\": 1}}' (quoted for the shell)"
+        ) from None
+
+
+def _scalar_conv(tp: Any, where: str) -> Callable[[str], Any]:
+    """``str -> value`` of one command-line word for a non-container type."""
+    if tp is int or tp is float or tp is str:
+        return tp
+    if tp is bool:
+        return _bool_word
+    if isinstance(tp, type) and issubclass(tp, pathlib.PurePath):
+        return tp
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        by_text = {str(m.value): m.value for m in tp}
+
+        def enum_value(text: str) -> Any:
+            if text not in by_text:
+                raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(by_text)}")
+            return by_text[text]
+
+        return enum_value
+    if typing.get_origin(tp) is Literal:
+        by_text = {str(c): c for c in typing.get_args(tp)}
+
+        def literal(text: str) -> Any:
+            if text not in by_text:
+                raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(by_text)}")
+            return by_text[text]
+
+        return literal
+    if _is_union(tp):
+        members = _non_none(tp)
+        convs = [_scalar_conv(m, where) for m in members]
+
+        def union(text: str) -> Any:
+            for conv in convs:
+                try:
+                    return conv(text)
+                except (ValueError, argparse.ArgumentTypeError):
+                    continue
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_type_name(tp)}")
+
+        conv = union if len(convs) > 1 else convs[0]
+        return _none_or(conv) if type(None) in typing.get_args(tp) else conv
+    if tp is Any or typing.get_origin(tp) in (dict, Mapping) or tp in (dict, Mapping):
+        return _json_value
+    raise TypeError(
+        f"{where}: a field of type {_type_name(tp)} has no command-line form; give it "
+        'metadata={"cli": False} (it is still read from --config) or another type'
+    )
+
+
+def _flag_kwargs(leaf: _Leaf) -> dict[str, Any]:
+    """argparse keyword arguments of one leaf's flag."""
+    tp, meta = leaf.tp, leaf.field.metadata
+    where = f"{leaf.owner.__qualname__}.{leaf.field.name}"
+    optional = _is_union(tp) and type(None) in typing.get_args(tp)
+    members = _non_none(tp) if _is_union(tp) else [tp]
+    core = members[0] if len(members) == 1 else tp
+    parse = meta.get("parse")
+    if parse is not None and not _accepts_str(tp):
+
+        def parse_flag(text: str) -> Any:
+            try:
+                return parse(text)
+            except ValueError as e:  # argparse would print only "invalid value"
+                raise argparse.ArgumentTypeError(str(e)) from None
+
+        return {"type": _none_or(parse_flag) if optional else parse_flag}
+    if core is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    origin, args = typing.get_origin(core), typing.get_args(core)
+    if origin in (list, Sequence) or core in (list, Sequence):
+        return {"nargs": "*", "type": _scalar_conv(args[0] if args else str, where)}
+    if origin is tuple or core is tuple:
+        if not args or (len(args) == 2 and args[1] is Ellipsis):
+            return {"nargs": "*", "type": _scalar_conv(args[0] if args else str, where)}
+        if len(set(args)) != 1:
+            raise TypeError(f"{where}: a tuple of mixed types has no command-line form")
+        return {"nargs": len(args), "type": _scalar_conv(args[0], where)}
+    kwargs: dict[str, Any] = {"type": _scalar_conv(tp, where)}
+    if typing.get_origin(core) is Literal and not optional:
+        kwargs["choices"] = list(typing.get_args(core))
+    elif isinstance(core, type) and issubclass(core, enum.Enum) and not optional:
+        kwargs["choices"] = [m.value for m in core]
+    return kwargs
+
+
+def _value_at(instance: Any, path: str) -> Any:
+    for part in path.split("."):
+        if instance is None:
+            return _MISSING
+        instance = getattr(instance, part)
+    return instance
+
+
+def _default_text(leaf: _Leaf, root_default: Any) -> str:
+    value = _value_at(root_default, leaf.path) if root_default is not None else _MISSING
+    if value is _MISSING:
+        f = leaf.field
+        if f.default is not _MISSING:
+            value = f.default
+        elif f.default_factory is not _MISSING:
+            value = f.default_factory()
+        else:
+            return "required"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, list | tuple):
+        return "default: " + (" ".join(map(str, value)) or "empty")
+    return f"default: {value}"
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per leaf field of a config dataclass, plus ``--config FILE``.
+
+    Flags are ``--name`` (underscores become dashes), nested ``--section.name``; ``bool``
+    fields get ``--name/--no-name``. The defaults stay in the dataclass: a flag not given on the
+    command line leaves the value of ``--config`` or the default (the help shows it).
+
+    Args:
+        parser: the parser (or subcommand parser) to extend.
+        cls: the config dataclass.
+
+    Raises:
+        TypeError: ``cls`` is not a dataclass, or a field type has no command-line form (give
+            that field ``metadata={"cli": False}``).
+    """
+    _check_dataclass(cls)
+    try:
+        root_default = cls()
+    except Exception:  # required fields (or a check that needs them): per-field defaults
+        root_default = None
+    if "--config" not in parser._option_string_actions:
+        parser.add_argument(
+            "--config",
+            dest=_CONFIG_DEST,
+            metavar="FILE",
+            default=None,
+            help="JSON or YAML file with these settings; flags given here override it",
+        )
+    groups: dict[str, Any] = {}
+    for leaf in _leaves(cls):
+        section = leaf.path.rpartition(".")[0]
+        target: Any = parser
+        if section:
+            if section not in groups:
+                doc = (leaf.owner.__doc__ or "").strip().splitlines()
+                groups[section] = parser.add_argument_group(
+                    section, doc[0] if doc and not doc[0].startswith(leaf.owner.__name__) else None
+                )
+            target = groups[section]
+        kwargs = _flag_kwargs(leaf)
+        if "action" not in kwargs and "choices" not in kwargs:
+            kwargs["metavar"] = leaf.field.metadata.get("metavar", leaf.field.name.upper())
+        help_text = leaf.field.metadata.get("help", "")
+        help_text = f"{help_text} ({_default_text(leaf, root_default)})".strip()
+        target.add_argument(
+            leaf.flag,
+            dest=_DEST + leaf.path,
+            default=argparse.SUPPRESS,
+            help=help_text.replace("%", "%%"),
+            **kwargs,
+        )
+
+
+def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, Mapping):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(
+                f"{where}: the config file gives {_show(child)} but --{_flag_name(path)} sets "
+                "a field inside it; make it a mapping"
+            )
+        elif not isinstance(child, dict):
+            child = node[part] = dict(child)
+        node = child
+    node[parts[-1]] = value
+
+
+def from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build a config from parsed arguments (of a parser given ``add_arguments(parser, cls)``).
+
+    Args:
+        cls: the config dataclass.
+        args: the parsed namespace: ``--config FILE`` is read first, then every flag given on
+            the command line overrides its key.
+
+    Returns:
+        The config instance.
+
+    Raises:
+        ConfigError: as :func:`load_file` and :func:`from_dict`.
+    """
+    _check_dataclass(cls)
+    file = getattr(args, _CONFIG_DEST, None)
+    data = load_file(file) if file else {}
+    given = vars(args)
+    for leaf in _leaves(cls):
+        key = _DEST + leaf.path
+        if key in given:
+            _set_path(data, leaf.path, given[key])
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        if file:
+            raise ConfigError(f"{e} (config file {file!r} and flags)") from e.__cause__
+        raise

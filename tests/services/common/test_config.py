@@ -1,0 +1,267 @@
+"""Configs: generated flags, --config files under flags, strict from_dict, to_dict round trips."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pytest
+
+from services.common.config import (
+    ConfigError,
+    add_arguments,
+    from_args,
+    from_dict,
+    load_file,
+    to_dict,
+)
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+def _size(text: str) -> int:
+    if not text.endswith("KiB"):
+        raise ValueError(f"size {text!r}: write e.g. 4KiB")
+    return int(text[:-3]) * 1024
+
+
+@dataclass
+class Optim:
+    """Optimizer settings."""
+
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    betas: tuple[float, float] = (0.9, 0.95)
+    schedule: Literal["cosine", "linear"] = "cosine"
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr}: must be > 0 (--optim.lr)")
+
+
+@dataclass
+class Data:
+    path: str = field(metadata={"help": "corpus file"})
+    limit: int | None = None
+
+
+@dataclass
+class Config:
+    data: Data
+    steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    compile: bool = True
+    tags: list[str] = field(default_factory=list)
+    shape: tuple[int, ...] = (2, 3)
+    color: Color = Color.RED
+    out: pathlib.Path = pathlib.Path("runs")
+    capacity: int = field(default=8192, metadata={"flag": "cap", "parse": _size})
+    optim: Optim = field(default_factory=Optim)
+    extra: Optim | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    blob: Any = field(default=None, metadata={"cli": False})
+
+
+def _parse(argv: list[str]) -> Config:
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Config)
+    return from_args(Config, parser.parse_args(argv))
+
+
+def test_flags_are_generated_from_the_fields_with_dataclass_defaults():
+    config = _parse(["--data.path", "c.jsonl"])
+    assert config == Config(data=Data(path="c.jsonl"))
+
+
+def test_every_kind_of_flag_parses_into_its_field_type():
+    config = _parse(
+        [
+            "--data.path=x", "--data.limit", "7", "--steps", "5", "--no-compile",
+            "--tags", "a", "b", "--shape", "4", "5", "6", "--color", "blue", "--out", "/tmp/o",
+            "--cap", "2KiB", "--optim.lr", "0.5", "--optim.betas", "0.8", "0.9",
+            "--optim.schedule", "linear", "--extra.lr", "0.1", "--env", '{"A": "1"}',
+        ]
+    )  # fmt: skip
+    assert config.data == Data(path="x", limit=7)
+    assert (config.steps, config.compile, config.tags, config.shape) == (
+        5,
+        False,
+        ["a", "b"],
+        (4, 5, 6),
+    )
+    assert (config.color, config.out, config.capacity) == (Color.BLUE, pathlib.Path("/tmp/o"), 2048)
+    assert config.optim == Optim(lr=0.5, betas=(0.8, 0.9), schedule="linear")
+    assert config.extra == Optim(lr=0.1)
+    assert config.env == {"A": "1"}
+
+
+def test_optional_flag_takes_none():
+    assert _parse(["--data.path", "x", "--data.limit", "none"]).data.limit is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--optim.schedule", "exp"], "use one of cosine, linear"),
+        (["--steps", "many"], "many"),
+        (["--cap", "12"], "4KiB"),
+        (["--optim.betas", "0.9"], "expected 2 arguments"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(argv, needle, capsys):
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Config)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--data.path", "x", *argv])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_help_shows_each_default_once_from_the_dataclass(capsys):
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Config)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "optimizer steps (default: 100)" in out
+    assert "peak learning rate (default: 0.001)" in out
+    assert "corpus file (required)" in out
+    assert "--compile, --no-compile" in out
+    assert "--optim.lr LR" in out and "--blob" not in out
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_config_file_sets_values_and_command_line_flags_override_it(tmp_path, suffix):
+    data = {"data": {"path": "file.jsonl"}, "steps": 9, "optim": {"lr": 0.25}, "blob": [1, 2]}
+    path = tmp_path / f"c{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text("data: {path: file.jsonl}\nsteps: 9\noptim:\n  lr: 2.5e-1\nblob: [1, 2]\n")
+    config = _parse(["--config", str(path), "--optim.lr", "0.5", "--data.limit", "3"])
+    assert config.steps == 9 and config.blob == [1, 2]
+    assert config.optim.lr == 0.5 and config.data == Data(path="file.jsonl", limit=3)
+
+
+def test_yaml_reads_exponent_floats_as_floats(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("lr: 1e-4\n")
+    assert load_file(path) == {"lr": 1e-4}
+
+
+def test_unknown_key_names_the_dotted_path_the_known_keys_and_a_close_match():
+    with pytest.raises(ConfigError) as exc:
+        from_dict(Config, {"data": {"path": "x"}, "optim": {"lrr": 0.1}})
+    msg = str(exc.value)
+    assert (
+        "'optim.lrr'" in msg and "lr, betas, schedule" in msg and "did you mean 'optim.lr'" in msg
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "needles"),
+    [
+        ({"steps": "100"}, ["steps", "expected int", "'100' (str)"]),
+        ({"steps": True}, ["steps", "expected int", "True (bool)"]),
+        ({"compile": 1}, ["compile", "expected bool"]),
+        ({"optim": {"schedule": "exp"}}, ["optim.schedule", "one of 'cosine', 'linear'"]),
+        ({"optim": {"betas": [0.9]}}, ["optim.betas", "expected 2 values"]),
+        ({"tags": ["a", 3]}, ["tags[1]", "expected str"]),
+        ({"data": {"path": "x", "limit": 1.5}}, ["data.limit", "int | None", "1.5"]),
+        ({"optim": 3}, ["optim", "mapping of Optim settings"]),
+        ({"color": "green"}, ["color", "'red', 'blue'"]),
+        ({"cap": 1}, ["unknown key 'cap'"]),
+        ({"capacity": "3MB"}, ["capacity", "4KiB"]),
+    ],
+)
+def test_wrong_values_name_the_path_the_expected_type_and_the_value(data, needles):
+    with pytest.raises(ConfigError) as exc:
+        from_dict(Config, {"data": {"path": "x"}, **data})
+    for needle in needles:
+        assert needle in str(exc.value)
+
+
+def test_post_init_errors_are_reraised_with_their_path():
+    with pytest.raises(ConfigError, match=r"^extra: lr=-1.0: must be > 0"):
+        from_dict(Config, {"data": {"path": "x"}, "extra": {"lr": -1}})
+    with pytest.raises(ConfigError, match=r"^lr=0.0: must be > 0"):
+        from_dict(Optim, {"lr": 0.0})
+
+
+def test_missing_required_key_names_the_path_and_the_flag():
+    with pytest.raises(ConfigError, match=r"missing required key 'data.path'.*--data.path"):
+        from_dict(Config, {"data": {}})
+    with pytest.raises(ConfigError, match="missing required key 'data'"):
+        _parse([])
+
+
+def test_int_values_are_accepted_for_float_fields_and_sizes_parse_from_strings():
+    config = from_dict(Config, {"data": {"path": "x"}, "optim": {"lr": 1}, "capacity": "3KiB"})
+    assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert config.capacity == 3072
+
+
+def test_to_dict_is_json_and_round_trips_through_from_dict():
+    config = Config(
+        data=Data(path="c", limit=2),
+        tags=["a"],
+        shape=(1,),
+        color=Color.BLUE,
+        out=pathlib.Path("/x"),
+        extra=Optim(lr=0.2, betas=(0.1, 0.2)),
+        env={"K": "V"},
+        blob={"nested": [1, "two"]},
+    )
+    data = to_dict(config)
+    assert json.loads(json.dumps(data)) == data
+    assert data["color"] == "blue" and data["shape"] == [1] and data["out"] == "/x"
+    assert from_dict(Config, json.loads(json.dumps(data))) == config
+
+
+def test_to_dict_rejects_values_without_a_json_form():
+    with pytest.raises(TypeError, match="blob"):
+        to_dict(Config(data=Data(path="x"), blob=object()))
+
+
+def test_load_file_errors_name_the_file_and_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_file(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1,\n "b": }\n')
+    with pytest.raises(ConfigError, match="not valid JSON.*line 2"):
+        load_file(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="not a mapping"):
+        load_file(listing)
+
+
+def test_load_file_returns_a_section_or_names_the_sections_it_has(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("queue: {capacity: 1}\ntrainer:\n  optim: {lr: 0.1}\n")
+    assert load_file(path, section="trainer.optim") == {"lr": 0.1}
+    with pytest.raises(ConfigError, match="no section 'teacher'.*queue, trainer"):
+        load_file(path, section="teacher")
+
+
+@dataclass
+class Opaque:
+    handle: object = None
+
+
+def test_a_field_without_a_command_line_form_must_opt_out_of_the_flags():
+    with pytest.raises(TypeError, match="Opaque.handle.*cli"):
+        add_arguments(argparse.ArgumentParser(), Opaque)
+
+
+def test_generated_flags_never_clash_with_the_callers_own_arguments():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps-total", dest="steps", default="mine")
+    add_arguments(parser, Config)
+    args = parser.parse_args(["--data.path", "x", "--steps", "4"])
+    assert args.steps == "mine" and from_args(Config, args).steps == 4
