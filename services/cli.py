@@ -10,7 +10,11 @@ import sys
 # name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 # Imports are lazy so that `xtoken projection build` never imports zmq or fastapi.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("services.demo", "run the main job on the embedded CPU default"),
+    "demo": ("services.demo", "run the main job: a distillation on the embedded CPU default"),
+    "run": ("services.run_cli", "run a whole distillation (queue, collators, teachers, trainers)"),
+    "teacher": ("services.teacher.cli", "serve teacher logits to trainers"),
+    "trainer": ("services.trainer.cli", "train a student (one rank; torchrun-compatible)"),
+    "collate-stats": ("services.collate_stats", "alignment statistics of two tokenizers on a corpus"),
     "projection": ("services.projection_cli", "build or inspect projection matrices"),
     "queue": ("services.queue.cli", "run or query a transfer-queue server"),
     "collator": ("services.collator.cli", "collate a text corpus into a queue"),

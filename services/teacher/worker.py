@@ -92,6 +92,12 @@ class TeacherConfig:
     )
     heartbeat_s: float = field(default=0.5, metadata={"help": "ring heartbeat period"})
     seed: int = field(default=0, metadata={"help": "seed of a preset model's random weights"})
+    heldout: str | None = field(
+        default=None,
+        metadata={"help": "held-out corpus: report the teacher's bits/byte once at start"},
+    )
+    eval_texts: int = field(default=32, metadata={"help": "held-out texts of that eval"})
+    eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -262,6 +268,20 @@ class TeacherWorker:
                         self.config.slots,
                         waited,
                     )
+
+    def evaluate(self, texts: list[str]) -> dict[str, float]:
+        """Held-out bits per byte of the teacher (``xtoken_core.models.eval``)."""
+        from xtoken_core.models.eval import bits_per_byte
+        from xtoken_core.tokenizers import load_tokenizer
+
+        with torch.no_grad():
+            return bits_per_byte(
+                self.model,
+                load_tokenizer(self.config.tokenizer),
+                texts,
+                ctx=self.config.eval_ctx,
+                device=self.device,
+            )
 
     def close(self) -> None:
         """Mark the ring closed (its handles become stale) and free it."""

@@ -101,8 +101,12 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
     return f
 
 
-class _PhaseClock:
-    """Seconds per phase; on CUDA the GPU phases are timed by events read once per step."""
+class PhaseClock:
+    """Seconds per phase of a step; on CUDA the GPU phases are timed by events read at its end.
+
+    Args:
+        device: the step's device.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -111,6 +115,7 @@ class _PhaseClock:
 
     @contextlib.contextmanager
     def phase(self, name: str, gpu: bool = False) -> Iterator[None]:
+        """Time a phase (``gpu``: by CUDA events on a CUDA device, read in :meth:`seconds`)."""
         if gpu and self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -123,6 +128,7 @@ class _PhaseClock:
         self.host[name] += time.perf_counter() - t0
 
     def seconds(self) -> dict[str, float]:
+        """Seconds per phase (call after the step's host sync)."""
         out = dict(self.host)
         for name, start, end in self.events:  # after the step's sync: no extra wait
             out[name] += start.elapsed_time(end) / 1000.0
@@ -319,7 +325,7 @@ class TrainerWorker:
         Returns:
             The step result.
         """
-        clock = clock or _PhaseClock(self.device)
+        clock = clock or PhaseClock(self.device)
         counts = self.count_valid(micro_batches)
         counts = {k: v.to(self.device) for k, v in counts.items()}
         sums: dict[str, torch.Tensor] = {}

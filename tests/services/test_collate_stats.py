@@ -1,4 +1,4 @@
-"""`xtoken demo` end to end: corpus build, two real tokenizers, collation, statistics."""
+"""`xtoken collate-stats` end to end: corpus build, two real tokenizers, collation, statistics."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 from services import cli
 
 
-def test_demo_prints_alignment_table_for_16_texts(tmp_path, capsys):
-    rc = cli.main(["demo", "--limit", "16", "--batch-size", "5", "--corpus-dir", str(tmp_path)])
+def test_collate_stats_prints_alignment_table_for_16_texts(tmp_path, capsys):
+    rc = cli.main(["collate-stats", "--limit", "16", "--batch-size", "5", "--corpus-dir", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert out.startswith("xtoken demo: 16 texts from ")
+    assert out.startswith("xtoken collate-stats: 16 texts from ")
     rows = dict(line.split(None, 1) for line in out.splitlines()[1:])
     assert rows["student"].strip() == "qwen3" and rows["teacher"].strip() == "mistral"
     assert int(rows["samples"]) == 16
@@ -24,13 +24,13 @@ def test_demo_prints_alignment_table_for_16_texts(tmp_path, capsys):
     assert (tmp_path / "train.jsonl").is_file() and (tmp_path / "manifest.json").is_file()
 
 
-def test_demo_json_via_subprocess_on_a_given_corpus(tmp_path):
+def test_collate_stats_json_via_subprocess_on_a_given_corpus(tmp_path):
     corpus = tmp_path / "mini.jsonl"
     texts = ["Hello, world!", "", "Naïve café 🙂 " * 50, "def f(x):\n    return x\n"]
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "demo", "--json"]
+        [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "collate-stats", "--json"]
         + ["--corpus", str(corpus), "--teacher", "deepseek", "--ctx-teacher", "20"]
         + ["--div-student", "8", "--limit", "16"],
         capture_output=True,
@@ -46,16 +46,16 @@ def test_demo_json_via_subprocess_on_a_given_corpus(tmp_path):
     assert stats["samples_per_second"] > 0
 
 
-def test_demo_rejects_bad_options(tmp_path, capsys):
-    assert cli.main(["demo", "--limit", "0", "--corpus-dir", str(tmp_path)]) == 2
+def test_collate_stats_rejects_bad_options(tmp_path, capsys):
+    assert cli.main(["collate-stats", "--limit", "0", "--corpus-dir", str(tmp_path)]) == 2
     assert "--limit" in capsys.readouterr().err
     assert (
-        cli.main(["demo", "--limit", "2", "--ctx-student", "0", "--corpus-dir", str(tmp_path)]) == 2
+        cli.main(["collate-stats", "--limit", "2", "--ctx-student", "0", "--corpus-dir", str(tmp_path)]) == 2
     )
     assert "ctx_length_student" in capsys.readouterr().err
 
 
-def test_demo_totals_agree_with_alignment_stats():
+def test_collate_stats_totals_agree_with_alignment_stats():
     from services.demo import _Totals
     from xtoken_core.align import AlignmentBatch, TokenAligner, alignment_stats
     from xtoken_core.data.collator import CrossTokenizerCollator

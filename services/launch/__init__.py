@@ -1,0 +1,1 @@
+"""Launchers: start the processes of a run (local subprocesses; Ray)."""

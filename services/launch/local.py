@@ -1,0 +1,154 @@
+"""Local launcher: worker processes as subprocesses in their own process groups, with logs,
+ready files and signals. The control plane reuses it; it knows only a :class:`ProcessSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ProcessSpec:
+    """One process of a run.
+
+    Attributes:
+        name: unique in the run (``queue``, ``collator``, ``teacher0``, ``trainer1``).
+        role: ``queue``, ``collator``, ``teacher`` or ``trainer``.
+        argv: the command after ``xtoken`` (e.g. ``["teacher", "--config", "t.json"]``).
+        env: extra environment variables.
+        log_file: where stdout and stderr go.
+        ready_file: the process writes it once ready (``--ready-file``), or None.
+        resources: e.g. ``{"gpu": 1}`` (informative for the local launcher; Ray places by it).
+        group: colocation group (a teacher and a trainer sharing a GPU), or None.
+    """
+
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    log_file: str = ""
+    ready_file: str | None = None
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    group: str | None = None
+
+
+class LocalProcess:
+    """A started process and its spec."""
+
+    def __init__(self, spec: ProcessSpec, popen: subprocess.Popen, log: Any) -> None:
+        self.spec = spec
+        self.popen = popen
+        self._log = log
+        self.started = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """Exit code, or None while running."""
+        code = self.popen.poll()
+        if code is not None and not self._log.closed:
+            self._log.close()
+        return code
+
+    def signal(self, signum: int) -> None:
+        """Send a signal to the process group (the process and anything it started)."""
+        try:
+            os.killpg(self.popen.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 20) -> str:
+        """The last lines of the process log."""
+        try:
+            text = Path(self.spec.log_file).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalLauncher:
+    """Start, watch and stop the processes of a run on this machine.
+
+    Args:
+        python: the interpreter that runs ``-m services.cli`` (default: this one).
+    """
+
+    def __init__(self, python: str | None = None) -> None:
+        self.python = python or sys.executable
+        self.processes: dict[str, LocalProcess] = {}
+
+    def start(self, spec: ProcessSpec) -> LocalProcess:
+        """Start a process (its own process group; the dead-parent sentinel watches us)."""
+        if spec.name in self.processes and self.processes[spec.name].poll() is None:
+            raise ValueError(f"process {spec.name!r} is already running")
+        if spec.ready_file:
+            Path(spec.ready_file).unlink(missing_ok=True)
+        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
+        log = open(spec.log_file, "ab")  # noqa: SIM115 (closed when the process ends)
+        env = {**os.environ, **spec.env, "XTOKEN_PARENT_PID": str(os.getpid())}
+        argv = [self.python, "-m", "services.cli", *spec.argv]
+        if spec.ready_file:
+            argv += ["--ready-file", spec.ready_file]
+        popen = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        proc = LocalProcess(spec, popen, log)
+        self.processes[spec.name] = proc
+        logger.info("[run] started %s (pid %d): xtoken %s", spec.name, popen.pid, " ".join(spec.argv))
+        return proc
+
+    def wait_ready(self, proc: LocalProcess, timeout_s: float) -> dict[str, Any]:
+        """Wait for the ready file of ``proc``.
+
+        Raises:
+            RuntimeError: the process exited first (with its last log lines) or did not get
+                ready within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        path = Path(proc.spec.ready_file or "")
+        while time.monotonic() < deadline:
+            if path.is_file():
+                try:
+                    return json.loads(path.read_text())
+                except json.JSONDecodeError:
+                    pass
+            code = proc.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"{proc.spec.name} exited with code {code} before it was ready; last log "
+                    f"lines ({proc.spec.log_file}):\n{proc.tail()}"
+                )
+            time.sleep(0.05)
+        raise RuntimeError(
+            f"{proc.spec.name} was not ready within {timeout_s:.0f}s; log: {proc.spec.log_file}"
+        )
+
+    def stop(self, names: list[str] | None = None, grace_s: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM the processes, SIGKILL what is left after ``grace_s``; returns exit codes."""
+        procs = [self.processes[n] for n in (names or list(self.processes)) if n in self.processes]
+        for p in procs:
+            if p.poll() is None:
+                p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                logger.warning("[run] %s did not stop within %.0fs: killing it", p.spec.name, grace_s)
+                p.signal(signal.SIGKILL)
+                p.popen.wait(timeout=10)
+        return {p.spec.name: p.poll() for p in procs}

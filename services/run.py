@@ -1,0 +1,492 @@
+"""The run config (one typed config of a whole distillation run) and ``xtoken run``: prepare,
+start queue, collator, teachers and trainers as local subprocesses, watch them, stop them.
+
+Only ``xtoken run``, the demo and the control plane import this module; each process gets only its
+own section as a JSON file (``run_dir/config/<process>.json``). Values that must agree across
+processes (queue address, partition, tokenizers, context lengths, run directory) are set once at
+the top of the run config and written into every section here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import field
+from pathlib import Path
+from typing import Any
+
+from services.common import config as cfgmod
+from services.common.metrics import read_jsonl
+from services.launch.local import LocalLauncher, ProcessSpec
+from services.teacher.worker import TeacherConfig
+from services.trainer.config import LossConfig, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+# The trainer section's projection until Run.prepare builds (or finds) the run's file.
+PENDING_PROJECTION = "<built by xtoken run>"
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Training and held-out text."""
+
+    train: str | None = field(
+        default=None, metadata={"help": "training corpus (.jsonl/.txt/.parquet); None: demo corpus"}
+    )
+    heldout: str | None = field(
+        default=None, metadata={"help": "held-out corpus for bits/byte; None: the demo's"}
+    )
+    limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
+    text_field: str = field(default="text", metadata={"help": "JSON field / parquet column"})
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1, or null for the whole corpus")
+
+
+@dataclasses.dataclass
+class CollatorSection:
+    """The collator process."""
+
+    workers: int = field(default=1, metadata={"help": "collator worker processes"})
+    batch: int = field(default=16, metadata={"help": "texts per put"})
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.batch < 1:
+            raise ValueError("collator.workers and collator.batch must be >= 1")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A whole distillation run (``xtoken run CONFIG.yaml``)."""
+
+    run_dir: str = field(default="runs/demo", metadata={"help": "run directory"})
+    partition: str = field(default="train", metadata={"help": "queue partition of the samples"})
+    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
+    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
+    ctx_student: int = field(default=512, metadata={"help": "student tokens per text"})
+    ctx_teacher: int = field(default=512, metadata={"help": "teacher tokens per text"})
+    projection_top_k: int = field(
+        default=8, metadata={"help": "slots per row of a projection built for the run"}
+    )
+    queue_capacity: str = field(default="4GiB", metadata={"help": "queue capacity in bytes"})
+    teachers: int = field(default=1, metadata={"help": "teacher processes (groups)"})
+    trainers: int = field(default=1, metadata={"help": "trainer ranks"})
+    max_restarts: int = field(
+        default=2, metadata={"help": "restarts of failed teachers / trainer groups before failing"}
+    )
+    ready_timeout_s: float = field(
+        default=600.0, metadata={"help": "seconds a process may take to get ready"}
+    )
+    data: DataConfig = field(default_factory=DataConfig)
+    collator: CollatorSection = field(default_factory=CollatorSection)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(loss=LossConfig(projection=PENDING_PROJECTION))
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts}: must be >= 0")
+        t, tr = self.teacher, self.trainer
+        if tr.loss.uses_teacher:
+            if t.max_batch < tr.micro_batch:
+                raise ValueError(
+                    f"teacher.max_batch={t.max_batch} < trainer.micro_batch={tr.micro_batch}: a "
+                    "micro-batch must fit one teacher slot; raise teacher.max_batch"
+                )
+            if t.max_length < self.ctx_teacher:
+                raise ValueError(
+                    f"teacher.max_length={t.max_length} < ctx_teacher={self.ctx_teacher}: raise "
+                    "teacher.max_length to at least ctx_teacher"
+                )
+            if t.transport == "hidden" and not tr.teacher_model:
+                # the trainer applies the teacher's output layer: it loads the same model
+                tr.teacher_model = t.model
+        if tr.teacher_groups != 1 and tr.teacher_groups != self.teachers:
+            raise ValueError(
+                f"trainer.teacher_groups={tr.teacher_groups} but teachers={self.teachers}; leave "
+                "teacher_groups unset (the run sets it)"
+            )
+        tr.teacher_groups = self.teachers
+        if self.teachers > self.trainers:
+            raise ValueError(
+                f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "
+                "ranks r with r % teachers == group, so extra teachers would idle"
+            )
+
+
+def load_run_config(path: str | os.PathLike) -> RunConfig:
+    """Read and validate a run config file (YAML or JSON).
+
+    Raises:
+        ConfigError: unknown keys, wrong types, impossible combinations (with the key's path).
+    """
+    return run_config_from_dict(cfgmod.load_file(path))
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Validate a run config given as a mapping (the trainer's projection may be left empty).
+
+    Raises:
+        ConfigError: as :func:`services.common.config.from_dict`.
+    """
+    data = json.loads(json.dumps(data))  # a private copy
+    trainer = data.setdefault("trainer", {})
+    if isinstance(trainer, dict):
+        loss = trainer.setdefault("loss", {})
+        if isinstance(loss, dict) and loss.get("mode", "pkl") != "ce" and not loss.get("projection"):
+            loss["projection"] = PENDING_PROJECTION  # Run.prepare builds it
+    return cfgmod.from_dict(RunConfig, data)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """One run: prepare, launch, watch, stop.
+
+    Args:
+        config: the run config.
+        launcher: a LocalLauncher (default: a new one).
+        progress: print a progress line to stderr while training.
+    """
+
+    def __init__(self, config: RunConfig, launcher: LocalLauncher | None = None,
+                 progress: bool = True) -> None:
+        self.config = config
+        self.launcher = launcher or LocalLauncher()
+        self.progress = progress
+        self.run_dir = Path(config.run_dir).resolve()
+        self.stop_requested = threading.Event()
+        self.restarts: dict[str, int] = {}
+        self.failure: str | None = None
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self) -> None:
+        """Corpus, projection and vocab checks, before any process starts.
+
+        Raises:
+            ValueError: a missing corpus or tokenizer, a vocab mismatch (names what and the fix).
+        """
+        from xtoken_core.tokenizers import load_tokenizer
+
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.data.train is None or cfg.data.heldout is None:
+            from xtoken_core.data.corpus import build_demo_corpus
+
+            demo = build_demo_corpus()
+            cfg.data.train = cfg.data.train or str(demo.train_path)
+            cfg.data.heldout = cfg.data.heldout or str(demo.heldout_path)
+        for name in ("train", "heldout"):
+            if not Path(getattr(cfg.data, name)).is_file():
+                raise ValueError(f"data.{name}={getattr(cfg.data, name)!r} is not a file")
+        s_tok = load_tokenizer(cfg.student_tokenizer)
+        t_tok = load_tokenizer(cfg.teacher_tokenizer)
+        self._check_vocabs(s_tok.vocab_size, t_tok.vocab_size)
+        if cfg.trainer.loss.uses_teacher and cfg.trainer.loss.projection in (None, PENDING_PROJECTION):
+            cfg.trainer.loss.projection = str(self._projection(s_tok, t_tok))
+
+    def _check_vocabs(self, student_vocab: int, teacher_vocab: int) -> None:
+        from xtoken_core.models import check_vocab, spec_vocab_size
+
+        cfg = self.config
+        for who, spec, override, tok_vocab in (
+            ("student", cfg.trainer.student, cfg.trainer.vocab_size, student_vocab),
+            ("teacher", cfg.teacher.model, cfg.teacher.vocab_size, teacher_vocab),
+        ):
+            if who == "teacher" and not cfg.trainer.loss.uses_teacher:
+                continue
+            model_vocab = spec_vocab_size(spec, vocab_size=override or tok_vocab)
+            check_vocab(f"{who} model {spec!r}", model_vocab, tok_vocab)
+
+    def _projection(self, s_tok: Any, t_tok: Any) -> Path:
+        import torch
+
+        from xtoken_core.data.projection_build import build_projection
+
+        cache = Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
+        k = self.config.projection_top_k
+        name = f"{_slug(self.config.student_tokenizer)}_{_slug(self.config.teacher_tokenizer)}_k{k}.pt"
+        path = cache / "projections" / name
+        if not path.is_file():
+            logger.info("[run] building projection %s", path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            torch.save(build_projection(s_tok, t_tok, k), tmp)
+            os.replace(tmp, path)
+        return path
+
+    # ------------------------------------------------------------------ sections
+
+    def _sections(self, queue: str) -> dict[str, dict[str, Any]]:
+        cfg = self.config
+        teacher = dataclasses.replace(
+            cfg.teacher,
+            queue=queue,
+            partition=cfg.partition,
+            tokenizer=cfg.teacher_tokenizer,
+        )
+        trainer = dataclasses.replace(
+            cfg.trainer,
+            queue=queue,
+            partition=cfg.partition,
+            student_tokenizer=cfg.student_tokenizer,
+            teacher_tokenizer=cfg.teacher_tokenizer,
+            teacher_vocab_size=cfg.trainer.teacher_vocab_size or cfg.teacher.vocab_size,
+            run_dir=str(self.run_dir),
+            heldout=cfg.trainer.heldout or cfg.data.heldout,
+            teacher_groups=cfg.teachers,
+        )
+        out = {"trainer": cfgmod.to_dict(trainer)}
+        for g in range(cfg.teachers):
+            device = teacher.device
+            if device == "cuda":
+                device = f"cuda:{g % max(1, _gpu_count())}"
+            out[f"teacher{g}"] = cfgmod.to_dict(
+                dataclasses.replace(
+                    teacher,
+                    group=g,
+                    device=device,
+                    heldout=(teacher.heldout or cfg.data.heldout) if g == 0 else None,
+                    eval_ctx=cfg.trainer.eval_ctx,
+                    eval_texts=cfg.trainer.eval_texts,
+                )
+            )
+        return out
+
+    def _specs(self, queue: str, port: int) -> list[ProcessSpec]:
+        cfg = self.config
+        d = self.run_dir
+        (d / "config").mkdir(parents=True, exist_ok=True)
+        (d / "logs").mkdir(parents=True, exist_ok=True)
+        sections = self._sections(queue)
+        for name, section in sections.items():
+            (d / "config" / f"{name}.json").write_text(json.dumps(section, indent=1))
+        (d / "config" / "run.json").write_text(json.dumps(cfgmod.to_dict(cfg), indent=1))
+        specs = [
+            ProcessSpec(
+                "queue", "queue",
+                ["queue", "serve", "--bind", queue, "--capacity", cfg.queue_capacity],
+                log_file=str(d / "logs" / "queue.log"), ready_file=str(d / "ready" / "queue"),
+            ),
+            ProcessSpec(
+                "collator", "collator",
+                [
+                    "collator", "--queue", queue, "--data", str(cfg.data.train),
+                    "--student", cfg.student_tokenizer, "--teacher", cfg.teacher_tokenizer,
+                    "--partition", cfg.partition, "--workers", str(cfg.collator.workers),
+                    "--batch", str(cfg.collator.batch),
+                    "--ctx-student", str(cfg.ctx_student), "--ctx-teacher", str(cfg.ctx_teacher),
+                    "--text-field", cfg.data.text_field,
+                ] + (["--limit", str(cfg.data.limit)] if cfg.data.limit else []),
+                log_file=str(d / "logs" / "collator.log"),
+            ),
+        ]
+        if cfg.trainer.loss.uses_teacher:
+            for g in range(cfg.teachers):
+                specs.append(ProcessSpec(
+                    f"teacher{g}", "teacher",
+                    ["teacher", "--config", str(d / "config" / f"teacher{g}.json"),
+                     "--run-dir", str(d)],
+                    log_file=str(d / "logs" / f"teacher{g}.log"),
+                    ready_file=str(d / "ready" / f"teacher{g}"),
+                    resources={"gpu": 1} if cfg.teacher.device.startswith("cuda") else {},
+                    group=str(g),
+                ))
+        for r in range(cfg.trainers):
+            env = {
+                "RANK": str(r), "WORLD_SIZE": str(cfg.trainers), "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            }
+            specs.append(ProcessSpec(
+                f"trainer{r}", "trainer",
+                ["trainer", "--config", str(d / "config" / "trainer.json")],
+                env=env,
+                log_file=str(d / "logs" / f"trainer{r}.log"),
+                ready_file=str(d / "ready" / f"trainer{r}"),
+                resources={"gpu": 1} if cfg.trainer.device.startswith("cuda") else {},
+                group=str(r % cfg.teachers),
+            ))
+        return specs
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        """Prepare, launch and watch the run.
+
+        Returns:
+            0 when the trainers finished (or were stopped cleanly), 1 when a process failed
+            (the message names it).
+        """
+        self.prepare()
+        qport, mport = _free_port(), _free_port()
+        queue = f"tcp://127.0.0.1:{qport}"
+        specs = {s.name: s for s in self._specs(queue, mport)}
+        self.specs = specs
+        L = self.launcher
+        try:
+            q = L.start(specs["queue"])
+            L.wait_ready(q, 60)
+            L.start(specs["collator"])
+            for spec in specs.values():
+                if spec.role in ("teacher", "trainer"):
+                    L.start(spec)
+            return self._watch(queue)
+        finally:
+            L.stop(grace_s=60)
+            if self.progress:
+                sys.stderr.write("\n")
+
+    def _watch(self, queue: str) -> int:
+        from services.queue.client import QueueClient
+        from services.trainer.feed import put_eof
+
+        cfg = self.config
+        L = self.launcher
+        eof_done = False
+        trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
+        started = time.monotonic()
+        while True:
+            if self.stop_requested.is_set():
+                logger.info("[run] stopping: trainers checkpoint first")
+                codes = L.stop(trainers, grace_s=300)
+                bad = {n: c for n, c in codes.items() if c not in (0, None)}
+                return 0 if not bad else 1
+            for name, proc in list(L.processes.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                spec = proc.spec
+                if spec.role == "collator" and code == 0 and not eof_done:
+                    with QueueClient(queue, timeout_s=10, name="run") as client:
+                        n = len(client.list(cfg.partition).get("keys", []))
+                        put_eof(client, cfg.partition, n)
+                    logger.info("[run] collator done: %d samples", n)
+                    eof_done = True
+                    continue
+                if spec.role == "trainer" and code == 0:
+                    continue
+                if spec.role == "collator" and code == 0:
+                    continue
+                if self._restart(spec, code):
+                    continue
+                self.failure = (
+                    f"{name} failed with exit code {code}; last log lines "
+                    f"({spec.log_file}):\n{proc.tail()}"
+                )
+                logger.error("[run] %s", self.failure)
+                return 1
+            if all(L.processes[n].poll() == 0 for n in trainers):
+                logger.info("[run] trainers finished in %.0fs", time.monotonic() - started)
+                return 0
+            if self.progress:
+                self._show_progress(started)
+            time.sleep(0.5)
+
+    def _restart(self, spec: ProcessSpec, code: int) -> bool:
+        """Restart policy: a teacher in place; any trainer rank -> every rank from the checkpoint."""
+        key = "trainers" if spec.role == "trainer" else spec.name
+        if spec.role not in ("teacher", "trainer") or self.restarts.get(key, 0) >= self.config.max_restarts:
+            return False
+        self.restarts[key] = self.restarts.get(key, 0) + 1
+        logger.warning(
+            "[run] %s exited with code %d: restart %d of %d",
+            spec.name, code, self.restarts[key], self.config.max_restarts,
+        )
+        if spec.role == "teacher":
+            self.launcher.start(spec)
+            return True
+        names = [n for n, s in self.specs.items() if s.role == "trainer"]
+        self.launcher.stop(names, grace_s=30)
+        port = str(_free_port())
+        for n in names:
+            self.specs[n].env["MASTER_PORT"] = port
+            self.launcher.start(self.specs[n])
+        return True
+
+    def _show_progress(self, started: float) -> None:
+        records = [r for r in read_jsonl(self.run_dir / "metrics" / "trainer.rank0.jsonl")
+                   if r.get("event") == "step"]
+        elapsed = time.monotonic() - started
+        if not records:
+            line = f"[run] starting... {elapsed:.0f}s"
+        else:
+            last = records[-1]
+            total = self.config.trainer.max_steps
+            rate = [r.get("tokens_per_s") or 0 for r in records[-5:]]
+            step_s = sum(r["step_s"] for r in records[-5:]) / len(records[-5:])
+            eta = f" ETA {step_s * (total - last['step']):.0f}s" if total else ""
+            bar = ""
+            if total:
+                done = int(30 * last["step"] / total)
+                bar = "[" + "#" * done + "." * (30 - done) + "] "
+            line = (
+                f"{bar}step {last['step']}{'/' + str(total) if total else ''} loss "
+                f"{last.get('loss', math.nan):.4f} kd {last.get('kl_loss', 0.0):.4f} ce "
+                f"{last.get('ce_loss', 0.0):.4f} {sum(rate) / len(rate):.0f} tok/s{eta}"
+            )
+        sys.stderr.write("\r" + line[:150].ljust(150))
+        sys.stderr.flush()
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in Path(name).name or name)
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # pragma: no cover
+        return 0
+
+
+def report(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's held-out bits/byte: teacher, student before and after (from its metrics)."""
+    run_dir = Path(run_dir)
+    out: dict[str, Any] = {}
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError:
+        summary = {}
+    for tag in ("before", "after"):
+        if f"student_{tag}" in summary:
+            out[f"student_{tag}"] = summary[f"student_{tag}"]["bits_per_byte"]
+    for path in sorted((run_dir / "metrics").glob("teacher.group*.jsonl")):
+        for r in read_jsonl(path):
+            if r.get("event") == "eval":
+                out["teacher"] = r["bits_per_byte"]
+    out["steps"] = summary.get("step")
+    return out
+
+
+def install_stop(run: Run) -> None:
+    """SIGTERM / SIGINT on ``xtoken run``: checkpoint and stop cleanly."""
+
+    def _stop(signum: int, frame: Any) -> None:
+        if run.stop_requested.is_set():
+            raise KeyboardInterrupt
+        logger.info("[run] %s: stopping the run (Ctrl-C again to kill)", signal.Signals(signum).name)
+        run.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)

@@ -1,0 +1,33 @@
+"""`xtoken teacher`: serve teacher logits to trainers (flags generated from TeacherConfig)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common import config as cfg
+from services.common.lifecycle import run_process
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of every TeacherConfig field, ``--config FILE``, ``--ready-file``, ``--run-dir``."""
+    from services.teacher.worker import TeacherConfig
+
+    cfg.add_arguments(parser, TeacherConfig)
+    parser.add_argument("--ready-file", default=None, help="write {pid, instance} here once serving")
+    parser.add_argument("--run-dir", default=None, help="write metrics under RUN_DIR/metrics")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the config and run the teacher process."""
+    from services.teacher.main import serve
+    from services.teacher.worker import TeacherConfig
+
+    def main(lc):
+        return serve(cfg.from_args(TeacherConfig, args), lc, run_dir=args.run_dir)
+
+    return run_process(
+        "teacher",
+        main,
+        ready_file=args.ready_file,
+        log_level=args.log_level,
+    )

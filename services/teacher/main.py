@@ -1,0 +1,137 @@
+"""Teacher process shell: queue client, claim loop, results written back, lifecycle.
+
+Claims requests of its group (``<partition>.teacher<group>``, task ``teacher``) one at a time,
+runs :class:`~services.teacher.worker.TeacherWorker`, writes the result fields onto the request
+record and acks it. A request is acked only after its result is stored, so a teacher killed
+mid-request leaves it leased: it is redelivered to a restarted teacher when the lease ends. A
+malformed request gets an error result (the trainer raises it) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from services.common.lifecycle import Lifecycle
+from services.common.metrics import JsonlWriter
+from services.queue.errors import QueueError
+from services.teacher import protocol as proto
+from services.teacher.worker import TeacherConfig, TeacherWorker
+
+logger = logging.getLogger(__name__)
+
+
+def connect(address: str, timeout_s: float, name: str) -> Any:
+    """A QueueClient after a successful handshake.
+
+    Raises:
+        ValueError: the queue did not answer within ``timeout_s`` (names the address and the
+            setting).
+    """
+    from services.collator.runner import QueueUnreachableError, check_queue
+    from services.queue.client import QueueClient
+
+    try:
+        check_queue(address, timeout_s, None)
+    except QueueUnreachableError as e:
+        raise ValueError(str(e)) from None
+    return QueueClient(address, timeout_s=timeout_s, name=name)
+
+
+def heldout_texts(path: str, limit: int) -> list[str]:
+    """The first ``limit`` non-empty texts of a corpus file.
+
+    Raises:
+        ValueError: the file has no usable text.
+    """
+    from xtoken_core.data.corpus import iter_texts
+
+    texts = []
+    for _, text in iter_texts(path):
+        if text.strip():
+            texts.append(text)
+        if len(texts) >= limit:
+            break
+    if not texts:
+        raise ValueError(f"held-out corpus {path!r} has no usable text; point it at a corpus")
+    return texts
+
+
+def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -> int:
+    """Serve requests until stopped; returns 0."""
+    client = connect(config.queue, config.queue_timeout_s, f"teacher{config.group}")
+    partition = proto.request_partition(config.partition, config.group)
+    with TeacherWorker(config) as worker:
+        metrics = None
+        if run_dir:
+            metrics = JsonlWriter(
+                Path(run_dir) / "metrics" / f"teacher.group{config.group}.jsonl",
+                group=config.group,
+                instance=worker.instance,
+            )
+        if config.heldout:
+            texts = heldout_texts(config.heldout, config.eval_texts)
+            result = worker.evaluate(texts)
+            logger.info("[teacher] held-out %.4f bits/byte", result["bits_per_byte"])
+            if metrics is not None:
+                metrics.write("eval", who="teacher", **result)
+        lc.ready(instance=worker.instance, transport=config.transport, width=worker.width)
+        logger.info(
+            "[teacher] %s serving %s (%s, %s on %s)",
+            worker.instance,
+            partition,
+            config.model,
+            config.transport,
+            config.device,
+        )
+        try:
+            while not lc.stop.is_set():
+                got = client.claim(
+                    partition,
+                    proto.TEACHER_TASK,
+                    ["teacher_input_ids"],
+                    1,
+                    timeout_s=config.claim_timeout_s,
+                    lease_s=config.lease_s,
+                )
+                if got["keys"]:
+                    _serve_one(client, worker, partition, got, lc, metrics)
+        finally:
+            if metrics is not None:
+                metrics.close()
+            client.close()
+    return 0
+
+
+def _serve_one(client, worker: TeacherWorker, partition: str, got: dict, lc, metrics) -> None:
+    key, lease_id = got["keys"][0], got["lease_id"]
+    try:
+        request = proto.decode_request(key, got["fields"], 0, worker.pad_id)
+    except ValueError as e:
+        logger.warning("[teacher] malformed request %r: %s", key, e)
+        rank = _rank_of(got["fields"])
+        if rank is not None:
+            client.put(partition, [key], worker.error_fields(key, rank, str(e)))
+        client.ack(partition, proto.TEACHER_TASK, lease_id)
+        return
+    try:
+        fields = worker.compute(request, stop=lc.stop)
+    except InterruptedError:
+        client.nack(partition, proto.TEACHER_TASK, lease_id)
+        return
+    client.put(partition, [key], fields)
+    try:
+        client.ack(partition, proto.TEACHER_TASK, lease_id)
+    except QueueError as e:  # the lease ended first: the request may be computed twice
+        logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
+    if metrics is not None:
+        B, U = request.ids_BU.shape
+        metrics.write("request", key=key, rank=request.rank, rows=B, length=U)
+
+
+def _rank_of(fields: dict) -> int | None:
+    try:
+        return int(fields["rank"].reshape(-1)[0])
+    except (KeyError, AttributeError, ValueError, IndexError):
+        return None

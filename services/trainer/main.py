@@ -1,0 +1,217 @@
+"""Trainer process shell: process group, device, queue feed, epochs, checkpoints, metrics, export.
+
+torchrun-compatible: the rank, world size and local rank come from ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK`` (``MASTER_ADDR`` / ``MASTER_PORT`` for the rendezvous); NCCL on CUDA, gloo on CPU.
+Every rank runs the same loop and agrees at each step boundary (one small all-reduce) on
+whether anyone has data and whether anyone was asked to stop, so all ranks stop at the same
+step and write one checkpoint together.
+
+Files under ``run_dir``: ``metrics/trainer.rank<r>.jsonl`` (steps, evals), ``keys/
+trainer.rank<r>.jsonl`` (the keys trained per step), ``checkpoints/``, ``final/`` (the exported
+student, rank 0) and ``summary.json`` (rank 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.common.lifecycle import Lifecycle
+from services.common.metrics import JsonlWriter
+from services.teacher.main import heldout_texts
+from services.trainer import checkpoint
+from services.trainer.config import TrainerConfig
+from services.trainer.feed import TeacherFeed
+from services.trainer.worker import PhaseClock, TrainerWorker
+
+logger = logging.getLogger(__name__)
+
+
+def dist_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from torchrun's environment (0, 1, 0 without it)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
+    return rank, world, local
+
+
+def _all_reduce_flags(flags: list[float], device: torch.device, world: int) -> list[float]:
+    if world == 1:
+        return flags
+    t = torch.tensor(flags, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def serve(config: TrainerConfig, lc: Lifecycle) -> int:
+    """Train until ``max_steps``, the end of the data (all epochs) or a stop; returns 0."""
+    rank, world, local = dist_env()
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=max(600.0, 2 * config.teacher_timeout_s)),
+        )
+    try:
+        return _train(config, lc, rank, world, device)
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _connect(config: TrainerConfig, rank: int) -> Any:
+    from services.collator.runner import QueueUnreachableError, check_queue
+    from services.queue.client import QueueClient
+
+    try:
+        check_queue(config.queue, config.queue_timeout_s, None)
+    except QueueUnreachableError as e:
+        raise ValueError(str(e)) from None
+    return QueueClient(config.queue, timeout_s=config.queue_timeout_s, name=f"trainer{rank}")
+
+
+def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) -> int:
+    run_dir = Path(config.run_dir)
+    heldout = heldout_texts(config.heldout, config.eval_texts) if rank == 0 and config.heldout else []
+    client = _connect(config, rank)
+    worker = TrainerWorker(config, rank=rank, world_size=world, device=device)
+    reader = output_layer = None
+    if config.loss.uses_teacher:
+        from xtoken_core.ipc.logit_ring import LogitRingReader
+
+        reader = LogitRingReader(device=device, dead_after_s=config.dead_after_s)
+        if config.teacher_model:
+            from xtoken_core.models import load_output_layer
+
+            output_layer = load_output_layer(
+                config.teacher_model,
+                vocab_size=config.teacher_vocab_size,
+                dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                device=device,
+            )
+    epoch, task_start, trained = 0, 0, set()
+    latest = checkpoint.latest_checkpoint(run_dir)
+    if latest is not None:
+        state = checkpoint.load(worker, latest)
+        epoch, trained = state["epoch"], state["trained"]
+        task_start = worker.step  # a fresh consumer task: every untrained sample comes again
+    metrics = JsonlWriter(run_dir / "metrics" / f"trainer.rank{rank}.jsonl", rank=rank)
+    keys_log = JsonlWriter(run_dir / "keys" / f"trainer.rank{rank}.jsonl", rank=rank)
+    lc.ready(rank=rank, world_size=world, step=worker.step)
+    summary: dict[str, Any] = {"rank_count": world, "resumed_from": worker.step}
+
+    def evaluate(tag: str) -> None:
+        if rank == 0 and heldout:
+            result = worker.evaluate(heldout)
+            metrics.write("eval", step=worker.step, tag=tag, who="student", **result)
+            summary[f"student_{tag}"] = result
+            logger.info(
+                "[trainer] eval %s at step %d: %.4f bits/byte", tag, worker.step, result["bits_per_byte"]
+            )
+        if world > 1:
+            dist.barrier()
+
+    if worker.step == 0:
+        evaluate("before")
+    stopped = False
+    last_ckpt = worker.step
+    while epoch < config.epochs and not stopped:
+        task = f"trainer/e{epoch}/s{task_start}"
+        feed = TeacherFeed(
+            client, config, rank, worker, task, trained,
+            reader=reader, output_layer=output_layer, stop=lc.stop,
+        )
+        logger.info("[trainer] rank %d epoch %d (task %s, %d trained)", rank, epoch, task, len(trained))
+        while True:
+            if config.max_steps and worker.step >= config.max_steps:
+                break
+            clock = PhaseClock(device)
+            with clock.phase("data_wait"):
+                mbs = feed.next_step(config.grad_accum)
+            has_data, stop = _all_reduce_flags(
+                [float(bool(mbs)), float(lc.stop.is_set())], device, world
+            )
+            if stop:
+                feed.give_back(mbs)
+                stopped = True
+                break
+            if not has_data:
+                if feed.ended or config.idle_timeout_s is not None:
+                    break
+                continue
+            result = worker.train_step(mbs, clock)
+            feed.ack(mbs)
+            keys_log.write("trained", step=result.step, epoch=epoch, keys=result.keys)
+            step_s = sum(result.times.values())
+            metrics.write(
+                "step",
+                step=result.step,
+                epoch=epoch,
+                skipped=result.skipped,
+                step_s=round(step_s, 6),
+                tokens_per_s=round(result.metrics["tokens"] / step_s, 2) if step_s else None,
+                times={k: round(v, 6) for k, v in result.times.items()},
+                memory_mb=_memory_mb(device),
+                feed=dict(feed.counters),
+                **{k: round(v, 6) for k, v in result.metrics.items()},
+            )
+            if rank == 0:
+                logger.info(
+                    "[trainer] step %d loss %.4f (kd %.4f ce %.4f) %.0f tok/s",
+                    result.step,
+                    result.metrics.get("loss", float("nan")),
+                    result.metrics.get("kl_loss", 0.0),
+                    result.metrics.get("ce_loss", 0.0),
+                    result.metrics["tokens"] / step_s if step_s else 0.0,
+                )
+            if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
+                checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
+                last_ckpt = worker.step
+            if config.eval_every and worker.step % config.eval_every == 0:
+                evaluate(f"step{worker.step}")
+        if stopped or (config.max_steps and worker.step >= config.max_steps):
+            break
+        feed.give_back()
+        epoch, task_start, trained = epoch + 1, worker.step, set()
+    feed.give_back()
+    if worker.step != last_ckpt or stopped:
+        checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
+    if not stopped:
+        evaluate("after")
+        if rank == 0 and config.export:
+            from xtoken_core.models import export_hf
+
+            export_hf(worker.module, run_dir / "final", tokenizer=config.student_tokenizer)
+            logger.info("[trainer] exported the student to %s", run_dir / "final")
+    if rank == 0:
+        summary.update(step=worker.step, epoch=epoch, stopped=stopped, skipped=worker.skipped_steps)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    metrics.close()
+    keys_log.close()
+    client.close()
+    if reader is not None:
+        reader.close()
+    return 0
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    try:
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    except ImportError:  # pragma: no cover
+        return 0.0
