@@ -1,12 +1,13 @@
 """Trainer-side consumer: a background thread claims ahead and yields padded batches with leases.
 
-Legend: B samples in a batch, T the longest row of a jagged field in the batch, S the total rows
-of a jagged field (its ``values`` leading dim), D trailing dims.
+Batches are padded by ``xtoken_core.data.batch.pad_batch``: fields of the sample schema with the
+schema's pad values (chunk ids -1, masks False, ids the given pad ids), other jagged fields with
+0 unless ``pad_values`` says otherwise.
 
 Usage::
 
     with BatchConsumer(address, "train", "trainer", ["input_ids"], batch_size=8,
-                       pad_values={"input_ids": 0}) as consumer:
+                       student_pad_id=tokenizer.pad_id) as consumer:
         for batch, lease in consumer:
             step(batch)
             consumer.ack(lease)
@@ -29,6 +30,7 @@ import torch
 
 from services.queue.client import QueueClient
 from services.queue.errors import QueueError
+from xtoken_core.data.batch import pad_batch
 from xtoken_core.wire import JaggedColumn
 
 logger = logging.getLogger(__name__)
@@ -52,56 +54,11 @@ class Lease:
     keys: list[str]
 
 
-def pad_jagged(
-    column: JaggedColumn, pad_value: float | int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad a jagged column to a dense tensor (vectorized, one scatter).
-
-    Args:
-        column: B rows, values [S, *D], offsets [B+1].
-        pad_value: value of the padding positions.
-
-    Returns:
-        ``(padded_BTD [B, T, *D], lengths_B [B] int64)`` with T the longest row (0 if none).
-    """
-    offsets_B1 = column.offsets
-    lengths_B = offsets_B1[1:] - offsets_B1[:-1]
-    b = int(lengths_B.numel())
-    t = int(lengths_B.max()) if b else 0
-    values_SD = column.values
-    padded_BTD = torch.full((b, t, *values_SD.shape[1:]), pad_value, dtype=values_SD.dtype)
-    s = int(values_SD.shape[0])
-    if s:
-        row_S = torch.repeat_interleave(torch.arange(b), lengths_B, output_size=s)
-        pos_S = torch.arange(s) - offsets_B1[:-1][row_S]
-        padded_BTD[row_S, pos_S] = values_SD
-    return padded_BTD, lengths_B
-
-
-def pad_fields(
-    fields: Mapping[str, Any], pad_values: Mapping[str, float | int] | None = None
-) -> dict[str, torch.Tensor]:
-    """Materialize a claimed batch: jagged fields padded, dense fields as they are.
-
-    Args:
-        fields: name -> JaggedColumn of B rows or dense tensor [B, ...].
-        pad_values: name -> pad value of a jagged field (default 0).
-
-    Returns:
-        name -> tensor; each jagged field ``f`` also adds ``f + "_lengths"`` [B] int64 unless
-        the batch already has a field of that name.
-    """
-    pad_values = pad_values or {}
-    out: dict[str, torch.Tensor] = {}
+def _with_lengths(fields: Mapping[str, Any], batch: dict[str, torch.Tensor]) -> None:
+    """Add ``f + "_lengths"`` [B] int64 for each jagged field ``f`` unless the claim has one."""
     for name, value in fields.items():
-        if isinstance(value, JaggedColumn):
-            padded, lengths = pad_jagged(value, pad_values.get(name, 0))
-            out[name] = padded
-            if f"{name}_lengths" not in fields:
-                out[f"{name}_lengths"] = lengths
-        else:
-            out[name] = value
-    return out
+        if isinstance(value, JaggedColumn) and f"{name}_lengths" not in fields:
+            batch[f"{name}_lengths"] = value.lengths()
 
 
 class BatchConsumer:
@@ -114,7 +71,9 @@ class BatchConsumer:
         task: consumer task name (consumption is tracked per task).
         required_fields: a sample is claimable once it has all of these.
         batch_size: most samples per batch.
-        pad_values: pad value per jagged field (default 0).
+        pad_values: pad values that replace the schema's (fields of the sample schema) or the
+            0 of other jagged fields, by field name. Each jagged field ``f`` also yields
+            ``f + "_lengths"`` [B] int64 unless the batch has a field of that name.
         prefetch: batches claimed ahead of the one being consumed (>= 1).
         fields: fields to return (default ``required_fields``).
         lease_s: lease length; a batch not acked by then is redelivered.
@@ -124,6 +83,8 @@ class BatchConsumer:
             stored there arrive as views (no bytes through the socket) and are copied once,
             into the padded batch. Assumes no one clears samples while they are leased (the
             views contract, services/queue/shm_transport.py).
+        student_pad_id: pad id of ``input_ids`` (the student tokenizer's).
+        teacher_pad_id: pad id of ``teacher_input_ids`` (the teacher tokenizer's).
 
     Raises:
         ValueError: a bad batch size, prefetch or claim timeout.
@@ -144,6 +105,8 @@ class BatchConsumer:
         claim_timeout_s: float = 1.0,
         idle_timeout_s: float | None = None,
         shm: bool = False,
+        student_pad_id: int = 0,
+        teacher_pad_id: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -163,6 +126,8 @@ class BatchConsumer:
         self.fields = list(fields) if fields is not None else None
         self.batch_size = batch_size
         self.pad_values = dict(pad_values or {})
+        self.student_pad_id = int(student_pad_id)
+        self.teacher_pad_id = int(teacher_pad_id)
         self.lease_s = lease_s
         self.claim_timeout_s = claim_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -288,7 +253,13 @@ class BatchConsumer:
                     continue
                 idle = 0.0
                 lease = Lease(self.partition, self.task, got["lease_id"], list(got["keys"]))
-                batch = pad_fields(got["fields"], self.pad_values)
+                batch = pad_batch(
+                    got["fields"],
+                    student_pad_id=self.student_pad_id,
+                    teacher_pad_id=self.teacher_pad_id,
+                    pad_values=self.pad_values,
+                )
+                _with_lengths(got["fields"], batch)
                 if self.shm:  # padded fields are new tensors; dense ones may view the pool
                     batch = client._shm.private(batch)
                 if not self._put((batch, lease)):

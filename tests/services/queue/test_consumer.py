@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from services.queue.client import QueueClient
-from services.queue.consumer import BatchConsumer, pad_jagged
+from services.queue.consumer import BatchConsumer
+from xtoken_core.data import sample as schema
+from xtoken_core.data.sample import pad_samples
 from xtoken_core.wire import JaggedColumn
-
-
-@settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=8), width=st.integers(1, 3))
-def test_pad_jagged_matches_per_row_padding(lengths, width):
-    rows = [torch.randn(n, width) for n in lengths]
-    padded, got_lengths = pad_jagged(JaggedColumn.from_rows(rows), pad_value=-7.0)
-    assert got_lengths.tolist() == lengths
-    assert padded.shape == (len(lengths), max(lengths), width)
-    for i, row in enumerate(rows):
-        assert torch.equal(padded[i, : len(row)], row)
-        assert bool((padded[i, len(row) :] == -7.0).all())
 
 
 def put_ids(client, partition, n):
@@ -114,3 +103,75 @@ def test_a_shm_consumer_yields_private_batches_that_outlive_the_samples(server):
             assert torch.equal(batch["h"][j, : lengths[i]], rows[i])
             assert torch.equal(batch["w"][j], fields["w"][i])
         client.clear("consume-shm-2")
+
+
+def schema_sample(t: int, u: int, c: int, seed: int) -> dict[str, torch.Tensor]:
+    """A jagged sample of the collator's schema; its last tokens belong to no chunk (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    student_chunk = torch.randint(0, max(c, 1), (t,), generator=g).sort().values
+    teacher_chunk = torch.randint(0, max(c, 1), (u,), generator=g).sort().values
+    student_chunk[-1:] = -1
+    teacher_chunk[-2:] = -1
+    return {
+        "input_ids": torch.randint(1, 1000, (t,), generator=g),
+        "input_lengths": torch.tensor(t),
+        "token_mask": torch.ones(t, dtype=torch.bool),
+        "sample_mask": torch.tensor(1.0),
+        "teacher_input_ids": torch.randint(1, 1000, (u,), generator=g),
+        "teacher_input_lengths": torch.tensor(u),
+        "teacher_token_mask": torch.ones(u, dtype=torch.bool),
+        "alignment_pair_valid": torch.rand(c, generator=g) > 0.2,
+        "alignment_pair_is_correct": torch.rand(c, generator=g) > 0.5,
+        "alignment_student_exact_partition_mask": torch.rand(t, generator=g) > 0.5,
+        "alignment_teacher_exact_partition_mask": torch.rand(u, generator=g) > 0.5,
+        "alignment_student_chunk_id": student_chunk,
+        "alignment_teacher_chunk_id": teacher_chunk,
+        "alignment_num_chunks": torch.tensor(c),
+    }
+
+
+def put_schema_samples(client, partition, samples):
+    """Put samples the way a collator does: per-token and per-chunk fields jagged."""
+    keys = [f"k{i}" for i in range(len(samples))]
+    fields = {}
+    for spec in schema.SAMPLE_FIELDS:
+        rows = [s[spec.name] for s in samples]
+        jagged = spec.axis != schema.SAMPLE
+        fields[spec.name] = JaggedColumn.from_rows(rows) if jagged else torch.stack(rows)
+    client.put(partition, keys, fields)
+    return keys
+
+
+@pytest.mark.parametrize("pad_ids", [None, (7, 9)], ids=["default-ids", "given-ids"])
+def test_default_pad_values_are_the_schemas_chunk_ids_pad_with_minus_one(server, pad_ids):
+    """Chunk ids padded with 0 put padding positions into chunk 0 and change the loss (the P-KL
+    loss of the README example: 14.7278 vs 14.7209 with -1); the schema says -1."""
+    shapes = [(9, 7, 4), (3, 8, 2), (6, 2, 3)]
+    samples = [schema_sample(t, u, c, i) for i, (t, u, c) in enumerate(shapes)]
+    partition = f"consume-schema-{pad_ids}"
+    ids = {} if pad_ids is None else {"student_pad_id": pad_ids[0], "teacher_pad_id": pad_ids[1]}
+    with QueueClient(server.address) as client:
+        keys = put_schema_samples(client, partition, samples)
+        with BatchConsumer(
+            client,
+            partition,
+            "train",
+            list(schema.FIELD_NAMES),
+            batch_size=len(samples),
+            claim_timeout_s=0.2,
+            idle_timeout_s=0.6,
+            **ids,
+        ) as consumer:
+            batch, lease = next(consumer)
+            consumer.ack(lease)
+    student_pad, teacher_pad = pad_ids or (0, 0)
+    want = pad_samples(
+        [samples[keys.index(k)] for k in lease.keys],
+        student_pad_id=student_pad,
+        teacher_pad_id=teacher_pad,
+    )
+    for name in schema.FIELD_NAMES:
+        assert batch[name].dtype == want[name].dtype, name
+        assert torch.equal(batch[name], want[name]), name
+    assert (batch["alignment_student_chunk_id"] == -1).any()
+    assert torch.equal(batch["input_ids_lengths"], batch["input_lengths"])
