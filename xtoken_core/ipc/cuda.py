@@ -252,6 +252,24 @@ class CudaIpcHandle:
         return view if self.index is None else view[self.index]
 
 
+def forget(handle: CudaIpcHandle) -> bool:
+    """Drop this process's cached export or import of ``handle``'s storage (views already made
+    stay valid; the memory goes when they do). A ring that is closed or whose producer died
+    calls this so that its buffer is not kept for the life of the process.
+
+    Args:
+        handle: a handle of the buffer (any slot of it).
+
+    Returns:
+        True when a cached storage was dropped.
+    """
+    key = (handle.handle, handle.storage_offset)
+    with _LOCK:
+        opened = _OPENED.pop(key, None)
+        exported = _EXPORTED.pop(key, None) if handle.pid == os.getpid() else None
+    return opened is not None or exported is not None
+
+
 def release_cache() -> int:
     """Drop this process's references to imported buffers (views already made stay valid).
 
