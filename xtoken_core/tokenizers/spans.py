@@ -8,15 +8,16 @@ Rules (documented once here, relied on by the aligner):
 * Where the tokenizer did not change the text (no normalizer effect), spans come from the bytes
   each token decodes to: the cumulative sum of token byte lengths. This is exact even where a
   byte-level token splits a multi-byte character (HF offsets overlap there).
-* Otherwise (a normalizer changed the text: lowercasing, NFC/NFKC), spans come from the
-  tokenizer's offsets in the ORIGINAL text. Tokens whose offsets overlap (one character split
-  over several tokens) form a group; inside a group whose decoded length equals its original
-  length the bytes are split by token length, otherwise the first token takes the whole group
-  and the others get an empty span at its end. Bytes no token claims between two groups (e.g. a
-  combining mark merged by NFC) go to the group that decoded more bytes than it covers, else to
-  the previous group, and bytes after the last token to it; whitespace the tokenizer dropped
-  (e.g. a Whitespace pre-tokenizer, a Strip normalizer) stays uncovered, so spans tile except
-  across such whitespace.
+* Otherwise (a normalizer changed the text: lowercasing, NFC/NFKC; or the tokenizer dropped a
+  character it has no token for), spans come from the tokenizer's offsets in the ORIGINAL text.
+  Tokens whose offsets overlap (one character split over several tokens) form a group; inside a
+  group whose decoded length equals its original length the bytes are split by token length,
+  otherwise the first token takes the whole group and the others get an empty span at its end.
+  Bytes no token claims between two groups (e.g. a combining mark merged by NFC) go to the group
+  that decoded more bytes than it covers, else to the previous group; bytes after the last token
+  go to it, and bytes before the first token to that one. Whitespace the tokenizer dropped (e.g.
+  a Whitespace pre-tokenizer, a Strip normalizer) stays uncovered, so spans tile except across
+  such whitespace.
 * SentencePiece's dummy-prefix ``▁`` covers no byte of the text: a leading ``▁`` piece alone gets
   the empty span [0, 0); ``▁Hi`` at the start covers only ``Hi``.
 * Special tokens get an empty span at the end of the previous content token (0 at the start).
@@ -154,6 +155,11 @@ def compute_byte_spans(
             tail = text_bytes[spans_M2[-1, 1] :]
             if tail and not _is_whitespace(tail):
                 spans_M2[-1, 1] = len(text_bytes)
+            # Likewise characters before the first token that the tokenizer dropped (a byte
+            # its vocab has no token for, e.g. some control bytes for SmolLM2) go to it.
+            head = text_bytes[: spans_M2[0, 0]]
+            if head and not _is_whitespace(head):
+                spans_M2[0, 0] = 0
         spans_N2[content_M] = spans_M2
     # Specials: empty span at the end of the previous content token (0 before any).
     if len(content_M) < n:

@@ -7,10 +7,16 @@ import pytest
 from xtoken_core.tokenizers import available_tokenizers, load_tokenizer, registry
 from xtoken_core.tokenizers.hf import HFTokenizer
 
-EXPECTED_VOCAB = {"qwen3": 151_669, "deepseek": 129_280, "mistral": 32_768, "llama3": 128_257}
+EXPECTED_VOCAB = {
+    "qwen3": 151_669,
+    "deepseek": 129_280,
+    "mistral": 32_768,
+    "llama3": 128_257,
+    "smollm2": 49_152,
+}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek", "mistral", "llama3"])
+@pytest.mark.parametrize("name", sorted(EXPECTED_VOCAB))
 def test_bundled_tokenizer_loads_with_its_vocab_size(name):
     tok = load_tokenizer(name)
     assert tok.name == name
@@ -18,7 +24,7 @@ def test_bundled_tokenizer_loads_with_its_vocab_size(name):
     assert name in available_tokenizers()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek", "mistral", "llama3"])
+@pytest.mark.parametrize("name", sorted(EXPECTED_VOCAB))
 def test_all_ids_produced_are_below_vocab_size(name):
     tok = load_tokenizer(name)
     ids = tok.encode("Hello, world! 你好 🇺🇸 <|endoftext|> [INST]").ids
