@@ -98,7 +98,7 @@ def bench_xtoken(rounds: int, w2_reps: int, rss_mb: int, lat_iters: int, seed: i
             raise RuntimeError("queue server exited at start-up")
         time.sleep(0.02)
     out: dict = {"system": "xtoken", "startup_s": time.perf_counter() - t0}
-    address = ready.read_text().strip()
+    address = json.loads(ready.read_text())["endpoint"]
     try:
         # Frames over TCP: the like-for-like comparison with TransferQueue and raw pyzmq, and an
         # honest RSS row (shared-memory puts are measured by bench_shm_put.py).
@@ -389,7 +389,7 @@ def bench_collator(address: str | None, limit: int, workers_list: list[int]) -> 
         server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
         while not ready.exists():
             time.sleep(0.02)
-        address = ready.read_text().strip()
+        address = json.loads(ready.read_text())["endpoint"]
     rows = []
     try:
         for workers in workers_list:

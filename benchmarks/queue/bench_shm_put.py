@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import pathlib
 import statistics
@@ -54,7 +55,7 @@ def _server(bind: str, tmp: pathlib.Path) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise RuntimeError("queue server exited at start-up")
         time.sleep(0.02)
-    return proc, ready.read_text().strip()
+    return proc, json.loads(ready.read_text())["endpoint"]
 
 
 def run_mode(address: str, shm: str, rounds: int, seed: int) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import multiprocessing
 import os
 import pathlib
@@ -87,7 +88,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError("queue server exited at start-up")
             time.sleep(0.02)
-        self.address = ready.read_text().strip()
+        self.address = json.loads(ready.read_text())["endpoint"]
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

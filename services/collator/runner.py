@@ -7,10 +7,11 @@ put their own samples (the tensors never pass through the parent). Restarting a 
 does no duplicate work, and a put that races with another collator is harmless (puts are
 idempotent by key).
 
-Stopping: at the end of the data every worker gets ``None`` and exits after its last put; on
-``request_stop()`` (SIGTERM/SIGINT in the CLI) the parent stops reading, workers finish their
-in-flight put and abandon queued batches. Either way ``run()`` returns a summary; a bad input
-line or a worker error stops the workers and raises.
+Stopping: at the end of the data every worker gets ``None`` and exits after its last put; when
+the ``stop`` event is set (the process lifecycle's: SIGTERM/SIGINT, a dead parent) or on
+``request_stop()``, the parent stops reading, workers finish their in-flight put and abandon
+queued batches. Either way ``run()`` returns a summary; a bad input line or a worker error stops
+the workers and raises.
 """
 
 from __future__ import annotations
@@ -18,11 +19,23 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue as queue_mod
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.collator.worker import WorkerConfig, worker_main
+from services.collator.config import RunConfig, WorkerConfig
+from services.collator.worker import worker_main
+
+__all__ = [
+    "CollatorRun",
+    "QueueUnreachableError",
+    "RunConfig",
+    "RunSummary",
+    "WorkerConfig",
+    "check_queue",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,46 +47,6 @@ _EXIT_GRACE_S = 30.0
 
 class QueueUnreachableError(ConnectionError):
     """The queue server did not answer the handshake; the message names address and timeout."""
-
-
-@dataclass
-class RunConfig:
-    """One collator run.
-
-    Args:
-        data: corpus file (``.jsonl``, ``.txt`` or ``.parquet``).
-        worker: settings shared by every worker (queue address, partition, tokenizers).
-        workers: number of worker processes, >= 1.
-        batch: texts per put, >= 1.
-        limit: use only the first ``limit`` texts of the file (None = all).
-        text_field: JSON field / parquet column with the text.
-        txt_split: ``.txt`` documents: ``"blank_line"`` or ``"line"``.
-        log_every_s: seconds between progress log lines.
-        skip_queued: ask the queue for the keys it holds and skip them.
-
-    Raises:
-        ValueError: ``workers``, ``batch`` or ``limit`` below 1, or ``log_every_s`` <= 0.
-    """
-
-    data: str
-    worker: WorkerConfig
-    workers: int = 1
-    batch: int = 64
-    limit: int | None = None
-    text_field: str = "text"
-    txt_split: str = "blank_line"
-    log_every_s: float = 10.0
-    skip_queued: bool = True
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers={self.workers}: must be >= 1 (--workers)")
-        if self.batch < 1:
-            raise ValueError(f"batch={self.batch}: must be >= 1 (--batch)")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit={self.limit}: must be >= 1, or omitted for the whole file")
-        if self.log_every_s <= 0:
-            raise ValueError(f"log_every_s={self.log_every_s}: must be > 0 (--log-every)")
 
 
 @dataclass
@@ -162,12 +135,14 @@ class CollatorRun:
 
     Args:
         config: the run settings.
+        stop: an event that stops the run when set (the process lifecycle's ``stop``); a new
+            one by default (see ``request_stop``).
     """
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, stop: threading.Event | None = None) -> None:
         self.config = config
         self.summary = RunSummary()
-        self._stop_requested = False
+        self.stop = stop if stop is not None else threading.Event()
         self._procs: list[Any] = []
         self._exited: set[int] = set()
         self._ready_at: dict[int, float] = {}
@@ -177,13 +152,17 @@ class CollatorRun:
         self._last_done = 0.0
 
     def request_stop(self) -> None:
-        """Stop reading; workers finish their in-flight put and exit (safe from a signal handler)."""
-        self._stop_requested = True
+        """Stop reading; workers finish their in-flight put and exit (from any thread)."""
+        self.stop.set()
 
     # ------------------------------------------------------------------------- run
 
-    def run(self) -> RunSummary:
+    def run(self, on_ready: Callable[[], Any] | None = None) -> RunSummary:
         """Collate the corpus into the queue.
+
+        Args:
+            on_ready: called once the queue answered the handshake (the process lifecycle's
+                ready announcement), before the first text is read.
 
         Returns:
             The run summary (``stopped`` True when ``request_stop`` ended it early).
@@ -202,6 +181,8 @@ class CollatorRun:
             else check_queue(cfg.worker.queue, cfg.worker.queue_timeout_s, None)
         )
         texts = iter_texts(cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split)
+        if on_ready is not None:
+            on_ready()
         if queued:
             logger.info(
                 "[collator] %d keys already in partition %r: skipping them",
@@ -281,7 +262,7 @@ class CollatorRun:
         )
 
     def _should_stop(self) -> bool:
-        return self._stop_requested or self._error is not None
+        return self.stop.is_set() or self._error is not None
 
     def _submit(self, batch: list[tuple[str, str]] | None) -> bool:
         """Put one task, draining results while the task queue is full; False if stopped."""

@@ -6,8 +6,9 @@ Two layers, as for every service:
   ``(key, text)`` pairs into one ``put`` (keys + fields) and sends it through a queue client.
 * ``worker_main`` (process shell): the loop of one ``multiprocessing`` worker: loads the
   tokenizers once, takes batches from a task queue, reports counts to a result queue, stops on a
-  ``None`` task, on the shared stop event, or on SIGTERM (after its in-flight put: a put is one
-  message, so a sample is either stored whole or not at all).
+  ``None`` task, on the shared stop event, on SIGTERM/SIGINT or when the collator parent dies
+  (``services.common.lifecycle``), after its in-flight put: a put is one message, so a sample is
+  either stored whole or not at all.
 
 Shape legend: N samples in a put, R total rows of a jagged field (sum of the N lengths).
 """
@@ -17,14 +18,14 @@ from __future__ import annotations
 import logging
 import os
 import queue as queue_mod
-import signal
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from services.collator.config import WorkerConfig
+from services.common.lifecycle import Lifecycle, configure_logging
 from xtoken_core.data import sample as schema
 from xtoken_core.wire import JaggedColumn
 
@@ -32,44 +33,6 @@ logger = logging.getLogger(__name__)
 
 # How long a worker waits on the task queue before it looks at the stop flags again.
 _TASK_POLL_S = 0.2
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What one worker process needs to build its collator and reach the queue.
-
-    Args:
-        queue: queue server endpoint, e.g. ``tcp://127.0.0.1:5555``.
-        partition: partition the samples are put into.
-        student: student tokenizer name or path (``load_tokenizer``).
-        teacher: teacher tokenizer name or path.
-        ctx_student: student context length (tokens kept per text), >= 1.
-        ctx_teacher: teacher context length, >= 1.
-        queue_timeout_s: seconds to wait for a reply from the queue (``--queue-timeout``).
-        put_timeout_s: seconds the server may hold a put while the queue is full.
-
-    Raises:
-        ValueError: a context length < 1 or a non-positive timeout.
-    """
-
-    queue: str
-    partition: str
-    student: str
-    teacher: str
-    ctx_student: int = 2048
-    ctx_teacher: int = 2048
-    queue_timeout_s: float = 10.0
-    put_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        for name in ("ctx_student", "ctx_teacher"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})"
-                )
-        for name in ("queue_timeout_s", "put_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
 
 
 def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
@@ -224,15 +187,9 @@ def worker_main(
         stop: multiprocessing Event; set = abandon queued batches and exit.
         log_level: logging level of this process.
     """
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(message)s")
-    terminated = False
-
-    def _on_term(signum: int, frame: Any) -> None:
-        nonlocal terminated
-        terminated = True  # finish the in-flight batch, then exit
-
-    signal.signal(signal.SIGTERM, _on_term)
-    signal.signal(signal.SIGINT, _on_term)
+    configure_logging("collator", log_level)
+    # SIGTERM/SIGINT or the parent's death: finish the in-flight batch, then exit
+    lifecycle = Lifecycle(f"collator-w{index}", parent_pid=os.getppid()).install()
     torch.set_num_threads(1)  # N workers share the cores; one thread each
     worker = None
     try:
@@ -240,7 +197,7 @@ def worker_main(
         worker = CollatorWorker(config)
         logger.debug("[collator] worker %d ready in %.1fs", index, time.monotonic() - started)
         results.put(("ready", index, time.monotonic()))
-        while not (terminated or stop.is_set()):
+        while not (lifecycle.stop.is_set() or stop.is_set()):
             try:
                 batch = tasks.get(timeout=_TASK_POLL_S)
             except queue_mod.Empty:
@@ -255,3 +212,4 @@ def worker_main(
         if worker is not None:
             worker.close()
         results.put(("exit", index))
+        lifecycle.close()

@@ -24,7 +24,8 @@ Field metadata understood here (all optional):
 
 * ``help``: the flag's help text.
 * ``flag``: the flag's name instead of the field name (``"capacity"`` -> ``--capacity``; nested
-  flags keep their prefix).
+  flags keep their prefix). On a nested dataclass field, ``""`` gives its fields flags without
+  a section prefix (``--queue`` instead of ``--worker.queue``).
 * ``parse``: ``str -> value`` used for a string given to a non-string field, on the command line
   and in a file (e.g. a byte size ``"8GiB"``); a ``ValueError`` it raises names the problem.
 * ``metavar``: the flag's metavar.
@@ -171,8 +172,11 @@ def _accepts_str(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, enum.Enum | pathlib.PurePath)
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    """Check (and where lossless, convert) one value against a field type."""
+def _convert(tp: Any, value: Any, path: str, flags: str | None = None) -> Any:
+    """Check (and where lossless, convert) one value against a field type.
+
+    ``flags`` is the flag prefix of a nested dataclass value (for messages), None to derive it.
+    """
     if tp is Any:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -181,7 +185,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return None
         for member in _non_none(tp):
             try:
-                return _convert(member, value, path)
+                return _convert(member, value, path, flags)
             except _Mismatch:
                 continue
         raise _mismatch(tp, value, path)
@@ -225,7 +229,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, tp):
             return value
         if isinstance(value, Mapping):
-            return from_dict(tp, value, path=path)
+            return _build(tp, value, path, flags)
         raise _mismatch(tp, value, path)
     if origin in (list, Sequence) or tp in (list, Sequence):
         if isinstance(value, list | tuple):
@@ -277,6 +281,12 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         TypeError: ``cls`` is not a dataclass, or a field has an unsupported type.
     """
     _check_dataclass(cls)
+    return _build(cls, data, path, None)
+
+
+def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
+    if flags is None:
+        flags = f"{_flag_name(path)}." if path else ""
     if not isinstance(data, Mapping):
         where = path or cls.__name__
         raise ConfigError(
@@ -295,21 +305,27 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key_path = _join(path, name)
+        segment = _flag_name(f.metadata.get("flag", name))
+        child_flags = f"{flags}{segment}." if segment else flags
         if name not in data:
-            if f.default is _MISSING and f.default_factory is _MISSING:
-                flag = _join(_flag_name(path), _flag_name(f.metadata.get("flag", name)))
-                raise ConfigError(
-                    f"missing required key {key_path!r} ({_type_name(hints[name])}): set it in "
-                    f"the config file or with --{flag}"
-                )
-            continue
+            if f.default is not _MISSING or f.default_factory is not _MISSING:
+                continue
+            section = hints[name]
+            if isinstance(section, type) and dataclasses.is_dataclass(section):
+                # an absent required section is an empty one: the error names its missing key
+                kwargs[name] = _build(section, {}, key_path, child_flags)
+                continue
+            raise ConfigError(
+                f"missing required key {key_path!r} ({_type_name(section)}): set it in the "
+                f"config file or with --{flags}{segment}"
+            )
         value, parse = data[name], f.metadata.get("parse")
         if parse is not None and isinstance(value, str) and not _accepts_str(hints[name]):
             try:
                 value = parse(value)
             except (ValueError, argparse.ArgumentTypeError) as e:
                 raise ConfigError(f"{key_path}: {e}") from None
-        kwargs[name] = _convert(hints[name], value, key_path)
+        kwargs[name] = _convert(hints[name], value, key_path, child_flags)
     try:
         return cls(**kwargs)
     except ValueError as e:  # __post_init__ validation (ConfigError included)
@@ -475,8 +491,9 @@ def _leaves(cls: type, path: str = "", flag_prefix: str = "") -> Iterator[_Leaf]
         tp = hints[f.name]
         segment = _flag_name(f.metadata.get("flag", f.name))
         nested = _optional_dataclass(tp)
-        if nested is not None:
-            yield from _leaves(nested, _join(path, f.name), f"{flag_prefix}{segment}.")
+        if nested is not None:  # flag "": the section's flags get no prefix of their own
+            prefix = f"{flag_prefix}{segment}." if segment else flag_prefix
+            yield from _leaves(nested, _join(path, f.name), prefix)
         else:
             yield _Leaf(_join(path, f.name), f"--{flag_prefix}{segment}", tp, f, cls)
 
@@ -657,7 +674,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             target = groups[section]
         kwargs = _flag_kwargs(leaf)
         if "action" not in kwargs and "choices" not in kwargs:
-            kwargs["metavar"] = leaf.field.metadata.get("metavar", leaf.field.name.upper())
+            name = leaf.flag.rpartition(".")[2].lstrip("-")
+            kwargs["metavar"] = leaf.field.metadata.get("metavar", name.upper().replace("-", "_"))
         help_text = leaf.field.metadata.get("help", "")
         help_text = f"{help_text} ({_default_text(leaf, root_default)})".strip()
         target.add_argument(

@@ -161,6 +161,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _getppid() -> int:
+    """The parent pid as the main thread sees it.
+
+    When a parent dies the kernel re-parents our threads one by one and sends PDEATHSIG after
+    the first (the main thread): ``os.getppid()`` in another thread may still name the dead
+    parent for a moment, ``/proc/self/stat`` (the main thread's) does not.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return os.getppid()
+
+
 def _parent_pid_from_env() -> int | None:
     raw = os.environ.get(PARENT_PID_ENV, "").strip()
     if not raw:
@@ -337,7 +351,7 @@ class Lifecycle:
         def parent_gone() -> bool:
             # A direct parent that died re-parents us (to init or a subreaper); any other pid
             # is checked for existence.
-            return os.getppid() != parent if direct else not _pid_alive(parent)
+            return _getppid() != parent if direct else not _pid_alive(parent)
 
         self._parent_gone = parent_gone
         if parent_gone():  # died before the sentinel was set

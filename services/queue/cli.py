@@ -62,7 +62,10 @@ def _size_or_zero_arg(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` and `stats` sub-subcommands."""
     sub = parser.add_subparsers(dest="queue_command", metavar="{serve,stats}", required=True)
-    serve = sub.add_parser("serve", help="run a queue server until SIGTERM/SIGINT")
+    serve = sub.add_parser(
+        "serve",
+        help="run a queue server until SIGTERM/SIGINT (exit 0 after the drain, 2 on bad settings)",
+    )
     serve.add_argument(
         "--bind",
         default="tcp://127.0.0.1:5555",
@@ -117,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest accepted message (default: the wire default, 2GiB)",
     )
     serve.add_argument(
-        "--ready-file", default=None, help="write the bound endpoint to this file once listening"
+        "--ready-file",
+        default=None,
+        help='once listening, write {"pid", "name": "queue", "endpoint"} JSON to this file',
     )
     stats = sub.add_parser("stats", help="print a queue server's stats")
     stats.add_argument("--queue", required=True, help="server endpoint, e.g. tcp://host:5555")
@@ -133,33 +138,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.queue.server import QueueServer, ServerConfig
-    from xtoken_core.wire import DEFAULT_LIMITS, WireLimits
+    from services.common.lifecycle import Lifecycle, run_process
 
-    limits = DEFAULT_LIMITS
-    if args.max_message_bytes:
-        limits = WireLimits(
-            max_message_bytes=args.max_message_bytes,
-            max_body_bytes=min(DEFAULT_LIMITS.max_body_bytes, args.max_message_bytes),
+    def main(lifecycle: Lifecycle) -> int:
+        from services.queue.server import ServerConfig, serve
+        from xtoken_core.wire import DEFAULT_LIMITS, WireLimits
+
+        limits = DEFAULT_LIMITS
+        if args.max_message_bytes:
+            limits = WireLimits(
+                max_message_bytes=args.max_message_bytes,
+                max_body_bytes=min(DEFAULT_LIMITS.max_body_bytes, args.max_message_bytes),
+            )
+        config = ServerConfig(
+            bind=args.bind,
+            capacity_bytes=args.capacity,
+            put_timeout_s=args.put_timeout,
+            claim_timeout_s=args.claim_timeout,
+            lease_s=args.lease,
+            busy_poll_us=args.busy_poll_us,
+            shm_pool_free_bytes=args.shm_pool_free,
+            shm_reserve_s=args.shm_reserve_timeout,
+            limits=limits,
         )
-    config = ServerConfig(
-        bind=args.bind,
-        capacity_bytes=args.capacity,
-        put_timeout_s=args.put_timeout,
-        claim_timeout_s=args.claim_timeout,
-        lease_s=args.lease,
-        busy_poll_us=args.busy_poll_us,
-        shm_pool_free_bytes=args.shm_pool_free,
-        shm_reserve_s=args.shm_reserve_timeout,
-        limits=limits,
-        ready_file=args.ready_file,
+        return serve(config, lifecycle)
+
+    return run_process(
+        "queue", main, ready_file=args.ready_file, log_level=getattr(args, "log_level", "INFO")
     )
-    server = QueueServer(config)
-    endpoint = server.bind()
-    print(f"[queue] listening on {endpoint}", flush=True)
-    server.install_signal_handlers()
-    server.serve_forever()
-    return 0
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -16,11 +16,11 @@ import heapq
 import itertools
 import logging
 import os
-import signal
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -43,9 +43,12 @@ from xtoken_core.wire import (
 )
 from xtoken_core.wire.header import TYPE_NAMES
 
+if TYPE_CHECKING:
+    from services.common.lifecycle import Lifecycle
+
 logger = logging.getLogger(__name__)
 
-# Poll at least this often so that a signal is noticed promptly (pyzmq retries EINTR itself).
+# Poll at least this often so that a stop is noticed promptly (pyzmq retries EINTR itself).
 _MAX_POLL_MS = 100
 # Requests handled per poll wake-up before timers are checked again.
 _BATCH_RECV = 256
@@ -62,7 +65,6 @@ class ServerConfig:
         claim_timeout_s: how long a claim waits for data when it gives no ``timeout_ms``.
         lease_s: lease length when a claim gives no ``lease_ms``.
         limits: wire limits enforced on every message.
-        ready_file: where to write the bound endpoint once listening (atomic), or None.
         busy_poll_us: after handling requests, poll the socket without sleeping for this long
             before blocking (``--busy-poll-us``). A sleeping process is woken in ~0.1 ms on a
             loaded or virtualized host, a spinning one at once: this trades up to this much CPU
@@ -83,7 +85,6 @@ class ServerConfig:
     claim_timeout_s: float = 1.0
     lease_s: float = 60.0
     limits: WireLimits = field(default_factory=lambda: DEFAULT_LIMITS)
-    ready_file: str | None = None
     busy_poll_us: int = 300
     shm_pool_free_bytes: int = 1 << 30
     shm_reserve_s: float = 60.0
@@ -146,7 +147,7 @@ class QueueServer:
         self._refs: list[tuple[str, int, int]] = []
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._stopping = False
+        self._stop = threading.Event()
         self._parked_claims: dict[str, collections.deque[_Parked]] = collections.defaultdict(
             collections.deque
         )
@@ -192,30 +193,22 @@ class QueueServer:
             self.config.capacity_bytes,
             PROTOCOL_VERSION,
         )
-        if self.config.ready_file:
-            tmp = f"{self.config.ready_file}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(self.endpoint + "\n")
-            os.replace(tmp, self.config.ready_file)
         return self.endpoint
-
-    def install_signal_handlers(self) -> None:
-        """Make SIGTERM and SIGINT stop the loop cleanly (main thread only)."""
-
-        def _stop(signum: int, _frame: Any) -> None:
-            logger.info("[queue] %s: stopping", signal.Signals(signum).name)
-            self._stopping = True
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
 
     def stop(self) -> None:
         """Ask the loop to stop (takes effect within ~0.1 s)."""
-        self._stopping = True
+        self._stop.set()
 
-    def serve_forever(self) -> None:
-        """Run the event loop until ``stop`` (or a signal); then answer what is left with
-        ``shutting_down`` errors and close the socket."""
+    def serve_forever(self, stop: threading.Event | None = None) -> None:
+        """Run the event loop until ``stop()`` (or the given event is set); then answer what is
+        left with ``shutting_down`` errors and close the socket.
+
+        Args:
+            stop: an event that ends the loop when set (the process lifecycle's), in place of
+                the server's own.
+        """
+        if stop is not None:
+            self._stop = stop
         if self._sock is None:
             self.bind()
         try:
@@ -230,7 +223,8 @@ class QueueServer:
         spin_until = 0.0
         monotonic = time.monotonic
         sched_yield = getattr(os, "sched_yield", lambda: None)
-        while not self._stopping:
+        stop = self._stop
+        while not stop.is_set():
             # Busy poll for a short while after the last request: the next one of a client in a
             # loop usually arrives within it, and a spinning process answers it without waking.
             ready = False
@@ -697,17 +691,17 @@ def _put_reply(result: Any) -> dict[str, Any]:
     }
 
 
-def serve(config: ServerConfig) -> int:
-    """Bind, install signal handlers, serve until SIGTERM/SIGINT.
+def serve(config: ServerConfig, lifecycle: Lifecycle) -> int:
+    """The queue process's main: bind, announce ``endpoint`` as ready, serve until stopped.
 
     Args:
         config: the server settings.
+        lifecycle: the process lifecycle (``run_process``): its ``stop`` ends the loop.
 
     Returns:
         0 after a clean shutdown.
     """
     server = QueueServer(config)
-    server.bind()
-    server.install_signal_handlers()
-    server.serve_forever()
+    lifecycle.ready(endpoint=server.bind())
+    server.serve_forever(stop=lifecycle.stop)
     return 0

@@ -155,3 +155,33 @@ def test_unreachable_queue_names_the_address_and_the_timeout_setting(corpus_slic
     proc, _ = run_collator(address, corpus_slice, "p", "--queue-timeout", "0.5", timeout=60)
     assert proc.returncode == 1
     assert address in proc.stderr and "--queue-timeout" in proc.stderr, proc.stderr
+
+
+def test_a_config_file_with_a_worker_section_and_flags_over_it_build_the_run_config(tmp_path):
+    from services import cli
+    from services.collator.config import RunConfig
+    from services.common.config import from_args
+
+    path = tmp_path / "collator.yaml"
+    path.write_text(
+        "data: c.jsonl\nbatch: 8\nworker:\n  queue: tcp://q:1\n  student: qwen3\n"
+        "  teacher: mistral\n  ctx_student: 128\n"
+    )
+    args = cli.build_parser().parse_args(
+        ["collator", "--config", str(path), "--workers", "3", "--ctx-teacher", "64"]
+    )
+    worker = WorkerConfig(
+        queue="tcp://q:1", student="qwen3", teacher="mistral", ctx_student=128, ctx_teacher=64
+    )
+    assert from_args(RunConfig, args) == RunConfig(
+        data="c.jsonl", worker=worker, workers=3, batch=8
+    )
+
+
+def test_a_missing_setting_exits_two_naming_its_flag(tmp_path):
+    cmd = collator_cmd("tcp://127.0.0.1:1", tmp_path / "x.jsonl", "p")
+    cmd = cmd[: cmd.index("--queue")] + cmd[cmd.index("--queue") + 2 :]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "[collator] error: missing required key 'worker.queue'" in proc.stderr
+    assert "--queue" in proc.stderr and "Traceback" not in proc.stderr

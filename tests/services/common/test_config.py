@@ -196,8 +196,8 @@ def test_post_init_errors_are_reraised_with_their_path():
 def test_missing_required_key_names_the_path_and_the_flag():
     with pytest.raises(ConfigError, match=r"missing required key 'data.path'.*--data.path"):
         from_dict(Config, {"data": {}})
-    with pytest.raises(ConfigError, match="missing required key 'data'"):
-        _parse([])
+    with pytest.raises(ConfigError, match="missing required key 'data.path'"):
+        _parse([])  # an absent required section is empty: the message names its missing key
 
 
 def test_int_values_are_accepted_for_float_fields_and_sizes_parse_from_strings():
@@ -265,3 +265,23 @@ def test_generated_flags_never_clash_with_the_callers_own_arguments():
     add_arguments(parser, Config)
     args = parser.parse_args(["--data.path", "x", "--steps", "4"])
     assert args.steps == "mine" and from_args(Config, args).steps == 4
+
+
+@dataclass
+class Conn:
+    host: str = field(metadata={"help": "server host"})
+    port: int = 1
+
+
+@dataclass
+class Flat:
+    conn: Conn = field(metadata={"flag": ""})
+    verbose: bool = False
+
+
+def test_a_section_with_an_empty_flag_name_gets_flags_without_its_prefix():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Flat)
+    assert from_args(Flat, parser.parse_args(["--host", "h", "--port", "2"])) == Flat(Conn("h", 2))
+    with pytest.raises(ConfigError, match=r"missing required key 'conn.host' \(str\).*--host$"):
+        from_args(Flat, parser.parse_args(["--verbose"]))

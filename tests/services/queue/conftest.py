@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from services.common.lifecycle import read_ready
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
@@ -40,7 +42,8 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"queue server did not start: {self.log()}")
             time.sleep(0.05)
-        self.address = ready.read_text().strip()
+        self.ready_path = ready
+        self.address = read_ready(ready)["endpoint"]
 
     def log(self) -> str:
         return self.log_path.read_text()

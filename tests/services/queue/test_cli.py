@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services import cli
+from services.common.lifecycle import read_ready
 from services.queue import cli as queue_cli
 from services.queue.cli import format_stats, parse_size
 from services.queue.client import QueueClient
@@ -68,3 +69,23 @@ def test_stats_command_fails_cleanly_without_a_server(capsys):
     )
     assert queue_cli.run(args) == 1
     assert "timeout" in capsys.readouterr().err
+
+
+def test_serve_announces_a_json_ready_record_and_removes_it_after_sigterm(make_server):
+    srv = make_server()
+    assert read_ready(srv.ready_path) == {
+        "pid": srv.proc.pid,
+        "name": "queue",
+        "endpoint": srv.address,
+    }
+    assert srv.terminate() == 0
+    assert not srv.ready_path.exists()
+    assert "[queue] stopped (SIGTERM), exit code 0" in srv.log()
+
+
+def test_serve_with_bad_settings_exits_two_with_the_message_only():
+    cmd = [sys.executable, "-m", "services.cli", "queue", "serve", "--lease", "-1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "[queue] error: lease_s=-1.0: must be > 0 (--lease)" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,109 @@
+"""Settings of a collator run and of its workers (the `xtoken collator` flags come from here).
+
+No heavy imports: the CLI builds its parser from these dataclasses (``services.common.config``),
+so each default is written once, here. The worker settings are flattened into the run's flags
+(``--queue``, ``--ctx-student``...) and into the run's config file as its ``worker`` section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker process needs to build its collator and reach the queue.
+
+    Args:
+        queue: queue server endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        student: student tokenizer name or path (``load_tokenizer``).
+        teacher: teacher tokenizer name or path.
+        partition: partition the samples are put into.
+        ctx_student: student context length (tokens kept per text), >= 1.
+        ctx_teacher: teacher context length, >= 1.
+        queue_timeout_s: seconds to wait for a reply from the queue (``--queue-timeout``).
+        put_timeout_s: seconds the server may hold a put while the queue is full.
+
+    Raises:
+        ValueError: a context length < 1 or a non-positive timeout.
+    """
+
+    queue: str = field(metadata={"help": "queue endpoint, e.g. tcp://host:5555"})
+    student: str = field(metadata={"help": "student tokenizer name or path"})
+    teacher: str = field(metadata={"help": "teacher tokenizer name or path"})
+    partition: str = field(default="train", metadata={"help": "queue partition"})
+    ctx_student: int = field(default=2048, metadata={"help": "student tokens kept per text"})
+    ctx_teacher: int = field(default=2048, metadata={"help": "teacher tokens kept per text"})
+    queue_timeout_s: float = field(
+        default=10.0,
+        metadata={"flag": "queue-timeout", "help": "seconds to wait for a reply from the queue"},
+    )
+    put_timeout_s: float = field(
+        default=300.0,
+        metadata={"flag": "put-timeout", "help": "seconds a put may wait for queue capacity"},
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("ctx_student", "ctx_teacher"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})"
+                )
+        for name, flag in (("queue_timeout_s", "queue-timeout"), ("put_timeout_s", "put-timeout")):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds (--{flag})")
+
+
+@dataclass
+class RunConfig:
+    """One collator run.
+
+    Args:
+        data: corpus file (``.jsonl``, ``.txt`` or ``.parquet``).
+        worker: settings shared by every worker (queue address, partition, tokenizers).
+        workers: number of worker processes, >= 1.
+        batch: texts per put, >= 1.
+        limit: use only the first ``limit`` texts of the file (None = all).
+        text_field: JSON field / parquet column with the text.
+        txt_split: ``.txt`` documents: ``"blank_line"`` or ``"line"``.
+        log_every_s: seconds between progress log lines.
+        skip_queued: ask the queue for the keys it holds and skip them.
+
+    Raises:
+        ValueError: ``workers``, ``batch`` or ``limit`` below 1, or ``log_every_s`` <= 0.
+    """
+
+    data: str = field(metadata={"help": "corpus file: .jsonl, .txt or .parquet"})
+    # flag "": the worker's flags carry no "worker." prefix (--queue, --ctx-student, ...)
+    worker: WorkerConfig = field(metadata={"flag": ""})
+    workers: int = field(default=1, metadata={"help": "worker processes"})
+    batch: int = field(default=64, metadata={"help": "texts per put"})
+    limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSON field / parquet column holding the text"}
+    )
+    txt_split: Literal["blank_line", "line"] = field(
+        default="blank_line",
+        metadata={"help": ".txt files: documents separated by blank lines, or one per line"},
+    )
+    log_every_s: float = field(
+        default=10.0, metadata={"flag": "log-every", "help": "seconds between progress lines"}
+    )
+    skip_queued: bool = field(
+        default=True,
+        metadata={
+            "help": "ask the queue which keys it holds and skip them (--no-skip-queued re-puts "
+            "everything; puts stay idempotent)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}: must be >= 1 (--workers)")
+        if self.batch < 1:
+            raise ValueError(f"batch={self.batch}: must be >= 1 (--batch)")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1, or omitted for the whole file")
+        if self.log_every_s <= 0:
+            raise ValueError(f"log_every_s={self.log_every_s}: must be > 0 (--log-every)")
