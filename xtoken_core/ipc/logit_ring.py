@@ -525,7 +525,7 @@ class LogitRingWriter:
         state = self._state = _WriterState()
         state.instance = self.instance
         try:
-            data, device_key = self._allocate(state)
+            data, device_key, event_handles = self._allocate(state)
         except BaseException:
             state.close()
             raise
@@ -537,7 +537,7 @@ class LogitRingWriter:
             "pid": os.getpid(),
             "header": state.segments[0].name,
             "data": data,
-            "events": [bytes(ev.ipc_handle()) for ev in self._events],
+            "events": event_handles,
             "device": device_key,
             "num_slots": num_slots,
             "slot_shape": list(self.slot_shape),
@@ -560,8 +560,9 @@ class LogitRingWriter:
             nbytes / 2**20, state.segments[0].name, self.instance,
         )  # fmt: skip
 
-    def _allocate(self, state: _WriterState) -> tuple[str | dict[str, Any], str]:
-        """Create the header and the slots; returns the descriptor's ``data`` and ``device``."""
+    def _allocate(self, state: _WriterState) -> tuple[str | dict[str, Any], str, list[bytes]]:
+        """Create the header and the slots; returns the descriptor's ``data``, ``device`` and
+        ``events``."""
         S = self.num_slots
         header = ShmSegment.create(header_bytes(S))
         state.segments.append(header)
@@ -576,7 +577,7 @@ class LogitRingWriter:
             state.segments.append(segment)
             self._buffer_SBUW = segment.view(0, self.dtype, shape_SBUW)
             data: str | CudaIpcHandle = segment.name
-            device_key = ""
+            device_key, event_handles = "", []
         else:
             with torch.cuda.device(self.device):
                 self._buffer_SBUW = torch.empty(shape_SBUW, dtype=self.dtype, device=self.device)
@@ -584,6 +585,7 @@ class LogitRingWriter:
                 self._events = [torch.cuda.Event(interprocess=True) for _ in range(S)]
                 for ev in self._events:
                     ev.record(stream)  # creates each event on this device
+                event_handles = [bytes(ev.ipc_handle()) for ev in self._events]
                 data = state.export = CudaIpcHandle.export(self._buffer_SBUW)
             _LOCAL_EVENTS[self.instance] = self._events
             device_key = _cuda_device_key(self.device.index)
@@ -592,7 +594,7 @@ class LogitRingWriter:
         )
         for word, value in identity.values():
             header_H[word] = value
-        return (data if isinstance(data, str) else data.to_dict()), device_key
+        return (data if isinstance(data, str) else data.to_dict()), device_key, event_handles
 
     def _check_open(self) -> None:
         if self._state.closed:
@@ -937,13 +939,14 @@ class LogitRingReader:
             raise StaleHandleError(f"{why}; recompute the batch")
 
     def _wait_devices(self, ring: _MappedRing) -> list[torch.device]:
+        """The slot's GPU, then the trainer's GPU if it is another one."""
         assert ring.slot_device is not None
         mine = self.device if self.device is not None and self.device.type == "cuda" else None
         if mine is None:
             mine = torch.device("cuda", torch.cuda.current_device())
         elif mine.index is None:
             mine = torch.device("cuda", torch.cuda.current_device())
-        return [mine] if mine == ring.slot_device else [mine, ring.slot_device]
+        return [ring.slot_device] if mine == ring.slot_device else [ring.slot_device, mine]
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -973,9 +976,10 @@ class LogitRingReader:
 
         Returns:
             ``[rows, length, width]``, a zero-copy view of the slot (strided: rows of the slot's
-            ``[B, U, W]``): on the CPU for shm, on the teacher's GPU for cuda_ipc (the current
-            stream of ``device``, and of the teacher's GPU if it differs, waits on the slot's
-            event; no host sync). Valid until ``release``.
+            ``[B, U, W]``): on the CPU for shm, on the teacher's GPU for cuda_ipc, where the
+            current stream of the teacher's GPU waits on the slot's event and, if ``device`` is
+            another GPU, its current stream waits behind that (no host sync). Valid until
+            ``release``.
 
         Raises:
             StaleHandleError: as ``check``.
@@ -989,9 +993,15 @@ class LogitRingReader:
             ring.table.validate(h.slot, h.generation)
             logits = ring.data_SBUW[h.slot, : h.rows, : h.length, : h.width]
             if ring.events:
-                event = ring.events[h.slot]
-                for dev in self._wait_devices(ring):
-                    event.wait(torch.cuda.current_stream(dev))
+                # Only a stream of the event's own GPU waits on an IPC event: a wait from
+                # another GPU's stream crashes the driver (seen on H200, CUDA 13, torch 2.11).
+                # The trainer's GPU waits on a local event recorded behind that wait.
+                slot_stream = torch.cuda.current_stream(ring.slot_device)
+                ring.events[h.slot].wait(slot_stream)
+                for dev in self._wait_devices(ring)[1:]:
+                    bridge = torch.cuda.Event()
+                    bridge.record(slot_stream)
+                    bridge.wait(torch.cuda.current_stream(dev))
         return logits
 
     def release(self, descriptor: dict, handle: dict) -> None:
@@ -1015,7 +1025,7 @@ class LogitRingReader:
                     return
                 events = []
                 for dev in self._wait_devices(ring):
-                    ev = torch.cuda.Event()
+                    ev = torch.cuda.Event(blocking=True)  # the helper thread sleeps, not spins
                     ev.record(torch.cuda.current_stream(dev))
                     events.append(ev)
                 if self._releaser is None:
