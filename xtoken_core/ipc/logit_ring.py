@@ -14,32 +14,14 @@ Transports:
     an interprocess CUDA event that ``publish`` records on the teacher's current stream and that
     ``view`` makes the trainer's current stream wait on (no host sync). The trainer may be on
     another GPU of the node: the view then lives on the teacher's GPU (``.to`` copies it over
-    NVLink/PCIe). ``release`` records an event on the trainer's current stream and a helper
-    thread frees the slot once that event completed, so the teacher never overwrites logits
-    that queued trainer kernels still read.
+    NVLink/PCIe); only a stream of that GPU waits on the IPC event (a wait from another GPU's
+    stream crashes the driver), and the trainer's stream waits on a local event behind it.
+    ``release`` records an event on the trainer's current stream(s) and a helper thread frees
+    the slot once it completed, so the teacher never overwrites logits that queued trainer
+    kernels still read.
 
-The control header is always a small /dev/shm segment (native byte order, 8-byte words; each
-word has one writer, every access is one aligned 8-byte load or store, so no atomics):
-
-    word 0      magic       int64    0x58544B52494E4731 ("XTKRING1")
-    word 1      version     int64    1
-    word 2      instance    int64    random in [1, 2**63): names this ring, goes in every handle
-    word 3      pid         int64    the teacher process
-    word 4      heartbeat   float64  time.time() of the teacher's last beat (every heartbeat_s)
-    word 5      closed      int64    1 once the teacher closed the ring
-    word 6      num_slots   int64    S
-    word 7      words       int64    16 + 2 S, the header length in words
-    word 8      transport   int64    0 shm, 1 cuda_ipc
-    word 9      dtype       int64    the wire dtype name, ASCII, zero-padded to 8 bytes
-    word 10-12  B, U, W     int64    the slot shape
-    word 13     data tag    int64    names the slots' memory: the shm segment name's 16 hex
-                                     digits, or 8 bytes of blake2b of the CUDA IPC handle
-    word 14-15  reserved    int64    0
-    word 16+s   published_gen[s]     written by the teacher only
-    word 16+S+s released_gen[s]      written by the trainer only
-
-Words 0-3 and 6-13 are written once before the descriptor exists; a reader checks every one of
-them against the descriptor, so a descriptor can only name its own header and its own slots.
+The control header is a small /dev/shm segment whose layout ``ring_format`` documents: the
+teacher writes ``published_gen``, the trainer ``released_gen``, one writer per word.
 
 A handle ``{instance, slot, generation, rows, length, width[, checksum]}`` is valid iff its
 instance is the ring's, the ring is not closed, the heartbeat is younger than ``dead_after_s``,
@@ -54,9 +36,7 @@ teacher leaves its two ``xtk_<pid>_*`` files; ``sweep_orphans`` removes them.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
-import math
 import os
 import queue
 import secrets
@@ -70,327 +50,39 @@ import torch
 
 from xtoken_core.ipc import cuda as cuda_ipc
 from xtoken_core.ipc.cuda import CudaIpcHandle
-from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmSegment, align_up, check_name
+from xtoken_core.ipc.ring_format import (
+    HEADER_WORDS,
+    MAX_DIM,
+    MAX_SLOTS,
+    TRANSPORTS,
+    VERSION,
+    W_CLOSED,
+    W_HEARTBEAT,
+    RingDescriptor,
+    check_int,
+    checksum_of,
+    cuda_device_key,
+    data_bytes,
+    header_bytes,
+    identity_words,
+    local_cuda_index,
+    parse_descriptor,
+    parse_handle,
+    segment_size,
+)
+from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmSegment
 from xtoken_core.ipc.slots import SlotTable, StaleHandleError
 from xtoken_core.wire.tensors import DTYPE_NAMES, WIRE_DTYPES
 
-__all__ = [
-    "HEADER_WORDS",
-    "MAGIC",
-    "TRANSPORTS",
-    "VERSION",
-    "LogitRingReader",
-    "LogitRingWriter",
-    "StaleHandleError",
-    "checksum_of",
-    "header_bytes",
-]
+__all__ = ["LogitRingReader", "LogitRingWriter", "StaleHandleError", "checksum_of"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = 0x58544B52494E4731  # b"XTKRING1" read as a big-endian int
-VERSION = 1
-TRANSPORTS = ("shm", "cuda_ipc")
-HEADER_WORDS = 16  # fixed words before published_gen
-W_MAGIC, W_VERSION, W_INSTANCE, W_PID, W_HEARTBEAT, W_CLOSED, W_SLOTS, W_WORDS = range(8)
-W_TRANSPORT, W_DTYPE, W_B, W_U, W_W, W_DATA_TAG = range(8, 14)
-MAX_SLOTS = 4096
-MAX_DIM = 1 << 31  # bound on each of B, U, W (a sanity check on received descriptors)
 # A reader keeps at most this many rings mapped (a teacher restart makes a new ring).
 MAX_RINGS = 8
-_HANDLE_KEYS = ("instance", "slot", "generation", "rows", "length", "width")
-# Checksums upcast at most this many elements at a time (the upcast is a copy).
-_CHECKSUM_CHUNK = 1 << 24
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # instance -> the interprocess events of a cuda ring written by this process: CUDA does not open
 # an IPC handle in the process that made it, so a reader in the same process uses these.
 _LOCAL_EVENTS: dict[int, list] = {}
-
-
-def header_bytes(num_slots: int) -> int:
-    """Bytes of the control header of a ring of ``num_slots`` slots (before alignment)."""
-    return (HEADER_WORDS + 2 * num_slots) * 8
-
-
-def _data_bytes(num_slots: int, slot_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
-    return num_slots * math.prod(slot_shape) * dtype.itemsize
-
-
-def _data_tag(data: str | CudaIpcHandle) -> int:
-    """The header's ``data tag`` word of the slots' memory (see the module doc)."""
-    if isinstance(data, str):
-        raw = bytes.fromhex(data[-16:])
-    else:
-        key = data.handle + data.storage_offset.to_bytes(8, "little")
-        raw = hashlib.blake2b(key + data.offset.to_bytes(8, "little"), digest_size=8).digest()
-    return int.from_bytes(raw, "little", signed=True)
-
-
-def _identity(
-    transport: str,
-    instance: int,
-    pid: int,
-    num_slots: int,
-    slot_shape: tuple[int, int, int],
-    dtype: torch.dtype,
-    data: str | CudaIpcHandle,
-) -> dict[str, tuple[int, int]]:
-    """name -> (word, value) of the header words a ring writes once and a reader checks."""
-    dtype_word = int.from_bytes(DTYPE_NAMES[dtype].encode().ljust(8, b"\0"), "little", signed=True)
-    return {
-        "magic": (W_MAGIC, MAGIC),
-        "version": (W_VERSION, VERSION),
-        "instance": (W_INSTANCE, instance),
-        "pid": (W_PID, pid),
-        "num_slots": (W_SLOTS, num_slots),
-        "words": (W_WORDS, HEADER_WORDS + 2 * num_slots),
-        "transport": (W_TRANSPORT, TRANSPORTS.index(transport)),
-        "dtype": (W_DTYPE, dtype_word),
-        "B": (W_B, slot_shape[0]),
-        "U": (W_U, slot_shape[1]),
-        "W": (W_W, slot_shape[2]),
-        "data tag": (W_DATA_TAG, _data_tag(data)),
-    }
-
-
-def _segment_size(nbytes: int) -> int:
-    """The size ``ShmSegment.create(nbytes)`` gives a segment."""
-    return max(64, align_up(nbytes))
-
-
-def checksum_of(tensor: torch.Tensor) -> int:
-    """Exact checksum of a tensor: the int64 sum (wrapping) of its elements' bit patterns.
-
-    Integer addition is exact and order-free, so the same bits give the same checksum on any
-    device, thread count or memory layout (a float sum would not); changing any one element
-    changes it.
-
-    Args:
-        tensor: any strided tensor (CPU or CUDA) of a wire dtype, ``[rows, length, width]`` for
-            a slot; its last dim must be contiguous for float dtypes.
-
-    Returns:
-        The checksum (a Python int; syncs the device once).
-    """
-    if tensor.dtype == torch.bool:
-        bits = tensor.view(torch.uint8)
-    elif tensor.dtype.is_floating_point:
-        bits = tensor.view(_BITS[tensor.element_size()])
-    else:
-        bits = tensor
-    if bits.dim() == 0 or bits.numel() <= _CHECKSUM_CHUNK:
-        return int(torch.sum(bits, dtype=torch.int64).item())
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    if bits.dim() == 1:
-        for start in range(0, bits.shape[0], _CHECKSUM_CHUNK):
-            total += torch.sum(bits[start : start + _CHECKSUM_CHUNK], dtype=torch.int64)
-        return int(total.item())
-    inner = math.prod(bits.shape[2:]) if bits.dim() > 2 else 1
-    step = max(1, _CHECKSUM_CHUNK // max(1, inner))
-    for row in bits:
-        for start in range(0, row.shape[0], step):
-            total += torch.sum(row[start : start + step], dtype=torch.int64)
-    return int(total.item())
-
-
-def _int_in(where: str, name: str, value: Any, lo: int, hi: int) -> int:
-    """``value`` if it is an int (not a bool) in ``[lo, hi]``, else a ValueError naming it."""
-    if type(value) is not int or not lo <= value <= hi:
-        raise ValueError(f"{where} field {name!r}={value!r}: expected an int in [{lo}, {hi}]")
-    return value
-
-
-def _cuda_device_key(index: int) -> str:
-    """A name of a GPU that is the same in every process (CUDA_VISIBLE_DEVICES renumbers)."""
-    props = torch.cuda.get_device_properties(index)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        return str(uuid)
-    return f"index:{index}"  # pragma: no cover - torch builds without uuid
-
-
-def _local_cuda_index(key: str) -> int:
-    """This process's index of the GPU named ``key``.
-
-    Raises:
-        ValueError: CUDA unavailable, or that GPU is not visible here.
-    """
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "a cuda_ipc logit ring needs CUDA in the reading process; this process has none "
-            "(run the trainer on the teacher's node with a GPU, or use the shm transport)"
-        )
-    for index in range(torch.cuda.device_count()):
-        if _cuda_device_key(index) == key:
-            return index
-    raise ValueError(
-        f"the teacher's GPU {key} is not visible in this process (CUDA_VISIBLE_DEVICES="
-        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); make it visible to the trainer "
-        "(CUDA IPC maps memory of a GPU the process can see)"
-    )
-
-
-@dataclass(frozen=True)
-class _Descriptor:
-    """A checked ring descriptor."""
-
-    transport: str
-    instance: int
-    pid: int
-    header: str
-    num_slots: int
-    slot_shape: tuple[int, int, int]
-    dtype: torch.dtype
-    data: str | CudaIpcHandle
-    events: tuple[bytes, ...]
-    device: str
-    heartbeat_s: float
-
-
-@dataclass(frozen=True)
-class _Handle:
-    """A checked slot handle."""
-
-    instance: int
-    slot: int
-    generation: int
-    rows: int
-    length: int
-    width: int
-    checksum: int | None
-
-
-def _parse_descriptor(d: Any) -> _Descriptor:
-    """Check a descriptor received from another process (touches no file or GPU).
-
-    Raises:
-        ValueError: naming the missing or bad field.
-    """
-    where = "logit ring descriptor"
-    if not isinstance(d, dict):
-        raise ValueError(
-            f"{where} must be a dict (LogitRingWriter.descriptor), got {type(d).__name__}"
-        )
-    required = (
-        "kind", "version", "transport", "instance", "pid", "header", "data", "num_slots",
-        "slot_shape", "dtype",
-    )  # fmt: skip
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise ValueError(
-            f"{where} misses field(s) {missing} (has {sorted(map(str, d))}); pass "
-            "LogitRingWriter.descriptor on unchanged"
-        )
-    if d["kind"] != "logit_ring":
-        raise ValueError(f"{where} field 'kind'={d['kind']!r}: expected 'logit_ring'")
-    if d["version"] != VERSION:
-        raise ValueError(
-            f"{where} field 'version'={d['version']!r}: this reader speaks version {VERSION}; "
-            "run the same xtoken version in the teacher and the trainer"
-        )
-    transport = d["transport"]
-    if transport not in TRANSPORTS:
-        raise ValueError(f"{where} field 'transport'={transport!r}: expected one of {TRANSPORTS}")
-    instance = _int_in(where, "instance", d["instance"], 1, 2**63 - 1)
-    pid = _int_in(where, "pid", d["pid"], 1, 2**32 - 1)
-    try:
-        header = check_name(d["header"])
-    except ValueError as e:
-        raise ValueError(f"{where} field 'header': {e}") from None
-    num_slots = _int_in(where, "num_slots", d["num_slots"], 2, MAX_SLOTS)
-    shape = d["slot_shape"]
-    if not isinstance(shape, list | tuple) or len(shape) != 3:
-        raise ValueError(f"{where} field 'slot_shape'={shape!r}: expected [B, U, W]")
-    slot_shape = tuple(_int_in(where, "slot_shape", s, 1, MAX_DIM) for s in shape)
-    dtype = WIRE_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
-    if dtype is None:
-        raise ValueError(
-            f"{where} field 'dtype'={d['dtype']!r}: expected one of {sorted(WIRE_DTYPES)}"
-        )
-    heartbeat_s = d.get("heartbeat_s", 0.5)
-    if (
-        not isinstance(heartbeat_s, int | float)
-        or isinstance(heartbeat_s, bool)
-        or not (0 < heartbeat_s < 3600)
-    ):
-        raise ValueError(f"{where} field 'heartbeat_s'={heartbeat_s!r}: expected seconds > 0")
-    events: tuple[bytes, ...] = ()
-    device = ""
-    if transport == "shm":
-        try:
-            data: str | CudaIpcHandle = check_name(d["data"])
-        except ValueError as e:
-            raise ValueError(f"{where} field 'data': {e}") from None
-    else:
-        try:
-            data = CudaIpcHandle.from_dict(d["data"])
-        except ValueError as e:
-            raise ValueError(f"{where} field 'data': {e}") from None
-        expected = [num_slots, *slot_shape]
-        contiguous = [math.prod(expected[i + 1 :]) for i in range(4)]
-        if (
-            list(data.shape) != expected
-            or list(data.stride) != contiguous
-            or data.dtype != dtype
-            or data.index is not None
-        ):
-            raise ValueError(
-                f"{where} field 'data' exports a {DTYPE_NAMES[data.dtype]} view "
-                f"{list(data.shape)} (stride {list(data.stride)}, index {data.index}); the ring "
-                f"is a contiguous {d['dtype']} {expected}"
-            )
-        raw = d.get("events")
-        if (
-            not isinstance(raw, list | tuple)
-            or len(raw) != num_slots
-            or not all(isinstance(e, bytes) and e for e in raw)
-        ):
-            raise ValueError(
-                f"{where} field 'events': expected {num_slots} CUDA IPC event handles (bytes), "
-                f"got {str(raw)[:100]}"
-            )
-        events = tuple(raw)
-        device = d.get("device")
-        if not isinstance(device, str) or not device:
-            raise ValueError(f"{where} field 'device'={device!r}: expected the teacher GPU's uuid")
-    return _Descriptor(
-        transport, instance, pid, header, num_slots, slot_shape, dtype, data, events, device,
-        float(heartbeat_s),
-    )  # fmt: skip
-
-
-def _parse_handle(h: Any, desc: _Descriptor) -> _Handle:
-    """Check a slot handle against its ring's descriptor.
-
-    Raises:
-        ValueError: a missing or bad field (naming it).
-        StaleHandleError: a well-formed handle of another ring instance (an earlier teacher).
-    """
-    where = "logit ring handle"
-    if not isinstance(h, dict):
-        raise ValueError(f"{where} must be a dict (from LogitRingWriter.publish), got {type(h)}")
-    missing = [k for k in _HANDLE_KEYS if k not in h]
-    if missing:
-        raise ValueError(f"{where} misses field(s) {missing} (has {sorted(map(str, h))})")
-    batch, length, width = desc.slot_shape
-    out = _Handle(
-        instance=_int_in(where, "instance", h["instance"], 1, 2**63 - 1),
-        slot=_int_in(where, "slot", h["slot"], 0, desc.num_slots - 1),
-        generation=_int_in(where, "generation", h["generation"], 1, 2**62),
-        rows=_int_in(where, "rows", h["rows"], 1, batch),
-        length=_int_in(where, "length", h["length"], 1, length),
-        width=_int_in(where, "width", h["width"], 1, width),
-        checksum=h.get("checksum"),
-    )
-    if out.checksum is not None and type(out.checksum) is not int:
-        raise ValueError(f"{where} field 'checksum'={out.checksum!r}: expected an int or None")
-    if out.instance != desc.instance:
-        raise StaleHandleError(
-            f"logit ring handle of ring instance {out.instance:#x}, the descriptor is of "
-            f"instance {desc.instance:#x} (teacher pid {desc.pid}): the handle is from an earlier "
-            "teacher; recompute the batch"
-        )
-    return out
 
 
 def _beat(heartbeat_H: torch.Tensor, stop: threading.Event, period_s: float) -> None:
@@ -552,7 +244,7 @@ class LogitRingWriter:
         )
         state.thread.start()
         self._finalizer = weakref.finalize(self, state.close)
-        nbytes = _data_bytes(num_slots, self.slot_shape, dtype)
+        nbytes = data_bytes(num_slots, self.slot_shape, dtype)
         logger.info(
             "[logit_ring] writer ready: transport=%s device=%s slots=%d x %s %s (%.1f MiB) "
             "header=%s instance=%#x",
@@ -573,7 +265,7 @@ class LogitRingWriter:
         self._table = SlotTable(header_H[HEADER_WORDS:].view(2, S))
         shape_SBUW = (S, *self.slot_shape)
         if self.transport == "shm":
-            segment = ShmSegment.create(_data_bytes(S, self.slot_shape, self.dtype))
+            segment = ShmSegment.create(data_bytes(S, self.slot_shape, self.dtype))
             state.segments.append(segment)
             self._buffer_SBUW = segment.view(0, self.dtype, shape_SBUW)
             data: str | CudaIpcHandle = segment.name
@@ -588,8 +280,8 @@ class LogitRingWriter:
                 event_handles = [bytes(ev.ipc_handle()) for ev in self._events]
                 data = state.export = CudaIpcHandle.export(self._buffer_SBUW)
             _LOCAL_EVENTS[self.instance] = self._events
-            device_key = _cuda_device_key(self.device.index)
-        identity = _identity(
+            device_key = cuda_device_key(self.device.index)
+        identity = identity_words(
             self.transport, self.instance, os.getpid(), S, self.slot_shape, self.dtype, data
         )
         for word, value in identity.values():
@@ -685,8 +377,8 @@ class LogitRingWriter:
         self._check_open()
         batch, tokens, width = self.slot_shape
         slot = self._table.check_held(slot)
-        _int_in("publish", "rows", rows, 1, batch)
-        _int_in("publish", "length", length, 1, tokens)
+        check_int("publish", "rows", rows, 1, batch)
+        check_int("publish", "length", length, 1, tokens)
         handle: dict[str, Any] = {
             "instance": self.instance,
             "slot": slot,
@@ -759,7 +451,7 @@ class LogitRingWriter:
 class _MappedRing:
     """One ring as this reader maps it."""
 
-    desc: _Descriptor
+    desc: RingDescriptor
     header_H: torch.Tensor
     table: SlotTable
     data_SBUW: torch.Tensor
@@ -832,7 +524,7 @@ class LogitRingReader:
 
     # -- mapping --------------------------------------------------------------------------------
 
-    def _ring(self, desc: _Descriptor) -> _MappedRing:
+    def _ring(self, desc: RingDescriptor) -> _MappedRing:
         ring = self._rings.get(desc.instance)
         if ring is not None:
             if ring.desc != desc:
@@ -850,11 +542,11 @@ class LogitRingReader:
         self._evict(keep=desc.instance)
         return ring
 
-    def _map(self, desc: _Descriptor) -> _MappedRing:
+    def _map(self, desc: RingDescriptor) -> _MappedRing:
         words = HEADER_WORDS + 2 * desc.num_slots
-        base_H = self._segment(desc, "header", desc.header, _segment_size(words * 8))
+        base_H = self._segment(desc, "header", desc.header, segment_size(words * 8))
         header_H = base_H[: words * 8].view(torch.int64)
-        identity = _identity(
+        identity = identity_words(
             desc.transport, desc.instance, desc.pid, desc.num_slots, desc.slot_shape, desc.dtype,
             desc.data,
         )  # fmt: skip
@@ -870,12 +562,12 @@ class LogitRingReader:
         self._check_alive(desc, header_H)  # a dead teacher's CUDA memory cannot be imported
         shape_SBUW = (desc.num_slots, *desc.slot_shape)
         if desc.transport == "shm":
-            nbytes = _data_bytes(desc.num_slots, desc.slot_shape, desc.dtype)
-            base_D = self._segment(desc, "data", desc.data, _segment_size(nbytes))
+            nbytes = data_bytes(desc.num_slots, desc.slot_shape, desc.dtype)
+            base_D = self._segment(desc, "data", desc.data, segment_size(nbytes))
             data_SBUW = base_D[:nbytes].view(desc.dtype).view(shape_SBUW)
             ring = _MappedRing(desc, header_H, table, data_SBUW, [], None, None)
         else:
-            index = _local_cuda_index(desc.device)
+            index = local_cuda_index(desc.device)
             export = replace(desc.data, device=index)
             slot_device = torch.device("cuda", index)
             local = _LOCAL_EVENTS.get(desc.instance)
@@ -892,7 +584,7 @@ class LogitRingReader:
         return ring
 
     @staticmethod
-    def _segment(desc: _Descriptor, field: str, name: str, size: int) -> torch.Tensor:
+    def _segment(desc: RingDescriptor, field: str, name: str, size: int) -> torch.Tensor:
         """Map one of the ring's segments (never unlinking it: a restarted trainer maps it
         again)."""
         try:
@@ -918,7 +610,7 @@ class LogitRingReader:
         while len(self._rings) > MAX_RINGS:
             self._drop(next(iter(self._rings)))
 
-    def _why_dead(self, desc: _Descriptor, header_H: torch.Tensor) -> str | None:
+    def _why_dead(self, desc: RingDescriptor, header_H: torch.Tensor) -> str | None:
         if int(header_H[W_CLOSED]):
             return f"teacher pid {desc.pid} closed logit ring {desc.instance:#x}"
         age = time.time() - float(header_H.view(torch.float64)[W_HEARTBEAT])
@@ -929,7 +621,7 @@ class LogitRingReader:
             )
         return None
 
-    def _check_alive(self, desc: _Descriptor, header_H: torch.Tensor) -> None:
+    def _check_alive(self, desc: RingDescriptor, header_H: torch.Tensor) -> None:
         why = self._why_dead(desc, header_H)
         if why is not None:
             if desc.instance not in self._dead:
@@ -960,8 +652,8 @@ class LogitRingReader:
             ValueError: a malformed descriptor or handle (naming the field), or a header that
                 is not this ring's.
         """
-        desc = _parse_descriptor(descriptor)
-        h = _parse_handle(handle, desc)
+        desc = parse_descriptor(descriptor)
+        h = parse_handle(handle, desc)
         with self._lock:
             ring = self._ring(desc)
             self._check_alive(desc, ring.header_H)
@@ -985,8 +677,8 @@ class LogitRingReader:
             StaleHandleError: as ``check``.
             ValueError: as ``check``; or, for cuda_ipc, the teacher's GPU is not visible here.
         """
-        desc = _parse_descriptor(descriptor)
-        h = _parse_handle(handle, desc)
+        desc = parse_descriptor(descriptor)
+        h = parse_handle(handle, desc)
         with self._lock:
             ring = self._ring(desc)
             self._check_alive(desc, ring.header_H)
@@ -1013,11 +705,11 @@ class LogitRingReader:
         of the teacher's GPU) is done, without blocking the caller.
 
         Raises:
-            ValueError: a malformed descriptor or handle.
+            ValueError: a malformed descriptor or handle, or the reader is closed.
         """
-        desc = _parse_descriptor(descriptor)
+        desc = parse_descriptor(descriptor)
         try:
-            h = _parse_handle(handle, desc)
+            h = parse_handle(handle, desc)
             with self._lock:
                 ring = self._ring(desc)
                 if not ring.events:

@@ -20,7 +20,7 @@ from xtoken_core.ipc import (
     LogitRingWriter,
     StaleHandleError,
     checksum_of,
-    logit_ring,
+    ring_format,
 )
 from xtoken_core.ipc.shm import NAME_RE, SHM_DIR
 
@@ -399,7 +399,7 @@ def test_header_layout_is_the_documented_words(ring):
     desc = ring.descriptor
     S = desc["num_slots"]
     path = os.path.join(SHM_DIR, desc["header"])
-    assert os.path.getsize(path) == 64 * -(-logit_ring.header_bytes(S) // 64)
+    assert os.path.getsize(path) == 64 * -(-ring_format.header_bytes(S) // 64)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     try:
@@ -460,8 +460,9 @@ def test_checksum_is_the_same_for_any_layout_and_chunking(monkeypatch):
     strided.copy_(x)
     small = checksum_of(x)
     assert checksum_of(strided) == small == checksum_of(x.to(torch.float32).clone())
-    monkeypatch.setattr(logit_ring, "_CHECKSUM_CHUNK", 20)
-    assert checksum_of(strided) == small == checksum_of(x.flatten())
+    for chunk in (1, 5, 20, 200):
+        monkeypatch.setattr(ring_format, "_CHECKSUM_CHUNK", chunk)
+        assert checksum_of(strided) == small == checksum_of(x.flatten())
     y = x.clone()
     y.view(-1)[17] = torch.nextafter(y.view(-1)[17], torch.tensor(float("inf")))
     assert checksum_of(y) != small
