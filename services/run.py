@@ -205,7 +205,7 @@ class Run:
             cfg.trainer.loss.projection = str(self._projection(s_tok, t_tok))
 
     def _check_vocabs(self, student_vocab: int, teacher_vocab: int) -> None:
-        from xtoken_core.models import check_vocab, spec_vocab_size
+        from xtoken_core.models import check_vocab
 
         cfg = self.config
         for who, spec, override, tok_vocab in (
@@ -214,7 +214,7 @@ class Run:
         ):
             if who == "teacher" and not cfg.trainer.loss.uses_teacher:
                 continue
-            model_vocab = spec_vocab_size(spec, vocab_size=override or tok_vocab)
+            model_vocab = spec_vocab_size(spec, override or tok_vocab)
             check_vocab(f"{who} model {spec!r}", model_vocab, tok_vocab)
 
     def _projection(self, s_tok: Any, t_tok: Any) -> Path:
@@ -445,6 +445,44 @@ class Run:
             )
         sys.stderr.write("\r" + line[:150].ljust(150))
         sys.stderr.flush()
+
+
+def spec_vocab_size(spec: str, preset_vocab: int) -> int:
+    """The vocab of a model spec without loading its weights.
+
+    Args:
+        spec: a local HF directory, ``smollm2`` or a preset name.
+        preset_vocab: the vocab a preset is built with.
+
+    Raises:
+        ValueError: a directory without ``config.json`` or ``vocab_size``; an unknown spec.
+    """
+    from xtoken_core.models import PRESETS
+
+    path = Path(spec)
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"model directory {spec!r} has no readable config.json ({e}); point at a Hugging "
+                "Face causal LM folder (config.json + safetensors)"
+            ) from None
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        if not isinstance(vocab, int):
+            raise ValueError(f"model directory {spec!r}: config.json has no vocab_size")
+        return vocab
+    if spec == "smollm2":
+        return SMOLLM2_VOCAB
+    if spec in PRESETS:
+        return preset_vocab
+    raise ValueError(
+        f"model {spec!r} is neither a local directory, smollm2, nor a preset "
+        f"({', '.join(sorted(PRESETS))})"
+    )
+
+
+SMOLLM2_VOCAB = 49152
 
 
 def _slug(name: str) -> str:

@@ -96,6 +96,7 @@ class LocalLauncher:
         if spec.name in self.processes and self.processes[spec.name].poll() is None:
             raise ValueError(f"process {spec.name!r} is already running")
         if spec.ready_file:
+            Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
             Path(spec.ready_file).unlink(missing_ok=True)
         Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_file, "ab")  # noqa: SIM115 (closed when the process ends)
@@ -121,11 +122,12 @@ class LocalLauncher:
         deadline = time.monotonic() + timeout_s
         path = Path(proc.spec.ready_file or "")
         while time.monotonic() < deadline:
-            if path.is_file():
+            if path.is_file():  # written atomically: complete once it exists
+                text = path.read_text()
                 try:
-                    return json.loads(path.read_text())
+                    return json.loads(text)
                 except json.JSONDecodeError:
-                    pass
+                    return {"text": text.strip()}
             code = proc.poll()
             if code is not None:
                 raise RuntimeError(

@@ -1,7 +1,8 @@
 """Teacher process shell: queue client, claim loop, results written back, lifecycle.
 
-Claims requests of its group (``<partition>.teacher<group>``, task ``teacher``) one at a time,
-runs :class:`~services.teacher.worker.TeacherWorker`, writes the result fields onto the request
+Claims requests of its group (``<partition>.teacher<group>``, task ``teacher``) into a small
+backlog, serves the oldest one whose trainer rank has a free ring slot with
+:class:`~services.teacher.worker.TeacherWorker`, writes the result fields onto the request
 record and acks it. A request is acked only after its result is stored, so a teacher killed
 mid-request leaves it leased: it is redelivered to a restarted teacher when the lease ends. A
 malformed request gets an error result (the trainer raises it) and the loop goes on.
@@ -86,17 +87,7 @@ def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -
             config.device,
         )
         try:
-            while not lc.stop.is_set():
-                got = client.claim(
-                    partition,
-                    proto.TEACHER_TASK,
-                    ["teacher_input_ids"],
-                    1,
-                    timeout_s=config.claim_timeout_s,
-                    lease_s=config.lease_s,
-                )
-                if got["keys"]:
-                    _serve_one(client, worker, partition, got, lc, metrics)
+            _loop(client, worker, partition, config, lc, metrics)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -104,34 +95,79 @@ def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -
     return 0
 
 
-def _serve_one(client, worker: TeacherWorker, partition: str, got: dict, lc, metrics) -> None:
-    key, lease_id = got["keys"][0], got["lease_id"]
+# Most requests held claimed at once (waiting for their rank's ring to free a slot).
+BACKLOG = 16
+# Server-side wait of a claim while the backlog has requests none of whose rings has a slot.
+BUSY_CLAIM_S = 0.02
+
+
+def _loop(client, worker: TeacherWorker, partition: str, config: TeacherConfig, lc, metrics) -> None:
+    """Claim requests into a backlog; serve the oldest one whose rank's ring has a free slot.
+
+    A rank whose slots are all held (its trainer is busy, or waits in a collective for another
+    rank) never blocks the requests of the other ranks (no head-of-line blocking).
+    """
+    backlog: dict[str, tuple[Any, Any]] = {}  # key -> (request | error, lease id), oldest first
+    while not lc.stop.is_set():
+        for key, (request, lease_id) in list(backlog.items()):
+            slot = None
+            if isinstance(request, proto.Request):
+                slot = worker.try_acquire(request.rank)
+                if slot is None:
+                    continue
+            del backlog[key]
+            _serve(client, worker, partition, key, request, lease_id, slot, metrics)
+            break
+        else:
+            if len(backlog) < BACKLOG:
+                got = client.claim(
+                    partition,
+                    proto.TEACHER_TASK,
+                    ["teacher_input_ids"],
+                    min(4, BACKLOG - len(backlog)),
+                    fields=list(proto.REQUEST_FIELDS),
+                    timeout_s=BUSY_CLAIM_S if backlog else config.claim_timeout_s,
+                    lease_s=config.lease_s,
+                )
+                for i, key in enumerate(got["keys"]):
+                    if key not in backlog:
+                        backlog[key] = (_decode(got["fields"], key, i, worker), got["lease_id"])
+            else:
+                lc.stop.wait(BUSY_CLAIM_S)
+    for key, (_, lease_id) in backlog.items():  # give back what was not served
+        try:
+            client.nack(partition, proto.TEACHER_TASK, lease_id, [key])
+        except QueueError as e:
+            logger.warning("[teacher] could not give back %s: %s", key, e)
+
+
+def _decode(fields: dict, key: str, i: int, worker: TeacherWorker) -> Any:
     try:
-        request = proto.decode_request(key, got["fields"], 0, worker.pad_id)
+        return proto.decode_request(key, fields, i, worker.pad_id)
     except ValueError as e:
         logger.warning("[teacher] malformed request %r: %s", key, e)
-        rank = _rank_of(got["fields"])
-        if rank is not None:
-            client.put(partition, [key], worker.error_fields(key, rank, str(e)))
-        client.ack(partition, proto.TEACHER_TASK, lease_id)
-        return
+        return (str(e), _rank_of(fields, i))
+
+
+def _serve(client, worker, partition, key, request, lease_id, slot, metrics) -> None:
+    if isinstance(request, proto.Request):
+        fields = worker.compute(request, slot)
+    else:  # malformed: tell the trainer when we know which rank asked
+        message, rank = request
+        fields = None if rank is None else worker.error_fields(key, rank, message)
+    if fields is not None:
+        client.put(partition, [key], fields)
     try:
-        fields = worker.compute(request, stop=lc.stop)
-    except InterruptedError:
-        client.nack(partition, proto.TEACHER_TASK, lease_id)
-        return
-    client.put(partition, [key], fields)
-    try:
-        client.ack(partition, proto.TEACHER_TASK, lease_id)
+        client.ack(partition, proto.TEACHER_TASK, lease_id, [key])
     except QueueError as e:  # the lease ended first: the request may be computed twice
         logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
-    if metrics is not None:
+    if metrics is not None and isinstance(request, proto.Request):
         B, U = request.ids_BU.shape
         metrics.write("request", key=key, rank=request.rank, rows=B, length=U)
 
 
-def _rank_of(fields: dict) -> int | None:
+def _rank_of(fields: dict, i: int) -> int | None:
     try:
-        return int(fields["rank"].reshape(-1)[0])
+        return int(fields["rank"].reshape(-1)[i])
     except (KeyError, AttributeError, ValueError, IndexError):
         return None

@@ -5,9 +5,10 @@ process shell (main.py) claims requests from the queue, calls :meth:`TeacherWork
 and writes the returned fields back onto the request record.
 
 Transports (DESIGN.md, "Teacher logits"):
-* ``shm`` / ``cuda_ipc``: the logits go into a slot of a ring allocated and exported once; the
-  result names the slot (a handle with a generation). The trainer reads the slot in place and
-  releases it after its backward; :meth:`compute` blocks while every slot is still held.
+* ``shm`` / ``cuda_ipc``: the logits go into a slot of a ring allocated and exported once per
+  trainer rank served; the result names the slot (a handle with a generation). The trainer
+  reads the slot in place and releases it after its backward; the shell serves a request only
+  when its rank's ring has a free slot (:meth:`try_acquire`).
 * ``hidden``: the final (post-norm) hidden states travel through the queue; the trainer applies
   the teacher's output layer itself. About W/d fewer bytes than logits.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from dataclasses import field
 from typing import Any, Literal
 
@@ -81,7 +81,7 @@ class TeacherConfig:
         default="bfloat16", metadata={"help": "dtype of the logits in the ring / hidden states"}
     )
     checksum: bool = field(
-        default=False, metadata={"help": "put a float64 checksum of each slot in its handle"}
+        default=False, metadata={"help": "put a checksum of each slot (int64 sum of its bits) in its handle"}
     )
     lease_s: float = field(
         default=120.0, metadata={"help": "lease of a claimed request (redelivered if we die)"}
@@ -160,19 +160,37 @@ class TeacherWorker:
         self.width = model_vocab_size(self.model)
         check_vocab(f"teacher model {config.model!r}", self.width, self.tokenizer_vocab)
         self.backbone, self.lm_head = split_lm_head(self.model)
-        self.ring = None
-        if config.transport != "hidden":
+        # One ring per trainer rank served: a rank that holds its slots (e.g. waiting in a
+        # collective for another rank) never keeps the teacher from serving the other ranks.
+        self.rings: dict[int, Any] = {}
+        self.computed = 0
+
+    def ring(self, rank: int) -> Any:
+        """The logit ring of trainer ``rank`` (allocated and exported on its first request)."""
+        ring = self.rings.get(rank)
+        if ring is None:
             from xtoken_core.ipc.logit_ring import LogitRingWriter
 
-            self.ring = LogitRingWriter(
-                transport=config.transport,
-                num_slots=config.slots,
-                slot_shape=(config.max_batch, config.max_length, self.width),
+            cfg = self.config
+            ring = self.rings[rank] = LogitRingWriter(
+                transport=cfg.transport,
+                num_slots=cfg.slots,
+                slot_shape=(cfg.max_batch, cfg.max_length, self.width),
                 dtype=self.logits_dtype,
                 device=self.device,
-                heartbeat_s=config.heartbeat_s,
+                heartbeat_s=cfg.heartbeat_s,
             )
-        self.computed = 0
+        return ring
+
+    def try_acquire(self, rank: int) -> int | None:
+        """A free slot of ``rank``'s ring, or None while its trainer holds every slot
+        (always 0 for the hidden transport, which has no ring)."""
+        if self.config.transport == "hidden":
+            return 0
+        try:
+            return self.ring(rank).acquire(timeout_s=0)
+        except TimeoutError:
+            return None
 
     # ------------------------------------------------------------------ requests
 
@@ -199,7 +217,10 @@ class TeacherWorker:
     def error_fields(self, request_key: str, rank: int, message: str) -> dict[str, Any]:
         """The result fields that tell trainer ``rank`` why its request was refused."""
         result = Result(self.config.transport, self.instance, None, None, self.width, 0, 0, message)
-        return {result_field(rank): result.blob()}
+        fields = {result_field(rank): result.blob()}
+        if self.config.transport == "hidden":  # a hidden-transport trainer claims both fields
+            fields[hidden_field(rank)] = torch.zeros((1, 0, 0, 0), dtype=self.logits_dtype)
+        return fields
 
     @torch.no_grad()
     def hidden_states(self, request: Request) -> torch.Tensor:
@@ -214,29 +235,27 @@ class TeacherWorker:
         """Full-vocab logits ``[B, U, W]`` (the model dtype) of a request, no ring."""
         return self.lm_head(self.hidden_states(request))
 
-    def compute(
-        self, request: Request, stop: threading.Event | None = None
-    ) -> dict[str, Any]:
+    def compute(self, request: Request, slot: int | None = None) -> dict[str, Any]:
         """Serve one request.
 
         Args:
             request: a decoded request (see protocol.py).
-            stop: set while waiting for a free slot = give up (raises InterruptedError).
+            slot: a slot of ``ring(request.rank)`` from :meth:`try_acquire` (ring transports);
+                None: wait for one.
 
         Returns:
             The fields to write onto the request record (``result<rank>``, and ``hidden<rank>``
             for the hidden transport); an error result when the request is malformed.
-
-        Raises:
-            InterruptedError: ``stop`` was set while every slot was held.
         """
         problem = self.check(request)
         if problem is not None:
+            if slot is not None and self.config.transport != "hidden":
+                self.ring(request.rank).abandon(slot)
             logger.warning("[teacher] refusing %s", problem)
             return self.error_fields(request.key, request.rank, problem)
         B, U = request.ids_BU.shape
         cfg = self.config
-        if self.ring is None:  # hidden transport
+        if cfg.transport == "hidden":
             hidden_BUd = self.hidden_states(request).to(self.logits_dtype)
             result = Result("hidden", self.instance, None, None, self.width, B, U)
             self.computed += 1
@@ -244,30 +263,16 @@ class TeacherWorker:
                 result_field(request.rank): result.blob(),
                 hidden_field(request.rank): hidden_BUd.unsqueeze(0).cpu(),
             }
-        slot = self._acquire(stop)
+        ring = self.ring(request.rank)
+        if slot is None:
+            slot = ring.acquire()
         hidden_BUd = self.hidden_states(request)
-        out_BUW = self.ring.buffer(slot)[:B, :U]
+        out_BUW = ring.buffer(slot)[:B, :U]
         out_BUW.copy_(self.lm_head(hidden_BUd))
-        handle = self.ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
-        result = Result(cfg.transport, self.instance, self.ring.descriptor, handle, self.width, B, U)
+        handle = ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
+        result = Result(cfg.transport, self.instance, ring.descriptor, handle, self.width, B, U)
         self.computed += 1
         return {result_field(request.rank): result.blob()}
-
-    def _acquire(self, stop: threading.Event | None) -> int:
-        waited = 0.0
-        while True:
-            try:
-                return self.ring.acquire(timeout_s=1.0, stop=stop)
-            except TimeoutError:
-                if stop is not None and stop.is_set():
-                    raise InterruptedError("stopping while every ring slot was held") from None
-                waited += 1.0
-                if waited % 30 == 0:
-                    logger.warning(
-                        "[teacher] all %d ring slots held by trainers for %.0fs",
-                        self.config.slots,
-                        waited,
-                    )
 
     def evaluate(self, texts: list[str]) -> dict[str, float]:
         """Held-out bits per byte of the teacher (``xtoken_core.models.eval``)."""
@@ -284,10 +289,10 @@ class TeacherWorker:
             )
 
     def close(self) -> None:
-        """Mark the ring closed (its handles become stale) and free it."""
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        """Mark the rings closed (their handles become stale) and free them."""
+        for ring in self.rings.values():
+            ring.close()
+        self.rings.clear()
 
     def __enter__(self) -> TeacherWorker:
         return self

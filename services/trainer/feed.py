@@ -117,7 +117,6 @@ class TeacherFeed:
         self._seq = 0
         self._pending: deque[_Pending] = deque()
         self._by_request: dict[str, _Pending] = {}
-        self._releases: list[tuple[Any, dict, dict]] = []  # (event | None, descriptor, handle)
         self._ended = False
         self._idle_since: float | None = None
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
@@ -148,7 +147,6 @@ class TeacherFeed:
 
     def give_back(self, micro_batches: list[MicroBatch] = ()) -> None:
         """Stop: return every sample claimed but not trained, release held slots."""
-        self.flush_releases(wait=True)
         pend = list(self._pending) + [mb.context for mb in micro_batches]
         self._pending.clear()
         for p in pend:
@@ -288,15 +286,18 @@ class TeacherFeed:
         logits_BUW = self.reader.view(result.descriptor, result.handle)
         if self.config.verify_logits and not self.reader.verify(logits_BUW, result.handle):
             raise _ChecksumError(f"slot of {p.request_key!r} does not match its checksum")
+        if logits_BUW.device != device:  # a teacher on another GPU of the node: one P2P copy
+            logits_BUW = logits_BUW.to(device, non_blocking=True)
         return logits_BUW
 
     def _poll_records(self, waiting: _Pending) -> None:
-        self.flush_releases()
         got = self.client.claim(
             self.req_partition,
             self.trainer_task,
             [self.result_field],
             4,
+            fields=[self.result_field]
+            + ([self.hidden_field] if self.output_layer is not None else []),
             timeout_s=self.config.claim_timeout_s,
             lease_s=self.config.lease_s,
         )
@@ -340,32 +341,13 @@ class TeacherFeed:
         p.record = None
 
     def _done(self, p: _Pending) -> None:
-        """After the backward of ``p``: release its slot once the GPU read it; ack the record."""
+        """After the backward of ``p`` was queued: release its slot (the reader frees it once the
+        GPU work that reads it completed), ack and clear the record."""
         result, _, lease_id = p.record
         if result.handle is not None:
-            event = None
-            if self.worker.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-            self._releases.append((event, result.descriptor, result.handle))
+            self.reader.release(result.descriptor, result.handle)
         self.client.ack(self.req_partition, self.trainer_task, lease_id, [p.request_key])
         self.client.clear(self.req_partition, [p.request_key])
-        self.flush_releases()
-
-    def flush_releases(self, wait: bool = False) -> None:
-        """Release the slots whose reads finished (all of them with ``wait``)."""
-        keep = []
-        for event, descriptor, handle in self._releases:
-            if event is not None and not event.query():
-                if not wait:
-                    keep.append((event, descriptor, handle))
-                    continue
-                event.synchronize()
-            try:
-                self.reader.release(descriptor, handle)
-            except Exception as e:  # the teacher died meanwhile: its ring is gone anyway
-                logger.debug("release: %s", e)
-        self._releases = keep
 
 
 class _ChecksumError(RuntimeError):
