@@ -226,6 +226,7 @@ class TrainerWorker:
                 dynamic_scaling=lc.dynamic_scaling,
                 teacher_vocab_size=teacher_width,
                 backend=lc.backend,
+                cuda_graphs=lc.cuda_graphs,
             )
         )
 
@@ -357,9 +358,11 @@ class TrainerWorker:
                 for k, v in metrics.items():
                     if k != "num_valid_chunks":
                         sums[k] = sums.get(k, 0.0) + v.detach().float()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # this step's (the schedule moves on)
         with clock.phase("optimizer", gpu=True):
             skipped, grad_norm = self._optimizer_step()
         metrics = self._reduce_metrics(sums, micro_batches, grad_norm)
+        metrics["lr"] = lr
         self.step += 1
         return StepResult(
             step=self.step,
@@ -410,7 +413,6 @@ class TrainerWorker:
         out["tokens"] = float(vec[len(names)])
         out["micro_batches"] = float(vec[len(names) + 1])
         out["grad_norm"] = float(grad_norm)
-        out["lr"] = float(self.scheduler.get_last_lr()[0])
         return out
 
     # ------------------------------------------------------------------ eval

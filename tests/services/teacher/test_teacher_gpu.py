@@ -29,7 +29,7 @@ def test_cuda_ipc_slot_equals_direct_forward_bitwise():
 
     cfg = TeacherConfig(
         model="tiny",
-        tokenizer="smollm2",
+        tokenizer="mistral",
         device="cuda",
         transport="cuda_ipc",
         max_batch=2,
@@ -54,7 +54,7 @@ def test_hidden_transport_matches_direct_logits_within_bf16_rounding():
 
     cfg = TeacherConfig(
         model="tiny",
-        tokenizer="smollm2",
+        tokenizer="mistral",
         device="cuda",
         transport="hidden",
         dtype="float32",
