@@ -195,11 +195,28 @@ class Run:
             demo = build_demo_corpus()
             cfg.data.train = cfg.data.train or str(demo.train_path)
             cfg.data.heldout = cfg.data.heldout or str(demo.heldout_path)
-        for name in ("train", "heldout"):
-            if not Path(getattr(cfg.data, name)).is_file():
-                raise ValueError(f"data.{name}={getattr(cfg.data, name)!r} is not a file")
-        s_tok = load_tokenizer(cfg.student_tokenizer)
-        t_tok = load_tokenizer(cfg.teacher_tokenizer)
+        corpora = {
+            "data.train": cfg.data.train,
+            "data.heldout": cfg.data.heldout,
+            "trainer.heldout": cfg.trainer.heldout,
+            "teacher.heldout": cfg.teacher.heldout,
+        }
+        for key, path in corpora.items():
+            if path is None:
+                continue
+            if not Path(path).is_file():
+                raise ValueError(f"{key}={path!r} is not a file; point it at a corpus file")
+            try:
+                _first_text(path, cfg.data.text_field if key == "data.train" else "text")
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+        tokenizers = {}
+        for key in ("student_tokenizer", "teacher_tokenizer"):
+            try:
+                tokenizers[key] = load_tokenizer(getattr(cfg, key))
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+        s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
         self._check_vocabs(s_tok.vocab_size, t_tok.vocab_size)
         if cfg.trainer.loss.uses_teacher and cfg.trainer.loss.projection in (None, PENDING_PROJECTION):
             cfg.trainer.loss.projection = str(self._projection(s_tok, t_tok))
@@ -208,14 +225,17 @@ class Run:
         from xtoken_core.models import check_vocab
 
         cfg = self.config
-        for who, spec, override, tok_vocab in (
-            ("student", cfg.trainer.student, cfg.trainer.vocab_size, student_vocab),
-            ("teacher", cfg.teacher.model, cfg.teacher.vocab_size, teacher_vocab),
+        for key, spec, override, tok_vocab in (
+            ("trainer.student", cfg.trainer.student, cfg.trainer.vocab_size, student_vocab),
+            ("teacher.model", cfg.teacher.model, cfg.teacher.vocab_size, teacher_vocab),
         ):
-            if who == "teacher" and not cfg.trainer.loss.uses_teacher:
+            if key == "teacher.model" and not cfg.trainer.loss.uses_teacher:
                 continue
-            model_vocab = spec_vocab_size(spec, override or tok_vocab)
-            check_vocab(f"{who} model {spec!r}", model_vocab, tok_vocab)
+            try:
+                model_vocab = spec_vocab_size(spec, override or tok_vocab)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+            check_vocab(f"{key}={spec!r}", model_vocab, tok_vocab)
 
     def _projection(self, s_tok: Any, t_tok: Any) -> Path:
         import torch
@@ -455,20 +475,17 @@ def spec_vocab_size(spec: str, preset_vocab: int) -> int:
         preset_vocab: the vocab a preset is built with.
 
     Raises:
-        ValueError: a directory without ``config.json`` or ``vocab_size``; an unknown spec.
+        ValueError: a directory that is not a causal LM (no ``config.json``, no safetensors
+            weights, another model type) or has no ``vocab_size``; an unknown spec.
     """
-    from xtoken_core.models import PRESETS
+    from xtoken_core.models import PRESETS, check_model_dir
 
     path = Path(spec)
     if path.is_dir():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError) as e:
-            raise ValueError(
-                f"model directory {spec!r} has no readable config.json ({e}); point at a Hugging "
-                "Face causal LM folder (config.json + safetensors)"
-            ) from None
-        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        config = check_model_dir(path)
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is None and hasattr(config, "get_text_config"):
+            vocab = getattr(config.get_text_config(), "vocab_size", None)
         if not isinstance(vocab, int):
             raise ValueError(f"model directory {spec!r}: config.json has no vocab_size")
         return vocab
@@ -483,6 +500,20 @@ def spec_vocab_size(spec: str, preset_vocab: int) -> int:
 
 
 SMOLLM2_VOCAB = 49152
+
+
+def _first_text(path: str, text_field: str) -> str:
+    """The first non-blank text of a corpus file.
+
+    Raises:
+        ValueError: the file has no such text or cannot be read as a corpus (names the file).
+    """
+    from xtoken_core.data.corpus import iter_texts
+
+    for _, text in iter_texts(path, text_field=text_field):
+        if text.strip():
+            return text
+    raise ValueError(f"corpus {path!r} has no usable text; point it at a corpus with text")
 
 
 def _slug(name: str) -> str:

@@ -140,8 +140,10 @@ class LocalLauncher:
         )
 
     def stop(self, names: list[str] | None = None, grace_s: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM the processes, SIGKILL what is left after ``grace_s``; returns exit codes."""
-        procs = [self.processes[n] for n in (names or list(self.processes)) if n in self.processes]
+        """SIGTERM the processes (``names``; None: all), SIGKILL what is left after ``grace_s``;
+        returns exit codes."""
+        names = list(self.processes) if names is None else names
+        procs = [self.processes[n] for n in names if n in self.processes]
         for p in procs:
             if p.poll() is None:
                 p.signal(signal.SIGTERM)

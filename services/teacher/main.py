@@ -35,8 +35,12 @@ def connect(address: str, timeout_s: float, name: str) -> Any:
 
     try:
         check_queue(address, timeout_s, None)
-    except QueueUnreachableError as e:
-        raise ValueError(str(e)) from None
+    except QueueUnreachableError:
+        raise ValueError(
+            f"queue {address} is unreachable: no reply within {timeout_s:g}s (queue_timeout_s, "
+            f"--queue-timeout-s); start it with `xtoken queue serve --bind {address}` or fix "
+            "the address (queue, --queue)"
+        ) from None
     return QueueClient(address, timeout_s=timeout_s, name=name)
 
 
@@ -61,6 +65,8 @@ def heldout_texts(path: str, limit: int) -> list[str]:
 
 def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -> int:
     """Serve requests until stopped; returns 0."""
+    # bad input first: a held-out file without text fails before the queue and the model
+    texts = heldout_texts(config.heldout, config.eval_texts) if config.heldout else []
     client = connect(config.queue, config.queue_timeout_s, f"teacher{config.group}")
     partition = proto.request_partition(config.partition, config.group)
     with TeacherWorker(config) as worker:
@@ -71,8 +77,7 @@ def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -
                 group=config.group,
                 instance=worker.instance,
             )
-        if config.heldout:
-            texts = heldout_texts(config.heldout, config.eval_texts)
+        if texts:
             result = worker.evaluate(texts)
             logger.info("[teacher] held-out %.4f bits/byte", result["bits_per_byte"])
             if metrics is not None:

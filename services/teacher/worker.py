@@ -24,7 +24,14 @@ from typing import Any, Literal
 
 import torch
 
-from services.teacher.protocol import Request, Result, hidden_field, new_instance, result_field
+from services.teacher.protocol import (
+    Request,
+    Result,
+    hidden_column,
+    hidden_field,
+    new_instance,
+    result_field,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +167,7 @@ class TeacherWorker:
         self.width = model_vocab_size(self.model)
         check_vocab(f"teacher model {config.model!r}", self.width, self.tokenizer_vocab)
         self.backbone, self.lm_head = split_lm_head(self.model)
+        self.hidden_size = int(self.lm_head.weight.shape[1])  # d: the output layer's input
         # One ring per trainer rank served: a rank that holds its slots (e.g. waiting in a
         # collective for another rank) never keeps the teacher from serving the other ranks.
         self.rings: dict[int, Any] = {}
@@ -219,7 +227,8 @@ class TeacherWorker:
         result = Result(self.config.transport, self.instance, None, None, self.width, 0, 0, message)
         fields = {result_field(rank): result.blob()}
         if self.config.transport == "hidden":  # a hidden-transport trainer claims both fields
-            fields[hidden_field(rank)] = torch.zeros((1, 0, 0, 0), dtype=self.logits_dtype)
+            empty = torch.zeros((0, 0, self.hidden_size), dtype=self.logits_dtype)
+            fields[hidden_field(rank)] = hidden_column(empty)
         return fields
 
     @torch.no_grad()
@@ -261,15 +270,19 @@ class TeacherWorker:
             self.computed += 1
             return {
                 result_field(request.rank): result.blob(),
-                hidden_field(request.rank): hidden_BUd.unsqueeze(0).cpu(),
+                hidden_field(request.rank): hidden_column(hidden_BUd.cpu()),
             }
         ring = self.ring(request.rank)
         if slot is None:
             slot = ring.acquire()
-        hidden_BUd = self.hidden_states(request)
-        out_BUW = ring.buffer(slot)[:B, :U]
-        out_BUW.copy_(self.lm_head(hidden_BUd))
-        handle = ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
+        try:
+            hidden_BUd = self.hidden_states(request)
+            out_BUW = ring.buffer(slot)[:B, :U]
+            out_BUW.copy_(self.lm_head(hidden_BUd))
+            handle = ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
+        except BaseException:  # the forward failed (e.g. out of memory): the slot is free again
+            ring.abandon(slot)
+            raise
         result = Result(cfg.transport, self.instance, ring.descriptor, handle, self.width, B, U)
         self.computed += 1
         return {result_field(request.rank): result.blob()}

@@ -280,7 +280,9 @@ class TeacherFeed:
             )
         device = self.worker.device
         if result.transport == "hidden":
-            hidden_BUd = fields[self.hidden_field][0].to(device, non_blocking=True)
+            hidden_BUd = proto.hidden_from_column(
+                fields[self.hidden_field], B, U, p.request_key
+            ).to(device, non_blocking=True)
             with torch.no_grad():
                 return self.output_layer(hidden_BUd.to(self.output_layer.weight.dtype))
         logits_BUW = self.reader.view(result.descriptor, result.handle)
@@ -306,7 +308,7 @@ class TeacherFeed:
             result = proto.Result.from_blob(_row_column(got["fields"][self.result_field], i), key)
             fields = {}
             if self.hidden_field in got["fields"]:
-                fields[self.hidden_field] = got["fields"][self.hidden_field][i : i + 1]
+                fields[self.hidden_field] = _row_column(got["fields"][self.hidden_field], i)
             p = self._by_request.pop(key, None)
             record = (result, fields, got["lease_id"])
             if p is None:  # another instance's, or a request we asked again

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
-from services.teacher.main import heldout_texts
+from services.teacher.main import connect, heldout_texts
 from services.trainer import checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
@@ -71,21 +71,10 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
             dist.destroy_process_group()
 
 
-def _connect(config: TrainerConfig, rank: int) -> Any:
-    from services.collator.runner import QueueUnreachableError, check_queue
-    from services.queue.client import QueueClient
-
-    try:
-        check_queue(config.queue, config.queue_timeout_s, None)
-    except QueueUnreachableError as e:
-        raise ValueError(str(e)) from None
-    return QueueClient(config.queue, timeout_s=config.queue_timeout_s, name=f"trainer{rank}")
-
-
 def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) -> int:
     run_dir = Path(config.run_dir)
     heldout = heldout_texts(config.heldout, config.eval_texts) if rank == 0 and config.heldout else []
-    client = _connect(config, rank)
+    client = connect(config.queue, config.queue_timeout_s, f"trainer{rank}")
     worker = TrainerWorker(config, rank=rank, world_size=world, device=device)
     reader = output_layer = None
     if config.loss.uses_teacher:

@@ -3,6 +3,7 @@
 from xtoken_core.models.eval import bits_per_byte
 from xtoken_core.models.heads import split_lm_head
 from xtoken_core.models.loading import (
+    check_model_dir,
     export_hf,
     exported_tokenizer,
     load_model,
@@ -15,6 +16,7 @@ __all__ = [
     "PRESETS",
     "Preset",
     "bits_per_byte",
+    "check_model_dir",
     "check_vocab",
     "export_hf",
     "exported_tokenizer",

@@ -31,10 +31,23 @@ EXPORT_TOKENIZER_FILE = "xtoken_tokenizer.json"
 SMOLLM2 = "smollm2"
 
 
-def _check_causal_dir(path: Path):
-    """The config of a local causal-LM folder; ValueError naming what is missing otherwise."""
+def check_model_dir(path: str | os.PathLike):
+    """The config of a local causal-LM folder, checked without loading its weights.
+
+    Args:
+        path: the folder.
+
+    Returns:
+        Its transformers ``PretrainedConfig``.
+
+    Raises:
+        ValueError: no ``config.json``, no safetensors weights, or not a causal LM (names what
+            is missing and the fix).
+    """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    path = Path(path)
 
     if not (path / "config.json").is_file():
         raise ValueError(
@@ -72,7 +85,7 @@ def _check_causal_dir(path: Path):
 def _load_dir(path: Path, dtype: torch.dtype, device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    _check_causal_dir(path)
+    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.to(device)
 

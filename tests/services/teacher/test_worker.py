@@ -1,0 +1,186 @@
+"""TeacherWorker without sockets (tiny teacher, smollm2 tokenizer): slot logits equal a direct
+forward, one ring per trainer rank, refused requests, the hidden transport."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from services.teacher import protocol as proto
+from services.teacher.worker import TeacherConfig, TeacherWorker
+from xtoken_core.ipc.logit_ring import LogitRingReader
+
+TOKENIZER = "smollm2"
+MAX_B, MAX_U = 2, 12
+
+
+@pytest.fixture
+def make_worker():
+    made: list[TeacherWorker] = []
+
+    def make(**overrides) -> TeacherWorker:
+        fields = dict(model="tiny", tokenizer=TOKENIZER, max_batch=MAX_B, max_length=MAX_U, seed=3)
+        fields.update(overrides)
+        worker = TeacherWorker(TeacherConfig(**fields))
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.close()
+
+
+@pytest.fixture
+def reader():
+    with LogitRingReader() as r:
+        yield r
+
+
+def _request(worker: TeacherWorker, lengths: list[int], rank: int = 0, key: str = "t:1", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, worker.tokenizer_vocab, (n,), generator=g) for n in lengths]
+    return proto.decode_request(key, proto.request_fields(rows, rank), 0, worker.pad_id)
+
+
+def _result(fields: dict, rank: int = 0, key: str = "t:1") -> proto.Result:
+    return proto.Result.from_blob(fields[proto.result_field(rank)], key)
+
+
+def test_slot_logits_equal_a_direct_forward_bitwise(make_worker, reader):
+    worker = make_worker()
+    assert worker.logits_dtype == torch.bfloat16 and worker.width == 49152
+    request = _request(worker, [MAX_U, 7])  # the second row is padded
+    result = _result(worker.compute(request))
+    assert result.error is None and (result.rows, result.length) == (2, MAX_U)
+    logits_BUW = reader.view(result.descriptor, result.handle)
+    assert logits_BUW.dtype == torch.bfloat16 and tuple(logits_BUW.shape) == (2, MAX_U, 49152)
+
+    pos_U = torch.arange(MAX_U)
+    mask_BU = (pos_U[None, :] < request.lengths_B[:, None]).long()
+    with torch.no_grad():
+        batched = worker.model(request.ids_BU, attention_mask=mask_BU).logits.to(torch.bfloat16)
+        alone = worker.model(request.ids_BU[:1]).logits.to(torch.bfloat16)
+    assert torch.equal(logits_BUW, batched)
+    assert torch.equal(logits_BUW[0], alone[0])  # a full row: the plain model(ids).logits
+    reader.release(result.descriptor, result.handle)
+
+
+def test_each_trainer_rank_gets_its_own_ring(make_worker, reader):
+    worker = make_worker()
+    r0 = _result(worker.compute(_request(worker, [5], rank=0, key="a:1")), 0, "a:1")
+    r1 = _result(worker.compute(_request(worker, [5], rank=1, key="b:1")), 1, "b:1")
+    assert sorted(worker.rings) == [0, 1]
+    assert r0.descriptor["instance"] != r1.descriptor["instance"]
+    assert r0.descriptor["header"] != r1.descriptor["header"]
+    assert r0.handle["instance"] == r0.descriptor["instance"]
+    assert worker.rings[0].in_flight() == [r0.handle["slot"]]
+    assert worker.rings[1].in_flight() == [r1.handle["slot"]]
+    # the same rows give the same logits whichever rank asked
+    assert torch.equal(
+        reader.view(r0.descriptor, r0.handle), reader.view(r1.descriptor, r1.handle)
+    )
+    assert worker.computed == 2
+
+
+def test_a_rank_holding_every_slot_waits_while_other_ranks_are_served(make_worker, reader):
+    worker = make_worker(slots=2)
+    held = []
+    for i in range(2):
+        slot = worker.try_acquire(0)
+        assert slot is not None
+        key = f"a:{i}"
+        held.append(_result(worker.compute(_request(worker, [4], 0, key), slot), 0, key))
+    assert worker.try_acquire(0) is None  # rank 0's trainer holds both slots
+    slot = worker.try_acquire(1)
+    assert slot is not None
+    other = _result(worker.compute(_request(worker, [4], 1, "b:0"), slot), 1, "b:0")
+    assert other.error is None and reader.view(other.descriptor, other.handle).shape[0] == 1
+    reader.release(held[0].descriptor, held[0].handle)
+    assert worker.try_acquire(0) == held[0].handle["slot"]  # a release frees rank 0 again
+
+
+def test_the_hidden_transport_needs_no_slot(make_worker):
+    assert make_worker(transport="hidden").try_acquire(5) == 0
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        ([4, 4, 4], rf"3 x 4 tokens, over the teacher's slot of {MAX_B} x {MAX_U}.*max_batch"),
+        ([MAX_U + 1], rf"1 x {MAX_U + 1} tokens, over the teacher's slot.*max_length"),
+    ],
+    ids=["too-many-rows", "too-long"],
+)
+def test_a_request_over_the_slot_gets_an_error_result_and_frees_its_slot(
+    make_worker, lengths, message
+):
+    worker = make_worker()
+    slot = worker.try_acquire(0)
+    fields = worker.compute(_request(worker, lengths, key="big:1"), slot)
+    result = _result(fields, key="big:1")
+    assert result.error is not None
+    assert result.rows == 0 and result.handle is None
+    assert re.search(message, result.error), result.error
+    assert "'big:1'" in result.error
+    assert worker.rings[0].in_flight() == [] and worker.computed == 0
+    assert {worker.try_acquire(0), worker.try_acquire(0)} == {0, 1}  # both slots are free
+
+
+@pytest.mark.parametrize("bad_id", [-1, 49152], ids=["negative", "past-the-vocab"])
+def test_a_request_with_out_of_vocab_ids_gets_an_error_result(make_worker, bad_id):
+    worker = make_worker()
+    rows = [torch.tensor([1, 2, bad_id])]
+    request = proto.decode_request("oov:1", proto.request_fields(rows, 0), 0, worker.pad_id)
+    result = _result(worker.compute(request), key="oov:1")
+    assert result.error is not None
+    assert "outside [0, 49152)" in result.error and "'smollm2'" in result.error
+    assert worker.rings == {} and worker.computed == 0  # refused before any ring work
+
+
+def test_hidden_states_through_the_output_layer_equal_the_logits_within_bf16(make_worker):
+    from xtoken_core.models import load_output_layer
+
+    worker = make_worker(transport="hidden")
+    request = _request(worker, [MAX_U, 5])
+    fields = worker.compute(request)
+    result = _result(fields)
+    assert result.transport == "hidden" and result.error is None and result.handle is None
+    hidden_BUd = proto.hidden_from_column(fields[proto.hidden_field(0)], 2, MAX_U, "t:1")
+    assert hidden_BUd.dtype == torch.bfloat16 and hidden_BUd.shape[-1] == worker.hidden_size
+
+    # what the trainer does: the output layer of the same model spec, loaded on its own
+    output_layer = load_output_layer("tiny", vocab_size=worker.width, seed=3)
+    with torch.no_grad():
+        got_BUW = output_layer(hidden_BUd.float())
+        want_BUW = worker.logits(request)
+        # the only error is the bf16 rounding of the hidden states: |dz| <= |W| |h| 2^-8
+        exact_BUd = worker.hidden_states(request)
+        bound_BUW = exact_BUd.abs() @ output_layer.weight.abs().T * 2.0**-8
+    assert (got_BUW - want_BUW).abs().le(bound_BUW + 1e-6).all()
+
+
+def test_a_refused_hidden_request_still_carries_an_empty_hidden_field(make_worker):
+    worker = make_worker(transport="hidden")
+    fields = worker.compute(_request(worker, [MAX_U + 3]))
+    result = _result(fields)
+    assert result.error is not None
+    column = fields[proto.hidden_field(0)]
+    assert tuple(column.values.shape) == (0, worker.hidden_size)  # the partition's trailing shape
+    assert proto.hidden_from_column(column, 0, 0, "t:1").shape == (0, 0, worker.hidden_size)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"transport": "cuda_ipc"}, "transport=cuda_ipc needs a CUDA device.*use transport=shm"),
+        ({"slots": 1}, "slots=1: the ring needs >= 2 slots"),
+        ({"max_batch": 0}, "max_batch=0: must be >= 1"),
+        ({"logits_dtype": "int8"}, "dtype 'int8' is not a float dtype"),
+        ({"transport": "pigeon"}, "transport='pigeon': use one of shm, cuda_ipc, hidden"),
+    ],
+)
+def test_teacher_config_names_a_bad_value_and_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TeacherConfig(**overrides)

@@ -1,0 +1,129 @@
+"""Builders shared by the trainer tests and their spawned ranks: tokenizers, a projection, jagged
+samples of fixed texts, padded micro-batches, a tiny teacher and its logits, trainer configs.
+
+Legend: B samples of a micro-batch, U teacher tokens, W teacher vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+STUDENT_TOKENIZER = "mistral"
+TEACHER_TOKENIZER = "smollm2"
+CTX = 32
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Distillation moves what a large model knows into a small one.",
+    "def add(a, b):\n    return a + b\n",
+    "Tokenizers disagree: 'unbelievable' may be one token or three.",
+    "Numbers such as 3.14159 and 2718 split into digits differently.",
+    "A short one.",
+    "Über-naïve café prices: 12,50 € each, plus tax.",
+    "import os\nprint(os.getcwd())\n",
+]
+
+
+@functools.cache
+def tokenizers():
+    """(student, teacher) tokenizers, loaded once per process."""
+    from xtoken_core.tokenizers import load_tokenizer
+
+    return load_tokenizer(STUDENT_TOKENIZER), load_tokenizer(TEACHER_TOKENIZER)
+
+
+def write_projection(path: Path, top_k: int = 4) -> str:
+    """Build the student -> teacher projection of the test tokenizers into ``path``."""
+    from xtoken_core.data.projection_build import build_projection
+
+    torch.save(build_projection(*tokenizers(), top_k), path)
+    return str(path)
+
+
+@functools.cache
+def samples() -> list[dict[str, torch.Tensor]]:
+    """One jagged sample per text of :data:`TEXTS`."""
+    from xtoken_core.align import TokenAligner
+    from xtoken_core.data.collator import CrossTokenizerCollator
+
+    student, teacher = tokenizers()
+    collator = CrossTokenizerCollator(
+        student_tokenizer=student,
+        teacher_tokenizer=teacher,
+        aligner=TokenAligner(),
+        ctx_length_student=CTX,
+        ctx_length_teacher=CTX,
+    )
+    return collator.collate_samples(TEXTS)
+
+
+def micro_batches(size: int = 2) -> list[dict[str, torch.Tensor]]:
+    """The samples padded into consecutive micro-batches of ``size`` (the feed's padding)."""
+    from xtoken_core.data.collator import resolve_pad_id
+    from xtoken_core.data.sample import pad_samples
+
+    student, teacher = tokenizers()
+    pads = {"student_pad_id": resolve_pad_id(student), "teacher_pad_id": resolve_pad_id(teacher)}
+    rows = samples()
+    return [pad_samples(rows[i : i + size], **pads) for i in range(0, len(rows), size)]
+
+
+@functools.cache
+def teacher_model() -> torch.nn.Module:
+    """The tiny preset with the teacher tokenizer's vocab (seeded), in eval mode."""
+    from xtoken_core.models import load_model
+
+    return load_model("tiny", vocab_size=tokenizers()[1].vocab_size, seed=1).eval()
+
+
+@torch.no_grad()
+def teacher_logits(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, U, W]`` teacher logits of a padded micro-batch."""
+    mask_BU = batch["teacher_token_mask"].long()
+    return teacher_model()(batch["teacher_input_ids"], attention_mask=mask_BU).logits
+
+
+def trainer_config(projection: str | None, **overrides):
+    """A TrainerConfig of the tiny student (P-KL with ``projection``; ``mode="ce"`` without)."""
+    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+
+    loss = {"mode": "pkl" if projection else "ce", "projection": projection, "vocab_topk": 512}
+    loss.update(overrides.pop("loss", {}))
+    optim = {"lr": 3e-3, "warmup_steps": 0, "grad_clip": 0.0}
+    optim.update(overrides.pop("optim", {}))
+    fields = dict(
+        student="tiny",
+        student_tokenizer=STUDENT_TOKENIZER,
+        teacher_tokenizer=TEACHER_TOKENIZER,
+        micro_batch=2,
+        max_steps=20,
+        optim=OptimConfig(**optim),
+        loss=LossConfig(**loss),
+    )
+    fields.update(overrides)
+    return TrainerConfig(**fields)
+
+
+def micro_batch(batch: dict[str, torch.Tensor], keys: list[str], with_teacher: bool = True):
+    """A MicroBatch whose teacher logits come from the tiny teacher (counts its calls)."""
+    from services.trainer.worker import MicroBatch
+
+    calls = {"teacher": 0, "done": 0}
+
+    def logits() -> torch.Tensor:
+        calls["teacher"] += 1
+        return teacher_logits(batch)
+
+    def done() -> None:
+        calls["done"] += 1
+
+    mb = MicroBatch(
+        keys=keys,
+        batch=batch,
+        teacher_logits=logits if with_teacher else None,
+        done=done,
+        context=calls,
+    )
+    return mb

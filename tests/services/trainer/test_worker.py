@@ -1,0 +1,114 @@
+"""TrainerWorker without sockets: the schedule, optimizer steps, skipped steps, the CE-only mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.worker import TrainerWorker, lr_lambda
+from tests.services.trainer import distill_setup as setup
+
+
+def _params(worker: TrainerWorker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.module.named_parameters()}
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr_ratio():
+    f = lr_lambda(warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0  # the decay starts at the peak
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(14) == pytest.approx(0.1)
+    assert f(100) == pytest.approx(0.1)  # past max_steps it stays at the end
+    decay = [f(s) for s in range(4, 15)]
+    assert decay == sorted(decay, reverse=True)
+
+
+def test_lr_is_constant_after_warmup_without_max_steps_and_full_without_warmup():
+    assert [lr_lambda(2, 0, 0.1)(s) for s in (0, 1, 2, 50)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_lambda(0, 10, 0.0)(0) == 1.0
+    assert lr_lambda(0, 10, 0.0)(10) == pytest.approx(0.0)
+
+
+def test_a_step_reports_the_learning_rate_it_used():
+    config = setup.trainer_config(None, optim={"lr": 1e-3, "warmup_steps": 4}, max_steps=8)
+    worker = TrainerWorker(config)
+    batch = setup.micro_batches()[0]
+    lrs = [worker.train_step([setup.micro_batch(batch, ["a"], False)]).metrics["lr"] for _ in range(5)]
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert worker.step == 5
+
+
+def test_steps_on_a_fixed_batch_lower_the_pkl_loss(projection):
+    worker = TrainerWorker(setup.trainer_config(projection, loss={"ce_weight": 0.5}))
+    assert worker.loss_fn is not None
+    batch = setup.micro_batches()[1]
+    mbs = [setup.micro_batch(batch, ["a", "b"])]
+    losses = [worker.train_step(mbs).metrics for _ in range(6)]
+    assert all(math.isfinite(m["loss"]) for m in losses)
+    curve = [m["loss"] for m in losses]
+    assert all(b < a for a, b in zip(curve, curve[1:])), curve
+    assert losses[-1]["kl_loss"] < losses[0]["kl_loss"]
+    assert mbs[0].context == {"teacher": 6, "done": 6}  # logits once, slot released once a step
+    assert losses[0]["tokens"] == int(batch["input_lengths"].sum())
+    assert worker.step == 6 and worker.skipped_steps == 0
+
+
+def test_a_non_finite_gradient_skips_the_update_and_counts_it():
+    worker = TrainerWorker(setup.trainer_config(None))
+    before = _params(worker)
+    param = next(worker.module.parameters())
+    handle = param.register_hook(lambda g: g * float("nan"))
+    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    result = worker.train_step([mb])
+    handle.remove()
+    assert result.skipped and worker.skipped_steps == 1
+    assert not math.isfinite(result.metrics["grad_norm"])
+    after = _params(worker)
+    assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed weights"
+    assert all(p.grad is None for p in worker.module.parameters())  # nothing leaks to the next
+    assert worker.optimizer.state == {}
+    result = worker.train_step([mb])  # the next finite step trains again
+    assert not result.skipped and worker.skipped_steps == 1 and worker.step == 2
+    assert any(not torch.equal(before[n], p) for n, p in worker.module.named_parameters())
+
+
+def test_ce_mode_needs_no_projection_nor_teacher():
+    config = TrainerConfig(
+        student="tiny",
+        student_tokenizer=setup.STUDENT_TOKENIZER,
+        teacher_tokenizer=setup.TEACHER_TOKENIZER,
+        loss=LossConfig(mode="ce"),
+    )
+    worker = TrainerWorker(config)
+    assert worker.loss_fn is None and not config.loss.uses_teacher
+    batch = setup.micro_batches()[2]
+    mb = setup.micro_batch(batch, ["a", "b"], with_teacher=False)
+    first = worker.train_step([mb]).metrics
+    for _ in range(3):
+        last = worker.train_step([mb]).metrics
+    assert set(first) >= {"loss", "ce_loss", "accuracy", "grad_norm", "lr", "tokens"}
+    assert first["loss"] == first["ce_loss"]
+    assert last["loss"] < first["loss"]
+
+
+def test_pkl_mode_without_a_projection_is_a_config_error_naming_the_fix():
+    with pytest.raises(ValueError, match=r"loss.projection.*xtoken projection build"):
+        setup.trainer_config(None, loss={"mode": "pkl"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"micro_batch": 0}, "micro_batch=0: must be >= 1"),
+        ({"optim": {"min_lr_ratio": 1.5}}, r"min_lr_ratio=1.5: must be in \[0, 1\]"),
+        ({"loss": {"mode": "ce", "ce_weight": 0.0}}, "trains nothing"),
+        ({"queue_timeout_s": 0.0}, "queue_timeout_s=0.0: must be > 0 seconds"),
+    ],
+)
+def test_trainer_config_names_a_bad_value_and_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        setup.trainer_config(None, **overrides)
