@@ -84,7 +84,10 @@ def _request(**replace):
         (_request(teacher_input_ids=torch.tensor([[1, 2, 3, 4]])), "must be a jagged field"),
         (_request(teacher_lengths=_column(torch.tensor([3, 2]))), "do not add up to the 4 ids"),
         (_request(teacher_lengths=_column(torch.tensor([5, -1]))), "do not add up"),
-        (_request(teacher_input_ids=_column(torch.tensor([1.0, 2, 3, 4]))), "not an integer tensor"),
+        (
+            _request(teacher_input_ids=_column(torch.tensor([1.0, 2, 3, 4]))),
+            "not an integer tensor",
+        ),
         (_request(teacher_lengths=_column(torch.tensor([3.0, 1.0]))), "not an integer tensor"),
         (_request(rank=torch.tensor([-1])), "rank -1 must be >= 0"),
         (_request(rank=torch.zeros(0, dtype=torch.int64)), "malformed fields"),
@@ -136,7 +139,9 @@ def test_a_result_round_trips_through_its_blob(result):
 
 
 def _blob(obj) -> JaggedColumn:
-    return _column(torch.frombuffer(bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8))
+    return _column(
+        torch.frombuffer(bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8)
+    )
 
 
 def _result_dict(**overrides) -> dict:
@@ -158,7 +163,15 @@ def _result_dict(**overrides) -> dict:
         (_column(torch.zeros(proto.MAX_BLOB_BYTES + 1, dtype=torch.uint8)), "over the"),
         (_blob([1, 2, 3]), "expected keys"),
         (_blob({**_result_dict(), "extra": 1}), "expected keys"),
-        (_blob({b"transport": "shm", **{k: v for k, v in _result_dict().items() if k != "transport"}}), "expected keys"),
+        (
+            _blob(
+                {
+                    b"transport": "shm",
+                    **{k: v for k, v in _result_dict().items() if k != "transport"},
+                }
+            ),
+            "expected keys",
+        ),
         (_blob(_result_dict(transport="carrier-pigeon")), "unknown transport"),
         (_blob(_result_dict(transport=["shm"])), "unknown transport"),
         (_blob(_result_dict(width=-1)), "width=-1 must be an int >= 0"),
@@ -250,10 +263,16 @@ def test_records_of_any_batch_size_and_length_share_one_partition(tmp_path):
                 rows = [torch.arange(U)] + [torch.arange(1)] * (B - 1)
                 client.put(part, [f"k:{i}"], proto.request_fields(rows, rank=1))
                 hidden = proto.hidden_column(torch.full((B, U, 8), float(i), dtype=torch.bfloat16))
-                result = _ring_result(transport="hidden", descriptor=None, handle=None, rows=B, length=U)
+                result = _ring_result(
+                    transport="hidden", descriptor=None, handle=None, rows=B, length=U
+                )
                 client.put(part, [f"k:{i}"], {"result1": result.blob(), "hidden1": hidden})
             got = client.claim(
-                part, "trainer1", ["result1"], 8, fields=["result1", "hidden1", *proto.REQUEST_FIELDS]
+                part,
+                "trainer1",
+                ["result1"],
+                8,
+                fields=["result1", "hidden1", *proto.REQUEST_FIELDS],
             )
             assert got["keys"] == ["k:0", "k:1", "k:2"]
             for i, (key, (B, U)) in enumerate(zip(got["keys"], shapes)):

@@ -78,9 +78,7 @@ def test_each_trainer_rank_gets_its_own_ring(make_worker, reader):
     assert worker.rings[0].in_flight() == [r0.handle["slot"]]
     assert worker.rings[1].in_flight() == [r1.handle["slot"]]
     # the same rows give the same logits whichever rank asked
-    assert torch.equal(
-        reader.view(r0.descriptor, r0.handle), reader.view(r1.descriptor, r1.handle)
-    )
+    assert torch.equal(reader.view(r0.descriptor, r0.handle), reader.view(r1.descriptor, r1.handle))
     assert worker.computed == 2
 
 

@@ -42,7 +42,9 @@ def run_rank(rank: int, world: int, port: int, projection: str, plan: list[list[
     )
     try:
         worker = TrainerWorker(
-            setup.trainer_config(projection, grad_accum=len(plan[rank])), rank=rank, world_size=world
+            setup.trainer_config(projection, grad_accum=len(plan[rank])),
+            rank=rank,
+            world_size=world,
         )
         batches = setup.micro_batches()
         mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in plan[rank]]

@@ -46,7 +46,9 @@ def test_save_then_load_restores_weights_optimizer_step_schedule_rng_and_trained
     torch.rand(100)  # move the RNG on
 
     fresh = _worker(seed=7)
-    assert not torch.equal(fresh.module.model.embed_tokens.weight, saved.module.model.embed_tokens.weight)
+    assert not torch.equal(
+        fresh.module.model.embed_tokens.weight, saved.module.model.embed_tokens.weight
+    )
     state = checkpoint.load(fresh, path)
 
     assert state == {"step": 3, "epoch": 1, "task_start": 2, "trained": {"k1", "k2", "k3"}}

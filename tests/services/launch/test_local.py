@@ -1,0 +1,73 @@
+"""LocalLauncher with real processes: start, ready file, stop; a process that dies before it is
+ready fails the wait with its log tail."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from services.launch.local import LocalLauncher, ProcessSpec
+
+
+def _queue_spec(tmp_path, name: str = "queue") -> ProcessSpec:
+    return ProcessSpec(
+        name,
+        "queue",
+        ["queue", "serve", "--bind", "tcp://127.0.0.1:*", "--capacity", "16MiB"],
+        log_file=str(tmp_path / "logs" / f"{name}.log"),
+        ready_file=str(tmp_path / "ready" / name),
+    )
+
+
+@pytest.fixture
+def launcher():
+    launcher = LocalLauncher()
+    yield launcher
+    launcher.stop(grace_s=10)
+
+
+def test_start_wait_ready_and_stop_a_real_process(launcher, tmp_path):
+    proc = launcher.start(_queue_spec(tmp_path))
+    with pytest.raises(RuntimeError, match=r"queue was not ready within 0s; log: .*queue\.log"):
+        launcher.wait_ready(proc, 0.0)
+    info = launcher.wait_ready(proc, 60)
+    assert info["pid"] == proc.pid and info["endpoint"].startswith("tcp://127.0.0.1:")
+    assert proc.poll() is None
+    with pytest.raises(ValueError, match="'queue' is already running"):
+        launcher.start(_queue_spec(tmp_path))
+    assert launcher.stop([], grace_s=5) == {}  # an empty list stops nothing
+    assert proc.poll() is None
+    assert launcher.stop(["queue"], grace_s=30) == {"queue": 0}  # SIGTERM: drained, exit 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+    assert "[queue]" in proc.tail()
+    assert not (tmp_path / "ready" / "queue").exists()  # removed when the process exited
+
+
+def test_a_process_that_exits_before_ready_raises_with_its_log_tail(launcher, tmp_path):
+    spec = ProcessSpec(
+        "teacher0",
+        "teacher",
+        ["teacher", "--slots", "1"],
+        log_file=str(tmp_path / "teacher0.log"),
+        ready_file=str(tmp_path / "ready" / "teacher0"),
+    )
+    proc = launcher.start(spec)
+    with pytest.raises(RuntimeError) as exc:
+        launcher.wait_ready(proc, 60)
+    message = str(exc.value)
+    assert "teacher0 exited with code 2 before it was ready" in message
+    assert "teacher0.log" in message
+    assert "[teacher] error: slots=1: the ring needs >= 2 slots" in message
+    assert launcher.stop(grace_s=1) == {"teacher0": 2}
+
+
+def test_a_restarted_spec_runs_again_under_its_name(launcher, tmp_path):
+    spec = _queue_spec(tmp_path, "q")
+    first = launcher.start(spec)
+    launcher.wait_ready(first, 60)
+    launcher.stop(["q"], grace_s=30)
+    second = launcher.start(spec)
+    assert second.pid != first.pid and launcher.processes["q"] is second
+    launcher.wait_ready(second, 60)

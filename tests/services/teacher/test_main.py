@@ -1,0 +1,97 @@
+"""The teacher's serving loop in-process against a real queue: a rank whose trainer holds every
+slot never blocks another rank, and a malformed request gets an error result, not a crash."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from services.queue.client import QueueClient
+from services.teacher import main as teacher_main
+from services.teacher import protocol as proto
+from services.teacher.worker import TeacherConfig, TeacherWorker
+from tests.services.queue.conftest import ServerProcess
+from xtoken_core.ipc.logit_ring import LogitRingReader
+from xtoken_core.wire import JaggedColumn
+
+PARTITION = "train"
+
+
+@pytest.fixture
+def queue(tmp_path):
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    yield server.address
+    server.stop()
+
+
+@pytest.fixture
+def teacher(queue):
+    """A TeacherWorker serving the queue from a thread, stopped after the test."""
+    config = TeacherConfig(
+        queue=queue, partition=PARTITION, model="tiny", tokenizer="smollm2", slots=2,
+        max_batch=2, max_length=16, claim_timeout_s=0.1,
+    )  # fmt: skip
+    worker = TeacherWorker(config)
+    client = QueueClient(queue, timeout_s=10, name="teacher-test")
+    lc = types.SimpleNamespace(stop=threading.Event())
+    partition = proto.request_partition(PARTITION, 0)
+    errors: list[BaseException] = []
+
+    def serve():
+        try:
+            teacher_main._loop(client, worker, partition, config, lc, None)
+        except BaseException as e:  # surfaced by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield worker
+    lc.stop.set()
+    thread.join(timeout=20)
+    client.close()
+    worker.close()
+    assert not thread.is_alive() and not errors, errors
+
+
+def _claim(client, rank: int, want: int, timeout_s: float = 15.0) -> dict[str, proto.Result]:
+    """Claim results of ``rank`` until ``want`` arrived (or the time is up)."""
+    out: dict[str, proto.Result] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < want and time.monotonic() < deadline:
+        got = client.claim(
+            proto.request_partition(PARTITION, 0), f"test-trainer{rank}", [proto.result_field(rank)],
+            8, timeout_s=0.2,
+        )  # fmt: skip
+        column = got["fields"].get(proto.result_field(rank))
+        for i, key in enumerate(got["keys"]):
+            row = column.row(i)
+            one = JaggedColumn(row, torch.tensor([0, row.numel()], dtype=torch.int64))
+            out[key] = proto.Result.from_blob(one, key)
+    return out
+
+
+def test_a_busy_rank_does_not_block_another_and_a_bad_request_gets_an_error(queue, teacher):
+    part = proto.request_partition(PARTITION, 0)
+    with QueueClient(queue, timeout_s=10) as client, LogitRingReader() as reader:
+        for i in range(3):  # rank 0 asks three times; its trainer never releases (yet)
+            client.put(part, [f"a:{i}"], proto.request_fields([torch.arange(5)], rank=0))
+        client.put(part, ["b:0"], proto.request_fields([torch.arange(4), torch.arange(2)], rank=1))
+        bad = proto.request_fields([torch.arange(3)], rank=1)
+        bad["teacher_lengths"] = JaggedColumn(torch.tensor([7]), torch.tensor([0, 1]))
+        client.put(part, ["bad:0"], bad)
+
+        rank1 = _claim(client, 1, 2)
+        assert rank1["b:0"].error is None and (rank1["b:0"].rows, rank1["b:0"].length) == (2, 4)
+        assert "teacher_lengths [7] do not add up to the 3 ids" in rank1["bad:0"].error
+
+        rank0 = _claim(client, 0, 3, timeout_s=2.0)
+        assert sorted(rank0) == ["a:0", "a:1"]  # two slots, both held: a:2 waits
+        assert teacher.try_acquire(0) is None
+        first = rank0["a:0"]
+        reader.view(first.descriptor, first.handle)
+        reader.release(first.descriptor, first.handle)
+        assert sorted(_claim(client, 0, 1)) == ["a:2"]  # served once a slot came back

@@ -1,0 +1,297 @@
+"""The run config and Run.prepare: every bad input is refused before any process starts, with a
+message that names the key and the fix; the sections written for the processes build their
+configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common import config as cfgmod
+from services.common.config import ConfigError
+from services.run import (
+    PENDING_PROJECTION,
+    Run,
+    RunConfig,
+    load_run_config,
+    run_config_from_dict,
+    spec_vocab_size,
+)
+from services.teacher.worker import TeacherConfig
+from services.trainer.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- the config
+
+
+def test_the_default_run_config_is_valid_and_waits_for_its_projection():
+    config = run_config_from_dict({})
+    assert isinstance(config, RunConfig)
+    assert config.trainer.loss.projection == PENDING_PROJECTION
+    assert config.trainer.teacher_groups == config.teachers == 1
+    ce = run_config_from_dict({"trainer": {"loss": {"mode": "ce"}}})
+    assert ce.trainer.loss.projection is None
+
+
+def test_the_example_config_loads():
+    config = load_run_config(ROOT / "examples" / "tiny.yaml")
+    assert (config.trainers, config.teachers, config.trainer.grad_accum) == (2, 1, 2)
+
+
+def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
+    config = run_config_from_dict({"teacher": {"transport": "hidden", "model": "tiny"}})
+    assert config.trainer.teacher_model == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        (
+            {"trainer": {"optim": {"lrr": 0.1}}},
+            r"unknown key 'trainer\.optim\.lrr'.*did you mean 'trainer\.optim\.lr'\?",
+        ),
+        ({"teacher": {"slot": 4}}, r"unknown key 'teacher\.slot'.*did you mean 'teacher\.slots'"),
+        ({"trainers": "2"}, r"trainers: expected int, got '2' \(str\)"),
+        ({"trainer": {"micro_batch": 2.5}}, r"trainer\.micro_batch: expected int, got 2\.5"),
+        ({"trainer": {"optim": "fast"}}, r"trainer\.optim: expected a mapping of OptimConfig"),
+        (
+            {"teacher": {"max_batch": 2}, "trainer": {"micro_batch": 4}},
+            r"teacher\.max_batch=2 < trainer\.micro_batch=4: .*raise teacher\.max_batch",
+        ),
+        (
+            {"ctx_teacher": 256, "teacher": {"max_length": 128}},
+            r"teacher\.max_length=128 < ctx_teacher=256: raise teacher\.max_length",
+        ),
+        (
+            {"teacher": {"transport": "cuda_ipc", "device": "cpu"}},
+            r"teacher: transport=cuda_ipc needs a CUDA device, got device='cpu'; use transport=shm",
+        ),
+        ({"teachers": 3, "trainers": 2}, r"teachers=3 > trainers=2: .*teachers would idle"),
+        (
+            {"trainer": {"loss": {"mode": "pkll"}}},
+            r"trainer\.loss\.mode: expected one of 'pkl', 'gold', 'xtoken', 'ce', got 'pkll'",
+        ),
+        (
+            {"trainer": {"optim": {"lr": -1}}},
+            r"trainer\.optim: lr=-1\.0: must be > 0",
+        ),
+        (
+            {"trainer": {"teacher_groups": 2}, "teachers": 1, "trainers": 2},
+            r"trainer\.teacher_groups=2 but teachers=1; leave teacher_groups unset",
+        ),
+        ({"data": {"limit": 0}}, r"data: limit=0: must be >= 1"),
+    ],
+    ids=[
+        "unknown-nested-key",
+        "unknown-teacher-key",
+        "wrong-type",
+        "float-for-int",
+        "section-not-a-mapping",
+        "slot-smaller-than-micro-batch",
+        "slot-shorter-than-context",
+        "cuda-ipc-on-cpu",
+        "teachers-over-trainers",
+        "loss-mode-typo",
+        "negative-lr",
+        "teacher-groups",
+        "data-limit",
+    ],
+)
+def test_a_bad_run_config_names_the_key_and_the_fix(data, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        run_config_from_dict(data)
+
+
+def test_a_ce_run_has_no_teacher_slot_to_fit():
+    config = run_config_from_dict(
+        {"teacher": {"max_batch": 1}, "trainer": {"micro_batch": 8, "loss": {"mode": "ce"}}}
+    )
+    assert config.trainer.micro_batch == 8
+
+
+def test_a_config_file_with_a_bad_key_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  optim:\n    lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer\.optim\.lrr'"):
+        load_run_config(path)
+
+
+def test_xtoken_run_exits_2_on_a_bad_key_with_the_message(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainers: 2\nteacher:\n  max_lenght: 64\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(path), "--run-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "xtoken run: unknown key 'teacher.max_lenght'" in proc.stderr
+    assert "did you mean 'teacher.max_length'?" in proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+@pytest.fixture
+def corpus(tmp_path) -> dict[str, str]:
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"text": f"text number {i}."}) for i in range(4)))
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("A held-out paragraph.\n\nAnother one.\n")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n   \n\n")
+    return {"train": str(train), "heldout": str(heldout), "blank": str(blank)}
+
+
+def _run(tmp_path, corpus, **sections) -> Run:
+    data = {
+        "run_dir": str(tmp_path / "run"),
+        "student_tokenizer": "mistral",
+        "teacher_tokenizer": "smollm2",
+        "data": {"train": corpus["train"], "heldout": corpus["heldout"]},
+        "teacher": {"model": "tiny"},
+        "trainer": {"student": "tiny", "loss": {"mode": "ce"}},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return Run(run_config_from_dict(data), progress=False)
+
+
+def test_prepare_accepts_a_good_config(tmp_path, corpus):
+    run = _run(tmp_path, corpus)
+    run.prepare()
+    assert run.run_dir.is_dir()
+
+
+def _not_a_causal_lm(tmp_path) -> str:
+    model = tmp_path / "t5"
+    model.mkdir()
+    config = {"model_type": "t5", "vocab_size": 60000, "d_model": 32}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"")
+    return str(model)
+
+
+@pytest.mark.parametrize(
+    ("sections", "pattern"),
+    [
+        ({"student_tokenizer": "nope"}, r"student_tokenizer: unknown tokenizer 'nope'.*use one of"),
+        ({"teacher_tokenizer": "/no/such/tok"}, r"teacher_tokenizer: unknown tokenizer"),
+        ({"data": {"train": "/no/such.jsonl"}}, r"data\.train='/no/such\.jsonl' is not a file"),
+        (
+            {"data": {"heldout": "BLANK"}},
+            r"data\.heldout: corpus '.*blank\.txt' has no usable text",
+        ),
+        ({"trainer": {"heldout": "BLANK"}}, r"trainer\.heldout: corpus .* has no usable text"),
+        ({"teacher": {"heldout": "BLANK"}}, r"teacher\.heldout: corpus .* has no usable text"),
+        (
+            {"trainer": {"student": "NOT_CAUSAL"}},
+            r"trainer\.student: model directory .*'t5' model.*causal-LM class",
+        ),
+        (
+            {"teacher": {"model": "NOT_CAUSAL"}, "trainer": {"loss": {"mode": "pkl"}}},
+            r"teacher\.model: .*causal",
+        ),
+        (
+            {"teacher": {"model": "EMPTY"}, "trainer": {"loss": {"mode": "pkl"}}},
+            r"teacher\.model: .*no config\.json",
+        ),
+        ({"trainer": {"student": "gpt-17"}}, r"trainer\.student: model 'gpt-17' is neither"),
+        (
+            {"trainer": {"student": "tiny", "vocab_size": 100}},
+            r"trainer\.student='tiny': the model has 100 logits",
+        ),
+    ],
+    ids=[
+        "student-tokenizer",
+        "teacher-tokenizer",
+        "missing-train",
+        "blank-heldout",
+        "blank-trainer-heldout",
+        "blank-teacher-heldout",
+        "student-not-causal",
+        "teacher-not-causal",
+        "teacher-dir-without-config",
+        "unknown-model",
+        "vocab-too-small",
+    ],
+)
+def test_prepare_refuses_bad_input_naming_the_key(tmp_path, corpus, sections, pattern):
+    names = {"BLANK": corpus["blank"], "NOT_CAUSAL": _not_a_causal_lm(tmp_path)}
+    (tmp_path / "empty").mkdir()
+    names["EMPTY"] = str(tmp_path / "empty")
+
+    def subst(v):
+        if isinstance(v, dict):
+            return {k: subst(x) for k, x in v.items()}
+        return names.get(v, v)
+
+    run = _run(tmp_path, corpus, **subst(sections))
+    with pytest.raises(ValueError, match=pattern):
+        run.prepare()
+
+
+def test_spec_vocab_size_reads_a_model_folder_without_loading_it(tmp_path):
+    from xtoken_core.models import export_hf, load_model
+
+    export_hf(load_model("tiny", vocab_size=300), tmp_path / "m", tokenizer="mistral")
+    assert spec_vocab_size(str(tmp_path / "m"), 5) == 300
+    assert spec_vocab_size("tiny", 123) == 123
+    assert spec_vocab_size("smollm2", 1) == 49152
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def test_each_process_section_builds_its_config_with_the_shared_values(tmp_path, corpus):
+    run = _run(
+        tmp_path,
+        corpus,
+        teachers=2,
+        trainers=4,
+        partition="p7",
+        trainer={"loss": {"mode": "pkl", "projection": "/x/proj.pt"}},
+    )
+    sections = run._sections("tcp://127.0.0.1:1234")
+    assert sorted(sections) == ["teacher0", "teacher1", "trainer"]
+    trainer = cfgmod.from_dict(TrainerConfig, sections["trainer"])
+    assert trainer.queue == "tcp://127.0.0.1:1234" and trainer.partition == "p7"
+    assert trainer.teacher_groups == 2 and trainer.heldout == corpus["heldout"]
+    assert trainer.run_dir == str(run.run_dir)
+    assert (trainer.student_tokenizer, trainer.teacher_tokenizer) == ("mistral", "smollm2")
+    for g in (0, 1):
+        teacher = cfgmod.from_dict(TeacherConfig, sections[f"teacher{g}"])
+        assert teacher.group == g and teacher.queue == trainer.queue
+        assert teacher.partition == "p7" and teacher.tokenizer == "smollm2"
+        # only the first teacher evaluates the held-out text
+        assert teacher.heldout == (corpus["heldout"] if g == 0 else None)
+
+
+def test_specs_start_a_teacher_per_group_and_a_rank_per_trainer(tmp_path, corpus):
+    run = _run(
+        tmp_path,
+        corpus,
+        teachers=1,
+        trainers=2,
+        trainer={"loss": {"mode": "pkl", "projection": "/x"}},
+    )
+    specs = {s.name: s for s in run._specs("tcp://127.0.0.1:9", 29500)}
+    assert sorted(specs) == ["collator", "queue", "teacher0", "trainer0", "trainer1"]
+    assert specs["trainer1"].env["RANK"] == "1" and specs["trainer1"].env["WORLD_SIZE"] == "2"
+    for name in ("teacher0", "trainer"):
+        section = json.loads((run.run_dir / "config" / f"{name}.json").read_text())
+        assert section["queue"] == "tcp://127.0.0.1:9"
+    ce = _run(tmp_path, corpus, trainers=2)
+    assert "teacher0" not in {s.name for s in ce._specs("tcp://127.0.0.1:9", 29500)}
