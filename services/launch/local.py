@@ -92,9 +92,17 @@ class LocalLauncher:
         self.processes: dict[str, LocalProcess] = {}
 
     def start(self, spec: ProcessSpec) -> LocalProcess:
-        """Start a process (its own process group; the dead-parent sentinel watches us)."""
+        """Start a process (its own process group; the dead-parent sentinel watches us).
+
+        Raises:
+            ValueError: a process of that name is running, or the spec has no log file.
+        """
         if spec.name in self.processes and self.processes[spec.name].poll() is None:
             raise ValueError(f"process {spec.name!r} is already running")
+        if not spec.log_file:
+            raise ValueError(
+                f"process {spec.name!r} has no log_file; set one (its stdout and stderr go there)"
+            )
         if spec.ready_file:
             Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
             Path(spec.ready_file).unlink(missing_ok=True)
@@ -118,9 +126,15 @@ class LocalLauncher:
         Raises:
             RuntimeError: the process exited first (with its last log lines) or did not get
                 ready within ``timeout_s``.
+            ValueError: the spec has no ready file.
         """
+        if not proc.spec.ready_file:
+            raise ValueError(
+                f"process {proc.spec.name!r} has no ready_file, so it never reports ready; give "
+                "its spec one"
+            )
         deadline = time.monotonic() + timeout_s
-        path = Path(proc.spec.ready_file or "")
+        path = Path(proc.spec.ready_file)
         while time.monotonic() < deadline:
             if path.is_file():  # written atomically: complete once it exists
                 text = path.read_text()

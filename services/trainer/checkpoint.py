@@ -108,7 +108,8 @@ def load(worker: Any, path: Path) -> dict[str, Any]:
     metas = {f.name: json.loads(f.read_text()) for f in sorted(path.glob("rank*.json"))}
     if not metas:
         raise ValueError(f"checkpoint {path} has no rank*.json: it is incomplete; delete it")
-    mine = metas.get(f"rank{worker.rank}.json") or metas["rank0.json"]
+    # a rank new to this checkpoint (a larger world) takes the schedule of another rank
+    mine = metas.get(f"rank{worker.rank}.json") or next(iter(metas.values()))
     model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))

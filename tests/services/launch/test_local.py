@@ -71,3 +71,13 @@ def test_a_restarted_spec_runs_again_under_its_name(launcher, tmp_path):
     second = launcher.start(spec)
     assert second.pid != first.pid and launcher.processes["q"] is second
     launcher.wait_ready(second, 60)
+
+
+def test_a_spec_without_a_log_file_or_ready_file_is_refused_with_the_fix(launcher, tmp_path):
+    with pytest.raises(ValueError, match="'nolog' has no log_file; set one"):
+        launcher.start(ProcessSpec("nolog", "queue", ["queue", "serve"]))
+    spec = _queue_spec(tmp_path, "unready")
+    spec.ready_file = None
+    proc = launcher.start(spec)
+    with pytest.raises(ValueError, match="'unready' has no ready_file"):
+        launcher.wait_ready(proc, 60)

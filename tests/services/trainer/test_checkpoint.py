@@ -81,6 +81,21 @@ def test_keys_of_another_epoch_are_not_part_of_what_was_trained(tmp_path):
     assert checkpoint.load(_worker(), path)["trained"] == {"new"}
 
 
+def test_a_rank_without_its_own_file_resumes_from_another_ranks(tmp_path):
+    saved = _worker()
+    _train(saved, 2)
+    path = checkpoint.save(saved, tmp_path, epoch=0, task_start=0, trained={"a"})
+    (path / "rank0.json").rename(path / "rank1.json")  # as if written by rank 1 of a larger world
+    fresh = _worker(seed=5)
+    assert checkpoint.load(fresh, path) == {
+        "step": 2,
+        "epoch": 0,
+        "task_start": 0,
+        "trained": {"a"},
+    }
+    assert fresh.scheduler.state_dict()["last_epoch"] == 2
+
+
 def test_a_checkpoint_without_rank_files_is_refused_naming_it(tmp_path):
     worker = _worker()
     path = checkpoint.save(worker, tmp_path, epoch=0, task_start=0, trained=set())
