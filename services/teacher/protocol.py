@@ -15,8 +15,8 @@ A teacher of the group claims requests (task ``teacher``), runs its forward and 
 onto the same record, field by field: ``result<rank>`` (a msgpack blob, see :class:`Result`) and,
 for the ``hidden`` transport, ``hidden<rank>``: the final hidden states ``[B, U, d]`` as one
 jagged row of ``B * U`` vectors of size d (see :func:`hidden_column`). Trainer
-rank r claims the records that carry ``result<r>`` (task ``trainer<r>``), so a rank never
-sees another rank's records, and clears each record once it released the slot.
+rank r claims the records that carry ``result<r>`` (task ``trainer<r>/<instance>``), so a rank
+never sees another rank's records, and clears each record once it released the slot.
 
 Blobs are msgpack of plain values (str, int, float, bytes, lists, maps); nothing is unpickled.
 
@@ -57,9 +57,11 @@ def hidden_field(rank: int) -> str:
     return f"hidden{rank}"
 
 
-def trainer_task(rank: int) -> str:
-    """Consumer task of trainer rank ``rank`` on the request partition."""
-    return f"trainer{rank}"
+def trainer_task(rank: int, instance: str) -> str:
+    """Consumer task of one trainer process (rank ``rank``, ``instance``) on the request
+    partition: one per instance, so that a restarted rank also claims the records that its dead
+    predecessor held leased (and frees their slots) instead of waiting for the leases to end."""
+    return f"trainer{rank}/{instance}"
 
 
 def new_instance() -> str:

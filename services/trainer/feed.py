@@ -16,7 +16,10 @@ Per rank (records and names: services/teacher/protocol.py):
    record; after the optimizer step: ack the samples.
 
 A record of another instance of this rank (left by a trainer that died) is released and
-cleared. A teacher that does not answer within ``teacher_timeout_s`` is asked again.
+cleared. A teacher that does not answer within ``teacher_timeout_s`` is asked again. A request
+asked again (or redelivered after its teacher died) may come after requests of later
+micro-batches; when their results hold every slot of the ring, they give their slots back and are
+asked again once the waiting micro-batch has its result (the teacher has a slot for it).
 
 Legend: B samples of a micro-batch, U teacher tokens, W teacher vocab, d teacher hidden size.
 """
@@ -113,10 +116,12 @@ class TeacherFeed:
         self.req_partition = proto.request_partition(config.partition, self.group)
         self.result_field = proto.result_field(rank)
         self.hidden_field = proto.hidden_field(rank)
-        self.trainer_task = proto.trainer_task(rank)
+        self.trainer_task = proto.trainer_task(rank, self.instance)
         self._seq = 0
         self._pending: deque[_Pending] = deque()
         self._by_request: dict[str, _Pending] = {}
+        self._held: dict[str, _Pending] = {}  # request key -> micro-batch holding its record
+        self._deferred: list[_Pending] = []  # gave their slot back: asked again later
         self._ended = False
         self._idle_since: float | None = None
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
@@ -149,6 +154,7 @@ class TeacherFeed:
         """Stop: return every sample claimed but not trained, release held slots."""
         pend = list(self._pending) + [mb.context for mb in micro_batches]
         self._pending.clear()
+        self._deferred.clear()
         for p in pend:
             if p.record is not None:
                 self._drop_record(p)
@@ -256,6 +262,7 @@ class TeacherFeed:
         while True:
             while p.record is None:
                 self._poll_records(p)
+            self._ask_deferred()
             result, fields, _ = p.record
             if result.error:
                 raise RuntimeError(f"the teacher refused a request: {result.error}")
@@ -315,6 +322,9 @@ class TeacherFeed:
                 self._drop(key, record)
                 continue
             p.record = record
+            self._held[key] = p
+        if waiting.record is None:
+            self._free_ring_for(waiting)
         if waiting.record is None and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s:
             self.counters["re_requests"] += 1
             logger.warning(
@@ -324,6 +334,37 @@ class TeacherFeed:
             )
             self._by_request.pop(waiting.request_key, None)
             self._request(waiting)
+
+    def _free_ring_for(self, waiting: _Pending) -> None:
+        """Give back the slots of later micro-batches when their results fill a ring.
+
+        The teacher computes a request only into a free slot of this rank's ring, and this rank
+        frees slots in micro-batch order, so later results holding every slot while ``waiting``
+        has none would wait for each other forever.
+        """
+        by_ring: dict[Any, list[_Pending]] = {}
+        for p in self._held.values():
+            result = p.record[0]
+            if p is not waiting and result.handle is not None:
+                by_ring.setdefault(result.descriptor.get("instance"), []).append(p)
+        for held in by_ring.values():
+            if len(held) < int(held[0].record[0].descriptor.get("num_slots", 0)):
+                continue
+            logger.warning(
+                "[trainer] results of %d later micro-batches hold every slot of their ring while "
+                "%s waits: giving them back, asking again after it",
+                len(held),
+                waiting.request_key,
+            )
+            for p in held:
+                self._drop_record(p)
+                self._deferred.append(p)
+
+    def _ask_deferred(self) -> None:
+        """Ask again for the micro-batches that gave their slots back."""
+        while self._deferred:
+            self.counters["re_requests"] += 1
+            self._request(self._deferred.pop(0))
 
     def _drop(self, key: str, record: tuple) -> None:
         """Release and clear a record nobody will train on."""
@@ -340,12 +381,14 @@ class TeacherFeed:
     def _drop_record(self, p: _Pending) -> None:
         self._drop(p.request_key, p.record)
         self.counters["orphans"] -= 1
+        self._held.pop(p.request_key, None)
         p.record = None
 
     def _done(self, p: _Pending) -> None:
         """After the backward of ``p`` was queued: release its slot (the reader frees it once the
         GPU work that reads it completed), ack and clear the record."""
         result, _, lease_id = p.record
+        self._held.pop(p.request_key, None)
         if result.handle is not None:
             self.reader.release(result.descriptor, result.handle)
         self.client.ack(self.req_partition, self.trainer_task, lease_id, [p.request_key])
