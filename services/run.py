@@ -271,6 +271,7 @@ class Run:
             student_tokenizer=cfg.student_tokenizer,
             teacher_tokenizer=cfg.teacher_tokenizer,
             teacher_vocab_size=cfg.trainer.teacher_vocab_size or cfg.teacher.vocab_size,
+            teacher_seed=cfg.teacher.seed,
             run_dir=str(self.run_dir),
             heldout=cfg.trainer.heldout or cfg.data.heldout,
             teacher_groups=cfg.teachers,

@@ -104,6 +104,10 @@ class TrainerConfig:
     teacher_vocab_size: int | None = field(
         default=None, metadata={"help": "vocab of a preset teacher (default: its tokenizer's)"}
     )
+    teacher_seed: int = field(
+        default=0,
+        metadata={"help": "seed of a preset teacher (the hidden transport rebuilds its output layer)"},
+    )
     teacher_groups: int = field(
         default=1, metadata={"help": "teacher groups; rank r asks group r % teacher_groups"}
     )

@@ -71,6 +71,26 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
             dist.destroy_process_group()
 
 
+def teacher_output_layer(config: TrainerConfig, device: torch.device) -> torch.nn.Module:
+    """The output layer of ``config.teacher_model`` for the hidden transport, built as the teacher
+    builds its model (a preset: the teacher tokenizer's vocab and ``teacher_seed``).
+
+    Raises:
+        ValueError: as ``xtoken_core.models.load_output_layer``.
+    """
+    from xtoken_core.models import load_output_layer
+    from xtoken_core.tokenizers import load_tokenizer
+
+    vocab = config.teacher_vocab_size or load_tokenizer(config.teacher_tokenizer).vocab_size
+    return load_output_layer(
+        config.teacher_model,
+        vocab_size=vocab,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        device=device,
+        seed=config.teacher_seed,
+    )
+
+
 def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) -> int:
     run_dir = Path(config.run_dir)
     heldout = heldout_texts(config.heldout, config.eval_texts) if rank == 0 and config.heldout else []
@@ -82,14 +102,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
 
         reader = LogitRingReader(device=device, dead_after_s=config.dead_after_s)
         if config.teacher_model:
-            from xtoken_core.models import load_output_layer
-
-            output_layer = load_output_layer(
-                config.teacher_model,
-                vocab_size=config.teacher_vocab_size,
-                dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                device=device,
-            )
+            output_layer = teacher_output_layer(config, device)
     epoch, task_start, trained = 0, 0, set()
     latest = checkpoint.latest_checkpoint(run_dir)
     if latest is not None:

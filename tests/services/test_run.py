@@ -262,6 +262,7 @@ def test_each_process_section_builds_its_config_with_the_shared_values(tmp_path,
         teachers=2,
         trainers=4,
         partition="p7",
+        teacher={"seed": 11},
         trainer={"loss": {"mode": "pkl", "projection": "/x/proj.pt"}},
     )
     sections = run._sections("tcp://127.0.0.1:1234")
@@ -271,6 +272,7 @@ def test_each_process_section_builds_its_config_with_the_shared_values(tmp_path,
     assert trainer.teacher_groups == 2 and trainer.heldout == corpus["heldout"]
     assert trainer.run_dir == str(run.run_dir)
     assert (trainer.student_tokenizer, trainer.teacher_tokenizer) == ("mistral", "smollm2")
+    assert trainer.teacher_seed == run.config.teacher.seed == 11
     for g in (0, 1):
         teacher = cfgmod.from_dict(TeacherConfig, sections[f"teacher{g}"])
         assert teacher.group == g and teacher.queue == trainer.queue
