@@ -192,11 +192,15 @@ def pipeline(
     projection: str,
     transport: str,
     run_dir: Path,
+    trainers: int = 1,
 ) -> dict:
-    """``xtoken run`` of the same models; tokens/s from the trainer's step records."""
+    """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records."""
+    import shutil
+
     from services.common.metrics import read_jsonl
     from services.run import Run, run_config_from_dict
 
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
     n_steps = args.warmup + args.steps
     config = run_config_from_dict(
         {
@@ -205,7 +209,13 @@ def pipeline(
             "teacher_tokenizer": args.teacher_tokenizer,
             "ctx_student": T,
             "ctx_teacher": T,
-            "data": {"train": str(corpus), "heldout": str(corpus), "limit": B * (n_steps + 4)},
+            "trainers": trainers,
+            "teachers": trainers,
+            "data": {
+                "train": str(corpus),
+                "heldout": str(corpus),
+                "limit": trainers * B * (n_steps + 4),
+            },
             "collator": {"workers": 2, "batch": max(1, B)},
             "teacher": {
                 "model": teacher_dir,
@@ -275,6 +285,13 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=["1x4096", "4x2048"])
     p.add_argument("--modes", nargs="+", default=["pkl", "gold", "xtoken"])
     p.add_argument("--transports", nargs="+", default=["cuda_ipc"])
+    p.add_argument(
+        "--trainers",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="trainer ranks (one colocated teacher each); several: scaling vs the first",
+    )
     p.add_argument("--student", default="qwen3-0.6b")
     p.add_argument("--teacher", default="teacher-1.5b")
     p.add_argument("--student-tokenizer", default="qwen3")
@@ -330,45 +347,53 @@ def main() -> int:
             if args.device == "cuda":
                 torch.cuda.empty_cache()  # the bare models are gone: give their memory back
             for transport in args.transports:
-                run_dir = work / f"run_{shape}_{mode}_{transport}"
-                pl = pipeline(
-                    args,
-                    mode,
-                    B,
-                    T,
-                    student_dir,
-                    teacher_dir,
-                    corpus,
-                    projection,
-                    transport,
-                    run_dir,
-                )
-                if "error" in pl:
-                    print(f"{shape:>8} {mode:>7} {transport:>9} FAILED: {pl['error'][:400]}")
-                    rows.append({"shape": shape, "mode": mode, "transport": transport, **pl})
-                    continue
-                ratio = pl["tokens_per_s"] / b["tokens_per_s"]
-                m = mfu(b, pl["tokens_per_s"], T, peak)
-                print(
-                    f"{shape:>8} {mode:>7} {transport:>9} {b['tokens_per_s']:>11.0f} "
-                    f"{pl['tokens_per_s']:>11.0f} {ratio:>6.3f} {100 * pl['wait_fraction']:>6.2f} "
-                    f"{pl['teacher_wait_ms']:>9.2f} {'-' if m is None else f'{m:.3f}':>6}"
-                )
-                print(
-                    f"           split (s/step): {json.dumps({k: round(v, 4) for k, v in pl['split_s'].items()})}"
-                    f"  bytes/step {pl['bytes_per_step']}  feed {pl['feed']}"
-                )
-                rows.append(
-                    {
-                        "shape": shape,
-                        "mode": mode,
-                        "transport": transport,
-                        "bare": b,
-                        "pipeline": pl,
-                        "ratio": ratio,
-                        "student_mfu": m,
-                    }
-                )
+                base = None
+                for n in args.trainers:
+                    run_dir = work / f"run_{shape}_{mode}_{transport}_r{n}"
+                    pl = pipeline(
+                        args,
+                        mode,
+                        B,
+                        T,
+                        student_dir,
+                        teacher_dir,
+                        corpus,
+                        projection,
+                        transport,
+                        run_dir,
+                        trainers=n,
+                    )
+                    row = {"shape": shape, "mode": mode, "transport": transport, "trainers": n}
+                    if "error" in pl:
+                        print(
+                            f"{shape:>8} {mode:>7} {transport:>9} x{n} FAILED: {pl['error'][:400]}"
+                        )
+                        rows.append({**row, **pl})
+                        continue
+                    base = base or pl["tokens_per_s"]
+                    ratio = pl["tokens_per_s"] / b["tokens_per_s"]
+                    m = mfu(b, pl["tokens_per_s"] / n, T, peak)
+                    print(
+                        f"{shape:>8} {mode:>7} {transport:>9} x{n} {b['tokens_per_s']:>11.0f} "
+                        f"{pl['tokens_per_s']:>11.0f} {ratio:>6.3f} {100 * pl['wait_fraction']:>6.2f} "
+                        f"{pl['teacher_wait_ms']:>9.2f} {'-' if m is None else f'{m:.3f}':>6} "
+                        f"scaling {pl['tokens_per_s'] / base:.3f}"
+                    )
+                    split = {k: round(v, 4) for k, v in pl["split_s"].items()}
+                    print(
+                        f"           split (s/step): {json.dumps(split)}  bytes/step "
+                        f"{pl['bytes_per_step']}  feed {pl['feed']}"
+                    )
+                    rows.append(
+                        {
+                            **row,
+                            "bare": b,
+                            "pipeline": pl,
+                            "ratio": ratio,
+                            "student_mfu": m,
+                            "scaling": pl["tokens_per_s"] / base,
+                        }
+                    )
     stamp = {
         "commit": commit(),
         "device": dev,
