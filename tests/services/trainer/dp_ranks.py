@@ -28,13 +28,24 @@ def capture_step_gradients(worker, micro_batches) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run_rank(rank: int, world: int, port: int, projection: str, plan: list[list[int]], out: str):
-    """Rank ``rank`` trains micro-batches ``plan[rank]`` (indices into ``micro_batches()``)."""
+def run_rank(
+    rank: int,
+    world: int,
+    port: int,
+    projection: str,
+    plan: list[list[int]],
+    out: str,
+    device: str = "cpu",
+):
+    """Rank ``rank`` trains micro-batches ``plan[rank]`` (indices into ``micro_batches()``);
+    ``device="cuda"``: NCCL, one GPU per rank."""
     from services.trainer.worker import TrainerWorker
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        "nccl" if device == "cuda" else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -42,12 +53,18 @@ def run_rank(rank: int, world: int, port: int, projection: str, plan: list[list[
     )
     try:
         worker = TrainerWorker(
-            setup.trainer_config(projection, grad_accum=len(plan[rank])),
+            setup.trainer_config(projection, grad_accum=len(plan[rank]), device=device),
             rank=rank,
             world_size=world,
+            device=f"cuda:{rank}" if device == "cuda" else "cpu",
         )
         batches = setup.micro_batches()
         mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in plan[rank]]
-        torch.save(capture_step_gradients(worker, mbs), f"{out}.rank{rank}.pt")
+        if device == "cuda":
+            for mb in mbs:
+                logits = mb.teacher_logits
+                mb.teacher_logits = lambda f=logits: f().to(worker.device)
+        grads = capture_step_gradients(worker, mbs)
+        torch.save({k: v.cpu() for k, v in grads.items()}, f"{out}.rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -45,3 +45,30 @@ def test_two_ranks_with_accumulation_apply_the_full_batch_gradient(projection, t
         assert grad.abs().sum() > 0, f"{name}: no gradient reached it"
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_nccl_ranks_apply_the_gradient_of_one_rank_with_twice_the_accumulation(
+    projection, tmp_path
+):
+    # 2 ranks x 1 micro-batch (NCCL, one GPU each) vs 1 rank accumulating the same 2
+    plan = [[0], [1]]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    out = str(tmp_path / "grads")
+    mp.spawn(
+        run_rank, args=(2, _free_port(), projection, plan, out, "cuda"), nprocs=2, join=True
+    )
+    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
+    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=2, device="cuda"))
+    batches = setup.micro_batches()
+    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1)]
+    for mb in mbs:
+        logits = mb.teacher_logits
+        mb.teacher_logits = lambda f=logits: f().to(worker.device)
+    full = {k: v.cpu() for k, v in capture_step_gradients(worker, mbs).items()}
+    for name, grad in full.items():
+        torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(ranks[0][name], grad, rtol=1e-3, atol=1e-5, msg=name)
