@@ -93,6 +93,11 @@ def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -
         )
         try:
             _loop(client, worker, partition, config, lc, metrics)
+        except QueueError as e:
+            if not lc.stop.is_set():
+                raise
+            # a run stops its processes together: the queue may go first; a stop, not a failure
+            logger.info("[teacher] the queue went away while stopping: %s", e)
         finally:
             if metrics is not None:
                 metrics.close()

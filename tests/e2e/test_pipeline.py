@@ -32,8 +32,9 @@ def test_pipeline_trains_every_sample_once_and_every_process_exits_cleanly(pipel
     assert pipeline.put_eof() == len(corpus)
     for t in trainers:
         assert t.wait(60) == 0, t.tail()
-    for p in (teacher, queue):  # servers run until told to stop
+    for p in (teacher, queue):  # servers run until told to stop; together, like a run stops
         p.signal(signal.SIGTERM)
+    for p in (teacher, queue):
         assert p.wait(20) == 0, p.tail()
     assert rings_in_flight(teacher) == [[], []]  # every slot released by its trainer
     assert not list(pathlib.Path("/dev/shm").glob(f"xtk_{teacher.pid}_*")), "the ring is left behind"

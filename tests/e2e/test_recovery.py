@@ -3,6 +3,7 @@ no sample is lost, none is trained twice (after a checkpoint), none is trained o
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -111,3 +112,30 @@ def test_killed_teacher_is_never_trained_on_and_its_batches_are_recomputed(pipel
     served = [r for r in pipeline.teacher_requests() if r["instance"] == instance]
     assert served, "the restarted teacher computed nothing"
     assert rings_in_flight(successor) == [[], []]
+
+
+@pytest.mark.timeout(300)
+def test_killed_collator_restarted_loses_no_sample_and_trains_each_once(pipeline, demo):
+    paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)
+    queue = pipeline.start_queue()
+    teacher = pipeline.start_teacher(pipeline.teacher_config())
+    trainers = pipeline.start_trainers(pipeline.trainer_config())
+    # small puts: the worker is tokenizing or putting whenever it is killed
+    collator = pipeline.start_collator("collator", paths[0], batch=4)
+    first = wait_for(lambda: len(pipeline.queued_keys()), 120, "the collator's first puts")
+    collator.signal(signal.SIGKILL, group=True)  # the collator and its worker process
+    assert collator.wait(10) == -signal.SIGKILL
+    at_kill = len(pipeline.queued_keys())
+    assert first <= at_kill < len(corpus), "the kill did not land mid-run"
+
+    again = pipeline.start_collator("collator", paths[0], batch=4)
+    assert again.wait(120) == 0, again.tail()
+    put, skipped = map(int, re.findall(r"(\d+) samples put \(\d+ new, (\d+) skipped", again.log())[-1])
+    assert skipped >= at_kill and put + skipped == len(corpus)  # the rest, nothing twice
+    assert pipeline.put_eof() == len(corpus)
+    for t in trainers:
+        assert t.wait(120) == 0, t.tail()
+    _stop_servers(teacher, queue)
+
+    assert_exactly_once(trained_keys(pipeline.run_dir), corpus)
+    assert feed_totals(pipeline.run_dir)["checksum_mismatch"] == 0

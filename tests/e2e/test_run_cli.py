@@ -1,0 +1,81 @@
+"""``xtoken run`` as a process: a SIGTERM mid-training stops every process it started cleanly."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import signal
+
+import pytest
+
+from services.run import CollatorSection, DataConfig, RunConfig
+from services.teacher.worker import TeacherConfig
+from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+from tests.e2e.conftest import (
+    CTX,
+    STUDENT_TOKENIZER,
+    TEACHER_TOKENIZER,
+    checkpoint_keys,
+    corpus_parts,
+    descendants,
+    latest_checkpoint,
+    pid_alive,
+    step_records,
+    trained_keys,
+    wait_for,
+    write_config,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_on_xtoken_run_checkpoints_exits_zero_and_leaves_no_process(
+    procs, tmp_path, demo, projection
+):
+    paths, corpus = corpus_parts(demo, tmp_path / "data", n=96, parts=1)
+    run_dir = tmp_path / "run"
+    config = RunConfig(
+        run_dir=str(run_dir),
+        student_tokenizer=STUDENT_TOKENIZER,
+        teacher_tokenizer=TEACHER_TOKENIZER,
+        ctx_student=CTX,
+        ctx_teacher=CTX,
+        queue_capacity="1GiB",
+        trainers=2,
+        data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
+        collator=CollatorSection(workers=1, batch=16),
+        teacher=TeacherConfig(
+            model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
+        ),
+        trainer=TrainerConfig(
+            student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,
+            eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
+            loss=LossConfig(projection=projection), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+        ),
+    )
+    steps_in_data = len(corpus) // (2 * 4 * 2)  # ranks x micro_batch x grad_accum
+    run = procs.start("run", ["run", str(write_config(tmp_path / "run.json", config)),
+                              "--no-progress"], ready=False)
+
+    wait_for(lambda: step_records(run_dir, 0), 180, "the first trained step")
+    started = descendants(run.pid)  # queue, teacher, trainers (and the collator if not done)
+    ready = {p.name: json.loads(p.read_text())["pid"] for p in (run_dir / "ready").iterdir()}
+    assert set(ready.values()) <= started and len(ready) == 4, (ready, started)
+    teacher = ready["teacher0"]
+    run.signal(signal.SIGTERM)
+    assert run.wait(120) == 0, run.tail()
+
+    left = sorted(p for p in started if pid_alive(p))
+    assert not left, f"processes left behind: {left}"
+    for log in sorted((run_dir / "logs").glob("*.log")):  # queue, teacher, trainers: stopped
+        codes = re.findall(r"stopped \(SIGTERM\), exit code (\d+)", log.read_text())
+        assert codes in ([], ["0"]), f"{log.name}: exit codes {codes}"
+    assert not list(pathlib.Path("/dev/shm").glob(f"xtk_{teacher}_*")), "the ring is left behind"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] and summary["step"] < steps_in_data, summary
+    checkpoint = latest_checkpoint(run_dir)  # checkpoint_every=0: written by the stop
+    assert checkpoint is not None and checkpoint.name == f"step_{summary['step']:08d}"
+    trained = trained_keys(run_dir)
+    assert len(trained) == len(set(trained))
+    assert checkpoint_keys(checkpoint) == set(trained)  # the checkpoint is the truth of it
