@@ -270,19 +270,24 @@ class TrainerWorker:
         )
 
     def count_valid(self, micro_batches: Sequence[MicroBatch]) -> dict[str, torch.Tensor]:
-        """Global denominators of a step (collective over the DP group)."""
-        if self.loss_fn is not None:
-            return self.loss_fn.count_valid([mb.batch for mb in micro_batches])
+        """Global denominators of a step (collective over the DP group; the micro-batches' fields
+        on this rank's device, so that NCCL can reduce them)."""
         from xtoken_core.losses.utils import dp_all_reduce_sum
 
-        tokens = torch.zeros((), dtype=torch.float32)
+        if self.loss_fn is not None and micro_batches:
+            return self.loss_fn.count_valid([mb.batch for mb in micro_batches])
+        counts = {}
+        if self.loss_fn is not None:  # a rank without data joins the same all-reduces, in order
+            n = self.loss_fn.config.num_teachers
+            chunks = torch.zeros(n, dtype=torch.float32, device=self.device)
+            counts["global_valid_chunks"] = dp_all_reduce_sum(chunks)
+        tokens = torch.zeros((), dtype=torch.float32, device=self.device)
         for mb in micro_batches:
             b = mb.batch
             mask = b["token_mask"][:, 1:] & b["sample_mask"].bool()[:, None]
             tokens += mask.sum()
-        if self.device.type == "cuda":
-            tokens = tokens.to(self.device)
-        return {"global_valid_tokens": dp_all_reduce_sum(tokens)}
+        counts["global_valid_tokens"] = dp_all_reduce_sum(tokens)
+        return counts
 
     # ------------------------------------------------------------------ step
 
@@ -327,7 +332,10 @@ class TrainerWorker:
             The step result.
         """
         clock = clock or PhaseClock(self.device)
-        counts = self.count_valid(micro_batches)
+        # the padded fields go to the device once: the counts' all-reduce (NCCL reduces device
+        # tensors only) and the micro-batch steps read them there
+        batches = [self._to_device(mb.batch) for mb in micro_batches]
+        counts = self.count_valid([MicroBatch(mb.keys, b) for mb, b in zip(micro_batches, batches)])
         counts = {k: v.to(self.device) for k, v in counts.items()}
         sums: dict[str, torch.Tensor] = {}
         runs = list(micro_batches) or [None]  # None: an empty micro-batch (no data on this rank)
@@ -337,7 +345,7 @@ class TrainerWorker:
                 if mb is None:
                     self._empty_backward()
                     continue
-                batch = self._to_device(mb.batch)
+                batch = batches[i]
                 with clock.phase("forward", gpu=True), self._autocast():
                     logits_BTV = self.model(
                         input_ids=batch["input_ids"], attention_mask=batch["token_mask"].long()
