@@ -32,6 +32,9 @@ from services.trainer.config import TrainerConfig
 logger = logging.getLogger(__name__)
 
 PHASES = ("data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer")
+# Slots of the per-step metric vector all-reduced over the DP group: a fixed length, so that a
+# rank without data in a step (it does not know the loss's metric names) joins the same reduce.
+MAX_METRICS = 32
 
 
 @dataclasses.dataclass
@@ -195,6 +198,7 @@ class TrainerWorker:
         )
         self.step = 0
         self.skipped_steps = 0
+        self._metric_names: list[str] = []  # the loss's metrics, from the last step with data
 
     # ------------------------------------------------------------------ set-up
 
@@ -408,18 +412,21 @@ class TrainerWorker:
     def _reduce_metrics(self, sums, micro_batches, grad_norm) -> dict[str, float]:
         from xtoken_core.losses.utils import dp_all_reduce_sum
 
-        names = sorted(sums)
-        tokens = float(sum(mb.num_tokens for mb in micro_batches))
-        vec = torch.tensor(
-            [float(sums[n]) for n in names] + [tokens, float(len(micro_batches))],
-            dtype=torch.float64,
-        )
+        if sums:
+            self._metric_names = sorted(sums)
+        names = self._metric_names
+        assert len(sums) <= MAX_METRICS, f"{len(sums)} loss metrics > MAX_METRICS={MAX_METRICS}"
+        vec = torch.zeros(MAX_METRICS + 2, dtype=torch.float64)  # a rank without data: zeros
+        for i, n in enumerate(sorted(sums)):
+            vec[i] = float(sums[n])
+        vec[-2] = float(sum(mb.num_tokens for mb in micro_batches))
+        vec[-1] = float(len(micro_batches))
         if self.world_size > 1:
             device = self.device if self.device.type == "cuda" else torch.device("cpu")
             vec = dp_all_reduce_sum(vec.to(device)).cpu()
         out = {n: float(vec[i]) for i, n in enumerate(names)}
-        out["tokens"] = float(vec[len(names)])
-        out["micro_batches"] = float(vec[len(names) + 1])
+        out["tokens"] = float(vec[-2])
+        out["micro_batches"] = float(vec[-1])
         out["grad_norm"] = float(grad_norm)
         return out
 

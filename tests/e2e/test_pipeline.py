@@ -21,7 +21,7 @@ from tests.e2e.conftest import (
 
 @pytest.mark.timeout(120)
 def test_pipeline_trains_every_sample_once_and_every_process_exits_cleanly(pipeline, demo):
-    paths, corpus = corpus_parts(demo, pipeline.root / "data", n=48, parts=2)
+    paths, corpus = corpus_parts(demo, pipeline.root / "data", n=44, parts=2)
     queue = pipeline.start_queue()
     teacher = pipeline.start_teacher(pipeline.teacher_config())
     trainers = pipeline.start_trainers(pipeline.trainer_config(heldout=pipeline.heldout))

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
+from services.queue.client import QueueClient
 from tests.e2e.conftest import (
+    PARTITION,
     assert_exactly_once,
     checkpoint_keys,
     corpus_parts,
@@ -122,8 +124,10 @@ def test_killed_collator_restarted_loses_no_sample_and_trains_each_once(pipeline
     trainers = pipeline.start_trainers(pipeline.trainer_config())
     # small puts: the worker is tokenizing or putting whenever it is killed
     collator = pipeline.start_collator("collator", paths[0], batch=4)
-    first = wait_for(lambda: len(pipeline.queued_keys()), 120, "the collator's first puts")
-    collator.signal(signal.SIGKILL, group=True)  # the collator and its worker process
+    with QueueClient(pipeline.queue, timeout_s=10, name="e2e") as client:
+        first = wait_for(lambda: len(client.list(PARTITION).get("keys", [])), 120,
+                         "the collator's first puts", poll_s=0.01)
+        collator.signal(signal.SIGKILL, group=True)  # the collator and its worker process
     assert collator.wait(10) == -signal.SIGKILL
     at_kill = len(pipeline.queued_keys())
     assert first <= at_kill < len(corpus), "the kill did not land mid-run"
