@@ -220,6 +220,28 @@ class Run:
         self._check_vocabs(s_tok.vocab_size, t_tok.vocab_size)
         if cfg.trainer.loss.uses_teacher and cfg.trainer.loss.projection in (None, PENDING_PROJECTION):
             cfg.trainer.loss.projection = str(self._projection(s_tok, t_tok))
+        elif cfg.trainer.loss.uses_teacher:
+            self._check_projection(cfg.trainer.loss.projection, s_tok.vocab_size, t_tok.vocab_size)
+
+    def _check_projection(self, path: str, student_vocab: int, teacher_vocab: int) -> None:
+        """A given projection file must fit the run's tokenizers (rows: student, columns: teacher).
+
+        Raises:
+            ValueError: a missing or unreadable file, or one built for other vocabularies.
+        """
+        from xtoken_core.data.projection import parse_projection_file
+
+        try:
+            _, _, rows, cols = parse_projection_file(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"trainer.loss.projection: {e}") from None
+        if rows > student_vocab or cols > teacher_vocab:
+            raise ValueError(
+                f"trainer.loss.projection={path!r} is {rows} x {cols} (student x teacher ids) but "
+                f"the run's tokenizers have {student_vocab} and {teacher_vocab} ids: build one for "
+                f"{self.config.student_tokenizer} -> {self.config.teacher_tokenizer} with `xtoken "
+                "projection build`, or leave it empty and xtoken run builds it"
+            )
 
     def _check_vocabs(self, student_vocab: int, teacher_vocab: int) -> None:
         from xtoken_core.models import check_vocab
