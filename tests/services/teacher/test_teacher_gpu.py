@@ -64,7 +64,8 @@ def test_hidden_transport_matches_direct_logits_within_bf16_rounding():
     with TeacherWorker(cfg) as worker:
         req = _request(worker)
         fields = worker.compute(req)
-        hidden_BUd = fields[proto.hidden_field(0)][0].cuda()
+        B, U = req.ids_BU.shape
+        hidden_BUd = proto.hidden_from_column(fields[proto.hidden_field(0)], B, U, "k:1").cuda()
         assert hidden_BUd.dtype == torch.bfloat16
         head = load_output_layer("tiny", vocab_size=worker.width, device="cuda")
         logits = head(hidden_BUd.float())
