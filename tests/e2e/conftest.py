@@ -102,6 +102,14 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` ("" once it is gone)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 # ----------------------------------------------------------------------------- run directory
 
 

@@ -3,6 +3,7 @@ no sample is lost, none is trained twice (after a checkpoint), none is trained o
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -15,7 +16,9 @@ from tests.e2e.conftest import (
     PARTITION,
     assert_exactly_once,
     checkpoint_keys,
+    cmdline,
     corpus_parts,
+    descendants,
     feed_totals,
     key_log_lines,
     keys_after,
@@ -127,7 +130,11 @@ def test_killed_collator_restarted_loses_no_sample_and_trains_each_once(pipeline
     with QueueClient(pipeline.queue, timeout_s=10, name="e2e") as client:
         first = wait_for(lambda: len(client.list(PARTITION).get("keys", [])), 120,
                          "the collator's first puts", poll_s=0.01)
-        collator.signal(signal.SIGKILL, group=True)  # the collator and its worker process
+        # the collator and its worker; multiprocessing's resource tracker lives on to unlink
+        # their semaphores, as after a real crash
+        tree = [p for p in descendants(collator.pid) if "resource_tracker" not in cmdline(p)]
+        for pid in [*tree, collator.pid]:
+            os.kill(pid, signal.SIGKILL)
     assert collator.wait(10) == -signal.SIGKILL
     at_kill = len(pipeline.queued_keys())
     assert first <= at_kill < len(corpus), "the kill did not land mid-run"
