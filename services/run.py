@@ -147,7 +147,11 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     trainer = data.setdefault("trainer", {})
     if isinstance(trainer, dict):
         loss = trainer.setdefault("loss", {})
-        if isinstance(loss, dict) and loss.get("mode", "pkl") != "ce" and not loss.get("projection"):
+        if (
+            isinstance(loss, dict)
+            and loss.get("mode", "pkl") != "ce"
+            and not loss.get("projection")
+        ):
             loss["projection"] = PENDING_PROJECTION  # Run.prepare builds it
     return cfgmod.from_dict(RunConfig, data)
 
@@ -167,8 +171,9 @@ class Run:
         progress: print a progress line to stderr while training.
     """
 
-    def __init__(self, config: RunConfig, launcher: LocalLauncher | None = None,
-                 progress: bool = True) -> None:
+    def __init__(
+        self, config: RunConfig, launcher: LocalLauncher | None = None, progress: bool = True
+    ) -> None:
         self.config = config
         self.launcher = launcher or LocalLauncher()
         self.progress = progress
@@ -218,7 +223,10 @@ class Run:
                 raise ValueError(f"{key}: {e}") from None
         s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
         self._check_vocabs(s_tok.vocab_size, t_tok.vocab_size)
-        if cfg.trainer.loss.uses_teacher and cfg.trainer.loss.projection in (None, PENDING_PROJECTION):
+        if cfg.trainer.loss.uses_teacher and cfg.trainer.loss.projection in (
+            None,
+            PENDING_PROJECTION,
+        ):
             cfg.trainer.loss.projection = str(self._projection(s_tok, t_tok))
         elif cfg.trainer.loss.uses_teacher:
             self._check_projection(cfg.trainer.loss.projection, s_tok.vocab_size, t_tok.vocab_size)
@@ -266,7 +274,9 @@ class Run:
 
         cache = Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
         k = self.config.projection_top_k
-        name = f"{_slug(self.config.student_tokenizer)}_{_slug(self.config.teacher_tokenizer)}_k{k}.pt"
+        name = (
+            f"{_slug(self.config.student_tokenizer)}_{_slug(self.config.teacher_tokenizer)}_k{k}.pt"
+        )
         path = cache / "projections" / name
         if not path.is_file():
             logger.info("[run] building projection %s", path)
@@ -326,48 +336,87 @@ class Run:
         (d / "config" / "run.json").write_text(json.dumps(cfgmod.to_dict(cfg), indent=1))
         specs = [
             ProcessSpec(
-                "queue", "queue",
+                "queue",
+                "queue",
                 ["queue", "serve", "--bind", queue, "--capacity", cfg.queue_capacity],
-                log_file=str(d / "logs" / "queue.log"), ready_file=str(d / "ready" / "queue"),
+                log_file=str(d / "logs" / "queue.log"),
+                ready_file=str(d / "ready" / "queue"),
             ),
             ProcessSpec(
-                "collator", "collator",
+                "collator",
+                "collator",
                 [
-                    "collator", "--queue", queue, "--data", str(cfg.data.train),
-                    "--student", cfg.student_tokenizer, "--teacher", cfg.teacher_tokenizer,
-                    "--partition", cfg.partition, "--workers", str(cfg.collator.workers),
-                    "--batch", str(cfg.collator.batch),
-                    "--ctx-student", str(cfg.ctx_student), "--ctx-teacher", str(cfg.ctx_teacher),
-                    "--text-field", cfg.data.text_field,
-                ] + (["--limit", str(cfg.data.limit)] if cfg.data.limit else []),
+                    "collator",
+                    "--queue",
+                    queue,
+                    "--data",
+                    str(cfg.data.train),
+                    "--student",
+                    cfg.student_tokenizer,
+                    "--teacher",
+                    cfg.teacher_tokenizer,
+                    "--partition",
+                    cfg.partition,
+                    "--workers",
+                    str(cfg.collator.workers),
+                    "--batch",
+                    str(cfg.collator.batch),
+                    "--ctx-student",
+                    str(cfg.ctx_student),
+                    "--ctx-teacher",
+                    str(cfg.ctx_teacher),
+                    "--text-field",
+                    cfg.data.text_field,
+                ]
+                + (["--limit", str(cfg.data.limit)] if cfg.data.limit else []),
                 log_file=str(d / "logs" / "collator.log"),
             ),
         ]
-        if cfg.trainer.loss.uses_teacher:
-            for g in range(cfg.teachers):
-                specs.append(ProcessSpec(
-                    f"teacher{g}", "teacher",
-                    ["teacher", "--config", str(d / "config" / f"teacher{g}.json"),
-                     "--run-dir", str(d)],
+        teachers = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+        threads = _cpu_threads(
+            teachers if cfg.teacher.device == "cpu" else 0,
+            cfg.trainers if cfg.trainer.device == "cpu" else 0,
+        )
+        for g in range(teachers):
+            specs.append(
+                ProcessSpec(
+                    f"teacher{g}",
+                    "teacher",
+                    [
+                        "teacher",
+                        "--config",
+                        str(d / "config" / f"teacher{g}.json"),
+                        "--run-dir",
+                        str(d),
+                    ],
+                    env=dict(threads) if cfg.teacher.device == "cpu" else {},
                     log_file=str(d / "logs" / f"teacher{g}.log"),
                     ready_file=str(d / "ready" / f"teacher{g}"),
                     resources={"gpu": 1} if cfg.teacher.device.startswith("cuda") else {},
                     group=str(g),
-                ))
+                )
+            )
         for r in range(cfg.trainers):
             env = {
-                "RANK": str(r), "WORLD_SIZE": str(cfg.trainers), "LOCAL_RANK": str(r),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "RANK": str(r),
+                "WORLD_SIZE": str(cfg.trainers),
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **(threads if cfg.trainer.device == "cpu" else {}),
             }
-            specs.append(ProcessSpec(
-                f"trainer{r}", "trainer",
-                ["trainer", "--config", str(d / "config" / "trainer.json")],
-                env=env,
-                log_file=str(d / "logs" / f"trainer{r}.log"),
-                ready_file=str(d / "ready" / f"trainer{r}"),
-                resources={"gpu": 1} if cfg.trainer.device.startswith("cuda") else {},
-                group=str(r % cfg.teachers),
-            ))
+            specs.append(
+                ProcessSpec(
+                    f"trainer{r}",
+                    "trainer",
+                    ["trainer", "--config", str(d / "config" / "trainer.json")],
+                    env=env,
+                    log_file=str(d / "logs" / f"trainer{r}.log"),
+                    ready_file=str(d / "ready" / f"trainer{r}"),
+                    resources={"gpu": 1} if cfg.trainer.device.startswith("cuda") else {},
+                    group=str(r % cfg.teachers),
+                )
+            )
         return specs
 
     # ------------------------------------------------------------------ run
@@ -447,12 +496,18 @@ class Run:
     def _restart(self, spec: ProcessSpec, code: int) -> bool:
         """Restart policy: a teacher in place; any trainer rank -> every rank from the checkpoint."""
         key = "trainers" if spec.role == "trainer" else spec.name
-        if spec.role not in ("teacher", "trainer") or self.restarts.get(key, 0) >= self.config.max_restarts:
+        if (
+            spec.role not in ("teacher", "trainer")
+            or self.restarts.get(key, 0) >= self.config.max_restarts
+        ):
             return False
         self.restarts[key] = self.restarts.get(key, 0) + 1
         logger.warning(
             "[run] %s exited with code %d: restart %d of %d",
-            spec.name, code, self.restarts[key], self.config.max_restarts,
+            spec.name,
+            code,
+            self.restarts[key],
+            self.config.max_restarts,
         )
         if spec.role == "teacher":
             self.launcher.start(spec)
@@ -466,8 +521,11 @@ class Run:
         return True
 
     def _show_progress(self, started: float) -> None:
-        records = [r for r in read_jsonl(self.run_dir / "metrics" / "trainer.rank0.jsonl")
-                   if r.get("event") == "step"]
+        records = [
+            r
+            for r in read_jsonl(self.run_dir / "metrics" / "trainer.rank0.jsonl")
+            if r.get("event") == "step"
+        ]
         elapsed = time.monotonic() - started
         if not records:
             line = f"[run] starting... {elapsed:.0f}s"
@@ -539,6 +597,16 @@ def _first_text(path: str, text_field: str) -> str:
     raise ValueError(f"corpus {path!r} has no usable text; point it at a corpus with text")
 
 
+def _cpu_threads(cpu_teachers: int, cpu_trainers: int) -> dict[str, str]:
+    """Intra-op threads per CPU teacher / trainer process: the cores shared among them (threads
+    of several processes fighting over the same cores make each one slower, not faster)."""
+    procs = cpu_teachers + cpu_trainers
+    if not procs or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // procs))}
+
+
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in Path(name).name or name)
 
@@ -577,7 +645,9 @@ def install_stop(run: Run) -> None:
     def _stop(signum: int, frame: Any) -> None:
         if run.stop_requested.is_set():
             raise KeyboardInterrupt
-        logger.info("[run] %s: stopping the run (Ctrl-C again to kill)", signal.Signals(signum).name)
+        logger.info(
+            "[run] %s: stopping the run (Ctrl-C again to kill)", signal.Signals(signum).name
+        )
         run.stop_requested.set()
 
     signal.signal(signal.SIGTERM, _stop)
