@@ -265,14 +265,6 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ batches
 
-    def pad(self, fields: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Padded micro-batch fields from claimed jagged fields (the schema's pad values)."""
-        from xtoken_core.data.batch import pad_batch
-
-        return pad_batch(
-            fields, student_pad_id=self.student_pad_id, teacher_pad_id=self.teacher_pad_id
-        )
-
     def count_valid(self, micro_batches: Sequence[MicroBatch]) -> dict[str, torch.Tensor]:
         """Global denominators of a step (collective over the DP group; the micro-batches' fields
         on this rank's device, so that NCCL can reduce them)."""
