@@ -118,6 +118,7 @@ class TeacherFeed:
         self.hidden_field = proto.hidden_field(rank)
         self.trainer_task = proto.trainer_task(rank, self.instance)
         self._seq = 0
+        self._want = 0  # micro-batches kept claimed and requested ahead (set by next_step)
         self._pending: deque[_Pending] = deque()
         self._by_request: dict[str, _Pending] = {}
         self._held: dict[str, _Pending] = {}  # request key -> micro-batch holding its record
@@ -133,12 +134,19 @@ class TeacherFeed:
 
         Also asks for the next step's teacher logits ahead.
         """
-        want = 2 * n if self.config.loss.uses_teacher else n
+        self._want = want = 2 * n if self.config.loss.uses_teacher else n
         while len(self._pending) < want and not self._ended and not self._stopping():
             if not self._claim(want - len(self._pending), block=len(self._pending) < n):
                 break
         take = [self._pending.popleft() for _ in range(min(n, len(self._pending)))]
         return [self._micro_batch(p) for p in take]
+
+    def _top_up(self) -> None:
+        """Claim and ask ahead without waiting: called while the GPU runs a backward, so that the
+        next :meth:`next_step` finds its micro-batches claimed, padded and requested."""
+        while len(self._pending) < self._want and not self._ended and not self._stopping():
+            if not self._claim(self._want - len(self._pending), block=False):
+                break
 
     def ack(self, micro_batches: list[MicroBatch]) -> None:
         """Mark the samples of trained micro-batches consumed (after the optimizer step)."""
@@ -393,6 +401,7 @@ class TeacherFeed:
             self.reader.release(result.descriptor, result.handle)
         self.client.ack(self.req_partition, self.trainer_task, lease_id, [p.request_key])
         self.client.clear(self.req_partition, [p.request_key])
+        self._top_up()
 
 
 class _ChecksumError(RuntimeError):
