@@ -56,7 +56,7 @@ def test_collate_stats_rejects_bad_options(tmp_path, capsys):
 
 
 def test_collate_stats_totals_agree_with_alignment_stats():
-    from services.demo import _Totals
+    from services.collate_stats import _Totals
     from xtoken_core.align import AlignmentBatch, TokenAligner, alignment_stats
     from xtoken_core.data.collator import CrossTokenizerCollator
     from xtoken_core.tokenizers import load_tokenizer
