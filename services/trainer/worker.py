@@ -9,7 +9,10 @@ One step (DESIGN.md, "Losses"): the global denominators over every micro-batch o
 (``count_valid``, one all-reduce), then per micro-batch the student forward, the teacher logits,
 the loss and its backward (gradients synchronized on the last micro-batch only), then gradient
 clipping, a non-finite check, AdamW and the schedule. A rank with no data in a step runs one
-empty micro-batch (zero loss) so the gradient all-reduce still meets every rank.
+empty micro-batch (zero loss) so the gradient all-reduce still meets every rank; under FSDP every
+rank runs as many micro-batches as the busiest one (empty ones to fill), since each forward and
+backward gathers the sharded parameters. Gradients are summed over ranks, never averaged: the
+loss is already divided by the global denominators.
 
 Legend: B samples, T student tokens, U teacher tokens, V student vocab, W teacher vocab.
 """
@@ -240,9 +243,16 @@ class TrainerWorker:
         if self.config.parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            for layer in _decoder_layers(module):
-                fully_shard(layer)
-            return fully_shard(module)
+            sharded = [fully_shard(layer) for layer in _decoder_layers(module)]
+            sharded.append(fully_shard(module))
+            for m in sharded:  # per FSDP module: these setters do not recurse
+                # the loss is already divided by the global denominators: the ranks' gradients
+                # must be summed, where FSDP2 averages them by default (gradients, their norm and
+                # so the clipping 1/world_size off); a plain SUM, not the PREMUL_SUM(1) that a
+                # factor alone picks, which only NCCL has
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+            return module
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -334,7 +344,10 @@ class TrainerWorker:
         counts = self.count_valid([MicroBatch(mb.keys, b) for mb, b in zip(micro_batches, batches)])
         counts = {k: v.to(self.device) for k, v in counts.items()}
         sums: dict[str, torch.Tensor] = {}
-        runs = list(micro_batches) or [None]  # None: an empty micro-batch (no data on this rank)
+        # None: an empty micro-batch (no data on this rank, or fewer micro-batches than another
+        # rank under FSDP, whose forwards and backwards are collectives)
+        runs: list[MicroBatch | None] = list(micro_batches) or [None]
+        runs += [None] * (self._micro_batches_per_rank(len(runs)) - len(runs))
         scale = float(self.world_size) if self.config.parallel == "ddp" else 1.0
         for i, mb in enumerate(runs):
             with self._sync(last=i == len(runs) - 1):
@@ -354,7 +367,7 @@ class TrainerWorker:
                     loss, metrics = self._loss(logits_BTV, batch, counts, teacher)
                 with clock.phase("backward", gpu=True):
                     # DDP averages gradients over ranks; the loss is already divided by the
-                    # global denominators, so scale back to a sum
+                    # global denominators, so scale back to a sum (FSDP sums: _parallelize)
                     (loss * scale).backward()
                 del logits_BTV, teacher
                 if mb.done is not None:
@@ -375,6 +388,18 @@ class TrainerWorker:
             skipped=skipped,
             keys=[k for mb in micro_batches for k in mb.keys],
         )
+
+    def _micro_batches_per_rank(self, local: int) -> int:
+        """Micro-batches this rank runs in the step: its own under DDP (only the last backward
+        is collective); under FSDP the most of any rank (one all-reduce), since every forward
+        and backward all-gathers the sharded parameters."""
+        if self.world_size == 1 or self.config.parallel != "fsdp":
+            return local
+        import torch.distributed as dist
+
+        n = torch.tensor(local, dtype=torch.int64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n)
 
     def _empty_backward(self) -> None:
         ids = torch.full((1, 2), self.student_pad_id, dtype=torch.long, device=self.device)

@@ -1,5 +1,7 @@
-"""A data-parallel rank for the gradient test, run by torch.multiprocessing.spawn: gloo process
-group, one TrainerWorker step over this rank's micro-batches, the gradients the optimizer saw."""
+"""A data-parallel rank for the gradient tests, run by torch.multiprocessing.spawn: gloo (or NCCL)
+process group, one TrainerWorker step over this rank's micro-batches under DDP or FSDP2, then the
+full gradients the optimizer saw and the full parameters it left (and, given a checkpoint
+directory, the parameters a fresh worker loads back from a checkpoint of that step)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,26 @@ import torch.distributed as dist
 from tests.services.trainer import distill_setup as setup
 
 
-def capture_step_gradients(worker, micro_batches) -> dict[str, torch.Tensor]:
-    """Run one ``train_step`` and return the gradients as ``optimizer.step`` received them."""
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a DTensor (an FSDP2 shard) gathered from every rank (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def full_params(worker) -> dict[str, torch.Tensor]:
+    """Every parameter of the worker's model, whole (collective under FSDP2)."""
+    return {name: full(p) for name, p in worker.module.named_parameters()}
+
+
+def capture_step_gradients(worker, micro_batches):
+    """Run one ``train_step``; returns the whole gradients as ``optimizer.step`` received them
+    (gathered on every rank under FSDP2) and the step result."""
     grads: dict[str, torch.Tensor] = {}
 
     def capture(optimizer, args, kwargs) -> None:
         for name, p in worker.module.named_parameters():
-            grads[name] = p.grad.detach().clone()
+            grads[name] = full(p.grad)
 
     hook = worker.optimizer.register_step_pre_hook(capture)
     try:
@@ -25,7 +40,7 @@ def capture_step_gradients(worker, micro_batches) -> dict[str, torch.Tensor]:
     finally:
         hook.remove()
     assert not result.skipped and grads, "the optimizer never stepped"
-    return grads
+    return grads, result
 
 
 def run_rank(
@@ -36,9 +51,13 @@ def run_rank(
     plan: list[list[int]],
     out: str,
     device: str = "cpu",
+    parallel: str = "ddp",
+    checkpoint_dir: str | None = None,
 ):
-    """Rank ``rank`` trains micro-batches ``plan[rank]`` (indices into ``micro_batches()``);
-    ``device="cuda"``: NCCL, one GPU per rank."""
+    """Rank ``rank`` trains micro-batches ``plan[rank]`` (indices into ``micro_batches()``) and
+    saves ``{"grads", "params", "grad_norm"}`` (plus ``"loaded"`` with ``checkpoint_dir``) to
+    ``<out>.rank<rank>.pt``; ``device="cuda"``: NCCL, one GPU per rank."""
+    from services.trainer import checkpoint
     from services.trainer.worker import TrainerWorker
 
     torch.set_num_threads(1)
@@ -51,20 +70,37 @@ def run_rank(
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
-    try:
-        worker = TrainerWorker(
-            setup.trainer_config(projection, grad_accum=len(plan[rank]), device=device),
+
+    def worker(seed: int = 0) -> TrainerWorker:
+        return TrainerWorker(
+            setup.trainer_config(
+                projection, grad_accum=len(plan[rank]), device=device, parallel=parallel, seed=seed
+            ),
             rank=rank,
             world_size=world,
             device=f"cuda:{rank}" if device == "cuda" else "cpu",
         )
+
+    try:
+        trained = worker()
         batches = setup.micro_batches()
         mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in plan[rank]]
         if device == "cuda":
             for mb in mbs:
                 logits = mb.teacher_logits
-                mb.teacher_logits = lambda f=logits: f().to(worker.device)
-        grads = capture_step_gradients(worker, mbs)
-        torch.save({k: v.cpu() for k, v in grads.items()}, f"{out}.rank{rank}.pt")
+                mb.teacher_logits = lambda f=logits: f().to(trained.device)
+        grads, result = capture_step_gradients(trained, mbs)
+        saved = {
+            "grads": grads,
+            "params": full_params(trained),
+            "grad_norm": result.metrics["grad_norm"],
+        }
+        if checkpoint_dir is not None:
+            path = checkpoint.save(trained, checkpoint_dir, epoch=0, task_start=0, trained=set())
+            fresh = worker(seed=7)  # other initial weights: the load must overwrite every one
+            checkpoint.load(fresh, path)
+            saved["loaded"] = full_params(fresh)
+            saved["loaded_step"] = fresh.step
+        torch.save(saved, f"{out}.rank{rank}.pt")
     finally:
         dist.destroy_process_group()

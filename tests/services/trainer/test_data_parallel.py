@@ -1,5 +1,6 @@
-"""Data parallel + gradient accumulation: the gradient two gloo ranks apply equals the gradient of
-one process that accumulates every micro-batch of the global batch (P-KL loss, real teacher)."""
+"""Data parallel + gradient accumulation: the gradient two gloo ranks apply (DDP, or FSDP2 with
+sharded parameters) equals the gradient of one process that accumulates every micro-batch of the
+global batch (P-KL loss, real teacher); an FSDP2 checkpoint loads back on two ranks and on one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.trainer import checkpoint
 from services.trainer.worker import TrainerWorker
 from tests.services.trainer import distill_setup as setup
 from tests.services.trainer.dp_ranks import capture_step_gradients, run_rank
@@ -33,18 +35,72 @@ def test_two_ranks_with_accumulation_apply_the_full_batch_gradient(projection, t
         sys.path.insert(0, str(ROOT))
     out = str(tmp_path / "grads")
     mp.spawn(run_rank, args=(2, _free_port(), projection, plan, out), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True)["grads"] for r in range(2)]
 
     worker = TrainerWorker(setup.trainer_config(projection, grad_accum=3))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2)]
-    full = capture_step_gradients(worker, mbs)
+    full, _ = capture_step_gradients(worker, mbs)
 
     assert set(ranks[0]) == set(full)
     for name, grad in full.items():
         assert grad.abs().sum() > 0, f"{name}: no gradient reached it"
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # 1-process load
+def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_back(
+    projection, tmp_path
+):
+    # FSDP2 (fully_shard per decoder layer, then the root) on two gloo ranks with uneven
+    # accumulation: the gradient is the sum over ranks (the loss is already divided by the global
+    # counts), the rank with one micro-batch joins the other's second forward (FSDP's all-gathers
+    # are collective), and the step's parameters equal those of one process
+    plan = [[0, 1], [2]]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    out = str(tmp_path / "fsdp")
+    mp.spawn(
+        run_rank,
+        args=(2, _free_port(), projection, plan, out, "cpu", "fsdp", str(tmp_path / "run")),
+        nprocs=2,
+        join=True,
+    )
+    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
+
+    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=3))
+    batches = setup.micro_batches()
+    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2)]
+    before = {name: p.detach().clone() for name, p in worker.module.named_parameters()}
+    grads, result = capture_step_gradients(worker, mbs)
+    params = {name: p.detach().clone() for name, p in worker.module.named_parameters()}
+
+    # AdamW's first step is about lr * sign(grad), blind to the gradient's scale: the gradients
+    # and their norm are what show a rank average where a sum is due
+    assert ranks[0]["grad_norm"] == pytest.approx(result.metrics["grad_norm"], rel=1e-4)
+    for rank in ranks:
+        assert set(rank["grads"]) == set(grads) == set(rank["params"])
+        for name, grad in grads.items():
+            torch.testing.assert_close(rank["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+            torch.testing.assert_close(rank["params"][name], params[name], rtol=1e-4, atol=1e-6)
+            assert not torch.equal(params[name], before[name]), f"{name} did not move"
+        # the checkpoint of the step, loaded into a fresh FSDP2 worker of other initial weights
+        assert rank["loaded_step"] == 1
+        for name, p in rank["params"].items():
+            assert torch.equal(rank["loaded"][name], p), name
+
+    # the same sharded checkpoint resumes a single process (DCP reshards on load)
+    path = checkpoint.latest_checkpoint(tmp_path / "run")
+    single = TrainerWorker(setup.trainer_config(projection, grad_accum=3, seed=7))
+    assert checkpoint.load(single, path)["step"] == 1
+    for name, p in single.module.named_parameters():
+        assert torch.equal(p.detach(), ranks[0]["params"][name]), name
+    for p, q in zip(single.module.parameters(), worker.module.parameters()):
+        state, want = single.optimizer.state[p], worker.optimizer.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], want[key], rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.gpu
@@ -61,14 +117,14 @@ def test_two_nccl_ranks_apply_the_gradient_of_one_rank_with_twice_the_accumulati
     mp.spawn(
         run_rank, args=(2, _free_port(), projection, plan, out, "cuda"), nprocs=2, join=True
     )
-    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True)["grads"] for r in range(2)]
     worker = TrainerWorker(setup.trainer_config(projection, grad_accum=2, device="cuda"))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1)]
     for mb in mbs:
         logits = mb.teacher_logits
         mb.teacher_logits = lambda f=logits: f().to(worker.device)
-    full = {k: v.cpu() for k, v in capture_step_gradients(worker, mbs).items()}
+    full = {k: v.cpu() for k, v in capture_step_gradients(worker, mbs)[0].items()}
     for name, grad in full.items():
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], grad, rtol=1e-3, atol=1e-5, msg=name)
