@@ -1,5 +1,7 @@
 """TeacherFeed in-process: samples from a real queue, teacher logits from a TeacherWorker serving
-that queue from a thread; every sample is trained once, a short last micro-batch included."""
+that queue from a thread; every sample is trained once, a short last micro-batch included. And,
+with the test serving the teacher's requests itself, in an order it picks: later results that
+hold every slot while an earlier micro-batch waits are given back and asked again after it."""
 
 from __future__ import annotations
 
@@ -30,12 +32,17 @@ def queue(tmp_path):
     server.stop()
 
 
-@pytest.fixture
-def teacher(queue):
-    config = TeacherConfig(
+def _teacher_config(queue: str) -> TeacherConfig:
+    """The tiny teacher (seed 1: ``setup.teacher_model``) with a ring of 2 slots per rank."""
+    return TeacherConfig(
         queue=queue, partition=PARTITION, model="tiny", tokenizer=setup.TEACHER_TOKENIZER,
         slots=2, max_batch=2, max_length=setup.CTX, seed=1, checksum=True, claim_timeout_s=0.1,
     )  # fmt: skip
+
+
+@pytest.fixture
+def teacher(queue):
+    config = _teacher_config(queue)
     worker = TeacherWorker(config)
     client = QueueClient(queue, timeout_s=10, name="teacher-test")
     lc = types.SimpleNamespace(stop=threading.Event())
@@ -86,3 +93,98 @@ def test_every_sample_trains_once_with_its_teacher_logits(queue, teacher, projec
     assert feed.counters == {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
     assert teacher.computed == 3
     assert all(ring.in_flight() == [] for ring in teacher.rings.values())  # every slot released
+
+
+class _ManualTeacher:
+    """The teacher's side of the request partition, one request at a time, in the test's order
+    (the same serving code as the teacher's loop: ``teacher_main._serve``)."""
+
+    def __init__(self, client: QueueClient, worker: TeacherWorker) -> None:
+        self.client, self.worker = client, worker
+        self.partition = proto.request_partition(PARTITION, 0)
+        self.backlog: dict[str, tuple[proto.Request, int]] = {}  # claimed, not served
+
+    def claim(self, n: int) -> list[str]:
+        """Claim ``n`` requests (oldest first) into the backlog; returns their keys."""
+        got = self.client.claim(
+            self.partition, proto.TEACHER_TASK, ["teacher_input_ids"], n,
+            fields=list(proto.REQUEST_FIELDS), timeout_s=5, lease_s=60,
+        )  # fmt: skip
+        for i, key in enumerate(got["keys"]):
+            request = proto.decode_request(key, got["fields"], i, self.worker.pad_id)
+            self.backlog[key] = (request, got["lease_id"])
+        assert len(got["keys"]) == n, got["keys"]
+        return list(got["keys"])
+
+    def serve(self, key: str) -> None:
+        """Compute a claimed request into a free slot of its rank's ring (one must be free)."""
+        request, lease_id = self.backlog.pop(key)
+        slot = self.worker.try_acquire(request.rank)
+        assert slot is not None, f"no free slot for {key}"
+        teacher_main._serve(
+            self.client, self.worker, self.partition, key, request, lease_id, slot, None
+        )
+
+
+@pytest.mark.timeout(120)
+def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_the_waiting_one(
+    queue, projection
+):
+    # 6 samples: micro-batches a, b, c (2 rows each), asked in that order; a ring of 2 slots.
+    # The teacher computes b and c first (a's request came back late: asked again, or
+    # redelivered after its teacher died): they hold both slots, and a can never get one while
+    # the trainer, waiting for a, keeps them
+    samples = setup.samples()[:6]
+    keys = [f"s{i}" for i in range(len(samples))]
+    with QueueClient(queue, timeout_s=10) as client:
+        client.put(PARTITION, keys, samples_to_put_fields(samples))
+    config = setup.trainer_config(
+        projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True,
+        grad_accum=3, teacher_timeout_s=600.0,
+    )  # fmt: skip
+    worker = TrainerWorker(config)
+    with (
+        TeacherWorker(_teacher_config(queue)) as teacher_worker,
+        QueueClient(queue, timeout_s=10) as teacher_client,
+        QueueClient(queue, timeout_s=10) as client,
+        LogitRingReader() as reader,
+    ):
+        teacher = _ManualTeacher(teacher_client, teacher_worker)
+        feed = TeacherFeed(client, config, 0, worker, "trainer/e0/s0", set(), reader=reader)
+        a, b, c = feed.next_step(3)
+        asked = [mb.context.request_key for mb in (a, b, c)]
+        assert teacher.claim(3) == asked
+        teacher.serve(asked[1])
+        teacher.serve(asked[2])
+        ring = teacher_worker.rings[0]
+        assert sorted(ring.in_flight()) == [0, 1]  # b and c hold the ring: a has no slot
+
+        # one round of a's wait: it takes b's and c's results, sees them hold the whole ring
+        feed._poll_records(a.context)
+        assert a.context.record is None
+        assert ring.in_flight() == []  # released: the teacher has both slots again
+        assert feed._deferred == [b.context, c.context]
+        assert b.context.record is None and c.context.record is None
+        assert feed.counters["re_requests"] == 0  # not yet: after a has its result
+
+        teacher.serve(asked[0])  # a slot is free: the teacher computes a
+        logits = a.teacher_logits()
+        assert torch.equal(logits, setup.teacher_logits(a.batch).to(logits.dtype))
+        assert feed._deferred == [] and feed.counters["re_requests"] == 2
+        again = [b.context.request_key, c.context.request_key]
+        assert set(again).isdisjoint(asked)
+        a.done()
+        assert teacher.claim(2) == again  # b and c asked again, after a, in their order
+        for key in again:
+            teacher.serve(key)
+        for mb in (b, c):
+            logits = mb.teacher_logits()
+            assert torch.equal(logits, setup.teacher_logits(mb.batch).to(logits.dtype)), mb.keys
+            mb.done()
+
+        assert ring.in_flight() == [] and teacher_worker.computed == 5
+        assert feed.counters == {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 2}
+        # every request record was cleared, the given-back results' included
+        assert client.status(teacher.partition, feed.trainer_task)["samples"] == 0
+        feed.ack([a, b, c])
+        feed.give_back()
