@@ -93,7 +93,12 @@ def teacher_output_layer(config: TrainerConfig, device: torch.device) -> torch.n
 
 def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) -> int:
     run_dir = Path(config.run_dir)
-    heldout = heldout_texts(config.heldout, config.eval_texts) if rank == 0 and config.heldout else []
+    # under FSDP every rank takes part in the eval forward (the parameters are sharded)
+    sharded = world > 1 and config.parallel == "fsdp"
+    evaluates = rank == 0 or sharded
+    heldout = (
+        heldout_texts(config.heldout, config.eval_texts) if evaluates and config.heldout else []
+    )
     client = connect(config.queue, config.queue_timeout_s, f"trainer{rank}")
     worker = TrainerWorker(config, rank=rank, world_size=world, device=device)
     reader = output_layer = None
@@ -115,12 +120,16 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     summary: dict[str, Any] = {"rank_count": world, "resumed_from": worker.step}
 
     def evaluate(tag: str) -> None:
-        if rank == 0 and heldout:
+        if heldout:
             result = worker.evaluate(heldout)
+        if rank == 0 and heldout:
             metrics.write("eval", step=worker.step, tag=tag, who="student", **result)
             summary[f"student_{tag}"] = result
             logger.info(
-                "[trainer] eval %s at step %d: %.4f bits/byte", tag, worker.step, result["bits_per_byte"]
+                "[trainer] eval %s at step %d: %.4f bits/byte",
+                tag,
+                worker.step,
+                result["bits_per_byte"],
             )
         if world > 1:
             dist.barrier()
@@ -132,10 +141,19 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     while epoch < config.epochs and not stopped:
         task = f"trainer/e{epoch}/s{task_start}"
         feed = TeacherFeed(
-            client, config, rank, worker, task, trained,
-            reader=reader, output_layer=output_layer, stop=lc.stop,
+            client,
+            config,
+            rank,
+            worker,
+            task,
+            trained,
+            reader=reader,
+            output_layer=output_layer,
+            stop=lc.stop,
         )
-        logger.info("[trainer] rank %d epoch %d (task %s, %d trained)", rank, epoch, task, len(trained))
+        logger.info(
+            "[trainer] rank %d epoch %d (task %s, %d trained)", rank, epoch, task, len(trained)
+        )
         while True:
             if config.max_steps and worker.step >= config.max_steps:
                 break
@@ -179,7 +197,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                     result.metrics["tokens"] / step_s if step_s else 0.0,
                 )
             if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
-                checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
+                checkpoint.save(
+                    worker, run_dir, epoch=epoch, task_start=task_start, trained=trained
+                )
                 last_ckpt = worker.step
             if config.eval_every and worker.step % config.eval_every == 0:
                 evaluate(f"step{worker.step}")
@@ -192,11 +212,8 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
     if not stopped:
         evaluate("after")
-        if rank == 0 and config.export:
-            from xtoken_core.models import export_hf
-
-            export_hf(worker.module, run_dir / "final", tokenizer=config.student_tokenizer)
-            logger.info("[trainer] exported the student to %s", run_dir / "final")
+        if config.export:
+            worker.export(run_dir / "final")
     if rank == 0:
         summary.update(step=worker.step, epoch=epoch, stopped=stopped, skipped=worker.skipped_steps)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

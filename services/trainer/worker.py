@@ -451,9 +451,17 @@ class TrainerWorker:
 
     @torch.no_grad()
     def evaluate(self, texts: list[str]) -> dict[str, float]:
-        """Held-out bits per byte of the student (``xtoken_core.models.eval``)."""
+        """Held-out bits per byte of the student (``xtoken_core.models.eval``; collective under
+        FSDP, where the eval calls the backbone and the output layer apart: the root's own
+        parameters, embeddings and output layer, are gathered for the whole eval)."""
         from xtoken_core.models.eval import bits_per_byte
 
+        sharded = self.world_size > 1 and self.config.parallel == "fsdp"
+        if sharded:
+            with torch.no_grad():  # FSDP initializes itself on the first forward of the root
+                ids = torch.full((1, 1), self.student_pad_id, dtype=torch.long, device=self.device)
+                self.model(input_ids=ids)
+            self.model.unshard()
         self.module.eval()
         try:
             with self._autocast():
@@ -466,6 +474,34 @@ class TrainerWorker:
                 )
         finally:
             self.module.train()
+            if sharded:
+                self.model.reshard()
+
+    def export(self, out_dir: Any) -> None:
+        """Export the student as a Hugging Face folder (collective under FSDP: the full weights
+        are gathered on every rank; rank 0 writes)."""
+        from xtoken_core.models import export_hf, load_model
+
+        tokenizer = self.config.student_tokenizer
+        if self.world_size > 1 and self.config.parallel == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            full = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if self.rank == 0:
+                plain = load_model(
+                    self.config.student, vocab_size=self.vocab, seed=self.config.seed
+                )
+                plain.load_state_dict(full)
+                export_hf(plain, out_dir, tokenizer=tokenizer)
+        elif self.rank == 0:
+            export_hf(self.module, out_dir, tokenizer=tokenizer)
+        if self.rank == 0:
+            logger.info("[trainer] exported the student to %s", out_dir)
 
 
 def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
