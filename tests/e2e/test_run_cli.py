@@ -79,3 +79,42 @@ def test_sigterm_on_xtoken_run_checkpoints_exits_zero_and_leaves_no_process(
     trained = trained_keys(run_dir)
     assert len(trained) == len(set(trained))
     assert checkpoint_keys(checkpoint) == set(trained)  # the checkpoint is the truth of it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_run_trains_each_sample_once_evaluates_and_exports_a_loadable_student(
+    procs, tmp_path, demo, projection
+):
+    import torch
+    import transformers
+
+    paths, corpus = corpus_parts(demo, tmp_path / "data", n=32, parts=1)
+    run_dir = tmp_path / "run"
+    config = RunConfig(
+        run_dir=str(run_dir),
+        student_tokenizer=STUDENT_TOKENIZER,
+        teacher_tokenizer=TEACHER_TOKENIZER,
+        ctx_student=CTX,
+        ctx_teacher=CTX,
+        queue_capacity="1GiB",
+        trainers=2,
+        data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
+        collator=CollatorSection(workers=1, batch=16),
+        teacher=TeacherConfig(model="tiny", transport="shm", max_batch=4, max_length=CTX),
+        trainer=TrainerConfig(
+            student="tiny", parallel="fsdp", micro_batch=4, grad_accum=1, max_steps=0,
+            checkpoint_every=2, eval_every=0, eval_texts=4, eval_ctx=CTX,
+            loss=LossConfig(projection=projection), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+        ),
+    )
+    run = procs.start("run", ["run", str(write_config(tmp_path / "run.json", config)),
+                              "--no-progress"], ready=False)
+    assert run.wait(240) == 0, run.tail()
+    keys = trained_keys(run_dir)
+    assert sorted(keys) == sorted(set(keys)) and set(keys) == set(corpus)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["student_after"]["bits_per_byte"] < summary["student_before"]["bits_per_byte"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
