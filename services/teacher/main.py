@@ -121,7 +121,7 @@ def _loop(client, worker: TeacherWorker, partition: str, config: TeacherConfig, 
     while not lc.stop.is_set():
         for key, (request, lease_id) in list(backlog.items()):
             slot = None
-            if isinstance(request, proto.Request):
+            if isinstance(request, proto.Request) and worker.check(request) is None:
                 slot = worker.try_acquire(request.rank)
                 if slot is None:
                     continue
@@ -169,8 +169,11 @@ def _serve(client, worker, partition, key, request, lease_id, slot, metrics) -> 
         client.put(partition, [key], fields)
     try:
         client.ack(partition, proto.TEACHER_TASK, lease_id, [key])
-    except QueueError as e:  # the lease ended first: the request may be computed twice
-        logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
+    except QueueError as e:
+        if e.code in ("not_found", "unknown_lease"):  # the trainer was faster and cleared it
+            logger.debug("[teacher] %s was consumed before our ack: %s", key, e)
+        else:  # the lease ended first: the request may be computed twice
+            logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
     if metrics is not None and isinstance(request, proto.Request):
         B, U = request.ids_BU.shape
         metrics.write("request", key=key, rank=request.rank, rows=B, length=U)

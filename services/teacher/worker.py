@@ -99,6 +99,10 @@ class TeacherConfig:
     )
     heartbeat_s: float = field(default=0.5, metadata={"help": "ring heartbeat period"})
     seed: int = field(default=0, metadata={"help": "seed of a preset model's random weights"})
+    max_rings: int = field(
+        default=64,
+        metadata={"help": "most trainer ranks served (one logit ring each); others are refused"},
+    )
     heldout: str | None = field(
         default=None,
         metadata={"help": "held-out corpus: report the teacher's bits/byte once at start"},
@@ -208,6 +212,16 @@ class TeacherWorker:
         B, U = request.ids_BU.shape
         if B < 1:
             return f"request {request.key!r} has no rows"
+        if (
+            cfg.transport != "hidden"
+            and request.rank not in self.rings
+            and len(self.rings) >= cfg.max_rings
+        ):
+            return (
+                f"request {request.key!r} is from trainer rank {request.rank}, but this teacher "
+                f"already serves {len(self.rings)} ranks (max_rings): raise teacher max_rings or "
+                "start more teacher groups"
+            )
         if B > cfg.max_batch or U > cfg.max_length:
             return (
                 f"request {request.key!r} is {B} x {U} tokens, over the teacher's slot of "

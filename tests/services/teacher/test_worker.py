@@ -182,3 +182,14 @@ def test_a_refused_hidden_request_still_carries_an_empty_hidden_field(make_worke
 def test_teacher_config_names_a_bad_value_and_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):
         TeacherConfig(**overrides)
+
+
+def test_a_rank_past_max_rings_is_refused_without_allocating_a_ring(make_worker):
+    worker = make_worker(max_rings=1)
+    assert worker.try_acquire(0) is not None  # rank 0 takes the one ring
+    request = _request(worker, [4], rank=7, key="r7:1")
+    problem = worker.check(request)
+    assert problem is not None and "max_rings" in problem and "rank 7" in problem
+    result = _result(worker.compute(request), rank=7, key="r7:1")
+    assert result.error == problem
+    assert sorted(worker.rings) == [0]
