@@ -181,6 +181,8 @@ class Run:
         self.stop_requested = threading.Event()
         self.restarts: dict[str, int] = {}
         self.failure: str | None = None
+        self._metrics_pos = 0
+        self._recent: list[dict[str, Any]] = []  # the last step records (progress line)
 
     # ------------------------------------------------------------------ prepare
 
@@ -520,12 +522,30 @@ class Run:
             self.launcher.start(self.specs[n])
         return True
 
+    def _new_steps(self) -> list[dict[str, Any]]:
+        """Step records rank 0 appended since the last call (reads only the new bytes)."""
+        path = self.run_dir / "metrics" / "trainer.rank0.jsonl"
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(self._metrics_pos)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a torn last line waits for the next call
+        self._metrics_pos += len(complete)
+        out = []
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == "step":
+                out.append(record)
+        return out
+
     def _show_progress(self, started: float) -> None:
-        records = [
-            r
-            for r in read_jsonl(self.run_dir / "metrics" / "trainer.rank0.jsonl")
-            if r.get("event") == "step"
-        ]
+        self._recent = (self._recent + self._new_steps())[-5:]
+        records = self._recent
         elapsed = time.monotonic() - started
         if not records:
             line = f"[run] starting... {elapsed:.0f}s"
