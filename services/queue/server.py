@@ -283,10 +283,12 @@ class QueueServer:
             )
             return
         rid, rtype = _peek_header(frames[1])
-        # Same-host clients may send tensors as references into the server's pool (resolved
-        # against its own mapping, checked against the put's reservation in _on_put) or into a
-        # segment of their own (adopted); bad references are bad_body (xtoken_core/wire/shm.py).
-        reader = ShmReader(segments=self.pool.views)
+        # Same-host clients may send tensors as references into the server's pool, resolved
+        # against its own mapping and checked against the put's reservation in _on_put. Any
+        # other segment (a producer's own, another server's, the probe) is refused before a
+        # file is opened: adopting it would unlink or store bytes that someone else can change.
+        # Bad references are bad_body starting "shm:" (xtoken_core/wire/shm.py).
+        reader = ShmReader(segments=self.pool.views, known_only=True, unlink=False)
         self._refs = reader.refs
         try:
             msg = decode_message(frames[1:], limits=self.config.limits, jagged="column", shm=reader)
@@ -327,7 +329,7 @@ class QueueServer:
             "capacity_bytes": self.store.capacity_bytes,
             "pid": os.getpid(),
             "endpoint": self.endpoint,
-            "shm": True,  # adopts shared-memory tensors (ext 3/4) from same-host clients
+            "shm": False,  # adopts no producer-created segment: puts go through the pool
             "shm_pool": True,  # answers reserve; put.reservation; claim/get shm
             "shm_reserve_ms": int(self.config.shm_reserve_s * 1000),
             "shm_probe": self.pool.probe(),  # {name, nonce}: proves a client shares /dev/shm

@@ -15,9 +15,10 @@ for the fields stored in the pool; the client returns views of its mapping.
 sample's bytes until that sample is removed from the queue (``clear`` of its key or partition,
 by anyone); after that the server may lend the segment to another put, and the view then shows
 that put's bytes. The view never becomes invalid memory (the mapping lives as long as the
-tensor, even after the server unlinked the segment or exited). Views are read-only by contract:
-writing into one changes the stored sample for every reader. ``copy=True`` returns private
-tensors instead (one memcpy out of the segment). Fields whose rows are not one contiguous run
+tensor, even after the server unlinked the segment or exited). Views are read-only: the client
+maps the pool ``PROT_READ`` for them, so a write into one is a SIGSEGV in the writer, never a
+change of the stored sample (torch has no read-only tensors to raise instead). ``copy=True``
+returns private, writable tensors (one memcpy out of the segment). Fields whose rows are not one contiguous run
 of one stored put, or that were put as frames, still travel as frames.
 
 Modes (``QueueClient(..., shm=...)``):
@@ -33,9 +34,9 @@ Modes (``QueueClient(..., shm=...)``):
   * ``"never"``: always frames.
   * ``"always"``: every put through shared memory, whatever its size or address; failures raise.
 
-A server that says ``shm: true`` but not ``shm_pool`` gets the older per-put segments: the
-client writes a fresh segment per put, the server adopts (maps and unlinks) it. A client killed
-between writing such a segment and sending it leaves a file that ``sweep_orphans`` removes.
+Puts reference only the region of their own reservation: the server refuses any other segment
+(one the producer created, another server's, its probe) untouched, so a producer cannot make it
+adopt, unlink or store bytes someone else can change.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ import torch
 from services.queue import errors as codes
 from services.queue.errors import QueueError
 from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmRegion, check_name, sweep_orphans
-from xtoken_core.wire import BAD_BODY, UNKNOWN_TYPE, JaggedColumn
+from xtoken_core.wire import UNKNOWN_TYPE, JaggedColumn
 from xtoken_core.wire.shm import (
     fields_into_region,
     fields_layout_bytes,
     fields_nbytes,
-    fields_to_shm,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,12 +132,13 @@ class ShmPuts:
         self.enabled = mode != "never"
         # auto, other address: the pool only if the hello's probe shows a shared /dev/shm
         self._probe_first = mode == "auto" and not local
-        # per-put segments only where they beat frames (not over a unix socket)
-        self._per_put_ok = mode == "always" or address.startswith(_LOOPBACK_TCP)
         self.server: dict[str, Any] | None = None
         self.puts = 0
-        # mappings of the server's pool segments, shared by puts and shm replies
-        self.reader = ShmReader(unlink=False, max_cached=MAX_CACHED_SEGMENTS)
+        # mappings of the server's pool segments: read-write for the regions this client
+        # reserves and writes, read-only (PROT_READ) for the views claims and gets return, so
+        # that a consumer cannot change a stored sample under every other reader
+        self.writer = ShmReader(unlink=False, max_cached=MAX_CACHED_SEGMENTS)
+        self.reader = ShmReader(unlink=False, max_cached=MAX_CACHED_SEGMENTS, writable=False)
         if self.enabled and local:
             # segments of producers killed before their put left the process (see module doc);
             # not through a probe: another container's pids are not ours to judge
@@ -194,7 +195,7 @@ class ShmPuts:
             "reserve", {"nbytes": nbytes, "timeout_ms": _ms(timeout_s)}, wait_s=timeout_s or 0.0
         )
         try:
-            base_S = self.reader.segment(reply["name"], reply["size"])
+            base_S = self.writer.segment(reply["name"], reply["size"])
             return ShmRegion(
                 reply["name"],
                 reply["size"],
@@ -235,8 +236,6 @@ class ShmPuts:
         if region is None and not self.pool(client):
             if not self.enabled:
                 return None
-            if self.server.get("shm") and self._per_put_ok:
-                return self._put_per_segment(client, body, wait_s)
             self.give_up("the server has no shared-memory pool")
             return None
         if region is None:
@@ -251,27 +250,6 @@ class ShmPuts:
         reply = client.request(
             "put", {**body, "fields": fields, "reservation": region.token}, wait_s=wait_s
         )
-        self.puts += 1
-        return reply
-
-    def _put_per_segment(
-        self, client: Any, body: dict[str, Any], wait_s: float
-    ) -> dict[str, Any] | None:
-        """The older path: one fresh segment per put, adopted by the server."""
-        try:
-            segment, fields = fields_to_shm(body["fields"])
-        except OSError as e:
-            self.give_up(f"no shared memory segment: {e} (is /dev/shm full?)")
-            return None
-        try:
-            reply = client.request("put", {**body, "fields": fields}, wait_s=wait_s)
-        except QueueError as e:
-            if e.code == BAD_BODY and e.message.startswith(("shm:", "unknown ext")):
-                self.give_up(f"the server could not adopt the segment: {e}")
-                return None
-            raise
-        finally:
-            segment.unlink()
         self.puts += 1
         return reply
 

@@ -41,6 +41,7 @@ import re
 import secrets
 import stat
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,15 @@ def _path(name: str) -> str:
 def _uint8_view(mm: mmap.mmap) -> torch.Tensor:
     """A uint8 tensor over the whole mapping that keeps the mapping alive (see module doc)."""
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+def _read_only_uint8_view(mm: mmap.mmap) -> torch.Tensor:
+    """``_uint8_view`` of a ``PROT_READ`` mapping. torch has no read-only tensors and warns
+    about a non-writable array; the page protection is what enforces it here (a write is a
+    SIGSEGV, never a silent change of the owner's bytes), so the warning says nothing new."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
 def _view(base_S: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
@@ -581,6 +591,11 @@ class ShmReader:
         segments: name -> uint8 tensor over a segment this process already maps (its own pool);
             such names are resolved without opening any file and never unlinked.
         max_cached: most mappings kept (least recently used dropped first); None = no bound.
+        known_only: refuse every name not in ``segments`` before touching any file (a server
+            that accepts references only into the regions it lent).
+        writable: map segments read-write; False maps them ``PROT_READ`` (a consumer of
+            someone else's segment: its tensors cannot change the owner's bytes, a write into
+            them is a SIGSEGV).
 
     Attributes:
         refs: ``(name, start, end)`` byte ranges of every buffer opened in a known segment, in
@@ -593,10 +608,14 @@ class ShmReader:
         unlink: bool = True,
         segments: Mapping[str, torch.Tensor] | None = None,
         max_cached: int | None = None,
+        known_only: bool = False,
+        writable: bool = True,
     ) -> None:
         if max_cached is not None and max_cached < 1:
             raise ValueError(f"max_cached={max_cached}: keep at least 1 mapping, or None")
         self.unlink = unlink
+        self.known_only = known_only
+        self.writable = writable
         self.known = segments if segments is not None else {}
         self.max_cached = max_cached
         self._maps: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
@@ -626,8 +645,15 @@ class ShmReader:
                 )
             return base_S
         check_name(name)
+        if self.known_only:
+            raise ValueError(
+                f"shm segment {name} was not lent by this server; a put may reference only the "
+                "region of its own reservation (reserve, then put with its token: "
+                "QueueClient.reserve or shm='auto'); other segments are refused untouched"
+            )
+        flags = os.O_RDWR if self.writable else os.O_RDONLY
         try:
-            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(_path(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ValueError(
                 f"shm segment {name} does not exist (already adopted, its producer gave up, or "
@@ -646,12 +672,13 @@ class ShmReader:
                 raise ValueError(
                     f"shm segment {name} is {st.st_size} bytes, the handle says {size}; refused"
                 )
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         if self.unlink:
             _unlink_quietly(name)
-        base_S = _uint8_view(mm)
+        base_S = _uint8_view(mm) if self.writable else _read_only_uint8_view(mm)
         del mm  # the array export inside base_S keeps the mapping alive, nothing else does
         self._maps[name] = base_S
         if self.max_cached is not None and len(self._maps) > self.max_cached:
@@ -666,7 +693,8 @@ class ShmReader:
 
         Returns:
             A tensor of ``shape``, or a ``JaggedColumn`` (values ``[R, *D]``, offsets
-            ``[N+1]``) for a jagged handle. Writable; the mapping lives as long as it does.
+            ``[N+1]``) for a jagged handle. Writable unless the reader is ``writable=False``;
+            the mapping lives as long as it does.
 
         Raises:
             ValueError: anything wrong with the handle, the segment, or the jagged offsets.

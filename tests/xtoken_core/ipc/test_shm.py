@@ -309,3 +309,50 @@ def test_a_region_hands_out_aligned_tensors_inside_its_bounds_only():
         del a, b, base_S, region
     finally:
         seg.unlink()
+
+
+def test_segments_are_created_mode_0600_whatever_the_umask():
+    old = os.umask(0)
+    try:
+        with ShmSegment.create(64) as seg:
+            mode = os.stat(os.path.join(SHM_DIR, seg.name)).st_mode & 0o777
+    finally:
+        os.umask(old)
+    assert mode == 0o600
+
+
+def test_a_known_only_reader_refuses_any_other_segment_without_touching_it():
+    with ShmSegment.create(64) as mine, ShmSegment.create(64) as other:
+        reader = ShmReader(unlink=True, segments={mine.name: mine.base()}, known_only=True)
+        assert reader.open(ShmTensorHandle(mine.name, mine.size, 0, 32, torch.int64, (4,))).numel()
+        with pytest.raises(ValueError, match="not lent by this server"):
+            reader.open(ShmTensorHandle(other.name, other.size, 0, 32, torch.int64, (4,)))
+        assert os.path.exists(os.path.join(SHM_DIR, other.name))
+        assert reader.refs == [(mine.name, 0, 32)]
+        del reader  # holds a view of ``mine``: drop it before the segment closes
+
+
+READ_ONLY_CHILD = r"""
+import sys, torch
+from xtoken_core.ipc import ShmReader, ShmTensorHandle
+reader = ShmReader(unlink=False, writable=False)
+t = reader.open(ShmTensorHandle(sys.argv[1], int(sys.argv[2]), 0, 32, torch.int64, (4,)))
+print(t.tolist(), flush=True)
+t.fill_(0)
+print("wrote", flush=True)
+"""
+
+
+def test_a_read_only_reader_maps_views_that_cannot_be_written():
+    with ShmSegment.create(64) as seg:
+        seg.view(0, torch.int64, (4,)).copy_(torch.arange(4))
+        proc = subprocess.run(
+            [sys.executable, "-W", "error", "-c", READ_ONLY_CHILD, seg.name, str(seg.size)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.stdout.splitlines()[:1] == ["[0, 1, 2, 3]"], proc.stderr  # no warning raised
+        assert "wrote" not in proc.stdout and proc.returncode == -signal.SIGSEGV, proc.stderr
+        assert seg.view(0, torch.int64, (4,)).tolist() == [0, 1, 2, 3]
+        assert os.path.exists(os.path.join(SHM_DIR, seg.name))
