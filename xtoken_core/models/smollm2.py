@@ -15,13 +15,12 @@ tokenizer.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import logging
 import time
 from pathlib import Path
 
-from xtoken_core.tokenizers.cache import cached_folder
+from xtoken_core.tokenizers.cache import cached_folder, source_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +113,7 @@ def smollm2_dir() -> Path:
             not writable.
     """
     gguf_path = smollm2_gguf_path()
-    try:
-        version = importlib.metadata.version(SMOLLM2_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    stamp = {
-        "format": _FORMAT,
-        "source": gguf_path.name,
-        "size": gguf_path.stat().st_size,
-        "package": SMOLLM2_DIST,
-        "version": version,
-    }
+    stamp = source_stamp(gguf_path, SMOLLM2_DIST, _FORMAT)
 
     def build(out: Path) -> None:
         from xtoken_core.models.loading import export_hf

@@ -34,6 +34,35 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "xtoken"
 
 
+def source_stamp(source: Path, package: str | None, fmt: int) -> dict:
+    """What a cached folder is built from: the source file (name, size), the PyPI distribution
+    that ships it and its installed version, and the cache format; a change rebuilds the folder.
+
+    Args:
+        source: the file the folder is built from.
+        package: the distribution that ships it, or None.
+        fmt: the format number of the cached folder.
+
+    Returns:
+        The stamp (a JSON-able dict) for :func:`cached_folder`.
+    """
+    import importlib.metadata
+
+    version = None
+    if package is not None:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+    return {
+        "format": fmt,
+        "source": source.name,
+        "size": source.stat().st_size,
+        "package": package,
+        "version": version,
+    }
+
+
 def read_stamp(folder: Path) -> dict | None:
     """The stamp of a cached folder, or None if it has none (or an unreadable one)."""
     try:

@@ -13,12 +13,11 @@ digit before the byte-level regex), so ids match the model's training tokenizati
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 from pathlib import Path
 
-from xtoken_core.tokenizers.cache import cached_folder
+from xtoken_core.tokenizers.cache import cached_folder, source_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -107,19 +106,7 @@ def gguf_tokenizer_dir(gguf_path: str | Path, name: str, package: str | None = N
         ValueError: the cache is not writable or the tokenizer cannot be converted.
     """
     gguf_path = Path(gguf_path)
-    version = None
-    if package is not None:
-        try:
-            version = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-    stamp = {
-        "format": _FORMAT,
-        "source": gguf_path.name,
-        "size": gguf_path.stat().st_size,
-        "package": package,
-        "version": version,
-    }
+    stamp = source_stamp(gguf_path, package, _FORMAT)
     return cached_folder(
         "tokenizers", name, stamp, lambda out: extract_gguf_tokenizer(gguf_path, out)
     )
