@@ -59,3 +59,46 @@ def test_every_public_function_and_class_in_core_has_a_docstring():
         if not ast.get_docstring(node)
     ]
     assert not missing, "public names without a docstring:\n" + "\n".join(missing)
+
+
+# Files allowed to import the network and process-group stacks (STYLE.md: clients, servers,
+# shells, launchers; the trainer worker wraps DDP/FSDP2 lazily and checkpoints with DCP;
+# losses.utils all-reduces the global counts).
+NETWORK_ALLOWED = {
+    "services/queue/cli.py",
+    "services/queue/client.py",
+    "services/queue/server.py",
+    "services/queue/transport.py",
+    "services/trainer/checkpoint.py",
+    "services/trainer/main.py",
+    "services/trainer/worker.py",
+    "xtoken_core/losses/utils.py",
+}
+NETWORK_MODULES = ("zmq", "fastapi", "uvicorn", "ray", "torch.distributed", "torch.nn.parallel")
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_only_the_allowed_files_import_network_or_process_group_stacks():
+    offenders = []
+    for path in _python_files(CORE) + _python_files(ROOT / "services"):
+        rel = str(path.relative_to(ROOT))
+        hits = sorted(
+            m
+            for m in _imported_modules(path)
+            if any(m == n or m.startswith(n + ".") for n in NETWORK_MODULES)
+        )
+        if hits and rel not in NETWORK_ALLOWED:
+            offenders.append(f"{rel}: {hits}")
+    assert not offenders, "import network/process-group stacks outside the allow-list:\n" + "\n".join(
+        offenders
+    )
