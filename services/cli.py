@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
@@ -14,16 +15,34 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("services.run_cli", "run a whole distillation (queue, collators, teachers, trainers)"),
     "teacher": ("services.teacher.cli", "serve teacher logits to trainers"),
     "trainer": ("services.trainer.cli", "train a student (one rank; torchrun-compatible)"),
-    "collate-stats": ("services.collate_stats", "alignment statistics of two tokenizers on a corpus"),
+    "collate-stats": (
+        "services.collate_stats",
+        "alignment statistics of two tokenizers on a corpus",
+    ),
     "projection": ("services.projection_cli", "build or inspect projection matrices"),
     "queue": ("services.queue.cli", "run or query a transfer-queue server"),
     "collator": ("services.collator.cli", "collate a text corpus into a queue"),
 }
 
 
+# Exit code after the reader of stdout went away (`xtoken queue stats | head`): 128 + SIGPIPE,
+# what a shell reports for a program that SIGPIPE stopped.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("xtoken")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xtoken", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--version", action="version", version=f"xtoken {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text)
@@ -54,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(args._module)
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here rather than at interpreter exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader has what it wanted: no traceback, and no second error when Python
+        # flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -156,8 +156,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     start = time.perf_counter()
-    student = load_tokenizer(args.student)
-    teacher = load_tokenizer(args.teacher)
+    try:
+        student = load_tokenizer(args.student)
+    except ValueError as exc:
+        print(f"xtoken collate-stats: --student: {exc}", file=sys.stderr)
+        return 2
+    try:
+        teacher = load_tokenizer(args.teacher)
+    except ValueError as exc:
+        print(f"xtoken collate-stats: --teacher: {exc}", file=sys.stderr)
+        return 2
     try:
         collator = CrossTokenizerCollator(
             student_tokenizer=student,

@@ -1,10 +1,8 @@
 """`xtoken collator`: collate a text corpus into a transfer queue with N worker processes.
 
 The flags are generated from ``RunConfig`` (services/collator/config.py), ``--config FILE`` reads
-the same settings from JSON/YAML (the worker's under ``worker``). Exit codes (the process
-lifecycle, services/common/lifecycle.py): 0 at the end of the data or after SIGTERM/SIGINT once
-the in-flight puts are done; 2 for bad settings; 1 when the run fails (queue unreachable, a bad
-corpus line, a worker error), with the reason as ``[collator] error: ...``.
+the same settings from JSON/YAML (the worker's under ``worker``). Exit codes: see ``EPILOG``
+(also in ``--help`` and the README); a run that did not put the whole corpus never exits 0.
 """
 
 from __future__ import annotations
@@ -17,11 +15,33 @@ from services.common import config as cfg
 
 logger = logging.getLogger(__name__)
 
+EXIT_EMPTY = 3
+"""The corpus held no text (``--data`` empty or only blank lines)."""
+EXIT_STOPPED = 4
+"""Stopped by SIGTERM/SIGINT (or its parent's death) before the end of the data."""
+
+EPILOG = f"""\
+sample keys:
+  <12 hex of the file's absolute path>/<file name>:<line>, e.g. 3f2a9c1b7d4e/data.jsonl:7:
+  the same on every restart on the same file, so a rerun skips what the queue holds;
+  with --key-root DIR: <path under DIR>:<line>, e.g. a/data.jsonl:7 (the same wherever
+  the corpus is mounted).
+
+exit codes:
+  0  every text of the corpus is in the queue (put now or already queued)
+  1  the run failed: queue unreachable, a bad corpus line, a worker error
+  2  bad settings (the message names the flag)
+  {EXIT_EMPTY}  the corpus holds no text
+  {EXIT_STOPPED}  stopped by SIGTERM/SIGINT after the in-flight puts; rerun to complete
+"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the collator options (one per ``RunConfig`` field) to ``parser``."""
     from services.collator.config import RunConfig
 
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     cfg.add_arguments(parser, RunConfig)
     parser.add_argument(
         "--summary-json", default=None, help="also write the run summary to this JSON file"
@@ -55,6 +75,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"[collator] {summary.line()}", flush=True)
         if args.summary_json:
             _write_summary(args.summary_json, summary)
+        if summary.stopped:
+            logger.warning(
+                "[collator] stopped before the end of %s: exit code %d (rerun to complete)",
+                config.data,
+                EXIT_STOPPED,
+            )
+            return EXIT_STOPPED
+        if summary.read == 0:
+            logger.error(
+                "[collator] error: no text in --data %s (empty, or only blank lines): exit code %d",
+                config.data,
+                EXIT_EMPTY,
+            )
+            return EXIT_EMPTY
         return 0
 
     return run_process(

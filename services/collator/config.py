@@ -69,9 +69,14 @@ class RunConfig:
         txt_split: ``.txt`` documents: ``"blank_line"`` or ``"line"``.
         log_every_s: seconds between progress log lines.
         skip_queued: ask the queue for the keys it holds and skip them.
+        key_root: key samples by the corpus file's path relative to this folder
+            (``a/data.jsonl:<line>``); None: by a hash of its absolute path
+            (``<12 hex>/data.jsonl:<line>``). See ``xtoken_core.data.corpus.corpus_key_prefix``.
 
     Raises:
-        ValueError: ``workers``, ``batch`` or ``limit`` below 1, or ``log_every_s`` <= 0.
+        ValueError: ``workers``, ``batch`` or ``limit`` below 1, ``log_every_s`` <= 0, a queue
+            address that is no ``tcp://``/``ipc://`` endpoint, or a ``data`` file outside
+            ``key_root``.
     """
 
     data: str = field(metadata={"help": "corpus file: .jsonl, .txt or .parquet"})
@@ -97,6 +102,14 @@ class RunConfig:
             "everything; puts stay idempotent)"
         },
     )
+    key_root: str | None = field(
+        default=None,
+        metadata={
+            "help": "key samples by the corpus path relative to DIR (a/data.jsonl:<line>): the "
+            "same keys wherever the corpus is mounted; default: <12 hex of the file's absolute "
+            "path>/<name>:<line>, stable while the file stays where it is"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -107,3 +120,16 @@ class RunConfig:
             raise ValueError(f"limit={self.limit}: must be >= 1, or omitted for the whole file")
         if self.log_every_s <= 0:
             raise ValueError(f"log_every_s={self.log_every_s}: must be > 0 (--log-every)")
+        from services.common.endpoint import check_endpoint
+
+        check_endpoint(self.worker.queue, "--queue")
+        if self.key_root is not None:
+            from xtoken_core.data.corpus import corpus_key_prefix
+
+            try:
+                corpus_key_prefix(self.data, self.key_root)
+            except ValueError:
+                raise ValueError(
+                    f"--data {self.data} is not under --key-root {self.key_root}: pass a "
+                    "--key-root folder that holds the corpus file"
+                ) from None

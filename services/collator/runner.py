@@ -1,6 +1,7 @@
 """Collator run: read a corpus, skip keys already queued, feed N worker processes, report progress.
 
-The parent process reads the texts (``iter_texts``: stable keys ``"<file>:<line>"``), asks the
+The parent process reads the texts (``iter_texts``: keys ``"<file id>:<line>"``, the same on
+every restart on the same file, distinct for files of one name in different folders), asks the
 queue which keys it already holds (``list``) and skips them, groups the rest into batches of
 ``batch`` texts and hands them to N ``worker_main`` processes through a bounded queue. Workers
 put their own samples (the tensors never pass through the parent). Restarting a run therefore
@@ -180,7 +181,9 @@ class CollatorRun:
             if cfg.skip_queued
             else check_queue(cfg.worker.queue, cfg.worker.queue_timeout_s, None)
         )
-        texts = iter_texts(cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split)
+        texts = iter_texts(
+            cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split, key_root=cfg.key_root
+        )
         if on_ready is not None:
             on_ready()
         if queued:

@@ -151,10 +151,26 @@ class CollatorWorker:
         Raises:
             QueueError: the queue refused the put or did not answer (names the address).
         """
+        from services.queue.errors import QueueError
+
         keys, fields = self.collate(items)
-        reply = self.client.put(
-            self.config.partition, keys, fields, timeout_s=self.config.put_timeout_s
-        )
+        try:
+            reply = self.client.put(
+                self.config.partition, keys, fields, timeout_s=self.config.put_timeout_s
+            )
+        except QueueError as e:
+            if e.code != "timeout":
+                raise
+            # the client's message names its Python arguments; an operator sets flags
+            raise QueueError(
+                e.code,
+                f"no reply to a put from {self.config.queue} within --queue-timeout "
+                f"{self.config.queue_timeout_s:g}s + --put-timeout {self.config.put_timeout_s:g}s "
+                "(3 attempts); is the queue up? raise --put-timeout if it is full and slow to "
+                "drain",
+                retryable=e.retryable,
+                request_type=e.request_type,
+            ) from None
         return {
             "samples": len(keys),
             "written": int(reply.get("new_samples", reply.get("written", len(keys)))),

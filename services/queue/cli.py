@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import re
 import sys
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {
     "": 1,
@@ -59,6 +63,20 @@ def _size_or_zero_arg(text: str) -> int:
     return 0 if str(text).strip() == "0" else _size_arg(text)
 
 
+def _endpoint_arg(flag: str):
+    """An argparse type that accepts a ZMQ endpoint and names ``flag`` otherwise."""
+    from services.common.endpoint import check_endpoint
+
+    def parse(text: str) -> str:
+        try:
+            return check_endpoint(text, flag)
+        except ValueError as e:
+            # argparse already says "argument --bind: "
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` and `stats` sub-subcommands."""
     sub = parser.add_subparsers(dest="queue_command", metavar="{serve,stats}", required=True)
@@ -69,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--bind",
         default="tcp://127.0.0.1:5555",
+        type=_endpoint_arg("--bind"),
         help="ZMQ endpoint: tcp://HOST:PORT (PORT * = any free) or ipc://PATH",
     )
     serve.add_argument(
@@ -125,7 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='once listening, write {"pid", "name": "queue", "endpoint"} JSON to this file',
     )
     stats = sub.add_parser("stats", help="print a queue server's stats")
-    stats.add_argument("--queue", required=True, help="server endpoint, e.g. tcp://host:5555")
+    stats.add_argument(
+        "--queue",
+        required=True,
+        type=_endpoint_arg("--queue"),
+        help="server endpoint, e.g. tcp://host:5555",
+    )
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
 
@@ -161,7 +185,25 @@ def _serve(args: argparse.Namespace) -> int:
             shm_reserve_s=args.shm_reserve_timeout,
             limits=limits,
         )
-        return serve(config, lifecycle)
+        import zmq
+
+        try:
+            return serve(config, lifecycle)
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+                raise
+            why = (
+                "the address is already in use (another server listens there)"
+                if e.errno == errno.EADDRINUSE
+                else e.strerror
+            )
+            logger.error(
+                "[queue] error: cannot listen on %s: %s; pass another --bind, e.g. "
+                "tcp://127.0.0.1:* for any free port",
+                args.bind,
+                why,
+            )
+            return 1
 
     return run_process(
         "queue", main, ready_file=args.ready_file, log_level=getattr(args, "log_level", "INFO")
@@ -176,7 +218,14 @@ def _stats(args: argparse.Namespace) -> int:
         with QueueClient(args.queue, timeout_s=args.timeout, retries=0) as client:
             stats = client.stats()
     except QueueError as e:
-        print(f"xtoken queue stats: {e}", file=sys.stderr)
+        if e.code == "timeout":
+            print(
+                f"xtoken queue stats: no reply from {args.queue} within {args.timeout:g}s; is the "
+                "server up? check --queue or raise --timeout",
+                file=sys.stderr,
+            )
+        else:
+            print(f"xtoken queue stats: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))

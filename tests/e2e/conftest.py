@@ -373,7 +373,8 @@ def corpus_parts(demo, directory: pathlib.Path, n: int, parts: int,
     """Texts ``[start, start + n)`` of the demo corpus split into ``parts`` JSONL files.
 
     Returns:
-        The files and every key the collators will make of them (``part<i>.jsonl:<line>``).
+        The files and every key the collators will make of them
+        (``<12 hex of the file's path>/part<i>.jsonl:<line>``, ``iter_texts``' default).
     """
     from xtoken_core.data.corpus import iter_texts
 

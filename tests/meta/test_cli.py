@@ -46,3 +46,24 @@ def test_building_the_parser_does_not_import_network_stacks():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"xtoken {version('xtoken')}"
+
+
+def test_an_unknown_tokenizer_is_a_message_naming_the_flag():
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "collate-stats", "--student", "gpt2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--student" in proc.stderr and "gpt2" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -5,6 +5,7 @@ from xtoken_core.data.corpus import (
     DemoCorpus,
     build_demo_corpus,
     chunk_text,
+    corpus_key_prefix,
     default_demo_dir,
     iter_texts,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "FieldSpec",
     "build_demo_corpus",
     "chunk_text",
+    "corpus_key_prefix",
     "default_demo_dir",
     "iter_texts",
     "pad_samples",

@@ -7,8 +7,17 @@ Readers. :func:`iter_texts` yields ``(key, text)`` pairs from one file, chosen b
   document per line (``txt_split="line"``).
 * ``.parquet``: a string column ``"text"`` (read with pyarrow, one record batch at a time).
 
-The key is stable across runs and machines: ``"<file name>:<line>"`` with the 1-based line on
-which the text starts (for parquet: the 1-based row number). Bad input raises ``ValueError``
+Keys name the corpus file and the 1-based line on which the text starts (for parquet: the
+1-based row), ``"<file id>:<line>"``, so that texts of different files never share a key, and a
+restart of a run on the same file makes the same keys (the collator's skip of queued keys relies
+on it). The file id (:func:`corpus_key_prefix`) is:
+
+* with a key root: the file's path relative to it, ``"a/data.jsonl:3"``: readable, and the same
+  on every machine that mounts the corpus under another root;
+* without: ``"<12 hex>/<file name>"``, the hex being the start of the SHA-256 of the file's
+  resolved absolute path, ``"3f2a9c1b7d4e/data.jsonl:3"``: the same for every spelling of the
+  path (relative, ``..``, symlink), different for ``a/data.jsonl`` and ``b/data.jsonl``; moving
+  or renaming the file changes it (pass a key root for keys that survive a move). Bad input raises ``ValueError``
 naming the file and the line: invalid UTF-8 (with the absolute byte offset), invalid JSON, a
 missing or non-string ``"text"``.
 
@@ -324,6 +333,33 @@ def build_demo_corpus(
     )
 
 
+def corpus_key_prefix(path: str | os.PathLike, key_root: str | os.PathLike | None = None) -> str:
+    """The file part of the keys :func:`iter_texts` makes for ``path`` (keys are ``"<it>:<line>"``).
+
+    Args:
+        path: the corpus file.
+        key_root: a folder holding the file: the prefix is the file's POSIX path relative to
+            it; None: ``"<12 hex of sha256(resolved absolute path)>/<file name>"``.
+
+    Returns:
+        The prefix, e.g. ``"a/data.jsonl"`` or ``"3f2a9c1b7d4e/data.jsonl"``.
+
+    Raises:
+        ValueError: ``path`` is not under ``key_root`` (names both).
+    """
+    resolved = pathlib.Path(path).resolve()
+    if key_root is not None:
+        root = pathlib.Path(key_root).resolve()
+        if not resolved.is_relative_to(root) or resolved == root:
+            raise ValueError(
+                f"corpus file {resolved} is not under the key root {root}; pass a key root "
+                "that holds the file"
+            )
+        return resolved.relative_to(root).as_posix()
+    digest = hashlib.sha256(str(resolved).encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{digest[:12]}/{resolved.name}"
+
+
 def _decode_line(raw: bytes, path: pathlib.Path, line_number: int, line_offset: int) -> str:
     """Decode one line as strict UTF-8, or raise a ValueError that says where it is broken."""
     try:
@@ -348,7 +384,7 @@ def _iter_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
             yield number, text.rstrip("\r\n")
 
 
-def _iter_jsonl(path: pathlib.Path, field: str) -> Iterator[tuple[str, str]]:
+def _iter_jsonl(path: pathlib.Path, field: str, prefix: str) -> Iterator[tuple[str, str]]:
     for number, line in _iter_lines(path):
         if not line.strip():
             continue
@@ -374,14 +410,14 @@ def _iter_jsonl(path: pathlib.Path, field: str) -> Iterator[tuple[str, str]]:
                 f"{path}: line {number}: {field!r} holds a lone surrogate "
                 f"U+{ord(text[exc.start]):04X} at character {exc.start}; fix the escape"
             ) from None
-        yield f"{path.name}:{number}", text
+        yield f"{prefix}:{number}", text
 
 
-def _iter_txt(path: pathlib.Path, split: str) -> Iterator[tuple[str, str]]:
+def _iter_txt(path: pathlib.Path, split: str, prefix: str) -> Iterator[tuple[str, str]]:
     if split == "line":
         for number, line in _iter_lines(path):
             if line.strip():
-                yield f"{path.name}:{number}", line
+                yield f"{prefix}:{number}", line
         return
     start, block = 0, []
     for number, line in _iter_lines(path):
@@ -390,13 +426,13 @@ def _iter_txt(path: pathlib.Path, split: str) -> Iterator[tuple[str, str]]:
                 start = number
             block.append(line)
         elif block:
-            yield f"{path.name}:{start}", "\n".join(block)
+            yield f"{prefix}:{start}", "\n".join(block)
             block = []
     if block:
-        yield f"{path.name}:{start}", "\n".join(block)
+        yield f"{prefix}:{start}", "\n".join(block)
 
 
-def _iter_parquet(path: pathlib.Path, field: str) -> Iterator[tuple[str, str]]:
+def _iter_parquet(path: pathlib.Path, field: str, prefix: str) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -415,11 +451,15 @@ def _iter_parquet(path: pathlib.Path, field: str) -> Iterator[tuple[str, str]]:
             row += 1
             if value is None:
                 raise ValueError(f"{path}: row {row}: column {field!r} is null; drop or fill it")
-            yield f"{path.name}:{row}", value
+            yield f"{prefix}:{row}", value
 
 
 def iter_texts(
-    path: str | os.PathLike, *, text_field: str = "text", txt_split: str = "blank_line"
+    path: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    txt_split: str = "blank_line",
+    key_root: str | os.PathLike | None = None,
 ) -> Iterator[tuple[str, str]]:
     """Yield ``(key, text)`` from a ``.jsonl``, ``.txt`` or ``.parquet`` file, in file order.
 
@@ -428,25 +468,29 @@ def iter_texts(
         text_field: JSON field / parquet column holding the text.
         txt_split: for ``.txt``: ``"blank_line"`` (documents separated by blank lines) or
             ``"line"`` (one document per non-empty line).
+        key_root: key by the file's path relative to this folder (see
+            :func:`corpus_key_prefix`); None: by a hash of its absolute path and its name.
 
     Returns:
-        An iterator of ``(key, text)``; key = ``"<file name>:<1-based start line or row>"``.
+        An iterator of ``(key, text)``; key = ``"<corpus_key_prefix>:<1-based start line or
+        row>"``, e.g. ``"3f2a9c1b7d4e/data.jsonl:3"`` or, with a key root, ``"a/data.jsonl:3"``.
 
     Raises:
         ValueError: unknown suffix or ``txt_split``; invalid UTF-8 (names file, line and byte
             offset); invalid JSON or a record without a string text field (names the line);
-            a missing, non-string or null parquet column.
+            a missing, non-string or null parquet column; a file outside ``key_root``.
         FileNotFoundError: if ``path`` does not exist.
     """
     p = pathlib.Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no such corpus file: {p}")
+    prefix = corpus_key_prefix(p, key_root)
     if p.suffix == ".jsonl":
-        return _iter_jsonl(p, text_field)
+        return _iter_jsonl(p, text_field, prefix)
     if p.suffix == ".txt":
         if txt_split not in ("blank_line", "line"):
             raise ValueError(f"txt_split must be 'blank_line' or 'line', got {txt_split!r}")
-        return _iter_txt(p, txt_split)
+        return _iter_txt(p, txt_split, prefix)
     if p.suffix == ".parquet":
-        return _iter_parquet(p, text_field)
+        return _iter_parquet(p, text_field, prefix)
     raise ValueError(f"{p}: unsupported corpus suffix {p.suffix!r}; use one of {_SUFFIXES}")

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from services.collator.cli import EXIT_EMPTY, EXIT_STOPPED
 from services.collator.worker import CollatorWorker, WorkerConfig
 from services.queue.client import QueueClient
 from tests.services.collator.conftest import (
@@ -101,7 +102,9 @@ def test_restart_skips_queued_keys_and_adds_nothing(queue_server, filled, corpus
     assert sorted(_queued(queue_server.address, "both")) == sorted(expected)
 
 
-def test_sigterm_mid_run_exits_zero_and_a_rerun_completes(queue_server, corpus_slice, expected):
+def test_sigterm_mid_run_exits_with_the_stopped_code_and_a_rerun_completes(
+    queue_server, corpus_slice, expected
+):
     address, partition = queue_server.address, "sigterm"
     proc = subprocess.Popen(
         collator_cmd(address, corpus_slice, partition, "--workers", "1", "--batch", "1"),
@@ -123,7 +126,7 @@ def test_sigterm_mid_run_exits_zero_and_a_rerun_completes(queue_server, corpus_s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, err
+    assert proc.returncode == EXIT_STOPPED, err
     assert "stopped early" in out
     partial = _queued(address, partition)
     assert 0 < len(partial) < len(expected)
@@ -185,3 +188,58 @@ def test_a_missing_setting_exits_two_naming_its_flag(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "[collator] error: missing required key 'worker.queue'" in proc.stderr
     assert "--queue" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_files_of_one_name_in_two_folders_both_reach_one_partition(queue_server, tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "data.jsonl").write_text(
+            "".join(f'{{"text": "{folder} text {i}"}}\n' for i in range(3)), encoding="utf-8"
+        )
+    for folder in ("a", "b"):
+        proc, summary = run_collator(
+            queue_server.address, tmp_path / folder / "data.jsonl", "two-folders"
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert summary["written"] == 3 and summary["skipped"] == 0, summary
+    assert len(_queued(queue_server.address, "two-folders")) == 6
+
+
+def test_key_root_keys_samples_by_their_path_under_it(queue_server, tmp_path):
+    (tmp_path / "a").mkdir()
+    data = tmp_path / "a" / "data.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
+    proc, _ = run_collator(queue_server.address, data, "key-root", "--key-root", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(_queued(queue_server.address, "key-root")) == ["a/data.jsonl:1", "a/data.jsonl:2"]
+    proc, _ = run_collator(
+        queue_server.address, data, "key-root", "--key-root", str(data.parent / "x")
+    )
+    assert proc.returncode == 2 and "--key-root" in proc.stderr, proc.stderr
+
+
+def test_an_empty_corpus_exits_with_its_own_code(queue_server, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n\n", encoding="utf-8")
+    proc, summary = run_collator(queue_server.address, data, "empty")
+    assert proc.returncode == EXIT_EMPTY, proc.stderr
+    assert "no text in --data" in proc.stderr and str(data) in proc.stderr, proc.stderr
+    assert summary is not None and summary["read"] == 0
+
+
+def test_exit_codes_are_distinct_and_documented_in_the_help():
+    from services import cli
+
+    assert len({0, 1, 2, EXIT_EMPTY, EXIT_STOPPED}) == 5
+    parser = cli.build_parser()
+    collator = parser._subparsers._group_actions[0].choices["collator"]
+    help_text = collator.format_help()
+    for code in (EXIT_EMPTY, EXIT_STOPPED):
+        assert f"  {code}  " in help_text, help_text
+
+
+def test_a_queue_address_without_scheme_exits_two_naming_the_flag(corpus_slice):
+    proc, _ = run_collator("127.0.0.1:5555", corpus_slice, "p", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--queue" in proc.stderr and "tcp://127.0.0.1:5555" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -89,3 +89,75 @@ def test_serve_with_bad_settings_exits_two_with_the_message_only():
     assert proc.returncode == 2
     assert "[queue] error: lease_s=-1.0: must be > 0 (--lease)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _xtoken(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_serve_on_a_port_in_use_says_so_and_names_the_flag():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        proc = _xtoken("queue", "serve", "--bind", address)
+    assert proc.returncode == 1, proc.stderr
+    assert "already in use" in proc.stderr and "--bind" in proc.stderr, proc.stderr
+    assert address in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("queue", "serve", "--bind", "127.0.0.1:5555"), "--bind"),
+        (("queue", "stats", "--queue", "127.0.0.1:5555"), "--queue"),
+        (("queue", "stats", "--queue", "tcp://127.0.0.1"), "--queue"),
+    ],
+)
+def test_an_address_without_scheme_or_port_is_a_usage_error_naming_the_flag(args, flag):
+    proc = _xtoken(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert flag in proc.stderr and "tcp://" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_stats_timeout_names_the_timeout_flag():
+    import socket
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _xtoken("queue", "stats", "--queue", f"tcp://127.0.0.1:{port}", "--timeout", "0.3")
+    assert proc.returncode == 1, proc.stderr
+    assert "--timeout" in proc.stderr, proc.stderr
+    assert "timeout_s" not in proc.stderr and "retries" not in proc.stderr, proc.stderr
+
+
+def test_stats_into_a_closed_pipe_exits_quietly(server):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "queue",
+            "stats",
+            "--queue",
+            server.address,
+            "--json",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # like `| head` that has read enough
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err  # 128 + SIGPIPE, what a shell reports for `cat | head`
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from xtoken_core.data.corpus import build_demo_corpus, chunk_text, iter_texts
+from xtoken_core.data.corpus import build_demo_corpus, chunk_text, corpus_key_prefix, iter_texts
 
 
 def _fake_stdlib(root, n_files=30):
@@ -97,44 +98,44 @@ def test_chunk_text_packs_paragraphs_and_cuts_long_ones():
         chunk_text("x", min_chars=10, max_chars=5)
 
 
-def test_jsonl_reader_keys_are_file_name_and_line(tmp_path):
+def test_jsonl_reader_keys_are_path_under_the_key_root_and_line(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "a"}\n\n{"text": "b\\nc", "other": 1}\n', encoding="utf-8")
-    assert list(iter_texts(path)) == [("c.jsonl:1", "a"), ("c.jsonl:3", "b\nc")]
+    assert list(iter_texts(path, key_root=tmp_path)) == [("c.jsonl:1", "a"), ("c.jsonl:3", "b\nc")]
 
 
 def test_invalid_utf8_names_file_line_and_byte_offset(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "x\xff"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl: line 2: invalid UTF-8 at byte offset 26"):
-        list(iter_texts(path))
+        list(iter_texts(path, key_root=tmp_path))
     txt = tmp_path / "bad.txt"
     txt.write_bytes(b"fine\n\nalso fine\n\xc3(\n")
     with pytest.raises(ValueError, match=r"bad\.txt: line 4: invalid UTF-8 at byte offset 16"):
-        list(iter_texts(txt))
+        list(iter_texts(txt, key_root=tmp_path))
 
 
 def test_invalid_json_or_missing_text_names_the_line(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "a"}\n{"text": oops}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"c\.jsonl: line 2: invalid JSON"):
-        list(iter_texts(path))
+        list(iter_texts(path, key_root=tmp_path))
     path.write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"line 2: expected a JSON object with a string field"):
-        list(iter_texts(path))
+        list(iter_texts(path, key_root=tmp_path))
     path.write_text('{"body": "b"}\n', encoding="utf-8")
-    assert list(iter_texts(path, text_field="body")) == [("c.jsonl:1", "b")]
+    assert list(iter_texts(path, text_field="body", key_root=tmp_path)) == [("c.jsonl:1", "b")]
 
 
 def test_txt_reader_splits_on_blank_lines_or_per_line(tmp_path):
     path = tmp_path / "d.txt"
     path.write_text("one\ntwo\n\n\nthree\n  \nfour", encoding="utf-8")
-    assert list(iter_texts(path)) == [
+    assert list(iter_texts(path, key_root=tmp_path)) == [
         ("d.txt:1", "one\ntwo"),
         ("d.txt:5", "three"),
         ("d.txt:7", "four"),
     ]
-    assert [k for k, _ in iter_texts(path, txt_split="line")] == [
+    assert [k for k, _ in iter_texts(path, txt_split="line", key_root=tmp_path)] == [
         "d.txt:1",
         "d.txt:2",
         "d.txt:5",
@@ -150,16 +151,16 @@ def test_parquet_reader_yields_text_column_with_row_keys(tmp_path):
 
     path = tmp_path / "e.parquet"
     pq.write_table(pa.table({"text": ["x", "", "z\u00e9"], "n": [1, 2, 3]}), path)
-    assert list(iter_texts(path)) == [
+    assert list(iter_texts(path, key_root=tmp_path)) == [
         ("e.parquet:1", "x"),
         ("e.parquet:2", ""),
         ("e.parquet:3", "z\u00e9"),
     ]
     with pytest.raises(ValueError, match="no column 'body'"):
-        list(iter_texts(path, text_field="body"))
+        list(iter_texts(path, text_field="body", key_root=tmp_path))
     pq.write_table(pa.table({"text": ["x", None]}), path)
     with pytest.raises(ValueError, match="row 2: column 'text' is null"):
-        list(iter_texts(path))
+        list(iter_texts(path, key_root=tmp_path))
 
 
 def test_unknown_suffix_and_missing_file_are_rejected(tmp_path):
@@ -177,4 +178,34 @@ def test_json_escaped_lone_surrogate_names_the_line(tmp_path):
     with pytest.raises(
         ValueError, match=r"s\.jsonl: line 2: 'text' holds a lone surrogate U\+D800"
     ):
-        list(iter_texts(path))
+        list(iter_texts(path, key_root=tmp_path))
+
+
+def test_default_keys_tell_apart_files_of_one_name_in_two_folders(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "data.jsonl").write_text('{"text": "t"}\n', encoding="utf-8")
+    key_a = [k for k, _ in iter_texts(tmp_path / "a" / "data.jsonl")]
+    key_b = [k for k, _ in iter_texts(tmp_path / "b" / "data.jsonl")]
+    assert key_a != key_b
+    assert re.fullmatch(r"[0-9a-f]{12}/data\.jsonl:1", key_a[0]), key_a
+
+
+def test_default_keys_are_stable_across_runs_and_spellings_of_the_path(tmp_path, monkeypatch):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n', encoding="utf-8")
+    first = [k for k, _ in iter_texts(path)]
+    monkeypatch.chdir(tmp_path)
+    assert [k for k, _ in iter_texts("c.jsonl")] == first
+    assert [k for k, _ in iter_texts("./../" + tmp_path.name + "/c.jsonl")] == first
+    assert corpus_key_prefix(path) == first[0].rsplit(":", 1)[0]
+
+
+def test_key_root_keys_by_the_relative_path_and_refuses_a_file_outside_it(tmp_path):
+    (tmp_path / "a").mkdir()
+    path = tmp_path / "a" / "data.jsonl"
+    path.write_text('{"text": "t"}\n', encoding="utf-8")
+    assert [k for k, _ in iter_texts(path, key_root=tmp_path)] == ["a/data.jsonl:1"]
+    assert corpus_key_prefix(path, key_root=tmp_path / "a") == "data.jsonl"
+    with pytest.raises(ValueError, match="not under the key root"):
+        iter_texts(path, key_root=tmp_path / "elsewhere")
