@@ -26,7 +26,7 @@ import zmq
 
 from services.queue import errors as codes
 from services.queue.errors import StoreError
-from services.queue.shm_pool import PoolSegment, ShmPool
+from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes
 from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
 from services.queue.transport import COPY_BELOW, recv_frames, send_frames
@@ -74,6 +74,10 @@ class ServerConfig:
             room is needed.
         shm_reserve_s: seconds a shared-memory reservation stays valid without a put
             (``--shm-reserve-timeout``).
+        shm_reserve_max_bytes: most bytes one client (connection) may hold reserved and not
+            yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
+            once (``bad_request``; the client sends frames), one that would pass it with the
+            client's other reservations gets ``queue_full`` at once instead of waiting.
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -88,6 +92,7 @@ class ServerConfig:
     busy_poll_us: int = 300
     shm_pool_free_bytes: int = 1 << 30
     shm_reserve_s: float = 60.0
+    shm_reserve_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -104,6 +109,13 @@ class ServerConfig:
         if self.shm_pool_free_bytes < 0:
             raise ValueError(
                 f"shm_pool_free_bytes={self.shm_pool_free_bytes}: must be >= 0 (--shm-pool-free)"
+            )
+        if self.shm_reserve_max_bytes is None:
+            self.shm_reserve_max_bytes = max(1, self.capacity_bytes // 4)
+        if self.shm_reserve_max_bytes <= 0:
+            raise ValueError(
+                f"shm_reserve_max_bytes={self.shm_reserve_max_bytes}: must be > 0 "
+                "(None = a quarter of the capacity)"
             )
         if not self.shm_reserve_s > 0:
             raise ValueError(
@@ -332,6 +344,7 @@ class QueueServer:
             "shm": False,  # adopts no producer-created segment: puts go through the pool
             "shm_pool": True,  # answers reserve; put.reservation; claim/get shm
             "shm_reserve_ms": int(self.config.shm_reserve_s * 1000),
+            "shm_reserve_max_bytes": self.config.shm_reserve_max_bytes,  # larger puts: frames
             "shm_probe": self.pool.probe(),  # {name, nonce}: proves a client shares /dev/shm
         }
 
@@ -382,7 +395,8 @@ class QueueServer:
                 f"reserve of {nbytes} bytes is larger than the whole queue capacity "
                 f"({self.store.capacity_bytes} bytes); split the put or raise --capacity",
             )
-        reply = self._try_reserve(nbytes)
+        self._check_reserve_quota(ident, nbytes)
+        reply = self._try_reserve(nbytes, ident)
         if reply is not None:
             return reply
         timeout_ms = body.get("timeout_ms")
@@ -392,9 +406,34 @@ class QueueServer:
         self._park(_Parked("reserve", ident, rid, body, time.monotonic() + timeout_s))
         return None
 
-    def _try_reserve(self, nbytes: int) -> dict[str, Any] | None:
+    def _check_reserve_quota(self, ident: bytes, nbytes: int) -> None:
+        """Refuse a reserve past ``shm_reserve_max_bytes`` for this client, at once.
+
+        Checked before any segment is made: one small request must not make the server commit
+        (and zero) a large share of the capacity, nor one client hold all of it.
+        """
+        limit = self.config.shm_reserve_max_bytes
+        size = segment_bytes(nbytes)
+        if size > limit:
+            raise StoreError(
+                codes.BAD_REQUEST,
+                f"reserve of {nbytes} bytes ({size} as a segment) is more than one client may "
+                f"hold reserved (shm_reserve_max_bytes={limit}, a quarter of --capacity by "
+                "default); send the put as frames or split it",
+            )
+        held = self.pool.client_bytes(ident)
+        if held + size > limit:
+            raise StoreError(
+                codes.QUEUE_FULL,
+                f"reserve of {nbytes} bytes: this client already holds {held} bytes reserved "
+                f"and unused, and may hold at most shm_reserve_max_bytes={limit}; put or let "
+                "those reservations lapse first",
+                retryable=True,
+            )
+
+    def _try_reserve(self, nbytes: int, owner: bytes) -> dict[str, Any] | None:
         try:
-            seg = self.pool.reserve(nbytes, self.store.room(), self._segment_ready)
+            seg = self.pool.reserve(nbytes, self.store.room(), self._segment_ready, owner)
         except OSError as e:
             raise StoreError(
                 codes.SHM_UNAVAILABLE,
@@ -541,7 +580,8 @@ class QueueServer:
             body = parked.body
             try:
                 if parked.kind == "reserve":
-                    reply = self._try_reserve(body["nbytes"])
+                    self._check_reserve_quota(parked.ident, body["nbytes"])
+                    reply = self._try_reserve(body["nbytes"], parked.ident)
                     if reply is None:
                         break
                 else:

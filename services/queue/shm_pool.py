@@ -85,6 +85,7 @@ class PoolSegment:
     deadline: float = 0.0
     released_seq: int = -1
     uses: int = 0
+    owner: bytes = b""  # the client a reserved or staged segment counts against
 
     @property
     def name(self) -> str:
@@ -142,6 +143,7 @@ class ShmPool:
         self.free_bytes = 0
         self.created = self.reused = self.unlinked = self.expired = 0
         self._probe: tuple[ShmSegment, str] | None = None
+        self._client_bytes: dict[bytes, int] = {}  # owner -> bytes reserved or staged
 
     # ---------------------------------------------------------------- probe
 
@@ -169,8 +171,26 @@ class ShmPool:
 
     # ---------------------------------------------------------------- reserve
 
+    def client_bytes(self, owner: bytes) -> int:
+        """Bytes of the segments ``owner`` holds reserved or staged (not yet stored)."""
+        return self._client_bytes.get(owner, 0)
+
+    def _own(self, seg: PoolSegment, owner: bytes) -> None:
+        seg.owner = owner
+        self._client_bytes[owner] = self._client_bytes.get(owner, 0) + seg.size
+
+    def _disown(self, seg: PoolSegment) -> None:
+        if not seg.owner:
+            return
+        left = self._client_bytes.get(seg.owner, 0) - seg.size
+        if left > 0:
+            self._client_bytes[seg.owner] = left
+        else:
+            self._client_bytes.pop(seg.owner, None)
+        seg.owner = b""
+
     def reserve(
-        self, nbytes: int, room: int, ready: Callable[[PoolSegment], bool]
+        self, nbytes: int, room: int, ready: Callable[[PoolSegment], bool], owner: bytes = b""
     ) -> PoolSegment | None:
         """Lend a segment of at least ``nbytes`` under a fresh token.
 
@@ -178,6 +198,8 @@ class ShmPool:
             nbytes: bytes the producer needs.
             room: capacity bytes not used by the store nor held by the pool.
             ready: whether a free segment may be written again (its replies have left).
+            owner: the client it is lent to (its bytes count in ``client_bytes`` until the
+                put is stored, refused or the reservation expires).
 
         Returns:
             The reserved segment, or None when it does not fit in ``room`` even after dropping
@@ -197,6 +219,7 @@ class ShmPool:
         else:
             self.reused += 1
         seg.state = "reserved"
+        self._own(seg, owner)
         seg.token = secrets.token_hex(16)
         seg.deadline = self.clock() + self.reserve_s
         self._reserved[seg.token] = seg
@@ -322,6 +345,7 @@ class ShmPool:
         seg.token = ""
         seg.uses += 1
         seg.state = "stored"
+        self._disown(seg)
         self.held_bytes -= seg.size
         if not referenced:
             self.release(seg.ptr, -1)
@@ -346,6 +370,7 @@ class ShmPool:
         self._to_free(seg, send_seq)
 
     def _to_free(self, seg: PoolSegment, send_seq: int) -> None:
+        self._disown(seg)
         seg.state, seg.token, seg.released_seq = "free", "", send_seq
         if self.free_bytes + seg.size > self.max_free_bytes:
             self._unlink(seg)
@@ -382,6 +407,7 @@ class ShmPool:
             # such segment"), then unlinked; its bytes stay counted until then.
             logger.info("[queue] shm reservation of %s expired unused: retired", seg.name)
             seg.state, seg.token = "expired", ""
+            self._disown(seg)
             self._retired.append((now + max(self.reserve_s, RETIRE_MIN_S), seg))
             n += 1
         while self._retired and self._retired[0][0] <= now:
@@ -435,6 +461,7 @@ class ShmPool:
         self._free.clear()
         self._retired.clear()
         self._reserved.clear()
+        self._client_bytes.clear()
         self.held_bytes = self.free_bytes = 0
         if n:
             logger.info("[queue] shm pool: unlinked %d segments", n)

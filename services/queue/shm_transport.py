@@ -239,8 +239,12 @@ class ShmPuts:
             self.give_up("the server has no shared-memory pool")
             return None
         if region is None:
+            nbytes = fields_layout_bytes(body["fields"])
+            limit = self.server.get("shm_reserve_max_bytes", nbytes)
+            if nbytes > limit and self.mode != "always":
+                return None  # more than one client may reserve: this put travels as frames
             try:
-                region = self.reserve(client, fields_layout_bytes(body["fields"]), wait_s)
+                region = self.reserve(client, nbytes, wait_s)
             except QueueError as e:
                 if e.code not in (codes.SHM_UNAVAILABLE, UNKNOWN_TYPE):
                     raise

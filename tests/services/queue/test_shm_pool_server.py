@@ -220,12 +220,12 @@ def test_a_reserve_that_does_not_fit_waits_then_is_queue_full(make_server):
         with pytest.raises(QueueError) as e:
             client.reserve(8 << 20)
         assert e.value.code == "queue_full" and not e.value.retryable
-        client.put("cap", ["a"], {"x": torch.zeros(1, 3 << 18)}, timeout_s=0)  # 3 MiB
+        client.put("cap", ["a"], {"x": torch.zeros(1, 7 << 17)}, timeout_s=0)  # 3.5 MiB, frames
         stats = client.stats()
-        assert stats["bytes_used"] == 3 << 20 and stats["shm_pool"]["held_bytes"] == 0
+        assert stats["bytes_used"] == 7 << 19 and stats["shm_pool"]["held_bytes"] == 0
         t = time.monotonic()
         with pytest.raises(QueueError) as e:
-            client.reserve(2 << 20, timeout_s=0.3)
+            client.reserve(1 << 20, timeout_s=0.3)  # within the 1 MiB per-client bound
         assert e.value.code == "queue_full" and e.value.retryable
         assert time.monotonic() - t >= 0.25
         client.clear("cap")

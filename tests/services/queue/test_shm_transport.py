@@ -198,18 +198,20 @@ def test_a_garbage_shm_handle_gets_bad_body_and_the_server_goes_on(server, paylo
 def test_capacity_counts_the_pool_segment_and_a_refused_put_leaks_nothing(make_server):
     srv = make_server("--capacity", "3MiB")
     with QueueClient(srv.address, timeout_s=20, shm="always") as client:
-        client.put("cap", ["a"], {"x": torch.zeros(1, 2 << 18)}, timeout_s=0)  # 2 MiB
+        half = {"x": torch.zeros(1, 1 << 17)}  # 512 KiB: within the per-client reserve bound
+        client.put("cap", ["a"], half, timeout_s=0)
         used = client.stats()["bytes_used"]
-        assert 2 << 20 <= used <= (2 << 20) + 128  # the segment, aligned, counted once
+        assert 1 << 19 <= used <= (1 << 19) + 128  # the segment, aligned, counted once
         with pytest.raises(QueueError) as e:
-            client.put("cap", ["b"], {"x": torch.zeros(1, 2 << 18)}, timeout_s=0)
-        assert e.value.code == "queue_full"
+            for key in "bcdefg":  # the 7th 512 KiB put does not fit in 3 MiB
+                client.put("cap", [key], half, timeout_s=0)
+        assert e.value.code == "queue_full" and key == "g"
         assert not my_segments()
         client.clear("cap")
         stats = client.stats()
         assert stats["bytes_used"] == 0
-        assert stats["shm_pool"]["held_bytes"] == 2 << 20  # the free segment still counts
+        assert stats["shm_pool"]["held_bytes"] == 3 << 20  # the free segments still count
     with QueueClient(srv.address, timeout_s=20, shm="never") as client:
-        # frames that need the room: the free segment is dropped to make it
-        client.put("cap", ["c"], {"x": torch.zeros(1, 2 << 18)}, timeout_s=0)
+        # frames that need the room: the free segments are dropped to make it
+        client.put("cap", ["c"], {"x": torch.zeros(1, 3 << 18)}, timeout_s=0)
         assert client.stats()["shm_pool"]["segments"] == 0

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -138,18 +139,27 @@ def test_consumer_views_of_the_pool_are_read_only(server):
         client.clear("trust-ro")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 7: per-client reserve bound not yet")
-def test_an_oversize_reserve_is_refused_at_once(make_server):
-    srv = make_server("--capacity", "64MiB", "--shm-reserve-max", "8MiB")
+def test_a_reserve_past_the_per_client_bound_is_refused_at_once(make_server):
+    srv = make_server("--capacity", "32MiB")  # shm_reserve_max_bytes: a quarter, 8 MiB
     with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0) as client:
+        assert client.hello()["shm_reserve_max_bytes"] == 8 << 20
+        t = time.monotonic()
         with pytest.raises(QueueError) as e:
             client.reserve(9 << 20, timeout_s=30)
-        assert e.value.code == "bad_request" and "--shm-reserve-max" in e.value.message
+        assert e.value.code == "bad_request" and "shm_reserve_max_bytes" in e.value.message
         first = client.reserve(6 << 20, timeout_s=30)
         with pytest.raises(QueueError) as e:
-            client.reserve(3 << 20, timeout_s=30)  # 6 + 3 > 8 held by this client: at once
+            client.reserve(3 << 20, timeout_s=30)  # 6 + 3 > 8 held by this client
         assert e.value.code == "queue_full" and e.value.retryable
-        assert "--shm-reserve-max" in e.value.message
+        assert "shm_reserve_max_bytes" in e.value.message
+        assert time.monotonic() - t < 5  # answered at once, not after the 30 s wait
+        with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0) as other:
+            assert other.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # its own quota
         client.put("big", ["a"], {"x": torch.ones(1, 1 << 10)}, reservation=first)
-        assert client.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # the put freed the quota
+        assert client.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # the put freed it
+        # a put larger than the bound travels as frames instead of failing
+        puts = client._shm.puts
+        assert client.put("big2", ["b"], {"x": torch.ones(1, 9 << 18)})["written"] == 1
+        assert client._shm.puts == puts
         client.clear("big")
+        client.clear("big2")
