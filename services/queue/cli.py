@@ -127,6 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "they count against --capacity and are dropped first when room is needed (default 1GiB)",
     )
     serve.add_argument(
+        "--shm-reserve-max",
+        type=_size_arg,
+        default=None,
+        help="most bytes one client may hold reserved in the shared-memory pool at once "
+        "(default a quarter of --capacity)",
+    )
+    serve.add_argument(
         "--shm-reserve-timeout",
         type=float,
         default=60.0,
@@ -183,6 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
             busy_poll_us=args.busy_poll_us,
             shm_pool_free_bytes=args.shm_pool_free,
             shm_reserve_s=args.shm_reserve_timeout,
+            shm_reserve_max_bytes=args.shm_reserve_max,
             limits=limits,
         )
         import zmq

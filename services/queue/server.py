@@ -418,7 +418,7 @@ class QueueServer:
             raise StoreError(
                 codes.BAD_REQUEST,
                 f"reserve of {nbytes} bytes ({size} as a segment) is more than one client may "
-                f"hold reserved (shm_reserve_max_bytes={limit}, a quarter of --capacity by "
+                f"hold reserved (--shm-reserve-max = {limit}, a quarter of --capacity by "
                 "default); send the put as frames or split it",
             )
         held = self.pool.client_bytes(ident)
@@ -426,7 +426,7 @@ class QueueServer:
             raise StoreError(
                 codes.QUEUE_FULL,
                 f"reserve of {nbytes} bytes: this client already holds {held} bytes reserved "
-                f"and unused, and may hold at most shm_reserve_max_bytes={limit}; put or let "
+                f"and unused, and may hold at most --shm-reserve-max = {limit}; put or let "
                 "those reservations lapse first",
                 retryable=True,
             )

@@ -146,12 +146,12 @@ def test_a_reserve_past_the_per_client_bound_is_refused_at_once(make_server):
         t = time.monotonic()
         with pytest.raises(QueueError) as e:
             client.reserve(9 << 20, timeout_s=30)
-        assert e.value.code == "bad_request" and "shm_reserve_max_bytes" in e.value.message
+        assert e.value.code == "bad_request" and "--shm-reserve-max" in e.value.message
         first = client.reserve(6 << 20, timeout_s=30)
         with pytest.raises(QueueError) as e:
             client.reserve(3 << 20, timeout_s=30)  # 6 + 3 > 8 held by this client
         assert e.value.code == "queue_full" and e.value.retryable
-        assert "shm_reserve_max_bytes" in e.value.message
+        assert "--shm-reserve-max" in e.value.message
         assert time.monotonic() - t < 5  # answered at once, not after the 30 s wait
         with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0) as other:
             assert other.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # its own quota
