@@ -430,6 +430,33 @@ class QueueClient(_Requests):
         return self.request("stats", {})
 
 
+def connect(address: str, *, timeout_s: float, name: str) -> QueueClient:
+    """A QueueClient after a successful handshake (worker processes: teacher, trainer).
+
+    Args:
+        address: the queue's endpoint.
+        timeout_s: seconds to wait for the hello's reply, and for every later reply.
+        name: client name sent in ``hello``.
+
+    Raises:
+        ValueError: no reply within ``timeout_s`` (names the address and the setting; a bad
+            address is a configuration error of the worker).
+        QueueError: any other error reply (e.g. a protocol version mismatch).
+    """
+    try:
+        with QueueClient(address, timeout_s=timeout_s, retries=0, name=name) as probe:
+            probe.hello()
+    except QueueError as e:
+        if e.code != codes.TIMEOUT:
+            raise
+        raise ValueError(
+            f"queue {address} is unreachable: no reply within {timeout_s:g}s (queue_timeout_s, "
+            f"--queue-timeout-s); start it with `xtoken queue serve --bind {address}` or fix "
+            "the address (queue, --queue)"
+        ) from None
+    return QueueClient(address, timeout_s=timeout_s, name=name)
+
+
 class AsyncQueueClient(_Requests):
     """asyncio client (zmq.asyncio); requests on one client run one at a time.
 

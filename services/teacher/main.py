@@ -16,58 +16,20 @@ from typing import Any
 
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
+from services.queue.client import connect
 from services.queue.errors import QueueError
 from services.teacher import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
+from xtoken_core.data.corpus import read_texts
 
 logger = logging.getLogger(__name__)
-
-
-def connect(address: str, timeout_s: float, name: str) -> Any:
-    """A QueueClient after a successful handshake.
-
-    Raises:
-        ValueError: the queue did not answer within ``timeout_s`` (names the address and the
-            setting).
-    """
-    from services.collator.runner import QueueUnreachableError, check_queue
-    from services.queue.client import QueueClient
-
-    try:
-        check_queue(address, timeout_s, None)
-    except QueueUnreachableError:
-        raise ValueError(
-            f"queue {address} is unreachable: no reply within {timeout_s:g}s (queue_timeout_s, "
-            f"--queue-timeout-s); start it with `xtoken queue serve --bind {address}` or fix "
-            "the address (queue, --queue)"
-        ) from None
-    return QueueClient(address, timeout_s=timeout_s, name=name)
-
-
-def heldout_texts(path: str, limit: int) -> list[str]:
-    """The first ``limit`` non-empty texts of a corpus file.
-
-    Raises:
-        ValueError: the file has no usable text.
-    """
-    from xtoken_core.data.corpus import iter_texts
-
-    texts = []
-    for _, text in iter_texts(path):
-        if text.strip():
-            texts.append(text)
-        if len(texts) >= limit:
-            break
-    if not texts:
-        raise ValueError(f"held-out corpus {path!r} has no usable text; point it at a corpus")
-    return texts
 
 
 def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -> int:
     """Serve requests until stopped; returns 0."""
     # bad input first: a held-out file without text fails before the queue and the model
-    texts = heldout_texts(config.heldout, config.eval_texts) if config.heldout else []
-    client = connect(config.queue, config.queue_timeout_s, f"teacher{config.group}")
+    texts = read_texts(config.heldout, config.eval_texts) if config.heldout else []
+    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"teacher{config.group}")
     partition = proto.request_partition(config.partition, config.group)
     with TeacherWorker(config) as worker:
         metrics = None

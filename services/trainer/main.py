@@ -25,11 +25,12 @@ import torch.distributed as dist
 
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
-from services.teacher.main import connect, heldout_texts
+from services.queue.client import connect
 from services.trainer import checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
 from services.trainer.worker import PhaseClock, TrainerWorker
+from xtoken_core.data.corpus import read_texts
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     sharded = world > 1 and config.parallel == "fsdp"
     evaluates = rank == 0 or sharded
     heldout = (
-        heldout_texts(config.heldout, config.eval_texts) if evaluates and config.heldout else []
+        read_texts(config.heldout, config.eval_texts) if evaluates and config.heldout else []
     )
-    client = connect(config.queue, config.queue_timeout_s, f"trainer{rank}")
+    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"trainer{rank}")
     worker = TrainerWorker(config, rank=rank, world_size=world, device=device)
     reader = output_layer = None
     if config.loss.uses_teacher:

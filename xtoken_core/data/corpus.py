@@ -494,3 +494,28 @@ def iter_texts(
     if p.suffix == ".parquet":
         return _iter_parquet(p, text_field, prefix)
     raise ValueError(f"{p}: unsupported corpus suffix {p.suffix!r}; use one of {_SUFFIXES}")
+
+
+def read_texts(path: str | os.PathLike, limit: int, *, text_field: str = "text") -> list[str]:
+    """The first ``limit`` non-empty texts of a corpus file (held-out evaluation).
+
+    Args:
+        path: a ``.jsonl`` / ``.txt`` / ``.parquet`` corpus.
+        limit: most texts returned.
+        text_field: JSON field / parquet column with the text.
+
+    Returns:
+        Up to ``limit`` texts, in file order.
+
+    Raises:
+        ValueError: the file has no usable text (or as :func:`iter_texts`).
+    """
+    texts: list[str] = []
+    for _, text in iter_texts(path, text_field=text_field):
+        if text.strip():
+            texts.append(text)
+        if len(texts) >= limit:
+            break
+    if not texts:
+        raise ValueError(f"held-out corpus {str(path)!r} has no usable text; point it at a corpus")
+    return texts

@@ -209,3 +209,15 @@ def test_key_root_keys_by_the_relative_path_and_refuses_a_file_outside_it(tmp_pa
     assert corpus_key_prefix(path, key_root=tmp_path / "a") == "data.jsonl"
     with pytest.raises(ValueError, match="not under the key root"):
         iter_texts(path, key_root=tmp_path / "elsewhere")
+
+
+def test_read_texts_takes_the_first_non_empty_texts_and_refuses_a_file_without_text(tmp_path):
+    from xtoken_core.data.corpus import read_texts
+
+    path = tmp_path / "held.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "  "}\n{"text": "b"}\n{"text": "c"}\n')
+    assert read_texts(path, 2) == ["a", "b"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": " "}\n')
+    with pytest.raises(ValueError, match="no usable text"):
+        read_texts(empty, 4)
