@@ -193,6 +193,7 @@ def pipeline(
     transport: str,
     run_dir: Path,
     trainers: int = 1,
+    teacher_device: str | None = None,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records."""
     import shutil
@@ -214,12 +215,12 @@ def pipeline(
             "data": {
                 "train": str(corpus),
                 "heldout": str(corpus),
-                "limit": trainers * B * (n_steps + 4),
+                "limit": trainers * B * args.grad_accum * (n_steps + 4),
             },
             "collator": {"workers": 2, "batch": max(1, B)},
             "teacher": {
                 "model": teacher_dir,
-                "device": args.device,
+                "device": teacher_device or args.device,
                 "transport": transport,
                 "max_batch": B,
                 "max_length": T,
@@ -229,6 +230,7 @@ def pipeline(
                 "student": student_dir,
                 "device": args.device,
                 "micro_batch": B,
+                "grad_accum": args.grad_accum,
                 "max_steps": n_steps,
                 "checkpoint_every": 0,
                 "eval_every": 0,
@@ -269,6 +271,7 @@ def pipeline(
         "peak_mem_mb": measured[-1].get("memory_mb"),
         "wall_s": wall,
         "feed": measured[-1].get("feed"),
+        "losses": [r.get("loss") for r in steps],
     }
 
 
@@ -292,6 +295,17 @@ def main() -> int:
         default=[1],
         help="trainer ranks (one colocated teacher each); several: scaling vs the first",
     )
+    p.add_argument(
+        "--teacher-devices",
+        nargs="+",
+        default=[None],
+        help="teacher device per variant (e.g. cuda:1: the teacher on its own GPU); default: "
+        "the trainer's GPU",
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per step (pipeline runs)"
+    )
+    p.add_argument("--tag", default="", help="label of these rows (e.g. mps)")
     p.add_argument("--student", default="qwen3-0.6b")
     p.add_argument("--teacher", default="teacher-1.5b")
     p.add_argument("--student-tokenizer", default="qwen3")
@@ -348,8 +362,8 @@ def main() -> int:
                 torch.cuda.empty_cache()  # the bare models are gone: give their memory back
             for transport in args.transports:
                 base = None
-                for n in args.trainers:
-                    run_dir = work / f"run_{shape}_{mode}_{transport}_r{n}"
+                for n, tdev in ((n, d) for d in args.teacher_devices for n in args.trainers):
+                    run_dir = work / f"run_{shape}_{mode}_{transport}_r{n}_{tdev or 'same'}"
                     pl = pipeline(
                         args,
                         mode,
@@ -362,8 +376,17 @@ def main() -> int:
                         transport,
                         run_dir,
                         trainers=n,
+                        teacher_device=tdev,
                     )
-                    row = {"shape": shape, "mode": mode, "transport": transport, "trainers": n}
+                    row = {
+                        "shape": shape,
+                        "mode": mode,
+                        "transport": transport,
+                        "trainers": n,
+                        "teacher_device": tdev or "same GPU",
+                        "grad_accum": args.grad_accum,
+                        "tag": args.tag,
+                    }
                     if "error" in pl:
                         print(
                             f"{shape:>8} {mode:>7} {transport:>9} x{n} FAILED: {pl['error'][:400]}"
@@ -374,7 +397,8 @@ def main() -> int:
                     ratio = pl["tokens_per_s"] / b["tokens_per_s"]
                     m = mfu(b, pl["tokens_per_s"] / n, T, peak)
                     print(
-                        f"{shape:>8} {mode:>7} {transport:>9} x{n} {b['tokens_per_s']:>11.0f} "
+                        f"{shape:>8} {mode:>7} {transport:>9} x{n} t={tdev or 'same'} {args.tag} "
+                        f"{b['tokens_per_s']:>11.0f} "
                         f"{pl['tokens_per_s']:>11.0f} {ratio:>6.3f} {100 * pl['wait_fraction']:>6.2f} "
                         f"{pl['teacher_wait_ms']:>9.2f} {'-' if m is None else f'{m:.3f}':>6} "
                         f"scaling {pl['tokens_per_s'] / base:.3f}"

@@ -106,11 +106,30 @@ def _loop(client, worker: TeacherWorker, partition: str, config: TeacherConfig, 
                         backlog[key] = (_decode(got["fields"], key, i, worker), got["lease_id"])
             else:
                 lc.stop.wait(BUSY_CLAIM_S)
-    for key, (_, lease_id) in backlog.items():  # give back what was not served
+    _give_back(client, partition, backlog)
+
+
+# Seconds a stopping teacher spends giving back its backlog: a run stops the queue together with
+# the teacher, and unserved leases expire on a live queue anyway.
+GIVE_BACK_TIMEOUT_S = 2.0
+
+
+def _give_back(client, partition: str, backlog: dict[str, tuple[Any, Any]]) -> None:
+    """Nack the requests claimed but not served, one call per lease, best effort."""
+    by_lease: dict[Any, list[str]] = {}
+    for key, (_, lease_id) in backlog.items():
+        by_lease.setdefault(lease_id, []).append(key)
+    client.timeout_s, client.retries = min(client.timeout_s, GIVE_BACK_TIMEOUT_S), 0
+    for lease_id, keys in by_lease.items():
         try:
-            client.nack(partition, proto.TEACHER_TASK, lease_id, [key])
+            client.nack(partition, proto.TEACHER_TASK, lease_id, keys)
         except QueueError as e:
-            logger.warning("[teacher] could not give back %s: %s", key, e)
+            logger.warning(
+                "[teacher] could not give back %d request(s) (%s); their leases expire instead",
+                sum(len(k) for k in by_lease.values()),
+                e,
+            )
+            return
 
 
 def _decode(fields: dict, key: str, i: int, worker: TeacherWorker) -> Any:

@@ -95,3 +95,39 @@ def test_a_busy_rank_does_not_block_another_and_a_bad_request_gets_an_error(queu
         reader.view(first.descriptor, first.handle)
         reader.release(first.descriptor, first.handle)
         assert sorted(_claim(client, 0, 1)) == ["a:2"]  # served once a slot came back
+
+
+def _backlog_of(client, n: int) -> dict:
+    """Put ``n`` requests and claim them for the teacher's task: a backlog as _loop holds it."""
+    part = proto.request_partition(PARTITION, 0)
+    keys = [f"r{i}" for i in range(n)]
+    ids = JaggedColumn(torch.arange(4 * n), torch.arange(0, 4 * n + 1, 4, dtype=torch.int64))
+    client.put(part, keys, {"teacher_input_ids": ids})
+    got = client.claim(part, proto.TEACHER_TASK, ["teacher_input_ids"], n, timeout_s=5)
+    assert sorted(got["keys"]) == keys
+    return {k: (None, got["lease_id"]) for k in got["keys"]}
+
+
+def test_a_stopping_teacher_gives_its_unserved_requests_back(queue):
+    part = proto.request_partition(PARTITION, 0)
+    with QueueClient(queue, timeout_s=10, name="teacher-test") as client:
+        backlog = _backlog_of(client, 3)
+        teacher_main._give_back(client, part, backlog)
+        again = client.claim(part, proto.TEACHER_TASK, ["teacher_input_ids"], 3, timeout_s=5)
+    assert sorted(again["keys"]) == sorted(backlog)
+
+
+def test_a_stopping_teacher_does_not_wait_on_a_queue_that_went_away(tmp_path):
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    part = proto.request_partition(PARTITION, 0)
+    client = QueueClient(server.address, timeout_s=10, retries=2, name="teacher-test")
+    try:
+        backlog = _backlog_of(client, 3)
+        server.stop()  # the run stops the queue together with the teacher
+        t0 = time.monotonic()
+        teacher_main._give_back(client, part, backlog)
+        elapsed = time.monotonic() - t0
+    finally:
+        client.close()
+    # one attempt of GIVE_BACK_TIMEOUT_S for all three, not 3 keys x 3 attempts x 10 s
+    assert elapsed < teacher_main.GIVE_BACK_TIMEOUT_S + 2.0, elapsed
