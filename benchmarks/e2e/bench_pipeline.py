@@ -194,6 +194,7 @@ def pipeline(
     run_dir: Path,
     trainers: int = 1,
     teacher_device: str | None = None,
+    grad_accum: int = 1,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records."""
     import shutil
@@ -215,7 +216,7 @@ def pipeline(
             "data": {
                 "train": str(corpus),
                 "heldout": str(corpus),
-                "limit": trainers * B * args.grad_accum * (n_steps + 4),
+                "limit": trainers * B * grad_accum * (n_steps + 4),
             },
             "collator": {"workers": 2, "batch": max(1, B)},
             "teacher": {
@@ -230,7 +231,7 @@ def pipeline(
                 "student": student_dir,
                 "device": args.device,
                 "micro_batch": B,
-                "grad_accum": args.grad_accum,
+                "grad_accum": grad_accum,
                 "max_steps": n_steps,
                 "checkpoint_every": 0,
                 "eval_every": 0,
@@ -305,6 +306,12 @@ def main() -> int:
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per step (pipeline runs)"
     )
+    p.add_argument(
+        "--same-global-batch",
+        action="store_true",
+        help="N trainer ranks accumulate max(--trainers)/N times --grad-accum micro-batches, so "
+        "every rank count trains the same global batch (scaling runs with comparable curves)",
+    )
     p.add_argument("--tag", default="", help="label of these rows (e.g. mps)")
     p.add_argument("--student", default="qwen3-0.6b")
     p.add_argument("--teacher", default="teacher-1.5b")
@@ -363,6 +370,9 @@ def main() -> int:
             for transport in args.transports:
                 base = None
                 for n, tdev in ((n, d) for d in args.teacher_devices for n in args.trainers):
+                    accum = args.grad_accum
+                    if args.same_global_batch:
+                        accum = args.grad_accum * max(args.trainers) // n
                     run_dir = work / f"run_{shape}_{mode}_{transport}_r{n}_{tdev or 'same'}"
                     pl = pipeline(
                         args,
@@ -377,6 +387,7 @@ def main() -> int:
                         run_dir,
                         trainers=n,
                         teacher_device=tdev,
+                        grad_accum=accum,
                     )
                     row = {
                         "shape": shape,
@@ -384,7 +395,7 @@ def main() -> int:
                         "transport": transport,
                         "trainers": n,
                         "teacher_device": tdev or "same GPU",
-                        "grad_accum": args.grad_accum,
+                        "grad_accum": accum,
                         "tag": args.tag,
                     }
                     if "error" in pl:
