@@ -85,10 +85,13 @@ class LocalLauncher:
 
     Args:
         python: the interpreter that runs ``-m services.cli`` (default: this one).
+        parent_sentinel: pass ``XTOKEN_PARENT_PID`` so children stop when this process dies
+            (``xtoken run``); False lets them outlive it (the control plane re-attaches them).
     """
 
-    def __init__(self, python: str | None = None) -> None:
+    def __init__(self, python: str | None = None, parent_sentinel: bool = True) -> None:
         self.python = python or sys.executable
+        self.parent_sentinel = parent_sentinel
         self.processes: dict[str, LocalProcess] = {}
 
     def start(self, spec: ProcessSpec) -> LocalProcess:
@@ -108,7 +111,10 @@ class LocalLauncher:
             Path(spec.ready_file).unlink(missing_ok=True)
         Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_file, "ab")  # noqa: SIM115 (closed when the process ends)
-        env = {**os.environ, **spec.env, "XTOKEN_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, **spec.env}
+        env.pop("XTOKEN_PARENT_PID", None)
+        if self.parent_sentinel:
+            env["XTOKEN_PARENT_PID"] = str(os.getpid())
         argv = [self.python, "-m", "services.cli", *spec.argv]
         if spec.ready_file:
             argv += ["--ready-file", spec.ready_file]
