@@ -4,43 +4,22 @@ ready files and signals. The control plane reuses it; it knows only a :class:`Pr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from services.launch.spec import ProcessSpec
+
+__all__ = ["LocalLauncher", "LocalProcess", "ProcessSpec"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class ProcessSpec:
-    """One process of a run.
-
-    Attributes:
-        name: unique in the run (``queue``, ``collator``, ``teacher0``, ``trainer1``).
-        role: ``queue``, ``collator``, ``teacher`` or ``trainer``.
-        argv: the command after ``xtoken`` (e.g. ``["teacher", "--config", "t.json"]``).
-        env: extra environment variables.
-        log_file: where stdout and stderr go.
-        ready_file: the process writes it once ready (``--ready-file``), or None.
-        resources: e.g. ``{"gpu": 1}`` (informative for the local launcher; Ray places by it).
-        group: colocation group (a teacher and a trainer sharing a GPU), or None.
-    """
-
-    name: str
-    role: str
-    argv: list[str]
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    log_file: str = ""
-    ready_file: str | None = None
-    resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    group: str | None = None
 
 
 class LocalProcess:
@@ -56,6 +35,11 @@ class LocalProcess:
     def pid(self) -> int:
         """The process id."""
         return self.popen.pid
+
+    @property
+    def host(self) -> str:
+        """This machine's host name (a local process runs where its launcher runs)."""
+        return socket.gethostname()
 
     def poll(self) -> int | None:
         """Exit code, or None while running."""
