@@ -1,10 +1,12 @@
-"""`xtoken run CONFIG.yaml`: a whole distillation run as local subprocesses (services/run.py)."""
+"""`xtoken run CONFIG.yaml`: a whole distillation run as local subprocesses or Ray actors
+(services/run.py, services/launch)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -15,19 +17,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML or JSON); see examples/demo.yaml")
     parser.add_argument("--run-dir", default=None, help="override run_dir of the config")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default=None,
+        help="how the processes start: local subprocesses (default), or ray: Ray actors in "
+        "placement groups on a running cluster (--ray-address)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster HOST:PORT (its head's `ray start --head --port PORT`), or auto for the "
+        "cluster on this machine; default: env RAY_ADDRESS; implies --launcher ray",
+    )
 
 
-def execute(config, *, progress: bool = True) -> int:
-    """Run ``config`` (a RunConfig), print the held-out table; returns the exit code."""
+def execute(config, *, progress: bool = True, launcher=None) -> int:
+    """Run ``config`` (a RunConfig) with ``launcher`` (None: local subprocesses), print the
+    held-out table; returns the exit code."""
     from services.run import Run, install_stop, report
 
-    run = Run(config, progress=progress)
+    run = Run(config, launcher=launcher, progress=progress)
     install_stop(run)
     try:
         code = run.run()
     except ValueError as e:
         print(f"xtoken run: {e}", file=sys.stderr)
         return 2
+    finally:
+        if hasattr(launcher, "close"):
+            launcher.close()  # Ray: actors and placement groups back to the cluster
     if code != 0:
         print(f"xtoken run: {run.failure or 'failed'}", file=sys.stderr)
         return code
@@ -61,5 +80,22 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtoken run: {e}", file=sys.stderr)
         return 2
-    logger.info("[run] %s", json.dumps({"run_dir": config.run_dir}))
-    return execute(config, progress=not args.no_progress)
+    address = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS") or None
+    kind = getattr(args, "launcher", None) or ("ray" if getattr(args, "ray_address", None) else "local")
+    launcher = None
+    if kind == "ray":
+        from services.launch import make_launcher
+
+        try:
+            launcher = make_launcher("ray", address)
+        except ValueError as e:
+            print(f"xtoken run: {e}", file=sys.stderr)
+            return 2
+    elif getattr(args, "ray_address", None):
+        print(
+            "xtoken run: --ray-address is only for --launcher ray; drop one of them",
+            file=sys.stderr,
+        )
+        return 2
+    logger.info("[run] %s", json.dumps({"run_dir": config.run_dir, "launcher": kind}))
+    return execute(config, progress=not args.no_progress, launcher=launcher)
