@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "projection": ("services.projection_cli", "build or inspect projection matrices"),
     "queue": ("services.queue.cli", "run or query a transfer-queue server"),
     "collator": ("services.collator.cli", "collate a text corpus into a queue"),
+    "control": ("services.control.cli", "serve the control plane (REST API for runs)"),
 }
 
 

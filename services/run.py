@@ -19,12 +19,15 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from services.common import config as cfgmod
 from services.common.metrics import read_jsonl
+from services.control.attach import EXIT_UNKNOWN
+from services.control.policy import Decision, RestartPolicy
 from services.launch.local import LocalLauncher, ProcessSpec
 from services.teacher.worker import TeacherConfig
 from services.trainer.config import LossConfig, TrainerConfig
@@ -82,7 +85,11 @@ class RunConfig:
     teachers: int = field(default=1, metadata={"help": "teacher processes (groups)"})
     trainers: int = field(default=1, metadata={"help": "trainer ranks"})
     max_restarts: int = field(
-        default=2, metadata={"help": "restarts of failed teachers / trainer groups before failing"}
+        default=2,
+        metadata={"help": "restarts per process (per trainer group, per run) before failing"},
+    )
+    restart_backoff_s: float = field(
+        default=1.0, metadata={"help": "wait before a restart; doubles with each further one"}
     )
     ready_timeout_s: float = field(
         default=600.0, metadata={"help": "seconds a process may take to get ready"}
@@ -100,6 +107,8 @@ class RunConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts}: must be >= 0")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0")
         t, tr = self.teacher, self.trainer
         if tr.loss.uses_teacher:
             if t.max_batch < tr.micro_batch:
@@ -167,20 +176,38 @@ class Run:
 
     Args:
         config: the run config.
-        launcher: a LocalLauncher (default: a new one).
+        launcher: a launcher (``start``, ``wait_ready``, ``stop``, ``processes``; default: a
+            new LocalLauncher).
         progress: print a progress line to stderr while training.
+        on_event: called with ``(kind, data)`` on launches, exits, restarts and failures
+            (the control plane records them).
     """
 
     def __init__(
-        self, config: RunConfig, launcher: LocalLauncher | None = None, progress: bool = True
+        self,
+        config: RunConfig,
+        launcher: Any = None,
+        progress: bool = True,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
         self.launcher = launcher or LocalLauncher()
         self.progress = progress
+        self.on_event = on_event
         self.run_dir = Path(config.run_dir).resolve()
         self.stop_requested = threading.Event()
-        self.restarts: dict[str, int] = {}
+        self.policy = RestartPolicy(config.max_restarts, config.restart_backoff_s)
         self.failure: str | None = None
+        self.failed_process: str | None = None
+        self.exit_code: int | None = None
+        self.queue_address = ""
+        self.master_port = 0
+        self.specs: dict[str, ProcessSpec] = {}
+        self.eof_done = False
+        self.segment_started = 0.0
+        self._finished: set[str] = set()
+        # budget key -> (monotonic due time, decision, the exited process)
+        self._pending: dict[str, tuple[float, Decision, str]] = {}
         self._metrics_pos = 0
         self._recent: list[dict[str, Any]] = []  # the last step records (progress line)
 
@@ -424,103 +451,223 @@ class Run:
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
-        """Prepare, launch and watch the run.
+        """Prepare, launch and watch the run until it ends or is stopped.
 
         Returns:
             0 when the trainers finished (or were stopped cleanly), 1 when a process failed
-            (the message names it).
+            (``self.failure`` names it).
         """
         self.prepare()
-        qport, mport = _free_port(), _free_port()
-        queue = f"tcp://127.0.0.1:{qport}"
-        specs = {s.name: s for s in self._specs(queue, mport)}
-        self.specs = specs
-        L = self.launcher
+        started = time.monotonic()
         try:
-            q = L.start(specs["queue"])
-            L.wait_ready(q, 60)
-            L.start(specs["collator"])
-            for spec in specs.values():
-                if spec.role in ("teacher", "trainer"):
-                    L.start(spec)
-            return self._watch(queue)
+            self.launch()
+            while True:
+                if self.stop_requested.is_set():
+                    logger.info("[run] stopping: trainers checkpoint first")
+                    codes = self.stop(grace_s=300)
+                    return 0 if all(c in (0, None) for c in codes.values()) else 1
+                status = self.poll_once()
+                if status == "succeeded":
+                    logger.info("[run] trainers finished in %.0fs", time.monotonic() - started)
+                    return 0
+                if status == "failed":
+                    logger.error("[run] %s", self.failure)
+                    return 1
+                if self.progress:
+                    self._show_progress(started)
+                time.sleep(0.5)
         finally:
-            L.stop(grace_s=60)
+            self.launcher.stop(grace_s=60)
             if self.progress:
                 sys.stderr.write("\n")
 
-    def _watch(self, queue: str) -> int:
+    def launch(self) -> None:
+        """Start the queue (and wait until it is ready), the collator, the teachers and trainers.
+
+        Raises:
+            RuntimeError: the queue did not get ready (with its last log lines).
+        """
+        self.queue_address = f"tcp://127.0.0.1:{_free_port()}"
+        self.master_port = _free_port()
+        self.specs = {s.name: s for s in self._specs(self.queue_address, self.master_port)}
+        self.eof_done = False
+        self._finished = set()
+        self.segment_started = time.time()
+        L = self.launcher
+        q = L.start(self.specs["queue"])
+        L.wait_ready(q, 60)
+        for spec in self.specs.values():
+            if spec.role != "queue":
+                L.start(spec)
+        self._emit("launched", queue=self.queue_address)
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`restore` needs to watch this run again after a control-plane restart."""
+        return {
+            "queue": self.queue_address,
+            "master_port": self.master_port,
+            "eof_done": self.eof_done,
+            "finished": sorted(self._finished),
+            "restarts": self.policy.restarts(),
+            "segment_started": self.segment_started,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Rebuild the specs of a launched run from :meth:`state` (processes are attached by the
+        caller into ``launcher.processes``)."""
+        self.queue_address = state["queue"]
+        self.master_port = int(state["master_port"])
+        self.specs = {s.name: s for s in self._specs(self.queue_address, self.master_port)}
+        self.eof_done = bool(state.get("eof_done"))
+        self._finished = set(state.get("finished", []))
+        self.policy.used = dict(state.get("restarts", {}))
+        self.segment_started = float(state.get("segment_started", 0.0))
+
+    def poll_once(self) -> str:
+        """One look at every process: the end of the data, restarts per policy, the end of the run.
+
+        Returns:
+            ``running``, ``recovering`` (a restart waits for its backoff), ``succeeded`` (every
+            trainer rank exited 0) or ``failed`` (``self.failure``, ``self.failed_process`` and
+            ``self.exit_code`` say why).
+        """
+        now = time.monotonic()
+        for key, (due, decision, name) in list(self._pending.items()):
+            if now >= due:
+                del self._pending[key]
+                self._restart_now(decision, name)
+        L = self.launcher
+        for name, proc in list(L.processes.items()):
+            if name in self._finished or name in self._waiting():
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            spec = proc.spec
+            if code == EXIT_UNKNOWN:
+                code = self._infer_exit(spec)
+            finished = code == 0 and spec.role in ("trainer", "collator")
+            self._emit("exited", process=name, role=spec.role, code=code)
+            decision = self.policy.decide(name, spec.role, code, finished_ok=finished)
+            if decision.action == "done":
+                self._finished.add(name)
+                if spec.role == "collator":
+                    self._put_eof()
+                continue
+            if decision.action == "fail":
+                self.failed_process, self.exit_code = name, code
+                self.failure = (
+                    f"{decision.reason}; last log lines ({spec.log_file}):\n{proc.tail()}"
+                )
+                self._emit("failed", process=name, code=code, reason=decision.reason)
+                return "failed"
+            self._schedule(decision, name)
+            if decision.scope == "run":
+                break
+        if self._pending:
+            return "recovering"
+        trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
+        if trainers and all(n in self._finished for n in trainers):
+            return "succeeded"
+        return "running"
+
+    def stop(self, grace_s: float = 300.0) -> dict[str, int | None]:
+        """Graceful stop: SIGTERM the trainer ranks (they stop at one step boundary and write a
+        checkpoint), then every other process.
+
+        Args:
+            grace_s: seconds the trainers get before they are killed.
+
+        Returns:
+            The trainers' exit codes.
+        """
+        self._pending.clear()
+        trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
+        codes = self.launcher.stop(trainers, grace_s=grace_s)
+        self.launcher.stop(grace_s=60)
+        return codes
+
+    def _waiting(self) -> set[str]:
+        """Processes a scheduled restart will start again (their exit is already handled)."""
+        out: set[str] = set()
+        for _, decision, name in self._pending.values():
+            if decision.scope == "process":
+                out.add(name)
+            elif decision.scope == "group":
+                role = self.specs[name].role
+                out.update(n for n, s in self.specs.items() if s.role == role)
+            else:
+                out.update(self.specs)
+        return out
+
+    def _schedule(self, decision: Decision, name: str) -> None:
+        logger.warning("[run] %s", decision.reason)
+        self._emit(
+            "recovering",
+            process=name,
+            scope=decision.scope,
+            attempt=decision.attempt,
+            delay_s=decision.delay_s,
+            reason=decision.reason,
+        )
+        L = self.launcher
+        if decision.scope == "group":
+            role = self.specs[name].role
+            names = [n for n, s in self.specs.items() if s.role == role]
+            # a peer of a dead rank cannot checkpoint alone (the save is collective)
+            L.stop(names, grace_s=10)
+            self._finished.difference_update(names)
+        elif decision.scope == "run":
+            L.stop(grace_s=10)
+            self._finished.clear()
+        self._pending[decision.key] = (time.monotonic() + decision.delay_s, decision, name)
+
+    def _restart_now(self, decision: Decision, name: str) -> None:
+        L = self.launcher
+        if decision.scope == "process":
+            L.start(self.specs[name])
+        elif decision.scope == "group":
+            role = self.specs[name].role
+            self.master_port = _free_port()
+            for spec in self.specs.values():
+                if spec.role == role:
+                    if role == "trainer":
+                        spec.env["MASTER_PORT"] = str(self.master_port)
+                    L.start(spec)
+        else:
+            self.launch()
+        self._emit("restarted", process=name, scope=decision.scope, attempt=decision.attempt)
+
+    def _infer_exit(self, spec: ProcessSpec) -> int:
+        """The exit code of a re-attached process that ended unseen: a trainer rank finished when
+        rank 0's summary of a completed (not stopped) run is newer than this launch."""
+        if spec.role == "trainer":
+            path = self.run_dir / "summary.json"
+            try:
+                summary = json.loads(path.read_text())
+                if path.stat().st_mtime >= self.segment_started and not summary.get("stopped"):
+                    return 0
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        return EXIT_UNKNOWN
+
+    def _put_eof(self) -> None:
+        """After the collator's normal end: tell the trainers how many samples the epoch has."""
         from services.queue.client import QueueClient
         from services.trainer.feed import put_eof
 
-        cfg = self.config
-        L = self.launcher
-        eof_done = False
-        trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
-        started = time.monotonic()
-        while True:
-            if self.stop_requested.is_set():
-                logger.info("[run] stopping: trainers checkpoint first")
-                codes = L.stop(trainers, grace_s=300)
-                bad = {n: c for n, c in codes.items() if c not in (0, None)}
-                return 0 if not bad else 1
-            for name, proc in list(L.processes.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                spec = proc.spec
-                if spec.role == "collator" and code == 0 and not eof_done:
-                    with QueueClient(queue, timeout_s=10, name="run") as client:
-                        n = len(client.list(cfg.partition).get("keys", []))
-                        put_eof(client, cfg.partition, n)
-                    logger.info("[run] collator done: %d samples", n)
-                    eof_done = True
-                    continue
-                if spec.role == "trainer" and code == 0:
-                    continue
-                if spec.role == "collator" and code == 0:
-                    continue
-                if self._restart(spec, code):
-                    continue
-                self.failure = (
-                    f"{name} failed with exit code {code}; last log lines "
-                    f"({spec.log_file}):\n{proc.tail()}"
-                )
-                logger.error("[run] %s", self.failure)
-                return 1
-            if all(L.processes[n].poll() == 0 for n in trainers):
-                logger.info("[run] trainers finished in %.0fs", time.monotonic() - started)
-                return 0
-            if self.progress:
-                self._show_progress(started)
-            time.sleep(0.5)
+        if self.eof_done:
+            return
+        with QueueClient(self.queue_address, timeout_s=10, name="run") as client:
+            n = len(client.list(self.config.partition).get("keys", []))
+            put_eof(client, self.config.partition, n)
+        logger.info("[run] collator done: %d samples", n)
+        self.eof_done = True
+        self._emit("data_complete", samples=n)
 
-    def _restart(self, spec: ProcessSpec, code: int) -> bool:
-        """Restart policy: a teacher in place; any trainer rank -> every rank from the checkpoint."""
-        key = "trainers" if spec.role == "trainer" else spec.name
-        if (
-            spec.role not in ("teacher", "trainer")
-            or self.restarts.get(key, 0) >= self.config.max_restarts
-        ):
-            return False
-        self.restarts[key] = self.restarts.get(key, 0) + 1
-        logger.warning(
-            "[run] %s exited with code %d: restart %d of %d",
-            spec.name,
-            code,
-            self.restarts[key],
-            self.config.max_restarts,
-        )
-        if spec.role == "teacher":
-            self.launcher.start(spec)
-            return True
-        names = [n for n, s in self.specs.items() if s.role == "trainer"]
-        self.launcher.stop(names, grace_s=30)
-        port = str(_free_port())
-        for n in names:
-            self.specs[n].env["MASTER_PORT"] = port
-            self.launcher.start(self.specs[n])
-        return True
+    def _emit(self, kind: str, **data: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, data)
 
     def _new_steps(self) -> list[dict[str, Any]]:
         """Step records rank 0 appended since the last call (reads only the new bytes)."""

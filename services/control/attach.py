@@ -1,0 +1,125 @@
+"""Processes of a run found again by pid after a control-plane restart (identity from /proc)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+# poll() of a re-attached process that has ended: it is not our child, so its code is unknown.
+EXIT_UNKNOWN = -1000
+
+
+def identity(pid: int) -> dict[str, Any] | None:
+    """What tells this process apart from a later one that reuses its pid.
+
+    Args:
+        pid: a process id.
+
+    Returns:
+        ``{"start_ticks": int, "cmdline": str, "state": str}`` (start time in clock ticks since
+        boot, the command line joined by spaces, the /proc state letter), or None when no such
+        process exists.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return {
+        "state": fields[0],
+        "start_ticks": int(fields[19]),
+        "cmdline": " ".join(p.decode(errors="replace") for p in cmdline.split(b"\0") if p),
+    }
+
+
+def is_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True while ``pid`` runs (not a zombie) and, when given, started at ``start_ticks``."""
+    ident = identity(pid)
+    if ident is None or ident["state"] in ("Z", "X"):
+        return False
+    return start_ticks is None or ident["start_ticks"] == start_ticks
+
+
+class AttachedProcess:
+    """A run's process started by an earlier control plane, watched by pid.
+
+    It has the interface of a launcher's process (``spec``, ``pid``, ``poll``, ``signal``,
+    ``tail``); ``poll`` returns :data:`EXIT_UNKNOWN` once the process is gone.
+
+    Args:
+        spec: its ProcessSpec.
+        pid: its pid (a session leader: its process group id too).
+        start_ticks: its start time from :func:`identity` (guards against pid reuse).
+    """
+
+    def __init__(self, spec: Any, pid: int, start_ticks: int) -> None:
+        self.spec = spec
+        self._pid = pid
+        self.start_ticks = start_ticks
+        self.started = time.monotonic()
+        self._code: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self._pid
+
+    @property
+    def popen(self) -> AttachedProcess:
+        """Itself: a launcher's ``stop`` waits through ``proc.popen.wait``."""
+        return self
+
+    def poll(self) -> int | None:
+        """None while it runs, :data:`EXIT_UNKNOWN` once it is gone."""
+        if self._code is None and not is_alive(self._pid, self.start_ticks):
+            self._code = EXIT_UNKNOWN
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Poll until the process is gone or ``timeout`` seconds passed; returns ``poll()``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
+        return self.poll()
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to its process group (only while it is still the same process)."""
+        if self.poll() is not None:
+            return
+        try:
+            os.killpg(self._pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def tail(self, lines: int = 20) -> str:
+        """The last lines of its log."""
+        try:
+            text = Path(self.spec.log_file).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def attach(spec: Any, pid: int, start_ticks: int) -> AttachedProcess | None:
+    """Re-attach the process ``pid`` of ``spec`` if it is still the same process.
+
+    Args:
+        spec: the ProcessSpec it was started with.
+        pid: its recorded pid.
+        start_ticks: its recorded start time (:func:`identity`).
+
+    Returns:
+        An :class:`AttachedProcess`, or None when it is gone or the pid now names another process
+        (a different start time, or a command line without ``services.cli`` and its subcommand).
+    """
+    ident = identity(pid)
+    if ident is None or ident["state"] in ("Z", "X") or ident["start_ticks"] != start_ticks:
+        return None
+    argv0 = spec.argv[0] if spec.argv else ""
+    if "services.cli" not in ident["cmdline"] or argv0 not in ident["cmdline"]:
+        return None
+    return AttachedProcess(spec, pid, start_ticks)

@@ -1,0 +1,125 @@
+"""Restart policy of a run's processes: what to restart after an exit, when (backoff), and when
+the failure budget is spent. Shared by ``xtoken run`` and the control plane's supervisor.
+
+Per role (the default :data:`SCOPES`):
+
+* ``collator`` and ``teacher`` restart **in place** (a collator skips what the queue already
+  holds; a restarted teacher recomputes the requests of its dead predecessor);
+* any ``trainer`` rank restarts the whole **group** of ranks from the latest checkpoint (the
+  survivors cannot go on without it: their next collective fails);
+* the ``queue`` holds the run's samples in memory, so its loss restarts the **run**: every
+  process again, the trainers from their checkpoint, the collators re-putting the corpus.
+
+A budget of ``max_restarts`` per restart key (a process name, ``trainers`` or ``run``); the n-th
+restart waits ``backoff_s * 2 ** (n - 1)`` seconds, at most ``max_backoff_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# role -> restart scope
+SCOPES: dict[str, str] = {
+    "collator": "process",
+    "teacher": "process",
+    "trainer": "group",
+    "queue": "run",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do after a process exited.
+
+    Attributes:
+        action: ``done`` (a normal end: nothing to do), ``restart`` or ``fail``.
+        scope: ``process`` (the one process), ``group`` (every process of its role) or ``run``.
+        key: the budget key (the process name, ``trainers`` or ``run``).
+        attempt: the restart's number (1-based) within its budget; 0 for done / fail.
+        delay_s: seconds to wait before the restart.
+        reason: one line for logs and the API.
+    """
+
+    action: str
+    scope: str = "process"
+    key: str = ""
+    attempt: int = 0
+    delay_s: float = 0.0
+    reason: str = ""
+
+
+class RestartPolicy:
+    """Decides, per exited process, between a normal end, a restart (with backoff) and failure.
+
+    Args:
+        max_restarts: restarts per budget key before the run fails (0: never restart).
+        backoff_s: wait before the first restart of a key; doubles with each further one.
+        max_backoff_s: the longest wait.
+        scopes: role -> scope (default :data:`SCOPES`); a role not listed is never restarted.
+
+    Raises:
+        ValueError: a negative budget or backoff, or an unknown scope.
+    """
+
+    def __init__(
+        self,
+        max_restarts: int,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        scopes: dict[str, str] | None = None,
+    ) -> None:
+        if max_restarts < 0 or backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError(
+                f"max_restarts={max_restarts}, backoff_s={backoff_s}, "
+                f"max_backoff_s={max_backoff_s}: none may be negative"
+            )
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.scopes = dict(SCOPES if scopes is None else scopes)
+        for role, scope in self.scopes.items():
+            if scope not in ("process", "group", "run"):
+                raise ValueError(f"scope of {role!r} is {scope!r}: use process, group or run")
+        self.used: dict[str, int] = {}
+
+    def decide(self, name: str, role: str, code: int, *, finished_ok: bool = False) -> Decision:
+        """The decision for process ``name`` of ``role`` that exited with ``code``.
+
+        Args:
+            name: the process name (``teacher0``).
+            role: its role (``teacher``).
+            code: its exit code (negative: killed by that signal).
+            finished_ok: the exit is the process's normal end (a collator or trainer exiting 0).
+
+        Returns:
+            A :class:`Decision`; a restart is counted against the budget at once.
+        """
+        if finished_ok:
+            return Decision("done", reason=f"{name} finished")
+        scope = self.scopes.get(role)
+        cause = f"{name} exited with code {code}"
+        if scope is None:
+            return Decision("fail", reason=f"{cause}; a {role} is never restarted")
+        key = {"process": name, "group": f"{role}s", "run": "run"}[scope]
+        used = self.used.get(key, 0)
+        if used >= self.max_restarts:
+            return Decision(
+                "fail",
+                scope,
+                key,
+                reason=f"{cause}; restart budget of {key} spent ({used} of {self.max_restarts})",
+            )
+        self.used[key] = used + 1
+        delay = min(self.backoff_s * 2**used, self.max_backoff_s)
+        return Decision(
+            "restart",
+            scope,
+            key,
+            attempt=used + 1,
+            delay_s=delay,
+            reason=f"{cause}: restart {used + 1} of {self.max_restarts} ({scope}) in {delay:.1f}s",
+        )
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts used so far per budget key."""
+        return dict(self.used)

@@ -1,0 +1,1 @@
+"""REST routes of the control plane (one module per resource)."""

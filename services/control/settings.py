@@ -1,0 +1,73 @@
+"""Settings of the control plane, from ``XTOKEN_CONTROL_*`` environment variables and CLI flags."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """The control plane's settings (env ``XTOKEN_CONTROL_<NAME>``, e.g. ``XTOKEN_CONTROL_TOKEN``)."""
+
+    model_config = SettingsConfigDict(env_prefix="XTOKEN_CONTROL_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind (non-loopback needs a token)")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
+    token: str | None = Field(
+        None, description="bearer token that mutating calls must present (None: no check)"
+    )
+    runs_root: Path = Field(Path("runs"), description="run directories live under it")
+    data_root: list[Path] = Field(
+        default_factory=lambda: [Path("data")],
+        description="roots of data, models, tokenizers and projections (comma-separated)",
+    )
+    db: Path | None = Field(None, description="SQLite file (default: RUNS_ROOT/control.db)")
+    launcher: str = Field("local", description="launcher of run processes: local or ray")
+    ray_address: str | None = Field(None, description="Ray cluster address (launcher=ray)")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")
+    tick_s: float = Field(0.2, gt=0, description="seconds between two looks at a run")
+    dead_after_s: float = Field(5.0, gt=0, description="a process frozen this long is dead")
+
+    @field_validator("data_root", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("launcher")
+    @classmethod
+    def _known_launcher(cls, value: str) -> str:
+        if value not in ("local", "ray"):
+            raise ValueError(f"launcher={value!r}: use local or ray")
+        return value
+
+    def db_path(self) -> Path:
+        """The SQLite file."""
+        return self.db or self.runs_root / "control.db"
+
+    def check_bind(self) -> None:
+        """Refuse to listen beyond loopback without a token.
+
+        Raises:
+            ValueError: a non-loopback host and no token (says how to fix it).
+        """
+        if self.token or is_loopback(self.host):
+            return
+        raise ValueError(
+            f"refusing to bind {self.host!r} without a token: anyone who reaches it could start "
+            "processes; set XTOKEN_CONTROL_TOKEN (or --token) or bind 127.0.0.1"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,689 @@
+"""The Supervisor: every run's state machine, processes, restarts, heartbeats and metrics; no HTTP.
+
+Each active run is driven by its own thread around a :class:`services.run.Run` (the same
+launch / restart-policy / stop logic as ``xtoken run``):
+
+    PENDING -> STARTING (prepare, launch) -> RUNNING <-> RECOVERING (cause, attempt)
+    RUNNING -> SUCCEEDED | FAILED (process, exit code, last log lines)
+    any active state -> STOPPING (trainers checkpoint) -> STOPPED
+    STOPPED | FAILED | INTERRUPTED -> resume -> PENDING ...
+
+State, processes (pid + start time) and events live in SQLite (:class:`Store`). Processes are
+started without the dead-parent sentinel, so they outlive the control plane; a new Supervisor
+re-attaches live ones by pid (guarded by the start time and command line) and the run goes on;
+a run none of whose processes survived is INTERRUPTED and resumable.
+
+A process is dead when its pid is gone (a zombie counts as gone) or when it stops
+heart-beating: a process frozen (stopped, state ``T``) for ``dead_after_s`` is killed and handled
+as a crash by the restart policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.control.attach import EXIT_UNKNOWN, AttachedProcess, attach, identity
+from services.control.paths import confine
+from services.control.series import Series
+from services.control.store import Store
+
+logger = logging.getLogger(__name__)
+
+PENDING, STARTING, RUNNING, RECOVERING = "PENDING", "STARTING", "RUNNING", "RECOVERING"
+STOPPING, STOPPED, SUCCEEDED, FAILED = "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"
+INTERRUPTED = "INTERRUPTED"
+STATES = (
+    PENDING,
+    STARTING,
+    RUNNING,
+    STOPPING,
+    STOPPED,
+    SUCCEEDED,
+    FAILED,
+    RECOVERING,
+    INTERRUPTED,
+)
+ACTIVE = frozenset({PENDING, STARTING, RUNNING, RECOVERING, STOPPING})
+RESUMABLE = frozenset({STOPPED, FAILED, INTERRUPTED})
+
+
+class RunNotFound(KeyError):
+    """No run of that id (HTTP 404)."""
+
+
+class Conflict(ValueError):
+    """The call does not fit the run's state (HTTP 409); the message says which states do."""
+
+
+class _Handle:
+    """The live side of one run: its Run, thread, series, queue stats and subscribers."""
+
+    def __init__(self, run_id: str, run: Any) -> None:
+        self.run_id = run_id
+        self.run = run
+        self.thread: threading.Thread | None = None
+        self.stop_grace: float | None = None
+        self.series = Series(Path(run.run_dir) / "metrics" / "trainer.rank0.jsonl")
+        self.queue_stats: dict[str, Any] | None = None
+        self.queue_polled = 0.0
+        self.queue_client: Any = None
+        self.heartbeats: dict[str, float] = {}
+        self.frozen_since: dict[str, float] = {}
+        self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
+        self.runtime: dict[str, Any] | None = None
+
+
+class Supervisor:
+    """Runs of the control plane.
+
+    Args:
+        store: the SQLite store.
+        runs_root: run directories go here (and must stay inside).
+        data_roots: roots of data, models, tokenizers and projections a config may name.
+        launcher_factory: makes a new launcher per run (default: a LocalLauncher without the
+            dead-parent sentinel).
+        tick_s: seconds between two looks at a run's processes.
+        queue_stats_s: seconds between two stats calls to a run's queue.
+        dead_after_s: a process frozen this long is treated as dead.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        runs_root: str | os.PathLike,
+        data_roots: list[str | os.PathLike],
+        launcher_factory: Callable[[], Any] | None = None,
+        tick_s: float = 0.2,
+        queue_stats_s: float = 2.0,
+        dead_after_s: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.runs_root = Path(runs_root).resolve()
+        self.data_roots = [Path(r).resolve() for r in data_roots]
+        self.launcher_factory = launcher_factory or _local_launcher
+        self.tick_s = tick_s
+        self.queue_stats_s = queue_stats_s
+        self.dead_after_s = dead_after_s
+        self.host = socket.gethostname()
+        self._handles: dict[str, _Handle] = {}
+        self._subscribers: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def recover(self) -> None:
+        """After a (re)start: re-attach the live processes of every active run from the store;
+        a run with none left becomes INTERRUPTED (resumable)."""
+        for rec in self.store.list_runs():
+            if rec["state"] not in ACTIVE:
+                continue
+            try:
+                self._recover_one(rec)
+            except Exception as e:  # one broken record must not keep the others down
+                logger.exception("[control] run %s cannot be recovered", rec["id"])
+                self._set_state(rec["id"], INTERRUPTED, reason=f"recovery failed: {e}")
+
+    def _recover_one(self, rec: dict[str, Any]) -> None:
+        run_id = rec["id"]
+        if rec["state"] == PENDING:
+            self._spawn(run_id, rec["config"], launch=True)
+            return
+        run = self._make_run(run_id, rec["config"])
+        runtime = rec.get("runtime")
+        procs = self.store.processes(run_id)
+        attached: dict[str, AttachedProcess] = {}
+        if runtime and _is_local(run.launcher):
+            run.restore(runtime)
+            for p in procs:
+                spec = run.specs.get(p["name"])
+                if spec is None or not p["pid"] or p["start_ticks"] is None:
+                    continue
+                a = attach(spec, p["pid"], p["start_ticks"])
+                if a is not None:
+                    attached[p["name"]] = a
+        if not attached:
+            for p in procs:  # anything left of a half-started run, by pid + start time
+                if p["pid"] and p["start_ticks"] is not None and p["state"] == "running":
+                    _kill_if_same(p["pid"], p["start_ticks"])
+            for p in procs:
+                if p["state"] == "running":
+                    self.store.put_process(run_id, p["name"], state="gone")
+            self._set_state(
+                run_id,
+                INTERRUPTED,
+                reason="the control plane restarted and no process of the run was left; "
+                "resume it (POST /v1/runs/{id}/resume) to go on from its latest checkpoint",
+            )
+            return
+        for name, spec in run.specs.items():
+            if name in attached:
+                run.launcher.processes[name] = attached[name]
+            elif name not in run._finished:
+                gone = AttachedProcess(spec, 0, 0)
+                gone._code = EXIT_UNKNOWN  # ended unseen: the restart policy decides
+                run.launcher.processes[name] = gone
+        logger.info(
+            "[control] run %s re-attached %d processes: %s",
+            run_id,
+            len(attached),
+            ", ".join(f"{n} (pid {a.pid})" for n, a in sorted(attached.items())),
+        )
+        handle = self._new_handle(run_id, run)
+        handle.runtime = runtime
+        if rec["state"] == STOPPING:
+            handle.stop_grace = 60.0
+        self._event(run_id, "reattached", {"processes": sorted(attached)})
+        self._start_thread(handle, launch=False)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the run threads; the runs' processes go on (a new Supervisor re-attaches them)."""
+        self._closing.set()
+        for h in list(self._handles.values()):
+            if h.thread is not None:
+                h.thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ API
+
+    def submit(self, raw: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+        """Validate a run config and start the run.
+
+        Args:
+            raw: the run config mapping as submitted (paths relative to the roots allowed).
+            name: a display name (default: the run id).
+
+        Returns:
+            The run's record (:meth:`get`).
+
+        Raises:
+            ConfigError: unknown keys, wrong types, impossible combinations (names the key).
+            PathNotAllowed: a path outside the runs / data roots (names the key).
+            Conflict: another active run uses the same run directory.
+        """
+        from services.run import run_config_from_dict
+
+        if not isinstance(raw, dict):
+            from services.common.config import ConfigError
+
+            raise ConfigError(f"a run config is a mapping of keys, got {type(raw).__name__}")
+        run_id = uuid.uuid4().hex[:12]
+        run_dir = raw.get("run_dir") or run_id
+        if not isinstance(run_dir, str):
+            from services.common.config import ConfigError
+
+            raise ConfigError(f"run_dir: expected str, got {run_dir!r}")
+        config = confine(
+            raw, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots
+        )
+        run_config_from_dict(config)  # every config error before anything is recorded
+        with self._lock:
+            for rec in self.store.list_runs():
+                if rec["state"] in ACTIVE and rec["run_dir"] == config["run_dir"]:
+                    raise Conflict(
+                        f"run_dir={config['run_dir']!r} is used by run {rec['id']} "
+                        f"({rec['state']}); pick another run_dir or stop that run"
+                    )
+            self.store.create_run(run_id, name or run_id, config, config["run_dir"])
+        self._event(run_id, "state", {"state": PENDING})
+        logger.info("[control] run %s submitted (run_dir %s)", run_id, config["run_dir"])
+        self._spawn(run_id, config, launch=True)
+        return self.get(run_id)
+
+    def stop(self, run_id: str, grace_s: float = 300.0) -> dict[str, Any]:
+        """Ask an active run to stop: trainers checkpoint at one step boundary, then all exit
+        (killed after ``grace_s``).
+
+        Raises:
+            RunNotFound: no such run.
+            Conflict: the run is not active.
+        """
+        rec = self._record(run_id)
+        with self._lock:
+            h = self._handles.get(run_id)
+            if rec["state"] not in ACTIVE or h is None:
+                raise Conflict(
+                    f"run {run_id} is {rec['state']}; only a run in "
+                    f"{', '.join(sorted(ACTIVE))} can be stopped"
+                )
+            h.stop_grace = float(grace_s)
+        self._event(run_id, "stop_requested", {"grace_s": grace_s})
+        return self.get(run_id)
+
+    def resume(self, run_id: str) -> dict[str, Any]:
+        """Start a stopped, failed or interrupted run again from its latest checkpoint.
+
+        Raises:
+            RunNotFound: no such run.
+            Conflict: the run is active or succeeded.
+        """
+        rec = self._record(run_id)
+        with self._lock:
+            h = self._handles.get(run_id)
+            if rec["state"] not in RESUMABLE or (h is not None and h.thread and h.thread.is_alive()):
+                raise Conflict(
+                    f"run {run_id} is {rec['state']}; only a run in "
+                    f"{', '.join(sorted(RESUMABLE))} can be resumed"
+                )
+            self.store.update_run(
+                run_id,
+                state=PENDING,
+                reason=None,
+                attempt=0,
+                failed_process=None,
+                exit_code=None,
+                log_tail=None,
+                runtime=None,
+            )
+        self._event(run_id, "state", {"state": PENDING, "resume": True})
+        self._spawn(run_id, rec["config"], launch=True)
+        return self.get(run_id)
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every run (records as :meth:`get`, without the config)."""
+        out = []
+        for rec in self.store.list_runs():
+            item = self._view(rec)
+            item.pop("config", None)
+            out.append(item)
+        return out
+
+    def get(self, run_id: str) -> dict[str, Any]:
+        """A run: state, config, step, latest metrics, checkpoint, failure reason.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        return self._view(self._record(run_id))
+
+    def processes(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's processes: role, host, pid, GPU, state, restarts, heartbeat, exit code.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        self._record(run_id)
+        rows = self.store.processes(run_id)
+        h = self._handles.get(run_id)
+        for row in rows:
+            row.pop("run_id", None)
+            row.pop("start_ticks", None)
+            if h is not None and row["name"] in h.heartbeats:
+                row["last_heartbeat"] = h.heartbeats[row["name"]]
+        return rows
+
+    def metrics(self, run_id: str, after_step: int = -1) -> dict[str, Any]:
+        """Series for curves: step records after ``after_step`` and every eval.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        rec = self._record(run_id)
+        h = self._handles.get(run_id)
+        series = h.series if h is not None else None
+        if series is None:  # a finished run: read its file once
+            series = Series(Path(rec["run_dir"]) / "metrics" / "trainer.rank0.jsonl")
+            series.poll()
+        steps = [s for s in series.steps if s.get("step", 0) > after_step]
+        return {"run_id": run_id, "steps": steps, "evals": list(series.evals)}
+
+    def events(self, run_id: str, after: int = 0) -> list[dict[str, Any]]:
+        """Recorded events (states, process exits, restarts) after event id ``after``.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        self._record(run_id)
+        return self.store.events(run_id, after=after)
+
+    def subscribe(self, run_id: str, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every new event of the run (states, processes, metrics),
+        from the run's thread; returns the function that unsubscribes.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        self._record(run_id)
+        with self._lock:
+            self._subscribers.setdefault(run_id, []).append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                subs = self._subscribers.get(run_id, [])
+                if callback in subs:
+                    subs.remove(callback)
+
+        return unsubscribe
+
+    def log_path(self, run_id: str, process: str) -> Path:
+        """The log file of a process of the run.
+
+        Raises:
+            RunNotFound: no such run.
+            ValueError: no such process (names the processes there are).
+        """
+        rec = self._record(run_id)
+        names = [p["name"] for p in self.store.processes(run_id)]
+        if process not in names:
+            raise ValueError(
+                f"run {run_id} has no process {process!r}; its processes: "
+                f"{', '.join(names) or 'none yet'}"
+            )
+        return Path(rec["run_dir"]) / "logs" / f"{process}.log"
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything GET /metrics exposes, from memory (no file or socket I/O)."""
+        runs = []
+        for rec in self.store.list_runs():
+            h = self._handles.get(rec["id"])
+            runs.append(
+                {
+                    "id": rec["id"],
+                    "state": rec["state"],
+                    "latest": h.series.latest() if h else None,
+                    "evals": h.series.evals[-1:] if h else [],
+                    "tokens_total": h.series.tokens_total if h else 0.0,
+                    "steps_total": h.series.steps_total if h else 0,
+                    "queue": h.queue_stats if h else None,
+                    "processes": self.processes(rec["id"]) if h else [],
+                }
+            )
+        return {"runs": runs, "started": self.started}
+
+    # ------------------------------------------------------------------ the run threads
+
+    def _make_run(self, run_id: str, config: dict[str, Any]) -> Any:
+        from services.run import Run, run_config_from_dict
+
+        run_config = run_config_from_dict(config)
+        return Run(
+            run_config,
+            launcher=self.launcher_factory(),
+            progress=False,
+            on_event=lambda kind, data: self._on_run_event(run_id, kind, data),
+        )
+
+    def _new_handle(self, run_id: str, run: Any) -> _Handle:
+        with self._lock:
+            h = _Handle(run_id, run)
+            self._handles[run_id] = h
+        return h
+
+    def _spawn(self, run_id: str, config: dict[str, Any], launch: bool) -> None:
+        try:
+            run = self._make_run(run_id, config)
+        except ValueError as e:
+            self._set_state(run_id, FAILED, reason=str(e))
+            return
+        self._start_thread(self._new_handle(run_id, run), launch=launch)
+
+    def _start_thread(self, h: _Handle, launch: bool) -> None:
+        h.thread = threading.Thread(
+            target=self._drive, args=(h, launch), name=f"run-{h.run_id}", daemon=True
+        )
+        h.thread.start()
+
+    def _drive(self, h: _Handle, launch: bool) -> None:
+        run = h.run
+        try:
+            if launch:
+                self._set_state(h.run_id, STARTING)
+                run.prepare()
+                if h.stop_grace is not None:
+                    self._set_state(h.run_id, STOPPED, reason="stopped before it started")
+                    return
+                run.launch()
+                self._sync(h)
+                self._set_state(h.run_id, RUNNING)
+            while not self._closing.is_set():
+                if h.stop_grace is not None:
+                    self._set_state(h.run_id, STOPPING)
+                    codes = run.stop(grace_s=h.stop_grace)
+                    self._sync(h)
+                    bad = {n: c for n, c in codes.items() if c not in (0, None)}
+                    reason = "stopped on request; trainers checkpointed" if not bad else (
+                        f"stopped on request; trainers exited with {bad}"
+                    )
+                    self._set_state(h.run_id, STOPPED, reason=reason)
+                    return
+                self._check_frozen(h)
+                status = run.poll_once()
+                self._sync(h)
+                self._poll_series(h)
+                self._poll_queue(h)
+                if status == "succeeded":
+                    run.launcher.stop(grace_s=60)
+                    self._sync(h)
+                    self._poll_series(h)
+                    self._set_state(h.run_id, SUCCEEDED, reason="every trainer rank finished")
+                    return
+                if status == "failed":
+                    run.launcher.stop(grace_s=30)
+                    self._sync(h)
+                    tail = run.failure.split(":\n", 1)[1] if ":\n" in (run.failure or "") else ""
+                    self._set_state(
+                        h.run_id,
+                        FAILED,
+                        reason=(run.failure or "failed").split("; last log lines")[0],
+                        failed_process=run.failed_process,
+                        exit_code=run.exit_code,
+                        log_tail=tail,
+                    )
+                    return
+                if status == "running" and self._record(h.run_id)["state"] == RECOVERING:
+                    self._set_state(h.run_id, RUNNING)
+                runtime = run.state()
+                if runtime != h.runtime:
+                    self.store.update_run(h.run_id, runtime=runtime)
+                    h.runtime = runtime
+                self._closing.wait(self.tick_s)
+        except Exception as e:
+            logger.exception("[control] run %s failed", h.run_id)
+            try:
+                run.launcher.stop(grace_s=30)
+                self._sync(h)
+            except Exception:  # pragma: no cover - best effort
+                logger.exception("[control] run %s: stopping its processes failed", h.run_id)
+            self._set_state(h.run_id, FAILED, reason=str(e))
+        finally:
+            if h.queue_client is not None:
+                h.queue_client.close()
+                h.queue_client = None
+
+    def _on_run_event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
+        if kind == "recovering":
+            self._set_state(
+                run_id, RECOVERING, reason=data.get("reason"), attempt=data.get("attempt", 0)
+            )
+        self._event(run_id, kind, data)
+        if kind in ("launched", "restarted"):
+            h = self._handles.get(run_id)
+            if h is not None:
+                self._sync(h)
+
+    def _check_frozen(self, h: _Handle) -> None:
+        """A process stopped (SIGSTOP, state T) for ``dead_after_s`` is killed: a crash."""
+        now = time.monotonic()
+        for name, proc in list(h.run.launcher.processes.items()):
+            pid = getattr(proc, "pid", None)
+            if not pid or proc.poll() is not None:
+                h.frozen_since.pop(name, None)
+                continue
+            ident = identity(pid)
+            if ident is None or ident["state"] not in ("T", "t"):
+                h.frozen_since.pop(name, None)
+                continue
+            since = h.frozen_since.setdefault(name, now)
+            if now - since >= self.dead_after_s:
+                logger.warning(
+                    "[control] run %s: %s (pid %d) stopped heart-beating %.1fs ago: killing it",
+                    h.run_id,
+                    name,
+                    pid,
+                    now - since,
+                )
+                self._event(h.run_id, "unresponsive", {"process": name, "pid": pid})
+                proc.signal(signal.SIGKILL)
+                h.frozen_since.pop(name, None)
+
+    def _sync(self, h: _Handle) -> None:
+        """Process rows in the store from the launcher (written only when something changed)."""
+        now = time.time()
+        used = h.run.policy.restarts()
+        for name, proc in list(h.run.launcher.processes.items()):
+            spec = proc.spec
+            code = proc.poll()
+            pid = getattr(proc, "pid", None) or None
+            if code is None:
+                h.heartbeats[name] = now
+                state = "running"
+            elif code == 0:
+                state = "exited"
+            else:
+                state = "failed"
+            key = name if spec.role in ("collator", "teacher") else (
+                f"{spec.role}s" if spec.role == "trainer" else "run"
+            )
+            row = (pid, state, code, used.get(key, 0) + (used.get("run", 0) if key != "run" else 0))
+            if h.known.get(name) == row:
+                continue
+            start_ticks = None
+            if pid and code is None:
+                ident = identity(pid)
+                start_ticks = ident["start_ticks"] if ident else None
+            prev = h.known.get(name)
+            fields: dict[str, Any] = {
+                "role": spec.role,
+                "host": self.host,
+                "pid": pid,
+                "state": state,
+                "restarts": row[3],
+                "exit_code": None if code == EXIT_UNKNOWN else code,
+                "last_heartbeat": h.heartbeats.get(name),
+                "log_file": spec.log_file,
+                "gpu": str(spec.resources.get("gpu")) if spec.resources.get("gpu") else None,
+            }
+            if start_ticks is not None:
+                fields["start_ticks"] = start_ticks
+            if prev is None or prev[0] != pid:
+                fields["started"] = now
+            self.store.put_process(h.run_id, name, **fields)
+            h.known[name] = row
+
+    def _poll_series(self, h: _Handle) -> None:
+        for record in h.series.poll():
+            self._publish(h.run_id, {"kind": "metrics", "time": time.time(), "data": record})
+
+    def _poll_queue(self, h: _Handle) -> None:
+        now = time.monotonic()
+        if now - h.queue_polled < self.queue_stats_s or not h.run.queue_address:
+            return
+        h.queue_polled = now
+        from services.queue.client import QueueClient
+
+        try:
+            if h.queue_client is None or h.queue_client.address != h.run.queue_address:
+                if h.queue_client is not None:
+                    h.queue_client.close()
+                h.queue_client = QueueClient(h.run.queue_address, timeout_s=2, name="control")
+            h.queue_stats = h.queue_client.stats()
+        except Exception as e:  # the queue may be restarting: keep the last figures
+            logger.debug("[control] run %s: queue stats: %s", h.run_id, e)
+            if h.queue_client is not None:
+                h.queue_client.close()
+                h.queue_client = None
+
+    # ------------------------------------------------------------------ records and events
+
+    def _record(self, run_id: str) -> dict[str, Any]:
+        rec = self.store.get_run(run_id)
+        if rec is None:
+            raise RunNotFound(run_id)
+        return rec
+
+    def _set_state(self, run_id: str, state: str, **fields: Any) -> None:
+        if state in (RUNNING, STARTING):
+            fields.setdefault("reason", None)  # a recovery's cause is over
+        self.store.update_run(run_id, state=state, **fields)
+        logger.info(
+            "[control] run %s: %s%s", run_id, state, f" ({fields['reason']})" if fields.get("reason") else ""
+        )
+        data = {"state": state, **{k: v for k, v in fields.items() if k != "log_tail"}}
+        self._event(run_id, "state", data)
+
+    def _event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
+        self._publish(run_id, self.store.add_event(run_id, kind, data))
+
+    def _publish(self, run_id: str, event: dict[str, Any]) -> None:
+        with self._lock:
+            subs = list(self._subscribers.get(run_id, []))
+        for callback in subs:
+            try:
+                callback(event)
+            except Exception:  # a broken subscriber must not stop the run's thread
+                logger.exception("[control] run %s: an event subscriber failed", run_id)
+
+    def _view(self, rec: dict[str, Any]) -> dict[str, Any]:
+        h = self._handles.get(rec["id"])
+        latest = h.series.latest() if h is not None else None
+        checkpoint = _latest_checkpoint(rec["run_dir"])
+        return {
+            "id": rec["id"],
+            "name": rec["name"],
+            "state": rec["state"],
+            "run_dir": rec["run_dir"],
+            "created": rec["created"],
+            "updated": rec["updated"],
+            "step": latest.get("step") if latest else (checkpoint or {}).get("step"),
+            "latest_metrics": latest,
+            "checkpoint": checkpoint,
+            "reason": rec["reason"],
+            "attempt": rec["attempt"],
+            "failed_process": rec["failed_process"],
+            "exit_code": rec["exit_code"],
+            "log_tail": rec["log_tail"],
+            "queue": (h.run.queue_address or None) if h is not None else None,
+            "config": rec["config"],
+        }
+
+
+def _latest_checkpoint(run_dir: str) -> dict[str, Any] | None:
+    """``{"path", "step"}`` of the run's latest complete checkpoint (``checkpoints/latest``)."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        name = (root / "latest").read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    step = name.rsplit("_", 1)[-1]
+    return {"path": str(root / name), "step": int(step) if step.isdigit() else None}
+
+
+def _local_launcher() -> Any:
+    from services.launch.local import LocalLauncher
+
+    return LocalLauncher(parent_sentinel=False)
+
+
+def _is_local(launcher: Any) -> bool:
+    from services.launch.local import LocalLauncher
+
+    return isinstance(launcher, LocalLauncher)
+
+
+def _kill_if_same(pid: int, start_ticks: int) -> None:
+    ident = identity(pid)
+    if ident is not None and ident["start_ticks"] == start_ticks:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

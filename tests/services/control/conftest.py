@@ -1,0 +1,179 @@
+"""Control-plane fixtures: `xtoken control serve` as a real subprocess on loopback, a data root with
+a small corpus, tiny run configs, and a cleanup that ends every process a test's runs started."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+# The e2e helpers' fixtures (demo corpus), visible to this folder's tests.
+from tests.e2e.conftest import (
+    CHILD_ENV,
+    ROOT,
+    corpus_parts,
+    demo,  # noqa: F401
+    free_port,
+)
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """A run config like examples/tiny.yaml but smaller: 1 trainer, 1 shm teacher, tiny models."""
+    config: dict[str, Any] = {
+        "student_tokenizer": "mistral",
+        "teacher_tokenizer": "smollm2",
+        "ctx_student": 64,
+        "ctx_teacher": 64,
+        "trainers": 1,
+        "teachers": 1,
+        "restart_backoff_s": 0.5,
+        "collator": {"batch": 8},
+        "teacher": {"model": "tiny", "transport": "shm", "max_batch": 4, "max_length": 64},
+        "trainer": {
+            "student": "tiny",
+            "micro_batch": 4,
+            "grad_accum": 1,
+            "epochs": 1,
+            "checkpoint_every": 2,
+            "eval_every": 0,
+            "eval_texts": 2,
+            "eval_ctx": 64,
+            "optim": {"lr": 0.003, "warmup_steps": 1},
+        },
+    }
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return config
+
+
+class ControlServer:
+    """``python -m services.cli control serve`` in its own session, on a free loopback port.
+
+    Args:
+        root: test folder: ``runs/`` (runs root, SQLite), ``data/`` (data root), ``control.log``.
+        token: the bearer token (None: none).
+        extra: more flags.
+    """
+
+    def __init__(self, root: pathlib.Path, token: str | None = None,
+                 extra: list[str] | None = None) -> None:
+        self.root = root
+        self.runs_root = root / "runs"
+        self.data_root = root / "data"
+        self.data_root.mkdir(parents=True, exist_ok=True)
+        self.token = token
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / "control.log"
+        self.ready_file = root / "control.ready"
+        self.extra = extra or []
+        self.popen: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start (or start again after a kill) on the same port, runs root and store."""
+        self.ready_file.unlink(missing_ok=True)
+        env = {**os.environ, **CHILD_ENV, "XTOKEN_CONTROL_TICK_S": "0.1"}
+        env.pop("XTOKEN_PARENT_PID", None)
+        if self.token:
+            env["XTOKEN_CONTROL_TOKEN"] = self.token
+        argv = [sys.executable, "-m", "services.cli", "control", "serve", "--port",
+                str(self.port), "--runs-root", str(self.runs_root), "--data-root",
+                str(self.data_root), "--ready-file", str(self.ready_file), *self.extra]
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not self.ready_file.is_file():
+            if self.popen.poll() is not None:
+                pytest.fail(f"control serve exited {self.popen.poll()}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"control serve not ready in 60 s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def client(self, token: str | None = "default") -> httpx.Client:
+        """An httpx client (with the server's token unless told otherwise)."""
+        token = self.token if token == "default" else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def kill(self) -> None:
+        """SIGKILL the server only (its runs' processes live on)."""
+        assert self.popen is not None
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM the server, then end every process its runs started (pids from its store)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        kill_run_processes(self.runs_root / "control.db")
+
+
+def kill_run_processes(db: pathlib.Path) -> None:
+    """SIGKILL the process group of every recorded process that is still the same process."""
+    from services.control.attach import identity
+
+    if not db.is_file():
+        return
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT pid, start_ticks FROM processes").fetchall()
+    for pid, ticks in rows:
+        ident = identity(pid) if pid else None
+        if ident is not None and ident["start_ticks"] == ticks:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for seg in pathlib.Path("/dev/shm").glob(f"xtk_{pid}_*"):
+                seg.unlink(missing_ok=True)
+
+
+def wait_state(client: httpx.Client, run_id: str, states: set[str], timeout_s: float) -> dict:
+    """Poll GET /v1/runs/{id} until its state is in ``states``; fail with the run on timeout."""
+    deadline = time.monotonic() + timeout_s
+    run: dict = {}
+    while time.monotonic() < deadline:
+        run = client.get(f"/v1/runs/{run_id}").json()
+        if run.get("state") in states:
+            return run
+        time.sleep(0.2)
+    pytest.fail(f"run {run_id} not in {states} after {timeout_s:.0f}s: "
+                f"{json.dumps({k: run.get(k) for k in ('state', 'reason', 'step')})}")
+
+
+@pytest.fixture
+def corpus(demo, tmp_path):  # noqa: F811
+    """A 24-text corpus under the data root of the test's server: (file, its keys)."""
+    paths, keys = corpus_parts(demo, tmp_path / "server" / "data" / "corpus", n=24, parts=1)
+    return paths[0], keys
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A control server without a token, stopped (with its runs' processes) after the test."""
+    s = ControlServer(tmp_path / "server")
+    yield s
+    s.stop()
