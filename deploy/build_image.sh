@@ -22,7 +22,9 @@ case "$KIND" in
   *) echo "[deploy] unknown kind '$KIND': use cpu or gpu" >&2; exit 2 ;;
 esac
 X=deploy/build-extras
-find "$X" -mindepth 1 ! -name README.md -exec rm -rf {} +
+clean() { find "$X" -mindepth 1 ! -name README.md -exec rm -rf {} +; }
+clean
+trap clean EXIT
 # the CA bundle that pip on this host trusts (a proxy's CA where PyPI is reached through one)
 CA=${PIP_CERT:-${SSL_CERT_FILE:-$($PIP config get global.cert 2>/dev/null || true)}}
 if [ -n "$CA" ] && [ -s "$CA" ]; then
@@ -51,5 +53,4 @@ echo "[deploy] building $TAG ($KIND) FROM $BASE"
 DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build --network host -f deploy/Dockerfile -t "$TAG" \
   --build-arg BASE="$BASE" --build-arg TORCH_SPEC="$TORCH_SPEC" \
   --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PIP_INDEX_URL="$INDEX" .
-find "$X" -mindepth 1 ! -name README.md -exec rm -rf {} +
 echo "[deploy] built $TAG"

@@ -122,9 +122,10 @@ def test_control_plane_mounts_data_models_and_runs_and_confines_paths_to_them():
     control = _services()["control"]
     targets = {_interpolate(v).split(":")[1] for v in control["volumes"]}
     assert {"/data", "/models", "/runs"} <= targets
+    command = control["command"]
+    assert command[command.index("--data-root") + 1].split(",") == ["/data", "/models"]
+    assert command[command.index("--runs-root") + 1] == "/runs"
     env = control["environment"]
-    assert env["XTOKEN_CONTROL_DATA_ROOT"].split(",") == ["/data", "/models"]
-    assert env["XTOKEN_CONTROL_RUNS_ROOT"] == "/runs"
     assert ":?" in env["XTOKEN_CONTROL_TOKEN"]  # no default token: compose refuses to start
 
 
