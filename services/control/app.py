@@ -208,15 +208,10 @@ def build_supervisor(settings: Settings) -> Supervisor:
 
 
 def _launcher_factory(settings: Settings) -> Any:
-    if settings.launcher == "local":
-        from services.launch.local import LocalLauncher
+    """New launchers for runs: local ones without the dead-parent sentinel (run processes
+    outlive a control-plane restart and are re-attached), or Ray ones on the cluster."""
+    from services.launch import make_launcher
 
-        return lambda: LocalLauncher(parent_sentinel=False)
-    try:
-        from services.launch import make_launcher  # the Ray launcher's factory
-    except ImportError:
-        raise ValueError(
-            "launcher=ray needs services.launch.make_launcher (the Ray launcher), which this "
-            "build lacks; use launcher=local"
-        ) from None
+    if settings.launcher == "local":
+        return lambda: make_launcher("local", parent_sentinel=False)
     return lambda: make_launcher(settings.launcher, settings.ray_address)

@@ -163,13 +163,19 @@ class Store:
         bad = set(fields) - set(PROCESS_FIELDS)
         if bad:
             raise ValueError(f"unknown process fields {sorted(bad)}")
-        cols = ["run_id", "name", *fields]
-        updates = ", ".join(f"{k} = excluded.{k}" for k in fields) or "name = excluded.name"
         with self._lock:
+            if fields:
+                sets = ", ".join(f"{k} = ?" for k in fields)
+                cur = self._db.execute(
+                    f"UPDATE processes SET {sets} WHERE run_id = ? AND name = ?",
+                    (*fields.values(), run_id, name),
+                )
+                if cur.rowcount:
+                    return
+            cols = ["run_id", "name", *fields]
             self._db.execute(
                 f"INSERT INTO processes ({', '.join(cols)}) "
-                f"VALUES ({', '.join('?' for _ in cols)}) "
-                f"ON CONFLICT (run_id, name) DO UPDATE SET {updates}",
+                f"VALUES ({', '.join('?' for _ in cols)})",
                 (run_id, name, *fields.values()),
             )
 

@@ -74,8 +74,6 @@ class _Handle:
         self.stop_grace: float | None = None
         self.series = Series(Path(run.run_dir) / "metrics" / "trainer.rank0.jsonl")
         self.queue_stats: dict[str, Any] | None = None
-        self.queue_polled = 0.0
-        self.queue_client: Any = None
         self.heartbeats: dict[str, float] = {}
         self.frozen_since: dict[str, float] = {}
         self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
@@ -120,6 +118,10 @@ class Supervisor:
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self.started = time.time()
+        self._stats_thread = threading.Thread(
+            target=self._stats_loop, name="queue-stats", daemon=True
+        )
+        self._stats_thread.start()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -193,6 +195,7 @@ class Supervisor:
         for h in list(self._handles.values()):
             if h.thread is not None:
                 h.thread.join(timeout_s)
+        self._stats_thread.join(timeout_s)
 
     # ------------------------------------------------------------------ API
 
@@ -460,7 +463,6 @@ class Supervisor:
                 status = run.poll_once()
                 self._sync(h)
                 self._poll_series(h)
-                self._poll_queue(h)
                 if status == "succeeded":
                     run.launcher.stop(grace_s=60)
                     self._sync(h)
@@ -495,10 +497,6 @@ class Supervisor:
             except Exception:  # pragma: no cover - best effort
                 logger.exception("[control] run %s: stopping its processes failed", h.run_id)
             self._set_state(h.run_id, FAILED, reason=str(e))
-        finally:
-            if h.queue_client is not None:
-                h.queue_client.close()
-                h.queue_client = None
 
     def _on_run_event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "recovering":
@@ -584,24 +582,37 @@ class Supervisor:
         for record in h.series.poll():
             self._publish(h.run_id, {"kind": "metrics", "time": time.time(), "data": record})
 
-    def _poll_queue(self, h: _Handle) -> None:
-        now = time.monotonic()
-        if now - h.queue_polled < self.queue_stats_s or not h.run.queue_address:
-            return
-        h.queue_polled = now
+    def _stats_loop(self) -> None:
+        """One thread asks every active run's queue for its stats (a slow or dead queue delays
+        only these figures, never a run's supervision)."""
         from services.queue.client import QueueClient
 
-        try:
-            if h.queue_client is None or h.queue_client.address != h.run.queue_address:
-                if h.queue_client is not None:
-                    h.queue_client.close()
-                h.queue_client = QueueClient(h.run.queue_address, timeout_s=2, name="control")
-            h.queue_stats = h.queue_client.stats()
-        except Exception as e:  # the queue may be restarting: keep the last figures
-            logger.debug("[control] run %s: queue stats: %s", h.run_id, e)
-            if h.queue_client is not None:
-                h.queue_client.close()
-                h.queue_client = None
+        clients: dict[str, Any] = {}
+        while not self._closing.wait(self.queue_stats_s):
+            with self._lock:
+                handles = list(self._handles.values())
+            for h in handles:
+                address = h.run.queue_address
+                alive = h.thread is not None and h.thread.is_alive()
+                client = clients.get(h.run_id)
+                if client is not None and (not alive or client.address != address):
+                    clients.pop(h.run_id).close()
+                    client = None
+                if not alive or not address:
+                    continue
+                try:
+                    if client is None:
+                        client = clients[h.run_id] = QueueClient(
+                            address, timeout_s=1.0, retries=0, name="control", shm="never"
+                        )
+                    h.queue_stats = client.stats()
+                except Exception as e:  # restarting or gone: keep the last figures
+                    logger.debug("[control] run %s: queue stats: %s", h.run_id, e)
+                    clients.pop(h.run_id, None)
+                    if client is not None:
+                        client.close()
+        for client in clients.values():
+            client.close()
 
     # ------------------------------------------------------------------ records and events
 

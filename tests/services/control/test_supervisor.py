@@ -1,0 +1,303 @@
+"""The Supervisor without HTTP: the run state machine, the restart policy per role with backoff and
+budget, heartbeats (a frozen process is dead), stop, and re-attachment after a restart of the
+control plane. The run's processes are real subprocesses that play a script (exit after N seconds
+with a code, or run until signalled) in place of the workers, so each case takes seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from services.control.store import Store
+from services.control.supervisor import Conflict, RunNotFound, Supervisor
+from services.launch.local import LocalLauncher, LocalProcess
+from tests.services.control.conftest import tiny_config
+
+# A stand-in worker: writes its ready file, prints, then sleeps SECONDS (forever when < 0) and
+# exits with CODE; SIGTERM ends it with 0 (like a worker that drains).
+_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time, json
+    ready, seconds, code, summary = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    if ready != "-":
+        open(ready + ".tmp", "w").write(json.dumps({"pid": os.getpid(), "name": "x"}))
+        os.replace(ready + ".tmp", ready)
+    print("stand-in", " ".join(sys.argv[5:]), "started", flush=True)
+    end = time.monotonic() + seconds
+    while seconds < 0 or time.monotonic() < end:
+        time.sleep(0.02)
+    if summary != "-":
+        open(summary, "w").write(json.dumps({"stopped": False}))
+    print("boom: exiting with", code, flush=True)
+    sys.exit(code)
+    """
+)
+FOREVER = (-1.0, 0)
+
+
+class ScriptedLauncher(LocalLauncher):
+    """A LocalLauncher whose processes play ``lives[name]`` (one (seconds, code) per start; the
+    last one repeats) instead of running the workers; the trainer rank 0 writes summary.json."""
+
+    def __init__(self, lives: dict[str, list[tuple[float, int]]]) -> None:
+        super().__init__(parent_sentinel=False)
+        self.lives = lives
+        self.starts: dict[str, int] = {}
+        self.envs: dict[str, list[dict]] = {}
+
+    def start(self, spec):
+        n = self.starts.get(spec.name, 0)
+        self.starts[spec.name] = n + 1
+        self.envs.setdefault(spec.name, []).append(dict(spec.env))
+        plan = self.lives.get(spec.name, [FOREVER])
+        seconds, code = plan[min(n, len(plan) - 1)]
+        if spec.ready_file:
+            Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(spec.ready_file).unlink(missing_ok=True)
+        summary = "-"
+        if spec.name == "trainer0" and code == 0 and seconds >= 0:
+            summary = str(Path(spec.log_file).parent.parent / "summary.json")
+        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
+        log = open(spec.log_file, "ab")  # noqa: SIM115 (closed by LocalProcess.poll)
+        argv = [sys.executable, "-c", _SCRIPT, spec.ready_file or "-", str(seconds), str(code),
+                summary, "services.cli", *spec.argv]
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        proc = LocalProcess(spec, popen, log)
+        self.processes[spec.name] = proc
+        return proc
+
+
+@pytest.fixture
+def make(tmp_path):
+    """make(lives, **kw) -> a Supervisor whose runs use ScriptedLauncher(lives); all stopped after."""
+    made: list[Supervisor] = []
+    launchers: list[ScriptedLauncher] = []
+
+    def _make(lives, store=None, **kw):
+        def factory():
+            launchers.append(ScriptedLauncher(lives))
+            return launchers[-1]
+
+        sup = Supervisor(store or Store(tmp_path / "control.db"), runs_root=tmp_path / "runs",
+                         data_roots=[tmp_path / "data"], launcher_factory=factory,
+                         tick_s=0.05, **kw)
+        sup.launchers = launchers
+        made.append(sup)
+        return sup
+
+    yield _make
+    for sup in made:
+        sup.shutdown()
+    for launcher in launchers:
+        for proc in launcher.processes.values():
+            proc.signal(signal.SIGKILL)
+
+
+def wait_state(sup, run_id, states, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = sup.get(run_id)
+        if run["state"] in states:
+            return run
+        time.sleep(0.05)
+    raise AssertionError(f"run not in {states}: {sup.get(run_id)}\n{sup.events(run_id)}")
+
+
+def kinds(sup, run_id):
+    return [(e["kind"], e["data"].get("state") or e["data"].get("process")) for e in
+            sup.events(run_id)]
+
+
+def test_a_run_whose_trainers_finish_goes_through_its_states_to_succeeded(make):
+    sup = make({"trainer0": [(1.0, 0)]})
+    run = sup.submit(tiny_config())
+    done = wait_state(sup, run["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done
+    states = [s for k, s in kinds(sup, run["id"]) if k == "state"]
+    assert states == ["PENDING", "STARTING", "RUNNING", "SUCCEEDED"]
+    procs = {p["name"]: p for p in sup.processes(run["id"])}
+    assert set(procs) == {"queue", "collator", "teacher0", "trainer0"}
+    assert procs["trainer0"]["exit_code"] == 0
+    assert all(p["state"] != "running" for p in procs.values()), procs  # everything stopped
+    assert all(p["pid"] and p["host"] for p in procs.values())
+
+
+def test_a_teacher_crash_restarts_it_in_place_after_its_backoff(make):
+    sup = make({"teacher0": [(0.3, 1), FOREVER], "trainer0": [(3.0, 0)]})
+    run = sup.submit(tiny_config(restart_backoff_s=0.4))
+    rid = run["id"]
+    wait_state(sup, rid, {"RECOVERING"})
+    assert "teacher0 exited with code 1: restart 1 of 2 (process)" in sup.get(rid)["reason"]
+    assert sup.get(rid)["attempt"] == 1
+    done = wait_state(sup, rid, {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done
+    launcher = sup.launchers[-1]
+    assert launcher.starts["teacher0"] == 2 and launcher.starts["trainer0"] == 1
+    ev = [e for e in sup.events(rid) if e["kind"] == "recovering"][0]
+    assert ev["data"]["delay_s"] == pytest.approx(0.4)
+    restarted = [e for e in sup.events(rid) if e["kind"] == "restarted"][0]
+    assert restarted["time"] - ev["time"] >= 0.35  # the backoff was waited
+    states = [s for k, s in kinds(sup, rid) if k == "state"]
+    assert states[-3:] == ["RECOVERING", "RUNNING", "SUCCEEDED"], states
+    assert {p["name"]: p["restarts"] for p in sup.processes(rid)}["teacher0"] == 1
+
+
+def test_a_trainer_rank_crash_restarts_every_rank_on_a_new_rendezvous_port(make):
+    sup = make({"trainer0": [FOREVER, (0.5, 0)], "trainer1": [(0.5, -9 % 256), (0.5, 0)]})
+    run = sup.submit(tiny_config(trainers=2, restart_backoff_s=0.1))
+    done = wait_state(sup, run["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done
+    launcher = sup.launchers[-1]
+    assert launcher.starts == {"queue": 1, "collator": 1, "teacher0": 1, "trainer0": 2,
+                               "trainer1": 2}
+    ports = [e["MASTER_PORT"] for e in launcher.envs["trainer0"]]
+    assert ports[0] != ports[1]
+    assert [e["MASTER_PORT"] for e in launcher.envs["trainer1"]] == ports
+    rec = [e["data"] for e in sup.events(run["id"]) if e["kind"] == "recovering"]
+    assert [(r["process"], r["scope"]) for r in rec] == [("trainer1", "group")]
+
+
+def test_a_spent_budget_fails_the_run_naming_the_process_code_and_log(make):
+    sup = make({"teacher0": [(0.2, 3)]})
+    run = sup.submit(tiny_config(max_restarts=1, restart_backoff_s=0.05))
+    done = wait_state(sup, run["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "FAILED"
+    assert done["failed_process"] == "teacher0" and done["exit_code"] == 3
+    assert "restart budget of teacher0 spent (1 of 1)" in done["reason"]
+    assert "boom: exiting with 3" in done["log_tail"]
+    assert sup.launchers[-1].starts["teacher0"] == 2
+    assert all(p["state"] != "running" for p in sup.processes(run["id"]))
+
+
+def test_stop_ends_an_active_run_and_only_an_active_one(make):
+    sup = make({})
+    run = sup.submit(tiny_config())
+    wait_state(sup, run["id"], {"RUNNING"})
+    time.sleep(0.5)  # the stand-ins have their SIGTERM handler
+    sup.stop(run["id"], grace_s=5)
+    done = wait_state(sup, run["id"], {"STOPPED"})
+    assert "checkpointed" in done["reason"]
+    assert all(p["state"] != "running" for p in sup.processes(run["id"]))
+    with pytest.raises(Conflict, match="only a run in .*RUNNING.* can be stopped"):
+        sup.stop(run["id"])
+    with pytest.raises(RunNotFound):
+        sup.stop("nope")
+
+
+def test_a_frozen_process_stops_heart_beating_and_is_restarted(make):
+    sup = make({"trainer0": [(30.0, 0)]}, dead_after_s=0.5)
+    run = sup.submit(tiny_config(restart_backoff_s=0.05))
+    wait_state(sup, run["id"], {"RUNNING"})
+    pid = sup.launchers[-1].processes["teacher0"].pid
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    deadline = t0 + 10
+    while sup.launchers[-1].starts["teacher0"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    detect = time.monotonic() - t0
+    assert sup.launchers[-1].starts["teacher0"] == 2
+    assert detect < 2.0
+    assert ("unresponsive", "teacher0") in kinds(sup, run["id"])
+    exited = [e["data"] for e in sup.events(run["id"]) if e["kind"] == "exited"]
+    assert exited[0] == {"process": "teacher0", "role": "teacher", "code": -9}
+    sup.stop(run["id"], grace_s=2)
+    wait_state(sup, run["id"], {"STOPPED"})
+
+
+def test_a_new_supervisor_reattaches_the_live_processes_and_goes_on(make, tmp_path):
+    store = Store(tmp_path / "control.db")
+    sup = make({"trainer0": [(4.0, 0)]}, store=store)
+    run = sup.submit(tiny_config(restart_backoff_s=0.05))
+    rid = run["id"]
+    wait_state(sup, rid, {"RUNNING"})
+    time.sleep(0.3)
+    pids = {p["name"]: p["pid"] for p in sup.processes(rid)}
+    sup.shutdown()  # the control plane goes away; its runs' processes do not
+    assert all(os.kill(pid, 0) is None for pid in pids.values())
+
+    sup2 = make({"teacher0": [FOREVER]}, store=store)
+    sup2.recover()
+    assert sup2.get(rid)["state"] == "RUNNING"
+    assert ("reattached", None) in kinds(sup2, rid)
+    assert {p["name"]: p["pid"] for p in sup2.processes(rid)} == pids
+    # a re-attached process that dies (no exit code: not our child) is restarted per policy
+    os.killpg(pids["teacher0"], signal.SIGKILL)
+    done = wait_state(sup2, rid, {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done  # trainer0's end is read from summary.json
+    assert sup2.launchers[-1].starts == {"teacher0": 1}
+
+
+def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable(make, tmp_path):
+    store = Store(tmp_path / "control.db")
+    sup = make({}, store=store)
+    rid = sup.submit(tiny_config())["id"]
+    wait_state(sup, rid, {"RUNNING"})
+    pids = [p["pid"] for p in sup.processes(rid)]
+    sup.shutdown()
+    for pid in pids:
+        os.killpg(pid, signal.SIGKILL)
+    for launcher in sup.launchers:
+        for proc in launcher.processes.values():
+            proc.popen.wait(5)
+
+    sup2 = make({"trainer0": [(0.5, 0)]}, store=store)
+    sup2.recover()
+    run = sup2.get(rid)
+    assert run["state"] == "INTERRUPTED" and "resume it" in run["reason"]
+    assert {p["state"] for p in sup2.processes(rid)} == {"gone"}
+    sup2.resume(rid)
+    assert wait_state(sup2, rid, {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
+    with pytest.raises(Conflict, match="can be resumed"):
+        sup2.resume(rid)
+
+
+def test_a_reused_pid_is_not_reattached(tmp_path):
+    from services.control.attach import attach, identity
+    from services.launch.spec import ProcessSpec
+
+    spec = ProcessSpec("teacher0", "teacher", ["teacher"], log_file=str(tmp_path / "t.log"))
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "services.cli",
+                          "teacher"])
+    try:
+        ticks = identity(p.pid)["start_ticks"]
+        assert attach(spec, p.pid, ticks) is not None
+        assert attach(spec, p.pid, ticks + 1) is None  # another process under the same pid
+        other = ProcessSpec("trainer0", "trainer", ["trainer"], log_file="x")
+        assert attach(other, p.pid, ticks) is None  # not the command it was started with
+    finally:
+        p.kill()
+        p.wait()
+    assert attach(spec, p.pid, ticks) is None
+
+
+def test_the_store_keeps_runs_processes_and_events_across_connections(tmp_path):
+    db = tmp_path / "c.db"
+    s = Store(db)
+    s.create_run("r1", "one", {"a": 1}, "/runs/r1")
+    s.update_run("r1", state="RUNNING", runtime={"queue": "tcp://x"})
+    s.put_process("r1", "teacher0", role="teacher", host="h", pid=5, state="running")
+    s.put_process("r1", "teacher0", restarts=2)
+    ev = s.add_event("r1", "state", {"state": "RUNNING"})
+    s.close()
+    s = Store(db)
+    run = s.get_run("r1")
+    assert (run["state"], run["config"], run["runtime"]) == ("RUNNING", {"a": 1},
+                                                             {"queue": "tcp://x"})
+    p = s.processes("r1")[0]
+    assert (p["pid"], p["restarts"], p["role"]) == (5, 2, "teacher")
+    assert s.events("r1") == [ev] and s.events("r1", after=ev["id"]) == []
+    with pytest.raises(ValueError, match="exists already"):
+        s.create_run("r1", "x", {}, "/x")
+    with pytest.raises(ValueError, match="unknown run fields"):
+        s.update_run("r1", nope=1)
+    assert json.loads(json.dumps(s.list_runs()))[0]["id"] == "r1"
