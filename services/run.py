@@ -28,6 +28,7 @@ from services.common import config as cfgmod
 from services.common.metrics import read_jsonl
 from services.control.attach import EXIT_UNKNOWN
 from services.control.policy import Decision, RestartPolicy
+from services.control.series import Series
 from services.launch.local import LocalLauncher, ProcessSpec
 from services.teacher.worker import TeacherConfig
 from services.trainer.config import LossConfig, TrainerConfig
@@ -208,7 +209,7 @@ class Run:
         self._finished: set[str] = set()
         # budget key -> (monotonic due time, decision, the exited process)
         self._pending: dict[str, tuple[float, Decision, str]] = {}
-        self._metrics_pos = 0
+        self._series: Series | None = None  # rank 0's step records (progress line)
         self._recent: list[dict[str, Any]] = []  # the last step records (progress line)
 
     # ------------------------------------------------------------------ prepare
@@ -669,29 +670,11 @@ class Run:
         if self.on_event is not None:
             self.on_event(kind, data)
 
-    def _new_steps(self) -> list[dict[str, Any]]:
-        """Step records rank 0 appended since the last call (reads only the new bytes)."""
-        path = self.run_dir / "metrics" / "trainer.rank0.jsonl"
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(self._metrics_pos)
-                data = fh.read()
-        except FileNotFoundError:
-            return []
-        complete = data[: data.rfind(b"\n") + 1]  # a torn last line waits for the next call
-        self._metrics_pos += len(complete)
-        out = []
-        for line in complete.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("event") == "step":
-                out.append(record)
-        return out
-
     def _show_progress(self, started: float) -> None:
-        self._recent = (self._recent + self._new_steps())[-5:]
+        if self._series is None:
+            self._series = Series(self.run_dir / "metrics" / "trainer.rank0.jsonl")
+        new = [r for r in self._series.poll() if r["kind"] == "step"]
+        self._recent = (self._recent + new)[-5:]
         records = self._recent
         elapsed = time.monotonic() - started
         if not records:

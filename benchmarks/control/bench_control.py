@@ -1,0 +1,328 @@
+"""Control plane: API latency while a run trains, SSE latency, dead-process detection, restart time
+from a checkpoint, and the control plane's overhead on the trainer's step time.
+
+Starts ``xtoken control serve`` (default tick 0.2 s) and real tiny runs (queue, collator, shm
+teacher, trainer rank on the CPU), as a user does:
+
+* ``GET /metrics`` and ``GET /v1/runs/{id}`` latency (p50 / p99 over ``--reps`` calls each) while a
+  run trains;
+* SSE: time from the trainer writing a step record to a subscriber receiving it;
+* detection: SIGKILL of the teacher -> the supervisor's ``exited`` event;
+* restart: SIGKILL of the trainer rank -> the new rank ready (checkpoint loaded) and its first step;
+* overhead: the same run under ``xtoken run`` and under the control plane with a client polling
+  ``/metrics`` + ``/v1/runs/{id}`` at ``--poll-hz`` and an SSE subscriber: median trainer step
+  time of each (steps 4+), plus the control plane's own CPU time.
+
+    python benchmarks/control/bench_control.py [--texts 160] [--reps 500] [--pairs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
+
+ROOT = _common.ROOT
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+ENV.pop("XTOKEN_PARENT_PID", None)
+
+
+def run_config(texts: int, run_dir: str | None = None) -> dict:
+    """The tiny CPU run of the benchmark (1 trainer rank, 1 shm teacher, tiny models)."""
+    config = {
+        "student_tokenizer": "mistral",
+        "teacher_tokenizer": "smollm2",
+        "ctx_student": 64,
+        "ctx_teacher": 64,
+        "trainers": 1,
+        "teachers": 1,
+        "restart_backoff_s": 0.0,
+        "data": {"limit": texts},
+        "collator": {"batch": 16},
+        "teacher": {"model": "tiny", "transport": "shm", "max_batch": 4, "max_length": 64},
+        "trainer": {
+            "student": "tiny",
+            "micro_batch": 4,
+            "grad_accum": 1,
+            "epochs": 1,
+            "checkpoint_every": 5,
+            "eval_every": 0,
+            "eval_texts": 2,
+            "eval_ctx": 64,
+            "export": False,
+            "optim": {"lr": 0.003, "warmup_steps": 1},
+        },
+    }
+    if run_dir:
+        config["run_dir"] = run_dir
+    return config
+
+
+class Server:
+    """``xtoken control serve`` on a free port under ``root``."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root = root
+        ready = root / "ready"
+        ready.unlink(missing_ok=True)
+        self.log = open(root / "control.log", "ab")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "control", "serve", "--port", "0",
+             "--runs-root", str(root / "runs"), "--data-root", str(root / "data"),
+             "--ready-file", str(ready)],
+            cwd=ROOT, env=ENV, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while not ready.is_file():
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((root / "control.log").read_text()[-3000:])
+            time.sleep(0.05)
+        self.url = json.loads(ready.read_text())["endpoint"]
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the server process so far."""
+        fields = pathlib.Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.popen.send_signal(signal.SIGTERM)
+        self.popen.wait(30)
+        self.log.close()
+
+
+class SSE(threading.Thread):
+    """Collects a run's events as (receive time, event)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.events: list[tuple[float, dict]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(10, read=None)) as c, c.stream("GET", self.url) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    ev = json.loads(line[6:])
+                    self.events.append((time.time(), ev))
+                    if ev["kind"] == "state" and ev["data"]["state"] in (
+                        "SUCCEEDED", "FAILED", "STOPPED"
+                    ):
+                        break
+        self.done.set()
+
+    def steps(self) -> list[tuple[float, dict]]:
+        return [(t, e["data"]) for t, e in self.events
+                if e["kind"] == "metrics" and e["data"]["kind"] == "step"]
+
+
+def wait(predicate, timeout_s: float, what: str, poll_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def measure_api_and_faults(root: pathlib.Path, texts: int, reps: int) -> dict:
+    """Latency, SSE, detection and restart on one run of the control plane."""
+    server = Server(root)
+    out: dict = {}
+    try:
+        c = httpx.Client(base_url=server.url, timeout=30)
+        rid = c.post("/v1/runs", json=run_config(texts)).json()["id"]
+        sse = SSE(f"{server.url}/v1/runs/{rid}/events")
+        sse.start()
+        run = wait(lambda: (r := c.get(f"/v1/runs/{rid}").json()).get("step") and r, 300,
+                   "the first step")
+        run_dir = pathlib.Path(run["run_dir"])
+        lat: dict[str, list[float]] = {"metrics": [], "run": []}
+        for _ in range(reps):
+            for name, path in (("metrics", "/metrics"), ("run", f"/v1/runs/{rid}")):
+                t = time.perf_counter()
+                r = c.get(path)
+                lat[name].append((time.perf_counter() - t) * 1e3)
+                assert r.status_code == 200
+        step_at_end = c.get(f"/v1/runs/{rid}").json()["step"]
+        out.update(
+            get_metrics_p50_ms=statistics.median(lat["metrics"]),
+            get_metrics_p99_ms=pct(lat["metrics"], 0.99),
+            get_run_p50_ms=statistics.median(lat["run"]),
+            get_run_p99_ms=pct(lat["run"], 0.99),
+            api_calls=2 * reps,
+            api_during_steps=f"{run['step']}-{step_at_end}",
+        )
+
+        # detection: SIGKILL the teacher
+        procs = {p["name"]: p for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
+        t0 = time.time()
+        os.kill(procs["teacher0"]["pid"], signal.SIGKILL)
+        ev = wait(lambda: next((e for _, e in sse.events if e["kind"] == "exited"
+                                and e["data"]["process"] == "teacher0"), None), 30, "exited")
+        out["detect_dead_s"] = ev["time"] - t0
+
+        # restart from the checkpoint: SIGKILL the trainer once a checkpoint exists
+        wait(lambda: (run_dir / "checkpoints" / "latest").is_file(), 120, "a checkpoint")
+        old = c.get(f"/v1/runs/{rid}/processes").json()["processes"]
+        old_pid = {p["name"]: p["pid"] for p in old}["trainer0"]
+        ready = run_dir / "ready" / "trainer0"
+        t0 = time.time()
+        os.kill(old_pid, signal.SIGKILL)
+
+        def new_ready():
+            try:
+                info = json.loads(ready.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                return None
+            return info if info.get("pid") != old_pid else None
+
+        info = wait(new_ready, 120, "the restarted trainer")
+        t_ready = time.time()
+        first = wait(lambda: next((t for t, s in sse.steps() if s["time"] > t_ready - 0.5
+                                   and t > t0), None), 120, "a step after the restart")
+        ev = next(e for _, e in sse.events if e["kind"] == "exited"
+                  and e["data"]["process"] == "trainer0")
+        out.update(
+            trainer_detect_s=ev["time"] - t0,
+            restart_ready_s=t_ready - t0,
+            restart_first_step_s=first - t0,
+            resumed_from_step=info.get("step"),
+        )
+        wait(lambda: c.get(f"/v1/runs/{rid}").json()["state"] in ("SUCCEEDED", "FAILED"), 600,
+             "the end of the run")
+        assert c.get(f"/v1/runs/{rid}").json()["state"] == "SUCCEEDED"
+        sse.done.wait(10)
+        lags = [t - s["time"] for t, s in sse.steps()]
+        out.update(sse_p50_s=statistics.median(lags), sse_max_s=max(lags), sse_steps=len(lags))
+    finally:
+        server.stop()
+        _kill_runs(root / "runs" / "control.db")
+    return out
+
+
+def _kill_runs(db: pathlib.Path) -> None:
+    import sqlite3
+
+    if not db.is_file():
+        return
+    with sqlite3.connect(db) as conn:
+        for (pid,) in conn.execute("SELECT pid FROM processes WHERE state = 'running'"):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, TypeError):
+                pass
+
+
+def step_times(run_dir: pathlib.Path) -> list[float]:
+    out = []
+    for line in (run_dir / "metrics" / "trainer.rank0.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("event") == "step" and r["step"] > 3:
+            out.append(r["step_s"])
+    return out
+
+
+def run_plain(root: pathlib.Path, texts: int, tag: str) -> list[float]:
+    """The run under ``xtoken run`` (no control plane)."""
+    run_dir = root / f"plain-{tag}"
+    cfg = root / f"plain-{tag}.json"
+    cfg.write_text(json.dumps(run_config(texts, str(run_dir))))
+    subprocess.run([sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"],
+                   cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=900)
+    return step_times(run_dir)
+
+
+def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> tuple[list[float], float, float]:
+    """The run under the control plane, polled at ``poll_hz`` and watched over SSE."""
+    server = Server(root / f"cp-{tag}")
+    try:
+        c = httpx.Client(base_url=server.url, timeout=30)
+        cpu0 = server.cpu_s()
+        t0 = time.monotonic()
+        rid = c.post("/v1/runs", json=run_config(texts)).json()["id"]
+        sse = SSE(f"{server.url}/v1/runs/{rid}/events")
+        sse.start()
+        while True:
+            c.get("/metrics")
+            run = c.get(f"/v1/runs/{rid}").json()
+            if run["state"] in ("SUCCEEDED", "FAILED"):
+                break
+            time.sleep(1 / poll_hz)
+        assert run["state"] == "SUCCEEDED", run
+        wall = time.monotonic() - t0
+        return step_times(pathlib.Path(run["run_dir"])), server.cpu_s() - cpu0, wall
+    finally:
+        server.stop()
+        _kill_runs(root / f"cp-{tag}" / "runs" / "control.db")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", type=int, default=160, help="texts per run (4 per step)")
+    parser.add_argument("--reps", type=int, default=500, help="calls per endpoint")
+    parser.add_argument("--pairs", type=int, default=2, help="plain/controlled run pairs")
+    parser.add_argument("--poll-hz", type=float, default=2.0, help="client polling rate")
+    parser.add_argument("--skip-faults", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
+    args = parser.parse_args()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="bench_control_"))
+    (root / "data").mkdir()
+    row: dict = {"date": time.strftime("%Y-%m-%d"), "commit": _common.commit(),
+                 "device": _common.cpu_name(), "load_avg": os.getloadavg()[0],
+                 "texts": args.texts}
+    if not args.skip_faults:
+        (root / "faults").mkdir()
+        row.update(measure_api_and_faults(root / "faults", args.texts, args.reps))
+    if not args.skip_overhead:
+        plain, controlled, cpu, walls = [], [], [], []
+        for i in range(args.pairs):
+            plain += run_plain(root, args.texts, str(i))
+            (root / f"cp-{i}").mkdir()
+            s, c_s, wall = run_controlled(root, args.texts, str(i), args.poll_hz)
+            controlled += s
+            cpu.append(c_s)
+            walls.append(wall)
+        p, q = statistics.median(plain), statistics.median(controlled)
+        row.update(
+            plain_step_median_s=p,
+            controlled_step_median_s=q,
+            overhead_pct=100 * (q - p) / p,
+            plain_steps=len(plain),
+            controlled_steps=len(controlled),
+            control_cpu_s=sum(cpu),
+            control_cpu_pct_of_one_core=100 * sum(cpu) / sum(walls),
+            poll_hz=args.poll_hz,
+        )
+    row["load_avg_end"] = os.getloadavg()[0]
+    _common.append_rows(_common.RESULTS_DIR / "control.jsonl", [row])
+    for k, v in row.items():
+        print(f"{k:32s} {v:.4f}" if isinstance(v, float) else f"{k:32s} {v}")
+
+
+if __name__ == "__main__":
+    main()
