@@ -74,7 +74,8 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         "mem": _Family(
             "xtoken_trainer_memory_bytes",
             "gauge",
-            "Peak memory of trainer rank 0 (device: GPU allocated on CUDA, host RSS on CPU).",
+            "Peak memory of trainer rank 0 (memory=gpu: allocated on its CUDA device; "
+            "memory=host: its RSS, for a CPU trainer).",
         ),
         "q_samples": _Family("xtoken_queue_samples", "gauge", "Samples held by the queue."),
         "q_bytes": _Family("xtoken_queue_bytes", "gauge", "Bytes held by the queue."),
@@ -104,7 +105,8 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
             for part, key in LOSS_PARTS.items():
                 f["loss"].add(latest.get(key), run=rid, part=part)
             if latest.get("memory_mb") is not None:
-                f["mem"].add(latest["memory_mb"] * 2**20, run=rid)
+                kind = "gpu" if run.get("trainer_device", "cpu").startswith("cuda") else "host"
+                f["mem"].add(round(latest["memory_mb"] * 2**20), run=rid, memory=kind)
         for ev in run.get("evals") or []:
             if ev.get("bits_per_byte") is not None:
                 f["bpb"].add(ev["bits_per_byte"], run=rid)

@@ -399,6 +399,9 @@ class Supervisor:
                     "steps_total": h.series.steps_total if h else 0,
                     "queue": h.queue_stats if h else None,
                     "processes": self.processes(rec["id"]) if h else [],
+                    "trainer_device": str(
+                        (rec["config"].get("trainer") or {}).get("device", "cpu")
+                    ),
                 }
             )
         return {"runs": runs, "started": self.started}

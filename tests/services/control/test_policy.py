@@ -97,7 +97,7 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     assert 'xtoken_queue_samples{run="r\\"1",partition="train"} 3' in text
     assert 'xtoken_worker_up{run="r\\"1",process="teacher0"} 0' in text
     assert 'xtoken_worker_restarts_total{run="r\\"1",role="trainer"} 1' in text  # one group
-    assert 'xtoken_trainer_memory_bytes{run="r\\"1"} 1572864' in text
+    assert 'xtoken_trainer_memory_bytes{run="r\\"1",memory="host"} 1572864' in text
     assert 'xtoken_runs{state="RUNNING"} 1' in text and 'xtoken_runs{state="FAILED"} 0' in text
     assert "xtoken_control_uptime_seconds 10" in text
     for line in text.splitlines():
