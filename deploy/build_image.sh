@@ -17,8 +17,10 @@ TAG=${2:-xtoken:$KIND}
 TORCH_VERSION=2.13.0
 PIP=${PIP:-$( [ -x .venv/bin/pip ] && echo .venv/bin/pip || echo "python3 -m pip" )}
 case "$KIND" in
-  cpu) TORCH_SPEC="torch==$TORCH_VERSION+cpu"; TORCH_INDEX=https://download.pytorch.org/whl/cpu ;;
-  gpu) TORCH_SPEC="torch==$TORCH_VERSION"; TORCH_INDEX= ;;
+  cpu) TORCH_SPEC="torch==$TORCH_VERSION+cpu"; TORCH_INDEX=https://download.pytorch.org/whl/cpu
+       RUNTIME_APT= ;;
+  # Triton (a dependency of the CUDA build) compiles its launcher with a C compiler at run time
+  gpu) TORCH_SPEC="torch==$TORCH_VERSION"; TORCH_INDEX=; RUNTIME_APT="gcc libc6-dev" ;;
   *) echo "[deploy] unknown kind '$KIND': use cpu or gpu" >&2; exit 2 ;;
 esac
 X=deploy/build-extras
@@ -52,5 +54,6 @@ case "$INDEX" in file://*) INDEX= ;; esac   # a host folder means nothing inside
 echo "[deploy] building $TAG ($KIND) FROM $BASE"
 DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build --network host -f deploy/Dockerfile -t "$TAG" \
   --build-arg BASE="$BASE" --build-arg TORCH_SPEC="$TORCH_SPEC" \
-  --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PIP_INDEX_URL="$INDEX" .
+  --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PIP_INDEX_URL="$INDEX" \
+  --build-arg RUNTIME_APT="$RUNTIME_APT" .
 echo "[deploy] built $TAG"
