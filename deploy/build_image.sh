@@ -5,7 +5,8 @@
 #   deploy/build_image.sh gpu [TAG]     torch 2.13.0 from PyPI (CUDA build); default tag xtoken:gpu
 #
 # Env: XTOKEN_BASE_IMAGE (FROM; default python:3.11-slim, or the debootstrap image of
-# deploy/build_base_image.sh where no registry is reachable), DOCKER_HOST, PIP_INDEX_URL.
+# deploy/build_base_image.sh where no registry is reachable), XTOKEN_EXTRAS (optional dependency
+# groups: default control; control,ray for the Ray launcher), DOCKER_HOST, PIP_INDEX_URL.
 # The host's pip set-up is carried into the build stage only (deploy/build-extras/, ignored by
 # git): its CA bundle (PIP_CERT, SSL_CERT_FILE or pip's global.cert) and, for the CPU image, a
 # torch CPU wheel found in pip's find-links folders; without one the build stage asks torch's CPU
@@ -55,5 +56,5 @@ echo "[deploy] building $TAG ($KIND) FROM $BASE"
 DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build --network host -f deploy/Dockerfile -t "$TAG" \
   --build-arg BASE="$BASE" --build-arg TORCH_SPEC="$TORCH_SPEC" \
   --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PIP_INDEX_URL="$INDEX" \
-  --build-arg RUNTIME_APT="$RUNTIME_APT" .
+  --build-arg RUNTIME_APT="$RUNTIME_APT" --build-arg EXTRAS="${XTOKEN_EXTRAS:-control}" .
 echo "[deploy] built $TAG"

@@ -235,6 +235,12 @@ def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_c
     auth = {"Authorization": f"Bearer {compose.token}"}
     with httpx.Client(base_url=compose.url, timeout=60) as client:
         assert client.get("/healthz").status_code == 200
+        assert client.get("/docs").status_code == 200
+        if list((ROOT / "services" / "control").rglob("*.html")):
+            # the dashboard's static files made it into the installed package of the image
+            page = client.get("/")
+            assert page.status_code == 200 and "html" in page.headers["content-type"], page.text
+        assert "xtoken_" in client.get("/metrics").text
         refused = client.post("/v1/runs", json=config)  # no token: a mutating call is refused
         assert refused.status_code == 401, refused.text
         created = client.post("/v1/runs", json=config, headers=auth, params={"name": "docker"})
