@@ -230,6 +230,7 @@ class Supervisor:
             raw, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots
         )
         run_config_from_dict(config)  # every config error before anything is recorded
+        _check_files(config)
         with self._lock:
             for rec in self.store.list_runs():
                 if rec["state"] in ACTIVE and rec["run_dir"] == config["run_dir"]:
@@ -669,6 +670,29 @@ class Supervisor:
             "queue": (h.run.queue_address or None) if h is not None else None,
             "config": rec["config"],
         }
+
+
+def _check_files(config: dict[str, Any]) -> None:
+    """Data files and the projection a config names must exist (a clear 422 at submit time, not
+    a FAILED run later).
+
+    Raises:
+        ConfigError: a missing file (names the key).
+    """
+    from services.common.config import ConfigError
+    from services.control.paths import DATA_KEYS
+
+    for key, kind in DATA_KEYS.items():
+        if kind:
+            continue
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, str) and not Path(node).is_file():
+            raise ConfigError(
+                f"{key}={node!r} is not a file; put it under a data root and give its path "
+                "relative to that root"
+            )
 
 
 def _latest_checkpoint(run_dir: str) -> dict[str, Any] | None:

@@ -47,9 +47,11 @@ def test_healthz_and_openapi_docs_answer(api):
         ("{\"trainers\": 1,}", "application/json", None, "not valid JSON"),
         ("", "application/json", None, "body is empty"),
         ("[1, 2]", "application/json", None, "a mapping"),
+        (json.dumps({"data": {"train": "missing.jsonl"}}), "application/json", "data.train",
+         "is not a file"),
     ],
     ids=["unknown-key-yaml", "wrong-type", "impossible", "bad-yaml", "bad-json", "empty",
-         "not-a-mapping"],
+         "not-a-mapping", "missing-file"],
 )
 def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype, key, pattern):
     with api.client() as c:

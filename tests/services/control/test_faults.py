@@ -1,0 +1,194 @@
+"""Faults under the control plane, with real worker processes (slow): SIGKILL of a collator, the
+teacher or a trainer rank -> restart per policy and every sample trained as without the kill;
+SIGKILL of the control plane itself -> the run is re-attached and finishes; two runs at once never
+see each other's samples; stop -> checkpoint -> resume trains every sample once.
+
+Run: ``./scripts/test.sh -m slow tests/services/control`` (about 6 minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import (
+    assert_exactly_once,
+    checkpoint_keys,
+    corpus_parts,
+    key_log_lines,
+    keys_after,
+    latest_checkpoint,
+    trained_keys,
+)
+from tests.services.control.conftest import ControlServer, tiny_config, wait_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def _submit(c, config) -> dict:
+    r = c.post("/v1/runs", json=config)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _wait_step(c, rid: str, step: int, timeout_s: float = 180) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = c.get(f"/v1/runs/{rid}").json()
+        if (run.get("step") or 0) >= step:
+            return run
+        assert run["state"] not in ("FAILED", "SUCCEEDED", "STOPPED"), run
+        time.sleep(0.1)
+    pytest.fail(f"run {rid} did not reach step {step}: {c.get(f'/v1/runs/{rid}').json()}")
+
+
+def _pids(c, rid: str) -> dict[str, int]:
+    return {p["name"]: p["pid"] for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
+
+
+def _corpus(server: ControlServer, demo, name: str, n: int, start: int = 0):
+    (path,), keys = corpus_parts(demo, server.data_root / name, n=n, parts=1, start=start)
+    return f"{name}/{path.name}", keys
+
+
+@pytest.mark.parametrize("victim", ["collator", "teacher0"])
+def test_a_killed_collator_or_teacher_restarts_in_place_and_every_sample_trains_once(
+    server, demo, victim
+):
+    data, keys = _corpus(server, demo, "c", 64)
+    with server.client() as c:
+        if victim == "collator":  # small puts: the kill lands while it still collates
+            config = tiny_config(**{"data.train": data, "collator.batch": 2})
+        else:
+            config = tiny_config(**{"data.train": data})
+        rid = _submit(c, config)["id"]
+        if victim == "collator":
+            wait_state(c, rid, {"RUNNING"}, 120)
+            deadline = time.monotonic() + 60  # tokenizers loaded: it is putting samples
+            while "loaded smollm2" not in _read(c, rid, "collator"):
+                assert time.monotonic() < deadline, _read(c, rid, "collator")
+                time.sleep(0.05)
+            time.sleep(0.5)
+        else:
+            _wait_step(c, rid, 2)
+        pid = _pids(c, rid)[victim]
+        os.killpg(pid, signal.SIGKILL)
+        done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+        assert done["state"] == "SUCCEEDED", done
+        procs = {p["name"]: p for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
+        assert procs[victim]["restarts"] == 1 and procs[victim]["pid"] != pid
+        assert_exactly_once(trained_keys(Path(done["run_dir"])), keys)
+
+
+def _read(c, rid: str, process: str) -> str:
+    r = c.get(f"/v1/runs/{rid}/logs", params={"process": process, "lines": 10000})
+    return r.text if r.status_code == 200 else ""
+
+
+def test_a_killed_trainer_rank_restarts_every_rank_from_the_checkpoint(server, demo):
+    data, keys = _corpus(server, demo, "c", 64)
+    with server.client() as c:
+        rid = _submit(c, tiny_config(**{"data.train": data, "trainers": 2}))["id"]
+        run = _wait_step(c, rid, 3)
+        run_dir = Path(run["run_dir"])
+        assert latest_checkpoint(run_dir) is not None
+        os.kill(_pids(c, rid)["trainer1"], signal.SIGKILL)
+        checkpoint = latest_checkpoint(run_dir)
+        saved = checkpoint_keys(checkpoint)  # read now: later checkpoints rotate it away
+        lines = key_log_lines(run_dir)
+        wait_state(c, rid, {"RECOVERING"}, 30)
+        done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+        assert done["state"] == "SUCCEEDED", done
+        procs = {p["name"]: p for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
+        assert procs["trainer0"]["restarts"] == procs["trainer1"]["restarts"] == 1
+        after = keys_after(run_dir, lines)
+        assert not saved & set(after), "a checkpointed key was trained again"
+        assert_exactly_once(sorted(saved) + after, keys)
+        assert set(trained_keys(run_dir)) == set(keys)  # the same key set as without the kill
+
+
+def test_a_killed_control_plane_reattaches_its_run_which_finishes(server, demo):
+    data, keys = _corpus(server, demo, "c", 64)
+    with server.client() as c:
+        rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+        _wait_step(c, rid, 2)
+        pids = _pids(c, rid)
+        running = [p["pid"] for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]
+                   if p["state"] == "running"]
+    assert len(running) >= 3  # queue, teacher, trainer (the collator may be done)
+    server.kill()
+    time.sleep(1.0)
+    for pid in running:  # the run's processes outlive the control plane
+        os.kill(pid, 0)
+    server.start()
+    with server.client() as c:
+        run = c.get(f"/v1/runs/{rid}").json()
+        assert run["state"] in ("RUNNING", "SUCCEEDED"), run
+        assert _pids(c, rid) == pids
+        kinds = [e["kind"] for e in _events(c, rid)]
+        assert "reattached" in kinds
+        done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+        assert done["state"] == "SUCCEEDED", done
+        assert_exactly_once(trained_keys(Path(done["run_dir"])), keys)
+        # metrics of the whole run were read again from its files
+        assert c.get(f"/v1/runs/{rid}/metrics").json()["steps"][-1]["step"] == done["step"]
+
+
+def _events(c, rid: str) -> list[dict]:
+    import json
+
+    out = []
+    with c.stream("GET", f"/v1/runs/{rid}/events", timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+            if line == ": keep-alive":
+                break
+            if out and out[-1]["kind"] == "reattached":
+                break
+    return out
+
+
+def test_two_runs_at_once_each_train_their_own_samples_only(server, demo):
+    data_a, keys_a = _corpus(server, demo, "a", 32)
+    data_b, keys_b = _corpus(server, demo, "b", 32, start=32)
+    assert not set(keys_a) & set(keys_b)
+    with server.client() as c:
+        a = _submit(c, tiny_config(**{"data.train": data_a}))
+        b = _submit(c, tiny_config(**{"data.train": data_b}))
+        done_a = wait_state(c, a["id"], {"SUCCEEDED", "FAILED"}, 300)
+        done_b = wait_state(c, b["id"], {"SUCCEEDED", "FAILED"}, 300)
+    assert done_a["state"] == done_b["state"] == "SUCCEEDED", (done_a, done_b)
+    assert done_a["run_dir"] != done_b["run_dir"]
+    assert_exactly_once(trained_keys(Path(done_a["run_dir"])), keys_a)
+    assert_exactly_once(trained_keys(Path(done_b["run_dir"])), keys_b)
+    qa = (Path(done_a["run_dir"]) / "config" / "trainer.json").read_text()
+    qb = (Path(done_b["run_dir"]) / "config" / "trainer.json").read_text()
+    assert qa != qb
+
+
+def test_stop_checkpoints_and_resume_finishes_with_every_sample_trained_once(server, demo):
+    data, keys = _corpus(server, demo, "c", 64)
+    with server.client() as c:
+        rid = _submit(c, tiny_config(**{"data.train": data, "trainers": 2}))["id"]
+        _wait_step(c, rid, 2)
+        r = c.post(f"/v1/runs/{rid}/stop", json={"grace_s": 120})
+        assert r.status_code == 202 and r.json()["state"] in ("RUNNING", "STOPPING")
+        stopped = wait_state(c, rid, {"STOPPED", "FAILED"}, 180)
+        assert stopped["state"] == "STOPPED", stopped
+        assert "checkpointed" in stopped["reason"]
+        run_dir = Path(stopped["run_dir"])
+        assert stopped["checkpoint"]["step"] == stopped["step"]
+        assert all(p["state"] != "running"
+                   for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"])
+        before = trained_keys(run_dir)
+        assert 0 < len(before) < len(keys)
+
+        r = c.post(f"/v1/runs/{rid}/resume")
+        assert r.status_code == 202, r.text
+        done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+        assert done["state"] == "SUCCEEDED", done
+        assert_exactly_once(trained_keys(run_dir), keys)
