@@ -107,6 +107,41 @@ def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
+def _probe(address: str, timeout_s: float) -> None:
+    """Fail fast when nothing listens at ``HOST:PORT`` (``auto``: the cluster ``ray start``
+    recorded on this machine; ``ray://`` addresses are left to Ray).
+
+    Raises:
+        ValueError: a malformed address, or no answer within ``timeout_s``.
+    """
+    if "://" in address:
+        return
+    if address == "auto":  # what `ray start` on this machine recorded (Ray would wait forever)
+        record = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        try:
+            address = record.read_text().strip()
+        except OSError:
+            raise ValueError(
+                "ray address auto: no Ray cluster was started on this machine (no "
+                f"{record}); start one with `ray start --head --port PORT` or pass "
+                "--ray-address HOST:PORT"
+            ) from None
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"ray address {address!r} is not HOST:PORT; pass the head's address (`ray start "
+            "--head --port PORT` prints it) or auto"
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"cannot reach the Ray cluster at {address!r} ({e}); start one with `ray start "
+            "--head --port PORT` and pass --ray-address HOST:PORT, or use --launcher local"
+        ) from None
+
+
 class WorkerActor:
     """Runs inside a Ray actor on the process's node: starts the worker subprocess, reports on it,
     signals it. Every method returns at once (the driver polls)."""
@@ -311,6 +346,8 @@ class RayLauncher:
             are not confined by it).
         place_timeout_s: seconds to wait for a bundle's resources before giving up.
         call_timeout_s: seconds to wait for an actor's answer.
+        connect_timeout_s: seconds to wait for the head's port (Ray itself would retry for
+            minutes).
         namespace: Ray namespace of the actors.
 
     Raises:
@@ -323,6 +360,7 @@ class RayLauncher:
         cpus_per_process: float = 0.25,
         place_timeout_s: float = 120.0,
         call_timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
         namespace: str = "xtoken",
     ) -> None:
         self.address = address
@@ -332,6 +370,7 @@ class RayLauncher:
         self.processes: dict[str, RayProcess] = {}
         self._groups: dict[str, str] = {}  # colocation group -> node id
         if not ray.is_initialized():
+            _probe(address, connect_timeout_s)
             try:
                 ray.init(
                     address=address,
