@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         settings.check_bind()
     except ValidationError as e:
         errors = "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()
+            f"--{str(err['loc'][0]).replace('_', '-')} (XTOKEN_CONTROL_"
+            f"{str(err['loc'][0]).upper()}): {err['msg']}"
+            for err in e.errors()
         )
         print(f"xtoken control serve: {errors}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ run reaches SUCCEEDED with its metrics, events (SSE) and logs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -124,16 +125,24 @@ def test_unknown_runs_and_processes_get_clear_errors(api):
 
 
 def test_a_non_loopback_bind_without_a_token_is_refused(tmp_path):
-    env = {k: v for k, v in {**CHILD_ENV}.items()}
     r = subprocess.run(
         [sys.executable, "-m", "services.cli", "control", "serve", "--host", "0.0.0.0",
          "--port", str(free_port()), "--runs-root", str(tmp_path)],
-        cwd=ROOT, env={**__import__("os").environ, **env}, capture_output=True, text=True,
-        timeout=60,
+        cwd=ROOT, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 2
     assert "refusing to bind '0.0.0.0' without a token" in r.stderr
     assert "XTOKEN_CONTROL_TOKEN" in r.stderr
+
+
+def test_a_bad_setting_from_the_environment_names_its_flag_and_variable(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "control", "serve", "--runs-root", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, **CHILD_ENV, "XTOKEN_CONTROL_MAX_BODY_BYTES": "0"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2
+    assert "--max-body-bytes (XTOKEN_CONTROL_MAX_BODY_BYTES): Input should be greater" in r.stderr
 
 
 def _collect_sse(url: str, headers: dict, out: list, stop: threading.Event) -> None:
