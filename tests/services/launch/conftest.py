@@ -1,0 +1,69 @@
+"""Launcher fixtures: a real local Ray cluster (``ray start --head`` on this machine, stopped with
+its session) for the tests marked ``ray``."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+RAY = pathlib.Path(sys.executable).with_name("ray")
+# Two logical GPUs on a CPU machine: Ray assigns them (CUDA_VISIBLE_DEVICES) like real ones.
+FAKE_GPUS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """``HOST:PORT`` of a Ray head started here (2 CPUs, 2 logical GPUs, no dashboard), stopped
+    (SIGTERM to the blocking ``ray start``, which stops every process of its session) after the
+    session."""
+    port = _free_port()
+    temp = pathlib.Path(tempfile.mkdtemp(prefix="xtkray", dir="/tmp"))  # short: socket paths
+    log_path = temp / "head.log"
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen(
+            [
+                str(RAY), "start", "--head", "--node-ip-address", "127.0.0.1",
+                "--port", str(port), "--num-cpus", "2", "--num-gpus", str(FAKE_GPUS),
+                "--disable-usage-stats", "--include-dashboard", "false",
+                "--object-store-memory", str(128 << 20), "--temp-dir", str(temp), "--block",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        )
+    deadline = time.monotonic() + 120
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        if head.poll() is not None or time.monotonic() > deadline:
+            head.kill()
+            pytest.fail(f"ray start --head failed:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.2)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(10)
+        shutil.rmtree(temp, ignore_errors=True)
