@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"xtoken control serve: {e}", file=sys.stderr)
         return 2
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (a response written as headers
+    # + body would otherwise wait ~40 ms for a delayed ACK)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((settings.host.strip("[]"), settings.port))

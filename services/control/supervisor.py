@@ -501,6 +501,9 @@ class Supervisor:
             except Exception:  # pragma: no cover - best effort
                 logger.exception("[control] run %s: stopping its processes failed", h.run_id)
             self._set_state(h.run_id, FAILED, reason=str(e))
+        finally:
+            if self._record(h.run_id)["state"] not in ACTIVE:
+                _release(run.launcher)
 
     def _on_run_event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "recovering":
@@ -704,6 +707,16 @@ def _latest_checkpoint(run_dir: str) -> dict[str, Any] | None:
         return None
     step = name.rsplit("_", 1)[-1]
     return {"path": str(root / name), "step": int(step) if step.isdigit() else None}
+
+
+def _release(launcher: Any) -> None:
+    """Give back what a launcher holds for a run that ended (Ray: its placement groups)."""
+    close = getattr(launcher, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # best effort: the run's state is already recorded
+            logger.exception("[control] closing a launcher failed")
 
 
 def _local_launcher() -> Any:
