@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.e2e import conftest as e2e
+
 RAY = pathlib.Path(sys.executable).with_name("ray")
 # Two logical GPUs on a CPU machine: Ray assigns them (CUDA_VISIBLE_DEVICES) like real ones.
 FAKE_GPUS = 2
@@ -67,3 +69,10 @@ def ray_cluster():
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(10)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# The end-to-end fixtures of tests/e2e (demo corpus, projection file, process registry), for the
+# run through each launcher.
+demo = e2e.demo
+projection = e2e.projection
+procs = e2e.procs
