@@ -162,18 +162,24 @@ def measure_api_and_faults(root: pathlib.Path, texts: int, reps: int) -> dict:
                    "the first step")
         run_dir = pathlib.Path(run["run_dir"])
         lat: dict[str, list[float]] = {"metrics": [], "run": []}
+        app: dict[str, list[float]] = {"metrics": [], "run": []}
         for _ in range(reps):
             for name, path in (("metrics", "/metrics"), ("run", f"/v1/runs/{rid}")):
                 t = time.perf_counter()
                 r = c.get(path)
                 lat[name].append((time.perf_counter() - t) * 1e3)
                 assert r.status_code == 200
+                app[name].append(float(r.headers["server-timing"].split("dur=")[1]))
         step_at_end = c.get(f"/v1/runs/{rid}").json()["step"]
         out.update(
             get_metrics_p50_ms=statistics.median(lat["metrics"]),
             get_metrics_p99_ms=pct(lat["metrics"], 0.99),
             get_run_p50_ms=statistics.median(lat["run"]),
             get_run_p99_ms=pct(lat["run"], 0.99),
+            app_metrics_p50_ms=statistics.median(app["metrics"]),
+            app_metrics_p99_ms=pct(app["metrics"], 0.99),
+            app_run_p50_ms=statistics.median(app["run"]),
+            app_run_p99_ms=pct(app["run"], 0.99),
             api_calls=2 * reps,
             api_during_steps=f"{run['step']}-{step_at_end}",
         )
@@ -257,7 +263,7 @@ def run_plain(root: pathlib.Path, texts: int, tag: str) -> list[float]:
     return step_times(run_dir)
 
 
-def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> tuple[list[float], float, float]:
+def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> tuple:
     """The run under the control plane, polled at ``poll_hz`` and watched over SSE."""
     server = Server(root / f"cp-{tag}")
     try:
@@ -267,15 +273,20 @@ def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> 
         rid = c.post("/v1/runs", json=run_config(texts)).json()["id"]
         sse = SSE(f"{server.url}/v1/runs/{rid}/events")
         sse.start()
+        steady = None  # (cpu, time) at the first step: after prepare (tokenizers) and launch
         while True:
+            if steady is None and sse.steps():
+                steady = (server.cpu_s(), time.monotonic())
             c.get("/metrics")
             run = c.get(f"/v1/runs/{rid}").json()
             if run["state"] in ("SUCCEEDED", "FAILED"):
                 break
             time.sleep(1 / poll_hz)
         assert run["state"] == "SUCCEEDED", run
-        wall = time.monotonic() - t0
-        return step_times(pathlib.Path(run["run_dir"])), server.cpu_s() - cpu0, wall
+        end = (server.cpu_s(), time.monotonic())
+        steady_pct = 100 * (end[0] - steady[0]) / (end[1] - steady[1])
+        wall = end[1] - t0
+        return (step_times(pathlib.Path(run["run_dir"])), end[0] - cpu0, wall, steady_pct)
     finally:
         server.stop()
         _kill_runs(root / f"cp-{tag}" / "runs" / "control.db")
@@ -299,12 +310,17 @@ def main() -> None:
         (root / "faults").mkdir()
         row.update(measure_api_and_faults(root / "faults", args.texts, args.reps))
     if not args.skip_overhead:
-        plain, controlled, cpu, walls = [], [], [], []
+        plain, controlled, cpu, walls, steady = [], [], [], [], []
+        per_plain: list[list[float]] = []
+        per_controlled: list[list[float]] = []
         for i in range(args.pairs):
-            plain += run_plain(root, args.texts, str(i))
+            per_plain.append(run_plain(root, args.texts, str(i)))
+            plain += per_plain[-1]
             (root / f"cp-{i}").mkdir()
-            s, c_s, wall = run_controlled(root, args.texts, str(i), args.poll_hz)
+            s, c_s, wall, st = run_controlled(root, args.texts, str(i), args.poll_hz)
+            steady.append(st)
             controlled += s
+            per_controlled.append(s)
             cpu.append(c_s)
             walls.append(wall)
         p, q = statistics.median(plain), statistics.median(controlled)
@@ -316,6 +332,9 @@ def main() -> None:
             controlled_steps=len(controlled),
             control_cpu_s=sum(cpu),
             control_cpu_pct_of_one_core=100 * sum(cpu) / sum(walls),
+            control_steady_cpu_pct_of_one_core=statistics.mean(steady),
+            plain_step_medians=[statistics.median(x) for x in per_plain],
+            controlled_step_medians=[statistics.median(x) for x in per_controlled],
             poll_hz=args.poll_hz,
         )
     row["load_avg_end"] = os.getloadavg()[0]

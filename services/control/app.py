@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -102,6 +103,31 @@ class _TooLarge(Exception):
     pass
 
 
+class ServerTiming:
+    """ASGI middleware: ``Server-Timing: app;dur=<ms>`` on every response (the time the app took
+    until its headers, without the network and the client: what a latency figure can blame on
+    the control plane itself)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+
+        async def timed_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                ms = (time.perf_counter() - start) * 1e3
+                headers = list(message.get("headers") or [])
+                headers.append((b"server-timing", f"app;dur={ms:.3f}".encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
 def _error(status: int, message: str, key: str | None = None, headers: Any = None) -> JSONResponse:
     body: dict[str, Any] = {"error": message}
     if key is not None:
@@ -152,6 +178,7 @@ def create_app(
     )
     app.state.settings = settings
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ServerTiming)
 
     @app.exception_handler(ConfigError)
     async def _config_error(request: Request, exc: ConfigError) -> JSONResponse:
