@@ -30,7 +30,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """``HOST:PORT`` of a Ray head started here (2 CPUs, 2 logical GPUs, no dashboard), stopped
+    """``HOST:PORT`` of a Ray head started here (2 CPUs, 2 logical GPUs, the custom resource
+    ``head`` that pins a spec to it, no dashboard), stopped
     (SIGTERM to the blocking ``ray start``, which stops every process of its session) after the
     session."""
     port = _free_port()
@@ -41,6 +42,7 @@ def ray_cluster():
             [
                 str(RAY), "start", "--head", "--node-ip-address", "127.0.0.1",
                 "--port", str(port), "--num-cpus", "2", "--num-gpus", str(FAKE_GPUS),
+                "--resources", '{"head": 100}',
                 "--disable-usage-stats", "--include-dashboard", "false",
                 "--object-store-memory", str(128 << 20), "--temp-dir", str(temp), "--block",
             ],
@@ -76,3 +78,40 @@ def ray_cluster():
 demo = e2e.demo
 projection = e2e.projection
 procs = e2e.procs
+
+
+@pytest.fixture
+def second_node(ray_cluster):
+    """A second Ray node (its own raylet on this machine) joined to :func:`ray_cluster` for one
+    test, with 1 CPU and the custom resource ``node2`` (a spec asks for it to land there); the
+    caller connects its driver first, so the driver stays on the head."""
+    temp = pathlib.Path(tempfile.mkdtemp(prefix="xtkray2", dir="/tmp"))
+    log_path = temp / "node2.log"
+    with open(log_path, "wb") as log:
+        node = subprocess.Popen(
+            [
+                str(RAY), "start", "--address", ray_cluster, "--num-cpus", "1", "--num-gpus", "0",
+                "--resources", '{"node2": 1}', "--disable-usage-stats",
+                "--object-store-memory", str(128 << 20), "--block",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        )
+    deadline = time.monotonic() + 120
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        if node.poll() is not None or time.monotonic() > deadline:
+            node.kill()
+            pytest.fail(f"ray start (second node) failed:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.2)
+    try:
+        yield "node2"
+    finally:
+        node.send_signal(signal.SIGTERM)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(10)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -161,3 +161,30 @@ def test_driver_variables_reach_the_worker_but_not_its_parent_pid(
     assert "UNRELATED_TEST_MARK" not in env
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["XTOKEN_PARENT_PID"] != str(os.getpid())
+
+
+def test_on_two_nodes_groups_stay_together_the_queue_by_the_driver_and_ranks_reach_rank0(
+    launcher, second_node, tmp_path
+):
+    queue = launcher.start(_queue_spec(tmp_path, "queue"))
+    rdzv = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
+    rank0 = launcher.start(_queue_spec(tmp_path, "trainer0", role="trainer", group="0",
+                                       env={**rdzv, "RANK": "0"}, resources={"head": 1}))
+    # rank 1 must land on the second node (its resource), and its teacher must follow it there
+    rank1 = launcher.start(_queue_spec(tmp_path, "trainer1", role="trainer", group="1",
+                                       env={**rdzv, "RANK": "1"}, resources={second_node: 1}))
+    teacher1 = launcher.start(_queue_spec(tmp_path, "teacher1", role="teacher", group="1"))
+    procs = [queue, rank0, rank1, teacher1]
+    for proc in procs:
+        launcher.wait_ready(proc, 60)
+    node = {p.spec.name: p.node["node_id"] for p in procs}
+    assert node["queue"] == launcher.driver_node_id  # Run talks to it at its loopback address
+    assert node["trainer1"] != launcher.driver_node_id
+    assert node["teacher1"] == node["trainer1"]  # colocation group "1"
+    envs = {p.spec.name: _environ(p.pid) for p in procs}
+    assert envs["trainer0"]["MASTER_ADDR"] == "127.0.0.1"  # rank 0 hosts the rendezvous
+    assert node["trainer0"] != node["trainer1"]
+    # rank 1 on another node reaches rank 0's node (Ray gives nodes the host's IP, not loopback)
+    assert envs["trainer1"]["MASTER_ADDR"] == rank0.node["node_ip"]
+    assert not envs["trainer1"]["MASTER_ADDR"].startswith("127.")
+    assert launcher.stop(grace_s=30) == {name: 0 for name in node}
