@@ -208,3 +208,35 @@ def test_a_sigkilled_trainer_rank_under_ray_is_restarted_from_the_checkpoint_los
         kept += [k for r in second for k in r["keys"]]
     assert_exactly_once(kept, corpus)
     assert feed_totals(run_dir)["checksum_mismatch"] == 0
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_sigterm_on_xtoken_run_under_ray_checkpoints_exits_zero_and_leaves_no_process(
+    request, procs, tmp_path, demo, projection
+):
+    config, corpus = _config(tmp_path, demo, projection, n=96, grad_accum=2)
+    run_dir = pathlib.Path(config.run_dir)
+    watcher = _Watcher(run_dir)
+    run = procs.start(
+        "run",
+        ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress",
+         *_launcher_args("ray", request)],
+        ready=False,
+    )
+    try:
+        wait_for(lambda: step_records(run_dir, 0), 240, "the first trained step")
+        run.signal(signal.SIGTERM)
+        assert run.wait(120) == 0, run.tail()
+    finally:
+        watcher.close()
+    wait_for(lambda: not [p for p in watcher.all_pids if pid_alive(p)], 30,
+             "every worker and its actor to be gone")
+    codes = _exit_codes(run_dir)
+    assert codes["trainer0.log"] == codes["trainer1.log"] == ["0"], codes  # stopped, drained
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] and summary["step"] < len(corpus) // (2 * 4 * 2), summary
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{summary['step']:08d}"  # checkpoint_every=0: written by the stop
+    trained = trained_keys(run_dir)
+    assert len(trained) == len(set(trained)) and set(trained) <= set(corpus)
