@@ -445,9 +445,9 @@ class RayLauncher:
         """Place ``spec``, start its actor and the worker in it.
 
         Raises:
-            ValueError: a process of that name is running, the spec has no log file, or the
-                cluster has no room for it.
-            RuntimeError: the actor failed to start the worker.
+            ValueError: a process of that name is running, the spec has no log file, the
+                cluster has no room for it, or its actor could not start the worker (names
+                the cause and the fix).
         """
         if spec.name in self.processes and self.processes[spec.name].poll() is None:
             raise ValueError(f"process {spec.name!r} is already running")
@@ -473,7 +473,10 @@ class RayLauncher:
         except Exception as e:
             ray.kill(actor, no_restart=True)
             remove_placement_group(pg)
-            raise RuntimeError(f"could not start {spec.name} under Ray: {e}") from e
+            raise ValueError(
+                f"could not start {spec.name} under Ray ({type(e).__name__}: {e}); every node "
+                "needs xtoken installed (with the ray extra) in the Python that runs `ray start`"
+            ) from e
         if spec.group is not None:
             self._groups.setdefault(spec.group, node["node_id"])
         proc = RayProcess(spec, actor, pg, node, pid, self.call_timeout_s)
