@@ -20,6 +20,10 @@ if [ "${2:-}" = stop ]; then
     for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
     echo "[deploy] dockerd $pid stopped" >&2
   fi
+  # what the engine leaves mounted under its roots (the netns of its host-network containers)
+  awk -v d="$DIR/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+  done
   exit 0
 fi
 command -v dockerd >/dev/null || { echo "[deploy] dockerd missing: apt-get install -y docker.io" >&2; exit 2; }
