@@ -214,6 +214,14 @@ def _run_dir(compose: Compose, run: dict) -> pathlib.Path:
 def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_container(compose):
     import httpx
 
+    # the GPU file as compose resolves it (it cannot start here: no NVIDIA runtime)
+    gpu = subprocess.run(
+        [*_compose_binary(), "--project-directory", str(ROOT), "--env-file", os.devnull,
+         "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+        env=compose.env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert gpu.returncode == 0, gpu.stderr
+
     t0 = time.monotonic()
     up = compose("up", "--detach", "--no-build")
     assert up.returncode == 0, up.stderr
