@@ -314,15 +314,21 @@ def main() -> None:
         per_plain: list[list[float]] = []
         per_controlled: list[list[float]] = []
         for i in range(args.pairs):
-            per_plain.append(run_plain(root, args.texts, str(i)))
-            plain += per_plain[-1]
             (root / f"cp-{i}").mkdir()
-            s, c_s, wall, st = run_controlled(root, args.texts, str(i), args.poll_hz)
-            steady.append(st)
-            controlled += s
-            per_controlled.append(s)
-            cpu.append(c_s)
-            walls.append(wall)
+            # alternate the order: a load that drifts over the pair does not favour one side
+            for side in (("plain", "controlled") if i % 2 == 0 else ("controlled", "plain")):
+                if side == "plain":
+                    per_plain.append(run_plain(root, args.texts, str(i)))
+                    plain += per_plain[-1]
+                    continue
+                s, c_s, wall, st = run_controlled(root, args.texts, str(i), args.poll_hz)
+                steady.append(st)
+                controlled += s
+                per_controlled.append(s)
+                cpu.append(c_s)
+                walls.append(wall)
+        ratios = [statistics.median(c) / statistics.median(p)
+                  for p, c in zip(per_plain, per_controlled)]
         p, q = statistics.median(plain), statistics.median(controlled)
         row.update(
             plain_step_median_s=p,
@@ -335,6 +341,8 @@ def main() -> None:
             control_steady_cpu_pct_of_one_core=statistics.mean(steady),
             plain_step_medians=[statistics.median(x) for x in per_plain],
             controlled_step_medians=[statistics.median(x) for x in per_controlled],
+            pair_ratios=ratios,
+            median_pair_overhead_pct=100 * (statistics.median(ratios) - 1),
             poll_hz=args.poll_hz,
         )
     row["load_avg_end"] = os.getloadavg()[0]

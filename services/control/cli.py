@@ -111,8 +111,11 @@ def _serve(settings, sock: socket.socket, endpoint: str, ready_file: str | None)
     app = create_app(
         settings, on_ready=(lambda: _write_ready(Path(ready_file), endpoint)) if ready_file else None
     )
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
+    # open event streams (a dashboard) never end by themselves: give them 3 s on shutdown
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=3
+    )
+    server = _server_class(uvicorn)(config)
     logger.info("[control] listening on %s (docs at %s/docs)", endpoint, endpoint)
     try:
         server.run(sockets=[sock])
@@ -120,6 +123,20 @@ def _serve(settings, sock: socket.socket, endpoint: str, ready_file: str | None)
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)
     return 0 if server.started else 1
+
+
+def _server_class(uvicorn):
+    """uvicorn's Server that exits 0 after a SIGTERM / SIGINT drain (uvicorn re-raises the
+    signal after its shutdown; every xtoken process exits 0 once it drained)."""
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server
 
 
 def _write_ready(path: Path, endpoint: str) -> None:

@@ -421,8 +421,9 @@ class Supervisor:
         )
 
     def _new_handle(self, run_id: str, run: Any) -> _Handle:
+        h = _Handle(run_id, run)
+        h.series.poll()  # what is on disk already is history (GET .../metrics), not live events
         with self._lock:
-            h = _Handle(run_id, run)
             self._handles[run_id] = h
         return h
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -228,3 +229,20 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         assert r.status_code == 409 and "SUCCEEDED" in r.json()["error"]
         r = c.post(f"/v1/runs/{rid}/resume")
         assert r.status_code == 409
+
+
+def test_sigterm_ends_the_server_promptly_even_with_an_open_event_stream(server):
+    with server.client() as c:
+        run = c.post("/v1/runs", json=tiny_config(**{"trainer.max_steps": 1}))
+        assert run.status_code == 201, run.text
+        rid = run.json()["id"]
+        with httpx.Client(timeout=httpx.Timeout(5, read=30)) as s, s.stream(
+            "GET", f"{server.url}/v1/runs/{rid}/events"
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            t = time.monotonic()
+            server.popen.send_signal(signal.SIGTERM)
+            assert server.popen.wait(20) == 0
+            assert time.monotonic() - t < 10
+    assert "Shutting down" in server.log_path.read_text()
