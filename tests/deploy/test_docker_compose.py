@@ -11,6 +11,7 @@ import os
 import pathlib
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -162,7 +163,7 @@ def compose(image, tmp_path):
 def _wait_healthy(compose: Compose, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        states = {s: compose.health(s) for s in ("queue", "control")}
+        states = {s: compose.health(s) for s in ("ns", "queue", "control")}
         if set(states.values()) == {"healthy"}:
             return
         assert "unhealthy" not in states.values(), (states, compose.logs())
@@ -204,6 +205,35 @@ def _run_config(data: pathlib.Path) -> dict:
             "loss": {"mode": "pkl"},
         },
     }
+
+
+def _container_main_pid(compose: Compose, service: str) -> int:
+    """Host pid of the service's main process (the container's first process)."""
+    cid = compose("ps", "-q", service).stdout.strip()
+    pid = subprocess.run(["docker", "inspect", "--format", "{{.State.Pid}}", cid],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert "xtoken" in pathlib.Path(f"/proc/{pid}/cmdline").read_text(), pid
+    return int(pid)
+
+
+def _restart_count(compose: Compose, service: str) -> int:
+    cid = compose("ps", "-q", service).stdout.strip()
+    out = subprocess.run(["docker", "inspect", "--format", "{{.RestartCount}}", cid],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return int(out or 0)
+
+
+def _trained(run_dir: pathlib.Path) -> list[dict]:
+    """The ``trained`` records of every rank's keys log."""
+    return [r for p in sorted((run_dir / "keys").glob("trainer.rank*.jsonl"))
+            for line in p.read_text().splitlines() if line.strip()
+            for r in [json.loads(line)] if r.get("event") == "trained"]
+
+
+def _checkpoint_keys(run_dir: pathlib.Path) -> set[str]:
+    """The keys the latest checkpoint says were trained in its epoch."""
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return {k for meta in latest.glob("rank*.json") for k in json.loads(meta.read_text())["trained"]}
 
 
 def _run_dir(compose: Compose, run: dict) -> pathlib.Path:
@@ -278,9 +308,7 @@ def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_c
 
     # the run's outputs are on the runs volume (a host folder), written inside the container
     run_dir = _run_dir(compose, run)
-    records = [json.loads(line) for p in sorted((run_dir / "keys").glob("trainer.rank*.jsonl"))
-               for line in p.read_text().splitlines() if line.strip()]
-    keys = [k for r in records if r.get("event") == "trained" for k in r["keys"]]
+    keys = [k for r in _trained(run_dir) for k in r["keys"]]
     assert len(keys) == len(set(keys)) == TEXTS, "every text trained once across stop and resume"
     assert sorted(int(k.rsplit(":", 1)[1]) for k in keys) == list(range(1, TEXTS + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -293,6 +321,43 @@ def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_c
     assert (run_dir / "checkpoints" / latest).is_dir()
     assert (run_dir / "final" / "config.json").is_file()
     assert (compose.runs / "control.db").is_file()
+
+    # the control plane SIGKILLed mid-run: restart: unless-stopped brings it back into the
+    # namespaces of ns, the queue service is not touched, the run is INTERRUPTED, and its resume
+    # trains what the checkpoint lacks: no text lost, none trained twice in the final lineage
+    with httpx.Client(base_url=compose.url, timeout=60) as client:
+        created = client.post("/v1/runs", json=config, headers=auth, params={"name": "crash"})
+        assert created.status_code == 201, created.text
+        crash_id = created.json()["id"]
+        deadline = time.monotonic() + 600
+        while (client.get(f"/v1/runs/{crash_id}").json().get("step") or 0) < 2:
+            assert time.monotonic() < deadline, compose.logs()
+            time.sleep(0.5)
+        restarts = _restart_count(compose, "control")
+        queue_pid = _container_main_pid(compose, "queue")
+        os.kill(_container_main_pid(compose, "control"), signal.SIGKILL)
+    t_killed = time.monotonic()
+    deadline = time.monotonic() + 120
+    while _restart_count(compose, "control") == restarts:
+        assert time.monotonic() < deadline, "control was not restarted\n" + compose.logs()
+        time.sleep(1)
+    _wait_healthy(compose, 240)
+    t_back = time.monotonic() - t_killed
+    assert _container_main_pid(compose, "queue") == queue_pid, "the queue was restarted too"
+    with httpx.Client(base_url=compose.url, timeout=60) as client:
+        crashed = client.get(f"/v1/runs/{crash_id}").json()
+        assert crashed["state"] == "INTERRUPTED", crashed
+        crash_dir = _run_dir(compose, crashed)
+        saved = _checkpoint_keys(crash_dir) if crashed["checkpoint"] else set()
+        before_resume = len(_trained(crash_dir))
+        resumed = client.post(f"/v1/runs/{crash_id}/resume", headers=auth)
+        assert resumed.status_code == 202, resumed.text
+        done = _wait_state(client, crash_id, 900, compose)
+        assert done["state"] == "SUCCEEDED", (done, compose.logs())
+    after = [k for r in _trained(crash_dir)[before_resume:] for k in r["keys"]]
+    assert len(after) == len(set(after)) and not set(after) & saved, "a text trained twice"
+    assert saved | set(after) == set(keys), "a text lost"  # both runs read /data/train.jsonl
+    assert _checkpoint_keys(crash_dir) == saved | set(after)
 
     # down and up again: the control plane's state lives on the runs volume
     down = compose("down", "--timeout", "30")
@@ -315,4 +380,5 @@ def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_c
     ).stdout.split()
     assert volumes == [], volumes
     print(f"[deploy-test] healthy after {t_healthy:.0f} s; run posted, stopped, resumed and "
-          f"SUCCEEDED in {t_trained:.0f} s; total {time.monotonic() - t0:.0f} s")
+          f"SUCCEEDED in {t_trained:.0f} s; control plane back {t_back:.0f} s after its SIGKILL; "
+          f"total {time.monotonic() - t0:.0f} s")

@@ -74,15 +74,18 @@ def _config(*files: pathlib.Path, **env: str) -> dict:
     return yaml.safe_load(done.stdout)
 
 
+XTOKEN_SERVICES = ("queue", "control")  # the others run no xtoken command
+
+
 def test_compose_runs_the_queue_and_the_control_plane_from_one_image():
     services = _services()
-    assert set(services) == {"queue", "control"}
+    assert set(services) == {"ns", *XTOKEN_SERVICES}
     build = services["control"]["build"]
     assert (ROOT / build["context"] / build["dockerfile"]).is_file()
-    assert services["queue"]["image"] == services["control"]["image"]
+    assert {s["image"] for s in services.values()} == {services["control"]["image"]}
 
 
-@pytest.mark.parametrize("name", sorted(_services()))
+@pytest.mark.parametrize("name", XTOKEN_SERVICES)
 def test_each_service_command_parses_with_the_cli(name):
     command = [_interpolate(str(part)) for part in _services()[name]["command"]]
     args = cli.build_parser().parse_args(command)
@@ -90,7 +93,7 @@ def test_each_service_command_parses_with_the_cli(name):
     assert not getattr(args, "_missing", False), f"`xtoken {command[0]}` is not in this build"
 
 
-@pytest.mark.parametrize("name", sorted(_services()))
+@pytest.mark.parametrize("name", XTOKEN_SERVICES)
 def test_each_service_has_a_healthcheck_a_restart_policy_and_loopback_binds_only(name):
     service = _services()[name]
     assert service["restart"] == "unless-stopped"
@@ -105,17 +108,24 @@ def test_each_service_has_a_healthcheck_a_restart_policy_and_loopback_binds_only
     assert any("127.0.0.1" in str(part) for part in service["healthcheck"]["test"])
 
 
-def test_control_plane_reserves_every_gpu_and_shares_its_namespaces_with_the_queue():
-    services = _services()
-    control, queue = services["control"], services["queue"]
-    devices = control["deploy"]["resources"]["reservations"]["devices"]
+def test_control_plane_reserves_every_gpu():
+    devices = _services()["control"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+
+
+def test_queue_and_control_share_the_ipc_and_pid_namespaces_of_a_holder_that_runs_nothing():
+    services = _services()
+    ns = services["ns"]
     # CUDA IPC and the /dev/shm pool need one IPC namespace, and shm segment owners are judged
-    # by pid, so one PID namespace too
-    assert control["ipc"] == "shareable"
-    assert queue["ipc"] == "service:control" and queue["pid"] == "service:control"
-    assert "pid" not in control and "depends_on" not in control
-    assert queue["depends_on"]["control"]["condition"] == "service_started"
+    # by pid, so one PID namespace too; held by a service that cannot crash, so that either
+    # user restarts alone (Docker cannot restart a container into a restarting one's namespaces)
+    assert ns["ipc"] == "shareable" and "shm_size" in ns and ns["init"] is True
+    assert ns["entrypoint"] == ["sleep", "infinity"] and ns["network_mode"] == "none"
+    assert ns["restart"] == "unless-stopped" and ns["healthcheck"]["test"][0] == "CMD"
+    for name in XTOKEN_SERVICES:
+        service = services[name]
+        assert service["ipc"] == "service:ns" and service["pid"] == "service:ns", name
+        assert service["depends_on"]["ns"]["condition"] == "service_started", name
 
 
 def test_control_plane_mounts_data_models_and_runs_and_confines_paths_to_them():
@@ -154,19 +164,19 @@ def test_docker_compose_config_accepts_the_gpu_file():
     config = _config(COMPOSE, XTOKEN_CONTROL_TOKEN="t")
     control = config["services"]["control"]
     assert control["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
-    assert control["image"] == "xtoken:gpu"
-    assert control["ipc"] == "shareable" and "pid" not in control
-    assert config["services"]["queue"]["pid"] == "service:control"
+    assert {s["image"] for s in config["services"].values()} == {"xtoken:gpu"}
+    assert config["services"]["ns"]["ipc"] == "shareable"
+    assert control["pid"] == config["services"]["queue"]["pid"] == "service:ns"
 
 
 def test_docker_compose_config_of_the_cpu_profile_drops_the_gpu_reservation():
     config = _config(COMPOSE, CPU_PROFILE, XTOKEN_CONTROL_TOKEN="t")
-    for name in ("queue", "control"):
+    for name in ("ns", "queue", "control"):
         service = config["services"][name]
         assert service["image"] == "xtoken:cpu"
         assert service["build"]["args"]["TORCH_SPEC"] == "torch==2.13.0+cpu"
-        assert "deploy" not in service
-    assert config["services"]["queue"]["ipc"] == "service:control"
+        assert "deploy" not in service and "ulimits" not in service
+    assert config["services"]["queue"]["ipc"] == "service:ns"
 
 
 def test_docker_compose_config_refuses_to_run_without_a_control_token():
