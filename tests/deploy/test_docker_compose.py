@@ -1,8 +1,7 @@
-"""`docker compose` CPU profile on a real Docker engine: build, up, a run over REST, down.
+"""`docker compose` CPU profile on a real Docker engine: build, up, runs over REST, crashes, down."""
 
-Run with ./scripts/docker_test.sh (starts a private dockerd, builds the debootstrap base image).
-By hand: DOCKER_HOST=... XTOKEN_BASE_IMAGE=... python -m pytest -m docker tests/deploy
-"""
+# Run with ./scripts/docker_test.sh (a private dockerd, the debootstrap base image); by hand:
+# DOCKER_HOST=... XTOKEN_BASE_IMAGE=... python -m pytest -m docker tests/deploy
 
 from __future__ import annotations
 
@@ -358,6 +357,16 @@ def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_c
     assert len(after) == len(set(after)) and not set(after) & saved, "a text trained twice"
     assert saved | set(after) == set(keys), "a text lost"  # both runs read /data/train.jsonl
     assert _checkpoint_keys(crash_dir) == saved | set(after)
+
+    # and the queue service SIGKILLed: restarted alone, the control plane is not touched
+    control_pid, restarts = _container_main_pid(compose, "control"), _restart_count(compose, "queue")
+    os.kill(_container_main_pid(compose, "queue"), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _restart_count(compose, "queue") == restarts:
+        assert time.monotonic() < deadline, "queue was not restarted\n" + compose.logs()
+        time.sleep(1)
+    _wait_healthy(compose, 240)
+    assert _container_main_pid(compose, "control") == control_pid, "control was restarted too"
 
     # down and up again: the control plane's state lives on the runs volume
     down = compose("down", "--timeout", "30")
