@@ -28,6 +28,9 @@ CPU smoke test (tiny models, TRL from ``.venv-bench``)::
     python benchmarks/peers/bench_trl_gold.py --device cpu --student tiny --teacher tiny \\
         --shapes 64 --steps 2 --warmup 1 --quality-steps 3 --quality-T 64 \\
         --trl-python .venv-bench/bin/python --results /tmp/peers_smoke.jsonl
+
+A byte-level teacher tokenizer (TRL's default, byte-offset ULD then runs):
+``--teacher-tokenizer llama3 --teacher-vocab 0``.
 """
 
 from __future__ import annotations
@@ -217,20 +220,37 @@ def run_xtoken(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict) ->
     """``xtoken run`` of the same models on ``corpus`` (bench_pipeline.pipeline), with memory."""
     transport = "cuda_ipc" if args.device == "cuda" else "shm"
     with GpuMemorySampler(args.device == "cuda") as mem:
-        res = bench_pipeline.pipeline(
-            args,
-            mode,
-            1,
-            T,
-            dirs["student"],
-            dirs["teacher"],
-            corpus,
-            dirs["projection"],
-            transport,
-            work / f"xt_{mode}_{T}",
-        )
+        try:
+            res = bench_pipeline.pipeline(
+                args,
+                mode,
+                1,
+                T,
+                dirs["student"],
+                dirs["teacher"],
+                corpus,
+                dirs["projection"],
+                transport,
+                work / f"xt_{mode}_{T}",
+            )
+        except ValueError as exc:  # a refused configuration is a result too
+            res = {"error": f"ValueError: {exc}"}
     res["device_peak_gib"] = mem.peak_gib
     res["transport"] = transport
+    if "error" not in res:
+        import statistics
+
+        from services.common.metrics import read_jsonl
+
+        steps = [
+            r
+            for r in read_jsonl(work / f"xt_{mode}_{T}" / "metrics" / "trainer.rank0.jsonl")
+            if r["event"] == "step" and r["step"] > args.warmup
+        ]
+        res["median_step_s"] = statistics.median(r["step_s"] for r in steps)
+        res["tokens_per_s_median_step"] = (
+            statistics.mean(r["tokens"] for r in steps) / res["median_step_s"]
+        )
     return res
 
 
@@ -299,7 +319,12 @@ def heldout_bpb(args, model_dir: str, texts: list[str]) -> dict:
     del model
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return out
+    return {
+        "bits_per_byte": out["bits_per_byte"],
+        "accuracy": out["accuracy"],
+        "heldout_bytes": out["bytes"],
+        "heldout_tokens": out["tokens"],
+    }
 
 
 def trl_spec(
@@ -339,22 +364,23 @@ def write_markdown(path: Path, stamp: dict, speed: list[dict], quality: list[dic
         f"`{stamp['student']}` preset (Qwen3 tokenizer), teacher `{stamp['teacher']}` preset "
         "(Mistral tokenizer), random weights, local HF folders; TRL "
         f"{stamp.get('trl_version', '?')} `GOLDTrainer` (ULD loss; its default byte-offset "
-        "alignment refuses the Mistral SentencePiece teacher, so the figures are positional ULD, "
-        "TRL's setting for SentencePiece tokenizers; off-policy, CE + ULD, TRL's defaults otherwise: gradient checkpointing on, bf16 "
+        "alignment, `extended`, is tried first, and where TRL refuses it (a teacher tokenizer "
+        "that is not byte-level BPE, as Mistral's SentencePiece) positional ULD, TRL's setting "
+        "for SentencePiece tokenizers, is measured; off-policy, CE + ULD, TRL's defaults otherwise: gradient checkpointing on, bf16 "
         "autocast); xtoken `xtoken run` (`cuda_ipc`). Same texts, one per step (1 x T), each "
         "fitting T - 16 tokens on both sides. tok/s = student tokens per second after the "
         "warm-up; `dev GiB` = peak used device memory over the baseline (nvidia-smi, every "
         "process, CUDA contexts included); `torch GiB` = torch's peak allocation of the "
         "training process (xtoken: the trainer only).",
         "",
-        "| T | system | mode | tok/s | step s | dev GiB | torch GiB | xtoken / TRL tok/s | "
-        "xtoken / TRL memory | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| T | system | mode | tok/s | tok/s (median step) | step s | dev GiB | torch GiB | "
+        "xtoken / TRL tok/s | xtoken / TRL memory | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in speed:
         lines.append(
             f"| {r['T']} | {r['system']} | {r.get('mode', '-')} | {_f(r.get('tokens_per_s'), '.0f')} "
-            f"| {_f(r.get('step_s'), '.3f')} | {_f(r.get('device_peak_gib'), '.1f')} "
+            f"| {_f(r.get('tokens_per_s_median_step'), '.0f')} | {_f(r.get('step_s'), '.3f')} | {_f(r.get('device_peak_gib'), '.1f')} "
             f"| {_f(r.get('torch_peak_gib'), '.1f')} | {_f(r.get('speedup'), '.1f')} "
             f"| {_f(r.get('mem_ratio'), '.3f')} | {(r.get('error') or '')[:300]} |"
         )
@@ -373,7 +399,7 @@ def write_markdown(path: Path, stamp: dict, speed: list[dict], quality: list[dic
             "held-out split (the teacher has random weights: this checks that the same tokens "
             "train each student as well, not that KD helps; experiment 1 does that).",
             "",
-            "| system | mode | steps | student tokens | held-out bits/byte | wall s | note |",
+            "| system | mode | steps | student tokens trained | held-out bits/byte | wall s | note |",
             "|---|---|---|---|---|---|---|",
         ]
         for r in quality:
@@ -396,7 +422,9 @@ def main() -> int:
     p.add_argument("--student-tokenizer", default="qwen3")
     p.add_argument("--teacher-tokenizer", default="mistral")
     p.add_argument("--student-vocab", type=int, default=151936)
-    p.add_argument("--teacher-vocab", type=int, default=32768)
+    p.add_argument(
+        "--teacher-vocab", type=int, default=32768, help="0: the teacher tokenizer's size"
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=10, help="measured xtoken steps")
     p.add_argument("--warmup", type=int, default=3, help="xtoken warm-up steps")
@@ -408,11 +436,45 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-4, help="constant learning rate (quality)")
     p.add_argument("--trl-python", default=sys.executable, help="python that imports trl")
     p.add_argument("--trl-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--trl-uld",
+        default="auto",
+        choices=["auto", "extended", "positional"],
+        help="TRL's ULD alignment: extended (byte offsets, TRL's default; byte-level BPE only), "
+        "positional, or auto (extended, then positional where TRL refuses it)",
+    )
+    p.add_argument(
+        "--no-xtoken-warm-run",
+        dest="xtoken_warm_run",
+        action="store_false",
+        help="skip the untimed xtoken run that fills Triton's kernel cache first",
+    )
     p.add_argument("--work", default="/tmp/xtoken_bench_peers")
     p.add_argument("--results", default=str(RESULTS_DIR / "peers_trl_gold.jsonl"))
     p.add_argument("--markdown", default=None, help="default: the results path with .md")
+    p.add_argument(
+        "--render",
+        default=None,
+        metavar="JSONL",
+        help="only write the markdown from the rows of this JSONL (no run)",
+    )
     args = p.parse_args()
     args.cuda_graphs = False
+    if args.render:
+        rows = [json.loads(line) for line in open(args.render, encoding="utf-8") if line.strip()]
+        md = Path(args.markdown) if args.markdown else Path(args.render).with_suffix(".md")
+        stamp = {k: rows[0][k] for k in ("commit", "device", "student", "teacher", "time")}
+        stamp["trl_version"] = next(
+            (r["trl"]["trl_version"] for r in rows if r.get("trl", {}).get("trl_version")), "?"
+        )
+        write_markdown(
+            md,
+            stamp,
+            [r for r in rows if r.get("part") == "speed"],
+            [r for r in rows if r.get("part") == "quality"],
+        )
+        print(f"wrote {md}")
+        return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XTOKEN_CACHE", str(work / "cache"))
@@ -455,7 +517,16 @@ def main() -> int:
     }
     speed, quality = [], []
     print(f"device {dev}; student {args.student} teacher {args.teacher}", flush=True)
+    trl_ulds = ["extended", "positional"] if args.trl_uld == "auto" else [args.trl_uld]
     if "speed" in args.parts:
+        if args.xtoken_warm_run and args.modes:
+            # one untimed short run: Triton compiles the loss kernels once into its disk cache,
+            # as a user's first run would (later runs, as measured, find them there)
+            T0 = args.shapes[0]
+            texts = fitted_texts(args.student_tokenizer, args.teacher_tokenizer, T0, 12)
+            warm_corpus = write_jsonl(work / "warm.jsonl", [{"text": t} for t in texts])
+            for mode in args.modes:
+                run_xtoken(args, work, mode, T0, warm_corpus, dirs)
         for T in args.shapes:
             n = max(args.warmup + args.steps, args.trl_warmup + args.trl_steps) + 8
             texts = fitted_texts(args.student_tokenizer, args.teacher_tokenizer, T, n)
@@ -463,31 +534,31 @@ def main() -> int:
             trl_data = write_jsonl(
                 work / f"speed_{T}_trl.jsonl", [{"prompt": PROMPT, "completion": t} for t in texts]
             )
-            if T == args.shapes[0]:
-                ext = run_trl(
-                    args, work, f"extended_{T}",
-                    trl_spec(args, dirs, trl_data, T, 1, 0, None, extended=True),
+            trl_row = None
+            for uld in trl_ulds:
+                trl = run_trl(
+                    args, work, f"speed_{T}_{uld}",
+                    trl_spec(
+                        args, dirs, trl_data, T, args.trl_steps, args.trl_warmup, None,
+                        extended=uld == "extended",
+                    ),
                 )
-                speed.append({
-                    "part": "speed", "T": T, "system": "TRL GOLD", "mode": "uld extended (default)",
-                    "tokens_per_s": ext.get("tokens_per_s"), "step_s": ext.get("step_s"),
-                    "device_peak_gib": ext.get("device_peak_gib"),
-                    "torch_peak_gib": ext.get("peak_mem_gib"), "error": ext.get("error"), "trl": ext,
-                })
-                print(f"T={T} TRL extended ULD: {ext.get('error') or ext.get('tokens_per_s')}", flush=True)
-            trl = run_trl(
-                args, work, f"speed_{T}",
-                trl_spec(args, dirs, trl_data, T, args.trl_steps, args.trl_warmup, None),
-            )
-            stamp["trl_version"] = trl.get("trl_version", stamp.get("trl_version"))
-            trl_row = {
-                "part": "speed", "T": T, "system": "TRL GOLD", "mode": "uld positional",
-                "tokens_per_s": trl.get("tokens_per_s"), "step_s": trl.get("step_s"),
-                "device_peak_gib": trl.get("device_peak_gib"),
-                "torch_peak_gib": trl.get("peak_mem_gib"), "error": trl.get("error"), "trl": trl,
-            }
-            speed.append(trl_row)
-            print(f"T={T} TRL: {json.dumps({k: v for k, v in trl.items() if k != 'traceback_tail'})[:600]}", flush=True)
+                stamp["trl_version"] = trl.get("trl_version", stamp.get("trl_version"))
+                trl_row = {
+                    "part": "speed", "T": T, "system": "TRL GOLD", "mode": f"uld {uld}",
+                    "tokens_per_s": trl.get("tokens_per_s"), "step_s": trl.get("step_s"),
+                    "device_peak_gib": trl.get("device_peak_gib"),
+                    "torch_peak_gib": trl.get("peak_mem_gib"), "error": trl.get("error"),
+                    "trl": trl,
+                }
+                speed.append(trl_row)
+                print(
+                    f"T={T} TRL ULD {uld}: {_f(trl.get('tokens_per_s'), '.0f')} tok/s, dev "
+                    f"{_f(trl.get('device_peak_gib'), '.1f')} GiB {trl.get('error') or ''}",
+                    flush=True,
+                )
+                if not trl.get("error"):
+                    break
             for mode in args.modes:
                 xt = run_xtoken(args, work, mode, T, xt_corpus, dirs)
                 row = {
@@ -498,6 +569,7 @@ def main() -> int:
                     "error": xt.get("error"),
                     "xtoken": {k: v for k, v in xt.items() if k != "losses"},
                 }
+                row["tokens_per_s_median_step"] = xt.get("tokens_per_s_median_step")
                 if row["tokens_per_s"] and trl_row["tokens_per_s"]:
                     row["speedup"] = row["tokens_per_s"] / trl_row["tokens_per_s"]
                 if row["device_peak_gib"] and trl_row["device_peak_gib"]:
@@ -527,15 +599,21 @@ def main() -> int:
         )
         save = str(work / "trl_quality_student")
         shutil.rmtree(save, ignore_errors=True)
-        trl = run_trl(
-            args, work, "quality",
-            trl_spec(args, dirs, trl_data, T, args.quality_steps, 0, save),
-        )
-        row = {**base, "system": "TRL GOLD", "mode": "uld positional", "wall_s": trl.get("wall_s"), "error": trl.get("error")}
-        if not trl.get("error"):
-            row.update(heldout_bpb(args, save, held))
-            row["trained_tokens"] = trl.get("trained_tokens")
-        quality.append(row)
+        for uld in trl_ulds:
+            trl = run_trl(
+                args, work, f"quality_{uld}",
+                trl_spec(args, dirs, trl_data, T, args.quality_steps, 0, save, uld == "extended"),
+            )
+            row = {
+                **base, "system": "TRL GOLD", "mode": f"uld {uld}", "wall_s": trl.get("wall_s"),
+                "error": trl.get("error"),
+            }
+            if not trl.get("error"):
+                row.update(heldout_bpb(args, save, held))
+                row["trained_tokens"] = trl.get("trained_tokens")
+            quality.append(row)
+            if not trl.get("error"):
+                break
         for mode in args.modes:
             xq = xtoken_quality(args, work, mode, T, xt_corpus, dirs)
             row = {**base, "system": "xtoken", "mode": mode, "wall_s": xq.get("wall_s"), "error": xq.get("error")}
