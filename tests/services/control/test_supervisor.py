@@ -269,6 +269,9 @@ def test_a_reused_pid_is_not_reattached(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "services.cli",
                           "teacher"])
     try:
+        deadline = time.monotonic() + 10  # until it has exec'd (a fork shows pytest's cmdline)
+        while "services.cli" not in identity(p.pid)["cmdline"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         ticks = identity(p.pid)["start_ticks"]
         assert attach(spec, p.pid, ticks) is not None
         assert attach(spec, p.pid, ticks + 1) is None  # another process under the same pid
