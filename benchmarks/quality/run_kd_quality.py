@@ -1,0 +1,834 @@
+"""Experiment 1 (issue 13): does cross-tokenizer KD make a small student better, per loss mode?
+
+A random-init ~27 M student (Llama shape, Mistral v3 SentencePiece tokenizer, 32,768 ids) is
+trained on the demo corpus by ``xtoken run`` (queue, collator, teacher and trainer as real
+processes; ``cuda_ipc`` logit hand-off on a GPU) with the real SmolLM2-135M teacher (``smollm2``,
+byte-level BPE, 49,152 ids), in four arms at equal steps, batch and context: ``ce`` (student CE
+only, no teacher), ``pkl`` (CE + projected KL), ``gold`` (CE + gold) and ``xtoken`` (CE + relaxed
+gold); each arm with every seed. One seed = one student initialisation shared by all arms (a
+paired comparison) and the trainer's seed.
+
+Why Mistral and not Qwen3 for the student: with Qwen3's 151,669 ids a 256-wide student spends
+39 M of its 45 M parameters on the (tied) embedding, and its output softmax over 151 k ids costs
+more than its 6 transformer layers; at ~25 M parameters it would be mostly a lookup table.
+Mistral's 32,768 ids at width 384 are 12.6 M of 26.7 M, leaving 14.2 M for 8 layers, and
+SentencePiece (Mistral) vs byte-level BPE (SmolLM2) is a genuinely cross-family pair.
+
+Data: the demo corpus (``build_demo_corpus``: paragraphs of Python's own stdlib sources, chunked
+into 1-4 kB texts) re-split BY SOURCE FILE (the SHA-1 of the file's path decides): held-out
+(~6% of files; the final numbers), validation (~6%; the trainer's curves and anything one may
+tune) and train (the rest). The split is built once on the machine that runs the script here and
+carried to the GPU with ``--corpus`` (the GPU has another stdlib), so both see the same texts.
+
+Byte categories of the held-out report (every UTF-8 byte of a text gets exactly one, first
+match wins):
+
+* ``whitespace``: space, tab, newline, CR, FF, VT;
+* ``digits``: ASCII 0-9;
+* ``prose``: any other byte inside a comment (``#`` to the end of the line) or a string literal
+  (docstrings included), found by a small lexer (triple quotes span lines; single quotes end at
+  the matching quote or the end of the line). It is lexical, not a parser: a text that starts
+  inside a multi-line string is read as code until the next quote;
+* ``code``: every other byte (identifiers, keywords, operators, brackets).
+
+A token's bits (-log2 p of the token) are spread evenly over the bytes of its span; a token with
+an empty span gives its bits to the byte where it starts. Bits/byte of a category = its bits over
+its bytes; the categories add up to the overall figure (= ``xtoken_core.models.eval``'s).
+Next-token accuracy = share of held-out tokens that are the student's argmax.
+
+Usage (GPU, what produced ``benchmarks/results/quality.md``)::
+
+    python benchmarks/quality/run_kd_quality.py --device cuda --corpus DIR --out $OUT \\
+        --arms ce pkl gold xtoken --seeds 0 1 2 --parallel 3
+    python benchmarks/quality/run_kd_quality.py --report ROWS.jsonl [ROWS.jsonl ...]
+
+CPU smoke (tiny student, tiny random teacher, a few steps, one seed; ~1 min)::
+
+    python benchmarks/quality/run_kd_quality.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import RESULTS_DIR, commit, device_name  # noqa: E402
+
+logger = logging.getLogger("kd_quality")
+
+ARMS = ("ce", "pkl", "gold", "xtoken")
+ARM_LABEL = {
+    "ce": "CE only",
+    "pkl": "CE + P-KL",
+    "gold": "CE + gold",
+    "xtoken": "CE + relaxed gold (xtoken)",
+}
+CATEGORIES = ("prose", "code", "digits", "whitespace")
+SPLITS = ("train", "val", "heldout")
+STUDENT_TOKENIZER = "mistral"
+
+
+# --------------------------------------------------------------------------- corpus split
+
+
+def split_of(source: str, heldout: float, val: float) -> str:
+    """The split of a source file: the SHA-1 of its path as a number in [0, 1).
+
+    Args:
+        source: the file's path as recorded in the demo corpus.
+        heldout: share of files held out.
+        val: share of files for validation.
+
+    Returns:
+        ``heldout``, ``val`` or ``train``.
+    """
+    h = int.from_bytes(hashlib.sha1(source.encode("utf-8")).digest()[:8], "big") / 2**64
+    if h < heldout:
+        return "heldout"
+    if h < heldout + val:
+        return "val"
+    return "train"
+
+
+def build_split(out_dir: Path, heldout: float = 0.06, val: float = 0.06) -> dict[str, Any]:
+    """Re-split the demo corpus by source file into train / val / heldout JSONL files.
+
+    Args:
+        out_dir: where ``train.jsonl``, ``val.jsonl``, ``heldout.jsonl`` and ``split.json`` go.
+        heldout: share of files held out (final report).
+        val: share of files for validation (curves, tuning).
+
+    Returns:
+        The split's manifest (texts, files and characters per split).
+    """
+    from xtoken_core.data.corpus import build_demo_corpus
+
+    demo = build_demo_corpus()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {s: open(out_dir / f"{s}.jsonl", "w", encoding="utf-8") for s in SPLITS}
+    stats = {s: {"texts": 0, "chars": 0, "files": set()} for s in SPLITS}
+    try:
+        for path in (demo.train_path, demo.heldout_path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    rec = json.loads(line)
+                    s = split_of(rec["source"], heldout, val)
+                    files[s].write(line)
+                    stats[s]["texts"] += 1
+                    stats[s]["chars"] += len(rec["text"])
+                    stats[s]["files"].add(rec["source"])
+    finally:
+        for f in files.values():
+            f.close()
+    manifest = {
+        "python": sys.version.split()[0],
+        "heldout_fraction": heldout,
+        "val_fraction": val,
+        **{s: {k: (len(v) if k == "files" else v) for k, v in st.items()} for s, st in stats.items()},
+    }
+    (out_dir / "split.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def read_jsonl_texts(path: Path, limit: int | None = None) -> list[str]:
+    """Texts of a JSONL corpus file (field ``text``), the first ``limit`` of them."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line)["text"])
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+# --------------------------------------------------------------------------- byte categories
+
+
+def byte_categories(text: str):
+    """The category (index into :data:`CATEGORIES`) of every UTF-8 byte of ``text``.
+
+    Args:
+        text: a text.
+
+    Returns:
+        uint8 numpy array, one entry per byte of ``text.encode("utf-8")``.
+    """
+    import numpy as np
+
+    PROSE, CODE, DIGITS, WS = range(4)
+    n = len(text)
+    cat = [CODE] * n
+    i = 0
+    while i < n:
+        c = text[i]
+        if c == "#":
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            cat[i:j] = [PROSE] * (j - i)
+            i = j
+        elif c in "\"'":
+            if text.startswith(c * 3, i):
+                j = text.find(c * 3, i + 3)
+                j = n if j < 0 else j + 3
+            else:
+                j = i + 1
+                while j < n and text[j] != c and text[j] != "\n":
+                    j += 2 if text[j] == "\\" else 1
+                j = min(n, j + 1)
+            cat[i:j] = [PROSE] * (j - i)
+            i = j
+        else:
+            i += 1
+    for k, ch in enumerate(text):
+        if ch in " \t\n\r\f\v":
+            cat[k] = WS
+        elif "0" <= ch <= "9":
+            cat[k] = DIGITS
+    widths = [len(ch.encode("utf-8")) for ch in text]
+    return np.repeat(np.asarray(cat, dtype=np.uint8), widths)
+
+
+# --------------------------------------------------------------------------- held-out scoring
+
+
+def score(model, tokenizer, texts: list[str], *, ctx: int, device, batch: int = 16) -> dict:
+    """Held-out bits/byte overall and per byte category, and next-token accuracy.
+
+    Windows as ``xtoken_core.models.eval.bits_per_byte``: each text tokenized without special
+    tokens, cut into windows of ``ctx`` tokens, each fed as ``[BOS] + window[:-1]``.
+
+    Args:
+        model: a causal LM on ``device``.
+        tokenizer: its XTokenizer.
+        texts: held-out texts.
+        ctx: window length in tokens.
+        device: the model's device.
+        batch: windows per forward.
+
+    Returns:
+        ``{"bits_per_byte", "accuracy", "tokens", "bytes", "per_category": {cat: {"bits_per_byte",
+        "bytes"}}}``.
+    """
+    import numpy as np
+    import torch
+
+    from xtoken_core.models.heads import split_lm_head
+
+    start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    encs = tokenizer.encode_batch(texts, add_special_tokens=False)
+    windows = []  # (text index, first token index, inputs, targets)
+    for t, enc in enumerate(encs):
+        ids = enc.ids.tolist()
+        for a in range(0, len(ids), ctx):
+            tgt = ids[a : a + ctx]
+            windows.append((t, a, [start] + tgt[:-1], tgt))
+    windows.sort(key=lambda w: -len(w[2]))
+    nats = [np.zeros(len(e.ids), dtype=np.float64) for e in encs]
+    hits = [np.zeros(len(e.ids), dtype=bool) for e in encs]
+    backbone, head = split_lm_head(model)
+    was = model.training
+    model.eval()
+    dev = torch.device(device)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if dev.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
+    try:
+        with torch.inference_mode(), autocast:
+            for b in range(0, len(windows), batch):
+                chunk = windows[b : b + batch]
+                L = len(chunk[0][2])
+                inp = torch.zeros(len(chunk), L, dtype=torch.long)
+                tgt = torch.zeros(len(chunk), L, dtype=torch.long)
+                mask = torch.zeros(len(chunk), L, dtype=torch.long)
+                for i, (_, _, x, y) in enumerate(chunk):
+                    inp[i, : len(x)] = torch.tensor(x)
+                    tgt[i, : len(y)] = torch.tensor(y)
+                    mask[i, : len(x)] = 1
+                hidden = backbone(inp.to(dev), mask.to(dev))
+                logits = head(hidden).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(-1, tgt.to(dev)[..., None])[..., 0]
+                nll = (lse - picked).cpu().double().numpy()
+                hit = (logits.argmax(-1).cpu() == tgt).numpy()
+                for i, (t, a, x, _) in enumerate(chunk):
+                    nats[t][a : a + len(x)] = nll[i, : len(x)]
+                    hits[t][a : a + len(x)] = hit[i, : len(x)]
+    finally:
+        model.train(was)
+    cat_bits = np.zeros(len(CATEGORIES))
+    cat_bytes = np.zeros(len(CATEGORIES), dtype=np.int64)
+    total_bits, covered, tokens, correct = 0.0, 0, 0, 0
+    for enc, text, nat, hit in zip(encs, texts, nats, hits):
+        if not len(enc.ids):
+            continue
+        cats = byte_categories(text)
+        bits = nat / math.log(2)
+        per_byte = np.zeros(len(cats))
+        covered_mask = np.zeros(len(cats), dtype=bool)
+        for (a, e), b in zip(enc.spans.tolist(), bits):
+            if e > a:
+                per_byte[a:e] += b / (e - a)
+                covered_mask[a:e] = True
+            elif len(cats):
+                per_byte[min(a, len(cats) - 1)] += b
+        for c in range(len(CATEGORIES)):
+            sel = cats == c
+            cat_bits[c] += per_byte[sel].sum()
+            cat_bytes[c] += int((sel & covered_mask).sum())
+        total_bits += float(bits.sum())
+        covered += int(covered_mask.sum())
+        tokens += len(enc.ids)
+        correct += int(hit.sum())
+    return {
+        "bits_per_byte": total_bits / max(1, covered),
+        "accuracy": correct / max(1, tokens),
+        "tokens": tokens,
+        "bytes": covered,
+        "per_category": {
+            name: {
+                "bits_per_byte": float(cat_bits[c] / cat_bytes[c]) if cat_bytes[c] else None,
+                "bytes": int(cat_bytes[c]),
+            }
+            for c, name in enumerate(CATEGORIES)
+        },
+    }
+
+
+# --------------------------------------------------------------------------- models
+
+
+def student_config(vocab: int, smoke: bool):
+    """The student's shape: Llama, 8 layers x 384 (6 heads), MLP 1024, tied embeddings
+    (26.7 M parameters at 32,768 ids); ``smoke``: 2 layers x 64."""
+    from transformers import LlamaConfig
+
+    if smoke:
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        max_position_embeddings=4096,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def build_student(out: Path, seed: int, smoke: bool) -> int:
+    """Save a random-init student for ``seed`` as a HF folder (every arm of the seed starts from
+    it). Returns its parameter count."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from xtoken_core.models import export_hf
+    from xtoken_core.tokenizers import load_tokenizer
+
+    vocab = load_tokenizer(STUDENT_TOKENIZER).vocab_size
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(student_config(vocab, smoke))
+    if not (out / "config.json").is_file():
+        export_hf(model, out, tokenizer=STUDENT_TOKENIZER)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_projection_file(out: Path, teacher_tokenizer: str, top_k: int) -> dict[str, Any]:
+    """Build the Mistral -> teacher projection once (all KD arms read the same file).
+
+    Returns:
+        Its coverage stats (exact rows, strict / relaxed common vocab).
+    """
+    import dataclasses
+
+    import torch
+
+    from xtoken_core.data.projection_build import build_projection_with_stats
+    from xtoken_core.tokenizers import load_tokenizer
+
+    proj, stats = build_projection_with_stats(
+        load_tokenizer(STUDENT_TOKENIZER), load_tokenizer(teacher_tokenizer), top_k
+    )
+    torch.save(proj, out)
+    try:
+        return dataclasses.asdict(stats)
+    except TypeError:
+        return {k: v for k, v in vars(stats).items() if isinstance(v, int | float | str)}
+
+
+# --------------------------------------------------------------------------- the arms
+
+
+def arm_config(arm: str, seed: int, work: Path, args, student_dir: Path, proj: Path) -> dict:
+    """The ``xtoken run`` config of one arm and seed."""
+    cuda = args.device.startswith("cuda")
+    loss: dict[str, Any] = {"mode": arm}
+    if arm != "ce":
+        loss.update(
+            projection=str(proj),
+            temperature=args.temperature,
+            kl_weight=args.kl_weight,
+            ce_weight=1.0,
+        )
+    return {
+        "run_dir": str(work / "runs" / f"{arm}_s{seed}"),
+        "student_tokenizer": STUDENT_TOKENIZER,
+        "teacher_tokenizer": args.teacher_tokenizer,
+        "ctx_student": args.ctx,
+        "ctx_teacher": args.ctx,
+        "trainers": 1,
+        "teachers": 1,
+        "max_restarts": 0,
+        "data": {
+            "train": str(args.corpus / "train.jsonl"),
+            "heldout": str(args.corpus / "val.jsonl"),
+            "limit": args.limit,
+        },
+        "collator": {"workers": args.collators, "batch": 32},
+        "teacher": {
+            "model": args.teacher,
+            "device": args.device,
+            "transport": "cuda_ipc" if cuda else "shm",
+            "max_batch": args.batch,
+            "max_length": args.ctx,
+            "slots": 2,
+        },
+        "trainer": {
+            "student": str(student_dir),
+            "device": args.device,
+            "micro_batch": args.batch,
+            "grad_accum": 1,
+            "max_steps": args.steps,
+            "epochs": args.epochs,
+            "checkpoint_every": 0,
+            "eval_every": args.eval_every,
+            "heldout": str(args.corpus / "val.jsonl"),
+            "eval_texts": args.eval_texts,
+            "eval_ctx": args.ctx,
+            "export": True,
+            "seed": seed,
+            "optim": {"lr": args.lr, "warmup_steps": args.warmup, "min_lr_ratio": 0.1},
+            "loss": loss,
+        },
+    }
+
+
+def launch_all(jobs: list[tuple[str, int, Path]], work: Path, parallel: int, deadline: float):
+    """Run ``xtoken run`` for every job, ``parallel`` at a time; none is started past
+    ``deadline`` (monotonic). Returns {(arm, seed): (exit code, wall seconds)}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    pending = list(jobs)
+    running: dict[tuple[str, int], tuple[subprocess.Popen, float, Any]] = {}
+    done: dict[tuple[str, int], tuple[int, float]] = {}
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    while pending or running:
+        while pending and len(running) < parallel:
+            arm, seed, cfg = pending.pop(0)
+            if time.monotonic() > deadline:
+                logger.warning("[quality] deadline: %s seed %d not started", arm, seed)
+                done[(arm, seed)] = (-1, 0.0)
+                continue
+            log = open(work / "logs" / f"{arm}_s{seed}.log", "w")
+            cmd = [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running[(arm, seed)] = (proc, time.monotonic(), log)
+            logger.info("[quality] started %s seed %d (pid %d)", arm, seed, proc.pid)
+        for key, (proc, t0, log) in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            log.close()
+            done[key] = (code, time.monotonic() - t0)
+            del running[key]
+            logger.info("[quality] %s seed %d exited %d after %.0fs", *key, code, done[key][1])
+        time.sleep(0.5)
+    return done
+
+
+def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
+    """Curves and totals of a finished run from its metrics."""
+    from services.common.metrics import read_jsonl
+
+    steps, evals, teacher = [], [], None
+    for r in read_jsonl(run_dir / "metrics" / "trainer.rank0.jsonl"):
+        if r.get("event") == "step":
+            steps.append(r)
+        elif r.get("event") == "eval":
+            evals.append({"step": r["step"], "bits_per_byte": r["bits_per_byte"]})
+    for path in sorted((run_dir / "metrics").glob("teacher.group*.jsonl")):
+        for r in read_jsonl(path):
+            if r.get("event") == "eval":
+                teacher = r["bits_per_byte"]
+    every = max(1, len(steps) // 200)
+    return {
+        "steps": len(steps),
+        "tokens": int(sum(r.get("tokens", 0) for r in steps)),
+        "train_s": round(sum(r.get("step_s", 0.0) for r in steps), 2),
+        "val_curve": evals,
+        "loss_curve": [
+            {
+                "step": r["step"],
+                "loss": r.get("loss"),
+                "ce_loss": r.get("ce_loss"),
+                "kl_loss": r.get("kl_loss"),
+            }
+            for r in steps[::every]
+        ],
+        "teacher_val_bits_per_byte": teacher,
+        "skipped_steps": sum(1 for r in steps if r.get("skipped")),
+    }
+
+
+# --------------------------------------------------------------------------- main (train + eval)
+
+
+def train_and_eval(args) -> int:
+    """Prepare corpus, students and projection, run the arms, score the students; rows go to
+    ``<out>/quality_rows.jsonl``."""
+    import torch
+
+    from xtoken_core.models import load_model
+    from xtoken_core.tokenizers import load_tokenizer
+
+    work = Path(args.work).resolve()
+    if args.fresh:
+        shutil.rmtree(work / "runs", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    deadline = t_start + args.deadline_s
+    if args.corpus is None:
+        args.corpus = work / "corpus"
+        manifest = build_split(args.corpus)
+    else:
+        args.corpus = Path(args.corpus).resolve()
+        manifest = json.loads((args.corpus / "split.json").read_text())
+    logger.info("[quality] corpus %s: %s", args.corpus, manifest)
+    kd_arms = [a for a in args.arms if a != "ce"]
+    proj = work / f"projection_{STUDENT_TOKENIZER}_k{args.top_k}.pt"
+    proj_stats = None
+    if kd_arms:
+        proj_stats = build_projection_file(proj, args.teacher_tokenizer, args.top_k)
+        logger.info("[quality] projection %s: %s", proj, proj_stats)
+        if args.teacher == "smollm2":  # dequantize the GGUF once, before parallel runs read it
+            load_model("smollm2", dtype=torch.float32)
+    params = {}
+    jobs = []
+    for seed in args.seeds:
+        sdir = work / "students" / f"s{seed}"
+        params[seed] = build_student(sdir, seed, args.smoke)
+    for seed in args.seeds:  # seed-major: a deadline leaves whole seeds, not whole arms, out
+        for arm in args.arms:
+            cfg = arm_config(arm, seed, work, args, work / "students" / f"s{seed}", proj)
+            path = work / "configs" / f"{arm}_s{seed}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cfg, indent=1))
+            shutil.rmtree(cfg["run_dir"], ignore_errors=True)
+            jobs.append((arm, seed, path))
+    logger.info("[quality] students: %s parameters; %d runs", params, len(jobs))
+    codes = launch_all(jobs, work, args.parallel, deadline)
+    device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    tok = load_tokenizer(STUDENT_TOKENIZER)
+    heldout = read_jsonl_texts(args.corpus / "heldout.jsonl", args.eval_limit)
+    rows = []
+    meta = {
+        "commit": commit(),
+        "device": device_name(device.type),
+        "date": time.strftime("%Y-%m-%d"),
+        "steps": args.steps,
+        "batch": args.batch,
+        "ctx": args.ctx,
+        "lr": args.lr,
+        "temperature": args.temperature,
+        "kl_weight": args.kl_weight,
+        "teacher": args.teacher,
+        "student_tokenizer": STUDENT_TOKENIZER,
+        "teacher_tokenizer": args.teacher_tokenizer,
+        "parallel": args.parallel,
+        "smoke": args.smoke,
+    }
+    for (arm, seed), (code, wall) in sorted(codes.items()):
+        run_dir = work / "runs" / f"{arm}_s{seed}"
+        row = {**meta, "arm": arm, "seed": seed, "exit": code, "wall_s": round(wall, 1)}
+        row["student_params"] = params[seed]
+        if code == 0 and (run_dir / "final" / "config.json").is_file():
+            row.update(collect(arm, seed, run_dir))
+            model = load_model(str(run_dir / "final"), dtype=torch.float32, device=device)
+            row["heldout"] = score(model, tok, heldout, ctx=args.ctx, device=device)
+            del model
+        else:
+            log = work / "logs" / f"{arm}_s{seed}.log"
+            row["error_tail"] = log.read_text()[-2000:] if log.is_file() else "not started"
+        rows.append(row)
+        print(_row_line(row), flush=True)
+    if args.teacher_eval and args.teacher == "smollm2":
+        model = load_model("smollm2", dtype=torch.float32, device=device)
+        t_tok = load_tokenizer(args.teacher_tokenizer)
+        rows.append(
+            {
+                **meta,
+                "arm": "teacher",
+                "seed": None,
+                "heldout": score(model, t_tok, heldout, ctx=args.ctx, device=device),
+                "projection": proj_stats,
+                "corpus": manifest,
+            }
+        )
+        print(_row_line(rows[-1]), flush=True)
+    with open(out / "quality_rows.jsonl", "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    logger.info("[quality] %d rows -> %s (%.0fs)", len(rows), out, time.monotonic() - t_start)
+    failed = [r for r in rows if r.get("exit") not in (0, None)]
+    return 1 if failed else 0
+
+
+def _row_line(row: dict) -> str:
+    h = row.get("heldout")
+    if not h:
+        return f"{row['arm']:>8} s{row['seed']}: exit {row.get('exit')}"
+    cats = " ".join(
+        f"{c}={h['per_category'][c]['bits_per_byte']:.3f}"
+        for c in CATEGORIES
+        if h["per_category"][c]["bits_per_byte"] is not None
+    )
+    return (
+        f"{row['arm']:>8} s{row['seed']}: held-out {h['bits_per_byte']:.4f} bits/byte, acc "
+        f"{h['accuracy']:.4f} ({cats}); steps {row.get('steps')}, tokens {row.get('tokens')}, "
+        f"wall {row.get('wall_s')}s"
+    )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": mean, "sd": sd, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Mean and spread over seeds per arm, and the bar (every KD arm below CE only by more than
+    the seed spread: CE's worst-minus-best range and both arms' standard deviations)."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("arm") in ARMS and r.get("heldout"):
+            by_arm.setdefault(r["arm"], []).append(r)
+    out: dict[str, Any] = {"arms": {}}
+    for arm in ARMS:
+        rs = by_arm.get(arm)
+        if not rs:
+            continue
+        a = {
+            "bpb": _stats([r["heldout"]["bits_per_byte"] for r in rs]),
+            "acc": _stats([r["heldout"]["accuracy"] for r in rs]),
+            "seeds": sorted(r["seed"] for r in rs),
+            "tokens": _stats([r["tokens"] for r in rs]),
+            "steps": _stats([r["steps"] for r in rs]),
+            "wall_s": _stats([r["wall_s"] for r in rs]),
+            "cat": {
+                c: _stats([r["heldout"]["per_category"][c]["bits_per_byte"] for r in rs])
+                for c in CATEGORIES
+            },
+        }
+        out["arms"][arm] = a
+    ce = out["arms"].get("ce")
+    if ce:
+        paired = {r["seed"]: r["heldout"]["bits_per_byte"] for r in by_arm["ce"]}
+        for arm in ARMS[1:]:
+            a = out["arms"].get(arm)
+            if not a:
+                continue
+            spread = max(ce["bpb"]["max"] - ce["bpb"]["min"], ce["bpb"]["sd"] + a["bpb"]["sd"])
+            gain = ce["bpb"]["mean"] - a["bpb"]["mean"]
+            deltas = [
+                paired[r["seed"]] - r["heldout"]["bits_per_byte"]
+                for r in by_arm[arm]
+                if r["seed"] in paired
+            ]
+            a["gain"] = gain
+            a["spread"] = spread
+            a["paired_gains"] = deltas
+            a["bar_met"] = gain > spread and a["bpb"]["max"] < ce["bpb"]["min"]
+    teacher = [r for r in rows if r.get("arm") == "teacher" and r.get("heldout")]
+    if teacher:
+        out["teacher"] = teacher[-1]
+    return out
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """PNG curves: validation bits/byte vs step and training CE vs step, mean over seeds with the
+    min-max band, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ce": "black", "pkl": "tab:blue", "gold": "tab:orange", "xtoken": "tab:green"}
+    paths = []
+    for name, key, field, ylabel in (
+        ("quality_val_bpb.png", "val_curve", "bits_per_byte", "validation bits/byte"),
+        ("quality_train_ce.png", "loss_curve", "ce_loss", "training CE (nats/token)"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+        for arm in ARMS:
+            rs = [r for r in rows if r.get("arm") == arm and r.get(key)]
+            if not rs:
+                continue
+            steps = sorted(set.intersection(*[{p["step"] for p in r[key]} for r in rs]))
+            if key == "val_curve":
+                steps = [s for s in steps if s > 0]
+            vals = [
+                [next(p[field] for p in r[key] if p["step"] == s) for r in rs] for s in steps
+            ]
+            if key == "loss_curve" and len(steps) > 20:  # smooth the per-step noise
+                k = max(1, len(steps) // 40)
+                steps = steps[k - 1 :]
+                vals = [
+                    [statistics.fmean(col) for col in zip(*vals[i - k + 1 : i + 1])]
+                    for i in range(k - 1, len(vals))
+                ]
+            mean = [statistics.fmean(v) for v in vals]
+            ax.plot(steps, mean, color=colors[arm], label=f"{ARM_LABEL[arm]} (n={len(rs)})")
+            ax.fill_between(
+                steps, [min(v) for v in vals], [max(v) for v in vals], color=colors[arm], alpha=0.2
+            )
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def report(args) -> int:
+    """Merge row files, print the table, write ``quality.md``, ``quality.jsonl`` and the PNGs."""
+    rows = []
+    for p in args.report:
+        rows += [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    s = summarize(rows)
+    lines = [
+        "| arm | seeds | held-out bits/byte (mean ± sd) | min-max | prose | code | digits | "
+        "whitespace | next-token acc | gain vs CE | bar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, a in s["arms"].items():
+        bar = "-" if arm == "ce" else ("met" if a.get("bar_met") else "**missed**")
+        gain = "-" if arm == "ce" else f"{a['gain']:+.4f} (spread {a['spread']:.4f})"
+        cats = " | ".join(f"{a['cat'][c]['mean']:.3f} ± {a['cat'][c]['sd']:.3f}" for c in CATEGORIES)
+        lines.append(
+            f"| {ARM_LABEL[arm]} | {len(a['seeds'])} | {a['bpb']['mean']:.4f} ± {a['bpb']['sd']:.4f} "
+            f"| {a['bpb']['min']:.4f}-{a['bpb']['max']:.4f} | {cats} | "
+            f"{a['acc']['mean']:.4f} ± {a['acc']['sd']:.4f} | {gain} | {bar} |"
+        )
+    if "teacher" in s:
+        h = s["teacher"]["heldout"]
+        cats = " | ".join(f"{h['per_category'][c]['bits_per_byte']:.3f}" for c in CATEGORIES)
+        lines.append(
+            f"| teacher SmolLM2-135M (reference) | - | {h['bits_per_byte']:.4f} | - | {cats} | "
+            f"{h['accuracy']:.4f} | - | - |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    with open(out / "quality.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    plots = plot(rows, out)
+    (out / "quality_table.md").write_text(table + "\n")
+    (out / "quality_summary.json").write_text(json.dumps(s, indent=1, default=str))
+    logger.info("[quality] wrote %s, %s", out / "quality.jsonl", ", ".join(map(str, plots)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: train and score the arms, or ``--report`` rows into tables and plots."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--device", default="cuda", help="cuda or cpu")
+    p.add_argument("--teacher", default="smollm2", help="teacher model spec (smollm2 or a preset)")
+    p.add_argument("--teacher-tokenizer", default="smollm2")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps of every arm")
+    p.add_argument("--epochs", type=int, default=3, help="passes allowed over train (max_steps ends first)")
+    p.add_argument("--batch", type=int, default=16, help="texts per step (micro-batch)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per text, both sides")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--kl-weight", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=8, help="projection slots per row")
+    p.add_argument("--eval-every", type=int, default=100, help="validation curve period (steps)")
+    p.add_argument("--eval-texts", type=int, default=64, help="validation texts per eval")
+    p.add_argument("--eval-limit", type=int, default=None, help="held-out texts (default: all)")
+    p.add_argument("--limit", type=int, default=None, help="train on the first N texts only")
+    p.add_argument("--collators", type=int, default=2, help="collator workers per run")
+    p.add_argument("--parallel", type=int, default=3, help="runs at once")
+    p.add_argument("--deadline-s", type=float, default=480.0, help="start no run after this")
+    p.add_argument("--teacher-eval", action="store_true", help="also score the teacher")
+    p.add_argument("--corpus", default=None, help="a split built before (train/val/heldout.jsonl)")
+    p.add_argument("--split-only", default=None, help="build the by-file split into DIR and exit")
+    p.add_argument("--work", default="/tmp/xtoken_kd_quality")
+    p.add_argument("--out", default=str(RESULTS_DIR), help="rows, tables and plots go here")
+    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --work")
+    p.add_argument("--report", nargs="+", default=None, help="row files to merge (no training)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU smoke: tiny student and random tiny teacher, 6 steps, seed 0, ctx 64",
+    )
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.split_only:
+        print(json.dumps(build_split(Path(args.split_only)), indent=1))
+        return 0
+    if args.report:
+        return report(args)
+    if args.smoke:
+        args.device, args.teacher, args.steps, args.seeds = "cpu", "tiny", 6, [0]
+        args.ctx, args.batch, args.eval_every, args.eval_texts = 64, 4, 3, 4
+        args.warmup, args.collators, args.epochs = 2, 1, 1
+        args.eval_limit = args.eval_limit or 8
+        args.limit = args.limit or 48
+        args.parallel = min(args.parallel, 2)
+    return train_and_eval(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
