@@ -1,0 +1,101 @@
+"""Experiment 1's script (benchmarks/quality/run_kd_quality.py): byte categories, split, bar, smoke."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "quality" / "run_kd_quality.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("run_kd_quality", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_byte_categories_split_comments_strings_digits_whitespace_and_code():
+    q = _module()
+    text = 'x = 12  # hé 3\ns = "a b" + f(\'q\')\n"""doc\n7"""'
+    cats = q.byte_categories(text)
+    names = [q.CATEGORIES[c] for c in cats]
+    raw = text.encode("utf-8")
+    assert len(cats) == len(raw)
+    by_byte = dict(zip(range(len(raw)), names))
+    assert by_byte[raw.index(b"x")] == "code"
+    assert by_byte[raw.index(b"1")] == "digits"
+    assert by_byte[raw.index(b"#")] == "prose"
+    assert names[raw.index("é".encode()) : raw.index("é".encode()) + 2] == ["prose", "prose"]
+    assert by_byte[raw.index(b'"a')] == "prose" and by_byte[raw.index(b"+")] == "code"
+    assert by_byte[raw.index(b"'q'")] == "prose"
+    assert by_byte[raw.index(b"doc")] == "prose"
+    assert by_byte[raw.index(b"7")] == "digits"
+    assert all(n == "whitespace" for b, n in zip(raw, names) if b in b" \n")
+
+
+def test_split_is_by_file_and_deterministic():
+    q = _module()
+    splits = {f"pkg/mod{i}.py": q.split_of(f"pkg/mod{i}.py", 0.06, 0.06) for i in range(2000)}
+    assert splits == {s: q.split_of(s, 0.06, 0.06) for s in splits}
+    counts = {k: list(splits.values()).count(k) for k in ("train", "val", "heldout")}
+    assert 60 < counts["heldout"] < 180 and 60 < counts["val"] < 180
+
+
+def _row(arm, seed, bpb):
+    cat = {c: {"bits_per_byte": bpb, "bytes": 1} for c in ("prose", "code", "digits", "whitespace")}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "tokens": 100,
+        "steps": 10,
+        "wall_s": 1.0,
+        "heldout": {"bits_per_byte": bpb, "accuracy": 0.5, "per_category": cat},
+    }
+
+
+def test_bar_needs_a_gain_beyond_the_seed_spread():
+    q = _module()
+    rows = [_row("ce", s, v) for s, v in enumerate((2.00, 2.02, 2.04))]
+    rows += [_row("pkl", s, v) for s, v in enumerate((1.90, 1.91, 1.92))]  # clear win
+    rows += [_row("gold", s, v) for s, v in enumerate((1.99, 2.01, 2.05))]  # within spread
+    s = q.summarize(rows)
+    assert s["arms"]["pkl"]["bar_met"] is True
+    assert s["arms"]["gold"]["bar_met"] is False
+    assert s["arms"]["pkl"]["paired_gains"] == pytest.approx([0.10, 0.11, 0.12])
+
+
+@pytest.mark.slow
+def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--work", str(tmp_path / "work"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "quality_rows.jsonl").read_text().splitlines()]
+    assert sorted(r["arm"] for r in rows) == ["ce", "gold", "pkl", "xtoken"]
+    for r in rows:
+        assert r["exit"] == 0 and r["steps"] == 6
+        h = r["heldout"]
+        assert sum(c["bytes"] for c in h["per_category"].values()) == h["bytes"]
+        assert 0 < h["bits_per_byte"] < 20 and 0 <= h["accuracy"] <= 1
+    assert len({r["tokens"] for r in rows}) == 1  # equal tokens in every arm
+    report = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(out / "quality_rows.jsonl"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert (out / "quality_val_bpb.png").stat().st_size > 1000
