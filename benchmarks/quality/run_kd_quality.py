@@ -39,10 +39,11 @@ Next-token accuracy = share of held-out tokens that are the student's argmax.
 Usage (GPU, what produced ``benchmarks/results/quality.md``)::
 
     python benchmarks/quality/run_kd_quality.py --device cuda --corpus DIR --out $OUT \\
-        --arms ce pkl gold xtoken --seeds 0 1 2 --parallel 3
+        --arms ce pkl gold xtoken --seeds 0 1 2 --parallel 6 --teacher-eval
     python benchmarks/quality/run_kd_quality.py --report ROWS.jsonl [ROWS.jsonl ...]
 
-CPU smoke (tiny student, tiny random teacher, a few steps, one seed; ~1 min)::
+CPU smoke (tiny student, tiny random teacher, 6 steps, one seed; ~4 min on 2 busy cores;
+``tests/benchmarks/test_run_kd_quality.py``, marker ``slow``)::
 
     python benchmarks/quality/run_kd_quality.py --smoke
 """
@@ -785,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument("--teacher", default="smollm2", help="teacher model spec (smollm2 or a preset)")
     p.add_argument("--teacher-tokenizer", default="smollm2")
-    p.add_argument("--steps", type=int, default=800, help="optimizer steps of every arm")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps of every arm")
     p.add_argument("--epochs", type=int, default=3, help="passes allowed over train (max_steps ends first)")
     p.add_argument("--batch", type=int, default=16, help="texts per step (micro-batch)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per text, both sides")
@@ -794,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=8, help="projection slots per row")
-    p.add_argument("--eval-every", type=int, default=100, help="validation curve period (steps)")
+    p.add_argument("--eval-every", type=int, default=50, help="validation curve period (steps)")
     p.add_argument("--eval-texts", type=int, default=64, help="validation texts per eval")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out texts (default: all)")
     p.add_argument("--limit", type=int, default=None, help="train on the first N texts only")
