@@ -1,8 +1,10 @@
-"""The control plane's FastAPI app: create_app, lifespan (store + supervisor), errors, body limit."""
+"""The control plane's FastAPI app: create_app, lifespan (store + supervisor), errors, body limit,
+the dashboard's static files at /."""
 
 from __future__ import annotations
 
 import logging
+import mimetypes
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -13,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.config import ConfigError
@@ -25,6 +28,19 @@ from services.control.supervisor import Conflict, RunNotFound, Supervisor
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+# The dashboard loads only its own files and talks only to this origin; user-given text is
+# inserted as text (app.js), and this policy stops any script that slipped in anyway.
+DASHBOARD_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; connect-src 'self'; "
+    "style-src 'self' 'unsafe-inline'; img-src 'self' data:; object-src 'none'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+# the platform's table can lack them or name .js text/plain (browsers refuse it under nosniff)
+mimetypes.add_type("text/javascript", ".js")
+mimetypes.add_type("text/css", ".css")
 _KEY_PATTERNS = (
     re.compile(r"unknown key '([\w.]+)'"),
     re.compile(r"^([a-z_][\w.]*)(?::|=| )"),
@@ -101,6 +117,16 @@ class BodyLimit:
 
 class _TooLarge(Exception):
     pass
+
+
+class DashboardFiles(StaticFiles):
+    """The dashboard's static files (``/`` is index.html), with :data:`DASHBOARD_HEADERS`.
+    Starlette resolves each path and refuses any outside the folder (``..``, symlinks)."""
+
+    async def get_response(self, path: str, scope: Any) -> Any:
+        response = await super().get_response(path, scope)
+        response.headers.update(DASHBOARD_HEADERS)
+        return response
 
 
 class ServerTiming:
@@ -214,10 +240,8 @@ def create_app(
 
     app.include_router(system.router)
     app.include_router(runs.router)
-    if STATIC_DIR.is_dir():
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
+    if STATIC_DIR.is_dir():  # last: the API's routes come first
+        app.mount("/", DashboardFiles(directory=STATIC_DIR, html=True), name="dashboard")
     return app
 
 

@@ -80,6 +80,16 @@ class MetricsOut(BaseModel):
     evals: list[dict[str, Any]]
 
 
+class QueueOut(BaseModel):
+    """GET /v1/runs/{id}/queue: the run's queue and its latest stats (``samples``, ``bytes_used``,
+    ``capacity_bytes``, ``leases``, ``partitions`` {name: {samples, bytes, tasks}}, ``rates``)."""
+
+    run_id: str
+    address: str | None = None
+    stats: dict[str, Any] | None = Field(None, description="None before the queue first answers")
+    updated: float | None = Field(None, description="when the stats were taken (unix s)")
+
+
 class ErrorOut(BaseModel):
     """Every error: what was wrong and what to do; ``key`` names the config key when one is."""
 

@@ -74,6 +74,7 @@ class _Handle:
         self.stop_grace: float | None = None
         self.series = Series(Path(run.run_dir) / "metrics" / "trainer.rank0.jsonl")
         self.queue_stats: dict[str, Any] | None = None
+        self.queue_stats_at: float | None = None
         self.heartbeats: dict[str, float] = {}
         self.frozen_since: dict[str, float] = {}
         self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
@@ -340,6 +341,23 @@ class Supervisor:
             series.poll()
         steps = [s for s in series.steps if s.get("step", 0) > after_step]
         return {"run_id": run_id, "steps": steps, "evals": list(series.evals)}
+
+    def queue(self, run_id: str) -> dict[str, Any]:
+        """The run's queue: its address and its latest stats (samples and bytes per partition,
+        leases, capacity, rates), from memory: asked every ``queue_stats_s`` while the run is
+        active, the last figures kept after it ends (None before the first answer).
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        self._record(run_id)
+        h = self._handles.get(run_id)
+        return {
+            "run_id": run_id,
+            "address": (h.run.queue_address or None) if h is not None else None,
+            "stats": h.queue_stats if h is not None else None,
+            "updated": h.queue_stats_at if h is not None else None,
+        }
 
     def events(self, run_id: str, after: int = 0) -> list[dict[str, Any]]:
         """Recorded events (states, process exits, restarts) after event id ``after``.
@@ -614,6 +632,7 @@ class Supervisor:
                             address, timeout_s=1.0, retries=0, name="control", shm="never"
                         )
                     h.queue_stats = client.stats()
+                    h.queue_stats_at = time.time()
                 except Exception as e:  # restarting or gone: keep the last figures
                     logger.debug("[control] run %s: queue stats: %s", h.run_id, e)
                     clients.pop(h.run_id, None)

@@ -17,6 +17,7 @@ from services.control.schemas import (
     ErrorOut,
     MetricsOut,
     ProcessList,
+    QueueOut,
     RunList,
     RunOut,
     StopRequest,
@@ -153,6 +154,13 @@ def get_metrics(
     """Series for curves: one record per step (loss parts, tokens/s, step-time split) and the
     held-out evals."""
     return sup.metrics(run_id, after_step=after_step)
+
+
+@router.get("/{run_id}/queue", response_model=QueueOut, responses=_ERRORS)
+def get_queue(run_id: str, sup: Supervisor = Depends(get_supervisor)) -> dict[str, Any]:
+    """Queue depth of a run: samples and bytes per partition, leases and capacity, as its queue
+    last reported them (asked every 2 s while the run is active)."""
+    return sup.queue(run_id)
 
 
 def _sse(event: dict[str, Any]) -> str:

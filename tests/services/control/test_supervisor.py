@@ -194,6 +194,18 @@ def test_stop_ends_an_active_run_and_only_an_active_one(make):
         sup.stop("nope")
 
 
+def test_the_queue_figures_name_its_address_and_are_none_until_it_answers(make):
+    sup = make({})
+    run = sup.submit(tiny_config())
+    wait_state(sup, run["id"], {"RUNNING"})
+    q = sup.queue(run["id"])
+    assert q["run_id"] == run["id"]
+    assert q["address"] == sup.get(run["id"])["queue"] and q["address"]
+    assert q["stats"] is None and q["updated"] is None  # the stand-in queue never answers
+    with pytest.raises(RunNotFound):
+        sup.queue("nope")
+
+
 def test_a_frozen_process_stops_heart_beating_and_is_restarted(make):
     sup = make({"trainer0": [(30.0, 0)]}, dead_after_s=0.5)
     run = sup.submit(tiny_config(restart_backoff_s=0.05))

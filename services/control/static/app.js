@@ -1,0 +1,615 @@
+// xtoken control plane dashboard: runs, start/stop/resume, live curves (SSE), processes, queue.
+//
+// Every value that comes from the server (run names, configs, reasons, log lines) reaches the
+// page as text (textContent, dataset, title), never parsed as markup. The bearer
+// token lives in sessionStorage (this tab only) and travels only in the Authorization header of
+// mutating calls; GETs and the event stream need none, so no secret ever goes into a URL.
+(function () {
+  "use strict";
+
+  const TOKEN_KEY = "xtoken.controlToken";
+  const ACTIVE = new Set(["PENDING", "STARTING", "RUNNING", "RECOVERING", "STOPPING"]);
+  const RESUMABLE = new Set(["STOPPED", "FAILED", "INTERRUPTED"]);
+  const PHASES = ["data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer"];
+  const PHASE_COLORS = {
+    data_wait: "#94a3b8", teacher_wait: "#f59e0b", forward: "#3b82f6",
+    loss: "#8b5cf6", backward: "#10b981", optimizer: "#ef4444",
+  };
+  const EVENT_KINDS = ["state", "launched", "exited", "recovering", "restarted", "failed",
+    "data_complete", "stop_requested", "reattached", "unresponsive"];
+  const TICK_MS = 2000;
+  const MAX_EVENTS = 200;
+  const MAX_QUEUE_POINTS = 2000;
+
+  const S = {
+    gen: 0,              // bumped by each select(): replies for an older selection are dropped
+    selected: null,      // run id
+    run: null,           // the last GET /v1/runs/{id}
+    source: null,        // the EventSource of the selected run
+    pending: null,       // metrics events that arrived while the history loads (null: none loading)
+    steps: [],
+    evals: [],
+    queue: [],           // [time, samples, leases]
+    queueAt: null,
+    charts: {},
+    drawTimer: null,
+    finalRefresh: false, // the selected run ended and its last figures were fetched
+    fileName: "",
+  };
+
+  const $ = (id) => document.getElementById(id);
+
+  // ------------------------------------------------------------------ DOM helpers (text only)
+
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(props || {})) {
+      if (v === undefined || v === null) continue;
+      if (k === "class") node.className = v;
+      else if (k === "dataset") Object.assign(node.dataset, v);
+      else if (k === "title") node.title = v;
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) {
+      if (c === undefined || c === null) continue;
+      node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    }
+    return node;
+  }
+
+  function setText(id, value) {
+    $(id).textContent = value === undefined || value === null || value === "" ? "-" : String(value);
+  }
+
+  function stateBadge(state) {
+    const s = String(state || "?");
+    const cls = /^[A-Z]+$/.test(s) ? "state state-" + s : "state";
+    return el("span", { class: cls, dataset: { state: s } }, s);
+  }
+
+  function fmt(x, digits) {
+    if (x === undefined || x === null || Number.isNaN(x)) return "-";
+    const n = Number(x);
+    if (!Number.isFinite(n)) return String(x);
+    return Math.abs(n) >= 1000 ? Math.round(n).toLocaleString("en-US") : n.toFixed(digits);
+  }
+
+  function fmtBytes(n) {
+    if (n === undefined || n === null) return "-";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    let v = Number(n);
+    while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+    return (i ? v.toFixed(1) : String(v)) + " " + units[i];
+  }
+
+  function ago(t) {
+    if (!t) return "-";
+    const s = Math.max(0, Date.now() / 1000 - t);
+    if (s < 90) return s.toFixed(1) + " s ago";
+    if (s < 5400) return Math.round(s / 60) + " min ago";
+    return new Date(t * 1000).toLocaleString();
+  }
+
+  function clock(t) {
+    return t ? new Date(t * 1000).toLocaleTimeString() : "-";
+  }
+
+  function showMessage(text, kind) {
+    const box = $("message");
+    box.textContent = text;
+    box.className = "message " + (kind || "info");
+    box.hidden = !text;
+  }
+
+  // ------------------------------------------------------------------ the API
+
+  class ApiError extends Error {
+    constructor(status, message, key) {
+      super(message);
+      this.status = status;
+      this.key = key || null;
+    }
+  }
+
+  function runPath(id, tail) {
+    return "v1/runs/" + encodeURIComponent(id) + (tail || "");
+  }
+
+  // Relative paths: the page works behind a reverse proxy that mounts it under a prefix.
+  async function api(path, opts) {
+    const o = opts || {};
+    const headers = { Accept: o.text ? "text/plain" : "application/json" };
+    if (o.contentType) headers["Content-Type"] = o.contentType;
+    const token = sessionStorage.getItem(TOKEN_KEY);
+    if (o.auth && token) headers.Authorization = "Bearer " + token;
+    const r = await fetch(path, {
+      method: o.method || "GET", headers, body: o.body, cache: "no-store", credentials: "same-origin",
+    });
+    const text = await r.text();
+    if (!r.ok) {
+      let message = r.status + " " + r.statusText;
+      let key = null;
+      try {
+        const body = JSON.parse(text);
+        message = body.error || message;
+        key = body.key || null;
+      } catch (_) { /* not JSON: keep the status line */ }
+      throw new ApiError(r.status, message, key);
+    }
+    if (o.text) return text;
+    return text ? JSON.parse(text) : null;
+  }
+
+  function explain(err, what) {
+    if (!(err instanceof ApiError)) return what + " failed: " + err.message;
+    let text = what + " refused (" + err.status + "): " + err.message;
+    if (err.key) text += "\nconfig key: " + err.key;
+    if (err.status === 401) {
+      text += "\nEnter the control plane's token (XTOKEN_CONTROL_TOKEN) under 'API token' above.";
+      $("token-input").focus();
+    }
+    return text;
+  }
+
+  // ------------------------------------------------------------------ token
+
+  function renderToken() {
+    $("token-status").textContent = sessionStorage.getItem(TOKEN_KEY) ? "token set (this tab)" : "no token";
+  }
+
+  $("token-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const value = $("token-input").value.trim();
+    if (value) sessionStorage.setItem(TOKEN_KEY, value);
+    $("token-input").value = "";
+    renderToken();
+  });
+  $("token-clear").addEventListener("click", () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    renderToken();
+  });
+
+  // ------------------------------------------------------------------ health and runs list
+
+  async function refreshHealth() {
+    try {
+      const h = await api("healthz");
+      $("health").textContent = h.status + " \u00b7 " + h.runs + " runs, " + h.active +
+        " active \u00b7 up " + Math.round(h.uptime_s / 60) + " min";
+    } catch (err) {
+      $("health").textContent = "unreachable: " + err.message;
+    }
+  }
+
+  async function refreshRuns() {
+    let runs;
+    try {
+      runs = (await api("v1/runs")).runs;
+    } catch (err) {
+      return;
+    }
+    const rows = runs.slice().reverse().map((r) => el("tr",
+      { dataset: { runId: r.id }, class: r.id === S.selected ? "selected" : "", onclick: () => select(r.id) },
+      el("td", {}, el("code", {}, r.id)),
+      el("td", {}, r.name),
+      el("td", {}, stateBadge(r.state)),
+      el("td", {}, r.step === null || r.step === undefined ? "-" : r.step),
+      el("td", { title: new Date(r.updated * 1000).toLocaleString() }, ago(r.updated)),
+    ));
+    $("runs").tBodies[0].replaceChildren(...rows);
+    $("runs-empty").hidden = runs.length > 0;
+  }
+
+  // ------------------------------------------------------------------ start a run
+
+  $("start-file").addEventListener("change", async (ev) => {
+    const file = ev.target.files && ev.target.files[0];
+    if (!file) return;
+    if (file.size > 1 << 20) {
+      showMessage("the file is " + fmtBytes(file.size) + "; a run config over 1 MiB is refused (XTOKEN_CONTROL_MAX_BODY_BYTES)", "error");
+      return;
+    }
+    S.fileName = file.name;
+    $("start-config").value = await file.text();
+  });
+
+  $("start-form").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const text = $("start-config").value;
+    if (!text.trim()) {
+      showMessage("paste a run config (YAML or JSON) or choose a file first", "error");
+      return;
+    }
+    const json = /\.json$/i.test(S.fileName) || /^\s*[{[]/.test(text);
+    const name = $("start-name").value.trim();
+    const query = name ? "?" + new URLSearchParams({ name }).toString() : "";
+    $("start-button").disabled = true;
+    try {
+      const run = await api("v1/runs" + query, {
+        method: "POST", body: text, auth: true,
+        contentType: json ? "application/json" : "application/yaml",
+      });
+      showMessage("started run " + run.id + (run.name ? " (" + run.name + ")" : ""), "info");
+      await refreshRuns();
+      await select(run.id);
+    } catch (err) {
+      showMessage(explain(err, "start"), "error");
+    } finally {
+      $("start-button").disabled = false;
+    }
+  });
+
+  // ------------------------------------------------------------------ stop and resume
+
+  async function mutate(action) {
+    const id = S.selected;
+    if (!id) return;
+    const button = $(action + "-button");
+    button.disabled = true;
+    try {
+      const run = await api(runPath(id, "/" + action), { method: "POST", auth: true });
+      showMessage(action === "stop"
+        ? "stop requested: every trainer rank checkpoints at one step, then the run is STOPPED"
+        : "resumed from the latest checkpoint", "info");
+      if (id === S.selected) {
+        S.finalRefresh = false;
+        renderRun(run);
+      }
+      if (action === "resume" && id === S.selected) await select(id);
+      refreshRuns();
+    } catch (err) {
+      showMessage(explain(err, action), "error");
+      if (S.run) renderButtons(S.run.state);
+    }
+  }
+
+  $("stop-button").addEventListener("click", () => mutate("stop"));
+  $("resume-button").addEventListener("click", () => mutate("resume"));
+
+  // ------------------------------------------------------------------ charts (uPlot)
+
+  function makeChart(id, series, opts) {
+    const fig = $(id);
+    const host = fig.querySelector(".plot");
+    host.replaceChildren();
+    const o = opts || {};
+    const chart = new uPlot({
+      width: chartWidth(host),
+      height: 200,
+      legend: { live: true },
+      cursor: { drag: { x: true, y: false } },
+      scales: { x: { time: !!o.time } },
+      series: [{ label: o.time ? "time" : "step" }].concat(series.map((s) => ({
+        label: s.label, stroke: s.color, width: 1.5, spanGaps: true, dash: s.dash,
+        points: { show: !!o.points, size: 6 },
+        value: (u, v) => (v === null || v === undefined ? "-" : fmt(v, s.digits === undefined ? 4 : s.digits)),
+      }))),
+      axes: [{}, { size: 60 }],
+    }, [[]].concat(series.map(() => [])), host);
+    return { fig, chart };
+  }
+
+  function chartWidth(host) {
+    return Math.max(280, Math.floor(host.getBoundingClientRect().width) || 400);
+  }
+
+  function buildCharts() {
+    for (const c of Object.values(S.charts)) c.chart.destroy();
+    S.charts = {
+      loss: makeChart("chart-loss", [
+        { label: "total", color: "#111827" },
+        { label: "KD", color: "#2563eb" },
+        { label: "CE", color: "#dc2626" },
+      ]),
+      tps: makeChart("chart-tps", [{ label: "tokens/s", color: "#059669", digits: 0 }]),
+      times: makeChart("chart-times", PHASES.map((p) => ({ label: p, color: PHASE_COLORS[p], digits: 4 }))
+        .concat([{ label: "total", color: "#111827", dash: [4, 3], digits: 4 }])),
+      queue: makeChart("chart-queue", [
+        { label: "samples held", color: "#7c3aed", digits: 0 },
+        { label: "leases", color: "#ea580c", digits: 0 },
+      ], { time: true }),
+      bpb: makeChart("chart-bpb", [{ label: "bits/byte", color: "#0891b2" }], { points: true }),
+    };
+  }
+
+  window.addEventListener("resize", () => {
+    for (const c of Object.values(S.charts)) {
+      c.chart.setSize({ width: chartWidth(c.fig.querySelector(".plot")), height: 200 });
+    }
+  });
+
+  function num(v) {
+    return v === undefined || v === null ? null : Number(v);
+  }
+
+  function scheduleDraw() {
+    if (S.drawTimer === null) S.drawTimer = setTimeout(draw, 100);
+  }
+
+  function setSeries(name, data, points) {
+    const c = S.charts[name];
+    if (!c) return;
+    c.chart.setData(data);
+    c.fig.dataset.points = String(points);
+  }
+
+  function draw() {
+    S.drawTimer = null;
+    const x = S.steps.map((s) => s.step);
+    setSeries("loss", [x, S.steps.map((s) => num(s.loss)), S.steps.map((s) => num(s.kl_loss)),
+      S.steps.map((s) => num(s.ce_loss))], x.length);
+    setSeries("tps", [x, S.steps.map((s) => num(s.tokens_per_s))], x.length);
+    setSeries("times", [x].concat(PHASES.map((p) => S.steps.map((s) => num((s.times || {})[p]))),
+      [S.steps.map((s) => num(s.step_s))]), x.length);
+    const evals = S.evals.filter((e) => e.bits_per_byte !== undefined && e.bits_per_byte !== null)
+      .slice().sort((a, b) => a.step - b.step);
+    setSeries("bpb", [evals.map((e) => e.step), evals.map((e) => num(e.bits_per_byte))], evals.length);
+    setSeries("queue", [S.queue.map((q) => q[0]), S.queue.map((q) => q[1]), S.queue.map((q) => q[2])],
+      S.queue.length);
+    renderFacts();
+  }
+
+  // A step at or before the last one is a replay after a restart from a checkpoint: the curve
+  // goes back to that step and continues from there.
+  function addStep(rec) {
+    if (typeof rec.step !== "number") return;
+    while (S.steps.length && S.steps[S.steps.length - 1].step >= rec.step) S.steps.pop();
+    S.steps.push(rec);
+    scheduleDraw();
+  }
+
+  function addEval(rec) {
+    S.evals.push(rec);
+    scheduleDraw();
+  }
+
+  function onMetrics(data) {
+    if (S.pending !== null) {
+      S.pending.push(data);
+      return;
+    }
+    if (data.kind === "step") addStep(data);
+    else if (data.kind === "eval") addEval(data);
+  }
+
+  // ------------------------------------------------------------------ the selected run
+
+  function renderButtons(state) {
+    $("stop-button").disabled = !ACTIVE.has(state) || state === "STOPPING";
+    $("resume-button").disabled = !RESUMABLE.has(state);
+  }
+
+  function renderRun(run) {
+    S.run = run;
+    $("run-id").textContent = run.id;
+    $("run-name").textContent = run.name ? "(" + run.name + ")" : "";
+    $("run-state").replaceChildren(stateBadge(run.state));
+    $("run-state").dataset.state = run.state;
+    renderButtons(run.state);
+    let reason = run.reason || "";
+    if (run.state === "RECOVERING" && run.attempt) reason += " (attempt " + run.attempt + ")";
+    if (run.failed_process) {
+      reason += "\nprocess " + run.failed_process + ", exit code " + (run.exit_code === null ? "?" : run.exit_code);
+    }
+    $("run-reason").textContent = reason;
+    $("failure").hidden = !run.log_tail;
+    $("failure-tail").textContent = run.log_tail || "";
+    setText("fact-checkpoint", run.checkpoint ? "step " + run.checkpoint.step : null);
+    $("fact-checkpoint").title = run.checkpoint ? run.checkpoint.path : "";
+    $("run-dir").textContent = run.run_dir || "";
+    if (run.config) $("run-config").textContent = JSON.stringify(run.config, null, 2);
+    for (const tr of $("runs").tBodies[0].rows) tr.classList.toggle("selected", tr.dataset.runId === run.id);
+    renderFacts();
+  }
+
+  function renderFacts() {
+    const last = S.steps.length ? S.steps[S.steps.length - 1] : (S.run && S.run.latest_metrics);
+    setText("fact-step", last ? last.step : (S.run ? S.run.step : null));
+    setText("fact-loss", last ? [last.loss, last.kl_loss, last.ce_loss].map((v) => fmt(v, 4)).join(" / ") : null);
+    setText("fact-tps", last ? fmt(last.tokens_per_s, 1) : null);
+    setText("fact-step-s", last && last.step_s !== undefined ? fmt(last.step_s, 3) + " s" : null);
+    renderSplit(last);
+    const evals = S.evals.filter((e) => e.bits_per_byte !== undefined && e.bits_per_byte !== null);
+    const ev = evals.length ? evals[evals.length - 1] : null;
+    setText("fact-bpb", ev ? fmt(ev.bits_per_byte, 4) + " (" + (ev.tag || "step " + ev.step) + ")" : null);
+  }
+
+  function renderSplit(last) {
+    const box = $("split");
+    const times = (last && last.times) || {};
+    const total = PHASES.reduce((a, p) => a + (Number(times[p]) || 0), 0);
+    const parts = [];
+    if (total > 0) {
+      for (const p of PHASES) {
+        const v = Number(times[p]) || 0;
+        if (v <= 0) continue;
+        const span = el("span", { title: p + ": " + fmt(v, 4) + " s (" + (100 * v / total).toFixed(1) + "%)" });
+        span.style.width = (100 * v / total) + "%";
+        span.style.background = PHASE_COLORS[p];
+        parts.push(span);
+      }
+    }
+    box.replaceChildren(...parts);
+  }
+
+  function renderQueue(q) {
+    const stats = q && q.stats;
+    if (!stats) {
+      setText("fact-queue", null);
+      return;
+    }
+    const parts = Object.entries(stats.partitions || {})
+      .map(([name, p]) => name + ": " + p.samples + " samples, " + fmtBytes(p.bytes)).join("\n");
+    setText("fact-queue", stats.samples + " samples \u00b7 " + fmtBytes(stats.bytes_used) + " / " +
+      fmtBytes(stats.capacity_bytes) + " \u00b7 " + stats.leases + " leased");
+    $("fact-queue").title = parts;
+    if (q.updated && q.updated !== S.queueAt) {
+      S.queueAt = q.updated;
+      S.queue.push([q.updated, stats.samples, stats.leases]);
+      if (S.queue.length > MAX_QUEUE_POINTS) S.queue.splice(0, S.queue.length - MAX_QUEUE_POINTS);
+      scheduleDraw();
+    }
+  }
+
+  function renderProcesses(procs) {
+    const rows = procs.map((p) => el("tr", { dataset: { process: p.name } },
+      el("td", {}, p.name),
+      el("td", {}, p.role),
+      el("td", {}, p.host),
+      el("td", {}, p.pid === null ? "-" : p.pid),
+      el("td", {}, p.gpu === null ? "-" : p.gpu),
+      el("td", { class: /^[a-z]+$/.test(p.state) ? "proc-" + p.state : "" }, p.state),
+      el("td", {}, p.restarts),
+      el("td", { title: p.last_heartbeat ? new Date(p.last_heartbeat * 1000).toLocaleString() : "" }, ago(p.last_heartbeat)),
+      el("td", {}, p.exit_code === null ? "-" : p.exit_code),
+      el("td", {}, el("button", { type: "button", onclick: () => showLog(p.name) }, "log")),
+    ));
+    $("processes").tBodies[0].replaceChildren(...rows);
+  }
+
+  async function showLog(process) {
+    const id = S.selected;
+    try {
+      const text = await api(runPath(id, "/logs?" + new URLSearchParams({ process, lines: "200" })), { text: true });
+      $("log-process").textContent = process;
+      $("log-text").textContent = text || "(empty)";
+      $("log-box").hidden = false;
+    } catch (err) {
+      showMessage(explain(err, "log"), "error");
+    }
+  }
+  $("log-close").addEventListener("click", () => { $("log-box").hidden = true; });
+
+  function addEvent(ev) {
+    const data = ev.data || {};
+    let summary = ev.kind === "state" ? String(data.state) + (data.reason ? ": " + data.reason : "")
+      : JSON.stringify(data);
+    if (summary.length > 300) summary = summary.slice(0, 300) + "...";
+    const li = el("li", { dataset: { kind: ev.kind } }, clock(ev.time) + " " + ev.kind + " " + summary);
+    const list = $("events");
+    list.prepend(li);
+    while (list.children.length > MAX_EVENTS) list.lastElementChild.remove();
+  }
+
+  async function refreshRun(gen) {
+    try {
+      const run = await api(runPath(S.selected));
+      if (gen === S.gen) renderRun(run);
+    } catch (err) {
+      if (gen === S.gen && err instanceof ApiError && err.status === 404) {
+        showMessage("run " + S.selected + " is gone: " + err.message, "error");
+      }
+    }
+  }
+
+  async function refreshProcesses(gen) {
+    try {
+      const out = await api(runPath(S.selected, "/processes"));
+      if (gen === S.gen) renderProcesses(out.processes);
+    } catch (_) { /* the next tick tries again */ }
+  }
+
+  async function refreshQueue(gen) {
+    try {
+      const q = await api(runPath(S.selected, "/queue"));
+      if (gen === S.gen) renderQueue(q);
+    } catch (_) { /* the next tick tries again */ }
+  }
+
+  async function loadHistory(gen) {
+    S.pending = S.pending || [];
+    const after = S.steps.length ? S.steps[S.steps.length - 1].step : -1;
+    try {
+      const hist = await api(runPath(S.selected, "/metrics?after_step=" + after));
+      if (gen !== S.gen) return;
+      hist.steps.forEach(addStep);
+      if (after < 0) hist.evals.forEach(addEval);
+    } catch (_) { /* shown as an empty chart; the stream still feeds it */ }
+    if (gen !== S.gen) return;
+    const buffered = S.pending || [];
+    S.pending = null;
+    buffered.forEach(onMetrics);
+  }
+
+  function openEvents(gen) {
+    const source = new EventSource(runPath(S.selected, "/events"));
+    S.source = source;
+    source.addEventListener("open", () => {
+      // the first open and every reconnect: the server subscribed us before it answered, so
+      // the history fetched now misses no step (metrics events are live only, never replayed);
+      // live ones are buffered until it is in
+      if (gen === S.gen) loadHistory(gen);
+    });
+    source.addEventListener("error", () => {
+      // refused for good (not a dropped connection, which EventSource retries): the history
+      // alone, the clock refreshes the rest
+      if (gen === S.gen && source.readyState === EventSource.CLOSED) loadHistory(gen);
+    });
+    source.addEventListener("metrics", (e) => {
+      if (gen === S.gen) onMetrics(JSON.parse(e.data).data);
+    });
+    for (const kind of EVENT_KINDS) {
+      source.addEventListener(kind, (e) => {
+        if (gen !== S.gen) return;
+        const ev = JSON.parse(e.data);
+        addEvent(ev);
+        if (kind === "state") {
+          S.finalRefresh = false;
+          if (S.run) renderRun(Object.assign({}, S.run, { state: ev.data.state, reason: ev.data.reason }));
+          refreshRun(gen);
+          refreshRuns();
+        }
+        if (kind !== "state") refreshProcesses(gen);
+      });
+    }
+  }
+
+  async function select(id) {
+    if (S.source) S.source.close();
+    S.gen += 1;
+    const gen = S.gen;
+    Object.assign(S, {
+      selected: id, run: null, source: null, pending: [], steps: [], evals: [], queue: [],
+      queueAt: null, finalRefresh: false,
+    });
+    history.replaceState(null, "", "#run=" + encodeURIComponent(id));
+    $("run-panel").hidden = false;
+    $("events").replaceChildren();
+    $("log-box").hidden = true;
+    $("processes").tBodies[0].replaceChildren();
+    $("run-config").textContent = "";
+    buildCharts();
+    openEvents(gen);   // then the history, once the stream is open
+    await refreshRun(gen);
+    scheduleDraw();
+    refreshProcesses(gen);
+    refreshQueue(gen);
+  }
+
+  // ------------------------------------------------------------------ the clock
+
+  async function tick() {
+    refreshRuns();
+    if (!S.selected) return;
+    const gen = S.gen;
+    const active = S.run && ACTIVE.has(S.run.state);
+    if (active || !S.finalRefresh) {
+      if (S.run && !active) S.finalRefresh = true;
+      await refreshRun(gen);
+      refreshProcesses(gen);
+      refreshQueue(gen);
+    }
+  }
+
+  renderToken();
+  refreshHealth();
+  setInterval(refreshHealth, 10000);
+  setInterval(tick, TICK_MS);
+  refreshRuns().then(() => {
+    const m = /^#run=(.+)$/.exec(location.hash);
+    if (m) select(decodeURIComponent(m[1]));
+    document.body.dataset.ready = "1";
+  });
+})();
