@@ -10,20 +10,26 @@ Rules (documented once here, relied on by the aligner):
   byte-level token splits a multi-byte character (HF offsets overlap there).
 * Otherwise (a normalizer changed the text: lowercasing, NFC/NFKC; or the tokenizer dropped a
   character it has no token for), spans come from the tokenizer's offsets in the ORIGINAL text.
-  Tokens whose offsets overlap (one character split over several tokens) form a group; inside a
-  group whose decoded length equals its original length the bytes are split by token length,
-  otherwise the first token takes the whole group and the others get an empty span at its end.
-  Bytes no token claims between two groups (e.g. a combining mark merged by NFC) go to the group
-  that decoded more bytes than it covers, else to the previous group; bytes after the last token
-  go to it, and bytes before the first token to that one. Whitespace the tokenizer dropped (e.g.
-  a Whitespace pre-tokenizer, a Strip normalizer) stays uncovered, so spans tile except across
-  such whitespace.
+  Tokens whose offsets overlap (one character split over several tokens) form a group. Bytes no
+  token claims between two groups (e.g. a combining mark merged by NFC) go to the group that
+  decoded more bytes than it covers, else to the previous group; bytes after the last group go
+  to it, and bytes before the first group to that one (so a trailing combining mark is handled
+  as it is mid-text). Inside a group whose tokens spell exactly the original bytes it covers,
+  the bytes are split by token length; otherwise the first token takes the whole group and the
+  others get an empty span at its end. Whitespace the tokenizer dropped (e.g. a Whitespace
+  pre-tokenizer, a Strip normalizer) stays uncovered, so spans tile except across such
+  whitespace. A starter and the marks (or jamo) after it that NFC composes or reorders are one
+  unit: the tokenizer's offsets point into it wrongly, so every token touching it joins one
+  group covering all of it.
 * SentencePiece's dummy-prefix ``▁`` covers no byte of the text: a leading ``▁`` piece alone gets
   the empty span [0, 0); ``▁Hi`` at the start covers only ``Hi``.
 * Special tokens get an empty span at the end of the previous content token (0 at the start).
 """
 
 from __future__ import annotations
+
+import functools
+import unicodedata
 
 import numpy as np
 
@@ -149,17 +155,10 @@ def compute_byte_spans(
             offs_M2 = np.asarray(offsets_N2, dtype=np.int64).reshape(-1, 2)[content_M]
             if offsets_are_chars:
                 offs_M2 = char_to_byte_offsets(text)[offs_M2]
-            spans_M2 = _spans_from_offsets(offs_M2, lens_M, text_bytes)
-            # Characters after the last token that a normalizer merged into it (e.g. a
-            # trailing combining mark under NFC) belong to it; stripped whitespace does not.
-            tail = text_bytes[spans_M2[-1, 1] :]
-            if tail and not _is_whitespace(tail):
-                spans_M2[-1, 1] = len(text_bytes)
-            # Likewise characters before the first token that the tokenizer dropped (a byte
-            # its vocab has no token for, e.g. some control bytes for SmolLM2) go to it.
-            head = text_bytes[: spans_M2[0, 0]]
-            if head and not _is_whitespace(head):
-                spans_M2[0, 0] = 0
+            offs_M2 = _widen_to_composed_units(offs_M2, text)
+            pieces_M = [token_bytes[i] for i in cids_M.tolist()]
+            pieces_M[0] = pieces_M[0][skip:]
+            spans_M2 = _spans_from_offsets(offs_M2, lens_M, pieces_M, text_bytes)
         spans_N2[content_M] = spans_M2
     # Specials: empty span at the end of the previous content token (0 before any).
     if len(content_M) < n:
@@ -173,12 +172,15 @@ def compute_byte_spans(
     return spans_N2
 
 
-def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray, text_bytes: bytes) -> np.ndarray:
+def _spans_from_offsets(
+    offs_M2: np.ndarray, lens_M: np.ndarray, pieces_M: list[bytes], text_bytes: bytes
+) -> np.ndarray:
     """Slow path: spans from byte offsets in the original text, grouped where offsets overlap.
 
     Args:
         offs_M2: int64 [M, 2] byte offsets of content tokens in the original text.
         lens_M: int64 [M] decoded byte length of each token.
+        pieces_M: the bytes each content token decodes to (``len(pieces_M[m]) == lens_M[m]``).
         text_bytes: the original text as UTF-8.
 
     Returns:
@@ -216,9 +218,22 @@ def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray, text_bytes: byt
                 g[2] -= gap
             else:
                 prev[3] += gap
+    # Characters after the last group that a normalizer merged into it (e.g. a trailing
+    # combining mark under NFC) belong to that group, as they would mid-text; characters before
+    # the first group that the tokenizer dropped (a byte its vocab has no token for) go to the
+    # first group. Whitespace stays uncovered.
+    tail = text_bytes[groups[-1][3] :]
+    if tail and not _is_whitespace(tail):
+        groups[-1][3] = len(text_bytes)
+    head = text_bytes[: groups[0][2]]
+    if head and not _is_whitespace(head):
+        groups[0][2] = 0
     out = np.zeros((m, 2), dtype=np.int64)
     for first, stop, gs, ge, total in groups:
-        if total == ge - gs:
+        # Split by token length only where the tokens spell the group's bytes exactly; where a
+        # normalizer changed them (composed, reordered or case-mapped characters), a length
+        # split would hand a token bytes it does not stand for.
+        if total == ge - gs and b"".join(pieces_M[first:stop]) == text_bytes[gs:ge]:
             ends = gs + np.cumsum(lens_M[first:stop])
             out[first:stop, 1] = ends
             out[first:stop, 0] = ends - lens_M[first:stop]
@@ -226,6 +241,70 @@ def _spans_from_offsets(offs_M2: np.ndarray, lens_M: np.ndarray, text_bytes: byt
             out[first:stop] = ge
             out[first, 0] = gs
     return out
+
+
+def _widen_to_composed_units(offs_M2: np.ndarray, text: str) -> np.ndarray:
+    """Widen offsets that touch a character sequence NFC rewrites to that whole sequence.
+
+    A starter followed by characters that attach to it (combining marks, Hangul vowel and final
+    jamo, other second halves of canonical compositions) is one unit for NFC/NFKC: it composes
+    and reorders inside it, and the tokenizer's offsets then point its tokens at the wrong part
+    of the unit (e.g. at the starter alone, or at another mark). Every token touching such a
+    unit gets the whole unit, so those tokens form one group (which the first token takes unless
+    they spell the unit's bytes exactly).
+
+    Args:
+        offs_M2: int64 [M, 2] byte offsets of content tokens in the original text.
+        text: the original text.
+
+    Returns:
+        int64 [M, 2] offsets (the input itself where NFC would not change the text).
+    """
+    if unicodedata.is_normalized("NFC", text):
+        return offs_M2
+    attaches = _attaches_to_previous()
+    starts = [i for i, c in enumerate(text) if c in attaches or _leading_ccc(c)]
+    if not starts:
+        return offs_M2
+    char_to_byte = char_to_byte_offsets(text)
+    offs_M2 = offs_M2.copy()
+    k = 0
+    while k < len(starts):
+        lo = max(starts[k] - 1, 0)  # the starter the run attaches to
+        hi = starts[k] + 1
+        while k + 1 < len(starts) and starts[k + 1] == hi:
+            k += 1
+            hi += 1
+        k += 1
+        unit = text[lo:hi]
+        if len(unit) < 2 or unicodedata.normalize("NFC", unit) == unit:
+            continue
+        r0, r1 = int(char_to_byte[lo]), int(char_to_byte[hi])
+        a_M, b_M = offs_M2[:, 0], offs_M2[:, 1]
+        touches_M = ((a_M < r1) & (b_M > r0)) | ((a_M == b_M) & (a_M >= r0) & (a_M < r1))
+        offs_M2[touches_M, 0] = np.minimum(a_M[touches_M], r0)
+        offs_M2[touches_M, 1] = np.maximum(b_M[touches_M], r1)
+    return offs_M2
+
+
+@functools.lru_cache(maxsize=8192)
+def _leading_ccc(char: str) -> int:
+    """Canonical combining class of the first character of ``char``'s NFD form."""
+    return unicodedata.combining(unicodedata.normalize("NFD", char)[0])
+
+
+@functools.cache
+def _attaches_to_previous() -> frozenset[str]:
+    """Characters with combining class 0 that compose with the character before them (the
+    second half of a two-character canonical decomposition, e.g. Hangul vowel jamo)."""
+    out = {chr(cp) for cp in range(0x1161, 0x1176)} | {chr(cp) for cp in range(0x11A8, 0x11C3)}
+    for cp in range(0x30000):
+        parts = unicodedata.decomposition(chr(cp)).split()
+        if len(parts) == 2 and not parts[0].startswith("<"):
+            second = chr(int(parts[1], 16))
+            if not unicodedata.combining(second):
+                out.add(second)
+    return frozenset(out)
 
 
 def _is_whitespace(raw: bytes) -> bool:

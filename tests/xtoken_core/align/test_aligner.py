@@ -1,6 +1,7 @@
 """TokenAligner on real tokenizer pairs: exact chunks, ordering, coverage, specials, truncation."""
 
 import itertools
+import unicodedata
 
 import numpy as np
 import pytest
@@ -123,6 +124,76 @@ def test_random_text_alignment_is_exact_for_every_tokenizer_pair(s_name, t_name,
     if s_name != "qwen3" and t_name != "qwen3":  # no normalizer: every content chunk is valid
         content_chunks = np.unique(sample.student_chunk_id[student.roles == 0])
         assert sample.pair_valid[content_chunks[content_chunks >= 0]].all()
+
+
+COMBINING_MARKS = ["\u0301", "\u0303", "\u0308", "\u0327", "\u0351", "\u0300\u0306"]
+
+
+def chunk_text(tok, enc, token_idx):
+    """What a chunk's tokens stand for as text, NFC-normalized (Qwen3's normalizer composes
+    characters, so its tokens spell the NFC form of the bytes their spans cover)."""
+    pieces = [tok.token_bytes(int(i)) for i in enc.ids[token_idx]]
+    first_content = np.flatnonzero(enc.roles == 0)[:1]
+    if tok._dummy_prefix and len(first_content) and first_content[0] in token_idx:
+        k = int(np.flatnonzero(token_idx == first_content[0])[0])
+        pieces[k] = pieces[k][1:] if pieces[k][:1] == b" " else pieces[k]  # the dummy "▁"
+    return unicodedata.normalize("NFC", b"".join(pieces).decode("utf-8", "surrogateescape"))
+
+
+def check_valid_chunks_stand_for_their_bytes(sample, s_tok, student, t_tok, teacher):
+    """Every valid chunk's tokens, on both sides, spell the bytes their spans cover."""
+    text_bytes = student.text.encode("utf-8")
+    for k in np.flatnonzero(sample.pair_valid):
+        s_idx = np.flatnonzero(sample.student_chunk_id == k)
+        t_idx = np.flatnonzero(sample.teacher_chunk_id == k)
+        lo, hi = student.spans[s_idx, 0].min(), student.spans[s_idx, 1].max()
+        covered = unicodedata.normalize("NFC", text_bytes[lo:hi].decode("utf-8", "surrogateescape"))
+        for tok, enc, idx in ((s_tok, student, s_idx), (t_tok, teacher, t_idx)):
+            want = covered
+            if tok._dummy_prefix:  # SentencePiece reads a literal "▁" in the text as a space
+                want = want.replace("\u2581", " ")
+            assert chunk_text(tok, enc, idx) == want, (tok.name, k, lo, hi)
+
+
+def test_combining_mark_at_the_end_under_nfc_is_one_chunk_like_mid_text():
+    # Qwen3 composes " n\u0303" to " ñ" and splits it " \xc3" + "\xb1": those two tokens are
+    # one group covering all 4 bytes, at the end of the text as in the middle of it.
+    for text in (" n\u0303", " n\u0303 x"):
+        sample, student, teacher = align_pair(text, "qwen3", "deepseek")
+        assert sample.pair_valid.tolist()[:1] == [True]
+        assert student.spans[:2].tolist() == [[0, 4], [4, 4]]
+        assert sample.student_chunk_id[:2].tolist() == [0, 0]
+        assert sample.teacher_chunk_id[:2].tolist() == [0, 0]
+        check_alignment(sample, student, teacher)
+        check_valid_chunks_stand_for_their_bytes(
+            sample, load_tokenizer("qwen3"), student, load_tokenizer("deepseek"), teacher
+        )
+
+
+@pytest.mark.parametrize("s_name,t_name", PAIRS)
+@settings(max_examples=25, deadline=None)
+@given(
+    text=texts,
+    marks=st.lists(st.sampled_from(COMBINING_MARKS), min_size=1, max_size=3).map("".join),
+)
+def test_valid_chunks_cover_identical_bytes_with_combining_marks_at_the_end(
+    s_name, t_name, text, marks
+):
+    sample, student, teacher = align_pair(text + marks, s_name, t_name)
+    check_alignment(sample, student, teacher)
+    check_valid_chunks_stand_for_their_bytes(
+        sample, load_tokenizer(s_name), student, load_tokenizer(t_name), teacher
+    )
+
+
+@pytest.mark.parametrize("s_name,t_name", PAIRS)
+@settings(max_examples=25, deadline=None)
+@given(text=texts)
+def test_valid_chunks_stand_for_the_bytes_they_cover(s_name, t_name, text):
+    sample, student, teacher = align_pair(text, s_name, t_name)
+    check_valid_chunks_stand_for_their_bytes(
+        sample, load_tokenizer(s_name), student, load_tokenizer(t_name), teacher
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -151,6 +151,15 @@ def test_qwen_nfc_composition_spans_refer_to_original_bytes():
     assert enc.spans[0].tolist() == [0, 3]
 
 
+def test_qwen_nfc_combining_mark_at_the_end_goes_to_its_group_like_mid_text():
+    # " n\u0303" -> NFC " ñ" -> tokens " \xc3" + "\xb1": one group for all 4 bytes (the first
+    # token takes it, the second gets an empty span at its end), wherever the group stands.
+    tok = load_tokenizer("qwen3")
+    assert tok.encode(" n\u0303 x").spans.tolist() == [[0, 4], [4, 4], [4, 6]]
+    assert tok.encode(" n\u0303").spans.tolist() == [[0, 4], [4, 4]]
+    assert tok.encode("\u0303n").spans[0, 0] == 0  # a leading mark goes to the first group
+
+
 def _tiny_hf(tmp_path, normalizer):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
