@@ -85,10 +85,12 @@ class CrossTokenizerLoss:
                 source, device, student_vocab_size=V, teacher_vocab_size=W
             )
             if tuple(matrix.shape) != (V, W):
+                rows, cols = matrix.shape
                 raise ValueError(
-                    f"projection {os.fspath(source)!r} is {tuple(matrix.shape)}, wider than the "
-                    f"vocabularies (student {V}, teacher {W}); use the projection built for these "
-                    "tokenizers or set teacher_vocab_size"
+                    f"projection {os.fspath(source)!r} is {tuple(matrix.shape)} (student id "
+                    f"{rows - 1}, teacher id {cols - 1} at most), wider than the vocabularies "
+                    f"(student {V}, teacher logits {W} columns); use the projection built for "
+                    "these tokenizers, or pass the teacher's full-vocab logits (teacher_vocab_size)"
                 )
         self._cache[key] = matrix
         return matrix
@@ -123,14 +125,24 @@ class CrossTokenizerLoss:
             exact = exact_token_map_from_topk(
                 indices, likelihoods, xtoken_loss=self.config.xtoken_loss, teacher_vocab_size=W
             )
-            rows = indices.shape[0]
         else:
             exact = build_exact_token_map(
                 source, device, xtoken_loss=self.config.xtoken_loss, teacher_vocab_size=W
             )
             from xtoken_core.data.projection import get_topk_projection
 
-            rows = get_topk_projection(source, device)[0].shape[0]
+            indices = get_topk_projection(source, device)[0]
+        rows = indices.shape[0]
+        # The exact map ignores teacher ids >= W; a projection that names them was built for a
+        # wider teacher vocab (another tokenizer, or logits sliced too narrow): P-KL refuses it
+        # too, so gold must not return a number for it either.
+        top_id = int(indices.max()) if indices.numel() else -1
+        if top_id >= W:
+            raise ValueError(
+                f"projection {i} references teacher id {top_id} but the teacher logits have "
+                f"{W} columns (teacher vocab {W}); use the projection built for this teacher "
+                "tokenizer, or pass the teacher's full-vocab logits (teacher_vocab_size)"
+            )
         if rows > V:
             raise ValueError(
                 f"projection {i} has {rows} student rows but the student vocab is {V}; use the "

@@ -634,3 +634,22 @@ def test_kernel_backend_matches_reference_on_cuda_with_bf16_logits(mode):
     # subgradient flips sign where |s - u| rounds across 0 in one path and not the other).
     scale = out["reference"][1].abs().max().item()
     torch.testing.assert_close(out["kernel"][1], out["reference"][1], rtol=2e-2, atol=5e-3 * scale)
+
+
+# ----------------------------------------------------------------------------- issue 12 fixes
+
+
+@pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
+@pytest.mark.parametrize("source", ["tensors", "file"])
+def test_teacher_logits_narrower_than_the_projection_teacher_ids_are_rejected(
+    mode, source, tmp_path
+):
+    indices, likelihoods = make_projection()  # teacher ids up to W - 1
+    projection = (indices, likelihoods)
+    if source == "file":
+        projection = str(tmp_path / "proj.pt")
+        torch.save({"indices": indices, "likelihoods": likelihoods}, projection)
+    zs, zt = make_logits(21)
+    narrow = zt[..., : W - 3]
+    with pytest.raises(ValueError, match=rf"teacher id {W - 1}.*{W - 3}"):
+        _call(zs=zs, zt=narrow, projection=projection, mode=mode, backend="reference")
