@@ -148,9 +148,13 @@ def select_teacher_columns(
     if vocab_topk is None or vocab_topk >= W:
         return torch.arange(W, device=teacher_logits_BUW.device)
     with torch.no_grad():
-        used_BU1 = (teacher_chunk_id_BU >= 0).unsqueeze(-1)
-        masked_BUW = teacher_logits_BUW.masked_fill(~used_BU1, float("-inf"))
-        max_W = masked_BUW.amax(dim=(0, 1))
+        if teacher_logits_BUW.shape[0] * teacher_logits_BUW.shape[1] == 0:
+            # no position (an empty batch): every column ties at -inf, like the kernel's max
+            max_W = teacher_logits_BUW.new_full((W,), float("-inf"))
+        else:
+            used_BU1 = (teacher_chunk_id_BU >= 0).unsqueeze(-1)
+            masked_BUW = teacher_logits_BUW.masked_fill(~used_BU1, float("-inf"))
+            max_W = masked_BUW.amax(dim=(0, 1))
         idx_K = torch.topk(max_W.float(), vocab_topk).indices
     return torch.sort(idx_K).values
 
@@ -198,7 +202,7 @@ def project_student_probs(
         student_logits_BTV.to(compute_dtype(student_logits_BTV)) / temperature, -1
     )
     q_KN = Fp32SparseMM.apply(projection_VK, probs_BTV.reshape(B * T, V).t())
-    return q_KN.t().reshape(B, T, -1)
+    return q_KN.t().reshape(B, T, projection_VK.shape[1])
 
 
 def pkl_chunk_kl(

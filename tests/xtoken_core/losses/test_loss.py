@@ -653,3 +653,14 @@ def test_teacher_logits_narrower_than_the_projection_teacher_ids_are_rejected(
     narrow = zt[..., : W - 3]
     with pytest.raises(ValueError, match=rf"teacher id {W - 1}.*{W - 3}"):
         _call(zs=zs, zt=narrow, projection=projection, mode=mode, backend="reference")
+
+
+@pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
+@pytest.mark.parametrize("vocab_topk", [None, 4])
+def test_empty_batch_gives_a_zero_loss_with_a_gradient(mode, vocab_topk):
+    zs, zt = make_logits(22, Bn=0)
+    batch = make_batch(22, Bn=0)
+    loss, metrics = run_api(zs, zt, batch, mode=mode, vocab_topk=vocab_topk, backend="reference")
+    assert loss.item() == 0.0 and metrics["num_valid_chunks"].item() == 0
+    loss.backward()
+    assert zs.grad.shape == zs.shape

@@ -223,3 +223,26 @@ def test_student_ce_reference_gradcheck_and_counts():
     assert torch.autograd.gradcheck(
         lambda z: reference.student_ce_loss(z, ids, token_mask, sample_mask)[0], (zs,)
     )
+
+
+@pytest.mark.parametrize("vocab_topk", [None, 4])
+def test_pkl_reference_of_an_empty_batch_is_a_zero_with_a_gradient(vocab_topk):
+    zs, zt, s_ids, t_ids, valid, M, _ = _tiny_case(3)
+    zs0 = zs[:0].detach().requires_grad_()
+    terms = reference.pkl_kd_loss(
+        zs0,
+        zt[:0],
+        s_ids[:0],
+        t_ids[:0],
+        valid[:0],
+        M,
+        temperature=1.0,
+        vocab_topk=vocab_topk,
+        reverse_kl=False,
+    )
+    assert terms.kd.item() == 0.0 and terms.num_valid.item() == 0
+    terms.kd.backward()
+    assert zs0.grad.shape == zs0.shape
+    cols = reference.select_teacher_columns(zt[:0], t_ids[:0], vocab_topk)
+    k = vocab_topk or zt.shape[-1]
+    assert cols.numel() == k and bool((cols.diff() > 0).all())  # k distinct ids, ascending
