@@ -290,7 +290,7 @@ def alignment_from_batch(batch: Mapping[str, Any], teacher_index: int = 0) -> Al
         An :class:`AlignmentView`.
 
     Raises:
-        ValueError: a required field is missing.
+        ValueError: a required field is missing, or chunk ids of a non-integer dtype.
     """
 
     def get(field: str) -> torch.Tensor | None:
@@ -305,6 +305,15 @@ def alignment_from_batch(batch: Mapping[str, Any], teacher_index: int = 0) -> Al
             f"batch lacks {missing} (teacher {teacher_index}); batches must carry the collator's "
             "alignment_* keys"
         )
+    for field in ("student_chunk_id", "teacher_chunk_id"):
+        ids = get(field)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            # .long() would truncate 2.7 to chunk 2: the ids were mangled on the way here
+            raise ValueError(
+                f"alignment_{field} (teacher {teacher_index}) has dtype {ids.dtype}; chunk ids "
+                "must be an integer tensor (int64 from the aligner): keep them integer when "
+                "padding or moving the batch"
+            )
     return AlignmentView(
         pair_valid=get("pair_valid").bool(),
         pair_is_correct=None if get("pair_is_correct") is None else get("pair_is_correct").bool(),

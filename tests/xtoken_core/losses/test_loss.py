@@ -664,3 +664,14 @@ def test_empty_batch_gives_a_zero_loss_with_a_gradient(mode, vocab_topk):
     assert loss.item() == 0.0 and metrics["num_valid_chunks"].item() == 0
     loss.backward()
     assert zs.grad.shape == zs.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool])
+@pytest.mark.parametrize("field", ["student_chunk_id", "teacher_chunk_id"])
+def test_chunk_ids_of_a_non_integer_dtype_are_refused_naming_the_dtype(dtype, field):
+    batch = make_batch(24)
+    batch[f"alignment_{field}"] = batch[f"alignment_{field}"].to(dtype)
+    loss_fn = CrossTokenizerLoss(CrossTokenizerLossConfig(projection=make_projection()))
+    for call in (lambda: _call(batch=batch), lambda: loss_fn.count_valid([batch])):
+        with pytest.raises(ValueError, match=rf"alignment_{field}.*{dtype}"):
+            call()
