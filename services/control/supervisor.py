@@ -476,6 +476,7 @@ class Supervisor:
                     self._set_state(h.run_id, STOPPING)
                     codes = run.stop(grace_s=h.stop_grace)
                     self._sync(h)
+                    self._poll_series(h)  # the steps up to the stop's checkpoint
                     bad = {n: c for n, c in codes.items() if c not in (0, None)}
                     reason = "stopped on request; trainers checkpointed" if not bad else (
                         f"stopped on request; trainers exited with {bad}"

@@ -17,6 +17,8 @@
   };
   const EVENT_KINDS = ["state", "launched", "exited", "recovering", "restarted", "failed",
     "data_complete", "stop_requested", "reattached", "unresponsive"];
+  // whole steps on the x axes
+  const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
   const TICK_MS = 2000;
   const MAX_EVENTS = 200;
   const MAX_QUEUE_POINTS = 2000;
@@ -286,7 +288,7 @@
         points: { show: !!o.points, size: 6 },
         value: (u, v) => (v === null || v === undefined ? "-" : fmt(v, s.digits === undefined ? 4 : s.digits)),
       }))),
-      axes: [{}, { size: 60 }],
+      axes: [o.time ? {} : { incrs: STEP_INCRS }, { size: 60 }],
     }, [[]].concat(series.map(() => [])), host);
     return { fig, chart };
   }
@@ -560,6 +562,7 @@
           if (S.run) renderRun(Object.assign({}, S.run, { state: ev.data.state, reason: ev.data.reason }));
           refreshRun(gen);
           refreshRuns();
+          refreshHealth();
         }
         if (kind !== "state") refreshProcesses(gen);
       });

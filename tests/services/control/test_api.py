@@ -209,6 +209,10 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         assert set(series["steps"][0]["times"]) >= {"data_wait", "forward", "backward"}
         assert [s["step"] for s in c.get(f"/v1/runs/{rid}/metrics?after_step=2").json()["steps"]] == [3, 4]
 
+        q = c.get(f"/v1/runs/{rid}/queue").json()  # its last figures, asked every 2 s
+        assert q["address"] == done["queue"] and q["updated"] > done["created"]
+        assert q["stats"]["capacity_bytes"] > 0 and "partitions" in q["stats"]
+
         procs = c.get(f"/v1/runs/{rid}/processes").json()["processes"]
         assert {p["name"] for p in procs} == {"queue", "collator", "teacher0", "trainer0"}
         assert all(p["pid"] and p["state"] == "exited" for p in procs), procs

@@ -182,6 +182,8 @@ def test_stop_checkpoints_and_resume_finishes_with_every_sample_trained_once(ser
         assert "checkpointed" in stopped["reason"]
         run_dir = Path(stopped["run_dir"])
         assert stopped["checkpoint"]["step"] == stopped["step"]
+        series = c.get(f"/v1/runs/{rid}/metrics").json()["steps"]
+        assert series[-1]["step"] == stopped["step"]  # the curve reaches the stop's checkpoint
         assert all(p["state"] != "running"
                    for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"])
         before = trained_keys(run_dir)

@@ -1,0 +1,208 @@
+"""The dashboard in a real headless Chromium (Debian's, driven by Playwright): upload a run config,
+start the run from the page (refused until the token is entered), watch the loss curve grow over
+the event stream, stop the run from the page and see it STOPPED with a checkpoint; screenshots are
+saved as artifacts.
+
+Run: ``python -m pytest -m browser tests/services/control/test_browser.py`` (needs
+``apt-get install -y chromium`` and ``pip install playwright``, the ``browser`` extra; Playwright's
+own browser downloads are never used). Screenshots go to ``$XTOKEN_BROWSER_ARTIFACTS`` (default:
+``screenshots/`` under the test's tmp dir)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import shutil
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import corpus_parts
+from tests.services.control.conftest import ControlServer, tiny_config
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(480)]
+logger = logging.getLogger(__name__)
+
+TOKEN = "browser-test-token"
+CHROMIUM = os.environ.get("XTOKEN_CHROMIUM", "/usr/bin/chromium")
+# a name a careless page would turn into markup (and run: the onerror handler)
+HOSTILE_NAME = '<img src=x onerror="document.body.dataset.pwned=1">tiny & <b>bold</b>'
+
+
+@pytest.fixture
+def chromium():
+    """A headless Chromium (Debian's binary) under Playwright; skips when either is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed: pip install playwright (the `browser` extra)")
+    path = shutil.which(CHROMIUM) or CHROMIUM
+    if not os.access(path, os.X_OK):
+        pytest.skip(
+            f"no Chromium at {CHROMIUM}: apt-get install -y chromium (or set XTOKEN_CHROMIUM)"
+        )
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=path,
+            headless=True,
+            # root in a container: no user namespaces for the sandbox; /dev/shm may be small
+            args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def artifacts(tmp_path) -> pathlib.Path:
+    """Where the screenshots go: $XTOKEN_BROWSER_ARTIFACTS or <tmp>/screenshots."""
+    out = pathlib.Path(os.environ.get("XTOKEN_BROWSER_ARTIFACTS") or tmp_path / "screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _points(page, chart: str) -> int:
+    return int(page.get_attribute(f"#{chart}", "data-points") or 0)
+
+
+def test_a_run_started_from_the_page_shows_a_growing_loss_curve_and_stops_from_the_page(
+    chromium, artifacts, demo, tmp_path
+):
+    server = ControlServer(tmp_path / "server", token=TOKEN)
+    page = None
+    problems: list[str] = []
+    try:
+        (train,), _ = corpus_parts(demo, server.data_root / "c", n=64, parts=1)
+        (heldout,), _ = corpus_parts(demo, server.data_root / "h", n=4, parts=1, start=64)
+        config = tiny_config(
+            **{
+                "data.train": "c/part0.jsonl",
+                "data.heldout": "h/part0.jsonl",
+                "trainer.epochs": 50,  # far more steps than the test waits for: it is stopped
+                "trainer.eval_every": 2,
+                "trainer.eval_texts": 2,
+            }
+        )
+        config_file = tmp_path / "run.yaml"
+        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+
+        page = chromium.new_page(viewport={"width": 1500, "height": 1300})
+
+        def on_console(m) -> None:  # the refused start is expected: Chromium logs its 401
+            if m.type == "error" and "status of 401" not in m.text:
+                problems.append(f"console: {m.text}")
+
+        page.on("console", on_console)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+        assert "runs, 0 active" in page.text_content("#health")
+
+        # the config from a file, the name typed; without the token the start is refused
+        page.set_input_files("#start-file", str(config_file))
+        page.wait_for_function(
+            "() => document.querySelector('#start-config').value.includes('student_tokenizer')"
+        )
+        page.fill("#start-name", HOSTILE_NAME)
+        page.click("#start-button")
+        page.wait_for_selector(".message.error", timeout=30_000)
+        message = page.text_content("#message")
+        assert "401" in message and "XTOKEN_CONTROL_TOKEN" in message, message
+        with server.client() as c:
+            assert c.get("/v1/runs").json()["runs"] == []
+
+        page.fill("#token-input", TOKEN)
+        page.click("#token-save")
+        assert page.text_content("#token-status") == "token set (this tab)"
+        assert page.input_value("#token-input") == ""  # not left on display
+        assert TOKEN not in page.url
+        page.click("#start-button")
+        page.wait_for_function(
+            "() => document.querySelector('#run-id').textContent", timeout=30_000
+        )
+        run_id = page.text_content("#run-id")
+        assert page.text_content("#message") == f"started run {run_id} ({HOSTILE_NAME})"
+
+        # the hostile name is shown as text: no element made of it, no handler run
+        page.wait_for_selector(f"#runs tr[data-run-id='{run_id}']", timeout=10_000)
+        assert (
+            page.text_content(f"#runs tr[data-run-id='{run_id}'] td:nth-child(2)") == HOSTILE_NAME
+        )
+        assert page.locator("#runs img, #runs b, #run-panel img").count() == 0
+        assert page.get_attribute("body", "data-pwned") is None
+
+        # the live curve: >= 2 points, then more
+        page.wait_for_function(
+            "() => +document.querySelector('#chart-loss').dataset.points >= 2", timeout=300_000
+        )
+        first = _points(page, "chart-loss")
+        page.screenshot(path=str(artifacts / "1-first-steps.png"), full_page=True)
+        page.wait_for_function(
+            f"() => +document.querySelector('#chart-loss').dataset.points > {first}",
+            timeout=120_000,
+        )
+        assert page.get_attribute("#run-state", "data-state") == "RUNNING"
+        assert _points(page, "chart-tps") == _points(page, "chart-times") >= 2
+        page.wait_for_function(  # the queue is asked every 2 s, the held-out eval every 2 steps
+            "() => +document.querySelector('#chart-queue').dataset.points >= 1"
+            " && +document.querySelector('#chart-bpb').dataset.points >= 2",
+            timeout=60_000,
+        )
+        for fact in (
+            "#fact-step",
+            "#fact-loss",
+            "#fact-tps",
+            "#fact-step-s",
+            "#fact-queue",
+            "#fact-bpb",
+        ):
+            assert page.text_content(fact) not in ("", "-"), fact
+        assert "samples" in page.text_content("#fact-queue")
+        assert page.locator("#split span").count() >= 3  # the latest step's phases
+        page.wait_for_selector("#processes tr[data-process='trainer0'] .proc-running")
+        roles = page.locator("#processes tbody td:nth-child(2)").all_text_contents()
+        assert sorted(roles) == ["collator", "queue", "teacher", "trainer"]
+        pids = page.locator("#processes tbody td:nth-child(4)").all_text_contents()
+        assert all(p.isdigit() for p in pids), pids
+        page.screenshot(path=str(artifacts / "2-running.png"), full_page=True)
+        grown = _points(page, "chart-loss")
+        assert grown > first
+
+        # stop from the page: STOPPING, then STOPPED with a checkpoint
+        page.click("#stop-button")
+        page.wait_for_selector("#run-state[data-state='STOPPED']", timeout=240_000)
+        page.wait_for_function(
+            "() => document.querySelector('#fact-checkpoint').textContent.startsWith('step ')",
+            timeout=10_000,
+        )
+        assert page.is_disabled("#stop-button") and page.is_enabled("#resume-button")
+        events = page.locator("#events li").all_text_contents()
+        assert any("STOPPING" in e for e in events) and any("STOPPED" in e for e in events)
+        with server.client() as c:
+            run = c.get(f"/v1/runs/{run_id}").json()
+        assert run["state"] == "STOPPED" and run["checkpoint"] is not None, run
+        # the curve reaches the step the stop checkpointed
+        page.wait_for_function(
+            f"() => document.querySelector('#fact-step').textContent === '{run['checkpoint']['step']}'",
+            timeout=10_000,
+        )
+        assert run["name"] == HOSTILE_NAME
+        page.wait_for_selector(f"#runs tr[data-run-id='{run_id}'] [data-state='STOPPED']")
+        page.wait_for_function(  # the table after the stop: every process ended
+            "() => [...document.querySelectorAll('#processes tbody tr td:nth-child(6)')]"
+            ".every(td => td.textContent !== 'running')",
+            timeout=15_000,
+        )
+        page.screenshot(path=str(artifacts / "3-stopped.png"), full_page=True)
+        assert _points(page, "chart-loss") >= grown
+        assert not problems, problems
+    except BaseException:
+        if page is not None:
+            page.screenshot(path=str(artifacts / "failure.png"), full_page=True)
+        logger.error("control plane log:\n%s\nbrowser: %s", server.tail(80), problems)
+        raise
+    finally:
+        server.stop()
+        logger.info("screenshots in %s", artifacts)
