@@ -58,6 +58,12 @@ class DeferredChecks:
             minmax = torch.aminmax(targets_BT)
             self._add("targets", "input_ids", V, torch.cat([m.reshape(1) for m in minmax]))
 
+    def denominator(self, name: str, global_1: torch.Tensor, local_1: torch.Tensor | None) -> None:
+        """Queue the check of a global valid-chunk count: finite and >= the local count
+        (``local_1``: this micro-batch's count on the device; None: only finite and >= 0)."""
+        local_1 = global_1.new_zeros(1) if local_1 is None else local_1
+        self._add("denominator", name, None, torch.cat([global_1.reshape(1), local_1.reshape(1)]))
+
     def count(self, mask: torch.Tensor) -> int:
         """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
         return self._add("count", "", None, mask.sum())
@@ -96,7 +102,8 @@ class DeferredChecks:
             The values of each queued piece, in order (counts as ``[n]``).
 
         Raises:
-            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
+                a global valid-chunk count that is not finite or below the local count.
         """
         self.start()
         return self.finish()
@@ -108,7 +115,8 @@ class DeferredChecks:
             The values of each queued piece, in order (counts as ``[n]``).
 
         Raises:
-            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab.
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
+                a global valid-chunk count that is not finite or below the local count.
         """
         values: list[list[float]] = [[] for _ in self._items]
         for slots, flat, event in self._pending:
@@ -133,6 +141,14 @@ class DeferredChecks:
                         f"{name} has ids in [{lo}, {hi}] but must lie in [-1, {extra}) "
                         f"(num_chunks = alignment_pair_valid.shape[1] = {extra}); "
                         "re-run the aligner or widen alignment_pair_valid"
+                    )
+            elif kind == "denominator":
+                given, local = vals[0], vals[1]
+                if not math.isfinite(given) or given < local:
+                    raise ValueError(
+                        f"{name} is {given:g}; it must be finite and at least this micro-batch's "
+                        f"{local:g} valid chunks (it sums them over the step's micro-batches and "
+                        "the DP ranks): pass count_valid(micro_batches)['global_valid_chunks']"
                     )
             elif kind == "targets":
                 lo, hi = int(vals[0]), int(vals[1])

@@ -408,15 +408,17 @@ class CrossTokenizerLoss:
                 per teacher), and optionally ``input_ids`` (needed when ``ce_weight > 0``),
                 ``token_mask`` [B, T], ``sample_mask`` [B].
             global_valid_chunks: valid-chunk count over the global batch (scalar or one per
-                teacher); None: this micro-batch's own count.
+                teacher, finite and >= this micro-batch's count: :meth:`count_valid`); None: this
+                micro-batch's own count.
             global_valid_tokens: CE token count over the global batch; None: this micro-batch's.
 
         Returns:
             ``(loss, metrics)``: scalar loss and detached scalar metrics (:data:`METRIC_KEYS`).
 
         Raises:
-            ValueError: shape mismatches, chunk ids out of range, a projection wider than the
-                vocabularies, NaN/inf logits, missing batch keys.
+            ValueError: shape mismatches, chunk ids out of range or not integer, a projection
+                wider than the vocabularies, NaN/inf logits, missing batch keys, a
+                ``global_valid_chunks`` that is not finite or below the local count.
         """
         cfg = self.config
         teachers = self._teacher_list(teacher_logits)
@@ -482,6 +484,14 @@ class CrossTokenizerLoss:
                 if checks is not None and backend is fused:
                     slot = checks.count(valid_BC)
             prepared.append((W, z_t, s_ids, t_ids, valid_BC, slot, plan))
+        if checks is not None and global_valid_chunks is not None:
+            for i in range(cfg.num_teachers):
+                name = "global_valid_chunks" + ("" if cfg.num_teachers == 1 else f"[{i}]")
+                local = None  # the graphed phase counts on the device: finite and >= 0 only
+                if graph_teachers is None:
+                    plan, valid_BC = prepared[i][-1], prepared[i][4]
+                    local = valid_BC.sum() if plan is None else plan.stats_5[4:5]
+                checks.denominator(name, chunk_denoms[i : i + 1], local)
         token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
         graph_out = None
         if graph_teachers is not None:

@@ -666,6 +666,42 @@ def test_empty_batch_gives_a_zero_loss_with_a_gradient(mode, vocab_topk):
     assert zs.grad.shape == zs.shape
 
 
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (float("nan"), "global_valid_chunks.*nan.*finite"),
+        (float("inf"), "global_valid_chunks.*inf.*finite"),
+        (-1.0, r"global_valid_chunks.*-1.*at least"),
+        (1.0, r"global_valid_chunks.*1.*at least.*valid chunks"),
+    ],
+)
+def test_global_valid_chunks_not_finite_or_below_the_local_count_is_rejected(backend, value, match):
+    zs, zt = make_logits(23)
+    batch = make_batch(23)
+    _, metrics = run_api(zs, zt, batch, backend="reference")
+    assert metrics["num_valid_chunks"].item() > 1
+    loss_fn = CrossTokenizerLoss(
+        CrossTokenizerLossConfig(projection=make_projection(), backend=backend)
+    )
+    with pytest.raises(ValueError, match=match):
+        loss_fn(zs, zt, batch, global_valid_chunks=value)
+    with pytest.raises(ValueError, match=match):
+        loss_fn(zs, zt, batch, global_valid_chunks=torch.tensor([value]))
+
+
+def test_global_valid_chunks_at_or_above_the_local_count_is_used():
+    zs, zt = make_logits(23)
+    batch = make_batch(23)
+    loss_fn = CrossTokenizerLoss(
+        CrossTokenizerLossConfig(projection=make_projection(), backend="reference")
+    )
+    _, local = loss_fn(zs, zt, batch)
+    n = local["num_valid_chunks"].item()
+    _, glob = loss_fn(zs, zt, batch, global_valid_chunks=n)
+    assert glob["kl_loss"].item() == pytest.approx(local["kl_loss"].item(), rel=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool])
 @pytest.mark.parametrize("field", ["student_chunk_id", "teacher_chunk_id"])
 def test_chunk_ids_of_a_non_integer_dtype_are_refused_naming_the_dtype(dtype, field):
