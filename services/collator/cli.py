@@ -28,7 +28,8 @@ sample keys:
   the corpus is mounted).
 
 exit codes:
-  0  every text of the corpus is in the queue (put now or already queued)
+  0  every text of the corpus is in the queue (put now or already queued) or was
+     already consumed (retention dropped it: the put reply counts it as consumed)
   1  the run failed: queue unreachable, a bad corpus line, a worker error
   2  bad settings (the message names the flag)
   {EXIT_EMPTY}  the corpus holds no text
@@ -102,6 +103,7 @@ def _write_summary(path: str, summary: object) -> None:
         "skipped",
         "samples",
         "written",
+        "consumed",
         "nbytes",
         "elapsed_s",
         "samples_per_s",

@@ -58,7 +58,10 @@ class RunSummary:
         read: texts read from the file (within ``limit``).
         skipped: texts skipped because the queue already held their key.
         samples: samples put by the workers.
-        written: samples that were new to the queue (``samples - written`` were duplicates).
+        written: samples that were new to the queue.
+        consumed: samples the queue refused because they were already consumed by every
+            registered task and dropped (retention): done, not an error. ``samples - written -
+            consumed`` were already queued (duplicates).
         nbytes: payload bytes put.
         elapsed_s: seconds from the first dispatched batch to the last result.
         stopped: True when the run was stopped before the end of the data.
@@ -71,6 +74,7 @@ class RunSummary:
     skipped: int = 0
     samples: int = 0
     written: int = 0
+    consumed: int = 0
     nbytes: int = 0
     elapsed_s: float = 0.0
     stopped: bool = False
@@ -91,8 +95,9 @@ class RunSummary:
         """One human-readable line."""
         return (
             f"{self.samples} samples put ({self.written} new, {self.skipped} skipped as already "
-            f"queued, {self.read} read) in {self.elapsed_s:.1f}s: {self.samples_per_s:.1f} "
-            f"samples/s, {self.bytes_per_s / 1e6:.2f} MB/s"
+            f"queued, {self.consumed} already consumed, {self.read} read) in "
+            f"{self.elapsed_s:.1f}s: {self.samples_per_s:.1f} samples/s, "
+            f"{self.bytes_per_s / 1e6:.2f} MB/s"
             + (" [stopped early]" if self.stopped else "")
         )
 
@@ -309,6 +314,7 @@ class CollatorRun:
             counts, t_done = msg[2], msg[3]
             self.summary.samples += counts["samples"]
             self.summary.written += counts["written"]
+            self.summary.consumed += counts.get("consumed", 0)
             self.summary.nbytes += counts["nbytes"]
             self._last_done = max(self._last_done, t_done)
             if self._ready_at and self._last_done > min(self._ready_at.values()):
@@ -327,10 +333,12 @@ class CollatorRun:
         elapsed = max(now - self._start, 1e-9)
         s = self.summary
         logger.info(
-            "[collator] %d samples put (%d new, %d skipped), %.1f samples/s, %.2f MB/s",
+            "[collator] %d samples put (%d new, %d skipped, %d already consumed), %.1f samples/s, "
+            "%.2f MB/s",
             s.samples,
             s.written,
             s.skipped,
+            s.consumed,
             s.samples / elapsed,
             s.nbytes / elapsed / 1e6,
         )

@@ -146,7 +146,8 @@ class CollatorWorker:
             items: N ``(key, text)`` pairs with unique keys.
 
         Returns:
-            ``{"samples": N, "written": new samples, "nbytes": payload bytes}``.
+            ``{"samples": N, "written": new samples, "consumed": samples the queue refused as
+            already consumed (retention dropped them), "nbytes": payload bytes}``.
 
         Raises:
             QueueError: the queue refused the put or did not answer (names the address).
@@ -174,6 +175,7 @@ class CollatorWorker:
         return {
             "samples": len(keys),
             "written": int(reply.get("new_samples", reply.get("written", len(keys)))),
+            "consumed": int(reply.get("consumed", 0)),
             "nbytes": put_nbytes(fields),
         }
 

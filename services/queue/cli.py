@@ -140,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a shared-memory reservation stays valid without its put (default 60)",
     )
     serve.add_argument(
+        "--tombstones",
+        type=int,
+        default=1 << 24,
+        help="most keys per partition remembered as consumed once retention dropped their "
+        "samples (8 bytes each; past it the oldest quarter is forgotten; default 16777216)",
+    )
+    serve.add_argument(
         "--max-message-bytes",
         type=_size_arg,
         default=None,
@@ -191,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
             shm_pool_free_bytes=args.shm_pool_free,
             shm_reserve_s=args.shm_reserve_timeout,
             shm_reserve_max_bytes=args.shm_reserve_max,
+            tombstone_max_keys=args.tombstones,
             limits=limits,
         )
         import zmq

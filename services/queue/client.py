@@ -121,8 +121,10 @@ class _Requests:
         }
 
     @staticmethod
-    def body_claim(partition, task, required_fields, batch_size, fields, timeout_s, lease_s):
-        return {
+    def body_claim(
+        partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register=False
+    ):
+        body = {
             "partition": partition,
             "task": task,
             "required_fields": list(required_fields),
@@ -131,6 +133,9 @@ class _Requests:
             "timeout_ms": _ms(timeout_s),
             "lease_ms": max(1, _ms(lease_s)),
         }
+        if register:  # absent otherwise: the message stays what older servers know
+            body["register"] = True
+        return body
 
     @staticmethod
     def body_lease(partition, task, lease_id, keys):
@@ -273,7 +278,8 @@ class QueueClient(_Requests):
                 (no copy), the others are copied into it. One put per reservation.
 
         Returns:
-            ``{"written", "duplicates", "new_samples", "nbytes"}``.
+            ``{"written", "duplicates", "new_samples", "nbytes", "consumed"}``; ``consumed``
+            counts keys the server refused because they were consumed and dropped (retention).
 
         Raises:
             QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``,
@@ -389,6 +395,7 @@ class QueueClient(_Requests):
         lease_s: float = DEFAULT_LEASE_S,
         shm: bool = False,
         copy: bool = False,
+        register: bool = False,
     ) -> dict[str, Any]:
         """Lease up to ``batch_size`` ready samples, waiting up to ``timeout_s`` for data.
 
@@ -396,6 +403,10 @@ class QueueClient(_Requests):
             partition, task, required_fields, batch_size, fields: see PROTOCOL.md ``claim``.
             timeout_s: how long the server holds the claim open for data.
             lease_s: lease length before redelivery.
+            register: register ``task`` for the partition (retention, PROTOCOL.md): once
+                every registered task acked a sample, the server drops it and refuses a re-put
+                of its key as ``consumed``. Leave False for a partition read more than once
+                (a trainer's epochs).
             shm: fields stored in the server's shared-memory pool come back as views of it
                 (no bytes through the socket), valid until the samples are cleared
                 (shm_transport.py); ignored unless this client shares memory with the server.
@@ -405,7 +416,7 @@ class QueueClient(_Requests):
             ``{"keys", "fields", "lease_id"}``; ``keys`` is empty (lease_id None) on timeout.
         """
         body = self.body_claim(
-            partition, task, required_fields, batch_size, fields, timeout_s, lease_s
+            partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
         )
         return self._shm_request("claim", body, timeout_s, shm, copy)
 
@@ -581,10 +592,11 @@ class AsyncQueueClient(_Requests):
         fields: Sequence[str] | None = None,
         timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S,
         lease_s: float = DEFAULT_LEASE_S,
+        register: bool = False,
     ) -> dict[str, Any]:
         """See QueueClient.claim."""
         body = self.body_claim(
-            partition, task, required_fields, batch_size, fields, timeout_s, lease_s
+            partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
         )
         return await self.request("claim", body, wait_s=timeout_s)
 

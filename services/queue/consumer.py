@@ -85,6 +85,9 @@ class BatchConsumer:
             views contract, services/queue/shm_transport.py).
         student_pad_id: pad id of ``input_ids`` (the student tokenizer's).
         teacher_pad_id: pad id of ``teacher_input_ids`` (the teacher tokenizer's).
+        register: register ``task`` for the partition on the first claim (retention): the
+            server drops each sample once every registered task acked it. For a partition
+            read once; never for one read again (epochs).
 
     Raises:
         ValueError: a bad batch size, prefetch or claim timeout.
@@ -107,6 +110,7 @@ class BatchConsumer:
         shm: bool = False,
         student_pad_id: int = 0,
         teacher_pad_id: int = 0,
+        register: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -132,6 +136,7 @@ class BatchConsumer:
         self.claim_timeout_s = claim_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.shm = shm
+        self.register = register
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"consumer-{task}", daemon=True)
@@ -245,6 +250,7 @@ class BatchConsumer:
                     timeout_s=self.claim_timeout_s,
                     lease_s=self.lease_s,
                     shm=self.shm,
+                    register=self.register,
                 )
                 if not got["keys"]:
                     idle += self.claim_timeout_s

@@ -29,6 +29,7 @@ from services.queue.errors import StoreError
 from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes
 from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
+from services.queue.tombstones import DEFAULT_MAX_KEYS
 from services.queue.transport import COPY_BELOW, recv_frames, send_frames
 from xtoken_core.ipc.shm import ShmReader, sweep_orphans
 from xtoken_core.wire import (
@@ -78,6 +79,8 @@ class ServerConfig:
             yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
             once (``bad_request``; the client sends frames), one that would pass it with the
             client's other reservations gets ``queue_full`` at once instead of waiting.
+        tombstone_max_keys: most keys per partition remembered as consumed after retention
+            dropped their samples (``--tombstones``; 8 bytes each).
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -93,6 +96,7 @@ class ServerConfig:
     shm_pool_free_bytes: int = 1 << 30
     shm_reserve_s: float = 60.0
     shm_reserve_max_bytes: int | None = None
+    tombstone_max_keys: int = DEFAULT_MAX_KEYS
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -116,6 +120,10 @@ class ServerConfig:
             raise ValueError(
                 f"shm_reserve_max_bytes={self.shm_reserve_max_bytes}: must be > 0 "
                 "(None = a quarter of the capacity)"
+            )
+        if self.tombstone_max_keys < 1:
+            raise ValueError(
+                f"tombstone_max_keys={self.tombstone_max_keys}: must be >= 1 (--tombstones)"
             )
         if not self.shm_reserve_s > 0:
             raise ValueError(
@@ -151,6 +159,7 @@ class QueueServer:
             held=lambda: self.pool.held_bytes,
             trim=self.pool.trim,
             on_release=lambda ptr: self.pool.release(ptr, self._send_seq),
+            tombstone_max_keys=config.tombstone_max_keys,
         )
         # Zero-copy replies still owned by zmq: a released pool segment is not written again
         # before those sent before its release are gone (shm_pool.py).
@@ -346,6 +355,7 @@ class QueueServer:
             "shm_reserve_ms": int(self.config.shm_reserve_s * 1000),
             "shm_reserve_max_bytes": self.config.shm_reserve_max_bytes,  # larger puts: frames
             "shm_probe": self.pool.probe(),  # {name, nonce}: proves a client shares /dev/shm
+            "retention": True,  # claim.register; put replies count "consumed" keys
         }
 
     def _on_put(self, ident, rid, body, frames):
@@ -493,9 +503,12 @@ class QueueServer:
         return None
 
     def _on_ack(self, ident, rid, body, frames):
+        used = self.store.bytes_used
         count = self.store.ack(
             body["partition"], body["task"], _lease_id(body["lease_id"]), body.get("keys")
         )
+        if self.store.bytes_used < used:
+            self._wake_puts()  # retention dropped what every registered task consumed
         return {"count": count}
 
     def _on_nack(self, ident, rid, body, frames):
@@ -532,6 +545,7 @@ class QueueServer:
             body.get("fields"),
             wire=True,
             shm=self._shm_locate if body.get("shm") else None,
+            register=bool(body.get("register")),
         )
         if batch is None:
             return None
@@ -730,6 +744,7 @@ def _put_reply(result: Any) -> dict[str, Any]:
         "duplicates": result.duplicates,
         "new_samples": result.new_samples,
         "nbytes": result.nbytes,
+        "consumed": result.consumed,
     }
 
 

@@ -11,6 +11,12 @@ contiguous. Memory is accounted per underlying storage (what is really kept aliv
 view, so ``bytes_used`` is honest when a block is shared or partly cleared; blocks that fall
 below half live are compacted.
 
+Retention: a task registered for a partition (``register``, or ``claim(..., register=True)``)
+holds its samples; once every registered task acked a sample, the sample is dropped as by a
+``clear`` and its key becomes a tombstone (tombstones.py): a later put of that key is refused
+as ``consumed``, not stored again. A partition without registered tasks keeps every sample until
+it is cleared (a trainer reads it once per epoch).
+
 The store is single-threaded by design: the server's event loop owns it. Time comes from an
 injectable ``clock`` so that lease expiry is testable without sleeping.
 """
@@ -42,6 +48,7 @@ from services.queue.blocks import (
     schema_of,
 )
 from services.queue.errors import StoreError
+from services.queue.tombstones import DEFAULT_MAX_KEYS, KeyTombstones
 from xtoken_core.wire.tensors import JaggedColumn
 
 logger = logging.getLogger(__name__)
@@ -75,6 +82,9 @@ class _Partition:
     blocks: set[Block] = field(default_factory=set)
     schema: dict[str, tuple[bool, torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
     tasks: dict[str, _Task] = field(default_factory=dict)
+    registered: set[str] = field(default_factory=set)  # tasks that hold samples (retention)
+    retired: KeyTombstones | None = None  # keys dropped after every registered task consumed
+    dropped: int = 0  # samples dropped by retention
 
 
 def _main_storage(block: Block) -> tuple[int, int]:
@@ -92,6 +102,8 @@ class PutResult:
         duplicates: (key, field) cells that already existed and were left as they were.
         new_samples: keys that did not exist before.
         nbytes: bytes this put added to ``bytes_used`` (or would add, when blocked).
+        consumed: keys refused because every registered task already consumed them (and the
+            partition dropped them): a producer counts them as done, not as an error.
     """
 
     blocked: bool
@@ -99,6 +111,7 @@ class PutResult:
     duplicates: int = 0
     new_samples: int = 0
     nbytes: int = 0
+    consumed: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,7 @@ class SampleStore:
             put needs room; returns the bytes given back.
         on_release: called with a storage's data pointer when the store drops its last view
             of it (a pool takes its segment back).
+        tombstone_max_keys: most consumed keys remembered per partition (8 bytes each).
 
     Raises:
         ValueError: capacity_bytes is not positive.
@@ -168,6 +182,7 @@ class SampleStore:
         held: Callable[[], int] | None = None,
         trim: Callable[[int], int] | None = None,
         on_release: Callable[[int], None] | None = None,
+        tombstone_max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0; pass e.g. 8GiB")
@@ -186,6 +201,7 @@ class SampleStore:
         self._held = held or (lambda: 0)
         self._trim = trim
         self._on_release = on_release
+        self.tombstone_max_keys = int(tombstone_max_keys)
 
     def room(self) -> int:
         """Capacity bytes neither stored nor held outside the store."""
@@ -239,6 +255,17 @@ class SampleStore:
             raise StoreError("bad_request", "put has no fields; send at least one field")
         norm = {name: as_field(name, value, n) for name, value in fields.items()}
         part = self._parts.get(partition)
+        consumed = 0
+        if part is not None and part.retired is not None:
+            gone = part.retired.contains(keys)
+            consumed = sum(gone)
+            if consumed == n:
+                return PutResult(blocked=False, consumed=consumed)
+            if consumed:
+                rows = [i for i, g in enumerate(gone) if not g]
+                keys = [keys[i] for i in rows]
+                n = len(keys)
+                norm = {name: gather_rows(value, rows) for name, value in norm.items()}
         samples = part.samples if part is not None else {}
         if part is not None:
             self._check_schema(part, norm)
@@ -290,7 +317,7 @@ class SampleStore:
                 retryable=False,
             )
         if added and not self._fits(added - prepaid):
-            return PutResult(blocked=True, nbytes=added)
+            return PutResult(blocked=True, nbytes=added, consumed=consumed)
         if part is None:
             part = self._parts[partition] = _Partition()
             self._check_schema(part, norm)
@@ -318,6 +345,7 @@ class SampleStore:
             duplicates=duplicates,
             new_samples=new_samples,
             nbytes=added,
+            consumed=consumed,
         )
 
     def get(
@@ -351,14 +379,24 @@ class SampleStore:
         keys = list(keys)
         missing = [k for k in keys if k not in part.samples]
         if missing:
+            gone = sum(part.retired.contains(missing)) if part.retired is not None else 0
+            why = (
+                f"; {gone} of them were consumed by every registered task and dropped"
+                if gone
+                else ""
+            )
             raise StoreError(
                 "not_found",
-                f"keys {missing[:5]} are not in partition {partition!r} ({len(missing)} missing)",
+                f"keys {missing[:5]} are not in partition {partition!r} "
+                f"({len(missing)} missing{why})",
             )
         return self._read(part, partition, keys, fields, wire, shm)
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove samples (all of the partition when ``keys`` is None); frees their bytes.
+
+        Clearing a whole partition also forgets its registered tasks and its tombstones; a
+        clear of keys leaves no tombstone (the keys may be put again).
 
         Args:
             partition: partition name; a missing partition clears nothing.
@@ -448,6 +486,7 @@ class SampleStore:
         *,
         wire: bool = False,
         shm: Locate | None = None,
+        register: bool = False,
     ) -> Batch | None:
         """Lease up to ``batch_size`` samples that have every required field and that ``task``
         has neither consumed nor leased, in insertion order.
@@ -461,6 +500,7 @@ class SampleStore:
             fields: fields to return; None returns ``required_fields``.
             wire: return fields as wire bytes, as for ``get``.
             shm: shared-memory references, as for ``get``.
+            register: register ``task`` for the partition first (``register``).
 
         Returns:
             A Batch with a ``lease_id``, or None when nothing is ready.
@@ -473,6 +513,8 @@ class SampleStore:
         if not lease_s > 0:
             raise StoreError("bad_request", f"lease={lease_s}s must be > 0")
         self.expire_leases()
+        if register:
+            self.register(partition, task)
         part = self._parts.get(partition)
         if part is None:
             return None
@@ -514,10 +556,43 @@ class SampleStore:
         self._claim_rate.add(self.clock(), len(picked), batch.nbytes)
         return Batch(batch.keys, batch.fields, lease_id, batch.nbytes)
 
+    def register(self, partition: str, task: str) -> bool:
+        """Register ``task`` as a consumer that holds the samples of ``partition`` (retention).
+
+        From then on a sample of the partition is dropped, and its key remembered as consumed,
+        once every registered task acked it. A task registered after samples were dropped
+        never sees those. Registrations last until the whole partition is cleared. Creates the
+        partition when it does not exist yet (a consumer may start before its producers).
+
+        Args:
+            partition: partition name.
+            task: consumer task name.
+
+        Returns:
+            True when the task was not registered before.
+
+        Raises:
+            StoreError: ``bad_request`` for an empty partition or task name.
+        """
+        if not partition or not isinstance(partition, str) or not task:
+            raise StoreError(
+                "bad_request",
+                f"register needs a partition and a task name, got {partition!r}, {task!r}",
+            )
+        part = self._parts.get(partition)
+        if part is None:
+            part = self._parts[partition] = _Partition()
+        if task in part.registered:
+            return False
+        part.registered.add(task)
+        part.tasks.setdefault(task, _Task())
+        logger.info("[queue] task %r registered for partition %r (retention)", task, partition)
+        return True
+
     def ack(
         self, partition: str, task: str, lease_id: int, keys: Sequence[str] | None = None
     ) -> int:
-        """Mark leased samples consumed by ``task``.
+        """Mark leased samples consumed by ``task``; drop those every registered task consumed.
 
         Args:
             partition, task: as claimed.
@@ -542,7 +617,22 @@ class SampleStore:
         lease.keys -= todo
         if not lease.keys:
             del self._leases[lease_id]
+        part = self._parts[partition]
+        if task in part.registered:
+            self._retire(partition, part, todo)
         return len(todo)
+
+    def _retire(self, partition: str, part: _Partition, keys: Iterable[str]) -> None:
+        """Drop the samples every registered task consumed; remember their keys."""
+        holders = [part.tasks[t].consumed for t in part.registered]
+        done = [k for k in keys if all(k in c for c in holders)]
+        if not done:
+            return
+        if part.retired is None:
+            part.retired = KeyTombstones(self.tombstone_max_keys)
+        part.retired.add(done)
+        part.dropped += len(done)
+        self.clear(partition, done)
 
     def nack(
         self, partition: str, task: str, lease_id: int, keys: Sequence[str] | None = None
@@ -570,13 +660,23 @@ class SampleStore:
         """Consumption status of one task on one partition.
 
         Returns:
-            ``{"samples", "consumed", "leased", "pending", "leases"}`` where pending samples are
-            neither consumed nor leased by the task (whatever fields they have).
+            ``{"samples", "consumed", "leased", "pending", "leases", "dropped", "registered"}``
+            where pending samples are neither consumed nor leased by the task (whatever fields
+            they have), ``consumed`` counts samples still held (dropped ones are not), and
+            ``dropped`` the samples retention dropped from the partition.
         """
         self.expire_leases()
         part = self._parts.get(partition)
         if part is None:
-            return {"samples": 0, "consumed": 0, "leased": 0, "pending": 0, "leases": 0}
+            return {
+                "samples": 0,
+                "consumed": 0,
+                "leased": 0,
+                "pending": 0,
+                "leases": 0,
+                "dropped": 0,
+                "registered": False,
+            }
         state = part.tasks.get(task) or _Task()
         n_leases = sum(
             1 for le in self._leases.values() if le.partition == partition and le.task == task
@@ -588,6 +688,8 @@ class SampleStore:
             "leased": len(state.leased),
             "pending": samples - len(state.consumed) - len(state.leased),
             "leases": n_leases,
+            "dropped": part.dropped,
+            "registered": task in part.registered,
         }
 
     def stats(self) -> dict:
@@ -609,6 +711,10 @@ class SampleStore:
                     t: {"consumed": len(s.consumed), "leased": len(s.leased)}
                     for t, s in part.tasks.items()
                 },
+                "registered": sorted(part.registered),
+                "dropped": part.dropped,
+                "tombstones": len(part.retired) if part.retired is not None else 0,
+                "tombstone_bytes": part.retired.nbytes if part.retired is not None else 0,
             }
         return {
             "capacity_bytes": self.capacity_bytes,

@@ -129,6 +129,14 @@ BODY_SPECS: dict[str, dict[str, FieldSpec]] = {
             description="lease length before redelivery; null = server default",
         ),
         "shm": _SHM_REPLY,
+        "register": FieldSpec(
+            "bool",
+            required=False,
+            nullable=True,
+            description="register the task for the partition first (retention): a sample is "
+            "dropped once every registered task acked it, and a re-put of its key is answered "
+            "as consumed; absent/false = no change",
+        ),
     },
     "ack": {
         "partition": _PARTITION,

@@ -126,6 +126,8 @@ def test_claim_returns_insertion_order_and_nothing_after_all_consumed():
         "leased": 0,
         "pending": 0,
         "leases": 0,
+        "dropped": 0,
+        "registered": False,
     }
 
 
