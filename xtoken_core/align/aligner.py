@@ -47,6 +47,20 @@ def _as_numpy(x, dtype) -> np.ndarray:
     return np.asarray(x, dtype=dtype)
 
 
+def _check_starts(side: str, spans_N2: np.ndarray, mask_N: np.ndarray | None) -> None:
+    """Raise unless every real token's span starts at a byte offset >= 0."""
+    starts_N = spans_N2[:, 0]
+    if mask_N is not None and mask_N.shape == starts_N.shape:
+        starts_N = starts_N[mask_N]
+    if starts_N.size and int(starts_N.min()) < 0:
+        at = int(np.flatnonzero(spans_N2[:, 0] == starts_N.min())[0])
+        raise ValueError(
+            f"{side}: token {at} has span {spans_N2[at].tolist()} with a negative start; spans "
+            "are [start, end) byte offsets into the text, >= 0 (use XTokenizer.encode to "
+            "compute them)"
+        )
+
+
 class _Side:
     """One side's tokens split into content and zero-width specials (internal)."""
 
@@ -170,7 +184,8 @@ class TokenAligner:
             SampleAlignment.
 
         Raises:
-            ValueError: on mismatched shapes or spans that are not ordered and disjoint.
+            ValueError: on mismatched shapes, negative span starts, or spans that are not
+                ordered and disjoint.
         """
         s_spans = _as_numpy(student_spans, np.int64).reshape(-1, 2)
         t_spans = _as_numpy(teacher_spans, np.int64).reshape(-1, 2)
@@ -179,6 +194,8 @@ class TokenAligner:
         t_mask = None if teacher_mask is None else _as_numpy(teacher_mask, bool)
         s_roles = None if student_roles is None else _as_numpy(student_roles, np.int8)
         t_roles = None if teacher_roles is None else _as_numpy(teacher_roles, np.int8)
+        for side, spans_N2, mask_N in (("student", s_spans, s_mask), ("teacher", t_spans, t_mask)):
+            _check_starts(side, spans_N2, mask_N)
         # Fast path: both sides tile their bytes from the same first byte (real tokenizers'
         # output, right padding masked off); the general path handles everything else.
         s_fast = tiled_side(s_spans, s_mask, s_roles)

@@ -416,3 +416,25 @@ def test_spans_at_far_byte_offsets_align_like_spans_at_zero(tilings, offset):
     for name in ("pair_valid", "student_chunk_id", "teacher_chunk_id"):
         assert np.array_equal(getattr(far, name), getattr(near, name))
     assert np.array_equal(far.student_exact_partition_mask, near.student_exact_partition_mask)
+
+
+@pytest.mark.parametrize(
+    "s_spans,t_spans,side",
+    [
+        ([[-1, 2], [2, 4]], [[0, 4]], "student"),
+        ([[-3, -1], [-1, 4]], [[-3, 4]], "student"),
+        ([[-2, -2], [0, 4]], [[0, 4]], "student"),
+        ([[0, 2], [2, 4]], [[-5, 4]], "teacher"),
+        ([[0, 1]], [[-1, 0], [0, 1]], "teacher"),
+    ],
+)
+def test_negative_span_starts_are_rejected_naming_the_side(s_spans, t_spans, side):
+    with pytest.raises(ValueError, match=rf"{side}.*negative start"):
+        ALIGNER.align_sample(np.array(s_spans), np.array(t_spans))
+
+
+def test_negative_spans_of_masked_tokens_are_ignored():
+    sample = ALIGNER.align_sample(
+        np.array([[0, 2], [-1, -1]]), np.array([[0, 2]]), student_mask=[True, False]
+    )
+    assert sample.student_chunk_id.tolist() == [0, -1]
