@@ -84,7 +84,12 @@ def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_b
         assert set(rank["grads"]) == set(grads) == set(rank["params"])
         for name, grad in grads.items():
             torch.testing.assert_close(rank["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
-            torch.testing.assert_close(rank["params"][name], params[name], rtol=1e-4, atol=1e-6)
+            # where |grad| is near AdamW's eps (1e-8) its first step, lr * g / (|g| + eps), turns
+            # the grads' allowed rounding (atol 1e-7) into any fraction of lr: compare the rest
+            settled = grad.abs() > 1e-6
+            torch.testing.assert_close(
+                rank["params"][name][settled], params[name][settled], rtol=1e-4, atol=1e-6
+            )
             assert not torch.equal(params[name], before[name]), f"{name} did not move"
         # the checkpoint of the step, loaded into a fresh FSDP2 worker of other initial weights
         assert rank["loaded_step"] == 1
