@@ -58,6 +58,13 @@ class LossConfig:
     vocab_topk: int | None = field(
         default=8192, metadata={"help": "teacher columns kept by P-KL (None: all)"}
     )
+    topk_columns: Literal["valid", "all"] = field(
+        default="valid",
+        metadata={
+            "help": "positions that pick P-KL's top-k teacher columns: valid (chunked positions) "
+            "or all (every position, padding and the last one included: NeMo RL's rule)"
+        },
+    )
     uncommon_topk: int = field(default=8192, metadata={"help": "gold: sorted-L1 length cap"})
     reverse_kl: bool = field(default=False, metadata={"help": "KL(student || teacher)"})
     dynamic_scaling: bool = field(default=False, metadata={"help": "scale KD by |ce| / |kd|"})
@@ -74,6 +81,11 @@ class LossConfig:
             raise ValueError(f"mode={self.mode!r}: use one of {', '.join(LOSS_MODES)}")
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature}: must be > 0")
+        if self.topk_columns not in ("valid", "all"):
+            raise ValueError(
+                f"topk_columns={self.topk_columns!r}: use valid (chunked positions) or all "
+                "(every position, as NeMo RL)"
+            )
         if self.kl_weight < 0 or self.ce_weight < 0:
             raise ValueError("kl_weight and ce_weight must be >= 0")
         if self.mode == "ce" and self.ce_weight == 0:

@@ -228,6 +228,7 @@ class TrainerWorker:
                 kl_weight=lc.kl_weight,
                 ce_weight=lc.ce_weight,
                 vocab_topk=lc.vocab_topk,
+                topk_columns=lc.topk_columns,
                 uncommon_topk=lc.uncommon_topk,
                 reverse_kl=lc.reverse_kl,
                 dynamic_scaling=lc.dynamic_scaling,

@@ -124,6 +124,7 @@ def pkl_kd_loss(
     vocab_topk: int | None,
     reverse_kl: bool,
     projection_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    topk_columns: str = "valid",
 ) -> KDTerms:
     """P-KL from composed kernels (fp64, or no Triton): chunk log-softmax kernel + projection.
 
@@ -142,7 +143,9 @@ def pkl_kd_loss(
     C = valid_BC.shape[1]
     dtype = reference.compute_dtype(student_logits_BTV)
     teacher_logits_BUW = teacher_logits_BUW.detach()
-    idx_K = reference.select_teacher_columns(teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk)
+    idx_K = reference.select_teacher_columns(
+        teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk, topk_columns
+    )
     with torch.no_grad():
         teacher_lp_BCK, _ = chunk_avg(
             teacher_logits_BUW[..., idx_K].contiguous(),

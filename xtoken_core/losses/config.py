@@ -15,6 +15,7 @@ ProjectionSource = str | os.PathLike | tuple[torch.Tensor, torch.Tensor]
 
 MODES = ("pkl", "gold", "xtoken")
 BACKENDS = ("auto", "reference", "kernel")
+TOPK_COLUMNS = ("valid", "all")
 
 
 def _is_single_projection(value: object) -> bool:
@@ -54,6 +55,11 @@ class CrossTokenizerLossConfig:
         reverse_kl: KL(student || teacher) instead of KL(teacher || student).
         temperature: softmax temperature T (> 0); the KD term is scaled by T**2.
         vocab_topk: teacher columns kept by P-KL (None: all).
+        topk_columns: which positions pick P-KL's ``vocab_topk`` teacher columns (the ids with
+            the largest max-logit): "valid" (default) the positions that belong to a chunk after
+            the next-token shift, so padding and the last position never pick a column; "all"
+            every position of the micro-batch, padding and the last one included, as NeMo RL
+            does (for parity with it). The two differ only when ``vocab_topk`` < teacher vocab.
         uncommon_topk: cap on the sorted-probability L1 length of the gold loss.
         kl_weight: weight of the KD term.
         ce_weight: weight of the student CE term.
@@ -78,6 +84,7 @@ class CrossTokenizerLossConfig:
     reverse_kl: bool = False
     temperature: float = 1.0
     vocab_topk: int | None = 8192
+    topk_columns: str = "valid"
     uncommon_topk: int = 8192
     kl_weight: float = 1.0
     ce_weight: float = 1.0
@@ -117,6 +124,11 @@ class CrossTokenizerLossConfig:
             not isinstance(self.vocab_topk, int) or self.vocab_topk < 1
         ):
             raise ValueError(f"vocab_topk={self.vocab_topk!r} must be a positive int or None (all)")
+        if self.topk_columns not in TOPK_COLUMNS:
+            raise ValueError(
+                f"topk_columns={self.topk_columns!r} is unknown; use one of {TOPK_COLUMNS} "
+                "('valid': chunked positions only, the default; 'all': every position, as NeMo RL)"
+            )
         if not isinstance(self.uncommon_topk, int) or self.uncommon_topk < 1:
             raise ValueError(f"uncommon_topk={self.uncommon_topk!r} must be a positive int")
         if not isinstance(self.cuda_graph_cache, int) or self.cuda_graph_cache < 1:

@@ -184,6 +184,7 @@ def pkl_teacher_side(
     vocab_topk: int | None,
     device_N: torch.Tensor | None,
     with_sum: bool = False,
+    topk_columns: str = "valid",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
     """The P-KL teacher side and the projection restricted to its columns, no host sync.
 
@@ -201,6 +202,8 @@ def pkl_teacher_side(
         device_N: int64 [1] device N when the rows cover every chunk slot, else None.
         with_sum: also return the fp32 sum of the teacher logits when the top-k pass reads
             them all anyway (their finite check), else None.
+        topk_columns: "valid" (rows with a chunk id pick the columns) or "all" (every row,
+            padding and the last one included: NeMo RL's rule).
 
     Returns:
         ``(teacher_lp_NK, restricted, total)``: [N, K] fp32 chunk-averaged teacher
@@ -215,9 +218,10 @@ def pkl_teacher_side(
             idx_K = torch.arange(W, device=teacher_logits_BUW.device)
         else:  # same ids as reference.select_teacher_columns: exact max, same topk input
             # rows with a chunk id >= 0 are used: the ids serve as the kernel's row index
-            max_W = kernels.rows.column_max(
-                teacher_logits_BUW, teacher_chunk_id_BU.reshape(-1).contiguous(), with_sum=with_sum
-            )
+            rows_R = teacher_chunk_id_BU.reshape(-1).contiguous()
+            if topk_columns == "all":  # every row counts as used
+                rows_R = torch.zeros_like(rows_R)
+            max_W = kernels.rows.column_max(teacher_logits_BUW, rows_R, with_sum=with_sum)
             if with_sum:
                 max_W, total = max_W
             # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
@@ -251,6 +255,7 @@ def _pkl_fused(
     reverse_kl,
     num_valid,
     plan,
+    topk_columns="valid",
 ) -> KDTerms:
     kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
@@ -273,6 +278,7 @@ def _pkl_fused(
         temperature=temperature,
         vocab_topk=vocab_topk,
         device_N=device_N,
+        topk_columns=topk_columns,
     )
     kd, sums_3 = kernels.pkl_terms.ProjectedChunkKL.apply(
         zs_BTV,
@@ -359,6 +365,7 @@ def pkl_kd_loss(
     projection_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_valid: int | None = None,
     plan=None,
+    topk_columns: str = "valid",
 ) -> KDTerms:
     """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
 
@@ -382,6 +389,8 @@ def pkl_kd_loss(
             path its host sync); None: counted here.
         plan: :func:`plan_chunks` of this batch (fused path): its rows replace the grouping
             done here, and its shifted ids and validity must be the ones passed.
+        topk_columns: positions that pick the columns, "valid" or "all"
+            (:func:`reference.select_teacher_columns`).
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -397,7 +406,12 @@ def pkl_kd_loss(
         valid_BC,
         projection_VW,
     )
-    opts = dict(temperature=temperature, vocab_topk=vocab_topk, reverse_kl=reverse_kl)
+    opts = dict(
+        temperature=temperature,
+        vocab_topk=vocab_topk,
+        reverse_kl=reverse_kl,
+        topk_columns=topk_columns,
+    )
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
         return _pkl_fused(*args, **opts, num_valid=num_valid, plan=plan)
     return composed.pkl_kd_loss(*args, **opts, projection_topk=projection_topk)

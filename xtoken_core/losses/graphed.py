@@ -78,6 +78,7 @@ class PklSpec:
     vocab_topk: int | None
     reverse_kl: bool
     exact_token_match_only: bool
+    topk_columns: str = "valid"
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def kd_phase(
             vocab_topk=spec.vocab_topk,
             device_N=device_N,
             with_sum=True,
+            topk_columns=spec.topk_columns,
         )
         if teacher_sum is None:  # all columns kept: no column-max pass
             teacher_sum = zt_BUW.sum(dtype=torch.float32)

@@ -3,7 +3,10 @@
 Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
 tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
 micro-batches of a step and over the DP ranks gives the step's value. ``num_valid_chunks`` is
-the local count (summed the same way).
+the local count (summed the same way). ``kl_common`` (the common-vocab KL of gold, the KL of
+P-KL) and ``l1_uncommon`` (the uncommon-vocab sorted L1 of gold, 0 for P-KL) are reported
+after the ``T**2`` factor, as ``kl_loss`` is (NeMo RL reports them before it: divide by
+``temperature**2`` to compare).
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.
@@ -208,6 +211,7 @@ class CrossTokenizerLoss:
             vocab_topk=cfg.vocab_topk,
             reverse_kl=bool(cfg.reverse_kl),
             exact_token_match_only=bool(cfg.exact_token_match_only),
+            topk_columns=cfg.topk_columns,
         )
         kd, metrics_4n, checks_X = self._graphs(
             spec, student_logits, teachers, sample_mask, chunk_denoms
@@ -559,6 +563,7 @@ class CrossTokenizerLoss:
                         temperature=cfg.temperature,
                         vocab_topk=cfg.vocab_topk,
                         reverse_kl=cfg.reverse_kl,
+                        topk_columns=cfg.topk_columns,
                         **extra,
                     )
                 denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]

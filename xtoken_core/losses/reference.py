@@ -13,8 +13,9 @@ Conventions, chosen where DESIGN "Losses" leaves a choice, and followed by the k
   ``S_c``/``U_c``/``L_c`` (so ``exp`` of it is an unnormalized geometric mean), and of projected
   *probabilities* for the P-KL student ``q_c``, which is then renormalized to sum to 1.
 * P-KL teacher columns: the ``vocab_topk`` teacher ids with the largest logit over every
-  position of the micro-batch that has a (shifted) teacher chunk id; the ids are sorted
-  ascending. Probabilities are clamped at :data:`PROB_EPS` before a ``log``.
+  position of the micro-batch that has a (shifted) teacher chunk id (``topk_columns="valid"``,
+  the default), or over every position, padding and the last one included
+  (``topk_columns="all"``, NeMo RL's rule); the ids are sorted ascending. Probabilities are clamped at :data:`PROB_EPS` before a ``log``.
 * The KD functions return *sums* over valid chunks (already times ``T**2``); the caller divides
   by the global valid-chunk count (all micro-batches, all DP ranks).
 * ``correct`` counts valid chunks whose student and teacher argmax agree: over the top-k columns
@@ -132,14 +133,19 @@ def chunk_validity(
 
 
 def select_teacher_columns(
-    teacher_logits_BUW: torch.Tensor, teacher_chunk_id_BU: torch.Tensor, vocab_topk: int | None
+    teacher_logits_BUW: torch.Tensor,
+    teacher_chunk_id_BU: torch.Tensor,
+    vocab_topk: int | None,
+    topk_columns: str = "valid",
 ) -> torch.Tensor:
-    """Teacher ids with the largest max-logit over the micro-batch's chunked positions.
+    """Teacher ids with the largest max-logit over the micro-batch's chunked (or all) positions.
 
     Args:
         teacher_logits_BUW: ``[B, U, W]`` teacher logits.
-        teacher_chunk_id_BU: ``[B, U]`` shifted ids; positions with -1 are ignored.
+        teacher_chunk_id_BU: ``[B, U]`` shifted ids; with "valid", positions with -1 are ignored.
         vocab_topk: k; None or ``>= W`` keeps every column.
+        topk_columns: "valid" (positions with a chunk id) or "all" (every position, padding and
+            the last one included: NeMo RL's rule).
 
     Returns:
         ``[K]`` int64 teacher ids, sorted ascending.
@@ -151,6 +157,8 @@ def select_teacher_columns(
         if teacher_logits_BUW.shape[0] * teacher_logits_BUW.shape[1] == 0:
             # no position (an empty batch): every column ties at -inf, like the kernel's max
             max_W = teacher_logits_BUW.new_full((W,), float("-inf"))
+        elif topk_columns == "all":
+            max_W = teacher_logits_BUW.amax(dim=(0, 1))
         else:
             used_BU1 = (teacher_chunk_id_BU >= 0).unsqueeze(-1)
             masked_BUW = teacher_logits_BUW.masked_fill(~used_BU1, float("-inf"))
@@ -306,6 +314,7 @@ def pkl_kd_loss(
     temperature: float,
     vocab_topk: int | None,
     reverse_kl: bool,
+    topk_columns: str = "valid",
 ) -> KDTerms:
     """P-KL loss summed over valid chunks (reference).
 
@@ -319,13 +328,17 @@ def pkl_kd_loss(
         temperature: T.
         vocab_topk: number of teacher columns kept (None: all).
         reverse_kl: reverse KL.
+        topk_columns: positions that pick the columns, "valid" or "all"
+            (:func:`select_teacher_columns`).
 
     Returns:
         :class:`KDTerms` (``l1`` is 0).
     """
     C = valid_BC.shape[1]
     teacher_logits_BUW = teacher_logits_BUW.detach()
-    idx_K = select_teacher_columns(teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk)
+    idx_K = select_teacher_columns(
+        teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk, topk_columns
+    )
     dtype = compute_dtype(student_logits_BTV)
     teacher_lp_BUK = torch.log_softmax(teacher_logits_BUW[..., idx_K].to(dtype) / temperature, -1)
     teacher_lp_BCK, _ = chunk_average_log_probs(teacher_lp_BUK, teacher_chunk_id_BU, C)

@@ -43,6 +43,7 @@ def test_one_projection_is_shared_by_every_teacher():
         ({"temperature": float("nan")}, "temperature=nan"),
         ({"vocab_topk": 0}, "vocab_topk=0"),
         ({"uncommon_topk": 0}, "uncommon_topk=0"),
+        ({"topk_columns": "padded"}, r"topk_columns='padded' is unknown.*'valid', 'all'"),
         ({"kl_weight": -0.1}, "kl_weight=-0.1"),
         ({"ce_weight": float("inf")}, "ce_weight=inf"),
         ({"projection": None}, "projection is required"),

@@ -124,8 +124,11 @@ def test_environment_switch_turns_graphs_off(monkeypatch):
     assert not graphed.graphs_enabled()
 
 
+@pytest.mark.parametrize("topk_columns", ["valid", "all"])
 @pytest.mark.parametrize("reverse_kl", [False, True])
-def test_phase_path_matches_the_fused_path_interpreted_on_cpu(monkeypatch, reverse_kl):
+def test_phase_path_matches_the_fused_path_interpreted_on_cpu(
+    monkeypatch, reverse_kl, topk_columns
+):
     """kd_phase + its autograd Function (the code a graph captures) against the eager fused
     path, both through the Triton interpreter; a second call tries a capture, which needs CUDA,
     so the phase records why and stays eager."""
@@ -142,6 +145,7 @@ def test_phase_path_matches_the_fused_path_interpreted_on_cpu(monkeypatch, rever
         vocab_topk=20,
         reverse_kl=reverse_kl,
         teacher_weights=[1.0, 0.5],
+        topk_columns=topk_columns,
     )
     phase_fn, fused_fn = loss_fn(True, **options), loss_fn(False, **options)
     monkeypatch.setattr(fused_fn, "_graph_eligible", lambda *a: False)

@@ -115,6 +115,7 @@ def naive_kd(
     uncommon_topk=8192,
     exact_only=False,
     prefix="alignment_",
+    topk_columns="valid",
 ):
     """Sum over valid chunks of the per-chunk loss times temp**2, and the number of valid chunks.
 
@@ -136,8 +137,9 @@ def naive_kd(
     if mode == "pkl":
         best = torch.full((Wn,), -math.inf, dtype=torch.float64)
         for b in range(Bn):
-            for p in range(Un - 1):
-                if t_ids[b, p + 1] >= 0:
+            for p in range(Un):
+                # "all" (NeMo RL): every position, padding and the last one included
+                if topk_columns == "all" or (p < Un - 1 and t_ids[b, p + 1] >= 0):
                     best = torch.maximum(best, zt[b, p])
         k = Wn if vocab_topk is None else min(vocab_topk, Wn)
         cols = sorted(torch.argsort(best, descending=True)[:k].tolist())
@@ -711,3 +713,74 @@ def test_chunk_ids_of_a_non_integer_dtype_are_refused_naming_the_dtype(dtype, fi
     for call in (lambda: _call(batch=batch), lambda: loss_fn.count_valid([batch])):
         with pytest.raises(ValueError, match=rf"alignment_{field}.*{dtype}"):
             call()
+
+
+def _topk_columns_case():
+    """Teacher logits whose largest values sit where no chunk reads them (the last position and
+    a padded tail), so that the two column rules pick different columns."""
+    zs, zt = make_logits(25)
+    batch = make_batch(25)
+    zt = zt.clone()
+    zt[:, -1, :3] = 40.0  # the last position never belongs to a (shifted) chunk
+    batch["alignment_teacher_chunk_id"][0, -3:] = -1  # a padded tail
+    zt[0, -4:, 3] = 40.0
+    return zs, zt, batch
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_topk_columns_all_matches_the_nemo_rule_and_differs_from_valid(reverse):
+    zs, zt, batch = _topk_columns_case()
+    got = {}
+    for rule in ("valid", "all"):
+        _, metrics = run_api(
+            zs,
+            zt,
+            batch,
+            vocab_topk=4,
+            topk_columns=rule,
+            reverse_kl=reverse,
+            ce_weight=0.0,
+            backend="reference",
+        )
+        kd_sum, n = naive_kd(
+            zs,
+            zt,
+            batch,
+            make_projection(),
+            mode="pkl",
+            vocab_topk=4,
+            topk_columns=rule,
+            reverse=reverse,
+        )
+        assert metrics["kl_loss"].item() == pytest.approx(kd_sum / n, rel=1e-9)
+        got[rule] = metrics["kl_loss"].item()
+    assert got["all"] != pytest.approx(got["valid"], rel=1e-3)
+    _, every = run_api(zs, zt, batch, vocab_topk=None, topk_columns="valid", backend="reference")
+    _, every_all = run_api(zs, zt, batch, vocab_topk=None, topk_columns="all", backend="reference")
+    assert every["kl_loss"].item() == every_all["kl_loss"].item()  # k >= W: the same columns
+
+
+@pytest.mark.parametrize("rule", ["valid", "all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["composed", "fused"])
+def test_topk_columns_rule_is_the_same_in_the_kernel_engine(rule, dtype, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zs, zt, batch = _topk_columns_case()
+    zs = zs.detach().to(dtype).requires_grad_()
+    results = {}
+    for backend in ("reference", "kernel"):
+        zs.grad = None
+        loss, _ = run_api(
+            zs,
+            zt.to(dtype),
+            batch,
+            vocab_topk=4,
+            topk_columns=rule,
+            ce_weight=0.0,
+            backend=backend,
+        )
+        loss.backward()
+        results[backend] = (loss.detach(), zs.grad.clone())
+    tol = dict(rtol=1e-5, atol=1e-7)  # the kernels project in fp32 (as the existing check)
+    torch.testing.assert_close(results["kernel"][0], results["reference"][0], **tol)
+    torch.testing.assert_close(results["kernel"][1], results["reference"][1], **tol)
