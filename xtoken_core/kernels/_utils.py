@@ -221,6 +221,13 @@ def _launch_hooks_set() -> bool:
 def lazy_jit(fn: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
     """Decorator form of :class:`LazyJit` (``@lazy_jit`` or ``@lazy_jit(debug=True)``).
 
+    A kernel whose arguments depend on the batch (lengths, chunk and row counts; small index
+    arrays carved from one buffer at data-dependent offsets) names them in
+    ``do_not_specialize`` / ``do_not_specialize_on_alignment``: Triton otherwise compiles a new
+    variant whenever such an int turns 1 or a multiple of 16, or such a pointer 16-byte aligned,
+    and the training step that meets it waits seconds for the compile. Strides and vocab sizes
+    (fixed per run, and what vectorized loads rely on) stay specialized.
+
     Args:
         fn: the kernel body.
         jit_kwargs: keyword arguments for ``triton.jit``.

@@ -101,7 +101,16 @@ def chunk_avg_log_softmax_reference(
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("R", "T", "C", "S"),
+        do_not_specialize_on_alignment=(
+            "cid_ptr",
+            "seg_R_ptr",
+            "order_R_ptr",
+            "offsets_S1_ptr",
+            "sizes_S_ptr",
+        ),
+    )
     def _segments_kernel(
         cid_ptr,
         seg_R_ptr,
@@ -144,7 +153,7 @@ if tl is not None:
         tl.store(offsets_S1_ptr + s, before)
         tl.store(sizes_S_ptr + s, (running - before).to(tl.float32), mask=s < S)
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("T",), do_not_specialize_on_alignment=("seg_R_ptr", "lse_R_ptr"))
     def _row_lse_kernel(
         logits_ptr,
         seg_R_ptr,
@@ -178,7 +187,10 @@ if tl is not None:
         else:
             tl.store(lse_R_ptr + r, 0.0)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T",),
+        do_not_specialize_on_alignment=("order_N_ptr", "offsets_S1_ptr", "lse_R_ptr"),
+    )
     def _chunk_fused_fwd_kernel(
         logits_ptr,
         order_N_ptr,
@@ -232,7 +244,10 @@ if tl is not None:
             out = acc * scale - shift
             tl.store(out_SV_ptr + s_id * V + v, out.to(out_SV_ptr.dtype.element_ty), mask=vmask)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T",),
+        do_not_specialize_on_alignment=("order_N_ptr", "offsets_S1_ptr", "lse_R_ptr"),
+    )
     def _chunk_acc_kernel(
         logits_ptr,
         order_N_ptr,
@@ -265,7 +280,10 @@ if tl is not None:
         out = acc / n
         tl.store(out_SV_ptr + s_id * V + v, out.to(out_SV_ptr.dtype.element_ty), mask=vmask)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T", "C"),
+        do_not_specialize_on_alignment=("seg_R_ptr", "lse_R_ptr", "sizes_S_ptr", "gsum_S_ptr"),
+    )
     def _chunk_bwd_kernel(
         logits_ptr,
         grad_ptr,

@@ -105,7 +105,10 @@ def block_for(key: str, n: int, floor: int = 1) -> int:
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T",),
+        do_not_specialize_on_alignment=("nidx_R_ptr", "lse_R_ptr", "sum_R_ptr"),
+    )
     def _row_lse_kernel(
         z_ptr,
         nidx_R_ptr,
@@ -148,7 +151,10 @@ if tl is not None:
         else:
             tl.store(lse_R_ptr + r, float("inf"))
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T",),
+        do_not_specialize_on_alignment=("lse_R_ptr", "order_ptr", "offsets_N1_ptr", "cols_X_ptr"),
+    )
     def _chunk_cols_kernel(
         z_ptr,
         lse_R_ptr,
@@ -186,7 +192,15 @@ if tl is not None:
         out = acc / tl.maximum(end - start, 1).to(tl.float32)
         tl.store(out_ptr + n * out_stride + i, out, mask=im)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T",),
+        do_not_specialize_on_alignment=(
+            "order_ptr",
+            "offsets_N1_ptr",
+            "cols_X_ptr",
+            "num_valid_ptr",
+        ),
+    )
     def _chunk_lsm_cols_kernel(
         z_ptr,
         order_ptr,
@@ -253,7 +267,10 @@ if tl is not None:
             acc = tl.load(out_row + i, mask=im & ((offs * 0 + end) > start), other=0.0)
             tl.store(out_row + i, acc / size - mean_lse, mask=im)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("R", "T", "rows_per_prog"),
+        do_not_specialize_on_alignment=("nidx_R_ptr", "sum_P_ptr"),
+    )
     def _col_max_kernel(
         z_ptr,
         nidx_R_ptr,

@@ -29,7 +29,17 @@ __all__ = ["GoldStudent", "gold_backward"]
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("T",),
+        do_not_specialize_on_alignment=(
+            "lse_R_ptr",
+            "nidx_R_ptr",
+            "cpos_V_ptr",
+            "gsum_N_ptr",
+            "coef_N_ptr",
+            "gscale_ptr",
+        ),
+    )
     def _gold_bwd_kernel(
         z_ptr,
         lse_R_ptr,

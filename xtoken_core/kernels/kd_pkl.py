@@ -40,7 +40,16 @@ __all__ = [
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("R", "T"),
+        do_not_specialize_on_alignment=(
+            "lse_R_ptr",
+            "ptr_K1_ptr",
+            "rows_E_ptr",
+            "cols_E_ptr",
+            "w_E_ptr",
+        ),
+    )
     def _proj_fwd_kernel(
         z_ptr,
         lse_R_ptr,
@@ -192,7 +201,10 @@ if tl is not None:
             tl.store(w_E_ptr + d0 + e, w, mask=em)
             tl.store(cols_E_ptr + d0 + e, tl.full((BLOCK,), 0, tl.int32) + j, mask=em)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("R", "T"),
+        do_not_specialize_on_alignment=("lse_R_ptr", "dot_R_ptr"),
+    )
     def _proj_bwd_kernel(
         z_ptr,
         lse_R_ptr,

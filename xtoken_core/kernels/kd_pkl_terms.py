@@ -48,7 +48,15 @@ __all__ = [
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize_on_alignment=(
+            "order_R_ptr",
+            "offsets_N1_ptr",
+            "num_valid_ptr",
+            "out_N4_ptr",
+            "stats_N2_ptr",
+        ),
+    )
     def _chunk_kl_fwd_kernel(
         q_RK_ptr,
         order_R_ptr,
@@ -142,7 +150,16 @@ if tl is not None:
         tl.store(stats_N2_ptr + n * 2, tot)
         tl.store(stats_N2_ptr + n * 2 + 1, tl.reduce(gu_lane, 0, SUM_COMBINE))
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("R",),
+        do_not_specialize_on_alignment=(
+            "nidx_R_ptr",
+            "offsets_N1_ptr",
+            "stats_N2_ptr",
+            "grad_ptr",
+            "dot_R_ptr",
+        ),
+    )
     def _chunk_kl_bwd_kernel(
         q_RK_ptr,
         nidx_R_ptr,

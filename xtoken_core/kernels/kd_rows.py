@@ -43,7 +43,24 @@ PLAN_CONFIG = {"block": 1024, "rows_block_t": 64, "rows_block_c": 64, "warps": 4
 if tl is not None:
     _BIG = tl.constexpr(1 << 62)  # id-range sentinels (globals read by a kernel are constexpr)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("B", "T", "U", "C"),
+        do_not_specialize_on_alignment=(
+            "raw_s_ptr",
+            "raw_t_ptr",
+            "pair_valid_S_ptr",
+            "sample_mask_B_ptr",
+            "pair_correct_S_ptr",
+            "shift_A_ptr",
+            "size_2S_ptr",
+            "segmap_S_ptr",
+            "valid_S_ptr",
+            "offsets_2S1_ptr",
+            "sizes_2S_ptr",
+            "vbefore_2B1_ptr",
+            "stats_5_ptr",
+        ),
+    )
     def _plan_slots_kernel(
         raw_s_ptr,
         raw_t_ptr,
@@ -136,7 +153,17 @@ if tl is not None:
         tl.store(vbefore_2B1_ptr + (B + 1) + B, t_run)
         tl.store(stats_5_ptr + 4, n_run)
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("B", "T", "U", "C"),
+        do_not_specialize_on_alignment=(
+            "shift_A_ptr",
+            "segmap_S_ptr",
+            "offsets_2S1_ptr",
+            "vbefore_2B1_ptr",
+            "nidx_A_ptr",
+            "order_A_ptr",
+        ),
+    )
     def _plan_rows_kernel(
         shift_A_ptr,
         segmap_S_ptr,

@@ -351,7 +351,16 @@ def project_reference(p_NS: torch.Tensor, index: GatherIndex) -> torch.Tensor:
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(
+        do_not_specialize=("NC",),
+        do_not_specialize_on_alignment=(
+            "piece_start",
+            "piece_end",
+            "piece_dest",
+            "col_rows",
+            "col_w",
+        ),
+    )
     def _gather_fwd_kernel(
         pT_ptr,
         out_ptr,
@@ -396,7 +405,7 @@ if tl is not None:
         q = tl.reduce(acc, 0, SUM_COMBINE)
         tl.store(out_ptr + dest * stride_out + n, q, mask=nm)
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("NC",), do_not_specialize_on_alignment=("heavy_cols", "heavy_ptr"))
     def _sum_partials_kernel(
         buf_ptr,
         heavy_cols,
@@ -421,7 +430,7 @@ if tl is not None:
         j = tl.load(heavy_cols + h).to(tl.int64)
         tl.store(buf_ptr + j * stride_buf + n, acc, mask=nm)
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("N",), do_not_specialize_on_alignment=("ell_cols", "ell_w"))
     def _gather_bwd_kernel(
         dqT_ptr,
         dp_ptr,

@@ -78,3 +78,31 @@ def test_fast_launch_matches_the_normal_launch_per_specialization(monkeypatch):
         for rep in range(3):
             assert torch.equal(outs["1", i, rep], outs["0", i, rep])
             assert torch.equal(outs["1", i, rep], src.t().float())
+
+
+def _lazy_kernels():
+    import importlib
+    import pkgutil
+
+    import xtoken_core.kernels as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"xtoken_core.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, _utils.LazyJit):
+                yield f"{info.name}.{name}", obj
+
+
+def test_unspecialized_arguments_name_parameters_of_their_kernel():
+    # Triton ignores a do_not_specialize name that is no parameter: a typo would silently bring
+    # back a compile per batch shape (a new chunk count meets the step as a 0.1-5 s compile)
+    import inspect
+
+    checked = 0
+    for name, kernel in _lazy_kernels():
+        params = set(inspect.signature(kernel.fn).parameters)
+        for key in ("do_not_specialize", "do_not_specialize_on_alignment"):
+            unknown = set(kernel.jit_kwargs.get(key, ())) - params
+            assert not unknown, f"{name} {key} names no parameter: {sorted(unknown)}"
+            checked += bool(kernel.jit_kwargs.get(key))
+    assert checked >= 19  # the loss kernels declare their batch-dependent arguments
