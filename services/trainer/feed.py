@@ -8,8 +8,9 @@ Per rank (records and names: services/teacher/protocol.py):
    split into micro-batches;
 2. put one request per micro-batch into ``<partition>.teacher<group>``; up to one step of
    requests is kept ahead, so the teacher computes step k+1 while this rank trains on step k;
-3. when a micro-batch is trained, wait for its record (``result<rank>``), open the slot
-   (``LogitRingReader.view``: the stream waits on the teacher's event) or apply the teacher's
+3. when a micro-batch is trained, wait for its record (``result<rank>``; records that already
+   arrived are taken after each backward is queued, off the step's critical path), open the
+   slot (``LogitRingReader.view``: the stream waits on the teacher's event) or apply the teacher's
    output layer to the hidden states; a stale handle (dead teacher, overwritten slot) or a
    checksum mismatch is never trained on: the micro-batch is requested again;
 4. after its backward: release the slot (once the GPU finished reading it), ack and clear the
@@ -281,7 +282,9 @@ class TeacherFeed:
 
                 if not isinstance(e, StaleHandleError | _ChecksumError):
                     raise
-                self.counters["stale" if isinstance(e, StaleHandleError) else "checksum_mismatch"] += 1
+                self.counters[
+                    "stale" if isinstance(e, StaleHandleError) else "checksum_mismatch"
+                ] += 1
                 logger.warning("[trainer] %s: asking the teacher again", e)
                 self._drop_record(p)
                 self._request(p)
@@ -308,6 +311,25 @@ class TeacherFeed:
         return logits_BUW
 
     def _poll_records(self, waiting: _Pending) -> None:
+        self._claim_records(self.config.claim_timeout_s)
+        if waiting.record is None:
+            self._free_ring_for(waiting)
+        if (
+            waiting.record is None
+            and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s
+        ):
+            self.counters["re_requests"] += 1
+            logger.warning(
+                "[trainer] no teacher result for %s in %.0fs (teacher_timeout_s): asking again",
+                waiting.request_key,
+                self.config.teacher_timeout_s,
+            )
+            self._by_request.pop(waiting.request_key, None)
+            self._request(waiting)
+
+    def _claim_records(self, timeout_s: float) -> None:
+        """Take the teacher's result records that arrived (the server waits up to ``timeout_s``
+        for the first) and attach each to its micro-batch."""
         got = self.client.claim(
             self.req_partition,
             self.trainer_task,
@@ -315,7 +337,7 @@ class TeacherFeed:
             4,
             fields=[self.result_field]
             + ([self.hidden_field] if self.output_layer is not None else []),
-            timeout_s=self.config.claim_timeout_s,
+            timeout_s=timeout_s,
             lease_s=self.config.lease_s,
         )
         keys = list(got["keys"])
@@ -331,17 +353,6 @@ class TeacherFeed:
                 continue
             p.record = record
             self._held[key] = p
-        if waiting.record is None:
-            self._free_ring_for(waiting)
-        if waiting.record is None and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s:
-            self.counters["re_requests"] += 1
-            logger.warning(
-                "[trainer] no teacher result for %s in %.0fs (teacher_timeout_s): asking again",
-                waiting.request_key,
-                self.config.teacher_timeout_s,
-            )
-            self._by_request.pop(waiting.request_key, None)
-            self._request(waiting)
 
     def _free_ring_for(self, waiting: _Pending) -> None:
         """Give back the slots of later micro-batches when their results fill a ring.
@@ -402,6 +413,10 @@ class TeacherFeed:
         self.client.ack(self.req_partition, self.trainer_task, lease_id, [p.request_key])
         self.client.clear(self.req_partition, [p.request_key])
         self._top_up()
+        if self._by_request:
+            # while the device runs this backward: take the results that already arrived, so
+            # the next micro-batch opens its slot without a queue round trip in its step
+            self._claim_records(0.0)
 
 
 class _ChecksumError(RuntimeError):

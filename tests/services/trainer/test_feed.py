@@ -188,3 +188,42 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         assert client.status(teacher.partition, feed.trainer_task)["samples"] == 0
         feed.ack([a, b, c])
         feed.give_back()
+
+
+@pytest.mark.timeout(120)
+def test_a_result_that_arrived_during_the_backward_is_taken_before_its_micro_batch_asks(
+    queue, projection
+):
+    # the record of the next micro-batch is claimed when the previous one is done (its backward
+    # queued), so opening its slot in the next step costs no queue round trip
+    samples = setup.samples()[:4]
+    keys = [f"s{i}" for i in range(len(samples))]
+    with QueueClient(queue, timeout_s=10) as client:
+        client.put(PARTITION, keys, samples_to_put_fields(samples))
+    config = setup.trainer_config(
+        projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True,
+        grad_accum=2,
+    )  # fmt: skip
+    worker = TrainerWorker(config)
+    with (
+        TeacherWorker(_teacher_config(queue)) as teacher_worker,
+        QueueClient(queue, timeout_s=10) as teacher_client,
+        QueueClient(queue, timeout_s=10) as client,
+        LogitRingReader() as reader,
+    ):
+        teacher = _ManualTeacher(teacher_client, teacher_worker)
+        feed = TeacherFeed(client, config, 0, worker, "trainer/e0/s0", set(), reader=reader)
+        a, b = feed.next_step(2)
+        asked = teacher.claim(2)
+        teacher.serve(asked[0])
+        a.teacher_logits()
+        assert b.context.record is None  # not computed yet
+        teacher.serve(asked[1])
+        a.done()
+        assert b.context.record is not None  # taken while a's backward ran
+        logits = b.teacher_logits()
+        assert torch.equal(logits, setup.teacher_logits(b.batch).to(logits.dtype))
+        b.done()
+        assert feed.counters == {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
+        feed.ack([a, b])
+        feed.give_back()
