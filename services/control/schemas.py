@@ -25,8 +25,10 @@ class RunOut(BaseModel):
 
     id: str
     name: str
-    state: str = Field(description="PENDING, STARTING, RUNNING, STOPPING, STOPPED, SUCCEEDED, "
-                       "FAILED, RECOVERING or INTERRUPTED")
+    state: str = Field(
+        description="PENDING, STARTING, RUNNING, STOPPING, STOPPED, SUCCEEDED, "
+        "FAILED, RECOVERING or INTERRUPTED"
+    )
     run_dir: str
     created: float
     updated: float

@@ -227,9 +227,7 @@ class Supervisor:
             from services.common.config import ConfigError
 
             raise ConfigError(f"run_dir: expected str, got {run_dir!r}")
-        config = confine(
-            raw, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots
-        )
+        config = confine(raw, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots)
         run_config_from_dict(config)  # every config error before anything is recorded
         _check_files(config)
         with self._lock:
@@ -275,7 +273,9 @@ class Supervisor:
         rec = self._record(run_id)
         with self._lock:
             h = self._handles.get(run_id)
-            if rec["state"] not in RESUMABLE or (h is not None and h.thread and h.thread.is_alive()):
+            if rec["state"] not in RESUMABLE or (
+                h is not None and h.thread and h.thread.is_alive()
+            ):
                 raise Conflict(
                     f"run {run_id} is {rec['state']}; only a run in "
                     f"{', '.join(sorted(RESUMABLE))} can be resumed"
@@ -368,7 +368,9 @@ class Supervisor:
         self._record(run_id)
         return self.store.events(run_id, after=after)
 
-    def subscribe(self, run_id: str, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    def subscribe(
+        self, run_id: str, callback: Callable[[dict[str, Any]], None]
+    ) -> Callable[[], None]:
         """Call ``callback(event)`` for every new event of the run (states, processes, metrics),
         from the run's thread; returns the function that unsubscribes.
 
@@ -478,8 +480,10 @@ class Supervisor:
                     self._sync(h)
                     self._poll_series(h)  # the steps up to the stop's checkpoint
                     bad = {n: c for n, c in codes.items() if c not in (0, None)}
-                    reason = "stopped on request; trainers checkpointed" if not bad else (
-                        f"stopped on request; trainers exited with {bad}"
+                    reason = (
+                        "stopped on request; trainers checkpointed"
+                        if not bad
+                        else (f"stopped on request; trainers exited with {bad}")
                     )
                     self._set_state(h.run_id, STOPPED, reason=reason)
                     return
@@ -576,8 +580,10 @@ class Supervisor:
                 state = "exited"
             else:
                 state = "failed"
-            key = name if spec.role in ("collator", "teacher") else (
-                f"{spec.role}s" if spec.role == "trainer" else "run"
+            key = (
+                name
+                if spec.role in ("collator", "teacher")
+                else (f"{spec.role}s" if spec.role == "trainer" else "run")
             )
             row = (pid, state, code, used.get(key, 0) + (used.get("run", 0) if key != "run" else 0))
             if h.known.get(name) == row:
@@ -655,7 +661,10 @@ class Supervisor:
             fields.setdefault("reason", None)  # a recovery's cause is over
         self.store.update_run(run_id, state=state, **fields)
         logger.info(
-            "[control] run %s: %s%s", run_id, state, f" ({fields['reason']})" if fields.get("reason") else ""
+            "[control] run %s: %s%s",
+            run_id,
+            state,
+            f" ({fields['reason']})" if fields.get("reason") else "",
         )
         data = {"state": state, **{k: v for k, v in fields.items() if k != "log_tail"}}
         self._event(run_id, "state", data)

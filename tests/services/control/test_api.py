@@ -46,20 +46,40 @@ def test_healthz_and_openapi_docs_answer_in_milliseconds(api):
 @pytest.mark.parametrize(
     ("body", "ctype", "key", "pattern"),
     [
-        ("trainer:\n  optim:\n    lrr: 0.1\n", "application/yaml", "trainer.optim.lrr",
-         "did you mean 'trainer.optim.lr'"),
+        (
+            "trainer:\n  optim:\n    lrr: 0.1\n",
+            "application/yaml",
+            "trainer.optim.lrr",
+            "did you mean 'trainer.optim.lr'",
+        ),
         (json.dumps({"trainers": "2"}), "application/json", "trainers", "expected int"),
-        (json.dumps({"teachers": 3, "trainers": 2}), "application/json", "teachers",
-         "teachers would idle"),
+        (
+            json.dumps({"teachers": 3, "trainers": 2}),
+            "application/json",
+            "teachers",
+            "teachers would idle",
+        ),
         ("trainer: [1, 2\n", "application/yaml", None, "not valid YAML"),
-        ("{\"trainers\": 1,}", "application/json", None, "not valid JSON"),
+        ('{"trainers": 1,}', "application/json", None, "not valid JSON"),
         ("", "application/json", None, "body is empty"),
         ("[1, 2]", "application/json", None, "a mapping"),
-        (json.dumps({"data": {"train": "missing.jsonl"}}), "application/json", "data.train",
-         "is not a file"),
+        (
+            json.dumps({"data": {"train": "missing.jsonl"}}),
+            "application/json",
+            "data.train",
+            "is not a file",
+        ),
     ],
-    ids=["unknown-key-yaml", "wrong-type", "impossible", "bad-yaml", "bad-json", "empty",
-         "not-a-mapping", "missing-file"],
+    ids=[
+        "unknown-key-yaml",
+        "wrong-type",
+        "impossible",
+        "bad-yaml",
+        "bad-json",
+        "empty",
+        "not-a-mapping",
+        "missing-file",
+    ],
 )
 def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype, key, pattern):
     with api.client() as c:
@@ -82,8 +102,16 @@ def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype
         ({"student_tokenizer": "/etc/tokenizer.json"}, "student_tokenizer"),
         ({"trainer": {"run_dir": "x"}}, "trainer.run_dir"),
     ],
-    ids=["absolute-data", "dotdot-data", "run-dir-abs", "run-dir-dotdot", "model-dir",
-         "projection", "tokenizer-file", "run-owned"],
+    ids=[
+        "absolute-data",
+        "dotdot-data",
+        "run-dir-abs",
+        "run-dir-dotdot",
+        "model-dir",
+        "projection",
+        "tokenizer-file",
+        "run-owned",
+    ],
 )
 def test_a_path_outside_the_roots_gets_403_naming_the_key(api, config, key):
     with api.client() as c:
@@ -133,9 +161,24 @@ def test_unknown_runs_and_processes_get_clear_errors(api):
 
 def test_a_non_loopback_bind_without_a_token_is_refused(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "services.cli", "control", "serve", "--host", "0.0.0.0",
-         "--port", str(free_port()), "--runs-root", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "control",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(free_port()),
+            "--runs-root",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **CHILD_ENV},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2
     assert "refusing to bind '0.0.0.0' without a token" in r.stderr
@@ -145,17 +188,21 @@ def test_a_non_loopback_bind_without_a_token_is_refused(tmp_path):
 def test_a_bad_setting_from_the_environment_names_its_flag_and_variable(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "services.cli", "control", "serve", "--runs-root", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, **CHILD_ENV, "XTOKEN_CONTROL_MAX_BODY_BYTES": "0"},
-        capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **CHILD_ENV, "XTOKEN_CONTROL_MAX_BODY_BYTES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2
     assert "--max-body-bytes (XTOKEN_CONTROL_MAX_BODY_BYTES): Input should be greater" in r.stderr
 
 
 def _collect_sse(url: str, headers: dict, out: list, stop: threading.Event) -> None:
-    with httpx.Client(timeout=httpx.Timeout(5, read=60)) as c, c.stream(
-        "GET", url, headers=headers
-    ) as r:
+    with (
+        httpx.Client(timeout=httpx.Timeout(5, read=60)) as c,
+        c.stream("GET", url, headers=headers) as r,
+    ):
         kind = None
         for line in r.iter_lines():
             if line.startswith("event: "):
@@ -186,8 +233,9 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
 
         events: list = []
         stop = threading.Event()
-        t = threading.Thread(target=_collect_sse,
-                             args=(f"{api.url}/v1/runs/{rid}/events", {}, events, stop))
+        t = threading.Thread(
+            target=_collect_sse, args=(f"{api.url}/v1/runs/{rid}/events", {}, events, stop)
+        )
         t.start()
         done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 180)
         t.join(30)
@@ -200,14 +248,19 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         states = [e["data"]["state"] for _, k, e in events if k == "state"]
         assert states[:1] == ["PENDING"] and states[-1] == "SUCCEEDED"
         assert "RUNNING" in states and "data_complete" in kinds
-        steps = [e["data"]["step"] for _, k, e in events if k == "metrics"
-                 and e["data"]["kind"] == "step"]
+        steps = [
+            e["data"]["step"]
+            for _, k, e in events
+            if k == "metrics" and e["data"]["kind"] == "step"
+        ]
         assert steps == [1, 2, 3, 4]
 
         series = c.get(f"/v1/runs/{rid}/metrics").json()
         assert [s["step"] for s in series["steps"]] == [1, 2, 3, 4]
         assert set(series["steps"][0]["times"]) >= {"data_wait", "forward", "backward"}
-        assert [s["step"] for s in c.get(f"/v1/runs/{rid}/metrics?after_step=2").json()["steps"]] == [3, 4]
+        assert [
+            s["step"] for s in c.get(f"/v1/runs/{rid}/metrics?after_step=2").json()["steps"]
+        ] == [3, 4]
 
         q = c.get(f"/v1/runs/{rid}/queue").json()  # its last figures, asked every 2 s
         assert q["address"] == done["queue"] and q["updated"] > done["created"]
@@ -240,9 +293,10 @@ def test_sigterm_ends_the_server_promptly_even_with_an_open_event_stream(server)
         run = c.post("/v1/runs", json=tiny_config(**{"trainer.max_steps": 1}))
         assert run.status_code == 201, run.text
         rid = run.json()["id"]
-        with httpx.Client(timeout=httpx.Timeout(5, read=30)) as s, s.stream(
-            "GET", f"{server.url}/v1/runs/{rid}/events"
-        ) as r:
+        with (
+            httpx.Client(timeout=httpx.Timeout(5, read=30)) as s,
+            s.stream("GET", f"{server.url}/v1/runs/{rid}/events") as r,
+        ):
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             t = time.monotonic()

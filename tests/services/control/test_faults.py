@@ -116,8 +116,11 @@ def test_a_killed_control_plane_reattaches_its_run_which_finishes(server, demo):
         rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
         _wait_step(c, rid, 2)
         pids = _pids(c, rid)
-        running = [p["pid"] for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]
-                   if p["state"] == "running"]
+        running = [
+            p["pid"]
+            for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]
+            if p["state"] == "running"
+        ]
     assert len(running) >= 3  # queue, teacher, trainer (the collator may be done)
     server.kill()
     time.sleep(1.0)
@@ -184,8 +187,9 @@ def test_stop_checkpoints_and_resume_finishes_with_every_sample_trained_once(ser
         assert stopped["checkpoint"]["step"] == stopped["step"]
         series = c.get(f"/v1/runs/{rid}/metrics").json()["steps"]
         assert series[-1]["step"] == stopped["step"]  # the curve reaches the stop's checkpoint
-        assert all(p["state"] != "running"
-                   for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"])
+        assert all(
+            p["state"] != "running" for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]
+        )
         before = trained_keys(run_dir)
         assert 0 < len(before) < len(keys)
 

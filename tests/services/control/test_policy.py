@@ -45,16 +45,26 @@ def test_a_lost_queue_restarts_the_run_and_normal_ends_restart_nothing():
 def test_confine_makes_relative_paths_absolute_under_their_roots(tmp_path):
     runs, data = tmp_path / "runs", tmp_path / "data"
     out = confine(
-        {"data": {"train": "c/train.jsonl"}, "trainer": {"student": "tiny"},
-         "teacher": {"model": "models/t"}, "student_tokenizer": "qwen3"},
-        run_dir="r1", runs_root=runs, data_roots=[data, tmp_path / "models"],
+        {
+            "data": {"train": "c/train.jsonl"},
+            "trainer": {"student": "tiny"},
+            "teacher": {"model": "models/t"},
+            "student_tokenizer": "qwen3",
+        },
+        run_dir="r1",
+        runs_root=runs,
+        data_roots=[data, tmp_path / "models"],
     )
     assert out["run_dir"] == str(runs.resolve() / "r1")
     assert out["data"]["train"] == str(data.resolve() / "c" / "train.jsonl")
     assert out["teacher"]["model"] == str(data.resolve() / "models" / "t")
     assert out["trainer"]["student"] == "tiny" and out["student_tokenizer"] == "qwen3"
-    second_root = confine({"teacher": {"model": str(tmp_path / "models" / "m")}}, run_dir="r",
-                          runs_root=runs, data_roots=[data, tmp_path / "models"])
+    second_root = confine(
+        {"teacher": {"model": str(tmp_path / "models" / "m")}},
+        run_dir="r",
+        runs_root=runs,
+        data_roots=[data, tmp_path / "models"],
+    )
     assert second_root["teacher"]["model"] == str((tmp_path / "models" / "m").resolve())
 
 
@@ -63,8 +73,12 @@ def test_confine_follows_symlinks_out_of_the_root_and_refuses_them(tmp_path):
     data.mkdir()
     (data / "link").symlink_to("/etc")
     with pytest.raises(PathNotAllowed, match="outside the data roots") as e:
-        confine({"data": {"heldout": "link/passwd"}}, run_dir="r", runs_root=tmp_path / "runs",
-                data_roots=[data])
+        confine(
+            {"data": {"heldout": "link/passwd"}},
+            run_dir="r",
+            runs_root=tmp_path / "runs",
+            data_roots=[data],
+        )
     assert e.value.key == "data.heldout"
     with pytest.raises(PathNotAllowed) as e:
         confine({}, run_dir=".", runs_root=tmp_path / "runs", data_roots=[data])
@@ -74,20 +88,36 @@ def test_confine_follows_symlinks_out_of_the_root_and_refuses_them(tmp_path):
 def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     snapshot = {
         "started": 100.0,
-        "runs": [{
-            "id": 'r"1', "state": "RUNNING", "tokens_total": 512.0, "steps_total": 2,
-            "latest": {"step": 2, "step_s": 0.5, "times": {"forward": 0.1, "backward": 0.2},
-                       "tokens_per_s": 1024.0, "loss": 3.5, "kl_loss": 1.5, "ce_loss": 2.0,
-                       "memory_mb": 1.5},
-            "evals": [{"bits_per_byte": 2.25}],
-            "queue": {"capacity_bytes": 10, "leases": 1, "parked_claims": 2,
-                      "partitions": {"train": {"samples": 3, "bytes": 7}}},
-            "processes": [
-                {"name": "trainer0", "role": "trainer", "state": "running", "restarts": 1},
-                {"name": "trainer1", "role": "trainer", "state": "running", "restarts": 1},
-                {"name": "teacher0", "role": "teacher", "state": "failed", "restarts": 2},
-            ],
-        }],
+        "runs": [
+            {
+                "id": 'r"1',
+                "state": "RUNNING",
+                "tokens_total": 512.0,
+                "steps_total": 2,
+                "latest": {
+                    "step": 2,
+                    "step_s": 0.5,
+                    "times": {"forward": 0.1, "backward": 0.2},
+                    "tokens_per_s": 1024.0,
+                    "loss": 3.5,
+                    "kl_loss": 1.5,
+                    "ce_loss": 2.0,
+                    "memory_mb": 1.5,
+                },
+                "evals": [{"bits_per_byte": 2.25}],
+                "queue": {
+                    "capacity_bytes": 10,
+                    "leases": 1,
+                    "parked_claims": 2,
+                    "partitions": {"train": {"samples": 3, "bytes": 7}},
+                },
+                "processes": [
+                    {"name": "trainer0", "role": "trainer", "state": "running", "restarts": 1},
+                    {"name": "trainer1", "role": "trainer", "state": "running", "restarts": 1},
+                    {"name": "teacher0", "role": "teacher", "state": "failed", "restarts": 2},
+                ],
+            }
+        ],
     }
     text = prometheus.render(snapshot, states=STATES, now=110.0)
     assert "# TYPE xtoken_tokens counter" in text

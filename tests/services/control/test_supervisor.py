@@ -68,10 +68,18 @@ class ScriptedLauncher(LocalLauncher):
             summary = str(Path(spec.log_file).parent.parent / "summary.json")
         Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_file, "ab")  # noqa: SIM115 (closed by LocalProcess.poll)
-        argv = [sys.executable, "-c", _SCRIPT, spec.ready_file or "-", str(seconds), str(code),
-                summary, "services.cli", *spec.argv]
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        argv = [
+            sys.executable,
+            "-c",
+            _SCRIPT,
+            spec.ready_file or "-",
+            str(seconds),
+            str(code),
+            summary,
+            "services.cli",
+            *spec.argv,
+        ]
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc = LocalProcess(spec, popen, log)
         self.processes[spec.name] = proc
         return proc
@@ -88,9 +96,14 @@ def make(tmp_path):
             launchers.append(ScriptedLauncher(lives))
             return launchers[-1]
 
-        sup = Supervisor(store or Store(tmp_path / "control.db"), runs_root=tmp_path / "runs",
-                         data_roots=[tmp_path / "data"], launcher_factory=factory,
-                         tick_s=0.05, **kw)
+        sup = Supervisor(
+            store or Store(tmp_path / "control.db"),
+            runs_root=tmp_path / "runs",
+            data_roots=[tmp_path / "data"],
+            launcher_factory=factory,
+            tick_s=0.05,
+            **kw,
+        )
         sup.launchers = launchers
         made.append(sup)
         return sup
@@ -114,8 +127,9 @@ def wait_state(sup, run_id, states, timeout_s=30.0):
 
 
 def kinds(sup, run_id):
-    return [(e["kind"], e["data"].get("state") or e["data"].get("process")) for e in
-            sup.events(run_id)]
+    return [
+        (e["kind"], e["data"].get("state") or e["data"].get("process")) for e in sup.events(run_id)
+    ]
 
 
 def test_a_run_whose_trainers_finish_goes_through_its_states_to_succeeded(make):
@@ -158,8 +172,13 @@ def test_a_trainer_rank_crash_restarts_every_rank_on_a_new_rendezvous_port(make)
     done = wait_state(sup, run["id"], {"SUCCEEDED", "FAILED"})
     assert done["state"] == "SUCCEEDED", done
     launcher = sup.launchers[-1]
-    assert launcher.starts == {"queue": 1, "collator": 1, "teacher0": 1, "trainer0": 2,
-                               "trainer1": 2}
+    assert launcher.starts == {
+        "queue": 1,
+        "collator": 1,
+        "teacher0": 1,
+        "trainer0": 2,
+        "trainer1": 2,
+    }
     ports = [e["MASTER_PORT"] for e in launcher.envs["trainer0"]]
     assert ports[0] != ports[1]
     assert [e["MASTER_PORT"] for e in launcher.envs["trainer1"]] == ports
@@ -278,8 +297,9 @@ def test_a_reused_pid_is_not_reattached(tmp_path):
     from services.launch.spec import ProcessSpec
 
     spec = ProcessSpec("teacher0", "teacher", ["teacher"], log_file=str(tmp_path / "t.log"))
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "services.cli",
-                          "teacher"])
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "services.cli", "teacher"]
+    )
     try:
         deadline = time.monotonic() + 10  # until it has exec'd (a fork shows pytest's cmdline)
         while "services.cli" not in identity(p.pid)["cmdline"] and time.monotonic() < deadline:
@@ -306,8 +326,11 @@ def test_the_store_keeps_runs_processes_and_events_across_connections(tmp_path):
     s.close()
     s = Store(db)
     run = s.get_run("r1")
-    assert (run["state"], run["config"], run["runtime"]) == ("RUNNING", {"a": 1},
-                                                             {"queue": "tcp://x"})
+    assert (run["state"], run["config"], run["runtime"]) == (
+        "RUNNING",
+        {"a": 1},
+        {"queue": "tcp://x"},
+    )
     p = s.processes("r1")[0]
     assert (p["pid"], p["restarts"], p["role"]) == (5, 2, "teacher")
     assert s.events("r1") == [ev] and s.events("r1", after=ev["id"]) == []
