@@ -149,6 +149,30 @@ def test_mutating_calls_without_the_token_are_refused_and_reads_are_open(api):
         assert not [r for r in anon.get("/v1/runs").json()["runs"] if r["config"] is not None]
 
 
+def test_a_mutating_call_from_a_page_of_another_origin_is_refused(api):
+    """CSRF: any page the user opens could POST to the control plane through the browser."""
+    with api.client() as c:
+        for headers in (
+            {"Origin": "http://evil.example"},
+            {"Origin": "null"},
+            {"Sec-Fetch-Site": "cross-site"},
+        ):
+            r = c.post("/v1/runs", json=tiny_config(), headers=headers)
+            assert r.status_code == 403 and "another origin" in r.json()["error"], r.text
+            assert c.post("/v1/runs/abc/stop", headers=headers).status_code == 403
+        # the dashboard's own calls are same-origin; reads stay open
+        assert c.post("/v1/runs/abc/stop", headers={"Origin": api.url}).status_code == 404
+        assert c.get("/v1/runs", headers={"Origin": "http://evil.example"}).status_code == 200
+
+
+def test_without_a_token_changes_need_a_loopback_host(server):
+    """DNS rebinding: a page of rebound.example resolved to 127.0.0.1 is same-origin to itself."""
+    with server.client() as c:
+        r = c.post("/v1/runs/abc/stop", headers={"Host": "rebound.example:8000"})
+        assert r.status_code == 403 and "XTOKEN_CONTROL_TOKEN" in r.json()["error"]
+        assert c.post("/v1/runs/abc/stop", headers={"Host": "localhost:8000"}).status_code == 404
+
+
 def test_unknown_runs_and_processes_get_clear_errors(api):
     with api.client() as c:
         r = c.get("/v1/runs/nope")

@@ -1,7 +1,7 @@
 """Faults under the control plane, with real worker processes (slow): SIGKILL of a collator, the
-teacher or a trainer rank -> restart per policy and every sample trained as without the kill;
-SIGKILL of the control plane itself -> the run is re-attached and finishes; two runs at once never
-see each other's samples; stop -> checkpoint -> resume trains every sample once.
+teacher, a trainer rank or the run's queue -> restart per policy and every sample trained as
+without the kill; SIGKILL of the control plane itself -> the run is re-attached and finishes; two
+runs at once never see each other's samples; stop -> checkpoint -> resume trains every sample once.
 
 Run: ``./scripts/test.sh -m slow tests/services/control`` (about 6 minutes on 2 cores)."""
 
@@ -108,6 +108,28 @@ def test_a_killed_trainer_rank_restarts_every_rank_from_the_checkpoint(server, d
         assert not saved & set(after), "a checkpointed key was trained again"
         assert_exactly_once(sorted(saved) + after, keys)
         assert set(trained_keys(run_dir)) == set(keys)  # the same key set as without the kill
+
+
+def test_a_killed_queue_restarts_the_run_from_the_checkpoint_and_loses_no_sample(server, demo):
+    data, keys = _corpus(server, demo, "c", 64)
+    with server.client() as c:
+        rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+        run = _wait_step(c, rid, 3)
+        run_dir = Path(run["run_dir"])
+        os.kill(_pids(c, rid)["queue"], signal.SIGKILL)  # its samples were in its memory only
+        checkpoint = latest_checkpoint(run_dir)
+        saved = checkpoint_keys(checkpoint)
+        lines = key_log_lines(run_dir)
+        recovering = wait_state(c, rid, {"RECOVERING"}, 30)
+        assert "queue" in recovering["reason"], recovering
+        done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+        assert done["state"] == "SUCCEEDED", done
+        procs = {p["name"]: p for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
+        assert procs["queue"]["restarts"] == procs["trainer0"]["restarts"] == 1  # the whole run
+        after = keys_after(run_dir, lines)
+        assert not saved & set(after), "a checkpointed key was trained again"
+        assert_exactly_once(sorted(saved) + after, keys)
+        assert set(trained_keys(run_dir)) == set(keys)
 
 
 def test_a_killed_control_plane_reattaches_its_run_which_finishes(server, demo):
