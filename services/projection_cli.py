@@ -50,9 +50,11 @@ def _print_table(rows: dict) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    import torch
-
-    from xtoken_core.data.projection_build import build_projection_with_stats
+    from xtoken_core.data.projection_build import (
+        build_projection_with_stats,
+        projection_metadata,
+        save_projection,
+    )
     from xtoken_core.tokenizers import load_tokenizer
 
     if args.limit is not None and args.limit < 1:
@@ -68,16 +70,15 @@ def _build(args: argparse.Namespace) -> int:
     )
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
-    if args.output.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        save_file(result, args.output, metadata={"student": args.student, "teacher": args.teacher})
-    else:
-        torch.save(result, args.output)
+    meta = projection_metadata(student, teacher)
+    meta["student"], meta["teacher"] = args.student, args.teacher  # the names as given
+    save_projection(result, args.output, meta)
     figures = stats.as_dict()
     mapped = max(stats.rows_built, 1)
     figures["exact_fraction"] = stats.exact_rows / mapped
     figures["unmapped_fraction"] = stats.unmapped_rows / mapped
+    rows_with_entries = int((result["indices"] >= 0).any(dim=1).sum())
+    figures["coverage"] = rows_with_entries / max(student.vocab_size, 1)  # rows with entries / V_s
     figures["output"] = args.output
     _print_table(figures)
     if args.stats_json:
@@ -92,6 +93,7 @@ def _info(args: argparse.Namespace) -> int:
         exact_token_map_from_topk,
         get_topk_projection,
         parse_projection_file,
+        read_projection_metadata,
     )
     from xtoken_core.data.projection_build import projection_stats
 
@@ -107,6 +109,9 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     figures["layout"] = "dense top-k"
     figures.update(projection_stats(indices, likelihoods))
+    figures["coverage"] = 1 - figures["empty_rows"] / max(figures["student_rows"], 1)
+    meta = read_projection_metadata(args.file)
+    figures.update(meta or {"tokenizers": "not recorded (built before files recorded them)"})
     teacher_vocab = max(args.teacher_vocab_size, v_t, 1)
     for name, relaxed in (("strict", False), ("relaxed", True)):
         part = exact_token_map_from_topk(

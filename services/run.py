@@ -259,15 +259,20 @@ class Run:
         ):
             cfg.trainer.loss.projection = str(self._projection(s_tok, t_tok))
         elif cfg.trainer.loss.uses_teacher:
-            self._check_projection(cfg.trainer.loss.projection, s_tok.vocab_size, t_tok.vocab_size)
+            self._check_projection(cfg.trainer.loss.projection, s_tok, t_tok)
 
-    def _check_projection(self, path: str, student_vocab: int, teacher_vocab: int) -> None:
-        """A given projection file must fit the run's tokenizers (rows: student, columns: teacher).
+    def _check_projection(self, path: str, s_tok: Any, t_tok: Any) -> None:
+        """A given projection file must fit the run's tokenizers (rows: student, columns: teacher),
+        be built for them (the tokenizers it records; a file without that record is accepted
+        with a warning) and have usable rows; its coverage is logged.
 
         Raises:
-            ValueError: a missing or unreadable file, or one built for other vocabularies.
+            ValueError: a missing or unreadable file, one built for other vocabularies or
+                tokenizers, or one without a usable row.
         """
-        from xtoken_core.data.projection import parse_projection_file
+        from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
+
+        student_vocab, teacher_vocab = s_tok.vocab_size, t_tok.vocab_size
 
         try:
             _, _, rows, cols = parse_projection_file(path)
@@ -280,6 +285,10 @@ class Run:
                 f"{self.config.student_tokenizer} -> {self.config.teacher_tokenizer} with `xtoken "
                 "projection build`, or leave it empty and xtoken run builds it"
             )
+        try:
+            check_projection_tokenizers(path, s_tok, t_tok)
+        except ValueError as e:
+            raise ValueError(f"trainer.loss.projection: {e}") from None
 
     def _check_vocabs(self, student_vocab: int, teacher_vocab: int) -> None:
         from xtoken_core.models import check_vocab
@@ -298,9 +307,11 @@ class Run:
             check_vocab(f"{key}={spec!r}", model_vocab, tok_vocab)
 
     def _projection(self, s_tok: Any, t_tok: Any) -> Path:
-        import torch
-
-        from xtoken_core.data.projection_build import build_projection
+        from xtoken_core.data.projection_build import (
+            build_projection,
+            projection_metadata,
+            save_projection,
+        )
 
         cache = Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
         k = self.config.projection_top_k
@@ -312,7 +323,9 @@ class Run:
             logger.info("[run] building projection %s", path)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            torch.save(build_projection(s_tok, t_tok, k), tmp)
+            save_projection(
+                build_projection(s_tok, t_tok, k), tmp, projection_metadata(s_tok, t_tok)
+            )
             os.replace(tmp, path)
         return path
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from services import cli
@@ -30,7 +31,9 @@ def test_build_then_info_end_to_end(tmp_path, capsys):
     stats = json.loads(stats_json.read_text())
     assert stats["rows_built"] == 300 and stats["top_k"] == 4
     saved = torch.load(out, weights_only=True)
-    assert set(saved) == {"indices", "likelihoods"}
+    assert set(saved) == {"indices", "likelihoods", "meta"}  # meta: the tokenizers (issue 12)
+    assert saved["meta"]["student"] == "qwen3" and saved["meta"]["teacher"] == "deepseek"
+    assert saved["meta"]["student_vocab_size"] == "151669"
     assert saved["indices"].shape == (151669, 4) and saved["indices"].dtype == torch.long
     assert (saved["indices"][300:] == -1).all()  # rows past --limit are not built
     assert (saved["indices"][:300, 0] >= 0).all()  # the first 300 qwen3 ids all exist in deepseek
@@ -43,6 +46,8 @@ def test_build_then_info_end_to_end(tmp_path, capsys):
     lines = dict(line.split(None, 1) for line in stdout.splitlines() if line.strip())
     assert int(lines["student_rows"]) == 151669
     assert int(lines["empty_rows"]) == 151669 - 300
+    assert float(lines["coverage"]) == pytest.approx(300 / 151669, rel=0.02)  # printed rounded
+    assert lines["teacher"] == "deepseek"
 
 
 def test_info_on_a_sparse_file(tmp_path, capsys):

@@ -38,11 +38,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EXACT_MAP_RELAXED_MIN_WEIGHT",
     "build_exact_token_map",
+    "check_projection_tokenizers",
     "clear_projection_caches",
     "exact_token_map_from_topk",
     "get_sparse_projection_matrix",
     "get_topk_projection",
     "parse_projection_file",
+    "read_projection_metadata",
 ]
 
 # Relaxed (xtoken) exact map: a student row whose top weight reaches this is "common".
@@ -237,6 +239,9 @@ def _read_layout(path: str | os.PathLike) -> tuple[str, torch.Tensor, torch.Tens
         raise ValueError(f"projection file {path!r}: empty dict, it holds no projection entries")
     if all(k in obj for k in _DENSE_KEYS):
         return ("dense", *_validate_dense(obj, path))
+    obj = {k: v for k, v in obj.items() if k != "meta"}  # the builder's tokenizer record
+    if not obj:
+        raise ValueError(f"projection file {path!r}: holds only 'meta', no projection entries")
     if any(isinstance(k, str) for k in obj):
         raise ValueError(
             f"projection file {path!r}: unknown layout with keys {sorted(map(str, obj))[:8]}; "
@@ -558,3 +563,116 @@ def build_exact_token_map(
         teacher_vocab_size,
     )
     return _cache_put(_EXACT_TOKEN_MAP_CACHE, key, result)
+
+
+# --------------------------------------------------------------------------------------------
+# Which tokenizers a file was built for
+# --------------------------------------------------------------------------------------------
+
+_META_KEYS = (
+    "student",
+    "teacher",
+    "student_vocab_size",
+    "teacher_vocab_size",
+    "student_vocab_hash",
+    "teacher_vocab_hash",
+)
+
+
+def read_projection_metadata(path: str | os.PathLike) -> dict[str, str] | None:
+    """The tokenizer record of a projection file, or None for a file without one (older files).
+
+    Args:
+        path: projection file (either layout; torch.save ``"meta"`` dict or safetensors header).
+
+    Returns:
+        :func:`xtoken_core.data.projection_build.projection_metadata`'s keys, as strings.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file cannot be read.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"projection file not found: {path!r}")
+    if _looks_like_safetensors(path):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+    else:
+        obj = _load_object(path)
+        meta = obj.get("meta") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or not all(k in meta for k in _META_KEYS):
+        return None
+    return {k: str(meta[k]) for k in _META_KEYS}
+
+
+def check_projection_tokenizers(
+    path: str | os.PathLike, student_tok: Any, teacher_tok: Any
+) -> dict[str, Any]:
+    """Check a projection file against the run's tokenizers; report and require coverage.
+
+    A file records the tokenizers it was built for (names, vocab sizes, vocab hashes); they must
+    match ``student_tok`` / ``teacher_tok``. A file without that record (built before it existed)
+    is accepted with a logged warning that it cannot be checked. Either way the file must have
+    usable rows: a row with at least one teacher id inside the teacher vocab.
+
+    Args:
+        path: projection file.
+        student_tok: the run's student tokenizer (``name``, ``vocab_size``, ``token_bytes``,
+            ``is_special``).
+        teacher_tok: the run's teacher tokenizer.
+
+    Returns:
+        ``{"checked": bool, "usable_rows": int, "student_vocab": V_s, "coverage": rows / V_s}``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: built for other tokenizers, or no usable row.
+    """
+    from xtoken_core.data.projection_build import vocab_hash
+
+    path = os.fspath(path)
+    meta = read_projection_metadata(path)
+    if meta is None:
+        logger.warning(
+            "[projection] %s records no tokenizers (built before files recorded them): it cannot "
+            "be checked against %s -> %s; rebuild it with `xtoken projection build`",
+            path,
+            student_tok.name,
+            teacher_tok.name,
+        )
+    else:
+        for side, tok in (("student", student_tok), ("teacher", teacher_tok)):
+            want = (meta[f"{side}_vocab_size"], meta[f"{side}_vocab_hash"])
+            got = (str(int(tok.vocab_size)), vocab_hash(tok))
+            if want != got:
+                raise ValueError(
+                    f"projection file {path!r} was built for {side} tokenizer {meta[side]!r} "
+                    f"(vocab {want[0]}, hash {want[1]}) but the {side} tokenizer is "
+                    f"{tok.name!r} (vocab {got[0]}, hash {got[1]}); build one for "
+                    f"{student_tok.name} -> {teacher_tok.name} with `xtoken projection build`"
+                )
+    indices_2N, _, _, _ = parse_projection_file(path)
+    usable_N = (indices_2N[1] >= 0) & (indices_2N[1] < int(teacher_tok.vocab_size))
+    usable_N &= indices_2N[0] < int(student_tok.vocab_size)
+    rows = int(torch.unique(indices_2N[0][usable_N]).numel())
+    v_s = int(student_tok.vocab_size)
+    report = {"checked": meta is not None, "usable_rows": rows, "student_vocab": v_s}
+    report["coverage"] = rows / max(v_s, 1)
+    if rows == 0:
+        raise ValueError(
+            f"projection file {path!r} has no usable row (no student row maps to a teacher id "
+            f"below {teacher_tok.vocab_size}); build it for {student_tok.name} -> "
+            f"{teacher_tok.name} with `xtoken projection build` (without --limit)"
+        )
+    logger.info(
+        "[projection] %s covers %d of %d student tokens (%.1f%%)%s",
+        path,
+        rows,
+        v_s,
+        100 * report["coverage"],
+        "" if meta is not None else " (tokenizers not recorded)",
+    )
+    return report

@@ -35,7 +35,9 @@ Shape legend: S student vocab, W teacher vocab, K top-k slots, N pieces over all
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -52,7 +54,10 @@ __all__ = [
     "TokenizerLike",
     "build_projection",
     "build_projection_with_stats",
+    "projection_metadata",
     "projection_stats",
+    "save_projection",
+    "vocab_hash",
 ]
 
 # Special-token roles that pair a student special with a teacher special; generic "special"
@@ -110,6 +115,58 @@ class BuildStats:
 def _all_token_bytes(tok: TokenizerLike) -> list[bytes]:
     """Bytes of every token id, b"" for special tokens."""
     return [b"" if tok.is_special(i) else tok.token_bytes(i) for i in range(tok.vocab_size)]
+
+
+def vocab_hash(tok: TokenizerLike) -> str:
+    """A short hash of a vocabulary: every id's bytes and whether it is special, in id order.
+
+    Two tokenizers with the same hash give the same projection rows and columns.
+    """
+    digest = hashlib.sha256()
+    for i in range(tok.vocab_size):
+        special = tok.is_special(i)
+        raw = b"" if special else tok.token_bytes(i)
+        digest.update(b"S" if special else b"T")
+        digest.update(len(raw).to_bytes(4, "little"))
+        digest.update(raw)
+    return digest.hexdigest()[:16]
+
+
+def projection_metadata(student_tok: TokenizerLike, teacher_tok: TokenizerLike) -> dict[str, str]:
+    """What a projection file records about the tokenizers it was built for (all strings, so
+    that both on-disk formats hold it: a ``"meta"`` dict in a torch.save file, the header
+    metadata of a safetensors file).
+
+    Returns:
+        ``student`` / ``teacher`` (names), ``student_vocab_size`` / ``teacher_vocab_size`` and
+        ``student_vocab_hash`` / ``teacher_vocab_hash`` (:func:`vocab_hash`).
+    """
+    meta = {}
+    for side, tok in (("student", student_tok), ("teacher", teacher_tok)):
+        meta[side] = str(tok.name)
+        meta[f"{side}_vocab_size"] = str(int(tok.vocab_size))
+        meta[f"{side}_vocab_hash"] = vocab_hash(tok)
+    return meta
+
+
+def save_projection(
+    result: dict[str, torch.Tensor], path: str | os.PathLike, meta: dict[str, str]
+) -> None:
+    """Write a dense projection with its tokenizer metadata.
+
+    Args:
+        result: ``{"indices", "likelihoods"}`` from :func:`build_projection`.
+        path: ``*.safetensors`` (metadata in the header), anything else ``torch.save`` (a
+            ``"meta"`` dict of strings beside the arrays; loads with ``weights_only=True``).
+        meta: :func:`projection_metadata` of the tokenizers it was built for.
+    """
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(result, path, metadata=dict(meta))
+    else:
+        torch.save({**result, "meta": dict(meta)}, path)
 
 
 def _encode_many(tok: TokenizerLike, texts: Sequence[str]) -> list[list[int]]:

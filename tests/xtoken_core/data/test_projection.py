@@ -355,3 +355,70 @@ def test_cuda_copies_match_cpu_and_share_one_entry_per_device(tmp_path):
         for name, tensor in on_gpu.items():
             assert tensor.device.type == "cuda"
             assert torch.equal(tensor.cpu(), on_cpu[name]), name
+
+
+# ----------------------------------------------------------------------------- tokenizer record
+
+
+@pytest.fixture(scope="module")
+def qwen_deepseek_rows():
+    from xtoken_core.data.projection_build import build_projection
+    from xtoken_core.tokenizers import load_tokenizer
+
+    s_tok, t_tok = load_tokenizer("qwen3"), load_tokenizer("deepseek")
+    return s_tok, t_tok, build_projection(s_tok, t_tok, 2, student_ids=range(64))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_built_file_records_its_tokenizers_and_is_checked_against_them(
+    qwen_deepseek_rows, tmp_path, suffix
+):
+    from xtoken_core.data.projection import (
+        check_projection_tokenizers,
+        read_projection_metadata,
+    )
+    from xtoken_core.data.projection_build import projection_metadata, save_projection
+    from xtoken_core.tokenizers import load_tokenizer
+
+    s_tok, t_tok, result = qwen_deepseek_rows
+    path = tmp_path / f"proj{suffix}"
+    save_projection(result, path, projection_metadata(s_tok, t_tok))
+    meta = read_projection_metadata(path)
+    assert meta["student"] == s_tok.name and meta["teacher_vocab_size"] == str(t_tok.vocab_size)
+    report = check_projection_tokenizers(path, s_tok, t_tok)
+    assert report["checked"] and report["usable_rows"] == 64
+    assert report["coverage"] == pytest.approx(64 / s_tok.vocab_size)
+    other = load_tokenizer("llama3")
+    with pytest.raises(ValueError, match=r"built for teacher tokenizer .*deepseek.*llama3"):
+        check_projection_tokenizers(path, s_tok, other)
+    with pytest.raises(ValueError, match=r"built for student tokenizer"):
+        check_projection_tokenizers(path, other, t_tok)
+
+
+def test_an_older_file_without_the_record_loads_with_a_warning(
+    qwen_deepseek_rows, tmp_path, caplog
+):
+    from xtoken_core.data.projection import check_projection_tokenizers
+
+    s_tok, t_tok, result = qwen_deepseek_rows
+    path = tmp_path / "old.pt"
+    torch.save(result, path)
+    with caplog.at_level("WARNING"):
+        report = check_projection_tokenizers(path, s_tok, t_tok)
+    assert not report["checked"] and report["usable_rows"] == 64
+    assert "cannot be checked" in caplog.text
+
+
+def test_a_file_without_a_usable_row_is_refused(qwen_deepseek_rows, tmp_path):
+    from xtoken_core.data.projection import check_projection_tokenizers
+    from xtoken_core.data.projection_build import projection_metadata, save_projection
+
+    s_tok, t_tok, result = qwen_deepseek_rows
+    empty = {
+        "indices": torch.full_like(result["indices"], -1),
+        "likelihoods": 0 * result["likelihoods"],
+    }
+    path = tmp_path / "empty.pt"
+    save_projection(empty, path, projection_metadata(s_tok, t_tok))
+    with pytest.raises(ValueError, match="no usable row"):
+        check_projection_tokenizers(path, s_tok, t_tok)
