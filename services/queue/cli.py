@@ -140,6 +140,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a shared-memory reservation stays valid without its put (default 60)",
     )
     serve.add_argument(
+        "--max-claim-wait",
+        type=float,
+        default=300.0,
+        help="largest wait (seconds) a claim may ask for; a longer timeout_ms is refused "
+        "(default 300)",
+    )
+    serve.add_argument(
+        "--max-put-wait",
+        type=float,
+        default=3600.0,
+        help="largest wait (seconds) a put or reserve may ask for (default 3600)",
+    )
+    serve.add_argument(
+        "--heartbeat",
+        type=float,
+        default=10.0,
+        help="seconds between pings of each client connection; one silent for 3 pings is "
+        "closed and its parked requests dropped (0 = off; default 10)",
+    )
+    serve.add_argument(
         "--tombstones",
         type=int,
         default=1 << 24,
@@ -199,6 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
             shm_reserve_s=args.shm_reserve_timeout,
             shm_reserve_max_bytes=args.shm_reserve_max,
             tombstone_max_keys=args.tombstones,
+            max_claim_wait_s=args.max_claim_wait,
+            max_put_wait_s=args.max_put_wait,
+            heartbeat_s=args.heartbeat,
             limits=limits,
         )
         import zmq

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 _MAX_POLL_MS = 100
 # Requests handled per poll wake-up before timers are checked again.
 _BATCH_RECV = 256
+# Requests parked at least this long have their client probed this often: a probe to a client
+# whose connection is gone fails at once (ROUTER_MANDATORY), and its parked requests are dropped.
+_PROBE_S = 1.0
 
 
 @dataclass
@@ -81,6 +84,14 @@ class ServerConfig:
             client's other reservations gets ``queue_full`` at once instead of waiting.
         tombstone_max_keys: most keys per partition remembered as consumed after retention
             dropped their samples (``--tombstones``; 8 bytes each).
+        max_claim_wait_s: largest ``timeout_ms`` a claim may ask for (``--max-claim-wait``);
+            a larger one is refused (``bad_request`` naming the bound).
+        max_put_wait_s: largest ``timeout_ms`` a put or reserve may ask for
+            (``--max-put-wait``).
+        heartbeat_s: the server pings every client connection this often (ZMTP heartbeats,
+            answered by the client's zmq I/O thread) and closes one that sent nothing for 3
+            periods (``--heartbeat``; 0 = off): a hung or unreachable client's parked requests
+            are then dropped like those of a client whose process died.
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -97,6 +108,9 @@ class ServerConfig:
     shm_reserve_s: float = 60.0
     shm_reserve_max_bytes: int | None = None
     tombstone_max_keys: int = DEFAULT_MAX_KEYS
+    max_claim_wait_s: float = 300.0
+    max_put_wait_s: float = 3600.0
+    heartbeat_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -121,6 +135,21 @@ class ServerConfig:
                 f"shm_reserve_max_bytes={self.shm_reserve_max_bytes}: must be > 0 "
                 "(None = a quarter of the capacity)"
             )
+        for name, flag in (("max_claim_wait_s", "claim"), ("max_put_wait_s", "put")):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (--max-{flag}-wait)")
+        if self.claim_timeout_s > self.max_claim_wait_s:
+            raise ValueError(
+                f"claim_timeout_s={self.claim_timeout_s} is above max_claim_wait_s="
+                f"{self.max_claim_wait_s} (--claim-timeout, --max-claim-wait)"
+            )
+        if self.put_timeout_s > self.max_put_wait_s:
+            raise ValueError(
+                f"put_timeout_s={self.put_timeout_s} is above max_put_wait_s="
+                f"{self.max_put_wait_s} (--put-timeout, --max-put-wait)"
+            )
+        if self.heartbeat_s < 0:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s}: must be >= 0 (--heartbeat, 0 = off)")
         if self.tombstone_max_keys < 1:
             raise ValueError(
                 f"tombstone_max_keys={self.tombstone_max_keys}: must be >= 1 (--tombstones)"
@@ -141,6 +170,7 @@ class _Parked:
     frames: Any = None  # keeps a parked put's received buffers alive
     done: bool = False
     segment: PoolSegment | None = None  # a parked put's staged shared-memory segment
+    since: float = field(default_factory=time.monotonic)
 
 
 class QueueServer:
@@ -177,6 +207,8 @@ class QueueServer:
         self._seq = itertools.count()
         self.endpoint = ""
         self.requests = 0
+        self._next_probe = 0.0
+        self.dropped_parked = 0  # parked requests of clients found gone
         self._handlers = {
             "hello": self._on_hello,
             "put": self._on_put,
@@ -196,7 +228,13 @@ class QueueServer:
     def bind(self) -> str:
         """Create and bind the ROUTER socket; returns the bound endpoint."""
         sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a gone client must not raise in the loop
+        # A send to a client whose connection is gone raises EHOSTUNREACH (caught in _send):
+        # how the server learns that a parked request's client died and a lease went nowhere.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.config.heartbeat_s > 0:
+            ivl_ms = max(1, int(self.config.heartbeat_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
@@ -333,8 +371,9 @@ class QueueServer:
                 ident, rid, codes.INTERNAL, f"{type(e).__name__}: {e}", False, msg.msg_type
             )
             return
-        if reply is not None:
-            self._send_reply(ident, msg.request_id, reply)
+        if reply is not None and not self._send_reply(ident, msg.request_id, reply):
+            if reply.get("lease_id") is not None:  # the claim's samples went nowhere
+                self._wake_claims(msg.body["partition"])
 
     def _on_hello(self, ident, rid, body, frames):
         if body["protocol_version"] != PROTOCOL_VERSION:
@@ -359,6 +398,7 @@ class QueueServer:
         }
 
     def _on_put(self, ident, rid, body, frames):
+        timeout_s = self._wait_s(body, "put")
         seg = None
         token = body.get("reservation")
         if token is not None:
@@ -375,8 +415,6 @@ class QueueServer:
         if not result.blocked:
             self._wake_claims(body["partition"])
             return _put_reply(result)
-        timeout_ms = body.get("timeout_ms")
-        timeout_s = self.config.put_timeout_s if timeout_ms is None else timeout_ms / 1000
         if timeout_s <= 0:
             if seg is not None:
                 self.pool.unstage(seg)
@@ -405,12 +443,11 @@ class QueueServer:
                 f"reserve of {nbytes} bytes is larger than the whole queue capacity "
                 f"({self.store.capacity_bytes} bytes); split the put or raise --capacity",
             )
+        timeout_s = self._wait_s(body, "reserve")
         self._check_reserve_quota(ident, nbytes)
         reply = self._try_reserve(nbytes, ident)
         if reply is not None:
             return reply
-        timeout_ms = body.get("timeout_ms")
-        timeout_s = self.config.put_timeout_s if timeout_ms is None else timeout_ms / 1000
         if timeout_s <= 0:
             raise self._full_error(nbytes)
         self._park(_Parked("reserve", ident, rid, body, time.monotonic() + timeout_s))
@@ -491,12 +528,30 @@ class QueueServer:
     def _on_list(self, ident, rid, body, frames):
         return self.store.list(body.get("partition"))
 
+    def _wait_s(self, body: dict[str, Any], kind: str) -> float:
+        """The seconds a request may be parked: its ``timeout_ms`` (at most the server's bound)
+        or the server default."""
+        cfg = self.config
+        claim = kind == "claim"
+        timeout_ms = body.get("timeout_ms")
+        if timeout_ms is None:
+            return cfg.claim_timeout_s if claim else cfg.put_timeout_s
+        bound_s = cfg.max_claim_wait_s if claim else cfg.max_put_wait_s
+        if timeout_ms > bound_s * 1000:
+            flag = "--max-claim-wait" if claim else "--max-put-wait"
+            raise StoreError(
+                codes.BAD_REQUEST,
+                f"{kind} timeout_ms={timeout_ms} is above this server's bound of "
+                f"{int(bound_s * 1000)} ms ({flag} {bound_s:g}s); ask for at most that and "
+                "repeat the request",
+            )
+        return timeout_ms / 1000
+
     def _on_claim(self, ident, rid, body, frames):
+        timeout_s = self._wait_s(body, "claim")
         batch = self._try_claim(body)
         if batch is not None:
             return batch
-        timeout_ms = body.get("timeout_ms")
-        timeout_s = self.config.claim_timeout_s if timeout_ms is None else timeout_ms / 1000
         if timeout_s <= 0:
             return {"keys": [], "fields": {}, "lease_id": None}
         self._park(_Parked("claim", ident, rid, body, time.monotonic() + timeout_s))
@@ -527,6 +582,7 @@ class QueueServer:
             1 for q in self._parked_claims.values() for p in q if not p.done
         )
         stats["parked_puts"] = sum(1 for p in self._parked_puts if not p.done)
+        stats["parked_dropped"] = self.dropped_parked  # of clients found gone
         stats["requests"] = self.requests
         stats["shm_pool"] = self.pool.stats()
         return stats
@@ -579,6 +635,7 @@ class QueueServer:
                 keep.append(parked)
             else:
                 parked.done = True
+                # undeliverable: the lease was given back and the next parked claim takes it
                 self._send_reply(parked.ident, parked.request_id, reply)
         if keep:
             self._parked_claims[partition] = keep
@@ -636,6 +693,7 @@ class QueueServer:
 
     def _run_timers(self) -> None:
         now = time.monotonic()
+        self._probe_parked(now)
         for partition in self.store.expire_leases(now):
             self._wake_claims(partition)
         held = self.pool.held_bytes
@@ -677,15 +735,27 @@ class QueueServer:
 
     # ---------------------------------------------------------------- sending
 
-    def _send_reply(self, ident: bytes, request_id: int, body: dict[str, Any]) -> None:
+    def _send_reply(self, ident: bytes, request_id: int, body: dict[str, Any]) -> bool:
+        """Send a reply; False when it could not be sent (then a claim's lease is given back
+        at once, instead of holding its samples for a lease period)."""
         try:
             frames = encode_message("reply", body, request_id=request_id, limits=self.config.limits)
         except (WireError, TypeError) as e:
             logger.exception("[queue] cannot encode a reply")
             code = e.code if isinstance(e, WireError) else codes.INTERNAL
             self._send_error(ident, request_id, code, f"reply cannot be encoded: {e}", False, None)
-            return
-        self._send([ident, *frames])
+            return True
+        if self._send([ident, *frames]):
+            return True
+        lease_id = body.get("lease_id")
+        if lease_id is not None:
+            self.store.release_lease(lease_id)
+            logger.info(
+                "[queue] claim reply of %d samples undeliverable: lease %s given back",
+                len(body.get("keys", ())),
+                lease_id,
+            )
+        return False
 
     def _send_error(
         self,
@@ -704,19 +774,56 @@ class QueueServer:
         }
         self._send([ident, *encode_message("error", body, request_id=request_id)])
 
-    def _send(self, frames: list[Any]) -> None:
+    def _send(self, frames: list[Any]) -> bool:
+        """Send one message to ``frames[0]``; False when it was dropped (client gone or its
+        send queue full). A gone client's parked requests are dropped too."""
         if self._sock is None:
-            return
+            return False
         # Zero-copy frames may view pool segments: track them while the pool has any (shm_pool.py).
         track = bool(self.pool.segments) and any(len(f) >= COPY_BELOW for f in frames[3:])
         try:
             tracker = send_frames(self._sock, frames, zmq.NOBLOCK, track=track)
         except zmq.Again:
             logger.warning("[queue] send queue of a client is full: reply dropped")
-            return
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._client_gone(frames[0])
+            return False
         if tracker is not None:
             self._send_seq += 1
             self._trackers.append((self._send_seq, tracker))
+        return True
+
+    def _client_gone(self, ident: bytes) -> None:
+        """Drop the parked requests of a client whose connection is gone (nobody to answer)."""
+        dropped = 0
+        for parked in self._all_parked():
+            if parked.ident == ident:
+                parked.done = True
+                parked.frames = None
+                if parked.segment is not None:
+                    self.pool.unstage(parked.segment)
+                dropped += 1
+        if dropped:
+            self.dropped_parked += dropped
+            logger.info(
+                "[queue] client %s is gone: %d parked request(s) dropped", ident.hex(), dropped
+            )
+
+    def _probe_parked(self, now: float) -> None:
+        """Send a probe (a reply with request id 0, which clients drop as stale) to each client
+        with a request parked for ``_PROBE_S``: one whose connection is gone fails at once."""
+        if now < self._next_probe:
+            return
+        self._next_probe = now + _PROBE_S
+        idents = {p.ident for p in self._all_parked() if now - p.since >= _PROBE_S}
+        if not idents:
+            return
+        probe = encode_message("reply", {"probe": True}, request_id=0)
+        for ident in idents:
+            self._send([ident, *probe])
 
 
 def _peek_header(frame: Any) -> tuple[int, str | None]:

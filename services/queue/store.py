@@ -656,6 +656,20 @@ class SampleStore:
         self._release(lease, state, todo)
         return len(todo)
 
+    def release_lease(self, lease_id: int) -> str | None:
+        """Give a whole lease back at once (its claim reply could not be delivered).
+
+        Returns:
+            The lease's partition, or None when the lease is unknown.
+        """
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        part = self._parts.get(lease.partition)
+        if part is not None and lease.keys:
+            self._release(lease, part.tasks[lease.task], set(lease.keys))
+        return lease.partition
+
     def status(self, partition: str, task: str) -> dict:
         """Consumption status of one task on one partition.
 
