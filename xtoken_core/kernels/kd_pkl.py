@@ -202,7 +202,7 @@ if tl is not None:
             tl.store(cols_E_ptr + d0 + e, tl.full((BLOCK,), 0, tl.int32) + j, mask=em)
 
     @lazy_jit(
-        do_not_specialize=("R", "T"),
+        do_not_specialize=("R", "T", "dq_stride_j"),  # dq is [K, R] memory: stride R
         do_not_specialize_on_alignment=("lse_R_ptr", "dot_R_ptr"),
     )
     def _proj_bwd_kernel(

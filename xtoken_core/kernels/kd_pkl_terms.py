@@ -151,7 +151,7 @@ if tl is not None:
         tl.store(stats_N2_ptr + n * 2 + 1, tl.reduce(gu_lane, 0, SUM_COMBINE))
 
     @lazy_jit(
-        do_not_specialize=("R",),
+        do_not_specialize=("R", "dq_stride_k"),  # dq is [K, R] memory: stride R
         do_not_specialize_on_alignment=(
             "nidx_R_ptr",
             "offsets_N1_ptr",
