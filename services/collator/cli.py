@@ -105,6 +105,8 @@ def _write_summary(path: str, summary: object) -> None:
         "written",
         "consumed",
         "nbytes",
+        "restarts",
+        "replayed",
         "elapsed_s",
         "samples_per_s",
         "bytes_per_s",

@@ -8,6 +8,16 @@ put their own samples (the tensors never pass through the parent). Restarting a 
 does no duplicate work, and a put that races with another collator is harmless (puts are
 idempotent by key).
 
+Queue restarts: the queue keeps samples in memory only, so a restarted queue (a new instance,
+``epoch`` in every reply) lacks what this run put before. Each put reports the instance that
+stored it and the parent asks the queue again at the end of a pass; when the instance changed
+during the pass, it reads the corpus again and re-puts what the new instance lacks: texts
+neither held by it (``list``) nor put on it by this run (workers report the instance that stored
+each batch; the parent keeps the corpus positions stored on the current instance as runs). It
+repeats until a pass ends on the instance it started on. Samples consumed before the restart
+are put again (the old instance's consumption state is gone): across a restart, delivery is
+at least once.
+
 Stopping: at the end of the data every worker gets ``None`` and exits after its last put; when
 the ``stop`` event is set (the process lifecycle's: SIGTERM/SIGINT, a dead parent) or on
 ``request_stop()``, the parent stops reading, workers finish their in-flight put and abandon
@@ -36,6 +46,7 @@ __all__ = [
     "RunSummary",
     "WorkerConfig",
     "check_queue",
+    "queue_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +55,21 @@ logger = logging.getLogger(__name__)
 _SUBMIT_POLL_S = 0.1
 # Seconds to wait for a worker to exit after it was told to stop, on top of the put timeout.
 _EXIT_GRACE_S = 30.0
+
+
+class _Runs:
+    """Membership of increasing positions in a set of [start, end) runs (one sweep)."""
+
+    def __init__(self, runs: list[list[int]]) -> None:
+        self._runs = sorted(runs)
+        self._i = 0
+
+    def holds(self, pos: int) -> bool:
+        runs, i = self._runs, self._i
+        while i < len(runs) and runs[i][1] <= pos:
+            i += 1
+        self._i = i
+        return i < len(runs) and runs[i][0] <= pos
 
 
 class QueueUnreachableError(ConnectionError):
@@ -63,6 +89,8 @@ class RunSummary:
             registered task and dropped (retention): done, not an error. ``samples - written -
             consumed`` were already queued (duplicates).
         nbytes: payload bytes put.
+        restarts: queue restarts (new instances) seen during the run.
+        replayed: texts put again after a restart, because the new instance lacked them.
         elapsed_s: seconds from the first dispatched batch to the last result.
         stopped: True when the run was stopped before the end of the data.
         worker_ready_s: per worker, seconds from the start to its tokenizers being loaded.
@@ -76,6 +104,8 @@ class RunSummary:
     written: int = 0
     consumed: int = 0
     nbytes: int = 0
+    restarts: int = 0
+    replayed: int = 0
     elapsed_s: float = 0.0
     stopped: bool = False
     worker_ready_s: list[float] = field(default_factory=list)
@@ -98,6 +128,11 @@ class RunSummary:
             f"queued, {self.consumed} already consumed, {self.read} read) in "
             f"{self.elapsed_s:.1f}s: {self.samples_per_s:.1f} samples/s, "
             f"{self.bytes_per_s / 1e6:.2f} MB/s"
+            + (
+                f"; the queue restarted {self.restarts} time(s): {self.replayed} texts put again"
+                if self.restarts
+                else ""
+            )
             + (" [stopped early]" if self.stopped else "")
         )
 
@@ -117,15 +152,24 @@ def check_queue(address: str, timeout_s: float, partition: str | None) -> set[st
         QueueUnreachableError: no reply within ``timeout_s`` (names the address and the setting).
         QueueError: any other error reply (e.g. a protocol version mismatch).
     """
+    return queue_state(address, timeout_s, partition)[0]
+
+
+def queue_state(address: str, timeout_s: float, partition: str | None) -> tuple[set[str], Any]:
+    """As :func:`check_queue`, with the queue instance (``epoch``) that answered.
+
+    Returns:
+        ``(keys, epoch)``; ``epoch`` is None for a server that does not name its instance.
+    """
     from services.queue.client import QueueClient
     from services.queue.errors import QueueError
 
     try:
         with QueueClient(address, timeout_s=timeout_s, retries=0, name="collator") as client:
-            client.hello()
+            epoch = client.hello().get("epoch")
             if partition is None:
-                return set()
-            return set(client.list(partition).get("keys", []))
+                return set(), epoch
+            return set(client.list(partition).get("keys", [])), epoch
     except QueueError as e:
         if e.code == "timeout":
             raise QueueUnreachableError(
@@ -156,6 +200,12 @@ class CollatorRun:
         self._last_log = 0.0
         self._start = 0.0
         self._last_done = 0.0
+        self._submitted = 0  # batches handed to the workers
+        self._batches_done = 0  # batches the workers put
+        self._epoch: Any = None  # the queue instance the run puts into now
+        self._epochs: set[Any] = set()  # every instance seen
+        self._runs: dict[int, list[list[int]]] = {}  # batch seq -> corpus positions, in flight
+        self._stored: list[list[int]] = []  # position runs the current instance stored
 
     def request_stop(self) -> None:
         """Stop reading; workers finish their in-flight put and exit (from any thread)."""
@@ -178,17 +228,12 @@ class CollatorRun:
             ValueError: a bad corpus line (names file and line); the workers are stopped first.
             RuntimeError: a worker failed (its error message) or died.
         """
-        from xtoken_core.data.corpus import iter_texts
-
         cfg = self.config
-        queued = (
-            check_queue(cfg.worker.queue, cfg.worker.queue_timeout_s, cfg.worker.partition)
-            if cfg.skip_queued
-            else check_queue(cfg.worker.queue, cfg.worker.queue_timeout_s, None)
-        )
-        texts = iter_texts(
-            cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split, key_root=cfg.key_root
-        )
+        listed = cfg.worker.partition if cfg.skip_queued else None
+        queued, epoch = queue_state(cfg.worker.queue, cfg.worker.queue_timeout_s, listed)
+        self._epoch = epoch
+        self._epochs = {epoch}
+        texts = self._texts()
         if on_ready is not None:
             on_ready()
         if queued:
@@ -204,7 +249,7 @@ class CollatorRun:
         self._stop_event = ctx.Event()
         self._start = self._last_log = time.monotonic()
         try:
-            finished = self._dispatch(texts, queued)
+            finished = self._passes(texts, queued, listed)
             self.summary.stopped = not finished
             self._shutdown(graceful=finished)
         except BaseException:
@@ -221,30 +266,112 @@ class CollatorRun:
 
     # ------------------------------------------------------------------------- internals
 
-    def _dispatch(self, texts: Any, queued: set[str]) -> bool:
-        """Read, skip, batch and submit; True when the data ended, False when stopped."""
+    def _texts(self) -> Any:
+        from xtoken_core.data.corpus import iter_texts
+
         cfg = self.config
-        batch: list[tuple[str, str]] = []
-        for key, text in texts:
-            if self._should_stop():
+        return iter_texts(
+            cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split, key_root=cfg.key_root
+        )
+
+    def _passes(self, texts: Any, queued: set[str], listed: str | None) -> bool:
+        """A pass over the corpus, and one more each time the queue restarted during the last
+        (the new instance lacks what was put before); then tell the workers to exit.
+
+        Returns:
+            True when the data ended on the instance the last pass started on, False when
+            stopped (or a worker failed).
+        """
+        cfg = self.config
+        replay = False
+        while True:
+            started_on = self._epoch
+            if not self._dispatch(texts, queued, replay) or not self._wait_batches():
                 return False
-            self.summary.read += 1
-            if key in queued:
-                self.summary.skipped += 1
-            else:
-                batch.append((key, text))
-                if len(batch) >= cfg.batch:
-                    if not self._submit(batch):
-                        return False
-                    batch = []
-            if cfg.limit is not None and self.summary.read >= cfg.limit:
+            queued, epoch = self._queue_state_retrying(listed)
+            self._see_epoch(epoch)
+            if self._epoch == started_on:
                 break
-        if batch and not self._submit(batch):
-            return False
+            logger.warning(
+                "[collator] the queue restarted during this pass (instance %s -> %s) and lost "
+                "what it held: reading %s again to put what it lacks (%d keys it holds skipped)",
+                started_on,
+                self._epoch,
+                cfg.data,
+                len(queued),
+            )
+            texts, replay = self._texts(), True
         for _ in self._procs:
             if not self._submit(None):
                 return False
         return True
+
+    def _queue_state_retrying(self, listed: str | None) -> tuple[set[str], Any]:
+        """``queue_state`` at the end of a pass, waiting out a queue that is restarting."""
+        cfg = self.config
+        for attempt in range(3):
+            try:
+                return queue_state(cfg.worker.queue, cfg.worker.queue_timeout_s, listed)
+            except QueueUnreachableError:
+                if attempt == 2 or self._should_stop():
+                    raise
+                logger.warning("[collator] queue unreachable at the end of a pass: asking again")
+        raise AssertionError("unreachable")
+
+    def _see_epoch(self, epoch: Any) -> None:
+        """Note the queue instance of a reply; a new one means the queue restarted."""
+        if epoch is None or epoch in self._epochs:
+            return  # known (a late report from an instance seen before)
+        self._epochs.add(epoch)
+        self._stored = []  # what the earlier instances stored is gone
+        self.summary.restarts += 1
+        logger.warning(
+            "[collator] the queue restarted (new instance %s): what it held is lost; the end "
+            "of this pass puts it again",
+            epoch,
+        )
+        self._epoch = epoch
+
+    def _wait_batches(self) -> bool:
+        """Wait until every submitted batch is put; False when stopped or a worker failed."""
+        while self._batches_done < self._submitted:
+            if self._should_stop():
+                return False
+            self._drain(wait_s=0.2)
+        return not self._should_stop()
+
+    def _dispatch(self, texts: Any, queued: set[str], replay: bool = False) -> bool:
+        """Read, skip, batch and submit; True when the data ended, False when stopped.
+
+        A replay pass (after a queue restart) counts the texts it puts in ``replayed`` and
+        nothing else."""
+        cfg = self.config
+        batch: list[tuple[str, str]] = []
+        runs: list[list[int]] = []  # corpus positions of the batch, as [start, end) runs
+        stored = _Runs(self._stored if replay else [])
+        for pos, (key, text) in enumerate(texts):
+            if self._should_stop():
+                return False
+            if not replay:
+                self.summary.read += 1
+            if key in queued:
+                if not replay:
+                    self.summary.skipped += 1
+            elif not (replay and stored.holds(pos)):  # not yet put on the current instance
+                if replay:
+                    self.summary.replayed += 1
+                batch.append((key, text))
+                if runs and runs[-1][1] == pos:
+                    runs[-1][1] = pos + 1
+                else:
+                    runs.append([pos, pos + 1])
+                if len(batch) >= cfg.batch:
+                    if not self._submit(batch, runs):
+                        return False
+                    batch, runs = [], []
+            if cfg.limit is not None and pos + 1 >= cfg.limit:
+                break
+        return not batch or self._submit(batch, runs)
 
     def _start_workers(self) -> None:
         """Start the worker processes (on the first batch: a run with nothing to do starts none)."""
@@ -272,8 +399,11 @@ class CollatorRun:
     def _should_stop(self) -> bool:
         return self.stop.is_set() or self._error is not None
 
-    def _submit(self, batch: list[tuple[str, str]] | None) -> bool:
-        """Put one task, draining results while the task queue is full; False if stopped."""
+    def _submit(self, batch: list[tuple[str, str]] | None, runs: Any = None) -> bool:
+        """Put one task, draining results while the task queue is full; False if stopped.
+
+        ``runs``: the corpus positions of the batch, remembered until its put is reported
+        with the queue instance that stored it."""
         if not self._procs:
             if batch is None:
                 return True  # no worker was started: nobody to tell
@@ -283,7 +413,12 @@ class CollatorRun:
             if self._should_stop():
                 return False
             try:
-                self._tasks.put(batch, timeout=_SUBMIT_POLL_S)
+                if batch is None:
+                    self._tasks.put(None, timeout=_SUBMIT_POLL_S)
+                    return True
+                self._tasks.put((self._submitted, batch), timeout=_SUBMIT_POLL_S)
+                self._runs[self._submitted] = runs or []
+                self._submitted += 1
                 return True
             except queue_mod.Full:
                 continue
@@ -312,6 +447,12 @@ class CollatorRun:
         kind, index = msg[0], msg[1]
         if kind == "done":
             counts, t_done = msg[2], msg[3]
+            self._batches_done += 1
+            epoch = counts.get("epoch")
+            self._see_epoch(epoch)
+            runs = self._runs.pop(counts.get("seq"), [])
+            if epoch == self._epoch:  # stored on the current instance: no replay needed
+                self._stored.extend(runs)
             self.summary.samples += counts["samples"]
             self.summary.written += counts["written"]
             self.summary.consumed += counts.get("consumed", 0)

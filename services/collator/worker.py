@@ -147,7 +147,8 @@ class CollatorWorker:
 
         Returns:
             ``{"samples": N, "written": new samples, "consumed": samples the queue refused as
-            already consumed (retention dropped them), "nbytes": payload bytes}``.
+            already consumed (retention dropped them), "nbytes": payload bytes, "epoch": the
+            queue instance that stored them}``.
 
         Raises:
             QueueError: the queue refused the put or did not answer (names the address).
@@ -177,6 +178,7 @@ class CollatorWorker:
             "written": int(reply.get("new_samples", reply.get("written", len(keys)))),
             "consumed": int(reply.get("consumed", 0)),
             "nbytes": put_nbytes(fields),
+            "epoch": reply.get("epoch"),
         }
 
     def close(self) -> None:
@@ -198,7 +200,8 @@ def worker_main(
     Args:
         index: worker number (for logs).
         config: the worker settings.
-        tasks: multiprocessing queue of batches (lists of ``(key, text)``); ``None`` = no more.
+        tasks: multiprocessing queue of ``(seq, [(key, text), ...])`` batches; ``None`` = no
+            more. ``seq`` comes back in the batch's ``done`` counts.
         results: multiprocessing queue receiving ``("ready", index, t)``, ``("done", index,
             counts, t)`` per batch (``t``: ``time.monotonic()``, one clock for all processes on
             Linux), ``("error", index, message)``, ``("exit", index)``.
@@ -222,7 +225,9 @@ def worker_main(
                 continue
             if batch is None:
                 break
-            counts = worker.process(batch)
+            seq, items = batch
+            counts = worker.process(items)
+            counts["seq"] = seq
             results.put(("done", index, counts, time.monotonic()))
     except Exception as e:  # reported to the parent, which stops the run
         results.put(("error", index, f"{type(e).__name__}: {e}"))

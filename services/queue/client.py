@@ -6,6 +6,10 @@ QueueError with its code and ``retryable``. A request that gets no reply within 
 socket, then raises QueueError("timeout"). Retries are safe for puts (idempotent by key); a
 retried claim may leave a lease unanswered, which the server redelivers when it expires.
 Jagged fields of replies are ``JaggedColumn`` (values + offsets views of the received frames).
+Every reply names the server instance (``epoch``, random per start); a client remembers the first
+and, when a reply comes from another, counts the restart (``epoch_changes``), logs it and calls
+``on_epoch(old, new)``: whatever it built on the old instance (its puts, its leases) is gone. An
+ack or nack of an old instance's lease raises ``StaleEpochError``.
 Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
 to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py); the
 AsyncQueueClient sends and receives frames only.
@@ -18,14 +22,14 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from services.queue import errors as codes
-from services.queue.errors import QueueError
+from services.queue.errors import QueueError, StaleEpochError
 from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
 from xtoken_core.ipc.shm import ShmReader, ShmRegion
@@ -54,7 +58,13 @@ class _Requests:
     """Builds request bodies and reads replies; shared by the sync and asyncio clients."""
 
     def __init__(
-        self, address: str, timeout_s: float, retries: int, limits: WireLimits | None, name: str
+        self,
+        address: str,
+        timeout_s: float,
+        retries: int,
+        limits: WireLimits | None,
+        name: str,
+        on_epoch: Callable[[str | None, str], None] | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0 (seconds to wait for a reply)")
@@ -66,6 +76,27 @@ class _Requests:
         self.limits = limits or DEFAULT_LIMITS
         self.name = name or f"client-{os.getpid()}"
         self._ids = itertools.count(1)
+        self.epoch: str | None = None  # the server instance of the last reply
+        self.epoch_changes = 0  # restarts of the server seen by this client
+        self.on_epoch = on_epoch
+
+    def _see_epoch(self, epoch: Any) -> None:
+        """Note the server instance of a reply; a new one is a restart (everything built on
+        the old instance is gone)."""
+        if not isinstance(epoch, str) or epoch == self.epoch:
+            return
+        old, self.epoch = self.epoch, epoch
+        if old is None:
+            return
+        self.epoch_changes += 1
+        logger.warning(
+            "[queue] %s restarted (instance %s -> %s): its samples and leases are gone",
+            self.address,
+            old,
+            epoch,
+        )
+        if self.on_epoch is not None:
+            self.on_epoch(old, epoch)
 
     def _socket_options(self, sock: zmq.Socket) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -91,9 +122,11 @@ class _Requests:
         if msg.request_id != request_id:
             logger.debug("dropping stale reply %d (waiting for %d)", msg.request_id, request_id)
             return None
+        self._see_epoch(msg.body.get("epoch"))
         if msg.msg_type == "error":
             body = msg.body
-            raise QueueError(
+            error = StaleEpochError if body.get("code") == codes.STALE_EPOCH else QueueError
+            raise error(
                 str(body.get("code")),
                 str(body.get("message")),
                 retryable=bool(body.get("retryable")),
@@ -160,6 +193,8 @@ class QueueClient(_Requests):
         shm: ``"auto"`` puts of >= ``shm_min_bytes`` to a same-host server through its
             shared-memory pool, ``"never"``, or ``"always"`` (services/queue/shm_transport.py).
         shm_min_bytes: the ``auto`` threshold (tensor bytes of one put).
+        on_epoch: called with ``(old, new)`` instance ids when a reply shows the server
+            restarted (after the first reply; also counted in ``epoch_changes``).
 
     Raises:
         ValueError: a non-positive timeout, negative retries, an unknown ``shm`` mode.
@@ -176,8 +211,9 @@ class QueueClient(_Requests):
         context: zmq.Context | None = None,
         shm: str = "auto",
         shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
+        on_epoch: Callable[[str | None, str], None] | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name)
+        super().__init__(address, timeout_s, retries, limits, name, on_epoch)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._poller = zmq.Poller()
@@ -423,7 +459,13 @@ class QueueClient(_Requests):
     def ack(
         self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
     ) -> dict[str, Any]:
-        """Mark leased samples consumed; returns ``{"count"}``."""
+        """Mark leased samples consumed; returns ``{"count"}``.
+
+        Raises:
+            StaleEpochError: the lease is of an earlier instance of the server (it restarted):
+                its samples were not acked.
+            QueueError: ``unknown_lease`` (expired: redelivered), ``bad_request``, ...
+        """
         return self.request("ack", self.body_lease(partition, task, lease_id, keys))
 
     def nack(
@@ -483,8 +525,9 @@ class AsyncQueueClient(_Requests):
         limits: WireLimits | None = None,
         name: str = "",
         context: zmq.asyncio.Context | None = None,
+        on_epoch: Callable[[str | None, str], None] | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name)
+        super().__init__(address, timeout_s, retries, limits, name, on_epoch)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock: asyncio.Lock | None = None

@@ -15,6 +15,12 @@ Usage::
 The thread owns its own DEALER socket (zmq sockets are not thread-safe); acks go through a
 second client owned by the iterating thread. Leases that were claimed ahead but never yielded
 are given back (nack) when the consumer stops.
+
+Server restarts: every lease carries the server instance (``epoch``) that issued it. When a claim
+reply shows a new instance, batches claimed ahead from the old one are dropped, not yielded
+(``dropped_leases``): their leases died with that instance, and the producers re-put what the
+new instance lacks. A batch yielded before the restart cannot be acked: ``ack`` raises
+``StaleEpochError`` (its samples may come again).
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ class Lease:
         partition, task: where it was claimed.
         lease_id: the server's lease id.
         keys: the B sample keys, in batch order.
+        epoch: the server instance that issued the lease (None: unknown).
     """
 
     partition: str
     task: str
     lease_id: int | str
     keys: list[str]
+    epoch: str | None = None
 
 
 def _with_lengths(fields: Mapping[str, Any], batch: dict[str, torch.Tensor]) -> None:
@@ -141,6 +149,8 @@ class BatchConsumer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"consumer-{task}", daemon=True)
         self._last: Lease | None = None
+        self._epoch: str | None = None  # the server instance of the latest claim reply
+        self.dropped_leases = 0  # batches claimed ahead from an instance that restarted
         self._started = False
         self._finished = False
 
@@ -155,16 +165,27 @@ class BatchConsumer:
     def __next__(self) -> tuple[dict[str, torch.Tensor], Lease]:
         if self._finished:
             raise StopIteration
-        item = self._ready.get()
-        if item is _END:
-            self._finished = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._finished = True
-            raise item
-        batch, lease = item
-        self._last = lease
-        return batch, lease
+        while True:
+            item = self._ready.get()
+            if item is _END:
+                self._finished = True
+                raise StopIteration
+            if isinstance(item, BaseException):
+                self._finished = True
+                raise item
+            batch, lease = item
+            if lease.epoch is not None and self._epoch is not None and lease.epoch != self._epoch:
+                self.dropped_leases += 1
+                logger.warning(
+                    "[consumer] dropped a batch of %d samples claimed from queue instance %s "
+                    "(now %s): its lease died with the restart",
+                    len(lease.keys),
+                    lease.epoch,
+                    self._epoch,
+                )
+                continue
+            self._last = lease
+            return batch, lease
 
     def ack(self, lease: Lease | None = None) -> int:
         """Mark a yielded batch consumed (default: the last one yielded).
@@ -175,6 +196,7 @@ class BatchConsumer:
         Raises:
             QueueError: ``unknown_lease`` when the lease expired first (its samples are
                 redelivered: raise ``lease_s``).
+            StaleEpochError: the server restarted since the claim (the samples were not acked).
         """
         lease = lease or self._last
         if lease is None:
@@ -252,13 +274,16 @@ class BatchConsumer:
                     shm=self.shm,
                     register=self.register,
                 )
+                self._epoch = client.epoch
                 if not got["keys"]:
                     idle += self.claim_timeout_s
                     if self.idle_timeout_s is not None and idle >= self.idle_timeout_s:
                         break
                     continue
                 idle = 0.0
-                lease = Lease(self.partition, self.task, got["lease_id"], list(got["keys"]))
+                lease = Lease(
+                    self.partition, self.task, got["lease_id"], list(got["keys"]), got.get("epoch")
+                )
                 batch = pad_batch(
                     got["fields"],
                     student_pad_id=self.student_pad_id,

@@ -11,6 +11,7 @@ QUEUE_FULL = "queue_full"
 TIMEOUT = "timeout"
 SHUTTING_DOWN = "shutting_down"
 SHM_UNAVAILABLE = "shm_unavailable"
+STALE_EPOCH = "stale_epoch"
 INTERNAL = "internal"
 
 
@@ -41,3 +42,9 @@ class QueueError(RuntimeError):
         self.message = message
         self.retryable = retryable
         self.request_type = request_type
+
+
+class StaleEpochError(QueueError):
+    """An ack or nack of a lease that an earlier instance of the server issued: the server
+    restarted (memory only) and lost the lease and its samples. Not retryable: drop the lease,
+    do not count its samples as consumed; a producer re-puts what the new instance lacks."""

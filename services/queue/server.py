@@ -1,5 +1,9 @@
 """The transfer-queue process shell: a ZMQ ROUTER event loop around SampleStore.
 
+Each start is a new **instance** with a random ``epoch`` (16 hex): every reply and error carries
+it, and lease ids are ``"<epoch>:<n>"``, so a client notices a restart on its next reply and an
+ack of a lease of an earlier instance is refused as ``stale_epoch`` (never a silent success).
+
 One thread, one event loop: requests are decoded and answered in arrival order; claims that find
 nothing ready and puts (or shared-memory reservations) that do not fit are parked (never polled,
 never slept on) and answered when data arrives, bytes are freed or their deadline passes.
@@ -16,6 +20,7 @@ import heapq
 import itertools
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -183,6 +188,7 @@ class QueueServer:
 
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
+        self.epoch = secrets.token_hex(8)  # this instance: samples and leases live and die with it
         self.pool = ShmPool(config.shm_pool_free_bytes, config.shm_reserve_s)
         self.store = SampleStore(
             config.capacity_bytes,
@@ -247,10 +253,11 @@ class QueueServer:
         sweep_orphans(min_age_s=ORPHAN_AGE_S)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info(
-            "[queue] listening on %s (capacity %d bytes, protocol v%d)",
+            "[queue] listening on %s (capacity %d bytes, protocol v%d, instance %s)",
             self.endpoint,
             self.config.capacity_bytes,
             PROTOCOL_VERSION,
+            self.epoch,
         )
         return self.endpoint
 
@@ -395,6 +402,7 @@ class QueueServer:
             "shm_reserve_max_bytes": self.config.shm_reserve_max_bytes,  # larger puts: frames
             "shm_probe": self.pool.probe(),  # {name, nonce}: proves a client shares /dev/shm
             "retention": True,  # claim.register; put replies count "consumed" keys
+            "epoch": self.epoch,
         }
 
     def _on_put(self, ident, rid, body, frames):
@@ -560,7 +568,7 @@ class QueueServer:
     def _on_ack(self, ident, rid, body, frames):
         used = self.store.bytes_used
         count = self.store.ack(
-            body["partition"], body["task"], _lease_id(body["lease_id"]), body.get("keys")
+            body["partition"], body["task"], self._lease_id(body["lease_id"]), body.get("keys")
         )
         if self.store.bytes_used < used:
             self._wake_puts()  # retention dropped what every registered task consumed
@@ -568,7 +576,7 @@ class QueueServer:
 
     def _on_nack(self, ident, rid, body, frames):
         count = self.store.nack(
-            body["partition"], body["task"], _lease_id(body["lease_id"]), body.get("keys")
+            body["partition"], body["task"], self._lease_id(body["lease_id"]), body.get("keys")
         )
         self._wake_claims(body["partition"])
         return {"count": count}
@@ -605,7 +613,28 @@ class QueueServer:
         )
         if batch is None:
             return None
-        return {"keys": batch.keys, "fields": batch.fields, "lease_id": batch.lease_id}
+        lease_id = f"{self.epoch}:{batch.lease_id}"
+        return {"keys": batch.keys, "fields": batch.fields, "lease_id": lease_id}
+
+    def _lease_id(self, value: int | str) -> int:
+        """The store's lease number of a lease id: ``"<epoch>:<n>"`` of this instance (or a
+        bare number, as earlier servers issued them)."""
+        text = str(value)
+        epoch, sep, number = text.rpartition(":")
+        if sep and epoch != self.epoch:
+            raise StoreError(
+                codes.STALE_EPOCH,
+                f"lease {text} was issued by queue instance {epoch}, this is instance "
+                f"{self.epoch}: the server restarted and lost that lease and its samples "
+                "(memory only); drop the lease, do not count its samples as acked, and claim "
+                "again",
+            )
+        try:
+            return int(number)
+        except ValueError:
+            raise StoreError(
+                codes.UNKNOWN_LEASE, f"lease_id={value!r} is not a lease id this server issued"
+            ) from None
 
     def _park(self, parked: _Parked) -> None:
         if parked.kind == "claim":
@@ -738,6 +767,7 @@ class QueueServer:
     def _send_reply(self, ident: bytes, request_id: int, body: dict[str, Any]) -> bool:
         """Send a reply; False when it could not be sent (then a claim's lease is given back
         at once, instead of holding its samples for a lease period)."""
+        body["epoch"] = self.epoch
         try:
             frames = encode_message("reply", body, request_id=request_id, limits=self.config.limits)
         except (WireError, TypeError) as e:
@@ -749,7 +779,7 @@ class QueueServer:
             return True
         lease_id = body.get("lease_id")
         if lease_id is not None:
-            self.store.release_lease(lease_id)
+            self.store.release_lease(self._lease_id(lease_id))
             logger.info(
                 "[queue] claim reply of %d samples undeliverable: lease %s given back",
                 len(body.get("keys", ())),
@@ -771,6 +801,7 @@ class QueueServer:
             "message": message,
             "retryable": bool(retryable),
             "request_type": request_type,
+            "epoch": self.epoch,
         }
         self._send([ident, *encode_message("error", body, request_id=request_id)])
 
@@ -821,7 +852,7 @@ class QueueServer:
         idents = {p.ident for p in self._all_parked() if now - p.since >= _PROBE_S}
         if not idents:
             return
-        probe = encode_message("reply", {"probe": True}, request_id=0)
+        probe = encode_message("reply", {"probe": True, "epoch": self.epoch}, request_id=0)
         for ident in idents:
             self._send([ident, *probe])
 
@@ -834,15 +865,6 @@ def _peek_header(frame: Any) -> tuple[int, str | None]:
     (code,) = struct.unpack_from("<H", buf, 6)
     (rid,) = struct.unpack_from("<Q", buf, 8)
     return rid, TYPE_NAMES.get(code)
-
-
-def _lease_id(value: int | str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise StoreError(
-            codes.UNKNOWN_LEASE, f"lease_id={value!r} is not a lease id this server issued"
-        ) from None
 
 
 def _put_reply(result: Any) -> dict[str, Any]:
