@@ -622,6 +622,79 @@ class SampleStore:
             self._retire(partition, part, todo)
         return len(todo)
 
+    def lease_keys(self, lease_id: int) -> list[str]:
+        """The keys a live lease still holds (empty for an unknown lease)."""
+        lease = self._leases.get(lease_id)
+        return sorted(lease.keys) if lease is not None else []
+
+    def is_registered(self, partition: str, task: str) -> bool:
+        """Whether ``task`` is registered for ``partition`` (retention)."""
+        part = self._parts.get(partition)
+        return part is not None and task in part.registered
+
+    def consume(self, partition: str, task: str, keys: Sequence[str]) -> int:
+        """Mark samples consumed by ``task`` without a lease, as an ack does (the durable log's
+        replay); drops those every registered task consumed. Unknown keys are ignored.
+
+        Returns:
+            Number of samples marked consumed.
+        """
+        part = self._parts.get(partition)
+        if part is None:
+            return 0
+        state = part.tasks.setdefault(task, _Task())
+        held = [k for k in keys if k in part.samples]
+        for k in held:
+            lease_id = state.leased.pop(k, None)
+            if lease_id is not None and lease_id in self._leases:
+                self._leases[lease_id].keys.discard(k)
+            state.consumed.add(k)
+        if task in part.registered:
+            self._retire(partition, part, held)
+        return len(held)
+
+    def restore_tombstones(self, partition: str, hashes: torch.Tensor, dropped: int) -> None:
+        """Remember consumed-and-dropped keys by hash (the durable log's snapshot)."""
+        part = self._parts.get(partition)
+        if part is None:
+            part = self._parts[partition] = _Partition()
+        if part.retired is None:
+            part.retired = KeyTombstones(self.tombstone_max_keys)
+        part.retired.restore(hashes)
+        part.dropped += int(dropped)
+
+    def export_state(self) -> Iterable[tuple[str, dict]]:
+        """The whole state but the leases as ``(op, body)`` records that rebuild it when applied
+        in order (``register``, ``tombstones``, ``put`` per live block, ``consumed`` per task).
+
+        Tensors are views of the stored blocks (a sparse block's live rows are gathered).
+        """
+        for name, part in self._parts.items():
+            for task in sorted(part.registered):
+                yield "register", {"partition": name, "task": task}
+            if part.retired is not None or part.dropped:
+                hashes = part.retired.export() if part.retired is not None else torch.empty(0)
+                yield (
+                    "tombstones",
+                    {"partition": name, "hashes": hashes.to(torch.int64), "dropped": part.dropped},
+                )
+            blocks = []
+            for block in part.blocks:
+                rows = [r for r, k in enumerate(block.keys) if k is not None]
+                if rows:
+                    blocks.append((min(part.index[block.keys[r]] for r in rows), block, rows))
+            blocks.sort(key=lambda t: t[0])
+            for _, block, rows in blocks:
+                value = JaggedColumn(block.values, block.offsets) if block.jagged else block.values
+                if len(rows) != len(block.keys):
+                    value = gather_rows(value, rows)
+                keys = [block.keys[r] for r in rows]
+                yield "put", {"partition": name, "keys": keys, "fields": {block.field: value}}
+            for task, state in sorted(part.tasks.items()):
+                if state.consumed:
+                    keys = sorted(state.consumed)
+                    yield "consumed", {"partition": name, "task": task, "keys": keys}
+
     def _retire(self, partition: str, part: _Partition, keys: Iterable[str]) -> None:
         """Drop the samples every registered task consumed; remember their keys."""
         holders = [part.tasks[t].consumed for t in part.registered]

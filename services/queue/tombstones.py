@@ -82,6 +82,16 @@ class KeyTombstones:
             found = [a or b for a, b in zip(found, hit.tolist())]
         return found
 
+    def export(self) -> torch.Tensor:
+        """Every remembered hash as one int64 tensor, oldest first (the durable log's snapshot)."""
+        recent = torch.tensor(sorted(self._recent), dtype=torch.int64)
+        return torch.cat([*self._levels, recent]) if self._levels else recent
+
+    def restore(self, hashes: torch.Tensor) -> None:
+        """Remember ``hashes`` (from ``export``) as the oldest entries, before any added since."""
+        if hashes.numel():
+            self._levels.insert(0, torch.unique(hashes.to(torch.int64)))
+
     def _flush(self) -> None:
         level = torch.tensor(sorted(self._recent), dtype=torch.int64)
         self._recent.clear()
