@@ -43,6 +43,8 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 
+from xtoken_core import envs
+
 logger = logging.getLogger(__name__)
 
 # Bump when the chunking or record format changes: old caches are then rebuilt.
@@ -65,7 +67,7 @@ def default_demo_dir() -> pathlib.Path:
         ``$XDG_CACHE_HOME/xtoken/demo`` when ``XDG_CACHE_HOME`` is set, else
         ``~/.cache/xtoken/demo``.
     """
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.xdg_cache_home() or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "xtoken" / "demo"
 
 

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from xtoken_core import envs
 from xtoken_core.ipc.cuda import CudaIpcHandle
 from xtoken_core.ipc.shm import align_up, check_name
 from xtoken_core.ipc.slots import StaleHandleError
@@ -198,7 +198,7 @@ def local_cuda_index(key: str) -> int:
             return index
     raise ValueError(
         f"the teacher's GPU {key} is not visible in this process (CUDA_VISIBLE_DEVICES="
-        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); make it visible to the trainer "
+        f"{envs.cuda_visible_devices()}); make it visible to the trainer "
         "(CUDA IPC maps memory of a GPU the process can see)"
     )
 

@@ -1,23 +1,20 @@
-"""Shared helpers for the Triton kernels: optional import, interpreter mode, lazy per-mode JIT
-with a cached direct launch of the compiled kernels."""
+"""Shared helpers for the Triton kernels: optional import, interpreter mode, lazy per-mode JIT."""
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from xtoken_core import envs
+
 try:  # Triton is optional: without it every kernel falls back to its PyTorch reference.
     import triton
     import triton.language as tl
-    from triton.runtime import driver as _driver
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
     tl = None
-    _driver = None
 
 # Reductions go through ``tl.reduce`` with Triton's own combine functions instead of
 # ``tl.sum`` / ``tl.max``: those are jitted library functions, fixed to compiled or interpreted
@@ -39,17 +36,10 @@ __all__ = [
     "lazy_jit",
     "next_power_of_2",
     "tl",
-    "fast_launch_enabled",
     "transpose_into",
     "triton",
     "use_triton",
 ]
-
-#: Triton versions whose ``JITFunction.run`` launches as the fast path below replays it (the
-#: binder, ``kernel.run(grid, stream, function, packed_metadata, launch_metadata, hooks,
-#: *bound_args)``); read from their source. Any other version takes the normal launch.
-_FAST_LAUNCH_VERSIONS = ("3.6.", "3.7.", "3.8.", "3.9.")
-_FAST_LAUNCH_SUPPORTED = triton is not None and triton.__version__.startswith(_FAST_LAUNCH_VERSIONS)
 
 
 def interpret_mode() -> bool:
@@ -58,7 +48,7 @@ def interpret_mode() -> bool:
     Returns:
         True when the environment variable is set to a true value.
     """
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.triton_interpret()
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -119,8 +109,6 @@ class LazyJit:
         self.fn = fn
         self.jit_kwargs = jit_kwargs
         self._by_mode: dict[bool, Any] = {}
-        # (device, Triton's specialization, the caller's options) -> the compiled kernel
-        self._compiled: dict[tuple, Any] = {}
         self.__name__ = getattr(fn, "__name__", "kernel")
         self.__doc__ = fn.__doc__
 
@@ -145,77 +133,7 @@ class LazyJit:
         return kernel
 
     def __getitem__(self, grid: Any) -> Any:
-        mode = interpret_mode()
-        jitted = self._jitted_for(mode)
-        if mode or callable(grid) or not fast_launch_enabled():
-            return jitted[grid]
-        return functools.partial(self._launch, jitted, tuple(grid))
-
-    def _launch(self, jitted: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
-        """``kernel[grid](*args, **kwargs)``, by a direct call of the compiled kernel when the
-        same specialization was launched before (compiled mode only).
-
-        Triton's own binder still computes the specialization (dtypes, 16-byte alignment, int
-        ranges, constexprs) and the launch arguments, so the cached kernel is the one Triton
-        would pick; skipped are the per-call device/option lookups, the cache-key string, the
-        global-value check and the launch-metadata call. Falls back to the normal launch with
-        launch hooks or pre-run hooks set, and on the first launch of a specialization (which
-        compiles and caches it).
-        """
-        if jitted.pre_run_hooks or _launch_hooks_set():
-            return jitted[grid](*args, **kwargs)
-        device = _driver.active.get_current_device()
-        binder = jitted.device_caches[device][4]
-        bound_args, specialization, _ = binder(*args, **kwargs)
-        try:
-            key = (device, tuple(specialization), tuple(kwargs.items()))
-            kernel = self._compiled.get(key)
-        except TypeError:  # an unhashable specialization: no fast path for this call
-            return jitted[grid](*args, **kwargs)
-        if kernel is None:
-            kernel = jitted[grid](*args, **kwargs)
-            if hasattr(kernel, "result"):  # an async compile's future
-                kernel = kernel.result()
-            self._compiled[key] = kernel
-            return kernel
-        stream = _driver.active.get_current_stream(device)
-        kernel.run(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            stream,
-            kernel.function,
-            kernel.packed_metadata,
-            None,  # launch metadata: only launch hooks use it (none set, checked above)
-            None,
-            None,
-            *bound_args.values(),
-        )
-        return kernel
-
-
-def fast_launch_enabled() -> bool:
-    """Whether :class:`LazyJit` launches compiled kernels directly (its cached fast path).
-
-    On for the Triton versions the fast path was written against, unless the environment
-    sets ``XTOKEN_TRITON_FAST_LAUNCH=0``; read now.
-
-    Returns:
-        True to use the fast path (it still falls back per call, see :class:`LazyJit`).
-    """
-    if not _FAST_LAUNCH_SUPPORTED:
-        return False
-    return os.environ.get("XTOKEN_TRITON_FAST_LAUNCH", "1").lower() not in ("0", "false", "off")
-
-
-def _hook_set(hook: Any) -> bool:
-    # a plain callable (older Triton) or a HookChain with its list of calls (newer)
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _launch_hooks_set() -> bool:
-    runtime = triton.knobs.runtime
-    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+        return self.jitted()[grid]
 
 
 def lazy_jit(fn: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:

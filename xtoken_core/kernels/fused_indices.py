@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
+
+from xtoken_core import envs
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def indices_to_multihot_reference(
 
 
 def _interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.triton_interpret()
 
 
 @functools.lru_cache(maxsize=2)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from xtoken_core import envs
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.utils import ChunkRows
 
@@ -65,9 +65,7 @@ def graphs_enabled() -> bool:
     Returns:
         True unless the environment turns them off (read now).
     """
-    if os.environ.get("XTOKEN_CUDA_GRAPHS", "1").lower() in ("0", "false", "off", "no"):
-        return False
-    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes")
+    return envs.cuda_graphs_allowed() and not envs.triton_interpret()
 
 
 @dataclass(frozen=True)

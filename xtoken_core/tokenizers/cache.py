@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from xtoken_core import envs
+
 logger = logging.getLogger(__name__)
 
 STAMP_FILE = "xtoken_stamp.json"
@@ -28,7 +30,7 @@ def cache_root() -> Path:
     Returns:
         The folder (not created here).
     """
-    env = os.environ.get("XTOKEN_CACHE", "").strip()
+    env = envs.xtoken_cache()
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "xtoken"

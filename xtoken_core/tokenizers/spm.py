@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 
+from xtoken_core import envs
 from xtoken_core.tokenizers.base import ROLE_SPECIAL, XTokenizer
 
 logger = logging.getLogger(__name__)
@@ -20,13 +20,7 @@ def _num_threads() -> int:
     One switch for both backends: Hugging Face ``tokenizers`` reads the same variable, so a
     collator worker process that sets it to ``false`` tokenizes on one core with either.
     """
-    off = os.environ.get("TOKENIZERS_PARALLELISM", "").strip().lower() in (
-        "0",
-        "false",
-        "off",
-        "no",
-    )
-    return 1 if off else -1
+    return 1 if envs.tokenizers_parallelism_off() else -1
 
 
 class SentencePieceTokenizer(XTokenizer):

@@ -34,52 +34,6 @@ def test_transpose_into_rejects_mismatched_shapes():
         _utils.transpose_into(torch.zeros(3, 4, device=DEVICE), torch.zeros(3, 4, device=DEVICE))
 
 
-def test_fast_launch_switch_reads_the_environment(monkeypatch):
-    monkeypatch.setenv("XTOKEN_TRITON_FAST_LAUNCH", "0")
-    assert not _utils.fast_launch_enabled()
-    monkeypatch.delenv("XTOKEN_TRITON_FAST_LAUNCH")
-    supported = _utils.triton.__version__.startswith(_utils._FAST_LAUNCH_VERSIONS)
-    assert _utils.fast_launch_enabled() == supported
-
-
-def test_interpreted_launches_take_the_normal_path_and_cache_nothing(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter runs only without CUDA in these tests")
-    kernel = _utils._transpose_kernel
-    kernel._compiled.clear()
-    src = torch.arange(12.0).view(3, 4)
-    for _ in range(2):
-        dst = torch.zeros(4, 3)
-        _utils.transpose_into(src, dst)
-        assert torch.equal(dst, src.t())
-    assert kernel._compiled == {}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fast_launch_matches_the_normal_launch_per_specialization(monkeypatch):
-    # Repeated launches go through the cached compiled kernel; every specialization (16-byte
-    # aligned or not, dtype) gets its own entry and the same bytes as Triton's own launch.
-    kernel = _utils._transpose_kernel
-    kernel._compiled.clear()
-    base = torch.randn(70, 133, device="cuda")
-    cases = [base[:, :129], base[:, 1:130], base[:, :129].to(torch.bfloat16)]
-    outs = {}
-    for fast in ("1", "0"):
-        monkeypatch.setenv("XTOKEN_TRITON_FAST_LAUNCH", fast)
-        for i, src in enumerate(cases):
-            for rep in range(3):
-                dst = torch.full((129, 70), float("nan"), device="cuda")
-                _utils.transpose_into(src, dst)
-                outs[fast, i, rep] = dst
-    keys = list(kernel._compiled)
-    assert len(keys) == 3  # fp32 aligned, fp32 unaligned, bf16; the normal path adds none
-    for i, src in enumerate(cases):
-        for rep in range(3):
-            assert torch.equal(outs["1", i, rep], outs["0", i, rep])
-            assert torch.equal(outs["1", i, rep], src.t().float())
-
-
 def _lazy_kernels():
     import importlib
     import pkgutil
