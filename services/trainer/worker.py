@@ -191,7 +191,7 @@ class TrainerWorker:
         check_vocab(f"student model {config.student!r}", self.vocab, student_tok.vocab_size)
         self.loss_fn = None
         if config.loss.uses_teacher:
-            self.loss_fn = self._build_loss(teacher_tok.vocab_size)
+            self.loss_fn = self._build_loss(teacher_tok.vocab_size, (student_tok, teacher_tok))
         self.module = model.to(self.device).train()
         self.model = self._parallelize(self.module)
         self.optimizer = self._build_optimizer()
@@ -205,12 +205,27 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def _build_loss(self, teacher_vocab: int) -> Any:
-        from xtoken_core.data.projection import parse_projection_file
+    def _build_loss(self, teacher_vocab: int, tokenizers: tuple[Any, Any] | None = None) -> Any:
+        """The loss of ``config.loss`` after checking its projection file against the run.
+
+        Args:
+            teacher_vocab: the teacher tokenizer's vocab size.
+            tokenizers: the run's ``(student, teacher)`` tokenizers; the file's recorded
+                tokenizers must be these and it must have usable rows
+                (:func:`~xtoken_core.data.projection.check_projection_tokenizers`). None: only
+                the vocab sizes are checked.
+
+        Raises:
+            ValueError: a projection built for other tokenizers or vocab sizes, or with no
+                usable row.
+        """
+        from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
         from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
         from xtoken_core.models import check_vocab
 
         lc = self.config.loss
+        if tokenizers is not None:  # a trainer started by hand gets the check `xtoken run` does
+            check_projection_tokenizers(lc.projection, *tokenizers)
         _, _, rows, cols = parse_projection_file(lc.projection)
         check_vocab(f"projection {lc.projection!r} (student rows)", self.vocab, rows)
         teacher_width = self.config.teacher_vocab_size or teacher_vocab

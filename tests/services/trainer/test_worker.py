@@ -116,3 +116,38 @@ def test_pkl_mode_without_a_projection_is_a_config_error_naming_the_fix():
 def test_trainer_config_names_a_bad_value_and_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):
         setup.trainer_config(None, **overrides)
+
+
+def _recorded_projection(path, student_tok, teacher_tok, indices=None):
+    """The test projection saved with ``student_tok -> teacher_tok`` as its recorded pair."""
+    from xtoken_core.data.projection_build import (
+        build_projection,
+        projection_metadata,
+        save_projection,
+    )
+
+    result = build_projection(*setup.tokenizers(), 4)
+    if indices is not None:
+        result = {"indices": indices, "likelihoods": (indices >= 0).float()}
+    save_projection(result, path, projection_metadata(student_tok, teacher_tok))
+    return str(path)
+
+
+def test_a_trainer_refuses_a_projection_built_for_other_tokenizers(tmp_path):
+    student, _ = setup.tokenizers()
+    path = _recorded_projection(tmp_path / "proj.pt", student, student)  # teacher side wrong
+    with pytest.raises(ValueError, match=r"built for teacher tokenizer.*xtoken projection build"):
+        TrainerWorker(setup.trainer_config(path))
+
+
+def test_a_trainer_refuses_a_projection_with_no_usable_row(tmp_path):
+    student, teacher = setup.tokenizers()
+    empty = torch.full((student.vocab_size, 4), -1, dtype=torch.long)
+    path = _recorded_projection(tmp_path / "proj.pt", student, teacher, indices=empty)
+    with pytest.raises(ValueError, match="no usable row"):
+        TrainerWorker(setup.trainer_config(path))
+
+
+def test_a_trainer_accepts_the_projection_built_for_its_tokenizers(tmp_path):
+    path = _recorded_projection(tmp_path / "proj.pt", *setup.tokenizers())
+    assert TrainerWorker(setup.trainer_config(path)).loss_fn is not None
