@@ -120,11 +120,10 @@ def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
         q_RK, torch.arange(T, device=device), offsets_N1, lp_NK, TEMPERATURE, False, PROB_EPS
     )
     grad = torch.ones(1, device=device)
-    keys = ("klb_block_r", "klb_block_k", "klb_warps", "pkl_dq_transposed")
+    keys = ("klb_block_r", "klb_block_k", "klb_warps")
     saved = {k: kd_fused.KERNEL_CONFIG[k] for k in keys}
     rows = []
     try:
-        kd_fused.KERNEL_CONFIG["pkl_dq_transposed"] = True
         for br, bk, warps in KL_CONFIGS:
             kd_fused.KERNEL_CONFIG.update(klb_block_r=br, klb_block_k=bk, klb_warps=warps)
             ms = _common.bench_ms(
@@ -237,7 +236,6 @@ def main(argv=None) -> int:
                     pbwd_block_n=best["block_n"],
                     pbwd_block_v=best["block_v"],
                     pbwd_warps=best["warps"],
-                    pkl_dq_transposed=best["dq"] == "col",
                     klb_block_r=kl_best["block_r"],
                     klb_block_k=kl_best["block_k"],
                     klb_warps=kl_best["warps"],

@@ -9,13 +9,8 @@ Math. With x = z / temperature and lse_r = logsumexp_v x[r, v]:
     dz[r, v]   = (1 / (temperature * n_s)) * (g[s, v] - softmax(x_r)[v] * sum_v' g[s, v'])
                  for the segment s of row r, and 0 for rows with chunk id -1.
 
-Forward, one of two schedules (``KERNEL_CONFIG["fwd_fused"]``), both deterministic (fixed-order
-sums over rows sorted by segment, no atomics):
-    two-pass: a row logsumexp kernel (online softmax), then a segmented sum per
-              (segment, V block): two reads of the logits, many small programs.
-    fused:    one program per segment: pass 1 takes the logsumexp of each of its rows, pass 2
-              sums the rows block by block in reverse V order (the blocks read last are re-read
-              first, while still in L2) and writes avg = sum(z) / (T n) - mean(lse). One launch.
+Forward, deterministic (fixed-order sums over rows sorted by segment, no atomics): a row
+logsumexp kernel (online softmax), then a segmented sum per (segment, V block).
 The segment structure (rows sorted by segment, offsets, sizes) is one small launch, a stable
 counting sort (``_segments_kernel``), not a torch sort: no host sync, few host ops.
 Backward is one pass (plus a row sum of the incoming gradient). Only the input logits and one
@@ -49,13 +44,10 @@ __all__ = [
 
 # Block sizes per pass (GPU). Benchmarks may override entries; tests run them interpreted.
 KERNEL_CONFIG = {
-    "fwd_fused": False,
     # Chunk ids already on the GPU are range-checked only when this is True (a device sync per
     # call, which stalls the host queue); unchecked, out-of-range ids count as -1 (ignored, as
     # in the one-hot reference). Ids passed on the CPU are always checked, on the host.
     "check_device_ids": False,
-    "fused_block_v": 2048,
-    "fused_warps": 4,
     "lse_block_v": 4096,
     "lse_warps": 8,
     "acc_block_v": 2048,
@@ -186,63 +178,6 @@ if tl is not None:
             tl.store(lse_R_ptr + r, (m + tl.log2(total)) * 0.6931471805599453)
         else:
             tl.store(lse_R_ptr + r, 0.0)
-
-    @lazy_jit(
-        do_not_specialize=("T",),
-        do_not_specialize_on_alignment=("order_N_ptr", "offsets_S1_ptr", "lse_R_ptr"),
-    )
-    def _chunk_fused_fwd_kernel(
-        logits_ptr,
-        order_N_ptr,
-        offsets_S1_ptr,
-        lse_R_ptr,
-        out_SV_ptr,
-        T,
-        V,
-        stride_b,
-        stride_t,
-        scale2,  # log2(e) / temperature
-        inv_temp,
-        BLOCK_V: tl.constexpr,
-    ):
-        # One program per segment s, rows order[offsets[s]:offsets[s+1]].
-        # Pass 1, per row: lse_r by the online softmax of _row_lse_kernel (stored for backward).
-        # Pass 2, per V block from the last to the first (pass 1 read those last: L2 hits):
-        #   out[s, v] = (sum_{r in s} z[r, v]) * inv_temp / n_s - (sum_{r in s} lse_r) / n_s
-        # Empty segments write 0 rows. Fixed order everywhere: deterministic.
-        s_id = tl.program_id(0).to(tl.int64)
-        start = tl.load(offsets_S1_ptr + s_id)
-        end = tl.load(offsets_S1_ptr + s_id + 1)
-        offs = tl.arange(0, BLOCK_V)
-        lse_sum = tl.full([], 0.0, tl.float32)
-        for i in range(start, end):
-            r = tl.load(order_N_ptr + i)
-            row_ptr = logits_ptr + (r // T) * stride_b + (r % T) * stride_t
-            m = tl.full([], -1.0e30, tl.float32)
-            s_lane = tl.full((BLOCK_V,), 0.0, tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                v = v0 + offs
-                x2 = tl.load(row_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32) * scale2
-                m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
-                s_lane = s_lane * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
-                m = m_new
-            lse = (m + tl.log2(tl.reduce(s_lane, 0, SUM_COMBINE))) * 0.6931471805599453
-            tl.store(lse_R_ptr + r, lse)
-            lse_sum += lse
-        n = tl.maximum(end - start, 1).to(tl.float32)
-        shift = lse_sum / n
-        scale = inv_temp / n
-        num_vb = (V + BLOCK_V - 1) // BLOCK_V
-        for k in range(0, num_vb):
-            v = (num_vb - 1 - k) * BLOCK_V + offs
-            vmask = v < V
-            acc = tl.full((BLOCK_V,), 0.0, tl.float32)
-            for i in range(start, end):
-                r = tl.load(order_N_ptr + i)
-                row_ptr = logits_ptr + (r // T) * stride_b + (r % T) * stride_t
-                acc += tl.load(row_ptr + v, mask=vmask, other=0.0).to(tl.float32)
-            out = acc * scale - shift
-            tl.store(out_SV_ptr + s_id * V + v, out.to(out_SV_ptr.dtype.element_ty), mask=vmask)
 
     @lazy_jit(
         do_not_specialize=("T",),
@@ -467,53 +402,35 @@ def chunk_avg_log_softmax_forward(logits_BTV, chunk_id_BT, num_chunks, temperatu
     lse_R = torch.empty(R, device=logits_BTV.device, dtype=torch.float32)
     avg_BCV = torch.empty(B, C, V, device=logits_BTV.device, dtype=out_dtype)
     sb, st = logits_BTV.stride(0), logits_BTV.stride(1)
-    if KERNEL_CONFIG["fwd_fused"]:
-        if S > 0 and V > 0:
-            _chunk_fused_fwd_kernel[(S,)](
-                logits_BTV,
-                order_R,
-                offsets_S1,
-                lse_R,
-                avg_BCV,
-                T,
-                V,
-                sb,
-                st,
-                LOG2E / temperature,
-                1.0 / temperature,
-                BLOCK_V=_block("fused_block_v", V),
-                num_warps=KERNEL_CONFIG["fused_warps"],
-            )
-    else:
-        if R > 0 and V > 0:
-            _row_lse_kernel[(R,)](
-                logits_BTV,
-                seg_R,
-                lse_R,
-                T,
-                V,
-                sb,
-                st,
-                LOG2E / temperature,
-                BLOCK_V=_block("lse_block_v", V),
-                num_warps=KERNEL_CONFIG["lse_warps"],
-            )
-        if S > 0 and V > 0:
-            block = _block("acc_block_v", V)
-            _chunk_acc_kernel[(S, cdiv(V, block))](
-                logits_BTV,
-                order_R,
-                offsets_S1,
-                lse_R,
-                avg_BCV,
-                T,
-                V,
-                sb,
-                st,
-                1.0 / temperature,
-                BLOCK_V=block,
-                num_warps=KERNEL_CONFIG["acc_warps"],
-            )
+    if R > 0 and V > 0:
+        _row_lse_kernel[(R,)](
+            logits_BTV,
+            seg_R,
+            lse_R,
+            T,
+            V,
+            sb,
+            st,
+            LOG2E / temperature,
+            BLOCK_V=_block("lse_block_v", V),
+            num_warps=KERNEL_CONFIG["lse_warps"],
+        )
+    if S > 0 and V > 0:
+        block = _block("acc_block_v", V)
+        _chunk_acc_kernel[(S, cdiv(V, block))](
+            logits_BTV,
+            order_R,
+            offsets_S1,
+            lse_R,
+            avg_BCV,
+            T,
+            V,
+            sb,
+            st,
+            1.0 / temperature,
+            BLOCK_V=block,
+            num_warps=KERNEL_CONFIG["acc_warps"],
+        )
     return avg_BCV, sizes_Sf.view(B, C), lse_R, seg_R, sizes_Sf
 
 

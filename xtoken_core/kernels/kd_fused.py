@@ -77,7 +77,6 @@ KERNEL_CONFIG = {
     "pbwd_block_n": 16,
     "pbwd_block_v": 512,
     "pbwd_warps": 4,
-    "pkl_dq_transposed": True,  # kd_pkl_terms writes dq as [K, R]: the backward gathers columns
     "klf_block_k": 1024,
     "klf_warps": 4,
     "klb_block_r": 4,

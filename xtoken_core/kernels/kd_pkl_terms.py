@@ -316,14 +316,11 @@ def chunk_kl_backward(
 
     Returns:
         ``(dq_RK, dot_R)`` fp32; ``dq_RK`` is stored column-major (``[K, R]`` memory, an
-        ``[R, K]`` view) when ``KERNEL_CONFIG["pkl_dq_transposed"]``, else row-major.
+        ``[R, K]`` view): the projection backward gathers its columns.
     """
     R, K = q_RK.shape
     device = q_RK.device
-    if KERNEL_CONFIG["pkl_dq_transposed"]:
-        dq_RK = torch.empty((K, R), device=device, dtype=torch.float32).t()
-    else:
-        dq_RK = torch.empty((R, K), device=device, dtype=torch.float32)
+    dq_RK = torch.empty((K, R), device=device, dtype=torch.float32).t()
     dot_R = torch.empty(R, device=device, dtype=torch.float32)
     if R == 0:
         return dq_RK, dot_R

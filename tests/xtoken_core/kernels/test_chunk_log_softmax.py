@@ -45,17 +45,10 @@ def _run_both(logits, cid, C, temperature, grad_seed=7):
 SHAPES = [(1, 7, 67, 3), (2, 37, 300, 13), (2, 19, 129, 5)]
 
 
-@pytest.fixture(params=[False, True], ids=["two_pass", "fused"])
-def fwd_schedule(request, monkeypatch):
-    """Run the test under both forward schedules (separate lse pass, or one fused kernel)."""
-    monkeypatch.setitem(cls.KERNEL_CONFIG, "fwd_fused", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("temperature", [1.0, 1.7])
-def test_forward_and_backward_match_reference(dtype, shape, temperature, fwd_schedule):
+def test_forward_and_backward_match_reference(dtype, shape, temperature):
     B, T, V, C = shape
     logits, cid = _inputs(B, T, V, C, dtype, seed=sum(shape))
     (avg, sizes, grad), (avg_r, sizes_r, grad_r) = _run_both(logits, cid, C, temperature)
@@ -66,7 +59,7 @@ def test_forward_and_backward_match_reference(dtype, shape, temperature, fwd_sch
     torch.testing.assert_close(grad, grad_r, **GRAD_TOL[dtype])
 
 
-def test_contiguous_runs_match_reference(fwd_schedule):
+def test_contiguous_runs_match_reference():
     logits, cid = _inputs(2, 33, 101, 11, torch.float32, seed=3, contiguous_runs=True)
     (avg, sizes, grad), (avg_r, sizes_r, grad_r) = _run_both(logits, cid, 11, 0.8)
     torch.testing.assert_close(sizes, sizes_r, atol=0, rtol=0)
@@ -74,7 +67,7 @@ def test_contiguous_runs_match_reference(fwd_schedule):
     torch.testing.assert_close(grad, grad_r, **GRAD_TOL[torch.float32])
 
 
-def test_empty_chunks_give_zero_rows_and_size_zero(fwd_schedule):
+def test_empty_chunks_give_zero_rows_and_size_zero():
     B, T, V, C = 2, 11, 70, 7
     logits, cid = _inputs(B, T, V, C, torch.float32, seed=5)
     avg, sizes = cls.chunk_avg_log_softmax(logits, cid, C)
@@ -118,7 +111,7 @@ def test_matches_one_hot_bmm_reference_of_losses():
     torch.testing.assert_close(avg, avg_r, atol=2e-5, rtol=1e-5)
 
 
-def test_row_strided_logits_view_matches_contiguous(fwd_schedule):
+def test_row_strided_logits_view_matches_contiguous():
     logits, cid = _inputs(2, 13, 96, 5, torch.float32, seed=17)
     view = logits[:, :, :77]  # a teacher vocab slice: rows are strided, last dim contiguous
     x = view.clone().requires_grad_()
@@ -136,14 +129,14 @@ def test_bf16_output_dtype_is_honoured():
     torch.testing.assert_close(avg.float(), avg_r, atol=5e-2, rtol=1e-2)
 
 
-def test_two_runs_are_bitwise_equal(fwd_schedule):
+def test_two_runs_are_bitwise_equal():
     logits, cid = _inputs(2, 31, 130, 7, torch.bfloat16, seed=23)
     outs = [_run_both(logits, cid, 7, 1.3)[0] for _ in range(2)]
     for a, b in zip(outs[0], outs[1]):
         assert torch.equal(a, b)
 
 
-def test_out_of_range_chunk_ids_raise(fwd_schedule):
+def test_out_of_range_chunk_ids_raise():
     # Ids passed on the CPU are checked on the host before they move to the logits' device.
     logits = torch.randn(1, 5, 20, device=DEVICE)
     with pytest.raises(ValueError, match="num_chunks"):
@@ -189,25 +182,9 @@ def test_cpu_fallback_without_interpreter_is_the_reference(no_interpreter):
     assert bool((x.grad[cid < 0] == 0).all())
 
 
-def test_fused_schedule_spans_several_v_blocks_and_long_chunks(monkeypatch):
-    # Small blocks: several V blocks per row in both passes, chunks of up to 6 rows.
-    monkeypatch.setitem(cls.KERNEL_CONFIG, "fwd_fused", True)
-    monkeypatch.setitem(cls.KERNEL_CONFIG, "fused_block_v", 32)
-    gen = torch.Generator().manual_seed(31)
-    logits = (torch.randn(2, 24, 100, generator=gen) * 4).to(DEVICE)
-    cid = (torch.arange(24) // 6).repeat(2, 1)
-    cid[1, 20:] = -1
-    (avg, sizes, grad), (avg_r, sizes_r, grad_r) = _run_both(logits, cid.to(DEVICE), 4, 1.3)
-    torch.testing.assert_close(sizes, sizes_r, atol=0, rtol=0)
-    torch.testing.assert_close(avg, avg_r, **TOL[torch.float32])
-    torch.testing.assert_close(grad, grad_r, **GRAD_TOL[torch.float32])
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["two_pass", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_full_size_matches_reference_on_gpu(dtype, fused, monkeypatch):
-    monkeypatch.setitem(cls.KERNEL_CONFIG, "fwd_fused", fused)
+def test_full_size_matches_reference_on_gpu(dtype):
     B, T, V, C = 2, 2048, 151936, 1640
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(B, T, V, device="cuda", generator=gen) * 4).to(dtype)
