@@ -167,6 +167,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "samples (8 bytes each; past it the oldest quarter is forgotten; default 16777216)",
     )
     serve.add_argument(
+        "--data-dir",
+        default=None,
+        help="durable mode: log samples not yet consumed, consumed sets, registrations and "
+        "tombstones to this directory and recover them on the next start (leases do not "
+        "survive; the shared-memory pool is off). Default: memory only",
+    )
+    serve.add_argument(
+        "--fsync",
+        choices=("always", "interval", "never"),
+        default="interval",
+        help="with --data-dir: always = answer puts, acks and clears once fsynced; interval = "
+        "fsync every --fsync-interval, answer acks and clears once written (survive a SIGKILL) "
+        "and puts at once while the log lags by less than --log-lag; never = no fsync "
+        "(default interval)",
+    )
+    serve.add_argument(
+        "--fsync-interval",
+        type=float,
+        default=1.0,
+        help="seconds between fsyncs of the log with --fsync interval (default 1)",
+    )
+    serve.add_argument(
+        "--log-lag",
+        type=_size_arg,
+        default=256 * 1024**2,
+        help="most bytes of answered puts not yet written to the log; past it puts are "
+        "answered once written (default 256MiB)",
+    )
+    serve.add_argument(
+        "--compact-min",
+        type=_size_arg,
+        default=64 * 1024**2,
+        help="compact the log to a snapshot once it is larger than this and twice the bytes "
+        "stored (default 64MiB; bounds the recovery time)",
+    )
+    serve.add_argument(
         "--max-message-bytes",
         type=_size_arg,
         default=None,
@@ -222,6 +258,11 @@ def _serve(args: argparse.Namespace) -> int:
             max_claim_wait_s=args.max_claim_wait,
             max_put_wait_s=args.max_put_wait,
             heartbeat_s=args.heartbeat,
+            data_dir=args.data_dir,
+            fsync=args.fsync,
+            fsync_interval_s=args.fsync_interval,
+            log_lag_bytes=args.log_lag,
+            compact_min_bytes=args.compact_min,
             limits=limits,
         )
         import zmq

@@ -404,3 +404,35 @@ class DurableLog:
         self.compactions += 1
         # Everything before the rotation is in the snapshot, which is fsynced.
         self.synced = max(self.synced, self.written)
+
+
+def apply_record(store: Any, body: dict[str, Any]) -> None:
+    """Apply one replayed record to a ``SampleStore`` (what the running server did).
+
+    Raises:
+        ValueError: an unknown op (a log written by a newer server).
+    """
+    op = body.get("op")
+    partition = body.get("partition")
+    if op == "put":
+        result = store.put(partition, body["keys"], body["fields"])
+        if result.blocked:
+            logger.warning(
+                "[queue] replay: a put of %d samples to %r does not fit in --capacity "
+                "(lowered since?): dropped",
+                len(body["keys"]),
+                partition,
+            )
+    elif op in ("ack", "consumed"):
+        store.consume(partition, body["task"], body["keys"])
+    elif op == "clear":
+        store.clear(partition, body.get("keys"))
+    elif op == "register":
+        store.register(partition, body["task"])
+    elif op == "tombstones":
+        store.restore_tombstones(partition, body["hashes"], body["dropped"])
+    else:
+        raise ValueError(
+            f"log record op {op!r} is unknown to this server; recover with the version that "
+            "wrote the log"
+        )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from services.queue import errors as codes
+from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
 from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes
 from services.queue.shm_transport import ORPHAN_AGE_S
@@ -97,6 +98,18 @@ class ServerConfig:
             answered by the client's zmq I/O thread) and closes one that sent nothing for 3
             periods (``--heartbeat``; 0 = off): a hung or unreachable client's parked requests
             are then dropped like those of a client whose process died.
+        data_dir: durable mode (``--data-dir``): samples not yet consumed, consumed sets,
+            registrations and tombstones are logged there (durable.py) and recovered on the
+            next start; None keeps everything in memory. Leases never survive a restart.
+        fsync: ``always`` (every put, ack and clear is answered once fsynced), ``interval``
+            (fsync every ``fsync_interval_s``; acks and clears are answered once written, puts
+            at once while the log lags by less than ``log_lag_bytes``) or ``never``
+            (``--fsync``).
+        fsync_interval_s: with ``interval``, seconds between fsyncs (``--fsync-interval``).
+        log_lag_bytes: most bytes of answered puts not yet written to the log
+            (``--log-lag``): past it, puts are answered once written.
+        compact_min_bytes: the log is compacted to a snapshot once it is larger than this and
+            twice the bytes stored (``--compact-min``).
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -116,6 +129,11 @@ class ServerConfig:
     max_claim_wait_s: float = 300.0
     max_put_wait_s: float = 3600.0
     heartbeat_s: float = 10.0
+    data_dir: str | None = None
+    fsync: str = "interval"
+    fsync_interval_s: float = 1.0
+    log_lag_bytes: int = 256 * 1024**2
+    compact_min_bytes: int = 64 * 1024**2
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -158,6 +176,17 @@ class ServerConfig:
         if self.tombstone_max_keys < 1:
             raise ValueError(
                 f"tombstone_max_keys={self.tombstone_max_keys}: must be >= 1 (--tombstones)"
+            )
+        if self.fsync not in ("always", "interval", "never"):
+            raise ValueError(f"fsync={self.fsync!r}: use always, interval or never (--fsync)")
+        if not self.fsync_interval_s > 0:
+            raise ValueError(
+                f"fsync_interval_s={self.fsync_interval_s}: must be > 0 (--fsync-interval)"
+            )
+        if self.log_lag_bytes < 0 or self.compact_min_bytes <= 0:
+            raise ValueError(
+                f"log_lag_bytes={self.log_lag_bytes} must be >= 0 (--log-lag) and "
+                f"compact_min_bytes={self.compact_min_bytes} > 0 (--compact-min)"
             )
         if not self.shm_reserve_s > 0:
             raise ValueError(
@@ -215,6 +244,24 @@ class QueueServer:
         self.requests = 0
         self._next_probe = 0.0
         self.dropped_parked = 0  # parked requests of clients found gone
+        # Durable mode: the log, replies waiting for their record to be written, a pipe the
+        # log writer wakes the loop through, what the last recovery read.
+        self.log: DurableLog | None = None
+        self._deferred: collections.deque[tuple[int, bool, bytes, int, dict]] = collections.deque()
+        self._wake_r = self._wake_w = -1
+        self._compacting = -1  # log.compactions when a compaction was asked for
+        self.recovery: dict[str, Any] | None = None
+        self._log_seq = 0  # the log record of the change being answered
+        if config.data_dir:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
+            self.log = DurableLog(
+                config.data_dir,
+                fsync=config.fsync,
+                fsync_interval_s=config.fsync_interval_s,
+                notify=self._log_wake,
+            )
         self._handlers = {
             "hello": self._on_hello,
             "put": self._on_put,
@@ -231,8 +278,43 @@ class QueueServer:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def recover(self) -> dict[str, Any] | None:
+        """Durable mode: rebuild the store from the log in ``data_dir`` and start the log
+        writer (``bind`` calls it first). Returns what was recovered, None in memory mode."""
+        if self.log is None or self.recovery is not None:
+            return self.recovery
+        t0 = time.perf_counter()
+        replay = self.log.replay(lambda body: apply_record(self.store, body))
+        self.log.start()
+        stats = self.store.stats()
+        self.recovery = {
+            "records": replay.records,
+            "log_bytes": replay.nbytes,
+            "truncated_bytes": replay.truncated,
+            "samples": stats["samples"],
+            "bytes": stats["bytes_used"],
+            "seconds": time.perf_counter() - t0,
+        }
+        logger.info(
+            "[queue] recovered %d samples (%d bytes) from %d records of %s in %.3fs%s",
+            stats["samples"],
+            stats["bytes_used"],
+            replay.records,
+            self.log.data_dir,
+            self.recovery["seconds"],
+            f" ({replay.truncated} torn bytes cut off)" if replay.truncated else "",
+        )
+        return self.recovery
+
+    def _log_wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # full: the loop wakes anyway; closed: shutting down
+            pass
+
     def bind(self) -> str:
         """Create and bind the ROUTER socket; returns the bound endpoint."""
+        self.recover()
         sock = self._ctx.socket(zmq.ROUTER)
         # A send to a client whose connection is gone raises EHOSTUNREACH (caught in _send):
         # how the server learns that a parked request's client died and a lease went nowhere.
@@ -281,10 +363,16 @@ class QueueServer:
             self._loop(self._sock)
         finally:
             self.pool.close()
+            if self.log is not None:
+                self.log.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if self.log is not None:
+            poller.register(self._wake_r, zmq.POLLIN)
         busy_s = self.config.busy_poll_us / 1e6
         spin_until = 0.0
         monotonic = time.monotonic
@@ -309,6 +397,8 @@ class QueueServer:
                     if not poller.poll(0):  # cheaper than the zmq.Again of an empty recv
                         break
                 spin_until = monotonic() + busy_s
+            if self.log is not None:
+                self._log_progress()
             self._run_timers()
         self._shutdown(sock)
 
@@ -329,6 +419,11 @@ class QueueServer:
                 parked.ident, parked.request_id, codes.SHUTTING_DOWN, message, True, parked.kind
             )
             n += 1
+        if self.log is not None:  # answer what waited for the log once it is all written
+            self.log.close()
+            while self._deferred:
+                _, _, ident, rid, reply = self._deferred.popleft()
+                self._send_reply(ident, rid, reply)
         self._parked_claims.clear()
         self._parked_puts.clear()
         self._timers.clear()
@@ -397,12 +492,15 @@ class QueueServer:
             "pid": os.getpid(),
             "endpoint": self.endpoint,
             "shm": False,  # adopts no producer-created segment: puts go through the pool
-            "shm_pool": True,  # answers reserve; put.reservation; claim/get shm
+            # answers reserve; put.reservation; claim/get shm. Not in durable mode: a pool
+            # segment is recycled once cleared, while the log writer may still read it.
+            "shm_pool": self.log is None,
             "shm_reserve_ms": int(self.config.shm_reserve_s * 1000),
             "shm_reserve_max_bytes": self.config.shm_reserve_max_bytes,  # larger puts: frames
             "shm_probe": self.pool.probe(),  # {name, nonce}: proves a client shares /dev/shm
             "retention": True,  # claim.register; put replies count "consumed" keys
             "epoch": self.epoch,
+            "durable": self.log is not None,  # --data-dir: consumption state survives restarts
         }
 
     def _on_put(self, ident, rid, body, frames):
@@ -422,7 +520,7 @@ class QueueServer:
             raise
         if not result.blocked:
             self._wake_claims(body["partition"])
-            return _put_reply(result)
+            return self._after_log(ident, rid, _put_reply(result), put=True)
         if timeout_s <= 0:
             if seg is not None:
                 self.pool.unstage(seg)
@@ -437,6 +535,13 @@ class QueueServer:
         segment's bytes from the pool to the store."""
         prepaid = seg.size if seg is not None else 0
         result = self.store.put(body["partition"], body["keys"], body["fields"], prepaid=prepaid)
+        if self.log is not None and result.stored:
+            # the whole put: a replay stores the same cells (duplicates and consumed keys are
+            # refused again), and the record keeps the received buffers until written
+            self._log_seq = self.log.append(
+                "put",
+                {"partition": body["partition"], "keys": body["keys"], "fields": body["fields"]},
+            )
         if seg is not None and not result.blocked:
             self.pool.stored(
                 seg, self.store.holds_storage(seg.ptr, seg.size), rid, _put_reply(result)
@@ -444,6 +549,12 @@ class QueueServer:
         return result
 
     def _on_reserve(self, ident, rid, body, frames):
+        if self.log is not None:
+            raise StoreError(
+                codes.SHM_UNAVAILABLE,
+                "this queue is durable (--data-dir) and lends no shared memory (hello "
+                "shm_pool: false); send the put as frames",
+            )
         nbytes = body["nbytes"]
         if nbytes > self.store.capacity_bytes:
             raise StoreError(
@@ -531,7 +642,11 @@ class QueueServer:
     def _on_clear(self, ident, rid, body, frames):
         count = self.store.clear(body["partition"], body.get("keys"))
         self._wake_puts()
-        return {"count": count}
+        if self.log is not None and (count or body.get("keys") is None):
+            self._log_seq = self.log.append(
+                "clear", {"partition": body["partition"], "keys": body.get("keys")}
+            )
+        return self._after_log(ident, rid, {"count": count})
 
     def _on_list(self, ident, rid, body, frames):
         return self.store.list(body.get("partition"))
@@ -567,12 +682,18 @@ class QueueServer:
 
     def _on_ack(self, ident, rid, body, frames):
         used = self.store.bytes_used
-        count = self.store.ack(
-            body["partition"], body["task"], self._lease_id(body["lease_id"]), body.get("keys")
-        )
+        lease_id = self._lease_id(body["lease_id"])
+        keys = body.get("keys")
+        if self.log is not None and keys is None:
+            keys = self.store.lease_keys(lease_id)
+        count = self.store.ack(body["partition"], body["task"], lease_id, keys)
         if self.store.bytes_used < used:
             self._wake_puts()  # retention dropped what every registered task consumed
-        return {"count": count}
+        if self.log is not None and count:
+            self._log_seq = self.log.append(
+                "ack", {"partition": body["partition"], "task": body["task"], "keys": keys}
+            )
+        return self._after_log(ident, rid, {"count": count})
 
     def _on_nack(self, ident, rid, body, frames):
         count = self.store.nack(
@@ -598,6 +719,14 @@ class QueueServer:
     # ---------------------------------------------------------------- parking
 
     def _try_claim(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        if (
+            self.log is not None
+            and body.get("register")
+            and not self.store.is_registered(body["partition"], body["task"])
+        ):
+            self.store.register(body["partition"], body["task"])
+            # not waited for: a consumer that registers asks again after a restart
+            self.log.append("register", {"partition": body["partition"], "task": body["task"]})
         lease_ms = body.get("lease_ms")
         lease_s = self.config.lease_s if lease_ms is None else lease_ms / 1000
         batch = self.store.claim(
@@ -622,12 +751,17 @@ class QueueServer:
         text = str(value)
         epoch, sep, number = text.rpartition(":")
         if sep and epoch != self.epoch:
+            lost = (
+                "the lease (a durable server keeps samples and acks, never leases: its unacked "
+                "samples are claimable again)"
+                if self.log is not None
+                else "that lease and its samples (memory only)"
+            )
             raise StoreError(
                 codes.STALE_EPOCH,
                 f"lease {text} was issued by queue instance {epoch}, this is instance "
-                f"{self.epoch}: the server restarted and lost that lease and its samples "
-                "(memory only); drop the lease, do not count its samples as acked, and claim "
-                "again",
+                f"{self.epoch}: the server restarted and lost {lost}; drop the lease, do not "
+                "count its samples as acked, and claim again",
             )
         try:
             return int(number)
@@ -635,6 +769,53 @@ class QueueServer:
             raise StoreError(
                 codes.UNKNOWN_LEASE, f"lease_id={value!r} is not a lease id this server issued"
             ) from None
+
+    def _after_log(
+        self, ident: bytes, rid: int, reply: dict[str, Any], put: bool = False
+    ) -> dict[str, Any] | None:
+        """The reply now, or None when it must wait for the log (then it is sent once the
+        change it reports is written, or fsynced with ``--fsync always``).
+
+        In memory mode, and for puts while the log lags by less than ``--log-lag`` (the
+        producer re-puts what a crash lost, as after a restart in memory mode), at once."""
+        log = self.log
+        if log is None or self._log_seq <= log.written and log.fsync != "always":
+            return reply
+        synced = log.fsync == "always"
+        if put and not synced and log.pending_bytes <= self.config.log_lag_bytes:
+            return reply
+        self._deferred.append((self._log_seq, synced, ident, rid, reply))
+        return None
+
+    def _log_progress(self) -> None:
+        """Send the replies whose records are written; compact a log grown past its bound."""
+        log = self.log
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        if log.error is not None:
+            raise RuntimeError(f"the queue log in {log.data_dir} failed: {log.error}")
+        deferred = self._deferred
+        while deferred and log.durable(deferred[0][0], deferred[0][1]):
+            _, _, ident, rid, reply = deferred.popleft()
+            self._send_reply(ident, rid, reply)
+        if (
+            self._compacting != log.compactions
+            and log.file_bytes > max(self.config.compact_min_bytes, 2 * self.store.bytes_used)
+            and log.pending_bytes <= self.config.log_lag_bytes
+        ):
+            self._compacting = log.compactions
+            self._log_seq = log.compact(
+                [encode_record(op, body) for op, body in self.store.export_state()]
+            )
+            logger.info(
+                "[queue] log compaction %d: %d bytes of log -> a snapshot of %d bytes stored",
+                log.compactions + 1,
+                log.file_bytes,
+                self.store.bytes_used,
+            )
 
     def _park(self, parked: _Parked) -> None:
         if parked.kind == "claim":
@@ -688,7 +869,9 @@ class QueueServer:
                     result = self._store_put(body, parked.segment, parked.request_id)
                     if result.blocked:
                         break
-                    reply = _put_reply(result)
+                    reply = self._after_log(
+                        parked.ident, parked.request_id, _put_reply(result), put=True
+                    )
                     woken.add(body["partition"])
             except StoreError as e:
                 self._parked_puts.popleft()
@@ -702,7 +885,8 @@ class QueueServer:
             self._parked_puts.popleft()
             parked.done = True
             parked.frames = None
-            self._send_reply(parked.ident, parked.request_id, reply)
+            if reply is not None:
+                self._send_reply(parked.ident, parked.request_id, reply)
         for partition in woken:
             self._wake_claims(partition)
 
