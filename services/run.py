@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from services.common import config as cfgmod
+from services.common.heartbeat import HEARTBEAT_ENV, HEARTBEAT_S_ENV, read_heartbeat, verdict
 from services.common.metrics import read_jsonl
-from services.control.attach import EXIT_UNKNOWN
+from services.control.attach import EXIT_UNKNOWN, identity
 from services.control.policy import Decision, RestartPolicy
 from services.control.series import Series
 from services.launch.local import LocalLauncher, ProcessSpec
@@ -95,6 +96,17 @@ class RunConfig:
     ready_timeout_s: float = field(
         default=600.0, metadata={"help": "seconds a process may take to get ready"}
     )
+    heartbeat_s: float = field(
+        default=1.0, metadata={"help": "seconds between two heartbeats of every process"}
+    )
+    hang_after_s: float | None = field(
+        default=600.0,
+        metadata={
+            "help": "a process whose main loop made no progress this long (steps, requests; "
+            "checkpoints and evals excepted) is hung: killed and restarted per policy; "
+            "null: never"
+        },
+    )
     data: DataConfig = field(default_factory=DataConfig)
     collator: CollatorSection = field(default_factory=CollatorSection)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -110,6 +122,13 @@ class RunConfig:
             raise ValueError(f"max_restarts={self.max_restarts}: must be >= 0")
         if self.restart_backoff_s < 0:
             raise ValueError(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s}: must be > 0")
+        if self.hang_after_s is not None and not self.hang_after_s > 2 * self.heartbeat_s:
+            raise ValueError(
+                f"hang_after_s={self.hang_after_s}: must be > 2 * heartbeat_s "
+                f"({2 * self.heartbeat_s:g}), or null to never call a process hung"
+            )
         t, tr = self.teacher, self.trainer
         if tr.loss.uses_teacher:
             if t.max_batch < tr.micro_batch:
@@ -182,6 +201,8 @@ class Run:
         progress: print a progress line to stderr while training.
         on_event: called with ``(kind, data)`` on launches, exits, restarts and failures
             (the control plane records them).
+        dead_after_s: a process without a heartbeat this long (or, before its first beat,
+            frozen by SIGSTOP this long) is dead: killed and restarted per policy.
     """
 
     def __init__(
@@ -190,8 +211,17 @@ class Run:
         launcher: Any = None,
         progress: bool = True,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        dead_after_s: float = 10.0,
     ) -> None:
+        if not dead_after_s > 2 * config.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s={dead_after_s:g} of the supervisor is not above two heartbeats "
+                f"(heartbeat_s={config.heartbeat_s:g}): lower the run's heartbeat_s"
+            )
         self.config = config
+        self.dead_after_s = dead_after_s
+        self.heartbeats: dict[str, dict[str, Any]] = {}  # process name -> its last beat
+        self._frozen_since: dict[str, float] = {}
         self.launcher = launcher or LocalLauncher()
         self.progress = progress
         self.on_event = on_event
@@ -460,6 +490,9 @@ class Run:
                     group=str(r % cfg.teachers),
                 )
             )
+        for spec in specs:
+            spec.env[HEARTBEAT_ENV] = str(d / "heartbeat" / spec.name)
+            spec.env[HEARTBEAT_S_ENV] = str(cfg.heartbeat_s)
         return specs
 
     # ------------------------------------------------------------------ run
@@ -545,6 +578,7 @@ class Run:
             trainer rank exited 0) or ``failed`` (``self.failure``, ``self.failed_process`` and
             ``self.exit_code`` say why).
         """
+        self.check_health()
         now = time.monotonic()
         for key, (due, decision, name) in list(self._pending.items()):
             if now >= due:
@@ -584,6 +618,47 @@ class Run:
         if trainers and all(n in self._finished for n in trainers):
             return "succeeded"
         return "running"
+
+    def check_health(self) -> None:
+        """Kill (SIGKILL) every running process that counts as dead though its pid lives: its
+        heartbeat stopped for ``dead_after_s`` (frozen) or its main loop made no progress for
+        ``hang_after_s`` (hung); without a heartbeat yet, a process stopped (state T) for
+        ``dead_after_s``. The next :meth:`poll_once` sees the exit and applies the policy."""
+        now, mono = time.time(), time.monotonic()
+        waiting = self._waiting()
+        for name, proc in list(self.launcher.processes.items()):
+            pid = getattr(proc, "pid", None)
+            if name in self._finished or name in waiting or not pid or proc.poll() is not None:
+                self._frozen_since.pop(name, None)
+                continue
+            path = proc.spec.env.get(HEARTBEAT_ENV)
+            record = read_heartbeat(path) if path else None
+            if record is not None and record.get("pid") != pid:
+                record = None  # its predecessor's last beat
+            why = None
+            if record is not None:
+                self.heartbeats[name] = record
+                self._frozen_since.pop(name, None)
+                why = verdict(
+                    record,
+                    now=now,
+                    dead_after_s=self.dead_after_s,
+                    hang_after_s=self.config.hang_after_s,
+                )
+            else:
+                ident = identity(pid) if _is_local_process(proc) else None
+                if ident is None or ident["state"] not in ("T", "t"):
+                    self._frozen_since.pop(name, None)
+                else:
+                    since = self._frozen_since.setdefault(name, mono)
+                    if mono - since >= self.dead_after_s:
+                        why = f"stopped (state T) for {mono - since:.1f}s: frozen"
+            if why is None:
+                continue
+            logger.warning("[run] %s (pid %d) is unresponsive, %s: killing it", name, pid, why)
+            self._emit("unresponsive", process=name, pid=pid, reason=why)
+            self._frozen_since.pop(name, None)
+            proc.signal(signal.SIGKILL)
 
     def stop(self, grace_s: float = 300.0) -> dict[str, int | None]:
         """Graceful stop: SIGTERM the trainer ranks (they stop at one step boundary and write a
@@ -709,6 +784,12 @@ class Run:
             )
         sys.stderr.write("\r" + line[:150].ljust(150))
         sys.stderr.flush()
+
+
+def _is_local_process(proc: Any) -> bool:
+    """The process runs on this host (its /proc entry is ours to read)."""
+    host = getattr(proc, "host", None)
+    return host is None or host == socket.gethostname()
 
 
 def spec_vocab_size(spec: str, preset_vocab: int) -> int:

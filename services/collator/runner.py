@@ -38,6 +38,7 @@ from typing import Any
 
 from services.collator.config import RunConfig, WorkerConfig
 from services.collator.worker import worker_main
+from services.common import lifecycle
 
 __all__ = [
     "CollatorRun",
@@ -425,6 +426,7 @@ class CollatorRun:
 
     def _drain(self, wait_s: float) -> None:
         """Handle worker messages (waiting up to ``wait_s`` for the first), then log progress."""
+        lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
         deadline = time.monotonic() + wait_s
         while True:
             try:

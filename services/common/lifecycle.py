@@ -26,6 +26,11 @@ What it does, once, for everyone:
 * **Ready handshake**: ``lc.ready(**info)`` writes the ready file atomically as JSON
   ``{"pid": ..., "name": ..., **info}`` (a launcher waits for it, see :func:`read_ready`); the
   file is removed when the process exits.
+* **Heartbeat**: with env ``XTOKEN_HEARTBEAT_FILE`` (set per process by ``xtoken run`` and the
+  control plane), a daemon thread rewrites that file every ``XTOKEN_HEARTBEAT_S`` seconds with
+  the main loop's progress: main calls ``lc.progress()`` once per iteration of its loop (a step,
+  a served request), so a supervisor tells a hung main loop from a live one
+  (:mod:`services.common.heartbeat`).
 * **Exit code**: 0 when main returns (also after a stop by signal, once it drained); 2 for a
   ``ValueError`` (``ConfigError`` included: bad input or config), logged as
   ``[name] error: ...`` without a traceback; 1 for any other exception, with its traceback;
@@ -45,10 +50,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from services.common.heartbeat import Heartbeat
+
 __all__ = [
     "PARENT_PID_ENV",
     "Lifecycle",
     "configure_logging",
+    "pause_progress",
+    "progress",
     "read_ready",
     "run_process",
 ]
@@ -200,6 +209,7 @@ class Lifecycle:
         parent_pid: the supervising process; None reads env ``XTOKEN_PARENT_PID`` (unset or
             <= 1: no parent is watched).
         parent_poll_s: seconds between two checks of the parent by the watcher thread.
+        heartbeat: the process's heartbeat writer, started by :meth:`install` (None: none).
 
     Attributes:
         stop: set on SIGTERM/SIGINT, when the parent dies, or by :meth:`request_stop`.
@@ -217,8 +227,10 @@ class Lifecycle:
         ready_file: str | os.PathLike[str] | None = None,
         parent_pid: int | None = None,
         parent_poll_s: float = PARENT_POLL_S,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.name = name
+        self.heartbeat = heartbeat
         self.ready_file = pathlib.Path(ready_file) if ready_file else None
         self.parent_pid = parent_pid if parent_pid is not None else _parent_pid_from_env()
         self.parent_poll_s = parent_poll_s
@@ -252,6 +264,8 @@ class Lifecycle:
             logger.debug("[%s] not the main thread: no signal handlers", self.name)
         if self.parent_pid is not None:
             self._watch_parent()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         return self
 
     def close(self) -> None:
@@ -271,6 +285,8 @@ class Lifecycle:
             self._pipe = None
         if self.ready_file is not None:
             self._remove_ready_file(only_ours=True)
+        if self.heartbeat is not None:
+            self.heartbeat.close()
 
     def _start_thread(self, target: Callable[[], None], what: str) -> None:
         thread = threading.Thread(target=target, name=f"{self.name}-{what}", daemon=True)
@@ -296,6 +312,18 @@ class Lifecycle:
         self.reason = reason
         logger.info("[%s] %s: stopping", self.name, reason)
         self.stop.set()
+
+    def progress(self) -> None:
+        """One iteration of the main loop is done (a step, a served request): the heartbeat
+        shows a main loop that moves. Call it from the loop, not from a helper thread."""
+        if self.heartbeat is not None:
+            self.heartbeat.progress()
+
+    def pause_progress(self) -> None:
+        """The main loop leaves for a phase of unknown length (a checkpoint, an evaluation):
+        the hang check waits for the next :meth:`progress`."""
+        if self.heartbeat is not None:
+            self.heartbeat.pause()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until ``stop`` is set or ``timeout`` seconds pass; returns ``stop.is_set()``."""
@@ -410,6 +438,25 @@ class Lifecycle:
 
 # ----------------------------------------------------------------------------- run_process
 
+# The lifecycle of this process while run_process runs it (module-level progress()).
+_current: Lifecycle | None = None
+
+
+def progress() -> None:
+    """:meth:`Lifecycle.progress` of this process's lifecycle (a no-op outside
+    :func:`run_process`): for main loops that are not handed the lifecycle."""
+    lc = _current
+    if lc is not None:
+        lc.progress()
+
+
+def pause_progress() -> None:
+    """:meth:`Lifecycle.pause_progress` of this process's lifecycle (a no-op outside
+    :func:`run_process`)."""
+    lc = _current
+    if lc is not None:
+        lc.pause_progress()
+
 
 def run_process(
     name: str,
@@ -437,11 +484,15 @@ def run_process(
     """
     try:
         configure_logging(name, log_level)
-        lifecycle = Lifecycle(name, ready_file=ready_file, parent_pid=parent_pid)
+        lifecycle = Lifecycle(
+            name, ready_file=ready_file, parent_pid=parent_pid, heartbeat=Heartbeat.from_env(name)
+        )
     except ValueError as e:
         print(f"[{name}] error: {e}", file=sys.stderr, flush=True)
         return 2
+    global _current
     lifecycle.install()
+    _current = lifecycle
     logger.debug("[%s] started (pid %d)", name, os.getpid())
     try:
         code = main(lifecycle)
@@ -461,6 +512,7 @@ def run_process(
         logger.exception("[%s] failed: %s: %s", name, type(e).__name__, e)
         code = 1
     finally:
+        _current = None
         lifecycle.close()
     if lifecycle.stop.is_set():
         logger.info("[%s] stopped (%s), exit code %d", name, lifecycle.reason, code)

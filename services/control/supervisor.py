@@ -13,9 +13,11 @@ started without the dead-parent sentinel, so they outlive the control plane; a n
 re-attaches live ones by pid (guarded by the start time and command line) and the run goes on;
 a run none of whose processes survived is INTERRUPTED and resumable.
 
-A process is dead when its pid is gone (a zombie counts as gone) or when it stops
-heart-beating: a process frozen (stopped, state ``T``) for ``dead_after_s`` is killed and handled
-as a crash by the restart policy.
+A process is dead when its pid is gone (a zombie counts as gone) or when its heartbeat says so
+(:mod:`services.common.heartbeat`, checked by :meth:`services.run.Run.check_health`): no beat for
+``dead_after_s`` (frozen), or beats but no main-loop progress for the run's ``hang_after_s``
+(hung: a deadlock, a stuck collective). Such a process is killed and handled as a crash by the
+restart policy; ``last_heartbeat`` of its row is the time of its last beat.
 """
 
 from __future__ import annotations
@@ -75,8 +77,6 @@ class _Handle:
         self.series = Series(Path(run.run_dir) / "metrics" / "trainer.rank0.jsonl")
         self.queue_stats: dict[str, Any] | None = None
         self.queue_stats_at: float | None = None
-        self.heartbeats: dict[str, float] = {}
-        self.frozen_since: dict[str, float] = {}
         self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
         self.runtime: dict[str, Any] | None = None
 
@@ -92,7 +92,7 @@ class Supervisor:
             dead-parent sentinel).
         tick_s: seconds between two looks at a run's processes.
         queue_stats_s: seconds between two stats calls to a run's queue.
-        dead_after_s: a process frozen this long is treated as dead.
+        dead_after_s: a process without a heartbeat this long is treated as dead.
     """
 
     def __init__(
@@ -228,7 +228,14 @@ class Supervisor:
 
             raise ConfigError(f"run_dir: expected str, got {run_dir!r}")
         config = confine(raw, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots)
-        run_config_from_dict(config)  # every config error before anything is recorded
+        run_config = run_config_from_dict(config)  # every config error before anything is recorded
+        if not self.dead_after_s > 2 * run_config.heartbeat_s:
+            from services.common.config import ConfigError
+
+            raise ConfigError(
+                f"heartbeat_s={run_config.heartbeat_s:g}: must be below half the control plane's "
+                f"dead_after_s ({self.dead_after_s:g}); lower heartbeat_s"
+            )
         _check_files(config)
         with self._lock:
             for rec in self.store.list_runs():
@@ -323,8 +330,9 @@ class Supervisor:
         for row in rows:
             row.pop("run_id", None)
             row.pop("start_ticks", None)
-            if h is not None and row["name"] in h.heartbeats:
-                row["last_heartbeat"] = h.heartbeats[row["name"]]
+            beat = h.run.heartbeats.get(row["name"]) if h is not None else None
+            if beat is not None and row["state"] == "running":
+                row["last_heartbeat"] = beat["time"]
         return rows
 
     def metrics(self, run_id: str, after_step: int = -1) -> dict[str, Any]:
@@ -438,6 +446,7 @@ class Supervisor:
             launcher=self.launcher_factory(),
             progress=False,
             on_event=lambda kind, data: self._on_run_event(run_id, kind, data),
+            dead_after_s=self.dead_after_s,
         )
 
     def _new_handle(self, run_id: str, run: Any) -> _Handle:
@@ -487,7 +496,6 @@ class Supervisor:
                     )
                     self._set_state(h.run_id, STOPPED, reason=reason)
                     return
-                self._check_frozen(h)
                 status = run.poll_once()
                 self._sync(h)
                 self._poll_series(h)
@@ -540,31 +548,6 @@ class Supervisor:
             if h is not None:
                 self._sync(h)
 
-    def _check_frozen(self, h: _Handle) -> None:
-        """A process stopped (SIGSTOP, state T) for ``dead_after_s`` is killed: a crash."""
-        now = time.monotonic()
-        for name, proc in list(h.run.launcher.processes.items()):
-            pid = getattr(proc, "pid", None)
-            if not pid or proc.poll() is not None:
-                h.frozen_since.pop(name, None)
-                continue
-            ident = identity(pid)
-            if ident is None or ident["state"] not in ("T", "t"):
-                h.frozen_since.pop(name, None)
-                continue
-            since = h.frozen_since.setdefault(name, now)
-            if now - since >= self.dead_after_s:
-                logger.warning(
-                    "[control] run %s: %s (pid %d) stopped heart-beating %.1fs ago: killing it",
-                    h.run_id,
-                    name,
-                    pid,
-                    now - since,
-                )
-                self._event(h.run_id, "unresponsive", {"process": name, "pid": pid})
-                proc.signal(signal.SIGKILL)
-                h.frozen_since.pop(name, None)
-
     def _sync(self, h: _Handle) -> None:
         """Process rows in the store from the launcher (written only when something changed)."""
         now = time.time()
@@ -574,7 +557,6 @@ class Supervisor:
             code = proc.poll()
             pid = getattr(proc, "pid", None) or None
             if code is None:
-                h.heartbeats[name] = now
                 state = "running"
             elif code == 0:
                 state = "exited"
@@ -600,7 +582,7 @@ class Supervisor:
                 "state": state,
                 "restarts": row[3],
                 "exit_code": None if code == EXIT_UNKNOWN else code,
-                "last_heartbeat": h.heartbeats.get(name),
+                "last_heartbeat": (h.run.heartbeats.get(name) or {}).get("time"),
                 "log_file": spec.log_file,
                 "gpu": str(spec.resources.get("gpu")) if spec.resources.get("gpu") else None,
             }

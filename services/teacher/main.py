@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from services.common import lifecycle
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
 from services.queue.client import connect
@@ -81,6 +82,7 @@ def _loop(client, worker: TeacherWorker, partition: str, config: TeacherConfig, 
     """
     backlog: dict[str, tuple[Any, Any]] = {}  # key -> (request | error, lease id), oldest first
     while not lc.stop.is_set():
+        lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
         for key, (request, lease_id) in list(backlog.items()):
             slot = None
             if isinstance(request, proto.Request) and worker.check(request) is None:

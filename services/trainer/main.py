@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.common import lifecycle
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
 from services.queue.client import connect
@@ -156,6 +157,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             "[trainer] rank %d epoch %d (task %s, %d trained)", rank, epoch, task, len(trained)
         )
         while True:
+            lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
             if config.max_steps and worker.step >= config.max_steps:
                 break
             clock = PhaseClock(device)
@@ -198,17 +200,20 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                     result.metrics["tokens"] / step_s if step_s else 0.0,
                 )
             if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
+                lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
                 checkpoint.save(
                     worker, run_dir, epoch=epoch, task_start=task_start, trained=trained
                 )
                 last_ckpt = worker.step
             if config.eval_every and worker.step % config.eval_every == 0:
+                lifecycle.pause_progress()
                 evaluate(f"step{worker.step}")
         if stopped or (config.max_steps and worker.step >= config.max_steps):
             break
         feed.give_back()
         epoch, task_start, trained = epoch + 1, worker.step, set()
     feed.give_back()
+    lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:
         checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
     if not stopped:

@@ -86,6 +86,11 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
             r"trainer\.teacher_groups=2 but teachers=1; leave teacher_groups unset",
         ),
         ({"data": {"limit": 0}}, r"data: limit=0: must be >= 1"),
+        ({"heartbeat_s": 0}, r"heartbeat_s=0(\.0)?: must be > 0"),
+        (
+            {"heartbeat_s": 1, "hang_after_s": 1.5},
+            r"hang_after_s=1\.5: must be > 2 \* heartbeat_s \(2\), or null",
+        ),
     ],
     ids=[
         "unknown-nested-key",
@@ -101,6 +106,8 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
         "negative-lr",
         "teacher-groups",
         "data-limit",
+        "heartbeat-interval",
+        "hang-below-two-beats",
     ],
 )
 def test_a_bad_run_config_names_the_key_and_the_fix(data, pattern):
@@ -297,3 +304,15 @@ def test_specs_start_a_teacher_per_group_and_a_rank_per_trainer(tmp_path, corpus
         assert section["queue"] == "tcp://127.0.0.1:9"
     ce = _run(tmp_path, corpus, trainers=2)
     assert "teacher0" not in {s.name for s in ce._specs("tcp://127.0.0.1:9", 29500)}
+
+
+def test_every_process_gets_its_own_heartbeat_file_in_the_run_dir(tmp_path, corpus):
+    run = _run(
+        tmp_path, corpus, heartbeat_s=0.5, trainer={"loss": {"mode": "pkl", "projection": "/x"}}
+    )
+    specs = run._specs("tcp://127.0.0.1:9", 29500)
+    files = {s.env["XTOKEN_HEARTBEAT_FILE"] for s in specs}
+    assert files == {str(run.run_dir / "heartbeat" / s.name) for s in specs}
+    assert {s.env["XTOKEN_HEARTBEAT_S"] for s in specs} == {"0.5"}
+    with pytest.raises(ValueError, match=r"dead_after_s=1 .*heartbeat_s=0\.5"):
+        Run(run.config, dead_after_s=1.0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from services.control.store import Store
 from tests.e2e.conftest import (
     assert_exactly_once,
     checkpoint_keys,
@@ -108,6 +109,55 @@ def test_a_killed_trainer_rank_restarts_every_rank_from_the_checkpoint(server, d
         assert not saved & set(after), "a checkpointed key was trained again"
         assert_exactly_once(sorted(saved) + after, keys)
         assert set(trained_keys(run_dir)) == set(keys)  # the same key set as without the kill
+
+
+def test_a_hung_trainer_is_detected_by_its_heartbeat_and_restarted_from_the_checkpoint(
+    tmp_path, demo, monkeypatch
+):
+    # the real trainer's main loop blocks forever at its 6th iteration (once): its process lives
+    # and its heartbeat thread beats, but it makes no progress: hung after hang_after_s
+    marker = tmp_path / "hung"
+    monkeypatch.setenv("XTOKEN_TEST_HANG", f"trainer0:6:{marker}")
+    server = ControlServer(tmp_path / "server")
+    try:
+        data, keys = _corpus(server, demo, "c", 64)
+        hang_after_s = 4.0
+        with server.client() as c:
+            config = tiny_config(**{"data.train": data, "hang_after_s": hang_after_s})
+            rid = _submit(c, config)["id"]
+            deadline = time.monotonic() + 180
+            while not marker.exists():
+                run = c.get(f"/v1/runs/{rid}").json()
+                assert run["state"] not in ("FAILED", "SUCCEEDED") and time.monotonic() < deadline
+                time.sleep(0.05)
+            hung_at = time.time()
+            run_dir = Path(c.get(f"/v1/runs/{rid}").json()["run_dir"])
+            checkpoint = latest_checkpoint(run_dir)  # the hung rank writes nothing more
+            saved = checkpoint_keys(checkpoint) if checkpoint else set()
+            lines = key_log_lines(run_dir)
+            pid = _pids(c, rid)["trainer0"]
+            row = _procs(c, rid)["trainer0"]
+            assert row["state"] == "running" and time.time() - row["last_heartbeat"] < 3.0
+            done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+            assert done["state"] == "SUCCEEDED", done
+            events = Store(server.runs_root / "control.db").events(rid)
+            hung = [e for e in events if e["kind"] == "unresponsive"]
+            assert [e["data"]["process"] for e in hung] == ["trainer0"], hung
+            assert hung[0]["data"]["pid"] == pid and hung[0]["data"]["reason"].endswith("hung")
+            # detected within hang_after_s plus a beat and a few supervisor ticks
+            assert hang_after_s <= hung[0]["time"] - hung_at < hang_after_s + 3.0
+            procs = _procs(c, rid)
+            assert procs["trainer0"]["restarts"] == 1 and procs["trainer0"]["pid"] != pid
+        after = keys_after(run_dir, lines)
+        assert not saved & set(after), "a checkpointed key was trained again"
+        assert_exactly_once(sorted(saved) + after, keys)
+        assert set(trained_keys(run_dir)) == set(keys)
+    finally:
+        server.stop()
+
+
+def _procs(c, rid: str) -> dict[str, dict]:
+    return {p["name"]: p for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
 
 
 def test_a_killed_queue_restarts_the_run_from_the_checkpoint_and_loses_no_sample(server, demo):

@@ -42,6 +42,23 @@ _SCRIPT = textwrap.dedent(
     """
 )
 FOREVER = (-1.0, 0)
+ROOT = Path(__file__).resolve().parents[3]
+# A stand-in with the real process lifecycle (heartbeat file from its env): its main loop reports
+# progress every 50 ms until SIGTERM; XTOKEN_TEST_HANG makes that loop hang.
+_LIFECYCLE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from services.common.lifecycle import run_process
+
+    def main(lc):
+        lc.ready()
+        while not lc.stop.wait(0.05):
+            lc.progress()
+
+    sys.exit(run_process(sys.argv[1], main, ready_file=None if sys.argv[2] == "-" else sys.argv[2]))
+    """
+)
+LIFECYCLE = (-2.0, 0)  # a plan entry: run _LIFECYCLE_SCRIPT
 
 
 class ScriptedLauncher(LocalLauncher):
@@ -63,11 +80,12 @@ class ScriptedLauncher(LocalLauncher):
         if spec.ready_file:
             Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
             Path(spec.ready_file).unlink(missing_ok=True)
+        if (seconds, code) == LIFECYCLE:
+            argv = [sys.executable, "-c", _LIFECYCLE_SCRIPT, spec.name, spec.ready_file or "-"]
+            return self._popen(spec, argv)
         summary = "-"
         if spec.name == "trainer0" and code == 0 and seconds >= 0:
             summary = str(Path(spec.log_file).parent.parent / "summary.json")
-        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
-        log = open(spec.log_file, "ab")  # noqa: SIM115 (closed by LocalProcess.poll)
         argv = [
             sys.executable,
             "-c",
@@ -79,7 +97,15 @@ class ScriptedLauncher(LocalLauncher):
             "services.cli",
             *spec.argv,
         ]
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self._popen(spec, argv)
+
+    def _popen(self, spec, argv):
+        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
+        log = open(spec.log_file, "ab")  # noqa: SIM115 (closed by LocalProcess.poll)
+        env = {**os.environ, **spec.env}
+        popen = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
         proc = LocalProcess(spec, popen, log)
         self.processes[spec.name] = proc
         return proc
@@ -225,11 +251,19 @@ def test_the_queue_figures_name_its_address_and_are_none_until_it_answers(make):
         sup.queue("nope")
 
 
-def test_a_frozen_process_stops_heart_beating_and_is_restarted(make):
-    sup = make({"trainer0": [(30.0, 0)]}, dead_after_s=0.5)
-    run = sup.submit(tiny_config(restart_backoff_s=0.05))
+@pytest.mark.parametrize("teacher", ["heartbeat", "no-heartbeat"])
+def test_a_frozen_process_stops_heart_beating_and_is_restarted(make, teacher):
+    # with a heartbeat file its beats stop; without one (before its first beat) it is state T
+    plan = [LIFECYCLE] if teacher == "heartbeat" else [FOREVER]
+    sup = make({"trainer0": [(30.0, 0)], "teacher0": plan}, dead_after_s=0.5)
+    run = sup.submit(tiny_config(restart_backoff_s=0.05, heartbeat_s=0.1, hang_after_s=5.0))
     wait_state(sup, run["id"], {"RUNNING"})
     pid = sup.launchers[-1].processes["teacher0"].pid
+    if teacher == "heartbeat":
+        deadline = time.monotonic() + 20
+        while _row(sup, run["id"], "teacher0")["last_heartbeat"] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     deadline = t0 + 10
@@ -239,10 +273,53 @@ def test_a_frozen_process_stops_heart_beating_and_is_restarted(make):
     assert sup.launchers[-1].starts["teacher0"] == 2
     assert detect < 2.0
     assert ("unresponsive", "teacher0") in kinds(sup, run["id"])
+    why = [e["data"]["reason"] for e in sup.events(run["id"]) if e["kind"] == "unresponsive"][0]
+    assert (
+        why.endswith("frozen") and ("no heartbeat" if teacher == "heartbeat" else "state T") in why
+    )
     exited = [e["data"] for e in sup.events(run["id"]) if e["kind"] == "exited"]
     assert exited[0] == {"process": "teacher0", "role": "teacher", "code": -9}
     sup.stop(run["id"], grace_s=2)
     wait_state(sup, run["id"], {"STOPPED"})
+
+
+def test_a_hung_main_loop_is_detected_by_its_heartbeat_and_restarted(make, tmp_path, monkeypatch):
+    # teacher0 runs the real lifecycle; its main loop hangs at its 5th progress (once: the
+    # restarted one finds the marker); its heartbeat thread goes on beating
+    monkeypatch.setenv("XTOKEN_TEST_HANG", f"teacher0:5:{tmp_path / 'hung'}")
+    sup = make({"teacher0": [LIFECYCLE], "trainer0": [FOREVER]}, dead_after_s=2.0)
+    run = sup.submit(tiny_config(restart_backoff_s=0.05, heartbeat_s=0.2, hang_after_s=1.0))
+    rid = run["id"]
+    wait_state(sup, rid, {"RUNNING"})
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "hung").exists():
+        assert time.monotonic() < deadline, sup.launchers[-1].processes["teacher0"].tail()
+        time.sleep(0.02)
+    hung_at = time.monotonic()
+    beat = _row(sup, rid, "teacher0")["last_heartbeat"]
+    assert beat is not None and abs(beat - time.time()) < 2.0  # the real beat, not "now"
+    while sup.launchers[-1].starts["teacher0"] < 2:
+        assert time.monotonic() - hung_at < 10, sup.events(rid)
+        time.sleep(0.02)
+    detect = time.monotonic() - hung_at
+    assert 1.0 <= detect < 1.0 + 2.0, detect  # hang_after_s, plus a beat and a tick or two
+    unresponsive = [e["data"] for e in sup.events(rid) if e["kind"] == "unresponsive"]
+    assert [u["process"] for u in unresponsive] == ["teacher0"]
+    assert "hung" in unresponsive[0]["reason"] and "hang_after_s=1" in unresponsive[0]["reason"]
+    exited = [e["data"] for e in sup.events(rid) if e["kind"] == "exited"]
+    assert exited[0] == {"process": "teacher0", "role": "teacher", "code": -9}
+    # the restarted teacher beats and moves: no second kill, and its row shows fresh beats
+    time.sleep(2.0)
+    assert sup.launchers[-1].starts["teacher0"] == 2
+    assert sup.get(rid)["state"] == "RUNNING"
+    row = _row(sup, rid, "teacher0")
+    assert row["restarts"] == 1 and time.time() - row["last_heartbeat"] < 1.0
+    sup.stop(rid, grace_s=5)
+    wait_state(sup, rid, {"STOPPED"})
+
+
+def _row(sup, rid, name):
+    return {p["name"]: p for p in sup.processes(rid)}[name]
 
 
 def test_a_new_supervisor_reattaches_the_live_processes_and_goes_on(make, tmp_path):
