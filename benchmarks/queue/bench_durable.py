@@ -1,0 +1,265 @@
+"""Benchmark: the queue's durable mode (``--data-dir``) against memory mode, in one run.
+
+* Put cost: W1 (64 samples, ~41 MB, frames over loopback TCP) and W2 (4,096 samples of ~20
+  tokens in puts of 64) of bench_queue.py, the same phases, against a memory-mode server and a
+  durable one (``--fsync interval``, the default; and ``--fsync always``), alternating servers
+  per repetition so that the machine's drift hits every mode alike. Medians over all rounds.
+* Recovery after SIGKILL: a server holding ``--recovery-mb`` of W1 puts plus a registered task
+  that consumed half of 4,096 W2 samples is SIGKILLed and restarted on the same address (and
+  ``--data-dir``); the time from the restart to the first answered request, the log replay time
+  (from the server's log line), and what the new instance holds.
+
+Usage:  python benchmarks/queue/bench_durable.py [--quick]
+Rows are appended to benchmarks/results/queue_durable.jsonl; the table is written to
+benchmarks/results/queue_durable.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT))
+
+import _common  # noqa: E402
+import bench_queue  # noqa: E402
+import workloads  # noqa: E402
+
+RESULTS_JSONL = ROOT / "benchmarks" / "results" / "queue_durable.jsonl"
+RESULTS_MD = ROOT / "benchmarks" / "results" / "queue_durable.md"
+MODES = {
+    "memory": (),
+    "durable interval": ("--fsync", "interval"),
+    "durable always": ("--fsync", "always"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``xtoken queue serve`` subprocess at a fixed address."""
+
+    def __init__(self, tmp: pathlib.Path, address: str, args: tuple[str, ...]) -> None:
+        from services.common.lifecycle import read_ready
+
+        ready = tmp / f"ready-{time.monotonic_ns()}"
+        self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
+        cmd = [sys.executable, "-m", "services.cli", "queue", "serve", "--bind", address]
+        cmd += ["--ready-file", str(ready), "--capacity", "8GiB", *args]
+        self.started = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while read_ready(ready) is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"queue server exited: {self.log_path.read_text()}")
+            time.sleep(0.01)
+        self.address = address
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+    def replay_s(self) -> float | None:
+        m = re.search(r"records of .* in ([0-9.]+)s", self.log_path.read_text())
+        return float(m.group(1)) if m else None
+
+
+def put_cost(tmp: pathlib.Path, reps: int, rounds: int, w2_reps: int) -> dict:
+    """W1 and W2 put/get times per mode, servers alternating per repetition."""
+    from services.queue.client import QueueClient
+
+    out: dict[str, dict[str, list[float]]] = {
+        m: {"w1_put": [], "w1_get": [], "w2_put": [], "w2_get": []} for m in MODES
+    }
+    for rep in range(reps):
+        for mode, args in MODES.items():
+            data = tmp / f"data-{rep}-{mode.replace(' ', '-')}"
+            extra = (*args, "--data-dir", str(data)) if args else ()
+            server = Server(tmp, f"tcp://127.0.0.1:{_free_port()}", extra)
+            try:
+                with QueueClient(server.address, timeout_s=120, shm="never") as client:
+                    client.hello()
+                    w1 = bench_queue._w1_phase(client, rounds, seed=rep)
+                    w2 = bench_queue._w2_phase(client, w2_reps)
+            finally:
+                server.stop()
+                shutil.rmtree(data, ignore_errors=True)
+            out[mode]["w1_put"] += w1["put_s"]
+            out[mode]["w1_get"] += w1["get_s"]
+            out[mode]["w2_put"] += w2["put_s"]
+            out[mode]["w2_get"] += w2["get_s"]
+            print(f"[bench] rep {rep} {mode}: done", flush=True)
+    nbytes = workloads.nbytes(bench_queue._w1(0))
+    summary = {}
+    for mode, t in out.items():
+        summary[mode] = {
+            "w1_put_mb_s": nbytes / statistics.median(t["w1_put"]) / 1e6,
+            "w1_get_mb_s": nbytes / statistics.median(t["w1_get"]) / 1e6,
+            "w2_put_samples_s": workloads.W2_SAMPLES / statistics.median(t["w2_put"]),
+            "w2_get_samples_s": workloads.W2_SAMPLES / statistics.median(t["w2_get"]),
+            "w1_put_ms": statistics.median(t["w1_put"]) * 1e3,
+            "w2_put_ms": statistics.median(t["w2_put"]) * 1e3,
+        }
+    return summary
+
+
+def recovery(tmp: pathlib.Path, mode: str, recovery_mb: int) -> dict:
+    """Load a server, SIGKILL it, restart it on the same address; time the way back."""
+    from services.queue.client import QueueClient
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    data = tmp / f"recovery-{mode.replace(' ', '-')}"
+    args = (*MODES[mode], "--data-dir", str(data)) if MODES[mode] else ()
+    server = Server(tmp, address, args)
+    stored, i = 0, 0
+    with QueueClient(address, timeout_s=120, shm="never") as client:
+        while stored < recovery_mb * 1e6:
+            cols = bench_queue._w1(100 + i)
+            keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
+            client.put(f"w1_{i}", keys, workloads.jagged(cols))
+            stored += workloads.nbytes(cols)
+            i += 1
+        for b, batch in enumerate(bench_queue._w2_batches()):
+            client.put(
+                "w2", [f"b{b}-{j}" for j in range(workloads.W2_BATCH)], workloads.jagged(batch)
+            )
+        for _ in range(workloads.W2_SAMPLES // workloads.W2_BATCH // 2):
+            got = client.claim("w2", "train", bench_queue.FIELDS, workloads.W2_BATCH, register=True)
+            client.ack("w2", "train", got["lease_id"])
+        before = client.stats()
+    log_bytes = sum(f.stat().st_size for f in data.glob("log.*")) if MODES[mode] else 0
+    server.kill()
+    t0 = time.perf_counter()
+    server = Server(tmp, address, args)
+    ready_s = time.perf_counter() - t0
+    try:
+        with QueueClient(address, timeout_s=120, shm="never") as client:
+            after = client.stats()
+            answered_s = time.perf_counter() - t0
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    return {
+        "mode": mode,
+        "stored_bytes_before": before["bytes_used"],
+        "samples_before": before["samples"],
+        "log_bytes": log_bytes,
+        "restart_to_ready_s": ready_s,
+        "restart_to_answer_s": answered_s,
+        "replay_s": server.replay_s(),
+        "samples_after": after["samples"],
+        "stored_bytes_after": after["bytes_used"],
+    }
+
+
+def _table(cost: dict, rec: list[dict]) -> str:
+    base = cost["memory"]
+    lines = [
+        "| metric | memory | durable interval | durable always |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (
+        ("w1_put_mb_s", "W1 put MB/s (frames, TCP)"),
+        ("w1_get_mb_s", "W1 get (claim + ack) MB/s"),
+        ("w2_put_samples_s", "W2 put samples/s"),
+        ("w2_get_samples_s", "W2 get (claim + ack) samples/s"),
+    ):
+        cells = [f"{base[key]:.1f}"]
+        for mode in ("durable interval", "durable always"):
+            v = cost[mode][key]
+            cells.append(f"{v:.1f} ({base[key] / v - 1:+.0%} time)")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "| after SIGKILL | stored before | log bytes | restart -> ready s | restart -> first "
+        "answer s | log replay s | samples before -> after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rec:
+        replay = f"{r['replay_s']:.3f}" if r["replay_s"] is not None else "-"
+        lines.append(
+            f"| {r['mode']} | {r['stored_bytes_before'] / 1e6:.0f} MB | {r['log_bytes'] / 1e6:.0f} MB "
+            f"| {r['restart_to_ready_s']:.2f} | {r['restart_to_answer_s']:.2f} | {replay} "
+            f"| {r['samples_before']} -> {r['samples_after']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, less data")
+    parser.add_argument("--reps", type=int, default=None, help="servers per mode")
+    parser.add_argument("--recovery-mb", type=int, default=None)
+    args = parser.parse_args()
+    reps = args.reps or (1 if args.quick else 3)
+    rounds = 3 if args.quick else 5
+    w2_reps = 1 if args.quick else 2
+    recovery_mb = args.recovery_mb or (100 if args.quick else 500)
+    import torch
+
+    torch.set_num_threads(1)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-durable-"))
+    try:
+        cost = put_cost(tmp, reps, rounds, w2_reps)
+        rec = [recovery(tmp, m, recovery_mb) for m in ("memory", "durable interval")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    commit = _common.commit()
+    device = f"{_common.cpu_model(fallback='unknown')}, {os.cpu_count()} cores (CPU VM, ext4 disk)"
+    table = _table(cost, rec)
+    head = (
+        f"commit {commit} | {device} | {reps} server(s) per mode x W1 {rounds} rounds, "
+        f"W2 {w2_reps} reps (medians) | recovery with {recovery_mb} MB of W1 + 4,096 W2 samples"
+    )
+    print()
+    print(head)
+    print(table)
+    row = {
+        "bench": "queue_durable",
+        "commit": commit,
+        "device": device,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "quick": args.quick,
+        "reps": reps,
+        "rounds": rounds,
+        "put_cost": cost,
+        "recovery": rec,
+    }
+    _common.append_rows(RESULTS_JSONL, [row])
+    if not args.quick:
+        notes = ""
+        if RESULTS_MD.exists() and "\n## Notes" in RESULTS_MD.read_text(encoding="utf-8"):
+            text = RESULTS_MD.read_text(encoding="utf-8")
+            notes = "\n" + text[text.index("\n## Notes") :].lstrip("\n")
+        RESULTS_MD.write_text(
+            f"# Queue durable mode (benchmarks/queue/bench_durable.py)\n\n{head}\n\n{table}{notes}",
+            encoding="utf-8",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
