@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         indices, likelihoods, student_vocab_size=V_s, teacher_vocab_size=V_t
     )
     idx_K = torch.sort(torch.randperm(V_t, device=device)[:VOCAB_TOPK]).values
-    tables = kd_pkl.restrict_tables(kd_pkl.projection_tables(M), idx_K)
+    tables = kd_pkl.restrict_tables(kd_pkl.build_projection_tables(M), idx_K)
     nidx_R = torch.arange(T, device=device)
     lse_R = kd_fused.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
     dq_row = torch.randn(T, VOCAB_TOPK, generator=gen, device=device)

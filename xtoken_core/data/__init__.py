@@ -36,11 +36,13 @@ __all__ = [
 # Other modules of this package append their exports below.
 
 from xtoken_core.data.projection import (  # noqa: E402
+    Projection,
     build_exact_token_map,
     clear_projection_caches,
     exact_token_map_from_topk,
     get_sparse_projection_matrix,
     get_topk_projection,
+    open_projection,
     parse_projection_file,
 )
 from xtoken_core.data.projection_build import (  # noqa: E402
@@ -50,6 +52,7 @@ from xtoken_core.data.projection_build import (  # noqa: E402
 )
 
 __all__ += [
+    "Projection",
     "build_exact_token_map",
     "build_projection",
     "build_projection_with_stats",
@@ -57,6 +60,7 @@ __all__ += [
     "exact_token_map_from_topk",
     "get_sparse_projection_matrix",
     "get_topk_projection",
+    "open_projection",
     "parse_projection_file",
     "projection_stats",
 ]

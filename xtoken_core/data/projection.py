@@ -1,20 +1,13 @@
-"""Projection-matrix files: safe parsing, cached device copies, and the exact-token map.
+"""The loaded projection matrix: :class:`Projection` (one per file version and device, with
+every form the losses and kernels use), the exact-token map, the check against the run's
+tokenizers. Reading and validating files: :mod:`xtoken_core.data.projection_file`.
 
 A projection matrix M[V_s, V_t] says how likely each student token is expressed by each teacher
-token. Two on-disk layouts are read (both loaded without running code):
-
-* dense top-k: ``{"indices": Long[V_s, K], "likelihoods": Float[V_s, K]}`` where an index of -1
-  means "no entry" (its likelihood should be 0). Saved with ``torch.save`` (loaded with
-  ``weights_only=True``) or as ``.safetensors``. Other keys (e.g. ``"meta"``) are ignored.
-* sparse: ``{(student_id, teacher_id): weight}`` saved with ``torch.save``. Tuple keys of plain
-  Python ints load under ``weights_only=True``; numpy scalars do not (re-save with ``int(...)``).
-
-Caches: every cache key starts with ``(realpath(path), st_mtime_ns, st_size)`` so that two
-spellings of one file share an entry and a rewritten file is re-read; entries of an older version
-of the same file are evicted on the next miss. ``device`` is normalized with ``torch.device`` and
-a bare "cuda" gets the current CUDA device index, so "cuda" and "cuda:0" share one entry. Cached
-tensors are shared: callers must not modify them in place. ``clear_projection_caches()`` empties
-every cache (tests).
+token. A file is read once per version and device (:func:`open_projection`: the key is
+``(realpath(path), st_mtime_ns, st_size)`` and the device, "cuda" meaning the current one); the
+:class:`Projection` keeps every form built from it (COO, top-k arrays, exact maps, kernel
+tables). Those are shared: callers must not modify them in place. ``clear_projection_caches()``
+forgets every opened file (tests).
 
 Shape legend: S student vocab (rows of the file), W teacher vocab, K top-k slots per row,
 N non-zeros of the COO form.
@@ -25,24 +18,29 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
-import struct
 import threading
-from collections.abc import Hashable
 from typing import Any
 
 import torch
+
+from xtoken_core.data.projection_file import (
+    parse_projection_file,
+    read_layout,
+    read_projection_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "EXACT_MAP_RELAXED_MIN_WEIGHT",
+    "Projection",
     "build_exact_token_map",
     "check_projection_tokenizers",
     "clear_projection_caches",
     "exact_token_map_from_topk",
     "get_sparse_projection_matrix",
     "get_topk_projection",
+    "open_projection",
     "parse_projection_file",
     "read_projection_metadata",
 ]
@@ -50,247 +48,8 @@ __all__ = [
 # Relaxed (xtoken) exact map: a student row whose top weight reaches this is "common".
 EXACT_MAP_RELAXED_MIN_WEIGHT = 0.6
 
-_DENSE_KEYS = ("indices", "likelihoods")
-
-_CACHE_LOCK = threading.Lock()
-_SPARSE_PROJECTION_CACHE: dict[tuple, torch.Tensor] = {}
-_TOPK_PROJECTION_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_EXACT_TOKEN_MAP_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
-_ALL_CACHES = (_SPARSE_PROJECTION_CACHE, _TOPK_PROJECTION_CACHE, _EXACT_TOKEN_MAP_CACHE)
-
-
 # --------------------------------------------------------------------------------------------
-# Reading and validating
-# --------------------------------------------------------------------------------------------
-
-
-def _looks_like_safetensors(path: str) -> bool:
-    """True when the file starts with a safetensors header (u64 length, then a JSON object)."""
-    if path.endswith(".safetensors"):
-        return True
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if len(head) < 9:
-        return False
-    (header_len,) = struct.unpack("<Q", head[:8])
-    return head[8:9] == b"{" and 0 < header_len < os.path.getsize(path)
-
-
-def _load_object(path: str) -> Any:
-    """Load the raw object stored at ``path`` without executing code."""
-    if _looks_like_safetensors(path):
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device="cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise ValueError(
-                f"projection file {path!r} is not a readable safetensors file: {exc}"
-            ) from exc
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise ValueError(
-            f"projection file {path!r} holds objects that cannot be loaded without running code "
-            f"(weights_only=True refused it); re-save it with plain tensors, or a dict with "
-            f"(int, int) tuple keys and float values: {str(exc).splitlines()[0]}"
-        ) from exc
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # torch.load surfaces corrupt files as many exception types
-        raise ValueError(
-            f"projection file {path!r} is not a torch.save file or is corrupt: {exc}"
-        ) from exc
-
-
-def _check_ids(ids: torch.Tensor, what: str, path: str, allow_minus_one: bool) -> None:
-    bad = ids < (-1 if allow_minus_one else 0)
-    if bool(bad.any()):
-        value = int(ids[bad][0])
-        allowed = (
-            "-1 (no entry) is the only negative id allowed" if allow_minus_one else "must be >= 0"
-        )
-        raise ValueError(f"projection file {path!r}: {what} id {value} is negative; {allowed}")
-
-
-def _check_finite(values: torch.Tensor, path: str) -> None:
-    bad = ~torch.isfinite(values)
-    if bool(bad.any()):
-        raise ValueError(
-            f"projection file {path!r}: weight {float(values[bad][0])} is not finite "
-            f"({int(bad.sum())} NaN/inf weights); rebuild the projection file"
-        )
-
-
-def _validate_dense(obj: dict, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the dense top-k layout.
-
-    Returns:
-        ``(indices_SK int64, likelihoods_SK float32)``, both on CPU.
-    """
-    indices_SK, likelihoods_SK = obj["indices"], obj["likelihoods"]
-    for name, t in (("indices", indices_SK), ("likelihoods", likelihoods_SK)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(
-                f"projection file {path!r}: {name!r} is a {type(t).__name__}, expected a tensor"
-            )
-        if t.dim() != 2:
-            raise ValueError(
-                f"projection file {path!r}: {name!r} has shape {tuple(t.shape)}, expected 2-D "
-                f"[student_vocab, top_k]"
-            )
-    if indices_SK.shape != likelihoods_SK.shape:
-        raise ValueError(
-            f"projection file {path!r}: shape mismatch, indices {tuple(indices_SK.shape)} vs "
-            f"likelihoods {tuple(likelihoods_SK.shape)}; both must be [student_vocab, top_k]"
-        )
-    if indices_SK.numel() == 0:
-        raise ValueError(
-            f"projection file {path!r}: empty dense projection of shape {tuple(indices_SK.shape)}"
-        )
-    if (
-        indices_SK.dtype.is_floating_point
-        or indices_SK.dtype.is_complex
-        or indices_SK.dtype == torch.bool
-    ):
-        raise ValueError(
-            f"projection file {path!r}: 'indices' has dtype {indices_SK.dtype}, expected integer "
-            f"token ids (int64)"
-        )
-    if likelihoods_SK.dtype.is_complex or likelihoods_SK.dtype == torch.bool:
-        raise ValueError(
-            f"projection file {path!r}: 'likelihoods' has dtype {likelihoods_SK.dtype}, expected float"
-        )
-    indices_SK = indices_SK.to(torch.int64)
-    likelihoods_SK = likelihoods_SK.to(torch.float32)
-    _check_ids(indices_SK, "teacher", path, allow_minus_one=True)
-    _check_finite(likelihoods_SK, path)
-    return indices_SK.contiguous(), likelihoods_SK.contiguous()
-
-
-def _is_int(x: Any) -> bool:
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, int):
-        return True
-    return (
-        isinstance(x, torch.Tensor)
-        and x.dim() == 0
-        and not x.dtype.is_floating_point
-        and x.dtype != torch.bool
-    )
-
-
-def _validate_sparse(obj: dict, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the sparse ``{(s, t): weight}`` layout.
-
-    Returns:
-        ``(indices_2N int64, values_N float32)``: row 0 student ids, row 1 teacher ids.
-    """
-    keys = list(obj.keys())
-    for k in keys:
-        if not (isinstance(k, tuple) and len(k) == 2):
-            raise ValueError(
-                f"projection file {path!r}: unknown layout, key {k!r} is not a (student_id, "
-                f"teacher_id) pair; expected {{'indices', 'likelihoods'}} or {{(s, t): weight}}"
-            )
-        if not (_is_int(k[0]) and _is_int(k[1])):
-            raise ValueError(
-                f"projection file {path!r}: key {k!r} has non-integer ids; ids must be ints"
-            )
-    indices_N2 = torch.tensor([(int(s), int(t)) for s, t in keys], dtype=torch.int64)
-    raw = list(obj.values())
-    for v in raw:
-        ok = (isinstance(v, (int, float)) and not isinstance(v, bool)) or (
-            isinstance(v, torch.Tensor) and v.numel() == 1 and v.dtype != torch.bool
-        )
-        if not ok:
-            raise ValueError(
-                f"projection file {path!r}: weight {v!r} is not a number; weights must be floats"
-            )
-    values_N = torch.tensor([float(v) for v in raw], dtype=torch.float32)
-    indices_2N = indices_N2.t().contiguous()
-    _check_ids(indices_2N[0], "student", path, allow_minus_one=False)
-    _check_ids(indices_2N[1], "teacher", path, allow_minus_one=True)
-    _check_finite(values_N, path)
-    return indices_2N, values_N
-
-
-def _read_layout(path: str | os.PathLike) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """Load and validate a projection file.
-
-    Returns:
-        ``("dense", indices_SK, likelihoods_SK)`` or ``("sparse", indices_2N, values_N)``.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: the layout is unknown or the contents are invalid.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"projection file not found: {path!r}")
-    obj = _load_object(path)
-    if not isinstance(obj, dict):
-        raise ValueError(
-            f"projection file {path!r}: unknown layout, holds a {type(obj).__name__}; expected a "
-            f"dict {{'indices': Long[V_s, K], 'likelihoods': Float[V_s, K]}} or {{(s, t): weight}}"
-        )
-    if not obj:
-        raise ValueError(f"projection file {path!r}: empty dict, it holds no projection entries")
-    if all(k in obj for k in _DENSE_KEYS):
-        return ("dense", *_validate_dense(obj, path))
-    obj = {k: v for k, v in obj.items() if k != "meta"}  # the builder's tokenizer record
-    if not obj:
-        raise ValueError(f"projection file {path!r}: holds only 'meta', no projection entries")
-    if any(isinstance(k, str) for k in obj):
-        raise ValueError(
-            f"projection file {path!r}: unknown layout with keys {sorted(map(str, obj))[:8]}; "
-            f"the dense layout needs both 'indices' and 'likelihoods'"
-        )
-    return ("sparse", *_validate_sparse(obj, path))
-
-
-def parse_projection_file(
-    path: str | os.PathLike,
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Parse a projection-matrix file (dense top-k or sparse) into COO components.
-
-    No sizing or validity policy is applied: -1 teacher ids of the dense layout ("no entry") are
-    kept in the returned indices, in row-major order (row s contributes its K slots in order).
-
-    Args:
-        path: a ``torch.save`` file (dense or sparse layout) or a ``.safetensors`` file (dense).
-
-    Returns:
-        ``(indices, values, v_student_inferred, v_teacher_inferred)``:
-        indices: LongTensor[2, nnz], row 0 student ids, row 1 teacher ids (may hold -1).
-        values: FloatTensor[nnz] (float32).
-        v_student_inferred: dense: number of rows; sparse: max student id + 1.
-        v_teacher_inferred: max non-negative teacher id + 1 (0 when there is none).
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: unknown layout, empty dict, indices/likelihoods shape mismatch, negative ids
-            other than -1, NaN/inf weights, non-integer ids, or a file that needs code to load.
-    """
-    layout, ids, weights = _read_layout(path)
-    if layout == "dense":
-        indices_SK, likelihoods_SK = ids, weights
-        num_rows, k = indices_SK.shape
-        student_SK = torch.arange(num_rows, dtype=torch.int64).unsqueeze(1).expand(num_rows, k)
-        indices_2N = torch.stack([student_SK.reshape(-1), indices_SK.reshape(-1)])
-        values_N = likelihoods_SK.reshape(-1).clone()
-        v_student = int(num_rows)
-    else:
-        indices_2N, values_N = ids, weights
-        v_student = int(indices_2N[0].max()) + 1
-    teacher_N = indices_2N[1]
-    v_teacher = int(teacher_N.max()) + 1 if bool((teacher_N >= 0).any()) else 0
-    return indices_2N, values_N, v_student, v_teacher
-
-
-# --------------------------------------------------------------------------------------------
-# Caches
+# The loaded projection
 # --------------------------------------------------------------------------------------------
 
 
@@ -304,29 +63,8 @@ def _file_key(path: str | os.PathLike) -> tuple[str, int, int]:
     return (real, st.st_mtime_ns, st.st_size)
 
 
-def _cache_get(cache: dict, key: tuple) -> Any:
-    with _CACHE_LOCK:
-        return cache.get(key)
-
-
-def _cache_put(cache: dict, key: tuple, value: Any) -> Any:
-    """Store ``value``; evict entries for older versions of the same file. Returns the stored value."""
-    real, stamp = key[0][0], key[0][1:]
-    with _CACHE_LOCK:
-        for old in [k for k in cache if k[0][0] == real and k[0][1:] != stamp]:
-            del cache[old]
-        return cache.setdefault(key, value)
-
-
-def clear_projection_caches() -> None:
-    """Empty every projection cache (sparse matrices, top-k arrays, exact-token maps)."""
-    with _CACHE_LOCK:
-        for cache in _ALL_CACHES:
-            cache.clear()
-
-
 def _normalize_device(device: torch.device | str) -> torch.device:
-    """torch.device with the current CUDA index filled in ("cuda" and "cuda:0" share entries)."""
+    """torch.device with the current CUDA index filled in ("cuda" and "cuda:0" are one device)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -339,6 +77,289 @@ def _check_size(name: str, value: Any) -> int:
     return value
 
 
+def _check_teacher_vocab(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"teacher_vocab_size must be a positive int, got {value!r}")
+    return value
+
+
+class Projection:
+    """One projection matrix M[V_s, W] on one device, read once, with every form the losses
+    and kernels use built on first use and kept (shared: callers must not modify them).
+
+    Forms: :attr:`topk` (the dense ``(indices, likelihoods)`` arrays; None for a file in the
+    sparse layout), :meth:`sparse` (COO sized to the vocabularies), :meth:`exact_map` (common /
+    uncommon vocab of the gold loss), :meth:`kernel_tables` (the CSC + ELL tables of the fused
+    P-KL kernels). Build one with :meth:`from_file` (or :func:`open_projection`, which shares one
+    per file version and device) or :meth:`from_topk`.
+
+    Args:
+        name: how messages name it (the file path, or "the in-memory projection").
+        device: where every form lives.
+        indices_2N: CPU int64 [2, N] COO coordinates (student, teacher), -1 teacher ids kept.
+        values_N: CPU float32 [N] weights.
+        num_rows: student rows (dense: rows of the file; sparse: max student id + 1).
+        topk: the dense arrays on ``device``, or None.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        device: torch.device | str,
+        indices_2N: torch.Tensor,
+        values_N: torch.Tensor,
+        num_rows: int,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.name = name
+        self.device = _normalize_device(device)
+        keep_N = indices_2N[1] >= 0
+        self._indices_2N, self._values_N = indices_2N[:, keep_N], values_N[keep_N]
+        self.num_rows = int(num_rows)
+        #: the largest teacher id an entry names (-1: none)
+        self.max_teacher_id = int(self._indices_2N[1].max()) if self._values_N.numel() else -1
+        self.topk = topk
+        self._forms: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, device: torch.device | str) -> Projection:
+        """Read a projection file (either layout) onto ``device``.
+
+        Args:
+            path: the file.
+            device: where its forms live.
+
+        Returns:
+            The projection.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ValueError: an invalid file (see :func:`parse_projection_file`).
+        """
+        device = _normalize_device(device)
+        layout, ids, weights = read_layout(path)
+        if layout == "dense":
+            topk = (ids.to(device), weights.to(device))
+            return cls._from_dense(repr(os.fspath(path)), device, ids, weights, topk)
+        rows = int(ids[0].max()) + 1
+        return cls(repr(os.fspath(path)), device, ids, weights, rows)
+
+    @classmethod
+    def from_topk(
+        cls, indices_SK: torch.Tensor, likelihoods_SK: torch.Tensor, device: torch.device | str
+    ) -> Projection:
+        """An in-memory dense projection (ids -1 = no entry) onto ``device``.
+
+        Args:
+            indices_SK: int [V_rows, K] teacher ids.
+            likelihoods_SK: float [V_rows, K] weights.
+            device: where its forms live.
+
+        Returns:
+            The projection.
+        """
+        device = _normalize_device(device)
+        topk = (indices_SK.to(device), likelihoods_SK.to(device))
+        indices_SK, likelihoods_SK = indices_SK.cpu().long(), likelihoods_SK.cpu().float()
+        return cls._from_dense("the in-memory projection", device, indices_SK, likelihoods_SK, topk)
+
+    @classmethod
+    def _from_dense(cls, name, device, indices_SK, likelihoods_SK, topk) -> Projection:
+        num_rows, k = indices_SK.shape
+        student_SK = torch.arange(num_rows, dtype=torch.int64).unsqueeze(1).expand(num_rows, k)
+        indices_2N = torch.stack([student_SK.reshape(-1), indices_SK.reshape(-1)])
+        return cls(name, device, indices_2N, likelihoods_SK.reshape(-1), num_rows, topk)
+
+    def _form(self, key: tuple, build) -> Any:
+        with self._lock:
+            hit = self._forms.get(key)
+        if hit is None:
+            hit = build()
+            with self._lock:
+                hit = self._forms.setdefault(key, hit)
+        return hit
+
+    def check_fits(self, student_vocab_size: int, teacher_vocab_size: int) -> None:
+        """Refuse a projection wider than the vocabularies of the logits it meets.
+
+        Args:
+            student_vocab_size: V, the student logits' width.
+            teacher_vocab_size: W, the teacher logits' width (after slicing to the vocab).
+
+        Raises:
+            ValueError: a student row >= V or a teacher id >= W (built for other tokenizers).
+        """
+        if self.num_rows > student_vocab_size:
+            raise ValueError(
+                f"projection {self.name} has {self.num_rows} student rows but the student vocab "
+                f"is {student_vocab_size}; use the projection built for this student tokenizer"
+            )
+        if self.max_teacher_id >= teacher_vocab_size:
+            raise ValueError(
+                f"projection {self.name} references teacher id {self.max_teacher_id} but the "
+                f"teacher logits have {teacher_vocab_size} columns (teacher vocab "
+                f"{teacher_vocab_size}); use the projection built for this teacher tokenizer, or "
+                "pass the teacher's full-vocab logits (teacher_vocab_size)"
+            )
+
+    def sparse(self, student_vocab_size: int, teacher_vocab_size: int) -> torch.Tensor:
+        """M as a coalesced float32 sparse COO ``[V_s, V_t]``, -1 entries dropped, the axes
+        ``max(configured, observed + 1)``.
+
+        Args:
+            student_vocab_size: minimum student axis.
+            teacher_vocab_size: minimum teacher axis.
+
+        Returns:
+            The matrix on :attr:`device`.
+        """
+
+        def build() -> torch.Tensor:
+            shape = (
+                max(student_vocab_size, self.num_rows),
+                max(teacher_vocab_size, self.max_teacher_id + 1),
+            )
+            # ids are validated (>= 0) and the shape covers them: no invariant check needed
+            matrix = torch.sparse_coo_tensor(
+                self._indices_2N, self._values_N, shape, dtype=torch.float32, check_invariants=False
+            )
+            matrix = matrix.coalesce().to(self.device)
+            logger.info(
+                "[projection] %s as sparse %s with %d non-zeros on %s",
+                self.name,
+                shape,
+                matrix._nnz(),
+                self.device,
+            )
+            return matrix
+
+        return self._form(("sparse", student_vocab_size, teacher_vocab_size), build)
+
+    def require_topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense arrays, or an error naming the fix for a sparse-layout file.
+
+        Returns:
+            :attr:`topk`.
+
+        Raises:
+            ValueError: the file is in the sparse ``{(s, t): weight}`` layout.
+        """
+        if self.topk is None:
+            raise ValueError(
+                f"projection file {self.name} is in the sparse {{(s, t): weight}} layout; the "
+                f"top-k arrays (and the exact-token map of the gold loss) need the dense layout "
+                f"{{'indices', 'likelihoods'}}: rebuild it with `xtoken projection build`"
+            )
+        return self.topk
+
+    def exact_map(
+        self, teacher_vocab_size: int, *, xtoken_loss: bool, student_vocab_size: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The common / uncommon vocab partition of the gold loss (:func:`exact_token_map_from_topk`).
+
+        Args:
+            teacher_vocab_size: W; teacher ids outside it never map.
+            xtoken_loss: the relaxed rule.
+            student_vocab_size: V; student ids past the projection's rows are added to
+                ``uncommon_student``. None: the rows only.
+
+        Returns:
+            The map's int64 tensors on :attr:`device`.
+
+        Raises:
+            ValueError: a sparse-layout file or a non-positive ``teacher_vocab_size``.
+        """
+        _check_teacher_vocab(teacher_vocab_size)
+        key = ("exact", teacher_vocab_size, bool(xtoken_loss), student_vocab_size)
+
+        def build() -> dict[str, torch.Tensor]:
+            if student_vocab_size is not None and student_vocab_size > self.num_rows:
+                exact = dict(self.exact_map(teacher_vocab_size, xtoken_loss=xtoken_loss))
+                extra = torch.arange(self.num_rows, student_vocab_size, device=self.device)
+                exact["uncommon_student"] = torch.cat([exact["uncommon_student"], extra])
+                return exact
+            indices_SK, likelihoods_SK = self.require_topk()
+            exact = exact_token_map_from_topk(
+                indices_SK,
+                likelihoods_SK,
+                xtoken_loss=bool(xtoken_loss),
+                teacher_vocab_size=teacher_vocab_size,
+            )
+            logger.info(
+                "[projection] exact map (%s) of %s: %d common of %d student / %d teacher tokens",
+                "relaxed" if xtoken_loss else "strict",
+                self.name,
+                exact["common_student"].numel(),
+                indices_SK.shape[0],
+                teacher_vocab_size,
+            )
+            return exact
+
+        return self._form(key, build)
+
+    def kernel_tables(self, student_vocab_size: int, teacher_vocab_size: int) -> Any:
+        """The CSC + ELL tables of the fused P-KL kernels
+        (:func:`xtoken_core.kernels.kd_pkl.build_projection_tables` of :meth:`sparse`).
+
+        Args:
+            student_vocab_size: V.
+            teacher_vocab_size: W.
+
+        Returns:
+            :class:`xtoken_core.kernels.kd_pkl.ProjectionTables` on :attr:`device`.
+        """
+        from xtoken_core.kernels.kd_pkl import build_projection_tables
+
+        return self._form(
+            ("tables", student_vocab_size, teacher_vocab_size),
+            lambda: build_projection_tables(self.sparse(student_vocab_size, teacher_vocab_size)),
+        )
+
+
+_OPEN_LOCK = threading.Lock()
+#: (file version, device) -> Projection; one version per file (a rewritten file replaces it)
+_OPEN: dict[tuple, Projection] = {}
+
+
+def open_projection(path: str | os.PathLike, device: torch.device | str) -> Projection:
+    """The :class:`Projection` of a file on a device, read once per file version and device.
+
+    Two spellings of one path share it (the key is the real path, mtime and size); a rewritten
+    file is read again and the older version dropped. ``"cuda"`` and ``"cuda:<current>"`` share
+    one.
+
+    Args:
+        path: projection file (either layout).
+        device: where its forms live.
+
+    Returns:
+        The shared projection.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: an invalid file.
+    """
+    device = _normalize_device(device)
+    file_key = _file_key(path)
+    key = (file_key, device)
+    with _OPEN_LOCK:
+        hit = _OPEN.get(key)
+    if hit is not None:
+        return hit
+    projection = Projection.from_file(path, device)
+    with _OPEN_LOCK:
+        for old in [k for k in _OPEN if k[0][0] == file_key[0] and k[0] != file_key]:
+            del _OPEN[old]
+        return _OPEN.setdefault(key, projection)
+
+
+def clear_projection_caches() -> None:
+    """Forget every opened projection (:func:`open_projection`): the next open reads the file."""
+    with _OPEN_LOCK:
+        _OPEN.clear()
+
+
 def get_sparse_projection_matrix(
     path: str | os.PathLike,
     device: torch.device | str,
@@ -346,11 +367,11 @@ def get_sparse_projection_matrix(
     student_vocab_size: int,
     teacher_vocab_size: int,
 ) -> torch.Tensor:
-    """Return the projection matrix as a coalesced float32 sparse COO tensor on ``device`` (cached).
+    """The projection as a coalesced float32 sparse COO tensor on ``device`` (:meth:`Projection.sparse`
+    of :func:`open_projection`).
 
     Entries with a -1 teacher id are dropped. Axes are sized
-    ``V_s = max(student_vocab_size, max observed student id + 1)`` and likewise ``V_t``. Cached
-    per ``(file version, device, student_vocab_size, teacher_vocab_size)``; see the module doc.
+    ``V_s = max(student_vocab_size, max observed student id + 1)`` and likewise ``V_t``.
 
     Args:
         path: projection file (either layout).
@@ -368,34 +389,13 @@ def get_sparse_projection_matrix(
     """
     _check_size("student_vocab_size", student_vocab_size)
     _check_size("teacher_vocab_size", teacher_vocab_size)
-    device = _normalize_device(device)
-    key = (_file_key(path), device, student_vocab_size, teacher_vocab_size)
-    hit = _cache_get(_SPARSE_PROJECTION_CACHE, key)
-    if hit is not None:
-        return hit
-    indices_2N, values_N, v_s, v_t = parse_projection_file(path)
-    keep_N = indices_2N[1] >= 0
-    indices_2N, values_N = indices_2N[:, keep_N], values_N[keep_N]
-    shape = (max(student_vocab_size, v_s), max(teacher_vocab_size, v_t))
-    # Ids were validated (>= 0) and the shape covers them, so the invariant check is redundant.
-    matrix = torch.sparse_coo_tensor(
-        indices_2N, values_N, shape, dtype=torch.float32, check_invariants=False
-    )
-    matrix = matrix.coalesce().to(device)
-    logger.info(
-        "[projection] loaded %s as sparse %s with %d non-zeros on %s",
-        key[0][0],
-        tuple(shape),
-        matrix._nnz(),
-        device,
-    )
-    return _cache_put(_SPARSE_PROJECTION_CACHE, key, matrix)
+    return open_projection(path, device).sparse(student_vocab_size, teacher_vocab_size)
 
 
 def get_topk_projection(
     path: str | os.PathLike, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the dense top-k ``(indices, likelihoods)`` arrays on ``device`` (cached).
+    """The dense top-k ``(indices, likelihoods)`` arrays on ``device`` (of :func:`open_projection`).
 
     Args:
         path: projection file in the dense top-k layout.
@@ -410,20 +410,7 @@ def get_topk_projection(
         ValueError: the file is invalid or in the sparse ``{(s, t): weight}`` layout, which has no
             per-row top-k weights.
     """
-    device = _normalize_device(device)
-    key = (_file_key(path), device)
-    hit = _cache_get(_TOPK_PROJECTION_CACHE, key)
-    if hit is not None:
-        return hit
-    layout, indices_SK, likelihoods_SK = _read_layout(path)
-    if layout != "dense":
-        raise ValueError(
-            f"projection file {os.fspath(path)!r} is in the sparse {{(s, t): weight}} layout; the "
-            f"top-k arrays (and the exact-token map of the gold loss) need the dense layout "
-            f"{{'indices', 'likelihoods'}}: rebuild it with `xtoken projection build`"
-        )
-    value = (indices_SK.to(device), likelihoods_SK.to(device))
-    return _cache_put(_TOPK_PROJECTION_CACHE, key, value)
+    return open_projection(path, device).require_topk()
 
 
 def exact_token_map_from_topk(
@@ -516,10 +503,10 @@ def build_exact_token_map(
     xtoken_loss: bool,
     teacher_vocab_size: int,
 ) -> dict[str, torch.Tensor]:
-    """Build the common/uncommon vocab partition of the gold loss from a dense file (cached).
+    """The common/uncommon vocab partition of the gold loss from a dense file
+    (:meth:`Projection.exact_map` of :func:`open_projection`).
 
-    Rules: see :func:`exact_token_map_from_topk`. Cached per
-    ``(file version, device, xtoken_loss, teacher_vocab_size)``.
+    Rules: see :func:`exact_token_map_from_topk`.
 
     Args:
         path: projection file in the dense top-k layout.
@@ -536,76 +523,13 @@ def build_exact_token_map(
         FileNotFoundError: ``path`` does not exist.
         ValueError: invalid or sparse-layout file, or a non-positive ``teacher_vocab_size``.
     """
-    if (
-        isinstance(teacher_vocab_size, bool)
-        or not isinstance(teacher_vocab_size, int)
-        or teacher_vocab_size <= 0
-    ):
-        raise ValueError(f"teacher_vocab_size must be a positive int, got {teacher_vocab_size!r}")
-    device = _normalize_device(device)
-    key: tuple[Hashable, ...] = (_file_key(path), device, bool(xtoken_loss), teacher_vocab_size)
-    hit = _cache_get(_EXACT_TOKEN_MAP_CACHE, key)
-    if hit is not None:
-        return hit
-    indices_SK, likelihoods_SK = get_topk_projection(path, device)
-    result = exact_token_map_from_topk(
-        indices_SK,
-        likelihoods_SK,
-        xtoken_loss=bool(xtoken_loss),
-        teacher_vocab_size=teacher_vocab_size,
-    )
-    logger.info(
-        "[projection] exact map (%s) of %s: %d common of %d student / %d teacher tokens",
-        "relaxed" if xtoken_loss else "strict",
-        key[0][0],
-        result["common_student"].numel(),
-        indices_SK.shape[0],
-        teacher_vocab_size,
-    )
-    return _cache_put(_EXACT_TOKEN_MAP_CACHE, key, result)
+    _check_teacher_vocab(teacher_vocab_size)
+    return open_projection(path, device).exact_map(teacher_vocab_size, xtoken_loss=xtoken_loss)
 
 
 # --------------------------------------------------------------------------------------------
-# Which tokenizers a file was built for
+# Checked against the run's tokenizers
 # --------------------------------------------------------------------------------------------
-
-_META_KEYS = (
-    "student",
-    "teacher",
-    "student_vocab_size",
-    "teacher_vocab_size",
-    "student_vocab_hash",
-    "teacher_vocab_hash",
-)
-
-
-def read_projection_metadata(path: str | os.PathLike) -> dict[str, str] | None:
-    """The tokenizer record of a projection file, or None for a file without one (older files).
-
-    Args:
-        path: projection file (either layout; torch.save ``"meta"`` dict or safetensors header).
-
-    Returns:
-        :func:`xtoken_core.data.projection_build.projection_metadata`'s keys, as strings.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: the file cannot be read.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"projection file not found: {path!r}")
-    if _looks_like_safetensors(path):
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-    else:
-        obj = _load_object(path)
-        meta = obj.get("meta") if isinstance(obj, dict) else None
-    if not isinstance(meta, dict) or not all(k in meta for k in _META_KEYS):
-        return None
-    return {k: str(meta[k]) for k in _META_KEYS}
 
 
 def check_projection_tokenizers(

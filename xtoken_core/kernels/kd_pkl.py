@@ -33,7 +33,7 @@ __all__ = [
     "ProjectionTables",
     "project_rows_backward",
     "project_rows_forward",
-    "projection_tables",
+    "build_projection_tables",
     "restrict_tables",
 ]
 
@@ -407,30 +407,16 @@ class ProjectionTables:
     max_col_count: int
 
 
-_TABLES: dict[tuple, tuple[ProjectionTables, torch.Tensor]] = {}
-
-
-def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
-    """CSC + ELL tables of a sparse projection, built once per matrix (cached, 4 entries).
+def build_projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
+    """CSC + ELL tables of a sparse projection (build once per matrix: a
+    :class:`xtoken_core.data.projection.Projection` keeps them).
 
     Args:
-        projection_VW: sparse COO ``M[V, W]`` (frozen; the cache keys on its storage).
+        projection_VW: sparse COO ``M[V, W]``.
 
     Returns:
         :class:`ProjectionTables` on the matrix's device.
     """
-    values = projection_VW._values()
-    key = (
-        values.data_ptr(),
-        projection_VW._indices().data_ptr(),
-        values.numel(),
-        tuple(projection_VW.shape),
-        values.device,
-        values._version,
-    )
-    hit = _TABLES.get(key)
-    if hit is not None:
-        return hit[0]
     M = projection_VW if projection_VW.is_coalesced() else projection_VW.coalesce()
     S, W = M.shape
     ind_2E, w_E = M.indices(), M.values().to(torch.float32)
@@ -457,9 +443,6 @@ def projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
         col_count_W=col_count_W,
         max_col_count=int(col_count_W.max()) if W else 0,
     )
-    if len(_TABLES) >= 4:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = (tables, projection_VW)  # holding M keeps its storage from being reused
     return tables
 
 

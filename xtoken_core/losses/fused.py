@@ -238,8 +238,9 @@ def pkl_teacher_side(
 
 
 def pkl_projection_tables(projection_VW: torch.Tensor):
-    """The cached CSC + ELL tables of a sparse projection (:func:`kd_pkl.projection_tables`)."""
-    return _kd_kernels().pkl.projection_tables(projection_VW)
+    """The CSC + ELL tables of a sparse projection (:func:`kd_pkl.build_projection_tables`);
+    built anew each call: a :class:`~xtoken_core.data.projection.Projection` keeps them."""
+    return _kd_kernels().pkl.build_projection_tables(projection_VW)
 
 
 def _pkl_fused(
@@ -256,6 +257,7 @@ def _pkl_fused(
     num_valid,
     plan,
     topk_columns="valid",
+    projection_tables=None,
 ) -> KDTerms:
     kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
@@ -274,7 +276,7 @@ def _pkl_fused(
         zt_BUW,
         teacher_chunk_id_BU,
         t_rows,
-        pkl_projection_tables(projection_VW),
+        projection_tables or pkl_projection_tables(projection_VW),
         temperature=temperature,
         vocab_topk=vocab_topk,
         device_N=device_N,
@@ -366,11 +368,11 @@ def pkl_kd_loss(
     num_valid: int | None = None,
     plan=None,
     topk_columns: str = "valid",
+    projection_tables=None,
 ) -> KDTerms:
     """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
 
-    Fused path when :func:`fused_path_available` (the projection tables are built once per
-    ``projection_VW`` and cached); otherwise the composed kernels, where ``projection_topk``
+    Fused path when :func:`fused_path_available`; otherwise the composed kernels, where ``projection_topk``
     (the dense ``(indices [V_rows, K], likelihoods)`` form of M on the logits' device) selects
     the projection-by-gather kernel over :class:`~xtoken_core.losses.utils.Fp32SparseMM`.
 
@@ -391,6 +393,8 @@ def pkl_kd_loss(
             done here, and its shifted ids and validity must be the ones passed.
         topk_columns: positions that pick the columns, "valid" or "all"
             (:func:`reference.select_teacher_columns`).
+        projection_tables: the fused path's tables of ``projection_VW``
+            (:meth:`~xtoken_core.data.projection.Projection.kernel_tables`); None: built here.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -413,7 +417,9 @@ def pkl_kd_loss(
         topk_columns=topk_columns,
     )
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _pkl_fused(*args, **opts, num_valid=num_valid, plan=plan)
+        return _pkl_fused(
+            *args, **opts, num_valid=num_valid, plan=plan, projection_tables=projection_tables
+        )
     return composed.pkl_kd_loss(*args, **opts, projection_topk=projection_topk)
 
 

@@ -15,12 +15,12 @@ Legend (shape suffixes in this file):
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from xtoken_core.data.projection import Projection, open_projection
 from xtoken_core.losses import fused, graphed, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
@@ -30,7 +30,6 @@ from xtoken_core.losses.utils import (
     check_chunk_ids,
     dp_all_reduce_sum,
     shift_chunk_ids,
-    sparse_projection_from_topk,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,100 +62,28 @@ class CrossTokenizerLoss:
 
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
         self.config = config
-        self._cache: dict[tuple, Any] = {}
+        self._projections: dict[tuple[int, torch.device], Projection] = {}
+        self._fits: dict[tuple[int, torch.device], set[tuple[int, int]]] = {}
+        self._scales: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: graphed.GraphedPklPhase | None = None
 
     # ----------------------------------------------------------------- projections
 
-    def _projection_vocab(self, i: int, V: int, W: int, device: torch.device) -> torch.Tensor:
-        key = ("sparse", i, device, V, W)
-        if key in self._cache:
-            return self._cache[key]
-        source = self.config.projections[i]
-        if isinstance(source, tuple):
-            indices, likelihoods = source
-            matrix = sparse_projection_from_topk(
-                indices.to(device),
-                likelihoods.to(device),
-                student_vocab_size=V,
-                teacher_vocab_size=W,
-            )
-        else:
-            from xtoken_core.data.projection import get_sparse_projection_matrix
-
-            matrix = get_sparse_projection_matrix(
-                source, device, student_vocab_size=V, teacher_vocab_size=W
-            )
-            if tuple(matrix.shape) != (V, W):
-                rows, cols = matrix.shape
-                raise ValueError(
-                    f"projection {os.fspath(source)!r} is {tuple(matrix.shape)} (student id "
-                    f"{rows - 1}, teacher id {cols - 1} at most), wider than the vocabularies "
-                    f"(student {V}, teacher logits {W} columns); use the projection built for "
-                    "these tokenizers, or pass the teacher's full-vocab logits (teacher_vocab_size)"
-                )
-        self._cache[key] = matrix
-        return matrix
-
-    def _projection_topk(
-        self, i: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Dense top-k form of projection i on ``device`` (None for a sparse-layout file)."""
-        key = ("topk", i, device)
-        if key not in self._cache:
+    def _projection(self, i: int, V: int, W: int, device: torch.device) -> Projection:
+        """Teacher i's projection on ``device`` (loaded once), checked against the vocabularies."""
+        key = (i, device)
+        projection = self._projections.get(key)
+        if projection is None:
             source = self.config.projections[i]
             if isinstance(source, tuple):
-                self._cache[key] = tuple(t.to(device) for t in source)
+                projection = Projection.from_topk(*source, device)
             else:
-                from xtoken_core.data.projection import get_topk_projection
-
-                try:
-                    self._cache[key] = get_topk_projection(source, device)
-                except ValueError:  # sparse {(s, t): w} layout: the kernel path uses sparse mm
-                    self._cache[key] = None
-        return self._cache[key]
-
-    def _exact_map(self, i: int, V: int, W: int, device: torch.device) -> dict[str, torch.Tensor]:
-        key = ("exact", i, device, V, W, self.config.xtoken_loss)
-        if key in self._cache:
-            return self._cache[key]
-        from xtoken_core.data.projection import build_exact_token_map, exact_token_map_from_topk
-
-        source = self.config.projections[i]
-        if isinstance(source, tuple):
-            indices, likelihoods = (t.to(device) for t in source)
-            exact = exact_token_map_from_topk(
-                indices, likelihoods, xtoken_loss=self.config.xtoken_loss, teacher_vocab_size=W
-            )
-        else:
-            exact = build_exact_token_map(
-                source, device, xtoken_loss=self.config.xtoken_loss, teacher_vocab_size=W
-            )
-            from xtoken_core.data.projection import get_topk_projection
-
-            indices = get_topk_projection(source, device)[0]
-        rows = indices.shape[0]
-        # The exact map ignores teacher ids >= W; a projection that names them was built for a
-        # wider teacher vocab (another tokenizer, or logits sliced too narrow): P-KL refuses it
-        # too, so gold must not return a number for it either.
-        top_id = int(indices.max()) if indices.numel() else -1
-        if top_id >= W:
-            raise ValueError(
-                f"projection {i} references teacher id {top_id} but the teacher logits have "
-                f"{W} columns (teacher vocab {W}); use the projection built for this teacher "
-                "tokenizer, or pass the teacher's full-vocab logits (teacher_vocab_size)"
-            )
-        if rows > V:
-            raise ValueError(
-                f"projection {i} has {rows} student rows but the student vocab is {V}; use the "
-                "projection built for this student tokenizer"
-            )
-        if rows < V:  # student ids without a projection row are uncommon
-            exact = dict(exact)
-            extra = torch.arange(rows, V, device=device)
-            exact["uncommon_student"] = torch.cat([exact["uncommon_student"], extra])
-        self._cache[key] = exact
-        return exact
+                projection = open_projection(source, device)
+            self._projections[key] = projection
+        if (V, W) not in self._fits.setdefault(key, set()):
+            projection.check_fits(V, W)
+            self._fits[key].add((V, W))
+        return projection
 
     # ----------------------------------------------------------------- helpers
 
@@ -165,14 +92,14 @@ class CrossTokenizerLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coef_5, bias_5)`` with ``sums_5 * (coef_5 / denom + bias_5)`` the scaled sums of
         one teacher (cached per device: no host-to-device copy per call)."""
-        key = ("metric_scales", weight, dtype, device)
-        if key not in self._cache:
+        key = (weight, dtype, device)
+        if key not in self._scales:
             per_teacher = 1.0 / self.config.num_teachers
-            self._cache[key] = (
+            self._scales[key] = (
                 torch.tensor([weight] * 3 + [per_teacher, 0.0], dtype=dtype, device=device),
                 torch.tensor([0.0] * 4 + [per_teacher], dtype=dtype, device=device),
             )
-        return self._cache[key]
+        return self._scales[key]
 
     def _graph_eligible(self, backend, student_logits: torch.Tensor, teachers) -> bool:
         """Whether this call's KD phase goes through :class:`graphed.GraphedPklPhase`."""
@@ -196,7 +123,7 @@ class CrossTokenizerLoss:
             teacher_chunk_id_BU=alignment.teacher_chunk_id,
             pair_valid_BC=alignment.pair_valid,
             pair_is_correct_BC=alignment.pair_is_correct,
-            tables=fused.pkl_projection_tables(self._projection_vocab(i, V, W, device)),
+            tables=self._projection(i, V, W, device).kernel_tables(V, W),
             coef_5=coef_5,
             bias_5=bias_5,
         )
@@ -545,10 +472,14 @@ class CrossTokenizerLoss:
                     extra["num_valid"] = int(values[slot][0])
                 if plan is not None:
                     extra["plan"] = plan
+                projection = self._projection(i, V, W, device)
                 if cfg.gold_loss:
+                    exact = projection.exact_map(
+                        W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V
+                    )
                     terms = backend.gold_kd_loss(
                         *common,
-                        self._exact_map(i, V, W, device),
+                        exact,
                         temperature=cfg.temperature,
                         uncommon_topk=cfg.uncommon_topk,
                         reverse_kl=cfg.reverse_kl,
@@ -556,10 +487,12 @@ class CrossTokenizerLoss:
                     )
                 else:
                     if backend is fused:
-                        extra["projection_topk"] = self._projection_topk(i, device)
+                        extra["projection_topk"] = projection.topk
+                        if fused.fused_path_available(student_logits, z_t):
+                            extra["projection_tables"] = projection.kernel_tables(V, W)
                     terms = backend.pkl_kd_loss(
                         *common,
-                        self._projection_vocab(i, V, W, device),
+                        projection.sparse(V, W),
                         temperature=cfg.temperature,
                         vocab_topk=cfg.vocab_topk,
                         reverse_kl=cfg.reverse_kl,

@@ -189,7 +189,7 @@ def test_rewritten_file_is_reloaded_and_old_entry_evicted(tmp_path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000))
     b = P.get_sparse_projection_matrix(path, "cpu", student_vocab_size=3, teacher_vocab_size=4)
     assert b is not a and tuple(b.shape) == (4, 4)
-    assert len(P._SPARSE_PROJECTION_CACHE) == 1
+    assert len(P._OPEN) == 1
 
 
 def test_sparse_matrix_rejects_bad_sizes(tmp_path):

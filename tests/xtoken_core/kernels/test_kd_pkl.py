@@ -74,7 +74,7 @@ def test_restricted_tables_hold_exactly_the_selected_columns_of_m_packed_low():
     dense_SW = M.to_dense().double().cpu()
     idx = torch.tensor([0, 3, 4, 8, 11, 20, 21, 30, 36], device=DEVICE)
     ptr, rows_E, cols_E, w_E, ell_j, ell_w = kd_pkl.restrict_tables(
-        kd_pkl.projection_tables(M), idx
+        kd_pkl.build_projection_tables(M), idx
     )
     want_SK = dense_SW[:, idx.cpu()]
     E = int(ptr[-1])

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xtoken_core.data.projection import exact_token_map_from_topk
-from xtoken_core.kernels import kd_pkl
+from xtoken_core.data.projection import Projection, exact_token_map_from_topk
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.utils import shift_chunk_ids, sparse_projection_from_topk
 
@@ -134,13 +133,12 @@ def test_gold_with_empty_common_vocab_or_empty_top_m_matches_the_reference():
     _assert_match("gold", case, dict(rtol=1e-4, atol=1e-6), uncommon_topk=0)
 
 
-def test_projection_tables_are_built_once_per_matrix():
+def test_projection_tables_are_built_once_per_projection():
     indices, likelihoods = _projection(V, W, torch.Generator().manual_seed(6))
-    M = sparse_projection_from_topk(
-        indices.to(DEVICE), likelihoods.to(DEVICE), student_vocab_size=V, teacher_vocab_size=W
-    )
-    first = kd_pkl.projection_tables(M)
-    assert kd_pkl.projection_tables(M) is first
+    projection = Projection.from_topk(indices, likelihoods, DEVICE)
+    M = projection.sparse(V, W)
+    first = projection.kernel_tables(V, W)
+    assert projection.kernel_tables(V, W) is first
     dense = M.to_dense()
     ell = torch.zeros(V, W, device=DEVICE)
     rows = torch.arange(V, device=DEVICE).view(-1, 1).expand_as(first.ell_t_SP)
