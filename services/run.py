@@ -71,6 +71,34 @@ class CollatorSection:
 
 
 @dataclasses.dataclass
+class QueueSection:
+    """The run's transfer queue: its own (started with the run) or an external one."""
+
+    address: str | None = field(
+        default=None,
+        metadata={
+            "help": "address of a running queue server (tcp://host:port or ipc://path) the run "
+            "uses instead of starting its own; its partitions there are prefixed with the run id"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        a = self.address
+        if a is None:
+            return
+        scheme, sep, rest = a.partition("://")
+        ok = bool(sep and rest) and scheme in ("tcp", "ipc")
+        if ok and scheme == "tcp":
+            host, colon, port = rest.rpartition(":")
+            ok = bool(colon and host) and port.isdigit() and 0 < int(port) < 65536
+        if not ok:
+            raise ValueError(
+                f"address={a!r} is not a queue address: use tcp://HOST:PORT or ipc://PATH, or "
+                "leave it null for a queue of the run's own"
+            )
+
+
+@dataclasses.dataclass
 class RunConfig:
     """A whole distillation run (``xtoken run CONFIG.yaml``)."""
 
@@ -83,7 +111,10 @@ class RunConfig:
     projection_top_k: int = field(
         default=8, metadata={"help": "slots per row of a projection built for the run"}
     )
-    queue_capacity: str = field(default="4GiB", metadata={"help": "queue capacity in bytes"})
+    queue_capacity: str = field(
+        default="4GiB", metadata={"help": "capacity of the run's own queue in bytes"}
+    )
+    queue: QueueSection = field(default_factory=QueueSection)
     teachers: int = field(default=1, metadata={"help": "teacher processes (groups)"})
     trainers: int = field(default=1, metadata={"help": "trainer ranks"})
     max_restarts: int = field(
@@ -203,6 +234,8 @@ class Run:
             (the control plane records them).
         dead_after_s: a process without a heartbeat this long (or, before its first beat,
             frozen by SIGSTOP this long) is dead: killed and restarted per policy.
+        run_id: prefixes the run's partitions on an external queue (``queue.address``);
+            default: the run directory's name and a hash of its path.
     """
 
     def __init__(
@@ -212,6 +245,7 @@ class Run:
         progress: bool = True,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         dead_after_s: float = 10.0,
+        run_id: str | None = None,
     ) -> None:
         if not dead_after_s > 2 * config.heartbeat_s:
             raise ValueError(
@@ -226,6 +260,13 @@ class Run:
         self.progress = progress
         self.on_event = on_event
         self.run_dir = Path(config.run_dir).resolve()
+        self.run_id = run_id or default_run_id(self.run_dir)
+        self.external_queue = config.queue.address
+        # on an external queue every partition of the run (samples, teacher requests, end of data)
+        # starts with "<run id>.": two runs there never see each other's samples
+        self.partition = (
+            f"{self.run_id}.{config.partition}" if self.external_queue else config.partition
+        )
         self.stop_requested = threading.Event()
         self.policy = RestartPolicy(config.max_restarts, config.restart_backoff_s)
         self.failure: str | None = None
@@ -366,13 +407,13 @@ class Run:
         teacher = dataclasses.replace(
             cfg.teacher,
             queue=queue,
-            partition=cfg.partition,
+            partition=self.partition,
             tokenizer=cfg.teacher_tokenizer,
         )
         trainer = dataclasses.replace(
             cfg.trainer,
             queue=queue,
-            partition=cfg.partition,
+            partition=self.partition,
             student_tokenizer=cfg.student_tokenizer,
             teacher_tokenizer=cfg.teacher_tokenizer,
             teacher_vocab_size=cfg.trainer.teacher_vocab_size or cfg.teacher.vocab_size,
@@ -407,14 +448,18 @@ class Run:
         for name, section in sections.items():
             (d / "config" / f"{name}.json").write_text(json.dumps(section, indent=1))
         (d / "config" / "run.json").write_text(json.dumps(cfgmod.to_dict(cfg), indent=1))
-        specs = [
-            ProcessSpec(
-                "queue",
-                "queue",
-                ["queue", "serve", "--bind", queue, "--capacity", cfg.queue_capacity],
-                log_file=str(d / "logs" / "queue.log"),
-                ready_file=str(d / "ready" / "queue"),
-            ),
+        specs = []
+        if not self.external_queue:
+            specs.append(
+                ProcessSpec(
+                    "queue",
+                    "queue",
+                    ["queue", "serve", "--bind", queue, "--capacity", cfg.queue_capacity],
+                    log_file=str(d / "logs" / "queue.log"),
+                    ready_file=str(d / "ready" / "queue"),
+                )
+            )
+        specs += [
             ProcessSpec(
                 "collator",
                 "collator",
@@ -429,7 +474,7 @@ class Run:
                     "--teacher",
                     cfg.teacher_tokenizer,
                     "--partition",
-                    cfg.partition,
+                    self.partition,
                     "--workers",
                     str(cfg.collator.workers),
                     "--batch",
@@ -534,19 +579,49 @@ class Run:
         Raises:
             RuntimeError: the queue did not get ready (with its last log lines).
         """
-        self.queue_address = f"tcp://127.0.0.1:{_free_port()}"
+        self.queue_address = self.external_queue or f"tcp://127.0.0.1:{_free_port()}"
         self.master_port = _free_port()
         self.specs = {s.name: s for s in self._specs(self.queue_address, self.master_port)}
         self.eof_done = False
         self._finished = set()
         self.segment_started = time.time()
         L = self.launcher
-        q = L.start(self.specs["queue"])
-        L.wait_ready(q, 60)
+        if self.external_queue:
+            self._clear_partitions()
+        else:
+            q = L.start(self.specs["queue"])
+            L.wait_ready(q, 60)
         for spec in self.specs.values():
             if spec.role != "queue":
                 L.start(spec)
         self._emit("launched", queue=self.queue_address)
+
+    def _clear_partitions(self) -> None:
+        """Start a launch on an external queue as on a queue of its own: clear what an earlier
+        launch of this run left in its partitions there (samples, teacher requests, end of
+        data, registrations); the collator puts the corpus again, the trainers skip what their
+        checkpoint trained.
+
+        Raises:
+            RuntimeError: the queue does not answer (names the address and the setting).
+        """
+        from services.queue.client import QueueClient
+        from services.queue.errors import QueueError
+
+        prefix = f"{self.run_id}."
+        try:
+            with QueueClient(self.queue_address, timeout_s=10, name="run") as client:
+                names = client.list().get("partitions", {})
+                mine = [p for p in names if p.startswith(prefix)]
+                for partition in mine:
+                    client.clear(partition)
+        except QueueError as e:
+            raise RuntimeError(
+                f"the queue at queue.address={self.queue_address!r} does not answer ({e}); start "
+                "it, or leave queue.address null for a queue of the run's own"
+            ) from None
+        if mine:
+            logger.info("[run] cleared %d partitions of an earlier launch: %s", len(mine), mine)
 
     def state(self) -> dict[str, Any]:
         """What :meth:`restore` needs to watch this run again after a control-plane restart."""
@@ -748,8 +823,8 @@ class Run:
         if self.eof_done:
             return
         with QueueClient(self.queue_address, timeout_s=10, name="run") as client:
-            n = len(client.list(self.config.partition).get("keys", []))
-            put_eof(client, self.config.partition, n)
+            n = len(client.list(self.partition).get("keys", []))
+            put_eof(client, self.partition, n)
         logger.info("[run] collator done: %d samples", n)
         self.eof_done = True
         self._emit("data_complete", samples=n)
@@ -784,6 +859,15 @@ class Run:
             )
         sys.stderr.write("\r" + line[:150].ljust(150))
         sys.stderr.flush()
+
+
+def default_run_id(run_dir: Path) -> str:
+    """The id of a run started without one (``xtoken run``): its directory's name and a hash of
+    its absolute path (two runs named alike in different places differ)."""
+    import hashlib
+
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]
+    return f"{_slug(run_dir.name)}-{digest}"
 
 
 def _is_local_process(proc: Any) -> bool:

@@ -255,6 +255,7 @@ def build_supervisor(settings: Settings) -> Supervisor:
         launcher_factory=_launcher_factory(settings),
         tick_s=settings.tick_s,
         dead_after_s=settings.dead_after_s,
+        default_queue=settings.queue,
     )
 
 

@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--launcher", choices=("local", "ray"), help="default local")
     serve.add_argument("--ray-address", help="Ray cluster address (launcher ray)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
+    serve.add_argument(
+        "--queue",
+        help="address of a running queue server for runs whose config names none (their "
+        "partitions prefixed with the run id); default: each run starts its own queue",
+    )
     serve.add_argument("--ready-file", help="write {pid, endpoint} here once listening")
 
 
@@ -54,6 +59,7 @@ def settings_from_args(args: argparse.Namespace):
         "launcher": args.launcher,
         "ray_address": args.ray_address,
         "max_body_bytes": args.max_body_bytes,
+        "queue": args.queue,
     }
     return Settings(**{k: v for k, v in flags.items() if v is not None})
 
@@ -109,7 +115,8 @@ def _serve(settings, sock: socket.socket, endpoint: str, ready_file: str | None)
     from services.control.app import create_app
 
     app = create_app(
-        settings, on_ready=(lambda: _write_ready(Path(ready_file), endpoint)) if ready_file else None
+        settings,
+        on_ready=(lambda: _write_ready(Path(ready_file), endpoint)) if ready_file else None,
     )
     # open event streams (a dashboard) never end by themselves: give them 3 s on shutdown
     config = uvicorn.Config(

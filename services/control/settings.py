@@ -29,7 +29,24 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(None, description="Ray cluster address (launcher=ray)")
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")
     tick_s: float = Field(0.2, gt=0, description="seconds between two looks at a run")
-    dead_after_s: float = Field(5.0, gt=0, description="a process frozen this long is dead")
+    dead_after_s: float = Field(
+        5.0, gt=0, description="a process without a heartbeat this long is dead"
+    )
+    queue: str | None = Field(
+        None,
+        description="address of a running queue server (tcp://HOST:PORT) that runs use when "
+        "their config names none; None: each run starts its own queue",
+    )
+
+    @field_validator("queue")
+    @classmethod
+    def _queue_address(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        from services.run import QueueSection
+
+        QueueSection(address=value)  # ValueError names the forms accepted
+        return value
 
     @field_validator("data_root", mode="before")
     @classmethod

@@ -93,6 +93,9 @@ class Supervisor:
         tick_s: seconds between two looks at a run's processes.
         queue_stats_s: seconds between two stats calls to a run's queue.
         dead_after_s: a process without a heartbeat this long is treated as dead.
+        default_queue: the address of a running queue server that runs use when their config
+            names none (``queue.address`` absent; null keeps a queue of the run's own); None:
+            every run starts its own queue.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Supervisor:
         tick_s: float = 0.2,
         queue_stats_s: float = 2.0,
         dead_after_s: float = 5.0,
+        default_queue: str | None = None,
     ) -> None:
         self.store = store
         self.runs_root = Path(runs_root).resolve()
@@ -113,6 +117,7 @@ class Supervisor:
         self.tick_s = tick_s
         self.queue_stats_s = queue_stats_s
         self.dead_after_s = dead_after_s
+        self.default_queue = default_queue
         self.host = socket.gethostname()
         self._handles: dict[str, _Handle] = {}
         self._subscribers: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
@@ -228,6 +233,11 @@ class Supervisor:
 
             raise ConfigError(f"run_dir: expected str, got {run_dir!r}")
         config = confine(raw, run_dir=run_dir, runs_root=self.runs_root, data_roots=self.data_roots)
+        queue = config.get("queue")
+        if self.default_queue and (
+            queue is None or (isinstance(queue, dict) and "address" not in queue)
+        ):
+            config["queue"] = {**(queue or {}), "address": self.default_queue}
         run_config = run_config_from_dict(config)  # every config error before anything is recorded
         if not self.dead_after_s > 2 * run_config.heartbeat_s:
             from services.common.config import ConfigError
@@ -447,6 +457,7 @@ class Supervisor:
             progress=False,
             on_event=lambda kind, data: self._on_run_event(run_id, kind, data),
             dead_after_s=self.dead_after_s,
+            run_id=run_id,
         )
 
     def _new_handle(self, run_id: str, run: Any) -> _Handle:
@@ -620,7 +631,10 @@ class Supervisor:
                         client = clients[h.run_id] = QueueClient(
                             address, timeout_s=1.0, retries=0, name="control", shm="never"
                         )
-                    h.queue_stats = client.stats()
+                    stats = client.stats()
+                    if h.run.external_queue:
+                        stats = own_stats(stats, f"{h.run.run_id}.")
+                    h.queue_stats = stats
                     h.queue_stats_at = time.time()
                 except Exception as e:  # restarting or gone: keep the last figures
                     logger.debug("[control] run %s: queue stats: %s", h.run_id, e)
@@ -682,9 +696,36 @@ class Supervisor:
             "failed_process": rec["failed_process"],
             "exit_code": rec["exit_code"],
             "log_tail": rec["log_tail"],
-            "queue": (h.run.queue_address or None) if h is not None else None,
+            "queue": (h.run.queue_address or None)
+            if h is not None
+            else ((rec["config"].get("queue") or {}).get("address")),
             "config": rec["config"],
         }
+
+
+def own_stats(stats: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A shared queue's stats as one run sees them: its partitions only (names starting with
+    ``prefix``), samples, bytes and leases summed over them; the server's own totals under
+    ``server`` (capacity and parked claims are the server's).
+
+    Args:
+        stats: the ``stats`` reply of the queue server.
+        prefix: the run's partition prefix (``"<run id>."``).
+    """
+    parts = {k: v for k, v in (stats.get("partitions") or {}).items() if k.startswith(prefix)}
+    leased = 0
+    for part in parts.values():
+        for task in (part.get("tasks") or {}).values():
+            leased += int(task.get("leased") or 0)
+    return {
+        **stats,
+        "partitions": parts,
+        "samples": sum(int(p.get("samples") or 0) for p in parts.values()),
+        "bytes_used": sum(int(p.get("bytes") or 0) for p in parts.values()),
+        "leases": leased,
+        "shared": True,
+        "server": {k: stats.get(k) for k in ("samples", "bytes_used", "leases")},
+    }
 
 
 def _check_files(config: dict[str, Any]) -> None:

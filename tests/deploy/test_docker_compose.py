@@ -296,7 +296,14 @@ def test_cpu_profile_runs_stops_and_resumes_a_run_over_rest_and_down_leaves_no_c
         assert stopped["state"] == "STOPPED", stopped
         assert stopped["checkpoint"] and stopped["checkpoint"]["step"] < STEPS, stopped
         processes = client.get(f"/v1/runs/{run_id}/processes").json()["processes"]
-        assert {"queue", "collator", "teacher", "trainer"} <= {p["role"] for p in processes}
+        # the run uses the queue service (XTOKEN_CONTROL_QUEUE), in partitions of its own
+        assert {p["role"] for p in processes} == {"collator", "teacher", "trainer"}, processes
+        assert stopped["queue"] == f"tcp://127.0.0.1:{compose.queue_port}", stopped
+        listed = subprocess.run(
+            [sys.executable, "-m", "services.cli", "queue", "stats", "--json", "--queue",
+             stopped["queue"]], capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert listed.returncode == 0 and f'"{run_id}.train"' in listed.stdout, listed
         assert all(p["state"] != "running" for p in processes), processes
 
         resumed = client.post(f"/v1/runs/{run_id}/resume", headers=auth)

@@ -17,6 +17,7 @@ from services.run import (
     PENDING_PROJECTION,
     Run,
     RunConfig,
+    default_run_id,
     load_run_config,
     run_config_from_dict,
     spec_vocab_size,
@@ -316,3 +317,25 @@ def test_every_process_gets_its_own_heartbeat_file_in_the_run_dir(tmp_path, corp
     assert {s.env["XTOKEN_HEARTBEAT_S"] for s in specs} == {"0.5"}
     with pytest.raises(ValueError, match=r"dead_after_s=1 .*heartbeat_s=0\.5"):
         Run(run.config, dead_after_s=1.0)
+
+
+def test_a_run_on_an_external_queue_starts_none_and_prefixes_its_partitions(tmp_path, corpus):
+    run = _run(
+        tmp_path,
+        corpus,
+        queue={"address": "tcp://127.0.0.1:5555"},
+        trainer={"loss": {"mode": "pkl", "projection": "/x"}},
+    )
+    assert run.run_id == default_run_id(run.run_dir) and run.run_id.startswith("run-")
+    assert run.partition == f"{run.run_id}.train"
+    specs = {s.name: s for s in run._specs("tcp://127.0.0.1:5555", 29500)}
+    assert "queue" not in specs
+    argv = specs["collator"].argv
+    assert argv[argv.index("--partition") + 1] == run.partition
+    for name in ("teacher0", "trainer"):
+        section = json.loads((run.run_dir / "config" / f"{name}.json").read_text())
+        assert section["partition"] == run.partition
+    # the same run directory name elsewhere is another run
+    assert default_run_id(tmp_path / "x" / "run") != run.run_id
+    own = _run(tmp_path, corpus)
+    assert own.partition == "train" and "queue" in {s.name for s in own._specs("q", 1)}

@@ -270,3 +270,48 @@ def test_stop_checkpoints_and_resume_finishes_with_every_sample_trained_once(ser
         done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
         assert done["state"] == "SUCCEEDED", done
         assert_exactly_once(trained_keys(run_dir), keys)
+
+
+def test_two_runs_on_one_external_queue_each_train_their_own_samples_once(tmp_path, demo):
+    # the compose layout: one queue server, the control plane pointed at it (--queue); run a
+    # takes that default, run b names the queue in its config; neither starts a queue
+    from services.queue.client import QueueClient
+    from tests.services.queue.conftest import ServerProcess
+
+    queue = ServerProcess(tmp_path, "--capacity", "512MiB")
+    server = ControlServer(tmp_path / "server", extra=["--queue", queue.address])
+    try:
+        data_a, keys_a = _corpus(server, demo, "a", 32)
+        data_b, keys_b = _corpus(server, demo, "b", 32, start=32)
+        with server.client() as c, QueueClient(queue.address, timeout_s=10, name="t") as q:
+            a = _submit(c, tiny_config(**{"data.train": data_a}))
+            b = _submit(c, tiny_config(**{"data.train": data_b, "queue.address": queue.address}))
+            seen: set[str] = set()
+            views: dict[str, set[str]] = {a["id"]: set(), b["id"]: set()}
+            while True:
+                seen |= set(q.list()["partitions"])
+                for rid in views:
+                    stats = c.get(f"/v1/runs/{rid}/queue").json()["stats"] or {}
+                    views[rid] |= set(stats.get("partitions") or {})
+                states = [c.get(f"/v1/runs/{r}").json()["state"] for r in views]
+                if all(s in ("SUCCEEDED", "FAILED") for s in states):
+                    break
+                time.sleep(0.5)
+            done_a = c.get(f"/v1/runs/{a['id']}").json()
+            done_b = c.get(f"/v1/runs/{b['id']}").json()
+            assert done_a["state"] == done_b["state"] == "SUCCEEDED", (done_a, done_b)
+            for run in (done_a, done_b):
+                assert run["queue"] == queue.address
+                assert run["config"]["queue"]["address"] == queue.address
+                assert "queue" not in _pids(c, run["id"])
+        # every partition on the shared queue belongs to one of the runs, by its id
+        assert seen and all(p.startswith((f"{a['id']}.", f"{b['id']}.")) for p in seen), seen
+        assert f"{a['id']}.train" in seen and f"{b['id']}.train" in seen
+        # each run's queue view shows its own partitions only
+        assert views[a["id"]] and all(p.startswith(f"{a['id']}.") for p in views[a["id"]])
+        assert views[b["id"]] and all(p.startswith(f"{b['id']}.") for p in views[b["id"]])
+        assert_exactly_once(trained_keys(Path(done_a["run_dir"])), keys_a)
+        assert_exactly_once(trained_keys(Path(done_b["run_dir"])), keys_b)
+    finally:
+        server.stop()
+        queue.stop()

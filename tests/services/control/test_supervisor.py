@@ -14,8 +14,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from services.common.config import ConfigError
 from services.control.store import Store
 from services.control.supervisor import Conflict, RunNotFound, Supervisor
 from services.launch.local import LocalLauncher, LocalProcess
@@ -416,3 +418,62 @@ def test_the_store_keeps_runs_processes_and_events_across_connections(tmp_path):
     with pytest.raises(ValueError, match="unknown run fields"):
         s.update_run("r1", nope=1)
     assert json.loads(json.dumps(s.list_runs()))[0]["id"] == "r1"
+
+
+@pytest.fixture
+def external_queue(tmp_path):
+    """A `xtoken queue serve` of its own (as the compose `queue` service): its address."""
+    from tests.services.queue.conftest import ServerProcess
+
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    yield server.address
+    server.stop()
+
+
+def test_a_run_on_the_default_queue_starts_none_and_uses_partitions_of_its_own(
+    make, external_queue
+):
+    from services.queue.client import QueueClient
+
+    sup = make({"trainer0": [FOREVER]}, default_queue=external_queue)
+    run = sup.submit(tiny_config())
+    rid = run["id"]
+    assert run["config"]["queue"] == {"address": external_queue}  # recorded: resume uses it
+    wait_state(sup, rid, {"RUNNING"})
+    assert sup.get(rid)["queue"] == sup.queue(rid)["address"] == external_queue
+    launcher = sup.launchers[-1]
+    assert "queue" not in launcher.starts and "queue" not in {p["name"] for p in sup.processes(rid)}
+    argv = launcher.processes["collator"].spec.argv
+    assert argv[argv.index("--partition") + 1] == f"{rid}.train"
+    run_dir = Path(run["run_dir"])
+    for section in ("trainer", "teacher0"):
+        cfg = json.loads((run_dir / "config" / f"{section}.json").read_text())
+        assert cfg["queue"] == external_queue and cfg["partition"] == f"{rid}.train"
+
+    # what a launch leaves in the run's partitions is cleared by the next (resume): a fresh start
+    # as on a queue of its own; another run's partitions there are left alone
+    with QueueClient(external_queue, timeout_s=10, name="test") as client:
+        client.put(f"{rid}.train", ["k0"], {"x": np.zeros((1, 2), np.int64)})
+        client.put("other.train", ["k0"], {"x": np.zeros((1, 2), np.int64)})
+        sup.stop(rid, grace_s=5)
+        wait_state(sup, rid, {"STOPPED"})
+        sup.resume(rid)
+        wait_state(sup, rid, {"RUNNING"})
+        assert client.list(f"{rid}.train")["keys"] == []
+        assert client.list("other.train")["keys"] == ["k0"]
+    assert sup.launchers[-1].starts.get("queue") is None
+
+
+def test_a_config_may_keep_a_queue_of_its_own_or_name_another(make, external_queue):
+    sup = make({"trainer0": [FOREVER]}, default_queue="tcp://127.0.0.1:9")
+    own = sup.submit(tiny_config(**{"queue.address": None}))
+    assert own["config"]["queue"] == {"address": None}
+    named = sup.submit(tiny_config(**{"queue.address": external_queue}))
+    wait_state(sup, own["id"], {"RUNNING"})
+    wait_state(sup, named["id"], {"RUNNING"})
+    assert sup.launchers[0].starts["queue"] == 1 and sup.get(own["id"])["queue"] != external_queue
+    assert (
+        "queue" not in sup.launchers[1].starts and sup.get(named["id"])["queue"] == external_queue
+    )
+    with pytest.raises(ConfigError, match=r"queue: address='5555' is not a queue address: use tcp"):
+        sup.submit(tiny_config(**{"queue.address": "5555"}))
