@@ -34,6 +34,25 @@ class JsonlWriter:
         self._file.close()
 
 
+def device_memory_mb(device: Any) -> float:
+    """Peak memory of this process on ``device`` in MiB: allocated by PyTorch on a CUDA device
+    (``torch.cuda.max_memory_allocated``), else the process's peak RSS.
+
+    Args:
+        device: a ``torch.device`` or a device string (``cuda:0``, ``cpu``).
+    """
+    if str(device).startswith("cuda"):
+        import torch
+
+        return round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**20, 1)
+    try:
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    except ImportError:  # pragma: no cover - not on Linux
+        return 0.0
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete record of a JSONL file (a torn last line is skipped)."""
     out = []

@@ -49,7 +49,7 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
     """The text exposition of a :meth:`Supervisor.snapshot`.
 
     Labels: ``run`` (the run id), ``state``, ``phase``, ``part``, ``partition``, ``role``,
-    ``process``: a handful of values each (no step numbers, no keys).
+    ``rank``, ``memory``, ``process``: a handful of values each (no step numbers, no keys).
 
     Args:
         snapshot: the supervisor's snapshot.
@@ -72,10 +72,10 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         "loss": _Family("xtoken_loss", "gauge", "Latest loss by part (total, kd, ce)."),
         "bpb": _Family("xtoken_heldout_bits_per_byte", "gauge", "Latest held-out bits per byte."),
         "mem": _Family(
-            "xtoken_trainer_memory_bytes",
+            "xtoken_process_memory_bytes",
             "gauge",
-            "Peak memory of trainer rank 0 (memory=gpu: allocated on its CUDA device; "
-            "memory=host: its RSS, for a CPU trainer).",
+            "Peak memory of each trainer rank and teacher (rank: the trainer rank or teacher "
+            "group; memory=gpu: allocated on its CUDA device; memory=host: its RSS, on a CPU).",
         ),
         "q_samples": _Family("xtoken_queue_samples", "gauge", "Samples held by the queue."),
         "q_bytes": _Family("xtoken_queue_bytes", "gauge", "Bytes held by the queue."),
@@ -107,9 +107,6 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
             f["tps"].add(latest.get("tokens_per_s"), run=rid)
             for part, key in LOSS_PARTS.items():
                 f["loss"].add(latest.get(key), run=rid, part=part)
-            if latest.get("memory_mb") is not None:
-                kind = "gpu" if run.get("trainer_device", "cpu").startswith("cuda") else "host"
-                f["mem"].add(round(latest["memory_mb"] * 2**20), run=rid, memory=kind)
         for ev in run.get("evals") or []:
             if ev.get("bits_per_byte") is not None:
                 f["bpb"].add(ev["bits_per_byte"], run=rid)
@@ -121,6 +118,10 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
             for part, stats in sorted((q.get("partitions") or {}).items()):
                 f["q_samples"].add(stats.get("samples"), run=rid, partition=part)
                 f["q_bytes"].add(stats.get("bytes"), run=rid, partition=part)
+        for m in run.get("memory") or []:
+            f["mem"].add(
+                round(m["mb"] * 2**20), run=rid, role=m["role"], rank=m["rank"], memory=m["memory"]
+            )
         restarts: dict[str, int] = {}
         for p in run.get("processes") or []:
             f["worker_up"].add(1 if p["state"] == "running" else 0, run=rid, process=p["name"])

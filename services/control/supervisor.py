@@ -35,7 +35,7 @@ from typing import Any
 
 from services.control.attach import EXIT_UNKNOWN, AttachedProcess, attach, identity
 from services.control.paths import confine
-from services.control.series import Series
+from services.control.series import LatestMemory, Series
 from services.control.store import Store
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class _Handle:
         self.queue_stats_at: float | None = None
         self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
         self.runtime: dict[str, Any] | None = None
+        # (role, rank or teacher group) -> the latest memory_mb of that process's metrics file
+        self.memory: dict[tuple[str, int], LatestMemory] = {}
 
 
 class Supervisor:
@@ -438,9 +440,7 @@ class Supervisor:
                     "steps_total": h.series.steps_total if h else 0,
                     "queue": h.queue_stats if h else None,
                     "processes": self.processes(rec["id"]) if h else [],
-                    "trainer_device": str(
-                        (rec["config"].get("trainer") or {}).get("device", "cpu")
-                    ),
+                    "memory": self._memory(h, rec) if h else [],
                 }
             )
         return {"runs": runs, "started": self.started}
@@ -607,6 +607,35 @@ class Supervisor:
     def _poll_series(self, h: _Handle) -> None:
         for record in h.series.poll():
             self._publish(h.run_id, {"kind": "metrics", "time": time.time(), "data": record})
+        cfg = h.run.config
+        metrics = Path(h.run.run_dir) / "metrics"
+        groups = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+        for role, n, name in (
+            ("trainer", cfg.trainers, "trainer.rank"),
+            ("teacher", groups, "teacher.group"),
+        ):
+            for i in range(n):
+                if (role, i) not in h.memory:
+                    h.memory[role, i] = LatestMemory(metrics / f"{name}{i}.jsonl")
+                h.memory[role, i].poll()
+
+    def _memory(self, h: _Handle, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        """The latest memory figure of each trainer rank and teacher group of a run."""
+        config = rec["config"]
+        devices = {
+            role: str((config.get(role) or {}).get("device", "cpu"))
+            for role in ("trainer", "teacher")
+        }
+        return [
+            {
+                "role": role,
+                "rank": i,
+                "mb": m.mb,
+                "memory": "gpu" if devices[role].startswith("cuda") else "host",
+            }
+            for (role, i), m in sorted(h.memory.items())
+            if m.mb is not None
+        ]
 
     def _stats_loop(self) -> None:
         """One thread asks every active run's queue for its stats (a slow or dead queue delays

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.common import lifecycle
 from services.common.lifecycle import Lifecycle
-from services.common.metrics import JsonlWriter
+from services.common.metrics import JsonlWriter, device_memory_mb
 from services.queue.client import connect
 from services.queue.errors import QueueError
 from services.teacher import protocol as proto
@@ -159,7 +159,14 @@ def _serve(client, worker, partition, key, request, lease_id, slot, metrics) -> 
             logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
     if metrics is not None and isinstance(request, proto.Request):
         B, U = request.ids_BU.shape
-        metrics.write("request", key=key, rank=request.rank, rows=B, length=U)
+        metrics.write(
+            "request",
+            key=key,
+            rank=request.rank,
+            rows=B,
+            length=U,
+            memory_mb=device_memory_mb(worker.device),
+        )
 
 
 def _rank_of(fields: dict, i: int) -> int | None:

@@ -305,6 +305,11 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         assert f'xtoken_step_seconds{{run="{rid}",phase="forward"}}' in text
         assert f'xtoken_loss{{run="{rid}",part="kd"}}' in text
         assert 'xtoken_runs{state="SUCCEEDED"}' in text
+        for role in ("trainer", "teacher"):  # every process's memory, from its metrics file
+            assert (
+                f'xtoken_process_memory_bytes{{run="{rid}",role="{role}",rank="0",memory="host"}}'
+                in text
+            ), text
 
         r = c.post(f"/v1/runs/{rid}/stop")
         assert r.status_code == 409 and "SUCCEEDED" in r.json()["error"]

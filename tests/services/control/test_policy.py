@@ -111,6 +111,11 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
                     "parked_claims": 2,
                     "partitions": {"train": {"samples": 3, "bytes": 7}},
                 },
+                "memory": [
+                    {"role": "teacher", "rank": 0, "mb": 3.0, "memory": "gpu"},
+                    {"role": "trainer", "rank": 0, "mb": 1.5, "memory": "gpu"},
+                    {"role": "trainer", "rank": 1, "mb": 2.0, "memory": "gpu"},
+                ],
                 "processes": [
                     {"name": "trainer0", "role": "trainer", "state": "running", "restarts": 1},
                     {"name": "trainer1", "role": "trainer", "state": "running", "restarts": 1},
@@ -128,7 +133,10 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     assert 'xtoken_queue_claims_waiting{run="r\\"1"} 2' in text
     assert 'xtoken_worker_up{run="r\\"1",process="teacher0"} 0' in text
     assert 'xtoken_worker_restarts_total{run="r\\"1",role="trainer"} 1' in text  # one group
-    assert 'xtoken_trainer_memory_bytes{run="r\\"1",memory="host"} 1572864' in text
+    mem = 'xtoken_process_memory_bytes{run="r\\"1",role="%s",rank="%d",memory="gpu"} %d'
+    assert mem % ("trainer", 0, 1572864) in text and mem % ("trainer", 1, 2097152) in text
+    assert mem % ("teacher", 0, 3145728) in text
+    assert "xtoken_trainer_memory_bytes" not in text
     assert 'xtoken_runs{state="RUNNING"} 1' in text and 'xtoken_runs{state="FAILED"} 0' in text
     assert "xtoken_control_uptime_seconds 10" in text
     for line in text.splitlines():
