@@ -136,6 +136,13 @@ class TrainerConfig:
     parallel: Literal["ddp", "fsdp"] = field(
         default="ddp", metadata={"help": "data parallel: ddp, or fsdp (fully_shard) for big students"}
     )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "recompute each decoder layer's activations in the backward instead of "
+            "keeping them (less memory for about one more forward of compute)"
+        },
+    )
     micro_batch: int = field(default=4, metadata={"help": "samples per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_steps: int = field(default=100, metadata={"help": "optimizer steps (0: until the data ends)"})

@@ -193,6 +193,8 @@ class TrainerWorker:
         if config.loss.uses_teacher:
             self.loss_fn = self._build_loss(teacher_tok.vocab_size, (student_tok, teacher_tok))
         self.module = model.to(self.device).train()
+        if config.activation_checkpointing:
+            _checkpoint_activations(self.module)
         self.model = self._parallelize(self.module)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -531,3 +533,22 @@ def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     return []
+
+
+def _checkpoint_activations(module: torch.nn.Module) -> None:
+    """Recompute the decoder layers' activations in the backward (Hugging Face models).
+
+    Raises:
+        ValueError: the model has no gradient checkpointing (not a transformers model).
+    """
+    if not getattr(module, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"activation_checkpointing: the student {type(module).__name__} supports no gradient "
+            "checkpointing; set trainer.activation_checkpointing=false"
+        )
+    # non-reentrant: works under no_sync / FSDP and with inputs that need no grad
+    kwargs = {"use_reentrant": False}
+    if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -151,3 +151,42 @@ def test_a_trainer_refuses_a_projection_with_no_usable_row(tmp_path):
 def test_a_trainer_accepts_the_projection_built_for_its_tokenizers(tmp_path):
     path = _recorded_projection(tmp_path / "proj.pt", *setup.tokenizers())
     assert TrainerWorker(setup.trainer_config(path)).loss_fn is not None
+
+
+def test_activation_checkpointing_keeps_the_gradients_and_saves_fewer_activations(projection):
+    from tests.services.trainer.dp_ranks import capture_step_gradients
+
+    batch = setup.micro_batches()[1]
+    grads, saved = {}, {}
+    for ckpt in (False, True):
+        worker = TrainerWorker(setup.trainer_config(projection, activation_checkpointing=ckpt))
+        assert worker.module.model.layers[0].gradient_checkpointing is ckpt
+        count = [0]  # elements the forward keeps for the backward
+
+        def pack(t: torch.Tensor, count=count) -> torch.Tensor:
+            count[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            grads[ckpt], _ = capture_step_gradients(worker, [setup.micro_batch(batch, ["a", "b"])])
+        saved[ckpt] = count[0]
+    assert saved[True] < saved[False]  # the decoder layers' internals are recomputed instead
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_activation_checkpointing_of_a_model_without_it_names_the_setting():
+    import types
+
+    from xtoken_core.tokenizers import load_tokenizer
+
+    class Bare(torch.nn.Module):  # a causal LM's vocab, no checkpointing
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.config = types.SimpleNamespace(vocab_size=vocab)
+            self.lm_head = torch.nn.Linear(4, vocab, bias=False)
+
+    vocab = load_tokenizer(setup.STUDENT_TOKENIZER).vocab_size
+    config = setup.trainer_config(None, activation_checkpointing=True)
+    with pytest.raises(ValueError, match="activation_checkpointing=false"):
+        TrainerWorker(config, model=Bare(vocab))
