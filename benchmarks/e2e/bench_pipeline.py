@@ -195,8 +195,10 @@ def pipeline(
     trainers: int = 1,
     teacher_device: str | None = None,
     grad_accum: int = 1,
+    trainer_extra: dict | None = None,
 ) -> dict:
-    """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records."""
+    """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records
+    (``trainer_extra``: more keys of the run config's trainer section)."""
     import shutil
 
     from services.common.metrics import read_jsonl
@@ -239,6 +241,7 @@ def pipeline(
                 "heldout": None,
                 "optim": {"warmup_steps": 0},
                 "loss": {"mode": mode, "projection": projection},
+                **(trainer_extra or {}),
             },
         }
     )

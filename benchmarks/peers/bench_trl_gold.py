@@ -232,6 +232,7 @@ def run_xtoken(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict) ->
                 dirs["projection"],
                 transport,
                 work / f"xt_{mode}_{T}",
+                trainer_extra={"activation_checkpointing": args.activation_checkpointing},
             )
         except ValueError as exc:  # a refused configuration is a result too
             res = {"error": f"ValueError: {exc}"}
@@ -361,8 +362,10 @@ def write_markdown(path: Path, stamp: dict, speed: list[dict], quality: list[dic
         "# xtoken vs TRL GOLD (issue 13, experiment 2, `benchmarks/peers/bench_trl_gold.py`)",
         "",
         f"Device: {stamp['device']}; commit {stamp['commit']}; {stamp['time']}. Student "
-        f"`{stamp['student']}` preset (Qwen3 tokenizer), teacher `{stamp['teacher']}` preset "
-        "(Mistral tokenizer), random weights, local HF folders; TRL "
+        f"`{stamp['student']}` preset ({stamp.get('student_tokenizer', 'qwen3')} tokenizer), "
+        f"teacher `{stamp['teacher']}` preset ({stamp.get('teacher_tokenizer', 'mistral')} "
+        "tokenizer), random weights, local HF folders; xtoken's trainer with activation "
+        f"checkpointing {'on' if stamp.get('activation_checkpointing') else 'off'}; TRL "
         f"{stamp.get('trl_version', '?')} `GOLDTrainer` (ULD loss; its default byte-offset "
         "alignment, `extended`, is tried first, and where TRL refuses it (a teacher tokenizer "
         "that is not byte-level BPE, as Mistral's SentencePiece) positional ULD, TRL's setting "
@@ -435,6 +438,12 @@ def main() -> int:
     p.add_argument("--heldout-texts", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4, help="constant learning rate (quality)")
     p.add_argument("--trl-python", default=sys.executable, help="python that imports trl")
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="xtoken's trainer recomputes activations in the backward, as TRL does by default",
+    )
     p.add_argument("--trl-timeout", type=float, default=900.0)
     p.add_argument(
         "--trl-uld",
@@ -463,7 +472,9 @@ def main() -> int:
     if args.render:
         rows = [json.loads(line) for line in open(args.render, encoding="utf-8") if line.strip()]
         md = Path(args.markdown) if args.markdown else Path(args.render).with_suffix(".md")
-        stamp = {k: rows[0][k] for k in ("commit", "device", "student", "teacher", "time")}
+        keys = ("commit", "device", "student", "teacher", "time", "student_tokenizer",
+                "teacher_tokenizer", "activation_checkpointing")  # fmt: skip
+        stamp = {k: rows[0][k] for k in keys if k in rows[0]}
         stamp["trl_version"] = next(
             (r["trl"]["trl_version"] for r in rows if r.get("trl", {}).get("trl_version")), "?"
         )
@@ -514,6 +525,9 @@ def main() -> int:
         "teacher": args.teacher,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "nemo_rl": NEMO_RL,
+        "student_tokenizer": args.student_tokenizer,
+        "teacher_tokenizer": args.teacher_tokenizer,
+        "activation_checkpointing": args.activation_checkpointing,
     }
     speed, quality = [], []
     print(f"device {dev}; student {args.student} teacher {args.teacher}", flush=True)
@@ -552,6 +566,7 @@ def main() -> int:
                     "trl": trl,
                 }
                 speed.append(trl_row)
+                append_rows(args.results, [{**stamp, **trl_row}])  # a timeout keeps what ran
                 print(
                     f"T={T} TRL ULD {uld}: {_f(trl.get('tokens_per_s'), '.0f')} tok/s, dev "
                     f"{_f(trl.get('device_peak_gib'), '.1f')} GiB {trl.get('error') or ''}",
@@ -575,6 +590,7 @@ def main() -> int:
                 if row["device_peak_gib"] and trl_row["device_peak_gib"]:
                     row["mem_ratio"] = row["device_peak_gib"] / trl_row["device_peak_gib"]
                 speed.append(row)
+                append_rows(args.results, [{**stamp, **row}])
                 print(
                     f"T={T} xtoken {mode}: {_f(row['tokens_per_s'], '.0f')} tok/s, "
                     f"dev {_f(row['device_peak_gib'], '.1f')} GiB, x{_f(row.get('speedup'), '.1f')} "
@@ -626,8 +642,7 @@ def main() -> int:
                 f"bits/byte {_f(r.get('bits_per_byte'), '.4f')} {r.get('error') or ''}",
                 flush=True,
             )
-    rows = [{**stamp, **r} for r in speed + quality]
-    append_rows(args.results, rows)
+    append_rows(args.results, [{**stamp, **r} for r in quality])  # speed rows: written as they ran
     md = Path(args.markdown) if args.markdown else Path(args.results).with_suffix(".md")
     write_markdown(md, stamp, speed, quality)
     print(f"wrote {args.results} and {md}")
