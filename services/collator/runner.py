@@ -156,8 +156,14 @@ def check_queue(address: str, timeout_s: float, partition: str | None) -> set[st
     return queue_state(address, timeout_s, partition)[0]
 
 
-def queue_state(address: str, timeout_s: float, partition: str | None) -> tuple[set[str], Any]:
+def queue_state(
+    address: str, timeout_s: float, partition: str | None, stop: Any = None
+) -> tuple[set[str], Any]:
     """As :func:`check_queue`, with the queue instance (``epoch``) that answered.
+
+    Args:
+        stop: an event; once set, the request in flight is abandoned at once
+            (``QueueError("stopped")``).
 
     Returns:
         ``(keys, epoch)``; ``epoch`` is None for a server that does not name its instance.
@@ -166,7 +172,9 @@ def queue_state(address: str, timeout_s: float, partition: str | None) -> tuple[
     from services.queue.errors import QueueError
 
     try:
-        with QueueClient(address, timeout_s=timeout_s, retries=0, name="collator") as client:
+        with QueueClient(
+            address, timeout_s=timeout_s, retries=0, name="collator", stop=stop
+        ) as client:
             epoch = client.hello().get("epoch")
             if partition is None:
                 return set(), epoch
@@ -290,6 +298,8 @@ class CollatorRun:
             if not self._dispatch(texts, queued, replay) or not self._wait_batches():
                 return False
             queued, epoch = self._queue_state_retrying(listed)
+            if self._should_stop():
+                return False
             self._see_epoch(epoch)
             if self._epoch == started_on:
                 break
@@ -309,10 +319,16 @@ class CollatorRun:
 
     def _queue_state_retrying(self, listed: str | None) -> tuple[set[str], Any]:
         """``queue_state`` at the end of a pass, waiting out a queue that is restarting."""
+        from services.queue.errors import QueueError
+
         cfg = self.config
         for attempt in range(3):
             try:
-                return queue_state(cfg.worker.queue, cfg.worker.queue_timeout_s, listed)
+                return queue_state(cfg.worker.queue, cfg.worker.queue_timeout_s, listed, self.stop)
+            except QueueError as e:
+                if e.code != "stopped":
+                    raise
+                return set(), self._epoch  # SIGTERM: the caller sees the stop
             except QueueUnreachableError:
                 if attempt == 2 or self._should_stop():
                     raise

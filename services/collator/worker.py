@@ -26,6 +26,8 @@ import torch
 
 from services.collator.config import WorkerConfig
 from services.common.lifecycle import Lifecycle, configure_logging
+from services.queue import errors as codes
+from services.queue.errors import QueueError
 from xtoken_core.data import sample as schema
 from xtoken_core.wire import JaggedColumn
 
@@ -92,12 +94,14 @@ class CollatorWorker:
         config: the worker settings.
         client: a queue client with ``put(partition, keys, fields, timeout_s=)`` (a
             ``QueueClient`` by default, opened lazily).
+        stop: an event (``is_set()``) given to the default client: once set, a put in flight
+            raises ``QueueError("stopped")`` at once.
 
     Raises:
         ValueError: unknown tokenizer names (from ``load_tokenizer``).
     """
 
-    def __init__(self, config: WorkerConfig, client: Any | None = None) -> None:
+    def __init__(self, config: WorkerConfig, client: Any | None = None, stop: Any = None) -> None:
         from xtoken_core.align import TokenAligner
         from xtoken_core.data.collator import CrossTokenizerCollator
         from xtoken_core.tokenizers import load_tokenizer
@@ -111,6 +115,7 @@ class CollatorWorker:
             ctx_length_teacher=config.ctx_teacher,
         )
         self._client = client
+        self._stop = stop  # abandons a put in flight when set (SIGTERM, whatever the queue does)
 
     @property
     def client(self) -> Any:
@@ -123,6 +128,7 @@ class CollatorWorker:
                 timeout_s=self.config.queue_timeout_s,
                 retries=2,
                 name=f"collator-{os.getpid()}",
+                stop=self._stop,
             )
         return self._client
 
@@ -187,6 +193,16 @@ class CollatorWorker:
             self._client.close()
 
 
+class _AnySet:
+    """Set when any of the events is (the lifecycle's signal event, the run's stop event)."""
+
+    def __init__(self, *events: Any) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
 def worker_main(
     index: int,
     config: WorkerConfig,
@@ -215,7 +231,7 @@ def worker_main(
     worker = None
     try:
         started = time.monotonic()
-        worker = CollatorWorker(config)
+        worker = CollatorWorker(config, stop=_AnySet(lifecycle.stop, stop))
         logger.debug("[collator] worker %d ready in %.1fs", index, time.monotonic() - started)
         results.put(("ready", index, time.monotonic()))
         while not (lifecycle.stop.is_set() or stop.is_set()):
@@ -229,6 +245,9 @@ def worker_main(
             counts = worker.process(items)
             counts["seq"] = seq
             results.put(("done", index, counts, time.monotonic()))
+    except QueueError as e:
+        if e.code != codes.STOPPED:  # a stop abandons the put in flight: not an error
+            results.put(("error", index, f"{type(e).__name__}: {e}"))
     except Exception as e:  # reported to the parent, which stops the run
         results.put(("error", index, f"{type(e).__name__}: {e}"))
     finally:

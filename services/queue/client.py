@@ -10,6 +10,13 @@ Every reply names the server instance (``epoch``, random per start); a client re
 and, when a reply comes from another, counts the restart (``epoch_changes``), logs it and calls
 ``on_epoch(old, new)``: whatever it built on the old instance (its puts, its leases) is gone. An
 ack or nack of an old instance's lease raises ``StaleEpochError``.
+A dead server is noticed within ~2 s (its connection closes, or ZMTP heartbeats go unanswered
+for 1.5 s): the request in flight is sent again at once on a fresh socket, and reaches the
+server's replacement as soon as one listens (``disconnects`` counts them). Every request is safe
+to send twice: puts and clears are idempotent, a claim's unanswered lease lapses, an ack of a
+lease the server applied (or an old instance issued) is an error, never a double ack. A client
+given a ``stop`` event raises ``QueueError("stopped")`` within ~50 ms of it being set, whatever
+the server does (SIGTERM of a collator or consumer whose queue is gone).
 Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
 to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py); the
 AsyncQueueClient sends and receives frames only.
@@ -48,6 +55,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_PUT_TIMEOUT_S = 30.0
 DEFAULT_CLAIM_TIMEOUT_S = 1.0
 DEFAULT_LEASE_S = 60.0
+# ZMTP heartbeats of a client connection: a server that answers none for HEARTBEAT_TIMEOUT_S
+# (hung, or its host gone without a FIN) is dropped, like one whose process died (the kernel
+# closes its connections at once): either way the request in flight is sent again at once.
+HEARTBEAT_IVL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 1.5
+# Requests sent again at once after a dropped connection, per request (on top of ``retries``).
+MAX_RESENDS = 10
+# With a stop event, waits are sliced so that a stop is seen within this many ms.
+_STOP_POLL_MS = 50
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -195,6 +211,8 @@ class QueueClient(_Requests):
         shm_min_bytes: the ``auto`` threshold (tensor bytes of one put).
         on_epoch: called with ``(old, new)`` instance ids when a reply shows the server
             restarted (after the first reply; also counted in ``epoch_changes``).
+        stop: an event (anything with ``is_set()``: threading or multiprocessing); once set,
+            a request waiting for its reply raises ``QueueError("stopped")`` within ~50 ms.
 
     Raises:
         ValueError: a non-positive timeout, negative retries, an unknown ``shm`` mode.
@@ -212,28 +230,55 @@ class QueueClient(_Requests):
         shm: str = "auto",
         shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
         on_epoch: Callable[[str | None, str], None] | None = None,
+        stop: Any = None,
     ) -> None:
         super().__init__(address, timeout_s, retries, limits, name, on_epoch)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._shm = ShmPuts(address, shm, shm_min_bytes)
+        self.stop = stop
+        self.disconnects = 0  # connections found dead while a request waited
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             self._socket_options(sock)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+            # the connection's fate: EVENT_DISCONNECTED when the server died or went silent
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.address)
             self._sock = sock
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
         return self._sock
 
     def close(self) -> None:
         """Close the socket (a later request opens a new one)."""
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            self._sock = None
+            self._sock = self._monitor = None
+
+    def _dropped(self) -> bool:
+        """Whether the connection dropped since the last look (drains the monitor)."""
+        monitor, dropped = self._monitor, False
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            monitor.recv_multipart()
+            dropped = True
+        return dropped
+
+    def _check_stop(self, msg_type: str) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise QueueError(
+                codes.STOPPED,
+                f"{msg_type} to {self.address} abandoned: this client was told to stop",
+                request_type=msg_type,
+            )
 
     def __enter__(self) -> QueueClient:
         return self
@@ -267,28 +312,53 @@ class QueueClient(_Requests):
         request_id = next(self._ids)
         frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
         budget_s = self.timeout_s + wait_s
-        for attempt in range(self.retries + 1):
+        attempt = resends = 0
+        slice_ms = _STOP_POLL_MS if self.stop is not None else None
+        while True:
+            self._check_stop(msg_type)
             sock = self._socket()
+            self._dropped()  # a drop while idle: the socket reconnects on its own
             send_frames(sock, frames)
             deadline = time.monotonic() + budget_s
+            dropped = False
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not self._poller.poll(left_ms):
+                if left_ms <= 0:
                     break
-                # header and body as bytes (copied), tensor frames zero-copy
-                reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type, shm)
-                if reply is not None:
-                    return reply
+                ready = self._poller.poll(left_ms if slice_ms is None else min(left_ms, slice_ms))
+                self._check_stop(msg_type)
+                if not ready:
+                    continue
+                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    # header and body as bytes (copied), tensor frames zero-copy
+                    reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type, shm)
+                    if reply is not None:
+                        return reply
+                elif self._dropped():
+                    dropped = True
+                    break
+            self.close()
+            if dropped and resends < MAX_RESENDS:
+                resends += 1
+                self.disconnects += 1
+                logger.warning(
+                    "[queue] connection to %s dropped while waiting for %s (server dead, hung "
+                    "or restarting): sending it again",
+                    self.address,
+                    msg_type,
+                )
+                continue
+            attempt += 1
+            if attempt > self.retries:
+                raise self._timeout_error(msg_type, budget_s)
             logger.warning(
                 "no reply to %s from %s in %.1fs (attempt %d of %d): reconnecting",
                 msg_type,
                 self.address,
                 budget_s,
-                attempt + 1,
+                attempt,
                 self.retries + 1,
             )
-            self.close()
-        raise self._timeout_error(msg_type, budget_s)
 
     def hello(self) -> dict[str, Any]:
         """Handshake: check the protocol version; returns server info."""

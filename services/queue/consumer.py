@@ -28,12 +28,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from services.queue import errors as codes
 from services.queue.client import QueueClient
 from services.queue.errors import QueueError
 from xtoken_core.data.batch import pad_batch
@@ -42,6 +44,10 @@ from xtoken_core.wire import JaggedColumn
 logger = logging.getLogger(__name__)
 
 _END = object()
+# Seconds a batch give-back (nack) may take while stopping.
+_GIVE_BACK_S = 1.0
+# Most seconds stop() waits for the thread's claim in flight before abandoning it.
+_ABANDON_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,8 @@ class BatchConsumer:
         self.register = register
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
+        self._gave_up = False  # a give-back failed while stopping: try no more
+        self._abandon = threading.Event()  # set by stop() when the queue does not answer
         self._thread = threading.Thread(target=self._run, name=f"consumer-{task}", daemon=True)
         self._last: Lease | None = None
         self._epoch: str | None = None  # the server instance of the latest claim reply
@@ -211,12 +219,28 @@ class BatchConsumer:
         return int(self._client.nack(lease.partition, lease.task, lease.lease_id)["count"])
 
     def stop(self) -> None:
-        """Stop the thread, give back batches claimed but not yielded, close owned sockets."""
+        """Stop the thread, give back batches claimed but not yielded, close owned sockets.
+
+        Returns within ~4 s whatever the queue does (a dead queue included): the thread's
+        claim in flight is answered by a live queue within its ``claim_timeout_s`` (and its
+        batch given back), and abandoned after at most 3 s; giving batches back (a courtesy:
+        their leases lapse anyway) is tried with a 1 s timeout and given up after the first
+        failure.
+        """
         self._stop.set()
-        while self._thread.is_alive():
-            self._drain_and_nack()
-            self._thread.join(0.05)
-        self._drain_and_nack()
+        abandon_at = time.monotonic() + min(self.claim_timeout_s + 0.5, _ABANDON_AFTER_S)
+        give_back = QueueClient(
+            self._client.address, timeout_s=_GIVE_BACK_S, retries=0, name="consumer-stop"
+        )
+        try:
+            while self._thread.is_alive():
+                self._drain_and_nack(give_back)
+                self._thread.join(0.05)
+                if time.monotonic() >= abandon_at:
+                    self._abandon.set()
+            self._drain_and_nack(give_back)
+        finally:
+            give_back.close()
         if self._owns_client:
             self._client.close()
 
@@ -228,17 +252,18 @@ class BatchConsumer:
 
     # ---------------------------------------------------------------- thread
 
-    def _drain_and_nack(self) -> None:
+    def _drain_and_nack(self, client: QueueClient) -> None:
         while True:
             try:
                 item = self._ready.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple):
+            if isinstance(item, tuple) and not self._gave_up:
                 lease = item[1]
                 try:
-                    self._client.nack(lease.partition, lease.task, lease.lease_id)
+                    client.nack(lease.partition, lease.task, lease.lease_id)
                 except QueueError as e:
+                    self._gave_up = True  # the queue is gone or slow: the leases lapse anyway
                     logger.warning("could not give back lease %s: %s", lease.lease_id, e)
 
     def _put(self, item: Any) -> bool:
@@ -259,6 +284,7 @@ class BatchConsumer:
             limits=self._client.limits,
             name=f"{self._client.name}-prefetch",
             shm=self._client._shm.mode,
+            stop=self._abandon,  # stop() abandons a claim the queue does not answer
         )
         idle = 0.0
         try:
@@ -296,6 +322,10 @@ class BatchConsumer:
                 if not self._put((batch, lease)):
                     client.nack(lease.partition, lease.task, lease.lease_id)
                     break
+        except QueueError as e:
+            if e.code != codes.STOPPED:
+                logger.exception("consumer thread failed")
+                self._put(e)
         except BaseException as e:  # surfaced to the iterating thread
             logger.exception("consumer thread failed")
             self._put(e)

@@ -12,6 +12,7 @@ TIMEOUT = "timeout"
 SHUTTING_DOWN = "shutting_down"
 SHM_UNAVAILABLE = "shm_unavailable"
 STALE_EPOCH = "stale_epoch"
+STOPPED = "stopped"  # client side: the caller's stop event was set while it waited
 INTERNAL = "internal"
 
 
