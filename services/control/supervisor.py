@@ -11,7 +11,9 @@ launch / restart-policy / stop logic as ``xtoken run``):
 State, processes (pid + start time) and events live in SQLite (:class:`Store`). Processes are
 started without the dead-parent sentinel, so they outlive the control plane; a new Supervisor
 re-attaches live ones by pid (guarded by the start time and command line) and the run goes on;
-a run none of whose processes survived is INTERRUPTED and resumable.
+a run none of whose processes survived is INTERRUPTED and resumable. Under the Ray launcher the
+run's actors belong to the control plane's Ray job: Ray ends them (and removes their placement
+groups) when the control plane goes, their workers stop with them, and the run is INTERRUPTED.
 
 A process is dead when its pid is gone (a zombie counts as gone) or when its heartbeat says so
 (:mod:`services.common.heartbeat`, checked by :meth:`services.run.Run.check_health`): no beat for
