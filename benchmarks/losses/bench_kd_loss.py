@@ -3,7 +3,7 @@
 For each mode (P-KL, gold, relaxed gold / xtoken), each (B, T, V_s, V_t) shape, bf16 logits and
 ~0.8 T chunks of 1-2 tokens per side, it times ``CrossTokenizerLoss(...)(...)`` forward and
 backward with ``backend="reference"`` (one-hot bmm chunk averages, fp32 [B, T, V] copies) and
-``backend="kernel"`` (the fused path of xtoken_core/losses/fused.py), and reports the median
+``backend="kernel"`` (the kernel engine, xtoken_core/losses/kernel_engine.py), and reports the median
 time (at least 5 runs and 0.3 s of runs: the fast cases are host-bound, and host jitter is
 their noise), the peak memory above the inputs, both ratios, the relative loss difference and the
 relative gradient error (norm of the difference over the norm of the reference gradient).
@@ -12,8 +12,8 @@ logits read once, the gradient written once) over the measured device-to-device 
 ``grad_gib`` is the gradient itself, the least memory the kernel path can peak at.
 The CE term is off (ce_weight=0) so that only the KD term is measured.
 
-P-KL's kernel path replays its KD phase from a CUDA graph (``cuda_graphs=True``, the default;
-see xtoken_core/losses/graphed.py): ``ms_kernel`` is that, ``ms_kernel_eager`` the same kernels
+P-KL's kernel path replays its KD phase from a CUDA graph (``cuda_graphs=True``, an option of
+the kernel engine, off by default; see xtoken_core/losses/graphed.py): ``ms_kernel`` is that, ``ms_kernel_eager`` the same kernels
 launched one by one (``cuda_graphs=False``), ``speedup_eager`` its ratio. The graph's private
 memory pool is held between calls, so ``peak_gib_kernel`` adds it (``graph_pool_gib``) to the
 peak above the inputs: the memory ratio counts it against the kernel path.

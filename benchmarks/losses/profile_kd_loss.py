@@ -1,4 +1,4 @@
-"""Profile: where the KD loss's fwd+bwd time goes, fused path vs the composed kernel path (GPU).
+"""Profile: where the KD loss's fwd+bwd time goes, kernel engine vs the reference engine (GPU).
 
 Runs ``torch.profiler`` over one fwd+bwd of ``CrossTokenizerLoss`` (after a warm-up) for each
 mode at one shape, prints the top kernels by CUDA time per path and writes the full tables to
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--B", type=int, default=2)
     parser.add_argument("--T", type=int, default=4096)
     parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--paths", nargs="+", default=["fused", "composed"])
+    parser.add_argument("--paths", nargs="+", default=["fused", "reference"])
     parser.add_argument("--modes", nargs="+", default=["pkl", "gold"], choices=["pkl", "gold"])
     parser.add_argument(
         "--host", action="store_true", help="also time the host side (launch costs, fwd/bwd)"

@@ -68,12 +68,15 @@ class CrossTokenizerLossConfig:
         teacher_weights: one weight per teacher (default: one teacher, weight 1).
         teacher_vocab_size: true teacher vocab (int, or one per teacher); wider teacher logits
             (lm_head padding) are sliced to it. None: the logits' width.
-        backend: "auto" (kernels on CUDA when importable), "reference" or "kernel".
+        backend: the KD engine: "reference" (PyTorch, any dtype), "kernel" (the Triton
+            kernels where they run: CUDA or ``TRITON_INTERPRET=1``, fp32/bf16/fp16; the
+            reference elsewhere) or "auto" (the kernels on CUDA, else the reference).
         check_inputs: run the cheap input checks (shapes, chunk-id range, finite logits).
-        cuda_graphs: replay the fused P-KL KD phase as a CUDA graph when a call passes logits
-            at the addresses of an earlier call (a training loop does): the same kernels and
-            bitwise the same results, without ~50 kernel launches of host time per call
-            (:mod:`xtoken_core.losses.graphed`). ``XTOKEN_CUDA_GRAPHS=0`` turns it off too.
+        cuda_graphs: (kernel engine, P-KL) replay the KD phase as a CUDA graph when a call
+            passes logits at the addresses of an earlier call (a training loop does): the same
+            kernels and bitwise the same results, without ~50 kernel launches of host time per
+            call (:mod:`xtoken_core.losses.graphed`). Off by default; ``XTOKEN_CUDA_GRAPHS=0``
+            turns it off too.
         cuda_graph_cache: graphs kept at most (each holds the phase's working memory).
     """
 
@@ -94,7 +97,7 @@ class CrossTokenizerLossConfig:
     teacher_vocab_size: int | Sequence[int | None] | None = None
     backend: str = "auto"
     check_inputs: bool = True
-    cuda_graphs: bool = True
+    cuda_graphs: bool = False
     cuda_graph_cache: int = 2
     projections: tuple[ProjectionSource, ...] = field(init=False, repr=False)
 

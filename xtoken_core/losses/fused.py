@@ -1,22 +1,18 @@
-"""Kernel-backed KD terms: the fused path from the logits, else the composed kernels.
+"""Kernel-backed KD terms: the Triton kernels read the logits directly (fp32/bf16/fp16; CUDA, or
+``TRITON_INTERPRET=1``) and keep one fp32 scalar per row; only valid chunks are computed (compact
+``[N, ...]``), and only the columns the loss uses.
 
 Same signatures and conventions as :func:`xtoken_core.losses.reference.pkl_kd_loss` and
-:func:`~xtoken_core.losses.reference.gold_kd_loss`. Two implementations:
-
-* **fused** (here; Triton runs: CUDA, or ``TRITON_INTERPRET=1``; fp32/bf16/fp16 logits): the
-  kernels of :mod:`xtoken_core.kernels.kd_fused` read the logits directly and keep one fp32
-  scalar per row; only valid chunks are computed (compact ``[N, ...]``), and only the columns
-  the loss uses. The chunk bookkeeping (shifted ids, validity, N, both sides' row groups) is
-  one :func:`plan_chunks` (:mod:`xtoken_core.kernels.kd_rows`, two launches). P-KL
-  (:mod:`xtoken_core.kernels.kd_pkl`, :mod:`xtoken_core.kernels.kd_pkl_terms`):
-  ``q = softmax(z/T) @ M[:, idx]`` by CSC gathers from the logits, every chunk term (mean,
-  renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
-  ``[B, T, V]`` probability tensor); with a plan, N stays on the device (no host sync). Gold (:mod:`xtoken_core.kernels.kd_gold`): chunk averages over the common columns
-  and the uncommon columns separately, top-m on the compact uncommon block, and a backward that
-  rebuilds ``dz`` from the logits, the row logsumexp and the compact chunk gradient.
-* **composed** (:mod:`xtoken_core.losses.composed`; float64 logits, or no Triton on CPU): the
-  fused chunk-averaged log-softmax and the projection-by-gather kernels composed with PyTorch
-  ops (each falls back to its reference).
+:func:`~xtoken_core.losses.reference.gold_kd_loss`, which they fall back to where the kernels do
+not run (:func:`fused_path_available`). The chunk bookkeeping (shifted ids, validity, N, both
+sides' row groups) is one :func:`plan_chunks` (:mod:`xtoken_core.kernels.kd_rows`). P-KL
+(:mod:`xtoken_core.kernels.kd_pkl`, :mod:`xtoken_core.kernels.kd_pkl_terms`):
+``q = softmax(z/T) @ M[:, idx]`` by CSC gathers from the logits, every chunk term (mean,
+renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
+``[B, T, V]`` probability tensor); with a plan, N stays on the device. Gold
+(:mod:`xtoken_core.kernels.kd_gold`): chunk averages over the common columns and the uncommon
+columns separately, top-m on the compact uncommon block, and a backward that rebuilds ``dz``
+from the logits, the row logsumexp and the compact chunk gradient.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
@@ -26,15 +22,12 @@ Legend (shape suffixes in this file):
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
 from types import SimpleNamespace
 
 import torch
 
-from xtoken_core.losses import composed, reference
-from xtoken_core.losses.composed import kernels_available
+from xtoken_core.kernels import kd_fused, kd_gold, kd_pkl, kd_pkl_terms, kd_rows
+from xtoken_core.losses import reference
 from xtoken_core.losses.reference import KDTerms
 from xtoken_core.losses.utils import (
     ChunkRows,
@@ -42,12 +35,9 @@ from xtoken_core.losses.utils import (
     valid_chunk_numbering,
 )
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "fused_path_available",
     "gold_kd_loss",
-    "kernels_available",
     "pkl_kd_loss",
     "plan_chunks",
 ]
@@ -55,20 +45,14 @@ __all__ = [
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
-def _kd_kernels() -> SimpleNamespace | None:
-    """The fused KD kernel modules (``rows``, ``pkl``, ``gold``), or None when not importable."""
-    try:
-        return SimpleNamespace(
-            rows=importlib.import_module("xtoken_core.kernels.kd_fused"),
-            pkl=importlib.import_module("xtoken_core.kernels.kd_pkl"),
-            pkl_terms=importlib.import_module("xtoken_core.kernels.kd_pkl_terms"),
-            plan=importlib.import_module("xtoken_core.kernels.kd_rows"),
-            gold=importlib.import_module("xtoken_core.kernels.kd_gold"),
-        )
-    except ImportError as exc:  # pragma: no cover - only without triton
-        logger.debug("[losses] kd kernels not importable: %s", exc)
-        return None
+def _kd_kernels() -> SimpleNamespace:
+    """The KD kernel modules by role (``rows``, ``pkl``, ``pkl_terms``, ``plan``, ``gold``)."""
+    return _KERNELS
+
+
+_KERNELS = SimpleNamespace(
+    rows=kd_fused, pkl=kd_pkl, pkl_terms=kd_pkl_terms, plan=kd_rows, gold=kd_gold
+)
 
 
 def fused_path_available(
@@ -83,10 +67,8 @@ def fused_path_available(
     Returns:
         True when Triton runs on them (CUDA or ``TRITON_INTERPRET=1``) and both are fp32/bf16/fp16.
     """
-    kernels = _kd_kernels()
     return (
-        kernels is not None
-        and kernels.rows.use_triton(student_logits_BTV)
+        kd_fused.use_triton(student_logits_BTV)
         and student_logits_BTV.dtype in _FUSED_DTYPES
         and teacher_logits_BUW.dtype in _FUSED_DTYPES
     )
@@ -364,7 +346,6 @@ def pkl_kd_loss(
     temperature: float,
     vocab_topk: int | None,
     reverse_kl: bool,
-    projection_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_valid: int | None = None,
     plan=None,
     topk_columns: str = "valid",
@@ -372,9 +353,7 @@ def pkl_kd_loss(
 ) -> KDTerms:
     """P-KL summed over valid chunks, kernel-backed. See :func:`reference.pkl_kd_loss`.
 
-    Fused path when :func:`fused_path_available`; otherwise the composed kernels, where ``projection_topk``
-    (the dense ``(indices [V_rows, K], likelihoods)`` form of M on the logits' device) selects
-    the projection-by-gather kernel over :class:`~xtoken_core.losses.utils.Fp32SparseMM`.
+    The kernels when :func:`fused_path_available`, else :func:`reference.pkl_kd_loss`.
 
     Args:
         student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
@@ -386,7 +365,6 @@ def pkl_kd_loss(
         temperature: T.
         vocab_topk: number of teacher columns kept (None: all).
         reverse_kl: reverse KL.
-        projection_topk: dense form of M (composed path only).
         num_valid: N = ``valid_BC.sum()`` when the caller read it already (spares the fused
             path its host sync); None: counted here.
         plan: :func:`plan_chunks` of this batch (fused path): its rows replace the grouping
@@ -398,9 +376,6 @@ def pkl_kd_loss(
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
-
-    Raises:
-        RuntimeError: the kernels are not importable.
     """
     args = (
         student_logits_BTV,
@@ -420,7 +395,7 @@ def pkl_kd_loss(
         return _pkl_fused(
             *args, **opts, num_valid=num_valid, plan=plan, projection_tables=projection_tables
         )
-    return composed.pkl_kd_loss(*args, **opts, projection_topk=projection_topk)
+    return reference.pkl_kd_loss(*args, **opts)
 
 
 def gold_kd_loss(
@@ -439,7 +414,7 @@ def gold_kd_loss(
 ) -> KDTerms:
     """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference.gold_kd_loss`.
 
-    Fused path when :func:`fused_path_available`, else the composed kernels.
+    The kernels when :func:`fused_path_available`, else :func:`reference.gold_kd_loss`.
 
     Args:
         student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
@@ -456,9 +431,6 @@ def gold_kd_loss(
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
-
-    Raises:
-        RuntimeError: the kernels are not importable.
     """
     args = (
         student_logits_BTV,
@@ -471,4 +443,4 @@ def gold_kd_loss(
     opts = dict(temperature=temperature, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
         return _gold_fused(*args, **opts, num_valid=num_valid, plan=plan)
-    return composed.gold_kd_loss(*args, **opts)
+    return reference.gold_kd_loss(*args, **opts)

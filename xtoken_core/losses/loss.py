@@ -1,4 +1,7 @@
-"""CrossTokenizerLoss: the public loss API (input checks, projections, backends, global scaling).
+"""CrossTokenizerLoss: the public loss API. A call prepares the inputs (shapes, teacher vocab,
+alignment, projection), asks an engine for the KD term (:mod:`xtoken_core.losses.engine`: the
+reference, or the Triton kernels of :mod:`xtoken_core.losses.kernel_engine`), adds the student
+CE and combines the two.
 
 Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
 tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
@@ -14,25 +17,24 @@ Legend (shape suffixes in this file):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from xtoken_core.data.projection import Projection, open_projection
-from xtoken_core.losses import fused, graphed, reference
+from xtoken_core.losses import reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
-from xtoken_core.losses.utils import (
-    AlignmentView,
-    alignment_from_batch,
-    check_chunk_ids,
-    dp_all_reduce_sum,
-    shift_chunk_ids,
+from xtoken_core.losses.engine import (
+    KDEngine,
+    ReferenceEngine,
+    TeacherInputs,
+    check_alignment_shapes,
+    valid_chunks,
 )
-
-logger = logging.getLogger(__name__)
+from xtoken_core.losses.kernel_engine import KernelEngine
+from xtoken_core.losses.utils import alignment_from_batch, dp_all_reduce_sum
 
 METRIC_KEYS = (
     "loss",
@@ -62,263 +64,10 @@ class CrossTokenizerLoss:
 
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
         self.config = config
+        self.reference = ReferenceEngine(config)
+        self.kernel = KernelEngine(config)
         self._projections: dict[tuple[int, torch.device], Projection] = {}
         self._fits: dict[tuple[int, torch.device], set[tuple[int, int]]] = {}
-        self._scales: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._graphs: graphed.GraphedPklPhase | None = None
-
-    # ----------------------------------------------------------------- projections
-
-    def _projection(self, i: int, V: int, W: int, device: torch.device) -> Projection:
-        """Teacher i's projection on ``device`` (loaded once), checked against the vocabularies."""
-        key = (i, device)
-        projection = self._projections.get(key)
-        if projection is None:
-            source = self.config.projections[i]
-            if isinstance(source, tuple):
-                projection = Projection.from_topk(*source, device)
-            else:
-                projection = open_projection(source, device)
-            self._projections[key] = projection
-        if (V, W) not in self._fits.setdefault(key, set()):
-            projection.check_fits(V, W)
-            self._fits[key].add((V, W))
-        return projection
-
-    # ----------------------------------------------------------------- helpers
-
-    def _metric_scales(
-        self, weight: float, dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(coef_5, bias_5)`` with ``sums_5 * (coef_5 / denom + bias_5)`` the scaled sums of
-        one teacher (cached per device: no host-to-device copy per call)."""
-        key = (weight, dtype, device)
-        if key not in self._scales:
-            per_teacher = 1.0 / self.config.num_teachers
-            self._scales[key] = (
-                torch.tensor([weight] * 3 + [per_teacher, 0.0], dtype=dtype, device=device),
-                torch.tensor([0.0] * 4 + [per_teacher], dtype=dtype, device=device),
-            )
-        return self._scales[key]
-
-    def _graph_eligible(self, backend, student_logits: torch.Tensor, teachers) -> bool:
-        """Whether this call's KD phase goes through :class:`graphed.GraphedPklPhase`."""
-        cfg = self.config
-        return (
-            cfg.cuda_graphs
-            and not cfg.gold_loss
-            and backend is fused
-            and student_logits.is_cuda
-            and student_logits.dtype != torch.float64
-            and graphed.graphs_enabled()
-            and not torch.cuda.is_current_stream_capturing()
-            and all(fused.fused_path_available(student_logits, z_t) for z_t in teachers)
-        )
-
-    def _graph_teacher(self, i, alignment, z_t, V: int, W: int, dtype, device):
-        coef_5, bias_5 = self._metric_scales(self.config.teacher_weights[i], dtype, device)
-        return graphed.PklTeacher(
-            logits_BUW=z_t,
-            student_chunk_id_BT=alignment.student_chunk_id,
-            teacher_chunk_id_BU=alignment.teacher_chunk_id,
-            pair_valid_BC=alignment.pair_valid,
-            pair_is_correct_BC=alignment.pair_is_correct,
-            tables=self._projection(i, V, W, device).kernel_tables(V, W),
-            coef_5=coef_5,
-            bias_5=bias_5,
-        )
-
-    def _graph_phase(self, student_logits, teachers, sample_mask, chunk_denoms, checks):
-        """Run the graphed P-KL phase; queue its checks in the order of the eager path."""
-        cfg = self.config
-        if self._graphs is None:
-            self._graphs = graphed.GraphedPklPhase(cfg.cuda_graph_cache)
-        spec = graphed.PklSpec(
-            temperature=float(cfg.temperature),
-            vocab_topk=cfg.vocab_topk,
-            reverse_kl=bool(cfg.reverse_kl),
-            exact_token_match_only=bool(cfg.exact_token_match_only),
-            topk_columns=cfg.topk_columns,
-        )
-        kd, metrics_4n, checks_X = self._graphs(
-            spec, student_logits, teachers, sample_mask, chunk_denoms
-        )
-        if checks is not None:  # checks_X may be graph memory: start() copies it this call
-            checks.finite("student_logits", student_logits, total=checks_X[0:1])
-            for i, t in enumerate(teachers):
-                name = "teacher_logits" if len(teachers) == 1 else f"teacher_logits[{i}]"
-                at = 1 + 6 * i
-                C = t.pair_valid_BC.shape[1]
-                checks.finite(name, t.logits_BUW, total=checks_X[at : at + 1])
-                checks.id_bounds("alignment_student_chunk_id", checks_X[at + 1 : at + 3], C)
-                checks.id_bounds("alignment_teacher_chunk_id", checks_X[at + 3 : at + 5], C)
-        return kd, metrics_4n
-
-    @property
-    def graph_stats(self) -> dict[str, Any] | None:
-        """CUDA-graph counts of the P-KL phase (eager, captures, replays, evictions, disabled
-        reason), or None before the first graph-eligible call."""
-        return None if self._graphs is None else self._graphs.stats
-
-    def _backend(self, device: torch.device):
-        choice = self.config.backend
-        if choice == "reference":
-            return reference
-        if choice == "kernel":
-            return fused
-        if device.type == "cuda" and fused.kernels_available():
-            return fused
-        return reference
-
-    def _teacher_list(self, teacher_logits) -> list[torch.Tensor]:
-        teachers = (
-            list(teacher_logits) if isinstance(teacher_logits, list | tuple) else [teacher_logits]
-        )
-        if len(teachers) != self.config.num_teachers:
-            raise ValueError(
-                f"got {len(teachers)} teacher logits for {self.config.num_teachers} teachers "
-                f"(teacher_weights={self.config.teacher_weights}); pass one per teacher"
-            )
-        return teachers
-
-    def _check_alignment_shapes(
-        self, alignment: AlignmentView, B: int, T: int, U: int | None
-    ) -> None:
-        """The cheap shape checks of one teacher's alignment against the logits."""
-        C = alignment.max_chunks
-        s_ids, t_ids = alignment.student_chunk_id, alignment.teacher_chunk_id
-        if alignment.pair_valid.dim() != 2 or alignment.pair_valid.shape[0] != B or C < 1:
-            raise ValueError(
-                f"alignment_pair_valid is {tuple(alignment.pair_valid.shape)}, expected "
-                f"[{B}, C] with C >= 1"
-            )
-        if tuple(s_ids.shape) != (B, T):
-            raise ValueError(
-                f"alignment_student_chunk_id is {tuple(s_ids.shape)} but the student logits "
-                f"are [{B}, {T}, V]; the alignment must come from the same batch"
-            )
-        if t_ids.dim() != 2 or t_ids.shape[0] != B or (U is not None and t_ids.shape[1] != U):
-            raise ValueError(
-                f"alignment_teacher_chunk_id is {tuple(t_ids.shape)} but the teacher logits "
-                f"are [{B}, {U}, W]; the alignment must come from the same batch"
-            )
-        if (
-            alignment.pair_is_correct is not None
-            and alignment.pair_is_correct.shape != alignment.pair_valid.shape
-        ):
-            raise ValueError(
-                f"alignment_pair_is_correct is {tuple(alignment.pair_is_correct.shape)}, "
-                f"expected {tuple(alignment.pair_valid.shape)} like alignment_pair_valid"
-            )
-
-    def _valid_chunks(
-        self,
-        batch: Mapping[str, Any],
-        alignment: AlignmentView,
-        B: int,
-        T: int,
-        U: int | None,
-        checks: DeferredChecks | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Shifted ids and the validity mask of one teacher, after the cheap shape checks.
-
-        With ``checks`` the id-range check is queued there (and the ids clamped so that nothing
-        indexes out of bounds before it runs); without, it syncs here.
-        """
-        C = alignment.max_chunks
-        s_ids, t_ids = alignment.student_chunk_id, alignment.teacher_chunk_id
-        if self.config.check_inputs:
-            self._check_alignment_shapes(alignment, B, T, U)
-            if checks is None:
-                check_chunk_ids("alignment_student_chunk_id", s_ids, C)
-                check_chunk_ids("alignment_teacher_chunk_id", t_ids, C)
-            else:
-                checks.id_range("alignment_student_chunk_id", s_ids, C)
-                checks.id_range("alignment_teacher_chunk_id", t_ids, C)
-                s_ids, t_ids = s_ids.clamp(-1, C - 1), t_ids.clamp(-1, C - 1)
-        s_ids, t_ids = shift_chunk_ids(s_ids), shift_chunk_ids(t_ids)
-        valid_BC = reference.chunk_validity(
-            s_ids,
-            t_ids,
-            alignment.pair_valid,
-            sample_mask_B=batch.get("sample_mask"),
-            pair_is_correct_BC=alignment.pair_is_correct,
-            exact_token_match_only=self.config.exact_token_match_only,
-        )
-        return s_ids, t_ids, valid_BC
-
-    def _planned_chunks(
-        self,
-        batch: Mapping[str, Any],
-        alignment: AlignmentView,
-        B: int,
-        T: int,
-        U: int,
-        device: torch.device,
-        checks: DeferredChecks | None,
-    ):
-        """:meth:`_valid_chunks` for the fused path: one :func:`fused.plan_chunks` (two
-        launches) gives the shifted ids, validity, N and both sides' rows; the id-range checks
-        are queued from its device stats."""
-        if self.config.check_inputs:
-            self._check_alignment_shapes(alignment, B, T, U)
-        sample_mask = batch.get("sample_mask")
-        plan = fused.plan_chunks(
-            alignment.student_chunk_id,
-            alignment.teacher_chunk_id,
-            alignment.pair_valid,
-            sample_mask_B=sample_mask,
-            pair_is_correct_BC=alignment.pair_is_correct,
-            exact_token_match_only=self.config.exact_token_match_only,
-            device=device,
-        )
-        if checks is not None:
-            C = alignment.max_chunks
-            checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
-            checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
-        return plan
-
-    @staticmethod
-    def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:
-        mask_BT = torch.ones(B, max(T - 1, 0), dtype=torch.bool)
-        if batch.get("token_mask") is not None:
-            mask_BT = batch["token_mask"][:, 1:].bool()
-        if batch.get("sample_mask") is not None:
-            mask_BT = mask_BT & batch["sample_mask"].bool().view(-1, 1).to(mask_BT.device)
-        return mask_BT.sum().float()
-
-    # ----------------------------------------------------------------- public API
-
-    def count_valid(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        """First pass over a step's micro-batches: the global denominators.
-
-        Needs only the alignment and masks (no logits). Collective: every DP rank must call it.
-
-        Args:
-            batches: the micro-batches this rank will run in the step.
-
-        Returns:
-            ``{"global_valid_chunks": [num_teachers] float32, "global_valid_tokens": scalar
-            float32}``, summed over the micro-batches and all-reduced over the DP group; pass
-            them as keywords to ``__call__``.
-        """
-        chunks = torch.zeros(self.config.num_teachers, dtype=torch.float32)
-        tokens = torch.zeros((), dtype=torch.float32)
-        device = None
-        for batch in batches:
-            for i in range(self.config.num_teachers):
-                alignment = alignment_from_batch(batch, i)
-                device = alignment.student_chunk_id.device
-                B, T = alignment.student_chunk_id.shape
-                _, _, valid_BC = self._valid_chunks(batch, alignment, B, T, None)
-                chunks[i] += valid_BC.sum().float().cpu()
-            tokens += self._ce_token_count(batch, B, T).cpu()
-        if device is not None and device.type == "cuda":  # NCCL reduces CUDA tensors only
-            chunks, tokens = chunks.to(device), tokens.to(device)
-        return {
-            "global_valid_chunks": dp_all_reduce_sum(chunks),
-            "global_valid_tokens": dp_all_reduce_sum(tokens),
-        }
 
     def __call__(
         self,
@@ -352,37 +101,127 @@ class CrossTokenizerLoss:
                 ``global_valid_chunks`` that is not finite or below the local count.
         """
         cfg = self.config
-        teachers = self._teacher_list(teacher_logits)
         if student_logits.dim() != 3:
             raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
-        B, T, V = student_logits.shape
-        device = student_logits.device
-        checks = DeferredChecks() if cfg.check_inputs else None
-        backend = self._backend(device)
-        # P-KL on the fused path: the whole KD phase as one CUDA graph replay (graphed.py); it
-        # computes the logits' check sums and the plan stats itself
-        graph_teachers = [] if self._graph_eligible(backend, student_logits, teachers) else None
-        if checks is not None and graph_teachers is None:
-            checks.finite("student_logits", student_logits)
         dtype = reference.compute_dtype(student_logits)
-
-        if global_valid_chunks is not None:
-            chunk_denoms = torch.as_tensor(global_valid_chunks, dtype=dtype, device=device).reshape(
-                -1
+        teachers = self._teachers(student_logits, teacher_logits, batch)
+        chunk_denoms = self._chunk_denoms(global_valid_chunks, dtype, student_logits.device)
+        checks = DeferredChecks() if cfg.check_inputs else None
+        input_ids = self._ce_targets(student_logits, batch, checks)
+        kd = self.engine_for(student_logits, teachers).kd(
+            student_logits,
+            teachers,
+            sample_mask_B=batch.get("sample_mask"),
+            chunk_denoms=chunk_denoms,
+            checks=checks,
+        )
+        ce, accuracy = self._ce(student_logits, batch, input_ids, global_valid_tokens, dtype)
+        if ce is None and not cfg.dynamic_scaling:  # no CE term: kl_weight * kd alone
+            loss = kd.kd if cfg.kl_weight == 1.0 else cfg.kl_weight * kd.kd
+        else:
+            zero = student_logits.new_zeros((), dtype=dtype)
+            loss = reference.combine_losses(
+                kd.kd,
+                zero if ce is None else ce,
+                kl_weight=cfg.kl_weight,
+                ce_weight=cfg.ce_weight,
+                dynamic_scaling=cfg.dynamic_scaling,
             )
-            if chunk_denoms.numel() == 1:
-                chunk_denoms = chunk_denoms.expand(cfg.num_teachers)
-            if chunk_denoms.numel() != cfg.num_teachers:
-                raise ValueError(
-                    f"global_valid_chunks has {chunk_denoms.numel()} entries for "
-                    f"{cfg.num_teachers} teachers; pass a scalar or one count per teacher"
-                )
-        # Phase 1: shapes, alignment and validity of every teacher; the value checks (finite
-        # logits, chunk-id range, CE targets) and the valid-chunk counts are read back with one
-        # host sync, before any kernel that relies on them (the fused P-KL kernels rely on none:
-        # they index with clamped ids and take N on the device).
-        prepared = []
-        for i, z_t in enumerate(teachers):
+        kl_common, l1_uncommon, proj_accuracy, num_valid = kd.metrics_4.unbind()
+        no_ce = student_logits.new_zeros((), dtype=dtype)
+        metrics = {
+            "loss": loss.detach(),
+            "kl_loss": kd.kd.detach(),
+            "ce_loss": no_ce if ce is None else _detached(ce),
+            "kl_common": _detached(kl_common),
+            "l1_uncommon": _detached(l1_uncommon),
+            "proj_accuracy": _detached(proj_accuracy),
+            "num_valid_chunks": _detached(num_valid),
+            "accuracy": no_ce if accuracy is None else _detached(accuracy),
+        }
+        return loss, metrics
+
+    def count_valid(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """First pass over a step's micro-batches: the global denominators.
+
+        Needs only the alignment and masks (no logits). Collective: every DP rank must call it.
+
+        Args:
+            batches: the micro-batches this rank will run in the step.
+
+        Returns:
+            ``{"global_valid_chunks": [num_teachers] float32, "global_valid_tokens": scalar
+            float32}``, summed over the micro-batches and all-reduced over the DP group; pass
+            them as keywords to ``__call__``.
+        """
+        chunks = torch.zeros(self.config.num_teachers, dtype=torch.float32)
+        tokens = torch.zeros((), dtype=torch.float32)
+        device = None
+        for batch in batches:
+            for i in range(self.config.num_teachers):
+                alignment = alignment_from_batch(batch, i)
+                device = alignment.student_chunk_id.device
+                B, T = alignment.student_chunk_id.shape
+                if self.config.check_inputs:
+                    check_alignment_shapes(alignment, B, T, None)
+                _, _, valid_BC = valid_chunks(alignment, self.config, batch.get("sample_mask"))
+                chunks[i] += valid_BC.sum().float().cpu()
+            tokens += _ce_token_count(batch, B, T).cpu()
+        if device is not None and device.type == "cuda":  # NCCL reduces CUDA tensors only
+            chunks, tokens = chunks.to(device), tokens.to(device)
+        return {
+            "global_valid_chunks": dp_all_reduce_sum(chunks),
+            "global_valid_tokens": dp_all_reduce_sum(tokens),
+        }
+
+    def engine_for(
+        self, student_logits: torch.Tensor, teachers: Sequence[TeacherInputs]
+    ) -> KDEngine:
+        """The engine of this call: ``backend`` "reference", or the kernels where they run
+        ("kernel": CUDA or ``TRITON_INTERPRET=1``; "auto": CUDA only) and the reference else
+        (fp64 logits, no Triton).
+
+        Args:
+            student_logits: the student logits.
+            teachers: the prepared teachers.
+
+        Returns:
+            :attr:`reference` or :attr:`kernel`.
+        """
+        backend = self.config.backend
+        if backend == "reference" or (backend == "auto" and not student_logits.is_cuda):
+            return self.reference
+        if KernelEngine.supports(student_logits, [t.logits_BUW for t in teachers]):
+            return self.kernel
+        return self.reference
+
+    @property
+    def graph_stats(self) -> dict[str, Any] | None:
+        """CUDA-graph counts of the kernel engine's P-KL phase (eager, captures, replays,
+        evictions, disabled reason), or None before the first graph-eligible call."""
+        return self.kernel.graph_stats
+
+    # ----------------------------------------------------------------- input preparation
+
+    def _teachers(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | Sequence[torch.Tensor],
+        batch: Mapping[str, Any],
+    ) -> list[TeacherInputs]:
+        """Each teacher's logits sliced to its vocab, alignment (shapes checked) and projection."""
+        cfg = self.config
+        logits = (
+            list(teacher_logits) if isinstance(teacher_logits, list | tuple) else [teacher_logits]
+        )
+        if len(logits) != cfg.num_teachers:
+            raise ValueError(
+                f"got {len(logits)} teacher logits for {cfg.num_teachers} teachers "
+                f"(teacher_weights={cfg.teacher_weights}); pass one per teacher"
+            )
+        B, T, V = student_logits.shape
+        teachers = []
+        for i, z_t in enumerate(logits):
             name = "teacher_logits" if cfg.num_teachers == 1 else f"teacher_logits[{i}]"
             if z_t.dim() != 3 or z_t.shape[0] != B:
                 raise ValueError(f"{name} is {tuple(z_t.shape)}, expected [{B}, U, W]")
@@ -392,170 +231,93 @@ class CrossTokenizerLoss:
                     f"{name} has {z_t.shape[-1]} columns but teacher_vocab_size is {W}; fix "
                     "teacher_vocab_size"
                 )
-            z_t = z_t[..., :W]
             alignment = alignment_from_batch(batch, i)
-            if graph_teachers is not None:
-                if cfg.check_inputs:
-                    self._check_alignment_shapes(alignment, B, T, z_t.shape[1])
-                graph_teachers.append(self._graph_teacher(i, alignment, z_t, V, W, dtype, device))
-                continue
-            if checks is not None:
-                checks.finite(name, z_t)
-            plan = slot = None
-            if backend is fused and fused.fused_path_available(student_logits, z_t):
-                plan = self._planned_chunks(batch, alignment, B, T, z_t.shape[1], device, checks)
-                s_ids, t_ids = plan.student_chunk_id_BT, plan.teacher_chunk_id_BU
-                valid_BC = plan.valid_BC
-                slot = checks.value(plan.stats_5[4:5]) if checks is not None else None
+            if cfg.check_inputs:
+                check_alignment_shapes(alignment, B, T, z_t.shape[1])
+            projection = self._projection(i, V, W, student_logits.device)
+            weight = cfg.teacher_weights[i]
+            teachers.append(TeacherInputs(i, name, z_t[..., :W], alignment, projection, weight))
+        return teachers
+
+    def _projection(self, i: int, V: int, W: int, device: torch.device) -> Projection:
+        """Teacher i's projection on ``device`` (loaded once), checked against the vocabularies."""
+        key = (i, device)
+        projection = self._projections.get(key)
+        if projection is None:
+            source = self.config.projections[i]
+            if isinstance(source, tuple):
+                projection = Projection.from_topk(*source, device)
             else:
-                s_ids, t_ids, valid_BC = self._valid_chunks(
-                    batch, alignment, B, T, z_t.shape[1], checks
-                )
-                s_ids, t_ids, valid_BC = s_ids.to(device), t_ids.to(device), valid_BC.to(device)
-                if checks is not None and backend is fused:
-                    slot = checks.count(valid_BC)
-            prepared.append((W, z_t, s_ids, t_ids, valid_BC, slot, plan))
-        if checks is not None and global_valid_chunks is not None:
-            for i in range(cfg.num_teachers):
-                name = "global_valid_chunks" + ("" if cfg.num_teachers == 1 else f"[{i}]")
-                local = None  # the graphed phase counts on the device: finite and >= 0 only
-                if graph_teachers is None:
-                    plan, valid_BC = prepared[i][-1], prepared[i][4]
-                    local = valid_BC.sum() if plan is None else plan.stats_5[4:5]
-                checks.denominator(name, chunk_denoms[i : i + 1], local)
-        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
-        graph_out = None
-        if graph_teachers is not None:
-            graph_out = self._graph_phase(
-                student_logits,
-                graph_teachers,
-                sample_mask,
-                None if global_valid_chunks is None else chunk_denoms,
-                checks,
-            )
-        if "input_ids" in batch:
-            input_ids = batch["input_ids"]
-            if cfg.check_inputs and tuple(input_ids.shape) != (B, T):
-                raise ValueError(f"input_ids is {tuple(input_ids.shape)}, expected [{B}, {T}]")
-            if cfg.check_inputs and token_mask is not None and tuple(token_mask.shape) != (B, T):
-                raise ValueError(f"token_mask is {tuple(token_mask.shape)}, expected [{B}, {T}]")
-            if checks is not None:
-                checks.ce_targets(input_ids, token_mask, sample_mask, V)
-        elif cfg.ce_weight > 0:
+                projection = open_projection(source, device)
+            self._projections[key] = projection
+        if (V, W) not in self._fits.setdefault(key, set()):
+            projection.check_fits(V, W)
+            self._fits[key].add((V, W))
+        return projection
+
+    def _chunk_denoms(self, global_valid_chunks, dtype, device) -> torch.Tensor | None:
+        """``global_valid_chunks`` as one count per teacher on the device, or None."""
+        if global_valid_chunks is None:
+            return None
+        n = self.config.num_teachers
+        denoms = torch.as_tensor(global_valid_chunks, dtype=dtype, device=device).reshape(-1)
+        if denoms.numel() == 1:
+            denoms = denoms.expand(n)
+        if denoms.numel() != n:
             raise ValueError(
-                "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
+                f"global_valid_chunks has {denoms.numel()} entries for {n} teachers; pass a "
+                "scalar or one count per teacher"
             )
-        # The fused P-KL path with a chunk plan keeps N on the device: its checks are read back
-        # after the KD kernels are queued (they index only with clamped ids), so the host does
-        # not wait for the GPU here; every other path reads them now.
-        deferred = all(p[-1] is not None for p in prepared) and not cfg.gold_loss
-        values = None
-        if checks is not None:
-            checks.start()
-            if not deferred:
-                values = checks.finish()
+        return denoms
 
-        # Phase 2: the KD terms.
-        zero = student_logits.new_zeros((), dtype=dtype)
-        kd, kl_common, l1_uncommon, proj_accuracy, num_valid = zero, zero, zero, zero, zero
-        acc_5 = None
-        if graph_out is not None:
-            kd, metrics_4n = graph_out
-            kl_common, l1_uncommon, proj_accuracy, num_valid = metrics_4n[:4].unbind()
-        else:
-            for i, (weight, (W, z_t, s_ids, t_ids, valid_BC, slot, plan)) in enumerate(
-                zip(cfg.teacher_weights, prepared, strict=True)
-            ):
-                common = (student_logits, z_t, s_ids, t_ids, valid_BC)
-                extra = {}
-                if backend is fused and slot is not None and values is not None:
-                    extra["num_valid"] = int(values[slot][0])
-                if plan is not None:
-                    extra["plan"] = plan
-                projection = self._projection(i, V, W, device)
-                if cfg.gold_loss:
-                    exact = projection.exact_map(
-                        W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V
-                    )
-                    terms = backend.gold_kd_loss(
-                        *common,
-                        exact,
-                        temperature=cfg.temperature,
-                        uncommon_topk=cfg.uncommon_topk,
-                        reverse_kl=cfg.reverse_kl,
-                        **extra,
-                    )
-                else:
-                    if backend is fused:
-                        extra["projection_topk"] = projection.topk
-                        if fused.fused_path_available(student_logits, z_t):
-                            extra["projection_tables"] = projection.kernel_tables(V, W)
-                    terms = backend.pkl_kd_loss(
-                        *common,
-                        projection.sparse(V, W),
-                        temperature=cfg.temperature,
-                        vocab_topk=cfg.vocab_topk,
-                        reverse_kl=cfg.reverse_kl,
-                        topk_columns=cfg.topk_columns,
-                        **extra,
-                    )
-                denom = terms.num_valid if global_valid_chunks is None else chunk_denoms[i]
-                # One update for the five sums in three launches: [kd, kl, l1] * w / d,
-                # correct / d / n_t, num_valid / n_t as sums * (coef / d + bias), the constants
-                # cached on the device. The metrics are detached; the gradient takes one multiply.
-                coef_5, bias_5 = self._metric_scales(weight, dtype, device)
-                scale_5 = torch.addcdiv(bias_5, coef_5, denom.to(dtype).clamp_min(1))
-                sums_5 = torch.stack(
-                    [terms.kd.detach(), terms.kl, terms.l1, terms.correct, terms.num_valid]
+    def _ce_targets(
+        self, student_logits: torch.Tensor, batch: Mapping[str, Any], checks: DeferredChecks | None
+    ) -> torch.Tensor | None:
+        """The CE targets (``input_ids``) after their shape checks, their range check queued."""
+        B, T, V = student_logits.shape
+        if "input_ids" not in batch:
+            if self.config.ce_weight > 0:
+                raise ValueError(
+                    "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
                 )
-                scaled_5 = sums_5.to(dtype) * scale_5
-                kd_i = terms.kd.to(dtype) * scale_5[0]
-                acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
-                kd = kd_i if i == 0 else kd + kd_i
-        if acc_5 is not None:
-            kl_common, l1_uncommon, proj_accuracy, num_valid = acc_5[1:].unbind()
-        if checks is not None and deferred:
-            checks.finish()  # raises on bad input before the CE gather and before returning
+            return None
+        input_ids, token_mask = batch["input_ids"], batch.get("token_mask")
+        if self.config.check_inputs:
+            if tuple(input_ids.shape) != (B, T):
+                raise ValueError(f"input_ids is {tuple(input_ids.shape)}, expected [{B}, {T}]")
+            if token_mask is not None and tuple(token_mask.shape) != (B, T):
+                raise ValueError(f"token_mask is {tuple(token_mask.shape)}, expected [{B}, {T}]")
+        if checks is not None:
+            checks.ce_targets(input_ids, token_mask, batch.get("sample_mask"), V)
+        return input_ids
 
-        if "input_ids" in batch:
-            nll_sum, correct, n_tokens = reference.student_ce_loss(
-                student_logits,
-                input_ids.to(device),
-                None if token_mask is None else token_mask.to(device),
-                None if sample_mask is None else sample_mask.to(device),
-            )
-            tok_denom = (
-                n_tokens
-                if global_valid_tokens is None
-                else torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
-            )
-            tok_denom = tok_denom.to(dtype).clamp_min(1)
-            ce = nll_sum.to(dtype) / tok_denom
-            accuracy = correct.to(dtype) / tok_denom
-        else:  # no CE tokens: both terms are 0 over any denominator
-            ce, accuracy = zero, zero
-        if ce is zero and not cfg.dynamic_scaling:
-            # kl_weight * kd + ce_weight * 0 without the two ops on the constant (host time)
-            loss = kd if cfg.kl_weight == 1.0 else cfg.kl_weight * kd
-        else:
-            loss = reference.combine_losses(
-                kd,
-                ce,
-                kl_weight=cfg.kl_weight,
-                ce_weight=cfg.ce_weight,
-                dynamic_scaling=cfg.dynamic_scaling,
-            )
-        metrics = {
-            "loss": loss.detach(),
-            "kl_loss": kd.detach(),
-            "ce_loss": _detached(ce),
-            "kl_common": _detached(kl_common),
-            "l1_uncommon": _detached(l1_uncommon),
-            "proj_accuracy": _detached(proj_accuracy),
-            "num_valid_chunks": _detached(num_valid),
-            "accuracy": _detached(accuracy),
-        }
-        return loss, metrics
+    @staticmethod
+    def _ce(student_logits, batch, input_ids, global_valid_tokens, dtype):
+        """``(ce, accuracy)`` over the global token count, or ``(None, None)`` without targets."""
+        if input_ids is None:  # no CE tokens: both terms are 0 over any denominator
+            return None, None
+        device = student_logits.device
+        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
+        nll_sum, correct, n_tokens = reference.student_ce_loss(
+            student_logits,
+            input_ids.to(device),
+            None if token_mask is None else token_mask.to(device),
+            None if sample_mask is None else sample_mask.to(device),
+        )
+        if global_valid_tokens is not None:
+            n_tokens = torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
+        denom = n_tokens.to(dtype).clamp_min(1)
+        return nll_sum.to(dtype) / denom, correct.to(dtype) / denom
+
+
+def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:
+    """Positions the CE counts in a batch (the first token is never a target)."""
+    mask_BT = torch.ones(B, max(T - 1, 0), dtype=torch.bool)
+    if batch.get("token_mask") is not None:
+        mask_BT = batch["token_mask"][:, 1:].bool()
+    if batch.get("sample_mask") is not None:
+        mask_BT = mask_BT & batch["sample_mask"].bool().view(-1, 1).to(mask_BT.device)
+    return mask_BT.sum().float()
 
 
 def _detached(x: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,32 @@ def chunk_sizes(chunk_id_BT: torch.Tensor, num_chunks: int) -> torch.Tensor:
     return counts_BC1[:, 1:]
 
 
+def chunk_mean_scatter(
+    x_BTK: torch.Tensor, chunk_id_BT: torch.Tensor, num_chunks: int
+) -> torch.Tensor:
+    """Per-chunk mean by ``index_add`` (O(T*K)), equal to the one-hot reference.
+
+    Args:
+        x_BTK: ``[B, T, K]`` values.
+        chunk_id_BT: ``[B, T]`` ids in ``[-1, C)``.
+        num_chunks: C.
+
+    Returns:
+        ``[B, C, K]`` means (0 for empty chunks).
+    """
+    B, T, K = x_BTK.shape
+    # Slot 0 of every sample collects the -1 positions and is dropped.
+    rows_BT = (
+        chunk_id_BT + 1 + torch.arange(B, device=chunk_id_BT.device).view(-1, 1) * (num_chunks + 1)
+    )
+    sums = x_BTK.new_zeros(B * (num_chunks + 1), K).index_add(
+        0, rows_BT.reshape(-1), x_BTK.reshape(B * T, K)
+    )
+    sums_BCK = sums.view(B, num_chunks + 1, K)[:, 1:]
+    sizes_BC = chunk_sizes(chunk_id_BT, num_chunks).to(x_BTK.dtype)
+    return sums_BCK / sizes_BC.clamp_min(1).unsqueeze(-1)
+
+
 def check_chunk_ids(name: str, chunk_id_BT: torch.Tensor, num_chunks: int) -> None:
     """Raise unless every id lies in ``[-1, num_chunks)``.
 

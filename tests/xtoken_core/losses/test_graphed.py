@@ -7,6 +7,7 @@ import torch
 
 from tests.xtoken_core.losses.test_loss import make_alignment
 from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, graphed
+from xtoken_core.losses.kernel_engine import KernelEngine
 
 Bn, Tn, Un, Vn, Wn, Cn, Kp = 2, 97, 89, 523, 401, 70, 3
 
@@ -135,7 +136,7 @@ def test_phase_path_matches_the_fused_path_interpreted_on_cpu(
     if torch.cuda.is_available():
         pytest.skip("covered by the GPU tests")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(CrossTokenizerLoss, "_graph_eligible", lambda self, *a: True)
+    monkeypatch.setattr(KernelEngine, "_graph_eligible", lambda self, *a: True)
     T, U, V, W, C = 15, 13, 41, 37, 10
     g = torch.Generator().manual_seed(7)
     zs = (3 * torch.randn(Bn, T, V, generator=g)).to(torch.bfloat16).requires_grad_()
@@ -148,7 +149,7 @@ def test_phase_path_matches_the_fused_path_interpreted_on_cpu(
         topk_columns=topk_columns,
     )
     phase_fn, fused_fn = loss_fn(True, **options), loss_fn(False, **options)
-    monkeypatch.setattr(fused_fn, "_graph_eligible", lambda *a: False)
+    monkeypatch.setattr(fused_fn.kernel, "_graph_eligible", lambda *a: False)
     for step in range(2):
         batch = make_batch(30 + step, "cpu", Tn=T, Un=U, Cn=C)
         assert_same(fwd_bwd(phase_fn, zs, zts, batch), fwd_bwd(fused_fn, zs, zts, batch))
@@ -168,7 +169,7 @@ def test_bad_input_on_the_phase_path_raises_without_a_capture(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("covered by the GPU tests")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(CrossTokenizerLoss, "_graph_eligible", lambda self, *a: True)
+    monkeypatch.setattr(KernelEngine, "_graph_eligible", lambda self, *a: True)
     T, U, V, W, C = 15, 13, 41, 37, 10
     zs = torch.randn(Bn, T, V).requires_grad_()
     zt = torch.randn(Bn, U, W)

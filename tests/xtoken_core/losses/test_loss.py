@@ -576,7 +576,7 @@ def test_kernel_backend_rejects_bad_values_after_its_single_readback(mode, monke
 def test_kernel_backend_gives_the_same_loss_with_and_without_input_checks(mode, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    zs, zt = make_logits(21)  # fp32: the fused path (fp64 takes the composed kernels)
+    zs, zt = make_logits(21)  # fp32: the fused path (fp64 takes the reference engine)
     zs, zt = zs.detach().float().requires_grad_(), zt.float()
     batch = make_batch(21)
     got = {}
@@ -761,7 +761,7 @@ def test_topk_columns_all_matches_the_nemo_rule_and_differs_from_valid(reverse):
 
 
 @pytest.mark.parametrize("rule", ["valid", "all"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["composed", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["reference-fallback", "kernels"])
 def test_topk_columns_rule_is_the_same_in_the_kernel_engine(rule, dtype, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

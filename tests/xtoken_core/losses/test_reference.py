@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from xtoken_core.losses import reference
-from xtoken_core.losses.composed import chunk_mean_scatter
 from xtoken_core.losses.utils import (
     Fp32SparseMM,
+    chunk_mean_scatter,
     chunk_sizes,
     dp_all_reduce_sum,
     shift_chunk_ids,
