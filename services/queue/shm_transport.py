@@ -50,7 +50,7 @@ import torch
 from services.queue import errors as codes
 from services.queue.errors import QueueError
 from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmRegion, check_name, sweep_orphans
-from xtoken_core.wire import UNKNOWN_TYPE, JaggedColumn
+from xtoken_core.wire import BAD_BODY, UNKNOWN_TYPE, JaggedColumn
 from xtoken_core.wire.shm import (
     fields_into_region,
     fields_layout_bytes,
@@ -133,7 +133,10 @@ class ShmPuts:
         # auto, other address: the pool only if the hello's probe shows a shared /dev/shm
         self._probe_first = mode == "auto" and not local
         self.server: dict[str, Any] | None = None
+        self.server_epoch: str | None = None  # the instance ``server`` (its hello) describes
         self.puts = 0
+        self.rereserved = 0  # puts whose reservation an earlier server instance made
+        self._region_epochs: dict[str, str | None] = {}  # reservation token -> instance
         # mappings of the server's pool segments: read-write for the regions this client
         # reserves and writes, read-only (PROT_READ) for the views claims and gets return, so
         # that a consumer cannot change a stored sample under every other reader
@@ -152,8 +155,11 @@ class ShmPuts:
         """Whether puts and replies may use the server's pool (asks hello once)."""
         if not self.enabled:
             return False
+        if self.server is not None and client.epoch != self.server_epoch:
+            self.server = None  # the server restarted: its replacement may lend no pool
         if self.server is None:
             self.server = client.hello()
+            self.server_epoch = client.epoch
         if self._probe_first:
             self._probe_first = False
             if not shares_server_shm(self.server.get("shm_probe")):
@@ -194,6 +200,9 @@ class ShmPuts:
         reply = client.request(
             "reserve", {"nbytes": nbytes, "timeout_ms": _ms(timeout_s)}, wait_s=timeout_s or 0.0
         )
+        if len(self._region_epochs) > 1024:
+            self._region_epochs.clear()
+        self._region_epochs[reply["token"]] = client.epoch
         try:
             base_S = self.writer.segment(reply["name"], reply["size"])
             return ShmRegion(
@@ -251,9 +260,25 @@ class ShmPuts:
                 self.give_up(str(e))
                 return None
         fields = fields_into_region(body["fields"], region)
-        reply = client.request(
-            "put", {**body, "fields": fields, "reservation": region.token}, wait_s=wait_s
-        )
+        epoch = self._region_epochs.get(region.token, client.epoch)
+        try:
+            reply = client.request(
+                "put", {**body, "fields": fields, "reservation": region.token}, wait_s=wait_s
+            )
+        except QueueError as e:
+            if e.code not in (codes.BAD_REQUEST, BAD_BODY) or client.epoch == epoch:
+                raise
+            # The reservation is of an instance that died (the put was sent again to its
+            # replacement, or reserved before the restart): reserve on this one and copy the
+            # fields over, or send frames if it lends no pool.
+            self.rereserved += 1
+            logger.warning(
+                "[queue-client] %s restarted: the put's reservation is stale, reserving again",
+                self.address,
+            )
+            if not self.pool(client):
+                return client.request("put", body, wait_s=wait_s)
+            return self.put(client, body, wait_s)
         self.puts += 1
         return reply
 

@@ -132,3 +132,31 @@ def test_a_client_of_a_live_server_counts_no_disconnect(server):
     with QueueClient(server.address, timeout_s=5) as c:
         c.hello()
         assert c.disconnects == 0
+
+
+def test_a_reservation_of_a_server_that_died_is_made_again_on_its_replacement(tmp_path):
+    from xtoken_core.wire.shm import fields_layout_bytes
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    first = ServerProcess(tmp_path, "--bind", address)
+    second = None
+    try:
+        with QueueClient(address, timeout_s=10, retries=2, shm="auto") as c:
+            assert c.hello()["shm_pool"]
+            fields = ids(4)
+            region = c.reserve(fields_layout_bytes(fields))
+            values = region.empty((fields["ids"].values.numel(),), torch.int64)
+            values.copy_(fields["ids"].values)
+            built = {"ids": JaggedColumn(values, fields["ids"].offsets)}
+            os.kill(first.proc.pid, signal.SIGKILL)
+            first.proc.wait(10)
+            second = ServerProcess(tmp_path, "--bind", address)
+            reply = c.put("p", ["a", "b", "c", "d"], built, reservation=region)
+            assert reply["new_samples"] == 4 and c._shm.rereserved == 1
+            got = c.get("p", ["a", "b", "c", "d"])["fields"]["ids"]
+            assert torch.equal(got.values, fields["ids"].values)
+            assert c.epoch_changes == 1
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
