@@ -7,7 +7,6 @@ from xtoken_core.kernels.chunk_log_softmax import (
 from xtoken_core.kernels.projection_gather import (
     GatherIndex,
     build_gather_index,
-    cached_gather_index,
     project_by_gather,
     project_reference,
 )
@@ -15,7 +14,6 @@ from xtoken_core.kernels.projection_gather import (
 __all__ = [
     "GatherIndex",
     "build_gather_index",
-    "cached_gather_index",
     "chunk_avg_log_softmax",
     "chunk_avg_log_softmax_reference",
     "project_by_gather",

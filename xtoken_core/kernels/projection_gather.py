@@ -25,7 +25,6 @@ deterministic, any float dtype for p (bf16 included).
 """
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ __all__ = [
     "GatherIndex",
     "ProjectByGather",
     "build_gather_index",
-    "cached_gather_index",
+    "teacher_major",
     "project_by_gather",
     "project_reference",
 ]
@@ -117,7 +116,7 @@ class GatherIndex:
 
 
 @dataclass(frozen=True)
-class _TeacherMajor:
+class TeacherMajor:
     """Every entry of M sorted by (teacher id t, student row s): depends on M only.
 
     Attributes:
@@ -141,8 +140,22 @@ def _validate_topk(indices_SK: torch.Tensor, likelihoods_SK: torch.Tensor) -> No
         )
 
 
-def _teacher_major(indices_SK: torch.Tensor, likelihoods_SK: torch.Tensor) -> _TeacherMajor:
-    """Sort the entries of M by (t, s) once; entries with id -1 or weight 0 are dropped."""
+def teacher_major(indices_SK: torch.Tensor, likelihoods_SK: torch.Tensor) -> TeacherMajor:
+    """The entries of M sorted by (t, s), the part of :func:`build_gather_index` that does not
+    depend on the selected columns: build it once per matrix and pass it as ``matrix``.
+
+    Entries with id -1 or weight 0 are dropped.
+
+    Args:
+        indices_SK: int [S, K] teacher ids per student row, -1 = no entry.
+        likelihoods_SK: float [S, K] weights.
+
+    Returns:
+        The :class:`TeacherMajor` entries, on the device of ``indices_SK``.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
     _validate_topk(indices_SK, likelihoods_SK)
     S, K = indices_SK.shape
     device = indices_SK.device
@@ -155,7 +168,7 @@ def _teacher_major(indices_SK: torch.Tensor, likelihoods_SK: torch.Tensor) -> _T
     order_F = torch.argsort(t_F * max(S, 1) + s_F, stable=True)
     t_F, s_F, w_F = t_F[order_F], s_F[order_F], w_F[order_F]
     t_ptr_W1 = torch.searchsorted(t_F, torch.arange(width + 1, device=device))
-    return _TeacherMajor(t_ptr_W1=t_ptr_W1, rows_F=s_F, w_F=w_F.contiguous(), width=width)
+    return TeacherMajor(t_ptr_W1=t_ptr_W1, rows_F=s_F, w_F=w_F.contiguous(), width=width)
 
 
 def build_gather_index(
@@ -164,19 +177,20 @@ def build_gather_index(
     idx_J: torch.Tensor,
     *,
     piece_len: int | None = None,
+    matrix: TeacherMajor | None = None,
 ) -> GatherIndex:
     """Build the CSC/ELL structure of M[:, idx] from the dense top-k format.
 
     Entries with index -1 or weight 0 are dropped; repeated (s, t) entries are kept and summed,
-    like a coalesced sparse tensor. The (t, s)-sorted entries of M are cached on the identity
-    and version of ``indices_SK`` and ``likelihoods_SK``, so a new ``idx_J`` (every micro-batch)
-    costs only gathers and two device syncs.
+    like a coalesced sparse tensor. With ``matrix`` (the :func:`teacher_major` entries of M,
+    built once) a new ``idx_J`` (every micro-batch) costs only gathers and two device syncs.
 
     Args:
         indices_SK: int [S, K] teacher ids per student row, -1 = no entry.
         likelihoods_SK: float [S, K] weights.
         idx_J: int [J] selected teacher ids, distinct and >= 0.
         piece_len: entries per forward piece (default ``KERNEL_CONFIG["piece_len"]``).
+        matrix: :func:`teacher_major` of ``indices_SK`` and ``likelihoods_SK``; None: built here.
 
     Returns:
         The :class:`GatherIndex`, on the device of ``indices_SK``.
@@ -194,7 +208,7 @@ def build_gather_index(
     S, K = indices_SK.shape
     J = idx_J.numel()
     idx_J = idx_J.to(device=device, dtype=torch.long)
-    tm = _cached(_TM_CACHE, (indices_SK, likelihoods_SK), _teacher_major)
+    tm = teacher_major(indices_SK, likelihoods_SK) if matrix is None else matrix
     lo, hi = torch.stack([idx_J.min(), idx_J.max()]).tolist() if J else (0, -1)
     if lo < 0:
         raise ValueError(f"idx_J holds a negative teacher id ({lo}): pass ids >= 0")
@@ -277,62 +291,6 @@ def build_gather_index(
         num_partials=A,
         piece_len=L,
     )
-
-
-def _key(tensors: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple(
-        (
-            t.data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            tuple(t.stride()),
-            t.dtype,
-            t.device,
-            t._version,
-        )
-        for t in tensors
-    )
-
-
-def _cached(cache: OrderedDict, tensors: tuple[torch.Tensor, ...], build, size: int = 4):
-    """``build(*tensors)``, cached on the identity and version of ``tensors`` (LRU of ``size``).
-
-    The cache keeps references to the key tensors, so their storage cannot be freed and reused
-    while cached; an in-place change bumps the version and misses.
-    """
-    key = _key(tensors)
-    hit = cache.get(key)
-    if hit is not None:
-        cache.move_to_end(key)
-        return hit[0]
-    value = build(*tensors)
-    cache[key] = (value, tensors)
-    while len(cache) > size:
-        cache.popitem(last=False)
-    return value
-
-
-_TM_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
-
-
-def cached_gather_index(
-    indices_SK: torch.Tensor, likelihoods_SK: torch.Tensor, idx_J: torch.Tensor
-) -> GatherIndex:
-    """:func:`build_gather_index`, cached on the identity and version of the three tensors.
-
-    The cache keeps references to the key tensors, so a key's storage cannot be freed and
-    reused while it is cached; an in-place change bumps the version and misses. Four entries.
-
-    Args:
-        indices_SK: as for :func:`build_gather_index`.
-        likelihoods_SK: as for :func:`build_gather_index`.
-        idx_J: as for :func:`build_gather_index`.
-
-    Returns:
-        The (possibly cached) :class:`GatherIndex`.
-    """
-    return _cached(_CACHE, (indices_SK, likelihoods_SK, idx_J), build_gather_index)
 
 
 def project_reference(p_NS: torch.Tensor, index: GatherIndex) -> torch.Tensor:
@@ -613,8 +571,8 @@ def project_by_gather(
 
     Shape:
         p_NS: [N, S] (any leading dims are flattened by the caller), fp32 / bf16 / fp16.
-        index: a :class:`GatherIndex`, or ``(indices_SK, likelihoods_SK, idx_J)`` (built once
-            and cached, see :func:`cached_gather_index`).
+        index: a :class:`GatherIndex`, or ``(indices_SK, likelihoods_SK, idx_J)`` (built here,
+            every call: pass a :class:`GatherIndex` to reuse one).
         q_NJ: [N, J] in ``out_dtype`` (fp32 by default; accumulation is always fp32).
         gradient: [N, S] in the dtype of p.
 
@@ -633,7 +591,7 @@ def project_by_gather(
         ValueError: p is not 2-D, or its width is not M's row count.
     """
     if isinstance(index, tuple):
-        index = cached_gather_index(*index)
+        index = build_gather_index(*index)
     if p_NS.dim() != 2 or p_NS.shape[1] != index.num_rows:
         raise ValueError(
             f"p_NS must be [N, S={index.num_rows}] (S = rows of M), got {tuple(p_NS.shape)}: "
