@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from xtoken_core.wire.tensors import DTYPE_NAMES, WIRE_DTYPES
+from xtoken_core.jagged import DTYPE_NAMES, WIRE_DTYPES
 
 MAX_NDIM = 32
 # (IPC handle, storage offset) -> storage, for buffers exported or opened by this process.

@@ -72,7 +72,7 @@ from xtoken_core.ipc.ring_format import (
 )
 from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmSegment
 from xtoken_core.ipc.slots import SlotTable, StaleHandleError
-from xtoken_core.wire.tensors import DTYPE_NAMES, WIRE_DTYPES
+from xtoken_core.jagged import DTYPE_NAMES, WIRE_DTYPES
 
 __all__ = ["LogitRingReader", "LogitRingWriter", "StaleHandleError", "checksum_of"]
 

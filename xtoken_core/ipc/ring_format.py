@@ -44,7 +44,7 @@ from xtoken_core import envs
 from xtoken_core.ipc.cuda import CudaIpcHandle
 from xtoken_core.ipc.shm import align_up, check_name
 from xtoken_core.ipc.slots import StaleHandleError
-from xtoken_core.wire.tensors import DTYPE_NAMES, WIRE_DTYPES
+from xtoken_core.jagged import DTYPE_NAMES, WIRE_DTYPES
 
 __all__ = [
     "HEADER_WORDS",

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xtoken_core.wire.tensors import DTYPE_NAMES, WIRE_DTYPES, JaggedColumn
+from xtoken_core.jagged import DTYPE_NAMES, WIRE_DTYPES, JaggedColumn
 
 logger = logging.getLogger(__name__)
 
