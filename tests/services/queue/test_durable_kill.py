@@ -92,7 +92,7 @@ class Consumer(threading.Thread):
         self.address = address
         self.stop = threading.Event()
         self.acked: collections.Counter[str] = collections.Counter()
-        self.uncertain: set[str] = set()  # ack sent, reply lost to a kill
+        self.uncertain: set[str] = set()  # ack sent, no answer to count on (a kill)
         self.delivered: collections.Counter[str] = collections.Counter()
         self.corrupt = 0
         self.stale = 0
@@ -118,7 +118,10 @@ class Consumer(threading.Thread):
                     try:
                         c.ack("p", "train", got["lease_id"])
                     except StaleEpochError:
-                        self.stale += 1  # claimed from an instance that died: claim again
+                        # claimed from an instance that died, or the ack was applied and its
+                        # reply lost, then sent again to the replacement: the server knows
+                        self.stale += 1
+                        self.uncertain.update(got["keys"])
                         continue
                     except QueueError:
                         self.uncertain.update(got["keys"])  # applied or not: the server knows
