@@ -4,9 +4,9 @@ A claim from the queue returns a batch's fields as columns: per-token and per-ch
 jagged (``JaggedColumn`` or a ``torch.jagged`` nested tensor; dense ``[B, L]`` when every row has
 the same length), per-sample fields dense ``[B]``. :func:`pad_batch` pads them with the pad values
 of :data:`xtoken_core.data.sample.SAMPLE_FIELDS` (chunk ids -1, masks False, ids the tokenizers'
-pad ids) to the widths :func:`xtoken_core.data.sample.pad_samples` uses, so a trainer gets the
-same tensors as from ``CrossTokenizerCollator`` for the same texts. The padding itself is
-``xtoken_core.data_plane.codec.pad_jagged``.
+pad ids) to the schema's widths; :func:`xtoken_core.data.sample.pad_samples` pads jagged samples
+through it too, so a trainer gets the same tensors from a claim as from ``CrossTokenizerCollator``
+for the same texts. The padding itself is ``xtoken_core.data_plane.codec.pad_jagged``.
 
 Legend: B samples, T student tokens, U teacher tokens, C chunks, L the common row length of a
 dense column, D trailing dims.
@@ -79,8 +79,10 @@ def pad_batch(
     Fields of the sample schema pad with its pad values to the widths of ``pad_samples``:
     ``T = round_up(max(1, longest), make_seq_div_by_student)`` (U likewise), ``C = max(1, most
     chunks)``, computed per axis (from the axis' length field when present, else from the rows)
-    so that every field of an axis gets the same width. Other jagged fields pad with 0 (or
-    ``pad_values[name]``) to their longest row; dense fields are returned as they are.
+    so that every field of an axis gets the same width. Other jagged fields pad to their longest
+    row with ``pad_values[name]``, else :func:`~xtoken_core.data.sample.default_pad` (a
+    per-teacher ``teacher<i>_alignment_*`` field like its ``alignment_*`` field: chunk ids -1,
+    never 0); dense fields are returned as they are.
 
     Args:
         fields: name -> ``JaggedColumn`` / jagged nested tensor of B rows, or tensor ``[B, ...]``
@@ -170,7 +172,7 @@ def pad_batch(
         if spec is not None and spec.axis != schema.SAMPLE:
             out[name] = pad_jagged(columns[name], pads[name], widths[spec.axis])
         elif _is_jagged(value):
-            out[name] = pad_jagged(value, pads.get(name, 0))
+            out[name] = pad_jagged(value, pads.get(name, schema.default_pad(name)))
         else:
             out[name] = value
     return out

@@ -24,9 +24,12 @@ Masks and pads:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from xtoken_core.jagged import JaggedColumn
 
 # Axes of a field in one jagged sample.
 STUDENT_TOKEN = "student_token"  # [T]
@@ -79,6 +82,7 @@ SAMPLE_FIELDS: tuple[FieldSpec, ...] = (
 )
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS}
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
+_PER_TEACHER = re.compile(r"teacher\d+_alignment_(\w+)")
 
 # Per-sample field that holds each jagged axis' length.
 LENGTH_FIELD: dict[str, str] = {
@@ -123,6 +127,24 @@ def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | f
         for f in SAMPLE_FIELDS
         if f.axis != SAMPLE
     }
+
+
+def default_pad(name: str) -> int | float | bool:
+    """Pad value of a field outside :data:`SAMPLE_FIELDS`: a per-teacher alignment field
+    (``teacher<i>_alignment_<field>``, several teachers) pads like ``alignment_<field>`` (chunk
+    ids -1, masks False), any other field with 0.
+
+    Args:
+        name: the field name.
+
+    Returns:
+        The pad value.
+    """
+    match = _PER_TEACHER.fullmatch(name)
+    spec = FIELDS_BY_NAME.get(ALIGNMENT_PREFIX + match.group(1)) if match else None
+    if spec is None or spec.axis == SAMPLE or isinstance(spec.pad, str):
+        return 0
+    return spec.pad
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -182,7 +204,8 @@ def pad_samples(
     make_seq_div_by_student: int = 1,
     make_seq_div_by_teacher: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Materialize a right-padded batch from jagged samples.
+    """Materialize a right-padded batch from jagged samples: the samples as columns, padded by
+    :func:`xtoken_core.data.batch.pad_batch` (one padding for the queue's claims and for these).
 
     Args:
         samples: B jagged samples (see :func:`validate_sample`).
@@ -200,33 +223,21 @@ def pad_samples(
     """
     if not samples:
         raise ValueError("pad_samples needs at least one sample, got an empty sequence")
-    for name, div in (
-        ("make_seq_div_by_student", make_seq_div_by_student),
-        ("make_seq_div_by_teacher", make_seq_div_by_teacher),
-    ):
-        if int(div) < 1:
-            raise ValueError(f"{name} must be >= 1, got {div!r}")
     for sample in samples:
         validate_sample(sample)
-    pads = pad_values(student_pad_id=student_pad_id, teacher_pad_id=teacher_pad_id)
-    widths = {
-        STUDENT_TOKEN: round_up(
-            max(int(s["input_lengths"]) for s in samples), make_seq_div_by_student
-        ),
-        TEACHER_TOKEN: round_up(
-            max(int(s["teacher_input_lengths"]) for s in samples), make_seq_div_by_teacher
-        ),
-        CHUNK: max(1, max(int(s["alignment_num_chunks"]) for s in samples)),
-    }
-    batch_size = len(samples)
-    out: dict[str, torch.Tensor] = {}
+    from xtoken_core.data.batch import pad_batch  # batch pads by this schema: import it late
+
+    fields: dict[str, torch.Tensor | JaggedColumn] = {}
     for spec in SAMPLE_FIELDS:
+        rows = [s[spec.name] for s in samples]
         if spec.axis == SAMPLE:
-            out[spec.name] = torch.stack([s[spec.name] for s in samples])
-            continue
-        padded = torch.full((batch_size, widths[spec.axis]), pads[spec.name], dtype=spec.dtype)
-        for row, sample in enumerate(samples):
-            values = sample[spec.name]
-            padded[row, : values.shape[0]] = values
-        out[spec.name] = padded
-    return out
+            fields[spec.name] = torch.stack(rows)
+        else:
+            fields[spec.name] = JaggedColumn.from_rows(rows, dtype=spec.dtype)
+    return pad_batch(
+        fields,
+        student_pad_id=student_pad_id,
+        teacher_pad_id=teacher_pad_id,
+        make_seq_div_by_student=make_seq_div_by_student,
+        make_seq_div_by_teacher=make_seq_div_by_teacher,
+    )

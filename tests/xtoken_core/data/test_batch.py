@@ -139,6 +139,26 @@ def test_fields_outside_the_schema_pad_with_zero_or_their_given_value():
     assert custom["alignment_student_chunk_id"][0, 2] == -5
 
 
+def test_a_second_teachers_alignment_pads_like_the_first_chunk_ids_with_minus_one():
+    samples = [make_sample(2, 2, 1, 0), make_sample(3, 1, 1, 1)]
+    fields = columns(samples)
+    fields["teacher1_alignment_teacher_chunk_id"] = JaggedColumn.from_rows(
+        [torch.tensor([0, 0, 1]), torch.tensor([0])]
+    )
+    fields["teacher1_alignment_teacher_exact_partition_mask"] = JaggedColumn.from_rows(
+        [torch.ones(3, dtype=torch.bool), torch.ones(1, dtype=torch.bool)]
+    )
+    got = pad_batch(fields, student_pad_id=7, teacher_pad_id=7)
+    assert got["teacher1_alignment_teacher_chunk_id"][1].tolist() == [0, -1, -1]
+    assert got["teacher1_alignment_teacher_exact_partition_mask"][1].tolist() == [
+        True,
+        False,
+        False,
+    ]
+    assert schema.default_pad("teacher2_alignment_student_chunk_id") == -1
+    assert schema.default_pad("teacher_input_ids") == 0  # a schema field, not per teacher
+
+
 def test_rows_that_disagree_with_their_length_field_are_refused_naming_both():
     samples = [make_sample(2, 2, 1, 0), make_sample(3, 1, 1, 1)]
     fields = columns(samples)
