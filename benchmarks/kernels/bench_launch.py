@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from xtoken_core.kernels import kd_fused
+    from xtoken_core.kernels import logit_rows
 
     print(f"triton {triton.__version__}, torch {torch.__version__}")
     if args.source:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     nidx = torch.zeros(1, dtype=torch.long, device=dev)
     lse = torch.empty(1, device=dev)
     a = torch.ones(16, device=dev)
-    jitted = kd_fused._row_lse_kernel.jitted()
+    jitted = logit_rows._row_lse_kernel.jitted()
     call_args = (z, nidx, lse, 1, 16, 16, 16, 1.4426950408889634)
     kw = dict(BLOCK_V=16, num_warps=4)
     kernel = jitted[(1,)](*call_args, **kw)
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         "torch add": lambda: a + 1,
         "torch.empty": lambda: torch.empty(16, device=dev),
         "kernel[grid](...)": lambda: jitted[(1,)](*call_args, **kw),
-        "wrapper row_logsumexp": lambda: kd_fused.row_logsumexp(z, nidx, 1.0),
+        "wrapper row_logsumexp": lambda: logit_rows.row_logsumexp(z, nidx, 1.0),
         "driver current device": lambda: driver.active.get_current_device(),
         "driver current stream": lambda: driver.active.get_current_stream(0),
         "torch current_stream": lambda: torch.cuda.current_stream().cuda_stream,

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.kernel_config and os.path.exists(args.kernel_config):
-        from xtoken_core.kernels.kd_fused import KERNEL_CONFIG
+        from xtoken_core.kernels.logit_rows import KERNEL_CONFIG
 
         with open(args.kernel_config) as fh:
             overrides = json.load(fh)

@@ -1,12 +1,12 @@
-"""Benchmark: block sizes of the P-KL projection backward kernel (kd_pkl._proj_bwd_kernel).
+"""Benchmark: block sizes of the P-KL projection backward kernel (pkl_projection._proj_bwd_kernel).
 
-Also sweeps the chunk-KL backward (kd_pkl_terms) and the projection forward block sizes.
+Also sweeps the chunk-KL backward (pkl_chunk_kl) and the projection forward block sizes.
 
-Times ``kd_pkl.project_rows_backward`` (read the logits, gather ``dq`` through the restricted
+Times ``pkl_projection.project_rows_backward`` (read the logits, gather ``dq`` through the restricted
 ELL table, write ``dz``) at the KD-loss benchmark's shape (bf16 logits, V_s 151,936, V_t
 131,072, 8,192 selected teacher columns, 8-entry projection rows) for a few
 ``(pbwd_block_n, pbwd_block_v, pbwd_warps)`` choices, with ``dq`` stored row-major ([R, K], as
-autograd hands it) and column-major ([K, R], as kd_pkl_terms writes it: one gather of column j
+autograd hands it) and column-major ([K, R], as pkl_chunk_kl writes it: one gather of column j
 reads the block's rows from one or two sectors). Prints one table, appends rows to
 benchmarks/results/losses_pkl_backward.jsonl and, with ``--best``, writes the fastest choice as
 JSON (``bench_kd_loss.py --kernel-config`` reads it). GPU only.
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _projection  # noqa: E402
 
-from xtoken_core.kernels import kd_fused, kd_pkl, kd_pkl_terms  # noqa: E402
+from xtoken_core.kernels import logit_rows, pkl_chunk_kl, pkl_projection  # noqa: E402
 from xtoken_core.losses.reference import PROB_EPS  # noqa: E402
 from xtoken_core.losses.utils import sparse_projection_from_topk  # noqa: E402
 
@@ -46,7 +46,7 @@ CONFIGS = [
     (64, 64, 4),
 ]
 LAYOUTS = ("row", "col")
-#: (klb_block_r, klb_block_k, klb_warps) candidates of the chunk-KL backward (kd_pkl_terms),
+#: (klb_block_r, klb_block_k, klb_warps) candidates of the chunk-KL backward (pkl_chunk_kl),
 #: which writes the column-major dq the projection backward reads; the first is the default.
 KL_CONFIGS = [
     (8, 256, 4),
@@ -73,15 +73,15 @@ FWD_CONFIGS = [
 
 
 def _sweep_projection_forward(z_BTV, lse_R, tables, device) -> list[dict]:
-    """Time kd_pkl.project_rows_forward over FWD_CONFIGS; print a table."""
+    """Time pkl_projection.project_rows_forward over FWD_CONFIGS; print a table."""
     keys = ("proj_block_n", "proj_block_e", "proj_block_j", "proj_warps")
-    saved = {k: kd_fused.KERNEL_CONFIG[k] for k in keys}
+    saved = {k: logit_rows.KERNEL_CONFIG[k] for k in keys}
     rows = []
     try:
         for cfg in FWD_CONFIGS:
-            kd_fused.KERNEL_CONFIG.update(zip(keys, cfg, strict=True))
+            logit_rows.KERNEL_CONFIG.update(zip(keys, cfg, strict=True))
             ms = _common.bench_ms(
-                lambda: kd_pkl.project_rows_forward(z_BTV, lse_R, *tables[:4], TEMPERATURE)
+                lambda: pkl_projection.project_rows_forward(z_BTV, lse_R, *tables[:4], TEMPERATURE)
             )
             bn, be, bj, warps = cfg
             rows.append(
@@ -101,7 +101,7 @@ def _sweep_projection_forward(z_BTV, lse_R, tables, device) -> list[dict]:
                 )
             )
     finally:
-        kd_fused.KERNEL_CONFIG.update(saved)
+        logit_rows.KERNEL_CONFIG.update(saved)
     for row in rows:
         row["vs_default"] = rows[0]["ms"] / row["ms"]
     _common.print_table(rows, ["block_n", "block_e", "block_j", "warps", "ms", "gbs", "vs_default"])
@@ -109,25 +109,25 @@ def _sweep_projection_forward(z_BTV, lse_R, tables, device) -> list[dict]:
 
 
 def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
-    """Time kd_pkl_terms.chunk_kl_backward (column-major dq) over KL_CONFIGS; print a table."""
+    """Time pkl_chunk_kl.chunk_kl_backward (column-major dq) over KL_CONFIGS; print a table."""
     K = VOCAB_TOPK
     nidx_R = torch.arange(T, device=device) * 4 // 5  # chunks of 1-2 rows, like the KD bench
     N = int(nidx_R[-1]) + 1
     offsets_N1 = torch.searchsorted(nidx_R, torch.arange(N + 1, device=device))
     q_RK = torch.rand(T, K, generator=gen, device=device) / K
     lp_NK = torch.log_softmax(torch.randn(N, K, generator=gen, device=device), -1)
-    _, qc_NK, stats_N2 = kd_pkl_terms.chunk_kl_forward(
+    _, qc_NK, stats_N2 = pkl_chunk_kl.chunk_kl_forward(
         q_RK, torch.arange(T, device=device), offsets_N1, lp_NK, TEMPERATURE, False, PROB_EPS
     )
     grad = torch.ones(1, device=device)
     keys = ("klb_block_r", "klb_block_k", "klb_warps")
-    saved = {k: kd_fused.KERNEL_CONFIG[k] for k in keys}
+    saved = {k: logit_rows.KERNEL_CONFIG[k] for k in keys}
     rows = []
     try:
         for br, bk, warps in KL_CONFIGS:
-            kd_fused.KERNEL_CONFIG.update(klb_block_r=br, klb_block_k=bk, klb_warps=warps)
+            logit_rows.KERNEL_CONFIG.update(klb_block_r=br, klb_block_k=bk, klb_warps=warps)
             ms = _common.bench_ms(
-                lambda: kd_pkl_terms.chunk_kl_backward(
+                lambda: pkl_chunk_kl.chunk_kl_backward(
                     grad,
                     q_RK,
                     nidx_R,
@@ -157,7 +157,7 @@ def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
                 )
             )
     finally:
-        kd_fused.KERNEL_CONFIG.update(saved)
+        logit_rows.KERNEL_CONFIG.update(saved)
     for row in rows:
         row["vs_default"] = rows[0]["ms"] / row["ms"]
     _common.print_table(rows, ["block_r", "block_k", "warps", "ms", "gbs", "vs_default"])
@@ -182,20 +182,20 @@ def main(argv=None) -> int:
         indices, likelihoods, student_vocab_size=V_s, teacher_vocab_size=V_t
     )
     idx_K = torch.sort(torch.randperm(V_t, device=device)[:VOCAB_TOPK]).values
-    tables = kd_pkl.restrict_tables(kd_pkl.build_projection_tables(M), idx_K)
+    tables = pkl_projection.restrict_tables(pkl_projection.build_projection_tables(M), idx_K)
     nidx_R = torch.arange(T, device=device)
-    lse_R = kd_fused.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
+    lse_R = logit_rows.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
     dq_row = torch.randn(T, VOCAB_TOPK, generator=gen, device=device)
     dq_by_layout = {"row": dq_row, "col": dq_row.t().contiguous().t()}
     dot_R = torch.randn(T, generator=gen, device=device)
-    saved = {k: kd_fused.KERNEL_CONFIG[k] for k in ("pbwd_block_n", "pbwd_block_v", "pbwd_warps")}
+    saved = {k: logit_rows.KERNEL_CONFIG[k] for k in ("pbwd_block_n", "pbwd_block_v", "pbwd_warps")}
     rows = []
     try:
         for (bn, bv, warps), layout in ((c, lay) for lay in LAYOUTS for c in CONFIGS):
-            kd_fused.KERNEL_CONFIG.update(pbwd_block_n=bn, pbwd_block_v=bv, pbwd_warps=warps)
+            logit_rows.KERNEL_CONFIG.update(pbwd_block_n=bn, pbwd_block_v=bv, pbwd_warps=warps)
             dq_RK = dq_by_layout[layout]
             ms = _common.bench_ms(
-                lambda dq_RK=dq_RK: kd_pkl.project_rows_backward(
+                lambda dq_RK=dq_RK: pkl_projection.project_rows_backward(
                     z_BTV, lse_R, dq_RK, dot_R, tables[4], tables[5], TEMPERATURE
                 )
             )
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                 )
             )
     finally:
-        kd_fused.KERNEL_CONFIG.update(saved)
+        logit_rows.KERNEL_CONFIG.update(saved)
     for row in rows:
         row["vs_default"] = rows[0]["ms"] / row["ms"]
     _common.print_table(rows, ["dq", "block_n", "block_v", "warps", "ms", "gbs", "vs_default"])

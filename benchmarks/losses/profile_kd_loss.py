@@ -24,14 +24,14 @@ from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, fus
 
 def _launch_costs(device, n: int = 300) -> None:
     """Host microseconds per call of a tiny torch op and of a tiny Triton kernel (our wrapper)."""
-    from xtoken_core.kernels import kd_fused
+    from xtoken_core.kernels import logit_rows
 
     a = torch.ones(16, device=device)
     z = torch.ones(1, 1, 16, device=device)
     nidx = torch.zeros(1, dtype=torch.long, device=device)
     for name, fn in (
         ("torch add", lambda: a + 1),
-        ("triton row_logsumexp", lambda: kd_fused.row_logsumexp(z, nidx, 1.0)),
+        ("triton row_logsumexp", lambda: logit_rows.row_logsumexp(z, nidx, 1.0)),
     ):
         fn()
         torch.cuda.synchronize()

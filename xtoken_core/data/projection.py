@@ -300,16 +300,16 @@ class Projection:
 
     def kernel_tables(self, student_vocab_size: int, teacher_vocab_size: int) -> Any:
         """The CSC + ELL tables of the fused P-KL kernels
-        (:func:`xtoken_core.kernels.kd_pkl.build_projection_tables` of :meth:`sparse`).
+        (:func:`xtoken_core.kernels.pkl_projection.build_projection_tables` of :meth:`sparse`).
 
         Args:
             student_vocab_size: V.
             teacher_vocab_size: W.
 
         Returns:
-            :class:`xtoken_core.kernels.kd_pkl.ProjectionTables` on :attr:`device`.
+            :class:`xtoken_core.kernels.pkl_projection.ProjectionTables` on :attr:`device`.
         """
-        from xtoken_core.kernels.kd_pkl import build_projection_tables
+        from xtoken_core.kernels.pkl_projection import build_projection_tables
 
         return self._form(
             ("tables", student_vocab_size, teacher_vocab_size),

@@ -5,12 +5,12 @@
 Same signatures and conventions as :func:`xtoken_core.losses.reference.pkl_kd_loss` and
 :func:`~xtoken_core.losses.reference.gold_kd_loss`, which they fall back to where the kernels do
 not run (:func:`fused_path_available`). The chunk bookkeeping (shifted ids, validity, N, both
-sides' row groups) is one :func:`plan_chunks` (:mod:`xtoken_core.kernels.kd_rows`). P-KL
-(:mod:`xtoken_core.kernels.kd_pkl`, :mod:`xtoken_core.kernels.kd_pkl_terms`):
+sides' row groups) is one :func:`plan_chunks` (:mod:`xtoken_core.kernels.chunk_plan`). P-KL
+(:mod:`xtoken_core.kernels.pkl_projection`, :mod:`xtoken_core.kernels.pkl_chunk_kl`):
 ``q = softmax(z/T) @ M[:, idx]`` by CSC gathers from the logits, every chunk term (mean,
 renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
 ``[B, T, V]`` probability tensor); with a plan, N stays on the device. Gold
-(:mod:`xtoken_core.kernels.kd_gold`): chunk averages over the common columns and the uncommon
+(:mod:`xtoken_core.kernels.gold_student`): chunk averages over the common columns and the uncommon
 columns separately, top-m on the compact uncommon block, and a backward that rebuilds ``dz``
 from the logits, the row logsumexp and the compact chunk gradient.
 
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from xtoken_core.kernels import kd_fused, kd_gold, kd_pkl, kd_pkl_terms, kd_rows
+from xtoken_core.kernels import chunk_plan, gold_student, logit_rows, pkl_chunk_kl, pkl_projection
 from xtoken_core.losses import reference
 from xtoken_core.losses.reference import KDTerms
 from xtoken_core.losses.utils import (
@@ -51,7 +51,7 @@ def _kd_kernels() -> SimpleNamespace:
 
 
 _KERNELS = SimpleNamespace(
-    rows=kd_fused, pkl=kd_pkl, pkl_terms=kd_pkl_terms, plan=kd_rows, gold=kd_gold
+    rows=logit_rows, pkl=pkl_projection, pkl_terms=pkl_chunk_kl, plan=chunk_plan, gold=gold_student
 )
 
 
@@ -68,7 +68,7 @@ def fused_path_available(
         True when Triton runs on them (CUDA or ``TRITON_INTERPRET=1``) and both are fp32/bf16/fp16.
     """
     return (
-        kd_fused.use_triton(student_logits_BTV)
+        logit_rows.use_triton(student_logits_BTV)
         and student_logits_BTV.dtype in _FUSED_DTYPES
         and teacher_logits_BUW.dtype in _FUSED_DTYPES
     )
@@ -93,7 +93,7 @@ def plan_chunks(
     The fused path's replacement for :func:`~xtoken_core.losses.utils.shift_chunk_ids`,
     :func:`~xtoken_core.losses.reference.chunk_validity` and
     :func:`~xtoken_core.losses.utils.chunk_rows` (see
-    :func:`xtoken_core.kernels.kd_rows.plan_chunks`); pass the result as ``plan`` to
+    :func:`xtoken_core.kernels.chunk_plan.plan_chunks`); pass the result as ``plan`` to
     :func:`pkl_kd_loss` / :func:`gold_kd_loss`. Needs Triton (:func:`fused_path_available`).
 
     Args:
@@ -106,7 +106,7 @@ def plan_chunks(
         device: where the plan is made (the inputs are moved there); None: the student ids'.
 
     Returns:
-        A :class:`xtoken_core.kernels.kd_rows.ChunkPlan`.
+        A :class:`xtoken_core.kernels.chunk_plan.ChunkPlan`.
 
     Raises:
         ValueError: ``exact_token_match_only`` without ``pair_is_correct_BC``.
@@ -178,7 +178,7 @@ def pkl_teacher_side(
         teacher_logits_BUW: [B, U, W] teacher logits, last dim contiguous.
         teacher_chunk_id_BU: [B, U] shifted teacher chunk ids (rows with an id >= 0 are used).
         t_rows: the teacher side's valid-chunk rows.
-        tables: :class:`xtoken_core.kernels.kd_pkl.ProjectionTables` of M.
+        tables: :class:`xtoken_core.kernels.pkl_projection.ProjectionTables` of M.
         temperature: T.
         vocab_topk: number of teacher columns kept (None: all).
         device_N: int64 [1] device N when the rows cover every chunk slot, else None.
@@ -190,7 +190,7 @@ def pkl_teacher_side(
     Returns:
         ``(teacher_lp_NK, restricted, total)``: [N, K] fp32 chunk-averaged teacher
         log-probabilities, the restricted tables of
-        :func:`xtoken_core.kernels.kd_pkl.restrict_tables`, and the sum (or None).
+        :func:`xtoken_core.kernels.pkl_projection.restrict_tables`, and the sum (or None).
     """
     kernels = _kd_kernels()
     W = teacher_logits_BUW.shape[-1]
@@ -220,7 +220,7 @@ def pkl_teacher_side(
 
 
 def pkl_projection_tables(projection_VW: torch.Tensor):
-    """The CSC + ELL tables of a sparse projection (:func:`kd_pkl.build_projection_tables`);
+    """The CSC + ELL tables of a sparse projection (:func:`pkl_projection.build_projection_tables`);
     built anew each call: a :class:`~xtoken_core.data.projection.Projection` keeps them."""
     return _kd_kernels().pkl.build_projection_tables(projection_VW)
 

@@ -89,7 +89,7 @@ class PklTeacher:
         teacher_chunk_id_BU: raw teacher chunk ids.
         pair_valid_BC: bool pair validity.
         pair_is_correct_BC: bool or None.
-        tables: :class:`xtoken_core.kernels.kd_pkl.ProjectionTables` of the projection.
+        tables: :class:`xtoken_core.kernels.pkl_projection.ProjectionTables` of the projection.
         coef_5: fp32 [5] metric coefficients, ``sums_5 * (coef_5 / denom + bias_5)``.
         bias_5: fp32 [5] metric offsets.
     """
@@ -137,7 +137,7 @@ class PhaseResult:
             is strided, else None (they read the logits themselves: a graph must not hold a
             reference to the logits it was captured with, or their address could never be
             freed and taken by the next step's logits).
-        saved: per teacher, the :class:`~xtoken_core.kernels.kd_pkl_terms.ChunkKLSaved`.
+        saved: per teacher, the :class:`~xtoken_core.kernels.pkl_chunk_kl.ChunkKLSaved`.
     """
 
     out_F: torch.Tensor

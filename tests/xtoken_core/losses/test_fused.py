@@ -1,4 +1,4 @@
-"""Fused KD path (losses.fused with kd_fused kernels) against the reference KD functions."""
+"""Fused KD path (losses.fused with logit_rows kernels) against the reference KD functions."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""kd_rows chunk plan vs the PyTorch composition it replaces (interpreted on CPU, compiled on CUDA)."""
+"""chunk_plan chunk plan vs the PyTorch composition it replaces (interpreted on CPU, compiled on CUDA)."""
 
 import pytest
 import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE
-from xtoken_core.kernels import kd_rows
+from xtoken_core.kernels import chunk_plan
 from xtoken_core.losses import reference
 from xtoken_core.losses.utils import chunk_rows, shift_chunk_ids
 
@@ -54,14 +54,14 @@ def _runs(B, L, C):
 def test_plan_equals_shift_validity_and_stable_row_sort(B, T, U, C, small_blocks, monkeypatch):
     if small_blocks:  # several slot blocks, row tiles and slot steps at these sizes
         for key in ("block", "rows_block_t", "rows_block_c"):
-            monkeypatch.setitem(kd_rows.PLAN_CONFIG, key, 16)
+            monkeypatch.setitem(chunk_plan.PLAN_CONFIG, key, 16)
     gen = torch.Generator().manual_seed(B * T + C)
     s_raw, t_raw = _ids(B, T, C, gen), _ids(B, U, C, gen)
     pair_valid = torch.rand(B, C, generator=gen) < 0.8
-    plan = kd_rows.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
+    plan = chunk_plan.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
     _assert_plan(plan, s_raw, t_raw, pair_valid, C)
     s_raw, t_raw = _runs(B, T, C), _runs(B, U, C)
-    plan = kd_rows.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
+    plan = chunk_plan.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
     _assert_plan(plan, s_raw, t_raw, pair_valid, C)
 
 
@@ -72,7 +72,7 @@ def test_plan_applies_the_sample_mask_and_exact_match_only():
     pair_valid = torch.rand(B, C, generator=gen) < 0.9
     correct = torch.rand(B, C, generator=gen) < 0.6
     sample_mask = torch.tensor([1, 0, 1])
-    plan = kd_rows.plan_chunks(
+    plan = chunk_plan.plan_chunks(
         s_raw.to(DEVICE),
         t_raw.to(DEVICE),
         pair_valid.to(DEVICE),
@@ -90,7 +90,7 @@ def test_out_of_range_ids_are_clamped_and_reported_in_the_stats():
     gen = torch.Generator().manual_seed(8)
     s_raw, t_raw = _ids(B, T, C, gen, lo=-3), _ids(B, U, C, gen, hi=C + 4)
     pair_valid = torch.ones(B, C, dtype=torch.bool)
-    plan = kd_rows.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
+    plan = chunk_plan.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
     assert plan.stats_5[0].item() < -1 and plan.stats_5[3].item() >= C
     _assert_plan(plan, s_raw, t_raw, pair_valid, C)
 
@@ -100,7 +100,7 @@ def test_no_valid_chunk_gives_n_zero_and_every_row_outside():
     gen = torch.Generator().manual_seed(9)
     s_raw, t_raw = _ids(B, T, C, gen), _ids(B, U, C, gen)
     pair_valid = torch.zeros(B, C, dtype=torch.bool)
-    plan = kd_rows.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
+    plan = chunk_plan.plan_chunks(s_raw.to(DEVICE), t_raw.to(DEVICE), pair_valid.to(DEVICE))
     assert plan.stats_5[4].item() == 0
     _assert_plan(plan, s_raw, t_raw, pair_valid, C)
 
@@ -108,7 +108,7 @@ def test_no_valid_chunk_gives_n_zero_and_every_row_outside():
 def test_exact_match_only_without_pair_is_correct_is_rejected():
     ids = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="pair_is_correct"):
-        kd_rows.plan_chunks(
+        chunk_plan.plan_chunks(
             ids, ids, torch.ones(1, 2, dtype=torch.bool, device=DEVICE), exact_token_match_only=True
         )
 
@@ -120,5 +120,5 @@ def test_cuda_plan_at_the_benchmark_size_equals_the_torch_composition():
     s_raw, t_raw = _runs(B, T, C), _runs(B, U, C)
     s_raw[1, 100:140] = torch.randint(-1, C, (40,), generator=gen)  # some out-of-order ids
     pair_valid = torch.rand(B, C, generator=gen) < 0.9
-    plan = kd_rows.plan_chunks(s_raw.cuda(), t_raw.cuda(), pair_valid.cuda())
+    plan = chunk_plan.plan_chunks(s_raw.cuda(), t_raw.cuda(), pair_valid.cuda())
     _assert_plan(plan, s_raw, t_raw, pair_valid, C)

@@ -2,7 +2,7 @@
 
 These kernels let the whole cross-tokenizer loss run from the bf16 logits plus one fp32 scalar
 per row, never an fp32 ``[B, T, V]`` copy. The P-KL projection kernels live in
-:mod:`xtoken_core.kernels.kd_pkl`, the gold backward in :mod:`xtoken_core.kernels.kd_gold`; all
+:mod:`xtoken_core.kernels.pkl_projection`, the gold backward in :mod:`xtoken_core.kernels.gold_student`; all
 three read their block sizes from :data:`KERNEL_CONFIG` here. :mod:`xtoken_core.losses.fused`
 composes them (DESIGN "Losses" has the math they implement).
 
@@ -56,7 +56,7 @@ __all__ = [
     "use_triton",
 ]
 
-#: Block sizes and warps per kernel (GPU), for this module, kd_pkl and kd_gold; small problems
+#: Block sizes and warps per kernel (GPU), for this module, pkl_projection and gold_student; small problems
 #: shrink the blocks to fit.
 KERNEL_CONFIG = {
     "lse_block_v": 4096,

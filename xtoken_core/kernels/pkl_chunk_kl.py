@@ -1,7 +1,7 @@
 """P-KL chunk terms in two kernels: chunk mean of the projected rows, renormalization, KL, argmax.
 
 :class:`ProjectedChunkKL` is the whole student side of the fused P-KL loss as one autograd
-Function: row logsumexp and projection (:mod:`xtoken_core.kernels.kd_pkl`), then one kernel
+Function: row logsumexp and projection (:mod:`xtoken_core.kernels.pkl_projection`), then one kernel
 over the valid chunks for every chunk term, so the forward is four launches and the backward
 two (the chunk-term gradient, then the projection backward), whatever the chunk count.
 
@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 
 from ._utils import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, tl
-from .kd_fused import KERNEL_CONFIG, block_for, row_logsumexp
-from .kd_pkl import project_rows_backward, project_rows_forward
+from .logit_rows import KERNEL_CONFIG, block_for, row_logsumexp
+from .pkl_projection import project_rows_backward, project_rows_forward
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +453,7 @@ class ProjectedChunkKL(torch.autograd.Function):
     ell_w_PS, temperature, reverse_kl, eps, num_valid=None)`` returns ``(kd, metrics_3)``: the scalar KD sum
     over the valid chunks (its gradient flows to ``z_BTV``) and the [3] fp32 sums
     ``(l1 = 0, correct, num_valid)`` (no gradient).
-    The projection tables are those of :func:`xtoken_core.kernels.kd_pkl.restrict_tables`; the
+    The projection tables are those of :func:`xtoken_core.kernels.pkl_projection.restrict_tables`; the
     rows are the student side's valid-chunk rows (index, order, offsets); ``num_valid`` is a
     device N when the offsets cover more slots than valid chunks (:func:`chunk_kl_forward`).
     """

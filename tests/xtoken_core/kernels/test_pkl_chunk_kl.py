@@ -1,10 +1,10 @@
-"""kd_pkl_terms chunk-KL kernels vs the reference chunk terms (interpreted on CPU, compiled on CUDA)."""
+"""pkl_chunk_kl chunk-KL kernels vs the reference chunk terms (interpreted on CPU, compiled on CUDA)."""
 
 import pytest
 import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE
-from xtoken_core.kernels import kd_fused, kd_pkl_terms
+from xtoken_core.kernels import logit_rows, pkl_chunk_kl
 from xtoken_core.losses import reference
 
 pytest.importorskip("triton")
@@ -59,7 +59,7 @@ def _reference(q_RK, lp_NK, reverse_kl):
 def small_blocks(monkeypatch):
     """Blocks of 16 columns and 4 rows: several K blocks and row blocks at these sizes."""
     for key, value in (("klf_block_k", 16), ("klb_block_k", 16), ("klb_block_r", 4)):
-        monkeypatch.setitem(kd_fused.KERNEL_CONFIG, key, value)
+        monkeypatch.setitem(logit_rows.KERNEL_CONFIG, key, value)
 
 
 @pytest.mark.parametrize("reverse_kl", [False, True], ids=["fwd-kl", "rev-kl"])
@@ -68,7 +68,7 @@ def test_chunk_terms_and_row_gradients_match_the_reference(reverse_kl, small_blo
     nidx, order, offsets = _rows()
     kd_ref, correct_ref, dq_ref = _reference(q_RK, lp_NK, reverse_kl)
     q_RK, lp_NK, nidx, order, offsets = (x.to(DEVICE) for x in (q_RK, lp_NK, nidx, order, offsets))
-    out_N4, qc_NK, stats_N2 = kd_pkl_terms.chunk_kl_forward(
+    out_N4, qc_NK, stats_N2 = pkl_chunk_kl.chunk_kl_forward(
         q_RK, order, offsets, lp_NK, TEMP, reverse_kl, reference.PROB_EPS
     )
     kd, l1, correct, num_valid = out_N4.sum(0).tolist()
@@ -77,7 +77,7 @@ def test_chunk_terms_and_row_gradients_match_the_reference(reverse_kl, small_blo
     # chunk 1 agrees on the first of its tied columns, chunk 2 (teacher on the second) does not
     assert out_N4[1:3, 2].tolist() == [1.0, 0.0]
     grad = torch.tensor([0.5, 7.0, 7.0, 7.0], device=DEVICE)  # only the kd slot counts
-    dq, dot = kd_pkl_terms.chunk_kl_backward(
+    dq, dot = pkl_chunk_kl.chunk_kl_backward(
         grad, q_RK, nidx, offsets, lp_NK, qc_NK, stats_N2, TEMP, reverse_kl, reference.PROB_EPS
     )
     assert dq.shape == (len(NIDX), K) and dq.stride(0) == 1  # column-major: [K, R] memory
@@ -91,11 +91,11 @@ def test_no_valid_chunk_gives_empty_terms_and_zero_row_gradients():
     nidx = torch.full((5,), -1, device=DEVICE)
     offsets = torch.zeros(1, dtype=torch.long, device=DEVICE)
     lp_NK = torch.zeros(0, K, device=DEVICE)
-    out_N4, qc_NK, stats_N2 = kd_pkl_terms.chunk_kl_forward(
+    out_N4, qc_NK, stats_N2 = pkl_chunk_kl.chunk_kl_forward(
         q_RK, torch.arange(5, device=DEVICE), offsets, lp_NK, TEMP, False, reference.PROB_EPS
     )
     assert out_N4.shape == (0, 4) and out_N4.sum(0).tolist() == [0.0] * 4
-    dq, dot = kd_pkl_terms.chunk_kl_backward(
+    dq, dot = pkl_chunk_kl.chunk_kl_backward(
         torch.ones(4, device=DEVICE),
         q_RK,
         nidx,
@@ -117,9 +117,9 @@ def test_device_n_covers_extra_slots_with_zero_rows_and_the_same_terms(small_blo
     offsets_S1 = torch.cat([offsets, torch.tensor([-5, 10**6, 7])])
     lp_SK = torch.cat([lp_NK, torch.full((extra, K), float("nan"))])
     args = [x.to(DEVICE) for x in (q_RK, order, offsets, lp_NK)]
-    want, _, _ = kd_pkl_terms.chunk_kl_forward(*args, TEMP, False, reference.PROB_EPS)
+    want, _, _ = pkl_chunk_kl.chunk_kl_forward(*args, TEMP, False, reference.PROB_EPS)
     num_valid = torch.tensor([N], device=DEVICE)
-    got, _, _ = kd_pkl_terms.chunk_kl_forward(
+    got, _, _ = pkl_chunk_kl.chunk_kl_forward(
         args[0],
         args[1],
         offsets_S1.to(DEVICE),

@@ -1,9 +1,9 @@
 """Fused gold loss, student side: the compact chunk gradient and its backward kernel to ``dz``.
 
 :class:`GoldStudent` computes the common-vocab KL and the uncommon top-m L1 from the logits
-(chunk averages by :func:`~xtoken_core.kernels.kd_fused.chunk_mean_columns`) and keeps the
+(chunk averages by :func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`) and keeps the
 chunk gradient as two compact blocks; :func:`gold_backward` expands it to the logits gradient.
-Block sizes come from :data:`xtoken_core.kernels.kd_fused.KERNEL_CONFIG`.
+Block sizes come from :data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, N valid chunks,
@@ -20,7 +20,7 @@ import logging
 import torch
 
 from ._utils import LOG2E, cdiv, lazy_jit, tl
-from .kd_fused import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
+from .logit_rows import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class GoldStudent(torch.autograd.Function):
                     u.copy_(e.neg_())
                 gsum_common_N[i : i + step] = u.sum(-1)
             del s_common_NC
-        # Where each vocab id's chunk gradient lives (the code of kd_fused.gold_backward).
+        # Where each vocab id's chunk gradient lives (the code of logit_rows.gold_backward).
         cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
         cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
         if g_unc_NU is not None:

@@ -3,7 +3,7 @@
 The projection ``M[S, W]`` is held twice (:class:`ProjectionTables`, built once per matrix): as
 a CSC list for the forward gathers and as an ELL table for the backward gathers, so that no
 ``[B, T, V]`` probability tensor is ever materialized. Block sizes come from
-:data:`xtoken_core.kernels.kd_fused.KERNEL_CONFIG`.
+:data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, W teacher vocabulary
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_power_of_2, tl
-from .kd_fused import KERNEL_CONFIG, block_for, row_logsumexp
+from .logit_rows import KERNEL_CONFIG, block_for, row_logsumexp
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""kd_pkl projection kernels vs the dense formula (interpreted on CPU, compiled on CUDA)."""
+"""pkl_projection projection kernels vs the dense formula (interpreted on CPU, compiled on CUDA)."""
 
 import pytest
 import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE, kd_logits, kd_rows
-from xtoken_core.kernels import kd_fused as kf
-from xtoken_core.kernels import kd_pkl
+from xtoken_core.kernels import logit_rows as kf
+from xtoken_core.kernels import pkl_projection
 
 pytest.importorskip("triton")
 
@@ -41,7 +41,7 @@ def test_projection_forward_and_backward_match_the_dense_formula(dtype):
     nidx, _, _ = kd_rows(B, T, 5, seed=9)
     temp = 1.6
     lse = kf.row_logsumexp(z, nidx, temp)
-    q = kd_pkl.project_rows_forward(z, lse, *csc, temp)
+    q = pkl_projection.project_rows_forward(z, lse, *csc, temp)
     used = (nidx >= 0).view(-1, 1)
     z64 = z.detach().double().reshape(B * T, V).requires_grad_()
     q_ref = (torch.softmax(z64 / temp, -1)[:, :S] @ dense) * used
@@ -50,11 +50,11 @@ def test_projection_forward_and_backward_match_the_dense_formula(dtype):
 
     dq = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE) * used
     dot = (dq * q).sum(-1)
-    dz = kd_pkl.project_rows_backward(z, lse, dq, dot, *ell, temp)
+    dz = pkl_projection.project_rows_backward(z, lse, dq, dot, *ell, temp)
     (q_ref * dq.double()).sum().backward()
     assert dz.dtype == dtype and dz.shape == (B, T, V)
-    dq_column_major = dq.t().contiguous().t()  # the layout kd_pkl_terms writes
-    dz_cm = kd_pkl.project_rows_backward(z, lse, dq_column_major, dot, *ell, temp)
+    dq_column_major = dq.t().contiguous().t()  # the layout pkl_chunk_kl writes
+    dz_cm = pkl_projection.project_rows_backward(z, lse, dq_column_major, dot, *ell, temp)
     assert torch.equal(dz_cm, dz)
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(dz.reshape(B * T, V).double(), z64.grad, **tol)
@@ -73,8 +73,8 @@ def test_restricted_tables_hold_exactly_the_selected_columns_of_m_packed_low():
     M = M.coalesce().to(DEVICE)
     dense_SW = M.to_dense().double().cpu()
     idx = torch.tensor([0, 3, 4, 8, 11, 20, 21, 30, 36], device=DEVICE)
-    ptr, rows_E, cols_E, w_E, ell_j, ell_w = kd_pkl.restrict_tables(
-        kd_pkl.build_projection_tables(M), idx
+    ptr, rows_E, cols_E, w_E, ell_j, ell_w = pkl_projection.restrict_tables(
+        pkl_projection.build_projection_tables(M), idx
     )
     want_SK = dense_SW[:, idx.cpu()]
     E = int(ptr[-1])

@@ -1,11 +1,11 @@
-"""kd_gold backward kernel vs autograd of the chunk means (interpreted on CPU, compiled on CUDA)."""
+"""gold_student backward kernel vs autograd of the chunk means (interpreted on CPU, compiled on CUDA)."""
 
 import pytest
 import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE, kd_logits, kd_rows
-from xtoken_core.kernels import kd_fused as kf
-from xtoken_core.kernels import kd_gold
+from xtoken_core.kernels import gold_student
+from xtoken_core.kernels import logit_rows as kf
 
 pytest.importorskip("triton")
 
@@ -31,7 +31,7 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
         G[:, uncommon] = gscale[1] * g_unc
     sizes = (offsets[1:] - offsets[:-1]).float()
     lse = kf.row_logsumexp(z, nidx, temp)
-    dz = kd_gold.gold_backward(
+    dz = gold_student.gold_backward(
         z, lse, nidx, g_common if parts != "uncommon-only" else None,
         g_unc if parts != "common-only" else None, cpos, G.sum(-1),
         1.0 / (temp * sizes.clamp_min(1)), gscale, temp,

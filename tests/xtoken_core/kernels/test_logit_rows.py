@@ -1,10 +1,10 @@
-"""kd_fused row kernels vs plain PyTorch formulas (interpreted on CPU, compiled on CUDA)."""
+"""logit_rows row kernels vs plain PyTorch formulas (interpreted on CPU, compiled on CUDA)."""
 
 import pytest
 import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE, kd_logits, kd_rows
-from xtoken_core.kernels import kd_fused as kf
+from xtoken_core.kernels import logit_rows as kf
 
 pytest.importorskip("triton")
 
