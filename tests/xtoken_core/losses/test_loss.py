@@ -761,7 +761,9 @@ def test_topk_columns_all_matches_the_nemo_rule_and_differs_from_valid(reverse):
 
 
 @pytest.mark.parametrize("rule", ["valid", "all"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["reference-fallback", "kernels"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32], ids=["reference-fallback", "kernels"]
+)
 def test_topk_columns_rule_is_the_same_in_the_kernel_engine(rule, dtype, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
