@@ -22,8 +22,6 @@ Legend (shape suffixes in this file):
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from xtoken_core.kernels import chunk_plan, gold_student, logit_rows, pkl_chunk_kl, pkl_projection
@@ -43,16 +41,6 @@ __all__ = [
 ]
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _kd_kernels() -> SimpleNamespace:
-    """The KD kernel modules by role (``rows``, ``pkl``, ``pkl_terms``, ``plan``, ``gold``)."""
-    return _KERNELS
-
-
-_KERNELS = SimpleNamespace(
-    rows=logit_rows, pkl=pkl_projection, pkl_terms=pkl_chunk_kl, plan=chunk_plan, gold=gold_student
-)
 
 
 def fused_path_available(
@@ -112,7 +100,7 @@ def plan_chunks(
         ValueError: ``exact_token_match_only`` without ``pair_is_correct_BC``.
     """
     # the kernel wrapper moves every other input to the student ids' device
-    return _kd_kernels().plan.plan_chunks(
+    return chunk_plan.plan_chunks(
         student_chunk_id_BT if device is None else student_chunk_id_BT.to(device),
         teacher_chunk_id_BU,
         pair_valid_BC,
@@ -192,7 +180,6 @@ def pkl_teacher_side(
         log-probabilities, the restricted tables of
         :func:`xtoken_core.kernels.pkl_projection.restrict_tables`, and the sum (or None).
     """
-    kernels = _kd_kernels()
     W = teacher_logits_BUW.shape[-1]
     total = None
     with torch.no_grad():
@@ -203,7 +190,7 @@ def pkl_teacher_side(
             rows_R = teacher_chunk_id_BU.reshape(-1).contiguous()
             if topk_columns == "all":  # every row counts as used
                 rows_R = torch.zeros_like(rows_R)
-            max_W = kernels.rows.column_max(teacher_logits_BUW, rows_R, with_sum=with_sum)
+            max_W = logit_rows.column_max(teacher_logits_BUW, rows_R, with_sum=with_sum)
             if with_sum:
                 max_W, total = max_W
             # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
@@ -211,18 +198,18 @@ def pkl_teacher_side(
             # without it, so it keeps sorted=True there. The ids go in ascending order by one
             # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
             top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
-            idx_K = kernels.rows.ascending_ids(top.indices, W)
-        teacher_lp_NK = kernels.rows.chunk_mean_log_softmax_columns(
+            idx_K = logit_rows.ascending_ids(top.indices, W)
+        teacher_lp_NK = logit_rows.chunk_mean_log_softmax_columns(
             teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
         )
-        restricted = kernels.pkl.restrict_tables(tables, idx_K)
+        restricted = pkl_projection.restrict_tables(tables, idx_K)
     return teacher_lp_NK, restricted, total
 
 
 def pkl_projection_tables(projection_VW: torch.Tensor):
     """The CSC + ELL tables of a sparse projection (:func:`pkl_projection.build_projection_tables`);
     built anew each call: a :class:`~xtoken_core.data.projection.Projection` keeps them."""
-    return _kd_kernels().pkl.build_projection_tables(projection_VW)
+    return pkl_projection.build_projection_tables(projection_VW)
 
 
 def _pkl_fused(
@@ -241,7 +228,6 @@ def _pkl_fused(
     topk_columns="valid",
     projection_tables=None,
 ) -> KDTerms:
-    kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
         student_logits_BTV,
         teacher_logits_BUW,
@@ -264,7 +250,7 @@ def _pkl_fused(
         device_N=device_N,
         topk_columns=topk_columns,
     )
-    kd, sums_3 = kernels.pkl_terms.ProjectedChunkKL.apply(
+    kd, sums_3 = pkl_chunk_kl.ProjectedChunkKL.apply(
         zs_BTV,
         s_rows.nidx_R,
         s_rows.order_R,
@@ -294,7 +280,6 @@ def _gold_fused(
     num_valid,
     plan,
 ) -> KDTerms:
-    kernels = _kd_kernels()
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
         student_logits_BTV,
         teacher_logits_BUW,
@@ -307,16 +292,16 @@ def _gold_fused(
     ut = exact_map["uncommon_teacher"]
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
     with torch.no_grad():
-        lse_t_R = kernels.rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
+        lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
         if m > 0:
-            u_unc_NX = kernels.rows.chunk_mean_columns(
+            u_unc_NX = logit_rows.chunk_mean_columns(
                 zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature, ut
             )
             u_top_Nm = torch.topk(u_unc_NX, m, dim=-1).values.exp_()
             del u_unc_NX
         else:
             u_top_Nm = torch.zeros((N, 0), dtype=torch.float32, device=zt_BUW.device)
-        u_common_NC = kernels.rows.chunk_mean_columns(
+        u_common_NC = logit_rows.chunk_mean_columns(
             zt_BUW,
             lse_t_R,
             t_rows.order_R,
@@ -324,7 +309,7 @@ def _gold_fused(
             temperature,
             exact_map["common_teacher"],
         )
-    kl_sum, l1_sum, correct = kernels.gold.GoldStudent.apply(
+    kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
         zs_BTV, s_rows, u_common_NC, u_top_Nm, exact_map, float(temperature), bool(reverse_kl)
     )
     return reference.gold_terms_from_sums(

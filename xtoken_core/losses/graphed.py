@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from xtoken_core import envs
+from xtoken_core.kernels import pkl_chunk_kl
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.utils import ChunkRows
 
@@ -169,7 +170,6 @@ def kd_phase(
     Returns:
         :class:`PhaseResult`.
     """
-    kernels = fused._kd_kernels()
     zs_BTV = fused._last_dim_contiguous(student_logits_BTV.detach())
     device = zs_BTV.device
     # The finite checks are plain fp32 sums of the logits, taken by passes that read them
@@ -205,7 +205,7 @@ def kd_phase(
         if teacher_sum is None:  # all columns kept: no column-max pass
             teacher_sum = zt_BUW.sum(dtype=torch.float32)
         teacher_checks += [teacher_sum.reshape(1), plan.stats_5]
-        sums_4, saved_i = kernels.pkl_terms.projected_chunk_kl_forward(
+        sums_4, saved_i = pkl_chunk_kl.projected_chunk_kl_forward(
             zs_BTV,
             s_rows.nidx_R,
             s_rows.order_R,
@@ -375,7 +375,7 @@ class _Run:
                 result = kd_phase(self.spec, student, teachers, sample_mask, denoms)
             student_BTV, saved = result.student_BTV, result.saved
         else:
-            saved_type = fused._kd_kernels().pkl_terms.ChunkKLSaved
+            saved_type = pkl_chunk_kl.ChunkKLSaved
             width = len(saved_type._fields)
             saved = tuple(saved_type(*saved_flat[i * width : (i + 1) * width]) for i in range(n))
         return (student.detach() if student_BTV is None else student_BTV), saved
@@ -408,11 +408,10 @@ class _PhaseFunction(torch.autograd.Function):
         metrics, *flat = ctx.saved_tensors
         run = ctx.run
         student_BTV, saved_all = run.backward_tensors(flat)
-        pkl_terms = fused._kd_kernels().pkl_terms
         grad = grad_kd.to(torch.float32).reshape(1)
         dz_BTV = None
         for i, saved in enumerate(saved_all):
-            dz_i = pkl_terms.projected_chunk_kl_backward(
+            dz_i = pkl_chunk_kl.projected_chunk_kl_backward(
                 grad * metrics[4 + i : 5 + i],
                 student_BTV,
                 saved,
