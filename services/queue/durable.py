@@ -48,6 +48,12 @@ RECORD_LIMITS = WireLimits(
 _LOG_NAME = re.compile(r"^log\.(\d{16})$")
 # writev takes at most this many buffers at once (IOV_MAX is 1024 on Linux).
 _IOV_MAX = 1024
+# Records nobody waits for (puts answered at once) are written in batches: the writer waits up to
+# this long for more before it writes, unless a record somebody waits for (an ack) comes.
+LAZY_S = 0.005
+# The writer thread's nice value: on a busy host the event loop and the clients go first (a put
+# answered at once is not delayed by the write of the one before it).
+WRITER_NICE = 5
 
 
 def encode_record(op: str, body: dict[str, Any]) -> list[Any]:
@@ -218,6 +224,7 @@ class DurableLog:
         self._queue: collections.deque[tuple[int, str, Any]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._urgent = False  # a queued record is waited for
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- recovery
@@ -288,19 +295,24 @@ class DurableLog:
         self._thread = threading.Thread(target=self._run, name="queue-log", daemon=True)
         self._thread.start()
 
-    def append(self, op: str, body: dict[str, Any]) -> int:
+    def append(self, op: str, body: dict[str, Any], urgent: bool = True) -> int:
         """Queue one record; returns its sequence number (``written >= seq`` once the OS has it).
 
         The tensors of ``body`` are referenced until the record is written: do not change them.
+
+        Args:
+            op, body: the record (``encode_record``).
+            urgent: somebody waits for it (written at once); False lets the writer wait up to
+                ``LAZY_S`` to write it with the records that follow.
         """
-        return self._push("record", encode_record(op, body))
+        return self._push("record", encode_record(op, body), urgent)
 
     def compact(self, snapshot: list[list[Any]]) -> int:
         """Start a new log generation with ``snapshot`` (encoded records of the whole state as
         of now); the records appended after this call follow it there."""
-        return self._push("rotate", snapshot)
+        return self._push("rotate", snapshot, True)
 
-    def _push(self, kind: str, item: Any) -> int:
+    def _push(self, kind: str, item: Any, urgent: bool) -> int:
         if self.error is not None:
             raise RuntimeError(f"the queue log in {self.data_dir} failed: {self.error}")
         nbytes = (
@@ -311,8 +323,10 @@ class DurableLog:
         with self._cond:
             self.appended += 1
             self.pending_bytes += nbytes
+            if urgent or not self._queue:
+                self._cond.notify()
+            self._urgent = self._urgent or urgent
             self._queue.append((self.appended, kind, item))
-            self._cond.notify()
             return self.appended
 
     def durable(self, seq: int, synced: bool) -> bool:
@@ -333,6 +347,10 @@ class DurableLog:
             self._fd = -1
 
     def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (OSError, AttributeError):  # not Linux, or not allowed: normal priority
+            pass
         last_sync = time.monotonic()
         while True:
             with self._cond:
@@ -343,8 +361,11 @@ class DurableLog:
                         if timeout == 0:
                             break
                     self._cond.wait(timeout)
+                if self._queue and not self._urgent and not self._closing:
+                    self._cond.wait(LAZY_S)  # more puts coming: write them in one go
                 batch = list(self._queue)
                 self._queue.clear()
+                self._urgent = False
                 if not batch and self._closing:
                     return
             try:

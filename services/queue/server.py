@@ -538,9 +538,13 @@ class QueueServer:
         if self.log is not None and result.stored:
             # the whole put: a replay stores the same cells (duplicates and consumed keys are
             # refused again), and the record keeps the received buffers until written
+            waited = (
+                self.config.fsync == "always" or self.log.pending_bytes > self.config.log_lag_bytes
+            )
             self._log_seq = self.log.append(
                 "put",
                 {"partition": body["partition"], "keys": body["keys"], "fields": body["fields"]},
+                urgent=waited,
             )
         if seg is not None and not result.blocked:
             self.pool.stored(
@@ -726,7 +730,9 @@ class QueueServer:
         ):
             self.store.register(body["partition"], body["task"])
             # not waited for: a consumer that registers asks again after a restart
-            self.log.append("register", {"partition": body["partition"], "task": body["task"]})
+            self.log.append(
+                "register", {"partition": body["partition"], "task": body["task"]}, urgent=False
+            )
         lease_ms = body.get("lease_ms")
         lease_s = self.config.lease_s if lease_ms is None else lease_ms / 1000
         batch = self.store.claim(
