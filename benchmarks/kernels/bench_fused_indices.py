@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402
 
-from xtoken_core.kernels import fused_indices as fi  # noqa: E402
+from xtoken_core.ops import indices_to_multihot as fi  # noqa: E402
 
 RESULTS = _common.RESULTS_DIR / "kernels_fused_indices.jsonl"
 

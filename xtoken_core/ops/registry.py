@@ -304,8 +304,8 @@ DEFAULT_PRIORITIES: dict[str, dict[str, tuple[OpBackend, ...]]] = {
 _DEFAULT_TARGETS: dict[str, dict[OpBackend, str]] = {
     "embedding": {OpBackend.TORCH: "xtoken_core.ops.embedding:NativeEmbeddingOp"},
     "fused_indices_to_multihot": {
-        OpBackend.TRITON: "xtoken_core.kernels.fused_indices:TritonIndicesToMultihotOp",
-        OpBackend.TORCH: "xtoken_core.kernels.fused_indices:TorchIndicesToMultihotOp",
+        OpBackend.TRITON: "xtoken_core.ops.indices_to_multihot:TritonIndicesToMultihotOp",
+        OpBackend.TORCH: "xtoken_core.ops.indices_to_multihot:TorchIndicesToMultihotOp",
     },
 }
 

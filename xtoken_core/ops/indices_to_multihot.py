@@ -27,12 +27,11 @@ Backward kernel, per tile of tokens x slots (a gather, N*K loads instead of N*E)
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from xtoken_core import envs
+from xtoken_core.kernels._utils import cdiv, interpret_mode, lazy_jit, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -155,27 +154,13 @@ def indices_to_multihot_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernels (built lazily: triton is optional, and TRITON_INTERPRET is read at jit time)
+# Triton kernels (jitted per mode at launch: TRITON_INTERPRET may change between calls). They call
+# only builtins of ``triton.language`` (no ``tl.zeros``/``tl.sum``...), as LazyJit requires.
 # --------------------------------------------------------------------------------------------
 
+if tl is not None:
 
-def _interpret_mode() -> bool:
-    return envs.triton_interpret()
-
-
-@functools.lru_cache(maxsize=2)
-def _build_kernels(interpret: bool):
-    """Jit both kernels once per interpreter mode (the mode is fixed at decoration time).
-
-    The kernels call only builtins of ``triton.language`` (no ``tl.zeros``/``tl.sum``...): those
-    helpers are themselves jit functions, frozen in compiled mode when triton was imported before
-    TRITON_INTERPRET was set, and the interpreter then refuses to call them.
-    """
-    del interpret  # only the cache key; triton reads the environment itself
-    import triton
-    import triton.language as tl
-
-    @triton.jit
+    @lazy_jit
     def indices_to_multihot_fwd_kernel(
         indices_ptr,
         probs_in_ptr,
@@ -214,7 +199,7 @@ def _build_kernels(interpret: bool):
             mask=ok_TE,
         )
 
-    @triton.jit
+    @lazy_jit
     def multihot_to_indices_bwd_kernel(
         grad_probs_ptr,
         indices_ptr,
@@ -237,8 +222,6 @@ def _build_kernels(interpret: bool):
         won_TK = local_TK & (position_TK == k_K[None, :])
         grad_TK = tl.load(grad_probs_ptr + column_TK, mask=won_TK, other=0.0)
         tl.store(grad_in_ptr + slot_TK, grad_TK.to(grad_in_ptr.dtype.element_ty), mask=ok_TK)
-
-    return triton, indices_to_multihot_fwd_kernel, multihot_to_indices_bwd_kernel
 
 
 def _next_pow2(x: int) -> int:
@@ -277,12 +260,11 @@ def indices_to_multihot_forward(
         indices_NK = indices_NK.long()
     indices_NK = indices_NK.contiguous()
     probs_indices_NK = probs_indices_NK.contiguous()
-    triton, fwd_kernel, _ = _build_kernels(_interpret_mode())
     block_e = min(_next_pow2(E), _FWD_MAX_BLOCK_E)
     block_t = max(1, _FWD_TILE_ELEMS // block_e)
     block_t = min(block_t, _next_pow2(N))
-    grid = (triton.cdiv(N, block_t), triton.cdiv(E, block_e))
-    fwd_kernel[grid](
+    grid = (cdiv(N, block_t), cdiv(E, block_e))
+    indices_to_multihot_fwd_kernel[grid](
         indices_NK,
         probs_indices_NK,
         multihot_NE.view(torch.int8),
@@ -332,11 +314,10 @@ def indices_to_multihot_backward(
         return grad_NK.zero_()
     if indices_NK.dtype not in (torch.int32, torch.int64):
         indices_NK = indices_NK.long()
-    triton, _, bwd_kernel = _build_kernels(_interpret_mode())
     block_k = _next_pow2(K)
     block_t = min(max(1, _BWD_TILE_ELEMS // block_k), _next_pow2(N))
-    grid = (triton.cdiv(N, block_t),)
-    bwd_kernel[grid](
+    grid = (cdiv(N, block_t),)
+    multihot_to_indices_bwd_kernel[grid](
         grad_probs_NE.contiguous(),
         indices_NK.contiguous(),
         position_NE.contiguous(),
@@ -380,13 +361,9 @@ class IndicesToMultihot(torch.autograd.Function):
 
 
 def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda" and not (device.type == "cpu" and _interpret_mode()):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton is not None and (
+        device.type == "cuda" or (device.type == "cpu" and interpret_mode())
+    )
 
 
 def fused_indices_to_multihot(
@@ -450,7 +427,8 @@ class TritonIndicesToMultihotOp:
     backend_name = "triton"
 
     def __init__(self) -> None:
-        import triton  # noqa: F401  (fail at construction, not at the first call)
+        if triton is None:  # fail at construction, not at the first call
+            raise ImportError("triton is not installed: the torch backend serves this op")
 
     def __call__(self, indices, probs_indices, num_of_local_experts):
         """Shape: [N, K], [N, K], E -> (multihot [N, E] bool, probs [N, E])."""

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xtoken_core.kernels import fused_indices as fi
+from xtoken_core.ops import indices_to_multihot as fi
 
 pytest.importorskip("triton")
 
