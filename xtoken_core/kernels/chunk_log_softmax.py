@@ -331,7 +331,7 @@ SEGMENTS_KERNEL_MAX_WORK = 1 << 27
 
 
 def _segments_device(chunk_id_BT: torch.Tensor, num_chunks: int):
-    """Segment structure of :func:`_segments` (same values, bit for bit) in one Triton launch.
+    """Segment structure of :func:`_segments` (same values, bit for bit) by a Triton kernel.
 
     Replaces ~15 small torch ops (where, stable sort, searchsorted, ...) by a stable counting
     sort: no host sync and no data-dependent sizes. Falls back to :func:`_segments` (unchecked)

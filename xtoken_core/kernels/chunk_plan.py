@@ -1,4 +1,4 @@
-"""Chunk plan of the fused KD path in two launches: shifted ids, validity, numbering, row groups.
+"""Chunk plan of the fused KD path: shifted ids, validity, valid-chunk numbering, row groups.
 
 :func:`plan_chunks` turns the raw alignment (chunk ids of both sides, ``pair_valid`` and the
 optional masks) into everything the fused loss kernels index with, on the device and without a
@@ -292,7 +292,7 @@ def plan_chunks(
     pair_is_correct_BC: torch.Tensor | None = None,
     exact_token_match_only: bool = False,
 ) -> ChunkPlan:
-    """The chunk plan of one micro-batch and teacher, in two launches and no host sync.
+    """The chunk plan of one micro-batch and teacher, computed on the device (no host sync).
 
     Args:
         student_chunk_id_BT: [B, T] raw (unshifted) integer student chunk ids, -1 = none.

@@ -18,11 +18,10 @@ Per row ``r`` with ``x = z / temperature`` and ``lse_r = logsumexp_v x[r, v]``
 * ``lse``: online softmax in base 2, one ``exp2`` per element. Rows outside every valid chunk
   get ``lse = +inf`` so that every later ``p`` of theirs is exactly 0.
 * chunk average over gathered columns: ``out[n, i] = mean_{r in n} (x[r, cols[i]] - lse_r)``;
-  with the lse over those columns only, in one launch (P-KL teacher side).
+  with the lse over those columns only (P-KL teacher side).
 * column max: ``max_W[w] = max_{r used} z[r, w]`` (P-KL teacher column selection).
 * ascending ids: a set of distinct column ids (``torch.topk``'s indices) in ascending order,
-  by a flag per column and a prefix sum, in one launch (replaces ``torch.sort``, a radix sort
-  of a dozen launches).
+  by a flag per column and a prefix sum (what ``torch.sort`` of the ids would give).
 """
 
 from __future__ import annotations
@@ -465,7 +464,7 @@ def chunk_mean_log_softmax_columns(
     cols_X: torch.Tensor | None = None,
     num_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Chunk-averaged log-softmax restricted to a column subset, in one launch.
+    """Chunk-averaged log-softmax restricted to a column subset.
 
     Equal to ``chunk_mean_columns(z[..., cols], row_logsumexp(z[..., cols]), ...)`` without
     the gathered copy: the softmax is over the ``X`` gathered columns only (the P-KL teacher
@@ -561,7 +560,7 @@ def column_max(
 
 
 def ascending_ids(ids_K: torch.Tensor, W: int) -> torch.Tensor:
-    """The distinct ids ``ids_K`` (in ``[0, W)``, any order) sorted ascending, in one launch.
+    """The distinct ids ``ids_K`` (in ``[0, W)``, any order) sorted ascending.
 
     Equal to ``torch.sort(ids_K).values`` for distinct ids (e.g. the indices of
     ``torch.topk``); duplicates collapse, so the tail of the result is then unspecified. Runs

@@ -1,9 +1,9 @@
-"""P-KL chunk terms in two kernels: chunk mean of the projected rows, renormalization, KL, argmax.
+"""P-KL chunk terms: chunk mean of the projected rows, renormalization, KL, argmax agreement.
 
 :class:`ProjectedChunkKL` is the whole student side of the fused P-KL loss as one autograd
-Function: row logsumexp and projection (:mod:`xtoken_core.kernels.pkl_projection`), then one kernel
-over the valid chunks for every chunk term, so the forward is four launches and the backward
-two (the chunk-term gradient, then the projection backward), whatever the chunk count.
+Function: row logsumexp and projection (:mod:`xtoken_core.kernels.pkl_projection`), then every
+chunk term over the valid chunks by one kernel; the backward is the chunk-term gradient, then
+the projection backward.
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, K selected teacher
@@ -240,7 +240,7 @@ def chunk_kl_forward(
     eps: float,
     num_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every P-KL chunk term in one launch (module docstring has the math).
+    """Every P-KL chunk term of each valid chunk (module docstring has the math).
 
     Args:
         q_RK: [R, K] fp32 projected probabilities of every row (last dim contiguous).
@@ -300,7 +300,7 @@ def chunk_kl_backward(
     reverse_kl: bool,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradient of ``kd`` w.r.t. every row's q, and ``dot_r = sum_k dq_r q_r``, in one launch.
+    """Gradient of ``kd`` w.r.t. every row's q, and ``dot_r = sum_k dq_r q_r``.
 
     Args:
         grad: fp32 tensor whose first element is ``d loss / d kd`` (read on the device).
@@ -387,7 +387,7 @@ def projected_chunk_kl_forward(
     num_valid=None,
     row_sums_R=None,
 ) -> tuple[torch.Tensor, ChunkKLSaved]:
-    """The forward of :class:`ProjectedChunkKL` without autograd: four launches, no host sync.
+    """The forward of :class:`ProjectedChunkKL` without autograd (no host sync).
 
     Args: as :class:`ProjectedChunkKL` (``z_BTV`` last dim contiguous), plus ``row_sums_R``:
         fp32 [R] or None, filled with every row's plain sum of ``z`` by the row-logsumexp pass
@@ -416,7 +416,7 @@ def projected_chunk_kl_backward(
     reverse_kl: bool,
     eps: float,
 ) -> torch.Tensor:
-    """``d loss / d z`` of the KD sum of :func:`projected_chunk_kl_forward`, in two launches.
+    """``d loss / d z`` of the KD sum of :func:`projected_chunk_kl_forward`.
 
     Args:
         grad: fp32 tensor whose first element is ``d loss / d kd`` (read on the device).
@@ -447,7 +447,7 @@ def projected_chunk_kl_backward(
 
 
 class ProjectedChunkKL(torch.autograd.Function):
-    """Sums of the P-KL chunk terms from the student logits, four launches forward, two back.
+    """Sums of the P-KL chunk terms from the student logits, differentiable w.r.t. them.
 
     ``apply(z_BTV, nidx_R, order_R, offsets_N1, lp_NK, ptr_K1, rows_E, cols_E, w_E, ell_j_PS,
     ell_w_PS, temperature, reverse_kl, eps, num_valid=None)`` returns ``(kd, metrics_3)``: the scalar KD sum

@@ -449,7 +449,7 @@ def build_projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
 def restrict_tables(
     tables: ProjectionTables, idx_K: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSC lists and ELL column positions of ``M[:, idx]``, with no host sync (two launches).
+    """CSC lists and ELL column positions of ``M[:, idx]``, computed on the device (no host sync).
 
     The entry lists are sized for all E_M entries of M (the restricted count E is only known
     on the device); entries past ``ptr_K1[-1]`` are never read by the forward kernel.

@@ -76,7 +76,7 @@ def plan_chunks(
     exact_token_match_only: bool = False,
     device: torch.device | None = None,
 ):
-    """Shifted ids, validity, N and both sides' valid-chunk rows in two launches, no sync.
+    """Shifted ids, validity, N and both sides' valid-chunk rows of one teacher, on the device.
 
     The fused path's replacement for :func:`~xtoken_core.losses.utils.shift_chunk_ids`,
     :func:`~xtoken_core.losses.reference.chunk_validity` and

@@ -1,4 +1,4 @@
-"""The fused P-KL KD phase replayed as one CUDA graph: ~50 launches of host work become one.
+"""The kernel engine's P-KL KD phase captured once as a CUDA graph and replayed (an option).
 
 At one sample of 1,024 tokens the fused P-KL kernels need ~1.3 ms of GPU but ~2 ms of host time
 to launch (plan, teacher top-k, chunk means, projection, chunk terms, metric scaling, input
