@@ -70,19 +70,24 @@ class SpecializationSpy:
         from xtoken_core.kernels import _utils
 
         self.seen: dict = collections.defaultdict(lambda: collections.defaultdict(set))
-        original = _utils.LazyJit._launch
+        original = _utils.LazyJit.__getitem__
         seen = self.seen
 
-        def launch(lazy, jitted, grid, *a, **kw):
-            binder = jitted.device_caches[driver.active.get_current_device()][4]
-            _, spec, _ = binder(*a, **kw)
-            for param, value in zip(jitted.params, spec):
-                seen[lazy.__name__][param.name].add(str(value))
-            for name, value in kw.items():
-                seen[lazy.__name__][name].add(repr(value))
-            return original(lazy, jitted, grid, *a, **kw)
+        def getitem(lazy, grid):
+            jitted, launcher = lazy.jitted(), original(lazy, grid)
 
-        _utils.LazyJit._launch = launch
+            def launch(*a, **kw):
+                binder = jitted.device_caches[driver.active.get_current_device()][4]
+                _, spec, _ = binder(*a, **kw)
+                for param, value in zip(jitted.params, spec):
+                    seen[lazy.__name__][param.name].add(str(value))
+                for name, value in kw.items():
+                    seen[lazy.__name__][name].add(repr(value))
+                return launcher(*a, **kw)
+
+            return launch
+
+        _utils.LazyJit.__getitem__ = getitem
 
     def varying(self) -> dict:
         """``{kernel: {argument: sorted specializations}}`` for arguments seen with several."""
