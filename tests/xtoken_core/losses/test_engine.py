@@ -1,0 +1,41 @@
+"""The engine seam: which engine a call takes, and that both give one KD term for the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.xtoken_core.losses.test_loss import make_batch, make_logits, make_projection
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+from xtoken_core.losses.engine import ReferenceEngine
+from xtoken_core.losses.kernel_engine import KernelEngine
+
+
+def _loss(**overrides) -> CrossTokenizerLoss:
+    return CrossTokenizerLoss(CrossTokenizerLossConfig(projection=make_projection(), **overrides))
+
+
+def _engine(fn: CrossTokenizerLoss, zs: torch.Tensor, zt: torch.Tensor):
+    return fn.engine_for(zs, fn._teachers(zs, zt, make_batch(0)))
+
+
+def test_cuda_graphs_are_an_option_of_the_kernel_engine_off_by_default():
+    assert CrossTokenizerLossConfig(projection=make_projection()).cuda_graphs is False
+
+
+def test_the_reference_engine_takes_fp64_and_cpu_calls(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zs, zt = make_logits(0)  # float64
+    assert isinstance(_engine(_loss(backend="kernel"), zs, zt), ReferenceEngine)
+    zs32, zt32 = zs.detach().float(), zt.float()
+    assert isinstance(_engine(_loss(backend="auto"), zs32, zt32), ReferenceEngine)  # no CUDA
+    assert isinstance(_engine(_loss(backend="reference"), zs32, zt32), ReferenceEngine)
+
+
+def test_the_kernel_engine_takes_fp32_where_triton_runs(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zs, zt = make_logits(0)
+    fn = _loss(backend="kernel")
+    assert isinstance(_engine(fn, zs.detach().float(), zt.float()), KernelEngine)
+    assert fn.graph_stats is None  # graphs off: the phase was never built
