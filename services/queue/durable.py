@@ -6,7 +6,8 @@ as raw frames; never pickle), framed on disk as::
     head    magic b"XTKR" | crc32 u32 | payload length u64        (16 bytes, little-endian)
     payload frame count u32 | frame lengths u64 x count | frames
 
-The CRC covers the whole payload, so a record cut by a SIGKILL (short) or garbled by a crash
+A put is logged as the request's own frames (type ``put``; no second encoding), other changes
+as a ``reply`` message whose body names the ``op``. The CRC covers the whole payload, so a record cut by a SIGKILL (short) or garbled by a crash
 (bad CRC) is detected on replay; the log is truncated before it and appending goes on from there.
 
 Files: ``DIR/log.<generation>`` (16 digits). A compaction writes the store's state as records
@@ -55,7 +56,7 @@ WRITE_CHUNK = 1 << 20
 LAZY_S = 0.005
 # The writer thread's nice value: on a busy host the event loop and the clients go first (a put
 # answered at once is not delayed by the write of the one before it).
-WRITER_NICE = 5
+WRITER_NICE = 19
 
 
 def encode_record(op: str, body: dict[str, Any]) -> list[Any]:
@@ -148,7 +149,10 @@ def read_records(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
             except WireError:
                 return
             end += RECORD_HEAD.size + length
-            yield end, msg.body
+            body = msg.body
+            if msg.msg_type != "reply":  # a request logged as it was received (a put)
+                body = {**body, "op": msg.msg_type}
+            yield end, body
 
 
 def log_files(data_dir: str) -> list[tuple[int, str]]:
@@ -322,6 +326,11 @@ class DurableLog:
                 ``LAZY_S`` to write it with the records that follow.
         """
         return self._push("record", encode_record(op, body), urgent)
+
+    def append_frames(self, frames: list[Any], urgent: bool = True) -> int:
+        """Queue a request as it was received (``[header, body, *tensor frames]`` of a put: its
+        message type is the record's ``op``), without encoding it again."""
+        return self._push("record", frames, urgent)
 
     def compact(self, snapshot: list[list[Any]]) -> int:
         """Start a new log generation with ``snapshot`` (encoded records of the whole state as

@@ -307,6 +307,8 @@ class QueueServer:
         return self.recovery
 
     def _log_wake(self) -> None:
+        if not self._deferred and self.log.error is None:
+            return  # nobody waits for the writer (the loop looks at it every 100 ms anyway)
         try:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):  # full: the loop wakes anyway; closed: shutting down
@@ -513,7 +515,7 @@ class QueueServer:
                 return done  # a retry of a put that was stored: the same reply again
         try:
             self.pool.check_refs(seg, self._refs)
-            result = self._store_put(body, seg, rid)
+            result = self._store_put(body, seg, rid, frames)
         except BaseException:
             if seg is not None:
                 self.pool.unstage(seg)
@@ -530,7 +532,9 @@ class QueueServer:
         self._park(parked)
         return None
 
-    def _store_put(self, body: dict[str, Any], seg: PoolSegment | None, rid: int) -> Any:
+    def _store_put(
+        self, body: dict[str, Any], seg: PoolSegment | None, rid: int, frames: Any = None
+    ) -> Any:
         """store.put, with a staged pool segment's bytes counted once; a stored put hands the
         segment's bytes from the pool to the store."""
         prepaid = seg.size if seg is not None else 0
@@ -541,11 +545,11 @@ class QueueServer:
             waited = (
                 self.config.fsync == "always" or self.log.pending_bytes > self.config.log_lag_bytes
             )
-            self._log_seq = self.log.append(
-                "put",
-                {"partition": body["partition"], "keys": body["keys"], "fields": body["fields"]},
-                urgent=waited,
-            )
+            if frames is not None:  # the request as received: no second encoding
+                self._log_seq = self.log.append_frames(frames[1:], urgent=waited)
+            else:
+                record = {k: body[k] for k in ("partition", "keys", "fields")}
+                self._log_seq = self.log.append("put", record, urgent=waited)
         if seg is not None and not result.blocked:
             self.pool.stored(
                 seg, self.store.holds_storage(seg.ptr, seg.size), rid, _put_reply(result)
@@ -791,6 +795,9 @@ class QueueServer:
         if put and not synced and log.pending_bytes <= self.config.log_lag_bytes:
             return reply
         self._deferred.append((self._log_seq, synced, ident, rid, reply))
+        if log.durable(self._log_seq, synced):  # written meanwhile, its wake-up maybe skipped
+            self._deferred.pop()
+            return reply
         return None
 
     def _log_progress(self) -> None:
@@ -872,7 +879,7 @@ class QueueServer:
                     if reply is None:
                         break
                 else:
-                    result = self._store_put(body, parked.segment, parked.request_id)
+                    result = self._store_put(body, parked.segment, parked.request_id, parked.frames)
                     if result.blocked:
                         break
                     reply = self._after_log(
