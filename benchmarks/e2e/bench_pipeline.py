@@ -240,7 +240,7 @@ def pipeline(
                 "export": False,
                 "heldout": None,
                 "optim": {"warmup_steps": 0},
-                "loss": {"mode": mode, "projection": projection},
+                "loss": {"mode": mode, "projection": projection, "cuda_graphs": args.cuda_graphs},
                 **(trainer_extra or {}),
             },
         }
