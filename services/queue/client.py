@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -68,6 +69,25 @@ _STOP_POLL_MS = 50
 
 def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else max(0, int(round(seconds * 1000)))
+
+
+def _wire_fields(keys: Sequence[str], fields: Any) -> Any:
+    """A TensorDict's put fields (xtoken_core/data_plane/tensordict_io.py), else ``fields``;
+    tensordict is imported only by callers that pass one."""
+    tensordict = sys.modules.get("tensordict")
+    if tensordict is None or not isinstance(fields, tensordict.TensorDictBase):
+        return fields
+    from xtoken_core.data_plane.tensordict_io import tensordict_to_fields
+
+    return tensordict_to_fields(fields, keys)
+
+
+def _with_tensordict(reply: dict[str, Any]) -> dict[str, Any]:
+    """``reply`` with its ``fields`` as a TensorDict [N] over the received tensors (no copy)."""
+    from xtoken_core.data_plane.tensordict_io import fields_to_tensordict
+
+    reply["fields"] = fields_to_tensordict(reply.get("fields") or {}, reply.get("keys") or [])
+    return reply
 
 
 class _Requests:
@@ -378,7 +398,8 @@ class QueueClient(_Requests):
         Args:
             partition: partition name.
             keys: N unique keys.
-            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows.
+            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows;
+                or a TensorDict [N] (non-tensor fields as NonTensorStack/NonTensorData).
             timeout_s: how long the server may wait for capacity (None: server default).
             reservation: a region from ``reserve``: tensors built in it are sent by reference
                 (no copy), the others are copied into it. One put per reservation.
@@ -390,7 +411,9 @@ class QueueClient(_Requests):
         Raises:
             QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``,
                 ``bad_request`` for a reservation that expired or was used already, ...
+            TypeError, ValueError: a TensorDict field the wire cannot carry (names it).
         """
+        fields = _wire_fields(keys, fields)
         body = self.body_put(partition, keys, fields, timeout_s)
         if reservation is not None:
             return self._shm.put(self, body, timeout_s or 0.0, reservation)
@@ -435,6 +458,7 @@ class QueueClient(_Requests):
         *,
         shm: bool = False,
         copy: bool = False,
+        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """Read fields of samples by key; returns ``{"keys", "fields"}``.
 
@@ -446,13 +470,16 @@ class QueueClient(_Requests):
                 valid until the samples are cleared (shm_transport.py); ignored unless this
                 client shares memory with the server.
             copy: with ``shm``, return private copies instead of views.
+            as_tensordict: ``fields`` as a TensorDict [N] (jagged fields nested tensors over
+                the received values, non-tensor fields NonTensorStack/NonTensorData).
         """
         body = {
             "partition": partition,
             "keys": list(keys),
             "fields": None if fields is None else list(fields),
         }
-        return self._shm_request("get", body, 0.0, shm, copy)
+        reply = self._shm_request("get", body, 0.0, shm, copy)
+        return _with_tensordict(reply) if as_tensordict else reply
 
     def _shm_request(
         self, msg_type: str, body: dict[str, Any], wait_s: float, shm: bool, copy: bool
@@ -502,6 +529,7 @@ class QueueClient(_Requests):
         shm: bool = False,
         copy: bool = False,
         register: bool = False,
+        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """Lease up to ``batch_size`` ready samples, waiting up to ``timeout_s`` for data.
 
@@ -517,6 +545,7 @@ class QueueClient(_Requests):
                 (no bytes through the socket), valid until the samples are cleared
                 (shm_transport.py); ignored unless this client shares memory with the server.
             copy: with ``shm``, return private copies instead of views.
+            as_tensordict: ``fields`` as a TensorDict [N], as in ``get``.
 
         Returns:
             ``{"keys", "fields", "lease_id"}``; ``keys`` is empty (lease_id None) on timeout.
@@ -524,7 +553,8 @@ class QueueClient(_Requests):
         body = self.body_claim(
             partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
         )
-        return self._shm_request("claim", body, timeout_s, shm, copy)
+        reply = self._shm_request("claim", body, timeout_s, shm, copy)
+        return _with_tensordict(reply) if as_tensordict else reply
 
     def ack(
         self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
@@ -669,14 +699,20 @@ class AsyncQueueClient(_Requests):
         timeout_s: float | None = DEFAULT_PUT_TIMEOUT_S,
     ) -> dict[str, Any]:
         """See QueueClient.put."""
+        fields = _wire_fields(keys, fields)
         body = self.body_put(partition, keys, fields, timeout_s)
         return await self.request("put", body, wait_s=timeout_s or 0.0)
 
     async def get(
-        self, partition: str, keys: Sequence[str], fields: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """See QueueClient.get."""
-        return await self.request(
+        reply = await self.request(
             "get",
             {
                 "partition": partition,
@@ -684,6 +720,7 @@ class AsyncQueueClient(_Requests):
                 "fields": None if fields is None else list(fields),
             },
         )
+        return _with_tensordict(reply) if as_tensordict else reply
 
     async def clear(self, partition: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
         """See QueueClient.clear."""
@@ -706,12 +743,14 @@ class AsyncQueueClient(_Requests):
         timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S,
         lease_s: float = DEFAULT_LEASE_S,
         register: bool = False,
+        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """See QueueClient.claim."""
         body = self.body_claim(
             partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
         )
-        return await self.request("claim", body, wait_s=timeout_s)
+        reply = await self.request("claim", body, wait_s=timeout_s)
+        return _with_tensordict(reply) if as_tensordict else reply
 
     async def ack(
         self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
