@@ -783,7 +783,9 @@ class SampleStore:
         """Samples and bytes per partition, per-task counts, put/claim rates.
 
         Returns:
-            A msgpack-able dict.
+            A msgpack-able dict. A partition's ``bytes`` are the buffers it keeps alive (what it
+            counts in ``bytes_used``), ``sample_bytes`` the bytes of its samples' rows (less
+            when a buffer also holds cleared rows or message overhead).
         """
         self.expire_leases()
         now = self.clock()
@@ -793,7 +795,8 @@ class SampleStore:
         for name, part in self._parts.items():
             parts[name] = {
                 "samples": len(part.samples),
-                "bytes": sum(b.nbytes for b in part.blocks),
+                "bytes": self._held_by(part),
+                "sample_bytes": sum(b.live_bytes for b in part.blocks),
                 "tasks": {
                     t: {"consumed": len(s.consumed), "leased": len(s.leased)}
                     for t, s in part.tasks.items()
@@ -844,6 +847,15 @@ class SampleStore:
                 touched.add(lease.partition)
             self._leases.pop(lease_id, None)
         return touched
+
+    def _held_by(self, part: _Partition) -> int:
+        """Bytes of the buffers the partition's blocks keep alive, each counted once: the fields
+        of one put view one received message or shared-memory segment, so a per-block sum
+        counts that buffer once per field (issue 10 item 11)."""
+        storages: set[tuple[int, int]] = set()
+        for block in part.blocks:
+            storages |= block.storages
+        return sum(size for _, size in storages)
 
     def next_lease_deadline(self) -> float | None:
         """Earliest live lease deadline (clock seconds), or None."""
