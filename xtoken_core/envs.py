@@ -4,7 +4,6 @@ import), so a test or a worker process can set it for its own scope.
 | variable | read by | meaning |
 |---|---|---|
 | ``TRITON_INTERPRET`` | kernels | run Triton kernels in the CPU interpreter (tests) |
-| ``XTOKEN_CUDA_GRAPHS`` | losses (kernel engine) | ``0``/``false``/``off``: never replay CUDA graphs |
 | ``XTOKEN_CACHE`` | tokenizers | root of the xtoken cache (default ``~/.cache/xtoken``) |
 | ``XDG_CACHE_HOME`` | data (demo corpus) | base of the demo corpus folder (default ``~/.cache``) |
 | ``TOKENIZERS_PARALLELISM`` | tokenizers | ``false``: encode batches on one thread |
@@ -35,16 +34,6 @@ def triton_interpret() -> bool:
         True when the variable is set to a true value.
     """
     return _flag("TRITON_INTERPRET", False)
-
-
-def cuda_graphs_allowed() -> bool:
-    """Whether CUDA-graph replay may be used at all (``XTOKEN_CUDA_GRAPHS``, default on; the
-    loss config still has to ask for it).
-
-    Returns:
-        False when the variable is set to a false value.
-    """
-    return _flag("XTOKEN_CUDA_GRAPHS", True)
 
 
 def xtoken_cache() -> str | None:

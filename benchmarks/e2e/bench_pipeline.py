@@ -133,7 +133,7 @@ def bare(
         micro_batch=B,
         max_steps=args.warmup + args.steps,
         optim=OptimConfig(warmup_steps=0),
-        loss=LossConfig(mode=mode, projection=projection, cuda_graphs=args.cuda_graphs),
+        loss=LossConfig(mode=mode, projection=projection),
     )
     worker = TrainerWorker(cfg, device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -240,7 +240,7 @@ def pipeline(
                 "export": False,
                 "heldout": None,
                 "optim": {"warmup_steps": 0},
-                "loss": {"mode": mode, "projection": projection, "cuda_graphs": args.cuda_graphs},
+                "loss": {"mode": mode, "projection": projection},
                 **(trainer_extra or {}),
             },
         }
@@ -323,7 +323,6 @@ def main() -> int:
     p.add_argument("--student-vocab", type=int, default=151936)
     p.add_argument("--teacher-vocab", type=int, default=32768)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--cuda-graphs", action="store_true", help="P-KL phase as a CUDA graph")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--work", default="/tmp/xtoken_bench_e2e")

@@ -12,11 +12,9 @@ logits read once, the gradient written once) over the measured device-to-device 
 ``grad_gib`` is the gradient itself, the least memory the kernel path can peak at.
 The CE term is off (ce_weight=0) so that only the KD term is measured.
 
-P-KL's kernel path replays its KD phase from a CUDA graph (``cuda_graphs=True``, an option of
-the kernel engine, off by default; see xtoken_core/losses/graphed.py): ``ms_kernel`` is that, ``ms_kernel_eager`` the same kernels
-launched one by one (``cuda_graphs=False``), ``speedup_eager`` its ratio. The graph's private
-memory pool is held between calls, so ``peak_gib_kernel`` adds it (``graph_pool_gib``) to the
-peak above the inputs: the memory ratio counts it against the kernel path.
+``ms_kernel`` is the kernels launched eagerly. In the P-KL rows of older commits (the CUDA-graph
+replay of the KD phase, since removed: benchmarks/results/e2e_pipeline.md) ``ms_kernel`` is the
+replay and ``ms_kernel_eager`` / ``speedup_eager`` the eager kernels, as ``ms_kernel`` is now.
 
 Prints one table and appends rows to benchmarks/results/losses_kd_loss.jsonl.
 GPU: ``python benchmarks/losses/bench_kd_loss.py``; CPU smoke run: ``--smoke``.
@@ -115,17 +113,6 @@ def _measure(fn, device, reps: int, min_ms: float = 0.0) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def _graph_pool_bytes(device) -> int:
-    """Bytes reserved in CUDA-graph private pools (segments outside the default pool)."""
-    if device.type != "cuda":
-        return 0
-    return sum(
-        seg["total_size"]
-        for seg in torch.cuda.memory_snapshot()
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
-    )
-
-
 def run_case(
     mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=True, min_ms=0.0
 ) -> dict:
@@ -144,8 +131,7 @@ def run_case(
         check_inputs=check_inputs,
     )
     losses, grads = {}, {}
-    variants = ["reference", "kernel"] + (["kernel_eager"] if mode == "pkl" else [])
-    for backend in variants:
+    for backend in ("reference", "kernel"):
         loss_fn = CrossTokenizerLoss(
             CrossTokenizerLossConfig(
                 projection=projection,
@@ -153,12 +139,10 @@ def run_case(
                 temperature=TEMPERATURE,
                 vocab_topk=VOCAB_TOPK,
                 ce_weight=0.0,
-                backend="kernel" if backend.startswith("kernel") else backend,
+                backend=backend,
                 check_inputs=check_inputs,
-                cuda_graphs=backend == "kernel",
             )
         )
-        pool_before = _graph_pool_bytes(device)
 
         def fwd_bwd(loss_fn=loss_fn):
             x.grad = None
@@ -171,11 +155,6 @@ def run_case(
             grads[backend] = x.grad.float().clone()
             ms, peak = _measure(fwd_bwd, device, reps, min_ms)
             row[f"ms_{backend}"] = ms
-            if backend == "kernel":
-                pool = _graph_pool_bytes(device) - pool_before
-                row["graph_pool_gib"] = pool / 2**30
-                row["graph_stats"] = loss_fn.graph_stats
-                peak += pool
             row[f"peak_gib_{backend}"] = peak / 2**30
         except torch.OutOfMemoryError:
             row[f"ms_{backend}"] = "oom"
@@ -190,16 +169,11 @@ def run_case(
     if "reference" in grads and "kernel" in grads:
         ref_norm = grads["reference"].norm()
         row["grad_rel_err"] = float((grads["kernel"] - grads["reference"]).norm() / ref_norm)
-    if "kernel_eager" in grads and "kernel" in grads:  # the graph replays the same kernels
-        row["graph_bitwise_equal"] = bool(torch.equal(grads["kernel"], grads["kernel_eager"]))
-        row["graph_bitwise_equal"] &= losses["kernel"] == losses["kernel_eager"]
     grads.clear()
     elt = student.element_size()
     row["grad_gib"] = B * T * V_s * elt / 2**30
     if copy_bps:
         row["floor_ms"] = (3 * B * T * V_s + B * T * V_t) * elt / copy_bps * 1e3
-    if isinstance(row.get("ms_reference"), float) and isinstance(row.get("ms_kernel_eager"), float):
-        row["speedup_eager"] = row["ms_reference"] / row["ms_kernel_eager"]
     if isinstance(row.get("ms_reference"), float) and isinstance(row.get("ms_kernel"), float):
         row["speedup"] = row["ms_reference"] / row["ms_kernel"]
         if row["peak_gib_kernel"]:
@@ -282,17 +256,13 @@ def main(argv=None) -> int:
             "ms_reference",
             "ms_kernel",
             "speedup",
-            "ms_kernel_eager",
-            "speedup_eager",
             "peak_gib_reference",
             "peak_gib_kernel",
             "mem_ratio",
             "grad_gib",
             "floor_ms",
-            "graph_pool_gib",
             "loss_rel_diff",
             "grad_rel_err",
-            "graph_bitwise_equal",
         ],
     )
     if not args.smoke:

@@ -107,7 +107,6 @@ def run(args, mode: str, B: int, T: int, corpus: Path, projection: str, counter)
             projection=projection,
             mode=mode,
             teacher_vocab_size=args.teacher_vocab,
-            cuda_graphs=False,
         )
     )
     batches = collated(args, B, T, corpus, args.batches)

@@ -96,11 +96,6 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cprofile", type=int, default=0, help="cProfile this many fwd+bwd (Python host time)"
     )
-    parser.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="keep P-KL's CUDA-graph replay on (off by default: the profile names each kernel)",
-    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
@@ -117,7 +112,6 @@ def main(argv=None) -> int:
                 vocab_topk=VOCAB_TOPK,
                 ce_weight=0.0,
                 backend="kernel",
-                cuda_graphs=args.cuda_graphs,
             )
         )
         for path in args.paths:

@@ -468,7 +468,6 @@ def main() -> int:
         help="only write the markdown from the rows of this JSONL (no run)",
     )
     args = p.parse_args()
-    args.cuda_graphs = False
     if args.render:
         rows = [json.loads(line) for line in open(args.render, encoding="utf-8") if line.strip()]
         md = Path(args.markdown) if args.markdown else Path(args.render).with_suffix(".md")

@@ -71,10 +71,6 @@ class LossConfig:
     backend: Literal["auto", "reference", "kernel"] = field(
         default="auto", metadata={"help": "loss backend: auto (Triton on CUDA), reference, kernel"}
     )
-    cuda_graphs: bool = field(
-        default=False,
-        metadata={"help": "replay the fused P-KL phase as a CUDA graph (benchmarks/e2e decides)"},
-    )
 
     def __post_init__(self) -> None:
         if self.mode not in LOSS_MODES:

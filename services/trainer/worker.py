@@ -251,7 +251,6 @@ class TrainerWorker:
                 dynamic_scaling=lc.dynamic_scaling,
                 teacher_vocab_size=teacher_width,
                 backend=lc.backend,
-                cuda_graphs=lc.cuda_graphs,
             )
         )
 

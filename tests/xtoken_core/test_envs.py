@@ -24,10 +24,6 @@ def test_switches_are_read_when_asked(monkeypatch):
     assert envs.triton_interpret()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not envs.triton_interpret()
-    monkeypatch.delenv("XTOKEN_CUDA_GRAPHS", raising=False)
-    assert envs.cuda_graphs_allowed()
-    monkeypatch.setenv("XTOKEN_CUDA_GRAPHS", "off")
-    assert not envs.cuda_graphs_allowed()
     monkeypatch.setenv("XTOKEN_CACHE", "  ")
     assert envs.xtoken_cache() is None
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")

@@ -1,6 +1,6 @@
 """Cross-tokenizer losses: the public loss API (loss.py, config.py) over two KD engines, the
 PyTorch reference (engine.py over reference.py) and the Triton kernels (kernel_engine.py over
-fused.py, with graphed.py's CUDA-graph replay as an option)."""
+fused.py)."""
 
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.loss import METRIC_KEYS, CrossTokenizerLoss

@@ -27,12 +27,12 @@ class DeferredChecks:
         self._items.append((kind, name, extra, piece.reshape(-1)))
         return len(self._items) - 1
 
-    def finite(self, name: str, x: torch.Tensor, total: torch.Tensor | None = None) -> None:
-        """Queue the NaN/inf check of ``x`` (``total``: its fp32 sum, computed elsewhere)."""
+    def finite(self, name: str, x: torch.Tensor) -> None:
+        """Queue the NaN/inf check of ``x``."""
         # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
         # copy: NaN and inf propagate through the sum. A non-finite sum of finite (huge) values
         # is possible, so only then is the exact element-wise check paid.
-        self._add("finite", name, x, x.sum(dtype=torch.float32) if total is None else total)
+        self._add("finite", name, x, x.sum(dtype=torch.float32))
 
     def id_range(self, name: str, ids_BT: torch.Tensor, num_chunks: int) -> None:
         if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:
@@ -58,10 +58,9 @@ class DeferredChecks:
             minmax = torch.aminmax(targets_BT)
             self._add("targets", "input_ids", V, torch.cat([m.reshape(1) for m in minmax]))
 
-    def denominator(self, name: str, global_1: torch.Tensor, local_1: torch.Tensor | None) -> None:
+    def denominator(self, name: str, global_1: torch.Tensor, local_1: torch.Tensor) -> None:
         """Queue the check of a global valid-chunk count: finite and >= the local count
-        (``local_1``: this micro-batch's count on the device; None: only finite and >= 0)."""
-        local_1 = global_1.new_zeros(1) if local_1 is None else local_1
+        (``local_1``: this micro-batch's count on the device)."""
         self._add("denominator", name, None, torch.cat([global_1.reshape(1), local_1.reshape(1)]))
 
     def count(self, mask: torch.Tensor) -> int:

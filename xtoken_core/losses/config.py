@@ -72,12 +72,6 @@ class CrossTokenizerLossConfig:
             kernels where they run: CUDA or ``TRITON_INTERPRET=1``, fp32/bf16/fp16; the
             reference elsewhere) or "auto" (the kernels on CUDA, else the reference).
         check_inputs: run the cheap input checks (shapes, chunk-id range, finite logits).
-        cuda_graphs: (kernel engine, P-KL) replay the KD phase as a CUDA graph when a call
-            passes logits at the addresses of an earlier call (a training loop does): the same
-            kernels and bitwise the same results, without ~50 kernel launches of host time per
-            call (:mod:`xtoken_core.losses.graphed`). Off by default; ``XTOKEN_CUDA_GRAPHS=0``
-            turns it off too.
-        cuda_graph_cache: graphs kept at most (each holds the phase's working memory).
     """
 
     projection: ProjectionSource | Sequence[ProjectionSource] | None = None
@@ -97,8 +91,6 @@ class CrossTokenizerLossConfig:
     teacher_vocab_size: int | Sequence[int | None] | None = None
     backend: str = "auto"
     check_inputs: bool = True
-    cuda_graphs: bool = False
-    cuda_graph_cache: int = 2
     projections: tuple[ProjectionSource, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,11 +126,6 @@ class CrossTokenizerLossConfig:
             )
         if not isinstance(self.uncommon_topk, int) or self.uncommon_topk < 1:
             raise ValueError(f"uncommon_topk={self.uncommon_topk!r} must be a positive int")
-        if not isinstance(self.cuda_graph_cache, int) or self.cuda_graph_cache < 1:
-            raise ValueError(
-                f"cuda_graph_cache={self.cuda_graph_cache!r} must be an int >= 1 (graphs kept); "
-                "set cuda_graphs=False to use none"
-            )
         for name in ("kl_weight", "ce_weight"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

@@ -8,7 +8,7 @@ queued together with its own (one host readback). Two engines:
 * :class:`ReferenceEngine` (here): the PyTorch ground truth of :mod:`xtoken_core.losses.reference`,
   any float dtype (fp64 included), any device.
 * :class:`~xtoken_core.losses.kernel_engine.KernelEngine`: the Triton kernels (CUDA, or
-  ``TRITON_INTERPRET=1``) for fp32/bf16/fp16 logits, optionally replayed as a CUDA graph.
+  ``TRITON_INTERPRET=1``) for fp32/bf16/fp16 logits.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.

@@ -153,9 +153,8 @@ def pkl_teacher_side(
     temperature: float,
     vocab_topk: int | None,
     device_N: torch.Tensor | None,
-    with_sum: bool = False,
     topk_columns: str = "valid",
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The P-KL teacher side and the projection restricted to its columns, no host sync.
 
     Picks the ``vocab_topk`` teacher ids with the largest max-logit over the used rows (the
@@ -170,18 +169,15 @@ def pkl_teacher_side(
         temperature: T.
         vocab_topk: number of teacher columns kept (None: all).
         device_N: int64 [1] device N when the rows cover every chunk slot, else None.
-        with_sum: also return the fp32 sum of the teacher logits when the top-k pass reads
-            them all anyway (their finite check), else None.
         topk_columns: "valid" (rows with a chunk id pick the columns) or "all" (every row,
             padding and the last one included: NeMo RL's rule).
 
     Returns:
-        ``(teacher_lp_NK, restricted, total)``: [N, K] fp32 chunk-averaged teacher
-        log-probabilities, the restricted tables of
-        :func:`xtoken_core.kernels.pkl_projection.restrict_tables`, and the sum (or None).
+        ``(teacher_lp_NK, restricted)``: [N, K] fp32 chunk-averaged teacher
+        log-probabilities and the restricted tables of
+        :func:`xtoken_core.kernels.pkl_projection.restrict_tables`.
     """
     W = teacher_logits_BUW.shape[-1]
-    total = None
     with torch.no_grad():
         if vocab_topk is None or vocab_topk >= W:
             idx_K = torch.arange(W, device=teacher_logits_BUW.device)
@@ -190,9 +186,7 @@ def pkl_teacher_side(
             rows_R = teacher_chunk_id_BU.reshape(-1).contiguous()
             if topk_columns == "all":  # every row counts as used
                 rows_R = torch.zeros_like(rows_R)
-            max_W = logit_rows.column_max(teacher_logits_BUW, rows_R, with_sum=with_sum)
-            if with_sum:
-                max_W, total = max_W
+            max_W = logit_rows.column_max(teacher_logits_BUW, rows_R)
             # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
             # then sorts the values; skip that sort. The CPU kernel may break ties differently
             # without it, so it keeps sorted=True there. The ids go in ascending order by one
@@ -203,7 +197,7 @@ def pkl_teacher_side(
             teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
         )
         restricted = pkl_projection.restrict_tables(tables, idx_K)
-    return teacher_lp_NK, restricted, total
+    return teacher_lp_NK, restricted
 
 
 def pkl_projection_tables(projection_VW: torch.Tensor):
@@ -240,7 +234,7 @@ def _pkl_fused(
     )
     # With a plan, N stays on the device: the chunk kernels cover every slot and skip n >= N.
     device_N = None if plan is None else plan.stats_5[4:5]
-    teacher_lp_NK, restricted, _ = pkl_teacher_side(
+    teacher_lp_NK, restricted = pkl_teacher_side(
         zt_BUW,
         teacher_chunk_id_BU,
         t_rows,

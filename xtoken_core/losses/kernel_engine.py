@@ -1,6 +1,5 @@
-"""The kernel engine: the KD term by the Triton kernels of :mod:`xtoken_core.losses.fused`, and,
-as an option (``cuda_graphs``, off by default), P-KL's whole KD phase replayed as one CUDA graph
-(:mod:`xtoken_core.losses.graphed`).
+"""The kernel engine: the KD term by the Triton kernels of :mod:`xtoken_core.losses.fused`,
+launched eagerly.
 
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
 launches, no host sync). P-KL then needs no host value before its kernels are queued, so the
@@ -14,11 +13,10 @@ Legend (shape suffixes in this file):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from xtoken_core.losses import fused, graphed, reference
+from xtoken_core.losses import fused, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.engine import (
@@ -37,13 +35,12 @@ class KernelEngine:
     logits: :meth:`supports`). Reads its settings from ``config`` at each call.
 
     Args:
-        config: the loss settings (``cuda_graphs`` and ``cuda_graph_cache`` for the graphs).
+        config: the loss settings.
     """
 
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
         self.config = config
         self.scales = MetricScales(config.num_teachers)
-        self._graphs: graphed.GraphedPklPhase | None = None
 
     @staticmethod
     def supports(student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]) -> bool:
@@ -58,22 +55,6 @@ class KernelEngine:
         """
         return all(fused.fused_path_available(student_logits_BTV, z) for z in teacher_logits)
 
-    @property
-    def graph_stats(self) -> dict[str, Any] | None:
-        """CUDA-graph counts of the P-KL phase (eager, captures, replays, evictions, disabled
-        reason), or None before the first graph-eligible call."""
-        return None if self._graphs is None else self._graphs.stats
-
-    def _graph_eligible(self, student_logits_BTV: torch.Tensor) -> bool:
-        """Whether this call's P-KL phase goes through :class:`graphed.GraphedPklPhase`."""
-        return (
-            self.config.cuda_graphs
-            and not self.config.gold_loss
-            and student_logits_BTV.is_cuda
-            and graphed.graphs_enabled()
-            and not torch.cuda.is_current_stream_capturing()
-        )
-
     def kd(
         self,
         student_logits_BTV: torch.Tensor,
@@ -84,8 +65,6 @@ class KernelEngine:
         checks: DeferredChecks | None,
     ) -> KDResult:
         """See :class:`~xtoken_core.losses.engine.KDEngine`."""
-        if self._graph_eligible(student_logits_BTV):
-            return self._graph_kd(student_logits_BTV, teachers, sample_mask_B, chunk_denoms, checks)
         cfg = self.config
         V = student_logits_BTV.shape[-1]
         device = student_logits_BTV.device
@@ -168,54 +147,3 @@ class KernelEngine:
             checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
             checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
         return plan
-
-    def _graph_kd(self, student_logits_BTV, teachers, sample_mask_B, chunk_denoms, checks):
-        """P-KL's KD phase through :class:`graphed.GraphedPklPhase` (eager, captured or
-        replayed); its checks are queued in the order of the eager path."""
-        cfg = self.config
-        V = student_logits_BTV.shape[-1]
-        device = student_logits_BTV.device
-        dtype = reference.compute_dtype(student_logits_BTV)
-        if self._graphs is None:
-            self._graphs = graphed.GraphedPklPhase(cfg.cuda_graph_cache)
-        phase_teachers = []
-        for t in teachers:
-            coef_5, bias_5 = self.scales(t.weight, dtype, device)
-            phase_teachers.append(
-                graphed.PklTeacher(
-                    logits_BUW=t.logits_BUW,
-                    student_chunk_id_BT=t.alignment.student_chunk_id,
-                    teacher_chunk_id_BU=t.alignment.teacher_chunk_id,
-                    pair_valid_BC=t.alignment.pair_valid,
-                    pair_is_correct_BC=t.alignment.pair_is_correct,
-                    tables=t.projection.kernel_tables(V, t.vocab_size),
-                    coef_5=coef_5,
-                    bias_5=bias_5,
-                )
-            )
-        spec = graphed.PklSpec(
-            temperature=float(cfg.temperature),
-            vocab_topk=cfg.vocab_topk,
-            reverse_kl=bool(cfg.reverse_kl),
-            exact_token_match_only=bool(cfg.exact_token_match_only),
-            topk_columns=cfg.topk_columns,
-        )
-        kd, metrics_4n, checks_X = self._graphs(
-            spec, student_logits_BTV, phase_teachers, sample_mask_B, chunk_denoms
-        )
-        if checks is not None:  # checks_X may be graph memory: start() copies it this call
-            # the phase took the logits' sums in passes that read them anyway
-            checks.finite("student_logits", student_logits_BTV, total=checks_X[0:1])
-            for i, t in enumerate(phase_teachers):
-                at = 1 + 6 * i
-                C = t.pair_valid_BC.shape[1]
-                checks.finite(teachers[i].name, t.logits_BUW, total=checks_X[at : at + 1])
-                checks.id_bounds("alignment_student_chunk_id", checks_X[at + 1 : at + 3], C)
-                checks.id_bounds("alignment_teacher_chunk_id", checks_X[at + 3 : at + 5], C)
-            if chunk_denoms is not None:
-                for t in teachers:  # N is on the device only: finite and >= 0
-                    name = _denominator_name(t, len(teachers))
-                    checks.denominator(name, chunk_denoms[t.index : t.index + 1], None)
-            checks.start()
-            checks.finish()
-        return KDResult(kd=kd, metrics_4=metrics_4n[:4])

@@ -195,12 +195,6 @@ class CrossTokenizerLoss:
             return self.kernel
         return self.reference
 
-    @property
-    def graph_stats(self) -> dict[str, Any] | None:
-        """CUDA-graph counts of the kernel engine's P-KL phase (eager, captures, replays,
-        evictions, disabled reason), or None before the first graph-eligible call."""
-        return self.kernel.graph_stats
-
     # ----------------------------------------------------------------- input preparation
 
     def _teachers(

@@ -1,8 +1,10 @@
-"""The trainer's loss section: the P-KL column rule is validated and reaches the loss."""
+"""The trainer's loss section: the P-KL column rule is validated and reaches the loss; removed
+keys are refused."""
 
 import pytest
 import torch
 
+from services.common.config import ConfigError, from_dict
 from services.trainer.config import LossConfig, TrainerConfig
 from services.trainer.worker import TrainerWorker
 
@@ -21,3 +23,9 @@ def test_topk_columns_reaches_the_loss_config(tmp_path):
     worker.config = TrainerConfig(loss=LossConfig(projection=str(path), topk_columns="all"))
     worker.vocab = 3
     assert worker._build_loss(3).config.topk_columns == "all"
+
+
+def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():
+    # the CUDA-graph replay of the P-KL phase was removed (issue 12): old run configs fail loudly
+    with pytest.raises(ConfigError, match=r"unknown key 'loss\.cuda_graphs'"):
+        from_dict(TrainerConfig, {"loss": {"mode": "pkl", "cuda_graphs": True}})

@@ -19,10 +19,6 @@ def _engine(fn: CrossTokenizerLoss, zs: torch.Tensor, zt: torch.Tensor):
     return fn.engine_for(zs, fn._teachers(zs, zt, make_batch(0)))
 
 
-def test_cuda_graphs_are_an_option_of_the_kernel_engine_off_by_default():
-    assert CrossTokenizerLossConfig(projection=make_projection()).cuda_graphs is False
-
-
 def test_the_reference_engine_takes_fp64_and_cpu_calls(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     zs, zt = make_logits(0)  # float64
@@ -38,4 +34,3 @@ def test_the_kernel_engine_takes_fp32_where_triton_runs(monkeypatch):
     zs, zt = make_logits(0)
     fn = _loss(backend="kernel")
     assert isinstance(_engine(fn, zs.detach().float(), zt.float()), KernelEngine)
-    assert fn.graph_stats is None  # graphs off: the phase was never built
