@@ -52,6 +52,25 @@ def parse_size(text: str) -> int:
     return size
 
 
+def format_size(nbytes: float) -> str:
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ``1.2 GiB`` (powers of 1024).
+
+    Args:
+        nbytes: bytes (may be a float rate).
+
+    Returns:
+        The size with one decimal and a binary unit (whole bytes below 1 KiB).
+    """
+    size = float(nbytes)
+    if abs(size) < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def _size_arg(text: str) -> int:
     try:
         return parse_size(text)

@@ -670,11 +670,16 @@ class QueueServer:
         bound_s = cfg.max_claim_wait_s if claim else cfg.max_put_wait_s
         if timeout_ms > bound_s * 1000:
             flag = "--max-claim-wait" if claim else "--max-put-wait"
+            # the user set the wait as a flag or run setting: name those, not the wire field
+            wait = (
+                "the client's claim timeout (trainer claim_timeout_s)"
+                if claim
+                else "the client's put timeout (collator --put-timeout)"
+            )
             raise StoreError(
                 codes.BAD_REQUEST,
-                f"{kind} timeout_ms={timeout_ms} is above this server's bound of "
-                f"{int(bound_s * 1000)} ms ({flag} {bound_s:g}s); ask for at most that and "
-                "repeat the request",
+                f"a {kind} wait of {timeout_ms / 1000:g}s is above this server's bound of "
+                f"{bound_s:g}s (queue serve {flag}); lower {wait} or raise {flag}",
             )
         return timeout_ms / 1000
 
@@ -949,13 +954,15 @@ class QueueServer:
         return out + [p for p in self._parked_puts if not p.done]
 
     def _full_error(self, nbytes: int) -> StoreError:
+        from services.queue.cli import format_size
+
         used, cap = self.store.bytes_used, self.store.capacity_bytes
-        need = f"{nbytes} more bytes" if nbytes else "more bytes"
+        need = f"{format_size(nbytes)} more" if nbytes else "more bytes"
         return StoreError(
             codes.QUEUE_FULL,
-            f"queue is full ({used} of {cap} bytes used) and the "
-            f"put needs {need}; consumers must clear samples, or raise --capacity "
-            "or the put timeout_ms",
+            f"queue is full ({format_size(used)} of {format_size(cap)} used) and the put needs "
+            f"{need}; consumers must ack or clear samples, or raise the server's --capacity or "
+            "the client's put timeout (collator --put-timeout)",
             retryable=True,
         )
 
