@@ -230,6 +230,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest accepted message (default: the wire default, 2GiB)",
     )
     serve.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="FILE",
+        help="require clients to present the token in FILE in their hello (default: the "
+        "XTOKEN_QUEUE_TOKEN environment variable, else the file XTOKEN_QUEUE_TOKEN_FILE names, "
+        "else no authentication); clients read the same variables",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a --bind reachable from other hosts without a token (refused otherwise)",
+    )
+    serve.add_argument(
         "--ready-file",
         default=None,
         help='once listening, write {"pid", "name": "queue", "endpoint"} JSON to this file',
@@ -259,6 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.common.lifecycle import Lifecycle, run_process
 
     def main(lifecycle: Lifecycle) -> int:
+        from services.queue.auth import load_token
         from services.queue.server import ServerConfig, serve
         from xtoken_core.wire import DEFAULT_LIMITS, WireLimits
 
@@ -288,6 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
             log_lag_bytes=args.log_lag,
             compact_min_bytes=args.compact_min,
             limits=limits,
+            auth_token=load_token(args.auth_token_file),
+            insecure=args.insecure,
         )
         import zmq
 
@@ -350,22 +366,24 @@ def format_stats(stats: dict) -> str:
     used, cap = stats.get("bytes_used", 0), stats.get("capacity_bytes", 0)
     rates = stats.get("rates", {})
     lines = [
-        f"bytes {used} / {cap} ({100.0 * used / max(cap, 1):.1f}%)  samples {stats.get('samples', 0)}"
+        f"bytes {format_size(used)} / {format_size(cap)} ({100.0 * used / max(cap, 1):.1f}%)  "
+        f"samples {stats.get('samples', 0)}"
         f"  leases {stats.get('leases', 0)}  parked claims {stats.get('parked_claims', 0)}"
         f"  parked puts {stats.get('parked_puts', 0)}",
         f"put {rates.get('put_samples_per_s', 0.0):.1f} samples/s "
-        f"{rates.get('put_bytes_per_s', 0.0) / 1e6:.2f} MB/s   claim "
+        f"{format_size(rates.get('put_bytes_per_s', 0.0))}/s   claim "
         f"{rates.get('claim_samples_per_s', 0.0):.1f} samples/s "
-        f"{rates.get('claim_bytes_per_s', 0.0) / 1e6:.2f} MB/s "
+        f"{format_size(rates.get('claim_bytes_per_s', 0.0))}/s "
         f"(last {rates.get('window_s', 0)}s)",
     ]
     pool = stats.get("shm_pool")
     if pool:
         by_state = pool.get("bytes_by_state", {})
         lines.append(
-            f"shm pool {pool.get('segments', 0)} segments {pool.get('bytes', 0)} bytes "
-            f"(stored {by_state.get('stored', 0)}, free {by_state.get('free', 0)}, "
-            f"reserved {by_state.get('reserved', 0)})  created {pool.get('created', 0)}  "
+            f"shm pool {pool.get('segments', 0)} segments {format_size(pool.get('bytes', 0))} "
+            f"(stored {format_size(by_state.get('stored', 0))}, "
+            f"free {format_size(by_state.get('free', 0))}, "
+            f"reserved {format_size(by_state.get('reserved', 0))})  created {pool.get('created', 0)}  "
             f"reused {pool.get('reused', 0)}"
         )
     lines += [
@@ -376,7 +394,7 @@ def format_stats(stats: dict) -> str:
         tasks = sorted(part.get("tasks", {}).items()) or [("-", {"consumed": "", "leased": ""})]
         for i, (task, t) in enumerate(tasks):
             head = (
-                f"{name:<20} {part['samples']:>9} {part['bytes']:>14}"
+                f"{name:<20} {part['samples']:>9} {format_size(part['bytes']):>14}"
                 if i == 0
                 else f"{'':<20} {'':>9} {'':>14}"
             )

@@ -12,7 +12,7 @@ import torch
 from services import cli
 from services.common.lifecycle import read_ready
 from services.queue import cli as queue_cli
-from services.queue.cli import format_stats, parse_size
+from services.queue.cli import format_size, format_stats, parse_size
 from services.queue.client import QueueClient
 from tests.services.queue.conftest import ROOT
 
@@ -39,6 +39,21 @@ def test_parse_size_rejects_nonsense_naming_the_format(text):
         parse_size(text)
 
 
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (119.5 * 2**20, "119.5 MiB"),
+        (2**31, "2.0 GiB"),
+    ],
+)
+def test_format_size_prints_binary_units(nbytes, text):
+    assert format_size(nbytes) == text
+    assert nbytes < 1024 or parse_size(text.replace(" ", "")) == pytest.approx(nbytes, rel=0.05)
+
+
 def test_bad_capacity_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.build_parser().parse_args(["queue", "serve", "--capacity", "lots"])
@@ -58,7 +73,7 @@ def test_stats_command_prints_json_and_a_table(server):
     assert part["samples"] == 2 and part["tasks"]["trainer"]["consumed"] == 1
     table = format_stats(stats)
     row = next(line for line in table.splitlines() if line.startswith("cli-part"))
-    assert row.split()[1:] == ["2", str(part["bytes"]), "trainer", "1", "0"]
+    assert row.split()[1:] == ["2", *format_size(part["bytes"]).split(), "trainer", "1", "0"]
     pool = next(line for line in table.splitlines() if line.startswith("shm pool"))
     assert pool.split()[2:4] == [str(stats["shm_pool"]["segments"]), "segments"]
 
