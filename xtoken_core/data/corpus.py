@@ -7,6 +7,9 @@ Readers. :func:`iter_texts` yields ``(key, text)`` pairs from one file, chosen b
   document per line (``txt_split="line"``).
 * ``.parquet``: a string column ``"text"`` (read with pyarrow, one record batch at a time).
 
+:func:`iter_corpus` reads a file, a folder or a glob of them (:func:`corpus_files`: sorted), each
+file with its own keys. A bad line raises :class:`BadCorpusLine` unless ``on_bad`` takes it.
+
 Keys name the corpus file and the 1-based line on which the text starts (for parquet: the
 1-based row), ``"<file id>:<line>"``, so that texts of different files never share a key, and a
 restart of a run on the same file makes the same keys (the collator's skip of queued keys relies
@@ -41,7 +44,7 @@ import os
 import pathlib
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from xtoken_core import envs
 
@@ -374,55 +377,101 @@ def _decode_line(raw: bytes, path: pathlib.Path, line_number: int, line_offset: 
         ) from None
 
 
-def _iter_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
+class BadCorpusLine(ValueError):
+    """One line (or parquet row) of a corpus file that holds no usable text.
+
+    Attributes:
+        path: the file.
+        line: its 1-based line (parquet: row).
+    """
+
+    def __init__(self, message: str, path: pathlib.Path, line: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+
+
+OnBad = Callable[[BadCorpusLine], None] | None
+"""What a reader does with a bad line: None raises it, a callable is told and the line skipped."""
+
+
+def _bad(on_bad: OnBad, message: str, path: pathlib.Path, line: int) -> None:
+    err = BadCorpusLine(message, path, line)
+    if on_bad is None:
+        raise err
+    on_bad(err)
+
+
+def _iter_lines(path: pathlib.Path, on_bad: OnBad = None) -> Iterator[tuple[int, str]]:
     """Yield (1-based line number, decoded line without its newline) from a UTF-8 file."""
     offset = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            text = _decode_line(raw, path, number, offset)
+            try:
+                text = _decode_line(raw, path, number, offset)
+            except ValueError as e:
+                _bad(on_bad, str(e), path, number)
+                offset += len(raw)
+                continue
             offset += len(raw)
             if number == 1 and text.startswith("\ufeff"):
                 text = text[1:]
             yield number, text.rstrip("\r\n")
 
 
-def _iter_jsonl(path: pathlib.Path, field: str, prefix: str) -> Iterator[tuple[str, str]]:
-    for number, line in _iter_lines(path):
+def _iter_jsonl(
+    path: pathlib.Path, field: str, prefix: str, on_bad: OnBad = None
+) -> Iterator[tuple[str, str]]:
+    for number, line in _iter_lines(path, on_bad):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(
+            _bad(
+                on_bad,
                 f"{path}: line {number}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                f"each line must be one JSON object with a string field {field!r}"
-            ) from None
+                f"each line must be one JSON object with a string field {field!r}",
+                path,
+                number,
+            )
+            continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             got = type(record.get(field)).__name__ if isinstance(record, dict) else "non-object"
-            raise ValueError(
+            _bad(
+                on_bad,
                 f"{path}: line {number}: expected a JSON object with a string field {field!r}, "
-                f"got {got}; fix the record or pass text_field="
+                f"got {got}; fix the record or pass text_field=",
+                path,
+                number,
             )
+            continue
         text = record[field]
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             # JSON escapes can spell lone surrogates ("\\ud800") that no tokenizer can encode.
-            raise ValueError(
+            _bad(
+                on_bad,
                 f"{path}: line {number}: {field!r} holds a lone surrogate "
-                f"U+{ord(text[exc.start]):04X} at character {exc.start}; fix the escape"
-            ) from None
+                f"U+{ord(text[exc.start]):04X} at character {exc.start}; fix the escape",
+                path,
+                number,
+            )
+            continue
         yield f"{prefix}:{number}", text
 
 
-def _iter_txt(path: pathlib.Path, split: str, prefix: str) -> Iterator[tuple[str, str]]:
+def _iter_txt(
+    path: pathlib.Path, split: str, prefix: str, on_bad: OnBad = None
+) -> Iterator[tuple[str, str]]:
     if split == "line":
-        for number, line in _iter_lines(path):
+        for number, line in _iter_lines(path, on_bad):
             if line.strip():
                 yield f"{prefix}:{number}", line
         return
     start, block = 0, []
-    for number, line in _iter_lines(path):
+    for number, line in _iter_lines(path, on_bad):
         if line.strip():
             if not block:
                 start = number
@@ -434,7 +483,9 @@ def _iter_txt(path: pathlib.Path, split: str, prefix: str) -> Iterator[tuple[str
         yield f"{prefix}:{start}", "\n".join(block)
 
 
-def _iter_parquet(path: pathlib.Path, field: str, prefix: str) -> Iterator[tuple[str, str]]:
+def _iter_parquet(
+    path: pathlib.Path, field: str, prefix: str, on_bad: OnBad = None
+) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -452,7 +503,9 @@ def _iter_parquet(path: pathlib.Path, field: str, prefix: str) -> Iterator[tuple
         for value in batch.column(0).to_pylist():
             row += 1
             if value is None:
-                raise ValueError(f"{path}: row {row}: column {field!r} is null; drop or fill it")
+                msg = f"{path}: row {row}: column {field!r} is null; drop or fill it"
+                _bad(on_bad, msg, path, row)
+                continue
             yield f"{prefix}:{row}", value
 
 
@@ -462,6 +515,7 @@ def iter_texts(
     text_field: str = "text",
     txt_split: str = "blank_line",
     key_root: str | os.PathLike | None = None,
+    on_bad: OnBad = None,
 ) -> Iterator[tuple[str, str]]:
     """Yield ``(key, text)`` from a ``.jsonl``, ``.txt`` or ``.parquet`` file, in file order.
 
@@ -472,6 +526,8 @@ def iter_texts(
             ``"line"`` (one document per non-empty line).
         key_root: key by the file's path relative to this folder (see
             :func:`corpus_key_prefix`); None: by a hash of its absolute path and its name.
+        on_bad: None: a bad line raises :class:`BadCorpusLine`; else it is called with the
+            error and the line is skipped (keys of the other lines do not change).
 
     Returns:
         An iterator of ``(key, text)``; key = ``"<corpus_key_prefix>:<1-based start line or
@@ -488,14 +544,82 @@ def iter_texts(
         raise FileNotFoundError(f"no such corpus file: {p}")
     prefix = corpus_key_prefix(p, key_root)
     if p.suffix == ".jsonl":
-        return _iter_jsonl(p, text_field, prefix)
+        return _iter_jsonl(p, text_field, prefix, on_bad)
     if p.suffix == ".txt":
         if txt_split not in ("blank_line", "line"):
             raise ValueError(f"txt_split must be 'blank_line' or 'line', got {txt_split!r}")
-        return _iter_txt(p, txt_split, prefix)
+        return _iter_txt(p, txt_split, prefix, on_bad)
     if p.suffix == ".parquet":
-        return _iter_parquet(p, text_field, prefix)
+        return _iter_parquet(p, text_field, prefix, on_bad)
     raise ValueError(f"{p}: unsupported corpus suffix {p.suffix!r}; use one of {_SUFFIXES}")
+
+
+def _is_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def corpus_files(data: str | os.PathLike) -> list[pathlib.Path]:
+    """The corpus files a ``data`` argument names: a file, a directory or a glob pattern.
+
+    A directory expands to every ``.jsonl``/``.txt``/``.parquet`` file under it (recursively),
+    a pattern (``*``, ``?``, ``[``; ``**`` crosses folders) to the files it matches; both sorted
+    by path, so a rerun reads them in the same order. Each file keeps the keys it has alone
+    (:func:`corpus_key_prefix`), so a file read through its folder is skipped as already queued.
+
+    Args:
+        data: a corpus file, a folder or a glob pattern.
+
+    Returns:
+        The files, sorted (a file: itself, whatever its suffix; ``iter_texts`` checks it).
+
+    Raises:
+        FileNotFoundError: nothing exists at ``data`` (a pattern matching nothing included).
+        ValueError: a folder or pattern without any corpus file (names the suffixes).
+    """
+    text = os.fspath(data)
+    path = pathlib.Path(text)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = [p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES]
+    elif _is_glob(text):
+        import glob
+
+        found = [pathlib.Path(p) for p in glob.glob(text, recursive=True)]
+        found = [p for p in found if p.is_file() and p.suffix in _SUFFIXES]
+        if not found:
+            raise FileNotFoundError(
+                f"no corpus file matches {text!r} (files ending in {', '.join(_SUFFIXES)})"
+            )
+    else:
+        raise FileNotFoundError(f"no such corpus file or folder: {path}")
+    if not found:
+        raise ValueError(f"{text}: no corpus files in it (files ending in {', '.join(_SUFFIXES)})")
+    return sorted(found, key=lambda p: p.as_posix())
+
+
+def iter_corpus(
+    data: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    txt_split: str = "blank_line",
+    key_root: str | os.PathLike | None = None,
+    on_bad: OnBad = None,
+) -> Iterator[tuple[str, str]]:
+    """Yield ``(key, text)`` from every file of :func:`corpus_files` in turn (see iter_texts).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`corpus_files` (at once) and :func:`iter_texts`.
+    """
+    files = corpus_files(data)
+    return _chain_files(files, text_field, txt_split, key_root, on_bad)
+
+
+def _chain_files(files, text_field, txt_split, key_root, on_bad) -> Iterator[tuple[str, str]]:
+    for path in files:
+        yield from iter_texts(
+            path, text_field=text_field, txt_split=txt_split, key_root=key_root, on_bad=on_bad
+        )
 
 
 def read_texts(path: str | os.PathLike, limit: int, *, text_field: str = "text") -> list[str]:
