@@ -17,6 +17,11 @@ to send twice: puts and clears are idempotent, a claim's unanswered lease lapses
 lease the server applied (or an old instance issued) is an error, never a double ack. A client
 given a ``stop`` event raises ``QueueError("stopped")`` within ~50 ms of it being set, whatever
 the server does (SIGTERM of a collator or consumer whose queue is gone).
+Every new connection starts with a ``hello`` sent ahead of its first request (no round trip
+waited for): it presents the token of a server that needs one (``token=``, else
+``XTOKEN_QUEUE_TOKEN`` / ``XTOKEN_QUEUE_TOKEN_FILE``, auth.py) and the client's ``instance`` (by
+default one random id per process), which owns the leases it claims: any client of the same
+instance may ack or nack them, a client of another gets ``not_owner``.
 Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
 to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py); the
 AsyncQueueClient sends and receives frames only.
@@ -37,6 +42,7 @@ import zmq
 import zmq.asyncio
 
 from services.queue import errors as codes
+from services.queue.auth import load_token, process_instance
 from services.queue.errors import QueueError, StaleEpochError
 from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
@@ -101,6 +107,8 @@ class _Requests:
         limits: WireLimits | None,
         name: str,
         on_epoch: Callable[[str | None, str], None] | None = None,
+        token: str | None = None,
+        instance: str | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0 (seconds to wait for a reply)")
@@ -115,6 +123,20 @@ class _Requests:
         self.epoch: str | None = None  # the server instance of the last reply
         self.epoch_changes = 0  # restarts of the server seen by this client
         self.on_epoch = on_epoch
+        self.token = token if token is not None else load_token()
+        self.instance = instance or process_instance()
+
+    def body_hello(self) -> dict[str, Any]:
+        body = {"protocol_version": PROTOCOL_VERSION, "client": self.name}
+        body["instance"] = self.instance
+        if self.token is not None:
+            body["token"] = self.token
+        return body
+
+    def _hello_frames(self) -> list[Any]:
+        """A hello for a new connection, sent ahead of its first request; its reply is dropped
+        (another request id) and an ``unauthorized`` one is repeated for that request."""
+        return encode_message("hello", self.body_hello(), request_id=next(self._ids))
 
     def _see_epoch(self, epoch: Any) -> None:
         """Note the server instance of a reply; a new one is a restart (everything built on
@@ -135,6 +157,9 @@ class _Requests:
             self.on_epoch(old, epoch)
 
     def _socket_options(self, sock: zmq.Socket) -> None:
+        # a random routing id: a server binds this connection's hello (token, instance) to it,
+        # and nobody can connect later under the same id (auto ids are a counter)
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(16))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.RCVHWM, 1000)
@@ -233,6 +258,11 @@ class QueueClient(_Requests):
             restarted (after the first reply; also counted in ``epoch_changes``).
         stop: an event (anything with ``is_set()``: threading or multiprocessing); once set,
             a request waiting for its reply raises ``QueueError("stopped")`` within ~50 ms.
+        token: the server's shared secret, presented in every hello (None: the
+            ``XTOKEN_QUEUE_TOKEN`` environment variable, else the file ``XTOKEN_QUEUE_TOKEN_FILE``
+            names, else none).
+        instance: the owner of the leases this client claims (None: this process's random
+            id, so that every client of the process may ack them; a forked child gets its own).
 
     Raises:
         ValueError: a non-positive timeout, negative retries, an unknown ``shm`` mode.
@@ -251,8 +281,10 @@ class QueueClient(_Requests):
         shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
         on_epoch: Callable[[str | None, str], None] | None = None,
         stop: Any = None,
+        token: str | None = None,
+        instance: str | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name, on_epoch)
+        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -261,7 +293,7 @@ class QueueClient(_Requests):
         self.stop = stop
         self.disconnects = 0  # connections found dead while a request waited
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self, msg_type: str = "hello") -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             self._socket_options(sock)
@@ -274,6 +306,8 @@ class QueueClient(_Requests):
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
+            if msg_type != "hello":
+                send_frames(sock, self._hello_frames())
         return self._sock
 
     def close(self) -> None:
@@ -336,7 +370,7 @@ class QueueClient(_Requests):
         slice_ms = _STOP_POLL_MS if self.stop is not None else None
         while True:
             self._check_stop(msg_type)
-            sock = self._socket()
+            sock = self._socket(msg_type)
             self._dropped()  # a drop while idle: the socket reconnects on its own
             send_frames(sock, frames)
             deadline = time.monotonic() + budget_s
@@ -382,7 +416,7 @@ class QueueClient(_Requests):
 
     def hello(self) -> dict[str, Any]:
         """Handshake: check the protocol version; returns server info."""
-        return self.request("hello", {"protocol_version": PROTOCOL_VERSION, "client": self.name})
+        return self.request("hello", self.body_hello())
 
     def put(
         self,
@@ -626,8 +660,10 @@ class AsyncQueueClient(_Requests):
         name: str = "",
         context: zmq.asyncio.Context | None = None,
         on_epoch: Callable[[str | None, str], None] | None = None,
+        token: str | None = None,
+        instance: str | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name, on_epoch)
+        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock: asyncio.Lock | None = None
@@ -659,6 +695,8 @@ class AsyncQueueClient(_Requests):
                     self._sock = self._ctx.socket(zmq.DEALER)
                     self._socket_options(self._sock)
                     self._sock.connect(self.address)
+                    if msg_type != "hello":
+                        await self._sock.send_multipart(self._hello_frames(), copy=False)
                 sock = self._sock
                 await sock.send_multipart(frames, copy=False)
                 loop = asyncio.get_running_loop()
@@ -686,9 +724,7 @@ class AsyncQueueClient(_Requests):
 
     async def hello(self) -> dict[str, Any]:
         """Handshake; see QueueClient.hello."""
-        return await self.request(
-            "hello", {"protocol_version": PROTOCOL_VERSION, "client": self.name}
-        )
+        return await self.request("hello", self.body_hello())
 
     async def put(
         self,

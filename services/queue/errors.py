@@ -12,6 +12,8 @@ TIMEOUT = "timeout"
 SHUTTING_DOWN = "shutting_down"
 SHM_UNAVAILABLE = "shm_unavailable"
 STALE_EPOCH = "stale_epoch"
+UNAUTHORIZED = "unauthorized"  # a server with a token: this connection's hello did not present it
+NOT_OWNER = "not_owner"  # an ack/nack of a lease another client instance claimed
 STOPPED = "stopped"  # client side: the caller's stop event was set while it waited
 INTERNAL = "internal"
 

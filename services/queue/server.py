@@ -1,8 +1,11 @@
 """The transfer-queue process shell: a ZMQ ROUTER event loop around SampleStore.
 
 Each start is a new **instance** with a random ``epoch`` (16 hex): every reply and error carries
-it, and lease ids are ``"<epoch>:<n>"``, so a client notices a restart on its next reply and an
-ack of a lease of an earlier instance is refused as ``stale_epoch`` (never a silent success).
+it, and lease ids are ``"<epoch>:<32 random hex>"``, so a client notices a restart on its next
+reply and an ack of a lease of an earlier instance is refused as ``stale_epoch`` (never a silent
+success). A lease belongs to the client instance that claimed it (auth.py): an ack or nack from
+another is ``not_owner``. With a token (``auth_token``), a connection is served only once its
+hello presented it; every other request is answered ``unauthorized``.
 
 One thread, one event loop: requests are decoded and answered in arrival order; claims that find
 nothing ready and puts (or shared-memory reservations) that do not fit are parked (never polled,
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from services.queue import errors as codes
+from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, is_loopback, token_matches
 from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
 from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes
@@ -110,6 +114,9 @@ class ServerConfig:
             (``--log-lag``): past it, puts are answered once written.
         compact_min_bytes: the log is compacted to a snapshot once it is larger than this and
             twice the bytes stored (``--compact-min``).
+        auth_token: the shared secret every client presents in its hello (``--auth-token-file``
+            or ``XTOKEN_QUEUE_TOKEN``, auth.py); None serves anyone who can connect.
+        insecure: allow a bind reachable from other hosts without a token (``--insecure``).
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -134,8 +141,20 @@ class ServerConfig:
     fsync_interval_s: float = 1.0
     log_lag_bytes: int = 256 * 1024**2
     compact_min_bytes: int = 64 * 1024**2
+    auth_token: str | None = field(default=None, repr=False)
+    insecure: bool = False
 
     def __post_init__(self) -> None:
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth_token is empty: give a token or None (--auth-token-file)")
+        if self.auth_token is None and not self.insecure and not is_loopback(self.bind):
+            raise ValueError(
+                f"bind={self.bind!r} is reachable from other hosts, and this queue has no token "
+                f"(anyone could read, ack or clear its data): give it one with "
+                f"--auth-token-file FILE or {TOKEN_ENV} (clients read the same variable or "
+                "XTOKEN_QUEUE_TOKEN_FILE), bind tcp://127.0.0.1:PORT, or pass --insecure to "
+                "serve unauthenticated anyway"
+            )
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={self.capacity_bytes}: must be > 0 (--capacity)")
         for name in ("put_timeout_s", "claim_timeout_s"):
@@ -244,6 +263,10 @@ class QueueServer:
         self.requests = 0
         self._next_probe = 0.0
         self.dropped_parked = 0  # parked requests of clients found gone
+        # Connections that said hello (and presented the token, if there is one): routing id
+        # -> the owner their leases are bound to ("i:" + the client's instance id).
+        self._owners: dict[bytes, str] = {}
+        self.refused = 0  # requests answered unauthorized
         # Durable mode: the log, replies waiting for their record to be written, a pipe the
         # log writer wakes the loop through, what the last recovery read.
         self.log: DurableLog | None = None
@@ -337,11 +360,12 @@ class QueueServer:
         sweep_orphans(min_age_s=ORPHAN_AGE_S)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info(
-            "[queue] listening on %s (capacity %d bytes, protocol v%d, instance %s)",
+            "[queue] listening on %s (capacity %d bytes, protocol v%d, instance %s, %s)",
             self.endpoint,
             self.config.capacity_bytes,
             PROTOCOL_VERSION,
             self.epoch,
+            "token required" if self.config.auth_token is not None else "no authentication",
         )
         return self.endpoint
 
@@ -446,6 +470,20 @@ class QueueServer:
             )
             return
         rid, rtype = _peek_header(frames[1])
+        if self.config.auth_token is not None and rtype != "hello" and ident not in self._owners:
+            # before decoding: an unauthenticated peer gets no work done but this reply
+            self.refused += 1
+            self._send_error(
+                ident,
+                rid,
+                codes.UNAUTHORIZED,
+                "this queue requires a token and this connection has not presented it in a "
+                f"hello (or presented a wrong one): set {TOKEN_ENV} (or XTOKEN_QUEUE_TOKEN_FILE) "
+                "to the token the server reads from --auth-token-file, or QueueClient(token=...)",
+                False,
+                rtype,
+            )
+            return
         # Same-host clients may send tensors as references into the server's pool, resolved
         # against its own mapping and checked against the put's reservation in _on_put. Any
         # other segment (a producer's own, another server's, the probe) is refused before a
@@ -486,6 +524,21 @@ class QueueServer:
                 f"client speaks protocol {body['protocol_version']}, "
                 f"this server {PROTOCOL_VERSION}; upgrade the older side",
             )
+        token = self.config.auth_token
+        if token is not None and not token_matches(token, body.get("token")):
+            self._owners.pop(ident, None)
+            self.refused += 1
+            given = "presented no token" if body.get("token") is None else "token does not match"
+            raise StoreError(
+                codes.UNAUTHORIZED,
+                f"hello of {body['client']!r}: this queue requires a token and the client "
+                f"{given} the server's (--auth-token-file); set {TOKEN_ENV} or "
+                "XTOKEN_QUEUE_TOKEN_FILE for the client, or QueueClient(token=...)",
+            )
+        instance = body.get("instance")
+        if not isinstance(instance, str) or not 0 < len(instance) <= MAX_INSTANCE_CHARS:
+            instance = None  # an older client: its leases are bound to this connection
+        self._owners[ident] = "i:" + instance if instance else _conn_owner(ident)
         logger.debug("[queue] hello from %s", body["client"])
         return {
             "server": "xtoken-queue",
@@ -503,6 +556,8 @@ class QueueServer:
             "retention": True,  # claim.register; put replies count "consumed" keys
             "epoch": self.epoch,
             "durable": self.log is not None,  # --data-dir: consumption state survives restarts
+            "auth": token is not None,  # hellos must present the token
+            "lease_owner": "instance" if instance else "connection",
         }
 
     def _on_put(self, ident, rid, body, frames):
@@ -683,9 +738,13 @@ class QueueServer:
             )
         return timeout_ms / 1000
 
+    def _owner(self, ident: bytes) -> str:
+        """Who a request's leases belong to: the instance its connection's hello named."""
+        return self._owners.get(ident) or _conn_owner(ident)
+
     def _on_claim(self, ident, rid, body, frames):
         timeout_s = self._wait_s(body, "claim")
-        batch = self._try_claim(body)
+        batch = self._try_claim(body, ident)
         if batch is not None:
             return batch
         if timeout_s <= 0:
@@ -699,7 +758,7 @@ class QueueServer:
         keys = body.get("keys")
         if self.log is not None and keys is None:
             keys = self.store.lease_keys(lease_id)
-        count = self.store.ack(body["partition"], body["task"], lease_id, keys)
+        count = self.store.ack(body["partition"], body["task"], lease_id, keys, self._owner(ident))
         if self.store.bytes_used < used:
             self._wake_puts()  # retention dropped what every registered task consumed
         if self.log is not None and count:
@@ -710,7 +769,11 @@ class QueueServer:
 
     def _on_nack(self, ident, rid, body, frames):
         count = self.store.nack(
-            body["partition"], body["task"], self._lease_id(body["lease_id"]), body.get("keys")
+            body["partition"],
+            body["task"],
+            self._lease_id(body["lease_id"]),
+            body.get("keys"),
+            self._owner(ident),
         )
         self._wake_claims(body["partition"])
         return {"count": count}
@@ -726,12 +789,13 @@ class QueueServer:
         stats["parked_puts"] = sum(1 for p in self._parked_puts if not p.done)
         stats["parked_dropped"] = self.dropped_parked  # of clients found gone
         stats["requests"] = self.requests
+        stats["unauthorized"] = self.refused
         stats["shm_pool"] = self.pool.stats()
         return stats
 
     # ---------------------------------------------------------------- parking
 
-    def _try_claim(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def _try_claim(self, body: dict[str, Any], ident: bytes) -> dict[str, Any] | None:
         if (
             self.log is not None
             and body.get("register")
@@ -754,15 +818,15 @@ class QueueServer:
             wire=True,
             shm=self._shm_locate if body.get("shm") else None,
             register=bool(body.get("register")),
+            owner=self._owner(ident),
         )
         if batch is None:
             return None
         lease_id = f"{self.epoch}:{batch.lease_id}"
         return {"keys": batch.keys, "fields": batch.fields, "lease_id": lease_id}
 
-    def _lease_id(self, value: int | str) -> int:
-        """The store's lease number of a lease id: ``"<epoch>:<n>"`` of this instance (or a
-        bare number, as earlier servers issued them)."""
+    def _lease_id(self, value: int | str) -> str:
+        """The store's lease key of a lease id: ``"<epoch>:<32 hex>"`` of this instance."""
         text = str(value)
         epoch, sep, number = text.rpartition(":")
         if sep and epoch != self.epoch:
@@ -778,12 +842,11 @@ class QueueServer:
                 f"{self.epoch}: the server restarted and lost {lost}; drop the lease, do not "
                 "count its samples as acked, and claim again",
             )
-        try:
-            return int(number)
-        except ValueError:
+        if not sep:
             raise StoreError(
                 codes.UNKNOWN_LEASE, f"lease_id={value!r} is not a lease id this server issued"
-            ) from None
+            )
+        return number
 
     def _after_log(
         self, ident: bytes, rid: int, reply: dict[str, Any], put: bool = False
@@ -852,7 +915,7 @@ class QueueServer:
             if parked.done:
                 continue
             try:
-                reply = self._try_claim(parked.body)
+                reply = self._try_claim(parked.body, parked.ident)
             except StoreError as e:
                 parked.done = True
                 self._send_error(
@@ -1033,6 +1096,7 @@ class QueueServer:
 
     def _client_gone(self, ident: bytes) -> None:
         """Drop the parked requests of a client whose connection is gone (nobody to answer)."""
+        self._owners.pop(ident, None)
         dropped = 0
         for parked in self._all_parked():
             if parked.ident == ident:
@@ -1069,6 +1133,11 @@ def _peek_header(frame: Any) -> tuple[int, str | None]:
     (code,) = struct.unpack_from("<H", buf, 6)
     (rid,) = struct.unpack_from("<Q", buf, 8)
     return rid, TYPE_NAMES.get(code)
+
+
+def _conn_owner(ident: bytes) -> str:
+    """The owner of leases claimed on a connection whose hello named no instance."""
+    return "c:" + ident.hex()
 
 
 def _put_reply(result: Any) -> dict[str, Any]:

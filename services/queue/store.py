@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import collections
 import heapq
-import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,11 +66,12 @@ class _Task:
 
 @dataclass
 class _Lease:
-    lease_id: int
+    lease_id: str
     partition: str
     task: str
     keys: set[str]
     deadline: float
+    owner: str | None = None  # the claiming client instance; None: anyone may ack
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Batch:
 
     keys: list[str]
     fields: dict[str, FieldValue | WireValue]
-    lease_id: int | None = None
+    lease_id: str | None = None
     nbytes: int = 0
 
 
@@ -193,8 +194,7 @@ class SampleStore:
         self._live: dict[tuple[int, int], int] = {}  # storage id -> live row bytes viewing it
         self.bytes_used = 0
         self._leases: dict[int, _Lease] = {}
-        self._lease_heap: list[tuple[float, int]] = []
-        self._lease_ids = itertools.count(1)
+        self._lease_heap: list[tuple[float, str]] = []
         self._started = clock()
         self._put_rate = _Rate(rate_window_s)
         self._claim_rate = _Rate(rate_window_s)
@@ -487,6 +487,7 @@ class SampleStore:
         wire: bool = False,
         shm: Locate | None = None,
         register: bool = False,
+        owner: str | None = None,
     ) -> Batch | None:
         """Lease up to ``batch_size`` samples that have every required field and that ``task``
         has neither consumed nor leased, in insertion order.
@@ -501,9 +502,11 @@ class SampleStore:
             wire: return fields as wire bytes, as for ``get``.
             shm: shared-memory references, as for ``get``.
             register: register ``task`` for the partition first (``register``).
+            owner: the claiming client's instance: an ``ack``/``nack`` that names another
+                owner is refused (``not_owner``); None binds the lease to nobody.
 
         Returns:
-            A Batch with a ``lease_id``, or None when nothing is ready.
+            A Batch with a ``lease_id`` (32 random hex digits), or None when nothing is ready.
 
         Raises:
             StoreError: ``bad_request`` for a bad batch size or lease.
@@ -547,9 +550,9 @@ class SampleStore:
             wire,
             shm,
         )
-        lease_id = next(self._lease_ids)
+        lease_id = secrets.token_hex(16)  # unguessable: a stranger cannot name someone's lease
         deadline = self.clock() + lease_s
-        self._leases[lease_id] = _Lease(lease_id, partition, task, set(picked), deadline)
+        self._leases[lease_id] = _Lease(lease_id, partition, task, set(picked), deadline, owner)
         heapq.heappush(self._lease_heap, (deadline, lease_id))
         for k in picked:
             leased[k] = lease_id
@@ -590,7 +593,12 @@ class SampleStore:
         return True
 
     def ack(
-        self, partition: str, task: str, lease_id: int, keys: Sequence[str] | None = None
+        self,
+        partition: str,
+        task: str,
+        lease_id: str,
+        keys: Sequence[str] | None = None,
+        owner: str | None = None,
     ) -> int:
         """Mark leased samples consumed by ``task``; drop those every registered task consumed.
 
@@ -598,15 +606,17 @@ class SampleStore:
             partition, task: as claimed.
             lease_id: from the claim.
             keys: subset of the lease; None acks the whole lease.
+            owner: the acking client's instance (None: not checked).
 
         Returns:
             Number of samples marked consumed.
 
         Raises:
             StoreError: ``unknown_lease`` when the lease expired or never existed (its samples
-                are redelivered); ``bad_request`` when a key is not in the lease.
+                are redelivered); ``not_owner`` when another instance claimed it;
+                ``bad_request`` when a key is not in the lease. Nothing changes then.
         """
-        lease, state = self._lease(partition, task, lease_id)
+        lease, state = self._lease(partition, task, lease_id, owner)
         todo = set(lease.keys) if keys is None else set(keys)
         bad = todo - lease.keys
         if bad:
@@ -622,7 +632,7 @@ class SampleStore:
             self._retire(partition, part, todo)
         return len(todo)
 
-    def lease_keys(self, lease_id: int) -> list[str]:
+    def lease_keys(self, lease_id: str) -> list[str]:
         """The keys a live lease still holds (empty for an unknown lease)."""
         lease = self._leases.get(lease_id)
         return sorted(lease.keys) if lease is not None else []
@@ -708,7 +718,12 @@ class SampleStore:
         self.clear(partition, done)
 
     def nack(
-        self, partition: str, task: str, lease_id: int, keys: Sequence[str] | None = None
+        self,
+        partition: str,
+        task: str,
+        lease_id: str,
+        keys: Sequence[str] | None = None,
+        owner: str | None = None,
     ) -> int:
         """Give leased samples back: claimable again at once.
 
@@ -721,7 +736,7 @@ class SampleStore:
         Raises:
             StoreError: as for ``ack``.
         """
-        lease, state = self._lease(partition, task, lease_id)
+        lease, state = self._lease(partition, task, lease_id, owner)
         todo = set(lease.keys) if keys is None else set(keys)
         bad = todo - lease.keys
         if bad:
@@ -729,7 +744,7 @@ class SampleStore:
         self._release(lease, state, todo)
         return len(todo)
 
-    def release_lease(self, lease_id: int) -> str | None:
+    def release_lease(self, lease_id: str) -> str | None:
         """Give a whole lease back at once (its claim reply could not be delivered).
 
         Returns:
@@ -875,7 +890,9 @@ class SampleStore:
             )
         return part
 
-    def _lease(self, partition: str, task: str, lease_id: int) -> tuple[_Lease, _Task]:
+    def _lease(
+        self, partition: str, task: str, lease_id: str, owner: str | None = None
+    ) -> tuple[_Lease, _Task]:
         self.expire_leases()
         lease = self._leases.get(lease_id)
         if lease is None or lease.partition != partition or lease.task != task:
@@ -884,6 +901,12 @@ class SampleStore:
                 f"lease {lease_id} of task {task!r} on partition "
                 f"{partition!r} is unknown or expired; its samples are redelivered "
                 "(raise lease_ms if steps take longer)",
+            )
+        if owner is not None and lease.owner is not None and owner != lease.owner:
+            raise StoreError(
+                "not_owner",
+                f"lease {lease_id} was claimed by another client instance; only the claiming "
+                "process (any of its clients) may ack or nack it. Nothing was changed",
             )
         return lease, self._parts[partition].tasks[task]
 

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 class ServerProcess:
     """A `xtoken queue serve` subprocess and the endpoint it bound."""
 
-    def __init__(self, tmp: pathlib.Path, *args: str) -> None:
+    def __init__(self, tmp: pathlib.Path, *args: str, env: dict[str, str] | None = None) -> None:
         ready = tmp / f"ready-{time.monotonic_ns()}"
         self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
         cmd = [
@@ -35,7 +35,9 @@ class ServerProcess:
             *args,
         ]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -77,8 +79,8 @@ def make_server(tmp_path):
     """Start servers with extra CLI arguments; all are stopped after the test."""
     started: list[ServerProcess] = []
 
-    def _make(*args: str) -> ServerProcess:
-        srv = ServerProcess(tmp_path, *args)
+    def _make(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        srv = ServerProcess(tmp_path, *args, env=env)
         started.append(srv)
         return srv
 
