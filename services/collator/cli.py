@@ -111,6 +111,7 @@ def _write_summary(path: str, summary: object) -> None:
         "samples_per_s",
         "bytes_per_s",
         "stopped",
+        "bad_lines",
         "worker_ready_s",
         "steady_samples_per_s",
     )

@@ -60,7 +60,8 @@ class RunConfig:
     """One collator run.
 
     Args:
-        data: corpus file (``.jsonl``, ``.txt`` or ``.parquet``).
+        data: corpus file (``.jsonl``, ``.txt`` or ``.parquet``), a folder of them or a glob
+            (``xtoken_core.data.corpus.corpus_files``).
         worker: settings shared by every worker (queue address, partition, tokenizers).
         workers: number of worker processes, >= 1.
         batch: texts per put, >= 1.
@@ -69,6 +70,7 @@ class RunConfig:
         txt_split: ``.txt`` documents: ``"blank_line"`` or ``"line"``.
         log_every_s: seconds between progress log lines.
         skip_queued: ask the queue for the keys it holds and skip them.
+        skip_bad_lines: skip, log and count bad corpus lines instead of failing on the first.
         key_root: key samples by the corpus file's path relative to this folder
             (``a/data.jsonl:<line>``); None: by a hash of its absolute path
             (``<12 hex>/data.jsonl:<line>``). See ``xtoken_core.data.corpus.corpus_key_prefix``.
@@ -79,7 +81,12 @@ class RunConfig:
             ``key_root``.
     """
 
-    data: str = field(metadata={"help": "corpus file: .jsonl, .txt or .parquet"})
+    data: str = field(
+        metadata={
+            "help": "corpus: a .jsonl, .txt or .parquet file, a folder of them (read sorted, "
+            "recursively) or a quoted glob ('data/*.jsonl'); each file keeps its own keys"
+        }
+    )
     # flag "": the worker's flags carry no "worker." prefix (--queue, --ctx-student, ...)
     worker: WorkerConfig = field(metadata={"flag": ""})
     workers: int = field(default=1, metadata={"help": "worker processes"})
@@ -100,6 +107,13 @@ class RunConfig:
         metadata={
             "help": "ask the queue which keys it holds and skip them (--no-skip-queued re-puts "
             "everything; puts stay idempotent)"
+        },
+    )
+    skip_bad_lines: bool = field(
+        default=False,
+        metadata={
+            "help": "skip lines without usable text (invalid JSON or UTF-8, no text field), "
+            "log and count them; default: the first one fails the run naming file and line"
         },
     )
     key_root: str | None = field(
@@ -124,10 +138,15 @@ class RunConfig:
 
         check_endpoint(self.worker.queue, "--queue")
         if self.key_root is not None:
-            from xtoken_core.data.corpus import corpus_key_prefix
+            from xtoken_core.data.corpus import corpus_files, corpus_key_prefix
 
             try:
-                corpus_key_prefix(self.data, self.key_root)
+                files = corpus_files(self.data)
+            except (OSError, ValueError):
+                files = [self.data]  # the run names what is missing
+            try:
+                for path in files:
+                    corpus_key_prefix(path, self.key_root)
             except ValueError:
                 raise ValueError(
                     f"--data {self.data} is not under --key-root {self.key_root}: pass a "

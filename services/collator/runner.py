@@ -39,6 +39,7 @@ from typing import Any
 from services.collator.config import RunConfig, WorkerConfig
 from services.collator.worker import worker_main
 from services.common import lifecycle
+from xtoken_core.data.corpus import BadCorpusLine
 
 __all__ = [
     "CollatorRun",
@@ -56,6 +57,8 @@ logger = logging.getLogger(__name__)
 _SUBMIT_POLL_S = 0.1
 # Seconds to wait for a worker to exit after it was told to stop, on top of the put timeout.
 _EXIT_GRACE_S = 30.0
+# Bad lines logged one by one with --skip-bad-lines (the rest are only counted).
+_BAD_LINES_LOGGED = 10
 
 
 class _Runs:
@@ -94,6 +97,7 @@ class RunSummary:
         replayed: texts put again after a restart, because the new instance lacked them.
         elapsed_s: seconds from the first dispatched batch to the last result.
         stopped: True when the run was stopped before the end of the data.
+        bad_lines: corpus lines skipped as bad (``--skip-bad-lines``).
         worker_ready_s: per worker, seconds from the start to its tokenizers being loaded.
         steady_samples_per_s: samples/s from the first worker being ready (tokenizers loaded) to
             the last finished batch: the collation rate without process start-up.
@@ -109,6 +113,7 @@ class RunSummary:
     replayed: int = 0
     elapsed_s: float = 0.0
     stopped: bool = False
+    bad_lines: int = 0
     worker_ready_s: list[float] = field(default_factory=list)
     steady_samples_per_s: float = 0.0
 
@@ -134,6 +139,7 @@ class RunSummary:
                 if self.restarts
                 else ""
             )
+            + (f"; {self.bad_lines} bad lines skipped" if self.bad_lines else "")
             + (" [stopped early]" if self.stopped else "")
         )
 
@@ -261,6 +267,11 @@ class CollatorRun:
             finished = self._passes(texts, queued, listed)
             self.summary.stopped = not finished
             self._shutdown(graceful=finished)
+        except BadCorpusLine as e:
+            self._shutdown(graceful=False)
+            raise BadCorpusLine(
+                f"{e}; or pass --skip-bad-lines to skip and count such lines", e.path, e.line
+            ) from None
         except BaseException:
             self._shutdown(graceful=False)
             raise
@@ -275,13 +286,31 @@ class CollatorRun:
 
     # ------------------------------------------------------------------------- internals
 
-    def _texts(self) -> Any:
-        from xtoken_core.data.corpus import iter_texts
+    def _texts(self, replay: bool = False) -> Any:
+        from xtoken_core.data.corpus import iter_corpus
 
         cfg = self.config
-        return iter_texts(
-            cfg.data, text_field=cfg.text_field, txt_split=cfg.txt_split, key_root=cfg.key_root
+        on_bad = None
+        if cfg.skip_bad_lines:
+            on_bad = self._skip_bad_replayed if replay else self._skip_bad
+        return iter_corpus(
+            cfg.data,
+            text_field=cfg.text_field,
+            txt_split=cfg.txt_split,
+            key_root=cfg.key_root,
+            on_bad=on_bad,
         )
+
+    def _skip_bad(self, err: Exception) -> None:
+        """--skip-bad-lines: count a bad line, log the first ``_BAD_LINES_LOGGED``."""
+        self.summary.bad_lines += 1
+        if self.summary.bad_lines <= _BAD_LINES_LOGGED:
+            logger.warning("[collator] skipped a bad line: %s", err)
+        elif self.summary.bad_lines == _BAD_LINES_LOGGED + 1:
+            logger.warning("[collator] more bad lines: counted, not logged (see the summary)")
+
+    def _skip_bad_replayed(self, err: Exception) -> None:
+        """A replay pass meets the bad lines of the first again: counted once already."""
 
     def _passes(self, texts: Any, queued: set[str], listed: str | None) -> bool:
         """A pass over the corpus, and one more each time the queue restarted during the last
@@ -311,7 +340,7 @@ class CollatorRun:
                 cfg.data,
                 len(queued),
             )
-            texts, replay = self._texts(), True
+            texts, replay = self._texts(replay=True), True
         for _ in self._procs:
             if not self._submit(None):
                 return False

@@ -1,0 +1,45 @@
+"""`xtoken collator --data` as a folder or glob, and --skip-bad-lines, against a real queue."""
+
+from __future__ import annotations
+
+from services.queue.client import QueueClient
+from tests.services.collator.conftest import run_collator
+from xtoken_core.data.corpus import iter_texts
+
+
+def _keys(address: str, partition: str) -> list[str]:
+    with QueueClient(address, timeout_s=10) as client:
+        return sorted(client.list(partition)["keys"])
+
+
+def test_a_folder_puts_every_file_with_the_keys_a_single_file_run_makes(queue_server, tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.jsonl").write_text('{"text": "a one"}\n{"text": "a two"}\n', encoding="utf-8")
+    (root / "sub" / "b.txt").write_text("b one\n\nb two\n", encoding="utf-8")
+    (root / "notes.md").write_text("ignored\n", encoding="utf-8")
+    # one file first: the folder run then skips its keys as already queued
+    proc, summary = run_collator(queue_server.address, root / "a.jsonl", "folder")
+    assert proc.returncode == 0, proc.stderr
+    proc, summary = run_collator(queue_server.address, root, "folder")
+    assert proc.returncode == 0, proc.stderr
+    assert summary["read"] == 4 and summary["skipped"] == 2 and summary["written"] == 2
+    want = [k for f in (root / "a.jsonl", root / "sub" / "b.txt") for k, _ in iter_texts(f)]
+    assert _keys(queue_server.address, "folder") == sorted(want)
+    proc, summary = run_collator(queue_server.address, f"{root}/sub/*.txt", "folder-glob")
+    assert proc.returncode == 0, proc.stderr
+    assert summary["written"] == 2
+    assert _keys(queue_server.address, "folder-glob") == sorted(want[2:])
+
+
+def test_a_bad_line_fails_naming_file_line_and_the_skip_flag(queue_server, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"text": "one"}\n{"text": nope}\n{"text": "t\xffo"}\n{"text": "four"}\n')
+    proc, summary = run_collator(queue_server.address, data, "bad-lines")
+    assert proc.returncode == 1 and summary is None
+    assert "bad.jsonl: line 2: invalid JSON" in proc.stderr, proc.stderr
+    assert "--skip-bad-lines" in proc.stderr and "Traceback" not in proc.stderr
+    proc, summary = run_collator(queue_server.address, data, "bad-lines", "--skip-bad-lines")
+    assert proc.returncode == 0, proc.stderr
+    assert summary["bad_lines"] == 2 and summary["written"] == 2, summary
+    assert "line 3: invalid UTF-8" in proc.stderr and "2 bad lines skipped" in proc.stdout
