@@ -238,6 +238,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "else no authentication); clients read the same variables",
     )
     serve.add_argument(
+        "--pool-idle-s",
+        type=float,
+        default=30.0,
+        help="unlink free shared-memory pool segments unused this long (default 30): an idle "
+        "server gives its pool's memory back",
+    )
+    serve.add_argument(
         "--insecure",
         action="store_true",
         help="serve a --bind reachable from other hosts without a token (refused otherwise)",
@@ -304,6 +311,7 @@ def _serve(args: argparse.Namespace) -> int:
             limits=limits,
             auth_token=load_token(args.auth_token_file),
             insecure=args.insecure,
+            pool_idle_s=args.pool_idle_s,
         )
         import zmq
 

@@ -36,7 +36,7 @@ from services.queue import errors as codes
 from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, is_loopback, token_matches
 from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
-from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes
+from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes, sweep_dead_pools
 from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
 from services.queue.tombstones import DEFAULT_MAX_KEYS
@@ -117,6 +117,8 @@ class ServerConfig:
         auth_token: the shared secret every client presents in its hello (``--auth-token-file``
             or ``XTOKEN_QUEUE_TOKEN``, auth.py); None serves anyone who can connect.
         insecure: allow a bind reachable from other hosts without a token (``--insecure``).
+        pool_idle_s: a free shared-memory segment unused this long is unlinked
+            (``--pool-idle-s``): an idle server gives its pool's memory back.
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -143,6 +145,7 @@ class ServerConfig:
     compact_min_bytes: int = 64 * 1024**2
     auth_token: str | None = field(default=None, repr=False)
     insecure: bool = False
+    pool_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.auth_token is not None and not self.auth_token.strip():
@@ -207,6 +210,8 @@ class ServerConfig:
                 f"log_lag_bytes={self.log_lag_bytes} must be >= 0 (--log-lag) and "
                 f"compact_min_bytes={self.compact_min_bytes} > 0 (--compact-min)"
             )
+        if not self.pool_idle_s > 0:
+            raise ValueError(f"pool_idle_s={self.pool_idle_s}: must be > 0 (--pool-idle-s)")
         if not self.shm_reserve_s > 0:
             raise ValueError(
                 f"shm_reserve_s={self.shm_reserve_s}: must be > 0 (--shm-reserve-timeout)"
@@ -237,7 +242,12 @@ class QueueServer:
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
         self.epoch = secrets.token_hex(8)  # this instance: samples and leases live and die with it
-        self.pool = ShmPool(config.shm_pool_free_bytes, config.shm_reserve_s)
+        self.pool = ShmPool(
+            config.shm_pool_free_bytes,
+            config.shm_reserve_s,
+            idle_s=config.pool_idle_s,
+            instance=self.epoch,
+        )
         self.store = SampleStore(
             config.capacity_bytes,
             held=lambda: self.pool.held_bytes,
@@ -356,7 +366,9 @@ class QueueServer:
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes + (1 << 20))
         sock.bind(self.config.bind)
         self._sock = sock
-        # pool segments of a server killed with SIGKILL, producers' segments that never left
+        # pool segments of servers that died (their lock files are free: SIGKILL, whatever
+        # their pid), then producers' segments that never left (by pid and age)
+        sweep_dead_pools()
         sweep_orphans(min_age_s=ORPHAN_AGE_S)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info(

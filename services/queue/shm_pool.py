@@ -12,8 +12,13 @@ Segment life cycle (one region = one whole segment)::
            -> stored (the store holds views) -> free -> reserved ... | unlinked
               reserved -> expired (deadline passed) -> unlinked one period later
 
-* Names are ``xtk_<server pid>_<16 hex>`` (xtoken_core.ipc.shm): ``sweep_orphans`` removes the
-  segments of a server killed with SIGKILL; ``close`` unlinks all of them on a clean exit.
+* Names are ``xtk_<server pid>_<16 hex>`` (xtoken_core.ipc.shm); ``close`` unlinks all of them on
+  a clean exit. A pool that made a segment holds an flock on its lock file
+  ``/dev/shm/xtkpool_<instance>.lock`` for the server's life and lists there every segment it
+  made: a starting server (``sweep_dead_pools``) removes the segments of every lock file it can
+  lock (its server died, even SIGKILLed, whatever its pid: pid 1 of a container again), then the
+  file. ``sweep_orphans`` (pid and age) remains for producers' segments.
+* Free segments unused for ``idle_s`` are unlinked: an idle server gives its pool back.
 * A reservation not used within ``reserve_s`` is retired: never lent again (its producer may
   still be writing), unlinked one period (at least ``RETIRE_MIN_S``) later.
 * Sizes are rounded up to 1/8 of their power of two (at most 12.5% slack), so that puts of
@@ -32,8 +37,10 @@ No sockets here: the server shell (server.py) calls it from its event loop.
 from __future__ import annotations
 
 import collections
+import fcntl
 import heapq
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -43,7 +50,7 @@ import torch
 
 from services.queue import errors as codes
 from services.queue.errors import StoreError
-from xtoken_core.ipc.shm import ALIGN, ShmSegment, align_up
+from xtoken_core.ipc.shm import ALIGN, NAME_RE, SHM_DIR, ShmSegment, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,119 @@ REUSE_SLACK = 1.25
 RETIRE_MIN_S = 10.0
 # Tokens of completed puts remembered to answer a retried put (same request id) again.
 USED_TOKENS = 1024
+# Lock files of pools: <SHM_DIR>/xtkpool_<instance>.lock (not an xtk_ segment name).
+LOCK_PREFIX = "xtkpool_"
+
+
+class PoolLock:
+    """The lock file of one pool: flock-ed while its server lives, listing its segments.
+
+    Made under a temporary name, locked, then renamed into place, so that a sweeping server
+    never sees it unlocked. Names are appended (one line each) as segments are made; the list
+    is rewritten when it holds many more names than live segments.
+
+    Args:
+        instance: the server instance (its epoch): the file's name.
+        directory: where segments live (``/dev/shm``).
+    """
+
+    def __init__(self, instance: str, directory: str = SHM_DIR) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, f"{LOCK_PREFIX}{instance}.lock")
+        self._fd = self._locked_file(self.path, "")
+        self.lines = 0
+
+    @staticmethod
+    def _locked_file(path: str, text: str) -> int:
+        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if text:
+                os.write(fd, text.encode())
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        return fd
+
+    def add(self, name: str) -> None:
+        """List a segment this pool made (before anything references it)."""
+        os.write(self._fd, f"{name}\n".encode())
+        self.lines += 1
+
+    def rewrite(self, names: list[str]) -> None:
+        """Replace the list by ``names`` (the live segments), atomically."""
+        fd = self._locked_file(self.path, "".join(f"{n}\n" for n in names))
+        os.close(self._fd)
+        self._fd, self.lines = fd, len(names)
+
+    def close(self) -> None:
+        """Remove the file and release the lock (clean exit: every segment is unlinked)."""
+        if self._fd < 0:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Release the lock and keep the file, as a killed server does (tests)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def sweep_dead_pools(directory: str = SHM_DIR) -> list[str]:
+    """Unlink the segments of every pool whose lock file nobody holds (its server died), and
+    the file; files of this uid only, names of xtoken segments only.
+
+    Returns:
+        The segment names removed.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for entry in entries:
+        if not (entry.startswith(LOCK_PREFIX) and entry.endswith(".lock")):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its server lives
+            with os.fdopen(os.dup(fd), encoding="utf-8", errors="replace") as f:
+                names = f.read().split()
+            for name in names:
+                if not NAME_RE.fullmatch(name):
+                    continue
+                seg = os.path.join(directory, name)
+                try:
+                    if os.stat(seg, follow_symlinks=False).st_uid == os.geteuid():
+                        os.unlink(seg)
+                        removed.append(name)
+                except FileNotFoundError:
+                    pass
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("[queue] removed %d shm segments of dead queue servers", len(removed))
+    return removed
 
 
 def segment_bytes(nbytes: int) -> int:
@@ -86,6 +206,7 @@ class PoolSegment:
     released_seq: int = -1
     uses: int = 0
     owner: bytes = b""  # the client a reserved or staged segment counts against
+    freed_at: float = 0.0  # clock seconds when it last became free
 
     @property
     def name(self) -> str:
@@ -110,9 +231,12 @@ class ShmPool:
         max_free_bytes: most bytes kept in free segments (more are unlinked).
         reserve_s: seconds a reservation stays valid without a put.
         clock: monotonic seconds; injectable for tests.
+        idle_s: a free segment unused this long is unlinked (``--pool-idle-s``).
+        instance: names the lock file (``PoolLock``) made with the first segment; None makes
+            none (logic-object tests).
 
     Raises:
-        ValueError: negative ``max_free_bytes`` or a non-positive ``reserve_s``.
+        ValueError: negative ``max_free_bytes``, a non-positive ``reserve_s`` or ``idle_s``.
     """
 
     def __init__(
@@ -121,7 +245,11 @@ class ShmPool:
         reserve_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
+        idle_s: float = 30.0,
+        instance: str | None = None,
     ) -> None:
+        if not idle_s > 0:
+            raise ValueError(f"idle_s={idle_s}: must be > 0 (--pool-idle-s)")
         if max_free_bytes < 0:
             raise ValueError(f"max_free_bytes={max_free_bytes}: must be >= 0 (--shm-pool-free)")
         if not reserve_s > 0:
@@ -144,6 +272,27 @@ class ShmPool:
         self.created = self.reused = self.unlinked = self.expired = 0
         self._probe: tuple[ShmSegment, str] | None = None
         self._client_bytes: dict[bytes, int] = {}  # owner -> bytes reserved or staged
+        self.idle_s = float(idle_s)
+        self.idle_unlinked = 0  # free segments given back after idle_s
+        self._instance = instance
+        self._lock: PoolLock | None = None
+
+    def _listed(self, segment: ShmSegment) -> ShmSegment:
+        """Name a new segment in the lock file, so that a next server sweeps it if this one is
+        killed (a segment made just before a kill may escape: ``sweep_orphans`` catches it)."""
+        if self._instance is None:
+            return segment
+        try:
+            if self._lock is None:
+                self._lock = PoolLock(self._instance)
+            elif self._lock.lines > 4 * len(self.segments) + 64:
+                self._lock.rewrite(
+                    [*self.segments, *([self._probe[0].name] if self._probe else [])]
+                )
+            self._lock.add(segment.name)
+        except OSError as e:
+            logger.warning("[queue] shm pool lock file: %s (a SIGKILL would leave segments)", e)
+        return segment
 
     # ---------------------------------------------------------------- probe
 
@@ -158,7 +307,7 @@ class ShmPool:
         if self._probe is None:
             nonce = secrets.token_hex(16)
             try:
-                segment = ShmSegment.create(len(nonce))
+                segment = self._listed(ShmSegment.create(len(nonce)))
             except OSError as e:
                 logger.warning("[queue] no shared-memory probe segment: %s", e)
                 return None
@@ -256,7 +405,7 @@ class ShmPool:
         return freed
 
     def _create(self, size: int) -> PoolSegment:
-        segment = ShmSegment.create(size)
+        segment = self._listed(ShmSegment.create(size))
         seg = PoolSegment(segment, segment.base())
         self.segments[seg.name] = seg
         self.views[seg.name] = seg.base_S
@@ -372,6 +521,7 @@ class ShmPool:
     def _to_free(self, seg: PoolSegment, send_seq: int) -> None:
         self._disown(seg)
         seg.state, seg.token, seg.released_seq = "free", "", send_seq
+        seg.freed_at = self.clock()
         if self.free_bytes + seg.size > self.max_free_bytes:
             self._unlink(seg)
             return
@@ -412,16 +562,23 @@ class ShmPool:
             n += 1
         while self._retired and self._retired[0][0] <= now:
             self._unlink(self._retired.popleft()[1])
+        # free segments, oldest first (appended as freed): given back once unused for idle_s
+        while self._free and self._free[0].freed_at + self.idle_s <= now:
+            self._drop_oldest_free()
+            self.idle_unlinked += 1
         self.expired += n
         return n
 
     def next_deadline(self) -> float | None:
-        """Earliest reservation deadline or retired segment's unlink time, or None."""
+        """Earliest reservation deadline, retired segment's unlink time or idle free segment's
+        unlink time, or None."""
         while self._deadlines and self._deadlines[0][1] not in self._reserved:
             heapq.heappop(self._deadlines)
         times = [self._deadlines[0][0]] if self._deadlines else []
         if self._retired:
             times.append(self._retired[0][0])
+        if self._free:
+            times.append(self._free[0].freed_at + self.idle_s)
         return min(times) if times else None
 
     # ---------------------------------------------------------------- lifecycle
@@ -444,6 +601,7 @@ class ShmPool:
             "reused": self.reused,
             "unlinked": self.unlinked,
             "expired": self.expired,
+            "idle_unlinked": self.idle_unlinked,
         }
 
     def close(self) -> int:
@@ -463,6 +621,9 @@ class ShmPool:
         self._reserved.clear()
         self._client_bytes.clear()
         self.held_bytes = self.free_bytes = 0
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
         if n:
             logger.info("[queue] shm pool: unlinked %d segments", n)
         return n
