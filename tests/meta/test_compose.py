@@ -139,6 +139,14 @@ def test_control_plane_mounts_data_models_and_runs_and_confines_paths_to_them():
     assert ":?" in env["XTOKEN_CONTROL_TOKEN"]  # no default token: compose refuses to start
 
 
+def test_runs_of_the_control_plane_use_the_queue_service():
+    services = _services()
+    control, queue = services["control"], services["queue"]
+    bind = _interpolate(queue["command"][queue["command"].index("--bind") + 1])
+    assert _interpolate(control["environment"]["XTOKEN_CONTROL_QUEUE"]) == bind
+    assert control["depends_on"]["queue"]["condition"] == "service_healthy"
+
+
 def test_example_env_sets_only_variables_the_compose_files_use_and_documents_each():
     text = COMPOSE.read_text() + CPU_PROFILE.read_text()
     used = {name for name, _ in _VAR.findall(text)}
