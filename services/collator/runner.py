@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.collator.config import RunConfig, WorkerConfig
+from services.collator.progress import Eta
 from services.collator.worker import worker_main
 from services.common import lifecycle
+from services.queue.cli import format_size
 from xtoken_core.data.corpus import BadCorpusLine
 
 __all__ = [
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 _SUBMIT_POLL_S = 0.1
 # Seconds to wait for a worker to exit after it was told to stop, on top of the put timeout.
 _EXIT_GRACE_S = 30.0
+# Seconds a progress line waits for the queue's stats (its state: full, unreachable).
+_PROBE_TIMEOUT_S = 1.0
 # Bad lines logged one by one with --skip-bad-lines (the rest are only counted).
 _BAD_LINES_LOGGED = 10
 
@@ -133,7 +137,7 @@ class RunSummary:
             f"{self.samples} samples put ({self.written} new, {self.skipped} skipped as already "
             f"queued, {self.consumed} already consumed, {self.read} read) in "
             f"{self.elapsed_s:.1f}s: {self.samples_per_s:.1f} samples/s, "
-            f"{self.bytes_per_s / 1e6:.2f} MB/s"
+            f"{format_size(self.bytes_per_s)}/s"
             + (
                 f"; the queue restarted {self.restarts} time(s): {self.replayed} texts put again"
                 if self.restarts
@@ -221,6 +225,9 @@ class CollatorRun:
         self._epochs: set[Any] = set()  # every instance seen
         self._runs: dict[int, list[list[int]]] = {}  # batch seq -> corpus positions, in flight
         self._stored: list[list[int]] = []  # position runs the current instance stored
+        self._progress: Any = None  # CorpusProgress of the corpus files
+        self._eta = Eta()  # from the first worker ready
+        self._probe: Any = None  # a QueueClient asking the queue's state for progress lines
 
     def request_stop(self) -> None:
         """Stop reading; workers finish their in-flight put and exit (from any thread)."""
@@ -287,19 +294,32 @@ class CollatorRun:
     # ------------------------------------------------------------------------- internals
 
     def _texts(self, replay: bool = False) -> Any:
-        from xtoken_core.data.corpus import iter_corpus
+        """The corpus texts (``iter_corpus`` file by file, so that progress knows the file)."""
+        from services.collator.progress import CorpusProgress
+        from xtoken_core.data.corpus import corpus_files, iter_texts
 
         cfg = self.config
         on_bad = None
         if cfg.skip_bad_lines:
             on_bad = self._skip_bad_replayed if replay else self._skip_bad
-        return iter_corpus(
-            cfg.data,
-            text_field=cfg.text_field,
-            txt_split=cfg.txt_split,
-            key_root=cfg.key_root,
-            on_bad=on_bad,
-        )
+        files = corpus_files(cfg.data)  # a missing input fails here, before the first batch
+        if self._progress is None:
+            self._progress = CorpusProgress(files)
+        progress = self._progress
+
+        def texts() -> Any:
+            for i, path in enumerate(files):
+                for key, text in iter_texts(
+                    path,
+                    text_field=cfg.text_field,
+                    txt_split=cfg.txt_split,
+                    key_root=cfg.key_root,
+                    on_bad=on_bad,
+                ):
+                    progress.seen(i, key)
+                    yield key, text
+
+        return texts()
 
     def _skip_bad(self, err: Exception) -> None:
         """--skip-bad-lines: count a bad line, log the first ``_BAD_LINES_LOGGED``."""
@@ -511,6 +531,7 @@ class CollatorRun:
                 )
         elif kind == "ready":
             self._ready_at[index] = msg[2]
+            self._eta.begin(0.0, now=msg[2])  # tokenizer loading is not collation
         elif kind == "error":
             logger.error("[collator] worker %d failed: %s", index, msg[2])
             self._error = self._error or f"worker {index}: {msg[2]}"
@@ -518,18 +539,59 @@ class CollatorRun:
             self._exited.add(index)
 
     def _log_progress(self, now: float) -> None:
+        from services.collator.progress import format_duration
+
         elapsed = max(now - self._start, 1e-9)
         s = self.summary
+        fraction = self._progress.fraction() if self._progress is not None else None
+        if fraction is not None and s.read:
+            # the reader runs ahead of the puts by the batches in flight: scale what was read
+            # by the share of it that is done (put, skipped as queued, or bad)
+            fraction *= min(1.0, (s.samples + s.skipped + s.bad_lines) / s.read)
+        left = self._eta.left_s(fraction, now)
+        where = "corpus size being counted" if fraction is None else f"{100 * fraction:.0f}% done"
+        eta = f", ETA {format_duration(left)}" if left is not None else ""
         logger.info(
-            "[collator] %d samples put (%d new, %d skipped, %d already consumed), %.1f samples/s, "
-            "%.2f MB/s",
+            "[collator] %s%s, %d samples put (%d new, %d skipped, %d already consumed), "
+            "%.1f samples/s, %s/s; %s",
+            where,
+            eta,
             s.samples,
             s.written,
             s.skipped,
             s.consumed,
             s.samples / elapsed,
-            s.nbytes / elapsed / 1e6,
+            format_size(s.nbytes / elapsed),
+            self._state(),
         )
+
+    def _state(self) -> str:
+        """What the run waits on now: tokenizers, a full queue, an unreachable queue."""
+        if self._procs and not self._ready_at:
+            return "loading tokenizers"
+        if self._batches_done >= self._submitted:
+            return "reading the corpus" if not self._procs else "collating"
+        from services.queue.errors import QueueError
+
+        cfg = self.config.worker
+        timeout_s = min(_PROBE_TIMEOUT_S, cfg.queue_timeout_s)
+        try:
+            if self._probe is None:
+                from services.queue.client import QueueClient
+
+                self._probe = QueueClient(cfg.queue, timeout_s=timeout_s, retries=0, stop=self.stop)
+            stats = self._probe.stats()
+        except QueueError as e:
+            if e.code == "stopped":
+                return "stopping"
+            return f"queue unreachable ({cfg.queue} did not answer within {timeout_s:g}s)"
+        if stats.get("parked_puts", 0) > 0:
+            return (
+                f"blocked on a full queue ({format_size(stats.get('bytes_used', 0))} of "
+                f"{format_size(stats.get('capacity_bytes', 0))} used): consumers must ack, or "
+                "raise the queue's --capacity"
+            )
+        return "collating"
 
     def _shutdown(self, graceful: bool) -> None:
         """Wait for every worker to exit; on a stop, abandon the batches still queued."""
@@ -542,6 +604,9 @@ class CollatorRun:
             if all(not p.is_alive() for p in self._procs):
                 self._drain(wait_s=0.0)
                 break
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         for i, p in enumerate(self._procs):
             p.join(timeout=5.0)
             if p.is_alive():
