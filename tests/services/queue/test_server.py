@@ -265,7 +265,8 @@ def test_sigterm_answers_parked_requests_and_exits_zero(make_server):
 
 
 class _DropFirstReply(threading.Thread):
-    """A ROUTER<->DEALER forwarder that loses the first reply (to exercise client retries)."""
+    """A ROUTER<->DEALER forwarder that loses the first reply that does not answer a hello
+    (to exercise client retries; a client says hello first on each connection)."""
 
     def __init__(self, upstream: str) -> None:
         super().__init__(daemon=True)
@@ -277,6 +278,7 @@ class _DropFirstReply(threading.Thread):
         self.upstream = upstream
         self.stop = threading.Event()
         self.dropped = 0
+        self._hellos: set[int] = set()  # request ids of hellos (their replies pass)
 
     def run(self) -> None:
         back: dict[bytes, zmq.Socket] = {}
@@ -286,6 +288,8 @@ class _DropFirstReply(threading.Thread):
             for sock, _ in poller.poll(50):
                 if sock is self.front:
                     ident, *frames = self.front.recv_multipart()
+                    if struct.unpack_from("<H", frames[0], 6)[0] == 1:  # type code 1: hello
+                        self._hellos.add(struct.unpack_from("<Q", frames[0], 8)[0])
                     if ident not in back:
                         b = zmq.Context.instance().socket(zmq.DEALER)
                         b.setsockopt(zmq.LINGER, 0)
@@ -296,7 +300,8 @@ class _DropFirstReply(threading.Thread):
                 else:
                     frames = sock.recv_multipart()
                     ident = next(i for i, s in back.items() if s is sock)
-                    if self.dropped == 0:
+                    hello = struct.unpack_from("<Q", frames[0], 8)[0] in self._hellos
+                    if self.dropped == 0 and not hello:
                         self.dropped += 1
                         continue
                     self.front.send_multipart([ident, *frames])
