@@ -254,6 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='once listening, write {"pid", "name": "queue", "endpoint"} JSON to this file',
     )
+    _add_log_flags(serve)
     stats = sub.add_parser("stats", help="print a queue server's stats")
     stats.add_argument(
         "--queue",
@@ -264,6 +265,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     _add_operator_commands(sub)
+
+
+def _add_log_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--log-every",
+        type=float,
+        default=60.0,
+        help="seconds between [queue] stats log lines (samples, bytes, rates, parked requests, "
+        "connects and errors since the last; 0 = off; default 60). Connects and the first "
+        "error of each kind per interval are logged as they happen",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,6 +324,7 @@ def _serve(args: argparse.Namespace) -> int:
             auth_token=load_token(args.auth_token_file),
             insecure=args.insecure,
             pool_idle_s=args.pool_idle_s,
+            log_every_s=args.log_every,
         )
         import zmq
 

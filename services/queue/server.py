@@ -36,6 +36,7 @@ from services.queue import errors as codes
 from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, is_loopback, token_matches
 from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
+from services.queue.oplog import OpLog
 from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes, sweep_dead_pools
 from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
@@ -119,6 +120,7 @@ class ServerConfig:
         insecure: allow a bind reachable from other hosts without a token (``--insecure``).
         pool_idle_s: a free shared-memory segment unused this long is unlinked
             (``--pool-idle-s``): an idle server gives its pool's memory back.
+        log_every_s: seconds between ``[queue] stats:`` log lines (``--log-every``; 0 = off).
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -146,6 +148,7 @@ class ServerConfig:
     auth_token: str | None = field(default=None, repr=False)
     insecure: bool = False
     pool_idle_s: float = 30.0
+    log_every_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.auth_token is not None and not self.auth_token.strip():
@@ -277,6 +280,7 @@ class QueueServer:
         # -> the owner their leases are bound to ("i:" + the client's instance id).
         self._owners: dict[bytes, str] = {}
         self.refused = 0  # requests answered unauthorized
+        self.oplog = OpLog(config.log_every_s)
         # Durable mode: the log, replies waiting for their record to be written, a pipe the
         # log writer wakes the loop through, what the last recovery read.
         self.log: DurableLog | None = None
@@ -551,7 +555,7 @@ class QueueServer:
         if not isinstance(instance, str) or not 0 < len(instance) <= MAX_INSTANCE_CHARS:
             instance = None  # an older client: its leases are bound to this connection
         self._owners[ident] = "i:" + instance if instance else _conn_owner(ident)
-        logger.debug("[queue] hello from %s", body["client"])
+        self.oplog.connect(body["client"])
         return {
             "server": "xtoken-queue",
             "protocol_version": PROTOCOL_VERSION,
@@ -999,6 +1003,8 @@ class QueueServer:
 
     def _run_timers(self) -> None:
         now = time.monotonic()
+        if self.oplog.due(now):
+            self.oplog.stats(self._on_stats(None, 0, {}, []), now)
         self._probe_parked(now)
         for partition in self.store.expire_leases(now):
             self._wake_claims(partition)
@@ -1075,6 +1081,7 @@ class QueueServer:
         retryable: bool,
         request_type: str | None,
     ) -> None:
+        self.oplog.error(code, message, request_type)
         body = {
             "code": code,
             "message": message,
