@@ -65,6 +65,12 @@ _PROBE_TIMEOUT_S = 1.0
 _BAD_LINES_LOGGED = 10
 
 
+def _as_flags(err: Exception) -> str:
+    """A corpus reader's message with the library's argument names as the collator's flags
+    (an operator sets flags)."""
+    return str(err).replace("pass text_field=", "pass --text-field")
+
+
 class _Runs:
     """Membership of increasing positions in a set of [start, end) runs (one sweep)."""
 
@@ -277,8 +283,15 @@ class CollatorRun:
         except BadCorpusLine as e:
             self._shutdown(graceful=False)
             raise BadCorpusLine(
-                f"{e}; or pass --skip-bad-lines to skip and count such lines", e.path, e.line
+                f"{_as_flags(e)}; or pass --skip-bad-lines to skip and count such lines",
+                e.path,
+                e.line,
             ) from None
+        except ValueError as e:
+            self._shutdown(graceful=False)
+            if "text_field=" not in str(e):
+                raise
+            raise ValueError(_as_flags(e)) from None
         except BaseException:
             self._shutdown(graceful=False)
             raise

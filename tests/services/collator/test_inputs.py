@@ -43,3 +43,11 @@ def test_a_bad_line_fails_naming_file_line_and_the_skip_flag(queue_server, tmp_p
     assert proc.returncode == 0, proc.stderr
     assert summary["bad_lines"] == 2 and summary["written"] == 2, summary
     assert "line 3: invalid UTF-8" in proc.stderr and "2 bad lines skipped" in proc.stdout
+
+
+def test_a_missing_text_field_names_the_flag_not_the_python_argument(queue_server, tmp_path):
+    data = tmp_path / "body.jsonl"
+    data.write_text('{"body": "one"}\n', encoding="utf-8")
+    proc, _ = run_collator(queue_server.address, data, "text-field")
+    assert proc.returncode == 1
+    assert "--text-field" in proc.stderr and "text_field=" not in proc.stderr, proc.stderr
