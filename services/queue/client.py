@@ -367,6 +367,7 @@ class QueueClient(_Requests):
         frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
         budget_s = self.timeout_s + wait_s
         attempt = resends = 0
+        rehello = False  # a server that forgot this connection's hello is told it again once
         slice_ms = _STOP_POLL_MS if self.stop is not None else None
         while True:
             self._check_stop(msg_type)
@@ -374,7 +375,7 @@ class QueueClient(_Requests):
             self._dropped()  # a drop while idle: the socket reconnects on its own
             send_frames(sock, frames)
             deadline = time.monotonic() + budget_s
-            dropped = False
+            dropped = forgotten = False
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0:
@@ -385,13 +386,22 @@ class QueueClient(_Requests):
                     continue
                 if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     # header and body as bytes (copied), tensor frames zero-copy
-                    reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type, shm)
+                    try:
+                        reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type, shm)
+                    except QueueError as e:
+                        # refused before it was read: safe to send again after a new hello
+                        if e.code != codes.UNAUTHORIZED or self.token is None or rehello:
+                            raise
+                        rehello = forgotten = True
+                        break
                     if reply is not None:
                         return reply
                 elif self._dropped():
                     dropped = True
                     break
             self.close()
+            if forgotten:
+                continue  # a new connection, its hello first
             if dropped and resends < MAX_RESENDS:
                 resends += 1
                 self.disconnects += 1

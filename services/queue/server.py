@@ -67,6 +67,10 @@ _BATCH_RECV = 256
 # Requests parked at least this long have their client probed this often: a probe to a client
 # whose connection is gone fails at once (ROUTER_MANDATORY), and its parked requests are dropped.
 _PROBE_S = 1.0
+# Connections whose hello is remembered (zmq tells a ROUTER of no disconnect): the oldest hello
+# is forgotten past this; such a connection is answered unauthorized and its client (with a
+# token) says hello again on a new connection.
+_MAX_HELLOS = 65536
 
 
 @dataclass
@@ -278,7 +282,7 @@ class QueueServer:
         self.dropped_parked = 0  # parked requests of clients found gone
         # Connections that said hello (and presented the token, if there is one): routing id
         # -> the owner their leases are bound to ("i:" + the client's instance id).
-        self._owners: dict[bytes, str] = {}
+        self._owners: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.refused = 0  # requests answered unauthorized
         self.oplog = OpLog(config.log_every_s)
         # Durable mode: the log, replies waiting for their record to be written, a pipe the
@@ -555,6 +559,9 @@ class QueueServer:
         if not isinstance(instance, str) or not 0 < len(instance) <= MAX_INSTANCE_CHARS:
             instance = None  # an older client: its leases are bound to this connection
         self._owners[ident] = "i:" + instance if instance else _conn_owner(ident)
+        self._owners.move_to_end(ident)
+        if len(self._owners) > _MAX_HELLOS:
+            self._owners.popitem(last=False)
         self.oplog.connect(body["client"])
         return {
             "server": "xtoken-queue",

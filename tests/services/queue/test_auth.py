@@ -194,3 +194,32 @@ def test_token_file_and_loopback_helpers(tmp_path, monkeypatch):
         assert is_loopback(ok), ok
     for bad in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.0.0.3:1", "tcp://eth0:1"):
         assert not is_loopback(bad), bad
+
+
+def test_a_forgotten_hello_is_said_again(monkeypatch):
+    """The server remembers the newest hellos only; a client with a token whose connection was
+    forgotten gets unauthorized once, says hello on a new connection and goes on."""
+    import threading
+
+    from services.queue import server as server_mod
+
+    monkeypatch.setattr(server_mod, "_MAX_HELLOS", 1)
+    srv = server_mod.QueueServer(
+        server_mod.ServerConfig(bind="tcp://127.0.0.1:*", auth_token=TOKEN, busy_poll_us=0)
+    )
+    address = srv.bind()
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    a = QueueClient(address, timeout_s=5, retries=0, token=TOKEN, instance="a")
+    b = QueueClient(address, timeout_s=5, retries=0, token=TOKEN, instance="b")
+    try:
+        _put(a, "forgot")
+        lease = a.claim("forgot", "t", ["ids"], 2)["lease_id"]
+        b.stats()  # a's hello is forgotten
+        assert a.ack("forgot", "t", lease)["count"] == 2
+        assert srv.refused == 1
+    finally:
+        a.close()
+        b.close()
+        srv.stop()
+        thread.join(10)
