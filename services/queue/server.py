@@ -379,10 +379,12 @@ class QueueServer:
         sweep_dead_pools()
         sweep_orphans(min_age_s=ORPHAN_AGE_S)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        from services.queue.cli import format_size
+
         logger.info(
-            "[queue] listening on %s (capacity %d bytes, protocol v%d, instance %s, %s)",
+            "[queue] listening on %s (capacity %s, protocol v%d, instance %s, %s)",
             self.endpoint,
-            self.config.capacity_bytes,
+            format_size(self.config.capacity_bytes),
             PROTOCOL_VERSION,
             self.epoch,
             "token required" if self.config.auth_token is not None else "no authentication",

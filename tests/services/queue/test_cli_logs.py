@@ -28,6 +28,7 @@ def test_serve_logs_connects_errors_and_stats_every_log_every_seconds(make_serve
         with pytest.raises(QueueError):
             client.claim("logs", "t", ["x"], 1, timeout_s=5.0)
     log = _wait_for(srv, "[queue] stats:")
+    assert "(capacity 256.0 MiB," in log
     assert "[queue] client trainer-0 connected" in log
     assert "error reply to a claim: bad_request" in log and "--max-claim-wait" in log
     line = next(x for x in log.splitlines() if "[queue] stats:" in x and "2 samples" in x)
