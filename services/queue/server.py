@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from services.common.lifecycle import progress as lifecycle_progress
 from services.queue import errors as codes
 from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, is_loopback, token_matches
 from services.queue.durable import DurableLog, apply_record, encode_record
@@ -448,6 +449,8 @@ class QueueServer:
             if self.log is not None:
                 self._log_progress()
             self._run_timers()
+            # at least every _MAX_POLL_MS, idle or not: a loop that stops moving is a hung server
+            lifecycle_progress()
         self._shutdown(sock)
 
     def _shutdown(self, sock: zmq.Socket) -> None:

@@ -146,7 +146,7 @@ def test_a_wait_above_the_servers_bound_is_refused_naming_the_bound(srv, call, f
         with pytest.raises(QueueError) as err:
             call(client)
     assert err.value.code == "bad_request" and not err.value.retryable
-    assert flag in err.value.message and "40000 ms" in err.value.message
+    assert flag in err.value.message and "bound of 40s" in err.value.message
 
 
 def test_a_default_wait_above_the_bound_is_a_settings_error(tmp_path):
