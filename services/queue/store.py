@@ -900,7 +900,8 @@ class SampleStore:
                 "unknown_lease",
                 f"lease {lease_id} of task {task!r} on partition "
                 f"{partition!r} is unknown or expired; its samples are redelivered "
-                "(raise lease_ms if steps take longer)",
+                "(if steps take longer, raise the claimer's lease: trainer lease_s, or the "
+                "lease_s of its claim calls)",
             )
         if owner is not None and lease.owner is not None and owner != lease.owner:
             raise StoreError(
