@@ -294,7 +294,10 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         )
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
+        if key not in fields and key in removed:
+            raise ConfigError(f"key {_join(path, key)!r} was removed: {removed[key]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""

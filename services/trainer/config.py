@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Literal
+from typing import ClassVar, Literal
 
 LOSS_MODES = ("pkl", "gold", "xtoken", "ce")
 
@@ -43,6 +43,12 @@ class OptimConfig:
 @dataclasses.dataclass
 class LossConfig:
     """The distillation loss (xtoken_core.losses); ``ce`` trains on the student CE alone."""
+
+    # keys of older configs, refused with the reason (services.common.config)
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "cuda_graphs": "the P-KL phase runs as eager Triton kernels (CUDA-graph replay saved "
+        "nothing end to end: benchmarks/results/e2e_pipeline.md); delete the key",
+    }
 
     mode: Literal["pkl", "gold", "xtoken", "ce"] = field(
         default="pkl",
