@@ -372,7 +372,10 @@ class QueueClient(_Requests):
         while True:
             self._check_stop(msg_type)
             sock = self._socket(msg_type)
-            self._dropped()  # a drop while idle: the socket reconnects on its own
+            if self._dropped() and msg_type != "hello":
+                # dropped while idle: the socket reconnects on its own, maybe to a restarted
+                # server that never saw this connection's hello (token, lease owner): say it again
+                send_frames(sock, self._hello_frames())
             send_frames(sock, frames)
             deadline = time.monotonic() + budget_s
             dropped = forgotten = False
