@@ -21,7 +21,7 @@ Usage (GPU)::
 CPU smoke test::
 
     python benchmarks/e2e/bench_pipeline.py --device cpu --student tiny --teacher tiny \
-        --shapes 1x64 --modes pkl --steps 3 --warmup 1
+        --shapes 1x64 --modes pkl --transports shm --steps 3 --warmup 1
 """
 
 from __future__ import annotations
@@ -85,6 +85,29 @@ def save_models(args, out: Path) -> tuple[str, str]:
             print(f"  built {who} {preset} (vocab {vocab}) in {time.perf_counter() - t0:.0f}s")
         dirs.append(str(d))
     return dirs[0], dirs[1]
+
+
+def build_projection(args, work: Path) -> str:
+    """The top-8 projection file for ``args``' student and teacher tokenizers, built (or found in
+    the cache) the way ``xtoken run`` builds one when a run config names none."""
+    from services.run import Run, run_config_from_dict
+    from xtoken_core.tokenizers import load_tokenizer
+
+    prep = Run(
+        run_config_from_dict(
+            {
+                "run_dir": str(work / "prep"),
+                "student_tokenizer": args.student_tokenizer,
+                "teacher_tokenizer": args.teacher_tokenizer,
+                "projection_top_k": 8,
+            }
+        )
+    )
+    return str(
+        prep._projection(
+            load_tokenizer(args.student_tokenizer), load_tokenizer(args.teacher_tokenizer)
+        )
+    )
 
 
 def collated(args, B: int, T: int, corpus: Path, n: int) -> list[dict]:
@@ -334,24 +357,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XTOKEN_CACHE", str(work / "cache"))
     student_dir, teacher_dir = save_models(args, work)
-    from services.run import Run, run_config_from_dict
-    from xtoken_core.tokenizers import load_tokenizer
-
-    prep = Run(
-        run_config_from_dict(
-            {
-                "run_dir": str(work / "prep"),
-                "student_tokenizer": args.student_tokenizer,
-                "teacher_tokenizer": args.teacher_tokenizer,
-                "projection_top_k": 8,
-            }
-        )
-    )
-    projection = str(
-        prep._projection(
-            load_tokenizer(args.student_tokenizer), load_tokenizer(args.teacher_tokenizer)
-        )
-    )
+    projection = build_projection(args, work)
     dev = device_name() if args.device == "cuda" else "cpu"
     peak = _peak(dev)
     rows = []

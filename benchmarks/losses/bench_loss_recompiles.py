@@ -36,7 +36,7 @@ if "--keep-cache" not in sys.argv:
 import torch  # noqa: E402
 
 from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # noqa: E402
-from benchmarks.e2e.bench_pipeline import collated, long_corpus  # noqa: E402
+from benchmarks.e2e.bench_pipeline import build_projection, collated, long_corpus  # noqa: E402
 
 
 class CompileCounter:
@@ -176,24 +176,7 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XTOKEN_CACHE", str(work / "cache"))
-    from services.run import Run, run_config_from_dict
-    from xtoken_core.tokenizers import load_tokenizer
-
-    prep = Run(
-        run_config_from_dict(
-            {
-                "run_dir": str(work / "prep"),
-                "student_tokenizer": args.student_tokenizer,
-                "teacher_tokenizer": args.teacher_tokenizer,
-                "projection_top_k": 8,
-            }
-        )
-    )
-    projection = str(
-        prep._projection(
-            load_tokenizer(args.student_tokenizer), load_tokenizer(args.teacher_tokenizer)
-        )
-    )
+    projection = build_projection(args, work)
     counter = CompileCounter()
     spy = SpecializationSpy() if args.why else None
     rows = []

@@ -491,24 +491,9 @@ def main() -> int:
 
     student_dir, teacher_dir = bench_pipeline.save_models(args, work)
     student_tok, teacher_tok = tokenizer_dirs(work, args.student_tokenizer, args.teacher_tokenizer)
-    from services.run import Run, run_config_from_dict
     from xtoken_core.tokenizers import load_tokenizer
 
-    prep = Run(
-        run_config_from_dict(
-            {
-                "run_dir": str(work / "prep"),
-                "student_tokenizer": args.student_tokenizer,
-                "teacher_tokenizer": args.teacher_tokenizer,
-                "projection_top_k": 8,
-            }
-        )
-    )
-    projection = str(
-        prep._projection(
-            load_tokenizer(args.student_tokenizer), load_tokenizer(args.teacher_tokenizer)
-        )
-    )
+    projection = bench_pipeline.build_projection(args, work)
     dirs = {
         "student": student_dir,
         "teacher": teacher_dir,
