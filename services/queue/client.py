@@ -15,8 +15,9 @@ for 1.5 s): the request in flight is sent again at once on a fresh socket, and r
 server's replacement as soon as one listens (``disconnects`` counts them). Every request is safe
 to send twice: puts and clears are idempotent, a claim's unanswered lease lapses, an ack of a
 lease the server applied (or an old instance issued) is an error, never a double ack. A client
-given a ``stop`` event raises ``QueueError("stopped")`` within ~50 ms of it being set, whatever
-the server does (SIGTERM of a collator or consumer whose queue is gone).
+given a ``stop`` (an event, or a callable returning True to stop) raises ``QueueError("stopped")``
+within ~50 ms of it being set, whatever the server does (SIGTERM of a collator or consumer whose
+queue is gone). The AsyncQueueClient does all of this the same way, awaiting instead of blocking.
 Every new connection starts with a ``hello`` sent ahead of its first request (no round trip
 waited for): it presents the token of a server that needs one (``token=``, else
 ``XTOKEN_QUEUE_TOKEN`` / ``XTOKEN_QUEUE_TOKEN_FILE``, auth.py) and the client's ``instance`` (by
@@ -36,6 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -96,6 +98,15 @@ def _with_tensordict(reply: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+@dataclass
+class _Tries:
+    """The tries of one request so far: timeouts, resends after a drop, a repeated hello."""
+
+    attempt: int = 0
+    resends: int = 0
+    rehello: bool = False
+
+
 class _Requests:
     """Builds request bodies and reads replies; shared by the sync and asyncio clients."""
 
@@ -109,6 +120,7 @@ class _Requests:
         on_epoch: Callable[[str | None, str], None] | None = None,
         token: str | None = None,
         instance: str | None = None,
+        stop: Any = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0 (seconds to wait for a reply)")
@@ -125,6 +137,76 @@ class _Requests:
         self.on_epoch = on_epoch
         self.token = token if token is not None else load_token()
         self.instance = instance or process_instance()
+        self.stop = stop
+        self.disconnects = 0  # connections found dead while a request waited
+
+    def _stopped(self) -> bool:
+        stop = self.stop
+        if stop is None:
+            return False
+        return bool(stop.is_set() if hasattr(stop, "is_set") else stop())
+
+    def _check_stop(self, msg_type: str) -> None:
+        if self._stopped():
+            raise QueueError(
+                codes.STOPPED,
+                f"{msg_type} to {self.address} abandoned: this client was told to stop",
+                request_type=msg_type,
+            )
+
+    def _new_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A connected DEALER with heartbeats, and the monitor that reports its drops."""
+        sock = self._ctx.socket(zmq.DEALER)
+        self._socket_options(sock)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+        # the connection's fate: EVENT_DISCONNECTED when the server died or went silent
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        return sock, monitor
+
+    @staticmethod
+    def _drain_monitor(monitor: zmq.Socket) -> bool:
+        """Whether the connection dropped since the last look (drains the monitor; the
+        NOBLOCK receive of an asyncio socket is a future that is already done)."""
+        dropped = False
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            monitor.recv_multipart(zmq.NOBLOCK)
+            dropped = True
+        return dropped
+
+    def _refused_unread(self, error: QueueError, tries: _Tries) -> bool:
+        """Whether an error reply refused the request before reading it (a server that forgot
+        this connection's hello): then it is sent again once, on a new connection."""
+        if error.code != codes.UNAUTHORIZED or self.token is None or tries.rehello:
+            return False
+        tries.rehello = True
+        return True
+
+    def _next_try(self, msg_type: str, budget_s: float, tries: _Tries, dropped: bool) -> None:
+        """Count a request's failed try: a dropped connection's is sent again at once (up to
+        MAX_RESENDS), a timeout's is retried up to ``retries`` times, then raises ``timeout``."""
+        if dropped and tries.resends < MAX_RESENDS:
+            tries.resends += 1
+            self.disconnects += 1
+            logger.warning(
+                "[queue] connection to %s dropped while waiting for %s (server dead, hung "
+                "or restarting): sending it again",
+                self.address,
+                msg_type,
+            )
+            return
+        tries.attempt += 1
+        if tries.attempt > self.retries:
+            raise self._timeout_error(msg_type, budget_s)
+        logger.warning(
+            "no reply to %s from %s in %.1fs (attempt %d of %d): reconnecting",
+            msg_type,
+            self.address,
+            budget_s,
+            tries.attempt,
+            self.retries + 1,
+        )
 
     def body_hello(self) -> dict[str, Any]:
         body = {"protocol_version": PROTOCOL_VERSION, "client": self.name}
@@ -256,8 +338,9 @@ class QueueClient(_Requests):
         shm_min_bytes: the ``auto`` threshold (tensor bytes of one put).
         on_epoch: called with ``(old, new)`` instance ids when a reply shows the server
             restarted (after the first reply; also counted in ``epoch_changes``).
-        stop: an event (anything with ``is_set()``: threading or multiprocessing); once set,
-            a request waiting for its reply raises ``QueueError("stopped")`` within ~50 ms.
+        stop: an event (anything with ``is_set()``: threading, multiprocessing, asyncio) or a
+            callable returning True to stop; once set, a request waiting for its reply raises
+            ``QueueError("stopped")`` (not retryable) within ~50 ms.
         token: the server's shared secret, presented in every hello (None: the
             ``XTOKEN_QUEUE_TOKEN`` environment variable, else the file ``XTOKEN_QUEUE_TOKEN_FILE``
             names, else none).
@@ -284,24 +367,16 @@ class QueueClient(_Requests):
         token: str | None = None,
         instance: str | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance)
+        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance, stop)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._shm = ShmPuts(address, shm, shm_min_bytes)
-        self.stop = stop
-        self.disconnects = 0  # connections found dead while a request waited
 
     def _socket(self, msg_type: str = "hello") -> zmq.Socket:
         if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            self._socket_options(sock)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
-            # the connection's fate: EVENT_DISCONNECTED when the server died or went silent
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(self.address)
+            sock, self._monitor = self._new_socket()
             self._sock = sock
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
@@ -320,19 +395,7 @@ class QueueClient(_Requests):
 
     def _dropped(self) -> bool:
         """Whether the connection dropped since the last look (drains the monitor)."""
-        monitor, dropped = self._monitor, False
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            monitor.recv_multipart()
-            dropped = True
-        return dropped
-
-    def _check_stop(self, msg_type: str) -> None:
-        if self.stop is not None and self.stop.is_set():
-            raise QueueError(
-                codes.STOPPED,
-                f"{msg_type} to {self.address} abandoned: this client was told to stop",
-                request_type=msg_type,
-            )
+        return self._drain_monitor(self._monitor)
 
     def __enter__(self) -> QueueClient:
         return self
@@ -366,8 +429,7 @@ class QueueClient(_Requests):
         request_id = next(self._ids)
         frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
         budget_s = self.timeout_s + wait_s
-        attempt = resends = 0
-        rehello = False  # a server that forgot this connection's hello is told it again once
+        tries = _Tries()
         slice_ms = _STOP_POLL_MS if self.stop is not None else None
         while True:
             self._check_stop(msg_type)
@@ -392,10 +454,9 @@ class QueueClient(_Requests):
                     try:
                         reply = self._decode(recv_frames(sock, copied=2), request_id, msg_type, shm)
                     except QueueError as e:
-                        # refused before it was read: safe to send again after a new hello
-                        if e.code != codes.UNAUTHORIZED or self.token is None or rehello:
+                        if not self._refused_unread(e, tries):
                             raise
-                        rehello = forgotten = True
+                        forgotten = True
                         break
                     if reply is not None:
                         return reply
@@ -403,29 +464,8 @@ class QueueClient(_Requests):
                     dropped = True
                     break
             self.close()
-            if forgotten:
-                continue  # a new connection, its hello first
-            if dropped and resends < MAX_RESENDS:
-                resends += 1
-                self.disconnects += 1
-                logger.warning(
-                    "[queue] connection to %s dropped while waiting for %s (server dead, hung "
-                    "or restarting): sending it again",
-                    self.address,
-                    msg_type,
-                )
-                continue
-            attempt += 1
-            if attempt > self.retries:
-                raise self._timeout_error(msg_type, budget_s)
-            logger.warning(
-                "no reply to %s from %s in %.1fs (attempt %d of %d): reconnecting",
-                msg_type,
-                self.address,
-                budget_s,
-                attempt,
-                self.retries + 1,
-            )
+            if not forgotten:  # else a new connection, its hello first
+                self._next_try(msg_type, budget_s, tries, dropped)
 
     def hello(self) -> dict[str, Any]:
         """Handshake: check the protocol version; returns server info."""
@@ -660,7 +700,12 @@ def connect(address: str, *, timeout_s: float, name: str) -> QueueClient:
 class AsyncQueueClient(_Requests):
     """asyncio client (zmq.asyncio); requests on one client run one at a time.
 
-    Args: as QueueClient (``context`` is a ``zmq.asyncio.Context``).
+    Notices a dead, hung or restarted server like QueueClient (within ~2 s: the request in
+    flight is sent again at once, ``disconnects`` counts it; ``epoch_changes``, ``on_epoch``)
+    and gives up within ~50 ms of its ``stop`` being set (``QueueError("stopped")``).
+
+    Args: as QueueClient (``context`` is a ``zmq.asyncio.Context``; ``stop`` may be an
+        ``asyncio.Event`` too); no shared memory.
     """
 
     def __init__(
@@ -673,19 +718,35 @@ class AsyncQueueClient(_Requests):
         name: str = "",
         context: zmq.asyncio.Context | None = None,
         on_epoch: Callable[[str | None, str], None] | None = None,
+        stop: Any = None,
         token: str | None = None,
         instance: str | None = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance)
+        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance, stop)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._poller = zmq.asyncio.Poller()
         self._lock: asyncio.Lock | None = None
 
+    async def _socket(self, msg_type: str) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            sock, self._monitor = self._new_socket()
+            self._sock = sock
+            self._poller = zmq.asyncio.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
+            if msg_type != "hello":
+                await sock.send_multipart(self._hello_frames(), copy=False)
+        return self._sock
+
     def close(self) -> None:
-        """Close the socket."""
+        """Close the socket (a later request opens a new one)."""
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            self._sock = None
+            self._sock = self._monitor = None
 
     async def __aenter__(self) -> AsyncQueueClient:
         return self
@@ -702,38 +763,45 @@ class AsyncQueueClient(_Requests):
         request_id = next(self._ids)
         frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
         budget_s = self.timeout_s + wait_s
+        tries = _Tries()
+        slice_ms = _STOP_POLL_MS if self.stop is not None else None
         async with self._lock:
-            for attempt in range(self.retries + 1):
-                if self._sock is None:
-                    self._sock = self._ctx.socket(zmq.DEALER)
-                    self._socket_options(self._sock)
-                    self._sock.connect(self.address)
-                    if msg_type != "hello":
-                        await self._sock.send_multipart(self._hello_frames(), copy=False)
-                sock = self._sock
+            while True:
+                self._check_stop(msg_type)
+                sock = await self._socket(msg_type)
+                if self._drain_monitor(self._monitor) and msg_type != "hello":
+                    # dropped while idle: maybe a restarted server that never saw the hello
+                    await sock.send_multipart(self._hello_frames(), copy=False)
                 await sock.send_multipart(frames, copy=False)
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + budget_s
-                try:
-                    while True:
-                        left = deadline - loop.time()
-                        if left <= 0:
-                            raise TimeoutError
-                        got = await asyncio.wait_for(sock.recv_multipart(copy=False), left)
-                        reply = self._decode(got, request_id, msg_type)
+                deadline = time.monotonic() + budget_s
+                dropped = forgotten = False
+                while True:
+                    left_ms = int((deadline - time.monotonic()) * 1000)
+                    if left_ms <= 0:
+                        break
+                    ready = await self._poller.poll(
+                        left_ms if slice_ms is None else min(left_ms, slice_ms)
+                    )
+                    self._check_stop(msg_type)
+                    if not ready:
+                        continue
+                    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        got = await sock.recv_multipart(copy=False)
+                        try:
+                            reply = self._decode(got, request_id, msg_type)
+                        except QueueError as e:
+                            if not self._refused_unread(e, tries):
+                                raise
+                            forgotten = True
+                            break
                         if reply is not None:
                             return reply
-                except TimeoutError:
-                    logger.warning(
-                        "no reply to %s from %s in %.1fs (attempt %d of %d)",
-                        msg_type,
-                        self.address,
-                        budget_s,
-                        attempt + 1,
-                        self.retries + 1,
-                    )
-                    self.close()
-        raise self._timeout_error(msg_type, budget_s)
+                    elif self._drain_monitor(self._monitor):
+                        dropped = True
+                        break
+                self.close()
+                if not forgotten:  # else a new connection, its hello first
+                    self._next_try(msg_type, budget_s, tries, dropped)
 
     async def hello(self) -> dict[str, Any]:
         """Handshake; see QueueClient.hello."""
