@@ -88,6 +88,31 @@ class _Partition:
     dropped: int = 0  # samples dropped by retention
 
 
+def too_large_message(nbytes: int, samples: int, capacity_bytes: int) -> str:
+    """Why a put of ``samples`` samples and ``nbytes`` bytes can never fit, and the fix, in
+    human sizes: ``--capacity`` of the queue server, or fewer samples per put when one would do.
+    """
+    from services.queue.cli import format_size
+
+    size, capacity = format_size(nbytes), format_size(capacity_bytes)
+    per_sample = nbytes / max(samples, 1)
+    if samples == 1:
+        what = f"a sample of {size}"
+    else:
+        what = f"a put of {samples} samples ({size}, {format_size(per_sample)} a sample on average)"
+    if samples > 1 and per_sample <= capacity_bytes:
+        fix = (
+            "put fewer samples at a time, or restart the queue server with a larger --capacity "
+            f"(more than {size})"
+        )
+    else:
+        fix = (
+            "restart the queue server with a larger --capacity "
+            f"(more than {format_size(per_sample)} a sample)"
+        )
+    return f"{what} is larger than the whole queue capacity ({capacity}): {fix}"
+
+
 def _main_storage(block: Block) -> tuple[int, int]:
     """The largest buffer a block views (its values; a shared-memory put's segment)."""
     return max(block.storages, key=lambda sid: sid[1])
@@ -310,11 +335,7 @@ class SampleStore:
         added = self._added_bytes(blocks)
         if added > self.capacity_bytes:
             raise StoreError(
-                "queue_full",
-                f"put of {added} bytes is larger than the whole queue "
-                f"capacity ({self.capacity_bytes} bytes); split the put or raise "
-                "--capacity",
-                retryable=False,
+                "queue_full", too_large_message(added, n, self.capacity_bytes), retryable=False
             )
         if added and not self._fits(added - prepaid):
             return PutResult(blocked=True, nbytes=added, consumed=consumed)

@@ -186,6 +186,23 @@ def test_put_larger_than_capacity_is_refused_naming_capacity():
     with pytest.raises(StoreError, match="--capacity") as exc:
         store.put("p", ["a"], {"x": torch.zeros(1, 100)})
     assert exc.value.code == "queue_full" and not exc.value.retryable
+    assert str(exc.value) == (
+        "a sample of 400 B is larger than the whole queue capacity (100 B): restart the queue "
+        "server with a larger --capacity (more than 400 B a sample)"
+    )
+
+
+def test_put_of_many_samples_larger_than_capacity_says_in_human_sizes_how_to_fit():
+    store = SampleStore(3 << 20)
+    with pytest.raises(StoreError) as exc:
+        store.put("p", [f"k{i}" for i in range(4)], {"x": torch.zeros(4, 1 << 18)})  # 4 MiB
+    message = str(exc.value)
+    assert message.startswith(
+        "a put of 4 samples (4.0 MiB, 1.0 MiB a sample on average) is larger than the whole "
+        "queue capacity (3.0 MiB): put fewer samples at a time, or restart the queue server "
+        "with a larger --capacity (more than 4.0 MiB)"
+    )
+    assert "bytes" not in message and "b'" not in message
 
 
 def test_clear_of_part_of_a_block_frees_its_bytes_by_compaction():
