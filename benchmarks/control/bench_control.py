@@ -258,8 +258,10 @@ def run_plain(root: pathlib.Path, texts: int, tag: str) -> list[float]:
     run_dir = root / f"plain-{tag}"
     cfg = root / f"plain-{tag}.json"
     cfg.write_text(json.dumps(run_config(texts, str(run_dir))))
-    subprocess.run([sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"],
-                   cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"xtoken run exited {done.returncode}: {done.stderr[-3000:]}")
     return step_times(run_dir)
 
 

@@ -42,6 +42,15 @@ Usage (GPU, what produced ``benchmarks/results/quality.md``)::
         --arms ce pkl gold xtoken --seeds 0 1 2 --parallel 6 --teacher-eval
     python benchmarks/quality/run_kd_quality.py --report ROWS.jsonl [ROWS.jsonl ...]
 
+Ablations (the "find out why" of a missed bar): an arm may carry loss overrides,
+``ARM:key=value[,key=value]`` (keys of ``CrossTokenizerLossConfig``), e.g. ``gold:uncommon_topk=1``
+or ``pkl:kl_weight=0.3,temperature=2``. Choices are made on the validation split only:
+``--score-split val`` scores every finished student on the whole validation split (rows carry
+``validation`` instead of ``heldout``) and the report gives them their own table::
+
+    python benchmarks/quality/run_kd_quality.py --device cuda --corpus DIR --out $OUT \
+        --arms ce pkl gold gold:uncommon_topk=1 pkl:kl_weight=0.3 --seeds 0 --score-split val
+
 CPU smoke (tiny student, tiny random teacher, 6 steps, one seed; ~4 min on 2 busy cores;
 ``tests/benchmarks/test_run_kd_quality.py``, marker ``slow``)::
 
@@ -51,11 +60,13 @@ CPU smoke (tiny student, tiny random teacher, 6 steps, one seed; ~4 min on 2 bus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -79,8 +90,55 @@ ARM_LABEL = {
     "xtoken": "CE + relaxed gold (xtoken)",
 }
 CATEGORIES = ("prose", "code", "digits", "whitespace")
+#: what a finished student is scored on (``--score-split``): the row key and the corpus file
+SCORE_SPLITS = {"heldout": "heldout.jsonl", "val": "val.jsonl"}
 SPLITS = ("train", "val", "heldout")
 STUDENT_TOKENIZER = "mistral"
+
+
+def parse_arm(spec: str) -> tuple[str, dict[str, Any]]:
+    """An arm spec ``ARM`` or ``ARM:key=value[,key=value]`` as (base arm, loss overrides).
+
+    Values are read as JSON where they parse (numbers, true/false, null), else kept as text.
+
+    Raises:
+        ValueError: an unknown base arm, a CE arm with overrides, a malformed pair, or a key
+            that is no field of ``CrossTokenizerLossConfig``.
+    """
+    from xtoken_core.losses import CrossTokenizerLossConfig
+
+    base, _, rest = spec.partition(":")
+    if base not in ARMS:
+        raise ValueError(f"arm {spec!r}: {base!r} is not one of {ARMS}")
+    overrides: dict[str, Any] = {}
+    if rest:
+        if base == "ce":
+            raise ValueError(f"arm {spec!r}: the CE arm has no KD loss to override")
+        fields = {f.name for f in dataclasses.fields(CrossTokenizerLossConfig) if f.init}
+        for pair in rest.split(","):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in fields or key in ("mode", "projection"):
+                raise ValueError(
+                    f"arm {spec!r}: {pair!r} must be key=value with a key of "
+                    f"CrossTokenizerLossConfig other than mode/projection"
+                )
+            try:
+                overrides[key] = json.loads(value)
+            except json.JSONDecodeError:
+                overrides[key] = value
+    return base, overrides
+
+
+def arm_slug(spec: str) -> str:
+    """A file-name-safe form of an arm spec (run dirs, configs, logs)."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", spec.replace(":", "@"))
+
+
+def arm_label(spec: str) -> str:
+    """The table label of an arm spec."""
+    base, overrides = parse_arm(spec)
+    extra = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    return ARM_LABEL[base] + (f" ({extra})" if extra else "")
 
 
 # --------------------------------------------------------------------------- corpus split
@@ -139,7 +197,10 @@ def build_split(out_dir: Path, heldout: float = 0.06, val: float = 0.06) -> dict
         "python": sys.version.split()[0],
         "heldout_fraction": heldout,
         "val_fraction": val,
-        **{s: {k: (len(v) if k == "files" else v) for k, v in st.items()} for s, st in stats.items()},
+        **{
+            s: {k: (len(v) if k == "files" else v) for k, v in st.items()}
+            for s, st in stats.items()
+        },
     }
     (out_dir / "split.json").write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -367,8 +428,6 @@ def build_projection_file(out: Path, teacher_tokenizer: str, top_k: int) -> dict
     Returns:
         Its coverage stats (exact rows, strict / relaxed common vocab).
     """
-    import dataclasses
-
     import torch
 
     from xtoken_core.data.projection_build import build_projection_with_stats
@@ -388,18 +447,20 @@ def build_projection_file(out: Path, teacher_tokenizer: str, top_k: int) -> dict
 
 
 def arm_config(arm: str, seed: int, work: Path, args, student_dir: Path, proj: Path) -> dict:
-    """The ``xtoken run`` config of one arm and seed."""
+    """The ``xtoken run`` config of one arm spec (:func:`parse_arm`) and seed."""
     cuda = args.device.startswith("cuda")
-    loss: dict[str, Any] = {"mode": arm}
-    if arm != "ce":
+    base, overrides = parse_arm(arm)
+    loss: dict[str, Any] = {"mode": base}
+    if base != "ce":
         loss.update(
             projection=str(proj),
             temperature=args.temperature,
             kl_weight=args.kl_weight,
             ce_weight=1.0,
         )
+        loss.update(overrides)
     return {
-        "run_dir": str(work / "runs" / f"{arm}_s{seed}"),
+        "run_dir": str(work / "runs" / f"{arm_slug(arm)}_s{seed}"),
         "student_tokenizer": STUDENT_TOKENIZER,
         "teacher_tokenizer": args.teacher_tokenizer,
         "ctx_student": args.ctx,
@@ -458,7 +519,7 @@ def launch_all(jobs: list[tuple[str, int, Path]], work: Path, parallel: int, dea
                 logger.warning("[quality] deadline: %s seed %d not started", arm, seed)
                 done[(arm, seed)] = (-1, 0.0)
                 continue
-            log = open(work / "logs" / f"{arm}_s{seed}.log", "w")
+            log = open(work / "logs" / f"{arm_slug(arm)}_s{seed}.log", "w")
             cmd = [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running[(arm, seed)] = (proc, time.monotonic(), log)
@@ -535,6 +596,8 @@ def train_and_eval(args) -> int:
         args.corpus = Path(args.corpus).resolve()
         manifest = json.loads((args.corpus / "split.json").read_text())
     logger.info("[quality] corpus %s: %s", args.corpus, manifest)
+    for arm in args.arms:
+        parse_arm(arm)  # refuse a bad spec before anything is built
     kd_arms = [a for a in args.arms if a != "ce"]
     proj = work / f"projection_{STUDENT_TOKENIZER}_k{args.top_k}.pt"
     proj_stats = None
@@ -551,7 +614,7 @@ def train_and_eval(args) -> int:
     for seed in args.seeds:  # seed-major: a deadline leaves whole seeds, not whole arms, out
         for arm in args.arms:
             cfg = arm_config(arm, seed, work, args, work / "students" / f"s{seed}", proj)
-            path = work / "configs" / f"{arm}_s{seed}.json"
+            path = work / "configs" / f"{arm_slug(arm)}_s{seed}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(cfg, indent=1))
             shutil.rmtree(cfg["run_dir"], ignore_errors=True)
@@ -560,12 +623,14 @@ def train_and_eval(args) -> int:
     codes = launch_all(jobs, work, args.parallel, deadline)
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
     tok = load_tokenizer(STUDENT_TOKENIZER)
-    heldout = read_jsonl_texts(args.corpus / "heldout.jsonl", args.eval_limit)
+    split = args.score_split  # the key of the scores in the rows, too
+    scored = read_jsonl_texts(args.corpus / SCORE_SPLITS[split], args.eval_limit)
     rows = []
     meta = {
         "commit": commit(),
         "device": device_name(device.type),
         "date": time.strftime("%Y-%m-%d"),
+        "score_split": split,
         "steps": args.steps,
         "batch": args.batch,
         "ctx": args.ctx,
@@ -579,16 +644,16 @@ def train_and_eval(args) -> int:
         "smoke": args.smoke,
     }
     for (arm, seed), (code, wall) in sorted(codes.items()):
-        run_dir = work / "runs" / f"{arm}_s{seed}"
+        run_dir = work / "runs" / f"{arm_slug(arm)}_s{seed}"
         row = {**meta, "arm": arm, "seed": seed, "exit": code, "wall_s": round(wall, 1)}
         row["student_params"] = params[seed]
         if code == 0 and (run_dir / "final" / "config.json").is_file():
             row.update(collect(arm, seed, run_dir))
             model = load_model(str(run_dir / "final"), dtype=torch.float32, device=device)
-            row["heldout"] = score(model, tok, heldout, ctx=args.ctx, device=device)
+            row[split] = score(model, tok, scored, ctx=args.ctx, device=device)
             del model
         else:
-            log = work / "logs" / f"{arm}_s{seed}.log"
+            log = work / "logs" / f"{arm_slug(arm)}_s{seed}.log"
             row["error_tail"] = log.read_text()[-2000:] if log.is_file() else "not started"
         rows.append(row)
         print(_row_line(row), flush=True)
@@ -600,7 +665,7 @@ def train_and_eval(args) -> int:
                 **meta,
                 "arm": "teacher",
                 "seed": None,
-                "heldout": score(model, t_tok, heldout, ctx=args.ctx, device=device),
+                split: score(model, t_tok, scored, ctx=args.ctx, device=device),
                 "projection": proj_stats,
                 "corpus": manifest,
             }
@@ -615,7 +680,8 @@ def train_and_eval(args) -> int:
 
 
 def _row_line(row: dict) -> str:
-    h = row.get("heldout")
+    split = "heldout" if row.get("heldout") else "val"
+    h = row.get(split)
     if not h:
         return f"{row['arm']:>8} s{row['seed']}: exit {row.get('exit')}"
     cats = " ".join(
@@ -624,7 +690,7 @@ def _row_line(row: dict) -> str:
         if h["per_category"][c]["bits_per_byte"] is not None
     )
     return (
-        f"{row['arm']:>8} s{row['seed']}: held-out {h['bits_per_byte']:.4f} bits/byte, acc "
+        f"{row['arm']:>8} s{row['seed']}: {split} {h['bits_per_byte']:.4f} bits/byte, acc "
         f"{h['accuracy']:.4f} ({cats}); steps {row.get('steps')}, tokens {row.get('tokens')}, "
         f"wall {row.get('wall_s')}s"
     )
@@ -688,6 +754,40 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     return out
 
 
+def ablation_table(rows: list[dict]) -> str:
+    """The validation-split table of every arm spec scored with ``--score-split val``: mean
+    over seeds, and the paired gain over CE only (same seed, positive = KD better)."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("val") and r.get("arm") != "teacher":
+            by_arm.setdefault(r["arm"], []).append(r)
+    ce = {r["seed"]: r["val"]["bits_per_byte"] for r in by_arm.get("ce", [])}
+    lines = [
+        "| arm | seeds | validation bits/byte (mean) | per seed | prose | code | digits | "
+        "whitespace | next-token acc | paired gain vs CE (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, rs in sorted(by_arm.items(), key=lambda kv: (kv[0] != "ce", kv[0])):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        bpb = [r["val"]["bits_per_byte"] for r in rs]
+        cats = " | ".join(
+            f"{statistics.fmean(r['val']['per_category'][c]['bits_per_byte'] for r in rs):.3f}"
+            for c in CATEGORIES
+        )
+        gains = [ce[r["seed"]] - r["val"]["bits_per_byte"] for r in rs if r["seed"] in ce]
+        gain = (
+            "-"
+            if arm == "ce" or not gains
+            else (f"{statistics.fmean(gains):+.4f} ({', '.join(f'{g:+.3f}' for g in gains)})")
+        )
+        lines.append(
+            f"| {arm_label(arm)} | {','.join(str(r['seed']) for r in rs)} | "
+            f"{statistics.fmean(bpb):.4f} | {', '.join(f'{b:.4f}' for b in bpb)} | {cats} | "
+            f"{statistics.fmean(r['val']['accuracy'] for r in rs):.4f} | {gain} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """PNG curves: validation bits/byte vs step and training CE vs step, mean over seeds with the
     min-max band, one line per arm."""
@@ -703,16 +803,18 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         ("quality_train_ce.png", "loss_curve", "ce_loss", "training CE (nats/token)"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-        for arm in ARMS:
+        specs = sorted({r["arm"] for r in rows if r.get(key) and r.get("arm") != "teacher"})
+        others = iter(plt.get_cmap("tab10").colors[4:])  # ablation arms: colours of their own
+        for arm in sorted(
+            specs, key=lambda a: (a not in ARMS, ARMS.index(a) if a in ARMS else 0, a)
+        ):
             rs = [r for r in rows if r.get("arm") == arm and r.get(key)]
             if not rs:
                 continue
             steps = sorted(set.intersection(*[{p["step"] for p in r[key]} for r in rs]))
             if key == "val_curve":
                 steps = [s for s in steps if s > 0]
-            vals = [
-                [next(p[field] for p in r[key] if p["step"] == s) for r in rs] for s in steps
-            ]
+            vals = [[next(p[field] for p in r[key] if p["step"] == s) for r in rs] for s in steps]
             if key == "loss_curve" and len(steps) > 20:  # smooth the per-step noise
                 k = max(1, len(steps) // 40)
                 steps = steps[k - 1 :]
@@ -721,9 +823,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                     for i in range(k - 1, len(vals))
                 ]
             mean = [statistics.fmean(v) for v in vals]
-            ax.plot(steps, mean, color=colors[arm], label=f"{ARM_LABEL[arm]} (n={len(rs)})")
+            color = colors.get(arm) or next(others, None)
+            ax.plot(steps, mean, color=color, label=f"{arm_label(arm)} (n={len(rs)})")
             ax.fill_between(
-                steps, [min(v) for v in vals], [max(v) for v in vals], color=colors[arm], alpha=0.2
+                steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.2
             )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
@@ -753,7 +856,9 @@ def report(args) -> int:
     for arm, a in s["arms"].items():
         bar = "-" if arm == "ce" else ("met" if a.get("bar_met") else "**missed**")
         gain = "-" if arm == "ce" else f"{a['gain']:+.4f} (spread {a['spread']:.4f})"
-        cats = " | ".join(f"{a['cat'][c]['mean']:.3f} ± {a['cat'][c]['sd']:.3f}" for c in CATEGORIES)
+        cats = " | ".join(
+            f"{a['cat'][c]['mean']:.3f} ± {a['cat'][c]['sd']:.3f}" for c in CATEGORIES
+        )
         lines.append(
             f"| {ARM_LABEL[arm]} | {len(a['seeds'])} | {a['bpb']['mean']:.4f} ± {a['bpb']['sd']:.4f} "
             f"| {a['bpb']['min']:.4f}-{a['bpb']['max']:.4f} | {cats} | "
@@ -773,6 +878,10 @@ def report(args) -> int:
             f.write(json.dumps(r) + "\n")
     plots = plot(rows, out)
     (out / "quality_table.md").write_text(table + "\n")
+    ablations = ablation_table(rows)
+    if ablations:
+        print(ablations)
+        (out / "quality_ablations.md").write_text(ablations + "\n")
     (out / "quality_summary.json").write_text(json.dumps(s, indent=1, default=str))
     logger.info("[quality] wrote %s, %s", out / "quality.jsonl", ", ".join(map(str, plots)))
     return 0
@@ -781,13 +890,26 @@ def report(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """CLI: train and score the arms, or ``--report`` rows into tables and plots."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=list(ARMS),
+        help=f"arms {ARMS}, each optionally ARM:key=value[,key=value] (loss overrides)",
+    )
+    p.add_argument(
+        "--score-split",
+        default="heldout",
+        choices=tuple(SCORE_SPLITS),
+        help="split the finished students are scored on (val: ablations, choices)",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument("--teacher", default="smollm2", help="teacher model spec (smollm2 or a preset)")
     p.add_argument("--teacher-tokenizer", default="smollm2")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of every arm")
-    p.add_argument("--epochs", type=int, default=3, help="passes allowed over train (max_steps ends first)")
+    p.add_argument(
+        "--epochs", type=int, default=3, help="passes allowed over train (max_steps ends first)"
+    )
     p.add_argument("--batch", type=int, default=16, help="texts per step (micro-batch)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per text, both sides")
     p.add_argument("--lr", type=float, default=2e-3)

@@ -72,10 +72,74 @@ def test_bar_needs_a_gain_beyond_the_seed_spread():
 
 
 @pytest.mark.slow
+def test_arm_spec_carries_loss_overrides_into_the_run_config(tmp_path):
+    q = _module()
+    assert q.parse_arm("gold:uncommon_topk=1,kl_weight=0.3") == (
+        "gold",
+        {"uncommon_topk": 1, "kl_weight": 0.3},
+    )
+    args = type("A", (), {})()
+    args.device, args.temperature, args.kl_weight, args.collators = "cpu", 1.0, 1.0, 1
+    args.teacher_tokenizer, args.ctx, args.limit, args.teacher, args.batch = (
+        "smollm2",
+        64,
+        4,
+        "tiny",
+        2,
+    )
+    args.steps, args.epochs, args.eval_every, args.eval_texts, args.lr, args.warmup = (
+        2,
+        1,
+        1,
+        2,
+        1e-3,
+        1,
+    )
+    args.corpus = tmp_path
+    cfg = q.arm_config(
+        "pkl:kl_weight=0.3,temperature=2", 0, tmp_path, args, tmp_path, tmp_path / "p.pt"
+    )
+    loss = cfg["trainer"]["loss"]
+    assert (loss["mode"], loss["kl_weight"], loss["temperature"]) == ("pkl", 0.3, 2)
+    assert "pkl:" not in cfg["run_dir"] and cfg["run_dir"].endswith("_s0")
+
+
+@pytest.mark.parametrize("bad", ["foo", "ce:kl_weight=1", "pkl:nope=1", "pkl:mode=gold", "pkl:x"])
+def test_arm_spec_refuses_unknown_arms_keys_and_ce_overrides(bad):
+    with pytest.raises(ValueError, match=bad.split(":")[0] if ":" not in bad else "arm"):
+        _module().parse_arm(bad)
+
+
+def test_ablation_table_pairs_each_arm_with_ce_of_the_same_seed_on_validation():
+    q = _module()
+    rows = []
+    for arm, seed, bpb in (
+        ("ce", 0, 2.0),
+        ("ce", 1, 2.2),
+        ("gold:uncommon_topk=1", 0, 1.9),
+        ("gold:uncommon_topk=1", 1, 2.3),
+    ):
+        r = _row(arm, seed, bpb)
+        r["val"] = r.pop("heldout")
+        rows.append(r)
+    table = q.ablation_table(rows)
+    line = next(ln for ln in table.splitlines() if "uncommon_topk=1" in ln)
+    assert "+0.100" in line and "-0.100" in line and "0,1" in line
+    assert q.summarize(rows)["arms"] == {}  # validation rows never enter the held-out bar
+
+
 def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--work", str(tmp_path / "work"), "--out", str(out)],
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -91,7 +155,14 @@ def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
         assert 0 < h["bits_per_byte"] < 20 and 0 <= h["accuracy"] <= 1
     assert len({r["tokens"] for r in rows}) == 1  # equal tokens in every arm
     report = subprocess.run(
-        [sys.executable, str(SCRIPT), "--report", str(out / "quality_rows.jsonl"), "--out", str(out)],
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--report",
+            str(out / "quality_rows.jsonl"),
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
