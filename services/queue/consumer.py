@@ -12,6 +12,10 @@ Usage::
             step(batch)
             consumer.ack(lease)
 
+With ``as_tensordict=True`` (as the clients' claim and get) a batch is a TensorDict ``[B]``: the
+same padded tensors and ``_lengths``, and non-tensor fields of a TensorDict put (NonTensorStack,
+NonTensorData) as they were put, not as bytes.
+
 The thread owns its own DEALER socket (zmq sockets are not thread-safe); acks go through a
 second client owned by the iterating thread. Leases that were claimed ahead but never yielded
 are given back (nack) when the consumer stops.
@@ -102,6 +106,8 @@ class BatchConsumer:
         register: register ``task`` for the partition on the first claim (retention): the
             server drops each sample once every registered task acked it. For a partition
             read once; never for one read again (epochs).
+        as_tensordict: yield each batch as a TensorDict ``[B]`` (padded tensors, ``_lengths``,
+            non-tensor fields as NonTensorStack / NonTensorData), not a dict.
 
     Raises:
         ValueError: a bad batch size, prefetch or claim timeout.
@@ -125,6 +131,7 @@ class BatchConsumer:
         student_pad_id: int = 0,
         teacher_pad_id: int = 0,
         register: bool = False,
+        as_tensordict: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -151,6 +158,7 @@ class BatchConsumer:
         self.idle_timeout_s = idle_timeout_s
         self.shm = shm
         self.register = register
+        self.as_tensordict = as_tensordict
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._gave_up = False  # a give-back failed while stopping: try no more
@@ -170,7 +178,7 @@ class BatchConsumer:
             self._thread.start()
         return self
 
-    def __next__(self) -> tuple[dict[str, torch.Tensor], Lease]:
+    def __next__(self) -> tuple[Any, Lease]:
         if self._finished:
             raise StopIteration
         while True:
@@ -276,6 +284,51 @@ class BatchConsumer:
                 continue
         return False
 
+    def _batch(self, fields: Any, client: QueueClient) -> Any:
+        """The padded batch of a claim's fields (a TensorDict [B] from an ``as_tensordict``
+        claim), private copies where the claim viewed the shared-memory pool."""
+        if self.as_tensordict:
+            return self._tensordict_batch(fields, client)
+        batch = pad_batch(
+            fields,
+            student_pad_id=self.student_pad_id,
+            teacher_pad_id=self.teacher_pad_id,
+            pad_values=self.pad_values,
+        )
+        _with_lengths(fields, batch)
+        if self.shm:  # padded fields are new tensors; dense ones may view the pool
+            batch = client._shm.private(batch)
+        return batch
+
+    def _tensordict_batch(self, td: Any, client: QueueClient) -> Any:
+        from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+        from xtoken_core.data_plane.tensordict_io import materialize
+
+        objects = {
+            name: td.get(name)
+            for name in td.keys()
+            if isinstance(td.get(name), NonTensorData | NonTensorStack)
+        }
+        padded = materialize(
+            td,
+            "padded",
+            student_pad_id=self.student_pad_id,
+            teacher_pad_id=self.teacher_pad_id,
+            pad_values=self.pad_values,
+        )
+        tensors = {name: value for name, value in padded.items() if name not in objects}
+        for name in list(tensors):
+            value = td.get(name)
+            if value.is_nested and f"{name}_lengths" not in td.keys():
+                tensors[f"{name}_lengths"] = value.offsets().diff()
+        if self.shm:  # as in _batch
+            tensors = client._shm.private(tensors)
+        batch = TensorDict(tensors, batch_size=td.batch_size)
+        for name, value in objects.items():
+            batch.set(name, value)
+        return batch
+
     def _run(self) -> None:
         client = QueueClient(
             self._client.address,
@@ -299,6 +352,7 @@ class BatchConsumer:
                     lease_s=self.lease_s,
                     shm=self.shm,
                     register=self.register,
+                    as_tensordict=self.as_tensordict,
                 )
                 self._epoch = client.epoch
                 if not got["keys"]:
@@ -310,15 +364,7 @@ class BatchConsumer:
                 lease = Lease(
                     self.partition, self.task, got["lease_id"], list(got["keys"]), got.get("epoch")
                 )
-                batch = pad_batch(
-                    got["fields"],
-                    student_pad_id=self.student_pad_id,
-                    teacher_pad_id=self.teacher_pad_id,
-                    pad_values=self.pad_values,
-                )
-                _with_lengths(got["fields"], batch)
-                if self.shm:  # padded fields are new tensors; dense ones may view the pool
-                    batch = client._shm.private(batch)
+                batch = self._batch(got["fields"], client)
                 if not self._put((batch, lease)):
                     client.nack(lease.partition, lease.task, lease.lease_id)
                     break
