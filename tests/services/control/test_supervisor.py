@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,129 +18,8 @@ import pytest
 
 from services.common.config import ConfigError
 from services.control.store import Store
-from services.control.supervisor import Conflict, RunNotFound, Supervisor
-from services.launch.local import LocalLauncher, LocalProcess
-from tests.services.control.conftest import tiny_config
-
-# A stand-in worker: writes its ready file, prints, then sleeps SECONDS (forever when < 0) and
-# exits with CODE; SIGTERM ends it with 0 (like a worker that drains).
-_SCRIPT = textwrap.dedent(
-    """
-    import os, signal, sys, time, json
-    ready, seconds, code, summary = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-    if ready != "-":
-        open(ready + ".tmp", "w").write(json.dumps({"pid": os.getpid(), "name": "x"}))
-        os.replace(ready + ".tmp", ready)
-    print("stand-in", " ".join(sys.argv[5:]), "started", flush=True)
-    end = time.monotonic() + seconds
-    while seconds < 0 or time.monotonic() < end:
-        time.sleep(0.02)
-    if summary != "-":
-        open(summary, "w").write(json.dumps({"stopped": False}))
-    print("boom: exiting with", code, flush=True)
-    sys.exit(code)
-    """
-)
-FOREVER = (-1.0, 0)
-ROOT = Path(__file__).resolve().parents[3]
-# A stand-in with the real process lifecycle (heartbeat file from its env): its main loop reports
-# progress every 50 ms until SIGTERM; XTOKEN_TEST_HANG makes that loop hang.
-_LIFECYCLE_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    from services.common.lifecycle import run_process
-
-    def main(lc):
-        lc.ready()
-        while not lc.stop.wait(0.05):
-            lc.progress()
-
-    sys.exit(run_process(sys.argv[1], main, ready_file=None if sys.argv[2] == "-" else sys.argv[2]))
-    """
-)
-LIFECYCLE = (-2.0, 0)  # a plan entry: run _LIFECYCLE_SCRIPT
-
-
-class ScriptedLauncher(LocalLauncher):
-    """A LocalLauncher whose processes play ``lives[name]`` (one (seconds, code) per start; the
-    last one repeats) instead of running the workers; the trainer rank 0 writes summary.json."""
-
-    def __init__(self, lives: dict[str, list[tuple[float, int]]]) -> None:
-        super().__init__(parent_sentinel=False)
-        self.lives = lives
-        self.starts: dict[str, int] = {}
-        self.envs: dict[str, list[dict]] = {}
-
-    def start(self, spec):
-        n = self.starts.get(spec.name, 0)
-        self.starts[spec.name] = n + 1
-        self.envs.setdefault(spec.name, []).append(dict(spec.env))
-        plan = self.lives.get(spec.name, [FOREVER])
-        seconds, code = plan[min(n, len(plan) - 1)]
-        if spec.ready_file:
-            Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(spec.ready_file).unlink(missing_ok=True)
-        if (seconds, code) == LIFECYCLE:
-            argv = [sys.executable, "-c", _LIFECYCLE_SCRIPT, spec.name, spec.ready_file or "-"]
-            return self._popen(spec, argv)
-        summary = "-"
-        if spec.name == "trainer0" and code == 0 and seconds >= 0:
-            summary = str(Path(spec.log_file).parent.parent / "summary.json")
-        argv = [
-            sys.executable,
-            "-c",
-            _SCRIPT,
-            spec.ready_file or "-",
-            str(seconds),
-            str(code),
-            summary,
-            "services.cli",
-            *spec.argv,
-        ]
-        return self._popen(spec, argv)
-
-    def _popen(self, spec, argv):
-        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
-        log = open(spec.log_file, "ab")  # noqa: SIM115 (closed by LocalProcess.poll)
-        env = {**os.environ, **spec.env}
-        popen = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
-        proc = LocalProcess(spec, popen, log)
-        self.processes[spec.name] = proc
-        return proc
-
-
-@pytest.fixture
-def make(tmp_path):
-    """make(lives, **kw) -> a Supervisor whose runs use ScriptedLauncher(lives); all stopped after."""
-    made: list[Supervisor] = []
-    launchers: list[ScriptedLauncher] = []
-
-    def _make(lives, store=None, **kw):
-        def factory():
-            launchers.append(ScriptedLauncher(lives))
-            return launchers[-1]
-
-        sup = Supervisor(
-            store or Store(tmp_path / "control.db"),
-            runs_root=tmp_path / "runs",
-            data_roots=[tmp_path / "data"],
-            launcher_factory=factory,
-            tick_s=0.05,
-            **kw,
-        )
-        sup.launchers = launchers
-        made.append(sup)
-        return sup
-
-    yield _make
-    for sup in made:
-        sup.shutdown()
-    for launcher in launchers:
-        for proc in launcher.processes.values():
-            proc.signal(signal.SIGKILL)
+from services.control.supervisor import Conflict, RunNotFound
+from tests.services.control.conftest import FOREVER, LIFECYCLE, tiny_config
 
 
 def wait_state(sup, run_id, states, timeout_s=30.0):
