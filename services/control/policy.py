@@ -96,8 +96,22 @@ class RestartPolicy:
         """
         if finished_ok:
             return Decision("done", reason=f"{name} finished")
+        return self.decide_lost(name, role, f"{name} exited with code {code}")
+
+    def decide_lost(self, name: str, role: str, cause: str) -> Decision:
+        """The decision after what ``name`` of ``role`` held was lost while no process exited
+        (a shared queue restarted without its data: ``decide_lost("queue", "queue", ...)``
+        restarts the run), counted against the same budget as an exit.
+
+        Args:
+            name: the process (or service) whose state was lost.
+            role: its role (the scope and budget key follow from it, as for an exit).
+            cause: what happened, the start of the decision's reason.
+
+        Returns:
+            A ``restart`` or ``fail`` :class:`Decision`; a restart is counted at once.
+        """
         scope = self.scopes.get(role)
-        cause = f"{name} exited with code {code}"
         if scope is None:
             return Decision("fail", reason=f"{cause}; a {role} is never restarted")
         key = {"process": name, "group": f"{role}s", "run": "run"}[scope]

@@ -20,6 +20,14 @@ A process is dead when its pid is gone (a zombie counts as gone) or when its hea
 ``dead_after_s`` (frozen), or beats but no main-loop progress for the run's ``hang_after_s``
 (hung: a deadlock, a stuck collective). Such a process is killed and handled as a crash by the
 restart policy; ``last_heartbeat`` of its row is the time of its last beat.
+
+A run on a shared queue (``queue.address``) has no queue process: the supervisor says hello to
+each such address every ``queue_stats_s`` (:class:`QueueWatch`). A server that answers as another
+instance (``epoch``) than the run's processes started on restarted: event ``queue_restarted``;
+unless its hello says ``durable`` (``--data-dir``) it lost the run's samples, and the run restarts
+as after a loss of its own queue (RECOVERING, every process again on the new instance, the trainers
+from their checkpoint, one restart of the ``run`` budget). A shared queue that answers nothing for
+longer than the run's ``hang_after_s`` fails the run (event ``queue_unreachable``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any
 
 from services.control.attach import EXIT_UNKNOWN, AttachedProcess, attach, identity
 from services.control.paths import confine
+from services.control.queue_watch import QueueWatch
 from services.control.series import LatestMemory, Series
 from services.control.store import Store
 
@@ -83,6 +92,12 @@ class _Handle:
         self.runtime: dict[str, Any] | None = None
         # (role, rank or teacher group) -> the latest memory_mb of that process's metrics file
         self.memory: dict[tuple[str, int], LatestMemory] = {}
+        # a shared queue: the instance a re-attached run started on (from its record), what the
+        # watch saw for the run thread to act on, whether its outage was reported
+        self.restored_epoch: str | None = None
+        self.queue_news: list[tuple] = []
+        self.queue_down_reported = False
+        self.launches = 0  # launches on the shared queue: news older than the latest are moot
 
 
 class Supervisor:
@@ -95,7 +110,8 @@ class Supervisor:
         launcher_factory: makes a new launcher per run (default: a LocalLauncher without the
             dead-parent sentinel).
         tick_s: seconds between two looks at a run's processes.
-        queue_stats_s: seconds between two stats calls to a run's queue.
+        queue_stats_s: seconds between two stats calls to a run's queue, and between two
+            hellos to each shared queue (its restarts and outages).
         dead_after_s: a process without a heartbeat this long is treated as dead.
         default_queue: the address of a running queue server that runs use when their config
             names none (``queue.address`` absent; null keeps a queue of the run's own); None:
@@ -124,6 +140,7 @@ class Supervisor:
         self.default_queue = default_queue
         self.host = socket.gethostname()
         self._handles: dict[str, _Handle] = {}
+        self._watches: dict[str, QueueWatch] = {}  # shared queue address -> its watch
         self._subscribers: dict[str, list[Callable[[dict[str, Any]], None]]] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
@@ -194,6 +211,7 @@ class Supervisor:
         )
         handle = self._new_handle(run_id, run)
         handle.runtime = runtime
+        handle.restored_epoch = (runtime or {}).get("queue_epoch")
         if rec["state"] == STOPPING:
             handle.stop_grace = 60.0
         self._event(run_id, "reattached", {"processes": sorted(attached)})
@@ -509,7 +527,7 @@ class Supervisor:
                     )
                     self._set_state(h.run_id, STOPPED, reason=reason)
                     return
-                status = run.poll_once()
+                status = self._queue_news(h) or run.poll_once()
                 self._sync(h)
                 self._poll_series(h)
                 if status == "succeeded":
@@ -534,6 +552,12 @@ class Supervisor:
                 if status == "running" and self._record(h.run_id)["state"] == RECOVERING:
                     self._set_state(h.run_id, RUNNING)
                 runtime = run.state()
+                if run.external_queue:
+                    with self._lock:
+                        watch = self._watches.get(run.queue_address)
+                        epoch = watch.baseline(h.run_id) if watch is not None else None
+                    if epoch or h.restored_epoch:  # a re-attached run keeps its instance
+                        runtime["queue_epoch"] = epoch or h.restored_epoch
                 if runtime != h.runtime:
                     self.store.update_run(h.run_id, runtime=runtime)
                     h.runtime = runtime
@@ -549,6 +573,10 @@ class Supervisor:
         finally:
             if self._record(h.run_id)["state"] not in ACTIVE:
                 _release(run.launcher)
+                with self._lock:
+                    watch = self._watches.get(run.queue_address)
+                    if watch is not None:
+                        watch.forget(h.run_id)
 
     def _on_run_event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "recovering":
@@ -556,6 +584,10 @@ class Supervisor:
                 run_id, RECOVERING, reason=data.get("reason"), attempt=data.get("attempt", 0)
             )
         self._event(run_id, kind, data)
+        if kind == "launched":
+            h = self._handles.get(run_id)
+            if h is not None and h.run.external_queue:
+                self._note_instance(h)
         if kind in ("launched", "restarted"):
             h = self._handles.get(run_id)
             if h is not None:
@@ -640,22 +672,26 @@ class Supervisor:
         ]
 
     def _stats_loop(self) -> None:
-        """One thread asks every active run's queue for its stats (a slow or dead queue delays
-        only these figures, never a run's supervision)."""
+        """One thread says hello to every shared queue of an active run (:meth:`_watch_shared`)
+        and asks every active run's queue for its stats (a slow or dead queue delays only these
+        figures and looks, never a run's supervision)."""
         from services.queue.client import QueueClient
 
         clients: dict[str, Any] = {}
+        hellos: dict[str, Any] = {}  # shared queue address -> its watch's client
         while not self._closing.wait(self.queue_stats_s):
             with self._lock:
                 handles = list(self._handles.values())
+            live = [h for h in handles if h.thread is not None and h.thread.is_alive()]
+            down = self._watch_shared(live, hellos)
             for h in handles:
                 address = h.run.queue_address
-                alive = h.thread is not None and h.thread.is_alive()
+                alive = h in live
                 client = clients.get(h.run_id)
                 if client is not None and (not alive or client.address != address):
                     clients.pop(h.run_id).close()
                     client = None
-                if not alive or not address:
+                if not alive or not address or address in down:
                     continue
                 try:
                     if client is None:
@@ -672,8 +708,170 @@ class Supervisor:
                     clients.pop(h.run_id, None)
                     if client is not None:
                         client.close()
-        for client in clients.values():
+        for client in [*clients.values(), *hellos.values()]:
             client.close()
+
+    def _watch_shared(self, handles: list[_Handle], clients: dict[str, Any]) -> set[str]:
+        """Say hello to each shared queue of the active runs ``handles``, and hand each run's
+        thread what changed (``queue_news``): its server answers as another instance than the
+        run started on, or has answered nothing for longer than the run's ``hang_after_s``.
+
+        Args:
+            handles: the active runs.
+            clients: address -> its QueueClient, kept across calls (a connection per address).
+
+        Returns:
+            The addresses that did not answer.
+        """
+        from services.queue.client import QueueClient
+
+        by_address: dict[str, list[_Handle]] = {}
+        for h in handles:
+            if h.run.external_queue and h.run.queue_address:
+                by_address.setdefault(h.run.queue_address, []).append(h)
+        for address in set(clients) - set(by_address):
+            clients.pop(address).close()
+        down: set[str] = set()
+        for address, group in by_address.items():
+            client = clients.get(address)
+            if client is None:
+                client = clients[address] = QueueClient(
+                    address, timeout_s=1.0, retries=0, name="control-watch", shm="never"
+                )
+            hello: dict[str, Any] | None = None
+            try:
+                hello = client.hello()
+            except Exception as e:  # dead, hung or restarting: the outage clock runs
+                client.close()  # the next hello opens a new connection
+                error = str(e)
+                down.add(address)
+            now = time.monotonic()
+            with self._lock:
+                watch = self._watches.setdefault(address, QueueWatch(address, now))
+                if hello is not None:
+                    watch.answered(hello, now)
+                else:
+                    watch.failed(error, now)
+                for h in group:
+                    self._look(h, watch, now)
+        return down
+
+    def _look(self, h: _Handle, watch: QueueWatch, now: float) -> None:
+        """What ``watch`` says of the run's shared queue, queued for its thread (under the lock)."""
+        change = watch.change(h.run_id, h.restored_epoch)
+        if watch.baseline(h.run_id) is not None:
+            h.restored_epoch = None
+        if change is not None:
+            h.queue_news.append(("restarted", h.launches, *change, watch.durable))
+        limit = h.run.config.hang_after_s
+        down_s = watch.down_s(now)
+        if down_s == 0.0:
+            h.queue_down_reported = False
+        elif limit is not None and down_s > limit and not h.queue_down_reported:
+            h.queue_down_reported = True
+            h.queue_news.append(("unreachable", h.launches, down_s, watch.error))
+
+    def _note_instance(self, h: _Handle) -> None:
+        """At each launch of a run on a shared queue (run thread): the instance its processes
+        start on, the baseline of :meth:`_look`."""
+        from services.queue.client import QueueClient
+
+        address = h.run.queue_address
+        hello: dict[str, Any] | None = None
+        try:
+            with QueueClient(
+                address, timeout_s=2.0, retries=0, name="control", shm="never"
+            ) as client:
+                hello = client.hello()
+        except Exception as e:
+            logger.warning(
+                "[control] run %s: queue %s gave no hello after the launch (%s); its next "
+                "answer names the run's instance",
+                h.run_id,
+                address,
+                e,
+            )
+        now = time.monotonic()
+        with self._lock:
+            watch = self._watches.setdefault(address, QueueWatch(address, now))
+            if hello is not None:
+                watch.answered(hello, now)
+            watch.launched(h.run_id, hello.get("epoch") if hello is not None else None)
+            h.restored_epoch = None
+            h.queue_down_reported = False
+            h.launches += 1
+
+    def _queue_news(self, h: _Handle) -> str | None:
+        """Act on what the watch saw of the run's shared queue (run thread: a Run is driven by
+        one thread only). A restart of a durable server is recorded; one of a server without
+        ``--data-dir`` lost the run's samples: the run restarts as after the loss of a queue of
+        its own (RECOVERING, budget ``run``). An outage past ``hang_after_s`` fails the run.
+
+        Returns:
+            ``failed`` when the run cannot go on (``run.failure`` says why), else None.
+        """
+        with self._lock:
+            news, h.queue_news = h.queue_news, []
+        run = h.run
+        for kind, launches, *rest in news:
+            if launches != h.launches:
+                continue  # seen before the latest launch, which started on the new instance
+            if kind == "unreachable":
+                down_s, error = rest
+                self._event(
+                    h.run_id,
+                    "queue_unreachable",
+                    {"address": run.queue_address, "down_s": round(down_s, 1), "error": error},
+                )
+                run.failure = (
+                    f"queue {run.queue_address} unreachable for {down_s:.1f}s, more than the "
+                    f"run's hang_after_s={run.config.hang_after_s:g}: start the queue again on "
+                    "that address, then resume the run"
+                )
+                run.failed_process, run.exit_code = "queue", None
+                return "failed"
+            old, new, durable = rest
+            data = {
+                "address": run.queue_address,
+                "old_epoch": old,
+                "new_epoch": new,
+                "durable": durable,
+            }
+            if durable:
+                data["action"] = (
+                    "none: the queue is durable (--data-dir) and kept its samples; the run goes on"
+                )
+            elif "run" in run._pending:
+                data["action"] = "none: a restart of the run is due; it starts on the new instance"
+            else:
+                data["action"] = "restart the run: the queue lost its samples" + (
+                    ""
+                    if durable is False
+                    else " (its hello does not say whether it keeps them: treated as not durable)"
+                )
+            self._event(h.run_id, "queue_restarted", data)
+            logger.warning(
+                "[control] run %s: queue %s restarted (instance %s -> %s); %s",
+                h.run_id,
+                run.queue_address,
+                old,
+                new,
+                data["action"],
+            )
+            if not data["action"].startswith("restart"):
+                continue
+            cause = f"queue restarted: epoch {old} -> {new}"
+            decision = run.policy.decide_lost("queue", "queue", cause)
+            if decision.action == "fail":
+                run.failure = decision.reason
+                run.failed_process, run.exit_code = "queue", None
+                run._emit("failed", process="queue", code=None, reason=decision.reason)
+                return "failed"
+            # the relaunch starts every process: a restart already due (a trainer rank that died
+            # on a lease of the old instance) would start its processes a second time
+            run._pending.clear()
+            run._schedule(decision, "queue")  # stops every process; poll_once relaunches them
+        return None
 
     # ------------------------------------------------------------------ records and events
 

@@ -1,7 +1,8 @@
 """Faults under the control plane, with real worker processes (slow): SIGKILL of a collator, the
 teacher, a trainer rank or the run's queue -> restart per policy and every sample trained as
 without the kill; SIGKILL of the control plane itself -> the run is re-attached and finishes; two
-runs at once never see each other's samples; stop -> checkpoint -> resume trains every sample once.
+runs at once never see each other's samples; stop -> checkpoint -> resume trains every sample once;
+a shared queue SIGKILLed and started again on its address -> the run restarts on the new instance.
 
 Run: ``./scripts/test.sh -m slow tests/services/control`` (about 6 minutes on 2 cores)."""
 
@@ -19,6 +20,7 @@ from tests.e2e.conftest import (
     assert_exactly_once,
     checkpoint_keys,
     corpus_parts,
+    free_port,
     key_log_lines,
     keys_after,
     latest_checkpoint,
@@ -315,3 +317,42 @@ def test_two_runs_on_one_external_queue_each_train_their_own_samples_once(tmp_pa
     finally:
         server.stop()
         queue.stop()
+
+
+def test_a_restarted_shared_queue_recovers_its_run_which_trains_every_sample(tmp_path, demo):
+    # the compose queue service SIGKILLed and started again on its address without --data-dir:
+    # the control plane sees a new instance, and the run starts again on it from its checkpoint
+    from tests.services.queue.conftest import ServerProcess
+
+    args = ("--bind", f"tcp://127.0.0.1:{free_port()}", "--capacity", "512MiB")
+    queues = [ServerProcess(tmp_path, *args)]
+    server = ControlServer(tmp_path / "server", extra=["--queue", queues[0].address])
+    try:
+        data, keys = _corpus(server, demo, "c", 64)
+        with server.client() as c:
+            rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+            run_dir = Path(_wait_step(c, rid, 3)["run_dir"])
+            before = _pids(c, rid)
+            os.kill(queues[0].proc.pid, signal.SIGKILL)  # every sample of the run is gone
+            queues[0].proc.wait(10)
+            queues.append(ServerProcess(tmp_path, *args))
+            done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+            assert done["state"] == "SUCCEEDED", done
+            after = _pids(c, rid)
+        assert after["collator"] != before["collator"] and after["trainer0"] != before["trainer0"]
+        events = Store(server.runs_root / "control.db").events(rid)
+        (event,) = [e["data"] for e in events if e["kind"] == "queue_restarted"]
+        assert event["durable"] is False and event["address"] == queues[0].address
+        # a trainer rank may die first on a lease of the old instance; the run restarts anyway
+        causes = [e["data"]["reason"] for e in events if e["data"].get("state") == "RECOVERING"]
+        assert any(r.startswith("queue restarted: epoch ") for r in causes), causes
+        trained = trained_keys(run_dir)
+        assert set(trained) == set(keys)  # every sample, though the queue lost them all
+        # what the trainer trained after its last checkpoint (every 2 steps of 4 samples) before
+        # it died on the old instance's lease is trained again, once
+        again = {k for k in trained if trained.count(k) > 1}
+        assert len(again) <= 8 and all(trained.count(k) == 2 for k in again), again
+    finally:
+        server.stop()
+        for queue in queues:
+            queue.stop()

@@ -38,6 +38,17 @@ def test_a_lost_queue_restarts_the_run_and_normal_ends_restart_nothing():
     assert p.decide("trainer0", "trainer", 0, finished_ok=True).action == "done"
     assert p.decide("x", "unknown-role", 1).action == "fail"
     assert RestartPolicy(max_restarts=0).decide("teacher0", "teacher", 1).action == "fail"
+
+
+def test_a_lost_data_plane_without_an_exit_spends_the_budget_of_its_scope():
+    # a shared queue restarted without its data: no process of the run exited, the run restarts
+    p = RestartPolicy(max_restarts=1, backoff_s=0.5)
+    lost = p.decide_lost("queue", "queue", "queue restarted: epoch a -> b")
+    assert (lost.action, lost.scope, lost.key, lost.attempt) == ("restart", "run", "run", 1)
+    assert lost.reason == "queue restarted: epoch a -> b: restart 1 of 1 (run) in 0.5s"
+    again = p.decide("queue", "queue", -9)  # one budget with the exits of the run's own queue
+    assert again.action == "fail" and "restart budget of run spent (1 of 1)" in again.reason
+    assert p.decide_lost("queue", "queue", "x").action == "fail"
     with pytest.raises(ValueError, match="none may be negative"):
         RestartPolicy(max_restarts=-1)
 
