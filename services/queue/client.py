@@ -82,8 +82,10 @@ def _ms(seconds: float | None) -> int | None:
 def _wire_fields(keys: Sequence[str], fields: Any) -> Any:
     """A TensorDict's put fields (xtoken_core/data_plane/tensordict_io.py), else ``fields``;
     tensordict is imported only by callers that pass one."""
-    tensordict = sys.modules.get("tensordict")
-    if tensordict is None or not isinstance(fields, tensordict.TensorDictBase):
+    # another thread may be importing tensordict right now: a module without its classes yet
+    # cannot have made ``fields``
+    base = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
+    if base is None or not isinstance(fields, base):
         return fields
     from xtoken_core.data_plane.tensordict_io import tensordict_to_fields
 

@@ -45,3 +45,15 @@ def test_async_client_times_out_naming_the_setting():
     with pytest.raises(QueueError, match="timeout_s") as exc:
         asyncio.run(main())
     assert exc.value.code == "timeout"
+
+
+def test_a_put_while_another_thread_imports_tensordict_sends_its_fields_as_they_are(monkeypatch):
+    """A module still being imported (no classes yet) is in sys.modules: it made no TensorDict."""
+    import sys
+    import types
+
+    from services.queue.client import _wire_fields
+
+    monkeypatch.setitem(sys.modules, "tensordict", types.ModuleType("tensordict"))
+    fields = {"ids": torch.arange(3).reshape(3, 1)}
+    assert _wire_fields(["a", "b", "c"], fields) is fields
