@@ -16,6 +16,15 @@ Per rank (records and names: services/teacher/protocol.py):
 4. after its backward: release the slot (once the GPU finished reading it), ack and clear the
    record; after the optimizer step: ack the samples.
 
+Retention (a run that reads its partition once, ``register``): the task is registered with every
+claim, so the queue drops each sample once acked and a corpus larger than its ``--capacity``
+streams through it. A dropped sample cannot come again, so its ack waits for a checkpoint that
+holds it (:meth:`TeacherFeed.commit`): after a crash, the samples trained since the checkpoint
+are trained again under the resumed launch's fresh task, as without retention. A registration
+cannot be undone, so the resumed launch also consumes for the tasks of earlier launches
+(``replaces``) what they still hold; samples a dead launch held leased are released that way
+once their lease lapses (``lease_s``).
+
 A record of another instance of this rank (left by a trainer that died) is released and
 cleared. A teacher that does not answer within ``teacher_timeout_s`` is asked again. A request
 asked again (or redelivered after its teacher died) may come after requests of later
@@ -45,6 +54,8 @@ from xtoken_core.wire import JaggedColumn
 logger = logging.getLogger(__name__)
 
 EOF_KEY = "eof"
+# Samples claimed at once when consuming for a replaced task (keys only: no fields travel).
+_CONSUME_BATCH = 4096
 
 
 def meta_partition(partition: str) -> str:
@@ -88,6 +99,11 @@ class TeacherFeed:
         reader: a LogitRingReader (ring transports), or None.
         output_layer: the teacher's output layer (hidden transport), or None.
         stop: a threading.Event; set = stop waiting for data.
+        register: register ``task`` for the partition (retention, PROTOCOL.md): the queue
+            drops each sample once acked. Only for a partition read once (one epoch). With
+            ``checkpoint_every``, acks wait for :meth:`commit`.
+        replaces: name prefix of the registered tasks of earlier launches this one takes over
+            (``trainer/e<epoch>/``); :meth:`commit` consumes what they hold.
     """
 
     def __init__(
@@ -102,6 +118,8 @@ class TeacherFeed:
         reader: Any = None,
         output_layer: Any = None,
         stop: Any = None,
+        register: bool = False,
+        replaces: str = "",
     ) -> None:
         self.client = client
         self.config = config
@@ -112,6 +130,12 @@ class TeacherFeed:
         self.reader = reader
         self.output_layer = output_layer
         self.stop = stop
+        self.register = register
+        self.replaces = replaces
+        # acks wait for a checkpoint that holds their samples (a registered task's are final)
+        self._defer = register and config.checkpoint_every > 0
+        self._unacked: list[tuple[Any, list[str]]] = []  # (lease id, keys) trained, not acked
+        self._uncheckpointed: set[str] = set()  # keys trained since the last commit
         self.instance = proto.new_instance()
         self.group = rank % config.teacher_groups
         self.req_partition = proto.request_partition(config.partition, self.group)
@@ -150,14 +174,71 @@ class TeacherFeed:
                 break
 
     def ack(self, micro_batches: list[MicroBatch]) -> None:
-        """Mark the samples of trained micro-batches consumed (after the optimizer step)."""
+        """Mark the samples of trained micro-batches consumed (after the optimizer step); a
+        registered feed with checkpoints keeps the acks for :meth:`commit`."""
         by_lease: dict[Any, list[str]] = {}
         for mb in micro_batches:
             for key in mb.keys:
                 by_lease.setdefault(mb.context.leases[key], []).append(key)
-        for lease_id, keys in by_lease.items():
-            self.client.ack(self.config.partition, self.task, lease_id, keys)
+        if self._defer:
+            self._unacked.extend(by_lease.items())
+            self._uncheckpointed.update(k for mb in micro_batches for k in mb.keys)
+        else:
+            for lease_id, keys in by_lease.items():
+                self.client.ack(self.config.partition, self.task, lease_id, keys)
         self.trained.update(k for mb in micro_batches for k in mb.keys)
+
+    def commit(self) -> None:
+        """After a checkpoint that holds every trained key was saved (each rank, its own):
+        ack the samples trained since the previous one, and consume for the registered tasks
+        of earlier launches (``replaces``) what they hold, so that the queue drops them. A
+        no-op for a feed that does not register.
+        """
+        if not self.register:
+            return
+        self._consume_for_replaced()
+        unacked, self._unacked = self._unacked, []
+        self._uncheckpointed.clear()
+        lapsed = 0
+        for lease_id, keys in unacked:
+            try:
+                self.client.ack(self.config.partition, self.task, lease_id, keys)
+            except QueueError as e:
+                if e.code not in ("unknown_lease", "stale_epoch"):
+                    raise
+                lapsed += len(keys)  # redelivered (or gone with the queue): acked when seen
+        if lapsed:
+            logger.warning(
+                "[trainer] the leases of %d trained samples lapsed before the checkpoint: they "
+                "come again and are acked then; raise lease_s (now %gs) above the time of "
+                "checkpoint_every (%d) steps",
+                lapsed,
+                self.config.lease_s,
+                self.config.checkpoint_every,
+            )
+
+    def _consume_for_replaced(self) -> None:
+        """Claim and ack, for each registered task of an earlier launch, every sample it has
+        not consumed (no fields travel): this task alone holds them then."""
+        if not self.replaces:
+            return
+        part = self.client.stats()["partitions"].get(self.config.partition, {})
+        for task in part.get("registered", []):
+            if task == self.task or not task.startswith(self.replaces):
+                continue
+            while True:
+                got = self.client.claim(
+                    self.config.partition,
+                    task,
+                    [],
+                    _CONSUME_BATCH,
+                    fields=[],
+                    timeout_s=0.001,
+                    lease_s=self.config.lease_s,
+                )
+                if not got["keys"]:
+                    break
+                self.client.ack(self.config.partition, task, got["lease_id"])
 
     def give_back(self, micro_batches: list[MicroBatch] = ()) -> None:
         """Stop: return every sample claimed but not trained, release held slots."""
@@ -193,6 +274,7 @@ class TeacherFeed:
             micro_batches * cfg.micro_batch,
             timeout_s=cfg.claim_timeout_s if block else 0.001,
             lease_s=cfg.lease_s,
+            register=self.register,  # with every claim: a restarted queue forgot it
         )
         keys = list(got["keys"])
         if not keys:
@@ -204,8 +286,13 @@ class TeacherFeed:
         rows = _rows(got["fields"], len(keys))
         fresh = [(k, r) for k, r in zip(keys, rows) if k not in self.trained]
         seen = [k for k in keys if k in self.trained]
-        if seen:  # trained before the checkpoint we resumed from
-            self.client.ack(cfg.partition, self.task, lease_id, seen)
+        if seen:  # trained before (the checkpoint we resumed from, or a lease that lapsed)
+            later = [k for k in seen if k in self._uncheckpointed]
+            if later:  # in no checkpoint yet: acked by the next commit
+                self._unacked.append((lease_id, later))
+            if len(later) < len(seen):
+                done = [k for k in seen if k not in self._uncheckpointed]
+                self.client.ack(cfg.partition, self.task, lease_id, done)
         fresh.sort(key=lambda kr: -int(kr[1]["teacher_input_lengths"]))
         for i in range(0, len(fresh), cfg.micro_batch):
             group = fresh[i : i + cfg.micro_batch]
@@ -245,7 +332,9 @@ class TeacherFeed:
             raise
         total = int(marker["fields"]["samples"].reshape(-1)[0])
         status = self.client.status(self.config.partition, self.task)
-        if status["pending"] == 0 and status["samples"] >= total:
+        # samples retention dropped (acked by every registered task) were put too
+        put = status["samples"] + status.get("dropped", 0)
+        if status["pending"] == 0 and put >= total:
             self._ended = True
 
     # ------------------------------------------------------------------ teacher

@@ -27,6 +27,7 @@ from services.common import lifecycle
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
 from services.queue.client import connect
+from services.queue.errors import QueueError
 from services.trainer import checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
@@ -110,6 +111,11 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         reader = LogitRingReader(device=device, dead_after_s=config.dead_after_s)
         if config.teacher_model:
             output_layer = teacher_output_layer(config, device)
+    # Retention: a run that reads its partition once registers its consumer task, so that the
+    # queue drops each sample once a checkpoint holds it and a corpus larger than its
+    # --capacity streams through it (feed.py). A run of several epochs reads every sample
+    # again: it registers nothing, and the queue must hold the whole corpus.
+    register = config.epochs == 1
     epoch, task_start, trained = 0, 0, set()
     latest = checkpoint.latest_checkpoint(run_dir)
     if latest is not None:
@@ -152,9 +158,18 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             reader=reader,
             output_layer=output_layer,
             stop=lc.stop,
+            register=register,
+            replaces=f"trainer/e{epoch}/",
         )
         logger.info(
-            "[trainer] rank %d epoch %d (task %s, %d trained)", rank, epoch, task, len(trained)
+            "[trainer] rank %d epoch %d (task %s, %d trained, %s)",
+            rank,
+            epoch,
+            task,
+            len(trained),
+            "registered: the queue drops what a checkpoint holds"
+            if register
+            else f"not registered: {config.epochs} epochs read every sample again",
         )
         while True:
             lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
@@ -204,6 +219,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 checkpoint.save(
                     worker, run_dir, epoch=epoch, task_start=task_start, trained=trained
                 )
+                feed.commit()  # retention: what the checkpoint holds may be dropped now
                 last_ckpt = worker.step
             if config.eval_every and worker.step % config.eval_every == 0:
                 lifecycle.pause_progress()
@@ -216,6 +232,10 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:
         checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
+        try:
+            feed.commit()
+        except QueueError as e:  # saved: a resumed launch consumes them (replaces), or a clear
+            logger.warning("[trainer] could not ack the samples of the last checkpoint: %s", e)
     if not stopped:
         evaluate("after")
         if config.export:
