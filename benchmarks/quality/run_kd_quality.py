@@ -705,18 +705,22 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "sd": sd, "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _arm_order(spec: str) -> tuple:
+    """CE first, then the base arms in their order, each followed by its variants."""
+    base = spec.partition(":")[0]
+    return (ARMS.index(base) if base in ARMS else len(ARMS), spec != base, spec)
+
+
 def summarize(rows: list[dict]) -> dict[str, Any]:
     """Mean and spread over seeds per arm, and the bar (every KD arm below CE only by more than
     the seed spread: CE's worst-minus-best range and both arms' standard deviations)."""
     by_arm: dict[str, list[dict]] = {}
     for r in rows:
-        if r.get("arm") in ARMS and r.get("heldout"):
+        if r.get("arm") not in (None, "teacher") and r.get("heldout"):
             by_arm.setdefault(r["arm"], []).append(r)
     out: dict[str, Any] = {"arms": {}}
-    for arm in ARMS:
-        rs = by_arm.get(arm)
-        if not rs:
-            continue
+    for arm in sorted(by_arm, key=_arm_order):
+        rs = by_arm[arm]
         a = {
             "bpb": _stats([r["heldout"]["bits_per_byte"] for r in rs]),
             "acc": _stats([r["heldout"]["accuracy"] for r in rs]),
@@ -733,9 +737,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     ce = out["arms"].get("ce")
     if ce:
         paired = {r["seed"]: r["heldout"]["bits_per_byte"] for r in by_arm["ce"]}
-        for arm in ARMS[1:]:
-            a = out["arms"].get(arm)
-            if not a:
+        for arm, a in out["arms"].items():
+            if arm == "ce":
                 continue
             spread = max(ce["bpb"]["max"] - ce["bpb"]["min"], ce["bpb"]["sd"] + a["bpb"]["sd"])
             gain = ce["bpb"]["mean"] - a["bpb"]["mean"]
@@ -767,7 +770,7 @@ def ablation_table(rows: list[dict]) -> str:
         "whitespace | next-token acc | paired gain vs CE (per seed) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for arm, rs in sorted(by_arm.items(), key=lambda kv: (kv[0] != "ce", kv[0])):
+    for arm, rs in sorted(by_arm.items(), key=lambda kv: _arm_order(kv[0])):
         rs = sorted(rs, key=lambda r: r["seed"])
         bpb = [r["val"]["bits_per_byte"] for r in rs]
         cats = " | ".join(
@@ -805,9 +808,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
         specs = sorted({r["arm"] for r in rows if r.get(key) and r.get("arm") != "teacher"})
         others = iter(plt.get_cmap("tab10").colors[4:])  # ablation arms: colours of their own
-        for arm in sorted(
-            specs, key=lambda a: (a not in ARMS, ARMS.index(a) if a in ARMS else 0, a)
-        ):
+        for arm in sorted(specs, key=_arm_order):
             rs = [r for r in rows if r.get("arm") == arm and r.get(key)]
             if not rs:
                 continue
@@ -860,7 +861,7 @@ def report(args) -> int:
             f"{a['cat'][c]['mean']:.3f} ± {a['cat'][c]['sd']:.3f}" for c in CATEGORIES
         )
         lines.append(
-            f"| {ARM_LABEL[arm]} | {len(a['seeds'])} | {a['bpb']['mean']:.4f} ± {a['bpb']['sd']:.4f} "
+            f"| {arm_label(arm)} | {len(a['seeds'])} | {a['bpb']['mean']:.4f} ± {a['bpb']['sd']:.4f} "
             f"| {a['bpb']['min']:.4f}-{a['bpb']['max']:.4f} | {cats} | "
             f"{a['acc']['mean']:.4f} ± {a['acc']['sd']:.4f} | {gain} | {bar} |"
         )
