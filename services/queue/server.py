@@ -284,6 +284,8 @@ class QueueServer:
         # Connections that said hello (and presented the token, if there is one): routing id
         # -> the owner their leases are bound to ("i:" + the client's instance id).
         self._owners: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        # and how their hellos named them, for messages ("client 'NAME' (instance 1a2b...)")
+        self._names: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.refused = 0  # requests answered unauthorized
         self.oplog = OpLog(config.log_every_s)
         # Durable mode: the log, replies waiting for their record to be written, a pipe the
@@ -567,6 +569,12 @@ class QueueServer:
         self._owners.move_to_end(ident)
         if len(self._owners) > _MAX_HELLOS:
             self._owners.popitem(last=False)
+        self._names[ident] = f"client {body['client']!r}" + (
+            f" (instance {instance[:12]}...)" if instance else ""
+        )
+        self._names.move_to_end(ident)
+        if len(self._names) > _MAX_HELLOS:
+            self._names.popitem(last=False)
         self.oplog.connect(body["client"])
         return {
             "server": "xtoken-queue",
@@ -666,25 +674,30 @@ class QueueServer:
     def _check_reserve_quota(self, ident: bytes, nbytes: int) -> None:
         """Refuse a reserve past ``shm_reserve_max_bytes`` for this client, at once.
 
-        Checked before any segment is made: one small request must not make the server commit
-        (and zero) a large share of the capacity, nor one client hold all of it.
+        Checked before any segment is made: one client must not hold a large share of the
+        capacity (a reserve commits no memory, but its bytes count against the capacity).
         """
+        from services.queue.cli import format_size
+
         limit = self.config.shm_reserve_max_bytes
         size = segment_bytes(nbytes)
+        who = self._names.get(ident) or f"connection {ident.hex()[:12]}"
         if size > limit:
             raise StoreError(
                 codes.BAD_REQUEST,
-                f"reserve of {nbytes} bytes ({size} as a segment) is more than one client may "
-                f"hold reserved (--shm-reserve-max = {limit}, a quarter of --capacity by "
-                "default); send the put as frames or split it",
+                f"reserve of {format_size(nbytes)} ({format_size(size)} as a segment) by {who} "
+                f"is more than one client may hold reserved: --shm-reserve-max is "
+                f"{format_size(limit)} (queue serve; a quarter of --capacity by default); send "
+                "the put as frames, split it, or raise --shm-reserve-max",
             )
         held = self.pool.client_bytes(ident)
         if held + size > limit:
             raise StoreError(
                 codes.QUEUE_FULL,
-                f"reserve of {nbytes} bytes: this client already holds {held} bytes reserved "
-                f"and unused, and may hold at most --shm-reserve-max = {limit}; put or let "
-                "those reservations lapse first",
+                f"reserve of {format_size(nbytes)}: {who} already holds {format_size(held)} "
+                f"reserved and not yet put, and one client may hold at most --shm-reserve-max "
+                f"= {format_size(limit)} (queue serve); put into those reservations or let them "
+                "lapse (--shm-reserve-timeout) first, or raise --shm-reserve-max",
                 retryable=True,
             )
 
@@ -1128,6 +1141,7 @@ class QueueServer:
     def _client_gone(self, ident: bytes) -> None:
         """Drop the parked requests of a client whose connection is gone (nobody to answer)."""
         self._owners.pop(ident, None)
+        self._names.pop(ident, None)
         dropped = 0
         for parked in self._all_parked():
             if parked.ident == ident:

@@ -6,6 +6,15 @@ allocated), and takes the segment back when the store drops the last sample that
 warm put therefore costs one memcpy into pages that are already there, and a claim can hand
 out references into the same pages.
 
+Memory is committed as it is written: a new segment is sparse (``ShmSegment.create(commit=
+False)``), so a reserve of any size costs microseconds and no memory in the event loop; the
+producer allocates the pages it writes before writing them (``ShmRegion``), and a full /dev/shm
+is its retryable ``ShmFullError``, not a SIGBUS. The logical accounting is unchanged: a
+segment's whole size counts against the capacity and the client's quota from its reserve on.
+``check_refs`` makes sure every byte a put references has memory behind it (``back_ranges``)
+before the server reads any, so a producer that skipped the commit cannot make it fault.
+A freed segment stays committed as far as it was written; idle ones are unlinked.
+
 Segment life cycle (one region = one whole segment)::
 
     create -> reserved (token, deadline) -> staged (put in progress or parked)
@@ -50,7 +59,15 @@ import torch
 
 from services.queue import errors as codes
 from services.queue.errors import StoreError
-from xtoken_core.ipc.shm import ALIGN, NAME_RE, SHM_DIR, ShmSegment, align_up
+from xtoken_core.ipc.shm import (
+    ALIGN,
+    NAME_RE,
+    SHM_DIR,
+    ShmFullError,
+    ShmSegment,
+    align_up,
+    back_ranges,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +224,7 @@ class PoolSegment:
     uses: int = 0
     owner: bytes = b""  # the client a reserved or staged segment counts against
     freed_at: float = 0.0  # clock seconds when it last became free
+    backed: int = 0  # bytes [0, backed) are known to have memory behind them (check_refs)
 
     @property
     def name(self) -> str:
@@ -405,7 +423,8 @@ class ShmPool:
         return freed
 
     def _create(self, size: int) -> PoolSegment:
-        segment = self._listed(ShmSegment.create(size))
+        # sparse: the producer commits what it writes (module doc)
+        segment = self._listed(ShmSegment.create(size, commit=False))
         seg = PoolSegment(segment, segment.base())
         self.segments[seg.name] = seg
         self.views[seg.name] = seg.base_S
@@ -465,9 +484,15 @@ class ShmPool:
             seg: the put's staged segment (None: the put named no reservation).
             refs: ``(name, start, end)`` of every shared-memory buffer the put references.
 
+        Then make sure the referenced bytes have memory behind them (they were written, or
+        are allocated now), so that no read of them can fault on a full /dev/shm.
+
         Raises:
-            StoreError: ``bad_request`` naming the offending reference.
+            StoreError: ``bad_request`` naming the offending reference; ``shm_unavailable``
+                (retryable) when bytes the producer referenced but never wrote cannot be
+                allocated.
         """
+        ranges: list[tuple[int, int]] = []
         for name, start, end in refs:
             if name not in self.segments:
                 continue  # a producer's own segment (adopted; xtoken_core/wire/shm.py)
@@ -483,6 +508,27 @@ class ShmPool:
                     f"put references {name}[{start}:{end}], outside its reservation "
                     f"{seg.name}[0:{seg.size}]",
                 )
+            if end > seg.backed:  # pages once backed stay so: a warm put checks nothing
+                ranges.append((start, end))
+        if not ranges:
+            return
+        try:
+            if back_ranges(seg.name, ranges) is None:
+                # the file was removed under a running server: its mapping is still valid
+                logger.debug("[queue] shm segment %s is unlinked: refs not checked", seg.name)
+                return
+        except ShmFullError as e:
+            raise StoreError(
+                codes.SHM_UNAVAILABLE,
+                f"the put references bytes of its reservation that it never wrote, and the "
+                f"server cannot back them: {e.strerror}; write (or ShmRegion.commit) every byte "
+                "a put references, or send the put as frames",
+                retryable=True,
+            ) from None
+        for start, end in sorted(ranges):  # extend the backed prefix over adjacent ranges
+            if start > seg.backed + ALIGN:
+                break
+            seg.backed = max(seg.backed, end)
 
     def stored(self, seg: PoolSegment, referenced: bool, request_id: int, reply: dict) -> None:
         """The put is in the store: its bytes are the store's now. Remember the token (to

@@ -2,9 +2,14 @@
 
 Over loopback TCP a put's bytes are copied twice by the kernel (into the socket and out of it)
 and capped at the loopback rate. Through the pool (services/queue/shm_pool.py) a put is:
-``reserve`` (a small round trip: the server lends a region of one of its /dev/shm segments),
-one memcpy of the tensors into it (or none: ``QueueClient.reserve`` + ``ShmRegion.empty`` build
-them in place), and a put of references (ext 3/4, xtoken_core/wire/shm.py). The client maps
+``reserve`` (a small round trip: the server lends a region of one of its /dev/shm segments,
+sparse: no memory is committed yet), one ``posix_fallocate`` of the bytes the put will write
+(``ShmRegion.commit``: memory is committed as it is written, by the writer), one memcpy of the
+tensors into it (or none: ``QueueClient.reserve`` + ``ShmRegion.empty`` build them in place),
+and a put of references (ext 3/4, xtoken_core/wire/shm.py). When /dev/shm cannot hold the bytes
+(``ShmFullError``, before any byte is written) the put is sent as frames naming the reservation,
+which gives the segment back at once (``auto``; one warning, frames from then on), or raises a
+retryable ``shm_unavailable`` (``always``). The client maps
 each pool segment once (cached by name), so a warm put touches no fresh page; the server stores
 views of its own mapping and recycles the segment when the samples are cleared.
 
@@ -49,7 +54,14 @@ import torch
 
 from services.queue import errors as codes
 from services.queue.errors import QueueError
-from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmRegion, check_name, sweep_orphans
+from xtoken_core.ipc.shm import (
+    SHM_DIR,
+    ShmFullError,
+    ShmReader,
+    ShmRegion,
+    check_name,
+    sweep_orphans,
+)
 from xtoken_core.wire import BAD_BODY, UNKNOWN_TYPE, JaggedColumn
 from xtoken_core.wire.shm import (
     fields_into_region,
@@ -137,6 +149,9 @@ class ShmPuts:
         self.puts = 0
         self.rereserved = 0  # puts whose reservation an earlier server instance made
         self._region_epochs: dict[str, str | None] = {}  # reservation token -> instance
+        # segment name -> bytes from 0 this client committed in it: pages stay allocated while
+        # the segment lives and a name is never reused, so a warm put commits nothing again
+        self._committed: dict[str, int] = {}
         # mappings of the server's pool segments: read-write for the regions this client
         # reserves and writes, read-only (PROT_READ) for the views claims and gets return, so
         # that a consumer cannot change a stored sample under every other reader
@@ -212,6 +227,7 @@ class ShmPuts:
                 reply["offset"],
                 reply["nbytes"],
                 reply["token"],
+                committed=self._committed.get(reply["name"], 0),
             )
         except ValueError as e:
             raise QueueError(
@@ -240,13 +256,14 @@ class ShmPuts:
 
         Raises:
             QueueError: the server's error reply; in ``always`` mode also when shared memory
-                cannot be used.
+                cannot be used (``shm_unavailable``, retryable when /dev/shm is full).
         """
         if region is None and not self.pool(client):
             if not self.enabled:
                 return None
             self.give_up("the server has no shared-memory pool")
             return None
+        nbytes = 0
         if region is None:
             nbytes = fields_layout_bytes(body["fields"])
             limit = self.server.get("shm_reserve_max_bytes", nbytes)
@@ -259,8 +276,16 @@ class ShmPuts:
                     raise
                 self.give_up(str(e))
                 return None
-        fields = fields_into_region(body["fields"], region)
         epoch = self._region_epochs.get(region.token, client.epoch)
+        try:
+            region.commit(nbytes)  # our own region: all its pages in one call, before writing
+            fields = fields_into_region(body["fields"], region)
+        except ShmFullError as e:
+            return self._put_frames_instead(client, body, wait_s, region, epoch, e)
+        if region.offset <= self._committed.get(region.name, 0) < region.committed:
+            if len(self._committed) > 4 * MAX_CACHED_SEGMENTS:
+                self._committed.clear()
+            self._committed[region.name] = region.committed
         try:
             reply = client.request(
                 "put", {**body, "fields": fields, "reservation": region.token}, wait_s=wait_s
@@ -281,6 +306,38 @@ class ShmPuts:
             return self.put(client, body, wait_s)
         self.puts += 1
         return reply
+
+    def _put_frames_instead(
+        self,
+        client: Any,
+        body: dict[str, Any],
+        wait_s: float,
+        region: ShmRegion,
+        epoch: str | None,
+        error: ShmFullError,
+    ) -> dict[str, Any]:
+        """/dev/shm cannot hold the put (nothing was written): send it as frames naming the
+        reservation, so that the server takes the segment back at once; shared memory stays
+        off for this client (one warning). In ``always`` mode raise instead.
+
+        Raises:
+            QueueError: ``shm_unavailable`` (retryable) in ``always`` mode; the server's error.
+        """
+        if self.mode == "always":
+            raise QueueError(
+                codes.SHM_UNAVAILABLE,
+                f"shm='always' but {error.strerror}; retry when memory is freed, or use "
+                "shm='auto' to fall back to frames over the socket",
+                retryable=True,
+            )
+        if self.enabled:
+            self.give_up(error.strerror)
+        try:
+            return client.request("put", {**body, "reservation": region.token}, wait_s=wait_s)
+        except QueueError as e:
+            if e.code not in (codes.BAD_REQUEST, BAD_BODY) or client.epoch == epoch:
+                raise
+            return client.request("put", body, wait_s=wait_s)  # a stale reservation: no token
 
     def private(self, fields: dict[str, Any]) -> dict[str, Any]:
         """``fields`` with every view of a pool segment replaced by a private copy."""

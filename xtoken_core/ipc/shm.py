@@ -23,6 +23,14 @@ Ownership (why nothing leaks):
     between creating a segment and handing it over leaves a file; ``sweep_orphans`` removes those
     of dead processes.
 
+Memory is committed as it is written. ``ShmSegment.create(commit=False)`` makes a sparse
+segment (a queue server's pool: a reserve of any size costs microseconds and no memory); a
+producer writing into a region of it allocates exactly the pages it writes first
+(``ShmRegion.alloc`` / ``commit``: ``posix_fallocate`` of that byte range), so a full /dev/shm
+(Docker's default is 64 MB) is a ``ShmFullError`` naming the fix, never a SIGBUS on a store into
+the mapping. The owner runs ``back_ranges`` on the bytes a producer references before reading
+them, so a producer that skipped the commit cannot make it fault either.
+
 Validation: everything read from a handle is checked before any byte is touched (name pattern,
 same owner uid, regular file, declared size == file size, bounds, alignment, dtype/shape vs
 nbytes, jagged offsets, bool bytes) and refused with a ``ValueError`` that names the value.
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import logging
 import math
 import mmap
@@ -63,6 +72,155 @@ ALIGN = 64
 MAX_SEGMENT_BYTES = 1 << 40
 MAX_NDIM = 32
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+# posix_fallocate errors that mean "no memory for these pages" (tmpfs size limit; a memory
+# cgroup's limit) and those of a filesystem that cannot allocate ahead (then pages fault in as
+# they are written, as they did before).
+_FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+_NO_FALLOCATE_ERRNOS = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+
+
+class ShmFullError(OSError):
+    """/dev/shm (or the memory limit of this process's cgroup) cannot hold bytes that are about
+    to be written into a shared-memory segment. Nothing was written; the segment and the mapping
+    are intact. Retryable: it may succeed once memory is freed.
+
+    Attributes:
+        name: the segment.
+        nbytes: the bytes that could not be committed.
+        retryable: always True.
+    """
+
+    retryable = True
+
+    def __init__(self, code: int, name: str, offset: int, nbytes: int) -> None:
+        self.name, self.nbytes = name, nbytes
+        super().__init__(
+            code,
+            f"{SHM_DIR} has no room for {_mib(nbytes)} more of shared-memory segment {name} "
+            f"(at offset {offset}; {_shm_free()}; {os.strerror(code)}): raise its size (docker "
+            "run --shm-size, compose shm_size, or the tmpfs size= option) or this container's "
+            "memory limit, free memory, or send the bytes over the socket instead",
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _shm_free() -> str:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return "its free space unknown"
+    return f"{_mib(st.f_bavail * st.f_frsize)} free of {_mib(st.f_blocks * st.f_frsize)}"
+
+
+def _open_segment(name: str) -> int | None:
+    """An fd of the segment's file, or None when its name is gone (the owner unlinked it: a
+    server that stopped or died, a reservation that expired; existing mappings stay valid)."""
+    try:
+        return os.open(_path(check_name(name)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+
+
+def _fallocate(fd: int, name: str, offset: int, nbytes: int) -> bool:
+    """Allocate the pages of ``[offset, offset + nbytes)``; False when the filesystem cannot.
+
+    Raises:
+        ShmFullError: no memory for them.
+    """
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        if e.errno in _FULL_ERRNOS:
+            raise ShmFullError(e.errno, name, offset, nbytes) from None
+        if e.errno in _NO_FALLOCATE_ERRNOS:
+            return False
+        raise
+    return True
+
+
+def commit(name: str, offset: int, nbytes: int) -> bool:
+    """Allocate the memory behind bytes of a segment before writing them.
+
+    Pages already allocated cost a lookup each; new ones are zeroed and charged to this
+    process's memory cgroup. Opens the segment by name (the same file the caller maps).
+
+    Args:
+        name: the segment (``xtk_<pid>_<16 hex>``).
+        offset: first byte.
+        nbytes: bytes from ``offset``.
+
+    Returns:
+        True when they are committed; False when they cannot be committed ahead: the
+        filesystem cannot, or the segment's name is gone (its owner unlinked it; the mapping
+        stays valid). The pages then fault in as they are written, as they did before.
+
+    Raises:
+        ShmFullError: /dev/shm or the memory limit is full; nothing was allocated or written.
+        ValueError: not a segment name.
+    """
+    if nbytes <= 0:
+        return True
+    fd = _open_segment(name)
+    if fd is None:
+        return False
+    try:
+        return _fallocate(fd, name, offset, nbytes)
+    finally:
+        os.close(fd)
+
+
+def back_ranges(name: str, ranges: list[tuple[int, int]]) -> int | None:
+    """Make sure every byte of these ranges of a segment has memory behind it before reading it.
+
+    The owner of a sparse segment runs this on the bytes a producer references: a read of a
+    page nobody wrote nor committed allocates one, and on a full /dev/shm that is a SIGBUS in
+    the reader. Ranges a producer wrote are checked with ``SEEK_HOLE`` (no allocation; about
+    5 us per MiB); a hole (or a committed page never written, which ``SEEK_HOLE`` also reports)
+    is allocated with ``posix_fallocate``.
+
+    Args:
+        name: the segment.
+        ranges: ``(start, end)`` byte ranges inside the segment, in any order.
+
+    Returns:
+        Bytes that were handed to ``posix_fallocate`` (0 when every range was written), or
+        None when the segment's name is gone (nothing could be checked).
+
+    Raises:
+        ShmFullError: a hole cannot be allocated (/dev/shm or the memory limit is full).
+        ValueError: not a segment name.
+    """
+    spans: list[list[int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if spans and start <= spans[-1][1] + ALIGN:  # alignment padding: one span
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    if not spans:
+        return 0
+    fd = _open_segment(name)
+    if fd is None:
+        return None
+    allocated = 0
+    try:
+        for start, end in spans:
+            try:
+                hole = os.lseek(fd, start, os.SEEK_HOLE)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: no SEEK_HOLE here, allocate
+                    raise
+                hole = start
+            if hole < end:
+                _fallocate(fd, name, hole, end - hole)
+                allocated += end - hole
+    finally:
+        os.close(fd)
+    return allocated
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -294,21 +452,26 @@ class ShmSegment:
         self._linked = True
 
     @classmethod
-    def create(cls, nbytes: int) -> ShmSegment:
+    def create(cls, nbytes: int, *, commit: bool = True) -> ShmSegment:
         """Create and map a new segment of at least ``nbytes`` (rounded up to ``ALIGN``).
 
-        The pages are allocated up front (``posix_fallocate``), so a full /dev/shm fails here
-        with an ``OSError`` instead of a SIGBUS on the first write.
+        With ``commit`` the pages are allocated and mapped up front (``posix_fallocate``,
+        ``MAP_POPULATE``), so a full /dev/shm fails here with an ``OSError`` instead of a SIGBUS
+        on the first write. Without it the file is sparse: creating it costs microseconds and
+        no memory whatever its size, and whoever writes into it commits the bytes first
+        (``ShmRegion`` does; a server's pool lends such segments).
 
         Args:
             nbytes: bytes needed (``layout_bytes`` of the tensors to write).
+            commit: allocate the memory now (False: sparse).
 
         Returns:
             The segment, mapped read-write.
 
         Raises:
             ValueError: ``nbytes`` negative or above 1 TiB.
-            OSError: /dev/shm missing or full (``ENOSPC``); nothing is left behind.
+            OSError: /dev/shm missing, or full (``ENOSPC``, with ``commit``); nothing is left
+                behind.
         """
         if not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_SEGMENT_BYTES:
             raise ValueError(f"nbytes={nbytes!r}: a segment holds 0 .. 2**40 bytes")
@@ -317,8 +480,12 @@ class ShmSegment:
         path = _path(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            if commit:
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            else:
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             _unlink_quietly(name)
@@ -457,6 +624,11 @@ class ShmRegion:
     nothing), then either builds tensors in place (``empty``) or copies them in (``write``),
     and sends the handles. Tensors already inside the region are referenced, not copied.
 
+    The segment may be sparse: every ``alloc`` (so ``empty``, ``write``) first commits the bytes
+    it hands out (``commit``), and ``commit(n)`` commits the first ``n`` bytes ahead in one call
+    (a put that knows its layout). A full /dev/shm is then a ``ShmFullError`` before any byte is
+    written, never a SIGBUS.
+
     Args:
         name: the segment name.
         size: the segment size in bytes.
@@ -464,13 +636,23 @@ class ShmRegion:
         offset: first byte of the region (a multiple of ``ALIGN``).
         nbytes: bytes of the region.
         token: the reservation's token (what a put names to use it).
+        committed: the segment's bytes below this offset are known to be committed already
+            (a producer that wrote them before: nothing to allocate again).
 
     Raises:
         ValueError: the region does not lie inside the segment.
     """
 
     def __init__(
-        self, name: str, size: int, base_S: torch.Tensor, offset: int, nbytes: int, token: str = ""
+        self,
+        name: str,
+        size: int,
+        base_S: torch.Tensor,
+        offset: int,
+        nbytes: int,
+        token: str = "",
+        *,
+        committed: int = 0,
     ) -> None:
         if not (_is_uint(offset) and _is_uint(nbytes) and offset % ALIGN == 0):
             raise ValueError(f"shm region offset {offset!r} / nbytes {nbytes!r} are not valid")
@@ -488,6 +670,32 @@ class ShmRegion:
         self._base_S = base_S
         self._ptr = base_S.data_ptr()
         self._used = offset
+        # bytes [offset, _committed) have memory behind them
+        self._committed = max(offset, min(committed, offset + nbytes))
+        self._can_commit = True
+
+    @property
+    def committed(self) -> int:
+        """Segment offset below which the region's bytes are committed (by this region or
+        known before)."""
+        return self._committed
+
+    def commit(self, nbytes: int) -> None:
+        """Commit the memory of the next ``nbytes`` bytes that ``alloc`` will hand out (up to
+        the region's end), in one call, ahead of writing them; later allocs inside them commit
+        nothing more. Where pages cannot be committed ahead (a filesystem without fallocate,
+        a segment whose owner already unlinked it) they fault in as they are written.
+
+        Raises:
+            ShmFullError: /dev/shm or the memory limit is full (nothing is written; retryable).
+        """
+        self._commit_to(min(align_up(self._used) + nbytes, self.offset + self.nbytes))
+
+    def _commit_to(self, end: int) -> None:
+        if end <= self._committed or not self._can_commit:
+            return
+        self._can_commit = commit(self.name, self._committed, end - self._committed)
+        self._committed = end
 
     def __enter__(self) -> ShmRegion:
         return self
@@ -496,10 +704,12 @@ class ShmRegion:
         pass  # an unused reservation is reclaimed by its owner when it expires
 
     def alloc(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` at the next aligned offset of the region; returns the offset.
+        """Reserve ``nbytes`` at the next aligned offset of the region, committing their memory
+        first; returns the offset.
 
         Raises:
             ValueError: the region has no room left (reserve more bytes).
+            ShmFullError: /dev/shm or the memory limit is full (no room is used; retryable).
         """
         offset = align_up(self._used)
         if offset + nbytes > self.offset + self.nbytes:
@@ -507,6 +717,7 @@ class ShmRegion:
                 f"shm region of {self.nbytes} bytes has no room for {nbytes} more bytes at "
                 f"offset {offset - self.offset}; reserve at least layout_bytes of the tensors"
             )
+        self._commit_to(offset + nbytes)
         self._used = offset + nbytes
         return offset
 
