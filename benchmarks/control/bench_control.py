@@ -45,11 +45,15 @@ ENV = {
 ENV.pop("XTOKEN_PARENT_PID", None)
 
 
+#: the run's tokenizer pair (``--tokenizers``); qwen3/deepseek need no teacher package installed
+TOKENIZERS = ["mistral", "smollm2"]
+
+
 def run_config(texts: int, run_dir: str | None = None) -> dict:
     """The tiny CPU run of the benchmark (1 trainer rank, 1 shm teacher, tiny models)."""
     config = {
-        "student_tokenizer": "mistral",
-        "teacher_tokenizer": "smollm2",
+        "student_tokenizer": TOKENIZERS[0],
+        "teacher_tokenizer": TOKENIZERS[1],
         "ctx_student": 64,
         "ctx_teacher": 64,
         "trainers": 1,
@@ -85,10 +89,26 @@ class Server:
         ready.unlink(missing_ok=True)
         self.log = open(root / "control.log", "ab")  # noqa: SIM115
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "control", "serve", "--port", "0",
-             "--runs-root", str(root / "runs"), "--data-root", str(root / "data"),
-             "--ready-file", str(ready)],
-            cwd=ROOT, env=ENV, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "control",
+                "serve",
+                "--port",
+                "0",
+                "--runs-root",
+                str(root / "runs"),
+                "--data-root",
+                str(root / "data"),
+                "--ready-file",
+                str(ready),
+            ],
+            cwd=ROOT,
+            env=ENV,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 60
         while not ready.is_file():
@@ -118,20 +138,28 @@ class SSE(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        with httpx.Client(timeout=httpx.Timeout(10, read=None)) as c, c.stream("GET", self.url) as r:
+        with (
+            httpx.Client(timeout=httpx.Timeout(10, read=None)) as c,
+            c.stream("GET", self.url) as r,
+        ):
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     ev = json.loads(line[6:])
                     self.events.append((time.time(), ev))
                     if ev["kind"] == "state" and ev["data"]["state"] in (
-                        "SUCCEEDED", "FAILED", "STOPPED"
+                        "SUCCEEDED",
+                        "FAILED",
+                        "STOPPED",
                     ):
                         break
         self.done.set()
 
     def steps(self) -> list[tuple[float, dict]]:
-        return [(t, e["data"]) for t, e in self.events
-                if e["kind"] == "metrics" and e["data"]["kind"] == "step"]
+        return [
+            (t, e["data"])
+            for t, e in self.events
+            if e["kind"] == "metrics" and e["data"]["kind"] == "step"
+        ]
 
 
 def wait(predicate, timeout_s: float, what: str, poll_s: float = 0.02):
@@ -158,8 +186,9 @@ def measure_api_and_faults(root: pathlib.Path, texts: int, reps: int) -> dict:
         rid = c.post("/v1/runs", json=run_config(texts)).json()["id"]
         sse = SSE(f"{server.url}/v1/runs/{rid}/events")
         sse.start()
-        run = wait(lambda: (r := c.get(f"/v1/runs/{rid}").json()).get("step") and r, 300,
-                   "the first step")
+        run = wait(
+            lambda: (r := c.get(f"/v1/runs/{rid}").json()).get("step") and r, 300, "the first step"
+        )
         run_dir = pathlib.Path(run["run_dir"])
         lat: dict[str, list[float]] = {"metrics": [], "run": []}
         app: dict[str, list[float]] = {"metrics": [], "run": []}
@@ -188,8 +217,18 @@ def measure_api_and_faults(root: pathlib.Path, texts: int, reps: int) -> dict:
         procs = {p["name"]: p for p in c.get(f"/v1/runs/{rid}/processes").json()["processes"]}
         t0 = time.time()
         os.kill(procs["teacher0"]["pid"], signal.SIGKILL)
-        ev = wait(lambda: next((e for _, e in sse.events if e["kind"] == "exited"
-                                and e["data"]["process"] == "teacher0"), None), 30, "exited")
+        ev = wait(
+            lambda: next(
+                (
+                    e
+                    for _, e in sse.events
+                    if e["kind"] == "exited" and e["data"]["process"] == "teacher0"
+                ),
+                None,
+            ),
+            30,
+            "exited",
+        )
         out["detect_dead_s"] = ev["time"] - t0
 
         # restart from the checkpoint: SIGKILL the trainer once a checkpoint exists
@@ -209,18 +248,25 @@ def measure_api_and_faults(root: pathlib.Path, texts: int, reps: int) -> dict:
 
         info = wait(new_ready, 120, "the restarted trainer")
         t_ready = time.time()
-        first = wait(lambda: next((t for t, s in sse.steps() if s["time"] > t_ready - 0.5
-                                   and t > t0), None), 120, "a step after the restart")
-        ev = next(e for _, e in sse.events if e["kind"] == "exited"
-                  and e["data"]["process"] == "trainer0")
+        first = wait(
+            lambda: next((t for t, s in sse.steps() if s["time"] > t_ready - 0.5 and t > t0), None),
+            120,
+            "a step after the restart",
+        )
+        ev = next(
+            e for _, e in sse.events if e["kind"] == "exited" and e["data"]["process"] == "trainer0"
+        )
         out.update(
             trainer_detect_s=ev["time"] - t0,
             restart_ready_s=t_ready - t0,
             restart_first_step_s=first - t0,
             resumed_from_step=info.get("step"),
         )
-        wait(lambda: c.get(f"/v1/runs/{rid}").json()["state"] in ("SUCCEEDED", "FAILED"), 600,
-             "the end of the run")
+        wait(
+            lambda: c.get(f"/v1/runs/{rid}").json()["state"] in ("SUCCEEDED", "FAILED"),
+            600,
+            "the end of the run",
+        )
         assert c.get(f"/v1/runs/{rid}").json()["state"] == "SUCCEEDED"
         sse.done.wait(10)
         lags = [t - s["time"] for t, s in sse.steps()]
@@ -258,8 +304,14 @@ def run_plain(root: pathlib.Path, texts: int, tag: str) -> list[float]:
     run_dir = root / f"plain-{tag}"
     cfg = root / f"plain-{tag}.json"
     cfg.write_text(json.dumps(run_config(texts, str(run_dir))))
-    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"xtoken run exited {done.returncode}: {done.stderr[-3000:]}")
     return step_times(run_dir)
@@ -300,14 +352,26 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=500, help="calls per endpoint")
     parser.add_argument("--pairs", type=int, default=2, help="plain/controlled run pairs")
     parser.add_argument("--poll-hz", type=float, default=2.0, help="client polling rate")
+    parser.add_argument(
+        "--tokenizers",
+        nargs=2,
+        default=TOKENIZERS,
+        metavar=("STUDENT", "TEACHER"),
+        help="tokenizer pair of the tiny runs",
+    )
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
+    TOKENIZERS[:] = args.tokenizers
     root = pathlib.Path(tempfile.mkdtemp(prefix="bench_control_"))
     (root / "data").mkdir()
-    row: dict = {"date": time.strftime("%Y-%m-%d"), "commit": _common.commit(),
-                 "device": _common.cpu_name(), "load_avg": os.getloadavg()[0],
-                 "texts": args.texts}
+    row: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _common.commit(),
+        "device": _common.cpu_name(),
+        "load_avg": os.getloadavg()[0],
+        "texts": args.texts,
+    }
     if not args.skip_faults:
         (root / "faults").mkdir()
         row.update(measure_api_and_faults(root / "faults", args.texts, args.reps))
@@ -318,7 +382,7 @@ def main() -> None:
         for i in range(args.pairs):
             (root / f"cp-{i}").mkdir()
             # alternate the order: a load that drifts over the pair does not favour one side
-            for side in (("plain", "controlled") if i % 2 == 0 else ("controlled", "plain")):
+            for side in ("plain", "controlled") if i % 2 == 0 else ("controlled", "plain"):
                 if side == "plain":
                     per_plain.append(run_plain(root, args.texts, str(i)))
                     plain += per_plain[-1]
@@ -329,8 +393,9 @@ def main() -> None:
                 per_controlled.append(s)
                 cpu.append(c_s)
                 walls.append(wall)
-        ratios = [statistics.median(c) / statistics.median(p)
-                  for p, c in zip(per_plain, per_controlled)]
+        ratios = [
+            statistics.median(c) / statistics.median(p) for p, c in zip(per_plain, per_controlled)
+        ]
         p, q = statistics.median(plain), statistics.median(controlled)
         row.update(
             plain_step_median_s=p,

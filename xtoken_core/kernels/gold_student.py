@@ -1,14 +1,19 @@
 """Fused gold loss, student side: the compact chunk gradient and its backward kernel to ``dz``.
 
-:class:`GoldStudent` computes the common-vocab KL and the uncommon top-m L1 from the logits
-(chunk averages by :func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`) and keeps the
-chunk gradient as two compact blocks; :func:`gold_backward` expands it to the logits gradient.
-Block sizes come from :data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
+:class:`GoldStudent` computes the common-vocab KL (:func:`gold_common`: both sides' chunk
+averages, the KL, its chunk gradient and the argmax agreement in one pass over the logits) and
+the uncommon top-m L1 (chunk averages by
+:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`), and keeps the chunk gradient as two
+compact blocks; :func:`gold_backward` expands it to the logits gradient. Block sizes come from
+:data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, N valid chunks,
     C common-vocab columns (Mc of them), U uncommon student columns, m uncommon top-m.
 
+* common KL of chunk n, with ``s`` / ``u`` the student / teacher chunk-mean log-probs at the
+  common columns: forward ``kl_n = sum_c e^u (u - s)``, chunk gradient ``g = -e^u``; reverse
+  ``kl_n = sum_c e^s (s - u)``, ``g = e^s (s - u + 1)``.
 * backward: ``dz[r, v] = (G[n, v] - p[r, v] gsum_n) / (T n_size)`` where ``G`` is the
   chunk gradient kept as two compact blocks (common columns, uncommon columns).
 """
@@ -19,12 +24,12 @@ import logging
 
 import torch
 
-from ._utils import LOG2E, cdiv, lazy_jit, tl
+from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, tl
 from .logit_rows import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GoldStudent", "gold_backward"]
+__all__ = ["GoldStudent", "gold_backward", "gold_common"]
 
 
 if tl is not None:
@@ -93,8 +98,180 @@ if tl is not None:
                 mask=vm,
             )
 
+    @lazy_jit(
+        do_not_specialize=("Ts", "Tt"),
+        do_not_specialize_on_alignment=(
+            "lse_s_ptr",
+            "s_order_ptr",
+            "s_offsets_ptr",
+            "lse_t_ptr",
+            "t_order_ptr",
+            "t_offsets_ptr",
+        ),
+    )
+    def _gold_common_kernel(
+        zs_ptr,
+        lse_s_ptr,
+        s_order_ptr,
+        s_offsets_ptr,
+        cs_ptr,
+        zt_ptr,
+        lse_t_ptr,
+        t_order_ptr,
+        t_offsets_ptr,
+        ct_ptr,
+        g_ptr,
+        out_N3_ptr,
+        Ts,
+        Tt,
+        Mc,
+        s_stride_b,
+        s_stride_t,
+        t_stride_b,
+        t_stride_t,
+        g_stride,
+        inv_temp,
+        REVERSE: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        # Program = chunk n. Each column block: both sides' chunk means at the common columns
+        #   s[c] = mean_{r in n, student} (zs[r, cs[c]] / T - lse_s[r]),  u[c] likewise (teacher),
+        # then the KL summand and the chunk gradient g[c] (stored: the backward's common block),
+        # and lane-wise running argmaxes (first index of the max, like torch.argmax).
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_C)
+        s0 = tl.load(s_offsets_ptr + n)
+        s1 = tl.load(s_offsets_ptr + n + 1)
+        t0 = tl.load(t_offsets_ptr + n)
+        t1 = tl.load(t_offsets_ptr + n + 1)
+        s_inv = 1.0 / tl.maximum(s1 - s0, 1).to(tl.float32)
+        t_inv = 1.0 / tl.maximum(t1 - t0, 1).to(tl.float32)
+        kl_lane = tl.full((BLOCK_C,), 0.0, tl.float32)
+        g_lane = tl.full((BLOCK_C,), 0.0, tl.float32)
+        best_s = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+        best_u = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+        arg_s = tl.full((BLOCK_C,), 0, tl.int64)
+        arg_u = tl.full((BLOCK_C,), 0, tl.int64)
+        for c0 in range(0, Mc, BLOCK_C):
+            c = c0 + offs
+            cm = c < Mc
+            col_s = tl.load(cs_ptr + c, mask=cm, other=0).to(tl.int64)
+            col_t = tl.load(ct_ptr + c, mask=cm, other=0).to(tl.int64)
+            s = tl.full((BLOCK_C,), 0.0, tl.float32)
+            for k in range(s0, s1):
+                r = tl.load(s_order_ptr + k)
+                row = zs_ptr + (r // Ts) * s_stride_b + (r % Ts) * s_stride_t
+                z = tl.load(row + col_s, mask=cm, other=0.0).to(tl.float32)
+                s += z * inv_temp - tl.load(lse_s_ptr + r)
+            s = s * s_inv
+            u = tl.full((BLOCK_C,), 0.0, tl.float32)
+            for k in range(t0, t1):
+                r = tl.load(t_order_ptr + k)
+                row = zt_ptr + (r // Tt) * t_stride_b + (r % Tt) * t_stride_t
+                z = tl.load(row + col_t, mask=cm, other=0.0).to(tl.float32)
+                u += z * inv_temp - tl.load(lse_t_ptr + r)
+            u = u * t_inv
+            if REVERSE:
+                e = tl.exp(s)
+                d = s - u
+                kl = e * d
+                g = (d + 1.0) * e
+            else:
+                e = tl.exp(u)
+                kl = e * (u - s)
+                g = -e
+            kl_lane += tl.where(cm, kl, 0.0)
+            g = tl.where(cm, g, 0.0)
+            g_lane += g
+            tl.store(g_ptr + n * g_stride + c, g, mask=cm)
+            sm = tl.where(cm, s, float("-inf"))
+            um = tl.where(cm, u, float("-inf"))
+            arg_s = tl.where(sm > best_s, c, arg_s)
+            best_s = tl.maximum(best_s, sm)
+            arg_u = tl.where(um > best_u, c, arg_u)
+            best_u = tl.maximum(best_u, um)
+        # first index among the lanes holding the max (as -max(-index))
+        ms = tl.reduce(best_s, 0, MAX_COMBINE)
+        ia = -tl.reduce(tl.where(best_s == ms, -arg_s, -Mc), 0, MAX_COMBINE)
+        mu = tl.reduce(best_u, 0, MAX_COMBINE)
+        ib = -tl.reduce(tl.where(best_u == mu, -arg_u, -Mc), 0, MAX_COMBINE)
+        tl.store(out_N3_ptr + n * 3, tl.reduce(kl_lane, 0, SUM_COMBINE))
+        tl.store(out_N3_ptr + n * 3 + 1, tl.reduce(g_lane, 0, SUM_COMBINE))
+        tl.store(out_N3_ptr + n * 3 + 2, (ia == ib).to(tl.float32))
+
 
 # --------------------------------------------------------------------------- host wrapper
+
+
+def gold_common(
+    zs_BTV: torch.Tensor,
+    lse_s_R: torch.Tensor,
+    s_rows,
+    common_student_C: torch.Tensor,
+    zt_BUW: torch.Tensor,
+    lse_t_R: torch.Tensor,
+    t_rows,
+    common_teacher_C: torch.Tensor,
+    temperature: float,
+    reverse_kl: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Common-vocab KL of every valid chunk, its chunk gradient and the argmax agreement.
+
+    ``s`` / ``u`` are the student / teacher chunk means of ``log_softmax(z / T)`` at the
+    common columns (``common_student[c]`` pairs with ``common_teacher[c]``); see the module
+    docstring for the KL and ``g``.
+
+    Args:
+        zs_BTV: [B, T, V] student logits, last dim contiguous.
+        lse_s_R: [B*T] fp32 student row logsumexp of ``z / T``.
+        s_rows: the student side's valid-chunk rows (``order_R``, ``offsets_N1``).
+        common_student_C: [Mc] int student ids of the common vocabulary.
+        zt_BUW: [B, U, W] teacher logits, last dim contiguous.
+        lse_t_R: [B*U] fp32 teacher row logsumexp of ``z / T``.
+        t_rows: the teacher side's valid-chunk rows (same chunk numbering).
+        common_teacher_C: [Mc] int teacher ids paired with ``common_student_C``.
+        temperature: T.
+        reverse_kl: KL(student || teacher) instead of KL(teacher || student).
+
+    Returns:
+        ``(g_NC, stats_N3)``: [N, Mc] fp32 chunk gradient ``g``; [N, 3] fp32 per chunk: the
+        KL, ``sum_c g``, and 1.0 where the argmaxes of ``s`` and ``u`` agree.
+    """
+    N = s_rows.offsets_N1.numel() - 1
+    Mc = common_student_C.numel()
+    device = zs_BTV.device
+    g_NC = torch.empty((N, Mc), device=device, dtype=torch.float32)
+    stats_N3 = torch.zeros((N, 3), device=device, dtype=torch.float32)
+    if N == 0 or Mc == 0:
+        return g_NC, stats_N3
+    Ts, Tt = zs_BTV.shape[1], zt_BUW.shape[1]
+    _gold_common_kernel[(N,)](
+        zs_BTV,
+        lse_s_R,
+        s_rows.order_R,
+        s_rows.offsets_N1,
+        common_student_C,
+        zt_BUW,
+        lse_t_R,
+        t_rows.order_R,
+        t_rows.offsets_N1,
+        common_teacher_C,
+        g_NC,
+        stats_N3,
+        Ts,
+        Tt,
+        Mc,
+        zs_BTV.stride(0),
+        zs_BTV.stride(1),
+        zt_BUW.stride(0),
+        zt_BUW.stride(1),
+        g_NC.stride(0),
+        1.0 / temperature,
+        REVERSE=bool(reverse_kl),
+        BLOCK_C=block_for("gcom_block_c", Mc, 16),
+        num_warps=KERNEL_CONFIG["gcom_warps"],
+    )
+    return g_NC, stats_N3
 
 
 def gold_backward(
@@ -166,25 +343,23 @@ def gold_backward(
 # --------------------------------------------------------------------------- autograd
 
 
-#: Elements per temporary in the common-vocab KL loop (bounds its extra memory).
-_KL_BLOCK_ELEMS = 1 << 26
-
-
 class GoldStudent(torch.autograd.Function):
     """Student side of the gold loss from the logits: ``(kl_sum, l1_sum, correct)``.
 
-    The chunk gradient is computed in the forward in compact form (common columns ``[N, Mc]``,
-    written over the teacher's common block, which is not needed afterwards; uncommon columns
-    ``[N, Mu]``, written over the student's uncommon block once its top-m is taken) and
+    The chunk gradient is computed in the forward in compact form (common columns ``[N, Mc]``
+    by :func:`gold_common`, which reads the teacher's common columns from its logits; uncommon
+    columns ``[N, Mu]``, written over the student's uncommon block once its top-m is taken) and
     expanded to ``dz`` by one backward kernel.
     """
 
     @staticmethod
     def forward(
-        ctx, z_BTV, rows, teacher_common_NC, teacher_top_Nm, exact, temperature, reverse_kl
-    ):
+        ctx, z_BTV, rows, teacher, teacher_top_Nm, exact, temperature, reverse_kl
+    ):  # teacher: (zt_BUW, lse_t_R, t_rows)
         cs, us = exact["common_student"], exact["uncommon_student"]
-        N, Mc = teacher_common_NC.shape
+        zt_BUW, lse_t_R, t_rows = teacher
+        N = rows.offsets_N1.numel() - 1
+        Mc = cs.numel()
         m = teacher_top_Nm.shape[1]
         V = z_BTV.shape[-1]
         device = z_BTV.device
@@ -204,29 +379,12 @@ class GoldStudent(torch.autograd.Function):
             gsum_top_N = g_top_Nm.sum(-1)
             g_unc_NU = s_unc_NU.zero_().scatter_(1, top.indices, g_top_Nm)  # reuse the block
             del top, diff_Nm, s_top_Nm, g_top_Nm
-        kl_sum = torch.zeros((), dtype=torch.float32, device=device)
-        correct = torch.zeros((), dtype=torch.float32, device=device)
-        gsum_common_N = torch.zeros(N, dtype=torch.float32, device=device)
-        g_common_NC = teacher_common_NC  # overwritten block by block with the chunk gradient
-        if Mc > 0 and N > 0:
-            s_common_NC = chunk_mean_columns(
-                z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, cs
-            )
-            step = max(1, _KL_BLOCK_ELEMS // Mc)
-            for i in range(0, N, step):
-                s, u = s_common_NC[i : i + step], g_common_NC[i : i + step]
-                correct += (s.argmax(-1) == u.argmax(-1)).sum()
-                if reverse_kl:  # kl = sum e^s (s - u); d/ds = e^s (s - u + 1)
-                    e, d = s.exp(), s - u
-                    kl_sum += torch.linalg.vecdot(e, d).sum()
-                    u.copy_(d.add_(1.0).mul_(e))
-                else:  # kl = sum e^u (u - s); d/ds = -e^u
-                    e = u.exp()
-                    kl_sum += torch.linalg.vecdot(e, u - s).sum()
-                    u.copy_(e.neg_())
-                gsum_common_N[i : i + step] = u.sum(-1)
-            del s_common_NC
-        # Where each vocab id's chunk gradient lives (the code of logit_rows.gold_backward).
+        g_common_NC, stats_N3 = gold_common(
+            z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
+            temperature, reverse_kl,
+        )  # fmt: skip
+        kl_sum, gsum_common_N, correct = stats_N3.sum(0)[0], stats_N3[:, 1], stats_N3[:, 2].sum()
+        # Where each vocab id's chunk gradient lives (the code of gold_backward).
         cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
         cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
         if g_unc_NU is not None:

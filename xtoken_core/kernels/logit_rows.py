@@ -83,6 +83,8 @@ KERNEL_CONFIG = {
     "klb_warps": 4,
     "gbwd_block_v": 2048,
     "gbwd_warps": 4,
+    "gcom_block_c": 2048,
+    "gcom_warps": 8,
 }
 
 

@@ -10,9 +10,9 @@ sides' row groups) is one :func:`plan_chunks` (:mod:`xtoken_core.kernels.chunk_p
 ``q = softmax(z/T) @ M[:, idx]`` by CSC gathers from the logits, every chunk term (mean,
 renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
 ``[B, T, V]`` probability tensor); with a plan, N stays on the device. Gold
-(:mod:`xtoken_core.kernels.gold_student`): chunk averages over the common columns and the uncommon
-columns separately, top-m on the compact uncommon block, and a backward that rebuilds ``dz``
-from the logits, the row logsumexp and the compact chunk gradient.
+(:mod:`xtoken_core.kernels.gold_student`): the common-vocab KL in one pass over both logits
+(chunk means, KL, chunk gradient, argmax), top-m on the compact uncommon block, and a backward
+that rebuilds ``dz`` from the logits, the row logsumexp and the compact chunk gradient.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
@@ -295,16 +295,14 @@ def _gold_fused(
             del u_unc_NX
         else:
             u_top_Nm = torch.zeros((N, 0), dtype=torch.float32, device=zt_BUW.device)
-        u_common_NC = logit_rows.chunk_mean_columns(
-            zt_BUW,
-            lse_t_R,
-            t_rows.order_R,
-            t_rows.offsets_N1,
-            temperature,
-            exact_map["common_teacher"],
-        )
     kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
-        zs_BTV, s_rows, u_common_NC, u_top_Nm, exact_map, float(temperature), bool(reverse_kl)
+        zs_BTV,
+        s_rows,
+        (zt_BUW, lse_t_R, t_rows),
+        u_top_Nm,
+        exact_map,
+        float(temperature),
+        bool(reverse_kl),
     )
     return reference.gold_terms_from_sums(
         kl_sum, l1_sum, correct, valid_BC, temperature=temperature

@@ -42,3 +42,40 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
     means = onehot @ logp / sizes.clamp_min(1).double().view(-1, 1)
     (means * G.double()).sum().backward()
     torch.testing.assert_close(dz.double(), z64.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reverse_kl", [False, True], ids=["fwd-kl", "rev-kl"])
+def test_gold_common_matches_the_chunk_mean_kl_over_several_column_blocks(monkeypatch, reverse_kl):
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(kf.KERNEL_CONFIG, "gcom_block_c", 16)  # 45 common columns: 3 blocks
+    B, T, U, V, W, N, temp = 2, 9, 7, 61, 53, 5, 1.3
+    zs = kd_logits(B, T, V, torch.float32, seed=21, pad=3)  # a vocab-sliced view
+    zt = kd_logits(B, U, W, torch.float32, seed=22)
+    s_nidx, s_order, s_off = kd_rows(B, T, N, seed=23)
+    t_nidx, t_order, t_off = kd_rows(B, U, N, seed=24)
+    gen = torch.Generator().manual_seed(25)
+    cs = torch.randperm(V, generator=gen)[:45].to(DEVICE)
+    ct = torch.randperm(W, generator=gen)[:45].to(DEVICE)
+    zs[0, :, cs[7]] = zs[0, :, cs[40]] = 50.0  # a tie for the argmax across blocks: first wins
+    lse_s, lse_t = kf.row_logsumexp(zs, s_nidx, temp), kf.row_logsumexp(zt, t_nidx, temp)
+    g, stats = gold_student.gold_common(
+        zs, lse_s, SimpleNamespace(order_R=s_order, offsets_N1=s_off), cs,
+        zt, lse_t, SimpleNamespace(order_R=t_order, offsets_N1=t_off), ct, temp, reverse_kl,
+    )  # fmt: skip
+
+    def means(z, nidx, cols):
+        lp = torch.log_softmax(z.double() / temp, -1).reshape(-1, z.shape[-1])[:, cols]
+        onehot = (nidx.view(1, -1) == torch.arange(N, device=DEVICE).view(-1, 1)).double()
+        return onehot @ lp / onehot.sum(1, keepdim=True).clamp_min(1)
+
+    s, u = means(zs, s_nidx, cs), means(zt, t_nidx, ct)
+    if reverse_kl:
+        kl, g_ref = (s.exp() * (s - u)).sum(-1), (s - u + 1) * s.exp()
+    else:
+        kl, g_ref = (u.exp() * (u - s)).sum(-1), -u.exp()
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stats[:, 0].double(), kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats[:, 1].double(), g_ref.sum(-1), rtol=1e-5, atol=1e-6)
+    agree = (s.argmax(-1) == u.argmax(-1)).double()
+    assert torch.equal(stats[:, 2].double(), agree)
