@@ -121,10 +121,11 @@ if tl is not None:
         t_offsets_ptr,
         ct_ptr,
         g_ptr,
-        out_N3_ptr,
+        part_ptr,
         Ts,
         Tt,
         Mc,
+        n_blocks,
         s_stride_b,
         s_stride_t,
         t_stride_b,
@@ -134,70 +135,59 @@ if tl is not None:
         REVERSE: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        # Program = chunk n. Each column block: both sides' chunk means at the common columns
+        # Program (chunk n, column block): both sides' chunk means at the common columns
         #   s[c] = mean_{r in n, student} (zs[r, cs[c]] / T - lse_s[r]),  u[c] likewise (teacher),
-        # then the KL summand and the chunk gradient g[c] (stored: the backward's common block),
-        # and lane-wise running argmaxes (first index of the max, like torch.argmax).
+        # the KL summand and the chunk gradient g[c] (stored: the backward's common block).
+        # Partials per (n, block): KL, sum g, max s and its first column, max u and its first.
         n = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_C)
+        cb = tl.program_id(1)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = c < Mc
+        col_s = tl.load(cs_ptr + c, mask=cm, other=0).to(tl.int64)
+        col_t = tl.load(ct_ptr + c, mask=cm, other=0).to(tl.int64)
         s0 = tl.load(s_offsets_ptr + n)
         s1 = tl.load(s_offsets_ptr + n + 1)
+        s = tl.full((BLOCK_C,), 0.0, tl.float32)
+        for k in range(s0, s1):
+            r = tl.load(s_order_ptr + k)
+            row = zs_ptr + (r // Ts) * s_stride_b + (r % Ts) * s_stride_t
+            z = tl.load(row + col_s, mask=cm, other=0.0).to(tl.float32)
+            s += z * inv_temp - tl.load(lse_s_ptr + r)
+        s = s / tl.maximum(s1 - s0, 1).to(tl.float32)
         t0 = tl.load(t_offsets_ptr + n)
         t1 = tl.load(t_offsets_ptr + n + 1)
-        s_inv = 1.0 / tl.maximum(s1 - s0, 1).to(tl.float32)
-        t_inv = 1.0 / tl.maximum(t1 - t0, 1).to(tl.float32)
-        kl_lane = tl.full((BLOCK_C,), 0.0, tl.float32)
-        g_lane = tl.full((BLOCK_C,), 0.0, tl.float32)
-        best_s = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-        best_u = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-        arg_s = tl.full((BLOCK_C,), 0, tl.int64)
-        arg_u = tl.full((BLOCK_C,), 0, tl.int64)
-        for c0 in range(0, Mc, BLOCK_C):
-            c = c0 + offs
-            cm = c < Mc
-            col_s = tl.load(cs_ptr + c, mask=cm, other=0).to(tl.int64)
-            col_t = tl.load(ct_ptr + c, mask=cm, other=0).to(tl.int64)
-            s = tl.full((BLOCK_C,), 0.0, tl.float32)
-            for k in range(s0, s1):
-                r = tl.load(s_order_ptr + k)
-                row = zs_ptr + (r // Ts) * s_stride_b + (r % Ts) * s_stride_t
-                z = tl.load(row + col_s, mask=cm, other=0.0).to(tl.float32)
-                s += z * inv_temp - tl.load(lse_s_ptr + r)
-            s = s * s_inv
-            u = tl.full((BLOCK_C,), 0.0, tl.float32)
-            for k in range(t0, t1):
-                r = tl.load(t_order_ptr + k)
-                row = zt_ptr + (r // Tt) * t_stride_b + (r % Tt) * t_stride_t
-                z = tl.load(row + col_t, mask=cm, other=0.0).to(tl.float32)
-                u += z * inv_temp - tl.load(lse_t_ptr + r)
-            u = u * t_inv
-            if REVERSE:
-                e = tl.exp(s)
-                d = s - u
-                kl = e * d
-                g = (d + 1.0) * e
-            else:
-                e = tl.exp(u)
-                kl = e * (u - s)
-                g = -e
-            kl_lane += tl.where(cm, kl, 0.0)
-            g = tl.where(cm, g, 0.0)
-            g_lane += g
-            tl.store(g_ptr + n * g_stride + c, g, mask=cm)
-            sm = tl.where(cm, s, float("-inf"))
-            um = tl.where(cm, u, float("-inf"))
-            arg_s = tl.where(sm > best_s, c, arg_s)
-            best_s = tl.maximum(best_s, sm)
-            arg_u = tl.where(um > best_u, c, arg_u)
-            best_u = tl.maximum(best_u, um)
-        # first index among the lanes holding the max (as -max(-index))
-        ms = tl.reduce(best_s, 0, MAX_COMBINE)
-        ia = -tl.reduce(tl.where(best_s == ms, -arg_s, -Mc), 0, MAX_COMBINE)
-        mu = tl.reduce(best_u, 0, MAX_COMBINE)
-        ib = -tl.reduce(tl.where(best_u == mu, -arg_u, -Mc), 0, MAX_COMBINE)
-        tl.store(out_N3_ptr + n * 3, tl.reduce(kl_lane, 0, SUM_COMBINE))
-        tl.store(out_N3_ptr + n * 3 + 1, tl.reduce(g_lane, 0, SUM_COMBINE))
-        tl.store(out_N3_ptr + n * 3 + 2, (ia == ib).to(tl.float32))
+        u = tl.full((BLOCK_C,), 0.0, tl.float32)
+        for k in range(t0, t1):
+            r = tl.load(t_order_ptr + k)
+            row = zt_ptr + (r // Tt) * t_stride_b + (r % Tt) * t_stride_t
+            z = tl.load(row + col_t, mask=cm, other=0.0).to(tl.float32)
+            u += z * inv_temp - tl.load(lse_t_ptr + r)
+        u = u / tl.maximum(t1 - t0, 1).to(tl.float32)
+        if REVERSE:
+            e = tl.exp(s)
+            d = s - u
+            kl = e * d
+            g = (d + 1.0) * e
+        else:
+            e = tl.exp(u)
+            kl = e * (u - s)
+            g = -e
+        g = tl.where(cm, g, 0.0)
+        tl.store(g_ptr + n * g_stride + c, g, mask=cm)
+        # first column of the block max (as -max(-c) over the lanes holding it)
+        sm = tl.where(cm, s, float("-inf"))
+        um = tl.where(cm, u, float("-inf"))
+        ms = tl.reduce(sm, 0, MAX_COMBINE)
+        mu = tl.reduce(um, 0, MAX_COMBINE)
+        ia = -tl.reduce(tl.where(sm == ms, -c, -Mc), 0, MAX_COMBINE)
+        ib = -tl.reduce(tl.where(um == mu, -c, -Mc), 0, MAX_COMBINE)
+        out = part_ptr + (n * n_blocks + cb) * 6
+        tl.store(out, tl.reduce(tl.where(cm, kl, 0.0), 0, SUM_COMBINE))
+        tl.store(out + 1, tl.reduce(g, 0, SUM_COMBINE))
+        tl.store(out + 2, ms)
+        tl.store(out + 3, ia.to(tl.float32))
+        tl.store(out + 4, mu)
+        tl.store(out + 5, ib.to(tl.float32))
 
 
 # --------------------------------------------------------------------------- host wrapper
@@ -241,9 +231,47 @@ def gold_common(
     Mc = common_student_C.numel()
     device = zs_BTV.device
     g_NC = torch.empty((N, Mc), device=device, dtype=torch.float32)
-    stats_N3 = torch.zeros((N, 3), device=device, dtype=torch.float32)
     if N == 0 or Mc == 0:
-        return g_NC, stats_N3
+        return g_NC, torch.zeros((N, 3), device=device, dtype=torch.float32)
+    block = block_for("gcom_block_c", Mc, 16)
+    n_blocks = cdiv(Mc, block)
+    part_NB6 = torch.empty((N, n_blocks, 6), device=device, dtype=torch.float32)
+    _gold_common_kernel[(N, n_blocks)](
+        zs_BTV,
+        lse_s_R,
+        s_rows.order_R,
+        s_rows.offsets_N1,
+        common_student_C,
+        zt_BUW,
+        lse_t_R,
+        t_rows.order_R,
+        t_rows.offsets_N1,
+        common_teacher_C,
+        g_NC,
+        part_NB6,
+        zs_BTV.shape[1],
+        zt_BUW.shape[1],
+        Mc,
+        n_blocks,
+        zs_BTV.stride(0),
+        zs_BTV.stride(1),
+        zt_BUW.stride(0),
+        zt_BUW.stride(1),
+        g_NC.stride(0),
+        1.0 / temperature,
+        REVERSE=bool(reverse_kl),
+        BLOCK_C=block,
+        num_warps=KERNEL_CONFIG["gcom_warps"],
+    )
+    kl_N, gsum_N = part_NB6[..., 0].sum(1), part_NB6[..., 1].sum(1)
+    # the first column of the row max: the smallest block-first column among the block maxes
+    # (column ids < 2**24 are exact in fp32)
+    arg = []
+    for v, i in ((2, 3), (4, 5)):
+        best = part_NB6[..., v].amax(1, keepdim=True)
+        arg.append(torch.where(part_NB6[..., v] == best, part_NB6[..., i], Mc).amin(1))
+    stats_N3 = torch.stack([kl_N, gsum_N, (arg[0] == arg[1]).float()], 1)
+    return g_NC, stats_N3
     Ts, Tt = zs_BTV.shape[1], zt_BUW.shape[1]
     _gold_common_kernel[(N,)](
         zs_BTV,

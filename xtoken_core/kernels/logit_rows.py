@@ -84,7 +84,7 @@ KERNEL_CONFIG = {
     "gbwd_block_v": 2048,
     "gbwd_warps": 4,
     "gcom_block_c": 2048,
-    "gcom_warps": 8,
+    "gcom_warps": 4,
 }
 
 
