@@ -471,6 +471,20 @@ def test_bf16_logits_are_computed_in_fp32_close_to_the_fp64_result():
 # ----------------------------------------------------------------------------- bad input
 
 
+def _kernel_device(monkeypatch) -> str:
+    """Where the kernel engine's tests run: CUDA when there is one, else the CPU with the Triton
+    interpreter switched on for this test (interpreted kernels on CPU tensors only)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"
+
+
+def _on(device, batch):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def _call(zs=None, zt=None, batch=None, **cfg):
     zs_, zt_ = make_logits(20)
     return run_api(
@@ -554,31 +568,29 @@ def test_ce_targets_outside_the_student_vocab_are_rejected():
 
 @pytest.mark.parametrize("mode", ["pkl", "gold"])
 def test_kernel_backend_rejects_bad_values_after_its_single_readback(mode, monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = _kernel_device(monkeypatch)
     zs, zt = make_logits(20)  # fp32: the fused path
-    zs, zt = zs.detach().float().requires_grad_(), zt.float()
+    zs, zt = zs.detach().float().to(device).requires_grad_(), zt.float().to(device)
     batch = make_batch(20)
     batch["alignment_student_chunk_id"][1, 3] = -2
     with pytest.raises(ValueError, match=r"alignment_student_chunk_id has ids in \[-2, "):
-        _call(zs=zs, zt=zt, batch=batch, mode=mode, backend="kernel")
+        _call(zs=zs, zt=zt, batch=_on(device, batch), mode=mode, backend="kernel")
     batch = make_batch(20)
     batch["input_ids"][1, 4] = -1
     batch["token_mask"][1, 4] = True
     with pytest.raises(ValueError, match="input_ids hold -1"):
-        _call(zs=zs, zt=zt, batch=batch, mode=mode, backend="kernel")
+        _call(zs=zs, zt=zt, batch=_on(device, batch), mode=mode, backend="kernel")
     zt[0, 1, 2] = float("nan")
     with pytest.raises(ValueError, match="teacher_logits holds NaN or inf"):
-        _call(zs=zs, zt=zt, mode=mode, backend="kernel")
+        _call(zs=zs, zt=zt, batch=_on(device, make_batch(20)), mode=mode, backend="kernel")
 
 
 @pytest.mark.parametrize("mode", ["pkl", "gold"])
 def test_kernel_backend_gives_the_same_loss_with_and_without_input_checks(mode, monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = _kernel_device(monkeypatch)
     zs, zt = make_logits(21)  # fp32: the fused path (fp64 takes the reference engine)
-    zs, zt = zs.detach().float().requires_grad_(), zt.float()
-    batch = make_batch(21)
+    zs, zt = zs.detach().float().to(device).requires_grad_(), zt.float().to(device)
+    batch = _on(device, make_batch(21))
     got = {}
     for check in (True, False):
         zs.grad = None
@@ -765,10 +777,13 @@ def test_topk_columns_all_matches_the_nemo_rule_and_differs_from_valid(reverse):
     "dtype", [torch.float64, torch.float32], ids=["reference-fallback", "kernels"]
 )
 def test_topk_columns_rule_is_the_same_in_the_kernel_engine(rule, dtype, monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = _kernel_device(monkeypatch)
     zs, zt, batch = _topk_columns_case()
-    zs = zs.detach().to(dtype).requires_grad_()
+    zs, zt, batch = (
+        zs.detach().to(device, dtype).requires_grad_(),
+        zt.to(device),
+        _on(device, batch),
+    )
     results = {}
     for backend in ("reference", "kernel"):
         zs.grad = None
