@@ -258,10 +258,14 @@ class TrainerWorker:
         if self.world_size == 1:
             return module
         if self.config.parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            sharded = [fully_shard(layer) for layer in _decoder_layers(module)]
-            sharded.append(fully_shard(module))
+            # the mesh of the trainer's device: without one FSDP2 shards onto CUDA whenever the
+            # machine has it, also for a CPU trainer (its logits then land on another device)
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            sharded = [fully_shard(layer, mesh=mesh) for layer in _decoder_layers(module)]
+            sharded.append(fully_shard(module, mesh=mesh))
             for m in sharded:  # per FSDP module: these setters do not recurse
                 # the loss is already divided by the global denominators: the ranks' gradients
                 # must be summed, where FSDP2 averages them by default (gradients, their norm and
