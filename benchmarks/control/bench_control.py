@@ -11,7 +11,10 @@ teacher, trainer rank on the CPU), as a user does:
 * restart: SIGKILL of the trainer rank -> the new rank ready (checkpoint loaded) and its first step;
 * overhead: the same run under ``xtoken run`` and under the control plane with a client polling
   ``/metrics`` + ``/v1/runs/{id}`` at ``--poll-hz`` and an SSE subscriber: median trainer step
-  time of each (steps 4+), plus the control plane's own CPU time.
+  time of each (steps 4+), plus the control plane's own CPU time;
+* ``--interleaved-texts N``: one run of N texts under the control plane, its clients switched on
+  and off in alternating ``--window-s`` windows: the clients' share of the overhead without the
+  run-to-run spread of the A/B pairs.
 
     python benchmarks/control/bench_control.py [--texts 160] [--reps 500] [--pairs 2]
 """
@@ -136,6 +139,7 @@ class SSE(threading.Thread):
         self.url = url
         self.events: list[tuple[float, dict]] = []
         self.done = threading.Event()
+        self.quit = threading.Event()  # leave at the next event (a subscriber that goes away)
 
     def run(self) -> None:
         with (
@@ -143,6 +147,8 @@ class SSE(threading.Thread):
             c.stream("GET", self.url) as r,
         ):
             for line in r.iter_lines():
+                if self.quit.is_set():
+                    break
                 if line.startswith("data: "):
                     ev = json.loads(line[6:])
                     self.events.append((time.time(), ev))
@@ -346,6 +352,63 @@ def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> 
         _kill_runs(root / f"cp-{tag}" / "runs" / "control.db")
 
 
+def measure_interleaved(root: pathlib.Path, texts: int, window_s: float, poll_hz: float) -> dict:
+    """The clients' share of the overhead inside one run: the same run under the control plane
+    with its clients (``/metrics`` + ``/v1/runs/{id}`` at ``poll_hz`` and an SSE subscriber)
+    switched on and off in alternating windows of ``window_s``; each step is put in the window
+    that holds all of it. One run, one warm process set: no run-to-run spread in the A/B. The
+    supervision itself (ticks, heartbeats) runs in both windows: its cost is the CPU figure."""
+    server = Server(root)
+    try:
+        c = httpx.Client(base_url=server.url, timeout=30)
+        rid = c.post("/v1/runs", json=run_config(texts)).json()["id"]
+        windows: list[tuple[float, float, bool]] = []
+        on, state = True, "PENDING"
+        while state not in ("SUCCEEDED", "FAILED"):
+            t0 = time.time()
+            sse = SSE(f"{server.url}/v1/runs/{rid}/events") if on else None
+            if sse is not None:
+                sse.start()
+            while time.time() - t0 < window_s:
+                if on:
+                    c.get("/metrics")
+                    state = c.get(f"/v1/runs/{rid}").json()["state"]
+                    if state in ("SUCCEEDED", "FAILED"):
+                        break
+                time.sleep(1 / poll_hz)
+            if sse is not None:  # the subscriber goes away with its window
+                sse.quit.set()
+                sse.join(5)
+            windows.append((t0, time.time(), on))
+            state = c.get(f"/v1/runs/{rid}").json()["state"] if not on else state
+            on = not on
+        run = c.get(f"/v1/runs/{rid}").json()
+        assert run["state"] == "SUCCEEDED", run
+        steps = [
+            r for r in map(json.loads, (pathlib.Path(run["run_dir"]) / "metrics" /
+                                        "trainer.rank0.jsonl").read_text().splitlines())
+            if r.get("event") == "step" and r["step"] > 3
+        ]  # fmt: skip
+    finally:
+        server.stop()
+        _kill_runs(root / "runs" / "control.db")
+    by_state: dict[bool, list[float]] = {True: [], False: []}
+    for r in steps:
+        start = r["time"] - r["step_s"]
+        for a, b, flag in windows:
+            if a <= start and r["time"] <= b:
+                by_state[flag].append(r["step_s"])
+                break
+    med_on, med_off = statistics.median(by_state[True]), statistics.median(by_state[False])
+    return {
+        "interleaved_windows": len(windows),
+        "interleaved_window_s": window_s,
+        "interleaved_steps_on_off": [len(by_state[True]), len(by_state[False])],
+        "interleaved_step_median_on_off_s": [med_on, med_off],
+        "interleaved_client_overhead_pct": 100 * (med_on / med_off - 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=160, help="texts per run (4 per step)")
@@ -359,6 +422,13 @@ def main() -> None:
         metavar=("STUDENT", "TEACHER"),
         help="tokenizer pair of the tiny runs",
     )
+    parser.add_argument(
+        "--interleaved-texts",
+        type=int,
+        default=0,
+        help="also one long run with the clients on and off in alternating windows (0: skip)",
+    )
+    parser.add_argument("--window-s", type=float, default=5.0, help="interleaved window length")
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
@@ -411,6 +481,13 @@ def main() -> None:
             pair_ratios=ratios,
             median_pair_overhead_pct=100 * (statistics.median(ratios) - 1),
             poll_hz=args.poll_hz,
+        )
+    if args.interleaved_texts:
+        (root / "interleaved").mkdir()
+        row.update(
+            measure_interleaved(
+                root / "interleaved", args.interleaved_texts, args.window_s, args.poll_hz
+            )
         )
     row["load_avg_end"] = os.getloadavg()[0]
     _common.append_rows(_common.RESULTS_DIR / "control.jsonl", [row])
