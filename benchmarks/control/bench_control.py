@@ -352,7 +352,9 @@ def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> 
         _kill_runs(root / f"cp-{tag}" / "runs" / "control.db")
 
 
-def measure_interleaved(root: pathlib.Path, texts: int, window_s: float, poll_hz: float) -> dict:
+def measure_interleaved(
+    root: pathlib.Path, texts: int, window_s: float, poll_hz: float, epochs: int = 1
+) -> dict:
     """The clients' share of the overhead inside one run: the same run under the control plane
     with its clients (``/metrics`` + ``/v1/runs/{id}`` at ``poll_hz`` and an SSE subscriber)
     switched on and off in alternating windows of ``window_s``; each step is put in the window
@@ -361,7 +363,9 @@ def measure_interleaved(root: pathlib.Path, texts: int, window_s: float, poll_hz
     server = Server(root)
     try:
         c = httpx.Client(base_url=server.url, timeout=30)
-        rid = c.post("/v1/runs", json=run_config(texts)).json()["id"]
+        config = run_config(texts)
+        config["trainer"]["epochs"] = epochs  # a long steady run from a small corpus
+        rid = c.post("/v1/runs", json=config).json()["id"]
         windows: list[tuple[float, float, bool]] = []
         on, state = True, "PENDING"
         while state not in ("SUCCEEDED", "FAILED"):
@@ -429,6 +433,7 @@ def main() -> None:
         help="also one long run with the clients on and off in alternating windows (0: skip)",
     )
     parser.add_argument("--window-s", type=float, default=5.0, help="interleaved window length")
+    parser.add_argument("--interleaved-epochs", type=int, default=8, help="passes of that run")
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
@@ -486,7 +491,11 @@ def main() -> None:
         (root / "interleaved").mkdir()
         row.update(
             measure_interleaved(
-                root / "interleaved", args.interleaved_texts, args.window_s, args.poll_hz
+                root / "interleaved",
+                args.interleaved_texts,
+                args.window_s,
+                args.poll_hz,
+                args.interleaved_epochs,
             )
         )
     row["load_avg_end"] = os.getloadavg()[0]
