@@ -751,21 +751,80 @@ class Run:
         self.launcher.stop(grace_s=60)
         return codes
 
+    # ------------------------------------------------------------------ restarts
+
+    def restart_all(self, cause: str) -> str:
+        """Restart every process of the run because its queue lost the run's samples while no
+        process exited (a shared queue that restarted without ``--data-dir``), as after the exit
+        of a queue of its own: one restart of the ``run`` budget; every process stops now and
+        :meth:`poll_once` starts them all again after the backoff, the trainers from their
+        checkpoint. Restarts queued before are cancelled (the relaunch starts their processes);
+        a run-wide restart already queued covers this one (nothing more is counted).
+
+        Args:
+            cause: what happened, the start of the restart's reason
+                (``"queue restarted: epoch X -> Y"``).
+
+        Returns:
+            ``recovering``, or ``failed`` when the ``run`` budget is spent: ``failure`` says
+            why, ``failed_process`` is ``queue``, ``exit_code`` None (nothing was stopped).
+        """
+        if self.restart_queued("run"):
+            return "recovering"
+        decision = self.policy.decide_lost("queue", "queue", cause)
+        if decision.action == "fail":
+            self.failure = decision.reason
+            self.failed_process, self.exit_code = "queue", None
+            self._emit("failed", process="queue", code=None, reason=decision.reason)
+            return "failed"
+        assert decision.scope == "run", decision  # the queue's scope (control/policy.py SCOPES)
+        self._schedule(decision, "queue")
+        return "recovering"
+
+    def restart_queued(self, scope: str | None = None) -> bool:
+        """A restart waits for its backoff.
+
+        Args:
+            scope: only a restart of this scope counts (``process``, ``group``, ``run``); None:
+                any.
+        """
+        return any(scope in (None, d.scope) for _, d, _ in self._pending.values())
+
+    @property
+    def finished(self) -> frozenset[str]:
+        """The processes that ended normally (a trainer rank or collator that exited 0)."""
+        return frozenset(self._finished)
+
+    def _covered(self, scope: str, name: str) -> set[str]:
+        """The processes a restart of ``scope`` after the exit of ``name`` starts."""
+        if scope == "process":
+            return {name}
+        if scope == "group":
+            role = self.specs[name].role
+            return {n for n, s in self.specs.items() if s.role == role}
+        return set(self.specs)
+
     def _waiting(self) -> set[str]:
         """Processes a scheduled restart will start again (their exit is already handled)."""
         out: set[str] = set()
         for _, decision, name in self._pending.values():
-            if decision.scope == "process":
-                out.add(name)
-            elif decision.scope == "group":
-                role = self.specs[name].role
-                out.update(n for n, s in self.specs.items() if s.role == role)
-            else:
-                out.update(self.specs)
+            out |= self._covered(decision.scope, name)
         return out
 
     def _schedule(self, decision: Decision, name: str) -> None:
+        """Queue the restart ``decision`` after the exit (or loss) of ``name``: a group or the
+        run stops now; :meth:`poll_once` starts the processes when the backoff is over."""
         logger.warning("[run] %s", decision.reason)
+        covered = self._covered(decision.scope, name)
+        for key, (_, queued, queued_name) in list(self._pending.items()):
+            # this restart starts the queued one's processes too: both would start them twice
+            if self._covered(queued.scope, queued_name) <= covered:
+                del self._pending[key]
+                logger.info(
+                    "[run] the queued restart of %s is cancelled: the %s restart starts it",
+                    key,
+                    decision.scope,
+                )
         self._emit(
             "recovering",
             process=name,
@@ -776,11 +835,9 @@ class Run:
         )
         L = self.launcher
         if decision.scope == "group":
-            role = self.specs[name].role
-            names = [n for n, s in self.specs.items() if s.role == role]
             # a peer of a dead rank cannot checkpoint alone (the save is collective)
-            L.stop(names, grace_s=10)
-            self._finished.difference_update(names)
+            L.stop([n for n in self.specs if n in covered], grace_s=10)
+            self._finished.difference_update(covered)
         elif decision.scope == "run":
             L.stop(grace_s=10)
             self._finished.clear()

@@ -199,7 +199,7 @@ class Supervisor:
         for name, spec in run.specs.items():
             if name in attached:
                 run.launcher.processes[name] = attached[name]
-            elif name not in run._finished:
+            elif name not in run.finished:
                 gone = AttachedProcess(spec, 0, 0)
                 gone._code = EXIT_UNKNOWN  # ended unseen: the restart policy decides
                 run.launcher.processes[name] = gone
@@ -841,7 +841,7 @@ class Supervisor:
                 data["action"] = (
                     "none: the queue is durable (--data-dir) and kept its samples; the run goes on"
                 )
-            elif "run" in run._pending:
+            elif run.restart_queued("run"):
                 data["action"] = "none: a restart of the run is due; it starts on the new instance"
             else:
                 data["action"] = "restart the run: the queue lost its samples" + (
@@ -860,17 +860,10 @@ class Supervisor:
             )
             if not data["action"].startswith("restart"):
                 continue
-            cause = f"queue restarted: epoch {old} -> {new}"
-            decision = run.policy.decide_lost("queue", "queue", cause)
-            if decision.action == "fail":
-                run.failure = decision.reason
-                run.failed_process, run.exit_code = "queue", None
-                run._emit("failed", process="queue", code=None, reason=decision.reason)
+            # stops every process (a restart already queued is cancelled: the relaunch starts
+            # its processes); poll_once relaunches them after the backoff
+            if run.restart_all(f"queue restarted: epoch {old} -> {new}") == "failed":
                 return "failed"
-            # the relaunch starts every process: a restart already due (a trainer rank that died
-            # on a lease of the old instance) would start its processes a second time
-            run._pending.clear()
-            run._schedule(decision, "queue")  # stops every process; poll_once relaunches them
         return None
 
     # ------------------------------------------------------------------ records and events
