@@ -32,6 +32,7 @@ from services.teacher.protocol import (
     new_instance,
     result_field,
 )
+from xtoken_core.models.heads import head_into
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 class TeacherConfig:
     """Settings of one teacher process (the ``teacher`` section of a run config)."""
 
-    queue: str = field(
-        default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"}
-    )
+    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"})
     partition: str = field(default="train", metadata={"help": "sample partition of the run"})
     group: int = field(
         default=0, metadata={"help": "teacher group served: requests of <partition>.teacher<group>"}
@@ -88,7 +87,8 @@ class TeacherConfig:
         default="bfloat16", metadata={"help": "dtype of the logits in the ring / hidden states"}
     )
     checksum: bool = field(
-        default=False, metadata={"help": "put a checksum of each slot (int64 sum of its bits) in its handle"}
+        default=False,
+        metadata={"help": "put a checksum of each slot (int64 sum of its bits) in its handle"},
     )
     lease_s: float = field(
         default=120.0, metadata={"help": "lease of a claimed request (redelivered if we die)"}
@@ -292,7 +292,7 @@ class TeacherWorker:
         try:
             hidden_BUd = self.hidden_states(request)
             out_BUW = ring.buffer(slot)[:B, :U]
-            out_BUW.copy_(self.lm_head(hidden_BUd))
+            head_into(self.lm_head, hidden_BUd, out_BUW)
             handle = ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
         except BaseException:  # the forward failed (e.g. out of memory): the slot is free again
             ring.abandon(slot)

@@ -24,6 +24,35 @@ _LOGIT_TRANSFORMS = {
 }
 
 
+@torch.no_grad()
+def head_into(lm_head: torch.nn.Module, hidden_BUd: torch.Tensor, out_BUW: torch.Tensor) -> None:
+    """Write ``lm_head(hidden_BUd)`` into ``out_BUW`` (a slot of the teacher's logit ring).
+
+    A plain ``nn.Linear`` whose weight has the dtype of ``hidden_BUd`` and ``out_BUW`` writes each
+    row's ``[U, W]`` product straight into ``out_BUW[b]`` (one matmul each): no ``[B, U, W]``
+    temporary, which at 1 x 4096 x 128k vocab is a GiB, and no copy of it. Any other head (or
+    dtype, or a row that is not contiguous) computes ``lm_head(hidden_BUd)`` and copies it.
+
+    Args:
+        lm_head: the output layer of :func:`split_lm_head`.
+        hidden_BUd: [B, U, d] final hidden states.
+        out_BUW: [B, U, W] destination (no gradient flows: the teacher's logits are data).
+    """
+    weight = getattr(lm_head, "weight", None)
+    direct = (
+        type(lm_head) is torch.nn.Linear
+        and weight.dtype == hidden_BUd.dtype == out_BUW.dtype
+        and all(out_BUW[b].is_contiguous() for b in range(out_BUW.shape[0]))
+    )
+    if not direct:
+        out_BUW.copy_(lm_head(hidden_BUd))
+        return
+    for b in range(out_BUW.shape[0]):
+        torch.matmul(hidden_BUd[b], weight.t(), out=out_BUW[b])
+        if lm_head.bias is not None:
+            out_BUW[b] += lm_head.bias
+
+
 def split_lm_head(
     model: torch.nn.Module,
 ) -> tuple[Callable[..., torch.Tensor], torch.nn.Module]:

@@ -50,3 +50,28 @@ def test_logit_soft_capping_is_refused():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
         split_lm_head(model)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_head_into_writes_each_row_of_a_ring_slot_as_the_head_would(bias):
+    from xtoken_core.models.heads import head_into
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=bias)
+    hidden = torch.randn(2, 5, 8)
+    ring = torch.full((3, 7, 11), float("nan"))  # a slot: max_batch 3 x max_length 7
+    out = ring[:2, :5]  # rows are contiguous, the view is not
+    head_into(head, hidden, out)
+    torch.testing.assert_close(out, head(hidden).detach(), rtol=1e-6, atol=1e-6)
+    assert torch.isnan(ring[:2, 5:]).all() and torch.isnan(ring[2]).all()  # nothing else written
+
+
+def test_head_into_of_another_head_or_dtype_copies_its_output():
+    from xtoken_core.models.heads import head_into
+
+    torch.manual_seed(1)
+    head = torch.nn.Sequential(torch.nn.Linear(8, 11))  # not a plain Linear
+    hidden = torch.randn(1, 4, 8)
+    out = torch.empty(1, 4, 11, dtype=torch.float64)
+    head_into(head, hidden, out)
+    torch.testing.assert_close(out, head(hidden).detach().double())
