@@ -880,7 +880,9 @@ class Run:
         if self.eof_done:
             return
         with QueueClient(self.queue_address, timeout_s=10, name="run") as client:
-            n = len(client.list(self.partition).get("keys", []))
+            # every sample put: the ones held and the ones retention dropped once trained
+            status = client.status(self.partition, "run")
+            n = status["samples"] + status.get("dropped", 0)
             put_eof(client, self.partition, n)
         logger.info("[run] collator done: %d samples", n)
         self.eof_done = True

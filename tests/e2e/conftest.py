@@ -495,7 +495,9 @@ class Pipeline:
         from services.trainer.feed import put_eof
 
         with QueueClient(self.queue, timeout_s=10, name="e2e") as client:
-            n = len(client.list(PARTITION).get("keys", []))
+            # every sample put: the ones held and the ones retention dropped once trained
+            status = client.status(PARTITION, "e2e")
+            n = status["samples"] + status.get("dropped", 0)
             put_eof(client, PARTITION, n)
         return n
 
