@@ -353,7 +353,12 @@ def run_controlled(root: pathlib.Path, texts: int, tag: str, poll_hz: float) -> 
 
 
 def measure_interleaved(
-    root: pathlib.Path, texts: int, window_s: float, poll_hz: float, epochs: int = 1
+    root: pathlib.Path,
+    texts: int,
+    window_s: float,
+    poll_hz: float,
+    epochs: int = 1,
+    gpu: bool = False,
 ) -> dict:
     """The clients' share of the overhead inside one run: the same run under the control plane
     with its clients (``/metrics`` + ``/v1/runs/{id}`` at ``poll_hz`` and an SSE subscriber)
@@ -365,6 +370,11 @@ def measure_interleaved(
         c = httpx.Client(base_url=server.url, timeout=30)
         config = run_config(texts)
         config["trainer"]["epochs"] = epochs  # a long steady run from a small corpus
+        if gpu:  # a GPU-bound step: the 0.6B student preset on CUDA, CE only (no teacher)
+            config.update(ctx_student=1024, ctx_teacher=1024)  # CE: no teacher is started
+            config["trainer"].update(
+                student="qwen3-0.6b", device="cuda", micro_batch=1, loss={"mode": "ce"}
+            )
         rid = c.post("/v1/runs", json=config).json()["id"]
         windows: list[tuple[float, float, bool]] = []
         on, state = True, "PENDING"
@@ -434,6 +444,11 @@ def main() -> None:
     )
     parser.add_argument("--window-s", type=float, default=5.0, help="interleaved window length")
     parser.add_argument("--interleaved-epochs", type=int, default=8, help="passes of that run")
+    parser.add_argument(
+        "--interleaved-gpu",
+        action="store_true",
+        help="that run trains the qwen3-0.6b preset on CUDA (CE only): a GPU-bound step",
+    )
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
@@ -496,6 +511,7 @@ def main() -> None:
                 args.window_s,
                 args.poll_hz,
                 args.interleaved_epochs,
+                args.interleaved_gpu,
             )
         )
     row["load_avg_end"] = os.getloadavg()[0]
