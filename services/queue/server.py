@@ -19,6 +19,7 @@ and the loop goes on. Same-host producers put through the server's shared-memory
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -27,6 +28,7 @@ import secrets
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,13 @@ _PROBE_S = 1.0
 # is forgotten past this; such a connection is answered unauthorized and its client (with a
 # token) says hello again on a new connection.
 _MAX_HELLOS = 65536
+# A spinning server is never woken, so it gets no wake-up preemption: while another runnable
+# task shares its core, each request waits out that task's slice (a claim took 4.1 ms p50 instead
+# of 0.3 beside a spinner, benchmarks/results/queue.md "Claim round trip"). A sched_yield() that
+# returns after more than CONTENDED_YIELD_S means such a task held the core: busy polling stops
+# for CONTENDED_PAUSE_S (the loop blocks in poll and is woken by the next request).
+CONTENDED_YIELD_S = 0.001
+CONTENDED_PAUSE_S = 1.0
 
 
 @dataclass
@@ -88,7 +97,8 @@ class ServerConfig:
         busy_poll_us: after handling requests, poll the socket without sleeping for this long
             before blocking (``--busy-poll-us``). A sleeping process is woken in ~0.1 ms on a
             loaded or virtualized host, a spinning one at once: this trades up to this much CPU
-            per burst of requests for round trips 2-3x shorter. 0 always blocks.
+            per burst of requests for round trips 2-3x shorter. 0 always blocks. Paused for a
+            second whenever another task holds the server's core (``BusyPoll``).
         shm_pool_free_bytes: most bytes of free shared-memory segments kept for reuse
             (``--shm-pool-free``); they count against the capacity and are dropped first when
             room is needed.
@@ -226,6 +236,61 @@ class ServerConfig:
             )
 
 
+class BusyPoll:
+    """When the event loop polls without sleeping (``--busy-poll-us``) and when it blocks.
+
+    After a burst of requests the loop spins for ``busy_s`` (the next request of a client in a
+    loop usually comes within it, and a spinning process answers it without a wake-up), yielding
+    the core at every turn; a yield that took longer than ``CONTENDED_YIELD_S`` pauses spinning
+    for ``CONTENDED_PAUSE_S``. No sockets: ``clock`` and ``yield_`` are arguments (tests pass
+    fakes), the loop passes ``time.monotonic`` and ``os.sched_yield``.
+
+    Args:
+        busy_s: seconds to spin after requests were handled; 0 never spins.
+        clock: monotonic seconds.
+        yield_: gives the core to other runnable tasks (``sched_yield``).
+    """
+
+    def __init__(
+        self,
+        busy_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        yield_: Callable[[], Any] = getattr(os, "sched_yield", lambda: None),
+    ) -> None:
+        self.busy_s = busy_s
+        self.spin_until = 0.0
+        self.paused_until = 0.0
+        self.pauses = 0  # times a slow yield paused spinning
+        self._clock = clock
+        self._yield = yield_
+
+    def handled(self) -> None:
+        """Requests were handled: spin for ``busy_s`` from now, unless paused."""
+        now = self._clock()
+        self.spin_until = now + self.busy_s if now >= self.paused_until else 0.0
+
+    def spin(self, ready: Callable[[], Any]) -> bool:
+        """Call ``ready`` (a zero-timeout poll) until it is true or the spin window ends.
+
+        Returns:
+            True once ``ready()`` was true; False when the window ended or a slow yield paused
+            spinning (then block in poll).
+        """
+        clock, yield_ = self._clock, self._yield
+        while clock() < self.spin_until:
+            if ready():
+                return True
+            start = clock()
+            yield_()  # the zmq IO threads and clients on this core go first
+            now = clock()
+            if now - start > CONTENDED_YIELD_S:
+                self.paused_until = now + CONTENDED_PAUSE_S
+                self.spin_until = 0.0
+                self.pauses += 1
+                return False
+        return False
+
+
 @dataclass
 class _Parked:
     kind: str  # "claim", "put" or "reserve"
@@ -288,6 +353,7 @@ class QueueServer:
         self._names: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.refused = 0  # requests answered unauthorized
         self.oplog = OpLog(config.log_every_s)
+        self.busy_poll = BusyPoll(config.busy_poll_us / 1e6)
         # Durable mode: the log, replies waiting for their record to be written, a pipe the
         # log writer wakes the loop through, what the last recovery read.
         self.log: DurableLog | None = None
@@ -424,21 +490,11 @@ class QueueServer:
         poller.register(sock, zmq.POLLIN)
         if self.log is not None:
             poller.register(self._wake_r, zmq.POLLIN)
-        busy_s = self.config.busy_poll_us / 1e6
-        spin_until = 0.0
-        monotonic = time.monotonic
-        sched_yield = getattr(os, "sched_yield", lambda: None)
+        busy = self.busy_poll
+        poll_now = functools.partial(poller.poll, 0)
         stop = self._stop
         while not stop.is_set():
-            # Busy poll for a short while after the last request: the next one of a client in a
-            # loop usually arrives within it, and a spinning process answers it without waking.
-            ready = False
-            while monotonic() < spin_until:
-                if poller.poll(0):
-                    ready = True
-                    break
-                sched_yield()  # the zmq IO threads and clients on this core go first
-            if ready or poller.poll(self._poll_timeout_ms()):
+            if busy.spin(poll_now) or poller.poll(self._poll_timeout_ms()):
                 for _ in range(_BATCH_RECV):
                     try:
                         frames = recv_frames(sock, zmq.NOBLOCK)
@@ -447,7 +503,7 @@ class QueueServer:
                     self._on_frames(frames)
                     if not poller.poll(0):  # cheaper than the zmq.Again of an empty recv
                         break
-                spin_until = monotonic() + busy_s
+                busy.handled()
             if self.log is not None:
                 self._log_progress()
             self._run_timers()
