@@ -22,8 +22,9 @@ from services.common.config import ConfigError
 from services.control.paths import PathNotAllowed
 from services.control.routes import runs, system
 from services.control.settings import Settings
+from services.control.states import Conflict, RunNotFound
 from services.control.store import Store
-from services.control.supervisor import Conflict, RunNotFound, Supervisor
+from services.control.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,13 @@
-"""Processes of a run found again by pid after a control-plane restart (identity from /proc)."""
+"""Processes of a run found again by pid after a control-plane restart (identity from /proc).
+
+One process (:func:`attach`), or every process of a run from its rows in the store
+(:func:`attach_run`); :func:`kill_leftovers` ends what is left of a run that cannot go on.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -123,3 +128,50 @@ def attach(spec: Any, pid: int, start_ticks: int) -> AttachedProcess | None:
     if "services.cli" not in ident["cmdline"] or argv0 not in ident["cmdline"]:
         return None
     return AttachedProcess(spec, pid, start_ticks)
+
+
+def attach_run(run: Any, rows: list[dict[str, Any]]) -> dict[str, AttachedProcess]:
+    """Re-attach the recorded processes of a run into its launcher.
+
+    Args:
+        run: a :class:`services.run.Run` rebuilt from its runtime record
+            (:meth:`~services.run.Run.restore`: its specs and finished processes).
+        rows: the run's process rows from the store (``name``, ``pid``, ``start_ticks``).
+
+    Returns:
+        The processes found alive, by name. When there is one, each is in
+        ``run.launcher.processes`` and so is every other unfinished process of the run, as one
+        that ended unseen (``poll`` gives :data:`EXIT_UNKNOWN`: the restart policy decides);
+        when there is none, the launcher is left as it was.
+    """
+    attached: dict[str, AttachedProcess] = {}
+    for p in rows:
+        spec = run.specs.get(p["name"])
+        if spec is None or not p["pid"] or p["start_ticks"] is None:
+            continue
+        a = attach(spec, p["pid"], p["start_ticks"])
+        if a is not None:
+            attached[p["name"]] = a
+    if not attached:
+        return attached
+    for name, spec in run.specs.items():
+        if name in attached:
+            run.launcher.processes[name] = attached[name]
+        elif name not in run.finished:
+            gone = AttachedProcess(spec, 0, 0)
+            gone._code = EXIT_UNKNOWN  # ended unseen
+            run.launcher.processes[name] = gone
+    return attached
+
+
+def kill_leftovers(rows: list[dict[str, Any]]) -> None:
+    """SIGKILL the process group of every process recorded as running that is still the same
+    process (pid and start time): what is left of a run that cannot be re-attached."""
+    for p in rows:
+        if p["pid"] and p["start_ticks"] is not None and p["state"] == "running":
+            ident = identity(p["pid"])
+            if ident is not None and ident["start_ticks"] == p["start_ticks"]:
+                try:
+                    os.killpg(p["pid"], signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass

@@ -7,7 +7,7 @@ another lost what it had there unless the server is durable (``--data-dir``, ``d
 hello). The baseline is kept per run, not per address: a run launched (or relaunched) on the new
 instance lost nothing, though the address changed instance while it ran.
 
-Not thread-safe: the supervisor calls it under its lock.
+Not thread-safe: the queue monitor (queue_monitor.py) calls it under the supervisor's lock.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from services.control.schemas import (
     RunOut,
     StopRequest,
 )
-from services.control.supervisor import ACTIVE, Supervisor
+from services.control.states import ACTIVE
+from services.control.supervisor import Supervisor
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 

@@ -11,7 +11,8 @@ from fastapi.responses import PlainTextResponse
 from services.control import prometheus
 from services.control.deps import get_supervisor
 from services.control.schemas import Health
-from services.control.supervisor import ACTIVE, STATES, Supervisor
+from services.control.states import ACTIVE, STATES
+from services.control.supervisor import Supervisor
 
 router = APIRouter(tags=["system"])
 

@@ -1,0 +1,295 @@
+"""The live side of one run: the thread that drives its Run, its process rows and metrics tails.
+
+The thread drives a :class:`services.run.Run` through the run states
+(:mod:`services.control.states`) and keeps, in memory and in the store, what it sees as it goes:
+process rows, rank 0's metrics and every process's memory figure, the run's runtime record (what a
+new control plane needs to re-attach it), the latest figures of its queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.control.attach import EXIT_UNKNOWN, identity
+from services.control.journal import Journal
+from services.control.series import LatestMemory, Series
+from services.control.states import (
+    ACTIVE,
+    FAILED,
+    RECOVERING,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    STOPPING,
+    SUCCEEDED,
+)
+
+if TYPE_CHECKING:
+    from services.control.queue_monitor import QueueMonitor
+
+logger = logging.getLogger(__name__)
+
+
+class LiveRun:
+    """One run while this control plane watches it: its Run (whose events come here), the thread
+    that drives it, rank 0's metrics series, the latest queue figures and process rows.
+
+    Args:
+        run_id: the run's id.
+        run: its :class:`services.run.Run` (launched, or restored with its processes attached).
+        journal: records the run's states and events.
+        monitor: the queue monitor (figures of the run's queue, news of a shared one).
+        closing: set when the control plane shuts down (the thread ends, the processes go on).
+        tick_s: seconds between two looks at the run's processes.
+        host: this host's name (the process rows' ``host``).
+
+    Attributes:
+        stop_grace: set by a stop request: the trainers' grace in seconds.
+        series: rank 0's step and eval records.
+        queue_stats, queue_stats_at: the latest stats of the run's queue and their time (written
+            by the monitor).
+        restored_epoch, queue_news, queue_down_reported, launches: the run's view of a shared
+            queue (the monitor's; see :class:`services.control.queue_monitor.QueueMonitor`).
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        run: Any,
+        *,
+        journal: Journal,
+        monitor: QueueMonitor,
+        closing: threading.Event,
+        tick_s: float,
+        host: str,
+    ) -> None:
+        self.run_id = run_id
+        self.run = run
+        run.on_event = self._on_run_event
+        self.journal = journal
+        self.monitor = monitor
+        self._closing = closing
+        self.tick_s = tick_s
+        self.host = host
+        self.thread: threading.Thread | None = None
+        self.stop_grace: float | None = None
+        self.series = Series(Path(run.run_dir) / "metrics" / "trainer.rank0.jsonl")
+        self.series.poll()  # what is on disk already is history (GET .../metrics), not live events
+        self.queue_stats: dict[str, Any] | None = None
+        self.queue_stats_at: float | None = None
+        self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
+        self.runtime: dict[str, Any] | None = None
+        # (role, rank or teacher group) -> the latest memory_mb of that process's metrics file
+        self.memory: dict[tuple[str, int], LatestMemory] = {}
+        # a shared queue: the instance a re-attached run started on (from its record), what the
+        # watch saw for the run thread to act on, whether its outage was reported
+        self.restored_epoch: str | None = None
+        self.queue_news: list[tuple] = []
+        self.queue_down_reported = False
+        self.launches = 0  # launches on the shared queue: news older than the latest are moot
+
+    def start(self, launch: bool) -> None:
+        """Start the run's thread.
+
+        Args:
+            launch: prepare and launch the run first (False: a re-attached run goes on).
+        """
+        self.thread = threading.Thread(
+            target=self._drive, args=(launch,), name=f"run-{self.run_id}", daemon=True
+        )
+        self.thread.start()
+
+    def alive(self) -> bool:
+        """The run's thread runs."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def memory_rows(self, config: dict[str, Any]) -> list[dict[str, Any]]:
+        """The latest memory figure of each trainer rank and teacher group of the run.
+
+        Args:
+            config: the run's config as recorded (the devices say GPU or host memory).
+        """
+        devices = {
+            role: str((config.get(role) or {}).get("device", "cpu"))
+            for role in ("trainer", "teacher")
+        }
+        return [
+            {
+                "role": role,
+                "rank": i,
+                "mb": m.mb,
+                "memory": "gpu" if devices[role].startswith("cuda") else "host",
+            }
+            for (role, i), m in sorted(self.memory.items())
+            if m.mb is not None
+        ]
+
+    # ------------------------------------------------------------------ the thread
+
+    def _drive(self, launch: bool) -> None:
+        run, j, rid = self.run, self.journal, self.run_id
+        try:
+            if launch:
+                j.set_state(rid, STARTING)
+                run.prepare()
+                if self.stop_grace is not None:
+                    j.set_state(rid, STOPPED, reason="stopped before it started")
+                    return
+                run.launch()
+                self.sync()
+                j.set_state(rid, RUNNING)
+            while not self._closing.is_set():
+                if self.stop_grace is not None:
+                    j.set_state(rid, STOPPING)
+                    codes = run.stop(grace_s=self.stop_grace)
+                    self.sync()
+                    self.poll_series()  # the steps up to the stop's checkpoint
+                    bad = {n: c for n, c in codes.items() if c not in (0, None)}
+                    reason = (
+                        "stopped on request; trainers checkpointed"
+                        if not bad
+                        else (f"stopped on request; trainers exited with {bad}")
+                    )
+                    j.set_state(rid, STOPPED, reason=reason)
+                    return
+                status = self.monitor.act(self) or run.poll_once()
+                self.sync()
+                self.poll_series()
+                if status == "succeeded":
+                    run.launcher.stop(grace_s=60)
+                    self.sync()
+                    self.poll_series()
+                    j.set_state(rid, SUCCEEDED, reason="every trainer rank finished")
+                    return
+                if status == "failed":
+                    run.launcher.stop(grace_s=30)
+                    self.sync()
+                    tail = run.failure.split(":\n", 1)[1] if ":\n" in (run.failure or "") else ""
+                    j.set_state(
+                        rid,
+                        FAILED,
+                        reason=(run.failure or "failed").split("; last log lines")[0],
+                        failed_process=run.failed_process,
+                        exit_code=run.exit_code,
+                        log_tail=tail,
+                    )
+                    return
+                if status == "running" and j.record(rid)["state"] == RECOVERING:
+                    j.set_state(rid, RUNNING)
+                self._save_runtime()
+                self._closing.wait(self.tick_s)
+        except Exception as e:
+            logger.exception("[control] run %s failed", rid)
+            try:
+                run.launcher.stop(grace_s=30)
+                self.sync()
+            except Exception:  # pragma: no cover - best effort
+                logger.exception("[control] run %s: stopping its processes failed", rid)
+            j.set_state(rid, FAILED, reason=str(e))
+        finally:
+            if j.record(rid)["state"] not in ACTIVE:
+                _release(run.launcher)
+                self.monitor.forget(self)
+
+    def _save_runtime(self) -> None:
+        """The run's runtime record (what a new control plane needs to re-attach it), written
+        when it changed."""
+        run = self.run
+        runtime = run.state()
+        if run.external_queue:
+            epoch = self.monitor.baseline(self)
+            if epoch or self.restored_epoch:  # a re-attached run keeps its instance
+                runtime["queue_epoch"] = epoch or self.restored_epoch
+        if runtime != self.runtime:
+            self.journal.store.update_run(self.run_id, runtime=runtime)
+            self.runtime = runtime
+
+    def _on_run_event(self, kind: str, data: dict[str, Any]) -> None:
+        """An event of the Run (its launches, exits, restarts, failures): recorded."""
+        if kind == "recovering":
+            self.journal.set_state(
+                self.run_id, RECOVERING, reason=data.get("reason"), attempt=data.get("attempt", 0)
+            )
+        self.journal.event(self.run_id, kind, data)
+        if kind == "launched" and self.run.external_queue:
+            self.monitor.note_instance(self)
+        if kind in ("launched", "restarted"):
+            self.sync()
+
+    def sync(self) -> None:
+        """Process rows in the store from the launcher (written only when something changed)."""
+        now = time.time()
+        used = self.run.policy.restarts()
+        for name, proc in list(self.run.launcher.processes.items()):
+            spec = proc.spec
+            code = proc.poll()
+            pid = getattr(proc, "pid", None) or None
+            if code is None:
+                state = "running"
+            elif code == 0:
+                state = "exited"
+            else:
+                state = "failed"
+            key = (
+                name
+                if spec.role in ("collator", "teacher")
+                else (f"{spec.role}s" if spec.role == "trainer" else "run")
+            )
+            row = (pid, state, code, used.get(key, 0) + (used.get("run", 0) if key != "run" else 0))
+            if self.known.get(name) == row:
+                continue
+            start_ticks = None
+            if pid and code is None:
+                ident = identity(pid)
+                start_ticks = ident["start_ticks"] if ident else None
+            prev = self.known.get(name)
+            fields: dict[str, Any] = {
+                "role": spec.role,
+                "host": self.host,
+                "pid": pid,
+                "state": state,
+                "restarts": row[3],
+                "exit_code": None if code == EXIT_UNKNOWN else code,
+                "last_heartbeat": (self.run.heartbeats.get(name) or {}).get("time"),
+                "log_file": spec.log_file,
+                "gpu": str(spec.resources.get("gpu")) if spec.resources.get("gpu") else None,
+            }
+            if start_ticks is not None:
+                fields["start_ticks"] = start_ticks
+            if prev is None or prev[0] != pid:
+                fields["started"] = now
+            self.journal.store.put_process(self.run_id, name, **fields)
+            self.known[name] = row
+
+    def poll_series(self) -> None:
+        """New step and eval records of rank 0 (live ``metrics`` events), and the latest memory
+        figure of every trainer rank and teacher group."""
+        for record in self.series.poll():
+            self.journal.publish(
+                self.run_id, {"kind": "metrics", "time": time.time(), "data": record}
+            )
+        cfg = self.run.config
+        metrics = Path(self.run.run_dir) / "metrics"
+        groups = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+        for role, n, name in (
+            ("trainer", cfg.trainers, "trainer.rank"),
+            ("teacher", groups, "teacher.group"),
+        ):
+            for i in range(n):
+                if (role, i) not in self.memory:
+                    self.memory[role, i] = LatestMemory(metrics / f"{name}{i}.jsonl")
+                self.memory[role, i].poll()
+
+
+def _release(launcher: Any) -> None:
+    """Give back what a launcher holds for a run that ended (Ray: its placement groups)."""
+    close = getattr(launcher, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # best effort: the run's state is already recorded
+            logger.exception("[control] closing a launcher failed")
