@@ -245,6 +245,8 @@ class DurableLog:
         self._cond = threading.Condition()
         self._closing = False
         self._urgent = False  # a queued record is waited for
+        # The writer took records and is writing them (the loop does not busy-poll meanwhile).
+        self.writing = False
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- recovery
@@ -393,17 +395,29 @@ class DurableLog:
                 self._urgent = False
                 if not batch and self._closing:
                     return
+                self.writing = bool(batch)
             try:
                 nbytes = 0
+                # Records share writev calls, up to WRITE_CHUNK bytes (small puts: one call for
+                # many records, not one each; each call gives up the GIL and takes it back).
+                buffers: list[Any] = []  # framed records not written yet
+                size = 0
                 for _, kind, item in batch:
                     if kind == "record":
-                        buffers, n, _ = frame_record(item)
-                        _writev_all(self._fd, buffers)
+                        framed, n, _ = frame_record(item)
+                        buffers += framed
+                        size += n
                         self.file_bytes += n
                         nbytes += sum(memoryview(f).nbytes for f in item)
-                    else:
+                        if size < WRITE_CHUNK:
+                            continue
+                    _writev_all(self._fd, buffers)
+                    buffers, size = [], 0
+                    if kind != "record":
                         self._rotate(item)
                         nbytes += sum(memoryview(f).nbytes for rec in item for f in rec)
+                _writev_all(self._fd, buffers)
+                del buffers
                 last = batch[-1][0] if batch else self.written
                 sync = self.fsync == "always" or (
                     self.fsync == "interval"
@@ -412,12 +426,14 @@ class DurableLog:
                 with self._cond:
                     self.written = last
                     self.pending_bytes -= nbytes
+                    self.writing = False
                 if sync and self.synced < last:
                     os.fsync(self._fd)
                     last_sync = time.monotonic()
                     self.synced = last
             except BaseException as e:  # disk full, I/O error: the server must stop
                 logger.exception("[queue] the log writer failed")
+                self.writing = False
                 self.error = e
                 self._notify()
                 return

@@ -98,6 +98,48 @@ def test_fsync_always_syncs_every_record(tmp_path):
     log.close()
 
 
+def wait_for(predicate, seconds=10.0):
+    """Poll ``predicate`` until it is true (False after ``seconds``)."""
+    import time
+
+    end = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_records_nobody_waits_for_are_written_and_the_writer_goes_idle(tmp_path):
+    log, _ = open_log(tmp_path)
+    seqs = [log.append("register", {"partition": "p", "task": t}, urgent=False) for t in "abc"]
+    assert wait_for(lambda: log.durable(seqs[-1], synced=False))
+    assert wait_for(lambda: not log.writing)  # the server busy-polls again
+    log.close()
+    _, bodies = open_log(tmp_path)
+    assert [b["task"] for b in bodies] == ["a", "b", "c"]
+
+
+def test_many_small_records_and_a_large_one_replay_in_order(tmp_path, monkeypatch):
+    # small records share writev calls (up to WRITE_CHUNK bytes), a large one is sliced
+    import services.queue.durable as durable
+
+    monkeypatch.setattr(durable, "WRITE_CHUNK", 4096)
+    log, _ = open_log(tmp_path)
+    for i in range(200):
+        keys = [f"k-{i}"]
+        length = 3000 if i == 100 else 4
+        log.append(
+            "put",
+            {"partition": "p", "keys": keys, "fields": {"ids": ids_field(keys, length)}},
+            urgent=False,
+        )
+    log.close()
+    _, bodies = open_log(tmp_path)
+    assert [b["keys"] for b in bodies] == [[f"k-{i}"] for i in range(200)]
+    assert bodies[100]["fields"]["ids"].values.tolist() == [100] * 3000
+
+
 def build_store(records):
     store = SampleStore(1 << 24)
 
