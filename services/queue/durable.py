@@ -245,8 +245,6 @@ class DurableLog:
         self._cond = threading.Condition()
         self._closing = False
         self._urgent = False  # a queued record is waited for
-        # The writer took records and is writing them (the loop does not busy-poll meanwhile).
-        self.writing = False
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- recovery
@@ -395,7 +393,6 @@ class DurableLog:
                 self._urgent = False
                 if not batch and self._closing:
                     return
-                self.writing = bool(batch)
             try:
                 nbytes = 0
                 # Records share writev calls, up to WRITE_CHUNK bytes (small puts: one call for
@@ -426,14 +423,12 @@ class DurableLog:
                 with self._cond:
                     self.written = last
                     self.pending_bytes -= nbytes
-                    self.writing = False
                 if sync and self.synced < last:
                     os.fsync(self._fd)
                     last_sync = time.monotonic()
                     self.synced = last
             except BaseException as e:  # disk full, I/O error: the server must stop
                 logger.exception("[queue] the log writer failed")
-                self.writing = False
                 self.error = e
                 self._notify()
                 return

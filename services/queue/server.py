@@ -242,16 +242,13 @@ class BusyPoll:
     After a burst of requests the loop spins for ``busy_s`` (the next request of a client in a
     loop usually comes within it, and a spinning process answers it without a wake-up), yielding
     the core at every turn; a yield that took longer than ``CONTENDED_YIELD_S`` pauses spinning
-    for ``CONTENDED_PAUSE_S``; while ``hold()`` is true (another thread of the server has work
-    for a core: the durable log's writer) the loop blocks instead. No sockets: ``clock`` and
-    ``yield_`` are arguments (tests pass fakes), the loop passes ``time.monotonic`` and
-    ``os.sched_yield``.
+    for ``CONTENDED_PAUSE_S``. No sockets: ``clock`` and ``yield_`` are arguments (tests pass
+    fakes), the loop passes ``time.monotonic`` and ``os.sched_yield``.
 
     Args:
         busy_s: seconds to spin after requests were handled; 0 never spins.
         clock: monotonic seconds.
         yield_: gives the core to other runnable tasks (``sched_yield``).
-        hold: when true, spinning stops (checked at every turn); None = never.
     """
 
     def __init__(
@@ -259,10 +256,8 @@ class BusyPoll:
         busy_s: float,
         clock: Callable[[], float] = time.monotonic,
         yield_: Callable[[], Any] = getattr(os, "sched_yield", lambda: None),
-        hold: Callable[[], bool] | None = None,
     ) -> None:
         self.busy_s = busy_s
-        self.hold = hold
         self.spin_until = 0.0
         self.paused_until = 0.0
         self.pauses = 0  # times a slow yield paused spinning
@@ -278,15 +273,13 @@ class BusyPoll:
         """Call ``ready`` (a zero-timeout poll) until it is true or the spin window ends.
 
         Returns:
-            True once ``ready()`` was true; False when the window ended, a slow yield paused
-            spinning or ``hold()`` was true (then block in poll).
+            True once ``ready()`` was true; False when the window ended or a slow yield paused
+            spinning (then block in poll).
         """
-        clock, yield_, hold = self._clock, self._yield, self.hold
+        clock, yield_ = self._clock, self._yield
         while clock() < self.spin_until:
             if ready():
                 return True
-            if hold is not None and hold():
-                return False
             start = clock()
             yield_()  # the zmq IO threads and clients on this core go first
             now = clock()
@@ -360,6 +353,7 @@ class QueueServer:
         self._names: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.refused = 0  # requests answered unauthorized
         self.oplog = OpLog(config.log_every_s)
+        self.busy_poll = BusyPoll(config.busy_poll_us / 1e6)
         # Durable mode: the log, replies waiting for their record to be written, a pipe the
         # log writer wakes the loop through, what the last recovery read.
         self.log: DurableLog | None = None
@@ -378,12 +372,6 @@ class QueueServer:
                 fsync_interval_s=config.fsync_interval_s,
                 notify=self._log_wake,
             )
-        # Not while the log writer writes: a spinning loop takes a core from it (and from the
-        # clients), and one that the writer ran beside waits out the writer's slice.
-        log = self.log
-        self.busy_poll = BusyPoll(
-            config.busy_poll_us / 1e6, hold=(lambda: log.writing) if log is not None else None
-        )
         self._handlers = {
             "hello": self._on_hello,
             "put": self._on_put,

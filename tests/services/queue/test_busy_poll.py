@@ -96,18 +96,3 @@ def test_yields_up_to_the_threshold_keep_spinning():
     poll, calls = _poller(ready_after=8)
     assert busy.spin(poll) is True
     assert busy.pauses == 0 and core.yields == 7
-
-
-def test_no_spinning_while_hold_says_another_thread_needs_the_core():
-    # durable mode: the log writer writes while the loop blocks in poll
-    core = FakeCore()
-    writing = [True]
-    busy = BusyPoll(300e-6, clock=core.clock, yield_=core.sched_yield, hold=lambda: writing[0])
-    busy.handled()
-    poll, calls = _poller(ready_after=None)
-    assert busy.spin(poll) is False
-    assert len(calls) == 1 and core.yields == 0 and busy.pauses == 0
-    writing[0] = False
-    busy.handled()
-    poll, calls = _poller(ready_after=3)
-    assert busy.spin(poll) is True and core.yields == 2
