@@ -395,26 +395,15 @@ class DurableLog:
                     return
             try:
                 nbytes = 0
-                # Records share writev calls, up to WRITE_CHUNK bytes (small puts: one call for
-                # many records, not one each; each call gives up the GIL and takes it back).
-                buffers: list[Any] = []  # framed records not written yet
-                size = 0
                 for _, kind, item in batch:
                     if kind == "record":
-                        framed, n, _ = frame_record(item)
-                        buffers += framed
-                        size += n
+                        buffers, n, _ = frame_record(item)
+                        _writev_all(self._fd, buffers)
                         self.file_bytes += n
                         nbytes += sum(memoryview(f).nbytes for f in item)
-                        if size < WRITE_CHUNK:
-                            continue
-                    _writev_all(self._fd, buffers)
-                    buffers, size = [], 0
-                    if kind != "record":
+                    else:
                         self._rotate(item)
                         nbytes += sum(memoryview(f).nbytes for rec in item for f in rec)
-                _writev_all(self._fd, buffers)
-                del buffers
                 last = batch[-1][0] if batch else self.written
                 sync = self.fsync == "always" or (
                     self.fsync == "interval"

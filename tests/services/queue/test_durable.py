@@ -120,7 +120,7 @@ def test_records_nobody_waits_for_are_written_in_order(tmp_path):
 
 
 def test_many_small_records_and_a_large_one_replay_in_order(tmp_path, monkeypatch):
-    # small records share writev calls (up to WRITE_CHUNK bytes), a large one is sliced
+    # a batch of lazy records, one of them written in WRITE_CHUNK slices
     import services.queue.durable as durable
 
     monkeypatch.setattr(durable, "WRITE_CHUNK", 4096)
