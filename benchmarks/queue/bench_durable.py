@@ -9,7 +9,16 @@
   ``--data-dir``); the time from the restart to the first answered request, the log replay time
   (from the server's log line), and what the new instance holds.
 
-Usage:  python benchmarks/queue/bench_durable.py [--quick]
+* ``--paired N`` (W2 put cost only, issue 10): a memory-mode server, a durable one and a
+  memory-mode one beside a stand-in process that does the log writer's work (CRC32 and a write
+  of 341 KB, one W2 put's record, then 0.6 ms of sleep) live together, and the W2 put and get
+  phases go round-robin over them N rounds, so that the machine's load hits each alike; paired
+  medians against memory mode, the log bytes written during the put phase (a writer that gets
+  no CPU then moves its work into the acks of the get phase), the CPU of the durable server's
+  other threads (the writer) and of the stand-in during the put phase. One row is appended to
+  queue_durable.jsonl (``"bench": "queue_durable_paired"``); the .md is left alone.
+
+Usage:  python benchmarks/queue/bench_durable.py [--quick | --paired N]
 Rows are appended to benchmarks/results/queue_durable.jsonl; the table is written to
 benchmarks/results/queue_durable.md.
 """
@@ -126,6 +135,103 @@ def put_cost(tmp: pathlib.Path, reps: int, rounds: int, w2_reps: int) -> dict:
     return summary
 
 
+# The stand-in for the log writer's work, in its own process (no GIL shared with the server).
+_STAND_IN = """
+import os, sys, time, zlib
+buf, n = memoryview(os.urandom(341_000)), 0
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+os.nice(19)  # as the writer thread
+while True:
+    zlib.crc32(buf)
+    os.write(fd, buf)
+    n += 1
+    if n % 300 == 0:
+        os.lseek(fd, 0, os.SEEK_SET)
+    time.sleep(0.0006)
+"""
+
+
+def _thread_cpu_ms(pid: int) -> dict[str, float]:
+    """On-CPU milliseconds of each thread of ``pid`` (/proc schedstat): main, zmq, other."""
+    out = {"main": 0.0, "zmq": 0.0, "other": 0.0}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            run_ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            continue
+        kind = "main" if task.name == str(pid) else "zmq" if name.startswith("ZMQ") else "other"
+        out[kind] += run_ns / 1e6
+    return out
+
+
+def paired(tmp: pathlib.Path, rounds: int) -> dict:
+    """W2 put and get phases round-robin over live servers (see the module docstring)."""
+    from services.queue.client import QueueClient
+
+    modes = {"memory": (), "durable interval": ("--data-dir", str(tmp / "paired")), "stand-in": ()}
+    batches = [workloads.jagged(b) for b in bench_queue._w2_batches()]
+    n = workloads.W2_BATCH
+    servers, clients, stand_in = {}, {}, None
+    res = {m: {"put": [], "get": [], "log_mb": [], "other_cpu_ms": []} for m in modes}
+    try:
+        for mode, args in modes.items():
+            servers[mode] = Server(tmp, f"tcp://127.0.0.1:{_free_port()}", args)
+            clients[mode] = QueueClient(servers[mode].address, timeout_s=120, shm="never")
+            clients[mode].hello()
+        stand_in = subprocess.Popen([sys.executable, "-c", _STAND_IN, str(tmp / "stand-in")])
+        os.kill(stand_in.pid, signal.SIGSTOP)
+        for r in range(rounds + 1):  # round 0 warms up
+            for mode, client in clients.items():
+                if mode == "stand-in":
+                    os.kill(stand_in.pid, signal.SIGCONT)
+                log0 = sum(f.stat().st_size for f in (tmp / "paired").glob("log.*"))
+                pid = stand_in.pid if mode == "stand-in" else servers[mode].proc.pid
+                cpu0 = _thread_cpu_ms(pid)
+                t = time.perf_counter()
+                for b, fields in enumerate(batches):
+                    client.put(f"p{r}", [f"b{b}-{j}" for j in range(n)], fields)
+                put_s = time.perf_counter() - t
+                cpu1 = _thread_cpu_ms(pid)
+                log1 = sum(f.stat().st_size for f in (tmp / "paired").glob("log.*"))
+                t = time.perf_counter()
+                for _ in batches:
+                    got = client.claim(f"p{r}", "bench", bench_queue.FIELDS, n, timeout_s=5)
+                    client.ack(f"p{r}", "bench", got["lease_id"])
+                get_s = time.perf_counter() - t
+                if mode == "stand-in":
+                    os.kill(stand_in.pid, signal.SIGSTOP)
+                client.clear(f"p{r}")
+                if r:
+                    res[mode]["put"].append(put_s)
+                    res[mode]["get"].append(get_s)
+                    res[mode]["log_mb"].append((log1 - log0) / 1e6 if mode != "memory" else 0)
+                    key = "main" if mode == "stand-in" else "other"  # the writer's CPU
+                    res[mode]["other_cpu_ms"].append(cpu1[key] - cpu0[key])
+    finally:
+        if stand_in is not None:
+            stand_in.kill()
+        for client in clients.values():
+            client.close()
+        for server in servers.values():
+            server.stop()
+    out = {}
+    base = res["memory"]
+    for mode, r in res.items():
+        total = [p + g for p, g in zip(r["put"], r["get"])]
+        base_total = [p + g for p, g in zip(base["put"], base["get"])]
+        out[mode] = {
+            "w2_put_ms": statistics.median(r["put"]) * 1e3,
+            "w2_get_ms": statistics.median(r["get"]) * 1e3,
+            "put_vs_memory": statistics.median(a / b for a, b in zip(r["put"], base["put"])) - 1,
+            "get_vs_memory": statistics.median(a / b for a, b in zip(r["get"], base["get"])) - 1,
+            "put_get_vs_memory": statistics.median(a / b for a, b in zip(total, base_total)) - 1,
+            "log_mb_during_put": statistics.median(r["log_mb"]),
+            "writer_cpu_ms_during_put": statistics.median(r["other_cpu_ms"]),
+        }
+    return out
+
+
 def recovery(tmp: pathlib.Path, mode: str, recovery_mb: int) -> dict:
     """Load a server, SIGKILL it, restart it on the same address; time the way back."""
     from services.queue.client import QueueClient
@@ -213,7 +319,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, less data")
     parser.add_argument("--reps", type=int, default=None, help="servers per mode")
     parser.add_argument("--recovery-mb", type=int, default=None)
+    parser.add_argument(
+        "--paired", type=int, default=0, metavar="N", help="only the paired W2 rounds (N)"
+    )
+    parser.add_argument("--note", default="", help="free text stored with the --paired row")
     args = parser.parse_args()
+    if args.paired:
+        return _paired_main(args.paired, args.note)
     reps = args.reps or (1 if args.quick else 3)
     rounds = 3 if args.quick else 5
     w2_reps = 1 if args.quick else 2
@@ -258,6 +370,51 @@ def main() -> int:
             f"# Queue durable mode (benchmarks/queue/bench_durable.py)\n\n{head}\n\n{table}{notes}",
             encoding="utf-8",
         )
+    return 0
+
+
+def _paired_main(rounds: int, note: str) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-durable-"))
+    load0 = os.getloadavg()
+    try:
+        out = paired(tmp, rounds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    load1 = os.getloadavg()
+    commit = _common.commit()
+    cores = len(os.sched_getaffinity(0))
+    device = f"{_common.cpu_model(fallback='unknown')}, {cores} of {os.cpu_count()} cores"
+    print(
+        f"\ncommit {commit} | {device} | {rounds} paired rounds | "
+        f"load {load0[0]:.2f} -> {load1[0]:.2f}"
+    )
+    print(
+        "| W2 | put ms | put vs memory | get ms | get vs memory | put+get vs memory "
+        "| log MB written during put | writer (stand-in) CPU ms during put |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, r in out.items():
+        label = "memory + stand-in writer process" if mode == "stand-in" else mode
+        print(
+            f"| {label} | {r['w2_put_ms']:.1f} | {r['put_vs_memory']:+.0%} | {r['w2_get_ms']:.1f} "
+            f"| {r['get_vs_memory']:+.0%} | {r['put_get_vs_memory']:+.0%} "
+            f"| {r['log_mb_during_put']:.1f} | {r['writer_cpu_ms_during_put']:.1f} |"
+        )
+    row = {
+        "bench": "queue_durable_paired",
+        "commit": commit,
+        "device": device,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rounds": rounds,
+        "loadavg_start": load0,
+        "loadavg_end": load1,
+        "note": note,
+        "w2": out,
+    }
+    _common.append_rows(RESULTS_JSONL, [row])
     return 0
 
 
