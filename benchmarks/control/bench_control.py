@@ -15,8 +15,16 @@ teacher, trainer rank on the CPU), as a user does:
 * ``--interleaved-texts N``: one run of N texts under the control plane, its clients switched on
   and off in alternating ``--window-s`` windows: the clients' share of the overhead without the
   run-to-run spread of the A/B pairs.
+* ``--gpu``: the overhead runs (pairs and interleaved) train the qwen3-0.6b preset on CUDA (CE
+  only, micro-batch 4 x 1024 tokens) on a corpus of equal long texts (16 kB slices of the stdlib's
+  sources, truncated to the context by the collator), so every step does the same work and its
+  time moves by a fraction of a percent: the spread that hid 0.5% in the tiny CPU runs is gone.
+  Each figure comes with a 95% confidence interval (pairs: over the pair ratios; interleaved:
+  over the differences of adjacent on/off windows).
 
     python benchmarks/control/bench_control.py [--texts 160] [--reps 500] [--pairs 2]
+    python benchmarks/control/bench_control.py --gpu --skip-faults --pairs 3 --texts 400 \
+        --interleaved-texts 400 --interleaved-epochs 3 --tokenizers qwen3 deepseek
 """
 
 from __future__ import annotations
@@ -78,9 +86,45 @@ def run_config(texts: int, run_dir: str | None = None) -> dict:
             "optim": {"lr": 0.003, "warmup_steps": 1},
         },
     }
+    if GPU["on"]:  # a GPU-bound step: the 0.6B student preset on CUDA, CE only (no teacher)
+        config.update(ctx_student=1024, ctx_teacher=1024)  # CE: no teacher is started
+        config["data"]["train"] = GPU["corpus"]
+        config["trainer"].update(
+            student="qwen3-0.6b", device="cuda", micro_batch=4, loss={"mode": "ce"}
+        )
     if run_dir:
         config["run_dir"] = run_dir
     return config
+
+
+#: ``--gpu``: the GPU run config and its corpus of equal long texts (written by main)
+GPU: dict = {"on": False, "corpus": None, "data_root": None}
+
+
+def write_long_corpus(path: pathlib.Path, texts: int, size: int = 16384) -> None:
+    """``texts`` JSONL texts of ``size`` bytes each, slices of the stdlib's Python sources: every
+    one is longer than a 1024-token context in any tokenizer, so every step sees the same tokens."""
+    import sysconfig
+
+    source = "".join(
+        f.read_text(errors="replace")
+        for f in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:200]
+    )
+    with path.open("w") as out:
+        for i in range(texts):
+            start = (i * size) % max(1, len(source) - size)
+            out.write(json.dumps({"text": source[start : start + size]}) + "\n")
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval (Student t; 0 for one value)."""
+    from statistics import mean, stdev
+
+    t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+    n = len(values)
+    if n < 2:
+        return (values[0] if values else float("nan")), 0.0
+    return mean(values), t95.get(n - 1, 2.0 if n < 60 else 1.96) * stdev(values) / n**0.5
 
 
 class Server:
@@ -103,7 +147,7 @@ class Server:
                 "--runs-root",
                 str(root / "runs"),
                 "--data-root",
-                str(root / "data"),
+                str(GPU["data_root"] or root / "data"),
                 "--ready-file",
                 str(ready),
             ],
@@ -358,7 +402,6 @@ def measure_interleaved(
     window_s: float,
     poll_hz: float,
     epochs: int = 1,
-    gpu: bool = False,
 ) -> dict:
     """The clients' share of the overhead inside one run: the same run under the control plane
     with its clients (``/metrics`` + ``/v1/runs/{id}`` at ``poll_hz`` and an SSE subscriber)
@@ -370,11 +413,6 @@ def measure_interleaved(
         c = httpx.Client(base_url=server.url, timeout=30)
         config = run_config(texts)
         config["trainer"]["epochs"] = epochs  # a long steady run from a small corpus
-        if gpu:  # a GPU-bound step: the 0.6B student preset on CUDA, CE only (no teacher)
-            config.update(ctx_student=1024, ctx_teacher=1024)  # CE: no teacher is started
-            config["trainer"].update(
-                student="qwen3-0.6b", device="cuda", micro_batch=1, loss={"mode": "ce"}
-            )
         rid = c.post("/v1/runs", json=config).json()["id"]
         windows: list[tuple[float, float, bool]] = []
         on, state = True, "PENDING"
@@ -408,14 +446,27 @@ def measure_interleaved(
         _kill_runs(root / "runs" / "control.db")
     # seconds per token: the texts differ in length, so a step's time follows its tokens
     by_state: dict[bool, list[float]] = {True: [], False: []}
+    by_window: list[list[float]] = [[] for _ in windows]
     for r in steps:
         start = r["time"] - r["step_s"]
-        for a, b, flag in windows:
+        for i, (a, b, flag) in enumerate(windows):
             if a <= start and r["time"] <= b and r.get("tokens"):
                 by_state[flag].append(r["step_s"] / r["tokens"])
+                by_window[i].append(r["step_s"] / r["tokens"])
                 break
     med_on, med_off = statistics.median(by_state[True]), statistics.median(by_state[False])
+    # each "on" window against the mean of its "off" neighbours: a drift over the run cancels
+    diffs = []
+    for i, (_, _, flag) in enumerate(windows):
+        near = [by_window[j] for j in (i - 1, i + 1) if 0 <= j < len(windows) and by_window[j]]
+        if flag and by_window[i] and near:
+            off = statistics.mean(statistics.median(w) for w in near)
+            diffs.append(100 * (statistics.median(by_window[i]) / off - 1))
+    mean_pct, ci_pct = mean_ci95(diffs)
     return {
+        "interleaved_window_pcts": diffs,
+        "interleaved_window_mean_pct": mean_pct,
+        "interleaved_window_ci95_pct": ci_pct,
         "interleaved_windows": len(windows),
         "interleaved_window_s": window_s,
         "interleaved_steps_on_off": [len(by_state[True]), len(by_state[False])],
@@ -446,9 +497,10 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=5.0, help="interleaved window length")
     parser.add_argument("--interleaved-epochs", type=int, default=8, help="passes of that run")
     parser.add_argument(
+        "--gpu",
         "--interleaved-gpu",
         action="store_true",
-        help="that run trains the qwen3-0.6b preset on CUDA (CE only): a GPU-bound step",
+        help="the overhead runs train the qwen3-0.6b preset on CUDA (CE only) on equal long texts",
     )
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
@@ -456,6 +508,9 @@ def main() -> None:
     TOKENIZERS[:] = args.tokenizers
     root = pathlib.Path(tempfile.mkdtemp(prefix="bench_control_"))
     (root / "data").mkdir()
+    if args.gpu:
+        GPU.update(on=True, corpus=str(root / "data" / "long.jsonl"), data_root=root / "data")
+        write_long_corpus(root / "data" / "long.jsonl", max(args.texts, args.interleaved_texts))
     row: dict = {
         "date": time.strftime("%Y-%m-%d"),
         "commit": _common.commit(),
@@ -501,6 +556,9 @@ def main() -> None:
             controlled_step_medians=[statistics.median(x) for x in per_controlled],
             pair_ratios=ratios,
             median_pair_overhead_pct=100 * (statistics.median(ratios) - 1),
+            mean_pair_overhead_pct=(m := mean_ci95([100 * (r - 1) for r in ratios]))[0],
+            mean_pair_overhead_ci95_pct=m[1],
+            gpu=args.gpu,
             poll_hz=args.poll_hz,
         )
     if args.interleaved_texts:
@@ -512,7 +570,6 @@ def main() -> None:
                 args.window_s,
                 args.poll_hz,
                 args.interleaved_epochs,
-                args.interleaved_gpu,
             )
         )
     row["load_avg_end"] = os.getloadavg()[0]
