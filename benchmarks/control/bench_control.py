@@ -16,7 +16,7 @@ teacher, trainer rank on the CPU), as a user does:
   and off in alternating ``--window-s`` windows: the clients' share of the overhead without the
   run-to-run spread of the A/B pairs.
 * ``--gpu``: the overhead runs (pairs and interleaved) train the qwen3-0.6b preset on CUDA (CE
-  only, micro-batch 4 x 1024 tokens) on a corpus of equal long texts (16 kB slices of the stdlib's
+  only, micro-batch 8 x 2048 tokens, no checkpoint but the last) on a corpus of equal long texts (16 kB slices of the stdlib's
   sources, truncated to the context by the collator), so every step does the same work and its
   time moves by a fraction of a percent: the spread that hid 0.5% in the tiny CPU runs is gone.
   Each figure comes with a 95% confidence interval (pairs: over the pair ratios; interleaved:
@@ -87,10 +87,15 @@ def run_config(texts: int, run_dir: str | None = None) -> dict:
         },
     }
     if GPU["on"]:  # a GPU-bound step: the 0.6B student preset on CUDA, CE only (no teacher)
-        config.update(ctx_student=1024, ctx_teacher=1024)  # CE: no teacher is started
+        # 8 x 2048 tokens: enough GPU work per step that the host's launch jitter is hidden
+        config.update(ctx_student=2048, ctx_teacher=2048)  # CE: no teacher is started
         config["data"]["train"] = GPU["corpus"]
         config["trainer"].update(
-            student="qwen3-0.6b", device="cuda", micro_batch=4, loss={"mode": "ce"}
+            student="qwen3-0.6b",
+            device="cuda",
+            micro_batch=8,
+            loss={"mode": "ce"},
+            checkpoint_every=1_000_000,  # a 0.6B checkpoint takes ~15 s: only the final one
         )
     if run_dir:
         config["run_dir"] = run_dir
@@ -532,8 +537,12 @@ def main() -> None:
                 if side == "plain":
                     per_plain.append(run_plain(root, args.texts, str(i)))
                     plain += per_plain[-1]
+                    print(
+                        f"pair {i} plain: median step {statistics.median(plain):.4f} s", flush=True
+                    )
                     continue
                 s, c_s, wall, st = run_controlled(root, args.texts, str(i), args.poll_hz)
+                print(f"pair {i} controlled: median step {statistics.median(s):.4f} s", flush=True)
                 steady.append(st)
                 controlled += s
                 per_controlled.append(s)
