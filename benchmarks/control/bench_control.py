@@ -538,7 +538,8 @@ def main() -> None:
                     per_plain.append(run_plain(root, args.texts, str(i)))
                     plain += per_plain[-1]
                     print(
-                        f"pair {i} plain: median step {statistics.median(plain):.4f} s", flush=True
+                        f"pair {i} plain: median step {statistics.median(per_plain[-1]):.4f} s",
+                        flush=True,
                     )
                     continue
                 s, c_s, wall, st = run_controlled(root, args.texts, str(i), args.poll_hz)
