@@ -107,47 +107,36 @@ if tl is not None:
 
     @lazy_jit(
         do_not_specialize=("T",),
-        do_not_specialize_on_alignment=("nidx_R_ptr", "lse_R_ptr", "sum_R_ptr"),
+        do_not_specialize_on_alignment=("nidx_R_ptr", "lse_R_ptr"),
     )
     def _row_lse_kernel(
         z_ptr,
         nidx_R_ptr,
         lse_R_ptr,
-        sum_R_ptr,
         T,
         V,
         stride_b,
         stride_t,
         scale2,  # log2(e) / temperature
-        ROW_SUMS: tl.constexpr,
-        MIN_NIDX: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         # One program per row. m' = max(m, max x2); s' = s 2^(m - m') + sum 2^(x2 - m');
         # lse = (m + log2 s) ln 2. Rows of no valid chunk store +inf (then p = 0 downstream).
-        # With ROW_SUMS (MIN_NIDX = -1) every row is read and also stores its plain fp32 sum,
-        # the finite check of the logits without a second pass over them (NaN/inf propagate).
         r = tl.program_id(0).to(tl.int64)
         n = tl.load(nidx_R_ptr + r)
-        if n >= MIN_NIDX:
+        if n >= 0:
             row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
             offs = tl.arange(0, BLOCK_V)
             m = tl.full([], -1.0e30, tl.float32)
             s = tl.full([], 0.0, tl.float32)
-            total = tl.full([], 0.0, tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 v = v0 + offs
                 x = tl.load(row_ptr + v, mask=v < V, other=0.0).to(tl.float32)
-                if ROW_SUMS:
-                    total += tl.reduce(x, 0, SUM_COMBINE)
                 x2 = tl.where(v < V, x * scale2, float("-inf"))
                 m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
                 s = s * tl.exp2(m - m_new) + tl.reduce(tl.exp2(x2 - m_new), 0, SUM_COMBINE)
                 m = m_new
-            if ROW_SUMS:
-                tl.store(sum_R_ptr + r, total)
-            lse = (m + tl.log2(s)) * 0.6931471805599453
-            tl.store(lse_R_ptr + r, tl.where(n >= 0, lse, float("inf")))
+            tl.store(lse_R_ptr + r, (m + tl.log2(s)) * 0.6931471805599453)
         else:
             tl.store(lse_R_ptr + r, float("inf"))
 
@@ -269,49 +258,38 @@ if tl is not None:
 
     @lazy_jit(
         do_not_specialize=("R", "T", "rows_per_prog"),
-        do_not_specialize_on_alignment=("nidx_R_ptr", "sum_P_ptr"),
+        do_not_specialize_on_alignment=("nidx_R_ptr",),
     )
     def _col_max_kernel(
         z_ptr,
         nidx_R_ptr,
         part_QW_ptr,
-        sum_P_ptr,
         R,
         T,
         W,
         rows_per_prog,
         stride_b,
         stride_t,
-        SUMS: tl.constexpr,
-        MIN_NIDX: tl.constexpr,
         BLOCK_W: tl.constexpr,
     ):
         # Program (column block, row split q): part[q, w] = max over the split's used rows of
         # z[r, w] (-inf when none). Max is exact in fp32 for bf16/fp16/fp32 inputs.
-        # With SUMS (MIN_NIDX = -1) every row of the split is read and the program also stores
-        # the plain fp32 sum of its tile (the logits' finite check in the same pass).
         wb = tl.program_id(0)
         q = tl.program_id(1)
         w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
         wm = w < W
         acc = tl.full((BLOCK_W,), float("-inf"), tl.float32)
-        total = tl.full((BLOCK_W,), 0.0, tl.float32)
         r0 = q * rows_per_prog
         r1 = tl.minimum(r0 + rows_per_prog, R)
         zero64 = tl.full([], 0, tl.int64)
         for r in range(r0, r1):
             n = tl.load(nidx_R_ptr + r)
-            if n >= MIN_NIDX:
+            if n >= 0:
                 r64 = zero64 + r  # int64 pointer math (a loop index may be a plain int)
                 row_ptr = z_ptr + (r64 // T) * stride_b + (r64 % T) * stride_t
                 z = tl.load(row_ptr + w, mask=wm, other=0.0).to(tl.float32)
-                if SUMS:
-                    total += z
-                used = wm & (n >= 0)
-                acc = tl.where(used, tl.maximum(acc, z), acc)
+                acc = tl.where(wm, tl.maximum(acc, z), acc)
         tl.store(part_QW_ptr + q.to(tl.int64) * W + w, acc, mask=wm)
-        if SUMS:
-            tl.store(sum_P_ptr + q * tl.num_programs(0) + wb, tl.reduce(total, 0, SUM_COMBINE))
 
     @lazy_jit
     def _ascending_ids_kernel(ids_K_ptr, flag_W_ptr, out_K_ptr, K, W, BLOCK: tl.constexpr):
@@ -362,20 +340,13 @@ def check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor) -> None:
         )
 
 
-def row_logsumexp(
-    z_BTV: torch.Tensor,
-    nidx_R: torch.Tensor,
-    temperature: float,
-    row_sums_R: torch.Tensor | None = None,
-) -> torch.Tensor:
+def row_logsumexp(z_BTV: torch.Tensor, nidx_R: torch.Tensor, temperature: float) -> torch.Tensor:
     """Row logsumexp of ``z / temperature`` for the rows that belong to a valid chunk.
 
     Args:
         z_BTV: [B, T, V] logits, last dim contiguous (row strides are free).
         nidx_R: [B*T] int, valid-chunk index of each row, -1 = none.
         temperature: softmax temperature (> 0).
-        row_sums_R: fp32 [B*T] or None; when given, every row's plain sum of ``z`` is written
-            there in the same pass (rows of no valid chunk too): the logits' finite check.
 
     Returns:
         lse_R fp32 [B*T]; ``+inf`` on rows with ``nidx_R < 0`` (their probabilities are 0).
@@ -389,21 +360,16 @@ def row_logsumexp(
     if B * T == 0:
         return lse_R
     if V == 0:
-        if row_sums_R is not None:
-            row_sums_R.zero_()
         return lse_R.fill_(float("-inf"))
     _row_lse_kernel[(B * T,)](
         z_BTV,
         nidx_R,
         lse_R,
-        lse_R if row_sums_R is None else row_sums_R,
         T,
         V,
         z_BTV.stride(0),
         z_BTV.stride(1),
         LOG2E / temperature,
-        ROW_SUMS=row_sums_R is not None,
-        MIN_NIDX=0 if row_sums_R is None else -1,
         BLOCK_V=block_for("lse_block_v", V, 16),
         num_warps=KERNEL_CONFIG["lse_warps"],
     )
@@ -513,20 +479,15 @@ def chunk_mean_log_softmax_columns(
     return out_NX
 
 
-def column_max(
-    z_BTW: torch.Tensor, nidx_R: torch.Tensor, *, with_sum: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def column_max(z_BTW: torch.Tensor, nidx_R: torch.Tensor) -> torch.Tensor:
     """Per-column max of the logits over the rows with ``nidx_R >= 0``.
 
     Args:
         z_BTW: [B, T, W] logits, last dim contiguous.
         nidx_R: [B*T] int, rows with a negative entry are ignored.
-        with_sum: also return the fp32 sum of every element (every row, used or not), read in
-            the same pass: the logits' finite check (NaN/inf propagate).
 
     Returns:
-        max_W fp32 [W] (-inf where no row is used), equal to the masked ``amax`` exactly; with
-        ``with_sum``, ``(max_W, total)`` with ``total`` a 0-d fp32 tensor.
+        max_W fp32 [W] (-inf where no row is used), equal to the masked ``amax`` exactly.
     """
     check_rows(z_BTW, nidx_R)
     B, T, W = z_BTW.shape
@@ -536,29 +497,22 @@ def column_max(
     device = z_BTW.device
     part_QW = torch.empty((Q, W), device=device, dtype=torch.float32)
     if R == 0 or W == 0:
-        max_W = part_QW.fill_(float("-inf")).amax(0)
-        return (max_W, torch.zeros((), device=device)) if with_sum else max_W
+        return part_QW.fill_(float("-inf")).amax(0)
     block = block_for("colmax_block_w", W, 16)
-    grid = (cdiv(W, block), Q)
-    sum_P = torch.empty(grid[0] * Q, device=device, dtype=torch.float32) if with_sum else part_QW
-    _col_max_kernel[grid](
+    _col_max_kernel[(cdiv(W, block), Q)](
         z_BTW,
         nidx_R,
         part_QW,
-        sum_P,
         R,
         T,
         W,
         rows,
         z_BTW.stride(0),
         z_BTW.stride(1),
-        SUMS=with_sum,
-        MIN_NIDX=-1 if with_sum else 0,
         BLOCK_W=block,
         num_warps=KERNEL_CONFIG["colmax_warps"],
     )
-    max_W = part_QW.amax(0)
-    return (max_W, sum_P.sum()) if with_sum else max_W
+    return part_QW.amax(0)
 
 
 def ascending_ids(ids_K: torch.Tensor, W: int) -> torch.Tensor:

@@ -385,19 +385,16 @@ def projected_chunk_kl_forward(
     reverse_kl,
     eps,
     num_valid=None,
-    row_sums_R=None,
 ) -> tuple[torch.Tensor, ChunkKLSaved]:
     """The forward of :class:`ProjectedChunkKL` without autograd (no host sync).
 
-    Args: as :class:`ProjectedChunkKL` (``z_BTV`` last dim contiguous), plus ``row_sums_R``:
-        fp32 [R] or None, filled with every row's plain sum of ``z`` by the row-logsumexp pass
-        (the logits' finite check without a pass of its own).
+    Args: as :class:`ProjectedChunkKL` (``z_BTV`` last dim contiguous).
 
     Returns:
         ``(sums_4, saved)``: the fp32 sums ``(kd, l1 = 0, correct, num_valid)`` over the chunks
         and the tensors :func:`projected_chunk_kl_backward` needs.
     """
-    lse_R = row_logsumexp(z_BTV, nidx_R, temperature, row_sums_R)
+    lse_R = row_logsumexp(z_BTV, nidx_R, temperature)
     q_RK = project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
     out_N4, qc_NK, stats_N2 = chunk_kl_forward(
         q_RK, order_R, offsets_N1, lp_NK, temperature, reverse_kl, eps, num_valid
