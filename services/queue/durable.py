@@ -1,4 +1,5 @@
-"""The queue's durable log (``--data-dir``): append-only records, a writer thread, replay, compaction.
+"""The queue's durable log (``--data-dir``): append-only records, replay, compaction, the lock on
+the data directory, and the server's end of the log writer process (log_writer.py).
 
 A record is one state change in the wire encoding (``encode_message``: a msgpack body, tensors
 as raw frames; never pickle), framed on disk as::
@@ -7,56 +8,85 @@ as raw frames; never pickle), framed on disk as::
     payload frame count u32 | frame lengths u64 x count | frames
 
 A put is logged as the request's own frames (type ``put``; no second encoding), other changes
-as a ``reply`` message whose body names the ``op``. The CRC covers the whole payload, so a record cut by a SIGKILL (short) or garbled by a crash
-(bad CRC) is detected on replay; the log is truncated before it and appending goes on from there.
+as a ``reply`` message whose body names the ``op``. The CRC covers the whole payload, so a record
+cut by a SIGKILL (short) or garbled by a crash (bad CRC) is detected on replay; the log is
+truncated before it and appending goes on from there.
 
-Files: ``DIR/log.<generation>`` (16 digits). A compaction writes the store's state as records
-(a snapshot) to ``log.<g+1>.tmp``, fsyncs it, renames it to ``log.<g+1>`` and removes
-``log.<g>``: replay reads the newest complete generation, which is always a snapshot followed
-by the changes made after it. Records are written by one thread, in the order they were
-appended; ``written`` (a sequence number) says how far the OS has them (they survive a SIGKILL
-of the process), ``synced`` how far they were fsynced (they survive a crash of the machine).
-The fsync policy: ``always`` (fsync before ``synced`` moves; group commit), ``interval`` (every
-``fsync_interval_s``), ``never`` (the OS writes back on its own).
+Files: ``DIR/log.<generation>`` (16 digits) and ``DIR/lock``. A compaction writes the store's
+state as records (a snapshot) to ``log.<g+1>.tmp``, fsyncs it, renames it to ``log.<g+1>`` and
+removes ``log.<g>``: replay reads the newest complete generation, which is always a snapshot
+followed by the changes made after it.
+
+Records are written by a writer process (log_writer.py), in the order they were appended: the
+server's loop hands it each record's frames over a zmq PAIR socket (large frames zero-copy: zmq's
+I/O thread copies them out, not the loop), and the writer computes the CRC, writes, fsyncs and
+reports back. ``written`` (a sequence number) says how far the OS has the records (they survive
+a SIGKILL of the server), ``synced`` how far they were fsynced (they survive a crash of the
+machine). The fsync policy: ``always`` (fsync before ``synced`` moves; group commit),
+``interval`` (every ``fsync_interval_s``), ``never`` (the OS writes back on its own).
+
+The lock: ``replay`` takes an flock on ``DIR/lock`` (waiting up to ``lock_wait_s``, then a
+``ValueError`` naming the pids that hold it) and the writer inherits it, so the directory stays
+locked while either process lives: a restarted server never replays a log an old writer still
+appends to. The writer dies with the server (log_writer.py). If the writer dies first,
+``poll`` logs it and sets ``error``; ``append`` then raises, and the server stops (exit 1)
+without answering a change it could not log.
 """
 
 from __future__ import annotations
 
-import collections
+import fcntl
 import logging
 import os
 import re
+import select
+import shutil
+import signal
+import socket
 import struct
-import threading
+import subprocess
+import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
+from services.queue.log_writer import (
+    CLOSE,
+    FILE_MAGIC,
+    FSYNC_POLICIES,
+    HEAD,
+    PROGRESS,
+    RECORD,
+    RECORD_HEAD,
+    RECORD_MAGIC,
+    SNAPSHOT,
+    SWITCH,
+    fsync_dir,
+    log_path,
+)
+from services.queue.transport import COPY_BELOW
 from xtoken_core.wire import WireError, WireLimits, decode_message, encode_message
 
 logger = logging.getLogger(__name__)
 
-FILE_MAGIC = b"XTKQLOG1"
-RECORD_MAGIC = b"XTKR"
-RECORD_HEAD = struct.Struct("<4sIQ")
-FSYNC_POLICIES = ("always", "interval", "never")
 # Records are plain messages of the wire encoding, with room for a snapshot of a large block.
 RECORD_LIMITS = WireLimits(
     max_message_bytes=1 << 40, max_frames=1 << 16, max_body_bytes=1 << 31, max_ndim=32
 )
 _LOG_NAME = re.compile(r"^log\.(\d{16})$")
-# writev takes at most this many buffers at once (IOV_MAX is 1024 on Linux).
-_IOV_MAX = 1024
-# Bytes per write call (see _writev_all).
-WRITE_CHUNK = 1 << 20
-# Records nobody waits for (puts answered at once) are written in batches: the writer waits up to
-# this long for more before it writes, unless a record somebody waits for (an ack) comes.
-LAZY_S = 0.005
-# The writer thread's nice value: on a busy host the event loop and the clients go first (a put
-# answered at once is not delayed by the write of the one before it).
-WRITER_NICE = 19
+LOCK_NAME = "lock"
+# How long a server waits for the lock of its data directory (a predecessor still exiting).
+LOCK_WAIT_S = 5.0
+# How long the writer may take to start and connect, and to finish what was appended at close.
+WRITER_START_S = 30.0
+CLOSE_S = 60.0
+# The directory holding the ``services`` package: the writer process imports it from there.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def encode_record(op: str, body: dict[str, Any]) -> list[Any]:
@@ -70,22 +100,6 @@ def encode_record(op: str, body: dict[str, Any]) -> list[Any]:
         ``[header, body, *tensor_buffers]`` (tensor buffers alias the tensors).
     """
     return encode_message("reply", {"op": op, **body}, limits=RECORD_LIMITS)
-
-
-def frame_record(frames: list[Any]) -> tuple[list[Any], int, int]:
-    """The on-disk buffers of one record: head, frame table, frames; with the CRC computed.
-
-    Returns:
-        ``(buffers, nbytes, crc)``.
-    """
-    views = [memoryview(f).cast("B") for f in frames]
-    table = struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views))
-    crc = zlib.crc32(table)
-    for v in views:
-        crc = zlib.crc32(v, crc)
-    length = len(table) + sum(v.nbytes for v in views)
-    head = RECORD_HEAD.pack(RECORD_MAGIC, crc, length)
-    return [head, table, *views], RECORD_HEAD.size + length, crc
 
 
 @dataclass
@@ -165,51 +179,14 @@ def log_files(data_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _writev_all(fd: int, buffers: list[Any]) -> None:
-    """Write every buffer, in writev calls of at most ``WRITE_CHUNK`` bytes (short writes
-    resumed). One large write costs several times the same bytes in 1 MiB pieces (the kernel
-    throttles dirty pages per call), so large buffers are sliced."""
-    batch: list[Any] = []
-    size = 0
-    for buf in buffers:
-        view = memoryview(buf).cast("B")
-        for start in range(0, view.nbytes, WRITE_CHUNK):
-            piece = view[start : start + WRITE_CHUNK]
-            if batch and (size + piece.nbytes > WRITE_CHUNK or len(batch) == _IOV_MAX):
-                _writev_some(fd, batch)
-                batch, size = [], 0
-            batch.append(piece)
-            size += piece.nbytes
-    if batch:
-        _writev_some(fd, batch)
-
-
-def _writev_some(fd: int, batch: list[memoryview]) -> None:
-    while batch:
-        n = os.writev(fd, batch)
-        while batch and n >= batch[0].nbytes:
-            n -= batch[0].nbytes
-            batch = batch[1:]
-        if batch and n:
-            batch[0] = batch[0][n:]
-
-
 class DurableLog:
-    """The append-only log of one queue server, written by a background thread.
+    """The append-only log of one queue server, written by its writer process.
 
     Args:
-        data_dir: the directory (created if missing; one server per directory).
+        data_dir: the directory (created if missing; one server per directory: see the lock).
         fsync: ``always``, ``interval`` or ``never`` (see the module docstring).
         fsync_interval_s: with ``interval``, the longest a written record stays un-fsynced.
-        notify: called from the writer thread after records were written (wakes the loop).
+        lock_wait_s: how long ``replay`` waits for the directory's lock.
 
     Raises:
         ValueError: an unknown fsync policy or a non-positive interval.
@@ -221,7 +198,7 @@ class DurableLog:
         *,
         fsync: str = "interval",
         fsync_interval_s: float = 1.0,
-        notify: Callable[[], None] | None = None,
+        lock_wait_s: float = LOCK_WAIT_S,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync={fsync!r}: use one of {FSYNC_POLICIES} (--fsync)")
@@ -231,35 +208,58 @@ class DurableLog:
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.fsync = fsync
         self.fsync_interval_s = fsync_interval_s
-        self._notify = notify or (lambda: None)
+        self.lock_wait_s = lock_wait_s
+        # as the writer last reported them
         self.generation = 0
         self.file_bytes = 0  # bytes of the current log file
-        self.appended = 0  # sequence number of the last record appended
-        self.written = 0  # ... of the last record the OS has (survives a SIGKILL)
+        self.written = 0  # sequence number of the last record the OS has (survives a SIGKILL)
         self.synced = 0  # ... of the last record fsynced (survives a machine crash)
-        self.pending_bytes = 0  # bytes appended, not written yet
         self.compactions = 0
-        self.error: BaseException | None = None
-        self._fd = -1
-        self._queue: collections.deque[tuple[int, str, Any]] = collections.deque()
-        self._cond = threading.Condition()
+        self.appended = 0  # sequence number of the last record appended
+        self.error: RuntimeError | None = None  # the writer failed or died: nothing is logged
+        self.writer_pid: int | None = None
+        self._appended_bytes = 0
+        self._written_bytes = 0
+        self._lock_fd = -1
+        self._proc: subprocess.Popen | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._live: socket.socket | None = None  # EOF once the writer exited
+        self._live_poll = select.poll()
         self._closing = False
-        self._urgent = False  # a queued record is waited for
-        self._thread: threading.Thread | None = None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Frame bytes appended and not yet reported written."""
+        return self._appended_bytes - self._written_bytes
 
     # ---------------------------------------------------------------- recovery
 
     def replay(self, apply: Callable[[dict[str, Any]], None]) -> Replay:
-        """Apply every good record of the newest log to ``apply``, truncate a torn tail, and
-        open the log for appending (call once, before ``start``).
+        """Lock the directory, apply every good record of the newest log to ``apply`` and truncate
+        a torn tail (call once, before ``start``).
 
         Args:
             apply: called with each record body (``op`` and its fields), in log order.
 
         Returns:
             What was read.
+
+        Raises:
+            ValueError: the directory is locked by another server (or its writer) for longer
+                than ``lock_wait_s``; or its log is not a queue log.
         """
+        self._lock()
         t0 = time.perf_counter()
+        try:
+            out = self._replay(apply)
+        except BaseException:
+            self._unlock()
+            raise
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _replay(self, apply: Callable[[dict[str, Any]], None]) -> Replay:
         files = log_files(self.data_dir)
         for name in os.listdir(self.data_dir):
             if name.startswith("log.") and name.endswith(".tmp"):
@@ -267,8 +267,14 @@ class DurableLog:
         out = Replay()
         if not files:
             self.generation = 1
-            self._create(self._path(1))
-            out.seconds = time.perf_counter() - t0
+            fd = os.open(log_path(self.data_dir, 1), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, FILE_MAGIC)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.data_dir)
+            self.file_bytes = len(FILE_MAGIC)
             return out
         self.generation, path = files[-1]
         for _, old in files[:-1]:
@@ -287,169 +293,254 @@ class DurableLog:
                 end,
                 out.truncated,
             )
-        self._fd = os.open(path, os.O_WRONLY)
-        os.ftruncate(self._fd, end)
-        os.lseek(self._fd, end, os.SEEK_SET)
-        if out.truncated:
-            os.fsync(self._fd)
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         self.file_bytes = end
-        out.seconds = time.perf_counter() - t0
         return out
 
-    def _path(self, generation: int) -> str:
-        return os.path.join(self.data_dir, f"log.{generation:016d}")
+    def _lock(self) -> None:
+        path = os.path.join(self.data_dir, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + self.lock_wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holders = os.pread(fd, 4096, 0).decode(errors="replace").split()
+                    os.close(fd)
+                    raise ValueError(
+                        f"the data directory {self.data_dir} is in use: {path} is held by "
+                        f"{_describe_holders(holders)} (waited {self.lock_wait_s:g}s); stop that "
+                        "process or use another --data-dir"
+                    ) from None
+                time.sleep(0.05)
+        self._lock_fd = fd
+        self._write_holders()
 
-    def _create(self, path: str) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(fd, FILE_MAGIC)
-        os.fsync(fd)
-        _fsync_dir(self.data_dir)
-        self._fd = fd
-        self.file_bytes = len(FILE_MAGIC)
-        return fd
+    def _write_holders(self) -> None:
+        """Name the lock's holders in the lock file, for the message of a server refused."""
+        text = f"server {os.getpid()}\n"
+        if self.writer_pid is not None:
+            text += f"writer {self.writer_pid}\n"
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, text.encode(), 0)
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the lock goes once the writer (if any) exited too
+            self._lock_fd = -1
 
     # ---------------------------------------------------------------- appending
 
     def start(self) -> None:
-        """Start the writer thread."""
-        self._thread = threading.Thread(target=self._run, name="queue-log", daemon=True)
-        self._thread.start()
+        """Start the writer process (after ``replay``) and wait until it is connected.
+
+        Call it from the thread that lives as long as the log (the main thread): on Linux the
+        writer is killed when that thread ends (``PR_SET_PDEATHSIG``).
+
+        Raises:
+            RuntimeError: the writer did not start (its output is in the server's log).
+        """
+        assert self._lock_fd >= 0 and self._proc is None, "replay first, then start once"
+        self._ctx = zmq.Context(io_threads=1)  # the log's copies off the clients' I/O thread
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # the server bounds the lag (--log-lag), not zmq
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        tmp = tempfile.mkdtemp(prefix="xtoken-log-")  # 0700: only this user can connect
+        self._live, child_live = socket.socketpair()
+        try:
+            endpoint = f"ipc://{tmp}/writer"
+            self._sock.bind(endpoint)
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
+            cmd = [sys.executable, "-m", "services.queue.log_writer", "--endpoint", endpoint]
+            cmd += ["--parent-pid", str(os.getpid()), "--live-fd", str(child_live.fileno())]
+            cmd += ["--lock-fd", str(self._lock_fd), "--data-dir", self.data_dir]
+            cmd += ["--generation", str(self.generation), "--offset", str(self.file_bytes)]
+            cmd += ["--fsync", self.fsync, "--fsync-interval", repr(self.fsync_interval_s)]
+            self._proc = subprocess.Popen(
+                cmd,
+                pass_fds=(child_live.fileno(), self._lock_fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+            self.writer_pid = self._proc.pid
+            child_live.close()
+            self._live_poll.register(self._live, select.POLLIN)
+            deadline = time.monotonic() + WRITER_START_S
+            while not self._sock.poll(100):
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._proc.kill()
+                    raise RuntimeError(
+                        f"the log writer of {self.data_dir} did not start "
+                        f"(exit code {self._proc.wait()}); its output is above"
+                    )
+            self._take(self._sock.recv())
+            if self.error is not None:
+                raise self.error
+        except BaseException:
+            child_live.close()
+            self._release()
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # connected: nobody else can connect
+        self._write_holders()
+        logger.info("[queue] log writer pid %d appends to %s", self.writer_pid, self.data_dir)
+
+    def pollables(self) -> list[Any]:
+        """What the server's poller watches: the writer's reports, and its end (EOF)."""
+        return [self._sock, self._live.fileno()]
 
     def append(self, op: str, body: dict[str, Any], urgent: bool = True) -> int:
-        """Queue one record; returns its sequence number (``written >= seq`` once the OS has it).
+        """Send one record to the writer; returns its sequence number (``written >= seq`` once
+        the OS has it).
 
-        The tensors of ``body`` are referenced until the record is written: do not change them.
+        The tensors of ``body`` are referenced until zmq sent them: do not change them.
 
         Args:
             op, body: the record (``encode_record``).
-            urgent: somebody waits for it (written at once); False lets the writer wait up to
-                ``LAZY_S`` to write it with the records that follow.
+            urgent: somebody waits for it: the writer reports it at once (else within
+                ``log_writer.REPORT_S``).
+
+        Raises:
+            RuntimeError: the writer failed or died (``error``).
         """
-        return self._push("record", encode_record(op, body), urgent)
+        return self._send(RECORD, encode_record(op, body), urgent)
 
     def append_frames(self, frames: list[Any], urgent: bool = True) -> int:
-        """Queue a request as it was received (``[header, body, *tensor frames]`` of a put: its
+        """Send a request as it was received (``[header, body, *tensor frames]`` of a put: its
         message type is the record's ``op``), without encoding it again."""
-        return self._push("record", frames, urgent)
+        return self._send(RECORD, frames, urgent)
 
     def compact(self, snapshot: list[list[Any]]) -> int:
         """Start a new log generation with ``snapshot`` (encoded records of the whole state as
         of now); the records appended after this call follow it there."""
-        return self._push("rotate", snapshot, True)
+        for frames in snapshot:
+            self._send(SNAPSHOT, frames, False)
+        return self._send(SWITCH, [], True)
 
-    def _push(self, kind: str, item: Any, urgent: bool) -> int:
+    def _send(self, kind: bytes, frames: list[Any], urgent: bool) -> int:
         if self.error is not None:
             raise RuntimeError(f"the queue log in {self.data_dir} failed: {self.error}")
-        nbytes = (
-            sum(memoryview(f).nbytes for f in item)
-            if kind == "record"
-            else sum(memoryview(f).nbytes for rec in item for f in rec)
-        )
-        with self._cond:
+        seq = 0
+        if kind != SNAPSHOT:
             self.appended += 1
-            self.pending_bytes += nbytes
-            if urgent or not self._queue:
-                self._cond.notify()
-            self._urgent = self._urgent or urgent
-            self._queue.append((self.appended, kind, item))
-            return self.appended
+            seq = self.appended
+        sizes = [memoryview(f).nbytes for f in frames]
+        self._appended_bytes += sum(sizes)
+        # frame by frame: send_multipart costs 3x as much; zmq's I/O thread copies the large
+        # ones out (zero-copy here), a zmq.Frame received from a client is passed on as is
+        send = self._sock.send
+        try:  # a PAIR socket without its peer would block: the writer is gone
+            send(HEAD.pack(kind, urgent, seq), zmq.NOBLOCK | (zmq.SNDMORE if frames else 0))
+        except zmq.Again:
+            self._writer_gone()
+            raise RuntimeError(f"the queue log in {self.data_dir} failed: {self.error}") from None
+        last = len(frames) - 1
+        for i, (frame, size) in enumerate(zip(frames, sizes)):
+            send(frame, zmq.SNDMORE if i < last else 0, copy=size < COPY_BELOW)
+        return seq
 
     def durable(self, seq: int, synced: bool) -> bool:
-        """Whether record ``seq`` is written (``synced``: and fsynced)."""
+        """Whether record ``seq`` is written (``synced``: and fsynced), as last reported."""
         return (self.synced if synced else self.written) >= seq
 
+    def poll(self) -> None:
+        """Take in the writer's reports; notice a writer that died (then ``error`` is set)."""
+        sock = self._sock
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            self._take(sock.recv())
+        if self.error is None and not self._closing and self._live_poll.poll(0):
+            self._writer_gone()
+
+    def _writer_gone(self) -> None:
+        """The writer exited: take what it reported last, then ``error`` names its end."""
+        while self.error is None and self._sock.poll(200):
+            self._take(self._sock.recv())
+        if self.error is None:
+            code = self._proc.wait()
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            self._fail(f"the log writer (pid {self.writer_pid}) exited ({how})")
+
+    def _take(self, msg: bytes) -> None:
+        if msg[:1] == b"p":
+            (
+                self.written,
+                self.synced,
+                self._written_bytes,
+                self.generation,
+                self.file_bytes,
+                self.compactions,
+            ) = PROGRESS.unpack(msg[1:])
+        else:
+            self._fail(f"the log writer (pid {self.writer_pid}) failed: {msg[1:].decode()}")
+
+    def _fail(self, message: str) -> None:
+        logger.error(
+            "[queue] %s; nothing more is logged: changes not written are not answered", message
+        )
+        self.error = RuntimeError(message)
+
     def close(self) -> None:
-        """Write what is queued, fsync, stop the writer and close the file."""
-        with self._cond:
+        """Have the writer write and fsync everything appended, and exit; release the lock."""
+        proc = self._proc
+        if proc is not None and not self._closing and self.error is None:
             self._closing = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-        if self._fd >= 0:
-            if self.error is None:
-                os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
-
-    def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (OSError, AttributeError):  # not Linux, or not allowed: normal priority
-            pass
-        last_sync = time.monotonic()
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    timeout = None
-                    if self.fsync == "interval" and self.synced < self.written:
-                        timeout = max(0.0, last_sync + self.fsync_interval_s - time.monotonic())
-                        if timeout == 0:
-                            break
-                    self._cond.wait(timeout)
-                if self._queue and not self._urgent and not self._closing:
-                    self._cond.wait(LAZY_S)  # more puts coming: write them in one go
-                batch = list(self._queue)
-                self._queue.clear()
-                self._urgent = False
-                if not batch and self._closing:
-                    return
             try:
-                nbytes = 0
-                for _, kind, item in batch:
-                    if kind == "record":
-                        buffers, n, _ = frame_record(item)
-                        _writev_all(self._fd, buffers)
-                        self.file_bytes += n
-                        nbytes += sum(memoryview(f).nbytes for f in item)
-                    else:
-                        self._rotate(item)
-                        nbytes += sum(memoryview(f).nbytes for rec in item for f in rec)
-                last = batch[-1][0] if batch else self.written
-                sync = self.fsync == "always" or (
-                    self.fsync == "interval"
-                    and time.monotonic() - last_sync >= self.fsync_interval_s
-                )
-                with self._cond:
-                    self.written = last
-                    self.pending_bytes -= nbytes
-                if sync and self.synced < last:
-                    os.fsync(self._fd)
-                    last_sync = time.monotonic()
-                    self.synced = last
-            except BaseException as e:  # disk full, I/O error: the server must stop
-                logger.exception("[queue] the log writer failed")
-                self.error = e
-                self._notify()
-                return
-            del batch
-            self._notify()
+                self._sock.send(HEAD.pack(CLOSE, 1, 0), zmq.NOBLOCK)
+            except zmq.Again:
+                self._writer_gone()
+            deadline = time.monotonic() + CLOSE_S
+            while self.error is None and self.synced < self.appended:
+                if self._sock.poll(100):
+                    self._take(self._sock.recv())
+                elif proc.poll() is not None and not self._sock.poll(500):
+                    self._fail(f"the log writer (pid {self.writer_pid}) exited before the close")
+                elif time.monotonic() > deadline:
+                    self._fail(f"the log writer did not finish within {CLOSE_S:g}s of the close")
+        self._closing = True
+        self._release()
 
-    def _rotate(self, snapshot: list[list[Any]]) -> None:
-        """Write the snapshot as the next generation and switch to it (writer thread)."""
-        generation = self.generation + 1
-        path = self._path(generation)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        size = len(FILE_MAGIC)
+    def _release(self) -> None:
+        """Stop the writer (waiting for it to exit), close the sockets, release the lock."""
+        if self._proc is not None:
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+        self._unlock()
+
+
+def _describe_holders(holders: list[str]) -> str:
+    """``["server", "12", "writer", "34"]`` (the lock file) as words, each pid alive or gone."""
+    words = []
+    for role, pid in zip(holders[::2], holders[1::2]):
         try:
-            os.write(fd, FILE_MAGIC)
-            for frames in snapshot:
-                buffers, n, _ = frame_record(frames)
-                _writev_all(fd, buffers)
-                size += n
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        os.rename(tmp, path)
-        _fsync_dir(self.data_dir)
-        old_fd, old_path = self._fd, self._path(self.generation)
-        self._fd, self.generation, self.file_bytes = fd, generation, size
-        os.close(old_fd)
-        os.unlink(old_path)
-        self.compactions += 1
-        # Everything before the rotation is in the snapshot, which is fsynced.
-        self.synced = max(self.synced, self.written)
+            os.kill(int(pid), 0)
+            state = "running"
+        except ProcessLookupError:
+            state = "gone"
+        except (PermissionError, ValueError):
+            state = "unknown"
+        who = "a queue server" if role == "server" else "the log writer of a queue server"
+        words.append(f"pid {pid} ({who}, {state})")
+    return ", ".join(words) or "another process"
 
 
 def apply_record(store: Any, body: dict[str, Any]) -> None:

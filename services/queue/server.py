@@ -119,8 +119,9 @@ class ServerConfig:
             periods (``--heartbeat``; 0 = off): a hung or unreachable client's parked requests
             are then dropped like those of a client whose process died.
         data_dir: durable mode (``--data-dir``): samples not yet consumed, consumed sets,
-            registrations and tombstones are logged there (durable.py) and recovered on the
-            next start; None keeps everything in memory. Leases never survive a restart.
+            registrations and tombstones are logged there (durable.py, written by a writer
+            process that holds the directory's lock with the server) and recovered on the next
+            start; None keeps everything in memory. Leases never survive a restart.
         fsync: ``always`` (every put, ack and clear is answered once fsynced), ``interval``
             (fsync every ``fsync_interval_s``; acks and clears are answered once written, puts
             at once while the log lags by less than ``log_lag_bytes``) or ``never``
@@ -354,23 +355,16 @@ class QueueServer:
         self.refused = 0  # requests answered unauthorized
         self.oplog = OpLog(config.log_every_s)
         self.busy_poll = BusyPoll(config.busy_poll_us / 1e6)
-        # Durable mode: the log, replies waiting for their record to be written, a pipe the
-        # log writer wakes the loop through, what the last recovery read.
+        # Durable mode: the log, replies waiting for their record to be written, what the last
+        # recovery read.
         self.log: DurableLog | None = None
         self._deferred: collections.deque[tuple[int, bool, bytes, int, dict]] = collections.deque()
-        self._wake_r = self._wake_w = -1
         self._compacting = -1  # log.compactions when a compaction was asked for
         self.recovery: dict[str, Any] | None = None
         self._log_seq = 0  # the log record of the change being answered
         if config.data_dir:
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
             self.log = DurableLog(
-                config.data_dir,
-                fsync=config.fsync,
-                fsync_interval_s=config.fsync_interval_s,
-                notify=self._log_wake,
+                config.data_dir, fsync=config.fsync, fsync_interval_s=config.fsync_interval_s
             )
         self._handlers = {
             "hello": self._on_hello,
@@ -389,8 +383,13 @@ class QueueServer:
     # ---------------------------------------------------------------- lifecycle
 
     def recover(self) -> dict[str, Any] | None:
-        """Durable mode: rebuild the store from the log in ``data_dir`` and start the log
-        writer (``bind`` calls it first). Returns what was recovered, None in memory mode."""
+        """Durable mode: lock ``data_dir``, rebuild the store from its log and start the log
+        writer process (``bind`` calls it first). Returns what was recovered, None in memory
+        mode.
+
+        Raises:
+            ValueError: another server (or its log writer) holds the directory's lock.
+        """
         if self.log is None or self.recovery is not None:
             return self.recovery
         t0 = time.perf_counter()
@@ -415,14 +414,6 @@ class QueueServer:
             f" ({replay.truncated} torn bytes cut off)" if replay.truncated else "",
         )
         return self.recovery
-
-    def _log_wake(self) -> None:
-        if not self._deferred and self.log.error is None:
-            return  # nobody waits for the writer (the loop looks at it every 100 ms anyway)
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):  # full: the loop wakes anyway; closed: shutting down
-            pass
 
     def bind(self) -> str:
         """Create and bind the ROUTER socket; returns the bound endpoint."""
@@ -482,14 +473,13 @@ class QueueServer:
             self.pool.close()
             if self.log is not None:
                 self.log.close()
-                os.close(self._wake_r)
-                os.close(self._wake_w)
 
     def _loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        if self.log is not None:
-            poller.register(self._wake_r, zmq.POLLIN)
+        if self.log is not None:  # the writer's reports, and its death
+            for pollable in self.log.pollables():
+                poller.register(pollable, zmq.POLLIN)
         busy = self.busy_poll
         poll_now = functools.partial(poller.poll, 0)
         stop = self._stop
@@ -530,7 +520,7 @@ class QueueServer:
             n += 1
         if self.log is not None:  # answer what waited for the log once it is all written
             self.log.close()
-            while self._deferred:
+            while self._deferred and self.log.durable(self._deferred[0][0], self._deferred[0][1]):
                 _, _, ident, rid, reply = self._deferred.popleft()
                 self._send_reply(ident, rid, reply)
         self._parked_claims.clear()
@@ -960,19 +950,12 @@ class QueueServer:
         if put and not synced and log.pending_bytes <= self.config.log_lag_bytes:
             return reply
         self._deferred.append((self._log_seq, synced, ident, rid, reply))
-        if log.durable(self._log_seq, synced):  # written meanwhile, its wake-up maybe skipped
-            self._deferred.pop()
-            return reply
         return None
 
     def _log_progress(self) -> None:
         """Send the replies whose records are written; compact a log grown past its bound."""
         log = self.log
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        log.poll()
         if log.error is not None:
             raise RuntimeError(f"the queue log in {log.data_dir} failed: {log.error}")
         deferred = self._deferred

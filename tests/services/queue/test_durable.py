@@ -4,10 +4,12 @@ cut off, compaction to a snapshot, and a store rebuilt from its log equal to the
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
+from services.queue import log_writer
 from services.queue.durable import DurableLog, log_files, read_records
 from services.queue.store import SampleStore
 from xtoken_core.wire.tensors import JaggedColumn
@@ -85,23 +87,8 @@ def test_a_file_that_is_not_a_log_is_refused_by_name(tmp_path):
         DurableLog(str(tmp_path)).replay(lambda b: None)
 
 
-def test_fsync_always_syncs_every_record(tmp_path):
-    log, _ = open_log(tmp_path, fsync="always")
-    seq = log.append("register", {"partition": "p", "task": "a"})
-    deadline = 100
-    while not log.durable(seq, synced=True) and deadline:
-        import time
-
-        time.sleep(0.01)
-        deadline -= 1
-    assert log.synced == seq
-    log.close()
-
-
 def wait_for(predicate, seconds=10.0):
     """Poll ``predicate`` until it is true (False after ``seconds``)."""
-    import time
-
     end = time.monotonic() + seconds
     while not predicate():
         if time.monotonic() > end:
@@ -110,24 +97,36 @@ def wait_for(predicate, seconds=10.0):
     return True
 
 
-def test_records_nobody_waits_for_are_written_in_order(tmp_path):
+def reported(log, seq, synced=False):
+    """Whether the writer reported record ``seq`` written (fsynced)."""
+    log.poll()
+    return log.durable(seq, synced)
+
+
+def test_fsync_always_syncs_every_record(tmp_path):
+    log, _ = open_log(tmp_path, fsync="always")
+    seq = log.append("register", {"partition": "p", "task": "a"})
+    assert wait_for(lambda: reported(log, seq, synced=True))
+    assert log.synced == log.written == seq
+    log.close()
+
+
+def test_records_nobody_waits_for_are_reported_and_written_in_order(tmp_path):
     log, _ = open_log(tmp_path)
     seqs = [log.append("register", {"partition": "p", "task": t}, urgent=False) for t in "abc"]
-    assert wait_for(lambda: log.durable(seqs[-1], synced=False))  # within LAZY_S
+    assert wait_for(lambda: reported(log, seqs[-1]))  # within log_writer.REPORT_S
+    assert log.pending_bytes == 0
     log.close()
     _, bodies = open_log(tmp_path)
     assert [b["task"] for b in bodies] == ["a", "b", "c"]
 
 
-def test_many_small_records_and_a_large_one_replay_in_order(tmp_path, monkeypatch):
-    # a batch of lazy records, one of them written in WRITE_CHUNK slices
-    import services.queue.durable as durable
-
-    monkeypatch.setattr(durable, "WRITE_CHUNK", 4096)
+def test_many_small_records_and_a_large_one_replay_in_order(tmp_path):
+    # the large record (2.4 MB) is written in WRITE_CHUNK slices
     log, _ = open_log(tmp_path)
     for i in range(200):
         keys = [f"k-{i}"]
-        length = 3000 if i == 100 else 4
+        length = 300_000 if i == 100 else 4
         log.append(
             "put",
             {"partition": "p", "keys": keys, "fields": {"ids": ids_field(keys, length)}},
@@ -136,7 +135,26 @@ def test_many_small_records_and_a_large_one_replay_in_order(tmp_path, monkeypatc
     log.close()
     _, bodies = open_log(tmp_path)
     assert [b["keys"] for b in bodies] == [[f"k-{i}"] for i in range(200)]
-    assert bodies[100]["fields"]["ids"].values.tolist() == [100] * 3000
+    assert bodies[100]["fields"]["ids"].values.tolist() == [100] * 300_000
+
+
+def test_writev_all_slices_large_buffers_and_resumes_short_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(log_writer, "WRITE_CHUNK", 4096)
+    calls = []
+    real = os.writev
+
+    def short_writev(fd, buffers):
+        calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers[:1]) if len(buffers) > 1 else real(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    data = [bytes(range(256)) * 40, b"x" * 10, os.urandom(9000)]
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    log_writer.writev_all(fd, data)
+    os.close(fd)
+    assert path.read_bytes() == b"".join(data)
+    assert max(calls) <= 4096
 
 
 def build_store(records):

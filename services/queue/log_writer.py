@@ -1,0 +1,348 @@
+"""The durable log's writer process: frames, checksums, writes and fsyncs the records its server sends.
+
+Started by ``DurableLog.start`` (durable.py) as ``python -m services.queue.log_writer``, never by
+hand. It imports neither torch nor the wire codec (a record's frames are written as received),
+so it starts in a few tens of milliseconds and its CPU work (CRC32 and the copy into the page
+cache) runs beside the server's event loop, never under its GIL.
+
+Messages over one zmq PAIR socket (ipc, in a private directory the server removes once the
+writer connected):
+
+    server -> writer   [head, *frames]   head = kind u8 | urgent u8 | seq u64 (little-endian)
+        r  a record: its frames (wire encoding), written to the current generation
+        s  a record of a snapshot: written to the next generation's ``.tmp`` file
+        g  switch to that snapshot (``seq``: the compaction); fsync, rename, remove the old file
+        c  close: write what came before, fsync, report, exit 0
+    writer -> server   b"p" + PROGRESS (written, synced, written_bytes, generation, file_bytes,
+                       compactions) after records somebody waits for (``urgent``), an fsync or a
+                       switch, else at most every ``REPORT_S``; b"e" + text when writing failed
+                       (then it exits 1).
+
+The writer dies with its server: ``PR_SET_PDEATHSIG`` (Linux) kills it when the thread that
+started it ends, and it exits once its end of the liveness socket pair reads EOF (the server's end
+closed: the server exited, however). It inherits the server's lock on the data directory (one
+open file description: the lock is held while either process lives). SIGINT and SIGTERM are
+ignored: a terminal's Ctrl-C or a process-group SIGTERM reaches the server, which drains and then
+sends ``c``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import struct
+import sys
+import time
+import zlib
+from typing import Any
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+FILE_MAGIC = b"XTKQLOG1"
+RECORD_MAGIC = b"XTKR"
+RECORD_HEAD = struct.Struct("<4sIQ")
+FSYNC_POLICIES = ("always", "interval", "never")
+# server -> writer: kind, urgent, sequence number
+HEAD = struct.Struct("<cBQ")
+RECORD, SNAPSHOT, SWITCH, CLOSE = b"r", b"s", b"g", b"c"
+# writer -> server after b"p": written, synced, written_bytes, generation, file_bytes, compactions
+PROGRESS = struct.Struct("<6Q")
+# writev takes at most this many buffers at once (IOV_MAX is 1024 on Linux).
+_IOV_MAX = 1024
+# Bytes per write call (see writev_all).
+WRITE_CHUNK = 1 << 20
+# Progress nobody waits for is reported at most this often (the server's view of the lag).
+REPORT_S = 0.02
+# Messages taken in one go before writing, fsyncing and reporting (group commit, bounded).
+DRAIN_MAX = 256
+# The writer's nice value: on a busy host the event loop and the clients go first (a put
+# answered at once is not delayed by the write of the one before it).
+WRITER_NICE = 19
+_PR_SET_PDEATHSIG = 1
+
+
+def log_path(data_dir: str, generation: int) -> str:
+    """The file of one log generation."""
+    return os.path.join(data_dir, f"log.{generation:016d}")
+
+
+def frame_record(frames: list[Any]) -> tuple[list[Any], int]:
+    """The on-disk buffers of one record: head, frame table, frames; with the CRC computed.
+
+    Returns:
+        ``(buffers, nbytes)``.
+    """
+    views = [memoryview(f).cast("B") for f in frames]
+    table = struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views))
+    crc = zlib.crc32(table)
+    for v in views:
+        crc = zlib.crc32(v, crc)
+    length = len(table) + sum(v.nbytes for v in views)
+    head = RECORD_HEAD.pack(RECORD_MAGIC, crc, length)
+    return [head, table, *views], RECORD_HEAD.size + length
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory (a file created or renamed in it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def writev_all(fd: int, buffers: list[Any]) -> None:
+    """Write every buffer, in writev calls of at most ``WRITE_CHUNK`` bytes (short writes
+    resumed). One large write costs several times the same bytes in 1 MiB pieces (the kernel
+    throttles dirty pages per call), so large buffers are sliced."""
+    batch: list[Any] = []
+    size = 0
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        for start in range(0, view.nbytes, WRITE_CHUNK):
+            piece = view[start : start + WRITE_CHUNK]
+            if batch and (size + piece.nbytes > WRITE_CHUNK or len(batch) == _IOV_MAX):
+                _writev_some(fd, batch)
+                batch, size = [], 0
+            batch.append(piece)
+            size += piece.nbytes
+    if batch:
+        _writev_some(fd, batch)
+
+
+def _writev_some(fd: int, batch: list[memoryview]) -> None:
+    while batch:
+        n = os.writev(fd, batch)
+        while batch and n >= batch[0].nbytes:
+            n -= batch[0].nbytes
+            batch = batch[1:]
+        if batch and n:
+            batch[0] = batch[0][n:]
+
+
+class LogFile:
+    """The writer's side of one log: the open generation, a snapshot being written, counters.
+
+    Args:
+        data_dir: the log's directory.
+        generation: the generation to append to (its file exists, ``offset`` bytes long).
+        offset: where appending goes on (the end of its last good record).
+        fsync: ``always``, ``interval`` or ``never``.
+        fsync_interval_s: with ``interval``, the longest a written record stays un-fsynced.
+    """
+
+    def __init__(
+        self, data_dir: str, generation: int, offset: int, fsync: str, fsync_interval_s: float
+    ) -> None:
+        self.data_dir = data_dir
+        self.generation = generation
+        self.fsync = fsync
+        self.fsync_interval_s = fsync_interval_s
+        self.fd = os.open(log_path(data_dir, generation), os.O_WRONLY)
+        os.lseek(self.fd, offset, os.SEEK_SET)
+        self.file_bytes = offset
+        self.written = self.synced = 0  # sequence numbers
+        self.written_bytes = 0  # frame bytes of the records written (the server's measure)
+        self.compactions = 0
+        self.last_sync = time.monotonic()
+        self._tmp_fd = -1  # the snapshot of a compaction in progress
+        self._tmp_bytes = 0
+
+    def progress(self) -> bytes:
+        """The progress report (``PROGRESS`` after ``b"p"``)."""
+        return b"p" + PROGRESS.pack(
+            self.written,
+            self.synced,
+            self.written_bytes,
+            self.generation,
+            self.file_bytes,
+            self.compactions,
+        )
+
+    def handle(self, kind: bytes, seq: int, frames: list[Any]) -> None:
+        """Apply one message of the server (``RECORD``, ``SNAPSHOT`` or ``SWITCH``)."""
+        if kind == RECORD:
+            buffers, n = frame_record(frames)
+            writev_all(self.fd, buffers)
+            self.file_bytes += n
+        elif kind == SNAPSHOT:
+            if self._tmp_fd < 0:
+                self._open_snapshot()
+            buffers, n = frame_record(frames)
+            writev_all(self._tmp_fd, buffers)
+            self._tmp_bytes += n
+        elif kind == SWITCH:
+            if self._tmp_fd < 0:
+                self._open_snapshot()  # an empty store: the snapshot is the file header
+            self._switch()
+        else:
+            raise ValueError(f"unknown message kind {kind!r} from the queue server")
+        self.written_bytes += sum(memoryview(f).nbytes for f in frames)
+        if seq:
+            assert seq == self.written + 1, (seq, self.written)
+            self.written = seq
+            if kind == SWITCH:  # everything up to here is in the fsynced snapshot
+                self.synced = seq
+
+    def sync_due(self, closing: bool) -> bool:
+        """Whether the records written so far are to be fsynced now."""
+        if self.synced >= self.written:
+            return False
+        return (
+            closing
+            or self.fsync == "always"
+            or (
+                self.fsync == "interval"
+                and time.monotonic() - self.last_sync >= self.fsync_interval_s
+            )
+        )
+
+    def sync(self) -> None:
+        """fsync the current generation; ``synced`` catches up with ``written``."""
+        os.fsync(self.fd)
+        self.last_sync = time.monotonic()
+        self.synced = self.written
+
+    def next_sync_s(self) -> float | None:
+        """Seconds until the ``interval`` fsync of what is written (None: none due)."""
+        if self.fsync != "interval" or self.synced >= self.written:
+            return None
+        return max(0.0, self.last_sync + self.fsync_interval_s - time.monotonic())
+
+    def close(self) -> None:
+        """Close the files (a snapshot not switched to is left as ``.tmp``: replay removes it)."""
+        if self._tmp_fd >= 0:
+            os.close(self._tmp_fd)
+            self._tmp_fd = -1
+        os.close(self.fd)
+
+    def _open_snapshot(self) -> None:
+        tmp = log_path(self.data_dir, self.generation + 1) + ".tmp"
+        self._tmp_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(self._tmp_fd, FILE_MAGIC)
+        self._tmp_bytes = len(FILE_MAGIC)
+
+    def _switch(self) -> None:
+        generation = self.generation + 1
+        path = log_path(self.data_dir, generation)
+        os.fsync(self._tmp_fd)
+        os.rename(path + ".tmp", path)
+        fsync_dir(self.data_dir)
+        old_fd, old_path = self.fd, log_path(self.data_dir, self.generation)
+        self.fd, self.generation, self.file_bytes = self._tmp_fd, generation, self._tmp_bytes
+        self._tmp_fd = -1
+        os.close(old_fd)
+        os.unlink(old_path)
+        self.compactions += 1
+        self.last_sync = time.monotonic()
+
+
+def serve(sock: zmq.Socket, live_fd: int, log: LogFile) -> int:
+    """Write what the server sends until it says ``close`` (0) or is gone (0; what it sent last
+    may be unwritten: its replies were never sent). A failed write is reported (``b"e"``), 1."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(live_fd, zmq.POLLIN)
+    reported = (0, 0)  # (written, synced) of the last report
+    last_report = 0.0
+    closing = False
+    while not closing:
+        timeouts = [log.next_sync_s()]
+        if (log.written, log.synced) != reported:
+            timeouts.append(max(0.0, last_report + REPORT_S - time.monotonic()))
+        timeouts = [t for t in timeouts if t is not None]
+        ready = dict(poller.poll(int(min(timeouts) * 1000) + 1 if timeouts else None))
+        if ready.get(live_fd):  # the server is gone: nobody to report to
+            sock.setsockopt(zmq.LINGER, 0)
+            return 0
+        urgent = False
+        try:
+            for _ in range(DRAIN_MAX):
+                try:
+                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                kind, wait, seq = HEAD.unpack(msg[0].bytes)
+                if kind == CLOSE:
+                    closing = urgent = True
+                    break
+                log.handle(kind, seq, msg[1:])
+                urgent = urgent or bool(wait) or kind == SWITCH
+            if log.sync_due(closing):
+                log.sync()
+                urgent = True
+        except Exception as e:  # disk full, I/O error: the server must stop
+            logger.exception("[queue] the log writer failed")
+            sock.send(b"e" + f"{type(e).__name__}: {e}".encode())
+            return 1
+        now = time.monotonic()
+        if (log.written, log.synced) != reported and (urgent or now - last_report >= REPORT_S):
+            sock.send(log.progress())
+            reported, last_report = (log.written, log.synced), now
+        elif closing:
+            sock.send(log.progress())
+    log.close()
+    return 0
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that started it ends (Linux); exit if the parent
+    is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the liveness socket alone
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The writer process (see the module docstring); arguments come from ``DurableLog.start``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--live-fd", type=int, required=True)
+    parser.add_argument("--lock-fd", type=int, required=True)
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--generation", type=int, required=True)
+    parser.add_argument("--offset", type=int, required=True)
+    parser.add_argument("--fsync", choices=FSYNC_POLICIES, required=True)
+    parser.add_argument("--fsync-interval", type=float, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+    try:
+        os.nice(WRITER_NICE)
+    except OSError:  # not allowed: normal priority
+        pass
+    # args.lock_fd stays open (inherited) until this process exits: the data directory's lock.
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.RCVHWM, 0)  # the server bounds the lag (--log-lag), not zmq
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(args.endpoint)
+    try:
+        log = LogFile(args.data_dir, args.generation, args.offset, args.fsync, args.fsync_interval)
+    except OSError as e:
+        sock.send(b"e" + f"cannot open the log: {e}".encode())
+        return 1
+    sock.send(log.progress())  # ready
+    code = serve(sock, args.live_fd, log)
+    sock.close()
+    ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
