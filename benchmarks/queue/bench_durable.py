@@ -9,16 +9,17 @@
   ``--data-dir``); the time from the restart to the first answered request, the log replay time
   (from the server's log line), and what the new instance holds.
 
-* ``--paired N`` (W2 put cost only, issue 10): a memory-mode server, a durable one and a
-  memory-mode one beside a stand-in process that does the log writer's work (CRC32 and a write
-  of 341 KB, one W2 put's record, then 0.6 ms of sleep) live together, and the W2 put and get
-  phases go round-robin over them N rounds, so that the machine's load hits each alike; paired
-  medians against memory mode, the log bytes written during the put phase (a writer that gets
-  no CPU then moves its work into the acks of the get phase), the CPU of the durable server's
-  other threads (the writer) and of the stand-in during the put phase. One row is appended to
+* ``--paired N`` (the put cost, issue 10): a memory-mode server, a durable one and a memory-mode
+  one beside a stand-in process that does the log writer's work without the server (CRC32 and an
+  append of one W2 put's 341 KB to a growing file, from 64 distinct buffers, then 0.6 ms of
+  sleep, at the writer's nice 19) live together, and the W2 put and get phases (with ``--w1``,
+  also a W1 put and get) go round-robin over them N rounds, so that the machine's load hits
+  each alike; paired medians against memory mode, the log bytes written during the put phase (a
+  writer that gets no CPU then moves its work into the acks of the get phase), the CPU of the
+  log writer process (or the stand-in) during the put phase. One row is appended to
   queue_durable.jsonl (``"bench": "queue_durable_paired"``); the .md is left alone.
 
-Usage:  python benchmarks/queue/bench_durable.py [--quick | --paired N]
+Usage:  python benchmarks/queue/bench_durable.py [--quick | --paired N [--w1]]
 Rows are appended to benchmarks/results/queue_durable.jsonl; the table is written to
 benchmarks/results/queue_durable.md.
 """
@@ -135,79 +136,105 @@ def put_cost(tmp: pathlib.Path, reps: int, rounds: int, w2_reps: int) -> dict:
     return summary
 
 
-# The stand-in for the log writer's work, in its own process (no GIL shared with the server).
+# The stand-in for the log writer's work, in its own process: CRC32 and an append of 341 KB (one
+# W2 put) from 64 distinct buffers (a log's data is not in the cache), truncated every ~1 GB.
 _STAND_IN = """
 import os, sys, time, zlib
-buf, n = memoryview(os.urandom(341_000)), 0
+bufs, n = [memoryview(os.urandom(341_000)) for _ in range(64)], 0
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-os.nice(19)  # as the writer thread
+os.nice(19)  # as the log writer
 while True:
+    buf = bufs[n % 64]
     zlib.crc32(buf)
     os.write(fd, buf)
     n += 1
-    if n % 300 == 0:
+    if n % 3000 == 0:
+        os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
     time.sleep(0.0006)
 """
 
 
-def _thread_cpu_ms(pid: int) -> dict[str, float]:
-    """On-CPU milliseconds of each thread of ``pid`` (/proc schedstat): main, zmq, other."""
-    out = {"main": 0.0, "zmq": 0.0, "other": 0.0}
+def _cpu_ms(pid: int) -> float:
+    """On-CPU milliseconds of all threads of ``pid`` (/proc schedstat)."""
+    total = 0.0
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = (task / "comm").read_text().strip()
-            run_ns = int((task / "schedstat").read_text().split()[0])
+            total += int((task / "schedstat").read_text().split()[0]) / 1e6
         except (OSError, ValueError):
             continue
-        kind = "main" if task.name == str(pid) else "zmq" if name.startswith("ZMQ") else "other"
-        out[kind] += run_ns / 1e6
-    return out
+    return total
 
 
-def paired(tmp: pathlib.Path, rounds: int) -> dict:
-    """W2 put and get phases round-robin over live servers (see the module docstring)."""
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _written(pid: int | None) -> int:
+    """Bytes ``pid`` wrote so far (its log writes, snapshots included: /proc io wchar)."""
+    if pid is None:
+        return 0
+    for line in pathlib.Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no wchar for pid {pid}")
+
+
+def paired(tmp: pathlib.Path, rounds: int, w1: bool) -> dict:
+    """W2 (and W1) put and get phases round-robin over live servers (the module docstring)."""
     from services.queue.client import QueueClient
 
     modes = {"memory": (), "durable interval": ("--data-dir", str(tmp / "paired")), "stand-in": ()}
     batches = [workloads.jagged(b) for b in bench_queue._w2_batches()]
+    w1_fields = workloads.jagged(bench_queue._w1(0))
+    w1_keys = [f"s{j}" for j in range(workloads.W1_SAMPLES)]
     n = workloads.W2_BATCH
     servers, clients, stand_in = {}, {}, None
-    res = {m: {"put": [], "get": [], "log_mb": [], "other_cpu_ms": []} for m in modes}
+    keys = ("put", "get", "log_mb", "writer_cpu_ms", "w1_put", "w1_get", "w1_log_mb")
+    res = {m: {k: [] for k in keys} for m in modes}
     try:
         for mode, args in modes.items():
             servers[mode] = Server(tmp, f"tcp://127.0.0.1:{_free_port()}", args)
             clients[mode] = QueueClient(servers[mode].address, timeout_s=120, shm="never")
             clients[mode].hello()
+        (writer,) = _children(servers["durable interval"].proc.pid)
         stand_in = subprocess.Popen([sys.executable, "-c", _STAND_IN, str(tmp / "stand-in")])
         os.kill(stand_in.pid, signal.SIGSTOP)
         for r in range(rounds + 1):  # round 0 warms up
             for mode, client in clients.items():
+                out = res[mode] if r else {k: [] for k in keys}
                 if mode == "stand-in":
                     os.kill(stand_in.pid, signal.SIGCONT)
-                log0 = sum(f.stat().st_size for f in (tmp / "paired").glob("log.*"))
-                pid = stand_in.pid if mode == "stand-in" else servers[mode].proc.pid
-                cpu0 = _thread_cpu_ms(pid)
+                pid = {"stand-in": stand_in.pid, "durable interval": writer}.get(mode)
+                log0, cpu0 = _written(pid), _cpu_ms(pid) if pid else 0.0
                 t = time.perf_counter()
                 for b, fields in enumerate(batches):
                     client.put(f"p{r}", [f"b{b}-{j}" for j in range(n)], fields)
-                put_s = time.perf_counter() - t
-                cpu1 = _thread_cpu_ms(pid)
-                log1 = sum(f.stat().st_size for f in (tmp / "paired").glob("log.*"))
+                out["put"].append(time.perf_counter() - t)
+                out["writer_cpu_ms"].append(_cpu_ms(pid) - cpu0 if pid else 0.0)
+                out["log_mb"].append((_written(pid) - log0) / 1e6)
                 t = time.perf_counter()
                 for _ in batches:
                     got = client.claim(f"p{r}", "bench", bench_queue.FIELDS, n, timeout_s=5)
                     client.ack(f"p{r}", "bench", got["lease_id"])
-                get_s = time.perf_counter() - t
+                out["get"].append(time.perf_counter() - t)
+                client.clear(f"p{r}")
+                if w1:
+                    log0 = _written(pid)
+                    t = time.perf_counter()
+                    client.put(f"w1_{r}", w1_keys, w1_fields)
+                    out["w1_put"].append(time.perf_counter() - t)
+                    out["w1_log_mb"].append((_written(pid) - log0) / 1e6)
+                    t = time.perf_counter()
+                    got = client.claim(
+                        f"w1_{r}", "bench", bench_queue.FIELDS, len(w1_keys), timeout_s=5
+                    )
+                    client.ack(f"w1_{r}", "bench", got["lease_id"])
+                    out["w1_get"].append(time.perf_counter() - t)
+                    del got
+                    client.clear(f"w1_{r}")
                 if mode == "stand-in":
                     os.kill(stand_in.pid, signal.SIGSTOP)
-                client.clear(f"p{r}")
-                if r:
-                    res[mode]["put"].append(put_s)
-                    res[mode]["get"].append(get_s)
-                    res[mode]["log_mb"].append((log1 - log0) / 1e6 if mode != "memory" else 0)
-                    key = "main" if mode == "stand-in" else "other"  # the writer's CPU
-                    res[mode]["other_cpu_ms"].append(cpu1[key] - cpu0[key])
     finally:
         if stand_in is not None:
             stand_in.kill()
@@ -217,18 +244,30 @@ def paired(tmp: pathlib.Path, rounds: int) -> dict:
             server.stop()
     out = {}
     base = res["memory"]
+
+    def vs_memory(mode: str, key: str) -> float:
+        return statistics.median(a / b for a, b in zip(res[mode][key], base[key])) - 1
+
     for mode, r in res.items():
         total = [p + g for p, g in zip(r["put"], r["get"])]
         base_total = [p + g for p, g in zip(base["put"], base["get"])]
         out[mode] = {
             "w2_put_ms": statistics.median(r["put"]) * 1e3,
             "w2_get_ms": statistics.median(r["get"]) * 1e3,
-            "put_vs_memory": statistics.median(a / b for a, b in zip(r["put"], base["put"])) - 1,
-            "get_vs_memory": statistics.median(a / b for a, b in zip(r["get"], base["get"])) - 1,
+            "put_vs_memory": vs_memory(mode, "put"),
+            "get_vs_memory": vs_memory(mode, "get"),
             "put_get_vs_memory": statistics.median(a / b for a, b in zip(total, base_total)) - 1,
             "log_mb_during_put": statistics.median(r["log_mb"]),
-            "writer_cpu_ms_during_put": statistics.median(r["other_cpu_ms"]),
+            "writer_cpu_ms_during_put": statistics.median(r["writer_cpu_ms"]),
         }
+        if w1:
+            out[mode].update(
+                w1_put_ms=statistics.median(r["w1_put"]) * 1e3,
+                w1_get_ms=statistics.median(r["w1_get"]) * 1e3,
+                w1_put_vs_memory=vs_memory(mode, "w1_put"),
+                w1_get_vs_memory=vs_memory(mode, "w1_get"),
+                w1_log_mb_during_put=statistics.median(r["w1_log_mb"]),
+            )
     return out
 
 
@@ -322,10 +361,11 @@ def main() -> int:
     parser.add_argument(
         "--paired", type=int, default=0, metavar="N", help="only the paired W2 rounds (N)"
     )
+    parser.add_argument("--w1", action="store_true", help="--paired: W1 rounds too")
     parser.add_argument("--note", default="", help="free text stored with the --paired row")
     args = parser.parse_args()
     if args.paired:
-        return _paired_main(args.paired, args.note)
+        return _paired_main(args.paired, args.w1, args.note)
     reps = args.reps or (1 if args.quick else 3)
     rounds = 3 if args.quick else 5
     w2_reps = 1 if args.quick else 2
@@ -373,14 +413,14 @@ def main() -> int:
     return 0
 
 
-def _paired_main(rounds: int, note: str) -> int:
+def _paired_main(rounds: int, w1: bool, note: str) -> int:
     import torch
 
     torch.set_num_threads(1)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-durable-"))
     load0 = os.getloadavg()
     try:
-        out = paired(tmp, rounds)
+        out = paired(tmp, rounds, w1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     load1 = os.getloadavg()
@@ -393,7 +433,7 @@ def _paired_main(rounds: int, note: str) -> int:
     )
     print(
         "| W2 | put ms | put vs memory | get ms | get vs memory | put+get vs memory "
-        "| log MB written during put | writer (stand-in) CPU ms during put |"
+        "| log MB written during put | log writer (stand-in) CPU ms during put |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for mode, r in out.items():
@@ -403,6 +443,18 @@ def _paired_main(rounds: int, note: str) -> int:
             f"| {r['get_vs_memory']:+.0%} | {r['put_get_vs_memory']:+.0%} "
             f"| {r['log_mb_during_put']:.1f} | {r['writer_cpu_ms_during_put']:.1f} |"
         )
+    if w1:
+        print(
+            "\n| W1 | put ms | put vs memory | get ms | get vs memory | log MB written during put |"
+        )
+        print("|---|---|---|---|---|---|")
+        for mode, r in out.items():
+            label = "memory + stand-in writer process" if mode == "stand-in" else mode
+            print(
+                f"| {label} | {r['w1_put_ms']:.1f} | {r['w1_put_vs_memory']:+.0%} "
+                f"| {r['w1_get_ms']:.1f} | {r['w1_get_vs_memory']:+.0%} "
+                f"| {r['w1_log_mb_during_put']:.1f} |"
+            )
     row = {
         "bench": "queue_durable_paired",
         "commit": commit,
