@@ -60,6 +60,8 @@ from services.queue.log_writer import (
     FILE_MAGIC,
     FSYNC_POLICIES,
     HEAD,
+    OPEN,
+    OPEN_BODY,
     PROGRESS,
     RECORD,
     RECORD_HEAD,
@@ -226,6 +228,8 @@ class DurableLog:
         self._sock: zmq.Socket | None = None
         self._live: socket.socket | None = None  # EOF once the writer exited
         self._live_poll = select.poll()
+        self._ipc_dir = ""
+        self._opened = False  # the writer appends (``start`` returned)
         self._closing = False
 
     @property
@@ -236,8 +240,8 @@ class DurableLog:
     # ---------------------------------------------------------------- recovery
 
     def replay(self, apply: Callable[[dict[str, Any]], None]) -> Replay:
-        """Lock the directory, apply every good record of the newest log to ``apply`` and truncate
-        a torn tail (call once, before ``start``).
+        """Lock the directory, start the writer process, apply every good record of the newest
+        log to ``apply`` and truncate a torn tail (call once, then ``start``).
 
         Args:
             apply: called with each record body (``op`` and its fields), in log order.
@@ -252,9 +256,10 @@ class DurableLog:
         self._lock()
         t0 = time.perf_counter()
         try:
+            self._spawn()  # it starts while the log is read
             out = self._replay(apply)
         except BaseException:
-            self._unlock()
+            self._release()
             raise
         out.seconds = time.perf_counter() - t0
         return out
@@ -338,8 +343,38 @@ class DurableLog:
 
     # ---------------------------------------------------------------- appending
 
+    def _spawn(self) -> None:
+        """Start the writer process; it connects while the server replays (then ``start``)."""
+        self._ctx = zmq.Context(io_threads=1)  # the log's copies off the clients' I/O thread
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # the server bounds the lag (--log-lag), not zmq
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._ipc_dir = tempfile.mkdtemp(prefix="xtoken-log-")  # 0700: only this user connects
+        endpoint = f"ipc://{self._ipc_dir}/writer"
+        self._sock.bind(endpoint)
+        self._live, child_live = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "services.queue.log_writer", "--endpoint", endpoint]
+        cmd += ["--parent-pid", str(os.getpid()), "--live-fd", str(child_live.fileno())]
+        cmd += ["--lock-fd", str(self._lock_fd), "--data-dir", self.data_dir]
+        cmd += ["--fsync", self.fsync, "--fsync-interval", repr(self.fsync_interval_s)]
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                pass_fds=(child_live.fileno(), self._lock_fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child_live.close()
+        self.writer_pid = self._proc.pid
+        self._live_poll.register(self._live, select.POLLIN)
+
     def start(self) -> None:
-        """Start the writer process (after ``replay``) and wait until it is connected.
+        """Have the writer (started by ``replay``) open the log where the replay ended, and wait
+        until it did.
 
         Call it from the thread that lives as long as the log (the main thread): on Linux the
         writer is killed when that thread ends (``PR_SET_PDEATHSIG``).
@@ -347,52 +382,38 @@ class DurableLog:
         Raises:
             RuntimeError: the writer did not start (its output is in the server's log).
         """
-        assert self._lock_fd >= 0 and self._proc is None, "replay first, then start once"
-        self._ctx = zmq.Context(io_threads=1)  # the log's copies off the clients' I/O thread
-        self._sock = self._ctx.socket(zmq.PAIR)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # the server bounds the lag (--log-lag), not zmq
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        tmp = tempfile.mkdtemp(prefix="xtoken-log-")  # 0700: only this user can connect
-        self._live, child_live = socket.socketpair()
+        assert self._proc is not None and not self._opened, "replay first, then start once"
+        deadline = time.monotonic() + WRITER_START_S
+        opening = [HEAD.pack(OPEN, 1, 0), OPEN_BODY.pack(self.generation, self.file_bytes)]
         try:
-            endpoint = f"ipc://{tmp}/writer"
-            self._sock.bind(endpoint)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
-            cmd = [sys.executable, "-m", "services.queue.log_writer", "--endpoint", endpoint]
-            cmd += ["--parent-pid", str(os.getpid()), "--live-fd", str(child_live.fileno())]
-            cmd += ["--lock-fd", str(self._lock_fd), "--data-dir", self.data_dir]
-            cmd += ["--generation", str(self.generation), "--offset", str(self.file_bytes)]
-            cmd += ["--fsync", self.fsync, "--fsync-interval", repr(self.fsync_interval_s)]
-            self._proc = subprocess.Popen(
-                cmd,
-                pass_fds=(child_live.fileno(), self._lock_fd),
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-            self.writer_pid = self._proc.pid
-            child_live.close()
-            self._live_poll.register(self._live, select.POLLIN)
-            deadline = time.monotonic() + WRITER_START_S
+            while True:
+                try:  # a PAIR socket refuses until its peer connected
+                    self._sock.send_multipart(opening, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    self._check_starting(deadline)
+                    time.sleep(0.005)
             while not self._sock.poll(100):
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    self._proc.kill()
-                    raise RuntimeError(
-                        f"the log writer of {self.data_dir} did not start "
-                        f"(exit code {self._proc.wait()}); its output is above"
-                    )
+                self._check_starting(deadline)
             self._take(self._sock.recv())
             if self.error is not None:
                 raise self.error
         except BaseException:
-            child_live.close()
             self._release()
             raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # connected: nobody else can connect
+        self._opened = True
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)  # connected: nobody else can connect
+        self._ipc_dir = ""
         self._write_holders()
         logger.info("[queue] log writer pid %d appends to %s", self.writer_pid, self.data_dir)
+
+    def _check_starting(self, deadline: float) -> None:
+        if self._proc.poll() is not None or time.monotonic() > deadline:
+            self._proc.kill()
+            raise RuntimeError(
+                f"the log writer of {self.data_dir} did not start (exit code "
+                f"{self._proc.wait()}, {WRITER_START_S:g}s at most); its output is above"
+            )
 
     def pollables(self) -> list[Any]:
         """What the server's poller watches: the writer's reports, and its end (EOF)."""
@@ -491,7 +512,7 @@ class DurableLog:
     def close(self) -> None:
         """Have the writer write and fsync everything appended, and exit; release the lock."""
         proc = self._proc
-        if proc is not None and not self._closing and self.error is None:
+        if self._opened and not self._closing and self.error is None:
             self._closing = True
             try:
                 self._sock.send(HEAD.pack(CLOSE, 1, 0), zmq.NOBLOCK)
@@ -512,11 +533,14 @@ class DurableLog:
         """Stop the writer (waiting for it to exit), close the sockets, release the lock."""
         if self._proc is not None:
             try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
+                self._proc.wait(5 if self._opened else 0)
+            except subprocess.TimeoutExpired:  # never opened, or stuck
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = ""
         if self._sock is not None:
             self._sock.close(linger=0)
             self._ctx.term()

@@ -1,14 +1,15 @@
 """The durable log's writer process: frames, checksums, writes and fsyncs the records its server sends.
 
-Started by ``DurableLog.start`` (durable.py) as ``python -m services.queue.log_writer``, never by
-hand. It imports neither torch nor the wire codec (a record's frames are written as received),
-so it starts in a few tens of milliseconds and its CPU work (CRC32 and the copy into the page
+Started by ``DurableLog.replay`` (durable.py) as ``python -m services.queue.log_writer``, never by
+hand, so that it starts while the log is read. It imports neither torch nor the wire codec (a
+record's frames are written as received), and its CPU work (CRC32 and the copy into the page
 cache) runs beside the server's event loop, never under its GIL.
 
 Messages over one zmq PAIR socket (ipc, in a private directory the server removes once the
 writer connected):
 
     server -> writer   [head, *frames]   head = kind u8 | urgent u8 | seq u64 (little-endian)
+        o  open (first, once the server replayed the log): generation, end offset (u64 each)
         r  a record: its frames (wire encoding), written to the current generation
         s  a record of a snapshot: written to the next generation's ``.tmp`` file
         g  switch to that snapshot (``seq``: the compaction); fsync, rename, remove the old file
@@ -49,7 +50,9 @@ RECORD_HEAD = struct.Struct("<4sIQ")
 FSYNC_POLICIES = ("always", "interval", "never")
 # server -> writer: kind, urgent, sequence number
 HEAD = struct.Struct("<cBQ")
-RECORD, SNAPSHOT, SWITCH, CLOSE = b"r", b"s", b"g", b"c"
+OPEN, RECORD, SNAPSHOT, SWITCH, CLOSE = b"o", b"r", b"s", b"g", b"c"
+# after OPEN: the generation to append to, and the offset of its end
+OPEN_BODY = struct.Struct("<QQ")
 # writer -> server after b"p": written, synced, written_bytes, generation, file_bytes, compactions
 PROGRESS = struct.Struct("<6Q")
 # writev takes at most this many buffers at once (IOV_MAX is 1024 on Linux).
@@ -303,15 +306,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The writer process (see the module docstring); arguments come from ``DurableLog.start``."""
+    """The writer process (see the module docstring); arguments come from ``DurableLog``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--live-fd", type=int, required=True)
     parser.add_argument("--lock-fd", type=int, required=True)
     parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--generation", type=int, required=True)
-    parser.add_argument("--offset", type=int, required=True)
     parser.add_argument("--fsync", choices=FSYNC_POLICIES, required=True)
     parser.add_argument("--fsync-interval", type=float, required=True)
     args = parser.parse_args(argv)
@@ -332,8 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, 5000)
     sock.connect(args.endpoint)
+    # started while the server replays: where to append comes once it is done
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(args.live_fd, zmq.POLLIN)
+    if args.live_fd in dict(poller.poll()):
+        return 0
+    msg = sock.recv_multipart()
+    kind, _, _ = HEAD.unpack(msg[0])
+    if kind != OPEN:
+        raise ValueError(f"message kind {kind!r} before open from the queue server")
+    generation, offset = OPEN_BODY.unpack(msg[1])
     try:
-        log = LogFile(args.data_dir, args.generation, args.offset, args.fsync, args.fsync_interval)
+        log = LogFile(args.data_dir, generation, offset, args.fsync, args.fsync_interval)
     except OSError as e:
         sock.send(b"e" + f"cannot open the log: {e}".encode())
         return 1
