@@ -18,9 +18,11 @@ removes ``log.<g>``: replay reads the newest complete generation, which is alway
 followed by the changes made after it.
 
 Records are written by a writer process (log_writer.py), in the order they were appended: the
-server's loop hands it each record's frames over a zmq PAIR socket (large frames zero-copy: zmq's
-I/O thread copies them out, not the loop), and the writer computes the CRC, writes, fsyncs and
-reports back. ``written`` (a sequence number) says how far the OS has the records (they survive
+server's loop sends it each record over a zmq PAIR socket, small frames copied, large ones as
+their address and length: the writer reads them from the server's memory (``process_vm_readv``;
+the server keeps them until they are written), or, where the OS does not allow that, they are
+sent zero-copy (this log's zmq I/O thread copies them out, not the loop). The writer computes
+the CRC, writes, fsyncs and reports back. ``written`` (a sequence number) says how far the OS has the records (they survive
 a SIGKILL of the server), ``synced`` how far they were fsynced (they survive a crash of the
 machine). The fsync policy: ``always`` (fsync before ``synced`` moves; group commit),
 ``interval`` (every ``fsync_interval_s``), ``never`` (the OS writes back on its own).
@@ -35,6 +37,8 @@ without answering a change it could not log.
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import fcntl
 import logging
 import os
@@ -87,6 +91,7 @@ LOCK_WAIT_S = 5.0
 # How long the writer may take to start and connect, and to finish what was appended at close.
 WRITER_START_S = 30.0
 CLOSE_S = 60.0
+_PR_SET_PTRACER = 0x59616D61
 # The directory holding the ``services`` package: the writer process imports it from there.
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -189,6 +194,9 @@ class DurableLog:
         fsync: ``always``, ``interval`` or ``never`` (see the module docstring).
         fsync_interval_s: with ``interval``, the longest a written record stays un-fsynced.
         lock_wait_s: how long ``replay`` waits for the directory's lock.
+        remote_reads: let the writer read large frames from this process's memory where the
+            OS allows it (``log_writer.RemoteReader``); False sends every frame through the
+            socket.
 
     Raises:
         ValueError: an unknown fsync policy or a non-positive interval.
@@ -201,6 +209,7 @@ class DurableLog:
         fsync: str = "interval",
         fsync_interval_s: float = 1.0,
         lock_wait_s: float = LOCK_WAIT_S,
+        remote_reads: bool = True,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync={fsync!r}: use one of {FSYNC_POLICIES} (--fsync)")
@@ -228,6 +237,10 @@ class DurableLog:
         self._sock: zmq.Socket | None = None
         self._live: socket.socket | None = None  # EOF once the writer exited
         self._live_poll = select.poll()
+        self.remote_reads = remote_reads
+        self._remote = False  # the writer reads large frames from this process's memory
+        # records whose frames the writer reads from here: (seq written when done, frames)
+        self._held: collections.deque[tuple[int, list[Any]]] = collections.deque()
         self._ipc_dir = ""
         self._opened = False  # the writer appends (``start`` returned)
         self._closing = False
@@ -370,6 +383,11 @@ class DurableLog:
         finally:
             child_live.close()
         self.writer_pid = self._proc.pid
+        if self.remote_reads:  # Yama (ptrace_scope 1) lets a process read only its descendants
+            try:
+                ctypes.CDLL(None).prctl(_PR_SET_PTRACER, self._proc.pid, 0, 0, 0)
+            except AttributeError:  # not Linux: the writer's probe fails, frames go inline
+                pass
         self._live_poll.register(self._live, select.POLLIN)
 
     def start(self) -> None:
@@ -384,7 +402,12 @@ class DurableLog:
         """
         assert self._proc is not None and not self._opened, "replay first, then start once"
         deadline = time.monotonic() + WRITER_START_S
-        opening = [HEAD.pack(OPEN, 1, 0), OPEN_BODY.pack(self.generation, self.file_bytes)]
+        probe = bytearray(os.urandom(64) if self.remote_reads else b"")
+        address = ctypes.addressof((ctypes.c_char * len(probe)).from_buffer(probe)) if probe else 0
+        body = OPEN_BODY.pack(
+            self.generation, self.file_bytes, address, len(probe), zlib.crc32(probe)
+        )
+        opening = [HEAD.pack(OPEN, 1, 0), body]
         try:
             while True:
                 try:  # a PAIR socket refuses until its peer connected
@@ -395,9 +418,11 @@ class DurableLog:
                     time.sleep(0.005)
             while not self._sock.poll(100):
                 self._check_starting(deadline)
-            self._take(self._sock.recv())
-            if self.error is not None:
-                raise self.error
+            ready = self._sock.recv()
+            if ready[:1] != b"o":
+                self._take(ready)  # what failed
+                raise self.error or RuntimeError(f"unexpected {ready[:1]!r} from the log writer")
+            self._remote = self.remote_reads and ready[1:] == b"\x01"
         except BaseException:
             self._release()
             raise
@@ -405,7 +430,12 @@ class DurableLog:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # connected: nobody else can connect
         self._ipc_dir = ""
         self._write_holders()
-        logger.info("[queue] log writer pid %d appends to %s", self.writer_pid, self.data_dir)
+        logger.info(
+            "[queue] log writer pid %d appends to %s (large frames %s)",
+            self.writer_pid,
+            self.data_dir,
+            "read from this process's memory" if self._remote else "through the socket",
+        )
 
     def _check_starting(self, deadline: float) -> None:
         if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -454,19 +484,34 @@ class DurableLog:
         if kind != SNAPSHOT:
             self.appended += 1
             seq = self.appended
-        sizes = [memoryview(f).nbytes for f in frames]
-        self._appended_bytes += sum(sizes)
-        # frame by frame: send_multipart costs 3x as much; zmq's I/O thread copies the large
-        # ones out (zero-copy here), a zmq.Frame received from a client is passed on as is
+        parts: list[int] = []  # (address, length) per frame; address 0: sent inline
+        inline = []
+        for frame in frames:
+            view = memoryview(frame)
+            address = 0
+            if self._remote and view.nbytes >= COPY_BELOW and view.c_contiguous:
+                try:
+                    address = ctypes.addressof((ctypes.c_char * view.nbytes).from_buffer(view))
+                except TypeError:  # read-only
+                    pass
+            if not address:
+                inline.append((frame, view.nbytes))
+            parts += (address, view.nbytes)
+        self._appended_bytes += sum(parts[1::2])
         send = self._sock.send
         try:  # a PAIR socket without its peer would block: the writer is gone
-            send(HEAD.pack(kind, urgent, seq), zmq.NOBLOCK | (zmq.SNDMORE if frames else 0))
+            send(HEAD.pack(kind, urgent, seq), zmq.NOBLOCK | zmq.SNDMORE)
         except zmq.Again:
             self._writer_gone()
             raise RuntimeError(f"the queue log in {self.data_dir} failed: {self.error}") from None
-        last = len(frames) - 1
-        for i, (frame, size) in enumerate(zip(frames, sizes)):
+        # frame by frame: send_multipart costs 3x as much; a large inline frame goes zero-copy
+        # (this log's zmq I/O thread copies it out), a zmq.Frame from a client as it is
+        send(struct.pack(f"<{len(parts)}Q", *parts), zmq.SNDMORE if inline else 0)
+        last = len(inline) - 1
+        for i, (frame, size) in enumerate(inline):
             send(frame, zmq.SNDMORE if i < last else 0, copy=size < COPY_BELOW)
+        if len(inline) < len(frames):  # the writer reads the others where they are: keep them
+            self._held.append((seq or self.appended + 1, frames))  # a snapshot's: its switch
         return seq
 
     def durable(self, seq: int, synced: bool) -> bool:
@@ -500,6 +545,9 @@ class DurableLog:
                 self.file_bytes,
                 self.compactions,
             ) = PROGRESS.unpack(msg[1:])
+            held = self._held
+            while held and held[0][0] <= self.written:
+                held.popleft()
         else:
             self._fail(f"the log writer (pid {self.writer_pid}) failed: {msg[1:].decode()}")
 
@@ -538,6 +586,7 @@ class DurableLog:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+        self._held.clear()  # the writer is gone: nothing reads them any more
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = ""

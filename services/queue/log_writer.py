@@ -9,15 +9,21 @@ Messages over one zmq PAIR socket (ipc, in a private directory the server remove
 writer connected):
 
     server -> writer   [head, *frames]   head = kind u8 | urgent u8 | seq u64 (little-endian)
-        o  open (first, once the server replayed the log): generation, end offset (u64 each)
-        r  a record: its frames (wire encoding), written to the current generation
-        s  a record of a snapshot: written to the next generation's ``.tmp`` file
+        o  open (first, once the server replayed the log): ``OPEN_BODY``
+        r  a record, written to the current generation: [head, parts, *inline frames]; parts
+           = (address u64, length u64) per frame of the record, address 0 for the next inline
+           frame, else the frame is read from the server's memory (``RemoteReader``)
+        s  a record of a snapshot, as ``r``: written to the next generation's ``.tmp`` file
         g  switch to that snapshot (``seq``: the compaction); fsync, rename, remove the old file
         c  close: write what came before, fsync, report, exit 0
-    writer -> server   b"p" + PROGRESS (written, synced, written_bytes, generation, file_bytes,
-                       compactions) after records somebody waits for (``urgent``), an fsync or a
-                       switch, else at most every ``REPORT_S``; b"e" + text when writing failed
-                       (then it exits 1).
+    writer -> server   b"o" + u8 once open (1: it reads the server's memory; 0: the server sends
+                       every frame inline); b"p" + PROGRESS (written, synced, written_bytes,
+                       generation, file_bytes, compactions) after records somebody waits for
+                       (``urgent``), an fsync or a switch, else at most every ``REPORT_S``;
+                       b"e" + text when writing failed (then it exits 1).
+
+The server keeps a record's frames alive until the writer reports it written, so an address it
+sent stays valid (and unchanged: stored samples are never written to) while the writer reads.
 
 The writer dies with its server: ``PR_SET_PDEATHSIG`` (Linux) kills it when the thread that
 started it ends, and it exits once its end of the liveness socket pair reads EOF (the server's end
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -51,8 +58,9 @@ FSYNC_POLICIES = ("always", "interval", "never")
 # server -> writer: kind, urgent, sequence number
 HEAD = struct.Struct("<cBQ")
 OPEN, RECORD, SNAPSHOT, SWITCH, CLOSE = b"o", b"r", b"s", b"g", b"c"
-# after OPEN: the generation to append to, and the offset of its end
-OPEN_BODY = struct.Struct("<QQ")
+# after OPEN: the generation to append to, the offset of its end, and a probe of the server's
+# memory (address, length, crc32) that says whether ``RemoteReader`` may be used
+OPEN_BODY = struct.Struct("<QQQQI")
 # writer -> server after b"p": written, synced, written_bytes, generation, file_bytes, compactions
 PROGRESS = struct.Struct("<6Q")
 # writev takes at most this many buffers at once (IOV_MAX is 1024 on Linux).
@@ -74,20 +82,98 @@ def log_path(data_dir: str, generation: int) -> str:
     return os.path.join(data_dir, f"log.{generation:016d}")
 
 
-def frame_record(frames: list[Any]) -> tuple[list[Any], int]:
-    """The on-disk buffers of one record: head, frame table, frames; with the CRC computed.
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
-    Returns:
-        ``(buffers, nbytes)``.
+
+class RemoteReader:
+    """Reads the server's memory (``process_vm_readv``) into one reusable buffer: a record's
+    large frames are copied once, by the writer, instead of through a socket (a copy in each
+    process's zmq I/O thread).
+
+    Args:
+        pid: the server's pid (it allowed this process with ``PR_SET_PTRACER`` where Yama asks).
+        size: the buffer's bytes (the most one ``read`` returns).
+
+    Raises:
+        OSError: the C library has no ``process_vm_readv`` (not Linux).
     """
-    views = [memoryview(f).cast("B") for f in frames]
-    table = struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views))
+
+    def __init__(self, pid: int, size: int = WRITE_CHUNK) -> None:
+        self.pid = pid
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._base = ctypes.addressof((ctypes.c_char * size).from_buffer(self._buf))
+        try:
+            readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+        except AttributeError:
+            raise OSError(errno.ENOSYS, "no process_vm_readv in the C library") from None
+        readv.restype = ctypes.c_ssize_t
+        iov = ctypes.POINTER(_IOVec)
+        readv.argtypes = [ctypes.c_int, iov, ctypes.c_ulong, iov, ctypes.c_ulong, ctypes.c_ulong]
+        self._readv = readv
+
+    def read(self, address: int, n: int) -> memoryview:
+        """``n`` bytes (at most the buffer's size) of the server's memory at ``address``; the
+        view is valid until the next ``read``.
+
+        Raises:
+            OSError: not allowed (ptrace rules, seccomp) or the server is gone.
+        """
+        done = 0
+        while done < n:
+            local = _IOVec(self._base + done, n - done)
+            remote = _IOVec(address + done, n - done)
+            got = self._readv(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if got <= 0:
+                code = ctypes.get_errno() or errno.EIO
+                raise OSError(code, f"process_vm_readv of pid {self.pid}: {os.strerror(code)}")
+            done += got
+        return self._view[:n]
+
+
+def write_record(
+    fd: int, offset: int, parts: list[tuple[int, int]], inline: list[Any], reader: Any
+) -> int:
+    """Write one record at ``offset`` (the end of ``fd``'s file) and return its bytes.
+
+    Args:
+        parts: ``(address, length)`` per frame of the record: address 0 = the next of ``inline``,
+            else the frame is in the server's memory (read with ``reader``).
+        inline: the frames that came in the message.
+        reader: a ``RemoteReader`` (None when every frame is inline).
+
+    A record read from the server's memory is streamed: ``WRITE_CHUNK`` pieces are read,
+    checksummed and written while in the cache, then the head (with the CRC) is written over a
+    zeroed one. Until then the record reads as torn (no magic), so a crash in between leaves
+    nothing a replay would apply.
+    """
+    table = struct.pack(f"<I{len(parts)}Q", len(parts), *(n for _, n in parts))
+    length = len(table) + sum(n for _, n in parts)
     crc = zlib.crc32(table)
-    for v in views:
-        crc = zlib.crc32(v, crc)
-    length = len(table) + sum(v.nbytes for v in views)
-    head = RECORD_HEAD.pack(RECORD_MAGIC, crc, length)
-    return [head, table, *views], RECORD_HEAD.size + length
+    if all(address == 0 for address, _ in parts):  # in one writev, head first
+        views = [memoryview(f).cast("B") for f in inline]
+        for v in views:
+            crc = zlib.crc32(v, crc)
+        writev_all(fd, [RECORD_HEAD.pack(RECORD_MAGIC, crc, length), table, *views])
+        return RECORD_HEAD.size + length
+    pending: list[Any] = [bytes(RECORD_HEAD.size), table]
+    frames = iter(inline)
+    for address, n in parts:
+        if address == 0:
+            view = memoryview(next(frames)).cast("B")
+            crc = zlib.crc32(view, crc)
+            pending.append(view)
+            continue
+        for start in range(0, n, WRITE_CHUNK):
+            piece = reader.read(address + start, min(WRITE_CHUNK, n - start))
+            crc = zlib.crc32(piece, crc)
+            pending.append(piece)
+            writev_all(fd, pending)  # before the reader's buffer is read into again
+            pending = []
+    writev_all(fd, pending)
+    os.pwrite(fd, RECORD_HEAD.pack(RECORD_MAGIC, crc, length), offset)
+    return RECORD_HEAD.size + length
 
 
 def fsync_dir(path: str) -> None:
@@ -167,25 +253,28 @@ class LogFile:
             self.compactions,
         )
 
-    def handle(self, kind: bytes, seq: int, frames: list[Any]) -> None:
-        """Apply one message of the server (``RECORD``, ``SNAPSHOT`` or ``SWITCH``)."""
-        if kind == RECORD:
-            buffers, n = frame_record(frames)
-            writev_all(self.fd, buffers)
-            self.file_bytes += n
-        elif kind == SNAPSHOT:
-            if self._tmp_fd < 0:
-                self._open_snapshot()
-            buffers, n = frame_record(frames)
-            writev_all(self._tmp_fd, buffers)
-            self._tmp_bytes += n
-        elif kind == SWITCH:
+    def handle(self, kind: bytes, seq: int, frames: list[Any], reader: Any) -> None:
+        """Apply one message of the server (``RECORD``, ``SNAPSHOT`` or ``SWITCH``): ``frames``
+        are its frames after the head (``PARTS``, then the inline frames)."""
+        if kind == SWITCH:
             if self._tmp_fd < 0:
                 self._open_snapshot()  # an empty store: the snapshot is the file header
             self._switch()
+        elif kind in (RECORD, SNAPSHOT):
+            table = frames[0].bytes
+            flat = struct.unpack(f"<{len(table) // 8}Q", table)
+            parts = list(zip(flat[::2], flat[1::2]))
+            if kind == RECORD:
+                self.file_bytes += write_record(self.fd, self.file_bytes, parts, frames[1:], reader)
+            else:
+                if self._tmp_fd < 0:
+                    self._open_snapshot()
+                self._tmp_bytes += write_record(
+                    self._tmp_fd, self._tmp_bytes, parts, frames[1:], reader
+                )
+            self.written_bytes += sum(flat[1::2])
         else:
             raise ValueError(f"unknown message kind {kind!r} from the queue server")
-        self.written_bytes += sum(memoryview(f).nbytes for f in frames)
         if seq:
             assert seq == self.written + 1, (seq, self.written)
             self.written = seq
@@ -245,7 +334,7 @@ class LogFile:
         self.last_sync = time.monotonic()
 
 
-def serve(sock: zmq.Socket, live_fd: int, log: LogFile) -> int:
+def serve(sock: zmq.Socket, live_fd: int, log: LogFile, reader: RemoteReader | None) -> int:
     """Write what the server sends until it says ``close`` (0) or is gone (0; what it sent last
     may be unwritten: its replies were never sent). A failed write is reported (``b"e"``), 1."""
     poller = zmq.Poller()
@@ -274,7 +363,7 @@ def serve(sock: zmq.Socket, live_fd: int, log: LogFile) -> int:
                 if kind == CLOSE:
                     closing = urgent = True
                     break
-                log.handle(kind, seq, msg[1:])
+                log.handle(kind, seq, msg[1:], reader)
                 urgent = urgent or bool(wait) or kind == SWITCH
             if log.sync_due(closing):
                 log.sync()
@@ -343,14 +432,22 @@ def main(argv: list[str] | None = None) -> int:
     kind, _, _ = HEAD.unpack(msg[0])
     if kind != OPEN:
         raise ValueError(f"message kind {kind!r} before open from the queue server")
-    generation, offset = OPEN_BODY.unpack(msg[1])
+    generation, offset, probe, probe_len, probe_crc = OPEN_BODY.unpack(msg[1])
     try:
         log = LogFile(args.data_dir, generation, offset, args.fsync, args.fsync_interval)
     except OSError as e:
         sock.send(b"e" + f"cannot open the log: {e}".encode())
         return 1
-    sock.send(log.progress())  # ready
-    code = serve(sock, args.live_fd, log)
+    reader: RemoteReader | None = None
+    try:
+        reader = RemoteReader(args.parent_pid)
+        if zlib.crc32(reader.read(probe, probe_len)) != probe_crc:
+            raise OSError(errno.EFAULT, "the probe read back different bytes")
+    except OSError as e:
+        reader = None
+        logger.info("[queue] log records come through the socket: %s", e)
+    sock.send(b"o" + bytes([reader is not None]))  # ready
+    code = serve(sock, args.live_fd, log, reader)
     sock.close()
     ctx.term()
     return code

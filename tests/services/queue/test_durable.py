@@ -121,9 +121,11 @@ def test_records_nobody_waits_for_are_reported_and_written_in_order(tmp_path):
     assert [b["task"] for b in bodies] == ["a", "b", "c"]
 
 
-def test_many_small_records_and_a_large_one_replay_in_order(tmp_path):
-    # the large record (2.4 MB) is written in WRITE_CHUNK slices
-    log, _ = open_log(tmp_path)
+@pytest.mark.parametrize("remote_reads", [True, False])
+def test_many_small_records_and_a_large_one_replay_in_order(tmp_path, remote_reads):
+    # the large record (2.4 MB) is written in WRITE_CHUNK slices, read from this process's
+    # memory by the writer where the OS allows it, else sent through the socket
+    log, _ = open_log(tmp_path, remote_reads=remote_reads)
     for i in range(200):
         keys = [f"k-{i}"]
         length = 300_000 if i == 100 else 4
@@ -133,9 +135,46 @@ def test_many_small_records_and_a_large_one_replay_in_order(tmp_path):
             urgent=False,
         )
     log.close()
-    _, bodies = open_log(tmp_path)
+    log, bodies = open_log(tmp_path)
+    log.close()
     assert [b["keys"] for b in bodies] == [[f"k-{i}"] for i in range(200)]
     assert bodies[100]["fields"]["ids"].values.tolist() == [100] * 300_000
+
+
+def test_the_writer_reads_large_frames_from_the_server_and_they_are_held_until_written(tmp_path):
+    log, _ = open_log(tmp_path)
+    if not log._remote:
+        log.close()
+        pytest.skip("process_vm_readv is not allowed here: frames go through the socket")
+    keys = ["k-1"]
+    seq = log.append(
+        "put", {"partition": "p", "keys": keys, "fields": {"ids": ids_field(keys, 10**5)}}
+    )
+    assert len(log._held) == 1
+    assert wait_for(lambda: reported(log, seq))
+    assert not log._held
+    log.close()
+    log, bodies = open_log(tmp_path)
+    log.close()
+    assert bodies[0]["fields"]["ids"].values.tolist() == [1] * 10**5
+
+
+def test_a_record_whose_head_was_not_written_yet_is_torn(tmp_path):
+    # a large record's payload is written before its head: a crash in between leaves zeros
+    log, _ = open_log(tmp_path)
+    log.append("register", {"partition": "p", "task": "a"})
+    keys = ["k-2"]
+    log.append("put", {"partition": "p", "keys": keys, "fields": {"ids": ids_field(keys, 10**5)}})
+    log.close()
+    ((_, path),) = log_files(str(tmp_path))
+    (first, _), (second, _) = list(read_records(path))
+    with open(path, "r+b") as f:
+        f.seek(first)
+        f.write(bytes(16))
+    log, bodies = open_log(tmp_path)
+    log.close()
+    assert [b["op"] for b in bodies] == ["register"]
+    assert os.path.getsize(path) == first
 
 
 def test_writev_all_slices_large_buffers_and_resumes_short_writes(tmp_path, monkeypatch):
@@ -191,14 +230,15 @@ def state_of(store):
     return out
 
 
-def test_compaction_writes_a_snapshot_that_rebuilds_the_same_store(tmp_path):
-    store = SampleStore(1 << 24)
-    log, _ = open_log(tmp_path)
+@pytest.mark.parametrize("remote_reads", [True, False])
+def test_compaction_writes_a_snapshot_that_rebuilds_the_same_store(tmp_path, remote_reads):
+    store = SampleStore(1 << 26)
+    log, _ = open_log(tmp_path, remote_reads=remote_reads)
     store.register("p", "a")
     log.append("register", {"partition": "p", "task": "a"})
-    keys = [f"k-{i}" for i in range(10)]
-    store.put("p", keys, {"ids": ids_field(keys)})
-    log.append("put", {"partition": "p", "keys": keys, "fields": {"ids": ids_field(keys)}})
+    keys = [f"k-{i}" for i in range(10)]  # 400 KB: the snapshot has a large frame
+    store.put("p", keys, {"ids": ids_field(keys, 5000)})
+    log.append("put", {"partition": "p", "keys": keys, "fields": {"ids": ids_field(keys, 5000)}})
     batch = store.claim("p", "a", ["ids"], 4, lease_s=10)
     store.ack("p", "a", batch.lease_id)  # retention drops k-0..k-3
     log.append("ack", {"partition": "p", "task": "a", "keys": batch.keys})
