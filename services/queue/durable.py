@@ -12,20 +12,21 @@ as a ``reply`` message whose body names the ``op``. The CRC covers the whole pay
 cut by a SIGKILL (short) or garbled by a crash (bad CRC) is detected on replay; the log is
 truncated before it and appending goes on from there.
 
-Files: ``DIR/log.<generation>`` (16 digits) and ``DIR/lock``. A compaction writes the store's
-state as records (a snapshot) to ``log.<g+1>.tmp``, fsyncs it, renames it to ``log.<g+1>`` and
-removes ``log.<g>``: replay reads the newest complete generation, which is always a snapshot
-followed by the changes made after it.
+Files: ``DIR/log.<generation>`` (16 digits) and ``DIR/lock`` (dir_lock.py). A compaction writes
+the store's state as records (a snapshot) to ``log.<g+1>.tmp``, fsyncs it, renames it to
+``log.<g+1>`` and removes ``log.<g>``: replay reads the newest complete generation, which is
+always a snapshot followed by the changes made after it.
 
 Records are written by a writer process (log_writer.py), in the order they were appended: the
 server's loop sends it each record over a zmq PAIR socket, small frames copied, large ones as
 their address and length: the writer reads them from the server's memory (``process_vm_readv``;
 the server keeps them until they are written), or, where the OS does not allow that, they are
 sent zero-copy (this log's zmq I/O thread copies them out, not the loop). The writer computes
-the CRC, writes, fsyncs and reports back. ``written`` (a sequence number) says how far the OS has the records (they survive
-a SIGKILL of the server), ``synced`` how far they were fsynced (they survive a crash of the
-machine). The fsync policy: ``always`` (fsync before ``synced`` moves; group commit),
-``interval`` (every ``fsync_interval_s``), ``never`` (the OS writes back on its own).
+the CRC, writes, fsyncs and reports back. ``written`` (a sequence number) says how far the OS
+has the records (they survive a SIGKILL of the server), ``synced`` how far they were fsynced
+(they survive a crash of the machine). The fsync policy: ``always`` (fsync before ``synced``
+moves; group commit), ``interval`` (every ``fsync_interval_s``), ``never`` (the OS writes back
+on its own).
 
 The lock: ``replay`` takes an flock on ``DIR/lock`` (waiting up to ``lock_wait_s``, then a
 ``ValueError`` naming the pids that hold it) and the writer inherits it, so the directory stays
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import fcntl
 import logging
 import os
 import re
@@ -59,6 +59,7 @@ from typing import Any
 
 import zmq
 
+from services.queue.dir_lock import LOCK_WAIT_S, DirLock
 from services.queue.log_writer import (
     CLOSE,
     FILE_MAGIC,
@@ -85,9 +86,6 @@ RECORD_LIMITS = WireLimits(
     max_message_bytes=1 << 40, max_frames=1 << 16, max_body_bytes=1 << 31, max_ndim=32
 )
 _LOG_NAME = re.compile(r"^log\.(\d{16})$")
-LOCK_NAME = "lock"
-# How long a server waits for the lock of its data directory (a predecessor still exiting).
-LOCK_WAIT_S = 5.0
 # How long the writer may take to start and connect, and to finish what was appended at close.
 WRITER_START_S = 30.0
 CLOSE_S = 60.0
@@ -231,7 +229,7 @@ class DurableLog:
         self.writer_pid: int | None = None
         self._appended_bytes = 0
         self._written_bytes = 0
-        self._lock_fd = -1
+        self._lock: DirLock | None = None
         self._proc: subprocess.Popen | None = None
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -266,7 +264,7 @@ class DurableLog:
             ValueError: the directory is locked by another server (or its writer) for longer
                 than ``lock_wait_s``; or its log is not a queue log.
         """
-        self._lock()
+        self._lock = DirLock(self.data_dir, self.lock_wait_s)
         t0 = time.perf_counter()
         try:
             self._spawn()  # it starts while the log is read
@@ -320,40 +318,6 @@ class DurableLog:
         self.file_bytes = end
         return out
 
-    def _lock(self) -> None:
-        path = os.path.join(self.data_dir, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + self.lock_wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holders = os.pread(fd, 4096, 0).decode(errors="replace").split()
-                    os.close(fd)
-                    raise ValueError(
-                        f"the data directory {self.data_dir} is in use: {path} is held by "
-                        f"{_describe_holders(holders)} (waited {self.lock_wait_s:g}s); stop that "
-                        "process or use another --data-dir"
-                    ) from None
-                time.sleep(0.05)
-        self._lock_fd = fd
-        self._write_holders()
-
-    def _write_holders(self) -> None:
-        """Name the lock's holders in the lock file, for the message of a server refused."""
-        text = f"server {os.getpid()}\n"
-        if self.writer_pid is not None:
-            text += f"writer {self.writer_pid}\n"
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, text.encode(), 0)
-
-    def _unlock(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # the lock goes once the writer (if any) exited too
-            self._lock_fd = -1
-
     # ---------------------------------------------------------------- appending
 
     def _spawn(self) -> None:
@@ -371,12 +335,12 @@ class DurableLog:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "services.queue.log_writer", "--endpoint", endpoint]
         cmd += ["--parent-pid", str(os.getpid()), "--live-fd", str(child_live.fileno())]
-        cmd += ["--lock-fd", str(self._lock_fd), "--data-dir", self.data_dir]
+        cmd += ["--lock-fd", str(self._lock.fd), "--data-dir", self.data_dir]
         cmd += ["--fsync", self.fsync, "--fsync-interval", repr(self.fsync_interval_s)]
         try:
             self._proc = subprocess.Popen(
                 cmd,
-                pass_fds=(child_live.fileno(), self._lock_fd),
+                pass_fds=(child_live.fileno(), self._lock.fd),
                 env=env,
                 stdin=subprocess.DEVNULL,
             )
@@ -429,7 +393,7 @@ class DurableLog:
         self._opened = True
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # connected: nobody else can connect
         self._ipc_dir = ""
-        self._write_holders()
+        self._lock.name_holders(os.getpid(), self.writer_pid)
         logger.info(
             "[queue] log writer pid %d appends to %s (large frames %s)",
             self.writer_pid,
@@ -597,23 +561,9 @@ class DurableLog:
         if self._live is not None:
             self._live.close()
             self._live = None
-        self._unlock()
-
-
-def _describe_holders(holders: list[str]) -> str:
-    """``["server", "12", "writer", "34"]`` (the lock file) as words, each pid alive or gone."""
-    words = []
-    for role, pid in zip(holders[::2], holders[1::2]):
-        try:
-            os.kill(int(pid), 0)
-            state = "running"
-        except ProcessLookupError:
-            state = "gone"
-        except (PermissionError, ValueError):
-            state = "unknown"
-        who = "a queue server" if role == "server" else "the log writer of a queue server"
-        words.append(f"pid {pid} ({who}, {state})")
-    return ", ".join(words) or "another process"
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def apply_record(store: Any, body: dict[str, Any]) -> None:

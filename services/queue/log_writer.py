@@ -1,4 +1,4 @@
-"""The durable log's writer process: frames, checksums, writes and fsyncs the records its server sends.
+"""The durable log's writer process: checksums, writes and fsyncs the records its server sends.
 
 Started by ``DurableLog.replay`` (durable.py) as ``python -m services.queue.log_writer``, never by
 hand, so that it starts while the log is read. It imports neither torch nor the wire codec (a

@@ -184,8 +184,7 @@ def test_a_second_log_on_a_directory_in_use_fails_naming_both_holders(tmp_path):
 def test_the_writer_alone_keeps_the_directory_locked(tmp_path):
     log, _ = open_log(tmp_path)
     try:
-        os.close(log._lock_fd)  # as if the server were gone and its writer were not
-        log._lock_fd = -1
+        log._lock.release()  # as if the server were gone and its writer were not
         with pytest.raises(ValueError, match="is in use"):
             DurableLog(str(tmp_path), lock_wait_s=0.2).replay(lambda b: None)
     finally:
