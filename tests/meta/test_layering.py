@@ -73,6 +73,8 @@ NETWORK_ALLOWED = {
     "services/launch/ray.py",
     "services/queue/cli.py",
     "services/queue/client.py",
+    "services/queue/durable.py",
+    "services/queue/log_writer.py",
     "services/queue/server.py",
     "services/queue/transport.py",
     "services/trainer/checkpoint.py",
