@@ -12,6 +12,7 @@ import torch
 from services.queue import log_writer
 from services.queue.durable import DurableLog, log_files, read_records
 from services.queue.store import SampleStore
+from tests.services.queue.durable_logs import open_log
 from xtoken_core.wire.tensors import JaggedColumn
 
 
@@ -19,14 +20,6 @@ def ids_field(keys, length=4):
     return JaggedColumn.from_rows(
         [torch.full((length,), int(k.split("-")[1]), dtype=torch.int64) for k in keys]
     )
-
-
-def open_log(path, **kw):
-    bodies = []
-    log = DurableLog(str(path), **kw)
-    log.replay(bodies.append)
-    log.start()
-    return log, bodies
 
 
 def test_records_replay_in_order_with_their_tensors(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from services.queue.client import QueueClient
 from services.queue.durable import DurableLog, log_files
 from tests.services.queue.conftest import ServerProcess
+from tests.services.queue.durable_logs import open_log
 from xtoken_core.wire import JaggedColumn
 
 # A log written by the writer thread of 17fce79 (register, put of 2 samples, ack, clear).
@@ -158,14 +159,6 @@ def test_a_server_refuses_a_data_dir_another_process_locks(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-
-
-def open_log(path, **kw):
-    bodies = []
-    log = DurableLog(str(path), **kw)
-    log.replay(bodies.append)
-    log.start()
-    return log, bodies
 
 
 def test_a_second_log_on_a_directory_in_use_fails_naming_both_holders(tmp_path):
