@@ -1,0 +1,89 @@
+"""Sorted top-m L1 from counts (kernels.topm_l1) against the torch.topk reference."""
+
+import pytest
+import torch
+
+from tests.xtoken_core.kernels.conftest import DEVICE
+from xtoken_core.kernels import topm_l1 as tm
+
+
+def _rows(N, A, B, seed, *, similar=False, ties=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.log_softmax(torch.randn(N, A, generator=gen) * 2, -1)
+    if similar:  # the teacher close to the student: D keeps crossing zero
+        b = a[:, torch.randperm(A, generator=gen)[:B]] + 1e-3 * torch.randn(N, B, generator=gen)
+    else:
+        b = torch.log_softmax(torch.randn(N, B, generator=gen) * 1.5, -1)
+    if ties:  # a run of equal values on each side
+        a[:, :ties] = a[:, :1]
+        b[:, :ties] = b[:, :1]
+    return a.to(DEVICE), b.to(DEVICE)
+
+
+@pytest.fixture
+def counts_only(monkeypatch):
+    """Fail the test if topm_l1 falls back to the reference (the counts must do the rows)."""
+
+    def refuse(*args):
+        raise AssertionError("topm_l1 fell back to the reference")
+
+    monkeypatch.setattr(tm, "_reference_into", refuse)
+
+
+def _check(a, b, m, **kw):
+    l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, m)
+    l1, g, gsum = tm.topm_l1(a, b, m, **kw)
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "N, A, B, m, bins",
+    [(3, 200, 150, 40, 64), (2, 300, 120, 120, 16), (4, 90, 250, 1, 64), (2, 64, 64, 64, 8)],
+)
+def test_topm_l1_matches_topk_reference(N, A, B, m, bins, counts_only):
+    a, b = _rows(N, A, B, seed=N + A + m)
+    _check(a, b, m, fine_bins=bins, slots=512)
+
+
+def test_topm_l1_resolves_a_teacher_close_to_the_student(counts_only):
+    a, b = _rows(3, 256, 200, seed=7, similar=True)
+    _check(a, b, 100, fine_bins=16, slots=512)
+
+
+def test_topm_l1_writes_the_gradient_over_its_input(counts_only):
+    a, b = _rows(2, 200, 180, seed=3)
+    l1_ref, g_ref, _ = tm.topm_l1_reference(a, b, 50)
+    l1, g, _ = tm.topm_l1(a, b, 50, out_g=a, fine_bins=32, slots=512)
+    assert g.data_ptr() == a.data_ptr()
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_topm_l1_resolves_ties_within_the_buffer(counts_only):
+    # which of equal values is "first" is arbitrary: the gradients agree as multisets per row
+    a, b = _rows(2, 128, 128, seed=5, ties=40)
+    l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
+    l1, g, gsum = tm.topm_l1(a, b, 60, fine_bins=16, slots=256)
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g.sort(-1).values, g_ref.sort(-1).values, rtol=1e-6, atol=0)
+    torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_topm_l1_falls_back_when_ties_overflow_the_buffer(monkeypatch):
+    calls = []
+    reference = tm._reference_into
+    monkeypatch.setattr(tm, "_reference_into", lambda *args: calls.append(1) or reference(*args))
+    a, b = _rows(2, 128, 128, seed=5, ties=40)
+    l1_ref, _, gsum_ref = tm.topm_l1_reference(a, b, 60)
+    l1, g, gsum = tm.topm_l1(a, b, 60, fine_bins=16, slots=8)
+    assert calls == [1]
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_topm_l1_refuses_m_outside_the_rows():
+    a, b = _rows(1, 10, 8, seed=0)
+    with pytest.raises(ValueError, match="m=9"):
+        tm.topm_l1(a, b, 9)
