@@ -55,6 +55,7 @@ def _falls_back(s_NA, t_NB, m):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter smoke)")
+    parser.add_argument("--results", default=str(RESULTS), help="jsonl file the rows go to")
     parser.add_argument("--no-save", action="store_true", help="do not append to results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,7 +93,7 @@ def main() -> int:
     cols = ["teacher", "topk_ms", "counts_ms", "speedup", "fell_back", "l1_max_rel_diff"]
     _common.print_table(rows, [*cols, "g_rel_err"])
     if not args.quick and not args.no_save:
-        _common.append_rows(RESULTS, rows)
+        _common.append_rows(args.results, rows)
     return 0
 
 
