@@ -87,3 +87,11 @@ def test_topm_l1_refuses_m_outside_the_rows():
     a, b = _rows(1, 10, 8, seed=0)
     with pytest.raises(ValueError, match="m=9"):
         tm.topm_l1(a, b, 9)
+
+
+def test_topm_l1_matches_the_reference_with_zero_probabilities():
+    # log-probs of -inf (probability 0) in a row: the result still equals the reference
+    a, b = _rows(2, 100, 90, seed=11)
+    a[0, :50] = float("-inf")
+    for got, want in zip(tm.topm_l1(a, b, 30), tm.topm_l1_reference(a, b, 30)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
