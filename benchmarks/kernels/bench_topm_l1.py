@@ -6,7 +6,8 @@ Smoke (CPU):  TRITON_INTERPRET=1 python benchmarks/kernels/bench_topm_l1.py --qu
 Rows of chunk-mean log-probs as the gold loss at 1x4096 sees them (N = 3276 chunks, 73,293
 uncommon student columns against 52,429 teacher columns, m = 8192), for three teachers:
 independent of the student, a tempered copy of it, and nearly the student itself (the count path's
-hard case: the two sorted lists cross at almost every rank). Both paths are checked against each
+hard case: the two sorted lists cross at almost every rank), and rows as bench_kd_loss's random
+logits give them ("gold-bench"). Both paths are checked against each
 other first. Rows are appended to benchmarks/results/kernels_topm_l1.jsonl.
 """
 
@@ -29,6 +30,11 @@ RESULTS = _common.RESULTS_DIR / "kernels_topm_l1.jsonl"
 
 def _rows(n, a, b, teacher, device, seed):
     gen = torch.Generator(device=device).manual_seed(seed)
+    if teacher == "gold-bench":  # as bench_kd_loss: randn * 3 logits over the full vocabs
+        vs, vt = a * 151936 // 73293, b * 131072 // 52429
+        s_NA = torch.log_softmax(torch.randn(n, vs, generator=gen, device=device) * 3, -1)
+        t_NB = torch.log_softmax(torch.randn(n, vt, generator=gen, device=device) * 3, -1)
+        return s_NA[:, :a].contiguous(), t_NB[:, :b].contiguous()
     z = torch.randn(n, a, generator=gen, device=device) * 1.5
     s_NA = torch.log_softmax(z, -1)
     if teacher == "independent":
@@ -62,7 +68,7 @@ def main() -> int:
     n, a, b, m = (16, 700, 500, 80) if args.quick else (3276, 73293, 52429, 8192)
     reps = 2 if args.quick else 20
     rows = []
-    for teacher in ("independent", "tempered", "near"):
+    for teacher in ("gold-bench", "independent", "tempered", "near"):
         s_NA, t_NB = _rows(n, a, b, teacher, device, seed=len(teacher))
         l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(s_NA, t_NB, m)
         l1, g, gsum = tm.topm_l1(s_NA, t_NB, m)

@@ -14,27 +14,27 @@ and let ``D`` be (a's seen) - (b's seen) before each element; an ``a`` meets its
     l1_n = sum_{a in A} (+1 if D >= 0 else -1) e^a + sum_{b in B} (-1 if D > 0 else +1) e^b
 
 (at equal values an ``a`` walks before a ``b``, equal values of one side by column). ``D`` only
-needs counts of larger values, which a histogram over a common grid of the row gives for every
+needs counts of larger values, which a histogram of both rows over a common grid gives for every
 bin at once: where ``D`` cannot change sign inside a bin (the usual case), every element of the
-bin takes its sign from the counts above the bin; only the few bins where it can (and the bin
-holding each side's m-th value) are resolved element by element. Per row:
+bin takes its sign from the counts above it. The grids are on the float bits of ``-x`` (an int
+that grows as ``x`` falls). Per row:
 
-1. :func:`_hist_kernel`, coarse: histogram of the float bits of ``-x`` (4096 bins, 16 per
-   binade) -> a window ``[lo, hi]`` that holds both top-m sets.
-2. :func:`_hist_kernel`, fine: histogram over ``num_bins`` equal bins of the window.
-3. :func:`_bin_classes` (torch, on the histograms): for each bin and side, member or not and the
-   sign, or "resolve". A window that misses a top-m set or more resolve elements than the buffer
-   holds sends the whole call to the reference (one host sync per call).
-4. :func:`_final_kernel`: one pass over both rows: signs of the decided bins summed, ``g``
-   written (0 where undecided), elements of resolve bins appended to a per-row buffer.
-5. :func:`_resolve_kernel`: pairwise counts within each resolve bin -> rank, membership, ``D``.
+1. :func:`_hist_kernel`, coarse: 256 bins, 16 per binade of ``-x`` (bin 0 everything above
+   ``2^-8`` nats below 0, bin 254 everything below 240 nats, bin 255 NaN).
+2. :func:`_classes` (torch, on the histograms): per bin and side, member or not and the sign;
+   a bin where that is open is resolved element by element when it is small, else refined.
+3. :func:`_hist_kernel`, fine: 255 equal bins (of the bits) from the first refined coarse bin to
+   the last, classed alike; an open fine bin is resolved element by element.
+4. :func:`_final_kernel`: one pass over both rows: the signs of decided elements summed, ``g``
+   written (0 where undecided), the elements to resolve appended to a per-row buffer.
+5. :func:`_resolve_kernel`: pairwise counts within each resolve group -> rank, membership, ``D``.
 
-Not yet used by the loss: on an H100 at the gold loss's 1x4096 shapes it takes ~81 ms against
-~14 ms for the reference, almost all in ``tl.histogram`` with 4096 bins (its cost grows with the
-bin count; see benchmarks/results/losses_kd_loss.md).
+A row the grids cannot do (a top-m set reaching below the coarse range, NaN, more elements to
+resolve than the buffer holds: long runs of ties, a teacher close to the student at every rank)
+sends the whole call to the reference; deciding that is the one host sync.
 
-Legend: N rows, A / B the student / teacher columns, m the top-m length, K fine bins,
-S buffer slots per row and side.
+Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
+F fine bins, G resolve groups (coarse bins, then fine bins), S buffer slots per row and side.
 """
 
 from __future__ import annotations
@@ -45,13 +45,20 @@ from ._utils import SUM_COMBINE, lazy_jit, next_power_of_2, tl, use_triton
 
 __all__ = ["topm_l1", "topm_l1_reference"]
 
-#: Coarse bins: bits 30..19 of the fp32 ``-x`` (8 exponent bits, 4 mantissa bits).
-COARSE_BINS = 4096
+#: Coarse bins: bits 30..19 of the fp32 ``-x`` (16 per binade) from ``2^-8`` up, clamped.
+COARSE_BINS = 256
 COARSE_SHIFT = 19
-#: Fine bins over the window (the last one holds everything below it).
-FINE_BINS = 4096
-#: Buffer slots per row and side for the elements of resolve bins.
+COARSE_BASE = (127 - 8) << 4  # the bits >> 19 of 2^-8
+BELOW_BIN = COARSE_BINS - 2  # -x >= 240 (and -inf log-probs): below every window
+NAN_BIN = COARSE_BINS - 1
+#: Fine bins over the refined range (the last one: outside it).
+FINE_BINS = 256
+#: Open bins with at most this many elements (both sides) are resolved without refining.
+DIRECT_MAX = 64
+#: Buffer slots per row and side for the elements to resolve.
 RESOLVE_SLOTS = 4096
+#: Columns are packed with their resolve group in one int32.
+_COL_BITS = 20
 
 # class codes of a (row, bin): bits 0-1 student state, bits 2-3 teacher state, bit 4 resolve
 _NONE, _PLUS, _MINUS = 0, 1, 2
@@ -90,19 +97,18 @@ if tl is not None:
         B,
         a_stride,
         b_stride,
-        lo_ptr,
-        hi_ptr,
+        k0_ptr,
+        k1_ptr,
         scale_ptr,
         hist_ptr,
         N,
-        NBINS: tl.constexpr,
         FINE: tl.constexpr,
-        SHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (row n, side): histogram of the row's bins. Coarse: bits 30..19 of -x (a
-        # larger x has a smaller bin). Fine: floor((hi - x) * scale) clamped to [0, NBINS - 2],
-        # NBINS - 1 for x < lo (and for the padding lanes in both modes).
+        # Program (row n, side): the coarse histogram of the row (bins as in the module
+        # docstring) or, FINE, the fine one: bin floor((bits - lo) * scale) (at most 254) for
+        # the elements of the refined coarse bins [k0, k1] (lo: the first bits of k0), the last
+        # bin elsewhere.
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
         if side == 0:
@@ -112,23 +118,26 @@ if tl is not None:
             row = b_ptr + n * b_stride
             M = B
         if FINE:
-            lo = tl.load(lo_ptr + n)
-            hi = tl.load(hi_ptr + n)
+            k0 = tl.load(k0_ptr + n)
+            k1 = tl.load(k1_ptr + n)
+            lo = (k0 + ((127 - 8) << 4)) << 19
             scale = tl.load(scale_ptr + n)
-        h = tl.full((NBINS,), 0, tl.int32)
+        h = tl.full((256,), 0, tl.int32)
         for start in range(0, M, BLOCK):
             c = start + tl.arange(0, BLOCK)
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
+            bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
+            k = tl.minimum(tl.maximum((bits >> 19) - ((127 - 8) << 4), 0), 254)
+            k = tl.where(x != x, 255, k)
+            k = tl.where(cm, k, 254)  # padding lanes: below the range (fine: no slot)
             if FINE:
-                k = tl.floor((hi - x) * scale).to(tl.int32)
-                k = tl.minimum(tl.maximum(k, 0), NBINS - 2)
-                k = tl.where(x < lo, NBINS - 1, k)
-            else:
-                k = tl.maximum((-x).to(tl.int32, bitcast=True), 0) >> SHIFT
-            k = tl.where(cm, k, NBINS - 1)
-            h += tl.histogram(k, NBINS)
-        tl.store(hist_ptr + (side * N + n) * NBINS + tl.arange(0, NBINS), h)
+                f = tl.minimum(
+                    tl.maximum(((bits - lo).to(tl.float32) * scale).to(tl.int32), 0), 254
+                )
+                k = tl.where((k >= k0) & (k <= k1) & cm, f, 255)
+            h += tl.histogram(k, 256)
+        tl.store(hist_ptr + (side * N + n) * 256 + tl.arange(0, 256), h)
 
     @lazy_jit
     def _final_kernel(
@@ -138,23 +147,24 @@ if tl is not None:
         B,
         a_stride,
         b_stride,
-        lo_ptr,
-        hi_ptr,
-        scale_ptr,
         cls_ptr,
+        k0_ptr,
+        k1_ptr,
+        scale_ptr,
+        fine_ptr,
         g_ptr,
         g_stride,
-        col_ptr,
+        key_ptr,
         val_ptr,
+        count_ptr,
         part_ptr,
         N,
-        NBINS: tl.constexpr,
         SLOTS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Program (row n, side): every element of a decided bin adds its signed probability
         # (the student's is also its gradient, written to g: 0 where not a member or undecided);
-        # elements of resolve bins are appended to the side's buffer (column and value).
+        # elements to resolve are appended to the side's buffer (group << 20 | column, value).
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
         if side == 0:
@@ -165,8 +175,9 @@ if tl is not None:
             row = b_ptr + n * b_stride
             M = B
             shift = 2
-        lo = tl.load(lo_ptr + n)
-        hi = tl.load(hi_ptr + n)
+        k0 = tl.load(k0_ptr + n)
+        k1 = tl.load(k1_ptr + n)
+        lo = (k0 + ((127 - 8) << 4)) << 19
         scale = tl.load(scale_ptr + n)
         total = tl.full((BLOCK,), 0, tl.float32)
         run = 0
@@ -175,10 +186,14 @@ if tl is not None:
             c = start + tl.arange(0, BLOCK)
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
-            k = tl.floor((hi - x) * scale).to(tl.int32)
-            k = tl.minimum(tl.maximum(k, 0), NBINS - 2)
-            k = tl.where(x < lo, NBINS - 1, k)
-            code = tl.load(cls_ptr + n * NBINS + k, mask=cm, other=0).to(tl.int32)
+            bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
+            k = tl.minimum(tl.maximum((bits >> 19) - ((127 - 8) << 4), 0), 254)
+            f = tl.minimum(tl.maximum(((bits - lo).to(tl.float32) * scale).to(tl.int32), 0), 254)
+            refined = (k >= k0) & (k <= k1)
+            code = tl.load(cls_ptr + n * 256 + k, mask=cm & ~refined, other=0)
+            fcode = tl.load(fine_ptr + n * 256 + f, mask=cm & refined, other=0)
+            code = tl.where(refined, fcode, code).to(tl.int32)
+            group = tl.where(refined, 256 + f, k)
             state = (code >> shift) & 3
             res = ((code & 16) != 0) & cm
             p = tl.exp(x)
@@ -188,47 +203,42 @@ if tl is not None:
             if side == 0:
                 tl.store(g_ptr + n * g_stride + c, s, mask=cm)
             r = res.to(tl.int32)
-            slot = run + tl.associative_scan(r, 0, SUM_COMBINE) - r
-            keep = res & (slot < SLOTS)
-            tl.store(col_ptr + slot_base + slot, c, mask=keep)
-            tl.store(val_ptr + slot_base + slot, x, mask=keep)
+            pos = run + tl.associative_scan(r, 0, SUM_COMBINE) - r
+            keep = res & (pos < SLOTS)
+            tl.store(key_ptr + slot_base + pos, (group << 20) | c, mask=keep)
+            tl.store(val_ptr + slot_base + pos, x, mask=keep)
             run += tl.reduce(r, 0, SUM_COMBINE)
         tl.store(part_ptr + side * N + n, tl.reduce(total, 0, SUM_COMBINE))
+        tl.store(count_ptr + side * N + n, run)
 
     @lazy_jit
     def _resolve_kernel(
-        col_ptr,
+        key_ptr,
         val_ptr,
         count_ptr,
-        lo_ptr,
-        hi_ptr,
-        scale_ptr,
-        hist_ptr,
         top_ptr,
+        cnt_ptr,
         g_ptr,
         g_stride,
         out_ptr,
         N,
         m,
-        NBINS: tl.constexpr,
+        NGROUPS: tl.constexpr,
         SLOTS: tl.constexpr,
         TILE: tl.constexpr,
     ):
         # Program (row n): the buffered elements of both sides as one list, i < na from the
-        # student. For each i: rank = same-side elements of its bin above it, cross = other-side
-        # elements of its bin above it (an a walks before an equal b). Then, with top / count
-        # the side's elements above the bin / in it:
+        # student. For each i: rank = same-side elements of its group above it, cross = other-
+        # side elements of its group above it (an a walks before an equal b). Then, with top /
+        # cnt the side's elements above the group / in it:
         #   member  <=> top_side + rank < m
         #   D(a) = min(topA, m) + rank - min(topB, m) - min(cross, mB),  + iff D >= 0
         #   D(b) = min(topA, m) + min(cross, mA) - min(topB, m) - rank,  + iff D <= 0
-        # with mA = clamp(m - topA, 0, countA) the members of the bin (mB likewise).
+        # with mA = clamp(m - topA, 0, cntA) the members of the group (mB likewise).
         n = tl.program_id(0).to(tl.int64)
         na = tl.minimum(tl.load(count_ptr + n), SLOTS)
         nb = tl.minimum(tl.load(count_ptr + N + n), SLOTS)
         total = na + nb
-        lo = tl.load(lo_ptr + n)
-        hi = tl.load(hi_ptr + n)
-        scale = tl.load(scale_ptr + n)
         base_a = n * SLOTS
         base_b = (N + n) * SLOTS
         l1 = tl.full((TILE,), 0, tl.float32)
@@ -238,11 +248,10 @@ if tl is not None:
             im = i < total
             ia = i < na
             off_i = tl.where(ia, base_a + i, base_b + i - na)
-            col_i = tl.load(col_ptr + off_i, mask=im, other=0)
+            key_i = tl.load(key_ptr + off_i, mask=im, other=0)
             v_i = tl.load(val_ptr + off_i, mask=im, other=0.0)
-            k_i = tl.floor((hi - v_i) * scale).to(tl.int32)
-            k_i = tl.minimum(tl.maximum(k_i, 0), NBINS - 2)
-            k_i = tl.where(v_i < lo, NBINS - 1, k_i)
+            grp_i = key_i >> 20
+            col_i = key_i & 0xFFFFF
             rank = tl.full((TILE,), 0, tl.int32)
             cross = tl.full((TILE,), 0, tl.int32)
             for j0 in range(0, total, TILE):
@@ -250,27 +259,23 @@ if tl is not None:
                 jm = j < total
                 ja = j < na
                 off_j = tl.where(ja, base_a + j, base_b + j - na)
-                col_j = tl.load(col_ptr + off_j, mask=jm, other=0)
+                key_j = tl.load(key_ptr + off_j, mask=jm, other=0)
                 v_j = tl.load(val_ptr + off_j, mask=jm, other=0.0)
-                k_j = tl.floor((hi - v_j) * scale).to(tl.int32)
-                k_j = tl.minimum(tl.maximum(k_j, 0), NBINS - 2)
-                k_j = tl.where(v_j < lo, NBINS - 1, k_j)
-                same_bin = (k_i[:, None] == k_j[None, :]) & jm[None, :]
+                same = (grp_i[:, None] == (key_j >> 20)[None, :]) & jm[None, :]
+                col_j = key_j & 0xFFFFF
                 gt = v_j[None, :] > v_i[:, None]
                 eq = v_j[None, :] == v_i[:, None]
                 same_side = ia[:, None] == ja[None, :]
                 above_same = gt | (eq & (col_j[None, :] < col_i[:, None]))
                 # an a (i) sees b's strictly above it; a b (i) sees a's above or equal
                 above_cross = gt | (eq & ja[None, :])
-                rank += tl.reduce((same_bin & same_side & above_same).to(tl.int32), 1, SUM_COMBINE)
-                cross += tl.reduce(
-                    (same_bin & (~same_side) & above_cross).to(tl.int32), 1, SUM_COMBINE
-                )
-            row_k = n * NBINS + k_i
-            top_a = tl.load(top_ptr + row_k, mask=im, other=0)
-            top_b = tl.load(top_ptr + N * NBINS + row_k, mask=im, other=0)
-            cnt_a = tl.load(hist_ptr + row_k, mask=im, other=0)
-            cnt_b = tl.load(hist_ptr + N * NBINS + row_k, mask=im, other=0)
+                rank += tl.reduce((same & same_side & above_same).to(tl.int32), 1, SUM_COMBINE)
+                cross += tl.reduce((same & (~same_side) & above_cross).to(tl.int32), 1, SUM_COMBINE)
+            at = n * NGROUPS + grp_i
+            top_a = tl.load(top_ptr + at, mask=im, other=0)
+            top_b = tl.load(top_ptr + N * NGROUPS + at, mask=im, other=0)
+            cnt_a = tl.load(cnt_ptr + at, mask=im, other=0)
+            cnt_b = tl.load(cnt_ptr + N * NGROUPS + at, mask=im, other=0)
             m_a = tl.minimum(tl.maximum(m - top_a, 0), cnt_a)
             m_b = tl.minimum(tl.maximum(m - top_b, 0), cnt_b)
             above = tl.minimum(top_a, m) - tl.minimum(top_b, m)
@@ -288,52 +293,69 @@ if tl is not None:
         tl.store(out_ptr + N + n, tl.reduce(gsum, 0, SUM_COMBINE))
 
 
-def _window(hist_2NC: torch.Tensor, m: int, fine_bins: int):
-    """``(lo, hi, scale, ok)`` per row from the coarse histograms: the window reaches down to the
-    lower of the two m-th values' bins and up to the first occupied bin; ``ok`` is False where it
-    is not finite (infinite or NaN values).
-    """
-    cum = hist_2NC.cumsum(-1)
-    t = (cum < m).sum(-1).amax(0)  # the later threshold bin of the two sides
-    t0 = ((hist_2NC.sum(0) > 0).to(torch.int32).cumsum(-1) == 0).sum(-1)
-    inf_bits = 0x7F800000
-    lo_bits = ((t + 1) << COARSE_SHIFT).clamp_max(inf_bits).to(torch.int32)
-    hi_bits = (t0 << COARSE_SHIFT).clamp_max(inf_bits).to(torch.int32)
-    lo = -lo_bits.view(torch.float32)
-    hi = -hi_bits.view(torch.float32)
-    ok = torch.isfinite(lo) & torch.isfinite(hi) & (lo < hi)
-    lo, hi = torch.where(ok, lo, -1.0), torch.where(ok, hi, 0.0)
-    return lo, hi, (fine_bins - 1) / (hi - lo), ok
-
-
-def _bin_classes(
-    hist_2NK: torch.Tensor, m: int, slots: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per (row, bin): the class code, the elements above the bin per side, and whether a row
-    can be done by counts (both top-m sets inside the window, resolve bins within the buffer).
-    """
-    top_2NK = hist_2NK.cumsum(-1, dtype=torch.int32) - hist_2NK
-    count_a, count_b = hist_2NK.unbind(0)
-    top_a, top_b = top_2NK.unbind(0)
+def _classes(count_2NG: torch.Tensor, top_2NG: torch.Tensor, m: int):
+    """Per (row, group) from the counts in it and above it per side: the members' sign code
+    (student bits 0-1, teacher bits 2-3) and whether the group is open (a member's sign or the
+    membership of an element is not fixed by the counts)."""
+    count_a, count_b = count_2NG.unbind(0)
+    top_a, top_b = top_2NG.unbind(0)
     m_a = (m - top_a).clamp(min=0).minimum(count_a)
     m_b = (m - top_b).clamp(min=0).minimum(count_b)
     above = top_a.clamp(max=m) - top_b.clamp(max=m)
-    # the range of D over an a of the bin is [above - m_b, above + m_a - 1]; of a b,
+    # D over an a of the group ranges over [above - m_b, above + m_a - 1]; over a b,
     # [above - m_b + 1, above + m_a]
     a_plus, a_minus = above - m_b >= 0, above + m_a - 1 < 0
     b_plus, b_minus = above + m_a <= 0, above - m_b + 1 > 0
     a_open = (m_a > 0) & ((m_a < count_a) | ~(a_plus | a_minus))
     b_open = (m_b > 0) & ((m_b < count_b) | ~(b_plus | b_minus))
-    resolve = a_open | b_open
-    resolve[:, -1] = False  # below the window
     a_state = torch.where(m_a > 0, torch.where(a_plus, _PLUS, _MINUS), _NONE)
     b_state = torch.where(m_b > 0, torch.where(b_plus, _PLUS, _MINUS), _NONE)
-    cls_NK = (a_state | (b_state << 2) | torch.where(resolve, _RESOLVE, 0)).to(torch.int8)
-    cls_NK[:, -1] = 0
-    inside = hist_2NK[..., :-1].sum(-1)
-    resolve_count = (hist_2NK * resolve).sum(-1)
-    ok_N = (inside >= m).all(0) & (resolve_count <= slots).all(0)
-    return cls_NK, top_2NK, ok_N
+    return a_state | (b_state << 2), a_open | b_open
+
+
+def _above(count_2NG: torch.Tensor) -> torch.Tensor:
+    """Elements in the groups before each group (exclusive cumsum over the last dim)."""
+    return count_2NG.cumsum(-1, dtype=torch.int32) - count_2NG
+
+
+def _coarse_plan(coarse_2NK: torch.Tensor, m: int, direct_max: int):
+    """Coarse classes ``cls_NK``, tops ``top_2NK``, resolve bins, the refined coarse bins per
+    row (``k0_N`` to ``k1_N``, fine bins per bit ``scale_N``) and whether the row is in range.
+
+    An open bin of at most ``direct_max`` elements is resolved as it is; the range from the
+    first larger one to the last is refined (rows without one get an empty range)."""
+    top_2NK = _above(coarse_2NK)
+    code_NK, open_NK = _classes(coarse_2NK, top_2NK, m)
+    open_NK[:, BELOW_BIN:] = False
+    code_NK[:, BELOW_BIN:] = _NONE
+    small_NK = coarse_2NK.sum(0) <= direct_max
+    refine_NK = open_NK & ~small_NK
+    any_N = refine_NK.any(-1)
+    k0_N = torch.where(any_N, refine_NK.int().argmax(-1), 1).int()
+    k1_N = torch.where(any_N, COARSE_BINS - 1 - refine_NK.flip(-1).int().argmax(-1), 0).int()
+    k = torch.arange(COARSE_BINS, device=coarse_2NK.device)
+    inside_NK = (k >= k0_N[:, None]) & (k <= k1_N[:, None])
+    resolve_NK = open_NK & small_NK & ~inside_NK
+    cls_NK = (code_NK | (resolve_NK.to(torch.int32) << 4)).to(torch.uint8)
+    width_N = ((k1_N - k0_N + 1) << COARSE_SHIFT).clamp_min(1).to(torch.float32)
+    scale_N = torch.where(any_N, (FINE_BINS - 1) / width_N, 0.0)
+    ok_N = (
+        (coarse_2NK[..., :BELOW_BIN].sum(-1) >= m).all(0)  # both top-m sets in range
+        & (coarse_2NK[..., NAN_BIN] == 0).all(0)
+    )
+    return cls_NK, top_2NK, resolve_NK, (k0_N, k1_N, scale_N), ok_N
+
+
+def _fine_plan(fine_2NF: torch.Tensor, top_2NK: torch.Tensor, k0_N: torch.Tensor, m: int):
+    """Fine classes ``fine_NF`` and the fine bins' counts and tops ``[2, N, F]`` (the last bin,
+    outside the range, zeroed)."""
+    count_2NF = fine_2NF.clone()
+    count_2NF[..., -1] = 0
+    base_2N1 = top_2NK.gather(2, k0_N.long().view(1, -1, 1).expand(2, -1, 1))
+    top_2NF = base_2N1 + _above(count_2NF)
+    code_NF, open_NF = _classes(count_2NF, top_2NF, m)
+    fine_NF = (code_NF | (open_NF.to(torch.int32) << 4)).to(torch.uint8)
+    return fine_NF, count_2NF, top_2NF
 
 
 def topm_l1(
@@ -342,14 +364,13 @@ def topm_l1(
     m: int,
     *,
     out_g: torch.Tensor | None = None,
-    fine_bins: int = FINE_BINS,
+    direct_max: int = DIRECT_MAX,
     slots: int = RESOLVE_SLOTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topm_l1_reference` from counts (no sort), exact; see the module docstring.
 
     Falls back to :func:`topm_l1_reference` for the whole call when a row cannot be done by
-    counts (non-finite values, or more than :data:`RESOLVE_SLOTS` elements to resolve: long
-    runs of ties), and without Triton.
+    counts, and without Triton.
 
     Args:
         a_NA: [N, A] fp32 student log-probs, last dim contiguous.
@@ -357,7 +378,7 @@ def topm_l1(
         m: compared length, ``1 <= m <= min(A, B)``.
         out_g: where to write ``g`` ([N, A] fp32); may be ``a_NA`` itself (each value is read
             before its gradient is written).
-        fine_bins: fine bins per row (a power of two); fewer bins, more elements to resolve.
+        direct_max: open bins with at most this many elements are resolved without refining.
         slots: buffer slots per row and side for the elements to resolve.
 
     Returns:
@@ -367,41 +388,44 @@ def topm_l1(
     B = b_NB.shape[1]
     if not 1 <= m <= min(A, B):
         raise ValueError(f"m={m} must be in [1, min(A={A}, B={B})]")
-    if N == 0 or not use_triton(a_NA):
+    if N == 0 or not use_triton(a_NA) or max(A, B) >= 1 << _COL_BITS:
         return _reference_into(a_NA, b_NB, m, out_g)
     device = a_NA.device
-    hist_2NC = torch.empty((2, N, COARSE_BINS), dtype=torch.int32, device=device)
-    dummy = torch.empty(N, dtype=torch.float32, device=device)
     block = min(1024, next_power_of_2(max(A, B)))
+    rows = (a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0))
+    coarse_2NK = torch.empty((2, N, COARSE_BINS), dtype=torch.int32, device=device)
+    none = coarse_2NK  # the coarse pass reads no range
     _hist_kernel[(N, 2)](
-        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), dummy, dummy, dummy, hist_2NC, N,
-        NBINS=COARSE_BINS, FINE=False, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
-    )  # fmt: skip
-    lo_N, hi_N, scale_N, window_ok_N = _window(hist_2NC, m, fine_bins)
-    del hist_2NC
-    hist_2NK = torch.empty((2, N, fine_bins), dtype=torch.int32, device=device)
+        *rows, none, none, none, coarse_2NK, N, FINE=False, BLOCK=block, num_warps=4
+    )
+    cls_NK, top_2NK, resolve_NK, (k0_N, k1_N, scale_N), ok_N = _coarse_plan(
+        coarse_2NK, m, direct_max
+    )
+    fine_2NF = torch.empty((2, N, FINE_BINS), dtype=torch.int32, device=device)
     _hist_kernel[(N, 2)](
-        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), lo_N, hi_N, scale_N, hist_2NK, N,
-        NBINS=fine_bins, FINE=True, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
-    )  # fmt: skip
-    cls_NK, top_2NK, ok_N = _bin_classes(hist_2NK, m, slots)
-    if not bool((ok_N & window_ok_N).all()):  # the one host sync: a row the counts cannot do
+        *rows, k0_N, k1_N, scale_N, fine_2NF, N, FINE=True, BLOCK=block, num_warps=4
+    )
+    fine_NF, count_fine_2NF, top_fine_2NF = _fine_plan(fine_2NF, top_2NK, k0_N, m)
+    # resolve groups: the coarse bins, then the fine bins
+    count_2NG = torch.cat([coarse_2NK, count_fine_2NF], -1)
+    top_2NG = torch.cat([top_2NK, top_fine_2NF], -1)
+    resolve_NG = torch.cat([resolve_NK, (fine_NF & _RESOLVE) != 0], -1)
+    buffered_2N = (count_2NG * resolve_NG).sum(-1)
+    if not bool((ok_N & (buffered_2N <= slots).all(0)).all()):  # the one host sync
         return _reference_into(a_NA, b_NB, m, out_g)
     g_NA = torch.empty_like(a_NA) if out_g is None else out_g
-    col_2NS = torch.empty((2, N, slots), dtype=torch.int32, device=device)
+    key_2NS = torch.empty((2, N, slots), dtype=torch.int32, device=device)
     val_2NS = torch.empty((2, N, slots), dtype=torch.float32, device=device)
+    count_2N = torch.empty((2, N), dtype=torch.int32, device=device)
     part_2N = torch.empty((2, N), dtype=torch.float32, device=device)
     _final_kernel[(N, 2)](
-        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), lo_N, hi_N, scale_N, cls_NK,
-        g_NA, g_NA.stride(0), col_2NS, val_2NS, part_2N, N,
-        NBINS=fine_bins, SLOTS=slots, BLOCK=block, num_warps=4,
+        *rows, cls_NK, k0_N, k1_N, scale_N, fine_NF, g_NA, g_NA.stride(0), key_2NS, val_2NS, count_2N, part_2N, N,
+        SLOTS=slots, BLOCK=block, num_warps=4,
     )  # fmt: skip
-    count_2N = (hist_2NK * (cls_NK >= _RESOLVE)).sum(-1, dtype=torch.int32)
     res_2N = torch.empty((2, N), dtype=torch.float32, device=device)
     _resolve_kernel[(N,)](
-        col_2NS, val_2NS, count_2N, lo_N, hi_N, scale_N, hist_2NK, top_2NK, g_NA,
-        g_NA.stride(0), res_2N, N, m, NBINS=fine_bins, SLOTS=slots, TILE=64,
-        num_warps=4,
+        key_2NS, val_2NS, count_2N, top_2NG, count_2NG, g_NA, g_NA.stride(0), res_2N, N, m,
+        NGROUPS=count_2NG.shape[-1], SLOTS=slots, TILE=64, num_warps=4,
     )  # fmt: skip
     l1_N = part_2N.sum(0) + res_2N[0]
     gsum_N = part_2N[0] + res_2N[1]

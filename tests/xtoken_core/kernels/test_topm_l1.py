@@ -44,18 +44,37 @@ def _check(a, b, m, **kw):
 )
 def test_topm_l1_matches_topk_reference(N, A, B, m, bins, counts_only):
     a, b = _rows(N, A, B, seed=N + A + m)
-    _check(a, b, m, fine_bins=bins, slots=512)
+    _check(a, b, m, direct_max=bins, slots=512)
 
 
 def test_topm_l1_resolves_a_teacher_close_to_the_student(counts_only):
     a, b = _rows(3, 256, 200, seed=7, similar=True)
-    _check(a, b, 100, fine_bins=16, slots=512)
+    _check(a, b, 100, slots=512)
+
+
+def test_topm_l1_refines_dense_bins(monkeypatch, counts_only):
+    # bins around the m-th values hold hundreds of elements: they are refined, not resolved
+    refined = []
+    plan = tm._coarse_plan
+
+    def spy(*args):
+        out = plan(*args)
+        refined.append(int((out[3][1] >= out[3][0]).sum()))  # rows with a refined range
+        return out
+
+    monkeypatch.setattr(tm, "_coarse_plan", spy)
+    gen = torch.Generator().manual_seed(13)
+    # the student's top values sit well above the teacher's: few bins where D can change sign
+    a = torch.log_softmax(torch.randn(2, 6000, generator=gen) * 3, -1).to(DEVICE)
+    b = torch.log_softmax(torch.randn(2, 5000, generator=gen) * 1.5, -1).to(DEVICE)
+    _check(a, b, 700, direct_max=16, slots=1024)
+    assert refined[0] == 2
 
 
 def test_topm_l1_writes_the_gradient_over_its_input(counts_only):
     a, b = _rows(2, 200, 180, seed=3)
     l1_ref, g_ref, _ = tm.topm_l1_reference(a, b, 50)
-    l1, g, _ = tm.topm_l1(a, b, 50, out_g=a, fine_bins=32, slots=512)
+    l1, g, _ = tm.topm_l1(a, b, 50, out_g=a, slots=512)
     assert g.data_ptr() == a.data_ptr()
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
@@ -65,7 +84,7 @@ def test_topm_l1_resolves_ties_within_the_buffer(counts_only):
     # which of equal values is "first" is arbitrary: the gradients agree as multisets per row
     a, b = _rows(2, 128, 128, seed=5, ties=40)
     l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, fine_bins=16, slots=256)
+    l1, g, gsum = tm.topm_l1(a, b, 60, direct_max=8, slots=256)
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g.sort(-1).values, g_ref.sort(-1).values, rtol=1e-6, atol=0)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
@@ -77,7 +96,7 @@ def test_topm_l1_falls_back_when_ties_overflow_the_buffer(monkeypatch):
     monkeypatch.setattr(tm, "_reference_into", lambda *args: calls.append(1) or reference(*args))
     a, b = _rows(2, 128, 128, seed=5, ties=40)
     l1_ref, _, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, fine_bins=16, slots=8)
+    l1, g, gsum = tm.topm_l1(a, b, 60, slots=8)
     assert calls == [1]
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
