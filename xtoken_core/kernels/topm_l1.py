@@ -31,7 +31,7 @@ that grows as ``x`` falls). Per row:
 
 A row the grids cannot do (a top-m set reaching below the coarse range, NaN, more elements to
 resolve than the buffer holds: long runs of ties, a teacher close to the student at every rank)
-sends the whole call to the reference; deciding that is the one host sync.
+goes to the reference; finding those rows is the one host sync.
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
 F fine bins, G resolve groups (coarse bins, then fine bins), S buffer slots per row and side.
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import SUM_COMBINE, lazy_jit, next_power_of_2, tl, use_triton
+from ._utils import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_power_of_2, tl, use_triton
 
 __all__ = ["topm_l1", "topm_l1_reference"]
 
@@ -102,10 +102,11 @@ if tl is not None:
         scale_ptr,
         hist_ptr,
         N,
+        CHUNK,
         FINE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (row n, side): the coarse histogram of the row (bins as in the module
+        # Program (row n, side, chunk of CHUNK columns), added into the row's: the coarse histogram of the row (bins as in the module
         # docstring) or, FINE, the fine one: bin floor((bits - lo) * scale) (at most 254) for
         # the elements of the refined coarse bins [k0, k1] (lo: the first bits of k0), the last
         # bin elsewhere.
@@ -123,7 +124,8 @@ if tl is not None:
             lo = (k0 + ((127 - 8) << 4)) << 19
             scale = tl.load(scale_ptr + n)
         h = tl.full((256,), 0, tl.int32)
-        for start in range(0, M, BLOCK):
+        first = tl.program_id(2) * CHUNK
+        for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
             c = start + tl.arange(0, BLOCK)
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
@@ -137,7 +139,7 @@ if tl is not None:
                 )
                 k = tl.where((k >= k0) & (k <= k1) & cm, f, 255)
             h += tl.histogram(k, 256)
-        tl.store(hist_ptr + (side * N + n) * 256 + tl.arange(0, 256), h)
+        tl.atomic_add(hist_ptr + (side * N + n) * 256 + tl.arange(0, 256), h, sem="relaxed")
 
     @lazy_jit
     def _final_kernel(
@@ -156,15 +158,19 @@ if tl is not None:
         g_stride,
         key_ptr,
         val_ptr,
-        count_ptr,
+        off_ptr,
+        fill_ptr,
         part_ptr,
         N,
+        CHUNK,
+        NCHUNKS,
         SLOTS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (row n, side): every element of a decided bin adds its signed probability
-        # (the student's is also its gradient, written to g: 0 where not a member or undecided);
-        # elements to resolve are appended to the side's buffer (group << 20 | column, value).
+        # Program (row n, side, chunk of CHUNK columns): every element of a decided bin adds its
+        # signed probability (the student's is also its gradient, written to g: 0 where not a
+        # member or undecided); an element to resolve goes to the side's buffer, at its group's
+        # offset plus the group's fill count (group << 20 | column, value).
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
         if side == 0:
@@ -179,10 +185,10 @@ if tl is not None:
         k1 = tl.load(k1_ptr + n)
         lo = (k0 + ((127 - 8) << 4)) << 19
         scale = tl.load(scale_ptr + n)
+        groups = (side * N + n) * 512
         total = tl.full((BLOCK,), 0, tl.float32)
-        run = 0
-        slot_base = (side * N + n) * SLOTS
-        for start in range(0, M, BLOCK):
+        first = tl.program_id(2) * CHUNK
+        for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
             c = start + tl.arange(0, BLOCK)
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
@@ -202,20 +208,23 @@ if tl is not None:
             total += s
             if side == 0:
                 tl.store(g_ptr + n * g_stride + c, s, mask=cm)
-            r = res.to(tl.int32)
-            pos = run + tl.associative_scan(r, 0, SUM_COMBINE) - r
-            keep = res & (pos < SLOTS)
-            tl.store(key_ptr + slot_base + pos, (group << 20) | c, mask=keep)
-            tl.store(val_ptr + slot_base + pos, x, mask=keep)
-            run += tl.reduce(r, 0, SUM_COMBINE)
-        tl.store(part_ptr + side * N + n, tl.reduce(total, 0, SUM_COMBINE))
-        tl.store(count_ptr + side * N + n, run)
+            at = tl.load(off_ptr + groups + group, mask=res, other=0)
+            at += tl.atomic_add(fill_ptr + groups + group, 1, mask=res, sem="relaxed")
+            keep = res & (at < SLOTS)
+            slot = (side * N + n) * SLOTS + at
+            tl.store(key_ptr + slot, (group << 20) | c, mask=keep)
+            tl.store(val_ptr + slot, x, mask=keep)
+        tl.store(
+            part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
+        )
 
     @lazy_jit
     def _resolve_kernel(
         key_ptr,
         val_ptr,
         count_ptr,
+        off_ptr,
+        rcount_ptr,
         top_ptr,
         cnt_ptr,
         g_ptr,
@@ -223,14 +232,14 @@ if tl is not None:
         out_ptr,
         N,
         m,
-        NGROUPS: tl.constexpr,
         SLOTS: tl.constexpr,
         TILE: tl.constexpr,
     ):
         # Program (row n): the buffered elements of both sides as one list, i < na from the
-        # student. For each i: rank = same-side elements of its group above it, cross = other-
-        # side elements of its group above it (an a walks before an equal b). Then, with top /
-        # cnt the side's elements above the group / in it:
+        # student; each side's buffer is ordered by group, so the elements i is compared with
+        # are the spans of the groups of its tile. For each i: rank = same-side elements of its
+        # group above it, cross = other-side elements of its group above it (an a walks before
+        # an equal b). Then, with top / cnt the side's elements above the group / in it:
         #   member  <=> top_side + rank < m
         #   D(a) = min(topA, m) + rank - min(topB, m) - min(cross, mB),  + iff D >= 0
         #   D(b) = min(topA, m) + min(cross, mA) - min(topB, m) - rank,  + iff D <= 0
@@ -241,8 +250,10 @@ if tl is not None:
         total = na + nb
         base_a = n * SLOTS
         base_b = (N + n) * SLOTS
-        l1 = tl.full((TILE,), 0, tl.float32)
-        gsum = tl.full((TILE,), 0, tl.float32)
+        ga = n * 512
+        gb = (N + n) * 512
+        l1 = tl.full((TILE,), 0, tl.float64)
+        gsum = tl.full((TILE,), 0, tl.float64)
         for i0 in range(0, total, TILE):
             i = i0 + tl.arange(0, TILE)
             im = i < total
@@ -252,30 +263,36 @@ if tl is not None:
             v_i = tl.load(val_ptr + off_i, mask=im, other=0.0)
             grp_i = key_i >> 20
             col_i = key_i & 0xFFFFF
+            g_lo = tl.reduce(tl.where(im, -grp_i, -511), 0, MAX_COMBINE) * -1
+            g_hi = tl.reduce(tl.where(im, grp_i, 0), 0, MAX_COMBINE)
             rank = tl.full((TILE,), 0, tl.int32)
             cross = tl.full((TILE,), 0, tl.int32)
-            for j0 in range(0, total, TILE):
-                j = j0 + tl.arange(0, TILE)
-                jm = j < total
-                ja = j < na
-                off_j = tl.where(ja, base_a + j, base_b + j - na)
-                key_j = tl.load(key_ptr + off_j, mask=jm, other=0)
-                v_j = tl.load(val_ptr + off_j, mask=jm, other=0.0)
-                same = (grp_i[:, None] == (key_j >> 20)[None, :]) & jm[None, :]
-                col_j = key_j & 0xFFFFF
-                gt = v_j[None, :] > v_i[:, None]
-                eq = v_j[None, :] == v_i[:, None]
-                same_side = ia[:, None] == ja[None, :]
-                above_same = gt | (eq & (col_j[None, :] < col_i[:, None]))
-                # an a (i) sees b's strictly above it; a b (i) sees a's above or equal
-                above_cross = gt | (eq & ja[None, :])
-                rank += tl.reduce((same & same_side & above_same).to(tl.int32), 1, SUM_COMBINE)
-                cross += tl.reduce((same & (~same_side) & above_cross).to(tl.int32), 1, SUM_COMBINE)
-            at = n * NGROUPS + grp_i
-            top_a = tl.load(top_ptr + at, mask=im, other=0)
-            top_b = tl.load(top_ptr + N * NGROUPS + at, mask=im, other=0)
-            cnt_a = tl.load(cnt_ptr + at, mask=im, other=0)
-            cnt_b = tl.load(cnt_ptr + N * NGROUPS + at, mask=im, other=0)
+            for side in range(2):
+                groups = tl.where(side == 0, ga, gb)
+                base = tl.where(side == 0, base_a, base_b)
+                j_lo = tl.load(off_ptr + groups + g_lo)
+                j_hi = tl.load(off_ptr + groups + g_hi) + tl.load(rcount_ptr + groups + g_hi)
+                for j0 in range(j_lo, j_hi, TILE):
+                    j = j0 + tl.arange(0, TILE)
+                    jm = j < j_hi
+                    key_j = tl.load(key_ptr + base + j, mask=jm, other=0)
+                    v_j = tl.load(val_ptr + base + j, mask=jm, other=0.0)
+                    same = (grp_i[:, None] == (key_j >> 20)[None, :]) & jm[None, :]
+                    col_j = key_j & 0xFFFFF
+                    gt = v_j[None, :] > v_i[:, None]
+                    eq = v_j[None, :] == v_i[:, None]
+                    same_side = ia[:, None] == (side == 0)
+                    above_same = gt | (eq & (col_j[None, :] < col_i[:, None]))
+                    # an a (i) sees b's strictly above it; a b (i) sees a's above or equal
+                    above_cross = gt | (eq & (side == 0))
+                    rank += tl.reduce((same & same_side & above_same).to(tl.int32), 1, SUM_COMBINE)
+                    cross += tl.reduce(
+                        (same & (~same_side) & above_cross).to(tl.int32), 1, SUM_COMBINE
+                    )
+            top_a = tl.load(top_ptr + ga + grp_i, mask=im, other=0)
+            top_b = tl.load(top_ptr + gb + grp_i, mask=im, other=0)
+            cnt_a = tl.load(cnt_ptr + ga + grp_i, mask=im, other=0)
+            cnt_b = tl.load(cnt_ptr + gb + grp_i, mask=im, other=0)
             m_a = tl.minimum(tl.maximum(m - top_a, 0), cnt_a)
             m_b = tl.minimum(tl.maximum(m - top_b, 0), cnt_b)
             above = tl.minimum(top_a, m) - tl.minimum(top_b, m)
@@ -285,12 +302,13 @@ if tl is not None:
             p = tl.exp(v_i)
             sign = tl.where(ia, tl.where(d_a >= 0, 1.0, -1.0), tl.where(d_b <= 0, 1.0, -1.0))
             s = tl.where(member, sign * p, 0.0)
-            l1 += s
+            # fp64 sums: the buffer's order within a group varies from run to run
+            l1 += s.to(tl.float64)
             g_a = tl.where(ia, s, 0.0)
-            gsum += g_a
+            gsum += g_a.to(tl.float64)
             tl.store(g_ptr + n * g_stride + col_i, g_a, mask=member & ia)
-        tl.store(out_ptr + n, tl.reduce(l1, 0, SUM_COMBINE))
-        tl.store(out_ptr + N + n, tl.reduce(gsum, 0, SUM_COMBINE))
+        tl.store(out_ptr + n, tl.reduce(l1, 0, SUM_COMBINE).to(tl.float32))
+        tl.store(out_ptr + N + n, tl.reduce(gsum, 0, SUM_COMBINE).to(tl.float32))
 
 
 def _classes(count_2NG: torch.Tensor, top_2NG: torch.Tensor, m: int):
@@ -369,8 +387,8 @@ def topm_l1(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topm_l1_reference` from counts (no sort), exact; see the module docstring.
 
-    Falls back to :func:`topm_l1_reference` for the whole call when a row cannot be done by
-    counts, and without Triton.
+    Rows the counts cannot do go to :func:`topm_l1_reference` (so does everything without
+    Triton).
 
     Args:
         a_NA: [N, A] fp32 student log-probs, last dim contiguous.
@@ -392,43 +410,56 @@ def topm_l1(
         return _reference_into(a_NA, b_NB, m, out_g)
     device = a_NA.device
     block = min(1024, next_power_of_2(max(A, B)))
+    chunk = block * max(1, 8192 // block)  # columns per program
+    nchunks = cdiv(max(A, B), chunk)
+    grid = (N, 2, nchunks)
     rows = (a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0))
-    coarse_2NK = torch.empty((2, N, COARSE_BINS), dtype=torch.int32, device=device)
+    coarse_2NK = torch.zeros((2, N, COARSE_BINS), dtype=torch.int32, device=device)
     none = coarse_2NK  # the coarse pass reads no range
-    _hist_kernel[(N, 2)](
-        *rows, none, none, none, coarse_2NK, N, FINE=False, BLOCK=block, num_warps=4
+    _hist_kernel[grid](
+        *rows, none, none, none, coarse_2NK, N, chunk, FINE=False, BLOCK=block, num_warps=4
     )
     cls_NK, top_2NK, resolve_NK, (k0_N, k1_N, scale_N), ok_N = _coarse_plan(
         coarse_2NK, m, direct_max
     )
-    fine_2NF = torch.empty((2, N, FINE_BINS), dtype=torch.int32, device=device)
-    _hist_kernel[(N, 2)](
-        *rows, k0_N, k1_N, scale_N, fine_2NF, N, FINE=True, BLOCK=block, num_warps=4
+    fine_2NF = torch.zeros((2, N, FINE_BINS), dtype=torch.int32, device=device)
+    _hist_kernel[grid](
+        *rows, k0_N, k1_N, scale_N, fine_2NF, N, chunk, FINE=True, BLOCK=block, num_warps=4
     )
     fine_NF, count_fine_2NF, top_fine_2NF = _fine_plan(fine_2NF, top_2NK, k0_N, m)
-    # resolve groups: the coarse bins, then the fine bins
+    # resolve groups: the coarse bins, then the fine bins; the buffer in group order
     count_2NG = torch.cat([coarse_2NK, count_fine_2NF], -1)
     top_2NG = torch.cat([top_2NK, top_fine_2NF], -1)
     resolve_NG = torch.cat([resolve_NK, (fine_NF & _RESOLVE) != 0], -1)
-    buffered_2N = (count_2NG * resolve_NG).sum(-1)
-    if not bool((ok_N & (buffered_2N <= slots).all(0)).all()):  # the one host sync
+    rcount_2NG = count_2NG * resolve_NG
+    off_2NG = _above(rcount_2NG)
+    buffered_2N = rcount_2NG.sum(-1, dtype=torch.int32)
+    ok_N &= (buffered_2N <= slots).all(0)
+    bad = (~ok_N).nonzero().flatten()  # the one host sync
+    if bad.numel() == N:
         return _reference_into(a_NA, b_NB, m, out_g)
+    if bad.numel():  # before g (which may be a) is written
+        l1_bad, g_bad, gsum_bad = _reference_into(a_NA[bad], b_NB[bad], m, None)
+    buffered_2N *= ok_N  # nothing to resolve in those rows
     g_NA = torch.empty_like(a_NA) if out_g is None else out_g
     key_2NS = torch.empty((2, N, slots), dtype=torch.int32, device=device)
     val_2NS = torch.empty((2, N, slots), dtype=torch.float32, device=device)
-    count_2N = torch.empty((2, N), dtype=torch.int32, device=device)
-    part_2N = torch.empty((2, N), dtype=torch.float32, device=device)
-    _final_kernel[(N, 2)](
-        *rows, cls_NK, k0_N, k1_N, scale_N, fine_NF, g_NA, g_NA.stride(0), key_2NS, val_2NS, count_2N, part_2N, N,
-        SLOTS=slots, BLOCK=block, num_warps=4,
+    fill_2NG = torch.zeros_like(off_2NG)
+    part_2NC = torch.empty((2, N, nchunks), dtype=torch.float32, device=device)
+    _final_kernel[grid](
+        *rows, cls_NK, k0_N, k1_N, scale_N, fine_NF, g_NA, g_NA.stride(0), key_2NS, val_2NS,
+        off_2NG, fill_2NG, part_2NC, N, chunk, nchunks, SLOTS=slots, BLOCK=block, num_warps=4,
     )  # fmt: skip
     res_2N = torch.empty((2, N), dtype=torch.float32, device=device)
     _resolve_kernel[(N,)](
-        key_2NS, val_2NS, count_2N, top_2NG, count_2NG, g_NA, g_NA.stride(0), res_2N, N, m,
-        NGROUPS=count_2NG.shape[-1], SLOTS=slots, TILE=64, num_warps=4,
+        key_2NS, val_2NS, buffered_2N, off_2NG, rcount_2NG, top_2NG, count_2NG, g_NA,
+        g_NA.stride(0), res_2N, N, m, SLOTS=slots, TILE=64, num_warps=4,
     )  # fmt: skip
+    part_2N = part_2NC.sum(-1)
     l1_N = part_2N.sum(0) + res_2N[0]
     gsum_N = part_2N[0] + res_2N[1]
+    if bad.numel():
+        l1_N[bad], g_NA[bad], gsum_N[bad] = l1_bad, g_bad, gsum_bad
     return l1_N, g_NA, gsum_N
 
 

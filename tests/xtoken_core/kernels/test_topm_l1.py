@@ -102,6 +102,24 @@ def test_topm_l1_falls_back_when_ties_overflow_the_buffer(monkeypatch):
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
 
 
+def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch):
+    rows_seen = []
+    reference = tm._reference_into
+    monkeypatch.setattr(
+        tm, "_reference_into", lambda a, *rest: rows_seen.append(a.shape[0]) or reference(a, *rest)
+    )
+    a, b = _rows(3, 128, 128, seed=5)
+    a[1, :40] = a[1, :1]  # a run of ties in row 1 only: more than the buffer holds
+    b[1, :40] = b[1, :1]
+    l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
+    l1, g, gsum = tm.topm_l1(a, b, 60, out_g=a, slots=48)  # g over a: row 1 read first
+    assert rows_seen == [1]
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g[[0, 2]], g_ref[[0, 2]], rtol=1e-6, atol=0)
+    torch.testing.assert_close(g[1].sort().values, g_ref[1].sort().values, rtol=1e-6, atol=0)
+
+
 def test_topm_l1_refuses_m_outside_the_rows():
     a, b = _rows(1, 10, 8, seed=0)
     with pytest.raises(ValueError, match="m=9"):
