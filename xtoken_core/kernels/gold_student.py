@@ -3,7 +3,8 @@
 :class:`GoldStudent` computes the common-vocab KL (:func:`gold_common`: both sides' chunk
 averages, the KL, its chunk gradient and the argmax agreement in one pass over the logits) and
 the uncommon top-m L1 (chunk averages by
-:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`), and keeps the chunk gradient as two
+:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`, compared by
+:func:`~xtoken_core.kernels.topm_l1.topm_l1`), and keeps the chunk gradient as two
 compact blocks; :func:`gold_backward` expands it to the logits gradient. Block sizes come from
 :data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
 
@@ -26,6 +27,7 @@ import torch
 
 from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, tl
 from .logit_rows import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
+from .topm_l1 import topm_l1
 
 logger = logging.getLogger(__name__)
 
@@ -272,34 +274,6 @@ def gold_common(
         arg.append(torch.where(part_NB6[..., v] == best, part_NB6[..., i], Mc).amin(1))
     stats_N3 = torch.stack([kl_N, gsum_N, (arg[0] == arg[1]).float()], 1)
     return g_NC, stats_N3
-    Ts, Tt = zs_BTV.shape[1], zt_BUW.shape[1]
-    _gold_common_kernel[(N,)](
-        zs_BTV,
-        lse_s_R,
-        s_rows.order_R,
-        s_rows.offsets_N1,
-        common_student_C,
-        zt_BUW,
-        lse_t_R,
-        t_rows.order_R,
-        t_rows.offsets_N1,
-        common_teacher_C,
-        g_NC,
-        stats_N3,
-        Ts,
-        Tt,
-        Mc,
-        zs_BTV.stride(0),
-        zs_BTV.stride(1),
-        zt_BUW.stride(0),
-        zt_BUW.stride(1),
-        g_NC.stride(0),
-        1.0 / temperature,
-        REVERSE=bool(reverse_kl),
-        BLOCK_C=block_for("gcom_block_c", Mc, 16),
-        num_warps=KERNEL_CONFIG["gcom_warps"],
-    )
-    return g_NC, stats_N3
 
 
 def gold_backward(
@@ -376,19 +350,19 @@ class GoldStudent(torch.autograd.Function):
 
     The chunk gradient is computed in the forward in compact form (common columns ``[N, Mc]``
     by :func:`gold_common`, which reads the teacher's common columns from its logits; uncommon
-    columns ``[N, Mu]``, written over the student's uncommon block once its top-m is taken) and
-    expanded to ``dz`` by one backward kernel.
+    columns ``[N, Mu]``, written by :func:`~xtoken_core.kernels.topm_l1.topm_l1` over the
+    student's uncommon chunk means against the teacher's ``teacher_unc_NX``) and expanded to
+    ``dz`` by one backward kernel.
     """
 
     @staticmethod
     def forward(
-        ctx, z_BTV, rows, teacher, teacher_top_Nm, exact, temperature, reverse_kl
+        ctx, z_BTV, rows, teacher, teacher_unc_NX, m, exact, temperature, reverse_kl
     ):  # teacher: (zt_BUW, lse_t_R, t_rows)
         cs, us = exact["common_student"], exact["uncommon_student"]
         zt_BUW, lse_t_R, t_rows = teacher
         N = rows.offsets_N1.numel() - 1
         Mc = cs.numel()
-        m = teacher_top_Nm.shape[1]
         V = z_BTV.shape[-1]
         device = z_BTV.device
         lse_R = row_logsumexp(z_BTV, rows.nidx_R, temperature)
@@ -399,14 +373,9 @@ class GoldStudent(torch.autograd.Function):
             s_unc_NU = chunk_mean_columns(
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us
             )
-            top = torch.topk(s_unc_NU, m, dim=-1)
-            s_top_Nm = top.values.exp_()
-            diff_Nm = s_top_Nm - teacher_top_Nm
-            l1_sum = diff_Nm.abs().sum()
-            g_top_Nm = diff_Nm.sign_().mul_(s_top_Nm)  # d|e^s - u| / ds
-            gsum_top_N = g_top_Nm.sum(-1)
-            g_unc_NU = s_unc_NU.zero_().scatter_(1, top.indices, g_top_Nm)  # reuse the block
-            del top, diff_Nm, s_top_Nm, g_top_Nm
+            # d|e^s_(j) - u_(j)| / ds at the top-m columns, written over the block it reads
+            l1_N, g_unc_NU, gsum_top_N = topm_l1(s_unc_NU, teacher_unc_NX, m, out_g=s_unc_NU)
+            l1_sum = l1_N.sum()
         g_common_NC, stats_N3 = gold_common(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
             temperature, reverse_kl,
@@ -442,4 +411,4 @@ class GoldStudent(torch.autograd.Function):
             z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_N, coef_N, gscale_2,
             ctx.temperature,
         )  # fmt: skip
-        return dz_BTV, None, None, None, None, None, None
+        return dz_BTV, None, None, None, None, None, None, None

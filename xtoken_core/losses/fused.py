@@ -287,19 +287,17 @@ def _gold_fused(
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
     with torch.no_grad():
         lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
+        u_unc_NX = None
         if m > 0:
             u_unc_NX = logit_rows.chunk_mean_columns(
                 zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature, ut
             )
-            u_top_Nm = torch.topk(u_unc_NX, m, dim=-1).values.exp_()
-            del u_unc_NX
-        else:
-            u_top_Nm = torch.zeros((N, 0), dtype=torch.float32, device=zt_BUW.device)
     kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
         zs_BTV,
         s_rows,
         (zt_BUW, lse_t_R, t_rows),
-        u_top_Nm,
+        u_unc_NX,
+        m,
         exact_map,
         float(temperature),
         bool(reverse_kl),
