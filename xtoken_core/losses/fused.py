@@ -11,9 +11,9 @@ sides' row groups) is one :func:`plan_chunks` (:mod:`xtoken_core.kernels.chunk_p
 renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
 ``[B, T, V]`` probability tensor); with a plan, N stays on the device. Gold
 (:mod:`xtoken_core.kernels.gold_student`): the common-vocab KL in one pass over both logits
-(chunk means, KL, chunk gradient, argmax), the sorted top-m L1 of the compact uncommon blocks from counts
-(:mod:`xtoken_core.kernels.topm_l1`), and a backward
-that rebuilds ``dz`` from the logits, the row logsumexp and the compact chunk gradient.
+(chunk means, KL, chunk gradient, argmax), the sorted top-m L1 of the compact uncommon blocks
+from counts (:mod:`xtoken_core.kernels.topm_l1`), and a backward that rebuilds ``dz`` from the
+logits, the row logsumexp and the compact chunk gradient.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
