@@ -104,6 +104,8 @@ if tl is not None:
         N,
         CHUNK,
         FINE: tl.constexpr,
+        BASE: tl.constexpr,
+        SHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Program (row n, side, chunk of CHUNK columns), added into the row's: the coarse histogram of the row (bins as in the module
@@ -121,7 +123,7 @@ if tl is not None:
         if FINE:
             k0 = tl.load(k0_ptr + n)
             k1 = tl.load(k1_ptr + n)
-            lo = (k0 + ((127 - 8) << 4)) << 19
+            lo = (k0 + BASE) << SHIFT
             scale = tl.load(scale_ptr + n)
         h = tl.full((256,), 0, tl.int32)
         first = tl.program_id(2) * CHUNK
@@ -130,7 +132,7 @@ if tl is not None:
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
             bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-            k = tl.minimum(tl.maximum((bits >> 19) - ((127 - 8) << 4), 0), 254)
+            k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
             k = tl.where(x != x, 255, k)
             k = tl.where(cm, k, 254)  # padding lanes: below the range (fine: no slot)
             if FINE:
@@ -164,6 +166,8 @@ if tl is not None:
         N,
         CHUNK,
         NCHUNKS,
+        BASE: tl.constexpr,
+        SHIFT: tl.constexpr,
         SLOTS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -183,7 +187,7 @@ if tl is not None:
             shift = 2
         k0 = tl.load(k0_ptr + n)
         k1 = tl.load(k1_ptr + n)
-        lo = (k0 + ((127 - 8) << 4)) << 19
+        lo = (k0 + BASE) << SHIFT
         scale = tl.load(scale_ptr + n)
         groups = (side * N + n) * 512
         total = tl.full((BLOCK,), 0, tl.float32)
@@ -193,7 +197,7 @@ if tl is not None:
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
             bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-            k = tl.minimum(tl.maximum((bits >> 19) - ((127 - 8) << 4), 0), 254)
+            k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
             f = tl.minimum(tl.maximum(((bits - lo).to(tl.float32) * scale).to(tl.int32), 0), 254)
             refined = (k >= k0) & (k <= k1)
             code = tl.load(cls_ptr + n * 256 + k, mask=cm & ~refined, other=0)
@@ -414,17 +418,18 @@ def topm_l1(
     nchunks = cdiv(max(A, B), chunk)
     grid = (N, 2, nchunks)
     rows = (a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0))
+    bins = dict(BASE=COARSE_BASE, SHIFT=COARSE_SHIFT)  # the coarse grid
     coarse_2NK = torch.zeros((2, N, COARSE_BINS), dtype=torch.int32, device=device)
     none = coarse_2NK  # the coarse pass reads no range
     _hist_kernel[grid](
-        *rows, none, none, none, coarse_2NK, N, chunk, FINE=False, BLOCK=block, num_warps=4
+        *rows, none, none, none, coarse_2NK, N, chunk, FINE=False, **bins, BLOCK=block, num_warps=4
     )
     cls_NK, top_2NK, resolve_NK, (k0_N, k1_N, scale_N), ok_N = _coarse_plan(
         coarse_2NK, m, direct_max
     )
     fine_2NF = torch.zeros((2, N, FINE_BINS), dtype=torch.int32, device=device)
     _hist_kernel[grid](
-        *rows, k0_N, k1_N, scale_N, fine_2NF, N, chunk, FINE=True, BLOCK=block, num_warps=4
+        *rows, k0_N, k1_N, scale_N, fine_2NF, N, chunk, FINE=True, **bins, BLOCK=block, num_warps=4
     )
     fine_NF, count_fine_2NF, top_fine_2NF = _fine_plan(fine_2NF, top_2NK, k0_N, m)
     # resolve groups: the coarse bins, then the fine bins; the buffer in group order
@@ -448,7 +453,7 @@ def topm_l1(
     part_2NC = torch.empty((2, N, nchunks), dtype=torch.float32, device=device)
     _final_kernel[grid](
         *rows, cls_NK, k0_N, k1_N, scale_N, fine_NF, g_NA, g_NA.stride(0), key_2NS, val_2NS,
-        off_2NG, fill_2NG, part_2NC, N, chunk, nchunks, SLOTS=slots, BLOCK=block, num_warps=4,
+        off_2NG, fill_2NG, part_2NC, N, chunk, nchunks, **bins, SLOTS=slots, BLOCK=block, num_warps=4,
     )  # fmt: skip
     res_2N = torch.empty((2, N), dtype=torch.float32, device=device)
     _resolve_kernel[(N,)](
