@@ -47,7 +47,7 @@ def _rows(n, a, b, teacher, device, seed):
 
 
 def _falls_back(s_NA, t_NB, m):
-    """Whether the count path hands these rows to the reference (too many elements to resolve)."""
+    """Whether the count path hands rows to the reference (its pool or lists too small)."""
     calls = []
     original = tm._reference_into
     tm._reference_into = lambda *args: calls.append(1) or original(*args)
@@ -75,6 +75,7 @@ def main() -> int:
         l1_err = ((l1 - l1_ref).abs() / l1_ref.abs().clamp_min(1e-30)).max().item()
         g_err = ((g - g_ref).norm() / g_ref.norm()).item()
         fell_back = _falls_back(s_NA, t_NB, m)
+        stats = tm.plan_stats(s_NA, t_NB, m)
         ref = functools.partial(tm.topm_l1_reference, s_NA, t_NB, m)
         ms_ref = _common.time_ms(ref, device, reps)
         ms = _common.time_ms(functools.partial(tm.topm_l1, s_NA, t_NB, m), device, reps)
@@ -93,11 +94,13 @@ def main() -> int:
                 "fell_back": fell_back,
                 "l1_max_rel_diff": l1_err,
                 "g_rel_err": g_err,
+                **{k: round(v, 1) for k, v in stats.items()},
             }
         )
         del s_NA, t_NB, g, g_ref
     cols = ["teacher", "topk_ms", "counts_ms", "speedup", "fell_back", "l1_max_rel_diff"]
-    _common.print_table(rows, [*cols, "g_rel_err"])
+    _common.print_table(rows, [*cols, "g_rel_err", "open_bins_mean", "pool_slots_mean"])
+    _common.print_table(rows, ["teacher", "open_bins_max", "pool_slots_max", "rows_not_ok"])
     if not args.quick and not args.no_save:
         _common.append_rows(args.results, rows)
     return 0

@@ -374,7 +374,9 @@ class GoldStudent(torch.autograd.Function):
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us
             )
             # d|e^s_(j) - u_(j)| / ds at the top-m columns, written over the block it reads
-            l1_N, g_unc_NU, gsum_top_N = topm_l1(s_unc_NU, teacher_unc_NX, m, out_g=s_unc_NU)
+            l1_N, g_unc_NU, gsum_top_N = topm_l1(
+                s_unc_NU, teacher_unc_NX, m, out_g=s_unc_NU, overwrite_b=True
+            )
             l1_sum = l1_N.sum()
         g_common_NC, stats_N3 = gold_common(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],

@@ -39,80 +39,81 @@ def _check(a, b, m, **kw):
 
 
 @pytest.mark.parametrize(
-    "N, A, B, m, bins",
-    [(3, 200, 150, 40, 64), (2, 300, 120, 120, 16), (4, 90, 250, 1, 64), (2, 64, 64, 64, 8)],
+    "N, A, B, m", [(3, 200, 150, 40), (2, 300, 120, 120), (4, 90, 250, 1), (2, 64, 64, 64)]
 )
-def test_topm_l1_matches_topk_reference(N, A, B, m, bins, counts_only):
+def test_topm_l1_matches_topk_reference(N, A, B, m, counts_only):
     a, b = _rows(N, A, B, seed=N + A + m)
-    _check(a, b, m, direct_max=bins, slots=512)
+    _check(a, b, m)
 
 
 def test_topm_l1_resolves_a_teacher_close_to_the_student(counts_only):
     a, b = _rows(3, 256, 200, seed=7, similar=True)
-    _check(a, b, 100, slots=512)
+    _check(a, b, 100)
 
 
-def test_topm_l1_refines_dense_bins(monkeypatch, counts_only):
-    # bins around the m-th values hold hundreds of elements: they are refined, not resolved
-    refined = []
-    plan = tm._coarse_plan
-
-    def spy(*args):
-        out = plan(*args)
-        refined.append(int((out[3][1] >= out[3][0]).sum()))  # rows with a refined range
-        return out
-
-    monkeypatch.setattr(tm, "_coarse_plan", spy)
+def test_topm_l1_pools_only_the_open_bins(counts_only):
+    # 11,000 elements a row, a pool of 2,000 slots a row: only the bins around the m-th values
+    # and where D changes sign are copied out and refined, the rest is decided by the counts
     gen = torch.Generator().manual_seed(13)
-    # the student's top values sit well above the teacher's: few bins where D can change sign
     a = torch.log_softmax(torch.randn(2, 6000, generator=gen) * 3, -1).to(DEVICE)
     b = torch.log_softmax(torch.randn(2, 5000, generator=gen) * 1.5, -1).to(DEVICE)
-    _check(a, b, 700, direct_max=16, slots=1024)
-    assert refined[0] == 2
+    _check(a, b, 700, pool_per_row=2000)
 
 
 def test_topm_l1_writes_the_gradient_over_its_input(counts_only):
     a, b = _rows(2, 200, 180, seed=3)
     l1_ref, g_ref, _ = tm.topm_l1_reference(a, b, 50)
-    l1, g, _ = tm.topm_l1(a, b, 50, out_g=a, slots=512)
+    l1, g, _ = tm.topm_l1(a, b, 50, out_g=a)
     assert g.data_ptr() == a.data_ptr()
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
 
 
-def test_topm_l1_resolves_ties_within_the_buffer(counts_only):
+def test_topm_l1_keeps_b_unless_told_it_may_overwrite_it(counts_only):
+    a, b = _rows(2, 200, 180, seed=4)
+    b_before = b.clone()
+    _check(a, b, 50)
+    torch.testing.assert_close(b, b_before, rtol=0, atol=0)
+    _check(a, b.clone(), 50, overwrite_b=True)
+
+
+def test_topm_l1_resolves_ties_within_a_fine_bin(counts_only):
     # which of equal values is "first" is arbitrary: the gradients agree as multisets per row
     a, b = _rows(2, 128, 128, seed=5, ties=40)
     l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, direct_max=8, slots=256)
+    l1, g, gsum = tm.topm_l1(a, b, 60)
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(g.sort(-1).values, g_ref.sort(-1).values, rtol=1e-6, atol=0)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
 
 
-def test_topm_l1_falls_back_when_ties_overflow_the_buffer(monkeypatch):
+def test_topm_l1_falls_back_when_the_pool_is_full(monkeypatch):
     calls = []
     reference = tm._reference_into
     monkeypatch.setattr(tm, "_reference_into", lambda *args: calls.append(1) or reference(*args))
     a, b = _rows(2, 128, 128, seed=5, ties=40)
     l1_ref, _, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, slots=8)
+    l1, g, gsum = tm.topm_l1(a, b, 60, pool_per_row=8)
     assert calls == [1]
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
 
 
-def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch):
+@pytest.mark.parametrize("why", ["ties larger than the list", "top-m below the range"])
+def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch, why):
     rows_seen = []
     reference = tm._reference_into
     monkeypatch.setattr(
         tm, "_reference_into", lambda a, *rest: rows_seen.append(a.shape[0]) or reference(a, *rest)
     )
     a, b = _rows(3, 128, 128, seed=5)
-    a[1, :40] = a[1, :1]  # a run of ties in row 1 only: more than the buffer holds
-    b[1, :40] = b[1, :1]
+    if why == "ties larger than the list":  # an open bin of > B / 2 elements in row 1
+        a[1, :70] = a[1, :1]
+        b[1, :70] = b[1, :1]
+    else:  # row 1 has fewer than m values above -240 nats
+        a[1, 20:] = -300.0
     l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, out_g=a, slots=48)  # g over a: row 1 read first
+    l1, g, gsum = tm.topm_l1(a, b, 60, out_g=a, overwrite_b=True)  # row 1 read first
     assert rows_seen == [1]
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
