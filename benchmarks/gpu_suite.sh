@@ -31,6 +31,13 @@ want bench_chunk_log_softmax && step bench_chunk_log_softmax $PY benchmarks/kern
 want bench_projection_gather && step bench_projection_gather $PY benchmarks/kernels/bench_projection_gather.py \
   --results "$OUT/kernels_projection_gather.jsonl"
 want bench_kd_loss && step bench_kd_loss $PY benchmarks/losses/bench_kd_loss.py --results "$OUT/losses_kd_loss.jsonl"
+want topm_tests && step topm_tests $PY -m pytest -q -p no:cacheprovider tests/xtoken_core/kernels/test_topm_l1.py
+want bench_topm_l1 && step bench_topm_l1 $PY benchmarks/kernels/bench_topm_l1.py --results "$OUT/kernels_topm_l1.jsonl"
+# gold at 1x4096 (issue 12's figure), P-KL beside it, and a profile of one gold fwd+bwd
+want bench_kd_loss_gold && step bench_kd_loss_gold $PY benchmarks/losses/bench_kd_loss.py --shapes 1x4096 \
+  --modes gold xtoken pkl --results "$OUT/losses_kd_loss.jsonl"
+want profile_gold && step profile_gold $PY benchmarks/losses/profile_kd_loss.py --B 1 --T 4096 \
+  --paths fused --modes gold --out "$OUT/profile"
 want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
 want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status

@@ -357,8 +357,8 @@ class GoldStudent(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, z_BTV, rows, teacher, teacher_unc_NX, m, exact, temperature, reverse_kl
-    ):  # teacher: (zt_BUW, lse_t_R, t_rows)
+        ctx, z_BTV, rows, teacher, teacher_unc_NX, hist_2NK, m, exact, temperature, reverse_kl
+    ):  # teacher: (zt_BUW, lse_t_R, t_rows); hist_2NK: the teacher's coarse histograms in [1]
         cs, us = exact["common_student"], exact["uncommon_student"]
         zt_BUW, lse_t_R, t_rows = teacher
         N = rows.offsets_N1.numel() - 1
@@ -371,11 +371,11 @@ class GoldStudent(torch.autograd.Function):
         gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
         if m > 0 and N > 0:
             s_unc_NU = chunk_mean_columns(
-                z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us
+                z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us, hist_NK=hist_2NK[0]
             )
             # d|e^s_(j) - u_(j)| / ds at the top-m columns, written over the block it reads
             l1_N, g_unc_NU, gsum_top_N = topm_l1(
-                s_unc_NU, teacher_unc_NX, m, out_g=s_unc_NU, overwrite_b=True
+                s_unc_NU, teacher_unc_NX, m, out_g=s_unc_NU, overwrite_b=True, hist_2NK=hist_2NK
             )
             l1_sum = l1_N.sum()
         g_common_NC, stats_N3 = gold_common(
@@ -413,4 +413,4 @@ class GoldStudent(torch.autograd.Function):
             z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_N, coef_N, gscale_2,
             ctx.temperature,
         )  # fmt: skip
-        return dz_BTV, None, None, None, None, None, None, None
+        return dz_BTV, None, None, None, None, None, None, None, None

@@ -40,6 +40,7 @@ from ._utils import (
     tl,
     use_triton,
 )
+from .topm_l1 import COARSE_BASE, COARSE_BINS, COARSE_SHIFT  # the bins of hist_NK
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,13 @@ if tl is not None:
 
     @lazy_jit(
         do_not_specialize=("T",),
-        do_not_specialize_on_alignment=("lse_R_ptr", "order_ptr", "offsets_N1_ptr", "cols_X_ptr"),
+        do_not_specialize_on_alignment=(
+            "lse_R_ptr",
+            "order_ptr",
+            "offsets_N1_ptr",
+            "cols_X_ptr",
+            "hist_ptr",
+        ),
     )
     def _chunk_cols_kernel(
         z_ptr,
@@ -151,6 +158,7 @@ if tl is not None:
         offsets_N1_ptr,
         cols_X_ptr,
         out_ptr,
+        hist_ptr,
         T,
         X,
         stride_b,
@@ -158,10 +166,16 @@ if tl is not None:
         out_stride,
         inv_temp,
         HAS_COLS: tl.constexpr,
+        HIST: tl.constexpr,
+        HIST_BASE: tl.constexpr,
+        HIST_SHIFT: tl.constexpr,
         BLOCK_X: tl.constexpr,
     ):
         # Program (chunk n, column block): rows of n are order[offsets[n]:offsets[n + 1]].
         #   out[n, i] = sum_{r in n} (z[r, col_i] / T - lse_r) / max(|n|, 1)   (fixed order)
+        # HIST: also add the block's values to the chunk's 256-bin histogram, the coarse bins of
+        # kernels.topm_l1 (k = clamp((bits(-out) >> SHIFT) - BASE, 0, 254), 255 for NaN); only
+        # the bins the block touches are added.
         n = tl.program_id(0).to(tl.int64)
         xb = tl.program_id(1)
         i = xb * BLOCK_X + tl.arange(0, BLOCK_X)
@@ -180,6 +194,11 @@ if tl is not None:
             acc += z * inv_temp - tl.load(lse_R_ptr + r)
         out = acc / tl.maximum(end - start, 1).to(tl.float32)
         tl.store(out_ptr + n * out_stride + i, out, mask=im)
+        if HIST:
+            bits = tl.maximum((-out).to(tl.int32, bitcast=True), 0)
+            bins = tl.minimum(tl.maximum((bits >> HIST_SHIFT) - HIST_BASE, 0), 254)
+            h = tl.histogram(tl.where(out != out, 255, bins), 256, mask=im)
+            tl.atomic_add(hist_ptr + n * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
     @lazy_jit(
         do_not_specialize=("T",),
@@ -383,6 +402,8 @@ def chunk_mean_columns(
     offsets_N1: torch.Tensor,
     temperature: float,
     cols_X: torch.Tensor | None = None,
+    *,
+    hist_NK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunk-averaged log-probabilities over a gathered column subset, valid chunks only.
 
@@ -393,6 +414,8 @@ def chunk_mean_columns(
         offsets_N1: [N + 1] int64, rows of chunk n are ``order[offsets[n]:offsets[n + 1]]``.
         temperature: softmax temperature.
         cols_X: [X] int column ids (None: all V columns in order).
+        hist_NK: [N, 256] int32 zeros, or None: the output rows' coarse histograms of
+            :mod:`xtoken_core.kernels.topm_l1` are added into it (spares that kernel a pass).
 
     Returns:
         out_NX fp32 [N, X]: ``mean_{r in n} (z[r, cols] / T - lse_r)`` (0 for an empty chunk).
@@ -401,6 +424,8 @@ def chunk_mean_columns(
     N = offsets_N1.numel() - 1
     X = V if cols_X is None else cols_X.numel()
     out_NX = torch.empty((N, X), device=z_BTV.device, dtype=torch.float32)
+    if hist_NK is not None and tuple(hist_NK.shape) != (N, COARSE_BINS):
+        raise ValueError(f"hist_NK must be [{N}, {COARSE_BINS}] int32, got {tuple(hist_NK.shape)}")
     if N == 0 or X == 0:
         return out_NX
     block = block_for("cols_block_x", X, 16)
@@ -411,6 +436,7 @@ def chunk_mean_columns(
         offsets_N1,
         cols_X if cols_X is not None else offsets_N1,
         out_NX,
+        hist_NK if hist_NK is not None else offsets_N1,  # any valid pointer when absent
         T,
         X,
         z_BTV.stride(0),
@@ -418,6 +444,9 @@ def chunk_mean_columns(
         out_NX.stride(0),
         1.0 / temperature,
         HAS_COLS=cols_X is not None,
+        HIST=hist_NK is not None,
+        HIST_BASE=COARSE_BASE,
+        HIST_SHIFT=COARSE_SHIFT,
         BLOCK_X=block,
         num_warps=KERNEL_CONFIG["cols_warps"],
     )

@@ -33,7 +33,8 @@ usual case), every element of the bin takes its sign from the counts above it; s
    resolved by pairwise counts within their fine bin (rank and the other side's count above).
 
 A row the grids cannot do (a top-m set reaching below the coarse range, NaN, an open bin larger
-than the list, a pool too full) goes to the reference; finding those rows is the one host sync.
+than the list, more open elements than a row may pool) goes to the reference; finding those rows
+and the pool's size is the one wait for the device.
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
 F fine bins, P pool slots, L list slots per row.
@@ -57,8 +58,10 @@ BELOW_BIN = COARSE_BINS - 2  # -x >= 240 (and -inf log-probs): below every windo
 #: Fine bins per open coarse bin: its 2^19 values of the bits in steps of 2^11.
 FINE_BINS = 256
 FINE_SHIFT = COARSE_SHIFT - 8
-#: Pool slots per row (on average over the rows) for the elements of open coarse bins.
-POOL_PER_ROW = 16384
+#: Pool slots a row may take for the elements of its open coarse bins (more: the reference's).
+MAX_POOL_ROW = 32768
+#: Tiles of :func:`_refine_kernel`: pool elements per step, listed elements per pairwise step.
+REFINE_TILES = {"TILE": 256, "PAIR_I": 32, "PAIR_J": 64}
 #: Columns are packed with their side and fine bin in one int32.
 _COL_BITS = 20
 #: Rows of the per-row table of :func:`_refine_kernel`: fine tops and counts per side, class
@@ -283,6 +286,8 @@ if tl is not None:
         FSHIFT: tl.constexpr,
         COL_BITS: tl.constexpr,
         TILE: tl.constexpr,
+        PAIR_I: tl.constexpr,
+        PAIR_J: tl.constexpr,
     ):
         # Program (row n): each open coarse bin k in turn, from its pool slots (ca a's, then cb
         # b's). Fine bin f = clamp((bits - lo_k) >> FSHIFT, 0, 255); the fine histograms and
@@ -298,8 +303,8 @@ if tl is not None:
         # a bin varies from run to run.
         n = tl.program_id(0).to(tl.int64)
         base = tl.load(base_ptr + n)
-        l1 = tl.full((TILE,), 0, tl.float64)
-        gsum = tl.full((TILE,), 0, tl.float64)
+        l1 = tl.full([], 0, tl.float64)
+        gsum = tl.full([], 0, tl.float64)
         if base >= 0:
             f = tl.arange(0, 256)
             table = table_ptr + n * (6 * 256)
@@ -360,15 +365,15 @@ if tl is not None:
                     col = tl.load(pool_col_ptr + start + i, mask=im, other=0)
                     bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
                     fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
-                    code = tl.load(table + 1024 + fb, mask=im, other=0)
-                    lst = ((code & 16) != 0) & im
-                    state = tl.where(is_a, code & 3, (code >> 2) & 3)
+                    ecode = tl.load(table + 1024 + fb, mask=im, other=0)
+                    lst = ((ecode & 16) != 0) & im
+                    state = tl.where(is_a, ecode & 3, (ecode >> 2) & 3)
                     px = tl.exp(x)
                     s = tl.where(state == 1, px, tl.where(state == 2, -px, 0.0))
                     s = tl.where(lst | ~im, 0.0, s)
                     g_a = tl.where(is_a, s, 0.0)
-                    l1 += s.to(tl.float64)
-                    gsum += g_a.to(tl.float64)
+                    l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
+                    gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
                     tl.store(grow + col, g_a, mask=im & is_a & ~lst)
                     at = tl.load(table + 1280 + fb, mask=lst, other=0)
                     at += tl.atomic_add(ffill + fb, 1, mask=lst, sem="relaxed")
@@ -376,8 +381,8 @@ if tl is not None:
                     tl.store(lval + at, x, mask=lst)
                     tl.store(lkey + at, key, mask=lst)
                 tl.debug_barrier()
-                for i0 in range(0, n_list, TILE):
-                    i = i0 + tl.arange(0, TILE)
+                for i0 in range(0, n_list, PAIR_I):
+                    i = i0 + tl.arange(0, PAIR_I)
                     im = i < n_list
                     key_i = tl.load(lkey + i, mask=im, other=0)
                     v_i = tl.load(lval + i, mask=im, other=0.0)
@@ -392,10 +397,10 @@ if tl is not None:
                         + tl.load(table + 512 + f_hi)
                         + tl.load(table + 768 + f_hi)
                     )
-                    rank = tl.full((TILE,), 0, tl.int32)
-                    cross = tl.full((TILE,), 0, tl.int32)
-                    for j0 in range(j_lo, j_hi, TILE):
-                        j = j0 + tl.arange(0, TILE)
+                    rank = tl.full((PAIR_I,), 0, tl.int32)
+                    cross = tl.full((PAIR_I,), 0, tl.int32)
+                    for j0 in range(j_lo, j_hi, PAIR_J):
+                        j = j0 + tl.arange(0, PAIR_J)
                         jm = j < j_hi
                         key_j = tl.load(lkey + j, mask=jm, other=0)
                         v_j = tl.load(lval + j, mask=jm, other=0.0)
@@ -416,26 +421,26 @@ if tl is not None:
                         )
                     ta_i = tl.load(table + f_i, mask=im, other=0)
                     tb_i = tl.load(table + 256 + f_i, mask=im, other=0)
-                    m_a = tl.minimum(
+                    ma_i = tl.minimum(
                         tl.maximum(m - ta_i, 0), tl.load(table + 512 + f_i, mask=im, other=0)
                     )
-                    m_b = tl.minimum(
+                    mb_i = tl.minimum(
                         tl.maximum(m - tb_i, 0), tl.load(table + 768 + f_i, mask=im, other=0)
                     )
-                    above = tl.minimum(ta_i, m) - tl.minimum(tb_i, m)
+                    above_i = tl.minimum(ta_i, m) - tl.minimum(tb_i, m)
                     member = im & (tl.where(ia, ta_i, tb_i) + rank < m)
-                    d_a = above + rank - tl.minimum(cross, m_b)
-                    d_b = above + tl.minimum(cross, m_a) - rank
+                    d_a = above_i + rank - tl.minimum(cross, mb_i)
+                    d_b = above_i + tl.minimum(cross, ma_i) - rank
                     sign = tl.where(
                         ia, tl.where(d_a >= 0, 1.0, -1.0), tl.where(d_b <= 0, 1.0, -1.0)
                     )
                     s = tl.where(member, sign * tl.exp(v_i), 0.0)
                     g_a = tl.where(ia, s, 0.0)
-                    l1 += s.to(tl.float64)
-                    gsum += g_a.to(tl.float64)
+                    l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
+                    gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
                     tl.store(grow + col_i, g_a, mask=im & ia)
-        tl.store(out_ptr + n, tl.reduce(l1, 0, SUM_COMBINE).to(tl.float32))
-        tl.store(out_ptr + N + n, tl.reduce(gsum, 0, SUM_COMBINE).to(tl.float32))
+        tl.store(out_ptr + n, l1.to(tl.float32))
+        tl.store(out_ptr + N + n, gsum.to(tl.float32))
 
 
 class _Plan(NamedTuple):
@@ -459,16 +464,24 @@ def _grid(a_NA: torch.Tensor, b_NB: torch.Tensor):
     return block, chunk, cdiv(most, chunk)
 
 
-def _coarse_plan(a_NA: torch.Tensor, b_NB: torch.Tensor, m: int, list_cap: int) -> _Plan:
-    """Coarse histograms of both rows (:func:`_hist_kernel`) and their plan (:func:`_plan_kernel`)."""
+def _coarse_plan(
+    a_NA: torch.Tensor,
+    b_NB: torch.Tensor,
+    m: int,
+    list_cap: int,
+    hist_2NK: torch.Tensor | None = None,
+) -> _Plan:
+    """Coarse histograms of both rows (:func:`_hist_kernel`, unless given) and their plan
+    (:func:`_plan_kernel`)."""
     N = a_NA.shape[0]
-    block, chunk, nchunks = _grid(a_NA, b_NB)
     i32 = dict(dtype=torch.int32, device=a_NA.device)
-    hist_2NK = torch.zeros((2, N, COARSE_BINS), **i32)
-    _hist_kernel[(N, 2, nchunks)](
-        a_NA, b_NB, a_NA.shape[1], b_NB.shape[1], a_NA.stride(0), b_NB.stride(0), hist_2NK, N,
-        chunk, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
-    )  # fmt: skip
+    if hist_2NK is None:
+        block, chunk, nchunks = _grid(a_NA, b_NB)
+        hist_2NK = torch.zeros((2, N, COARSE_BINS), **i32)
+        _hist_kernel[(N, 2, nchunks)](
+            a_NA, b_NB, a_NA.shape[1], b_NB.shape[1], a_NA.stride(0), b_NB.stride(0), hist_2NK,
+            N, chunk, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     plan = _Plan(
         hist_2NK,
         torch.empty((2, N, COARSE_BINS), **i32),
@@ -509,7 +522,8 @@ def topm_l1(
     *,
     out_g: torch.Tensor | None = None,
     overwrite_b: bool = False,
-    pool_per_row: int = POOL_PER_ROW,
+    max_pool_row: int = MAX_POOL_ROW,
+    hist_2NK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topm_l1_reference` from counts (no sort), exact; see the module docstring.
 
@@ -524,29 +538,36 @@ def topm_l1(
             before its gradient is written).
         overwrite_b: ``b_NB`` may be used as scratch (its values are lost); else a buffer of its
             size is allocated for the lists of open fine bins.
-        pool_per_row: pool slots per row, on average, for the elements of open coarse bins
-            (rows past the pool's end go to the reference).
+        max_pool_row: pool slots a row may take for the elements of its open coarse bins
+            (a row that needs more goes to the reference); the pool is sized to the rows kept.
+        hist_2NK: [2, N, 256] int32 coarse histograms of ``a`` and ``b`` when the caller made
+            them with the rows (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`
+            ``hist_NK=``); None: counted here (one more pass over both rows).
 
     Returns:
         ``(l1_N, g_NA, gsum_N)`` as :func:`topm_l1_reference`.
 
     Raises:
-        ValueError: ``m`` outside ``[1, min(A, B)]``.
+        ValueError: ``m`` outside ``[1, min(A, B)]``, or ``hist_2NK`` of the wrong shape.
     """
     N, A = a_NA.shape
     B = b_NB.shape[1]
     if not 1 <= m <= min(A, B):
         raise ValueError(f"m={m} must be in [1, min(A={A}, B={B})]")
+    if hist_2NK is not None and tuple(hist_2NK.shape) != (2, N, COARSE_BINS):
+        raise ValueError(
+            f"hist_2NK must be [2, {N}, {COARSE_BINS}] int32, got {tuple(hist_2NK.shape)}"
+        )
     if N == 0 or not use_triton(a_NA) or max(A, B) >= 1 << _COL_BITS:
         return _reference_into(a_NA, b_NB, m, out_g)
     device = a_NA.device
     list_cap = B // 2  # the lists of open fine bins: a row of b (or like it), values then keys
-    plan = _coarse_plan(a_NA, b_NB, m, list_cap)
-    slots_N = plan.info_N4[:, 1].long()
+    plan = _coarse_plan(a_NA, b_NB, m, list_cap, hist_2NK)
+    ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_pool_row)
+    slots_N = plan.info_N4[:, 1].long() * ok_N
     end_N = slots_N.cumsum(0)
-    pool_size = N * pool_per_row
-    ok_N = (plan.info_N4[:, 2] != 0) & (end_N <= pool_size)
-    bad = (~ok_N).nonzero().flatten()  # the one host sync
+    bad = (~ok_N).nonzero().flatten()  # the host syncs: which rows, how large a pool
+    pool_size = int(end_N[-1])
     if bad.numel() == N:
         return _reference_into(a_NA, b_NB, m, out_g)
     if bad.numel():  # before g (which may be a) and the lists (which may be b) are written
@@ -572,7 +593,7 @@ def topm_l1(
         pool_val_P, pool_col_P, base_N, plan.info_N4, plan.opens_NK, plan.loc_NK, plan.hist_2NK,
         plan.top_2NK, table_N6F, ffill_NF, list_NL, list_NL.view(torch.int32), list_NL.stride(0),
         list_cap, g_NA, g_NA.stride(0), res_2N, N, m, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT,
-        FSHIFT=FINE_SHIFT, COL_BITS=_COL_BITS, TILE=64, num_warps=4,
+        FSHIFT=FINE_SHIFT, COL_BITS=_COL_BITS, **REFINE_TILES, num_warps=4,
     )  # fmt: skip
     part_2N = part_2NC.sum(-1)
     l1_N = part_2N.sum(0) + res_2N[0]

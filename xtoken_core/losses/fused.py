@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from xtoken_core.kernels import chunk_plan, gold_student, logit_rows, pkl_chunk_kl, pkl_projection
+from xtoken_core.kernels.topm_l1 import COARSE_BINS
 from xtoken_core.losses import reference
 from xtoken_core.losses.reference import KDTerms
 from xtoken_core.losses.utils import (
@@ -288,16 +289,19 @@ def _gold_fused(
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
     with torch.no_grad():
         lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
-        u_unc_NX = None
-        if m > 0:
+        u_unc_NX = hist_2NK = None
+        if m > 0:  # the chunk means also count the top-m's coarse histograms (student's: [0])
+            hist_2NK = torch.zeros((2, N, COARSE_BINS), dtype=torch.int32, device=zs_BTV.device)
             u_unc_NX = logit_rows.chunk_mean_columns(
-                zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature, ut
-            )
+                zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature, ut,
+                hist_NK=hist_2NK[1],
+            )  # fmt: skip
     kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
         zs_BTV,
         s_rows,
         (zt_BUW, lse_t_R, t_rows),
         u_unc_NX,
+        hist_2NK,
         m,
         exact_map,
         float(temperature),

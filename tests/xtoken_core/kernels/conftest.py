@@ -48,3 +48,40 @@ def kd_rows(B, T, N, seed):
     sorted_key, order = torch.sort(key, stable=True)
     offsets = torch.searchsorted(sorted_key, torch.arange(N + 1))
     return nidx.to(DEVICE), order.to(DEVICE), offsets.to(DEVICE)
+
+
+def compile_for_hopper(lazy, types, constexprs):
+    """Compile a :class:`LazyJit` kernel for sm_90 (an H100) with the ptxas Triton ships, no GPU
+    needed, and return cuobjdump's resource line (``REG:.. STACK:.. LOCAL:..``). Arguments not in
+    ``types`` are ``i32``; ``constexprs`` are the compile-time ones. Skips without that ptxas;
+    the caller switches the interpreter off (``monkeypatch.delenv("TRITON_INTERPRET")``)."""
+    import os
+    import subprocess
+    import tempfile
+
+    triton = pytest.importorskip("triton")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(tools, "ptxas")):
+        pytest.skip("this Triton ships no ptxas")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = triton.jit(lazy.fn, **lazy.jit_kwargs)  # compiled: the interpreter is off here
+    signature = {name: types.get(name, "i32") for name in fn.arg_names}
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(kernel.asm["cubin"])
+        out = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    return next(line for line in out.splitlines() if "REG:" in line)

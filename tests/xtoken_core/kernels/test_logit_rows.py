@@ -40,6 +40,53 @@ def test_chunk_mean_columns_matches_the_mean_of_gathered_log_probs(with_cols):
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=2e-5)
 
 
+@pytest.mark.parametrize("with_cols", [False, True])
+def test_chunk_mean_columns_counts_the_coarse_histograms_of_its_rows(with_cols):
+    from xtoken_core.kernels import topm_l1 as tm
+
+    B, T, V, N = 2, 11, 1500, 6
+    z = kd_logits(B, T, V, torch.bfloat16, seed=3)
+    nidx, order, offsets = kd_rows(B, T, N, seed=4)
+    cols = (
+        torch.randperm(V, generator=torch.Generator().manual_seed(0))[:1100] if with_cols else None
+    )
+    cols = None if cols is None else cols.to(DEVICE)
+    lse = kf.row_logsumexp(z, nidx, 0.7)
+    hist_NK = torch.zeros((N, tm.COARSE_BINS), dtype=torch.int32, device=DEVICE)
+    out = kf.chunk_mean_columns(z, lse, order, offsets, 0.7, cols, hist_NK=hist_NK)
+    want = torch.zeros((2, N, tm.COARSE_BINS), dtype=torch.int32, device=DEVICE)
+    X = out.shape[1]
+    tm._hist_kernel[(N, 2, 1)](
+        out, out, X, X, X, X, want, N, 2048, BASE=tm.COARSE_BASE, SHIFT=tm.COARSE_SHIFT, BLOCK=2048
+    )  # fmt: skip
+    assert torch.equal(hist_NK, want[0])
+    with pytest.raises(ValueError, match="hist_NK must be"):
+        kf.chunk_mean_columns(z, lse, order, offsets, 0.7, cols, hist_NK=hist_NK[:2])
+
+
+def test_chunk_mean_columns_kernel_compiles_for_hopper_without_local_memory(monkeypatch):
+    from tests.xtoken_core.kernels.conftest import compile_for_hopper
+    from xtoken_core.kernels import topm_l1 as tm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    types = {"z_ptr": "*bf16", "lse_R_ptr": "*fp32", "out_ptr": "*fp32", "hist_ptr": "*i32"}
+    types.update(dict.fromkeys(["order_ptr", "offsets_N1_ptr", "cols_X_ptr"], "*i64"))
+    types["inv_temp"] = "fp32"
+    for hist in (False, True):
+        usage = compile_for_hopper(
+            kf._chunk_cols_kernel,
+            types,
+            {
+                "HAS_COLS": True,
+                "HIST": hist,
+                "HIST_BASE": tm.COARSE_BASE,
+                "HIST_SHIFT": tm.COARSE_SHIFT,
+                "BLOCK_X": kf.KERNEL_CONFIG["cols_block_x"],
+            },
+        )
+        assert "LOCAL:0" in usage, usage
+
+
 def test_column_max_equals_masked_amax_exactly():
     B, T, W = 2, 13, 301
     z = kd_logits(B, T, W, torch.bfloat16, seed=5, pad=2)

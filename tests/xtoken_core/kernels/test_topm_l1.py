@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.xtoken_core.kernels.conftest import DEVICE
+from tests.xtoken_core.kernels.conftest import DEVICE, compile_for_hopper
 from xtoken_core.kernels import topm_l1 as tm
 
 
@@ -52,12 +52,29 @@ def test_topm_l1_resolves_a_teacher_close_to_the_student(counts_only):
 
 
 def test_topm_l1_pools_only_the_open_bins(counts_only):
-    # 11,000 elements a row, a pool of 2,000 slots a row: only the bins around the m-th values
-    # and where D changes sign are copied out and refined, the rest is decided by the counts
+    # 11,000 elements a row, at most 2,000 pool slots a row: only the bins around the m-th
+    # values and where D changes sign are copied out and refined, the rest is decided by counts
     gen = torch.Generator().manual_seed(13)
     a = torch.log_softmax(torch.randn(2, 6000, generator=gen) * 3, -1).to(DEVICE)
     b = torch.log_softmax(torch.randn(2, 5000, generator=gen) * 1.5, -1).to(DEVICE)
-    _check(a, b, 700, pool_per_row=2000)
+    _check(a, b, 700, max_pool_row=2000)
+
+
+def test_topm_l1_takes_the_coarse_histograms_from_the_caller(monkeypatch, counts_only):
+    a, b = _rows(3, 300, 200, seed=9)
+    hist_2NK = torch.zeros((2, 3, tm.COARSE_BINS), dtype=torch.int32, device=DEVICE)
+    tm._hist_kernel[(3, 2, 1)](
+        a, b, 300, 200, 300, 200, hist_2NK, 3, 1024, BASE=tm.COARSE_BASE, SHIFT=tm.COARSE_SHIFT,
+        BLOCK=512,
+    )  # fmt: skip
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("topm_l1 counted histograms it was given")
+
+    monkeypatch.setattr(tm, "_hist_kernel", refuse)
+    _check(a, b, 70, hist_2NK=hist_2NK)
+    with pytest.raises(ValueError, match="hist_2NK must be"):
+        tm.topm_l1(a, b, 70, hist_2NK=hist_2NK[:, :2])
 
 
 def test_topm_l1_writes_the_gradient_over_its_input(counts_only):
@@ -87,13 +104,13 @@ def test_topm_l1_resolves_ties_within_a_fine_bin(counts_only):
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
 
 
-def test_topm_l1_falls_back_when_the_pool_is_full(monkeypatch):
+def test_topm_l1_falls_back_when_a_row_needs_too_large_a_pool(monkeypatch):
     calls = []
     reference = tm._reference_into
     monkeypatch.setattr(tm, "_reference_into", lambda *args: calls.append(1) or reference(*args))
     a, b = _rows(2, 128, 128, seed=5, ties=40)
     l1_ref, _, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, pool_per_row=8)
+    l1, g, gsum = tm.topm_l1(a, b, 60, max_pool_row=8)
     assert calls == [1]
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
@@ -133,3 +150,31 @@ def test_topm_l1_matches_the_reference_with_zero_probabilities():
     a[0, :50] = float("-inf")
     for got, want in zip(tm.topm_l1(a, b, 30), tm.topm_l1_reference(a, b, 30)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
+    # The interpreter runs what the compiler may refuse (a loop-carried value changing shape);
+    # this compiles every kernel for an H100 here, without a GPU, and refuses spills.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    f32, i32, i64 = "*fp32", "*i32", "*i64"
+    pointers = {
+        **dict.fromkeys(["a_ptr", "b_ptr", "pool_val_ptr", "g_ptr", "part_ptr"], f32),
+        **dict.fromkeys(["list_val_ptr", "out_ptr"], f32),
+        **dict.fromkeys(["hist_ptr", "top_ptr", "cls_ptr", "loc_ptr", "opens_ptr"], i32),
+        **dict.fromkeys(["info_ptr", "fill_ptr", "pool_col_ptr", "table_ptr", "ffill_ptr"], i32),
+        "list_key_ptr": i32,
+        "base_ptr": i64,
+    }
+    bins = {"BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
+    kernels = [
+        (tm._hist_kernel, {**bins, "BLOCK": 1024}),
+        (tm._plan_kernel, {"BELOW": tm.BELOW_BIN}),
+        (tm._scatter_kernel, {**bins, "BLOCK": 1024}),
+        (
+            tm._refine_kernel,
+            {**bins, "FSHIFT": tm.FINE_SHIFT, "COL_BITS": tm._COL_BITS, **tm.REFINE_TILES},
+        ),
+    ]
+    for lazy, constexprs in kernels:
+        usage = compile_for_hopper(lazy, pointers, constexprs)
+        assert "LOCAL:0" in usage and "STACK:0" in usage, (lazy.__name__, usage)
