@@ -357,15 +357,27 @@ class GoldStudent(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, z_BTV, rows, teacher, teacher_unc_NX, hist_2NK, m, exact, temperature, reverse_kl
-    ):  # teacher: (zt_BUW, lse_t_R, t_rows); hist_2NK: the teacher's coarse histograms in [1]
+        ctx,
+        z_BTV,
+        lse_R,
+        rows,
+        teacher,
+        teacher_unc_NX,
+        hist_2NK,
+        m,
+        exact,
+        temperature,
+        reverse_kl,
+    ):  # lse_R: None or made for every row; teacher: (zt_BUW, lse_t_R, t_rows); hist_2NK: the
+        # coarse histograms of the top-m, the teacher's counted already in [1]
         cs, us = exact["common_student"], exact["uncommon_student"]
         zt_BUW, lse_t_R, t_rows = teacher
         N = rows.offsets_N1.numel() - 1
         Mc = cs.numel()
         V = z_BTV.shape[-1]
         device = z_BTV.device
-        lse_R = row_logsumexp(z_BTV, rows.nidx_R, temperature)
+        if lse_R is None:
+            lse_R = row_logsumexp(z_BTV, rows.nidx_R, temperature)
         g_unc_NU = None
         l1_sum = torch.zeros((), dtype=torch.float32, device=device)
         gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
@@ -413,4 +425,4 @@ class GoldStudent(torch.autograd.Function):
             z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_N, coef_N, gscale_2,
             ctx.temperature,
         )  # fmt: skip
-        return dz_BTV, None, None, None, None, None, None, None, None
+        return dz_BTV, None, None, None, None, None, None, None, None, None

@@ -108,28 +108,37 @@ if tl is not None:
 
     @lazy_jit(
         do_not_specialize=("T",),
-        do_not_specialize_on_alignment=("nidx_R_ptr", "lse_R_ptr"),
+        do_not_specialize_on_alignment=("nidx_R_ptr", "lse_R_ptr", "sum_R_ptr"),
     )
     def _row_lse_kernel(
         z_ptr,
         nidx_R_ptr,
         lse_R_ptr,
+        sum_R_ptr,
         T,
         V,
         stride_b,
         stride_t,
         scale2,  # log2(e) / temperature
+        ALL_ROWS: tl.constexpr,
+        SUMS: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         # One program per row. m' = max(m, max x2); s' = s 2^(m - m') + sum 2^(x2 - m');
-        # lse = (m + log2 s) ln 2. Rows of no valid chunk store +inf (then p = 0 downstream).
+        # lse = (m + log2 s) ln 2. Rows of no valid chunk store +inf (then p = 0 downstream);
+        # ALL_ROWS: every row is used. SUMS: also sum[r] = sum_v z[r, v] in fp32, every row
+        # (NaN and inf propagate: the finite check of the logits, in the same read).
         r = tl.program_id(0).to(tl.int64)
-        n = tl.load(nidx_R_ptr + r)
-        if n >= 0:
+        if ALL_ROWS:
+            used = r >= 0
+        else:
+            used = tl.load(nidx_R_ptr + r) >= 0
+        m = tl.full([], -1.0e30, tl.float32)
+        s = tl.full([], 0.0, tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        if used | SUMS:
             row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
             offs = tl.arange(0, BLOCK_V)
-            m = tl.full([], -1.0e30, tl.float32)
-            s = tl.full([], 0.0, tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 v = v0 + offs
                 x = tl.load(row_ptr + v, mask=v < V, other=0.0).to(tl.float32)
@@ -137,6 +146,11 @@ if tl is not None:
                 m_new = tl.maximum(m, tl.reduce(x2, 0, MAX_COMBINE))
                 s = s * tl.exp2(m - m_new) + tl.reduce(tl.exp2(x2 - m_new), 0, SUM_COMBINE)
                 m = m_new
+                if SUMS:
+                    total += tl.reduce(x, 0, SUM_COMBINE)
+        if SUMS:
+            tl.store(sum_R_ptr + r, total)
+        if used:
             tl.store(lse_R_ptr + r, (m + tl.log2(s)) * 0.6931471805599453)
         else:
             tl.store(lse_R_ptr + r, float("inf"))
@@ -359,13 +373,21 @@ def check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor) -> None:
         )
 
 
-def row_logsumexp(z_BTV: torch.Tensor, nidx_R: torch.Tensor, temperature: float) -> torch.Tensor:
+def row_logsumexp(
+    z_BTV: torch.Tensor,
+    nidx_R: torch.Tensor | None,
+    temperature: float,
+    *,
+    row_sum_R: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Row logsumexp of ``z / temperature`` for the rows that belong to a valid chunk.
 
     Args:
         z_BTV: [B, T, V] logits, last dim contiguous (row strides are free).
-        nidx_R: [B*T] int, valid-chunk index of each row, -1 = none.
+        nidx_R: [B*T] int, valid-chunk index of each row, -1 = none; None: every row.
         temperature: softmax temperature (> 0).
+        row_sum_R: [B*T] fp32, or None: also written with each row's sum of ``z`` (every row,
+            in fp32; NaN and inf propagate), the finite check of the logits in the same read.
 
     Returns:
         lse_R fp32 [B*T]; ``+inf`` on rows with ``nidx_R < 0`` (their probabilities are 0).
@@ -373,22 +395,32 @@ def row_logsumexp(z_BTV: torch.Tensor, nidx_R: torch.Tensor, temperature: float)
     Raises:
         ValueError: bad layout or row count.
     """
-    check_rows(z_BTV, nidx_R)
     B, T, V = z_BTV.shape
+    all_rows = nidx_R is None
+    if all_rows:
+        nidx_R = torch.zeros(B * T, dtype=torch.long, device=z_BTV.device)
+    check_rows(z_BTV, nidx_R)
+    if row_sum_R is not None and row_sum_R.shape != (B * T,):
+        raise ValueError(f"row_sum_R must be [{B * T}] fp32, got {tuple(row_sum_R.shape)}")
     lse_R = torch.empty(B * T, device=z_BTV.device, dtype=torch.float32)
     if B * T == 0:
         return lse_R
     if V == 0:
+        if row_sum_R is not None:
+            row_sum_R.zero_()
         return lse_R.fill_(float("-inf"))
     _row_lse_kernel[(B * T,)](
         z_BTV,
         nidx_R,
         lse_R,
+        lse_R if row_sum_R is None else row_sum_R,  # any valid pointer when absent
         T,
         V,
         z_BTV.stride(0),
         z_BTV.stride(1),
         LOG2E / temperature,
+        ALL_ROWS=all_rows,
+        SUMS=row_sum_R is not None,
         BLOCK_V=block_for("lse_block_v", V, 16),
         num_warps=KERNEL_CONFIG["lse_warps"],
     )

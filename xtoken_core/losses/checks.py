@@ -27,12 +27,13 @@ class DeferredChecks:
         self._items.append((kind, name, extra, piece.reshape(-1)))
         return len(self._items) - 1
 
-    def finite(self, name: str, x: torch.Tensor) -> None:
-        """Queue the NaN/inf check of ``x``."""
+    def finite(self, name: str, x: torch.Tensor, total: torch.Tensor | None = None) -> None:
+        """Queue the NaN/inf check of ``x``; ``total``: its fp32 sum when a kernel that reads
+        ``x`` anyway made it (the row logsumexp's row sums), else summed here."""
         # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
         # copy: NaN and inf propagate through the sum. A non-finite sum of finite (huge) values
         # is possible, so only then is the exact element-wise check paid.
-        self._add("finite", name, x, x.sum(dtype=torch.float32))
+        self._add("finite", name, x, x.sum(dtype=torch.float32) if total is None else total)
 
     def id_range(self, name: str, ids_BT: torch.Tensor, num_chunks: int) -> None:
         if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:

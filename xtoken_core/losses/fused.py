@@ -275,6 +275,7 @@ def _gold_fused(
     reverse_kl,
     num_valid,
     plan,
+    row_lse=None,
 ) -> KDTerms:
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
         student_logits_BTV,
@@ -287,8 +288,10 @@ def _gold_fused(
     )
     ut = exact_map["uncommon_teacher"]
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
+    lse_s_R, lse_t_R = (None, None) if row_lse is None else row_lse
     with torch.no_grad():
-        lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
+        if lse_t_R is None:
+            lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
         u_unc_NX = hist_2NK = None
         if m > 0:  # the chunk means also count the top-m's coarse histograms (student's: [0])
             hist_2NK = torch.zeros((2, N, COARSE_BINS), dtype=torch.int32, device=zs_BTV.device)
@@ -298,6 +301,7 @@ def _gold_fused(
             )  # fmt: skip
     kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
         zs_BTV,
+        lse_s_R,
         s_rows,
         (zt_BUW, lse_t_R, t_rows),
         u_unc_NX,
@@ -391,6 +395,7 @@ def gold_kd_loss(
     reverse_kl: bool,
     num_valid: int | None = None,
     plan=None,
+    row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> KDTerms:
     """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference.gold_kd_loss`.
 
@@ -408,6 +413,9 @@ def gold_kd_loss(
         reverse_kl: reverse KL on the common vocab.
         num_valid: N = ``valid_BC.sum()`` when the caller read it already; None: counted here.
         plan: :func:`plan_chunks` of this batch (fused path), as for :func:`pkl_kd_loss`.
+        row_lse: ``(student [B*T], teacher [B*U])`` fp32 row logsumexps of ``z / temperature``
+            over every row (:func:`~xtoken_core.kernels.logit_rows.row_logsumexp` with
+            ``nidx_R=None``) when the caller made them (fused path); None: made here.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -422,5 +430,5 @@ def gold_kd_loss(
     )
     opts = dict(temperature=temperature, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _gold_fused(*args, **opts, num_valid=num_valid, plan=plan)
+        return _gold_fused(*args, **opts, num_valid=num_valid, plan=plan, row_lse=row_lse)
     return reference.gold_kd_loss(*args, **opts)

@@ -4,7 +4,8 @@ launched eagerly.
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
 launches, no host sync). P-KL then needs no host value before its kernels are queued, so the
 input checks are read back after them (the kernels index only with clamped ids); gold reads
-them first (it needs the valid-chunk count N on the host).
+them first (it needs the valid-chunk count N on the host), after the row logsumexps of every
+logits tensor, whose row sums are the finite checks.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab.
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from xtoken_core.kernels import logit_rows
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
@@ -68,11 +70,18 @@ class KernelEngine:
         cfg = self.config
         V = student_logits_BTV.shape[-1]
         device = student_logits_BTV.device
-        if checks is not None:
+        # Gold: the row logsumexps are made first, over every row, and their row sums are the
+        # finite checks (one read of each logits tensor for both).
+        lse_s_R = lse_t = None
+        if cfg.gold_loss:
+            lse_s_R, lse_t = self._row_lse("student_logits", student_logits_BTV, checks), []
+        elif checks is not None:
             checks.finite("student_logits", student_logits_BTV)
         plans, slots = [], []
         for t in teachers:
-            if checks is not None:
+            if cfg.gold_loss:
+                lse_t.append(self._row_lse(t.name, t.logits_BUW, checks))
+            elif checks is not None:
                 checks.finite(t.name, t.logits_BUW)
             plan = self._plan(t, sample_mask_B, device, checks)
             plans.append(plan)
@@ -87,7 +96,7 @@ class KernelEngine:
             if cfg.gold_loss:  # gold needs N on the host: read the checks now
                 values = checks.finish()
         terms = []
-        for t, plan, slot in zip(teachers, plans, slots, strict=True):
+        for i, (t, plan, slot) in enumerate(zip(teachers, plans, slots, strict=True)):
             common = (
                 student_logits_BTV,
                 t.logits_BUW,
@@ -108,6 +117,7 @@ class KernelEngine:
                         reverse_kl=cfg.reverse_kl,
                         num_valid=num_valid,
                         plan=plan,
+                        row_lse=(lse_s_R, lse_t[i]),
                     )
                 )
             else:
@@ -128,6 +138,21 @@ class KernelEngine:
         if checks is not None and values is None:
             checks.finish()  # raises on bad input before the caller reads the result
         return result
+
+    def _row_lse(
+        self, name: str, logits: torch.Tensor, checks: DeferredChecks | None
+    ) -> torch.Tensor:
+        """Row logsumexps of ``logits / T`` over every row (the gold kernels'); with ``checks``,
+        the NaN/inf check of ``logits`` is queued from the same read's row sums."""
+        z = logits if logits.stride(-1) == 1 else logits.contiguous()
+        rows = z.shape[0] * z.shape[1]
+        sums_R = None
+        if checks is not None:
+            sums_R = torch.empty(rows, dtype=torch.float32, device=z.device)
+        lse_R = logit_rows.row_logsumexp(z, None, self.config.temperature, row_sum_R=sums_R)
+        if checks is not None:
+            checks.finite(name, logits, total=sums_R.sum())
+        return lse_R
 
     def _plan(self, teacher: TeacherInputs, sample_mask_B, device, checks):
         """Shifted ids, validity, N and both sides' rows of one teacher

@@ -21,6 +21,21 @@ def test_row_logsumexp_matches_torch_and_is_inf_on_unused_rows(dtype, pad):
     assert bool(torch.isinf(lse[~used]).all()) and bool((lse[~used] > 0).all())
 
 
+@pytest.mark.parametrize("pad", [0, 5])
+def test_row_logsumexp_of_every_row_with_row_sums(pad):
+    z = kd_logits(2, 9, 77, torch.bfloat16, seed=1, pad=pad).clone()
+    z[1, 4, 10] = float("inf")
+    sums = torch.empty(18, device=DEVICE)
+    lse = kf.row_logsumexp(z, None, 1.3, row_sum_R=sums)
+    ref = torch.logsumexp(z.double() / 1.3, -1).reshape(-1)
+    finite = torch.arange(18, device=DEVICE) != 13  # the inf row: its sum is what counts
+    torch.testing.assert_close(lse[finite].double(), ref[finite], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(sums.double(), z.double().sum(-1).reshape(-1), rtol=1e-5, atol=1e-3)
+    assert torch.isinf(sums[13]) and int(torch.isfinite(sums).sum()) == 17
+    with pytest.raises(ValueError, match="row_sum_R must be"):
+        kf.row_logsumexp(z, None, 1.3, row_sum_R=sums[:3])
+
+
 @pytest.mark.parametrize("with_cols", [False, True])
 def test_chunk_mean_columns_matches_the_mean_of_gathered_log_probs(with_cols):
     B, T, V, N = 2, 11, 53, 6
@@ -64,7 +79,7 @@ def test_chunk_mean_columns_counts_the_coarse_histograms_of_its_rows(with_cols):
         kf.chunk_mean_columns(z, lse, order, offsets, 0.7, cols, hist_NK=hist_NK[:2])
 
 
-def test_chunk_mean_columns_kernel_compiles_for_hopper_without_local_memory(monkeypatch):
+def test_row_and_chunk_kernels_compile_for_hopper_without_local_memory(monkeypatch):
     from tests.xtoken_core.kernels.conftest import compile_for_hopper
     from xtoken_core.kernels import topm_l1 as tm
 
@@ -85,6 +100,16 @@ def test_chunk_mean_columns_kernel_compiles_for_hopper_without_local_memory(monk
             },
         )
         assert "LOCAL:0" in usage, usage
+    lse_types = {"z_ptr": "*bf16", "nidx_R_ptr": "*i64", "lse_R_ptr": "*fp32", "sum_R_ptr": "*fp32"}
+    lse_types["scale2"] = "fp32"
+    for all_rows in (False, True):
+        for sums in (False, True):
+            usage = compile_for_hopper(
+                kf._row_lse_kernel,
+                lse_types,
+                {"ALL_ROWS": all_rows, "SUMS": sums, "BLOCK_V": kf.KERNEL_CONFIG["lse_block_v"]},
+            )
+            assert "LOCAL:0" in usage, usage
 
 
 def test_column_max_equals_masked_amax_exactly():

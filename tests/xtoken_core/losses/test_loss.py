@@ -585,6 +585,23 @@ def test_kernel_backend_rejects_bad_values_after_its_single_readback(mode, monke
         _call(zs=zs, zt=zt, batch=_on(device, make_batch(20)), mode=mode, backend="kernel")
 
 
+@pytest.mark.parametrize("which", ["student_logits", "teacher_logits"])
+def test_kernel_backend_gold_rejects_inf_in_a_row_outside_every_chunk(which, monkeypatch):
+    # gold takes its finite checks from the row logsumexps' row sums: rows of no chunk count too
+    device = _kernel_device(monkeypatch)
+    zs, zt = make_logits(20)
+    zs, zt = zs.detach().float().clone(), zt.float().clone()
+    batch = make_batch(20)
+    ids = batch[
+        "alignment_student_chunk_id" if which == "student_logits" else "alignment_teacher_chunk_id"
+    ]
+    ids[0, -1] = -1  # the last position: never a target either
+    (zs if which == "student_logits" else zt)[0, -1, 2] = float("inf")
+    zs, zt = zs.to(device).requires_grad_(), zt.to(device)
+    with pytest.raises(ValueError, match=f"{which} holds NaN or inf"):
+        _call(zs=zs, zt=zt, batch=_on(device, batch), mode="gold", backend="kernel")
+
+
 @pytest.mark.parametrize("mode", ["pkl", "gold"])
 def test_kernel_backend_gives_the_same_loss_with_and_without_input_checks(mode, monkeypatch):
     device = _kernel_device(monkeypatch)
