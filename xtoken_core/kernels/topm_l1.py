@@ -61,7 +61,7 @@ FINE_SHIFT = COARSE_SHIFT - 8
 #: Pool slots a row may take for the elements of its open coarse bins (more: the reference's).
 MAX_POOL_ROW = 32768
 #: Tiles of :func:`_refine_kernel`: pool elements per step, listed elements per pairwise step.
-REFINE_TILES = {"TILE": 256, "PAIR_I": 32, "PAIR_J": 64}
+REFINE_TILES = {"TILE": 1024, "PAIR_I": 32, "PAIR_J": 64}
 #: Columns are packed with their side and fine bin in one int32.
 _COL_BITS = 20
 #: Rows of the per-row table of :func:`_refine_kernel`: fine tops and counts per side, class
