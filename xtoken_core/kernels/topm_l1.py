@@ -21,7 +21,9 @@ usual case), every element of the bin takes its sign from the counts above it; s
 ``x`` falls). Per row:
 
 1. :func:`_hist_kernel`: the coarse histogram, 256 bins, 16 per binade of ``-x`` (bin 0
-   everything above ``2^-8`` nats below 0, bin 254 everything below 240 nats, bin 255 NaN).
+   everything above ``2^-8`` nats below 0, bin 254 everything below 240 nats, bin 255 NaN); or
+   the caller's, counted as it wrote the rows
+   (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns` ``hist_NK=``).
 2. :func:`_plan_kernel`: per bin, the counts above it, the members' signs and whether it is open;
    where each open bin's elements go in a pool (rows one after another).
 3. :func:`_scatter_kernel`: one pass over both rows: the elements of decided bins add their signed
@@ -67,9 +69,8 @@ _COL_BITS = 20
 #: Rows of the per-row table of :func:`_refine_kernel`: fine tops and counts per side, class
 #: codes, list offsets.
 _TABLE_ROWS = 6
-
-# class codes of a (row, bin): bits 0-1 student state, bits 2-3 teacher state, bit 4 open
-_PLUS, _MINUS, _OPEN = 1, 2, 16
+# The kernels' class code of a (row, bin): bits 0-1 the student's members, bits 2-3 the
+# teacher's (0 none, 1 sign +, 2 sign -), bit 4 (16) open.
 
 
 def topm_l1_reference(
@@ -96,7 +97,7 @@ def topm_l1_reference(
 
 if tl is not None:
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _hist_kernel(
         a_ptr,
         b_ptr,
@@ -133,7 +134,7 @@ if tl is not None:
             h += tl.histogram(k, 256, mask=cm)
         tl.atomic_add(hist_ptr + (side * N + n) * 256 + tl.arange(0, 256), h, sem="relaxed")
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _plan_kernel(
         hist_ptr,
         top_ptr,
@@ -192,7 +193,7 @@ if tl is not None:
         tl.store(info_ptr + n * 4 + 1, tl.reduce(size, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 2, (in_range & no_nan & fits).to(tl.int32))
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _scatter_kernel(
         a_ptr,
         b_ptr,
@@ -260,7 +261,7 @@ if tl is not None:
             part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
         )
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _refine_kernel(
         pool_val_ptr,
         pool_col_ptr,
@@ -300,7 +301,8 @@ if tl is not None:
         #   D(a) = min(ta, m) + rank - min(tb, m) - min(cross, m_b),  + iff D >= 0
         #   D(b) = min(ta, m) + min(cross, m_a) - min(tb, m) - rank,  + iff D <= 0
         # with ta / tb / m_a / m_b those of its fine bin. Sums in fp64: the pool's order within
-        # a bin varies from run to run.
+        # a bin varies from run to run. The row's table, 256 entries each: ta, tb, ha, hb (fine
+        # counts), class codes, list offsets.
         n = tl.program_id(0).to(tl.int64)
         base = tl.load(base_ptr + n)
         l1 = tl.full([], 0, tl.float64)
