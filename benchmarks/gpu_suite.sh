@@ -20,6 +20,7 @@ step() {
 }
 
 # Steps to run, by name (default: all). Example: STEPS="device gpu_tests bench_kd_loss".
+# Gold at 1x4096 (issue 12): STEPS="device topm_tests gpu_tests bench_topm_l1 bench_kd_loss_gold profile_gold".
 STEPS=${STEPS:-"device gpu_tests bench_chunk_log_softmax bench_projection_gather bench_kd_loss bench_fused_indices bench_embedding"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -37,7 +38,7 @@ want bench_topm_l1 && step bench_topm_l1 $PY benchmarks/kernels/bench_topm_l1.py
 want bench_kd_loss_gold && step bench_kd_loss_gold $PY benchmarks/losses/bench_kd_loss.py --shapes 1x4096 \
   --modes gold xtoken pkl --results "$OUT/losses_kd_loss.jsonl"
 want profile_gold && step profile_gold $PY benchmarks/losses/profile_kd_loss.py --B 1 --T 4096 \
-  --paths fused --modes gold --out "$OUT/profile"
+  --paths fused --modes gold --top 16 --out "$OUT/profile"
 want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
 want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status
