@@ -63,14 +63,21 @@ def _events(sup, run_id, kind):
     return [e["data"] for e in sup.events(run_id) if e["kind"] == kind]
 
 
-def _wait_event(sup, run_id, kind, timeout_s=20.0):
+def _wait_until(ready, timeout_s=20.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = _events(sup, run_id, kind)
+        found = ready()
         if found:
             return found
         time.sleep(0.05)
-    raise AssertionError(f"no {kind} event: {sup.events(run_id)}")
+    return None
+
+
+def _wait_event(sup, run_id, kind, timeout_s=20.0):
+    found = _wait_until(lambda: _events(sup, run_id, kind), timeout_s)
+    if not found:
+        raise AssertionError(f"no {kind} event: {sup.events(run_id)}")
+    return found
 
 
 def test_a_restarted_shared_queue_without_data_recovers_each_run_on_it(make, shared_queue):
@@ -88,6 +95,9 @@ def test_a_restarted_shared_queue_without_data_recovers_each_run_on_it(make, sha
     assert event["address"] == queue.address and event["durable"] is False
     assert event["old_epoch"] != event["new_epoch"]
     cause = f"queue restarted: epoch {event['old_epoch']} -> {event['new_epoch']}"
+    # the event is journaled just before the run turns RECOVERING: wait for that turn, then for
+    # the recovery (a RUNNING seen in between is the state before it)
+    _wait_until(lambda: any(s["state"] == "RECOVERING" for s in _events(sup, rid, "state")))
     wait_state(sup, rid, {"RUNNING"})  # after the recovery
     states = [e["data"] for e in sup.events(rid) if e["kind"] == "state"]
     recovering = [s for s in states if s["state"] == "RECOVERING"]
