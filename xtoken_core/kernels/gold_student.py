@@ -353,6 +353,14 @@ class GoldStudent(torch.autograd.Function):
     columns ``[N, Mu]``, written by :func:`~xtoken_core.kernels.topm_l1.topm_l1` over the
     student's uncommon chunk means against the teacher's ``teacher_unc_NX``) and expanded to
     ``dz`` by one backward kernel.
+
+    Inputs of :meth:`forward` besides the logits ``z_BTV``: ``lse_R`` the student's row
+    logsumexps of ``z / T`` (None: made here for the chunks' rows); ``rows`` the student's
+    valid-chunk rows; ``teacher`` = ``(zt_BUW, lse_t_R, t_rows)``; ``teacher_unc_NX`` the
+    teacher's uncommon chunk means (used as scratch by the top-m: its values are lost);
+    ``hist_2NK`` their coarse histograms, the teacher's counted in ``[1]``, the student's added
+    to ``[0]`` here; ``m``, ``exact`` (the common / uncommon ids), ``temperature``,
+    ``reverse_kl``.
     """
 
     @staticmethod
@@ -368,8 +376,7 @@ class GoldStudent(torch.autograd.Function):
         exact,
         temperature,
         reverse_kl,
-    ):  # lse_R: None or made for every row; teacher: (zt_BUW, lse_t_R, t_rows); hist_2NK: the
-        # coarse histograms of the top-m, the teacher's counted already in [1]
+    ):
         cs, us = exact["common_student"], exact["uncommon_student"]
         zt_BUW, lse_t_R, t_rows = teacher
         N = rows.offsets_N1.numel() - 1
