@@ -351,12 +351,12 @@ if tl is not None:
 # --------------------------------------------------------------------------- host wrappers
 
 
-def check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor) -> None:
+def check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor | None) -> None:
     """Check the logits layout and the per-row chunk index that the row kernels need.
 
     Args:
         z_BTV: [B, T, V] logits.
-        nidx_R: [B*T] valid-chunk index per row.
+        nidx_R: [B*T] valid-chunk index per row, or None (every row: only the layout is checked).
 
     Raises:
         ValueError: the logits are not 3-d with a contiguous last dim, or the row count differs.
@@ -366,7 +366,7 @@ def check_rows(z_BTV: torch.Tensor, nidx_R: torch.Tensor) -> None:
             f"logits must be [B, T, V] with a contiguous last dim, got shape {tuple(z_BTV.shape)} "
             f"strides {z_BTV.stride()}: call .contiguous() first"
         )
-    if nidx_R.numel() != z_BTV.shape[0] * z_BTV.shape[1]:
+    if nidx_R is not None and nidx_R.numel() != z_BTV.shape[0] * z_BTV.shape[1]:
         raise ValueError(
             f"nidx_R has {nidx_R.numel()} entries for {z_BTV.shape[0]}x{z_BTV.shape[1]} rows: "
             "pass one chunk index per logits row"
@@ -395,11 +395,8 @@ def row_logsumexp(
     Raises:
         ValueError: bad layout or row count.
     """
-    B, T, V = z_BTV.shape
-    all_rows = nidx_R is None
-    if all_rows:
-        nidx_R = torch.zeros(B * T, dtype=torch.long, device=z_BTV.device)
     check_rows(z_BTV, nidx_R)
+    B, T, V = z_BTV.shape
     if row_sum_R is not None and row_sum_R.shape != (B * T,):
         raise ValueError(f"row_sum_R must be [{B * T}] fp32, got {tuple(row_sum_R.shape)}")
     lse_R = torch.empty(B * T, device=z_BTV.device, dtype=torch.float32)
@@ -411,7 +408,7 @@ def row_logsumexp(
         return lse_R.fill_(float("-inf"))
     _row_lse_kernel[(B * T,)](
         z_BTV,
-        nidx_R,
+        lse_R if nidx_R is None else nidx_R,  # any valid pointer when every row is used
         lse_R,
         lse_R if row_sum_R is None else row_sum_R,  # any valid pointer when absent
         T,
@@ -419,7 +416,7 @@ def row_logsumexp(
         z_BTV.stride(0),
         z_BTV.stride(1),
         LOG2E / temperature,
-        ALL_ROWS=all_rows,
+        ALL_ROWS=nidx_R is None,
         SUMS=row_sum_R is not None,
         BLOCK_V=block_for("lse_block_v", V, 16),
         num_warps=KERNEL_CONFIG["lse_warps"],

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from tests.xtoken_core.kernels.conftest import DEVICE, kd_logits, kd_rows
+from tests.xtoken_core.kernels.conftest import DEVICE, compile_for_hopper, kd_logits, kd_rows
 from xtoken_core.kernels import logit_rows as kf
+from xtoken_core.kernels import topm_l1 as tm
 
 pytest.importorskip("triton")
 
@@ -34,6 +35,8 @@ def test_row_logsumexp_of_every_row_with_row_sums(pad):
     assert torch.isinf(sums[13]) and int(torch.isfinite(sums).sum()) == 17
     with pytest.raises(ValueError, match="row_sum_R must be"):
         kf.row_logsumexp(z, None, 1.3, row_sum_R=sums[:3])
+    with pytest.raises(ValueError, match=r"must be \[B, T, V\]"):
+        kf.row_logsumexp(z[0], None, 1.3)
 
 
 @pytest.mark.parametrize("with_cols", [False, True])
@@ -57,8 +60,6 @@ def test_chunk_mean_columns_matches_the_mean_of_gathered_log_probs(with_cols):
 
 @pytest.mark.parametrize("with_cols", [False, True])
 def test_chunk_mean_columns_counts_the_coarse_histograms_of_its_rows(with_cols):
-    from xtoken_core.kernels import topm_l1 as tm
-
     B, T, V, N = 2, 11, 1500, 6
     z = kd_logits(B, T, V, torch.bfloat16, seed=3)
     nidx, order, offsets = kd_rows(B, T, N, seed=4)
@@ -80,9 +81,6 @@ def test_chunk_mean_columns_counts_the_coarse_histograms_of_its_rows(with_cols):
 
 
 def test_row_and_chunk_kernels_compile_for_hopper_without_local_memory(monkeypatch):
-    from tests.xtoken_core.kernels.conftest import compile_for_hopper
-    from xtoken_core.kernels import topm_l1 as tm
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     types = {"z_ptr": "*bf16", "lse_R_ptr": "*fp32", "out_ptr": "*fp32", "hist_ptr": "*i32"}
     types.update(dict.fromkeys(["order_ptr", "offsets_N1_ptr", "cols_X_ptr"], "*i64"))
