@@ -271,16 +271,15 @@ if tl is not None:
         loc_ptr,
         hist_ptr,
         top_ptr,
-        table_ptr,
+        qbase_ptr,
         ffill_ptr,
         list_val_ptr,
         list_key_ptr,
-        list_stride,
-        list_cap,
         g_ptr,
         g_stride,
-        out_ptr,
+        res_ptr,
         N,
+        P,
         m,
         BASE: tl.constexpr,
         SHIFT: tl.constexpr,
@@ -290,159 +289,136 @@ if tl is not None:
         PAIR_I: tl.constexpr,
         PAIR_J: tl.constexpr,
     ):
-        # Program (row n): each open coarse bin k in turn, from its pool slots (ca a's, then cb
-        # b's). Fine bin f = clamp((bits - lo_k) >> FSHIFT, 0, 255); the fine histograms and
-        # tops class the fine bins as _plan_kernel does the coarse ones (the table holds them);
-        # elements of decided fine bins add their sign, those of open ones go to the row's list
-        # (values, then keys side << 28 | f << 20 | column), ordered by fine bin. Each listed i
-        # is then compared with its fine bin's span: rank = same-side elements above it,
-        # cross = other-side elements above it (an a walks before an equal b), and
+        # Program (row n, p-th open coarse bin k of the row), from the bin's pool slots (ca a's,
+        # then cb b's). Fine bin f = clamp((bits - lo_k) >> FSHIFT, 0, 255); the fine
+        # histograms and tops class the fine bins as _plan_kernel does the coarse ones;
+        # elements of decided fine bins add their sign, those of open ones go to the bin's list
+        # (at the bin's pool slots in the list buffers: values, and keys
+        # side << 28 | f << 20 | column), ordered by fine bin. Each listed i is then compared
+        # with its fine bin's span: rank = same-side elements above it, cross = other-side
+        # elements above it (an a walks before an equal b), and
         #   member <=> top_side + rank < m
         #   D(a) = min(ta, m) + rank - min(tb, m) - min(cross, m_b),  + iff D >= 0
         #   D(b) = min(ta, m) + min(cross, m_a) - min(tb, m) - rank,  + iff D <= 0
-        # with ta / tb / m_a / m_b those of its fine bin. Sums in fp64: the pool's order within
-        # a bin varies from run to run. The row's table, 256 entries each: ta, tb, ha, hb (fine
-        # counts), class codes, list offsets.
+        # with ta / tb / m_a / m_b those of its fine bin. Sums in fp64 (the pool's order within
+        # a bin varies from run to run), written per (n, p).
         n = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1)
         base = tl.load(base_ptr + n)
         l1 = tl.full([], 0, tl.float64)
         gsum = tl.full([], 0, tl.float64)
-        if base >= 0:
+        if (base >= 0) & (p < tl.load(info_ptr + n * 4)):
+            k = tl.load(opens_ptr + n * 256 + p)
+            ca = tl.load(hist_ptr + n * 256 + k)
+            cb = tl.load(hist_ptr + (N + n) * 256 + k)
+            start = base + tl.load(loc_ptr + n * 256 + k)
+            lo = (k + BASE) << SHIFT
+            size = ca + cb
             f = tl.arange(0, 256)
-            table = table_ptr + n * (6 * 256)
-            ffill = ffill_ptr + n * 256
-            lval = list_val_ptr + n * list_stride
-            lkey = list_key_ptr + n * list_stride + list_cap
+            ha = tl.full((256,), 0, tl.int32)
+            hb = tl.full((256,), 0, tl.int32)
+            for i0 in range(0, size, TILE):
+                i = i0 + tl.arange(0, TILE)
+                im = i < size
+                x = tl.load(pool_val_ptr + start + i, mask=im, other=0.0)
+                bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
+                fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
+                ha += tl.histogram(fb, 256, mask=im & (i < ca))
+                hb += tl.histogram(fb, 256, mask=im & (i >= ca))
+            ta = tl.load(top_ptr + n * 256 + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
+            tb = tl.load(top_ptr + (N + n) * 256 + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
+            m_a = tl.minimum(tl.maximum(m - ta, 0), ha)
+            m_b = tl.minimum(tl.maximum(m - tb, 0), hb)
+            above = tl.minimum(ta, m) - tl.minimum(tb, m)
+            a_plus = above - m_b >= 0
+            a_minus = above + m_a - 1 < 0
+            b_plus = above + m_a <= 0
+            b_minus = above - m_b + 1 > 0
+            a_open = (m_a > 0) & ((m_a < ha) | ~(a_plus | a_minus))
+            b_open = (m_b > 0) & ((m_b < hb) | ~(b_plus | b_minus))
+            is_open = a_open | b_open
+            a_state = tl.where(m_a > 0, tl.where(a_plus, 1, 2), 0)
+            b_state = tl.where(m_b > 0, tl.where(b_plus, 1, 2), 0)
+            code = a_state | (b_state << 2) | tl.where(is_open, 16, 0)
+            listed = tl.where(is_open, ha + hb, 0)
+            offs = tl.associative_scan(listed, 0, SUM_COMBINE) - listed
+            n_list = tl.reduce(listed, 0, SUM_COMBINE)
+            ffill = ffill_ptr + (tl.load(qbase_ptr + n) + p) * 256
+            lval = list_val_ptr + start
+            lkey = list_key_ptr + start
             grow = g_ptr + n * g_stride
-            for p in range(0, tl.load(info_ptr + n * 4)):
-                k = tl.load(opens_ptr + n * 256 + p)
-                ca = tl.load(hist_ptr + n * 256 + k)
-                cb = tl.load(hist_ptr + (N + n) * 256 + k)
-                top_a = tl.load(top_ptr + n * 256 + k)
-                top_b = tl.load(top_ptr + (N + n) * 256 + k)
-                start = base + tl.load(loc_ptr + n * 256 + k)
-                lo = (k + BASE) << SHIFT
-                size = ca + cb
-                tl.debug_barrier()  # the previous bin's table and list reads are done
-                ha = tl.full((256,), 0, tl.int32)
-                hb = tl.full((256,), 0, tl.int32)
-                for i0 in range(0, size, TILE):
-                    i = i0 + tl.arange(0, TILE)
-                    im = i < size
-                    x = tl.load(pool_val_ptr + start + i, mask=im, other=0.0)
-                    bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-                    fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
-                    ha += tl.histogram(fb, 256, mask=im & (i < ca))
-                    hb += tl.histogram(fb, 256, mask=im & (i >= ca))
-                ta = top_a + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
-                tb = top_b + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
-                m_a = tl.minimum(tl.maximum(m - ta, 0), ha)
-                m_b = tl.minimum(tl.maximum(m - tb, 0), hb)
-                above = tl.minimum(ta, m) - tl.minimum(tb, m)
-                a_plus = above - m_b >= 0
-                a_minus = above + m_a - 1 < 0
-                b_plus = above + m_a <= 0
-                b_minus = above - m_b + 1 > 0
-                a_open = (m_a > 0) & ((m_a < ha) | ~(a_plus | a_minus))
-                b_open = (m_b > 0) & ((m_b < hb) | ~(b_plus | b_minus))
-                is_open = a_open | b_open
-                a_state = tl.where(m_a > 0, tl.where(a_plus, 1, 2), 0)
-                b_state = tl.where(m_b > 0, tl.where(b_plus, 1, 2), 0)
-                code = a_state | (b_state << 2) | tl.where(is_open, 16, 0)
-                listed = tl.where(is_open, ha + hb, 0)
-                tl.store(table + f, ta)
-                tl.store(table + 256 + f, tb)
-                tl.store(table + 512 + f, ha)
-                tl.store(table + 768 + f, hb)
-                tl.store(table + 1024 + f, code)
-                tl.store(table + 1280 + f, tl.associative_scan(listed, 0, SUM_COMBINE) - listed)
-                tl.store(ffill + f, tl.full((256,), 0, tl.int32))
-                n_list = tl.reduce(listed, 0, SUM_COMBINE)
-                tl.debug_barrier()
-                for i0 in range(0, size, TILE):
-                    i = i0 + tl.arange(0, TILE)
-                    im = i < size
-                    is_a = i < ca
-                    x = tl.load(pool_val_ptr + start + i, mask=im, other=0.0)
-                    col = tl.load(pool_col_ptr + start + i, mask=im, other=0)
-                    bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-                    fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
-                    ecode = tl.load(table + 1024 + fb, mask=im, other=0)
-                    lst = ((ecode & 16) != 0) & im
-                    state = tl.where(is_a, ecode & 3, (ecode >> 2) & 3)
-                    px = tl.exp(x)
-                    s = tl.where(state == 1, px, tl.where(state == 2, -px, 0.0))
-                    s = tl.where(lst | ~im, 0.0, s)
-                    g_a = tl.where(is_a, s, 0.0)
-                    l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
-                    gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
-                    tl.store(grow + col, g_a, mask=im & is_a & ~lst)
-                    at = tl.load(table + 1280 + fb, mask=lst, other=0)
-                    at += tl.atomic_add(ffill + fb, 1, mask=lst, sem="relaxed")
-                    key = (tl.where(is_a, 0, 1) << 28) | (fb << COL_BITS) | col
-                    tl.store(lval + at, x, mask=lst)
-                    tl.store(lkey + at, key, mask=lst)
-                tl.debug_barrier()
-                for i0 in range(0, n_list, PAIR_I):
-                    i = i0 + tl.arange(0, PAIR_I)
-                    im = i < n_list
-                    key_i = tl.load(lkey + i, mask=im, other=0)
-                    v_i = tl.load(lval + i, mask=im, other=0.0)
-                    ia = (key_i >> 28) == 0
-                    f_i = (key_i >> COL_BITS) & 255
-                    col_i = key_i & ((1 << COL_BITS) - 1)
-                    f_lo = -tl.reduce(tl.where(im, -f_i, -255), 0, MAX_COMBINE)
-                    f_hi = tl.reduce(tl.where(im, f_i, 0), 0, MAX_COMBINE)
-                    j_lo = tl.load(table + 1280 + f_lo)
-                    j_hi = (
-                        tl.load(table + 1280 + f_hi)
-                        + tl.load(table + 512 + f_hi)
-                        + tl.load(table + 768 + f_hi)
+            for i0 in range(0, size, TILE):
+                i = i0 + tl.arange(0, TILE)
+                im = i < size
+                is_a = i < ca
+                x = tl.load(pool_val_ptr + start + i, mask=im, other=0.0)
+                col = tl.load(pool_col_ptr + start + i, mask=im, other=0)
+                bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
+                fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
+                ecode = tl.gather(code, fb, 0)
+                lst = ((ecode & 16) != 0) & im
+                state = tl.where(is_a, ecode & 3, (ecode >> 2) & 3)
+                px = tl.exp(x)
+                s = tl.where(state == 1, px, tl.where(state == 2, -px, 0.0))
+                s = tl.where(lst | ~im, 0.0, s)
+                g_a = tl.where(is_a, s, 0.0)
+                l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
+                gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
+                tl.store(grow + col, g_a, mask=im & is_a & ~lst)
+                at = tl.gather(offs, fb, 0)
+                at += tl.atomic_add(ffill + fb, 1, mask=lst, sem="relaxed")
+                key = (tl.where(is_a, 0, 1) << 28) | (fb << COL_BITS) | col
+                tl.store(lval + at, x, mask=lst)
+                tl.store(lkey + at, key, mask=lst)
+            tl.debug_barrier()  # the list is written before any of it is read
+            for i0 in range(0, n_list, PAIR_I):
+                i = i0 + tl.arange(0, PAIR_I)
+                im = i < n_list
+                key_i = tl.load(lkey + i, mask=im, other=0)
+                v_i = tl.load(lval + i, mask=im, other=0.0)
+                ia = (key_i >> 28) == 0
+                f_i = (key_i >> COL_BITS) & 255
+                col_i = key_i & ((1 << COL_BITS) - 1)
+                f_lo = -tl.reduce(tl.where(im, -f_i, -255), 0, MAX_COMBINE)
+                f_hi = tl.reduce(tl.where(im, f_i, 0), 0, MAX_COMBINE)
+                j_lo = tl.reduce(tl.where(f == f_lo, offs, 0), 0, SUM_COMBINE)
+                j_hi = tl.reduce(tl.where(f == f_hi, offs + listed, 0), 0, SUM_COMBINE)
+                rank = tl.full((PAIR_I,), 0, tl.int32)
+                cross = tl.full((PAIR_I,), 0, tl.int32)
+                for j0 in range(j_lo, j_hi, PAIR_J):
+                    j = j0 + tl.arange(0, PAIR_J)
+                    jm = j < j_hi
+                    key_j = tl.load(lkey + j, mask=jm, other=0)
+                    v_j = tl.load(lval + j, mask=jm, other=0.0)
+                    same = (f_i[:, None] == ((key_j >> COL_BITS) & 255)[None, :]) & jm[None, :]
+                    ja = (key_j >> 28) == 0
+                    same_side = ia[:, None] == ja[None, :]
+                    col_j = key_j & ((1 << COL_BITS) - 1)
+                    gt = v_j[None, :] > v_i[:, None]
+                    eq = v_j[None, :] == v_i[:, None]
+                    above_same = gt | (eq & (col_j[None, :] < col_i[:, None]))
+                    # an a (i) sees b's strictly above it; a b (i) sees a's above or equal
+                    above_cross = gt | (eq & ja[None, :])
+                    rank += tl.reduce((same & same_side & above_same).to(tl.int32), 1, SUM_COMBINE)
+                    cross += tl.reduce(
+                        (same & (~same_side) & above_cross).to(tl.int32), 1, SUM_COMBINE
                     )
-                    rank = tl.full((PAIR_I,), 0, tl.int32)
-                    cross = tl.full((PAIR_I,), 0, tl.int32)
-                    for j0 in range(j_lo, j_hi, PAIR_J):
-                        j = j0 + tl.arange(0, PAIR_J)
-                        jm = j < j_hi
-                        key_j = tl.load(lkey + j, mask=jm, other=0)
-                        v_j = tl.load(lval + j, mask=jm, other=0.0)
-                        same = (f_i[:, None] == ((key_j >> COL_BITS) & 255)[None, :]) & jm[None, :]
-                        ja = (key_j >> 28) == 0
-                        same_side = ia[:, None] == ja[None, :]
-                        col_j = key_j & ((1 << COL_BITS) - 1)
-                        gt = v_j[None, :] > v_i[:, None]
-                        eq = v_j[None, :] == v_i[:, None]
-                        above_same = gt | (eq & (col_j[None, :] < col_i[:, None]))
-                        # an a (i) sees b's strictly above it; a b (i) sees a's above or equal
-                        above_cross = gt | (eq & ja[None, :])
-                        rank += tl.reduce(
-                            (same & same_side & above_same).to(tl.int32), 1, SUM_COMBINE
-                        )
-                        cross += tl.reduce(
-                            (same & (~same_side) & above_cross).to(tl.int32), 1, SUM_COMBINE
-                        )
-                    ta_i = tl.load(table + f_i, mask=im, other=0)
-                    tb_i = tl.load(table + 256 + f_i, mask=im, other=0)
-                    ma_i = tl.minimum(
-                        tl.maximum(m - ta_i, 0), tl.load(table + 512 + f_i, mask=im, other=0)
-                    )
-                    mb_i = tl.minimum(
-                        tl.maximum(m - tb_i, 0), tl.load(table + 768 + f_i, mask=im, other=0)
-                    )
-                    above_i = tl.minimum(ta_i, m) - tl.minimum(tb_i, m)
-                    member = im & (tl.where(ia, ta_i, tb_i) + rank < m)
-                    d_a = above_i + rank - tl.minimum(cross, mb_i)
-                    d_b = above_i + tl.minimum(cross, ma_i) - rank
-                    sign = tl.where(
-                        ia, tl.where(d_a >= 0, 1.0, -1.0), tl.where(d_b <= 0, 1.0, -1.0)
-                    )
-                    s = tl.where(member, sign * tl.exp(v_i), 0.0)
-                    g_a = tl.where(ia, s, 0.0)
-                    l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
-                    gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
-                    tl.store(grow + col_i, g_a, mask=im & ia)
-        tl.store(out_ptr + n, l1.to(tl.float32))
-        tl.store(out_ptr + N + n, gsum.to(tl.float32))
+                ta_i = tl.gather(ta, f_i, 0)
+                tb_i = tl.gather(tb, f_i, 0)
+                ma_i = tl.minimum(tl.maximum(m - ta_i, 0), tl.gather(ha, f_i, 0))
+                mb_i = tl.minimum(tl.maximum(m - tb_i, 0), tl.gather(hb, f_i, 0))
+                above_i = tl.minimum(ta_i, m) - tl.minimum(tb_i, m)
+                member = im & (tl.where(ia, ta_i, tb_i) + rank < m)
+                d_a = above_i + rank - tl.minimum(cross, mb_i)
+                d_b = above_i + tl.minimum(cross, ma_i) - rank
+                sign = tl.where(ia, tl.where(d_a >= 0, 1.0, -1.0), tl.where(d_b <= 0, 1.0, -1.0))
+                s = tl.where(member, sign * tl.exp(v_i), 0.0)
+                g_a = tl.where(ia, s, 0.0)
+                l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
+                gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
+                tl.store(grow + col_i, g_a, mask=im & ia)
+        tl.store(res_ptr + (n * P + p) * 2, l1)
+        tl.store(res_ptr + (n * P + p) * 2 + 1, gsum)
 
 
 class _Plan(NamedTuple):
@@ -563,20 +539,24 @@ def topm_l1(
     if N == 0 or not use_triton(a_NA) or max(A, B) >= 1 << _COL_BITS:
         return _reference_into(a_NA, b_NB, m, out_g)
     device = a_NA.device
-    list_cap = B // 2  # the lists of open fine bins: a row of b (or like it), values then keys
+    list_cap = B // 2  # the most elements an open coarse bin may hold
     plan = _coarse_plan(a_NA, b_NB, m, list_cap, hist_2NK)
     ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_pool_row)
     slots_N = plan.info_N4[:, 1].long() * ok_N
+    opens_N = plan.info_N4[:, 0].long() * ok_N
     end_N = slots_N.cumsum(0)
-    bad = (~ok_N).nonzero().flatten()  # the host syncs: which rows, how large a pool
-    pool_size = int(end_N[-1])
-    if bad.numel() == N:
+    qend_N = opens_N.cumsum(0)
+    # the one wait for the device: pool size, open bins (most in a row, all), rows not ok
+    pool_size, max_open, total_open, n_bad = torch.stack(
+        [end_N[-1], opens_N.max(), qend_N[-1], N - ok_N.sum()]
+    ).tolist()
+    if n_bad == N:
         return _reference_into(a_NA, b_NB, m, out_g)
-    if bad.numel():  # before g (which may be a) and the lists (which may be b) are written
+    if n_bad:  # before g (which may be a) and the lists (which may be b) are written
+        bad = (~ok_N).nonzero().flatten()
         l1_bad, g_bad, gsum_bad = _reference_into(a_NA[bad], b_NB[bad], m, None)
     base_N = torch.where(ok_N, end_N - slots_N, -1)  # -1: the reference's row
     g_NA = torch.empty_like(a_NA) if out_g is None else out_g
-    list_NL = b_NB if overwrite_b else torch.empty_like(b_NB)
     block, chunk, nchunks = _grid(a_NA, b_NB)
     i32 = dict(dtype=torch.int32, device=device)
     pool_val_P = torch.empty(pool_size, dtype=torch.float32, device=device)
@@ -588,19 +568,25 @@ def topm_l1(
         plan.loc_NK, base_N, fill_2NK, pool_val_P, pool_col_P, g_NA, g_NA.stride(0), part_2NC,
         N, chunk, nchunks, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
     )  # fmt: skip
-    table_N6F = torch.empty((N, _TABLE_ROWS, FINE_BINS), **i32)
-    ffill_NF = torch.empty((N, FINE_BINS), **i32)
-    res_2N = torch.empty((2, N), dtype=torch.float32, device=device)
-    _refine_kernel[(N,)](
+    # the lists of open fine bins take their bin's pool slots in a buffer of values and one of
+    # keys: b's storage when it may be overwritten and is large enough
+    if overwrite_b and b_NB.is_contiguous() and b_NB.numel() >= 2 * pool_size:
+        list_2P = b_NB.view(-1)[: 2 * pool_size].view(2, pool_size)
+    else:
+        list_2P = torch.empty((2, pool_size), dtype=torch.float32, device=device)
+    ffill_QF = torch.zeros((total_open, FINE_BINS), **i32)
+    res_NP2 = torch.empty((N, max(max_open, 1), 2), dtype=torch.float64, device=device)
+    _refine_kernel[(N, max(max_open, 1))](
         pool_val_P, pool_col_P, base_N, plan.info_N4, plan.opens_NK, plan.loc_NK, plan.hist_2NK,
-        plan.top_2NK, table_N6F, ffill_NF, list_NL, list_NL.view(torch.int32), list_NL.stride(0),
-        list_cap, g_NA, g_NA.stride(0), res_2N, N, m, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT,
-        FSHIFT=FINE_SHIFT, COL_BITS=_COL_BITS, **REFINE_TILES, num_warps=4,
+        plan.top_2NK, qend_N - opens_N, ffill_QF, list_2P[0], list_2P[1].view(torch.int32),
+        g_NA, g_NA.stride(0), res_NP2, N, max(max_open, 1), m, BASE=COARSE_BASE,
+        SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT, COL_BITS=_COL_BITS, **REFINE_TILES, num_warps=4,
     )  # fmt: skip
+    res_2N = res_NP2.sum(1).T.float()
     part_2N = part_2NC.sum(-1)
     l1_N = part_2N.sum(0) + res_2N[0]
     gsum_N = part_2N[0] + res_2N[1]
-    if bad.numel():
+    if n_bad:
         l1_N[bad], g_NA[bad], gsum_N[bad] = l1_bad, g_bad, gsum_bad
     return l1_N, g_NA, gsum_N
 

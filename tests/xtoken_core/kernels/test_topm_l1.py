@@ -161,9 +161,9 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
         **dict.fromkeys(["a_ptr", "b_ptr", "pool_val_ptr", "g_ptr", "part_ptr"], f32),
         **dict.fromkeys(["list_val_ptr", "out_ptr"], f32),
         **dict.fromkeys(["hist_ptr", "top_ptr", "cls_ptr", "loc_ptr", "opens_ptr"], i32),
-        **dict.fromkeys(["info_ptr", "fill_ptr", "pool_col_ptr", "table_ptr", "ffill_ptr"], i32),
-        "list_key_ptr": i32,
-        "base_ptr": i64,
+        **dict.fromkeys(["info_ptr", "fill_ptr", "pool_col_ptr", "ffill_ptr", "list_key_ptr"], i32),
+        **dict.fromkeys(["base_ptr", "qbase_ptr"], i64),
+        "res_ptr": "*fp64",
     }
     bins = {"BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
     kernels = [
