@@ -49,12 +49,12 @@ def _rows(n, a, b, teacher, device, seed):
 def _falls_back(s_NA, t_NB, m):
     """Whether the count path hands rows to the reference (its pool or lists too small)."""
     calls = []
-    original = tm._reference_into
-    tm._reference_into = lambda *args: calls.append(1) or original(*args)
+    original = tm._reference_signs
+    tm._reference_signs = lambda *args: calls.append(1) or original(*args)
     try:
         tm.topm_l1(s_NA, t_NB, m)
     finally:
-        tm._reference_into = original
+        tm._reference_signs = original
     return bool(calls)
 
 
@@ -99,8 +99,8 @@ def main() -> int:
         )
         del s_NA, t_NB, g, g_ref
     cols = ["teacher", "topk_ms", "counts_ms", "speedup", "fell_back", "l1_max_rel_diff"]
-    _common.print_table(rows, [*cols, "g_rel_err", "open_bins_mean", "pool_slots_mean"])
-    _common.print_table(rows, ["teacher", "open_bins_max", "pool_slots_max", "rows_not_ok"])
+    _common.print_table(rows, [*cols, "g_rel_err", "open_bins_mean", "open_elements_mean"])
+    _common.print_table(rows, ["teacher", "open_bins_max", "open_elements_max", "rows_not_ok"])
     if not args.quick and not args.no_save:
         _common.append_rows(args.results, rows)
     return 0

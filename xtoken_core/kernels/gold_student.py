@@ -27,7 +27,7 @@ import torch
 
 from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, tl
 from .logit_rows import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
-from .topm_l1 import topm_l1
+from .topm_l1 import TopmSigns, topm_l1_signs
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ if tl is not None:
         lse_R_ptr,
         nidx_R_ptr,
         gc_ptr,
-        gu_ptr,
+        su_ptr,
+        state_ptr,
         cpos_V_ptr,
         gsum_N_ptr,
         coef_N_ptr,
@@ -63,16 +64,19 @@ if tl is not None:
         stride_b,
         stride_t,
         gc_stride,
-        gu_stride,
+        su_stride,
+        state_stride,
         scale2,
         HAS_COMMON: tl.constexpr,
         HAS_UNCOMMON: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         # Program (row r, vocab block), n = chunk of r; c = cpos[v] says where v's chunk
-        # gradient lives: c >= 0 common block, c <= -2 uncommon block at -c - 2, -1 nowhere.
-        #   G = gscale[0] gc[n, c] + gscale[1] gu[n, -c - 2]
+        # gradient lives: c >= 0 common block, c <= -2 uncommon column j = -c - 2, -1 nowhere.
+        #   G = gscale[0] gc[n, c] + gscale[1] gu[n, j]
         #   dz[r, v] = (G - p[r, v] gsum[n]) coef[n]
+        # gu = e^s, -e^s or 0 with s = su[n, j] the student's chunk mean, as the top-m's state
+        # of (n, j) says (1, 2, 0: kernels.topm_l1.TopmSigns).
         r = tl.program_id(0).to(tl.int64)
         vb = tl.program_id(1)
         v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -89,7 +93,11 @@ if tl is not None:
                 gc = tl.load(gc_ptr + n * gc_stride + c, mask=c >= 0, other=0.0)
                 g += tl.load(gscale_ptr) * gc
             if HAS_UNCOMMON:
-                gu = tl.load(gu_ptr + n * gu_stride + (-2 - c), mask=c <= -2, other=0.0)
+                um = c <= -2
+                state = tl.load(state_ptr + n * state_stride + (-2 - c), mask=um, other=0)
+                x = tl.load(su_ptr + n * su_stride + (-2 - c), mask=state != 0, other=0.0)
+                e = tl.exp(x)
+                gu = tl.where(state == 1, e, tl.where(state == 2, -e, 0.0))
                 g += tl.load(gscale_ptr + 1) * gu
             dz = (g - p * tl.load(gsum_N_ptr + n)) * tl.load(coef_N_ptr + n)
             tl.store(out_ptr, dz.to(dz_ptr.dtype.element_ty), mask=vm)
@@ -281,7 +289,7 @@ def gold_backward(
     lse_R: torch.Tensor,
     nidx_R: torch.Tensor,
     g_common_NC: torch.Tensor | None,
-    g_uncommon_NU: torch.Tensor | None,
+    uncommon: tuple[torch.Tensor, TopmSigns] | None,
     cpos_V: torch.Tensor,
     gsum_N: torch.Tensor,
     coef_N: torch.Tensor,
@@ -291,14 +299,16 @@ def gold_backward(
     """Logits gradient of a loss on chunk-averaged log-probs given as compact chunk gradients.
 
     The chunk gradient of chunk n at vocab id v is ``gscale[0] * g_common[n, c]`` when
-    ``c = cpos[v] >= 0``, ``gscale[1] * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0.
+    ``c = cpos[v] >= 0``, ``gscale[1] * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0, where
+    ``g_uncommon = topm_gradient(s_unc_NU, signs.state_NA)`` (made here, never stored).
 
     Args:
         z_BTV: [B, T, V] logits.
         lse_R: [B*T] fp32 row logsumexp.
         nidx_R: [B*T] int valid-chunk index per row, -1 = none (gradient 0).
         g_common_NC: [N, Mc] fp32, or None.
-        g_uncommon_NU: [N, Mu] fp32, or None.
+        uncommon: ``(s_unc_NU, signs)``: [N, Mu] fp32 the student's uncommon chunk means and
+            :func:`~xtoken_core.kernels.topm_l1.topm_l1_signs` of them; or None.
         cpos_V: [V] int32 position code (see above).
         gsum_N: [N] fp32, the total (scaled) chunk gradient of each chunk.
         coef_N: [N] fp32, ``1 / (temperature * chunk size)``.
@@ -314,14 +324,19 @@ def gold_backward(
     if R == 0 or V == 0:
         return dz_BTV
     has_c = g_common_NC is not None and g_common_NC.numel() > 0
-    has_u = g_uncommon_NU is not None and g_uncommon_NU.numel() > 0
+    has_u = uncommon is not None and uncommon[0].numel() > 0
+    if has_u:
+        s_unc_NU, signs = uncommon
+        tables = (s_unc_NU, signs.state_NA)
+    else:  # any valid pointers
+        tables = (gsum_N, cpos_V)
     bv = block_for("gbwd_block_v", V, 16)
     _gold_bwd_kernel[(R, cdiv(V, bv))](
         z_BTV,
         lse_R,
         nidx_R,
         g_common_NC if has_c else gsum_N,  # any valid pointer when absent
-        g_uncommon_NU if has_u else gsum_N,
+        *tables,
         cpos_V,
         gsum_N,
         coef_N,
@@ -332,7 +347,8 @@ def gold_backward(
         z_BTV.stride(0),
         z_BTV.stride(1),
         g_common_NC.stride(0) if has_c else 0,
-        g_uncommon_NU.stride(0) if has_u else 0,
+        tables[0].stride(0) if has_u else 0,
+        tables[1].stride(0) if has_u else 0,
         LOG2E / temperature,
         HAS_COMMON=has_c,
         HAS_UNCOMMON=has_u,
@@ -385,18 +401,17 @@ class GoldStudent(torch.autograd.Function):
         device = z_BTV.device
         if lse_R is None:
             lse_R = row_logsumexp(z_BTV, rows.nidx_R, temperature)
-        g_unc_NU = None
+        uncommon = None
         l1_sum = torch.zeros((), dtype=torch.float32, device=device)
         gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
         if m > 0 and N > 0:
             s_unc_NU = chunk_mean_columns(
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us, hist_NK=hist_2NK[0]
             )
-            # d|e^s_(j) - u_(j)| / ds at the top-m columns, written over the block it reads
-            l1_N, g_unc_NU, gsum_top_N = topm_l1(
-                s_unc_NU, teacher_unc_NX, m, out_g=s_unc_NU, overwrite_b=True, hist_2NK=hist_2NK
-            )
-            l1_sum = l1_N.sum()
+            # the signs of d|e^s_(j) - u_(j)| / ds, kept as tables the backward reads
+            signs = topm_l1_signs(s_unc_NU, teacher_unc_NX, m, hist_2NK=hist_2NK)
+            uncommon = (s_unc_NU, signs)
+            l1_sum, gsum_top_N = signs.l1_N.sum(), signs.gsum_N
         g_common_NC, stats_N3 = gold_common(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
             temperature, reverse_kl,
@@ -405,12 +420,12 @@ class GoldStudent(torch.autograd.Function):
         # Where each vocab id's chunk gradient lives (the code of gold_backward).
         cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
         cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
-        if g_unc_NU is not None:
+        if uncommon is not None:
             cpos_V[us] = -2 - torch.arange(us.numel(), dtype=torch.int32, device=device)
         coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         ctx.save_for_backward(
-            z_BTV, lse_R, rows.nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_common_N, gsum_top_N,
-            coef_N,
+            z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
+            *(() if uncommon is None else (uncommon[0], *uncommon[1])),
         )  # fmt: skip
         ctx.temperature = temperature
         ctx.mark_non_differentiable(correct)
@@ -418,8 +433,9 @@ class GoldStudent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_kl, d_l1, d_correct):
-        (z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_common_N, gsum_top_N,
-         coef_N) = ctx.saved_tensors  # fmt: skip
+        (z_BTV, lse_R, nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
+         *unc) = ctx.saved_tensors  # fmt: skip
+        uncommon = (unc[0], TopmSigns(*unc[1:])) if unc else None
         zero = torch.zeros((), dtype=torch.float32, device=z_BTV.device)
         gscale_2 = torch.stack(
             [
@@ -429,7 +445,7 @@ class GoldStudent(torch.autograd.Function):
         )
         gsum_N = gscale_2[0] * gsum_common_N + gscale_2[1] * gsum_top_N
         dz_BTV = gold_backward(
-            z_BTV, lse_R, nidx_R, g_common_NC, g_unc_NU, cpos_V, gsum_N, coef_N, gscale_2,
+            z_BTV, lse_R, nidx_R, g_common_NC, uncommon, cpos_V, gsum_N, coef_N, gscale_2,
             ctx.temperature,
         )  # fmt: skip
         return dz_BTV, None, None, None, None, None, None, None, None, None

@@ -50,7 +50,14 @@ import torch
 
 from ._utils import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_power_of_2, tl, use_triton
 
-__all__ = ["plan_stats", "topm_l1", "topm_l1_reference"]
+__all__ = [
+    "TopmSigns",
+    "plan_stats",
+    "topm_gradient",
+    "topm_l1",
+    "topm_l1_reference",
+    "topm_l1_signs",
+]
 
 #: Coarse bins: bits 30..19 of the fp32 ``-x`` (16 per binade) from ``2^-8`` up, clamped.
 COARSE_BINS = 256
@@ -60,15 +67,12 @@ BELOW_BIN = COARSE_BINS - 2  # -x >= 240 (and -inf log-probs): below every windo
 #: Fine bins per open coarse bin: its 2^19 values of the bits in steps of 2^11.
 FINE_BINS = 256
 FINE_SHIFT = COARSE_SHIFT - 8
-#: Pool slots a row may take for the elements of its open coarse bins (more: the reference's).
-MAX_POOL_ROW = 32768
-#: Tiles of :func:`_refine_kernel`: pool elements per step, listed elements per pairwise step.
-REFINE_TILES = {"TILE": 1024, "PAIR_I": 32, "PAIR_J": 64}
+#: Elements of open coarse bins a row may have (more: the reference's row).
+MAX_OPEN_ROW = 32768
+#: Tiles of :func:`_resolve_kernel`: listed elements per step, and per pairwise step.
+RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 64}
 #: Columns are packed with their side and fine bin in one int32.
 _COL_BITS = 20
-#: Rows of the per-row table of :func:`_refine_kernel`: fine tops and counts per side, class
-#: codes, list offsets.
-_TABLE_ROWS = 6
 # The kernels' class code of a (row, bin): bits 0-1 the student's members, bits 2-3 the
 # teacher's (0 none, 1 sign +, 2 sign -), bit 4 (16) open.
 
@@ -139,7 +143,6 @@ if tl is not None:
         hist_ptr,
         top_ptr,
         cls_ptr,
-        loc_ptr,
         opens_ptr,
         info_ptr,
         N,
@@ -152,9 +155,9 @@ if tl is not None:
         # m_a = clamp(m - ta, 0, ca); D over the bin's a members ranges over
         # [above - m_b, above + m_a - 1], over its b members [above - m_b + 1, above + m_a],
         # above = min(ta, m) - min(tb, m). A bin is open when a side has members whose sign
-        # or membership that range does not fix. Writes: tops, class codes, the pool offset of
-        # each open bin within the row (its a's, then its b's), the list of open bins, and
-        # (number of open bins, pool slots of the row, row ok).
+        # or membership that range does not fix. Writes: tops, class codes (an open bin's with
+        # its place p among the row's open bins in bits 8 and up), the open bins in order, and
+        # (number of open bins, open elements of the row, row ok).
         n = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, 256)
         ca = tl.load(hist_ptr + n * 256 + k)
@@ -176,14 +179,14 @@ if tl is not None:
         is_open = (a_open | b_open) & inside
         a_state = tl.where(m_a > 0, tl.where(a_plus, 1, 2), 0)
         b_state = tl.where(m_b > 0, tl.where(b_plus, 1, 2), 0)
-        code = tl.where(inside, a_state | (b_state << 2), 0) | tl.where(is_open, 16, 0)
-        tl.store(cls_ptr + n * 256 + k, code)
-        size = tl.where(is_open, ca + cb, 0)
-        tl.store(loc_ptr + n * 256 + k, tl.associative_scan(size, 0, SUM_COMBINE) - size)
         one = is_open.to(tl.int32)
-        tl.store(
-            opens_ptr + n * 256 + tl.associative_scan(one, 0, SUM_COMBINE) - one, k, mask=is_open
+        place = tl.associative_scan(one, 0, SUM_COMBINE) - one
+        code = tl.where(inside, a_state | (b_state << 2), 0) | tl.where(
+            is_open, 16 | (place << 8), 0
         )
+        tl.store(cls_ptr + n * 256 + k, code)
+        tl.store(opens_ptr + n * 256 + place, k, mask=is_open)
+        size = tl.where(is_open, ca + cb, 0)
         in_range = (tl.reduce(tl.where(inside, ca, 0), 0, SUM_COMBINE) >= m) & (
             tl.reduce(tl.where(inside, cb, 0), 0, SUM_COMBINE) >= m
         )
@@ -194,39 +197,37 @@ if tl is not None:
         tl.store(info_ptr + n * 4 + 2, (in_range & no_nan & fits).to(tl.int32))
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
-    def _scatter_kernel(
+    def _count_kernel(
         a_ptr,
         b_ptr,
         A,
         B,
         a_stride,
         b_stride,
-        hist_ptr,
         cls_ptr,
-        loc_ptr,
-        base_ptr,
-        fill_ptr,
-        pool_val_ptr,
-        pool_col_ptr,
-        g_ptr,
-        g_stride,
+        qbase_ptr,
+        fhist_ptr,
+        state_ptr,
+        state_stride,
         part_ptr,
         N,
         CHUNK,
         NCHUNKS,
         BASE: tl.constexpr,
         SHIFT: tl.constexpr,
+        FSHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (row n, side, chunk of CHUNK columns); rows with base < 0 are the
-        # reference's. An element of a decided bin adds its signed probability (the student's is
-        # also its gradient, written to g: 0 where not a member or open); an element of an open
-        # bin k goes to the pool at base + loc[k] (+ ca[k] for the teacher) + the bin's fill.
+        # Program (row n, side, chunk of CHUNK columns); rows with qbase < 0 are the
+        # reference's. An element of a decided coarse bin adds its signed probability (a's also
+        # write their state: 0 not a member, 1 sign +, 2 sign -); one of an open bin k counts in
+        # the fine histogram of that bin (q = qbase + p, p in bits 8 and up of its code):
+        #   f = clamp((bits - lo_k) >> FSHIFT, 0, 255),  lo_k = (k + BASE) << SHIFT.
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
-        base = tl.load(base_ptr + n)
+        qbase = tl.load(qbase_ptr + n)
         total = tl.full((BLOCK,), 0.0, tl.float32)
-        if base >= 0:
+        if qbase >= 0:
             if side == 0:
                 row = a_ptr + n * a_stride
                 M = A
@@ -245,86 +246,44 @@ if tl is not None:
                 is_open = ((code & 16) != 0) & cm
                 p = tl.exp(x)
                 s = tl.where(state == 1, p, tl.where(state == 2, -p, 0.0))
-                s = tl.where(is_open, 0.0, s)
-                total += s
+                total += tl.where(is_open, 0.0, s)
                 if side == 0:
-                    tl.store(g_ptr + n * g_stride + c, s, mask=cm)
-                at = tl.load(loc_ptr + n * 256 + k, mask=is_open, other=0)
-                if side == 1:
-                    at += tl.load(hist_ptr + n * 256 + k, mask=is_open, other=0)
-                at += tl.atomic_add(
-                    fill_ptr + (side * N + n) * 256 + k, 1, mask=is_open, sem="relaxed"
-                )
-                tl.store(pool_val_ptr + base + at, x, mask=is_open)
-                tl.store(pool_col_ptr + base + at, c, mask=is_open)
+                    st = tl.where(is_open, 0, state).to(tl.int8)
+                    tl.store(state_ptr + n * state_stride + c, st, mask=cm)
+                q = qbase + (code >> 8)
+                f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
+                tl.atomic_add(fhist_ptr + (q * 2 + side) * 256 + f, 1, mask=is_open, sem="relaxed")
         tl.store(
             part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
         )
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
-    def _refine_kernel(
-        pool_val_ptr,
-        pool_col_ptr,
-        base_ptr,
-        info_ptr,
-        opens_ptr,
-        loc_ptr,
-        hist_ptr,
+    def _fine_plan_kernel(
+        fhist_ptr,
         top_ptr,
+        opens_ptr,
+        info_ptr,
         qbase_ptr,
-        ffill_ptr,
-        list_val_ptr,
-        list_key_ptr,
-        g_ptr,
-        g_stride,
-        res_ptr,
+        fcode_ptr,
+        foffs_ptr,
+        nlist_ptr,
         N,
-        P,
         m,
-        BASE: tl.constexpr,
-        SHIFT: tl.constexpr,
-        FSHIFT: tl.constexpr,
-        COL_BITS: tl.constexpr,
-        TILE: tl.constexpr,
-        PAIR_I: tl.constexpr,
-        PAIR_J: tl.constexpr,
     ):
-        # Program (row n, p-th open coarse bin k of the row), from the bin's pool slots (ca a's,
-        # then cb b's). Fine bin f = clamp((bits - lo_k) >> FSHIFT, 0, 255); the fine
-        # histograms and tops class the fine bins as _plan_kernel does the coarse ones;
-        # elements of decided fine bins add their sign, those of open ones go to the bin's list
-        # (at the bin's pool slots in the list buffers: values, and keys
-        # side << 28 | f << 20 | column), ordered by fine bin. Each listed i is then compared
-        # with its fine bin's span: rank = same-side elements above it, cross = other-side
-        # elements above it (an a walks before an equal b), and
-        #   member <=> top_side + rank < m
-        #   D(a) = min(ta, m) + rank - min(tb, m) - min(cross, m_b),  + iff D >= 0
-        #   D(b) = min(ta, m) + min(cross, m_a) - min(tb, m) - rank,  + iff D <= 0
-        # with ta / tb / m_a / m_b those of its fine bin. Sums in fp64 (the pool's order within
-        # a bin varies from run to run), written per (n, p).
+        # Program (row n, p-th open coarse bin k of the row, q = qbase + p): its fine bins
+        # classed as _plan_kernel classes the coarse ones, from the fine histograms and the
+        # counts above bin k. Writes the fine class codes and, for the open fine bins (whose
+        # elements are listed and resolved one by one), where each starts in the bin's list,
+        # and the list's length.
         n = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1)
-        base = tl.load(base_ptr + n)
-        l1 = tl.full([], 0, tl.float64)
-        gsum = tl.full([], 0, tl.float64)
-        if (base >= 0) & (p < tl.load(info_ptr + n * 4)):
+        qbase = tl.load(qbase_ptr + n)
+        if (qbase >= 0) & (p < tl.load(info_ptr + n * 4)):
+            q = qbase + p
             k = tl.load(opens_ptr + n * 256 + p)
-            ca = tl.load(hist_ptr + n * 256 + k)
-            cb = tl.load(hist_ptr + (N + n) * 256 + k)
-            start = base + tl.load(loc_ptr + n * 256 + k)
-            lo = (k + BASE) << SHIFT
-            size = ca + cb
             f = tl.arange(0, 256)
-            ha = tl.full((256,), 0, tl.int32)
-            hb = tl.full((256,), 0, tl.int32)
-            for i0 in range(0, size, TILE):
-                i = i0 + tl.arange(0, TILE)
-                im = i < size
-                x = tl.load(pool_val_ptr + start + i, mask=im, other=0.0)
-                bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-                fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
-                ha += tl.histogram(fb, 256, mask=im & (i < ca))
-                hb += tl.histogram(fb, 256, mask=im & (i >= ca))
+            ha = tl.load(fhist_ptr + q * 512 + f)
+            hb = tl.load(fhist_ptr + q * 512 + 256 + f)
             ta = tl.load(top_ptr + n * 256 + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
             tb = tl.load(top_ptr + (N + n) * 256 + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
             m_a = tl.minimum(tl.maximum(m - ta, 0), ha)
@@ -341,36 +300,129 @@ if tl is not None:
             b_state = tl.where(m_b > 0, tl.where(b_plus, 1, 2), 0)
             code = a_state | (b_state << 2) | tl.where(is_open, 16, 0)
             listed = tl.where(is_open, ha + hb, 0)
+            tl.store(fcode_ptr + q * 256 + f, code.to(tl.int8))
+            tl.store(foffs_ptr + q * 256 + f, tl.associative_scan(listed, 0, SUM_COMBINE) - listed)
+            tl.store(nlist_ptr + q, tl.reduce(listed, 0, SUM_COMBINE))
+
+    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
+    def _mark_kernel(
+        a_ptr,
+        b_ptr,
+        A,
+        B,
+        a_stride,
+        b_stride,
+        cls_ptr,
+        qbase_ptr,
+        fcode_ptr,
+        foffs_ptr,
+        lbase_ptr,
+        list_val_ptr,
+        list_key_ptr,
+        state_ptr,
+        state_stride,
+        sums_ptr,
+        N,
+        CHUNK,
+        NCHUNKS,
+        BASE: tl.constexpr,
+        SHIFT: tl.constexpr,
+        FSHIFT: tl.constexpr,
+        COL_BITS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Program (row n, side, chunk of CHUNK columns), the elements of open coarse bins: in a
+        # decided fine bin they add their signed probability (a's write their state); in an
+        # open one they go to their coarse bin's list (from lbase[q]) at the fine bin's next
+        # place (foffs counts up), as value and key side << 28 | f << COL_BITS | column.
+        n = tl.program_id(0).to(tl.int64)
+        side = tl.program_id(1)
+        qbase = tl.load(qbase_ptr + n)
+        total = tl.full((BLOCK,), 0.0, tl.float64)
+        if qbase >= 0:
+            if side == 0:
+                row = a_ptr + n * a_stride
+                M = A
+            else:
+                row = b_ptr + n * b_stride
+                M = B
+            first = tl.program_id(2) * CHUNK
+            for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
+                c = start + tl.arange(0, BLOCK)
+                cm = c < M
+                x = tl.load(row + c, mask=cm, other=0.0)
+                bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
+                k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
+                code = tl.load(cls_ptr + n * 256 + k, mask=cm, other=0)
+                is_open = ((code & 16) != 0) & cm
+                q = qbase + (code >> 8)
+                f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
+                fcode = tl.load(fcode_ptr + q * 256 + f, mask=is_open, other=0).to(tl.int32)
+                state = (fcode >> (2 * side)) & 3
+                listed = is_open & ((fcode & 16) != 0)
+                p = tl.exp(x)
+                s = tl.where(state == 1, p, tl.where(state == 2, -p, 0.0))
+                total += tl.where(is_open & ~listed, s, 0.0).to(tl.float64)
+                if side == 0:
+                    st = state.to(tl.int8)
+                    tl.store(state_ptr + n * state_stride + c, st, mask=is_open & ~listed)
+                at = tl.load(lbase_ptr + q, mask=listed, other=0)
+                at += tl.atomic_add(foffs_ptr + q * 256 + f, 1, mask=listed, sem="relaxed")
+                tl.store(list_val_ptr + at, x, mask=listed)
+                tl.store(list_key_ptr + at, (side << 28) | (f << COL_BITS) | c, mask=listed)
+        tl.store(
+            sums_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
+        )
+
+    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
+    def _resolve_kernel(
+        fhist_ptr,
+        top_ptr,
+        opens_ptr,
+        info_ptr,
+        qbase_ptr,
+        fcode_ptr,
+        lbase_ptr,
+        list_val_ptr,
+        list_key_ptr,
+        state_ptr,
+        state_stride,
+        res_ptr,
+        N,
+        P,
+        m,
+        COL_BITS: tl.constexpr,
+        PAIR_I: tl.constexpr,
+        PAIR_J: tl.constexpr,
+    ):
+        # Program (row n, p-th open coarse bin k of the row): its list, ordered by fine bin.
+        # Each listed i is compared with its fine bin's span: rank = same-side elements above
+        # it, cross = other-side elements above it (an a walks before an equal b), and
+        #   member <=> top_side + rank < m
+        #   D(a) = min(ta, m) + rank - min(tb, m) - min(cross, m_b),  + iff D >= 0
+        #   D(b) = min(ta, m) + min(cross, m_a) - min(tb, m) - rank,  + iff D <= 0
+        # with ta / tb / m_a / m_b those of its fine bin. The student's listed elements write
+        # their state; sums in fp64 per (n, p).
+        n = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1)
+        qbase = tl.load(qbase_ptr + n)
+        l1 = tl.full([], 0, tl.float64)
+        gsum = tl.full([], 0, tl.float64)
+        if (qbase >= 0) & (p < tl.load(info_ptr + n * 4)):
+            q = qbase + p
+            k = tl.load(opens_ptr + n * 256 + p)
+            f = tl.arange(0, 256)
+            ha = tl.load(fhist_ptr + q * 512 + f)
+            hb = tl.load(fhist_ptr + q * 512 + 256 + f)
+            ta = tl.load(top_ptr + n * 256 + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
+            tb = tl.load(top_ptr + (N + n) * 256 + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
+            fcode = tl.load(fcode_ptr + q * 256 + f).to(tl.int32)
+            listed = tl.where((fcode & 16) != 0, ha + hb, 0)
             offs = tl.associative_scan(listed, 0, SUM_COMBINE) - listed
             n_list = tl.reduce(listed, 0, SUM_COMBINE)
-            ffill = ffill_ptr + (tl.load(qbase_ptr + n) + p) * 256
+            start = tl.load(lbase_ptr + q)
             lval = list_val_ptr + start
             lkey = list_key_ptr + start
-            grow = g_ptr + n * g_stride
-            for i0 in range(0, size, TILE):
-                i = i0 + tl.arange(0, TILE)
-                im = i < size
-                is_a = i < ca
-                x = tl.load(pool_val_ptr + start + i, mask=im, other=0.0)
-                col = tl.load(pool_col_ptr + start + i, mask=im, other=0)
-                bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-                fb = tl.minimum(tl.maximum((bits - lo) >> FSHIFT, 0), 255)
-                ecode = tl.gather(code, fb, 0)
-                lst = ((ecode & 16) != 0) & im
-                state = tl.where(is_a, ecode & 3, (ecode >> 2) & 3)
-                px = tl.exp(x)
-                s = tl.where(state == 1, px, tl.where(state == 2, -px, 0.0))
-                s = tl.where(lst | ~im, 0.0, s)
-                g_a = tl.where(is_a, s, 0.0)
-                l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
-                gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
-                tl.store(grow + col, g_a, mask=im & is_a & ~lst)
-                at = tl.gather(offs, fb, 0)
-                at += tl.atomic_add(ffill + fb, 1, mask=lst, sem="relaxed")
-                key = (tl.where(is_a, 0, 1) << 28) | (fb << COL_BITS) | col
-                tl.store(lval + at, x, mask=lst)
-                tl.store(lkey + at, key, mask=lst)
-            tl.debug_barrier()  # the list is written before any of it is read
             for i0 in range(0, n_list, PAIR_I):
                 i = i0 + tl.arange(0, PAIR_I)
                 im = i < n_list
@@ -411,27 +463,42 @@ if tl is not None:
                 member = im & (tl.where(ia, ta_i, tb_i) + rank < m)
                 d_a = above_i + rank - tl.minimum(cross, mb_i)
                 d_b = above_i + tl.minimum(cross, ma_i) - rank
-                sign = tl.where(ia, tl.where(d_a >= 0, 1.0, -1.0), tl.where(d_b <= 0, 1.0, -1.0))
-                s = tl.where(member, sign * tl.exp(v_i), 0.0)
-                g_a = tl.where(ia, s, 0.0)
+                plus = tl.where(ia, d_a >= 0, d_b <= 0)
+                s = tl.where(member, tl.where(plus, 1.0, -1.0) * tl.exp(v_i), 0.0)
                 l1 += tl.reduce(s.to(tl.float64), 0, SUM_COMBINE)
-                gsum += tl.reduce(g_a.to(tl.float64), 0, SUM_COMBINE)
-                tl.store(grow + col_i, g_a, mask=im & ia)
+                gsum += tl.reduce(tl.where(ia, s, 0.0).to(tl.float64), 0, SUM_COMBINE)
+                state = tl.where(member, tl.where(plus, 1, 2), 0).to(tl.int8)
+                tl.store(state_ptr + n * state_stride + col_i, state, mask=im & ia)
         tl.store(res_ptr + (n * P + p) * 2, l1)
         tl.store(res_ptr + (n * P + p) * 2 + 1, gsum)
 
 
 class _Plan(NamedTuple):
     """The coarse pass's result per row (int32): histograms and the counts above each bin
-    ``[2, N, K]``, class codes, pool offsets within the row and the open bins in order
-    ``[N, K]``, and ``info_N4`` = (open bins, pool slots, row ok, -)."""
+    ``[2, N, K]``; class codes and the open bins in order ``[N, K]``; ``info_N4`` = (open bins,
+    open elements, row ok, -)."""
 
     hist_2NK: torch.Tensor
     top_2NK: torch.Tensor
     cls_NK: torch.Tensor
-    loc_NK: torch.Tensor
     opens_NK: torch.Tensor
     info_N4: torch.Tensor
+
+
+class TopmSigns(NamedTuple):
+    """:func:`topm_l1_signs`'s result: the L1, and per student element the state of its
+    gradient (0: not in the top-m, gradient 0; 1: ``+e^a``; 2: ``-e^a``); the gradient itself
+    is made where it is needed (:func:`topm_gradient`, the gold loss's backward kernel).
+
+    Attributes:
+        l1_N: [N] fp32 sorted top-m L1.
+        gsum_N: [N] fp32 row sums of the gradient.
+        state_NA: [N, A] int8 the states.
+    """
+
+    l1_N: torch.Tensor
+    gsum_N: torch.Tensor
+    state_NA: torch.Tensor
 
 
 def _grid(a_NA: torch.Tensor, b_NB: torch.Tensor):
@@ -463,7 +530,7 @@ def _coarse_plan(
     plan = _Plan(
         hist_2NK,
         torch.empty((2, N, COARSE_BINS), **i32),
-        *(torch.empty((N, COARSE_BINS), **i32) for _ in range(3)),
+        *(torch.empty((N, COARSE_BINS), **i32) for _ in range(2)),
         torch.empty((N, 4), **i32),
     )
     _plan_kernel[(N,)](*plan, N, m, list_cap, BELOW=BELOW_BIN, num_warps=4)
@@ -471,8 +538,8 @@ def _coarse_plan(
 
 
 def plan_stats(a_NA: torch.Tensor, b_NB: torch.Tensor, m: int) -> dict[str, float]:
-    """How :func:`topm_l1` would split these rows (for benchmarks): open coarse bins and pool
-    slots per row (mean, max) and the rows its counts cannot do (before the pool's limit).
+    """How :func:`topm_l1` would split these rows (for benchmarks): open coarse bins and their
+    elements per row (mean, max) and the rows its counts cannot do (before ``max_open_row``).
 
     Args:
         a_NA: [N, A] fp32 student log-probs.
@@ -480,15 +547,15 @@ def plan_stats(a_NA: torch.Tensor, b_NB: torch.Tensor, m: int) -> dict[str, floa
         m: compared length.
 
     Returns:
-        ``open_bins_mean``, ``open_bins_max``, ``pool_slots_mean``, ``pool_slots_max``,
+        ``open_bins_mean``, ``open_bins_max``, ``open_elements_mean``, ``open_elements_max``,
         ``rows_not_ok``.
     """
     info_N4 = _coarse_plan(a_NA, b_NB, m, b_NB.shape[1] // 2).info_N4.double()
     return {
         "open_bins_mean": info_N4[:, 0].mean().item(),
         "open_bins_max": info_N4[:, 0].max().item(),
-        "pool_slots_mean": info_N4[:, 1].mean().item(),
-        "pool_slots_max": info_N4[:, 1].max().item(),
+        "open_elements_mean": info_N4[:, 1].mean().item(),
+        "open_elements_max": info_N4[:, 1].max().item(),
         "rows_not_ok": int((info_N4[:, 2] == 0).sum().item()),
     }
 
@@ -499,11 +566,37 @@ def topm_l1(
     m: int,
     *,
     out_g: torch.Tensor | None = None,
-    overwrite_b: bool = False,
-    max_pool_row: int = MAX_POOL_ROW,
+    max_open_row: int = MAX_OPEN_ROW,
     hist_2NK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topm_l1_reference` from counts (no sort), exact; see the module docstring.
+
+    :func:`topm_l1_signs`, then the gradient from its states (:func:`topm_gradient`).
+
+    Args:
+        a_NA, b_NB, m, max_open_row, hist_2NK: as :func:`topm_l1_signs`.
+        out_g: where to write ``g`` ([N, A] fp32); may be ``a_NA`` itself.
+
+    Returns:
+        ``(l1_N, g_NA, gsum_N)`` as :func:`topm_l1_reference`.
+    """
+    signs = topm_l1_signs(a_NA, b_NB, m, max_open_row=max_open_row, hist_2NK=hist_2NK)
+    g_NA = topm_gradient(a_NA, signs.state_NA)
+    if out_g is not None:
+        g_NA = out_g.copy_(g_NA)
+    return signs.l1_N, g_NA, signs.gsum_N
+
+
+def topm_l1_signs(
+    a_NA: torch.Tensor,
+    b_NB: torch.Tensor,
+    m: int,
+    *,
+    max_open_row: int = MAX_OPEN_ROW,
+    hist_2NK: torch.Tensor | None = None,
+) -> TopmSigns:
+    """The sorted top-m L1 of ``e^a`` against ``e^b`` per row and the state of each student
+    element's gradient, from counts; see the module docstring. ``a`` and ``b`` are only read.
 
     Rows the counts cannot do go to :func:`topm_l1_reference` (so does everything without
     Triton).
@@ -512,18 +605,14 @@ def topm_l1(
         a_NA: [N, A] fp32 student log-probs, last dim contiguous.
         b_NB: [N, B] fp32 teacher log-probs, last dim contiguous.
         m: compared length, ``1 <= m <= min(A, B)``.
-        out_g: where to write ``g`` ([N, A] fp32); may be ``a_NA`` itself (each value is read
-            before its gradient is written).
-        overwrite_b: ``b_NB`` may be used as scratch (its values are lost); else a buffer of its
-            size is allocated for the lists of open fine bins.
-        max_pool_row: pool slots a row may take for the elements of its open coarse bins
-            (a row that needs more goes to the reference); the pool is sized to the rows kept.
+        max_open_row: elements of open coarse bins a row may have (a row with more goes to the
+            reference).
         hist_2NK: [2, N, 256] int32 coarse histograms of ``a`` and ``b`` when the caller made
             them with the rows (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`
             ``hist_NK=``); None: counted here (one more pass over both rows).
 
     Returns:
-        ``(l1_N, g_NA, gsum_N)`` as :func:`topm_l1_reference`.
+        :class:`TopmSigns`.
 
     Raises:
         ValueError: ``m`` outside ``[1, min(A, B)]``, or ``hist_2NK`` of the wrong shape.
@@ -537,62 +626,74 @@ def topm_l1(
             f"hist_2NK must be [2, {N}, {COARSE_BINS}] int32, got {tuple(hist_2NK.shape)}"
         )
     if N == 0 or not use_triton(a_NA) or max(A, B) >= 1 << _COL_BITS:
-        return _reference_into(a_NA, b_NB, m, out_g)
+        return _reference_signs(a_NA, b_NB, m)
     device = a_NA.device
     list_cap = B // 2  # the most elements an open coarse bin may hold
     plan = _coarse_plan(a_NA, b_NB, m, list_cap, hist_2NK)
-    ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_pool_row)
-    slots_N = plan.info_N4[:, 1].long() * ok_N
-    opens_N = plan.info_N4[:, 0].long() * ok_N
-    end_N = slots_N.cumsum(0)
-    qend_N = opens_N.cumsum(0)
-    # the one wait for the device: pool size, open bins (most in a row, all), rows not ok
-    pool_size, max_open, total_open, n_bad = torch.stack(
-        [end_N[-1], opens_N.max(), qend_N[-1], N - ok_N.sum()]
-    ).tolist()
+    ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_open_row)
+    bins_N = plan.info_N4[:, 0].long() * ok_N
+    qend_N = bins_N.cumsum(0)
+    # wait for the device: open bins (most in a row, all), rows not ok
+    max_bins, n_bins, n_bad = torch.stack([bins_N.max(), qend_N[-1], N - ok_N.sum()]).tolist()
     if n_bad == N:
-        return _reference_into(a_NA, b_NB, m, out_g)
-    if n_bad:  # before g (which may be a) and the lists (which may be b) are written
-        bad = (~ok_N).nonzero().flatten()
-        l1_bad, g_bad, gsum_bad = _reference_into(a_NA[bad], b_NB[bad], m, None)
-    base_N = torch.where(ok_N, end_N - slots_N, -1)  # -1: the reference's row
-    g_NA = torch.empty_like(a_NA) if out_g is None else out_g
+        return _reference_signs(a_NA, b_NB, m)
+    qbase_N = torch.where(ok_N, qend_N - bins_N, -1)  # -1: the reference's row
     block, chunk, nchunks = _grid(a_NA, b_NB)
     i32 = dict(dtype=torch.int32, device=device)
-    pool_val_P = torch.empty(pool_size, dtype=torch.float32, device=device)
-    pool_col_P = torch.empty(pool_size, **i32)
-    fill_2NK = torch.zeros((2, N, COARSE_BINS), **i32)
+    bins = dict(BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT)
+    P, Q = max(max_bins, 1), max(n_bins, 1)  # (no empty grids or pointers)
+    fhist_Q2F = torch.zeros((Q, 2, FINE_BINS), **i32)
+    state_NA = torch.empty((N, A), dtype=torch.int8, device=device)
     part_2NC = torch.empty((2, N, nchunks), dtype=torch.float32, device=device)
-    _scatter_kernel[(N, 2, nchunks)](
-        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.hist_2NK, plan.cls_NK,
-        plan.loc_NK, base_N, fill_2NK, pool_val_P, pool_col_P, g_NA, g_NA.stride(0), part_2NC,
-        N, chunk, nchunks, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
+    _count_kernel[(N, 2, nchunks)](
+        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fhist_Q2F,
+        state_NA, state_NA.stride(0), part_2NC, N, chunk, nchunks, **bins, BLOCK=block,
+        num_warps=8,
     )  # fmt: skip
-    # the lists of open fine bins take their bin's pool slots in a buffer of values and one of
-    # keys: b's storage when it may be overwritten and is large enough
-    if overwrite_b and b_NB.is_contiguous() and b_NB.numel() >= 2 * pool_size:
-        list_2P = b_NB.view(-1)[: 2 * pool_size].view(2, pool_size)
-    else:
-        list_2P = torch.empty((2, pool_size), dtype=torch.float32, device=device)
-    ffill_QF = torch.zeros((total_open, FINE_BINS), **i32)
-    res_NP2 = torch.empty((N, max(max_open, 1), 2), dtype=torch.float64, device=device)
-    _refine_kernel[(N, max(max_open, 1))](
-        pool_val_P, pool_col_P, base_N, plan.info_N4, plan.opens_NK, plan.loc_NK, plan.hist_2NK,
-        plan.top_2NK, qend_N - opens_N, ffill_QF, list_2P[0], list_2P[1].view(torch.int32),
-        g_NA, g_NA.stride(0), res_NP2, N, max(max_open, 1), m, BASE=COARSE_BASE,
-        SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT, COL_BITS=_COL_BITS, **REFINE_TILES, num_warps=4,
+    fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.int8, device=device)
+    foffs_QF = torch.empty((Q, FINE_BINS), **i32)
+    nlist_Q = torch.zeros(Q, dtype=torch.long, device=device)
+    _fine_plan_kernel[(N, P)](
+        fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, foffs_QF,
+        nlist_Q, N, m,
     )  # fmt: skip
-    res_2N = res_NP2.sum(1).T.float()
-    part_2N = part_2NC.sum(-1)
-    l1_N = part_2N.sum(0) + res_2N[0]
-    gsum_N = part_2N[0] + res_2N[1]
+    lend_Q = nlist_Q.cumsum(0)
+    list_size = int(lend_Q[-1])  # wait for the device: the lists' length
+    list_val_L = torch.empty(max(list_size, 1), dtype=torch.float32, device=device)
+    list_key_L = torch.empty(max(list_size, 1), **i32)
+    lbase_Q = lend_Q - nlist_Q
+    part2_2NC = torch.empty((2, N, nchunks), dtype=torch.float64, device=device)
+    _mark_kernel[(N, 2, nchunks)](
+        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fcode_QF,
+        foffs_QF, lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N,
+        chunk, nchunks, **bins, COL_BITS=_COL_BITS, BLOCK=block, num_warps=8,
+    )  # fmt: skip
+    res_NP2 = torch.empty((N, P, 2), dtype=torch.float64, device=device)
+    _resolve_kernel[(N, P)](
+        fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, lbase_Q,
+        list_val_L, list_key_L, state_NA, state_NA.stride(0), res_NP2, N, P, m,
+        COL_BITS=_COL_BITS, **RESOLVE_TILES, num_warps=4,
+    )  # fmt: skip
+    part_2N = part_2NC.sum(-1).double() + part2_2NC.sum(-1)  # per side
+    res_2N = res_NP2.sum(1).T  # l1, gsum
+    l1_N = (part_2N.sum(0) + res_2N[0]).float()
+    gsum_N = (part_2N[0] + res_2N[1]).float()
     if n_bad:
-        l1_N[bad], g_NA[bad], gsum_N[bad] = l1_bad, g_bad, gsum_bad
-    return l1_N, g_NA, gsum_N
+        bad = (~ok_N).nonzero().flatten()
+        ref = _reference_signs(a_NA[bad], b_NB[bad], m)
+        l1_N[bad], gsum_N[bad], state_NA[bad] = ref
+    return TopmSigns(l1_N, gsum_N, state_NA)
 
 
-def _reference_into(a_NA, b_NB, m, out_g):
+def topm_gradient(a_NA: torch.Tensor, state_NA: torch.Tensor) -> torch.Tensor:
+    """``d l1 / d a`` ([N, A] fp32) from :func:`topm_l1_signs`'s states: ``e^a`` where 1,
+    ``-e^a`` where 2, else 0."""
+    p_NA = a_NA.exp()
+    return torch.where(state_NA == 1, p_NA, torch.where(state_NA == 2, -p_NA, 0.0))
+
+
+def _reference_signs(a_NA, b_NB, m) -> TopmSigns:
+    """:func:`topm_l1_reference` as :class:`TopmSigns`."""
     l1_N, g_NA, gsum_N = topm_l1_reference(a_NA, b_NB, m)
-    if out_g is not None:
-        g_NA = out_g.copy_(g_NA)
-    return l1_N, g_NA, gsum_N
+    state_NA = torch.where(g_NA > 0, 1, torch.where(g_NA < 0, 2, 0)).to(torch.int8)
+    return TopmSigns(l1_N, gsum_N, state_NA)

@@ -4,14 +4,16 @@ import pytest
 import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE, kd_logits, kd_rows
-from xtoken_core.kernels import gold_student
+from xtoken_core.kernels import gold_student, topm_l1
 from xtoken_core.kernels import logit_rows as kf
 
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("parts", ["both", "common-only", "uncommon-only"])
+@pytest.mark.parametrize("parts", ["both", "common-only", "uncommon-only", "uncommon-referred"])
 def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
+    # The uncommon chunk gradient is the top-m L1's, from its sign tables: counted, or (rows the
+    # counts cannot do) the reference's kept per element.
     B, T, V, N, temp = 2, 9, 45, 5, 1.4
     z = kd_logits(B, T, V, torch.float32, seed=11)
     nidx, order, offsets = kd_rows(B, T, N, seed=12)
@@ -19,11 +21,20 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
     perm = torch.randperm(V, generator=gen).to(DEVICE)
     common, uncommon = perm[:20], perm[20:40]  # ids perm[40:] get no gradient
     g_common = torch.randn(N, common.numel(), generator=gen).to(DEVICE)
-    g_unc = torch.randn(N, uncommon.numel(), generator=gen).to(DEVICE)
+    s_unc = torch.log_softmax(torch.randn(N, uncommon.numel(), generator=gen) * 2, -1).to(DEVICE)
+    # a teacher near the student: open bins, and fine bins resolved element by element
+    near = s_unc.cpu()[:, torch.randperm(20, generator=gen)[:16]]
+    t_unc = (near + 1e-4 * torch.randn(N, 16, generator=gen)).to(DEVICE)
+    if parts == "uncommon-referred":
+        signs = topm_l1._reference_signs(s_unc, t_unc, 6)
+    else:
+        signs = topm_l1.topm_l1_signs(s_unc, t_unc, 6)
+    g_unc = topm_l1.topm_gradient(s_unc, signs.state_NA)
+    torch.testing.assert_close(g_unc, topm_l1.topm_l1_reference(s_unc, t_unc, 6)[1])
     gscale = torch.tensor([0.7, -1.3], device=DEVICE)
     cpos = torch.full((V,), -1, dtype=torch.int32, device=DEVICE)
     G = torch.zeros(N, V, device=DEVICE)  # the dense chunk gradient the compact blocks encode
-    if parts != "uncommon-only":
+    if parts != "uncommon-only" and parts != "uncommon-referred":
         cpos[common] = torch.arange(common.numel(), dtype=torch.int32, device=DEVICE)
         G[:, common] = gscale[0] * g_common
     if parts != "common-only":
@@ -32,8 +43,8 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
     sizes = (offsets[1:] - offsets[:-1]).float()
     lse = kf.row_logsumexp(z, nidx, temp)
     dz = gold_student.gold_backward(
-        z, lse, nidx, g_common if parts != "uncommon-only" else None,
-        g_unc if parts != "common-only" else None, cpos, G.sum(-1),
+        z, lse, nidx, g_common if parts in ("both", "common-only") else None,
+        (s_unc, signs) if parts != "common-only" else None, cpos, G.sum(-1),
         1.0 / (temp * sizes.clamp_min(1)), gscale, temp,
     )  # fmt: skip
     z64 = z.detach().double().requires_grad_()

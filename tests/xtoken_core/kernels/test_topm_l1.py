@@ -27,7 +27,7 @@ def counts_only(monkeypatch):
     def refuse(*args):
         raise AssertionError("topm_l1 fell back to the reference")
 
-    monkeypatch.setattr(tm, "_reference_into", refuse)
+    monkeypatch.setattr(tm, "_reference_signs", refuse)
 
 
 def _check(a, b, m, **kw):
@@ -57,7 +57,7 @@ def test_topm_l1_pools_only_the_open_bins(counts_only):
     gen = torch.Generator().manual_seed(13)
     a = torch.log_softmax(torch.randn(2, 6000, generator=gen) * 3, -1).to(DEVICE)
     b = torch.log_softmax(torch.randn(2, 5000, generator=gen) * 1.5, -1).to(DEVICE)
-    _check(a, b, 700, max_pool_row=2000)
+    _check(a, b, 700, max_open_row=2000)
 
 
 def test_topm_l1_takes_the_coarse_histograms_from_the_caller(monkeypatch, counts_only):
@@ -86,12 +86,12 @@ def test_topm_l1_writes_the_gradient_over_its_input(counts_only):
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
 
 
-def test_topm_l1_keeps_b_unless_told_it_may_overwrite_it(counts_only):
+def test_topm_l1_leaves_its_inputs_as_they_were(counts_only):
     a, b = _rows(2, 200, 180, seed=4)
-    b_before = b.clone()
+    a_before, b_before = a.clone(), b.clone()
     _check(a, b, 50)
+    torch.testing.assert_close(a, a_before, rtol=0, atol=0)
     torch.testing.assert_close(b, b_before, rtol=0, atol=0)
-    _check(a, b.clone(), 50, overwrite_b=True)
 
 
 def test_topm_l1_resolves_ties_within_a_fine_bin(counts_only):
@@ -106,11 +106,11 @@ def test_topm_l1_resolves_ties_within_a_fine_bin(counts_only):
 
 def test_topm_l1_falls_back_when_a_row_needs_too_large_a_pool(monkeypatch):
     calls = []
-    reference = tm._reference_into
-    monkeypatch.setattr(tm, "_reference_into", lambda *args: calls.append(1) or reference(*args))
+    reference = tm._reference_signs
+    monkeypatch.setattr(tm, "_reference_signs", lambda *args: calls.append(1) or reference(*args))
     a, b = _rows(2, 128, 128, seed=5, ties=40)
     l1_ref, _, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, max_pool_row=8)
+    l1, g, gsum = tm.topm_l1(a, b, 60, max_open_row=8)
     assert calls == [1]
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
@@ -119,9 +119,9 @@ def test_topm_l1_falls_back_when_a_row_needs_too_large_a_pool(monkeypatch):
 @pytest.mark.parametrize("why", ["ties larger than the list", "top-m below the range"])
 def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch, why):
     rows_seen = []
-    reference = tm._reference_into
+    reference = tm._reference_signs
     monkeypatch.setattr(
-        tm, "_reference_into", lambda a, *rest: rows_seen.append(a.shape[0]) or reference(a, *rest)
+        tm, "_reference_signs", lambda a, *rest: rows_seen.append(a.shape[0]) or reference(a, *rest)
     )
     a, b = _rows(3, 128, 128, seed=5)
     if why == "ties larger than the list":  # an open bin of > B / 2 elements in row 1
@@ -130,7 +130,7 @@ def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch, 
     else:  # row 1 has fewer than m values above -240 nats
         a[1, 20:] = -300.0
     l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
-    l1, g, gsum = tm.topm_l1(a, b, 60, out_g=a, overwrite_b=True)  # row 1 read first
+    l1, g, gsum = tm.topm_l1(a, b, 60, out_g=a)
     assert rows_seen == [1]
     torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
@@ -158,22 +158,23 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     f32, i32, i64 = "*fp32", "*i32", "*i64"
     pointers = {
-        **dict.fromkeys(["a_ptr", "b_ptr", "pool_val_ptr", "g_ptr", "part_ptr"], f32),
+        **dict.fromkeys(["a_ptr", "b_ptr", "g_ptr", "part_ptr"], f32),
         **dict.fromkeys(["list_val_ptr", "out_ptr"], f32),
         **dict.fromkeys(["hist_ptr", "top_ptr", "cls_ptr", "loc_ptr", "opens_ptr"], i32),
-        **dict.fromkeys(["info_ptr", "fill_ptr", "pool_col_ptr", "ffill_ptr", "list_key_ptr"], i32),
-        **dict.fromkeys(["base_ptr", "qbase_ptr"], i64),
-        "res_ptr": "*fp64",
+        **dict.fromkeys(["info_ptr", "pidx_ptr", "fhist_ptr", "foffs_ptr", "list_key_ptr"], i32),
+        **dict.fromkeys(["qbase_ptr", "nlist_ptr", "lbase_ptr"], i64),
+        **dict.fromkeys(["fcode_ptr", "state_ptr"], "*i8"),
+        **dict.fromkeys(["res_ptr", "sums_ptr"], "*fp64"),
     }
     bins = {"BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
+    fine = {**bins, "FSHIFT": tm.FINE_SHIFT}
     kernels = [
         (tm._hist_kernel, {**bins, "BLOCK": 1024}),
         (tm._plan_kernel, {"BELOW": tm.BELOW_BIN}),
-        (tm._scatter_kernel, {**bins, "BLOCK": 1024}),
-        (
-            tm._refine_kernel,
-            {**bins, "FSHIFT": tm.FINE_SHIFT, "COL_BITS": tm._COL_BITS, **tm.REFINE_TILES},
-        ),
+        (tm._count_kernel, {**fine, "BLOCK": 1024}),
+        (tm._fine_plan_kernel, {}),
+        (tm._mark_kernel, {**fine, "COL_BITS": tm._COL_BITS, "BLOCK": 1024}),
+        (tm._resolve_kernel, {"COL_BITS": tm._COL_BITS, **tm.RESOLVE_TILES}),
     ]
     for lazy, constexprs in kernels:
         usage = compile_for_hopper(lazy, pointers, constexprs)
