@@ -20,13 +20,17 @@ step() {
 }
 
 # Steps to run, by name (default: all). Example: STEPS="device gpu_tests bench_kd_loss".
-# Gold at 1x4096 (issue 12): STEPS="device topm_tests gpu_tests bench_topm_l1 bench_kd_loss_gold profile_gold".
+# Gold at 1x4096 (issue 12): STEPS="device cuda_tests bench_topm_l1 bench_kd_loss_gold profile_gold".
 STEPS=${STEPS:-"device gpu_tests bench_chunk_log_softmax bench_projection_gather bench_kd_loss bench_fused_indices bench_embedding"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 want device && step device nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-# Every @pytest.mark.gpu test of the library (services need pyzmq, which the GPU image lacks).
-want gpu_tests && step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/xtoken_core
+# Every @pytest.mark.gpu test of the kernels and losses (the data plane's need tensordict and
+# pyzmq, which the GPU image lacks), then all their tests on CUDA (compiled, not interpreted).
+want gpu_tests && step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/xtoken_core/kernels \
+  tests/xtoken_core/losses
+want cuda_tests && step cuda_tests $PY -m pytest -q -p no:cacheprovider tests/xtoken_core/kernels \
+  tests/xtoken_core/losses
 want bench_chunk_log_softmax && step bench_chunk_log_softmax $PY benchmarks/kernels/bench_chunk_log_softmax.py \
   --results "$OUT/kernels_chunk_log_softmax.jsonl"
 want bench_projection_gather && step bench_projection_gather $PY benchmarks/kernels/bench_projection_gather.py \

@@ -4,9 +4,10 @@
 averages, the KL, its chunk gradient and the argmax agreement in one pass over the logits) and
 the uncommon top-m L1 (chunk averages by
 :func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`, compared by
-:func:`~xtoken_core.kernels.topm_l1.topm_l1`), and keeps the chunk gradient as two
-compact blocks; :func:`gold_backward` expands it to the logits gradient. Block sizes come from
-:data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
+:func:`~xtoken_core.kernels.topm_l1.topm_l1_signs`), and keeps the chunk gradient compact: the
+common columns' ``[N, Mc]`` fp32, the uncommon columns' as the student's chunk means and int8
+top-m states (``+-e^s`` or 0); :func:`gold_backward` expands both to the logits gradient. Block
+sizes come from :data:`xtoken_core.kernels.logit_rows.KERNEL_CONFIG`.
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, N valid chunks,
@@ -366,14 +367,14 @@ class GoldStudent(torch.autograd.Function):
 
     The chunk gradient is computed in the forward in compact form (common columns ``[N, Mc]``
     by :func:`gold_common`, which reads the teacher's common columns from its logits; uncommon
-    columns ``[N, Mu]``, written by :func:`~xtoken_core.kernels.topm_l1.topm_l1` over the
-    student's uncommon chunk means against the teacher's ``teacher_unc_NX``) and expanded to
-    ``dz`` by one backward kernel.
+    columns as the student's uncommon chunk means with the top-m states of
+    :func:`~xtoken_core.kernels.topm_l1.topm_l1_signs` against the teacher's
+    ``teacher_unc_NX``) and expanded to ``dz`` by one backward kernel.
 
     Inputs of :meth:`forward` besides the logits ``z_BTV``: ``lse_R`` the student's row
     logsumexps of ``z / T`` (None: made here for the chunks' rows); ``rows`` the student's
     valid-chunk rows; ``teacher`` = ``(zt_BUW, lse_t_R, t_rows)``; ``teacher_unc_NX`` the
-    teacher's uncommon chunk means (used as scratch by the top-m: its values are lost);
+    teacher's uncommon chunk means;
     ``hist_2NK`` their coarse histograms, the teacher's counted in ``[1]``, the student's added
     to ``[0]`` here; ``m``, ``exact`` (the common / uncommon ids), ``temperature``,
     ``reverse_kl``.

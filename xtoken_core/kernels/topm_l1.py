@@ -24,22 +24,26 @@ usual case), every element of the bin takes its sign from the counts above it; s
    everything above ``2^-8`` nats below 0, bin 254 everything below 240 nats, bin 255 NaN); or
    the caller's, counted as it wrote the rows
    (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns` ``hist_NK=``).
-2. :func:`_plan_kernel`: per bin, the counts above it, the members' signs and whether it is open;
-   where each open bin's elements go in a pool (rows one after another).
-3. :func:`_scatter_kernel`: one pass over both rows: the elements of decided bins add their signed
-   probability (the student's is also its gradient, written to ``g``); the elements of open bins
-   are copied to the pool, grouped by bin.
-4. :func:`_refine_kernel`: per row and open bin, from the pool only: a fine histogram of 256
-   bins (the coarse bin's span of bits, split evenly), classed alike; the elements of decided
-   fine bins add their sign, those of open fine bins go to a list ordered by fine bin and are
-   resolved by pairwise counts within their fine bin (rank and the other side's count above).
+2. :func:`_plan_kernel`: per bin, the counts above it, the members' signs and whether it is open
+   (an open bin's code also holds its place among the row's open bins).
+3. :func:`_count_kernel`, a pass over both rows: the elements of decided bins add their signed
+   probability (the student's write their state); those of open bins count in the open bin's
+   fine histogram (256 bins, the coarse bin's span of bits split evenly).
+4. :func:`_fine_plan_kernel`, per row and open bin: the fine bins classed alike.
+5. :func:`_mark_kernel`, a second pass: the elements of decided fine bins add their sign (and
+   state); the few in open fine bins go to the bin's list, ordered by fine bin.
+6. :func:`_resolve_kernel`, per row and open bin: each listed element by pairwise counts within
+   its fine bin (rank and the other side's count above).
 
-A row the grids cannot do (a top-m set reaching below the coarse range, NaN, an open bin larger
-than the list, more open elements than a row may pool) goes to the reference; finding those rows
-and the pool's size is the one wait for the device.
+The gradient is not written: :func:`topm_l1_signs` returns the student's states (int8: not a
+member, ``+e^a``, ``-e^a``), which :func:`topm_gradient` or the gold loss's backward kernel turn
+into it. A row the grids cannot do (a top-m set reaching below the coarse range, NaN, an open
+coarse bin of more than B / 2 elements, more open elements than ``max_open_row``) goes to the
+reference. The host waits for the device twice: for the rows to refer and the open bins'
+number, and for the lists' length.
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
-F fine bins, P pool slots, L list slots per row.
+F fine bins, P most open bins in a row, Q open bins in all, L listed elements in all.
 """
 
 from __future__ import annotations
