@@ -28,7 +28,7 @@ import torch
 
 from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, tl
 from .logit_rows import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
-from .topm_l1 import TopmSigns, topm_l1_signs
+from .topm_l1 import topm_l1_signs
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ def gold_backward(
     lse_R: torch.Tensor,
     nidx_R: torch.Tensor,
     g_common_NC: torch.Tensor | None,
-    uncommon: tuple[torch.Tensor, TopmSigns] | None,
+    uncommon: tuple[torch.Tensor, torch.Tensor] | None,
     cpos_V: torch.Tensor,
     gsum_N: torch.Tensor,
     coef_N: torch.Tensor,
@@ -301,15 +301,16 @@ def gold_backward(
 
     The chunk gradient of chunk n at vocab id v is ``gscale[0] * g_common[n, c]`` when
     ``c = cpos[v] >= 0``, ``gscale[1] * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0, where
-    ``g_uncommon = topm_gradient(s_unc_NU, signs.state_NA)`` (made here, never stored).
+    ``g_uncommon = topm_gradient(s_unc_NU, state_NU)`` (made here, never stored).
 
     Args:
         z_BTV: [B, T, V] logits.
         lse_R: [B*T] fp32 row logsumexp.
         nidx_R: [B*T] int valid-chunk index per row, -1 = none (gradient 0).
         g_common_NC: [N, Mc] fp32, or None.
-        uncommon: ``(s_unc_NU, signs)``: [N, Mu] fp32 the student's uncommon chunk means and
-            :func:`~xtoken_core.kernels.topm_l1.topm_l1_signs` of them; or None.
+        uncommon: ``(s_unc_NU, state_NU)``: [N, Mu] fp32 the student's uncommon chunk means and
+            [N, Mu] int8 their top-m states
+            (:func:`~xtoken_core.kernels.topm_l1.topm_l1_signs`); or None.
         cpos_V: [V] int32 position code (see above).
         gsum_N: [N] fp32, the total (scaled) chunk gradient of each chunk.
         coef_N: [N] fp32, ``1 / (temperature * chunk size)``.
@@ -327,8 +328,7 @@ def gold_backward(
     has_c = g_common_NC is not None and g_common_NC.numel() > 0
     has_u = uncommon is not None and uncommon[0].numel() > 0
     if has_u:
-        s_unc_NU, signs = uncommon
-        tables = (s_unc_NU, signs.state_NA)
+        tables = uncommon
     else:  # any valid pointers
         tables = (gsum_N, cpos_V)
     bv = block_for("gbwd_block_v", V, 16)
@@ -411,7 +411,7 @@ class GoldStudent(torch.autograd.Function):
             )
             # the signs of d|e^s_(j) - u_(j)| / ds, kept as tables the backward reads
             signs = topm_l1_signs(s_unc_NU, teacher_unc_NX, m, hist_2NK=hist_2NK)
-            uncommon = (s_unc_NU, signs)
+            uncommon = (s_unc_NU, signs.state_NA)
             l1_sum, gsum_top_N = signs.l1_N.sum(), signs.gsum_N
         g_common_NC, stats_N3 = gold_common(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
@@ -426,7 +426,7 @@ class GoldStudent(torch.autograd.Function):
         coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         ctx.save_for_backward(
             z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
-            *(() if uncommon is None else (uncommon[0], *uncommon[1])),
+            *(() if uncommon is None else uncommon),
         )  # fmt: skip
         ctx.temperature = temperature
         ctx.mark_non_differentiable(correct)
@@ -436,7 +436,7 @@ class GoldStudent(torch.autograd.Function):
     def backward(ctx, d_kl, d_l1, d_correct):
         (z_BTV, lse_R, nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
          *unc) = ctx.saved_tensors  # fmt: skip
-        uncommon = (unc[0], TopmSigns(*unc[1:])) if unc else None
+        uncommon = tuple(unc) if unc else None
         zero = torch.zeros((), dtype=torch.float32, device=z_BTV.device)
         gscale_2 = torch.stack(
             [

@@ -44,7 +44,7 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
     lse = kf.row_logsumexp(z, nidx, temp)
     dz = gold_student.gold_backward(
         z, lse, nidx, g_common if parts in ("both", "common-only") else None,
-        (s_unc, signs) if parts != "common-only" else None, cpos, G.sum(-1),
+        (s_unc, signs.state_NA) if parts != "common-only" else None, cpos, G.sum(-1),
         1.0 / (temp * sizes.clamp_min(1)), gscale, temp,
     )  # fmt: skip
     z64 = z.detach().double().requires_grad_()
