@@ -74,7 +74,10 @@ FINE_SHIFT = COARSE_SHIFT - 8
 #: Elements of open coarse bins a row may have (more: the reference's row).
 MAX_OPEN_ROW = 32768
 #: Tiles of :func:`_resolve_kernel`: listed elements per step, and per pairwise step.
-RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 64}
+RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 32}
+#: The full-row passes (:func:`_count_kernel`, :func:`_mark_kernel`): columns per step, columns
+#: per program (a multiple of the step), warps.
+PASS_TILES = {"block": 512, "columns": 16384, "warps": 4}
 #: Columns are packed with their side and fine bin in one int32.
 _COL_BITS = 20
 # The kernels' class code of a (row, bin): bits 0-1 the student's members, bits 2-3 the
@@ -506,10 +509,10 @@ class TopmSigns(NamedTuple):
 
 
 def _grid(a_NA: torch.Tensor, b_NB: torch.Tensor):
-    """Block, columns per program, chunks per row of the full-row passes."""
+    """Block, columns per program, chunks per row of the full-row passes (:data:`PASS_TILES`)."""
     most = max(a_NA.shape[1], b_NB.shape[1])
-    block = min(1024, next_power_of_2(most))
-    chunk = block * max(1, 8192 // block)
+    block = min(PASS_TILES["block"], next_power_of_2(most))
+    chunk = block * max(1, PASS_TILES["columns"] // block)
     return block, chunk, cdiv(most, chunk)
 
 
@@ -652,7 +655,7 @@ def topm_l1_signs(
     _count_kernel[(N, 2, nchunks)](
         a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fhist_Q2F,
         state_NA, state_NA.stride(0), part_2NC, N, chunk, nchunks, **bins, BLOCK=block,
-        num_warps=8,
+        num_warps=PASS_TILES["warps"],
     )  # fmt: skip
     fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.int8, device=device)
     foffs_QF = torch.empty((Q, FINE_BINS), **i32)
@@ -670,7 +673,7 @@ def topm_l1_signs(
     _mark_kernel[(N, 2, nchunks)](
         a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fcode_QF,
         foffs_QF, lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N,
-        chunk, nchunks, **bins, COL_BITS=_COL_BITS, BLOCK=block, num_warps=8,
+        chunk, nchunks, **bins, COL_BITS=_COL_BITS, BLOCK=block, num_warps=PASS_TILES["warps"],
     )  # fmt: skip
     res_NP2 = torch.empty((N, P, 2), dtype=torch.float64, device=device)
     _resolve_kernel[(N, P)](
