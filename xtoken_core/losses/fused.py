@@ -64,7 +64,8 @@ def fused_path_available(
     )
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is contiguous (what the kernels need), else a copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -129,8 +130,8 @@ def _fused_inputs(
     already, else read here (one host sync); with ``device_n`` and a plan it stays on the device
     (N is None, the rows cover every chunk slot, ``plan.stats_5[4]`` holds N).
     """
-    zs_BTV = _last_dim_contiguous(student_logits_BTV)
-    zt_BUW = _last_dim_contiguous(teacher_logits_BUW.detach())
+    zs_BTV = last_dim_contiguous(student_logits_BTV)
+    zt_BUW = last_dim_contiguous(teacher_logits_BUW.detach())
     if plan is not None:
         if device_n:
             s_rows, t_rows = ChunkRows(*plan.rows(0, None)), ChunkRows(*plan.rows(1, None))

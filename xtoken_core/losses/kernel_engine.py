@@ -72,15 +72,19 @@ class KernelEngine:
         device = student_logits_BTV.device
         # Gold: the row logsumexps are made first, over every row, and their row sums are the
         # finite checks (one read of each logits tensor for both).
+        # (made last-dim contiguous once here: the row kernels and gold's kernels read the same)
         lse_s_R = lse_t = None
+        teacher_logits = [t.logits_BUW for t in teachers]
         if cfg.gold_loss:
+            student_logits_BTV = fused.last_dim_contiguous(student_logits_BTV)
+            teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
             lse_s_R, lse_t = self._row_lse("student_logits", student_logits_BTV, checks), []
         elif checks is not None:
             checks.finite("student_logits", student_logits_BTV)
         plans, slots = [], []
-        for t in teachers:
+        for t, zt in zip(teachers, teacher_logits, strict=True):
             if cfg.gold_loss:
-                lse_t.append(self._row_lse(t.name, t.logits_BUW, checks))
+                lse_t.append(self._row_lse(t.name, zt, checks))
             elif checks is not None:
                 checks.finite(t.name, t.logits_BUW)
             plan = self._plan(t, sample_mask_B, device, checks)
@@ -99,7 +103,7 @@ class KernelEngine:
         for i, (t, plan, slot) in enumerate(zip(teachers, plans, slots, strict=True)):
             common = (
                 student_logits_BTV,
-                t.logits_BUW,
+                teacher_logits[i],
                 plan.student_chunk_id_BT,
                 plan.teacher_chunk_id_BU,
                 plan.valid_BC,
@@ -142,14 +146,14 @@ class KernelEngine:
     def _row_lse(
         self, name: str, logits: torch.Tensor, checks: DeferredChecks | None
     ) -> torch.Tensor:
-        """Row logsumexps of ``logits / T`` over every row (the gold kernels'); with ``checks``,
-        the NaN/inf check of ``logits`` is queued from the same read's row sums."""
-        z = logits if logits.stride(-1) == 1 else logits.contiguous()
-        rows = z.shape[0] * z.shape[1]
+        """Row logsumexps of ``logits / T`` over every row (the gold kernels'; last dim
+        contiguous); with ``checks``, the NaN/inf check of ``logits`` is queued from the same
+        read's row sums."""
+        rows = logits.shape[0] * logits.shape[1]
         sums_R = None
         if checks is not None:
-            sums_R = torch.empty(rows, dtype=torch.float32, device=z.device)
-        lse_R = logit_rows.row_logsumexp(z, None, self.config.temperature, row_sum_R=sums_R)
+            sums_R = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        lse_R = logit_rows.row_logsumexp(logits, None, self.config.temperature, row_sum_R=sums_R)
         if checks is not None:
             checks.finite(name, logits, total=sums_R.sum())
         return lse_R

@@ -456,6 +456,25 @@ def test_kernel_backend_matches_reference_values_and_gradients(mode, interpret, 
         )
 
 
+def test_kernel_gold_takes_logits_whose_vocab_dim_is_strided(monkeypatch):
+    # [B, T, V] views of [B, V, T] storage: the engine copies them once, and the gradient
+    # reaches the strided leaf as the reference's does
+    device = _kernel_device(monkeypatch)
+    zs, zt = make_logits(17)
+    zs_st = zs.detach().float().transpose(1, 2).contiguous().transpose(1, 2).to(device)
+    zt_st = zt.float().transpose(1, 2).contiguous().transpose(1, 2).to(device)
+    assert zs_st.stride(-1) != 1 and zt_st.stride(-1) != 1
+    batch = _on(device, make_batch(17))
+    got = {}
+    for backend in ("reference", "kernel"):
+        leaf = zs_st.clone().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        loss, _ = run_api(leaf, zt_st, batch, mode="gold", backend=backend)
+        loss.backward()
+        got[backend] = (loss.detach(), leaf.grad)
+    torch.testing.assert_close(got["kernel"][0], got["reference"][0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["kernel"][1], got["reference"][1], rtol=1e-4, atol=1e-7)
+
+
 def test_bf16_logits_are_computed_in_fp32_close_to_the_fp64_result():
     zs, zt = make_logits(16)
     batch = make_batch(16)
