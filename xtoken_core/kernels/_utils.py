@@ -35,6 +35,7 @@ __all__ = [
     "interpret_mode",
     "lazy_jit",
     "next_power_of_2",
+    "read_later",
     "tl",
     "transpose_into",
     "triton",
@@ -89,6 +90,28 @@ def next_power_of_2(n: int) -> int:
         The power of two.
     """
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def read_later(x: torch.Tensor) -> Callable[[], list]:
+    """Queue the copy of a small tensor to the host; the returned function waits for that copy
+    alone and gives its values (``tolist``).
+
+    On CUDA the copy goes to pinned memory behind an event, so work queued after this call
+    keeps the GPU busy while the host waits; elsewhere the values are read at once.
+    """
+    if not x.is_cuda:
+        values = x.tolist()
+        return lambda: values
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+
+    def wait() -> list:
+        event.synchronize()
+        return host.tolist()
+
+    return wait
 
 
 class LazyJit:

@@ -32,7 +32,7 @@ from .topm_l1 import topm_l1_signs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GoldStudent", "gold_backward", "gold_common"]
+__all__ = ["CommonKL", "GoldStudent", "gold_backward", "gold_common"]
 
 
 if tl is not None:
@@ -143,6 +143,7 @@ if tl is not None:
         t_stride_t,
         g_stride,
         inv_temp,
+        first_block,
         REVERSE: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
@@ -150,8 +151,9 @@ if tl is not None:
         #   s[c] = mean_{r in n, student} (zs[r, cs[c]] / T - lse_s[r]),  u[c] likewise (teacher),
         # the KL summand and the chunk gradient g[c] (stored: the backward's common block).
         # Partials per (n, block): KL, sum g, max s and its first column, max u and its first.
+        # (A launch covers the column blocks from first_block on.)
         n = tl.program_id(0).to(tl.int64)
-        cb = tl.program_id(1)
+        cb = tl.program_id(1) + first_block
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < Mc
         col_s = tl.load(cs_ptr + c, mask=cm, other=0).to(tl.int64)
@@ -238,51 +240,65 @@ def gold_common(
         ``(g_NC, stats_N3)``: [N, Mc] fp32 chunk gradient ``g``; [N, 3] fp32 per chunk: the
         KL, ``sum_c g``, and 1.0 where the argmaxes of ``s`` and ``u`` agree.
     """
-    N = s_rows.offsets_N1.numel() - 1
-    Mc = common_student_C.numel()
-    device = zs_BTV.device
-    g_NC = torch.empty((N, Mc), device=device, dtype=torch.float32)
-    if N == 0 or Mc == 0:
-        return g_NC, torch.zeros((N, 3), device=device, dtype=torch.float32)
-    block = block_for("gcom_block_c", Mc, 16)
-    n_blocks = cdiv(Mc, block)
-    part_NB6 = torch.empty((N, n_blocks, 6), device=device, dtype=torch.float32)
-    _gold_common_kernel[(N, n_blocks)](
-        zs_BTV,
-        lse_s_R,
-        s_rows.order_R,
-        s_rows.offsets_N1,
-        common_student_C,
-        zt_BUW,
-        lse_t_R,
-        t_rows.order_R,
-        t_rows.offsets_N1,
-        common_teacher_C,
-        g_NC,
-        part_NB6,
-        zs_BTV.shape[1],
-        zt_BUW.shape[1],
-        Mc,
-        n_blocks,
-        zs_BTV.stride(0),
-        zs_BTV.stride(1),
-        zt_BUW.stride(0),
-        zt_BUW.stride(1),
-        g_NC.stride(0),
-        1.0 / temperature,
-        REVERSE=bool(reverse_kl),
-        BLOCK_C=block,
-        num_warps=KERNEL_CONFIG["gcom_warps"],
-    )
-    kl_N, gsum_N = part_NB6[..., 0].sum(1), part_NB6[..., 1].sum(1)
-    # the first column of the row max: the smallest block-first column among the block maxes
-    # (column ids < 2**24 are exact in fp32)
-    arg = []
-    for v, i in ((2, 3), (4, 5)):
-        best = part_NB6[..., v].amax(1, keepdim=True)
-        arg.append(torch.where(part_NB6[..., v] == best, part_NB6[..., i], Mc).amin(1))
-    stats_N3 = torch.stack([kl_N, gsum_N, (arg[0] == arg[1]).float()], 1)
-    return g_NC, stats_N3
+    common = CommonKL(
+        zs_BTV, lse_s_R, s_rows, common_student_C, zt_BUW, lse_t_R, t_rows, common_teacher_C,
+        temperature, reverse_kl,
+    )  # fmt: skip
+    return common.result()
+
+
+class CommonKL:
+    """:func:`gold_common` launched in slices of column blocks, so that slices can fill the GPU
+    while the host waits for other work (:meth:`launch`); :meth:`result` launches the rest and
+    reduces. Arguments: those of :func:`gold_common`."""
+
+    def __init__(
+        self, zs_BTV, lse_s_R, s_rows, common_student_C, zt_BUW, lse_t_R, t_rows,
+        common_teacher_C, temperature, reverse_kl,
+    ) -> None:  # fmt: skip
+        N = s_rows.offsets_N1.numel() - 1
+        Mc = common_student_C.numel()
+        device = zs_BTV.device
+        self.g_NC = torch.empty((N, Mc), device=device, dtype=torch.float32)
+        block = block_for("gcom_block_c", Mc, 16)
+        self.n_blocks = cdiv(Mc, block) if N and Mc else 0
+        self.part_NB6 = torch.empty((N, self.n_blocks, 6), device=device, dtype=torch.float32)
+        self.launched = 0
+        self._args = (
+            zs_BTV, lse_s_R, s_rows.order_R, s_rows.offsets_N1, common_student_C, zt_BUW,
+            lse_t_R, t_rows.order_R, t_rows.offsets_N1, common_teacher_C, self.g_NC,
+            self.part_NB6, zs_BTV.shape[1], zt_BUW.shape[1], Mc, self.n_blocks, zs_BTV.stride(0),
+            zs_BTV.stride(1), zt_BUW.stride(0), zt_BUW.stride(1), self.g_NC.stride(0),
+            1.0 / temperature,
+        )  # fmt: skip
+        self._meta = dict(
+            REVERSE=bool(reverse_kl), BLOCK_C=block, num_warps=KERNEL_CONFIG["gcom_warps"]
+        )
+
+    def launch(self, blocks: int | None = None) -> None:
+        """Queue the next ``blocks`` column blocks of every chunk (None: all the rest)."""
+        N = self.g_NC.shape[0]
+        count = self.n_blocks - self.launched
+        count = count if blocks is None else min(blocks, count)
+        if count > 0:
+            _gold_common_kernel[(N, count)](*self._args, self.launched, **self._meta)
+            self.launched += count
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g_NC, stats_N3)`` of :func:`gold_common`, after launching the blocks left."""
+        self.launch()
+        N, Mc = self.g_NC.shape
+        part_NB6 = self.part_NB6
+        if self.n_blocks == 0:
+            return self.g_NC, torch.zeros((N, 3), device=part_NB6.device, dtype=torch.float32)
+        sums_N2 = part_NB6[..., :2].sum(1)  # KL, sum g
+        # the first column of each side's row max: the smallest block-first column among the
+        # block maxes (column ids < 2**24 are exact in fp32)
+        max_NB2, first_NB2 = part_NB6[..., 2::2], part_NB6[..., 3::2]
+        best_N12 = max_NB2.amax(1, keepdim=True)
+        arg_N2 = torch.where(max_NB2 == best_N12, first_NB2, Mc).amin(1)
+        agree_N1 = (arg_N2[:, :1] == arg_N2[:, 1:]).float()
+        return self.g_NC, torch.cat([sums_N2, agree_N1], 1)
 
 
 def gold_backward(
@@ -405,18 +421,24 @@ class GoldStudent(torch.autograd.Function):
         uncommon = None
         l1_sum = torch.zeros((), dtype=torch.float32, device=device)
         gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
+        common = CommonKL(
+            z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
+            temperature, reverse_kl,
+        )  # fmt: skip
         if m > 0 and N > 0:
             s_unc_NU = chunk_mean_columns(
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us, hist_NK=hist_2NK[0]
             )
-            # the signs of d|e^s_(j) - u_(j)| / ds, kept as tables the backward reads
-            signs = topm_l1_signs(s_unc_NU, teacher_unc_NX, m, hist_2NK=hist_2NK)
+            # the signs of d|e^s_(j) - u_(j)| / ds, kept as tables the backward reads; a quarter
+            # of the common KL's blocks fills the GPU at each of the top-m's two host waits
+            quarter = cdiv(common.n_blocks, 4)
+            signs = topm_l1_signs(
+                s_unc_NU, teacher_unc_NX, m, hist_2NK=hist_2NK,
+                before_wait=lambda: common.launch(quarter),
+            )  # fmt: skip
             uncommon = (s_unc_NU, signs.state_NA)
             l1_sum, gsum_top_N = signs.l1_N.sum(), signs.gsum_N
-        g_common_NC, stats_N3 = gold_common(
-            z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
-            temperature, reverse_kl,
-        )  # fmt: skip
+        g_common_NC, stats_N3 = common.result()
         kl_sum, gsum_common_N, correct = stats_N3.sum(0)[0], stats_N3[:, 1], stats_N3[:, 2].sum()
         # Where each vocab id's chunk gradient lives (the code of gold_backward).
         cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)

@@ -40,7 +40,8 @@ member, ``+e^a``, ``-e^a``), which :func:`topm_gradient` or the gold loss's back
 into it. A row the grids cannot do (a top-m set reaching below the coarse range, NaN, an open
 coarse bin of more than B / 2 elements, more open elements than ``max_open_row``) goes to the
 reference. The host waits for the device twice: for the rows to refer and the open bins'
-number, and for the lists' length.
+number, and for the lists' length (:func:`topm_l1_signs` ``before_wait`` queues other work
+before each, for the GPU to run while the host waits).
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
 F fine bins, P most open bins in a row, Q open bins in all, L listed elements in all.
@@ -48,11 +49,21 @@ F fine bins, P most open bins in a row, Q open bins in all, L listed elements in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from ._utils import MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_power_of_2, tl, use_triton
+from ._utils import (
+    MAX_COMBINE,
+    SUM_COMBINE,
+    cdiv,
+    lazy_jit,
+    next_power_of_2,
+    read_later,
+    tl,
+    use_triton,
+)
 
 __all__ = [
     "TopmSigns",
@@ -601,9 +612,14 @@ def topm_l1_signs(
     *,
     max_open_row: int = MAX_OPEN_ROW,
     hist_2NK: torch.Tensor | None = None,
+    before_wait: Callable[[], None] | None = None,
 ) -> TopmSigns:
     """The sorted top-m L1 of ``e^a`` against ``e^b`` per row and the state of each student
     element's gradient, from counts; see the module docstring. ``a`` and ``b`` are only read.
+
+    The host waits for the device twice (see the module docstring); ``before_wait`` is called
+    before each wait to queue work the top-m does not need, which the GPU then runs while the
+    host waits.
 
     Rows the counts cannot do go to :func:`topm_l1_reference` (so does everything without
     Triton).
@@ -617,6 +633,7 @@ def topm_l1_signs(
         hist_2NK: [2, N, 256] int32 coarse histograms of ``a`` and ``b`` when the caller made
             them with the rows (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`
             ``hist_NK=``); None: counted here (one more pass over both rows).
+        before_wait: called (no arguments) before each of the two host waits, or None.
 
     Returns:
         :class:`TopmSigns`.
@@ -634,14 +651,17 @@ def topm_l1_signs(
         )
     if N == 0 or not use_triton(a_NA) or max(A, B) >= 1 << _COL_BITS:
         return _reference_signs(a_NA, b_NB, m)
-    device = a_NA.device
     list_cap = B // 2  # the most elements an open coarse bin may hold
     plan = _coarse_plan(a_NA, b_NB, m, list_cap, hist_2NK)
     ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_open_row)
     bins_N = plan.info_N4[:, 0].long() * ok_N
     qend_N = bins_N.cumsum(0)
-    # wait for the device: open bins (most in a row, all), rows not ok
-    max_bins, n_bins, n_bad = torch.stack([bins_N.max(), qend_N[-1], N - ok_N.sum()]).tolist()
+    # open bins (most in a row, all), rows not ok
+    sizes = read_later(torch.stack([bins_N.max(), qend_N[-1], N - ok_N.sum()]))
+    if before_wait is not None:
+        before_wait()
+    max_bins, n_bins, n_bad = sizes()  # wait for the device
+    device = a_NA.device
     if n_bad == N:
         return _reference_signs(a_NA, b_NB, m)
     qbase_N = torch.where(ok_N, qend_N - bins_N, -1)  # -1: the reference's row
@@ -665,17 +685,20 @@ def topm_l1_signs(
         nlist_Q, N, m,
     )  # fmt: skip
     lend_Q = nlist_Q.cumsum(0)
-    list_size = int(lend_Q[-1])  # wait for the device: the lists' length
-    list_val_L = torch.empty(max(list_size, 1), dtype=torch.float32, device=device)
-    list_key_L = torch.empty(max(list_size, 1), **i32)
     lbase_Q = lend_Q - nlist_Q
     part2_2NC = torch.empty((2, N, nchunks), dtype=torch.float64, device=device)
+    res_NP2 = torch.empty((N, P, 2), dtype=torch.float64, device=device)
+    list_sizes = read_later(lend_Q[-1:])
+    if before_wait is not None:
+        before_wait()
+    (list_size,) = list_sizes()  # wait for the device: the lists' length
+    list_val_L = torch.empty(max(list_size, 1), dtype=torch.float32, device=device)
+    list_key_L = torch.empty(max(list_size, 1), **i32)
     _mark_kernel[(N, 2, nchunks)](
         a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fcode_QF,
         foffs_QF, lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N,
         chunk, nchunks, **bins, COL_BITS=_COL_BITS, BLOCK=block, num_warps=PASS_TILES["warps"],
     )  # fmt: skip
-    res_NP2 = torch.empty((N, P, 2), dtype=torch.float64, device=device)
     _resolve_kernel[(N, P)](
         fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, lbase_Q,
         list_val_L, list_key_L, state_NA, state_NA.stride(0), res_NP2, N, P, m,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from xtoken_core.kernels._utils import read_later
 
 __all__ = ["DeferredChecks"]
 
@@ -21,7 +24,7 @@ class DeferredChecks:
 
     def __init__(self) -> None:
         self._items: list[tuple[str, str, Any, torch.Tensor]] = []
-        self._pending: list[tuple[list[int], torch.Tensor, Any]] = []
+        self._pending: list[tuple[list[int], Callable[[], list]]] = []
 
     def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
         self._items.append((kind, name, extra, piece.reshape(-1)))
@@ -75,8 +78,9 @@ class DeferredChecks:
     def start(self) -> None:
         """Queue the readback of every piece (one copy per device, no host wait on CUDA).
 
-        The copies go to pinned host memory behind an event, so the host can keep launching
-        work that does not depend on the checks; :meth:`finish` waits for them.
+        The copies go to pinned host memory behind an event
+        (:func:`~xtoken_core.kernels._utils.read_later`), so the host can keep launching work
+        that does not depend on the checks; :meth:`finish` waits for them.
         """
         by_device: dict[torch.device, list[int]] = {}
         for i, item in enumerate(self._items):
@@ -86,14 +90,7 @@ class DeferredChecks:
             # cat promotes every piece to the first one's float64 (exact for ids and counts)
             pieces = [self._items[i][3] for i in slots]
             flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]])
-            event = None
-            if flat.is_cuda:
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                flat = host
-            self._pending.append((slots, flat, event))
+            self._pending.append((slots, read_later(flat)))
 
     def run(self) -> list[list[float]]:
         """Read every queued piece (one sync per device) and raise the first failed check.
@@ -119,10 +116,8 @@ class DeferredChecks:
                 a global valid-chunk count that is not finite or below the local count.
         """
         values: list[list[float]] = [[] for _ in self._items]
-        for slots, flat, event in self._pending:
-            if event is not None:
-                event.synchronize()
-            flat = flat.tolist()
+        for slots, read in self._pending:
+            flat = read()
             at = 0
             for i in slots:
                 n = self._items[i][3].numel()

@@ -2,10 +2,11 @@
 launched eagerly.
 
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
-launches, no host sync). P-KL then needs no host value before its kernels are queued, so the
-input checks are read back after them (the kernels index only with clamped ids); gold reads
-them first (it needs the valid-chunk count N on the host), after the row logsumexps of every
-logits tensor, whose row sums are the finite checks.
+launches, no host sync). P-KL then needs no host value before its kernels are queued;
+gold needs the valid-chunk count N on the host, read back behind the plans while the GPU makes the
+row logsumexps of every logits tensor (whose row sums are the finite checks). The input checks
+are read back after every kernel is queued (the kernels index only with clamped ids) and raise
+before the result is returned.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab.
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from xtoken_core.kernels import logit_rows
+from xtoken_core.kernels._utils import read_later
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
@@ -70,37 +72,40 @@ class KernelEngine:
         cfg = self.config
         V = student_logits_BTV.shape[-1]
         device = student_logits_BTV.device
-        # Gold: the row logsumexps are made first, over every row, and their row sums are the
-        # finite checks (one read of each logits tensor for both).
-        # (made last-dim contiguous once here: the row kernels and gold's kernels read the same)
-        lse_s_R = lse_t = None
+        # Gold: the row logsumexps of every row, whose row sums are the finite checks (one read
+        # of each logits tensor for both); made last-dim contiguous once here, as the row
+        # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N: its
+        # readback is queued behind the plans, and the host waits for it while the GPU makes
+        # the teachers' row logsumexps.
+        lse_s_R, lse_t, counts = None, [], None
         teacher_logits = [t.logits_BUW for t in teachers]
         if cfg.gold_loss:
             student_logits_BTV = fused.last_dim_contiguous(student_logits_BTV)
             teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
-            lse_s_R, lse_t = self._row_lse("student_logits", student_logits_BTV, checks), []
+            lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
         elif checks is not None:
             checks.finite("student_logits", student_logits_BTV)
-        plans, slots = [], []
-        for t, zt in zip(teachers, teacher_logits, strict=True):
-            if cfg.gold_loss:
-                lse_t.append(self._row_lse(t.name, zt, checks))
-            elif checks is not None:
+            for t in teachers:
                 checks.finite(t.name, t.logits_BUW)
-            plan = self._plan(t, sample_mask_B, device, checks)
-            plans.append(plan)
-            slots.append(None if checks is None else checks.value(plan.stats_5[4:5]))
-        if checks is not None and chunk_denoms is not None:
-            for t, plan in zip(teachers, plans, strict=True):
-                name = _denominator_name(t, len(teachers))
-                checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
-        values = None
+        plans = [self._plan(t, sample_mask_B, device) for t in teachers]
+        if cfg.gold_loss:
+            counts = read_later(torch.cat([plan.stats_5[4:5] for plan in plans]))
+            lse_t = [self._row_lse(t.name, z, checks) for t, z in zip(teachers, teacher_logits)]
         if checks is not None:
+            for t, plan in zip(teachers, plans, strict=True):
+                C = t.alignment.max_chunks
+                checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
+                checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
+            if chunk_denoms is not None:
+                for t, plan in zip(teachers, plans, strict=True):
+                    name = _denominator_name(t, len(teachers))
+                    checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
+            # read back after the kernels: they index only with clamped ids, and a failed
+            # check raises before the caller reads the result
             checks.start()
-            if cfg.gold_loss:  # gold needs N on the host: read the checks now
-                values = checks.finish()
+        num_valid = None if counts is None else counts()
         terms = []
-        for i, (t, plan, slot) in enumerate(zip(teachers, plans, slots, strict=True)):
+        for i, (t, plan) in enumerate(zip(teachers, plans, strict=True)):
             common = (
                 student_logits_BTV,
                 teacher_logits[i],
@@ -108,7 +113,6 @@ class KernelEngine:
                 plan.teacher_chunk_id_BU,
                 plan.valid_BC,
             )
-            num_valid = None if values is None else int(values[slot][0])
             W = t.vocab_size
             if cfg.gold_loss:
                 exact = t.projection.exact_map(W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V)
@@ -119,7 +123,7 @@ class KernelEngine:
                         temperature=cfg.temperature,
                         uncommon_topk=cfg.uncommon_topk,
                         reverse_kl=cfg.reverse_kl,
-                        num_valid=num_valid,
+                        num_valid=int(num_valid[i]),
                         plan=plan,
                         row_lse=(lse_s_R, lse_t[i]),
                     )
@@ -139,7 +143,7 @@ class KernelEngine:
                 )
         dtype = reference.compute_dtype(student_logits_BTV)
         result = sum_teacher_terms(terms, teachers, chunk_denoms, self.scales, dtype, device)
-        if checks is not None and values is None:
+        if checks is not None:
             checks.finish()  # raises on bad input before the caller reads the result
         return result
 
@@ -158,11 +162,11 @@ class KernelEngine:
             checks.finite(name, logits, total=sums_R.sum())
         return lse_R
 
-    def _plan(self, teacher: TeacherInputs, sample_mask_B, device, checks):
+    def _plan(self, teacher: TeacherInputs, sample_mask_B, device):
         """Shifted ids, validity, N and both sides' rows of one teacher
-        (:func:`fused.plan_chunks`); the id-range checks are queued from its device stats."""
+        (:func:`fused.plan_chunks`); its device stats hold the id ranges the checks read."""
         alignment = teacher.alignment
-        plan = fused.plan_chunks(
+        return fused.plan_chunks(
             alignment.student_chunk_id,
             alignment.teacher_chunk_id,
             alignment.pair_valid,
@@ -171,8 +175,3 @@ class KernelEngine:
             exact_token_match_only=self.config.exact_token_match_only,
             device=device,
         )
-        if checks is not None:
-            C = alignment.max_chunks
-            checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
-            checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
-        return plan

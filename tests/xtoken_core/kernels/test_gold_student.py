@@ -90,3 +90,28 @@ def test_gold_common_matches_the_chunk_mean_kl_over_several_column_blocks(monkey
     torch.testing.assert_close(stats[:, 1].double(), g_ref.sum(-1), rtol=1e-5, atol=1e-6)
     agree = (s.argmax(-1) == u.argmax(-1)).double()
     assert torch.equal(stats[:, 2].double(), agree)
+
+
+@pytest.mark.parametrize("slices", [[1], [2, 1], [None]], ids=["1+rest", "2+1", "all-at-once"])
+def test_common_kl_launched_in_slices_matches_one_launch(monkeypatch, slices):
+    # the top-m fills its host waits with slices of the common KL's column blocks
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(kf.KERNEL_CONFIG, "gcom_block_c", 16)  # 45 common columns: 3 blocks
+    B, T, V, N, temp = 2, 9, 61, 5, 1.3
+    zs = kd_logits(B, T, V, torch.float32, seed=31)
+    zt = kd_logits(B, T, V, torch.float32, seed=32)
+    nidx, order, off = kd_rows(B, T, N, seed=33)
+    rows = SimpleNamespace(order_R=order, offsets_N1=off)
+    gen = torch.Generator().manual_seed(34)
+    cs = torch.randperm(V, generator=gen)[:45].to(DEVICE)
+    ct = torch.randperm(V, generator=gen)[:45].to(DEVICE)
+    lse_s, lse_t = kf.row_logsumexp(zs, nidx, temp), kf.row_logsumexp(zt, nidx, temp)
+    args = (zs, lse_s, rows, cs, zt, lse_t, rows, ct, temp, False)
+    g_ref, stats_ref = gold_student.gold_common(*args)
+    common = gold_student.CommonKL(*args)
+    for blocks in slices:
+        common.launch(blocks)
+    g, stats = common.result()
+    assert common.launched == common.n_blocks == 3
+    assert torch.equal(g, g_ref) and torch.equal(stats, stats_ref)

@@ -60,3 +60,24 @@ def test_unspecialized_arguments_name_parameters_of_their_kernel():
             assert not unknown, f"{name} {key} names no parameter: {sorted(unknown)}"
             checked += bool(kernel.jit_kwargs.get(key))
     assert checked >= 19  # the loss kernels declare their batch-dependent arguments
+
+
+def test_read_later_gives_the_values_the_tensor_had_when_queued():
+    x = torch.arange(5, device=DEVICE)
+    read = _utils.read_later(x * 2)
+    x.add_(100)  # work queued after the read does not change what it gives
+    assert read() == [0, 2, 4, 6, 8]
+    assert read() == [0, 2, 4, 6, 8]  # may be asked again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_later_waits_only_for_the_work_queued_before_it():
+    x = torch.full((3,), 7, device="cuda")
+    read = _utils.read_later(x)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued after the copy
+    done = torch.cuda.Event()
+    done.record()
+    assert read() == [7, 7, 7]
+    assert not done.query()  # the host got the values while the later work was still running
+    torch.cuda.synchronize()
