@@ -421,11 +421,19 @@ class GoldStudent(torch.autograd.Function):
         uncommon = None
         l1_sum = torch.zeros((), dtype=torch.float32, device=device)
         gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
+        # Where each vocab id's chunk gradient lives (the code of gold_backward); made before
+        # the top-m's host waits, while the GPU is busy.
+        has_uncommon = m > 0 and N > 0
+        cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
+        cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
+        if has_uncommon:
+            cpos_V[us] = -2 - torch.arange(us.numel(), dtype=torch.int32, device=device)
+        coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         common = CommonKL(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
             temperature, reverse_kl,
         )  # fmt: skip
-        if m > 0 and N > 0:
+        if has_uncommon:
             s_unc_NU = chunk_mean_columns(
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us, hist_NK=hist_2NK[0]
             )
@@ -440,12 +448,6 @@ class GoldStudent(torch.autograd.Function):
             l1_sum, gsum_top_N = signs.l1_N.sum(), signs.gsum_N
         g_common_NC, stats_N3 = common.result()
         kl_sum, gsum_common_N, correct = stats_N3.sum(0)[0], stats_N3[:, 1], stats_N3[:, 2].sum()
-        # Where each vocab id's chunk gradient lives (the code of gold_backward).
-        cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
-        cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
-        if uncommon is not None:
-            cpos_V[us] = -2 - torch.arange(us.numel(), dtype=torch.int32, device=device)
-        coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         ctx.save_for_backward(
             z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
             *(() if uncommon is None else uncommon),
