@@ -254,7 +254,12 @@ class Projection:
         return self.topk
 
     def exact_map(
-        self, teacher_vocab_size: int, *, xtoken_loss: bool, student_vocab_size: int | None = None
+        self,
+        teacher_vocab_size: int,
+        *,
+        xtoken_loss: bool,
+        student_vocab_size: int | None = None,
+        index_dtype: torch.dtype = torch.int64,
     ) -> dict[str, torch.Tensor]:
         """The common / uncommon vocab partition of the gold loss (:func:`exact_token_map_from_topk`).
 
@@ -263,17 +268,25 @@ class Projection:
             xtoken_loss: the relaxed rule.
             student_vocab_size: V; student ids past the projection's rows are added to
                 ``uncommon_student``. None: the rows only.
+            index_dtype: int64, or int32 (the kernels' tables: half the bytes per column read).
 
         Returns:
-            The map's int64 tensors on :attr:`device`.
+            The map's tensors of ``index_dtype`` on :attr:`device`.
 
         Raises:
             ValueError: a sparse-layout file or a non-positive ``teacher_vocab_size``.
         """
         _check_teacher_vocab(teacher_vocab_size)
-        key = ("exact", teacher_vocab_size, bool(xtoken_loss), student_vocab_size)
+        key = ("exact", teacher_vocab_size, bool(xtoken_loss), student_vocab_size, index_dtype)
 
         def build() -> dict[str, torch.Tensor]:
+            if index_dtype != torch.int64:
+                exact = self.exact_map(
+                    teacher_vocab_size,
+                    xtoken_loss=xtoken_loss,
+                    student_vocab_size=student_vocab_size,
+                )
+                return {name: ids.to(index_dtype) for name, ids in exact.items()}
             if student_vocab_size is not None and student_vocab_size > self.num_rows:
                 exact = dict(self.exact_map(teacher_vocab_size, xtoken_loss=xtoken_loss))
                 extra = torch.arange(self.num_rows, student_vocab_size, device=self.device)

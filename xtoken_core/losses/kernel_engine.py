@@ -115,7 +115,9 @@ class KernelEngine:
             )
             W = t.vocab_size
             if cfg.gold_loss:
-                exact = t.projection.exact_map(W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V)
+                exact = t.projection.exact_map(
+                    W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V, index_dtype=torch.int32
+                )
                 terms.append(
                     fused.gold_kd_loss(
                         *common,

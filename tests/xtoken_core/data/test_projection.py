@@ -320,6 +320,22 @@ def test_exact_map_is_cached_per_mode_and_teacher_vocab(tmp_path):
         P.build_exact_token_map(path, "cpu", xtoken_loss=False, teacher_vocab_size=0)
 
 
+def test_exact_map_in_int32_holds_the_same_ids_and_is_cached(tmp_path):
+    # the gold kernels read their column tables in int32
+    projection = P.open_projection(_save(tmp_path, EXACT), "cpu")
+    wide = projection.exact_map(6, xtoken_loss=False, student_vocab_size=9)
+    narrow = projection.exact_map(
+        6, xtoken_loss=False, student_vocab_size=9, index_dtype=torch.int32
+    )
+    assert narrow.keys() == wide.keys()
+    for name, ids in narrow.items():
+        assert ids.dtype == torch.int32 and torch.equal(ids.long(), wide[name]), name
+    again = projection.exact_map(
+        6, xtoken_loss=False, student_vocab_size=9, index_dtype=torch.int32
+    )
+    assert again is narrow
+
+
 def test_exact_map_on_a_large_vocab_is_vectorized(tmp_path):
     # 150k rows: a per-row Python loop would take seconds; this guards against regressions in
     # shape handling at full-vocab size rather than timing anything.
