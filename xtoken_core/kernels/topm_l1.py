@@ -651,6 +651,7 @@ def topm_l1_signs(
         )
     if N == 0 or not use_triton(a_NA) or max(A, B) >= 1 << _COL_BITS:
         return _reference_signs(a_NA, b_NB, m)
+    device = a_NA.device
     list_cap = B // 2  # the most elements an open coarse bin may hold
     plan = _coarse_plan(a_NA, b_NB, m, list_cap, hist_2NK)
     ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_open_row)
@@ -661,7 +662,6 @@ def topm_l1_signs(
     if before_wait is not None:
         before_wait()
     max_bins, n_bins, n_bad = sizes()  # wait for the device
-    device = a_NA.device
     if n_bad == N:
         return _reference_signs(a_NA, b_NB, m)
     qbase_N = torch.where(ok_N, qend_N - bins_N, -1)  # -1: the reference's row
