@@ -100,8 +100,8 @@ class KernelEngine:
                 for t, plan in zip(teachers, plans, strict=True):
                     name = _denominator_name(t, len(teachers))
                     checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
-            # read back after the kernels: they index only with clamped ids, and a failed
-            # check raises before the caller reads the result
+            # the readback is queued here and waited for after every kernel is queued (they
+            # index only with clamped ids); a failed check raises before the result is returned
             checks.start()
         num_valid = None if counts is None else counts()
         terms = []
