@@ -67,14 +67,6 @@ class DeferredChecks:
         (``local_1``: this micro-batch's count on the device)."""
         self._add("denominator", name, None, torch.cat([global_1.reshape(1), local_1.reshape(1)]))
 
-    def count(self, mask: torch.Tensor) -> int:
-        """Queue ``mask.sum()``; returns the slot :meth:`run`'s result holds it in."""
-        return self._add("count", "", None, mask.sum())
-
-    def value(self, piece: torch.Tensor) -> int:
-        """Queue a device value computed elsewhere; returns its slot in :meth:`run`'s result."""
-        return self._add("count", "", None, piece)
-
     def start(self) -> None:
         """Queue the readback of every piece (one copy per device, no host wait on CUDA).
 
@@ -96,7 +88,7 @@ class DeferredChecks:
         """Read every queued piece (one sync per device) and raise the first failed check.
 
         Returns:
-            The values of each queued piece, in order (counts as ``[n]``).
+            The values of each queued piece, in order.
 
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
@@ -109,7 +101,7 @@ class DeferredChecks:
         """Wait for the readback of :meth:`start` and raise the first failed check.
 
         Returns:
-            The values of each queued piece, in order (counts as ``[n]``).
+            The values of each queued piece, in order.
 
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,

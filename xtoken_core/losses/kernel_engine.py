@@ -96,8 +96,7 @@ class KernelEngine:
                 C = t.alignment.max_chunks
                 checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
                 checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
-            if chunk_denoms is not None:
-                for t, plan in zip(teachers, plans, strict=True):
+                if chunk_denoms is not None:
                     name = _denominator_name(t, len(teachers))
                     checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
             # the readback is queued here and waited for after every kernel is queued (they
