@@ -155,15 +155,11 @@ if tl is not None:
         else:
             tl.store(lse_R_ptr + r, float("inf"))
 
+    # cols_X stays specialized on alignment: the gold loss's column tables are fixed per run
+    # (the exact map's uncommon ids), and the aligned table saves ~8 % of the student's pass.
     @lazy_jit(
         do_not_specialize=("T",),
-        do_not_specialize_on_alignment=(
-            "lse_R_ptr",
-            "order_ptr",
-            "offsets_N1_ptr",
-            "cols_X_ptr",
-            "hist_ptr",
-        ),
+        do_not_specialize_on_alignment=("lse_R_ptr", "order_ptr", "offsets_N1_ptr", "hist_ptr"),
     )
     def _chunk_cols_kernel(
         z_ptr,
