@@ -26,9 +26,8 @@ class DeferredChecks:
         self._items: list[tuple[str, str, Any, torch.Tensor]] = []
         self._pending: list[tuple[list[int], Callable[[], list]]] = []
 
-    def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> int:
+    def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> None:
         self._items.append((kind, name, extra, piece.reshape(-1)))
-        return len(self._items) - 1
 
     def finite(self, name: str, x: torch.Tensor, total: torch.Tensor | None = None) -> None:
         """Queue the NaN/inf check of ``x``; ``total``: its fp32 sum when a kernel that reads
@@ -84,24 +83,18 @@ class DeferredChecks:
             flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]])
             self._pending.append((slots, read_later(flat)))
 
-    def run(self) -> list[list[float]]:
+    def run(self) -> None:
         """Read every queued piece (one sync per device) and raise the first failed check.
-
-        Returns:
-            The values of each queued piece, in order.
 
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
                 a global valid-chunk count that is not finite or below the local count.
         """
         self.start()
-        return self.finish()
+        self.finish()
 
-    def finish(self) -> list[list[float]]:
+    def finish(self) -> None:
         """Wait for the readback of :meth:`start` and raise the first failed check.
-
-        Returns:
-            The values of each queued piece, in order.
 
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
@@ -145,4 +138,3 @@ class DeferredChecks:
                         f"input_ids hold {bad} at a counted position but the student vocab is "
                         f"{extra}; mask it out with token_mask or fix the tokenizer/model pairing"
                     )
-        return values
