@@ -252,6 +252,10 @@ if tl is not None:
             else:
                 row = b_ptr + n * b_stride
                 M = B
+            # the row's tables as scalar bases; per element int32 offsets
+            cls_row = cls_ptr + n * 256
+            state_row = state_ptr + n * state_stride
+            fhist_row = fhist_ptr + (qbase * 2 + side) * 256
             first = tl.program_id(2) * CHUNK
             for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
                 c = start + tl.arange(0, BLOCK)
@@ -259,7 +263,7 @@ if tl is not None:
                 x = tl.load(row + c, mask=cm, other=0.0)
                 bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
                 k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
-                code = tl.load(cls_ptr + n * 256 + k, mask=cm, other=0)
+                code = tl.load(cls_row + k, mask=cm, other=0)
                 state = (code >> (2 * side)) & 3
                 is_open = ((code & 16) != 0) & cm
                 p = tl.exp(x)
@@ -267,10 +271,10 @@ if tl is not None:
                 total += tl.where(is_open, 0.0, s)
                 if side == 0:
                     st = tl.where(is_open, 0, state).to(tl.int8)
-                    tl.store(state_ptr + n * state_stride + c, st, mask=cm)
-                q = qbase + (code >> 8)
+                    tl.store(state_row + c, st, mask=cm)
                 f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
-                tl.atomic_add(fhist_ptr + (q * 2 + side) * 256 + f, 1, mask=is_open, sem="relaxed")
+                fi = (code >> 8) * 512 + f  # place p's fine bin f, this side
+                tl.atomic_add(fhist_row + fi, 1, mask=is_open, sem="relaxed")
         tl.store(
             part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
         )
@@ -318,7 +322,7 @@ if tl is not None:
             b_state = tl.where(m_b > 0, tl.where(b_plus, 1, 2), 0)
             code = a_state | (b_state << 2) | tl.where(is_open, 16, 0)
             listed = tl.where(is_open, ha + hb, 0)
-            tl.store(fcode_ptr + q * 256 + f, code.to(tl.int8))
+            tl.store(fcode_ptr + q * 256 + f, code.to(tl.uint8))
             tl.store(foffs_ptr + q * 256 + f, tl.associative_scan(listed, 0, SUM_COMBINE) - listed)
             tl.store(nlist_ptr + q, tl.reduce(listed, 0, SUM_COMBINE))
 
@@ -364,6 +368,12 @@ if tl is not None:
             else:
                 row = b_ptr + n * b_stride
                 M = B
+            # the row's tables as scalar bases; per element int32 offsets
+            cls_row = cls_ptr + n * 256
+            state_row = state_ptr + n * state_stride
+            fcode_row = fcode_ptr + qbase * 256
+            foffs_row = foffs_ptr + qbase * 256
+            lbase_row = lbase_ptr + qbase
             first = tl.program_id(2) * CHUNK
             for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
                 c = start + tl.arange(0, BLOCK)
@@ -371,11 +381,11 @@ if tl is not None:
                 x = tl.load(row + c, mask=cm, other=0.0)
                 bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
                 k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
-                code = tl.load(cls_ptr + n * 256 + k, mask=cm, other=0)
+                code = tl.load(cls_row + k, mask=cm, other=0)
                 is_open = ((code & 16) != 0) & cm
-                q = qbase + (code >> 8)
                 f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
-                fcode = tl.load(fcode_ptr + q * 256 + f, mask=is_open, other=0).to(tl.int32)
+                fi = (code >> 8) * 256 + f  # place p's fine bin f
+                fcode = tl.load(fcode_row + fi, mask=is_open, other=0).to(tl.int32)
                 state = (fcode >> (2 * side)) & 3
                 listed = is_open & ((fcode & 16) != 0)
                 p = tl.exp(x)
@@ -383,9 +393,9 @@ if tl is not None:
                 total += tl.where(is_open & ~listed, s, 0.0).to(tl.float64)
                 if side == 0:
                     st = state.to(tl.int8)
-                    tl.store(state_ptr + n * state_stride + c, st, mask=is_open & ~listed)
-                at = tl.load(lbase_ptr + q, mask=listed, other=0)
-                at += tl.atomic_add(foffs_ptr + q * 256 + f, 1, mask=listed, sem="relaxed")
+                    tl.store(state_row + c, st, mask=is_open & ~listed)
+                at = tl.load(lbase_row + (code >> 8), mask=listed, other=0)
+                at += tl.atomic_add(foffs_row + fi, 1, mask=listed, sem="relaxed")
                 tl.store(list_val_ptr + at, x, mask=listed)
                 tl.store(list_key_ptr + at, (side << 28) | (f << COL_BITS) | c, mask=listed)
         tl.store(
@@ -677,7 +687,7 @@ def topm_l1_signs(
         state_NA, state_NA.stride(0), part_2NC, N, chunk, nchunks, **bins, BLOCK=block,
         num_warps=PASS_TILES["warps"],
     )  # fmt: skip
-    fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.int8, device=device)
+    fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.uint8, device=device)
     foffs_QF = torch.empty((Q, FINE_BINS), **i32)
     nlist_Q = torch.zeros(Q, dtype=torch.long, device=device)
     _fine_plan_kernel[(N, P)](

@@ -163,7 +163,8 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
         **dict.fromkeys(["hist_ptr", "top_ptr", "cls_ptr", "loc_ptr", "opens_ptr"], i32),
         **dict.fromkeys(["info_ptr", "pidx_ptr", "fhist_ptr", "foffs_ptr", "list_key_ptr"], i32),
         **dict.fromkeys(["qbase_ptr", "nlist_ptr", "lbase_ptr"], i64),
-        **dict.fromkeys(["fcode_ptr", "state_ptr"], "*i8"),
+        "fcode_ptr": "*u8",
+        "state_ptr": "*i8",
         **dict.fromkeys(["res_ptr", "sums_ptr"], "*fp64"),
     }
     bins = {"BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
