@@ -76,6 +76,17 @@ def device_name(device: str | torch.device = "cuda") -> str:
     return cpu_name()
 
 
+def stack() -> str:
+    """The versions a kernel timing depends on: torch and Triton (the compiler of the kernels)."""
+    try:
+        import triton
+
+        compiler = f"triton {triton.__version__}"
+    except ImportError:
+        compiler = "no triton"
+    return f"torch {torch.__version__}, {compiler}"
+
+
 # --------------------------------------------------------------------------- timing
 
 

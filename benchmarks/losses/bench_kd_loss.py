@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     device_name = _common.device_name(device)
-    commit = _common.commit()
+    commit, stack = _common.commit(), _common.stack()
     # Device-to-device copy rate in bytes/s (bytes read plus written) over 1 GiB.
     copy_bps = _common.copy_bandwidth_gbs(1 << 30) * 1e9 if device.type == "cuda" else None
     rows = []
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                     not args.no_check_inputs,
                     args.min_ms,
                 )
-                row.update(commit=commit, device=device_name)
+                row.update(commit=commit, device=device_name, stack=stack)
                 if copy_bps:
                     row["copy_gbs"] = copy_bps / 1e9
                 rows.append(row)
