@@ -2,7 +2,8 @@
 # Build the xtoken image for the CPU or the GPU profile of docker-compose.yml.
 #
 #   deploy/build_image.sh cpu [TAG]     torch 2.13.0+cpu; default tag xtoken:cpu
-#   deploy/build_image.sh gpu [TAG]     torch 2.13.0 from PyPI (CUDA build); default tag xtoken:gpu
+#   deploy/build_image.sh gpu [TAG]     torch 2.14.1 from PyPI (CUDA build, Triton 3.8: see
+#                                       deploy/Dockerfile); default tag xtoken:gpu
 #
 # Env: XTOKEN_BASE_IMAGE (FROM; default python:3.11-slim, or the debootstrap image of
 # deploy/build_base_image.sh where no registry is reachable), XTOKEN_EXTRAS (optional dependency
@@ -15,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KIND=${1:?usage: deploy/build_image.sh cpu|gpu [TAG]}
 TAG=${2:-xtoken:$KIND}
-TORCH_VERSION=2.13.0
+case "$KIND" in gpu) TORCH_VERSION=2.14.1 ;; *) TORCH_VERSION=2.13.0 ;; esac
 PIP=${PIP:-$( [ -x .venv/bin/pip ] && echo .venv/bin/pip || echo "python3 -m pip" )}
 case "$KIND" in
   cpu) TORCH_SPEC="torch==$TORCH_VERSION+cpu"; TORCH_INDEX=https://download.pytorch.org/whl/cpu
