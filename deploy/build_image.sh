@@ -16,13 +16,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KIND=${1:?usage: deploy/build_image.sh cpu|gpu [TAG]}
 TAG=${2:-xtoken:$KIND}
-case "$KIND" in gpu) TORCH_VERSION=2.14.1 ;; *) TORCH_VERSION=2.13.0 ;; esac
 PIP=${PIP:-$( [ -x .venv/bin/pip ] && echo .venv/bin/pip || echo "python3 -m pip" )}
 case "$KIND" in
-  cpu) TORCH_SPEC="torch==$TORCH_VERSION+cpu"; TORCH_INDEX=https://download.pytorch.org/whl/cpu
-       RUNTIME_APT= ;;
-  # Triton (a dependency of the CUDA build) compiles its launcher with a C compiler at run time
-  gpu) TORCH_SPEC="torch==$TORCH_VERSION"; TORCH_INDEX=; RUNTIME_APT="gcc libc6-dev" ;;
+  cpu) TORCH_VERSION=2.13.0; TORCH_SPEC="torch==$TORCH_VERSION+cpu"
+       TORCH_INDEX=https://download.pytorch.org/whl/cpu; RUNTIME_APT= ;;
+  # Triton (a dependency of the CUDA build: 3.8 with torch 2.14.1) compiles its launcher with a
+  # C compiler at run time
+  gpu) TORCH_VERSION=2.14.1; TORCH_SPEC="torch==$TORCH_VERSION"; TORCH_INDEX=
+       RUNTIME_APT="gcc libc6-dev" ;;
   *) echo "[deploy] unknown kind '$KIND': use cpu or gpu" >&2; exit 2 ;;
 esac
 X=deploy/build-extras
