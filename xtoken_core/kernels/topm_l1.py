@@ -28,10 +28,11 @@ usual case), every element of the bin takes its sign from the counts above it; s
    (an open bin's code also holds its place among the row's open bins).
 3. :func:`_count_kernel`, a pass over both rows: the elements of decided bins add their signed
    probability (the student's write their state); those of open bins count in the open bin's
-   fine histogram (256 bins, the coarse bin's span of bits split evenly).
+   fine histogram (256 bins, the coarse bin's span of bits split evenly) and are copied out to
+   the row's records (value, side and column; the plan knows how many).
 4. :func:`_fine_plan_kernel`, per row and open bin: the fine bins classed alike.
-5. :func:`_mark_kernel`, a second pass: the elements of decided fine bins add their sign (and
-   state); the few in open fine bins go to the bin's list, ordered by fine bin.
+5. :func:`_mark_kernel`, over the records only: the elements of decided fine bins add their
+   sign (and state); the few in open fine bins go to the bin's list, ordered by fine bin.
 6. :func:`_resolve_kernel`, per row and open bin: each listed element by pairwise counts within
    its fine bin (rank and the other side's count above).
 
@@ -39,12 +40,13 @@ The gradient is not written: :func:`topm_l1_signs` returns the student's states 
 member, ``+e^a``, ``-e^a``), which :func:`topm_gradient` or the gold loss's backward kernel turn
 into it. A row the grids cannot do (a top-m set reaching below the coarse range, NaN, an open
 coarse bin of more than B / 2 elements, more open elements than ``max_open_row``) goes to the
-reference. The host waits for the device twice: for the rows to refer and the open bins'
-number, and for the lists' length (:func:`topm_l1_signs` ``before_wait`` queues other work
-before each, for the GPU to run while the host waits).
+reference. The host waits for the device twice: for the rows to refer and the numbers of open
+bins and open elements, and for the lists' length (:func:`topm_l1_signs` ``before_wait``
+queues other work before each, for the GPU to run while the host waits).
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
-F fine bins, P most open bins in a row, Q open bins in all, L listed elements in all.
+F fine bins, P most open bins in a row, Q open bins in all, O open elements in all (the
+records), L listed elements in all.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 32}
 #: The full-row passes (:func:`_count_kernel`, :func:`_mark_kernel`): columns per step, columns
 #: per program (a multiple of the step), warps.
 PASS_TILES = {"block": 512, "columns": 16384, "warps": 4}
+#: :func:`_mark_kernel`: records per step, records per program (a multiple of the step), warps.
+MARK_TILES = {"block": 512, "records": 4096, "warps": 4}
 #: Columns are packed with their side and fine bin in one int32.
 _COL_BITS = 20
 # The kernels' class code of a (row, bin): bits 0-1 the student's members, bits 2-3 the
@@ -228,6 +232,11 @@ if tl is not None:
         state_ptr,
         state_stride,
         part_ptr,
+        obase_ptr,
+        ocap_ptr,
+        ofill_ptr,
+        rec_val_ptr,
+        rec_key_ptr,
         N,
         CHUNK,
         NCHUNKS,
@@ -240,7 +249,10 @@ if tl is not None:
         # reference's. An element of a decided coarse bin adds its signed probability (a's also
         # write their state: 0 not a member, 1 sign +, 2 sign -); one of an open bin k counts in
         # the fine histogram of that bin (q = qbase + p, p in bits 8 and up of its code):
-        #   f = clamp((bits - lo_k) >> FSHIFT, 0, 255),  lo_k = (k + BASE) << SHIFT.
+        #   f = clamp((bits - lo_k) >> FSHIFT, 0, 255),  lo_k = (k + BASE) << SHIFT,
+        # and is copied out to the row's records (obase[n] on, ocap[n] of them: the plan's
+        # count of open elements; a step takes its places from the row's fill counter) as value
+        # and key side << 28 | column.
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
         qbase = tl.load(qbase_ptr + n)
@@ -256,6 +268,8 @@ if tl is not None:
             cls_row = cls_ptr + n * 256
             state_row = state_ptr + n * state_stride
             fhist_row = fhist_ptr + (qbase * 2 + side) * 256
+            obase = tl.load(obase_ptr + n)
+            ocap = tl.load(ocap_ptr + n)
             first = tl.program_id(2) * CHUNK
             for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
                 c = start + tl.arange(0, BLOCK)
@@ -275,6 +289,14 @@ if tl is not None:
                 f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
                 fi = (code >> 8) * 512 + f  # place p's fine bin f, this side
                 tl.atomic_add(fhist_row + fi, 1, mask=is_open, sem="relaxed")
+                one = is_open.to(tl.int32)
+                n_open = tl.reduce(one, 0, SUM_COMBINE)
+                if n_open > 0:
+                    at = tl.atomic_add(ofill_ptr + n, n_open, sem="relaxed")
+                    at += tl.associative_scan(one, 0, SUM_COMBINE) - one
+                    kept = is_open & (at < ocap)  # (the plan's count: never more)
+                    tl.store(rec_val_ptr + obase + at, x, mask=kept)
+                    tl.store(rec_key_ptr + obase + at, (side << 28) | c, mask=kept)
         tl.store(
             part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
         )
@@ -328,12 +350,11 @@ if tl is not None:
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _mark_kernel(
-        a_ptr,
-        b_ptr,
-        A,
-        B,
-        a_stride,
-        b_stride,
+        rec_val_ptr,
+        rec_key_ptr,
+        obase_ptr,
+        ocap_ptr,
+        ofill_ptr,
         cls_ptr,
         qbase_ptr,
         fcode_ptr,
@@ -345,62 +366,60 @@ if tl is not None:
         state_stride,
         sums_ptr,
         N,
-        CHUNK,
-        NCHUNKS,
+        RECORDS,
+        NPROGS,
         BASE: tl.constexpr,
         SHIFT: tl.constexpr,
         FSHIFT: tl.constexpr,
         COL_BITS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (row n, side, chunk of CHUNK columns), the elements of open coarse bins: in a
-        # decided fine bin they add their signed probability (a's write their state); in an
-        # open one they go to their coarse bin's list (from lbase[q]) at the fine bin's next
-        # place (foffs counts up), as value and key side << 28 | f << COL_BITS | column.
+        # Program (row n, block of RECORDS of the row's records: the elements of its open
+        # coarse bins, both sides). In a decided fine bin an element adds its signed
+        # probability (a's write their state); in an open one it goes to its coarse bin's
+        # list (from lbase[q]) at the fine bin's next place (foffs counts up), as value and key
+        # side << 28 | f << COL_BITS | column. Sums per side in fp64.
         n = tl.program_id(0).to(tl.int64)
-        side = tl.program_id(1)
         qbase = tl.load(qbase_ptr + n)
-        total = tl.full((BLOCK,), 0.0, tl.float64)
+        first = tl.program_id(1) * RECORDS
+        total_a = tl.full((BLOCK,), 0.0, tl.float64)
+        total_b = tl.full((BLOCK,), 0.0, tl.float64)
         if qbase >= 0:
-            if side == 0:
-                row = a_ptr + n * a_stride
-                M = A
-            else:
-                row = b_ptr + n * b_stride
-                M = B
-            # the row's tables as scalar bases; per element int32 offsets
+            obase = tl.load(obase_ptr + n)
+            count = tl.minimum(tl.load(ofill_ptr + n), tl.load(ocap_ptr + n))
             cls_row = cls_ptr + n * 256
             state_row = state_ptr + n * state_stride
             fcode_row = fcode_ptr + qbase * 256
             foffs_row = foffs_ptr + qbase * 256
             lbase_row = lbase_ptr + qbase
-            first = tl.program_id(2) * CHUNK
-            for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
-                c = start + tl.arange(0, BLOCK)
-                cm = c < M
-                x = tl.load(row + c, mask=cm, other=0.0)
+            for start in range(first, tl.minimum(first + RECORDS, count), BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                im = i < count
+                x = tl.load(rec_val_ptr + obase + i, mask=im, other=0.0)
+                key = tl.load(rec_key_ptr + obase + i, mask=im, other=0)
+                side = key >> 28
+                c = key & ((1 << COL_BITS) - 1)
                 bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
                 k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
-                code = tl.load(cls_row + k, mask=cm, other=0)
-                is_open = ((code & 16) != 0) & cm
+                code = tl.load(cls_row + k, mask=im, other=0)
                 f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
                 fi = (code >> 8) * 256 + f  # place p's fine bin f
-                fcode = tl.load(fcode_row + fi, mask=is_open, other=0).to(tl.int32)
+                fcode = tl.load(fcode_row + fi, mask=im, other=0).to(tl.int32)
                 state = (fcode >> (2 * side)) & 3
-                listed = is_open & ((fcode & 16) != 0)
+                listed = im & ((fcode & 16) != 0)
                 p = tl.exp(x)
                 s = tl.where(state == 1, p, tl.where(state == 2, -p, 0.0))
-                total += tl.where(is_open & ~listed, s, 0.0).to(tl.float64)
-                if side == 0:
-                    st = state.to(tl.int8)
-                    tl.store(state_row + c, st, mask=is_open & ~listed)
+                s = tl.where(im & ~listed, s, 0.0).to(tl.float64)
+                total_a += tl.where(side == 0, s, 0.0)
+                total_b += tl.where(side == 0, 0.0, s)
+                tl.store(state_row + c, state.to(tl.int8), mask=im & ~listed & (side == 0))
                 at = tl.load(lbase_row + (code >> 8), mask=listed, other=0)
                 at += tl.atomic_add(foffs_row + fi, 1, mask=listed, sem="relaxed")
                 tl.store(list_val_ptr + at, x, mask=listed)
                 tl.store(list_key_ptr + at, (side << 28) | (f << COL_BITS) | c, mask=listed)
-        tl.store(
-            sums_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
-        )
+        col = tl.program_id(1)
+        tl.store(sums_ptr + n * NPROGS + col, tl.reduce(total_a, 0, SUM_COMBINE))
+        tl.store(sums_ptr + (N + n) * NPROGS + col, tl.reduce(total_b, 0, SUM_COMBINE))
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _resolve_kernel(
@@ -667,11 +686,15 @@ def topm_l1_signs(
     ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_open_row)
     bins_N = plan.info_N4[:, 0].long() * ok_N
     qend_N = bins_N.cumsum(0)
-    # open bins (most in a row, all), rows not ok
-    sizes = read_later(torch.stack([bins_N.max(), qend_N[-1], N - ok_N.sum()]))
+    open_N = plan.info_N4[:, 1].long() * ok_N
+    oend_N = open_N.cumsum(0)
+    # open bins (most in a row, all), rows not ok, open elements (most in a row, all)
+    sizes = read_later(
+        torch.stack([bins_N.max(), qend_N[-1], N - ok_N.sum(), open_N.max(), oend_N[-1]])
+    )
     if before_wait is not None:
         before_wait()
-    max_bins, n_bins, n_bad = sizes()  # wait for the device
+    max_bins, n_bins, n_bad, max_open, n_open = sizes()  # wait for the device
     if n_bad == N:
         return _reference_signs(a_NA, b_NB, m)
     qbase_N = torch.where(ok_N, qend_N - bins_N, -1)  # -1: the reference's row
@@ -682,10 +705,16 @@ def topm_l1_signs(
     fhist_Q2F = torch.zeros((Q, 2, FINE_BINS), **i32)
     state_NA = torch.empty((N, A), dtype=torch.int8, device=device)
     part_2NC = torch.empty((2, N, nchunks), dtype=torch.float32, device=device)
+    # the open elements' records, a run per row
+    obase_N = oend_N - open_N
+    ofill_N = torch.zeros(N, **i32)
+    ocap_N = open_N.to(torch.int32)
+    rec_val_O = torch.empty(max(n_open, 1), dtype=torch.float32, device=device)
+    rec_key_O = torch.empty(max(n_open, 1), **i32)
     _count_kernel[(N, 2, nchunks)](
         a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fhist_Q2F,
-        state_NA, state_NA.stride(0), part_2NC, N, chunk, nchunks, **bins, BLOCK=block,
-        num_warps=PASS_TILES["warps"],
+        state_NA, state_NA.stride(0), part_2NC, obase_N, ocap_N, ofill_N, rec_val_O, rec_key_O,
+        N, chunk, nchunks, **bins, BLOCK=block, num_warps=PASS_TILES["warps"],
     )  # fmt: skip
     fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.uint8, device=device)
     foffs_QF = torch.empty((Q, FINE_BINS), **i32)
@@ -696,7 +725,9 @@ def topm_l1_signs(
     )  # fmt: skip
     lend_Q = nlist_Q.cumsum(0)
     lbase_Q = lend_Q - nlist_Q
-    part2_2NC = torch.empty((2, N, nchunks), dtype=torch.float64, device=device)
+    records = MARK_TILES["records"]
+    nprogs = max(cdiv(max_open, records), 1)
+    part2_2NC = torch.empty((2, N, nprogs), dtype=torch.float64, device=device)
     res_NP2 = torch.empty((N, P, 2), dtype=torch.float64, device=device)
     list_sizes = read_later(lend_Q[-1:])
     if before_wait is not None:
@@ -704,10 +735,11 @@ def topm_l1_signs(
     (list_size,) = list_sizes()  # wait for the device: the lists' length
     list_val_L = torch.empty(max(list_size, 1), dtype=torch.float32, device=device)
     list_key_L = torch.empty(max(list_size, 1), **i32)
-    _mark_kernel[(N, 2, nchunks)](
-        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fcode_QF,
-        foffs_QF, lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N,
-        chunk, nchunks, **bins, COL_BITS=_COL_BITS, BLOCK=block, num_warps=PASS_TILES["warps"],
+    _mark_kernel[(N, nprogs)](
+        rec_val_O, rec_key_O, obase_N, ocap_N, ofill_N, plan.cls_NK, qbase_N, fcode_QF, foffs_QF,
+        lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N, records,
+        nprogs, **bins, COL_BITS=_COL_BITS, BLOCK=MARK_TILES["block"],
+        num_warps=MARK_TILES["warps"],
     )  # fmt: skip
     _resolve_kernel[(N, P)](
         fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, lbase_Q,

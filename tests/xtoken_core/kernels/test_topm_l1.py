@@ -60,6 +60,18 @@ def test_topm_l1_pools_only_the_open_bins(counts_only):
     _check(a, b, 700, max_open_row=2000)
 
 
+def test_topm_l1_copies_open_elements_out_across_many_steps_and_programs(monkeypatch, counts_only):
+    # the count pass's steps take places in a row's records one after another (from both
+    # sides, several programs a row) and the mark pass reads them back in several programs a
+    # row: the same result as one step and one program would give
+    monkeypatch.setitem(tm.PASS_TILES, "block", 32)
+    monkeypatch.setitem(tm.PASS_TILES, "columns", 128)
+    monkeypatch.setitem(tm.MARK_TILES, "block", 16)
+    monkeypatch.setitem(tm.MARK_TILES, "records", 48)
+    a, b = _rows(3, 700, 500, seed=21, similar=True)
+    _check(a, b, 300)
+
+
 def test_topm_l1_takes_the_coarse_histograms_from_the_caller(monkeypatch, counts_only):
     a, b = _rows(3, 300, 200, seed=9)
     hist_2NK = torch.zeros((2, 3, tm.COARSE_BINS), dtype=torch.int32, device=DEVICE)
@@ -159,10 +171,11 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
     f32, i32, i64 = "*fp32", "*i32", "*i64"
     pointers = {
         **dict.fromkeys(["a_ptr", "b_ptr", "g_ptr", "part_ptr"], f32),
-        **dict.fromkeys(["list_val_ptr", "out_ptr"], f32),
+        **dict.fromkeys(["list_val_ptr", "out_ptr", "rec_val_ptr"], f32),
         **dict.fromkeys(["hist_ptr", "top_ptr", "cls_ptr", "loc_ptr", "opens_ptr"], i32),
         **dict.fromkeys(["info_ptr", "pidx_ptr", "fhist_ptr", "foffs_ptr", "list_key_ptr"], i32),
-        **dict.fromkeys(["qbase_ptr", "nlist_ptr", "lbase_ptr"], i64),
+        **dict.fromkeys(["ofill_ptr", "ocap_ptr", "rec_key_ptr"], i32),
+        **dict.fromkeys(["qbase_ptr", "nlist_ptr", "lbase_ptr", "obase_ptr"], i64),
         "fcode_ptr": "*u8",
         "state_ptr": "*i8",
         **dict.fromkeys(["res_ptr", "sums_ptr"], "*fp64"),
