@@ -88,7 +88,7 @@ FINE_SHIFT = COARSE_SHIFT - 8
 MAX_OPEN_ROW = 32768
 #: Tiles of :func:`_resolve_kernel`: listed elements per step, and per pairwise step.
 RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 32}
-#: The full-row passes (:func:`_count_kernel`, :func:`_mark_kernel`): columns per step, columns
+#: The full-row passes (:func:`_hist_kernel`, :func:`_count_kernel`): columns per step, columns
 #: per program (a multiple of the step), warps.
 PASS_TILES = {"block": 512, "columns": 16384, "warps": 4}
 #: :func:`_mark_kernel`: records per step, records per program (a multiple of the step), warps.
