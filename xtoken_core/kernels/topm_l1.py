@@ -417,9 +417,9 @@ if tl is not None:
                 at += tl.atomic_add(foffs_row + fi, 1, mask=listed, sem="relaxed")
                 tl.store(list_val_ptr + at, x, mask=listed)
                 tl.store(list_key_ptr + at, (side << 28) | (f << COL_BITS) | c, mask=listed)
-        col = tl.program_id(1)
-        tl.store(sums_ptr + n * NPROGS + col, tl.reduce(total_a, 0, SUM_COMBINE))
-        tl.store(sums_ptr + (N + n) * NPROGS + col, tl.reduce(total_b, 0, SUM_COMBINE))
+        block = tl.program_id(1)
+        tl.store(sums_ptr + n * NPROGS + block, tl.reduce(total_a, 0, SUM_COMBINE))
+        tl.store(sums_ptr + (N + n) * NPROGS + block, tl.reduce(total_b, 0, SUM_COMBINE))
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _resolve_kernel(
