@@ -177,15 +177,16 @@ if tl is not None:
         inv_temp,
         HAS_COLS: tl.constexpr,
         HIST: tl.constexpr,
+        HIST_BINS: tl.constexpr,
         HIST_BASE: tl.constexpr,
         HIST_SHIFT: tl.constexpr,
         BLOCK_X: tl.constexpr,
     ):
         # Program (chunk n, column block): rows of n are order[offsets[n]:offsets[n + 1]].
         #   out[n, i] = sum_{r in n} (z[r, col_i] / T - lse_r) / max(|n|, 1)   (fixed order)
-        # HIST: also add the block's values to the chunk's 256-bin histogram, the coarse bins of
-        # kernels.topm_l1 (k = clamp((bits(-out) >> SHIFT) - BASE, 0, 254), 255 for NaN); only
-        # the bins the block touches are added.
+        # HIST: also add the block's values to the chunk's histogram, the K = HIST_BINS coarse
+        # bins of kernels.topm_l1 (k = clamp((bits(-out) >> SHIFT) - BASE, 0, K - 2), K - 1 for
+        # NaN); only the bins the block touches are added.
         n = tl.program_id(0).to(tl.int64)
         xb = tl.program_id(1)
         i = xb * BLOCK_X + tl.arange(0, BLOCK_X)
@@ -206,9 +207,10 @@ if tl is not None:
         tl.store(out_ptr + n * out_stride + i, out, mask=im)
         if HIST:
             bits = tl.maximum((-out).to(tl.int32, bitcast=True), 0)
-            bins = tl.minimum(tl.maximum((bits >> HIST_SHIFT) - HIST_BASE, 0), 254)
-            h = tl.histogram(tl.where(out != out, 255, bins), 256, mask=im)
-            tl.atomic_add(hist_ptr + n * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+            bins = tl.minimum(tl.maximum((bits >> HIST_SHIFT) - HIST_BASE, 0), HIST_BINS - 2)
+            h = tl.histogram(tl.where(out != out, HIST_BINS - 1, bins), HIST_BINS, mask=im)
+            k = tl.arange(0, HIST_BINS)
+            tl.atomic_add(hist_ptr + n * HIST_BINS + k, h, mask=h > 0, sem="relaxed")
 
     @lazy_jit(
         do_not_specialize=("T",),
@@ -439,8 +441,9 @@ def chunk_mean_columns(
         offsets_N1: [N + 1] int64, rows of chunk n are ``order[offsets[n]:offsets[n + 1]]``.
         temperature: softmax temperature.
         cols_X: [X] int column ids (None: all V columns in order).
-        hist_NK: [N, 256] int32 zeros, or None: the output rows' coarse histograms of
-            :mod:`xtoken_core.kernels.topm_l1` are added into it (spares that kernel a pass).
+        hist_NK: [N, K] int32 zeros (K = ``topm_l1.COARSE_BINS``), or None: the output rows'
+            coarse histograms of :mod:`xtoken_core.kernels.topm_l1` are added into it (spares
+            that kernel a pass).
 
     Returns:
         out_NX fp32 [N, X]: ``mean_{r in n} (z[r, cols] / T - lse_r)`` (0 for an empty chunk).
@@ -470,6 +473,7 @@ def chunk_mean_columns(
         1.0 / temperature,
         HAS_COLS=cols_X is not None,
         HIST=hist_NK is not None,
+        HIST_BINS=COARSE_BINS,
         HIST_BASE=COARSE_BASE,
         HIST_SHIFT=COARSE_SHIFT,
         BLOCK_X=block,

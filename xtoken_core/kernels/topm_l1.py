@@ -20,8 +20,8 @@ usual case), every element of the bin takes its sign from the counts above it; s
 *decided*, the others are *open*. The grids are on the float bits of ``-x`` (an int that grows as
 ``x`` falls). Per row:
 
-1. :func:`_hist_kernel`: the coarse histogram, 256 bins, 16 per binade of ``-x`` (bin 0
-   everything above ``2^-8`` nats below 0, bin 254 everything below 240 nats, bin 255 NaN); or
+1. :func:`_hist_kernel`: the coarse histogram, K = 512 bins, 32 per binade of ``-x`` (bin 0
+   everything above ``2^-8`` nats below 0, bin K - 2 everything below 248 nats, K - 1 NaN); or
    the caller's, counted as it wrote the rows
    (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns` ``hist_NK=``).
 2. :func:`_plan_kernel`: per bin, the counts above it, the members' signs and whether it is open
@@ -76,12 +76,14 @@ __all__ = [
     "topm_l1_signs",
 ]
 
-#: Coarse bins: bits 30..19 of the fp32 ``-x`` (16 per binade) from ``2^-8`` up, clamped.
-COARSE_BINS = 256
-COARSE_SHIFT = 19
-COARSE_BASE = (127 - 8) << 4  # the bits >> 19 of 2^-8
-BELOW_BIN = COARSE_BINS - 2  # -x >= 240 (and -inf log-probs): below every window
-#: Fine bins per open coarse bin: its 2^19 values of the bits in steps of 2^11.
+#: Coarse bins: the top bits of the fp32 ``-x`` (32 per binade: its exponent and 5 mantissa
+#: bits) over the 16 binades from ``2^-8`` up, clamped.
+COARSE_PER_BINADE_BITS = 5
+COARSE_SHIFT = 23 - COARSE_PER_BINADE_BITS
+COARSE_BASE = (127 - 8) << COARSE_PER_BINADE_BITS  # the bits >> COARSE_SHIFT of 2^-8
+COARSE_BINS = 16 << COARSE_PER_BINADE_BITS
+BELOW_BIN = COARSE_BINS - 2  # -x >= 248 (and -inf log-probs): below every window
+#: Fine bins per open coarse bin: its 2^COARSE_SHIFT values of the bits in 256 even steps.
 FINE_BINS = 256
 FINE_SHIFT = COARSE_SHIFT - 8
 #: Elements of open coarse bins a row may have (more: the reference's row).
@@ -137,9 +139,10 @@ if tl is not None:
         BASE: tl.constexpr,
         SHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
+        K: tl.constexpr,
     ):
         # Program (row n, side, chunk of CHUNK columns), added into the row's coarse histogram:
-        #   k = clamp((bits(-x) >> SHIFT) - BASE, 0, 254), 255 for NaN.
+        #   k = clamp((bits(-x) >> SHIFT) - BASE, 0, K - 2), K - 1 for NaN.
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
         if side == 0:
@@ -148,17 +151,17 @@ if tl is not None:
         else:
             row = b_ptr + n * b_stride
             M = B
-        h = tl.full((256,), 0, tl.int32)
+        h = tl.full((K,), 0, tl.int32)
         first = tl.program_id(2) * CHUNK
         for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
             c = start + tl.arange(0, BLOCK)
             cm = c < M
             x = tl.load(row + c, mask=cm, other=0.0)
             bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-            k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
-            k = tl.where(x != x, 255, k)
-            h += tl.histogram(k, 256, mask=cm)
-        tl.atomic_add(hist_ptr + (side * N + n) * 256 + tl.arange(0, 256), h, sem="relaxed")
+            k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), K - 2)
+            k = tl.where(x != x, K - 1, k)
+            h += tl.histogram(k, K, mask=cm)
+        tl.atomic_add(hist_ptr + (side * N + n) * K + tl.arange(0, K), h, sem="relaxed")
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _plan_kernel(
@@ -171,8 +174,9 @@ if tl is not None:
         m,
         list_cap,
         BELOW: tl.constexpr,
+        K: tl.constexpr,
     ):
-        # Program (row n), over the 256 coarse bins k with counts ca / cb and the counts above
+        # Program (row n), over the K coarse bins k with counts ca / cb and the counts above
         # them ta / tb (exclusive prefix sums). The members of a bin on a side number
         # m_a = clamp(m - ta, 0, ca); D over the bin's a members ranges over
         # [above - m_b, above + m_a - 1], over its b members [above - m_b + 1, above + m_a],
@@ -181,13 +185,13 @@ if tl is not None:
         # its place p among the row's open bins in bits 8 and up), the open bins in order, and
         # (number of open bins, open elements of the row, row ok).
         n = tl.program_id(0).to(tl.int64)
-        k = tl.arange(0, 256)
-        ca = tl.load(hist_ptr + n * 256 + k)
-        cb = tl.load(hist_ptr + (N + n) * 256 + k)
+        k = tl.arange(0, K)
+        ca = tl.load(hist_ptr + n * K + k)
+        cb = tl.load(hist_ptr + (N + n) * K + k)
         ta = tl.associative_scan(ca, 0, SUM_COMBINE) - ca
         tb = tl.associative_scan(cb, 0, SUM_COMBINE) - cb
-        tl.store(top_ptr + n * 256 + k, ta)
-        tl.store(top_ptr + (N + n) * 256 + k, tb)
+        tl.store(top_ptr + n * K + k, ta)
+        tl.store(top_ptr + (N + n) * K + k, tb)
         m_a = tl.minimum(tl.maximum(m - ta, 0), ca)
         m_b = tl.minimum(tl.maximum(m - tb, 0), cb)
         above = tl.minimum(ta, m) - tl.minimum(tb, m)
@@ -206,13 +210,13 @@ if tl is not None:
         code = tl.where(inside, a_state | (b_state << 2), 0) | tl.where(
             is_open, 16 | (place << 8), 0
         )
-        tl.store(cls_ptr + n * 256 + k, code)
-        tl.store(opens_ptr + n * 256 + place, k, mask=is_open)
+        tl.store(cls_ptr + n * K + k, code)
+        tl.store(opens_ptr + n * K + place, k, mask=is_open)
         size = tl.where(is_open, ca + cb, 0)
         in_range = (tl.reduce(tl.where(inside, ca, 0), 0, SUM_COMBINE) >= m) & (
             tl.reduce(tl.where(inside, cb, 0), 0, SUM_COMBINE) >= m
         )
-        no_nan = tl.reduce(tl.where(k == 255, ca + cb, 0), 0, SUM_COMBINE) == 0
+        no_nan = tl.reduce(tl.where(k == K - 1, ca + cb, 0), 0, SUM_COMBINE) == 0
         fits = tl.reduce(size, 0, MAX_COMBINE) <= list_cap
         tl.store(info_ptr + n * 4, tl.reduce(one, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 1, tl.reduce(size, 0, SUM_COMBINE))
@@ -244,6 +248,7 @@ if tl is not None:
         SHIFT: tl.constexpr,
         FSHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
+        K: tl.constexpr,
     ):
         # Program (row n, side, chunk of CHUNK columns); rows with qbase < 0 are the
         # reference's. An element of a decided coarse bin adds its signed probability (a's also
@@ -265,18 +270,23 @@ if tl is not None:
                 row = b_ptr + n * b_stride
                 M = B
             # the row's tables as scalar bases; per element int32 offsets
-            cls_row = cls_ptr + n * 256
+            cls_row = cls_ptr + n * K
             state_row = state_ptr + n * state_stride
             fhist_row = fhist_ptr + (qbase * 2 + side) * 256
             obase = tl.load(obase_ptr + n)
             ocap = tl.load(ocap_ptr + n)
             first = tl.program_id(2) * CHUNK
-            for start in range(first, tl.minimum(first + CHUNK, M), BLOCK):
+            end = tl.minimum(first + CHUNK, M)
+            c = first + tl.arange(0, BLOCK)
+            x_next = tl.load(row + c, mask=c < end, other=0.0)
+            for start in range(first, end, BLOCK):
                 c = start + tl.arange(0, BLOCK)
-                cm = c < M
-                x = tl.load(row + c, mask=cm, other=0.0)
+                cm = c < end
+                x = x_next
+                # the next step's load, in flight while this one works
+                x_next = tl.load(row + c + BLOCK, mask=c + BLOCK < end, other=0.0)
                 bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-                k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
+                k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), K - 2)
                 code = tl.load(cls_row + k, mask=cm, other=0)
                 state = (code >> (2 * side)) & 3
                 is_open = ((code & 16) != 0) & cm
@@ -291,12 +301,11 @@ if tl is not None:
                 tl.atomic_add(fhist_row + fi, 1, mask=is_open, sem="relaxed")
                 one = is_open.to(tl.int32)
                 n_open = tl.reduce(one, 0, SUM_COMBINE)
-                if n_open > 0:
-                    at = tl.atomic_add(ofill_ptr + n, n_open, sem="relaxed")
-                    at += tl.associative_scan(one, 0, SUM_COMBINE) - one
-                    kept = is_open & (at < ocap)  # (the plan's count: never more)
-                    tl.store(rec_val_ptr + obase + at, x, mask=kept)
-                    tl.store(rec_key_ptr + obase + at, (side << 28) | c, mask=kept)
+                at = tl.atomic_add(ofill_ptr + n, n_open, mask=n_open > 0, sem="relaxed")
+                at += tl.associative_scan(one, 0, SUM_COMBINE) - one
+                kept = is_open & (at < ocap)  # (the plan's count: never more)
+                tl.store(rec_val_ptr + obase + at, x, mask=kept)
+                tl.store(rec_key_ptr + obase + at, (side << 28) | c, mask=kept)
         tl.store(
             part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
         )
@@ -313,6 +322,7 @@ if tl is not None:
         nlist_ptr,
         N,
         m,
+        K: tl.constexpr,
     ):
         # Program (row n, p-th open coarse bin k of the row, q = qbase + p): its fine bins
         # classed as _plan_kernel classes the coarse ones, from the fine histograms and the
@@ -324,12 +334,12 @@ if tl is not None:
         qbase = tl.load(qbase_ptr + n)
         if (qbase >= 0) & (p < tl.load(info_ptr + n * 4)):
             q = qbase + p
-            k = tl.load(opens_ptr + n * 256 + p)
+            k = tl.load(opens_ptr + n * K + p)
             f = tl.arange(0, 256)
             ha = tl.load(fhist_ptr + q * 512 + f)
             hb = tl.load(fhist_ptr + q * 512 + 256 + f)
-            ta = tl.load(top_ptr + n * 256 + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
-            tb = tl.load(top_ptr + (N + n) * 256 + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
+            ta = tl.load(top_ptr + n * K + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
+            tb = tl.load(top_ptr + (N + n) * K + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
             m_a = tl.minimum(tl.maximum(m - ta, 0), ha)
             m_b = tl.minimum(tl.maximum(m - tb, 0), hb)
             above = tl.minimum(ta, m) - tl.minimum(tb, m)
@@ -373,6 +383,7 @@ if tl is not None:
         FSHIFT: tl.constexpr,
         COL_BITS: tl.constexpr,
         BLOCK: tl.constexpr,
+        K: tl.constexpr,
     ):
         # Program (row n, block of RECORDS of the row's records: the elements of its open
         # coarse bins, both sides). In a decided fine bin an element adds its signed
@@ -387,7 +398,7 @@ if tl is not None:
         if qbase >= 0:
             obase = tl.load(obase_ptr + n)
             count = tl.minimum(tl.load(ofill_ptr + n), tl.load(ocap_ptr + n))
-            cls_row = cls_ptr + n * 256
+            cls_row = cls_ptr + n * K
             state_row = state_ptr + n * state_stride
             fcode_row = fcode_ptr + qbase * 256
             foffs_row = foffs_ptr + qbase * 256
@@ -400,7 +411,7 @@ if tl is not None:
                 side = key >> 28
                 c = key & ((1 << COL_BITS) - 1)
                 bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
-                k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), 254)
+                k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), K - 2)
                 code = tl.load(cls_row + k, mask=im, other=0)
                 f = tl.minimum(tl.maximum((bits - ((k + BASE) << SHIFT)) >> FSHIFT, 0), 255)
                 fi = (code >> 8) * 256 + f  # place p's fine bin f
@@ -441,6 +452,7 @@ if tl is not None:
         COL_BITS: tl.constexpr,
         PAIR_I: tl.constexpr,
         PAIR_J: tl.constexpr,
+        K: tl.constexpr,
     ):
         # Program (row n, p-th open coarse bin k of the row): its list, ordered by fine bin.
         # Each listed i is compared with its fine bin's span: rank = same-side elements above
@@ -457,12 +469,12 @@ if tl is not None:
         gsum = tl.full([], 0, tl.float64)
         if (qbase >= 0) & (p < tl.load(info_ptr + n * 4)):
             q = qbase + p
-            k = tl.load(opens_ptr + n * 256 + p)
+            k = tl.load(opens_ptr + n * K + p)
             f = tl.arange(0, 256)
             ha = tl.load(fhist_ptr + q * 512 + f)
             hb = tl.load(fhist_ptr + q * 512 + 256 + f)
-            ta = tl.load(top_ptr + n * 256 + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
-            tb = tl.load(top_ptr + (N + n) * 256 + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
+            ta = tl.load(top_ptr + n * K + k) + tl.associative_scan(ha, 0, SUM_COMBINE) - ha
+            tb = tl.load(top_ptr + (N + n) * K + k) + tl.associative_scan(hb, 0, SUM_COMBINE) - hb
             fcode = tl.load(fcode_ptr + q * 256 + f).to(tl.int32)
             listed = tl.where((fcode & 16) != 0, ha + hb, 0)
             offs = tl.associative_scan(listed, 0, SUM_COMBINE) - listed
@@ -572,7 +584,7 @@ def _coarse_plan(
         hist_2NK = torch.zeros((2, N, COARSE_BINS), **i32)
         _hist_kernel[(N, 2, nchunks)](
             a_NA, b_NB, a_NA.shape[1], b_NB.shape[1], a_NA.stride(0), b_NB.stride(0), hist_2NK,
-            N, chunk, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
+            N, chunk, K=COARSE_BINS, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, BLOCK=block, num_warps=4,
         )  # fmt: skip
     plan = _Plan(
         hist_2NK,
@@ -580,7 +592,7 @@ def _coarse_plan(
         *(torch.empty((N, COARSE_BINS), **i32) for _ in range(2)),
         torch.empty((N, 4), **i32),
     )
-    _plan_kernel[(N,)](*plan, N, m, list_cap, BELOW=BELOW_BIN, num_warps=4)
+    _plan_kernel[(N,)](*plan, N, m, list_cap, K=COARSE_BINS, BELOW=BELOW_BIN, num_warps=4)
     return plan
 
 
@@ -659,7 +671,7 @@ def topm_l1_signs(
         m: compared length, ``1 <= m <= min(A, B)``.
         max_open_row: elements of open coarse bins a row may have (a row with more goes to the
             reference).
-        hist_2NK: [2, N, 256] int32 coarse histograms of ``a`` and ``b`` when the caller made
+        hist_2NK: [2, N, K] int32 coarse histograms of ``a`` and ``b`` when the caller made
             them with the rows (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`
             ``hist_NK=``); None: counted here (one more pass over both rows).
         before_wait: called (no arguments) before each of the two host waits, or None.
@@ -700,7 +712,7 @@ def topm_l1_signs(
     qbase_N = torch.where(ok_N, qend_N - bins_N, -1)  # -1: the reference's row
     block, chunk, nchunks = _grid(a_NA, b_NB)
     i32 = dict(dtype=torch.int32, device=device)
-    bins = dict(BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT)
+    bins = dict(K=COARSE_BINS, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT)
     P, Q = max(max_bins, 1), max(n_bins, 1)  # (no empty grids or pointers)
     fhist_Q2F = torch.zeros((Q, 2, FINE_BINS), **i32)
     state_NA = torch.empty((N, A), dtype=torch.int8, device=device)
@@ -721,7 +733,7 @@ def topm_l1_signs(
     nlist_Q = torch.zeros(Q, dtype=torch.long, device=device)
     _fine_plan_kernel[(N, P)](
         fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, foffs_QF,
-        nlist_Q, N, m,
+        nlist_Q, N, m, K=COARSE_BINS,
     )  # fmt: skip
     lend_Q = nlist_Q.cumsum(0)
     lbase_Q = lend_Q - nlist_Q
@@ -744,7 +756,7 @@ def topm_l1_signs(
     _resolve_kernel[(N, P)](
         fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, lbase_Q,
         list_val_L, list_key_L, state_NA, state_NA.stride(0), res_NP2, N, P, m,
-        COL_BITS=_COL_BITS, **RESOLVE_TILES, num_warps=4,
+        K=COARSE_BINS, COL_BITS=_COL_BITS, **RESOLVE_TILES, num_warps=4,
     )  # fmt: skip
     part_2N = part_2NC.sum(-1).double() + part2_2NC.sum(-1)  # per side
     res_2N = res_NP2.sum(1).T  # l1, gsum

@@ -73,7 +73,8 @@ def test_chunk_mean_columns_counts_the_coarse_histograms_of_its_rows(with_cols):
     want = torch.zeros((2, N, tm.COARSE_BINS), dtype=torch.int32, device=DEVICE)
     X = out.shape[1]
     tm._hist_kernel[(N, 2, 1)](
-        out, out, X, X, X, X, want, N, 2048, BASE=tm.COARSE_BASE, SHIFT=tm.COARSE_SHIFT, BLOCK=2048
+        out, out, X, X, X, X, want, N, 2048, K=tm.COARSE_BINS, BASE=tm.COARSE_BASE,
+        SHIFT=tm.COARSE_SHIFT, BLOCK=2048,
     )  # fmt: skip
     assert torch.equal(hist_NK, want[0])
     with pytest.raises(ValueError, match="hist_NK must be"):
@@ -92,6 +93,7 @@ def test_row_and_chunk_kernels_compile_for_hopper_without_local_memory(monkeypat
             {
                 "HAS_COLS": True,
                 "HIST": hist,
+                "HIST_BINS": tm.COARSE_BINS,
                 "HIST_BASE": tm.COARSE_BASE,
                 "HIST_SHIFT": tm.COARSE_SHIFT,
                 "BLOCK_X": kf.KERNEL_CONFIG["cols_block_x"],

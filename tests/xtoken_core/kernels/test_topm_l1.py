@@ -76,8 +76,8 @@ def test_topm_l1_takes_the_coarse_histograms_from_the_caller(monkeypatch, counts
     a, b = _rows(3, 300, 200, seed=9)
     hist_2NK = torch.zeros((2, 3, tm.COARSE_BINS), dtype=torch.int32, device=DEVICE)
     tm._hist_kernel[(3, 2, 1)](
-        a, b, 300, 200, 300, 200, hist_2NK, 3, 1024, BASE=tm.COARSE_BASE, SHIFT=tm.COARSE_SHIFT,
-        BLOCK=512,
+        a, b, 300, 200, 300, 200, hist_2NK, 3, 1024, K=tm.COARSE_BINS, BASE=tm.COARSE_BASE,
+        SHIFT=tm.COARSE_SHIFT, BLOCK=512,
     )  # fmt: skip
 
     def refuse(*args, **kwargs):
@@ -139,7 +139,7 @@ def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch, 
     if why == "ties larger than the list":  # an open bin of > B / 2 elements in row 1
         a[1, :70] = a[1, :1]
         b[1, :70] = b[1, :1]
-    else:  # row 1 has fewer than m values above -240 nats
+    else:  # row 1 has fewer than m values above -248 nats
         a[1, 20:] = -300.0
     l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
     l1, g, gsum = tm.topm_l1(a, b, 60, out_g=a)
@@ -180,15 +180,15 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
         "state_ptr": "*i8",
         **dict.fromkeys(["res_ptr", "sums_ptr"], "*fp64"),
     }
-    bins = {"BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
+    bins = {"K": tm.COARSE_BINS, "BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
     fine = {**bins, "FSHIFT": tm.FINE_SHIFT}
     kernels = [
         (tm._hist_kernel, {**bins, "BLOCK": 1024}),
-        (tm._plan_kernel, {"BELOW": tm.BELOW_BIN}),
+        (tm._plan_kernel, {"K": tm.COARSE_BINS, "BELOW": tm.BELOW_BIN}),
         (tm._count_kernel, {**fine, "BLOCK": 1024}),
-        (tm._fine_plan_kernel, {}),
+        (tm._fine_plan_kernel, {"K": tm.COARSE_BINS}),
         (tm._mark_kernel, {**fine, "COL_BITS": tm._COL_BITS, "BLOCK": 1024}),
-        (tm._resolve_kernel, {"COL_BITS": tm._COL_BITS, **tm.RESOLVE_TILES}),
+        (tm._resolve_kernel, {"K": tm.COARSE_BINS, "COL_BITS": tm._COL_BITS, **tm.RESOLVE_TILES}),
     ]
     for lazy, constexprs in kernels:
         usage = compile_for_hopper(lazy, pointers, constexprs)
