@@ -43,9 +43,10 @@ if tl is not None:
             "lse_R_ptr",
             "nidx_R_ptr",
             "cpos_V_ptr",
-            "gsum_N_ptr",
+            "gsum_N2_ptr",
             "coef_N_ptr",
-            "gscale_ptr",
+            "dcommon_ptr",
+            "duncommon_ptr",
         ),
     )
     def _gold_bwd_kernel(
@@ -56,9 +57,10 @@ if tl is not None:
         su_ptr,
         state_ptr,
         cpos_V_ptr,
-        gsum_N_ptr,
+        gsum_N2_ptr,
         coef_N_ptr,
-        gscale_ptr,
+        dcommon_ptr,
+        duncommon_ptr,
         dz_ptr,
         T,
         V,
@@ -74,8 +76,8 @@ if tl is not None:
     ):
         # Program (row r, vocab block), n = chunk of r; c = cpos[v] says where v's chunk
         # gradient lives: c >= 0 common block, c <= -2 uncommon column j = -c - 2, -1 nowhere.
-        #   G = gscale[0] gc[n, c] + gscale[1] gu[n, j]
-        #   dz[r, v] = (G - p[r, v] gsum[n]) coef[n]
+        #   G = dcommon gc[n, c] + duncommon gu[n, j]
+        #   dz[r, v] = (G - p[r, v] (dcommon gsum[n, 0] + duncommon gsum[n, 1])) coef[n]
         # gu = e^s, -e^s or 0 with s = su[n, j] the student's chunk mean, as the top-m's state
         # of (n, j) says (1, 2, 0: kernels.topm_l1.TopmSigns).
         r = tl.program_id(0).to(tl.int64)
@@ -89,18 +91,20 @@ if tl is not None:
             z = tl.load(row_ptr + v, mask=vm, other=0.0).to(tl.float32)
             p = tl.exp2(z * scale2 - tl.load(lse_R_ptr + r) * 1.4426950408889634)
             c = tl.load(cpos_V_ptr + v, mask=vm, other=-1)
+            dc, du = tl.load(dcommon_ptr), tl.load(duncommon_ptr)
             g = tl.full((BLOCK_V,), 0.0, tl.float32)
             if HAS_COMMON:
                 gc = tl.load(gc_ptr + n * gc_stride + c, mask=c >= 0, other=0.0)
-                g += tl.load(gscale_ptr) * gc
+                g += dc * gc
             if HAS_UNCOMMON:
                 um = c <= -2
                 state = tl.load(state_ptr + n * state_stride + (-2 - c), mask=um, other=0)
                 x = tl.load(su_ptr + n * su_stride + (-2 - c), mask=state != 0, other=0.0)
                 e = tl.exp(x)
                 gu = tl.where(state == 1, e, tl.where(state == 2, -e, 0.0))
-                g += tl.load(gscale_ptr + 1) * gu
-            dz = (g - p * tl.load(gsum_N_ptr + n)) * tl.load(coef_N_ptr + n)
+                g += du * gu
+            gsum = dc * tl.load(gsum_N2_ptr + 2 * n) + du * tl.load(gsum_N2_ptr + 2 * n + 1)
+            dz = (g - p * gsum) * tl.load(coef_N_ptr + n)
             tl.store(out_ptr, dz.to(dz_ptr.dtype.element_ty), mask=vm)
         else:
             tl.store(
@@ -308,15 +312,16 @@ def gold_backward(
     g_common_NC: torch.Tensor | None,
     uncommon: tuple[torch.Tensor, torch.Tensor] | None,
     cpos_V: torch.Tensor,
-    gsum_N: torch.Tensor,
+    gsum_N2: torch.Tensor,
     coef_N: torch.Tensor,
-    gscale_2: torch.Tensor,
+    d_common: torch.Tensor,
+    d_uncommon: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
     """Logits gradient of a loss on chunk-averaged log-probs given as compact chunk gradients.
 
-    The chunk gradient of chunk n at vocab id v is ``gscale[0] * g_common[n, c]`` when
-    ``c = cpos[v] >= 0``, ``gscale[1] * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0, where
+    The chunk gradient of chunk n at vocab id v is ``d_common * g_common[n, c]`` when
+    ``c = cpos[v] >= 0``, ``d_uncommon * g_uncommon[n, -c - 2]`` when ``c <= -2``, else 0, where
     ``g_uncommon = topm_gradient(s_unc_NU, state_NU)`` (made here, never stored).
 
     Args:
@@ -328,9 +333,11 @@ def gold_backward(
             [N, Mu] int8 their top-m states
             (:func:`~xtoken_core.kernels.topm_l1.topm_l1_signs`); or None.
         cpos_V: [V] int32 position code (see above).
-        gsum_N: [N] fp32, the total (scaled) chunk gradient of each chunk.
+        gsum_N2: [N, 2] fp32 contiguous, the sums over the columns of ``g_common`` and of
+            ``g_uncommon`` (unscaled) of each chunk.
         coef_N: [N] fp32, ``1 / (temperature * chunk size)``.
-        gscale_2: [2] fp32 scales of the common and uncommon parts (upstream gradients).
+        d_common: 0-dim fp32 scale of the common part (its upstream gradient).
+        d_uncommon: 0-dim fp32 scale of the uncommon part.
         temperature: softmax temperature.
 
     Returns:
@@ -346,18 +353,19 @@ def gold_backward(
     if has_u:
         tables = uncommon
     else:  # any valid pointers
-        tables = (gsum_N, cpos_V)
+        tables = (gsum_N2, cpos_V)
     bv = block_for("gbwd_block_v", V, 16)
     _gold_bwd_kernel[(R, cdiv(V, bv))](
         z_BTV,
         lse_R,
         nidx_R,
-        g_common_NC if has_c else gsum_N,  # any valid pointer when absent
+        g_common_NC if has_c else gsum_N2,  # any valid pointer when absent
         *tables,
         cpos_V,
-        gsum_N,
+        gsum_N2,
         coef_N,
-        gscale_2,
+        d_common,
+        d_uncommon,
         dz_BTV,
         T,
         V,
@@ -447,9 +455,11 @@ class GoldStudent(torch.autograd.Function):
             uncommon = (s_unc_NU, signs.state_NA)
             l1_sum, gsum_top_N = signs.l1_N.sum(), signs.gsum_N
         g_common_NC, stats_N3 = common.result()
-        kl_sum, gsum_common_N, correct = stats_N3.sum(0)[0], stats_N3[:, 1], stats_N3[:, 2].sum()
+        totals_3 = stats_N3.sum(0)
+        kl_sum, correct = totals_3[0], totals_3[2]
+        gsum_N2 = torch.stack([stats_N3[:, 1], gsum_top_N], 1)  # the chunk gradients' sums
         ctx.save_for_backward(
-            z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
+            z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_N2, coef_N,
             *(() if uncommon is None else uncommon),
         )  # fmt: skip
         ctx.temperature = temperature
@@ -458,19 +468,10 @@ class GoldStudent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_kl, d_l1, d_correct):
-        (z_BTV, lse_R, nidx_R, g_common_NC, cpos_V, gsum_common_N, gsum_top_N, coef_N,
+        (z_BTV, lse_R, nidx_R, g_common_NC, cpos_V, gsum_N2, coef_N,
          *unc) = ctx.saved_tensors  # fmt: skip
-        uncommon = tuple(unc) if unc else None
-        zero = torch.zeros((), dtype=torch.float32, device=z_BTV.device)
-        gscale_2 = torch.stack(
-            [
-                zero if d_kl is None else d_kl.to(torch.float32),
-                zero if d_l1 is None else d_l1.to(torch.float32),
-            ]
-        )
-        gsum_N = gscale_2[0] * gsum_common_N + gscale_2[1] * gsum_top_N
         dz_BTV = gold_backward(
-            z_BTV, lse_R, nidx_R, g_common_NC, uncommon, cpos_V, gsum_N, coef_N, gscale_2,
-            ctx.temperature,
+            z_BTV, lse_R, nidx_R, g_common_NC, tuple(unc) if unc else None, cpos_V, gsum_N2,
+            coef_N, d_kl.float(), d_l1.float(), ctx.temperature,
         )  # fmt: skip
         return dz_BTV, None, None, None, None, None, None, None, None, None
