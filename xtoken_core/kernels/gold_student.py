@@ -446,7 +446,7 @@ class GoldStudent(torch.autograd.Function):
                 z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us, hist_NK=hist_2NK[0]
             )
             # the signs of d|e^s_(j) - u_(j)| / ds, kept as tables the backward reads; a quarter
-            # of the common KL's blocks fills the GPU at each of the top-m's two host waits
+            # of the common KL's blocks fills the GPU while the host waits in the top-m
             quarter = cdiv(common.n_blocks, 4)
             signs = topm_l1_signs(
                 s_unc_NU, teacher_unc_NX, m, hist_2NK=hist_2NK,

@@ -40,9 +40,10 @@ The gradient is not written: :func:`topm_l1_signs` returns the student's states 
 member, ``+e^a``, ``-e^a``), which :func:`topm_gradient` or the gold loss's backward kernel turn
 into it. A row the grids cannot do (a top-m set reaching below the coarse range, NaN, an open
 coarse bin of more than B / 2 elements, more open elements than ``max_open_row``) goes to the
-reference. The host waits for the device twice: for the rows to refer and the numbers of open
-bins and open elements, and for the lists' length (:func:`topm_l1_signs` ``before_wait``
-queues other work before each, for the GPU to run while the host waits).
+reference. The host waits for the device once, for the rows to refer and the numbers of open
+bins and open elements (:func:`topm_l1_signs` ``before_wait`` queues other work before it, for
+the GPU to run while the host waits); the lists are sized by the open elements, which they are
+a part of, so the host then queues every pass to the end without waiting.
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
 F fine bins, P most open bins in a row, Q open bins in all, O open elements in all (the
@@ -658,8 +659,8 @@ def topm_l1_signs(
     """The sorted top-m L1 of ``e^a`` against ``e^b`` per row and the state of each student
     element's gradient, from counts; see the module docstring. ``a`` and ``b`` are only read.
 
-    The host waits for the device twice (see the module docstring); ``before_wait`` is called
-    before each wait to queue work the top-m does not need, which the GPU then runs while the
+    The host waits for the device once (see the module docstring); ``before_wait`` is called
+    before the wait to queue work the top-m does not need, which the GPU then runs while the
     host waits.
 
     Rows the counts cannot do go to :func:`topm_l1_reference` (so does everything without
@@ -674,7 +675,7 @@ def topm_l1_signs(
         hist_2NK: [2, N, K] int32 coarse histograms of ``a`` and ``b`` when the caller made
             them with the rows (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`
             ``hist_NK=``); None: counted here (one more pass over both rows).
-        before_wait: called (no arguments) before each of the two host waits, or None.
+        before_wait: called (no arguments) before the host wait, or None.
 
     Returns:
         :class:`TopmSigns`.
@@ -735,18 +736,14 @@ def topm_l1_signs(
         fhist_Q2F, plan.top_2NK, plan.opens_NK, plan.info_N4, qbase_N, fcode_QF, foffs_QF,
         nlist_Q, N, m, K=COARSE_BINS,
     )  # fmt: skip
-    lend_Q = nlist_Q.cumsum(0)
-    lbase_Q = lend_Q - nlist_Q
+    lbase_Q = nlist_Q.cumsum(0) - nlist_Q
     records = MARK_TILES["records"]
     nprogs = max(cdiv(max_open, records), 1)
     part2_2NC = torch.empty((2, N, nprogs), dtype=torch.float64, device=device)
     res_NP2 = torch.empty((N, P, 2), dtype=torch.float64, device=device)
-    list_sizes = read_later(lend_Q[-1:])
-    if before_wait is not None:
-        before_wait()
-    (list_size,) = list_sizes()  # wait for the device: the lists' length
-    list_val_L = torch.empty(max(list_size, 1), dtype=torch.float32, device=device)
-    list_key_L = torch.empty(max(list_size, 1), **i32)
+    # the lists: the open elements of open fine bins, so never more than the records
+    list_val_L = torch.empty(max(n_open, 1), dtype=torch.float32, device=device)
+    list_key_L = torch.empty(max(n_open, 1), **i32)
     _mark_kernel[(N, nprogs)](
         rec_val_O, rec_key_O, obase_N, ocap_N, ofill_N, plan.cls_NK, qbase_N, fcode_QF, foffs_QF,
         lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N, records,
