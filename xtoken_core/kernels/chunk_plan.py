@@ -37,8 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ChunkPlan", "plan_chunks"]
 
 #: Block sizes: rows and slots per step of the one-program slot pass, rows x slots per tile of
-#: the row pass; warps of both. (The slot pass is one program: wide steps and 16 warps take it
-#: from 0.11 to 0.05 ms at 1x4096 on an H100.)
+#: the row pass; warps of both (the slot pass is one program, so its steps are wide).
 PLAN_CONFIG = {"block": 4096, "rows_block_t": 64, "rows_block_c": 64, "warps": 16}
 
 if tl is not None:

@@ -42,9 +42,7 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
         G[:, uncommon] = gscale[1] * g_unc
     sizes = (offsets[1:] - offsets[:-1]).float()
     lse = kf.row_logsumexp(z, nidx, temp)
-    gsum_N2 = torch.stack(  # each part's chunk sums, unscaled
-        [G[:, common].sum(-1) / gscale[0], G[:, uncommon].sum(-1) / gscale[1]], 1
-    )
+    gsum_N2 = torch.stack([G[:, common].sum(-1), G[:, uncommon].sum(-1)], 1) / gscale  # unscaled
     dz = gold_student.gold_backward(
         z, lse, nidx, g_common if parts in ("both", "common-only") else None,
         (s_unc, signs.state_NA) if parts != "common-only" else None, cpos, gsum_N2,
