@@ -99,7 +99,7 @@ if tl is not None:
             if HAS_UNCOMMON:
                 um = c <= -2
                 state = tl.load(state_ptr + n * state_stride + (-2 - c), mask=um, other=0)
-                x = tl.load(su_ptr + n * su_stride + (-2 - c), mask=state != 0, other=0.0)
+                x = tl.load(su_ptr + n * su_stride + (-2 - c), mask=um, other=0.0)
                 e = tl.exp(x)
                 gu = tl.where(state == 1, e, tl.where(state == 2, -e, 0.0))
                 g += du * gu

@@ -61,7 +61,7 @@ __all__ = [
 KERNEL_CONFIG = {
     "lse_block_v": 4096,
     "lse_warps": 8,
-    "cols_block_x": 2048,
+    "cols_block_x": 1024,
     "cols_warps": 4,
     "lsm_block_x": 2048,
     "lsm_warps": 4,
@@ -82,10 +82,10 @@ KERNEL_CONFIG = {
     "klb_block_r": 4,
     "klb_block_k": 256,
     "klb_warps": 4,
-    "gbwd_block_v": 1024,
-    "gbwd_warps": 8,
-    "gcom_block_c": 1024,
-    "gcom_warps": 4,
+    "gbwd_block_v": 512,
+    "gbwd_warps": 4,
+    "gcom_block_c": 256,
+    "gcom_warps": 1,
 }
 
 
