@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CommonKL", "GoldStudent", "gold_backward", "gold_common"]
 
+#: Chunks per program of the common KL's per-chunk sums.
+SUMS_BLOCK_N = 128
+
 
 if tl is not None:
 
@@ -207,6 +210,35 @@ if tl is not None:
         tl.store(out + 5, ib.to(tl.float32))
 
 
+    @lazy_jit(do_not_specialize=("N", "n_blocks"))
+    def _common_sums_kernel(part_ptr, stats_ptr, N, n_blocks, Mc, BLOCK_N: tl.constexpr):
+        # Chunks n of one block, over their column blocks' partials (KL, sum g, max s and its
+        # first column, max u and its first): stats[n] = (KL, sum g, 1.0 where the first
+        # column of the row max of s is that of u). Blocks go in column order and a later
+        # block takes the max only when above, so the first column of the row max is kept.
+        n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        nm = n < N
+        kl = tl.full((BLOCK_N,), 0.0, tl.float32)
+        gsum = tl.full((BLOCK_N,), 0.0, tl.float32)
+        best_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        best_u = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        arg_s = tl.full((BLOCK_N,), 0.0, tl.float32) + Mc
+        arg_u = tl.full((BLOCK_N,), 0.0, tl.float32) + Mc
+        for b in range(0, n_blocks):
+            part = part_ptr + (n * n_blocks + b) * 6
+            kl += tl.load(part, mask=nm, other=0.0)
+            gsum += tl.load(part + 1, mask=nm, other=0.0)
+            ms = tl.load(part + 2, mask=nm, other=0.0)
+            mu = tl.load(part + 4, mask=nm, other=0.0)
+            arg_s = tl.where(ms > best_s, tl.load(part + 3, mask=nm, other=0.0), arg_s)
+            arg_u = tl.where(mu > best_u, tl.load(part + 5, mask=nm, other=0.0), arg_u)
+            best_s = tl.maximum(best_s, ms)
+            best_u = tl.maximum(best_u, mu)
+        tl.store(stats_ptr + n * 3, kl, mask=nm)
+        tl.store(stats_ptr + n * 3 + 1, gsum, mask=nm)
+        tl.store(stats_ptr + n * 3 + 2, (arg_s == arg_u).to(tl.float32), mask=nm)
+
+
 # --------------------------------------------------------------------------- host wrapper
 
 
@@ -292,17 +324,14 @@ class CommonKL:
         """``(g_NC, stats_N3)`` of :func:`gold_common`, after launching the blocks left."""
         self.launch()
         N, Mc = self.g_NC.shape
-        part_NB6 = self.part_NB6
         if self.n_blocks == 0:
-            return self.g_NC, torch.zeros((N, 3), device=part_NB6.device, dtype=torch.float32)
-        sums_N2 = part_NB6[..., :2].sum(1)  # KL, sum g
-        # the first column of each side's row max: the smallest block-first column among the
-        # block maxes (column ids < 2**24 are exact in fp32)
-        max_NB2, first_NB2 = part_NB6[..., 2::2], part_NB6[..., 3::2]
-        best_N12 = max_NB2.amax(1, keepdim=True)
-        arg_N2 = torch.where(max_NB2 == best_N12, first_NB2, Mc).amin(1)
-        agree_N1 = (arg_N2[:, :1] == arg_N2[:, 1:]).float()
-        return self.g_NC, torch.cat([sums_N2, agree_N1], 1)
+            return self.g_NC, torch.zeros((N, 3), device=self.g_NC.device, dtype=torch.float32)
+        # (column ids < 2**24 are exact in the fp32 partials)
+        stats_N3 = torch.empty((N, 3), device=self.g_NC.device, dtype=torch.float32)
+        _common_sums_kernel[(cdiv(N, SUMS_BLOCK_N),)](
+            self.part_NB6, stats_N3, N, self.n_blocks, Mc, BLOCK_N=SUMS_BLOCK_N
+        )
+        return self.g_NC, stats_N3
 
 
 def gold_backward(

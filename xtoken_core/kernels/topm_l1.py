@@ -89,6 +89,10 @@ FINE_BINS = 256
 FINE_SHIFT = COARSE_SHIFT - 8
 #: Elements of open coarse bins a row may have (more: the reference's row).
 MAX_OPEN_ROW = 32768
+#: Rows per step of :func:`_places_kernel` (one program), and per program of
+#: :func:`_row_sums_kernel`.
+PLACES_BLOCK = 1024
+SUMS_BLOCK = 128
 #: Tiles of :func:`_resolve_kernel`: listed elements per step, and per pairwise step.
 RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 32}
 #: The full-row passes (:func:`_hist_kernel`, :func:`_count_kernel`): columns per step, columns
@@ -222,6 +226,93 @@ if tl is not None:
         tl.store(info_ptr + n * 4, tl.reduce(one, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 1, tl.reduce(size, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 2, (in_range & no_nan & fits).to(tl.int32))
+
+    @lazy_jit(do_not_specialize=("N", "max_open_row"))
+    def _places_kernel(
+        info_ptr,
+        qbase_ptr,
+        obase_ptr,
+        ocap_ptr,
+        ofill_ptr,
+        sizes_ptr,
+        N,
+        max_open_row,
+        BLOCK: tl.constexpr,
+    ):
+        # One program over the rows in order. A row is done here when its plan says so and it
+        # has at most max_open_row open elements; such a row's open bins and open elements
+        # take their places after those of the rows before it:
+        #   qbase[n] = open bins before n (-1: the reference's row), obase[n] = open elements
+        #   before n, ocap[n] = n's open elements (0 when not done here), ofill[n] = 0;
+        #   sizes = (most open bins in a row, open bins, rows not done, most open elements in
+        #   a row, open elements).
+        bins_before = tl.full([], 0, tl.int64)
+        opens_before = tl.full([], 0, tl.int64)
+        most_bins = tl.full([], 0, tl.int64)
+        most_opens = tl.full([], 0, tl.int64)
+        n_bad = tl.full([], 0, tl.int64)
+        for n0 in range(0, N, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            nm = n < N
+            bins = tl.load(info_ptr + n * 4, mask=nm, other=0).to(tl.int64)
+            opens = tl.load(info_ptr + n * 4 + 1, mask=nm, other=0).to(tl.int64)
+            ok = nm & (tl.load(info_ptr + n * 4 + 2, mask=nm, other=0) != 0)
+            ok = ok & (opens <= max_open_row)
+            bins = tl.where(ok, bins, 0)
+            opens = tl.where(ok, opens, 0)
+            bins_end = bins_before + tl.associative_scan(bins, 0, SUM_COMBINE)
+            opens_end = opens_before + tl.associative_scan(opens, 0, SUM_COMBINE)
+            tl.store(qbase_ptr + n, tl.where(ok, bins_end - bins, -1), mask=nm)
+            tl.store(obase_ptr + n, opens_end - opens, mask=nm)
+            tl.store(ocap_ptr + n, opens.to(tl.int32), mask=nm)
+            tl.store(ofill_ptr + n, tl.full((BLOCK,), 0, tl.int32), mask=nm)
+            bins_before += tl.reduce(bins, 0, SUM_COMBINE)
+            opens_before += tl.reduce(opens, 0, SUM_COMBINE)
+            most_bins = tl.maximum(most_bins, tl.reduce(bins, 0, MAX_COMBINE))
+            most_opens = tl.maximum(most_opens, tl.reduce(opens, 0, MAX_COMBINE))
+            n_bad += tl.reduce((nm & ~ok).to(tl.int64), 0, SUM_COMBINE)
+        tl.store(sizes_ptr, most_bins)
+        tl.store(sizes_ptr + 1, bins_before)
+        tl.store(sizes_ptr + 2, n_bad)
+        tl.store(sizes_ptr + 3, most_opens)
+        tl.store(sizes_ptr + 4, opens_before)
+
+    @lazy_jit(do_not_specialize=("N", "C1", "C2", "P"))
+    def _row_sums_kernel(
+        part_ptr,
+        part2_ptr,
+        res_ptr,
+        l1_ptr,
+        gsum_ptr,
+        N,
+        C1,
+        C2,
+        P,
+        BLOCK: tl.constexpr,
+    ):
+        # Rows n of one block: the partial sums of the count pass (part [2, N, C1] fp32), the
+        # mark pass (part2 [2, N, C2] fp64) and the resolve pass (res [N, P, 2] fp64) per side
+        #   side_s = sum part[s] (fp32, then fp64) + sum part2[s],
+        #   l1 = side_0 + side_1 + sum res[.., 0],  gsum = side_0 + sum res[.., 1]  (as fp32).
+        n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        nm = n < N
+        a = tl.full((BLOCK,), 0.0, tl.float32)
+        b = tl.full((BLOCK,), 0.0, tl.float32)
+        for c in range(0, C1):
+            a += tl.load(part_ptr + n * C1 + c, mask=nm, other=0.0)
+            b += tl.load(part_ptr + (N + n) * C1 + c, mask=nm, other=0.0)
+        a2 = a.to(tl.float64)
+        b2 = b.to(tl.float64)
+        for c in range(0, C2):
+            a2 += tl.load(part2_ptr + n * C2 + c, mask=nm, other=0.0)
+            b2 += tl.load(part2_ptr + (N + n) * C2 + c, mask=nm, other=0.0)
+        l1 = tl.full((BLOCK,), 0.0, tl.float64)
+        gsum = tl.full((BLOCK,), 0.0, tl.float64)
+        for p in range(0, P):
+            l1 += tl.load(res_ptr + (n * P + p) * 2, mask=nm, other=0.0)
+            gsum += tl.load(res_ptr + (n * P + p) * 2 + 1, mask=nm, other=0.0)
+        tl.store(l1_ptr + n, (a2 + b2 + l1).to(tl.float32), mask=nm)
+        tl.store(gsum_ptr + n, (a2 + gsum).to(tl.float32), mask=nm)
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _count_kernel(
@@ -696,32 +787,30 @@ def topm_l1_signs(
     device = a_NA.device
     list_cap = B // 2  # the most elements an open coarse bin may hold
     plan = _coarse_plan(a_NA, b_NB, m, list_cap, hist_2NK)
-    ok_N = (plan.info_N4[:, 2] != 0) & (plan.info_N4[:, 1] <= max_open_row)
-    bins_N = plan.info_N4[:, 0].long() * ok_N
-    qend_N = bins_N.cumsum(0)
-    open_N = plan.info_N4[:, 1].long() * ok_N
-    oend_N = open_N.cumsum(0)
-    # open bins (most in a row, all), rows not ok, open elements (most in a row, all)
-    sizes = read_later(
-        torch.stack([bins_N.max(), qend_N[-1], N - ok_N.sum(), open_N.max(), oend_N[-1]])
+    # each row's places in the open bins' and open elements' tables (qbase -1: the reference's
+    # row), and the sizes: open bins (most in a row, all), rows not done, open elements (same)
+    i32 = dict(dtype=torch.int32, device=device)
+    qbase_N, obase_N, sizes_5 = torch.empty(2 * N + 5, dtype=torch.long, device=device).split(
+        [N, N, 5]
     )
+    ocap_N, ofill_N = torch.empty(2 * N, **i32).split([N, N])
+    _places_kernel[(1,)](
+        plan.info_N4, qbase_N, obase_N, ocap_N, ofill_N, sizes_5, N, max_open_row,
+        BLOCK=min(PLACES_BLOCK, next_power_of_2(N)), num_warps=4,
+    )  # fmt: skip
+    sizes = read_later(sizes_5)
     if before_wait is not None:
         before_wait()
     max_bins, n_bins, n_bad, max_open, n_open = sizes()  # wait for the device
     if n_bad == N:
         return _reference_signs(a_NA, b_NB, m)
-    qbase_N = torch.where(ok_N, qend_N - bins_N, -1)  # -1: the reference's row
     block, chunk, nchunks = _grid(a_NA, b_NB)
-    i32 = dict(dtype=torch.int32, device=device)
     bins = dict(K=COARSE_BINS, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT)
     P, Q = max(max_bins, 1), max(n_bins, 1)  # (no empty grids or pointers)
     fhist_Q2F = torch.zeros((Q, 2, FINE_BINS), **i32)
     state_NA = torch.empty((N, A), dtype=torch.int8, device=device)
     part_2NC = torch.empty((2, N, nchunks), dtype=torch.float32, device=device)
     # the open elements' records, a run per row
-    obase_N = oend_N - open_N
-    ofill_N = torch.zeros(N, **i32)
-    ocap_N = open_N.to(torch.int32)
     rec_val_O = torch.empty(max(n_open, 1), dtype=torch.float32, device=device)
     rec_key_O = torch.empty(max(n_open, 1), **i32)
     _count_kernel[(N, 2, nchunks)](
@@ -755,12 +844,12 @@ def topm_l1_signs(
         list_val_L, list_key_L, state_NA, state_NA.stride(0), res_NP2, N, P, m,
         K=COARSE_BINS, COL_BITS=_COL_BITS, **RESOLVE_TILES, num_warps=4,
     )  # fmt: skip
-    part_2N = part_2NC.sum(-1).double() + part2_2NC.sum(-1)  # per side
-    res_2N = res_NP2.sum(1).T  # l1, gsum
-    l1_N = (part_2N.sum(0) + res_2N[0]).float()
-    gsum_N = (part_2N[0] + res_2N[1]).float()
+    l1_N, gsum_N = torch.empty(2 * N, dtype=torch.float32, device=device).split([N, N])
+    _row_sums_kernel[(cdiv(N, SUMS_BLOCK),)](
+        part_2NC, part2_2NC, res_NP2, l1_N, gsum_N, N, nchunks, nprogs, P, BLOCK=SUMS_BLOCK
+    )
     if n_bad:
-        bad = (~ok_N).nonzero().flatten()
+        bad = (qbase_N < 0).nonzero().flatten()
         ref = _reference_signs(a_NA[bad], b_NB[bad], m)
         l1_N[bad], gsum_N[bad], state_NA[bad] = ref
     return TopmSigns(l1_N, gsum_N, state_NA)

@@ -150,6 +150,27 @@ def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch, 
     torch.testing.assert_close(g[1].sort().values, g_ref[1].sort().values, rtol=1e-6, atol=0)
 
 
+def test_topm_l1_places_rows_across_steps_with_rows_sent_to_the_reference(monkeypatch):
+    # the rows' places in the open tables are running sums over the rows done by the counts,
+    # carried across the places pass's steps; the row sums are made in blocks of rows
+    monkeypatch.setattr(tm, "PLACES_BLOCK", 4)
+    monkeypatch.setattr(tm, "SUMS_BLOCK", 2)
+    rows_seen = []
+    reference = tm._reference_signs
+    monkeypatch.setattr(
+        tm, "_reference_signs", lambda a, *rest: rows_seen.append(a.shape[0]) or reference(a, *rest)
+    )
+    a, b = _rows(11, 160, 140, seed=17, similar=True)
+    a[[1, 6], 20:] = -300.0  # fewer than m values above -248 nats: the reference's rows
+    l1_ref, g_ref, gsum_ref = tm.topm_l1_reference(a, b, 60)
+    l1, g, gsum = tm.topm_l1(a, b, 60)
+    assert rows_seen == [2]
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
+    done = [n for n in range(11) if n not in (1, 6)]
+    torch.testing.assert_close(g[done], g_ref[done], rtol=1e-6, atol=0)
+
+
 def test_topm_l1_refuses_m_outside_the_rows():
     a, b = _rows(1, 10, 8, seed=0)
     with pytest.raises(ValueError, match="m=9"):
@@ -178,7 +199,9 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
         **dict.fromkeys(["qbase_ptr", "nlist_ptr", "lbase_ptr", "obase_ptr"], i64),
         "fcode_ptr": "*u8",
         "state_ptr": "*i8",
-        **dict.fromkeys(["res_ptr", "sums_ptr"], "*fp64"),
+        **dict.fromkeys(["res_ptr", "sums_ptr", "part2_ptr"], "*fp64"),
+        **dict.fromkeys(["l1_ptr", "gsum_ptr"], f32),
+        "sizes_ptr": i64,
     }
     bins = {"K": tm.COARSE_BINS, "BASE": tm.COARSE_BASE, "SHIFT": tm.COARSE_SHIFT}
     fine = {**bins, "FSHIFT": tm.FINE_SHIFT}
@@ -189,6 +212,8 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
         (tm._fine_plan_kernel, {"K": tm.COARSE_BINS}),
         (tm._mark_kernel, {**fine, "COL_BITS": tm._COL_BITS, "BLOCK": 1024}),
         (tm._resolve_kernel, {"K": tm.COARSE_BINS, "COL_BITS": tm._COL_BITS, **tm.RESOLVE_TILES}),
+        (tm._places_kernel, {"BLOCK": tm.PLACES_BLOCK}),
+        (tm._row_sums_kernel, {"BLOCK": tm.SUMS_BLOCK}),
     ]
     for lazy, constexprs in kernels:
         usage = compile_for_hopper(lazy, pointers, constexprs)
