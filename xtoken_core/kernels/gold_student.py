@@ -2,7 +2,7 @@
 
 :class:`GoldStudent` computes the common-vocab KL (:func:`gold_common`: both sides' chunk
 averages, the KL, its chunk gradient and the argmax agreement in one pass over the logits) and
-the uncommon top-m L1 (chunk averages by
+the uncommon top-m L1 (both sides' chunk averages, the caller's
 :func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`, compared by
 :func:`~xtoken_core.kernels.topm_l1.topm_l1_signs`), and keeps the chunk gradient compact: the
 common columns' ``[N, Mc]`` fp32, the uncommon columns' as the student's chunk means and int8
@@ -27,7 +27,7 @@ import logging
 import torch
 
 from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, tl
-from .logit_rows import KERNEL_CONFIG, block_for, chunk_mean_columns, row_logsumexp
+from .logit_rows import KERNEL_CONFIG, block_for
 from .topm_l1 import topm_l1_signs
 
 logger = logging.getLogger(__name__)
@@ -421,16 +421,16 @@ class GoldStudent(torch.autograd.Function):
     The chunk gradient is computed in the forward in compact form (common columns ``[N, Mc]``
     by :func:`gold_common`, which reads the teacher's common columns from its logits; uncommon
     columns as the student's uncommon chunk means with the top-m states of
-    :func:`~xtoken_core.kernels.topm_l1.topm_l1_signs` against the teacher's
-    ``teacher_unc_NX``) and expanded to ``dz`` by one backward kernel.
+    :func:`~xtoken_core.kernels.topm_l1.topm_l1_signs` against the teacher's) and expanded to
+    ``dz`` by one backward kernel.
 
     Inputs of :meth:`forward` besides the logits ``z_BTV``: ``lse_R`` the student's row
-    logsumexps of ``z / T`` (None: made here for the chunks' rows); ``rows`` the student's
-    valid-chunk rows; ``teacher`` = ``(zt_BUW, lse_t_R, t_rows)``; ``teacher_unc_NX`` the
-    teacher's uncommon chunk means;
-    ``hist_2NK`` their coarse histograms, the teacher's counted in ``[1]``, the student's added
-    to ``[0]`` here; ``m``, ``exact`` (the common / uncommon ids), ``temperature``,
-    ``reverse_kl``.
+    logsumexps of ``z / T``; ``rows`` the student's valid-chunk rows; ``teacher`` =
+    ``(zt_BUW, lse_t_R, t_rows)``; ``unc_means`` = ``(s_unc_NU, t_unc_NX)`` both sides' uncommon
+    chunk means (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`, made by the caller
+    so that the GPU has them to run while the host prepares the rest; None without uncommon
+    columns) and ``hist_2NK`` their coarse histograms (student ``[0]``, teacher ``[1]``);
+    ``m``, ``exact`` (the common / uncommon ids), ``temperature``, ``reverse_kl``.
     """
 
     @staticmethod
@@ -440,7 +440,7 @@ class GoldStudent(torch.autograd.Function):
         lse_R,
         rows,
         teacher,
-        teacher_unc_NX,
+        unc_means,
         hist_2NK,
         m,
         exact,
@@ -453,8 +453,6 @@ class GoldStudent(torch.autograd.Function):
         Mc = cs.numel()
         V = z_BTV.shape[-1]
         device = z_BTV.device
-        if lse_R is None:
-            lse_R = row_logsumexp(z_BTV, rows.nidx_R, temperature)
         uncommon = None
         l1_sum = torch.zeros((), dtype=torch.float32, device=device)
         gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
@@ -471,9 +469,7 @@ class GoldStudent(torch.autograd.Function):
             temperature, reverse_kl,
         )  # fmt: skip
         if has_uncommon:
-            s_unc_NU = chunk_mean_columns(
-                z_BTV, lse_R, rows.order_R, rows.offsets_N1, temperature, us, hist_NK=hist_2NK[0]
-            )
+            s_unc_NU, teacher_unc_NX = unc_means
             # the signs of d|e^s_(j) - u_(j)| / ds, kept as tables the backward reads; a quarter
             # of the common KL's blocks fills the GPU while the host waits in the top-m
             quarter = cdiv(common.n_blocks, 4)

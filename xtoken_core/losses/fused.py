@@ -291,21 +291,28 @@ def _gold_fused(
     m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
     lse_s_R, lse_t_R = (None, None) if row_lse is None else row_lse
     with torch.no_grad():
+        if lse_s_R is None:
+            lse_s_R = logit_rows.row_logsumexp(zs_BTV, s_rows.nidx_R, temperature)
         if lse_t_R is None:
             lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
-        u_unc_NX = hist_2NK = None
-        if m > 0:  # the chunk means also count the top-m's coarse histograms (student's: [0])
+        unc_means = hist_2NK = None
+        if m > 0:  # both sides' uncommon chunk means and the top-m's coarse histograms of them
             hist_2NK = torch.zeros((2, N, COARSE_BINS), dtype=torch.int32, device=zs_BTV.device)
-            u_unc_NX = logit_rows.chunk_mean_columns(
+            s_unc_NU = logit_rows.chunk_mean_columns(
+                zs_BTV, lse_s_R, s_rows.order_R, s_rows.offsets_N1, temperature,
+                exact_map["uncommon_student"], hist_NK=hist_2NK[0],
+            )  # fmt: skip
+            t_unc_NX = logit_rows.chunk_mean_columns(
                 zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature, ut,
                 hist_NK=hist_2NK[1],
             )  # fmt: skip
+            unc_means = (s_unc_NU, t_unc_NX)
     kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
         zs_BTV,
         lse_s_R,
         s_rows,
         (zt_BUW, lse_t_R, t_rows),
-        u_unc_NX,
+        unc_means,
         hist_2NK,
         m,
         exact_map,

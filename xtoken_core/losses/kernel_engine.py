@@ -4,7 +4,7 @@ launched eagerly.
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
 launches, no host sync). P-KL then needs no host value before its kernels are queued;
 gold needs the valid-chunk count N on the host, read back behind the plans while the GPU makes the
-row logsumexps of every logits tensor (whose row sums are the finite checks). The input checks
+student's row logsumexps (the row sums of every logits tensor are the finite checks). The input checks
 are read back after every kernel is queued (the kernels index only with clamped ids) and raise
 before the result is returned.
 
@@ -74,15 +74,15 @@ class KernelEngine:
         device = student_logits_BTV.device
         # Gold: the row logsumexps of every row, whose row sums are the finite checks (one read
         # of each logits tensor for both); made last-dim contiguous once here, as the row
-        # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N: its
-        # readback is queued behind the plans, and the host waits for it while the GPU makes
-        # the teachers' row logsumexps.
+        # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N, read
+        # back behind the teachers' row logsumexps and the plans: the GPU makes the student's
+        # row logsumexps while the host waits for it and queues the next kernels.
         lse_s_R, lse_t, counts = None, [], None
         teacher_logits = [t.logits_BUW for t in teachers]
         if cfg.gold_loss:
             student_logits_BTV = fused.last_dim_contiguous(student_logits_BTV)
             teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
-            lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
+            lse_t = [self._row_lse(t.name, z, checks) for t, z in zip(teachers, teacher_logits)]
         elif checks is not None:
             checks.finite("student_logits", student_logits_BTV)
             for t in teachers:
@@ -90,7 +90,7 @@ class KernelEngine:
         plans = [self._plan(t, sample_mask_B, device) for t in teachers]
         if cfg.gold_loss:
             counts = read_later(torch.cat([plan.stats_5[4:5] for plan in plans]))
-            lse_t = [self._row_lse(t.name, z, checks) for t, z in zip(teachers, teacher_logits)]
+            lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
         if checks is not None:
             for t, plan in zip(teachers, plans, strict=True):
                 C = t.alignment.max_chunks
