@@ -209,7 +209,6 @@ if tl is not None:
         tl.store(out + 4, mu)
         tl.store(out + 5, ib.to(tl.float32))
 
-
     @lazy_jit(do_not_specialize=("N", "n_blocks"))
     def _common_sums_kernel(part_ptr, stats_ptr, N, n_blocks, Mc, BLOCK_N: tl.constexpr):
         # Chunks n of one block, over their column blocks' partials (KL, sum g, max s and its

@@ -227,7 +227,10 @@ if tl is not None:
         tl.store(info_ptr + n * 4 + 1, tl.reduce(size, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 2, (in_range & no_nan & fits).to(tl.int32))
 
-    @lazy_jit(do_not_specialize=("N", "max_open_row"))
+    @lazy_jit(
+        do_not_specialize=("N", "max_open_row"),
+        do_not_specialize_on_alignment=("obase_ptr", "ofill_ptr", "sizes_ptr"),
+    )
     def _places_kernel(
         info_ptr,
         qbase_ptr,
@@ -277,7 +280,9 @@ if tl is not None:
         tl.store(sizes_ptr + 3, most_opens)
         tl.store(sizes_ptr + 4, opens_before)
 
-    @lazy_jit(do_not_specialize=("N", "C1", "C2", "P"))
+    @lazy_jit(
+        do_not_specialize=("N", "C1", "C2", "P"), do_not_specialize_on_alignment=("gsum_ptr",)
+    )
     def _row_sums_kernel(
         part_ptr,
         part2_ptr,
@@ -796,7 +801,7 @@ def topm_l1_signs(
     ocap_N, ofill_N = torch.empty(2 * N, **i32).split([N, N])
     _places_kernel[(1,)](
         plan.info_N4, qbase_N, obase_N, ocap_N, ofill_N, sizes_5, N, max_open_row,
-        BLOCK=min(PLACES_BLOCK, next_power_of_2(N)), num_warps=4,
+        BLOCK=PLACES_BLOCK, num_warps=4,
     )  # fmt: skip
     sizes = read_later(sizes_5)
     if before_wait is not None:
