@@ -319,7 +319,9 @@ if tl is not None:
         tl.store(l1_ptr + n, (a2 + b2 + l1).to(tl.float32), mask=nm)
         tl.store(gsum_ptr + n, (a2 + gsum).to(tl.float32), mask=nm)
 
-    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
+    @lazy_jit(  # N: the batch's chunk count; the row bases are carved from one buffer
+        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr", "ofill_ptr")
+    )
     def _count_kernel(
         a_ptr,
         b_ptr,
@@ -455,7 +457,9 @@ if tl is not None:
             tl.store(foffs_ptr + q * 256 + f, tl.associative_scan(listed, 0, SUM_COMBINE) - listed)
             tl.store(nlist_ptr + q, tl.reduce(listed, 0, SUM_COMBINE))
 
-    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
+    @lazy_jit(  # N: the batch's chunk count; the row bases are carved from one buffer
+        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr", "ofill_ptr")
+    )
     def _mark_kernel(
         rec_val_ptr,
         rec_key_ptr,
