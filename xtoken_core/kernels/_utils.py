@@ -35,6 +35,7 @@ __all__ = [
     "interpret_mode",
     "lazy_jit",
     "next_power_of_2",
+    "queue_mark",
     "read_later",
     "tl",
     "transpose_into",
@@ -92,20 +93,44 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def read_later(x: torch.Tensor) -> Callable[[], list]:
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def queue_mark(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on ``device``'s current stream (None off CUDA): a point in the queued
+    work for :func:`read_later` ``after``."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def read_later(x: torch.Tensor, *, after: torch.cuda.Event | None = None) -> Callable[[], list]:
     """Queue the copy of a small tensor to the host; the returned function waits for that copy
     alone and gives its values (``tolist``).
 
-    On CUDA the copy goes to pinned memory behind an event, so work queued after this call
-    keeps the GPU busy while the host waits; elsewhere the values are read at once.
+    On CUDA the copy goes to pinned memory on a side stream, behind the work queued so far on
+    the current stream (or the point ``after``, from :func:`queue_mark`) and ahead of none
+    queued after it: the host can wait for the copy while the GPU runs that later work, which
+    therefore must not write ``x``. Elsewhere the values are read at once.
     """
     if not x.is_cuda:
         values = x.tolist()
         return lambda: values
+    stream = _copy_streams.get(x.device)
+    if stream is None:
+        stream = _copy_streams[x.device] = torch.cuda.Stream(x.device)
+    if after is None:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+    else:
+        stream.wait_event(after)
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
+    with torch.cuda.stream(stream):
+        host.copy_(x, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    x.record_stream(stream)  # x's memory is not reused before the copy has read it
 
     def wait() -> list:
         event.synchronize()

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from xtoken_core.kernels import logit_rows
-from xtoken_core.kernels._utils import read_later
+from xtoken_core.kernels._utils import queue_mark, read_later
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
@@ -89,8 +89,10 @@ class KernelEngine:
                 checks.finite(t.name, t.logits_BUW)
         plans = [self._plan(t, sample_mask_B, device) for t in teachers]
         if cfg.gold_loss:
-            counts = read_later(torch.cat([plan.stats_5[4:5] for plan in plans]))
+            n_valid = torch.cat([plan.stats_5[4:5] for plan in plans])
+            planned = queue_mark(device)  # the copy of n_valid waits for this point only
             lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
+            counts = read_later(n_valid, after=planned)
         if checks is not None:
             for t, plan in zip(teachers, plans, strict=True):
                 C = t.alignment.max_chunks

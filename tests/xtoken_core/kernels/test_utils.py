@@ -81,3 +81,28 @@ def test_read_later_waits_only_for_the_work_queued_before_it():
     assert read() == [7, 7, 7]
     assert not done.query()  # the host got the values while the later work was still running
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_later_copies_after_the_work_queued_before_it():
+    # the copy runs on its own stream, behind what the current stream had queued
+    x = torch.zeros(3, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    x.fill_(5.0)
+    read = _utils.read_later(x)
+    assert read() == [5.0, 5.0, 5.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_later_after_a_mark_waits_only_for_the_work_before_the_mark():
+    x = torch.full((2,), 3, device="cuda")
+    mark = _utils.queue_mark(x.device)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s queued between the mark and the read
+    done = torch.cuda.Event()
+    done.record()
+    read = _utils.read_later(x, after=mark)
+    assert read() == [3, 3]
+    assert not done.query()
+    torch.cuda.synchronize()
