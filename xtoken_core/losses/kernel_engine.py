@@ -84,8 +84,8 @@ class KernelEngine:
             teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
             start = queue_mark(device)
             lse_t = [self._row_lse(t.name, z, checks) for t, z in zip(teachers, teacher_logits)]
-            plans, counts, planned = self._plans_beside(teachers, sample_mask_B, device, start)
             lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
+            plans, counts, planned = self._plans_beside(teachers, sample_mask_B, device, start)
             if planned is not None:  # what follows reads the plans
                 torch.cuda.current_stream(device).wait_event(planned)
         else:
