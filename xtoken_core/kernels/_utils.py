@@ -37,7 +37,6 @@ __all__ = [
     "next_power_of_2",
     "queue_mark",
     "read_later",
-    "side_stream",
     "tl",
     "transpose_into",
     "triton",
@@ -94,17 +93,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of a CUDA device (made on first use): for small work and copies that
-    should neither wait behind the current stream's queue nor hold it up. Work on it that the
-    current stream reads must be joined by an event (:func:`queue_mark`)."""
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def queue_mark(device: torch.device) -> torch.cuda.Event | None:
@@ -129,7 +118,9 @@ def read_later(x: torch.Tensor, *, after: torch.cuda.Event | None = None) -> Cal
     if not x.is_cuda:
         values = x.tolist()
         return lambda: values
-    stream = side_stream(x.device)
+    stream = _copy_streams.get(x.device)
+    if stream is None:
+        stream = _copy_streams[x.device] = torch.cuda.Stream(x.device)
     if after is None:
         stream.wait_stream(torch.cuda.current_stream(x.device))
     else:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from xtoken_core.kernels import logit_rows
-from xtoken_core.kernels._utils import queue_mark, read_later, side_stream
+from xtoken_core.kernels._utils import queue_mark, read_later
 from xtoken_core.losses import fused, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
@@ -74,26 +74,25 @@ class KernelEngine:
         device = student_logits_BTV.device
         # Gold: the row logsumexps of every row, whose row sums are the finite checks (one read
         # of each logits tensor for both); made last-dim contiguous once here, as the row
-        # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N: the
-        # plans and N's readback go beside the row logsumexps (:meth:`_plans_beside`), so the
-        # host has N while the GPU still makes them.
+        # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N, read
+        # back behind the teachers' row logsumexps and the plans: the GPU makes the student's
+        # row logsumexps while the host waits for it and queues the next kernels.
         lse_s_R, lse_t, counts = None, [], None
         teacher_logits = [t.logits_BUW for t in teachers]
         if cfg.gold_loss:
             student_logits_BTV = fused.last_dim_contiguous(student_logits_BTV)
             teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
-            start = queue_mark(device)
             lse_t = [self._row_lse(t.name, z, checks) for t, z in zip(teachers, teacher_logits)]
+        elif checks is not None:
+            checks.finite("student_logits", student_logits_BTV)
+            for t in teachers:
+                checks.finite(t.name, t.logits_BUW)
+        plans = [self._plan(t, sample_mask_B, device) for t in teachers]
+        if cfg.gold_loss:
+            n_valid = torch.cat([plan.stats_5[4:5] for plan in plans])
+            planned = queue_mark(device)  # the copy of n_valid waits for this point only
             lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
-            plans, counts, planned = self._plans_beside(teachers, sample_mask_B, device, start)
-            if planned is not None:  # what follows reads the plans
-                torch.cuda.current_stream(device).wait_event(planned)
-        else:
-            if checks is not None:
-                checks.finite("student_logits", student_logits_BTV)
-                for t in teachers:
-                    checks.finite(t.name, t.logits_BUW)
-            plans = [self._plan(t, sample_mask_B, device) for t in teachers]
+            counts = read_later(n_valid, after=planned)
         if checks is not None:
             for t, plan in zip(teachers, plans, strict=True):
                 C = t.alignment.max_chunks
@@ -165,31 +164,6 @@ class KernelEngine:
         if checks is not None:
             checks.finite(name, logits, total=sums_R.sum())
         return lse_R
-
-    def _plans_beside(self, teachers, sample_mask_B, device, start):
-        """Every teacher's plan and the readback of their valid-chunk counts, queued on the side
-        stream behind ``start`` (a :func:`queue_mark` of the current stream) on CUDA: their
-        small kernels run beside the current stream's work and N reaches the host early.
-
-        Returns:
-            ``(plans, counts, planned)``: the plans, the function that waits for the counts
-            (:func:`read_later`) and the side stream's mark after the plans, for the current
-            stream to wait on before it reads them (None off CUDA, where it all runs in order).
-        """
-        if start is None:
-            plans = [self._plan(t, sample_mask_B, device) for t in teachers]
-            return plans, read_later(torch.cat([plan.stats_5[4:5] for plan in plans])), None
-        side = side_stream(device)
-        side.wait_event(start)
-        with torch.cuda.stream(side):
-            plans = [self._plan(t, sample_mask_B, device) for t in teachers]
-            counts = read_later(torch.cat([plan.stats_5[4:5] for plan in plans]))
-            planned = queue_mark(device)
-        current = torch.cuda.current_stream(device)
-        for plan in plans:  # the plans' memory is reused only after the current stream's reads
-            for buffer in (plan.stats_5, plan.valid_BC, plan.sizes_2[0]):
-                buffer.record_stream(current)
-        return plans, counts, planned
 
     def _plan(self, teacher: TeacherInputs, sample_mask_B, device):
         """Shifted ids, validity, N and both sides' rows of one teacher
