@@ -2,11 +2,11 @@
 launched eagerly.
 
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
-launches, no host sync). P-KL then needs no host value before its kernels are queued;
-gold needs the valid-chunk count N on the host, read back behind the plans while the GPU makes the
-student's row logsumexps (the row sums of every logits tensor are the finite checks). The input checks
-are read back after every kernel is queued (the kernels index only with clamped ids) and raise
-before the result is returned.
+launches, no host sync). P-KL then needs no host value before its kernels are queued; gold needs
+the valid-chunk count N on the host, read back behind the plans while the GPU makes the student's
+row logsumexps (the row sums of every logits tensor are the finite checks). The input checks are
+read back after every kernel is queued (the kernels index only with clamped ids) and raise before
+the result is returned.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab.
