@@ -25,7 +25,8 @@ usual case), every element of the bin takes its sign from the counts above it; s
    the caller's, counted as it wrote the rows
    (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns` ``hist_NK=``).
 2. :func:`_plan_kernel`: per bin, the counts above it, the members' signs and whether it is open
-   (an open bin's code also holds its place among the row's open bins).
+   (an open bin's code also holds its place among the row's open bins); :func:`_places_kernel`:
+   each row's places in the tables of open bins and open elements, and their sizes.
 3. :func:`_count_kernel`, a pass over both rows: the elements of decided bins add their signed
    probability (the student's write their state); those of open bins count in the open bin's
    fine histogram (256 bins, the coarse bin's span of bits split evenly) and are copied out to
@@ -34,7 +35,8 @@ usual case), every element of the bin takes its sign from the counts above it; s
 5. :func:`_mark_kernel`, over the records only: the elements of decided fine bins add their
    sign (and state); the few in open fine bins go to the bin's list, ordered by fine bin.
 6. :func:`_resolve_kernel`, per row and open bin: each listed element by pairwise counts within
-   its fine bin (rank and the other side's count above).
+   its fine bin (rank and the other side's count above); :func:`_row_sums_kernel` adds up the
+   passes' partial sums per row.
 
 The gradient is not written: :func:`topm_l1_signs` returns the student's states (int8: not a
 member, ``+e^a``, ``-e^a``), which :func:`topm_gradient` or the gold loss's backward kernel turn
