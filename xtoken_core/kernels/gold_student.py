@@ -453,10 +453,8 @@ class GoldStudent(torch.autograd.Function):
         V = z_BTV.shape[-1]
         device = z_BTV.device
         uncommon = None
-        l1_sum = torch.zeros((), dtype=torch.float32, device=device)
-        gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
         # Where each vocab id's chunk gradient lives (the code of gold_backward); made before
-        # the top-m's host waits, while the GPU is busy.
+        # the top-m's host wait, while the GPU is busy.
         has_uncommon = m > 0 and N > 0
         cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
         cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
@@ -478,6 +476,9 @@ class GoldStudent(torch.autograd.Function):
             )  # fmt: skip
             uncommon = (s_unc_NU, signs.state_NA)
             l1_sum, gsum_top_N = signs.l1_N.sum(), signs.gsum_N
+        else:
+            l1_sum = torch.zeros((), dtype=torch.float32, device=device)
+            gsum_top_N = torch.zeros(N, dtype=torch.float32, device=device)
         g_common_NC, stats_N3 = common.result()
         totals_3 = stats_N3.sum(0)
         kl_sum, correct = totals_3[0], totals_3[2]
