@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CommonKL", "GoldStudent", "gold_backward", "gold_common"]
 
-#: Chunks per program of the common KL's per-chunk sums.
-SUMS_BLOCK_N = 128
+#: The common KL's per-chunk sums: chunks per program, column blocks per step.
+SUMS_TILE = {"chunks": 16, "blocks": 64}
 
 
 if tl is not None:
@@ -210,11 +210,13 @@ if tl is not None:
         tl.store(out + 5, ib.to(tl.float32))
 
     @lazy_jit(do_not_specialize=("N", "n_blocks"))
-    def _common_sums_kernel(part_ptr, stats_ptr, N, n_blocks, Mc, BLOCK_N: tl.constexpr):
+    def _common_sums_kernel(
+        part_ptr, stats_ptr, N, n_blocks, Mc, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr
+    ):
         # Chunks n of one block, over their column blocks' partials (KL, sum g, max s and its
-        # first column, max u and its first): stats[n] = (KL, sum g, 1.0 where the first
-        # column of the row max of s is that of u). Blocks go in column order and a later
-        # block takes the max only when above, so the first column of the row max is kept.
+        # first column, max u and its first), BLOCK_B blocks a step: stats[n] = (KL, sum g,
+        # 1.0 where the first column of the row max of s is that of u). Of the blocks holding
+        # the row max, the one of the smallest column gives it (its first column).
         n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         nm = n < N
         kl = tl.full((BLOCK_N,), 0.0, tl.float32)
@@ -223,16 +225,24 @@ if tl is not None:
         best_u = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         arg_s = tl.full((BLOCK_N,), 0.0, tl.float32) + Mc
         arg_u = tl.full((BLOCK_N,), 0.0, tl.float32) + Mc
-        for b in range(0, n_blocks):
-            part = part_ptr + (n * n_blocks + b) * 6
-            kl += tl.load(part, mask=nm, other=0.0)
-            gsum += tl.load(part + 1, mask=nm, other=0.0)
-            ms = tl.load(part + 2, mask=nm, other=0.0)
-            mu = tl.load(part + 4, mask=nm, other=0.0)
-            arg_s = tl.where(ms > best_s, tl.load(part + 3, mask=nm, other=0.0), arg_s)
-            arg_u = tl.where(mu > best_u, tl.load(part + 5, mask=nm, other=0.0), arg_u)
-            best_s = tl.maximum(best_s, ms)
-            best_u = tl.maximum(best_u, mu)
+        for b0 in range(0, n_blocks, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            mask = nm[:, None] & (b < n_blocks)[None, :]
+            part = part_ptr + (n[:, None] * n_blocks + b[None, :]) * 6
+            kl += tl.reduce(tl.load(part, mask=mask, other=0.0), 1, SUM_COMBINE)
+            gsum += tl.reduce(tl.load(part + 1, mask=mask, other=0.0), 1, SUM_COMBINE)
+            ms = tl.load(part + 2, mask=mask, other=float("-inf"))
+            mu = tl.load(part + 4, mask=mask, other=float("-inf"))
+            top_s = tl.reduce(ms, 1, MAX_COMBINE)
+            top_u = tl.reduce(mu, 1, MAX_COMBINE)
+            at_s = tl.load(part + 3, mask=mask & (ms == top_s[:, None]), other=Mc)
+            at_u = tl.load(part + 5, mask=mask & (mu == top_u[:, None]), other=Mc)
+            at_s = -tl.reduce(-at_s, 1, MAX_COMBINE)
+            at_u = -tl.reduce(-at_u, 1, MAX_COMBINE)
+            arg_s = tl.where(top_s > best_s, at_s, arg_s)
+            arg_u = tl.where(top_u > best_u, at_u, arg_u)
+            best_s = tl.maximum(best_s, top_s)
+            best_u = tl.maximum(best_u, top_u)
         tl.store(stats_ptr + n * 3, kl, mask=nm)
         tl.store(stats_ptr + n * 3 + 1, gsum, mask=nm)
         tl.store(stats_ptr + n * 3 + 2, (arg_s == arg_u).to(tl.float32), mask=nm)
@@ -327,9 +337,10 @@ class CommonKL:
             return self.g_NC, torch.zeros((N, 3), device=self.g_NC.device, dtype=torch.float32)
         # (column ids < 2**24 are exact in the fp32 partials)
         stats_N3 = torch.empty((N, 3), device=self.g_NC.device, dtype=torch.float32)
-        _common_sums_kernel[(cdiv(N, SUMS_BLOCK_N),)](
-            self.part_NB6, stats_N3, N, self.n_blocks, Mc, BLOCK_N=SUMS_BLOCK_N
-        )
+        _common_sums_kernel[(cdiv(N, SUMS_TILE["chunks"]),)](
+            self.part_NB6, stats_N3, N, self.n_blocks, Mc, BLOCK_N=SUMS_TILE["chunks"],
+            BLOCK_B=SUMS_TILE["blocks"],
+        )  # fmt: skip
         return self.g_NC, stats_N3
 
 

@@ -56,11 +56,20 @@ def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
     torch.testing.assert_close(dz.double(), z64.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "sums_tile",
+    [{"chunks": 16, "blocks": 64}, {"chunks": 2, "blocks": 2}],
+    ids=["one-step", "steps"],
+)
 @pytest.mark.parametrize("reverse_kl", [False, True], ids=["fwd-kl", "rev-kl"])
-def test_gold_common_matches_the_chunk_mean_kl_over_several_column_blocks(monkeypatch, reverse_kl):
+def test_gold_common_matches_the_chunk_mean_kl_over_several_column_blocks(
+    monkeypatch, reverse_kl, sums_tile
+):
     from types import SimpleNamespace
 
     monkeypatch.setitem(kf.KERNEL_CONFIG, "gcom_block_c", 16)  # 45 common columns: 3 blocks
+    # the per-chunk sums over the 3 blocks' partials in one step, or in steps of 2 blocks
+    monkeypatch.setattr(gold_student, "SUMS_TILE", sums_tile)
     B, T, U, V, W, N, temp = 2, 9, 7, 61, 53, 5, 1.3
     zs = kd_logits(B, T, V, torch.float32, seed=21, pad=3)  # a vocab-sliced view
     zt = kd_logits(B, U, W, torch.float32, seed=22)
@@ -70,6 +79,7 @@ def test_gold_common_matches_the_chunk_mean_kl_over_several_column_blocks(monkey
     cs = torch.randperm(V, generator=gen)[:45].to(DEVICE)
     ct = torch.randperm(W, generator=gen)[:45].to(DEVICE)
     zs[0, :, cs[7]] = zs[0, :, cs[40]] = 50.0  # a tie for the argmax across blocks: first wins
+    zt[0, :, ct[7]] = 50.0  # (so the agreement says which of the two won)
     lse_s, lse_t = kf.row_logsumexp(zs, s_nidx, temp), kf.row_logsumexp(zt, t_nidx, temp)
     g, stats = gold_student.gold_common(
         zs, lse_s, SimpleNamespace(order_R=s_order, offsets_N1=s_off), cs,
