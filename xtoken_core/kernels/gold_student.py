@@ -76,45 +76,49 @@ if tl is not None:
         HAS_COMMON: tl.constexpr,
         HAS_UNCOMMON: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        BLOCKS: tl.constexpr,
     ):
-        # Program (row r, vocab block), n = chunk of r; c = cpos[v] says where v's chunk
-        # gradient lives: c >= 0 common block, c <= -2 uncommon column j = -c - 2, -1 nowhere.
+        # Program (row r, BLOCKS vocab blocks), n = chunk of r; c = cpos[v] says where v's
+        # chunk gradient lives: c >= 0 common block, c <= -2 uncommon column j = -c - 2, -1
+        # nowhere.
         #   G = dcommon gc[n, c] + duncommon gu[n, j]
         #   dz[r, v] = (G - p[r, v] (dcommon gsum[n, 0] + duncommon gsum[n, 1])) coef[n]
         # gu = e^s, -e^s or 0 with s = su[n, j] the student's chunk mean, as the top-m's state
         # of (n, j) says (1, 2, 0: kernels.topm_l1.TopmSigns).
         r = tl.program_id(0).to(tl.int64)
-        vb = tl.program_id(1)
-        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vm = v < V
+        first = tl.program_id(1) * BLOCKS * BLOCK_V
         n = tl.load(nidx_R_ptr + r).to(tl.int64)
-        out_ptr = dz_ptr + r * V + v
+        out_row = dz_ptr + r * V
         if n >= 0:
-            row_ptr = z_ptr + (r // T) * stride_b + (r % T) * stride_t
-            z = tl.load(row_ptr + v, mask=vm, other=0.0).to(tl.float32)
-            p = tl.exp2(z * scale2 - tl.load(lse_R_ptr + r) * 1.4426950408889634)
-            c = tl.load(cpos_V_ptr + v, mask=vm, other=-1)
+            z_row = z_ptr + (r // T) * stride_b + (r % T) * stride_t
+            gc_row = gc_ptr + n * gc_stride
+            state_row = state_ptr + n * state_stride
+            su_row = su_ptr + n * su_stride
+            lse2 = tl.load(lse_R_ptr + r) * 1.4426950408889634
             dc, du = tl.load(dcommon_ptr), tl.load(duncommon_ptr)
-            g = tl.full((BLOCK_V,), 0.0, tl.float32)
-            if HAS_COMMON:
-                gc = tl.load(gc_ptr + n * gc_stride + c, mask=c >= 0, other=0.0)
-                g += dc * gc
-            if HAS_UNCOMMON:
-                um = c <= -2
-                state = tl.load(state_ptr + n * state_stride + (-2 - c), mask=um, other=0)
-                x = tl.load(su_ptr + n * su_stride + (-2 - c), mask=um, other=0.0)
-                e = tl.exp(x)
-                gu = tl.where(state == 1, e, tl.where(state == 2, -e, 0.0))
-                g += du * gu
             gsum = dc * tl.load(gsum_N2_ptr + 2 * n) + du * tl.load(gsum_N2_ptr + 2 * n + 1)
-            dz = (g - p * gsum) * tl.load(coef_N_ptr + n)
-            tl.store(out_ptr, dz.to(dz_ptr.dtype.element_ty), mask=vm)
+            coef = tl.load(coef_N_ptr + n)
+            for i in range(0, BLOCKS):
+                v = first + i * BLOCK_V + tl.arange(0, BLOCK_V)
+                vm = v < V
+                z = tl.load(z_row + v, mask=vm, other=0.0).to(tl.float32)
+                p = tl.exp2(z * scale2 - lse2)
+                c = tl.load(cpos_V_ptr + v, mask=vm, other=-1)
+                g = tl.full((BLOCK_V,), 0.0, tl.float32)
+                if HAS_COMMON:
+                    g += dc * tl.load(gc_row + c, mask=c >= 0, other=0.0)
+                if HAS_UNCOMMON:
+                    um = c <= -2
+                    state = tl.load(state_row + (-2 - c), mask=um, other=0)
+                    e = tl.exp(tl.load(su_row + (-2 - c), mask=um, other=0.0))
+                    g += du * tl.where(state == 1, e, tl.where(state == 2, -e, 0.0))
+                dz = (g - p * gsum) * coef
+                tl.store(out_row + v, dz.to(dz_ptr.dtype.element_ty), mask=vm)
         else:
-            tl.store(
-                out_ptr,
-                tl.full((BLOCK_V,), 0.0, tl.float32).to(dz_ptr.dtype.element_ty),
-                mask=vm,
-            )
+            for i in range(0, BLOCKS):
+                v = first + i * BLOCK_V + tl.arange(0, BLOCK_V)
+                zero = tl.full((BLOCK_V,), 0.0, tl.float32)
+                tl.store(out_row + v, zero.to(dz_ptr.dtype.element_ty), mask=v < V)
 
     @lazy_jit(
         do_not_specialize=("Ts", "Tt"),
@@ -394,7 +398,8 @@ def gold_backward(
     else:  # any valid pointers
         tables = (gsum_N2, cpos_V)
     bv = block_for("gbwd_block_v", V, 16)
-    _gold_bwd_kernel[(R, cdiv(V, bv))](
+    blocks = min(KERNEL_CONFIG["gbwd_blocks"], cdiv(V, bv))
+    _gold_bwd_kernel[(R, cdiv(V, bv * blocks))](
         z_BTV,
         lse_R,
         nidx_R,
@@ -417,6 +422,7 @@ def gold_backward(
         HAS_COMMON=has_c,
         HAS_UNCOMMON=has_u,
         BLOCK_V=bv,
+        BLOCKS=blocks,
         num_warps=KERNEL_CONFIG["gbwd_warps"],
     )
     return dz_BTV

@@ -83,6 +83,7 @@ KERNEL_CONFIG = {
     "klb_block_k": 256,
     "klb_warps": 4,
     "gbwd_block_v": 512,
+    "gbwd_blocks": 16,
     "gbwd_warps": 4,
     "gcom_block_c": 256,
     "gcom_warps": 1,

@@ -10,10 +10,18 @@ from xtoken_core.kernels import logit_rows as kf
 pytest.importorskip("triton")
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [{}, {"gbwd_block_v": 16, "gbwd_blocks": 2}],
+    ids=["one-block", "blocks-of-16-two-a-program"],
+)
 @pytest.mark.parametrize("parts", ["both", "common-only", "uncommon-only", "uncommon-referred"])
-def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(parts):
+def test_gold_backward_matches_autograd_of_the_weighted_chunk_means(monkeypatch, parts, tiles):
     # The uncommon chunk gradient is the top-m L1's, from its sign tables: counted, or (rows the
-    # counts cannot do) the reference's kept per element.
+    # counts cannot do) the reference's kept per element. With blocks of 16 columns, a program
+    # takes two of the three a row has: the second program's second block is past the row.
+    for key, value in tiles.items():
+        monkeypatch.setitem(kf.KERNEL_CONFIG, key, value)
     B, T, V, N, temp = 2, 9, 45, 5, 1.4
     z = kd_logits(B, T, V, torch.float32, seed=11)
     nidx, order, offsets = kd_rows(B, T, N, seed=12)
