@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ChunkPlan", "plan_chunks"]
 
-#: Block sizes: rows and slots per step of the one-program slot pass, rows x slots per tile of
-#: the row pass; warps of both (the slot pass is one program, so its steps are wide).
-PLAN_CONFIG = {"block": 4096, "rows_block_t": 64, "rows_block_c": 64, "warps": 16}
+#: Block sizes: rows and slots per step of the one-program slot pass (wide steps: it is one
+#: program), and its warps; rows x slots per tile of the row pass, and its warps.
+PLAN_CONFIG = {"block": 4096, "warps": 16, "rows_block_t": 128, "rows_block_c": 32, "rows_warps": 8}
 
 if tl is not None:
     _BIG = tl.constexpr(1 << 62)  # id-range sentinels (globals read by a kernel are constexpr)
@@ -373,7 +373,7 @@ def plan_chunks(
             C,
             BLOCK_T=block_t,
             BLOCK_C=block_c,
-            num_warps=PLAN_CONFIG["warps"],
+            num_warps=PLAN_CONFIG["rows_warps"],
         )
     nidx_s, nidx_t = nidx_A.split([R_s, R_t])
     order_s, order_t = order_A.split([R_s, R_t])
