@@ -106,31 +106,44 @@ def queue_mark(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def read_later(x: torch.Tensor, *, after: torch.cuda.Event | None = None) -> Callable[[], list]:
-    """Queue the copy of a small tensor to the host; the returned function waits for that copy
-    alone and gives its values (``tolist``).
+def read_later(
+    *xs: torch.Tensor, after: torch.cuda.Event | None = None, dtype: torch.dtype | None = None
+) -> Callable[[], list]:
+    """Queue the copy of small tensors to the host; the returned function waits for that copy
+    alone and gives its values (``tolist``: one tensor as it is shaped; several flattened and
+    concatenated, as ``dtype`` or the dtype they promote to).
 
-    On CUDA the copy goes to pinned memory on a side stream, behind the work queued so far on
-    the current stream (or the point ``after``, from :func:`queue_mark`) and ahead of none
-    queued after it: the host can wait for the copy while the GPU runs that later work, which
-    therefore must not write ``x``. Elsewhere the values are read at once.
+    On CUDA the copy (and the concatenation) goes to a side stream, into pinned memory, behind
+    the work queued so far on the current stream (or the point ``after``, from
+    :func:`queue_mark`) and ahead of none queued after it: the host can wait for the copy while
+    the GPU runs that later work, which therefore must not write ``xs``. Elsewhere the values
+    are read at once.
     """
-    if not x.is_cuda:
-        values = x.tolist()
+
+    def joined() -> torch.Tensor:
+        if len(xs) == 1 and dtype is None:
+            return xs[0]
+        return torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in xs])
+
+    if not xs[0].is_cuda:
+        values = joined().tolist()
         return lambda: values
-    stream = _copy_streams.get(x.device)
+    device = xs[0].device
+    stream = _copy_streams.get(device)
     if stream is None:
-        stream = _copy_streams[x.device] = torch.cuda.Stream(x.device)
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
     if after is None:
-        stream.wait_stream(torch.cuda.current_stream(x.device))
+        stream.wait_stream(torch.cuda.current_stream(device))
     else:
         stream.wait_event(after)
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
+        x = joined()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         host.copy_(x, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
-    x.record_stream(stream)  # x's memory is not reused before the copy has read it
+    for x in xs:
+        x.record_stream(stream)  # their memory is not reused before the copy has read them
 
     def wait() -> list:
         event.synchronize()

@@ -66,22 +66,23 @@ class DeferredChecks:
         (``local_1``: this micro-batch's count on the device)."""
         self._add("denominator", name, None, torch.cat([global_1.reshape(1), local_1.reshape(1)]))
 
-    def start(self) -> None:
+    def start(self, after: torch.cuda.Event | None = None) -> None:
         """Queue the readback of every piece (one copy per device, no host wait on CUDA).
 
-        The copies go to pinned host memory behind an event
-        (:func:`~xtoken_core.kernels._utils.read_later`), so the host can keep launching work
-        that does not depend on the checks; :meth:`finish` waits for them.
+        The pieces are joined and copied to pinned host memory on a side stream
+        (:func:`~xtoken_core.kernels._utils.read_later`), behind the work queued so far, or
+        behind ``after`` (a :func:`~xtoken_core.kernels._utils.queue_mark` placed once every
+        piece was queued: work queued since then is not waited for). The host keeps launching
+        work that does not depend on the checks; :meth:`finish` waits for them.
         """
         by_device: dict[torch.device, list[int]] = {}
         for i, item in enumerate(self._items):
             by_device.setdefault(item[3].device, []).append(i)
         self._pending = []
         for slots in by_device.values():
-            # cat promotes every piece to the first one's float64 (exact for ids and counts)
+            # float64 is exact for ids and counts
             pieces = [self._items[i][3] for i in slots]
-            flat = torch.cat([pieces[0].to(torch.float64), *pieces[1:]])
-            self._pending.append((slots, read_later(flat)))
+            self._pending.append((slots, read_later(*pieces, after=after, dtype=torch.float64)))
 
     def run(self) -> None:
         """Read every queued piece (one sync per device) and raise the first failed check.

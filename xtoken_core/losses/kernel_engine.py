@@ -93,6 +93,7 @@ class KernelEngine:
             planned = queue_mark(device)  # the copy of n_valid waits for this point only
             lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
             counts = read_later(n_valid, after=planned)
+        checked = None
         if checks is not None:
             for t, plan in zip(teachers, plans, strict=True):
                 C = t.alignment.max_chunks
@@ -101,9 +102,7 @@ class KernelEngine:
                 if chunk_denoms is not None:
                     name = _denominator_name(t, len(teachers))
                     checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
-            # the readback is queued here and waited for after every kernel is queued (they
-            # index only with clamped ids); a failed check raises before the result is returned
-            checks.start()
+            checked = queue_mark(device)  # every check's piece is queued by here
         num_valid = None if counts is None else counts()
         terms = []
         for i, (t, plan) in enumerate(zip(teachers, plans, strict=True)):
@@ -147,7 +146,11 @@ class KernelEngine:
         dtype = reference.compute_dtype(student_logits_BTV)
         result = sum_teacher_terms(terms, teachers, chunk_denoms, self.scales, dtype, device)
         if checks is not None:
-            checks.finish()  # raises on bad input before the caller reads the result
+            # the checks' readback waits for their pieces only, not for the kernels queued
+            # since (they index only with clamped ids): queued after the kernels, so that its
+            # host work does not delay them; a failed check raises before the result is returned
+            checks.start(after=checked)
+            checks.finish()
         return result
 
     def _row_lse(

@@ -70,6 +70,30 @@ def test_read_later_gives_the_values_the_tensor_had_when_queued():
     assert read() == [0, 2, 4, 6, 8]  # may be asked again
 
 
+def test_read_later_joins_several_tensors_flat_in_one_dtype():
+    ids = torch.tensor([[-1, 2**40]], device=DEVICE)  # int64 beyond fp32's exact range
+    total = torch.tensor(2.5, device=DEVICE)
+    read = _utils.read_later(ids, total, ids[0, 1:] + 1, dtype=torch.float64)
+    del total  # a piece freed after the read is queued is still read as it was
+    assert read() == [-1.0, float(2**40), 2.5, float(2**40 + 1)]
+    assert _utils.read_later(ids[0], torch.tensor([7], device=DEVICE))() == [-1, 2**40, 7]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_later_joins_pieces_after_a_mark_without_waiting_for_later_work():
+    pieces = [torch.full((2,), 4.0, device="cuda"), torch.arange(3, device="cuda")]
+    mark = _utils.queue_mark(pieces[0].device)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s queued between the mark and the read
+    done = torch.cuda.Event()
+    done.record()
+    read = _utils.read_later(*pieces, after=mark, dtype=torch.float64)
+    pieces.clear()  # their memory may go back to the allocator: the copy still reads them
+    assert read() == [4.0, 4.0, 0.0, 1.0, 2.0]
+    assert not done.query()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_read_later_waits_only_for_the_work_queued_before_it():
