@@ -75,24 +75,29 @@ class KernelEngine:
         # Gold: the row logsumexps of every row, whose row sums are the finite checks (one read
         # of each logits tensor for both); made last-dim contiguous once here, as the row
         # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N, read
-        # back behind the teachers' row logsumexps and the plans: the GPU makes the student's
-        # row logsumexps while the host waits for it and queues the next kernels.
-        lse_s_R, lse_t, counts = None, [], None
+        # back behind the plans: the largest logits' row logsumexps go first (the GPU makes
+        # them while the host makes the plans), the others after the plans (the GPU makes
+        # them while the host waits for N and queues the next kernels).
+        counts = None
         teacher_logits = [t.logits_BUW for t in teachers]
         if cfg.gold_loss:
             student_logits_BTV = fused.last_dim_contiguous(student_logits_BTV)
             teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
-            lse_t = [self._row_lse(t.name, z, checks) for t, z in zip(teachers, teacher_logits)]
+            named = [("student_logits", student_logits_BTV)]
+            named += [(t.name, z) for t, z in zip(teachers, teacher_logits, strict=True)]
+            first = max(range(len(named)), key=lambda i: named[i][1].numel())
+            lse = {first: self._row_lse(*named[first], checks)}
         elif checks is not None:
             checks.finite("student_logits", student_logits_BTV)
             for t in teachers:
                 checks.finite(t.name, t.logits_BUW)
         plans = [self._plan(t, sample_mask_B, device) for t in teachers]
         if cfg.gold_loss:
-            n_valid = torch.cat([plan.stats_5[4:5] for plan in plans])
-            planned = queue_mark(device)  # the copy of n_valid waits for this point only
-            lse_s_R = self._row_lse("student_logits", student_logits_BTV, checks)
-            counts = read_later(n_valid, after=planned)
+            planned = queue_mark(device)  # the copy of N waits for this point only
+            for i, (name, logits) in enumerate(named):
+                if i != first:
+                    lse[i] = self._row_lse(name, logits, checks)
+            counts = read_later(*(plan.stats_5[4:5] for plan in plans), after=planned)
         checked = None
         if checks is not None:
             for t, plan in zip(teachers, plans, strict=True):
@@ -127,7 +132,7 @@ class KernelEngine:
                         reverse_kl=cfg.reverse_kl,
                         num_valid=int(num_valid[i]),
                         plan=plan,
-                        row_lse=(lse_s_R, lse_t[i]),
+                        row_lse=(lse[0], lse[i + 1]),
                     )
                 )
             else:
