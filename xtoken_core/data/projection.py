@@ -311,6 +311,37 @@ class Projection:
 
         return self._form(key, build)
 
+    def gold_places(
+        self, student_vocab_size: int, teacher_vocab_size: int, *, xtoken_loss: bool
+    ) -> torch.Tensor:
+        """Where each student id's chunk gradient lives in the fused gold kernels' compact
+        tables (:func:`xtoken_core.kernels.gold_student.vocab_places` of the int32
+        :meth:`exact_map`).
+
+        Args:
+            student_vocab_size: V.
+            teacher_vocab_size: W.
+            xtoken_loss: the relaxed rule.
+
+        Returns:
+            ``[V]`` int32 on :attr:`device`.
+        """
+        from xtoken_core.kernels.gold_student import vocab_places
+
+        def build() -> torch.Tensor:
+            exact = self.exact_map(
+                teacher_vocab_size,
+                xtoken_loss=xtoken_loss,
+                student_vocab_size=student_vocab_size,
+                index_dtype=torch.int32,
+            )
+            return vocab_places(
+                exact["common_student"], exact["uncommon_student"], student_vocab_size
+            )
+
+        key = ("gold places", student_vocab_size, teacher_vocab_size, bool(xtoken_loss))
+        return self._form(key, build)
+
     def kernel_tables(self, student_vocab_size: int, teacher_vocab_size: int) -> Any:
         """The CSC + ELL tables of the fused P-KL kernels
         (:func:`xtoken_core.kernels.pkl_projection.build_projection_tables` of :meth:`sparse`).

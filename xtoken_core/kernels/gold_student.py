@@ -32,7 +32,7 @@ from .topm_l1 import topm_l1_signs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommonKL", "GoldStudent", "gold_backward", "gold_common"]
+__all__ = ["CommonKL", "GoldStudent", "gold_backward", "gold_common", "vocab_places"]
 
 #: The common KL's per-chunk sums: chunks per program, column blocks per step.
 SUMS_TILE = {"chunks": 16, "blocks": 64}
@@ -431,6 +431,23 @@ def gold_backward(
 # --------------------------------------------------------------------------- autograd
 
 
+def vocab_places(
+    common_student_C: torch.Tensor, uncommon_student_U: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Where each student id's chunk gradient lives in the compact tables (the ``cpos`` of
+    :func:`gold_backward`): ``c`` at ``common_student[c]``, ``-2 - j`` at
+    ``uncommon_student[j]``, -1 elsewhere; [V] int32 on the ids' device."""
+    device = common_student_C.device
+    cpos_V = torch.full((vocab_size,), -1, dtype=torch.int32, device=device)
+    cpos_V[common_student_C] = torch.arange(
+        common_student_C.numel(), dtype=torch.int32, device=device
+    )
+    cpos_V[uncommon_student_U] = -2 - torch.arange(
+        uncommon_student_U.numel(), dtype=torch.int32, device=device
+    )
+    return cpos_V
+
+
 class GoldStudent(torch.autograd.Function):
     """Student side of the gold loss from the logits: ``(kl_sum, l1_sum, correct)``.
 
@@ -446,7 +463,8 @@ class GoldStudent(torch.autograd.Function):
     chunk means (:func:`~xtoken_core.kernels.logit_rows.chunk_mean_columns`, made by the caller
     so that the GPU has them to run while the host prepares the rest; None without uncommon
     columns) and ``hist_2NK`` their coarse histograms (student ``[0]``, teacher ``[1]``);
-    ``m``, ``exact`` (the common / uncommon ids), ``temperature``, ``reverse_kl``.
+    ``m``, ``exact`` (the common / uncommon ids), ``places_V`` (their :func:`vocab_places`, or
+    None: made here), ``temperature``, ``reverse_kl``.
     """
 
     @staticmethod
@@ -460,23 +478,19 @@ class GoldStudent(torch.autograd.Function):
         hist_2NK,
         m,
         exact,
+        places_V,
         temperature,
         reverse_kl,
     ):
         cs, us = exact["common_student"], exact["uncommon_student"]
         zt_BUW, lse_t_R, t_rows = teacher
         N = rows.offsets_N1.numel() - 1
-        Mc = cs.numel()
         V = z_BTV.shape[-1]
         device = z_BTV.device
         uncommon = None
-        # Where each vocab id's chunk gradient lives (the code of gold_backward); made before
-        # the top-m's host wait, while the GPU is busy.
+        # where each vocab id's chunk gradient lives (the code of gold_backward)
         has_uncommon = m > 0 and N > 0
-        cpos_V = torch.full((V,), -1, dtype=torch.int32, device=device)
-        cpos_V[cs] = torch.arange(Mc, dtype=torch.int32, device=device)
-        if has_uncommon:
-            cpos_V[us] = -2 - torch.arange(us.numel(), dtype=torch.int32, device=device)
+        cpos_V = vocab_places(cs, us, V) if places_V is None else places_V
         coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         common = CommonKL(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
@@ -516,4 +530,4 @@ class GoldStudent(torch.autograd.Function):
             z_BTV, lse_R, nidx_R, g_common_NC, tuple(unc) if unc else None, cpos_V, gsum_N2,
             coef_N, d_kl.float(), d_l1.float(), ctx.temperature,
         )  # fmt: skip
-        return dz_BTV, None, None, None, None, None, None, None, None, None
+        return dz_BTV, None, None, None, None, None, None, None, None, None, None

@@ -277,6 +277,7 @@ def _gold_fused(
     num_valid,
     plan,
     row_lse=None,
+    places_V=None,
 ) -> KDTerms:
     zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = _fused_inputs(
         student_logits_BTV,
@@ -316,6 +317,7 @@ def _gold_fused(
         hist_2NK,
         m,
         exact_map,
+        places_V,
         float(temperature),
         bool(reverse_kl),
     )
@@ -404,6 +406,7 @@ def gold_kd_loss(
     num_valid: int | None = None,
     plan=None,
     row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    places_V: torch.Tensor | None = None,
 ) -> KDTerms:
     """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference.gold_kd_loss`.
 
@@ -424,6 +427,8 @@ def gold_kd_loss(
         row_lse: ``(student [B*T], teacher [B*U])`` fp32 row logsumexps of ``z / temperature``
             over every row (:func:`~xtoken_core.kernels.logit_rows.row_logsumexp` with
             ``nidx_R=None``) when the caller made them (fused path); None: made here.
+        places_V: ``[V]`` int32 :func:`~xtoken_core.kernels.gold_student.vocab_places` of
+            ``exact_map`` when the caller keeps it (fused path); None: made here.
 
     Returns:
         :class:`~xtoken_core.losses.reference.KDTerms`.
@@ -438,5 +443,7 @@ def gold_kd_loss(
     )
     opts = dict(temperature=temperature, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl)
     if fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _gold_fused(*args, **opts, num_valid=num_valid, plan=plan, row_lse=row_lse)
+        return _gold_fused(
+            *args, **opts, num_valid=num_valid, plan=plan, row_lse=row_lse, places_V=places_V
+        )
     return reference.gold_kd_loss(*args, **opts)

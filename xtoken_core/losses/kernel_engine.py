@@ -133,6 +133,7 @@ class KernelEngine:
                         num_valid=int(num_valid[i]),
                         plan=plan,
                         row_lse=(lse[0], lse[i + 1]),
+                        places_V=t.projection.gold_places(V, W, xtoken_loss=cfg.xtoken_loss),
                     )
                 )
             else:

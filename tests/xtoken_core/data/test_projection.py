@@ -438,3 +438,18 @@ def test_a_file_without_a_usable_row_is_refused(qwen_deepseek_rows, tmp_path):
     save_projection(empty, path, projection_metadata(s_tok, t_tok))
     with pytest.raises(ValueError, match="no usable row"):
         check_projection_tokenizers(path, s_tok, t_tok)
+
+
+def test_gold_places_point_each_student_id_at_its_compact_column_once_per_vocab():
+    # common ids at their place among the common ones, uncommon at -2 - place, ids past the
+    # projection's rows (V > rows) among the uncommon; one tensor kept per vocab pair
+    projection = P.Projection.from_topk(
+        torch.tensor([[1], [0], [-1]]), torch.tensor([[1.0], [0.9], [0.0]]), "cpu"
+    )
+    places = projection.gold_places(5, 2, xtoken_loss=False)
+    exact = projection.exact_map(2, xtoken_loss=False, student_vocab_size=5)
+    assert exact["common_student"].tolist() == [0]
+    assert places.dtype == torch.int32
+    assert places.tolist() == [0, -2, -3, -4, -5]
+    assert projection.gold_places(5, 2, xtoken_loss=False) is places
+    assert projection.gold_places(5, 2, xtoken_loss=True).tolist() == [0, 1, -2, -3, -4]
