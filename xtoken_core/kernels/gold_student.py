@@ -488,8 +488,8 @@ class GoldStudent(torch.autograd.Function):
         V = z_BTV.shape[-1]
         device = z_BTV.device
         uncommon = None
-        # where each vocab id's chunk gradient lives (the code of gold_backward)
         has_uncommon = m > 0 and N > 0
+        # where each vocab id's chunk gradient lives (the code of gold_backward)
         cpos_V = vocab_places(cs, us, V) if places_V is None else places_V
         coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         common = CommonKL(

@@ -84,14 +84,15 @@ class DeferredChecks:
             pieces = [self._items[i][3] for i in slots]
             self._pending.append((slots, read_later(*pieces, after=after, dtype=torch.float64)))
 
-    def run(self) -> None:
-        """Read every queued piece (one sync per device) and raise the first failed check.
+    def run(self, after: torch.cuda.Event | None = None) -> None:
+        """Read every queued piece (one sync per device) and raise the first failed check;
+        ``after`` as for :meth:`start`.
 
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
                 a global valid-chunk count that is not finite or below the local count.
         """
-        self.start()
+        self.start(after)
         self.finish()
 
     def finish(self) -> None:

@@ -3,10 +3,10 @@ launched eagerly.
 
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
 launches, no host sync). P-KL then needs no host value before its kernels are queued; gold needs
-the valid-chunk count N on the host, read back behind the plans while the GPU makes the student's
-row logsumexps (the row sums of every logits tensor are the finite checks). The input checks are
-read back after every kernel is queued (the kernels index only with clamped ids) and raise before
-the result is returned.
+the valid-chunk count N on the host, read back behind the plans while the GPU makes the row
+logsumexps of the logits not done before them (the row sums of every logits tensor are the finite
+checks). The input checks are read back after every kernel is queued (the kernels index only with
+clamped ids) and raise before the result is returned.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab.
@@ -155,8 +155,7 @@ class KernelEngine:
             # the checks' readback waits for their pieces only, not for the kernels queued
             # since (they index only with clamped ids): queued after the kernels, so that its
             # host work does not delay them; a failed check raises before the result is returned
-            checks.start(after=checked)
-            checks.finish()
+            checks.run(after=checked)
         return result
 
     def _row_lse(
