@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,14 +16,11 @@ class DeferredChecks:
     """Input checks queued as device reductions and read back with one host sync per device.
 
     Each check adds a small fp64 piece (an fp32 sum, an id min/max, a count); :meth:`run` reads
-    them all at once and raises the first failure in the order the checks were queued
-    (:meth:`start` + :meth:`finish`, split so that work independent of the checks can be queued
-    while the readback is in flight).
+    them all at once and raises the first failure in the order the checks were queued.
     """
 
     def __init__(self) -> None:
         self._items: list[tuple[str, str, Any, torch.Tensor]] = []
-        self._pending: list[tuple[list[int], Callable[[], list]]] = []
 
     def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> None:
         self._items.append((kind, name, extra, piece.reshape(-1)))
@@ -66,50 +62,34 @@ class DeferredChecks:
         (``local_1``: this micro-batch's count on the device)."""
         self._add("denominator", name, None, torch.cat([global_1.reshape(1), local_1.reshape(1)]))
 
-    def start(self, after: torch.cuda.Event | None = None) -> None:
-        """Queue the readback of every piece (one copy per device, no host wait on CUDA).
+    def run(self, after: torch.cuda.Event | None = None) -> None:
+        """Read every queued piece (one copy and one sync per device) and raise the first
+        failed check.
 
         The pieces are joined and copied to pinned host memory on a side stream
         (:func:`~xtoken_core.kernels._utils.read_later`), behind the work queued so far, or
         behind ``after`` (a :func:`~xtoken_core.kernels._utils.queue_mark` placed once every
-        piece was queued: work queued since then is not waited for). The host keeps launching
-        work that does not depend on the checks; :meth:`finish` waits for them.
+        piece was queued: work queued since then is not waited for).
+
+        Raises:
+            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
+                a global valid-chunk count that is not finite or below the local count.
         """
         by_device: dict[torch.device, list[int]] = {}
         for i, item in enumerate(self._items):
             by_device.setdefault(item[3].device, []).append(i)
-        self._pending = []
+        pending = []
         for slots in by_device.values():
             # float64 is exact for ids and counts
             pieces = [self._items[i][3] for i in slots]
-            self._pending.append((slots, read_later(*pieces, after=after, dtype=torch.float64)))
-
-    def run(self, after: torch.cuda.Event | None = None) -> None:
-        """Read every queued piece (one sync per device) and raise the first failed check;
-        ``after`` as for :meth:`start`.
-
-        Raises:
-            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
-                a global valid-chunk count that is not finite or below the local count.
-        """
-        self.start(after)
-        self.finish()
-
-    def finish(self) -> None:
-        """Wait for the readback of :meth:`start` and raise the first failed check.
-
-        Raises:
-            ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
-                a global valid-chunk count that is not finite or below the local count.
-        """
+            pending.append((slots, read_later(*pieces, after=after, dtype=torch.float64)))
         values: list[list[float]] = [[] for _ in self._items]
-        for slots, read in self._pending:
+        for slots, read in pending:
             flat = read()
             at = 0
             for i in slots:
                 n = self._items[i][3].numel()
                 values[i], at = flat[at : at + n], at + n
-        self._pending = []
         for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
             if kind == "finite" and not math.isfinite(vals[0]):
                 if not bool(torch.isfinite(extra).all()):
