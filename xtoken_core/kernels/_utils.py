@@ -113,20 +113,21 @@ def read_later(
     alone and gives its values (``tolist``: one tensor as it is shaped; several flattened and
     concatenated, as ``dtype`` or the dtype they promote to).
 
-    On CUDA the copy (and the concatenation) goes to a side stream, into pinned memory, behind
-    the work queued so far on the current stream (or the point ``after``, from
+    On CUDA each tensor is copied as it is into pinned memory on a side stream (copies only, no
+    kernel: a kernel there would wait for SMs behind the current stream's running kernels),
+    behind the work queued so far on the current stream (or the point ``after``, from
     :func:`queue_mark`) and ahead of none queued after it: the host can wait for the copy while
     the GPU runs that later work, which therefore must not write ``xs``. Elsewhere the values
     are read at once.
     """
 
-    def joined() -> torch.Tensor:
-        if len(xs) == 1 and dtype is None:
-            return xs[0]
-        return torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in xs])
+    def joined(parts) -> torch.Tensor:
+        if len(parts) == 1 and dtype is None:
+            return parts[0]
+        return torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in parts])
 
     if not xs[0].is_cuda:
-        values = joined().tolist()
+        values = joined(xs).tolist()
         return lambda: values
     device = xs[0].device
     stream = _copy_streams.get(device)
@@ -137,9 +138,9 @@ def read_later(
     else:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
-        x = joined()
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        host.copy_(x, non_blocking=True)
+        hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in xs]
+        for host, x in zip(hosts, xs, strict=True):
+            host.copy_(x, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     for x in xs:
@@ -147,7 +148,7 @@ def read_later(
 
     def wait() -> list:
         event.synchronize()
-        return host.tolist()
+        return joined(hosts).tolist()
 
     return wait
 

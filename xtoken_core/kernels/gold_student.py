@@ -47,7 +47,7 @@ if tl is not None:
             "nidx_R_ptr",
             "cpos_V_ptr",
             "gsum_N2_ptr",
-            "coef_N_ptr",
+            "sizes_N_ptr",
             "dcommon_ptr",
             "duncommon_ptr",
         ),
@@ -61,7 +61,7 @@ if tl is not None:
         state_ptr,
         cpos_V_ptr,
         gsum_N2_ptr,
-        coef_N_ptr,
+        sizes_N_ptr,
         dcommon_ptr,
         duncommon_ptr,
         dz_ptr,
@@ -73,6 +73,7 @@ if tl is not None:
         su_stride,
         state_stride,
         scale2,
+        inv_temp,
         HAS_COMMON: tl.constexpr,
         HAS_UNCOMMON: tl.constexpr,
         BLOCK_V: tl.constexpr,
@@ -82,7 +83,7 @@ if tl is not None:
         # chunk gradient lives: c >= 0 common block, c <= -2 uncommon column j = -c - 2, -1
         # nowhere.
         #   G = dcommon gc[n, c] + duncommon gu[n, j]
-        #   dz[r, v] = (G - p[r, v] (dcommon gsum[n, 0] + duncommon gsum[n, 1])) coef[n]
+        #   dz[r, v] = (G - p[r, v] (dcommon gsum[n, 0] + duncommon gsum[n, 1])) / (T |n|)
         # gu = e^s, -e^s or 0 with s = su[n, j] the student's chunk mean, as the top-m's state
         # of (n, j) says (1, 2, 0: kernels.topm_l1.TopmSigns).
         r = tl.program_id(0).to(tl.int64)
@@ -97,7 +98,7 @@ if tl is not None:
             lse2 = tl.load(lse_R_ptr + r) * 1.4426950408889634
             dc, du = tl.load(dcommon_ptr), tl.load(duncommon_ptr)
             gsum = dc * tl.load(gsum_N2_ptr + 2 * n) + du * tl.load(gsum_N2_ptr + 2 * n + 1)
-            coef = tl.load(coef_N_ptr + n)
+            coef = inv_temp / tl.maximum(tl.load(sizes_N_ptr + n), 1.0)
             for i in range(0, BLOCKS):
                 v = first + i * BLOCK_V + tl.arange(0, BLOCK_V)
                 vm = v < V
@@ -356,7 +357,7 @@ def gold_backward(
     uncommon: tuple[torch.Tensor, torch.Tensor] | None,
     cpos_V: torch.Tensor,
     gsum_N2: torch.Tensor,
-    coef_N: torch.Tensor,
+    sizes_N: torch.Tensor,
     d_common: torch.Tensor,
     d_uncommon: torch.Tensor,
     temperature: float,
@@ -378,7 +379,7 @@ def gold_backward(
         cpos_V: [V] int32 position code (see above).
         gsum_N2: [N, 2] fp32 contiguous, the sums over the columns of ``g_common`` and of
             ``g_uncommon`` (unscaled) of each chunk.
-        coef_N: [N] fp32, ``1 / (temperature * chunk size)``.
+        sizes_N: [N] fp32 chunk sizes (rows of each chunk).
         d_common: 0-dim fp32 scale of the common part (its upstream gradient).
         d_uncommon: 0-dim fp32 scale of the uncommon part.
         temperature: softmax temperature.
@@ -407,7 +408,7 @@ def gold_backward(
         *tables,
         cpos_V,
         gsum_N2,
-        coef_N,
+        sizes_N,
         d_common,
         d_uncommon,
         dz_BTV,
@@ -419,6 +420,7 @@ def gold_backward(
         tables[0].stride(0) if has_u else 0,
         tables[1].stride(0) if has_u else 0,
         LOG2E / temperature,
+        1.0 / temperature,
         HAS_COMMON=has_c,
         HAS_UNCOMMON=has_u,
         BLOCK_V=bv,
@@ -491,7 +493,6 @@ class GoldStudent(torch.autograd.Function):
         has_uncommon = m > 0 and N > 0
         # where each vocab id's chunk gradient lives (the code of gold_backward)
         cpos_V = vocab_places(cs, us, V) if places_V is None else places_V
-        coef_N = 1.0 / (temperature * rows.sizes_N.clamp_min(1))
         common = CommonKL(
             z_BTV, lse_R, rows, cs, zt_BUW, lse_t_R, t_rows, exact["common_teacher"],
             temperature, reverse_kl,
@@ -515,7 +516,7 @@ class GoldStudent(torch.autograd.Function):
         kl_sum, correct = totals_3[0], totals_3[2]
         gsum_N2 = torch.stack([stats_N3[:, 1], gsum_top_N], 1)  # the chunk gradients' sums
         ctx.save_for_backward(
-            z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_N2, coef_N,
+            z_BTV, lse_R, rows.nidx_R, g_common_NC, cpos_V, gsum_N2, rows.sizes_N,
             *(() if uncommon is None else uncommon),
         )  # fmt: skip
         ctx.temperature = temperature
@@ -524,10 +525,10 @@ class GoldStudent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_kl, d_l1, d_correct):
-        (z_BTV, lse_R, nidx_R, g_common_NC, cpos_V, gsum_N2, coef_N,
+        (z_BTV, lse_R, nidx_R, g_common_NC, cpos_V, gsum_N2, sizes_N,
          *unc) = ctx.saved_tensors  # fmt: skip
         dz_BTV = gold_backward(
             z_BTV, lse_R, nidx_R, g_common_NC, tuple(unc) if unc else None, cpos_V, gsum_N2,
-            coef_N, d_kl.float(), d_l1.float(), ctx.temperature,
+            sizes_N, d_kl.float(), d_l1.float(), ctx.temperature,
         )  # fmt: skip
         return dz_BTV, None, None, None, None, None, None, None, None, None, None
