@@ -15,21 +15,23 @@ __all__ = ["DeferredChecks"]
 class DeferredChecks:
     """Input checks queued as device reductions and read back with one host sync per device.
 
-    Each check adds a small fp64 piece (an fp32 sum, an id min/max, a count); :meth:`run` reads
-    them all at once and raises the first failure in the order the checks were queued.
+    Each check adds small device pieces (fp32 sums, an id min/max, a count), read as fp64
+    (exact for ids and counts); :meth:`run` reads them all at once and raises the first failure
+    in the order the checks were queued.
     """
 
     def __init__(self) -> None:
-        self._items: list[tuple[str, str, Any, torch.Tensor]] = []
+        self._items: list[tuple[str, str, Any, tuple[torch.Tensor, ...]]] = []
 
-    def _add(self, kind: str, name: str, extra: Any, piece: torch.Tensor) -> None:
-        self._items.append((kind, name, extra, piece.reshape(-1)))
+    def _add(self, kind: str, name: str, extra: Any, *pieces: torch.Tensor) -> None:
+        self._items.append((kind, name, extra, pieces))
 
     def finite(self, name: str, x: torch.Tensor, total: torch.Tensor | None = None) -> None:
-        """Queue the NaN/inf check of ``x``; ``total``: its fp32 sum when a kernel that reads
-        ``x`` anyway made it (the row logsumexp's row sums), else summed here."""
+        """Queue the NaN/inf check of ``x``; ``total``: its fp32 sums (any shape: the row sums)
+        when a kernel that reads ``x`` anyway made them (the row logsumexp's), else summed
+        here."""
         # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
-        # copy: NaN and inf propagate through the sum. A non-finite sum of finite (huge) values
+        # copy: NaN and inf propagate through the sums. A non-finite sum of finite (huge) values
         # is possible, so only then is the exact element-wise check paid.
         self._add("finite", name, x, x.sum(dtype=torch.float32) if total is None else total)
 
@@ -37,9 +39,7 @@ class DeferredChecks:
         if ids_BT.is_floating_point() or ids_BT.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got dtype {ids_BT.dtype}")
         if ids_BT.numel():
-            self._add(
-                "ids", name, num_chunks, torch.cat([m.reshape(1) for m in torch.aminmax(ids_BT)])
-            )
+            self._add("ids", name, num_chunks, *torch.aminmax(ids_BT))
 
     def id_bounds(self, name: str, minmax_2: torch.Tensor, num_chunks: int) -> None:
         """Queue an id-range check from a device ``[min, max]`` pair (min > max: no ids)."""
@@ -54,22 +54,21 @@ class DeferredChecks:
         counted_BT[:, 0] = False  # the first token is never a target
         if input_ids_BT.numel():  # uncounted positions read as 0, a valid id
             targets_BT = torch.where(counted_BT, input_ids_BT, 0)
-            minmax = torch.aminmax(targets_BT)
-            self._add("targets", "input_ids", V, torch.cat([m.reshape(1) for m in minmax]))
+            self._add("targets", "input_ids", V, *torch.aminmax(targets_BT))
 
     def denominator(self, name: str, global_1: torch.Tensor, local_1: torch.Tensor) -> None:
         """Queue the check of a global valid-chunk count: finite and >= the local count
         (``local_1``: this micro-batch's count on the device)."""
-        self._add("denominator", name, None, torch.cat([global_1.reshape(1), local_1.reshape(1)]))
+        self._add("denominator", name, None, global_1, local_1)
 
     def run(self, after: torch.cuda.Event | None = None) -> None:
         """Read every queued piece (one copy and one sync per device) and raise the first
         failed check.
 
-        The pieces are joined and copied to pinned host memory on a side stream
+        The pieces are copied to pinned host memory on a side stream
         (:func:`~xtoken_core.kernels._utils.read_later`), behind the work queued so far, or
         behind ``after`` (a :func:`~xtoken_core.kernels._utils.queue_mark` placed once every
-        piece was queued: work queued since then is not waited for).
+        piece was written: work queued since then is not waited for).
 
         Raises:
             ValueError: NaN/inf logits, chunk ids out of range, CE targets outside the vocab,
@@ -77,21 +76,20 @@ class DeferredChecks:
         """
         by_device: dict[torch.device, list[int]] = {}
         for i, item in enumerate(self._items):
-            by_device.setdefault(item[3].device, []).append(i)
+            by_device.setdefault(item[3][0].device, []).append(i)
         pending = []
         for slots in by_device.values():
-            # float64 is exact for ids and counts
-            pieces = [self._items[i][3] for i in slots]
+            pieces = [piece for i in slots for piece in self._items[i][3]]
             pending.append((slots, read_later(*pieces, after=after, dtype=torch.float64)))
         values: list[list[float]] = [[] for _ in self._items]
         for slots, read in pending:
             flat = read()
             at = 0
             for i in slots:
-                n = self._items[i][3].numel()
+                n = sum(piece.numel() for piece in self._items[i][3])
                 values[i], at = flat[at : at + n], at + n
         for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
-            if kind == "finite" and not math.isfinite(vals[0]):
+            if kind == "finite" and not all(map(math.isfinite, vals)):
                 if not bool(torch.isfinite(extra).all()):
                     raise ValueError(
                         f"{name} holds NaN or inf; check the model forward (fp16 overflow?)"

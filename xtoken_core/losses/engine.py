@@ -3,7 +3,8 @@ returns (:class:`KDResult`), the steps both engines share, and the reference eng
 
 An engine computes the KD term of one micro-batch over every teacher, already divided by the
 valid-chunk denominators and weighted (DESIGN "Losses"), and runs the input checks the caller
-queued together with its own (one host readback). Two engines:
+queued together with its own (one host readback). It may start on the student logits before
+the teachers are prepared (:meth:`KDEngine.start`). Two engines:
 
 * :class:`ReferenceEngine` (here): the PyTorch ground truth of :mod:`xtoken_core.losses.reference`,
   any float dtype (fp64 included), any device.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -83,7 +84,14 @@ class KDResult:
 
 
 class KDEngine(Protocol):
-    """What :class:`~xtoken_core.losses.loss.CrossTokenizerLoss` calls."""
+    """What :class:`~xtoken_core.losses.loss.CrossTokenizerLoss` calls: :meth:`start` first,
+    then :meth:`kd` with what it returned."""
+
+    def start(self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None) -> Any:
+        """Queue the work that needs the student logits alone (called before the teachers
+        are prepared, so that the GPU starts while the host prepares them); the result goes
+        to :meth:`kd` as ``started`` (None: nothing queued)."""
+        ...
 
     def kd(
         self,
@@ -93,6 +101,7 @@ class KDEngine(Protocol):
         sample_mask_B: torch.Tensor | None,
         chunk_denoms: torch.Tensor | None,
         checks: DeferredChecks | None,
+        started: Any = None,
     ) -> KDResult:
         """The KD term. The engine queues the checks of the logits and the alignment in
         ``checks``; every check queued there (the caller's too) has been read back, and raised
@@ -272,6 +281,10 @@ class ReferenceEngine:
         self.config = config
         self.scales = MetricScales(config.num_teachers)
 
+    def start(self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None) -> None:
+        """See :class:`KDEngine`: nothing to queue ahead."""
+        return None
+
     def kd(
         self,
         student_logits_BTV: torch.Tensor,
@@ -280,6 +293,7 @@ class ReferenceEngine:
         sample_mask_B: torch.Tensor | None,
         chunk_denoms: torch.Tensor | None,
         checks: DeferredChecks | None,
+        started: None = None,
     ) -> KDResult:
         """See :class:`KDEngine`: the checks are read back before any KD term is computed."""
         cfg = self.config

@@ -67,26 +67,26 @@ class KernelEngine:
         sample_mask_B: torch.Tensor | None,
         chunk_denoms: torch.Tensor | None,
         checks: DeferredChecks | None,
+        started: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> KDResult:
-        """See :class:`~xtoken_core.losses.engine.KDEngine`."""
+        """See :class:`~xtoken_core.losses.engine.KDEngine`; ``started``: :meth:`start`'s."""
         cfg = self.config
         V = student_logits_BTV.shape[-1]
         device = student_logits_BTV.device
         # Gold: the row logsumexps of every row, whose row sums are the finite checks (one read
-        # of each logits tensor for both); made last-dim contiguous once here, as the row
-        # kernels and gold's kernels read the same tensors. Gold sizes its buffers by N, read
-        # back behind the plans: the largest logits' row logsumexps go first (the GPU makes
-        # them while the host makes the plans), the others after the plans (the GPU makes
-        # them while the host waits for N and queues the next kernels).
+        # of each logits tensor for both); made last-dim contiguous once, as the row kernels
+        # and gold's kernels read the same tensors. Gold sizes its buffers by N, read back
+        # behind the plans: the student's row logsumexps go first (:meth:`start`: the GPU
+        # makes them while the host prepares the teachers and makes the plans), the teachers'
+        # after the plans (the GPU makes them while the host waits for N and queues the next
+        # kernels).
         counts = None
         teacher_logits = [t.logits_BUW for t in teachers]
         if cfg.gold_loss:
-            student_logits_BTV = fused.last_dim_contiguous(student_logits_BTV)
+            if started is None:
+                started = self.start(student_logits_BTV, checks)
+            student_logits_BTV, lse_s = started
             teacher_logits = [fused.last_dim_contiguous(z) for z in teacher_logits]
-            named = [("student_logits", student_logits_BTV)]
-            named += [(t.name, z) for t, z in zip(teachers, teacher_logits, strict=True)]
-            first = max(range(len(named)), key=lambda i: named[i][1].numel())
-            lse = {first: self._row_lse(*named[first], checks)}
         elif checks is not None:
             checks.finite("student_logits", student_logits_BTV)
             for t in teachers:
@@ -94,20 +94,13 @@ class KernelEngine:
         plans = [self._plan(t, sample_mask_B, device) for t in teachers]
         if cfg.gold_loss:
             planned = queue_mark(device)  # the copy of N waits for this point only
-            for i, (name, logits) in enumerate(named):
-                if i != first:
-                    lse[i] = self._row_lse(name, logits, checks)
+            lse_t = [
+                self._row_lse(t.name, z, checks)
+                for t, z in zip(teachers, teacher_logits, strict=True)
+            ]
             counts = read_later(*(plan.stats_5[4:5] for plan in plans), after=planned)
-        checked = None
-        if checks is not None:
-            for t, plan in zip(teachers, plans, strict=True):
-                C = t.alignment.max_chunks
-                checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
-                checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
-                if chunk_denoms is not None:
-                    name = _denominator_name(t, len(teachers))
-                    checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
-            checked = queue_mark(device)  # every check's piece is queued by here
+        # every check's piece is written by here (the plans' id ranges and counts, the row sums)
+        checked = None if checks is None else queue_mark(device)
         num_valid = None if counts is None else counts()
         terms = []
         for i, (t, plan) in enumerate(zip(teachers, plans, strict=True)):
@@ -132,7 +125,7 @@ class KernelEngine:
                         reverse_kl=cfg.reverse_kl,
                         num_valid=int(num_valid[i]),
                         plan=plan,
-                        row_lse=(lse[0], lse[i + 1]),
+                        row_lse=(lse_s, lse_t[i]),
                         places_V=t.projection.gold_places(V, W, xtoken_loss=cfg.xtoken_loss),
                     )
                 )
@@ -155,8 +148,26 @@ class KernelEngine:
             # the checks' readback waits for their pieces only, not for the kernels queued
             # since (they index only with clamped ids): queued after the kernels, so that its
             # host work does not delay them; a failed check raises before the result is returned
+            for t, plan in zip(teachers, plans, strict=True):
+                C = t.alignment.max_chunks
+                checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
+                checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
+                if chunk_denoms is not None:
+                    name = _denominator_name(t, len(teachers))
+                    checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
             checks.run(after=checked)
         return result
+
+    def start(
+        self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """See :class:`~xtoken_core.losses.engine.KDEngine`. Gold: the student's row
+        logsumexps and its finite check, ``(logits, lse_R)`` (the logits last-dim contiguous);
+        P-KL: None."""
+        if not self.config.gold_loss:
+            return None
+        z = fused.last_dim_contiguous(student_logits_BTV)
+        return z, self._row_lse("student_logits", z, checks)
 
     def _row_lse(
         self, name: str, logits: torch.Tensor, checks: DeferredChecks | None
@@ -170,7 +181,7 @@ class KernelEngine:
             sums_R = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse_R = logit_rows.row_logsumexp(logits, None, self.config.temperature, row_sum_R=sums_R)
         if checks is not None:
-            checks.finite(name, logits, total=sums_R.sum())
+            checks.finite(name, logits, total=sums_R)
         return lse_R
 
     def _plan(self, teacher: TeacherInputs, sample_mask_B, device):

@@ -1,7 +1,8 @@
-"""CrossTokenizerLoss: the public loss API. A call prepares the inputs (shapes, teacher vocab,
-alignment, projection), asks an engine for the KD term (:mod:`xtoken_core.losses.engine`: the
-reference, or the Triton kernels of :mod:`xtoken_core.losses.kernel_engine`), adds the student
-CE and combines the two.
+"""CrossTokenizerLoss: the public loss API. A call picks an engine
+(:mod:`xtoken_core.losses.engine`: the reference, or the Triton kernels of
+:mod:`xtoken_core.losses.kernel_engine`) and lets it start on the student logits (the GPU then
+works while the host goes on), prepares the inputs (shapes, teacher vocab, alignment,
+projection), asks the engine for the KD term, adds the student CE and combines the two.
 
 Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
 tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
@@ -103,17 +104,21 @@ class CrossTokenizerLoss:
         cfg = self.config
         if student_logits.dim() != 3:
             raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
+        teacher_logits = self._teacher_logits(teacher_logits)
+        engine = self.engine_for(student_logits, teacher_logits)
+        checks = DeferredChecks() if cfg.check_inputs else None
+        started = engine.start(student_logits, checks)  # the GPU starts; the host prepares
         dtype = reference.compute_dtype(student_logits)
         teachers = self._teachers(student_logits, teacher_logits, batch)
         chunk_denoms = self._chunk_denoms(global_valid_chunks, dtype, student_logits.device)
-        checks = DeferredChecks() if cfg.check_inputs else None
         input_ids = self._ce_targets(student_logits, batch, checks)
-        kd = self.engine_for(student_logits, teachers).kd(
+        kd = engine.kd(
             student_logits,
             teachers,
             sample_mask_B=batch.get("sample_mask"),
             chunk_denoms=chunk_denoms,
             checks=checks,
+            started=started,
         )
         ce, accuracy = self._ce(student_logits, batch, input_ids, global_valid_tokens, dtype)
         if ce is None and not cfg.dynamic_scaling:  # no CE term: kl_weight * kd alone
@@ -175,7 +180,7 @@ class CrossTokenizerLoss:
         }
 
     def engine_for(
-        self, student_logits: torch.Tensor, teachers: Sequence[TeacherInputs]
+        self, student_logits: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
     ) -> KDEngine:
         """The engine of this call: ``backend`` "reference", or the kernels where they run
         ("kernel": CUDA or ``TRITON_INTERPRET=1``; "auto": CUDA only) and the reference else
@@ -183,7 +188,7 @@ class CrossTokenizerLoss:
 
         Args:
             student_logits: the student logits.
-            teachers: the prepared teachers.
+            teacher_logits: every teacher's logits.
 
         Returns:
             :attr:`reference` or :attr:`kernel`.
@@ -191,19 +196,16 @@ class CrossTokenizerLoss:
         backend = self.config.backend
         if backend == "reference" or (backend == "auto" and not student_logits.is_cuda):
             return self.reference
-        if KernelEngine.supports(student_logits, [t.logits_BUW for t in teachers]):
+        if KernelEngine.supports(student_logits, teacher_logits):
             return self.kernel
         return self.reference
 
     # ----------------------------------------------------------------- input preparation
 
-    def _teachers(
-        self,
-        student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor | Sequence[torch.Tensor],
-        batch: Mapping[str, Any],
-    ) -> list[TeacherInputs]:
-        """Each teacher's logits sliced to its vocab, alignment (shapes checked) and projection."""
+    def _teacher_logits(
+        self, teacher_logits: torch.Tensor | Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The teacher logits as a list, one per teacher (counted)."""
         cfg = self.config
         logits = (
             list(teacher_logits) if isinstance(teacher_logits, list | tuple) else [teacher_logits]
@@ -213,6 +215,17 @@ class CrossTokenizerLoss:
                 f"got {len(logits)} teacher logits for {cfg.num_teachers} teachers "
                 f"(teacher_weights={cfg.teacher_weights}); pass one per teacher"
             )
+        for i, z_t in enumerate(logits):
+            if not isinstance(z_t, torch.Tensor):
+                raise ValueError(f"teacher logits {i} is a {type(z_t).__name__}, not a tensor")
+        return logits
+
+    def _teachers(
+        self, student_logits: torch.Tensor, logits: list[torch.Tensor], batch: Mapping[str, Any]
+    ) -> list[TeacherInputs]:
+        """Each teacher's logits (:meth:`_teacher_logits`) sliced to its vocab, alignment
+        (shapes checked) and projection."""
+        cfg = self.config
         B, T, V = student_logits.shape
         teachers = []
         for i, z_t in enumerate(logits):

@@ -563,6 +563,11 @@ def test_wrong_number_of_teacher_logits_is_rejected():
         _call(zt=[zt, zt])
 
 
+def test_teacher_logits_that_are_not_tensors_are_rejected_naming_the_teacher():
+    with pytest.raises(ValueError, match="teacher logits 0 is a list, not a tensor"):
+        _call(zt=[[1.0, 2.0]])
+
+
 def test_teacher_logits_narrower_than_the_teacher_vocab_are_rejected():
     with pytest.raises(ValueError, match="teacher_vocab_size is 20"):
         _call(teacher_vocab_size=20)
