@@ -107,11 +107,15 @@ def queue_mark(device: torch.device) -> torch.cuda.Event | None:
 
 
 def read_later(
-    *xs: torch.Tensor, after: torch.cuda.Event | None = None, dtype: torch.dtype | None = None
-) -> Callable[[], list]:
+    *xs: torch.Tensor,
+    after: torch.cuda.Event | None = None,
+    dtype: torch.dtype | None = None,
+    as_list: bool = True,
+) -> Callable[[], list | torch.Tensor]:
     """Queue the copy of small tensors to the host; the returned function waits for that copy
     alone and gives its values (``tolist``: one tensor as it is shaped; several flattened and
-    concatenated, as ``dtype`` or the dtype they promote to).
+    concatenated, as ``dtype`` or the dtype they promote to; ``as_list=False``: that host
+    tensor itself, for long pieces a Python list would be slow to make).
 
     On CUDA each tensor is copied as it is into pinned memory on a side stream (copies only, no
     kernel: a kernel there would wait for SMs behind the current stream's running kernels),
@@ -121,14 +125,16 @@ def read_later(
     are read at once.
     """
 
-    def joined(parts) -> torch.Tensor:
+    def values(parts) -> list | torch.Tensor:
         if len(parts) == 1 and dtype is None:
-            return parts[0]
-        return torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in parts])
+            joined = parts[0]
+        else:
+            joined = torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in parts])
+        return joined.tolist() if as_list else joined.clone()
 
     if not xs[0].is_cuda:
-        values = joined(xs).tolist()
-        return lambda: values
+        read = values(xs)
+        return lambda: read
     device = xs[0].device
     stream = _copy_streams.get(device)
     if stream is None:
@@ -146,9 +152,9 @@ def read_later(
     for x in xs:
         x.record_stream(stream)  # their memory is not reused before the copy has read them
 
-    def wait() -> list:
+    def wait() -> list | torch.Tensor:
         event.synchronize()
-        return joined(hosts).tolist()
+        return values(hosts)
 
     return wait
 

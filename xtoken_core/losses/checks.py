@@ -80,16 +80,17 @@ class DeferredChecks:
         pending = []
         for slots in by_device.values():
             pieces = [piece for i in slots for piece in self._items[i][3]]
-            pending.append((slots, read_later(*pieces, after=after, dtype=torch.float64)))
-        values: list[list[float]] = [[] for _ in self._items]
+            read = read_later(*pieces, after=after, dtype=torch.float64, as_list=False)
+            pending.append((slots, read))
+        values: list[torch.Tensor] = [torch.empty(0)] * len(self._items)
         for slots, read in pending:
-            flat = read()
+            flat = read()  # a host tensor: the row sums are long
             at = 0
             for i in slots:
                 n = sum(piece.numel() for piece in self._items[i][3])
                 values[i], at = flat[at : at + n], at + n
         for (kind, name, extra, _), vals in zip(self._items, values, strict=True):
-            if kind == "finite" and not all(map(math.isfinite, vals)):
+            if kind == "finite" and not bool(torch.isfinite(vals).all()):
                 if not bool(torch.isfinite(extra).all()):
                     raise ValueError(
                         f"{name} holds NaN or inf; check the model forward (fp16 overflow?)"
@@ -103,7 +104,7 @@ class DeferredChecks:
                         "re-run the aligner or widen alignment_pair_valid"
                     )
             elif kind == "denominator":
-                given, local = vals[0], vals[1]
+                given, local = float(vals[0]), float(vals[1])
                 if not math.isfinite(given) or given < local:
                     raise ValueError(
                         f"{name} is {given:g}; it must be finite and at least this micro-batch's "

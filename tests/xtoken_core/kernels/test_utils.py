@@ -79,6 +79,17 @@ def test_read_later_joins_several_tensors_flat_in_one_dtype():
     assert _utils.read_later(ids[0], torch.tensor([7], device=DEVICE))() == [-1, 2**40, 7]
 
 
+def test_read_later_can_give_one_host_tensor_instead_of_a_list():
+    x = torch.arange(3, device=DEVICE)
+    read = _utils.read_later(
+        x, torch.tensor([0.5], device=DEVICE), dtype=torch.float64, as_list=False
+    )
+    alone = _utils.read_later(x, as_list=False)
+    x.add_(100)  # not an alias of the queued tensor
+    assert torch.equal(read(), torch.tensor([0.0, 1.0, 2.0, 0.5], dtype=torch.float64))
+    assert alone().device.type == "cpu" and alone().tolist() == [0, 1, 2]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_read_later_joins_pieces_after_a_mark_without_waiting_for_later_work():
