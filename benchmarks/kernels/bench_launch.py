@@ -50,8 +50,9 @@ def main(argv=None) -> int:
     lse = torch.empty(1, device=dev)
     a = torch.ones(16, device=dev)
     jitted = logit_rows._row_lse_kernel.jitted()
-    call_args = (z, nidx, lse, 1, 16, 16, 16, 1.4426950408889634)
-    kw = dict(BLOCK_V=16, num_warps=4)
+    # (z, nidx_R, lse_R, sum_R, T, V, stride_b, stride_t, scale2)
+    call_args = (z, nidx, lse, lse, 1, 16, 16, 16, 1.4426950408889634)
+    kw = dict(ALL_ROWS=False, SUMS=False, BLOCK_V=16, num_warps=4)
     kernel = jitted[(1,)](*call_args, **kw)
     rows = {
         "torch add": lambda: a + 1,
