@@ -30,7 +30,8 @@ usual case), every element of the bin takes its sign from the counts above it; s
 3. :func:`_count_kernel`, a pass over both rows: the elements of decided bins add their signed
    probability (the student's write their state); those of open bins count in the open bin's
    fine histogram (256 bins, the coarse bin's span of bits split evenly) and are copied out to
-   the row's records (value, side and column; the plan knows how many).
+   the row's records in column order, the student's then the teacher's (value, side and
+   column; the plan knows how many of each).
 4. :func:`_fine_plan_kernel`, per row and open bin: the fine bins classed alike.
 5. :func:`_mark_kernel`, over the records only: the elements of decided fine bins add their
    sign (and state); the few in open fine bins go to the bin's list, ordered by fine bin.
@@ -98,7 +99,8 @@ SUMS_BLOCK = 128
 #: Tiles of :func:`_resolve_kernel`: listed elements per step, and per pairwise step.
 RESOLVE_TILES = {"PAIR_I": 32, "PAIR_J": 32}
 #: The full-row passes (:func:`_hist_kernel`, :func:`_count_kernel`): columns per step, columns
-#: per program (a multiple of the step), warps.
+#: per program of the histogram pass (a multiple of the step; the count pass takes a whole row
+#: side, its records' places following from one running count), warps.
 PASS_TILES = {"block": 512, "columns": 16384, "warps": 4}
 #: :func:`_mark_kernel`: records per step, records per program (a multiple of the step), warps.
 MARK_TILES = {"block": 512, "records": 4096, "warps": 4}
@@ -190,7 +192,7 @@ if tl is not None:
         # above = min(ta, m) - min(tb, m). A bin is open when a side has members whose sign
         # or membership that range does not fix. Writes: tops, class codes (an open bin's with
         # its place p among the row's open bins in bits 8 and up), the open bins in order, and
-        # (number of open bins, open elements of the row, row ok).
+        # (number of open bins, open elements of the row, row ok, the student's open elements).
         n = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, K)
         ca = tl.load(hist_ptr + n * K + k)
@@ -228,17 +230,17 @@ if tl is not None:
         tl.store(info_ptr + n * 4, tl.reduce(one, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 1, tl.reduce(size, 0, SUM_COMBINE))
         tl.store(info_ptr + n * 4 + 2, (in_range & no_nan & fits).to(tl.int32))
+        tl.store(info_ptr + n * 4 + 3, tl.reduce(tl.where(is_open, ca, 0), 0, SUM_COMBINE))
 
     @lazy_jit(
         do_not_specialize=("N", "max_open_row"),
-        do_not_specialize_on_alignment=("obase_ptr", "ofill_ptr", "sizes_ptr"),
+        do_not_specialize_on_alignment=("obase_ptr", "sizes_ptr"),
     )
     def _places_kernel(
         info_ptr,
         qbase_ptr,
         obase_ptr,
         ocap_ptr,
-        ofill_ptr,
         sizes_ptr,
         N,
         max_open_row,
@@ -248,7 +250,7 @@ if tl is not None:
         # has at most max_open_row open elements; such a row's open bins and open elements
         # take their places after those of the rows before it:
         #   qbase[n] = open bins before n (-1: the reference's row), obase[n] = open elements
-        #   before n, ocap[n] = n's open elements (0 when not done here), ofill[n] = 0;
+        #   before n, ocap[n] = n's open elements (0 when not done here);
         #   sizes = (most open bins in a row, open bins, rows not done, most open elements in
         #   a row, open elements).
         bins_before = tl.full([], 0, tl.int64)
@@ -270,7 +272,6 @@ if tl is not None:
             tl.store(qbase_ptr + n, tl.where(ok, bins_end - bins, -1), mask=nm)
             tl.store(obase_ptr + n, opens_end - opens, mask=nm)
             tl.store(ocap_ptr + n, opens.to(tl.int32), mask=nm)
-            tl.store(ofill_ptr + n, tl.full((BLOCK,), 0, tl.int32), mask=nm)
             bins_before += tl.reduce(bins, 0, SUM_COMBINE)
             opens_before += tl.reduce(opens, 0, SUM_COMBINE)
             most_bins = tl.maximum(most_bins, tl.reduce(bins, 0, MAX_COMBINE))
@@ -282,9 +283,7 @@ if tl is not None:
         tl.store(sizes_ptr + 3, most_opens)
         tl.store(sizes_ptr + 4, opens_before)
 
-    @lazy_jit(
-        do_not_specialize=("N", "C1", "C2", "P"), do_not_specialize_on_alignment=("gsum_ptr",)
-    )
+    @lazy_jit(do_not_specialize=("N", "C2", "P"), do_not_specialize_on_alignment=("gsum_ptr",))
     def _row_sums_kernel(
         part_ptr,
         part2_ptr,
@@ -292,24 +291,18 @@ if tl is not None:
         l1_ptr,
         gsum_ptr,
         N,
-        C1,
         C2,
         P,
         BLOCK: tl.constexpr,
     ):
-        # Rows n of one block: the partial sums of the count pass (part [2, N, C1] fp32), the
-        # mark pass (part2 [2, N, C2] fp64) and the resolve pass (res [N, P, 2] fp64) per side
-        #   side_s = sum part[s] (fp32, then fp64) + sum part2[s],
+        # Rows n of one block: the partial sums of the count pass (part [2, N] fp32), the mark
+        # pass (part2 [2, N, C2] fp64) and the resolve pass (res [N, P, 2] fp64) per side
+        #   side_s = part[s] (as fp64) + sum part2[s],
         #   l1 = side_0 + side_1 + sum res[.., 0],  gsum = side_0 + sum res[.., 1]  (as fp32).
         n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         nm = n < N
-        a = tl.full((BLOCK,), 0.0, tl.float32)
-        b = tl.full((BLOCK,), 0.0, tl.float32)
-        for c in range(0, C1):
-            a += tl.load(part_ptr + n * C1 + c, mask=nm, other=0.0)
-            b += tl.load(part_ptr + (N + n) * C1 + c, mask=nm, other=0.0)
-        a2 = a.to(tl.float64)
-        b2 = b.to(tl.float64)
+        a2 = tl.load(part_ptr + n, mask=nm, other=0.0).to(tl.float64)
+        b2 = tl.load(part_ptr + N + n, mask=nm, other=0.0).to(tl.float64)
         for c in range(0, C2):
             a2 += tl.load(part2_ptr + n * C2 + c, mask=nm, other=0.0)
             b2 += tl.load(part2_ptr + (N + n) * C2 + c, mask=nm, other=0.0)
@@ -322,7 +315,7 @@ if tl is not None:
         tl.store(gsum_ptr + n, (a2 + gsum).to(tl.float32), mask=nm)
 
     @lazy_jit(  # N: the batch's chunk count; the row bases are carved from one buffer
-        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr", "ofill_ptr")
+        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr",)
     )
     def _count_kernel(
         a_ptr,
@@ -332,6 +325,7 @@ if tl is not None:
         a_stride,
         b_stride,
         cls_ptr,
+        info_ptr,
         qbase_ptr,
         fhist_ptr,
         state_ptr,
@@ -339,26 +333,23 @@ if tl is not None:
         part_ptr,
         obase_ptr,
         ocap_ptr,
-        ofill_ptr,
         rec_val_ptr,
         rec_key_ptr,
         N,
-        CHUNK,
-        NCHUNKS,
         BASE: tl.constexpr,
         SHIFT: tl.constexpr,
         FSHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
         K: tl.constexpr,
     ):
-        # Program (row n, side, chunk of CHUNK columns); rows with qbase < 0 are the
-        # reference's. An element of a decided coarse bin adds its signed probability (a's also
-        # write their state: 0 not a member, 1 sign +, 2 sign -); one of an open bin k counts in
-        # the fine histogram of that bin (q = qbase + p, p in bits 8 and up of its code):
+        # Program (row n, side), over the whole row; rows with qbase < 0 are the reference's.
+        # An element of a decided coarse bin adds its signed probability (a's also write their
+        # state: 0 not a member, 1 sign +, 2 sign -); one of an open bin k counts in the fine
+        # histogram of that bin (q = qbase + p, p in bits 8 and up of its code):
         #   f = clamp((bits - lo_k) >> FSHIFT, 0, 255),  lo_k = (k + BASE) << SHIFT,
         # and is copied out to the row's records (obase[n] on, ocap[n] of them: the plan's
-        # count of open elements; a step takes its places from the row's fill counter) as value
-        # and key side << 28 | column.
+        # count of open elements, the student's first: info[n, 3] of them) in column order, as
+        # value and key side << 28 | column.
         n = tl.program_id(0).to(tl.int64)
         side = tl.program_id(1)
         qbase = tl.load(qbase_ptr + n)
@@ -367,25 +358,25 @@ if tl is not None:
             if side == 0:
                 row = a_ptr + n * a_stride
                 M = A
+                fill = tl.full([], 0, tl.int32)
             else:
                 row = b_ptr + n * b_stride
                 M = B
+                fill = tl.load(info_ptr + n * 4 + 3)  # after the student's open elements
             # the row's tables as scalar bases; per element int32 offsets
             cls_row = cls_ptr + n * K
             state_row = state_ptr + n * state_stride
             fhist_row = fhist_ptr + (qbase * 2 + side) * 256
-            obase = tl.load(obase_ptr + n)
+            records = tl.load(obase_ptr + n)
             ocap = tl.load(ocap_ptr + n)
-            first = tl.program_id(2) * CHUNK
-            end = tl.minimum(first + CHUNK, M)
-            c = first + tl.arange(0, BLOCK)
-            x_next = tl.load(row + c, mask=c < end, other=0.0)
-            for start in range(first, end, BLOCK):
+            c = tl.arange(0, BLOCK)
+            x_next = tl.load(row + c, mask=c < M, other=0.0)
+            for start in range(0, M, BLOCK):
                 c = start + tl.arange(0, BLOCK)
-                cm = c < end
+                cm = c < M
                 x = x_next
                 # the next step's load, in flight while this one works
-                x_next = tl.load(row + c + BLOCK, mask=c + BLOCK < end, other=0.0)
+                x_next = tl.load(row + c + BLOCK, mask=c + BLOCK < M, other=0.0)
                 bits = tl.maximum((-x).to(tl.int32, bitcast=True), 0)
                 k = tl.minimum(tl.maximum((bits >> SHIFT) - BASE, 0), K - 2)
                 code = tl.load(cls_row + k, mask=cm, other=0)
@@ -401,15 +392,12 @@ if tl is not None:
                 fi = (code >> 8) * 512 + f  # place p's fine bin f, this side
                 tl.atomic_add(fhist_row + fi, 1, mask=is_open, sem="relaxed")
                 one = is_open.to(tl.int32)
-                n_open = tl.reduce(one, 0, SUM_COMBINE)
-                at = tl.atomic_add(ofill_ptr + n, n_open, mask=n_open > 0, sem="relaxed")
-                at += tl.associative_scan(one, 0, SUM_COMBINE) - one
+                at = fill + tl.associative_scan(one, 0, SUM_COMBINE) - one
+                fill += tl.reduce(one, 0, SUM_COMBINE)
                 kept = is_open & (at < ocap)  # (the plan's count: never more)
-                tl.store(rec_val_ptr + obase + at, x, mask=kept)
-                tl.store(rec_key_ptr + obase + at, (side << 28) | c, mask=kept)
-        tl.store(
-            part_ptr + (side * N + n) * NCHUNKS + tl.program_id(2), tl.reduce(total, 0, SUM_COMBINE)
-        )
+                tl.store(rec_val_ptr + records + at, x, mask=kept)
+                tl.store(rec_key_ptr + records + at, (side << 28) | c, mask=kept)
+        tl.store(part_ptr + side * N + n, tl.reduce(total, 0, SUM_COMBINE))
 
     @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
     def _fine_plan_kernel(
@@ -460,14 +448,13 @@ if tl is not None:
             tl.store(nlist_ptr + q, tl.reduce(listed, 0, SUM_COMBINE))
 
     @lazy_jit(  # N: the batch's chunk count; the row bases are carved from one buffer
-        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr", "ofill_ptr")
+        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr",)
     )
     def _mark_kernel(
         rec_val_ptr,
         rec_key_ptr,
         obase_ptr,
         ocap_ptr,
-        ofill_ptr,
         cls_ptr,
         qbase_ptr,
         fcode_ptr,
@@ -500,7 +487,7 @@ if tl is not None:
         total_b = tl.full((BLOCK,), 0.0, tl.float64)
         if qbase >= 0:
             obase = tl.load(obase_ptr + n)
-            count = tl.minimum(tl.load(ofill_ptr + n), tl.load(ocap_ptr + n))
+            count = tl.load(ocap_ptr + n)
             cls_row = cls_ptr + n * K
             state_row = state_ptr + n * state_stride
             fcode_row = fcode_ptr + qbase * 256
@@ -804,9 +791,9 @@ def topm_l1_signs(
     qbase_N, obase_N, sizes_5 = torch.empty(2 * N + 5, dtype=torch.long, device=device).split(
         [N, N, 5]
     )
-    ocap_N, ofill_N = torch.empty(2 * N, **i32).split([N, N])
+    ocap_N = torch.empty(N, **i32)
     _places_kernel[(1,)](
-        plan.info_N4, qbase_N, obase_N, ocap_N, ofill_N, sizes_5, N, max_open_row,
+        plan.info_N4, qbase_N, obase_N, ocap_N, sizes_5, N, max_open_row,
         BLOCK=PLACES_BLOCK, num_warps=4,
     )  # fmt: skip
     sizes = read_later(sizes_5)
@@ -815,19 +802,18 @@ def topm_l1_signs(
     max_bins, n_bins, n_bad, max_open, n_open = sizes()  # wait for the device
     if n_bad == N:
         return _reference_signs(a_NA, b_NB, m)
-    block, chunk, nchunks = _grid(a_NA, b_NB)
     bins = dict(K=COARSE_BINS, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT)
     P, Q = max(max_bins, 1), max(n_bins, 1)  # (no empty grids or pointers)
     fhist_Q2F = torch.zeros((Q, 2, FINE_BINS), **i32)
     state_NA = torch.empty((N, A), dtype=torch.int8, device=device)
-    part_2NC = torch.empty((2, N, nchunks), dtype=torch.float32, device=device)
+    part_2N = torch.empty((2, N), dtype=torch.float32, device=device)
     # the open elements' records, a run per row
     rec_val_O = torch.empty(max(n_open, 1), dtype=torch.float32, device=device)
     rec_key_O = torch.empty(max(n_open, 1), **i32)
-    _count_kernel[(N, 2, nchunks)](
-        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, qbase_N, fhist_Q2F,
-        state_NA, state_NA.stride(0), part_2NC, obase_N, ocap_N, ofill_N, rec_val_O, rec_key_O,
-        N, chunk, nchunks, **bins, BLOCK=block, num_warps=PASS_TILES["warps"],
+    _count_kernel[(N, 2)](
+        a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, plan.info_N4, qbase_N,
+        fhist_Q2F, state_NA, state_NA.stride(0), part_2N, obase_N, ocap_N, rec_val_O, rec_key_O,
+        N, **bins, BLOCK=_grid(a_NA, b_NB)[0], num_warps=PASS_TILES["warps"],
     )  # fmt: skip
     fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.uint8, device=device)
     foffs_QF = torch.empty((Q, FINE_BINS), **i32)
@@ -845,7 +831,7 @@ def topm_l1_signs(
     list_val_L = torch.empty(max(n_open, 1), dtype=torch.float32, device=device)
     list_key_L = torch.empty(max(n_open, 1), **i32)
     _mark_kernel[(N, nprogs)](
-        rec_val_O, rec_key_O, obase_N, ocap_N, ofill_N, plan.cls_NK, qbase_N, fcode_QF, foffs_QF,
+        rec_val_O, rec_key_O, obase_N, ocap_N, plan.cls_NK, qbase_N, fcode_QF, foffs_QF,
         lbase_Q, list_val_L, list_key_L, state_NA, state_NA.stride(0), part2_2NC, N, records,
         nprogs, **bins, COL_BITS=_COL_BITS, BLOCK=MARK_TILES["block"],
         num_warps=MARK_TILES["warps"],
@@ -857,7 +843,7 @@ def topm_l1_signs(
     )  # fmt: skip
     l1_N, gsum_N = torch.empty(2 * N, dtype=torch.float32, device=device).split([N, N])
     _row_sums_kernel[(cdiv(N, SUMS_BLOCK),)](
-        part_2NC, part2_2NC, res_NP2, l1_N, gsum_N, N, nchunks, nprogs, P, BLOCK=SUMS_BLOCK
+        part_2N, part2_2NC, res_NP2, l1_N, gsum_N, N, nprogs, P, BLOCK=SUMS_BLOCK
     )
     if n_bad:
         bad = (qbase_N < 0).nonzero().flatten()

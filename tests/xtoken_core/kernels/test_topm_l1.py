@@ -61,15 +61,26 @@ def test_topm_l1_pools_only_the_open_bins(counts_only):
 
 
 def test_topm_l1_copies_open_elements_out_across_many_steps_and_programs(monkeypatch, counts_only):
-    # the count pass's steps take places in a row's records one after another (from both
-    # sides, several programs a row) and the mark pass reads them back in several programs a
-    # row: the same result as one step and one program would give
+    # the count pass's steps take places in a row's records one after another (the student's
+    # side, then the teacher's after the student's open elements) and the mark pass reads them
+    # back in several programs a row: the same result as one step and one program would give
     monkeypatch.setitem(tm.PASS_TILES, "block", 32)
-    monkeypatch.setitem(tm.PASS_TILES, "columns", 128)
     monkeypatch.setitem(tm.MARK_TILES, "block", 16)
     monkeypatch.setitem(tm.MARK_TILES, "records", 48)
     a, b = _rows(3, 700, 500, seed=21, similar=True)
     _check(a, b, 300)
+
+
+@pytest.mark.gpu
+def test_topm_l1_signs_are_the_same_bits_on_every_call():
+    # one program a row side takes its records' places in column order: nothing depends on
+    # the order the GPU runs the programs in (rows long enough for thousands of open elements)
+    a, b = _rows(64, 40000, 30000, seed=3, similar=True)
+    first = tm.topm_l1_signs(a, b, 4096)
+    for _ in range(3):
+        again = tm.topm_l1_signs(a, b, 4096)
+        for x, y in zip(again, first, strict=True):
+            assert torch.equal(x, y)
 
 
 def test_topm_l1_takes_the_coarse_histograms_from_the_caller(monkeypatch, counts_only):
@@ -195,7 +206,7 @@ def test_topm_l1_kernels_compile_for_hopper_without_local_memory(monkeypatch):
         **dict.fromkeys(["list_val_ptr", "out_ptr", "rec_val_ptr"], f32),
         **dict.fromkeys(["hist_ptr", "top_ptr", "cls_ptr", "loc_ptr", "opens_ptr"], i32),
         **dict.fromkeys(["info_ptr", "pidx_ptr", "fhist_ptr", "foffs_ptr", "list_key_ptr"], i32),
-        **dict.fromkeys(["ofill_ptr", "ocap_ptr", "rec_key_ptr"], i32),
+        **dict.fromkeys(["ocap_ptr", "rec_key_ptr"], i32),
         **dict.fromkeys(["qbase_ptr", "nlist_ptr", "lbase_ptr", "obase_ptr"], i64),
         "fcode_ptr": "*u8",
         "state_ptr": "*i8",
