@@ -130,7 +130,9 @@ def read_later(
             joined = parts[0]
         else:
             joined = torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in parts])
-        return joined.tolist() if as_list else joined.clone()
+        if as_list:
+            return joined.tolist()
+        return joined.clone() if joined is parts[0] else joined  # (cat made a new tensor)
 
     if not xs[0].is_cuda:
         read = values(xs)
