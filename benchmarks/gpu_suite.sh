@@ -43,6 +43,11 @@ want bench_kd_loss_gold && step bench_kd_loss_gold $PY benchmarks/losses/bench_k
   --modes gold xtoken pkl --results "$OUT/losses_kd_loss.jsonl"
 want profile_gold && step profile_gold $PY benchmarks/losses/profile_kd_loss.py --B 1 --T 4096 \
   --paths fused --modes gold --top 16 --out "$OUT/profile"
+# the spread of gold's medians between fresh inputs of one process, without and with the bench's
+# reference calls before each case (placement vs clocks)
+want spread_gold && step spread_gold $PY benchmarks/losses/bench_kd_spread.py --mode gold --cases 8
+want spread_gold_heat && step spread_gold_heat $PY benchmarks/losses/bench_kd_spread.py --mode gold \
+  --cases 6 --heat 6
 want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
 want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status
