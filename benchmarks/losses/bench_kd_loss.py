@@ -85,6 +85,21 @@ def _make_inputs(B, T, V_s, V_t, device, seed):
     return student, teacher, batch, _projection(V_s, V_t, gen, device), C
 
 
+def make_loss(mode, projection, backend: str, check_inputs: bool = True) -> CrossTokenizerLoss:
+    """The benchmarked loss: KD term only (``ce_weight=0``), the bench's temperature and top-k."""
+    return CrossTokenizerLoss(
+        CrossTokenizerLossConfig(
+            projection=projection,
+            mode=mode,
+            temperature=TEMPERATURE,
+            vocab_topk=VOCAB_TOPK,
+            ce_weight=0.0,
+            backend=backend,
+            check_inputs=check_inputs,
+        )
+    )
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -132,17 +147,7 @@ def run_case(
     )
     losses, grads = {}, {}
     for backend in ("reference", "kernel"):
-        loss_fn = CrossTokenizerLoss(
-            CrossTokenizerLossConfig(
-                projection=projection,
-                mode=mode,
-                temperature=TEMPERATURE,
-                vocab_topk=VOCAB_TOPK,
-                ce_weight=0.0,
-                backend=backend,
-                check_inputs=check_inputs,
-            )
-        )
+        loss_fn = make_loss(mode, projection, backend, check_inputs)
 
         def fwd_bwd(loss_fn=loss_fn):
             x.grad = None

@@ -30,9 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
-from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _make_inputs  # noqa: E402
-
-from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig  # noqa: E402
+from bench_kd_loss import _make_inputs, make_loss  # noqa: E402
 
 _TWO_MIB = 2 << 20
 
@@ -49,19 +47,6 @@ def _clocks() -> str:
         return f"{sm}/{temp}"
     except Exception:  # noqa: BLE001 - a diagnostic column, never a failure
         return "-"
-
-
-def _loss_fn(mode: str, projection, backend: str) -> CrossTokenizerLoss:
-    return CrossTokenizerLoss(
-        CrossTokenizerLossConfig(
-            projection=projection,
-            mode=mode,
-            temperature=TEMPERATURE,
-            vocab_topk=VOCAB_TOPK,
-            ce_weight=0.0,
-            backend=backend,
-        )
-    )
 
 
 def _sync(device: torch.device) -> None:
@@ -83,14 +68,14 @@ def run_case(args, device: torch.device, B: int, T: int, V_s: int, V_t: int) -> 
         loss.backward()
 
     if args.heat:
-        reference = _loss_fn(args.mode, projection, "reference")
+        reference = make_loss(args.mode, projection, "reference")
         for _ in range(args.heat):
             call(reference)
         del reference
         x.grad = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    kernel = _loss_fn(args.mode, projection, "kernel")
+    kernel = make_loss(args.mode, projection, "kernel")
     call(kernel)
     _sync(device)
     walls, hosts = [], []

@@ -17,9 +17,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _make_inputs  # noqa: E402
+from bench_kd_loss import _make_inputs, make_loss  # noqa: E402
 
-from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, fused  # noqa: E402
+from xtoken_core.losses import fused  # noqa: E402
 
 
 def _launch_costs(device, n: int = 300) -> None:
@@ -104,16 +104,7 @@ def main(argv=None) -> int:
     student, teacher, batch, projection, _ = _make_inputs(args.B, args.T, 151936, 131072, device, 1)
     x = student.clone().requires_grad_()
     for mode in args.modes:
-        loss_fn = CrossTokenizerLoss(
-            CrossTokenizerLossConfig(
-                projection=projection,
-                mode=mode,
-                temperature=TEMPERATURE,
-                vocab_topk=VOCAB_TOPK,
-                ce_weight=0.0,
-                backend="kernel",
-            )
-        )
+        loss_fn = make_loss(mode, projection, "kernel")
         for path in args.paths:
             patch = mock.patch.object(fused, "fused_path_available", return_value=path == "fused")
             with patch:
