@@ -130,12 +130,12 @@ def read_later(
             joined = parts[0]
         else:
             joined = torch.cat([x.reshape(-1).to(dtype) if dtype else x.reshape(-1) for x in parts])
-        if as_list:
-            return joined.tolist()
-        return joined.clone() if joined is parts[0] else joined  # (cat made a new tensor)
+        return joined.tolist() if as_list else joined
 
     if not xs[0].is_cuda:
         read = values(xs)
+        if read is xs[0]:  # one piece given back as it is: a copy, never the caller's tensor
+            read = read.clone()
         return lambda: read
     device = xs[0].device
     stream = _copy_streams.get(device)
