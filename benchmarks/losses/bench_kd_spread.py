@@ -11,10 +11,14 @@ gold 7.50 ms, the next process's 7.33 and 7.04). This script separates the candi
   (its reference takes ~380 ms a call); a spread that appears only then points at the GPU's
   clocks (the SM clock and temperature are printed where ``pynvml`` is installed);
 * **host**: the host time of one call (its Python path, up to the backward's return, no sync)
-  beside its wall time.
+  beside its wall time; on CUDA, ``--profiled N`` more calls per case under the profiler
+  (CUDA activity only) split each call's span from its first kernel to its last into kernel
+  time and GPU idle time (the GPU waiting for the host), with the longest idle stretch and the
+  kernel that ended it. The same kernel times and more idle in a slower case point at the host.
 
 Prints one row per case (median, min, p90 of ``--reps`` timed calls, sync to sync, as the bench
-times them) and the spread of the medians. Nothing is written to ``benchmarks/results``.
+times them; the medians of the profiled calls' kernel time and idle time) and the spread of the
+medians. Nothing is written to ``benchmarks/results``.
 GPU: ``python benchmarks/losses/bench_kd_spread.py --mode gold --cases 8``; CPU: ``--smoke``.
 """
 
@@ -27,6 +31,8 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
@@ -47,6 +53,35 @@ def _clocks() -> str:
         return f"{sm}/{temp}"
     except Exception:  # noqa: BLE001 - a diagnostic column, never a failure
         return "-"
+
+
+def _gpu_split(call, reps: int) -> tuple[float, float, str]:
+    """Median over ``reps`` profiled calls (each between two syncs) of the kernel time and the
+    GPU idle time between a call's first kernel and its last, ms, and the longest idle stretch
+    as "ms before <kernel>" (median over the calls, at its place in the call's kernel order)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            call()
+            torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA
+         and not e.name.startswith(("Memcpy", "Memset"))),
+        key=lambda e: e.time_range.start,
+    )  # fmt: skip
+    per_call = len(kernels) // reps  # the same kernels in every call
+    busy, idle, gaps = [], [], []
+    for i in range(reps):
+        calls = kernels[i * per_call : (i + 1) * per_call]
+        busy.append(sum(e.time_range.elapsed_us() for e in calls) / 1e3)
+        idle.append((calls[-1].time_range.end - calls[0].time_range.start) / 1e3 - busy[-1])
+        gaps.append(
+            [(b.time_range.start - a.time_range.end) / 1e3 for a, b in zip(calls, calls[1:])]
+        )
+    at = [statistics.median(g) for g in zip(*gaps)]
+    k = max(range(len(at)), key=at.__getitem__)
+    name = kernels[k + 1].name.split("(")[0].split("<")[0].split("::")[-1]
+    return statistics.median(busy), statistics.median(idle), f"{at[k]:.3f} before {name}"
 
 
 def run_case(args, device: torch.device, B: int, T: int, V_s: int, V_t: int) -> dict:
@@ -83,7 +118,12 @@ def run_case(args, device: torch.device, B: int, T: int, V_s: int, V_t: int) -> 
         walls.append((time.perf_counter() - t0) * 1e3)
         hosts.append((t1 - t0) * 1e3)
     walls.sort()  # x.grad is the last timed call's
+    split = ("-", "-", "-")
+    if args.profiled and device.type == "cuda":
+        busy, idle, longest = _gpu_split(lambda: call(kernel), args.profiled)
+        split = (f"{busy:.3f}", f"{idle:.3f}", longest)
     row = {
+        "split": split,
         "median": statistics.median(walls),
         "min": walls[0],
         "p90": walls[int(0.9 * (len(walls) - 1))],
@@ -102,6 +142,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=8, help="fresh inputs, one after another")
     parser.add_argument("--reps", type=int, default=40, help="timed calls a case")
     parser.add_argument("--heat", type=int, default=0, help="reference calls before each case")
+    parser.add_argument(
+        "--profiled", type=int, default=10, help="profiled calls a case (CUDA; 0: none)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes")
     args = parser.parse_args(argv)
     B, T = (int(v) for v in args.shape.split("x"))
@@ -126,6 +169,7 @@ def main(argv=None) -> int:
         cells.append(
             [str(case)]
             + [f"{row[k]:.3f}" for k in ("median", "min", "p90", "host")]
+            + list(row["split"])
             + [row["clocks"], row["offsets"]]
         )
     _common.print_cells(
@@ -135,6 +179,9 @@ def main(argv=None) -> int:
             "min",
             "p90",
             "host ms",
+            "kernels ms",
+            "GPU idle ms",
+            "longest idle",
             "SM MHz/C",
             "KiB mod 2 MiB (x/teacher/grad)",
         ],
