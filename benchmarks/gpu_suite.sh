@@ -48,6 +48,9 @@ want profile_gold && step profile_gold $PY benchmarks/losses/profile_kd_loss.py 
 want spread_gold && step spread_gold $PY benchmarks/losses/bench_kd_spread.py --mode gold --cases 8
 want spread_gold_heat && step spread_gold_heat $PY benchmarks/losses/bench_kd_spread.py --mode gold \
   --cases 6 --heat 6
+# each case's kernel time and GPU idle time (the profiler slows the host: its own process)
+want spread_gold_profiled && step spread_gold_profiled $PY benchmarks/losses/bench_kd_spread.py \
+  --mode gold --cases 8 --profiled 10
 want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
 want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status
