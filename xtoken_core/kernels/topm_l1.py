@@ -650,12 +650,9 @@ class TopmSigns(NamedTuple):
     state_NA: torch.Tensor
 
 
-def _grid(a_NA: torch.Tensor, b_NB: torch.Tensor):
-    """Block, columns per program, chunks per row of the full-row passes (:data:`PASS_TILES`)."""
-    most = max(a_NA.shape[1], b_NB.shape[1])
-    block = min(PASS_TILES["block"], next_power_of_2(most))
-    chunk = block * max(1, PASS_TILES["columns"] // block)
-    return block, chunk, cdiv(most, chunk)
+def _pass_block(a_NA: torch.Tensor, b_NB: torch.Tensor) -> int:
+    """Columns per step of the full-row passes (:data:`PASS_TILES`)."""
+    return min(PASS_TILES["block"], next_power_of_2(max(a_NA.shape[1], b_NB.shape[1])))
 
 
 def _coarse_plan(
@@ -670,7 +667,10 @@ def _coarse_plan(
     N = a_NA.shape[0]
     i32 = dict(dtype=torch.int32, device=a_NA.device)
     if hist_2NK is None:
-        block, chunk, nchunks = _grid(a_NA, b_NB)
+        # the histogram pass splits a row side over programs of PASS_TILES["columns"]
+        block = _pass_block(a_NA, b_NB)
+        chunk = block * max(1, PASS_TILES["columns"] // block)
+        nchunks = cdiv(max(a_NA.shape[1], b_NB.shape[1]), chunk)
         hist_2NK = torch.zeros((2, N, COARSE_BINS), **i32)
         _hist_kernel[(N, 2, nchunks)](
             a_NA, b_NB, a_NA.shape[1], b_NB.shape[1], a_NA.stride(0), b_NB.stride(0), hist_2NK,
@@ -813,7 +813,7 @@ def topm_l1_signs(
     _count_kernel[(N, 2)](
         a_NA, b_NB, A, B, a_NA.stride(0), b_NB.stride(0), plan.cls_NK, plan.info_N4, qbase_N,
         fhist_Q2F, state_NA, state_NA.stride(0), part_2N, obase_N, ocap_N, rec_val_O, rec_key_O,
-        N, **bins, BLOCK=_grid(a_NA, b_NB)[0], num_warps=PASS_TILES["warps"],
+        N, **bins, BLOCK=_pass_block(a_NA, b_NB), num_warps=PASS_TILES["warps"],
     )  # fmt: skip
     fcode_QF = torch.empty((Q, FINE_BINS), dtype=torch.uint8, device=device)
     foffs_QF = torch.empty((Q, FINE_BINS), **i32)
