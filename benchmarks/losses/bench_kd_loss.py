@@ -12,9 +12,14 @@ logits read once, the gradient written once) over the measured device-to-device 
 ``grad_gib`` is the gradient itself, the least memory the kernel path can peak at.
 The CE term is off (ce_weight=0) so that only the KD term is measured.
 
-``ms_kernel`` is the kernels launched eagerly. In the P-KL rows of older commits (the CUDA-graph
-replay of the KD phase, since removed: benchmarks/results/e2e_pipeline.md) ``ms_kernel`` is the
-replay and ``ms_kernel_eager`` / ``speedup_eager`` the eager kernels, as ``ms_kernel`` is now.
+``ms_kernel`` is the kernels launched eagerly, from a synchronized GPU to the end of the backward:
+it includes the host's path to the first launch, while the GPU idles. ``ms_kernel_step`` (CUDA)
+is the same call queued behind the student's lm_head matmul, as in a training step where the
+forward still runs when the loss is called: the GPU's span from the end of that matmul to the end
+of the backward (CUDA events), in which the host's start is hidden but every wait inside the loss
+still counts. In the P-KL rows of older commits (the CUDA-graph replay of the KD phase, since
+removed: benchmarks/results/e2e_pipeline.md) ``ms_kernel`` is the replay and ``ms_kernel_eager`` /
+``speedup_eager`` the eager kernels, as ``ms_kernel`` is now.
 
 Prints one table and appends rows to benchmarks/results/losses_kd_loss.jsonl.
 GPU: ``python benchmarks/losses/bench_kd_loss.py``; CPU smoke run: ``--smoke``.
@@ -23,6 +28,7 @@ GPU: ``python benchmarks/losses/bench_kd_loss.py``; CPU smoke run: ``--smoke``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -43,6 +49,8 @@ MODES = ("pkl", "gold", "xtoken")
 TEMPERATURE = 2.0
 VOCAB_TOPK = 8192
 PROJ_K = 8
+#: The student's hidden size for ``ms_kernel_step``'s lm_head matmul ([B*T, H] x [H, V_s], bf16).
+STEP_HIDDEN = 1024
 
 
 def _chunk_ids(B: int, T: int, C: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -128,6 +136,24 @@ def _measure(fn, device, reps: int, min_ms: float = 0.0) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
+def _measure_in_step(fn, ahead, reps: int) -> float:
+    """Median ms of ``fn``'s GPU span queued behind ``ahead()``'s GPU work, over ``reps`` runs
+    after one warm-up: from the end of that work to the end of ``fn``'s, by CUDA events."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        ahead()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def run_case(
     mode, B, T, V_s, V_t, device, reps, copy_bps=None, check_inputs=True, min_ms=0.0
 ) -> dict:
@@ -161,6 +187,14 @@ def run_case(
             ms, peak = _measure(fwd_bwd, device, reps, min_ms)
             row[f"ms_{backend}"] = ms
             row[f"peak_gib_{backend}"] = peak / 2**30
+            if backend == "kernel" and device.type == "cuda":
+                hidden_BH = torch.randn(B * T, STEP_HIDDEN, device=device, dtype=student.dtype)
+                lm_head_HV = torch.randn(STEP_HIDDEN, V_s, device=device, dtype=student.dtype)
+                lm_head = functools.partial(torch.mm, hidden_BH, lm_head_HV)
+                row["ms_kernel_step"] = _measure_in_step(
+                    fwd_bwd, lm_head, max(reps, round(min_ms / ms))
+                )
+                del hidden_BH, lm_head_HV, lm_head
         except torch.OutOfMemoryError:
             row[f"ms_{backend}"] = "oom"
             row[f"peak_gib_{backend}"] = "oom"
@@ -260,6 +294,7 @@ def main(argv=None) -> int:
             "V_t",
             "ms_reference",
             "ms_kernel",
+            "ms_kernel_step",
             "speedup",
             "peak_gib_reference",
             "peak_gib_kernel",
