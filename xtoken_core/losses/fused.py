@@ -1,6 +1,6 @@
-"""Kernel-backed KD terms: the Triton kernels read the logits directly (fp32/bf16/fp16; CUDA, or
-``TRITON_INTERPRET=1``) and keep one fp32 scalar per row; only valid chunks are computed (compact
-``[N, ...]``), and only the columns the loss uses.
+"""Kernel-backed KD terms and student CE: the Triton kernels read the logits directly
+(fp32/bf16/fp16; CUDA, or ``TRITON_INTERPRET=1``) and keep one fp32 scalar per row; only valid
+chunks are computed (compact ``[N, ...]``), and only the columns the loss uses.
 
 Same signatures and conventions as :func:`xtoken_core.losses.reference.pkl_kd_loss` and
 :func:`~xtoken_core.losses.reference.gold_kd_loss`, which they fall back to where the kernels do
@@ -13,7 +13,9 @@ renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never
 (:mod:`xtoken_core.kernels.gold_student`): the common-vocab KL in one pass over both logits
 (chunk means, KL, chunk gradient, argmax), the sorted top-m L1 of the compact uncommon blocks
 from counts (:mod:`xtoken_core.kernels.topm_l1`), and a backward that rebuilds ``dz`` from the
-logits, the row logsumexp and the compact chunk gradient.
+logits, the row logsumexp and the compact chunk gradient. The student's CE
+(:func:`student_ce`, :mod:`xtoken_core.kernels.row_ce`): each row's logsumexp, target logit and
+argmax on the logits in their own dtype, reusing gold's row logsumexps at temperature 1.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
@@ -25,7 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from xtoken_core.kernels import chunk_plan, gold_student, logit_rows, pkl_chunk_kl, pkl_projection
+from xtoken_core.kernels import (
+    chunk_plan,
+    gold_student,
+    logit_rows,
+    pkl_chunk_kl,
+    pkl_projection,
+    row_ce,
+)
 from xtoken_core.kernels.topm_l1 import COARSE_BINS
 from xtoken_core.losses import reference
 from xtoken_core.losses.reference import KDTerms
@@ -40,6 +49,7 @@ __all__ = [
     "gold_kd_loss",
     "pkl_kd_loss",
     "plan_chunks",
+    "student_ce",
 ]
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -447,3 +457,36 @@ def gold_kd_loss(
             *args, **opts, num_valid=num_valid, plan=plan, row_lse=row_lse, places_V=places_V
         )
     return reference.gold_kd_loss(*args, **opts)
+
+
+def student_ce(
+    student_logits_BTV: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    token_mask_BT: torch.Tensor | None = None,
+    sample_mask_B: torch.Tensor | None = None,
+    *,
+    lse_R: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Student next-token CE, summed, kernel-backed. See :func:`reference.student_ce_loss`.
+
+    The kernels of :mod:`xtoken_core.kernels.row_ce` (each row's logsumexp, target logit and
+    argmax on the logits in their own dtype; no fp32 copy, no log-softmax) when Triton runs on
+    the logits (CUDA, or ``TRITON_INTERPRET=1``) and they are fp32/bf16/fp16; else
+    :func:`reference.student_ce_loss` (fp64 logits stay fp64).
+
+    Args:
+        student_logits_BTV: ``[B, T, V]`` logits (gradient flows here).
+        input_ids_BT: ``[B, T]`` student token ids; the logits at p predict ``input_ids[:, p + 1]``.
+        token_mask_BT: ``[B, T]`` (None: every token counts).
+        sample_mask_B: ``[B]`` (None: every sample counts).
+        lse_R: ``[B*T]`` fp32 row logsumexps of the logits at temperature 1 when the caller made
+            them (the gold KD pass at temperature 1); ignored on the reference path.
+
+    Returns:
+        ``(nll_sum, correct, num_tokens)`` scalars; only ``nll_sum`` carries gradient.
+    """
+    if logit_rows.use_triton(student_logits_BTV) and student_logits_BTV.dtype in _FUSED_DTYPES:
+        return row_ce.row_cross_entropy(
+            student_logits_BTV, input_ids_BT, token_mask_BT, sample_mask_B, lse_R=lse_R
+        )
+    return reference.student_ce_loss(student_logits_BTV, input_ids_BT, token_mask_BT, sample_mask_B)

@@ -169,6 +169,19 @@ class KernelEngine:
         z = fused.last_dim_contiguous(student_logits_BTV)
         return z, self._row_lse("student_logits", z, checks)
 
+    def ce_inputs(
+        self, student_logits_BTV: torch.Tensor, started: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The student CE's logits and row logsumexps
+        (:func:`~xtoken_core.losses.fused.student_ce`): gold at temperature 1 made both in
+        :meth:`start` (``started``: the logits last-dim contiguous, their row logsumexps at
+        temperature 1, what the CE needs), so the CE reuses them; otherwise the logits and None
+        (P-KL makes no row logsumexps of every row, and gold's at another temperature are not
+        the CE's)."""
+        if started is not None and self.config.gold_loss and self.config.temperature == 1.0:
+            return started
+        return student_logits_BTV, None
+
     def _row_lse(
         self, name: str, logits: torch.Tensor, checks: DeferredChecks | None
     ) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from xtoken_core.data.projection import Projection, open_projection
-from xtoken_core.losses import reference
+from xtoken_core.losses import fused, reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.engine import (
@@ -120,7 +120,9 @@ class CrossTokenizerLoss:
             checks=checks,
             started=started,
         )
-        ce, accuracy = self._ce(student_logits, batch, input_ids, global_valid_tokens, dtype)
+        ce, accuracy = self._ce(
+            engine, started, student_logits, batch, input_ids, global_valid_tokens, dtype
+        )
         if ce is None and not cfg.dynamic_scaling:  # no CE term: kl_weight * kd alone
             loss = kd.kd if cfg.kl_weight == 1.0 else cfg.kl_weight * kd.kd
         else:
@@ -298,19 +300,25 @@ class CrossTokenizerLoss:
             checks.ce_targets(input_ids, token_mask, batch.get("sample_mask"), V)
         return input_ids
 
-    @staticmethod
-    def _ce(student_logits, batch, input_ids, global_valid_tokens, dtype):
-        """``(ce, accuracy)`` over the global token count, or ``(None, None)`` without targets."""
+    def _ce(self, engine, started, student_logits, batch, input_ids, global_valid_tokens, dtype):
+        """``(ce, accuracy)`` over the global token count, or ``(None, None)`` without targets.
+        With the kernel engine, by the CE kernels (:func:`fused.student_ce`: no fp32 copy of
+        the logits), reusing the engine's row logsumexps where :meth:`KernelEngine.ce_inputs`
+        has them (``started``: what the engine's ``start`` returned); else the reference."""
         if input_ids is None:  # no CE tokens: both terms are 0 over any denominator
             return None, None
         device = student_logits.device
         token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
-        nll_sum, correct, n_tokens = reference.student_ce_loss(
-            student_logits,
+        targets = (
             input_ids.to(device),
             None if token_mask is None else token_mask.to(device),
             None if sample_mask is None else sample_mask.to(device),
         )
+        if engine is self.kernel:
+            logits, lse_R = self.kernel.ce_inputs(student_logits, started)
+            nll_sum, correct, n_tokens = fused.student_ce(logits, *targets, lse_R=lse_R)
+        else:
+            nll_sum, correct, n_tokens = reference.student_ce_loss(student_logits, *targets)
         if global_valid_tokens is not None:
             n_tokens = torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
         denom = n_tokens.to(dtype).clamp_min(1)
