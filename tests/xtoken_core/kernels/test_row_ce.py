@@ -280,3 +280,33 @@ def test_cuda_kernels_compile_once_however_the_batch_sizes_vary():
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+def test_kernels_compile_for_hopper_without_local_memory(monkeypatch):
+    # the compiled (not interpreted) kernels, for sm_90 with Triton's ptxas: no GPU needed
+    from tests.xtoken_core.kernels.conftest import compile_for_hopper
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fwd_types = {"z_ptr": "*bf16", "ids_ptr": "*i64", "tmask_ptr": "*i1", "smask_ptr": "*i1"}
+    fwd_types.update(lse_R_ptr="*fp32", target_R_ptr="*i32", stats_R3_ptr="*fp32")
+    for masks in (False, True):
+        for given in (False, True):
+            usage = compile_for_hopper(
+                row_ce._ce_fwd_kernel,
+                fwd_types,
+                {
+                    "HAS_TOKEN_MASK": masks,
+                    "HAS_SAMPLE_MASK": masks,
+                    "LSE_GIVEN": given,
+                    "BLOCK_V": row_ce.CE_CONFIG["fwd_block_v"],
+                },
+            )
+            assert "LOCAL:0" in usage, usage
+    bwd_types = {"z_ptr": "*bf16", "lse_R_ptr": "*fp32", "target_R_ptr": "*i32"}
+    bwd_types.update(g_ptr="*fp32", dz_ptr="*bf16", scale2="fp32")
+    usage = compile_for_hopper(
+        row_ce._ce_bwd_kernel,
+        bwd_types,
+        {"BLOCK_V": row_ce.CE_CONFIG["bwd_block_v"], "BLOCKS": row_ce.CE_CONFIG["bwd_blocks"]},
+    )
+    assert "LOCAL:0" in usage, usage
