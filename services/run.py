@@ -281,6 +281,7 @@ class Run:
         # budget key -> (monotonic due time, decision, the exited process)
         self._pending: dict[str, tuple[float, Decision, str]] = {}
         self._series: Series | None = None  # rank 0's step records (progress line)
+        self._compiling = False  # rank 0 compiles the student (its start-up step)
         self._recent: list[dict[str, Any]] = []  # the last step records (progress line)
 
     # ------------------------------------------------------------------ prepare
@@ -421,6 +422,7 @@ class Run:
             run_dir=str(self.run_dir),
             heldout=cfg.trainer.heldout or cfg.data.heldout,
             teacher_groups=cfg.teachers,
+            max_length=cfg.trainer.max_length or cfg.ctx_student,
         )
         out = {"trainer": cfgmod.to_dict(trainer)}
         for g in range(cfg.teachers):
@@ -895,11 +897,17 @@ class Run:
     def _show_progress(self, started: float) -> None:
         if self._series is None:
             self._series = Series(self.run_dir / "metrics" / "trainer.rank0.jsonl")
-        new = [r for r in self._series.poll() if r["kind"] == "step"]
+        polled = self._series.poll()
+        for r in polled:
+            if r["kind"] == "compile":
+                self._compiling = r.get("state") == "start"
+        new = [r for r in polled if r["kind"] == "step"]
         self._recent = (self._recent + new)[-5:]
         records = self._recent
         elapsed = time.monotonic() - started
-        if not records:
+        if not records and self._compiling:
+            line = f"[run] compiling the student... {elapsed:.0f}s"
+        elif not records:
             line = f"[run] starting... {elapsed:.0f}s"
         else:
             last = records[-1]

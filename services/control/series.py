@@ -107,7 +107,7 @@ class Series:
         """Read what was appended since the last call.
 
         Returns:
-            The new records (``{"kind": "step"|"eval", ...}``), oldest first.
+            The new records (``{"kind": "step"|"eval"|"compile", ...}``), oldest first.
         """
         out = []
         for record in self._tail.poll():
@@ -122,6 +122,9 @@ class Series:
                 point = {k: v for k, v in record.items() if k not in ("event", "rank")}
                 self.evals.append(point)
                 out.append({"kind": "eval", **point})
+            elif event == "compile":  # the student's start-up compile (state start / done)
+                point = {k: v for k, v in record.items() if k not in ("event", "rank")}
+                out.append({"kind": "compile", **point})
         if len(self.steps) > self.max_points:
             self.steps = self.steps[::2]
         return out

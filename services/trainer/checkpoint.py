@@ -69,7 +69,7 @@ def save(worker: Any, run_dir: str | os.PathLike, *, epoch: int, task_start: int
     """
     root = checkpoint_root(run_dir)
     path = root / f"step_{worker.step:08d}"
-    model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
+    model_sd, optim_sd = get_state_dict(worker.state_model, worker.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     meta = {
         "step": worker.step,
@@ -110,15 +110,16 @@ def load(worker: Any, path: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} has no rank*.json: it is incomplete; delete it")
     # a rank new to this checkpoint (a larger world) takes the schedule of another rank
     mine = metas.get(f"rank{worker.rank}.json") or next(iter(metas.values()))
-    model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
+    model_sd, optim_sd = get_state_dict(worker.state_model, worker.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        worker.model,
+        worker.state_model,
         worker.optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
     )
+    worker.publish()  # bf16 compute copy from the fp32 masters just loaded
     worker.scheduler.load_state_dict(mine["scheduler"])
     worker.step = int(mine["step"])
     worker.skipped_steps = int(mine.get("skipped_steps", 0))

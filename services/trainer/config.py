@@ -120,7 +120,9 @@ class TrainerConfig:
     )
     teacher_seed: int = field(
         default=0,
-        metadata={"help": "seed of a preset teacher (the hidden transport rebuilds its output layer)"},
+        metadata={
+            "help": "seed of a preset teacher (the hidden transport rebuilds its output layer)"
+        },
     )
     teacher_groups: int = field(
         default=1, metadata={"help": "teacher groups; rank r asks group r % teacher_groups"}
@@ -136,7 +138,31 @@ class TrainerConfig:
         metadata={"help": "compute dtype: auto (bfloat16 autocast on cuda, float32 on cpu)"},
     )
     parallel: Literal["ddp", "fsdp"] = field(
-        default="ddp", metadata={"help": "data parallel: ddp, or fsdp (fully_shard) for big students"}
+        default="ddp",
+        metadata={"help": "data parallel: ddp, or fsdp (fully_shard) for big students"},
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16"] = field(
+        default="auto",
+        metadata={
+            "help": "dtype of the student's parameters in the forward and backward: auto "
+            "(bfloat16 on cuda, with fp32 master weights in the optimizer; float32 on cpu), "
+            "float32 (fp32 parameters under autocast: the eager baseline) or bfloat16"
+        },
+    )
+    compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile each decoder layer of the student (None: on for cuda, off "
+            "on cpu); compiled once per run, at start, with symbolic lengths"
+        },
+    )
+    max_length: int = field(
+        default=0,
+        metadata={
+            "help": "longest student micro-batch in tokens (xtoken run sets it to ctx_student); "
+            "the start-up step that compiles the student and checks that a step fits in memory "
+            "runs at micro_batch x max_length (0: 128 tokens)"
+        },
     )
     activation_checkpointing: bool = field(
         default=False,
@@ -147,12 +173,16 @@ class TrainerConfig:
     )
     micro_batch: int = field(default=4, metadata={"help": "samples per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    max_steps: int = field(default=100, metadata={"help": "optimizer steps (0: until the data ends)"})
+    max_steps: int = field(
+        default=100, metadata={"help": "optimizer steps (0: until the data ends)"}
+    )
     epochs: int = field(default=1, metadata={"help": "passes over the data"})
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     run_dir: str = field(default="runs/default", metadata={"help": "metrics, checkpoints, export"})
-    checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0: off)"})
+    checkpoint_every: int = field(
+        default=50, metadata={"help": "steps between checkpoints (0: off)"}
+    )
     eval_every: int = field(default=50, metadata={"help": "steps between held-out evals (0: off)"})
     heldout: str | None = field(
         default=None, metadata={"help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte"}
@@ -190,12 +220,14 @@ class TrainerConfig:
         for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("max_steps", "checkpoint_every", "eval_every"):
+        for name in ("max_steps", "checkpoint_every", "eval_every", "max_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("lease_s", "teacher_timeout_s", "claim_timeout_s", "queue_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.param_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"param_dtype={self.param_dtype!r}: use auto, float32 or bfloat16")
         if self.eval_ctx < 2:
             raise ValueError(f"eval_ctx={self.eval_ctx}: must be >= 2 tokens")
         if self.loss.mode != "ce" and not self.loss.projection:

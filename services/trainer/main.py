@@ -126,6 +126,21 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     keys_log = JsonlWriter(run_dir / "keys" / f"trainer.rank{rank}.jsonl", rank=rank)
     lc.ready(rank=rank, world_size=world, step=worker.step)
     summary: dict[str, Any] = {"rank_count": world, "resumed_from": worker.step}
+    lifecycle.pause_progress()  # a compile of unknown length is no hang
+    if worker.compiled:
+        metrics.write("compile", state="start")
+        if rank == 0:
+            logger.info("[trainer] compiling the student...")
+    compile_s = worker.warm_up()
+    if compile_s is not None:
+        metrics.write("compile", state="done", seconds=round(compile_s, 3), compiled=worker.compiled)
+        summary["compile_s"] = round(compile_s, 3)
+        if rank == 0:
+            logger.info(
+                "[trainer] start-up step %s in %.1f s",
+                "(compile)" if worker.compiled else "(eager)",
+                compile_s,
+            )
 
     def evaluate(tag: str) -> None:
         if heldout:
@@ -202,6 +217,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 tokens_per_s=round(result.metrics["tokens"] / step_s, 2) if step_s else None,
                 times={k: round(v, 6) for k, v in result.times.items()},
                 memory_mb=_memory_mb(device),
+                recompiles=worker.recompiles(),
                 feed=dict(feed.counters),
                 **{k: round(v, 6) for k, v in result.metrics.items()},
             )

@@ -20,6 +20,7 @@ Legend: B samples, T student tokens, U teacher tokens, V student vocab, W teache
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -30,7 +31,9 @@ from typing import Any
 import torch
 
 from services.teacher.worker import resolve_dtype
+from services.trainer.compile import compile_layers, compiled_graphs, decoder_layers, uncompile
 from services.trainer.config import TrainerConfig
+from services.trainer.precision import MasterWeights, fp32_allreduce_hook, resolve_param_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +176,8 @@ class TrainerWorker:
         self.world_size = world_size
         self.device = torch.device(device or config.device)
         self.autocast_dtype = resolve_dtype(config.dtype, str(self.device))
+        self.param_dtype = resolve_param_dtype(config.param_dtype, self.device)
+        self.compiled = self.device.type == "cuda" if config.compile is None else config.compile
         student_tok = load_tokenizer(config.student_tokenizer)
         teacher_tok = load_tokenizer(config.teacher_tokenizer)
         self.student_pad_id = resolve_pad_id(student_tok)
@@ -192,10 +197,21 @@ class TrainerWorker:
         self.loss_fn = None
         if config.loss.uses_teacher:
             self.loss_fn = self._build_loss(teacher_tok.vocab_size, (student_tok, teacher_tok))
+        # the fp32 model: the optimizer's parameters (directly, or as the masters of a bf16
+        # compute copy), the checkpoint, the eval and the export
         self.module = model.to(self.device).train()
+        self.master: MasterWeights | None = None
+        compute = self.module
+        fsdp = world_size > 1 and config.parallel == "fsdp"  # FSDP2 casts by its own policy
+        if self.param_dtype != torch.float32 and not fsdp:
+            compute = copy.deepcopy(self.module).to(self.param_dtype)
+            self.master = MasterWeights(self.module, compute, accumulate_in_hooks=world_size == 1)
         if config.activation_checkpointing:
-            _checkpoint_activations(self.module)
-        self.model = self._parallelize(self.module)
+            _checkpoint_activations(compute)
+        if self.compiled:
+            self.compiled = compile_layers(compute) > 0
+        self.compute = compute  # what the forward and backward run on
+        self.model = self._parallelize(compute)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -204,6 +220,8 @@ class TrainerWorker:
         self.step = 0
         self.skipped_steps = 0
         self._metric_names: list[str] = []  # the loss's metrics, from the last step with data
+        self.compile_s: float | None = None  # the start-up step's seconds (warm_up)
+        self._graphs_warm: int | None = None  # Dynamo's graph count after the start-up step
 
     # ------------------------------------------------------------------ set-up
 
@@ -254,18 +272,34 @@ class TrainerWorker:
             )
         )
 
+    @property
+    def state_model(self) -> torch.nn.Module:
+        """The model whose parameters the optimizer steps (the checkpoint's model)."""
+        return self.module if self.master is not None else self.model
+
+    def publish(self) -> None:
+        """Copy the fp32 masters into the compute copy (after a checkpoint was loaded)."""
+        if self.master is not None:
+            self.master.publish()
+
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.world_size == 1:
             return module
         if self.config.parallel == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             # the mesh of the trainer's device: without one FSDP2 shards onto CUDA whenever the
             # machine has it, also for a CPU trainer (its logits then land on another device)
             mesh = init_device_mesh(self.device.type, (self.world_size,))
-            sharded = [fully_shard(layer, mesh=mesh) for layer in _decoder_layers(module)]
-            sharded.append(fully_shard(module, mesh=mesh))
+            # sharded fp32 parameters, gathered in the compute dtype, gradients reduced in fp32
+            policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+            if self.param_dtype == torch.float32:
+                policy = MixedPrecisionPolicy()
+            sharded = [
+                fully_shard(layer, mesh=mesh, mp_policy=policy) for layer in decoder_layers(module)
+            ]
+            sharded.append(fully_shard(module, mesh=mesh, mp_policy=policy))
             for m in sharded:  # per FSDP module: these setters do not recurse
                 # the loss is already divided by the global denominators: the ranks' gradients
                 # must be summed, where FSDP2 averages them by default (gradients, their norm and
@@ -277,12 +311,15 @@ class TrainerWorker:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids)
+        ddp = DistributedDataParallel(module, device_ids=ids)
+        if self.master is not None:  # bf16 gradients summed in fp32 over the ranks
+            ddp.register_comm_hook(None, fp32_allreduce_hook)
+        return ddp
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         oc = self.config.optim
         decay, no_decay = [], []
-        for p in self.model.parameters():
+        for p in self.state_model.parameters():
             if p.requires_grad:
                 (decay if p.dim() >= 2 else no_decay).append(p)
         groups = [
@@ -333,6 +370,101 @@ class TrainerWorker:
             return torch.autocast("cuda", dtype=self.autocast_dtype)
         return contextlib.nullcontext()
 
+    def _train_autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for the training forward: only over fp32 parameters (the eager baseline);
+        bf16 parameters compute in bf16 without it."""
+        if self.param_dtype != torch.float32:
+            return contextlib.nullcontext()
+        return self._autocast()
+
+    def _forward(self, input_ids_BT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+        """The student's ``[B, T, V]`` logits (``mask_BT`` None: causal attention alone)."""
+        with self._train_autocast():
+            return self.model(
+                input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False
+            ).logits
+
+    # ------------------------------------------------------------------ start-up step
+
+    def warm_up(self) -> float | None:
+        """One forward and backward at ``micro_batch x max_length`` before training: compiles the
+        student (once per run), and shows at start that a step's activations fit in memory.
+
+        A student that ``torch.compile`` cannot handle runs eagerly, with one warning. CPU runs
+        without compile skip it (the demo starts at once).
+
+        Returns:
+            Seconds the step took (compile included), or None when skipped.
+
+        Raises:
+            StartupOutOfMemory: the step does not fit the device (names the settings to lower).
+        """
+        if not (self.compiled or self.device.type == "cuda"):
+            return None
+        length = self.config.max_length or 128
+        ids = torch.full(
+            (self.config.micro_batch, length),
+            self.student_pad_id,
+            dtype=torch.long,
+            device=self.device,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._warm_step(ids)
+        except torch.OutOfMemoryError as e:
+            raise self._out_of_memory(length) from e
+        except Exception as e:  # Dynamo / Inductor failures have many types
+            if not self.compiled:
+                raise
+            logger.warning(
+                "[trainer] torch.compile failed on the student (%s: %s); training eagerly. Set "
+                "trainer.compile: false to skip the attempt",
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
+            uncompile(self.compute)
+            self.compiled = False
+            self._zero_grads()
+            try:
+                self._warm_step(ids)
+            except torch.OutOfMemoryError as oom:
+                raise self._out_of_memory(length) from oom
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compile_s = time.perf_counter() - t0
+        self._graphs_warm = compiled_graphs()
+        return self.compile_s
+
+    def _warm_step(self, ids_BT: torch.Tensor) -> None:
+        with self._sync(last=False):
+            logits_BTV = self._forward(ids_BT, None)
+            (logits_BTV.sum() * 0.0).backward()
+        del logits_BTV
+        self._zero_grads()
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.zero_grad()
+
+    def _out_of_memory(self, length: int) -> StartupOutOfMemory:
+        total = ""
+        if self.device.type == "cuda":
+            total = (
+                f" ({torch.cuda.get_device_properties(self.device).total_memory / 2**30:.0f} GiB)"
+            )
+        return StartupOutOfMemory(
+            f"a student step of micro_batch={self.config.micro_batch} x {length} tokens does not "
+            f"fit in {self.device}'s memory{total}: lower trainer.micro_batch, or set "
+            "trainer.activation_checkpointing: true"
+        )
+
+    def recompiles(self) -> int | None:
+        """Graphs Dynamo compiled since the start-up step (None: the student is not compiled)."""
+        if not self.compiled or self._graphs_warm is None:
+            return None
+        return compiled_graphs() - self._graphs_warm
+
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
@@ -376,10 +508,13 @@ class TrainerWorker:
                     self._empty_backward()
                     continue
                 batch = batches[i]
-                with clock.phase("forward", gpu=True), self._autocast():
-                    logits_BTV = self.model(
-                        input_ids=batch["input_ids"], attention_mask=batch["token_mask"].long()
-                    ).logits
+                # right padding under causal attention: no real token sees a pad, so a batch
+                # whose masks are prefixes needs no mask (the fused causal kernels, one graph)
+                mask = None if _is_prefix_mask(mb.batch["token_mask"]) else batch["token_mask"]
+                with clock.phase("forward", gpu=True):
+                    logits_BTV = self._forward(
+                        batch["input_ids"], None if mask is None else mask.long()
+                    )
                 teacher = None
                 if mb.teacher_logits is not None:
                     with clock.phase("teacher_wait"):
@@ -424,12 +559,13 @@ class TrainerWorker:
 
     def _empty_backward(self) -> None:
         ids = torch.full((1, 2), self.student_pad_id, dtype=torch.long, device=self.device)
-        with self._autocast():
-            logits = self.model(input_ids=ids).logits
+        logits = self._forward(ids, None)
         (logits.float().sum() * 0.0).backward()
 
     def _optimizer_step(self) -> tuple[bool, torch.Tensor]:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.master is not None:
+            self.master.collect()
+        params = [p for p in self.state_model.parameters() if p.grad is not None]
         clip = self.config.optim.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         finite = bool(torch.isfinite(grad_norm))  # one host sync per step
@@ -443,7 +579,9 @@ class TrainerWorker:
                 float(grad_norm),
                 self.skipped_steps,
             )
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
+        if finite and self.master is not None:
+            self.master.publish()
         self.scheduler.step()
         return not finite, grad_norm.detach()
 
@@ -525,17 +663,15 @@ class TrainerWorker:
             logger.info("[trainer] exported the student to %s", out_dir)
 
 
-def _decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a HF causal LM (FSDP shards each one)."""
-    for name in ("model.layers", "transformer.h", "gpt_neox.layers"):
-        obj: Any = module
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.ModuleList):
-            return list(obj)
-    return []
+class StartupOutOfMemory(RuntimeError):
+    """The student's start-up step ran out of device memory (the message names the fix)."""
+
+
+def _is_prefix_mask(mask_BT: torch.Tensor) -> bool:
+    """Whether every row of a ``[B, T]`` token mask is ones then zeros (right padding)."""
+    lengths_B = mask_BT.sum(dim=1, keepdim=True)
+    positions_T = torch.arange(mask_BT.shape[1], device=mask_BT.device)
+    return bool(torch.equal(mask_BT.bool(), positions_T < lengths_B))
 
 
 def _checkpoint_activations(module: torch.nn.Module) -> None:

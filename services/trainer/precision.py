@@ -1,0 +1,130 @@
+"""Low-precision compute with fp32 master weights: the student's parameters in bf16 for the
+forward and backward, an fp32 copy of them for the optimizer.
+
+Why not autocast over fp32 parameters (the eager baseline): autocast casts every weight to bf16
+on every forward (and again in the backward), keeps fp32 gradients of the size of the model, and
+runs its dispatch per op; bf16 parameters cast nothing, halve the gradients' bytes, and leave the
+update exact in fp32. The fp32 masters are the model's truth: the optimizer steps them, the
+checkpoint saves them, the export writes them; the bf16 compute copy is made from them after each
+update (:meth:`MasterWeights.publish`).
+
+Gradients: on one rank, each bf16 gradient is added into its master's fp32 gradient as soon as
+autograd has accumulated it (a post-accumulate hook), and the bf16 one is freed; so several
+micro-batches accumulate in fp32, and the bf16 gradients never all exist at once. Under DDP the
+reducer owns the bf16 gradients (its buckets are views of them): they accumulate there, are summed
+over ranks in fp32 (:func:`fp32_allreduce_hook`, rounded to bf16 once), and are taken into the
+masters before the update (:meth:`MasterWeights.collect`). FSDP2 does the same by itself
+(``MixedPrecisionPolicy``: sharded fp32 parameters, bf16 compute, fp32 reduction).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["MasterWeights", "fp32_allreduce_hook", "resolve_param_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of the student's compute parameters.
+
+    Args:
+        name: ``auto`` (bfloat16 on CUDA, float32 on the CPU), ``float32`` or ``bfloat16``.
+        device: the trainer's device.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"param_dtype={name!r}: use auto, float32 or bfloat16")
+    return _DTYPES[name]
+
+
+class MasterWeights:
+    """fp32 master parameters for a low-precision compute copy of the same model.
+
+    Args:
+        master: the fp32 model (the optimizer's parameters, checkpoints, export).
+        compute: its low-precision copy (same parameters in the same order: ``copy.deepcopy``
+            then ``.to(dtype)``); the forward and backward run on it.
+        accumulate_in_hooks: add each gradient into the fp32 master as autograd produces it
+            (one rank); False when a DDP reducer owns the compute gradients.
+
+    Raises:
+        ValueError: the two models' parameters do not pair up.
+    """
+
+    def __init__(
+        self, master: torch.nn.Module, compute: torch.nn.Module, *, accumulate_in_hooks: bool
+    ) -> None:
+        self.masters = list(master.parameters())
+        self.computes = list(compute.parameters())
+        shapes = [tuple(p.shape) for p in self.masters]
+        if shapes != [tuple(p.shape) for p in self.computes]:
+            raise ValueError("master and compute models have different parameters")
+        self.hooks = []
+        if accumulate_in_hooks:
+            for m, c in zip(self.masters, self.computes, strict=True):
+                if c.requires_grad:
+                    hook = functools.partial(_accumulate_into, m)
+                    self.hooks.append(c.register_post_accumulate_grad_hook(hook))
+        self.publish()
+
+    def collect(self) -> None:
+        """Take the compute gradients (DDP: summed over ranks) into the masters' fp32 ones."""
+        for m, c in zip(self.masters, self.computes, strict=True):
+            if c.grad is not None:
+                _accumulate_into(m, c)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Copy the masters into the compute parameters (rounded to their dtype)."""
+        torch._foreach_copy_(self.computes, self.masters)
+
+    def zero_grad(self) -> None:
+        """Drop the compute gradients (the masters' are the optimizer's to zero)."""
+        for c in self.computes:
+            c.grad = None
+
+
+def _accumulate_into(master: torch.Tensor, compute: torch.Tensor) -> None:
+    """Add ``compute.grad`` into ``master.grad`` (fp32) and free it."""
+    if master.grad is None:
+        master.grad = compute.grad.to(master.dtype)
+    else:
+        master.grad.add_(compute.grad)
+    compute.grad = None
+
+
+def fp32_allreduce_hook(process_group: Any, bucket: Any) -> torch.futures.Future:
+    """DDP communication hook: sum a bucket of low-precision gradients in fp32.
+
+    bf16 has 8 bits of mantissa: summed over ranks in bf16, every addition rounds; summed in fp32
+    and rounded once, the reduced gradient is the exact sum's nearest bf16. Divides by the world
+    size as DDP's default hook does (the trainer scales its loss back to a sum).
+
+    Args:
+        process_group: the DDP process group (None: the default group).
+        bucket: DDP's ``GradBucket``.
+
+    Returns:
+        A future of the bucket's buffer holding the mean.
+    """
+    import torch.distributed as dist
+
+    group = process_group or dist.group.WORLD
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float32).div_(dist.get_world_size(group))
+    work = dist.all_reduce(wide, group=group, async_op=True)
+
+    def back(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return work.get_future().then(back)

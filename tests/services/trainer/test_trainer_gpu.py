@@ -1,0 +1,68 @@
+"""GPU: the default student step (bf16 parameters with fp32 masters, decoder layers compiled by
+Inductor) against the eager fp32 step; no recompile over batch lengths; the start-up step's
+out-of-memory message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.worker import StartupOutOfMemory, TrainerWorker
+from tests.services.trainer import distill_setup as setup
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def _worker(**overrides) -> TrainerWorker:
+    return TrainerWorker(setup.trainer_config(None, device="cuda", max_length=32, **overrides))
+
+
+def test_default_cuda_step_is_bf16_compiled_and_follows_the_eager_fp32_step():
+    """One step from the same weights: loss within 2% of eager fp32 autocast, update cosine
+    >= 0.98 (bf16 rounds parameters and gradients; the fp32 masters keep the update)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    results, updates = [], []
+    for overrides in ({"param_dtype": "float32", "compile": False}, {}):
+        worker = _worker(**overrides)
+        worker.warm_up()
+        before = torch.cat([p.detach().flatten().clone() for p in worker.module.parameters()])
+        results.append(worker.train_step([mb]).metrics["loss"])
+        after = torch.cat([p.detach().flatten() for p in worker.module.parameters()])
+        updates.append(after - before)
+    assert worker.compiled and worker.master is not None
+    assert abs(results[1] - results[0]) <= 0.02 * abs(results[0])
+    cos = torch.nn.functional.cosine_similarity(updates[0], updates[1], dim=0)
+    assert float(cos) >= 0.98
+
+
+def test_default_cuda_step_compiles_once_for_every_batch_length():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    worker = _worker()
+    worker.warm_up()
+    assert worker.compile_s is not None and worker.recompiles() == 0
+    for batch in setup.micro_batches():  # four lengths
+        worker.train_step([setup.micro_batch(batch, ["a"], with_teacher=False)])
+    assert worker.recompiles() == 0
+
+
+def test_a_start_up_step_too_large_for_the_gpu_names_micro_batch_and_checkpointing():
+    free, _ = torch.cuda.mem_get_info()
+    worker = TrainerWorker(
+        setup.trainer_config(
+            None,
+            device="cuda",
+            compile=False,
+            micro_batch=64,
+            max_length=int(free // (64 * 4 * 1000)),
+        )
+    )
+    with pytest.raises(StartupOutOfMemory, match="trainer.micro_batch.*activation_checkpointing"):
+        worker.warm_up()
