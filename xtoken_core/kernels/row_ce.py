@@ -64,7 +64,9 @@ def _block(key: str, V: int) -> int:
 if tl is not None:
     # T and the id/mask strides follow the batch's length; the id and mask pointers may be
     # views at any offset, the lse a slice of a larger buffer: none of them may pick a variant
-    # (a recompile mid-run). The logits' strides and V are fixed per run and stay specialized.
+    # (a recompile mid-run). V and the logits' strides stay specialized, as in logit_rows: the
+    # row strides are multiples of V (of 16 in real vocabularies, whatever T is), and the
+    # vectorized loads rely on them.
     @lazy_jit(
         do_not_specialize=("T", "ids_stride_b", "ids_stride_t", "tm_stride_b", "tm_stride_t"),
         do_not_specialize_on_alignment=(
