@@ -1,6 +1,13 @@
-"""Pipeline vs bare compute: does the data plane + teacher hand-off cost <= 10% of tokens/s?
+"""The distillation pipeline at the hardware's pace: the default step against the eager baseline,
+and the pipeline against its own bare compute.
 
-For each shape (B x T) and loss mode, in one run on one machine:
+For each shape (B x T) and loss mode (pkl, gold, xtoken, ce), in one run on one machine:
+
+* **eager** (``--baseline eager``): the pipeline with the eager step: fp32 parameters under bf16
+  autocast, nothing compiled (``trainer.param_dtype: float32``, ``trainer.compile: false``,
+  ``teacher.compile: false``);
+* **default**: the same pipeline with the defaults: bf16 parameters with fp32 master weights,
+  the decoder layers compiled (student and teacher);
 
 * **bare**: one process, no queue, no IPC: teacher forward (bf16, no grad) + the student's
   optimizer step with the same loss (services.trainer.worker.TrainerWorker.train_step), on the
@@ -11,12 +18,16 @@ For each shape (B x T) and loss mode, in one run on one machine:
   and teacher, and the bytes each transport moves per step.
 
 Models are built from presets (random weights) and saved once as local HF folders, so every
-process loads the same weights fast. The student's MFU counts 6 * params * tokens plus the
-attention term, against the GPU's dense bf16 peak.
+process loads the same weights fast. MFU counts causal attention: the student step
+``6 N + 6 L q T`` per token, the teacher forward ``2 N + 2 L q T`` (N parameters, L layers,
+q = heads x head dim, T the sequence length), over the GPU's dense bf16 peak; ``mfu_e2e`` is both
+over the pipeline's tokens/s, ``student_mfu`` the student step alone. A recompile check trains 50
+steps of the default on demo-corpus texts of every length (no filled context) and counts the
+graphs Dynamo compiles after the start-up step; it reports the padding waste of those batches.
 
 Usage (GPU)::
 
-    python benchmarks/e2e/bench_pipeline.py --shapes 1x4096 4x2048 --modes pkl gold xtoken
+    python benchmarks/e2e/bench_pipeline.py --shapes 1x4096 4x2048 --modes pkl gold xtoken ce
 
 CPU smoke test::
 
@@ -132,6 +143,70 @@ def collated(args, B: int, T: int, corpus: Path, n: int) -> list[dict]:
     return out
 
 
+# the trainer and teacher keys of the eager baseline (the defaults need none)
+EAGER_TRAINER = {"param_dtype": "float32", "compile": False}
+EAGER_TEACHER = {"compile": False}
+
+
+def _teacher_has_compile() -> bool:
+    import dataclasses
+
+    from services.teacher.worker import TeacherConfig
+
+    return any(f.name == "compile" for f in dataclasses.fields(TeacherConfig))
+
+
+def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: str, eager: bool):
+    """The trainer's worker of a bare run (its start-up step done)."""
+    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from services.trainer.worker import TrainerWorker
+
+    cfg = TrainerConfig(
+        student=student_dir,
+        student_tokenizer=args.student_tokenizer,
+        teacher_tokenizer=args.teacher_tokenizer,
+        device=args.device,
+        micro_batch=B,
+        max_length=T,
+        max_steps=10**6,
+        optim=OptimConfig(warmup_steps=0),
+        loss=LossConfig(mode=mode, projection=projection if mode != "ce" else None),
+        **(EAGER_TRAINER if eager else {}),
+    )
+    worker = TrainerWorker(cfg, device=torch.device(args.device))
+    worker.warm_up()
+    return worker
+
+
+def _bare_teacher(args, teacher_dir: str, eager: bool):
+    """The teacher model of a bare run: bf16 on CUDA, its decoder layers compiled unless eager."""
+    from services.trainer.compile import compile_layers
+    from xtoken_core.models import load_model
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    teacher = load_model(teacher_dir, dtype=dtype, device=device).eval().requires_grad_(False)
+    if not eager and device.type == "cuda":
+        compile_layers(teacher)
+    return teacher
+
+
+def _bare_step(worker, teacher, batch: dict, mode: str) -> None:
+    from services.trainer.worker import MicroBatch
+
+    device = worker.device
+    logits = None
+    if mode != "ce":
+        with torch.inference_mode():
+            ids = batch["teacher_input_ids"].to(device, non_blocking=True)
+            logits = teacher(input_ids=ids, use_cache=False).logits
+        logits = logits.clone()  # an inference tensor cannot be saved for the backward
+    mb = MicroBatch(
+        keys=[], batch=batch, teacher_logits=None if logits is None else (lambda: logits)
+    )
+    worker.train_step([mb])
+
+
 def bare(
     args,
     mode: str,
@@ -141,36 +216,16 @@ def bare(
     teacher_dir: str,
     corpus: Path,
     projection: str,
+    eager: bool = False,
 ) -> dict:
     """Teacher forward + student step in one process; tokens/s."""
-    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
-    from services.trainer.worker import MicroBatch, TrainerWorker
-    from xtoken_core.models import load_model
-
     device = torch.device(args.device)
-    cfg = TrainerConfig(
-        student=student_dir,
-        student_tokenizer=args.student_tokenizer,
-        teacher_tokenizer=args.teacher_tokenizer,
-        device=args.device,
-        micro_batch=B,
-        max_steps=args.warmup + args.steps,
-        optim=OptimConfig(warmup_steps=0),
-        loss=LossConfig(mode=mode, projection=projection),
-    )
-    worker = TrainerWorker(cfg, device=device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    teacher = load_model(teacher_dir, dtype=dtype, device=device).eval().requires_grad_(False)
+    worker = _bare_worker(args, mode, B, T, student_dir, projection, eager)
+    teacher = _bare_teacher(args, teacher_dir, eager) if mode != "ce" else None
     batches = collated(args, B, T, corpus, 4)
 
     def step(batch: dict) -> None:
-        with torch.no_grad():
-            ids = batch["teacher_input_ids"].to(device, non_blocking=True)
-            logits = teacher(
-                input_ids=ids, attention_mask=batch["teacher_token_mask"].to(device).long()
-            ).logits
-        mb = MicroBatch(keys=[], batch=batch, teacher_logits=lambda: logits)
-        worker.train_step([mb])
+        _bare_step(worker, teacher, batch, mode)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -197,10 +252,60 @@ def bare(
         "peak_mem_gib": (torch.cuda.max_memory_allocated() / 2**30)
         if device.type == "cuda"
         else None,
-        "student_params": sum(p.numel() for p in worker.module.parameters()),
-        "student_layers": worker.module.config.num_hidden_layers,
-        "student_hidden": worker.module.config.hidden_size,
+        "compile_s": worker.compile_s,
+        "recompiles": worker.recompiles(),
     }
+    return out
+
+
+def model_flops(model_dir: str) -> dict:
+    """Parameters, layers and attention width (heads x head dim) of a saved model."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    from safetensors import safe_open
+
+    params = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                params += _numel(st.get_slice(k).get_shape())
+    return {"params": params, "layers": cfg["num_hidden_layers"], "q_dim": heads * head_dim}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def recompile_check(
+    args, B: int, T: int, student_dir: str, teacher_dir: str, projection: str, steps: int = 50
+) -> dict:
+    """The default step over ``steps`` demo-corpus batches of every length: graphs compiled after
+    the start-up step, and the padding's share of the batches' tokens."""
+    from xtoken_core.data.corpus import build_demo_corpus
+
+    demo = build_demo_corpus()
+    worker = _bare_worker(args, "pkl", B, T, student_dir, projection, eager=False)
+    teacher = _bare_teacher(args, teacher_dir, eager=False)
+    batches = collated(args, B, T, Path(demo.train_path), steps)
+    real = padded = 0
+    lengths = set()
+    for batch in batches:
+        _bare_step(worker, teacher, batch, "pkl")
+        real += int(batch["input_lengths"].sum())
+        padded += batch["input_ids"].numel()
+        lengths.add(batch["input_ids"].shape[1])
+    out = {
+        "steps": steps,
+        "distinct_lengths": len(lengths),
+        "recompiles": worker.recompiles(),
+        "compile_s": worker.compile_s,
+        "padding_waste": 1 - real / padded,
+    }
+    del worker, teacher
     return out
 
 
@@ -219,9 +324,10 @@ def pipeline(
     teacher_device: str | None = None,
     grad_accum: int = 1,
     trainer_extra: dict | None = None,
+    teacher_extra: dict | None = None,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records
-    (``trainer_extra``: more keys of the run config's trainer section)."""
+    (``trainer_extra`` / ``teacher_extra``: more keys of the run config's sections)."""
     import shutil
 
     from services.common.metrics import read_jsonl
@@ -251,6 +357,7 @@ def pipeline(
                 "max_batch": B,
                 "max_length": T,
                 "slots": 2,
+                **(teacher_extra or {}),
             },
             "trainer": {
                 "student": student_dir,
@@ -275,9 +382,18 @@ def pipeline(
     wall = time.perf_counter() - t0
     if code != 0:
         return {"error": run.failure, "wall_s": wall}
-    steps = [
-        r for r in read_jsonl(run_dir / "metrics" / "trainer.rank0.jsonl") if r["event"] == "step"
-    ]
+    records = read_jsonl(run_dir / "metrics" / "trainer.rank0.jsonl")
+    steps = [r for r in records if r["event"] == "step"]
+    compiled = [r for r in records if r["event"] == "compile" and r.get("state") == "done"]
+    teacher_mem = (
+        [
+            r["memory_mb"]
+            for r in read_jsonl(run_dir / "metrics" / "teacher.group0.jsonl")
+            if r.get("memory_mb")
+        ]
+        if (run_dir / "metrics" / "teacher.group0.jsonl").exists()
+        else []
+    )
     measured = [r for r in steps if r["step"] > args.warmup]
     span = measured[-1]["time"] - steps[args.warmup - 1]["time"] if args.warmup else None
     tokens = sum(r["tokens"] for r in measured)
@@ -288,9 +404,15 @@ def pipeline(
     if transport == "hidden":
         hidden = json.loads((Path(teacher_dir) / "config.json").read_text())["hidden_size"]
         hidden_bytes = B * T * hidden * 2
+    # wall time between rank 0's step records that no phase of its steps accounts for
+    between = (span - sum(r["step_s"] for r in measured)) / len(measured) if span else None
     return {
         "tokens_per_s": tokens / span if span else tokens / sum(r["step_s"] for r in measured),
         "step_s": step_s,
+        "between_steps_ms": None if between is None else 1000 * between,
+        "compile_s": compiled[-1]["seconds"] if compiled else None,
+        "recompiles": measured[-1].get("recompiles"),
+        "teacher_peak_mem_gib": max(teacher_mem) / 1024 if teacher_mem else None,
         "split_s": split,
         "wait_fraction": waits / step_s if step_s else None,
         "teacher_wait_ms": 1000 * split.get("teacher_wait", 0.0),
@@ -302,18 +424,41 @@ def pipeline(
     }
 
 
-def mfu(b: dict, tokens_per_s: float, T: int, peak: float | None) -> float | None:
-    """Model FLOPs utilization of the student step (6N per token + attention)."""
-    if not peak:
-        return None
-    flops_per_token = 6 * b["student_params"] + 12 * b["student_layers"] * b["student_hidden"] * T
-    return flops_per_token * tokens_per_s / peak
+def flops_per_token(student: dict, teacher: dict | None, T: int) -> tuple[float, float]:
+    """``(student step, student step + teacher forward)`` FLOPs per student token, causal
+    attention counted (half the square): 6N + 6 L q T for the step, 2N + 2 L q T for a forward.
+    The teacher's count is per student token (its sequences are about as long)."""
+    s = 6 * student["params"] + 6 * student["layers"] * student["q_dim"] * T
+    t = (
+        0.0
+        if teacher is None
+        else 2 * teacher["params"] + 2 * teacher["layers"] * teacher["q_dim"] * T
+    )
+    return s, s + t
+
+
+def mfu(flops: float, tokens_per_s: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization: ``flops`` per token at ``tokens_per_s`` over the peak."""
+    return flops * tokens_per_s / peak if peak else None
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["1x4096", "4x2048"])
-    p.add_argument("--modes", nargs="+", default=["pkl", "gold", "xtoken"])
+    p.add_argument("--modes", nargs="+", default=["pkl", "gold", "xtoken", "ce"])
+    p.add_argument(
+        "--baseline",
+        choices=["eager", "none"],
+        default="eager",
+        help="eager: each row's pipeline also runs with the eager step (fp32 parameters, "
+        "autocast, nothing compiled), side by side; none: the default only",
+    )
+    p.add_argument(
+        "--recompile-steps",
+        type=int,
+        default=50,
+        help="steps of the recompile check per shape (demo-corpus texts of every length; 0: off)",
+    )
     p.add_argument("--transports", nargs="+", default=["cuda_ipc"])
     p.add_argument(
         "--trainers",
@@ -360,22 +505,50 @@ def main() -> int:
     projection = build_projection(args, work)
     dev = device_name() if args.device == "cuda" else "cpu"
     peak = _peak(dev)
+    student_f, teacher_f = model_flops(student_dir), model_flops(teacher_dir)
+    eager_teacher = EAGER_TEACHER if _teacher_has_compile() else {}
     rows = []
     print(f"device {dev}; student {args.student} teacher {args.teacher}")
-    print(
-        f"{'shape':>8} {'mode':>7} {'transport':>9} {'bare tok/s':>11} {'pipe tok/s':>11} "
-        f"{'ratio':>6} {'wait%':>6} {'t_wait ms':>9} {'MFU':>6}"
+    header = (
+        f"{'shape':>7} {'mode':>6} {'eager tok/s':>11} {'tok/s':>7} {'x eager':>7} "
+        f"{'bare tok/s':>10} {'/bare':>5} {'MFU e2e':>7} {'MFU st':>6} {'GiB tr':>6} "
+        f"{'GiB te':>6} {'compile s':>9} {'recomp':>6} {'gap ms':>6}"
     )
+    lines = []
     for shape in args.shapes:
         B, T = (int(x) for x in shape.split("x"))
         corpus = long_corpus(
             work / f"corpus_{T}.jsonl", chars=8 * T, count=B * (args.steps + args.warmup + 8)
         )
+        if args.recompile_steps:
+            rc = recompile_check(
+                args, B, T, student_dir, teacher_dir, projection, args.recompile_steps
+            )
+            print(f"{shape}: recompile check {json.dumps(rc)}")
+            rows.append({"shape": shape, "kind": "recompile_check", **rc})
+            _free()
         for mode in args.modes:
             b = bare(args, mode, B, T, student_dir, teacher_dir, corpus, projection)
-            if args.device == "cuda":
-                torch.cuda.empty_cache()  # the bare models are gone: give their memory back
+            _free()
             for transport in args.transports:
+                eager = None
+                if args.baseline == "eager":
+                    eager = pipeline(
+                        args,
+                        mode,
+                        B,
+                        T,
+                        student_dir,
+                        teacher_dir,
+                        corpus,
+                        projection,
+                        transport,
+                        work / f"run_{shape}_{mode}_{transport}_eager",
+                        trainer_extra=EAGER_TRAINER,
+                        teacher_extra=eager_teacher,
+                    )
+                    if "error" in eager:
+                        print(f"{shape} {mode} eager FAILED: {eager['error'][:400]}")
                 base = None
                 for n, tdev in ((n, d) for d in args.teacher_devices for n in args.trainers):
                     accum = args.grad_accum
@@ -407,36 +580,60 @@ def main() -> int:
                         "tag": args.tag,
                     }
                     if "error" in pl:
-                        print(
-                            f"{shape:>8} {mode:>7} {transport:>9} x{n} FAILED: {pl['error'][:400]}"
-                        )
+                        print(f"{shape} {mode} {transport} x{n} FAILED: {pl['error'][:400]}")
                         rows.append({**row, **pl})
                         continue
                     base = base or pl["tokens_per_s"]
-                    ratio = pl["tokens_per_s"] / b["tokens_per_s"]
-                    m = mfu(b, pl["tokens_per_s"] / n, T, peak)
-                    print(
-                        f"{shape:>8} {mode:>7} {transport:>9} x{n} t={tdev or 'same'} {args.tag} "
-                        f"{b['tokens_per_s']:>11.0f} "
-                        f"{pl['tokens_per_s']:>11.0f} {ratio:>6.3f} {100 * pl['wait_fraction']:>6.2f} "
-                        f"{pl['teacher_wait_ms']:>9.2f} {'-' if m is None else f'{m:.3f}':>6} "
-                        f"scaling {pl['tokens_per_s'] / base:.3f}"
+                    per_rank = pl["tokens_per_s"] / n
+                    f_student, f_all = flops_per_token(
+                        student_f, teacher_f if mode != "ce" else None, T
                     )
-                    split = {k: round(v, 4) for k, v in pl["split_s"].items()}
-                    print(
-                        f"           split (s/step): {json.dumps(split)}  bytes/step "
-                        f"{pl['bytes_per_step']}  feed {pl['feed']}"
+                    eager_tps = eager["tokens_per_s"] if eager and "error" not in eager else None
+                    speedup = pl["tokens_per_s"] / eager_tps if eager_tps else None
+                    # the student step alone: its share of the pipeline's wall time
+                    step_share = (
+                        pl["step_s"]
+                        - pl["split_s"].get("teacher_wait", 0.0)
+                        - pl["split_s"].get("data_wait", 0.0)
                     )
-                    rows.append(
-                        {
-                            **row,
-                            "bare": b,
-                            "pipeline": pl,
-                            "ratio": ratio,
-                            "student_mfu": m,
-                            "scaling": pl["tokens_per_s"] / base,
-                        }
+                    tokens_step = per_rank * pl["step_s"]
+                    out = {
+                        **row,
+                        "bare": b,
+                        "pipeline": pl,
+                        "eager": eager,
+                        "ratio": pl["tokens_per_s"] / b["tokens_per_s"],
+                        "speedup_vs_eager": speedup,
+                        "mfu_e2e": mfu(f_all, per_rank, peak),
+                        "student_mfu": mfu(f_student, tokens_step / step_share, peak)
+                        if step_share > 0
+                        else None,
+                        "peak_mem_gib": (pl["peak_mem_mb"] or 0) / 1024,
+                        "teacher_peak_mem_gib": pl["teacher_peak_mem_gib"],
+                        "compile_s": pl["compile_s"],
+                        "recompiles": pl["recompiles"],
+                        "scaling": pl["tokens_per_s"] / base,
+                    }
+                    rows.append(out)
+                    line = (
+                        f"{shape:>7} {mode:>6} {_f(eager_tps, 0):>11} "
+                        f"{pl['tokens_per_s']:>7.0f} {_f(speedup, 2):>7} "
+                        f"{b['tokens_per_s']:>10.0f} {out['ratio']:>5.2f} "
+                        f"{_f(out['mfu_e2e'], 3):>7} {_f(out['student_mfu'], 3):>6} "
+                        f"{out['peak_mem_gib']:>6.1f} {_f(out['teacher_peak_mem_gib'], 1):>6} "
+                        f"{_f(pl['compile_s'], 1):>9} {_f(pl['recompiles'], 0):>6} "
+                        f"{_f(pl['between_steps_ms'], 1):>6}"
                     )
+                    if n > 1 or tdev:
+                        line += f" x{n} t={tdev or 'same'} scaling {out['scaling']:.3f}"
+                    lines.append(line)
+                    print(line)
+                    split = {k: round(v * 1000, 1) for k, v in pl["split_s"].items()}
+                    print(f"        split (ms/step): {json.dumps(split)}")
+                    if eager_tps:
+                        split = {k: round(v * 1000, 1) for k, v in eager["split_s"].items()}
+                        print(f"        eager split (ms/step): {json.dumps(split)}")
+                _free()
     stamp = {
         "commit": commit(),
         "device": dev,
@@ -445,7 +642,22 @@ def main() -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     append_rows(args.results, [{**stamp, **r} for r in rows])
+    print(header)
+    print("\n".join(lines))
     return 0
+
+
+def _f(x, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _free() -> None:
+    """Give the memory of a finished bare run back (the next processes need it)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

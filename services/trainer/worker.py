@@ -470,9 +470,9 @@ class TrainerWorker:
 
     def _loss(self, logits_BTV, batch, counts, teacher_logits) -> tuple[torch.Tensor, dict]:
         if self.loss_fn is None:
-            from xtoken_core.losses.reference import student_ce_loss
+            from xtoken_core.losses.fused import student_ce  # the row kernels on CUDA
 
-            nll, correct, _ = student_ce_loss(
+            nll, correct, _ = student_ce(
                 logits_BTV, batch["input_ids"], batch["token_mask"], batch["sample_mask"]
             )
             denom = counts["global_valid_tokens"].clamp_min(1.0)
