@@ -2,10 +2,12 @@
 
 Claims requests of its group (``<partition>.teacher<group>``, task ``teacher``) into a small
 backlog, serves the oldest one whose trainer rank has a free ring slot with
-:class:`~services.teacher.worker.TeacherWorker`, writes the result fields onto the request
-record and acks it. A request is acked only after its result is stored, so a teacher killed
-mid-request leaves it leased: it is redelivered to a restarted teacher when the lease ends. A
-malformed request gets an error result (the trainer raises it) and the loop goes on.
+:class:`~services.teacher.worker.TeacherWorker`, together with the other waiting requests that
+share its forward (:meth:`~services.teacher.worker.TeacherWorker.fits`: same length, up to
+``forward_rows`` rows, each with a free slot of its own rank), writes each one's result fields
+onto its record and acks it. A request is acked only after its result is stored, so a teacher
+killed mid-request leaves it leased: it is redelivered to a restarted teacher when the lease ends.
+A malformed request gets an error result (the trainer raises it) and the loop goes on.
 """
 
 from __future__ import annotations
@@ -74,8 +76,11 @@ BACKLOG = 16
 BUSY_CLAIM_S = 0.02
 
 
-def _loop(client, worker: TeacherWorker, partition: str, config: TeacherConfig, lc, metrics) -> None:
-    """Claim requests into a backlog; serve the oldest one whose rank's ring has a free slot.
+def _loop(
+    client, worker: TeacherWorker, partition: str, config: TeacherConfig, lc, metrics
+) -> None:
+    """Claim requests into a backlog; serve the oldest one whose rank's ring has a free slot,
+    with the waiting requests that share its forward (:func:`_next_batch`).
 
     A rank whose slots are all held (its trainer is busy, or waits in a collective for another
     rank) never blocks the requests of the other ranks (no head-of-line blocking).
@@ -83,32 +88,50 @@ def _loop(client, worker: TeacherWorker, partition: str, config: TeacherConfig, 
     backlog: dict[str, tuple[Any, Any]] = {}  # key -> (request | error, lease id), oldest first
     while not lc.stop.is_set():
         lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
-        for key, (request, lease_id) in list(backlog.items()):
-            slot = None
-            if isinstance(request, proto.Request) and worker.check(request) is None:
-                slot = worker.try_acquire(request.rank)
-                if slot is None:
-                    continue
-            del backlog[key]
-            _serve(client, worker, partition, key, request, lease_id, slot, metrics)
-            break
+        batch = _next_batch(worker, backlog)
+        if batch:
+            _serve(client, worker, partition, batch, metrics)
+        elif len(backlog) < BACKLOG:
+            got = client.claim(
+                partition,
+                proto.TEACHER_TASK,
+                ["teacher_input_ids"],
+                min(4, BACKLOG - len(backlog)),
+                fields=list(proto.REQUEST_FIELDS),
+                timeout_s=BUSY_CLAIM_S if backlog else config.claim_timeout_s,
+                lease_s=config.lease_s,
+            )
+            for i, key in enumerate(got["keys"]):
+                if key not in backlog:
+                    backlog[key] = (_decode(got["fields"], key, i, worker), got["lease_id"])
         else:
-            if len(backlog) < BACKLOG:
-                got = client.claim(
-                    partition,
-                    proto.TEACHER_TASK,
-                    ["teacher_input_ids"],
-                    min(4, BACKLOG - len(backlog)),
-                    fields=list(proto.REQUEST_FIELDS),
-                    timeout_s=BUSY_CLAIM_S if backlog else config.claim_timeout_s,
-                    lease_s=config.lease_s,
-                )
-                for i, key in enumerate(got["keys"]):
-                    if key not in backlog:
-                        backlog[key] = (_decode(got["fields"], key, i, worker), got["lease_id"])
-            else:
-                lc.stop.wait(BUSY_CLAIM_S)
+            lc.stop.wait(BUSY_CLAIM_S)
     _give_back(client, partition, backlog)
+
+
+def _next_batch(worker: TeacherWorker, backlog: dict[str, tuple[Any, Any]]) -> list[tuple]:
+    """Take from ``backlog`` what the next forward serves: ``[(key, request, lease id, slot)]``.
+
+    The oldest request whose rank has a free slot, and after it every other waiting request that
+    :meth:`TeacherWorker.fits` with it and whose rank has a free slot too (each holds its slot
+    from here). A malformed or refused request is taken alone (slot None): it gets its error
+    reply in its own turn. Empty: nothing can be served now.
+    """
+    batch: list[tuple] = []
+    for key, (request, lease_id) in list(backlog.items()):
+        if not isinstance(request, proto.Request) or worker.check(request) is not None:
+            if batch:
+                continue
+            del backlog[key]
+            return [(key, request, lease_id, None)]
+        if not worker.fits([b[1] for b in batch], request):
+            continue
+        slot = worker.try_acquire(request.rank)
+        if slot is None:
+            continue
+        del backlog[key]
+        batch.append((key, request, lease_id, slot))
+    return batch
 
 
 # Seconds a stopping teacher spends giving back its backlog: a run stops the queue together with
@@ -142,12 +165,31 @@ def _decode(fields: dict, key: str, i: int, worker: TeacherWorker) -> Any:
         return (str(e), _rank_of(fields, i))
 
 
-def _serve(client, worker, partition, key, request, lease_id, slot, metrics) -> None:
+def _serve(client, worker, partition, batch: list[tuple], metrics) -> None:
+    """Compute ``batch`` (from :func:`_next_batch`), put each result, ack each request."""
+    key, request, _, _ = batch[0]
     if isinstance(request, proto.Request):
-        fields = worker.compute(request, slot)
-    else:  # malformed: tell the trainer when we know which rank asked
+        all_fields = worker.compute_many([b[1] for b in batch], [b[3] for b in batch])
+    else:  # malformed (alone in its batch): tell the trainer when we know which rank asked
         message, rank = request
-        fields = None if rank is None else worker.error_fields(key, rank, message)
+        all_fields = [None if rank is None else worker.error_fields(key, rank, message)]
+    for (key, request, lease_id, _), fields in zip(batch, all_fields, strict=True):
+        _reply(client, partition, key, lease_id, fields)
+        if metrics is not None and isinstance(request, proto.Request):
+            B, U = request.ids_BU.shape
+            metrics.write(
+                "request",
+                key=key,
+                rank=request.rank,
+                rows=B,
+                length=U,
+                forward_requests=len(batch),
+                memory_mb=device_memory_mb(worker.device),
+            )
+
+
+def _reply(client, partition: str, key: str, lease_id: Any, fields: dict | None) -> None:
+    """Put a request's result fields onto its record (if any), then ack it."""
     if fields is not None:
         client.put(partition, [key], fields)
     try:
@@ -157,16 +199,6 @@ def _serve(client, worker, partition, key, request, lease_id, slot, metrics) -> 
             logger.debug("[teacher] %s was consumed before our ack: %s", key, e)
         else:  # the lease ended first: the request may be computed twice
             logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
-    if metrics is not None and isinstance(request, proto.Request):
-        B, U = request.ids_BU.shape
-        metrics.write(
-            "request",
-            key=key,
-            rank=request.rank,
-            rows=B,
-            length=U,
-            memory_mb=device_memory_mb(worker.device),
-        )
 
 
 def _rank_of(fields: dict, i: int) -> int | None:

@@ -1,8 +1,14 @@
-"""Teacher worker logic: one request (B teacher-id rows) in, full-vocab logits in a ring slot out.
+"""Teacher worker logic: requests (B teacher-id rows each) in, full-vocab logits in ring slots out.
 
-``TeacherWorker`` owns the teacher model and its logit ring and knows nothing of sockets: the
-process shell (main.py) claims requests from the queue, calls :meth:`TeacherWorker.compute`
-and writes the returned fields back onto the request record.
+``TeacherWorker`` owns the teacher model and its logit rings and knows nothing of sockets: the
+process shell (main.py) claims requests from the queue, calls :meth:`TeacherWorker.compute_many`
+(or :meth:`TeacherWorker.compute` for one) and writes the returned fields back onto each
+request record.
+
+Requests of one length that wait together share one forward (:meth:`TeacherWorker.fits`); each
+still gets its own slot and its own result, bitwise what a forward of its own would give
+wherever the kernels' rows do not depend on how many rows run together (see ``fits``). The
+decoder layers are compiled (``teacher.compile``, services/teacher/compile.py).
 
 Transports (DESIGN.md, "Teacher logits"):
 * ``shm`` / ``cuda_ipc``: the logits go into a slot of a ring allocated and exported once per
@@ -12,7 +18,8 @@ Transports (DESIGN.md, "Teacher logits"):
 * ``hidden``: the final (post-norm) hidden states travel through the queue; the trainer applies
   the teacher's output layer itself. About W/d fewer bytes than logits.
 
-Legend: B rows of a request, U its longest row, W the teacher vocab (logits width), d hidden size.
+Legend: B rows of a request, U its longest row, R rows of one forward (the B of every request
+it serves), W the teacher vocab (logits width), d hidden size.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from services.teacher.compile import RegionalCompile, resolve_compile
 from services.teacher.protocol import (
     Request,
     Result,
@@ -80,11 +88,26 @@ class TeacherConfig:
     )
     slots: int = field(default=2, metadata={"help": "slots of the logit ring (>= 2)"})
     max_batch: int = field(default=8, metadata={"help": "most rows of one request (slot rows)"})
+    forward_rows: int = field(
+        default=8,
+        metadata={
+            "help": "most rows of one forward: requests of one length that wait together share "
+            "a forward up to this many rows (1: a forward per request; a larger request still "
+            "gets one of its own)"
+        },
+    )
     max_length: int = field(
         default=2048, metadata={"help": "longest teacher row (the teacher context length)"}
     )
     logits_dtype: str = field(
         default="bfloat16", metadata={"help": "dtype of the logits in the ring / hidden states"}
+    )
+    compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile each decoder layer (dynamic shapes, so no recompile per "
+            "length); unset: on for cuda, off on cpu; a failed compile falls back to eager"
+        },
     )
     checksum: bool = field(
         default=False,
@@ -123,7 +146,7 @@ class TeacherConfig:
                 f"slots={self.slots}: the ring needs >= 2 slots so that the teacher computes "
                 "batch k+1 while the trainer trains on batch k"
             )
-        for name in ("max_batch", "max_length"):
+        for name in ("max_batch", "max_length", "forward_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.group < 0:
@@ -172,10 +195,12 @@ class TeacherWorker:
         check_vocab(f"teacher model {config.model!r}", self.width, self.tokenizer_vocab)
         self.backbone, self.lm_head = split_lm_head(self.model)
         self.hidden_size = int(self.lm_head.weight.shape[1])  # d: the output layer's input
+        self.compiled = RegionalCompile(self.model, resolve_compile(config.compile, config.device))
         # One ring per trainer rank served: a rank that holds its slots (e.g. waiting in a
         # collective for another rank) never keeps the teacher from serving the other ranks.
         self.rings: dict[int, Any] = {}
-        self.computed = 0
+        self.computed = 0  # requests served
+        self.forwards = 0  # teacher forwards run (one may serve several requests)
 
     def ring(self, rank: int) -> Any:
         """The logit ring of trainer ``rank`` (allocated and exported on its first request)."""
@@ -245,21 +270,47 @@ class TeacherWorker:
             fields[hidden_field(rank)] = hidden_column(empty)
         return fields
 
-    @torch.no_grad()
-    def hidden_states(self, request: Request) -> torch.Tensor:
-        """Final (post-norm) hidden states ``[B, U, d]`` of a request."""
-        ids_BU = request.ids_BU.to(self.device, non_blocking=True)
-        pos_U = torch.arange(ids_BU.shape[1], device=self.device)
-        mask_BU = (pos_U[None, :] < request.lengths_B.to(self.device)[:, None]).to(torch.int64)
-        return self.backbone(ids_BU, mask_BU)
+    def fits(self, group: list[Request], request: Request) -> bool:
+        """Whether ``request`` may share the forward of ``group`` (requests that passed
+        :meth:`check`).
 
-    @torch.no_grad()
+        It may when it has the group's length U and the rows stay within ``forward_rows``. A
+        shared forward pads no row further than its own request did: padding would cost
+        compute, and it would change the numerics (on CPU the attention's reductions group
+        their terms by the padded length), where an equal length keeps each row's result
+        bitwise that of a forward of its own request. What remains is the matmul's choice of
+        kernel by the number of rows: fp32 on CPU (MKL), rows of requests of 12 tokens or
+        more (B x U) come out bitwise; on GPU a forward of more rows may pick another kernel
+        and differ within rounding.
+        """
+        if not group:
+            return True
+        rows = sum(int(r.ids_BU.shape[0]) for r in group) + int(request.ids_BU.shape[0])
+        return (
+            request.ids_BU.shape[1] == group[0].ids_BU.shape[1] and rows <= self.config.forward_rows
+        )
+
+    def _hidden(self, ids_RU: torch.Tensor, lengths_R: torch.Tensor) -> torch.Tensor:
+        """Final (post-norm) hidden states ``[R, U, d]`` (an inference tensor) of padded rows."""
+        ids_RU = ids_RU.to(self.device, non_blocking=True)
+        pos_U = torch.arange(ids_RU.shape[1], device=self.device)
+        mask_RU = (pos_U[None, :] < lengths_R.to(self.device)[:, None]).to(torch.int64)
+        hidden_RUd = self.compiled.run(lambda: self.backbone(ids_RU, mask_RU))
+        self.forwards += 1
+        return hidden_RUd
+
+    def hidden_states(self, request: Request) -> torch.Tensor:
+        """Final (post-norm) hidden states ``[B, U, d]`` of a request (an inference tensor)."""
+        return self._hidden(request.ids_BU, request.lengths_B)
+
     def logits(self, request: Request) -> torch.Tensor:
         """Full-vocab logits ``[B, U, W]`` (the model dtype) of a request, no ring."""
-        return self.lm_head(self.hidden_states(request))
+        hidden_BUd = self.hidden_states(request)
+        with torch.inference_mode():
+            return self.lm_head(hidden_BUd)
 
     def compute(self, request: Request, slot: int | None = None) -> dict[str, Any]:
-        """Serve one request.
+        """Serve one request (:meth:`compute_many` of one).
 
         Args:
             request: a decoded request (see protocol.py).
@@ -270,50 +321,128 @@ class TeacherWorker:
             The fields to write onto the request record (``result<rank>``, and ``hidden<rank>``
             for the hidden transport); an error result when the request is malformed.
         """
-        problem = self.check(request)
-        if problem is not None:
-            if slot is not None and self.config.transport != "hidden":
-                self.ring(request.rank).abandon(slot)
-            logger.warning("[teacher] refusing %s", problem)
-            return self.error_fields(request.key, request.rank, problem)
-        B, U = request.ids_BU.shape
+        return self.compute_many([request], [slot])[0]
+
+    def compute_many(
+        self, requests: list[Request], slots: list[int | None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Serve requests, those that :meth:`fits` together in one forward.
+
+        Args:
+            requests: decoded requests (see protocol.py), of any ranks and lengths.
+            slots: per request, a slot of ``ring(request.rank)`` from :meth:`try_acquire` (ring
+                transports), or None: wait for one. Default: None for every request.
+
+        Returns:
+            Per request, the fields to write onto its record (``result<rank>``, and
+            ``hidden<rank>`` for the hidden transport); an error result for a malformed
+            request, which never keeps the others from being served.
+
+        Raises:
+            Whatever a forward of a single request raises (e.g. out of memory); its slot is
+            free again. A shared forward that fails is retried one request at a time.
+        """
+        slots = list(slots) if slots is not None else [None] * len(requests)
+        assert len(slots) == len(requests), (len(slots), len(requests))
+        out: list[dict[str, Any] | None] = [None] * len(requests)
+        groups: list[list[int]] = []
+        for i, request in enumerate(requests):
+            problem = self.check(request)
+            if problem is not None:
+                if slots[i] is not None and self.config.transport != "hidden":
+                    self.ring(request.rank).abandon(slots[i])
+                logger.warning("[teacher] refusing %s", problem)
+                out[i] = self.error_fields(request.key, request.rank, problem)
+                continue
+            for group in groups:
+                if self.fits([requests[j] for j in group], request):
+                    group.append(i)
+                    break
+            else:
+                groups.append([i])
+        for group in groups:
+            served = self._serve([requests[j] for j in group], [slots[j] for j in group])
+            for j, fields in zip(group, served, strict=True):
+                out[j] = fields
+        assert all(fields is not None for fields in out)
+        return out  # type: ignore[return-value]
+
+    def _serve(self, requests: list[Request], slots: list[int | None]) -> list[dict[str, Any]]:
+        """One forward for ``requests`` (checked, one length U), each result written on its own."""
         cfg = self.config
-        if cfg.transport == "hidden":
-            hidden_BUd = self.hidden_states(request).to(self.logits_dtype)
-            result = Result("hidden", self.instance, None, None, self.width, B, U)
-            self.computed += 1
-            return {
-                result_field(request.rank): result.blob(),
-                hidden_field(request.rank): hidden_column(hidden_BUd.cpu()),
-            }
-        ring = self.ring(request.rank)
-        if slot is None:
-            slot = ring.acquire()
+        if cfg.transport != "hidden":  # every request holds its slot before the forward
+            slots = [
+                self.ring(r.rank).acquire() if s is None else s for r, s in zip(requests, slots)
+            ]
+        ids_RU = torch.cat([r.ids_BU for r in requests])
+        lengths_R = torch.cat([r.lengths_B for r in requests])
         try:
-            hidden_BUd = self.hidden_states(request)
-            out_BUW = ring.buffer(slot)[:B, :U]
-            head_into(self.lm_head, hidden_BUd, out_BUW)
-            handle = ring.publish(slot, rows=B, length=U, checksum=cfg.checksum)
-        except BaseException:  # the forward failed (e.g. out of memory): the slot is free again
-            ring.abandon(slot)
+            hidden_RUd = self._hidden(ids_RU, lengths_R)
+        except Exception:
+            if len(requests) == 1:
+                self._abandon(requests, slots)
+                raise
+            logger.warning(
+                "[teacher] a forward of %d requests (%d rows) failed; serving them one at a time",
+                len(requests),
+                ids_RU.shape[0],
+                exc_info=True,
+            )
+            return [self._serve([r], [s])[0] for r, s in zip(requests, slots, strict=True)]
+        except BaseException:
+            self._abandon(requests, slots)
             raise
-        result = Result(cfg.transport, self.instance, ring.descriptor, handle, self.width, B, U)
-        self.computed += 1
-        return {result_field(request.rank): result.blob()}
+        out = []
+        row = 0
+        for i, request in enumerate(requests):
+            B, U = request.ids_BU.shape
+            hidden_BUd = hidden_RUd[row : row + B]
+            row += B
+            if cfg.transport == "hidden":
+                result = Result("hidden", self.instance, None, None, self.width, B, U)
+                fields = {
+                    hidden_field(request.rank): hidden_column(
+                        hidden_BUd.to(self.logits_dtype).cpu()
+                    )
+                }
+            else:
+                ring = self.ring(request.rank)
+                try:
+                    with (
+                        torch.inference_mode()
+                    ):  # a normal (ring) tensor written from inference ones
+                        head_into(self.lm_head, hidden_BUd, ring.buffer(slots[i])[:B, :U])
+                    handle = ring.publish(slots[i], rows=B, length=U, checksum=cfg.checksum)
+                except BaseException:  # the slots not yet published are free again
+                    self._abandon(requests[i:], slots[i:])
+                    raise
+                result = Result(
+                    cfg.transport, self.instance, ring.descriptor, handle, self.width, B, U
+                )
+                fields = {}
+            fields[result_field(request.rank)] = result.blob()
+            out.append(fields)
+            self.computed += 1
+        return out
+
+    def _abandon(self, requests: list[Request], slots: list[int | None]) -> None:
+        if self.config.transport == "hidden":
+            return
+        for request, slot in zip(requests, slots, strict=True):
+            if slot is not None:
+                self.ring(request.rank).abandon(slot)
 
     def evaluate(self, texts: list[str]) -> dict[str, float]:
         """Held-out bits per byte of the teacher (``xtoken_core.models.eval``)."""
         from xtoken_core.models.eval import bits_per_byte
         from xtoken_core.tokenizers import load_tokenizer
 
-        with torch.no_grad():
-            return bits_per_byte(
-                self.model,
-                load_tokenizer(self.config.tokenizer),
-                texts,
-                ctx=self.config.eval_ctx,
-                device=self.device,
+        tokenizer = load_tokenizer(self.config.tokenizer)
+        return self.compiled.run(
+            lambda: bits_per_byte(
+                self.model, tokenizer, texts, ctx=self.config.eval_ctx, device=self.device
             )
+        )
 
     def close(self) -> None:
         """Mark the rings closed (their handles become stale) and free them."""

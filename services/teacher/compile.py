@@ -1,0 +1,125 @@
+"""Regional ``torch.compile`` of the teacher's decoder layers, and the fall back to eager.
+
+Each decoder layer is compiled on its own (regional compilation): the layers of a model run one
+code object, so one graph serves all of them and the compile time does not grow with depth; the
+embedding, the mask construction and the final norm stay eager. Every teacher forward runs under
+``torch.inference_mode`` (the logits are data: no autograd bookkeeping, no version counters).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Where transformers causal LMs keep their decoder layers: Llama / Qwen / Mistral, GPT-2,
+# GPT-NeoX.
+LAYER_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers")
+
+
+def resolve_compile(flag: bool | None, device: str | torch.device) -> bool:
+    """Whether to compile: ``teacher.compile`` as given, or for None on when ``device`` is CUDA."""
+    if flag is None:
+        return torch.device(device).type == "cuda"
+    return flag
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The decoder layers of a causal LM (the first of ``LAYER_PATHS`` it has), or None."""
+    for path in LAYER_PATHS:
+        node: object = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+        if isinstance(node, torch.nn.ModuleList) and len(node) > 0:
+            return node
+    return None
+
+
+class RegionalCompile:
+    """Runs the teacher's forwards under inference mode, through compiled decoder layers if asked.
+
+    The layers compile on the first forward (``torch.compile`` is lazy); that forward's seconds
+    are logged. If dynamo or the compiler backend fails (on that forward or a later one), the
+    layers go back to eager for good, one warning naming ``teacher.compile`` says why, and the
+    forward is run again eagerly: the teacher keeps serving.
+
+    Args:
+        model: the teacher causal LM.
+        enabled: compile its decoder layers (see :func:`resolve_compile`).
+    """
+
+    def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
+        self.layers = decoder_layers(model) if enabled else None
+        self.active = False
+        self.compile_s: float | None = None  # seconds of the first compiled forward
+        if not enabled:
+            return
+        if self.layers is None:
+            logger.warning(
+                "[teacher] teacher.compile: %s has no decoder layers at %s; the teacher runs "
+                "eager (set teacher.compile=false to silence this)",
+                type(model).__name__,
+                " / ".join(LAYER_PATHS),
+            )
+            return
+        for layer in self.layers:
+            # dynamic=True: a request's rows and length change from request to request; symbolic
+            # sizes from the first compile mean a new length never recompiles (the default would
+            # compile static shapes first and recompile on the second length; padding every
+            # request to max_length would keep shapes static but spend max_length tokens of
+            # compute on every row). Only sizes 0/1 and "padded or not" (an attention mask or
+            # None) can give a layer another graph. fullgraph=True: a layer that graph-breaks
+            # fails loudly here, and falls back to eager, instead of running slowly in pieces.
+            layer.compile(dynamic=True, fullgraph=True)
+        self.active = True
+
+    def run(self, forward: Callable[[], T]) -> T:
+        """``forward()`` under ``torch.inference_mode``; on a compile failure, eagerly again.
+
+        Args:
+            forward: a teacher forward (its outputs are inference tensors: read them, or write
+                them into normal tensors such as a ring slot; never modify them in place
+                outside inference mode).
+
+        Returns:
+            What ``forward`` returns.
+
+        Raises:
+            Whatever the eager ``forward`` raises (a compile failure alone is not raised).
+        """
+        if not self.active:
+            with torch.inference_mode():
+                return forward()
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                out = forward()
+        except torch._dynamo.exc.TorchDynamoException as e:  # dynamo, inductor, the backend
+            self._to_eager(e)
+            with torch.inference_mode():
+                return forward()
+        if self.compile_s is None:
+            self.compile_s = time.perf_counter() - start
+            logger.info("[teacher] compiled the teacher in %.1f s", self.compile_s)
+        return out
+
+    def _to_eager(self, error: BaseException) -> None:
+        assert self.layers is not None
+        for layer in self.layers:
+            # nn.Module.compile keeps the compiled call here and has no public undo
+            layer._compiled_call_impl = None
+        self.active = False
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        logger.warning(
+            "[teacher] teacher.compile: compiling the decoder layers failed (%s: %s); the "
+            "teacher runs eager (set teacher.compile=false to skip compiling)",
+            type(error).__name__,
+            first_line,
+        )
