@@ -72,3 +72,45 @@ def test_hidden_transport_matches_direct_logits_within_bf16_rounding():
         direct = worker.logits(req).float()
         scale = direct.abs().max()
         assert (logits - direct).abs().max() <= 2**-7 * scale * 4
+
+
+def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_two_lengths(caplog):
+    """teacher.compile is on by default on CUDA: five requests of different lengths through
+    cuda_ipc slots match an eager teacher of the same weights within bf16 rounding, and after
+    the first two lengths no request compiles a new graph."""
+    import copy
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    from xtoken_core.ipc.logit_ring import LogitRingReader
+    from xtoken_core.models import load_model
+
+    model = load_model("tiny", vocab_size=32768, dtype=torch.bfloat16, device="cuda", seed=0)
+    eager_model = copy.deepcopy(model)
+    common = dict(model="tiny", tokenizer="mistral", device="cuda", max_batch=2, max_length=128)
+    cfg = TeacherConfig(transport="cuda_ipc", **common)
+    assert cfg.compile is None  # auto: on for cuda
+    graphs = []
+    with (
+        caplog.at_level(logging.INFO),
+        TeacherWorker(cfg, model=model) as worker,
+        TeacherWorker(TeacherConfig(compile=False, **common), model=eager_model) as eager,
+        LogitRingReader(device="cuda") as reader,
+    ):
+        assert worker.compiled.active and not eager.compiled.active
+        for U in (40, 57, 64, 23, 90):
+            req = _request(worker, B=2, U=U)
+            result = _result(worker.compute(req))
+            got = reader.view(result.descriptor, result.handle).float()
+            want = eager.logits(req).float()
+            assert got.shape == want.shape == (2, U, worker.width)
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= 2**-6 * scale, (U, (got - want).abs().max())
+            reader.release(result.descriptor, result.handle)
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert worker.compiled.compile_s is not None
+    assert graphs[1:] == [graphs[1]] * 4, f"graphs compiled after each request: {graphs}"
+    assert "[teacher] compiled the teacher in" in caplog.text
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "teacher.compile" in m], messages  # no fall back to eager

@@ -193,3 +193,96 @@ def test_a_rank_past_max_rings_is_refused_without_allocating_a_ring(make_worker)
     result = _result(worker.compute(request), rank=7, key="r7:1")
     assert result.error == problem
     assert sorted(worker.rings) == [0]
+
+
+# ---------------------------------------------------------------------- requests sharing a forward
+
+
+def _slot_or_hidden(fields: dict, request: proto.Request, reader) -> torch.Tensor:
+    """What the trainer gets for ``request``: its slot's logits or its hidden states."""
+    result = _result(fields, request.rank, request.key)
+    assert result.error is None, result.error
+    if result.transport == "hidden":
+        column = fields[proto.hidden_field(request.rank)]
+        return proto.hidden_from_column(column, result.rows, result.length, request.key)
+    return reader.view(result.descriptor, result.handle).clone()
+
+
+@pytest.mark.parametrize("transport", ["shm", "hidden"])
+def test_batched_requests_match_one_forward_each(make_worker, reader, transport):
+    # fp32 end to end, so that "bitwise" means the forward itself. Every request is at least 12
+    # tokens (B x U): below that MKL's fp32 matmul rounds a row differently for another number of
+    # rows (see TeacherWorker.fits), which no request of a real context length meets.
+    overrides = dict(
+        transport=transport, logits_dtype="float32", max_batch=4, forward_rows=8, slots=4
+    )
+    batched, alone = make_worker(**overrides), make_worker(**overrides)
+    shapes = [([MAX_U, 7], 0), ([MAX_U], 1), ([3, MAX_U, MAX_U], 0), ([9, 9], 1), ([5, MAX_U], 1)]
+    requests = [
+        _request(batched, lengths, rank=rank, key=f"r{i}:1", seed=i)
+        for i, (lengths, rank) in enumerate(shapes)
+    ]
+    got = batched.compute_many(requests)
+    want = [alone.compute(request) for request in requests]
+
+    # the four requests of length MAX_U (8 rows) share one forward; 9 x 9 gets its own
+    assert (batched.forwards, alone.forwards) == (2, 5)
+    assert batched.computed == alone.computed == 5
+    for request, fields_got, fields_want in zip(requests, got, want, strict=True):
+        a = _slot_or_hidden(fields_got, request, reader)
+        b = _slot_or_hidden(fields_want, request, reader)
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        assert a.shape[:2] == request.ids_BU.shape
+        assert torch.equal(a, b), (request.key, (a - b).abs().max().item())
+
+
+def test_a_bad_request_among_batched_ones_gets_its_error_and_spoils_none(make_worker, reader):
+    worker = make_worker(logits_dtype="float32", forward_rows=8, slots=4)
+    good = [_request(worker, [MAX_U, 4], key="a:1", seed=1), _request(worker, [MAX_U], key="b:1")]
+    bad = proto.decode_request(
+        "bad:1", proto.request_fields([torch.tensor([1, 2, 49152])], 0), 0, worker.pad_id
+    )
+    too_big = _request(worker, [4, 4, 4], key="big:1")  # 3 rows: over max_batch
+    slots = [worker.try_acquire(0) for _ in range(4)]
+    fields = worker.compute_many([good[0], bad, too_big, good[1]], slots)
+
+    assert "outside [0, 49152)" in _result(fields[1], key="bad:1").error
+    assert "over the teacher's slot" in _result(fields[2], key="big:1").error
+    assert worker.forwards == 1 and worker.computed == 2  # the two good ones, in one forward
+    assert len(worker.rings[0].in_flight()) == 2  # the refused requests' slots are free again
+    for request, index in ((good[0], 0), (good[1], 3)):
+        got = _slot_or_hidden(fields[index], request, reader)
+        direct = worker.logits(request).float()
+        assert torch.equal(got, direct)
+
+
+def test_requests_share_a_forward_only_at_one_length_and_within_forward_rows(make_worker):
+    worker = make_worker(forward_rows=3, max_batch=2)
+    one, two = _request(worker, [MAX_U]), _request(worker, [MAX_U, 3])
+    assert worker.fits([], two)
+    assert worker.fits([one], two)  # 3 rows
+    assert not worker.fits([one, two], one)  # 4 rows: over forward_rows
+    assert not worker.fits([one], _request(worker, [MAX_U - 1]))  # another length
+
+    single = make_worker(forward_rows=1, slots=4)
+    single.compute_many([_request(single, [MAX_U], key=f"s:{i}") for i in range(3)])
+    assert single.forwards == 3  # forward_rows=1: a forward per request
+
+
+def test_a_failed_shared_forward_is_served_one_request_at_a_time(make_worker, reader, caplog):
+    worker = make_worker(logits_dtype="float32", forward_rows=8, slots=4)
+    backbone = worker.backbone
+
+    def one_row_at_most(ids_RU, mask_RU):  # e.g. a forward of many rows runs out of memory
+        if ids_RU.shape[0] > 1:
+            raise RuntimeError("out of memory (simulated)")
+        return backbone(ids_RU, mask_RU)
+
+    worker.backbone = one_row_at_most
+    requests = [_request(worker, [MAX_U], key=f"m:{i}", seed=i) for i in range(3)]
+    with caplog.at_level("WARNING"):
+        fields = worker.compute_many(requests)
+    assert "a forward of 3 requests (3 rows) failed; serving them one at a time" in caplog.text
+    assert worker.computed == 3
+    for request, f in zip(requests, fields, strict=True):
+        assert torch.equal(_slot_or_hidden(f, request, reader), worker.logits(request).float())
