@@ -29,32 +29,48 @@ def queue(tmp_path):
 
 
 @pytest.fixture
-def teacher(queue):
+def start_teacher(queue):
+    """``start(**config overrides)``: a TeacherWorker serving the queue from a thread, stopped
+    after the test."""
+    running: list[tuple] = []
+
+    def start(**overrides) -> TeacherWorker:
+        fields = dict(
+            queue=queue, partition=PARTITION, model="tiny", tokenizer="smollm2", slots=2,
+            max_batch=2, max_length=16, claim_timeout_s=0.1,
+        )  # fmt: skip
+        fields.update(overrides)
+        config = TeacherConfig(**fields)
+        worker = TeacherWorker(config)
+        client = QueueClient(queue, timeout_s=10, name="teacher-test")
+        lc = types.SimpleNamespace(stop=threading.Event())
+        partition = proto.request_partition(PARTITION, 0)
+        errors: list[BaseException] = []
+
+        def serve():
+            try:
+                teacher_main._loop(client, worker, partition, config, lc, None)
+            except BaseException as e:  # surfaced by the test
+                errors.append(e)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        running.append((worker, client, lc, thread, errors))
+        return worker
+
+    yield start
+    for worker, client, lc, thread, errors in running:
+        lc.stop.set()
+        thread.join(timeout=20)
+        client.close()
+        worker.close()
+        assert not thread.is_alive() and not errors, errors
+
+
+@pytest.fixture
+def teacher(start_teacher):
     """A TeacherWorker serving the queue from a thread, stopped after the test."""
-    config = TeacherConfig(
-        queue=queue, partition=PARTITION, model="tiny", tokenizer="smollm2", slots=2,
-        max_batch=2, max_length=16, claim_timeout_s=0.1,
-    )  # fmt: skip
-    worker = TeacherWorker(config)
-    client = QueueClient(queue, timeout_s=10, name="teacher-test")
-    lc = types.SimpleNamespace(stop=threading.Event())
-    partition = proto.request_partition(PARTITION, 0)
-    errors: list[BaseException] = []
-
-    def serve():
-        try:
-            teacher_main._loop(client, worker, partition, config, lc, None)
-        except BaseException as e:  # surfaced by the test
-            errors.append(e)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield worker
-    lc.stop.set()
-    thread.join(timeout=20)
-    client.close()
-    worker.close()
-    assert not thread.is_alive() and not errors, errors
+    return start_teacher()
 
 
 def _claim(client, rank: int, want: int, timeout_s: float = 15.0) -> dict[str, proto.Result]:
@@ -95,6 +111,32 @@ def test_a_busy_rank_does_not_block_another_and_a_bad_request_gets_an_error(queu
         reader.view(first.descriptor, first.handle)
         reader.release(first.descriptor, first.handle)
         assert sorted(_claim(client, 0, 1)) == ["a:2"]  # served once a slot came back
+
+
+def test_waiting_requests_share_one_forward_and_each_gets_its_reply(queue, start_teacher):
+    part = proto.request_partition(PARTITION, 0)
+    with QueueClient(queue, timeout_s=10) as client, LogitRingReader() as reader:
+        # all waiting before the teacher starts: its first claim takes the first four
+        client.put(part, ["a:0"], proto.request_fields([torch.arange(12), torch.arange(5)], 0))
+        client.put(part, ["a:1"], proto.request_fields([torch.arange(12)], 0))
+        client.put(part, ["b:0"], proto.request_fields([torch.arange(3), torch.arange(12)], 1))
+        bad = proto.request_fields([torch.arange(3)], rank=1)
+        bad["teacher_lengths"] = JaggedColumn(torch.tensor([7]), torch.tensor([0, 1]))
+        client.put(part, ["bad:0"], bad)
+        client.put(part, ["b:1"], proto.request_fields([torch.arange(7)], 1))  # another length
+        teacher = start_teacher(forward_rows=8)
+
+        rank0, rank1 = _claim(client, 0, 2), _claim(client, 1, 3)
+        assert "teacher_lengths [7] do not add up to the 3 ids" in rank1.pop("bad:0").error
+        for key, result in {**rank0, **rank1}.items():
+            assert result.error is None, (key, result.error)
+            view = reader.view(result.descriptor, result.handle)
+            assert view.shape[:2] == {"a:0": (2, 12), "a:1": (1, 12), "b:0": (2, 12)}.get(
+                key, (1, 7)
+            )
+        assert sorted(rank0) == ["a:0", "a:1"] and sorted(rank1) == ["b:0", "b:1"]
+        assert teacher.computed == 4
+        assert teacher.forwards == 2  # a:0, a:1 and b:0 in one forward; b:1 in its own
 
 
 def _backlog_of(client, n: int) -> dict:
