@@ -388,7 +388,14 @@ class TeacherWorker:
                 ids_RU.shape[0],
                 exc_info=True,
             )
-            return [self._serve([r], [s])[0] for r, s in zip(requests, slots, strict=True)]
+            out = []
+            for k in range(len(requests)):
+                try:
+                    out += self._serve(requests[k : k + 1], slots[k : k + 1])
+                except BaseException:  # the requests not yet served hold no slot
+                    self._abandon(requests[k + 1 :], slots[k + 1 :])
+                    raise
+            return out
         except BaseException:
             self._abandon(requests, slots)
             raise
@@ -400,17 +407,13 @@ class TeacherWorker:
             row += B
             if cfg.transport == "hidden":
                 result = Result("hidden", self.instance, None, None, self.width, B, U)
-                fields = {
-                    hidden_field(request.rank): hidden_column(
-                        hidden_BUd.to(self.logits_dtype).cpu()
-                    )
-                }
+                sent_BUd = hidden_BUd.to(self.logits_dtype).cpu()
+                fields = {hidden_field(request.rank): hidden_column(sent_BUd)}
             else:
                 ring = self.ring(request.rank)
                 try:
-                    with (
-                        torch.inference_mode()
-                    ):  # a normal (ring) tensor written from inference ones
+                    # the slot is a normal tensor: written from inference tensors, it stays one
+                    with torch.inference_mode():
                         head_into(self.lm_head, hidden_BUd, ring.buffer(slots[i])[:B, :U])
                     handle = ring.publish(slots[i], rows=B, length=U, checksum=cfg.checksum)
                 except BaseException:  # the slots not yet published are free again

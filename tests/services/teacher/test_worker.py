@@ -286,3 +286,23 @@ def test_a_failed_shared_forward_is_served_one_request_at_a_time(make_worker, re
     assert worker.computed == 3
     for request, f in zip(requests, fields, strict=True):
         assert torch.equal(_slot_or_hidden(f, request, reader), worker.logits(request).float())
+
+
+def test_a_request_whose_forward_fails_alone_leaves_no_slot_held(make_worker):
+    worker = make_worker(forward_rows=8, slots=4)
+    requests = [_request(worker, [MAX_U], key=f"m:{i}", seed=i) for i in range(3)]
+    backbone = worker.backbone
+
+    def fails_on_the_second(ids_RU, mask_RU):
+        if ids_RU.shape[0] > 1 or torch.equal(ids_RU, requests[1].ids_BU):
+            raise RuntimeError("out of memory (simulated)")
+        return backbone(ids_RU, mask_RU)
+
+    worker.backbone = fails_on_the_second
+    slots = [worker.try_acquire(0) for _ in requests]
+    with pytest.raises(RuntimeError, match="simulated"):
+        worker.compute_many(requests, slots)
+    ring = worker.rings[0]
+    assert ring.in_flight() == [slots[0]]  # served before the failure: published
+    # the failed request's slot and the unserved one's are free again (with the fourth)
+    assert sorted(worker.try_acquire(0) for _ in range(3)) == sorted({0, 1, 2, 3} - {slots[0]})
