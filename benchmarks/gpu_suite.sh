@@ -51,6 +51,15 @@ want spread_gold_heat && step spread_gold_heat $PY benchmarks/losses/bench_kd_sp
 # each case's kernel time and GPU idle time (the profiler slows the host: its own process)
 want spread_gold_profiled && step spread_gold_profiled $PY benchmarks/losses/bench_kd_spread.py \
   --mode gold --cases 8 --profiled 10
+# the student step and the pipeline: bf16 + compile against the eager baseline (needs the data
+# plane's wheels: pyzmq, tensordict, the tokenizer packages)
+want trainer_gpu_tests && step trainer_gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
+  tests/services/trainer tests/services/teacher tests/xtoken_core/kernels/test_row_ce.py
+want bench_ce && step bench_ce $PY benchmarks/losses/bench_ce.py --results "$OUT/losses_ce.jsonl"
+want bench_pipeline_pkl && step bench_pipeline_pkl $PY benchmarks/e2e/bench_pipeline.py \
+  --shapes 1x4096 --modes pkl --results "$OUT/e2e_pipeline.jsonl"
+want bench_pipeline && step bench_pipeline $PY benchmarks/e2e/bench_pipeline.py \
+  --results "$OUT/e2e_pipeline.jsonl"
 want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
 want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status

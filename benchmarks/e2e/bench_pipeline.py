@@ -180,14 +180,14 @@ def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: 
 
 def _bare_teacher(args, teacher_dir: str, eager: bool):
     """The teacher model of a bare run: bf16 on CUDA, its decoder layers compiled unless eager."""
-    from services.trainer.compile import compile_layers
+    from services.trainer.compile import compile_student
     from xtoken_core.models import load_model
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher = load_model(teacher_dir, dtype=dtype, device=device).eval().requires_grad_(False)
     if not eager and device.type == "cuda":
-        compile_layers(teacher)
+        compile_student(teacher, per_layer=True)  # as the teacher service compiles
     return teacher
 
 
@@ -507,7 +507,17 @@ def main() -> int:
     peak = _peak(dev)
     student_f, teacher_f = model_flops(student_dir), model_flops(teacher_dir)
     eager_teacher = EAGER_TEACHER if _teacher_has_compile() else {}
-    rows = []
+    stamp = {
+        "commit": commit(),
+        "device": dev,
+        "student": args.student,
+        "teacher": args.teacher,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+    def keep(row: dict) -> None:  # appended at once: a run stopped early keeps its rows
+        append_rows(args.results, [{**stamp, **row}])
+
     print(f"device {dev}; student {args.student} teacher {args.teacher}")
     header = (
         f"{'shape':>7} {'mode':>6} {'eager tok/s':>11} {'tok/s':>7} {'x eager':>7} "
@@ -525,7 +535,7 @@ def main() -> int:
                 args, B, T, student_dir, teacher_dir, projection, args.recompile_steps
             )
             print(f"{shape}: recompile check {json.dumps(rc)}")
-            rows.append({"shape": shape, "kind": "recompile_check", **rc})
+            keep({"shape": shape, "kind": "recompile_check", **rc})
             _free()
         for mode in args.modes:
             b = bare(args, mode, B, T, student_dir, teacher_dir, corpus, projection)
@@ -581,7 +591,7 @@ def main() -> int:
                     }
                     if "error" in pl:
                         print(f"{shape} {mode} {transport} x{n} FAILED: {pl['error'][:400]}")
-                        rows.append({**row, **pl})
+                        keep({**row, **pl})
                         continue
                     base = base or pl["tokens_per_s"]
                     per_rank = pl["tokens_per_s"] / n
@@ -614,7 +624,7 @@ def main() -> int:
                         "recompiles": pl["recompiles"],
                         "scaling": pl["tokens_per_s"] / base,
                     }
-                    rows.append(out)
+                    keep(out)
                     line = (
                         f"{shape:>7} {mode:>6} {_f(eager_tps, 0):>11} "
                         f"{pl['tokens_per_s']:>7.0f} {_f(speedup, 2):>7} "
@@ -634,14 +644,6 @@ def main() -> int:
                         split = {k: round(v * 1000, 1) for k, v in eager["split_s"].items()}
                         print(f"        eager split (ms/step): {json.dumps(split)}")
                 _free()
-    stamp = {
-        "commit": commit(),
-        "device": dev,
-        "student": args.student,
-        "teacher": args.teacher,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    append_rows(args.results, [{**stamp, **r} for r in rows])
     print(header)
     print("\n".join(lines))
     return 0

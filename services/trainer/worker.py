@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from services.teacher.worker import resolve_dtype
-from services.trainer.compile import compile_layers, compiled_graphs, decoder_layers, uncompile
+from services.trainer.compile import (
+    compile_student,
+    compiled_graphs,
+    decoder_layers,
+    uncompile,
+    warm_lengths,
+)
 from services.trainer.config import TrainerConfig
 from services.trainer.precision import MasterWeights, fp32_allreduce_hook, resolve_param_dtype
 
@@ -209,7 +215,7 @@ class TrainerWorker:
         if config.activation_checkpointing:
             _checkpoint_activations(compute)
         if self.compiled:
-            self.compiled = compile_layers(compute) > 0
+            self.compiled = compile_student(compute, per_layer=fsdp) > 0
         self.compute = compute  # what the forward and backward run on
         self.model = self._parallelize(compute)
         self.optimizer = self._build_optimizer()
@@ -327,6 +333,9 @@ class TrainerWorker:
             {"params": no_decay, "weight_decay": 0.0},
         ]
         fused = self.device.type == "cuda"
+        # clipping and the finite check inside the fused kernel (_optimizer_step); FSDP's
+        # gradients are sharded DTensors, clipped by clip_grad_norm_
+        self._clip_in_adamw = fused and not (self.world_size > 1 and self.config.parallel == "fsdp")
         return torch.optim.AdamW(
             groups, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, fused=fused
         )
@@ -334,12 +343,14 @@ class TrainerWorker:
     # ------------------------------------------------------------------ batches
 
     def count_valid(self, micro_batches: Sequence[MicroBatch]) -> dict[str, torch.Tensor]:
-        """Global denominators of a step (collective over the DP group; the micro-batches' fields
-        on this rank's device, so that NCCL can reduce them)."""
+        """Global denominators of a step (collective over the DP group), on this rank's device.
+
+        Counted from the micro-batches' CPU fields: the host needs no value from the GPU, so the
+        previous step's kernels still run while the next one is prepared."""
         from xtoken_core.losses.utils import dp_all_reduce_sum
 
         if self.loss_fn is not None and micro_batches:
-            return self.loss_fn.count_valid([mb.batch for mb in micro_batches])
+            return self.loss_fn.count_valid([mb.batch for mb in micro_batches], self.device)
         counts = {}
         if self.loss_fn is not None:  # a rank without data joins the same all-reduces, in order
             n = self.loss_fn.config.num_teachers
@@ -348,8 +359,8 @@ class TrainerWorker:
         tokens = torch.zeros((), dtype=torch.float32, device=self.device)
         for mb in micro_batches:
             b = mb.batch
-            mask = b["token_mask"][:, 1:] & b["sample_mask"].bool()[:, None]
-            tokens += mask.sum()
+            mask = b["token_mask"][:, 1:].bool() & b["sample_mask"].bool()[:, None]
+            tokens += mask.sum().to(self.device)
         counts["global_valid_tokens"] = dp_all_reduce_sum(tokens)
         return counts
 
@@ -402,15 +413,13 @@ class TrainerWorker:
         if not (self.compiled or self.device.type == "cuda"):
             return None
         length = self.config.max_length or 128
-        ids = torch.full(
-            (self.config.micro_batch, length),
-            self.student_pad_id,
-            dtype=torch.long,
-            device=self.device,
-        )
+        # the longest first (the memory check), then the shorter ones that need graphs of their
+        # own (services/trainer/compile.py); eager needs the longest only
+        lengths = warm_lengths(length) if self.compiled else [length]
         t0 = time.perf_counter()
         try:
-            self._warm_step(ids)
+            for n in lengths:
+                self._warm_step(self._pad_ids(n))
         except torch.OutOfMemoryError as e:
             raise self._out_of_memory(length) from e
         except Exception as e:  # Dynamo / Inductor failures have many types
@@ -426,7 +435,7 @@ class TrainerWorker:
             self.compiled = False
             self._zero_grads()
             try:
-                self._warm_step(ids)
+                self._warm_step(self._pad_ids(length))
             except torch.OutOfMemoryError as oom:
                 raise self._out_of_memory(length) from oom
         if self.device.type == "cuda":
@@ -434,6 +443,10 @@ class TrainerWorker:
         self.compile_s = time.perf_counter() - t0
         self._graphs_warm = compiled_graphs()
         return self.compile_s
+
+    def _pad_ids(self, length: int) -> torch.Tensor:
+        shape = (self.config.micro_batch, length)
+        return torch.full(shape, self.student_pad_id, dtype=torch.long, device=self.device)
 
     def _warm_step(self, ids_BT: torch.Tensor) -> None:
         with self._sync(last=False):
@@ -491,11 +504,11 @@ class TrainerWorker:
             The step result.
         """
         clock = clock or PhaseClock(self.device)
-        # the padded fields go to the device once: the counts' all-reduce (NCCL reduces device
-        # tensors only) and the micro-batch steps read them there
+        # the padded fields go to the device once (the micro-batch steps read them there); the
+        # counts come from the CPU fields
         batches = [self._to_device(mb.batch) for mb in micro_batches]
-        counts = self.count_valid([MicroBatch(mb.keys, b) for mb, b in zip(micro_batches, batches)])
-        counts = {k: v.to(self.device) for k, v in counts.items()}
+        counts = self.count_valid(micro_batches)
+        counts = {k: v.to(self.device, non_blocking=True) for k, v in counts.items()}
         sums: dict[str, torch.Tensor] = {}
         # None: an empty micro-batch (no data on this rank, or fewer micro-batches than another
         # rank under FSDP, whose forwards and backwards are collectives)
@@ -567,11 +580,28 @@ class TrainerWorker:
             self.master.collect()
         params = [p for p in self.state_model.parameters() if p.grad is not None]
         clip = self.config.optim.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        finite = bool(torch.isfinite(grad_norm))  # one host sync per step
-        if finite:
+        if self._clip_in_adamw:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            finite_1 = torch.isfinite(grad_norm)
+            # the fused AdamW divides each gradient by grad_scale and skips the whole update
+            # (state and step count included) where found_inf is set, as it does for GradScaler:
+            # clipping and the finite check cost no pass over the gradients of their own and no
+            # host sync before the update is queued
+            coef = (clip / (grad_norm.float() + 1e-6)).clamp(max=1.0)
+            self.optimizer.grad_scale = coef.reciprocal().reshape(1)
+            self.optimizer.found_inf = (~finite_1).float().reshape(1)
             self.optimizer.step()
+            if self.master is not None:
+                self.master.publish()  # unchanged masters where the update was skipped
+            finite = bool(finite_1)  # the host waits here, with the update already queued
         else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            finite = bool(torch.isfinite(grad_norm))  # one host sync per step
+            if finite:
+                self.optimizer.step()
+                if self.master is not None:
+                    self.master.publish()
+        if not finite:
             self.skipped_steps += 1
             logger.warning(
                 "[trainer] step %d: gradient norm is %s, update skipped (%d skipped so far)",
@@ -580,8 +610,6 @@ class TrainerWorker:
                 self.skipped_steps,
             )
         self._zero_grads()
-        if finite and self.master is not None:
-            self.master.publish()
         self.scheduler.step()
         return not finite, grad_norm.detach()
 

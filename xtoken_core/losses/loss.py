@@ -148,13 +148,18 @@ class CrossTokenizerLoss:
         }
         return loss, metrics
 
-    def count_valid(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def count_valid(
+        self, batches: Sequence[Mapping[str, Any]], device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
         """First pass over a step's micro-batches: the global denominators.
 
         Needs only the alignment and masks (no logits). Collective: every DP rank must call it.
 
         Args:
-            batches: the micro-batches this rank will run in the step.
+            batches: the micro-batches this rank will run in the step (CPU batches count on the
+                host, with no wait for the GPU).
+            device: where the counts go for the all-reduce (NCCL reduces CUDA tensors only);
+                None: the batches' device.
 
         Returns:
             ``{"global_valid_chunks": [num_teachers] float32, "global_valid_tokens": scalar
@@ -163,17 +168,18 @@ class CrossTokenizerLoss:
         """
         chunks = torch.zeros(self.config.num_teachers, dtype=torch.float32)
         tokens = torch.zeros((), dtype=torch.float32)
-        device = None
+        batch_device = None
         for batch in batches:
             for i in range(self.config.num_teachers):
                 alignment = alignment_from_batch(batch, i)
-                device = alignment.student_chunk_id.device
+                batch_device = alignment.student_chunk_id.device
                 B, T = alignment.student_chunk_id.shape
                 if self.config.check_inputs:
                     check_alignment_shapes(alignment, B, T, None)
                 _, _, valid_BC = valid_chunks(alignment, self.config, batch.get("sample_mask"))
                 chunks[i] += valid_BC.sum().float().cpu()
             tokens += _ce_token_count(batch, B, T).cpu()
+        device = device or batch_device
         if device is not None and device.type == "cuda":  # NCCL reduces CUDA tensors only
             chunks, tokens = chunks.to(device), tokens.to(device)
         return {

@@ -17,7 +17,9 @@ if not torch.cuda.is_available():  # pragma: no cover
 
 
 def _worker(**overrides) -> TrainerWorker:
-    return TrainerWorker(setup.trainer_config(None, device="cuda", max_length=32, **overrides))
+    # CE only: no teacher model, and a teacher tokenizer that ships with the core install
+    fields = {"device": "cuda", "max_length": 32, "teacher_tokenizer": "qwen3", **overrides}
+    return TrainerWorker(setup.trainer_config(None, **fields))
 
 
 def test_default_cuda_step_is_bf16_compiled_and_follows_the_eager_fp32_step():
@@ -55,14 +57,25 @@ def test_default_cuda_step_compiles_once_for_every_batch_length():
 
 def test_a_start_up_step_too_large_for_the_gpu_names_micro_batch_and_checkpointing():
     free, _ = torch.cuda.mem_get_info()
-    worker = TrainerWorker(
-        setup.trainer_config(
-            None,
-            device="cuda",
-            compile=False,
-            micro_batch=64,
-            max_length=int(free // (64 * 4 * 1000)),
-        )
-    )
+    worker = _worker(compile=False, micro_batch=64, max_length=int(free // (64 * 4 * 1000)))
     with pytest.raises(StartupOutOfMemory, match="trainer.micro_batch.*activation_checkpointing"):
         worker.warm_up()
+
+
+def test_a_non_finite_gradient_skips_the_fused_update_on_the_gpu():
+    """The finite check and the clip run inside the fused AdamW: a NaN gradient leaves weights,
+    optimizer state and step count as they were."""
+    worker = _worker()
+    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    worker.train_step([mb])
+    weights = [p.detach().clone() for p in worker.module.parameters()]
+    state = {k: v.clone() for k, v in worker.optimizer.state[worker.module.lm_head.weight].items()}
+    handle = next(worker.compute.parameters()).register_hook(lambda g: g * float("nan"))
+    result = worker.train_step([mb])
+    handle.remove()
+    assert result.skipped and worker.skipped_steps == 1
+    assert all(torch.equal(w, p) for w, p in zip(weights, worker.module.parameters()))
+    after = worker.optimizer.state[worker.module.lm_head.weight]
+    assert all(torch.equal(state[k], after[k]) for k in state)
+    assert not worker.train_step([mb]).skipped
+    assert not torch.equal(weights[0], next(worker.module.parameters()))
