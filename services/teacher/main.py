@@ -90,7 +90,7 @@ def _loop(
         lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
         batch = _next_batch(worker, backlog)
         if batch:
-            _serve(client, worker, partition, batch, metrics)
+            _serve_batch(client, worker, partition, batch, metrics)
         elif len(backlog) < BACKLOG:
             got = client.claim(
                 partition,
@@ -165,7 +165,13 @@ def _decode(fields: dict, key: str, i: int, worker: TeacherWorker) -> Any:
         return (str(e), _rank_of(fields, i))
 
 
-def _serve(client, worker, partition, batch: list[tuple], metrics) -> None:
+def _serve(client, worker, partition, key, request, lease_id, slot, metrics) -> None:
+    """Serve one claimed request (``request``: decoded, or a malformed one's ``(message,
+    rank)``), holding ``slot`` of its rank's ring (or None): a batch of one."""
+    _serve_batch(client, worker, partition, [(key, request, lease_id, slot)], metrics)
+
+
+def _serve_batch(client, worker, partition, batch: list[tuple], metrics) -> None:
     """Compute ``batch`` (from :func:`_next_batch`), put each result, ack each request."""
     key, request, _, _ = batch[0]
     if isinstance(request, proto.Request):
