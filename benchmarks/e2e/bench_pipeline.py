@@ -187,7 +187,7 @@ def _bare_teacher(args, teacher_dir: str, eager: bool):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher = load_model(teacher_dir, dtype=dtype, device=device).eval().requires_grad_(False)
     if not eager and device.type == "cuda":
-        compile_student(teacher, per_layer=True)  # as the teacher service compiles
+        compile_student(teacher)  # each decoder layer, as the teacher service compiles
     return teacher
 
 

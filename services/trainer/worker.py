@@ -215,7 +215,7 @@ class TrainerWorker:
         if config.activation_checkpointing:
             _checkpoint_activations(compute)
         if self.compiled:
-            self.compiled = compile_student(compute, per_layer=fsdp) > 0
+            self.compiled = compile_student(compute) > 0
         self.compute = compute  # what the forward and backward run on
         self.model = self._parallelize(compute)
         self.optimizer = self._build_optimizer()

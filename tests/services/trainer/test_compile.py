@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from services.trainer.compile import compile_regions, compile_student, warm_lengths
+from services.trainer.compile import compile_student, decoder_layers, warm_lengths
 from services.trainer.worker import TrainerWorker, _is_prefix_mask
 from tests.services.trainer import distill_setup as setup
 
@@ -37,7 +37,7 @@ def test_compile_is_off_on_cpu_unless_asked():
     worker = TrainerWorker(setup.trainer_config(None))
     assert not worker.compiled
     assert worker.warm_up() is None  # no start-up step: the CPU demo starts at once
-    assert all(r._compiled_call_impl is None for r in compile_regions(worker.compute))
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(worker.compute))
 
 
 def test_compiled_student_trains_every_batch_length_without_recompiling():
@@ -65,10 +65,9 @@ def test_compiled_student_gives_the_eager_logits_and_gradients():
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_the_backbone_is_one_region_and_the_ladder_halves_down_to_64():
+def test_each_decoder_layer_is_a_region_and_the_ladder_halves_down_to_64():
     worker = _compiled_worker()
-    assert compile_regions(worker.compute) == [worker.compute.model]
-    assert worker.compute.model._compiled_call_impl is not None
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(worker.compute))
     assert worker.compute.lm_head._compiled_call_impl is None  # the output layer stays eager
     assert warm_lengths(4096) == [4096, 2048, 1024, 512, 256, 128, 64]
     assert warm_lengths(100) == [100]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.worker import StartupOutOfMemory, TrainerWorker
+from services.trainer.worker import MicroBatch, StartupOutOfMemory, TrainerWorker
 from tests.services.trainer import distill_setup as setup
 
 pytestmark = pytest.mark.gpu
@@ -17,9 +17,34 @@ if not torch.cuda.is_available():  # pragma: no cover
 
 
 def _worker(**overrides) -> TrainerWorker:
-    # CE only: no teacher model, and a teacher tokenizer that ships with the core install
-    fields = {"device": "cuda", "max_length": 32, "teacher_tokenizer": "qwen3", **overrides}
+    # CE only, with tokenizers that ship with the core install (no teacher model)
+    fields = {
+        "device": "cuda",
+        "max_length": 32,
+        "student_tokenizer": "qwen3",
+        "teacher_tokenizer": "qwen3",
+        **overrides,
+    }
     return TrainerWorker(setup.trainer_config(None, **fields))
+
+
+def _batches(vocab: int, lengths=((15, 13), (18, 15), (25, 5), (21, 13))) -> list[MicroBatch]:
+    """Right-padded CE micro-batches of 2 rows: ``(width, shorter row's length)`` each."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for width, short in lengths:
+        ids = torch.randint(3, vocab, (2, width), generator=g)
+        mask = torch.ones(2, width, dtype=torch.bool)
+        mask[1, short:] = False
+        ids[~mask] = 0
+        batch = {
+            "input_ids": ids,
+            "token_mask": mask,
+            "sample_mask": torch.ones(2, dtype=torch.bool),
+            "input_lengths": mask.sum(1),
+        }
+        out.append(MicroBatch(keys=["a", "b"], batch=batch))
+    return out
 
 
 def test_default_cuda_step_is_bf16_compiled_and_follows_the_eager_fp32_step():
@@ -28,7 +53,7 @@ def test_default_cuda_step_is_bf16_compiled_and_follows_the_eager_fp32_step():
     import torch._dynamo
 
     torch._dynamo.reset()
-    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    mb = _batches(1000)[0]
     results, updates = [], []
     for overrides in ({"param_dtype": "float32", "compile": False}, {}):
         worker = _worker(**overrides)
@@ -50,8 +75,8 @@ def test_default_cuda_step_compiles_once_for_every_batch_length():
     worker = _worker()
     worker.warm_up()
     assert worker.compile_s is not None and worker.recompiles() == 0
-    for batch in setup.micro_batches():  # four lengths
-        worker.train_step([setup.micro_batch(batch, ["a"], with_teacher=False)])
+    for mb in _batches(worker.vocab):  # four lengths
+        worker.train_step([mb])
     assert worker.recompiles() == 0
 
 
@@ -66,7 +91,7 @@ def test_a_non_finite_gradient_skips_the_fused_update_on_the_gpu():
     """The finite check and the clip run inside the fused AdamW: a NaN gradient leaves weights,
     optimizer state and step count as they were."""
     worker = _worker()
-    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    mb = _batches(worker.vocab)[0]
     worker.train_step([mb])
     weights = [p.detach().clone() for p in worker.module.parameters()]
     state = {k: v.clone() for k, v in worker.optimizer.state[worker.module.lm_head.weight].items()}
