@@ -332,10 +332,11 @@ class TrainerWorker:
             {"params": decay, "weight_decay": oc.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        fused = self.device.type == "cuda"
-        # clipping and the finite check inside the fused kernel (_optimizer_step); FSDP's
-        # gradients are sharded DTensors, clipped by clip_grad_norm_
-        self._clip_in_adamw = fused and not (self.world_size > 1 and self.config.parallel == "fsdp")
+        # clipping and the finite check inside the fused kernel (_optimizer_step), on the GPU and
+        # the CPU alike; FSDP's gradients are sharded DTensors, clipped by clip_grad_norm_
+        fsdp = self.world_size > 1 and self.config.parallel == "fsdp"
+        self._clip_in_adamw = not fsdp
+        fused = self.device.type == "cuda" or not fsdp
         return torch.optim.AdamW(
             groups, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, fused=fused
         )
@@ -588,8 +589,9 @@ class TrainerWorker:
             # clipping and the finite check cost no pass over the gradients of their own and no
             # host sync before the update is queued
             coef = (clip / (grad_norm.float() + 1e-6)).clamp(max=1.0)
-            self.optimizer.grad_scale = coef.reciprocal().reshape(1)
-            self.optimizer.found_inf = (~finite_1).float().reshape(1)
+            # 0-d, as GradScaler's: the kernel takes the step counts back by found_inf
+            self.optimizer.grad_scale = coef.reciprocal()
+            self.optimizer.found_inf = (~finite_1).float()
             self.optimizer.step()
             if self.master is not None:
                 self.master.publish()  # unchanged masters where the update was skipped
