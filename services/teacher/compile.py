@@ -15,13 +15,11 @@ from typing import TypeVar
 
 import torch
 
+from xtoken_core.models.layers import LAYER_PATHS, decoder_layers
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Where transformers causal LMs keep their decoder layers: Llama / Qwen / Mistral, GPT-2,
-# GPT-NeoX.
-LAYER_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers")
 
 
 def resolve_compile(flag: bool | None, device: str | torch.device) -> bool:
@@ -29,17 +27,6 @@ def resolve_compile(flag: bool | None, device: str | torch.device) -> bool:
     if flag is None:
         return torch.device(device).type == "cuda"
     return flag
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The decoder layers of a causal LM (the first of ``LAYER_PATHS`` it has), or None."""
-    for path in LAYER_PATHS:
-        node: object = model
-        for part in path.split("."):
-            node = getattr(node, part, None)
-        if isinstance(node, torch.nn.ModuleList) and len(node) > 0:
-            return node
-    return None
 
 
 class RegionalCompile:
@@ -56,7 +43,7 @@ class RegionalCompile:
     """
 
     def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
-        self.layers = decoder_layers(model) if enabled else None
+        self.layers = (decoder_layers(model) or None) if enabled else None
         self.active = False
         self.compile_s: float | None = None  # seconds of the first compiled forward
         if not enabled:
@@ -74,8 +61,10 @@ class RegionalCompile:
             # sizes from the first compile mean a new length never recompiles (the default would
             # compile static shapes first and recompile on the second length; padding every
             # request to max_length would keep shapes static but spend max_length tokens of
-            # compute on every row). Only sizes 0/1 and "padded or not" (an attention mask or
-            # None) can give a layer another graph. fullgraph=True: a layer that graph-breaks
+            # compute on every row). Sizes 0/1, "padded or not" (an attention mask or None) and
+            # Inductor's guards on a length's range (about a factor of two around the length a
+            # graph was built at; services/trainer/compile.py) give a layer another graph: a
+            # handful over the first requests of a run. fullgraph=True: a layer that graph-breaks
             # fails loudly here, and falls back to eager, instead of running slowly in pieces.
             layer.compile(dynamic=True, fullgraph=True)
         self.active = True

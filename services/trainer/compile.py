@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from xtoken_core.models.layers import decoder_layers
+
 __all__ = [
     "compile_student",
     "compiled_graphs",
@@ -31,19 +33,6 @@ __all__ = [
     "uncompile",
     "warm_lengths",
 ]
-
-
-def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (none: an unknown layout)."""
-    for name in ("model.layers", "transformer.h", "gpt_neox.layers"):
-        obj = module
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.ModuleList):
-            return list(obj)
-    return []
 
 
 def compile_student(module: torch.nn.Module, *, backend: str = "inductor") -> int:
