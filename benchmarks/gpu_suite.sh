@@ -21,7 +21,7 @@ step() {
 
 # Steps to run, by name (default: all). Example: STEPS="device gpu_tests bench_kd_loss".
 # Gold at 1x4096 (issue 12): STEPS="device cuda_tests bench_topm_l1 bench_kd_loss_gold profile_gold".
-STEPS=${STEPS:-"device gpu_tests bench_chunk_log_softmax bench_projection_gather bench_kd_loss bench_fused_indices bench_embedding"}
+STEPS=${STEPS:-"device gpu_tests bench_kd_loss bench_ce bench_fused_indices bench_embedding"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 want device && step device nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -31,10 +31,6 @@ want gpu_tests && step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tes
   tests/xtoken_core/losses
 want cuda_tests && step cuda_tests $PY -m pytest -q -p no:cacheprovider tests/xtoken_core/kernels \
   tests/xtoken_core/losses
-want bench_chunk_log_softmax && step bench_chunk_log_softmax $PY benchmarks/kernels/bench_chunk_log_softmax.py \
-  --results "$OUT/kernels_chunk_log_softmax.jsonl"
-want bench_projection_gather && step bench_projection_gather $PY benchmarks/kernels/bench_projection_gather.py \
-  --results "$OUT/kernels_projection_gather.jsonl"
 want bench_kd_loss && step bench_kd_loss $PY benchmarks/losses/bench_kd_loss.py --results "$OUT/losses_kd_loss.jsonl"
 want topm_tests && step topm_tests $PY -m pytest -q -p no:cacheprovider tests/xtoken_core/kernels/test_topm_l1.py
 want bench_topm_l1 && step bench_topm_l1 $PY benchmarks/kernels/bench_topm_l1.py --results "$OUT/kernels_topm_l1.jsonl"

@@ -38,7 +38,6 @@ __all__ = [
     "queue_mark",
     "read_later",
     "tl",
-    "transpose_into",
     "triton",
     "use_triton",
 ]
@@ -226,87 +225,3 @@ def lazy_jit(fn: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
     if fn is None:
         return lambda f: LazyJit(f, **jit_kwargs)
     return LazyJit(fn, **jit_kwargs)
-
-
-if tl is not None:
-
-    @lazy_jit
-    def _transpose_kernel(
-        src_ptr,
-        dst_ptr,
-        R,
-        C,
-        s_r,
-        s_c,
-        d_c,
-        d_r,
-        BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # dst[c, r] = src[r, c] over a [BLOCK_R, BLOCK_C] tile; the compiler stages the tile
-        # through shared memory so both the load (along c) and the store (along r) coalesce.
-        pid = tl.program_id(0)
-        num_cb = (C + BLOCK_C - 1) // BLOCK_C
-        rb = pid // num_cb
-        cb = pid % num_cb
-        r = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        c = (cb * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-        mask = (r < R)[:, None] & (c < C)[None, :]
-        x = tl.load(src_ptr + r[:, None] * s_r + c[None, :] * s_c, mask=mask, other=0.0)
-        tl.store(
-            dst_ptr + c[None, :] * d_c + r[:, None] * d_r,
-            x.to(dst_ptr.dtype.element_ty),
-            mask=mask,
-        )
-
-
-TRANSPOSE_CONFIG = {  # best of the H100 sweep (bench_projection_gather.py): 2.84 TB/s
-    "block_r": 128,
-    "block_c": 128,
-    "warps": 8,
-}  # (torch's strided copy_ measured 0.49 TB/s there)
-
-
-def transpose_into(src_RC: torch.Tensor, dst_CR: torch.Tensor) -> torch.Tensor:
-    """Copy ``src_RC`` transposed into ``dst_CR`` (``dst[c, r] = src[r, c]``), casting to the
-    dtype of ``dst``; any strides on both sides (e.g. a column slice, a row block of a buffer).
-
-    A tiled Triton copy: both the reads and the writes are coalesced, one pass over the data.
-    Runs where :func:`use_triton` says so, else falls back to ``dst.copy_(src.t())``.
-
-    Args:
-        src_RC: [R, C] source.
-        dst_CR: [C, R] destination, written in place.
-
-    Returns:
-        ``dst_CR``.
-
-    Raises:
-        ValueError: the shapes do not transpose onto each other.
-    """
-    R, C = src_RC.shape
-    if tuple(dst_CR.shape) != (C, R):
-        raise ValueError(
-            f"dst shape {tuple(dst_CR.shape)} must be the transpose of src {tuple(src_RC.shape)}"
-        )
-    if R == 0 or C == 0:
-        return dst_CR
-    if not use_triton(src_RC):
-        return dst_CR.copy_(src_RC.t())
-    br = min(TRANSPOSE_CONFIG["block_r"], next_power_of_2(R))
-    bc = min(TRANSPOSE_CONFIG["block_c"], next_power_of_2(C))
-    grid = (((R + br - 1) // br) * ((C + bc - 1) // bc),)
-    _transpose_kernel[grid](
-        src_RC,
-        dst_CR,
-        R,
-        C,
-        src_RC.stride(0),
-        src_RC.stride(1),
-        dst_CR.stride(0),
-        dst_CR.stride(1),
-        BLOCK_R=br,
-        BLOCK_C=bc,
-        num_warps=TRANSPOSE_CONFIG["warps"],
-    )
-    return dst_CR
