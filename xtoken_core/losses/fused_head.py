@@ -1,0 +1,338 @@
+"""The fused output layer + loss head: the student loss from the last hidden states and the output
+weight, without ever holding the whole ``[B*T, V]`` logits.
+
+The head walks blocks of student rows that hold whole chunks of every teacher
+(:mod:`xtoken_core.losses.head_blocks`). Per block it computes the block's logits
+``h @ W^T``, the block's share of the loss by the ordinary
+:class:`~xtoken_core.losses.loss.CrossTokenizerLoss` (or the student CE alone) over the
+micro-batch's *global* denominators, so that the shares sum to the loss of the whole micro-batch,
+and, still inside the forward, the gradients: ``dz = d(share)/d(logits)`` by autograd, then
+``dh = dz @ W`` and ``dW += dz^T @ h``; the block is freed before the next. The backward of
+:class:`FusedHeadFunction` only scales the kept ``dh`` and ``dW`` by the incoming gradient.
+This is the shape of Liger-Kernel's fused-linear losses and of Cut Cross-Entropy, which work on
+one vocabulary; here the blocks follow the chunks of the cross-tokenizer losses.
+
+What is global in a mode is made once over the micro-batch before the blocks:
+
+* the valid-chunk and CE-token denominators (the local counts when the caller gives none);
+* P-KL's ``vocab_topk`` teacher columns (the ids with the largest max-logit over the rows the
+  ``topk_columns`` rule names): the column-wise max of those rows goes into every block as a
+  filler teacher row, so each block picks the same columns (exact: a max is a selection);
+* ``dynamic_scaling`` (``|ce| / |kd|`` of the whole micro-batch) does not split over blocks:
+  the head runs it as one block (exact, without the memory saving).
+
+Every other term is per chunk or per row. Rows whose logits reach no term (padding) are skipped.
+The metrics are the loss's, summed over the blocks (each is already over a global denominator).
+
+Shape:
+    hidden ``[B, T, D]`` and weight ``[V, D]`` in, scalar loss out; gradients ``[B, T, D]`` and
+    ``[V, D]`` in their inputs' dtypes. The logits of a block are ``[L + 1, V]`` in the matmul
+    dtype (the autocast dtype under autocast, else the hidden states' dtype); ``dW`` is summed
+    in fp32.
+
+Legend (shape suffixes in this file):
+    B batch, T student tokens, D hidden size, V student vocab, R flat student rows (B*T),
+    L rows of a block, U teacher tokens, W teacher vocab (padded width), Q flat teacher rows
+    (B*U), G teacher rows of a block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from xtoken_core.kernels import logit_rows
+from xtoken_core.losses import fused
+from xtoken_core.losses.engine import check_alignment_shapes, valid_chunks
+from xtoken_core.losses.head_blocks import RowBlock, plan_blocks
+from xtoken_core.losses.loss import CrossTokenizerLoss
+from xtoken_core.losses.utils import alignment_from_batch, check_chunk_ids, shift_chunk_ids
+
+__all__ = ["DEFAULT_BLOCK_ROWS", "FusedHead", "FusedHeadFunction"]
+
+logger = logging.getLogger(__name__)
+
+#: Rows per block by default: a ``[1024, 151936]`` bf16 block of logits is 311 MB.
+DEFAULT_BLOCK_ROWS = 1024
+
+
+class FusedHead:
+    """The student's loss from hidden states and the output weight, one row block at a time.
+
+    Usage (per micro-batch, like :class:`~xtoken_core.losses.loss.CrossTokenizerLoss`)::
+
+        head = FusedHead(loss_fn)                          # loss_fn None: the student CE alone
+        loss, metrics = head(hidden_BTD, lm_head.weight, teacher_logits, batch, **counts)
+        loss.backward()                                    # dh, dW kept from the forward
+
+    Args:
+        loss_fn: the cross-tokenizer loss whose config and engines the blocks use; None: the
+            student CE alone (``global_valid_tokens`` over the micro-batches of the step).
+        block_rows: rows per block wanted (a block ends on the last chunk boundary at or below
+            it; a chunk longer than that makes its block longer).
+
+    Raises:
+        ValueError: ``block_rows < 1``.
+    """
+
+    def __init__(self, loss_fn: CrossTokenizerLoss | None, block_rows: int = DEFAULT_BLOCK_ROWS):
+        if block_rows < 1:
+            raise ValueError(f"block_rows={block_rows} must be >= 1")
+        self.loss_fn = loss_fn
+        self.block_rows = block_rows
+
+    @property
+    def num_teachers(self) -> int:
+        """Teachers of the loss (0 for the CE alone)."""
+        return 0 if self.loss_fn is None else self.loss_fn.config.num_teachers
+
+    def __call__(
+        self,
+        hidden_BTD: torch.Tensor,
+        weight_VD: torch.Tensor,
+        teacher_logits: torch.Tensor | Sequence[torch.Tensor] | None,
+        batch: Mapping[str, Any],
+        *,
+        global_valid_chunks: torch.Tensor | float | Sequence[float] | None = None,
+        global_valid_tokens: torch.Tensor | float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch, equal to the loss of ``hidden @ weight^T``.
+
+        Args:
+            hidden_BTD: ``[B, T, D]`` last hidden states (gradient flows here).
+            weight_VD: ``[V, D]`` output weight (gradient flows here; a tied embedding's
+                weight is fine).
+            teacher_logits: ``[B, U, W']`` or one per teacher (constants); None with no
+                teacher.
+            batch: the micro-batch fields of :meth:`CrossTokenizerLoss.__call__` (read on the
+                host: a CPU batch costs no device sync).
+            global_valid_chunks: as for :class:`CrossTokenizerLoss`; None: this micro-batch's.
+            global_valid_tokens: as for :class:`CrossTokenizerLoss`; None: this micro-batch's.
+
+        Returns:
+            ``(loss, metrics)``: the scalar loss and the loss's detached metrics summed over
+            the blocks.
+
+        Raises:
+            ValueError: shapes that do not fit, chunk ids out of range, and whatever
+                :class:`CrossTokenizerLoss` refuses in a block.
+        """
+        if hidden_BTD.dim() != 3 or weight_VD.dim() != 2:
+            raise ValueError(
+                f"hidden is {tuple(hidden_BTD.shape)} and weight {tuple(weight_VD.shape)}; "
+                "expected [B, T, D] and [V, D]"
+            )
+        if hidden_BTD.shape[-1] != weight_VD.shape[-1]:
+            raise ValueError(
+                f"hidden size {hidden_BTD.shape[-1]} differs from the weight's "
+                f"{weight_VD.shape[-1]}; pass the output layer's [V, D] weight"
+            )
+        B, T, _ = hidden_BTD.shape
+        teachers = self._teacher_list(teacher_logits)
+        self._check_alignment(batch, B, T, teachers)
+        dtype = hidden_BTD.dtype
+        if torch.is_autocast_enabled(hidden_BTD.device.type):
+            dtype = torch.get_autocast_dtype(hidden_BTD.device.type)
+        counts = self._counts(batch, global_valid_chunks, global_valid_tokens, hidden_BTD.device)
+        one_block = self.loss_fn is not None and self.loss_fn.config.dynamic_scaling
+        blocks = plan_blocks(batch, self.num_teachers, None if one_block else self.block_rows)
+        run = _Run(self, blocks, teachers, self._fillers(batch, teachers, dtype), counts, dtype)
+        loss = FusedHeadFunction.apply(hidden_BTD.reshape(B * T, -1), weight_VD, run)
+        return loss, run.metrics
+
+    # ------------------------------------------------------------------ before the blocks
+
+    def _teacher_list(self, teacher_logits) -> list[torch.Tensor]:
+        if self.loss_fn is None:
+            return []
+        if teacher_logits is None:
+            raise ValueError("the loss needs teacher logits; pass them (or use the CE alone)")
+        return self.loss_fn._teacher_logits(teacher_logits)
+
+    def _check_alignment(self, batch, B: int, T: int, teachers: list[torch.Tensor]) -> None:
+        """The shape and id-range checks the blocks can no longer make (a split batch hides a
+        wrong length or an id past the slots)."""
+        if self.loss_fn is None:
+            ids = batch.get("input_ids")
+            if ids is None or tuple(ids.shape) != (B, T):
+                shape = None if ids is None else tuple(ids.shape)
+                raise ValueError(f"input_ids is {shape}, expected [{B}, {T}] like the hidden")
+            return
+        if not self.loss_fn.config.check_inputs:
+            return
+        for i, z_t in enumerate(teachers):
+            alignment = alignment_from_batch(batch, i)
+            if z_t.dim() != 3 or z_t.shape[0] != B:
+                raise ValueError(f"teacher logits {i} are {tuple(z_t.shape)}, expected [{B}, U, W]")
+            check_alignment_shapes(alignment, B, T, z_t.shape[1])
+            C = alignment.max_chunks
+            check_chunk_ids("alignment_student_chunk_id", alignment.student_chunk_id.cpu(), C)
+            check_chunk_ids("alignment_teacher_chunk_id", alignment.teacher_chunk_id.cpu(), C)
+
+    def _counts(self, batch, global_valid_chunks, global_valid_tokens, device) -> dict:
+        """The global denominators every block divides by: the caller's, or this micro-batch's
+        own (what the loss takes when given none)."""
+        if global_valid_tokens is None:
+            mask_BT = torch.ones_like(batch["input_ids"], dtype=torch.bool)[:, 1:]
+            if batch.get("token_mask") is not None:
+                mask_BT = batch["token_mask"][:, 1:].bool()
+            if batch.get("sample_mask") is not None:
+                sample_B1 = batch["sample_mask"].bool().view(-1, 1).to(mask_BT.device)
+                mask_BT = mask_BT & sample_B1
+            global_valid_tokens = mask_BT.sum().float()
+        counts = {"global_valid_tokens": torch.as_tensor(global_valid_tokens).to(device)}
+        if self.loss_fn is not None:
+            if global_valid_chunks is None:
+                cfg = self.loss_fn.config
+                global_valid_chunks = torch.stack(
+                    [
+                        valid_chunks(alignment_from_batch(batch, i), cfg, batch.get("sample_mask"))[
+                            2
+                        ]
+                        .sum()
+                        .float()
+                        .cpu()
+                        for i in range(cfg.num_teachers)
+                    ]
+                )
+            counts["global_valid_chunks"] = torch.as_tensor(global_valid_chunks).to(device)
+        return counts
+
+    def _fillers(self, batch, teachers: list[torch.Tensor], dtype) -> list[torch.Tensor]:
+        """Each teacher's filler row ``[W']``: P-KL with top-k columns, the column-wise max of
+        the rows that pick the columns over the micro-batch; else zeros (never counted)."""
+        fillers = []
+        cfg = None if self.loss_fn is None else self.loss_fn.config
+        for i, z_t in enumerate(teachers):
+            W = cfg.teacher_vocab_size[i] or z_t.shape[-1]
+            picks = not cfg.gold_loss and cfg.vocab_topk is not None and cfg.vocab_topk < W
+            if not picks:
+                fillers.append(z_t.new_zeros(z_t.shape[-1]))
+                continue
+            with torch.no_grad():
+                z_BUW = fused.last_dim_contiguous(z_t.detach())
+                # rows with a (shifted) teacher chunk id pick; under "all" every row does
+                rows_Q = shift_chunk_ids(alignment_from_batch(batch, i).teacher_chunk_id)
+                rows_Q = rows_Q.reshape(-1).to(z_t.device)
+                if cfg.topk_columns == "all":
+                    rows_Q = torch.zeros_like(rows_Q)
+                if fused.fused_path_available(z_BUW, z_BUW):
+                    max_W = logit_rows.column_max(z_BUW, rows_Q)
+                else:
+                    unused_BU1 = (rows_Q < 0).view(*z_BUW.shape[:2], 1)
+                    max_W = z_BUW.masked_fill(unused_BU1, float("-inf")).amax(dim=(0, 1))
+                # -inf only where no row picks (finite logits): no chunk counts, any row does
+                max_W = torch.where(torch.isinf(max_W), torch.zeros_like(max_W), max_W)
+                fillers.append(max_W.to(z_t.dtype))
+        return fillers
+
+
+class _Run:
+    """One call's blocks and what each needs (the non-tensor argument of the Function)."""
+
+    def __init__(self, head, blocks, teachers, fillers, counts, dtype) -> None:
+        self.head = head
+        self.blocks: list[RowBlock] = blocks
+        self.teachers = teachers
+        self.fillers = fillers
+        self.counts = counts
+        self.dtype = dtype
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def block_loss(self, logits_LV: torch.Tensor, block: RowBlock) -> torch.Tensor:
+        """The block's share of the loss (its metrics added to :attr:`metrics`)."""
+        device = logits_LV.device
+        batch = {k: v.to(device, non_blocking=True) for k, v in block.batch.items()}
+        loss_fn = self.head.loss_fn
+        if loss_fn is None:
+            nll, correct, _ = fused.student_ce(
+                logits_LV[None], batch["input_ids"], batch["token_mask"]
+            )
+            denom = self.counts["global_valid_tokens"].to(torch.float32).clamp_min(1.0)
+            loss = nll / denom
+            metrics = {"loss": loss.detach(), "ce_loss": loss.detach(), "accuracy": correct / denom}
+        else:
+            teacher_blocks = [
+                _teacher_block(z_t, fill_W, rows.to(device, non_blocking=True))
+                for z_t, fill_W, rows in zip(
+                    self.teachers, self.fillers, block.teacher_rows, strict=True
+                )
+            ]
+            loss, metrics = loss_fn(logits_LV[None], teacher_blocks, batch, **self.counts)
+        for k, v in metrics.items():
+            self.metrics[k] = v if k not in self.metrics else self.metrics[k] + v
+        return loss
+
+
+def _teacher_block(
+    z_BUW: torch.Tensor, fill_W: torch.Tensor, rows_G2: torch.Tensor
+) -> torch.Tensor:
+    """``[1, G + 2, W']`` teacher logits of a block: the filler row, the block's rows, the filler
+    row (``rows_G2`` marks the fillers with -1)."""
+    inner_G = rows_G2[1:-1]
+    rows_GW = z_BUW.detach().reshape(-1, z_BUW.shape[-1]).index_select(0, inner_G)
+    fill_1W = fill_W.to(z_BUW.dtype)[None]
+    return torch.cat([fill_1W, rows_GW, fill_1W])[None]
+
+
+class FusedHeadFunction(torch.autograd.Function):
+    """``loss(hidden @ weight^T)`` with the gradients made block by block in the forward.
+
+    Forward: per block ``z = h_L @ W^T`` (one filler row appended), the block's loss share,
+    ``dz = d share / dz`` (autograd on the block alone), ``dh_L = dz @ W``, ``dW += dz^T @ h_L``
+    (fp32); the block's logits are freed. Backward: ``(dh, dW) * grad_loss``, scaled in place
+    (the graph is used once, as a training step uses it).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden_RD: torch.Tensor, weight_VD: torch.Tensor, run: _Run):
+        device = hidden_RD.device
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = run.dtype
+        with torch.autocast(device.type, enabled=False):
+            h_RD = hidden_RD.detach().to(dtype)
+            w_VD = weight_VD.detach().to(dtype)
+            d_hidden_RD = torch.zeros_like(hidden_RD) if need_h else None
+            # fp32 sums (fp64 kept): the loss's dtype, and dW's over the blocks
+            loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            d_weight_VD = (
+                torch.zeros(w_VD.shape, dtype=loss_dtype, device=device) if need_w else None
+            )
+            total = torch.zeros((), dtype=loss_dtype, device=device)
+            for block in run.blocks:
+                rows_L = block.rows_L.to(device, non_blocking=True)
+                h_LD = h_RD.index_select(0, rows_L)
+                h_fill_LD = torch.cat([h_LD, h_LD.new_zeros(1, h_LD.shape[1])])
+                logits_LV = (h_fill_LD @ w_VD.t()).requires_grad_()
+                with torch.enable_grad():
+                    share = run.block_loss(logits_LV, block)
+                total = total + share.detach().to(loss_dtype)
+                if not (need_h or need_w) or not share.requires_grad:
+                    continue
+                (dz_LV,) = torch.autograd.grad(share, logits_LV, allow_unused=True)
+                del logits_LV, share
+                if dz_LV is None:
+                    continue
+                dz_LV = dz_LV[:-1]  # the filler row's gradient is 0
+                if need_h:
+                    d_hidden_RD.index_copy_(0, rows_L, (dz_LV @ w_VD).to(hidden_RD.dtype))
+                if need_w:
+                    d_weight_VD.add_(dz_LV.t() @ h_LD)
+                del dz_LV
+        ctx.d_hidden = d_hidden_RD
+        ctx.d_weight = None if d_weight_VD is None else d_weight_VD.to(weight_VD.dtype)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor):
+        d_hidden, d_weight = ctx.d_hidden, ctx.d_weight
+        ctx.d_hidden = ctx.d_weight = None  # the kept gradients leave with this call
+        if d_hidden is not None:
+            d_hidden.mul_(grad_loss.to(d_hidden.dtype))
+        if d_weight is not None:
+            d_weight.mul_(grad_loss.to(d_weight.dtype))
+        return d_hidden, d_weight, None
