@@ -218,6 +218,7 @@ class TrainerWorker:
             self.compiled = compile_student(compute) > 0
         self.compute = compute  # what the forward and backward run on
         self.model = self._parallelize(compute)
+        self.head, self._backbone, self._lm_head = self._build_head(compute)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -277,6 +278,39 @@ class TrainerWorker:
                 backend=lc.backend,
             )
         )
+
+    def _build_head(self, compute: torch.nn.Module) -> tuple[Any, Any, Any]:
+        """``(head, backbone, lm_head)`` of the fused output head (``config.fused_head``), or
+        Nones: the step then takes the model's logits.
+
+        Raises:
+            ValueError: ``fused_head: true`` where it cannot run (several processes, a model
+                with no plain linear output layer).
+        """
+        from xtoken_core.losses.fused_head import FusedHead
+        from xtoken_core.models import split_lm_head
+
+        wanted = self.config.fused_head
+        if not (self.device.type == "cuda" if wanted is None else wanted):
+            return None, None, None
+        why = None
+        if self.world_size > 1:
+            # DDP's reducer and FSDP's gathers run in the wrapped model's forward, which the
+            # backbone-only forward bypasses
+            why = f"it runs in one process (this run has {self.world_size})"
+        else:
+            try:
+                backbone, lm_head = split_lm_head(compute)
+            except ValueError as e:
+                backbone, lm_head, why = None, None, str(e)
+            if lm_head is not None and getattr(lm_head, "bias", None) is not None:
+                why = "the student's output layer has a bias"
+        if why is not None:
+            if wanted:
+                raise ValueError(f"fused_head: {why}; set trainer.fused_head: false")
+            logger.info("[trainer] fused output head off: %s", why)
+            return None, None, None
+        return FusedHead(self.loss_fn), backbone, lm_head
 
     @property
     def state_model(self) -> torch.nn.Module:
@@ -396,6 +430,11 @@ class TrainerWorker:
                 input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False
             ).logits
 
+    def _hidden(self, input_ids_BT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+        """The backbone's ``[B, T, D]`` last hidden states (the fused head's input)."""
+        with self._train_autocast():
+            return self._backbone(input_ids_BT, mask_BT)
+
     # ------------------------------------------------------------------ start-up step
 
     def warm_up(self) -> float | None:
@@ -451,10 +490,26 @@ class TrainerWorker:
 
     def _warm_step(self, ids_BT: torch.Tensor) -> None:
         with self._sync(last=False):
-            logits_BTV = self._forward(ids_BT, None)
-            (logits_BTV.sum() * 0.0).backward()
-        del logits_BTV
+            if self.head is not None:  # the head's blocks of logits, not the whole logits
+                self._warm_head(ids_BT)
+            else:
+                logits_BTV = self._forward(ids_BT, None)
+                (logits_BTV.sum() * 0.0).backward()
+                del logits_BTV
         self._zero_grads()
+
+    def _warm_head(self, ids_BT: torch.Tensor) -> None:
+        """A forward and backward through the fused head (its student CE: no teacher at
+        start-up), with the blocks and their gradients a step holds."""
+        from xtoken_core.losses.fused_head import FusedHead
+
+        hidden_BTD = self._hidden(ids_BT, None)
+        ones_BT = torch.ones_like(ids_BT, dtype=torch.bool)
+        batch = {"input_ids": ids_BT, "token_mask": ones_BT}
+        head = FusedHead(None, self.head.block_rows)
+        with self._train_autocast():
+            loss, _ = head(hidden_BTD, self._lm_head.weight, None, batch)
+        (loss * 0.0).backward()
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -481,6 +536,11 @@ class TrainerWorker:
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _head_loss(self, hidden_BTD, batch, counts, teacher_logits) -> tuple[torch.Tensor, dict]:
+        """The loss by the fused head (``batch``: the CPU fields, read on the host)."""
+        with self._train_autocast():  # the output layer's matmul in the forward's dtype
+            return self.head(hidden_BTD, self._lm_head.weight, teacher_logits, batch, **counts)
 
     def _loss(self, logits_BTV, batch, counts, teacher_logits) -> tuple[torch.Tensor, dict]:
         if self.loss_fn is None:
@@ -525,21 +585,25 @@ class TrainerWorker:
                 # right padding under causal attention: no real token sees a pad, so a batch
                 # whose masks are prefixes needs no mask (the fused causal kernels, one graph)
                 mask = None if _is_prefix_mask(mb.batch["token_mask"]) else batch["token_mask"]
+                # with the fused head the forward stops at the hidden states; the output layer
+                # runs in the loss phase, its backward too (the head makes dh and dW there)
+                forward = self._forward if self.head is None else self._hidden
                 with clock.phase("forward", gpu=True):
-                    logits_BTV = self._forward(
-                        batch["input_ids"], None if mask is None else mask.long()
-                    )
+                    out = forward(batch["input_ids"], None if mask is None else mask.long())
                 teacher = None
                 if mb.teacher_logits is not None:
                     with clock.phase("teacher_wait"):
                         teacher = mb.teacher_logits()
                 with clock.phase("loss", gpu=True):
-                    loss, metrics = self._loss(logits_BTV, batch, counts, teacher)
+                    if self.head is None:
+                        loss, metrics = self._loss(out, batch, counts, teacher)
+                    else:
+                        loss, metrics = self._head_loss(out, mb.batch, counts, teacher)
                 with clock.phase("backward", gpu=True):
                     # DDP averages gradients over ranks; the loss is already divided by the
                     # global denominators, so scale back to a sum (FSDP sums: _parallelize)
                     (loss * scale).backward()
-                del logits_BTV, teacher
+                del out, teacher
                 if mb.done is not None:
                     mb.done()
                 for k, v in metrics.items():
