@@ -1,14 +1,14 @@
-"""Plot of experiment 2 (issue 13): xtoken vs TRL GOLD with a byte-level (Llama 3) teacher tokenizer.
+"""Plot of the TRL GOLD comparison: xtoken vs TRL GOLD with a byte-level (Llama 3) teacher tokenizer.
 
 Draws ``benchmarks/results/peers_trl_gold.png`` from committed results only (no measurement):
 two panels, student tokens/s (log scale) and peak device GiB, grouped by T (2048, 4096), one bar
-per system and setting, the x-TRL ratio above xtoken's bars, and the issue's bars as lines: 20x
+per system and setting, the x-TRL ratio above xtoken's bars, and the bars as lines: 20x
 (T=2048) / 50x (T=4096) TRL's tokens/s and a third of TRL's device memory.
 
 Sources, both read by this script:
 
-* ``benchmarks/results/peers_trl_gold.jsonl``: the rows of the section "2026-11-23: a byte-level
-  teacher tokenizer" of ``peers_trl_gold.md`` (``part == "speed"``, ``teacher_tokenizer ==
+* ``benchmarks/results/peers_trl_gold.jsonl``: the rows of the section "Current figures: a
+  byte-level teacher tokenizer" of ``peers_trl_gold.md`` (``part == "speed"``, ``teacher_tokenizer ==
   "llama3"``, the commit that section's table names for its rows: TRL GOLD and xtoken with
   activation checkpointing);
 * ``benchmarks/results/peers_trl_gold.md``, that section's table: the figures of the first call
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-SECTION = "## 2026-11-23: a byte-level teacher tokenizer"
+SECTION = "## Current figures: a byte-level teacher tokenizer"
 PNG = "peers_trl_gold.png"
 SHAPES = (2048, 4096)
-SPEED_BAR = {2048: 20, 4096: 50}  # the issue's bars: xtoken tok/s over TRL's
+SPEED_BAR = {2048: 20, 4096: 50}  # the bars: xtoken tok/s over TRL's
 
 
 class Bar(NamedTuple):
