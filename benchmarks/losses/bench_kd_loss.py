@@ -18,7 +18,7 @@ is the same call queued behind the student's lm_head matmul, as in a training st
 forward still runs when the loss is called: the GPU's span from the end of that matmul to the end
 of the backward (CUDA events), in which the host's start is hidden but every wait inside the loss
 still counts. In the P-KL rows of older commits (the CUDA-graph replay of the KD phase, since
-removed: benchmarks/results/e2e_pipeline.md) ``ms_kernel`` is the replay and ``ms_kernel_eager`` /
+removed: benchmarks/results/history/e2e_pipeline.md) ``ms_kernel`` is the replay and ``ms_kernel_eager`` /
 ``speedup_eager`` the eager kernels, as ``ms_kernel`` is now.
 
 Prints one table and appends rows to benchmarks/results/losses_kd_loss.jsonl.
