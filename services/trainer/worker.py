@@ -217,8 +217,8 @@ class TrainerWorker:
         if self.compiled:
             self.compiled = compile_student(compute) > 0
         self.compute = compute  # what the forward and backward run on
-        self.model = self._parallelize(compute)
         self.head, self._backbone, self._lm_head = self._build_head(compute)
+        self.model = self._parallelize(compute)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
