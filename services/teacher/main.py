@@ -16,12 +16,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from services import protocol as proto
 from services.common import lifecycle
 from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter, device_memory_mb
 from services.queue.client import connect
 from services.queue.errors import QueueError
-from services.teacher import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
 from xtoken_core.data.corpus import read_texts
 

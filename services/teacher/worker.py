@@ -31,34 +31,16 @@ from typing import Any, Literal
 
 import torch
 
+from services.protocol.names import TRANSPORTS, hidden_field, new_instance, result_field
+from services.protocol.teacher import Request, Result, hidden_column
 from services.teacher.compile import RegionalCompile, resolve_compile
-from services.teacher.protocol import (
-    Request,
-    Result,
-    hidden_column,
-    hidden_field,
-    new_instance,
-    result_field,
-)
+from xtoken_core.models.dtypes import resolve_dtype
 from xtoken_core.models.heads import head_into
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("shm", "cuda_ipc", "hidden")
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto`` -> bfloat16 on CUDA, float32 elsewhere; else the torch dtype of that name.
-
-    Raises:
-        ValueError: an unknown dtype name.
-    """
-    if name == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a float dtype; use auto, bfloat16, float32")
-    return dtype
+# ``resolve_dtype`` and ``TRANSPORTS`` are importable from here too (their former home).
+__all__ = ["TRANSPORTS", "TeacherConfig", "TeacherWorker", "resolve_dtype"]
 
 
 @dataclasses.dataclass
@@ -313,7 +295,7 @@ class TeacherWorker:
         """Serve one request (:meth:`compute_many` of one).
 
         Args:
-            request: a decoded request (see protocol.py).
+            request: a decoded request (see services/protocol/teacher.py).
             slot: a slot of ``ring(request.rank)`` from :meth:`try_acquire` (ring transports);
                 None: wait for one.
 
@@ -329,7 +311,7 @@ class TeacherWorker:
         """Serve requests, those that :meth:`fits` together in one forward.
 
         Args:
-            requests: decoded requests (see protocol.py), of any ranks and lengths.
+            requests: decoded requests (see services/protocol/teacher.py), of any ranks and lengths.
             slots: per request, a slot of ``ring(request.rank)`` from :meth:`try_acquire` (ring
                 transports), or None: wait for one. Default: None for every request.
 

@@ -1,7 +1,7 @@
 """The trainer's data feed: claims samples, asks its teacher group for their logits, hands over
 micro-batches whose teacher logits are a zero-copy view of a ring slot.
 
-Per rank (records and names: services/teacher/protocol.py):
+Per rank (records and names: services/protocol/):
 
 1. claim ``micro_batch * grad_accum`` samples from the partition (task ``trainer/e<epoch>/s<start>``),
    skip the keys the checkpoint says were trained (acked at once), sort by teacher length and
@@ -44,8 +44,10 @@ from typing import Any
 
 import torch
 
+from services import protocol as proto
+from services.protocol.end_of_data import EOF_KEY, eof_samples, put_eof
+from services.protocol.names import meta_partition
 from services.queue.errors import QueueError
-from services.teacher import protocol as proto
 from services.trainer.config import TrainerConfig
 from services.trainer.worker import MicroBatch
 from xtoken_core.data import sample as schema
@@ -53,23 +55,10 @@ from xtoken_core.wire import JaggedColumn
 
 logger = logging.getLogger(__name__)
 
-EOF_KEY = "eof"
 # Samples claimed at once when consuming for a replaced task (keys only: no fields travel).
 _CONSUME_BATCH = 4096
-
-
-def meta_partition(partition: str) -> str:
-    """Partition of the run's markers (the collators' end of data)."""
-    return f"{partition}.meta"
-
-
-def put_eof(client: Any, partition: str, samples: int) -> None:
-    """Tell trainers the data of ``partition`` is complete: ``samples`` samples in all."""
-    client.put(
-        meta_partition(partition),
-        [EOF_KEY],
-        {"samples": torch.tensor([[int(samples)]], dtype=torch.int64)},
-    )
+# The end-of-data marker is importable from here too (its former home).
+__all__ = ["EOF_KEY", "TeacherFeed", "meta_partition", "put_eof"]
 
 
 @dataclasses.dataclass
@@ -330,7 +319,7 @@ class TeacherFeed:
             if e.code in ("not_found", "missing_field"):
                 return  # the collators are not done
             raise
-        total = int(marker["fields"]["samples"].reshape(-1)[0])
+        total = eof_samples(marker["fields"])
         status = self.client.status(self.config.partition, self.task)
         # samples retention dropped (acked by every registered task) were put too
         put = status["samples"] + status.get("dropped", 0)

@@ -1,5 +1,6 @@
-"""Causal LMs offline: loading (folder, preset, smollm2), output-layer split, export, eval."""
+"""Causal LMs offline: loading (folder, preset, smollm2), dtypes, output-layer split, eval."""
 
+from xtoken_core.models.dtypes import resolve_dtype
 from xtoken_core.models.eval import bits_per_byte
 from xtoken_core.models.heads import split_lm_head
 from xtoken_core.models.loading import (
@@ -23,5 +24,6 @@ __all__ = [
     "load_model",
     "load_output_layer",
     "model_vocab_size",
+    "resolve_dtype",
     "split_lm_head",
 ]

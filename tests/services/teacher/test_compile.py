@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
+from services import protocol as proto
 from services.common import config as cfg
-from services.teacher import protocol as proto
 from services.teacher.compile import decoder_layers, resolve_compile
 from services.teacher.worker import TeacherConfig, TeacherWorker
 from xtoken_core.models import load_model

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
+from services import protocol as proto
 from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
-from services.teacher import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
 from tests.services.queue.conftest import ServerProcess
 from xtoken_core.ipc.logit_ring import LogitRingReader

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.teacher import protocol as proto
+from services import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from services.teacher import protocol as proto
+from services import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
 from xtoken_core.ipc.logit_ring import LogitRingReader
 

@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
+from services import protocol as proto
 from services.collator.worker import samples_to_put_fields
 from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
-from services.teacher import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
 from services.trainer.feed import TeacherFeed, put_eof
 from services.trainer.worker import TrainerWorker

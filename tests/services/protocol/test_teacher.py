@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 
-from services.teacher import protocol as proto
+from services import protocol as proto
 from xtoken_core.wire import JaggedColumn
 
 PAD = 7

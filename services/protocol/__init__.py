@@ -1,0 +1,55 @@
+"""The records and names that processes exchange through the queue, owned by neither party.
+
+* :mod:`.names`: partitions, record fields, consumer tasks, the teacher logits' transports;
+* :mod:`.teacher`: a trainer's request for teacher logits and the teacher's result;
+* :mod:`.end_of_data`: the collators' end-of-data marker.
+"""
+
+from services.protocol.end_of_data import EOF_KEY, eof_fields, eof_samples, put_eof
+from services.protocol.names import (
+    TEACHER_TASK,
+    TRANSPORTS,
+    hidden_field,
+    meta_partition,
+    new_instance,
+    request_partition,
+    result_field,
+    trainer_task,
+)
+from services.protocol.teacher import (
+    MAX_BLOB_BYTES,
+    REQUEST_FIELDS,
+    Request,
+    Result,
+    decode_request,
+    hidden_column,
+    hidden_from_column,
+    pack_blob,
+    request_fields,
+    unpack_blob,
+)
+
+__all__ = [
+    "EOF_KEY",
+    "MAX_BLOB_BYTES",
+    "REQUEST_FIELDS",
+    "TEACHER_TASK",
+    "TRANSPORTS",
+    "Request",
+    "Result",
+    "decode_request",
+    "eof_fields",
+    "eof_samples",
+    "hidden_column",
+    "hidden_field",
+    "hidden_from_column",
+    "meta_partition",
+    "new_instance",
+    "pack_blob",
+    "put_eof",
+    "request_fields",
+    "request_partition",
+    "result_field",
+    "trainer_task",
+    "unpack_blob",
+]
