@@ -161,6 +161,10 @@ class FusedHead:
                 shape = None if ids is None else tuple(ids.shape)
                 raise ValueError(f"input_ids is {shape}, expected [{B}, {T}] like the hidden")
             return
+        if "input_ids" not in batch and self.loss_fn.config.ce_weight > 0:
+            raise ValueError(
+                "batch has no input_ids but ce_weight > 0; add them or set ce_weight=0"
+            )
         if not self.loss_fn.config.check_inputs:
             return
         for i, z_t in enumerate(teachers):
@@ -175,6 +179,8 @@ class FusedHead:
     def _counts(self, batch, global_valid_chunks, global_valid_tokens, device) -> dict:
         """The global denominators every block divides by: the caller's, or this micro-batch's
         own (what the loss takes when given none)."""
+        if global_valid_tokens is None and "input_ids" not in batch:
+            global_valid_tokens = 0.0  # no CE term (the loss refuses that when ce_weight > 0)
         if global_valid_tokens is None:
             mask_BT = torch.ones_like(batch["input_ids"], dtype=torch.bool)[:, 1:]
             if batch.get("token_mask") is not None:

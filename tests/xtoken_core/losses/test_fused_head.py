@@ -344,3 +344,14 @@ def test_full_size_bf16_head_matches_the_materialized_path_in_less_memory(mode):
     print(f"{mode}: peak GiB above inputs {peaks}")
     assert_close_results(runs["head"], runs["materialized"], rel=1e-3, cos=0.999)
     assert peaks["head"] < peaks["materialized"]
+
+
+def test_a_batch_without_ce_targets_gives_the_kd_term_alone():
+    batch = {k: v for k, v in make_batch(15).items() if k not in ("input_ids", "token_mask")}
+    hidden, weight, zt = _inputs(15, torch.float64)
+    loss_fn = _loss_fn("gold", "reference", ce_weight=0.0)
+    ref = materialized(loss_fn, hidden, weight, zt, batch)
+    got = through_head(loss_fn, hidden, weight, zt, batch)
+    assert_close_results(got, ref, rel=1e-10, cos=1 - 1e-12)
+    with pytest.raises(ValueError, match="no input_ids but ce_weight > 0"):
+        through_head(_loss_fn("gold", "reference"), hidden, weight, zt, batch)
