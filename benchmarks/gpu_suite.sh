@@ -20,7 +20,7 @@ step() {
 }
 
 # Steps to run, by name (default: all). Example: STEPS="device gpu_tests bench_kd_loss".
-# Gold at 1x4096 (issue 12): STEPS="device cuda_tests bench_topm_l1 bench_kd_loss_gold profile_gold".
+# Gold at 1x4096: STEPS="device cuda_tests bench_topm_l1 bench_kd_loss_gold profile_gold".
 STEPS=${STEPS:-"device gpu_tests bench_kd_loss bench_ce bench_fused_indices bench_embedding"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -34,7 +34,7 @@ want cuda_tests && step cuda_tests $PY -m pytest -q -p no:cacheprovider tests/xt
 want bench_kd_loss && step bench_kd_loss $PY benchmarks/losses/bench_kd_loss.py --results "$OUT/losses_kd_loss.jsonl"
 want topm_tests && step topm_tests $PY -m pytest -q -p no:cacheprovider tests/xtoken_core/kernels/test_topm_l1.py
 want bench_topm_l1 && step bench_topm_l1 $PY benchmarks/kernels/bench_topm_l1.py --results "$OUT/kernels_topm_l1.jsonl"
-# gold at 1x4096 (issue 12's figure), P-KL beside it, and a profile of one gold fwd+bwd
+# gold at 1x4096, P-KL beside it, and a profile of one gold fwd+bwd
 want bench_kd_loss_gold && step bench_kd_loss_gold $PY benchmarks/losses/bench_kd_loss.py --shapes 1x4096 \
   --modes gold xtoken pkl --results "$OUT/losses_kd_loss.jsonl"
 want profile_gold && step profile_gold $PY benchmarks/losses/profile_kd_loss.py --B 1 --T 4096 \

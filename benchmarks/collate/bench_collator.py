@@ -5,7 +5,7 @@ tokenizing with the student and the teacher, aligning (median), the whole collat
 samples/s of collator worker processes (1 and 2, forked, each collating its share in batches;
 rounds alternate 1 and 2 processes), with the CPU share the workers got (below 1: other processes
 took cores) and the 2/1 scaling normalized by it (an estimate of what an idle machine shows).
-Checks the targets of issue 2: alignment of a 4k x 4k pair <= 0.3 ms (median), alignment <= 5%
+Checks the targets: alignment of a 4k x 4k pair <= 0.3 ms (median), alignment <= 5%
 of tokenizing twice, 2 processes >= 1.8x the throughput of 1.
 Prints one table and appends its rows to benchmarks/results/collate_collator.jsonl.
 

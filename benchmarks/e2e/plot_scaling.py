@@ -1,4 +1,4 @@
-"""Plot of experiment 3 (issue 13): 1 vs 2 trainer ranks on two GPUs at the same global batch.
+"""Plot of the scaling run: 1 vs 2 trainer ranks on two GPUs at the same global batch.
 
 Draws ``benchmarks/results/scaling_2gpu.png`` from the committed rows of
 ``benchmarks/results/e2e_pipeline.jsonl`` tagged ``exp3-same-global-batch`` (the run that
@@ -170,7 +170,7 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
     ax_split.set_axisbelow(True)
 
     fig.suptitle(
-        f"Experiment 3: 1 vs 2 trainer ranks on 2 x {one['device']}, {MODES.get(one['mode'], one['mode'])} loss,"
+        f"1 vs 2 trainer ranks on 2 x {one['device']}, {MODES.get(one['mode'], one['mode'])} loss,"
         f" global batch {global_batch} x {T} tokens per step, teacher colocated with each rank"
         f" (commit {one['commit']})",
         fontsize=11,

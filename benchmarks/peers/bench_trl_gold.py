@@ -359,7 +359,7 @@ def _f(v, fmt: str) -> str:
 def write_markdown(path: Path, stamp: dict, speed: list[dict], quality: list[dict]) -> None:
     """Write the side-by-side table (``peers_trl_gold.md``) from this run's rows."""
     lines = [
-        "# xtoken vs TRL GOLD (issue 13, experiment 2, `benchmarks/peers/bench_trl_gold.py`)",
+        "# xtoken vs TRL GOLD (`benchmarks/peers/bench_trl_gold.py`)",
         "",
         f"Device: {stamp['device']}; commit {stamp['commit']}; {stamp['time']}. Student "
         f"`{stamp['student']}` preset ({stamp.get('student_tokenizer', 'qwen3')} tokenizer), "
@@ -400,7 +400,7 @@ def write_markdown(path: Path, stamp: dict, speed: list[dict], quality: list[dic
             "Held-out bits/byte after the same training steps (texts), same constant learning "
             "rate, evaluated by `xtoken_core.models.eval.bits_per_byte` on the demo corpus's "
             "held-out split (the teacher has random weights: this checks that the same tokens "
-            "train each student as well, not that KD helps; experiment 1 does that).",
+            "train each student as well, not that KD helps; benchmarks/quality/run_kd_quality.py does that).",
             "",
             "| system | mode | steps | student tokens trained | held-out bits/byte | wall s | note |",
             "|---|---|---|---|---|---|---|",

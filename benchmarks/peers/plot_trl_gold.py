@@ -330,7 +330,7 @@ def plot(all_bars: list[Bar], path: Path) -> Path:
         handles.append(line)
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(
-        "Experiment 2: xtoken vs TRL GOLD, Qwen3-0.6B student, 1.5B teacher with the "
+        "xtoken vs TRL GOLD, Qwen3-0.6B student, 1.5B teacher with the "
         "Llama 3 tokenizer, one H100",
         fontsize=11,
     )

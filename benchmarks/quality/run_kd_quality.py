@@ -1,4 +1,4 @@
-"""Experiment 1 (issue 13): does cross-tokenizer KD make a small student better, per loss mode?
+"""Does cross-tokenizer KD make a small student better, per loss mode?
 
 A random-init ~27 M student (Llama shape, Mistral v3 SentencePiece tokenizer, 32,768 ids) is
 trained on the demo corpus by ``xtoken run`` (queue, collator, teacher and trainer as real

@@ -9,7 +9,7 @@
   ``--data-dir``); the time from the restart to the first answered request, the log replay time
   (from the server's log line), and what the new instance holds.
 
-* ``--paired N`` (the put cost, issue 10): a memory-mode server, a durable one and a memory-mode
+* ``--paired N`` (the put cost against memory mode): a memory-mode server, a durable one and a memory-mode
   one beside a stand-in process that does the log writer's work without the server (CRC32 and an
   append of one W2 put's 341 KB to a growing file, from 64 distinct buffers, then 0.6 ms of
   sleep, at the writer's nice 19) live together, and the W2 put and get phases (with ``--w1``,

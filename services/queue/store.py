@@ -887,7 +887,7 @@ class SampleStore:
     def _held_by(self, part: _Partition) -> int:
         """Bytes of the buffers the partition's blocks keep alive, each counted once: the fields
         of one put view one received message or shared-memory segment, so a per-block sum
-        counts that buffer once per field (issue 10 item 11)."""
+        counts that buffer once per field (`tests/services/queue/test_stats_bytes.py`)."""
         storages: set[tuple[int, int]] = set()
         for block in part.blocks:
             storages |= block.storages

@@ -1,4 +1,5 @@
-"""The plot scripts of issue 13's experiments 2 and 3 draw a PNG from the committed results."""
+"""The plot scripts of the TRL GOLD comparison and the 2-GPU scaling run draw a PNG from the
+committed results."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Experiment 1's script (benchmarks/quality/run_kd_quality.py): byte categories, split, bar, smoke."""
+"""The KD quality script (benchmarks/quality/run_kd_quality.py): byte categories, split, bar, smoke."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def test_build_then_info_end_to_end(tmp_path, capsys):
     stats = json.loads(stats_json.read_text())
     assert stats["rows_built"] == 300 and stats["top_k"] == 4
     saved = torch.load(out, weights_only=True)
-    assert set(saved) == {"indices", "likelihoods", "meta"}  # meta: the tokenizers (issue 12)
+    assert set(saved) == {"indices", "likelihoods", "meta"}  # meta: the tokenizers it was built for
     assert saved["meta"]["student"] == "qwen3" and saved["meta"]["teacher"] == "deepseek"
     assert saved["meta"]["student_vocab_size"] == "151669"
     assert saved["indices"].shape == (151669, 4) and saved["indices"].dtype == torch.long

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-# Field order and dtypes are the contract with the loss (DESIGN.md, "Alignment").
+# Field order and dtypes are the contract with the loss (docs/design.md, "The byte alignment").
 ALIGNMENT_FIELDS: tuple[str, ...] = (
     "pair_valid",
     "pair_is_correct",
@@ -77,7 +77,7 @@ class SampleAlignment:
 
 @dataclass
 class AlignmentBatch:
-    """Right-padded alignment of a batch, all CPU torch tensors (see DESIGN.md "Alignment").
+    """Right-padded alignment of a batch, all CPU torch tensors (docs/design.md, byte alignment).
 
     Attributes:
         pair_valid: bool [B, C] slot holds a two-sided chunk covering identical bytes.

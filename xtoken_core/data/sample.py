@@ -41,7 +41,7 @@ SAMPLE = "sample"  # 0-d
 STUDENT_PAD_ID = "student_pad_id"
 TEACHER_PAD_ID = "teacher_pad_id"
 
-# The alignment fields (AlignmentBatch field names, DESIGN.md), prefixed "alignment_" here.
+# The alignment fields (AlignmentBatch field names, docs/design.md), prefixed "alignment_" here.
 ALIGNMENT_PREFIX = "alignment_"
 
 

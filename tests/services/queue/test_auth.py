@@ -1,4 +1,4 @@
-"""Trust no client (issue 10 item 6): a shared token in the hello, leases bound to their claimer."""
+"""Trust no client: a shared token in the hello, leases bound to their claimer."""
 
 from __future__ import annotations
 

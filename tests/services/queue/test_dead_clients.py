@@ -1,4 +1,4 @@
-"""Claims parked by clients that died or hung lease nothing; waits are bounded (issue 10 item 8)."""
+"""Claims parked by clients that died or hung lease nothing; waits are bounded."""
 
 from __future__ import annotations
 

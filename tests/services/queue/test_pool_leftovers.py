@@ -1,4 +1,4 @@
-"""Pool leftovers and idle memory (issue 10 item 10): a SIGKILLed server's segments are swept by
+"""Pool leftovers and idle memory: a SIGKILLed server's segments are swept by
 the next server through its lock file, whatever its pid; an idle server gives free segments back."""
 
 from __future__ import annotations

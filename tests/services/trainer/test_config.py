@@ -26,6 +26,6 @@ def test_topk_columns_reaches_the_loss_config(tmp_path):
 
 
 def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():
-    # the CUDA-graph replay of the P-KL phase was removed (issue 12): old run configs fail loudly
+    # the CUDA-graph replay of the P-KL phase was removed: old run configs fail loudly
     with pytest.raises(ConfigError, match=r"key 'loss\.cuda_graphs' was removed: .*delete the key"):
         from_dict(TrainerConfig, {"loss": {"mode": "pkl", "cuda_graphs": True}})

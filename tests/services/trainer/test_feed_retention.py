@@ -1,4 +1,4 @@
-"""Retention and the trainer's feed (issue 10 item 2): a feed that registers its task has the
+"""Retention and the trainer's feed: a feed that registers its task has the
 queue drop every sample a checkpoint holds, so a corpus several times the queue's --capacity
 streams through it and the epoch still ends on the collators' marker; after a crash the samples
 trained since the checkpoint are trained again, and the dead launch's task holds nothing for
@@ -13,8 +13,9 @@ import types
 import pytest
 
 from services.collator.worker import samples_to_put_fields
+from services.protocol import put_eof
 from services.queue.client import QueueClient
-from services.trainer.feed import TeacherFeed, put_eof
+from services.trainer.feed import TeacherFeed
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.wire import JaggedColumn

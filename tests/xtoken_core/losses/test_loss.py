@@ -691,7 +691,7 @@ def test_kernel_backend_matches_reference_on_cuda_with_bf16_logits(mode):
     torch.testing.assert_close(out["kernel"][1], out["reference"][1], rtol=2e-2, atol=5e-3 * scale)
 
 
-# ----------------------------------------------------------------------------- issue 12 fixes
+# ----------------------------------------------------------------------------- input checks and edge cases
 
 
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
