@@ -13,9 +13,8 @@ import types
 import pytest
 
 from services.collator.worker import samples_to_put_fields
-from services.protocol import put_eof
 from services.queue.client import QueueClient
-from services.trainer.feed import TeacherFeed
+from services.trainer.feed import TeacherFeed, put_eof
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.wire import JaggedColumn
