@@ -1,5 +1,5 @@
 """`xtoken run CONFIG.yaml`: a whole distillation run as local subprocesses or Ray actors
-(services/run.py, services/launch)."""
+(the run engine services/supervise, the launchers services/launch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(config, *, progress: bool = True, launcher=None) -> int:
     """Run ``config`` (a RunConfig) with ``launcher`` (None: local subprocesses), print the
     held-out table; returns the exit code."""
-    from services.run import Run, install_stop, report
+    from services.supervise.driver import Driver
 
-    run = Run(config, launcher=launcher, progress=progress)
+    run = Driver(config, launcher=launcher, progress=progress)
     install_stop(run)
     try:
         code = run.run()
@@ -71,7 +74,7 @@ def format_report(table: dict, run_dir) -> str:
 def run(args: argparse.Namespace) -> int:
     """Load the config and execute the run."""
     from services.common.config import ConfigError
-    from services.run import load_run_config
+    from services.supervise.config import load_run_config
 
     try:
         config = load_run_config(args.config)
@@ -81,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"xtoken run: {e}", file=sys.stderr)
         return 2
     address = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS") or None
-    kind = getattr(args, "launcher", None) or ("ray" if getattr(args, "ray_address", None) else "local")
+    kind = getattr(args, "launcher", None) or (
+        "ray" if getattr(args, "ray_address", None) else "local"
+    )
     launcher = None
     if kind == "ray":
         from services.launch import make_launcher
@@ -99,3 +104,39 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logger.info("[run] %s", json.dumps({"run_dir": config.run_dir, "launcher": kind}))
     return execute(config, progress=not args.no_progress, launcher=launcher)
+
+
+def report(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's held-out bits/byte: teacher, student before and after (from its metrics)."""
+    from services.common.metrics import read_jsonl
+
+    run_dir = Path(run_dir)
+    out: dict[str, Any] = {}
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError:
+        summary = {}
+    for tag in ("before", "after"):
+        if f"student_{tag}" in summary:
+            out[f"student_{tag}"] = summary[f"student_{tag}"]["bits_per_byte"]
+    for path in sorted((run_dir / "metrics").glob("teacher.group*.jsonl")):
+        for r in read_jsonl(path):
+            if r.get("event") == "eval":
+                out["teacher"] = r["bits_per_byte"]
+    out["steps"] = summary.get("step")
+    return out
+
+
+def install_stop(run: Any) -> None:
+    """SIGTERM / SIGINT on ``xtoken run``: checkpoint and stop cleanly (a second one: kill)."""
+
+    def _stop(signum: int, frame: Any) -> None:
+        if run.stop_requested.is_set():
+            raise KeyboardInterrupt
+        logger.info(
+            "[run] %s: stopping the run (Ctrl-C again to kill)", signal.Signals(signum).name
+        )
+        run.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)

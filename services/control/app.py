@@ -51,7 +51,7 @@ _KEY_PATTERNS = (
 def _config_roots() -> set[str]:
     import dataclasses
 
-    from services.run import RunConfig
+    from services.supervise.config import RunConfig
 
     return {f.name for f in dataclasses.fields(RunConfig)}
 

@@ -1,6 +1,6 @@
-"""The live side of one run: the thread that drives its Run, its process rows and metrics tails.
+"""The live side of one run: the thread that drives it, its process rows and metrics tails.
 
-The thread drives a :class:`services.run.Run` through the run states
+The thread drives a :class:`services.supervise.driver.Driver` through the run states
 (:mod:`services.control.states`) and keeps, in memory and in the store, what it sees as it goes:
 process rows, rank 0's metrics and every process's memory figure, the run's runtime record (what a
 new control plane needs to re-attach it), the latest figures of its queue.
@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.control.attach import EXIT_UNKNOWN, identity
+from services.common.series import LatestMemory, Series
 from services.control.journal import Journal
-from services.control.series import LatestMemory, Series
 from services.control.states import (
     ACTIVE,
     FAILED,
@@ -27,6 +26,8 @@ from services.control.states import (
     STOPPING,
     SUCCEEDED,
 )
+from services.supervise.attach import EXIT_UNKNOWN, identity
+from services.supervise.events import Event
 
 if TYPE_CHECKING:
     from services.control.queue_monitor import QueueMonitor
@@ -35,12 +36,13 @@ logger = logging.getLogger(__name__)
 
 
 class LiveRun:
-    """One run while this control plane watches it: its Run (whose events come here), the thread
+    """One run while this control plane watches it: its driver (whose events come here), the thread
     that drives it, rank 0's metrics series, the latest queue figures and process rows.
 
     Args:
         run_id: the run's id.
-        run: its :class:`services.run.Run` (launched, or restored with its processes attached).
+        run: its :class:`services.supervise.driver.Driver` (launched, or restored with its
+            processes attached).
         journal: records the run's states and events.
         monitor: the queue monitor (figures of the run's queue, news of a shared one).
         closing: set when the control plane shuts down (the thread ends, the processes go on).
@@ -142,46 +144,42 @@ class LiveRun:
                 run.launch()
                 self.sync()
                 j.set_state(rid, RUNNING)
-            while not self._closing.is_set():
-                if self.stop_grace is not None:
-                    j.set_state(rid, STOPPING)
-                    codes = run.stop(grace_s=self.stop_grace)
-                    self.sync()
-                    self.poll_series()  # the steps up to the stop's checkpoint
-                    bad = {n: c for n, c in codes.items() if c not in (0, None)}
-                    reason = (
-                        "stopped on request; trainers checkpointed"
-                        if not bad
-                        else (f"stopped on request; trainers exited with {bad}")
-                    )
-                    j.set_state(rid, STOPPED, reason=reason)
-                    return
-                status = self.monitor.act(self) or run.poll_once()
+            outcome = run.watch(
+                interval_s=self.tick_s,
+                stop_grace=lambda: self.stop_grace,
+                closing=self._closing,
+                check=lambda: self.monitor.act(self),
+                on_tick=self._on_tick,
+            )
+            if outcome == "stop":
+                j.set_state(rid, STOPPING)
+                codes = run.stop(grace_s=self.stop_grace)
+                self.sync()
+                self.poll_series()  # the steps up to the stop's checkpoint
+                bad = {n: c for n, c in codes.items() if c not in (0, None)}
+                reason = (
+                    "stopped on request; trainers checkpointed"
+                    if not bad
+                    else (f"stopped on request; trainers exited with {bad}")
+                )
+                j.set_state(rid, STOPPED, reason=reason)
+            elif outcome == "succeeded":
+                run.launcher.stop(grace_s=60)
                 self.sync()
                 self.poll_series()
-                if status == "succeeded":
-                    run.launcher.stop(grace_s=60)
-                    self.sync()
-                    self.poll_series()
-                    j.set_state(rid, SUCCEEDED, reason="every trainer rank finished")
-                    return
-                if status == "failed":
-                    run.launcher.stop(grace_s=30)
-                    self.sync()
-                    tail = run.failure.split(":\n", 1)[1] if ":\n" in (run.failure or "") else ""
-                    j.set_state(
-                        rid,
-                        FAILED,
-                        reason=(run.failure or "failed").split("; last log lines")[0],
-                        failed_process=run.failed_process,
-                        exit_code=run.exit_code,
-                        log_tail=tail,
-                    )
-                    return
-                if status == "running" and j.record(rid)["state"] == RECOVERING:
-                    j.set_state(rid, RUNNING)
-                self._save_runtime()
-                self._closing.wait(self.tick_s)
+                j.set_state(rid, SUCCEEDED, reason="every trainer rank finished")
+            elif outcome == "failed":
+                run.launcher.stop(grace_s=30)
+                self.sync()
+                failure = run.failed
+                j.set_state(
+                    rid,
+                    FAILED,
+                    reason=failure.reason if failure else "failed",
+                    failed_process=failure.process if failure else None,
+                    exit_code=failure.exit_code if failure else None,
+                    log_tail=failure.log_tail if failure else "",
+                )
         except Exception as e:
             logger.exception("[control] run %s failed", rid)
             try:
@@ -194,6 +192,17 @@ class LiveRun:
             if j.record(rid)["state"] not in ACTIVE:
                 _release(run.launcher)
                 self.monitor.forget(self)
+
+    def _on_tick(self, status: str) -> None:
+        """After each poll of the run: process rows and metrics; a run that runs again after a
+        restart is RUNNING; the runtime record."""
+        self.sync()
+        self.poll_series()
+        if status in ("succeeded", "failed"):
+            return
+        if status == "running" and self.journal.record(self.run_id)["state"] == RECOVERING:
+            self.journal.set_state(self.run_id, RUNNING)
+        self._save_runtime()
 
     def _save_runtime(self) -> None:
         """The run's runtime record (what a new control plane needs to re-attach it), written
@@ -208,8 +217,9 @@ class LiveRun:
             self.journal.store.update_run(self.run_id, runtime=runtime)
             self.runtime = runtime
 
-    def _on_run_event(self, kind: str, data: dict[str, Any]) -> None:
-        """An event of the Run (its launches, exits, restarts, failures): recorded."""
+    def _on_run_event(self, event: Event) -> None:
+        """An event of the run (its launches, exits, restarts, failures): recorded."""
+        kind, data = event.kind, event.data()
         if kind == "recovering":
             self.journal.set_state(
                 self.run_id, RECOVERING, reason=data.get("reason"), attempt=data.get("attempt", 0)

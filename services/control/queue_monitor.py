@@ -8,7 +8,8 @@ A run on a shared queue (``queue.address``) has no queue process: the monitor sa
 such address every ``interval_s`` (:class:`QueueWatch` keeps what each answer says). A server that
 answers as another instance (``epoch``) than the run's processes started on restarted: event
 ``queue_restarted``; unless its hello says ``durable`` (``--data-dir``) it lost the run's samples,
-and the run restarts as after a loss of its own queue (:meth:`services.run.Run.restart_all`:
+and the run restarts as after a loss of its own queue
+(:meth:`services.supervise.driver.Driver.restart_all`:
 RECOVERING, every process again on the new instance, the trainers from their checkpoint, one
 restart of the ``run`` budget). A shared queue that answers nothing for longer than the run's
 ``hang_after_s`` fails the run (event ``queue_unreachable``). A slow or dead queue delays only
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.control.journal import Journal
 from services.control.queue_watch import QueueWatch
+from services.supervise.events import Failure
 
 if TYPE_CHECKING:
     from services.control.live_run import LiveRun
@@ -121,7 +123,7 @@ class QueueMonitor:
         its own (RECOVERING, budget ``run``). An outage past ``hang_after_s`` fails the run.
 
         Returns:
-            ``failed`` when the run cannot go on (``run.failure`` says why), else None.
+            ``failed`` when the run cannot go on (``run.failed`` says why), else None.
         """
         with self._lock:
             news, h.queue_news = h.queue_news, []
@@ -136,13 +138,18 @@ class QueueMonitor:
                     "queue_unreachable",
                     {"address": run.queue_address, "down_s": round(down_s, 1), "error": error},
                 )
-                run.failure = (
-                    f"queue {run.queue_address} unreachable for {down_s:.1f}s, more than the "
-                    f"run's hang_after_s={run.config.hang_after_s:g}: start the queue again on "
-                    "that address, then resume the run"
+                return run.fail(
+                    Failure(
+                        process="queue",
+                        role="queue",
+                        exit_code=None,
+                        reason=(
+                            f"queue {run.queue_address} unreachable for {down_s:.1f}s, more than "
+                            f"the run's hang_after_s={run.config.hang_after_s:g}: start the queue "
+                            "again on that address, then resume the run"
+                        ),
+                    )
                 )
-                run.failed_process, run.exit_code = "queue", None
-                return "failed"
             old, new, durable = rest
             data = {
                 "address": run.queue_address,

@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     def _queue_address(cls, value: str | None) -> str | None:
         if not value:
             return None
-        from services.run import QueueSection
+        from services.supervise.config import QueueSection
 
         QueueSection(address=value)  # ValueError names the forms accepted
         return value

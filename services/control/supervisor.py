@@ -2,15 +2,15 @@
 
 A plain object, no HTTP; recovery re-attaches the runs of the store after a control-plane restart.
 
-Each active run is driven by its own thread around a :class:`services.run.Run` (the same
-launch / restart-policy / stop logic as ``xtoken run``) through the run states of
-:mod:`services.control.states`. Where the rest lives:
+Each active run is driven by its own thread around a :class:`services.supervise.driver.Driver`
+(the run engine of ``xtoken run``: the same launch / restart-policy / stop logic) through the run
+states of :mod:`services.control.states`. Where the rest lives:
 
 * :mod:`services.control.live_run`: the thread of one run, its process rows and metrics tails;
 * :mod:`services.control.queue_monitor`: the queue-stats thread and the watch on shared queues
   (their restarts and outages);
 * :mod:`services.control.journal`: states and events into the store and to the event streams;
-* :mod:`services.control.attach`: the processes of a run found again by pid.
+* :mod:`services.supervise.attach` (the engine's): the processes of a run found again by pid.
 
 State, processes (pid + start time) and events live in SQLite (:class:`Store`). Processes are
 started without the dead-parent sentinel, so they outlive the control plane; a new Supervisor
@@ -20,10 +20,11 @@ run's actors belong to the control plane's Ray job: Ray ends them (and removes t
 groups) when the control plane goes, their workers stop with them, and the run is INTERRUPTED.
 
 A process is dead when its pid is gone (a zombie counts as gone) or when its heartbeat says so
-(:mod:`services.common.heartbeat`, checked by :meth:`services.run.Run.check_health`): no beat for
-``dead_after_s`` (frozen), or beats but no main-loop progress for the run's ``hang_after_s``
-(hung: a deadlock, a stuck collective). Such a process is killed and handled as a crash by the
-restart policy; ``last_heartbeat`` of its row is the time of its last beat.
+(:mod:`services.common.heartbeat`, checked by
+:meth:`services.supervise.driver.Driver.check_health`): no beat for ``dead_after_s`` (frozen), or
+beats but no main-loop progress for the run's ``hang_after_s`` (hung: a deadlock, a stuck
+collective). Such a process is killed and handled as a crash by the restart policy;
+``last_heartbeat`` of its row is the time of its last beat.
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.control.attach import attach_run, kill_leftovers
+from services.common.series import Series
 from services.control.journal import Journal
 from services.control.live_run import LiveRun
 from services.control.paths import confine
 from services.control.queue_monitor import QueueMonitor
-from services.control.series import Series
 from services.control.states import (  # noqa: F401 (STATES, RunNotFound: re-exported)
     ACTIVE,
     FAILED,
@@ -56,6 +56,7 @@ from services.control.states import (  # noqa: F401 (STATES, RunNotFound: re-exp
     RunNotFound,
 )
 from services.control.store import Store
+from services.supervise.attach import attach_run, kill_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class Supervisor:
             PathNotAllowed: a path outside the runs / data roots (names the key).
             Conflict: another active run uses the same run directory.
         """
-        from services.run import run_config_from_dict
+        from services.supervise.config import run_config_from_dict
 
         if not isinstance(raw, dict):
             from services.common.config import ConfigError
@@ -405,10 +406,11 @@ class Supervisor:
     # ------------------------------------------------------------------ the runs' live sides
 
     def _make_run(self, run_id: str, config: dict[str, Any]) -> Any:
-        from services.run import Run, run_config_from_dict
+        from services.supervise.config import run_config_from_dict
+        from services.supervise.driver import Driver
 
         run_config = run_config_from_dict(config)
-        return Run(
+        return Driver(
             run_config,
             launcher=self.launcher_factory(),
             progress=False,

@@ -50,7 +50,7 @@ from services.launch.spec import ProcessSpec
 logger = logging.getLogger(__name__)
 
 # poll() of a process whose actor is gone (its node died): the code is unknown. The same value
-# as services.control.attach.EXIT_UNKNOWN, so a run treats both alike.
+# as services.supervise.attach.EXIT_UNKNOWN, so a run treats both alike.
 EXIT_LOST = -1000
 # Driver environment variables that reach the workers (the actor's own environment is the
 # raylet's, started by `ray start`, not the driver's).

@@ -109,6 +109,70 @@ def test_only_the_allowed_files_import_network_or_process_group_stacks():
         )
         if hits and rel not in NETWORK_ALLOWED:
             offenders.append(f"{rel}: {hits}")
-    assert not offenders, "import network/process-group stacks outside the allow-list:\n" + "\n".join(
-        offenders
+    assert not offenders, (
+        "import network/process-group stacks outside the allow-list:\n" + "\n".join(offenders)
     )
+
+
+# The run engine is a library: the control plane (HTTP, storage, dashboard) uses it, never the
+# other way round (STYLE.md: nothing under the engine imports the HTTP package).
+ENGINE = ROOT / "services" / "supervise"
+
+
+@pytest.mark.parametrize("path", _python_files(ENGINE), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_run_engine_never_imports_the_control_plane(path):
+    bad = sorted(
+        m
+        for m in _imported_modules(path)
+        if m == "services.control" or m.startswith("services.control.")
+    )
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports {bad}: the engine must not use services/control"
+    )
+
+
+def _services_unit(module: str) -> str | None:
+    """The package (or top-level module) of services/ that ``module`` belongs to."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "services" and len(parts) > 1 else None
+
+
+def _services_import_graph() -> dict[str, set[str]]:
+    """services/ package -> the services/ packages its modules import (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for path in _python_files(ROOT / "services"):
+        me = _services_unit(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        if me is None:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "services":  # from services import control
+                    names += [f"services.{alias.name}" for alias in node.names]
+            for name in names:
+                unit = _services_unit(name)
+                if unit is not None and unit != me:
+                    graph.setdefault(me, set()).add(unit)
+    return graph
+
+
+def test_the_services_packages_import_each_other_without_a_cycle():
+    graph = _services_import_graph()
+    done: set[str] = set()
+
+    def visit(unit: str, path: list[str]) -> None:
+        if unit in path:
+            cycle = path[path.index(unit) :] + [unit]
+            raise AssertionError("import cycle among services/ packages: " + " -> ".join(cycle))
+        if unit in done:
+            return
+        for dep in sorted(graph.get(unit, ())):
+            visit(dep, path + [unit])
+        done.add(unit)
+
+    for unit in sorted(graph):
+        visit(unit, [])

@@ -22,6 +22,9 @@ from services.run import (
     run_config_from_dict,
     spec_vocab_size,
 )
+from services.supervise.driver import write_sections
+from services.supervise.plan import make_plan, make_sections
+from services.supervise.preflight import Inputs
 from services.teacher.worker import TeacherConfig
 from services.trainer.config import TrainerConfig
 
@@ -177,6 +180,19 @@ def _run(tmp_path, corpus, **sections) -> Run:
     return Run(run_config_from_dict(data), progress=False)
 
 
+def _sections(run: Run, queue: str) -> dict:
+    return make_sections(run.config, Inputs.given(run.config), run.context, queue=queue)
+
+
+def _specs(run: Run, queue: str, port: int) -> list:
+    """The specs of a launch on ``queue``, its section files written as a launch writes them."""
+    plan = make_plan(
+        run.config, Inputs.given(run.config), run.context, queue=queue, master_port=port
+    )
+    write_sections(plan)
+    return list(plan.specs)
+
+
 def test_prepare_accepts_a_good_config(tmp_path, corpus):
     run = _run(tmp_path, corpus)
     run.prepare()
@@ -273,7 +289,7 @@ def test_each_process_section_builds_its_config_with_the_shared_values(tmp_path,
         teacher={"seed": 11},
         trainer={"loss": {"mode": "pkl", "projection": "/x/proj.pt"}},
     )
-    sections = run._sections("tcp://127.0.0.1:1234")
+    sections = _sections(run, "tcp://127.0.0.1:1234")
     assert sorted(sections) == ["teacher0", "teacher1", "trainer"]
     trainer = cfgmod.from_dict(TrainerConfig, sections["trainer"])
     assert trainer.queue == "tcp://127.0.0.1:1234" and trainer.partition == "p7"
@@ -297,21 +313,21 @@ def test_specs_start_a_teacher_per_group_and_a_rank_per_trainer(tmp_path, corpus
         trainers=2,
         trainer={"loss": {"mode": "pkl", "projection": "/x"}},
     )
-    specs = {s.name: s for s in run._specs("tcp://127.0.0.1:9", 29500)}
+    specs = {s.name: s for s in _specs(run, "tcp://127.0.0.1:9", 29500)}
     assert sorted(specs) == ["collator", "queue", "teacher0", "trainer0", "trainer1"]
     assert specs["trainer1"].env["RANK"] == "1" and specs["trainer1"].env["WORLD_SIZE"] == "2"
     for name in ("teacher0", "trainer"):
         section = json.loads((run.run_dir / "config" / f"{name}.json").read_text())
         assert section["queue"] == "tcp://127.0.0.1:9"
     ce = _run(tmp_path, corpus, trainers=2)
-    assert "teacher0" not in {s.name for s in ce._specs("tcp://127.0.0.1:9", 29500)}
+    assert "teacher0" not in {s.name for s in _specs(ce, "tcp://127.0.0.1:9", 29500)}
 
 
 def test_every_process_gets_its_own_heartbeat_file_in_the_run_dir(tmp_path, corpus):
     run = _run(
         tmp_path, corpus, heartbeat_s=0.5, trainer={"loss": {"mode": "pkl", "projection": "/x"}}
     )
-    specs = run._specs("tcp://127.0.0.1:9", 29500)
+    specs = _specs(run, "tcp://127.0.0.1:9", 29500)
     files = {s.env["XTOKEN_HEARTBEAT_FILE"] for s in specs}
     assert files == {str(run.run_dir / "heartbeat" / s.name) for s in specs}
     assert {s.env["XTOKEN_HEARTBEAT_S"] for s in specs} == {"0.5"}
@@ -328,7 +344,7 @@ def test_a_run_on_an_external_queue_starts_none_and_prefixes_its_partitions(tmp_
     )
     assert run.run_id == default_run_id(run.run_dir) and run.run_id.startswith("run-")
     assert run.partition == f"{run.run_id}.train"
-    specs = {s.name: s for s in run._specs("tcp://127.0.0.1:5555", 29500)}
+    specs = {s.name: s for s in _specs(run, "tcp://127.0.0.1:5555", 29500)}
     assert "queue" not in specs
     argv = specs["collator"].argv
     assert argv[argv.index("--partition") + 1] == run.partition
@@ -338,4 +354,4 @@ def test_a_run_on_an_external_queue_starts_none_and_prefixes_its_partitions(tmp_
     # the same run directory name elsewhere is another run
     assert default_run_id(tmp_path / "x" / "run") != run.run_id
     own = _run(tmp_path, corpus)
-    assert own.partition == "train" and "queue" in {s.name for s in own._specs("q", 1)}
+    assert own.partition == "train" and "queue" in {s.name for s in _specs(own, "q", 1)}

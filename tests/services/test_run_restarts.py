@@ -11,6 +11,7 @@ import time
 import pytest
 
 from services.run import Run, run_config_from_dict
+from services.supervise.preflight import Inputs
 from tests.services.control.conftest import ScriptedLauncher, tiny_config
 
 
@@ -23,9 +24,11 @@ def make_run(tmp_path):
     def _make(**overrides):
         config = run_config_from_dict(tiny_config(run_dir=str(tmp_path / "run"), **overrides))
         launchers.append(ScriptedLauncher({}))
-        run = Run(config, launcher=launchers[-1], progress=False, run_id="t")
+        # stand-in inputs: the scripted processes read no file
+        inputs = Inputs("train.jsonl", "heldout.txt", "projection.pt")
+        run = Run(config, launcher=launchers[-1], progress=False, run_id="t", inputs=inputs)
         run.events = []
-        run.on_event = lambda kind, data: run.events.append((kind, data))
+        run.on_event = lambda event: run.events.append((event.kind, event.data()))
         run.launch()
         return run, launchers[-1]
 

@@ -140,7 +140,7 @@ class ControlServer:
 
 def kill_run_processes(db: pathlib.Path) -> None:
     """SIGKILL the process group of every recorded process that is still the same process."""
-    from services.control.attach import identity
+    from services.supervise.attach import identity
 
     if not db.is_file():
         return

@@ -7,8 +7,8 @@ import pytest
 
 from services.control import prometheus
 from services.control.paths import PathNotAllowed, confine
-from services.control.policy import RestartPolicy
 from services.control.supervisor import STATES
+from services.supervise.policy import RestartPolicy
 
 
 def test_collators_and_teachers_restart_in_place_with_doubling_backoff_until_the_budget():

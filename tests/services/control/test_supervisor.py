@@ -225,6 +225,33 @@ def test_a_new_supervisor_reattaches_the_live_processes_and_goes_on(make, tmp_pa
     assert sup2.launchers[-1].starts == {"teacher0": 1}
 
 
+def test_a_reattached_run_restarts_its_processes_with_the_sections_they_were_launched_with(
+    make, tmp_path
+):
+    store = Store(tmp_path / "control.db")
+    sup = make({}, store=store)
+    rid = sup.submit(tiny_config(restart_backoff_s=0.05))["id"]
+    wait_state(sup, rid, {"RUNNING"})
+    time.sleep(0.3)  # the runtime record is saved
+    config_dir = Path(sup.get(rid)["run_dir"]) / "config"
+    launched = {p.name: p.read_bytes() for p in sorted(config_dir.glob("*.json"))}
+    assert Path(json.loads(launched["trainer.json"])["loss"]["projection"]).is_file()
+    sup.shutdown()
+
+    sup2 = make({}, store=store)
+    sup2.recover()
+    assert sup2.get(rid)["state"] == "RUNNING"
+    assert {p.name: p.read_bytes() for p in sorted(config_dir.glob("*.json"))} == launched
+    # a trainer rank that dies after the re-attach restarts its group from the same section
+    trainer0 = {p["name"]: p["pid"] for p in sup2.processes(rid)}["trainer0"]
+    os.killpg(trainer0, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while sup2.launchers[-1].starts.get("trainer0", 0) < 1:
+        assert time.monotonic() < deadline, sup2.events(rid)
+        time.sleep(0.05)
+    assert {p.name: p.read_bytes() for p in sorted(config_dir.glob("*.json"))} == launched
+
+
 def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable(make, tmp_path):
     store = Store(tmp_path / "control.db")
     sup = make({}, store=store)
@@ -250,8 +277,8 @@ def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable
 
 
 def test_a_reused_pid_is_not_reattached(tmp_path):
-    from services.control.attach import attach, identity
     from services.launch.spec import ProcessSpec
+    from services.supervise.attach import attach, identity
 
     spec = ProcessSpec("teacher0", "teacher", ["teacher"], log_file=str(tmp_path / "t.log"))
     p = subprocess.Popen(

@@ -134,8 +134,8 @@ def attach_run(run: Any, rows: list[dict[str, Any]]) -> dict[str, AttachedProces
     """Re-attach the recorded processes of a run into its launcher.
 
     Args:
-        run: a :class:`services.run.Run` rebuilt from its runtime record
-            (:meth:`~services.run.Run.restore`: its specs and finished processes).
+        run: a :class:`services.supervise.driver.Driver` rebuilt from its runtime record
+            (:meth:`~services.supervise.driver.Driver.restore`: its specs and finished processes).
         rows: the run's process rows from the store (``name``, ``pid``, ``start_ticks``).
 
     Returns:

@@ -1,0 +1,204 @@
+"""The run config: one typed config of a whole distillation run (``xtoken run CONFIG.yaml``).
+
+Values that must agree across processes (queue address, partition, tokenizers, context lengths,
+run directory) are set once at the top; each process's own section is nested below it
+(:mod:`services.supervise.plan` writes every process only its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import field
+from typing import Any
+
+from services.common import config as cfgmod
+from services.teacher.worker import TeacherConfig
+from services.trainer.config import TrainerConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Training and held-out text."""
+
+    train: str | None = field(
+        default=None, metadata={"help": "training corpus (.jsonl/.txt/.parquet); None: demo corpus"}
+    )
+    heldout: str | None = field(
+        default=None, metadata={"help": "held-out corpus for bits/byte; None: the demo's"}
+    )
+    limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
+    text_field: str = field(default="text", metadata={"help": "JSON field / parquet column"})
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1, or null for the whole corpus")
+
+
+@dataclasses.dataclass
+class CollatorSection:
+    """The collator process."""
+
+    workers: int = field(default=1, metadata={"help": "collator worker processes"})
+    batch: int = field(default=16, metadata={"help": "texts per put"})
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.batch < 1:
+            raise ValueError("collator.workers and collator.batch must be >= 1")
+
+
+@dataclasses.dataclass
+class QueueSection:
+    """The run's transfer queue: its own (started with the run) or an external one."""
+
+    address: str | None = field(
+        default=None,
+        metadata={
+            "help": "address of a running queue server (tcp://host:port or ipc://path) the run "
+            "uses instead of starting its own; its partitions there are prefixed with the run id"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        a = self.address
+        if a is None:
+            return
+        scheme, sep, rest = a.partition("://")
+        ok = bool(sep and rest) and scheme in ("tcp", "ipc")
+        if ok and scheme == "tcp":
+            host, colon, port = rest.rpartition(":")
+            ok = bool(colon and host) and port.isdigit() and 0 < int(port) < 65536
+        if not ok:
+            raise ValueError(
+                f"address={a!r} is not a queue address: use tcp://HOST:PORT or ipc://PATH, or "
+                "leave it null for a queue of the run's own"
+            )
+
+
+@dataclasses.dataclass
+class RunTrainerConfig(TrainerConfig):
+    """The trainer section of a run config: a :class:`TrainerConfig` whose ``loss.projection``
+    may be left empty when the loss needs one; the run then builds it (or finds it in the cache)
+    and the trainer's section file names that file."""
+
+    def __post_init__(self) -> None:
+        if self.loss.projection or not self.loss.uses_teacher:
+            super().__post_init__()
+            return
+        # every check of a trainer section but the projection's, on a copy whose loss needs none;
+        # the plan checks the whole section again once the projection is known
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainerConfig)}
+        loss = dataclasses.replace(self.loss, mode="ce", ce_weight=max(self.loss.ce_weight, 1.0))
+        TrainerConfig(**{**fields, "loss": loss})
+
+    @property
+    def projection_to_build(self) -> bool:
+        """The loss needs a projection and the config names none: the run builds it."""
+        return self.loss.uses_teacher and not self.loss.projection
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A whole distillation run (``xtoken run CONFIG.yaml``)."""
+
+    run_dir: str = field(default="runs/demo", metadata={"help": "run directory"})
+    partition: str = field(default="train", metadata={"help": "queue partition of the samples"})
+    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
+    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
+    ctx_student: int = field(default=512, metadata={"help": "student tokens per text"})
+    ctx_teacher: int = field(default=512, metadata={"help": "teacher tokens per text"})
+    projection_top_k: int = field(
+        default=8, metadata={"help": "slots per row of a projection built for the run"}
+    )
+    queue_capacity: str = field(
+        default="4GiB", metadata={"help": "capacity of the run's own queue in bytes"}
+    )
+    queue: QueueSection = field(default_factory=QueueSection)
+    teachers: int = field(default=1, metadata={"help": "teacher processes (groups)"})
+    trainers: int = field(default=1, metadata={"help": "trainer ranks"})
+    max_restarts: int = field(
+        default=2,
+        metadata={"help": "restarts per process (per trainer group, per run) before failing"},
+    )
+    restart_backoff_s: float = field(
+        default=1.0, metadata={"help": "wait before a restart; doubles with each further one"}
+    )
+    ready_timeout_s: float = field(
+        default=600.0, metadata={"help": "seconds a process may take to get ready"}
+    )
+    heartbeat_s: float = field(
+        default=1.0, metadata={"help": "seconds between two heartbeats of every process"}
+    )
+    hang_after_s: float | None = field(
+        default=600.0,
+        metadata={
+            "help": "a process whose main loop made no progress this long (steps, requests; "
+            "checkpoints and evals excepted) is hung: killed and restarted per policy; "
+            "null: never"
+        },
+    )
+    data: DataConfig = field(default_factory=DataConfig)
+    collator: CollatorSection = field(default_factory=CollatorSection)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    trainer: RunTrainerConfig = field(default_factory=RunTrainerConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts}: must be >= 0")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"restart_backoff_s={self.restart_backoff_s}: must be >= 0")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s}: must be > 0")
+        if self.hang_after_s is not None and not self.hang_after_s > 2 * self.heartbeat_s:
+            raise ValueError(
+                f"hang_after_s={self.hang_after_s}: must be > 2 * heartbeat_s "
+                f"({2 * self.heartbeat_s:g}), or null to never call a process hung"
+            )
+        t, tr = self.teacher, self.trainer
+        if tr.loss.uses_teacher:
+            if t.max_batch < tr.micro_batch:
+                raise ValueError(
+                    f"teacher.max_batch={t.max_batch} < trainer.micro_batch={tr.micro_batch}: a "
+                    "micro-batch must fit one teacher slot; raise teacher.max_batch"
+                )
+            if t.max_length < self.ctx_teacher:
+                raise ValueError(
+                    f"teacher.max_length={t.max_length} < ctx_teacher={self.ctx_teacher}: raise "
+                    "teacher.max_length to at least ctx_teacher"
+                )
+            if t.transport == "hidden" and not tr.teacher_model:
+                # the trainer applies the teacher's output layer: it loads the same model
+                tr.teacher_model = t.model
+        if tr.teacher_groups != 1 and tr.teacher_groups != self.teachers:
+            raise ValueError(
+                f"trainer.teacher_groups={tr.teacher_groups} but teachers={self.teachers}; leave "
+                "teacher_groups unset (the run sets it)"
+            )
+        tr.teacher_groups = self.teachers
+        if self.teachers > self.trainers:
+            raise ValueError(
+                f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "
+                "ranks r with r % teachers == group, so extra teachers would idle"
+            )
+
+
+def load_run_config(path: str | os.PathLike) -> RunConfig:
+    """Read and validate a run config file (YAML or JSON).
+
+    Raises:
+        ConfigError: unknown keys, wrong types, impossible combinations (with the key's path).
+    """
+    return run_config_from_dict(cfgmod.load_file(path))
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Validate a run config given as a mapping (the trainer's projection may be left empty:
+    the run builds it).
+
+    Raises:
+        ConfigError: as :func:`services.common.config.from_dict`.
+    """
+    return cfgmod.from_dict(RunConfig, data)

@@ -1,0 +1,628 @@
+"""The driver of a run: launch its processes, watch them (exits, heartbeats, /proc), restart them
+per policy, draw the progress line, stop them; what happens is reported as typed events
+(:mod:`services.supervise.events`) and a failure as a structured :class:`Failure`.
+
+``xtoken run`` and the control plane drive a run through the same loop (:meth:`Driver.watch`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.common.heartbeat import HEARTBEAT_ENV, read_heartbeat, verdict
+from services.launch.spec import ProcessSpec
+from services.supervise.attach import EXIT_UNKNOWN, identity
+from services.supervise.config import RunConfig
+from services.supervise.events import (
+    DataComplete,
+    Event,
+    Exited,
+    Failed,
+    Failure,
+    Launched,
+    Recovering,
+    Restarted,
+    Unresponsive,
+)
+from services.supervise.plan import Plan, RunContext, make_plan
+from services.supervise.policy import Decision, RestartPolicy
+from services.supervise.preflight import Inputs, preflight
+from services.supervise.progress import ProgressLine
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Driver:
+    """One run: prepare, launch, watch, stop.
+
+    Args:
+        config: the run config.
+        launcher: a launcher (``start``, ``wait_ready``, ``stop``, ``processes``; default: a
+            new LocalLauncher).
+        progress: draw a progress line on stderr while :meth:`run` trains.
+        on_event: called with each :class:`~services.supervise.events.Event` (launches, exits,
+            restarts, failures; the control plane records them).
+        dead_after_s: a process without a heartbeat this long (or, before its first beat,
+            frozen by SIGSTOP this long) is dead: killed and restarted per policy.
+        run_id: prefixes the run's partitions on an external queue (``queue.address``);
+            default: the run directory's name and a hash of its path.
+        inputs: the run's settled inputs (default: :meth:`prepare` settles them; a config that
+            names all its inputs needs none).
+
+    Attributes:
+        failed: the :class:`Failure` that ended the run, or None.
+        heartbeats: process name -> its last heartbeat record.
+        plan: the current launch's :class:`~services.supervise.plan.Plan` (None before one).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        launcher: Any = None,
+        progress: bool = True,
+        on_event: Callable[[Event], None] | None = None,
+        dead_after_s: float = 10.0,
+        run_id: str | None = None,
+        inputs: Inputs | None = None,
+    ) -> None:
+        if not dead_after_s > 2 * config.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s={dead_after_s:g} of the supervisor is not above two heartbeats "
+                f"(heartbeat_s={config.heartbeat_s:g}): lower the run's heartbeat_s"
+            )
+        if launcher is None:
+            from services.launch.local import LocalLauncher
+
+            launcher = LocalLauncher()
+        self.config = config
+        self.dead_after_s = dead_after_s
+        self.heartbeats: dict[str, dict[str, Any]] = {}
+        self._frozen_since: dict[str, float] = {}
+        self.launcher = launcher
+        self.progress = progress
+        self.on_event = on_event
+        self.context = RunContext.of(config, run_id)
+        self.inputs = inputs
+        self.stop_requested = threading.Event()
+        self.policy = RestartPolicy(config.max_restarts, config.restart_backoff_s)
+        self.failed: Failure | None = None
+        self.plan: Plan | None = None
+        self.queue_address = ""
+        self.master_port = 0
+        self.specs: dict[str, ProcessSpec] = {}
+        self.eof_done = False
+        self.segment_started = 0.0
+        self._finished: set[str] = set()
+        # budget key -> (monotonic due time, decision, the exited process)
+        self._pending: dict[str, tuple[float, Decision, str]] = {}
+        self._progress_line: ProgressLine | None = None
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ the run's context
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory (absolute)."""
+        return self.context.run_dir
+
+    @property
+    def run_id(self) -> str:
+        """The run's id."""
+        return self.context.run_id
+
+    @property
+    def external_queue(self) -> str | None:
+        """The address of the running queue the run uses, or None for a queue of its own."""
+        return self.context.external_queue
+
+    @property
+    def partition(self) -> str:
+        """The samples' partition (prefixed with the run id on an external queue)."""
+        return self.context.partition
+
+    @property
+    def failure(self) -> str | None:
+        """The failure as one message (reason and the last log lines), or None."""
+        return self.failed.message() if self.failed is not None else None
+
+    @property
+    def failed_process(self) -> str | None:
+        """The process whose exit (or loss) failed the run, or None."""
+        return self.failed.process if self.failed is not None else None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The failed process's exit code (None: nothing exited, or no failure)."""
+        return self.failed.exit_code if self.failed is not None else None
+
+    @property
+    def finished(self) -> frozenset[str]:
+        """The processes that ended normally (a trainer rank or collator that exited 0)."""
+        return frozenset(self._finished)
+
+    # ------------------------------------------------------------------ prepare and launch
+
+    def prepare(self) -> None:
+        """Corpus, tokenizer, vocab and projection checks before any process starts
+        (:func:`~services.supervise.preflight.preflight`); settles :attr:`inputs`.
+
+        Raises:
+            ValueError: a missing corpus or tokenizer, a vocab mismatch (names what and the fix).
+        """
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.inputs = preflight(self.config)
+
+    def make_plan(self, queue: str, master_port: int) -> Plan:
+        """The plan of a launch on ``queue`` (no file written).
+
+        Raises:
+            ValueError: a section that does not build (a projection to build before
+                :meth:`prepare`).
+        """
+        inputs = self.inputs or Inputs.given(self.config)
+        return make_plan(self.config, inputs, self.context, queue=queue, master_port=master_port)
+
+    def launch(self) -> None:
+        """Start the queue (and wait until it is ready), the collator, the teachers and trainers.
+
+        Raises:
+            RuntimeError: the queue did not get ready (with its last log lines).
+        """
+        queue = self.external_queue or f"tcp://127.0.0.1:{free_port()}"
+        self._use(self.make_plan(queue, free_port()))
+        write_sections(self.plan)
+        self.eof_done = False
+        self._finished = set()
+        self.segment_started = time.time()
+        L = self.launcher
+        if self.external_queue:
+            self._clear_partitions()
+        else:
+            q = L.start(self.specs["queue"])
+            L.wait_ready(q, 60)
+        for spec in self.specs.values():
+            if spec.role != "queue":
+                L.start(spec)
+        self._emit(Launched(queue=self.queue_address))
+
+    def _use(self, plan: Plan) -> None:
+        self.plan = plan
+        self.queue_address = plan.queue
+        self.master_port = plan.master_port
+        self.specs = {s.name: s for s in plan.specs}
+
+    def _clear_partitions(self) -> None:
+        """Start a launch on an external queue as on a queue of its own: clear what an earlier
+        launch of this run left in its partitions there (samples, teacher requests, end of
+        data, registrations); the collator puts the corpus again, the trainers skip what their
+        checkpoint trained.
+
+        Raises:
+            RuntimeError: the queue does not answer (names the address and the setting).
+        """
+        from services.queue.client import QueueClient
+        from services.queue.errors import QueueError
+
+        prefix = f"{self.run_id}."
+        try:
+            with QueueClient(self.queue_address, timeout_s=10, name="run") as client:
+                names = client.list().get("partitions", {})
+                mine = [p for p in names if p.startswith(prefix)]
+                for partition in mine:
+                    client.clear(partition)
+        except QueueError as e:
+            raise RuntimeError(
+                f"the queue at queue.address={self.queue_address!r} does not answer ({e}); start "
+                "it, or leave queue.address null for a queue of the run's own"
+            ) from None
+        if mine:
+            logger.info("[run] cleared %d partitions of an earlier launch: %s", len(mine), mine)
+
+    # ------------------------------------------------------------------ re-attach
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`restore` needs to watch this run again after a control-plane restart."""
+        return {
+            "queue": self.queue_address,
+            "master_port": self.master_port,
+            "eof_done": self.eof_done,
+            "finished": sorted(self._finished),
+            "restarts": self.policy.restarts(),
+            "segment_started": self.segment_started,
+            "inputs": (self.inputs or Inputs.given(self.config)).to_dict(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Rebuild the plan of a launched run from :meth:`state` (processes are attached by the
+        caller into ``launcher.processes``). The section files stay as the launch wrote them: a
+        process restarted later reads exactly the section it was launched with."""
+        if "inputs" in state:
+            self.inputs = Inputs.from_dict(state["inputs"])
+        else:  # a record of an older version: the launch's settled inputs are in run.json
+            self.inputs = _inputs_written(self.run_dir) or self.inputs
+        self._use(self.make_plan(state["queue"], int(state["master_port"])))
+        self.eof_done = bool(state.get("eof_done"))
+        self._finished = set(state.get("finished", []))
+        self.policy.used = dict(state.get("restarts", {}))
+        self.segment_started = float(state.get("segment_started", 0.0))
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        """Prepare, launch and watch the run until it ends or is stopped (``xtoken run``).
+
+        Returns:
+            0 when the trainers finished (or were stopped cleanly), 1 when a process failed
+            (:attr:`failed` says why).
+        """
+        self.prepare()
+        self._started = started = time.monotonic()
+        try:
+            self.launch()
+            outcome = self.watch(
+                interval_s=0.5,
+                stop_grace=lambda: 300.0 if self.stop_requested.is_set() else None,
+            )
+            if outcome == "stop":
+                logger.info("[run] stopping: trainers checkpoint first")
+                codes = self.stop(grace_s=300)
+                return 0 if all(c in (0, None) for c in codes.values()) else 1
+            if outcome == "succeeded":
+                logger.info("[run] trainers finished in %.0fs", time.monotonic() - started)
+                return 0
+            logger.error("[run] %s", self.failure)
+            return 1
+        finally:
+            self.launcher.stop(grace_s=60)
+            if self.progress:
+                self._progress().end()
+
+    def watch(
+        self,
+        *,
+        interval_s: float,
+        stop_grace: Callable[[], float | None],
+        closing: threading.Event | None = None,
+        check: Callable[[], str | None] | None = None,
+        on_tick: Callable[[str], None] | None = None,
+    ) -> str:
+        """Poll the launched run every ``interval_s`` until it ends, a stop is asked or the
+        watcher closes (the processes go on).
+
+        Args:
+            interval_s: seconds between two polls.
+            stop_grace: a stop was asked when it returns a grace (seconds), else None.
+            closing: set when the watcher goes away (the loop ends, the processes go on);
+                None: the loop waits on :attr:`stop_requested`.
+            check: called before each poll; a status it returns (``failed``) stands for the
+                poll's (the control plane's view of a shared queue).
+            on_tick: called with each poll's status.
+
+        Returns:
+            ``succeeded``, ``failed`` (:attr:`failed` says why), ``stop`` (the caller stops the
+            run with the grace) or ``detached`` (``closing`` was set).
+        """
+        waiter = closing if closing is not None else self.stop_requested
+        while closing is None or not closing.is_set():
+            if stop_grace() is not None:
+                return "stop"
+            status = (check() if check is not None else None) or self.poll_once()
+            if on_tick is not None:
+                on_tick(status)
+            if status in ("succeeded", "failed"):
+                return status
+            if self.progress:
+                self._progress().show(time.monotonic() - self._started)
+            waiter.wait(interval_s)
+        return "detached"
+
+    def poll_once(self) -> str:
+        """One look at every process: the end of the data, restarts per policy, the end of the run.
+
+        Returns:
+            ``running``, ``recovering`` (a restart waits for its backoff), ``succeeded`` (every
+            trainer rank exited 0) or ``failed`` (:attr:`failed` says why).
+        """
+        self.check_health()
+        now = time.monotonic()
+        for key, (due, decision, name) in list(self._pending.items()):
+            if now >= due:
+                del self._pending[key]
+                self._restart_now(decision, name)
+        L = self.launcher
+        for name, proc in list(L.processes.items()):
+            if name in self._finished or name in self._waiting():
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            spec = proc.spec
+            if code == EXIT_UNKNOWN:
+                code = self._infer_exit(spec)
+            finished = code == 0 and spec.role in ("trainer", "collator")
+            self._emit(Exited(process=name, role=spec.role, code=code))
+            decision = self.policy.decide(name, spec.role, code, finished_ok=finished)
+            if decision.action == "done":
+                self._finished.add(name)
+                if spec.role == "collator":
+                    self._put_eof()
+                continue
+            if decision.action == "fail":
+                self._fail(
+                    Failure(
+                        process=name,
+                        role=spec.role,
+                        exit_code=code,
+                        reason=decision.reason,
+                        log_file=spec.log_file,
+                        log_tail=proc.tail(),
+                    )
+                )
+                return "failed"
+            self._schedule(decision, name)
+            if decision.scope == "run":
+                break
+        if self._pending:
+            return "recovering"
+        trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
+        if trainers and all(n in self._finished for n in trainers):
+            return "succeeded"
+        return "running"
+
+    def check_health(self) -> None:
+        """Kill (SIGKILL) every running process that counts as dead though its pid lives: its
+        heartbeat stopped for ``dead_after_s`` (frozen) or its main loop made no progress for
+        ``hang_after_s`` (hung); without a heartbeat yet, a process stopped (state T) for
+        ``dead_after_s``. The next :meth:`poll_once` sees the exit and applies the policy."""
+        now, mono = time.time(), time.monotonic()
+        waiting = self._waiting()
+        for name, proc in list(self.launcher.processes.items()):
+            pid = getattr(proc, "pid", None)
+            if name in self._finished or name in waiting or not pid or proc.poll() is not None:
+                self._frozen_since.pop(name, None)
+                continue
+            path = proc.spec.env.get(HEARTBEAT_ENV)
+            record = read_heartbeat(path) if path else None
+            if record is not None and record.get("pid") != pid:
+                record = None  # its predecessor's last beat
+            why = None
+            if record is not None:
+                self.heartbeats[name] = record
+                self._frozen_since.pop(name, None)
+                why = verdict(
+                    record,
+                    now=now,
+                    dead_after_s=self.dead_after_s,
+                    hang_after_s=self.config.hang_after_s,
+                )
+            else:
+                ident = identity(pid) if _is_local_process(proc) else None
+                if ident is None or ident["state"] not in ("T", "t"):
+                    self._frozen_since.pop(name, None)
+                else:
+                    since = self._frozen_since.setdefault(name, mono)
+                    if mono - since >= self.dead_after_s:
+                        why = f"stopped (state T) for {mono - since:.1f}s: frozen"
+            if why is None:
+                continue
+            logger.warning("[run] %s (pid %d) is unresponsive, %s: killing it", name, pid, why)
+            self._emit(Unresponsive(process=name, pid=pid, reason=why))
+            self._frozen_since.pop(name, None)
+            proc.signal(signal.SIGKILL)
+
+    def stop(self, grace_s: float = 300.0) -> dict[str, int | None]:
+        """Graceful stop: SIGTERM the trainer ranks (they stop at one step boundary and write a
+        checkpoint), then every other process.
+
+        Args:
+            grace_s: seconds the trainers get before they are killed.
+
+        Returns:
+            The trainers' exit codes.
+        """
+        self._pending.clear()
+        trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
+        codes = self.launcher.stop(trainers, grace_s=grace_s)
+        self.launcher.stop(grace_s=60)
+        return codes
+
+    def fail(self, failure: Failure) -> str:
+        """Fail the run for a reason seen outside its processes (a shared queue unreachable):
+        recorded in :attr:`failed`, no event (the caller reports what it saw).
+
+        Returns:
+            ``failed``.
+        """
+        self.failed = failure
+        return "failed"
+
+    # ------------------------------------------------------------------ restarts
+
+    def restart_all(self, cause: str) -> str:
+        """Restart every process of the run because its queue lost the run's samples while no
+        process exited (a shared queue that restarted without ``--data-dir``), as after the exit
+        of a queue of its own: one restart of the ``run`` budget; every process stops now and
+        :meth:`poll_once` starts them all again after the backoff, the trainers from their
+        checkpoint. Restarts queued before are cancelled (the relaunch starts their processes);
+        a run-wide restart already queued covers this one (nothing more is counted).
+
+        Args:
+            cause: what happened, the start of the restart's reason
+                (``"queue restarted: epoch X -> Y"``).
+
+        Returns:
+            ``recovering``, or ``failed`` when the ``run`` budget is spent: :attr:`failed` names
+            the ``queue``, its exit code None (nothing was stopped).
+        """
+        if self.restart_queued("run"):
+            return "recovering"
+        decision = self.policy.decide_lost("queue", "queue", cause)
+        if decision.action == "fail":
+            self._fail(
+                Failure(process="queue", role="queue", exit_code=None, reason=decision.reason)
+            )
+            return "failed"
+        assert decision.scope == "run", decision  # the queue's scope (policy.SCOPES)
+        self._schedule(decision, "queue")
+        return "recovering"
+
+    def restart_queued(self, scope: str | None = None) -> bool:
+        """A restart waits for its backoff.
+
+        Args:
+            scope: only a restart of this scope counts (``process``, ``group``, ``run``); None:
+                any.
+        """
+        return any(scope in (None, d.scope) for _, d, _ in self._pending.values())
+
+    def _covered(self, scope: str, name: str) -> set[str]:
+        """The processes a restart of ``scope`` after the exit of ``name`` starts."""
+        if scope == "process":
+            return {name}
+        if scope == "group":
+            role = self.specs[name].role
+            return {n for n, s in self.specs.items() if s.role == role}
+        return set(self.specs)
+
+    def _waiting(self) -> set[str]:
+        """Processes a scheduled restart will start again (their exit is already handled)."""
+        out: set[str] = set()
+        for _, decision, name in self._pending.values():
+            out |= self._covered(decision.scope, name)
+        return out
+
+    def _schedule(self, decision: Decision, name: str) -> None:
+        """Queue the restart ``decision`` after the exit (or loss) of ``name``: a group or the
+        run stops now; :meth:`poll_once` starts the processes when the backoff is over."""
+        logger.warning("[run] %s", decision.reason)
+        covered = self._covered(decision.scope, name)
+        for key, (_, queued, queued_name) in list(self._pending.items()):
+            # this restart starts the queued one's processes too: both would start them twice
+            if self._covered(queued.scope, queued_name) <= covered:
+                del self._pending[key]
+                logger.info(
+                    "[run] the queued restart of %s is cancelled: the %s restart starts it",
+                    key,
+                    decision.scope,
+                )
+        self._emit(
+            Recovering(
+                process=name,
+                scope=decision.scope,
+                attempt=decision.attempt,
+                delay_s=decision.delay_s,
+                reason=decision.reason,
+            )
+        )
+        L = self.launcher
+        if decision.scope == "group":
+            # a peer of a dead rank cannot checkpoint alone (the save is collective)
+            L.stop([n for n in self.specs if n in covered], grace_s=10)
+            self._finished.difference_update(covered)
+        elif decision.scope == "run":
+            L.stop(grace_s=10)
+            self._finished.clear()
+        self._pending[decision.key] = (time.monotonic() + decision.delay_s, decision, name)
+
+    def _restart_now(self, decision: Decision, name: str) -> None:
+        L = self.launcher
+        if decision.scope == "process":
+            L.start(self.specs[name])
+        elif decision.scope == "group":
+            role = self.specs[name].role
+            self.master_port = free_port()
+            for spec in self.specs.values():
+                if spec.role == role:
+                    if role == "trainer":
+                        spec.env["MASTER_PORT"] = str(self.master_port)
+                    L.start(spec)
+        else:
+            self.launch()
+        self._emit(Restarted(process=name, scope=decision.scope, attempt=decision.attempt))
+
+    def _infer_exit(self, spec: ProcessSpec) -> int:
+        """The exit code of a re-attached process that ended unseen: a trainer rank finished when
+        rank 0's summary of a completed (not stopped) run is newer than this launch."""
+        if spec.role == "trainer":
+            path = self.run_dir / "summary.json"
+            try:
+                summary = json.loads(path.read_text())
+                if path.stat().st_mtime >= self.segment_started and not summary.get("stopped"):
+                    return 0
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        return EXIT_UNKNOWN
+
+    def _put_eof(self) -> None:
+        """After the collator's normal end: tell the trainers how many samples the epoch has."""
+        from services.queue.client import QueueClient
+        from services.trainer.feed import put_eof
+
+        if self.eof_done:
+            return
+        with QueueClient(self.queue_address, timeout_s=10, name="run") as client:
+            # every sample put: the ones held and the ones retention dropped once trained
+            status = client.status(self.partition, "run")
+            n = status["samples"] + status.get("dropped", 0)
+            put_eof(client, self.partition, n)
+        logger.info("[run] collator done: %d samples", n)
+        self.eof_done = True
+        self._emit(DataComplete(samples=n))
+
+    def _fail(self, failure: Failure) -> None:
+        self.failed = failure
+        self._emit(Failed(failure=failure))
+
+    def _emit(self, event: Event) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _progress(self) -> ProgressLine:
+        if self._progress_line is None:
+            self._progress_line = ProgressLine(
+                self.run_dir / "metrics" / "trainer.rank0.jsonl", self.config.trainer.max_steps
+            )
+        return self._progress_line
+
+
+def write_sections(plan: Plan) -> None:
+    """Write a launch's section files (``config/<process>.json``, ``config/run.json``) and make
+    its log directory."""
+    d = plan.context.run_dir
+    (d / "config").mkdir(parents=True, exist_ok=True)
+    (d / "logs").mkdir(parents=True, exist_ok=True)
+    for name, section in plan.sections.items():
+        (d / "config" / f"{name}.json").write_text(json.dumps(section, indent=1))
+    (d / "config" / "run.json").write_text(json.dumps(plan.run_section, indent=1))
+
+
+def _inputs_written(run_dir: Path) -> Inputs | None:
+    """The settled inputs a launch wrote into ``config/run.json``, or None without one."""
+    try:
+        run = json.loads((run_dir / "config" / "run.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    data = run.get("data") or {}
+    projection = ((run.get("trainer") or {}).get("loss") or {}).get("projection")
+    return Inputs(data.get("train"), data.get("heldout"), projection)
+
+
+def _is_local_process(proc: Any) -> bool:
+    """The process runs on this host (its /proc entry is ours to read)."""
+    host = getattr(proc, "host", None)
+    return host is None or host == socket.gethostname()

@@ -1,0 +1,236 @@
+"""The checks before any process of a run starts, and the inputs they settle: the corpora (readable,
+with text), the tokenizers and the models' vocabularies, and the projection (given and checked, or
+built once into the cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from services.supervise.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_VOCAB = 49152
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What the preflight settled for a run: the files its processes read.
+
+    Attributes:
+        train: the training corpus (the config's, or the demo corpus).
+        heldout: the held-out corpus (the config's, or the demo's).
+        projection: the projection file (the config's, or the one built for the run); None when
+            the loss needs none.
+    """
+
+    train: str | None
+    heldout: str | None
+    projection: str | None
+
+    @classmethod
+    def given(cls, config: RunConfig) -> Inputs:
+        """The inputs a config names itself (no file is read): a plan of a config that names all
+        its inputs needs no preflight."""
+        return cls(config.data.train, config.data.heldout, config.trainer.loss.projection)
+
+    def to_dict(self) -> dict[str, str | None]:
+        """A JSON mapping (a run's runtime record keeps it: a re-attached run plans the same
+        sections as the launched one)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Inputs:
+        """The inverse of :meth:`to_dict`."""
+        return cls(data.get("train"), data.get("heldout"), data.get("projection"))
+
+
+def preflight(config: RunConfig) -> Inputs:
+    """Check a run's inputs before any process starts; build its projection when it needs one
+    and the config names none.
+
+    Args:
+        config: the run config (not modified).
+
+    Returns:
+        The run's :class:`Inputs`.
+
+    Raises:
+        ValueError: a missing or unreadable corpus, an unknown tokenizer, a model whose vocab does
+            not fit its tokenizer, a projection built for other tokenizers (each names the key and
+            the fix).
+    """
+    from xtoken_core.tokenizers import load_tokenizer
+
+    train, heldout = config.data.train, config.data.heldout
+    if train is None or heldout is None:
+        from xtoken_core.data.corpus import build_demo_corpus
+
+        demo = build_demo_corpus()
+        train = train or str(demo.train_path)
+        heldout = heldout or str(demo.heldout_path)
+    corpora = {
+        "data.train": train,
+        "data.heldout": heldout,
+        "trainer.heldout": config.trainer.heldout,
+        "teacher.heldout": config.teacher.heldout,
+    }
+    for key, path in corpora.items():
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ValueError(f"{key}={path!r} is not a file; point it at a corpus file")
+        try:
+            first_text(path, config.data.text_field if key == "data.train" else "text")
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+    tokenizers = {}
+    for key in ("student_tokenizer", "teacher_tokenizer"):
+        try:
+            tokenizers[key] = load_tokenizer(getattr(config, key))
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+    s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
+    check_vocabs(config, s_tok.vocab_size, t_tok.vocab_size)
+    projection = config.trainer.loss.projection
+    if config.trainer.loss.uses_teacher and not projection:
+        projection = str(build_cached_projection(config, s_tok, t_tok))
+    elif config.trainer.loss.uses_teacher:
+        check_projection(config, projection, s_tok, t_tok)
+    return Inputs(train, heldout, projection)
+
+
+def check_projection(config: RunConfig, path: str, s_tok: Any, t_tok: Any) -> None:
+    """A given projection file must fit the run's tokenizers (rows: student, columns: teacher),
+    be built for them (the tokenizers it records; a file without that record is accepted
+    with a warning) and have usable rows; its coverage is logged.
+
+    Raises:
+        ValueError: a missing or unreadable file, one built for other vocabularies or
+            tokenizers, or one without a usable row.
+    """
+    from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
+
+    student_vocab, teacher_vocab = s_tok.vocab_size, t_tok.vocab_size
+    try:
+        _, _, rows, cols = parse_projection_file(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"trainer.loss.projection: {e}") from None
+    if rows > student_vocab or cols > teacher_vocab:
+        raise ValueError(
+            f"trainer.loss.projection={path!r} is {rows} x {cols} (student x teacher ids) but "
+            f"the run's tokenizers have {student_vocab} and {teacher_vocab} ids: build one for "
+            f"{config.student_tokenizer} -> {config.teacher_tokenizer} with `xtoken "
+            "projection build`, or leave it empty and xtoken run builds it"
+        )
+    try:
+        check_projection_tokenizers(path, s_tok, t_tok)
+    except ValueError as e:
+        raise ValueError(f"trainer.loss.projection: {e}") from None
+
+
+def check_vocabs(config: RunConfig, student_vocab: int, teacher_vocab: int) -> None:
+    """The student (and, when the loss uses one, the teacher) has a logit per token id of its
+    tokenizer.
+
+    Raises:
+        ValueError: a model spec that cannot be read, or whose vocab does not fit (names the key).
+    """
+    from xtoken_core.models import check_vocab
+
+    cfg = config
+    for key, spec, override, tok_vocab in (
+        ("trainer.student", cfg.trainer.student, cfg.trainer.vocab_size, student_vocab),
+        ("teacher.model", cfg.teacher.model, cfg.teacher.vocab_size, teacher_vocab),
+    ):
+        if key == "teacher.model" and not cfg.trainer.loss.uses_teacher:
+            continue
+        try:
+            model_vocab = spec_vocab_size(spec, override or tok_vocab)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+        check_vocab(f"{key}={spec!r}", model_vocab, tok_vocab)
+
+
+def projection_cache_path(config: RunConfig) -> Path:
+    """Where the projection of the run's tokenizers and ``projection_top_k`` is cached
+    (``$XTOKEN_CACHE``, default ``~/.cache/xtoken``)."""
+    cache = Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
+    k = config.projection_top_k
+    name = f"{slug(config.student_tokenizer)}_{slug(config.teacher_tokenizer)}_k{k}.pt"
+    return cache / "projections" / name
+
+
+def build_cached_projection(config: RunConfig, s_tok: Any, t_tok: Any) -> Path:
+    """The projection of the run's tokenizers from the cache, built there first when missing
+    (written to a temporary name and renamed: a concurrent run never reads half a file)."""
+    from xtoken_core.data.projection_build import (
+        build_projection,
+        projection_metadata,
+        save_projection,
+    )
+
+    path = projection_cache_path(config)
+    if not path.is_file():
+        logger.info("[run] building projection %s", path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        k = config.projection_top_k
+        save_projection(build_projection(s_tok, t_tok, k), tmp, projection_metadata(s_tok, t_tok))
+        os.replace(tmp, path)
+    return path
+
+
+def spec_vocab_size(spec: str, preset_vocab: int) -> int:
+    """The vocab of a model spec without loading its weights.
+
+    Args:
+        spec: a local HF directory, ``smollm2`` or a preset name.
+        preset_vocab: the vocab a preset is built with.
+
+    Raises:
+        ValueError: a directory that is not a causal LM (no ``config.json``, no safetensors
+            weights, another model type) or has no ``vocab_size``; an unknown spec.
+    """
+    from xtoken_core.models import PRESETS, check_model_dir
+
+    path = Path(spec)
+    if path.is_dir():
+        config = check_model_dir(path)
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is None and hasattr(config, "get_text_config"):
+            vocab = getattr(config.get_text_config(), "vocab_size", None)
+        if not isinstance(vocab, int):
+            raise ValueError(f"model directory {spec!r}: config.json has no vocab_size")
+        return vocab
+    if spec == "smollm2":
+        return SMOLLM2_VOCAB
+    if spec in PRESETS:
+        return preset_vocab
+    raise ValueError(
+        f"model {spec!r} is neither a local directory, smollm2, nor a preset "
+        f"({', '.join(sorted(PRESETS))})"
+    )
+
+
+def first_text(path: str, text_field: str) -> str:
+    """The first non-blank text of a corpus file.
+
+    Raises:
+        ValueError: the file has no such text or cannot be read as a corpus (names the file).
+    """
+    from xtoken_core.data.corpus import iter_texts
+
+    for _, text in iter_texts(path, text_field=text_field):
+        if text.strip():
+            return text
+    raise ValueError(f"corpus {path!r} has no usable text; point it at a corpus with text")
+
+
+def slug(name: str) -> str:
+    """A file-name-safe form of the last part of ``name``."""
+    return "".join(c if c.isalnum() else "_" for c in Path(name).name or name)

@@ -1,0 +1,95 @@
+"""The plan of a run: pure (it writes nothing), and it carries the settled projection into the
+trainer's section, so no placeholder ever reaches a section file; the structured failure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common import config as cfgmod
+from services.supervise.config import run_config_from_dict
+from services.supervise.driver import Driver, write_sections
+from services.supervise.events import Failed, Failure
+from services.supervise.plan import Host, RunContext, make_plan
+from services.supervise.preflight import Inputs
+from services.trainer.config import TrainerConfig
+
+
+def _config(tmp_path, **loss):
+    return run_config_from_dict(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "teachers": 1,
+            "trainers": 2,
+            "trainer": {"student": "tiny", "loss": loss},
+            "teacher": {"model": "tiny"},
+        }
+    )
+
+
+def test_a_config_that_leaves_the_projection_to_the_run_names_none(tmp_path):
+    config = _config(tmp_path)
+    assert config.trainer.loss.projection is None and config.trainer.projection_to_build
+    given = _config(tmp_path, projection="/p.pt")
+    assert not given.trainer.projection_to_build
+    assert not _config(tmp_path, mode="ce").trainer.projection_to_build
+
+
+def test_a_trainer_section_still_checks_everything_but_the_projection(tmp_path):
+    with pytest.raises(cfgmod.ConfigError, match=r"trainer: micro_batch=0: must be >= 1"):
+        run_config_from_dict({"trainer": {"micro_batch": 0}})
+
+
+def test_the_plan_writes_nothing_and_carries_the_settled_projection(tmp_path):
+    config = _config(tmp_path)
+    context = RunContext.of(config, "r1")
+    inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
+    plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
+    assert not context.run_dir.exists()  # nothing written
+    trainer = cfgmod.from_dict(TrainerConfig, plan.sections["trainer"])
+    assert trainer.loss.projection == "/cache/proj.pt"
+    assert plan.run_section["trainer"]["loss"]["projection"] == "/cache/proj.pt"
+    assert plan.run_section["data"]["train"] == "/data/train.jsonl"
+    collator = {s.name: s for s in plan.specs}["collator"].argv
+    assert collator[collator.index("--data") + 1] == "/data/train.jsonl"
+    assert config.trainer.loss.projection is None  # the config is left as it was
+    write_sections(plan)
+    written = json.loads((context.run_dir / "config" / "trainer.json").read_text())
+    assert written == plan.sections["trainer"]
+
+
+def test_a_plan_without_the_projection_it_needs_is_refused(tmp_path):
+    config = _config(tmp_path)
+    with pytest.raises(ValueError, match=r"loss\.mode=pkl needs loss\.projection"):
+        make_plan(
+            config,
+            Inputs.given(config),
+            RunContext.of(config),
+            queue="q",
+            master_port=1,
+            host=Host(),
+        )
+
+
+def test_a_restored_driver_plans_the_sections_of_the_launch_it_rebuilds(tmp_path):
+    config = _config(tmp_path)
+    inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
+    launched = Driver(config, run_id="r1", inputs=inputs)
+    state = {"queue": "tcp://127.0.0.1:7", "master_port": 9, "inputs": inputs.to_dict()}
+    restored = Driver(_config(tmp_path), run_id="r1")  # as a new control plane builds it
+    restored.restore(json.loads(json.dumps(state)))
+    assert restored.plan.sections == launched.make_plan("tcp://127.0.0.1:7", 9).sections
+    assert not (tmp_path / "run" / "config").exists()  # a restore writes no section
+
+
+def test_a_failure_keeps_its_fields_and_prints_the_log_tail():
+    failure = Failure("teacher0", "teacher", 3, "teacher0 exited with code 3", "/l.log", "boom")
+    assert failure.message() == ("teacher0 exited with code 3; last log lines (/l.log):\nboom")
+    assert Failure("queue", "queue", None, "queue lost").message() == "queue lost"
+    assert Failed(failure).data() == {
+        "process": "teacher0",
+        "role": "teacher",
+        "code": 3,
+        "reason": "teacher0 exited with code 3",
+    }
