@@ -38,6 +38,7 @@ CPU smoke test::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -442,6 +443,18 @@ def mfu(flops: float, tokens_per_s: float, peak: float | None) -> float | None:
     return flops * tokens_per_s / peak if peak else None
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The models, tokenizers, device and work folder (shared with profile_step.py)."""
+    p.add_argument("--student", default="qwen3-0.6b")
+    p.add_argument("--teacher", default="teacher-1.5b")
+    p.add_argument("--student-tokenizer", default="qwen3")
+    p.add_argument("--teacher-tokenizer", default="mistral")
+    p.add_argument("--student-vocab", type=int, default=151936)
+    p.add_argument("--teacher-vocab", type=int, default=32768)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--work", default="/tmp/xtoken_bench_e2e")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["1x4096", "4x2048"])
@@ -484,16 +497,9 @@ def main() -> int:
         "every rank count trains the same global batch (scaling runs with comparable curves)",
     )
     p.add_argument("--tag", default="", help="label of these rows (e.g. mps)")
-    p.add_argument("--student", default="qwen3-0.6b")
-    p.add_argument("--teacher", default="teacher-1.5b")
-    p.add_argument("--student-tokenizer", default="qwen3")
-    p.add_argument("--teacher-tokenizer", default="mistral")
-    p.add_argument("--student-vocab", type=int, default=151936)
-    p.add_argument("--teacher-vocab", type=int, default=32768)
-    p.add_argument("--device", default="cuda")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--work", default="/tmp/xtoken_bench_e2e")
     p.add_argument(
         "--results", default=str(RESULTS_DIR / "e2e_pipeline.jsonl"), help="rows appended here"
     )
@@ -541,18 +547,21 @@ def main() -> int:
             b = bare(args, mode, B, T, student_dir, teacher_dir, corpus, projection)
             _free()
             for transport in args.transports:
+                run = functools.partial(
+                    pipeline,
+                    args,
+                    mode,
+                    B,
+                    T,
+                    student_dir,
+                    teacher_dir,
+                    corpus,
+                    projection,
+                    transport,
+                )
                 eager = None
                 if args.baseline == "eager":
-                    eager = pipeline(
-                        args,
-                        mode,
-                        B,
-                        T,
-                        student_dir,
-                        teacher_dir,
-                        corpus,
-                        projection,
-                        transport,
+                    eager = run(
                         work / f"run_{shape}_{mode}_{transport}_eager",
                         trainer_extra=EAGER_TRAINER,
                         teacher_extra=eager_teacher,
@@ -565,21 +574,7 @@ def main() -> int:
                     if args.same_global_batch:
                         accum = args.grad_accum * max(args.trainers) // n
                     run_dir = work / f"run_{shape}_{mode}_{transport}_r{n}_{tdev or 'same'}"
-                    pl = pipeline(
-                        args,
-                        mode,
-                        B,
-                        T,
-                        student_dir,
-                        teacher_dir,
-                        corpus,
-                        projection,
-                        transport,
-                        run_dir,
-                        trainers=n,
-                        teacher_device=tdev,
-                        grad_accum=accum,
-                    )
+                    pl = run(run_dir, trainers=n, teacher_device=tdev, grad_accum=accum)
                     row = {
                         "shape": shape,
                         "mode": mode,
