@@ -491,8 +491,8 @@ class Pipeline:
     def put_eof(self) -> int:
         """Tell the trainers the data is complete (what ``xtoken run`` does when the collators
         are done); returns the sample count written into the marker."""
+        from services.protocol import put_eof
         from services.queue.client import QueueClient
-        from services.trainer.feed import put_eof
 
         with QueueClient(self.queue, timeout_s=10, name="e2e") as client:
             # every sample put: the ones held and the ones retention dropped once trained

@@ -13,10 +13,11 @@ import torch
 
 from services import protocol as proto
 from services.collator.worker import samples_to_put_fields
+from services.protocol import put_eof
 from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
 from services.teacher.worker import TeacherConfig, TeacherWorker
-from services.trainer.feed import TeacherFeed, put_eof
+from services.trainer.feed import TeacherFeed
 from services.trainer.worker import TrainerWorker
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
@@ -160,17 +161,17 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         assert sorted(ring.in_flight()) == [0, 1]  # b and c hold the ring: a has no slot
 
         # one round of a's wait: it takes b's and c's results, sees them hold the whole ring
-        feed._poll_records(a.context)
+        feed.teacher.poll(a.context)
         assert a.context.record is None
         assert ring.in_flight() == []  # released: the teacher has both slots again
-        assert feed._deferred == [b.context, c.context]
+        assert feed.teacher.deferred == [b.context, c.context]
         assert b.context.record is None and c.context.record is None
         assert feed.counters["re_requests"] == 0  # not yet: after a has its result
 
         teacher.serve(asked[0])  # a slot is free: the teacher computes a
         logits = a.teacher_logits()
         assert torch.equal(logits, setup.teacher_logits(a.batch).to(logits.dtype))
-        assert feed._deferred == [] and feed.counters["re_requests"] == 2
+        assert feed.teacher.deferred == [] and feed.counters["re_requests"] == 2
         again = [b.context.request_key, c.context.request_key]
         assert set(again).isdisjoint(asked)
         a.done()

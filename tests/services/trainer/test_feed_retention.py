@@ -13,8 +13,9 @@ import types
 import pytest
 
 from services.collator.worker import samples_to_put_fields
+from services.protocol import put_eof
 from services.queue.client import QueueClient
-from services.trainer.feed import TeacherFeed, put_eof
+from services.trainer.feed import TeacherFeed
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.wire import JaggedColumn

@@ -1,0 +1,295 @@
+"""The trainer's sample feed: claims samples into micro-batches, acks them once trained (or once a
+checkpoint holds them), tells when the data ended, gives back what was not trained.
+
+Per rank: claim ``micro_batch * grad_accum`` samples from the partition (task
+``trainer/e<epoch>/s<start>``), skip the keys the checkpoint says were trained (acked at once),
+sort by teacher length and split into padded micro-batches; after the optimizer step: ack the
+samples.
+
+Retention (a run that reads its partition once, ``register``): the task is registered with every
+claim, so the queue drops each sample once acked and a corpus larger than its ``--capacity``
+streams through it. A dropped sample cannot come again, so its ack waits for a checkpoint that
+holds it (:meth:`SampleFeed.commit`): after a crash, the samples trained since the checkpoint
+are trained again under the resumed launch's fresh task, as without retention. A registration
+cannot be undone, so the resumed launch also consumes for the tasks of earlier launches
+(``replaces``) what they still hold; samples a dead launch held leased are released that way
+once their lease lapses (``lease_s``).
+
+The end of the data: the collators' marker (services/protocol/end_of_data.py) is there and every
+sample put was consumed, or nothing came for ``idle_timeout_s``.
+
+Legend: B samples of a micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from services.protocol.end_of_data import EOF_KEY, eof_samples
+from services.protocol.names import meta_partition
+from services.queue.errors import QueueError
+from services.trainer.config import TrainerConfig
+from xtoken_core.data import sample as schema
+from xtoken_core.wire import JaggedColumn
+
+logger = logging.getLogger(__name__)
+
+# Samples claimed at once when consuming for a replaced task (keys only: no fields travel).
+_CONSUME_BATCH = 4096
+
+
+@dataclasses.dataclass(eq=False)
+class Claimed:
+    """A micro-batch of claimed samples.
+
+    Attributes:
+        keys: the B sample keys, in row order.
+        samples: the B jagged samples (1-d / 0-d tensors).
+        leases: sample key -> lease id.
+        batch: the padded fields of the B samples (``xtoken_core.data.sample.pad_samples``).
+    """
+
+    keys: list[str]
+    samples: list[dict[str, torch.Tensor]]
+    leases: dict[str, Any]
+    batch: dict[str, torch.Tensor]
+
+
+class SampleFeed:
+    """The samples of one rank, claimed a micro-batch at a time.
+
+    Args:
+        client: a QueueClient (this thread's).
+        config: the trainer settings.
+        worker: the TrainerWorker (pad ids).
+        task: consumer task name on the sample partition (epoch + resume generation).
+        trained: keys trained in this epoch (the checkpoint's); skipped when claimed again.
+        stop: a threading.Event; set = stop waiting for data.
+        register: register ``task`` for the partition (retention, PROTOCOL.md): the queue
+            drops each sample once acked. Only for a partition read once (one epoch). With
+            ``checkpoint_every``, acks wait for :meth:`commit`.
+        replaces: name prefix of the registered tasks of earlier launches this one takes over
+            (``trainer/e<epoch>/``); :meth:`commit` consumes what they hold.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        config: TrainerConfig,
+        worker: Any,
+        task: str,
+        trained: set[str],
+        *,
+        stop: Any = None,
+        register: bool = False,
+        replaces: str = "",
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.worker = worker
+        self.task = task
+        self.trained = trained
+        self.stop = stop
+        self.register = register
+        self.replaces = replaces
+        # acks wait for a checkpoint that holds their samples (a registered task's are final)
+        self._defer = register and config.checkpoint_every > 0
+        self._unacked: list[tuple[Any, list[str]]] = []  # (lease id, keys) trained, not acked
+        self._uncheckpointed: set[str] = set()  # keys trained since the last commit
+        self._ended = False
+        self._idle_since: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        """Nothing is left to claim in this epoch for this rank."""
+        return self._ended
+
+    def stopping(self) -> bool:
+        """The process was told to stop: wait for no more data."""
+        return self.stop is not None and self.stop.is_set()
+
+    def claim(self, micro_batches: int, block: bool) -> list[Claimed] | None:
+        """Claim up to ``micro_batches`` micro-batches of samples.
+
+        Args:
+            micro_batches: most micro-batches to claim.
+            block: wait up to ``claim_timeout_s`` for samples (and see whether the data ended
+                when none came); else return at once.
+
+        Returns:
+            The micro-batches, longest teacher rows first ([] when every sample that came was
+            trained before); None when no sample came.
+        """
+        cfg = self.config
+        got = self.client.claim(
+            cfg.partition,
+            self.task,
+            schema.FIELD_NAMES,
+            micro_batches * cfg.micro_batch,
+            timeout_s=cfg.claim_timeout_s if block else 0.001,
+            lease_s=cfg.lease_s,
+            register=self.register,  # with every claim: a restarted queue forgot it
+        )
+        keys = list(got["keys"])
+        if not keys:
+            if block:
+                self._check_end()
+            return None
+        self._idle_since = None
+        lease_id = got["lease_id"]
+        rows = _rows(got["fields"], len(keys))
+        fresh = [(k, r) for k, r in zip(keys, rows) if k not in self.trained]
+        seen = [k for k in keys if k in self.trained]
+        if seen:  # trained before (the checkpoint we resumed from, or a lease that lapsed)
+            later = [k for k in seen if k in self._uncheckpointed]
+            if later:  # in no checkpoint yet: acked by the next commit
+                self._unacked.append((lease_id, later))
+            if len(later) < len(seen):
+                done = [k for k in seen if k not in self._uncheckpointed]
+                self.client.ack(cfg.partition, self.task, lease_id, done)
+        fresh.sort(key=lambda kr: -int(kr[1]["teacher_input_lengths"]))
+        out = []
+        for i in range(0, len(fresh), cfg.micro_batch):
+            group = fresh[i : i + cfg.micro_batch]
+            out.append(
+                Claimed(
+                    keys=[k for k, _ in group],
+                    samples=[r for _, r in group],
+                    leases={k: lease_id for k, _ in group},
+                    batch=self._pad([r for _, r in group]),
+                )
+            )
+        return out
+
+    def ack(self, trained: Iterable[Claimed]) -> None:
+        """Mark the samples of trained micro-batches consumed (after the optimizer step); a
+        registered feed with checkpoints keeps the acks for :meth:`commit`."""
+        trained = list(trained)
+        by_lease: dict[Any, list[str]] = {}
+        for c in trained:
+            for key in c.keys:
+                by_lease.setdefault(c.leases[key], []).append(key)
+        if self._defer:
+            self._unacked.extend(by_lease.items())
+            self._uncheckpointed.update(k for c in trained for k in c.keys)
+        else:
+            for lease_id, keys in by_lease.items():
+                self.client.ack(self.config.partition, self.task, lease_id, keys)
+        self.trained.update(k for c in trained for k in c.keys)
+
+    def commit(self) -> None:
+        """After a checkpoint that holds every trained key was saved (each rank, its own):
+        ack the samples trained since the previous one, and consume for the registered tasks
+        of earlier launches (``replaces``) what they hold, so that the queue drops them. A
+        no-op for a feed that does not register.
+        """
+        if not self.register:
+            return
+        self._consume_for_replaced()
+        unacked, self._unacked = self._unacked, []
+        self._uncheckpointed.clear()
+        lapsed = 0
+        for lease_id, keys in unacked:
+            try:
+                self.client.ack(self.config.partition, self.task, lease_id, keys)
+            except QueueError as e:
+                if e.code not in ("unknown_lease", "stale_epoch"):
+                    raise
+                lapsed += len(keys)  # redelivered (or gone with the queue): acked when seen
+        if lapsed:
+            logger.warning(
+                "[trainer] the leases of %d trained samples lapsed before the checkpoint: they "
+                "come again and are acked then; raise lease_s (now %gs) above the time of "
+                "checkpoint_every (%d) steps",
+                lapsed,
+                self.config.lease_s,
+                self.config.checkpoint_every,
+            )
+
+    def give_back(self, untrained: Iterable[Claimed]) -> None:
+        """Return the samples of micro-batches claimed but not trained (nack)."""
+        for c in untrained:
+            for lease_id, keys in _group(c.leases).items():
+                try:
+                    self.client.nack(self.config.partition, self.task, lease_id, keys)
+                except QueueError as e:
+                    logger.warning("[trainer] could not give back lease %s: %s", lease_id, e)
+
+    def _consume_for_replaced(self) -> None:
+        """Claim and ack, for each registered task of an earlier launch, every sample it has
+        not consumed (no fields travel): this task alone holds them then."""
+        if not self.replaces:
+            return
+        part = self.client.stats()["partitions"].get(self.config.partition, {})
+        for task in part.get("registered", []):
+            if task == self.task or not task.startswith(self.replaces):
+                continue
+            while True:
+                got = self.client.claim(
+                    self.config.partition,
+                    task,
+                    [],
+                    _CONSUME_BATCH,
+                    fields=[],
+                    timeout_s=0.001,
+                    lease_s=self.config.lease_s,
+                )
+                if not got["keys"]:
+                    break
+                self.client.ack(self.config.partition, task, got["lease_id"])
+
+    def _pad(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return schema.pad_samples(
+            samples,
+            student_pad_id=self.worker.student_pad_id,
+            teacher_pad_id=self.worker.teacher_pad_id,
+        )
+
+    def _check_end(self) -> None:
+        """Decide whether this epoch's data ended for this rank."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        idle = self.config.idle_timeout_s
+        if idle is not None and now - self._idle_since >= idle:
+            logger.info("[trainer] no data for %.0fs (idle_timeout_s): epoch ends", idle)
+            self._ended = True
+            return
+        try:
+            marker = self.client.get(meta_partition(self.config.partition), [EOF_KEY])
+        except QueueError as e:
+            if e.code in ("not_found", "missing_field"):
+                return  # the collators are not done
+            raise
+        total = eof_samples(marker["fields"])
+        status = self.client.status(self.config.partition, self.task)
+        # samples retention dropped (acked by every registered task) were put too
+        put = status["samples"] + status.get("dropped", 0)
+        if status["pending"] == 0 and put >= total:
+            self._ended = True
+
+
+def _group(leases: dict[str, Any]) -> dict[Any, list[str]]:
+    out: dict[Any, list[str]] = {}
+    for key, lease_id in leases.items():
+        out.setdefault(lease_id, []).append(key)
+    return out
+
+
+def _rows(fields: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
+    """Split claimed fields of N samples into N jagged samples (1-d / 0-d tensors)."""
+    rows: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for name, value in fields.items():
+        if isinstance(value, JaggedColumn):
+            for i in range(n):
+                rows[i][name] = value.row(i)
+        else:
+            for i in range(n):
+                rows[i][name] = value[i]
+    return rows

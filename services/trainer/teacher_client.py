@@ -1,0 +1,283 @@
+"""The trainer's teacher client: asks its teacher group for the logits of a micro-batch, opens
+the result (a zero-copy view of a ring slot, or the teacher's output layer applied to hidden
+states), releases the slot once the backward read it.
+
+Per rank (records and names: services/protocol/):
+
+1. put one request per micro-batch into ``<partition>.teacher<group>``;
+2. wait for its record (``result<rank>``; records that already arrived are taken after each
+   backward is queued, off the step's critical path), open the slot (``LogitRingReader.view``:
+   the stream waits on the teacher's event) or apply the teacher's output layer to the hidden
+   states; a stale handle (dead teacher, overwritten slot) or a checksum mismatch is never
+   trained on: the micro-batch is requested again;
+3. after its backward: release the slot (once the GPU finished reading it), ack and clear the
+   record.
+
+A record of another instance of this rank (left by a trainer that died) is released and
+cleared. A teacher that does not answer within ``teacher_timeout_s`` is asked again. A request
+asked again (or redelivered after its teacher died) may come after requests of later
+micro-batches; when their results hold every slot of the ring, they give their slots back and are
+asked again once the waiting micro-batch has its result (the teacher has a slot for it).
+
+Legend: B rows of a micro-batch, U teacher tokens, W teacher vocab, d teacher hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from services import protocol as proto
+from services.trainer.config import TrainerConfig
+from xtoken_core.wire import JaggedColumn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class Asked:
+    """What this rank asked its teacher group for one micro-batch, and the answer.
+
+    Attributes:
+        rows: the B teacher-id rows of the request.
+        shape: ``(B, U)`` of the micro-batch's padded teacher ids (the result must match).
+        request_key: the key of the latest request record (``<instance>:<seq>``).
+        asked_at: when it was put (``time.monotonic``).
+        record: ``(Result, fields, lease id)`` once the teacher answered, else None.
+        attempts: requests put so far.
+    """
+
+    rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    shape: tuple[int, int] = (0, 0)
+    request_key: str = ""
+    asked_at: float = 0.0
+    record: Any = None
+    attempts: int = 0
+
+
+class TeacherClient:
+    """One rank's requests to its teacher group and their results.
+
+    Args:
+        client: a QueueClient (this thread's).
+        config: the trainer settings.
+        rank: this trainer rank (its group is ``rank % teacher_groups``).
+        worker: the TrainerWorker (its device).
+        reader: a LogitRingReader (ring transports), or None.
+        output_layer: the teacher's output layer (hidden transport), or None.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        config: TrainerConfig,
+        rank: int,
+        worker: Any,
+        *,
+        reader: Any = None,
+        output_layer: Any = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.rank = rank
+        self.worker = worker
+        self.reader = reader
+        self.output_layer = output_layer
+        self.instance = proto.new_instance()
+        self.group = rank % config.teacher_groups
+        self.req_partition = proto.request_partition(config.partition, self.group)
+        self.result_field = proto.result_field(rank)
+        self.hidden_field = proto.hidden_field(rank)
+        self.trainer_task = proto.trainer_task(rank, self.instance)
+        self._seq = 0
+        self._by_request: dict[str, Asked] = {}
+        self._held: dict[str, Asked] = {}  # request key -> micro-batch holding its record
+        self.deferred: list[Asked] = []  # gave their slot back: asked again later
+        self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
+
+    @property
+    def waiting(self) -> bool:
+        """Some request has no result yet."""
+        return bool(self._by_request)
+
+    def ask(self, p: Asked) -> None:
+        """Put a (new) request record for ``p``."""
+        self._seq += 1
+        p.request_key = f"{self.instance}:{self._seq}"
+        p.asked_at = time.monotonic()
+        p.attempts += 1
+        self.client.put(
+            self.req_partition, [p.request_key], proto.request_fields(p.rows, self.rank)
+        )
+        self._by_request[p.request_key] = p
+
+    def logits(self, p: Asked) -> torch.Tensor:
+        """Block until the teacher logits of ``p`` are valid.
+
+        Returns:
+            ``[B, U, W]`` on the worker's device.
+
+        Raises:
+            RuntimeError: the teacher refused the request.
+            ValueError: the result does not match the micro-batch's shape.
+        """
+        while True:
+            while p.record is None:
+                self.poll(p)
+            self._ask_deferred()
+            result, fields, _ = p.record
+            if result.error:
+                raise RuntimeError(f"the teacher refused a request: {result.error}")
+            try:
+                return self._open(p, result, fields)
+            except Exception as e:
+                from xtoken_core.ipc.logit_ring import StaleHandleError
+
+                if not isinstance(e, StaleHandleError | _ChecksumError):
+                    raise
+                self.counters[
+                    "stale" if isinstance(e, StaleHandleError) else "checksum_mismatch"
+                ] += 1
+                logger.warning("[trainer] %s: asking the teacher again", e)
+                self.drop_record(p)
+                self.ask(p)
+
+    def done(self, p: Asked) -> None:
+        """After the backward of ``p`` was queued: release its slot (the reader frees it once the
+        GPU work that reads it completed), ack and clear the record."""
+        result, _, lease_id = p.record
+        self._held.pop(p.request_key, None)
+        if result.handle is not None:
+            self.reader.release(result.descriptor, result.handle)
+        self.client.ack(self.req_partition, self.trainer_task, lease_id, [p.request_key])
+        self.client.clear(self.req_partition, [p.request_key])
+
+    def poll(self, waiting: Asked) -> None:
+        """One round of the wait for ``waiting``'s result: take the records that arrived, free
+        the ring for it when later results fill it, ask again after ``teacher_timeout_s``."""
+        self.claim_records(self.config.claim_timeout_s)
+        if waiting.record is None:
+            self._free_ring_for(waiting)
+        if (
+            waiting.record is None
+            and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s
+        ):
+            self.counters["re_requests"] += 1
+            logger.warning(
+                "[trainer] no teacher result for %s in %.0fs (teacher_timeout_s): asking again",
+                waiting.request_key,
+                self.config.teacher_timeout_s,
+            )
+            self._by_request.pop(waiting.request_key, None)
+            self.ask(waiting)
+
+    def claim_records(self, timeout_s: float) -> None:
+        """Take the teacher's result records that arrived (the server waits up to ``timeout_s``
+        for the first) and attach each to its micro-batch."""
+        got = self.client.claim(
+            self.req_partition,
+            self.trainer_task,
+            [self.result_field],
+            4,
+            fields=[self.result_field]
+            + ([self.hidden_field] if self.output_layer is not None else []),
+            timeout_s=timeout_s,
+            lease_s=self.config.lease_s,
+        )
+        keys = list(got["keys"])
+        for i, key in enumerate(keys):
+            result = proto.Result.from_blob(_row_column(got["fields"][self.result_field], i), key)
+            fields = {}
+            if self.hidden_field in got["fields"]:
+                fields[self.hidden_field] = _row_column(got["fields"][self.hidden_field], i)
+            p = self._by_request.pop(key, None)
+            record = (result, fields, got["lease_id"])
+            if p is None:  # another instance's, or a request we asked again
+                self._drop(key, record)
+                continue
+            p.record = record
+            self._held[key] = p
+
+    def drop_record(self, p: Asked) -> None:
+        """Release and clear the record ``p`` holds (it is not trained on)."""
+        self._drop(p.request_key, p.record)
+        self.counters["orphans"] -= 1
+        self._held.pop(p.request_key, None)
+        p.record = None
+
+    def _open(self, p: Asked, result: proto.Result, fields: dict) -> torch.Tensor:
+        B, U = p.shape
+        if result.rows != B or result.length != U:
+            raise ValueError(
+                f"teacher result {p.request_key!r} is {result.rows} x {result.length}, the "
+                f"micro-batch is {B} x {U}"
+            )
+        device = self.worker.device
+        if result.transport == "hidden":
+            hidden_BUd = proto.hidden_from_column(
+                fields[self.hidden_field], B, U, p.request_key
+            ).to(device, non_blocking=True)
+            with torch.no_grad():
+                return self.output_layer(hidden_BUd.to(self.output_layer.weight.dtype))
+        logits_BUW = self.reader.view(result.descriptor, result.handle)
+        if self.config.verify_logits and not self.reader.verify(logits_BUW, result.handle):
+            raise _ChecksumError(f"slot of {p.request_key!r} does not match its checksum")
+        if logits_BUW.device != device:  # a teacher on another GPU of the node: one P2P copy
+            logits_BUW = logits_BUW.to(device, non_blocking=True)
+        return logits_BUW
+
+    def _free_ring_for(self, waiting: Asked) -> None:
+        """Give back the slots of later micro-batches when their results fill a ring.
+
+        The teacher computes a request only into a free slot of this rank's ring, and this rank
+        frees slots in micro-batch order, so later results holding every slot while ``waiting``
+        has none would wait for each other forever.
+        """
+        by_ring: dict[Any, list[Asked]] = {}
+        for p in self._held.values():
+            result = p.record[0]
+            if p is not waiting and result.handle is not None:
+                by_ring.setdefault(result.descriptor.get("instance"), []).append(p)
+        for held in by_ring.values():
+            if len(held) < int(held[0].record[0].descriptor.get("num_slots", 0)):
+                continue
+            logger.warning(
+                "[trainer] results of %d later micro-batches hold every slot of their ring while "
+                "%s waits: giving them back, asking again after it",
+                len(held),
+                waiting.request_key,
+            )
+            for p in held:
+                self.drop_record(p)
+                self.deferred.append(p)
+
+    def _ask_deferred(self) -> None:
+        """Ask again for the micro-batches that gave their slots back."""
+        while self.deferred:
+            self.counters["re_requests"] += 1
+            self.ask(self.deferred.pop(0))
+
+    def _drop(self, key: str, record: tuple) -> None:
+        """Release and clear a record nobody will train on."""
+        self.counters["orphans"] += 1
+        result, _, lease_id = record
+        if result.handle is not None and self.reader is not None:
+            try:
+                self.reader.release(result.descriptor, result.handle)
+            except Exception as e:  # a dead teacher's ring: nothing to release
+                logger.debug("release of orphan %s: %s", key, e)
+        self.client.ack(self.req_partition, self.trainer_task, lease_id, [key])
+        self.client.clear(self.req_partition, [key])
+
+
+class _ChecksumError(RuntimeError):
+    """A slot's contents differ from the checksum its teacher published."""
+
+
+def _row_column(column: JaggedColumn, i: int) -> JaggedColumn:
+    row = column.row(i)
+    return JaggedColumn(row, torch.tensor([0, row.shape[0]], dtype=torch.int64))
