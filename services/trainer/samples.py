@@ -36,7 +36,7 @@ from services.protocol.names import meta_partition
 from services.queue.errors import QueueError
 from services.trainer.config import TrainerConfig
 from xtoken_core.data import sample as schema
-from xtoken_core.wire import JaggedColumn
+from xtoken_core.data_plane.codec import columns_to_samples
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class SampleFeed:
             return None
         self._idle_since = None
         lease_id = got["lease_id"]
-        rows = _rows(got["fields"], len(keys))
+        rows = columns_to_samples(got["fields"])
         fresh = [(k, r) for k, r in zip(keys, rows) if k not in self.trained]
         seen = [k for k in keys if k in self.trained]
         if seen:  # trained before (the checkpoint we resumed from, or a lease that lapsed)
@@ -281,15 +281,3 @@ def _group(leases: dict[str, Any]) -> dict[Any, list[str]]:
         out.setdefault(lease_id, []).append(key)
     return out
 
-
-def _rows(fields: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
-    """Split claimed fields of N samples into N jagged samples (1-d / 0-d tensors)."""
-    rows: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for name, value in fields.items():
-        if isinstance(value, JaggedColumn):
-            for i in range(n):
-                rows[i][name] = value.row(i)
-        else:
-            for i in range(n):
-                rows[i][name] = value[i]
-    return rows

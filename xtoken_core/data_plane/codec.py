@@ -1,30 +1,27 @@
 """Jagged <-> padded codec: per-token fields travel jagged, padding is paid only on materialize.
 
-Writer side: variable-length fields become ``torch.jagged`` nested tensors (``[N, j, *D]``)
-before a put (``to_nested_by_length``, ``maybe_pack_jagged``, ``pack_jagged_fields``). Reader
-side: ``materialize`` turns the fields of a claim into rectangular tensors, padding each jagged
-field with its own pad value. xtoken has no BatchedDataDict: ``materialize`` returns a plain
-``dict[str, Tensor | np.ndarray]``, which is what the trainer indexes and what ``torch`` ops
-accept directly (the TensorDict batch-size bookkeeping is no help once the rows are padded).
+``pad_jagged`` right-pads jagged rows into a rectangle (the padding under the trainer's batch,
+:func:`xtoken_core.data.batch.pad_batch`); ``materialize`` turns the fields of a claim into
+rectangular tensors, each jagged field padded with its own pad value; ``columns_to_samples``
+splits claimed columns into per-sample rows (the trainer's feed sorts and groups them into
+micro-batches), ``samples_to_columns`` is its inverse. xtoken has no BatchedDataDict:
+``materialize`` returns a plain ``dict[str, Tensor | np.ndarray]``, which is what the trainer
+indexes and what ``torch`` ops accept directly.
 
 Legend: N rows (samples), S padded sequence length, L_i the length of row i, R = sum L_i the
-total rows of a jagged values tensor, D... trailing per-token dims, P_i / Q_i prompt / response
-lengths of row i.
+total rows of a jagged values tensor, D... trailing per-token dims.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from xtoken_core.wire.tensors import JaggedColumn, is_jagged
-
-logger = logging.getLogger(__name__)
 
 Layout = Literal["padded", "jagged"]
 LAYOUTS: tuple[str, ...] = ("padded", "jagged")
@@ -114,184 +111,6 @@ def stack_or_nest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         raise ValueError(
             f"stack_or_nest: rows are neither equal-shape nor ragged in dim 0: {e}"
         ) from None
-
-
-def unwrap_wire_stripped_payload(item: Any) -> Any:
-    """Recover the payload of a possibly wire-stripped ``NonTensorData``.
-
-    A serializer that encodes any TensorDict as its tensor items turns ``NonTensorData`` (whose
-    payload is not a tensor) into an empty ``TensorDict({}, batch_size=[])``. Exactly that
-    signature maps to ``None``; a ``NonTensorData`` yields its ``.data``; anything else
-    (TensorDicts with tensors, with a batch size, or with a salvageable ``_non_tensordict``
-    payload) passes through unchanged so that real data is never dropped.
-
-    Args:
-        item: any value.
-
-    Returns:
-        The payload, ``None`` for the stripped signature, or ``item`` itself.
-    """
-    if isinstance(item, NonTensorData):
-        return item.data
-    if isinstance(item, TensorDictBase):
-        payload = getattr(item, "_non_tensordict", None)
-        if isinstance(payload, dict) and "data" in payload:
-            return payload["data"]
-        if item.batch_size == torch.Size([]) and item.is_empty():
-            return None
-    return item
-
-
-def maybe_pack_jagged(val: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Convert ``val`` to jagged iff it looks like a per-token field.
-
-    Shape-strict on purpose (no false positives on extras such as ``[N, 3, ...]`` features):
-    only ``val.shape[:2] == (N, max(lengths))`` qualifies.
-
-    Args:
-        val: any tensor (nested tensors pass through).
-        lengths: ``[N]`` per-row valid lengths.
-
-    Returns:
-        A ``torch.jagged`` nested tensor ``[N, j, *D]``, or ``val`` unchanged.
-
-    Raises:
-        ValueError: ``lengths`` is not a 1-D integer tensor or holds negative values.
-    """
-    n = lengths.shape[0] if isinstance(lengths, torch.Tensor) and lengths.ndim == 1 else -1
-    lengths_N = _check_lengths(lengths, n)
-    if not isinstance(val, torch.Tensor) or val.is_nested or val.ndim < 2 or n == 0:
-        return val
-    if val.shape[0] != n or val.shape[1] != int(lengths_N.max()):
-        return val
-    return to_nested_by_length(val, lengths_N)
-
-
-def pack_per_token_field(val: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Force a known per-token field to jagged, tolerating extra right-padding.
-
-    Unlike ``maybe_pack_jagged`` the seq dim may be wider than ``max(lengths)`` (e.g. rounded
-    up to a multiple of the tensor-parallel size); each row is cut to its own length.
-
-    Args:
-        val: ``[N, S, *D]`` with ``S >= max(lengths)``.
-        lengths: ``[N]`` per-row valid lengths.
-
-    Returns:
-        A ``torch.jagged`` nested tensor ``[N, j, *D]``; ``val`` unchanged when it cannot be
-        jaggedized (nested already, fewer than 2 dims, wrong N, or S < max(lengths)).
-
-    Raises:
-        ValueError: ``lengths`` is not a 1-D integer tensor or holds negative values.
-    """
-    n = lengths.shape[0] if isinstance(lengths, torch.Tensor) and lengths.ndim == 1 else -1
-    lengths_N = _check_lengths(lengths, n)
-    if not isinstance(val, torch.Tensor) or val.is_nested or val.ndim < 2 or val.shape[0] != n:
-        return val
-    if n and val.shape[1] < int(lengths_N.max()):
-        logger.debug("pack_per_token_field: S=%d < max length, left rectangular", val.shape[1])
-        return val
-    return to_nested_by_length(val, lengths_N)
-
-
-def pack_jagged_fields(
-    fields: Mapping[str, torch.Tensor | np.ndarray], *, lengths: torch.Tensor | None
-) -> TensorDict:
-    """Pack a column dict into the put layout: per-token fields jagged, others rectangular.
-
-    A layout transform, not serialization: tensors stay views where possible. Numeric numpy
-    arrays become tensors (shared memory), object arrays become ``NonTensorStack`` leaves.
-
-    Args:
-        fields: column name -> tensor ``[N, ...]``, nested tensor ``[N, j, ...]`` or
-            ``np.ndarray`` with N rows.
-        lengths: ``[N]`` per-row lengths for ``maybe_pack_jagged``; ``None`` disables jagged
-            conversion (every tensor passes through).
-
-    Returns:
-        ``TensorDict`` with ``batch_size=[N]``; N from ``lengths``, else from the first field's
-        leading dim (0 for no fields: a difference from the reference, whose N would be 0 and
-        then could not hold any field).
-
-    Raises:
-        TypeError: a value that is not a tensor or numpy array.
-        ValueError: fields disagree on N.
-    """
-    if lengths is not None:
-        n = int(lengths.shape[0]) if isinstance(lengths, torch.Tensor) and lengths.ndim == 1 else -1
-        _check_lengths(lengths, n)
-    else:
-        n = None
-    out: dict[str, Any] = {}
-    for name, val in fields.items():
-        if isinstance(val, np.ndarray):
-            if val.dtype == object:
-                out[name] = NonTensorStack.from_list(list(val))
-                rows = len(val)
-            else:
-                val = torch.from_numpy(val)
-        if isinstance(val, torch.Tensor):
-            if lengths is not None:
-                val = maybe_pack_jagged(val, lengths)
-            out[name] = val
-            rows = int(val.size(0)) if val.ndim else -1
-        elif name not in out:
-            raise TypeError(
-                f"field {name!r} is a {type(val).__name__}; pack_jagged_fields takes tensors and "
-                "numpy arrays"
-            )
-        n = rows if n is None else n
-        if rows != n:
-            raise ValueError(
-                f"field {name!r} has {rows} rows, expected N={n}: give every field N rows"
-            )
-    return TensorDict(out, batch_size=[n or 0])
-
-
-def response_from_nested(full: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Extract the left-shifted response slice of (prompt+response) rows.
-
-    ``full`` follows the next-token convention: ``full[i, p]`` belongs to the prediction of
-    token ``p + 1`` (e.g. logprobs). Row i has ``P_i + Q_i`` positions, ``Q_i`` from
-    ``response_mask``'s offsets, so the response tokens ``P_i .. P_i+Q_i-1`` are predicted at
-    positions ``P_i - 1 .. P_i + Q_i - 2``: that is the slice returned.
-
-    Args:
-        full: jagged nested ``[N, j, *D]`` with rows of ``P_i + Q_i`` positions.
-        response_mask: jagged nested ``[N, j]``; only its offsets are read (``Q_i``).
-
-    Returns:
-        Jagged nested ``[N, j, *D]`` with rows of ``Q_i`` positions.
-
-    Raises:
-        ValueError: not jagged, N differs, or a row with ``Q_i > 0`` has no prompt token
-            (``P_i == 0``: nothing predicts its first response token).
-    """
-    if not is_jagged(full) or not is_jagged(response_mask):
-        raise ValueError(
-            f"full and response_mask must be torch.jagged nested tensors, got {_describe(full)} "
-            f"and {_describe(response_mask)}"
-        )
-    full_col = JaggedColumn.from_nested(full)
-    q_N = JaggedColumn.from_nested(response_mask).lengths().cpu()
-    if q_N.numel() != full_col.num_rows:
-        raise ValueError(f"response_mask has {q_N.numel()} rows, full has {full_col.num_rows}")
-    full_off_N1 = full_col.offsets.cpu()
-    len_N = full_off_N1.diff()
-    bad = (q_N > 0) & (q_N >= len_N)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"row {i} has {int(len_N[i])} positions for a {int(q_N[i])}-token response; it "
-            "needs at least one prompt token before the response"
-        )
-    start_N = full_off_N1[1:] - q_N - 1
-    out_off_N1 = _offsets(q_N)
-    total = int(out_off_N1[-1])
-    index_R = torch.repeat_interleave(start_N - out_off_N1[:-1], q_N, output_size=total)
-    index_R += torch.arange(total)
-    values = full_col.values[index_R.to(full_col.values.device)]
-    return torch.nested.nested_tensor_from_jagged(values, out_off_N1.to(values.device))
 
 
 def pad_jagged(
@@ -453,51 +272,3 @@ def columns_to_samples(columns: Mapping[str, Any]) -> list[dict[str, torch.Tenso
         raise ValueError(f"columns disagree on the number of rows: {counts}")
     n = next(iter(counts.values()), 0)
     return [{name: r[i] for name, r in rows.items()} for i in range(n)]
-
-
-def to_wire_fields(td: TensorDictBase | Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Return the fields of a TensorDict as a plain dict for a wire ``put`` body.
-
-    Args:
-        td: TensorDict (or mapping) of tensors and jagged nested tensors.
-
-    Returns:
-        field -> tensor / nested tensor (the same objects: no copy).
-
-    Raises:
-        TypeError: a non-tensor leaf (they cannot travel: nothing is pickled on the wire).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, val in td.items():
-        if isinstance(val, JaggedColumn) or (
-            isinstance(val, torch.Tensor) and (not val.is_nested or is_jagged(val))
-        ):
-            out[name] = val
-        else:
-            raise TypeError(
-                f"field {name!r} is a {_describe(val)}; only tensors and jagged nested tensors "
-                "travel on the wire (send strings as msgpack values outside 'fields')"
-            )
-    return out
-
-
-def from_wire_fields(fields: Mapping[str, Any]) -> TensorDict:
-    """Wrap decoded wire fields (tensors, jagged nested, JaggedColumn) in a ``TensorDict [N]``.
-
-    Args:
-        fields: field -> column with N rows.
-
-    Returns:
-        ``TensorDict`` with ``batch_size=[N]`` (N = 0 for no fields), columns as nested tensors.
-
-    Raises:
-        ValueError: columns disagree on N.
-    """
-    out = {
-        name: (col.to_nested() if isinstance(col, JaggedColumn) else col)
-        for name, col in fields.items()
-    }
-    counts = {name: int(col.size(0)) for name, col in out.items()}
-    if len(set(counts.values())) > 1:
-        raise ValueError(f"fields disagree on the number of rows: {counts}")
-    return TensorDict(out, batch_size=[next(iter(counts.values()), 0)])

@@ -7,22 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from xtoken_core.data_plane.codec import (
     columns_to_samples,
-    from_wire_fields,
     materialize,
-    maybe_pack_jagged,
-    pack_jagged_fields,
-    pack_per_token_field,
     pad_jagged,
-    response_from_nested,
     samples_to_columns,
     stack_or_nest,
     to_nested_by_length,
-    to_wire_fields,
-    unwrap_wire_stripped_payload,
 )
 from xtoken_core.wire import JaggedColumn, decode_message, encode_message, is_jagged
 
@@ -108,130 +101,6 @@ def test_stack_or_nest_refuses_rows_ragged_beyond_dim_zero():
         stack_or_nest([torch.zeros(2, 3), torch.zeros(2, 4)])
 
 
-# -- unwrap_wire_stripped_payload ----------------------------------------------------------
-
-
-def test_stripped_non_tensor_data_signature_becomes_none():
-    assert unwrap_wire_stripped_payload(TensorDict({}, batch_size=[])) is None
-
-
-def test_non_tensor_data_yields_its_payload():
-    assert unwrap_wire_stripped_payload(NonTensorData({"a": 1})) == {"a": 1}
-
-
-@pytest.mark.parametrize(
-    "item",
-    [
-        TensorDict({"x": torch.zeros(2)}, batch_size=[]),
-        TensorDict({}, batch_size=[3]),
-        "text",
-        None,
-    ],
-    ids=["has-tensors", "has-batch", "str", "none"],
-)
-def test_anything_else_passes_through_unchanged(item):
-    assert unwrap_wire_stripped_payload(item) is item
-
-
-# -- maybe_pack_jagged / pack_per_token_field ----------------------------------------------
-
-
-def test_maybe_pack_jagged_packs_only_exact_per_token_shapes():
-    lengths = torch.tensor([2, 3])
-    assert is_jagged(maybe_pack_jagged(torch.zeros(2, 3, 4), lengths))
-    wider = torch.zeros(2, 4)
-    assert maybe_pack_jagged(wider, lengths) is wider  # S != max(lengths)
-    other_n = torch.zeros(3, 3)
-    assert maybe_pack_jagged(other_n, lengths) is other_n
-    vector = torch.zeros(2)
-    assert maybe_pack_jagged(vector, lengths) is vector
-
-
-def test_pack_per_token_field_cuts_extra_right_padding():
-    val = torch.arange(10).reshape(2, 5)  # S = 5 > max(lengths) = 3 (rounded up for TP)
-    out = pack_per_token_field(val, torch.tensor([3, 1]))
-    assert _rows(out) == [[0, 1, 2], [5]]
-
-
-@pytest.mark.parametrize("val", [torch.zeros(2, 2), torch.zeros(3, 5), torch.zeros(2)])
-def test_pack_per_token_field_leaves_what_cannot_be_jaggedized(val):
-    assert pack_per_token_field(val, torch.tensor([3, 1])) is val
-
-
-def test_pack_helpers_validate_lengths():
-    with pytest.raises(ValueError, match="negative"):
-        maybe_pack_jagged(torch.zeros(2, 3), torch.tensor([3, -1]))
-    with pytest.raises(ValueError, match="1-D"):
-        pack_per_token_field(torch.zeros(2, 3), torch.tensor(3))
-
-
-# -- pack_jagged_fields ----------------------------------------------------------------------
-
-
-def test_pack_jagged_fields_builds_a_tensordict_of_the_put_layout():
-    lengths = torch.tensor([2, 4])
-    td = pack_jagged_fields(
-        {
-            "ids": torch.arange(8).reshape(2, 4),
-            "score": torch.tensor([0.5, 1.0]),
-            "np_ids": np.arange(8).reshape(2, 4),
-            "text": np.array(["a", "bb"], dtype=object),
-        },
-        lengths=lengths,
-    )
-    assert td.batch_size == (2,)
-    assert is_jagged(td["ids"]) and _rows(td["ids"]) == [[0, 1], [4, 5, 6, 7]]
-    assert not td["score"].is_nested
-    assert is_jagged(td["np_ids"])
-    assert isinstance(td.get("text"), NonTensorStack)
-
-
-def test_pack_jagged_fields_without_lengths_keeps_tensors_rectangular():
-    td = pack_jagged_fields({"ids": torch.zeros(3, 4)}, lengths=None)
-    assert td.batch_size == (3,) and not td["ids"].is_nested
-
-
-def test_pack_jagged_fields_refuses_other_types_and_mismatched_rows():
-    with pytest.raises(TypeError, match="'bad'"):
-        pack_jagged_fields({"bad": [1, 2]}, lengths=None)
-    with pytest.raises(ValueError, match="rows"):
-        pack_jagged_fields({"a": torch.zeros(2), "b": torch.zeros(3)}, lengths=None)
-
-
-# -- response_from_nested --------------------------------------------------------------------
-
-
-def test_response_from_nested_takes_the_left_shifted_response_slice():
-    full = to_nested_by_length(torch.arange(20).reshape(2, 10), torch.tensor([5, 7]))
-    response_mask = to_nested_by_length(torch.ones(2, 3), torch.tensor([2, 3]))
-    # row 0: P=3, Q=2 -> positions 2, 3; row 1: P=4, Q=3 -> positions 13, 14, 15
-    assert _rows(response_from_nested(full, response_mask)) == [[2, 3], [13, 14, 15]]
-
-
-def test_response_from_nested_handles_empty_responses_and_trailing_dims():
-    full = JaggedColumn.from_rows([torch.randn(4, 2), torch.randn(2, 2)]).to_nested()
-    mask = JaggedColumn.from_rows([torch.ones(0), torch.ones(1)]).to_nested()
-    out = JaggedColumn.from_nested(response_from_nested(full, mask))
-    assert out.lengths().tolist() == [0, 1]
-    assert torch.equal(out.row(1), JaggedColumn.from_nested(full).row(1)[0:1])
-
-
-def test_response_from_nested_needs_a_prompt_token():
-    full = JaggedColumn.from_rows([torch.arange(2)]).to_nested()
-    mask = JaggedColumn.from_rows([torch.ones(2)]).to_nested()
-    with pytest.raises(ValueError, match="prompt token"):
-        response_from_nested(full, mask)
-
-
-def test_response_from_nested_refuses_non_jagged_or_mismatched_rows():
-    full = JaggedColumn.from_rows([torch.arange(4)]).to_nested()
-    with pytest.raises(ValueError, match="jagged"):
-        response_from_nested(torch.zeros(1, 4), full)
-    mask = JaggedColumn.from_rows([torch.ones(1), torch.ones(1)]).to_nested()
-    with pytest.raises(ValueError, match="rows"):
-        response_from_nested(full, mask)
-
-
 # -- materialize -----------------------------------------------------------------------------
 
 
@@ -309,7 +178,7 @@ def test_materialize_refuses_unknown_leaves():
         materialize({"x": [1, 2]})
 
 
-# -- per-sample <-> columnar and wire helpers -----------------------------------------------
+# -- per-sample <-> columnar ------------------------------------------------------------------
 
 
 def test_samples_and_columns_convert_both_ways():
@@ -332,20 +201,6 @@ def test_samples_with_different_keys_are_refused():
 def test_columns_with_different_row_counts_are_refused():
     with pytest.raises(ValueError, match="disagree"):
         columns_to_samples({"a": torch.zeros(2), "b": torch.zeros(3)})
-
-
-def test_wire_fields_round_trip_through_a_put_message():
-    td = _wire_td().exclude("text")
-    body = {"partition": "p", "keys": ["a", "b", "c"], "fields": to_wire_fields(td)}
-    decoded = decode_message(encode_message("put", body))
-    back = from_wire_fields(decoded.body["fields"])
-    assert back.batch_size == (3,)
-    assert materialize(back)["ids"].tolist() == materialize(td)["ids"].tolist()
-
-
-def test_non_tensor_fields_cannot_become_wire_fields():
-    with pytest.raises(TypeError, match="'text'"):
-        to_wire_fields(_wire_td())
 
 
 @pytest.mark.parametrize(
