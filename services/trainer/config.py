@@ -164,13 +164,13 @@ class TrainerConfig:
             "runs at micro_batch x max_length (0: 128 tokens)"
         },
     )
-    fused_head: bool | None = field(
-        default=None,
+    fused_head: bool = field(
+        default=False,
         metadata={
             "help": "compute the output layer and the loss together, one chunk-aligned block of "
             "rows at a time, never the whole [B*T, V] logits (xtoken_core.losses.fused_head): "
             "the forward runs the backbone, the head takes its hidden states and the output "
-            "weight (None: on for cuda, off on cpu; one process only)"
+            "weight (one process only; off by default until its GPU speed is measured)"
         },
     )
     activation_checkpointing: bool = field(

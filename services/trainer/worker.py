@@ -290,8 +290,7 @@ class TrainerWorker:
         from xtoken_core.losses.fused_head import FusedHead
         from xtoken_core.models import split_lm_head
 
-        wanted = self.config.fused_head
-        if not (self.device.type == "cuda" if wanted is None else wanted):
+        if not self.config.fused_head:
             return None, None, None
         why = None
         if self.world_size > 1:
@@ -306,10 +305,7 @@ class TrainerWorker:
             if lm_head is not None and getattr(lm_head, "bias", None) is not None:
                 why = "the student's output layer has a bias"
         if why is not None:
-            if wanted:
-                raise ValueError(f"fused_head: {why}; set trainer.fused_head: false")
-            logger.info("[trainer] fused output head off: %s", why)
-            return None, None, None
+            raise ValueError(f"fused_head: {why}; set trainer.fused_head: false")
         return FusedHead(self.loss_fn), backbone, lm_head
 
     @property
