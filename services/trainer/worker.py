@@ -5,7 +5,7 @@ hold their padded fields and a way to get their teacher logits (main.py's feed f
 the queue and the logit ring). Data parallel needs an initialized process group (the shell's);
 with one process the worker runs as is.
 
-One step (DESIGN.md, "Losses"): the global denominators over every micro-batch of every rank
+One step (docs/design.md, "The student step"): the global denominators over every micro-batch of every rank
 (``count_valid``, one all-reduce), then per micro-batch the student forward, the teacher logits,
 the loss and its backward (gradients synchronized on the last micro-batch only), then gradient
 clipping, a non-finite check, AdamW and the schedule. A rank with no data in a step runs one

@@ -2,7 +2,7 @@
 returns (:class:`KDResult`), the steps both engines share, and the reference engine.
 
 An engine computes the KD term of one micro-batch over every teacher, already divided by the
-valid-chunk denominators and weighted (DESIGN "Losses"), and runs the input checks the caller
+valid-chunk denominators and weighted (docs/design.md, "The loss math"), and runs the input checks the caller
 queued together with its own (one host readback). It may start on the student logits before
 the teachers are prepared (:meth:`KDEngine.start`). Two engines:
 

@@ -5,7 +5,7 @@ Everything here favours being obviously correct over being fast: chunk averages 
 the compute dtype (float32 for bf16/fp16/fp32 inputs, float64 for float64 inputs, so that
 ``torch.autograd.gradcheck`` runs on these functions).
 
-Conventions, chosen where DESIGN "Losses" leaves a choice, and followed by the kernel path:
+Conventions, chosen where the loss math (docs/design.md) leaves a choice, and followed by the kernel path:
 
 * Chunk ids given to the KD functions are already shifted to next-token targets
   (:func:`xtoken_core.losses.utils.shift_chunk_ids`).
@@ -98,7 +98,7 @@ def chunk_validity(
     pair_is_correct_BC: torch.Tensor | None = None,
     exact_token_match_only: bool = False,
 ) -> torch.Tensor:
-    """The full validity gate of DESIGN "Losses", from (shifted) chunk ids alone.
+    """The full validity gate of the loss math (docs/design.md), from (shifted) chunk ids alone.
 
     Args:
         student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.

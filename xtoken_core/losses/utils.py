@@ -21,7 +21,7 @@ from torch.amp import custom_bwd, custom_fwd
 
 logger = logging.getLogger(__name__)
 
-#: The flat alignment fields a batch carries (``alignment_<field>``), see DESIGN "Alignment".
+#: The flat alignment fields a batch carries (``alignment_<field>``), see docs/design.md, "The byte alignment".
 ALIGNMENT_FIELDS = (
     "pair_valid",
     "pair_is_correct",
