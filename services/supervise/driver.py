@@ -570,8 +570,8 @@ class Driver:
 
     def _put_eof(self) -> None:
         """After the collator's normal end: tell the trainers how many samples the epoch has."""
+        from services.protocol import put_eof
         from services.queue.client import QueueClient
-        from services.trainer.feed import put_eof
 
         if self.eof_done:
             return

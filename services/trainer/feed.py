@@ -14,15 +14,13 @@ import dataclasses
 from collections import deque
 from typing import Any
 
-from services.protocol.end_of_data import EOF_KEY, put_eof
-from services.protocol.names import meta_partition
 from services.trainer.config import TrainerConfig
 from services.trainer.samples import Claimed, SampleFeed
 from services.trainer.teacher_client import Asked, TeacherClient
 from services.trainer.worker import MicroBatch
 
 # The end-of-data marker is importable from here too (its former home).
-__all__ = ["EOF_KEY", "TeacherFeed", "meta_partition", "put_eof"]
+__all__ = ["TeacherFeed"]
 
 
 @dataclasses.dataclass(eq=False)

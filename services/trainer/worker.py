@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from services.teacher.worker import resolve_dtype
 from services.trainer.compile import (
     compile_student,
     compiled_graphs,
@@ -40,6 +39,7 @@ from services.trainer.compile import (
 )
 from services.trainer.config import TrainerConfig
 from services.trainer.precision import MasterWeights, fp32_allreduce_hook, resolve_param_dtype
+from xtoken_core.models.dtypes import resolve_dtype
 
 logger = logging.getLogger(__name__)
 

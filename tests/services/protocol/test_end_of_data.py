@@ -21,12 +21,3 @@ def test_put_eof_puts_the_marker_into_the_meta_partition():
     end_of_data.put_eof(Client(), "train", 7)
     assert puts == [(names.meta_partition("train"), [end_of_data.EOF_KEY], 7)]
     assert names.meta_partition("train") == "train.meta"
-
-
-def test_the_former_homes_still_export_the_names():
-    from services import protocol
-    from services.teacher import protocol as former
-    from services.trainer import feed
-
-    assert feed.put_eof is end_of_data.put_eof and feed.EOF_KEY == end_of_data.EOF_KEY
-    assert former.Result is protocol.Result and former.request_partition is names.request_partition
