@@ -9,6 +9,9 @@ the teacher and of the student before and after.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+from pathlib import Path
 
 DEMO_CONFIG = {
     "run_dir": "runs/demo",
@@ -65,9 +68,49 @@ def demo_config(args: argparse.Namespace | None = None):
     return run_config_from_dict(data)
 
 
+# written into every run directory the demo makes: only such a directory is the demo's to clear
+MARKER = ".xtoken-demo"
+
+
+def fresh_run_dir(path: str | os.PathLike) -> Path:
+    """Empty the demo's run directory for a fresh start, never deleting what the demo did not make.
+
+    A missing or empty directory is made the demo's (the marker is written into it); a directory
+    holding the marker is the demo's own, and its contents are cleared; any other non-empty
+    directory, or a path that is a file, is refused.
+
+    Args:
+        path: the run directory.
+
+    Returns:
+        The directory, empty but for the marker.
+
+    Raises:
+        ValueError: the path holds files the demo did not make (names the fix).
+    """
+    run_dir = Path(path)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {str(path)!r} is a file; name a new or empty directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if not (run_dir / MARKER).is_file():
+            raise ValueError(
+                f"--run-dir {str(path)!r} is not empty and was not made by the demo, which clears "
+                "its run directory at every start; name a new or empty directory"
+            )
+        for entry in run_dir.iterdir():
+            if entry.name == MARKER:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MARKER).write_text("made by `xtoken demo`: cleared at its next start\n")
+    return run_dir
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo distillation and print the held-out table."""
-    import shutil
     import sys
 
     from services.common.config import ConfigError
@@ -75,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = demo_config(args)
+        fresh_run_dir(config.run_dir)  # the demo always starts fresh
     except (ConfigError, ValueError) as e:
         print(f"xtoken demo: {e}", file=sys.stderr)
         return 2
-    shutil.rmtree(config.run_dir, ignore_errors=True)  # the demo always starts fresh
     return execute(config, progress=not args.no_progress)

@@ -1,0 +1,63 @@
+"""`xtoken demo`'s run directory: cleared only where the demo made it; anything else is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.demo import MARKER, fresh_run_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_new_directory_is_made_and_marked_as_the_demos(tmp_path):
+    run_dir = fresh_run_dir(tmp_path / "runs" / "demo")
+    assert run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [MARKER]
+
+
+def test_the_demos_own_directory_is_cleared_but_for_its_marker(tmp_path):
+    run_dir = fresh_run_dir(tmp_path / "demo")
+    (run_dir / "metrics").mkdir()
+    (run_dir / "metrics" / "trainer.rank0.jsonl").write_text("{}\n")
+    (run_dir / "summary.json").write_text("{}")
+    fresh_run_dir(run_dir)
+    assert [p.name for p in run_dir.iterdir()] == [MARKER]
+
+
+@pytest.mark.parametrize("setup", ["foreign file", "foreign folder"])
+def test_a_directory_the_demo_did_not_make_is_refused_and_kept(tmp_path, setup):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    keep = run_dir / "notes.txt" if setup == "foreign file" else run_dir / "src"
+    if setup == "foreign file":
+        keep.write_text("mine")
+    else:
+        keep.mkdir()
+    with pytest.raises(ValueError, match="not made by the demo.*new or empty directory"):
+        fresh_run_dir(run_dir)
+    assert keep.exists() and not (run_dir / MARKER).exists()
+
+
+def test_a_file_as_run_directory_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        fresh_run_dir(path)
+    assert path.read_text() == "x"
+
+
+def test_xtoken_demo_on_a_working_tree_exits_2_and_deletes_nothing(tmp_path):
+    (tmp_path / "README.md").write_text("a user's work")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "demo", "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "not made by the demo" in proc.stderr
+    assert (tmp_path / "README.md").read_text() == "a user's work"
