@@ -101,7 +101,10 @@ class RunTrainerConfig(TrainerConfig):
 class RunConfig:
     """A whole distillation run (``xtoken run CONFIG.yaml``)."""
 
-    run_dir: str = field(default="runs/demo", metadata={"help": "run directory"})
+    run_dir: str = field(
+        default="runs/default",
+        metadata={"help": "run directory (the demo has its own, runs/demo)"},
+    )
     partition: str = field(default="train", metadata={"help": "queue partition of the samples"})
     student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
     teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
