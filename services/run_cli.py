@@ -20,6 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML or JSON); see examples/demo.yaml")
     parser.add_argument("--run-dir", default=None, help="override run_dir of the config")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume",
+        action="store_true",
+        help="train on from the run directory's checkpoint even though it was made by another "
+        "config (by default only the same config resumes)",
+    )
+    start.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: the run directory, if it holds a checkpoint, is moved aside first",
+    )
     parser.add_argument(
         "--launcher",
         choices=("local", "ray"),
@@ -75,14 +87,22 @@ def run(args: argparse.Namespace) -> int:
     """Load the config and execute the run."""
     from services.common.config import ConfigError
     from services.supervise.config import load_run_config
+    from services.supervise.resume import plan_start
 
     try:
         config = load_run_config(args.config)
         if args.run_dir:
             config.run_dir = args.run_dir
+        start = plan_start(
+            config, resume=getattr(args, "resume", False), fresh=getattr(args, "fresh", False)
+        )
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtoken run: {e}", file=sys.stderr)
         return 2
+    if start.message:
+        print(f"xtoken run: {start.message}", file=sys.stderr)
+    if start.action == "complete":
+        return 0
     address = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS") or None
     kind = getattr(args, "launcher", None) or (
         "ray" if getattr(args, "ray_address", None) else "local"
