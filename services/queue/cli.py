@@ -174,6 +174,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest wait (seconds) a put or reserve may ask for (default 3600)",
     )
     serve.add_argument(
+        "--max-lease",
+        type=float,
+        default=3600.0,
+        help="longest lease (seconds) a claim may ask for; a longer lease_ms is refused "
+        "(default 3600): bounds how long a gone client's claim holds its samples",
+    )
+    serve.add_argument(
         "--heartbeat",
         type=float,
         default=10.0,
@@ -314,6 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
             tombstone_max_keys=args.tombstones,
             max_claim_wait_s=args.max_claim_wait,
             max_put_wait_s=args.max_put_wait,
+            max_lease_s=args.max_lease,
             heartbeat_s=args.heartbeat,
             data_dir=args.data_dir,
             fsync=args.fsync,

@@ -114,6 +114,9 @@ class ServerConfig:
             a larger one is refused (``bad_request`` naming the bound).
         max_put_wait_s: largest ``timeout_ms`` a put or reserve may ask for
             (``--max-put-wait``).
+        max_lease_s: largest ``lease_ms`` a claim may ask for (``--max-lease``); a longer one is
+            refused (``bad_request`` naming the bound): a lease outlives its client by at most
+            this much.
         heartbeat_s: the server pings every client connection this often (ZMTP heartbeats,
             answered by the client's zmq I/O thread) and closes one that sent nothing for 3
             periods (``--heartbeat``; 0 = off): a hung or unreachable client's parked requests
@@ -155,6 +158,7 @@ class ServerConfig:
     tombstone_max_keys: int = DEFAULT_MAX_KEYS
     max_claim_wait_s: float = 300.0
     max_put_wait_s: float = 3600.0
+    max_lease_s: float = 3600.0
     heartbeat_s: float = 10.0
     data_dir: str | None = None
     fsync: str = "interval"
@@ -184,6 +188,11 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 (--lease)")
+        if self.lease_s > self.max_lease_s:
+            raise ValueError(
+                f"lease_s={self.lease_s} is above max_lease_s={self.max_lease_s} "
+                "(--lease, --max-lease): lower --lease or raise --max-lease"
+            )
         if not 0 <= self.busy_poll_us <= 1_000_000:
             raise ValueError(
                 f"busy_poll_us={self.busy_poll_us}: must be in [0, 1e6] (--busy-poll-us; 0 = off)"
@@ -303,6 +312,13 @@ class _Parked:
     done: bool = False
     segment: PoolSegment | None = None  # a parked put's staged shared-memory segment
     since: float = field(default_factory=time.monotonic)
+
+    def finish(self) -> None:
+        """Answered or dropped: let go of the request's buffers at once (its body's tensors view
+        the received frames; a timer entry may outlive the request until its deadline)."""
+        self.done = True
+        self.frames = None
+        self.body = {}
 
 
 class QueueServer:
@@ -831,6 +847,14 @@ class QueueServer:
 
     def _on_claim(self, ident, rid, body, frames):
         timeout_s = self._wait_s(body, "claim")
+        lease_ms = body.get("lease_ms")
+        if lease_ms is not None and lease_ms > self.config.max_lease_s * 1000:
+            raise StoreError(
+                codes.BAD_REQUEST,
+                f"a lease of {lease_ms / 1000:g}s is above this server's bound of "
+                f"{self.config.max_lease_s:g}s (queue serve --max-lease): lower the claimer's "
+                "lease (trainer lease_s, or the lease_s of its claim calls) or raise --max-lease",
+            )
         batch = self._try_claim(body, ident)
         if batch is not None:
             return batch
@@ -997,7 +1021,7 @@ class QueueServer:
             try:
                 reply = self._try_claim(parked.body, parked.ident)
             except StoreError as e:
-                parked.done = True
+                parked.finish()
                 self._send_error(
                     parked.ident, parked.request_id, e.code, str(e), e.retryable, "claim"
                 )
@@ -1005,7 +1029,7 @@ class QueueServer:
             if reply is None:
                 keep.append(parked)
             else:
-                parked.done = True
+                parked.finish()
                 # undeliverable: the lease was given back and the next parked claim takes it
                 self._send_reply(parked.ident, parked.request_id, reply)
         if keep:
@@ -1036,7 +1060,7 @@ class QueueServer:
                     woken.add(body["partition"])
             except StoreError as e:
                 self._parked_puts.popleft()
-                parked.done = True
+                parked.finish()
                 if parked.segment is not None:
                     self.pool.unstage(parked.segment)
                 self._send_error(
@@ -1044,8 +1068,7 @@ class QueueServer:
                 )
                 continue
             self._parked_puts.popleft()
-            parked.done = True
-            parked.frames = None
+            parked.finish()
             if reply is not None:
                 self._send_reply(parked.ident, parked.request_id, reply)
         for partition in woken:
@@ -1076,23 +1099,27 @@ class QueueServer:
         self.pool.expire(now)
         if self.pool.held_bytes < held:
             self._wake_puts()  # retired segments were unlinked: room for parked puts
+        expired_puts = False
         while self._timers and (self._timers[0][2].done or self._timers[0][0] <= now):
             _, _, parked = heapq.heappop(self._timers)
             if parked.done:
                 continue
-            parked.done = True
+            parked.finish()
+            expired_puts = expired_puts or parked.kind != "claim"
             if parked.kind == "claim":
                 self._send_reply(
                     parked.ident, parked.request_id, {"keys": [], "fields": {}, "lease_id": None}
                 )
             else:
-                parked.frames = None
                 if parked.segment is not None:
                     self.pool.unstage(parked.segment)
                 err = self._full_error(0)
                 self._send_error(
                     parked.ident, parked.request_id, err.code, str(err), True, parked.kind
                 )
+        if expired_puts:
+            # refused puts leave the queue now, not at the next clear
+            self._parked_puts = collections.deque(p for p in self._parked_puts if not p.done)
 
     def _all_parked(self) -> list[_Parked]:
         out = [p for q in self._parked_claims.values() for p in q if not p.done]
@@ -1184,8 +1211,7 @@ class QueueServer:
         dropped = 0
         for parked in self._all_parked():
             if parked.ident == ident:
-                parked.done = True
-                parked.frames = None
+                parked.finish()
                 if parked.segment is not None:
                     self.pool.unstage(parked.segment)
                 dropped += 1
