@@ -14,7 +14,13 @@ Per rank (records and names: services/protocol/):
    record.
 
 A record of another instance of this rank (left by a trainer that died) is released and
-cleared. A teacher that does not answer within ``teacher_timeout_s`` is asked again. A request
+cleared. While it waits, a rank watches the heartbeat of its teacher's ring (the ring of the
+latest result): once it is older than ``dead_after_s`` (or the ring closed), the requests put
+before are cleared and put again at once, for the restarted teacher (the dead one's request
+lease would hold them for its ``lease_s``); their results, should they still come, are dropped,
+never trained on. A teacher that does not answer within ``teacher_timeout_s`` is asked again
+(the fallback for a teacher that died before this rank saw a result of it, and for the hidden
+transport, which has no ring). A request
 asked again (or redelivered after its teacher died) may come after requests of later
 micro-batches; when their results hold every slot of the ring, they give their slots back and are
 asked again once the waiting micro-batch has its result (the teacher has a slot for it).
@@ -97,6 +103,8 @@ class TeacherClient:
         self._by_request: dict[str, Asked] = {}
         self._held: dict[str, Asked] = {}  # request key -> micro-batch holding its record
         self.deferred: list[Asked] = []  # gave their slot back: asked again later
+        self._ring: dict | None = None  # descriptor of the newest live ring a result came from
+        self._dead_at: dict[int, float] = {}  # ring instance -> when it was found dead
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
 
     @property
@@ -143,6 +151,7 @@ class TeacherClient:
                     "stale" if isinstance(e, StaleHandleError) else "checksum_mismatch"
                 ] += 1
                 logger.warning("[trainer] %s: asking the teacher again", e)
+                self._dead_since(result.descriptor)  # asked again now: not again on the death
                 self.drop_record(p)
                 self.ask(p)
 
@@ -162,6 +171,8 @@ class TeacherClient:
         self.claim_records(self.config.claim_timeout_s)
         if waiting.record is None:
             self._free_ring_for(waiting)
+        if waiting.record is None:
+            self._ask_again_if_teacher_died()
         if (
             waiting.record is None
             and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s
@@ -201,6 +212,47 @@ class TeacherClient:
                 continue
             p.record = record
             self._held[key] = p
+            desc = result.descriptor
+            if result.handle is not None and desc.get("instance") not in self._dead_at:
+                self._ring = desc
+
+    def _dead_since(self, descriptor: dict | None) -> float | None:
+        """When the ring of ``descriptor`` was first found dead (None: it lives)."""
+        if descriptor is None or self.reader is None:
+            return None
+        instance = descriptor.get("instance")
+        if instance not in self._dead_at:
+            why = self.reader.why_dead(descriptor)
+            if why is None:
+                return None
+            self._dead_at[instance] = time.monotonic()
+            logger.warning("[trainer] %s", why)
+        return self._dead_at[instance]
+
+    def _ask_again_if_teacher_died(self) -> None:
+        """Put again, at once, the requests put before the teacher's ring was found dead.
+
+        The dead teacher's request lease would keep them from its successor for the teacher's
+        ``lease_s``; the old records are cleared (a result already on one is dropped with it),
+        so the successor computes each micro-batch once and no stale slot is read.
+        """
+        dead_at = self._dead_since(self._ring)
+        if dead_at is None:
+            return
+        again = [p for p in self._by_request.values() if p.asked_at <= dead_at]
+        if not again:
+            return
+        logger.warning(
+            "[trainer] the teacher is dead (heartbeat older than dead_after_s=%gs): asking its "
+            "successor again for %d request(s)",
+            self.config.dead_after_s,
+            len(again),
+        )
+        for p in again:
+            self._by_request.pop(p.request_key, None)
+            self.client.clear(self.req_partition, [p.request_key])
+            self.counters["re_requests"] += 1
+            self.ask(p)
 
     def drop_record(self, p: Asked) -> None:
         """Release and clear the record ``p`` holds (it is not trained on)."""

@@ -659,6 +659,29 @@ class LogitRingReader:
             self._check_alive(desc, ring.header_H)
             ring.table.validate(h.slot, h.generation)
 
+    def why_dead(self, descriptor: dict) -> str | None:
+        """Why the ring's teacher is gone, or None while it lives (a cheap read of the header's
+        closed and heartbeat words: a trainer calls it while it waits for a result).
+
+        Args:
+            descriptor: the ring's ``LogitRingWriter.descriptor``.
+
+        Returns:
+            None if the ring is open and its heartbeat younger than ``dead_after_s``; else one
+            line naming the teacher pid and the cause (closed, heartbeat age, segment gone).
+
+        Raises:
+            ValueError: a malformed descriptor, or a header that is not this ring's.
+        """
+        desc = parse_descriptor(descriptor)
+        with self._lock:
+            try:
+                ring = self._ring(desc)
+                self._check_alive(desc, ring.header_H)
+            except StaleHandleError as e:
+                return str(e)
+        return None
+
     def view(self, descriptor: dict, handle: dict) -> torch.Tensor:
         """The published logits of a handle, in place.
 
