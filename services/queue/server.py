@@ -104,8 +104,8 @@ class ServerConfig:
             room is needed.
         shm_reserve_s: seconds a shared-memory reservation stays valid without a put
             (``--shm-reserve-timeout``).
-        shm_reserve_max_bytes: most bytes one client (connection) may hold reserved and not
-            yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
+        shm_reserve_max_bytes: most bytes one client (the instance its hello names, over all
+            its connections) may hold reserved and not yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
             once (``bad_request``; the client sends frames), one that would pass it with the
             client's other reservations gets ``queue_full`` at once instead of waiting.
         tombstone_max_keys: most keys per partition remembered as consumed after retention
@@ -725,7 +725,7 @@ class QueueServer:
             )
         timeout_s = self._wait_s(body, "reserve")
         self._check_reserve_quota(ident, nbytes)
-        reply = self._try_reserve(nbytes, ident)
+        reply = self._try_reserve(nbytes, self._quota_owner(ident))
         if reply is not None:
             return reply
         if timeout_s <= 0:
@@ -733,11 +733,19 @@ class QueueServer:
         self._park(_Parked("reserve", ident, rid, body, time.monotonic() + timeout_s))
         return None
 
+    def _quota_owner(self, ident: bytes) -> bytes:
+        """Whom a connection's reservations count against: the client instance its hello named
+        (every connection of one client shares one ``--shm-reserve-max``), else the connection.
+        """
+        return self._owner(ident).encode()
+
     def _check_reserve_quota(self, ident: bytes, nbytes: int) -> None:
         """Refuse a reserve past ``shm_reserve_max_bytes`` for this client, at once.
 
         Checked before any segment is made: one client must not hold a large share of the
-        capacity (a reserve commits no memory, but its bytes count against the capacity).
+        capacity (a reserve commits no memory, but its bytes count against the capacity). The
+        bound holds per client identity (its hello's instance), not per connection: more
+        connections get a client no more reserved bytes.
         """
         from services.queue.cli import format_size
 
@@ -752,7 +760,7 @@ class QueueServer:
                 f"{format_size(limit)} (queue serve; a quarter of --capacity by default); send "
                 "the put as frames, split it, or raise --shm-reserve-max",
             )
-        held = self.pool.client_bytes(ident)
+        held = self.pool.client_bytes(self._quota_owner(ident))
         if held + size > limit:
             raise StoreError(
                 codes.QUEUE_FULL,
@@ -1047,7 +1055,7 @@ class QueueServer:
             try:
                 if parked.kind == "reserve":
                     self._check_reserve_quota(parked.ident, body["nbytes"])
-                    reply = self._try_reserve(body["nbytes"], parked.ident)
+                    reply = self._try_reserve(body["nbytes"], self._quota_owner(parked.ident))
                     if reply is None:
                         break
                 else:

@@ -60,3 +60,23 @@ def test_a_lease_above_max_lease_is_refused_naming_the_flag(make_server):
         assert err.value.code == "bad_request" and "--max-lease" in str(err.value)
         got = c.claim("p", "t", ["x"], 1, lease_s=600)  # the server lives; the bound is allowed
         assert got["keys"] == ["k0"]
+
+
+def test_the_reservation_cap_holds_per_client_not_per_connection(make_server):
+    srv = make_server("--capacity", "64MiB", "--shm-reserve-max", "16MiB")
+    # four connections of one client (one instance, as every client of a process has)
+    clients = [QueueClient(srv.address, timeout_s=5, instance="abuser") for _ in range(4)]
+    other = QueueClient(srv.address, timeout_s=5, instance="producer")
+    try:
+        held = [clients[0].reserve(12 * MIB, timeout_s=0)]
+        for c in clients[1:]:
+            with pytest.raises(QueueError) as err:
+                held.append(c.reserve(12 * MIB, timeout_s=0))
+            assert err.value.code == "queue_full" and "--shm-reserve-max" in str(err.value)
+        # another client is not blocked: its own quota, and the capacity is not held
+        region = other.reserve(12 * MIB, timeout_s=0)
+        put = other.put("p", ["k0"], payload(8 * MIB, 0), timeout_s=0, reservation=region)
+        assert put["new_samples"] == 1
+    finally:
+        for c in [*clients, other]:
+            c.close()

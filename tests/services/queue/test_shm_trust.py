@@ -153,8 +153,9 @@ def test_a_reserve_past_the_per_client_bound_is_refused_at_once(make_server):
         assert e.value.code == "queue_full" and e.value.retryable
         assert "--shm-reserve-max" in e.value.message
         assert time.monotonic() - t < 5  # answered at once, not after the 30 s wait
-        with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0) as other:
-            assert other.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # its own quota
+        # another client (instance) has its own quota; another connection of this one not
+        with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0, instance="other") as other:
+            assert other.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20
         client.put("big", ["a"], {"x": torch.ones(1, 1 << 10)}, reservation=first)
         assert client.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # the put freed it
         # a put larger than the bound travels as frames instead of failing
