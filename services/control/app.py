@@ -257,6 +257,8 @@ def build_supervisor(settings: Settings) -> Supervisor:
         tick_s=settings.tick_s,
         dead_after_s=settings.dead_after_s,
         default_queue=settings.queue,
+        max_run_processes=settings.max_run_processes,
+        max_processes=settings.max_processes,
     )
 
 

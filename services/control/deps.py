@@ -53,6 +53,38 @@ def refuse_cross_site(request: Request) -> None:
         )
 
 
+def _presents_token(request: Request) -> bool:
+    token = request.app.state.settings.token
+    if not token:
+        return False
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+
+
+def check_host(request: Request) -> None:
+    """A read is answered under a loopback Host, the bound address or an allowed host
+    (``XTOKEN_CONTROL_ALLOWED_HOSTS``), or with the token.
+
+    A DNS-rebinding page (rebound.example resolved to this server) is same-origin to itself and
+    could read every run's config, logs and metrics; its Host names the page's domain, which is
+    none of these, and it cannot know the token.
+
+    Raises:
+        HTTPException: 403 naming the Host and the setting.
+    """
+    settings = request.app.state.settings
+    host = request.headers.get("host", "")
+    if settings.host_allowed(host) or _presents_token(request):
+        return
+    raise HTTPException(
+        status_code=403,
+        detail=f"this control plane answers reads under Host {host!r} only with its token; "
+        "call it by a loopback name or its bound address, add the name to "
+        "XTOKEN_CONTROL_ALLOWED_HOSTS, or send 'Authorization: Bearer <token>' "
+        "(XTOKEN_CONTROL_TOKEN)",
+    )
+
+
 def require_token(request: Request) -> None:
     """Mutating calls come from this origin (:func:`refuse_cross_site`) and present
     ``Authorization: Bearer <token>`` when a token is configured.
@@ -61,15 +93,11 @@ def require_token(request: Request) -> None:
         HTTPException: 403 from another origin; 401 without the header or with another token.
     """
     refuse_cross_site(request)
-    token = request.app.state.settings.token
-    if not token:
+    if not request.app.state.settings.token or _presents_token(request):
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
-        raise HTTPException(
-            status_code=401,
-            detail="this call changes runs and needs 'Authorization: Bearer <token>' with the "
-            "control plane's token (XTOKEN_CONTROL_TOKEN)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    raise HTTPException(
+        status_code=401,
+        detail="this call changes runs and needs 'Authorization: Bearer <token>' with the "
+        "control plane's token (XTOKEN_CONTROL_TOKEN)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.control.body import BodyLimits
 
 
 class Settings(BaseSettings):
@@ -28,6 +31,28 @@ class Settings(BaseSettings):
     launcher: str = Field("local", description="launcher of run processes: local or ray")
     ray_address: str | None = Field(None, description="Ray cluster address (launcher=ray)")
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")
+    max_config_depth: int = Field(
+        32, gt=0, le=500, description="most levels of nesting of a submitted config"
+    )
+    max_config_aliases: int = Field(
+        64, ge=0, description="most YAML aliases (*name) in a submitted config"
+    )
+    max_config_nodes: int = Field(
+        100_000, gt=0, description="most values of a submitted config, its aliases expanded"
+    )
+    max_run_processes: int = Field(
+        64,
+        gt=0,
+        description="most processes of one run (queue, collator workers, teachers, trainers)",
+    )
+    max_processes: int = Field(
+        256, gt=0, description="most processes of all active runs of this control plane"
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names (comma-separated) that reads without the token may use "
+        "besides loopback names and the bound address, when bound beyond loopback",
+    )
     tick_s: float = Field(0.2, gt=0, description="seconds between two looks at a run")
     dead_after_s: float = Field(
         5.0, gt=0, description="a process without a heartbeat this long is dead"
@@ -48,7 +73,7 @@ class Settings(BaseSettings):
         QueueSection(address=value)  # ValueError names the forms accepted
         return value
 
-    @field_validator("data_root", mode="before")
+    @field_validator("data_root", "allowed_hosts", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
@@ -61,6 +86,20 @@ class Settings(BaseSettings):
         if value not in ("local", "ray"):
             raise ValueError(f"launcher={value!r}: use local or ray")
         return value
+
+    def body_limits(self) -> BodyLimits:
+        """The limits of a submitted config's body."""
+        return BodyLimits(self.max_config_depth, self.max_config_aliases, self.max_config_nodes)
+
+    def host_allowed(self, host: str) -> bool:
+        """A ``Host`` header's name is loopback, the bound address or an allowed host."""
+        name = (urlsplit(f"//{host}").hostname or "") if host else ""
+        if is_loopback(name):
+            return True
+        names = {h.strip().lower().strip("[]") for h in self.allowed_hosts if h.strip()}
+        if self.host not in ("0.0.0.0", "::", ""):
+            names.add(self.host.lower().strip("[]"))
+        return name.lower() in names
 
     def db_path(self) -> Path:
         """The SQLite file."""

@@ -77,6 +77,8 @@ class Supervisor:
         default_queue: the address of a running queue server that runs use when their config
             names none (``queue.address`` absent; null keeps a queue of the run's own); None:
             every run starts its own queue.
+        max_run_processes: most processes of one run (:attr:`RunConfig.process_count`).
+        max_processes: most processes of all active runs together.
     """
 
     def __init__(
@@ -90,6 +92,8 @@ class Supervisor:
         queue_stats_s: float = 2.0,
         dead_after_s: float = 5.0,
         default_queue: str | None = None,
+        max_run_processes: int = 64,
+        max_processes: int = 256,
     ) -> None:
         self.store = store
         self.runs_root = Path(runs_root).resolve()
@@ -99,6 +103,8 @@ class Supervisor:
         self.queue_stats_s = queue_stats_s
         self.dead_after_s = dead_after_s
         self.default_queue = default_queue
+        self.max_run_processes = max_run_processes
+        self.max_processes = max_processes
         self.host = socket.gethostname()
         self._live: dict[str, LiveRun] = {}  # run id -> its live side (kept after it ends)
         self._lock = threading.RLock()
@@ -218,18 +224,92 @@ class Supervisor:
                 f"dead_after_s ({self.dead_after_s:g}); lower heartbeat_s"
             )
         _check_files(config)
+        self._check_processes(run_config)
         with self._lock:
-            for rec in self.store.list_runs():
-                if rec["state"] in ACTIVE and rec["run_dir"] == config["run_dir"]:
-                    raise Conflict(
-                        f"run_dir={config['run_dir']!r} is used by run {rec['id']} "
-                        f"({rec['state']}); pick another run_dir or stop that run"
-                    )
+            self._check_run_dir(Path(config["run_dir"]))
+            self._plan_start(run_config)
             self.store.create_run(run_id, name or run_id, config, config["run_dir"])
         self.journal.event(run_id, "state", {"state": PENDING})
         logger.info("[control] run %s submitted (run_dir %s)", run_id, config["run_dir"])
         self._spawn(run_id, config, launch=True)
         return self.get(run_id)
+
+    def _check_processes(self, run_config: Any) -> None:
+        """The run's processes fit the caps of one run and of the control plane.
+
+        Raises:
+            ConfigError: over a cap (names the setting).
+        """
+        from services.common.config import ConfigError
+
+        n = run_config.process_count
+        if n > self.max_run_processes:
+            raise ConfigError(
+                f"trainers={run_config.trainers}, teachers={run_config.teachers}, "
+                f"collator.workers={run_config.collator.workers}: the run would start {n} "
+                f"processes, more than {self.max_run_processes} (XTOKEN_CONTROL_MAX_RUN_PROCESSES)"
+                "; use fewer, or raise the setting"
+            )
+        active = 0
+        for rec in self.store.list_runs():
+            if rec["state"] in ACTIVE:
+                try:
+                    active += _run_config(rec["config"]).process_count
+                except ValueError:
+                    continue
+        if active + n > self.max_processes:
+            raise ConfigError(
+                f"the run would start {n} processes and active runs hold {active}: more than "
+                f"{self.max_processes} (XTOKEN_CONTROL_MAX_PROCESSES); wait for a run to end, "
+                "stop one, or raise the setting"
+            )
+
+    def _check_run_dir(self, run_dir: Path) -> None:
+        """No other active run and not the control database own ``run_dir`` (the same directory,
+        one inside the other, or the database's files).
+
+        Raises:
+            Conflict: names the owner and what to do.
+        """
+        db = Path(self.store.path).resolve() if self.store.path != ":memory:" else None
+        if db is not None and (
+            _nested(run_dir, db)
+            or (run_dir.parent == db.parent and run_dir.name.startswith(db.name))  # -wal, -shm
+        ):
+            raise Conflict(
+                f"run_dir={str(run_dir)!r} is the control plane's database ({db}); pick another "
+                "run_dir, or leave it out (the control plane picks one)"
+            )
+        if run_dir.exists() and not run_dir.is_dir():
+            raise Conflict(
+                f"run_dir={str(run_dir)!r} is a file, not a directory; pick another run_dir"
+            )
+        for rec in self.store.list_runs():
+            if rec["state"] in ACTIVE and _nested(run_dir, Path(rec["run_dir"])):
+                raise Conflict(
+                    f"run_dir={str(run_dir)!r} overlaps {rec['run_dir']!r} of run {rec['id']} "
+                    f"({rec['state']}); pick another run_dir or stop that run"
+                )
+
+    def _plan_start(self, run_config: Any) -> None:
+        """A run directory holding the checkpoint of another run (another fingerprint) or of a
+        finished run is refused; a fresh one records the run's fingerprint
+        (:func:`services.supervise.resume.plan_start`, as ``xtoken run`` does).
+
+        Raises:
+            Conflict: names the differences and what to do.
+        """
+        from services.supervise.resume import plan_start
+
+        try:
+            plan = plan_start(run_config)
+        except ValueError as e:
+            message = str(e).split("; pass --resume")[0]
+            raise Conflict(
+                f"{message}; pick another run_dir, or move that directory away"
+            ) from None
+        if plan.action == "complete":
+            raise Conflict(f"{plan.message}; pick another run_dir to train again")
 
     def stop(self, run_id: str, grace_s: float = 300.0) -> dict[str, Any]:
         """Ask an active run to stop: trainers checkpoint at one step boundary, then all exit
@@ -464,6 +544,17 @@ class Supervisor:
             else ((rec["config"].get("queue") or {}).get("address")),
             "config": rec["config"],
         }
+
+
+def _run_config(config: dict[str, Any]) -> Any:
+    from services.supervise.config import run_config_from_dict
+
+    return run_config_from_dict(config)
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` are the same path or one lies inside the other."""
+    return a == b or a in b.parents or b in a.parents
 
 
 def _check_files(config: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ run directory) are set once at the top; each process's own section is nested bel
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import field
 from typing import Any
@@ -16,19 +17,65 @@ from services.common import config as cfgmod
 from services.teacher.worker import TeacherConfig
 from services.trainer.config import TrainerConfig
 
+# the longest context a run may ask for (tokens per text); beyond it no model here fits
+MAX_CONTEXT = 1 << 20
+# the largest queue a run may ask for
+MAX_QUEUE_BYTES = 1 << 50
+
+
+def parse_size(text: object) -> int:
+    """A byte size from ``512MiB``, ``8GiB``, ``2GB``, ``1e9`` or ``1048576``.
+
+    Raises:
+        ValueError: not a size, not positive, or not finite (names the value and the forms).
+    """
+    from services.queue.cli import parse_size as parse
+
+    try:
+        return parse(str(text))
+    except OverflowError:  # 1e999: an infinite float
+        raise ValueError(f"size {text!r} is not finite; write e.g. 512MiB or 8GiB") from None
+
+
+def check_finite(obj: object, *names: str) -> None:
+    """Every named float field of ``obj`` is a finite number (``1e999`` reads as inf).
+
+    Raises:
+        ValueError: names the field, its value and the fix.
+    """
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name}={value}: must be a finite number")
+
 
 @dataclasses.dataclass
 class DataConfig:
     """Training and held-out text."""
 
     train: str | None = field(
-        default=None, metadata={"help": "training corpus (.jsonl/.txt/.parquet); None: demo corpus"}
+        default=None,
+        metadata={
+            "help": "training corpus: a .jsonl/.txt/.parquet file, a folder of them or a glob "
+            "(as the collator's --data); None: the demo corpus"
+        },
     )
     heldout: str | None = field(
-        default=None, metadata={"help": "held-out corpus for bits/byte; None: the demo's"}
+        default=None,
+        metadata={
+            "help": "held-out corpus for bits/byte; None: the last trainer.eval_texts texts of "
+            "data.train (not trained on), or the demo's with the demo corpus"
+        },
     )
     limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
     text_field: str = field(default="text", metadata={"help": "JSON field / parquet column"})
+    skip_bad_lines: bool = field(
+        default=False,
+        metadata={
+            "help": "skip (log and count) corpus lines without usable text instead of stopping "
+            "the run at the first (the collator's --skip-bad-lines)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -45,6 +92,8 @@ class CollatorSection:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.batch < 1:
             raise ValueError("collator.workers and collator.batch must be >= 1")
+        if self.batch > 1 << 20:
+            raise ValueError(f"batch={self.batch}: at most {1 << 20} texts per put")
 
 
 @dataclasses.dataclass
@@ -149,6 +198,23 @@ class RunConfig:
         for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("ctx_student", "ctx_teacher"):
+            if getattr(self, name) > MAX_CONTEXT:
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: at most {MAX_CONTEXT} tokens per text"
+                )
+        try:
+            size = parse_size(self.queue_capacity)
+        except ValueError as e:
+            raise ValueError(f"queue_capacity={self.queue_capacity!r}: {e}") from None
+        if size > MAX_QUEUE_BYTES:
+            raise ValueError(
+                f"queue_capacity={self.queue_capacity!r}: at most {MAX_QUEUE_BYTES} bytes (1PiB)"
+            )
+        check_finite(self, "restart_backoff_s", "ready_timeout_s", "heartbeat_s", "hang_after_s")
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"ready_timeout_s={self.ready_timeout_s}: must be > 0")
+        _check_tree(self)
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts}: must be >= 0")
         if self.restart_backoff_s < 0:
@@ -186,6 +252,33 @@ class RunConfig:
                 f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "
                 "ranks r with r % teachers == group, so extra teachers would idle"
             )
+
+    @property
+    def process_count(self) -> int:
+        """Processes the run starts: its queue (unless external), the collator's workers, a
+        teacher per group (when the loss uses one) and a trainer per rank."""
+        teachers = self.teachers if self.trainer.loss.uses_teacher else 0
+        own_queue = 0 if self.queue.address else 1
+        return own_queue + self.collator.workers + teachers + self.trainers
+
+
+def _check_tree(config: object, prefix: str = "") -> None:
+    """Every float of a config tree is finite (``1e999`` reads as inf) and every context length
+    is at most :data:`MAX_CONTEXT`: a value no process could use is refused at submit time.
+
+    Raises:
+        ValueError: names the dotted key, its value and the bound.
+    """
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_tree(value, f"{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}={value}: must be a finite number")
+        elif isinstance(value, int) and ("ctx" in f.name or f.name == "max_length"):
+            if value > MAX_CONTEXT:
+                raise ValueError(f"{key}={value}: at most {MAX_CONTEXT} tokens per text")
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:

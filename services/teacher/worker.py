@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import field
 from typing import Any, Literal
 
@@ -134,8 +135,13 @@ class TeacherConfig:
         if self.group < 0:
             raise ValueError(f"group={self.group}: must be >= 0")
         for name in ("lease_s", "claim_timeout_s", "queue_timeout_s", "heartbeat_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+            value = getattr(self, name)
+            if not 0 < value < math.inf:  # nan and 1e999 (inf) too
+                raise ValueError(f"{name}={value}: must be a finite number of seconds > 0")
+        if self.max_length > 1 << 20 or self.eval_ctx > 1 << 20:
+            raise ValueError(
+                f"max_length={self.max_length}, eval_ctx={self.eval_ctx}: at most {1 << 20} tokens"
+            )
         resolve_dtype(self.dtype, self.device)
         resolve_dtype(self.logits_dtype, self.device)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import field
 from typing import ClassVar, Literal
 
@@ -27,6 +28,9 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "min_lr_ratio", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):  # 1e999 reads as inf
+                raise ValueError(f"{name}={getattr(self, name)}: must be a finite number")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}: must be > 0")
         if self.warmup_steps < 0:

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from services.common.config import ConfigError
-from services.control.deps import get_supervisor, require_token
+from services.control.body import parse_body
+from services.control.deps import check_host, get_supervisor, require_token
 from services.control.schemas import (
     ErrorOut,
     MetricsOut,
@@ -25,47 +25,15 @@ from services.control.schemas import (
 from services.control.states import ACTIVE
 from services.control.supervisor import Supervisor
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+# every call checks its Host first (reads too: DNS rebinding); writes then need the token
+router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[Depends(check_host)])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "missing or wrong bearer token"},
+    403: {"model": ErrorOut, "description": "a Host that is not allowed (reads), another origin"},
     404: {"model": ErrorOut, "description": "no such run"},
 }
-YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 SSE_KEEPALIVE_S = 15.0
-
-
-def parse_body(body: bytes, content_type: str) -> Any:
-    """A run config from a request body: JSON or YAML (by content type; otherwise JSON, then
-    YAML).
-
-    Raises:
-        ConfigError: the body is empty, not UTF-8, or does not parse (names the line).
-    """
-    from services.common import config as cfgmod
-
-    if not body.strip():
-        raise ConfigError("the request body is empty; send a run config as JSON or YAML")
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError("the request body is not UTF-8 text; send JSON or YAML") from None
-    ctype = content_type.split(";")[0].strip().lower()
-    if ctype not in YAML_TYPES:
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            if ctype == "application/json":
-                raise ConfigError(
-                    f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-                ) from None
-    import yaml
-
-    try:
-        # the config parser's loader (reads 1e-4 as a float, like `xtoken run` does)
-        return yaml.load(text, Loader=cfgmod._yaml_loader())  # noqa: S506 (a SafeLoader)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"the body is not valid YAML or JSON: {e}") from None
 
 
 @router.post(
@@ -97,7 +65,14 @@ async def submit_run(
     sup: Supervisor = Depends(get_supervisor),
 ) -> dict[str, Any]:
     """Validate a run config and start the run (state PENDING, then STARTING)."""
-    raw = parse_body(await request.body(), request.headers.get("content-type", ""))
+    body = await request.body()
+    # parsed in a worker thread: the event loop (/healthz, event streams) never waits on it
+    raw = await asyncio.to_thread(
+        parse_body,
+        body,
+        request.headers.get("content-type", ""),
+        request.app.state.settings.body_limits(),
+    )
     return await asyncio.to_thread(sup.submit, raw, name)
 
 

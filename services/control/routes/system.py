@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from services.control import prometheus
-from services.control.deps import get_supervisor
+from services.control.deps import check_host, get_supervisor
 from services.control.schemas import Health
 from services.control.states import ACTIVE, STATES
 from services.control.supervisor import Supervisor
@@ -29,7 +29,7 @@ def healthz(sup: Supervisor = Depends(get_supervisor)) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(check_host)])
 def metrics(sup: Supervisor = Depends(get_supervisor)) -> PlainTextResponse:
     """Prometheus text exposition: runs by state, tokens, step seconds by phase, loss parts,
     queue samples and bytes per partition, worker up, restarts, trainer memory."""
