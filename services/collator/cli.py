@@ -15,8 +15,10 @@ from services.common import config as cfg
 
 logger = logging.getLogger(__name__)
 
-EXIT_EMPTY = 3
-"""The corpus held no text (``--data`` empty or only blank lines)."""
+EXIT_DATA = 3
+"""A data error: the corpus held no text (``--data`` empty or only blank lines), or a bad line
+(without ``--skip-bad-lines``). Deterministic: a restart meets it again."""
+EXIT_EMPTY = EXIT_DATA
 EXIT_STOPPED = 4
 """Stopped by SIGTERM/SIGINT (or its parent's death) before the end of the data."""
 
@@ -30,9 +32,10 @@ sample keys:
 exit codes:
   0  every text of the corpus is in the queue (put now or already queued) or was
      already consumed (retention dropped it: the put reply counts it as consumed)
-  1  the run failed: queue unreachable, a bad corpus line, a worker error
+  1  the run failed: queue unreachable, a worker error
   2  bad settings (the message names the flag)
-  {EXIT_EMPTY}  the corpus holds no text
+  {EXIT_DATA}  a data error: the corpus holds no text, or a bad line (file:line named;
+     --skip-bad-lines, data.skip_bad_lines in a run config, skips them)
   {EXIT_STOPPED}  stopped by SIGTERM/SIGINT after the in-flight puts; rerun to complete
 """
 
@@ -63,12 +66,24 @@ def run(args: argparse.Namespace) -> int:
         from services.collator.config import RunConfig
         from services.collator.runner import CollatorRun, QueueUnreachableError
         from services.queue.errors import QueueError
+        from xtoken_core.data.corpus import BadCorpusLine
 
         config = cfg.from_args(RunConfig, args)  # ConfigError: exit code 2
         job = CollatorRun(config, stop=lifecycle.stop)
         ready = {"queue": config.worker.queue, "partition": config.worker.partition}
         try:
             summary = job.run(on_ready=lambda: lifecycle.ready(**ready))
+        except BadCorpusLine as e:
+            # a data error, the same on every restart: the line and the key that skips it
+            logger.error(
+                "[collator] error: bad corpus line %s:%d: %s; fix it, or skip bad lines with "
+                "data.skip_bad_lines: true (xtoken run) / --skip-bad-lines: exit code %d",
+                e.path,
+                e.line,
+                e,
+                EXIT_DATA,
+            )
+            return EXIT_DATA
         except (QueueUnreachableError, QueueError, ValueError, OSError, RuntimeError) as e:
             # the run failed (not its settings): exit code 1, the reason without a traceback
             logger.error("[collator] error: %s", e)

@@ -352,7 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
                 args.bind,
                 why,
             )
-            return 1
+            return 2  # a bad setting (--bind), as --help says
 
     return run_process(
         "queue", main, ready_file=args.ready_file, log_level=getattr(args, "log_level", "INFO")

@@ -213,6 +213,8 @@ def make_specs(
                 ready_file=str(d / "ready" / "queue"),
             )
         )
+    # the held-out texts may be the last ones of data.train: the collator stops before them
+    limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
     specs += [
         ProcessSpec(
             "collator",
@@ -240,7 +242,8 @@ def make_specs(
                 "--text-field",
                 cfg.data.text_field,
             ]
-            + (["--limit", str(cfg.data.limit)] if cfg.data.limit else []),
+            + (["--limit", str(limit)] if limit else [])
+            + (["--skip-bad-lines"] if cfg.data.skip_bad_lines else []),
             log_file=str(d / "logs" / "collator.log"),
         ),
     ]

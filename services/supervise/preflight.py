@@ -26,17 +26,25 @@ class Inputs:
         heldout: the held-out corpus (the config's, or the demo's).
         projection: the projection file (the config's, or the one built for the run); None when
             the loss needs none.
+        train_limit: texts of ``train`` the collator reads (the config's ``data.limit``, or
+            fewer when the held-out texts are the last ones of ``train``); None: all.
     """
 
     train: str | None
     heldout: str | None
     projection: str | None
+    train_limit: int | None = None
 
     @classmethod
     def given(cls, config: RunConfig) -> Inputs:
         """The inputs a config names itself (no file is read): a plan of a config that names all
         its inputs needs no preflight."""
-        return cls(config.data.train, config.data.heldout, config.trainer.loss.projection)
+        return cls(
+            config.data.train,
+            config.data.heldout,
+            config.trainer.loss.projection,
+            config.data.limit,
+        )
 
     def to_dict(self) -> dict[str, str | None]:
         """A JSON mapping (a run's runtime record keeps it: a re-attached run plans the same
@@ -46,7 +54,9 @@ class Inputs:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Inputs:
         """The inverse of :meth:`to_dict`."""
-        return cls(data.get("train"), data.get("heldout"), data.get("projection"))
+        return cls(
+            data.get("train"), data.get("heldout"), data.get("projection"), data.get("train_limit")
+        )
 
 
 def preflight(config: RunConfig) -> Inputs:
@@ -60,21 +70,24 @@ def preflight(config: RunConfig) -> Inputs:
         The run's :class:`Inputs`.
 
     Raises:
-        ValueError: a missing or unreadable corpus, an unknown tokenizer, a model whose vocab does
-            not fit its tokenizer, a projection built for other tokenizers (each names the key and
-            the fix).
+        ValueError: a CUDA device this machine lacks, a missing or unreadable corpus, an unknown
+            tokenizer, a model whose vocab does not fit its tokenizer, a projection built for
+            other tokenizers (each names the key and the fix).
     """
     from xtoken_core.tokenizers import load_tokenizer
 
-    train, heldout = config.data.train, config.data.heldout
-    if train is None or heldout is None:
+    check_devices(config)
+    train, heldout, train_limit = config.data.train, config.data.heldout, config.data.limit
+    if train is None:
         from xtoken_core.data.corpus import build_demo_corpus
 
         demo = build_demo_corpus()
-        train = train or str(demo.train_path)
+        train = str(demo.train_path)
         heldout = heldout or str(demo.heldout_path)
+    check_train(train, config.data.text_field)
+    if heldout is None:
+        heldout, train_limit = split_heldout(config, train)
     corpora = {
-        "data.train": train,
         "data.heldout": heldout,
         "trainer.heldout": config.trainer.heldout,
         "teacher.heldout": config.teacher.heldout,
@@ -85,7 +98,7 @@ def preflight(config: RunConfig) -> Inputs:
         if not Path(path).is_file():
             raise ValueError(f"{key}={path!r} is not a file; point it at a corpus file")
         try:
-            first_text(path, config.data.text_field if key == "data.train" else "text")
+            first_text(path, "text")
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
     tokenizers = {}
@@ -101,7 +114,123 @@ def preflight(config: RunConfig) -> Inputs:
         projection = str(build_cached_projection(config, s_tok, t_tok))
     elif config.trainer.loss.uses_teacher:
         check_projection(config, projection, s_tok, t_tok)
-    return Inputs(train, heldout, projection)
+    return Inputs(train, heldout, projection, train_limit)
+
+
+def check_train(train: str, text_field: str) -> None:
+    """``data.train`` names what the collator reads (a corpus file, a folder of them or a glob)
+    and its first file with text has some.
+
+    Raises:
+        ValueError: nothing there, no corpus file in a folder or glob, or no usable text.
+    """
+    from xtoken_core.data.corpus import corpus_files
+
+    try:
+        files = corpus_files(train)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(
+            f"data.train={train!r} is not a file, a folder or a glob of corpus files ({e}); "
+            "point it at a corpus"
+        ) from None
+    try:
+        first_text(str(files[0]), text_field)
+    except ValueError as e:
+        raise ValueError(f"data.train: {e}") from None
+
+
+def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
+    """Hold out the last ``trainer.eval_texts`` texts of ``data.train`` (a run that names no
+    ``data.heldout``): they are written to a file of the cache, and the collator reads only the
+    texts before them. Announced in the output.
+
+    Returns:
+        The held-out file and the texts of ``train`` the collator reads.
+
+    Raises:
+        ValueError: ``train`` has too few texts to hold any out, or a bad line (names file:line
+            and ``data.skip_bad_lines``).
+    """
+    import collections
+    import hashlib
+    import json
+
+    from xtoken_core.data.corpus import BadCorpusLine, corpus_files, iter_texts
+
+    n = config.trainer.eval_texts
+    data = config.data
+    files = corpus_files(train)
+    on_bad = (lambda err: None) if data.skip_bad_lines else None
+    tail: collections.deque[str] = collections.deque(maxlen=n)
+    total = 0
+    digest = hashlib.sha256(f"{n}\0{data.text_field}".encode())
+    try:
+        for path in files:
+            st = path.stat()
+            digest.update(f"\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+            for _, text in iter_texts(path, text_field=data.text_field, on_bad=on_bad):
+                total += 1
+                tail.append(text)
+    except BadCorpusLine as e:
+        raise ValueError(
+            f"data.train: {e}; fix the line, or set data.skip_bad_lines: true to skip bad lines"
+        ) from None
+    if total <= n:
+        raise ValueError(
+            f"data.train={train!r} has {total} texts: too few to hold out the last "
+            f"trainer.eval_texts={n} and train on the rest; name a data.heldout corpus"
+        )
+    out = _cache_dir() / "heldout" / f"{slug(train)}_{digest.hexdigest()[:16]}.jsonl"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for text in tail:
+                f.write(json.dumps({"text": text}) + "\n")
+        os.replace(tmp, out)
+    keep = total - n if data.limit is None else min(data.limit, total - n)
+    logger.info(
+        "[run] held-out: the last %d texts of %s (data.train; name data.heldout to choose "
+        "another corpus); training on the %d before them",
+        n,
+        train,
+        keep,
+    )
+    return str(out), keep
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
+
+
+def check_devices(config: RunConfig) -> None:
+    """A CUDA device the config asks for (``trainer.device``, ``teacher.device`` when the loss
+    uses a teacher) is on this machine.
+
+    Raises:
+        ValueError: ``cuda`` without CUDA, or ``cuda:N`` past the GPUs there (names the key).
+    """
+    wanted = [("trainer.device", config.trainer.device)]
+    if config.trainer.loss.uses_teacher:
+        wanted.append(("teacher.device", config.teacher.device))
+    wanted = [(key, str(value)) for key, value in wanted if str(value).startswith("cuda")]
+    if not wanted:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, value in wanted:
+        index = value.partition(":")[2]
+        if gpus == 0:
+            raise ValueError(
+                f"{key}={value!r} but this machine has no CUDA device: set {key}: cpu, or run "
+                "on a machine with a GPU"
+            )
+        if index and (not index.isdigit() or int(index) >= gpus):
+            raise ValueError(
+                f"{key}={value!r} but this machine has {gpus} CUDA device(s): use cuda (the "
+                f"first free one), cuda:0..cuda:{gpus - 1}, or cpu"
+            )
 
 
 def check_projection(config: RunConfig, path: str, s_tok: Any, t_tok: Any) -> None:
@@ -159,7 +288,7 @@ def check_vocabs(config: RunConfig, student_vocab: int, teacher_vocab: int) -> N
 def projection_cache_path(config: RunConfig) -> Path:
     """Where the projection of the run's tokenizers and ``projection_top_k`` is cached
     (``$XTOKEN_CACHE``, default ``~/.cache/xtoken``)."""
-    cache = Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
+    cache = _cache_dir()
     k = config.projection_top_k
     name = f"{slug(config.student_tokenizer)}_{slug(config.teacher_tokenizer)}_k{k}.pt"
     return cache / "projections" / name

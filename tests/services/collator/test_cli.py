@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from services.collator.cli import EXIT_EMPTY, EXIT_STOPPED
+from services.collator.cli import EXIT_DATA, EXIT_EMPTY, EXIT_STOPPED
 from services.collator.worker import CollatorWorker, WorkerConfig
 from services.queue.client import QueueClient
 from tests.services.collator.conftest import (
@@ -141,12 +141,17 @@ def test_sigterm_mid_run_exits_with_the_stopped_code_and_a_rerun_completes(
     _assert_samples_equal(final, expected)
 
 
-def test_invalid_utf8_fails_with_an_error_naming_the_line(queue_server, tmp_path):
+def test_a_bad_line_is_a_data_error_naming_file_line_and_the_key_that_skips_it(
+    queue_server, tmp_path
+):
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "bro\xffken"}\n')
     proc, summary = run_collator(queue_server.address, data, "bad-utf8")
-    assert proc.returncode == 1
-    assert "line 3" in proc.stderr and "UTF-8" in proc.stderr, proc.stderr
+    assert proc.returncode == EXIT_DATA
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{data}:3" in errors[0] and "UTF-8" in errors[0], errors
+    assert "data.skip_bad_lines" in errors[0] and "--skip-bad-lines" in errors[0], errors
     assert summary is None
 
 

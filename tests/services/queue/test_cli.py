@@ -124,7 +124,7 @@ def test_serve_on_a_port_in_use_says_so_and_names_the_flag():
         s.listen()
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         proc = _xtoken("queue", "serve", "--bind", address)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # a bad setting
     assert "already in use" in proc.stderr and "--bind" in proc.stderr, proc.stderr
     assert address in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 

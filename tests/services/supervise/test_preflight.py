@@ -1,0 +1,117 @@
+"""The preflight finds before launch what would fail a run later: a CUDA device the machine lacks,
+a data.train the collator would not read, a bad corpus line; and it makes the held-out corpus
+explicit: the last texts of data.train (announced, not trained on) when data.heldout is unset."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.run import run_config_from_dict
+from services.supervise.plan import RunContext, make_specs
+from services.supervise.preflight import check_devices, check_train, preflight, split_heldout
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _config(tmp_path, **sections):
+    data = {
+        "run_dir": str(tmp_path / "run"),
+        "student_tokenizer": "mistral",
+        "teacher_tokenizer": "smollm2",
+        "teacher": {"model": "tiny"},
+        "trainer": {"student": "tiny", "loss": {"mode": "ce"}, "eval_texts": 4},
+    }
+    for key, value in sections.items():
+        data.setdefault(key, {}).update(value)
+    return run_config_from_dict(data)
+
+
+def _corpus(path, n: int, bad_line: int | None = None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"text": f"text number {i}."}) for i in range(n)]
+    if bad_line is not None:
+        lines[bad_line - 1] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("key", ["trainer", "teacher"])
+def test_a_cuda_device_on_a_machine_without_cuda_is_refused_naming_the_key(
+    tmp_path, monkeypatch, key
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = _config(tmp_path, trainer={"loss": {"mode": "pkl"}})
+    getattr(config, key).device = "cuda"
+    with pytest.raises(ValueError, match=rf"{key}\.device='cuda' but this machine has no CUDA"):
+        check_devices(config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_xtoken_run_with_teacher_device_cuda_exits_2_with_one_line(tmp_path):
+    train = _corpus(tmp_path / "train.jsonl", 8)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({
+        "run_dir": str(tmp_path / "run"), "data": {"train": str(train)},
+        "teacher": {"device": "cuda"}, "trainer": {"loss": {"mode": "pkl"}},
+    }))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(config), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "teacher.device='cuda' but this machine has no CUDA device" in proc.stderr
+
+
+def test_data_train_takes_a_folder_or_a_glob_as_the_collator_does(tmp_path):
+    _corpus(tmp_path / "corpus" / "a.jsonl", 3)
+    _corpus(tmp_path / "corpus" / "b" / "c.jsonl", 3)
+    check_train(str(tmp_path / "corpus"), "text")
+    check_train(str(tmp_path / "corpus" / "*.jsonl"), "text")
+    with pytest.raises(ValueError, match=r"data\.train='.*nope\*\.jsonl' is not a file, a folder"):
+        check_train(str(tmp_path / "nope*.jsonl"), "text")
+
+
+def test_without_data_heldout_the_last_texts_of_data_train_are_held_out_and_announced(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("XTOKEN_CACHE", str(tmp_path / "cache"))
+    train = _corpus(tmp_path / "train.jsonl", 20)
+    config = _config(tmp_path, data={"train": str(train)})
+    with caplog.at_level(logging.INFO):
+        inputs = preflight(config)
+    assert f"[run] held-out: the last 4 texts of {train}" in caplog.text
+    held = [json.loads(line)["text"] for line in open(inputs.heldout)]
+    assert held == [f"text number {i}." for i in range(16, 20)]
+    assert inputs.train == str(train) and inputs.train_limit == 16
+    specs = make_specs(
+        config, inputs, RunContext.of(config), queue="tcp://127.0.0.1:1", master_port=1
+    )
+    collator = next(s for s in specs if s.name == "collator")
+    assert collator.argv[collator.argv.index("--limit") + 1] == "16"  # held-out texts not read
+
+
+def test_a_named_heldout_or_the_demo_corpus_is_used_as_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("XTOKEN_CACHE", str(tmp_path / "cache"))
+    train = _corpus(tmp_path / "train.jsonl", 20)
+    heldout = _corpus(tmp_path / "heldout.jsonl", 3)
+    inputs = preflight(_config(tmp_path, data={"train": str(train), "heldout": str(heldout)}))
+    assert inputs.heldout == str(heldout) and inputs.train_limit is None
+
+
+def test_a_bad_line_past_the_first_is_found_before_launch_naming_file_line_and_the_key(tmp_path):
+    train = _corpus(tmp_path / "train.jsonl", 20, bad_line=7)
+    config = _config(tmp_path, data={"train": str(train)})
+    with pytest.raises(ValueError, match=rf"{train}: line 7: .*data\.skip_bad_lines: true"):
+        split_heldout(config, str(train))
+    config = _config(tmp_path, data={"train": str(train), "skip_bad_lines": True})
+    _, keep = split_heldout(config, str(train))
+    assert keep == 15  # 19 good texts, the last 4 held out
