@@ -31,6 +31,10 @@ What it does, once, for everyone:
   the main loop's progress: main calls ``lc.progress()`` once per iteration of its loop (a step,
   a served request), so a supervisor tells a hung main loop from a live one
   (:mod:`services.common.heartbeat`).
+* **Exit-code file**: with env ``XTOKEN_EXIT_FILE`` (set per process by ``xtoken run`` and the
+  control plane), the process writes ``{"pid": ..., "code": ...}`` there as it exits, so a
+  supervisor that is not its parent (one re-attached after a restart) still learns the code
+  (:func:`read_exit_code`). A process killed by a signal writes none.
 * **Exit code**: 0 when main returns (also after a stop by signal, once it drained); 2 for a
   ``ValueError`` (``ConfigError`` included: bad input or config), logged as
   ``[name] error: ...`` without a traceback; 1 for any other exception, with its traceback;
@@ -53,11 +57,13 @@ from typing import Any
 from services.common.heartbeat import Heartbeat
 
 __all__ = [
+    "EXIT_FILE_ENV",
     "PARENT_PID_ENV",
     "Lifecycle",
     "configure_logging",
     "pause_progress",
     "progress",
+    "read_exit_code",
     "read_ready",
     "run_process",
 ]
@@ -66,6 +72,8 @@ logger = logging.getLogger(__name__)
 
 # Environment variable naming the supervising parent's pid (set by launchers).
 PARENT_PID_ENV = "XTOKEN_PARENT_PID"
+# Where the process writes its exit code as it exits (unset: nowhere).
+EXIT_FILE_ENV = "XTOKEN_EXIT_FILE"
 # Seconds between two checks of the parent by the watcher thread.
 PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -458,6 +466,42 @@ def pause_progress() -> None:
         lc.pause_progress()
 
 
+def write_exit_code(code: int) -> None:
+    """Write ``{"pid", "code"}`` atomically to the file env ``XTOKEN_EXIT_FILE`` names (if set);
+    a failure to write is logged, never raised (the exit goes on)."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    try:
+        target = pathlib.Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "code": int(code)}))
+        os.replace(tmp, target)
+    except OSError as e:
+        logger.warning("cannot write the exit code to %s: %s", path, e)
+
+
+def read_exit_code(path: str | os.PathLike[str], pid: int | None = None) -> int | None:
+    """The exit code a process wrote as it exited (:func:`write_exit_code`).
+
+    Args:
+        path: the exit-code file.
+        pid: only a record of this process counts (None or 0: any).
+
+    Returns:
+        The code, or None (no file, unreadable, or another process's record).
+    """
+    try:
+        record = json.loads(pathlib.Path(path).read_text())
+        code = int(record["code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if pid and record.get("pid") != pid:
+        return None
+    return code
+
+
 def run_process(
     name: str,
     main: Callable[[Lifecycle], int | None],
@@ -489,6 +533,7 @@ def run_process(
         )
     except ValueError as e:
         print(f"[{name}] error: {e}", file=sys.stderr, flush=True)
+        write_exit_code(2)
         return 2
     global _current
     lifecycle.install()
@@ -518,4 +563,5 @@ def run_process(
         logger.info("[%s] stopped (%s), exit code %d", name, lifecycle.reason, code)
     else:
         logger.debug("[%s] exit code %d", name, code)
+    write_exit_code(code)
     return code

@@ -145,6 +145,7 @@ def attach_run(run: Any, rows: list[dict[str, Any]]) -> dict[str, AttachedProces
         when there is none, the launcher is left as it was.
     """
     attached: dict[str, AttachedProcess] = {}
+    recorded = {p["name"]: p for p in rows}
     for p in rows:
         spec = run.specs.get(p["name"])
         if spec is None or not p["pid"] or p["start_ticks"] is None:
@@ -158,7 +159,9 @@ def attach_run(run: Any, rows: list[dict[str, Any]]) -> dict[str, AttachedProces
         if name in attached:
             run.launcher.processes[name] = attached[name]
         elif name not in run.finished:
-            gone = AttachedProcess(spec, 0, 0)
+            row = recorded.get(name) or {}
+            # its recorded pid: the driver matches it against the code the process wrote
+            gone = AttachedProcess(spec, row.get("pid") or 0, row.get("start_ticks") or 0)
             gone._code = EXIT_UNKNOWN  # ended unseen
             run.launcher.processes[name] = gone
     return attached

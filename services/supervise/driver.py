@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.heartbeat import HEARTBEAT_ENV, read_heartbeat, verdict
+from services.common.lifecycle import EXIT_FILE_ENV, read_exit_code
 from services.launch.spec import ProcessSpec
 from services.supervise.attach import EXIT_UNKNOWN, identity
 from services.supervise.config import RunConfig
@@ -193,11 +194,11 @@ class Driver:
         if self.external_queue:
             self._clear_partitions()
         else:
-            q = L.start(self.specs["queue"])
+            q = self._start(self.specs["queue"])
             L.wait_ready(q, 60)
         for spec in self.specs.values():
             if spec.role != "queue":
-                L.start(spec)
+                self._start(spec)
         self._emit(Launched(queue=self.queue_address))
 
     def _use(self, plan: Plan) -> None:
@@ -205,6 +206,20 @@ class Driver:
         self.queue_address = plan.queue
         self.master_port = plan.master_port
         self.specs = {s.name: s for s in plan.specs}
+        for spec in plan.specs:
+            # every process writes its exit code here as it exits: a driver re-attached after a
+            # restart of the control plane learns how a process it did not start ended
+            spec.env[EXIT_FILE_ENV] = str(self.exit_file(spec.name))
+
+    def exit_file(self, name: str) -> Path:
+        """Where process ``name`` writes its exit code (``RUN_DIR/exit/<name>.code``)."""
+        return self.run_dir / "exit" / f"{name}.code"
+
+    def _start(self, spec: ProcessSpec) -> Any:
+        """Start one process; the exit code of its predecessor goes first (a code found later
+        is this process's)."""
+        self.exit_file(spec.name).unlink(missing_ok=True)
+        return self.launcher.start(spec)
 
     def _clear_partitions(self) -> None:
         """Start a launch on an external queue as on a queue of its own: clear what an earlier
@@ -353,7 +368,7 @@ class Driver:
                 continue
             spec = proc.spec
             if code == EXIT_UNKNOWN:
-                code = self._infer_exit(spec)
+                code = self._infer_exit(spec, getattr(proc, "pid", 0))
             finished = code == 0 and spec.role in ("trainer", "collator")
             self._emit(Exited(process=name, role=spec.role, code=code))
             decision = self.policy.decide(name, spec.role, code, finished_ok=finished)
@@ -540,9 +555,8 @@ class Driver:
         self._pending[decision.key] = (time.monotonic() + decision.delay_s, decision, name)
 
     def _restart_now(self, decision: Decision, name: str) -> None:
-        L = self.launcher
         if decision.scope == "process":
-            L.start(self.specs[name])
+            self._start(self.specs[name])
         elif decision.scope == "group":
             role = self.specs[name].role
             self.master_port = free_port()
@@ -550,14 +564,19 @@ class Driver:
                 if spec.role == role:
                     if role == "trainer":
                         spec.env["MASTER_PORT"] = str(self.master_port)
-                    L.start(spec)
+                    self._start(spec)
         else:
             self.launch()
         self._emit(Restarted(process=name, scope=decision.scope, attempt=decision.attempt))
 
-    def _infer_exit(self, spec: ProcessSpec) -> int:
-        """The exit code of a re-attached process that ended unseen: a trainer rank finished when
-        rank 0's summary of a completed (not stopped) run is newer than this launch."""
+    def _infer_exit(self, spec: ProcessSpec, pid: int = 0) -> int:
+        """The exit code of a re-attached process that ended unseen: the code it wrote as it
+        exited (:func:`services.common.lifecycle.read_exit_code`, of pid ``pid`` when known);
+        without one (killed by a signal), a trainer rank finished when rank 0's summary of a
+        completed (not stopped) run is newer than this launch."""
+        code = read_exit_code(self.exit_file(spec.name), pid or None)
+        if code is not None:
+            return code
         if spec.role == "trainer":
             path = self.run_dir / "summary.json"
             try:

@@ -10,6 +10,10 @@ Per role (the default :data:`SCOPES`):
 * the ``queue`` holds the run's samples in memory, so its loss restarts the **run**: every
   process again, the trainers from their checkpoint, the collators re-putting the corpus.
 
+An exit with a code of :data:`DETERMINISTIC_CODES` (2: bad input or config, from the process
+lifecycle; 3: a data error, from the collator) fails the run at once: the same process would fail
+the same way again.
+
 A budget of ``max_restarts`` per restart key (a process name, ``trainers`` or ``run``); the n-th
 restart waits ``backoff_s * 2 ** (n - 1)`` seconds, at most ``max_backoff_s``.
 """
@@ -25,6 +29,11 @@ SCOPES: dict[str, str] = {
     "trainer": "group",
     "queue": "run",
 }
+
+
+# exit codes of a failure a restart repeats: 2 bad input or config (services.common.lifecycle),
+# 3 a data error (the collator's EXIT_DATA)
+DETERMINISTIC_CODES = frozenset({2, 3})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,12 @@ class RestartPolicy:
         """
         if finished_ok:
             return Decision("done", reason=f"{name} finished")
+        if code in DETERMINISTIC_CODES:
+            return Decision(
+                "fail",
+                reason=f"{name} exited with code {code} (bad input, config or data: a restart "
+                "would fail the same way; its log names the cause); not restarted",
+            )
         return self.decide_lost(name, role, f"{name} exited with code {code}")
 
     def decide_lost(self, name: str, role: str, cause: str) -> Decision:

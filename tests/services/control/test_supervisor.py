@@ -93,15 +93,24 @@ def test_a_trainer_rank_crash_restarts_every_rank_on_a_new_rendezvous_port(make)
 
 
 def test_a_spent_budget_fails_the_run_naming_the_process_code_and_log(make):
-    sup = make({"teacher0": [(0.2, 3)]})
+    sup = make({"teacher0": [(0.2, 5)]})
     run = sup.submit(tiny_config(max_restarts=1, restart_backoff_s=0.05))
     done = wait_state(sup, run["id"], {"SUCCEEDED", "FAILED"})
     assert done["state"] == "FAILED"
-    assert done["failed_process"] == "teacher0" and done["exit_code"] == 3
+    assert done["failed_process"] == "teacher0" and done["exit_code"] == 5
     assert "restart budget of teacher0 spent (1 of 1)" in done["reason"]
-    assert "boom: exiting with 3" in done["log_tail"]
+    assert "boom: exiting with 5" in done["log_tail"]
     assert sup.launchers[-1].starts["teacher0"] == 2
     assert all(p["state"] != "running" for p in sup.processes(run["id"]))
+
+
+def test_a_deterministic_failure_fails_the_run_without_a_restart(make):
+    sup = make({"teacher0": [(0.2, 2)]})  # exit 2: bad input or config
+    run = sup.submit(tiny_config(max_restarts=3, restart_backoff_s=0.05))
+    done = wait_state(sup, run["id"], {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "FAILED" and done["exit_code"] == 2
+    assert "not restarted" in done["reason"]
+    assert sup.launchers[-1].starts["teacher0"] == 1
 
 
 def test_stop_ends_an_active_run_and_only_an_active_one(make):
