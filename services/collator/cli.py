@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         except BadCorpusLine as e:
             # a data error, the same on every restart: the line and the key that skips it
             logger.error(
-                "[collator] error: bad corpus line %s:%d: %s; fix it, or skip bad lines with "
-                "data.skip_bad_lines: true (xtoken run) / --skip-bad-lines: exit code %d",
+                "[collator] error: bad corpus line %s:%d: %s (in a run config: "
+                "data.skip_bad_lines: true): exit code %d",
                 e.path,
                 e.line,
                 e,
