@@ -8,6 +8,7 @@ Run: ``./scripts/test.sh -m slow tests/services/control`` (about 6 minutes on 2 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -212,6 +213,33 @@ def test_a_killed_control_plane_reattaches_its_run_which_finishes(server, demo):
         assert_exactly_once(trained_keys(Path(done["run_dir"])), keys)
         # metrics of the whole run were read again from its files
         assert c.get(f"/v1/runs/{rid}/metrics").json()["steps"][-1]["step"] == done["step"]
+
+
+def test_a_collator_that_ends_while_the_control_plane_is_down_is_done_not_restarted(server, demo):
+    from services.supervise.attach import is_alive
+
+    data, keys = _corpus(server, demo, "c", 64)
+    with server.client() as c:
+        rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+        deadline = time.monotonic() + 120
+        while "collator" not in _pids(c, rid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        collator = _pids(c, rid)["collator"]
+    server.kill()
+    deadline = time.monotonic() + 120
+    while is_alive(collator) and time.monotonic() < deadline:  # it ends unseen
+        time.sleep(0.2)
+    assert not is_alive(collator)
+    server.start()
+    with server.client() as c:
+        done = wait_state(c, rid, {"SUCCEEDED", "FAILED"}, 300)
+        assert done["state"] == "SUCCEEDED", done
+        row = _procs(c, rid)["collator"]
+        assert row["restarts"] == 0 and row["pid"] == collator, row
+    trained = trained_keys(Path(done["run_dir"]))
+    assert trained and len(set(trained)) == len(trained) and set(trained) <= set(keys)
+    code = json.loads((Path(done["run_dir"]) / "exit" / "collator.code").read_text())
+    assert code == {"pid": collator, "code": 0}
 
 
 def _events(c, rid: str) -> list[dict]:
