@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.control.body import BodyLimits
 
@@ -23,7 +24,7 @@ class Settings(BaseSettings):
         None, description="bearer token that mutating calls must present (None: no check)"
     )
     runs_root: Path = Field(Path("runs"), description="run directories live under it")
-    data_root: list[Path] = Field(
+    data_root: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path("data")],
         description="roots of data, models, tokenizers and projections (comma-separated)",
     )
@@ -48,7 +49,7 @@ class Settings(BaseSettings):
     max_processes: int = Field(
         256, gt=0, description="most processes of all active runs of this control plane"
     )
-    allowed_hosts: list[str] = Field(
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Host names (comma-separated) that reads without the token may use "
         "besides loopback names and the bound address, when bound beyond loopback",

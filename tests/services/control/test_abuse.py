@@ -123,8 +123,13 @@ def test_reads_answer_only_an_allowed_host_or_the_token(api):
         assert anon.get("/healthz", headers=rebound).status_code == 200
 
 
-def test_an_allowed_host_setting_opens_reads_to_that_name():
+def test_an_allowed_host_setting_opens_reads_to_that_name(monkeypatch):
     from services.control.settings import Settings
+
+    monkeypatch.setenv("XTOKEN_CONTROL_ALLOWED_HOSTS", "ctl.example,10.0.0.5")
+    monkeypatch.setenv("XTOKEN_CONTROL_DATA_ROOT", "d1,d2")
+    s = Settings(host="0.0.0.0", token="t")
+    assert s.allowed_hosts == ["ctl.example", "10.0.0.5"] and len(s.data_root) == 2
 
     s = Settings(host="0.0.0.0", token="t", allowed_hosts="ctl.example, 10.0.0.5")
     assert s.host_allowed("ctl.example:8000") and s.host_allowed("10.0.0.5")
