@@ -11,6 +11,10 @@ import sys
 
 logger = logging.getLogger(__name__)
 
+# `queue serve` exit code when the data in --data-dir is bad (a corrupt log record), as opposed
+# to bad settings (2): the operator restores the directory or starts with --salvage.
+EXIT_BAD_DATA = 3
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -103,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve = sub.add_parser(
         "serve",
-        help="run a queue server until SIGTERM/SIGINT (exit 0 after the drain, 2 on bad settings)",
+        help="run a queue server until SIGTERM/SIGINT (exit 0 after the drain, 2 on bad settings, "
+        "3 on a corrupt --data-dir log)",
     )
     serve.add_argument(
         "--bind",
@@ -231,6 +236,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stored (default 64MiB; bounds the recovery time)",
     )
     serve.add_argument(
+        "--salvage",
+        action="store_true",
+        help="with --data-dir: keep the valid records after a corrupt one in the middle of the "
+        "log and drop only its bad bytes (without it such a log stops the start, exit code 3)",
+    )
+    serve.add_argument(
         "--max-message-bytes",
         type=_size_arg,
         default=None,
@@ -328,6 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
             fsync_interval_s=args.fsync_interval,
             log_lag_bytes=args.log_lag,
             compact_min_bytes=args.compact_min,
+            salvage=args.salvage,
             limits=limits,
             auth_token=load_token(args.auth_token_file),
             insecure=args.insecure,
@@ -336,8 +348,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
         import zmq
 
+        from services.queue.durable import CorruptLogError
+
         try:
             return serve(config, lifecycle)
+        except CorruptLogError as e:
+            logger.error("[queue] error: %s", e)
+            return EXIT_BAD_DATA
         except zmq.ZMQError as e:
             if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
                 raise

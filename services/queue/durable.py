@@ -9,8 +9,12 @@ as raw frames; never pickle), framed on disk as::
 
 A put is logged as the request's own frames (type ``put``; no second encoding), other changes
 as a ``reply`` message whose body names the ``op``. The CRC covers the whole payload, so a record
-cut by a SIGKILL (short) or garbled by a crash (bad CRC) is detected on replay; the log is
-truncated before it and appending goes on from there.
+cut by a SIGKILL (short) or garbled by a crash (bad CRC) is detected on replay. At the tail (no
+valid record after it) that is a torn write: the log is truncated before it and appending goes
+on from there. In the middle (a valid record follows: the replay resynchronizes on the next
+record magic whose CRC holds) it is corruption: the server does not start (``CorruptLogError``,
+exit code 3, naming the file and offset) unless ``--salvage``, which drops the bad bytes, keeps
+every valid record after them and rewrites the log without them.
 
 Files: ``DIR/log.<generation>`` (16 digits) and ``DIR/lock`` (dir_lock.py). A compaction writes
 the store's state as records (a snapshot) to ``log.<g+1>.tmp``, fsyncs it, renames it to
@@ -41,6 +45,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import mmap
 import os
 import re
 import select
@@ -114,24 +119,104 @@ class Replay:
     Attributes:
         records: complete records applied.
         nbytes: bytes of the log kept (up to the last good record).
-        truncated: bytes cut off the tail (a torn or corrupt record).
+        truncated: bytes cut off the tail (a torn record).
+        salvaged: corrupt bytes dropped from the middle of the log (``--salvage``).
         seconds: wall time of the replay.
     """
 
     records: int = 0
     nbytes: int = 0
     truncated: int = 0
+    salvaged: int = 0
     seconds: float = 0.0
 
 
-def read_records(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(end_offset, body)`` for every good record of a log file, stopping at the first
-    torn or corrupt one (its offset is the last ``end_offset`` yielded, or the file header).
+class CorruptLogError(RuntimeError):
+    """A record in the middle of a log is corrupt (valid records follow it): not a torn tail.
+
+    Not retryable: the server refuses to start (exit code 3) rather than drop the records after
+    it; ``--salvage`` keeps them and drops only the bad bytes.
+
+    Attributes:
+        path: the log file.
+        offset: byte offset of the corrupt record.
+        resume: byte offset of the next valid record.
+    """
+
+    def __init__(self, path: str, offset: int, resume: int) -> None:
+        self.path, self.offset, self.resume = path, offset, resume
+        super().__init__(
+            f"{path}: corrupt record at byte {offset} ({resume - offset} bytes up to the next "
+            f"valid record at byte {resume}); the records after it were not replayed. Restore "
+            "the directory from a copy, or start with --salvage to keep every valid record and "
+            "drop the bad bytes (the changes they held are lost)"
+        )
+
+
+def _record_at(buf: Any, pos: int) -> tuple[int, dict[str, Any]] | None:
+    """``(end_offset, body)`` of a whole, valid record at ``pos`` of ``buf``, else None."""
+    size = len(buf)
+    if pos + RECORD_HEAD.size > size:
+        return None
+    magic, crc, length = RECORD_HEAD.unpack_from(buf, pos)
+    start = pos + RECORD_HEAD.size
+    if magic != RECORD_MAGIC or length < 4 or start + length > size:
+        return None
+    window = memoryview(buf)[start : start + length]
+    try:
+        if zlib.crc32(window) != crc:
+            return None
+        payload = bytearray(window)  # private: the tensors of the body alias it
+    finally:
+        window.release()
+    view = memoryview(payload)
+    (count,) = struct.unpack_from("<I", view, 0)
+    if 4 + 8 * count > length:
+        return None
+    lens = struct.unpack_from(f"<{count}Q", view, 4)
+    pos = 4 + 8 * count
+    frames = []
+    for n in lens:
+        frames.append(view[pos : pos + n])
+        pos += n
+    if pos != length:
+        return None
+    try:
+        msg = decode_message(frames, limits=RECORD_LIMITS, jagged="column")
+    except WireError:
+        return None
+    body = msg.body
+    if msg.msg_type != "reply":  # a request logged as it was received (a put)
+        body = {**body, "op": msg.msg_type}
+    return start + length, body
+
+
+def _next_record(buf: Any, pos: int) -> int | None:
+    """Offset of the first valid record after ``pos`` (resynchronizing on the record magic)."""
+    while True:
+        pos = buf.find(RECORD_MAGIC, pos + 1)
+        if pos < 0:
+            return None
+        if _record_at(buf, pos) is not None:
+            return pos
+
+
+def read_records(
+    path: str, *, salvage: bool = False, skipped: list[tuple[int, int]] | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(end_offset, body)`` for every good record of a log file, up to a torn tail.
+
+    A bad record (short, wrong CRC, undecodable) followed by no valid record is a torn tail: the
+    iteration ends there (its offset is the last ``end_offset`` yielded, or the file header).
+    One followed by a valid record is corruption: ``CorruptLogError``, or with ``salvage`` the
+    bad bytes are skipped (appended to ``skipped`` as ``(start, end)``) and reading resumes at
+    the next valid record.
 
     Tensors of a body alias a private buffer of that record (nothing is shared with the file).
 
     Raises:
         ValueError: the file does not start with the log magic (not a queue log).
+        CorruptLogError: a corrupt record with valid records after it (not with ``salvage``).
     """
     with open(path, "rb") as f:
         magic = f.read(len(FILE_MAGIC))
@@ -140,38 +225,35 @@ def read_records(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 f"{path} is not a queue log (magic {magic!r}); point --data-dir at a "
                 "directory of the queue's own files"
             )
-        end = len(FILE_MAGIC)
-        while True:
-            head = f.read(RECORD_HEAD.size)
-            if len(head) < RECORD_HEAD.size:
-                return
-            magic, crc, length = RECORD_HEAD.unpack(head)
-            if magic != RECORD_MAGIC or length < 4:
-                return
-            buf = bytearray(length)
-            if f.readinto(buf) != length or zlib.crc32(buf) != crc:
-                return
-            view = memoryview(buf)
-            (count,) = struct.unpack_from("<I", view, 0)
-            if 4 + 8 * count > length:
-                return
-            lens = struct.unpack_from(f"<{count}Q", view, 4)
-            pos = 4 + 8 * count
-            frames = []
-            for n in lens:
-                frames.append(view[pos : pos + n])
-                pos += n
-            if pos != length:
-                return
-            try:
-                msg = decode_message(frames, limits=RECORD_LIMITS, jagged="column")
-            except WireError:
-                return
-            end += RECORD_HEAD.size + length
-            body = msg.body
-            if msg.msg_type != "reply":  # a request logged as it was received (a put)
-                body = {**body, "op": msg.msg_type}
-            yield end, body
+        if os.fstat(f.fileno()).st_size == len(FILE_MAGIC):
+            return
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos = len(FILE_MAGIC)
+        while pos < len(buf):
+            record = _record_at(buf, pos)
+            if record is None:
+                resume = _next_record(buf, pos)
+                if resume is None:
+                    return  # a torn tail
+                if not salvage:
+                    raise CorruptLogError(path, pos, resume)
+                logger.error(
+                    "[queue] --salvage: %s: corrupt record at byte %d, %d bytes dropped; "
+                    "replay resumes at byte %d",
+                    path,
+                    pos,
+                    resume - pos,
+                    resume,
+                )
+                if skipped is not None:
+                    skipped.append((pos, resume))
+                pos = resume
+                continue
+            pos, body = record
+            yield pos, body
+    finally:
+        buf.close()
 
 
 def log_files(data_dir: str) -> list[tuple[int, str]]:
@@ -195,6 +277,8 @@ class DurableLog:
         remote_reads: let the writer read large frames from this process's memory where the
             OS allows it (``log_writer.RemoteReader``); False sends every frame through the
             socket.
+        salvage: a corrupt record in the middle of the log is dropped and the valid records
+            after it are kept (``--salvage``); without it ``replay`` raises ``CorruptLogError``.
 
     Raises:
         ValueError: an unknown fsync policy or a non-positive interval.
@@ -208,6 +292,7 @@ class DurableLog:
         fsync_interval_s: float = 1.0,
         lock_wait_s: float = LOCK_WAIT_S,
         remote_reads: bool = True,
+        salvage: bool = False,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync={fsync!r}: use one of {FSYNC_POLICIES} (--fsync)")
@@ -218,6 +303,7 @@ class DurableLog:
         self.fsync = fsync
         self.fsync_interval_s = fsync_interval_s
         self.lock_wait_s = lock_wait_s
+        self.salvage = salvage
         # as the writer last reported them
         self.generation = 0
         self.file_bytes = 0  # bytes of the current log file
@@ -263,6 +349,8 @@ class DurableLog:
         Raises:
             ValueError: the directory is locked by another server (or its writer) for longer
                 than ``lock_wait_s``; or its log is not a queue log.
+            CorruptLogError: a corrupt record with valid records after it (without
+                ``salvage``); nothing was changed on disk.
         """
         self._lock = DirLock(self.data_dir, self.lock_wait_s)
         t0 = time.perf_counter()
@@ -296,12 +384,17 @@ class DurableLog:
         for _, old in files[:-1]:
             os.unlink(old)  # a compaction finished but did not remove its predecessor
         end = len(FILE_MAGIC)
-        for record_end, body in read_records(path):
+        skipped: list[tuple[int, int]] = []
+        for record_end, body in read_records(path, salvage=self.salvage, skipped=skipped):
             apply(body)
             out.records += 1
             end = record_end
         size = os.path.getsize(path)
         out.nbytes, out.truncated = end, size - end
+        if skipped:
+            end = self._rewrite_without(path, skipped, end)
+            out.salvaged = sum(b - a for a, b in skipped)
+            out.nbytes = end
         if out.truncated:
             logger.warning(
                 "[queue] %s: a torn or corrupt record at byte %d (%d bytes) cut off the log",
@@ -317,6 +410,36 @@ class DurableLog:
                 os.close(fd)
         self.file_bytes = end
         return out
+
+    def _rewrite_without(self, path: str, skipped: list[tuple[int, int]], end: int) -> int:
+        """Replace the log by a copy without the ``skipped`` byte ranges and anything past
+        ``end`` (``--salvage``), so that the next start reads it whole; returns its size."""
+        tmp = path + ".tmp"
+        keep, pos = [], len(FILE_MAGIC)
+        for start, stop in skipped:
+            keep.append((pos, start))
+            pos = stop
+        keep.append((pos, end))
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            dst.write(FILE_MAGIC)
+            for start, stop in keep:
+                src.seek(start)
+                while start < stop:
+                    chunk = src.read(min(stop - start, 1 << 24))
+                    dst.write(chunk)
+                    start += len(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+            size = dst.tell()
+        os.replace(tmp, path)
+        fsync_dir(self.data_dir)
+        logger.warning(
+            "[queue] --salvage: %s rewritten without %d corrupt byte range(s) (%d bytes)",
+            path,
+            len(skipped),
+            sum(b - a for a, b in skipped),
+        )
+        return size
 
     # ---------------------------------------------------------------- appending
 

@@ -132,6 +132,9 @@ class ServerConfig:
         fsync_interval_s: with ``interval``, seconds between fsyncs (``--fsync-interval``).
         log_lag_bytes: most bytes of answered puts not yet written to the log
             (``--log-lag``): past it, puts are answered once written.
+        salvage: durable mode: a corrupt record in the middle of the log is dropped and the
+            valid records after it are kept (``--salvage``); without it such a log stops the
+            start (``CorruptLogError``, exit code 3, naming the file and offset).
         compact_min_bytes: the log is compacted to a snapshot once it is larger than this and
             twice the bytes stored (``--compact-min``).
         auth_token: the shared secret every client presents in its hello (``--auth-token-file``
@@ -165,6 +168,7 @@ class ServerConfig:
     fsync_interval_s: float = 1.0
     log_lag_bytes: int = 256 * 1024**2
     compact_min_bytes: int = 64 * 1024**2
+    salvage: bool = False
     auth_token: str | None = field(default=None, repr=False)
     insecure: bool = False
     pool_idle_s: float = 30.0
@@ -380,7 +384,10 @@ class QueueServer:
         self._log_seq = 0  # the log record of the change being answered
         if config.data_dir:
             self.log = DurableLog(
-                config.data_dir, fsync=config.fsync, fsync_interval_s=config.fsync_interval_s
+                config.data_dir,
+                fsync=config.fsync,
+                fsync_interval_s=config.fsync_interval_s,
+                salvage=config.salvage,
             )
         self._handlers = {
             "hello": self._on_hello,
@@ -416,6 +423,7 @@ class QueueServer:
             "records": replay.records,
             "log_bytes": replay.nbytes,
             "truncated_bytes": replay.truncated,
+            "salvaged_bytes": replay.salvaged,
             "samples": stats["samples"],
             "bytes": stats["bytes_used"],
             "seconds": time.perf_counter() - t0,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.queue import log_writer
-from services.queue.durable import DurableLog, log_files, read_records
+from services.queue.durable import CorruptLogError, DurableLog, log_files, read_records
 from services.queue.store import SampleStore
 from tests.services.queue.durable_logs import open_log
 from xtoken_core.wire.tensors import JaggedColumn
@@ -56,7 +56,7 @@ def test_a_torn_tail_record_is_cut_off_and_appending_goes_on(tmp_path, cut):
     assert [b["task"] for b in bodies] == ["a", "c"]
 
 
-def test_a_corrupt_record_fails_its_checksum_and_ends_the_replay(tmp_path):
+def test_a_corrupt_record_in_the_middle_stops_the_replay_unless_salvaged(tmp_path):
     log, _ = open_log(tmp_path)
     for t in "abc":
         log.append("register", {"partition": "p", "task": t})
@@ -68,10 +68,18 @@ def test_a_corrupt_record_fails_its_checksum_and_ends_the_replay(tmp_path):
         byte = f.read(1)
         f.seek(ends[0] + 20)
         f.write(bytes([byte[0] ^ 0xFF]))
-    log, bodies = open_log(tmp_path)
-    assert [b["task"] for b in bodies] == ["a"]
-    assert os.path.getsize(path) == ends[0]
+    # valid records follow it: corruption, not a torn tail; nothing is changed on disk
+    size = os.path.getsize(path)
+    with pytest.raises(CorruptLogError, match=f"at byte {ends[0]}") as err:
+        open_log(tmp_path)
+    assert err.value.path == path and err.value.offset == ends[0]
+    assert os.path.getsize(path) == size
+    log, bodies = open_log(tmp_path, salvage=True)  # keeps the records after the bad one
+    assert [b["task"] for b in bodies] == ["a", "c"]
     log.close()
+    log, bodies = open_log(tmp_path)  # the log was rewritten without the bad bytes
+    log.close()
+    assert [b["task"] for b in bodies] == ["a", "c"]
 
 
 def test_a_file_that_is_not_a_log_is_refused_by_name(tmp_path):
