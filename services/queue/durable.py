@@ -103,7 +103,8 @@ def encode_record(op: str, body: dict[str, Any]) -> list[Any]:
     """One state change as frames: ``{"op": op, **body}`` in the wire encoding.
 
     Args:
-        op: ``put``, ``ack``, ``clear``, ``register``, ``consumed``, ``tombstones``.
+        op: ``put``, ``ack``, ``clear``, ``register``, ``consumed``, ``tombstones``,
+            ``acked_leases``.
         body: msgpack-able values, tensors and JaggedColumns (as in a request body).
 
     Returns:
@@ -714,6 +715,8 @@ def apply_record(store: Any, body: dict[str, Any]) -> None:
         store.register(partition, body["task"])
     elif op == "tombstones":
         store.restore_tombstones(partition, body["hashes"], body["dropped"])
+    elif op == "acked_leases":
+        pass  # the server's record of acked leases (server.py), not the store's
     else:
         raise ValueError(
             f"log record op {op!r} is unknown to this server; recover with the version that "

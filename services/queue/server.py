@@ -3,7 +3,8 @@
 Each start is a new **instance** with a random ``epoch`` (16 hex): every reply and error carries
 it, and lease ids are ``"<epoch>:<32 random hex>"``, so a client notices a restart on its next
 reply and an ack of a lease of an earlier instance is refused as ``stale_epoch`` (never a silent
-success). A lease belongs to the client instance that claimed it (auth.py): an ack or nack from
+success), except in durable mode when that instance logged the ack before it died: the resent
+ack (its reply lost to the kill) is answered as acked, with the count it acked. A lease belongs to the client instance that claimed it (auth.py): an ack or nack from
 another is ``not_owner``. With a token (``auth_token``), a connection is served only once its
 hello presented it; every other request is answered ``unauthorized``.
 
@@ -74,6 +75,9 @@ _PROBE_S = 1.0
 # is forgotten past this; such a connection is answered unauthorized and its client (with a
 # token) says hello again on a new connection.
 _MAX_HELLOS = 65536
+# Durable mode: leases whose ack was logged, remembered (and kept through compactions) so that
+# an ack resent after a restart (its reply lost to the kill) is answered as acked.
+_MAX_ACKED_LEASES = 65536
 # A spinning server is never woken, so it gets no wake-up preemption: while another runnable
 # task shares its core, each request waits out that task's slice (a claim took 4.1 ms p50 instead
 # of 0.3 beside a spinner, benchmarks/results/queue.md "Claim round trip"). A sched_yield() that
@@ -382,6 +386,8 @@ class QueueServer:
         self._compacting = -1  # log.compactions when a compaction was asked for
         self.recovery: dict[str, Any] | None = None
         self._log_seq = 0  # the log record of the change being answered
+        # lease id ("<epoch>:<hex>") -> samples acked, of the leases whose ack was logged
+        self._acked: collections.OrderedDict[str, int] = collections.OrderedDict()
         if config.data_dir:
             self.log = DurableLog(
                 config.data_dir,
@@ -416,7 +422,7 @@ class QueueServer:
         if self.log is None or self.recovery is not None:
             return self.recovery
         t0 = time.perf_counter()
-        replay = self.log.replay(lambda body: apply_record(self.store, body))
+        replay = self.log.replay(self._apply_record)
         self.log.start()
         stats = self.store.stats()
         self.recovery = {
@@ -438,6 +444,22 @@ class QueueServer:
             f" ({replay.truncated} torn bytes cut off)" if replay.truncated else "",
         )
         return self.recovery
+
+    def _apply_record(self, body: dict[str, Any]) -> None:
+        """Replay one log record: into the store, and the leases whose ack it logged."""
+        op = body.get("op")
+        if op == "ack" and isinstance(body.get("lease"), str):
+            self._remember_ack(body["lease"], len(body["keys"]))
+        elif op == "acked_leases":
+            for lease, count in zip(body["leases"], body["counts"]):
+                self._remember_ack(lease, count)
+        apply_record(self.store, body)
+
+    def _remember_ack(self, lease: str, count: int) -> None:
+        self._acked[lease] = self._acked.get(lease, 0) + int(count)
+        self._acked.move_to_end(lease)
+        if len(self._acked) > _MAX_ACKED_LEASES:
+            self._acked.popitem(last=False)
 
     def bind(self) -> str:
         """Create and bind the ROUTER socket; returns the bound endpoint."""
@@ -881,17 +903,24 @@ class QueueServer:
 
     def _on_ack(self, ident, rid, body, frames):
         used = self.store.bytes_used
-        lease_id = self._lease_id(body["lease_id"])
+        text = str(body["lease_id"])
         keys = body.get("keys")
+        if text in self._acked and not text.startswith(self.epoch + ":"):
+            # an earlier instance logged this ack, then died before (or while) answering it
+            count = self._acked[text]
+            if keys is not None:
+                count = self.store.consumed_count(body["partition"], body["task"], keys)
+            return {"count": count}
+        lease_id = self._lease_id(body["lease_id"])
         if self.log is not None and keys is None:
             keys = self.store.lease_keys(lease_id)
         count = self.store.ack(body["partition"], body["task"], lease_id, keys, self._owner(ident))
         if self.store.bytes_used < used:
             self._wake_puts()  # retention dropped what every registered task consumed
         if self.log is not None and count:
-            self._log_seq = self.log.append(
-                "ack", {"partition": body["partition"], "task": body["task"], "keys": keys}
-            )
+            self._remember_ack(text, count)
+            record = {"partition": body["partition"], "task": body["task"], "keys": keys}
+            self._log_seq = self.log.append("ack", {**record, "lease": text})
         return self._after_log(ident, rid, {"count": count})
 
     def _on_nack(self, ident, rid, body, frames):
@@ -1008,9 +1037,11 @@ class QueueServer:
             and log.pending_bytes <= self.config.log_lag_bytes
         ):
             self._compacting = log.compactions
-            self._log_seq = log.compact(
-                [encode_record(op, body) for op, body in self.store.export_state()]
-            )
+            snapshot = [encode_record(op, body) for op, body in self.store.export_state()]
+            if self._acked:
+                acked = {"leases": list(self._acked), "counts": list(self._acked.values())}
+                snapshot.append(encode_record("acked_leases", acked))
+            self._log_seq = log.compact(snapshot)
             logger.info(
                 "[queue] log compaction %d: %d bytes of log -> a snapshot of %d bytes stored",
                 log.compactions + 1,

@@ -684,6 +684,18 @@ class SampleStore:
             self._retire(partition, part, held)
         return len(held)
 
+    def consumed_count(self, partition: str, task: str, keys: Sequence[str]) -> int:
+        """How many of ``keys`` ``task`` consumed: held as consumed, or dropped by retention
+        once every registered task consumed them (a tombstone)."""
+        part = self._parts.get(partition)
+        if part is None:
+            return 0
+        state = part.tasks.get(task)
+        consumed = state.consumed if state is not None else set()
+        rest = [k for k in keys if k not in consumed]
+        gone = sum(part.retired.contains(rest)) if part.retired is not None and rest else 0
+        return len(keys) - len(rest) + gone
+
     def restore_tombstones(self, partition: str, hashes: torch.Tensor, dropped: int) -> None:
         """Remember consumed-and-dropped keys by hash (the durable log's snapshot)."""
         part = self._parts.get(partition)
