@@ -3,6 +3,10 @@ and a bad request never stops the server (real servers on loopback)."""
 
 from __future__ import annotations
 
+import os
+import re
+import stat
+
 import pytest
 import torch
 
@@ -80,3 +84,15 @@ def test_the_reservation_cap_holds_per_client_not_per_connection(make_server):
     finally:
         for c in [*clients, other]:
             c.close()
+
+
+def test_pool_segments_are_private_to_the_user_under_unguessable_names(make_server):
+    srv = make_server("--capacity", "64MiB")
+    with QueueClient(srv.address, timeout_s=5) as c:
+        regions = [c.reserve(1 * MIB, timeout_s=0) for _ in range(2)]
+        names = [r.name for r in regions]
+        assert names[0] != names[1]
+        for name in names:
+            assert re.fullmatch(rf"xtk_{srv.proc.pid}_[0-9a-f]{{16}}", name), name
+            mode = os.stat(os.path.join("/dev/shm", name)).st_mode
+            assert stat.S_IMODE(mode) == 0o600, oct(mode)
