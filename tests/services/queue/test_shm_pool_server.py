@@ -285,7 +285,11 @@ def test_a_segment_is_not_lent_again_while_a_frames_reply_of_it_is_still_on_its_
     keys = ["a", "b"]
     old = {"x": torch.arange(2 * (8 << 20), dtype=torch.int32).view(2, -1)}  # 64 MiB
     new = {"x": torch.full((2, 8 << 20), -7, dtype=torch.int32)}
-    with QueueClient(server.address, timeout_s=30, shm_min_bytes=0) as producer:
+    # its own client identity: the reserve quota is per client, and other tests of this
+    # process may still hold reservations on the shared server
+    with QueueClient(
+        server.address, timeout_s=30, shm_min_bytes=0, instance="pool-race"
+    ) as producer:
         # a reader whose claim waits for the data, and that stops reading before it arrives:
         # most of its frames reply then waits in the server's zmq queue, zero-copy over the
         # pool segment
