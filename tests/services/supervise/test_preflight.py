@@ -17,7 +17,6 @@ from services.run import run_config_from_dict
 from services.supervise.plan import RunContext, make_specs
 from services.supervise.preflight import check_devices, check_train, preflight, split_heldout
 
-
 ROOT = Path(__file__).resolve().parents[3]
 
 
