@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -30,6 +31,18 @@ from tests.e2e.conftest import (
 from tests.services.control.conftest import ControlServer, tiny_config, wait_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(autouse=True)
+def _heldout(server, demo):
+    """An explicit held-out corpus in the data root: every text of data.train is trained."""
+    shutil.copy(demo.heldout_path, server.data_root / "heldout.txt")
+
+
+def _config(**overrides):
+    """``tiny_config`` with ``data.heldout`` named (without it the run holds out the last texts
+    of data.train, which these tests expect to train)."""
+    return tiny_config(**{"data.heldout": "heldout.txt", **overrides})
 
 
 def _submit(c, config) -> dict:
@@ -65,9 +78,9 @@ def test_a_killed_collator_or_teacher_restarts_in_place_and_every_sample_trains_
     data, keys = _corpus(server, demo, "c", 64)
     with server.client() as c:
         if victim == "collator":  # small puts: the kill lands while it still collates
-            config = tiny_config(**{"data.train": data, "collator.batch": 2})
+            config = _config(**{"data.train": data, "collator.batch": 2})
         else:
-            config = tiny_config(**{"data.train": data})
+            config = _config(**{"data.train": data})
         rid = _submit(c, config)["id"]
         if victim == "collator":
             wait_state(c, rid, {"RUNNING"}, 120)
@@ -95,7 +108,7 @@ def _read(c, rid: str, process: str) -> str:
 def test_a_killed_trainer_rank_restarts_every_rank_from_the_checkpoint(server, demo):
     data, keys = _corpus(server, demo, "c", 64)
     with server.client() as c:
-        rid = _submit(c, tiny_config(**{"data.train": data, "trainers": 2}))["id"]
+        rid = _submit(c, _config(**{"data.train": data, "trainers": 2}))["id"]
         run = _wait_step(c, rid, 3)
         run_dir = Path(run["run_dir"])
         assert latest_checkpoint(run_dir) is not None
@@ -126,7 +139,7 @@ def test_a_hung_trainer_is_detected_by_its_heartbeat_and_restarted_from_the_chec
         data, keys = _corpus(server, demo, "c", 64)
         hang_after_s = 4.0
         with server.client() as c:
-            config = tiny_config(**{"data.train": data, "hang_after_s": hang_after_s})
+            config = _config(**{"data.train": data, "hang_after_s": hang_after_s})
             rid = _submit(c, config)["id"]
             deadline = time.monotonic() + 180
             while not marker.exists():
@@ -166,7 +179,7 @@ def _procs(c, rid: str) -> dict[str, dict]:
 def test_a_killed_queue_restarts_the_run_from_the_checkpoint_and_loses_no_sample(server, demo):
     data, keys = _corpus(server, demo, "c", 64)
     with server.client() as c:
-        rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+        rid = _submit(c, _config(**{"data.train": data}))["id"]
         run = _wait_step(c, rid, 3)
         run_dir = Path(run["run_dir"])
         os.kill(_pids(c, rid)["queue"], signal.SIGKILL)  # its samples were in its memory only
@@ -188,7 +201,7 @@ def test_a_killed_queue_restarts_the_run_from_the_checkpoint_and_loses_no_sample
 def test_a_killed_control_plane_reattaches_its_run_which_finishes(server, demo):
     data, keys = _corpus(server, demo, "c", 64)
     with server.client() as c:
-        rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+        rid = _submit(c, _config(**{"data.train": data}))["id"]
         _wait_step(c, rid, 2)
         pids = _pids(c, rid)
         running = [
@@ -220,7 +233,7 @@ def test_a_collator_that_ends_while_the_control_plane_is_down_is_done_not_restar
 
     data, keys = _corpus(server, demo, "c", 64)
     with server.client() as c:
-        rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+        rid = _submit(c, _config(**{"data.train": data}))["id"]
         deadline = time.monotonic() + 120
         while "collator" not in _pids(c, rid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -262,8 +275,8 @@ def test_two_runs_at_once_each_train_their_own_samples_only(server, demo):
     data_b, keys_b = _corpus(server, demo, "b", 32, start=32)
     assert not set(keys_a) & set(keys_b)
     with server.client() as c:
-        a = _submit(c, tiny_config(**{"data.train": data_a}))
-        b = _submit(c, tiny_config(**{"data.train": data_b}))
+        a = _submit(c, _config(**{"data.train": data_a}))
+        b = _submit(c, _config(**{"data.train": data_b}))
         done_a = wait_state(c, a["id"], {"SUCCEEDED", "FAILED"}, 300)
         done_b = wait_state(c, b["id"], {"SUCCEEDED", "FAILED"}, 300)
     assert done_a["state"] == done_b["state"] == "SUCCEEDED", (done_a, done_b)
@@ -278,7 +291,7 @@ def test_two_runs_at_once_each_train_their_own_samples_only(server, demo):
 def test_stop_checkpoints_and_resume_finishes_with_every_sample_trained_once(server, demo):
     data, keys = _corpus(server, demo, "c", 64)
     with server.client() as c:
-        rid = _submit(c, tiny_config(**{"data.train": data, "trainers": 2}))["id"]
+        rid = _submit(c, _config(**{"data.train": data, "trainers": 2}))["id"]
         _wait_step(c, rid, 2)
         r = c.post(f"/v1/runs/{rid}/stop", json={"grace_s": 120})
         assert r.status_code == 202 and r.json()["state"] in ("RUNNING", "STOPPING")
@@ -314,8 +327,8 @@ def test_two_runs_on_one_external_queue_each_train_their_own_samples_once(tmp_pa
         data_a, keys_a = _corpus(server, demo, "a", 32)
         data_b, keys_b = _corpus(server, demo, "b", 32, start=32)
         with server.client() as c, QueueClient(queue.address, timeout_s=10, name="t") as q:
-            a = _submit(c, tiny_config(**{"data.train": data_a}))
-            b = _submit(c, tiny_config(**{"data.train": data_b, "queue.address": queue.address}))
+            a = _submit(c, _config(**{"data.train": data_a}))
+            b = _submit(c, _config(**{"data.train": data_b, "queue.address": queue.address}))
             seen: set[str] = set()
             views: dict[str, set[str]] = {a["id"]: set(), b["id"]: set()}
             while True:
@@ -358,7 +371,7 @@ def test_a_restarted_shared_queue_recovers_its_run_which_trains_every_sample(tmp
     try:
         data, keys = _corpus(server, demo, "c", 64)
         with server.client() as c:
-            rid = _submit(c, tiny_config(**{"data.train": data}))["id"]
+            rid = _submit(c, _config(**{"data.train": data}))["id"]
             run_dir = Path(_wait_step(c, rid, 3)["run_dir"])
             before = _pids(c, rid)
             os.kill(queues[0].proc.pid, signal.SIGKILL)  # every sample of the run is gone
