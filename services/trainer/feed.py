@@ -36,16 +36,8 @@ class TeacherFeed:
         config: the trainer settings.
         rank: this trainer rank.
         worker: the TrainerWorker (pad ids, device, rank).
-        task: consumer task name on the sample partition (epoch + resume generation).
-        trained: keys trained in this epoch (the checkpoint's); skipped when claimed again.
-        reader: a LogitRingReader (ring transports), or None.
-        output_layer: the teacher's output layer (hidden transport), or None.
-        stop: a threading.Event; set = stop waiting for data.
-        register: register ``task`` for the partition (retention, PROTOCOL.md): the queue
-            drops each sample once acked. Only for a partition read once (one epoch). With
-            ``checkpoint_every``, acks wait for :meth:`commit`.
-        replaces: name prefix of the registered tasks of earlier launches this one takes over
-            (``trainer/e<epoch>/``); :meth:`commit` consumes what they hold.
+        task, trained, stop, register, replaces: as :class:`services.trainer.samples.SampleFeed`.
+        reader, output_layer: as :class:`services.trainer.teacher_client.TeacherClient`.
     """
 
     def __init__(
