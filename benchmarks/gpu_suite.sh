@@ -51,6 +51,10 @@ want spread_gold_profiled && step spread_gold_profiled $PY benchmarks/losses/ben
 # plane's wheels: pyzmq, tensordict, the tokenizer packages)
 want trainer_gpu_tests && step trainer_gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
   tests/services/trainer tests/services/teacher tests/xtoken_core/kernels/test_row_ce.py
+# the student step's variants (compiled, CUDA graphs, fused head) and the teacher forward's
+want bench_student_step && step bench_student_step $PY benchmarks/e2e/bench_student_step.py \
+  --shapes ${STEP_SHAPES:-1x4096 4x2048} ${STEP_VARIANTS:+--variants $STEP_VARIANTS} \
+  --timeout ${STEP_TIMEOUT:-300} --results "$OUT/e2e_student_step.jsonl"
 want bench_ce && step bench_ce $PY benchmarks/losses/bench_ce.py --results "$OUT/losses_ce.jsonl"
 want bench_pipeline_pkl && step bench_pipeline_pkl $PY benchmarks/e2e/bench_pipeline.py \
   --shapes 1x4096 --modes pkl --results "$OUT/e2e_pipeline.jsonl"

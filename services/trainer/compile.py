@@ -16,6 +16,12 @@ ladder of lengths ``max_length, max_length / 2, ...`` (:func:`warm_lengths`) and
 find their graph already built. Dynamo also specializes a size of 1: a last partial micro-batch
 of a single sample is compiled once more.
 
+CUDA graphs (``trainer.cuda_graphs``): each compiled layer's forward and backward are recorded
+once per length and replayed (Inductor's CUDA graph trees, ``mode="reduce-overhead"``): one
+launch per layer call instead of one per kernel, so the host no longer sets the pace. A replay
+reuses its output buffers, so every micro-batch's forward starts a new generation
+(:func:`mark_step`); nothing of a micro-batch's graph outputs may be kept past its backward.
+
 A layer that Dynamo cannot trace or Inductor cannot build fails at its first call; the trainer
 then falls back to eager (:func:`uncompile`) with one warning.
 """
@@ -30,26 +36,37 @@ __all__ = [
     "compile_student",
     "compiled_graphs",
     "decoder_layers",
+    "mark_step",
     "uncompile",
     "warm_lengths",
 ]
 
 
-def compile_student(module: torch.nn.Module, *, backend: str = "inductor") -> int:
+def compile_student(
+    module: torch.nn.Module, *, backend: str = "inductor", cuda_graphs: bool = False
+) -> int:
     """Compile each decoder layer of the student in place (``nn.Module.compile``).
 
     Args:
         module: a Hugging Face causal LM.
         backend: the ``torch.compile`` backend (tests use ``aot_eager``, which traces the same
             graphs without building kernels).
+        cuda_graphs: record and replay each layer's kernels as CUDA graphs (Inductor only).
 
     Returns:
         The number of layers compiled (0: no decoder layers found, nothing compiled).
     """
     layers = decoder_layers(module)
+    mode = "reduce-overhead" if cuda_graphs else None
     for layer in layers:
-        layer.compile(backend=backend, dynamic=True)
+        layer.compile(backend=backend, dynamic=True, mode=mode)
     return len(layers)
+
+
+def mark_step() -> None:
+    """Start a new generation of CUDA graph replays (before each micro-batch's forward): the
+    outputs of the previous one are no longer read."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def warm_lengths(max_length: int, shortest: int = 64) -> list[int]:

@@ -160,6 +160,14 @@ class TrainerConfig:
             "on cpu); compiled once per run, at start, with symbolic lengths"
         },
     )
+    cuda_graphs: bool = field(
+        default=False,
+        metadata={
+            "help": "replay each compiled decoder layer as CUDA graphs (one per length; needs "
+            "trainer.compile on a cuda device): the host launches one graph per layer instead "
+            "of one kernel at a time"
+        },
+    )
     max_length: int = field(
         default=0,
         metadata={

@@ -34,6 +34,7 @@ from services.trainer.compile import (
     compile_student,
     compiled_graphs,
     decoder_layers,
+    mark_step,
     uncompile,
     warm_lengths,
 )
@@ -214,8 +215,10 @@ class TrainerWorker:
             self.master = MasterWeights(self.module, compute, accumulate_in_hooks=world_size == 1)
         if config.activation_checkpointing:
             _checkpoint_activations(compute)
+        self.cuda_graphs = self._resolve_cuda_graphs()
         if self.compiled:
-            self.compiled = compile_student(compute) > 0
+            self.compiled = compile_student(compute, cuda_graphs=self.cuda_graphs) > 0
+        self.cuda_graphs = self.cuda_graphs and self.compiled
         self.compute = compute  # what the forward and backward run on
         self.head, self._backbone, self._lm_head = self._build_head(compute)
         self.model = self._parallelize(compute)
@@ -231,6 +234,32 @@ class TrainerWorker:
         self._graphs_warm: int | None = None  # Dynamo's graph count after the start-up step
 
     # ------------------------------------------------------------------ set-up
+
+    def _resolve_cuda_graphs(self) -> bool:
+        """Whether the compiled layers replay as CUDA graphs (``trainer.cuda_graphs``).
+
+        A replay writes its outputs into buffers the next replay reuses, so a gradient must leave
+        them before the next micro-batch: the fp32 master weights' hooks take each one at once
+        (one process, low-precision parameters). DDP's and FSDP's gradients stay where autograd
+        put them, and an fp32 model has no masters.
+
+        Raises:
+            ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
+        """
+        if not self.config.cuda_graphs:
+            return False
+        why = None
+        if self.device.type != "cuda":
+            why = f"the trainer runs on {self.device}, not a cuda device"
+        elif not self.compiled:
+            why = "trainer.compile is off"
+        elif self.world_size > 1:
+            why = f"{self.world_size} trainer processes (CUDA graphs need one)"
+        elif self.master is None:
+            why = "the parameters are float32 (CUDA graphs need trainer.param_dtype bfloat16)"
+        if why:
+            raise ValueError(f"trainer.cuda_graphs: {why}; set trainer.cuda_graphs: false")
+        return True
 
     def _build_loss(self, teacher_vocab: int, tokenizers: tuple[Any, Any] | None = None) -> Any:
         """The loss of ``config.loss`` after checking its projection file against the run.
@@ -452,10 +481,14 @@ class TrainerWorker:
         # the longest first (the memory check), then the shorter ones that need graphs of their
         # own (services/trainer/compile.py); eager needs the longest only
         lengths = warm_lengths(length) if self.compiled else [length]
+        # CUDA graph trees run a function's first call in a length as a warm-up and record it at
+        # the second: two steps per length, so that a run's first steps replay
+        repeats = 2 if self.cuda_graphs else 1
         t0 = time.perf_counter()
         try:
             for n in lengths:
-                self._warm_step(self._pad_ids(n))
+                for _ in range(repeats):
+                    self._warm_step(self._pad_ids(n))
         except torch.OutOfMemoryError as e:
             raise self._out_of_memory(length) from e
         except Exception as e:  # Dynamo / Inductor failures have many types
@@ -468,7 +501,7 @@ class TrainerWorker:
                 str(e).splitlines()[0][:200] if str(e) else "",
             )
             uncompile(self.compute)
-            self.compiled = False
+            self.compiled = self.cuda_graphs = False
             self._zero_grads()
             try:
                 self._warm_step(self._pad_ids(length))
@@ -485,6 +518,8 @@ class TrainerWorker:
         return torch.full(shape, self.student_pad_id, dtype=torch.long, device=self.device)
 
     def _warm_step(self, ids_BT: torch.Tensor) -> None:
+        if self.cuda_graphs:
+            mark_step()
         with self._sync(last=False):
             if self.head is not None:  # the head's blocks of logits, not the whole logits
                 self._warm_head(ids_BT)
@@ -584,6 +619,8 @@ class TrainerWorker:
                 # with the fused head the forward stops at the hidden states; the output layer
                 # runs in the loss phase, its backward too (the head makes dh and dW there)
                 forward = self._forward if self.head is None else self._hidden
+                if self.cuda_graphs:
+                    mark_step()
                 with clock.phase("forward", gpu=True):
                     out = forward(batch["input_ids"], None if mask is None else mask.long())
                 teacher = None
@@ -633,6 +670,8 @@ class TrainerWorker:
 
     def _empty_backward(self) -> None:
         ids = torch.full((1, 2), self.student_pad_id, dtype=torch.long, device=self.device)
+        if self.cuda_graphs:
+            mark_step()
         logits = self._forward(ids, None)
         (logits.float().sum() * 0.0).backward()
 

@@ -105,3 +105,8 @@ def test_a_mask_with_a_hole_is_not_a_prefix():
     assert _is_prefix_mask(torch.tensor([[1, 1, 0], [1, 1, 1]]))
     assert not _is_prefix_mask(torch.tensor([[1, 0, 1], [1, 1, 1]]))
     assert not _is_prefix_mask(torch.tensor([[0, 1, 1]]))
+
+
+def test_cuda_graphs_off_a_cuda_device_name_the_setting():
+    with pytest.raises(ValueError, match="trainer.cuda_graphs: .*not a cuda device.*: false"):
+        TrainerWorker(setup.trainer_config(None, cuda_graphs=True))

@@ -119,9 +119,7 @@ def test_two_nccl_ranks_apply_the_gradient_of_one_rank_with_twice_the_accumulati
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     out = str(tmp_path / "grads")
-    mp.spawn(
-        run_rank, args=(2, _free_port(), projection, plan, out, "cuda"), nprocs=2, join=True
-    )
+    mp.spawn(run_rank, args=(2, _free_port(), projection, plan, out, "cuda"), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True)["grads"] for r in range(2)]
     worker = TrainerWorker(setup.trainer_config(projection, grad_accum=2, device="cuda"))
     batches = setup.micro_batches()

@@ -1,0 +1,269 @@
+"""The student step and the teacher forward, variant against variant, each in a process of its own.
+
+Student variants (the trainer's ``TrainerWorker.train_step`` on the same collated batches and the
+same teacher logits, computed once):
+
+* ``eager``: fp32 parameters under bf16 autocast, nothing compiled (the baseline);
+* ``compiled``: bf16 parameters with fp32 masters, each decoder layer compiled;
+* ``graphs``: ``compiled`` with each layer replayed as CUDA graphs (``trainer.cuda_graphs``);
+* ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.fused_head``);
+* ``fused_graphs``: both.
+
+Teacher variants (the forward under ``inference_mode``): ``t_eager``, ``t_compiled`` (each layer,
+symbolic lengths, as the teacher service compiles), ``t_graphs`` (``t_compiled`` replayed as
+CUDA graphs).
+
+Each row: median step ms over ``--steps`` after ``--warmup`` (CUDA-synchronized wall time), the
+step's phases (forward / loss / backward / optimizer, CUDA events), its MFU (causal count, over
+the GPU's dense bf16 peak), peak memory, start-up (compile) seconds.
+
+Usage (GPU)::
+
+    python benchmarks/e2e/bench_student_step.py --shapes 1x4096 4x2048 --mode pkl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_pipeline as bp  # noqa: E402
+
+from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # noqa: E402
+
+STUDENT = {
+    "eager": {"param_dtype": "float32", "compile": False},
+    "compiled": {},
+    "graphs": {"cuda_graphs": True},
+    "fused": {"fused_head": True},
+    "fused_graphs": {"fused_head": True, "cuda_graphs": True},
+}
+TEACHER = {"t_eager": None, "t_compiled": "default", "t_graphs": "reduce-overhead"}
+
+
+def _dev(args) -> str:
+    return device_name() if args.device == "cuda" else "cpu"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(args, B: int, T: int) -> list[dict]:
+    work = Path(args.work)
+    corpus = bp.long_corpus(work / f"corpus_{T}.jsonl", chars=8 * T, count=B * 8)
+    return bp.collated(args, B, T, corpus, 4)
+
+
+def _teacher(args, teacher_dir: str, mode: str | None):
+    from xtoken_core.models import load_model
+    from xtoken_core.models.layers import decoder_layers
+
+    device = torch.device(args.device)
+    teacher = load_model(teacher_dir, dtype=torch.bfloat16, device=device)
+    teacher = teacher.eval().requires_grad_(False)
+    if mode is not None:
+        for layer in decoder_layers(teacher):
+            layer.compile(dynamic=True, fullgraph=True, mode=None if mode == "default" else mode)
+    return teacher
+
+
+def _teacher_logits(teacher, batch: dict, device) -> torch.Tensor:
+    with torch.inference_mode():
+        ids = batch["teacher_input_ids"].to(device, non_blocking=True)
+        return teacher(input_ids=ids, use_cache=False).logits
+
+
+def one_student(args, variant: str, B: int, T: int) -> dict:
+    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from services.trainer.worker import MicroBatch, TrainerWorker
+
+    device = torch.device(args.device)
+    student_dir, teacher_dir = bp.save_models(args, Path(args.work))
+    projection = bp.build_projection(args, Path(args.work)) if args.mode != "ce" else None
+    batches = _batches(args, B, T)
+    logits = [None] * len(batches)
+    if args.mode != "ce":
+        teacher = _teacher(args, teacher_dir, None)
+        logits = [_teacher_logits(teacher, b, device).clone() for b in batches]
+        del teacher
+        bp._free()
+    cfg = TrainerConfig(
+        student=student_dir,
+        student_tokenizer=args.student_tokenizer,
+        teacher_tokenizer=args.teacher_tokenizer,
+        device=args.device,
+        micro_batch=B,
+        max_length=T,
+        max_steps=10**6,
+        optim=OptimConfig(warmup_steps=0),
+        loss=LossConfig(mode=args.mode, projection=projection),
+        **STUDENT[variant],
+    )
+    worker = TrainerWorker(cfg, device=device)
+    start_s = worker.warm_up()
+
+    def step(i: int):
+        k = i % len(batches)
+        t = logits[k]
+        mb = MicroBatch(
+            keys=[], batch=batches[k], teacher_logits=None if t is None else (lambda: t)
+        )
+        return worker.train_step([mb])
+
+    for i in range(args.warmup):
+        step(i)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, phases = [], []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        res = step(i)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        phases.append(res.times)
+    tokens = statistics.mean(int(b["input_lengths"].sum()) for b in batches)
+    step_s = statistics.median(times)
+    split = {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3 for k in phases[-1]}
+    f_student, _ = bp.flops_per_token(bp.model_flops(student_dir), None, T)
+    return {
+        "kind": "student_step",
+        "variant": variant,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tokens / step_s,
+        "split_ms": {k: round(v, 2) for k, v in split.items()},
+        "student_mfu": bp.mfu(f_student, tokens / step_s, bp._peak(_dev(args))),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
+        if device.type == "cuda"
+        else None,
+        "start_s": start_s,
+        "recompiles": worker.recompiles(),
+        "final_loss": res.metrics.get("loss"),
+    }
+
+
+def one_teacher(args, variant: str, B: int, T: int) -> dict:
+    device = torch.device(args.device)
+    _, teacher_dir = bp.save_models(args, Path(args.work))
+    batches = _batches(args, B, T)
+    teacher = _teacher(args, teacher_dir, TEACHER[variant])
+    t0 = time.perf_counter()
+    for _ in range(2 if variant == "t_graphs" else 1):  # graph trees record at the second call
+        _teacher_logits(teacher, batches[0], device)
+    _sync(device)
+    start_s = time.perf_counter() - t0
+    for i in range(args.warmup):
+        _teacher_logits(teacher, batches[i % len(batches)], device)
+    times = []
+    for i in range(args.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        _teacher_logits(teacher, batches[i % len(batches)], device)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    tokens = statistics.mean(int(b["teacher_input_lengths"].sum()) for b in batches)
+    ms = statistics.median(times)
+    tf = bp.model_flops(teacher_dir)
+    flops = 2 * tf["params"] + 2 * tf["layers"] * tf["q_dim"] * T
+    return {
+        "kind": "teacher_forward",
+        "variant": variant,
+        "step_ms": ms,
+        "tokens_per_s": tokens / ms * 1e3,
+        "mfu": bp.mfu(flops, tokens / ms * 1e3, bp._peak(_dev(args))),
+        "start_s": start_s,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["1x4096", "4x2048"])
+    p.add_argument("--mode", default="pkl")
+    p.add_argument("--variants", nargs="+", default=[*STUDENT, *TEACHER])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: variant:shape
+    p.add_argument("--results", default=str(RESULTS_DIR / "e2e_student_step.jsonl"))
+    bp.add_model_args(p)
+    args = p.parse_args()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("XTOKEN_CACHE", str(Path(args.work) / "cache"))
+    if args.one:
+        variant, shape = args.one.split(":")
+        B, T = (int(x) for x in shape.split("x"))
+        fn = one_teacher if variant in TEACHER else one_student
+        print("ROW " + json.dumps(fn(args, variant, B, T)))
+        return 0
+    bp.save_models(args, Path(args.work))  # once, before the children
+    if args.mode != "ce":
+        bp.build_projection(args, Path(args.work))
+    stamp = {
+        "commit": commit(),
+        "device": _dev(args),
+        "mode": args.mode,
+    }
+    print(f"device {stamp['device']}; mode {args.mode}")
+    lines = []
+    for shape in args.shapes:
+        base = None
+        for variant in args.variants:
+            argv = [sys.executable, __file__, "--one", f"{variant}:{shape}"]
+            for k in ("mode", "steps", "warmup", "work", "device", "student", "teacher"):
+                argv += [f"--{k}", str(getattr(args, k))]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+                out = proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired as e:
+                out = f"timed out after {args.timeout:.0f}s " + str(e.stdout or "")[-300:]
+            rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+            wall = time.perf_counter() - t0
+            if not rows:
+                tail = out.strip().splitlines()[-6:]
+                print(f"{shape} {variant}: FAILED ({wall:.0f}s)\n    " + "\n    ".join(tail))
+                append_rows(
+                    args.results,
+                    [
+                        {
+                            **stamp,
+                            "shape": shape,
+                            "variant": variant,
+                            "error": "\n".join(tail)[-2000:],
+                        }
+                    ],
+                )
+                continue
+            row = {**stamp, "shape": shape, **rows[0], "process_s": wall}
+            if row["kind"] == "student_step":
+                base = (
+                    base if base is not None else (row["step_ms"] if variant == "eager" else None)
+                )
+                row["speedup_vs_eager"] = base / row["step_ms"] if base else None
+            append_rows(args.results, [row])
+            line = (
+                f"{shape:>7} {variant:>13} {row['step_ms']:>8.1f} ms {row['tokens_per_s']:>8.0f} tok/s"
+                f" mfu {bp._f(row.get('student_mfu', row.get('mfu')), 3):>5}"
+                f" x{bp._f(row.get('speedup_vs_eager'), 2):>5}"
+                f" mem {bp._f(row.get('peak_mem_gib'), 1):>5} GiB start {bp._f(row['start_s'], 1):>5}s"
+                f" recomp {row.get('recompiles', '-')} {json.dumps(row.get('split_ms', {}))}"
+            )
+            lines.append(line)
+            print(line, flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
