@@ -158,6 +158,7 @@ def _teacher_has_compile() -> bool:
 
 
 def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: str, eager: bool):
+    extra = EAGER_TRAINER if eager else getattr(args, "trainer_extra", None) or {}
     """The trainer's worker of a bare run (its start-up step done)."""
     from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
     from services.trainer.worker import TrainerWorker
@@ -172,7 +173,7 @@ def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: 
         max_steps=10**6,
         optim=OptimConfig(warmup_steps=0),
         loss=LossConfig(mode=mode, projection=projection if mode != "ce" else None),
-        **(EAGER_TRAINER if eager else {}),
+        **extra,
     )
     worker = TrainerWorker(cfg, device=torch.device(args.device))
     worker.warm_up()
@@ -497,6 +498,12 @@ def main() -> int:
         "every rank count trains the same global batch (scaling runs with comparable curves)",
     )
     p.add_argument("--tag", default="", help="label of these rows (e.g. mps)")
+    p.add_argument(
+        "--trainer-extra",
+        type=json.loads,
+        default={},
+        help="trainer keys of the default runs, as JSON (e.g. '{\"cuda_graphs\": true}')",
+    )
     add_model_args(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -574,7 +581,13 @@ def main() -> int:
                     if args.same_global_batch:
                         accum = args.grad_accum * max(args.trainers) // n
                     run_dir = work / f"run_{shape}_{mode}_{transport}_r{n}_{tdev or 'same'}"
-                    pl = run(run_dir, trainers=n, teacher_device=tdev, grad_accum=accum)
+                    pl = run(
+                        run_dir,
+                        trainers=n,
+                        teacher_device=tdev,
+                        grad_accum=accum,
+                        trainer_extra=args.trainer_extra or None,
+                    )
                     row = {
                         "shape": shape,
                         "mode": mode,

@@ -133,6 +133,8 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t0)
         phases.append(res.times)
+    if args.profile:
+        _profile(step, device, args.profile)
     tokens = statistics.mean(int(b["input_lengths"].sum()) for b in batches)
     step_s = statistics.median(times)
     split = {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3 for k in phases[-1]}
@@ -151,6 +153,23 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         "recompiles": worker.recompiles(),
         "final_loss": res.metrics.get("loss"),
     }
+
+
+def _profile(step, device: torch.device, top: int) -> None:
+    """Two steps under the profiler: the kernels by total time, and the GPU's busy share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            step(i)
+        _sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    busy_ms = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"profile: 2 steps, wall {wall_ms:.1f} ms, kernels {busy_ms:.1f} ms")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
 
 
 def one_teacher(args, variant: str, B: int, T: int) -> dict:
@@ -194,6 +213,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
+    p.add_argument("--profile", type=int, default=0, help="profile each student variant: top N")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: variant:shape
     p.add_argument("--results", default=str(RESULTS_DIR / "e2e_student_step.jsonl"))
     bp.add_model_args(p)
@@ -220,7 +240,7 @@ def main() -> int:
         base = None
         for variant in args.variants:
             argv = [sys.executable, __file__, "--one", f"{variant}:{shape}"]
-            for k in ("mode", "steps", "warmup", "work", "device", "student", "teacher"):
+            for k in ("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"):
                 argv += [f"--{k}", str(getattr(args, k))]
             t0 = time.perf_counter()
             try:
@@ -229,6 +249,8 @@ def main() -> int:
             except subprocess.TimeoutExpired as e:
                 out = f"timed out after {args.timeout:.0f}s " + str(e.stdout or "")[-300:]
             rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+            if args.profile:
+                print("\n".join(x for x in out.splitlines() if not x.startswith("ROW ")))
             wall = time.perf_counter() - t0
             if not rows:
                 tail = out.strip().splitlines()[-6:]
