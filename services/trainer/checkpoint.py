@@ -53,8 +53,9 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return path if path.is_dir() else None
 
 
-def save(worker: Any, run_dir: str | os.PathLike, *, epoch: int, task_start: int,
-         trained: set[str]) -> Path:
+def save(
+    worker: Any, run_dir: str | os.PathLike, *, epoch: int, task_start: int, trained: set[str]
+) -> Path:
     """Write a checkpoint of ``worker`` (collective: every rank calls it).
 
     Args:
@@ -90,7 +91,9 @@ def save(worker: Any, run_dir: str | os.PathLike, *, epoch: int, task_start: int
         _atomic_write(root / "latest", path.name)
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
-        logger.info("[trainer] checkpoint %s (%d keys trained this epoch on rank 0)", path, len(trained))
+        logger.info(
+            "[trainer] checkpoint %s (%d keys trained this epoch on rank 0)", path, len(trained)
+        )
     _barrier()
     return path
 

@@ -160,12 +160,12 @@ class TrainerConfig:
             "on cpu); compiled once per run, at start, with symbolic lengths"
         },
     )
-    cuda_graphs: bool = field(
-        default=False,
+    cuda_graphs: bool | None = field(
+        default=None,
         metadata={
-            "help": "replay each compiled decoder layer as CUDA graphs (one per length; needs "
-            "trainer.compile on a cuda device): the host launches one graph per layer instead "
-            "of one kernel at a time"
+            "help": "replay each compiled decoder layer as CUDA graphs, one per length: the host "
+            "launches one graph per layer instead of one kernel at a time (None: on where it can "
+            "run: compiled on a cuda device, one trainer process, bf16 parameters)"
         },
     )
     max_length: int = field(

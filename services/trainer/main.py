@@ -99,9 +99,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     # under FSDP every rank takes part in the eval forward (the parameters are sharded)
     sharded = world > 1 and config.parallel == "fsdp"
     evaluates = rank == 0 or sharded
-    heldout = (
-        read_texts(config.heldout, config.eval_texts) if evaluates and config.heldout else []
-    )
+    heldout = read_texts(config.heldout, config.eval_texts) if evaluates and config.heldout else []
     client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"trainer{rank}")
     worker = TrainerWorker(config, rank=rank, world_size=world, device=device)
     reader = output_layer = None
@@ -133,7 +131,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             logger.info("[trainer] compiling the student...")
     compile_s = worker.warm_up()
     if compile_s is not None:
-        metrics.write("compile", state="done", seconds=round(compile_s, 3), compiled=worker.compiled)
+        metrics.write(
+            "compile", state="done", seconds=round(compile_s, 3), compiled=worker.compiled
+        )
         summary["compile_s"] = round(compile_s, 3)
         if rank == 0:
             logger.info(

@@ -280,4 +280,3 @@ def _group(leases: dict[str, Any]) -> dict[Any, list[str]]:
     for key, lease_id in leases.items():
         out.setdefault(lease_id, []).append(key)
     return out
-

@@ -236,7 +236,8 @@ class TrainerWorker:
     # ------------------------------------------------------------------ set-up
 
     def _resolve_cuda_graphs(self) -> bool:
-        """Whether the compiled layers replay as CUDA graphs (``trainer.cuda_graphs``).
+        """Whether the compiled layers replay as CUDA graphs (``trainer.cuda_graphs``; None: where
+        they can run).
 
         A replay writes its outputs into buffers the next replay reuses, so a gradient must leave
         them before the next micro-batch: the fp32 master weights' hooks take each one at once
@@ -246,7 +247,7 @@ class TrainerWorker:
         Raises:
             ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
         """
-        if not self.config.cuda_graphs:
+        if self.config.cuda_graphs is False:
             return False
         why = None
         if self.device.type != "cuda":
@@ -257,9 +258,9 @@ class TrainerWorker:
             why = f"{self.world_size} trainer processes (CUDA graphs need one)"
         elif self.master is None:
             why = "the parameters are float32 (CUDA graphs need trainer.param_dtype bfloat16)"
-        if why:
+        if why and self.config.cuda_graphs:
             raise ValueError(f"trainer.cuda_graphs: {why}; set trainer.cuda_graphs: false")
-        return True
+        return why is None
 
     def _build_loss(self, teacher_vocab: int, tokenizers: tuple[Any, Any] | None = None) -> Any:
         """The loss of ``config.loss`` after checking its projection file against the run.

@@ -106,15 +106,17 @@ def test_a_non_finite_gradient_skips_the_fused_update_on_the_gpu():
     assert not torch.equal(weights[0], next(worker.module.parameters()))
 
 
-def test_cuda_graph_replays_train_exactly_as_the_compiled_step():
-    """Five steps of two micro-batches each (lengths change from step to step): the losses and
-    the final fp32 weights of the CUDA-graph step equal the compiled step's (same kernels, only
-    launched as graphs; max weight difference <= 1e-6)."""
+def test_cuda_graph_replays_train_as_the_compiled_step():
+    """Five steps of two micro-batches each (lengths change from step to step), CUDA graphs
+    (the default) against the compiled step without them: losses within 1e-4 and fp32 weights
+    within 2e-4 (an H200 gave losses within 1e-5 and 5.6e-5 on the weights: the embedding
+    gradient's atomic adds sum in another order from run to run, and Adam's normalized update
+    carries that to the weights)."""
     import torch._dynamo
 
     mbs = _batches(1000)
     losses, weights = [], []
-    for overrides in ({}, {"cuda_graphs": True}):
+    for overrides in ({"cuda_graphs": False}, {}):
         torch._dynamo.reset()
         worker = _worker(grad_accum=2, **overrides)
         worker.warm_up()
@@ -124,5 +126,5 @@ def test_cuda_graph_replays_train_exactly_as_the_compiled_step():
             torch.cat([p.detach().flatten().clone() for p in worker.module.parameters()])
         )
     assert worker.cuda_graphs and worker.recompiles() == 0
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-    assert float((weights[1] - weights[0]).abs().max()) <= 1e-6
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert float((weights[1] - weights[0]).abs().max()) <= 2e-4
