@@ -6,9 +6,12 @@ Readers. :func:`iter_texts` yields ``(key, text)`` pairs from one file, chosen b
 * ``.txt``: documents separated by blank lines (``txt_split="blank_line"``, the default) or one
   document per line (``txt_split="line"``).
 * ``.parquet``: a string column ``"text"`` (read with pyarrow, one record batch at a time).
+* ``.arrow``: an Arrow IPC stream or file with a string column ``"text"``: the data files of a
+  Hugging Face ``datasets`` folder (``Dataset.save_to_disk``).
 
 :func:`iter_corpus` reads a file, a folder or a glob of them (:func:`corpus_files`: sorted), each
-file with its own keys. A bad line raises :class:`BadCorpusLine` unless ``on_bad`` takes it.
+file with its own keys; a folder written by ``Dataset.save_to_disk`` is read as that dataset (its
+``state.json`` lists its data files, in order), without the ``datasets`` package. A bad line raises :class:`BadCorpusLine` unless ``on_bad`` takes it.
 
 Keys name the corpus file and the 1-based line on which the text starts (for parquet: the
 1-based row), ``"<file id>:<line>"``, so that texts of different files never share a key, and a
@@ -61,6 +64,10 @@ _SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 )
 _SUFFIXES = (".jsonl", ".txt", ".parquet")
+# a Hugging Face ``datasets`` folder: ``state.json`` lists the Arrow data files of one Dataset;
+# a DatasetDict's root holds ``dataset_dict.json`` and a folder per split
+_HF_STATE = "state.json"
+_HF_DICT = "dataset_dict.json"
 
 
 def default_demo_dir() -> pathlib.Path:
@@ -509,6 +516,39 @@ def _iter_parquet(
             yield f"{prefix}:{row}", value
 
 
+def _iter_arrow(
+    path: pathlib.Path, field: str, prefix: str, on_bad: OnBad = None
+) -> Iterator[tuple[str, str]]:
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:  # datasets writes the IPC stream format; the file format is read too
+        reader = pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        batches = iter(reader)
+    schema = reader.schema
+    if field not in schema.names:
+        raise ValueError(
+            f"{path}: no column {field!r} (columns: {schema.names}); "
+            f"pass text_field= naming the text column"
+        )
+    column_type = schema.field(field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise ValueError(f"{path}: column {field!r} has type {column_type}, expected string")
+    row = 0
+    for batch in batches:
+        for value in batch.column(field).to_pylist():
+            row += 1
+            if value is None:
+                msg = f"{path}: row {row}: column {field!r} is null; drop or fill it"
+                _bad(on_bad, msg, path, row)
+                continue
+            yield f"{prefix}:{row}", value
+
+
 def iter_texts(
     path: str | os.PathLike,
     *,
@@ -517,11 +557,12 @@ def iter_texts(
     key_root: str | os.PathLike | None = None,
     on_bad: OnBad = None,
 ) -> Iterator[tuple[str, str]]:
-    """Yield ``(key, text)`` from a ``.jsonl``, ``.txt`` or ``.parquet`` file, in file order.
+    """Yield ``(key, text)`` from a ``.jsonl``, ``.txt``, ``.parquet`` or ``.arrow`` file, in
+    file order.
 
     Args:
         path: the file; its suffix picks the reader.
-        text_field: JSON field / parquet column holding the text.
+        text_field: JSON field / parquet or arrow column holding the text.
         txt_split: for ``.txt``: ``"blank_line"`` (documents separated by blank lines) or
             ``"line"`` (one document per non-empty line).
         key_root: key by the file's path relative to this folder (see
@@ -551,7 +592,33 @@ def iter_texts(
         return _iter_txt(p, txt_split, prefix, on_bad)
     if p.suffix == ".parquet":
         return _iter_parquet(p, text_field, prefix, on_bad)
-    raise ValueError(f"{p}: unsupported corpus suffix {p.suffix!r}; use one of {_SUFFIXES}")
+    if p.suffix == ".arrow":
+        return _iter_arrow(p, text_field, prefix, on_bad)
+    raise ValueError(
+        f"{p}: unsupported corpus suffix {p.suffix!r}; use one of {(*_SUFFIXES, '.arrow')}"
+    )
+
+
+def _hf_dataset_files(folder: pathlib.Path) -> list[pathlib.Path] | None:
+    """The data files of a ``Dataset.save_to_disk`` folder, in the dataset's order; None when
+    ``folder`` is not one.
+
+    Raises:
+        ValueError: a DatasetDict's root (names its splits), or a ``state.json`` naming no file.
+    """
+    if (folder / _HF_DICT).is_file():
+        splits = json.loads((folder / _HF_DICT).read_text()).get("splits", [])
+        raise ValueError(
+            f"{folder}: a Hugging Face DatasetDict (splits {splits}); name one split's folder, "
+            f"e.g. {folder / (splits[0] if splits else 'train')}"
+        )
+    state = folder / _HF_STATE
+    if not state.is_file():
+        return None
+    files = [folder / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    if not files:
+        raise ValueError(f"{state}: lists no data files; save the dataset again")
+    return files
 
 
 def _is_glob(text: str) -> bool:
@@ -561,7 +628,8 @@ def _is_glob(text: str) -> bool:
 def corpus_files(data: str | os.PathLike) -> list[pathlib.Path]:
     """The corpus files a ``data`` argument names: a file, a directory or a glob pattern.
 
-    A directory expands to every ``.jsonl``/``.txt``/``.parquet`` file under it (recursively),
+    A ``Dataset.save_to_disk`` folder gives its Arrow data files in the dataset's order. Another
+    directory expands to every ``.jsonl``/``.txt``/``.parquet`` file under it (recursively),
     a pattern (``*``, ``?``, ``[``; ``**`` crosses folders) to the files it matches; both sorted
     by path, so a rerun reads them in the same order. Each file keeps the keys it has alone
     (:func:`corpus_key_prefix`), so a file read through its folder is skipped as already queued.
@@ -574,12 +642,15 @@ def corpus_files(data: str | os.PathLike) -> list[pathlib.Path]:
 
     Raises:
         FileNotFoundError: nothing exists at ``data`` (a pattern matching nothing included).
-        ValueError: a folder or pattern without any corpus file (names the suffixes).
+        ValueError: a folder or pattern without any corpus file (names the suffixes); the root
+            of a Hugging Face DatasetDict (names its splits).
     """
     text = os.fspath(data)
     path = pathlib.Path(text)
     if path.is_file():
         return [path]
+    if path.is_dir() and (hf := _hf_dataset_files(path)) is not None:
+        return hf  # the dataset's own order, not sorted by name
     if path.is_dir():
         found = [p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES]
     elif _is_glob(text):

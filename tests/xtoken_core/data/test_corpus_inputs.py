@@ -67,3 +67,44 @@ def test_bad_lines_are_reported_and_skipped_on_request_keeping_the_other_keys(tm
     assert got == [("c.jsonl:1", "a"), ("c.jsonl:5", "e")]
     assert [e.line for e in bad] == [2, 3, 4]
     assert "UTF-8" in str(bad[1]) and "string field" in str(bad[2])
+
+
+def _hf_dataset(tmp_path, texts, name="ds", **columns):
+    datasets = pytest.importorskip("datasets")  # the dev extra installs it
+    ds = datasets.Dataset.from_dict({"text": texts, **columns})
+    ds.save_to_disk(str(tmp_path / name), max_shard_size=200)  # several shards: their order
+    return tmp_path / name
+
+
+def test_a_hugging_face_dataset_folder_reads_its_rows_in_order(tmp_path):
+    texts = [f"document {i} " + "x" * 40 for i in range(30)]
+    folder = _hf_dataset(tmp_path, texts)
+    files = corpus_files(folder)
+    assert len(files) > 1 and all(f.suffix == ".arrow" for f in files)
+    got = list(iter_corpus(folder))
+    assert [t for _, t in got] == texts
+    assert len({k for k, _ in got}) == len(texts)
+
+
+def test_a_hugging_face_dataset_reads_the_named_text_field(tmp_path):
+    folder = _hf_dataset(tmp_path, ["a", "b"], content=["first text", "second text"])
+    assert [t for _, t in iter_corpus(folder, text_field="content")] == [
+        "first text",
+        "second text",
+    ]
+    with pytest.raises(ValueError, match="no column 'body'.*text_field"):
+        list(iter_corpus(folder, text_field="body"))
+
+
+def test_a_hugging_face_dataset_dict_root_names_its_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["a"]}),
+            "test": datasets.Dataset.from_dict({"text": ["b"]}),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"DatasetDict \(splits .*train.*name one split's folder"):
+        corpus_files(tmp_path / "dd")
+    assert [t for _, t in iter_corpus(tmp_path / "dd" / "train")] == ["a"]
