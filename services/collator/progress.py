@@ -11,12 +11,20 @@ _CHUNK = 1 << 20
 
 
 def count_units(path: pathlib.Path) -> int:
-    """Lines of a text file (the last one counted without its newline), rows of a parquet file:
-    the units of the line or row numbers in corpus keys."""
+    """Lines of a text file (the last one counted without its newline), rows of a parquet or
+    Arrow file: the units of the line or row numbers in corpus keys."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows
+    if path.suffix == ".arrow":
+        import pyarrow as pa
+
+        source = pa.memory_map(str(path))
+        try:
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(source).count_rows()
     lines, last = 0, b"\n"
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

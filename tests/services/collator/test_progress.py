@@ -109,3 +109,10 @@ def test_a_progress_line_shows_the_fraction_done(queue_server, corpus_slice):
         log = err.read()
     assert proc.returncode == 0, log
     assert "loading tokenizers" in log and "% done" in log, log
+
+
+def test_rows_of_a_hugging_face_dataset_are_its_units(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(7)]}).save_to_disk(str(tmp_path))
+    files = sorted(tmp_path.glob("*.arrow"))
+    assert sum(count_units(f) for f in files) == 7
