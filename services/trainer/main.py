@@ -8,7 +8,7 @@ step and write one checkpoint together.
 
 Files under ``run_dir``: ``metrics/trainer.rank<r>.jsonl`` (steps, evals), ``keys/
 trainer.rank<r>.jsonl`` (the keys trained per step), ``checkpoints/``, ``final/`` (the exported
-student, rank 0) and ``summary.json`` (rank 0).
+student with its tokenizer and model card, rank 0) and ``summary.json`` (rank 0).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from services.queue.errors import QueueError
 from services.trainer import checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
+from services.trainer.model_card import card_facts, write_model_card
 from services.trainer.worker import PhaseClock, TrainerWorker
 from xtoken_core.data.corpus import read_texts
 
@@ -256,6 +257,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         evaluate("after")
         if config.export:
             worker.export(run_dir / "final")
+            if rank == 0:
+                facts = card_facts(config, run_dir, summary, step=worker.step, world_size=world)
+                write_model_card(run_dir / "final", facts)
     if rank == 0:
         summary.update(step=worker.step, epoch=epoch, stopped=stopped, skipped=worker.skipped_steps)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
