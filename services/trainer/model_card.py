@@ -92,7 +92,10 @@ def render_card(facts: dict[str, Any]) -> str:
         ("loss", loss),
         ("training data", _code(facts["train_data"])),
         ("held-out data", _code(facts["heldout_data"])),
-        ("steps", f"{facts['steps']} (global batch {facts['global_batch']} texts, lr {facts['lr']:g})"),
+        (
+            "steps",
+            f"{facts['steps']} (global batch {facts['global_batch']} texts, lr {facts['lr']:g})",
+        ),
     ]
     lines = [
         "---",

@@ -73,7 +73,9 @@ def to_transformers(tokenizer: XTokenizer) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **specials, **extra)
 
 
-def save_hf_tokenizer(tokenizer: str | os.PathLike | XTokenizer, out_dir: str | os.PathLike) -> None:
+def save_hf_tokenizer(
+    tokenizer: str | os.PathLike | XTokenizer, out_dir: str | os.PathLike
+) -> None:
     """Save a tokenizer into ``out_dir`` so that ``AutoTokenizer.from_pretrained(out_dir)``
     loads it offline (``tokenizer.json``, ``tokenizer_config.json``, the chat template if any).
 

@@ -76,5 +76,7 @@ def test_a_tokenizer_json_file_alone_saves_with_the_specials_xtoken_found(tmp_pa
     out = tmp_path / "out"
     save_hf_tokenizer(str(alone), out)
     hf = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    assert hf("Hello world")["input_ids"] == load_tokenizer("qwen3").encode("Hello world").ids.tolist()
+    assert (
+        hf("Hello world")["input_ids"] == load_tokenizer("qwen3").encode("Hello world").ids.tolist()
+    )
     assert hf.eos_token == "<|endoftext|>"  # found by name, as HFTokenizer does without a config
