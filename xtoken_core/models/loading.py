@@ -202,7 +202,7 @@ def load_output_layer(
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer: str) -> None:
     """Save a causal LM and its tokenizer as a Hugging Face folder.
 
-    Writes ``config.json`` (with the tokenizer's BOS/EOS/pad ids), safetensors weights, the
+    Writes ``config.json`` (with the tokenizer's BOS/EOS ids), safetensors weights, the
     tokenizer in Hugging Face format (``tokenizer.json``, ``tokenizer_config.json``, the chat
     template where it has one: ``xtoken_core.tokenizers.hf_export``), ``generation_config.json``
     and ``xtoken_tokenizer.json`` (``{"tokenizer": <name>}``);
@@ -237,7 +237,9 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer: 
     ids = _special_ids(tok)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config.update(ids)
+    # pad only in generation_config.json: a pad id in config.json becomes the embedding's
+    # padding_idx (a row without gradient) when the folder is trained again
+    config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _generation_config(ids).save_pretrained(str(out))
     save_hf_tokenizer(tok, out)

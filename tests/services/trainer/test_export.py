@@ -68,6 +68,9 @@ def test_generation_defaults_are_the_tokenizers_special_ids(exported):
     assert generation.pad_token_id == (tok.pad_id if tok.pad_id is not None else tok.eos_id)
     config = json.loads((final / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+    # no pad id in config.json: it would freeze that embedding row when the folder trains again
+    model = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)
+    assert model.get_input_embeddings().padding_idx is None
 
 
 def test_the_model_card_names_the_run(exported):
