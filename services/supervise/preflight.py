@@ -70,13 +70,16 @@ def preflight(config: RunConfig) -> Inputs:
         The run's :class:`Inputs`.
 
     Raises:
-        ValueError: a CUDA device this machine lacks, a missing or unreadable corpus, an unknown
+        ValueError: a CUDA device this machine lacks, a tracker (``trainer.report_to``) whose
+            package is not installed, a missing or unreadable corpus, an unknown
             tokenizer, a model whose vocab does not fit its tokenizer, a projection built for
             other tokenizers (each names the key and the fix).
     """
+    from services.trainer.tracking import check_installed
     from xtoken_core.tokenizers import load_tokenizer
 
     check_devices(config)
+    check_installed(config.trainer.report_to)  # a tracker's package, before anything starts
     train, heldout, train_limit = config.data.train, config.data.heldout, config.data.limit
     if train is None:
         from xtoken_core.data.corpus import build_demo_corpus

@@ -8,6 +8,8 @@ from dataclasses import field
 from typing import ClassVar, Literal
 
 LOSS_MODES = ("pkl", "gold", "xtoken", "ce")
+# experiment trackers of ``report_to`` (services/trainer/tracking.py)
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclasses.dataclass
@@ -211,6 +213,14 @@ class TrainerConfig:
     eval_texts: int = field(default=32, metadata={"help": "held-out texts per eval"})
     eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
     export: bool = field(default=True, metadata={"help": "export the final student (HF dir)"})
+    report_to: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "experiment trackers that rank 0 also writes its metrics to: tensorboard "
+            "(RUN_DIR/tensorboard), wandb (offline unless WANDB_MODE says otherwise, "
+            "RUN_DIR/wandb); pip install 'xtoken[tracking]'"
+        },
+    )
     lease_s: float = field(
         default=300.0, metadata={"help": "lease of claimed samples (redelivered if we die)"}
     )
@@ -249,6 +259,12 @@ class TrainerConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if self.param_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"param_dtype={self.param_dtype!r}: use auto, float32 or bfloat16")
+        unknown = [name for name in self.report_to if name not in TRACKERS]
+        if unknown:
+            raise ValueError(
+                f"report_to: unknown tracker {unknown[0]!r}; use a list of {', '.join(TRACKERS)} "
+                "(or [] for none)"
+            )
         if self.eval_ctx < 2:
             raise ValueError(f"eval_ctx={self.eval_ctx}: must be >= 2 tokens")
         if self.loss.mode != "ce" and not self.loss.projection:

@@ -8,7 +8,8 @@ step and write one checkpoint together.
 
 Files under ``run_dir``: ``metrics/trainer.rank<r>.jsonl`` (steps, evals), ``keys/
 trainer.rank<r>.jsonl`` (the keys trained per step), ``checkpoints/``, ``final/`` (the exported
-student, rank 0) and ``summary.json`` (rank 0).
+student with its tokenizer and model card, rank 0), ``summary.json`` (rank 0), and the trackers'
+files of ``report_to`` (``tensorboard/``, ``wandb/``; rank 0, see tracking.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter
 from services.queue.client import connect
 from services.queue.errors import QueueError
-from services.trainer import checkpoint
+from services.trainer import checkpoint, tracking
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
+from services.trainer.model_card import card_facts, write_model_card
 from services.trainer.worker import PhaseClock, TrainerWorker
 from xtoken_core.data.corpus import read_texts
 
@@ -121,6 +123,8 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         epoch, trained = state["epoch"], state["trained"]
         task_start = worker.step  # a fresh consumer task: every untrained sample comes again
     metrics = JsonlWriter(run_dir / "metrics" / f"trainer.rank{rank}.jsonl", rank=rank)
+    if rank == 0 and config.report_to:  # TensorBoard, W&B: fed the same records
+        metrics = tracking.tracked_metrics(metrics, config, run_dir, start_step=worker.step)
     keys_log = JsonlWriter(run_dir / "keys" / f"trainer.rank{rank}.jsonl", rank=rank)
     lc.ready(rank=rank, world_size=world, step=worker.step)
     summary: dict[str, Any] = {"rank_count": world, "resumed_from": worker.step}
@@ -256,6 +260,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         evaluate("after")
         if config.export:
             worker.export(run_dir / "final")
+            if rank == 0:
+                facts = card_facts(config, run_dir, summary, step=worker.step, world_size=world)
+                write_model_card(run_dir / "final", facts)
     if rank == 0:
         summary.update(step=worker.step, epoch=epoch, stopped=stopped, skipped=worker.skipped_steps)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

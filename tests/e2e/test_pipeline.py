@@ -1,5 +1,5 @@
 """A whole distillation run of real processes started by their CLIs: queue, two collators, one shm
-teacher, two gloo trainer ranks."""
+teacher, two gloo trainer ranks; rank 0 reports to TensorBoard and exports the student."""
 
 from __future__ import annotations
 
@@ -21,10 +21,15 @@ from tests.e2e.conftest import (
 
 @pytest.mark.timeout(120)
 def test_pipeline_trains_every_sample_once_and_every_process_exits_cleanly(pipeline, demo):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoTokenizer
+
     paths, corpus = corpus_parts(demo, pipeline.root / "data", n=44, parts=2)
     queue = pipeline.start_queue()
     teacher = pipeline.start_teacher(pipeline.teacher_config())
-    trainers = pipeline.start_trainers(pipeline.trainer_config(heldout=pipeline.heldout))
+    trainers = pipeline.start_trainers(
+        pipeline.trainer_config(heldout=pipeline.heldout, report_to=["tensorboard"], export=True)
+    )
     collators = [pipeline.start_collator(f"collator{i}", p) for i, p in enumerate(paths)]
 
     for c in collators:
@@ -47,3 +52,22 @@ def test_pipeline_trains_every_sample_once_and_every_process_exits_cleanly(pipel
     assert before_after["after"] < before_after["before"], before_after
     losses = [r["loss"] for r in step_records(run_dir, 0)]
     assert losses[-1] < losses[0], losses
+
+    # rank 0 alone writes TensorBoard events: the JSONL's metrics, same names, values and steps
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for name in ("step/loss", "step/kl_loss", "step/lr", "step/grad_norm", "step/tokens_per_s",
+                 "step/times/forward", "step/memory_mb"):  # fmt: skip
+        field = name.split("/")
+        jsonl = [(r["step"], r[field[1]] if len(field) == 2 else r[field[1]][field[2]])
+                 for r in step_records(run_dir, 0)]  # fmt: skip
+        got = [(e.step, e.value) for e in events.Scalars(name)]
+        assert got == [(s, pytest.approx(v, rel=1e-6)) for s, v in jsonl], name
+    bpb = [e.value for e in events.Scalars("eval/bits_per_byte")]
+    assert bpb == [pytest.approx(before_after["before"]), pytest.approx(before_after["after"])]
+
+    final = run_dir / "final"  # the student, its tokenizer and its card
+    names = {p.name for p in final.iterdir()}
+    assert {"README.md", "generation_config.json", "tokenizer.json"} <= names
+    assert AutoTokenizer.from_pretrained(final, local_files_only=True)("a b")["input_ids"]

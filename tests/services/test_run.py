@@ -90,6 +90,10 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
             r"trainer\.teacher_groups=2 but teachers=1; leave teacher_groups unset",
         ),
         ({"data": {"limit": 0}}, r"data: limit=0: must be >= 1"),
+        (
+            {"trainer": {"report_to": ["tensorboard", "mlflow"]}},
+            r"trainer: report_to: unknown tracker 'mlflow'; use a list of tensorboard, wandb",
+        ),
         ({"heartbeat_s": 0}, r"heartbeat_s=0(\.0)?: must be > 0"),
         (
             {"heartbeat_s": 1, "hang_after_s": 1.5},
@@ -110,6 +114,7 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
         "negative-lr",
         "teacher-groups",
         "data-limit",
+        "unknown-tracker",
         "heartbeat-interval",
         "hang-below-two-beats",
     ],

@@ -200,11 +200,14 @@ def load_output_layer(
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer: str) -> None:
-    """Save a causal LM as a Hugging Face folder that names its xtoken tokenizer.
+    """Save a causal LM and its tokenizer as a Hugging Face folder.
 
-    Writes ``config.json``, safetensors weights and ``xtoken_tokenizer.json``
-    (``{"tokenizer": <name>}``); ``AutoModelForCausalLM.from_pretrained(out_dir)`` and
-    ``load_model(out_dir)`` load it.
+    Writes ``config.json`` (with the tokenizer's BOS/EOS ids), safetensors weights, the
+    tokenizer in Hugging Face format (``tokenizer.json``, ``tokenizer_config.json``, the chat
+    template where it has one: ``xtoken_core.tokenizers.hf_export``), ``generation_config.json``
+    and ``xtoken_tokenizer.json`` (``{"tokenizer": <name>}``);
+    ``AutoModelForCausalLM.from_pretrained(out_dir)``, ``AutoTokenizer.from_pretrained(out_dir)``
+    and ``load_model(out_dir)`` load it.
 
     Args:
         model: a transformers causal LM (``save_pretrained``).
@@ -212,8 +215,12 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer: 
         tokenizer: the name or path for ``load_tokenizer`` (e.g. "qwen3", "smollm2").
 
     Raises:
-        ValueError: the model cannot be saved this way, or ``tokenizer`` is empty.
+        ValueError: the model cannot be saved this way, ``tokenizer`` is empty, or it cannot be
+            loaded or saved in Hugging Face format.
     """
+    from xtoken_core.tokenizers import load_tokenizer
+    from xtoken_core.tokenizers.hf_export import save_hf_tokenizer
+
     if not isinstance(tokenizer, str) or not tokenizer:
         raise ValueError(
             f"export_hf needs tokenizer= as a non-empty name or path (e.g. 'qwen3'), got "
@@ -223,13 +230,37 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, tokenizer: 
         raise ValueError(
             f"{type(model).__name__} has no save_pretrained; export_hf saves transformers models"
         )
+    tok = load_tokenizer(tokenizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
+    ids = _special_ids(tok)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    # pad only in generation_config.json: a pad id in config.json becomes the embedding's
+    # padding_idx (a row without gradient) when the folder is trained again
+    config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _generation_config(ids).save_pretrained(str(out))
+    save_hf_tokenizer(tok, out)
     (out / EXPORT_TOKENIZER_FILE).write_text(
         json.dumps({"tokenizer": tokenizer}) + "\n", encoding="utf-8"
     )
     logger.info("[models] exported %s to %s (tokenizer %s)", type(model).__name__, out, tokenizer)
+
+
+def _special_ids(tok) -> dict[str, int | None]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of a tokenizer (pad: its EOS when
+    it has no pad token, as ``generate`` would pick)."""
+    pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": pad}
+
+
+def _generation_config(ids: dict[str, int | None]):
+    """The generation defaults of an exported model: its tokenizer's special ids."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**ids)
 
 
 def exported_tokenizer(model_dir: str | os.PathLike) -> str | None:

@@ -144,6 +144,7 @@ class HFTokenizer(XTokenizer):
             self._plain_tok = Tokenizer.from_str(json.dumps(plain_spec))
             self._plain_tok.encode_special_tokens = True
         self.name = name or str(path)
+        self.path = path  # the source file (hf_export.py rebuilds a transformers tokenizer from it)
         config_path = path.parent / "tokenizer_config.json"
         config = (
             json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}

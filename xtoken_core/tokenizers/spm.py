@@ -53,6 +53,7 @@ class SentencePieceTokenizer(XTokenizer):
         except Exception as exc:
             raise ValueError(f"cannot load {str(path)!r} as a SentencePiece model: {exc}") from exc
         self.name = name or str(path)
+        self.path = path  # the source file (hf_export.py converts it for transformers)
         self.vocab_size = int(self._sp.get_piece_size())
         sp = self._sp
 
