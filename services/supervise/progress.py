@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ class _StepBar(tqdm):
     def format_dict(self) -> dict[str, Any]:
         """tqdm's fields, with ``rate`` in steps per second from the step records."""
         fields = super().format_dict
-        if self.step_rate:
+        if self.step_rate is not None:  # 0: not known yet, the ETA shows "?"
             fields["rate"] = self.step_rate
         return fields
 
@@ -244,24 +245,21 @@ class RunProgress:
         self.stream.flush()
 
 
-def _step_rate(records: list[dict[str, Any]]) -> float | None:
-    """Steps per second over the records' wall times (evaluations and checkpoints included), or
-    from the one step's own time."""
+def _step_rate(records: list[dict[str, Any]]) -> float:
+    """Steps per second over the records' wall times (evaluations and checkpoints included); 0
+    (ETA unknown) before two steps: the first one's time holds the start-up (compile, warm-up)."""
     first, last = records[0], records[-1]
     steps = last["step"] - first["step"]
     seconds = (last.get("time") or 0) - (first.get("time") or 0)
-    if steps > 0 and seconds > 0:
-        return steps / seconds
-    step_s = last.get("step_s")
-    return 1.0 / step_s if step_s else None
+    return steps / seconds if steps > 0 and seconds > 0 else 0.0
 
 
 def _figures(records: list[dict[str, Any]]) -> str:
-    """``loss 4.1234 (kd 3.1000 ce 4.5000), 812 tok/s`` of the last step (tokens/s averaged over
-    the records)."""
+    """``loss 4.1234 (kd 3.1000 ce 4.5000), 812 tok/s`` of the last step (tokens/s: the median
+    of the records, so that the start-up step does not drag it)."""
     last = records[-1]
     rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
-    tok_s = sum(rates) / len(rates) if rates else 0.0
+    tok_s = statistics.median(rates) if rates else 0.0
     return (
         f"loss {last.get('loss', math.nan):.4f} (kd {last.get('kl_loss', 0.0):.4f} "
         f"ce {last.get('ce_loss', 0.0):.4f}), {tok_s:.0f} tok/s"

@@ -175,11 +175,26 @@ def test_the_corpus_is_counted_as_the_collator_reads_it(tmp_path):
     assert count_texts(corpus / "a.jsonl", text_field="body") == 0
 
 
-def test_the_steps_of_an_earlier_launch_give_the_step_but_not_the_rate(tmp_path):
+def test_the_eta_waits_for_two_steps_of_this_launch(tmp_path):
     metrics, out = tmp_path / "rank0.jsonl", io.StringIO()
     step(metrics, 20, at=1000.0)  # the launch before the resume
     progress = RunProgress(metrics, 40, stream=out, every_s=0.0, clock=Clock(), since=5000.0)
     step(metrics, 21, at=5010.0)  # 4010 s later: no rate of 1 step per 4010 s
     progress.update()
     line = out.getvalue().splitlines()[-1]
-    assert "step 21/40" in line and "ETA 00:38" in line  # 19 steps at 1 / step_s (2 s)
+    assert "step 21/40" in line and "ETA ?" in line  # one step: its time holds the start-up
+    step(metrics, 22, at=5014.0)
+    progress.update()
+    assert "step 22/40" in out.getvalue().splitlines()[-1]
+    assert "ETA 01:12" in out.getvalue().splitlines()[-1]  # 18 steps at 4 s
+
+
+def test_tokens_per_second_is_the_median_of_the_recent_steps(tmp_path):
+    metrics, out = tmp_path / "rank0.jsonl", io.StringIO()
+    progress = RunProgress(metrics, 10, stream=out, every_s=0.0, clock=Clock(), since=0)
+    with open(metrics, "a") as f:  # the first step compiled: a tenth of the rate
+        for n, rate in ((1, 80.0), (2, 800.0), (3, 810.0)):
+            f.write(json.dumps({"event": "step", "time": n, "step": n, "tokens_per_s": rate}))
+            f.write("\n")
+    progress.update()
+    assert out.getvalue().splitlines()[-1].endswith(", 800 tok/s")
