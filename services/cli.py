@@ -41,8 +41,16 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``xtoken`` parser: global flags (accepted before or after the subcommand) and one
+    subparser per :data:`SUBCOMMANDS` entry."""
+    from services.common.flags import add_global_flags
+
     parser = argparse.ArgumentParser(prog="xtoken", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)",
+    )
     parser.add_argument("--version", action="version", version=f"xtoken {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -56,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.set_defaults(_missing=True)
             continue
         module.add_arguments(sp)
+    add_global_flags(parser)
     return parser
 
 

@@ -45,16 +45,31 @@ DEMO_CONFIG = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the demo run."""
+    from services.common.overrides import parse_override
+
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/demo)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40)")
     parser.add_argument("--mode", default=None, help="loss mode: pkl, gold, xtoken, ce")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=parse_override,
+        metavar="KEY=VALUE",
+        help="override one setting of the demo's run config (repeatable; as xtoken run --set), "
+        "e.g. --set trainer.optim.lr=1e-3",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (or progress lines)"
+    )
 
 
 def demo_config(args: argparse.Namespace | None = None):
     """The demo's RunConfig (with the options applied)."""
     import copy
 
+    from services.common.overrides import apply_overrides
     from services.run import run_config_from_dict
 
     data = copy.deepcopy(DEMO_CONFIG)
@@ -65,6 +80,7 @@ def demo_config(args: argparse.Namespace | None = None):
             data["trainer"]["max_steps"] = args.steps
         if args.mode:
             data["trainer"]["loss"]["mode"] = args.mode
+        data = apply_overrides(data, getattr(args, "overrides", ()))
     return run_config_from_dict(data)
 
 

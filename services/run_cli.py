@@ -15,11 +15,41 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+EPILOG = """\
+examples:
+  xtoken run examples/tiny.yaml
+  xtoken run examples/tiny.yaml --set trainer.max_steps=20 --set trainer.optim.lr=1e-3
+  xtoken run examples/tiny.yaml --set data.train=corpus.jsonl --set data.limit=null --fresh
+  xtoken run examples/tiny.yaml --launcher ray --ray-address auto
+
+--set KEY=VALUE takes a dotted key of the run config and a YAML value (a number, a word,
+null, a list [1, 2]); it is applied to the file's settings before they are checked, so a bad
+key or value is refused as it would be in the file (exit code 2). A later --set wins.
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``CONFIG`` and overrides."""
-    parser.add_argument("config", help="run config (YAML or JSON); see examples/demo.yaml")
+    from services.common.overrides import parse_override
+
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "config", help="run config (YAML or JSON); a complete CPU example: examples/tiny.yaml"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=parse_override,
+        metavar="KEY=VALUE",
+        help="override one setting of the config (repeatable), e.g. --set trainer.optim.lr=1e-4",
+    )
     parser.add_argument("--run-dir", default=None, help="override run_dir of the config")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (or progress lines)"
+    )
     start = parser.add_mutually_exclusive_group()
     start.add_argument(
         "--resume",
@@ -90,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from services.supervise.resume import plan_start
 
     try:
-        config = load_run_config(args.config)
+        config = load_run_config(args.config, getattr(args, "overrides", ()))
         if args.run_dir:
             config.run_dir = args.run_dir
         start = plan_start(

@@ -12,6 +12,7 @@ import json
 import logging
 
 from services.common import config as cfg
+from services.common.flags import INTERNAL
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     cfg.add_arguments(parser, RunConfig)
-    parser.add_argument(
-        "--summary-json", default=None, help="also write the run summary to this JSON file"
-    )
-    parser.add_argument(
-        "--ready-file",
-        default=None,
-        help='once the queue answered, write {"pid", "name": "collator", "queue", "partition"} '
-        "JSON to this file",
-    )
+    # internal (hidden from --help): the run summary as JSON, and the ready handshake: once the
+    # queue answered, {"pid", "name": "collator", "queue", "partition"} JSON in this file
+    parser.add_argument("--summary-json", default=None, help=INTERNAL)
+    parser.add_argument("--ready-file", default=None, help=INTERNAL)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ class WorkerConfig:
         partition: partition the samples are put into.
         ctx_student: student context length (tokens kept per text), >= 1.
         ctx_teacher: teacher context length, >= 1.
-        queue_timeout_s: seconds to wait for a reply from the queue (``--queue-timeout``).
+        queue_timeout_s: seconds to wait for a reply from the queue (``--queue-timeout-s``).
         put_timeout_s: seconds the server may hold a put while the queue is full.
 
     Raises:
@@ -37,11 +37,17 @@ class WorkerConfig:
     ctx_teacher: int = field(default=2048, metadata={"help": "teacher tokens kept per text"})
     queue_timeout_s: float = field(
         default=10.0,
-        metadata={"flag": "queue-timeout", "help": "seconds to wait for a reply from the queue"},
+        metadata={
+            "help": "seconds to wait for a reply from the queue",
+            "deprecated_flags": ("queue-timeout",),
+        },
     )
     put_timeout_s: float = field(
         default=300.0,
-        metadata={"flag": "put-timeout", "help": "seconds a put may wait for queue capacity"},
+        metadata={
+            "help": "seconds a put may wait for queue capacity",
+            "deprecated_flags": ("put-timeout",),
+        },
     )
 
     def __post_init__(self) -> None:
@@ -100,7 +106,8 @@ class RunConfig:
         metadata={"help": ".txt files: documents separated by blank lines, or one per line"},
     )
     log_every_s: float = field(
-        default=10.0, metadata={"flag": "log-every", "help": "seconds between progress lines"}
+        default=10.0,
+        metadata={"help": "seconds between progress lines", "deprecated_flags": ("log-every",)},
     )
     skip_queued: bool = field(
         default=True,
@@ -133,7 +140,7 @@ class RunConfig:
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit}: must be >= 1, or omitted for the whole file")
         if self.log_every_s <= 0:
-            raise ValueError(f"log_every_s={self.log_every_s}: must be > 0 (--log-every)")
+            raise ValueError(f"log_every_s={self.log_every_s}: must be > 0 (--log-every-s)")
         from services.common.endpoint import check_endpoint
 
         check_endpoint(self.worker.queue, "--queue")

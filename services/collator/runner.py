@@ -159,7 +159,7 @@ def check_queue(address: str, timeout_s: float, partition: str | None) -> set[st
 
     Args:
         address: queue endpoint.
-        timeout_s: seconds to wait for each reply (``--queue-timeout``).
+        timeout_s: seconds to wait for each reply (``--queue-timeout-s``).
         partition: partition whose keys to list, or None to only check the connection.
 
     Returns:
@@ -199,7 +199,7 @@ def queue_state(
         if e.code == "timeout":
             raise QueueUnreachableError(
                 f"queue {address} is unreachable: no reply within {timeout_s:g}s "
-                f"(--queue-timeout); start it with `xtoken queue serve --bind {address}` or "
+                f"(--queue-timeout-s); start it with `xtoken queue serve --bind {address}` or "
                 "check the address"
             ) from None
         raise

@@ -172,9 +172,9 @@ class CollatorWorker:
             # the client's message names its Python arguments; an operator sets flags
             raise QueueError(
                 e.code,
-                f"no reply to a put from {self.config.queue} within --queue-timeout "
-                f"{self.config.queue_timeout_s:g}s + --put-timeout {self.config.put_timeout_s:g}s "
-                "(3 attempts); is the queue up? raise --put-timeout if it is full and slow to "
+                f"no reply to a put from {self.config.queue} within --queue-timeout-s "
+                f"{self.config.queue_timeout_s:g}s + --put-timeout-s {self.config.put_timeout_s:g}s "
+                "(3 attempts); is the queue up? raise --put-timeout-s if it is full and slow to "
                 "drain",
                 retryable=e.retryable,
                 request_type=e.request_type,

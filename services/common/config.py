@@ -30,6 +30,8 @@ Field metadata understood here (all optional):
   and in a file (e.g. a byte size ``"8GiB"``); a ``ValueError`` it raises names the problem.
 * ``metavar``: the flag's metavar.
 * ``cli``: False leaves the field out of the flags (it is still read from ``--config``).
+* ``deprecated_flags``: old flag names (without ``--`` or section prefix) still accepted, hidden
+  from ``--help``, each printing one line that names the flag (:mod:`services.common.flags`).
 
 Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
 ``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
@@ -54,7 +56,17 @@ import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["ConfigError", "add_arguments", "from_args", "from_dict", "load_file", "to_dict"]
+from services.common.flags import add_deprecated_alias
+
+__all__ = [
+    "ConfigError",
+    "add_arguments",
+    "from_args",
+    "from_dict",
+    "load_file",
+    "to_dict",
+    "yaml_loader",
+]
 
 T = TypeVar("T")
 
@@ -299,8 +311,10 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         if key not in fields and key in removed:
             raise ConfigError(f"key {_join(path, key)!r} was removed: {removed[key]}")
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
+            close = [_join(path, k) for k in difflib.get_close_matches(str(key), list(fields))]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            if len(close) > 1:
+                hint += f" (also close: {', '.join(map(repr, close[1:]))})"
             raise ConfigError(
                 f"unknown key {_join(path, key)!r}: {cls.__name__} knows "
                 f"{', '.join(fields) or 'no keys'}{hint}"
@@ -383,7 +397,12 @@ def to_dict(obj: Any) -> dict[str, Any]:
 
 
 @functools.cache
-def _yaml_loader() -> Any:
+def yaml_loader() -> Any:
+    """The YAML loader of config files: ``yaml.SafeLoader`` that also reads ``1e-4`` as a float.
+
+    Returns:
+        A ``yaml.SafeLoader`` subclass (for ``yaml.load(text, Loader=...)``).
+    """
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -469,7 +488,7 @@ def _parse_yaml(text: str, path: pathlib.Path) -> Any:
     import yaml
 
     try:
-        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        return yaml.load(text, Loader=yaml_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
 
@@ -481,6 +500,7 @@ def _parse_yaml(text: str, path: pathlib.Path) -> Any:
 class _Leaf:
     path: str  # dotted field path, the key in from_dict
     flag: str  # "--optim.lr"
+    prefix: str  # the flag's section prefix ("optim.")
     tp: Any
     field: dataclasses.Field
     owner: type  # the dataclass holding the field
@@ -498,7 +518,7 @@ def _leaves(cls: type, path: str = "", flag_prefix: str = "") -> Iterator[_Leaf]
             prefix = f"{flag_prefix}{segment}." if segment else flag_prefix
             yield from _leaves(nested, _join(path, f.name), prefix)
         else:
-            yield _Leaf(_join(path, f.name), f"--{flag_prefix}{segment}", tp, f, cls)
+            yield _Leaf(_join(path, f.name), f"--{flag_prefix}{segment}", flag_prefix, tp, f, cls)
 
 
 def _none_or(conv: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -688,6 +708,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             help=help_text.replace("%", "%%"),
             **kwargs,
         )
+        for old in leaf.field.metadata.get("deprecated_flags", ()):
+            add_deprecated_alias(target, f"--{leaf.prefix}{old}", leaf.flag)
 
 
 def _set_path(data: dict[str, Any], path: str, value: Any) -> None:

@@ -1,5 +1,5 @@
 """The control plane's FastAPI app: create_app, lifespan (store + supervisor), errors, body limit,
-the dashboard's static files at /."""
+the API docs (offline), the dashboard's static files at /."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.config import ConfigError
+from services.control.docs import add_docs
 from services.control.paths import PathNotAllowed
 from services.control.routes import runs, system
 from services.control.settings import Settings
@@ -176,7 +177,7 @@ def create_app(
         on_ready: called once the supervisor is up (``--ready-file``).
 
     Returns:
-        The FastAPI app (OpenAPI at /docs).
+        The FastAPI app (OpenAPI at /docs and /redoc, served without network).
     """
     settings = settings or Settings()
 
@@ -202,7 +203,10 @@ def create_app(
         version="1",
         description="Start, stop, resume and watch cross-tokenizer distillation runs.",
         lifespan=lifespan,
+        docs_url=None,  # served by add_docs from local assets, not a CDN
+        redoc_url=None,
     )
+    add_docs(app)
     app.state.settings = settings
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ServerTiming)

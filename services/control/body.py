@@ -115,7 +115,7 @@ def _loader_class(limits: BodyLimits) -> Any:
 
     from services.common import config as cfgmod
 
-    base = cfgmod._yaml_loader()  # reads 1e-4 as a float, like `xtoken run` does
+    base = cfgmod.yaml_loader()  # reads 1e-4 as a float, like `xtoken run` does
 
     class LimitedLoader(base):  # type: ignore[misc, valid-type]
         """The config loader, counting nesting depth and aliases while it composes nodes."""

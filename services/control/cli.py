@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``serve`` and its flags (each defaults to its ``XTOKEN_CONTROL_*`` variable)."""
+    from services.common.flags import INTERNAL
+
     sub = parser.add_subparsers(dest="control_command", metavar="ACTION")
     serve = sub.add_parser(
         "serve",
@@ -38,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address of a running queue server for runs whose config names none (their "
         "partitions prefixed with the run id); default: each run starts its own queue",
     )
-    serve.add_argument("--ready-file", help="write {pid, endpoint} here once listening")
+    # internal (hidden from --help): the ready handshake, {pid, endpoint} once listening
+    serve.add_argument("--ready-file", help=INTERNAL)
 
 
 def settings_from_args(args: argparse.Namespace):

@@ -9,6 +9,8 @@ import logging
 import re
 import sys
 
+from services.common.flags import INTERNAL, add_deprecated_alias
+
 logger = logging.getLogger(__name__)
 
 # `queue serve` exit code when the data in --data-dir is bad (a corrupt log record), as opposed
@@ -100,6 +102,22 @@ def _endpoint_arg(flag: str):
     return parse
 
 
+# The duration flags of `queue serve` before they took the `-s` suffix of every seconds flag:
+# still accepted (hidden, with one deprecation line).
+SERVE_RENAMED = (
+    "--put-timeout",
+    "--claim-timeout",
+    "--lease",
+    "--shm-reserve-timeout",
+    "--max-claim-wait",
+    "--max-put-wait",
+    "--max-lease",
+    "--heartbeat",
+    "--fsync-interval",
+    "--log-every",
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` and `stats` sub-subcommands."""
     sub = parser.add_subparsers(
@@ -123,19 +141,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes of samples the queue holds before puts wait (default 8GiB)",
     )
     serve.add_argument(
-        "--put-timeout",
+        "--put-timeout-s",
         type=float,
         default=30.0,
         help="seconds a put waits for capacity when it gives no timeout_ms",
     )
     serve.add_argument(
-        "--claim-timeout",
+        "--claim-timeout-s",
         type=float,
         default=1.0,
         help="seconds a claim waits for data when it gives no timeout_ms",
     )
     serve.add_argument(
-        "--lease", type=float, default=60.0, help="lease seconds when a claim gives no lease_ms"
+        "--lease-s", type=float, default=60.0, help="lease seconds when a claim gives no lease_ms"
     )
     serve.add_argument(
         "--busy-poll-us",
@@ -160,33 +178,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default a quarter of --capacity)",
     )
     serve.add_argument(
-        "--shm-reserve-timeout",
+        "--shm-reserve-timeout-s",
         type=float,
         default=60.0,
         help="seconds a shared-memory reservation stays valid without its put (default 60)",
     )
     serve.add_argument(
-        "--max-claim-wait",
+        "--max-claim-wait-s",
         type=float,
         default=300.0,
         help="largest wait (seconds) a claim may ask for; a longer timeout_ms is refused "
         "(default 300)",
     )
     serve.add_argument(
-        "--max-put-wait",
+        "--max-put-wait-s",
         type=float,
         default=3600.0,
         help="largest wait (seconds) a put or reserve may ask for (default 3600)",
     )
     serve.add_argument(
-        "--max-lease",
+        "--max-lease-s",
         type=float,
         default=3600.0,
         help="longest lease (seconds) a claim may ask for; a longer lease_ms is refused "
         "(default 3600): bounds how long a gone client's claim holds its samples",
     )
     serve.add_argument(
-        "--heartbeat",
+        "--heartbeat-s",
         type=float,
         default=10.0,
         help="seconds between pings of each client connection; one silent for 3 pings is "
@@ -211,12 +229,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("always", "interval", "never"),
         default="interval",
         help="with --data-dir: always = answer puts, acks and clears once fsynced; interval = "
-        "fsync every --fsync-interval, answer acks and clears once written (survive a SIGKILL) "
+        "fsync every --fsync-interval-s, answer acks and clears once written (survive a SIGKILL) "
         "and puts at once while the log lags by less than --log-lag; never = no fsync "
         "(default interval)",
     )
     serve.add_argument(
-        "--fsync-interval",
+        "--fsync-interval-s",
         type=float,
         default=1.0,
         help="seconds between fsyncs of the log with --fsync interval (default 1)",
@@ -267,12 +285,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve a --bind reachable from other hosts without a token (refused otherwise)",
     )
-    serve.add_argument(
-        "--ready-file",
-        default=None,
-        help='once listening, write {"pid", "name": "queue", "endpoint"} JSON to this file',
-    )
+    # internal (hidden from --help): the ready handshake, {"pid", "name": "queue", "endpoint"}
+    # JSON once listening
+    serve.add_argument("--ready-file", default=None, help=INTERNAL)
     _add_log_flags(serve)
+    for old in SERVE_RENAMED:
+        add_deprecated_alias(serve, old, f"{old}-s")
     stats = sub.add_parser("stats", help="print a queue server's stats")
     stats.add_argument(
         "--queue",
@@ -281,13 +299,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="server endpoint, e.g. tcp://host:5555",
     )
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON")
-    stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+    stats.add_argument(
+        "--timeout-s", type=float, default=5.0, help="seconds to wait for a reply (default 5)"
+    )
+    add_deprecated_alias(stats, "--timeout", "--timeout-s")
     _add_operator_commands(sub)
 
 
 def _add_log_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
-        "--log-every",
+        "--log-every-s",
         type=float,
         default=60.0,
         help="seconds between [queue] stats log lines (samples, bytes, rates, parked requests, "
@@ -322,21 +343,21 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(
             bind=args.bind,
             capacity_bytes=args.capacity,
-            put_timeout_s=args.put_timeout,
-            claim_timeout_s=args.claim_timeout,
-            lease_s=args.lease,
+            put_timeout_s=args.put_timeout_s,
+            claim_timeout_s=args.claim_timeout_s,
+            lease_s=args.lease_s,
             busy_poll_us=args.busy_poll_us,
             shm_pool_free_bytes=args.shm_pool_free,
-            shm_reserve_s=args.shm_reserve_timeout,
+            shm_reserve_s=args.shm_reserve_timeout_s,
             shm_reserve_max_bytes=args.shm_reserve_max,
             tombstone_max_keys=args.tombstones,
-            max_claim_wait_s=args.max_claim_wait,
-            max_put_wait_s=args.max_put_wait,
-            max_lease_s=args.max_lease,
-            heartbeat_s=args.heartbeat,
+            max_claim_wait_s=args.max_claim_wait_s,
+            max_put_wait_s=args.max_put_wait_s,
+            max_lease_s=args.max_lease_s,
+            heartbeat_s=args.heartbeat_s,
             data_dir=args.data_dir,
             fsync=args.fsync,
-            fsync_interval_s=args.fsync_interval,
+            fsync_interval_s=args.fsync_interval_s,
             log_lag_bytes=args.log_lag,
             compact_min_bytes=args.compact_min,
             salvage=args.salvage,
@@ -344,7 +365,7 @@ def _serve(args: argparse.Namespace) -> int:
             auth_token=load_token(args.auth_token_file),
             insecure=args.insecure,
             pool_idle_s=args.pool_idle_s,
-            log_every_s=args.log_every,
+            log_every_s=args.log_every_s,
         )
         import zmq
 
@@ -381,13 +402,13 @@ def _stats(args: argparse.Namespace) -> int:
     from services.queue.errors import QueueError
 
     try:
-        with QueueClient(args.queue, timeout_s=args.timeout, retries=0) as client:
+        with QueueClient(args.queue, timeout_s=args.timeout_s, retries=0) as client:
             stats = client.stats()
     except QueueError as e:
         if e.code == "timeout":
             print(
-                f"xtoken queue stats: no reply from {args.queue} within {args.timeout:g}s; is the "
-                "server up? check --queue or raise --timeout",
+                f"xtoken queue stats: no reply from {args.queue} within {args.timeout_s:g}s; is the "
+                "server up? check --queue or raise --timeout-s",
                 file=sys.stderr,
             )
         else:
@@ -462,7 +483,10 @@ def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
             type=_endpoint_arg("--queue"),
             help="server endpoint, e.g. tcp://host:5555",
         )
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+        p.add_argument(
+            "--timeout-s", type=float, default=5.0, help="seconds to wait for a reply (default 5)"
+        )
+        add_deprecated_alias(p, "--timeout", "--timeout-s")
         if partition:
             p.add_argument("--partition", required=True, help="partition name")
         return p
@@ -477,12 +501,13 @@ def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
     drain.add_argument("--task", required=True, help="the task whose samples are consumed")
     drain.add_argument("--batch", type=int, default=256, help="samples per claim (default 256)")
     drain.add_argument(
-        "--wait",
+        "--wait-s",
         type=float,
         default=0.0,
         help="seconds a claim waits for more data before the drain stops (default 0: stop "
         "when nothing is ready)",
     )
+    add_deprecated_alias(drain, "--wait", "--wait-s")
     drain.add_argument(
         "--register",
         action="store_true",
@@ -498,13 +523,13 @@ def _operator(args: argparse.Namespace, action) -> int:
 
     name = f"xtoken queue {args.queue_command}"
     try:
-        with QueueClient(args.queue, timeout_s=args.timeout, retries=0) as client:
+        with QueueClient(args.queue, timeout_s=args.timeout_s, retries=0) as client:
             return action(client)
     except QueueError as e:
         if e.code == "timeout":
             print(
-                f"{name}: no reply from {args.queue} within {args.timeout:g}s; is the server "
-                "up? check --queue or raise --timeout",
+                f"{name}: no reply from {args.queue} within {args.timeout_s:g}s; is the server "
+                "up? check --queue or raise --timeout-s",
                 file=sys.stderr,
             )
         else:
@@ -624,7 +649,7 @@ def _drain(args: argparse.Namespace) -> int:
                 [],
                 args.batch,
                 fields=[],
-                timeout_s=args.wait,
+                timeout_s=args.wait_s,
                 register=args.register,
             )
             if not reply["keys"]:

@@ -298,7 +298,9 @@ class DurableLog:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync={fsync!r}: use one of {FSYNC_POLICIES} (--fsync)")
         if not fsync_interval_s > 0:
-            raise ValueError(f"fsync_interval_s={fsync_interval_s}: must be > 0 (--fsync-interval)")
+            raise ValueError(
+                f"fsync_interval_s={fsync_interval_s}: must be > 0 (--fsync-interval-s)"
+            )
         self.data_dir = os.path.abspath(data_dir)
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.fsync = fsync
@@ -460,7 +462,7 @@ class DurableLog:
         cmd = [sys.executable, "-m", "services.queue.log_writer", "--endpoint", endpoint]
         cmd += ["--parent-pid", str(os.getpid()), "--live-fd", str(child_live.fileno())]
         cmd += ["--lock-fd", str(self._lock.fd), "--data-dir", self.data_dir]
-        cmd += ["--fsync", self.fsync, "--fsync-interval", repr(self.fsync_interval_s)]
+        cmd += ["--fsync", self.fsync, "--fsync-interval-s", repr(self.fsync_interval_s)]
         try:
             self._proc = subprocess.Popen(
                 cmd,

@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock-fd", type=int, required=True)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--fsync", choices=FSYNC_POLICIES, required=True)
-    parser.add_argument("--fsync-interval", type=float, required=True)
+    parser.add_argument("--fsync-interval-s", type=float, required=True)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"message kind {kind!r} before open from the queue server")
     generation, offset, probe, probe_len, probe_crc = OPEN_BODY.unpack(msg[1])
     try:
-        log = LogFile(args.data_dir, generation, offset, args.fsync, args.fsync_interval)
+        log = LogFile(args.data_dir, generation, offset, args.fsync, args.fsync_interval_s)
     except OSError as e:
         sock.send(b"e" + f"cannot open the log: {e}".encode())
         return 1

@@ -17,7 +17,7 @@ class OpLog:
     (every ``every_s``; 0 = off) says how many of each there were.
 
     Args:
-        every_s: seconds between stats lines (``--log-every``); 0 turns them off.
+        every_s: seconds between stats lines (``--log-every-s``); 0 turns them off.
     """
 
     def __init__(self, every_s: float) -> None:

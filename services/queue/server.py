@@ -107,23 +107,23 @@ class ServerConfig:
             (``--shm-pool-free``); they count against the capacity and are dropped first when
             room is needed.
         shm_reserve_s: seconds a shared-memory reservation stays valid without a put
-            (``--shm-reserve-timeout``).
+            (``--shm-reserve-timeout-s``).
         shm_reserve_max_bytes: most bytes one client (the instance its hello names, over all
             its connections) may hold reserved and not yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
             once (``bad_request``; the client sends frames), one that would pass it with the
             client's other reservations gets ``queue_full`` at once instead of waiting.
         tombstone_max_keys: most keys per partition remembered as consumed after retention
             dropped their samples (``--tombstones``; 8 bytes each).
-        max_claim_wait_s: largest ``timeout_ms`` a claim may ask for (``--max-claim-wait``);
+        max_claim_wait_s: largest ``timeout_ms`` a claim may ask for (``--max-claim-wait-s``);
             a larger one is refused (``bad_request`` naming the bound).
         max_put_wait_s: largest ``timeout_ms`` a put or reserve may ask for
-            (``--max-put-wait``).
-        max_lease_s: largest ``lease_ms`` a claim may ask for (``--max-lease``); a longer one is
+            (``--max-put-wait-s``).
+        max_lease_s: largest ``lease_ms`` a claim may ask for (``--max-lease-s``); a longer one is
             refused (``bad_request`` naming the bound): a lease outlives its client by at most
             this much.
         heartbeat_s: the server pings every client connection this often (ZMTP heartbeats,
             answered by the client's zmq I/O thread) and closes one that sent nothing for 3
-            periods (``--heartbeat``; 0 = off): a hung or unreachable client's parked requests
+            periods (``--heartbeat-s``; 0 = off): a hung or unreachable client's parked requests
             are then dropped like those of a client whose process died.
         data_dir: durable mode (``--data-dir``): samples not yet consumed, consumed sets,
             registrations and tombstones are logged there (durable.py, written by a writer
@@ -133,7 +133,7 @@ class ServerConfig:
             (fsync every ``fsync_interval_s``; acks and clears are answered once written, puts
             at once while the log lags by less than ``log_lag_bytes``) or ``never``
             (``--fsync``).
-        fsync_interval_s: with ``interval``, seconds between fsyncs (``--fsync-interval``).
+        fsync_interval_s: with ``interval``, seconds between fsyncs (``--fsync-interval-s``).
         log_lag_bytes: most bytes of answered puts not yet written to the log
             (``--log-lag``): past it, puts are answered once written.
         salvage: durable mode: a corrupt record in the middle of the log is dropped and the
@@ -146,7 +146,7 @@ class ServerConfig:
         insecure: allow a bind reachable from other hosts without a token (``--insecure``).
         pool_idle_s: a free shared-memory segment unused this long is unlinked
             (``--pool-idle-s``): an idle server gives its pool's memory back.
-        log_every_s: seconds between ``[queue] stats:`` log lines (``--log-every``; 0 = off).
+        log_every_s: seconds between ``[queue] stats:`` log lines (``--log-every-s``; 0 = off).
 
     Raises:
         ValueError: a non-positive capacity or a negative timeout.
@@ -195,11 +195,11 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.lease_s <= 0:
-            raise ValueError(f"lease_s={self.lease_s}: must be > 0 (--lease)")
+            raise ValueError(f"lease_s={self.lease_s}: must be > 0 (--lease-s)")
         if self.lease_s > self.max_lease_s:
             raise ValueError(
                 f"lease_s={self.lease_s} is above max_lease_s={self.max_lease_s} "
-                "(--lease, --max-lease): lower --lease or raise --max-lease"
+                "(--lease-s, --max-lease-s): lower --lease-s or raise --max-lease-s"
             )
         if not 0 <= self.busy_poll_us <= 1_000_000:
             raise ValueError(
@@ -222,15 +222,17 @@ class ServerConfig:
         if self.claim_timeout_s > self.max_claim_wait_s:
             raise ValueError(
                 f"claim_timeout_s={self.claim_timeout_s} is above max_claim_wait_s="
-                f"{self.max_claim_wait_s} (--claim-timeout, --max-claim-wait)"
+                f"{self.max_claim_wait_s} (--claim-timeout-s, --max-claim-wait-s)"
             )
         if self.put_timeout_s > self.max_put_wait_s:
             raise ValueError(
                 f"put_timeout_s={self.put_timeout_s} is above max_put_wait_s="
-                f"{self.max_put_wait_s} (--put-timeout, --max-put-wait)"
+                f"{self.max_put_wait_s} (--put-timeout-s, --max-put-wait-s)"
             )
         if self.heartbeat_s < 0:
-            raise ValueError(f"heartbeat_s={self.heartbeat_s}: must be >= 0 (--heartbeat, 0 = off)")
+            raise ValueError(
+                f"heartbeat_s={self.heartbeat_s}: must be >= 0 (--heartbeat-s, 0 = off)"
+            )
         if self.tombstone_max_keys < 1:
             raise ValueError(
                 f"tombstone_max_keys={self.tombstone_max_keys}: must be >= 1 (--tombstones)"
@@ -239,7 +241,7 @@ class ServerConfig:
             raise ValueError(f"fsync={self.fsync!r}: use always, interval or never (--fsync)")
         if not self.fsync_interval_s > 0:
             raise ValueError(
-                f"fsync_interval_s={self.fsync_interval_s}: must be > 0 (--fsync-interval)"
+                f"fsync_interval_s={self.fsync_interval_s}: must be > 0 (--fsync-interval-s)"
             )
         if self.log_lag_bytes < 0 or self.compact_min_bytes <= 0:
             raise ValueError(
@@ -250,7 +252,7 @@ class ServerConfig:
             raise ValueError(f"pool_idle_s={self.pool_idle_s}: must be > 0 (--pool-idle-s)")
         if not self.shm_reserve_s > 0:
             raise ValueError(
-                f"shm_reserve_s={self.shm_reserve_s}: must be > 0 (--shm-reserve-timeout)"
+                f"shm_reserve_s={self.shm_reserve_s}: must be > 0 (--shm-reserve-timeout-s)"
             )
 
 
@@ -797,7 +799,7 @@ class QueueServer:
                 f"reserve of {format_size(nbytes)}: {who} already holds {format_size(held)} "
                 f"reserved and not yet put, and one client may hold at most --shm-reserve-max "
                 f"= {format_size(limit)} (queue serve); put into those reservations or let them "
-                "lapse (--shm-reserve-timeout) first, or raise --shm-reserve-max",
+                "lapse (--shm-reserve-timeout-s) first, or raise --shm-reserve-max",
                 retryable=True,
             )
 
@@ -865,12 +867,12 @@ class QueueServer:
             return cfg.claim_timeout_s if claim else cfg.put_timeout_s
         bound_s = cfg.max_claim_wait_s if claim else cfg.max_put_wait_s
         if timeout_ms > bound_s * 1000:
-            flag = "--max-claim-wait" if claim else "--max-put-wait"
+            flag = "--max-claim-wait-s" if claim else "--max-put-wait-s"
             # the user set the wait as a flag or run setting: name those, not the wire field
             wait = (
                 "the client's claim timeout (trainer claim_timeout_s)"
                 if claim
-                else "the client's put timeout (collator --put-timeout)"
+                else "the client's put timeout (collator --put-timeout-s)"
             )
             raise StoreError(
                 codes.BAD_REQUEST,
@@ -890,8 +892,8 @@ class QueueServer:
             raise StoreError(
                 codes.BAD_REQUEST,
                 f"a lease of {lease_ms / 1000:g}s is above this server's bound of "
-                f"{self.config.max_lease_s:g}s (queue serve --max-lease): lower the claimer's "
-                "lease (trainer lease_s, or the lease_s of its claim calls) or raise --max-lease",
+                f"{self.config.max_lease_s:g}s (queue serve --max-lease-s): lower the claimer's "
+                "lease (trainer lease_s, or the lease_s of its claim calls) or raise --max-lease-s",
             )
         batch = self._try_claim(body, ident)
         if batch is not None:
@@ -1181,7 +1183,7 @@ class QueueServer:
             codes.QUEUE_FULL,
             f"queue is full ({format_size(used)} of {format_size(cap)} used) and the put needs "
             f"{need}; consumers must ack or clear samples, or raise the server's --capacity or "
-            "the client's put timeout (collator --put-timeout)",
+            "the client's put timeout (collator --put-timeout-s)",
             retryable=True,
         )
 

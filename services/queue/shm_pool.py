@@ -271,7 +271,7 @@ class ShmPool:
         if max_free_bytes < 0:
             raise ValueError(f"max_free_bytes={max_free_bytes}: must be >= 0 (--shm-pool-free)")
         if not reserve_s > 0:
-            raise ValueError(f"reserve_s={reserve_s}: must be > 0 (--shm-reserve-timeout)")
+            raise ValueError(f"reserve_s={reserve_s}: must be > 0 (--shm-reserve-timeout-s)")
         self.max_free_bytes = int(max_free_bytes)
         self.reserve_s = float(reserve_s)
         self.clock = clock
@@ -470,7 +470,7 @@ class ShmPool:
             why = "was already used by another put (one put per reservation: reserve again)"
             if used is None:
                 why = (
-                    "is unknown or expired (reservations last --shm-reserve-timeout "
+                    "is unknown or expired (reservations last --shm-reserve-timeout-s "
                     f"{self.reserve_s:g}s: reserve right before the put)"
                 )
             raise StoreError(codes.BAD_REQUEST, f"shm reservation {token[:12]}... {why}")

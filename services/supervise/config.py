@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import field
 from typing import Any
 
 from services.common import config as cfgmod
+from services.common.overrides import Override, apply_overrides
 from services.teacher.worker import TeacherConfig
 from services.trainer.config import TrainerConfig
 
@@ -281,13 +283,18 @@ def _check_tree(config: object, prefix: str = "") -> None:
                 raise ValueError(f"{key}={value}: at most {MAX_CONTEXT} tokens per text")
 
 
-def load_run_config(path: str | os.PathLike) -> RunConfig:
-    """Read and validate a run config file (YAML or JSON).
+def load_run_config(path: str | os.PathLike, overrides: Iterable[Override] = ()) -> RunConfig:
+    """Read and validate a run config file (YAML or JSON), with ``--set`` overrides applied
+    before the validation (an override is checked exactly like the file).
+
+    Args:
+        path: the config file.
+        overrides: parsed ``--set KEY=VALUE`` arguments (a later one wins).
 
     Raises:
         ConfigError: unknown keys, wrong types, impossible combinations (with the key's path).
     """
-    return run_config_from_dict(cfgmod.load_file(path))
+    return run_config_from_dict(apply_overrides(cfgmod.load_file(path), overrides))
 
 
 def run_config_from_dict(data: dict[str, Any]) -> RunConfig:

@@ -36,7 +36,7 @@ from services.supervise.events import (
 from services.supervise.plan import Plan, RunContext, make_plan
 from services.supervise.policy import Decision, RestartPolicy
 from services.supervise.preflight import Inputs, preflight
-from services.supervise.progress import ProgressLine
+from services.supervise.progress import RunProgress, count_texts, estimated_steps
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class Driver:
         config: the run config.
         launcher: a launcher (``start``, ``wait_ready``, ``stop``, ``processes``; default: a
             new LocalLauncher).
-        progress: draw a progress line on stderr while :meth:`run` trains.
+        progress: draw the run's progress on stderr while :meth:`run` trains (a bar on a
+            terminal, plain lines elsewhere: :class:`~services.supervise.progress.RunProgress`).
         on_event: called with each :class:`~services.supervise.events.Event` (launches, exits,
             restarts, failures; the control plane records them).
         dead_after_s: a process without a heartbeat this long (or, before its first beat,
@@ -111,7 +112,7 @@ class Driver:
         self._finished: set[str] = set()
         # budget key -> (monotonic due time, decision, the exited process)
         self._pending: dict[str, tuple[float, Decision, str]] = {}
-        self._progress_line: ProgressLine | None = None
+        self._progress_line: RunProgress | None = None
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ the run's context
@@ -295,6 +296,8 @@ class Driver:
             )
             if outcome == "stop":
                 logger.info("[run] stopping: trainers checkpoint first")
+                if self.progress:
+                    self._progress().note("stopping: the trainers checkpoint")
                 codes = self.stop(grace_s=300)
                 return 0 if all(c in (0, None) for c in codes.values()) else 1
             if outcome == "succeeded":
@@ -304,8 +307,8 @@ class Driver:
             return 1
         finally:
             self.launcher.stop(grace_s=60)
-            if self.progress:
-                self._progress().end()
+            if self._progress_line is not None:
+                self._progress_line.close()
 
     def watch(
         self,
@@ -342,7 +345,7 @@ class Driver:
             if status in ("succeeded", "failed"):
                 return status
             if self.progress:
-                self._progress().show(time.monotonic() - self._started)
+                self._progress().update()
             waiter.wait(interval_s)
         return "detached"
 
@@ -601,6 +604,12 @@ class Driver:
             put_eof(client, self.partition, n)
         logger.info("[run] collator done: %d samples", n)
         self.eof_done = True
+        if self._progress_line is not None and not self.config.trainer.max_steps:
+            tr = self.config.trainer
+            self._progress_line.set_total(
+                estimated_steps(n, tr.micro_batch, tr.grad_accum, self.config.trainers, tr.epochs),
+                final=True,
+            )
         self._emit(DataComplete(samples=n))
 
     def _fail(self, failure: Failure) -> None:
@@ -611,12 +620,44 @@ class Driver:
         if self.on_event is not None:
             self.on_event(event)
 
-    def _progress(self) -> ProgressLine:
-        if self._progress_line is None:
-            self._progress_line = ProgressLine(
-                self.run_dir / "metrics" / "trainer.rank0.jsonl", self.config.trainer.max_steps
-            )
-        return self._progress_line
+    def _progress(self) -> RunProgress:
+        """The run's progress, made at its first use (after :meth:`prepare`: a run that ends with
+        its data counts the texts of its corpus in a thread for its total)."""
+        if self._progress_line is not None:
+            return self._progress_line
+        config, tr = self.config, self.config.trainer
+        ready = {s.name: s.ready_file for s in self.specs.values() if s.ready_file}
+        teachers = [ready[n] for n, s in self.specs.items() if s.role == "teacher" and n in ready]
+        dequantizes = False
+        if teachers and config.teacher.model == "smollm2":
+            from xtoken_core.models.smollm2 import smollm2_cached
+
+            dequantizes = not smollm2_cached()
+        progress = self._progress_line = RunProgress(
+            self.run_dir / "metrics" / "trainer.rank0.jsonl",
+            tr.max_steps or None,
+            teacher_ready=teachers,
+            student_ready=ready.get("trainer0"),
+            dequantizes=dequantizes,
+            total_is_exact=bool(tr.max_steps),
+            since=self.segment_started or None,
+        )
+        train = self.inputs.train if self.inputs is not None else config.data.train
+        if not tr.max_steps and train is not None:
+            limit = self.inputs.train_limit if self.inputs is not None else config.data.limit
+
+            def count() -> None:
+                try:
+                    texts = count_texts(train, text_field=config.data.text_field, limit=limit)
+                except (OSError, ValueError):
+                    return  # no total: the collator reports the corpus's problem
+                steps = estimated_steps(
+                    texts, tr.micro_batch, tr.grad_accum, config.trainers, tr.epochs
+                )
+                progress.set_total(steps)  # unless the collator's count came first
+
+            threading.Thread(target=count, name="corpus-steps", daemon=True).start()
+        return progress
 
 
 def write_sections(plan: Plan) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common import config as cfg
+from services.common.flags import INTERNAL
 from services.common.lifecycle import run_process
 
 
@@ -13,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.teacher.worker import TeacherConfig
 
     cfg.add_arguments(parser, TeacherConfig)
-    parser.add_argument("--ready-file", default=None, help="write {pid, instance} here once serving")
+    # internal (hidden from --help): the ready handshake, {pid, instance} once serving
+    parser.add_argument("--ready-file", default=None, help=INTERNAL)
     parser.add_argument("--run-dir", default=None, help="write metrics under RUN_DIR/metrics")
 
 

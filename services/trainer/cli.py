@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common import config as cfg
+from services.common.flags import INTERNAL
 from services.common.lifecycle import run_process
 
 
@@ -13,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.trainer.config import TrainerConfig
 
     cfg.add_arguments(parser, TrainerConfig)
-    parser.add_argument("--ready-file", default=None, help="write {pid, rank} here once ready")
+    # internal (hidden from --help): the ready handshake, {pid, rank} once ready
+    parser.add_argument("--ready-file", default=None, help=INTERNAL)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -458,7 +458,7 @@ class Pipeline:
             "collator", "--queue", self.queue, "--data", str(data),
             "--student", STUDENT_TOKENIZER, "--teacher", TEACHER_TOKENIZER,
             "--partition", PARTITION, "--workers", str(workers), "--batch", str(batch),
-            "--ctx-student", str(CTX), "--ctx-teacher", str(CTX), "--log-every", "1",
+            "--ctx-student", str(CTX), "--ctx-teacher", str(CTX), "--log-every-s", "1",
         ])
 
     def start_teacher(self, config: TeacherConfig, name: str = "teacher") -> Proc:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from services import cli
+from services.common.flags import subparsers
+from services.queue import cli as queue_cli
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -67,3 +72,104 @@ def test_an_unknown_tokenizer_is_a_message_naming_the_flag():
     assert proc.returncode == 2, proc.stderr
     assert "--student" in proc.stderr and "gpt2" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- conventions
+
+ROOT = Path(__file__).resolve().parents[2]
+# a repository path in a help text: examples/tiny.yaml, docs/queue.md, scripts/demo.sh
+_REPO_PATH = re.compile(r"\b(?:examples|docs|scripts|deploy|benchmarks|proto)/[\w./-]*\w")
+INTERNAL_FLAGS = ("--ready-file", "--summary-json")
+COLLATOR = ["collator", "--queue", "tcp://h:1", "--student", "a", "--teacher", "b"]
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    parser = cli.build_parser()
+    return [("xtoken", parser)] + [(p.prog, p) for p in subparsers(parser)]
+
+
+def _help(parser: argparse.ArgumentParser) -> str:
+    return parser.format_help()
+
+
+def test_every_repository_path_named_in_a_help_text_exists():
+    named = {}
+    for prog, parser in _parsers():
+        for path in _REPO_PATH.findall(_help(parser)):
+            named.setdefault(path, prog)
+    assert "examples/tiny.yaml" in named  # xtoken run's help points to an example config
+    missing = {path: prog for path, prog in named.items() if not (ROOT / path).exists()}
+    assert not missing, f"help texts name paths that do not exist: {missing}"
+
+
+def test_internal_flags_are_hidden_from_help_but_accepted():
+    parser = cli.build_parser()
+    for prog, sub in _parsers():
+        text = _help(sub)
+        for flag in INTERNAL_FLAGS:
+            assert flag not in text, f"{prog} --help shows the internal {flag}"
+    cases = [
+        ["collator", "--summary-json", "s.json", "--ready-file", "r"],
+        ["teacher", "--ready-file", "r"],
+        ["trainer", "--ready-file", "r"],
+        ["queue", "serve", "--ready-file", "r"],
+        ["control", "serve", "--ready-file", "r"],
+    ]
+    for argv in cases:
+        assert parser.parse_args(argv).ready_file == "r", argv
+
+
+def test_every_duration_flag_ends_in_s():
+    seconds = re.compile(r"\bseconds?\b")
+    duration_name = re.compile(r"timeout|lease|wait|interval|heartbeat|idle|backoff|after")
+    checked, wrong = [], []
+    for prog, parser in _parsers():
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or not action.option_strings:
+                continue
+            flag = max(action.option_strings, key=len)
+            if seconds.search(action.help or "") or duration_name.search(flag):
+                checked.append(flag)
+                if not flag.endswith("-s"):
+                    wrong.append(f"{prog} {flag}")
+    assert not wrong, f"duration flags without the -s suffix: {wrong}"
+    assert {"--lease-s", "--timeout-s", "--queue-timeout-s", "--idle-timeout-s"} <= set(checked)
+
+
+@pytest.mark.parametrize("old", queue_cli.SERVE_RENAMED)
+def test_the_old_spelling_of_a_queue_duration_flag_still_works_with_a_warning(old, capsys):
+    parser = cli.build_parser()
+    new = parser.parse_args(["queue", "serve", f"{old}-s", "7"])
+    assert capsys.readouterr().err == ""
+    given = parser.parse_args(["queue", "serve", old, "7"])
+    assert vars(given) == vars(new)
+    assert capsys.readouterr().err == (
+        f"xtoken queue serve: {old} is deprecated and will be removed; use {old}-s\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "old"),
+    [
+        (["queue", "stats", "--queue", "tcp://127.0.0.1:1"], "--timeout"),
+        (["queue", "drain", "--queue", "tcp://h:1", "--partition", "p", "--task", "t"], "--wait"),
+        (COLLATOR, "--log-every"),
+        (COLLATOR, "--put-timeout"),
+        (COLLATOR, "--queue-timeout"),
+    ],
+)
+def test_old_spellings_of_other_duration_flags_still_work(argv, old, capsys):
+    parser = cli.build_parser()
+    assert vars(parser.parse_args([*argv, old, "3"])) == vars(
+        parser.parse_args([*argv, f"{old}-s", "3"])
+    )
+    assert f"{old} is deprecated" in capsys.readouterr().err
+
+
+def test_global_flags_are_accepted_before_and_after_the_subcommand():
+    parser = cli.build_parser()
+    assert parser.parse_args(["demo"]).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "DEBUG", "demo"]).log_level == "DEBUG"
+    assert parser.parse_args(["demo", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert parser.parse_args(["queue", "serve", "--log-level", "ERROR"]).log_level == "ERROR"
+    assert parser.parse_args(["control", "serve", "--log-level", "ERROR"]).log_level == "ERROR"

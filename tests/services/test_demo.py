@@ -1,4 +1,5 @@
-"""`xtoken demo`'s run directory: cleared only where the demo made it; anything else is refused."""
+"""`xtoken demo`: its run directory is cleared only where the demo made it (anything else is
+refused); its --set overrides are checked like a run config's."""
 
 from __future__ import annotations
 
@@ -61,3 +62,16 @@ def test_xtoken_demo_on_a_working_tree_exits_2_and_deletes_nothing(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "not made by the demo" in proc.stderr
     assert (tmp_path / "README.md").read_text() == "a user's work"
+
+
+def test_demo_overrides_apply_after_its_options_and_are_checked():
+    from services.cli import build_parser
+    from services.common.config import ConfigError
+    from services.demo import demo_config
+
+    parser = build_parser()
+    args = parser.parse_args(["demo", "--steps", "5", "--set", "trainer.max_steps=7"])
+    assert demo_config(args).trainer.max_steps == 7  # a later --set wins over --steps
+    args = parser.parse_args(["demo", "--set", "trainer.optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"did you mean 'trainer\.optim\.lr'\?"):
+        demo_config(args)

@@ -20,7 +20,7 @@ import logging
 import time
 from pathlib import Path
 
-from xtoken_core.tokenizers.cache import cached_folder, source_stamp
+from xtoken_core.tokenizers.cache import cache_root, cached_folder, read_stamp, source_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,16 @@ def dequantize_gguf(gguf_path: str | Path):
         )
     model.tie_weights()
     return model
+
+
+def smollm2_cached() -> bool:
+    """Whether the dequantized folder is in the cache already (the next load takes ~1 s, not the
+    GGUF's dequantization); False too when the package is missing."""
+    try:
+        stamp = source_stamp(smollm2_gguf_path(), SMOLLM2_DIST, _FORMAT)
+    except ValueError:
+        return False
+    return read_stamp(cache_root() / "models" / "smollm2") == stamp
 
 
 def smollm2_dir() -> Path:

@@ -59,7 +59,7 @@ def collator_cmd(address: str, data: pathlib.Path, partition: str, *extra: str) 
         str(CTX),
         "--ctx-teacher",
         str(CTX),
-        "--log-every",
+        "--log-every-s",
         "1",
         *extra,
     ]

@@ -160,9 +160,9 @@ def test_unreachable_queue_names_the_address_and_the_timeout_setting(corpus_slic
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    proc, _ = run_collator(address, corpus_slice, "p", "--queue-timeout", "0.5", timeout=60)
+    proc, _ = run_collator(address, corpus_slice, "p", "--queue-timeout-s", "0.5", timeout=60)
     assert proc.returncode == 1
-    assert address in proc.stderr and "--queue-timeout" in proc.stderr, proc.stderr
+    assert address in proc.stderr and "--queue-timeout-s" in proc.stderr, proc.stderr
 
 
 def test_a_config_file_with_a_worker_section_and_flags_over_it_build_the_run_config(tmp_path):

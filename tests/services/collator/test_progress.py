@@ -76,7 +76,7 @@ def test_progress_lines_name_tokenizers_a_full_queue_and_an_unreachable_one(
 ):
     srv = small_queue
     cmd = collator_cmd(
-        srv.address, corpus_slice, "progress", "--batch", "1", "--put-timeout", "120"
+        srv.address, corpus_slice, "progress", "--batch", "1", "--put-timeout-s", "120"
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

@@ -49,8 +49,8 @@ def test_a_queue_sigkilled_and_restarted_under_a_collator_and_a_consumer(tmp_pat
     servers = [ServerProcess(tmp_path, "--bind", address, "--capacity", "256MiB")]
     summary_path = tmp_path / "summary.json"
     collator = subprocess.Popen(
-        collator_cmd(address, corpus, PARTITION, "--batch", "8", "--queue-timeout", "2")
-        + ["--put-timeout", "2", "--summary-json", str(summary_path)],
+        collator_cmd(address, corpus, PARTITION, "--batch", "8", "--queue-timeout-s", "2")
+        + ["--put-timeout-s", "2", "--summary-json", str(summary_path)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

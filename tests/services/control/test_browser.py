@@ -1,6 +1,7 @@
 """The dashboard in a real headless Chromium (Debian's, driven by Playwright): upload a run config,
 start the run from the page (refused until the token is entered), watch the loss curve grow over
-the event stream, stop the run from the page and see it STOPPED with a checkpoint; screenshots are
+the event stream, stop the run from the page and see it STOPPED with a checkpoint; the API docs
+(/docs, /redoc) list the endpoints with no network but the control plane's own; screenshots are
 saved as artifacts.
 
 Run: ``python -m pytest -m browser tests/services/control/test_browser.py`` (needs
@@ -206,3 +207,49 @@ def test_a_run_started_from_the_page_shows_a_growing_loss_curve_and_stops_from_t
     finally:
         server.stop()
         logger.info("screenshots in %s", artifacts)
+
+
+def test_the_api_docs_list_the_endpoints_without_network(chromium, artifacts, tmp_path):
+    server = ControlServer(tmp_path / "server")
+    outside: list[str] = []
+    problems: list[str] = []
+    blocked: list[str] = []  # ReDoc's footer asks cdn.redoc.ly for a logo
+    try:
+        context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+
+        def only_this_server(route) -> None:  # no network but the control plane's own
+            if route.request.url.startswith(server.url + "/"):
+                route.continue_()
+            else:
+                outside.append(route.request.url)
+                route.abort()
+
+        context.route("**/*", only_this_server)
+        page = context.new_page()
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+
+        def on_console(m) -> None:  # a load the page's policy refused made no request
+            if m.type == "error":
+                csp = "Content Security Policy" in m.text
+                (blocked if csp else problems).append(m.text)
+
+        page.on("console", on_console)
+        page.goto(server.url + "/docs")
+        page.wait_for_selector(".opblock-summary-path", timeout=30_000)
+        paths = page.eval_on_selector_all(
+            ".opblock-summary-path", "nodes => nodes.map(n => n.textContent.trim())"
+        )
+        assert "/v1/runs" in paths and "/v1/runs/{run_id}/stop" in paths, paths
+        page.screenshot(path=str(artifacts / "docs-offline.png"), full_page=False)
+
+        page.goto(server.url + "/redoc")
+        page.wait_for_function(
+            "() => document.body.innerText.includes('/v1/runs/{run_id}/stop')", timeout=30_000
+        )
+        page.screenshot(path=str(artifacts / "redoc-offline.png"), full_page=False)
+        context.close()
+        assert not outside, f"the docs asked the network for {outside}"
+        assert not problems, problems
+        assert all(server.url not in text for text in blocked), blocked  # only outside loads
+    finally:
+        server.stop()

@@ -56,12 +56,12 @@ def test_refused_puts_free_their_payload_at_once(make_server):
 
 
 def test_a_lease_above_max_lease_is_refused_naming_the_flag(make_server):
-    srv = make_server("--max-lease", "600")
+    srv = make_server("--max-lease-s", "600")
     with QueueClient(srv.address, timeout_s=5, shm="never") as c:
         c.put("p", ["k0"], payload(1024, 0))
         with pytest.raises(QueueError) as err:
             c.claim("p", "t", ["x"], 1, lease_s=2**40 / 1000)
-        assert err.value.code == "bad_request" and "--max-lease" in str(err.value)
+        assert err.value.code == "bad_request" and "--max-lease-s" in str(err.value)
         got = c.claim("p", "t", ["x"], 1, lease_s=600)  # the server lives; the bound is allowed
         assert got["keys"] == ["k0"]
 

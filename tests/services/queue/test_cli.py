@@ -80,7 +80,7 @@ def test_stats_command_prints_json_and_a_table(server):
 
 def test_stats_command_fails_cleanly_without_a_server(capsys):
     args = cli.build_parser().parse_args(
-        ["queue", "stats", "--queue", "tcp://127.0.0.1:1", "--timeout", "0.3"]
+        ["queue", "stats", "--queue", "tcp://127.0.0.1:1", "--timeout-s", "0.3"]
     )
     assert queue_cli.run(args) == 1
     assert "timeout" in capsys.readouterr().err
@@ -99,10 +99,10 @@ def test_serve_announces_a_json_ready_record_and_removes_it_after_sigterm(make_s
 
 
 def test_serve_with_bad_settings_exits_two_with_the_message_only():
-    cmd = [sys.executable, "-m", "services.cli", "queue", "serve", "--lease", "-1"]
+    cmd = [sys.executable, "-m", "services.cli", "queue", "serve", "--lease-s", "-1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "[queue] error: lease_s=-1.0: must be > 0 (--lease)" in proc.stderr
+    assert "[queue] error: lease_s=-1.0: must be > 0 (--lease-s)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -150,9 +150,9 @@ def test_stats_timeout_names_the_timeout_flag():
     with socket.socket() as s:  # a free port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _xtoken("queue", "stats", "--queue", f"tcp://127.0.0.1:{port}", "--timeout", "0.3")
+    proc = _xtoken("queue", "stats", "--queue", f"tcp://127.0.0.1:{port}", "--timeout-s", "0.3")
     assert proc.returncode == 1, proc.stderr
-    assert "--timeout" in proc.stderr, proc.stderr
+    assert "--timeout-s" in proc.stderr, proc.stderr
     assert "timeout_s" not in proc.stderr and "retries" not in proc.stderr, proc.stderr
 
 

@@ -17,15 +17,15 @@ def test_a_full_queue_names_the_capacity_and_put_timeout_flags(make_server):
             client.put("full", ["b"], {"x": torch.zeros(1, 12 * 1024)}, timeout_s=0.2)
     msg = str(err.value)
     assert err.value.code == "queue_full"
-    assert "--capacity" in msg and "--put-timeout" in msg and "timeout_ms" not in msg
+    assert "--capacity" in msg and "--put-timeout-s" in msg and "timeout_ms" not in msg
     assert "48.0 KiB of 64.0 KiB" in msg  # human sizes
 
 
 def test_a_claim_wait_above_the_bound_names_the_flag_not_timeout_ms(make_server):
-    srv = make_server("--max-claim-wait", "2")
+    srv = make_server("--max-claim-wait-s", "2")
     with QueueClient(srv.address) as client:
         client.put("bound", ["a"], {"x": torch.zeros(1, 4)})
         with pytest.raises(QueueError) as err:
             client.claim("bound", "t", ["x"], 1, timeout_s=5.0)
     msg = str(err.value)
-    assert "--max-claim-wait" in msg and "claim_timeout_s" in msg and "timeout_ms" not in msg
+    assert "--max-claim-wait-s" in msg and "claim_timeout_s" in msg and "timeout_ms" not in msg

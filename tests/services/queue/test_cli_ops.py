@@ -74,7 +74,7 @@ def test_drain_claims_and_acks_everything_under_a_task_and_counts_it(server):
 
 
 def test_operator_commands_name_the_flags_when_the_server_does_not_answer():
-    proc = queue_cli("list", "--queue", "tcp://127.0.0.1:1", "--timeout", "0.3")
+    proc = queue_cli("list", "--queue", "tcp://127.0.0.1:1", "--timeout-s", "0.3")
     assert proc.returncode == 1
-    assert "--queue" in proc.stderr and "--timeout" in proc.stderr
+    assert "--queue" in proc.stderr and "--timeout-s" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -39,8 +39,8 @@ time.sleep(600)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     """One server for the module: fast heartbeats, waits bounded to 40 s."""
-    flags = ("--heartbeat", "0.3", "--max-claim-wait", "40", "--max-put-wait", "40")
-    server = ServerProcess(tmp_path_factory.mktemp("dead"), *flags, "--put-timeout", "5")
+    flags = ("--heartbeat-s", "0.3", "--max-claim-wait-s", "40", "--max-put-wait-s", "40")
+    server = ServerProcess(tmp_path_factory.mktemp("dead"), *flags, "--put-timeout-s", "5")
     yield server
     server.stop()
 
@@ -137,8 +137,8 @@ def test_a_live_client_waiting_long_keeps_its_parked_claim(srv):
 @pytest.mark.parametrize(
     ("call", "flag"),
     [
-        (lambda c: c.claim("cap", "t", ["ids"], 1, timeout_s=50), "--max-claim-wait"),
-        (lambda c: c.put("cap", ["a"], ids(1), timeout_s=50), "--max-put-wait"),
+        (lambda c: c.claim("cap", "t", ["ids"], 1, timeout_s=50), "--max-claim-wait-s"),
+        (lambda c: c.put("cap", ["a"], ids(1), timeout_s=50), "--max-put-wait-s"),
     ],
 )
 def test_a_wait_above_the_servers_bound_is_refused_naming_the_bound(srv, call, flag):
@@ -159,9 +159,9 @@ def test_a_default_wait_above_the_bound_is_a_settings_error(tmp_path):
             "serve",
             "--bind",
             "tcp://127.0.0.1:*",
-            "--claim-timeout",
+            "--claim-timeout-s",
             "10",
-            "--max-claim-wait",
+            "--max-claim-wait-s",
             "5",
         ],
         cwd=ROOT,
@@ -169,4 +169,4 @@ def test_a_default_wait_above_the_bound_is_a_settings_error(tmp_path):
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2 and "--max-claim-wait" in proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "--max-claim-wait-s" in proc.stderr + proc.stdout

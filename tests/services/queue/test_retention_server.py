@@ -19,7 +19,7 @@ def fields(keys):
 
 
 def test_ten_times_the_capacity_flows_through_and_a_re_put_is_refused_as_consumed(make_server):
-    srv = make_server("--capacity", "256KiB", "--put-timeout", "10")
+    srv = make_server("--capacity", "256KiB", "--put-timeout-s", "10")
     total = 10 * 256 * 1024 // (ROW * 8)
     keys = [f"k-{i}" for i in range(total)]
     got: list[str] = []

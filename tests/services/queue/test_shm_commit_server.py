@@ -61,7 +61,7 @@ def test_a_full_shm_falls_back_to_frames_with_one_warning_and_loses_nothing(
         assert "frames" in warnings[0] and "--shm-size" in warnings[0]
         got = client.get("commit-full", ["k0", "k1", "k2"], ["x"])["fields"]["x"]
         assert torch.equal(got, torch.cat(values))
-        # the reservation went back with the frames put, not after --shm-reserve-timeout
+        # the reservation went back with the frames put, not after --shm-reserve-timeout-s
         assert client.stats()["shm_pool"]["by_state"].get("reserved", 0) == reserved
         client.clear("commit-full")
     with QueueClient(server.address, timeout_s=30, shm_min_bytes=0) as client:

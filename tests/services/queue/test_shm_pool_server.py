@@ -233,7 +233,7 @@ def test_a_reserve_that_does_not_fit_waits_then_is_queue_full(make_server):
 
 
 def test_an_unused_reservation_expires_and_its_put_is_refused(make_server):
-    srv = make_server("--shm-reserve-timeout", "0.2")
+    srv = make_server("--shm-reserve-timeout-s", "0.2")
     with QueueClient(srv.address, timeout_s=20, shm_min_bytes=0) as client:
         region = client.reserve(1 << 20)
         time.sleep(0.4)

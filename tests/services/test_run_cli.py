@@ -1,0 +1,83 @@
+"""`xtoken run CONFIG --set KEY=VALUE`: overrides applied to the file and validated exactly like
+it (the same messages, exit code 2, nothing started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services import cli
+from services.common.config import ConfigError
+from services.common.overrides import parse_override
+from services.supervise.config import load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny.yaml"
+
+
+def test_overrides_replace_the_files_values_and_keep_the_rest():
+    config = load_run_config(
+        TINY,
+        [parse_override("trainer.optim.lr=1e-4"), parse_override("trainer.max_steps=100")],
+    )
+    assert config.trainer.optim.lr == 1e-4 and config.trainer.max_steps == 100
+    assert config.trainer.grad_accum == 2 and config.trainers == 2  # from the file
+
+
+@pytest.mark.parametrize(
+    ("file_text", "override"),
+    [
+        ("trainer:\n  optim:\n    lrr: 0.1\n", "trainer.optim.lrr=0.1"),
+        ("trainer:\n  micro_batch: 2.5\n", "trainer.micro_batch=2.5"),
+        ("trainer:\n  loss:\n    mode: pkll\n", "trainer.loss.mode=pkll"),
+        ("trainer:\n  optim: fast\n", "trainer.optim=fast"),
+        ("heartbeat_s: 1\nhang_after_s: 1.5\n", "hang_after_s=1.5"),
+    ],
+    ids=["unknown-key", "float-for-int", "bad-choice", "section-not-a-mapping", "cross-check"],
+)
+def test_an_override_is_refused_with_the_message_the_file_gets(tmp_path, file_text, override):
+    bad_file = tmp_path / "bad.yaml"
+    bad_file.write_text(file_text)
+    with pytest.raises(ConfigError) as from_file:
+        load_run_config(bad_file)
+    base = tmp_path / "base.yaml"
+    base.write_text("heartbeat_s: 1\n" if "hang_after_s" in override else "")
+    with pytest.raises(ConfigError) as from_set:
+        load_run_config(base, [parse_override(override)])
+    assert str(from_set.value) == str(from_file.value)
+
+
+def _run(tmp_path, capsys, *argv: str) -> tuple[int, str]:
+    code = cli.main(["run", str(TINY), "--run-dir", str(tmp_path / "r"), *argv])
+    return code, capsys.readouterr().err
+
+
+def test_an_unknown_key_exits_2_naming_the_closest_keys(tmp_path, capsys):
+    code, err = _run(tmp_path, capsys, "--set", "trainer.max_step=10")
+    assert code == 2
+    assert err.startswith("xtoken run: unknown key 'trainer.max_step': ")
+    assert "did you mean 'trainer.max_steps'?" in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
+
+def test_a_bad_value_exits_2_naming_the_key_the_type_and_the_value(tmp_path, capsys):
+    code, err = _run(tmp_path, capsys, "--set", "trainer.max_steps=many")
+    assert code == 2
+    assert err == "xtoken run: trainer.max_steps: expected int, got 'many' (str)\n"
+
+
+def test_a_set_without_a_value_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _run(tmp_path, capsys, "--set", "trainer.max_steps")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --set: 'trainer.max_steps': write KEY=VALUE" in err
+
+
+def test_the_global_log_level_is_accepted_after_the_config(tmp_path, capsys):
+    args = cli.build_parser().parse_args(
+        ["run", str(TINY), "--set", "trainer.max_steps=1", "--log-level", "DEBUG"]
+    )
+    assert args.log_level == "DEBUG" and args.overrides[0].value == 1
