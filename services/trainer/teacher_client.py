@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from services import protocol as proto
+from services.common import lifecycle
 from services.trainer.config import TrainerConfig
 from xtoken_core.wire import JaggedColumn
 
@@ -167,7 +168,11 @@ class TeacherClient:
 
     def poll(self, waiting: Asked) -> None:
         """One round of the wait for ``waiting``'s result: take the records that arrived, free
-        the ring for it when later results fill it, ask again after ``teacher_timeout_s``."""
+        the ring for it when later results fill it, ask again after ``teacher_timeout_s``.
+
+        Each round tells the heartbeat the main loop is alive (a teacher's start-up may take
+        longer than ``hang_after_s``; a round that never returns is still a hang)."""
+        lifecycle.waiting()
         self.claim_records(self.config.claim_timeout_s)
         if waiting.record is None:
             self._free_ring_for(waiting)
