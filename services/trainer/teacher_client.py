@@ -18,7 +18,7 @@ cleared. A request the teacher claimed is leased to it for its ``lease_s``: shou
 request would reach its successor only then. So every request remembers the teacher incarnation
 that served the group when it was put (``Result.teacher`` of the results seen so far), and once
 that incarnation is gone, the requests put under it (or before any result) that have no result
-are cleared and put again at once, for the successor. An incarnation is gone when
+are put again at once, for the successor. An incarnation is gone when
 
 * the heartbeat of its ring (the ring of this rank it wrote results into), watched while the
   rank waits, is older than ``dead_after_s``, or the ring closed;
@@ -27,10 +27,12 @@ are cleared and put again at once, for the successor. An incarnation is gone whe
   requests the dead one had not claimed) reveals it at once; for the hidden transport, which
   has no ring, this is the only sign.
 
-Their results, should they still come, are dropped, never trained on. A teacher that does not
-answer within ``teacher_timeout_s`` is asked again (the fallback for a teacher that died before
-this rank saw a result of it: no incarnation of the group is known to have gone). A request
-asked again (or redelivered after its teacher died) may come after requests of later
+The old records stay in the queue (the successor may already have written a result on one, whose
+ring slot a clear would lose); their results, when they come, are dropped, their slots released,
+never trained on (one the dead teacher held is computed once more when its lease ends). A teacher
+that does not answer within ``teacher_timeout_s`` is asked again (the fallback for a teacher that
+died before this rank saw a result of it: no incarnation of the group is known to have gone). A
+request asked again (or redelivered after its teacher died) may come after requests of later
 micro-batches; when their results hold every slot of the ring, they give their slots back and are
 asked again once the waiting micro-batch has its result (the teacher has a slot for it).
 
@@ -262,9 +264,11 @@ class TeacherClient:
         """Incarnation ``teacher`` serves no more: put again, at once, the requests put under it
         (or before any result) that have no result.
 
-        Its request lease would keep them from its successor for the teacher's ``lease_s``; the
-        old records are cleared (a result already on one is dropped with it), so the successor
-        computes each micro-batch once and no stale slot is read.
+        Its request lease would keep them from its successor for the teacher's ``lease_s``. The
+        old records stay: the successor may already have written a result on one (it claimed
+        the requests the dead one had not), and clearing that record would lose the ring slot
+        its result holds. A result of an old record is dropped when it comes, its slot released,
+        never trained on; one the dead teacher held is computed once more when its lease ends.
         """
         self._gone.add(teacher)
         if self.teacher == teacher:
@@ -275,7 +279,6 @@ class TeacherClient:
         )
         for p in again:
             self._by_request.pop(p.request_key, None)
-            self.client.clear(self.req_partition, [p.request_key])
             self.counters["re_requests"] += 1
             self.ask(p)
 

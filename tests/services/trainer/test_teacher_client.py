@@ -1,8 +1,9 @@
 """TeacherClient's watch of its teacher, with a stand-in queue and real shm rings: a request
-waiting on a dead teacher is put again at once (its old record cleared), once; a live teacher is
-never asked twice; a late result of the dead teacher is dropped, never trained on. A result of a
-successor (another incarnation of the group's teacher) tells the death at once, before the dead
-one's heartbeat is stale, for the ring and the hidden transport alike."""
+waiting on a dead teacher is put again at once, once; a live teacher is never asked twice; a late
+result of an old request is dropped, its slot released, never trained on. A result of a successor
+(another incarnation of the group's teacher) tells the death at once, before the dead one's
+heartbeat is stale, for the ring and the hidden transport alike; the old records stay, so a
+result the successor already wrote on one keeps no slot of its ring."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class _Queue:
 
     def clear(self, partition, keys):
         self.cleared += keys
+        self.arrived = [(k, r) for k, r in self.arrived if k not in keys]  # with its result
 
 
 @pytest.fixture
@@ -105,7 +107,7 @@ def test_a_request_waiting_on_a_dead_teacher_is_put_again_at_once_and_only_once(
     time.sleep(0.4)  # past dead_after_s
     client.poll(waiting)
     assert waiting.request_key != old_key and waiting.attempts == 2
-    assert queue.puts[-1] == waiting.request_key and old_key in queue.cleared
+    assert queue.puts[-1] == waiting.request_key and old_key not in queue.cleared
     assert client.counters["re_requests"] == 1
     for _ in range(3):  # asked after the death was seen: not again
         client.poll(waiting)
@@ -152,7 +154,7 @@ def test_a_successor_s_first_result_asks_again_at_once_what_its_predecessor_held
         assert reader.why_dead(writer.descriptor) is None  # the death does not show yet
         client.poll(held)
         assert later.record is not None and later.attempts == 1  # served: not asked again
-        assert held.request_key != old_key and held.attempts == 2 and old_key in queue.cleared
+        assert held.request_key != old_key and held.attempts == 2
         assert client.teacher == "t2" and client.counters["re_requests"] == 1
 
         # the dead one's heartbeat goes stale later, and its late result comes: neither asks
@@ -187,7 +189,49 @@ def test_a_successor_without_a_ring_tells_the_death_too():
     queue.arrived.append((later.request_key, proto.Result("hidden", "t2", None, None, W, B, U)))
     client.poll(held)
     assert later.record is not None and later.attempts == 1
-    assert held.request_key != old_key and old_key in queue.cleared and held.teacher == "t2"
+    assert held.request_key != old_key and held.teacher == "t2"
     for _ in range(3):  # put for the successor: not again
         client.poll(held)
     assert client.counters["re_requests"] == 1 and len(queue.puts) == 4
+
+
+def test_a_result_the_successor_wrote_on_an_old_request_gives_its_slot_back(ring):
+    # the successor claimed both requests the dead teacher had not; the result of `other` lands
+    # while the rank handles the result of `later`: asked again, its old record must not be
+    # cleared with that result on it (the successor's slot would never come back)
+    writer, reader = ring
+    queue = _Queue()
+    client = _client(queue, reader)
+    first = _asked()
+    client.ask(first)
+    _answer(queue, writer, first.request_key, teacher="t1")
+    client.logits(first)
+    client.done(first)
+    held, later, other = _asked(), _asked(), _asked()
+    for p in (held, later, other):
+        client.ask(p)
+    other_key = other.request_key
+    successor = LogitRingWriter(
+        transport="shm", num_slots=2, slot_shape=(B, U, W), dtype=torch.float32, heartbeat_s=0.05
+    )
+    try:
+        _answer(queue, successor, later.request_key, teacher="t2")
+        claim = queue.claim
+
+        def claim_then_the_successor_writes(*args, **kwargs):
+            got = claim(*args, **kwargs)
+            if got["keys"]:
+                _answer(queue, successor, other_key, teacher="t2")
+            return got
+
+        queue.claim = claim_then_the_successor_writes
+        client.poll(held)
+        assert other.request_key != other_key and later.record is not None
+        queue.claim = claim
+        client.poll(held)  # the result on the old record comes: dropped, its slot released
+        assert other_key in queue.acked and other.record is None
+        assert successor.in_flight() == [later.record[0].handle["slot"]]
+        client.done(later)
+        assert successor.in_flight() == []
+    finally:
+        successor.close()
