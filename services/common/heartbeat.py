@@ -16,7 +16,10 @@ Two different failures show in it:
   process's own clock). A process arms this check with its first :meth:`Heartbeat.progress`
   (after loading models and the first evaluation) and disarms it with :meth:`Heartbeat.pause`
   for a phase of unknown length (a checkpoint, an evaluation, the export): a process that never
-  reports progress (the queue server) is only checked for beats.
+  reports progress (the queue server) is only checked for beats. A main loop that waits on a
+  peer in rounds that each return (a trainer polling the queue for its teacher's results, which
+  may take a teacher's whole start-up) calls :meth:`Heartbeat.waiting` each round: it is alive,
+  though no iteration completes, and a round that never returns is still caught.
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ class Heartbeat:
         self.progress_at = time.time()
         if self._hang is not None and self.count >= self._hang[0]:
             self._hang_once()
+
+    def waiting(self) -> None:
+        """The main loop waits on a peer in rounds that each return (a poll with a timeout):
+        an armed hang check counts this round as progress, the iteration count stays; cheap."""
+        if self.progress_at is not None:
+            self.progress_at = time.time()
 
     def pause(self) -> None:
         """Disarm the hang check until the next :meth:`progress` (a phase of unknown length)."""

@@ -29,7 +29,8 @@ What it does, once, for everyone:
 * **Heartbeat**: with env ``XTOKEN_HEARTBEAT_FILE`` (set per process by ``xtoken run`` and the
   control plane), a daemon thread rewrites that file every ``XTOKEN_HEARTBEAT_S`` seconds with
   the main loop's progress: main calls ``lc.progress()`` once per iteration of its loop (a step,
-  a served request), so a supervisor tells a hung main loop from a live one
+  a served request), and ``lc.waiting()`` once per round of a wait on a peer (a poll of the
+  queue for a teacher's results), so a supervisor tells a hung main loop from a live one
   (:mod:`services.common.heartbeat`).
 * **Exit-code file**: with env ``XTOKEN_EXIT_FILE`` (set per process by ``xtoken run`` and the
   control plane), the process writes ``{"pid": ..., "code": ...}`` there as it exits, so a
@@ -66,6 +67,7 @@ __all__ = [
     "read_exit_code",
     "read_ready",
     "run_process",
+    "waiting",
 ]
 
 logger = logging.getLogger(__name__)
@@ -327,6 +329,13 @@ class Lifecycle:
         if self.heartbeat is not None:
             self.heartbeat.progress()
 
+    def waiting(self) -> None:
+        """The main loop waits on a peer in rounds that each return (a poll of the queue with a
+        timeout): alive though no iteration completes (:meth:`Heartbeat.waiting`). Call it once
+        per round, from the main loop."""
+        if self.heartbeat is not None:
+            self.heartbeat.waiting()
+
     def pause_progress(self) -> None:
         """The main loop leaves for a phase of unknown length (a checkpoint, an evaluation):
         the hang check waits for the next :meth:`progress`."""
@@ -456,6 +465,14 @@ def progress() -> None:
     lc = _current
     if lc is not None:
         lc.progress()
+
+
+def waiting() -> None:
+    """:meth:`Lifecycle.waiting` of this process's lifecycle (a no-op outside
+    :func:`run_process`)."""
+    lc = _current
+    if lc is not None:
+        lc.waiting()
 
 
 def pause_progress() -> None:

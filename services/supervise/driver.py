@@ -95,6 +95,9 @@ class Driver:
         self.dead_after_s = dead_after_s
         self.heartbeats: dict[str, dict[str, Any]] = {}
         self._frozen_since: dict[str, float] = {}
+        # process name -> the pid SIGKILLed as unresponsive: its exit is on its way (a process
+        # takes a moment to die), so it is neither reported nor killed again meanwhile
+        self._killed: dict[str, int] = {}
         self.launcher = launcher
         self.progress = progress
         self.on_event = on_event
@@ -406,14 +409,18 @@ class Driver:
         """Kill (SIGKILL) every running process that counts as dead though its pid lives: its
         heartbeat stopped for ``dead_after_s`` (frozen) or its main loop made no progress for
         ``hang_after_s`` (hung); without a heartbeat yet, a process stopped (state T) for
-        ``dead_after_s``. The next :meth:`poll_once` sees the exit and applies the policy."""
+        ``dead_after_s``. Each is killed and reported once: the next :meth:`poll_once` that sees
+        its exit applies the policy."""
         now, mono = time.time(), time.monotonic()
         waiting = self._waiting()
         for name, proc in list(self.launcher.processes.items()):
             pid = getattr(proc, "pid", None)
             if name in self._finished or name in waiting or not pid or proc.poll() is not None:
                 self._frozen_since.pop(name, None)
+                self._killed.pop(name, None)
                 continue
+            if self._killed.get(name) == pid:
+                continue  # killed, not yet gone
             path = proc.spec.env.get(HEARTBEAT_ENV)
             record = read_heartbeat(path) if path else None
             if record is not None and record.get("pid") != pid:
@@ -441,6 +448,7 @@ class Driver:
             logger.warning("[run] %s (pid %d) is unresponsive, %s: killing it", name, pid, why)
             self._emit(Unresponsive(process=name, pid=pid, reason=why))
             self._frozen_since.pop(name, None)
+            self._killed[name] = pid
             proc.signal(signal.SIGKILL)
 
     def stop(self, grace_s: float = 300.0) -> dict[str, int | None]:

@@ -14,14 +14,25 @@ Per rank (records and names: services/protocol/):
    record.
 
 A record of another instance of this rank (left by a trainer that died) is released and
-cleared. While it waits, a rank watches the heartbeat of its teacher's ring (the ring of the
-latest result): once it is older than ``dead_after_s`` (or the ring closed), the requests put
-before are cleared and put again at once, for the restarted teacher (the dead one's request
-lease would hold them for its ``lease_s``); their results, should they still come, are dropped,
-never trained on. A teacher that does not answer within ``teacher_timeout_s`` is asked again
-(the fallback for a teacher that died before this rank saw a result of it, and for the hidden
-transport, which has no ring). A request
-asked again (or redelivered after its teacher died) may come after requests of later
+cleared. A request the teacher claimed is leased to it for its ``lease_s``: should it die, the
+request would reach its successor only then. So every request remembers the teacher incarnation
+that served the group when it was put (``Result.teacher`` of the results seen so far), and once
+that incarnation is gone, the requests put under it (or before any result) that have no result
+are put again at once, for the successor. An incarnation is gone when
+
+* the heartbeat of its ring (the ring of this rank it wrote results into), watched while the
+  rank waits, is older than ``dead_after_s``, or the ring closed;
+* a result of another incarnation arrives: a group has one teacher at a time, so a successor
+  serves now. A successor that is ready before the death shows in the heartbeat (and serves
+  requests the dead one had not claimed) reveals it at once; for the hidden transport, which
+  has no ring, this is the only sign.
+
+The old records stay in the queue (the successor may already have written a result on one, whose
+ring slot a clear would lose); their results, when they come, are dropped, their slots released,
+never trained on (one the dead teacher held is computed once more when its lease ends). A teacher
+that does not answer within ``teacher_timeout_s`` is asked again (the fallback for a teacher that
+died before this rank saw a result of it: no incarnation of the group is known to have gone). A
+request asked again (or redelivered after its teacher died) may come after requests of later
 micro-batches; when their results hold every slot of the ring, they give their slots back and are
 asked again once the waiting micro-batch has its result (the teacher has a slot for it).
 
@@ -38,6 +49,7 @@ from typing import Any
 import torch
 
 from services import protocol as proto
+from services.common import lifecycle
 from services.trainer.config import TrainerConfig
 from xtoken_core.wire import JaggedColumn
 
@@ -55,6 +67,8 @@ class Asked:
         asked_at: when it was put (``time.monotonic``).
         record: ``(Result, fields, lease id)`` once the teacher answered, else None.
         attempts: requests put so far.
+        teacher: the teacher incarnation that served the group when it was put (None: none
+            was known).
     """
 
     rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -63,6 +77,7 @@ class Asked:
     asked_at: float = 0.0
     record: Any = None
     attempts: int = 0
+    teacher: str | None = None
 
 
 class TeacherClient:
@@ -103,8 +118,9 @@ class TeacherClient:
         self._by_request: dict[str, Asked] = {}
         self._held: dict[str, Asked] = {}  # request key -> micro-batch holding its record
         self.deferred: list[Asked] = []  # gave their slot back: asked again later
-        self._ring: dict | None = None  # descriptor of the newest live ring a result came from
-        self._dead_at: dict[int, float] = {}  # ring instance -> when it was found dead
+        self.teacher: str | None = None  # the incarnation serving the group (None: none known)
+        self._ring: dict | None = None  # the descriptor of its ring of this rank (None: none yet)
+        self._gone: set[str] = set()  # incarnations found dead or replaced
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
 
     @property
@@ -118,6 +134,7 @@ class TeacherClient:
         p.request_key = f"{self.instance}:{self._seq}"
         p.asked_at = time.monotonic()
         p.attempts += 1
+        p.teacher = self.teacher
         self.client.put(
             self.req_partition, [p.request_key], proto.request_fields(p.rows, self.rank)
         )
@@ -151,7 +168,7 @@ class TeacherClient:
                     "stale" if isinstance(e, StaleHandleError) else "checksum_mismatch"
                 ] += 1
                 logger.warning("[trainer] %s: asking the teacher again", e)
-                self._dead_since(result.descriptor)  # asked again now: not again on the death
+                self._watch(result.teacher, result.descriptor)  # a dead ring: its teacher is gone
                 self.drop_record(p)
                 self.ask(p)
 
@@ -167,12 +184,16 @@ class TeacherClient:
 
     def poll(self, waiting: Asked) -> None:
         """One round of the wait for ``waiting``'s result: take the records that arrived, free
-        the ring for it when later results fill it, ask again after ``teacher_timeout_s``."""
+        the ring for it when later results fill it, ask again after ``teacher_timeout_s``.
+
+        Each round tells the heartbeat the main loop is alive (a teacher's start-up may take
+        longer than ``hang_after_s``; a round that never returns is still a hang)."""
+        lifecycle.waiting()
         self.claim_records(self.config.claim_timeout_s)
         if waiting.record is None:
             self._free_ring_for(waiting)
-        if waiting.record is None:
-            self._ask_again_if_teacher_died()
+        if waiting.record is None and self.teacher is not None:
+            self._watch(self.teacher, self._ring)
         if (
             waiting.record is None
             and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s
@@ -200,6 +221,7 @@ class TeacherClient:
             lease_s=self.config.lease_s,
         )
         keys = list(got["keys"])
+        teachers: list[tuple[str, dict | None]] = []
         for i, key in enumerate(keys):
             result = proto.Result.from_blob(_row_column(got["fields"][self.result_field], i), key)
             fields = {}
@@ -212,45 +234,51 @@ class TeacherClient:
                 continue
             p.record = record
             self._held[key] = p
-            desc = result.descriptor
-            if result.handle is not None and desc.get("instance") not in self._dead_at:
-                self._ring = desc
+            teachers.append((result.teacher, result.descriptor if result.handle else None))
+        for teacher, descriptor in teachers:  # after every record of the round is attached
+            self._seen(teacher, descriptor)
 
-    def _dead_since(self, descriptor: dict | None) -> float | None:
-        """When the ring of ``descriptor`` was first found dead (None: it lives)."""
-        if descriptor is None or self.reader is None:
-            return None
-        instance = descriptor.get("instance")
-        if instance not in self._dead_at:
-            why = self.reader.why_dead(descriptor)
-            if why is None:
-                return None
-            self._dead_at[instance] = time.monotonic()
-            logger.warning("[trainer] %s", why)
-        return self._dead_at[instance]
+    def _seen(self, teacher: str, descriptor: dict | None) -> None:
+        """A result of incarnation ``teacher`` (its ring's ``descriptor``, None for the hidden
+        transport) arrived: watch its ring; another incarnation than the serving one replaced
+        it (a group has one teacher at a time), whose requests are asked again now."""
+        if teacher in self._gone:  # a late result of a dead teacher
+            return
+        if teacher != self.teacher:
+            before, self.teacher, self._ring = self.teacher, teacher, None
+            if before is not None:
+                self._gone_teacher(before, f"teacher {before} was replaced by teacher {teacher}")
+        if descriptor is not None and self._ring is None:
+            self._ring = descriptor
 
-    def _ask_again_if_teacher_died(self) -> None:
-        """Put again, at once, the requests put before the teacher's ring was found dead.
+    def _watch(self, teacher: str, descriptor: dict | None) -> None:
+        """Check the ring ``descriptor`` of incarnation ``teacher``: dead or closed, the teacher
+        is gone (a cheap read of the ring's header)."""
+        if descriptor is None or self.reader is None or teacher in self._gone:
+            return
+        why = self.reader.why_dead(descriptor)
+        if why is not None:
+            self._gone_teacher(teacher, why)
 
-        The dead teacher's request lease would keep them from its successor for the teacher's
-        ``lease_s``; the old records are cleared (a result already on one is dropped with it),
-        so the successor computes each micro-batch once and no stale slot is read.
+    def _gone_teacher(self, teacher: str, why: str) -> None:
+        """Incarnation ``teacher`` serves no more: put again, at once, the requests put under it
+        (or before any result) that have no result.
+
+        Its request lease would keep them from its successor for the teacher's ``lease_s``. The
+        old records stay: the successor may already have written a result on one (it claimed
+        the requests the dead one had not), and clearing that record would lose the ring slot
+        its result holds. A result of an old record is dropped when it comes, its slot released,
+        never trained on; one the dead teacher held is computed once more when its lease ends.
         """
-        dead_at = self._dead_since(self._ring)
-        if dead_at is None:
-            return
-        again = [p for p in self._by_request.values() if p.asked_at <= dead_at]
-        if not again:
-            return
+        self._gone.add(teacher)
+        if self.teacher == teacher:
+            self.teacher = self._ring = None
+        again = [p for p in self._by_request.values() if p.teacher in (teacher, None)]
         logger.warning(
-            "[trainer] the teacher is dead (heartbeat older than dead_after_s=%gs): asking its "
-            "successor again for %d request(s)",
-            self.config.dead_after_s,
-            len(again),
+            "[trainer] %s: asking its successor again for %d request(s)", why, len(again)
         )
         for p in again:
             self._by_request.pop(p.request_key, None)
-            self.client.clear(self.req_partition, [p.request_key])
             self.counters["re_requests"] += 1
             self.ask(p)
 

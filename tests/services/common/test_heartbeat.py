@@ -17,6 +17,7 @@ from services.common.heartbeat import (
     HANG_ENV,
     HEARTBEAT_ENV,
     HEARTBEAT_S_ENV,
+    Heartbeat,
     read_heartbeat,
     verdict,
 )
@@ -118,6 +119,34 @@ def test_a_hung_main_loop_keeps_beating_and_is_judged_hung_once(tmp_path):
     finally:
         again.send_signal(signal.SIGTERM)
         assert again.wait(30) == 0
+
+
+def test_rounds_of_a_wait_on_a_peer_keep_an_armed_hang_check_quiet_without_counting(tmp_path):
+    # a trainer polls the queue for its teacher's results while the teacher starts up: each
+    # round that returns is alive, though no iteration of the main loop completes
+    beat = Heartbeat("svc", tmp_path / "svc", interval_s=0.05).start()
+    try:
+        beat.waiting()  # not armed yet (loading, or a paused phase): stays unarmed
+        assert beat.progress_at is None
+        beat.progress()
+        armed_at = beat.progress_at
+        time.sleep(0.3)
+        for _ in range(3):
+            beat.waiting()
+            time.sleep(0.1)
+        last_round = beat.progress_at
+        record = _wait(lambda: (r := read_heartbeat(beat.path)) and r["time"] > last_round and r)
+        assert record["progress"] == 1 and record["progress_at"] >= armed_at + 0.4
+        assert verdict(record, now=time.time(), dead_after_s=1, hang_after_s=0.25) is None
+        time.sleep(0.4)  # the rounds stop returning: hung again
+        record = read_heartbeat(beat.path)
+        why = verdict(record, now=time.time(), dead_after_s=1, hang_after_s=0.25)
+        assert why is not None and why.endswith("hung")
+        beat.pause()
+        beat.waiting()  # a paused check stays paused until the next progress
+        assert beat.progress_at is None
+    finally:
+        beat.close()
 
 
 def _stderr_so_far(proc: subprocess.Popen) -> str:

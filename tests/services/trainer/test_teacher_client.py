@@ -1,6 +1,9 @@
-"""TeacherClient's watch of its teacher's ring, with a stand-in queue and a real shm ring: a
-request waiting on a dead teacher is put again at once (its old record cleared), once; a live
-teacher is never asked twice; a late result of the dead teacher is dropped, never trained on."""
+"""TeacherClient's watch of its teacher, with a stand-in queue and real shm rings: a request
+waiting on a dead teacher is put again at once, once; a live teacher is never asked twice; a late
+result of an old request is dropped, its slot released, never trained on. A result of a successor
+(another incarnation of the group's teacher) tells the death at once, before the dead one's
+heartbeat is stale, for the ring and the hidden transport alike; the old records stay, so a
+result the successor already wrote on one keeps no slot of its ring."""
 
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class _Queue:
 
     def clear(self, partition, keys):
         self.cleared += keys
+        self.arrived = [(k, r) for k, r in self.arrived if k not in keys]  # with its result
 
 
 @pytest.fixture
@@ -62,11 +66,11 @@ def ring():
     writer.close()
 
 
-def _answer(queue: _Queue, writer: LogitRingWriter, key: str) -> None:
+def _answer(queue: _Queue, writer: LogitRingWriter, key: str, teacher: str = "t") -> None:
     slot = writer.acquire(timeout_s=1)
     writer.buffer(slot)[:B, :U].fill_(1.0)
     handle = writer.publish(slot, rows=B, length=U)
-    result = proto.Result("shm", "t", writer.descriptor, handle, W, B, U)
+    result = proto.Result("shm", teacher, writer.descriptor, handle, W, B, U)
     queue.arrived.append((key, result))
 
 
@@ -103,7 +107,7 @@ def test_a_request_waiting_on_a_dead_teacher_is_put_again_at_once_and_only_once(
     time.sleep(0.4)  # past dead_after_s
     client.poll(waiting)
     assert waiting.request_key != old_key and waiting.attempts == 2
-    assert queue.puts[-1] == waiting.request_key and old_key in queue.cleared
+    assert queue.puts[-1] == waiting.request_key and old_key not in queue.cleared
     assert client.counters["re_requests"] == 1
     for _ in range(3):  # asked after the death was seen: not again
         client.poll(waiting)
@@ -125,3 +129,109 @@ def test_a_ring_found_dead_by_the_reader_is_named_with_its_heartbeat_age(ring):
     time.sleep(0.4)
     why = reader.why_dead(writer.descriptor)
     assert why is not None and "heartbeat" in why and "dead_after_s=0.3" in why
+
+
+def test_a_successor_s_first_result_asks_again_at_once_what_its_predecessor_held(ring):
+    # the teacher dies holding the lease of `held`; its successor is ready before the heartbeat
+    # of the dead one's ring is stale and answers `later`, which the dead one had not claimed
+    writer, reader = ring
+    queue = _Queue()
+    client = _client(queue, reader)
+    first = _asked()
+    client.ask(first)
+    _answer(queue, writer, first.request_key, teacher="t1")
+    client.logits(first)
+    client.done(first)
+    held, later = _asked(), _asked()
+    client.ask(held)
+    client.ask(later)
+    old_key = held.request_key
+    successor = LogitRingWriter(
+        transport="shm", num_slots=2, slot_shape=(B, U, W), dtype=torch.float32, heartbeat_s=0.05
+    )
+    try:
+        _answer(queue, successor, later.request_key, teacher="t2")
+        assert reader.why_dead(writer.descriptor) is None  # the death does not show yet
+        client.poll(held)
+        assert later.record is not None and later.attempts == 1  # served: not asked again
+        assert held.request_key != old_key and held.attempts == 2
+        assert client.teacher == "t2" and client.counters["re_requests"] == 1
+
+        # the dead one's heartbeat goes stale later, and its late result comes: neither asks
+        # again, the result is dropped, and the successor still serves
+        writer._state.stop.set()
+        time.sleep(0.4)
+        queue.arrived.append(
+            (old_key, proto.Result("shm", "t1", writer.descriptor, {"slot": 0}, W, B, U))
+        )
+        client.poll(held)
+        assert held.record is None and old_key in queue.acked
+        assert client.teacher == "t2" and client.counters["re_requests"] == 1
+        _answer(queue, successor, held.request_key, teacher="t2")
+        client.poll(held)
+        assert client.logits(held).shape == (B, U, W) and len(queue.puts) == 4
+    finally:
+        successor.close()
+
+
+def test_a_successor_without_a_ring_tells_the_death_too():
+    # the hidden transport: results carry hidden states, no ring, no heartbeat to watch
+    queue = _Queue()
+    client = _client(queue, reader=None)
+    answered, held, later = _asked(), _asked(), _asked()
+    for p in (answered, held, later):
+        client.ask(p)
+    queue.arrived.append((answered.request_key, proto.Result("hidden", "t1", None, None, W, B, U)))
+    client.poll(held)
+    assert answered.record is not None and client.teacher == "t1"
+    assert held.attempts == later.attempts == 1  # the first teacher seen replaces none
+    old_key = held.request_key
+    queue.arrived.append((later.request_key, proto.Result("hidden", "t2", None, None, W, B, U)))
+    client.poll(held)
+    assert later.record is not None and later.attempts == 1
+    assert held.request_key != old_key and held.teacher == "t2"
+    for _ in range(3):  # put for the successor: not again
+        client.poll(held)
+    assert client.counters["re_requests"] == 1 and len(queue.puts) == 4
+
+
+def test_a_result_the_successor_wrote_on_an_old_request_gives_its_slot_back(ring):
+    # the successor claimed both requests the dead teacher had not; the result of `other` lands
+    # while the rank handles the result of `later`: asked again, its old record must not be
+    # cleared with that result on it (the successor's slot would never come back)
+    writer, reader = ring
+    queue = _Queue()
+    client = _client(queue, reader)
+    first = _asked()
+    client.ask(first)
+    _answer(queue, writer, first.request_key, teacher="t1")
+    client.logits(first)
+    client.done(first)
+    held, later, other = _asked(), _asked(), _asked()
+    for p in (held, later, other):
+        client.ask(p)
+    other_key = other.request_key
+    successor = LogitRingWriter(
+        transport="shm", num_slots=2, slot_shape=(B, U, W), dtype=torch.float32, heartbeat_s=0.05
+    )
+    try:
+        _answer(queue, successor, later.request_key, teacher="t2")
+        claim = queue.claim
+
+        def claim_then_the_successor_writes(*args, **kwargs):
+            got = claim(*args, **kwargs)
+            if got["keys"]:
+                _answer(queue, successor, other_key, teacher="t2")
+            return got
+
+        queue.claim = claim_then_the_successor_writes
+        client.poll(held)
+        assert other.request_key != other_key and later.record is not None
+        queue.claim = claim
+        client.poll(held)  # the result on the old record comes: dropped, its slot released
+        assert other_key in queue.acked and other.record is None
+        assert successor.in_flight() == [later.record[0].handle["slot"]]
+        client.done(later)
+        assert successor.in_flight() == []
+    finally:
+        successor.close()
