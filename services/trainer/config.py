@@ -235,7 +235,17 @@ class TrainerConfig:
     dead_after_s: float = field(
         default=5.0, metadata={"help": "a teacher whose heartbeat is older is dead"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of the student init and data order"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of the student init (data.seed shuffles the texts)"}
+    )
+    ordered: bool = field(
+        default=False,
+        metadata={
+            "help": "claim exactly micro_batch x grad_accum samples per step in queue order and "
+            "sort only within the step, so that runs on the same queue order train the same "
+            "micro-batches (xtoken run sets it from data.ordered)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):
