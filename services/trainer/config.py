@@ -111,7 +111,10 @@ class TrainerConfig:
     partition: str = field(default="train", metadata={"help": "sample partition of the run"})
     student: str = field(
         default="student-25m",
-        metadata={"help": "student model: a local HF directory or a preset name"},
+        metadata={
+            "help": "student model: a local HF directory, a preset name or gguf:PATH; "
+            ":drop=A-B after it removes those decoder layers"
+        },
     )
     student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
     teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})

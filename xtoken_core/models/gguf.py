@@ -12,7 +12,7 @@ joined into the cache and their SHA-256 checked against the pinned one before an
 | preset | architecture | layers | parameters | logits | tokenizer |
 |---|---|---|---|---|---|
 | ``gemma3-270m`` | gemma3_text | 18 | 268 M | 262,144 | ``gemma3`` |
-| ``qwen2.5-coder-0.5b`` | qwen2 | 24 | 494 M | 151,936 | ``qwen3`` (ids 0-151,664 equal) |
+| ``qwen2.5-coder-0.5b`` | qwen2 | 24 | 630 M (untied output layer) | 151,936 | ``qwen3`` (ids 0-151,664 equal) |
 """
 
 from __future__ import annotations
