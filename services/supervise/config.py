@@ -79,6 +79,23 @@ class DataConfig:
         },
     )
 
+    seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "shuffle the training texts with this seed before they are put (the "
+            "collator holds them in memory); null: corpus order"
+        },
+    )
+    ordered: bool = field(
+        default=False,
+        metadata={
+            "help": "every run of one config trains the same micro-batches in the same steps, "
+            "with or without a teacher: one collator worker puts in order and the trainer "
+            "claims whole steps (micro_batch x grad_accum samples), sorted only within a step; "
+            "needs collator.workers 1 and trainers 1"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit}: must be >= 1, or null for the whole corpus")
@@ -249,6 +266,13 @@ class RunConfig:
                 "teacher_groups unset (the run sets it)"
             )
         tr.teacher_groups = self.teachers
+        if self.data.ordered and (self.collator.workers > 1 or self.trainers > 1):
+            raise ValueError(
+                f"data.ordered needs one collator worker and one trainer rank (collator.workers="
+                f"{self.collator.workers}, trainers={self.trainers}): several put or claim in the "
+                "order they finish; set both to 1, or data.ordered: false"
+            )
+        tr.ordered = tr.ordered or self.data.ordered
         if self.teachers > self.trainers:
             raise ValueError(
                 f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "

