@@ -69,6 +69,7 @@ NETWORK_ALLOWED = {
     "services/control/app.py",
     "services/control/cli.py",
     "services/control/deps.py",
+    "services/control/routes/compare.py",
     "services/control/routes/runs.py",
     "services/control/routes/system.py",
     "services/launch/ray.py",
