@@ -152,15 +152,15 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def last_step_time(path: str | os.PathLike, window: int = 1 << 16) -> float | None:
-    """The ``time`` of the last step record of a JSON-lines metrics file, read from its end.
+def last_step(path: str | os.PathLike, window: int = 1 << 16) -> dict[str, Any] | None:
+    """The last step record of a JSON-lines metrics file, read from its end.
 
     Args:
         path: the file (it may not exist).
         window: bytes read from the end per look (the whole file at most).
 
     Returns:
-        The time (unix s), or None without a step record.
+        The record, or None without a step record.
     """
     try:
         with open(path, "rb") as fh:
@@ -181,23 +181,22 @@ def last_step_time(path: str | os.PathLike, window: int = 1 << 16) -> float | No
                     except json.JSONDecodeError:
                         continue
                     if isinstance(record, dict) and record.get("event") == "step":
-                        t = record.get("time")
-                        return float(t) if isinstance(t, int | float) else None
+                        return record
                 pos = start
     except FileNotFoundError:
         return None
     return None
 
 
-class LastStepTimes:
-    """:func:`last_step_time` of several files, each read again only when it changed (size or
+class LastSteps:
+    """:func:`last_step` of several files, each read again only when it changed (size or
     modification time)."""
 
     def __init__(self) -> None:
-        self._seen: dict[Path, tuple[int, int, float | None]] = {}
+        self._seen: dict[Path, tuple[int, int, dict[str, Any] | None]] = {}
 
-    def get(self, path: str | os.PathLike) -> float | None:
-        """The time of the last step record of ``path`` (None: no file, or no step in it)."""
+    def get(self, path: str | os.PathLike) -> dict[str, Any] | None:
+        """The last step record of ``path`` (None: no file, or no step in it)."""
         path = Path(path)
         try:
             st = path.stat()
@@ -206,6 +205,6 @@ class LastStepTimes:
         known = self._seen.get(path)
         if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
             return known[2]
-        found = last_step_time(path)
+        found = last_step(path)
         self._seen[path] = (st.st_size, st.st_mtime_ns, found)
         return found

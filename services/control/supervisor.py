@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.series import LastStepTimes, Series
+from services.common.series import LastSteps, Series
 from services.control import compare as comparing
 from services.control.event_text import describe
 from services.control.journal import Journal
@@ -111,7 +111,9 @@ class Supervisor:
         self.max_processes = max_processes
         self.host = socket.gethostname()
         self._live: dict[str, LiveRun] = {}  # run id -> its live side (kept after it ends)
-        self._last_step = LastStepTimes()  # "updated" of the runs this control plane does not watch
+        self._last_step = (
+            LastSteps()
+        )  # step and "updated" of the runs this control plane does not watch
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self.journal = Journal(store, self._lock)
@@ -606,9 +608,11 @@ class Supervisor:
         h = self._live.get(rec["id"])
         latest = h.series.latest() if h is not None else None
         checkpoint = _latest_checkpoint(rec["run_dir"])
-        last_step = (
-            _time(latest) if h is not None else self._last_step.get(_metrics_file(rec["run_dir"]))
-        )
+        if h is None:  # a run this control plane does not watch: its file's last step
+            latest_step = self._last_step.get(_metrics_file(rec["run_dir"]))
+        else:
+            latest_step = latest
+        last_step = _time(latest_step)
         return {
             "id": rec["id"],
             "name": rec["name"],
@@ -617,7 +621,7 @@ class Supervisor:
             "created": rec["created"],
             "updated": last_step if last_step is not None else rec["updated"],
             "state_changed": rec["updated"],
-            "step": latest.get("step") if latest else (checkpoint or {}).get("step"),
+            "step": latest_step.get("step") if latest_step else (checkpoint or {}).get("step"),
             "latest_metrics": latest,
             "checkpoint": checkpoint,
             "reason": rec["reason"],

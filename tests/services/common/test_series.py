@@ -5,7 +5,7 @@ time of the last step read from the file's end."""
 from __future__ import annotations
 
 from services.common.metrics import JsonlWriter
-from services.common.series import LastStepTimes, Series, last_step_time
+from services.common.series import LastSteps, Series, last_step
 
 
 def _write(writer, step, t, tokens=100.0):
@@ -39,21 +39,21 @@ def test_thinning_keeps_the_latest_step(tmp_path):
     assert len(series.steps) <= 10 and series.latest()["step"] == 12
 
 
-def test_the_last_step_time_is_read_from_the_end_past_evals_and_a_torn_line(tmp_path):
+def test_the_last_step_is_read_from_the_end_past_evals_and_a_torn_line(tmp_path):
     path = tmp_path / "m.jsonl"
-    assert last_step_time(path) is None
+    assert last_step(path) is None
     w = JsonlWriter(path, rank=0)
     w.write("eval", time=1.0, step=0, bits_per_byte=4.0)
-    assert last_step_time(path) is None
+    assert last_step(path) is None
     for step in range(1, 400):
         _write(w, step, 1000.0 + step)
     w.write("eval", time=5000.0, step=399, bits_per_byte=3.0)
     w.close()
     with open(path, "a") as fh:
         fh.write('{"event": "step", "time": 9999, "st')  # being written
-    assert last_step_time(path, window=64) == 1399.0  # blocks smaller than a line
-    times = LastStepTimes()
-    assert times.get(path) == 1399.0
+    assert last_step(path, window=64)["time"] == 1399.0  # blocks smaller than a line
+    steps = LastSteps()
+    assert steps.get(path)["step"] == 399
     with open(path, "a") as fh:
         fh.write('ep": 400}\n')
-    assert times.get(path) == 9999.0  # the file changed: read again
+    assert steps.get(path) == {"event": "step", "time": 9999, "step": 400}  # read again

@@ -136,6 +136,7 @@ def test_updated_is_the_time_of_the_last_step_and_before_any_step_the_last_state
     )
     assert a["updated"] == one["updated"] == last_a["time"]
     assert b["updated"] == START + 100 + 41  # its 40th step (after one eval; the last eval, no)
+    assert (a["step"], b["step"], empty["step"]) == (7, 40, None)  # from the files' ends
     assert a["state_changed"] > time.time() - 600  # the records were written just now
     assert empty["updated"] == empty["state_changed"]
 
