@@ -87,7 +87,9 @@ class LatestMemory:
 
 
 class Series:
-    """Step and eval records of one run, appended as the trainer writes them.
+    """Step and eval records of one run, appended as the trainer writes them. Each kept step
+    also has ``tokens_seen``: the tokens of every step up to it on the run's trajectory (a
+    replay after a restart from a checkpoint counts once).
 
     Args:
         path: ``RUN_DIR/metrics/trainer.rank0.jsonl``.
@@ -114,6 +116,9 @@ class Series:
             event = record.get("event")
             if event == "step":
                 point = {k: record[k] for k in STEP_FIELDS if k in record}
+                point["tokens_seen"] = self._tokens_before(point.get("step")) + _number(
+                    record.get("tokens")
+                )
                 self.steps.append(point)
                 self.tokens_total += float(record.get("tokens") or 0.0)
                 self.steps_total += 1
@@ -126,9 +131,80 @@ class Series:
                 point = {k: v for k, v in record.items() if k not in ("event", "rank")}
                 out.append({"kind": "compile", **point})
         if len(self.steps) > self.max_points:
-            self.steps = self.steps[::2]
+            self.steps = self.steps[::-1][::2][::-1]  # every second one goes, the latest stays
         return out
+
+    def _tokens_before(self, step: Any) -> float:
+        """``tokens_seen`` of the step before ``step`` on the run's trajectory: the last kept
+        step below it (a step at or before the last one is a replay after a restart from a
+        checkpoint, which counts its tokens once)."""
+        for point in reversed(self.steps):
+            if not isinstance(step, int | float) or point.get("step", -1) < step:
+                return float(point.get("tokens_seen", 0.0))
+        return 0.0
 
     def latest(self) -> dict[str, Any] | None:
         """The last step record, or None before the first step."""
         return self.steps[-1] if self.steps else None
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def last_step(path: str | os.PathLike, window: int = 1 << 16) -> dict[str, Any] | None:
+    """The last step record of a JSON-lines metrics file, read from its end.
+
+    Args:
+        path: the file (it may not exist).
+        window: bytes read from the end per look (the whole file at most).
+
+    Returns:
+        The record, or None without a step record.
+    """
+    try:
+        with open(path, "rb") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            pos = end
+            carry = b""
+            while pos > 0:
+                start = max(0, pos - window)
+                fh.seek(start)
+                data = fh.read(pos - start) + carry
+                lines = data.split(b"\n")
+                carry = lines[0] if start > 0 else b""  # maybe cut: read with the block before
+                for line in reversed(lines[1:] if start > 0 else lines):
+                    if b'"step"' not in line:
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(record, dict) and record.get("event") == "step":
+                        return record
+                pos = start
+    except FileNotFoundError:
+        return None
+    return None
+
+
+class LastSteps:
+    """:func:`last_step` of several files, each read again only when it changed (size or
+    modification time)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Path, tuple[int, int, dict[str, Any] | None]] = {}
+
+    def get(self, path: str | os.PathLike) -> dict[str, Any] | None:
+        """The last step record of ``path`` (None: no file, or no step in it)."""
+        path = Path(path)
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        known = self._seen.get(path)
+        if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+            return known[2]
+        found = last_step(path)
+        self._seen[path] = (st.st_size, st.st_mtime_ns, found)
+        return found

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.common.config import ConfigError
 from services.control.docs import add_docs
 from services.control.paths import PathNotAllowed
-from services.control.routes import runs, system
+from services.control.routes import compare, runs, system
 from services.control.settings import Settings
 from services.control.states import Conflict, RunNotFound
 from services.control.store import Store
@@ -245,6 +245,7 @@ def create_app(
 
     app.include_router(system.router)
     app.include_router(runs.router)
+    app.include_router(compare.router)
     if STATIC_DIR.is_dir():  # last: the API's routes come first
         app.mount("/", DashboardFiles(directory=STATIC_DIR, html=True), name="dashboard")
     return app

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from services.control.event_text import describe
 from services.control.states import RUNNING, STARTING, RunNotFound
 from services.control.store import Store
 
@@ -57,8 +58,9 @@ class Journal:
         self.event(run_id, "state", data)
 
     def event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
-        """Record an event of the run and tell the subscribers."""
-        self.publish(run_id, self.store.add_event(run_id, kind, data))
+        """Record an event of the run and tell the subscribers (with its sentence, ``text``)."""
+        event = self.store.add_event(run_id, kind, data)
+        self.publish(run_id, {**event, "text": describe(kind, data)})
 
     def publish(self, run_id: str, event: dict[str, Any]) -> None:
         """Tell the run's subscribers (a live-only event, such as metrics, is not recorded)."""

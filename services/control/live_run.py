@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.series import LatestMemory, Series
 from services.control.journal import Journal
+from services.control.queue_history import QueueHistory, history_path
 from services.control.states import (
     ACTIVE,
     FAILED,
@@ -54,6 +55,7 @@ class LiveRun:
         series: rank 0's step and eval records.
         queue_stats, queue_stats_at: the latest stats of the run's queue and their time (written
             by the monitor).
+        queue_history: the bounded history of those stats (kept in the run directory).
         restored_epoch, queue_news, queue_down_reported, launches: the run's view of a shared
             queue (the monitor's; see :class:`services.control.queue_monitor.QueueMonitor`).
     """
@@ -83,6 +85,7 @@ class LiveRun:
         self.series.poll()  # what is on disk already is history (GET .../metrics), not live events
         self.queue_stats: dict[str, Any] | None = None
         self.queue_stats_at: float | None = None
+        self.queue_history = QueueHistory(history_path(run.run_dir))
         self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
         self.runtime: dict[str, Any] | None = None
         # (role, rank or teacher group) -> the latest memory_mb of that process's metrics file
@@ -189,6 +192,7 @@ class LiveRun:
                 logger.exception("[control] run %s: stopping its processes failed", rid)
             j.set_state(rid, FAILED, reason=str(e))
         finally:
+            self.queue_history.save()
             if j.record(rid)["state"] not in ACTIVE:
                 _release(run.launcher)
                 self.monitor.forget(self)

@@ -1,8 +1,9 @@
 """The thread that watches the runs' queues: stats of each, restarts and outages of shared ones.
 
 Every ``interval_s`` one thread asks every active run's queue for its stats (the queue figures of
-the API and /metrics) and says hello to every shared queue; a run's own thread acts on what it saw
-(:meth:`QueueMonitor.act`).
+the API and /metrics, and each run's bounded history of them:
+:class:`services.control.queue_history.QueueHistory`) and says hello to every shared queue; a run's
+own thread acts on what it saw (:meth:`QueueMonitor.act`).
 
 A run on a shared queue (``queue.address``) has no queue process: the monitor says hello to each
 such address every ``interval_s`` (:class:`QueueWatch` keeps what each answer says). A server that
@@ -219,6 +220,11 @@ class QueueMonitor:
                         stats = own_stats(stats, f"{h.run.run_id}.")
                     h.queue_stats = stats
                     h.queue_stats_at = time.time()
+                    h.queue_history.add(stats, h.queue_stats_at)
+                    if h.alive():
+                        h.queue_history.save_if_due(h.queue_stats_at)
+                    else:  # it ended while asked: its thread's last write came before this
+                        h.queue_history.save()
                 except Exception as e:  # restarting or gone: keep the last figures
                     logger.debug("[control] run %s: queue stats: %s", h.run_id, e)
                     clients.pop(h.run_id, None)

@@ -31,7 +31,11 @@ class RunOut(BaseModel):
     )
     run_dir: str
     created: float
-    updated: float
+    updated: float = Field(
+        description="time of the run's last step record; before its first step, of its last "
+        "state change (unix s)"
+    )
+    state_changed: float | None = Field(None, description="time of its last state change")
     step: int | None = None
     latest_metrics: dict[str, Any] | None = None
     checkpoint: Checkpoint | None = None
@@ -90,6 +94,69 @@ class QueueOut(BaseModel):
     address: str | None = None
     stats: dict[str, Any] | None = Field(None, description="None before the queue first answers")
     updated: float | None = Field(None, description="when the stats were taken (unix s)")
+
+
+class QueueHistoryOut(BaseModel):
+    """GET /v1/runs/{id}/queue/history: the run's queue stats as sampled while it ran, oldest
+    first, at most ``max_points`` (past that every second sample is dropped and ``stride``
+    doubles: one answer in ``stride`` is kept); kept in ``RUN_DIR/metrics/queue_depth.json``."""
+
+    run_id: str
+    fields: list[str] = Field(
+        description="the columns of each point: time, samples, bytes_used, leases, "
+        "parked_claims, parked_puts"
+    )
+    points: list[list[float]] = Field(description="empty: no sample was recorded")
+    max_points: int
+    stride: int
+
+
+class StepColumns(BaseModel):
+    """A compared run's steps, one column per figure (None where a step lacks it)."""
+
+    step: list[int]
+    tokens_seen: list[float | None] = Field(description="tokens trained up to the step")
+    elapsed_s: list[float | None] = Field(description="seconds since the run's first record")
+    loss: list[float | None]
+    kl_loss: list[float | None]
+    ce_loss: list[float | None]
+    tokens_per_s: list[float | None]
+    memory_mb: list[float | None]
+
+
+class EvalColumns(BaseModel):
+    """A compared run's held-out evals, one column per figure."""
+
+    step: list[int]
+    tokens_seen: list[float | None]
+    elapsed_s: list[float | None]
+    bits_per_byte: list[float | None]
+    tag: list[str]
+
+
+class CompareRun(BaseModel):
+    """One run of a comparison."""
+
+    id: str
+    name: str
+    state: str
+    origin: float | None = Field(description="unix time of elapsed_s 0 (its first record)")
+    steps: StepColumns
+    evals: EvalColumns
+
+
+class ConfigDiff(BaseModel):
+    """A config key whose value is not the same in every compared run."""
+
+    key: str = Field(description="dotted, e.g. trainer.optim.lr")
+    values: dict[str, Any] = Field(description="run id -> value; a run without the key is absent")
+
+
+class CompareOut(BaseModel):
+    """GET /v1/compare: the runs' curves on three x axes and their config differences."""
+
+    runs: list[CompareRun]
+    config_diff: list[ConfigDiff]
 
 
 class ErrorOut(BaseModel):

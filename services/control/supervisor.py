@@ -39,10 +39,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.series import Series
+from services.common.series import LastSteps, Series
+from services.control import compare as comparing
+from services.control.event_text import describe
 from services.control.journal import Journal
 from services.control.live_run import LiveRun
 from services.control.paths import confine
+from services.control.queue_history import FIELDS as QUEUE_FIELDS
+from services.control.queue_history import QueueHistory, history_path
 from services.control.queue_monitor import QueueMonitor
 from services.control.states import (  # noqa: F401 (STATES, RunNotFound: re-exported)
     ACTIVE,
@@ -107,6 +111,9 @@ class Supervisor:
         self.max_processes = max_processes
         self.host = socket.gethostname()
         self._live: dict[str, LiveRun] = {}  # run id -> its live side (kept after it ends)
+        self._last_step = (
+            LastSteps()
+        )  # step and "updated" of the runs this control plane does not watch
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self.journal = Journal(store, self._lock)
@@ -179,6 +186,8 @@ class Supervisor:
             if live.thread is not None:
                 live.thread.join(timeout_s)
         self.monitor.join(timeout_s)
+        for live in list(self._live.values()):
+            live.queue_history.save()
 
     # ------------------------------------------------------------------ API
 
@@ -400,14 +409,59 @@ class Supervisor:
         Raises:
             RunNotFound: no such run.
         """
-        rec = self.journal.record(run_id)
-        h = self._live.get(run_id)
-        series = h.series if h is not None else None
-        if series is None:  # a finished run: read its file once
-            series = Series(Path(rec["run_dir"]) / "metrics" / "trainer.rank0.jsonl")
-            series.poll()
+        series = self._series(self.journal.record(run_id))
         steps = [s for s in series.steps if s.get("step", 0) > after_step]
         return {"run_id": run_id, "steps": steps, "evals": list(series.evals)}
+
+    def _series(self, rec: dict[str, Any]) -> Series:
+        """Rank 0's series of a run: the live one, or (a run this control plane does not watch)
+        its file read once."""
+        h = self._live.get(rec["id"])
+        if h is not None:
+            return h.series
+        series = Series(_metrics_file(rec["run_dir"]))
+        series.poll()
+        return series
+
+    def compare(
+        self, run_ids: list[str], max_points: int = comparing.DEFAULT_POINTS
+    ) -> dict[str, Any]:
+        """Runs side by side: each one's curves (loss parts, tokens/s, memory, held-out bits per
+        byte) on three x axes (step, tokens seen, seconds since its first record), and the
+        config keys whose values differ (:mod:`services.control.compare`).
+
+        Args:
+            run_ids: the runs, in the order to show them (a repeated id counts once).
+            max_points: the most steps per run (thinned evenly).
+
+        Returns:
+            ``{"runs": [{"id", "name", "state", "steps", "evals", "origin"}], "config_diff":
+            [{"key", "values": {run id: value}}]}``.
+
+        Raises:
+            RunNotFound: one of the runs does not exist.
+            ValueError: no run, or more than :data:`services.control.compare.MAX_RUNS`.
+        """
+        ids = list(dict.fromkeys(run_ids))
+        if not ids or len(ids) > comparing.MAX_RUNS:
+            raise ValueError(
+                f"run: {len(ids)} runs given; compare 1 to {comparing.MAX_RUNS} runs "
+                "(?run=ID&run=ID...)"
+            )
+        records = [self.journal.record(run_id) for run_id in ids]
+        runs = []
+        for rec in records:
+            series = self._series(rec)
+            runs.append(
+                {
+                    "id": rec["id"],
+                    "name": rec["name"],
+                    "state": rec["state"],
+                    **comparing.run_series(series.steps, series.evals, max_points),
+                }
+            )
+        diff = comparing.config_diff({rec["id"]: rec["config"] for rec in records})
+        return {"runs": runs, "config_diff": diff}
 
     def queue(self, run_id: str) -> dict[str, Any]:
         """The run's queue: its address and its latest stats (samples and bytes per partition,
@@ -426,14 +480,44 @@ class Supervisor:
             "updated": h.queue_stats_at if h is not None else None,
         }
 
+    def queue_history(self, run_id: str, after: float | None = None) -> dict[str, Any]:
+        """The run's queue-depth history (:mod:`services.control.queue_history`): from memory
+        while this control plane watches the run, else from its run directory.
+
+        Args:
+            run_id: the run.
+            after: only samples taken after this unix time.
+
+        Returns:
+            ``{"run_id", "fields", "points": [[time, samples, ...]], "max_points", "stride"}``
+            (``points`` empty: no sample was recorded).
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        rec = self.journal.record(run_id)
+        h = self._live.get(run_id)
+        history = h.queue_history if h is not None else QueueHistory(history_path(rec["run_dir"]))
+        return {
+            "run_id": run_id,
+            "fields": list(QUEUE_FIELDS),
+            "points": history.points(after),
+            "max_points": history.max_points,
+            "stride": history.stride,
+        }
+
     def events(self, run_id: str, after: int = 0) -> list[dict[str, Any]]:
-        """Recorded events (states, process exits, restarts) after event id ``after``.
+        """Recorded events (states, process exits, restarts) after event id ``after``, each
+        with its sentence (``text``, :func:`services.control.event_text.describe`).
 
         Raises:
             RunNotFound: no such run.
         """
         self.journal.record(run_id)
-        return self.store.events(run_id, after=after)
+        return [
+            {**e, "text": describe(e["kind"], e["data"])}
+            for e in self.store.events(run_id, after=after)
+        ]
 
     def subscribe(
         self, run_id: str, callback: Callable[[dict[str, Any]], None]
@@ -524,14 +608,20 @@ class Supervisor:
         h = self._live.get(rec["id"])
         latest = h.series.latest() if h is not None else None
         checkpoint = _latest_checkpoint(rec["run_dir"])
+        if h is None:  # a run this control plane does not watch: its file's last step
+            latest_step = self._last_step.get(_metrics_file(rec["run_dir"]))
+        else:
+            latest_step = latest
+        last_step = _time(latest_step)
         return {
             "id": rec["id"],
             "name": rec["name"],
             "state": rec["state"],
             "run_dir": rec["run_dir"],
             "created": rec["created"],
-            "updated": rec["updated"],
-            "step": latest.get("step") if latest else (checkpoint or {}).get("step"),
+            "updated": last_step if last_step is not None else rec["updated"],
+            "state_changed": rec["updated"],
+            "step": latest_step.get("step") if latest_step else (checkpoint or {}).get("step"),
             "latest_metrics": latest,
             "checkpoint": checkpoint,
             "reason": rec["reason"],
@@ -544,6 +634,16 @@ class Supervisor:
             else ((rec["config"].get("queue") or {}).get("address")),
             "config": rec["config"],
         }
+
+
+def _metrics_file(run_dir: str) -> Path:
+    """Trainer rank 0's metrics file of a run."""
+    return Path(run_dir) / "metrics" / "trainer.rank0.jsonl"
+
+
+def _time(record: dict[str, Any] | None) -> float | None:
+    t = (record or {}).get("time")
+    return float(t) if isinstance(t, int | float) else None
 
 
 def _run_config(config: dict[str, Any]) -> Any:

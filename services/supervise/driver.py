@@ -553,6 +553,8 @@ class Driver:
                 attempt=decision.attempt,
                 delay_s=decision.delay_s,
                 reason=decision.reason,
+                code=decision.code,
+                max_restarts=decision.max_restarts,
             )
         )
         L = self.launcher
@@ -578,7 +580,15 @@ class Driver:
                     self._start(spec)
         else:
             self.launch()
-        self._emit(Restarted(process=name, scope=decision.scope, attempt=decision.attempt))
+        self._emit(
+            Restarted(
+                process=name,
+                scope=decision.scope,
+                attempt=decision.attempt,
+                code=decision.code,
+                max_restarts=decision.max_restarts,
+            )
+        )
 
     def _infer_exit(self, spec: ProcessSpec, pid: int = 0) -> int:
         """The exit code of a re-attached process that ended unseen: the code it wrote as it

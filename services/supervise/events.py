@@ -75,7 +75,9 @@ class Unresponsive(Event):
 
 @dataclasses.dataclass(frozen=True)
 class Recovering(Event):
-    """A restart was decided; it starts after ``delay_s``."""
+    """A restart was decided; it starts after ``delay_s``. ``code``: the exit code behind it
+    (None: nothing exited, e.g. a shared queue lost the run's samples); ``attempt`` of
+    ``max_restarts`` of its budget."""
 
     kind: ClassVar[str] = "recovering"
     process: str
@@ -83,16 +85,21 @@ class Recovering(Event):
     attempt: int
     delay_s: float
     reason: str
+    code: int | None = None
+    max_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Restarted(Event):
-    """The processes of a restart were started."""
+    """The processes of a restart were started (``code``, ``attempt`` and ``max_restarts`` as in
+    :class:`Recovering`)."""
 
     kind: ClassVar[str] = "restarted"
     process: str
     scope: str
     attempt: int
+    code: int | None = None
+    max_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

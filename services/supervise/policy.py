@@ -47,6 +47,9 @@ class Decision:
         attempt: the restart's number (1-based) within its budget; 0 for done / fail.
         delay_s: seconds to wait before the restart.
         reason: one line for logs and the API.
+        code: the exit code that caused it (negative: killed by that signal); None when nothing
+            exited (what a process held was lost).
+        max_restarts: the restarts its budget key allows (``attempt`` of ``max_restarts``).
     """
 
     action: str
@@ -55,6 +58,8 @@ class Decision:
     attempt: int = 0
     delay_s: float = 0.0
     reason: str = ""
+    code: int | None = None
+    max_restarts: int = 0
 
 
 class RestartPolicy:
@@ -111,9 +116,9 @@ class RestartPolicy:
                 reason=f"{name} exited with code {code} (bad input, config or data: a restart "
                 "would fail the same way; its log names the cause); not restarted",
             )
-        return self.decide_lost(name, role, f"{name} exited with code {code}")
+        return self.decide_lost(name, role, f"{name} exited with code {code}", code=code)
 
-    def decide_lost(self, name: str, role: str, cause: str) -> Decision:
+    def decide_lost(self, name: str, role: str, cause: str, code: int | None = None) -> Decision:
         """The decision after what ``name`` of ``role`` held was lost while no process exited
         (a shared queue restarted without its data: ``decide_lost("queue", "queue", ...)``
         restarts the run), counted against the same budget as an exit.
@@ -122,13 +127,14 @@ class RestartPolicy:
             name: the process (or service) whose state was lost.
             role: its role (the scope and budget key follow from it, as for an exit).
             cause: what happened, the start of the decision's reason.
+            code: the exit code behind it, when a process exited (:meth:`decide`).
 
         Returns:
             A ``restart`` or ``fail`` :class:`Decision`; a restart is counted at once.
         """
         scope = self.scopes.get(role)
         if scope is None:
-            return Decision("fail", reason=f"{cause}; a {role} is never restarted")
+            return Decision("fail", reason=f"{cause}; a {role} is never restarted", code=code)
         key = {"process": name, "group": f"{role}s", "run": "run"}[scope]
         used = self.used.get(key, 0)
         if used >= self.max_restarts:
@@ -137,6 +143,8 @@ class RestartPolicy:
                 scope,
                 key,
                 reason=f"{cause}; restart budget of {key} spent ({used} of {self.max_restarts})",
+                code=code,
+                max_restarts=self.max_restarts,
             )
         self.used[key] = used + 1
         delay = min(self.backoff_s * 2**used, self.max_backoff_s)
@@ -147,6 +155,8 @@ class RestartPolicy:
             attempt=used + 1,
             delay_s=delay,
             reason=f"{cause}: restart {used + 1} of {self.max_restarts} ({scope}) in {delay:.1f}s",
+            code=code,
+            max_restarts=self.max_restarts,
         )
 
     def restarts(self) -> dict[str, int]:

@@ -70,6 +70,7 @@ NETWORK_ALLOWED = {
     "services/control/cli.py",
     "services/control/deps.py",
     "services/control/docs.py",
+    "services/control/routes/compare.py",
     "services/control/routes/runs.py",
     "services/control/routes/system.py",
     "services/launch/ray.py",

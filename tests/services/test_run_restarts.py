@@ -107,3 +107,24 @@ def test_restart_all_fails_the_run_once_its_budget_is_spent(make_run):
     assert run.events[-1][0] == "failed"
     assert not run.restart_queued()
     assert launcher.starts == dict.fromkeys(run.specs, 2)  # the failed one stopped nothing new
+
+
+def test_a_restarts_events_name_the_exit_code_and_the_attempt_of_its_budget(make_run):
+    run, _ = make_run(restart_backoff_s=0.05)
+    _kill(run, "trainer0")  # SIGKILL: the launcher reports -9
+    assert run.poll_once() == "recovering"
+    _poll_until_running(run)
+    (recovering,) = [d for k, d in run.events if k == "recovering"]
+    (restarted,) = [d for k, d in run.events if k == "restarted"]
+    for data in (recovering, restarted):
+        assert (data["process"], data["scope"], data["code"]) == ("trainer0", "group", -9)
+        assert (data["attempt"], data["max_restarts"]) == (1, 2)
+    run.restart_all("queue restarted: epoch a -> b")  # nothing exited: no code
+    _poll_until_running(run)
+    lost = [d for k, d in run.events if k == "restarted"][-1]
+    assert (lost["process"], lost["code"], lost["attempt"], lost["max_restarts"]) == (
+        "queue",
+        None,
+        1,
+        2,
+    )

@@ -17,6 +17,7 @@ from services.control.schemas import (
     ErrorOut,
     MetricsOut,
     ProcessList,
+    QueueHistoryOut,
     QueueOut,
     RunList,
     RunOut,
@@ -137,6 +138,18 @@ def get_queue(run_id: str, sup: Supervisor = Depends(get_supervisor)) -> dict[st
     """Queue depth of a run: samples and bytes per partition, leases and capacity, as its queue
     last reported them (asked every 2 s while the run is active)."""
     return sup.queue(run_id)
+
+
+@router.get("/{run_id}/queue/history", response_model=QueueHistoryOut, responses=_ERRORS)
+def get_queue_history(
+    run_id: str,
+    after: float | None = Query(None, description="only samples taken after this unix time"),
+    sup: Supervisor = Depends(get_supervisor),
+) -> dict[str, Any]:
+    """Queue depth over the run's life, as the control plane sampled it (bounded: at most
+    ``max_points`` samples, thinned evenly past that); kept with the run, so a finished run
+    shows what was recorded (``points`` empty: nothing was)."""
+    return sup.queue_history(run_id, after=after)
 
 
 def _sse(event: dict[str, Any]) -> str:

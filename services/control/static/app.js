@@ -1,4 +1,5 @@
-// xtoken control plane dashboard: runs, start/stop/resume, live curves (SSE), processes, queue.
+// xtoken control plane dashboard: runs, start/stop/resume, live curves of one run (SSE),
+// processes, queue depth, memory, events. Runs side by side: compare.js; helpers: lib.js.
 //
 // Every value that comes from the server (run names, configs, reasons, log lines) reaches the
 // page as text (textContent, dataset, title), never parsed as markup. The bearer
@@ -7,7 +8,11 @@
 (function () {
   "use strict";
 
-  const TOKEN_KEY = "xtoken.controlToken";
+  const {
+    TOKEN_KEY, STEP_INCRS, CHART_HEIGHT, $, el, setText, stateBadge, fmt, fmtBytes, ago, clock,
+    num, showMessage, ApiError, runPath, api, explain, chartWidth,
+  } = window.xtoken;
+  const compare = window.xtoken.compare;
   const ACTIVE = new Set(["PENDING", "STARTING", "RUNNING", "RECOVERING", "STOPPING"]);
   const RESUMABLE = new Set(["STOPPED", "FAILED", "INTERRUPTED"]);
   const PHASES = ["data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer"];
@@ -15,13 +20,17 @@
     data_wait: "#94a3b8", teacher_wait: "#f59e0b", forward: "#3b82f6",
     loss: "#8b5cf6", backward: "#10b981", optimizer: "#ef4444",
   };
+  // every kind a run records (services/control/event_text.py gives each its sentence)
   const EVENT_KINDS = ["state", "launched", "exited", "recovering", "restarted", "failed",
-    "data_complete", "stop_requested", "reattached", "unresponsive"];
-  // whole steps on the x axes
-  const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
+    "data_complete", "stop_requested", "reattached", "unresponsive", "queue_restarted",
+    "queue_unreachable"];
   const TICK_MS = 2000;
   const MAX_EVENTS = 200;
-  const MAX_QUEUE_POINTS = 2000;
+  // the server keeps at most 2048 queue samples a run (thinned evenly past that); the page
+  // appends new ones and thins its copy the same way past this bound
+  const MAX_QUEUE_POINTS = 4096;
+  // the columns of GET .../queue/history points
+  const QUEUE = { time: 0, samples: 1, bytes_used: 2, leases: 3, parked_claims: 4, parked_puts: 5 };
 
   const S = {
     gen: 0,              // bumped by each select(): replies for an older selection are dropped
@@ -31,129 +40,14 @@
     pending: null,       // metrics events that arrived while the history loads (null: none loading)
     steps: [],
     evals: [],
-    queue: [],           // [time, samples held, leases, claims waiting]
-    queueAt: null,
+    queue: [],           // rows of GET .../queue/history (time, samples, bytes, leases, ...)
+    queueLoaded: false,  // the recorded history came (an empty one too)
+    lastQueue: null,     // the last GET .../queue
     charts: {},
     drawTimer: null,
     finalRefresh: false, // the selected run ended and its last figures were fetched
     fileName: "",
   };
-
-  const $ = (id) => document.getElementById(id);
-
-  // ------------------------------------------------------------------ DOM helpers (text only)
-
-  function el(tag, props, ...children) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(props || {})) {
-      if (v === undefined || v === null) continue;
-      if (k === "class") node.className = v;
-      else if (k === "dataset") Object.assign(node.dataset, v);
-      else if (k === "title") node.title = v;
-      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-      else node.setAttribute(k, v);
-    }
-    for (const c of children) {
-      if (c === undefined || c === null) continue;
-      node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-    }
-    return node;
-  }
-
-  function setText(id, value) {
-    $(id).textContent = value === undefined || value === null || value === "" ? "-" : String(value);
-  }
-
-  function stateBadge(state) {
-    const s = String(state || "?");
-    const cls = /^[A-Z]+$/.test(s) ? "state state-" + s : "state";
-    return el("span", { class: cls, dataset: { state: s } }, s);
-  }
-
-  function fmt(x, digits) {
-    if (x === undefined || x === null || Number.isNaN(x)) return "-";
-    const n = Number(x);
-    if (!Number.isFinite(n)) return String(x);
-    return Math.abs(n) >= 1000 ? Math.round(n).toLocaleString("en-US") : n.toFixed(digits);
-  }
-
-  function fmtBytes(n) {
-    if (n === undefined || n === null) return "-";
-    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let i = 0;
-    let v = Number(n);
-    while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
-    return (i ? v.toFixed(1) : String(v)) + " " + units[i];
-  }
-
-  function ago(t) {
-    if (!t) return "-";
-    const s = Math.max(0, Date.now() / 1000 - t);
-    if (s < 90) return s.toFixed(1) + " s ago";
-    if (s < 5400) return Math.round(s / 60) + " min ago";
-    return new Date(t * 1000).toLocaleString();
-  }
-
-  function clock(t) {
-    return t ? new Date(t * 1000).toLocaleTimeString() : "-";
-  }
-
-  function showMessage(text, kind) {
-    const box = $("message");
-    box.textContent = text;
-    box.className = "message " + (kind || "info");
-    box.hidden = !text;
-  }
-
-  // ------------------------------------------------------------------ the API
-
-  class ApiError extends Error {
-    constructor(status, message, key) {
-      super(message);
-      this.status = status;
-      this.key = key || null;
-    }
-  }
-
-  function runPath(id, tail) {
-    return "v1/runs/" + encodeURIComponent(id) + (tail || "");
-  }
-
-  // Relative paths: the page works behind a reverse proxy that mounts it under a prefix.
-  async function api(path, opts) {
-    const o = opts || {};
-    const headers = { Accept: o.text ? "text/plain" : "application/json" };
-    if (o.contentType) headers["Content-Type"] = o.contentType;
-    const token = sessionStorage.getItem(TOKEN_KEY);
-    if (o.auth && token) headers.Authorization = "Bearer " + token;
-    const r = await fetch(path, {
-      method: o.method || "GET", headers, body: o.body, cache: "no-store", credentials: "same-origin",
-    });
-    const text = await r.text();
-    if (!r.ok) {
-      let message = r.status + " " + r.statusText;
-      let key = null;
-      try {
-        const body = JSON.parse(text);
-        message = body.error || message;
-        key = body.key || null;
-      } catch (_) { /* not JSON: keep the status line */ }
-      throw new ApiError(r.status, message, key);
-    }
-    if (o.text) return text;
-    return text ? JSON.parse(text) : null;
-  }
-
-  function explain(err, what) {
-    if (!(err instanceof ApiError)) return what + " failed: " + err.message;
-    let text = what + " refused (" + err.status + "): " + err.message;
-    if (err.key) text += "\nconfig key: " + err.key;
-    if (err.status === 401) {
-      text += "\nEnter the control plane's token (XTOKEN_CONTROL_TOKEN) under 'API token' above.";
-      $("token-input").focus();
-    }
-    return text;
-  }
 
   // ------------------------------------------------------------------ token
 
@@ -194,14 +88,23 @@
     }
     const rows = runs.slice().reverse().map((r) => el("tr",
       { dataset: { runId: r.id }, class: r.id === S.selected ? "selected" : "", onclick: () => select(r.id) },
+      el("td", { class: "pick" }, compare.checkbox(r)),
       el("td", {}, el("code", {}, r.id)),
       el("td", {}, r.name),
       el("td", {}, stateBadge(r.state)),
       el("td", {}, r.step === null || r.step === undefined ? "-" : r.step),
-      el("td", { title: new Date(r.updated * 1000).toLocaleString() }, ago(r.updated)),
+      el("td", { title: updatedTitle(r) }, ago(r.updated)),
     ));
     $("runs").tBodies[0].replaceChildren(...rows);
     $("runs-empty").hidden = runs.length > 0;
+    compare.runsChanged(runs);
+  }
+
+  // "updated" is the last step's time (before the first step, the last state change's)
+  function updatedTitle(r) {
+    const when = (t) => new Date(t * 1000).toLocaleString();
+    const step = r.updated !== r.state_changed ? "last step " + when(r.updated) + "\n" : "no step yet\n";
+    return step + "last state change " + when(r.state_changed || r.updated);
   }
 
   // ------------------------------------------------------------------ start a run
@@ -279,7 +182,7 @@
     const o = opts || {};
     const chart = new uPlot({
       width: chartWidth(host),
-      height: 200,
+      height: CHART_HEIGHT,
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
       scales: { x: { time: !!o.time } },
@@ -291,10 +194,6 @@
       axes: [o.time ? {} : { incrs: STEP_INCRS }, { size: 60 }],
     }, [[]].concat(series.map(() => [])), host);
     return { fig, chart };
-  }
-
-  function chartWidth(host) {
-    return Math.max(280, Math.floor(host.getBoundingClientRect().width) || 400);
   }
 
   function buildCharts() {
@@ -314,18 +213,15 @@
         { label: "claims waiting", color: "#64748b", digits: 0, dash: [4, 3] },
       ], { time: true }),
       bpb: makeChart("chart-bpb", [{ label: "bits/byte", color: "#0891b2" }], { points: true }),
+      memory: makeChart("chart-memory", [{ label: "peak MiB", color: "#be185d", digits: 1 }]),
     };
   }
 
   window.addEventListener("resize", () => {
     for (const c of Object.values(S.charts)) {
-      c.chart.setSize({ width: chartWidth(c.fig.querySelector(".plot")), height: 200 });
+      c.chart.setSize({ width: chartWidth(c.fig.querySelector(".plot")), height: CHART_HEIGHT });
     }
   });
-
-  function num(v) {
-    return v === undefined || v === null ? null : Number(v);
-  }
 
   function scheduleDraw() {
     if (S.drawTimer === null) S.drawTimer = setTimeout(draw, 100);
@@ -349,7 +245,9 @@
     const evals = S.evals.filter((e) => e.bits_per_byte !== undefined && e.bits_per_byte !== null)
       .slice().sort((a, b) => a.step - b.step);
     setSeries("bpb", [evals.map((e) => e.step), evals.map((e) => num(e.bits_per_byte))], evals.length);
-    setSeries("queue", [0, 1, 2, 3].map((i) => S.queue.map((q) => q[i])), S.queue.length);
+    setSeries("memory", [x, S.steps.map((s) => num(s.memory_mb))],
+      S.steps.filter((s) => s.memory_mb !== undefined && s.memory_mb !== null).length);
+    drawQueue();
     renderFacts();
   }
 
@@ -412,6 +310,8 @@
     setText("fact-loss", last ? [last.loss, last.kl_loss, last.ce_loss].map((v) => fmt(v, 4)).join(" / ") : null);
     setText("fact-tps", last ? fmt(last.tokens_per_s, 1) : null);
     setText("fact-step-s", last && last.step_s !== undefined ? fmt(last.step_s, 3) + " s" : null);
+    setText("fact-memory", last && last.memory_mb !== undefined && last.memory_mb !== null
+      ? fmtBytes(last.memory_mb * 1048576) : null);
     renderSplit(last);
     const evals = S.evals.filter((e) => e.bits_per_byte !== undefined && e.bits_per_byte !== null);
     const ev = evals.length ? evals[evals.length - 1] : null;
@@ -438,8 +338,11 @@
 
   function renderQueue(q) {
     const stats = q && q.stats;
-    if (!stats) {
-      setText("fact-queue", null);
+    if (!stats) {  // not asked by this control plane: the last sample recorded, if any
+      const last = S.queue.length ? S.queue[S.queue.length - 1] : null;
+      setText("fact-queue", last ? last[QUEUE.samples] + " samples \u00b7 " +
+        fmtBytes(last[QUEUE.bytes_used]) + " (recorded " + ago(last[QUEUE.time]) + ")" : null);
+      $("fact-queue").title = "";
       return;
     }
     const parts = Object.entries(stats.partitions || {})
@@ -448,12 +351,41 @@
       fmtBytes(stats.capacity_bytes) + " \u00b7 " + stats.leases + " leased \u00b7 " +
       num(stats.parked_claims) + " claims waiting");
     $("fact-queue").title = parts;
-    if (q.updated && q.updated !== S.queueAt) {
-      S.queueAt = q.updated;
-      S.queue.push([q.updated, stats.samples, stats.leases, num(stats.parked_claims)]);
-      if (S.queue.length > MAX_QUEUE_POINTS) S.queue.splice(0, S.queue.length - MAX_QUEUE_POINTS);
-      scheduleDraw();
+  }
+
+  // The queue depth the control plane sampled (kept with the run): a finished run shows what was
+  // recorded, or says that nothing was, instead of an empty time axis.
+  function drawQueue() {
+    const fig = $("chart-queue");
+    const empty = S.queueLoaded && S.queue.length === 0;
+    fig.dataset.empty = empty ? "1" : "0";
+    $("queue-empty").hidden = !empty;
+    const host = fig.querySelector(".plot");
+    const shown = !host.hidden;
+    host.hidden = S.queue.length === 0;
+    if (!S.queue.length) {
+      fig.dataset.points = "0";
+      return;
     }
+    if (!shown && S.charts.queue) {  // sized while hidden: size it now
+      S.charts.queue.chart.setSize({ width: chartWidth(host), height: CHART_HEIGHT });
+    }
+    setSeries("queue", [QUEUE.time, QUEUE.samples, QUEUE.leases, QUEUE.parked_claims]
+      .map((i) => S.queue.map((q) => q[i])), S.queue.length);
+  }
+
+  async function refreshQueueHistory(gen) {
+    const after = S.queue.length ? S.queue[S.queue.length - 1][QUEUE.time] : null;
+    const query = after === null ? "" : "?" + new URLSearchParams({ after: String(after) });
+    try {
+      const h = await api(runPath(S.selected, "/queue/history" + query));
+      if (gen !== S.gen) return;
+      S.queue.push(...h.points);
+      if (S.queue.length > MAX_QUEUE_POINTS) S.queue = S.queue.reverse().filter((_, i) => i % 2 === 0).reverse();
+      S.queueLoaded = true;
+      if (h.points.length && !(S.lastQueue && S.lastQueue.stats)) renderQueue(S.lastQueue);
+      scheduleDraw();
+    } catch (_) { /* the next tick tries again */ }
   }
 
   function renderProcesses(procs) {
@@ -485,12 +417,15 @@
   }
   $("log-close").addEventListener("click", () => { $("log-box").hidden = true; });
 
+  // each recorded event comes with its sentence (``text``); the compact line is for a server
+  // that sends none
   function addEvent(ev) {
     const data = ev.data || {};
-    let summary = ev.kind === "state" ? String(data.state) + (data.reason ? ": " + data.reason : "")
-      : JSON.stringify(data);
-    if (summary.length > 300) summary = summary.slice(0, 300) + "...";
-    const li = el("li", { dataset: { kind: ev.kind } }, clock(ev.time) + " " + ev.kind + " " + summary);
+    let text = ev.text || (ev.kind + " " + Object.entries(data)
+      .map(([k, v]) => k + "=" + (typeof v === "string" ? v : JSON.stringify(v))).join(" "));
+    if (text.length > 400) text = text.slice(0, 400) + "...";
+    const li = el("li", { dataset: { kind: ev.kind }, title: ev.kind + " " + JSON.stringify(data) },
+      el("time", {}, clock(ev.time)), " ", text);
     const list = $("events");
     list.prepend(li);
     while (list.children.length > MAX_EVENTS) list.lastElementChild.remove();
@@ -517,7 +452,9 @@
   async function refreshQueue(gen) {
     try {
       const q = await api(runPath(S.selected, "/queue"));
-      if (gen === S.gen) renderQueue(q);
+      if (gen !== S.gen) return;
+      S.lastQueue = q;
+      renderQueue(q);
     } catch (_) { /* the next tick tries again */ }
   }
 
@@ -576,7 +513,7 @@
     const gen = S.gen;
     Object.assign(S, {
       selected: id, run: null, source: null, pending: [], steps: [], evals: [], queue: [],
-      queueAt: null, finalRefresh: false,
+      queueLoaded: false, lastQueue: null, finalRefresh: false,
     });
     history.replaceState(null, "", "#run=" + encodeURIComponent(id));
     $("run-panel").hidden = false;
@@ -590,6 +527,7 @@
     scheduleDraw();
     refreshProcesses(gen);
     refreshQueue(gen);
+    refreshQueueHistory(gen);
   }
 
   // ------------------------------------------------------------------ the clock
@@ -604,6 +542,7 @@
       await refreshRun(gen);
       refreshProcesses(gen);
       refreshQueue(gen);
+      refreshQueueHistory(gen);
     }
   }
 

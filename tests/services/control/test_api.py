@@ -289,6 +289,16 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         q = c.get(f"/v1/runs/{rid}/queue").json()  # its last figures, asked every 2 s
         assert q["address"] == done["queue"] and q["updated"] > done["created"]
         assert q["stats"]["capacity_bytes"] > 0 and "partitions" in q["stats"]
+        history = c.get(f"/v1/runs/{rid}/queue/history").json()["points"]
+        assert history and history[-1][0] == q["updated"]  # every figure asked, kept
+
+        # "updated" is its last step; every recorded event came with its sentence
+        assert done["updated"] == done["latest_metrics"]["time"] < done["state_changed"]
+        recorded = [e for _, k, e in events if k != "metrics"]
+        assert recorded and all(e["text"] for e in recorded), recorded
+        assert "run SUCCEEDED: every trainer rank finished" in [e["text"] for e in recorded]
+        compared = c.get("/v1/compare", params={"run": rid}).json()["runs"][0]["steps"]
+        assert compared["step"] == [1, 2, 3, 4] and compared["tokens_seen"][-1] > 0
 
         procs = c.get(f"/v1/runs/{rid}/processes").json()["processes"]
         assert {p["name"] for p in procs} == {"queue", "collator", "teacher0", "trainer0"}

@@ -129,7 +129,7 @@ def test_a_run_started_from_the_page_shows_a_growing_loss_curve_and_stops_from_t
         # the hostile name is shown as text: no element made of it, no handler run
         page.wait_for_selector(f"#runs tr[data-run-id='{run_id}']", timeout=10_000)
         assert (
-            page.text_content(f"#runs tr[data-run-id='{run_id}'] td:nth-child(2)") == HOSTILE_NAME
+            page.text_content(f"#runs tr[data-run-id='{run_id}'] td:nth-child(3)") == HOSTILE_NAME
         )
         assert page.locator("#runs img, #runs b, #run-panel img").count() == 0
         assert page.get_attribute("body", "data-pwned") is None

@@ -41,6 +41,8 @@ def _raw_get(server: ControlServer, target: str) -> tuple[int, dict[str, str], b
         ("/", "text/html", b'<script src="app.js" defer></script>'),
         ("/index.html", "text/html", b"xtoken control plane"),
         ("/app.js", "text/javascript", b"new EventSource("),
+        ("/lib.js", "text/javascript", b"window.xtoken = {"),
+        ("/compare.js", "text/javascript", b"v1/compare?"),
         ("/style.css", "text/css", b".state-RUNNING"),
         ("/vendor/uplot/uPlot.iife.min.js", "text/javascript", b"var uPlot="),
         ("/vendor/uplot/uPlot.min.css", "text/css", b".uplot"),
@@ -61,16 +63,18 @@ def test_the_page_its_script_and_styles_are_served_with_their_content_types(
 def test_every_asset_the_page_names_exists_and_the_chart_library_keeps_its_licence(api):
     _, _, page = _raw_get(api, "/")
     assets = re.findall(rb'(?:src|href)="([^"#:]+)"', page)
-    assert len(assets) == 4, assets
+    assert len(assets) == 6, assets
     for asset in assets:
         assert _raw_get(api, "/" + asset.decode())[0] == 200, asset
     licence = (STATIC_DIR / "vendor" / "uplot" / "LICENSE").read_text()
     assert "MIT License" in licence and "Leon Sorokin" in licence
 
 
-def test_the_script_never_writes_markup(api):
-    """Run names, configs, reasons and logs come from users: app.js inserts them as text only."""
-    _, _, js = _raw_get(api, "/app.js")
+@pytest.mark.parametrize("script", ["/app.js", "/lib.js", "/compare.js"])
+def test_the_scripts_never_write_markup(api, script):
+    """Run names, configs, reasons and logs come from users: the scripts insert them as text
+    only."""
+    _, _, js = _raw_get(api, script)
     for sink in (b"innerHTML", b"outerHTML", b"insertAdjacentHTML", b"document.write", b"eval("):
         assert sink not in js, sink
 
