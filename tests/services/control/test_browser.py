@@ -253,3 +253,139 @@ def test_the_api_docs_list_the_endpoints_without_network(chromium, artifacts, tm
         assert all(server.url not in text for text in blocked), blocked  # only outside loads
     finally:
         server.stop()
+
+
+def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sentences(
+    chromium, artifacts, tmp_path
+):
+    """Two finished runs (their metrics files as the trainer writes them, their events and one
+    run's queue depth as the control plane records them): ticked in the list, their curves are
+    overlaid on each x axis, smoothing redraws them, the config diff names the key that differs;
+    one run opened shows its memory curve, its recorded queue depth (the other: "no queue
+    samples"), and its events as sentences."""
+    from services.supervise.events import Exited, Recovering, Restarted
+    from tests.services.control.finished_runs import write_finished_run
+
+    runs_root = tmp_path / "server" / "runs"
+    crash = Exited(process="trainer0", role="trainer", code=137)
+    recovering = Recovering(
+        process="trainer0",
+        scope="group",
+        attempt=2,
+        delay_s=2.0,
+        reason="trainer0 exited with code 137: restart 2 of 3 (group) in 2.0s",
+        code=137,
+        max_restarts=3,
+    )
+    restarted = Restarted(process="trainer0", scope="group", attempt=2, code=137, max_restarts=3)
+    start = 1_700_000_000.0
+    a = write_finished_run(
+        runs_root,
+        name="lr-3e-3",
+        steps=30,
+        start=start,
+        evals=(0, 10, 20, 30),
+        events=tuple((e.kind, e.data()) for e in (crash, recovering, restarted)),
+        queue_samples=20,
+    )
+    b = write_finished_run(
+        runs_root,
+        name="lr-1e-3",
+        steps=24,
+        start=start + 500,
+        config=tiny_config(**{"trainer.optim.lr": 0.001}),
+        loss0=21.0,
+        memory_mb=1400.0,
+        tokens=512.0,
+        evals=(0, 12, 24),
+    )
+    server = ControlServer(tmp_path / "server")
+    problems: list[str] = []
+    try:
+        page = chromium.new_page(viewport={"width": 1500, "height": 1400})
+        page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+        assert page.is_hidden("#compare-panel")
+
+        # tick both: the panel overlays one series per run on every chart
+        page.check(f"#runs tr[data-run-id='{a}'] input.compare-pick")
+        assert page.is_hidden("#compare-panel")  # one run: nothing to compare yet
+        assert page.is_hidden("#run-panel")  # ticking is not opening
+        page.check(f"#runs tr[data-run-id='{b}'] input.compare-pick")
+        page.wait_for_selector("#compare-panel[data-runs='2']", timeout=15_000)
+        for chart in ("cmp-loss", "cmp-kd", "cmp-ce", "cmp-bpb", "cmp-tps", "cmp-memory"):
+            assert page.get_attribute(f"#{chart}", "data-series") == "2", chart
+        assert _points(page, "cmp-loss") == 30 + 24 and _points(page, "cmp-bpb") == 4 + 3
+        legend = page.locator("#cmp-loss .u-legend .u-series").all_text_contents()
+        assert any(f"lr-3e-3 ({a})" in s for s in legend) and any(
+            f"lr-1e-3 ({b})" in s for s in legend
+        )
+        assert page.locator("#cmp-loss canvas").count() == 1
+
+        # the config diff: only the learning rate differs (run_dir aside)
+        assert page.locator("#config-diff tbody tr").all_text_contents() == [
+            "trainer.optim.lr0.0030.001"
+        ]
+        assert page.text_content("#config-diff thead").count("lr-") == 2
+        page.screenshot(path=str(artifacts / "compare-steps.png"), full_page=True)
+
+        # the x axis switch and smoothing redraw the same series
+        for axis in ("tokens", "time"):
+            page.check(f"input[name='compare-x'][value='{axis}']")
+            page.wait_for_function(
+                "() => document.querySelector('#cmp-loss .u-legend .u-series th').textContent"
+                f".includes('{ {'tokens': 'tokens', 'time': 'wall time'}[axis] }')"
+            )
+            assert page.get_attribute("#cmp-loss", "data-series") == "2"
+            assert _points(page, "cmp-loss") == 30 + 24
+        page.fill("#compare-smooth", "0.9")
+        page.dispatch_event("#compare-smooth", "input")
+        assert page.text_content("#compare-smooth-value") == "0.90"
+        page.screenshot(path=str(artifacts / "compare-time-smoothed.png"), full_page=True)
+
+        # one run opened: memory curve, recorded queue depth, events as sentences
+        page.click(f"#runs tr[data-run-id='{a}'] td:nth-child(3)")
+        page.wait_for_function(
+            "() => +document.querySelector('#chart-memory').dataset.points === 30", timeout=15_000
+        )
+        assert page.text_content("#fact-memory") == "1.2 GiB"  # 900 + 10 * 30 MiB
+        page.wait_for_function(
+            "() => +document.querySelector('#chart-queue').dataset.points === 20", timeout=15_000
+        )
+        assert page.is_hidden("#queue-empty")
+        page.wait_for_selector("#events li[data-kind='restarted']", timeout=15_000)
+        events = page.locator("#events li").all_text_contents()
+        sentences = page.eval_on_selector_all(  # each line: its clock, then its sentence
+            "#events li", "items => items.map(li => li.lastChild.textContent)"
+        )
+        assert "trainer0 restarted after exit 137, with every trainer rank (attempt 2 of 3)" in (
+            sentences
+        ), sentences
+        assert "trainer0 (trainer) exited with code 137" in sentences
+        assert (
+            "trainer0 exited with code 137; every trainer rank restarts in 2 s (attempt 2 of 3)"
+            in sentences
+        )
+        assert not [e for e in events if "{" in e], events  # no JSON
+        page.screenshot(path=str(artifacts / "run-memory-events.png"), full_page=True)
+
+        # the other run recorded no queue depth: said so, no empty time axis
+        page.click(f"#runs tr[data-run-id='{b}'] td:nth-child(3)")
+        page.wait_for_selector("#chart-queue[data-empty='1']", timeout=15_000)
+        assert page.is_visible("#queue-empty") and page.is_hidden("#chart-queue .plot")
+        assert "No queue samples" in page.text_content("#queue-empty")
+        assert _points(page, "chart-memory") == 24
+        page.screenshot(path=str(artifacts / "run-no-queue-samples.png"), full_page=True)
+
+        # "updated" of a finished run is its last step, long ago, not the state change just now
+        updated = page.text_content(f"#runs tr[data-run-id='{a}'] td:nth-child(6)")
+        assert "ago" not in updated, updated
+
+        page.click("#compare-clear")
+        assert page.is_hidden("#compare-panel")
+        assert not page.is_checked(f"#runs tr[data-run-id='{a}'] input.compare-pick")
+        assert not problems, problems
+    finally:
+        server.stop()
