@@ -65,7 +65,12 @@ class CrossTokenizerLoss:
             loss.backward()                                  # then SUM gradients over DP
 
     Args:
-        config: a validated :class:`CrossTokenizerLossConfig`.
+        config: a validated :class:`CrossTokenizerLossConfig` of a KD mode, with a projection.
+
+    Raises:
+        ValueError: ``mode: ce`` (no KD term: the student CE alone is
+            :func:`~xtoken_core.losses.fused.student_ce`, or a
+            :class:`~xtoken_core.losses.fused_head.FusedHead` without a loss), or no projection.
 
     Attributes:
         mode: the KD mode (:data:`~xtoken_core.losses.modes.MODES` of ``config.mode``).
@@ -75,8 +80,18 @@ class CrossTokenizerLoss:
     """
 
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
+        if not config.uses_teacher:
+            raise ValueError(
+                f"mode={config.mode!r} has no KD term: compute the student CE alone "
+                "(xtoken_core.losses.fused.student_ce, or FusedHead(None)), or set a KD mode "
+                f"({', '.join(MODES)})"
+            )
+        if not config.projections:
+            raise ValueError(
+                "projection is required: a file path or an (indices, likelihoods) tensor pair"
+            )
         self.config = config
-        self.mode: KDMode = MODES[config.loss_mode](config)
+        self.mode: KDMode = MODES[config.mode](config)
         self.reference = ReferenceEngine(config, self.mode)
         self.engine: KDEngine = choose_engine(config, self.mode, self.reference)
         self._projections: dict[tuple[int, torch.device], Projection] = {}
