@@ -82,11 +82,11 @@ class KernelEngine:
         device = student_logits_BTV.device
         # A mode with row logsumexps (gold): the row logsumexps of every row, whose row sums
         # are the finite checks (one read of each logits tensor for both); made last-dim
-        # contiguous once, as the row kernels and gold's kernels read the same tensors. Gold sizes its buffers by N, read back
-        # behind the plans: the student's row logsumexps go first (:meth:`start`: the GPU
-        # makes them while the host prepares the teachers and makes the plans), the teachers'
-        # after the plans (the GPU makes them while the host waits for N and queues the next
-        # kernels).
+        # contiguous once, as the row kernels and the mode's kernels read the same tensors.
+        # Gold sizes its buffers by N, read back behind the plans: the student's row
+        # logsumexps go first (:meth:`start`: the GPU makes them while the host prepares the
+        # teachers and makes the plans), the teachers' after the plans (the GPU makes them
+        # while the host waits for N and queues the next kernels).
         counts = None
         teacher_logits = [t.logits_BUW for t in teachers]
         if self.mode.row_logsumexps:

@@ -391,8 +391,9 @@ def kernel_kd_loss(
         reverse_kl: reverse KL.
         num_valid: N = ``valid_BC.sum()`` when the caller read it already (spares the fused
             path its host sync); None: counted here.
-        plan: :func:`~xtoken_core.losses.fused.plan_chunks` of this batch (fused path): its rows replace the grouping
-            done here, and its shifted ids and validity must be the ones passed.
+        plan: :func:`~xtoken_core.losses.fused.plan_chunks` of this batch (fused path): its
+            rows replace the grouping done here, and its shifted ids and validity must be the
+            ones passed.
         topk_columns: positions that pick the columns, "valid" or "all"
             (:func:`select_teacher_columns`).
         projection_tables: the fused path's tables of ``projection_VW``
