@@ -22,8 +22,8 @@ ProjectionSource = str | os.PathLike | tuple[torch.Tensor, torch.Tensor]
 CE_ONLY = "ce"
 #: Every ``mode``: the KD modes of the registry (:data:`xtoken_core.losses.modes.MODES`), then
 #: :data:`CE_ONLY`.
-MODES = (*KD_MODES, CE_ONLY)
-Mode = Literal[MODES]  # type: ignore[valid-type]  # built from the registry
+MODE_NAMES = (*KD_MODES, CE_ONLY)
+Mode = Literal[MODE_NAMES]  # type: ignore[valid-type]  # built from the registry
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS = typing.get_args(Backend)
 TopkColumns = Literal["valid", "all"]
@@ -140,8 +140,8 @@ class CrossTokenizerLossConfig:
     projections: tuple[ProjectionSource, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown; use one of {MODES}")
+        if self.mode not in MODE_NAMES:
+            raise ValueError(f"mode={self.mode!r} is unknown; use one of {MODE_NAMES}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; use one of {BACKENDS}")
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
