@@ -160,8 +160,9 @@ def _teacher_has_compile() -> bool:
 def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: str, eager: bool):
     extra = EAGER_TRAINER if eager else getattr(args, "trainer_extra", None) or {}
     """The trainer's worker of a bare run (its start-up step done)."""
-    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from services.trainer.config import OptimConfig, TrainerConfig
     from services.trainer.worker import TrainerWorker
+    from xtoken_core.losses import CrossTokenizerLossConfig
 
     cfg = TrainerConfig(
         student=student_dir,
@@ -172,7 +173,7 @@ def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: 
         max_length=T,
         max_steps=10**6,
         optim=OptimConfig(warmup_steps=0),
-        loss=LossConfig(mode=mode, projection=projection if mode != "ce" else None),
+        loss=CrossTokenizerLossConfig(mode=mode, projection=projection if mode != "ce" else None),
         **extra,
     )
     worker = TrainerWorker(cfg, device=torch.device(args.device))

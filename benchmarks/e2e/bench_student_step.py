@@ -86,8 +86,9 @@ def _teacher_logits(teacher, batch: dict, device) -> torch.Tensor:
 
 
 def one_student(args, variant: str, B: int, T: int) -> dict:
-    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from services.trainer.config import OptimConfig, TrainerConfig
     from services.trainer.worker import MicroBatch, TrainerWorker
+    from xtoken_core.losses import CrossTokenizerLossConfig
 
     device = torch.device(args.device)
     student_dir, teacher_dir = bp.save_models(args, Path(args.work))
@@ -108,7 +109,7 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         max_length=T,
         max_steps=10**6,
         optim=OptimConfig(warmup_steps=0),
-        loss=LossConfig(mode=args.mode, projection=projection),
+        loss=CrossTokenizerLossConfig(mode=args.mode, projection=projection),
         **STUDENT[variant],
     )
     worker = TrainerWorker(cfg, device=device)

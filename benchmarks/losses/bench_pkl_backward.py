@@ -27,7 +27,7 @@ import _common  # noqa: E402
 from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _projection  # noqa: E402
 
 from xtoken_core.kernels import logit_rows, pkl_chunk_kl, pkl_projection  # noqa: E402
-from xtoken_core.losses.reference import PROB_EPS  # noqa: E402
+from xtoken_core.losses.modes.pkl import PROB_EPS  # noqa: E402
 from xtoken_core.losses.utils import sparse_projection_from_topk  # noqa: E402
 
 #: (block_n, block_v, warps) candidates; the first is the default before the first sweep

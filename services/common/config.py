@@ -36,7 +36,9 @@ Field metadata understood here (all optional):
 Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
 ``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
 ``tuple[X, ...]`` and fixed tuples (several values after the flag), ``dict[str, X]`` and ``Any``
-(a JSON value on the command line), nested dataclasses (flags ``--section.field``).
+(a JSON value on the command line), nested dataclasses (flags ``--section.field``). A union
+flag reads the members that have a command-line form (``str | tuple[Tensor, Tensor]``: a str);
+the others are for the config file and for code.
 """
 
 from __future__ import annotations
@@ -574,8 +576,19 @@ def _scalar_conv(tp: Any, where: str) -> Callable[[str], Any]:
 
         return literal
     if _is_union(tp):
-        members = _non_none(tp)
-        convs = [_scalar_conv(m, where) for m in members]
+        # a member without a command-line form (an in-memory tensor pair, a list) is left to
+        # the config file and to code; the flag reads the members that have one
+        convs = []
+        for member in _non_none(tp):
+            try:
+                convs.append(_scalar_conv(member, where))
+            except TypeError:
+                continue
+        if not convs:
+            raise TypeError(
+                f"{where}: a field of type {_type_name(tp)} has no command-line form; give it "
+                'metadata={"cli": False} (it is still read from --config) or another type'
+            )
 
         def union(text: str) -> Any:
             for conv in convs:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import field
-from typing import ClassVar, Literal
+from typing import Literal
 
-LOSS_MODES = ("pkl", "gold", "xtoken", "ce")
+from xtoken_core.losses.config import CrossTokenizerLossConfig
+
 # experiment trackers of ``report_to`` (services/trainer/tracking.py)
 TRACKERS = ("tensorboard", "wandb")
 
@@ -44,65 +45,6 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
-
-
-@dataclasses.dataclass
-class LossConfig:
-    """The distillation loss (xtoken_core.losses); ``ce`` trains on the student CE alone."""
-
-    # keys of older configs, refused with the reason (services.common.config)
-    REMOVED_KEYS: ClassVar[dict[str, str]] = {
-        "cuda_graphs": "the P-KL phase runs as eager Triton kernels (CUDA-graph replay saved "
-        "nothing end to end: benchmarks/results/e2e_pipeline.md); delete the key",
-    }
-
-    mode: Literal["pkl", "gold", "xtoken", "ce"] = field(
-        default="pkl",
-        metadata={"help": "pkl (projected KL), gold, xtoken (relaxed gold) or ce (no teacher)"},
-    )
-    projection: str | None = field(
-        default=None,
-        metadata={"help": "projection file (xtoken projection build); needed unless mode=ce"},
-    )
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature of the KD term"})
-    kl_weight: float = field(default=1.0, metadata={"help": "weight of the KD term"})
-    ce_weight: float = field(default=1.0, metadata={"help": "weight of the student CE term"})
-    vocab_topk: int | None = field(
-        default=8192, metadata={"help": "teacher columns kept by P-KL (None: all)"}
-    )
-    topk_columns: Literal["valid", "all"] = field(
-        default="valid",
-        metadata={
-            "help": "positions that pick P-KL's top-k teacher columns: valid (chunked positions) "
-            "or all (every position, padding and the last one included: NeMo RL's rule)"
-        },
-    )
-    uncommon_topk: int = field(default=8192, metadata={"help": "gold: sorted-L1 length cap"})
-    reverse_kl: bool = field(default=False, metadata={"help": "KL(student || teacher)"})
-    dynamic_scaling: bool = field(default=False, metadata={"help": "scale KD by |ce| / |kd|"})
-    backend: Literal["auto", "reference", "kernel"] = field(
-        default="auto", metadata={"help": "loss backend: auto (Triton on CUDA), reference, kernel"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.mode not in LOSS_MODES:
-            raise ValueError(f"mode={self.mode!r}: use one of {', '.join(LOSS_MODES)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0")
-        if self.topk_columns not in ("valid", "all"):
-            raise ValueError(
-                f"topk_columns={self.topk_columns!r}: use valid (chunked positions) or all "
-                "(every position, as NeMo RL)"
-            )
-        if self.kl_weight < 0 or self.ce_weight < 0:
-            raise ValueError("kl_weight and ce_weight must be >= 0")
-        if self.mode == "ce" and self.ce_weight == 0:
-            raise ValueError("mode=ce with ce_weight=0 trains nothing; set ce_weight > 0")
-
-    @property
-    def uses_teacher(self) -> bool:
-        """Whether the loss needs teacher logits."""
-        return self.mode != "ce"
 
 
 @dataclasses.dataclass
@@ -204,7 +146,7 @@ class TrainerConfig:
     )
     epochs: int = field(default=1, metadata={"help": "passes over the data"})
     optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: CrossTokenizerLossConfig = field(default_factory=CrossTokenizerLossConfig)
     run_dir: str = field(default="runs/default", metadata={"help": "metrics, checkpoints, export"})
     checkpoint_every: int = field(
         default=50, metadata={"help": "steps between checkpoints (0: off)"}
@@ -280,8 +222,20 @@ class TrainerConfig:
             )
         if self.eval_ctx < 2:
             raise ValueError(f"eval_ctx={self.eval_ctx}: must be >= 2 tokens")
-        if self.loss.mode != "ce" and not self.loss.projection:
+        if self.loss.uses_teacher and not self.loss.projection:
             raise ValueError(
                 f"loss.mode={self.loss.mode} needs loss.projection (a file from `xtoken projection "
                 "build`); `xtoken run` builds one when the run config leaves it empty"
+            )
+        if isinstance(self.loss.projection, list | tuple) or self.loss.num_teachers != 1:
+            raise ValueError(
+                f"loss.projection={self.loss.projection!r}, loss.teacher_weights="
+                f"{list(self.loss.teacher_weights)}: a trainer distills one teacher; give one "
+                "projection file and at most one weight"
+            )
+        if self.loss.teacher_vocab_size != (None,):
+            raise ValueError(
+                f"loss.teacher_vocab_size={self.loss.teacher_vocab_size[0]}: the trainer sets it "
+                "from the teacher (trainer.teacher_vocab_size, else its tokenizer's vocab); "
+                "delete the key"
             )

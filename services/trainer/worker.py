@@ -277,7 +277,7 @@ class TrainerWorker:
                 usable row.
         """
         from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
-        from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+        from xtoken_core.losses import CrossTokenizerLoss
         from xtoken_core.models import check_vocab
 
         lc = self.config.loss
@@ -292,22 +292,7 @@ class TrainerWorker:
                 f"{teacher_width}: build it for this teacher tokenizer "
                 f"({self.config.teacher_tokenizer!r}) with `xtoken projection build`"
             )
-        return CrossTokenizerLoss(
-            CrossTokenizerLossConfig(
-                projection=lc.projection,
-                mode=lc.mode,
-                temperature=lc.temperature,
-                kl_weight=lc.kl_weight,
-                ce_weight=lc.ce_weight,
-                vocab_topk=lc.vocab_topk,
-                topk_columns=lc.topk_columns,
-                uncommon_topk=lc.uncommon_topk,
-                reverse_kl=lc.reverse_kl,
-                dynamic_scaling=lc.dynamic_scaling,
-                teacher_vocab_size=teacher_width,
-                backend=lc.backend,
-            )
-        )
+        return CrossTokenizerLoss(dataclasses.replace(lc, teacher_vocab_size=teacher_width))
 
     def _build_head(self, compute: torch.nn.Module) -> tuple[Any, Any, Any]:
         """``(head, backbone, lm_head)`` of the fused output head (``config.fused_head``), or

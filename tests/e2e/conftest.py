@@ -26,7 +26,8 @@ from services.common.config import to_dict
 from services.common.lifecycle import PARENT_PID_ENV, read_ready
 from services.common.metrics import read_jsonl
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+from services.trainer.config import OptimConfig, TrainerConfig
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -429,7 +430,7 @@ class Pipeline:
 
     def trainer_config(self, **overrides: Any) -> TrainerConfig:
         """A tiny-preset P-KL trainer that checks every slot, for this run's queue."""
-        loss = LossConfig(mode="pkl", projection=self.projection)
+        loss = CrossTokenizerLossConfig(mode="pkl", projection=self.projection)
         values = dict(
             queue=self.queue, partition=PARTITION, student="tiny",
             student_tokenizer=STUDENT_TOKENIZER, teacher_tokenizer=TEACHER_TOKENIZER,

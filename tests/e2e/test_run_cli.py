@@ -12,7 +12,7 @@ import pytest
 from services.collator.cli import EXIT_STOPPED
 from services.run import CollatorSection, DataConfig, RunConfig
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,
     STUDENT_TOKENIZER,
@@ -27,6 +27,7 @@ from tests.e2e.conftest import (
     wait_for,
     write_config,
 )
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 
 @pytest.mark.slow
@@ -52,7 +53,8 @@ def test_sigterm_on_xtoken_run_checkpoints_exits_zero_and_leaves_no_process(
         trainer=TrainerConfig(
             student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,
             eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
-            loss=LossConfig(projection=projection), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+            loss=CrossTokenizerLossConfig(projection=projection),
+            optim=OptimConfig(lr=3e-3, warmup_steps=1),
         ),
     )
     steps_in_data = len(corpus) // (2 * 4 * 2)  # ranks x micro_batch x grad_accum
@@ -108,7 +110,8 @@ def test_fsdp_run_trains_each_sample_once_evaluates_and_exports_a_loadable_stude
         trainer=TrainerConfig(
             student="tiny", parallel="fsdp", micro_batch=4, grad_accum=1, max_steps=0,
             checkpoint_every=2, eval_every=0, eval_texts=4, eval_ctx=CTX,
-            loss=LossConfig(projection=projection), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+            loss=CrossTokenizerLossConfig(projection=projection),
+            optim=OptimConfig(lr=3e-3, warmup_steps=1),
         ),
     )
     run = procs.start("run", ["run", str(write_config(tmp_path / "run.json", config)),

@@ -10,7 +10,7 @@ Legend (shape suffixes):
     columns, N valid chunks, E entries of ``M[:, idx]``, P ELL slots, S rows of M.
 
 Per valid chunk n with rows ``r in n`` (``|n|`` of them), ``L = L_n`` the chunk-averaged teacher
-log-probabilities and ``eps`` the probability floor (``reference.PROB_EPS``):
+log-probabilities and ``eps`` the probability floor (``xtoken_core.losses.modes.pkl.PROB_EPS``):
 
 * ``q_n = sum_r q_r / |n|``, ``tot = sum_k q_n[k]``, ``c = max(tot, eps)``, ``u = q_n / c``,
   ``p = max(u, eps)``;

@@ -1,4 +1,5 @@
-"""Fused P-KL projection: ``q = softmax(z / T) @ M[:, idx]`` from the logits, kernels + autograd.
+"""Fused P-KL projection: ``q = softmax(z / T) @ M[:, idx]`` from the logits, forward and backward
+kernels (the autograd Function is :class:`~xtoken_core.kernels.pkl_chunk_kl.ProjectedChunkKL`).
 
 The projection ``M[S, W]`` is held twice (:class:`ProjectionTables`, built once per matrix): as
 a CSC list for the forward gathers and as an ELL table for the backward gathers, so that no
@@ -24,12 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from ._utils import LOG2E, MAX_COMBINE, SUM_COMBINE, cdiv, lazy_jit, next_power_of_2, tl
-from .logit_rows import KERNEL_CONFIG, block_for, row_logsumexp
+from .logit_rows import KERNEL_CONFIG, block_for
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ProjectRows",
     "ProjectionTables",
     "project_rows_backward",
     "project_rows_forward",
@@ -459,11 +459,12 @@ def restrict_tables(
         idx_K: [K] int64 selected teacher columns, distinct and ascending.
 
     Returns:
-        ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS)``, the arguments of
-        :class:`ProjectRows` after the logits and row index: CSC pointers [K + 1], student rows,
-        selected-column index and weight of each entry ([E_M], valid up to ``ptr_K1[-1]``), and
-        the slot-major ELL table [P, S] of selected-column positions (-1 = none, packed to the
-        low slots) with its weights (0 where none).
+        ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS)``, the projection arguments of
+        :class:`~xtoken_core.kernels.pkl_chunk_kl.ProjectedChunkKL` (the CSC lists go to
+        :func:`project_rows_forward`, the ELL table to :func:`project_rows_backward`): CSC
+        pointers [K + 1], student rows, selected-column index and weight of each entry ([E_M],
+        valid up to ``ptr_K1[-1]``), and the slot-major ELL table [P, S] of selected-column
+        positions (-1 = none, packed to the low slots) with its weights (0 where none).
     """
     device = idx_K.device
     K = idx_K.numel()
@@ -504,28 +505,3 @@ def restrict_tables(
             BLOCK=max(min(next_power_of_2(tables.max_col_count), 128), 16),
         )
     return ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS
-
-
-class ProjectRows(torch.autograd.Function):
-    """``q[R, K] = softmax(z / T) @ M[:, idx]`` from the logits; backward by ELL gathers.
-
-    Saves the logits, the row logsumexp and q (``sum_j dq q`` is the softmax correction).
-    """
-
-    @staticmethod
-    def forward(ctx, z_BTV, nidx_R, ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS, temperature):
-        lse_R = row_logsumexp(z_BTV, nidx_R, temperature)
-        q_RK = project_rows_forward(z_BTV, lse_R, ptr_K1, rows_E, cols_E, w_E, temperature)
-        ctx.save_for_backward(z_BTV, lse_R, q_RK, ell_j_PS, ell_w_PS)
-        ctx.temperature = temperature
-        return q_RK
-
-    @staticmethod
-    def backward(ctx, dq_RK):
-        z_BTV, lse_R, q_RK, ell_j_PS, ell_w_PS = ctx.saved_tensors
-        dq_RK = dq_RK.to(torch.float32).contiguous()
-        dot_R = torch.linalg.vecdot(dq_RK, q_RK)
-        dz_BTV = project_rows_backward(
-            z_BTV, lse_R, dq_RK, dot_R, ell_j_PS, ell_w_PS, ctx.temperature
-        )
-        return dz_BTV, None, None, None, None, None, None, None, None

@@ -1,21 +1,33 @@
-"""CrossTokenizerLossConfig: the typed, validated settings of the cross-tokenizer loss."""
+"""CrossTokenizerLossConfig: the typed, validated settings of the cross-tokenizer loss, used as
+is by the library and by the trainer (the ``trainer.loss`` section of a run config)."""
 
 from __future__ import annotations
 
 import math
 import os
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
+
+from xtoken_core.losses.modes import MODES as KD_MODES
 
 #: A projection is a file path (dense top-k or sparse format) or an in-memory dense top-k pair
 #: ``(indices Long[V_s, K], likelihoods Float[V_s, K])`` with -1 for "no entry".
 ProjectionSource = str | os.PathLike | tuple[torch.Tensor, torch.Tensor]
 
-MODES = ("pkl", "gold", "xtoken")
-BACKENDS = ("auto", "reference", "kernel")
-TOPK_COLUMNS = ("valid", "all")
+#: The mode that trains on the student CE alone: no teacher, no projection, no KD term.
+CE_ONLY = "ce"
+#: Every ``mode``: the KD modes of the registry (:data:`xtoken_core.losses.modes.MODES`), then
+#: :data:`CE_ONLY`.
+MODE_NAMES = (*KD_MODES, CE_ONLY)
+Mode = Literal[MODE_NAMES]  # type: ignore[valid-type]  # built from the registry
+Backend = Literal["auto", "reference", "kernel"]
+BACKENDS = typing.get_args(Backend)
+TopkColumns = Literal["valid", "all"]
+TOPK_COLUMNS = typing.get_args(TopkColumns)
 
 
 def _is_single_projection(value: object) -> bool:
@@ -45,70 +57,91 @@ def _check_topk_pair(pair: tuple[torch.Tensor, torch.Tensor], where: str) -> Non
 
 @dataclass(eq=False)
 class CrossTokenizerLossConfig:
-    """Settings of :class:`~xtoken_core.losses.loss.CrossTokenizerLoss`.
+    """The cross-tokenizer loss: mode, weights, backend (mode ce: the student CE alone).
 
-    Attributes:
-        projection: one :data:`ProjectionSource` shared by every teacher, or one per teacher.
-        mode: shortcut for the two flags below: "pkl", "gold" or "xtoken" (relaxed gold).
-        gold_loss: gold loss (common-vocab KL + uncommon sorted L1) instead of P-KL.
-        xtoken_loss: relaxed exact-token map for the gold loss (needs ``gold_loss``).
-        reverse_kl: KL(student || teacher) instead of KL(teacher || student).
-        temperature: softmax temperature T (> 0); the KD term is scaled by T**2.
-        vocab_topk: teacher columns kept by P-KL (None: all).
-        topk_columns: which positions pick P-KL's ``vocab_topk`` teacher columns (the ids with
-            the largest max-logit): "valid" (default) the positions that belong to a chunk after
-            the next-token shift, so padding and the last position never pick a column; "all"
-            every position of the micro-batch, padding and the last one included, as NeMo RL
-            does (for parity with it). The two differ only when ``vocab_topk`` < teacher vocab.
-        uncommon_topk: cap on the sorted-probability L1 length of the gold loss.
-        kl_weight: weight of the KD term.
-        ce_weight: weight of the student CE term.
-        dynamic_scaling: scale the KD term by ``|ce| / |kd|`` (detached).
-        exact_token_match_only: only chunks whose two sides cover identical text count.
-        teacher_weights: one weight per teacher (default: one teacher, weight 1).
-        teacher_vocab_size: true teacher vocab (int, or one per teacher); wider teacher logits
-            (lm_head padding) are sliced to it. None: the logits' width.
-        backend: the KD engine: "reference" (PyTorch, any dtype), "kernel" (the Triton
-            kernels where they run: CUDA or ``TRITON_INTERPRET=1``, fp32/bf16/fp16; the
-            reference elsewhere) or "auto" (the kernels on CUDA, else the reference).
-        check_inputs: run the cheap input checks (shapes, chunk-id range, finite logits).
+    Settings of :class:`~xtoken_core.losses.loss.CrossTokenizerLoss`; each field's ``help`` says
+    what it does, docs/design.md ("The loss math") has the formulas. The trainer takes it as is:
+    its fields are the keys of ``trainer.loss`` in a run config and the ``--loss.*`` flags (but
+    the settings of several teachers, which a trainer does not take). ``teacher_vocab_size`` is
+    known at run time only: the trainer sets it (``dataclasses.replace``).
     """
 
-    projection: ProjectionSource | Sequence[ProjectionSource] | None = None
-    mode: str | None = None
-    gold_loss: bool = False
-    xtoken_loss: bool = False
-    reverse_kl: bool = False
-    temperature: float = 1.0
-    vocab_topk: int | None = 8192
-    topk_columns: str = "valid"
-    uncommon_topk: int = 8192
-    kl_weight: float = 1.0
-    ce_weight: float = 1.0
-    dynamic_scaling: bool = False
-    exact_token_match_only: bool = False
-    teacher_weights: Sequence[float] | None = None
-    teacher_vocab_size: int | Sequence[int | None] | None = None
-    backend: str = "auto"
-    check_inputs: bool = True
+    #: keys of older run configs, refused with the reason (services.common.config)
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "cuda_graphs": "the P-KL phase runs as eager Triton kernels (CUDA-graph replay saved "
+        "nothing end to end: benchmarks/results/e2e_pipeline.md); delete the key",
+    }
+
+    mode: Mode = field(
+        default="pkl",
+        metadata={
+            "help": "pkl (projected KL), gold, xtoken (relaxed gold) or ce (the student CE alone, "
+            "no teacher)"
+        },
+    )
+    projection: ProjectionSource | Sequence[ProjectionSource] | None = field(
+        default=None,
+        metadata={
+            "help": "projection file (xtoken projection build), or one per teacher; needed "
+            "unless mode=ce (in code also an (indices, likelihoods) tensor pair)"
+        },
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "softmax temperature T of the KD term (> 0); the KD term is times T**2"},
+    )
+    kl_weight: float = field(default=1.0, metadata={"help": "weight of the KD term"})
+    ce_weight: float = field(default=1.0, metadata={"help": "weight of the student CE term"})
+    vocab_topk: int | None = field(
+        default=8192, metadata={"help": "teacher columns kept by P-KL (None: all)"}
+    )
+    topk_columns: TopkColumns = field(
+        default="valid",
+        metadata={
+            "help": "positions that pick P-KL's top-k teacher columns (the ids with the largest "
+            "max-logit): valid (the positions that belong to a chunk after the next-token "
+            "shift) or all (every position, padding and the last one included: NeMo RL's "
+            "rule); they differ only when vocab_topk < the teacher vocab"
+        },
+    )
+    uncommon_topk: int = field(default=8192, metadata={"help": "gold: sorted-L1 length cap"})
+    reverse_kl: bool = field(default=False, metadata={"help": "KL(student || teacher)"})
+    dynamic_scaling: bool = field(
+        default=False, metadata={"help": "scale the KD term by |ce| / |kd| (detached)"}
+    )
+    exact_token_match_only: bool = field(
+        default=False,
+        metadata={"help": "only chunks whose two sides cover identical text count"},
+    )
+    teacher_weights: Sequence[float] | None = field(
+        default=None,
+        metadata={"help": "one weight per teacher (None: one teacher, weight 1)", "cli": False},
+    )
+    teacher_vocab_size: int | Sequence[int | None] | None = field(
+        default=None,
+        metadata={
+            "help": "true teacher vocab (or one per teacher): wider teacher logits (lm_head "
+            "padding) are sliced to it; None: the logits' width. The trainer sets it",
+            "cli": False,
+        },
+    )
+    backend: Backend = field(
+        default="auto",
+        metadata={
+            "help": "loss backend, chosen once: auto (the Triton kernels on CUDA, else the "
+            "PyTorch reference), reference, or kernel (the kernels wherever Triton runs: CUDA "
+            "or TRITON_INTERPRET=1); fp64 logits always take the reference"
+        },
+    )
+    check_inputs: bool = field(
+        default=True,
+        metadata={"help": "run the cheap input checks (shapes, chunk-id range, finite logits)"},
+    )
     projections: tuple[ProjectionSource, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mode is not None:
-            if self.mode not in MODES:
-                raise ValueError(f"mode={self.mode!r} is unknown; use one of {MODES}")
-            want_gold, want_xtoken = self.mode != "pkl", self.mode == "xtoken"
-            if (self.gold_loss and not want_gold) or (self.xtoken_loss and not want_xtoken):
-                raise ValueError(
-                    f"mode={self.mode!r} contradicts gold_loss={self.gold_loss}, "
-                    f"xtoken_loss={self.xtoken_loss}; set either mode or the flags"
-                )
-            self.gold_loss, self.xtoken_loss = want_gold, want_xtoken
-        if self.xtoken_loss and not self.gold_loss:
-            raise ValueError(
-                "xtoken_loss=True needs gold_loss=True (the relaxed map is a gold-loss variant); "
-                "set gold_loss=True or mode='xtoken'"
-            )
+        if self.mode not in MODE_NAMES:
+            raise ValueError(f"mode={self.mode!r} is unknown; use one of {MODE_NAMES}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; use one of {BACKENDS}")
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
@@ -130,13 +163,16 @@ class CrossTokenizerLossConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value} must be finite and >= 0")
+        if self.mode == CE_ONLY and self.ce_weight == 0:
+            raise ValueError("mode=ce with ce_weight=0 trains nothing; set ce_weight > 0")
 
+        projections: tuple[ProjectionSource, ...] = ()
         if self.projection is None:
-            raise ValueError(
-                "projection is required: a file path or an (indices, likelihoods) tensor pair"
-            )
-        if _is_single_projection(self.projection):
-            projections: tuple = (self.projection,)
+            # mode ce, or a run that builds its projection later: the loss refuses a KD mode
+            # without one (CrossTokenizerLoss)
+            pass
+        elif _is_single_projection(self.projection):
+            projections = (self.projection,)
         elif isinstance(self.projection, Sequence) and len(self.projection) > 0:
             projections = tuple(self.projection)
             for i, p in enumerate(projections):
@@ -155,14 +191,14 @@ class CrossTokenizerLossConfig:
                 _check_topk_pair(p, f"projection[{i}]")
 
         if self.teacher_weights is None:
-            self.teacher_weights = (1.0,) * len(projections)
+            self.teacher_weights = (1.0,) * max(len(projections), 1)
         self.teacher_weights = tuple(float(w) for w in self.teacher_weights)
         n = len(self.teacher_weights)
         if n == 0:
             raise ValueError("teacher_weights=() is empty; give one weight per teacher")
         if any(not math.isfinite(w) or w < 0 for w in self.teacher_weights):
             raise ValueError(f"teacher_weights={self.teacher_weights} must be finite and >= 0")
-        if len(projections) not in (1, n):
+        if len(projections) not in (0, 1, n):
             raise ValueError(
                 f"{len(projections)} projections for {n} teacher_weights; give one projection "
                 "per teacher or a single shared one"
@@ -189,8 +225,6 @@ class CrossTokenizerLossConfig:
         return len(self.teacher_weights)
 
     @property
-    def loss_mode(self) -> str:
-        """ "pkl", "gold" or "xtoken"."""
-        if not self.gold_loss:
-            return "pkl"
-        return "xtoken" if self.xtoken_loss else "gold"
+    def uses_teacher(self) -> bool:
+        """Whether the loss has a KD term (needs teacher logits and a projection)."""
+        return self.mode != CE_ONLY

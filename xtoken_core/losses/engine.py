@@ -2,14 +2,16 @@
 returns (:class:`KDResult`), the steps both engines share, and the reference engine.
 
 An engine computes the KD term of one micro-batch over every teacher, already divided by the
-valid-chunk denominators and weighted (docs/design.md, "The loss math"), and runs the input checks the caller
-queued together with its own (one host readback). It may start on the student logits before
-the teachers are prepared (:meth:`KDEngine.start`). Two engines:
+valid-chunk denominators and weighted (docs/design.md, "The loss math"), and the student CE's
+sums, and runs the input checks the caller queued together with its own (one host readback). It
+may start on the student logits before the teachers are prepared (:meth:`KDEngine.start`). The
+per-teacher KD sums are the loss's :class:`~xtoken_core.losses.modes.base.KDMode`'s; an engine
+does what every mode shares (chunk ids, validity, checks, the sum over teachers). Two engines:
 
-* :class:`ReferenceEngine` (here): the PyTorch ground truth of :mod:`xtoken_core.losses.reference`,
-  any float dtype (fp64 included), any device.
-* :class:`~xtoken_core.losses.kernel_engine.KernelEngine`: the Triton kernels (CUDA, or
-  ``TRITON_INTERPRET=1``) for fp32/bf16/fp16 logits.
+* :class:`ReferenceEngine` (here): each mode's PyTorch reference and
+  :mod:`xtoken_core.losses.reference`, any float dtype (fp64 included), any device.
+* :class:`~xtoken_core.losses.kernel_engine.KernelEngine`: each mode's kernel path (the Triton
+  kernels: CUDA, or ``TRITON_INTERPRET=1``) for fp32/bf16/fp16 logits.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.
@@ -27,7 +29,7 @@ from xtoken_core.data.projection import Projection
 from xtoken_core.losses import reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
-from xtoken_core.losses.reference import KDTerms
+from xtoken_core.losses.modes.base import KDMode, KDTerms
 from xtoken_core.losses.utils import AlignmentView, check_chunk_ids, shift_chunk_ids
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "ReferenceEngine",
     "TeacherInputs",
     "check_alignment_shapes",
+    "denominator_name",
     "sum_teacher_terms",
     "valid_chunks",
 ]
@@ -84,8 +87,16 @@ class KDResult:
 
 
 class KDEngine(Protocol):
-    """What :class:`~xtoken_core.losses.loss.CrossTokenizerLoss` calls: :meth:`start` first,
-    then :meth:`kd` with what it returned."""
+    """What :class:`~xtoken_core.losses.loss.CrossTokenizerLoss` calls: :meth:`takes` to know
+    whether the engine runs on a call's logits, :meth:`start` first, then :meth:`kd` and
+    :meth:`ce` with what it returned."""
+
+    def takes(
+        self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
+    ) -> bool:
+        """Whether the engine runs on these logits (the loss falls back to the reference
+        engine for a call it does not)."""
+        ...
 
     def start(self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None) -> Any:
         """Queue the work that needs the student logits alone (called before the teachers
@@ -106,6 +117,16 @@ class KDEngine(Protocol):
         """The KD term. The engine queues the checks of the logits and the alignment in
         ``checks``; every check queued there (the caller's too) has been read back, and raised
         on bad input, before it returns."""
+        ...
+
+    def ce(
+        self,
+        student_logits_BTV: torch.Tensor,
+        targets: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        started: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The student CE's ``(nll_sum, correct, num_tokens)`` of ``targets`` = ``(input_ids,
+        token_mask, sample_mask)`` (on the logits' device)."""
         ...
 
 
@@ -156,7 +177,7 @@ def sum_teacher_terms(
     """Weight and divide each teacher's sums, and add them up.
 
     Args:
-        terms: one :class:`~xtoken_core.losses.reference.KDTerms` per teacher (sums over its
+        terms: one :class:`~xtoken_core.losses.modes.base.KDTerms` per teacher (sums over its
             valid chunks).
         teachers: the teachers, in the same order.
         chunk_denoms: ``[n]`` global valid-chunk counts, or None (each teacher's own count).
@@ -269,17 +290,25 @@ def valid_chunks(
 
 
 class ReferenceEngine:
-    """The KD term by the PyTorch reference (:mod:`xtoken_core.losses.reference`): any float
-    dtype (computed in fp32, fp64 kept), any device. Reads its settings from ``config`` at each
-    call.
+    """The KD term by each mode's PyTorch reference (:meth:`KDMode.reference`) and the CE by
+    :func:`~xtoken_core.losses.reference.student_ce_loss`: any float dtype (computed in fp32,
+    fp64 kept), any device.
 
     Args:
         config: the loss settings.
+        mode: the loss's KD mode.
     """
 
-    def __init__(self, config: CrossTokenizerLossConfig) -> None:
+    def __init__(self, config: CrossTokenizerLossConfig, mode: KDMode) -> None:
         self.config = config
+        self.mode = mode
         self.scales = MetricScales(config.num_teachers)
+
+    def takes(
+        self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
+    ) -> bool:
+        """See :class:`KDEngine`: every call."""
+        return True
 
     def start(self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None) -> None:
         """See :class:`KDEngine`: nothing to queue ahead."""
@@ -297,7 +326,6 @@ class ReferenceEngine:
     ) -> KDResult:
         """See :class:`KDEngine`: the checks are read back before any KD term is computed."""
         cfg = self.config
-        V = student_logits_BTV.shape[-1]
         device = student_logits_BTV.device
         dtype = reference.compute_dtype(student_logits_BTV)
         if checks is not None:
@@ -312,39 +340,29 @@ class ReferenceEngine:
             if chunk_denoms is not None:
                 for t, (_, _, valid_BC) in zip(teachers, prepared, strict=True):
                     checks.denominator(
-                        _denominator_name(t, len(teachers)),
+                        denominator_name(t, len(teachers)),
                         chunk_denoms[t.index : t.index + 1],
                         valid_BC.sum(),
                     )
             checks.run()
-        terms = []
-        for t, (s_ids, t_ids, valid_BC) in zip(teachers, prepared, strict=True):
-            common = (student_logits_BTV, t.logits_BUW, s_ids, t_ids, valid_BC)
-            W = t.vocab_size
-            if cfg.gold_loss:
-                exact = t.projection.exact_map(W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V)
-                terms.append(
-                    reference.gold_kd_loss(
-                        *common,
-                        exact,
-                        temperature=cfg.temperature,
-                        uncommon_topk=cfg.uncommon_topk,
-                        reverse_kl=cfg.reverse_kl,
-                    )
-                )
-            else:
-                terms.append(
-                    reference.pkl_kd_loss(
-                        *common,
-                        t.projection.sparse(V, W),
-                        temperature=cfg.temperature,
-                        vocab_topk=cfg.vocab_topk,
-                        reverse_kl=cfg.reverse_kl,
-                        topk_columns=cfg.topk_columns,
-                    )
-                )
+        terms = [
+            self.mode.reference(
+                student_logits_BTV, t.logits_BUW, s_ids, t_ids, valid_BC, t.projection
+            )
+            for t, (s_ids, t_ids, valid_BC) in zip(teachers, prepared, strict=True)
+        ]
         return sum_teacher_terms(terms, teachers, chunk_denoms, self.scales, dtype, device)
 
+    def ce(
+        self,
+        student_logits_BTV: torch.Tensor,
+        targets: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        started: None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See :class:`KDEngine`."""
+        return reference.student_ce_loss(student_logits_BTV, *targets)
 
-def _denominator_name(teacher: TeacherInputs, num_teachers: int) -> str:
+
+def denominator_name(teacher: TeacherInputs, num_teachers: int) -> str:
+    """How the checks name a teacher's global valid-chunk count."""
     return "global_valid_chunks" + ("" if num_teachers == 1 else f"[{teacher.index}]")

@@ -214,8 +214,7 @@ class FusedHead:
         cfg = None if self.loss_fn is None else self.loss_fn.config
         for i, z_t in enumerate(teachers):
             W = cfg.teacher_vocab_size[i] or z_t.shape[-1]
-            picks = not cfg.gold_loss and cfg.vocab_topk is not None and cfg.vocab_topk < W
-            if not picks:
+            if not self.loss_fn.mode.picks_columns(W):
                 fillers.append(z_t.new_zeros(z_t.shape[-1]))
                 continue
             with torch.no_grad():

@@ -1,8 +1,9 @@
-"""The kernel engine: the KD term by the Triton kernels of :mod:`xtoken_core.losses.fused`,
-launched eagerly.
+"""The kernel engine: the KD term by each mode's kernel path (:meth:`KDMode.kernel`, the Triton
+kernels) and the student CE by :func:`~xtoken_core.losses.fused.student_ce`, launched eagerly.
 
 The chunk bookkeeping of each teacher is one :func:`~xtoken_core.losses.fused.plan_chunks` (two
-launches, no host sync). P-KL then needs no host value before its kernels are queued; gold needs
+launches, no host sync). A mode such as P-KL then needs no host value before its kernels are
+queued; a mode with :attr:`~xtoken_core.losses.modes.base.KDMode.row_logsumexps` (gold) needs
 the valid-chunk count N on the host, read back behind the plans while the GPU makes the row
 logsumexps of the logits not done before them (the row sums of every logits tensor are the finite
 checks). The input checks are read back after every kernel is queued (the kernels index only with
@@ -27,28 +28,34 @@ from xtoken_core.losses.engine import (
     KDResult,
     MetricScales,
     TeacherInputs,
-    _denominator_name,
+    denominator_name,
     sum_teacher_terms,
 )
+from xtoken_core.losses.modes.base import KDMode
 
 __all__ = ["KernelEngine"]
 
 
 class KernelEngine:
-    """The KD term by the Triton kernels (CUDA, or ``TRITON_INTERPRET=1``; fp32/bf16/fp16
-    logits: :meth:`supports`). Reads its settings from ``config`` at each call.
+    """The KD term by each mode's kernel path and the CE by the row kernels (CUDA, or
+    ``TRITON_INTERPRET=1``; fp32/bf16/fp16 logits: :meth:`takes`). Reads its settings from
+    ``config`` at each call.
 
     Args:
-        config: the loss settings.
+        config: the loss settings; with ``backend: auto`` the engine takes CUDA logits only.
+        mode: the loss's KD mode.
     """
 
-    def __init__(self, config: CrossTokenizerLossConfig) -> None:
+    def __init__(self, config: CrossTokenizerLossConfig, mode: KDMode) -> None:
         self.config = config
+        self.mode = mode
         self.scales = MetricScales(config.num_teachers)
 
-    @staticmethod
-    def supports(student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]) -> bool:
-        """Whether the kernels run on these logits (:func:`fused.fused_path_available`).
+    def takes(
+        self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
+    ) -> bool:
+        """Whether the kernels run on these logits (:func:`fused.fused_path_available`, and
+        CUDA logits under ``backend: auto``).
 
         Args:
             student_logits_BTV: the student logits.
@@ -57,6 +64,8 @@ class KernelEngine:
         Returns:
             True when every teacher's logits (and the student's) can take the kernels.
         """
+        if self.config.backend == "auto" and not student_logits_BTV.is_cuda:
+            return False
         return all(fused.fused_path_available(student_logits_BTV, z) for z in teacher_logits)
 
     def kd(
@@ -70,19 +79,17 @@ class KernelEngine:
         started: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> KDResult:
         """See :class:`~xtoken_core.losses.engine.KDEngine`; ``started``: :meth:`start`'s."""
-        cfg = self.config
-        V = student_logits_BTV.shape[-1]
         device = student_logits_BTV.device
-        # Gold: the row logsumexps of every row, whose row sums are the finite checks (one read
-        # of each logits tensor for both); made last-dim contiguous once, as the row kernels
-        # and gold's kernels read the same tensors. Gold sizes its buffers by N, read back
-        # behind the plans: the student's row logsumexps go first (:meth:`start`: the GPU
-        # makes them while the host prepares the teachers and makes the plans), the teachers'
-        # after the plans (the GPU makes them while the host waits for N and queues the next
-        # kernels).
+        # A mode with row logsumexps (gold): the row logsumexps of every row, whose row sums
+        # are the finite checks (one read of each logits tensor for both); made last-dim
+        # contiguous once, as the row kernels and the mode's kernels read the same tensors.
+        # Gold sizes its buffers by N, read back behind the plans: the student's row
+        # logsumexps go first (:meth:`start`: the GPU makes them while the host prepares the
+        # teachers and makes the plans), the teachers' after the plans (the GPU makes them
+        # while the host waits for N and queues the next kernels).
         counts = None
         teacher_logits = [t.logits_BUW for t in teachers]
-        if cfg.gold_loss:
+        if self.mode.row_logsumexps:
             if started is None:
                 started = self.start(student_logits_BTV, checks)
             student_logits_BTV, lse_s = started
@@ -92,7 +99,7 @@ class KernelEngine:
             for t in teachers:
                 checks.finite(t.name, t.logits_BUW)
         plans = [self._plan(t, sample_mask_B, device) for t in teachers]
-        if cfg.gold_loss:
+        if self.mode.row_logsumexps:
             planned = queue_mark(device)  # the copy of N waits for this point only
             lse_t = [
                 self._row_lse(t.name, z, checks)
@@ -104,44 +111,12 @@ class KernelEngine:
         num_valid = None if counts is None else counts()
         terms = []
         for i, (t, plan) in enumerate(zip(teachers, plans, strict=True)):
-            common = (
-                student_logits_BTV,
-                teacher_logits[i],
-                plan.student_chunk_id_BT,
-                plan.teacher_chunk_id_BU,
-                plan.valid_BC,
+            kw = {}
+            if self.mode.row_logsumexps:
+                kw = dict(num_valid=int(num_valid[i]), row_lse=(lse_s, lse_t[i]))
+            terms.append(
+                self.mode.kernel(student_logits_BTV, teacher_logits[i], plan, t.projection, **kw)
             )
-            W = t.vocab_size
-            if cfg.gold_loss:
-                exact = t.projection.exact_map(
-                    W, xtoken_loss=cfg.xtoken_loss, student_vocab_size=V, index_dtype=torch.int32
-                )
-                terms.append(
-                    fused.gold_kd_loss(
-                        *common,
-                        exact,
-                        temperature=cfg.temperature,
-                        uncommon_topk=cfg.uncommon_topk,
-                        reverse_kl=cfg.reverse_kl,
-                        num_valid=int(num_valid[i]),
-                        plan=plan,
-                        row_lse=(lse_s, lse_t[i]),
-                        places_V=t.projection.gold_places(V, W, xtoken_loss=cfg.xtoken_loss),
-                    )
-                )
-            else:
-                terms.append(
-                    fused.pkl_kd_loss(
-                        *common,
-                        t.projection.sparse(V, W),
-                        temperature=cfg.temperature,
-                        vocab_topk=cfg.vocab_topk,
-                        reverse_kl=cfg.reverse_kl,
-                        topk_columns=cfg.topk_columns,
-                        plan=plan,
-                        projection_tables=t.projection.kernel_tables(V, W),
-                    )
-                )
         dtype = reference.compute_dtype(student_logits_BTV)
         result = sum_teacher_terms(terms, teachers, chunk_denoms, self.scales, dtype, device)
         if checks is not None:
@@ -153,7 +128,7 @@ class KernelEngine:
                 checks.id_bounds("alignment_student_chunk_id", plan.stats_5[0:2], C)
                 checks.id_bounds("alignment_teacher_chunk_id", plan.stats_5[2:4], C)
                 if chunk_denoms is not None:
-                    name = _denominator_name(t, len(teachers))
+                    name = denominator_name(t, len(teachers))
                     checks.denominator(name, chunk_denoms[t.index : t.index + 1], plan.stats_5[4:5])
             checks.run(after=checked)
         return result
@@ -161,26 +136,30 @@ class KernelEngine:
     def start(
         self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """See :class:`~xtoken_core.losses.engine.KDEngine`. Gold: the student's row
-        logsumexps and its finite check, ``(logits, lse_R)`` (the logits last-dim contiguous);
-        P-KL: None."""
-        if not self.config.gold_loss:
+        """See :class:`~xtoken_core.losses.engine.KDEngine`. A mode with row logsumexps (gold):
+        the student's row logsumexps and its finite check, ``(logits, lse_R)`` (the logits
+        last-dim contiguous); else (P-KL) None."""
+        if not self.mode.row_logsumexps:
             return None
         z = fused.last_dim_contiguous(student_logits_BTV)
         return z, self._row_lse("student_logits", z, checks)
 
-    def ce_inputs(
-        self, student_logits_BTV: torch.Tensor, started: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The student CE's logits and row logsumexps
-        (:func:`~xtoken_core.losses.fused.student_ce`): gold at temperature 1 made both in
-        :meth:`start` (``started``: the logits last-dim contiguous, their row logsumexps at
-        temperature 1, what the CE needs), so the CE reuses them; otherwise the logits and None
-        (P-KL makes no row logsumexps of every row, and gold's at another temperature are not
-        the CE's)."""
-        if started is not None and self.config.gold_loss and self.config.temperature == 1.0:
-            return started
-        return student_logits_BTV, None
+    def ce(
+        self,
+        student_logits_BTV: torch.Tensor,
+        targets: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        started: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See :class:`~xtoken_core.losses.engine.KDEngine`: by the CE kernels
+        (:func:`~xtoken_core.losses.fused.student_ce`: no fp32 copy of the logits), reusing the
+        row logsumexps :meth:`start` made where they are the CE's (``started``: the logits
+        last-dim contiguous and their row logsumexps at the temperature, the CE's at
+        temperature 1); otherwise the CE kernels make their own (P-KL makes no row
+        logsumexps of every row, and gold's at another temperature are not the CE's)."""
+        logits, lse_R = student_logits_BTV, None
+        if started is not None and self.config.temperature == 1.0:
+            logits, lse_R = started
+        return fused.student_ce(logits, *targets, lse_R=lse_R)
 
     def _row_lse(
         self, name: str, logits: torch.Tensor, checks: DeferredChecks | None

@@ -1,8 +1,11 @@
-"""CrossTokenizerLoss: the public loss API. A call picks an engine
-(:mod:`xtoken_core.losses.engine`: the reference, or the Triton kernels of
-:mod:`xtoken_core.losses.kernel_engine`) and lets it start on the student logits (the GPU then
-works while the host goes on), prepares the inputs (shapes, teacher vocab, alignment,
-projection), asks the engine for the KD term, adds the student CE and combines the two.
+"""CrossTokenizerLoss: the public loss API. The loss builds its KD mode (the registry of
+:mod:`xtoken_core.losses.modes`) and chooses its engine once, from ``backend`` and what the
+machine has (:func:`choose_engine`: the reference engine of :mod:`xtoken_core.losses.engine`, or
+the kernel engine of :mod:`xtoken_core.losses.kernel_engine`). A call lets the engine start on
+the student logits (the GPU then works while the host goes on), prepares the inputs (shapes,
+teacher vocab, alignment, projection), asks the engine for the KD term and the student CE, and
+combines the two. A call whose logits the kernels cannot take (fp64, or CPU logits without the
+interpreter) runs on the reference engine.
 
 Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
 tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
@@ -24,7 +27,8 @@ from typing import Any
 import torch
 
 from xtoken_core.data.projection import Projection, open_projection
-from xtoken_core.losses import fused, reference
+from xtoken_core.kernels._utils import triton
+from xtoken_core.losses import reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.engine import (
@@ -35,6 +39,7 @@ from xtoken_core.losses.engine import (
     valid_chunks,
 )
 from xtoken_core.losses.kernel_engine import KernelEngine
+from xtoken_core.losses.modes import MODES, KDMode
 from xtoken_core.losses.utils import alignment_from_batch, dp_all_reduce_sum
 
 METRIC_KEYS = (
@@ -60,13 +65,35 @@ class CrossTokenizerLoss:
             loss.backward()                                  # then SUM gradients over DP
 
     Args:
-        config: a validated :class:`CrossTokenizerLossConfig`.
+        config: a validated :class:`CrossTokenizerLossConfig` of a KD mode, with a projection.
+
+    Raises:
+        ValueError: ``mode: ce`` (no KD term: the student CE alone is
+            :func:`~xtoken_core.losses.fused.student_ce`, or a
+            :class:`~xtoken_core.losses.fused_head.FusedHead` without a loss), or no projection.
+
+    Attributes:
+        mode: the KD mode (:data:`~xtoken_core.losses.modes.MODES` of ``config.mode``).
+        engine: the engine chosen at construction (:func:`choose_engine`).
+        reference: the reference engine (``engine`` itself, or the fallback for calls the
+            kernels cannot take).
     """
 
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
+        if not config.uses_teacher:
+            raise ValueError(
+                f"mode={config.mode!r} has no KD term: compute the student CE alone "
+                "(xtoken_core.losses.fused.student_ce, or FusedHead(None)), or set a KD mode "
+                f"({', '.join(MODES)})"
+            )
+        if not config.projections:
+            raise ValueError(
+                "projection is required: a file path or an (indices, likelihoods) tensor pair"
+            )
         self.config = config
-        self.reference = ReferenceEngine(config)
-        self.kernel = KernelEngine(config)
+        self.mode: KDMode = MODES[config.mode](config)
+        self.reference = ReferenceEngine(config, self.mode)
+        self.engine: KDEngine = choose_engine(config, self.mode, self.reference)
         self._projections: dict[tuple[int, torch.device], Projection] = {}
         self._fits: dict[tuple[int, torch.device], set[tuple[int, int]]] = {}
 
@@ -190,23 +217,18 @@ class CrossTokenizerLoss:
     def engine_for(
         self, student_logits: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
     ) -> KDEngine:
-        """The engine of this call: ``backend`` "reference", or the kernels where they run
-        ("kernel": CUDA or ``TRITON_INTERPRET=1``; "auto": CUDA only) and the reference else
-        (fp64 logits, no Triton).
+        """The engine of this call: :attr:`engine`, or :attr:`reference` for logits it does not
+        take (the kernels: fp64 logits, CPU logits without ``TRITON_INTERPRET=1``, or CPU
+        logits under ``backend: auto``).
 
         Args:
             student_logits: the student logits.
             teacher_logits: every teacher's logits.
 
         Returns:
-            :attr:`reference` or :attr:`kernel`.
+            :attr:`engine` or :attr:`reference`.
         """
-        backend = self.config.backend
-        if backend == "reference" or (backend == "auto" and not student_logits.is_cuda):
-            return self.reference
-        if KernelEngine.supports(student_logits, teacher_logits):
-            return self.kernel
-        return self.reference
+        return self.engine if self.engine.takes(student_logits, teacher_logits) else self.reference
 
     # ----------------------------------------------------------------- input preparation
 
@@ -307,10 +329,8 @@ class CrossTokenizerLoss:
         return input_ids
 
     def _ce(self, engine, started, student_logits, batch, input_ids, global_valid_tokens, dtype):
-        """``(ce, accuracy)`` over the global token count, or ``(None, None)`` without targets.
-        With the kernel engine, by the CE kernels (:func:`fused.student_ce`: no fp32 copy of
-        the logits), reusing the engine's row logsumexps where :meth:`KernelEngine.ce_inputs`
-        has them (``started``: what the engine's ``start`` returned); else the reference."""
+        """``(ce, accuracy)`` over the global token count, or ``(None, None)`` without targets;
+        the sums by the engine's CE (``started``: what the engine's ``start`` returned)."""
         if input_ids is None:  # no CE tokens: both terms are 0 over any denominator
             return None, None
         device = student_logits.device
@@ -320,15 +340,33 @@ class CrossTokenizerLoss:
             None if token_mask is None else token_mask.to(device),
             None if sample_mask is None else sample_mask.to(device),
         )
-        if engine is self.kernel:
-            logits, lse_R = self.kernel.ce_inputs(student_logits, started)
-            nll_sum, correct, n_tokens = fused.student_ce(logits, *targets, lse_R=lse_R)
-        else:
-            nll_sum, correct, n_tokens = reference.student_ce_loss(student_logits, *targets)
+        nll_sum, correct, n_tokens = engine.ce(student_logits, targets, started)
         if global_valid_tokens is not None:
             n_tokens = torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
         denom = n_tokens.to(dtype).clamp_min(1)
         return nll_sum.to(dtype) / denom, correct.to(dtype) / denom
+
+
+def choose_engine(
+    config: CrossTokenizerLossConfig, mode: KDMode, reference_engine: ReferenceEngine
+) -> KDEngine:
+    """The loss's engine, chosen once from ``config.backend`` and the machine: "reference" the
+    reference; "kernel" the kernels wherever Triton is installed (they run on CUDA, or on the
+    CPU under ``TRITON_INTERPRET=1``); "auto" the kernels where CUDA is available, else the
+    reference.
+
+    Args:
+        config: the loss settings.
+        mode: the loss's KD mode.
+        reference_engine: the reference engine (returned when it is the choice).
+
+    Returns:
+        The engine.
+    """
+    kernels = triton is not None and (
+        config.backend == "kernel" or (config.backend == "auto" and torch.cuda.is_available())
+    )
+    return KernelEngine(config, mode) if kernels else reference_engine
 
 
 def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:

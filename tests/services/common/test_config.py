@@ -259,6 +259,25 @@ def test_a_field_without_a_command_line_form_must_opt_out_of_the_flags():
         add_arguments(argparse.ArgumentParser(), Opaque)
 
 
+@dataclass
+class Source:
+    path: str | tuple[object, object] | None = None
+
+
+@dataclass
+class Handles:
+    handle: object | tuple[object, object] | None = None
+
+
+def test_a_union_flag_reads_the_members_that_have_a_command_line_form():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Source)
+    assert from_args(Source, parser.parse_args(["--path", "p.pt"])) == Source("p.pt")
+    assert from_args(Source, parser.parse_args(["--path", "none"])) == Source(None)
+    with pytest.raises(TypeError, match="Handles.handle.*cli"):
+        add_arguments(argparse.ArgumentParser(), Handles)
+
+
 def test_generated_flags_never_clash_with_the_callers_own_arguments():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps-total", dest="steps", default="mine")

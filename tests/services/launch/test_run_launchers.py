@@ -19,7 +19,7 @@ import pytest
 from services.common.metrics import read_jsonl
 from services.run import CollatorSection, DataConfig, RunConfig
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,
     STUDENT_TOKENIZER,
@@ -34,6 +34,7 @@ from tests.e2e.conftest import (
     wait_for,
     write_config,
 )
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 LAUNCHERS = [
     pytest.param("local", marks=pytest.mark.slow),
@@ -46,7 +47,8 @@ def _config(tmp_path, demo, projection, n: int, **trainer) -> tuple[RunConfig, l
     values = dict(
         student="tiny", micro_batch=4, grad_accum=1, max_steps=0, checkpoint_every=0,
         eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
-        loss=LossConfig(projection=projection), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+        loss=CrossTokenizerLossConfig(projection=projection),
+        optim=OptimConfig(lr=3e-3, warmup_steps=1),
     )
     config = RunConfig(
         run_dir=str(tmp_path / "run"),

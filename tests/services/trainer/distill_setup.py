@@ -89,7 +89,8 @@ def teacher_logits(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def trainer_config(projection: str | None, **overrides):
     """A TrainerConfig of the tiny student (P-KL with ``projection``; ``mode="ce"`` without)."""
-    from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+    from services.trainer.config import OptimConfig, TrainerConfig
+    from xtoken_core.losses import CrossTokenizerLossConfig
 
     loss = {"mode": "pkl" if projection else "ce", "projection": projection, "vocab_topk": 512}
     loss.update(overrides.pop("loss", {}))
@@ -102,7 +103,7 @@ def trainer_config(projection: str | None, **overrides):
         micro_batch=2,
         max_steps=20,
         optim=OptimConfig(**optim),
-        loss=LossConfig(**loss),
+        loss=CrossTokenizerLossConfig(**loss),
     )
     fields.update(overrides)
     return TrainerConfig(**fields)

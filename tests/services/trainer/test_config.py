@@ -1,28 +1,52 @@
-"""The trainer's loss section: the P-KL column rule is validated and reaches the loss; removed
-keys are refused."""
+"""The trainer's loss section is the library's loss config: its keys are validated and reach the
+loss as they are (the teacher vocab added by the trainer); removed keys are refused."""
 
 import pytest
 import torch
 
 from services.common.config import ConfigError, from_dict
-from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.worker import TrainerWorker
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 
 def test_topk_columns_is_validated_naming_the_choices():
-    assert LossConfig().topk_columns == "valid"
+    assert CrossTokenizerLossConfig().topk_columns == "valid"
     with pytest.raises(ValueError, match=r"topk_columns='padded'.*valid.*all"):
-        LossConfig(topk_columns="padded")
+        CrossTokenizerLossConfig(topk_columns="padded")
 
 
-def test_topk_columns_reaches_the_loss_config(tmp_path):
+def _worker(tmp_path, **loss) -> TrainerWorker:
     path = tmp_path / "proj.pt"
     indices = torch.tensor([[0, -1], [1, -1], [2, -1]])
     torch.save({"indices": indices, "likelihoods": (indices >= 0).float()}, path)
     worker = TrainerWorker.__new__(TrainerWorker)  # only _build_loss: no model, no queue
-    worker.config = TrainerConfig(loss=LossConfig(projection=str(path), topk_columns="all"))
+    worker.config = from_dict(TrainerConfig, {"loss": {"projection": str(path), **loss}})
     worker.vocab = 3
-    assert worker._build_loss(3).config.topk_columns == "all"
+    return worker
+
+
+def test_topk_columns_reaches_the_loss_config(tmp_path):
+    assert _worker(tmp_path, topk_columns="all")._build_loss(3).config.topk_columns == "all"
+
+
+def test_the_run_config_loss_section_reaches_the_loss_as_is_with_the_teacher_vocab(tmp_path):
+    section = {"mode": "gold", "temperature": 2.0, "exact_token_match_only": True}
+    worker = _worker(tmp_path, **section)
+    loss_fn = worker._build_loss(4)
+    assert loss_fn.config is not worker.config.loss  # the run config is left as it was
+    assert worker.config.loss.teacher_vocab_size == (None,)
+    assert loss_fn.config.teacher_vocab_size == (4,)
+    for key, value in section.items():
+        assert getattr(loss_fn.config, key) == value
+
+
+def test_the_teacher_vocab_is_the_trainers_and_one_teacher_is_distilled():
+    with pytest.raises(ConfigError, match=r"loss.teacher_vocab_size=5: the trainer sets it"):
+        from_dict(TrainerConfig, {"loss": {"mode": "ce", "teacher_vocab_size": 5}})
+    for listed in (["a.pt", "b.pt"], ["a.pt"]):  # one file, never a list of them
+        with pytest.raises(ConfigError, match="a trainer distills one teacher"):
+            from_dict(TrainerConfig, {"loss": {"projection": listed}})
 
 
 def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from services import protocol as proto
-from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.teacher_client import Asked, TeacherClient
 from xtoken_core.ipc.logit_ring import LogitRingReader, LogitRingWriter
+from xtoken_core.losses import CrossTokenizerLossConfig
 from xtoken_core.wire import JaggedColumn
 
 B, U, W = 1, 4, 8
@@ -76,7 +77,10 @@ def _answer(queue: _Queue, writer: LogitRingWriter, key: str, teacher: str = "t"
 
 def _client(queue, reader) -> TeacherClient:
     config = TrainerConfig(
-        loss=LossConfig(mode="ce"), claim_timeout_s=0.01, teacher_timeout_s=300.0, dead_after_s=0.3
+        loss=CrossTokenizerLossConfig(mode="ce"),
+        claim_timeout_s=0.01,
+        teacher_timeout_s=300.0,
+        dead_after_s=0.3,
     )
     worker = types.SimpleNamespace(device=torch.device("cpu"))
     return TeacherClient(queue, config, 0, worker, reader=reader)

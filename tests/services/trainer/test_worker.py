@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.worker import TrainerWorker, lr_lambda
 from tests.services.trainer import distill_setup as setup
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 
 def _params(worker: TrainerWorker) -> dict[str, torch.Tensor]:
@@ -88,7 +89,7 @@ def test_ce_mode_needs_no_projection_nor_teacher():
         student="tiny",
         student_tokenizer=setup.STUDENT_TOKENIZER,
         teacher_tokenizer=setup.TEACHER_TOKENIZER,
-        loss=LossConfig(mode="ce"),
+        loss=CrossTokenizerLossConfig(mode="ce"),
     )
     worker = TrainerWorker(config)
     assert worker.loss_fn is None and not config.loss.uses_teacher

@@ -5,7 +5,7 @@ import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE
 from xtoken_core.kernels import logit_rows, pkl_chunk_kl
-from xtoken_core.losses import reference
+from xtoken_core.losses.modes import pkl
 
 pytest.importorskip("triton")
 
@@ -44,7 +44,7 @@ def _reference(q_RK, lp_NK, reverse_kl):
     used = nidx >= 0
     q_NK = torch.zeros(N, K, dtype=torch.float64).index_add(0, nidx[used], q64[used])
     q_NK = q_NK / torch.bincount(nidx[used], minlength=N).double().unsqueeze(-1)
-    terms = reference.pkl_terms_from_chunks(
+    terms = pkl.terms_from_chunks(
         lp_NK.double().cpu(),
         q_NK,
         torch.ones(1, N, dtype=torch.bool),
@@ -69,7 +69,7 @@ def test_chunk_terms_and_row_gradients_match_the_reference(reverse_kl, small_blo
     kd_ref, correct_ref, dq_ref = _reference(q_RK, lp_NK, reverse_kl)
     q_RK, lp_NK, nidx, order, offsets = (x.to(DEVICE) for x in (q_RK, lp_NK, nidx, order, offsets))
     out_N4, qc_NK, stats_N2 = pkl_chunk_kl.chunk_kl_forward(
-        q_RK, order, offsets, lp_NK, TEMP, reverse_kl, reference.PROB_EPS
+        q_RK, order, offsets, lp_NK, TEMP, reverse_kl, pkl.PROB_EPS
     )
     kd, l1, correct, num_valid = out_N4.sum(0).tolist()
     assert kd == pytest.approx(kd_ref.item(), rel=1e-5)
@@ -78,7 +78,7 @@ def test_chunk_terms_and_row_gradients_match_the_reference(reverse_kl, small_blo
     assert out_N4[1:3, 2].tolist() == [1.0, 0.0]
     grad = torch.tensor([0.5, 7.0, 7.0, 7.0], device=DEVICE)  # only the kd slot counts
     dq, dot = pkl_chunk_kl.chunk_kl_backward(
-        grad, q_RK, nidx, offsets, lp_NK, qc_NK, stats_N2, TEMP, reverse_kl, reference.PROB_EPS
+        grad, q_RK, nidx, offsets, lp_NK, qc_NK, stats_N2, TEMP, reverse_kl, pkl.PROB_EPS
     )
     assert dq.shape == (len(NIDX), K) and dq.stride(0) == 1  # column-major: [K, R] memory
     torch.testing.assert_close(dq.double().cpu(), 0.5 * dq_ref, rtol=1e-4, atol=1e-6)
@@ -92,7 +92,7 @@ def test_no_valid_chunk_gives_empty_terms_and_zero_row_gradients():
     offsets = torch.zeros(1, dtype=torch.long, device=DEVICE)
     lp_NK = torch.zeros(0, K, device=DEVICE)
     out_N4, qc_NK, stats_N2 = pkl_chunk_kl.chunk_kl_forward(
-        q_RK, torch.arange(5, device=DEVICE), offsets, lp_NK, TEMP, False, reference.PROB_EPS
+        q_RK, torch.arange(5, device=DEVICE), offsets, lp_NK, TEMP, False, pkl.PROB_EPS
     )
     assert out_N4.shape == (0, 4) and out_N4.sum(0).tolist() == [0.0] * 4
     dq, dot = pkl_chunk_kl.chunk_kl_backward(
@@ -105,7 +105,7 @@ def test_no_valid_chunk_gives_empty_terms_and_zero_row_gradients():
         stats_N2,
         TEMP,
         False,
-        reference.PROB_EPS,
+        pkl.PROB_EPS,
     )
     assert bool((dq == 0).all()) and bool((dot == 0).all())
 
@@ -117,7 +117,7 @@ def test_device_n_covers_extra_slots_with_zero_rows_and_the_same_terms(small_blo
     offsets_S1 = torch.cat([offsets, torch.tensor([-5, 10**6, 7])])
     lp_SK = torch.cat([lp_NK, torch.full((extra, K), float("nan"))])
     args = [x.to(DEVICE) for x in (q_RK, order, offsets, lp_NK)]
-    want, _, _ = pkl_chunk_kl.chunk_kl_forward(*args, TEMP, False, reference.PROB_EPS)
+    want, _, _ = pkl_chunk_kl.chunk_kl_forward(*args, TEMP, False, pkl.PROB_EPS)
     num_valid = torch.tensor([N], device=DEVICE)
     got, _, _ = pkl_chunk_kl.chunk_kl_forward(
         args[0],
@@ -126,7 +126,7 @@ def test_device_n_covers_extra_slots_with_zero_rows_and_the_same_terms(small_blo
         lp_SK.to(DEVICE),
         TEMP,
         False,
-        reference.PROB_EPS,
+        pkl.PROB_EPS,
         num_valid,
     )
     assert torch.equal(got[:N], want)

@@ -5,17 +5,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xtoken_core.losses import CrossTokenizerLossConfig
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+from xtoken_core.losses.modes import MODES
 
 PROJ = (torch.tensor([[0, -1], [1, 0]]), torch.tensor([[1.0, 0.0], [0.5, 0.5]]))
 
 
-def test_mode_sets_the_loss_flags():
-    assert CrossTokenizerLossConfig(projection=PROJ, mode="pkl").loss_mode == "pkl"
-    gold = CrossTokenizerLossConfig(projection=PROJ, mode="gold")
-    assert gold.gold_loss and not gold.xtoken_loss
-    xtoken = CrossTokenizerLossConfig(projection=PROJ, mode="xtoken")
-    assert xtoken.gold_loss and xtoken.xtoken_loss and xtoken.loss_mode == "xtoken"
+def test_mode_picks_its_class_from_the_registry():
+    for name, cls in MODES.items():
+        loss_fn = CrossTokenizerLoss(CrossTokenizerLossConfig(projection=PROJ, mode=name))
+        assert type(loss_fn.mode) is cls
+    assert CrossTokenizerLossConfig(projection=PROJ).mode == "pkl"
+    assert issubclass(MODES["xtoken"], MODES["gold"]) and MODES["xtoken"].relaxed
+
+
+def test_mode_ce_needs_no_projection_and_has_no_kd_loss():
+    cfg = CrossTokenizerLossConfig(mode="ce")
+    assert not cfg.uses_teacher and cfg.projections == ()
+    with pytest.raises(ValueError, match="mode='ce' has no KD term"):
+        CrossTokenizerLoss(cfg)
+
+
+def test_a_kd_mode_without_a_projection_is_refused_by_the_loss():
+    cfg = CrossTokenizerLossConfig(mode="gold")  # a run config may leave it for the run to build
+    assert cfg.uses_teacher and cfg.projections == ()
+    with pytest.raises(ValueError, match="projection is required"):
+        CrossTokenizerLoss(cfg)
 
 
 def test_defaults_give_one_teacher_with_weight_one():
@@ -34,9 +49,8 @@ def test_one_projection_is_shared_by_every_teacher():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"xtoken_loss": True}, "xtoken_loss=True needs gold_loss=True"),
         ({"mode": "kl"}, "mode='kl' is unknown"),
-        ({"mode": "pkl", "gold_loss": True}, "contradicts"),
+        ({"mode": "ce", "ce_weight": 0.0}, "mode=ce with ce_weight=0 trains nothing"),
         ({"backend": "triton"}, "backend='triton' is unknown"),
         ({"temperature": -1.0}, "temperature=-1.0 must be > 0"),
         ({"temperature": 0}, "temperature=0 must be > 0"),
@@ -46,7 +60,6 @@ def test_one_projection_is_shared_by_every_teacher():
         ({"topk_columns": "padded"}, r"topk_columns='padded' is unknown.*'valid', 'all'"),
         ({"kl_weight": -0.1}, "kl_weight=-0.1"),
         ({"ce_weight": float("inf")}, "ce_weight=inf"),
-        ({"projection": None}, "projection is required"),
         ({"projection": 3}, "projection of type int"),
         ({"projection": [PROJ, 3]}, r"projection\[1\] is int"),
         ({"projection": (PROJ[0], PROJ[1][:1])}, "must both be"),

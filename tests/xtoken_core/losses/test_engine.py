@@ -1,4 +1,4 @@
-"""The engine seam: which engine a call takes, and that both give one KD term for the loss."""
+"""The engine seam: the engine a loss chooses once, and the one each call takes."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def test_the_kernel_engine_takes_fp32_where_triton_runs(monkeypatch):
     zs, zt = make_logits(0)
     fn = _loss(backend="kernel")
     assert isinstance(_engine(fn, zs.detach().float(), zt.float()), KernelEngine)
+
+
+def test_the_engine_is_chosen_once_from_the_backend_and_the_machine():
+    pytest.importorskip("triton")
+    assert isinstance(_loss(backend="reference").engine, ReferenceEngine)
+    assert isinstance(_loss(backend="kernel").engine, KernelEngine)  # CUDA or the interpreter
+    on_cuda = KernelEngine if torch.cuda.is_available() else ReferenceEngine
+    assert isinstance(_loss(backend="auto").engine, on_cuda)

@@ -1,4 +1,4 @@
-"""Fused KD path (losses.fused with logit_rows kernels) against the reference KD functions."""
+"""Every mode's kernel path (``kernel_kd_loss``) against its reference (``reference_kd_loss``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from xtoken_core.data.projection import Projection, exact_token_map_from_topk
 from xtoken_core.losses import fused, reference
+from xtoken_core.losses.modes import gold, pkl
 from xtoken_core.losses.utils import shift_chunk_ids, sparse_projection_from_topk
 
 pytest.importorskip("triton")
@@ -53,7 +54,13 @@ def _case(seed, dtype, Bn=B, Tn=T, Un=U, Vn=V, Wn=W, Cn=C, valid_p=0.8):
     return to(zs), to(zt), to(s_ids), to(t_ids), to(valid), to(indices), to(likelihoods)
 
 
-def _run(module, mode, zs, zt, s_ids, t_ids, valid, indices, likelihoods, **kw):
+#: the module of each mode's reference and kernel path
+MODULES = {"pkl": pkl, "gold": gold, "xtoken": gold}
+
+
+def _run(path, mode, zs, zt, s_ids, t_ids, valid, indices, likelihoods, **kw):
+    """The KD terms and the logits' gradient of ``path`` ("reference" or "kernel")."""
+    kd_loss = getattr(MODULES[mode], f"{path}_kd_loss")
     x = zs.detach().clone().requires_grad_()
     Wn = zt.shape[-1]
     opts = dict(temperature=kw.get("temperature", 1.7), reverse_kl=kw.get("reverse_kl", False))
@@ -61,14 +68,12 @@ def _run(module, mode, zs, zt, s_ids, t_ids, valid, indices, likelihoods, **kw):
         M = sparse_projection_from_topk(
             indices, likelihoods, student_vocab_size=zs.shape[-1], teacher_vocab_size=Wn
         )
-        terms = module.pkl_kd_loss(
-            x, zt, s_ids, t_ids, valid, M, vocab_topk=kw.get("vocab_topk", 17), **opts
-        )
+        terms = kd_loss(x, zt, s_ids, t_ids, valid, M, vocab_topk=kw.get("vocab_topk", 17), **opts)
     else:
         exact = kw.get("exact") or exact_token_map_from_topk(
             indices, likelihoods, xtoken_loss=mode == "xtoken", teacher_vocab_size=Wn
         )
-        terms = module.gold_kd_loss(
+        terms = kd_loss(
             x, zt, s_ids, t_ids, valid, exact, uncommon_topk=kw.get("uncommon_topk", 9), **opts
         )
     terms.kd.backward()
@@ -77,8 +82,8 @@ def _run(module, mode, zs, zt, s_ids, t_ids, valid, indices, likelihoods, **kw):
 
 def _assert_match(mode, case, grad_tol, **kw):
     assert fused.fused_path_available(case[0], case[1])
-    ref, g_ref = _run(reference, mode, *case, **kw)
-    got, g_got = _run(fused, mode, *case, **kw)
+    ref, g_ref = _run("reference", mode, *case, **kw)
+    got, g_got = _run("kernel", mode, *case, **kw)
     for name in ("kd", "kl", "l1", "num_valid"):
         torch.testing.assert_close(
             getattr(got, name).float(), getattr(ref, name).float(), rtol=2e-5, atol=1e-6
@@ -98,8 +103,8 @@ def test_fp32_values_gradients_and_metrics_match_the_reference(mode, reverse_kl)
 @pytest.mark.parametrize("mode", ["pkl", "gold"])
 def test_bf16_logits_match_the_reference_within_bf16_rounding(mode):
     case = _case(2, torch.bfloat16)
-    ref, g_ref = _run(reference, mode, *case, temperature=2.0)
-    got, g_got = _run(fused, mode, *case, temperature=2.0)
+    ref, g_ref = _run("reference", mode, *case, temperature=2.0)
+    got, g_got = _run("kernel", mode, *case, temperature=2.0)
     torch.testing.assert_close(got.kd, ref.kd, rtol=1e-4, atol=1e-6)
     rel = (g_got.float() - g_ref.float()).norm() / g_ref.float().norm()
     assert rel < 1e-2, rel
@@ -114,7 +119,7 @@ def test_no_valid_chunk_gives_zero_loss_and_zero_gradient():
     for mode in ("pkl", "gold"):
         case = list(_case(4, torch.float32))
         case[4] = torch.zeros_like(case[4])
-        terms, grad = _run(fused, mode, *case)
+        terms, grad = _run("kernel", mode, *case)
         assert terms.kd.item() == 0.0 and terms.num_valid.item() == 0
         assert bool((grad == 0).all())
 
@@ -151,8 +156,8 @@ def test_projection_tables_are_built_once_per_projection():
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
 def test_cuda_bf16_at_a_vocab_scale_size_matches_the_reference(mode):
     case = _case(7, torch.bfloat16, Bn=2, Tn=515, Un=509, Vn=20011, Wn=18013, Cn=400)
-    ref, g_ref = _run(reference, mode, *case, temperature=2.0, vocab_topk=1500, uncommon_topk=512)
-    got, g_got = _run(fused, mode, *case, temperature=2.0, vocab_topk=1500, uncommon_topk=512)
+    ref, g_ref = _run("reference", mode, *case, temperature=2.0, vocab_topk=1500, uncommon_topk=512)
+    got, g_got = _run("kernel", mode, *case, temperature=2.0, vocab_topk=1500, uncommon_topk=512)
     torch.testing.assert_close(got.kd, ref.kd, rtol=1e-4, atol=1e-6)
     rel = (g_got.float() - g_ref.float()).norm() / g_ref.float().norm()
     assert rel < 1e-2, rel
@@ -175,7 +180,7 @@ def test_cuda_kernels_compile_once_however_the_batch_sizes_vary(mode):
         sizes = [(515, 509, 400), (512, 496, 32), (301, 288, 17), (640, 600, 33), (333, 517, 160)]
         for i, (Tn, Un, Cn) in enumerate(sizes):
             case = _case(30 + i, torch.bfloat16, Bn=2, Tn=Tn, Un=Un, Vn=20016, Wn=18016, Cn=Cn)
-            _run(fused, mode, *case, vocab_topk=1500, uncommon_topk=512)
+            _run("kernel", mode, *case, vocab_topk=1500, uncommon_topk=512)
             torch.cuda.synchronize()
             if i == 0:
                 compiled.clear()  # the first batch compiles every kernel once
