@@ -148,7 +148,14 @@ class SampleFeed:
             fresh = self._claim_fresh(size - len(self._step), block)
             if fresh is None:
                 break
-            self._step.extend(fresh)
+            # a sample whose lease lapsed while the step was gathered comes again: keep its
+            # place and take the new lease
+            held = {k: i for i, (k, _, _) in enumerate(self._step)}
+            for item in fresh:
+                if item[0] in held:
+                    self._step[held[item[0]]] = item
+                else:
+                    self._step.append(item)
         if not self._step or (len(self._step) < size and not self._ended):
             return None
         step, self._step = self._step[:size], self._step[size:]

@@ -5,6 +5,7 @@ stop."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -108,3 +109,19 @@ def test_a_step_being_gathered_is_given_back_on_a_stop(queue):
         feed.give_back([])
         assert client.status(PARTITION, "t")["leased"] == 0
         assert not feed.ended
+
+
+@pytest.mark.timeout(60)
+def test_a_sample_whose_lease_lapsed_while_its_step_was_gathered_keeps_its_place(queue):
+    config = setup.trainer_config(
+        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2,
+        lease_s=0.5,
+    )  # fmt: skip
+    with QueueClient(queue, timeout_s=10) as client:
+        _put(client, 0, 3)
+        feed = SampleFeed(client, config, PADS, "t", set())
+        assert feed.claim(2, block=True) is None  # 3 of 4 gathered
+        time.sleep(0.8)  # their leases lapse: the next claim brings k00 again first
+        _put(client, 3, 2)
+        got = feed.claim(2, block=True)
+    assert sorted(k for c in got for k in c.keys) == ["k00", "k01", "k02", "k03"]
