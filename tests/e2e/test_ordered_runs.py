@@ -11,7 +11,7 @@ import pytest
 
 from services.run import CollatorSection, DataConfig, RunConfig
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import LossConfig, OptimConfig, TrainerConfig
+from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,
     STUDENT_TOKENIZER,
@@ -20,11 +20,17 @@ from tests.e2e.conftest import (
     trained_records,
     write_config,
 )
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 TEXTS = 30  # micro_batch 2 x grad_accum 2: 7 steps of 4 and a last one of 2
 
 
-def _config(run_dir: pathlib.Path, train: pathlib.Path, heldout: pathlib.Path, loss: LossConfig):
+def _config(
+    run_dir: pathlib.Path,
+    train: pathlib.Path,
+    heldout: pathlib.Path,
+    loss: CrossTokenizerLossConfig,
+):
     return RunConfig(
         run_dir=str(run_dir),
         student_tokenizer=STUDENT_TOKENIZER,
@@ -60,8 +66,8 @@ def test_ordered_runs_of_one_seed_train_the_same_steps_with_and_without_a_teache
     procs, tmp_path, demo, projection
 ):
     paths, corpus = corpus_parts(demo, tmp_path / "data", n=TEXTS, parts=1)
-    ce = LossConfig(mode="ce")
-    kd = LossConfig(mode="pkl", projection=projection)
+    ce = CrossTokenizerLossConfig(mode="ce")
+    kd = CrossTokenizerLossConfig(mode="pkl", projection=projection)
     heldout = demo.heldout_path
     ce1, bpb1 = _run(procs, tmp_path, "ce1", _config(tmp_path / "ce1", paths[0], heldout, ce))
     ce2, bpb2 = _run(procs, tmp_path, "ce2", _config(tmp_path / "ce2", paths[0], heldout, ce))

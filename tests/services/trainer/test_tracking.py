@@ -15,7 +15,8 @@ import pytest
 from services.common.config import to_dict
 from services.common.metrics import JsonlWriter, read_jsonl
 from services.trainer import tracking
-from services.trainer.config import LossConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
+from xtoken_core.losses import CrossTokenizerLossConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 # the records the trainer shell writes (services/trainer/main.py), in its order
@@ -178,7 +179,7 @@ def test_every_wandb_launch_of_a_run_logs_to_one_run_id(tmp_path, monkeypatch):
 
 
 def test_the_trainer_logs_its_own_config_when_the_run_wrote_none(tmp_path):
-    config = TrainerConfig(report_to=["tensorboard"], loss=LossConfig(mode="ce"))
+    config = TrainerConfig(report_to=["tensorboard"], loss=CrossTokenizerLossConfig(mode="ce"))
     assert tracking.run_hparams(to_dict(config), tmp_path) == {"trainer": to_dict(config)}
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "run.json").write_text(json.dumps(HPARAMS))
