@@ -10,6 +10,10 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # per-step fields of a compared run, beside its three x axes
@@ -149,6 +153,47 @@ def config_diff(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if len(values) < len(flat) or len(shown) > 1:
             out.append({"key": key, "values": values})
     return out
+
+
+class KeptCurves:
+    """:func:`run_series` of runs read from their metrics files, each kept until its file changes
+    (size or modification time): a dashboard that compares a live run with finished ones asks
+    every few seconds, and reading a file of 20,000 steps takes ~0.7 s. Thread-safe.
+
+    Args:
+        kept: the most kept (the oldest goes first); each is at most ``max_points`` x 13 numbers.
+    """
+
+    def __init__(self, kept: int = 32) -> None:
+        self.kept = kept
+        self._curves: dict[tuple, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self, path: str | os.PathLike, max_points: int, read: Callable[[], Any]
+    ) -> dict[str, Any]:
+        """The curves of the run whose metrics file is ``path``.
+
+        Args:
+            path: rank 0's metrics file.
+            max_points: as :func:`run_series`.
+            read: reads the file's series (``steps``, ``evals``) when it is not kept.
+        """
+        try:
+            st = Path(path).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return run_series([], [], max_points)
+        key = (str(path), st.st_size, st.st_mtime_ns, max_points)
+        with self._lock:
+            found = self._curves.get(key)
+        if found is None:
+            series = read()
+            found = run_series(series.steps, series.evals, max_points)
+            with self._lock:
+                self._curves[key] = found
+                while len(self._curves) > self.kept:
+                    self._curves.pop(next(iter(self._curves)))
+        return found
 
 
 def _num(value: Any) -> float | None:

@@ -111,9 +111,10 @@ class Supervisor:
         self.max_processes = max_processes
         self.host = socket.gethostname()
         self._live: dict[str, LiveRun] = {}  # run id -> its live side (kept after it ends)
-        self._last_step = (
-            LastSteps()
-        )  # step and "updated" of the runs this control plane does not watch
+        # of the runs this control plane does not watch: their last step ("updated", "step") and
+        # their compared curves, each read again only when its metrics file changed
+        self._last_step = LastSteps()
+        self._compared_kept = comparing.KeptCurves()
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self.journal = Journal(store, self._lock)
@@ -449,19 +450,26 @@ class Supervisor:
                 "(?run=ID&run=ID...)"
             )
         records = [self.journal.record(run_id) for run_id in ids]
-        runs = []
-        for rec in records:
-            series = self._series(rec)
-            runs.append(
-                {
-                    "id": rec["id"],
-                    "name": rec["name"],
-                    "state": rec["state"],
-                    **comparing.run_series(series.steps, series.evals, max_points),
-                }
-            )
+        runs = [
+            {
+                "id": rec["id"],
+                "name": rec["name"],
+                "state": rec["state"],
+                **self._compared(rec, max_points),
+            }
+            for rec in records
+        ]
         diff = comparing.config_diff({rec["id"]: rec["config"] for rec in records})
         return {"runs": runs, "config_diff": diff}
+
+    def _compared(self, rec: dict[str, Any], max_points: int) -> dict[str, Any]:
+        """A run's curves for :meth:`compare`: from its live series, or kept from its file."""
+        h = self._live.get(rec["id"])
+        if h is not None:
+            return comparing.run_series(h.series.steps, h.series.evals, max_points)
+        return self._compared_kept.get(
+            _metrics_file(rec["run_dir"]), max_points, lambda: self._series(rec)
+        )
 
     def queue(self, run_id: str) -> dict[str, Any]:
         """The run's queue: its address and its latest stats (samples and bytes per partition,

@@ -170,3 +170,36 @@ def test_recorded_events_reach_the_event_stream_with_their_sentence(runs):
     assert "trainer0 (trainer) exited with code 137" in texts
     assert "trainer0 restarted after exit 137, with every trainer rank (attempt 1 of 2)" in texts
     assert texts[-1] == "run SUCCEEDED: every trainer rank finished"
+
+
+def test_the_curves_of_a_finished_run_are_kept_until_its_file_changes(tmp_path):
+    from services.common.metrics import JsonlWriter
+    from services.common.series import Series
+    from services.control.compare import KeptCurves
+
+    paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for path in paths:
+        with open(path, "w") as fh:
+            fh.write(json.dumps({"event": "step", "time": 1.0, "step": 1, "tokens": 8}) + "\n")
+    reads = []
+
+    def reader(path):
+        def read():
+            reads.append(path.name)
+            series = Series(path)
+            series.poll()
+            return series
+
+        return read
+
+    kept = KeptCurves(kept=1)
+    first = kept.get(paths[0], 100, reader(paths[0]))
+    assert kept.get(paths[0], 100, reader(paths[0])) is first and reads == ["a.jsonl"]
+    writer = JsonlWriter(paths[0])
+    writer.write("step", step=2, tokens=8)
+    writer.close()
+    assert kept.get(paths[0], 100, reader(paths[0]))["steps"]["tokens_seen"] == [8.0, 16.0]
+    kept.get(paths[1], 100, reader(paths[1]))  # the bound: a's curves go
+    kept.get(paths[0], 100, reader(paths[0]))
+    assert reads == ["a.jsonl", "a.jsonl", "b.jsonl", "a.jsonl"]
+    assert kept.get(tmp_path / "none.jsonl", 100, reader(paths[0]))["steps"]["step"] == []
