@@ -158,11 +158,13 @@ def _teacher_has_compile() -> bool:
 
 
 def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: str, eager: bool):
-    extra = EAGER_TRAINER if eager else getattr(args, "trainer_extra", None) or {}
-    """The trainer's worker of a bare run (its start-up step done)."""
+    """The trainer's worker of a bare run (its start-up step done): the eager baseline's keys, or
+    ``args.trainer_extra`` (``--trainer-extra``) over the defaults."""
     from services.trainer.config import OptimConfig, TrainerConfig
     from services.trainer.worker import TrainerWorker
     from xtoken_core.losses import CrossTokenizerLossConfig
+
+    extra = EAGER_TRAINER if eager else getattr(args, "trainer_extra", None) or {}
 
     cfg = TrainerConfig(
         student=student_dir,

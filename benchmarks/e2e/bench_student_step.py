@@ -86,9 +86,7 @@ def _teacher_logits(teacher, batch: dict, device) -> torch.Tensor:
 
 
 def one_student(args, variant: str, B: int, T: int) -> dict:
-    from services.trainer.config import OptimConfig, TrainerConfig
-    from services.trainer.worker import MicroBatch, TrainerWorker
-    from xtoken_core.losses import CrossTokenizerLossConfig
+    from services.trainer.worker import MicroBatch
 
     device = torch.device(args.device)
     student_dir, teacher_dir = bp.save_models(args, Path(args.work))
@@ -100,20 +98,9 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         logits = [_teacher_logits(teacher, b, device).clone() for b in batches]
         del teacher
         bp._free()
-    cfg = TrainerConfig(
-        student=student_dir,
-        student_tokenizer=args.student_tokenizer,
-        teacher_tokenizer=args.teacher_tokenizer,
-        device=args.device,
-        micro_batch=B,
-        max_length=T,
-        max_steps=10**6,
-        optim=OptimConfig(warmup_steps=0),
-        loss=CrossTokenizerLossConfig(mode=args.mode, projection=projection),
-        **STUDENT[variant],
-    )
-    worker = TrainerWorker(cfg, device=device)
-    start_s = worker.warm_up()
+    args.trainer_extra = STUDENT[variant]  # the default run's keys of bench_pipeline's worker
+    worker = bp._bare_worker(args, args.mode, B, T, student_dir, projection, eager=False)
+    start_s = worker.compile_s
 
     def step(i: int):
         k = i % len(batches)
