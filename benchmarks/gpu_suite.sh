@@ -60,6 +60,23 @@ want bench_pipeline_pkl && step bench_pipeline_pkl $PY benchmarks/e2e/bench_pipe
   --shapes 1x4096 --modes pkl --results "$OUT/e2e_pipeline.jsonl"
 want bench_pipeline && step bench_pipeline $PY benchmarks/e2e/bench_pipeline.py \
   --results "$OUT/e2e_pipeline.jsonl"
+# two GPUs: 1 vs 2 trainer ranks at the same global batch (a colocated teacher each), and one
+# rank fed by a teacher on the other GPU (cuda_ipc, then the hidden transport); then the
+# per-step losses of 1 rank x 2 micro-batches and 2 ranks x 1 over 50 ordered steps
+TWO_GPU="--trainers 1 2 --teacher-devices same cuda:1 --same-global-batch --baseline none \
+  --recompile-steps 0 --no-bare --steps ${TWO_GPU_STEPS:-8} --warmup 3 --tag two-gpu"
+for shape in 4x2048 1x4096; do
+  for mode in pkl gold; do
+    want two_gpu_${mode}_$shape && step two_gpu_${mode}_$shape $PY benchmarks/e2e/bench_pipeline.py \
+      --shapes $shape --modes $mode $TWO_GPU --results "$OUT/e2e_pipeline.jsonl"
+  done
+done
+want two_gpu_hidden && step two_gpu_hidden $PY benchmarks/e2e/bench_pipeline.py --shapes 4x2048 \
+  --modes pkl --transports hidden --trainers 1 --teacher-devices cuda:1 --baseline none \
+  --recompile-steps 0 --no-bare --steps 8 --warmup 3 --tag two-gpu --results "$OUT/e2e_pipeline.jsonl"
+want two_gpu_curves && step two_gpu_curves $PY benchmarks/e2e/bench_pipeline.py --shapes 4x2048 \
+  --modes pkl --trainers 1 2 --same-global-batch --ordered --baseline none --recompile-steps 0 \
+  --no-bare --steps 48 --warmup 2 --tag two-gpu-curves --results "$OUT/e2e_pipeline.jsonl"
 want bench_fused_indices && step bench_fused_indices $PY benchmarks/kernels/bench_fused_indices.py
 want bench_embedding && step bench_embedding $PY benchmarks/ops/bench_embedding.py
 exit $status

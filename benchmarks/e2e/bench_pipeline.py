@@ -330,9 +330,11 @@ def pipeline(
     grad_accum: int = 1,
     trainer_extra: dict | None = None,
     teacher_extra: dict | None = None,
+    ordered: bool = False,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records
-    (``trainer_extra`` / ``teacher_extra``: more keys of the run config's sections)."""
+    (``trainer_extra`` / ``teacher_extra``: more keys of the run config's sections; ``ordered``:
+    ``data.ordered`` with one collator worker, every rank count training the same steps)."""
     import shutil
 
     from services.common.metrics import read_jsonl
@@ -353,8 +355,9 @@ def pipeline(
                 "train": str(corpus),
                 "heldout": str(corpus),
                 "limit": trainers * B * grad_accum * (n_steps + 4),
+                "ordered": ordered,
             },
-            "collator": {"workers": 2, "batch": max(1, B)},
+            "collator": {"workers": 1 if ordered else 2, "batch": max(1, B)},
             "teacher": {
                 "model": teacher_dir,
                 "device": teacher_device or args.device,
@@ -403,6 +406,17 @@ def pipeline(
     span = measured[-1]["time"] - steps[args.warmup - 1]["time"] if args.warmup else None
     tokens = sum(r["tokens"] for r in measured)
     split = {k: statistics.mean(r["times"][k] for r in measured) for k in measured[0]["times"]}
+    split_by_rank = {}  # each rank's own step split (rank 0's is ``split``)
+    for rank in range(trainers):
+        rows = [
+            r
+            for r in read_jsonl(run_dir / "metrics" / f"trainer.rank{rank}.jsonl")
+            if r["event"] == "step" and r["step"] > args.warmup
+        ]
+        if rows:
+            split_by_rank[rank] = {
+                k: statistics.mean(r["times"][k] for r in rows) for k in rows[0]["times"]
+            }
     step_s = statistics.mean(r["step_s"] for r in measured)
     waits = split.get("data_wait", 0) + split.get("teacher_wait", 0)
     hidden_bytes = None
@@ -419,6 +433,7 @@ def pipeline(
         "recompiles": measured[-1].get("recompiles"),
         "teacher_peak_mem_gib": max(teacher_mem) / 1024 if teacher_mem else None,
         "split_s": split,
+        "split_s_by_rank": split_by_rank,
         "wait_fraction": waits / step_s if step_s else None,
         "teacher_wait_ms": 1000 * split.get("teacher_wait", 0.0),
         "bytes_per_step": hidden_bytes if transport == "hidden" else 0,
@@ -427,6 +442,28 @@ def pipeline(
         "feed": measured[-1].get("feed"),
         "losses": [r.get("loss") for r in steps],
     }
+
+
+def p2p_handoff(args, B: int, T: int, teacher_device: str) -> dict:
+    """What a teacher on another GPU adds to the hand-off: the one peer copy of a micro-batch's
+    ``[B, T, W]`` bf16 logits to the trainer's GPU that the trainer's teacher client makes
+    (services/trainer/teacher_client.py), timed alone with CUDA events (median of 20)."""
+    src = torch.empty(B, T, args.teacher_vocab, dtype=torch.bfloat16, device=teacher_device)
+    src.normal_()
+    dst = torch.device(args.device)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = src.to(dst, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    nbytes = src.numel() * src.element_size()
+    del src, out
+    return {"handoff_ms": ms, "handoff_bytes": nbytes, "handoff_gb_per_s": nbytes / ms / 1e6}
 
 
 def flops_per_token(student: dict, teacher: dict | None, T: int) -> tuple[float, float]:
@@ -487,9 +524,18 @@ def main() -> int:
     p.add_argument(
         "--teacher-devices",
         nargs="+",
-        default=[None],
-        help="teacher device per variant (e.g. cuda:1: the teacher on its own GPU); default: "
-        "the trainer's GPU",
+        default=["same"],
+        help="teacher device per variant (same: the trainer's GPU; cuda:1: the teacher on its "
+        "own GPU, with one trainer rank only); also times the peer copy of the logits",
+    )
+    p.add_argument(
+        "--ordered",
+        action="store_true",
+        help="data.ordered (one collator worker): every rank count trains the same samples in "
+        "each step, so with --same-global-batch the per-step losses compare",
+    )
+    p.add_argument(
+        "--no-bare", action="store_true", help="skip the one-process bare compute of each row"
     )
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per step (pipeline runs)"
@@ -543,8 +589,11 @@ def main() -> int:
     lines = []
     for shape in args.shapes:
         B, T = (int(x) for x in shape.split("x"))
+        per_step = B * args.grad_accum * max(args.trainers)  # the most samples a step takes
         corpus = long_corpus(
-            work / f"corpus_{T}.jsonl", chars=8 * T, count=B * (args.steps + args.warmup + 8)
+            work / f"corpus_{T}_{per_step}.jsonl",
+            chars=8 * T,
+            count=per_step * (args.steps + args.warmup + 8),
         )
         if args.recompile_steps:
             rc = recompile_check(
@@ -553,8 +602,16 @@ def main() -> int:
             print(f"{shape}: recompile check {json.dumps(rc)}")
             keep({"shape": shape, "kind": "recompile_check", **rc})
             _free()
+        handoff = {
+            d: p2p_handoff(args, B, T, d) for d in args.teacher_devices if d not in ("same", None)
+        }
+        for d, h in handoff.items():
+            print(f"{shape}: logits to the trainer's GPU from {d}: {json.dumps(h)}")
+            keep({"shape": shape, "kind": "p2p_handoff", "teacher_device": d, **h})
         for mode in args.modes:
-            b = bare(args, mode, B, T, student_dir, teacher_dir, corpus, projection)
+            b = None
+            if not args.no_bare:
+                b = bare(args, mode, B, T, student_dir, teacher_dir, corpus, projection)
             _free()
             for transport in args.transports:
                 run = functools.partial(
@@ -580,6 +637,9 @@ def main() -> int:
                         print(f"{shape} {mode} eager FAILED: {eager['error'][:400]}")
                 base = None
                 for n, tdev in ((n, d) for d in args.teacher_devices for n in args.trainers):
+                    tdev = None if tdev == "same" else tdev
+                    if tdev and n > 1:  # every rank's teacher would share that GPU with a rank
+                        continue
                     accum = args.grad_accum
                     if args.same_global_batch:
                         accum = args.grad_accum * max(args.trainers) // n
@@ -590,6 +650,7 @@ def main() -> int:
                         teacher_device=tdev,
                         grad_accum=accum,
                         trainer_extra=args.trainer_extra or None,
+                        ordered=args.ordered,
                     )
                     row = {
                         "shape": shape,
@@ -598,7 +659,9 @@ def main() -> int:
                         "trainers": n,
                         "teacher_device": tdev or "same GPU",
                         "grad_accum": accum,
+                        "ordered": args.ordered,
                         "tag": args.tag,
+                        **({"handoff": handoff[tdev]} if tdev in handoff else {}),
                     }
                     if "error" in pl:
                         print(f"{shape} {mode} {transport} x{n} FAILED: {pl['error'][:400]}")
@@ -623,7 +686,7 @@ def main() -> int:
                         "bare": b,
                         "pipeline": pl,
                         "eager": eager,
-                        "ratio": pl["tokens_per_s"] / b["tokens_per_s"],
+                        "ratio": pl["tokens_per_s"] / b["tokens_per_s"] if b else None,
                         "speedup_vs_eager": speedup,
                         "mfu_e2e": mfu(f_all, per_rank, peak),
                         "student_mfu": mfu(f_student, tokens_step / step_share, peak)
@@ -639,7 +702,7 @@ def main() -> int:
                     line = (
                         f"{shape:>7} {mode:>6} {_f(eager_tps, 0):>11} "
                         f"{pl['tokens_per_s']:>7.0f} {_f(speedup, 2):>7} "
-                        f"{b['tokens_per_s']:>10.0f} {out['ratio']:>5.2f} "
+                        f"{_f(b and b['tokens_per_s'], 0):>10} {_f(out['ratio'], 2):>5} "
                         f"{_f(out['mfu_e2e'], 3):>7} {_f(out['student_mfu'], 3):>6} "
                         f"{out['peak_mem_gib']:>6.1f} {_f(out['teacher_peak_mem_gib'], 1):>6} "
                         f"{_f(pl['compile_s'], 1):>9} {_f(pl['recompiles'], 0):>6} "
@@ -649,8 +712,9 @@ def main() -> int:
                         line += f" x{n} t={tdev or 'same'} scaling {out['scaling']:.3f}"
                     lines.append(line)
                     print(line)
-                    split = {k: round(v * 1000, 1) for k, v in pl["split_s"].items()}
-                    print(f"        split (ms/step): {json.dumps(split)}")
+                    for rank, times in pl["split_s_by_rank"].items():
+                        split = {k: round(v * 1000, 1) for k, v in times.items()}
+                        print(f"        rank {rank} split (ms/step): {json.dumps(split)}")
                     if eager_tps:
                         split = {k: round(v * 1000, 1) for k, v in eager["split_s"].items()}
                         print(f"        eager split (ms/step): {json.dumps(split)}")

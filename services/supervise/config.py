@@ -266,11 +266,11 @@ class RunConfig:
                 "teacher_groups unset (the run sets it)"
             )
         tr.teacher_groups = self.teachers
-        if self.data.ordered and (self.collator.workers > 1 or self.trainers > 1):
+        if self.data.ordered and self.collator.workers > 1:
             raise ValueError(
-                f"data.ordered needs one collator worker and one trainer rank (collator.workers="
-                f"{self.collator.workers}, trainers={self.trainers}): several put or claim in the "
-                "order they finish; set both to 1, or data.ordered: false"
+                f"data.ordered needs one collator worker (collator.workers="
+                f"{self.collator.workers}): several put in the order they finish; set "
+                "collator.workers: 1, or data.ordered: false"
             )
         tr.ordered = tr.ordered or self.data.ordered
         if self.teachers > self.trainers:

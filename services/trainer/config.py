@@ -198,7 +198,8 @@ class TrainerConfig:
         metadata={
             "help": "claim exactly micro_batch x grad_accum samples per step in queue order and "
             "sort only within the step, so that runs on the same queue order train the same "
-            "micro-batches (xtoken run sets it from data.ordered)"
+            "micro-batches; N ranks take fixed shares of N such steps (xtoken run sets it from "
+            "data.ordered)"
         },
     )
 

@@ -57,7 +57,16 @@ class TeacherFeed:
     ) -> None:
         self.config = config
         self.samples = SampleFeed(
-            client, config, worker, task, trained, stop=stop, register=register, replaces=replaces
+            client,
+            config,
+            worker,
+            task,
+            trained,
+            stop=stop,
+            register=register,
+            replaces=replaces,
+            rank=rank,
+            ranks=getattr(worker, "world_size", 1),
         )
         self.teacher = TeacherClient(
             client, config, rank, worker, reader=reader, output_layer=output_layer

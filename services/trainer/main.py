@@ -184,7 +184,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             "[trainer] rank %d epoch %d (task %s, %d trained, %s)",
             rank,
             epoch,
-            task,
+            feed.samples.task,
             len(trained),
             "registered: the queue drops what a checkpoint holds"
             if register

@@ -10,7 +10,11 @@ Ordered (``TrainerConfig.ordered``): the feed gathers exactly ``micro_batch * gr
 samples in the queue's order (claims are in put order) before it hands out a step, and sorts only
 within that step; the last step of the data may be short. With one collator worker (puts in
 corpus order) every run of one config trains the same micro-batches in the same steps, with a
-teacher or without (whose claims ahead then cannot change a step's samples).
+teacher or without (whose claims ahead then cannot change a step's samples). With N ranks each
+rank reads the whole partition under its own task (``<task>/r<rank>``), cuts the same global
+steps of ``N * micro_batch * grad_accum`` samples and keeps the r-th share of each (acking the
+others' shares for its task with its own, after the step): the assignment of samples to (step, rank) is fixed, so N
+ranks and one rank with N times the accumulation train the same samples in every step.
 
 Retention (a run that reads its partition once, ``register``): the task is registered with every
 claim, so the queue drops each sample once acked and a corpus larger than its ``--capacity``
@@ -82,6 +86,8 @@ class SampleFeed:
             ``checkpoint_every``, acks wait for :meth:`commit`.
         replaces: name prefix of the registered tasks of earlier launches this one takes over
             (``trainer/e<epoch>/``); :meth:`commit` consumes what they hold.
+        rank, ranks: this rank and the data-parallel size; in ordered mode with several ranks
+            the consumer task is ``<task>/r<rank>`` and the rank keeps its share of each step.
     """
 
     def __init__(
@@ -95,11 +101,18 @@ class SampleFeed:
         stop: Any = None,
         register: bool = False,
         replaces: str = "",
+        rank: int = 0,
+        ranks: int = 1,
     ) -> None:
         self.client = client
         self.config = config
         self.worker = worker
-        self.task = task
+        # ordered over several ranks: every rank reads every sample (its own task) and keeps
+        # its share, so the tasks of this launch are <task>/r<rank>
+        self._shared = config.ordered and ranks > 1
+        self.launch_task = task
+        self.task = f"{task}/r{rank}" if self._shared else task
+        self.rank, self.ranks = rank, ranks
         self.trained = trained
         self.stop = stop
         self.register = register
@@ -112,6 +125,7 @@ class SampleFeed:
         self._idle_since: float | None = None
         # ordered mode: fresh samples claimed in queue order, not yet a whole step
         self._step: list[tuple[str, dict[str, torch.Tensor], Any]] = []
+        self._others: dict[str, Any] = {}  # ordered over ranks: others' shares, key -> lease
 
     @property
     def ended(self) -> bool:
@@ -141,9 +155,11 @@ class SampleFeed:
         return None if fresh is None else self._micro_batches(fresh)
 
     def _claim_step(self, block: bool) -> list[Claimed] | None:
-        """Ordered mode: gather fresh samples in queue order until a whole step is claimed, then
-        hand out that step (the samples gathered so far at the end of the data)."""
-        size = self.config.micro_batch * self.config.grad_accum
+        """Ordered mode: gather fresh samples in queue order until a whole step (of all ranks) is
+        claimed, then hand out this rank's share of it (of the samples gathered so far at the end
+        of the data)."""
+        share = self.config.micro_batch * self.config.grad_accum
+        size = share * self.ranks
         while len(self._step) < size and not self._ended:
             fresh = self._claim_fresh(size - len(self._step), block)
             if fresh is None:
@@ -159,6 +175,14 @@ class SampleFeed:
         if not self._step or (len(self._step) < size and not self._ended):
             return None
         step, self._step = self._step[:size], self._step[size:]
+        if self._shared:
+            # the last step of the data may be short: its shares are cut in rank order
+            lo, hi = self.rank * share, (self.rank + 1) * share
+            # the other ranks train them: consumed for this task with the next ack, after the
+            # step's collectives, when every rank's task is registered (retention drops a
+            # sample once every registered task acked it)
+            self._others.update({k: lease for k, _, lease in step[:lo] + step[hi:]})
+            step = step[lo:hi]
         return self._micro_batches(step)
 
     def _claim_fresh(
@@ -232,6 +256,9 @@ class SampleFeed:
             for lease_id, keys in by_lease.items():
                 self.client.ack(self.config.partition, self.task, lease_id, keys)
         self.trained.update(k for c in trained for k in c.keys)
+        others, self._others = self._others, {}
+        for lease_id, keys in _group(others).items():
+            self.client.ack(self.config.partition, self.task, lease_id, keys)
 
     def commit(self) -> None:
         """After a checkpoint that holds every trained key was saved (each rank, its own):
@@ -269,6 +296,9 @@ class SampleFeed:
         if self._step:
             leases.append({k: lease for k, _, lease in self._step})
             self._step = []
+        if self._others:
+            leases.append(self._others)
+            self._others = {}
         for held in leases:
             for lease_id, keys in _group(held).items():
                 try:
@@ -283,7 +313,7 @@ class SampleFeed:
             return
         part = self.client.stats()["partitions"].get(self.config.partition, {})
         for task in part.get("registered", []):
-            if task == self.task or not task.startswith(self.replaces):
+            if not task.startswith(self.replaces) or self._of_this_launch(task):
                 continue
             while True:
                 got = self.client.claim(
@@ -298,6 +328,10 @@ class SampleFeed:
                 if not got["keys"]:
                     break
                 self.client.ack(self.config.partition, task, got["lease_id"])
+
+    def _of_this_launch(self, task: str) -> bool:
+        """``task`` is this launch's consumer task (or, ordered over ranks, another rank's)."""
+        return task == self.task or task.startswith(self.launch_task + "/r")
 
     def _pad(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return schema.pad_samples(

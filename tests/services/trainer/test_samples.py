@@ -125,3 +125,42 @@ def test_a_sample_whose_lease_lapsed_while_its_step_was_gathered_keeps_its_place
         _put(client, 3, 2)
         got = feed.claim(2, block=True)
     assert sorted(k for c in got for k in c.keys) == ["k00", "k01", "k02", "k03"]
+
+
+@pytest.mark.timeout(60)
+def test_two_ordered_ranks_train_in_each_step_the_samples_of_one_rank_with_twice_the_accumulation(
+    queue,
+):
+    """Fixed shares: rank r keeps the r-th half of each 8-sample step (in put order), acks the
+    other half for its own task, and both ranks see the end of the data."""
+    one = setup.trainer_config(
+        None, queue=queue, partition=PARTITION, grad_accum=4, ordered=True, claim_timeout_s=0.2
+    )
+    two = setup.trainer_config(
+        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2
+    )
+    with QueueClient(queue, timeout_s=10) as client:
+        _put(client, 0, N)
+        put_eof(client, PARTITION, N)
+        single = SampleFeed(client, one, PADS, "solo", set())
+        ranks = [SampleFeed(client, two, PADS, "pair", set(), rank=r, ranks=2) for r in (0, 1)]
+        assert [f.task for f in ranks] == ["pair/r0", "pair/r1"]
+        solo_steps, pair_steps = [], []
+        while not single.ended:
+            got = single.claim(4, block=True)
+            if got:
+                solo_steps.append(sorted(k for c in got for k in c.keys))
+                single.ack(got)
+        while not all(f.ended for f in ranks):
+            shares = []
+            for f in ranks:
+                got = f.claim(2, block=True) or []
+                shares.append(sorted(k for c in got for k in c.keys))
+                f.ack(got)
+            if any(shares):
+                pair_steps.append(shares)
+        for f in ranks:
+            assert client.status(PARTITION, f.task)["pending"] == 0
+    assert [sorted(a + b) for a, b in pair_steps] == solo_steps
+    assert pair_steps[0] == [[f"k{i:02d}" for i in range(4)], [f"k{i:02d}" for i in range(4, 8)]]
+    assert pair_steps[1] == [["k08", "k09", "k10"], []]  # the short last step: rank order
