@@ -102,8 +102,12 @@ def _accumulate_into(master: torch.Tensor, compute: torch.Tensor) -> None:
     compute.grad = None
 
 
-def fp32_allreduce_hook(process_group: Any, bucket: Any) -> torch.futures.Future:
+def fp32_allreduce_hook(process_group: Any, bucket):  # noqa: ANN001, ANN201
     """DDP communication hook: sum a bucket of low-precision gradients in fp32.
+
+    ``bucket`` (a ``dist.GradBucket``) and the return value (a ``torch.futures.Future``) carry
+    no annotation: DDP refuses a hook whose annotations are not those classes, and this module's
+    annotations are strings.
 
     bf16 has 8 bits of mantissa: summed over ranks in bf16, every addition rounds; summed in fp32
     and rounded once, the reduced gradient is the exact sum's nearest bf16. Divides by the world

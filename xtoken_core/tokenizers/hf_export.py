@@ -15,6 +15,7 @@ BOS/EOS insertion), with one difference: a special token's text written literall
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -130,7 +131,12 @@ def _from_sentencepiece(tokenizer: Any) -> tuple[Any, dict[str, Any]]:
             f"{tokenizer.name!r} is a SentencePiece model of type {kind}: only BPE and unigram "
             "models convert to a Hugging Face tokenizer"
         )
-    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    # transformers' converter took ``legacy`` (the pre-fix prefix-space rule, which the
+    # SentencePiece encode matches) as a keyword until it became the only behaviour
+    legacy = "legacy" in inspect.signature(SpmConverter.build_tokenizer_from_spm_proto).parameters
+    backend = SpmConverter.build_tokenizer_from_spm_proto(
+        proto, vocab, **({"legacy": True} if legacy else {})
+    )
     control = [p.piece for p in proto.pieces if p.type == _SPM_CONTROL]
     backend.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in control])
     if tokenizer.bos_id is not None:  # SentencePieceTokenizer.encode adds BOS, nothing else
