@@ -1,13 +1,14 @@
 """Plot of the scaling run: 1 vs 2 trainer ranks on two GPUs at the same global batch.
 
 Draws ``benchmarks/results/scaling_2gpu.png`` from the committed rows of
-``benchmarks/results/e2e_pipeline.jsonl`` tagged ``exp3-same-global-batch`` (the run that
-``scaling_2gpu.md`` describes; no measurement): three panels,
+``benchmarks/results/e2e_pipeline.jsonl`` (no measurement): the rows tagged ``two-gpu-curves``
+(``data.ordered``: both set-ups train the same samples in every step) and, where the same commit
+has it, the ``two-gpu`` row of one rank fed by a teacher on the other GPU. Three panels,
 
-* the per-step loss of rank 0's records, 1 rank x 2 micro-batches vs 2 ranks x 1 micro-batch
-  (the rows' ``pipeline.losses``);
-* tokens/s of all ranks, 1 vs 2 ranks, with twice the 1-rank figure (linear scaling) and the bare
-  compute of the same step in one process on one GPU (``bare.tokens_per_s``);
+* the per-step loss, 1 rank x 2 micro-batches vs 2 ranks x 1 micro-batch (the rows'
+  ``pipeline.losses``), with the largest relative difference;
+* tokens/s of all ranks: 1 rank, 2 ranks, 1 rank with its teacher on the other GPU, against
+  twice the 1-rank figure (linear scaling);
 * the step time of one rank split into data wait, teacher wait, forward, loss, backward and
   optimizer (``pipeline.split_s``), stacked.
 
@@ -25,7 +26,8 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-TAG = "exp3-same-global-batch"
+TAG = "two-gpu-curves"
+TEACHER_TAG = "two-gpu"  # the rows of the teacher on the other GPU
 PNG = "scaling_2gpu.png"
 MODES = {"pkl": "P-KL", "gold": "gold", "xtoken": "relaxed gold"}
 # the step split, bottom to top, as the trainer reports it (pipeline.split_s)
@@ -53,6 +55,22 @@ def pick(rows: list[dict], tag: str = TAG) -> dict[int, dict]:
     raise ValueError(f"no commit with rows tagged {tag!r} for 1 and 2 trainer ranks")
 
 
+def own_gpu_teacher(rows: list[dict], like: dict) -> dict | None:
+    """The newest row of one rank fed over CUDA IPC by a teacher on another GPU, of ``like``'s
+    commit, shape and mode (None if there is none)."""
+    found = [
+        r
+        for r in rows
+        if r.get("tag") == TEACHER_TAG
+        and r.get("trainers") == 1
+        and r.get("teacher_device", "same GPU") != "same GPU"
+        and r.get("transport") == "cuda_ipc"
+        and "pipeline" in r
+        and all(r.get(k) == like.get(k) for k in ("commit", "shape", "mode"))
+    ]
+    return max(found, key=lambda r: r.get("time", "")) if found else None
+
+
 def _label(r: dict) -> str:
     n, accum = r["trainers"], r.get("grad_accum", 1)
     return (
@@ -61,8 +79,9 @@ def _label(r: dict) -> str:
     )
 
 
-def plot(by_ranks: dict[int, dict], path: Path) -> Path:
-    """Write the three-panel PNG of the 1- and 2-rank rows to ``path``."""
+def plot(by_ranks: dict[int, dict], path: Path, own_gpu: dict | None = None) -> Path:
+    """Write the three-panel PNG of the 1- and 2-rank rows (and the row of the teacher on its
+    own GPU, when given) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,20 +92,32 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
     global_batch = micro * one["trainers"] * one.get("grad_accum", 1)
     colors = {1: "tab:blue", 2: "tab:orange"}
     fig, (ax_loss, ax_tok, ax_split) = plt.subplots(
-        1, 3, figsize=(14, 4.8), dpi=120, gridspec_kw={"width_ratios": [1.5, 1, 1]}
+        1, 3, figsize=(17, 5.2), dpi=120, gridspec_kw={"width_ratios": [1.5, 1, 0.9]}
     )
 
     for n, r in by_ranks.items():
         losses = r["pipeline"]["losses"]
-        ax_loss.plot(range(len(losses)), losses, marker="o", color=colors[n], label=_label(r))
+        ax_loss.plot(
+            range(len(losses)), losses, marker="o", markersize=3, color=colors[n], label=_label(r)
+        )
+    pairs = list(zip(by_ranks[1]["pipeline"]["losses"], by_ranks[2]["pipeline"]["losses"]))
+    worst = max(abs(a - b) / abs(a) for a, b in pairs)
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("loss of the step (rank 0's record)")
-    ax_loss.set_title("Per-step loss, same global batch and seeds", fontsize=10)
+    ax_loss.set_title(
+        f"Per-step loss, same samples per step: largest difference {100 * worst:.2f}%",
+        fontsize=10,
+    )
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
 
     ranks = [1, 2]
-    tok = [by_ranks[n]["pipeline"]["tokens_per_s"] for n in ranks]
+    cols = {n: by_ranks[n] for n in ranks}
+    names = {1: "1 rank", 2: "2 ranks"}
+    if own_gpu is not None:  # 1 rank, its teacher on the other GPU
+        cols[3], colors[3], names[3] = own_gpu, "tab:green", "1 rank,\nteacher on GPU 1"
+    ranks = list(cols)
+    tok = [cols[n]["pipeline"]["tokens_per_s"] for n in ranks]
     ax_tok.bar(ranks, tok, width=0.6, color=[colors[n] for n in ranks], edgecolor="black")
     for n, v in zip(ranks, tok):
         ax_tok.annotate(
@@ -101,14 +132,15 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
             fontweight="bold",
         )
     ax_tok.axhline(2 * tok[0], color="black", linestyle=":", label="2x the 1-rank figure")
-    ax_tok.axhline(
-        one["bare"]["tokens_per_s"],
-        color="tab:gray",
-        linestyle="--",
-        label="bare compute, 1 process, 1 GPU",
-    )
+    if one.get("bare"):
+        ax_tok.axhline(
+            one["bare"]["tokens_per_s"],
+            color="tab:gray",
+            linestyle="--",
+            label="bare compute, 1 process, 1 GPU",
+        )
     ax_tok.set_xticks(ranks)
-    ax_tok.set_xticklabels([f"{n} rank{'s' if n > 1 else ''}" for n in ranks])
+    ax_tok.set_xticklabels([names[n] for n in ranks], fontsize=8)
     ax_tok.set_ylabel("student tokens/s (all ranks)")
     ax_tok.set_ylim(0, 2 * tok[0] * 1.2)
     ax_tok.set_title("Throughput", fontsize=10)
@@ -117,13 +149,11 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
     ax_tok.legend(fontsize=8, loc="upper left")
 
     for n in ranks:
-        split = by_ranks[n]["pipeline"]["split_s"]
+        split = cols[n]["pipeline"]["split_s"]
         bottom = 0.0
         for key, label, color in PHASES:
             ms = 1000 * split[key]
-            both_ms = " / ".join(
-                f"{1000 * by_ranks[m]['pipeline']['split_s'][key]:.1f}" for m in ranks
-            )
+            both_ms = " / ".join(f"{1000 * cols[m]['pipeline']['split_s'][key]:.1f}" for m in ranks)
             ax_split.bar(
                 n,
                 ms,
@@ -137,7 +167,7 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
             if ms > 15:  # only segments tall enough to hold their figure
                 ax_split.text(n, bottom + ms / 2, f"{ms:.0f}", ha="center", va="center", fontsize=8)
             bottom += ms
-        step_ms = 1000 * by_ranks[n]["pipeline"]["step_s"]
+        step_ms = 1000 * cols[n]["pipeline"]["step_s"]
         ax_split.annotate(
             f"step {step_ms:.0f} ms",
             (n, bottom),
@@ -149,12 +179,9 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
         )
     ax_split.set_xticks(ranks)
     ax_split.set_xticklabels(
-        [
-            f"{n} rank{'s' if n > 1 else ''}\n(x{by_ranks[n].get('grad_accum', 1)} accum.)"
-            for n in ranks
-        ]
+        [f"{names[n]}\n(x{cols[n].get('grad_accum', 1)} accum.)" for n in ranks], fontsize=7
     )
-    ax_split.set_xlim(0.4, 4.0)  # room for the legend on the right
+    ax_split.set_xlim(0.4, len(ranks) + 0.6)
     ax_split.set_ylabel("time per optimizer step, one rank (ms)")
     ax_split.set_title("Step-time split per rank", fontsize=10)
     handles, labels = ax_split.get_legend_handles_labels()
@@ -162,18 +189,20 @@ def plot(by_ranks: dict[int, dict], path: Path) -> Path:
         handles[::-1],
         labels[::-1],
         fontsize=8,
-        loc="upper right",
-        title="1 / 2 ranks",
-        title_fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),  # beside the bars
+        title=" / ".join(names[n].replace("\n", " ") for n in ranks),
+        title_fontsize=7,
     )
     ax_split.grid(axis="y", alpha=0.3)
     ax_split.set_axisbelow(True)
 
     fig.suptitle(
         f"1 vs 2 trainer ranks on 2 x {one['device']}, {MODES.get(one['mode'], one['mode'])} loss,"
-        f" global batch {global_batch} x {T} tokens per step, teacher colocated with each rank"
-        f" (commit {one['commit']})",
-        fontsize=11,
+        f" global batch {global_batch} x {T} tokens per step (commit {one['commit']})\n"
+        "blue, orange: a teacher colocated with each rank; green: 1 rank, its teacher on the "
+        "other GPU",
+        fontsize=10,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,7 +219,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rows = [json.loads(ln) for ln in args.results.read_text().splitlines() if ln.strip()]
-    path = plot(pick(rows, args.tag), args.out_dir / PNG)
+    by_ranks = pick(rows, args.tag)
+    path = plot(by_ranks, args.out_dir / PNG, own_gpu_teacher(rows, by_ranks[1]))
     print(path)
     return path
 

@@ -102,7 +102,7 @@ def _accumulate_into(master: torch.Tensor, compute: torch.Tensor) -> None:
     compute.grad = None
 
 
-def fp32_allreduce_hook(process_group: Any, bucket):  # noqa: ANN001, ANN201
+def fp32_allreduce_hook(process_group: Any, bucket):
     """DDP communication hook: sum a bucket of low-precision gradients in fp32.
 
     ``bucket`` (a ``dist.GradBucket``) and the return value (a ``torch.futures.Future``) carry

@@ -66,3 +66,15 @@ def test_scaling_rows_are_one_and_two_ranks_at_the_same_global_batch():
     by_ranks = mod.pick(rows)
     assert {n: r["trainers"] * r["grad_accum"] for n, r in by_ranks.items()} == {1: 2, 2: 2}
     assert all(len(r["pipeline"]["losses"]) > 1 for r in by_ranks.values())
+
+
+def test_the_ordered_one_and_two_rank_rows_have_the_same_per_step_losses():
+    """The committed two-GPU curves: 2 ranks x 1 micro-batch train the samples of 1 rank x 2 in
+    every step (``data.ordered``), so each step's loss agrees within bf16 rounding."""
+    mod = _module("benchmarks/e2e/plot_scaling.py")
+    rows = [json.loads(ln) for ln in (RESULTS / "e2e_pipeline.jsonl").read_text().splitlines()]
+    by_ranks = mod.pick(rows)
+    assert all(r["ordered"] for r in by_ranks.values())
+    one, two = (by_ranks[n]["pipeline"]["losses"] for n in (1, 2))
+    assert len(one) == len(two) >= 50
+    assert two == pytest.approx(one, rel=4e-3)  # bf16: 8 bits of mantissa
