@@ -17,7 +17,7 @@ from typing import Any
 from services.common import config as cfgmod
 from services.common.overrides import Override, apply_overrides
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import TrainerConfig
+from services.trainer.config import OnPolicyConfig, TrainerConfig
 
 # the longest context a run may ask for (tokens per text); beyond it no model here fits
 MAX_CONTEXT = 1 << 20
@@ -70,7 +70,9 @@ class DataConfig:
         },
     )
     limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
-    text_field: str = field(default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"}
+    )
     skip_bad_lines: bool = field(
         default=False,
         metadata={
@@ -157,7 +159,9 @@ class RunTrainerConfig(TrainerConfig):
         # the plan checks the whole section again once the projection is known
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainerConfig)}
         loss = dataclasses.replace(self.loss, mode="ce", ce_weight=max(self.loss.ce_weight, 1.0))
-        TrainerConfig(**{**fields, "loss": loss})
+        TrainerConfig(**{**fields, "loss": loss, "on_policy": OnPolicyConfig()})
+        if self.on_policy.enabled:  # checked on the copy without it: its loss has no teacher
+            self._check_on_policy()
 
     @property
     def projection_to_build(self) -> bool:
