@@ -70,9 +70,7 @@ class DataConfig:
         },
     )
     limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
-    text_field: str = field(
-        default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"}
-    )
+    text_field: str = field(default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"})
     skip_bad_lines: bool = field(
         default=False,
         metadata={
