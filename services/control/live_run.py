@@ -250,7 +250,7 @@ class LiveRun:
                 state = "failed"
             key = (
                 name
-                if spec.role in ("collator", "teacher")
+                if spec.role in ("collator", "teacher", "rollout")
                 else (f"{spec.role}s" if spec.role == "trainer" else "run")
             )
             row = (pid, state, code, used.get(key, 0) + (used.get("run", 0) if key != "run" else 0))

@@ -79,11 +79,12 @@ class RolloutConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0: greedy)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep this mass"})
     batch: int = field(default=8, metadata={"help": "prompts sampled together (one put)"})
-    max_pending: int = field(
-        default=32,
+    max_pending: int | None = field(
+        default=None,
         metadata={
             "help": "wait while the rollout partition holds this many samples no trainer took "
-            "(more would only grow stale); xtoken run: two steps of on-policy samples"
+            "(more would only grow stale); None: two batches (xtoken run: a step of the "
+            "trainers' on-policy samples, at least a batch)"
         },
     )
     state_dir: str | None = field(
@@ -107,9 +108,10 @@ class RolloutConfig:
         for name in ("workers", "ctx_student", "ctx_teacher", "prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("batch", "max_pending"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.batch < 1:
+            raise ValueError(f"batch={self.batch}: must be >= 1")
+        if self.max_pending is not None and self.max_pending < 1:
+            raise ValueError(f"max_pending={self.max_pending}: must be >= 1, or None")
         if not 0 <= self.worker < self.workers:
             raise ValueError(f"worker={self.worker}: must be in [0, workers={self.workers})")
         if self.prompt_tokens + self.max_new_tokens > self.ctx_student:
@@ -128,3 +130,8 @@ class RolloutConfig:
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name}={value}: must be a finite number of seconds > 0")
+
+    @property
+    def pending_bound(self) -> int:
+        """Samples no trainer took above which the worker waits (``max_pending``)."""
+        return self.max_pending if self.max_pending is not None else 2 * self.batch

@@ -4,7 +4,8 @@ The loop, one batch of ``batch`` prompts per turn:
 
 1. at the batch boundary, take the trainer's newest published weights (none yet: wait);
 2. wait while the rollout partition holds ``max_pending`` samples no trainer took;
-3. sample the batch and make its samples (:class:`~services.rollout.worker.RolloutWorker`);
+3. sample a batch of at most ``batch`` prompts and the room left below ``max_pending``, and
+   make its samples (:class:`~services.rollout.worker.RolloutWorker`);
 4. put them in one message (a sample is stored whole or not at all), then keep the position
    after the batch's last prompt (:class:`~services.rollout.prompts.PromptState`).
 
@@ -116,10 +117,11 @@ def _loop(
             _wait(lc, config, told, "weights", "no weights published yet: waiting for the trainer")
             continue
         pending = int(client.status(partition, ROLLOUT_TASK)["pending"])
-        if pending >= config.max_pending:
+        if pending >= config.pending_bound:
             _wait(lc, config, told, "room", f"{pending} samples wait for the trainers: pausing")
             continue
-        batch = list(islice(prompts, config.batch))
+        # no more than the room left: a sample that waits longer only grows stale
+        batch = list(islice(prompts, min(config.batch, config.pending_bound - pending)))
         waited = time.monotonic() - waited_since
         keys, fields, counts = worker.rollout(batch, stop=lc.stop.is_set)
         if lc.stop.is_set():

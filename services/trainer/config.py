@@ -106,6 +106,13 @@ class OnPolicyConfig:
         """Some of each step comes from the rollout workers."""
         return self.fraction > 0
 
+    def share(self, samples: int) -> int:
+        """On-policy samples of a claim of ``samples``: ``round(fraction * samples)``, at least
+        one when the fraction is above 0 (a small step still gets its on-policy share)."""
+        if self.fraction <= 0:
+            return 0
+        return min(samples, max(1, round(self.fraction * samples)))
+
 
 @dataclasses.dataclass
 class TrainerConfig:
@@ -295,7 +302,7 @@ class TrainerConfig:
                 "projection file and at most one weight"
             )
         if self.on_policy.enabled:
-            self._check_on_policy()
+            self.check_on_policy()
         if self.loss.teacher_vocab_size != (None,):
             raise ValueError(
                 f"loss.teacher_vocab_size={self.loss.teacher_vocab_size[0]}: the trainer sets it "
@@ -303,22 +310,38 @@ class TrainerConfig:
                 "delete the key"
             )
 
-    def _check_on_policy(self) -> None:
-        """On-policy samples need a teacher, unordered claims and an end the data cannot give."""
-        fraction = self.on_policy.fraction
+    def check_on_policy(self, names: dict[str, str] | None = None) -> None:
+        """On-policy samples need a teacher, unordered claims and an end the data cannot give.
+
+        Args:
+            names: the keys to name in a message (a run config's: ``fraction`` ->
+                ``data.on_policy_fraction``); default: this section's own.
+
+        Raises:
+            ValueError: names the setting that conflicts with ``on_policy.fraction``.
+        """
+        keys = {
+            "fraction": "on_policy.fraction",
+            "loss.mode": "loss.mode",
+            "ordered": "ordered",
+            "max_steps": "max_steps",
+            **(names or {}),
+        }
+        fraction = f"{keys['fraction']}={self.on_policy.fraction:g}"
         if not self.loss.uses_teacher:
             raise ValueError(
-                f"on_policy.fraction={fraction:g} with loss.mode={self.loss.mode}: on-policy "
-                "distillation scores the student's samples with the teacher; use a KD mode (pkl, "
-                "gold, xtoken) or fraction 0"
+                f"{fraction} with {keys['loss.mode']}={self.loss.mode}: on-policy distillation "
+                "scores the student's samples with the teacher; use a KD mode (pkl, gold, "
+                "xtoken) or fraction 0"
             )
         if self.ordered:
             raise ValueError(
-                f"on_policy.fraction={fraction:g} with ordered: on-policy samples come as the "
-                "rollout workers make them, never in a fixed order; set ordered false or fraction 0"
+                f"{fraction} with {keys['ordered']}: on-policy samples come as the rollout "
+                f"workers make them, never in a fixed order; set {keys['ordered']} false or "
+                "fraction 0"
             )
-        if fraction == 1.0 and not self.max_steps:
+        if self.on_policy.fraction == 1.0 and not self.max_steps:
             raise ValueError(
-                "on_policy.fraction=1 with max_steps=0: every sample comes from the rollout "
-                "workers, which never run out; set max_steps"
+                f"{fraction} with {keys['max_steps']}=0: every sample comes from the rollout "
+                f"workers, which never run out; set {keys['max_steps']}"
             )

@@ -7,9 +7,10 @@ keeps its claims, acks, checkpoint-held retention and end of data: exactly once 
 adds the rollout partition (``<partition>.rollout``, task ``trainer``, registered, so the queue
 drops a sample once it is acked: each on-policy sample is consumed once):
 
-* **Mixing.** A claim of ``n`` samples takes ``round(fraction * n)`` on-policy and the rest
-  off-policy, and hands out nothing until it has both shares; the samples of both kinds are
-  sorted together into micro-batches. Once the off-policy data ended, the last step keeps the
+* **Mixing.** Claims are whole steps (``micro_batch x grad_accum`` samples, as in ordered
+  mode): ``round(fraction x step)`` on-policy (at least one) and the rest off-policy, and
+  nothing is handed out until both shares are there; the samples of both kinds are sorted
+  together into the step's micro-batches. Once the off-policy data ended, the last step keeps the
   mix on what is left. With fraction 1 nothing is read from the collators (the run ends at
   ``max_steps``).
 * **Staleness.** A sample sampled with the weights of version ``v`` (the trainer's step when it
@@ -60,14 +61,6 @@ REMEMBERED_KEYS = 1 << 20
 SCORE_BLOCK = 256
 
 
-def on_policy_share(samples: int, fraction: float) -> int:
-    """On-policy samples of a claim of ``samples``: ``round(fraction * samples)``, at least one
-    when the fraction is above 0 (a step of few samples still gets its on-policy share)."""
-    if fraction <= 0:
-        return 0
-    return min(samples, max(1, round(fraction * samples)))
-
-
 @dataclasses.dataclass
 class _Stats:
     """On-policy counts of the step being trained (reset by ``step_stats``)."""
@@ -107,18 +100,19 @@ class OnPolicyFeed(SampleFeed):
         return super().ended and not self._off
 
     def claim(self, micro_batches: int, block: bool) -> list[Claimed] | None:
-        """Claim ``micro_batches`` micro-batches of the mix (both shares, or nothing yet).
+        """Claim one whole step of the mix (both shares of ``micro_batch x grad_accum``
+        samples), so that every step holds its on-policy share whatever the claim's size.
 
         Args:
-            micro_batches: micro-batches to claim.
+            micro_batches: ignored (a step is ``grad_accum`` micro-batches), as in ordered mode.
             block: wait up to ``claim_timeout_s`` for each kind.
 
         Returns:
-            The micro-batches, longest teacher rows first; None while a share is missing (what
-            came waits for the next call) or when the data ended.
+            The step's micro-batches, longest teacher rows first; None while a share is missing
+            (what came waits for the next call) or when the data ended.
         """
-        size = micro_batches * self.config.micro_batch
-        n_on = on_policy_share(size, self.fraction)
+        size = self.config.micro_batch * self.config.grad_accum
+        n_on = self.config.on_policy.share(size)
         n_off = size - n_on
         while len(self._off) < n_off and not self._ended:
             fresh = self._claim_fresh(n_off - len(self._off), block)

@@ -16,7 +16,7 @@ from services.protocol import ROLLOUT_FIELDS, ROLLOUT_TASK, put_eof, rollout_par
 from services.protocol.rollout import rollout_values
 from services.queue.client import QueueClient
 from services.trainer.config import OnPolicyConfig
-from services.trainer.on_policy import OnPolicyFeed, on_policy_share
+from services.trainer.on_policy import OnPolicyFeed
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 
@@ -37,13 +37,14 @@ def trainer(step: int = 0):
     return types.SimpleNamespace(step=step, student_pad_id=0, teacher_pad_id=0, loss_fn=None)
 
 
-def config(**on_policy):
+def config(grad_accum: int = 2, **on_policy):
+    """Micro-batches of 2, steps of ``grad_accum`` micro-batches."""
     values = {"fraction": 0.5, "sync_every": 1, "max_staleness": 2, **on_policy}
     return setup.trainer_config(
         None,
         queue="",
         partition=PARTITION,
-        grad_accum=2,
+        grad_accum=grad_accum,
         claim_timeout_s=0.2,
         max_steps=10,
         loss={"mode": "pkl", "projection": "unused.pt"},
@@ -82,7 +83,8 @@ def feed_of(client, cfg, worker) -> OnPolicyFeed:
 
 
 def test_the_share_rounds_and_keeps_one_on_policy_sample():
-    assert [on_policy_share(4, f) for f in (0.0, 0.1, 0.5, 0.6, 1.0)] == [0, 1, 2, 2, 4]
+    shares = [OnPolicyConfig(fraction=f).share(4) for f in (0.0, 0.1, 0.5, 0.6, 1.0)]
+    assert shares == [0, 1, 2, 2, 4]
 
 
 def test_each_step_mixes_the_on_policy_share_with_off_policy_samples(queue):
@@ -90,7 +92,9 @@ def test_each_step_mixes_the_on_policy_share_with_off_policy_samples(queue):
         off = put_off_policy(client, 8)
         on = put_on_policy(client, [0] * 8)
         feed = feed_of(client, config(fraction=0.25), trainer())
-        step = feed.claim(2, block=True)  # micro_batch 2 x 2: 1 on-policy, 3 off-policy
+        # a claim ahead of two steps still gets one whole step: 2 x 2 samples, 1 on-policy
+        step = feed.claim(4, block=True)
+        assert len(step) == 2
         keys = [k for c in step for k in c.keys]
         assert len(keys) == 4 and len(set(keys) & set(on)) == 1 and len(set(keys) & set(off)) == 3
         feed.start_step(step)
@@ -106,7 +110,7 @@ def test_the_tokens_the_student_sampled_get_no_ce_unless_asked(queue):
     with QueueClient(queue, timeout_s=10) as client:
         put_on_policy(client, [0] * 4)
         for ce in (False, True):
-            feed = feed_of(client, config(fraction=1.0, ce=ce), trainer())
+            feed = feed_of(client, config(fraction=1.0, ce=ce), trainer())  # steps of 4
             step = feed.claim(1, block=True)
             for c in step:
                 mask = c.batch["token_mask"]
@@ -121,7 +125,7 @@ def test_a_sample_too_old_or_from_the_future_is_dropped_at_its_claim(queue):
     with QueueClient(queue, timeout_s=10) as client:
         # the trainer holds the weights of step 10; max_staleness 2 x sync_every 2: 4 steps
         on = put_on_policy(client, [5, 11, 10, 6, 8])
-        feed = feed_of(client, config(fraction=1.0, sync_every=2), trainer(step=10))
+        feed = feed_of(client, config(1, fraction=1.0, sync_every=2), trainer(step=10))
         assert feed.claim(1, block=True) is None  # versions 5 (3 publications behind) and 11
         assert feed.dropped_stale == 2
         assert client.status(ROLLOUTS, ROLLOUT_TASK)["dropped"] == 2  # acked: consumed
@@ -136,7 +140,7 @@ def test_a_sample_gone_stale_before_its_step_starts_is_masked_and_not_trained(qu
     with QueueClient(queue, timeout_s=10) as client:
         on = put_on_policy(client, [4, 5])
         worker = trainer(step=5)
-        feed = feed_of(client, config(fraction=1.0), worker)
+        feed = feed_of(client, config(1, fraction=1.0), worker)
         step = feed.claim(1, block=True)  # fresh when claimed
         worker.step = 7  # two steps later (claimed ahead): version 4 is 3 behind, > 2
         feed.start_step(step)
@@ -186,7 +190,7 @@ def test_the_last_step_of_the_data_keeps_the_mix(queue):
 def test_the_teacher_log_prob_of_the_continuations_is_measured(queue):
     with QueueClient(queue, timeout_s=10) as client:
         put_on_policy(client, [0, 0])
-        feed = feed_of(client, config(fraction=1.0), trainer())
+        feed = feed_of(client, config(1, fraction=1.0), trainer())
         (c,) = feed.claim(1, block=True)
         feed.start_step([c])
         logits = setup.teacher_logits(c.batch)
