@@ -40,6 +40,7 @@ import logging
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,8 @@ class WeightPublisher:
         if transport != "file":
             descriptor.update(self._allocate())
         self._closed = False
+        # a publisher that is never closed (an exception, the interpreter exiting) still unlinks
+        self._finalizer = weakref.finalize(self, _unlink_all, list(self._segments))
         _write_atomic(self.directory / DESCRIPTOR, msgpack.packb(descriptor, use_bin_type=True))
         logger.info(
             "[policy] publishing %d tensors (%.1f MiB, %s) by %s in %s",
@@ -269,19 +272,26 @@ class WeightPublisher:
             from xtoken_core.ipc import cuda as cuda_ipc
 
             cuda_ipc.forget(self._export)
-        for segment in self._segments:
+        segments, self._segments = self._segments, []
+        self._finalizer.detach()
+        for segment in segments:
             segment.unlink()
             try:
                 segment.close()
             except BufferError:  # a view outlives us in this process: the OS frees it later
                 pass
-        self._segments = []
 
     def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unlink_all(segments: list[ShmSegment]) -> None:
+    """Unlink a publisher's segments (its finalizer: readers keep what they mapped)."""
+    for segment in segments:
+        segment.unlink()
 
 
 @dataclass
