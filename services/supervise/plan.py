@@ -370,7 +370,8 @@ def make_specs(
                 log_file=str(d / "logs" / f"rollout{i}.log"),
                 ready_file=str(d / "ready" / f"rollout{i}"),
                 resources={"gpu": 1} if cfg.rollout.device.startswith("cuda") else {},
-                group=str(i % cfg.teachers),
+                # beside trainer rank 0, which publishes the weights (shm / cuda_ipc: one node)
+                group="0",
             )
         )
     for spec in specs:

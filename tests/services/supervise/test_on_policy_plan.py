@@ -73,6 +73,7 @@ def test_each_rollout_worker_gets_the_runs_values_and_a_process(tmp_path):
     specs = {s.name: s for s in p.specs}
     assert {"collator", "rollout0", "rollout1"} <= set(specs)
     assert specs["rollout1"].role == "rollout"
+    assert specs["rollout1"].group == specs["trainer0"].group  # beside the publishing rank
     assert specs["rollout1"].argv[:3] == ["rollout", "--config", str(tmp_path / "run" / "config" / "rollout1.json")]  # fmt: skip
     assert specs["rollout1"].env["XTOKEN_HEARTBEAT_FILE"].endswith("heartbeat/rollout1")
     # four CPU processes (a teacher, two trainers, two rollouts) share four cores
