@@ -324,6 +324,12 @@ class RunConfig:
             }
         )
         r = self.rollout
+        if self.trainers > 1 and self.trainer.parallel == "fsdp":
+            raise ValueError(
+                f"data.on_policy_fraction={fraction:g} with trainer.parallel=fsdp: the rollout "
+                "workers need the whole student, which no FSDP rank holds; use parallel ddp, "
+                "or fraction 0"
+            )
         if self.rollouts < 1:
             raise ValueError(f"rollouts={self.rollouts}: must be >= 1 with on-policy samples")
         if r.prompt_tokens + r.max_new_tokens > self.ctx_student:

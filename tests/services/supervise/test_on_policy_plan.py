@@ -140,10 +140,14 @@ def test_without_on_policy_samples_nothing_of_it_is_planned(tmp_path):
             r"trainer\.on_policy: sync_every=0: must be >= 1",
         ),
         ({"rollout.top_p": 0.0}, r"rollout: top_p=0\.0: must be in \(0, 1\]"),
+        (
+            {"data.on_policy_fraction": 0.5, "trainer.parallel": "fsdp"},
+            r"with trainer\.parallel=fsdp: the rollout workers need the whole student",
+        ),
     ],
     ids=[
         "fraction-range", "no-teacher", "ordered", "never-ends", "context", "two-fractions",
-        "gpu-weights-cpu-rollout", "sync-every", "top-p",
+        "gpu-weights-cpu-rollout", "sync-every", "top-p", "fsdp",
     ],
 )  # fmt: skip
 def test_a_config_the_on_policy_path_cannot_run_names_the_key_and_the_fix(
