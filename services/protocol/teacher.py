@@ -59,9 +59,7 @@ def unpack_blob(column: Any, what: str) -> Any:
         ValueError: not a 1-row uint8 column, too large, or not msgpack; names ``what``.
     """
     if not isinstance(column, JaggedColumn) or column.values.dtype != torch.uint8:
-        raise ValueError(
-            f"{what}: expected a 1-row uint8 jagged field, got {type(column).__name__}"
-        )
+        raise ValueError(f"{what}: expected a 1-row uint8 jagged field, got {type(column).__name__}")
     row = column.row(0)
     if row.numel() > MAX_BLOB_BYTES:
         raise ValueError(f"{what}: {row.numel()} bytes is over the {MAX_BLOB_BYTES}-byte limit")
@@ -74,9 +72,7 @@ def unpack_blob(column: Any, what: str) -> Any:
 def request_fields(rows: list[torch.Tensor], rank: int) -> dict[str, Any]:
     """Fields of one request record: B teacher-id rows of trainer ``rank``."""
     lengths_B = torch.tensor([int(r.numel()) for r in rows], dtype=torch.int64)
-    ids = (
-        torch.cat([r.to(torch.int64) for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
-    )
+    ids = torch.cat([r.to(torch.int64) for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
     return {
         "teacher_input_ids": _one_row(ids),
         "teacher_lengths": _one_row(lengths_B),
@@ -159,12 +155,9 @@ def decode_request(key: str, fields: dict[str, Any], index: int, pad_id: int) ->
             what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"request {key!r}: {name} is {what}, not an integer tensor")
     lengths_B, rank = lengths_B.to(torch.int64), int(rank_t)
-    if (
-        flat.dim() != 1
-        or lengths_B.dim() != 1
-        or (lengths_B < 0).any()
-        or int(lengths_B.sum()) != flat.numel()
-    ):
+    if flat.dim() != 1 or lengths_B.dim() != 1 or (lengths_B < 0).any() or int(
+        lengths_B.sum()
+    ) != flat.numel():
         raise ValueError(
             f"request {key!r}: teacher_lengths {lengths_B.tolist()} do not add up to the "
             f"{flat.numel()} ids sent"
@@ -224,16 +217,9 @@ class Result:
         for name in ("width", "rows", "length"):
             if type(d[name]) is not int or d[name] < 0:
                 raise ValueError(f"{what}: {name}={d[name]!r} must be an int >= 0")
-        for name, kind in (
-            ("teacher", str),
-            ("error", str),
-            ("descriptor", dict),
-            ("handle", dict),
-        ):
+        for name, kind in (("teacher", str), ("error", str), ("descriptor", dict), ("handle", dict)):
             if not isinstance(d[name], kind) and (d[name] is not None or name == "teacher"):
-                raise ValueError(
-                    f"{what}: {name} is a {type(d[name]).__name__}, not a {kind.__name__}"
-                )
+                raise ValueError(f"{what}: {name} is a {type(d[name]).__name__}, not a {kind.__name__}")
         ring = d["transport"] != "hidden" and d["error"] is None
         if ring and (d["descriptor"] is None or d["handle"] is None):
             raise ValueError(f"{what}: a {d['transport']} result needs a descriptor and a handle")
