@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("services.run_cli", "run a whole distillation (queue, collators, teachers, trainers)"),
     "teacher": ("services.teacher.cli", "serve teacher logits to trainers"),
     "trainer": ("services.trainer.cli", "train a student (one rank; torchrun-compatible)"),
+    "rollout": ("services.rollout.cli", "sample on-policy continuations with a student copy"),
     "collate-stats": (
         "services.collate_stats",
         "alignment statistics of two tokenizers on a corpus",

@@ -1,5 +1,6 @@
-"""Metric series of a run, read incrementally from trainer rank 0's JSON-lines file, and the
-latest memory figure of each trainer rank and teacher from theirs."""
+"""Metric series of a run, read incrementally from trainer rank 0's JSON-lines file, the latest
+memory figure of each trainer rank, teacher and rollout worker from theirs, and each rollout
+worker's latest batch."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ STEP_FIELDS = (
     "lr",
     "grad_norm",
     "skipped",
+    "on_policy",
 )
 
 
@@ -84,6 +86,28 @@ class LatestMemory:
             if isinstance(record.get("memory_mb"), int | float):
                 self.mb = float(record["memory_mb"])
         return self.mb
+
+
+class LatestRecord:
+    """The latest record of one event a process wrote to its metrics file (a rollout worker's
+    ``rollout`` records: its last batch).
+
+    Args:
+        path: the process's metrics file.
+        event: the ``event`` of the records kept.
+    """
+
+    def __init__(self, path: str | os.PathLike, event: str) -> None:
+        self._tail = JsonlTail(path)
+        self.event = event
+        self.record: dict[str, Any] | None = None
+
+    def poll(self) -> dict[str, Any] | None:
+        """Read what was appended; returns the latest record of the event (None before one)."""
+        for record in self._tail.poll():
+            if record.get("event") == self.event:
+                self.record = record
+        return self.record
 
 
 class Series:

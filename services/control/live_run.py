@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.series import LatestMemory, Series
+from services.common.series import LatestMemory, LatestRecord, Series
 from services.control.journal import Journal
 from services.control.queue_history import QueueHistory, history_path
 from services.control.states import (
@@ -90,6 +90,8 @@ class LiveRun:
         self.runtime: dict[str, Any] | None = None
         # (role, rank or teacher group) -> the latest memory_mb of that process's metrics file
         self.memory: dict[tuple[str, int], LatestMemory] = {}
+        # rollout worker -> its latest batch (generated tokens/s, samples/s, weights' version)
+        self.rollouts: dict[int, LatestRecord] = {}
         # a shared queue: the instance a re-attached run started on (from its record), what the
         # watch saw for the run thread to act on, whether its outage was reported
         self.restored_epoch: str | None = None
@@ -120,7 +122,7 @@ class LiveRun:
         """
         devices = {
             role: str((config.get(role) or {}).get("device", "cpu"))
-            for role in ("trainer", "teacher")
+            for role in ("trainer", "teacher", "rollout")
         }
         return [
             {
@@ -131,6 +133,16 @@ class LiveRun:
             }
             for (role, i), m in sorted(self.memory.items())
             if m.mb is not None
+        ]
+
+    def rollout_rows(self) -> list[dict[str, Any]]:
+        """Each rollout worker's latest batch: generated tokens/s and samples/s (while it
+        sampled), the weights' version, the samples no trainer took yet."""
+        keep = ("time", "version", "tokens_per_s", "samples_per_s", "pending", "wait_s")
+        return [
+            {"worker": i, **{k: r.record.get(k) for k in keep}}
+            for i, r in sorted(self.rollouts.items())
+            if r.record is not None
         ]
 
     # ------------------------------------------------------------------ the thread
@@ -250,7 +262,7 @@ class LiveRun:
                 state = "failed"
             key = (
                 name
-                if spec.role in ("collator", "teacher")
+                if spec.role in ("collator", "teacher", "rollout")
                 else (f"{spec.role}s" if spec.role == "trainer" else "run")
             )
             row = (pid, state, code, used.get(key, 0) + (used.get("run", 0) if key != "run" else 0))
@@ -280,8 +292,9 @@ class LiveRun:
             self.known[name] = row
 
     def poll_series(self) -> None:
-        """New step and eval records of rank 0 (live ``metrics`` events), and the latest memory
-        figure of every trainer rank and teacher group."""
+        """New step and eval records of rank 0 (live ``metrics`` events), the latest memory
+        figure of every trainer rank, teacher group and rollout worker, and each rollout
+        worker's latest batch."""
         for record in self.series.poll():
             self.journal.publish(
                 self.run_id, {"kind": "metrics", "time": time.time(), "data": record}
@@ -289,14 +302,20 @@ class LiveRun:
         cfg = self.run.config
         metrics = Path(self.run.run_dir) / "metrics"
         groups = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+        rollouts = cfg.rollouts if cfg.on_policy else 0
         for role, n, name in (
             ("trainer", cfg.trainers, "trainer.rank"),
             ("teacher", groups, "teacher.group"),
+            ("rollout", rollouts, "rollout"),
         ):
             for i in range(n):
                 if (role, i) not in self.memory:
                     self.memory[role, i] = LatestMemory(metrics / f"{name}{i}.jsonl")
                 self.memory[role, i].poll()
+        for i in range(rollouts):
+            if i not in self.rollouts:
+                self.rollouts[i] = LatestRecord(metrics / f"rollout{i}.jsonl", "rollout")
+            self.rollouts[i].poll()
 
 
 def _release(launcher: Any) -> None:

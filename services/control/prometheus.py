@@ -74,8 +74,9 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         "mem": _Family(
             "xtoken_process_memory_bytes",
             "gauge",
-            "Peak memory of each trainer rank and teacher (rank: the trainer rank or teacher "
-            "group; memory=gpu: allocated on its CUDA device; memory=host: its RSS, on a CPU).",
+            "Peak memory of each trainer rank, teacher and rollout worker (rank: the trainer rank, "
+            "teacher group or rollout worker; memory=gpu: allocated on its CUDA device; "
+            "memory=host: its RSS, on a CPU).",
         ),
         "q_samples": _Family("xtoken_queue_samples", "gauge", "Samples held by the queue."),
         "q_bytes": _Family("xtoken_queue_bytes", "gauge", "Bytes held by the queue."),
@@ -83,6 +84,21 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         "q_leases": _Family("xtoken_queue_leases", "gauge", "Samples claimed and not yet acked."),
         "q_waiting": _Family(
             "xtoken_queue_claims_waiting", "gauge", "Claims parked until samples arrive."
+        ),
+        "gen_tps": _Family(
+            "xtoken_rollout_tokens_per_second",
+            "gauge",
+            "Tokens a rollout worker generated per second in its latest batch (rank: the worker).",
+        ),
+        "staleness": _Family(
+            "xtoken_on_policy_staleness",
+            "gauge",
+            "Mean staleness (weight publications) of the on-policy samples of the latest step.",
+        ),
+        "dropped": _Family(
+            "xtoken_on_policy_dropped_stale",
+            "counter",
+            "On-policy samples dropped as stale (never trained) by trainer rank 0.",
         ),
         "worker_up": _Family("xtoken_worker_up", "gauge", "1 while a process of a run runs."),
         "restarts": _Family("xtoken_worker_restarts", "counter", "Restarts of a run's processes."),
@@ -107,6 +123,12 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
             f["tps"].add(latest.get("tokens_per_s"), run=rid)
             for part, key in LOSS_PARTS.items():
                 f["loss"].add(latest.get(key), run=rid, part=part)
+            on_policy = latest.get("on_policy")
+            if on_policy:
+                f["staleness"].add(on_policy.get("mean_staleness"), run=rid)
+                f["dropped"].add(on_policy.get("dropped_stale"), run=rid)
+        for r in run.get("rollouts") or []:
+            f["gen_tps"].add(r.get("tokens_per_s"), run=rid, rank=r["worker"])
         for ev in run.get("evals") or []:
             if ev.get("bits_per_byte") is not None:
                 f["bpb"].add(ev["bits_per_byte"], run=rid)

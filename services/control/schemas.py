@@ -38,6 +38,11 @@ class RunOut(BaseModel):
     state_changed: float | None = Field(None, description="time of its last state change")
     step: int | None = None
     latest_metrics: dict[str, Any] | None = None
+    rollouts: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="each rollout worker's latest batch (on-policy runs): worker, time, version "
+        "(of the weights), tokens_per_s and samples_per_s generated, pending, wait_s",
+    )
     checkpoint: Checkpoint | None = None
     reason: str | None = Field(None, description="failure reason, recovery cause or stop note")
     attempt: int = Field(0, description="restart attempt while RECOVERING")

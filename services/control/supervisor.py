@@ -571,6 +571,7 @@ class Supervisor:
                     "queue": h.queue_stats if h else None,
                     "processes": self.processes(rec["id"]) if h else [],
                     "memory": h.memory_rows(rec["config"]) if h else [],
+                    "rollouts": h.rollout_rows() if h else [],
                 }
             )
         return {"runs": runs, "started": self.started}
@@ -631,6 +632,7 @@ class Supervisor:
             "state_changed": rec["updated"],
             "step": latest_step.get("step") if latest_step else (checkpoint or {}).get("step"),
             "latest_metrics": latest,
+            "rollouts": h.rollout_rows() if h is not None else [],
             "checkpoint": checkpoint,
             "reason": rec["reason"],
             "attempt": rec["attempt"],

@@ -2,19 +2,29 @@
 
 * :mod:`.names`: partitions, record fields, consumer tasks, the teacher logits' transports;
 * :mod:`.teacher`: a trainer's request for teacher logits and the teacher's result;
-* :mod:`.end_of_data`: the collators' end-of-data marker.
+* :mod:`.end_of_data`: the collators' end-of-data marker;
+* :mod:`.rollout`: the rollout workers' on-policy samples.
 """
 
 from services.protocol.end_of_data import EOF_KEY, eof_fields, eof_samples, put_eof
 from services.protocol.names import (
+    ROLLOUT_TASK,
     TEACHER_TASK,
     TRANSPORTS,
     hidden_field,
     meta_partition,
     new_instance,
+    policy_dir,
     request_partition,
     result_field,
+    rollout_partition,
     trainer_task,
+)
+from services.protocol.rollout import (
+    ROLLOUT_FIELDS,
+    is_rollout_sample,
+    rollout_key,
+    rollout_values,
 )
 from services.protocol.teacher import (
     MAX_BLOB_BYTES,
@@ -33,6 +43,8 @@ __all__ = [
     "EOF_KEY",
     "MAX_BLOB_BYTES",
     "REQUEST_FIELDS",
+    "ROLLOUT_FIELDS",
+    "ROLLOUT_TASK",
     "TEACHER_TASK",
     "TRANSPORTS",
     "Request",
@@ -43,13 +55,18 @@ __all__ = [
     "hidden_column",
     "hidden_field",
     "hidden_from_column",
+    "is_rollout_sample",
     "meta_partition",
     "new_instance",
     "pack_blob",
+    "policy_dir",
     "put_eof",
     "request_fields",
     "request_partition",
     "result_field",
+    "rollout_key",
+    "rollout_partition",
+    "rollout_values",
     "trainer_task",
     "unpack_blob",
 ]

@@ -6,7 +6,12 @@ Partitions of a run with sample partition ``<partition>``:
 * ``<partition>``: the collators' samples, claimed by trainers;
 * ``<partition>.meta``: the run's markers (the collators' end of data, :mod:`.end_of_data`);
 * ``<partition>.teacher<group>``: trainer requests for teacher group ``group`` and the teacher's
-  results written onto them (:mod:`.teacher`).
+  results written onto them (:mod:`.teacher`);
+* ``<partition>.rollout``: the rollout workers' on-policy samples (:mod:`.rollout`), claimed by
+  trainers under task :data:`ROLLOUT_TASK`.
+
+The trainer publishes the student's weights for the rollout workers in :func:`policy_dir` of the
+run directory (``xtoken_core.ipc.policy_weights``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import secrets
 TRANSPORTS = ("shm", "cuda_ipc", "hidden")
 # Consumer task of the teachers on a request partition.
 TEACHER_TASK = "teacher"
+# Consumer task of the trainer ranks on the rollout partition (one task: each sample goes to one
+# rank, once; registered, so the queue drops a sample once it is acked).
+ROLLOUT_TASK = "trainer"
 
 
 def meta_partition(partition: str) -> str:
@@ -29,6 +37,16 @@ def meta_partition(partition: str) -> str:
 def request_partition(partition: str, group: int) -> str:
     """Partition where trainers put requests for teacher group ``group``."""
     return f"{partition}.teacher{group}"
+
+
+def rollout_partition(partition: str) -> str:
+    """Partition of the on-policy samples the rollout workers put for a run."""
+    return f"{partition}.rollout"
+
+
+def policy_dir(run_dir: str | os.PathLike) -> str:
+    """Where a run's trainer publishes the student's weights for its rollout workers."""
+    return os.path.join(os.fspath(run_dir), "policy")
 
 
 def result_field(rank: int) -> str:

@@ -16,8 +16,9 @@ from typing import Any
 
 from services.common import config as cfgmod
 from services.common.overrides import Override, apply_overrides
+from services.rollout.config import RolloutConfig
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import TrainerConfig
+from services.trainer.config import OnPolicyConfig, TrainerConfig
 
 # the longest context a run may ask for (tokens per text); beyond it no model here fits
 MAX_CONTEXT = 1 << 20
@@ -96,9 +97,20 @@ class DataConfig:
         },
     )
 
+    on_policy_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of each step's samples the student samples itself (on-policy, GKD's "
+            "lambda): rollout workers continue prompts of the corpus with the trainer's "
+            "weights, the teacher scores them with the same loss; 0: off-policy only"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit={self.limit}: must be >= 1, or null for the whole corpus")
+        if not (math.isfinite(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1):
+            raise ValueError(f"on_policy_fraction={self.on_policy_fraction}: must be in [0, 1]")
 
 
 @dataclasses.dataclass
@@ -157,7 +169,9 @@ class RunTrainerConfig(TrainerConfig):
         # the plan checks the whole section again once the projection is known
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainerConfig)}
         loss = dataclasses.replace(self.loss, mode="ce", ce_weight=max(self.loss.ce_weight, 1.0))
-        TrainerConfig(**{**fields, "loss": loss})
+        TrainerConfig(**{**fields, "loss": loss, "on_policy": OnPolicyConfig()})
+        if self.on_policy.enabled:  # checked on the copy without it: its loss has no teacher
+            self.check_on_policy()
 
     @property
     def projection_to_build(self) -> bool:
@@ -187,6 +201,10 @@ class RunConfig:
     queue: QueueSection = field(default_factory=QueueSection)
     teachers: int = field(default=1, metadata={"help": "teacher processes (groups)"})
     trainers: int = field(default=1, metadata={"help": "trainer ranks"})
+    rollouts: int = field(
+        default=1,
+        metadata={"help": "rollout processes (started when data.on_policy_fraction > 0)"},
+    )
     max_restarts: int = field(
         default=2,
         metadata={"help": "restarts per process (per trainer group, per run) before failing"},
@@ -212,6 +230,7 @@ class RunConfig:
     collator: CollatorSection = field(default_factory=CollatorSection)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     trainer: RunTrainerConfig = field(default_factory=RunTrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
@@ -278,14 +297,72 @@ class RunConfig:
                 f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "
                 "ranks r with r % teachers == group, so extra teachers would idle"
             )
+        self._check_on_policy()
+
+    def _check_on_policy(self) -> None:
+        """``data.on_policy_fraction`` reaches the trainer (``trainer.on_policy.fraction``), and
+        the rollout workers fit the run.
+
+        Raises:
+            ValueError: names the key that conflicts and the fix.
+        """
+        fraction, op = self.data.on_policy_fraction, self.trainer.on_policy
+        if op.fraction not in (0.0, fraction):
+            raise ValueError(
+                f"trainer.on_policy.fraction={op.fraction:g} but data.on_policy_fraction="
+                f"{fraction:g}; set data.on_policy_fraction only (the run sets the trainer's)"
+            )
+        op.fraction = fraction
+        if not op.enabled:
+            return
+        self.trainer.check_on_policy(
+            {
+                "fraction": "data.on_policy_fraction",
+                "loss.mode": "trainer.loss.mode",
+                "ordered": "data.ordered",
+                "max_steps": "trainer.max_steps",
+            }
+        )
+        r = self.rollout
+        if self.trainers > 1 and self.trainer.parallel == "fsdp":
+            raise ValueError(
+                f"data.on_policy_fraction={fraction:g} with trainer.parallel=fsdp: the rollout "
+                "workers need the whole student, which no FSDP rank holds; use parallel ddp, "
+                "or fraction 0"
+            )
+        if self.rollouts < 1:
+            raise ValueError(f"rollouts={self.rollouts}: must be >= 1 with on-policy samples")
+        if r.prompt_tokens + r.max_new_tokens > self.ctx_student:
+            raise ValueError(
+                f"rollout.prompt_tokens={r.prompt_tokens} + rollout.max_new_tokens="
+                f"{r.max_new_tokens} > ctx_student={self.ctx_student}: an on-policy sample must "
+                "fit the student's context; lower them or raise ctx_student"
+            )
+        gpu_weights = op.weights == "cuda_ipc" or (
+            op.weights == "auto" and str(self.trainer.device).startswith("cuda")
+        )
+        if gpu_weights and not str(r.device).startswith("cuda"):
+            raise ValueError(
+                f"rollout.device={r.device!r} cannot map the trainer's weights on its GPU "
+                "(cuda_ipc): put the rollout workers on a GPU (rollout.device: cuda), or set "
+                "trainer.on_policy.weights: file"
+            )
 
     @property
     def process_count(self) -> int:
-        """Processes the run starts: its queue (unless external), the collator's workers, a
-        teacher per group (when the loss uses one) and a trainer per rank."""
+        """Processes the run starts: its queue (unless external), the collator's workers (none
+        when every sample is on-policy), a teacher per group (when the loss uses one), a
+        trainer per rank and the rollout workers (with on-policy samples)."""
         teachers = self.teachers if self.trainer.loss.uses_teacher else 0
         own_queue = 0 if self.queue.address else 1
-        return own_queue + self.collator.workers + teachers + self.trainers
+        rollouts = self.rollouts if self.on_policy else 0
+        collators = 0 if self.data.on_policy_fraction == 1.0 else self.collator.workers
+        return own_queue + collators + teachers + self.trainers + rollouts
+
+    @property
+    def on_policy(self) -> bool:
+        """Part of each step is sampled by the student (rollout workers run)."""
+        return self.data.on_policy_fraction > 0
 
 
 def _check_tree(config: object, prefix: str = "") -> None:

@@ -624,8 +624,11 @@ class Driver:
         self.eof_done = True
         if self._progress_line is not None and not self.config.trainer.max_steps:
             tr = self.config.trainer
+            share = tr.on_policy.share(tr.micro_batch * tr.grad_accum)
             self._progress_line.set_total(
-                estimated_steps(n, tr.micro_batch, tr.grad_accum, self.config.trainers, tr.epochs),
+                estimated_steps(
+                    n, tr.micro_batch, tr.grad_accum, self.config.trainers, tr.epochs, share
+                ),
                 final=True,
             )
         self._emit(DataComplete(samples=n))
@@ -669,8 +672,9 @@ class Driver:
                     texts = count_texts(train, text_field=config.data.text_field, limit=limit)
                 except (OSError, ValueError):
                     return  # no total: the collator reports the corpus's problem
+                share = tr.on_policy.share(tr.micro_batch * tr.grad_accum)
                 steps = estimated_steps(
-                    texts, tr.micro_batch, tr.grad_accum, config.trainers, tr.epochs
+                    texts, tr.micro_batch, tr.grad_accum, config.trainers, tr.epochs, share
                 )
                 progress.set_total(steps)  # unless the collator's count came first
 

@@ -17,6 +17,7 @@ from typing import Any
 from services.common import config as cfgmod
 from services.common.heartbeat import HEARTBEAT_ENV, HEARTBEAT_S_ENV
 from services.launch.spec import ProcessSpec
+from services.protocol.names import policy_dir
 from services.supervise.config import RunConfig
 from services.supervise.preflight import Inputs, slug
 from services.trainer.config import TrainerConfig
@@ -141,7 +142,8 @@ def make_sections(
     queue: str,
     gpus: int | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The section of the trainer ranks (``trainer``) and of each teacher group (``teacher<g>``).
+    """The section of the trainer ranks (``trainer``), of each teacher group (``teacher<g>``) and
+    of each rollout worker (``rollout<i>``, with on-policy samples).
 
     Raises:
         ValueError: a trainer section that does not build (names the key).
@@ -185,6 +187,59 @@ def make_sections(
                 eval_texts=cfg.trainer.eval_texts,
             )
         )
+    if cfg.on_policy:
+        out.update(rollout_sections(cfg, inputs, context, queue=queue, gpus=gpus))
+    return out
+
+
+def rollout_sections(
+    config: RunConfig,
+    inputs: Inputs,
+    context: RunContext,
+    *,
+    queue: str,
+    gpus: int | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The section of each rollout worker (``rollout<i>``): the run's queue, partition,
+    tokenizers, context lengths and student (the trainer's spec, vocab and seed), the trainer's
+    weights directory, the prompts (``data.train`` and its limit unless ``rollout.prompts``),
+    and, unless ``rollout.max_pending`` is set, a step of on-policy samples of every rank (at
+    least a batch) waiting at most: the trainers claim a step ahead, and more would only grow
+    stale."""
+    cfg, r = config, config.rollout
+    tr = cfg.trainer
+    per_step = tr.micro_batch * tr.grad_accum * cfg.trainers
+    share = max(1, round(cfg.data.on_policy_fraction * per_step))
+    own_prompts = r.prompts is not None
+    out = {}
+    for i in range(cfg.rollouts):
+        device = r.device
+        if device == "cuda":
+            gpus = _gpu_count() if gpus is None else gpus
+            device = f"cuda:{i % max(1, gpus)}"
+        section = dataclasses.replace(
+            r,
+            queue=queue,
+            partition=context.partition,
+            worker=i,
+            workers=cfg.rollouts,
+            student=tr.student,
+            vocab_size=tr.vocab_size,
+            seed=tr.seed,
+            student_tokenizer=cfg.student_tokenizer,
+            teacher_tokenizer=cfg.teacher_tokenizer,
+            ctx_student=cfg.ctx_student,
+            ctx_teacher=cfg.ctx_teacher,
+            device=device,
+            weights=policy_dir(context.run_dir),
+            prompts=r.prompts if own_prompts else inputs.train,
+            limit=r.limit if own_prompts else (cfg.data.limit if inputs.train_limit is None
+                                               else inputs.train_limit),
+            text_field=r.text_field if own_prompts else cfg.data.text_field,
+            max_pending=max(r.batch, share) if r.max_pending is None else r.max_pending,
+            state_dir=str(context.run_dir / "rollout"),
+        )  # fmt: skip
+        out[f"rollout{i}"] = cfgmod.to_dict(section)
     return out
 
 
@@ -197,8 +252,9 @@ def make_specs(
     master_port: int,
     host: Host | None = None,
 ) -> list[ProcessSpec]:
-    """The processes of one launch: the queue (unless external), the collator, a teacher per
-    group (when the loss uses one) and a trainer per rank, each with its heartbeat file."""
+    """The processes of one launch: the queue (unless external), the collator (unless every
+    sample is on-policy), a teacher per group (when the loss uses one), a trainer per rank and
+    the rollout workers (with on-policy samples), each with its heartbeat file."""
     cfg = config
     host = host or Host.here()
     d = context.run_dir
@@ -215,7 +271,7 @@ def make_specs(
         )
     # the held-out texts may be the last ones of data.train: the collator stops before them
     limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
-    specs += [
+    collators = [
         ProcessSpec(
             "collator",
             "collator",
@@ -248,11 +304,15 @@ def make_specs(
             log_file=str(d / "logs" / "collator.log"),
         ),
     ]
+    if cfg.data.on_policy_fraction < 1.0:  # every sample on-policy: no collator to read
+        specs += collators
     teachers = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+    rollouts = cfg.rollouts if cfg.on_policy else 0
     threads = cpu_threads(
         host,
         teachers if cfg.teacher.device == "cpu" else 0,
         cfg.trainers if cfg.trainer.device == "cpu" else 0,
+        rollouts if cfg.rollout.device == "cpu" else 0,
     )
     for g in range(teachers):
         specs.append(
@@ -294,16 +354,39 @@ def make_specs(
                 group=str(r % cfg.teachers),
             )
         )
+    for i in range(rollouts):
+        specs.append(
+            ProcessSpec(
+                f"rollout{i}",
+                "rollout",
+                [
+                    "rollout",
+                    "--config",
+                    str(d / "config" / f"rollout{i}.json"),
+                    "--run-dir",
+                    str(d),
+                ],
+                env=dict(threads) if cfg.rollout.device == "cpu" else {},
+                log_file=str(d / "logs" / f"rollout{i}.log"),
+                ready_file=str(d / "ready" / f"rollout{i}"),
+                resources={"gpu": 1} if cfg.rollout.device.startswith("cuda") else {},
+                # beside trainer rank 0, which publishes the weights (shm / cuda_ipc: one node)
+                group="0",
+            )
+        )
     for spec in specs:
         spec.env[HEARTBEAT_ENV] = str(d / "heartbeat" / spec.name)
         spec.env[HEARTBEAT_S_ENV] = str(cfg.heartbeat_s)
     return specs
 
 
-def cpu_threads(host: Host, cpu_teachers: int, cpu_trainers: int) -> dict[str, str]:
-    """Intra-op threads per CPU teacher / trainer process: the cores shared among them (threads
-    of several processes fighting over the same cores make each one slower, not faster)."""
-    procs = cpu_teachers + cpu_trainers
+def cpu_threads(
+    host: Host, cpu_teachers: int, cpu_trainers: int, cpu_rollouts: int = 0
+) -> dict[str, str]:
+    """Intra-op threads per CPU teacher / trainer / rollout process: the cores shared among them
+    (threads of several processes fighting over the same cores make each one slower, not
+    faster)."""
+    procs = cpu_teachers + cpu_trainers + cpu_rollouts
     if not procs or host.threads_set:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, host.cores // procs))}

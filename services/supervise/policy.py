@@ -3,8 +3,9 @@ the failure budget is spent. Shared by ``xtoken run`` and the control plane's su
 
 Per role (the default :data:`SCOPES`):
 
-* ``collator`` and ``teacher`` restart **in place** (a collator skips what the queue already
-  holds; a restarted teacher recomputes the requests of its dead predecessor);
+* ``collator``, ``teacher`` and ``rollout`` restart **in place** (a collator skips what the
+  queue already holds; a restarted teacher recomputes the requests of its dead predecessor; a
+  restarted rollout worker samples again the prompts its predecessor had not put);
 * any ``trainer`` rank restarts the whole **group** of ranks from the latest checkpoint (the
   survivors cannot go on without it: their next collective fails);
 * the ``queue`` holds the run's samples in memory, so its loss restarts the **run**: every
@@ -26,6 +27,7 @@ import dataclasses
 SCOPES: dict[str, str] = {
     "collator": "process",
     "teacher": "process",
+    "rollout": "process",
     "trainer": "group",
     "queue": "run",
 }

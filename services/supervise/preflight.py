@@ -88,6 +88,8 @@ def preflight(config: RunConfig) -> Inputs:
         train = str(demo.train_path)
         heldout = heldout or str(demo.heldout_path)
     check_train(train, config.data.text_field)
+    if config.on_policy and config.rollout.prompts is not None:
+        check_train(config.rollout.prompts, config.rollout.text_field, "rollout.prompts")
     if heldout is None:
         heldout, train_limit = split_heldout(config, train)
     corpora = {
@@ -120,9 +122,9 @@ def preflight(config: RunConfig) -> Inputs:
     return Inputs(train, heldout, projection, train_limit)
 
 
-def check_train(train: str, text_field: str) -> None:
+def check_train(train: str, text_field: str, key: str = "data.train") -> None:
     """``data.train`` names what the collator reads (a corpus file, a folder of them or a glob)
-    and its first file with text has some.
+    and its first file with text has some (``key``: the setting, e.g. ``rollout.prompts``).
 
     Raises:
         ValueError: nothing there, no corpus file in a folder or glob, or no usable text.
@@ -133,13 +135,13 @@ def check_train(train: str, text_field: str) -> None:
         files = corpus_files(train)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(
-            f"data.train={train!r} is not a file, a folder or a glob of corpus files ({e}); "
+            f"{key}={train!r} is not a file, a folder or a glob of corpus files ({e}); "
             "point it at a corpus"
         ) from None
     try:
         first_text(str(files[0]), text_field)
     except ValueError as e:
-        raise ValueError(f"data.train: {e}") from None
+        raise ValueError(f"{key}: {e}") from None
 
 
 def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
@@ -208,7 +210,7 @@ def _cache_dir() -> Path:
 
 def check_devices(config: RunConfig) -> None:
     """A CUDA device the config asks for (``trainer.device``, ``teacher.device`` when the loss
-    uses a teacher) is on this machine.
+    uses a teacher, ``rollout.device`` with on-policy samples) is on this machine.
 
     Raises:
         ValueError: ``cuda`` without CUDA, or ``cuda:N`` past the GPUs there (names the key).
@@ -216,6 +218,8 @@ def check_devices(config: RunConfig) -> None:
     wanted = [("trainer.device", config.trainer.device)]
     if config.trainer.loss.uses_teacher:
         wanted.append(("teacher.device", config.teacher.device))
+    if config.on_policy:
+        wanted.append(("rollout.device", config.rollout.device))
     wanted = [(key, str(value)) for key, value in wanted if str(value).startswith("cuda")]
     if not wanted:
         return

@@ -266,20 +266,24 @@ def _figures(records: list[dict[str, Any]]) -> str:
     )
 
 
-def estimated_steps(texts: int, micro_batch: int, grad_accum: int, ranks: int, epochs: int) -> int:
+def estimated_steps(
+    texts: int, micro_batch: int, grad_accum: int, ranks: int, epochs: int, on_policy: int = 0
+) -> int:
     """The optimizer steps of a run that ends with its data (``max_steps: 0``): each step takes
-    ``micro_batch x grad_accum`` texts on every trainer rank, the last one of an epoch fewer.
+    ``micro_batch x grad_accum`` texts on every trainer rank (less its ``on_policy`` samples),
+    the last one of an epoch fewer.
 
     Args:
         texts: the texts the collator puts (one sample each).
         micro_batch, grad_accum: the trainer's.
         ranks: trainer ranks.
         epochs: passes over the data.
+        on_policy: on-policy samples of a rank's step (``trainer.on_policy.share``).
 
     Returns:
         ``ceil(texts / global batch) * epochs`` (at least 1).
     """
-    global_batch = micro_batch * grad_accum * ranks
+    global_batch = max(1, micro_batch * grad_accum - on_policy) * ranks
     return max(1, math.ceil(texts / global_batch)) * epochs
 
 

@@ -47,6 +47,73 @@ class OptimConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
 
 
+# how the student's weights reach the rollout workers (xtoken_core.ipc.policy_weights); auto:
+# cuda_ipc for a student on a GPU, shm on the CPU
+WEIGHT_TRANSPORTS = ("auto", "file", "shm", "cuda_ipc")
+
+
+@dataclasses.dataclass
+class OnPolicyConfig:
+    """On-policy distillation: a share of each step sampled by the student itself (rollout
+    workers), scored by the same teacher, trained with the same loss."""
+
+    fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of each step's samples taken from the rollout workers (GKD's lambda; "
+            "0: off-policy only); xtoken run sets it from data.on_policy_fraction"
+        },
+    )
+    sync_every: int = field(
+        default=1,
+        metadata={"help": "publish the student's weights to the rollout workers every N steps"},
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "drop (never train) an on-policy sample whose weights are more than this "
+            "many publications behind the trainer's"
+        },
+    )
+    ce: bool = field(
+        default=False,
+        metadata={
+            "help": "also train the student's CE on the tokens it sampled itself (off: it would "
+            "reinforce its own mistakes; the KD term always counts)"
+        },
+    )
+    weights: Literal["auto", "file", "shm", "cuda_ipc"] = field(
+        default="auto",
+        metadata={
+            "help": "how the weights reach the rollout workers: auto (cuda_ipc for a student on a "
+            "GPU, shm on the CPU: one node), file (a safetensors file in RUN_DIR/policy, renamed "
+            "into place: rollout workers on other nodes with a shared filesystem)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.fraction) and 0.0 <= self.fraction <= 1.0):
+            raise ValueError(f"fraction={self.fraction}: must be in [0, 1]")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every={self.sync_every}: must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.weights not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weights={self.weights!r}: use one of {', '.join(WEIGHT_TRANSPORTS)}")
+
+    @property
+    def enabled(self) -> bool:
+        """Some of each step comes from the rollout workers."""
+        return self.fraction > 0
+
+    def share(self, samples: int) -> int:
+        """On-policy samples of a claim of ``samples``: ``round(fraction * samples)``, at least
+        one when the fraction is above 0 (a small step still gets its on-policy share)."""
+        if self.fraction <= 0:
+            return 0
+        return min(samples, max(1, round(self.fraction * samples)))
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """Settings of one trainer rank (rank and world size come from torchrun's environment)."""
@@ -147,6 +214,7 @@ class TrainerConfig:
     epochs: int = field(default=1, metadata={"help": "passes over the data"})
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: CrossTokenizerLossConfig = field(default_factory=CrossTokenizerLossConfig)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     run_dir: str = field(default="runs/default", metadata={"help": "metrics, checkpoints, export"})
     checkpoint_every: int = field(
         default=50, metadata={"help": "steps between checkpoints (0: off)"}
@@ -234,9 +302,47 @@ class TrainerConfig:
                 f"{list(self.loss.teacher_weights)}: a trainer distills one teacher; give one "
                 "projection file and at most one weight"
             )
+        if self.on_policy.enabled:
+            self.check_on_policy()
         if self.loss.teacher_vocab_size != (None,):
             raise ValueError(
                 f"loss.teacher_vocab_size={self.loss.teacher_vocab_size[0]}: the trainer sets it "
                 "from the teacher (trainer.teacher_vocab_size, else its tokenizer's vocab); "
                 "delete the key"
+            )
+
+    def check_on_policy(self, names: dict[str, str] | None = None) -> None:
+        """On-policy samples need a teacher, unordered claims and an end the data cannot give.
+
+        Args:
+            names: the keys to name in a message (a run config's: ``fraction`` ->
+                ``data.on_policy_fraction``); default: this section's own.
+
+        Raises:
+            ValueError: names the setting that conflicts with ``on_policy.fraction``.
+        """
+        keys = {
+            "fraction": "on_policy.fraction",
+            "loss.mode": "loss.mode",
+            "ordered": "ordered",
+            "max_steps": "max_steps",
+            **(names or {}),
+        }
+        fraction = f"{keys['fraction']}={self.on_policy.fraction:g}"
+        if not self.loss.uses_teacher:
+            raise ValueError(
+                f"{fraction} with {keys['loss.mode']}={self.loss.mode}: on-policy distillation "
+                "scores the student's samples with the teacher; use a KD mode (pkl, gold, "
+                "xtoken) or fraction 0"
+            )
+        if self.ordered:
+            raise ValueError(
+                f"{fraction} with {keys['ordered']}: on-policy samples come as the rollout "
+                f"workers make them, never in a fixed order; set {keys['ordered']} false or "
+                "fraction 0"
+            )
+        if self.on_policy.fraction == 1.0 and not self.max_steps:
+            raise ValueError(
+                f"{fraction} with {keys['max_steps']}=0: every sample comes from the rollout "
+                f"workers, which never run out; set {keys['max_steps']}"
             )

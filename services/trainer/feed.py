@@ -6,6 +6,8 @@ step or the checkpoint, end of data, give back) and the teacher client
 (services/trainer/teacher_client.py: request, result, slot release). Up to one step of
 micro-batches is kept claimed and requested ahead, so the teacher computes step k+1 while this
 rank trains on step k; the next ones are claimed and requested while each backward runs.
+With ``on_policy.fraction`` above 0 the sample feed is the mixed one
+(services/trainer/on_policy.py): part of each step comes from the rollout workers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import deque
 from typing import Any
 
 from services.trainer.config import TrainerConfig
+from services.trainer.on_policy import OnPolicyFeed
 from services.trainer.samples import Claimed, SampleFeed
 from services.trainer.teacher_client import Asked, TeacherClient
 from services.trainer.worker import MicroBatch
@@ -56,7 +59,8 @@ class TeacherFeed:
         replaces: str = "",
     ) -> None:
         self.config = config
-        self.samples = SampleFeed(
+        feed = OnPolicyFeed if config.on_policy.enabled else SampleFeed
+        self.samples = feed(
             client,
             config,
             worker,
@@ -68,6 +72,8 @@ class TeacherFeed:
             rank=rank,
             ranks=getattr(worker, "world_size", 1),
         )
+        # the mixed feed (on-policy samples), or None
+        self.on_policy = self.samples if isinstance(self.samples, OnPolicyFeed) else None
         self.teacher = TeacherClient(
             client, config, rank, worker, reader=reader, output_layer=output_layer
         )
@@ -99,7 +105,13 @@ class TeacherFeed:
             if not self._claim(want - len(self._pending), block=len(self._pending) < n):
                 break
         take = [self._pending.popleft() for _ in range(min(n, len(self._pending)))]
+        if self.on_policy is not None:
+            self.on_policy.start_step(take)  # drops the rows now too stale to train
         return [self._micro_batch(p) for p in take]
+
+    def on_policy_stats(self) -> dict | None:
+        """The on-policy figures of the step just trained (None without on-policy samples)."""
+        return None if self.on_policy is None else self.on_policy.step_stats()
 
     def ack(self, micro_batches: list[MicroBatch]) -> None:
         """Mark the samples of trained micro-batches consumed (after the optimizer step); a
@@ -149,9 +161,14 @@ class TeacherFeed:
                 break
 
     def _micro_batch(self, p: _Pending) -> MicroBatch:
-        mb = MicroBatch(keys=p.keys, batch=p.batch, context=p)
+        on_policy = self.on_policy
+        keys = p.keys if on_policy is None else on_policy.trained_keys(p)
+        mb = MicroBatch(keys=keys, batch=p.batch, context=p)
         if self.config.loss.uses_teacher:
-            mb.teacher_logits = lambda: self.teacher.logits(p)
+            if on_policy is None:
+                mb.teacher_logits = lambda: self.teacher.logits(p)
+            else:  # the teacher's log-probs of the student's continuations: a metric
+                mb.teacher_logits = lambda: on_policy.score(p, self.teacher.logits(p))
             mb.done = lambda: self._done(p)
         return mb
 

@@ -33,6 +33,7 @@ from services.trainer import checkpoint, tracking
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
 from services.trainer.model_card import card_facts, write_model_card
+from services.trainer.policy import PolicyPublisher
 from services.trainer.worker import PhaseClock, TrainerWorker
 from xtoken_core.data.corpus import read_texts
 
@@ -163,6 +164,10 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
 
     if worker.step == 0:
         evaluate("before")
+    # on-policy samples: the rollout workers sample with these weights, then with each update
+    publisher = PolicyPublisher.create(worker, config, run_dir, rank=rank, world=world)
+    if publisher is not None:
+        publisher.publish()
     stopped = False
     last_ckpt = worker.step
     while epoch < config.epochs and not stopped:
@@ -210,6 +215,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 continue
             result = worker.train_step(mbs, clock)
             feed.ack(mbs)
+            if publisher is not None:
+                publisher.after_step()
+            on_policy = feed.on_policy_stats()
             keys_log.write("trained", step=result.step, epoch=epoch, keys=result.keys)
             step_s = sum(result.times.values())
             metrics.write(
@@ -223,6 +231,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 memory_mb=_memory_mb(device),
                 recompiles=worker.recompiles(),
                 feed=dict(feed.counters),
+                **({} if on_policy is None else {"on_policy": on_policy}),
                 **{k: round(v, 6) for k, v in result.metrics.items()},
             )
             if rank == 0:
@@ -266,6 +275,8 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     if rank == 0:
         summary.update(step=worker.step, epoch=epoch, stopped=stopped, skipped=worker.skipped_steps)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if publisher is not None:
+        publisher.close()
     metrics.close()
     keys_log.close()
     client.close()

@@ -5,7 +5,8 @@ Two outputs from the same steps:
 * ``collator(batch)``: a right-padded batch, a flat ``{key: tensor}`` dict (keys, dtypes, pad
   values and widths: see :mod:`xtoken_core.data.sample`).
 * ``collator.collate_one(text)`` / ``collate_samples(texts)``: jagged samples (no padding) for
-  the transfer queue.
+  the transfer queue; ``collate_sampled(rows)`` the same of token ids the student sampled (the
+  text they spell, cut at valid UTF-8, tokenized again by the teacher).
   ``sample.pad_samples([collate_one(t) for t in texts], **collator.pad_kwargs())`` equals
   ``collator(texts)`` exactly.
 
@@ -36,6 +37,8 @@ import torch
 
 from xtoken_core.align.batch import AlignmentBatch
 from xtoken_core.data import sample as schema
+from xtoken_core.tokenizers.base import TokenizedText
+from xtoken_core.tokenizers.sampled import decode_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -246,22 +249,81 @@ class CrossTokenizerCollator:
             ValueError: if an item has no text.
         """
         texts = [_text_of(item, i) for i, item in enumerate(batch)]
-        student, teacher = self.tokenize(texts)
-        samples = []
-        for text, s, t in zip(texts, student, teacher):
-            alignment = self.aligner.align_tokenized(s, t)
-            out: dict[str, torch.Tensor] = {
-                "input_ids": torch.from_numpy(np.array(s.ids, dtype=np.int64)),
-                "input_lengths": torch.tensor(len(s), dtype=torch.int64),
-                "token_mask": torch.ones(len(s), dtype=torch.bool),
-                "sample_mask": torch.tensor(1.0 if text else 0.0, dtype=torch.float32),
-                "teacher_input_ids": torch.from_numpy(np.array(t.ids, dtype=np.int64)),
-                "teacher_input_lengths": torch.tensor(len(t), dtype=torch.int64),
-                "teacher_token_mask": torch.ones(len(t), dtype=torch.bool),
-            }
-            out.update(alignment.to_flat_dict(prefix=schema.ALIGNMENT_PREFIX))
-            samples.append({name: out[name] for name in schema.FIELD_NAMES})
-        return samples
+        return [self.pack_sample(s, t) for s, t in zip(*self.tokenize(texts))]
+
+    def tokenize_sampled(
+        self, rows: Sequence[Sequence[int]]
+    ) -> tuple[list[TokenizedText], list[TokenizedText]]:
+        """Place token ids the student sampled on the text they spell, and tokenize that text
+        with the teacher tokenizer (both truncated to the context lengths).
+
+        Args:
+            rows: B sequences of student ids as sampled (prompt and continuation; specials
+                such as a BOS included, padding and anything past an EOS excluded).
+
+        Returns:
+            (student, teacher): two lists of B ``TokenizedText``. The student ids are the
+            sampled ones, cut before the first token whose bytes are no valid UTF-8
+            (:func:`xtoken_core.tokenizers.sampled.decode_sampled`); the teacher ids are the
+            teacher tokenization of the decoded text, its specials added as for a text.
+
+        Raises:
+            ValueError: an id outside the student vocabulary.
+        """
+        student = [
+            decode_sampled(self.student_tokenizer, row).truncated(self.ctx_length_student)
+            for row in rows
+        ]
+        teacher = [
+            x.truncated(self.ctx_length_teacher)
+            for x in self.teacher_tokenizer.encode_batch(
+                [s.text for s in student], self.add_special_tokens
+            )
+        ]
+        return student, teacher
+
+    def collate_sampled(self, rows: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
+        """Jagged samples of token sequences the student sampled (on-policy samples): the student
+        ids as sampled, the teacher ids of the decoded text, the same alignment and fields as
+        :meth:`collate_samples` (``collate_sampled([ids])`` equals ``collate_samples([text])``
+        when ``ids`` is the student tokenization of ``text``).
+
+        Args:
+            rows: B sequences of sampled student ids (see :meth:`tokenize_sampled`).
+
+        Returns:
+            B sample dicts (see :meth:`collate_one`).
+
+        Raises:
+            ValueError: an id outside the student vocabulary.
+        """
+        return [self.pack_sample(s, t) for s, t in zip(*self.tokenize_sampled(rows))]
+
+    def pack_sample(
+        self, student: TokenizedText, teacher: TokenizedText
+    ) -> dict[str, torch.Tensor]:
+        """One jagged sample of a text tokenized on both sides: align once, pack the fields.
+
+        Args:
+            student: the student tokens of the text (``student.text`` is the text).
+            teacher: the teacher tokens of the same text.
+
+        Returns:
+            The sample dict (see :meth:`collate_one`); ``sample_mask`` is 0.0 for an empty text.
+        """
+        alignment = self.aligner.align_tokenized(student, teacher)
+        s, t = student, teacher
+        out: dict[str, torch.Tensor] = {
+            "input_ids": torch.from_numpy(np.array(s.ids, dtype=np.int64)),
+            "input_lengths": torch.tensor(len(s), dtype=torch.int64),
+            "token_mask": torch.ones(len(s), dtype=torch.bool),
+            "sample_mask": torch.tensor(1.0 if s.text else 0.0, dtype=torch.float32),
+            "teacher_input_ids": torch.from_numpy(np.array(t.ids, dtype=np.int64)),
+            "teacher_input_lengths": torch.tensor(len(t), dtype=torch.int64),
+            "teacher_token_mask": torch.ones(len(t), dtype=torch.bool),
+        }
+        out.update(alignment.to_flat_dict(prefix=schema.ALIGNMENT_PREFIX))
+        return {name: out[name] for name in schema.FIELD_NAMES}
 
 
 def _pad_rows(rows: list[np.ndarray], width: int, pad: int) -> torch.Tensor:

@@ -214,6 +214,11 @@
       ], { time: true }),
       bpb: makeChart("chart-bpb", [{ label: "bits/byte", color: "#0891b2" }], { points: true }),
       memory: makeChart("chart-memory", [{ label: "peak MiB", color: "#be185d", digits: 1 }]),
+      onPolicy: makeChart("chart-on-policy", [
+        { label: "mean staleness", color: "#7c3aed", digits: 2 },
+        { label: "dropped stale", color: "#dc2626", digits: 0, dash: [4, 3] },
+        { label: "teacher log-prob/byte", color: "#059669", digits: 4 },
+      ]),
     };
   }
 
@@ -247,8 +252,24 @@
     setSeries("bpb", [evals.map((e) => e.step), evals.map((e) => num(e.bits_per_byte))], evals.length);
     setSeries("memory", [x, S.steps.map((s) => num(s.memory_mb))],
       S.steps.filter((s) => s.memory_mb !== undefined && s.memory_mb !== null).length);
+    drawOnPolicy(x);
     drawQueue();
     renderFacts();
+  }
+
+  // On-policy runs only: the chart shows once a step carries on-policy figures.
+  function drawOnPolicy(x) {
+    const op = S.steps.map((s) => s.on_policy || null);
+    const fig = $("chart-on-policy");
+    const shown = !fig.hidden;
+    fig.hidden = !op.some((o) => o !== null);
+    if (fig.hidden) return;
+    if (!shown && S.charts.onPolicy) {  // sized while hidden: size it now
+      S.charts.onPolicy.chart.setSize({ width: chartWidth(fig.querySelector(".plot")), height: CHART_HEIGHT });
+    }
+    setSeries("onPolicy", [x, op.map((o) => num(o && o.mean_staleness)),
+      op.map((o) => num(o && o.dropped_stale)), op.map((o) => num(o && o.teacher_logprob_per_byte))],
+      op.filter((o) => o !== null).length);
   }
 
   // A step at or before the last one is a replay after a restart from a checkpoint: the curve
@@ -316,6 +337,13 @@
     const evals = S.evals.filter((e) => e.bits_per_byte !== undefined && e.bits_per_byte !== null);
     const ev = evals.length ? evals[evals.length - 1] : null;
     setText("fact-bpb", ev ? fmt(ev.bits_per_byte, 4) + " (" + (ev.tag || "step " + ev.step) + ")" : null);
+    const op = last && last.on_policy;
+    $("fact-on-policy-box").hidden = !op;
+    setText("fact-on-policy", op ? [op.samples, fmt(op.mean_staleness, 2), op.dropped_stale].join(" / ") : null);
+    const gen = (S.run && S.run.rollouts) || [];
+    $("fact-generated-box").hidden = gen.length === 0;
+    const sum = (k) => gen.reduce((a, r) => a + (Number(r[k]) || 0), 0);
+    setText("fact-generated", gen.length ? fmt(sum("tokens_per_s"), 1) + " (" + fmt(sum("samples_per_s"), 2) + ")" : null);
   }
 
   function renderSplit(last) {

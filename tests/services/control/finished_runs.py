@@ -29,6 +29,7 @@ def write_finished_run(
     events: tuple[tuple[str, dict[str, Any]], ...] = (),
     queue_samples: int = 0,
     state: str = "SUCCEEDED",
+    on_policy: bool = False,
 ) -> str:
     """A finished run as the control plane leaves it: its record and events in the runs root's
     store (``control.db``, what ``xtoken control serve --runs-root`` opens), rank 0's metrics file
@@ -40,6 +41,8 @@ def write_finished_run(
             and writes the steps after it again (a replay), then one more.
         evals: the steps after which a held-out eval is written (0: the ``before`` eval).
         events: (kind, data) recorded after the state events.
+        on_policy: step records carry the on-policy figures (2 samples, staleness 1.5, one
+            more sample dropped as stale every 10 steps, teacher log-prob -2 - step / 100).
 
     Returns:
         The run's id.
@@ -97,6 +100,19 @@ def write_finished_run(
             micro_batches=1.0,
             grad_norm=1.2,
             lr=config["trainer"]["optim"]["lr"],
+            **(
+                {
+                    "on_policy": {
+                        "samples": 2,
+                        "mean_staleness": 1.5,
+                        "dropped_stale": step // 10,
+                        "wait_s": 0.0,
+                        "teacher_logprob_per_byte": round(-2 - step / 100, 4),
+                    }
+                }
+                if on_policy
+                else {}
+            ),
         )
         if step in evals:
             eval_after(step)

@@ -287,6 +287,7 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
         evals=(0, 10, 20, 30),
         events=tuple((e.kind, e.data()) for e in (crash, recovering, restarted)),
         queue_samples=20,
+        on_policy=True,
     )
     b = write_finished_run(
         runs_root,
@@ -351,6 +352,8 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
             "() => +document.querySelector('#chart-memory').dataset.points === 30", timeout=15_000
         )
         assert page.text_content("#fact-memory") == "1.2 GiB"  # 900 + 10 * 30 MiB
+        assert page.is_visible("#chart-on-policy") and _points(page, "chart-on-policy") == 30
+        assert page.text_content("#fact-on-policy") == "2 / 1.50 / 3"  # samples, staleness, drops
         page.wait_for_function(
             "() => +document.querySelector('#chart-queue').dataset.points === 20", timeout=15_000
         )
@@ -376,7 +379,10 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
         page.wait_for_selector("#chart-queue[data-empty='1']", timeout=15_000)
         assert page.is_visible("#queue-empty") and page.is_hidden("#chart-queue .plot")
         assert "No queue samples" in page.text_content("#queue-empty")
-        assert _points(page, "chart-memory") == 24
+        page.wait_for_function(  # the steps arrive after the queue history: wait for them
+            "() => +document.querySelector('#chart-memory').dataset.points === 24", timeout=15_000
+        )
+        assert page.is_hidden("#chart-on-policy") and page.is_hidden("#fact-on-policy-box")
         page.screenshot(path=str(artifacts / "run-no-queue-samples.png"), full_page=True)
 
         # "updated" of a finished run is its last step, long ago, not the state change just now

@@ -422,3 +422,44 @@ def test_the_snapshot_has_the_memory_of_every_trainer_rank_and_teacher(make):
     assert f"{line} {11 * 2**20}" in text
     sup.stop(rid, grace_s=5)
     wait_state(sup, rid, {"STOPPED"})
+
+
+def test_a_rollout_worker_restarts_in_place_and_its_figures_reach_the_run_and_the_exposition(
+    make,
+):
+    from services.control import prometheus
+    from services.control.supervisor import STATES
+
+    sup = make({"rollout0": [(0.3, 1), FOREVER], "trainer0": [(3.0, 0)]})
+    run = sup.submit(
+        tiny_config(
+            **{"data.on_policy_fraction": 0.5, "rollout.max_new_tokens": 16},
+            restart_backoff_s=0.2,
+        )
+    )
+    rid = run["id"]
+    metrics = Path(run["run_dir"]) / "metrics"
+    metrics.mkdir(parents=True, exist_ok=True)
+    batch = {"event": "rollout", "time": 1.0, "version": 3, "tokens_per_s": 250.0,
+             "samples_per_s": 4.0, "pending": 2, "wait_s": 0.1}  # fmt: skip
+    (metrics / "rollout0.jsonl").write_text(json.dumps(batch) + "\n")
+    on_policy = {"samples": 2, "mean_staleness": 1.5, "dropped_stale": 3, "wait_s": 0.0,
+                 "teacher_logprob_per_byte": -2.0}  # fmt: skip
+    step = {"event": "step", "time": 2.0, "step": 1, "loss": 1.0, "on_policy": on_policy}
+    (metrics / "trainer.rank0.jsonl").write_text(json.dumps(step) + "\n")
+    deadline = time.monotonic() + 10
+    while not (rows := sup.get(rid)["rollouts"]):
+        assert time.monotonic() < deadline, "no rollout figures"
+        time.sleep(0.05)
+    assert rows == [{"worker": 0, "time": 1.0, "version": 3, "tokens_per_s": 250.0,
+                     "samples_per_s": 4.0, "pending": 2, "wait_s": 0.1}]  # fmt: skip
+    text = prometheus.render(sup.snapshot(), states=STATES, now=time.time())
+    assert f'xtoken_rollout_tokens_per_second{{run="{rid}",rank="0"}} 250' in text
+    assert f'xtoken_on_policy_staleness{{run="{rid}"}} 1.5' in text
+    assert f'xtoken_on_policy_dropped_stale_total{{run="{rid}"}} 3' in text
+    done = wait_state(sup, rid, {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", done
+    procs = {p["name"]: p for p in sup.processes(rid)}
+    assert procs["rollout0"]["role"] == "rollout" and procs["rollout0"]["restarts"] == 1
+    assert sup.launchers[-1].starts["rollout0"] == 2  # in place: the trainer ran on
+    assert sup.launchers[-1].starts["trainer0"] == 1

@@ -1,0 +1,1 @@
+"""rollout: a copy of the student samples on-policy continuations for the trainer."""

@@ -1,0 +1,137 @@
+"""Settings of a rollout process (the ``rollout`` section of a run config; the flags of
+``xtoken rollout`` come from here).
+
+No heavy imports: the CLI builds its parser from this dataclass (``services.common.config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import field
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """One rollout worker: a copy of the student that samples continuations of prompts.
+
+    ``xtoken run`` sets the queue, the partition, the tokenizers, the context lengths, the
+    student (``trainer.student``, its vocab and seed), the weights directory, the prompts
+    (``data.train`` unless given) and the worker's index; a run config sets the rest.
+    """
+
+    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"})
+    partition: str = field(
+        default="train",
+        metadata={
+            "help": "the run's sample partition; on-policy samples go to <partition>.rollout"
+        },
+    )
+    worker: int = field(
+        default=0,
+        metadata={"help": "this worker's index: it takes prompt i when i % workers is it"},
+    )
+    workers: int = field(default=1, metadata={"help": "rollout workers of the run"})
+    student: str = field(
+        default="student-25m",
+        metadata={"help": "student model spec (the trainer's): its weights come from the trainer"},
+    )
+    vocab_size: int | None = field(
+        default=None, metadata={"help": "vocab of a preset student (default: its tokenizer's)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the student init and of the sampling"})
+    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
+    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
+    ctx_student: int = field(default=512, metadata={"help": "student tokens kept per sample"})
+    ctx_teacher: int = field(default=512, metadata={"help": "teacher tokens kept per sample"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    dtype: str = field(
+        default="auto", metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)"}
+    )
+    weights: str = field(
+        default="runs/default/policy",
+        metadata={"help": "directory where the trainer publishes the student's weights"},
+    )
+    prompts: str | None = field(
+        default=None,
+        metadata={
+            "help": "prompt corpus (.jsonl/.txt/.parquet file, folder or glob); xtoken run: "
+            "data.train unless set"
+        },
+    )
+    limit: int | None = field(
+        default=None, metadata={"help": "use only the first N texts of the prompt corpus"}
+    )
+    text_field: str = field(
+        default="text", metadata={"help": "JSON field / parquet column of the texts"}
+    )
+    prompt_field: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON field / column holding a prompt; None: a prompt is the first "
+            "prompt_tokens student tokens of each text"
+        },
+    )
+    prompt_tokens: int = field(
+        default=32, metadata={"help": "most student tokens of a prompt (BOS included)"}
+    )
+    max_new_tokens: int = field(default=64, metadata={"help": "most tokens sampled per prompt"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0: greedy)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep this mass"})
+    batch: int = field(default=8, metadata={"help": "prompts sampled together (one put)"})
+    max_pending: int | None = field(
+        default=None,
+        metadata={
+            "help": "wait while the rollout partition holds this many samples no trainer took "
+            "(more would only grow stale); None: two batches (xtoken run: a step of the "
+            "trainers' on-policy samples, at least a batch)"
+        },
+    )
+    state_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "keep the position in the prompts here (a restarted worker goes on from "
+            "it); None: start from the first prompt"
+        },
+    )
+    poll_s: float = field(
+        default=0.2, metadata={"help": "seconds between two looks for weights or queue room"}
+    )
+    queue_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
+    )
+    put_timeout_s: float = field(
+        default=300.0, metadata={"help": "seconds a put may wait for queue capacity"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "ctx_student", "ctx_teacher", "prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.batch < 1:
+            raise ValueError(f"batch={self.batch}: must be >= 1")
+        if self.max_pending is not None and self.max_pending < 1:
+            raise ValueError(f"max_pending={self.max_pending}: must be >= 1, or None")
+        if not 0 <= self.worker < self.workers:
+            raise ValueError(f"worker={self.worker}: must be in [0, workers={self.workers})")
+        if self.prompt_tokens + self.max_new_tokens > self.ctx_student:
+            raise ValueError(
+                f"prompt_tokens={self.prompt_tokens} + max_new_tokens={self.max_new_tokens} > "
+                f"ctx_student={self.ctx_student}: a sample would not fit the student's context; "
+                "lower one of them or raise ctx_student"
+            )
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1, or null for the whole corpus")
+        for name in ("poll_s", "queue_timeout_s", "put_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name}={value}: must be a finite number of seconds > 0")
+
+    @property
+    def pending_bound(self) -> int:
+        """Samples no trainer took above which the worker waits (``max_pending``)."""
+        return self.max_pending if self.max_pending is not None else 2 * self.batch

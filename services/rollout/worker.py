@@ -1,0 +1,245 @@
+"""Rollout worker logic: a copy of the student samples continuations of prompts, and each prompt
+with its continuation becomes an on-policy sample, made exactly as a collator makes one of text.
+
+``RolloutWorker`` knows nothing of sockets: the process shell (main.py) takes its prompts
+(prompts.py), calls :meth:`RolloutWorker.refresh` between batches (the trainer's newest
+published weights, ``xtoken_core.ipc.policy_weights``) and :meth:`RolloutWorker.rollout` per
+batch, and puts what it returns.
+
+A batch: the prompts are left-padded and sampled together (Hugging Face ``generate``: KV cache,
+temperature, top-p, ``max_new_tokens``); a continuation ends at the student's EOS (which is not
+kept: no text is behind it). The student ids of prompt + continuation go through
+``CrossTokenizerCollator.collate_sampled``'s steps: the text they spell (cut before the first
+token whose bytes are no valid UTF-8), the teacher tokenization of that text, the alignment. Each
+sample also carries :data:`services.protocol.rollout.ROLLOUT_FIELDS`: the weights' version, the
+prompt's length, and which teacher tokens (and bytes) belong to the continuation.
+
+Legend: B prompts of a batch, L the longest prompt, N new tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from services.collator.worker import samples_to_put_fields
+from services.protocol.rollout import ROLLOUT_FIELDS, rollout_values
+from services.rollout.config import RolloutConfig
+from services.rollout.prompts import Prompt
+from xtoken_core.tokenizers.base import TokenizedText
+
+logger = logging.getLogger(__name__)
+
+
+def continuation_bounds(
+    student: TokenizedText, teacher: TokenizedText, prompt_length: int
+) -> tuple[int, int]:
+    """Which teacher tokens are the continuation's: ``(first, bytes)``.
+
+    Args:
+        student: the sample's student tokens (prompt first).
+        teacher: its teacher tokens.
+        prompt_length: student tokens of the prompt.
+
+    Returns:
+        ``first``: the teacher tokens before it lie wholly in the prompt's bytes (at least 1:
+        the first token has no prediction); ``bytes``: the bytes the teacher tokens from
+        ``first`` on cover (0 when there are none).
+    """
+    kept = min(prompt_length, len(student))
+    prompt_end = int(student.spans[kept - 1, 1]) if kept else 0
+    ends = teacher.spans[:, 1]
+    first = max(1, int((ends <= prompt_end).sum()))
+    if first >= len(teacher):
+        return first, 0
+    return first, int(ends.max()) - int(teacher.spans[first, 0])
+
+
+class RolloutWorker:
+    """The student's copy, the tokenizers and the collator of one rollout worker.
+
+    Args:
+        config: the worker settings.
+        model: an already built student (tests); default ``load_model(config.student)``.
+
+    Raises:
+        ValueError: unknown tokenizers or model (names them).
+    """
+
+    def __init__(self, config: RolloutConfig, model: torch.nn.Module | None = None) -> None:
+        from xtoken_core.align import TokenAligner
+        from xtoken_core.data.collator import CrossTokenizerCollator, resolve_pad_id
+        from xtoken_core.ipc.policy_weights import WeightSubscriber
+        from xtoken_core.models import load_model
+        from xtoken_core.models.dtypes import resolve_dtype
+        from xtoken_core.tokenizers import load_tokenizer
+
+        self.config = config
+        self.device = torch.device(config.device)
+        student_tok = load_tokenizer(config.student_tokenizer)
+        self.collator = CrossTokenizerCollator(
+            student_tokenizer=student_tok,
+            teacher_tokenizer=load_tokenizer(config.teacher_tokenizer),
+            aligner=TokenAligner(),
+            ctx_length_student=config.ctx_student,
+            ctx_length_teacher=config.ctx_teacher,
+        )
+        self.tokenizer = student_tok
+        self.pad_id = resolve_pad_id(student_tok)
+        self.eos_id = student_tok.eos_id
+        if model is None:
+            model = load_model(
+                config.student,
+                vocab_size=config.vocab_size or student_tok.vocab_size,
+                dtype=resolve_dtype(config.dtype, str(self.device)),
+                device=self.device,
+                seed=config.seed,
+            )
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.weights = WeightSubscriber(config.weights)
+        self.version: int | None = None  # of the weights in the model; None: none yet
+
+    def refresh(self) -> int | None:
+        """Take the trainer's newest published weights, if newer than the model's (call it
+        between batches).
+
+        Returns:
+            The version taken, or None when nothing newer is published.
+
+        Raises:
+            ValueError: the published weights are of another model.
+        """
+        version = self.weights.load_into(self.model)
+        if version is not None:
+            if self.version is not None:
+                logger.debug("[rollout] weights %d -> %d", self.version, version)
+            self.version = version
+        return version
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        seed: int,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[list[int]]:
+        """Sample a continuation of each prompt (one batched ``generate``).
+
+        Args:
+            prompts: B prompts (student ids, each at least one).
+            seed: the seed of this batch's sampling.
+            stop: polled between tokens; True ends the generation early (a stopping process).
+
+        Returns:
+            B rows: the prompt's ids, then the sampled ids up to (not including) the first EOS.
+        """
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        cfg = self.config
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids_BL = torch.full((B, L), self.pad_id, dtype=torch.int64)
+        mask_BL = torch.zeros((B, L), dtype=torch.int64)
+        for b, p in enumerate(prompts):  # left padding: every row's next token is at column L
+            ids_BL[b, L - len(p) :] = torch.as_tensor(list(p), dtype=torch.int64)
+            mask_BL[b, L - len(p) :] = 1
+
+        class _Stop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):  # noqa: ANN001 (transformers API)
+                return torch.full((input_ids.shape[0],), bool(stop and stop()), dtype=torch.bool)
+
+        torch.manual_seed(seed)
+        greedy = cfg.temperature == 0
+        with torch.inference_mode():
+            out_BT = self.model.generate(
+                input_ids=ids_BL.to(self.device),
+                attention_mask=mask_BL.to(self.device),
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else cfg.temperature,
+                top_p=None if greedy else cfg.top_p,
+                top_k=None,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id,
+                use_cache=True,
+                stopping_criteria=StoppingCriteriaList([_Stop()]),
+            ).cpu()
+        rows = []
+        for b, p in enumerate(prompts):
+            new = out_BT[b, L:].tolist()
+            if self.eos_id is not None and self.eos_id in new:
+                new = new[: new.index(self.eos_id)]
+            rows.append(list(p) + new)
+        return rows
+
+    def make_samples(
+        self, rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], version: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """On-policy samples of sampled rows (see the module docstring).
+
+        Args:
+            rows: B rows of student ids (prompt and continuation).
+            prompt_lengths: B prompt lengths.
+            version: the version of the weights that sampled them.
+
+        Returns:
+            B sample dicts: the collator's fields and :data:`ROLLOUT_FIELDS`.
+        """
+        students, teachers = self.collator.tokenize_sampled(rows)
+        out = []
+        for s, t, n in zip(students, teachers, prompt_lengths, strict=True):
+            sample = self.collator.pack_sample(s, t)
+            first, scored = continuation_bounds(s, t, n)
+            sample.update(
+                rollout_values(
+                    policy_version=version,
+                    prompt_length=min(n, len(s)),
+                    teacher_prompt_length=first,
+                    scored_bytes=scored,
+                )
+            )
+            out.append(sample)
+        return out
+
+    def rollout(
+        self, prompts: Sequence[Prompt], stop: Callable[[], bool] | None = None
+    ) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+        """Sample a batch and make its samples (nothing is sent).
+
+        Args:
+            prompts: the batch's prompts.
+            stop: as :meth:`sample`.
+
+        Returns:
+            ``(keys, fields, counts)``: the keys and fields of one put, and ``{"samples",
+            "generated_tokens", "sample_s", "collate_s", "version"}``.
+
+        Raises:
+            ValueError: no weights were taken yet (:meth:`refresh` first).
+        """
+        if self.version is None:
+            raise ValueError("no trainer weights loaded yet: call refresh() until it returns one")
+        version = self.version
+        start = time.perf_counter()
+        rows = self.sample([p.ids for p in prompts], seed=self._seed(prompts[0]), stop=stop)
+        sampled = time.perf_counter()
+        samples = self.make_samples(rows, [len(p.ids) for p in prompts], version)
+        fields = samples_to_put_fields(samples)
+        for name in ROLLOUT_FIELDS:
+            fields[name] = torch.stack([s[name] for s in samples])
+        counts = {
+            "samples": len(samples),
+            "generated_tokens": sum(len(r) - len(p.ids) for r, p in zip(rows, prompts)),
+            "sample_s": sampled - start,
+            "collate_s": time.perf_counter() - sampled,
+            "version": version,
+        }
+        return [p.key for p in prompts], fields, counts
+
+    def _seed(self, first: Prompt) -> int:
+        """The sampling seed of a batch: the run's seed and the position of its first prompt."""
+        pass_index, index = first.position
+        return (self.config.seed * 1_000_003 + pass_index * 7_919 + index) % (1 << 63)

@@ -1,0 +1,80 @@
+"""The trainer publishes the student's weights for the rollout workers: once before its first
+step (a resumed trainer: the checkpoint's) and after every ``on_policy.sync_every`` optimizer
+steps, under the version of its step count (``xtoken_core.ipc.policy_weights``).
+
+Rank 0 publishes (data-parallel ranks hold the same weights); the parameters published are the
+ones the forward runs on (the bf16 copy of the fp32 masters on CUDA), in the directory
+``services.protocol.names.policy_dir(run_dir)``. The publisher never waits for a reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from services.protocol.names import policy_dir
+from services.trainer.config import TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyPublisher:
+    """Publishes a trainer's student for its rollout workers.
+
+    Args:
+        worker: the TrainerWorker (its ``compute`` model and ``step``).
+        config: the trainer settings (``on_policy``).
+        run_dir: the run directory.
+
+    Raises:
+        ValueError: a transport that cannot serve this trainer (cuda_ipc on the CPU).
+    """
+
+    def __init__(self, worker: Any, config: TrainerConfig, run_dir: str | Path) -> None:
+        from xtoken_core.ipc.policy_weights import WeightPublisher
+
+        self.worker = worker
+        self.sync_every = config.on_policy.sync_every
+        transport = config.on_policy.weights
+        if transport == "auto":
+            transport = "cuda_ipc" if worker.device.type == "cuda" else "shm"
+        self.publisher = WeightPublisher(
+            policy_dir(run_dir), worker.compute.named_parameters(), transport=transport
+        )
+        self.seconds = 0.0  # of the last publication
+
+    @classmethod
+    def create(
+        cls, worker: Any, config: TrainerConfig, run_dir: str | Path, *, rank: int, world: int
+    ) -> PolicyPublisher | None:
+        """The publisher of rank 0 of a run with on-policy samples; None elsewhere.
+
+        Raises:
+            ValueError: on-policy samples under FSDP (each rank holds a shard of the weights).
+        """
+        if not config.on_policy.enabled:
+            return None
+        if world > 1 and config.parallel == "fsdp":
+            raise ValueError(
+                "on_policy.fraction > 0 with parallel fsdp: the rollout workers need the whole "
+                "student, which no FSDP rank holds; use parallel ddp, or fraction 0"
+            )
+        return cls(worker, config, run_dir) if rank == 0 else None
+
+    def publish(self) -> None:
+        """Publish the weights now, as the version of the trainer's step."""
+        started = time.perf_counter()
+        self.publisher.publish(self.worker.compute.named_parameters(), version=self.worker.step)
+        self.seconds = time.perf_counter() - started
+        logger.debug("[trainer] published the weights of step %d", self.worker.step)
+
+    def after_step(self) -> None:
+        """Publish when the step count is a multiple of ``sync_every``."""
+        if self.worker.step % self.sync_every == 0:
+            self.publish()
+
+    def close(self) -> None:
+        """Close the publication (rollout workers keep the weights they have)."""
+        self.publisher.close()

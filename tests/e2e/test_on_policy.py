@@ -1,0 +1,160 @@
+"""On-policy distillation with real processes: ``xtoken run examples/on_policy.yaml`` (half of
+each step sampled by a rollout worker with the trainer's weights) trains every off-policy sample
+once and each on-policy sample at most once, never one staler than allowed; a rollout worker
+SIGKILLed mid-batch and restarted loses no prompt and stores no sample twice."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+
+import pytest
+
+from services.common.metrics import read_jsonl
+from services.protocol import ROLLOUT_FIELDS, ROLLOUT_TASK, rollout_partition
+from services.rollout.config import RolloutConfig
+from services.rollout.prompts import PromptSource
+from services.supervise.config import load_run_config
+from tests.e2e.conftest import (
+    ROOT,
+    STUDENT_TOKENIZER,
+    TEACHER_TOKENIZER,
+    assert_exactly_once,
+    corpus_parts,
+    evals,
+    pid_alive,
+    step_records,
+    trained_records,
+    wait_for,
+    write_config,
+)
+from xtoken_core.data import sample as schema
+
+EXAMPLE = ROOT / "examples" / "on_policy.yaml"
+
+
+@pytest.mark.timeout(180)
+def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp_path, demo):
+    paths, corpus = corpus_parts(demo, tmp_path / "data", n=16, parts=1)
+    run_dir = tmp_path / "run"
+    sets = {
+        "data.train": str(paths[0]),
+        "data.heldout": str(demo.heldout_path),
+        "data.limit": "null",
+        "trainer.export": "false",
+        "trainer.checkpoint_every": "0",
+    }
+    argv = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
+    run = procs.start("run", argv, ready=False)
+    assert run.wait(170) == 0, run.tail()
+
+    config = load_run_config(EXAMPLE)
+    step_size = config.trainer.micro_batch * config.trainer.grad_accum
+    share = config.trainer.on_policy.share(step_size)
+    records = trained_records(run_dir)
+    off = [k for r in records for k in r["keys"] if not k.startswith("p")]
+    on = [k for r in records for k in r["keys"] if k.startswith("p")]
+    assert_exactly_once(off, corpus)  # the collator's samples: exactly once, as without rollouts
+    assert on and len(on) == len(set(on))  # on-policy samples: each trained once at most
+    steps = step_records(run_dir, 0)
+    assert len(steps) == len(corpus) // (step_size - share)
+    for step, record in zip(steps, records, strict=True):
+        op = step["on_policy"]
+        mine = [k for k in record["keys"] if k.startswith("p")]
+        assert len(mine) == op["samples"] <= share  # the rest of the share dropped as stale
+        assert len(record["keys"]) == step_size - (share - op["samples"])
+        if op["samples"]:
+            assert op["mean_staleness"] <= config.trainer.on_policy.max_staleness
+            assert op["teacher_logprob_per_byte"] < 0
+    dropped = steps[-1]["on_policy"]["dropped_stale"]
+    assert len(on) + dropped >= share * len(steps)
+    generated = [r for r in read_jsonl(run_dir / "metrics" / "rollout0.jsonl")]
+    assert generated and all(r["generated_tokens"] > 0 for r in generated)
+    assert {r["version"] for r in generated} > {0}  # the rollout followed the trainer's weights
+    before_after = evals(run_dir)
+    assert before_after["after"] < before_after["before"], before_after
+
+
+# ----------------------------------------------------------------------------- SIGKILL
+
+
+def _rollout_config(queue: str, tmp_path: pathlib.Path, prompts: pathlib.Path) -> RolloutConfig:
+    return RolloutConfig(
+        queue=queue,
+        partition="train",
+        student="tiny",
+        student_tokenizer=STUDENT_TOKENIZER,
+        teacher_tokenizer=TEACHER_TOKENIZER,
+        ctx_student=96,
+        ctx_teacher=96,
+        weights=str(tmp_path / "policy"),
+        prompts=str(prompts),
+        prompt_tokens=8,
+        max_new_tokens=64,
+        batch=2,
+        max_pending=1000,
+        state_dir=str(tmp_path / "state"),
+        poll_s=0.05,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_rollout_worker_killed_mid_batch_loses_no_prompt_and_stores_no_sample_twice(
+    procs, pipeline, tmp_path, demo
+):
+    import torch
+
+    from services.queue.client import QueueClient
+    from xtoken_core.ipc.policy_weights import WeightPublisher
+    from xtoken_core.models import load_model
+    from xtoken_core.tokenizers import load_tokenizer
+
+    paths, _ = corpus_parts(demo, tmp_path / "data", n=40, parts=1)
+    pipeline.start_queue()
+    config = _rollout_config(pipeline.queue, tmp_path, paths[0])
+    student = load_tokenizer(STUDENT_TOKENIZER)
+    model = load_model("tiny", vocab_size=student.vocab_size, seed=3)
+    path = write_config(tmp_path / "config" / "rollout.json", config)
+    metrics = pipeline.run_dir / "metrics" / "rollout0.jsonl"
+    argv = ["rollout", "--config", str(path), "--run-dir", str(pipeline.run_dir)]
+    partition = rollout_partition("train")
+    with WeightPublisher(config.weights, model.named_parameters(), transport="shm") as pub:
+        pub.publish(model.named_parameters(), version=0)
+        first = procs.start("rollout-a", argv)
+        first.wait_ready(120)
+        # SIGKILL while it samples its third batch: two were put (and their position kept)
+        wait_for(lambda: len(read_jsonl(metrics)) >= 2 if metrics.exists() else False, 120,
+                 "two batches put")  # fmt: skip
+        assert first.kill() == -signal.SIGKILL
+        assert not pid_alive(first.pid)
+        kept = json.loads((tmp_path / "state" / "worker0.json").read_text())
+        with QueueClient(pipeline.queue, timeout_s=10) as client:
+            at_kill = client.list(partition)["keys"]
+        second = procs.start("rollout-b", argv)
+        second.wait_ready(120)
+        wait_for(lambda: len(read_jsonl(metrics)) >= 5, 120, "three more batches")
+        second.signal(signal.SIGTERM)
+        assert second.wait(60) == 0, second.tail()
+        with QueueClient(pipeline.queue, timeout_s=10) as client:
+            keys = client.list(partition)["keys"]
+            got = client.claim(
+                partition, ROLLOUT_TASK, (*schema.FIELD_NAMES, *ROLLOUT_FIELDS), len(keys) + 1
+            )
+    # the prompts in order, none skipped, none twice: the batch killed mid-way came again
+    expected = [p.key for p, _ in zip(PromptSource(str(paths[0]), student, 8), range(len(keys)))]
+    assert sorted(keys) == sorted(expected), (keys, expected)
+    assert set(at_kill) <= set(keys) and len(keys) > len(at_kill)
+    assert kept["index"] <= len(at_kill) + 2  # at most the batch put as it died was not kept
+    from xtoken_core.data_plane.codec import columns_to_samples
+
+    samples = columns_to_samples(got["fields"])
+    assert len(samples) == len(keys)
+    for sample in samples:  # whole samples only: a put is one message
+        schema.validate_sample(sample)
+        assert int(sample["policy_version"]) == 0
+        assert int(sample["input_lengths"]) >= int(sample["prompt_lengths"]) >= 1
+    assert torch.is_tensor(samples[0]["input_ids"])

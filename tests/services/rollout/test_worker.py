@@ -1,0 +1,156 @@
+"""Rollout worker logic without processes or sockets: the trainer's published weights, batched
+sampling, samples made as a collator makes them, their on-policy fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.collator.worker import samples_to_put_fields
+from services.protocol.rollout import ROLLOUT_FIELDS
+from services.rollout.config import RolloutConfig
+from services.rollout.prompts import Prompt, PromptSource
+from services.rollout.worker import RolloutWorker, continuation_bounds
+from xtoken_core.data import sample as schema
+from xtoken_core.data_plane.codec import columns_to_samples
+from xtoken_core.ipc.policy_weights import WeightPublisher
+from xtoken_core.models import load_model
+from xtoken_core.tokenizers import load_tokenizer
+
+STUDENT, TEACHER = "mistral", "smollm2"
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "",
+    "Ünïcödé text \U0001f600 with an emoji",
+    "x = [i * i for i in range(10)]",
+]
+
+
+def config(tmp_path, **overrides) -> RolloutConfig:
+    values = dict(
+        student="tiny",
+        student_tokenizer=STUDENT,
+        teacher_tokenizer=TEACHER,
+        ctx_student=48,
+        ctx_teacher=64,
+        weights=str(tmp_path / "policy"),
+        prompt_tokens=8,
+        max_new_tokens=12,
+        batch=3,
+    )
+    return RolloutConfig(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The trainer's student (another seed than the rollout's own init)."""
+    vocab = load_tokenizer(STUDENT).vocab_size
+    return load_model("tiny", vocab_size=vocab, seed=7)
+
+
+@pytest.fixture
+def published(tmp_path, trained):
+    with WeightPublisher(tmp_path / "policy", trained.named_parameters(), transport="shm") as pub:
+        pub.publish(trained.named_parameters(), version=5)
+        yield pub
+
+
+def prompts_of(worker: RolloutWorker, texts: list[str]) -> list[Prompt]:
+    out = []
+    for i, text in enumerate(texts):
+        ids = worker.tokenizer.encode(text).ids[: worker.config.prompt_tokens].tolist()
+        out.append(Prompt(f"p0:t:{i}", (0, i), ids))
+    return out
+
+
+def test_no_batch_is_sampled_before_the_trainer_published_weights(tmp_path):
+    worker = RolloutWorker(config(tmp_path))
+    assert worker.refresh() is None and worker.version is None
+    with pytest.raises(ValueError, match="no trainer weights loaded yet"):
+        worker.rollout(prompts_of(worker, TEXTS[:1]))
+
+
+def test_the_rollout_samples_with_the_trainers_weights(tmp_path, trained, published):
+    worker = RolloutWorker(config(tmp_path))
+    assert worker.refresh() == 5 and worker.version == 5
+    for name, p in worker.model.named_parameters():
+        assert torch.equal(p, dict(trained.named_parameters())[name]), name
+    assert worker.refresh() is None  # nothing newer
+
+
+def test_a_batch_becomes_collated_samples_with_their_on_policy_fields(tmp_path, published):
+    worker = RolloutWorker(config(tmp_path))
+    worker.refresh()
+    prompts = prompts_of(worker, [t for t in TEXTS if t][:3])
+    keys, fields, counts = worker.rollout(prompts)
+    assert keys == [p.key for p in prompts]
+    assert set(fields) == set(schema.FIELD_NAMES) | set(ROLLOUT_FIELDS)
+    samples = columns_to_samples(fields)
+    assert counts["samples"] == len(samples) == 3 and counts["version"] == 5
+    assert 0 < counts["generated_tokens"] <= 3 * 12
+    rows = worker.sample([p.ids for p in prompts], seed=worker._seed(prompts[0]))
+    remade = worker.collator.collate_sampled(rows)  # the same seed samples the same tokens
+    for prompt, sample, again in zip(prompts, samples, remade):
+        schema.validate_sample(sample)
+        for name in schema.FIELD_NAMES:
+            assert torch.equal(sample[name], again[name]), name
+        ids = sample["input_ids"].tolist()
+        n = int(sample["prompt_lengths"])
+        assert ids[:n] == prompt.ids[:n] and int(sample["policy_version"]) == 5
+        assert worker.eos_id not in ids[n:]  # the continuation ends before an EOS
+        assert 1 <= int(sample["teacher_prompt_lengths"]) <= int(sample["teacher_input_lengths"])
+
+
+def test_sampling_at_temperature_zero_is_greedy_and_batched_rows_do_not_mix(tmp_path, published):
+    worker = RolloutWorker(config(tmp_path, temperature=0.0))
+    worker.refresh()
+    prompts = prompts_of(worker, [t for t in TEXTS if t])
+    together = worker.sample([p.ids for p in prompts], seed=1)
+    alone = [worker.sample([p.ids], seed=2)[0] for p in prompts]
+    assert together == alone  # left padding: each row continues its own prompt
+
+
+def test_the_continuations_teacher_tokens_start_after_the_prompts_bytes():
+    student, teacher = load_tokenizer(STUDENT), load_tokenizer(TEACHER)
+    text = "hello world, how are you"
+    s, t = student.encode(text), teacher.encode(text)
+    prompt = student.encode("hello world").ids.shape[0]
+    first, scored = continuation_bounds(s, t, prompt)
+    prompt_end = int(s.spans[prompt - 1, 1])
+    assert int(t.spans[first - 1, 1]) <= prompt_end < int(t.spans[first, 1])
+    assert scored == len(text.encode()) - int(t.spans[first, 0])
+
+
+def test_prompts_are_shared_by_the_workers_and_resume_after_a_position(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    tok = load_tokenizer(STUDENT)
+
+    def take(n, **kw):
+        source = PromptSource(str(corpus), tok, 4, **kw)
+        return [p for p, _ in zip(source, range(n))]
+
+    alone = take(8)
+    # "" has no content token: it gives no prompt; after the last text a new pass begins
+    assert [p.position for p in alone] == [(0, 0), (0, 1), (0, 3), (0, 4), (1, 0), (1, 1),
+                                            (1, 3), (1, 4)]  # fmt: skip
+    assert alone[0].key.startswith("p0:") and alone[4].key.startswith("p1:")
+    assert alone[0].key[3:] == alone[4].key[3:]  # the same text in the next pass
+    w0, w1 = take(4, worker=0, workers=2), take(4, worker=1, workers=2)
+    assert {p.position for p in w0} | {p.position for p in w1} >= {p.position for p in alone[:4]}
+    assert not {p.key for p in w0} & {p.key for p in w1}
+    assert [p.position for p in take(2, start=(1, 1))] == [(1, 1), (1, 3)]
+    assert all(len(p.ids) <= 4 for p in alone)
+
+
+def test_samples_pack_into_one_put_with_the_on_policy_fields(tmp_path, published):
+    worker = RolloutWorker(config(tmp_path))
+    worker.refresh()
+    samples = worker.make_samples([[1, 100, 200], [1, 300]], [2, 1], version=9)
+    fields = samples_to_put_fields(samples)
+    assert set(fields) == set(schema.FIELD_NAMES)
+    assert [int(s["policy_version"]) for s in samples] == [9, 9]
+    assert [int(s["prompt_lengths"]) for s in samples] == [2, 1]
