@@ -491,7 +491,7 @@ def load_context(path: str | os.PathLike[str]) -> Any:
     """
     from services.common.context import Context
 
-    data = load_file(path)
+    data = load_file(path, kind="context")
     try:
         return from_dict(Context, data)
     except ConfigError as e:
@@ -568,13 +568,16 @@ def yaml_loader() -> Any:
     return Loader
 
 
-def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> dict[str, Any]:
+def load_file(
+    path: str | os.PathLike[str], *, section: str | None = None, kind: str = "config"
+) -> dict[str, Any]:
     """Read a config mapping from a JSON or YAML file.
 
     Args:
         path: ``.json``, ``.yaml`` or ``.yml`` (another suffix: JSON, then YAML).
         section: dotted key of the sub-mapping to return (e.g. ``"trainer"`` of a run
             config); None returns the whole file.
+        kind: what the file is, for messages (``"context"`` file).
 
     Returns:
         The mapping (an empty YAML file gives ``{}``).
@@ -587,29 +590,29 @@ def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> di
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+        raise ConfigError(f"{kind} file {str(path)!r} cannot be read: {e.strerror or e}") from None
     suffix = path.suffix.lower()
     data: Any
     if suffix in (".yaml", ".yml"):
-        data = _parse_yaml(text, path)
+        data = _parse_yaml(text, path, kind)
     elif suffix == ".json":
-        data = _parse_json(text, path)
+        data = _parse_json(text, path, kind)
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
-            data = _parse_yaml(text, path)
+            data = _parse_yaml(text, path, kind)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"config file {str(path)!r} holds {_show(data)}, not a mapping")
+        raise ConfigError(f"{kind} file {str(path)!r} holds {_show(data)}, not a mapping")
     if section:
         for i, key in enumerate(section.split(".")):
             if not isinstance(data, Mapping) or key not in data:
                 have = ", ".join(map(str, data)) if isinstance(data, Mapping) else "no sections"
                 where = ".".join(section.split(".")[:i]) or "the top level"
                 raise ConfigError(
-                    f"config file {str(path)!r} has no section {section!r} (at {where}: {have})"
+                    f"{kind} file {str(path)!r} has no section {section!r} (at {where}: {have})"
                 )
             data = data[key]
         if not isinstance(data, Mapping):
@@ -619,23 +622,23 @@ def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> di
     return dict(data)
 
 
-def _parse_json(text: str, path: pathlib.Path) -> Any:
+def _parse_json(text: str, path: pathlib.Path, kind: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(
-            f"config file {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} "
+            f"{kind} file {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} "
             f"column {e.colno}"
         ) from None
 
 
-def _parse_yaml(text: str, path: pathlib.Path) -> Any:
+def _parse_yaml(text: str, path: pathlib.Path, kind: str) -> Any:
     import yaml
 
     try:
         return yaml.load(text, Loader=yaml_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raise ConfigError(f"{kind} file {str(path)!r} is not valid YAML: {e}") from None
 
 
 # ----------------------------------------------------------------------------- flags

@@ -379,6 +379,8 @@ def test_a_bad_context_file_names_the_file_and_the_key(tmp_path):
     context.write_text(json.dumps({**CONTEXT, "queues": "x"}))
     with pytest.raises(ConfigError, match=r"context file '.*context\.json': unknown key 'queues'"):
         load_context(context)
+    with pytest.raises(ConfigError, match=r"context file '.*none\.json' cannot be read"):
+        load_context(tmp_path / "none.json")
 
 
 def test_only_a_config_with_context_fields_takes_a_context_flag():
