@@ -2,7 +2,8 @@
 
 No heavy imports: the CLI builds its parser from these dataclasses (``services.common.config``),
 so each default is written once, here. The worker settings are flattened into the run's flags
-(``--queue``, ``--ctx-student``...) and into the run's config file as its ``worker`` section.
+(``--queue``, ``--ctx-student``...) and into the run's config file as its ``worker`` section;
+the queue, partition and tokenizers come from a run's shared context (``--context FILE``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,26 @@ class WorkerConfig:
         ValueError: a context length < 1 or a non-positive timeout.
     """
 
-    queue: str = field(metadata={"help": "queue endpoint, e.g. tcp://host:5555"})
-    student: str = field(metadata={"help": "student tokenizer name or path"})
-    teacher: str = field(metadata={"help": "teacher tokenizer name or path"})
-    partition: str = field(default="train", metadata={"help": "queue partition"})
+    queue: str = field(
+        metadata={"help": "queue endpoint, e.g. tcp://host:5555", "context": "queue"}
+    )
+    student: str = field(
+        metadata={
+            "help": "student tokenizer name or path",
+            "context": "student_tokenizer",
+            "path": "tokenizer",
+        }
+    )
+    teacher: str = field(
+        metadata={
+            "help": "teacher tokenizer name or path",
+            "context": "teacher_tokenizer",
+            "path": "tokenizer",
+        }
+    )
+    partition: str = field(
+        default="train", metadata={"help": "queue partition", "context": "partition"}
+    )
     ctx_student: int = field(default=2048, metadata={"help": "student tokens kept per text"})
     ctx_teacher: int = field(default=2048, metadata={"help": "teacher tokens kept per text"})
     queue_timeout_s: float = field(
@@ -92,8 +109,9 @@ class RunConfig:
 
     data: str = field(
         metadata={
+            "path": "file",
             "help": "corpus: a .jsonl, .txt or .parquet file, a folder of them (read sorted, "
-            "recursively) or a quoted glob ('data/*.jsonl'); each file keeps its own keys"
+            "recursively) or a quoted glob ('data/*.jsonl'); each file keeps its own keys",
         }
     )
     # flag "": the worker's flags carry no "worker." prefix (--queue, --ctx-student, ...)
@@ -129,9 +147,10 @@ class RunConfig:
     key_root: str | None = field(
         default=None,
         metadata={
+            "path": "file",
             "help": "key samples by the corpus path relative to DIR (a/data.jsonl:<line>): the "
             "same keys wherever the corpus is mounted; default: <12 hex of the file's absolute "
-            "path>/<name>:<line>, stable while the file stays where it is"
+            "path>/<name>:<line>, stable while the file stays where it is",
         },
     )
 

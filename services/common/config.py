@@ -32,6 +32,14 @@ Field metadata understood here (all optional):
 * ``cli``: False leaves the field out of the flags (it is still read from ``--config``).
 * ``deprecated_flags``: old flag names (without ``--`` or section prefix) still accepted, hidden
   from ``--help``, each printing one line that names the flag (:mod:`services.common.flags`).
+* ``deprecated_keys``: old key names of a renamed field: still read from a mapping (one warning
+  naming the new key) and accepted as hidden flags.
+* ``default_text``: the default as ``--help`` shows it (``"8GiB"``) instead of the value.
+* ``context``: the key of the run-wide :class:`~services.common.context.Context` this field takes
+  its value from when ``--context FILE`` is given and neither the config file nor a flag sets it.
+* ``path``: the field names a path: ``"file"`` (a file or folder), ``"model"`` (a model spec
+  that may be a folder or ``gguf:FILE``), ``"tokenizer"`` (a tokenizer name or a path), ``"run"``
+  (a run directory). Read by :func:`marks` (the control plane confines these paths).
 
 Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
 ``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
@@ -44,11 +52,13 @@ the others are for the config file and for code.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import enum
 import functools
 import json
+import logging
 import os
 import pathlib
 import re
@@ -63,18 +73,27 @@ from services.common.flags import add_deprecated_alias
 __all__ = [
     "ConfigError",
     "add_arguments",
+    "args_to_dict",
     "from_args",
     "from_dict",
+    "from_parsed",
+    "load_context",
     "load_file",
+    "marks",
+    "section",
     "to_dict",
+    "with_context",
     "yaml_loader",
 ]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 # argparse dests of the generated flags: prefixed so that they never meet the caller's own.
 _DEST = "xtoken_cfg:"
 _CONFIG_DEST = "xtoken_cfg_file"
+_CONTEXT_DEST = "xtoken_cfg_context"
 _NONE_WORDS = ("none", "null")
 _MISSING = dataclasses.MISSING
 
@@ -308,6 +327,7 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         )
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    data = _renamed(fields, data, path)
     removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
         if key not in fields and key in removed:
@@ -351,8 +371,131 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from e
 
 
+def _renamed(fields: dict[str, dataclasses.Field], data: Mapping[str, Any], path: str) -> Any:
+    """``data`` with the old keys of renamed fields (``deprecated_keys``) under their new names."""
+    new_names = {
+        old: f.name for f in fields.values() for old in f.metadata.get("deprecated_keys", ())
+    }
+    if not new_names.keys() & set(data):
+        return data
+    out = dict(data)
+    for old, name in new_names.items():
+        if old not in out:
+            continue
+        if name in out:
+            raise ConfigError(
+                f"{_join(path, old)!r} and {_join(path, name)!r} are one setting (renamed); "
+                f"keep only {_join(path, name)!r}"
+            )
+        logger.warning("[config] key %r is deprecated; use %r", _join(path, old), _join(path, name))
+        out[name] = out.pop(old)
+    return out
+
+
 def _flag_name(path: str) -> str:
     return path.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- field marks
+
+
+def marks(cls: type, name: str) -> dict[str, Any]:
+    """Every field of a config tree that carries the metadata key ``name``, with its value.
+
+    Args:
+        cls: the config dataclass (nested dataclass fields, ``D | None`` included, are walked).
+        name: the metadata key, e.g. ``"path"`` or ``"context"``.
+
+    Returns:
+        Dotted field path (``trainer.loss.projection``) -> the metadata value, in field order.
+    """
+    _check_dataclass(cls)
+    out: dict[str, Any] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if name in f.metadata:
+            out[f.name] = f.metadata[name]
+        nested = _optional_dataclass(hints[f.name])
+        if nested is not None:
+            out.update({f"{f.name}.{k}": v for k, v in marks(nested, name).items()})
+    return out
+
+
+def with_context(cls: type, data: Mapping[str, Any], context: Any) -> dict[str, Any]:
+    """A process's config mapping with the run-wide values filled in.
+
+    Args:
+        cls: the process's config dataclass (its fields marked ``context``).
+        data: its own section (not modified); a value set there wins over the context.
+        context: the :class:`~services.common.context.Context` (or its mapping).
+
+    Returns:
+        A copy of ``data`` where every context-marked field it does not set holds the
+        context's value.
+    """
+    values = context if isinstance(context, Mapping) else to_dict(context)
+    return _fill_context(cls, copy.deepcopy(dict(data)), values)
+
+
+def _fill_context(cls: type, data: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f.metadata.get("context")
+        if f.init and key is not None and f.name not in data and key in values:
+            data[f.name] = values[key]
+        nested = _optional_dataclass(hints[f.name])
+        if nested is None or not f.init:
+            continue
+        sub = data.get(f.name)
+        if isinstance(sub, Mapping):
+            data[f.name] = _fill_context(nested, dict(sub), values)
+        elif f.name not in data and nested is hints[f.name]:  # an absent section (never None)
+            filled = _fill_context(nested, {}, values)
+            if filled:
+                data[f.name] = filled
+    return data
+
+
+def section(config: Any) -> dict[str, Any]:
+    """A process's own section: the JSON form of its config without the context-marked fields
+    (those come from the run's shared context; :func:`with_context` puts them back).
+
+    Args:
+        config: a config dataclass instance.
+
+    Returns:
+        :func:`to_dict` of ``config`` less every field marked ``context``.
+    """
+    out = to_dict(config)
+    for path in marks(type(config), "context"):
+        *parents, leaf = path.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def load_context(path: str | os.PathLike[str]) -> Any:
+    """Read and check a run's shared context file (``--context FILE``).
+
+    Returns:
+        The :class:`~services.common.context.Context`.
+
+    Raises:
+        ConfigError: as :func:`load_file`, or a context key missing, unknown or of a wrong type
+            (names the file).
+    """
+    from services.common.context import Context
+
+    data = load_file(path, kind="context")
+    try:
+        return from_dict(Context, data)
+    except ConfigError as e:
+        raise ConfigError(f"context file {str(path)!r}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- to_dict
@@ -425,13 +568,16 @@ def yaml_loader() -> Any:
     return Loader
 
 
-def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> dict[str, Any]:
+def load_file(
+    path: str | os.PathLike[str], *, section: str | None = None, kind: str = "config"
+) -> dict[str, Any]:
     """Read a config mapping from a JSON or YAML file.
 
     Args:
         path: ``.json``, ``.yaml`` or ``.yml`` (another suffix: JSON, then YAML).
         section: dotted key of the sub-mapping to return (e.g. ``"trainer"`` of a run
             config); None returns the whole file.
+        kind: what the file is, for messages (``"context"`` file).
 
     Returns:
         The mapping (an empty YAML file gives ``{}``).
@@ -444,29 +590,29 @@ def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> di
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror or e}") from None
+        raise ConfigError(f"{kind} file {str(path)!r} cannot be read: {e.strerror or e}") from None
     suffix = path.suffix.lower()
     data: Any
     if suffix in (".yaml", ".yml"):
-        data = _parse_yaml(text, path)
+        data = _parse_yaml(text, path, kind)
     elif suffix == ".json":
-        data = _parse_json(text, path)
+        data = _parse_json(text, path, kind)
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
-            data = _parse_yaml(text, path)
+            data = _parse_yaml(text, path, kind)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"config file {str(path)!r} holds {_show(data)}, not a mapping")
+        raise ConfigError(f"{kind} file {str(path)!r} holds {_show(data)}, not a mapping")
     if section:
         for i, key in enumerate(section.split(".")):
             if not isinstance(data, Mapping) or key not in data:
                 have = ", ".join(map(str, data)) if isinstance(data, Mapping) else "no sections"
                 where = ".".join(section.split(".")[:i]) or "the top level"
                 raise ConfigError(
-                    f"config file {str(path)!r} has no section {section!r} (at {where}: {have})"
+                    f"{kind} file {str(path)!r} has no section {section!r} (at {where}: {have})"
                 )
             data = data[key]
         if not isinstance(data, Mapping):
@@ -476,23 +622,23 @@ def load_file(path: str | os.PathLike[str], *, section: str | None = None) -> di
     return dict(data)
 
 
-def _parse_json(text: str, path: pathlib.Path) -> Any:
+def _parse_json(text: str, path: pathlib.Path, kind: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(
-            f"config file {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} "
+            f"{kind} file {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno} "
             f"column {e.colno}"
         ) from None
 
 
-def _parse_yaml(text: str, path: pathlib.Path) -> Any:
+def _parse_yaml(text: str, path: pathlib.Path, kind: str) -> Any:
     import yaml
 
     try:
         return yaml.load(text, Loader=yaml_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raise ConfigError(f"{kind} file {str(path)!r} is not valid YAML: {e}") from None
 
 
 # ----------------------------------------------------------------------------- flags
@@ -654,6 +800,8 @@ def _value_at(instance: Any, path: str) -> Any:
 
 def _default_text(leaf: _Leaf, root_default: Any) -> str:
     value = _value_at(root_default, leaf.path) if root_default is not None else _MISSING
+    if "default_text" in leaf.field.metadata:
+        return f"default: {leaf.field.metadata['default_text']}"
     if value is _MISSING:
         f = leaf.field
         if f.default is not _MISSING:
@@ -697,6 +845,16 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             default=None,
             help="JSON or YAML file with these settings; flags given here override it",
         )
+    if marks(cls, "context") and "--context" not in parser._option_string_actions:
+        parser.add_argument(
+            "--context",
+            dest=_CONTEXT_DEST,
+            metavar="FILE",
+            default=None,
+            help="the run-wide settings a run's processes share (queue, partition, tokenizers, "
+            "run directory), as xtoken run writes them (RUN_DIR/config/context.json); --config "
+            "and flags override them",
+        )
     groups: dict[str, Any] = {}
     for leaf in _leaves(cls):
         section = leaf.path.rpartition(".")[0]
@@ -721,7 +879,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             help=help_text.replace("%", "%%"),
             **kwargs,
         )
-        for old in leaf.field.metadata.get("deprecated_flags", ()):
+        meta = leaf.field.metadata
+        olds = [
+            *meta.get("deprecated_flags", ()),
+            *map(_flag_name, meta.get("deprecated_keys", ())),
+        ]
+        for old in olds:
             add_deprecated_alias(target, f"--{leaf.prefix}{old}", leaf.flag)
 
 
@@ -744,31 +907,69 @@ def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build a config from parsed arguments (of a parser given ``add_arguments(parser, cls)``).
+def args_to_dict(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The config mapping of parsed arguments, not yet checked: the context's values (``--context
+    FILE``), then ``--config FILE`` over them, then every flag given on the command line.
 
     Args:
-        cls: the config dataclass.
-        args: the parsed namespace: ``--config FILE`` is read first, then every flag given on
-            the command line overrides its key.
+        cls: the config dataclass (of a parser given ``add_arguments(parser, cls)``).
+        args: the parsed namespace.
 
     Returns:
-        The config instance.
+        The mapping :func:`from_dict` builds the config from.
 
     Raises:
-        ConfigError: as :func:`load_file` and :func:`from_dict`.
+        ConfigError: a context or config file that cannot be read (as :func:`load_file`,
+            :func:`load_context`).
     """
     _check_dataclass(cls)
     file = getattr(args, _CONFIG_DEST, None)
     data = load_file(file) if file else {}
+    context = getattr(args, _CONTEXT_DEST, None)
+    if context:
+        data = with_context(cls, data, load_context(context))
     given = vars(args)
     for leaf in _leaves(cls):
         key = _DEST + leaf.path
         if key in given:
             _set_path(data, leaf.path, given[key])
+    return data
+
+
+def from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build a config from parsed arguments (of a parser given ``add_arguments(parser, cls)``).
+
+    Args:
+        cls: the config dataclass.
+        args: the parsed namespace: the values of ``--context FILE`` come first, ``--config
+            FILE`` overrides them, and every flag given on the command line overrides its key.
+
+    Returns:
+        The config instance.
+
+    Raises:
+        ConfigError: as :func:`args_to_dict` and :func:`from_dict`.
+    """
+    return from_parsed(cls, args_to_dict(cls, args), args)
+
+
+def from_parsed(cls: type[T], data: Mapping[str, Any], args: argparse.Namespace) -> T:
+    """:func:`from_dict` of a mapping from :func:`args_to_dict`; an error names the files used.
+
+    Raises:
+        ConfigError: as :func:`from_dict`, with the config and context files named.
+    """
     try:
         return from_dict(cls, data)
     except ConfigError as e:
-        if file:
-            raise ConfigError(f"{e} (config file {file!r} and flags)") from e.__cause__
+        files = [
+            f"{what} file {name!r}"
+            for what, name in (
+                ("config", getattr(args, _CONFIG_DEST, None)),
+                ("context", getattr(args, _CONTEXT_DEST, None)),
+            )
+            if name
+        ]
+        if files:
+            raise ConfigError(f"{e} ({', '.join(files)} and flags)") from e.__cause__
         raise

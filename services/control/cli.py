@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -13,58 +14,73 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+# argparse dests of the settings' flags: prefixed so that they never meet the global flags
+_DEST = "control_setting:"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``serve`` and its flags (each defaults to its ``XTOKEN_CONTROL_*`` variable)."""
+    """``serve`` and its flags, generated from :class:`~services.control.settings.Settings`
+    (each defaults to its ``XTOKEN_CONTROL_*`` variable), and ``--config FILE``."""
     from services.common.flags import INTERNAL
 
     sub = parser.add_subparsers(dest="control_command", metavar="ACTION")
     serve = sub.add_parser(
         "serve",
         help="serve the REST API (OpenAPI at /docs)",
-        description="Serve the control plane. Every flag defaults to the environment variable "
-        "XTOKEN_CONTROL_<FLAG> (e.g. XTOKEN_CONTROL_TOKEN), then to the built-in default.",
-    )
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000; 0: a free one)")
-    serve.add_argument("--token", help="bearer token for mutating calls (prefer the env var)")
-    serve.add_argument("--runs-root", help="run directories live under it (default runs)")
-    serve.add_argument(
-        "--data-root", help="comma-separated roots of data, models, projections (default data)"
-    )
-    serve.add_argument("--db", help="SQLite file (default RUNS_ROOT/control.db)")
-    serve.add_argument("--launcher", choices=("local", "ray"), help="default local")
-    serve.add_argument("--ray-address", help="Ray cluster address (launcher ray)")
-    serve.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
-    serve.add_argument(
-        "--queue",
-        help="address of a running queue server for runs whose config names none (their "
-        "partitions prefixed with the run id); default: each run starts its own queue",
+        description="Serve the control plane. Every setting is read from --config FILE, then "
+        "from its environment variable XTOKEN_CONTROL_<NAME> (e.g. XTOKEN_CONTROL_TOKEN), then "
+        "from its flag; a flag's value reads as the variable's would.",
     )
     # internal (hidden from --help): the ready handshake, {pid, endpoint} once listening
     serve.add_argument("--ready-file", help=INTERNAL)
+    try:
+        from services.control.settings import Settings
+    except ImportError:  # the control extra is not installed: `serve` says so
+        serve.set_defaults(_missing=True)
+        return
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="JSON or YAML file of these settings (keys as below, e.g. runs_root); the "
+        "environment and flags override it",
+    )
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list):  # list settings read comma-separated, as from the env
+            default = ",".join(map(str, default)) or "none"
+        serve.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=_DEST + name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{field.description} (XTOKEN_CONTROL_{name.upper()}; default: {default})",
+        )
 
 
 def settings_from_args(args: argparse.Namespace):
-    """Settings from the environment, overridden by the flags given.
+    """Settings from ``--config FILE``, overridden by the environment, overridden by the flags
+    given.
 
     Raises:
         pydantic.ValidationError: a bad value (names the setting).
+        ConfigError: a config file that cannot be read, or an unknown key in it.
     """
+    from services.common.config import ConfigError, load_file
     from services.control.settings import Settings
 
-    flags = {
-        "host": args.host,
-        "port": args.port,
-        "token": args.token,
-        "runs_root": args.runs_root,
-        "data_root": args.data_root,
-        "db": args.db,
-        "launcher": args.launcher,
-        "ray_address": args.ray_address,
-        "max_body_bytes": args.max_body_bytes,
-        "queue": args.queue,
-    }
-    return Settings(**{k: v for k, v in flags.items() if v is not None})
+    data: dict = load_file(args.config) if getattr(args, "config", None) else {}
+    unknown = sorted(set(data) - set(Settings.model_fields))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(Settings.model_fields), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"config file {args.config!r}: unknown key {unknown[0]!r}: the control plane knows "
+            f"{', '.join(Settings.model_fields)}{hint}"
+        )
+    environ = {k.upper() for k in os.environ}
+    values = {k: v for k, v in data.items() if f"XTOKEN_CONTROL_{k.upper()}" not in environ}
+    values.update({k[len(_DEST) :]: v for k, v in vars(args).items() if k.startswith(_DEST)})
+    return Settings(**values)
 
 
 def run(args: argparse.Namespace) -> int:

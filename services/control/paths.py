@@ -1,4 +1,7 @@
-"""Confinement of every path in a submitted run config to the control plane's run and data roots."""
+"""Confinement of every path in a submitted run config to the control plane's run and data roots.
+
+The keys come from the config dataclasses: every field marked ``path`` is confined, every field
+marked ``context`` (set by the run for each process) is refused."""
 
 from __future__ import annotations
 
@@ -7,24 +10,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-# dotted key -> what may stand there besides a path ("" = only a path)
-DATA_KEYS: dict[str, str] = {
-    "data.train": "",
-    "data.heldout": "",
-    "trainer.heldout": "",
-    "teacher.heldout": "",
-    "trainer.loss.projection": "",
-    "trainer.student": "model",
-    "teacher.model": "model",
-    "trainer.teacher_model": "model",
-    "student_tokenizer": "tokenizer",
-    "teacher_tokenizer": "tokenizer",
-    "teacher.tokenizer": "tokenizer",
-    "trainer.student_tokenizer": "tokenizer",
-    "trainer.teacher_tokenizer": "tokenizer",
-}
-# set by the run for every process: a submitted value is refused rather than silently replaced
-RUN_OWNED_KEYS = ("trainer.run_dir", "trainer.queue", "teacher.queue")
+
+def _marked() -> tuple[dict[str, str], tuple[str, ...]]:
+    """The run config's path-bearing keys (its fields marked ``path``) and the keys the run sets
+    for every process (its fields marked ``context``)."""
+    from services.common.config import marks
+    from services.supervise.config import RunConfig
+
+    owned = tuple(marks(RunConfig, "context"))
+    paths = {k: kind for k, kind in marks(RunConfig, "path").items() if kind != "run"}
+    return {k: kind for k, kind in paths.items() if k not in owned}, owned
+
+
+# dotted key -> what stands there: "file" (a path only), "model" or "tokenizer" (a name of one
+# or a path); and the keys set by the run for every process (a submitted value is refused
+# rather than silently replaced)
+DATA_KEYS, RUN_OWNED_KEYS = _marked()
 
 
 class PathNotAllowed(ValueError):
@@ -123,7 +124,9 @@ def confine(
         node, leaf = _get(out, key)
         if node is not None and leaf in node:
             raise PathNotAllowed(
-                key, f"{key} is set by the control plane for every run; remove it from the config"
+                key,
+                f"{key} is set by the control plane for every run, from the run's top-level "
+                "settings; remove it from the config",
             )
     roots = [Path(r).resolve() for r in data_roots]
     for key, kind in DATA_KEYS.items():
@@ -134,13 +137,13 @@ def confine(
         prefix = suffix = ""
         if kind == "model":  # gguf:PATH and a :drop= suffix keep their form around the path
             value, prefix, suffix = _model_path(value)
-        if kind and not prefix and value in _names(kind):
+        if kind != "file" and not prefix and value in _names(kind):
             continue
         path = Path(value)
         path = (roots[0] / path if not path.is_absolute() else path).resolve()
         if not any(_inside(path, r) for r in roots):
             allowed = ", ".join(repr(str(r)) for r in roots)
-            names = f" or one of {', '.join(sorted(_names(kind)))}" if kind else ""
+            names = f" or one of {', '.join(sorted(_names(kind)))}" if kind != "file" else ""
             raise PathNotAllowed(
                 key,
                 f"{key}={value!r} is outside the data roots ({allowed}); put the file under "

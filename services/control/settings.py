@@ -28,7 +28,7 @@ class Settings(BaseSettings):
         default_factory=lambda: [Path("data")],
         description="roots of data, models, tokenizers and projections (comma-separated)",
     )
-    db: Path | None = Field(None, description="SQLite file (default: RUNS_ROOT/control.db)")
+    db: Path | None = Field(None, description="SQLite file; None: RUNS_ROOT/control.db")
     launcher: str = Field("local", description="launcher of run processes: local or ray")
     ray_address: str | None = Field(None, description="Ray cluster address (launcher=ray)")
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")

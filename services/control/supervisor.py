@@ -678,7 +678,7 @@ def _check_files(config: dict[str, Any]) -> None:
     from services.control.paths import DATA_KEYS
 
     for key, kind in DATA_KEYS.items():
-        if kind:
+        if kind != "file":
             continue
         node: Any = config
         for part in key.split("."):

@@ -6,86 +6,19 @@ import argparse
 import errno
 import json
 import logging
-import re
 import sys
 
+from services.common import config as cfg
 from services.common.flags import INTERNAL, add_deprecated_alias
+from services.queue.config import ServerConfig, format_size, parse_size
+
+__all__ = ["EXIT_BAD_DATA", "add_arguments", "format_size", "parse_size", "run"]
 
 logger = logging.getLogger(__name__)
 
 # `queue serve` exit code when the data in --data-dir is bad (a corrupt log record), as opposed
 # to bad settings (2): the operator restores the directory or starts with --salvage.
 EXIT_BAD_DATA = 3
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size: ``512MiB``, ``8GiB``, ``1e9``, ``2GB``, ``1048576``.
-
-    Args:
-        text: a number (int or float notation) with an optional unit (B, KB/MB/GB/TB powers of
-            1000, KiB/MiB/GiB/TiB powers of 1024; case-insensitive).
-
-    Returns:
-        The size in bytes.
-
-    Raises:
-        ValueError: not a size, or not positive.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"size {text!r} is not understood; write e.g. 512MiB, 8GiB, 2GB or 1e9")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"size {text!r} must be > 0")
-    return size
-
-
-def format_size(nbytes: float) -> str:
-    """A byte count for people: ``512 B``, ``1.5 KiB``, ``1.2 GiB`` (powers of 1024).
-
-    Args:
-        nbytes: bytes (may be a float rate).
-
-    Returns:
-        The size with one decimal and a binary unit (whole bytes below 1 KiB).
-    """
-    size = float(nbytes)
-    if abs(size) < 1024:
-        return f"{size:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size /= 1024
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size_or_zero_arg(text: str) -> int:
-    return 0 if str(text).strip() == "0" else _size_arg(text)
 
 
 def _endpoint_arg(flag: str):
@@ -102,24 +35,24 @@ def _endpoint_arg(flag: str):
     return parse
 
 
-# The duration flags of `queue serve` before they took the `-s` suffix of every seconds flag:
-# still accepted (hidden, with one deprecation line).
-SERVE_RENAMED = (
-    "--put-timeout",
-    "--claim-timeout",
-    "--lease",
-    "--shm-reserve-timeout",
-    "--max-claim-wait",
-    "--max-put-wait",
-    "--max-lease",
-    "--heartbeat",
-    "--fsync-interval",
-    "--log-every",
-)
+def _renamed_serve_flags() -> tuple[str, ...]:
+    """The duration flags of `queue serve` before they took the `-s` suffix of every seconds
+    flag: still accepted (hidden, with one deprecation line)."""
+    import dataclasses
+
+    return tuple(
+        f"--{old}"
+        for f in dataclasses.fields(ServerConfig)
+        for old in f.metadata.get("deprecated_flags", ())
+    )
+
+
+SERVE_RENAMED = _renamed_serve_flags()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `serve` and `stats` sub-subcommands."""
+    """Add the `serve` (flags generated from :class:`ServerConfig`), `stats` and operator
+    sub-subcommands."""
     sub = parser.add_subparsers(
         dest="queue_command", metavar="{serve,stats,list,peek,clear,drain}", required=True
     )
@@ -128,169 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run a queue server until SIGTERM/SIGINT (exit 0 after the drain, 2 on bad settings, "
         "3 on a corrupt --data-dir log)",
     )
-    serve.add_argument(
-        "--bind",
-        default="tcp://127.0.0.1:5555",
-        type=_endpoint_arg("--bind"),
-        help="ZMQ endpoint: tcp://HOST:PORT (PORT * = any free) or ipc://PATH",
-    )
-    serve.add_argument(
-        "--capacity",
-        type=_size_arg,
-        default=parse_size("8GiB"),
-        help="bytes of samples the queue holds before puts wait (default 8GiB)",
-    )
-    serve.add_argument(
-        "--put-timeout-s",
-        type=float,
-        default=30.0,
-        help="seconds a put waits for capacity when it gives no timeout_ms",
-    )
-    serve.add_argument(
-        "--claim-timeout-s",
-        type=float,
-        default=1.0,
-        help="seconds a claim waits for data when it gives no timeout_ms",
-    )
-    serve.add_argument(
-        "--lease-s", type=float, default=60.0, help="lease seconds when a claim gives no lease_ms"
-    )
-    serve.add_argument(
-        "--busy-poll-us",
-        type=int,
-        default=300,
-        help="after requests, poll without sleeping (yielding the core) this many microseconds "
-        "before blocking: shorter round trips on a host slow to wake a process; 0 = off "
-        "(default 300)",
-    )
-    serve.add_argument(
-        "--shm-pool-free",
-        type=_size_or_zero_arg,
-        default=parse_size("1GiB"),
-        help="most bytes of free shared-memory segments kept for reuse by same-host puts; "
-        "they count against --capacity and are dropped first when room is needed (default 1GiB)",
-    )
-    serve.add_argument(
-        "--shm-reserve-max",
-        type=_size_arg,
-        default=None,
-        help="most bytes one client may hold reserved in the shared-memory pool at once "
-        "(default a quarter of --capacity)",
-    )
-    serve.add_argument(
-        "--shm-reserve-timeout-s",
-        type=float,
-        default=60.0,
-        help="seconds a shared-memory reservation stays valid without its put (default 60)",
-    )
-    serve.add_argument(
-        "--max-claim-wait-s",
-        type=float,
-        default=300.0,
-        help="largest wait (seconds) a claim may ask for; a longer timeout_ms is refused "
-        "(default 300)",
-    )
-    serve.add_argument(
-        "--max-put-wait-s",
-        type=float,
-        default=3600.0,
-        help="largest wait (seconds) a put or reserve may ask for (default 3600)",
-    )
-    serve.add_argument(
-        "--max-lease-s",
-        type=float,
-        default=3600.0,
-        help="longest lease (seconds) a claim may ask for; a longer lease_ms is refused "
-        "(default 3600): bounds how long a gone client's claim holds its samples",
-    )
-    serve.add_argument(
-        "--heartbeat-s",
-        type=float,
-        default=10.0,
-        help="seconds between pings of each client connection; one silent for 3 pings is "
-        "closed and its parked requests dropped (0 = off; default 10)",
-    )
-    serve.add_argument(
-        "--tombstones",
-        type=int,
-        default=1 << 24,
-        help="most keys per partition remembered as consumed once retention dropped their "
-        "samples (8 bytes each; past it the oldest quarter is forgotten; default 16777216)",
-    )
-    serve.add_argument(
-        "--data-dir",
-        default=None,
-        help="durable mode: log samples not yet consumed, consumed sets, registrations and "
-        "tombstones to this directory and recover them on the next start (leases do not "
-        "survive; the shared-memory pool is off). Default: memory only",
-    )
-    serve.add_argument(
-        "--fsync",
-        choices=("always", "interval", "never"),
-        default="interval",
-        help="with --data-dir: always = answer puts, acks and clears once fsynced; interval = "
-        "fsync every --fsync-interval-s, answer acks and clears once written (survive a SIGKILL) "
-        "and puts at once while the log lags by less than --log-lag; never = no fsync "
-        "(default interval)",
-    )
-    serve.add_argument(
-        "--fsync-interval-s",
-        type=float,
-        default=1.0,
-        help="seconds between fsyncs of the log with --fsync interval (default 1)",
-    )
-    serve.add_argument(
-        "--log-lag",
-        type=_size_arg,
-        default=256 * 1024**2,
-        help="most bytes of answered puts not yet written to the log; past it puts are "
-        "answered once written (default 256MiB)",
-    )
-    serve.add_argument(
-        "--compact-min",
-        type=_size_arg,
-        default=64 * 1024**2,
-        help="compact the log to a snapshot once it is larger than this and twice the bytes "
-        "stored (default 64MiB; bounds the recovery time)",
-    )
-    serve.add_argument(
-        "--salvage",
-        action="store_true",
-        help="with --data-dir: keep the valid records after a corrupt one in the middle of the "
-        "log and drop only its bad bytes (without it such a log stops the start, exit code 3)",
-    )
-    serve.add_argument(
-        "--max-message-bytes",
-        type=_size_arg,
-        default=None,
-        help="largest accepted message (default: the wire default, 2GiB)",
-    )
-    serve.add_argument(
-        "--auth-token-file",
-        default=None,
-        metavar="FILE",
-        help="require clients to present the token in FILE in their hello (default: the "
-        "XTOKEN_QUEUE_TOKEN environment variable, else the file XTOKEN_QUEUE_TOKEN_FILE names, "
-        "else no authentication); clients read the same variables",
-    )
-    serve.add_argument(
-        "--pool-idle-s",
-        type=float,
-        default=30.0,
-        help="unlink free shared-memory pool segments unused this long (default 30): an idle "
-        "server gives its pool's memory back",
-    )
-    serve.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve a --bind reachable from other hosts without a token (refused otherwise)",
-    )
+    cfg.add_arguments(serve, ServerConfig)
     # internal (hidden from --help): the ready handshake, {"pid", "name": "queue", "endpoint"}
     # JSON once listening
     serve.add_argument("--ready-file", default=None, help=INTERNAL)
-    _add_log_flags(serve)
-    for old in SERVE_RENAMED:
-        add_deprecated_alias(serve, old, f"{old}-s")
     stats = sub.add_parser("stats", help="print a queue server's stats")
     stats.add_argument(
         "--queue",
@@ -304,17 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_deprecated_alias(stats, "--timeout", "--timeout-s")
     _add_operator_commands(sub)
-
-
-def _add_log_flags(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--log-every-s",
-        type=float,
-        default=60.0,
-        help="seconds between [queue] stats log lines (samples, bytes, rates, parked requests, "
-        "connects and errors since the last; 0 = off; default 60). Connects and the first "
-        "error of each kind per interval are logged as they happen",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -331,42 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     def main(lifecycle: Lifecycle) -> int:
         from services.queue.auth import load_token
-        from services.queue.server import ServerConfig, serve
-        from xtoken_core.wire import DEFAULT_LIMITS, WireLimits
+        from services.queue.server import serve
 
-        limits = DEFAULT_LIMITS
-        if args.max_message_bytes:
-            limits = WireLimits(
-                max_message_bytes=args.max_message_bytes,
-                max_body_bytes=min(DEFAULT_LIMITS.max_body_bytes, args.max_message_bytes),
-            )
-        config = ServerConfig(
-            bind=args.bind,
-            capacity_bytes=args.capacity,
-            put_timeout_s=args.put_timeout_s,
-            claim_timeout_s=args.claim_timeout_s,
-            lease_s=args.lease_s,
-            busy_poll_us=args.busy_poll_us,
-            shm_pool_free_bytes=args.shm_pool_free,
-            shm_reserve_s=args.shm_reserve_timeout_s,
-            shm_reserve_max_bytes=args.shm_reserve_max,
-            tombstone_max_keys=args.tombstones,
-            max_claim_wait_s=args.max_claim_wait_s,
-            max_put_wait_s=args.max_put_wait_s,
-            max_lease_s=args.max_lease_s,
-            heartbeat_s=args.heartbeat_s,
-            data_dir=args.data_dir,
-            fsync=args.fsync,
-            fsync_interval_s=args.fsync_interval_s,
-            log_lag_bytes=args.log_lag,
-            compact_min_bytes=args.compact_min,
-            salvage=args.salvage,
-            limits=limits,
-            auth_token=load_token(args.auth_token_file),
-            insecure=args.insecure,
-            pool_idle_s=args.pool_idle_s,
-            log_every_s=args.log_every_s,
-        )
+        data = cfg.args_to_dict(ServerConfig, args)
+        if data.get("auth_token") is None:  # the token file, else the environment's token
+            data["auth_token"] = load_token(data.get("auth_token_file"))
+        config = cfg.from_parsed(ServerConfig, data, args)  # ConfigError: exit code 2
         import zmq
 
         from services.queue.durable import CorruptLogError
@@ -387,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
             logger.error(
                 "[queue] error: cannot listen on %s: %s; pass another --bind, e.g. "
                 "tcp://127.0.0.1:* for any free port",
-                args.bind,
+                config.bind,
                 why,
             )
             return 2  # a bad setting (--bind), as --help says

@@ -37,22 +37,20 @@ import zmq
 
 from services.common.lifecycle import progress as lifecycle_progress
 from services.queue import errors as codes
-from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, is_loopback, token_matches
+from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, token_matches
+from services.queue.config import ServerConfig
 from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
 from services.queue.oplog import OpLog
 from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes, sweep_dead_pools
 from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
-from services.queue.tombstones import DEFAULT_MAX_KEYS
 from services.queue.transport import COPY_BELOW, recv_frames, send_frames
 from xtoken_core.ipc.shm import ShmReader, sweep_orphans
 from xtoken_core.wire import (
-    DEFAULT_LIMITS,
     HEADER_SIZE,
     PROTOCOL_VERSION,
     WireError,
-    WireLimits,
     decode_message,
     encode_message,
     validate_body,
@@ -85,175 +83,6 @@ _MAX_ACKED_LEASES = 65536
 # for CONTENDED_PAUSE_S (the loop blocks in poll and is woken by the next request).
 CONTENDED_YIELD_S = 0.001
 CONTENDED_PAUSE_S = 1.0
-
-
-@dataclass
-class ServerConfig:
-    """Settings of one queue server process.
-
-    Args:
-        bind: ZMQ endpoint, ``tcp://host:port`` (port ``*`` = any free port) or ``ipc://path``.
-        capacity_bytes: store capacity (``--capacity``).
-        put_timeout_s: how long a put waits for capacity when it gives no ``timeout_ms``.
-        claim_timeout_s: how long a claim waits for data when it gives no ``timeout_ms``.
-        lease_s: lease length when a claim gives no ``lease_ms``.
-        limits: wire limits enforced on every message.
-        busy_poll_us: after handling requests, poll the socket without sleeping for this long
-            before blocking (``--busy-poll-us``). A sleeping process is woken in ~0.1 ms on a
-            loaded or virtualized host, a spinning one at once: this trades up to this much CPU
-            per burst of requests for round trips 2-3x shorter. 0 always blocks. Paused for a
-            second whenever another task holds the server's core (``BusyPoll``).
-        shm_pool_free_bytes: most bytes of free shared-memory segments kept for reuse
-            (``--shm-pool-free``); they count against the capacity and are dropped first when
-            room is needed.
-        shm_reserve_s: seconds a shared-memory reservation stays valid without a put
-            (``--shm-reserve-timeout-s``).
-        shm_reserve_max_bytes: most bytes one client (the instance its hello names, over all
-            its connections) may hold reserved and not yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
-            once (``bad_request``; the client sends frames), one that would pass it with the
-            client's other reservations gets ``queue_full`` at once instead of waiting.
-        tombstone_max_keys: most keys per partition remembered as consumed after retention
-            dropped their samples (``--tombstones``; 8 bytes each).
-        max_claim_wait_s: largest ``timeout_ms`` a claim may ask for (``--max-claim-wait-s``);
-            a larger one is refused (``bad_request`` naming the bound).
-        max_put_wait_s: largest ``timeout_ms`` a put or reserve may ask for
-            (``--max-put-wait-s``).
-        max_lease_s: largest ``lease_ms`` a claim may ask for (``--max-lease-s``); a longer one is
-            refused (``bad_request`` naming the bound): a lease outlives its client by at most
-            this much.
-        heartbeat_s: the server pings every client connection this often (ZMTP heartbeats,
-            answered by the client's zmq I/O thread) and closes one that sent nothing for 3
-            periods (``--heartbeat-s``; 0 = off): a hung or unreachable client's parked requests
-            are then dropped like those of a client whose process died.
-        data_dir: durable mode (``--data-dir``): samples not yet consumed, consumed sets,
-            registrations and tombstones are logged there (durable.py, written by a writer
-            process that holds the directory's lock with the server) and recovered on the next
-            start; None keeps everything in memory. Leases never survive a restart.
-        fsync: ``always`` (every put, ack and clear is answered once fsynced), ``interval``
-            (fsync every ``fsync_interval_s``; acks and clears are answered once written, puts
-            at once while the log lags by less than ``log_lag_bytes``) or ``never``
-            (``--fsync``).
-        fsync_interval_s: with ``interval``, seconds between fsyncs (``--fsync-interval-s``).
-        log_lag_bytes: most bytes of answered puts not yet written to the log
-            (``--log-lag``): past it, puts are answered once written.
-        salvage: durable mode: a corrupt record in the middle of the log is dropped and the
-            valid records after it are kept (``--salvage``); without it such a log stops the
-            start (``CorruptLogError``, exit code 3, naming the file and offset).
-        compact_min_bytes: the log is compacted to a snapshot once it is larger than this and
-            twice the bytes stored (``--compact-min``).
-        auth_token: the shared secret every client presents in its hello (``--auth-token-file``
-            or ``XTOKEN_QUEUE_TOKEN``, auth.py); None serves anyone who can connect.
-        insecure: allow a bind reachable from other hosts without a token (``--insecure``).
-        pool_idle_s: a free shared-memory segment unused this long is unlinked
-            (``--pool-idle-s``): an idle server gives its pool's memory back.
-        log_every_s: seconds between ``[queue] stats:`` log lines (``--log-every-s``; 0 = off).
-
-    Raises:
-        ValueError: a non-positive capacity or a negative timeout.
-    """
-
-    bind: str = "tcp://127.0.0.1:5555"
-    capacity_bytes: int = 8 * 1024**3
-    put_timeout_s: float = 30.0
-    claim_timeout_s: float = 1.0
-    lease_s: float = 60.0
-    limits: WireLimits = field(default_factory=lambda: DEFAULT_LIMITS)
-    busy_poll_us: int = 300
-    shm_pool_free_bytes: int = 1 << 30
-    shm_reserve_s: float = 60.0
-    shm_reserve_max_bytes: int | None = None
-    tombstone_max_keys: int = DEFAULT_MAX_KEYS
-    max_claim_wait_s: float = 300.0
-    max_put_wait_s: float = 3600.0
-    max_lease_s: float = 3600.0
-    heartbeat_s: float = 10.0
-    data_dir: str | None = None
-    fsync: str = "interval"
-    fsync_interval_s: float = 1.0
-    log_lag_bytes: int = 256 * 1024**2
-    compact_min_bytes: int = 64 * 1024**2
-    salvage: bool = False
-    auth_token: str | None = field(default=None, repr=False)
-    insecure: bool = False
-    pool_idle_s: float = 30.0
-    log_every_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.auth_token is not None and not self.auth_token.strip():
-            raise ValueError("auth_token is empty: give a token or None (--auth-token-file)")
-        if self.auth_token is None and not self.insecure and not is_loopback(self.bind):
-            raise ValueError(
-                f"bind={self.bind!r} is reachable from other hosts, and this queue has no token "
-                f"(anyone could read, ack or clear its data): give it one with "
-                f"--auth-token-file FILE or {TOKEN_ENV} (clients read the same variable or "
-                "XTOKEN_QUEUE_TOKEN_FILE), bind tcp://127.0.0.1:PORT, or pass --insecure to "
-                "serve unauthenticated anyway"
-            )
-        if self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={self.capacity_bytes}: must be > 0 (--capacity)")
-        for name in ("put_timeout_s", "claim_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s={self.lease_s}: must be > 0 (--lease-s)")
-        if self.lease_s > self.max_lease_s:
-            raise ValueError(
-                f"lease_s={self.lease_s} is above max_lease_s={self.max_lease_s} "
-                "(--lease-s, --max-lease-s): lower --lease-s or raise --max-lease-s"
-            )
-        if not 0 <= self.busy_poll_us <= 1_000_000:
-            raise ValueError(
-                f"busy_poll_us={self.busy_poll_us}: must be in [0, 1e6] (--busy-poll-us; 0 = off)"
-            )
-        if self.shm_pool_free_bytes < 0:
-            raise ValueError(
-                f"shm_pool_free_bytes={self.shm_pool_free_bytes}: must be >= 0 (--shm-pool-free)"
-            )
-        if self.shm_reserve_max_bytes is None:
-            self.shm_reserve_max_bytes = max(1, self.capacity_bytes // 4)
-        if self.shm_reserve_max_bytes <= 0:
-            raise ValueError(
-                f"shm_reserve_max_bytes={self.shm_reserve_max_bytes}: must be > 0 "
-                "(None = a quarter of the capacity)"
-            )
-        for name, flag in (("max_claim_wait_s", "claim"), ("max_put_wait_s", "put")):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (--max-{flag}-wait)")
-        if self.claim_timeout_s > self.max_claim_wait_s:
-            raise ValueError(
-                f"claim_timeout_s={self.claim_timeout_s} is above max_claim_wait_s="
-                f"{self.max_claim_wait_s} (--claim-timeout-s, --max-claim-wait-s)"
-            )
-        if self.put_timeout_s > self.max_put_wait_s:
-            raise ValueError(
-                f"put_timeout_s={self.put_timeout_s} is above max_put_wait_s="
-                f"{self.max_put_wait_s} (--put-timeout-s, --max-put-wait-s)"
-            )
-        if self.heartbeat_s < 0:
-            raise ValueError(
-                f"heartbeat_s={self.heartbeat_s}: must be >= 0 (--heartbeat-s, 0 = off)"
-            )
-        if self.tombstone_max_keys < 1:
-            raise ValueError(
-                f"tombstone_max_keys={self.tombstone_max_keys}: must be >= 1 (--tombstones)"
-            )
-        if self.fsync not in ("always", "interval", "never"):
-            raise ValueError(f"fsync={self.fsync!r}: use always, interval or never (--fsync)")
-        if not self.fsync_interval_s > 0:
-            raise ValueError(
-                f"fsync_interval_s={self.fsync_interval_s}: must be > 0 (--fsync-interval-s)"
-            )
-        if self.log_lag_bytes < 0 or self.compact_min_bytes <= 0:
-            raise ValueError(
-                f"log_lag_bytes={self.log_lag_bytes} must be >= 0 (--log-lag) and "
-                f"compact_min_bytes={self.compact_min_bytes} > 0 (--compact-min)"
-            )
-        if not self.pool_idle_s > 0:
-            raise ValueError(f"pool_idle_s={self.pool_idle_s}: must be > 0 (--pool-idle-s)")
-        if not self.shm_reserve_s > 0:
-            raise ValueError(
-                f"shm_reserve_s={self.shm_reserve_s}: must be > 0 (--shm-reserve-timeout-s)"
-            )
 
 
 class BusyPoll:

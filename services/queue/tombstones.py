@@ -21,11 +21,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from services.queue.config import DEFAULT_MAX_KEYS
+
 logger = logging.getLogger(__name__)
 
 # Hashes buffered in a Python set before they become a sorted array.
 _BUFFER = 4096
-DEFAULT_MAX_KEYS = 1 << 24  # 16 Mi keys = 128 MiB of hashes at most
 
 
 def key_hash(key: str) -> int:

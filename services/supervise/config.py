@@ -18,7 +18,7 @@ from services.common import config as cfgmod
 from services.common.overrides import Override, apply_overrides
 from services.rollout.config import RolloutConfig
 from services.teacher.worker import TeacherConfig
-from services.trainer.config import OnPolicyConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 
 # the longest context a run may ask for (tokens per text); beyond it no model here fits
 MAX_CONTEXT = 1 << 20
@@ -60,18 +60,22 @@ class DataConfig:
         default=None,
         metadata={
             "help": "training corpus: a .jsonl/.txt/.parquet file, a folder of them or a glob "
-            "(as the collator's --data); None: the demo corpus"
+            "(as the collator's --data); None: the demo corpus",
+            "path": "file",
         },
     )
     heldout: str | None = field(
         default=None,
         metadata={
             "help": "held-out corpus for bits/byte; None: the last trainer.eval_texts texts of "
-            "data.train (not trained on), or the demo's with the demo corpus"
+            "data.train (not trained on), or the demo's with the demo corpus",
+            "path": "file",
         },
     )
     limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
-    text_field: str = field(default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"}
+    )
     skip_bad_lines: bool = field(
         default=False,
         metadata={
@@ -158,20 +162,11 @@ class QueueSection:
 @dataclasses.dataclass
 class RunTrainerConfig(TrainerConfig):
     """The trainer section of a run config: a :class:`TrainerConfig` whose ``loss.projection``
-    may be left empty when the loss needs one; the run then builds it (or finds it in the cache)
-    and the trainer's section file names that file."""
+    may be left empty when the loss needs one; the run then builds it (or finds it in the cache),
+    and the plan checks the trainer's section again with that file."""
 
-    def __post_init__(self) -> None:
-        if self.loss.projection or not self.loss.uses_teacher:
-            super().__post_init__()
-            return
-        # every check of a trainer section but the projection's, on a copy whose loss needs none;
-        # the plan checks the whole section again once the projection is known
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainerConfig)}
-        loss = dataclasses.replace(self.loss, mode="ce", ce_weight=max(self.loss.ce_weight, 1.0))
-        TrainerConfig(**{**fields, "loss": loss, "on_policy": OnPolicyConfig()})
-        if self.on_policy.enabled:  # checked on the copy without it: its loss has no teacher
-            self.check_on_policy()
+    def check_projection(self) -> None:
+        """A projection left empty is the run's to build (:attr:`projection_to_build`)."""
 
     @property
     def projection_to_build(self) -> bool:
@@ -185,11 +180,15 @@ class RunConfig:
 
     run_dir: str = field(
         default="runs/default",
-        metadata={"help": "run directory (the demo has its own, runs/demo)"},
+        metadata={"help": "run directory (the demo has its own, runs/demo)", "path": "run"},
     )
     partition: str = field(default="train", metadata={"help": "queue partition of the samples"})
-    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
-    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
+    student_tokenizer: str = field(
+        default="qwen3", metadata={"help": "student tokenizer", "path": "tokenizer"}
+    )
+    teacher_tokenizer: str = field(
+        default="smollm2", metadata={"help": "teacher tokenizer", "path": "tokenizer"}
+    )
     ctx_student: int = field(default=512, metadata={"help": "student tokens per text"})
     ctx_teacher: int = field(default=512, metadata={"help": "teacher tokens per text"})
     projection_top_k: int = field(

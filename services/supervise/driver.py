@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from services.common.context import CONTEXT_FILE
 from services.common.heartbeat import HEARTBEAT_ENV, read_heartbeat, verdict
 from services.common.lifecycle import EXIT_FILE_ENV, read_exit_code
 from services.launch.spec import ProcessSpec
@@ -683,13 +684,14 @@ class Driver:
 
 
 def write_sections(plan: Plan) -> None:
-    """Write a launch's section files (``config/<process>.json``, ``config/run.json``) and make
-    its log directory."""
+    """Write a launch's section files (``config/<process>.json``, the shared
+    ``config/context.json``, ``config/run.json``) and make its log directory."""
     d = plan.context.run_dir
     (d / "config").mkdir(parents=True, exist_ok=True)
     (d / "logs").mkdir(parents=True, exist_ok=True)
     for name, section in plan.sections.items():
         (d / "config" / f"{name}.json").write_text(json.dumps(section, indent=1))
+    (d / "config" / CONTEXT_FILE).write_text(json.dumps(plan.shared, indent=1))
     (d / "config" / "run.json").write_text(json.dumps(plan.run_section, indent=1))
 
 

@@ -1,9 +1,9 @@
 """The plan of a run: from its config and settled inputs to each process's own section and the
 process specs a launcher starts. Pure: nothing here writes a file or starts a process.
 
-Each process gets only its own section (``run_dir/config/<process>.json``); values that must agree
-across processes (queue address, partition, tokenizers, context lengths, run directory) come
-from the top of the run config and are written into every section here.
+Each process gets only its own section (``run_dir/config/<process>.json``) and the run's shared
+context (``run_dir/config/context.json``: queue address, partition, tokenizers, run directory,
+written once); its argv only names the two files.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import config as cfgmod
+from services.common.context import CONTEXT_FILE, Context
 from services.common.heartbeat import HEARTBEAT_ENV, HEARTBEAT_S_ENV
 from services.launch.spec import ProcessSpec
 from services.protocol.names import policy_dir
@@ -89,7 +90,10 @@ class Plan:
         context: the run's :class:`RunContext`.
         queue: the queue address every process connects to.
         master_port: the trainer ranks' rendezvous port.
-        sections: file stem (``trainer``, ``teacher0``) -> that section as a JSON mapping.
+        shared: the run-wide :class:`~services.common.context.Context` as a JSON mapping
+            (``config/context.json``).
+        sections: file stem (``queue``, ``collator``, ``trainer``, ``teacher0``) -> that
+            process's own section as a JSON mapping.
         run_section: the whole run config with its settled inputs (``config/run.json``).
         specs: the processes, in start order (the queue first when the run has its own).
     """
@@ -97,6 +101,7 @@ class Plan:
     context: RunContext
     queue: str
     master_port: int
+    shared: dict[str, Any]
     sections: dict[str, dict[str, Any]]
     run_section: dict[str, Any]
     specs: tuple[ProcessSpec, ...]
@@ -126,58 +131,89 @@ def make_plan(
         ValueError: a section that does not build (a loss that needs a projection and has none).
     """
     host = host or Host.here()
-    sections = make_sections(config, inputs, context, queue=queue, gpus=host.gpus)
+    shared = cfgmod.to_dict(make_context(config, context, queue=queue))
+    sections = {
+        **make_data_sections(config, inputs, context),
+        **make_sections(config, inputs, gpus=host.gpus),
+    }
+    if config.on_policy:
+        sections.update(rollout_sections(config, inputs, context, queue=queue, gpus=host.gpus))
     run_section = cfgmod.to_dict(config)
     run_section["data"].update(train=inputs.train, heldout=inputs.heldout)
     run_section["trainer"]["loss"]["projection"] = inputs.projection
-    specs = make_specs(config, inputs, context, queue=queue, master_port=master_port, host=host)
-    return Plan(context, queue, master_port, sections, run_section, tuple(specs))
+    specs = make_specs(config, context, master_port=master_port, host=host)
+    return Plan(context, queue, master_port, shared, sections, run_section, tuple(specs))
+
+
+def make_context(config: RunConfig, context: RunContext, *, queue: str) -> Context:
+    """The run-wide values every process of a launch on ``queue`` shares."""
+    return Context(
+        queue=queue,
+        partition=context.partition,
+        student_tokenizer=config.student_tokenizer,
+        teacher_tokenizer=config.teacher_tokenizer,
+        run_dir=str(context.run_dir),
+    )
+
+
+def make_data_sections(
+    config: RunConfig, inputs: Inputs, context: RunContext
+) -> dict[str, dict[str, Any]]:
+    """The section of the run's own queue (none on an external one) and of its collator."""
+    cfg = config
+    # the held-out texts may be the last ones of data.train: the collator stops before them
+    limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
+    out: dict[str, dict[str, Any]] = {}
+    if not context.external_queue:
+        out["queue"] = {"capacity_bytes": cfg.queue_capacity}
+    out["collator"] = {
+        "data": str(inputs.train),
+        "workers": cfg.collator.workers,
+        "batch": cfg.collator.batch,
+        "limit": limit or None,
+        "text_field": cfg.data.text_field,
+        "shuffle_seed": cfg.data.seed,
+        "skip_bad_lines": cfg.data.skip_bad_lines,
+        "worker": {"ctx_student": cfg.ctx_student, "ctx_teacher": cfg.ctx_teacher},
+    }
+    return out
 
 
 def make_sections(
     config: RunConfig,
     inputs: Inputs,
-    context: RunContext,
     *,
-    queue: str,
     gpus: int | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The section of the trainer ranks (``trainer``), of each teacher group (``teacher<g>``) and
-    of each rollout worker (``rollout<i>``, with on-policy samples).
+    """The section of the trainer ranks (``trainer``) and of each teacher group (``teacher<g>``):
+    without the run-wide values (:func:`make_context`), which every process reads from the
+    shared context. The rollout workers' sections: :func:`rollout_sections`.
 
     Raises:
         ValueError: a trainer section that does not build (names the key).
     """
     cfg = config
-    teacher = dataclasses.replace(
-        cfg.teacher, queue=queue, partition=context.partition, tokenizer=cfg.teacher_tokenizer
-    )
+    teacher = cfg.teacher
     trainer_fields = {
         f.name: getattr(cfg.trainer, f.name) for f in dataclasses.fields(TrainerConfig)
     }
-    trainer = TrainerConfig(
-        **{
-            **trainer_fields,
-            "loss": dataclasses.replace(cfg.trainer.loss, projection=inputs.projection),
-            "queue": queue,
-            "partition": context.partition,
-            "student_tokenizer": cfg.student_tokenizer,
-            "teacher_tokenizer": cfg.teacher_tokenizer,
-            "teacher_vocab_size": cfg.trainer.teacher_vocab_size or cfg.teacher.vocab_size,
-            "teacher_seed": cfg.teacher.seed,
-            "run_dir": str(context.run_dir),
-            "heldout": cfg.trainer.heldout or inputs.heldout,
-            "teacher_groups": cfg.teachers,
-            "max_length": cfg.trainer.max_length or cfg.ctx_student,
-        }
-    )
-    out = {"trainer": cfgmod.to_dict(trainer)}
+    trainer_own = {
+        **trainer_fields,
+        "loss": dataclasses.replace(cfg.trainer.loss, projection=inputs.projection),
+        "teacher_vocab_size": cfg.trainer.teacher_vocab_size or cfg.teacher.vocab_size,
+        "teacher_seed": cfg.teacher.seed,
+        "heldout": cfg.trainer.heldout or inputs.heldout,
+        "teacher_groups": cfg.teachers,
+        "max_length": cfg.trainer.max_length or cfg.ctx_student,
+    }
+    trainer = TrainerConfig(**trainer_own)  # checked; its context fields are left out
+    out = {"trainer": cfgmod.section(trainer)}
     for g in range(cfg.teachers):
         device = teacher.device
         if device == "cuda":
             gpus = _gpu_count() if gpus is None else gpus
             device = f"cuda:{g % max(1, gpus)}"
-        out[f"teacher{g}"] = cfgmod.to_dict(
+        out[f"teacher{g}"] = cfgmod.section(
             dataclasses.replace(
                 teacher,
                 group=g,
@@ -187,8 +223,6 @@ def make_sections(
                 eval_texts=cfg.trainer.eval_texts,
             )
         )
-    if cfg.on_policy:
-        out.update(rollout_sections(cfg, inputs, context, queue=queue, gpus=gpus))
     return out
 
 
@@ -245,62 +279,46 @@ def rollout_sections(
 
 def make_specs(
     config: RunConfig,
-    inputs: Inputs,
     context: RunContext,
     *,
-    queue: str,
     master_port: int,
     host: Host | None = None,
 ) -> list[ProcessSpec]:
     """The processes of one launch: the queue (unless external), the collator (unless every
     sample is on-policy), a teacher per group (when the loss uses one), a trainer per rank and
-    the rollout workers (with on-policy samples), each with its heartbeat file."""
+    the rollout workers (with on-policy samples), each with its heartbeat file. Each one's argv
+    names its section file and the shared context (a rollout worker's: its section and the run
+    directory)."""
     cfg = config
     host = host or Host.here()
     d = context.run_dir
+
+    def argv(command: list[str], section: str) -> list[str]:
+        config_dir = d / "config"
+        return [
+            *command,
+            "--config",
+            str(config_dir / f"{section}.json"),
+            "--context",
+            str(config_dir / CONTEXT_FILE),
+        ]
+
     specs = []
     if not context.external_queue:
         specs.append(
             ProcessSpec(
                 "queue",
                 "queue",
-                ["queue", "serve", "--bind", queue, "--capacity", cfg.queue_capacity],
+                argv(["queue", "serve"], "queue"),
                 log_file=str(d / "logs" / "queue.log"),
                 ready_file=str(d / "ready" / "queue"),
             )
         )
-    # the held-out texts may be the last ones of data.train: the collator stops before them
-    limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
     collators = [
         ProcessSpec(
             "collator",
             "collator",
-            [
-                "collator",
-                "--queue",
-                queue,
-                "--data",
-                str(inputs.train),
-                "--student",
-                cfg.student_tokenizer,
-                "--teacher",
-                cfg.teacher_tokenizer,
-                "--partition",
-                context.partition,
-                "--workers",
-                str(cfg.collator.workers),
-                "--batch",
-                str(cfg.collator.batch),
-                "--ctx-student",
-                str(cfg.ctx_student),
-                "--ctx-teacher",
-                str(cfg.ctx_teacher),
-                "--text-field",
-                cfg.data.text_field,
-            ]
-            + (["--limit", str(limit)] if limit else [])
-            + (["--shuffle-seed", str(cfg.data.seed)] if cfg.data.seed is not None else [])
-            + (["--skip-bad-lines"] if cfg.data.skip_bad_lines else []),
+            argv(["collator"], "collator"),
             log_file=str(d / "logs" / "collator.log"),
         ),
     ]
@@ -319,13 +337,7 @@ def make_specs(
             ProcessSpec(
                 f"teacher{g}",
                 "teacher",
-                [
-                    "teacher",
-                    "--config",
-                    str(d / "config" / f"teacher{g}.json"),
-                    "--run-dir",
-                    str(d),
-                ],
+                argv(["teacher"], f"teacher{g}"),
                 env=dict(threads) if cfg.teacher.device == "cpu" else {},
                 log_file=str(d / "logs" / f"teacher{g}.log"),
                 ready_file=str(d / "ready" / f"teacher{g}"),
@@ -346,7 +358,7 @@ def make_specs(
             ProcessSpec(
                 f"trainer{r}",
                 "trainer",
-                ["trainer", "--config", str(d / "config" / "trainer.json")],
+                argv(["trainer"], "trainer"),
                 env=env,
                 log_file=str(d / "logs" / f"trainer{r}.log"),
                 ready_file=str(d / "ready" / f"trainer{r}"),

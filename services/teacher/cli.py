@@ -10,13 +10,12 @@ from services.common.lifecycle import run_process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of every TeacherConfig field, ``--config FILE``, ``--ready-file``, ``--run-dir``."""
+    """Flags of every TeacherConfig field, ``--config FILE``, ``--context FILE``, ``--ready-file``."""
     from services.teacher.worker import TeacherConfig
 
     cfg.add_arguments(parser, TeacherConfig)
     # internal (hidden from --help): the ready handshake, {pid, instance} once serving
     parser.add_argument("--ready-file", default=None, help=INTERNAL)
-    parser.add_argument("--run-dir", default=None, help="write metrics under RUN_DIR/metrics")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from services.teacher.worker import TeacherConfig
 
     def main(lc):
-        return serve(cfg.from_args(TeacherConfig, args), lc, run_dir=args.run_dir)
+        return serve(cfg.from_args(TeacherConfig, args), lc)
 
     return run_process(
         "teacher",

@@ -28,17 +28,17 @@ from xtoken_core.data.corpus import read_texts
 logger = logging.getLogger(__name__)
 
 
-def serve(config: TeacherConfig, lc: Lifecycle, *, run_dir: str | None = None) -> int:
-    """Serve requests until stopped; returns 0."""
+def serve(config: TeacherConfig, lc: Lifecycle) -> int:
+    """Serve requests until stopped (metrics under ``config.run_dir``, if set); returns 0."""
     # bad input first: a held-out file without text fails before the queue and the model
     texts = read_texts(config.heldout, config.eval_texts) if config.heldout else []
     client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"teacher{config.group}")
     partition = proto.request_partition(config.partition, config.group)
     with TeacherWorker(config) as worker:
         metrics = None
-        if run_dir:
+        if config.run_dir:
             metrics = JsonlWriter(
-                Path(run_dir) / "metrics" / f"teacher.group{config.group}.jsonl",
+                Path(config.run_dir) / "metrics" / f"teacher.group{config.group}.jsonl",
                 group=config.group,
                 instance=worker.instance,
             )

@@ -48,16 +48,31 @@ __all__ = ["TRANSPORTS", "TeacherConfig", "TeacherWorker", "resolve_dtype"]
 class TeacherConfig:
     """Settings of one teacher process (the ``teacher`` section of a run config)."""
 
-    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"})
-    partition: str = field(default="train", metadata={"help": "sample partition of the run"})
+    queue: str = field(
+        default="tcp://127.0.0.1:5555",
+        metadata={"help": "queue server address", "context": "queue"},
+    )
+    partition: str = field(
+        default="train", metadata={"help": "sample partition of the run", "context": "partition"}
+    )
     group: int = field(
         default=0, metadata={"help": "teacher group served: requests of <partition>.teacher<group>"}
     )
     model: str = field(
         default="smollm2",
-        metadata={"help": "teacher model: a local HF directory, a preset name, or smollm2"},
+        metadata={
+            "help": "teacher model: a local HF directory, a preset name, or smollm2",
+            "path": "model",
+        },
     )
-    tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer name or path"})
+    tokenizer: str = field(
+        default="smollm2",
+        metadata={
+            "help": "teacher tokenizer name or path",
+            "context": "teacher_tokenizer",
+            "path": "tokenizer",
+        },
+    )
     vocab_size: int | None = field(
         default=None,
         metadata={"help": "model vocab of a preset model (default: the tokenizer's vocab)"},
@@ -103,7 +118,14 @@ class TeacherConfig:
     queue_timeout_s: float = field(
         default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
     )
-    heartbeat_s: float = field(default=0.5, metadata={"help": "ring heartbeat period"})
+    ring_heartbeat_s: float = field(
+        default=0.5,
+        metadata={
+            "help": "seconds between two heartbeats in each logit ring (trainers call a teacher "
+            "whose ring beat is older than their teacher_dead_after_s dead)",
+            "deprecated_keys": ("heartbeat_s",),
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of a preset model's random weights"})
     max_rings: int = field(
         default=64,
@@ -111,10 +133,22 @@ class TeacherConfig:
     )
     heldout: str | None = field(
         default=None,
-        metadata={"help": "held-out corpus: report the teacher's bits/byte once at start"},
+        metadata={
+            "help": "held-out corpus: report the teacher's bits/byte once at start",
+            "path": "file",
+        },
     )
     eval_texts: int = field(default=32, metadata={"help": "held-out texts of that eval"})
     eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
+    run_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "write metrics under RUN_DIR/metrics",
+            "default_text": "no metrics file",
+            "context": "run_dir",
+            "path": "run",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -134,7 +168,7 @@ class TeacherConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.group < 0:
             raise ValueError(f"group={self.group}: must be >= 0")
-        for name in ("lease_s", "claim_timeout_s", "queue_timeout_s", "heartbeat_s"):
+        for name in ("lease_s", "claim_timeout_s", "queue_timeout_s", "ring_heartbeat_s"):
             value = getattr(self, name)
             if not 0 < value < math.inf:  # nan and 1e999 (inf) too
                 raise ValueError(f"{name}={value}: must be a finite number of seconds > 0")
@@ -203,7 +237,7 @@ class TeacherWorker:
                 slot_shape=(cfg.max_batch, cfg.max_length, self.width),
                 dtype=self.logits_dtype,
                 device=self.device,
-                heartbeat_s=cfg.heartbeat_s,
+                heartbeat_s=cfg.ring_heartbeat_s,
             )
         return ring
 

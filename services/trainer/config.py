@@ -118,20 +118,43 @@ class OnPolicyConfig:
 class TrainerConfig:
     """Settings of one trainer rank (rank and world size come from torchrun's environment)."""
 
-    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"})
-    partition: str = field(default="train", metadata={"help": "sample partition of the run"})
+    queue: str = field(
+        default="tcp://127.0.0.1:5555",
+        metadata={"help": "queue server address", "context": "queue"},
+    )
+    partition: str = field(
+        default="train", metadata={"help": "sample partition of the run", "context": "partition"}
+    )
     student: str = field(
         default="student-25m",
         metadata={
             "help": "student model: a local HF directory, a preset name or gguf:PATH; "
-            ":drop=A-B after it removes those decoder layers"
+            ":drop=A-B after it removes those decoder layers",
+            "path": "model",
         },
     )
-    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
-    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
+    student_tokenizer: str = field(
+        default="qwen3",
+        metadata={
+            "help": "student tokenizer",
+            "context": "student_tokenizer",
+            "path": "tokenizer",
+        },
+    )
+    teacher_tokenizer: str = field(
+        default="smollm2",
+        metadata={
+            "help": "teacher tokenizer",
+            "context": "teacher_tokenizer",
+            "path": "tokenizer",
+        },
+    )
     teacher_model: str | None = field(
         default=None,
-        metadata={"help": "teacher model spec (the hidden transport loads its output layer)"},
+        metadata={
+            "help": "teacher model spec (the hidden transport loads its output layer)",
+            "path": "model",
+        },
     )
     teacher_vocab_size: int | None = field(
         default=None, metadata={"help": "vocab of a preset teacher (default: its tokenizer's)"}
@@ -215,13 +238,17 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: CrossTokenizerLossConfig = field(default_factory=CrossTokenizerLossConfig)
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
-    run_dir: str = field(default="runs/default", metadata={"help": "metrics, checkpoints, export"})
+    run_dir: str = field(
+        default="runs/default",
+        metadata={"help": "metrics, checkpoints, export", "context": "run_dir", "path": "run"},
+    )
     checkpoint_every: int = field(
         default=50, metadata={"help": "steps between checkpoints (0: off)"}
     )
     eval_every: int = field(default=50, metadata={"help": "steps between held-out evals (0: off)"})
     heldout: str | None = field(
-        default=None, metadata={"help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte"}
+        default=None,
+        metadata={"help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte", "path": "file"},
     )
     eval_texts: int = field(default=32, metadata={"help": "held-out texts per eval"})
     eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
@@ -255,8 +282,13 @@ class TrainerConfig:
     verify_logits: bool = field(
         default=False, metadata={"help": "check each slot's checksum (teacher checksum=true)"}
     )
-    dead_after_s: float = field(
-        default=5.0, metadata={"help": "a teacher whose heartbeat is older is dead"}
+    teacher_dead_after_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a teacher whose logit-ring heartbeat is older than this is dead: what it "
+            "did not answer is asked of its successor",
+            "deprecated_keys": ("dead_after_s",),
+        },
     )
     seed: int = field(
         default=0, metadata={"help": "seed of the student init (data.seed shuffles the texts)"}
@@ -291,11 +323,7 @@ class TrainerConfig:
             )
         if self.eval_ctx < 2:
             raise ValueError(f"eval_ctx={self.eval_ctx}: must be >= 2 tokens")
-        if self.loss.uses_teacher and not self.loss.projection:
-            raise ValueError(
-                f"loss.mode={self.loss.mode} needs loss.projection (a file from `xtoken projection "
-                "build`); `xtoken run` builds one when the run config leaves it empty"
-            )
+        self.check_projection()
         if isinstance(self.loss.projection, list | tuple) or self.loss.num_teachers != 1:
             raise ValueError(
                 f"loss.projection={self.loss.projection!r}, loss.teacher_weights="
@@ -345,4 +373,16 @@ class TrainerConfig:
             raise ValueError(
                 f"{fraction} with {keys['max_steps']}=0: every sample comes from the rollout "
                 f"workers, which never run out; set {keys['max_steps']}"
+            )
+
+    def check_projection(self) -> None:
+        """A loss that compares with a teacher names its projection file.
+
+        Raises:
+            ValueError: a teacher's loss mode without ``loss.projection`` (names the fix).
+        """
+        if self.loss.uses_teacher and not self.loss.projection:
+            raise ValueError(
+                f"loss.mode={self.loss.mode} needs loss.projection (a file from `xtoken projection "
+                "build`); `xtoken run` builds one when the run config leaves it empty"
             )

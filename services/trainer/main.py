@@ -109,7 +109,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     if config.loss.uses_teacher:
         from xtoken_core.ipc.logit_ring import LogitRingReader
 
-        reader = LogitRingReader(device=device, dead_after_s=config.dead_after_s)
+        reader = LogitRingReader(device=device, dead_after_s=config.teacher_dead_after_s)
         if config.teacher_model:
             output_layer = teacher_output_layer(config, device)
     # Retention: a run that reads its partition once registers its consumer task, so that the

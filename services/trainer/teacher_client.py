@@ -21,7 +21,7 @@ that incarnation is gone, the requests put under it (or before any result) that 
 are put again at once, for the successor. An incarnation is gone when
 
 * the heartbeat of its ring (the ring of this rank it wrote results into), watched while the
-  rank waits, is older than ``dead_after_s``, or the ring closed;
+  rank waits, is older than ``teacher_dead_after_s``, or the ring closed;
 * a result of another incarnation arrives: a group has one teacher at a time, so a successor
   serves now. A successor that is ready before the death shows in the heartbeat (and serves
   requests the dead one had not claimed) reveals it at once; for the hidden transport, which

@@ -88,11 +88,11 @@ def test_killed_teacher_is_never_trained_on_and_its_batches_are_recomputed(pipel
     paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)
     queue = pipeline.start_queue()
     # a short request lease: what the dead teacher claimed comes back to its successor soon
-    teacher_cfg = pipeline.teacher_config(heartbeat_s=0.2, lease_s=10.0)
+    teacher_cfg = pipeline.teacher_config(ring_heartbeat_s=0.2, lease_s=10.0)
     teacher = pipeline.start_teacher(teacher_cfg)
     # four micro-batches a step: the trainers read the teacher's slots most of the time
     trainers = pipeline.start_trainers(pipeline.trainer_config(
-        micro_batch=2, grad_accum=4, dead_after_s=1.0, teacher_timeout_s=20.0,
+        micro_batch=2, grad_accum=4, teacher_dead_after_s=1.0, teacher_timeout_s=20.0,
     ))
     collator = pipeline.start_collator("collator", paths[0], batch=16)
     assert collator.wait(90) == 0, collator.tail()
@@ -103,7 +103,7 @@ def test_killed_teacher_is_never_trained_on_and_its_batches_are_recomputed(pipel
     time.sleep(0.3)  # mid-step: both ranks hold views of its slots
     assert teacher.kill() == -signal.SIGKILL
     steps_at_kill = len(step_records(run_dir, 0))
-    time.sleep(2.0)  # past dead_after_s: its handles are stale now
+    time.sleep(2.0)  # past teacher_dead_after_s: its handles are stale now
     successor = pipeline.start_teacher(teacher_cfg, name="teacher-restarted")
     instance = successor.wait_ready(120)["instance"]
     for t in trainers:

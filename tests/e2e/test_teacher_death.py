@@ -1,6 +1,6 @@
 """A SIGKILLed teacher is noticed in seconds: with the default request lease (120 s), the trainer
 ranks see its ring's heartbeat stop, ask the restarted teacher again at once, and stall for about
-``dead_after_s`` plus the successor's load time; nothing is trained on a dead teacher's slot."""
+``teacher_dead_after_s`` plus the successor's load time; nothing is trained on a dead teacher's slot."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.slow
 
-# What the stall may exceed the successor's load time by: dead_after_s (5 s by default), a claim
+# What the stall may exceed the successor's load time by: teacher_dead_after_s (5 s by default), a claim
 # round and a step of this machine.
 STALL_BEYOND_LOAD_S = 10.0
 
@@ -33,7 +33,7 @@ def test_trainers_ask_a_restarted_teacher_again_within_seconds_of_a_sigkill(pipe
     assert teacher_cfg.lease_s >= 100
     teacher = pipeline.start_teacher(teacher_cfg)
     trainer_cfg = pipeline.trainer_config(micro_batch=2, grad_accum=2)
-    assert trainer_cfg.dead_after_s == 5.0 and trainer_cfg.teacher_timeout_s >= 100
+    assert trainer_cfg.teacher_dead_after_s == 5.0 and trainer_cfg.teacher_timeout_s >= 100
     trainers = pipeline.start_trainers(trainer_cfg)
     collator = pipeline.start_collator("collator", paths[0], batch=16)
     assert collator.wait(90) == 0, collator.tail()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -173,3 +174,17 @@ def test_global_flags_are_accepted_before_and_after_the_subcommand():
     assert parser.parse_args(["demo", "--log-level", "DEBUG"]).log_level == "DEBUG"
     assert parser.parse_args(["queue", "serve", "--log-level", "ERROR"]).log_level == "ERROR"
     assert parser.parse_args(["control", "serve", "--log-level", "ERROR"]).log_level == "ERROR"
+
+
+OPTIONS_FILE = Path(__file__).with_name("cli_options.json")
+
+
+def test_every_command_line_option_stays_and_a_new_one_is_listed():
+    """Frozen options: a flag users may have scripted is never dropped; an added one (or a hidden
+    alias of a renamed one) goes into tests/meta/cli_options.json with its change."""
+    now = {prog: {s for a in p._actions for s in a.option_strings} for prog, p in _parsers()}
+    frozen = json.loads(OPTIONS_FILE.read_text())
+    gone = {prog: sorted(set(opts) - now.get(prog, set())) for prog, opts in frozen.items()}
+    assert not {prog: opts for prog, opts in gone.items() if opts}, "options removed"
+    new = {prog: sorted(opts - set(frozen.get(prog, ()))) for prog, opts in now.items()}
+    assert not {prog: opts for prog, opts in new.items() if opts}, f"list them in {OPTIONS_FILE}"

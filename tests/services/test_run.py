@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from services.collator.config import RunConfig as CollatorConfig
 from services.common import config as cfgmod
 from services.common.config import ConfigError
 from services.run import (
@@ -23,12 +24,13 @@ from services.run import (
     spec_vocab_size,
 )
 from services.supervise.driver import write_sections
-from services.supervise.plan import make_plan, make_sections
+from services.supervise.plan import make_context, make_plan, make_sections
 from services.supervise.preflight import Inputs
 from services.teacher.worker import TeacherConfig
 from services.trainer.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = {"collator": CollatorConfig, "teacher": TeacherConfig, "trainer": TrainerConfig}
 
 
 # ----------------------------------------------------------------------------- the config
@@ -191,7 +193,21 @@ def _run(tmp_path, corpus, **sections) -> Run:
 
 
 def _sections(run: Run, queue: str) -> dict:
-    return make_sections(run.config, Inputs.given(run.config), run.context, queue=queue)
+    """The teachers' and the trainer's sections as their processes read them: with the shared
+    context of a launch on ``queue``."""
+    shared = make_context(run.config, run.context, queue=queue)
+    return {
+        name: cfgmod.with_context(CONFIGS[name.rstrip("0123456789")], section, shared)
+        for name, section in make_sections(run.config, Inputs.given(run.config)).items()
+    }
+
+
+def _written(run: Run, name: str) -> dict:
+    """The section file of process ``name`` as the process reads it: with the written context."""
+    config_dir = run.run_dir / "config"
+    section = json.loads((config_dir / f"{name}.json").read_text())
+    shared = json.loads((config_dir / "context.json").read_text())
+    return cfgmod.with_context(CONFIGS[name.rstrip("0123456789")], section, shared)
 
 
 def _specs(run: Run, queue: str, port: int) -> list:
@@ -373,7 +389,7 @@ def test_specs_start_a_teacher_per_group_and_a_rank_per_trainer(tmp_path, corpus
     assert sorted(specs) == ["collator", "queue", "teacher0", "trainer0", "trainer1"]
     assert specs["trainer1"].env["RANK"] == "1" and specs["trainer1"].env["WORLD_SIZE"] == "2"
     for name in ("teacher0", "trainer"):
-        section = json.loads((run.run_dir / "config" / f"{name}.json").read_text())
+        section = _written(run, name)
         assert section["queue"] == "tcp://127.0.0.1:9"
     ce = _run(tmp_path, corpus, trainers=2)
     assert "teacher0" not in {s.name for s in _specs(ce, "tcp://127.0.0.1:9", 29500)}
@@ -381,16 +397,15 @@ def test_specs_start_a_teacher_per_group_and_a_rank_per_trainer(tmp_path, corpus
 
 def test_data_seed_and_ordered_reach_the_collator_and_the_trainer(tmp_path, corpus):
     run = _run(tmp_path, corpus, data={"seed": 7, "ordered": True})
-    specs = {s.name: s for s in _specs(run, "tcp://127.0.0.1:9", 29500)}
-    argv = specs["collator"].argv
-    assert argv[argv.index("--shuffle-seed") + 1] == "7"
-    assert argv[argv.index("--workers") + 1] == "1"
+    _specs(run, "tcp://127.0.0.1:9", 29500)
+    collator = _written(run, "collator")
+    assert collator["shuffle_seed"] == 7
+    assert collator["workers"] == 1
     section = json.loads((run.run_dir / "config" / "trainer.json").read_text())
     assert section["ordered"] is True
     plain = _run(tmp_path, corpus)
-    assert "--shuffle-seed" not in {
-        a for s in _specs(plain, "tcp://127.0.0.1:9", 29500) for a in s.argv
-    }
+    _specs(plain, "tcp://127.0.0.1:9", 29500)
+    assert _written(plain, "collator")["shuffle_seed"] is None
     assert json.loads((plain.run_dir / "config" / "trainer.json").read_text())["ordered"] is False
 
 
@@ -417,10 +432,9 @@ def test_a_run_on_an_external_queue_starts_none_and_prefixes_its_partitions(tmp_
     assert run.partition == f"{run.run_id}.train"
     specs = {s.name: s for s in _specs(run, "tcp://127.0.0.1:5555", 29500)}
     assert "queue" not in specs
-    argv = specs["collator"].argv
-    assert argv[argv.index("--partition") + 1] == run.partition
+    assert _written(run, "collator")["worker"]["partition"] == run.partition
     for name in ("teacher0", "trainer"):
-        section = json.loads((run.run_dir / "config" / f"{name}.json").read_text())
+        section = _written(run, name)
         assert section["partition"] == run.partition
     # the same run directory name elsewhere is another run
     assert default_run_id(tmp_path / "x" / "run") != run.run_id

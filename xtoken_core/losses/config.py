@@ -83,7 +83,8 @@ class CrossTokenizerLossConfig:
         default=None,
         metadata={
             "help": "projection file (xtoken projection build), or one per teacher; needed "
-            "unless mode=ce (in code also an (indices, likelihoods) tensor pair)"
+            "unless mode=ce (in code also an (indices, likelihoods) tensor pair)",
+            "path": "file",
         },
     )
     temperature: float = field(

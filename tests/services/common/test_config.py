@@ -16,8 +16,12 @@ from services.common.config import (
     add_arguments,
     from_args,
     from_dict,
+    load_context,
     load_file,
+    marks,
+    section,
     to_dict,
+    with_context,
 )
 
 
@@ -304,3 +308,99 @@ def test_a_section_with_an_empty_flag_name_gets_flags_without_its_prefix():
     assert from_args(Flat, parser.parse_args(["--host", "h", "--port", "2"])) == Flat(Conn("h", 2))
     with pytest.raises(ConfigError, match=r"missing required key 'conn.host' \(str\).*--host$"):
         from_args(Flat, parser.parse_args(["--verbose"]))
+
+
+# ----------------------------------------------------------------------------- marks, context
+
+
+@dataclass
+class Link:
+    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"context": "queue"})
+    corpus: str | None = field(default=None, metadata={"path": "file"})
+
+
+@dataclass
+class Proc:
+    link: Link = field(default_factory=Link)
+    spare: Link | None = None
+    run_dir: str = field(default="runs/x", metadata={"context": "run_dir", "path": "run"})
+    beat_s: float = field(
+        default=1.0, metadata={"deprecated_keys": ("beat",), "default_text": "one second"}
+    )
+
+
+CONTEXT = {
+    "queue": "tcp://127.0.0.1:7",
+    "partition": "p",
+    "student_tokenizer": "s",
+    "teacher_tokenizer": "t",
+    "run_dir": "/runs/r",
+}
+
+
+def _proc(argv: list[str]) -> Proc:
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Proc)
+    return from_args(Proc, parser.parse_args(argv))
+
+
+def test_marks_name_every_marked_field_of_the_tree_by_its_dotted_path():
+    assert marks(Proc, "path") == {"link.corpus": "file", "spare.corpus": "file", "run_dir": "run"}
+    assert marks(Proc, "context") == {
+        "link.queue": "queue",
+        "spare.queue": "queue",
+        "run_dir": "run_dir",
+    }
+
+
+def test_the_context_fills_what_the_config_file_and_the_flags_leave_unset(tmp_path):
+    context = tmp_path / "context.json"
+    context.write_text(json.dumps(CONTEXT))
+    config = _proc(["--context", str(context)])
+    assert (config.link.queue, config.run_dir) == ("tcp://127.0.0.1:7", "/runs/r")
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"run_dir": "/elsewhere"}))
+    config = _proc(["--context", str(context), "--config", str(own), "--link.queue", "ipc://q"])
+    assert (config.link.queue, config.run_dir) == ("ipc://q", "/elsewhere")
+    assert _proc([]).link.queue == "tcp://127.0.0.1:5555"  # no context: the defaults
+
+
+def test_a_section_leaves_out_the_context_and_with_context_puts_it_back():
+    proc = Proc(link=Link(queue="tcp://h:1", corpus="c.txt"), run_dir="/r")
+    own = section(proc)
+    assert own == {"link": {"corpus": "c.txt"}, "spare": None, "beat_s": 1.0}
+    back = with_context(Proc, own, {**CONTEXT, "queue": "tcp://h:1", "run_dir": "/r"})
+    assert from_dict(Proc, back) == proc
+    assert own == {"link": {"corpus": "c.txt"}, "spare": None, "beat_s": 1.0}  # not modified
+
+
+def test_a_bad_context_file_names_the_file_and_the_key(tmp_path):
+    context = tmp_path / "context.json"
+    context.write_text(json.dumps({**CONTEXT, "queues": "x"}))
+    with pytest.raises(ConfigError, match=r"context file '.*context\.json': unknown key 'queues'"):
+        load_context(context)
+    with pytest.raises(ConfigError, match=r"context file '.*none\.json' cannot be read"):
+        load_context(tmp_path / "none.json")
+
+
+def test_only_a_config_with_context_fields_takes_a_context_flag():
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Config)
+    assert "--context" not in parser._option_string_actions
+
+
+def test_a_renamed_key_is_still_read_with_one_warning_and_never_twice(caplog):
+    with caplog.at_level("WARNING"):
+        assert from_dict(Proc, {"beat": 2.0}).beat_s == 2.0
+    assert "key 'beat' is deprecated; use 'beat_s'" in caplog.text
+    with pytest.raises(ConfigError, match=r"'beat' and 'beat_s' are one setting"):
+        from_dict(Proc, {"beat": 2.0, "beat_s": 3.0})
+
+
+def test_a_renamed_key_keeps_its_flag_hidden_with_a_warning(capsys):
+    assert _proc(["--beat", "4"]).beat_s == 4.0
+    assert "t: --beat is deprecated and will be removed; use --beat-s" in capsys.readouterr().err
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Proc)
+    text = parser.format_help()
+    assert "--beat " not in text and "(default: one second)" in text

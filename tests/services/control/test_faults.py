@@ -283,8 +283,8 @@ def test_two_runs_at_once_each_train_their_own_samples_only(server, demo):
     assert done_a["run_dir"] != done_b["run_dir"]
     assert_exactly_once(trained_keys(Path(done_a["run_dir"])), keys_a)
     assert_exactly_once(trained_keys(Path(done_b["run_dir"])), keys_b)
-    qa = (Path(done_a["run_dir"]) / "config" / "trainer.json").read_text()
-    qb = (Path(done_b["run_dir"]) / "config" / "trainer.json").read_text()
+    qa = (Path(done_a["run_dir"]) / "config" / "context.json").read_text()
+    qb = (Path(done_b["run_dir"]) / "config" / "context.json").read_text()
     assert qa != qb
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.control import prometheus
-from services.control.paths import PathNotAllowed, confine
+from services.control.paths import DATA_KEYS, PathNotAllowed, confine
 from services.control.supervisor import STATES
 
 
@@ -83,6 +83,29 @@ def test_confine_checks_the_path_of_a_gguf_spec_and_keeps_names_and_drop_suffixe
             data_roots=[data],
         )
     assert e.value.key == "teacher.model"
+
+
+def test_the_marked_fields_are_confined_and_the_run_wide_ones_refused(tmp_path):
+    assert DATA_KEYS["trainer.loss.projection"] == "file"  # marked in the library's loss config
+    assert DATA_KEYS["teacher.model"] == "model" and "run_dir" not in DATA_KEYS
+    with pytest.raises(PathNotAllowed, match="outside the data roots") as e:
+        confine(
+            {"teacher": {"heldout": "/etc/passwd"}},
+            run_dir="r",
+            runs_root=tmp_path / "runs",
+            data_roots=[tmp_path / "data"],
+        )
+    assert e.value.key == "teacher.heldout"
+    for key in ("teacher.tokenizer", "trainer.partition", "teacher.run_dir"):
+        section, leaf = key.split(".")
+        with pytest.raises(PathNotAllowed, match="set by the control plane") as e:
+            confine(
+                {section: {leaf: "x"}},
+                run_dir="r",
+                runs_root=tmp_path / "runs",
+                data_roots=[tmp_path / "data"],
+            )
+        assert e.value.key == key
 
 
 def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():

@@ -16,9 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.collator.config import RunConfig as CollatorConfig
+from services.common import config as cfgmod
 from services.common.config import ConfigError
 from services.control.store import Store
 from services.control.supervisor import Conflict, RunNotFound
+from services.teacher.worker import TeacherConfig
+from services.trainer.config import TrainerConfig
 from tests.services.control.conftest import FOREVER, LIFECYCLE, tiny_config
 
 
@@ -357,11 +361,16 @@ def test_a_run_on_the_default_queue_starts_none_and_uses_partitions_of_its_own(
     assert sup.get(rid)["queue"] == sup.queue(rid)["address"] == external_queue
     launcher = sup.launchers[-1]
     assert "queue" not in launcher.starts and "queue" not in {p["name"] for p in sup.processes(rid)}
-    argv = launcher.processes["collator"].spec.argv
-    assert argv[argv.index("--partition") + 1] == f"{rid}.train"
     run_dir = Path(run["run_dir"])
-    for section in ("trainer", "teacher0"):
-        cfg = json.loads((run_dir / "config" / f"{section}.json").read_text())
+
+    def written(name: str, config_class: type) -> dict:  # as the process reads it
+        shared = json.loads((run_dir / "config" / "context.json").read_text())
+        section = json.loads((run_dir / "config" / f"{name}.json").read_text())
+        return cfgmod.with_context(config_class, section, shared)
+
+    assert written("collator", CollatorConfig)["worker"]["partition"] == f"{rid}.train"
+    for section, config_class in (("trainer", TrainerConfig), ("teacher0", TeacherConfig)):
+        cfg = written(section, config_class)
         assert cfg["queue"] == external_queue and cfg["partition"] == f"{rid}.train"
 
     # what a launch leaves in the run's partitions is cleared by the next (resume): a fresh start

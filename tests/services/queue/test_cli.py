@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -96,6 +97,49 @@ def test_serve_announces_a_json_ready_record_and_removes_it_after_sigterm(make_s
     assert srv.terminate() == 0
     assert not srv.ready_path.exists()
     assert "[queue] stopped (SIGTERM), exit code 0" in srv.log()
+
+
+def test_serve_reads_its_section_file_and_binds_the_run_context_queue(tmp_path):
+    address = f"ipc://{tmp_path}/q.sock"
+    context = tmp_path / "context.json"
+    context.write_text(
+        json.dumps(
+            {
+                "queue": address,
+                "partition": "p",
+                "student_tokenizer": "s",
+                "teacher_tokenizer": "t",
+                "run_dir": str(tmp_path),
+            }
+        )
+    )
+    section = tmp_path / "queue.json"
+    section.write_text(json.dumps({"capacity_bytes": "64MiB", "heartbeat_s": 0}))
+    ready = tmp_path / "ready"
+    cmd = ["queue", "serve", "--config", str(section), "--context", str(context)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *cmd, "--ready-file", str(ready)], cwd=ROOT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+            time.sleep(0.05)
+        assert read_ready(ready)["endpoint"] == address
+        with QueueClient(address, timeout_s=10) as client:
+            assert client.stats()["capacity_bytes"] == 64 * 2**20
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+
+
+def test_a_bad_key_in_the_queue_section_exits_two_naming_key_and_file(tmp_path):
+    section = tmp_path / "queue.json"
+    section.write_text(json.dumps({"capacity": "64MiB"}))
+    proc = _xtoken("queue", "serve", "--config", str(section))
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown key 'capacity'" in proc.stderr and "capacity_bytes" in proc.stderr
+    assert str(section) in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_serve_with_bad_settings_exits_two_with_the_message_only():

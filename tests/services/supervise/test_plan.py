@@ -7,12 +7,15 @@ import json
 
 import pytest
 
+from services.collator.config import RunConfig as CollatorConfig
 from services.common import config as cfgmod
+from services.queue.config import ServerConfig
 from services.supervise.config import run_config_from_dict
 from services.supervise.driver import Driver, write_sections
 from services.supervise.events import Failed, Failure
 from services.supervise.plan import Host, RunContext, make_plan
 from services.supervise.preflight import Inputs
+from services.teacher.worker import TeacherConfig
 from services.trainer.config import TrainerConfig
 
 
@@ -51,12 +54,56 @@ def test_the_plan_writes_nothing_and_carries_the_settled_projection(tmp_path):
     assert trainer.loss.projection == "/cache/proj.pt"
     assert plan.run_section["trainer"]["loss"]["projection"] == "/cache/proj.pt"
     assert plan.run_section["data"]["train"] == "/data/train.jsonl"
-    collator = {s.name: s for s in plan.specs}["collator"].argv
-    assert collator[collator.index("--data") + 1] == "/data/train.jsonl"
+    assert plan.sections["collator"]["data"] == "/data/train.jsonl"
     assert config.trainer.loss.projection is None  # the config is left as it was
     write_sections(plan)
     written = json.loads((context.run_dir / "config" / "trainer.json").read_text())
     assert written == plan.sections["trainer"]
+
+
+def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_else(tmp_path):
+    config = _config(tmp_path)
+    context = RunContext.of(config, "r1")
+    inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
+    plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
+    write_sections(plan)
+    config_dir = context.run_dir / "config"
+    shared = json.loads((config_dir / "context.json").read_text())
+    assert shared == {
+        "queue": "tcp://127.0.0.1:7",
+        "partition": "train",
+        "student_tokenizer": "qwen3",
+        "teacher_tokenizer": "smollm2",
+        "run_dir": str(context.run_dir),
+    }
+    classes = {
+        "queue": ServerConfig,
+        "collator": CollatorConfig,
+        "teacher": TeacherConfig,
+        "trainer": TrainerConfig,
+    }
+    for spec in plan.specs:
+        section = spec.name if spec.role != "trainer" else "trainer"
+        flags = [
+            "--config",
+            str(config_dir / f"{section}.json"),
+            "--context",
+            str(config_dir / "context.json"),
+        ]
+        assert spec.argv[-4:] == flags and not any(a.startswith("--") for a in spec.argv[:-4])
+        own = json.loads((config_dir / f"{section}.json").read_text())
+        assert not set(own) & set(cfgmod.marks(classes[spec.role], "context"))  # not copied
+        built = cfgmod.from_dict(
+            classes[spec.role], cfgmod.with_context(classes[spec.role], own, shared)
+        )
+        if spec.role == "collator":
+            assert (built.worker.queue, built.worker.partition) == (shared["queue"], "train")
+            assert (built.worker.student, built.data) == ("qwen3", "/data/train.jsonl")
+        elif spec.role == "queue":
+            assert built.bind == shared["queue"] and built.capacity_bytes == 4 << 30
+        else:
+            assert (built.queue, built.partition) == (shared["queue"], "train")
+            assert built.run_dir == str(context.run_dir)
 
 
 def test_a_plan_without_the_projection_it_needs_is_refused(tmp_path):

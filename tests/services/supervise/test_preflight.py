@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.run import run_config_from_dict
-from services.supervise.plan import RunContext, make_specs
+from services.supervise.plan import RunContext, make_data_sections
 from services.supervise.preflight import check_devices, check_train, preflight, split_heldout
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -91,11 +91,8 @@ def test_without_data_heldout_the_last_texts_of_data_train_are_held_out_and_anno
     held = [json.loads(line)["text"] for line in open(inputs.heldout)]
     assert held == [f"text number {i}." for i in range(16, 20)]
     assert inputs.train == str(train) and inputs.train_limit == 16
-    specs = make_specs(
-        config, inputs, RunContext.of(config), queue="tcp://127.0.0.1:1", master_port=1
-    )
-    collator = next(s for s in specs if s.name == "collator")
-    assert collator.argv[collator.argv.index("--limit") + 1] == "16"  # held-out texts not read
+    sections = make_data_sections(config, inputs, RunContext.of(config))
+    assert sections["collator"]["limit"] == 16  # held-out texts not read
 
 
 def test_a_named_heldout_or_the_demo_corpus_is_used_as_given(tmp_path, monkeypatch):

@@ -53,3 +53,10 @@ def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():
     # the CUDA-graph replay of the P-KL phase was removed: old run configs fail loudly
     with pytest.raises(ConfigError, match=r"key 'loss\.cuda_graphs' was removed: .*delete the key"):
         from_dict(TrainerConfig, {"loss": {"mode": "pkl", "cuda_graphs": True}})
+
+
+def test_the_former_teacher_death_key_still_sets_teacher_dead_after_s(caplog):
+    with caplog.at_level("WARNING"):
+        config = from_dict(TrainerConfig, {"loss": {"mode": "ce"}, "dead_after_s": 2.5})
+    assert config.teacher_dead_after_s == 2.5
+    assert "key 'dead_after_s' is deprecated; use 'teacher_dead_after_s'" in caplog.text

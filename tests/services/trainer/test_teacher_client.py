@@ -80,7 +80,7 @@ def _client(queue, reader) -> TeacherClient:
         loss=CrossTokenizerLossConfig(mode="ce"),
         claim_timeout_s=0.01,
         teacher_timeout_s=300.0,
-        dead_after_s=0.3,
+        teacher_dead_after_s=0.3,
     )
     worker = types.SimpleNamespace(device=torch.device("cpu"))
     return TeacherClient(queue, config, 0, worker, reader=reader)
