@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from torch.nn.utils.rnn import pad_sequence
 
 from xtoken_core.wire.tensors import JaggedColumn, is_jagged
 
@@ -27,6 +28,8 @@ Layout = Literal["padded", "jagged"]
 LAYOUTS: tuple[str, ...] = ("padded", "jagged")
 # pad_jagged copies row by row on the CPU when rows are at least this long on average.
 _ROW_COPY_MIN_MEAN_LEN = 64
+# pad_sequence fills with a float64: integers up to this magnitude come through exactly.
+_EXACT_FLOAT64_INT = 2**53
 
 
 def _check_lengths(lengths_N: torch.Tensor, n: int, max_len: int | None = None) -> torch.Tensor:
@@ -153,6 +156,44 @@ def pad_jagged(
         torch.arange(n) * s - col.offsets[:-1].cpu(), lengths_N, output_size=r
     ) + torch.arange(r)
     out_NSD.view(n * s, *values_RD.shape[1:]).index_copy_(0, dest_R.to(values_RD.device), values_RD)
+    return out_NSD
+
+
+def pad_rows(
+    rows: Sequence[torch.Tensor], pad_value: int | float | bool = 0, width: int = 0
+) -> torch.Tensor:
+    """Right-pad rows into a rectangle, each row copied once.
+
+    Args:
+        rows: N >= 1 tensors ``[L_i, *D]`` of one dtype and device, same D (e.g. row views of
+            claimed jagged columns).
+        pad_value: value of the padding positions.
+        width: pad to this S (>= the longest row); 0 = the longest row.
+
+    Returns:
+        ``[N, S, *D]``, a new tensor on the rows' device.
+
+    Raises:
+        ValueError: no rows, or a row longer than ``width``.
+    """
+    if not rows:
+        raise ValueError("pad_rows needs at least one row, got none")
+    longest = max(int(r.shape[0]) for r in rows)
+    if width and longest > width:
+        raise ValueError(
+            f"a row has {longest} positions > width={width}; raise the width or truncate the rows"
+        )
+    width = width or longest
+    exact = not isinstance(pad_value, int) or abs(pad_value) <= _EXACT_FLOAT64_INT
+    if width == longest and exact:
+        # one C++ loop of row copies into the rectangle (bool and integer pads are exact)
+        return pad_sequence(list(rows), batch_first=True, padding_value=pad_value)
+    first = rows[0]
+    out_NSD = torch.full(
+        (len(rows), width, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device
+    )
+    for i, row in enumerate(rows):
+        out_NSD[i, : row.shape[0]] = row
     return out_NSD
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xtoken_core.data import sample as S
+from xtoken_core.data.batch import pad_batch
+from xtoken_core.wire import JaggedColumn
 
 
 def _sample(t, u, c, *, start=0):
@@ -107,3 +111,55 @@ def test_pad_samples_rejects_empty_input_and_bad_divisors():
         S.pad_samples(
             [_sample(1, 1, 1)], student_pad_id=0, teacher_pad_id=0, make_seq_div_by_teacher=0
         )
+
+
+def _random_sample(t, u, c, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        **_sample(t, u, c),
+        "input_ids": torch.randint(0, 1 << 40, (t,), generator=g),
+        "alignment_pair_valid": torch.rand(c, generator=g) > 0.3,
+        "alignment_student_exact_partition_mask": torch.rand(t, generator=g) > 0.5,
+        "alignment_teacher_chunk_id": torch.randint(-1, max(c, 1), (u,), generator=g),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.integers(0, 9) | st.integers(60, 300),
+            st.integers(0, 9) | st.integers(60, 300),
+            st.integers(0, 7),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    div_s=st.integers(1, 8),
+    div_t=st.integers(1, 5),
+    pad_ids=st.sampled_from([(0, 0), (3, 151_643), (-1, 2**53 + 1), (2**62 + 1, 7)]),
+)
+def test_pad_samples_is_bitwise_the_padding_of_the_concatenated_columns(
+    shapes, div_s, div_t, pad_ids
+):
+    """Each row copied once into its rectangle equals the rows concatenated into jagged columns
+    and those padded (odd lengths, empty rows, rows long enough for the row-copy path, divisors,
+    pad ids a float64 cannot hold)."""
+    samples = [_random_sample(t, u, c, i) for i, (t, u, c) in enumerate(shapes)]
+    kwargs = dict(
+        student_pad_id=pad_ids[0],
+        teacher_pad_id=pad_ids[1],
+        make_seq_div_by_student=div_s,
+        make_seq_div_by_teacher=div_t,
+    )
+    columns = {
+        spec.name: torch.stack([s[spec.name] for s in samples])
+        if spec.axis == S.SAMPLE
+        else JaggedColumn.from_rows([s[spec.name] for s in samples], dtype=spec.dtype)
+        for spec in S.SAMPLE_FIELDS
+    }
+    want = pad_batch(columns, **kwargs)
+    got = S.pad_samples(samples, **kwargs)
+    assert list(got) == list(S.FIELD_NAMES)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

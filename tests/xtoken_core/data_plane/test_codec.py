@@ -13,6 +13,7 @@ from xtoken_core.data_plane.codec import (
     columns_to_samples,
     materialize,
     pad_jagged,
+    pad_rows,
     samples_to_columns,
     stack_or_nest,
     to_nested_by_length,
@@ -227,3 +228,30 @@ def test_codec_on_cuda_matches_cpu(lengths):
     nested = to_nested_by_length(padded, torch.tensor(lengths, device="cuda"))
     assert nested.is_cuda
     assert torch.equal(JaggedColumn.from_nested(nested).values.cpu(), col.values)
+
+
+@pytest.mark.parametrize("width", [0, 211])
+@pytest.mark.parametrize(
+    ("dtype", "pad_value"),
+    [
+        (torch.bool, True),
+        (torch.bool, False),
+        (torch.int64, -1),
+        (torch.int64, 2**53 + 1),  # beyond float64: still exact
+        (torch.bfloat16, -1.5),
+    ],
+)
+def test_pad_rows_matches_a_row_by_row_reference(dtype, pad_value, width):
+    rows = [torch.randint(0, 2, (k, 3)).to(dtype) for k in (100, 0, 70, 3)]
+    want = torch.full((len(rows), width or 100, 3), pad_value, dtype=dtype)
+    for i, r in enumerate(rows):
+        want[i, : len(r)] = r
+    got = pad_rows(rows, pad_value, width)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_pad_rows_refuses_no_rows_and_a_row_past_the_width():
+    with pytest.raises(ValueError, match="at least one row"):
+        pad_rows([], 0)
+    with pytest.raises(ValueError, match="5 positions > width=4"):
+        pad_rows([torch.zeros(5)], 0, 4)
