@@ -1,17 +1,12 @@
-"""Benchmark: a claim's jagged fields -> the trainer's padded micro-batches, side by side.
+"""Benchmark: a claim's jagged fields -> the trainer's padded micro-batches.
 
 Input: the decoded reply of one claim of N collated samples (jagged columns viewing the received
-frames, what ``QueueClient.claim`` returns; the socket round trip is the same for every arm and
-is not timed). Output: the N samples sorted by teacher length and cut into padded micro-batches
-of ``--micro-batch`` samples (``services/trainer/samples.py``). Arms:
-
-  * rows      the trainer's path: row views of the columns (no copy), each row copied once into
-              its rectangle (``columns_to_samples`` + ``pad_samples``)
-  * columns   the rows concatenated into jagged columns again, then padded (two copies)
-  * td        the claim as a TensorDict of nested tensors, rows picked by ``td[index]``, padded
-              by the TensorDict materialize (needs tensordict)
-
-Every arm's micro-batches are checked equal (bitwise, dtypes included) before timing.
+frames, what ``QueueClient.claim`` returns; the socket round trip is not timed). Output: the N
+samples sorted by teacher length and cut into padded micro-batches of ``--micro-batch`` samples,
+the trainer's path (``services/trainer/samples.py``): row views of the columns (no copy), each
+row copied once into its rectangle (``columns_to_samples`` + ``pad_samples``). The comparison
+with re-concatenated columns and with a TensorDict path is in
+benchmarks/results/wire_claim_pad.md.
 
 Usage:  python benchmarks/wire/bench_claim_pad.py [--claims 8 32] [--threads 1] [--quick]
 Rows are appended to benchmarks/results/wire_claim_pad.jsonl.
@@ -20,12 +15,9 @@ Rows are appended to benchmarks/results/wire_claim_pad.jsonl.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 
@@ -33,9 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402
 
 from xtoken_core.data import sample as schema  # noqa: E402
-from xtoken_core.data.batch import pad_batch  # noqa: E402
 from xtoken_core.data_plane.codec import columns_to_samples  # noqa: E402
-from xtoken_core.wire import JaggedColumn, WireLimits, decode_message, encode_message  # noqa: E402
+from xtoken_core.wire import WireLimits, decode_message, encode_message  # noqa: E402
 
 RESULTS = _common.RESULTS_DIR / "wire_claim_pad.jsonl"
 LIMITS = WireLimits(max_frames=1 << 20)
@@ -82,11 +73,6 @@ def claim_reply(n: int, max_len: int, seed: int = 0) -> tuple[list[str], dict]:
     return keys, decode_message(frames, limits=LIMITS, jagged="column").body["fields"]
 
 
-def _teacher_order(fields: dict) -> list[int]:
-    lengths = fields["teacher_input_lengths"]
-    return torch.sort(lengths, descending=True, stable=True).indices.tolist()
-
-
 def rows_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
     """The trainer's path: row views, sorted, each micro-batch padded once."""
     rows = columns_to_samples(fields)
@@ -95,59 +81,6 @@ def rows_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
         schema.pad_samples([r for _, r in fresh[i : i + mb]], **PADS)
         for i in range(0, len(fresh), mb)
     ]
-
-
-def columns_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
-    """Row views, sorted, concatenated into jagged columns per micro-batch, then padded."""
-    names = list(fields)
-    split = {
-        n: ([c.row(i) for i in range(c.num_rows)] if isinstance(c, JaggedColumn) else c.unbind(0))
-        for n, c in fields.items()
-    }
-    rows = [{n: split[n][i] for n in names} for i in range(len(keys))]
-    fresh = sorted(zip(keys, rows), key=lambda kr: -int(kr[1]["teacher_input_lengths"]))
-    out = []
-    for i in range(0, len(fresh), mb):
-        group = [r for _, r in fresh[i : i + mb]]
-        for r in group:
-            schema.validate_sample(r)
-        cols = {
-            spec.name: torch.stack([r[spec.name] for r in group])
-            if spec.axis == schema.SAMPLE
-            else JaggedColumn.from_rows([r[spec.name] for r in group], dtype=spec.dtype)
-            for spec in schema.SAMPLE_FIELDS
-        }
-        out.append(pad_batch(cols, **PADS))
-    return out
-
-
-def td_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
-    """The claim as a TensorDict, micro-batches picked by index, padded by materialize."""
-    from xtoken_core.data_plane.tensordict_io import fields_to_tensordict, materialize
-
-    td = fields_to_tensordict(fields, keys)
-    order = torch.tensor(_teacher_order(fields))
-    return [materialize(td[order[i : i + mb]], "padded", **PADS) for i in range(0, len(keys), mb)]
-
-
-def _same(a: list[dict], b: list[dict], arm: str) -> None:
-    assert len(a) == len(b), arm
-    for x, y in zip(a, b):
-        for name in schema.FIELD_NAMES:
-            same = x[name].dtype == y[name].dtype and torch.equal(x[name], y[name])
-            assert same, f"{arm}: field {name} differs from the rows arm"
-
-
-def _interleaved_medians(arms: dict, keys: list[str], fields: dict, mb: int, reps: int) -> dict:
-    """Median ms of each arm over ``reps`` rounds, the arms taking turns within a round (so that
-    a load change on a shared machine hits every arm alike)."""
-    samples: dict[str, list[float]] = {arm: [] for arm in arms}
-    for _ in range(reps):
-        for arm, fn in arms.items():
-            start = time.perf_counter()
-            fn(keys, fields, mb)
-            samples[arm].append((time.perf_counter() - start) * 1e3)
-    return {arm: statistics.median(ms) for arm, ms in samples.items()}
 
 
 def main() -> None:
@@ -162,37 +95,29 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     claims, reps = ([8], 5) if args.quick else (args.claims, args.reps)
-    arms = {"rows": rows_arm, "columns": columns_arm}
-    if importlib.util.find_spec("tensordict") is not None:
-        arms["td"] = td_arm
     device = f"cpu ({_common.cpu_name()}, {torch.get_num_threads()} torch threads)"
     load = [round(x, 2) for x in os.getloadavg()]
     commit = _common.commit()
     rows = []
-    print(f"{'N':>4} {'mb':>3} " + " ".join(f"{a + ' ms':>10}" for a in arms) + "  ratios")
+    print(f"{'N':>4} {'mb':>3} {'rows ms':>10} {'per micro-batch ms':>19}")
     for n in claims:
         keys, fields = claim_reply(n, args.max_len)
-        want = rows_arm(keys, fields, args.micro_batch)
-        for arm, fn in arms.items():
-            _same(fn(keys, fields, args.micro_batch), want, arm)
-        times = _interleaved_medians(arms, keys, fields, args.micro_batch, reps)
-        ratios = {f"{arm}_over_rows": round(t / times["rows"], 2) for arm, t in times.items()}
-        ratios.pop("rows_over_rows")
-        row = {
-            "commit": commit,
-            "device": device,
-            "load_1_5_15": load,
-            "shape": {"claim": n, "micro_batch": args.micro_batch, "max_len": args.max_len},
-            **{f"{arm}_ms": round(t, 3) for arm, t in times.items()},
-            **ratios,
-        }
-        rows.append(row)
-        print(
-            f"{n:>4} {args.micro_batch:>3} "
-            + " ".join(f"{t:>10.3f}" for t in times.values())
-            + "  "
-            + ", ".join(f"{k} {v}" for k, v in ratios.items())
+        rows_arm(keys, fields, args.micro_batch)  # warm-up
+        ms = _common.cpu_median_ms(
+            lambda keys=keys, fields=fields: rows_arm(keys, fields, args.micro_batch), reps
         )
+        per_mb = ms / -(-n // args.micro_batch)
+        rows.append(
+            {
+                "commit": commit,
+                "device": device,
+                "load_1_5_15": load,
+                "shape": {"claim": n, "micro_batch": args.micro_batch, "max_len": args.max_len},
+                "rows_ms": round(ms, 3),
+                "per_micro_batch_ms": round(per_mb, 3),
+            }
+        )
+        print(f"{n:>4} {args.micro_batch:>3} {ms:>10.3f} {per_mb:>19.3f}")
     print(f"load average at the start: {load}")
     if not args.quick:
         _common.append_rows(RESULTS, rows)

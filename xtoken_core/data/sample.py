@@ -24,7 +24,6 @@ Masks and pads:
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -82,7 +81,6 @@ SAMPLE_FIELDS: tuple[FieldSpec, ...] = (
 )
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS}
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
-_PER_TEACHER = re.compile(r"teacher\d+_alignment_(\w+)")
 
 # Per-sample field that holds each jagged axis' length.
 LENGTH_FIELD: dict[str, str] = {
@@ -127,24 +125,6 @@ def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | f
         for f in SAMPLE_FIELDS
         if f.axis != SAMPLE
     }
-
-
-def default_pad(name: str) -> int | float | bool:
-    """Pad value of a field outside :data:`SAMPLE_FIELDS`: a per-teacher alignment field
-    (``teacher<i>_alignment_<field>``, several teachers) pads like ``alignment_<field>`` (chunk
-    ids -1, masks False), any other field with 0.
-
-    Args:
-        name: the field name.
-
-    Returns:
-        The pad value.
-    """
-    match = _PER_TEACHER.fullmatch(name)
-    spec = FIELDS_BY_NAME.get(ALIGNMENT_PREFIX + match.group(1)) if match else None
-    if spec is None or spec.axis == SAMPLE or isinstance(spec.pad, str):
-        return 0
-    return spec.pad
 
 
 def round_up(n: int, multiple: int) -> int:

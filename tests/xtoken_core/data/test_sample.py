@@ -8,8 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xtoken_core.data import sample as S
-from xtoken_core.data.batch import pad_batch
-from xtoken_core.wire import JaggedColumn
 
 
 def _sample(t, u, c, *, start=0):
@@ -124,6 +122,21 @@ def _random_sample(t, u, c, seed):
     }
 
 
+def _reference_pad(samples, pads, widths):
+    """The obviously-correct padding: a rectangle of pad values, each row written into it."""
+    batch = {}
+    for spec in S.SAMPLE_FIELDS:
+        rows = [s[spec.name] for s in samples]
+        if spec.axis == S.SAMPLE:
+            batch[spec.name] = torch.stack(rows)
+            continue
+        out = torch.full((len(rows), widths[spec.axis]), pads[spec.name], dtype=spec.dtype)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        batch[spec.name] = out
+    return batch
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     shapes=st.lists(
@@ -139,27 +152,25 @@ def _random_sample(t, u, c, seed):
     div_t=st.integers(1, 5),
     pad_ids=st.sampled_from([(0, 0), (3, 151_643), (-1, 2**53 + 1), (2**62 + 1, 7)]),
 )
-def test_pad_samples_is_bitwise_the_padding_of_the_concatenated_columns(
+def test_pad_samples_is_bitwise_the_row_by_row_reference_on_odd_shapes(
     shapes, div_s, div_t, pad_ids
 ):
-    """Each row copied once into its rectangle equals the rows concatenated into jagged columns
-    and those padded (odd lengths, empty rows, rows long enough for the row-copy path, divisors,
-    pad ids a float64 cannot hold)."""
+    """Odd lengths, empty rows, long rows, divisors, pad ids a float64 cannot hold."""
     samples = [_random_sample(t, u, c, i) for i, (t, u, c) in enumerate(shapes)]
-    kwargs = dict(
+    widths = {
+        S.STUDENT_TOKEN: S.round_up(max(t for t, _, _ in shapes), div_s),
+        S.TEACHER_TOKEN: S.round_up(max(u for _, u, _ in shapes), div_t),
+        S.CHUNK: S.round_up(max(c for _, _, c in shapes), 1),
+    }
+    pads = S.pad_values(student_pad_id=pad_ids[0], teacher_pad_id=pad_ids[1])
+    want = _reference_pad(samples, pads, widths)
+    got = S.pad_samples(
+        samples,
         student_pad_id=pad_ids[0],
         teacher_pad_id=pad_ids[1],
         make_seq_div_by_student=div_s,
         make_seq_div_by_teacher=div_t,
     )
-    columns = {
-        spec.name: torch.stack([s[spec.name] for s in samples])
-        if spec.axis == S.SAMPLE
-        else JaggedColumn.from_rows([s[spec.name] for s in samples], dtype=spec.dtype)
-        for spec in S.SAMPLE_FIELDS
-    }
-    want = pad_batch(columns, **kwargs)
-    got = S.pad_samples(samples, **kwargs)
     assert list(got) == list(S.FIELD_NAMES)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
