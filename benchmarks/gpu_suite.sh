@@ -25,8 +25,8 @@ STEPS=${STEPS:-"device gpu_tests bench_kd_loss bench_ce bench_fused_indices benc
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
 want device && step device nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-# Every @pytest.mark.gpu test of the kernels and losses (the data plane's need tensordict and
-# pyzmq, which the GPU image lacks), then all their tests on CUDA (compiled, not interpreted).
+# Every @pytest.mark.gpu test of the kernels and losses (the data plane's need pyzmq, which the
+# GPU image lacks), then all their tests on CUDA (compiled, not interpreted).
 want gpu_tests && step gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/xtoken_core/kernels \
   tests/xtoken_core/losses
 want cuda_tests && step cuda_tests $PY -m pytest -q -p no:cacheprovider tests/xtoken_core/kernels \
@@ -48,7 +48,7 @@ want spread_gold_heat && step spread_gold_heat $PY benchmarks/losses/bench_kd_sp
 want spread_gold_profiled && step spread_gold_profiled $PY benchmarks/losses/bench_kd_spread.py \
   --mode gold --cases 8 --profiled 10
 # the student step and the pipeline: bf16 + compile against the eager baseline (needs the data
-# plane's wheels: pyzmq, tensordict, the tokenizer packages)
+# plane's wheels: pyzmq, the tokenizer packages)
 want trainer_gpu_tests && step trainer_gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
   tests/services/trainer tests/services/teacher tests/xtoken_core/kernels/test_row_ce.py
 # the student step's variants (compiled, CUDA graphs, fused head) and the teacher forward's

@@ -84,7 +84,8 @@ class JaggedColumn:
 
     def rows(self) -> list[torch.Tensor]:
         """Return all rows as views, N tensors ``[len_i, *D]``."""
-        return [self.row(i) for i in range(self.num_rows)]
+        # one split: no per-row reads of the offsets (each a device sync on an accelerator)
+        return list(self.values.split(self.lengths().tolist()))
 
     def to_nested(self) -> torch.Tensor:
         """Return a ``torch.jagged`` nested tensor ``[N, j, *D]`` sharing this storage."""

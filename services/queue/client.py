@@ -1,4 +1,4 @@
-"""Queue clients: QueueClient (sync, DEALER) and AsyncQueueClient (zmq.asyncio), same methods.
+"""The queue client: QueueClient (a ZMQ DEALER; one per thread).
 
 Every method sends one request and returns the reply body (a dict); an ``error`` reply raises
 QueueError with its code and ``retryable``. A request that gets no reply within ``timeout_s``
@@ -17,31 +17,27 @@ to send twice: puts and clears are idempotent, a claim's unanswered lease lapses
 lease the server applied (or an old instance issued) is an error, never a double ack. A client
 given a ``stop`` (an event, or a callable returning True to stop) raises ``QueueError("stopped")``
 within ~50 ms of it being set, whatever the server does (SIGTERM of a collator or consumer whose
-queue is gone). The AsyncQueueClient does all of this the same way, awaiting instead of blocking.
+queue is gone).
 Every new connection starts with a ``hello`` sent ahead of its first request (no round trip
 waited for): it presents the token of a server that needs one (``token=``, else
 ``XTOKEN_QUEUE_TOKEN`` / ``XTOKEN_QUEUE_TOKEN_FILE``, auth.py) and the client's ``instance`` (by
 default one random id per process), which owns the leases it claims: any client of the same
 instance may ack or nack them, a client of another gets ``not_owner``.
 Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
-to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py); the
-AsyncQueueClient sends and receives frames only.
+to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from services.queue import errors as codes
 from services.queue.auth import load_token, process_instance
@@ -79,27 +75,6 @@ def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else max(0, int(round(seconds * 1000)))
 
 
-def _wire_fields(keys: Sequence[str], fields: Any) -> Any:
-    """A TensorDict's put fields (xtoken_core/data_plane/tensordict_io.py), else ``fields``;
-    tensordict is imported only by callers that pass one."""
-    # another thread may be importing tensordict right now: a module without its classes yet
-    # cannot have made ``fields``
-    base = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
-    if base is None or not isinstance(fields, base):
-        return fields
-    from xtoken_core.data_plane.tensordict_io import tensordict_to_fields
-
-    return tensordict_to_fields(fields, keys)
-
-
-def _with_tensordict(reply: dict[str, Any]) -> dict[str, Any]:
-    """``reply`` with its ``fields`` as a TensorDict [N] over the received tensors (no copy)."""
-    from xtoken_core.data_plane.tensordict_io import fields_to_tensordict
-
-    reply["fields"] = fields_to_tensordict(reply.get("fields") or {}, reply.get("keys") or [])
-    return reply
-
-
 @dataclass
 class _Tries:
     """The tries of one request so far: timeouts, resends after a drop, a repeated hello."""
@@ -110,7 +85,7 @@ class _Tries:
 
 
 class _Requests:
-    """Builds request bodies and reads replies; shared by the sync and asyncio clients."""
+    """Builds request bodies and reads replies: the socket-free half of the client."""
 
     def __init__(
         self,
@@ -169,8 +144,7 @@ class _Requests:
 
     @staticmethod
     def _drain_monitor(monitor: zmq.Socket) -> bool:
-        """Whether the connection dropped since the last look (drains the monitor; the
-        NOBLOCK receive of an asyncio socket is a future that is already done)."""
+        """Whether the connection dropped since the last look (drains the monitor)."""
         dropped = False
         while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             monitor.recv_multipart(zmq.NOBLOCK)
@@ -340,7 +314,7 @@ class QueueClient(_Requests):
         shm_min_bytes: the ``auto`` threshold (tensor bytes of one put).
         on_epoch: called with ``(old, new)`` instance ids when a reply shows the server
             restarted (after the first reply; also counted in ``epoch_changes``).
-        stop: an event (anything with ``is_set()``: threading, multiprocessing, asyncio) or a
+        stop: an event (anything with ``is_set()``: threading, multiprocessing) or a
             callable returning True to stop; once set, a request waiting for its reply raises
             ``QueueError("stopped")`` (not retryable) within ~50 ms.
         token: the server's shared secret, presented in every hello (None: the
@@ -487,8 +461,7 @@ class QueueClient(_Requests):
         Args:
             partition: partition name.
             keys: N unique keys.
-            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows;
-                or a TensorDict [N] (non-tensor fields as NonTensorStack/NonTensorData).
+            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows.
             timeout_s: how long the server may wait for capacity (None: server default).
             reservation: a region from ``reserve``: tensors built in it are sent by reference
                 (no copy), the others are copied into it. One put per reservation.
@@ -500,9 +473,7 @@ class QueueClient(_Requests):
         Raises:
             QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``,
                 ``bad_request`` for a reservation that expired or was used already, ...
-            TypeError, ValueError: a TensorDict field the wire cannot carry (names it).
         """
-        fields = _wire_fields(keys, fields)
         body = self.body_put(partition, keys, fields, timeout_s)
         if reservation is not None:
             return self._shm.put(self, body, timeout_s or 0.0, reservation)
@@ -547,7 +518,6 @@ class QueueClient(_Requests):
         *,
         shm: bool = False,
         copy: bool = False,
-        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """Read fields of samples by key; returns ``{"keys", "fields"}``.
 
@@ -559,16 +529,13 @@ class QueueClient(_Requests):
                 valid until the samples are cleared (shm_transport.py); ignored unless this
                 client shares memory with the server.
             copy: with ``shm``, return private copies instead of views.
-            as_tensordict: ``fields`` as a TensorDict [N] (jagged fields nested tensors over
-                the received values, non-tensor fields NonTensorStack/NonTensorData).
         """
         body = {
             "partition": partition,
             "keys": list(keys),
             "fields": None if fields is None else list(fields),
         }
-        reply = self._shm_request("get", body, 0.0, shm, copy)
-        return _with_tensordict(reply) if as_tensordict else reply
+        return self._shm_request("get", body, 0.0, shm, copy)
 
     def _shm_request(
         self, msg_type: str, body: dict[str, Any], wait_s: float, shm: bool, copy: bool
@@ -618,7 +585,6 @@ class QueueClient(_Requests):
         shm: bool = False,
         copy: bool = False,
         register: bool = False,
-        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """Lease up to ``batch_size`` ready samples, waiting up to ``timeout_s`` for data.
 
@@ -634,7 +600,6 @@ class QueueClient(_Requests):
                 (no bytes through the socket), valid until the samples are cleared
                 (shm_transport.py); ignored unless this client shares memory with the server.
             copy: with ``shm``, return private copies instead of views.
-            as_tensordict: ``fields`` as a TensorDict [N], as in ``get``.
 
         Returns:
             ``{"keys", "fields", "lease_id"}``; ``keys`` is empty (lease_id None) on timeout.
@@ -642,8 +607,7 @@ class QueueClient(_Requests):
         body = self.body_claim(
             partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
         )
-        reply = self._shm_request("claim", body, timeout_s, shm, copy)
-        return _with_tensordict(reply) if as_tensordict else reply
+        return self._shm_request("claim", body, timeout_s, shm, copy)
 
     def ack(
         self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
@@ -697,196 +661,3 @@ def connect(address: str, *, timeout_s: float, name: str) -> QueueClient:
             "the address (queue, --queue)"
         ) from None
     return QueueClient(address, timeout_s=timeout_s, name=name)
-
-
-class AsyncQueueClient(_Requests):
-    """asyncio client (zmq.asyncio); requests on one client run one at a time.
-
-    Notices a dead, hung or restarted server like QueueClient (within ~2 s: the request in
-    flight is sent again at once, ``disconnects`` counts it; ``epoch_changes``, ``on_epoch``)
-    and gives up within ~50 ms of its ``stop`` being set (``QueueError("stopped")``).
-
-    Args: as QueueClient (``context`` is a ``zmq.asyncio.Context``; ``stop`` may be an
-        ``asyncio.Event`` too); no shared memory.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float = 30.0,
-        retries: int = 2,
-        limits: WireLimits | None = None,
-        name: str = "",
-        context: zmq.asyncio.Context | None = None,
-        on_epoch: Callable[[str | None, str], None] | None = None,
-        stop: Any = None,
-        token: str | None = None,
-        instance: str | None = None,
-    ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance, stop)
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._poller = zmq.asyncio.Poller()
-        self._lock: asyncio.Lock | None = None
-
-    async def _socket(self, msg_type: str) -> zmq.asyncio.Socket:
-        if self._sock is None:
-            sock, self._monitor = self._new_socket()
-            self._sock = sock
-            self._poller = zmq.asyncio.Poller()
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(self._monitor, zmq.POLLIN)
-            if msg_type != "hello":
-                await sock.send_multipart(self._hello_frames(), copy=False)
-        return self._sock
-
-    def close(self) -> None:
-        """Close the socket (a later request opens a new one)."""
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._sock = self._monitor = None
-
-    async def __aenter__(self) -> AsyncQueueClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    async def request(
-        self, msg_type: str, body: dict[str, Any], *, wait_s: float = 0.0
-    ) -> dict[str, Any]:
-        """As ``QueueClient.request``, awaitable."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        request_id = next(self._ids)
-        frames = encode_message(msg_type, body, request_id=request_id, limits=self.limits)
-        budget_s = self.timeout_s + wait_s
-        tries = _Tries()
-        slice_ms = _STOP_POLL_MS if self.stop is not None else None
-        async with self._lock:
-            while True:
-                self._check_stop(msg_type)
-                sock = await self._socket(msg_type)
-                if self._drain_monitor(self._monitor) and msg_type != "hello":
-                    # dropped while idle: maybe a restarted server that never saw the hello
-                    await sock.send_multipart(self._hello_frames(), copy=False)
-                await sock.send_multipart(frames, copy=False)
-                deadline = time.monotonic() + budget_s
-                dropped = forgotten = False
-                while True:
-                    left_ms = int((deadline - time.monotonic()) * 1000)
-                    if left_ms <= 0:
-                        break
-                    ready = await self._poller.poll(
-                        left_ms if slice_ms is None else min(left_ms, slice_ms)
-                    )
-                    self._check_stop(msg_type)
-                    if not ready:
-                        continue
-                    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        got = await sock.recv_multipart(copy=False)
-                        try:
-                            reply = self._decode(got, request_id, msg_type)
-                        except QueueError as e:
-                            if not self._refused_unread(e, tries):
-                                raise
-                            forgotten = True
-                            break
-                        if reply is not None:
-                            return reply
-                    elif self._drain_monitor(self._monitor):
-                        dropped = True
-                        break
-                self.close()
-                if not forgotten:  # else a new connection, its hello first
-                    self._next_try(msg_type, budget_s, tries, dropped)
-
-    async def hello(self) -> dict[str, Any]:
-        """Handshake; see QueueClient.hello."""
-        return await self.request("hello", self.body_hello())
-
-    async def put(
-        self,
-        partition: str,
-        keys: Sequence[str],
-        fields: Mapping[str, Any],
-        *,
-        timeout_s: float | None = DEFAULT_PUT_TIMEOUT_S,
-    ) -> dict[str, Any]:
-        """See QueueClient.put."""
-        fields = _wire_fields(keys, fields)
-        body = self.body_put(partition, keys, fields, timeout_s)
-        return await self.request("put", body, wait_s=timeout_s or 0.0)
-
-    async def get(
-        self,
-        partition: str,
-        keys: Sequence[str],
-        fields: Sequence[str] | None = None,
-        *,
-        as_tensordict: bool = False,
-    ) -> dict[str, Any]:
-        """See QueueClient.get."""
-        reply = await self.request(
-            "get",
-            {
-                "partition": partition,
-                "keys": list(keys),
-                "fields": None if fields is None else list(fields),
-            },
-        )
-        return _with_tensordict(reply) if as_tensordict else reply
-
-    async def clear(self, partition: str, keys: Sequence[str] | None = None) -> dict[str, Any]:
-        """See QueueClient.clear."""
-        return await self.request(
-            "clear", {"partition": partition, "keys": None if keys is None else list(keys)}
-        )
-
-    async def list(self, partition: str | None = None) -> dict[str, Any]:
-        """See QueueClient.list."""
-        return await self.request("list", {"partition": partition})
-
-    async def claim(
-        self,
-        partition: str,
-        task: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        *,
-        fields: Sequence[str] | None = None,
-        timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S,
-        lease_s: float = DEFAULT_LEASE_S,
-        register: bool = False,
-        as_tensordict: bool = False,
-    ) -> dict[str, Any]:
-        """See QueueClient.claim."""
-        body = self.body_claim(
-            partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
-        )
-        reply = await self.request("claim", body, wait_s=timeout_s)
-        return _with_tensordict(reply) if as_tensordict else reply
-
-    async def ack(
-        self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
-    ) -> dict[str, Any]:
-        """See QueueClient.ack."""
-        return await self.request("ack", self.body_lease(partition, task, lease_id, keys))
-
-    async def nack(
-        self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
-    ) -> dict[str, Any]:
-        """See QueueClient.nack."""
-        return await self.request("nack", self.body_lease(partition, task, lease_id, keys))
-
-    async def status(self, partition: str, task: str) -> dict[str, Any]:
-        """See QueueClient.status."""
-        return await self.request("status", {"partition": partition, "task": task})
-
-    async def stats(self) -> dict[str, Any]:
-        """See QueueClient.stats."""
-        return await self.request("stats", {})

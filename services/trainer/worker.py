@@ -56,7 +56,7 @@ class MicroBatch:
 
     Attributes:
         keys: sample keys, in row order.
-        batch: padded fields (``xtoken_core.data.batch.pad_batch``), on the CPU.
+        batch: padded fields (``xtoken_core.data.sample.pad_samples``), on the CPU.
         teacher_logits: returns ``[B, U, W']`` teacher logits (blocks until the teacher is done;
             may raise to say the micro-batch must be dropped); None when the loss needs none.
         done: called after the micro-batch's backward was queued (releases its ring slot).

@@ -24,12 +24,11 @@ Masks and pads:
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from xtoken_core.jagged import JaggedColumn
+from xtoken_core.data_plane.codec import pad_rows
 
 # Axes of a field in one jagged sample.
 STUDENT_TOKEN = "student_token"  # [T]
@@ -82,7 +81,6 @@ SAMPLE_FIELDS: tuple[FieldSpec, ...] = (
 )
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS}
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
-_PER_TEACHER = re.compile(r"teacher\d+_alignment_(\w+)")
 
 # Per-sample field that holds each jagged axis' length.
 LENGTH_FIELD: dict[str, str] = {
@@ -127,24 +125,6 @@ def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | f
         for f in SAMPLE_FIELDS
         if f.axis != SAMPLE
     }
-
-
-def default_pad(name: str) -> int | float | bool:
-    """Pad value of a field outside :data:`SAMPLE_FIELDS`: a per-teacher alignment field
-    (``teacher<i>_alignment_<field>``, several teachers) pads like ``alignment_<field>`` (chunk
-    ids -1, masks False), any other field with 0.
-
-    Args:
-        name: the field name.
-
-    Returns:
-        The pad value.
-    """
-    match = _PER_TEACHER.fullmatch(name)
-    spec = FIELDS_BY_NAME.get(ALIGNMENT_PREFIX + match.group(1)) if match else None
-    if spec is None or spec.axis == SAMPLE or isinstance(spec.pad, str):
-        return 0
-    return spec.pad
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -204,11 +184,12 @@ def pad_samples(
     make_seq_div_by_student: int = 1,
     make_seq_div_by_teacher: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Materialize a right-padded batch from jagged samples: the samples as columns, padded by
-    :func:`xtoken_core.data.batch.pad_batch` (one padding for the queue's claims and for these).
+    """Materialize a right-padded batch from jagged samples: each row is copied once, into its
+    rectangle (:func:`xtoken_core.data_plane.codec.pad_rows`).
 
     Args:
-        samples: B jagged samples (see :func:`validate_sample`).
+        samples: B jagged samples (see :func:`validate_sample`), e.g. row views of claimed
+            columns (:func:`xtoken_core.data_plane.codec.columns_to_samples`).
         student_pad_id: pad id of ``input_ids``.
         teacher_pad_id: pad id of ``teacher_input_ids``.
         make_seq_div_by_student: T is rounded up to a multiple of this.
@@ -225,19 +206,27 @@ def pad_samples(
         raise ValueError("pad_samples needs at least one sample, got an empty sequence")
     for sample in samples:
         validate_sample(sample)
-    from xtoken_core.data.batch import pad_batch  # batch pads by this schema: import it late
-
-    fields: dict[str, torch.Tensor | JaggedColumn] = {}
+    divisors = {
+        STUDENT_TOKEN: int(make_seq_div_by_student),
+        TEACHER_TOKEN: int(make_seq_div_by_teacher),
+        CHUNK: 1,
+    }
+    for arg, div in (
+        ("make_seq_div_by_student", make_seq_div_by_student),
+        ("make_seq_div_by_teacher", make_seq_div_by_teacher),
+    ):
+        if int(div) < 1:
+            raise ValueError(f"{arg} must be >= 1, got {div!r}")
+    pads = pad_values(student_pad_id=student_pad_id, teacher_pad_id=teacher_pad_id)
+    widths = {
+        axis: round_up(max(int(s[length]) for s in samples), divisors[axis])
+        for axis, length in LENGTH_FIELD.items()
+    }
+    batch: dict[str, torch.Tensor] = {}
     for spec in SAMPLE_FIELDS:
         rows = [s[spec.name] for s in samples]
         if spec.axis == SAMPLE:
-            fields[spec.name] = torch.stack(rows)
+            batch[spec.name] = torch.stack(rows)
         else:
-            fields[spec.name] = JaggedColumn.from_rows(rows, dtype=spec.dtype)
-    return pad_batch(
-        fields,
-        student_pad_id=student_pad_id,
-        teacher_pad_id=teacher_pad_id,
-        make_seq_div_by_student=make_seq_div_by_student,
-        make_seq_div_by_teacher=make_seq_div_by_teacher,
-    )
+            batch[spec.name] = pad_rows(rows, pads[spec.name], widths[spec.axis])
+    return batch

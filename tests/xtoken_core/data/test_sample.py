@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from xtoken_core.data import sample as S
 
@@ -107,3 +109,68 @@ def test_pad_samples_rejects_empty_input_and_bad_divisors():
         S.pad_samples(
             [_sample(1, 1, 1)], student_pad_id=0, teacher_pad_id=0, make_seq_div_by_teacher=0
         )
+
+
+def _random_sample(t, u, c, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        **_sample(t, u, c),
+        "input_ids": torch.randint(0, 1 << 40, (t,), generator=g),
+        "alignment_pair_valid": torch.rand(c, generator=g) > 0.3,
+        "alignment_student_exact_partition_mask": torch.rand(t, generator=g) > 0.5,
+        "alignment_teacher_chunk_id": torch.randint(-1, max(c, 1), (u,), generator=g),
+    }
+
+
+def _reference_pad(samples, pads, widths):
+    """The obviously-correct padding: a rectangle of pad values, each row written into it."""
+    batch = {}
+    for spec in S.SAMPLE_FIELDS:
+        rows = [s[spec.name] for s in samples]
+        if spec.axis == S.SAMPLE:
+            batch[spec.name] = torch.stack(rows)
+            continue
+        out = torch.full((len(rows), widths[spec.axis]), pads[spec.name], dtype=spec.dtype)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        batch[spec.name] = out
+    return batch
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.integers(0, 9) | st.integers(60, 300),
+            st.integers(0, 9) | st.integers(60, 300),
+            st.integers(0, 7),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    div_s=st.integers(1, 8),
+    div_t=st.integers(1, 5),
+    pad_ids=st.sampled_from([(0, 0), (3, 151_643), (-1, 2**53 + 1), (2**62 + 1, 7)]),
+)
+def test_pad_samples_is_bitwise_the_row_by_row_reference_on_odd_shapes(
+    shapes, div_s, div_t, pad_ids
+):
+    """Odd lengths, empty rows, long rows, divisors, pad ids a float64 cannot hold."""
+    samples = [_random_sample(t, u, c, i) for i, (t, u, c) in enumerate(shapes)]
+    widths = {
+        S.STUDENT_TOKEN: S.round_up(max(t for t, _, _ in shapes), div_s),
+        S.TEACHER_TOKEN: S.round_up(max(u for _, u, _ in shapes), div_t),
+        S.CHUNK: S.round_up(max(c for _, _, c in shapes), 1),
+    }
+    pads = S.pad_values(student_pad_id=pad_ids[0], teacher_pad_id=pad_ids[1])
+    want = _reference_pad(samples, pads, widths)
+    got = S.pad_samples(
+        samples,
+        student_pad_id=pad_ids[0],
+        teacher_pad_id=pad_ids[1],
+        make_seq_div_by_student=div_s,
+        make_seq_div_by_teacher=div_t,
+    )
+    assert list(got) == list(S.FIELD_NAMES)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
