@@ -244,7 +244,8 @@ def make_specs(
             ]
             + (["--limit", str(limit)] if limit else [])
             + (["--shuffle-seed", str(cfg.data.seed)] if cfg.data.seed is not None else [])
-            + (["--skip-bad-lines"] if cfg.data.skip_bad_lines else []),
+            + (["--skip-bad-lines"] if cfg.data.skip_bad_lines else [])
+            + (["--pack"] if cfg.collator.pack else []),
             log_file=str(d / "logs" / "collator.log"),
         ),
     ]
