@@ -18,6 +18,7 @@ from services.protocol.names import (
 )
 from services.protocol.teacher import (
     MAX_BLOB_BYTES,
+    POSITIONS_FIELD,
     REQUEST_FIELDS,
     Request,
     Result,
@@ -32,6 +33,7 @@ from services.protocol.teacher import (
 __all__ = [
     "EOF_KEY",
     "MAX_BLOB_BYTES",
+    "POSITIONS_FIELD",
     "REQUEST_FIELDS",
     "TEACHER_TASK",
     "TRANSPORTS",

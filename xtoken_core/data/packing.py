@@ -88,13 +88,10 @@ def pack_rows(
         else:
             rows[best].append(i)
             room[best] = (room[best][0] - s, room[best][1] - u)
+    rows = sorted((sorted(row) for row in rows), key=lambda row: row[0])
     if empty:
-        if rows:
-            rows[0] += empty
-        else:
-            rows.append(empty)
-    rows = [sorted(row) for row in rows]
-    return sorted(rows, key=lambda row: row[0])
+        rows[:1] = [sorted(rows[0] + empty)] if rows else [empty]
+    return rows
 
 
 def join_documents(documents: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ Legend: B rows, T tokens of a row, D documents.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,6 +69,16 @@ def _dense_mask(doc_BT: torch.Tensor, window: int | None) -> torch.Tensor:
     return (same_BTT & allowed_TT)[:, None]
 
 
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    """``create_block_mask`` compiled once per process: it then evaluates the mask block by block
+    on the GPU, never materializing ``[B, T, T]``; the document ids it closes over are inputs,
+    so one compiled function serves every batch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def _block_mask(doc_BT: torch.Tensor, window: int | None) -> Any:
     """A FlexAttention ``BlockMask`` of the same rule as :func:`_dense_mask`."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -78,10 +90,8 @@ def _block_mask(doc_BT: torch.Tensor, window: int | None) -> Any:
         return allowed
 
     B, T = doc_BT.shape
-    # compiled: the mask is evaluated block by block, never materialized as [B, T, T]
-    return create_block_mask(
-        document_causal, B, None, T, T, device=doc_BT.device, _compile=doc_BT.is_cuda
-    )
+    create = _compiled_create_block_mask() if doc_BT.is_cuda else create_block_mask
+    return create(document_causal, B, None, T, T, device=doc_BT.device)
 
 
 def document_attention_mask(
