@@ -60,6 +60,13 @@ want bench_pipeline_pkl && step bench_pipeline_pkl $PY benchmarks/e2e/bench_pipe
   --shapes 1x4096 --modes pkl --results "$OUT/e2e_pipeline.jsonl"
 want bench_pipeline && step bench_pipeline $PY benchmarks/e2e/bench_pipeline.py \
   --results "$OUT/e2e_pipeline.jsonl"
+# packed rows of the demo corpus's texts (collator.pack, FlexAttention) against the same texts
+# one per row; the filled rows of bench_pipeline are the bound packing approaches
+want bench_pipeline_pack && step bench_pipeline_pack $PY benchmarks/e2e/bench_pipeline.py \
+  --shapes 4x2048 1x4096 --modes pkl --pack --baseline none --tag pack --results "$OUT/e2e_pipeline.jsonl"
+want bench_pipeline_demo_texts && step bench_pipeline_demo_texts $PY benchmarks/e2e/bench_pipeline.py \
+  --shapes 4x2048 1x4096 --modes pkl --demo-texts --baseline none --recompile-steps 0 --tag demo-texts \
+  --results "$OUT/e2e_pipeline.jsonl"
 # two GPUs: 1 vs 2 trainer ranks at the same global batch (a colocated teacher each), and one
 # rank fed by a teacher on the other GPU (cuda_ipc, then the hidden transport); then the
 # per-step losses of 1 rank x 2 micro-batches and 2 ranks x 1 over 50 ordered steps

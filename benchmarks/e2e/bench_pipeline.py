@@ -25,11 +25,18 @@ over the pipeline's tokens/s, ``student_mfu`` the student step alone. A recompil
 steps of the default on demo-corpus texts of every length (no filled context) and counts the
 graphs Dynamo compiles after the start-up step; it reports the padding waste of those batches.
 
+``--pack`` measures packed rows instead (``collator.pack``): the demo corpus's texts as they are
+(not joined into long texts), whole documents packed into rows of T tokens per side within puts
+of ``--pack-window`` texts, with document-boundary attention in the student and the teacher
+(FlexAttention on CUDA, ``trainer.packed_attention``); the bare step and the recompile check
+train packed micro-batches too. Tokens/s count real tokens; MFU's attention term counts the
+whole row of T (an upper bound: each document attends within itself).
+
 Usage (GPU)::
 
     python benchmarks/e2e/bench_pipeline.py --shapes 1x4096 4x2048 --modes pkl gold xtoken ce
 
-CPU smoke test::
+CPU smoke test (and with ``--pack``)::
 
     python benchmarks/e2e/bench_pipeline.py --device cpu --student tiny --teacher tiny \
         --shapes 1x64 --modes pkl --transports shm --steps 3 --warmup 1
@@ -123,20 +130,34 @@ def build_projection(args, work: Path) -> str:
 
 
 def collated(args, B: int, T: int, corpus: Path, n: int) -> list[dict]:
-    """``n`` padded micro-batches of B samples collated at ctx T (both sides)."""
+    """``n`` padded micro-batches of B samples collated at ctx T (both sides); with ``args.pack``
+    B packed rows each, packed within windows of ``args.pack_window`` texts (as a packing
+    collator's puts), in put order."""
     from xtoken_core.align import TokenAligner
     from xtoken_core.data.collator import CrossTokenizerCollator
     from xtoken_core.data.corpus import iter_texts
+    from xtoken_core.data.sample import pad_samples
     from xtoken_core.tokenizers import load_tokenizer
 
+    pack = getattr(args, "pack", False)
     collator = CrossTokenizerCollator(
         student_tokenizer=load_tokenizer(args.student_tokenizer),
         teacher_tokenizer=load_tokenizer(args.teacher_tokenizer),
         aligner=TokenAligner(),
         ctx_length_student=T,
         ctx_length_teacher=T,
+        pack=pack,
     )
     texts = [t for _, t in iter_texts(str(corpus))]
+    if pack:
+        rows: list[dict] = []
+        start, window = 0, args.pack_window
+        while len(rows) < n * B:
+            rows += collator.collate_samples(
+                [texts[(start + j) % len(texts)] for j in range(window)]
+            )
+            start += window
+        return [pad_samples(rows[i * B : (i + 1) * B], **collator.pad_kwargs()) for i in range(n)]
     out = []
     for i in range(n):
         chunk = [texts[(i * B + j) % len(texts)] for j in range(B)]
@@ -176,6 +197,7 @@ def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: 
         max_steps=10**6,
         optim=OptimConfig(warmup_steps=0),
         loss=CrossTokenizerLossConfig(mode=mode, projection=projection if mode != "ce" else None),
+        pack=getattr(args, "pack", False),
         **extra,
     )
     worker = TrainerWorker(cfg, device=torch.device(args.device))
@@ -191,6 +213,10 @@ def _bare_teacher(args, teacher_dir: str, eager: bool):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     teacher = load_model(teacher_dir, dtype=dtype, device=device).eval().requires_grad_(False)
+    if getattr(args, "pack", False):  # the attention the teacher service runs for packed rows
+        from xtoken_core.models.documents import packed_attention, use_packed_attention
+
+        use_packed_attention(teacher, packed_attention("auto", device))
     if not eager and device.type == "cuda":
         compile_student(teacher)  # each decoder layer, as the teacher service compiles
     return teacher
@@ -204,7 +230,18 @@ def _bare_step(worker, teacher, batch: dict, mode: str) -> None:
     if mode != "ce":
         with torch.inference_mode():
             ids = batch["teacher_input_ids"].to(device, non_blocking=True)
-            logits = teacher(input_ids=ids, use_cache=False).logits
+            kwargs = {}
+            if "teacher_position_ids" in batch:  # packed rows: attention within each document
+                from xtoken_core.models.documents import document_attention_mask
+
+                positions = batch["teacher_position_ids"].to(device).long()
+                kwargs = {
+                    "position_ids": positions,
+                    "attention_mask": document_attention_mask(
+                        teacher.config, positions, teacher.dtype
+                    ),
+                }
+            logits = teacher(input_ids=ids, use_cache=False, **kwargs).logits
         logits = logits.clone()  # an inference tensor cannot be saved for the backward
     mb = MicroBatch(
         keys=[], batch=batch, teacher_logits=None if logits is None else (lambda: logits)
@@ -342,6 +379,9 @@ def pipeline(
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
     n_steps = args.warmup + args.steps
+    pack = getattr(args, "pack", False)
+    # packed: a row holds several demo-corpus texts (~300 tokens each); put enough of them
+    texts_per_sample = max(1, T // 128) if pack else 1
     config = run_config_from_dict(
         {
             "run_dir": str(run_dir),
@@ -354,10 +394,14 @@ def pipeline(
             "data": {
                 "train": str(corpus),
                 "heldout": str(corpus),
-                "limit": trainers * B * grad_accum * (n_steps + 4),
+                "limit": trainers * B * grad_accum * (n_steps + 4) * texts_per_sample,
                 "ordered": ordered,
             },
-            "collator": {"workers": 1 if ordered else 2, "batch": max(1, B)},
+            "collator": {
+                "workers": 1 if ordered else 2,
+                "batch": args.pack_window if pack else max(1, B),
+                "pack": pack,
+            },
             "teacher": {
                 "model": teacher_dir,
                 "device": teacher_device or args.device,
@@ -546,12 +590,36 @@ def main() -> int:
         help="N trainer ranks accumulate max(--trainers)/N times --grad-accum micro-batches, so "
         "every rank count trains the same global batch (scaling runs with comparable curves)",
     )
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="collator.pack: the demo corpus's texts packed into rows of T tokens per side "
+        "(document-boundary attention), instead of long texts that fill the context",
+    )
+    p.add_argument(
+        "--demo-texts",
+        action="store_true",
+        help="the demo corpus's texts one per row, as they are (what --pack packs), instead of "
+        "long texts that fill the context",
+    )
+    p.add_argument(
+        "--pack-window",
+        type=int,
+        default=256,
+        help="with --pack: texts per put, packed together (collator.batch)",
+    )
     p.add_argument("--tag", default="", help="label of these rows (e.g. mps)")
     p.add_argument(
         "--trainer-extra",
         type=json.loads,
         default={},
         help="trainer keys of the default runs, as JSON (e.g. '{\"cuda_graphs\": true}')",
+    )
+    p.add_argument(
+        "--teacher-extra",
+        type=json.loads,
+        default={},
+        help='teacher keys of the default runs, as JSON (e.g. \'{"packed_attention": "sdpa"}\')',
     )
     add_model_args(p)
     p.add_argument("--steps", type=int, default=10)
@@ -575,6 +643,8 @@ def main() -> int:
         "student": args.student,
         "teacher": args.teacher,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **({"pack": True, "pack_window": args.pack_window} if args.pack else {}),
+        **({"texts": "demo"} if args.demo_texts else {}),
     }
 
     def keep(row: dict) -> None:  # appended at once: a run stopped early keeps its rows
@@ -590,11 +660,16 @@ def main() -> int:
     for shape in args.shapes:
         B, T = (int(x) for x in shape.split("x"))
         per_step = B * args.grad_accum * max(args.trainers)  # the most samples a step takes
-        corpus = long_corpus(
-            work / f"corpus_{T}_{per_step}.jsonl",
-            chars=8 * T,
-            count=per_step * (args.steps + args.warmup + 8),
-        )
+        if args.pack or args.demo_texts:  # texts of every length (packed into rows)
+            from xtoken_core.data.corpus import build_demo_corpus
+
+            corpus = Path(build_demo_corpus().train_path)
+        else:
+            corpus = long_corpus(
+                work / f"corpus_{T}_{per_step}.jsonl",
+                chars=8 * T,
+                count=per_step * (args.steps + args.warmup + 8),
+            )
         if args.recompile_steps:
             rc = recompile_check(
                 args, B, T, student_dir, teacher_dir, projection, args.recompile_steps
@@ -650,6 +725,7 @@ def main() -> int:
                         teacher_device=tdev,
                         grad_accum=accum,
                         trainer_extra=args.trainer_extra or None,
+                        teacher_extra=args.teacher_extra or None,
                         ordered=args.ordered,
                     )
                     row = {

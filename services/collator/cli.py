@@ -113,6 +113,7 @@ def _write_summary(path: str, summary: object) -> None:
         "read",
         "skipped",
         "samples",
+        "texts",
         "written",
         "consumed",
         "nbytes",

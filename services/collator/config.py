@@ -25,6 +25,9 @@ class WorkerConfig:
         ctx_teacher: teacher context length, >= 1.
         queue_timeout_s: seconds to wait for a reply from the queue (``--queue-timeout-s``).
         put_timeout_s: seconds the server may hold a put while the queue is full.
+        pack: pack the texts of each put into rows of ``ctx_student`` / ``ctx_teacher`` tokens,
+            several whole documents per sample (``xtoken_core.data.packing``); a row's key
+            joins its documents' keys with ``|``.
 
     Raises:
         ValueError: a context length < 1 or a non-positive timeout.
@@ -64,6 +67,14 @@ class WorkerConfig:
         metadata={
             "help": "seconds a put may wait for queue capacity",
             "deprecated_flags": ("put-timeout",),
+        },
+    )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": "pack the texts of each put (--batch) into rows of the context lengths: "
+            "several whole documents per sample, positions restarting per document; the "
+            "trainers and teachers must pack too (xtoken run: collator.pack)"
         },
     )
 

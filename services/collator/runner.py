@@ -99,7 +99,8 @@ class RunSummary:
     Attributes:
         read: texts read from the file (within ``limit``).
         skipped: texts skipped because the queue already held their key.
-        samples: samples put by the workers.
+        samples: samples put by the workers (packed rows with ``pack``).
+        texts: texts in the samples put (more than ``samples`` with ``pack``).
         written: samples that were new to the queue.
         consumed: samples the queue refused because they were already consumed by every
             registered task and dropped (retention): done, not an error. ``samples - written -
@@ -118,6 +119,7 @@ class RunSummary:
     read: int = 0
     skipped: int = 0
     samples: int = 0
+    texts: int = 0
     written: int = 0
     consumed: int = 0
     nbytes: int = 0
@@ -142,7 +144,9 @@ class RunSummary:
     def line(self) -> str:
         """One human-readable line."""
         return (
-            f"{self.samples} samples put ({self.written} new, {self.skipped} skipped as already "
+            f"{self.samples} samples put"
+            + (f" (packed rows of {self.texts} texts)" if self.texts != self.samples else "")
+            + f" ({self.written} new, {self.skipped} skipped as already "
             f"queued, {self.consumed} already consumed, {self.read} read) in "
             f"{self.elapsed_s:.1f}s: {self.samples_per_s:.1f} samples/s, "
             f"{format_size(self.bytes_per_s)}/s"
@@ -261,6 +265,7 @@ class CollatorRun:
         cfg = self.config
         listed = cfg.worker.partition if cfg.skip_queued else None
         queued, epoch = queue_state(cfg.worker.queue, cfg.worker.queue_timeout_s, listed)
+        queued = self._text_keys(queued)
         self._epoch = epoch
         self._epochs = {epoch}
         texts = self._texts()
@@ -391,7 +396,10 @@ class CollatorRun:
         cfg = self.config
         for attempt in range(3):
             try:
-                return queue_state(cfg.worker.queue, cfg.worker.queue_timeout_s, listed, self.stop)
+                queued, epoch = queue_state(
+                    cfg.worker.queue, cfg.worker.queue_timeout_s, listed, self.stop
+                )
+                return self._text_keys(queued), epoch
             except QueueError as e:
                 if e.code != "stopped":
                     raise
@@ -401,6 +409,15 @@ class CollatorRun:
                     raise
                 logger.warning("[collator] queue unreachable at the end of a pass: asking again")
         raise AssertionError("unreachable")
+
+    def _text_keys(self, queued: set[str]) -> set[str]:
+        """The keys of the texts the queue holds: with ``pack`` a sample's key joins those of
+        the texts of its row."""
+        if not self.config.worker.pack:
+            return queued
+        from xtoken_core.data.packing import document_keys
+
+        return {k for key in queued for k in document_keys(key)}
 
     def _see_epoch(self, epoch: Any) -> None:
         """Note the queue instance of a reply; a new one means the queue restarted."""
@@ -539,6 +556,7 @@ class CollatorRun:
             if epoch == self._epoch:  # stored on the current instance: no replay needed
                 self._stored.extend(runs)
             self.summary.samples += counts["samples"]
+            self.summary.texts += counts.get("texts", counts["samples"])
             self.summary.written += counts["written"]
             self.summary.consumed += counts.get("consumed", 0)
             self.summary.nbytes += counts["nbytes"]
@@ -565,7 +583,7 @@ class CollatorRun:
         if fraction is not None and s.read:
             # the reader runs ahead of the puts by the batches in flight: scale what was read
             # by the share of it that is done (put, skipped as queued, or bad)
-            fraction *= min(1.0, (s.samples + s.skipped + s.bad_lines) / s.read)
+            fraction *= min(1.0, (s.texts + s.skipped + s.bad_lines) / s.read)
         left = self._eta.left_s(fraction, now)
         where = "corpus size being counted" if fraction is None else f"{100 * fraction:.0f}% done"
         eta = f", ETA {format_duration(left)}" if left is not None else ""

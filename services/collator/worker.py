@@ -45,7 +45,8 @@ def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict
     happens to have the same length, so that a field's layout never changes between puts.
 
     Args:
-        samples: N >= 1 dicts with the fields of ``xtoken_core.data.sample.SAMPLE_FIELDS``.
+        samples: N >= 1 dicts with the fields of ``xtoken_core.data.sample.SAMPLE_FIELDS`` (and
+            of ``PACKED_FIELDS`` for packed rows, judged by the first sample).
 
     Returns:
         field name -> ``[N]`` tensor or ``JaggedColumn`` of N rows.
@@ -56,7 +57,8 @@ def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict
     if not samples:
         raise ValueError("samples_to_put_fields needs at least one sample, got none")
     fields: dict[str, Any] = {}
-    for spec in schema.SAMPLE_FIELDS:
+    packed = schema.PACKED_FIELDS if schema.is_packed(samples[0]) else ()
+    for spec in schema.SAMPLE_FIELDS + packed:
         try:
             rows = [s[spec.name] for s in samples]
         except KeyError:
@@ -113,6 +115,7 @@ class CollatorWorker:
             aligner=TokenAligner(),
             ctx_length_student=config.ctx_student,
             ctx_length_teacher=config.ctx_teacher,
+            pack=config.pack,
         )
         self._client = client
         self._stop = stop  # abandons a put in flight when set (SIGTERM, whatever the queue does)
@@ -139,11 +142,19 @@ class CollatorWorker:
             items: N ``(key, text)`` pairs with unique keys.
 
         Returns:
-            ``(keys, fields)`` ready for ``client.put``.
+            ``(keys, fields)`` ready for ``client.put``: one sample per text, or with ``pack``
+            one per packed row, keyed by its documents' keys joined (``packing.row_key``).
         """
-        keys = [k for k, _ in items]
-        samples = self.collator.collate_samples([t for _, t in items])
-        return keys, samples_to_put_fields(samples)
+        texts = [t for _, t in items]
+        if not self.collator.pack:
+            return [k for k, _ in items], samples_to_put_fields(
+                self.collator.collate_samples(texts)
+            )
+        from xtoken_core.data.packing import row_key
+
+        rows = self.collator.pack_samples(texts)
+        keys = [row_key([items[i][0] for i in indices]) for indices, _ in rows]
+        return keys, samples_to_put_fields([row for _, row in rows])
 
     def process(self, items: Sequence[tuple[str, str]]) -> dict[str, int]:
         """Collate a batch and put it (one message; idempotent by key).
@@ -152,9 +163,10 @@ class CollatorWorker:
             items: N ``(key, text)`` pairs with unique keys.
 
         Returns:
-            ``{"samples": N, "written": new samples, "consumed": samples the queue refused as
-            already consumed (retention dropped them), "nbytes": payload bytes, "epoch": the
-            queue instance that stored them}``.
+            ``{"samples": samples put (N, or the packed rows), "texts": N, "written": new
+            samples, "consumed": samples the queue refused as already consumed (retention
+            dropped them), "nbytes": payload bytes, "epoch": the queue instance that stored
+            them}``.
 
         Raises:
             QueueError: the queue refused the put or did not answer (names the address).
@@ -181,6 +193,7 @@ class CollatorWorker:
             ) from None
         return {
             "samples": len(keys),
+            "texts": len(items),
             "written": int(reply.get("new_samples", reply.get("written", len(keys)))),
             "consumed": int(reply.get("consumed", 0)),
             "nbytes": put_nbytes(fields),

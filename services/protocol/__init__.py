@@ -28,6 +28,7 @@ from services.protocol.rollout import (
 )
 from services.protocol.teacher import (
     MAX_BLOB_BYTES,
+    POSITIONS_FIELD,
     REQUEST_FIELDS,
     Request,
     Result,
@@ -42,6 +43,7 @@ from services.protocol.teacher import (
 __all__ = [
     "EOF_KEY",
     "MAX_BLOB_BYTES",
+    "POSITIONS_FIELD",
     "REQUEST_FIELDS",
     "ROLLOUT_FIELDS",
     "ROLLOUT_TASK",

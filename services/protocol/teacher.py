@@ -5,7 +5,10 @@ the teacher group's partition ``<partition>.teacher<group>``, keyed ``<trainer i
 
 * ``teacher_input_ids``: the B rows of teacher ids, concatenated (a 1-row jagged column);
 * ``teacher_lengths``: the B row lengths (a 1-row jagged int64 column);
-* ``rank``: ``[1]`` int64, the trainer rank that asked.
+* ``rank``: ``[1]`` int64, the trainer rank that asked;
+* ``teacher_position_ids`` (packed rows only): the rows' positions, restarting at 0 per
+  document, concatenated like the ids (a 1-row jagged int32 column); the teacher masks attention
+  across documents.
 
 A partition keeps one trailing shape per field, and B and U change from request to request (the
 last micro-batch of the data is smaller, a claim may return fewer samples), so every field whose
@@ -37,6 +40,8 @@ from services.protocol.names import TRANSPORTS
 from xtoken_core.wire import JaggedColumn
 
 REQUEST_FIELDS = ("teacher_input_ids", "teacher_lengths", "rank")
+# Sent with the requests of packed rows only.
+POSITIONS_FIELD = "teacher_position_ids"
 # Largest blob accepted from the queue (a descriptor with CUDA IPC handles is ~1 KiB).
 MAX_BLOB_BYTES = 1 << 20
 
@@ -69,15 +74,24 @@ def unpack_blob(column: Any, what: str) -> Any:
         raise ValueError(f"{what}: not a msgpack blob ({e})") from None
 
 
-def request_fields(rows: list[torch.Tensor], rank: int) -> dict[str, Any]:
-    """Fields of one request record: B teacher-id rows of trainer ``rank``."""
+def request_fields(
+    rows: list[torch.Tensor], rank: int, positions: list[torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Fields of one request record: B teacher-id rows of trainer ``rank`` (and, for packed
+    rows, their positions: one row of each length per id row)."""
     lengths_B = torch.tensor([int(r.numel()) for r in rows], dtype=torch.int64)
     ids = torch.cat([r.to(torch.int64) for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
-    return {
+    fields = {
         "teacher_input_ids": _one_row(ids),
         "teacher_lengths": _one_row(lengths_B),
         "rank": torch.tensor([rank], dtype=torch.int64),
     }
+    if positions is not None:
+        flat = [p.to(torch.int32) for p in positions]
+        fields[POSITIONS_FIELD] = _one_row(
+            torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int32)
+        )
+    return fields
 
 
 def hidden_column(hidden_BUd: torch.Tensor) -> JaggedColumn:
@@ -117,12 +131,15 @@ class Request:
         rank: trainer rank that asked.
         ids_BU: ``[B, U]`` int64 teacher ids, right-padded with ``pad_id``.
         lengths_B: ``[B]`` int64 row lengths.
+        positions_BU: packed rows: ``[B, U]`` int64 positions restarting per document, padded
+            with 0; None for rows of one text each.
     """
 
     key: str
     rank: int
     ids_BU: torch.Tensor
     lengths_B: torch.Tensor
+    positions_BU: torch.Tensor | None = None
 
 
 def _integer(t: torch.Tensor) -> bool:
@@ -169,7 +186,32 @@ def decode_request(key: str, fields: dict[str, Any], index: int, pad_id: int) ->
     ids_BU = torch.full((B, U), pad_id, dtype=torch.int64)
     for b, row in enumerate(torch.split(flat.to(torch.int64), lengths_B.tolist())):
         ids_BU[b, : row.numel()] = row
-    return Request(key=key, rank=rank, ids_BU=ids_BU, lengths_B=lengths_B)
+    positions_BU = None
+    if POSITIONS_FIELD in fields:
+        positions_BU = _positions(key, fields[POSITIONS_FIELD], index, lengths_B, U)
+    return Request(
+        key=key, rank=rank, ids_BU=ids_BU, lengths_B=lengths_B, positions_BU=positions_BU
+    )
+
+
+def _positions(key: str, column: Any, index: int, lengths_B: torch.Tensor, U: int) -> torch.Tensor:
+    """The ``[B, U]`` positions of a packed request (0 in the padding).
+
+    Raises:
+        ValueError: not a jagged integer field of one position per id (names the record key).
+    """
+    flat = column.row(index) if isinstance(column, JaggedColumn) else None
+    if flat is None or not _integer(flat) or flat.dim() != 1:
+        raise ValueError(f"request {key!r}: {POSITIONS_FIELD} must be a jagged integer field")
+    if flat.numel() != int(lengths_B.sum()) or (flat.numel() and int(flat.min()) < 0):
+        raise ValueError(
+            f"request {key!r}: {flat.numel()} {POSITIONS_FIELD} (each >= 0) for "
+            f"{int(lengths_B.sum())} ids"
+        )
+    positions_BU = torch.zeros((int(lengths_B.numel()), U), dtype=torch.int64)
+    for b, row in enumerate(torch.split(flat.to(torch.int64), lengths_B.tolist())):
+        positions_BU[b, : row.numel()] = row
+    return positions_BU
 
 
 @dataclasses.dataclass(frozen=True)

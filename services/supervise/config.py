@@ -122,7 +122,19 @@ class CollatorSection:
     """The collator process."""
 
     workers: int = field(default=1, metadata={"help": "collator worker processes"})
-    batch: int = field(default=16, metadata={"help": "texts per put"})
+    batch: int = field(
+        default=16,
+        metadata={"help": "texts per put (with pack: the texts packed together; hundreds)"},
+    )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": "pack whole documents into rows of ctx_student / ctx_teacher tokens instead "
+            "of one text per sample: positions restart per document, attention, chunks and "
+            "next-token targets stay within a document (docs/design.md, Packing); the run sets "
+            "trainer.pack and teacher.pack"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.batch < 1:
@@ -291,6 +303,13 @@ class RunConfig:
                 "collator.workers: 1, or data.ordered: false"
             )
         tr.ordered = tr.ordered or self.data.ordered
+        for section, value in (("trainer", tr.pack), ("teacher", t.pack)):
+            if value and not self.collator.pack:
+                raise ValueError(
+                    f"{section}.pack: true but collator.pack is false; set collator.pack: true "
+                    f"(the run sets {section}.pack from it)"
+                )
+        tr.pack = t.pack = self.collator.pack
         if self.teachers > self.trainers:
             raise ValueError(
                 f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "

@@ -174,7 +174,11 @@ def make_data_sections(
         "text_field": cfg.data.text_field,
         "shuffle_seed": cfg.data.seed,
         "skip_bad_lines": cfg.data.skip_bad_lines,
-        "worker": {"ctx_student": cfg.ctx_student, "ctx_teacher": cfg.ctx_teacher},
+        "worker": {
+            "ctx_student": cfg.ctx_student,
+            "ctx_teacher": cfg.ctx_teacher,
+            "pack": cfg.collator.pack,
+        },
     }
     return out
 

@@ -97,7 +97,8 @@ def _loop(
                 proto.TEACHER_TASK,
                 ["teacher_input_ids"],
                 min(4, BACKLOG - len(backlog)),
-                fields=list(proto.REQUEST_FIELDS),
+                fields=list(proto.REQUEST_FIELDS)
+                + ([proto.POSITIONS_FIELD] if config.pack else []),
                 timeout_s=BUSY_CLAIM_S if backlog else config.claim_timeout_s,
                 lease_s=config.lease_s,
             )

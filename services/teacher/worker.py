@@ -107,6 +107,20 @@ class TeacherConfig:
             "length); unset: on for cuda, off on cpu; a failed compile falls back to eager"
         },
     )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": "requests hold packed rows of several documents (collator.pack; xtoken run "
+            "sets it): the model runs packed_attention"
+        },
+    )
+    packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
+        default="auto",
+        metadata={
+            "help": "attention of packed rows: flex_attention (a document BlockMask), sdpa (a "
+            "[B, 1, T, T] mask) or auto (flex_attention on cuda, sdpa elsewhere)"
+        },
+    )
     checksum: bool = field(
         default=False,
         metadata={"help": "put a checksum of each slot (int64 sum of its bits) in its handle"},
@@ -178,6 +192,10 @@ class TeacherConfig:
             )
         resolve_dtype(self.dtype, self.device)
         resolve_dtype(self.logits_dtype, self.device)
+        if self.packed_attention not in ("auto", "flex_attention", "sdpa"):
+            raise ValueError(
+                f"packed_attention={self.packed_attention!r}: use auto, flex_attention or sdpa"
+            )
 
 
 class TeacherWorker:
@@ -215,6 +233,10 @@ class TeacherWorker:
         self.model = model.eval().requires_grad_(False)
         self.width = model_vocab_size(self.model)
         check_vocab(f"teacher model {config.model!r}", self.width, self.tokenizer_vocab)
+        if config.pack:  # packed rows: document-boundary attention (compiled as such below)
+            from xtoken_core.models.documents import packed_attention, use_packed_attention
+
+            use_packed_attention(self.model, packed_attention(config.packed_attention, self.device))
         self.backbone, self.lm_head = split_lm_head(self.model)
         self.hidden_size = int(self.lm_head.weight.shape[1])  # d: the output layer's input
         self.compiled = RegionalCompile(self.model, resolve_compile(config.compile, config.device))
@@ -296,7 +318,8 @@ class TeacherWorker:
         """Whether ``request`` may share the forward of ``group`` (requests that passed
         :meth:`check`).
 
-        It may when it has the group's length U and the rows stay within ``forward_rows``. A
+        It may when it has the group's length U, is packed as the group is (positions or
+        none), and the rows stay within ``forward_rows``. A
         shared forward pads no row further than its own request did: padding would cost
         compute, and it would change the numerics (on CPU the attention's reductions group
         their terms by the padded length), where an equal length keeps each row's result
@@ -309,21 +332,36 @@ class TeacherWorker:
             return True
         rows = sum(int(r.ids_BU.shape[0]) for r in group) + int(request.ids_BU.shape[0])
         return (
-            request.ids_BU.shape[1] == group[0].ids_BU.shape[1] and rows <= self.config.forward_rows
+            request.ids_BU.shape[1] == group[0].ids_BU.shape[1]
+            and (request.positions_BU is None) == (group[0].positions_BU is None)
+            and rows <= self.config.forward_rows
         )
 
-    def _hidden(self, ids_RU: torch.Tensor, lengths_R: torch.Tensor) -> torch.Tensor:
-        """Final (post-norm) hidden states ``[R, U, d]`` (an inference tensor) of padded rows."""
+    def _hidden(
+        self,
+        ids_RU: torch.Tensor,
+        lengths_R: torch.Tensor,
+        positions_RU: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final (post-norm) hidden states ``[R, U, d]`` (an inference tensor) of padded rows;
+        packed rows (``positions_RU``) attend within their documents only."""
         ids_RU = ids_RU.to(self.device, non_blocking=True)
-        pos_U = torch.arange(ids_RU.shape[1], device=self.device)
-        mask_RU = (pos_U[None, :] < lengths_R.to(self.device)[:, None]).to(torch.int64)
-        hidden_RUd = self.compiled.run(lambda: self.backbone(ids_RU, mask_RU))
+        if positions_RU is None:
+            pos_U = torch.arange(ids_RU.shape[1], device=self.device)
+            mask_RU = (pos_U[None, :] < lengths_R.to(self.device)[:, None]).to(torch.int64)
+            hidden_RUd = self.compiled.run(lambda: self.backbone(ids_RU, mask_RU))
+        else:
+            from xtoken_core.models.documents import document_attention_mask
+
+            positions_RU = positions_RU.to(self.device, non_blocking=True)
+            mask = document_attention_mask(self.model.config, positions_RU, self.dtype)
+            hidden_RUd = self.compiled.run(lambda: self.backbone(ids_RU, mask, positions_RU))
         self.forwards += 1
         return hidden_RUd
 
     def hidden_states(self, request: Request) -> torch.Tensor:
         """Final (post-norm) hidden states ``[B, U, d]`` of a request (an inference tensor)."""
-        return self._hidden(request.ids_BU, request.lengths_B)
+        return self._hidden(request.ids_BU, request.lengths_B, request.positions_BU)
 
     def logits(self, request: Request) -> torch.Tensor:
         """Full-vocab logits ``[B, U, W]`` (the model dtype) of a request, no ring."""
@@ -398,8 +436,11 @@ class TeacherWorker:
             ]
         ids_RU = torch.cat([r.ids_BU for r in requests])
         lengths_R = torch.cat([r.lengths_B for r in requests])
+        positions_RU = None  # the requests of one forward are all packed, or none (fits)
+        if requests[0].positions_BU is not None:
+            positions_RU = torch.cat([r.positions_BU for r in requests])
         try:
-            hidden_RUd = self._hidden(ids_RU, lengths_R)
+            hidden_RUd = self._hidden(ids_RU, lengths_R, positions_RU)
         except Exception:
             if len(requests) == 1:
                 self._abandon(requests, slots)

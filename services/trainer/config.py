@@ -213,6 +213,22 @@ class TrainerConfig:
             "runs at micro_batch x max_length (0: 128 tokens)"
         },
     )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": "the samples are packed rows of several documents (collator.pack; xtoken "
+            "run sets it): positions restart per document, attention stays within a document, "
+            "and the start-up step compiles for that"
+        },
+    )
+    packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
+        default="auto",
+        metadata={
+            "help": "attention of packed rows: flex_attention (a document BlockMask whose blocks "
+            "across documents are skipped), sdpa (a [B, 1, T, T] mask) or auto (flex_attention "
+            "on cuda, sdpa elsewhere)"
+        },
+    )
     fused_head: bool = field(
         default=False,
         metadata={
@@ -315,6 +331,10 @@ class TrainerConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if self.param_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"param_dtype={self.param_dtype!r}: use auto, float32 or bfloat16")
+        if self.packed_attention not in ("auto", "flex_attention", "sdpa"):
+            raise ValueError(
+                f"packed_attention={self.packed_attention!r}: use auto, flex_attention or sdpa"
+            )
         unknown = [name for name in self.report_to if name not in TRACKERS]
         if unknown:
             raise ValueError(

@@ -146,6 +146,9 @@ class TeacherFeed:
             p = _Pending(
                 **{f.name: getattr(c, f.name) for f in dataclasses.fields(Claimed)},
                 rows=[s["teacher_input_ids"] for s in c.samples],
+                positions=[s["teacher_position_ids"] for s in c.samples]
+                if self.config.pack
+                else None,
                 shape=tuple(c.batch["teacher_input_ids"].shape),
             )
             if self.config.loss.uses_teacher:

@@ -197,7 +197,7 @@ class SampleFeed:
         got = self.client.claim(
             cfg.partition,
             self.task,
-            schema.FIELD_NAMES,
+            schema.FIELD_NAMES + (schema.PACKED_FIELD_NAMES if cfg.pack else ()),
             samples,
             timeout_s=cfg.claim_timeout_s if block else 0.001,
             lease_s=cfg.lease_s,

@@ -62,6 +62,7 @@ class Asked:
 
     Attributes:
         rows: the B teacher-id rows of the request.
+        positions: packed rows: their B position rows (restarting per document), else None.
         shape: ``(B, U)`` of the micro-batch's padded teacher ids (the result must match).
         request_key: the key of the latest request record (``<instance>:<seq>``).
         asked_at: when it was put (``time.monotonic``).
@@ -72,6 +73,7 @@ class Asked:
     """
 
     rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    positions: list[torch.Tensor] | None = None
     shape: tuple[int, int] = (0, 0)
     request_key: str = ""
     asked_at: float = 0.0
@@ -136,7 +138,9 @@ class TeacherClient:
         p.attempts += 1
         p.teacher = self.teacher
         self.client.put(
-            self.req_partition, [p.request_key], proto.request_fields(p.rows, self.rank)
+            self.req_partition,
+            [p.request_key],
+            proto.request_fields(p.rows, self.rank, positions=p.positions),
         )
         self._by_request[p.request_key] = p
 

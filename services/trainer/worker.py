@@ -213,6 +213,10 @@ class TrainerWorker:
         if self.param_dtype != torch.float32 and not fsdp:
             compute = copy.deepcopy(self.module).to(self.param_dtype)
             self.master = MasterWeights(self.module, compute, accumulate_in_hooks=world_size == 1)
+        if config.pack:  # packed rows: document-boundary attention (compiled as such below)
+            from xtoken_core.models.documents import packed_attention, use_packed_attention
+
+            use_packed_attention(compute, packed_attention(config.packed_attention, self.device))
         if config.activation_checkpointing:
             _checkpoint_activations(compute)
         self.cuda_graphs = self._resolve_cuda_graphs()
@@ -393,10 +397,12 @@ class TrainerWorker:
 
         Counted from the micro-batches' CPU fields: the host needs no value from the GPU, so the
         previous step's kernels still run while the next one is prepared."""
+        from xtoken_core.data.packing import document_targets
         from xtoken_core.losses.utils import dp_all_reduce_sum
 
         if self.loss_fn is not None and micro_batches:
-            return self.loss_fn.count_valid([mb.batch for mb in micro_batches], self.device)
+            batches = [document_targets(mb.batch) for mb in micro_batches]
+            return self.loss_fn.count_valid(batches, self.device)
         counts = {}
         if self.loss_fn is not None:  # a rank without data joins the same all-reduces, in order
             n = self.loss_fn.config.num_teachers
@@ -404,7 +410,7 @@ class TrainerWorker:
             counts["global_valid_chunks"] = dp_all_reduce_sum(chunks)
         tokens = torch.zeros((), dtype=torch.float32, device=self.device)
         for mb in micro_batches:
-            b = mb.batch
+            b = document_targets(mb.batch)
             mask = b["token_mask"][:, 1:].bool() & b["sample_mask"].bool()[:, None]
             tokens += mask.sum().to(self.device)
         counts["global_valid_tokens"] = dp_all_reduce_sum(tokens)
@@ -434,17 +440,49 @@ class TrainerWorker:
             return contextlib.nullcontext()
         return self._autocast()
 
-    def _forward(self, input_ids_BT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
-        """The student's ``[B, T, V]`` logits (``mask_BT`` None: causal attention alone)."""
+    def _forward(
+        self, input_ids_BT: torch.Tensor, mask_BT: Any, position_ids_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The student's ``[B, T, V]`` logits (``mask_BT`` None: causal attention alone; packed
+        rows: the document mask and the positions restarting per document)."""
+        kwargs = {} if position_ids_BT is None else {"position_ids": position_ids_BT}
         with self._train_autocast():
             return self.model(
-                input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False
+                input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False, **kwargs
             ).logits
 
-    def _hidden(self, input_ids_BT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+    def _hidden(
+        self, input_ids_BT: torch.Tensor, mask_BT: Any, position_ids_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The backbone's ``[B, T, D]`` last hidden states (the fused head's input)."""
         with self._train_autocast():
-            return self._backbone(input_ids_BT, mask_BT)
+            return self._backbone(input_ids_BT, mask_BT, position_ids_BT)
+
+    def _attention(self, batch: dict[str, torch.Tensor], cpu_mask_BT: torch.Tensor) -> tuple:
+        """``(attention_mask, position_ids)`` of a micro-batch's forward.
+
+        Packed rows: the document mask (:mod:`xtoken_core.models.documents`) and the positions
+        restarting per document. Otherwise no positions, and no mask when every row is right
+        padded: under causal attention no real token attends to a pad, so the fused causal
+        kernels serve every such batch (one graph).
+        """
+        if "position_ids" in batch:
+            from xtoken_core.models.documents import document_attention_mask
+
+            position_ids_BT = batch["position_ids"].long()
+            mask = document_attention_mask(
+                self.compute.config, position_ids_BT, self._forward_dtype()
+            )
+            return mask, position_ids_BT
+        if _is_prefix_mask(cpu_mask_BT):
+            return None, None
+        return batch["token_mask"].long(), None
+
+    def _forward_dtype(self) -> torch.dtype:
+        """The dtype the attention computes in (an additive mask's dtype)."""
+        if self.param_dtype != torch.float32:
+            return self.param_dtype
+        return self.autocast_dtype if self.device.type == "cuda" else torch.float32
 
     # ------------------------------------------------------------------ start-up step
 
@@ -503,24 +541,39 @@ class TrainerWorker:
         shape = (self.config.micro_batch, length)
         return torch.full(shape, self.student_pad_id, dtype=torch.long, device=self.device)
 
+    def _warm_attention(self, ids_BT: torch.Tensor) -> tuple:
+        """``(attention_mask, position_ids)`` of a start-up (or empty) forward: none, or with
+        ``pack`` two documents per row, so that the graphs built are those of packed rows."""
+        if not self.config.pack:
+            return None, None
+        from xtoken_core.models.documents import document_attention_mask
+
+        T = ids_BT.shape[1]
+        half = T // 2
+        positions_T = torch.cat([torch.arange(half), torch.arange(T - half)]).to(self.device)
+        position_ids_BT = positions_T.expand(ids_BT.shape[0], T)
+        mask = document_attention_mask(self.compute.config, position_ids_BT, self._forward_dtype())
+        return mask, position_ids_BT
+
     def _warm_step(self, ids_BT: torch.Tensor) -> None:
         if self.cuda_graphs:
             mark_step()
+        mask, position_ids = self._warm_attention(ids_BT)
         with self._sync(last=False):
             if self.head is not None:  # the head's blocks of logits, not the whole logits
-                self._warm_head(ids_BT)
+                self._warm_head(ids_BT, mask, position_ids)
             else:
-                logits_BTV = self._forward(ids_BT, None)
+                logits_BTV = self._forward(ids_BT, mask, position_ids)
                 (logits_BTV.sum() * 0.0).backward()
                 del logits_BTV
         self._zero_grads()
 
-    def _warm_head(self, ids_BT: torch.Tensor) -> None:
+    def _warm_head(self, ids_BT: torch.Tensor, mask: Any = None, position_ids: Any = None) -> None:
         """A forward and backward through the fused head (its student CE: no teacher at
         start-up), with the blocks and their gradients a step holds."""
         from xtoken_core.losses.fused_head import FusedHead
 
-        hidden_BTD = self._hidden(ids_BT, None)
+        hidden_BTD = self._hidden(ids_BT, mask, position_ids)
         ones_BT = torch.ones_like(ids_BT, dtype=torch.bool)
         batch = {"input_ids": ids_BT, "token_mask": ones_BT}
         head = FusedHead(None, self.head.block_rows)
@@ -581,10 +634,13 @@ class TrainerWorker:
         Returns:
             The step result.
         """
+        from xtoken_core.data.packing import document_targets
+
         clock = clock or PhaseClock(self.device)
         # the padded fields go to the device once (the micro-batch steps read them there); the
-        # counts come from the CPU fields
-        batches = [self._to_device(mb.batch) for mb in micro_batches]
+        # counts come from the CPU fields. Packed rows: the loss sees no target across documents
+        targets = [document_targets(mb.batch) for mb in micro_batches]
+        batches = [self._to_device(b) for b in targets]
         counts = self.count_valid(micro_batches)
         counts = {k: v.to(self.device, non_blocking=True) for k, v in counts.items()}
         sums: dict[str, torch.Tensor] = {}
@@ -599,16 +655,14 @@ class TrainerWorker:
                     self._empty_backward()
                     continue
                 batch = batches[i]
-                # right padding under causal attention: no real token sees a pad, so a batch
-                # whose masks are prefixes needs no mask (the fused causal kernels, one graph)
-                mask = None if _is_prefix_mask(mb.batch["token_mask"]) else batch["token_mask"]
                 # with the fused head the forward stops at the hidden states; the output layer
                 # runs in the loss phase, its backward too (the head makes dh and dW there)
                 forward = self._forward if self.head is None else self._hidden
                 if self.cuda_graphs:
                     mark_step()
                 with clock.phase("forward", gpu=True):
-                    out = forward(batch["input_ids"], None if mask is None else mask.long())
+                    mask, position_ids = self._attention(batch, mb.batch["token_mask"])
+                    out = forward(batch["input_ids"], mask, position_ids)
                 teacher = None
                 if mb.teacher_logits is not None:
                     with clock.phase("teacher_wait"):
@@ -617,7 +671,7 @@ class TrainerWorker:
                     if self.head is None:
                         loss, metrics = self._loss(out, batch, counts, teacher)
                     else:
-                        loss, metrics = self._head_loss(out, mb.batch, counts, teacher)
+                        loss, metrics = self._head_loss(out, targets[i], counts, teacher)
                 with clock.phase("backward", gpu=True):
                     # DDP averages gradients over ranks; the loss is already divided by the
                     # global denominators, so scale back to a sum (FSDP sums: _parallelize)
@@ -658,7 +712,7 @@ class TrainerWorker:
         ids = torch.full((1, 2), self.student_pad_id, dtype=torch.long, device=self.device)
         if self.cuda_graphs:
             mark_step()
-        logits = self._forward(ids, None)
+        logits = self._forward(ids, *self._warm_attention(ids))
         (logits.float().sum() * 0.0).backward()
 
     def _optimizer_step(self) -> tuple[bool, torch.Tensor]:

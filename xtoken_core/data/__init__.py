@@ -1,4 +1,5 @@
-"""Data: the cross-tokenizer collator, the sample schema, corpora and projection matrices."""
+"""Data: the cross-tokenizer collator, the sample schema, document packing, corpora and projection
+matrices."""
 
 from xtoken_core.data.collator import CrossTokenizerCollator, resolve_pad_id
 from xtoken_core.data.corpus import (

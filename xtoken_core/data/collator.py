@@ -4,6 +4,10 @@ Two outputs from the same steps:
 
 * ``collator(batch)``: a right-padded batch, a flat ``{key: tensor}`` dict (keys, dtypes, pad
   values and widths: see :mod:`xtoken_core.data.sample`).
+* ``pack=True``: the same texts as packed rows (:mod:`xtoken_core.data.packing`): whole documents
+  side by side in rows of the context lengths, positions restarting per document, chunk ids
+  offset per document; ``collate_samples`` returns one sample per row and ``pack_samples`` says
+  which texts each row holds.
 * ``collator.collate_one(text)`` / ``collate_samples(texts)``: jagged samples (no padding) for
   the transfer queue; ``collate_sampled(rows)`` the same of token ids the student sampled (the
   text they spell, cut at valid UTF-8, tokenized again by the teacher).
@@ -83,6 +87,8 @@ class CrossTokenizerCollator:
         make_seq_div_by_student: pad T to a multiple of this (e.g. TP * CP * 2), >= 1.
         make_seq_div_by_teacher: pad U to a multiple of this, >= 1.
         add_special_tokens: let each tokenizer add its usual specials (BOS...).
+        pack: put several whole documents into each sample (a row of ``ctx_length_*`` tokens
+            per side) instead of one text per sample; see :mod:`xtoken_core.data.packing`.
 
     Raises:
         ValueError: on a context length or divisor < 1 (or not an int).
@@ -99,6 +105,7 @@ class CrossTokenizerCollator:
         make_seq_div_by_student: int = 1,
         make_seq_div_by_teacher: int = 1,
         add_special_tokens: bool = True,
+        pack: bool = False,
     ) -> None:
         for name, value in (
             ("ctx_length_student", ctx_length_student),
@@ -116,6 +123,7 @@ class CrossTokenizerCollator:
         self.make_seq_div_by_student = int(make_seq_div_by_student)
         self.make_seq_div_by_teacher = int(make_seq_div_by_teacher)
         self.add_special_tokens = bool(add_special_tokens)
+        self.pack = bool(pack)
         self.student_pad_id = resolve_pad_id(student_tokenizer)
         self.teacher_pad_id = resolve_pad_id(teacher_tokenizer)
 
@@ -176,6 +184,9 @@ class CrossTokenizerCollator:
             ``sample_mask`` [B] float32, ``teacher_input_ids`` [B, U] int64,
             ``teacher_input_lengths`` [B] int64, ``teacher_token_mask`` [B, U] bool, and
             ``alignment_<field>`` for every AlignmentBatch field ([B, C], [B, T], [B, U], [B]).
+            With ``pack``: B is the number of packed rows (``pad_samples`` of
+            ``collate_samples(batch)``), with ``position_ids`` [B, T] and
+            ``teacher_position_ids`` [B, U] too.
 
         Raises:
             ValueError: on an empty batch or an item without text; UnicodeEncodeError (a
@@ -183,6 +194,8 @@ class CrossTokenizerCollator:
         """
         if len(batch) == 0:
             raise ValueError("CrossTokenizerCollator needs at least one text, got an empty batch")
+        if self.pack:
+            return schema.pad_samples(self.collate_samples(batch), **self.pad_kwargs())
         texts = [_text_of(item, i) for i, item in enumerate(batch)]
         student, teacher = self.tokenize(texts)
         lengths_s = [len(t) for t in student]
@@ -238,16 +251,51 @@ class CrossTokenizerCollator:
         """Collate B texts into B jagged samples (what a collator worker puts on the queue).
 
         Same result as ``[collate_one(x) for x in batch]``, tokenizing each side in one call.
+        With ``pack``: the packed rows of :meth:`pack_samples`.
 
         Args:
             batch: B items, each a str or a mapping with a string ``"text"`` key.
 
         Returns:
-            B sample dicts (see :meth:`collate_one`).
+            B sample dicts (see :meth:`collate_one`), or R packed rows.
 
         Raises:
             ValueError: if an item has no text.
         """
+        if self.pack:
+            return [row for _, row in self.pack_samples(batch)]
+        return self._documents(batch)
+
+    def pack_samples(self, batch: Sequence[Any]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+        """Collate B texts into packed rows (:mod:`xtoken_core.data.packing`): each text is
+        tokenized, truncated and aligned on its own, then whole documents fill rows of
+        ``ctx_length_student`` / ``ctx_length_teacher`` tokens (best fit, longest first).
+
+        Args:
+            batch: B items, each a str or a mapping with a string ``"text"`` key.
+
+        Returns:
+            R ``(indices, row)`` pairs: the indices of the texts the row holds, in order (every
+            text in exactly one row; an empty text adds no token), and the row's jagged sample
+            with ``position_ids`` and ``teacher_position_ids``.
+
+        Raises:
+            ValueError: if an item has no text.
+        """
+        from xtoken_core.data.packing import join_documents, pack_rows
+
+        documents = self._documents(batch)
+        counted = [float(d["sample_mask"]) != 0.0 for d in documents]
+        rows = pack_rows(
+            [int(d["input_lengths"]) if c else 0 for d, c in zip(documents, counted)],
+            [int(d["teacher_input_lengths"]) if c else 0 for d, c in zip(documents, counted)],
+            self.ctx_length_student,
+            self.ctx_length_teacher,
+        )
+        return [(row, join_documents([documents[i] for i in row])) for row in rows]
+
+    def _documents(self, batch: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
+        """One unpacked jagged sample per text."""
         texts = [_text_of(item, i) for i, item in enumerate(batch)]
         return [self.pack_sample(s, t) for s, t in zip(*self.tokenize(texts))]
 

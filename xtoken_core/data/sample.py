@@ -19,6 +19,13 @@ Masks and pads:
   an empty text (it stays in the batch, in its slot, but contributes nothing).
 * ``input_ids`` pads with the student pad id, ``teacher_input_ids`` with the teacher pad id
   (see ``CrossTokenizerCollator.pad_values``), chunk ids with -1, masks with False.
+
+Packed rows (``CrossTokenizerCollator(pack=True)``, :mod:`xtoken_core.data.packing`): a sample is a
+row of several whole documents and carries two more per-token fields, :data:`PACKED_FIELDS`:
+``position_ids`` / ``teacher_position_ids`` (int32), each document's positions from 0, so a 0
+marks where a document starts. Padding writes 0 there: every pad token is a document of its own.
+Either every sample of a batch has them or none; the frames of a put grow by the two fields'
+buffers, never per document.
 """
 
 from __future__ import annotations
@@ -79,8 +86,15 @@ SAMPLE_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("alignment_teacher_chunk_id", torch.int64, TEACHER_TOKEN, -1),
     FieldSpec("alignment_num_chunks", torch.int64, SAMPLE, None),
 )
-FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS}
+# Fields of packed rows only (several documents per sample): positions restart at each document.
+PACKED_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec("position_ids", torch.int32, STUDENT_TOKEN, 0),
+    FieldSpec("teacher_position_ids", torch.int32, TEACHER_TOKEN, 0),
+)
+FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS + PACKED_FIELDS}
+# The fields every sample has (a trainer's claim requires them).
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
+PACKED_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in PACKED_FIELDS)
 
 # Per-sample field that holds each jagged axis' length.
 LENGTH_FIELD: dict[str, str] = {
@@ -91,7 +105,7 @@ LENGTH_FIELD: dict[str, str] = {
 
 
 def fields_on_axis(axis: str) -> tuple[str, ...]:
-    """Names of the fields on one axis.
+    """Names of the fields on one axis (packed rows' position fields included).
 
     Args:
         axis: one of ``"student_token"``, ``"teacher_token"``, ``"chunk"``, ``"sample"``.
@@ -106,7 +120,7 @@ def fields_on_axis(axis: str) -> tuple[str, ...]:
         raise ValueError(
             f"unknown axis {axis!r}; use one of {STUDENT_TOKEN}, {TEACHER_TOKEN}, {CHUNK}, {SAMPLE}"
         )
-    return tuple(f.name for f in SAMPLE_FIELDS if f.axis == axis)
+    return tuple(f.name for f in SAMPLE_FIELDS + PACKED_FIELDS if f.axis == axis)
 
 
 def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | float | bool]:
@@ -117,14 +131,27 @@ def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | f
         teacher_pad_id: id written into padding of ``teacher_input_ids``.
 
     Returns:
-        ``{field name: pad value}`` for every field that is not per-sample.
+        ``{field name: pad value}`` for every field that is not per-sample (packed rows'
+        position fields included).
     """
     resolved = {STUDENT_PAD_ID: int(student_pad_id), TEACHER_PAD_ID: int(teacher_pad_id)}
     return {
         f.name: resolved.get(f.pad, f.pad) if isinstance(f.pad, str) else f.pad
-        for f in SAMPLE_FIELDS
+        for f in SAMPLE_FIELDS + PACKED_FIELDS
         if f.axis != SAMPLE
     }
+
+
+def is_packed(sample: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a sample (or a padded batch) is a packed row: it carries the position fields.
+
+    Args:
+        sample: a jagged sample or a padded batch.
+
+    Returns:
+        True when it has ``position_ids``.
+    """
+    return PACKED_FIELDS[0].name in sample
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -146,16 +173,21 @@ def validate_sample(sample: Mapping[str, torch.Tensor]) -> None:
 
     Args:
         sample: ``{field name: tensor}`` as made by ``CrossTokenizerCollator.collate_one``.
-            Extra keys are allowed (e.g. a key or teacher handle added later).
+            Extra keys are allowed (e.g. a key or teacher handle added later); a packed row
+            has both fields of :data:`PACKED_FIELDS`.
 
     Raises:
         ValueError: on a missing field, a wrong dtype or rank, or a length that disagrees with
             its length field; the message names the field.
     """
     missing = [name for name in FIELD_NAMES if name not in sample]
+    specs = SAMPLE_FIELDS
+    if any(name in sample for name in PACKED_FIELD_NAMES):
+        missing += [name for name in PACKED_FIELD_NAMES if name not in sample]
+        specs = SAMPLE_FIELDS + PACKED_FIELDS
     if missing:
         raise ValueError(f"sample lacks fields {missing}; build it with collate_one()")
-    for spec in SAMPLE_FIELDS:
+    for spec in specs:
         value = sample[spec.name]
         if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype:
             got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
@@ -165,7 +197,7 @@ def validate_sample(sample: Mapping[str, torch.Tensor]) -> None:
             raise ValueError(
                 f"field {spec.name!r}: expected {want_dim}-d, got shape {tuple(value.shape)}"
             )
-    for spec in SAMPLE_FIELDS:
+    for spec in specs:
         if spec.axis == SAMPLE:
             continue
         length = int(sample[LENGTH_FIELD[spec.axis]])
@@ -197,15 +229,23 @@ def pad_samples(
 
     Returns:
         ``{field: tensor}``: per-student-token fields [B, T], per-teacher-token [B, U],
-        per-chunk [B, C], per-sample [B]; dtypes as in :data:`SAMPLE_FIELDS`.
+        per-chunk [B, C], per-sample [B]; dtypes as in :data:`SAMPLE_FIELDS` (and
+        :data:`PACKED_FIELDS` for packed rows).
 
     Raises:
-        ValueError: on an empty ``samples``, a divisor < 1, or a sample that breaks the schema.
+        ValueError: on an empty ``samples``, a divisor < 1, a sample that breaks the schema, or
+            packed rows mixed with unpacked samples.
     """
     if not samples:
         raise ValueError("pad_samples needs at least one sample, got an empty sequence")
     for sample in samples:
         validate_sample(sample)
+    packed = [is_packed(s) for s in samples]
+    if any(packed) and not all(packed):
+        raise ValueError(
+            f"{sum(packed)} of {len(samples)} samples are packed rows (position_ids) and the "
+            "others are not; a batch comes from one collator setting (collator.pack)"
+        )
     divisors = {
         STUDENT_TOKEN: int(make_seq_div_by_student),
         TEACHER_TOKEN: int(make_seq_div_by_teacher),
@@ -223,7 +263,7 @@ def pad_samples(
         for axis, length in LENGTH_FIELD.items()
     }
     batch: dict[str, torch.Tensor] = {}
-    for spec in SAMPLE_FIELDS:
+    for spec in SAMPLE_FIELDS + (PACKED_FIELDS if packed[0] else ()):
         rows = [s[spec.name] for s in samples]
         if spec.axis == SAMPLE:
             batch[spec.name] = torch.stack(rows)

@@ -1,5 +1,5 @@
 """Causal LMs offline: loading (folder, preset, smollm2, GGUF, dropped layers), dtypes, output-layer
-split, eval."""
+split, eval; document masks of packed rows in ``documents``."""
 
 from xtoken_core.models.dtypes import resolve_dtype
 from xtoken_core.models.eval import bits_per_byte

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -65,8 +66,10 @@ def split_lm_head(
         model: a transformers causal LM (``base_model`` + ``get_output_embeddings()``).
 
     Returns:
-        (backbone, lm_head): ``backbone(input_ids_BU, attention_mask_BU=None)`` returns the final
-        hidden states after the last norm, [B, U, d]; ``lm_head`` maps [..., d] -> [..., W].
+        (backbone, lm_head): ``backbone(input_ids_BU, attention_mask_BU=None,
+        position_ids_BU=None)`` returns the final hidden states after the last norm, [B, U, d]
+        (packed rows: the positions restarting per document and their document mask,
+        :mod:`xtoken_core.models.documents`); ``lm_head`` maps [..., d] -> [..., W].
 
     Raises:
         ValueError: the model has no separate output layer or base model, or its config
@@ -95,10 +98,15 @@ def split_lm_head(
             )
 
     def backbone(
-        input_ids_BU: torch.Tensor, attention_mask_BU: torch.Tensor | None = None
+        input_ids_BU: torch.Tensor,
+        attention_mask_BU: Any = None,
+        position_ids_BU: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states [B, U, d] (after the last norm) of ``input_ids_BU``."""
-        out = base(input_ids=input_ids_BU, attention_mask=attention_mask_BU, use_cache=False)
+        kwargs = {} if position_ids_BU is None else {"position_ids": position_ids_BU}
+        out = base(
+            input_ids=input_ids_BU, attention_mask=attention_mask_BU, use_cache=False, **kwargs
+        )
         return out.last_hidden_state
 
     return backbone, lm_head

@@ -248,3 +248,30 @@ def test_a_queue_address_without_scheme_exits_two_naming_the_flag(corpus_slice):
     assert proc.returncode == 2, proc.stderr
     assert "--queue" in proc.stderr and "tcp://127.0.0.1:5555" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_packed_run_puts_rows_of_every_text_and_a_rerun_skips_them(
+    queue_server, corpus_slice, expected
+):
+    from xtoken_core.data.packing import document_keys
+
+    address, partition = queue_server.address, "packed"
+    proc, summary = run_collator(address, corpus_slice, partition, "--pack", "--batch", "40")
+    assert proc.returncode == 0, proc.stderr
+    assert summary["texts"] == len(expected) and 0 < summary["samples"] < len(expected)
+    assert "packed rows of" in proc.stdout
+    rows = _queued(address, partition)
+    assert sorted(k for key in rows for k in document_keys(key)) == sorted(expected)
+    for key, row in rows.items():
+        schema.validate_sample(row)
+        assert int(row["input_lengths"]) <= CTX and int(row["teacher_input_lengths"]) <= CTX
+        assert int(row["alignment_num_chunks"]) == sum(
+            int(expected[k]["alignment_num_chunks"])
+            for k in document_keys(key)
+            if float(expected[k]["sample_mask"]) != 0.0
+        )
+
+    rerun, summary = run_collator(address, corpus_slice, partition, "--pack", "--batch", "40")
+    assert rerun.returncode == 0, rerun.stderr
+    assert summary["skipped"] == len(expected) and summary["samples"] == 0

@@ -123,3 +123,48 @@ def test_run_config_rejects_bad_counts(kwargs, match):
 def test_worker_config_rejects_a_zero_context_length():
     with pytest.raises(ValueError, match="--ctx-teacher"):
         WorkerConfig(queue="q", partition="p", student="a", teacher="b", ctx_teacher=0)
+
+
+@pytest.fixture(scope="module")
+def packed_worker():
+    config = WorkerConfig(
+        queue="tcp://127.0.0.1:1",
+        partition="p",
+        student=STUDENT,
+        teacher=TEACHER,
+        ctx_student=32,
+        ctx_teacher=32,
+        pack=True,
+    )
+    return CollatorWorker(config, client=FakeClient())
+
+
+def test_a_packed_put_holds_rows_keyed_by_their_texts(packed_worker):
+    from xtoken_core.data.packing import document_keys
+
+    packed_worker.client.puts.clear()
+    counts = packed_worker.process(TEXTS)
+    _, keys, fields = packed_worker.client.puts[0]
+    assert counts["texts"] == len(TEXTS) and counts["samples"] == len(keys) < len(TEXTS)
+    assert sorted(k for key in keys for k in document_keys(key)) == [k for k, _ in TEXTS]
+    for name in schema.PACKED_FIELD_NAMES:
+        assert isinstance(fields[name], JaggedColumn) and fields[name].num_rows == len(keys)
+    for row in columns_to_samples(fields):
+        schema.validate_sample(row)
+        assert int(row["input_lengths"]) <= 32 and int(row["teacher_input_lengths"]) <= 32
+
+
+def test_a_packed_put_is_a_fixed_number_of_frames_whatever_its_rows(packed_worker):
+    from xtoken_core.wire.message import encode_message
+
+    sizes = []
+    for items in (TEXTS[:1], TEXTS, TEXTS * 3):
+        items = [(f"{k}#{i}", t) for i, (k, t) in enumerate(items)]
+        keys, fields = packed_worker.collate(items)
+        body = {"partition": "p", "keys": keys, "fields": fields}
+        frames = encode_message("put", body, inline_max_bytes=0)
+        jagged = sum(isinstance(v, JaggedColumn) for v in fields.values())
+        assert jagged == len(schema.FIELD_NAMES) - 4 + 2  # + the two position fields
+        sizes.append(len(frames))
+    # header + body, a values and an offsets frame per jagged field, a frame per dense field
+    assert sizes == [2 + 2 * jagged + 4] * 3

@@ -54,6 +54,23 @@ def test_a_request_round_trips_with_rows_right_padded():
     assert request.ids_BU.tolist() == [[1, 2, 3, 4], [5, PAD, PAD, PAD], [6, 7, PAD, PAD]]
 
 
+def test_a_packed_request_carries_positions_padded_with_zero():
+    rows = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6, 7])]
+    positions = [torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 1])]
+    fields = proto.request_fields(rows, rank=0, positions=positions)
+    assert fields[proto.POSITIONS_FIELD].values.dtype == torch.int32
+    request = proto.decode_request("p:1", fields, 0, pad_id=PAD)
+    assert request.positions_BU.tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 0, 0]]
+    unpacked = proto.decode_request("t:1", proto.request_fields(rows, rank=0), 0, pad_id=PAD)
+    assert unpacked.positions_BU is None
+
+
+def test_positions_that_do_not_match_the_ids_are_a_value_error_naming_the_key():
+    fields = proto.request_fields([torch.tensor([1, 2, 3])], rank=0, positions=[torch.arange(2)])
+    with pytest.raises(ValueError, match=r"request 'p:2': 2 teacher_position_ids .* for 3 ids"):
+        proto.decode_request("p:2", fields, 0, pad_id=PAD)
+
+
 def test_row_index_picks_one_request_of_a_claimed_batch():
     a = proto.request_fields([torch.tensor([1, 2])], rank=0)
     b = proto.request_fields([torch.tensor([3]), torch.tensor([4, 5, 6])], rank=1)

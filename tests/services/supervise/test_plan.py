@@ -106,6 +106,36 @@ def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_e
             assert built.run_dir == str(context.run_dir)
 
 
+def test_collator_pack_packs_the_collator_and_tells_the_trainers_and_teachers(tmp_path):
+    from services.teacher.worker import TeacherConfig
+
+    data = {"run_dir": str(tmp_path / "run"), "collator": {"pack": True}}
+    config = run_config_from_dict(data)
+    assert config.trainer.pack and config.teacher.pack
+    inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
+    plan = make_plan(config, inputs, RunContext.of(config), queue="q", master_port=9, host=Host())
+    assert plan.sections["collator"]["worker"]["pack"] is True
+    assert cfgmod.from_dict(TrainerConfig, plan.sections["trainer"]).pack
+    assert cfgmod.from_dict(TeacherConfig, plan.sections["teacher0"]).pack
+    assert run_config_from_dict(plan.run_section).collator.pack  # a re-read run stays packed
+    unpacked = make_plan(
+        run_config_from_dict({"run_dir": str(tmp_path / "run")}),
+        inputs,
+        RunContext.of(config),
+        queue="q",
+        master_port=9,
+        host=Host(),
+    )
+    assert not unpacked.sections["collator"]["worker"]["pack"]
+    assert not cfgmod.from_dict(TrainerConfig, unpacked.sections["trainer"]).pack
+
+
+@pytest.mark.parametrize("section", ["trainer", "teacher"])
+def test_a_packed_trainer_or_teacher_without_a_packing_collator_is_refused(section):
+    with pytest.raises(cfgmod.ConfigError, match=rf"{section}.pack: true but collator.pack"):
+        run_config_from_dict({section: {"pack": True}})
+
+
 def test_a_plan_without_the_projection_it_needs_is_refused(tmp_path):
     config = _config(tmp_path)
     with pytest.raises(ValueError, match=r"loss\.mode=pkl needs loss\.projection"):

@@ -177,6 +177,7 @@ def test_a_refused_hidden_request_still_carries_an_empty_hidden_field(make_worke
         ({"max_batch": 0}, "max_batch=0: must be >= 1"),
         ({"logits_dtype": "int8"}, "dtype 'int8' is not a float dtype"),
         ({"transport": "pigeon"}, "transport='pigeon': use one of shm, cuda_ipc, hidden"),
+        ({"packed_attention": "dense"}, "packed_attention='dense': use auto, flex_attention"),
     ],
 )
 def test_teacher_config_names_a_bad_value_and_the_fix(overrides, message):
@@ -306,3 +307,38 @@ def test_a_request_whose_forward_fails_alone_leaves_no_slot_held(make_worker):
     assert ring.in_flight() == [slots[0]]  # served before the failure: published
     # the failed request's slot and the unserved one's are free again (with the fourth)
     assert sorted(worker.try_acquire(0) for _ in range(3)) == sorted({0, 1, 2, 3} - {slots[0]})
+
+
+def _packed_request(worker: TeacherWorker, documents: list[list[int]], key: str = "p:1"):
+    """A request of packed rows: each row's documents (token lengths), positions restarting."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, worker.tokenizer_vocab, (sum(row),), generator=g) for row in documents]
+    positions = [torch.cat([torch.arange(n) for n in row]) for row in documents]
+    fields = proto.request_fields(rows, 0, positions=positions)
+    return proto.decode_request(key, fields, 0, worker.pad_id)
+
+
+def test_a_packed_request_gives_each_document_its_logits_alone(make_worker, reader):
+    worker = make_worker(pack=True, logits_dtype="float32")
+    request = _packed_request(worker, [[4, 5, 3], [7]])  # the second row is padded
+    assert request.positions_BU[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]
+    assert request.positions_BU[1, 7:].eq(0).all()
+    result = _result(worker.compute(request))
+    logits_BUW = reader.view(result.descriptor, result.handle)
+    with torch.no_grad():
+        for b, row in enumerate([[4, 5, 3], [7]]):
+            start = 0
+            for n in row:
+                alone = worker.model(request.ids_BU[b : b + 1, start : start + n]).logits[0]
+                torch.testing.assert_close(
+                    logits_BUW[b, start : start + n], alone, rtol=0, atol=1e-5
+                )
+                start += n
+    reader.release(result.descriptor, result.handle)
+
+
+def test_packed_and_unpacked_requests_never_share_a_forward(make_worker):
+    worker = make_worker(pack=True, forward_rows=8)
+    packed = _packed_request(worker, [[6, 6]])
+    assert worker.fits([packed], _packed_request(worker, [[5, 7]], key="p:2"))
+    assert not worker.fits([packed], _request(worker, [MAX_U]))

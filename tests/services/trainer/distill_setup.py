@@ -80,9 +80,46 @@ def teacher_model() -> torch.nn.Module:
     return load_model("tiny", vocab_size=tokenizers()[1].vocab_size, seed=1).eval()
 
 
+@functools.cache
+def packed_samples(ctx: int = 2 * CTX) -> list[dict[str, torch.Tensor]]:
+    """:data:`TEXTS` packed into rows of ``ctx`` tokens per side (``CrossTokenizerCollator``
+    with ``pack``); each text is cut at :data:`CTX` first, as in :func:`samples`."""
+    from xtoken_core.data.packing import join_documents, pack_rows
+
+    docs = samples()
+    rows = pack_rows(
+        [int(d["input_lengths"]) for d in docs],
+        [int(d["teacher_input_lengths"]) for d in docs],
+        ctx,
+        ctx,
+    )
+    return [join_documents([docs[i] for i in row]) for row in rows]
+
+
+def pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Jagged samples (or packed rows) padded into one micro-batch (the feed's padding)."""
+    from xtoken_core.data.collator import resolve_pad_id
+    from xtoken_core.data.sample import pad_samples
+
+    student, teacher = tokenizers()
+    return pad_samples(
+        rows, student_pad_id=resolve_pad_id(student), teacher_pad_id=resolve_pad_id(teacher)
+    )
+
+
 @torch.no_grad()
 def teacher_logits(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, U, W]`` teacher logits of a padded micro-batch."""
+    """``[B, U, W]`` teacher logits of a padded micro-batch (packed rows: each document
+    attends within itself, positions restarting per document)."""
+    if "teacher_position_ids" in batch:
+        from xtoken_core.models.documents import document_attention_mask
+
+        model = teacher_model()
+        positions_BU = batch["teacher_position_ids"].long()
+        mask = document_attention_mask(model.config, positions_BU)
+        return model(
+            batch["teacher_input_ids"], attention_mask=mask, position_ids=positions_BU
+        ).logits
     mask_BU = batch["teacher_token_mask"].long()
     return teacher_model()(batch["teacher_input_ids"], attention_mask=mask_BU).logits
 

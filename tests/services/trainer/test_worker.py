@@ -115,6 +115,7 @@ def test_pkl_mode_without_a_projection_is_a_config_error_naming_the_fix():
         ({"optim": {"min_lr_ratio": 1.5}}, r"min_lr_ratio=1.5: must be in \[0, 1\]"),
         ({"loss": {"mode": "ce", "ce_weight": 0.0}}, "trains nothing"),
         ({"queue_timeout_s": 0.0}, "queue_timeout_s=0.0: must be > 0 seconds"),
+        ({"packed_attention": "dense"}, "packed_attention='dense': use auto, flex_attention"),
     ],
 )
 def test_trainer_config_names_a_bad_value_and_the_fix(overrides, message):
