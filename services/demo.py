@@ -84,6 +84,10 @@ def demo_config(args: argparse.Namespace | None = None):
     return run_config_from_dict(data)
 
 
+#: glibc malloc settings of the demo's processes (inherited): large blocks from the heap, which
+#: is never trimmed, so that a freed [B, T, V] tensor's pages are reused by the next one
+CPU_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
 # written into every run directory the demo makes: only such a directory is the demo's to clear
 MARKER = ".xtoken-demo"
 
@@ -132,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
     from services.common.config import ConfigError
     from services.run_cli import execute
 
+    # glibc returns every freed block above 32 MiB to the kernel, so each [B, T, V] tensor of a
+    # CPU step costs fresh page faults: the demo's processes keep their freed memory instead
+    os.environ.setdefault("GLIBC_TUNABLES", CPU_MALLOC)
     try:
         config = demo_config(args)
         fresh_run_dir(config.run_dir)  # the demo always starts fresh

@@ -10,10 +10,11 @@ renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never
 ``[B, T, V]`` probability tensor); with a chunk plan, N stays on the device;
 :func:`kernel_kd_loss`. :class:`PKL` is the mode the engines call.
 
-CPU path (:func:`cpu_kd_loss`): the same sums with the chunk means taken before the projection
-(it is linear: ``mean_c(p) @ M = mean_c(p @ M)``), over the rows of the valid chunks and the
-student ids that have a weight in the selected columns only; its backward writes
-``softmax(z / T)`` times one factor per row, block by block, and those few columns on top.
+CPU path (:func:`cpu_kd_loss`): the same sums over the rows of the valid chunks and the J
+student ids that have a weight in the selected columns only; ``p @ M[:, idx]`` and its transpose
+as column gathers and scatters, one layer per entry rank of a student id (most ids have one
+entry in the K columns); its backward writes ``softmax(z / T)`` times one factor per row, block
+by block, and the J columns on top.
 
 Teacher columns: the ``vocab_topk`` teacher ids with the largest logit over every position of
 the micro-batch that has a (shifted) teacher chunk id (``topk_columns="valid"``, the default), or
@@ -24,7 +25,7 @@ Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
     C chunk slots, K selected teacher columns, N valid chunks, R student rows (B*T),
     A student rows of a valid chunk, G teacher rows of a valid chunk, J student ids with a
-    weight in the K columns, E non-zeros of the projection.
+    weight in the K columns, E non-zeros of the restricted projection.
 """
 
 from __future__ import annotations
@@ -250,32 +251,34 @@ def terms_from_chunks(
 # --------------------------------------------------------------------------- CPU path
 
 
-def _compact_projection(
-    projection_VW: torch.Tensor, idx_K: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``M[:, idx]`` on the student ids that have a weight in those columns.
+def _projection_layers(projection_VW: torch.Tensor, idx_K: torch.Tensor):
+    """``M[:, idx]`` on the student ids that have a weight in those columns, as layers of at
+    most one entry per student id (``p @ M`` and its transpose then are column gathers and
+    scatters over row-major ``[rows, J]`` blocks, which the CPU does fast; PyTorch's sparse
+    matmuls need transposed copies of them).
 
     Args:
         projection_VW: coalesced sparse COO ``[V, W]``.
         idx_K: ``[K]`` distinct column ids.
 
     Returns:
-        ``(cols_J, proj_JK, proj_KJ)``: the student ids, and the compact matrix and its
-        transpose (coalesced sparse COO).
+        ``(cols_J, layers)``: the student ids (sorted) and, per layer, ``(pos, k, w)``: the
+        positions in ``cols_J`` of the ids it covers (None for layer 0, which covers every id
+        in order), their columns in ``idx`` and their weights.
     """
-    restricted_VK = restrict_columns(projection_VW, idx_K)
+    restricted_VK = restrict_columns(projection_VW, idx_K)  # coalesced: sorted by id, column
     rows_E, k_E = restricted_VK.indices()
-    cols_J, j_E = torch.unique(rows_E, return_inverse=True)
-    J, K = cols_J.numel(), idx_K.numel()
     values_E = restricted_VK.values()
-    # entries of a valid matrix, renumbered: no invariant to check
-    proj_JK = torch.sparse_coo_tensor(
-        torch.stack([j_E, k_E]), values_E, (J, K), check_invariants=False
-    )
-    proj_KJ = torch.sparse_coo_tensor(
-        torch.stack([k_E, j_E]), values_E, (K, J), check_invariants=False
-    )
-    return cols_J, proj_JK.coalesce(), proj_KJ.coalesce()
+    cols_J, j_E = torch.unique(rows_E, return_inverse=True)
+    counts_J = torch.bincount(j_E, minlength=cols_J.numel())
+    # each entry's rank among its student id's entries: its layer
+    rank_E = torch.arange(rows_E.numel()) - (torch.cumsum(counts_J, 0) - counts_J)[j_E]
+    layers = []
+    for layer in range(int(counts_J.max()) if counts_J.numel() else 0):
+        at = rank_E == layer
+        pos = None if layer == 0 else j_E[at]
+        layers.append((pos, k_E[at], values_E[at]))
+    return cols_J, layers
 
 
 def _gather_columns(z_RV: torch.Tensor, rows_A: torch.Tensor, cols_J: torch.Tensor, dtype):
@@ -287,42 +290,53 @@ def _gather_columns(z_RV: torch.Tensor, rows_A: torch.Tensor, cols_J: torch.Tens
 
 
 class _ChunkProjection(torch.autograd.Function):
-    """``q_c = mean over chunk c's rows of softmax(z / T)``, times ``M[:, idx]``: forward reads
-    the J columns of the rows of the valid chunks; backward writes ``dz`` in one pass."""
+    """``q_c = mean over chunk c's rows of softmax(z / T) @ M[:, idx]``: forward reads the J
+    columns of the rows of the valid chunks; backward writes ``dz`` in one pass."""
 
     @staticmethod
-    def forward(
-        ctx: Any, z_BTV, rows_A, seg_A, inv_size_N, cols_J, proj_JK, proj_KJ, lse_A, temperature
-    ) -> torch.Tensor:
+    def forward(ctx: Any, z_BTV, rows_A, seg_A, inv_size_N, cols_J, lse_A, layers, T, K):
         z_RV = z_BTV.detach().reshape(-1, z_BTV.shape[-1])
         dtype = lse_A.dtype
-        N = inv_size_N.numel()
         # p[a, j] = softmax(z[a] / T)[cols[j]]
         p_AJ = _gather_columns(z_RV, rows_A, cols_J, dtype)
-        p_AJ.div_(temperature).sub_(lse_A[:, None]).exp_()
-        mean_NJ = p_AJ.new_zeros(N, cols_J.numel()).index_add_(0, seg_A, p_AJ)
-        mean_NJ.mul_(inv_size_N[:, None])
-        q_KN = torch.sparse.mm(proj_KJ.to(dtype), mean_NJ.t().contiguous())
-        ctx.save_for_backward(z_BTV, rows_A, seg_A, inv_size_N, cols_J, proj_JK, lse_A, p_AJ)
-        ctx.temperature = temperature
-        return q_KN.t().contiguous()
+        if T != 1.0:
+            p_AJ.div_(T)
+        p_AJ.sub_(lse_A[:, None]).exp_()
+        # q[a] = p[a] @ M[:, idx], layer by layer
+        q_AK = p_AJ.new_zeros(rows_A.numel(), K)
+        for pos, k, w in layers:
+            q_AK.index_add_(1, k, (p_AJ if pos is None else p_AJ.index_select(1, pos)) * w)
+        q_NK = q_AK.new_zeros(inv_size_N.numel(), K).index_add_(0, seg_A, q_AK)
+        q_NK.mul_(inv_size_N[:, None])
+        ctx.save_for_backward(z_BTV, rows_A, seg_A, inv_size_N, cols_J, lse_A, p_AJ, q_AK)
+        ctx.layers, ctx.temperature = layers, T
+        return q_NK
 
     @staticmethod
     def backward(ctx: Any, grad_NK: torch.Tensor):
-        z_BTV, rows_A, seg_A, inv_size_N, cols_J, proj_JK, lse_A, p_AJ = ctx.saved_tensors
+        z_BTV, rows_A, seg_A, inv_size_N, cols_J, lse_A, p_AJ, q_AK = ctx.saved_tensors
         T = ctx.temperature
         V = z_BTV.shape[-1]
         z_RV = z_BTV.detach().reshape(-1, V)
-        dtype = lse_A.dtype
-        grad_JN = torch.sparse.mm(proj_JK.to(dtype), grad_NK.to(dtype).t().contiguous())
-        # d loss / d p[a, j]: the chunk mean's share of row a
-        grad_p_AJ = (grad_JN.t() * inv_size_N[:, None]).index_select(0, seg_A)
-        # softmax backward: dz = p * (dp - <p, dp>) / T, with dp = 0 outside the J columns
-        dot_A = (p_AJ * grad_p_AJ).sum(dim=1)
+        # d loss / d q[a]: the chunk mean's share of row a
+        grad_AK = (grad_NK.to(p_AJ.dtype) * inv_size_N[:, None]).index_select(0, seg_A)
+        # d loss / d p[a] = grad[a] @ M[:, idx]^T, layer by layer
+        grad_p_AJ = None
+        for pos, k, w in ctx.layers:
+            part = grad_AK.index_select(1, k).mul_(w)
+            grad_p_AJ = part if pos is None else grad_p_AJ.index_add_(1, pos, part)
+        if grad_p_AJ is None:  # no student id has a weight in the columns
+            grad_p_AJ = p_AJ.new_zeros(p_AJ.shape)
+        # softmax backward: dz = p * (dp - <p, dp>) / T, with dp = 0 outside the J columns;
+        # <p[a], dp[a]> = <q[a], grad[a]>
+        dot_A = (grad_AK * q_AK).sum(dim=1)
         grad_BTV = cpu.grad_buffer(z_BTV, rows_A)
         grad_RV = grad_BTV.view(-1, V)
         cpu.write_softmax_grad(grad_RV, z_RV, rows_A, lse_A, -dot_A / T, T)
-        on_cols_AJ = (p_AJ * (grad_p_AJ - dot_A[:, None]) / T).to(grad_RV.dtype)
+        on_cols_AJ = grad_p_AJ.sub_(dot_A[:, None]).mul_(p_AJ)
+        if T != 1.0:
+            on_cols_AJ.div_(T)
+        on_cols_AJ = on_cols_AJ.to(grad_RV.dtype)
         for r0, r1, a0 in cpu.row_slices(rows_A, V):
             grad_RV[r0:r1].index_copy_(1, cols_J, on_cols_AJ[a0 : a0 + r1 - r0])
         return grad_BTV, *([None] * 8)
@@ -394,7 +408,8 @@ def cpu_kd_loss(
         lse_A = stats.get(temperature)[0][rows_A]
     else:
         lse_A = cpu.row_stats(z_RV, rows_A, temperature)[0]
-    cols_J, proj_JK, proj_KJ = _compact_projection(projection_VW, idx_K)
+    cols_J, layers = _projection_layers(projection_VW, idx_K)
+    layers = [(pos, k, w.to(dtype)) for pos, k, w in layers]
     inv_size_N = 1.0 / s_sizes_N.clamp_min(1).to(dtype)
     q_NK = _ChunkProjection.apply(
         student_logits_BTV,
@@ -402,10 +417,10 @@ def cpu_kd_loss(
         seg_A,
         inv_size_N,
         cols_J,
-        proj_JK,
-        proj_KJ,
         lse_A,
+        layers,
         float(temperature),
+        idx_K.numel(),
     )
     return terms_from_chunks(
         teacher_lp_NK, q_NK, valid_BC, temperature=temperature, reverse_kl=reverse_kl
