@@ -273,9 +273,10 @@ def run(args: argparse.Namespace) -> int:
         proc = start_baseline(baseline)
     try:
         code = execute(config, progress=not args.no_progress, show_report=False)
-    finally:
-        if proc is not None and proc.poll() is None and sys.exc_info()[0] is not None:
-            proc.terminate()  # the KD run raised (Ctrl-C twice): stop the baseline too
+    except BaseException:  # the KD run was killed (a second Ctrl-C): stop the baseline too
+        if proc is not None:
+            proc.terminate()
+        raise
     if proc is not None:
         if code != 0:
             proc.terminate()
