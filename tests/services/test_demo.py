@@ -75,3 +75,30 @@ def test_demo_overrides_apply_after_its_options_and_are_checked():
     args = parser.parse_args(["demo", "--set", "trainer.optim.lrr=1"])
     with pytest.raises(ConfigError, match=r"did you mean 'trainer\.optim\.lr'\?"):
         demo_config(args)
+
+
+def test_the_ce_only_run_is_the_same_run_without_the_teacher():
+    from services.cli import build_parser
+    from services.demo import BASELINE_DIR, baseline_data, demo_config
+    from services.run import run_config_from_dict
+
+    args = build_parser().parse_args(["demo", "--steps", "3", "--run-dir", "runs/d"])
+    kd, ce = demo_config(args), run_config_from_dict(baseline_data(args))
+    assert ce.trainer.loss.mode == "ce" and kd.trainer.loss.mode == "pkl"
+    assert ce.run_dir == f"runs/d/{BASELINE_DIR}" and not ce.trainer.export
+    # the ordered data mode: both runs train the same micro-batches in the same steps
+    assert kd.data.ordered and (ce.data, ce.trainer.max_steps) == (kd.data, kd.trainer.max_steps)
+    assert ce.trainer.optim == kd.trainer.optim and ce.trainer.student == kd.trainer.student
+
+
+def test_the_held_out_table_shows_kd_beside_ce_only():
+    from services.cli import build_parser
+    from services.demo import demo_config, format_table
+
+    config = demo_config(build_parser().parse_args(["demo"]))
+    kd = {"teacher": 0.95, "student_before": 4.0, "student_after": 2.75, "steps": 40}
+    table = format_table(kd, {"student_after": 2.5}, config).splitlines()
+    assert table[0] == "held-out bits/byte (run runs/demo, 40 steps of 4 x 128 tokens)"
+    assert table[3].split() == ["student", "after", "KD", "(pkl)", "2.7500"]
+    assert table[4].split() == ["student", "after", "CE", "only", "2.5000"]
+    assert len(format_table(kd, None, config).splitlines()) == 4  # --no-baseline

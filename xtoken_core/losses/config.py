@@ -130,8 +130,9 @@ class CrossTokenizerLossConfig:
         default="auto",
         metadata={
             "help": "loss backend, chosen once: auto (the Triton kernels on CUDA, else the "
-            "PyTorch reference), reference, or kernel (the kernels wherever Triton runs: CUDA "
-            "or TRITON_INTERPRET=1); fp64 logits always take the reference"
+            "CPU path: the reference's math with fewer passes over the logits), reference, or "
+            "kernel (the kernels wherever Triton runs: CUDA or TRITON_INTERPRET=1); fp64 "
+            "logits always take the reference"
         },
     )
     check_inputs: bool = field(

@@ -6,12 +6,15 @@ valid-chunk denominators and weighted (docs/design.md, "The loss math"), and the
 sums, and runs the input checks the caller queued together with its own (one host readback). It
 may start on the student logits before the teachers are prepared (:meth:`KDEngine.start`). The
 per-teacher KD sums are the loss's :class:`~xtoken_core.losses.modes.base.KDMode`'s; an engine
-does what every mode shares (chunk ids, validity, checks, the sum over teachers). Two engines:
+does what every mode shares (chunk ids, validity, checks, the sum over teachers). Three engines:
 
 * :class:`ReferenceEngine` (here): each mode's PyTorch reference and
   :mod:`xtoken_core.losses.reference`, any float dtype (fp64 included), any device.
 * :class:`~xtoken_core.losses.kernel_engine.KernelEngine`: each mode's kernel path (the Triton
   kernels: CUDA, or ``TRITON_INTERPRET=1``) for fp32/bf16/fp16 logits.
+* :class:`~xtoken_core.losses.cpu_engine.CpuEngine`: each mode's CPU path
+  (:mod:`xtoken_core.losses.cpu`) for fp32/bf16/fp16 CPU logits, with the reference engine's
+  steps around it.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.
@@ -322,7 +325,7 @@ class ReferenceEngine:
         sample_mask_B: torch.Tensor | None,
         chunk_denoms: torch.Tensor | None,
         checks: DeferredChecks | None,
-        started: None = None,
+        started: Any = None,
     ) -> KDResult:
         """See :class:`KDEngine`: the checks are read back before any KD term is computed."""
         cfg = self.config
@@ -346,12 +349,16 @@ class ReferenceEngine:
                     )
             checks.run()
         terms = [
-            self.mode.reference(
-                student_logits_BTV, t.logits_BUW, s_ids, t_ids, valid_BC, t.projection
-            )
+            self._terms(student_logits_BTV, t, s_ids, t_ids, valid_BC, started)
             for t, (s_ids, t_ids, valid_BC) in zip(teachers, prepared, strict=True)
         ]
         return sum_teacher_terms(terms, teachers, chunk_denoms, self.scales, dtype, device)
+
+    def _terms(self, student_logits_BTV, teacher, s_ids, t_ids, valid_BC, started) -> KDTerms:
+        """One teacher's KD sums: the mode's reference."""
+        return self.mode.reference(
+            student_logits_BTV, teacher.logits_BUW, s_ids, t_ids, valid_BC, teacher.projection
+        )
 
     def ce(
         self,

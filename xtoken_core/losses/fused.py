@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from xtoken_core.kernels import chunk_plan, logit_rows, row_ce
-from xtoken_core.losses import reference
+from xtoken_core.losses import cpu, reference
 from xtoken_core.losses.utils import (
     ChunkRows,
     chunk_rows,
@@ -167,8 +167,10 @@ def student_ce(
 
     The kernels of :mod:`xtoken_core.kernels.row_ce` (each row's logsumexp, target logit and
     argmax on the logits in their own dtype; no fp32 copy, no log-softmax) when Triton runs on
-    the logits (CUDA, or ``TRITON_INTERPRET=1``) and they are fp32/bf16/fp16; else
-    :func:`reference.student_ce_loss` (fp64 logits stay fp64).
+    the logits (CUDA, or ``TRITON_INTERPRET=1``) and they are fp32/bf16/fp16; else CPU logits
+    take the CPU path (:func:`xtoken_core.losses.cpu.student_ce`: the same sums with one read
+    of the exponentials per pass, no fp32 copy); else :func:`reference.student_ce_loss` (fp64
+    logits stay fp64).
 
     Args:
         student_logits_BTV: ``[B, T, V]`` logits (gradient flows here).
@@ -185,4 +187,6 @@ def student_ce(
         return row_ce.row_cross_entropy(
             student_logits_BTV, input_ids_BT, token_mask_BT, sample_mask_B, lse_R=lse_R
         )
+    if cpu.cpu_path_available(student_logits_BTV):
+        return cpu.student_ce(student_logits_BTV, input_ids_BT, token_mask_BT, sample_mask_B)
     return reference.student_ce_loss(student_logits_BTV, input_ids_BT, token_mask_BT, sample_mask_B)

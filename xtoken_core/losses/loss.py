@@ -1,11 +1,12 @@
 """CrossTokenizerLoss: the public loss API. The loss builds its KD mode (the registry of
 :mod:`xtoken_core.losses.modes`) and chooses its engine once, from ``backend`` and what the
-machine has (:func:`choose_engine`: the reference engine of :mod:`xtoken_core.losses.engine`, or
-the kernel engine of :mod:`xtoken_core.losses.kernel_engine`). A call lets the engine start on
+machine has (:func:`choose_engine`: the reference engine of :mod:`xtoken_core.losses.engine`,
+the kernel engine of :mod:`xtoken_core.losses.kernel_engine` or the CPU engine of
+:mod:`xtoken_core.losses.cpu_engine`). A call lets the engine start on
 the student logits (the GPU then works while the host goes on), prepares the inputs (shapes,
 teacher vocab, alignment, projection), asks the engine for the KD term and the student CE, and
-combines the two. A call whose logits the kernels cannot take (fp64, or CPU logits without the
-interpreter) runs on the reference engine.
+combines the two. A call whose logits the chosen engine cannot take (fp64; CPU logits for the
+kernels without the interpreter) runs on the reference engine.
 
 Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
 tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
@@ -31,6 +32,7 @@ from xtoken_core.kernels._utils import triton
 from xtoken_core.losses import reference
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
+from xtoken_core.losses.cpu_engine import CpuEngine
 from xtoken_core.losses.engine import (
     KDEngine,
     ReferenceEngine,
@@ -352,8 +354,8 @@ def choose_engine(
 ) -> KDEngine:
     """The loss's engine, chosen once from ``config.backend`` and the machine: "reference" the
     reference; "kernel" the kernels wherever Triton is installed (they run on CUDA, or on the
-    CPU under ``TRITON_INTERPRET=1``); "auto" the kernels where CUDA is available, else the
-    reference.
+    CPU under ``TRITON_INTERPRET=1``); "auto" the kernels where CUDA is available, else the CPU
+    path (:class:`~xtoken_core.losses.cpu_engine.CpuEngine`).
 
     Args:
         config: the loss settings.
@@ -366,7 +368,9 @@ def choose_engine(
     kernels = triton is not None and (
         config.backend == "kernel" or (config.backend == "auto" and torch.cuda.is_available())
     )
-    return KernelEngine(config, mode) if kernels else reference_engine
+    if kernels:
+        return KernelEngine(config, mode)
+    return CpuEngine(config, mode) if config.backend == "auto" else reference_engine
 
 
 def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ def _has_trl() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_trl(), reason="needs .venv-bench with trl: XTOKEN_PEERS=1 ./scripts/setup.sh")
+@pytest.mark.skipif(not _has_trl(), reason="needs .venv-bench with trl: ./scripts/setup.sh test peers")
 def test_cpu_smoke_records_trl_refusal_and_both_trainers_figures(tmp_path):
     results = tmp_path / "peers.jsonl"
     cmd = [

@@ -4,9 +4,9 @@ the event stream, stop the run from the page and see it STOPPED with a checkpoin
 (/docs, /redoc) list the endpoints with no network but the control plane's own; screenshots are
 saved as artifacts.
 
-Run: ``python -m pytest -m browser tests/services/control/test_browser.py`` (needs
-``apt-get install -y chromium`` and ``pip install playwright``, the ``browser`` extra; Playwright's
-own browser downloads are never used). Screenshots go to ``$XTOKEN_BROWSER_ARTIFACTS`` (default:
+Run: ``./scripts/test.sh -m browser tests/services/control/test_browser.py`` (it installs
+Playwright, the ``browser`` extra; needs ``apt-get install -y chromium``: Playwright's own browser
+downloads are never used). Screenshots go to ``$XTOKEN_BROWSER_ARTIFACTS`` (default:
 ``screenshots/`` under the test's tmp dir)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def chromium():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("playwright is not installed: pip install playwright (the `browser` extra)")
+        pytest.skip("playwright is not installed: ./scripts/test.sh -m browser installs it")
     path = shutil.which(CHROMIUM) or CHROMIUM
     if not os.access(path, os.X_OK):
         pytest.skip(

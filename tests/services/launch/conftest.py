@@ -34,6 +34,9 @@ def ray_cluster():
     ``head`` that pins a spec to it, no dashboard), stopped
     (SIGTERM to the blocking ``ray start``, which stops every process of its session) after the
     session."""
+    pytest.importorskip(
+        "ray", reason="ray is not installed: ./scripts/test.sh -m ray installs it (the ray extra)"
+    )
     port = _free_port()
     temp = pathlib.Path(tempfile.mkdtemp(prefix="xtkray", dir="/tmp"))  # short: socket paths
     log_path = temp / "head.log"

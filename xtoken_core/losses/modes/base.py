@@ -1,10 +1,12 @@
 """The seam of a KD mode: what a mode computes for one teacher (:class:`KDMode`) and what it
 returns (:class:`KDTerms`).
 
-A mode holds its PyTorch reference (the ground truth: any float dtype, fp64 included) and its
-kernel path (the Triton kernels: fp32/bf16/fp16 logits on CUDA or under ``TRITON_INTERPRET=1``).
-The engines (:mod:`xtoken_core.losses.engine`, :mod:`xtoken_core.losses.kernel_engine`) call one
-of the two per teacher; what both share (chunk ids, validity, denominators, the input checks,
+A mode holds its PyTorch reference (the ground truth: any float dtype, fp64 included), its
+kernel path (the Triton kernels: fp32/bf16/fp16 logits on CUDA or under ``TRITON_INTERPRET=1``)
+and optionally a CPU path (the reference's math with fewer passes over CPU logits; without one
+the reference runs). The engines (:mod:`xtoken_core.losses.engine`,
+:mod:`xtoken_core.losses.kernel_engine`, :mod:`xtoken_core.losses.cpu_engine`) call one of them
+per teacher; what both share (chunk ids, validity, denominators, the input checks,
 the sum over teachers) stays in the engines.
 
 Legend (shape suffixes in this file):
@@ -115,6 +117,42 @@ class KDMode(ABC):
         Returns:
             :class:`KDTerms`.
         """
+
+    def cpu(
+        self,
+        student_logits_BTV: torch.Tensor,
+        teacher_logits_BUW: torch.Tensor,
+        student_chunk_id_BT: torch.Tensor,
+        teacher_chunk_id_BU: torch.Tensor,
+        valid_BC: torch.Tensor,
+        projection: Projection,
+        *,
+        stats: Any = None,
+    ) -> KDTerms:
+        """The KD sums of one teacher on the CPU path (:mod:`xtoken_core.losses.cpu`): the
+        reference's math with fewer passes over CPU logits. A mode without one runs its
+        :meth:`reference` (this default).
+
+        Args:
+            student_logits_BTV: ``[B, T, V]`` CPU student logits, fp32/bf16/fp16.
+            teacher_logits_BUW: ``[B, U, W]`` teacher logits sliced to the teacher vocab.
+            student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
+            teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
+            valid_BC: ``[B, C]`` bool, the valid chunks.
+            projection: the teacher's projection, checked against V, W.
+            stats: the call's :class:`~xtoken_core.losses.cpu.RowStats` of the student logits.
+
+        Returns:
+            :class:`KDTerms`.
+        """
+        return self.reference(
+            student_logits_BTV,
+            teacher_logits_BUW,
+            student_chunk_id_BT,
+            teacher_chunk_id_BU,
+            valid_BC,
+            projection,
+        )
 
     def picks_columns(self, teacher_vocab_size: int) -> bool:
         """Whether the mode keeps a subset of the teacher columns picked over the whole

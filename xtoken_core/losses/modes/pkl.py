@@ -10,6 +10,12 @@ renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never
 ``[B, T, V]`` probability tensor); with a chunk plan, N stays on the device;
 :func:`kernel_kd_loss`. :class:`PKL` is the mode the engines call.
 
+CPU path (:func:`cpu_kd_loss`): the same sums over the rows of the valid chunks and the J
+student ids that have a weight in the selected columns only; ``p @ M[:, idx]`` and its transpose
+as column gathers and scatters, one layer per entry rank of a student id (most ids have one
+entry in the K columns); its backward writes ``softmax(z / T)`` times one factor per row, block
+by block, and the J columns on top.
+
 Teacher columns: the ``vocab_topk`` teacher ids with the largest logit over every position of
 the micro-batch that has a (shifted) teacher chunk id (``topk_columns="valid"``, the default), or
 over every position, padding and the last one included (``topk_columns="all"``, NeMo RL's rule);
@@ -17,7 +23,9 @@ the ids are sorted ascending. Probabilities are clamped at :data:`PROB_EPS` befo
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
-    C chunk slots, K selected teacher columns, N valid chunks.
+    C chunk slots, K selected teacher columns, N valid chunks, R student rows (B*T),
+    A student rows of a valid chunk, G teacher rows of a valid chunk, J student ids with a
+    weight in the K columns, E non-zeros of the restricted projection.
 """
 
 from __future__ import annotations
@@ -28,15 +36,16 @@ import torch
 
 from xtoken_core.data.projection import Projection
 from xtoken_core.kernels import logit_rows, pkl_chunk_kl, pkl_projection
-from xtoken_core.losses import fused
+from xtoken_core.losses import cpu, fused
 from xtoken_core.losses.modes.base import KDMode, KDTerms
 from xtoken_core.losses.reference import argmax_agree, chunk_average_log_probs, compute_dtype
-from xtoken_core.losses.utils import ChunkRows, Fp32SparseMM
+from xtoken_core.losses.utils import ChunkRows, Fp32SparseMM, chunk_row_index
 
 __all__ = [
     "PKL",
     "PROB_EPS",
     "chunk_kl",
+    "cpu_kd_loss",
     "kernel_kd_loss",
     "kernel_tables",
     "project_student_probs",
@@ -239,6 +248,185 @@ def terms_from_chunks(
     )
 
 
+# --------------------------------------------------------------------------- CPU path
+
+
+def _projection_layers(projection_VW: torch.Tensor, idx_K: torch.Tensor):
+    """``M[:, idx]`` on the student ids that have a weight in those columns, as layers of at
+    most one entry per student id (``p @ M`` and its transpose then are column gathers and
+    scatters over row-major ``[rows, J]`` blocks, which the CPU does fast; PyTorch's sparse
+    matmuls need transposed copies of them).
+
+    Args:
+        projection_VW: coalesced sparse COO ``[V, W]``.
+        idx_K: ``[K]`` distinct column ids.
+
+    Returns:
+        ``(cols_J, layers)``: the student ids (sorted) and, per layer, ``(pos, k, w)``: the
+        positions in ``cols_J`` of the ids it covers (None for layer 0, which covers every id
+        in order), their columns in ``idx`` and their weights.
+    """
+    restricted_VK = restrict_columns(projection_VW, idx_K)  # coalesced: sorted by id, column
+    rows_E, k_E = restricted_VK.indices()
+    values_E = restricted_VK.values()
+    cols_J, j_E = torch.unique(rows_E, return_inverse=True)
+    counts_J = torch.bincount(j_E, minlength=cols_J.numel())
+    # each entry's rank among its student id's entries: its layer
+    rank_E = torch.arange(rows_E.numel()) - (torch.cumsum(counts_J, 0) - counts_J)[j_E]
+    layers = []
+    for layer in range(int(counts_J.max()) if counts_J.numel() else 0):
+        at = rank_E == layer
+        pos = None if layer == 0 else j_E[at]
+        layers.append((pos, k_E[at], values_E[at]))
+    return cols_J, layers
+
+
+def _gather_columns(z_RV: torch.Tensor, rows_A: torch.Tensor, cols_J: torch.Tensor, dtype):
+    """``z[rows][:, cols]`` in ``dtype``, read block by block (:func:`cpu.row_slices`)."""
+    out_AJ = torch.empty(rows_A.numel(), cols_J.numel(), dtype=dtype)
+    for r0, r1, a0 in cpu.row_slices(rows_A, z_RV.shape[1]):
+        out_AJ[a0 : a0 + r1 - r0] = z_RV[r0:r1].index_select(1, cols_J)
+    return out_AJ
+
+
+class _ChunkProjection(torch.autograd.Function):
+    """``q_c = mean over chunk c's rows of softmax(z / T) @ M[:, idx]``: forward reads the J
+    columns of the rows of the valid chunks; backward writes ``dz`` in one pass."""
+
+    @staticmethod
+    def forward(ctx: Any, z_BTV, rows_A, seg_A, inv_size_N, cols_J, lse_A, layers, T, K):
+        z_RV = z_BTV.detach().reshape(-1, z_BTV.shape[-1])
+        dtype = lse_A.dtype
+        # p[a, j] = softmax(z[a] / T)[cols[j]]
+        p_AJ = _gather_columns(z_RV, rows_A, cols_J, dtype)
+        if T != 1.0:
+            p_AJ.div_(T)
+        p_AJ.sub_(lse_A[:, None]).exp_()
+        # q[a] = p[a] @ M[:, idx], layer by layer
+        q_AK = p_AJ.new_zeros(rows_A.numel(), K)
+        for pos, k, w in layers:
+            q_AK.index_add_(1, k, (p_AJ if pos is None else p_AJ.index_select(1, pos)) * w)
+        q_NK = q_AK.new_zeros(inv_size_N.numel(), K).index_add_(0, seg_A, q_AK)
+        q_NK.mul_(inv_size_N[:, None])
+        ctx.save_for_backward(z_BTV, rows_A, seg_A, inv_size_N, cols_J, lse_A, p_AJ, q_AK)
+        ctx.layers, ctx.temperature = layers, T
+        return q_NK
+
+    @staticmethod
+    def backward(ctx: Any, grad_NK: torch.Tensor):
+        z_BTV, rows_A, seg_A, inv_size_N, cols_J, lse_A, p_AJ, q_AK = ctx.saved_tensors
+        T = ctx.temperature
+        V = z_BTV.shape[-1]
+        z_RV = z_BTV.detach().reshape(-1, V)
+        # d loss / d q[a]: the chunk mean's share of row a
+        grad_AK = (grad_NK.to(p_AJ.dtype) * inv_size_N[:, None]).index_select(0, seg_A)
+        # d loss / d p[a] = grad[a] @ M[:, idx]^T, layer by layer
+        grad_p_AJ = None
+        for pos, k, w in ctx.layers:
+            part = grad_AK.index_select(1, k).mul_(w)
+            grad_p_AJ = part if pos is None else grad_p_AJ.index_add_(1, pos, part)
+        if grad_p_AJ is None:  # no student id has a weight in the columns
+            grad_p_AJ = p_AJ.new_zeros(p_AJ.shape)
+        # softmax backward: dz = p * (dp - <p, dp>) / T, with dp = 0 outside the J columns;
+        # <p[a], dp[a]> = <q[a], grad[a]>
+        dot_A = (grad_AK * q_AK).sum(dim=1)
+        grad_BTV = cpu.grad_buffer(z_BTV, rows_A)
+        grad_RV = grad_BTV.view(-1, V)
+        cpu.write_softmax_grad(grad_RV, z_RV, rows_A, lse_A, -dot_A / T, T)
+        on_cols_AJ = grad_p_AJ.sub_(dot_A[:, None]).mul_(p_AJ)
+        if T != 1.0:
+            on_cols_AJ.div_(T)
+        on_cols_AJ = on_cols_AJ.to(grad_RV.dtype)
+        for r0, r1, a0 in cpu.row_slices(rows_A, V):
+            grad_RV[r0:r1].index_copy_(1, cols_J, on_cols_AJ[a0 : a0 + r1 - r0])
+        return grad_BTV, *([None] * 8)
+
+
+def _valid_rows(chunk_id_BT: torch.Tensor, valid_BC: torch.Tensor, N: int):
+    """``(rows_A, seg_A, inv_size_N)``: the rows of the valid chunks, each one's valid-chunk
+    index, and 1 / the chunk sizes."""
+    nidx_R = chunk_row_index(chunk_id_BT, valid_BC)
+    rows_A = torch.nonzero(nidx_R >= 0).reshape(-1)
+    seg_A = nidx_R[rows_A]
+    sizes_N = torch.bincount(seg_A, minlength=N)[:N]
+    return rows_A, seg_A, sizes_N
+
+
+def cpu_kd_loss(
+    student_logits_BTV: torch.Tensor,
+    teacher_logits_BUW: torch.Tensor,
+    student_chunk_id_BT: torch.Tensor,
+    teacher_chunk_id_BU: torch.Tensor,
+    valid_BC: torch.Tensor,
+    projection_VW: torch.Tensor,
+    *,
+    temperature: float,
+    vocab_topk: int | None,
+    reverse_kl: bool,
+    topk_columns: str = "valid",
+    stats: cpu.RowStats | None = None,
+) -> KDTerms:
+    """P-KL summed over valid chunks on the CPU path. See :func:`reference_kd_loss` (same sums
+    within float rounding).
+
+    Args:
+        student_logits_BTV: ``[B, T, V]`` CPU student logits, fp32/bf16/fp16 (gradient flows
+            here).
+        teacher_logits_BUW: ``[B, U, W]`` teacher logits (constants).
+        student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
+        teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
+        valid_BC: ``[B, C]`` bool from :func:`~xtoken_core.losses.reference.chunk_validity`.
+        projection_VW: coalesced sparse COO ``M[V, W]``.
+        temperature: T.
+        vocab_topk: number of teacher columns kept (None: all).
+        reverse_kl: reverse KL.
+        topk_columns: positions that pick the columns, "valid" or "all"
+            (:func:`select_teacher_columns`).
+        stats: the call's :class:`~xtoken_core.losses.cpu.RowStats` of the student logits
+            (shared with the CE); None: the row logsumexps are made here.
+
+    Returns:
+        :class:`KDTerms` (``l1`` is 0).
+    """
+    dtype = compute_dtype(student_logits_BTV)
+    W = teacher_logits_BUW.shape[-1]
+    N = int(valid_BC.sum())
+    teacher_logits_BUW = teacher_logits_BUW.detach()
+    idx_K = select_teacher_columns(
+        teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk, topk_columns
+    )
+    # teacher: L_c, the chunk means of log_softmax(z_t[idx] / T) over the valid chunks' rows
+    rows_G, seg_G, t_sizes_N = _valid_rows(teacher_chunk_id_BU, valid_BC, N)
+    zt_GK = teacher_logits_BUW.reshape(-1, W)[rows_G[:, None], idx_K[None, :]].to(dtype)
+    teacher_lp_GK = torch.log_softmax(zt_GK / temperature, dim=-1)
+    teacher_lp_NK = teacher_lp_GK.new_zeros(N, idx_K.numel()).index_add_(0, seg_G, teacher_lp_GK)
+    teacher_lp_NK /= t_sizes_N.clamp_min(1).to(dtype)[:, None]
+    # student: q_c, the chunk means of softmax(z_s / T) @ M[:, idx]
+    rows_A, seg_A, s_sizes_N = _valid_rows(student_chunk_id_BT, valid_BC, N)
+    z_RV = student_logits_BTV.detach().reshape(-1, student_logits_BTV.shape[-1])
+    if stats is not None:
+        lse_A = stats.get(temperature)[0][rows_A]
+    else:
+        lse_A = cpu.row_stats(z_RV, rows_A, temperature)[0]
+    cols_J, layers = _projection_layers(projection_VW, idx_K)
+    layers = [(pos, k, w.to(dtype)) for pos, k, w in layers]
+    inv_size_N = 1.0 / s_sizes_N.clamp_min(1).to(dtype)
+    q_NK = _ChunkProjection.apply(
+        student_logits_BTV,
+        rows_A,
+        seg_A,
+        inv_size_N,
+        cols_J,
+        lse_A,
+        layers,
+        float(temperature),
+        idx_K.numel(),
+    )
+    return terms_from_chunks(
+        teacher_lp_NK, q_NK, valid_BC, temperature=temperature, reverse_kl=reverse_kl
+    )
+
+
 # --------------------------------------------------------------------------- kernel path
 
 
@@ -427,9 +615,9 @@ def kernel_kd_loss(
 
 
 class PKL(KDMode):
-    """P-KL over one teacher: the :func:`reference_kd_loss` and :func:`kernel_kd_loss` of the
-    config's ``temperature``, ``vocab_topk``, ``topk_columns`` and ``reverse_kl``, through the
-    teacher's sparse projection."""
+    """P-KL over one teacher: the :func:`reference_kd_loss`, :func:`kernel_kd_loss` and
+    :func:`cpu_kd_loss` of the config's ``temperature``, ``vocab_topk``, ``topk_columns`` and
+    ``reverse_kl``, through the teacher's sparse projection."""
 
     def reference(
         self,
@@ -475,6 +663,30 @@ class PKL(KDMode):
             **self._options(),
             plan=plan,
             projection_tables=projection.kernel_tables(V, W),
+        )
+
+    def cpu(
+        self,
+        student_logits_BTV: torch.Tensor,
+        teacher_logits_BUW: torch.Tensor,
+        student_chunk_id_BT: torch.Tensor,
+        teacher_chunk_id_BU: torch.Tensor,
+        valid_BC: torch.Tensor,
+        projection: Projection,
+        *,
+        stats: Any = None,
+    ) -> KDTerms:
+        """See :meth:`KDMode.cpu`: :func:`cpu_kd_loss`."""
+        V, W = student_logits_BTV.shape[-1], teacher_logits_BUW.shape[-1]
+        return cpu_kd_loss(
+            student_logits_BTV,
+            teacher_logits_BUW,
+            student_chunk_id_BT,
+            teacher_chunk_id_BU,
+            valid_BC,
+            projection.sparse(V, W),
+            **self._options(),
+            stats=stats,
         )
 
     def picks_columns(self, teacher_vocab_size: int) -> bool:
