@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -877,7 +878,11 @@ def report(args) -> int:
     with open(out / "quality.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    plots = plot(rows, out)
+    plots: list[Path] = []
+    if importlib.util.find_spec("matplotlib") is None:
+        logger.warning("[quality] no plots: matplotlib is missing (./scripts/setup.sh test bench)")
+    else:
+        plots = plot(rows, out)
     (out / "quality_table.md").write_text(table + "\n")
     ablations = ablation_table(rows)
     if ablations:

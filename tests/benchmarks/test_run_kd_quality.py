@@ -169,4 +169,6 @@ def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
         timeout=300,
     )
     assert report.returncode == 0, report.stderr[-3000:]
-    assert (out / "quality_val_bpb.png").stat().st_size > 1000
+    assert "| CE only |" in (out / "quality_table.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:  # the bench extra draws the plots
+        assert (out / "quality_val_bpb.png").stat().st_size > 1000
