@@ -793,8 +793,14 @@ def ablation_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """PNG curves: validation bits/byte vs step and training CE vs step, mean over seeds with the
-    min-max band, one line per arm."""
-    import matplotlib
+    min-max band, one line per arm (none without matplotlib: a log line names its install)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning(
+            "[quality] no plots: matplotlib is not installed (./scripts/setup.sh test bench)"
+        )
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
