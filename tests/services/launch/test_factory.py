@@ -18,7 +18,6 @@ from services.launch.base import LaunchedProcess, Launcher
 from services.launch.local import LocalLauncher
 from services.launch.spec import ProcessSpec
 
-
 NEEDS_RAY = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None,
     reason="ray is not installed: ./scripts/test.sh -m ray installs it (the ray extra)",
