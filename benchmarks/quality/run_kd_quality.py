@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import math
@@ -794,8 +793,14 @@ def ablation_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """PNG curves: validation bits/byte vs step and training CE vs step, mean over seeds with the
-    min-max band, one line per arm."""
-    import matplotlib
+    min-max band, one line per arm (none without matplotlib: a log line names its install)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning(
+            "[quality] no plots: matplotlib is not installed (./scripts/setup.sh test bench)"
+        )
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -878,11 +883,7 @@ def report(args) -> int:
     with open(out / "quality.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    plots: list[Path] = []
-    if importlib.util.find_spec("matplotlib") is None:
-        logger.warning("[quality] no plots: matplotlib is missing (./scripts/setup.sh test bench)")
-    else:
-        plots = plot(rows, out)
+    plots = plot(rows, out)
     (out / "quality_table.md").write_text(table + "\n")
     ablations = ablation_table(rows)
     if ablations:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 LAUNCHERS = ("local", "ray")
@@ -23,7 +24,8 @@ def make_launcher(kind: str, ray_address: str | None = None, **options: Any) -> 
 
     Raises:
         ValueError: an unknown kind, an address given to the local launcher, ``ray`` without an
-            address, or a Ray cluster that cannot be reached (with the address and the fix).
+            address or without Ray installed, or a Ray cluster that cannot be reached (with the
+            address and the fix).
     """
     if kind == "local":
         if ray_address:
@@ -39,6 +41,11 @@ def make_launcher(kind: str, ray_address: str | None = None, **options: Any) -> 
             raise ValueError(
                 "the ray launcher needs the cluster's address: pass --ray-address HOST:PORT (the "
                 "head's `ray start --head --port PORT`), or auto for the cluster on this machine"
+            )
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "the ray launcher needs Ray, which is not installed: pip install 'xtoken[ray]' "
+                "(./scripts/setup.sh test ray)"
             )
         from services.launch.ray import RayLauncher
 

@@ -3,6 +3,7 @@ and ``xtoken run --launcher`` refusing what cannot work before anything starts."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -16,6 +17,11 @@ from services.launch import make_launcher
 from services.launch.base import LaunchedProcess, Launcher
 from services.launch.local import LocalLauncher
 from services.launch.spec import ProcessSpec
+
+NEEDS_RAY = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="ray is not installed: ./scripts/test.sh -m ray installs it (the ray extra)",
+)
 
 
 def _closed_port() -> int:
@@ -45,7 +51,9 @@ def test_the_local_launcher_and_its_processes_follow_the_protocol(tmp_path):
         ("docker", None, "launcher 'docker' is unknown; use one of local, ray"),
         ("local", "10.0.0.1:6379", "only for the ray launcher; drop it or use launcher ray"),
         ("ray", None, "needs the cluster's address: pass --ray-address HOST:PORT"),
-        ("ray", "head-without-port", "'head-without-port' is not HOST:PORT"),
+        pytest.param(
+            "ray", "head-without-port", "'head-without-port' is not HOST:PORT", marks=NEEDS_RAY
+        ),
     ],
 )
 def test_a_launcher_that_cannot_work_is_refused_with_the_fix(kind, address, message):
@@ -53,6 +61,13 @@ def test_a_launcher_that_cannot_work_is_refused_with_the_fix(kind, address, mess
         make_launcher(kind, address)
 
 
+def test_the_ray_launcher_without_ray_installed_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"needs Ray, which is not installed: pip install "):
+        make_launcher("ray", "127.0.0.1:6379")
+
+
+@NEEDS_RAY
 def test_an_unreachable_ray_cluster_is_a_clear_error_not_a_hang():
     address = f"127.0.0.1:{_closed_port()}"
     with pytest.raises(ValueError, match=rf"cannot reach the Ray cluster at '{address}'.*ray "
@@ -60,6 +75,7 @@ def test_an_unreachable_ray_cluster_is_a_clear_error_not_a_hang():
         make_launcher("ray", address, connect_timeout_s=5)
 
 
+@NEEDS_RAY
 def test_spec_resources_become_a_ray_bundle():
     from services.launch.ray import _bundle
 
@@ -70,6 +86,7 @@ def test_spec_resources_become_a_ray_bundle():
         _bundle({"gpu": -1}, 0.25)
 
 
+@NEEDS_RAY
 def test_only_the_runs_own_variables_travel_from_the_driver_to_ray_workers():
     from services.launch.ray import forwarded_env
 
@@ -96,5 +113,8 @@ def test_xtoken_run_refuses_a_launcher_it_cannot_use_before_starting_anything(tm
     address = f"127.0.0.1:{_closed_port()}"
     out = _xtoken_run(tmp_path, "--ray-address", address)  # implies --launcher ray
     assert out.returncode == 2
-    assert f"xtoken run: cannot reach the Ray cluster at '{address}'" in out.stderr
+    if importlib.util.find_spec("ray") is None:
+        assert "xtoken run: the ray launcher needs Ray, which is not installed" in out.stderr
+    else:
+        assert f"xtoken run: cannot reach the Ray cluster at '{address}'" in out.stderr
     assert not (tmp_path / "run" / "logs").exists(), "nothing may start"
