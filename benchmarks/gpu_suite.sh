@@ -60,6 +60,22 @@ want bench_pipeline_pkl && step bench_pipeline_pkl $PY benchmarks/e2e/bench_pipe
   --shapes 1x4096 --modes pkl --results "$OUT/e2e_pipeline.jsonl"
 want bench_pipeline && step bench_pipeline $PY benchmarks/e2e/bench_pipeline.py \
   --results "$OUT/e2e_pipeline.jsonl"
+# every loss mode, default step against the eager baseline, at both shapes (no recompile check)
+for mode in pkl gold xtoken ce; do
+  want bench_pipeline_$mode && step bench_pipeline_$mode $PY benchmarks/e2e/bench_pipeline.py \
+    --shapes 1x4096 4x2048 --modes $mode --recompile-steps 0 --results "$OUT/e2e_pipeline.jsonl"
+done
+# the default step with the teacher's layers compiled but not replayed as CUDA graphs
+want teacher_no_graphs && step teacher_no_graphs $PY benchmarks/e2e/bench_pipeline.py \
+  --shapes 1x4096 4x2048 --modes pkl --baseline none --no-bare --recompile-steps 0 \
+  --teacher-extra '{"cuda_graphs": false}' --tag teacher-no-graphs --results "$OUT/e2e_pipeline.jsonl"
+# on-policy fractions 0, 0.5, 1 (rollout workers on the same GPU)
+want bench_on_policy && step bench_on_policy $PY benchmarks/e2e/bench_on_policy.py --shape 4x2048 \
+  --fractions 0 0.5 1 --rollouts 2 --rollout-batch 128 --sync-every 8 --max-staleness 16 \
+  --results "$OUT/e2e_on_policy.jsonl"
+# TRL GOLD against the default step, tokens/s and memory at 1 x 4096 (TRL importable by $PY)
+want peers_speed && step peers_speed $PY benchmarks/peers/bench_trl_gold.py --parts speed --shapes 4096 \
+  --teacher-tokenizer llama3 --teacher-vocab 0 --trl-python $PY --results "$OUT/peers_trl_gold.jsonl"
 # packed rows of the demo corpus's texts (collator.pack, FlexAttention) against the same texts
 # one per row; the filled rows of bench_pipeline are the bound packing approaches
 want bench_pipeline_pack && step bench_pipeline_pack $PY benchmarks/e2e/bench_pipeline.py \

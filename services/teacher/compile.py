@@ -4,6 +4,12 @@ Each decoder layer is compiled on its own (regional compilation): the layers of 
 code object, so one graph serves all of them and the compile time does not grow with depth; the
 embedding, the mask construction and the final norm stay eager. Every teacher forward runs under
 ``torch.inference_mode`` (the logits are data: no autograd bookkeeping, no version counters).
+
+CUDA graphs (``teacher.cuda_graphs``): each compiled layer is recorded once per row count and
+length and replayed (Inductor's CUDA graph trees, ``mode="reduce-overhead"``), so the host
+launches one graph per layer instead of one kernel at a time. A replay reuses its output buffers:
+every forward starts a new generation, and the final norm (eager) copies the last layer's output
+out of them before the next forward runs.
 """
 
 from __future__ import annotations
@@ -29,6 +35,29 @@ def resolve_compile(flag: bool | None, device: str | torch.device) -> bool:
     return flag
 
 
+def resolve_cuda_graphs(flag: bool | None, compiled: bool, device: str | torch.device) -> bool:
+    """Whether the compiled layers replay as CUDA graphs (``teacher.cuda_graphs``).
+
+    Args:
+        flag: the setting (None: on where it can run).
+        compiled: whether the layers compile (``resolve_compile``).
+        device: the teacher's device.
+
+    Raises:
+        ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
+    """
+    if flag is False:
+        return False
+    why = None
+    if torch.device(device).type != "cuda":
+        why = f"the teacher runs on {device}, not a cuda device"
+    elif not compiled:
+        why = "teacher.compile is off"
+    if why and flag:
+        raise ValueError(f"teacher.cuda_graphs: {why}; set teacher.cuda_graphs: false")
+    return why is None
+
+
 class RegionalCompile:
     """Runs the teacher's forwards under inference mode, through compiled decoder layers if asked.
 
@@ -40,10 +69,12 @@ class RegionalCompile:
     Args:
         model: the teacher causal LM.
         enabled: compile its decoder layers (see :func:`resolve_compile`).
+        cuda_graphs: replay the compiled layers as CUDA graphs (see :func:`resolve_cuda_graphs`).
     """
 
-    def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
+    def __init__(self, model: torch.nn.Module, enabled: bool, cuda_graphs: bool = False) -> None:
         self.layers = (decoder_layers(model) or None) if enabled else None
+        self.cuda_graphs = cuda_graphs and enabled
         self.active = False
         self.compile_s: float | None = None  # seconds of the first compiled forward
         if not enabled:
@@ -66,7 +97,11 @@ class RegionalCompile:
             # graph was built at; services/trainer/compile.py) give a layer another graph: a
             # handful over the first requests of a run. fullgraph=True: a layer that graph-breaks
             # fails loudly here, and falls back to eager, instead of running slowly in pieces.
-            layer.compile(dynamic=True, fullgraph=True)
+            layer.compile(
+                dynamic=True,
+                fullgraph=True,
+                mode="reduce-overhead" if self.cuda_graphs else None,
+            )
         self.active = True
 
     def run(self, forward: Callable[[], T]) -> T:
@@ -87,6 +122,8 @@ class RegionalCompile:
             with torch.inference_mode():
                 return forward()
         start = time.perf_counter()
+        if self.cuda_graphs:  # the previous forward's graph outputs are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             with torch.inference_mode():
                 out = forward()
@@ -104,7 +141,7 @@ class RegionalCompile:
         for layer in self.layers:
             # nn.Module.compile keeps the compiled call here and has no public undo
             layer._compiled_call_impl = None
-        self.active = False
+        self.active = self.cuda_graphs = False
         first_line = (str(error).strip().splitlines() or [""])[0]
         logger.warning(
             "[teacher] teacher.compile: compiling the decoder layers failed (%s: %s); the "

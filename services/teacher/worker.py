@@ -34,7 +34,7 @@ import torch
 
 from services.protocol.names import TRANSPORTS, hidden_field, new_instance, result_field
 from services.protocol.teacher import Request, Result, hidden_column
-from services.teacher.compile import RegionalCompile, resolve_compile
+from services.teacher.compile import RegionalCompile, resolve_compile, resolve_cuda_graphs
 from xtoken_core.models.dtypes import resolve_dtype
 from xtoken_core.models.heads import head_into
 
@@ -105,6 +105,14 @@ class TeacherConfig:
         metadata={
             "help": "torch.compile each decoder layer (dynamic shapes, so no recompile per "
             "length); unset: on for cuda, off on cpu; a failed compile falls back to eager"
+        },
+    )
+    cuda_graphs: bool | None = field(
+        default=None,
+        metadata={
+            "help": "replay each compiled decoder layer as CUDA graphs, one per row count and "
+            "length: the host launches one graph per layer instead of one kernel at a time "
+            "(None: on where the layers compile on a cuda device)"
         },
     )
     pack: bool = field(
@@ -192,6 +200,9 @@ class TeacherConfig:
             )
         resolve_dtype(self.dtype, self.device)
         resolve_dtype(self.logits_dtype, self.device)
+        resolve_cuda_graphs(
+            self.cuda_graphs, resolve_compile(self.compile, self.device), self.device
+        )
         if self.packed_attention not in ("auto", "flex_attention", "sdpa"):
             raise ValueError(
                 f"packed_attention={self.packed_attention!r}: use auto, flex_attention or sdpa"
@@ -239,7 +250,10 @@ class TeacherWorker:
             use_packed_attention(self.model, packed_attention(config.packed_attention, self.device))
         self.backbone, self.lm_head = split_lm_head(self.model)
         self.hidden_size = int(self.lm_head.weight.shape[1])  # d: the output layer's input
-        self.compiled = RegionalCompile(self.model, resolve_compile(config.compile, config.device))
+        compiled = resolve_compile(config.compile, config.device)
+        self.compiled = RegionalCompile(
+            self.model, compiled, resolve_cuda_graphs(config.cuda_graphs, compiled, config.device)
+        )
         # One ring per trainer rank served: a rank that holds its slots (e.g. waiting in a
         # collective for another rank) never keeps the teacher from serving the other ranks.
         self.rings: dict[int, Any] = {}

@@ -12,7 +12,7 @@ import torch
 
 from services import protocol as proto
 from services.common import config as cfg
-from services.teacher.compile import decoder_layers, resolve_compile
+from services.teacher.compile import decoder_layers, resolve_compile, resolve_cuda_graphs
 from services.teacher.worker import TeacherConfig, TeacherWorker
 from xtoken_core.models import load_model
 
@@ -44,6 +44,29 @@ def test_compile_flag_off_on_cpu_by_default():
     with TeacherWorker(_config()) as worker:
         assert not worker.compiled.active
         assert all(layer._compiled_call_impl is None for layer in worker.model.model.layers)
+
+
+def test_cuda_graphs_are_on_only_where_compiled_layers_run_on_cuda():
+    assert TeacherConfig().cuda_graphs is None
+    assert resolve_cuda_graphs(None, True, "cuda:0") is True
+    assert resolve_cuda_graphs(None, False, "cuda") is False  # teacher.compile off
+    assert resolve_cuda_graphs(None, False, "cpu") is False
+    assert resolve_cuda_graphs(False, True, "cuda") is False
+    with TeacherWorker(_config(compile=True)) as worker:  # compiled on cpu: no graphs
+        assert worker.compiled.active and not worker.compiled.cuda_graphs
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (dict(cuda_graphs=True), "not a cuda device"),
+        (dict(cuda_graphs=True, compile=False, device="cuda"), "teacher.compile is off"),
+    ],
+)
+def test_cuda_graphs_asked_where_they_cannot_run_are_refused_naming_the_setting(overrides, named):
+    with pytest.raises(ValueError, match=named) as err:
+        _config(**overrides)
+    assert "set teacher.cuda_graphs: false" in str(err.value)
 
 
 @pytest.mark.parametrize(

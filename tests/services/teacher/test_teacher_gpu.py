@@ -75,9 +75,10 @@ def test_hidden_transport_matches_direct_logits_within_bf16_rounding():
 
 
 def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_two_lengths(caplog):
-    """teacher.compile is on by default on CUDA: five requests of different lengths through
-    cuda_ipc slots match an eager teacher of the same weights within bf16 rounding, and after
-    the first two lengths no request compiles a new graph."""
+    """teacher.compile and teacher.cuda_graphs are on by default on CUDA: requests of five
+    lengths, then three of them again (replayed CUDA graphs), through cuda_ipc slots match an
+    eager teacher of the same weights within bf16 rounding, and after the first two lengths no
+    request compiles a new graph."""
     import copy
     import logging
 
@@ -90,7 +91,7 @@ def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_t
     eager_model = copy.deepcopy(model)
     common = dict(model="tiny", tokenizer="mistral", device="cuda", max_batch=2, max_length=128)
     cfg = TeacherConfig(transport="cuda_ipc", **common)
-    assert cfg.compile is None  # auto: on for cuda
+    assert cfg.compile is None and cfg.cuda_graphs is None  # auto: on for cuda
     graphs = []
     with (
         caplog.at_level(logging.INFO),
@@ -99,7 +100,8 @@ def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_t
         LogitRingReader(device="cuda") as reader,
     ):
         assert worker.compiled.active and not eager.compiled.active
-        for U in (40, 57, 64, 23, 90):
+        assert worker.compiled.cuda_graphs and not eager.compiled.cuda_graphs
+        for U in (40, 57, 64, 23, 90, 40, 57, 40):
             req = _request(worker, B=2, U=U)
             result = _result(worker.compute(req))
             got = reader.view(result.descriptor, result.handle).float()
@@ -110,7 +112,7 @@ def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_t
             reader.release(result.descriptor, result.handle)
             graphs.append(counters["stats"]["unique_graphs"])
         assert worker.compiled.compile_s is not None
-    assert graphs[1:] == [graphs[1]] * 4, f"graphs compiled after each request: {graphs}"
+    assert graphs[1:] == [graphs[1]] * 7, f"graphs compiled after each request: {graphs}"
     assert "[teacher] compiled the teacher in" in caplog.text
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "teacher.compile" in m], messages  # no fall back to eager
