@@ -62,7 +62,7 @@ want bench_pipeline && step bench_pipeline $PY benchmarks/e2e/bench_pipeline.py 
   --results "$OUT/e2e_pipeline.jsonl"
 # every loss mode, default step against the eager baseline, at both shapes (no recompile check)
 for mode in pkl gold xtoken ce; do
-  want bench_pipeline_$mode && step bench_pipeline_$mode $PY benchmarks/e2e/bench_pipeline.py \
+  want pipeline_$mode && step pipeline_$mode $PY benchmarks/e2e/bench_pipeline.py \
     --shapes 1x4096 4x2048 --modes $mode --recompile-steps 0 --results "$OUT/e2e_pipeline.jsonl"
 done
 # the default step with the teacher's layers compiled but not replayed as CUDA graphs
