@@ -35,27 +35,27 @@ def resolve_compile(flag: bool | None, device: str | torch.device) -> bool:
     return flag
 
 
-def resolve_cuda_graphs(flag: bool | None, compiled: bool, device: str | torch.device) -> bool:
+def resolve_cuda_graphs(flag: bool, compiled: bool, device: str | torch.device) -> bool:
     """Whether the compiled layers replay as CUDA graphs (``teacher.cuda_graphs``).
 
     Args:
-        flag: the setting (None: on where it can run).
+        flag: the setting.
         compiled: whether the layers compile (``resolve_compile``).
         device: the teacher's device.
 
     Raises:
         ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
     """
-    if flag is False:
+    if not flag:
         return False
     why = None
     if torch.device(device).type != "cuda":
         why = f"the teacher runs on {device}, not a cuda device"
     elif not compiled:
         why = "teacher.compile is off"
-    if why and flag:
+    if why:
         raise ValueError(f"teacher.cuda_graphs: {why}; set teacher.cuda_graphs: false")
-    return why is None
+    return True
 
 
 class RegionalCompile:

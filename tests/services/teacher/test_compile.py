@@ -46,12 +46,11 @@ def test_compile_flag_off_on_cpu_by_default():
         assert all(layer._compiled_call_impl is None for layer in worker.model.model.layers)
 
 
-def test_cuda_graphs_are_on_only_where_compiled_layers_run_on_cuda():
-    assert TeacherConfig().cuda_graphs is None
-    assert resolve_cuda_graphs(None, True, "cuda:0") is True
-    assert resolve_cuda_graphs(None, False, "cuda") is False  # teacher.compile off
-    assert resolve_cuda_graphs(None, False, "cpu") is False
+def test_cuda_graphs_are_off_unless_asked_and_asked_run_only_on_compiled_cuda_layers():
+    assert TeacherConfig().cuda_graphs is False
+    assert resolve_cuda_graphs(True, True, "cuda:0") is True
     assert resolve_cuda_graphs(False, True, "cuda") is False
+    assert resolve_cuda_graphs(False, False, "cpu") is False
     with TeacherWorker(_config(compile=True)) as worker:  # compiled on cpu: no graphs
         assert worker.compiled.active and not worker.compiled.cuda_graphs
 

@@ -75,7 +75,7 @@ def test_hidden_transport_matches_direct_logits_within_bf16_rounding():
 
 
 def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_two_lengths(caplog):
-    """teacher.compile and teacher.cuda_graphs are on by default on CUDA: requests of five
+    """teacher.compile is on by default on CUDA (here with teacher.cuda_graphs): requests of five
     lengths, then three of them again (replayed CUDA graphs), through cuda_ipc slots match an
     eager teacher of the same weights within bf16 rounding, and after the first two lengths no
     request compiles a new graph."""
@@ -90,8 +90,8 @@ def test_compiled_teacher_matches_eager_within_bf16_and_compiles_no_more_after_t
     model = load_model("tiny", vocab_size=32768, dtype=torch.bfloat16, device="cuda", seed=0)
     eager_model = copy.deepcopy(model)
     common = dict(model="tiny", tokenizer="mistral", device="cuda", max_batch=2, max_length=128)
-    cfg = TeacherConfig(transport="cuda_ipc", **common)
-    assert cfg.compile is None and cfg.cuda_graphs is None  # auto: on for cuda
+    cfg = TeacherConfig(transport="cuda_ipc", cuda_graphs=True, **common)
+    assert cfg.compile is None  # auto: on for cuda
     graphs = []
     with (
         caplog.at_level(logging.INFO),
