@@ -4,8 +4,7 @@ import), so a test or a worker process can set it for its own scope.
 | variable | read by | meaning |
 |---|---|---|
 | ``TRITON_INTERPRET`` | kernels | run Triton kernels in the CPU interpreter (tests) |
-| ``XTOKEN_CACHE`` | tokenizers | root of the xtoken cache (default ``~/.cache/xtoken``) |
-| ``XDG_CACHE_HOME`` | data (demo corpus) | base of the demo corpus folder (default ``~/.cache``) |
+| ``XTOKEN_CACHE`` | tokenizers, models, data | root of the xtoken cache: tokenizers, models, projections, the demo corpus (default ``~/.cache/xtoken``) |
 | ``TOKENIZERS_PARALLELISM`` | tokenizers | ``false``: encode batches on one thread |
 | ``CUDA_VISIBLE_DEVICES`` | ipc | quoted in errors about a GPU this process cannot see |
 """
@@ -43,15 +42,6 @@ def xtoken_cache() -> str | None:
         The path as written, or None.
     """
     return os.environ.get("XTOKEN_CACHE", "").strip() or None
-
-
-def xdg_cache_home() -> str | None:
-    """``XDG_CACHE_HOME`` (None when unset or empty).
-
-    Returns:
-        The path as written, or None.
-    """
-    return os.environ.get("XDG_CACHE_HOME") or None
 
 
 def tokenizers_parallelism_off() -> bool:

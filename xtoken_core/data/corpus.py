@@ -53,8 +53,6 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 
-from xtoken_core import envs
-
 logger = logging.getLogger(__name__)
 
 # Bump when the chunking or record format changes: old caches are then rebuilt.
@@ -78,11 +76,12 @@ def default_demo_dir() -> pathlib.Path:
     """Return the default location of the built demo corpus.
 
     Returns:
-        ``$XDG_CACHE_HOME/xtoken/demo`` when ``XDG_CACHE_HOME`` is set, else
-        ``~/.cache/xtoken/demo``.
+        ``demo`` under the xtoken cache (``$XTOKEN_CACHE``, default ``~/.cache/xtoken``), beside
+        the models, tokenizers and projections derived once.
     """
-    base = envs.xdg_cache_home() or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "xtoken" / "demo"
+    from xtoken_core.tokenizers.cache import cache_root
+
+    return cache_root() / "demo"
 
 
 @dataclasses.dataclass(frozen=True)
