@@ -174,3 +174,55 @@ def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
         assert "no plots: matplotlib is not installed" in report.stderr
     else:
         assert (out / "quality_val_bpb.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_resumes(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+
+    def run(*extra):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--smoke-heal", "--work", str(work), *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    run("--out", str(out))
+    rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
+    kinds = sorted((r["kind"], r["arm"]) for r in rows)
+    assert kinds == [
+        ("before", "before"),
+        ("student", "ce"),
+        ("student", "pkl@smollm2"),
+        ("student", "xtoken@qwen2.5-coder-0.5b"),
+        ("teacher", "qwen2.5-coder-0.5b"),
+        ("teacher", "smollm2"),
+    ]
+    students = [r for r in rows if r["kind"] == "student"]
+    for r in rows:
+        for split in ("heldout", "fresh"):
+            h = r[split]
+            assert sum(c["bytes"] for c in h["per_category"].values()) == h["bytes"]
+            assert 0 < h["bits_per_byte"] < 20 and h["nextline"]["lines"] == 4
+    assert all(r["exit"] == 0 and r["steps"] == 4 for r in students)
+    assert len({r["tokens"] for r in students}) == 1  # one data order for every arm of a seed
+    assert next(r for r in students if r["arm"] == "pkl@smollm2")["parent"] is True
+
+    again = run("--out", str(tmp_path / "out2"), "--resume", str(out / "heal_rows.jsonl"))
+    assert "0 runs to go" in again.stderr and not (tmp_path / "out2" / "heal_rows.jsonl").exists()
+
+    report = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    md = (out / "heal.md").read_text()
+    assert "### fresh" in md and "| pruned student, before training |" in md
+    assert "best cross-tokenizer arm closes >= 50% of the gap" in md
