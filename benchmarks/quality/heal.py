@@ -11,8 +11,8 @@ seed. Each arm names its teacher, ``BASE@TEACHER[:key=value,...]``:
   onto itself is the identity on every id that has bytes (SmolLM2: 49,135 exact and 2 special
   rows; 15 ids without bytes map nowhere) and every chunk is one token, so with ``vocab_topk``
   null (all columns, which the run sets for a same-tokenizer arm) P-KL is the per-token
-  KL(teacher || student) over the whole vocabulary, up to the probability of those 15 ids
-  (``test_same_tokenizer_pkl_is_per_token_kl``);
+  KL(teacher || student) over the whole vocabulary, up to the probability of those 15 ids and
+  the loss's 1e-10 floor on a student probability (``test_same_tokenizer_pkl_is_per_token_kl``);
 * ``pkl@`` / ``gold@`` / ``xtoken@qwen2.5-coder-0.5b`` (Qwen2.5-Coder-0.5B, qwen3 tokenizer,
   151,936 logits of which the loss reads the tokenizer's 151,669) and ``pkl@gemma3-270m``
   (gemma3 tokenizer, 262,144 ids): cross-tokenizer KD.
@@ -290,7 +290,10 @@ class EvalSet:
         }
 
     def score(self, model, tokenizer, args, device, batch: int = 16) -> dict[str, Any]:
-        """``{split: score + {"nextline": ...}}`` of one model."""
+        """``{split: score + {"nextline": ...}}`` of one model (the model is moved off the GPU
+        afterwards, so that the runs training beside it get its memory back)."""
+        import torch
+
         out = {}
         for split, recs in self.records.items():
             texts = [r["text"] for r in recs]
@@ -313,6 +316,9 @@ class EvalSet:
                 max_new_tokens=args.nextline_new_tokens,
             )
             out[split] = s
+        model.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return out
 
 
