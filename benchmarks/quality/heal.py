@@ -63,12 +63,13 @@ import dataclasses
 import json
 import logging
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import commit, device_name
-from benchmarks.quality import heal_eval, heal_stats
+from benchmarks.quality import heal_eval, heal_peer, heal_stats
 from benchmarks.quality import run_kd_quality as kd
 
 logger = logging.getLogger("kd_quality.heal")
@@ -424,6 +425,21 @@ def run_heal(args) -> int:
         kd.shutil.rmtree(cfg["run_dir"], ignore_errors=True)
         launch.append((arm.spec, seed, path))
 
+    python = heal_peer.trl_python(args.trl_python) if args.peer_gold else None
+    peer_seeds = [s for s in args.seeds if ("peer", heal_peer.TRL_ARM, s) not in done]
+    if python and peer_seeds:
+        name = heal_peer.TRL_ARM.partition("@")[2]
+        teacher_dir = args.work / "trl" / f"teacher_{slug(resolve(name, args.aliases))}"
+        if not (teacher_dir / "config.json").is_file():
+            export_hf(
+                load_teacher(name, args.aliases), teacher_dir, tokenizer=teacher_tokenizer(name)
+            )
+        for seed in peer_seeds:
+            argv = heal_peer.peer_job(
+                args, seed, student_dir, teacher_dir, teacher_tokenizer(name), python
+            )
+            launch.append((heal_peer.TRL_ARM, seed, argv))
+
     evalset = EvalSet(args.corpus, args.eval_limit, args.nextline_lines)
     meta = {
         "mode": "heal",
@@ -480,7 +496,28 @@ def run_heal(args) -> int:
 
         return task
 
+    def on_peer_done(seed: int, code: int, wall: float) -> None:
+        res, final = heal_peer.peer_result(args, seed)
+        row = {
+            **meta,
+            "kind": "peer",
+            "arm": heal_peer.TRL_ARM,
+            "seed": seed,
+            "exit": code,
+            "wall_s": round(wall, 1),
+            "compare_to": heal_peer.COMPARE_TO,
+            "trl": res,
+        }
+        if final is not None and (final / "config.json").is_file():
+            model = load_model(str(final), dtype=torch.float32, device=device)
+            row.update(evalset.score(model, s_tok, args, device))
+        else:
+            failed.append(heal_peer.TRL_ARM)
+        append(row)
+
     def on_done(spec: str, seed: int, code: int, wall: float) -> None:
+        if spec == heal_peer.TRL_ARM:
+            return on_peer_done(seed, code, wall)
         arm = arm_of[spec]
         run_dir = args.work / "runs" / f"{slug(spec)}_s{seed}"
         row = {
@@ -509,9 +546,9 @@ def run_heal(args) -> int:
         names = sorted({a.teacher for a in arms if a.teacher})
         side += [score_teacher(n) for n in names if ("teacher", n, None) not in done]
     logger.info(
-        "[heal] %d runs to go (%d done before), %d scorings",
+        "[heal] %d runs to go (%d arm runs done before), %d scorings",
         len(launch),
-        len(arms) * len(args.seeds) - len(launch),
+        len(arms) * len(args.seeds) - len(jobs),
         len(side),
     )
     deadline = t_start + args.deadline_s
@@ -581,6 +618,7 @@ def report_heal(rows: list[dict], out: Path) -> str:
                 label = {
                     "before": "pruned student, before training",
                     "teacher": f"teacher {r['arm']}",
+                    "peer": f"{r['arm']} (TRL GOLD) s{r.get('seed')}",
                 }
                 md.append(
                     f"| {label.get(r['kind'], r['arm'])} | - | {h['bits_per_byte']:.4f} | {c} | "
@@ -611,11 +649,13 @@ def report_heal(rows: list[dict], out: Path) -> str:
     cross = [a for a in kd_arms if teacher_tokenizer(parse_heal_arm(a).teacher) != s_tok]
     trl = [r for r in rows if r.get("kind") == "peer" and r.get("heldout")]
     gold = None
-    if trl:
+    if trl:  # the mean over the seeds TRL ran
         gold = {
-            "xtoken": trl[-1].get("compare_to", "gold@qwen2.5-coder-0.5b"),
+            "xtoken": trl[0].get("compare_to", heal_peer.COMPARE_TO),
             "trl": {
-                sp: trl[-1][sp]["bits_per_byte"] for sp in heal_stats.SPLITS if trl[-1].get(sp)
+                sp: statistics.fmean(r[sp]["bits_per_byte"] for r in trl)
+                for sp in heal_stats.SPLITS
+                if all(r.get(sp) for r in trl)
             },
         }
     md += ["### bars", "", "| bar | figures | met |", "|---|---|---|"]

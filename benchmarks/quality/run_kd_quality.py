@@ -539,7 +539,7 @@ def launch_all(
     ``deadline`` (monotonic).
 
     Args:
-        jobs: ``(arm, seed, config path)``.
+        jobs: ``(arm, seed, config path)``, or ``(arm, seed, argv)`` for another command.
         work: the work dir (``logs/`` goes there).
         parallel: runs at once.
         deadline: monotonic time after which no run starts.
@@ -575,7 +575,11 @@ def launch_all(
                 finish((arm, seed), -1, 0.0)
                 continue
             log = open(work / "logs" / f"{arm_slug(arm)}_s{seed}.log", "w")
-            cmd = [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
+            cmd = (
+                cfg
+                if isinstance(cfg, list)
+                else [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
+            )
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running[(arm, seed)] = (proc, time.monotonic(), log)
             logger.info("[quality] started %s seed %d (pid %d)", arm, seed, proc.pid)
@@ -1029,6 +1033,14 @@ def main(argv: list[str] | None = None) -> int:
     heal.add_argument("--nextline-new-tokens", type=int, default=64)
     heal.add_argument(
         "--smoke-heal", action="store_true", help="CPU smoke of the healing experiment"
+    )
+    heal.add_argument(
+        "--peer-gold",
+        action="store_true",
+        help="also train the student from qwen2.5-coder-0.5b with TRL's GOLD trainer (heal_peer)",
+    )
+    heal.add_argument(
+        "--trl-python", default=None, help="python that imports trl (default .venv-bench's)"
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -139,3 +139,16 @@ def test_same_tokenizer_pkl_is_per_token_kl(tmp_path):
     kl = (lp_t.exp() * (lp_t - lp_s)).sum()
     assert terms.kd.item() == pytest.approx(kl.item(), rel=1e-9)
     assert int(terms.num_valid) == T - 1
+
+
+def test_peer_texts_are_cut_after_ctx_tokens_of_both_tokenizers():
+    from benchmarks.quality.heal_peer import cut_to_tokens
+    from xtoken_core.tokenizers import load_tokenizer
+
+    s, t = load_tokenizer("smollm2"), load_tokenizer("qwen3")
+    text = "def heal(model):\n    return model.train()  # ünïcode 12345\n" * 10
+    cut = cut_to_tokens(text, [s, t], 16)
+    assert text.startswith(cut) and len(cut) < len(text)
+    lengths = [len(tok.encode(cut, add_special_tokens=False).ids) for tok in (s, t)]
+    assert max(lengths) == 16
+    assert cut_to_tokens("short", [s, t], 16) == "short"

@@ -226,3 +226,51 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
     md = (out / "heal.md").read_text()
     assert "### fresh" in md and "| pruned student, before training |" in md
     assert "best cross-tokenizer arm closes >= 50% of the gap" in md
+
+
+def _bench_python_has_trl() -> bool:
+    py = ROOT / ".venv-bench" / "bin" / "python"
+    return py.exists() and subprocess.run([str(py), "-c", "import trl"]).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _bench_python_has_trl(), reason="needs .venv-bench with trl: ./scripts/setup.sh test peers"
+)
+def test_heal_peer_gold_trains_the_same_pair_with_trl_and_scores_it_like_the_arms(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke-heal",
+            "--peer-gold",
+            "--arms",
+            "ce",
+            "gold@qwen2.5-coder-0.5b",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
+    peer = next(r for r in rows if r["kind"] == "peer")
+    assert peer["trl"]["steps_run"] == 4 and "error" not in peer["trl"]
+    assert (
+        0 < peer["fresh"]["bits_per_byte"] < 20 and peer["compare_to"] == "gold@qwen2.5-coder-0.5b"
+    )
+    report = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "at least as good as TRL GOLD" in (out / "heal.md").read_text()
