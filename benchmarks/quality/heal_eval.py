@@ -12,10 +12,14 @@ tables, and greedy next-line exact match.
   bytes and add up to the overall figure.
 * **next line**: a fixed set of lines (the smallest SHA-1 of text index, offset and line, so no
   seed and no model changes the choice) with at least 8 non-space characters and some text before
-  them; the prompt is the text up to the start of the line (at most ``ctx`` tokens: BOS and the
-  last ``ctx - 1`` tokens), the model decodes greedily until a token holding a newline (at most
-  64 new tokens), and the line counts when the decoded text before its first newline equals the
-  line, trailing whitespace stripped on both.
+  them. The prompt is the text before the line up to its last non-space character (at most
+  ``ctx`` tokens: BOS and the last ``ctx - 1``); the model decodes greedily (at most 64 new
+  tokens) until it has gone to a new line and finished that one; the line counts when what it
+  wrote after its leading line break(s), up to the next newline, equals the line (indentation
+  included), trailing whitespace stripped on both. The prompt stops before the line break rather
+  than after it because byte-level BPE tokenizers merge a newline with the next line's
+  indentation (``"\n   "``): a prompt ending in a bare ``"\n"`` would ask every model to go on
+  from a token boundary it never saw in training.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +148,9 @@ class NextLine:
 def select_next_lines(texts: list[str], n: int) -> list[NextLine]:
     """The ``n`` next-line items of ``texts`` (fewer if there are fewer candidates).
 
-    A candidate is a line that starts after a newline (so the prompt is not empty) and has at
-    least :data:`MIN_LINE_CHARS` non-space characters; the ``n`` with the smallest SHA-1 of
-    (text index, offset, line) are taken, in text order.
+    A candidate is a line that starts after a newline, has some non-space text before it (the
+    prompt) and at least :data:`MIN_LINE_CHARS` non-space characters; the ``n`` with the
+    smallest SHA-1 of (text index, offset, line) are taken, in text order.
 
     Args:
         texts: the split's texts, in file order.
@@ -157,6 +162,8 @@ def select_next_lines(texts: list[str], n: int) -> list[NextLine]:
     keyed = []
     for t, text in enumerate(texts):
         start = text.find("\n") + 1
+        while start and not text[:start].strip():  # no prompt yet
+            start = text.find("\n", start) + 1
         while 0 < start < len(text):
             end = text.find("\n", start)
             end = len(text) if end < 0 else end
@@ -176,9 +183,27 @@ def prompt_ids(tokenizer, prefix: str, ctx: int) -> list[int]:
     return [start] + ids[len(ids) - (ctx - 1) :] if len(ids) > ctx - 1 else [start] + ids
 
 
+_LINE_BREAKS = re.compile(r"(?:[ \t\r\f\v]*\n)+")
+
+
+def written_line(decoded: str) -> str | None:
+    """The line a model wrote after the prompt: after its leading line break(s) (blank lines
+    included), up to the next newline; None while it has not finished one (or never broke the
+    line: it went on with the prompt's last line)."""
+    m = _LINE_BREAKS.match(decoded)
+    if m is None:
+        return None
+    rest = decoded[m.end() :]
+    return rest.split("\n", 1)[0] if "\n" in rest else None
+
+
 def line_matches(decoded: str, line: str) -> bool:
-    """The decoded text up to its first newline is the line (trailing whitespace stripped)."""
-    return decoded.split("\n", 1)[0].rstrip() == line.rstrip()
+    """The model wrote ``line`` (:func:`written_line`; trailing whitespace stripped on both; a
+    line cut by the token limit counts as written up to there)."""
+    m = _LINE_BREAKS.match(decoded)
+    if m is None:
+        return False
+    return decoded[m.end() :].split("\n", 1)[0].rstrip() == line.rstrip()
 
 
 def next_line_exact_match(
@@ -201,7 +226,7 @@ def next_line_exact_match(
         items: the lines to complete.
         ctx: most prompt tokens (BOS included).
         device: the model's device.
-        max_new_tokens: decoding stops here or at the first token holding a newline.
+        max_new_tokens: decoding stops here or once the model finished a new line.
         batch: prompts per ``generate`` call (left-padded).
 
     Returns:
@@ -210,24 +235,30 @@ def next_line_exact_match(
     import torch
     from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-    newline = torch.tensor(
-        [i for i in range(tokenizer.vocab_size) if b"\n" in tokenizer.token_bytes(i)],
-        dtype=torch.long,
-        device=device,
-    )
-
-    class StopAtNewline(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            return torch.isin(input_ids[:, -1], newline)
-
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+
+    def decode(ids: list[int]) -> str:
+        raw = b"".join(tokenizer.token_bytes(i) for i in ids if i != pad)
+        return raw.decode("utf-8", errors="replace")
+
+    class StopAfterLine(StoppingCriteria):
+        """A row is done once it has written a whole new line."""
+
+        def __init__(self, prompt_len: int) -> None:
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids, scores, **kwargs):
+            new = input_ids[:, self.prompt_len :].tolist()
+            done = [written_line(decode(row)) is not None for row in new]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
     gen = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         pad_token_id=pad,
         eos_token_id=tokenizer.eos_id,
     )
-    prompts = [prompt_ids(tokenizer, texts[i.text][: i.start], ctx) for i in items]
+    prompts = [prompt_ids(tokenizer, texts[i.text][: i.start].rstrip(), ctx) for i in items]
     order = sorted(range(len(items)), key=lambda k: -len(prompts[k]))
     matched = 0
     was = model.training
@@ -249,14 +280,12 @@ def next_line_exact_match(
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),
                     generation_config=gen,
-                    stopping_criteria=StoppingCriteriaList([StopAtNewline()]),
+                    stopping_criteria=StoppingCriteriaList([StopAfterLine(L)]),
                 )
                 for r, k in enumerate(ks):
-                    new = out[r, L:].tolist()
-                    raw = b"".join(tokenizer.token_bytes(i) for i in new if i != pad)
                     item = items[k]
                     line = texts[item.text][item.start : item.end]
-                    matched += line_matches(raw.decode("utf-8", errors="replace"), line)
+                    matched += line_matches(decode(out[r, L:].tolist()), line)
     finally:
         model.train(was)
     return {"exact_match": matched / max(1, len(items)), "lines": len(items), "matched": matched}

@@ -69,7 +69,8 @@ def test_codec_table_texts_are_one_category_and_others_keep_theirs():
 
 def test_next_lines_are_fixed_long_enough_and_after_some_text():
     texts = [
-        "import os\n    return value_of(x)  \nshort\n\nclass Thing(Base):\n",
+        "\n  \n    not_after_any_text()\nimport x\n    return value_of(x)  \nshort\n\n"
+        "class Thing(Base):\n",
         "first line is long enough\nsecond line is long enough too",
     ]
     items = heal_eval.select_next_lines(texts, 10)
@@ -85,11 +86,15 @@ def test_next_lines_are_fixed_long_enough_and_after_some_text():
     assert heal_eval.select_next_lines(texts, 2) == two  # no seed, no state
 
 
-def test_a_line_matches_up_to_the_first_newline_without_trailing_whitespace():
-    assert heal_eval.line_matches("    return x   \n    more", "    return x")
-    assert heal_eval.line_matches("return x", "return x  ")
-    assert not heal_eval.line_matches("  return x\n", "    return x")
-    assert not heal_eval.line_matches("return", "return x")
+def test_the_written_line_follows_the_line_break_and_keeps_its_indentation():
+    assert heal_eval.line_matches("\n    return x   \n    more", "    return x")
+    assert heal_eval.line_matches("\n\n  \nreturn x", "return x  ")  # blank lines, then cut
+    assert not heal_eval.line_matches("\n  return x\n", "    return x")
+    assert not heal_eval.line_matches("\nreturn\n", "return x")
+    assert not heal_eval.line_matches("return x\n", "return x")  # never left the prompt's line
+    assert heal_eval.written_line("\n    return x") is None  # not finished: decoding goes on
+    assert heal_eval.written_line("\n\n    return x\n") == "    return x"
+    assert heal_eval.written_line(" and more\n") is None
 
 
 def test_prompt_keeps_bos_and_the_last_ctx_minus_one_tokens():
