@@ -34,7 +34,11 @@ tokens; the 99 M student costs ~5 TFLOP per step (6 N tokens), a teacher forward
 ~1-1.5 s per step of all six together, after ~60-90 s of start-up each (processes, models,
 compile). Hence one seed per call: ``--parallel 6 --steps 150`` (1.2 M tokens per run), the
 second and third call the next seeds with ``--resume``. ``--deadline-s`` starts no run that would
-end after it (at the longest wall time seen so far in the call).
+end after it (at the longest wall time seen so far in the call). A fresh machine first
+dequantizes each GGUF once into ``$XTOKEN_CACHE`` (here, 2 CPU cores: 44 s for qwen2.5-coder,
+72 s for gemma3 including joining the parts); a later call on the same warm machine reads the
+cache. These are estimates from sizes, not measurements: the first call's ``wall_s`` and
+``train_s`` per row say what the next calls can afford.
 
 Commands::
 
