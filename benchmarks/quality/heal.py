@@ -378,6 +378,11 @@ def run_heal(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows_path = out / ROWS_FILE
+    missing = [p for p in args.resume or [] if not Path(p).is_file()]
+    if missing:
+        raise ValueError(
+            f"--resume {missing[0]}: no such row file; pass the heal_rows.jsonl of an earlier call"
+        )
     done = done_keys(read_rows([rows_path, *map(Path, args.resume or [])]))
     if args.corpus is None:
         args.corpus = args.work / "corpus"
