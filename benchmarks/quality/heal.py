@@ -23,7 +23,7 @@ split's commit, ``heal_eval``): bits/byte overall and per category (``codec_tabl
 next-token accuracy, greedy next-line exact match. The student before training is a row
 (``before``), each teacher one with ``--teacher-eval``. Rows are appended to
 ``<out>/heal_rows.jsonl`` as each run finishes; a later call given those rows (``--resume``)
-skips every arm and seed that has one. ``--report`` (``heal_stats``) gives means, paired
+skips every arm and seed that has one. ``--report`` (``heal_report``, ``heal_stats``) gives means, paired
 differences against CE with 95% t-intervals, the share of the gap to the parent's KD closed, and
 the bars.
 
@@ -67,7 +67,6 @@ import dataclasses
 import json
 import logging
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -584,128 +583,3 @@ def _line(row: dict) -> str:
         for s in heal_stats.SPLITS
     ]
     return f"{head}: " + "; ".join(parts) + f"; steps {row.get('steps', '-')}"
-
-
-# --------------------------------------------------------------------------- report
-
-
-def report_heal(rows: list[dict], out: Path) -> str:
-    """The healing report's tables (printed and written to ``<out>/heal.md``, with
-    ``heal_summary.json`` and, where matplotlib exists, ``heal_diff.png``).
-
-    Args:
-        rows: every row of the experiment (students, ``before``, teachers, TRL GOLD peers).
-        out: the folder.
-
-    Returns:
-        The markdown.
-    """
-    rows = [r for r in rows if r.get("mode") == "heal"]
-    parent = next((r["parent_arm"] for r in rows if r.get("parent_arm")), None)
-    s = heal_stats.summarize_heal(rows, parent)
-    order = {a: i for i, a in enumerate(HEAL_ARMS)}
-    arms = sorted(s["arms"], key=lambda a: (order.get(a, len(order)), a))
-    cats = heal_eval.HEAL_CATEGORIES
-    md = []
-    for split in heal_stats.SPLITS:
-        md += [
-            f"### {split}",
-            "",
-            "| arm | seeds | bits/byte (mean ± sd) | " + " | ".join(cats) + " | next-token acc | "
-            "next-line EM | arm - CE (95% CI) | gap closed |",
-            "|---|---|---|" + "---|" * len(cats) + "---|---|---|---|",
-        ]
-        for r in rows:
-            if r.get("kind") in ("before", "teacher", "peer") and r.get(split):
-                h = r[split]
-                c = " | ".join(
-                    f"{h['per_category'][n]['bits_per_byte']:.3f}"
-                    if h["per_category"].get(n, {}).get("bits_per_byte") is not None
-                    else "-"
-                    for n in cats
-                )
-                label = {
-                    "before": "pruned student, before training",
-                    "teacher": f"teacher {r['arm']}",
-                    "peer": f"{r['arm']} (TRL GOLD) s{r.get('seed')}",
-                }
-                md.append(
-                    f"| {label.get(r['kind'], r['arm'])} | - | {h['bits_per_byte']:.4f} | {c} | "
-                    f"{h['accuracy']:.4f} | {h['nextline']['exact_match']:.3f} | - | - |"
-                )
-        for arm in arms:
-            a = s["arms"][arm].get(split)
-            if not a:
-                continue
-            c = " | ".join(
-                f"{a['cat'][n]:.3f}" if a["cat"].get(n) is not None else "-" for n in cats
-            )
-            d = a.get("diff")
-            diff = "-"
-            if d:
-                ci = f" [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d["lo"] is not None else ""
-                diff = f"{d['mean']:+.4f}{ci}"
-            gap = a.get("gap_closed")
-            nl = f"{a['nextline']:.3f}" if a["nextline"] is not None else "-"
-            md.append(
-                f"| {arm} | {len(a['seeds'])} | {a['mean']:.4f} ± {a['sd']:.4f} | {c} | "
-                f"{a['accuracy']:.4f} | {nl} | {diff} | "
-                f"{'-' if gap is None else f'{gap:.0%}'} |"
-            )
-        md.append("")
-    kd_arms = [a for a in arms if a != "ce"]
-    s_tok = next((r["student_tokenizer"] for r in rows if r.get("student_tokenizer")), None)
-    cross = [a for a in kd_arms if teacher_tokenizer(parse_heal_arm(a).teacher) != s_tok]
-    trl = [r for r in rows if r.get("kind") == "peer" and r.get("heldout")]
-    gold = None
-    if trl:  # the mean over the seeds TRL ran
-        gold = {
-            "xtoken": trl[0].get("compare_to", heal_peer.COMPARE_TO),
-            "trl": {
-                sp: statistics.fmean(r[sp]["bits_per_byte"] for r in trl)
-                for sp in heal_stats.SPLITS
-                if all(r.get(sp) for r in trl)
-            },
-        }
-    md += ["### bars", "", "| bar | figures | met |", "|---|---|---|"]
-    for name, figs, met in heal_stats.bars(s, cross, kd_arms, gold):
-        md.append(
-            f"| {name} | {figs} | {'-' if met is None else ('met' if met else '**missed**')} |"
-        )
-    if not trl:
-        md.append("| xtoken gold vs TRL GOLD | no TRL GOLD row given | - |")
-    text = "\n".join(md) + "\n"
-    (out / "heal.md").write_text(text)
-    (out / "heal_summary.json").write_text(json.dumps(s, indent=1, default=str))
-    _plot(s, arms, out)
-    return text
-
-
-def _plot(summary: dict, arms: list[str], out: Path) -> None:
-    """Paired differences against CE with their 95% intervals, one panel per split."""
-    try:
-        import matplotlib
-    except ImportError:
-        logger.warning(
-            "[heal] no plot: matplotlib is not installed (./scripts/setup.sh test bench)"
-        )
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
-    for ax, split in zip(axes, heal_stats.SPLITS):
-        names, means, errs = [], [], []
-        for arm in arms:
-            d = summary["arms"][arm].get(split, {}).get("diff")
-            if d:
-                names.append(arm)
-                means.append(d["mean"])
-                errs.append(0.0 if d["lo"] is None else d["hi"] - d["mean"])
-        ax.barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
-        ax.axvline(0, color="black", lw=0.8)
-        ax.set_title(f"{split}: arm - CE bits/byte (95% CI)")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "heal_diff.png")
-    plt.close(fig)

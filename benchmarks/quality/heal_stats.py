@@ -198,7 +198,9 @@ def bars(
             )
         )
     else:
-        out.append(("best cross-tokenizer arm closes >= 50% of the gap", "no rows", None))
+        scored = any(arms.get(a, {}).get("heldout") for a in cross_arms)
+        why = "the parent's KD is no better than CE on a split: no gap" if scored else "no rows"
+        out.append(("best cross-tokenizer arm closes >= 50% of the gap", why, None))
     if gold:
         a = arms.get(gold["xtoken"], {})
         figs, ok = [], True

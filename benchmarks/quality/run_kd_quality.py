@@ -917,9 +917,13 @@ def report(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if any(r.get("mode") == "heal" for r in rows):
-        from benchmarks.quality.heal import report_heal
+        from benchmarks.quality.heal_report import report_heal
 
-        print(report_heal(rows, out))
+        try:
+            print(report_heal(rows, out))
+        except ValueError as e:
+            logger.error("[quality] %s", e)
+            return 2
         return 0
     s = summarize(rows)
     lines = [

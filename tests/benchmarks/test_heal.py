@@ -152,3 +152,13 @@ def test_peer_texts_are_cut_after_ctx_tokens_of_both_tokenizers():
     lengths = [len(tok.encode(cut, add_special_tokens=False).ids) for tok in (s, t)]
     assert max(lengths) == 16
     assert cut_to_tokens("short", [s, t], 16) == "short"
+
+
+def test_report_refuses_rows_of_different_experiments(tmp_path):
+    from benchmarks.quality.heal_report import report_heal
+
+    base = {"mode": "heal", "kind": "before", "arm": "before", "seed": None, "steps": 150}
+    with pytest.raises(ValueError, match="mix 2 experiments"):
+        report_heal(
+            [{**base, "student": "smollm2:drop=10-19"}, {**base, "student": "x:drop=1"}], tmp_path
+        )

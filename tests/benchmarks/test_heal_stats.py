@@ -89,3 +89,11 @@ def test_bars_need_every_seed_beyond_twice_the_seed_sd_and_half_the_gap():
     assert met["best"] is True and "xtoken@q" in bars[-1][1]
     gold = heal_stats.bars(s, [], [], {"xtoken": "gold@q", "trl": {"heldout": 1.9, "fresh": 2.6}})
     assert gold[-1][2] is False
+
+
+def test_gap_bar_says_when_the_parent_kd_left_no_gap():
+    rows = [r for r in _rows() if r.get("arm") != "pkl@smollm2"]
+    rows += [_row("pkl@smollm2", s, 2.1, 2.6) for s in range(3)]
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    name, figs, met = heal_stats.bars(s, ["xtoken@q"], ["xtoken@q"])[-1]
+    assert "no gap" in figs and met is None
