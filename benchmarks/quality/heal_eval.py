@@ -215,7 +215,7 @@ def next_line_exact_match(
     ctx: int,
     device,
     max_new_tokens: int = 64,
-    batch: int = 32,
+    batch: int = 64,
 ) -> dict[str, Any]:
     """Greedy next-line exact match of a model over ``items`` (:func:`select_next_lines`).
 

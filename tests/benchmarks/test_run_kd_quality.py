@@ -214,6 +214,11 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
 
     again = run("--out", str(tmp_path / "out2"), "--resume", str(out / "heal_rows.jsonl"))
     assert "0 runs to go" in again.stderr and not (tmp_path / "out2" / "heal_rows.jsonl").exists()
+    # rows lost (a call cut short after training): the same work dir scores without training
+    rescored = run("--out", str(tmp_path / "out3"))
+    assert "0 runs to go (0 arm runs done before, 3 trained but not scored)" in rescored.stderr
+    again_rows = (tmp_path / "out3" / "heal_rows.jsonl").read_text().splitlines()
+    assert sum(json.loads(line)["kind"] == "student" for line in again_rows) == 3
 
     report = subprocess.run(
         [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
