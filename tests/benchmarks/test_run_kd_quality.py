@@ -231,6 +231,10 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
     md = (out / "heal.md").read_text()
     assert "### fresh" in md and "| pruned student, before training |" in md
     assert "best cross-tokenizer arm closes >= 50% of the gap" in md
+    if importlib.util.find_spec("matplotlib") is None:  # the plot needs the bench extra
+        assert "no plot: matplotlib is not installed" in report.stderr
+    else:
+        assert (out / "heal_diff.png").stat().st_size > 1000
 
 
 def _bench_python_has_trl() -> bool:
