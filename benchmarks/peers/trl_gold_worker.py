@@ -5,7 +5,8 @@ failure (an exception, CUDA out of memory) or its memory peak stays inside this 
 ``student``, ``teacher`` (local HF model folders), ``student_tokenizer``, ``teacher_tokenizer``
 (local HF tokenizer folders), ``data`` (JSONL of ``{"prompt", "completion"}``), ``max_length``,
 ``steps``, ``warmup``, ``lr``, ``device`` ("cuda" or "cpu"), ``save`` (folder for the trained
-student, or null), ``extended_uld`` (byte-offset alignment, TRL's default). OUT gets the result,
+student, or null), ``extended_uld`` (byte-offset alignment, TRL's default), optionally ``batch``
+(texts per step, default 1). OUT gets the result,
 or ``{"error": ..., "error_type": ...}``.
 """
 
@@ -54,7 +55,7 @@ def run(spec: dict) -> dict:
     args = GOLDConfig(
         output_dir=spec["output_dir"],
         max_steps=n_steps,
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=spec.get("batch", 1),
         gradient_accumulation_steps=1,
         learning_rate=spec["lr"],
         lr_scheduler_type="constant",

@@ -164,10 +164,12 @@ def split_of(source: str, heldout: float, val: float) -> str:
 
 
 def build_split(out_dir: Path, heldout: float = 0.06, val: float = 0.06) -> dict[str, Any]:
-    """Re-split the demo corpus by source file into train / val / heldout JSONL files.
+    """Re-split the demo corpus by source file into train / val / heldout JSONL files, and write
+    the fresh split (``heal_eval.build_fresh``: this repository's sources at HEAD).
 
     Args:
-        out_dir: where ``train.jsonl``, ``val.jsonl``, ``heldout.jsonl`` and ``split.json`` go.
+        out_dir: where ``train.jsonl``, ``val.jsonl``, ``heldout.jsonl``, ``fresh.jsonl`` and
+            ``split.json`` (the manifest, the fresh split's commit included) go.
         heldout: share of files held out (final report).
         val: share of files for validation (curves, tuning).
 
@@ -202,6 +204,9 @@ def build_split(out_dir: Path, heldout: float = 0.06, val: float = 0.06) -> dict
             for s, st in stats.items()
         },
     }
+    from benchmarks.quality.heal_eval import build_fresh
+
+    manifest["fresh"] = build_fresh(out_dir / "fresh.jsonl", ROOT)
     (out_dir / "split.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -268,7 +273,16 @@ def byte_categories(text: str):
 # --------------------------------------------------------------------------- held-out scoring
 
 
-def score(model, tokenizer, texts: list[str], *, ctx: int, device, batch: int = 16) -> dict:
+def score(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    ctx: int,
+    device,
+    batch: int = 16,
+    sources: list[str] | None = None,
+) -> dict:
     """Held-out bits/byte overall and per byte category, and next-token accuracy.
 
     Windows as ``xtoken_core.models.eval.bits_per_byte``: each text tokenized without special
@@ -281,6 +295,8 @@ def score(model, tokenizer, texts: list[str], *, ctx: int, device, batch: int = 
         ctx: window length in tokens.
         device: the model's device.
         batch: windows per forward.
+        sources: the texts' source files: the categories are then ``heal_eval.HEAL_CATEGORIES``
+            (``codec_tables`` first); None: :data:`CATEGORIES`.
 
     Returns:
         ``{"bits_per_byte", "accuracy", "tokens", "bytes", "per_category": {cat: {"bits_per_byte",
@@ -334,13 +350,18 @@ def score(model, tokenizer, texts: list[str], *, ctx: int, device, batch: int = 
                     hits[t][a : a + len(x)] = hit[i, : len(x)]
     finally:
         model.train(was)
-    cat_bits = np.zeros(len(CATEGORIES))
-    cat_bytes = np.zeros(len(CATEGORIES), dtype=np.int64)
+    names = CATEGORIES
+    if sources is not None:
+        from benchmarks.quality.heal_eval import HEAL_CATEGORIES, heal_categories
+
+        names = HEAL_CATEGORIES
+    cat_bits = np.zeros(len(names))
+    cat_bytes = np.zeros(len(names), dtype=np.int64)
     total_bits, covered, tokens, correct = 0.0, 0, 0, 0
-    for enc, text, nat, hit in zip(encs, texts, nats, hits):
+    for k, (enc, text, nat, hit) in enumerate(zip(encs, texts, nats, hits)):
         if not len(enc.ids):
             continue
-        cats = byte_categories(text)
+        cats = byte_categories(text) if sources is None else heal_categories(text, sources[k])
         bits = nat / math.log(2)
         per_byte = np.zeros(len(cats))
         covered_mask = np.zeros(len(cats), dtype=bool)
@@ -350,7 +371,7 @@ def score(model, tokenizer, texts: list[str], *, ctx: int, device, batch: int = 
                 covered_mask[a:e] = True
             elif len(cats):
                 per_byte[min(a, len(cats) - 1)] += b
-        for c in range(len(CATEGORIES)):
+        for c in range(len(names)):
             sel = cats == c
             cat_bits[c] += per_byte[sel].sum()
             cat_bytes[c] += int((sel & covered_mask).sum())
@@ -368,7 +389,7 @@ def score(model, tokenizer, texts: list[str], *, ctx: int, device, batch: int = 
                 "bits_per_byte": float(cat_bits[c] / cat_bytes[c]) if cat_bytes[c] else None,
                 "bytes": int(cat_bytes[c]),
             }
-            for c, name in enumerate(CATEGORIES)
+            for c, name in enumerate(names)
         },
     }
 
@@ -422,8 +443,10 @@ def build_student(out: Path, seed: int, smoke: bool) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_projection_file(out: Path, teacher_tokenizer: str, top_k: int) -> dict[str, Any]:
-    """Build the Mistral -> teacher projection once (all KD arms read the same file).
+def build_projection_file(
+    out: Path, teacher_tokenizer: str, top_k: int, student_tokenizer: str = STUDENT_TOKENIZER
+) -> dict[str, Any]:
+    """Build the student -> teacher projection once (all KD arms of a teacher read the same file).
 
     Returns:
         Its coverage stats (exact rows, strict / relaxed common vocab).
@@ -434,7 +457,7 @@ def build_projection_file(out: Path, teacher_tokenizer: str, top_k: int) -> dict
     from xtoken_core.tokenizers import load_tokenizer
 
     proj, stats = build_projection_with_stats(
-        load_tokenizer(STUDENT_TOKENIZER), load_tokenizer(teacher_tokenizer), top_k
+        load_tokenizer(student_tokenizer), load_tokenizer(teacher_tokenizer), top_k
     )
     torch.save(proj, out)
     try:
@@ -502,36 +525,75 @@ def arm_config(arm: str, seed: int, work: Path, args, student_dir: Path, proj: P
     }
 
 
-def launch_all(jobs: list[tuple[str, int, Path]], work: Path, parallel: int, deadline: float):
+def launch_all(
+    jobs: list[tuple[str, int, Path]],
+    work: Path,
+    parallel: int,
+    deadline: float,
+    *,
+    on_done=None,
+    side_tasks=None,
+    finish_by_deadline: bool = False,
+):
     """Run ``xtoken run`` for every job, ``parallel`` at a time; none is started past
-    ``deadline`` (monotonic). Returns {(arm, seed): (exit code, wall seconds)}."""
+    ``deadline`` (monotonic).
+
+    Args:
+        jobs: ``(arm, seed, config path)``, or ``(arm, seed, argv)`` for another command.
+        work: the work dir (``logs/`` goes there).
+        parallel: runs at once.
+        deadline: monotonic time after which no run starts.
+        on_done: called as ``on_done(arm, seed, exit code, wall seconds)`` as each run ends (a
+            run not started past the deadline: code -1).
+        side_tasks: callables run one at a time in the main process while runs train.
+        finish_by_deadline: also start no run that would end past ``deadline`` at the longest
+            wall time of the runs finished so far.
+
+    Returns:
+        {(arm, seed): (exit code, wall seconds)}.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     pending = list(jobs)
+    side = list(side_tasks or [])
     running: dict[tuple[str, int], tuple[subprocess.Popen, float, Any]] = {}
     done: dict[tuple[str, int], tuple[int, float]] = {}
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    while pending or running:
+
+    def finish(key, code, wall):
+        done[key] = (code, wall)
+        if on_done is not None:
+            on_done(*key, code, wall)
+
+    while pending or running or side:
         while pending and len(running) < parallel:
             arm, seed, cfg = pending.pop(0)
-            if time.monotonic() > deadline:
+            walls = [w for c, w in done.values() if c == 0] if finish_by_deadline else []
+            if time.monotonic() + max(walls, default=0.0) > deadline:
                 logger.warning("[quality] deadline: %s seed %d not started", arm, seed)
-                done[(arm, seed)] = (-1, 0.0)
+                finish((arm, seed), -1, 0.0)
                 continue
             log = open(work / "logs" / f"{arm_slug(arm)}_s{seed}.log", "w")
-            cmd = [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
+            cmd = (
+                cfg
+                if isinstance(cfg, list)
+                else [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
+            )
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running[(arm, seed)] = (proc, time.monotonic(), log)
             logger.info("[quality] started %s seed %d (pid %d)", arm, seed, proc.pid)
+        if side:
+            side.pop(0)()
         for key, (proc, t0, log) in list(running.items()):
             code = proc.poll()
             if code is None:
                 continue
             log.close()
-            done[key] = (code, time.monotonic() - t0)
             del running[key]
-            logger.info("[quality] %s seed %d exited %d after %.0fs", *key, code, done[key][1])
+            wall = time.monotonic() - t0
+            logger.info("[quality] %s seed %d exited %d after %.0fs", *key, code, wall)
+            finish(key, code, wall)
         time.sleep(0.5)
     return done
 
@@ -854,6 +916,15 @@ def report(args) -> int:
         rows += [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if any(r.get("mode") == "heal" for r in rows):
+        from benchmarks.quality.heal_report import report_heal
+
+        try:
+            print(report_heal(rows, out))
+        except ValueError as e:
+            logger.error("[quality] %s", e)
+            return 2
+        return 0
     s = summarize(rows)
     lines = [
         "| arm | seeds | held-out bits/byte (mean ± sd) | min-max | prose | code | digits | "
@@ -900,8 +971,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--arms",
         nargs="+",
-        default=list(ARMS),
-        help=f"arms {ARMS}, each optionally ARM:key=value[,key=value] (loss overrides)",
+        default=None,
+        help=f"arms {ARMS}, each optionally ARM:key=value[,key=value] (loss overrides); heal "
+        "mode: ce or BASE@TEACHER[:key=value,...] (default: heal.HEAL_ARMS)",
     )
     p.add_argument(
         "--score-split",
@@ -913,14 +985,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument("--teacher", default="smollm2", help="teacher model spec (smollm2 or a preset)")
     p.add_argument("--teacher-tokenizer", default="smollm2")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps of every arm")
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps of every arm (400; heal 150)"
+    )
     p.add_argument(
         "--epochs", type=int, default=3, help="passes allowed over train (max_steps ends first)"
     )
     p.add_argument("--batch", type=int, default=16, help="texts per step (micro-batch)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per text, both sides")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (2e-3; heal 5e-4)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (40; heal 20)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=8, help="projection slots per row")
@@ -930,7 +1004,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="train on the first N texts only")
     p.add_argument("--collators", type=int, default=2, help="collator workers per run")
     p.add_argument("--parallel", type=int, default=3, help="runs at once")
-    p.add_argument("--deadline-s", type=float, default=480.0, help="start no run after this")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=480.0,
+        help="start no run after this (heal: none that would end after it)",
+    )
     p.add_argument("--teacher-eval", action="store_true", help="also score the teacher")
     p.add_argument("--corpus", default=None, help="a split built before (train/val/heldout.jsonl)")
     p.add_argument("--split-only", default=None, help="build the by-file split into DIR and exit")
@@ -943,6 +1022,30 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU smoke: tiny student and random tiny teacher, 6 steps, seed 0, ctx 64",
     )
+    heal = p.add_argument_group("heal a pruned pretrained student (benchmarks/quality/heal.py)")
+    heal.add_argument("--preset", choices=("heal",), default=None, help="the healing experiment")
+    heal.add_argument("--student", default=None, help="pruned student spec (smollm2:drop=10-19)")
+    heal.add_argument("--student-tokenizer", default=None, help="default: the spec's preset's")
+    heal.add_argument(
+        "--model-alias",
+        nargs="+",
+        default=None,
+        help="NAME=SPEC: the model of a preset name comes from SPEC (gguf:PATH)",
+    )
+    heal.add_argument("--resume", nargs="+", default=None, help="row files of earlier calls")
+    heal.add_argument("--nextline-lines", type=int, default=300, help="next-line items per split")
+    heal.add_argument("--nextline-new-tokens", type=int, default=64)
+    heal.add_argument(
+        "--smoke-heal", action="store_true", help="CPU smoke of the healing experiment"
+    )
+    heal.add_argument(
+        "--peer-gold",
+        action="store_true",
+        help="also train the student from qwen2.5-coder-0.5b with TRL's GOLD trainer (heal_peer)",
+    )
+    heal.add_argument(
+        "--trl-python", default=None, help="python that imports trl (default .venv-bench's)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.split_only:
@@ -950,6 +1053,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         return report(args)
+    if args.preset or args.student or args.smoke_heal:
+        from benchmarks.quality.heal import run_heal
+
+        try:
+            return run_heal(args)
+        except ValueError as e:
+            logger.error("[quality] %s", e)
+            return 2
+    for key, value in (("arms", list(ARMS)), ("steps", 400), ("lr", 2e-3), ("warmup", 40)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.smoke:
         args.device, args.teacher, args.steps, args.seeds = "cpu", "tiny", 6, [0]
         args.ctx, args.batch, args.eval_every, args.eval_texts = 64, 4, 3, 4

@@ -174,3 +174,112 @@ def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
         assert "no plots: matplotlib is not installed" in report.stderr
     else:
         assert (out / "quality_val_bpb.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_resumes(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+
+    def run(*extra):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--smoke-heal", "--work", str(work), *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    run("--out", str(out))
+    rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
+    kinds = sorted((r["kind"], r["arm"]) for r in rows)
+    assert kinds == [
+        ("before", "before"),
+        ("student", "ce"),
+        ("student", "pkl@smollm2"),
+        ("student", "xtoken@qwen2.5-coder-0.5b"),
+        ("teacher", "qwen2.5-coder-0.5b"),
+        ("teacher", "smollm2"),
+    ]
+    students = [r for r in rows if r["kind"] == "student"]
+    for r in rows:
+        for split in ("heldout", "fresh"):
+            h = r[split]
+            assert sum(c["bytes"] for c in h["per_category"].values()) == h["bytes"]
+            assert 0 < h["bits_per_byte"] < 20 and h["nextline"]["lines"] == 4
+    assert all(r["exit"] == 0 and r["steps"] == 4 for r in students)
+    assert len({r["tokens"] for r in students}) == 1  # one data order for every arm of a seed
+    assert next(r for r in students if r["arm"] == "pkl@smollm2")["parent"] is True
+
+    again = run("--out", str(tmp_path / "out2"), "--resume", str(out / "heal_rows.jsonl"))
+    assert "0 runs to go" in again.stderr and not (tmp_path / "out2" / "heal_rows.jsonl").exists()
+    # rows lost (a call cut short after training): the same work dir scores without training
+    rescored = run("--out", str(tmp_path / "out3"))
+    assert "0 runs to go (0 arm runs done before, 3 trained but not scored)" in rescored.stderr
+    again_rows = (tmp_path / "out3" / "heal_rows.jsonl").read_text().splitlines()
+    assert sum(json.loads(line)["kind"] == "student" for line in again_rows) == 3
+
+    report = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    md = (out / "heal.md").read_text()
+    assert "### fresh" in md and "| pruned student, before training |" in md
+    assert "best cross-tokenizer arm closes >= 50% of the gap" in md
+    if importlib.util.find_spec("matplotlib") is None:  # the plot needs the bench extra
+        assert "no plot: matplotlib is not installed" in report.stderr
+    else:
+        assert (out / "heal_diff.png").stat().st_size > 1000
+
+
+def _bench_python_has_trl() -> bool:
+    py = ROOT / ".venv-bench" / "bin" / "python"
+    return py.exists() and subprocess.run([str(py), "-c", "import trl"]).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _bench_python_has_trl(), reason="needs .venv-bench with trl: ./scripts/setup.sh test peers"
+)
+def test_heal_peer_gold_trains_the_same_pair_with_trl_and_scores_it_like_the_arms(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke-heal",
+            "--peer-gold",
+            "--arms",
+            "ce",
+            "gold@qwen2.5-coder-0.5b",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
+    peer = next(r for r in rows if r["kind"] == "peer")
+    assert peer["trl"]["steps_run"] == 4 and "error" not in peer["trl"]
+    assert (
+        0 < peer["fresh"]["bits_per_byte"] < 20 and peer["compare_to"] == "gold@qwen2.5-coder-0.5b"
+    )
+    report = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "at least as good as TRL GOLD" in (out / "heal.md").read_text()

@@ -1,0 +1,291 @@
+"""What the healing experiment scores a model on: the fresh split, byte categories with codec
+tables, and greedy next-line exact match.
+
+* **fresh**: this repository's own ``xtoken_core/**/*.py`` and ``services/**/*.py`` at a commit,
+  read with ``git show COMMIT:PATH`` (the working tree does not matter), chunked like the demo
+  corpus (``chunk_text``: paragraphs packed into 1-4 kB texts, cut at line boundaries). No model
+  can have seen it in pretraining.
+* **categories**: those of ``run_kd_quality.byte_categories`` (prose, code, digits, whitespace)
+  plus ``codec_tables`` first: every byte of a text whose source file lies under ``encodings/``
+  (the stdlib codec modules, mostly tables of hex literals that would otherwise dominate
+  ``digits``). The category applies to the whole text, so the categories still partition the
+  bytes and add up to the overall figure.
+* **next line**: a fixed set of lines (the smallest SHA-1 of text index, offset and line, so no
+  seed and no model changes the choice) with at least 8 non-space characters and some text before
+  them. The prompt is the text before the line up to its last non-space character (at most
+  ``ctx`` tokens: BOS and the last ``ctx - 1``); the model decodes greedily (at most 64 new
+  tokens) until it has gone to a new line and finished that one; the line counts when what it
+  wrote after its leading line break(s), up to the next newline, equals the line (indentation
+  included), trailing whitespace stripped on both. The prompt stops before the line break rather
+  than after it because byte-level BPE tokenizers merge a newline with the next line's
+  indentation (``"\n   "``): a prompt ending in a bare ``"\n"`` would ask every model to go on
+  from a token boundary it never saw in training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kd_quality.heal")
+
+HEAL_CATEGORIES = ("codec_tables", "prose", "code", "digits", "whitespace")
+FRESH_GLOBS = ("xtoken_core/*.py", "services/*.py")
+CODEC_DIR = "encodings/"
+MIN_LINE_CHARS = 8  # non-space characters of a next-line target
+
+
+# --------------------------------------------------------------------------- fresh split
+
+
+def build_fresh(
+    out_path: Path, root: Path, rev: str = "HEAD", min_chars: int = 1024, max_chars: int = 4096
+) -> dict[str, Any]:
+    """Write the fresh split: this repository's library and service sources at ``rev``, chunked.
+
+    Args:
+        out_path: the JSONL file (records ``{"text", "source", "line"}``).
+        root: the repository (a git work tree or its ``.git``).
+        rev: the commit to read (``git show REV:PATH``).
+        min_chars: see ``xtoken_core.data.corpus.chunk_text``.
+        max_chars: see ``chunk_text``.
+
+    Returns:
+        ``{"commit", "texts", "files", "chars"}``.
+
+    Raises:
+        ValueError: ``root`` is no git repository or ``rev`` no commit of it.
+    """
+    from xtoken_core.data.corpus import chunk_text
+
+    def git(*argv: str) -> str:
+        proc = subprocess.run(
+            ["git", "-C", str(root), *argv], capture_output=True, text=True, check=False
+        )
+        if proc.returncode:
+            raise ValueError(
+                f"fresh split: `git {' '.join(argv)}` failed in {root} ({proc.stderr.strip()}); "
+                "build the split in a git checkout of the repository (--split-only DIR)"
+            )
+        return proc.stdout
+
+    sha = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
+    paths = sorted(
+        git("ls-tree", "-r", "--name-only", sha, "--", "xtoken_core", "services").split()
+    )
+    paths = [p for p in paths if p.endswith(".py")]
+    texts = chars = 0
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        for path in paths:
+            for line, chunk in chunk_text(
+                git("show", f"{sha}:{path}"), min_chars=min_chars, max_chars=max_chars
+            ):
+                f.write(json.dumps({"text": chunk, "source": path, "line": line}) + "\n")
+                texts += 1
+                chars += len(chunk)
+    return {"commit": sha, "texts": texts, "files": len(paths), "chars": chars}
+
+
+def read_records(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The records (``text``, ``source``) of a JSONL split file, the first ``limit`` of them."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                out.append({"text": rec["text"], "source": rec.get("source", "")})
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+# --------------------------------------------------------------------------- categories
+
+
+def is_codec_table(source: str) -> bool:
+    """Whether a text's source file lies under a directory ``encodings/``."""
+    return source.startswith(CODEC_DIR) or f"/{CODEC_DIR}" in source
+
+
+def heal_categories(text: str, source: str):
+    """The category (index into :data:`HEAL_CATEGORIES`) of every UTF-8 byte of ``text``.
+
+    Args:
+        text: a text.
+        source: its source file's path (a codec table makes the whole text ``codec_tables``).
+
+    Returns:
+        uint8 numpy array, one entry per byte.
+    """
+    import numpy as np
+
+    from benchmarks.quality.run_kd_quality import byte_categories
+
+    if is_codec_table(source):
+        return np.zeros(len(text.encode("utf-8")), dtype=np.uint8)
+    return byte_categories(text) + np.uint8(1)
+
+
+# --------------------------------------------------------------------------- next line
+
+
+@dataclass(frozen=True)
+class NextLine:
+    """One next-line item: ``texts[text][start:end]`` is the line, the text before it the prompt."""
+
+    text: int
+    start: int
+    end: int
+
+
+def select_next_lines(texts: list[str], n: int) -> list[NextLine]:
+    """The ``n`` next-line items of ``texts`` (fewer if there are fewer candidates).
+
+    A candidate is a line that starts after a newline, has some non-space text before it (the
+    prompt) and at least :data:`MIN_LINE_CHARS` non-space characters; the ``n`` with the
+    smallest SHA-1 of (text index, offset, line) are taken, in text order.
+
+    Args:
+        texts: the split's texts, in file order.
+        n: how many.
+
+    Returns:
+        The items, sorted by (text, start).
+    """
+    keyed = []
+    for t, text in enumerate(texts):
+        start = text.find("\n") + 1
+        while start and not text[:start].strip():  # no prompt yet
+            start = text.find("\n", start) + 1
+        while 0 < start < len(text):
+            end = text.find("\n", start)
+            end = len(text) if end < 0 else end
+            line = text[start:end]
+            if sum(not c.isspace() for c in line) >= MIN_LINE_CHARS:
+                h = hashlib.sha1(f"{t}\0{start}\0{line}".encode()).hexdigest()
+                keyed.append((h, NextLine(t, start, end)))
+            start = end + 1
+    keyed.sort(key=lambda kv: kv[0])
+    return sorted((item for _, item in keyed[:n]), key=lambda i: (i.text, i.start))
+
+
+def prompt_ids(tokenizer, prefix: str, ctx: int) -> list[int]:
+    """BOS (or EOS where there is none) and the last ``ctx - 1`` tokens of ``prefix``."""
+    start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    ids = tokenizer.encode(prefix, add_special_tokens=False).ids.tolist()
+    return [start] + ids[len(ids) - (ctx - 1) :] if len(ids) > ctx - 1 else [start] + ids
+
+
+_LINE_BREAKS = re.compile(r"(?:[ \t\r\f\v]*\n)+")
+
+
+def written_line(decoded: str) -> str | None:
+    """The line a model wrote after the prompt: after its leading line break(s) (blank lines
+    included), up to the next newline; None while it has not finished one (or never broke the
+    line: it went on with the prompt's last line)."""
+    m = _LINE_BREAKS.match(decoded)
+    if m is None:
+        return None
+    rest = decoded[m.end() :]
+    return rest.split("\n", 1)[0] if "\n" in rest else None
+
+
+def line_matches(decoded: str, line: str) -> bool:
+    """The model wrote ``line`` (:func:`written_line`; trailing whitespace stripped on both; a
+    line cut by the token limit counts as written up to there)."""
+    m = _LINE_BREAKS.match(decoded)
+    if m is None:
+        return False
+    return decoded[m.end() :].split("\n", 1)[0].rstrip() == line.rstrip()
+
+
+def next_line_exact_match(
+    model,
+    tokenizer,
+    texts: list[str],
+    items: list[NextLine],
+    *,
+    ctx: int,
+    device,
+    max_new_tokens: int = 64,
+    batch: int = 64,
+) -> dict[str, Any]:
+    """Greedy next-line exact match of a model over ``items`` (:func:`select_next_lines`).
+
+    Args:
+        model: a transformers causal LM on ``device``.
+        tokenizer: its XTokenizer.
+        texts: the texts the items index.
+        items: the lines to complete.
+        ctx: most prompt tokens (BOS included).
+        device: the model's device.
+        max_new_tokens: decoding stops here or once the model finished a new line.
+        batch: prompts per ``generate`` call (left-padded).
+
+    Returns:
+        ``{"exact_match", "lines", "matched"}``.
+    """
+    import torch
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+
+    def decode(ids: list[int]) -> str:
+        raw = b"".join(tokenizer.token_bytes(i) for i in ids if i != pad)
+        return raw.decode("utf-8", errors="replace")
+
+    class StopAfterLine(StoppingCriteria):
+        """A row is done once it has written a whole new line."""
+
+        def __init__(self, prompt_len: int) -> None:
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids, scores, **kwargs):
+            new = input_ids[:, self.prompt_len :].tolist()
+            done = [written_line(decode(row)) is not None for row in new]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=tokenizer.eos_id,
+    )
+    prompts = [prompt_ids(tokenizer, texts[i.text][: i.start].rstrip(), ctx) for i in items]
+    order = sorted(range(len(items)), key=lambda k: -len(prompts[k]))
+    matched = 0
+    was = model.training
+    model.eval()
+    autocast = torch.autocast(
+        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
+    )
+    try:
+        with torch.inference_mode(), autocast:
+            for b in range(0, len(order), batch):
+                ks = order[b : b + batch]
+                L = max(len(prompts[k]) for k in ks)
+                ids = torch.full((len(ks), L), pad, dtype=torch.long)
+                mask = torch.zeros(len(ks), L, dtype=torch.long)
+                for r, k in enumerate(ks):
+                    ids[r, L - len(prompts[k]) :] = torch.tensor(prompts[k])
+                    mask[r, L - len(prompts[k]) :] = 1
+                out = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    generation_config=gen,
+                    stopping_criteria=StoppingCriteriaList([StopAfterLine(L)]),
+                )
+                for r, k in enumerate(ks):
+                    item = items[k]
+                    line = texts[item.text][item.start : item.end]
+                    matched += line_matches(decode(out[r, L:].tolist()), line)
+    finally:
+        model.train(was)
+    return {"exact_match": matched / max(1, len(items)), "lines": len(items), "matched": matched}

@@ -1,0 +1,148 @@
+"""The healing experiment's report: tables per split (per-arm means over seeds, per-category
+bits/byte, next-token accuracy, next-line exact match, paired differences against CE with their
+95% t-intervals, share of the gap closed), the bars, and a plot of the differences."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+from benchmarks.quality import heal, heal_eval, heal_peer, heal_stats
+
+logger = logging.getLogger("kd_quality.heal")
+
+#: what makes rows comparable: rows that differ here belong to different experiments
+SETUP = ("student", "steps", "batch", "ctx", "lr", "smoke")
+
+
+def report_heal(rows: list[dict], out: Path) -> str:
+    """The healing report's tables (printed and written to ``<out>/heal.md``, with
+    ``heal_summary.json`` and, where matplotlib exists, ``heal_diff.png``).
+
+    Args:
+        rows: every row of the experiment (students, ``before``, teachers, TRL GOLD peers).
+        out: the folder.
+
+    Returns:
+        The markdown.
+
+    Raises:
+        ValueError: rows of different experiments (:data:`SETUP`).
+    """
+    rows = [r for r in rows if r.get("mode") == "heal"]
+    setups = {tuple(r.get(k) for k in SETUP) for r in rows}
+    if len(setups) > 1:
+        raise ValueError(
+            f"the row files mix {len(setups)} experiments ({', '.join(SETUP)}: "
+            f"{sorted(setups, key=str)}); report each experiment's rows on their own"
+        )
+    parent = next((r["parent_arm"] for r in rows if r.get("parent_arm")), None)
+    s = heal_stats.summarize_heal(rows, parent)
+    order = {a: i for i, a in enumerate(heal.HEAL_ARMS)}
+    arms = sorted(s["arms"], key=lambda a: (order.get(a, len(order)), a))
+    cats = heal_eval.HEAL_CATEGORIES
+    md = []
+    for split in heal_stats.SPLITS:
+        md += [
+            f"### {split}",
+            "",
+            "| arm | seeds | bits/byte (mean ± sd) | " + " | ".join(cats) + " | next-token acc | "
+            "next-line EM | arm - CE (95% CI) | gap closed |",
+            "|---|---|---|" + "---|" * len(cats) + "---|---|---|---|",
+        ]
+        for r in rows:
+            if r.get("kind") in ("before", "teacher", "peer") and r.get(split):
+                h = r[split]
+                c = " | ".join(
+                    f"{h['per_category'][n]['bits_per_byte']:.3f}"
+                    if h["per_category"].get(n, {}).get("bits_per_byte") is not None
+                    else "-"
+                    for n in cats
+                )
+                label = {
+                    "before": "pruned student, before training",
+                    "teacher": f"teacher {r['arm']}",
+                    "peer": f"{r['arm']} (TRL GOLD) s{r.get('seed')}",
+                }
+                md.append(
+                    f"| {label.get(r['kind'], r['arm'])} | - | {h['bits_per_byte']:.4f} | {c} | "
+                    f"{h['accuracy']:.4f} | {h['nextline']['exact_match']:.3f} | - | - |"
+                )
+        for arm in arms:
+            a = s["arms"][arm].get(split)
+            if not a:
+                continue
+            c = " | ".join(
+                f"{a['cat'][n]:.3f}" if a["cat"].get(n) is not None else "-" for n in cats
+            )
+            d = a.get("diff")
+            diff = "-"
+            if d:
+                ci = f" [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d["lo"] is not None else ""
+                diff = f"{d['mean']:+.4f}{ci}"
+            gap = a.get("gap_closed")
+            nl = f"{a['nextline']:.3f}" if a["nextline"] is not None else "-"
+            md.append(
+                f"| {arm} | {len(a['seeds'])} | {a['mean']:.4f} ± {a['sd']:.4f} | {c} | "
+                f"{a['accuracy']:.4f} | {nl} | {diff} | "
+                f"{'-' if gap is None else f'{gap:.0%}'} |"
+            )
+        md.append("")
+    kd_arms = [a for a in arms if a != "ce"]
+    s_tok = next((r["student_tokenizer"] for r in rows if r.get("student_tokenizer")), None)
+    cross = [a for a in kd_arms if heal.teacher_tokenizer(heal.parse_heal_arm(a).teacher) != s_tok]
+    trl = [r for r in rows if r.get("kind") == "peer" and r.get("heldout")]
+    gold = None
+    if trl:  # the mean over the seeds TRL ran
+        gold = {
+            "xtoken": trl[0].get("compare_to", heal_peer.COMPARE_TO),
+            "trl": {
+                sp: statistics.fmean(r[sp]["bits_per_byte"] for r in trl)
+                for sp in heal_stats.SPLITS
+                if all(r.get(sp) for r in trl)
+            },
+        }
+    md += ["### bars", "", "| bar | figures | met |", "|---|---|---|"]
+    for name, figs, met in heal_stats.bars(s, cross, kd_arms, gold):
+        md.append(
+            f"| {name} | {figs} | {'-' if met is None else ('met' if met else '**missed**')} |"
+        )
+    if not trl:
+        md.append("| xtoken gold vs TRL GOLD | no TRL GOLD row given | - |")
+    text = "\n".join(md) + "\n"
+    (out / "heal.md").write_text(text)
+    (out / "heal_summary.json").write_text(json.dumps(s, indent=1, default=str))
+    _plot(s, arms, out)
+    return text
+
+
+def _plot(summary: dict, arms: list[str], out: Path) -> None:
+    """Paired differences against CE with their 95% intervals, one panel per split."""
+    try:
+        import matplotlib
+    except ImportError:
+        logger.warning(
+            "[heal] no plot: matplotlib is not installed (./scripts/setup.sh test bench)"
+        )
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
+    for ax, split in zip(axes, heal_stats.SPLITS):
+        names, means, errs = [], [], []
+        for arm in arms:
+            d = summary["arms"][arm].get(split, {}).get("diff")
+            if d:
+                names.append(arm)
+                means.append(d["mean"])
+                errs.append(0.0 if d["lo"] is None else d["hi"] - d["mean"])
+        ax.barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_title(f"{split}: arm - CE bits/byte (95% CI)")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "heal_diff.png")
+    plt.close(fig)

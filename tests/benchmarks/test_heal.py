@@ -1,0 +1,164 @@
+"""The healing experiment's arms and runs (benchmarks/quality/heal.py): arm specs with a teacher,
+model aliases, run configs, and same-tokenizer P-KL being the per-token KL."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.quality import heal  # noqa: E402
+
+
+def test_arm_spec_names_its_teacher_and_loss_overrides():
+    arm = heal.parse_heal_arm("gold@qwen2.5-coder-0.5b:uncommon_topk=1,kl_weight=0.3")
+    assert (arm.base, arm.teacher) == ("gold", "qwen2.5-coder-0.5b")
+    assert arm.overrides == {"uncommon_topk": 1, "kl_weight": 0.3}
+    assert heal.parse_heal_arm("ce") == heal.HealArm("ce", "ce", None, {})
+    assert heal.parse_heal_arm("pkl@smollm2").teacher == "smollm2"
+    assert heal.teacher_tokenizer("qwen2.5-coder-0.5b") == "qwen3"
+    assert heal.teacher_tokenizer("gemma3-270m") == "gemma3"
+    assert [heal.parse_heal_arm(a).spec for a in heal.HEAL_ARMS] == list(heal.HEAL_ARMS)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("pkl", "name its teacher"),
+        ("ce@smollm2", "no teacher"),
+        ("pkl@llama9", "not one of"),
+        ("kd@smollm2", "not one of"),
+        ("gold@smollm2:nope=1", "key=value"),
+    ],
+)
+def test_arm_spec_refuses_a_missing_or_unknown_teacher(bad, match):
+    with pytest.raises(ValueError, match=match):
+        heal.parse_heal_arm(bad)
+
+
+def test_alias_swaps_the_model_and_keeps_the_drop_suffix():
+    aliases = heal.parse_aliases(["smollm2=gguf:/m/s.gguf", "qwen2.5-coder-0.5b=gguf:/m/q.gguf"])
+    assert heal.resolve("smollm2:drop=10-19", aliases) == "gguf:/m/s.gguf:drop=10-19"
+    assert heal.resolve("qwen2.5-coder-0.5b", aliases) == "gguf:/m/q.gguf"
+    assert heal.resolve("gemma3-270m", aliases) == "gemma3-270m"
+    with pytest.raises(ValueError, match="NAME=SPEC"):
+        heal.parse_aliases(["qwen.gguf"])
+    assert heal.student_tokenizer("smollm2:drop=10-19", None) == "smollm2"
+    with pytest.raises(ValueError, match="--student-tokenizer"):
+        heal.student_tokenizer("/some/folder:drop=1", None)
+
+
+def test_run_config_gives_each_arm_its_teacher_and_one_data_order_per_seed(tmp_path):
+    args = argparse.Namespace(
+        device="cuda",
+        work=tmp_path,
+        corpus=tmp_path,
+        student_tokenizer="smollm2",
+        ctx=512,
+        batch=16,
+        limit=None,
+        steps=150,
+        epochs=3,
+        eval_every=50,
+        eval_texts=64,
+        lr=5e-4,
+        warmup=20,
+        temperature=1.0,
+        kl_weight=1.0,
+        aliases={"qwen2.5-coder-0.5b": "gguf:/m/q.gguf"},
+    )
+    student = tmp_path / "student"
+    cfgs = {
+        a: heal.run_config(heal.parse_heal_arm(a), 1, args, student, tmp_path / f"{a}.pt")
+        for a in ("ce", "pkl@smollm2", "xtoken@qwen2.5-coder-0.5b")
+    }
+    x = cfgs["xtoken@qwen2.5-coder-0.5b"]
+    assert x["teacher_tokenizer"] == "qwen3" and x["teacher"]["model"] == "gguf:/m/q.gguf"
+    assert x["trainer"]["loss"]["mode"] == "xtoken" and "vocab_topk" not in x["trainer"]["loss"]
+    same = cfgs["pkl@smollm2"]["trainer"]["loss"]
+    assert same["vocab_topk"] is None and cfgs["pkl@smollm2"]["teacher_tokenizer"] == "smollm2"
+    for cfg in cfgs.values():
+        assert cfg["data"]["seed"] == 1 and cfg["data"]["ordered"] is True
+        assert cfg["collator"]["workers"] == 1 and cfg["trainer"]["seed"] == 1
+        assert cfg["trainer"]["student"] == str(student)
+    assert cfgs["ce"]["trainer"]["loss"] == {"mode": "ce"}
+
+
+def test_same_tokenizer_pkl_is_per_token_kl(tmp_path):
+    """The smollm2 -> smollm2 projection is the identity on its mapped ids, every chunk of a text
+    is one token, so P-KL over all columns is the sum of per-token KL(teacher || student)."""
+    from xtoken_core.align.aligner import TokenAligner
+    from xtoken_core.data.projection import get_sparse_projection_matrix
+    from xtoken_core.data.projection_build import build_projection_with_stats
+    from xtoken_core.losses.modes.pkl import reference_kd_loss
+    from xtoken_core.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    V = tok.vocab_size
+    proj, stats = build_projection_with_stats(tok, tok, 8)
+    torch.save(proj, tmp_path / "p.pt")
+    M = get_sparse_projection_matrix(
+        tmp_path / "p.pt", "cpu", student_vocab_size=V, teacher_vocab_size=V
+    ).coalesce()
+    rows, cols = M.indices()
+    assert torch.equal(rows, cols) and torch.all(M.values() == 1)
+    assert len(rows) == V - stats.unmapped_rows
+    unmapped = torch.ones(V, dtype=torch.bool)
+    unmapped[rows] = False
+
+    enc = tok.encode(
+        "def heal(model):\n    return model.train()  # 42 ünïcode", add_special_tokens=False
+    )
+    a = TokenAligner().align_sample(enc.spans, enc.spans)
+    T = len(enc.ids)
+    chunk = torch.as_tensor(a.student_chunk_id)
+    assert torch.equal(chunk, torch.arange(T)) and torch.equal(
+        torch.as_tensor(a.teacher_chunk_id), chunk
+    )
+
+    g = torch.Generator().manual_seed(0)
+    z_s = torch.randn(1, T, V, generator=g, dtype=torch.float64)
+    z_t = torch.randn(1, T, V, generator=g, dtype=torch.float64)
+    # unit-scale logits keep every probability above the loss's 1e-10 floor; ids without bytes
+    # get no mass on either side
+    z_s[..., unmapped] = -1e4
+    z_t[..., unmapped] = -1e4
+    shifted = torch.cat([chunk[1:], torch.tensor([-1])])[None]
+    valid = torch.ones(1, T, dtype=torch.bool)
+    valid[0, 0] = False  # chunk 0 (the first token) is predicted by no position
+    terms = reference_kd_loss(
+        z_s, z_t, shifted, shifted, valid, M, temperature=1.0, vocab_topk=None, reverse_kl=False
+    )
+    lp_t, lp_s = z_t[0, :-1].log_softmax(-1), z_s[0, :-1].log_softmax(-1)
+    kl = (lp_t.exp() * (lp_t - lp_s)).sum()
+    assert terms.kd.item() == pytest.approx(kl.item(), rel=1e-9)
+    assert int(terms.num_valid) == T - 1
+
+
+def test_peer_texts_are_cut_after_ctx_tokens_of_both_tokenizers():
+    from benchmarks.quality.heal_peer import cut_to_tokens
+    from xtoken_core.tokenizers import load_tokenizer
+
+    s, t = load_tokenizer("smollm2"), load_tokenizer("qwen3")
+    text = "def heal(model):\n    return model.train()  # ünïcode 12345\n" * 10
+    cut = cut_to_tokens(text, [s, t], 16)
+    assert text.startswith(cut) and len(cut) < len(text)
+    lengths = [len(tok.encode(cut, add_special_tokens=False).ids) for tok in (s, t)]
+    assert max(lengths) == 16
+    assert cut_to_tokens("short", [s, t], 16) == "short"
+
+
+def test_report_refuses_rows_of_different_experiments(tmp_path):
+    from benchmarks.quality.heal_report import report_heal
+
+    base = {"mode": "heal", "kind": "before", "arm": "before", "seed": None, "steps": 150}
+    with pytest.raises(ValueError, match="mix 2 experiments"):
+        report_heal(
+            [{**base, "student": "smollm2:drop=10-19"}, {**base, "student": "x:drop=1"}], tmp_path
+        )

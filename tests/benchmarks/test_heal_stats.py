@@ -1,0 +1,99 @@
+"""The healing report's arithmetic (benchmarks/quality/heal_stats.py): t-intervals, gap closed,
+paired differences and the bars."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.quality import heal_stats  # noqa: E402
+
+
+def test_t_interval_of_paired_differences_uses_the_t_quantile_of_n_minus_one():
+    d = heal_stats.t_interval([-0.10, -0.12, -0.08])
+    half = 4.303 * 0.02 / math.sqrt(3)
+    assert d["mean"] == pytest.approx(-0.10)
+    assert d["lo"] == pytest.approx(-0.10 - half, abs=1e-4)
+    assert d["hi"] == pytest.approx(-0.10 + half, abs=1e-4)
+    assert heal_stats.t_critical(1) == pytest.approx(12.706, abs=1e-3)
+    assert heal_stats.t_critical(10) == pytest.approx(2.228, abs=1e-3)
+    one = heal_stats.t_interval([-0.1])
+    assert one["lo"] is None and one["hi"] is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scipy") is not None, reason="scipy has every df")
+def test_t_table_without_scipy_stops_at_df_10_and_names_scipy():
+    with pytest.raises(ValueError, match="scipy"):
+        heal_stats.t_critical(11)
+
+
+def test_gap_closed_is_the_share_of_ce_to_parent_kd():
+    assert heal_stats.gap_closed(2.0, 1.8, 1.6) == pytest.approx(0.5)
+    assert heal_stats.gap_closed(2.0, 1.5, 1.6) == pytest.approx(1.25)
+    assert heal_stats.gap_closed(2.0, 2.1, 1.6) == pytest.approx(-0.25)
+    assert heal_stats.gap_closed(2.0, 1.8, 2.0) is None  # the parent's KD gained nothing
+
+
+def _row(arm, seed, heldout, fresh):
+    def split(b):
+        cat = {"code": {"bits_per_byte": b, "bytes": 1}}
+        return {
+            "bits_per_byte": b,
+            "accuracy": 0.5,
+            "per_category": cat,
+            "nextline": {"exact_match": 0.25},
+        }
+
+    return {
+        "kind": "student",
+        "arm": arm,
+        "seed": seed,
+        "heldout": split(heldout),
+        "fresh": split(fresh),
+    }
+
+
+def _rows():
+    rows = []
+    for arm, base in (("ce", 2.0), ("pkl@smollm2", 1.6), ("xtoken@q", 1.75), ("gold@q", 1.99)):
+        for seed, jitter in enumerate((0.0, 0.01, -0.01)):
+            rows.append(_row(arm, seed, base + jitter, base + 0.5 + jitter))
+    rows.append({"kind": "teacher", "arm": "q", "heldout": {"bits_per_byte": 1.0}})
+    return rows
+
+
+def test_summary_pairs_seeds_and_measures_the_gap_on_both_splits():
+    s = heal_stats.summarize_heal(_rows(), "pkl@smollm2")
+    x = s["arms"]["xtoken@q"]
+    for split in heal_stats.SPLITS:
+        assert x[split]["diff"]["values"] == pytest.approx([-0.25, -0.25, -0.25])
+        assert x[split]["gap_closed"] == pytest.approx(0.625)
+        assert x[split]["nextline"] == 0.25
+    assert s["ce_sd"]["heldout"] == pytest.approx(0.01)
+    assert "diff" not in s["arms"]["ce"]["heldout"]
+
+
+def test_bars_need_every_seed_beyond_twice_the_seed_sd_and_half_the_gap():
+    s = heal_stats.summarize_heal(_rows(), "pkl@smollm2")
+    bars = heal_stats.bars(s, ["xtoken@q", "gold@q"], ["pkl@smollm2", "xtoken@q", "gold@q"])
+    met = {name.split(" ")[0]: ok for name, _, ok in bars}
+    assert met["pkl@smollm2"] is True and met["xtoken@q"] is True
+    assert met["gold@q"] is False  # -0.01 per seed is within 2 x 0.01
+    assert met["best"] is True and "xtoken@q" in bars[-1][1]
+    gold = heal_stats.bars(s, [], [], {"xtoken": "gold@q", "trl": {"heldout": 1.9, "fresh": 2.6}})
+    assert gold[-1][2] is False
+
+
+def test_gap_bar_says_when_the_parent_kd_left_no_gap():
+    rows = [r for r in _rows() if r.get("arm") != "pkl@smollm2"]
+    rows += [_row("pkl@smollm2", s, 2.1, 2.6) for s in range(3)]
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    name, figs, met = heal_stats.bars(s, ["xtoken@q"], ["xtoken@q"])[-1]
+    assert "no gap" in figs and met is None
