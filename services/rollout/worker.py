@@ -59,6 +59,28 @@ def continuation_bounds(
     return first, int(ends.max()) - int(teacher.spans[first, 0])
 
 
+def stopping_criteria(stop: Callable[[], bool] | None) -> Any:
+    """The stopping criteria of ``generate`` that end a generation once ``stop()`` is True.
+
+    Args:
+        stop: polled between tokens; None never stops early.
+
+    Returns:
+        A ``transformers.StoppingCriteriaList``. Its flags lie on the device of the ``input_ids``
+        it is called with, as ``generate`` ORs them with its own there.
+    """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):  # noqa: ANN001 (transformers API)
+            done = bool(stop and stop())
+            return torch.full(
+                (input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device
+            )
+
+    return StoppingCriteriaList([_Stop()])
+
+
 class RolloutWorker:
     """The student's copy, the tokenizers and the collator of one rollout worker.
 
@@ -137,8 +159,6 @@ class RolloutWorker:
         Returns:
             B rows: the prompt's ids, then the sampled ids up to (not including) the first EOS.
         """
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
         cfg = self.config
         B, L = len(prompts), max(len(p) for p in prompts)
         ids_BL = torch.full((B, L), self.pad_id, dtype=torch.int64)
@@ -146,10 +166,6 @@ class RolloutWorker:
         for b, p in enumerate(prompts):  # left padding: every row's next token is at column L
             ids_BL[b, L - len(p) :] = torch.as_tensor(list(p), dtype=torch.int64)
             mask_BL[b, L - len(p) :] = 1
-
-        class _Stop(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):  # noqa: ANN001 (transformers API)
-                return torch.full((input_ids.shape[0],), bool(stop and stop()), dtype=torch.bool)
 
         torch.manual_seed(seed)
         greedy = cfg.temperature == 0
@@ -165,7 +181,7 @@ class RolloutWorker:
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
                 use_cache=True,
-                stopping_criteria=StoppingCriteriaList([_Stop()]),
+                stopping_criteria=stopping_criteria(stop),
             ).cpu()
         rows = []
         for b, p in enumerate(prompts):

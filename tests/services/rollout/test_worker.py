@@ -12,7 +12,7 @@ from services.collator.worker import samples_to_put_fields
 from services.protocol.rollout import ROLLOUT_FIELDS
 from services.rollout.config import RolloutConfig
 from services.rollout.prompts import Prompt, PromptSource
-from services.rollout.worker import RolloutWorker, continuation_bounds
+from services.rollout.worker import RolloutWorker, continuation_bounds, stopping_criteria
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
 from xtoken_core.ipc.policy_weights import WeightPublisher
@@ -111,6 +111,24 @@ def test_sampling_at_temperature_zero_is_greedy_and_batched_rows_do_not_mix(tmp_
     together = worker.sample([p.ids for p in prompts], seed=1)
     alone = [worker.sample([p.ids], seed=2)[0] for p in prompts]
     assert together == alone  # left padding: each row continues its own prompt
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+def test_the_stop_flags_lie_on_the_device_generate_runs_on(stopping):
+    # generate ORs the criteria's flags with its own, made on the input_ids' device; "meta"
+    # stands in for a GPU: a flag on the CPU raises here as it does on one
+    input_ids = torch.zeros((3, 5), dtype=torch.int64, device="meta")
+    done = stopping_criteria(lambda: stopping)(input_ids, None)
+    assert done.device == input_ids.device and done.shape == (3,)
+
+
+def test_a_stop_ends_the_generation_after_one_token(tmp_path, published):
+    worker = RolloutWorker(config(tmp_path, temperature=0.0))
+    worker.refresh()
+    prompts = [p.ids for p in prompts_of(worker, [t for t in TEXTS if t])]
+    rows = worker.sample(prompts, seed=1, stop=lambda: True)
+    assert all(len(r) - len(p) <= 1 for r, p in zip(rows, prompts, strict=True))
+    assert [r[: len(p)] for r, p in zip(rows, prompts, strict=True)] == prompts
 
 
 def test_the_continuations_teacher_tokens_start_after_the_prompts_bytes():
