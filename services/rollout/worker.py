@@ -98,6 +98,7 @@ class RolloutWorker:
         from xtoken_core.ipc.policy_weights import WeightSubscriber
         from xtoken_core.models import load_model
         from xtoken_core.models.dtypes import resolve_dtype
+        from xtoken_core.models.vocab import model_vocab_size
         from xtoken_core.tokenizers import load_tokenizer
 
         self.config = config
@@ -122,6 +123,9 @@ class RolloutWorker:
                 seed=config.seed,
             )
         self.model = model.to(self.device).eval().requires_grad_(False)
+        # a model's output layer may be wider than its tokenizer (Qwen3: 151,936 logits, 151,669
+        # ids): the ids past the tokenizer have no text, so they are never sampled
+        self.beyond_vocab = list(range(student_tok.vocab_size, model_vocab_size(self.model)))
         self.weights = WeightSubscriber(config.weights)
         self.version: int | None = None  # of the weights in the model; None: none yet
 
@@ -181,6 +185,7 @@ class RolloutWorker:
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
                 use_cache=True,
+                suppress_tokens=self.beyond_vocab or None,
                 stopping_criteria=stopping_criteria(stop),
             ).cpu()
         rows = []

@@ -113,6 +113,20 @@ def test_sampling_at_temperature_zero_is_greedy_and_batched_rows_do_not_mix(tmp_
     assert together == alone  # left padding: each row continues its own prompt
 
 
+def test_ids_past_the_tokenizer_in_a_wider_output_layer_are_never_sampled(tmp_path):
+    vocab = load_tokenizer(STUDENT).vocab_size
+    wide = load_model("tiny", vocab_size=vocab + 64, seed=7)
+    with torch.no_grad():  # the 64 ids the tokenizer lacks get by far the largest logits
+        wide.lm_head.weight[vocab:] = 50.0 * wide.lm_head.weight[:64].sign()
+        wide.model.norm.weight.fill_(1.0)
+    worker = RolloutWorker(config(tmp_path, temperature=1.0), model=wide)
+    assert worker.beyond_vocab == list(range(vocab, vocab + 64))
+    prompts = [p.ids for p in prompts_of(worker, [t for t in TEXTS if t])]
+    rows = worker.sample(prompts, seed=3)
+    new = [i for r, p in zip(rows, prompts, strict=True) for i in r[len(p) :]]
+    assert new and max(new) < vocab
+
+
 @pytest.mark.parametrize("stopping", [True, False])
 def test_the_stop_flags_lie_on_the_device_generate_runs_on(stopping):
     # generate ORs the criteria's flags with its own, made on the input_ids' device; "meta"
