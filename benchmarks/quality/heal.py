@@ -42,7 +42,7 @@ starts no run that would end after it (at the longest wall time seen so far in t
 first call's ``wall_s`` / ``train_s`` per row tell what the next calls can afford.
 
 Commands (``runs/`` is git-ignored, so ``--work runs/heal`` stays on a warm machine between
-calls; the split is untracked, so it travels with the working tree)::
+calls; the split is git-ignored data: hand it to a GPU machine with the working tree)::
 
     # here: the split (train / val / heldout + fresh.jsonl of HEAD)
     python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split
