@@ -105,8 +105,11 @@ def gguf_tokenizer_dir(gguf_path: str | Path, name: str, package: str | None = N
     Raises:
         ValueError: the cache is not writable or the tokenizer cannot be converted.
     """
+    import transformers
+
     gguf_path = Path(gguf_path)
-    stamp = source_stamp(gguf_path, package, _FORMAT)
+    # the converter is transformers': another version may build another tokenizer
+    stamp = {**source_stamp(gguf_path, package, _FORMAT), "transformers": transformers.__version__}
     return cached_folder(
         "tokenizers", name, stamp, lambda out: extract_gguf_tokenizer(gguf_path, out)
     )

@@ -110,3 +110,14 @@ def test_missing_package_message_names_the_distribution_to_install(monkeypatch):
         registry.bundled_path("llama3")
     with pytest.raises(ValueError, match="pip install mistral-common"):
         registry.bundled_path("mistral")
+
+
+def test_a_converted_tokenizer_that_cuts_the_probe_text_otherwise_is_refused_naming_the_fix():
+    smollm2 = load_tokenizer("smollm2")  # converted from its GGUF and checked on load
+    want = registry.BUNDLED["smollm2"].probe
+    ids = smollm2.encode(registry.PROBE_TEXT, add_special_tokens=False).ids.tolist()
+    assert tuple(ids) == want
+    registry.check_probe("smollm2", smollm2, want)
+    with pytest.raises(ValueError, match=r"install transformers >= 5\.24") as err:
+        registry.check_probe("smollm2", smollm2, want[:-1])
+    assert "19 ids for a probe text, 18 expected" in str(err.value)
