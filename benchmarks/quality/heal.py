@@ -216,7 +216,6 @@ def load_teacher(name: str, aliases: dict[str, str], device="cpu"):
 
 def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | None) -> dict:
     """The ``xtoken run`` config of one arm and seed."""
-    cuda = args.device.startswith("cuda")
     t_tok = teacher_tokenizer(arm.teacher) if arm.teacher else args.student_tokenizer
     loss: dict[str, Any] = {"mode": arm.base}
     if arm.base != "ce":
@@ -242,31 +241,13 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
             "ordered": True,
         },
         "collator": {"workers": 1, "batch": 32},
-        "teacher": {
-            "model": resolve(arm.teacher, args.aliases) if arm.teacher else "tiny",
-            "device": args.device,
-            "transport": "cuda_ipc" if cuda else "shm",
-            "max_batch": args.batch,
-            "max_length": args.ctx,
-            "slots": 2,
-        },
-        "trainer": {
-            "student": str(student_dir),
-            "device": args.device,
-            "micro_batch": args.batch,
-            "grad_accum": 1,
-            "max_steps": args.steps,
-            "epochs": args.epochs,
-            "checkpoint_every": 0,
-            "eval_every": args.eval_every,
-            "heldout": str(args.corpus / "val.jsonl"),
-            "eval_texts": args.eval_texts,
-            "eval_ctx": args.ctx,
-            "export": True,
-            "seed": seed,
-            "optim": {"lr": args.lr, "warmup_steps": args.warmup, "min_lr_ratio": 0.1},
-            "loss": loss,
-        },
+        **kd.process_sections(
+            args,
+            resolve(arm.teacher, args.aliases) if arm.teacher else "tiny",
+            student_dir,
+            seed,
+            loss,
+        ),
     }
 
 

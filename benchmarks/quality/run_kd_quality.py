@@ -471,7 +471,6 @@ def build_projection_file(
 
 def arm_config(arm: str, seed: int, work: Path, args, student_dir: Path, proj: Path) -> dict:
     """The ``xtoken run`` config of one arm spec (:func:`parse_arm`) and seed."""
-    cuda = args.device.startswith("cuda")
     base, overrides = parse_arm(arm)
     loss: dict[str, Any] = {"mode": base}
     if base != "ce":
@@ -497,10 +496,25 @@ def arm_config(arm: str, seed: int, work: Path, args, student_dir: Path, proj: P
             "limit": args.limit,
         },
         "collator": {"workers": args.collators, "batch": 32},
+        **process_sections(args, args.teacher, student_dir, seed, loss),
+    }
+
+
+def process_sections(args, teacher: str, student_dir: Path, seed: int, loss: dict) -> dict:
+    """The ``teacher`` and ``trainer`` sections every arm of both experiments shares.
+
+    Args:
+        args: the parsed command line (device, batch, ctx, steps, epochs, eval and optimizer).
+        teacher: the teacher's model spec.
+        student_dir: the initial student's folder.
+        seed: the trainer's seed.
+        loss: the ``trainer.loss`` section.
+    """
+    return {
         "teacher": {
-            "model": args.teacher,
+            "model": teacher,
             "device": args.device,
-            "transport": "cuda_ipc" if cuda else "shm",
+            "transport": "cuda_ipc" if args.device.startswith("cuda") else "shm",
             "max_batch": args.batch,
             "max_length": args.ctx,
             "slots": 2,
