@@ -128,24 +128,22 @@ def test_ablation_table_pairs_each_arm_with_ce_of_the_same_seed_on_validation():
     assert q.summarize(rows)["arms"] == {}  # validation rows never enter the held-out bar
 
 
-def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
-    out = tmp_path / "out"
+def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``run_kd_quality.py ARGS`` in a subprocess; fails the test on a non-zero exit."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--smoke",
-            "--work",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ],
+        [sys.executable, str(SCRIPT), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
+    out = tmp_path / "out"
+    run_script("--smoke", "--work", str(tmp_path / "work"), "--out", str(out))
     rows = [json.loads(line) for line in (out / "quality_rows.jsonl").read_text().splitlines()]
     assert sorted(r["arm"] for r in rows) == ["ce", "gold", "pkl", "xtoken"]
     for r in rows:
@@ -154,21 +152,7 @@ def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
         assert sum(c["bytes"] for c in h["per_category"].values()) == h["bytes"]
         assert 0 < h["bits_per_byte"] < 20 and 0 <= h["accuracy"] <= 1
     assert len({r["tokens"] for r in rows}) == 1  # equal tokens in every arm
-    report = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--report",
-            str(out / "quality_rows.jsonl"),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert report.returncode == 0, report.stderr[-3000:]
+    report = run_script("--report", str(out / "quality_rows.jsonl"), "--out", str(out), timeout=300)
     assert "| CE only |" in (out / "quality_table.md").read_text()
     if importlib.util.find_spec("matplotlib") is None:  # the plots need the bench extra
         assert "no plots: matplotlib is not installed" in report.stderr
@@ -181,15 +165,7 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
     out, work = tmp_path / "out", tmp_path / "work"
 
     def run(*extra):
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--smoke-heal", "--work", str(work), *extra],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc
+        return run_script("--smoke-heal", "--work", str(work), *extra)
 
     run("--out", str(out))
     rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
@@ -220,14 +196,7 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
     again_rows = (tmp_path / "out3" / "heal_rows.jsonl").read_text().splitlines()
     assert sum(json.loads(line)["kind"] == "student" for line in again_rows) == 3
 
-    report = subprocess.run(
-        [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert report.returncode == 0, report.stderr[-3000:]
+    report = run_script("--report", str(out / "heal_rows.jsonl"), "--out", str(out), timeout=300)
     md = (out / "heal.md").read_text()
     assert "### fresh" in md and "| pruned student, before training |" in md
     assert "best cross-tokenizer arm closes >= 50% of the gap" in md
@@ -248,38 +217,22 @@ def _bench_python_has_trl() -> bool:
 )
 def test_heal_peer_gold_trains_the_same_pair_with_trl_and_scores_it_like_the_arms(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--smoke-heal",
-            "--peer-gold",
-            "--arms",
-            "ce",
-            "gold@qwen2.5-coder-0.5b",
-            "--work",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    run_script(
+        "--smoke-heal",
+        "--peer-gold",
+        "--arms",
+        "ce",
+        "gold@qwen2.5-coder-0.5b",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
     peer = next(r for r in rows if r["kind"] == "peer")
     assert peer["trl"]["steps_run"] == 4 and "error" not in peer["trl"]
     assert (
         0 < peer["fresh"]["bits_per_byte"] < 20 and peer["compare_to"] == "gold@qwen2.5-coder-0.5b"
     )
-    report = subprocess.run(
-        [sys.executable, str(SCRIPT), "--report", str(out / "heal_rows.jsonl"), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert report.returncode == 0, report.stderr[-3000:]
+    run_script("--report", str(out / "heal_rows.jsonl"), "--out", str(out), timeout=300)
     assert "at least as good as TRL GOLD" in (out / "heal.md").read_text()

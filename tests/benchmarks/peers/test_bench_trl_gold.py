@@ -22,15 +22,44 @@ def _has_trl() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_trl(), reason="needs .venv-bench with trl: ./scripts/setup.sh test peers")
+@pytest.mark.skipif(
+    not _has_trl(), reason="needs .venv-bench with trl: ./scripts/setup.sh test peers"
+)
 def test_cpu_smoke_records_trl_refusal_and_both_trainers_figures(tmp_path):
     results = tmp_path / "peers.jsonl"
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "peers" / "bench_trl_gold.py"),
-        "--device", "cpu", "--student", "tiny", "--teacher", "tiny", "--shapes", "64",
-        "--modes", "xtoken", "--steps", "2", "--warmup", "1", "--trl-steps", "2",
-        "--trl-warmup", "1", "--quality-steps", "2", "--quality-T", "64", "--heldout-texts", "2",
-        "--trl-python", str(BENCH_PY), "--results", str(results), "--work", str(tmp_path / "w"),
+        sys.executable,
+        str(ROOT / "benchmarks" / "peers" / "bench_trl_gold.py"),
+        "--device",
+        "cpu",
+        "--student",
+        "tiny",
+        "--teacher",
+        "tiny",
+        "--shapes",
+        "64",
+        "--modes",
+        "xtoken",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--trl-steps",
+        "2",
+        "--trl-warmup",
+        "1",
+        "--quality-steps",
+        "2",
+        "--quality-T",
+        "64",
+        "--heldout-texts",
+        "2",
+        "--trl-python",
+        str(BENCH_PY),
+        "--results",
+        str(results),
+        "--work",
+        str(tmp_path / "w"),
         "--no-xtoken-warm-run",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
