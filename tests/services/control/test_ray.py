@@ -6,6 +6,7 @@ Run: ``./scripts/test.sh -m ray tests/services/control/test_ray.py``."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +29,14 @@ from tests.services.launch.conftest import ray_cluster  # noqa: F401 (the cluste
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
 
+def _config(server: ControlServer, demo, train: str) -> dict:
+    """``tiny_config`` training on ``train`` with an explicit held-out corpus in the data root
+    (without ``data.heldout`` the run holds out the last texts of data.train, which these tests
+    expect to train)."""
+    shutil.copy(demo.heldout_path, server.data_root / "heldout.txt")
+    return tiny_config(**{"data.train": train, "data.heldout": "heldout.txt"})
+
+
 def test_a_run_under_the_ray_launcher_succeeds_and_trains_each_sample_once(
     ray_cluster, demo, tmp_path  # noqa: F811
 ):
@@ -36,7 +45,7 @@ def test_a_run_under_the_ray_launcher_succeeds_and_trains_each_sample_once(
     try:
         (path,), keys = corpus_parts(demo, server.data_root / "c", n=16, parts=1)
         with server.client() as c:
-            r = c.post("/v1/runs", json=tiny_config(**{"data.train": f"c/{path.name}"}))
+            r = c.post("/v1/runs", json=_config(server, demo, f"c/{path.name}"))
             assert r.status_code == 201, r.text
             done = wait_state(c, r.json()["id"], {"SUCCEEDED", "FAILED"}, 360)
             assert done["state"] == "SUCCEEDED", (done, server.tail())
@@ -62,7 +71,7 @@ def test_after_a_control_plane_restart_a_ray_run_is_interrupted_with_no_actor_le
     try:
         (path,), keys = corpus_parts(demo, server.data_root / "c", n=48, parts=1)
         with server.client() as c:
-            r = c.post("/v1/runs", json=tiny_config(**{"data.train": f"c/{path.name}"}))
+            r = c.post("/v1/runs", json=_config(server, demo, f"c/{path.name}"))
             assert r.status_code == 201, r.text
             rid = r.json()["id"]
             deadline = time.monotonic() + 300
