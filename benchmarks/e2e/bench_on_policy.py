@@ -159,16 +159,24 @@ def _generation(run_dir: Path, rollouts: int, since: float) -> dict:
             batches += [
                 r for r in read_jsonl(path) if r["event"] == "rollout" and r["time"] > since
             ]
-    if len(batches) < 2:
-        return {"generated_tokens_per_s": None}
+    if not batches:
+        return {"generated_tokens_per_s": None, "rollout_batches": 0}
+    # every worker's tokens over one worker's mean busy time (one batch: that worker's own rate)
+    busy = sum(r["sample_s"] + r["collate_s"] for r in batches) / min(rollouts, len(batches))
+    sampling = sum(r["generated_tokens"] for r in batches) / busy if busy else None
+    if len(batches) < 2:  # no span between puts: only the rate while sampling
+        return {
+            "generated_tokens_per_s": None,
+            "generated_tokens_per_s_sampling": sampling,
+            "rollout_batches": 1,
+        }
     times = sorted(r["time"] for r in batches)
     span = times[-1] - times[0]
     counted = [r for r in batches if r["time"] > times[0]]  # what was made within the span
     generated = sum(r["generated_tokens"] for r in counted)
-    busy = sum(r["sample_s"] + r["collate_s"] for r in batches) / max(1, rollouts)
     return {
         "generated_tokens_per_s": generated / span if span else None,
-        "generated_tokens_per_s_sampling": sum(r["generated_tokens"] for r in batches) / busy,
+        "generated_tokens_per_s_sampling": sampling,
         "generated_samples_per_s": sum(r["samples"] for r in counted) / span if span else None,
         "rollout_batches": len(batches),
     }

@@ -23,6 +23,8 @@ def test_cpu_smoke_prints_a_row_per_fraction_with_the_rollouts_figures(tmp_path)
         "--prompt-tokens", "16", "--new-tokens", "16", "--rollout-batch", "4",
         "--fractions", "0", "0.5", "--steps", "2", "--warmup", "1", "--work", str(tmp_path),
     ]  # fmt: skip
+    results = ROOT / "benchmarks" / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.glob("e2e_on_policy*")}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -31,4 +33,4 @@ def test_cpu_smoke_prints_a_row_per_fraction_with_the_rollouts_figures(tmp_path)
     assert [r[0] for r in rows] == ["0", "0.5"]
     assert rows[0][4] == "-" and rows[1][4].endswith("%")  # the wait for rollouts: lambda 0.5
     assert float(rows[1][5]) > 0  # generated tokens/s
-    assert not list((ROOT / "benchmarks" / "results").glob("e2e_on_policy*"))
+    assert {p: p.stat().st_mtime_ns for p in results.glob("e2e_on_policy*")} == before
