@@ -141,6 +141,7 @@ def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_cpu_smoke_trains_every_arm_through_xtoken_run_and_scores_it(tmp_path):
     out = tmp_path / "out"
     run_script("--smoke", "--work", str(tmp_path / "work"), "--out", str(out))
