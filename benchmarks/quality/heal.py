@@ -228,11 +228,6 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
         "run_dir": str(args.work / "runs" / f"{slug(arm.spec)}_s{seed}"),
         "student_tokenizer": args.student_tokenizer,
         "teacher_tokenizer": t_tok,
-        "ctx_student": args.ctx,
-        "ctx_teacher": args.ctx,
-        "trainers": 1,
-        "teachers": 1,
-        "max_restarts": 0,
         "data": {
             "train": str(args.corpus / "train.jsonl"),
             "heldout": str(args.corpus / "val.jsonl"),
@@ -241,7 +236,7 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
             "ordered": True,
         },
         "collator": {"workers": 1, "batch": 32},
-        **kd.process_sections(
+        **kd.shared_sections(
             args,
             resolve(arm.teacher, args.aliases) if arm.teacher else "tiny",
             student_dir,

@@ -485,23 +485,19 @@ def arm_config(arm: str, seed: int, work: Path, args, student_dir: Path, proj: P
         "run_dir": str(work / "runs" / f"{arm_slug(arm)}_s{seed}"),
         "student_tokenizer": STUDENT_TOKENIZER,
         "teacher_tokenizer": args.teacher_tokenizer,
-        "ctx_student": args.ctx,
-        "ctx_teacher": args.ctx,
-        "trainers": 1,
-        "teachers": 1,
-        "max_restarts": 0,
         "data": {
             "train": str(args.corpus / "train.jsonl"),
             "heldout": str(args.corpus / "val.jsonl"),
             "limit": args.limit,
         },
         "collator": {"workers": args.collators, "batch": 32},
-        **process_sections(args, args.teacher, student_dir, seed, loss),
+        **shared_sections(args, args.teacher, student_dir, seed, loss),
     }
 
 
-def process_sections(args, teacher: str, student_dir: Path, seed: int, loss: dict) -> dict:
-    """The ``teacher`` and ``trainer`` sections every arm of both experiments shares.
+def shared_sections(args, teacher: str, student_dir: Path, seed: int, loss: dict) -> dict:
+    """What every arm of both experiments shares: contexts, one trainer and one teacher (no
+    restarts), and the ``teacher`` and ``trainer`` sections.
 
     Args:
         args: the parsed command line (device, batch, ctx, steps, epochs, eval and optimizer).
@@ -511,6 +507,11 @@ def process_sections(args, teacher: str, student_dir: Path, seed: int, loss: dic
         loss: the ``trainer.loss`` section.
     """
     return {
+        "ctx_student": args.ctx,
+        "ctx_teacher": args.ctx,
+        "trainers": 1,
+        "teachers": 1,
+        "max_restarts": 0,
         "teacher": {
             "model": teacher,
             "device": args.device,
