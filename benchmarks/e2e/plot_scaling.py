@@ -33,6 +33,7 @@ MODES = {"pkl": "P-KL", "gold": "gold", "xtoken": "relaxed gold"}
 # the step split, bottom to top, as the trainer reports it (pipeline.split_s)
 PHASES = (
     ("data_wait", "data wait", "tab:gray"),
+    ("sync", "rank sync", "tab:brown"),
     ("teacher_wait", "teacher wait", "tab:purple"),
     ("forward", "forward", "tab:blue"),
     ("loss", "loss", "tab:orange"),
@@ -152,8 +153,10 @@ def plot(by_ranks: dict[int, dict], path: Path, own_gpu: dict | None = None) -> 
         split = cols[n]["pipeline"]["split_s"]
         bottom = 0.0
         for key, label, color in PHASES:
-            ms = 1000 * split[key]
-            both_ms = " / ".join(f"{1000 * cols[m]['pipeline']['split_s'][key]:.1f}" for m in ranks)
+            ms = 1000 * split.get(key, 0.0)
+            both_ms = " / ".join(
+                f"{1000 * cols[m]['pipeline']['split_s'].get(key, 0.0):.1f}" for m in ranks
+            )
             ax_split.bar(
                 n,
                 ms,

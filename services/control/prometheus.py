@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 # step phases as the trainer names them (label values of xtoken_step_seconds)
-PHASES = ("data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer")
+PHASES = ("data_wait", "sync", "teacher_wait", "forward", "loss", "backward", "optimizer")
 LOSS_PARTS = {"total": "loss", "kd": "kl_loss", "ce": "ce_loss"}
 
 

@@ -202,7 +202,7 @@ class TrainerConfig:
         metadata={
             "help": "replay each compiled decoder layer as CUDA graphs, one per length: the host "
             "launches one graph per layer instead of one kernel at a time (None: on where it can "
-            "run: compiled on a cuda device, one trainer process, bf16 parameters)"
+            "run: compiled on a cuda device, bf16 parameters, one process or ddp)"
         },
     )
     max_length: int = field(
@@ -277,6 +277,18 @@ class TrainerConfig:
             "RUN_DIR/wandb); pip install 'xtoken[tracking]'"
         },
     )
+    profile_steps: int = field(
+        default=0,
+        metadata={
+            "help": "trace this many steps with torch.profiler from step profile_start, data "
+            "wait and the time between steps included: RUN_DIR/profile/trainer.rank<r>"
+            ".trace.json.gz (Perfetto or chrome://tracing) and .ops.txt (the top operators); "
+            "0: off"
+        },
+    )
+    profile_start: int = field(
+        default=3, metadata={"help": "first traced step (after the compile's warm-up steps)"}
+    )
     lease_s: float = field(
         default=300.0, metadata={"help": "lease of claimed samples (redelivered if we die)"}
     )
@@ -323,12 +335,14 @@ class TrainerConfig:
         for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("max_steps", "checkpoint_every", "eval_every", "max_length"):
+        for name in ("max_steps", "checkpoint_every", "eval_every", "max_length", "profile_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("lease_s", "teacher_timeout_s", "claim_timeout_s", "queue_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.profile_start < 1:
+            raise ValueError(f"profile_start={self.profile_start}: steps count from 1")
         if self.param_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"param_dtype={self.param_dtype!r}: use auto, float32 or bfloat16")
         if self.packed_attention not in ("auto", "flex_attention", "sdpa"):

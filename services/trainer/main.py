@@ -34,6 +34,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
 from services.trainer.model_card import card_facts, write_model_card
 from services.trainer.policy import PolicyPublisher
+from services.trainer.profiling import StepProfiler
 from services.trainer.worker import PhaseClock, TrainerWorker
 from xtoken_core.data.corpus import read_texts
 
@@ -168,6 +169,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     publisher = PolicyPublisher.create(worker, config, run_dir, rank=rank, world=world)
     if publisher is not None:
         publisher.publish()
+    profiler = StepProfiler(
+        config.profile_start, config.profile_steps, run_dir / "profile", rank, device
+    )
     stopped = False
     last_ckpt = worker.step
     while epoch < config.epochs and not stopped:
@@ -199,12 +203,14 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
             if config.max_steps and worker.step >= config.max_steps:
                 break
+            profiler.step_begins(worker.step + 1)
             clock = PhaseClock(device)
             with clock.phase("data_wait"):
                 mbs = feed.next_step(config.grad_accum)
-            has_data, stop = _all_reduce_flags(
-                [float(bool(mbs)), float(lc.stop.is_set())], device, world
-            )
+            with clock.phase("sync"):
+                has_data, stop = _all_reduce_flags(
+                    [float(bool(mbs)), float(lc.stop.is_set())], device, world
+                )
             if stop:
                 feed.give_back(mbs)
                 stopped = True
@@ -243,6 +249,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                     result.metrics.get("ce_loss", 0.0),
                     result.metrics["tokens"] / step_s if step_s else 0.0,
                 )
+            profiler.step_ended(result.step)
             if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
                 lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
                 checkpoint.save(
@@ -258,6 +265,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         feed.give_back()
         epoch, task_start, trained = epoch + 1, worker.step, set()
     feed.give_back()
+    profiler.close()
     lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:
         checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)

@@ -11,9 +11,13 @@ update (:meth:`MasterWeights.publish`).
 Gradients: on one rank, each bf16 gradient is added into its master's fp32 gradient as soon as
 autograd has accumulated it (a post-accumulate hook), and the bf16 one is freed; so several
 micro-batches accumulate in fp32, and the bf16 gradients never all exist at once. Under DDP the
-reducer owns the bf16 gradients (its buckets are views of them): they accumulate there, are summed
-over ranks in fp32 (:func:`fp32_allreduce_hook`, rounded to bf16 once), and are taken into the
-masters before the update (:meth:`MasterWeights.collect`). FSDP2 does the same by itself
+reducer owns the bf16 gradients: each one is a view of the reducer's bucket for the whole run
+(:meth:`MasterWeights.hold_grads` before DDP wraps the model, ``gradient_as_bucket_view``), zeroed
+in place after each update and never freed, so autograd always adds into the bucket (never into a
+buffer of a CUDA graph replay, whose memory the next replay reuses) and the reducer copies nothing.
+The buckets are summed over ranks in fp32 (:func:`fp32_allreduce_hook`, rounded to bf16 once;
+with two ranks DDP's own bf16 sum is that same number: one addition, rounded once), and taken into
+the masters before the update (:meth:`MasterWeights.collect`). FSDP2 does the same by itself
 (``MixedPrecisionPolicy``: sharded fp32 parameters, bf16 compute, fp32 reduction).
 """
 
@@ -54,7 +58,8 @@ class MasterWeights:
         compute: its low-precision copy (same parameters in the same order: ``copy.deepcopy``
             then ``.to(dtype)``); the forward and backward run on it.
         accumulate_in_hooks: add each gradient into the fp32 master as autograd produces it
-            (one rank); False when a DDP reducer owns the compute gradients.
+            (one rank); False when a DDP reducer owns the compute gradients (they are then kept
+            for the run, see :meth:`hold_grads`).
 
     Raises:
         ValueError: the two models' parameters do not pair up.
@@ -69,6 +74,7 @@ class MasterWeights:
         if shapes != [tuple(p.shape) for p in self.computes]:
             raise ValueError("master and compute models have different parameters")
         self.hooks = []
+        self.owned_by_reducer = not accumulate_in_hooks
         if accumulate_in_hooks:
             for m, c in zip(self.masters, self.computes, strict=True):
                 if c.requires_grad:
@@ -76,11 +82,19 @@ class MasterWeights:
                     self.hooks.append(c.register_post_accumulate_grad_hook(hook))
         self.publish()
 
+    def hold_grads(self) -> None:
+        """Give every trainable compute parameter a zero gradient, before DDP wraps the model:
+        with ``gradient_as_bucket_view`` the reducer then makes each one a view of its bucket,
+        kept for the run (:meth:`zero_grad` zeroes it in place)."""
+        for c in self.computes:
+            if c.requires_grad and c.grad is None:
+                c.grad = torch.zeros_like(c)
+
     def collect(self) -> None:
         """Take the compute gradients (DDP: summed over ranks) into the masters' fp32 ones."""
         for m, c in zip(self.masters, self.computes, strict=True):
             if c.grad is not None:
-                _accumulate_into(m, c)
+                _accumulate_into(m, c, free=not self.owned_by_reducer)
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -88,18 +102,25 @@ class MasterWeights:
         torch._foreach_copy_(self.computes, self.masters)
 
     def zero_grad(self) -> None:
-        """Drop the compute gradients (the masters' are the optimizer's to zero)."""
+        """Drop the compute gradients, or zero them in place where the DDP reducer's buckets
+        hold them (the masters' are the optimizer's to zero)."""
+        if self.owned_by_reducer:
+            grads = [c.grad for c in self.computes if c.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+            return
         for c in self.computes:
             c.grad = None
 
 
-def _accumulate_into(master: torch.Tensor, compute: torch.Tensor) -> None:
-    """Add ``compute.grad`` into ``master.grad`` (fp32) and free it."""
+def _accumulate_into(master: torch.Tensor, compute: torch.Tensor, free: bool = True) -> None:
+    """Add ``compute.grad`` into ``master.grad`` (fp32); ``free``: drop the compute one."""
     if master.grad is None:
         master.grad = compute.grad.to(master.dtype)
     else:
         master.grad.add_(compute.grad)
-    compute.grad = None
+    if free:
+        compute.grad = None
 
 
 def fp32_allreduce_hook(process_group: Any, bucket):

@@ -44,7 +44,9 @@ from xtoken_core.models.dtypes import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer")
+# sync: the host at the step's boundary collectives (every rank's data and stop flags, the
+# metrics' sum), waiting for the slowest rank; one rank only reads its metrics back
+PHASES = ("data_wait", "sync", "teacher_wait", "forward", "loss", "backward", "optimizer")
 # Slots of the per-step metric vector all-reduced over the DP group: a fixed length, so that a
 # rank without data in a step (it does not know the loss's metric names) joins the same reduce.
 MAX_METRICS = 32
@@ -244,9 +246,10 @@ class TrainerWorker:
         they can run).
 
         A replay writes its outputs into buffers the next replay reuses, so a gradient must leave
-        them before the next micro-batch: the fp32 master weights' hooks take each one at once
-        (one process, low-precision parameters). DDP's and FSDP's gradients stay where autograd
-        put them, and an fp32 model has no masters.
+        them before the next micro-batch: on one process the fp32 master weights' hooks take each
+        one at once; under DDP autograd adds each into the reducer's bucket, which holds it for
+        the run (:mod:`services.trainer.precision`). FSDP's gradients stay where autograd put
+        them, and an fp32 model has no masters.
 
         Raises:
             ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
@@ -258,8 +261,8 @@ class TrainerWorker:
             why = f"the trainer runs on {self.device}, not a cuda device"
         elif not self.compiled:
             why = "trainer.compile is off"
-        elif self.world_size > 1:
-            why = f"{self.world_size} trainer processes (CUDA graphs need one)"
+        elif self.world_size > 1 and self.config.parallel != "ddp":
+            why = f"parallel {self.config.parallel} (CUDA graphs need one process or ddp)"
         elif self.master is None:
             why = "the parameters are float32 (CUDA graphs need trainer.param_dtype bfloat16)"
         if why and self.config.cuda_graphs:
@@ -366,8 +369,14 @@ class TrainerWorker:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(module, device_ids=ids)
-        if self.master is not None:  # bf16 gradients summed in fp32 over the ranks
+        if self.master is not None:  # the bf16 gradients: views of the buckets for the run
+            self.master.hold_grads()
+        ddp = DistributedDataParallel(
+            module, device_ids=ids, gradient_as_bucket_view=self.master is not None
+        )
+        if self.master is not None and self.world_size > 2:
+            # bf16 gradients summed in fp32 over the ranks; two ranks' sum is one bf16 addition
+            # (rounded once), the number the fp32 sum rounds to, at half the bytes
             ddp.register_comm_hook(None, fp32_allreduce_hook)
         return ddp
 
@@ -685,7 +694,8 @@ class TrainerWorker:
         lr = float(self.optimizer.param_groups[0]["lr"])  # this step's (the schedule moves on)
         with clock.phase("optimizer", gpu=True):
             skipped, grad_norm = self._optimizer_step()
-        metrics = self._reduce_metrics(sums, micro_batches, grad_norm)
+        with clock.phase("sync"):
+            metrics = self._reduce_metrics(sums, micro_batches, grad_norm)
         metrics["lr"] = lr
         self.step += 1
         return StepResult(

@@ -15,9 +15,9 @@
   const compare = window.xtoken.compare;
   const ACTIVE = new Set(["PENDING", "STARTING", "RUNNING", "RECOVERING", "STOPPING"]);
   const RESUMABLE = new Set(["STOPPED", "FAILED", "INTERRUPTED"]);
-  const PHASES = ["data_wait", "teacher_wait", "forward", "loss", "backward", "optimizer"];
+  const PHASES = ["data_wait", "sync", "teacher_wait", "forward", "loss", "backward", "optimizer"];
   const PHASE_COLORS = {
-    data_wait: "#94a3b8", teacher_wait: "#f59e0b", forward: "#3b82f6",
+    data_wait: "#94a3b8", sync: "#64748b", teacher_wait: "#f59e0b", forward: "#3b82f6",
     loss: "#8b5cf6", backward: "#10b981", optimizer: "#ef4444",
   };
   // every kind a run records (services/control/event_text.py gives each its sentence)

@@ -53,10 +53,13 @@ def run_rank(
     device: str = "cpu",
     parallel: str = "ddp",
     checkpoint_dir: str | None = None,
+    overrides: dict | None = None,
 ):
     """Rank ``rank`` trains micro-batches ``plan[rank]`` (indices into ``micro_batches()``) and
     saves ``{"grads", "params", "grad_norm"}`` (plus ``"loaded"`` with ``checkpoint_dir``) to
-    ``<out>.rank<rank>.pt``; ``device="cuda"``: NCCL, one GPU per rank."""
+    ``<out>.rank<rank>.pt``; ``device="cuda"``: NCCL, one GPU per rank; ``overrides``: more
+    trainer settings. With bf16 compute parameters it also saves ``"held"``: whether each compute
+    gradient is still the tensor it was before the step, zeroed (the DDP bucket's view)."""
     from services.trainer import checkpoint
     from services.trainer.worker import TrainerWorker
 
@@ -74,7 +77,12 @@ def run_rank(
     def worker(seed: int = 0) -> TrainerWorker:
         return TrainerWorker(
             setup.trainer_config(
-                projection, grad_accum=len(plan[rank]), device=device, parallel=parallel, seed=seed
+                projection,
+                grad_accum=len(plan[rank]),
+                device=device,
+                parallel=parallel,
+                seed=seed,
+                **(overrides or {}),
             ),
             rank=rank,
             world_size=world,
@@ -89,12 +97,22 @@ def run_rank(
             for mb in mbs:
                 logits = mb.teacher_logits
                 mb.teacher_logits = lambda f=logits: f().to(trained.device)
+        before = None
+        if trained.master is not None:
+            before = [p.grad.data_ptr() for p in trained.compute.parameters()]
         grads, result = capture_step_gradients(trained, mbs)
         saved = {
             "grads": grads,
             "params": full_params(trained),
             "grad_norm": result.metrics["grad_norm"],
+            "cuda_graphs": trained.cuda_graphs,
         }
+        if before is not None:
+            after = list(trained.compute.parameters())
+            saved["held"] = len(after) == len(before) and all(
+                p.grad is not None and p.grad.data_ptr() == ptr and not p.grad.any()
+                for p, ptr in zip(after, before, strict=True)
+            )
         if checkpoint_dir is not None:
             path = checkpoint.save(trained, checkpoint_dir, epoch=0, task_start=0, trained=set())
             fresh = worker(seed=7)  # other initial weights: the load must overwrite every one

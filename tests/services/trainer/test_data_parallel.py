@@ -50,6 +50,38 @@ def test_two_ranks_with_accumulation_apply_the_full_batch_gradient(projection, t
 
 
 @pytest.mark.timeout(300)
+def test_bf16_ranks_accumulate_in_the_ddp_buckets_and_apply_the_full_batch_gradient(
+    projection, tmp_path
+):
+    # bf16 compute parameters with fp32 masters: under DDP each compute gradient is a view of the
+    # reducer's bucket for the run (zeroed in place, never freed: a CUDA graph replay may not own
+    # it); both ranks accumulate two micro-batches in bf16 there, the two ranks' sum is one bf16
+    # addition. Against one process accumulating all four in fp32: bf16 precision
+    plan = [[0, 1], [2, 3]]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    out = str(tmp_path / "grads")
+    bf16 = {"param_dtype": "bfloat16"}
+    args = (2, _free_port(), projection, plan, out, "cpu", "ddp", None, bf16)
+    mp.spawn(run_rank, args=args, nprocs=2, join=True)
+    saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
+    assert saved[0]["held"] and saved[1]["held"]
+
+    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=4, **bf16))
+    batches = setup.micro_batches()
+    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2, 3)]
+    full, _ = capture_step_gradients(worker, mbs)
+    cosines = []
+    for name, grad in full.items():
+        ranks = [s["grads"][name] for s in saved]
+        torch.testing.assert_close(ranks[0], ranks[1], rtol=0, atol=0)
+        assert ranks[0].dtype == torch.float32  # the masters' gradients
+        torch.testing.assert_close(ranks[0], grad, rtol=0.05, atol=2e-3, msg=name)
+        cosines.append(torch.nn.functional.cosine_similarity(ranks[0].flatten(), grad.flatten(), 0))
+    assert min(cosines) > 0.999
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # 1-process load
 def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_back(
     projection, tmp_path
@@ -111,23 +143,32 @@ def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_b
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_nccl_ranks_apply_the_gradient_of_one_rank_with_twice_the_accumulation(
-    projection, tmp_path
+@pytest.mark.parametrize("plan", [[[0], [1]], [[0, 1], [2, 3]]], ids=["1mb", "accumulate2"])
+def test_two_nccl_ranks_replaying_cuda_graphs_apply_the_gradient_of_one_rank(
+    projection, tmp_path, plan
 ):
-    # 2 ranks x 1 micro-batch (NCCL, one GPU each) vs 1 rank accumulating the same 2
-    plan = [[0], [1]]
+    # 2 ranks (NCCL, one GPU each; bf16 parameters, compiled layers replayed as CUDA graphs, the
+    # gradients in DDP's buckets) vs 1 rank accumulating the same micro-batches; with two
+    # micro-batches per rank the first one's gradients must survive the second one's replays
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     out = str(tmp_path / "grads")
     mp.spawn(run_rank, args=(2, _free_port(), projection, plan, out, "cuda"), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True)["grads"] for r in range(2)]
-    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=2, device="cuda"))
+    saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
+    assert saved[0]["cuda_graphs"] and saved[0]["held"] and saved[1]["held"]
+    ranks = [s["grads"] for s in saved]
+    indices = [i for rank in plan for i in rank]
+    worker = TrainerWorker(
+        setup.trainer_config(projection, grad_accum=len(indices), device="cuda")
+    )
     batches = setup.micro_batches()
-    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1)]
+    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in indices]
     for mb in mbs:
         logits = mb.teacher_logits
         mb.teacher_logits = lambda f=logits: f().to(worker.device)
     full = {k: v.cpu() for k, v in capture_step_gradients(worker, mbs)[0].items()}
     for name, grad in full.items():
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
-        torch.testing.assert_close(ranks[0][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(ranks[0][name], grad, rtol=0.05, atol=1e-4, msg=name)
+        cosine = torch.nn.functional.cosine_similarity(ranks[0][name].flatten(), grad.flatten(), 0)
+        assert cosine > 0.999, (name, float(cosine))
