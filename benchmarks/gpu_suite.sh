@@ -94,6 +94,18 @@ for shape in 4x2048 1x4096; do
       --shapes $shape --modes $mode $TWO_GPU --results "$OUT/e2e_pipeline.jsonl"
   done
 done
+# two ranks with the compiled layers not replayed as CUDA graphs (what the graphs give under DDP)
+want two_gpu_no_graphs && step two_gpu_no_graphs $PY benchmarks/e2e/bench_pipeline.py --shapes 1x4096 \
+  --modes pkl --trainers 2 --baseline none --recompile-steps 0 --no-bare --steps 8 --warmup 3 \
+  --trainer-extra '{"cuda_graphs": false}' --tag two-gpu-no-graphs --results "$OUT/e2e_pipeline.jsonl"
+# the DDP gradient tests on two GPUs (CUDA graphs, bf16 buckets) and a profile of 2 ranks' steps
+want two_gpu_tests && step two_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu \
+  tests/services/trainer/test_data_parallel.py
+want two_gpu_profile && step two_gpu_profile $PY benchmarks/e2e/bench_pipeline.py --shapes 1x4096 \
+  --modes pkl --trainers 2 --baseline none --recompile-steps 0 --no-bare --steps 2 --warmup 3 \
+  --trainer-extra '{"profile_steps": 2, "profile_start": 4}' --tag two-gpu-profile \
+  --results "$OUT/e2e_pipeline.jsonl" --work /tmp/xtoken_bench_profile && \
+  cp /tmp/xtoken_bench_profile/run_1x4096_pkl_cuda_ipc_r2_same/profile/* "$OUT/"
 want two_gpu_hidden && step two_gpu_hidden $PY benchmarks/e2e/bench_pipeline.py --shapes 4x2048 \
   --modes pkl --transports hidden --trainers 1 --teacher-devices cuda:1 --baseline none \
   --recompile-steps 0 --no-bare --steps 8 --warmup 3 --tag two-gpu --results "$OUT/e2e_pipeline.jsonl"

@@ -203,8 +203,8 @@ def plot(by_ranks: dict[int, dict], path: Path, own_gpu: dict | None = None) -> 
     fig.suptitle(
         f"1 vs 2 trainer ranks on 2 x {one['device']}, {MODES.get(one['mode'], one['mode'])} loss,"
         f" global batch {global_batch} x {T} tokens per step (commit {one['commit']})\n"
-        "blue, orange: a teacher colocated with each rank; green: 1 rank, its teacher on the "
-        "other GPU",
+        "blue, orange: a teacher colocated with each rank"
+        + ("; green: 1 rank, its teacher on the other GPU" if own_gpu is not None else ""),
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
