@@ -45,6 +45,7 @@ CPU smoke test (and with ``--pack``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -610,6 +611,13 @@ def main() -> int:
     )
     p.add_argument("--tag", default="", help="label of these rows (e.g. mps)")
     p.add_argument(
+        "--mps",
+        action="store_true",
+        help="run every process under an MPS control daemon of its own (started in the work "
+        "folder, stopped at the end): the trainer and its colocated teacher then share each GPU "
+        "kernel by kernel instead of by time slices",
+    )
+    p.add_argument(
         "--trainer-extra",
         type=json.loads,
         default={},
@@ -630,6 +638,50 @@ def main() -> int:
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.mps:
+        with mps_daemon(work / "mps"):
+            return run_all(args, work)
+    return run_all(args, work)
+
+
+@contextlib.contextmanager
+def mps_daemon(folder: Path):
+    """An MPS control daemon whose pipe folder is ``folder`` (the processes started inside
+    inherit ``CUDA_MPS_PIPE_DIRECTORY`` and become its clients); stopped on the way out.
+
+    Raises:
+        SystemExit: no ``nvidia-cuda-mps-control`` on this machine, or it did not start.
+    """
+    import shutil
+    import subprocess
+
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH; run without --mps")
+    env = {
+        "CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(folder / "log"),
+    }
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    started = subprocess.run([control, "-d"], capture_output=True, text=True)
+    if started.returncode != 0:
+        raise SystemExit(f"--mps: {control} -d failed: {started.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run([control], input="quit\n", text=True, capture_output=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_all(args, work: Path) -> int:
+    """Every row of ``args`` (the shapes, modes, rank counts and teacher devices)."""
     os.environ.setdefault("XTOKEN_CACHE", str(work / "cache"))
     student_dir, teacher_dir = save_models(args, work)
     projection = build_projection(args, work)
@@ -645,6 +697,7 @@ def main() -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         **({"pack": True, "pack_window": args.pack_window} if args.pack else {}),
         **({"texts": "demo"} if args.demo_texts else {}),
+        **({"mps": True} if args.mps else {}),
     }
 
     def keep(row: dict) -> None:  # appended at once: a run stopped early keeps its rows

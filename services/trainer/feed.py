@@ -173,6 +173,7 @@ class TeacherFeed:
             else:  # the teacher's log-probs of the student's continuations: a metric
                 mb.teacher_logits = lambda: on_policy.score(p, self.teacher.logits(p))
             mb.done = lambda: self._done(p)
+            mb.prefetch = lambda: self.teacher.prefetch(p)
         return mb
 
     def _done(self, p: _Pending) -> None:

@@ -91,10 +91,28 @@ class MasterWeights:
                 c.grad = torch.zeros_like(c)
 
     def collect(self) -> None:
-        """Take the compute gradients (DDP: summed over ranks) into the masters' fp32 ones."""
+        """Take the compute gradients (DDP: summed over ranks) into the masters' fp32 ones.
+
+        A few multi-tensor kernels for the whole model rather than two per parameter: on one
+        rank the hooks do this during the backward, where the GPU is busy; here it sits between
+        the backward and the update, where launching hundreds of small copies would set the pace.
+        """
+        fresh, held = [], []  # masters without a gradient yet (copied into), with one (added)
         for m, c in zip(self.masters, self.computes, strict=True):
-            if c.grad is not None:
-                _accumulate_into(m, c, free=not self.owned_by_reducer)
+            if c.grad is None:
+                continue
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+                fresh.append((m, c))
+            else:
+                held.append((m, c))
+        if fresh:
+            torch._foreach_copy_([m.grad for m, _ in fresh], [c.grad for _, c in fresh])
+        if held:
+            torch._foreach_add_([m.grad for m, _ in held], [c.grad for _, c in held])
+        if not self.owned_by_reducer:
+            for _, c in fresh + held:
+                c.grad = None
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -113,14 +131,13 @@ class MasterWeights:
             c.grad = None
 
 
-def _accumulate_into(master: torch.Tensor, compute: torch.Tensor, free: bool = True) -> None:
-    """Add ``compute.grad`` into ``master.grad`` (fp32); ``free``: drop the compute one."""
+def _accumulate_into(master: torch.Tensor, compute: torch.Tensor) -> None:
+    """Add ``compute.grad`` into ``master.grad`` (fp32) and free it."""
     if master.grad is None:
         master.grad = compute.grad.to(master.dtype)
     else:
         master.grad.add_(compute.grad)
-    if free:
-        compute.grad = None
+    compute.grad = None
 
 
 def fp32_allreduce_hook(process_group: Any, bucket):

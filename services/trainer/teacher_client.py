@@ -80,6 +80,7 @@ class Asked:
     record: Any = None
     attempts: int = 0
     teacher: str | None = None
+    prefetched: Any = None  # (record, logits on the trainer's GPU, their copy's event)
 
 
 class TeacherClient:
@@ -124,6 +125,7 @@ class TeacherClient:
         self._ring: dict | None = None  # the descriptor of its ring of this rank (None: none yet)
         self._gone: set[str] = set()  # incarnations found dead or replaced
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
+        self._copy_stream: torch.cuda.Stream | None = None  # peer copies beside the forward
 
     @property
     def waiting(self) -> bool:
@@ -154,6 +156,14 @@ class TeacherClient:
             RuntimeError: the teacher refused the request.
             ValueError: the result does not match the micro-batch's shape.
         """
+        if p.prefetched is not None:
+            record, logits_BUW, copied = p.prefetched
+            p.prefetched = None
+            if record is p.record:
+                stream = torch.cuda.current_stream(logits_BUW.device)
+                stream.wait_event(copied)
+                logits_BUW.record_stream(stream)  # allocated on the copy stream, read here
+                return logits_BUW
         while True:
             while p.record is None:
                 self.poll(p)
@@ -175,6 +185,41 @@ class TeacherClient:
                 self._watch(result.teacher, result.descriptor)  # a dead ring: its teacher is gone
                 self.drop_record(p)
                 self.ask(p)
+
+    def prefetch(self, p: Asked) -> None:
+        """Start the peer copy of ``p``'s logits to the trainer's GPU now, when its result
+        already arrived from a teacher on another GPU: called before the micro-batch's forward,
+        the copy (on a stream of its own) runs beside the forward instead of after it, and
+        :meth:`logits` only makes the step's stream wait for it. Anything else (no result yet,
+        the teacher on this GPU, the hidden transport, a stale handle) is left to
+        :meth:`logits`."""
+        device = self.worker.device
+        if p.record is None or p.prefetched is not None or device.type != "cuda":
+            return
+        result, _, _ = p.record
+        if result.error or result.handle is None or self.config.verify_logits:
+            return
+        if (result.rows, result.length) != tuple(p.shape):
+            return
+        try:
+            where = self.reader.slot_device(result.descriptor)
+        except Exception:  # a stale handle, a dead ring: logits() meets it and asks again
+            return
+        if where.type != "cuda" or where == device:
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.stream(self._copy_stream):
+                view_BUW = self.reader.view(result.descriptor, result.handle)
+                # the copy runs on the teacher GPU's stream once that waited for the slot, and
+                # this stream waits for the copy; the forward on the step's stream is not behind
+                logits_BUW = view_BUW.to(device, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+        except Exception:  # a stale handle, a dead ring: logits() meets it and asks again
+            return
+        p.prefetched = (p.record, logits_BUW, copied)
 
     def done(self, p: Asked) -> None:
         """After the backward of ``p`` was queued: release its slot (the reader frees it once the
@@ -292,6 +337,7 @@ class TeacherClient:
         self.counters["orphans"] -= 1
         self._held.pop(p.request_key, None)
         p.record = None
+        p.prefetched = None
 
     def _open(self, p: Asked, result: proto.Result, fields: dict) -> torch.Tensor:
         B, U = p.shape

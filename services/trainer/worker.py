@@ -63,6 +63,8 @@ class MicroBatch:
             may raise to say the micro-batch must be dropped); None when the loss needs none.
         done: called after the micro-batch's backward was queued (releases its ring slot).
         context: the feed's bookkeeping (leases, request), opaque to the worker.
+        prefetch: called before the micro-batch's forward: starts moving the teacher logits to
+            this GPU if they are ready elsewhere (a teacher on another GPU), or does nothing.
     """
 
     keys: list[str]
@@ -70,6 +72,7 @@ class MicroBatch:
     teacher_logits: Callable[[], torch.Tensor] | None = None
     done: Callable[[], None] | None = None
     context: Any = None
+    prefetch: Callable[[], None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -667,6 +670,8 @@ class TrainerWorker:
                 # with the fused head the forward stops at the hidden states; the output layer
                 # runs in the loss phase, its backward too (the head makes dh and dW there)
                 forward = self._forward if self.head is None else self._hidden
+                if mb.prefetch is not None:
+                    mb.prefetch()
                 if self.cuda_graphs:
                     mark_step()
                 with clock.phase("forward", gpu=True):

@@ -682,6 +682,18 @@ class LogitRingReader:
                 return str(e)
         return None
 
+    def slot_device(self, descriptor: dict) -> torch.device:
+        """Where the ring's slots are, as this process numbers devices: the CPU (shm) or the
+        teacher's GPU (cuda_ipc); maps the ring if it is not mapped yet.
+
+        Raises:
+            StaleHandleError, ValueError: as :meth:`view`, for the ring itself.
+        """
+        desc = parse_descriptor(descriptor)
+        with self._lock:
+            ring = self._ring(desc)
+        return ring.slot_device if ring.slot_device is not None else torch.device("cpu")
+
     def view(self, descriptor: dict, handle: dict) -> torch.Tensor:
         """The published logits of a handle, in place.
 

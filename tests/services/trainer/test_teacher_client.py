@@ -239,3 +239,57 @@ def test_a_result_the_successor_wrote_on_an_old_request_gives_its_slot_back(ring
         assert successor.in_flight() == []
     finally:
         successor.close()
+
+
+def test_prefetch_off_a_cuda_device_leaves_the_logits_to_the_wait(ring):
+    writer, reader = ring
+    queue = _Queue()
+    client = _client(queue, reader)
+    p = _asked()
+    client.ask(p)
+    _answer(queue, writer, p.request_key)
+    client.claim_records(0.01)
+    assert reader.slot_device(writer.descriptor) == torch.device("cpu")
+    client.prefetch(p)
+    assert p.prefetched is None
+    assert torch.equal(client.logits(p), torch.ones(B, U, W))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_logits_of_a_teacher_on_another_gpu_are_copied_before_the_forward_and_equal():
+    # the ring on cuda:1, the trainer on cuda:0: prefetch copies on a stream of its own (the
+    # forward is not in front of it), logits() hands that copy over; a later request takes the
+    # plain path and gives the same numbers
+    writer = LogitRingWriter(
+        transport="cuda_ipc", num_slots=2, slot_shape=(B, U, W), dtype=torch.bfloat16,
+        device="cuda:1",
+    )  # fmt: skip
+    reader = LogitRingReader(device="cuda:0", dead_after_s=5.0)
+    queue = _Queue()
+    config = TrainerConfig(loss=CrossTokenizerLossConfig(mode="ce"), claim_timeout_s=0.01)
+    worker = types.SimpleNamespace(device=torch.device("cuda:0"))
+    client = TeacherClient(queue, config, 0, worker, reader=reader)
+    try:
+        got = []
+        for prefetch in (True, False):
+            p = _asked()
+            client.ask(p)
+            slot = writer.acquire(timeout_s=5)
+            writer.buffer(slot)[:B, :U].copy_(torch.arange(U * W).view(1, U, W).to("cuda:1"))
+            handle = writer.publish(slot, rows=B, length=U)
+            result = proto.Result("cuda_ipc", "t", writer.descriptor, handle, W, B, U)
+            queue.arrived.append((p.request_key, result))
+            client.claim_records(0.01)
+            if prefetch:
+                client.prefetch(p)
+                assert p.prefetched is not None
+            logits = client.logits(p)
+            assert logits.device == torch.device("cuda:0") and p.prefetched is None
+            got.append(logits.cpu())
+            client.done(p)
+        assert torch.equal(got[0], got[1])
+        assert torch.equal(got[0][0].float(), torch.arange(U * W).view(U, W).float())
+    finally:
+        reader.close()
+        writer.close()
