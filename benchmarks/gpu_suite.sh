@@ -100,7 +100,11 @@ want two_gpu_no_graphs && step two_gpu_no_graphs $PY benchmarks/e2e/bench_pipeli
   --trainer-extra '{"cuda_graphs": false}' --tag two-gpu-no-graphs --results "$OUT/e2e_pipeline.jsonl"
 # the DDP gradient tests on two GPUs (CUDA graphs, bf16 buckets) and a profile of 2 ranks' steps
 want two_gpu_tests && step two_gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu \
-  tests/services/trainer/test_data_parallel.py
+  tests/services/trainer/test_data_parallel.py tests/services/trainer/test_teacher_client.py
+# 1 vs 2 ranks with each GPU shared by MPS (the trainer and its teacher kernel by kernel)
+want two_gpu_mps && step two_gpu_mps $PY benchmarks/e2e/bench_pipeline.py --shapes 1x4096 4x2048 \
+  --modes pkl --trainers 1 2 --same-global-batch --mps --baseline none --recompile-steps 0 \
+  --no-bare --steps 8 --warmup 3 --tag two-gpu-mps --results "$OUT/e2e_pipeline.jsonl"
 want two_gpu_profile && step two_gpu_profile $PY benchmarks/e2e/bench_pipeline.py --shapes 1x4096 \
   --modes pkl --trainers 2 --baseline none --recompile-steps 0 --no-bare --steps 2 --warmup 3 \
   --trainer-extra '{"profile_steps": 2, "profile_start": 4}' --tag two-gpu-profile \
