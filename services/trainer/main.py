@@ -52,11 +52,29 @@ def dist_env() -> tuple[int, int, int]:
 
 
 def _all_reduce_flags(flags: list[float], device: torch.device, world: int) -> list[float]:
+    """Sum the ranks' step flags (has data, stop). On the host (gloo) where there is a host group
+    (:func:`_host_group`): an NCCL sum read back would wait for the GPU work queued before it,
+    the step before's included, and leave the GPU idle while the next step is claimed."""
     if world == 1:
         return flags
-    t = torch.tensor(flags, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t)
+    on_host = _HOST_GROUP is not None or device.type != "cuda"
+    t = torch.tensor(flags, dtype=torch.float64, device="cpu" if on_host else device)
+    dist.all_reduce(t, group=_HOST_GROUP)
     return t.tolist()
+
+
+_HOST_GROUP: Any = None  # a gloo group of the trainer ranks beside their NCCL one
+
+
+def _host_group(device: torch.device) -> None:
+    """Make the host group of the step flags (collective; on CUDA only: CPU runs are gloo)."""
+    global _HOST_GROUP
+    if device.type != "cuda":
+        return
+    try:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    except Exception as e:  # no usable network interface for gloo: the flags go by NCCL
+        logger.warning("[trainer] no gloo group for the step flags (%s); using NCCL", e)
 
 
 def serve(config: TrainerConfig, lc: Lifecycle) -> int:
@@ -71,9 +89,12 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
             "nccl" if device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=max(600.0, 2 * config.teacher_timeout_s)),
         )
+        _host_group(device)
     try:
         return _train(config, lc, rank, world, device)
     finally:
+        global _HOST_GROUP
+        _HOST_GROUP = None
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -172,6 +193,37 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     profiler = StepProfiler(
         config.profile_start, config.profile_steps, run_dir / "profile", rank, device
     )
+    unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
+
+    def write_steps() -> None:
+        """Write the record of the step not written yet (reads its figures from the GPU)."""
+        while unwritten:
+            entry = unwritten.pop(0)
+            result, on_policy = entry.pop("result"), entry.pop("on_policy")
+            step_s = sum(result.times.values())
+            metrics.write(
+                "step",
+                step=result.step,
+                skipped=result.skipped,
+                step_s=round(step_s, 6),
+                tokens_per_s=round(result.metrics["tokens"] / step_s, 2) if step_s else None,
+                times={k: round(v, 6) for k, v in result.times.items()},
+                memory_mb=_memory_mb(device),
+                recompiles=worker.recompiles(),
+                **entry,
+                **({} if on_policy is None else {"on_policy": on_policy}),
+                **{k: round(v, 6) for k, v in result.metrics.items()},
+            )
+            if rank == 0:
+                logger.info(
+                    "[trainer] step %d loss %.4f (kd %.4f ce %.4f) %.0f tok/s",
+                    result.step,
+                    result.metrics.get("loss", float("nan")),
+                    result.metrics.get("kl_loss", 0.0),
+                    result.metrics.get("ce_loss", 0.0),
+                    result.metrics["tokens"] / step_s if step_s else 0.0,
+                )
+
     stopped = False
     last_ckpt = worker.step
     while epoch < config.epochs and not stopped:
@@ -223,34 +275,21 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             feed.ack(mbs)
             if publisher is not None:
                 publisher.after_step()
-            on_policy = feed.on_policy_stats()
             keys_log.write("trained", step=result.step, epoch=epoch, keys=result.keys)
-            step_s = sum(result.times.values())
-            metrics.write(
-                "step",
-                step=result.step,
-                epoch=epoch,
-                skipped=result.skipped,
-                step_s=round(step_s, 6),
-                tokens_per_s=round(result.metrics["tokens"] / step_s, 2) if step_s else None,
-                times={k: round(v, 6) for k, v in result.times.items()},
-                memory_mb=_memory_mb(device),
-                recompiles=worker.recompiles(),
-                feed=dict(feed.counters),
-                **({} if on_policy is None else {"on_policy": on_policy}),
-                **{k: round(v, 6) for k, v in result.metrics.items()},
+            # the step before's record: its figures are read now, while this step runs on the
+            # GPU (reading them at once would leave the GPU idle until the next step is queued)
+            write_steps()
+            unwritten.append(
+                {
+                    "result": result,
+                    "epoch": epoch,
+                    "feed": dict(feed.counters),
+                    "on_policy": feed.on_policy_stats(),
+                }
             )
-            if rank == 0:
-                logger.info(
-                    "[trainer] step %d loss %.4f (kd %.4f ce %.4f) %.0f tok/s",
-                    result.step,
-                    result.metrics.get("loss", float("nan")),
-                    result.metrics.get("kl_loss", 0.0),
-                    result.metrics.get("ce_loss", 0.0),
-                    result.metrics["tokens"] / step_s if step_s else 0.0,
-                )
             profiler.step_ended(result.step)
             if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
+                write_steps()
                 lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
                 checkpoint.save(
                     worker, run_dir, epoch=epoch, task_start=task_start, trained=trained
@@ -258,6 +297,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 feed.commit()  # retention: what the checkpoint holds may be dropped now
                 last_ckpt = worker.step
             if config.eval_every and worker.step % config.eval_every == 0:
+                write_steps()
                 lifecycle.pause_progress()
                 evaluate(f"step{worker.step}")
         if stopped or (config.max_steps and worker.step >= config.max_steps):
@@ -265,6 +305,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         feed.give_back()
         epoch, task_start, trained = epoch + 1, worker.step, set()
     feed.give_back()
+    write_steps()
     profiler.close()
     lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:

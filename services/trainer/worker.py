@@ -80,23 +80,58 @@ class MicroBatch:
         return int(self.batch["input_lengths"].sum())
 
 
-@dataclasses.dataclass
 class StepResult:
     """What one optimizer step did (this rank's view; ``metrics`` are summed over DP ranks).
 
+    The figures that come from the GPU (``metrics``, ``times``, ``skipped``) are read when first
+    asked for: the step returns as soon as its work is queued, so the host can claim and queue
+    the next step while the GPU finishes this one (the trainer writes a step's record after
+    queuing the next). Reading them waits for this step's GPU work only.
+
     Attributes:
         step: the step number after this step.
+        keys: sample keys this rank trained in the step.
         metrics: loss parts (global values), ``grad_norm``, ``lr``, ``tokens`` (all ranks).
         times: seconds per phase of :data:`PHASES` on this rank.
         skipped: True when the gradient was not finite and the update was skipped.
-        keys: sample keys this rank trained in the step.
     """
 
-    step: int
-    metrics: dict[str, float]
-    times: dict[str, float]
-    skipped: bool
-    keys: list[str]
+    def __init__(
+        self,
+        step: int,
+        keys: list[str],
+        read: Callable[[], tuple[dict[str, float], dict[str, float], bool]],
+    ) -> None:
+        self.step = step
+        self.keys = keys
+        self._read: Callable[[], tuple] | None = read
+        self._values: tuple[dict[str, float], dict[str, float], bool] | None = None
+
+    @property
+    def read(self) -> bool:
+        """Whether the GPU figures were read already."""
+        return self._values is not None
+
+    def _get(self) -> tuple[dict[str, float], dict[str, float], bool]:
+        if self._values is None:
+            read, self._read = self._read, None
+            self._values = read()
+        return self._values
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self._get()[0]
+
+    @property
+    def times(self) -> dict[str, float]:
+        return self._get()[1]
+
+    @property
+    def skipped(self) -> bool:
+        return self._get()[2]
+
+    def __repr__(self) -> str:
+        return f"StepResult(step={self.step}, keys={len(self.keys)}, read={self.read})"
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -237,10 +272,28 @@ class TrainerWorker:
             lr_lambda(config.optim.warmup_steps, config.max_steps, config.optim.min_lr_ratio),
         )
         self.step = 0
-        self.skipped_steps = 0
+        self._skipped_steps = 0
+        self._unread: StepResult | None = None  # the last step, its GPU figures not read yet
         self._metric_names: list[str] = []  # the loss's metrics, from the last step with data
         self.compile_s: float | None = None  # the start-up step's seconds (warm_up)
         self._graphs_warm: int | None = None  # Dynamo's graph count after the start-up step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped for a non-finite gradient (reads the last step's)."""
+        self.settle()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.settle()
+        self._skipped_steps = value
+
+    def settle(self) -> None:
+        """Read the last step's GPU figures (waits for its GPU work)."""
+        if self._unread is not None:
+            unread, self._unread = self._unread, None
+            unread._get()
 
     # ------------------------------------------------------------------ set-up
 
@@ -698,18 +751,29 @@ class TrainerWorker:
                         sums[k] = sums.get(k, 0.0) + v.detach().float()
         lr = float(self.optimizer.param_groups[0]["lr"])  # this step's (the schedule moves on)
         with clock.phase("optimizer", gpu=True):
-            skipped, grad_norm = self._optimizer_step()
+            finite_1, grad_norm = self._optimizer_step()
         with clock.phase("sync"):
-            metrics = self._reduce_metrics(sums, micro_batches, grad_norm)
-        metrics["lr"] = lr
+            read_metrics = self._reduce_metrics(sums, micro_batches, grad_norm, finite_1)
+        self.settle()  # the step before's figures (long done): at most one step is unread
         self.step += 1
-        return StepResult(
-            step=self.step,
-            metrics=metrics,
-            times=clock.seconds(),
-            skipped=skipped,
-            keys=[k for mb in micro_batches for k in mb.keys],
-        )
+        step = self.step
+
+        def read() -> tuple[dict[str, float], dict[str, float], bool]:
+            metrics, finite = read_metrics()
+            metrics["lr"] = lr
+            if not finite:
+                self._skipped_steps += 1
+                logger.warning(
+                    "[trainer] step %d: gradient norm is %s, update skipped (%d skipped so far)",
+                    step,
+                    metrics["grad_norm"],
+                    self._skipped_steps,
+                )
+            return metrics, clock.seconds(), not finite
+
+        result = StepResult(step, [k for mb in micro_batches for k in mb.keys], read)
+        self._unread = result
+        return result
 
     def _micro_batches_per_rank(self, local: int) -> int:
         """Micro-batches this rank runs in the step: its own under DDP (only the last backward
@@ -730,7 +794,9 @@ class TrainerWorker:
         logits = self._forward(ids, *self._warm_attention(ids))
         (logits.float().sum() * 0.0).backward()
 
-    def _optimizer_step(self) -> tuple[bool, torch.Tensor]:
+    def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The update (skipped where the gradient is not finite); returns ``(finite, norm)``,
+        0-d tensors, without reading them on the host (the fused update decides on the GPU)."""
         if self.master is not None:
             self.master.collect()
         params = [p for p in self.state_model.parameters() if p.grad is not None]
@@ -749,46 +815,51 @@ class TrainerWorker:
             self.optimizer.step()
             if self.master is not None:
                 self.master.publish()  # unchanged masters where the update was skipped
-            finite = bool(finite_1)  # the host waits here, with the update already queued
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            finite = bool(torch.isfinite(grad_norm))  # one host sync per step
-            if finite:
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+                grad_norm = grad_norm.full_tensor()
+            finite_1 = torch.isfinite(grad_norm)
+            if bool(finite_1):  # a host sync per step (FSDP's sharded norm)
                 self.optimizer.step()
                 if self.master is not None:
                     self.master.publish()
-        if not finite:
-            self.skipped_steps += 1
-            logger.warning(
-                "[trainer] step %d: gradient norm is %s, update skipped (%d skipped so far)",
-                self.step + 1,
-                float(grad_norm),
-                self.skipped_steps,
-            )
         self._zero_grads()
         self.scheduler.step()
-        return not finite, grad_norm.detach()
+        return finite_1.detach(), grad_norm.detach()
 
-    def _reduce_metrics(self, sums, micro_batches, grad_norm) -> dict[str, float]:
+    def _reduce_metrics(
+        self, sums, micro_batches, grad_norm: torch.Tensor, finite_1: torch.Tensor
+    ) -> Callable[[], tuple[dict[str, float], bool]]:
+        """Sum the step's metrics over the DP group (on the device, no host wait) and queue
+        their copy to the host; returns the function that reads ``(metrics, finite)``."""
+        from xtoken_core.kernels._utils import read_later
         from xtoken_core.losses.utils import dp_all_reduce_sum
 
         if sums:
             self._metric_names = sorted(sums)
         names = self._metric_names
         assert len(sums) <= MAX_METRICS, f"{len(sums)} loss metrics > MAX_METRICS={MAX_METRICS}"
-        vec = torch.zeros(MAX_METRICS + 2, dtype=torch.float64)  # a rank without data: zeros
-        for i, n in enumerate(sorted(sums)):
-            vec[i] = float(sums[n])
-        vec[-2] = float(sum(mb.num_tokens for mb in micro_batches))
-        vec[-1] = float(len(micro_batches))
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        vec = torch.zeros(MAX_METRICS + 2, dtype=torch.float32, device=device)  # no data: zeros
+        if sums:
+            vec[: len(sums)] = torch.stack([sums[n].to(device, torch.float32) for n in sorted(sums)])
+        counts = [float(sum(mb.num_tokens for mb in micro_batches)), float(len(micro_batches))]
+        vec[-2:] = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
         if self.world_size > 1:
-            device = self.device if self.device.type == "cuda" else torch.device("cpu")
-            vec = dp_all_reduce_sum(vec.to(device)).cpu()
-        out = {n: float(vec[i]) for i, n in enumerate(names)}
-        out["tokens"] = float(vec[-2])
-        out["micro_batches"] = float(vec[-1])
-        out["grad_norm"] = float(grad_norm)
-        return out
+            vec = dp_all_reduce_sum(vec)
+        # the norm and the finite flag are the same on every rank (summed gradients): not summed
+        read = read_later(vec, grad_norm.float().reshape(1), finite_1.float().reshape(1))
+
+        def values() -> tuple[dict[str, float], bool]:
+            got = read()
+            out = {n: float(got[i]) for i, n in enumerate(names)}
+            out["tokens"] = float(got[MAX_METRICS])
+            out["micro_batches"] = float(got[MAX_METRICS + 1])
+            out["grad_norm"] = float(got[MAX_METRICS + 2])
+            return out, bool(got[MAX_METRICS + 3])
+
+        return values
 
     # ------------------------------------------------------------------ eval
 

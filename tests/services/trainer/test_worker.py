@@ -62,6 +62,26 @@ def test_steps_on_a_fixed_batch_lower_the_pkl_loss(projection):
 
 # a skipped first update means the schedule steps before the optimizer ever did: intended
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_a_step_returns_before_its_figures_are_read_and_the_next_step_reads_them():
+    # the host queues step 2 while step 1 finishes: step 1's figures are read by then at the
+    # latest; a skipped update counts once its step is read (the count reads it)
+    worker = TrainerWorker(setup.trainer_config(None))
+    param = next(worker.module.parameters())
+    handle = param.register_hook(lambda g: g * float("nan"))
+    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    first = worker.train_step([mb])
+    handle.remove()
+    assert not first.read and first.keys == ["a"] and first.step == 1
+    second = worker.train_step([mb])
+    assert first.read and not second.read
+    assert first.skipped and not math.isfinite(first.metrics["grad_norm"])
+    assert worker.skipped_steps == 1 and second.read  # the count reads the last step too
+    assert not second.skipped and math.isfinite(second.metrics["loss"])
+    assert set(second.times) >= {"forward", "backward", "optimizer", "sync"}
+
+
+# a skipped first update means the schedule steps before the optimizer ever did: intended
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
 def test_a_non_finite_gradient_skips_the_update_and_counts_it():
     worker = TrainerWorker(setup.trainer_config(None))
     before = _params(worker)
