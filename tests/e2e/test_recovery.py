@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from services.common.metrics import read_jsonl
 from services.queue.client import QueueClient
 from tests.e2e.conftest import (
     PARTITION,
@@ -50,8 +51,14 @@ def test_killed_trainer_rank_resumes_from_checkpoint_and_trains_each_sample_once
     pipeline.put_eof()
     run_dir = pipeline.run_dir
 
-    # rank 1 dies after the step-2 checkpoint, with a step trained past it (lost: trained again)
-    wait_for(lambda: latest_checkpoint(run_dir) is not None and len(step_records(run_dir, 1)) >= 3,
+    # rank 1 dies after the step-2 checkpoint, with a step trained past it (lost: trained again);
+    # its keys log has a step's line once the step is queued (its metrics record comes a step
+    # later)
+    def rank1_steps() -> int:
+        path = run_dir / "keys" / "trainer.rank1.jsonl"
+        return sum(r.get("event") == "trained" for r in read_jsonl(path)) if path.exists() else 0
+
+    wait_for(lambda: latest_checkpoint(run_dir) is not None and rank1_steps() >= 3,
              120, "a checkpoint and a step after it")
     time.sleep(0.5)  # into the next step: rank 1 holds teacher records and slots
     assert trainers[1].kill() == -signal.SIGKILL
@@ -116,7 +123,13 @@ def test_killed_teacher_is_never_trained_on_and_its_batches_are_recomputed(pipel
     assert counters["checksum_mismatch"] == 0, counters  # nothing read from a freed slot
     served = [r for r in pipeline.teacher_requests() if r["instance"] == instance]
     assert served, "the restarted teacher computed nothing"
-    assert rings_in_flight(successor) == [[], []]
+    # a slot still held when the successor closes holds the result of a superseded request: the
+    # trainers asked the successor again for what the dead one held (its leases kept those
+    # records from the successor) and keep the old records, which the successor computes once
+    # their leases end; after the trainers finished, no one releases those slots. Never more
+    # of them than requests asked again
+    held = sum(len(slots) for slots in rings_in_flight(successor))
+    assert held <= counters["re_requests"], (rings_in_flight(successor), counters)
 
 
 @pytest.mark.timeout(300)
