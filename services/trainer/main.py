@@ -72,7 +72,7 @@ def _host_group(device: torch.device) -> None:
     if device.type != "cuda":
         return
     try:
-        _HOST_GROUP = dist.new_group(backend="gloo")
+        _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     except Exception as e:  # no usable network interface for gloo: the flags go by NCCL
         logger.warning("[trainer] no gloo group for the step flags (%s); using NCCL", e)
 
