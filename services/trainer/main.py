@@ -268,6 +268,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 stopped = True
                 break
             if not has_data:
+                write_steps()  # no step follows soon: the last one's record waits no longer
                 if feed.ended or config.idle_timeout_s is not None:
                     break
                 continue
