@@ -90,7 +90,13 @@ HEAL_ARMS = (
     "pkl@gemma3-270m",
 )
 SMOKE_ARMS = ("ce", "pkl@smollm2", "xtoken@qwen2.5-coder-0.5b")
-HEAL_DEFAULTS = {"student": "smollm2:drop=10-19", "steps": 150, "lr": 5e-4, "warmup": 20}
+HEAL_DEFAULTS = {
+    "student": "smollm2:drop=10-19",
+    "steps": 150,
+    "lr": 5e-4,
+    "warmup": 20,
+    "continuations": 100,
+}
 ROWS_FILE = "heal_rows.jsonl"
 
 
@@ -114,19 +120,24 @@ def teacher_tokenizer(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class HealArm:
-    """One arm: the loss (``base``), its teacher preset name and loss overrides."""
+    """One arm: the loss (``base``), its teacher preset name, loss overrides and the share of
+    each step the student writes itself (``on_policy``: ``data.on_policy_fraction``)."""
 
     spec: str
     base: str
     teacher: str | None
     overrides: dict[str, Any]
+    on_policy: float = 0.0
 
 
 def parse_heal_arm(spec: str) -> HealArm:
-    """An arm spec ``ce`` or ``BASE@TEACHER[:key=value,...]``.
+    """An arm spec ``ce`` or ``BASE@TEACHER[:key=value,...]``; the key ``on_policy`` (in
+    (0, 1]) is the share of each step's samples the student writes itself, the others are loss
+    settings.
 
     Args:
-        spec: e.g. ``"pkl@smollm2"``, ``"gold@qwen2.5-coder-0.5b:uncommon_topk=1"``.
+        spec: e.g. ``"pkl@smollm2"``, ``"gold@qwen2.5-coder-0.5b:uncommon_topk=1"``,
+            ``"pkl@qwen2.5-coder-0.5b:on_policy=0.5"``.
 
     Returns:
         The arm.
@@ -146,8 +157,18 @@ def parse_heal_arm(spec: str) -> HealArm:
         raise ValueError(f"arm {spec!r}: name its teacher, e.g. {base}@smollm2")
     teacher, colon, extra = rest.partition(":")
     teacher_tokenizer(teacher)
-    _, overrides = kd.parse_arm(f"{base}:{extra}" if colon else base)
-    return HealArm(spec, base, teacher, overrides)
+    pairs = [p for p in extra.split(",") if p] if colon else []
+    on_policy = 0.0
+    for pair in [p for p in pairs if p.partition("=")[0] == "on_policy"]:
+        pairs.remove(pair)
+        try:
+            on_policy = float(pair.partition("=")[2])
+        except ValueError:
+            on_policy = float("nan")
+        if not 0.0 < on_policy <= 1.0:
+            raise ValueError(f"arm {spec!r}: {pair!r} must be a share in (0, 1]")
+    _, overrides = kd.parse_arm(f"{base}:{','.join(pairs)}" if pairs else base)
+    return HealArm(spec, base, teacher, overrides, on_policy)
 
 
 def parse_aliases(items: list[str] | None) -> dict[str, str]:
@@ -224,7 +245,7 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
         if t_tok == args.student_tokenizer and arm.base == "pkl":
             loss["vocab_topk"] = None  # every column: exactly the per-token KL
         loss.update(arm.overrides)
-    return {
+    cfg = {
         "run_dir": str(args.work / "runs" / f"{slug(arm.spec)}_s{seed}"),
         "student_tokenizer": args.student_tokenizer,
         "teacher_tokenizer": t_tok,
@@ -244,6 +265,19 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
             loss,
         ),
     }
+    if arm.on_policy:  # rows as long as the collator's: a quarter prompt, the rest written
+        cfg["data"].update(on_policy_fraction=arm.on_policy, ordered=False)
+        cfg["rollouts"] = 1
+        cfg["rollout"] = {
+            "prompt_tokens": args.ctx // 4,
+            "max_new_tokens": args.ctx - args.ctx // 4,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "batch": args.batch,
+            "device": args.device,
+        }
+        cfg["trainer"]["on_policy"] = {"sync_every": 1, "max_staleness": 4}
+    return cfg
 
 
 def read_rows(paths: list[Path]) -> list[dict]:
@@ -273,9 +307,13 @@ class EvalSet:
             for s, recs in self.records.items()
         }
 
-    def score(self, model, tokenizer, args, device, batch: int = 16) -> dict[str, Any]:
+    def score(
+        self, model, tokenizer, args, device, batch: int = 16, scorer: Any = None
+    ) -> dict[str, Any]:
         """``{split: score + {"nextline": ...}}`` of one model (the model is moved off the GPU
-        afterwards, so that the runs training beside it get its memory back)."""
+        afterwards, so that the runs training beside it get its memory back); with ``scorer``
+        (a :class:`Scorer`) also ``"continuation"``: the scorer's bits/byte of the model's greedy
+        continuations of the split's first ``args.continuations`` texts."""
         import torch
 
         out = {}
@@ -299,11 +337,69 @@ class EvalSet:
                 device=device,
                 max_new_tokens=args.nextline_new_tokens,
             )
+            if scorer is not None and args.continuations:
+                s["continuation"] = scorer.rate(model, tokenizer, texts[: args.continuations])
             out[split] = s
+        if scorer is not None:
+            scorer.release()
         model.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return out
+
+
+class Scorer:
+    """The model that rates the students' own writing (one for every arm: a teacher preset),
+    loaded once, on the GPU only while it scores.
+
+    Args:
+        name: a teacher preset name.
+        args: the command line (aliases, ctx: prompts of ``ctx // 4`` tokens, continuations of
+            up to ``ctx // 4``).
+        device: where it scores.
+    """
+
+    def __init__(self, name: str, args, device) -> None:
+        self.name, self.args, self.device = name, args, device
+        self.model = self.tokenizer = None
+
+    def rate(self, model, tokenizer, texts: list[str]) -> dict[str, Any]:
+        """:func:`heal_eval.continuation_bits_per_byte` of ``model`` on ``texts``, with the
+        scorer's name."""
+        from xtoken_core.tokenizers import load_tokenizer
+
+        if self.model is None:
+            self.model = load_teacher(self.name, self.args.aliases)
+            self.tokenizer = load_tokenizer(teacher_tokenizer(self.name))
+        self.model.to(self.device)
+        quarter = max(2, self.args.ctx // 4)
+        out = heal_eval.continuation_bits_per_byte(
+            model,
+            tokenizer,
+            self.model,
+            self.tokenizer,
+            texts,
+            prompt_tokens=quarter,
+            new_tokens=quarter,
+            device=self.device,
+        )
+        return {**out, "scorer": self.name}
+
+    def release(self) -> None:
+        """Give its GPU memory back to the runs training beside it."""
+        import torch
+
+        if self.model is not None:
+            self.model.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def default_scorer(arms: list[HealArm]) -> str | None:
+    """The teacher of the first on-policy arm, else of the first arm with a teacher."""
+    for arm in [a for a in arms if a.on_policy] + [a for a in arms if a.teacher]:
+        return arm.teacher
+    return None
 
 
 def _smoke_setup(args) -> None:
@@ -434,6 +530,8 @@ def run_heal(args) -> int:
             launch.append((heal_peer.TRL_ARM, seed, argv))
 
     evalset = EvalSet(args.corpus, args.eval_limit, args.nextline_lines)
+    scorer_name = args.continuation_scorer or default_scorer(arms)
+    scorer = Scorer(scorer_name, args, device) if scorer_name and args.continuations else None
     meta = {
         "mode": "heal",
         "commit": commit(),
@@ -468,7 +566,7 @@ def run_heal(args) -> int:
                 "kind": "before",
                 "arm": "before",
                 "seed": None,
-                **evalset.score(model, s_tok, args, device),
+                **evalset.score(model, s_tok, args, device, scorer=scorer),
             }
         )
 
@@ -503,7 +601,7 @@ def run_heal(args) -> int:
         }
         if final is not None and (final / "config.json").is_file():
             model = load_model(str(final), dtype=torch.float32, device=device)
-            row.update(evalset.score(model, s_tok, args, device))
+            row.update(evalset.score(model, s_tok, args, device, scorer=scorer))
         else:
             failed.append(heal_peer.TRL_ARM)
         append(row)
@@ -523,11 +621,12 @@ def run_heal(args) -> int:
             "teacher": arm.teacher,
             "teacher_spec": resolve(arm.teacher, args.aliases) if arm.teacher else None,
             "parent": spec == parent_arm,
+            "on_policy": arm.on_policy,
         }
         if code == 0 and (run_dir / "final" / "config.json").is_file():
             row.update(kd.collect(spec, seed, run_dir))
             model = load_model(str(run_dir / "final"), dtype=torch.float32, device=device)
-            row.update(evalset.score(model, s_tok, args, device))
+            row.update(evalset.score(model, s_tok, args, device, scorer=scorer))
         else:
             failed.append(spec)
             log = args.work / "logs" / f"{kd.arm_slug(spec)}_s{seed}.log"

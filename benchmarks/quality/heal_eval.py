@@ -289,3 +289,135 @@ def next_line_exact_match(
     finally:
         model.train(was)
     return {"exact_match": matched / max(1, len(items)), "lines": len(items), "matched": matched}
+
+
+def continuation_bits_per_byte(
+    student,
+    student_tok,
+    scorer,
+    scorer_tok,
+    texts: list[str],
+    *,
+    prompt_tokens: int,
+    new_tokens: int,
+    device,
+    batch: int = 32,
+) -> dict[str, Any]:
+    """How a scorer model rates the student's own writing: the student continues the first
+    ``prompt_tokens`` of each text greedily (up to ``new_tokens`` tokens, or its end of text),
+    and the scorer's bits per byte of the continuations given their prompts are pooled over the
+    texts (what on-policy distillation optimizes: the teacher's likelihood of what the student
+    writes; lower is better).
+
+    Prompt and continuation are cut at the last whole UTF-8 character; a continuation left empty
+    (the student ended at once) is counted apart. The scorer reads prompt + continuation as one
+    text in its own tokenization; the continuation's tokens are those after the longest run of
+    its tokens that lies wholly inside the prompt's bytes (a token across the boundary counts
+    for the continuation), over the continuation's bytes.
+
+    Args:
+        student: the student, a transformers causal LM on ``device``.
+        student_tok: its XTokenizer.
+        scorer: the scoring model (a teacher), on ``device``.
+        scorer_tok: its XTokenizer.
+        texts: one prompt per text (texts with no token are skipped).
+        prompt_tokens: student tokens of each prompt, its start token (BOS, or EOS where there
+            is none) included.
+        new_tokens: most tokens the student writes.
+        device: both models' device.
+        batch: prompts per ``generate`` call.
+
+    Returns:
+        ``{"bits_per_byte", "bytes", "continuations", "empty"}`` (``bits_per_byte`` None when
+        every continuation is empty).
+    """
+    import math
+
+    import torch
+    from transformers import GenerationConfig
+
+    pad = student_tok.pad_id if student_tok.pad_id is not None else student_tok.eos_id
+    ends = {pad, student_tok.eos_id}
+    start = student_tok.bos_id if student_tok.bos_id is not None else student_tok.eos_id
+    prompts = []
+    for text in texts:
+        ids = student_tok.encode(text, add_special_tokens=False).ids.tolist()[: prompt_tokens - 1]
+        if ids:
+            prompts.append([start] + ids)
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=pad,
+        eos_token_id=student_tok.eos_id,
+    )
+
+    def text_bytes(tok, ids: list[int]) -> bytes:
+        return b"".join(tok.token_bytes(i) for i in ids)
+
+    pairs: list[tuple[bytes, bytes]] = []  # (prompt, continuation), whole characters
+    autocast = torch.autocast(
+        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
+    )
+    was = (student.training, scorer.training)
+    student.eval()
+    scorer.eval()
+    try:
+        with torch.inference_mode(), autocast:
+            for b in range(0, len(prompts), batch):
+                chunk = prompts[b : b + batch]
+                L = max(len(p) for p in chunk)
+                ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+                mask = torch.zeros(len(chunk), L, dtype=torch.long)
+                for r, p in enumerate(chunk):
+                    ids[r, L - len(p) :] = torch.tensor(p)
+                    mask[r, L - len(p) :] = 1
+                out = student.generate(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen
+                )
+                for r, p in enumerate(chunk):
+                    written = []
+                    for i in out[r, L:].tolist():
+                        if i in ends:
+                            break
+                        written.append(i)
+                    head = whole_chars(text_bytes(student_tok, p[1:]))
+                    full = whole_chars(text_bytes(student_tok, p[1:] + written))
+                    pairs.append((head, full[len(head) :]))
+            bits, nbytes, empty = 0.0, 0, 0
+            s_start = scorer_tok.bos_id if scorer_tok.bos_id is not None else scorer_tok.eos_id
+            for head, tail in pairs:
+                if not tail:
+                    empty += 1
+                    continue
+                text = (head + tail).decode("utf-8")
+                ids = [s_start] + scorer_tok.encode(text, add_special_tokens=False).ids.tolist()
+                inside, at = 0, 0  # scorer tokens wholly inside the prompt, their bytes
+                for i in ids[1:]:
+                    at += len(scorer_tok.token_bytes(i))
+                    if at > len(head):
+                        break
+                    inside += 1
+                x = torch.tensor([ids], device=device)
+                logp = torch.log_softmax(scorer(input_ids=x, use_cache=False).logits.float()[0], -1)
+                token_logp = logp[:-1].gather(1, x[0, 1:, None])[:, 0]  # of ids[1:]
+                bits += float(-token_logp[inside:].sum()) / math.log(2)
+                nbytes += len(tail)
+    finally:
+        student.train(was[0])
+        scorer.train(was[1])
+    return {
+        "bits_per_byte": bits / nbytes if nbytes else None,
+        "bytes": nbytes,
+        "continuations": len(pairs) - empty,
+        "empty": empty,
+    }
+
+
+def whole_chars(raw: bytes) -> bytes:
+    """The longest prefix of ``raw`` that is valid UTF-8 (a cut last character, or anything from
+    an invalid byte on, dropped)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return raw[: e.start]
+    return raw

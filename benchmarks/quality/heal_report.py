@@ -90,6 +90,52 @@ def report_heal(rows: list[dict], out: Path) -> str:
                 f"{'-' if gap is None else f'{gap:.0%}'} |"
             )
         md.append("")
+    rated = [
+        a for a in arms for sp in heal_stats.SPLITS if s["arms"][a].get(sp, {}).get("continuation")
+    ]
+    if rated:
+        scorer = next(
+            r[sp]["continuation"]["scorer"]
+            for r in rows
+            for sp in heal_stats.SPLITS
+            if (r.get(sp) or {}).get("continuation")
+        )
+        md += [
+            f"### the students' own continuations, rated by {scorer}",
+            "",
+            "Each student continues the first quarter-context of the split's first texts "
+            "greedily; the scorer's bits/byte of what it wrote (lower: the scorer finds it more "
+            "likely; what on-policy distillation optimizes).",
+            "",
+            "| arm | "
+            + " | ".join(f"{sp} (mean ± sd) | {sp}: arm - CE (95% CI)" for sp in heal_stats.SPLITS)
+            + " |",
+            "|---|" + "---|---|" * len(heal_stats.SPLITS),
+        ]
+        before = next((r for r in rows if r.get("kind") == "before"), None)
+        if before is not None and any(
+            heal_stats.continuation_bpb(before, sp) is not None for sp in heal_stats.SPLITS
+        ):
+            cells = []
+            for sp in heal_stats.SPLITS:
+                v = heal_stats.continuation_bpb(before, sp)
+                cells += ["-" if v is None else f"{v:.4f}", "-"]
+            md.append("| pruned student, before training | " + " | ".join(cells) + " |")
+        for arm in dict.fromkeys(rated):
+            cells = []
+            for sp in heal_stats.SPLITS:
+                c = s["arms"][arm].get(sp, {}).get("continuation")
+                if not c:
+                    cells += ["-", "-"]
+                    continue
+                d = c.get("diff")
+                diff = "-"
+                if d:
+                    ci = f" [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d["lo"] is not None else ""
+                    diff = f"{d['mean']:+.4f}{ci}"
+                cells += [f"{c['mean']:.4f} ± {c['sd']:.4f}", diff]
+            md.append(f"| {arm} | " + " | ".join(cells) + " |")
+        md.append("")
     kd_arms = [a for a in arms if a != "ce"]
     s_tok = next((r["student_tokenizer"] for r in rows if r.get("student_tokenizer")), None)
     cross = [a for a in kd_arms if heal.teacher_tokenizer(heal.parse_heal_arm(a).teacher) != s_tok]

@@ -93,6 +93,11 @@ def bpb(row: dict, split: str) -> float | None:
     return scores["bits_per_byte"] if scores else None
 
 
+def continuation_bpb(row: dict, split: str) -> float | None:
+    """The scorer's bits/byte of a row's continuations on ``split`` (None: not rated)."""
+    return (row.get(split) or {}).get("continuation", {}).get("bits_per_byte")
+
+
 def summarize_heal(rows: list[dict], parent_arm: str | None) -> dict[str, Any]:
     """Everything the report prints, from the rows of finished students.
 
@@ -103,7 +108,9 @@ def summarize_heal(rows: list[dict], parent_arm: str | None) -> dict[str, Any]:
 
     Returns:
         ``{"arms": {arm: {split: {"mean", "sd", "seeds", "per_seed", "diff", "gap_closed",
-        "nextline", "accuracy", "cat"}}}, "ce_sd": {split: sd}}``.
+        "nextline", "accuracy", "cat", "continuation"}}}, "ce_sd": {split: sd}}``
+        (``continuation``: ``{"mean", "sd", "seeds", "diff"}`` of the scorer's bits/byte of the
+        students' own continuations, where the rows have them).
     """
     by_arm: dict[str, dict[int, dict]] = {}
     for r in rows:
@@ -136,6 +143,18 @@ def summarize_heal(rows: list[dict], parent_arm: str | None) -> dict[str, Any]:
             }
             nl = [r[split].get("nextline", {}).get("exact_match") for r in seeds.values()]
             s["nextline"] = statistics.fmean(nl) if nl and None not in nl else None
+            rated = {k: continuation_bpb(r, split) for k, r in seeds.items()}
+            rated = {k: v for k, v in rated.items() if v is not None}
+            if rated:  # the scorer's bits/byte of the student's own continuations
+                s["continuation"] = {
+                    "mean": statistics.fmean(rated.values()),
+                    "sd": statistics.stdev(rated.values()) if len(rated) > 1 else 0.0,
+                    "seeds": sorted(rated),
+                }
+                ce_rated = {k: continuation_bpb(r, split) for k, r in ce.items()}
+                d = [rated[k] - ce_rated[k] for k in sorted(rated) if ce_rated.get(k) is not None]
+                if arm != "ce" and d:
+                    s["continuation"]["diff"] = t_interval(d)
             ce_seed = {k: bpb(r, split) for k, r in ce.items()}
             diffs = [per_seed[k] - ce_seed[k] for k in sorted(per_seed) if ce_seed.get(k)]
             if arm != "ce" and diffs:

@@ -1049,6 +1049,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     heal.add_argument("--resume", nargs="+", default=None, help="row files of earlier calls")
     heal.add_argument("--nextline-lines", type=int, default=300, help="next-line items per split")
+    heal.add_argument(
+        "--continuations",
+        type=int,
+        default=None,
+        help="texts per split whose first ctx/4 tokens each student continues greedily (up to "
+        "ctx/4 tokens), rated by --continuation-scorer in bits/byte (heal: 100; 0: off)",
+    )
+    heal.add_argument(
+        "--continuation-scorer",
+        default=None,
+        help="teacher preset that rates the students' continuations (default: the teacher of "
+        "the first on-policy arm, else of the first arm with a teacher)",
+    )
     heal.add_argument("--nextline-new-tokens", type=int, default=64)
     heal.add_argument(
         "--smoke-heal", action="store_true", help="CPU smoke of the healing experiment"

@@ -162,3 +162,37 @@ def test_report_refuses_rows_of_different_experiments(tmp_path):
         report_heal(
             [{**base, "student": "smollm2:drop=10-19"}, {**base, "student": "x:drop=1"}], tmp_path
         )
+
+
+def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context(tmp_path):
+    arm = heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b:on_policy=0.5,temperature=2")
+    assert arm.on_policy == 0.5 and arm.overrides == {"temperature": 2}
+    args = argparse.Namespace(
+        device="cuda", work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
+        batch=16, limit=None, steps=150, epochs=3, eval_every=50, eval_texts=64, lr=5e-4,
+        warmup=20, temperature=1.0, kl_weight=1.0, aliases={},
+    )  # fmt: skip
+    cfg = heal.run_config(arm, 2, args, tmp_path / "student", tmp_path / "p.pt")
+    assert cfg["data"]["on_policy_fraction"] == 0.5 and cfg["data"]["ordered"] is False
+    assert cfg["rollouts"] == 1 and cfg["rollout"]["device"] == "cuda"
+    assert cfg["rollout"]["prompt_tokens"] + cfg["rollout"]["max_new_tokens"] == 512
+    assert cfg["trainer"]["loss"]["temperature"] == 2
+    off = heal.run_config(heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b"), 2, args, tmp_path, None)
+    assert "rollout" not in off and off["data"]["ordered"] is True
+    from services.run import run_config_from_dict
+
+    run_config_from_dict(cfg)  # the run accepts it as it is
+
+
+@pytest.mark.parametrize("bad", ["on_policy=0", "on_policy=1.5", "on_policy=half"])
+def test_an_on_policy_share_outside_0_1_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="must be a share in"):
+        heal.parse_heal_arm(f"pkl@qwen2.5-coder-0.5b:{bad}")
+
+
+def test_the_continuations_scorer_is_the_on_policy_arms_teacher_first():
+    arms = [heal.parse_heal_arm(a) for a in
+            ("ce", "pkl@smollm2", "pkl@gemma3-270m:on_policy=1")]  # fmt: skip
+    assert heal.default_scorer(arms) == "gemma3-270m"
+    assert heal.default_scorer(arms[:2]) == "smollm2"
+    assert heal.default_scorer(arms[:1]) is None

@@ -109,3 +109,31 @@ def test_prompt_keeps_bos_and_the_last_ctx_minus_one_tokens():
         heal_eval.prompt_ids(tok, "a b", ctx=16)
         == [tok.bos_id] + tok.encode("a b", add_special_tokens=False).ids.tolist()
     )
+
+
+def test_whole_chars_cuts_a_split_character_and_what_follows_an_invalid_byte():
+    assert heal_eval.whole_chars("café".encode()[:-1]) == b"caf"
+    assert heal_eval.whole_chars(b"ab\xffcd") == b"ab"
+    assert heal_eval.whole_chars("ok é".encode()) == "ok é".encode()
+
+
+def test_a_scorer_rates_continuations_it_would_write_better_than_another_models():
+    # tiny random models: the scorer's own greedy continuations cost it fewer bits per byte than
+    # those of another model, rated the same way; pooled over prompts, deterministic
+    import torch
+
+    from xtoken_core.models import load_model
+    from xtoken_core.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("mistral")
+    torch.manual_seed(0)
+    scorer = load_model("tiny", vocab_size=tok.vocab_size, seed=1)
+    other = load_model("tiny", vocab_size=tok.vocab_size, seed=2)
+    texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps.", "x = [1, 2, 3]"]
+    kw = dict(prompt_tokens=6, new_tokens=8, device="cpu")
+    own = heal_eval.continuation_bits_per_byte(scorer, tok, scorer, tok, texts, **kw)
+    theirs = heal_eval.continuation_bits_per_byte(other, tok, scorer, tok, texts, **kw)
+    again = heal_eval.continuation_bits_per_byte(other, tok, scorer, tok, texts, **kw)
+    assert own["continuations"] + own["empty"] == len(texts) and own["bytes"] > 0
+    assert theirs == again
+    assert own["bits_per_byte"] < theirs["bits_per_byte"]

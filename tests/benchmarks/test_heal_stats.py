@@ -97,3 +97,38 @@ def test_gap_bar_says_when_the_parent_kd_left_no_gap():
     s = heal_stats.summarize_heal(rows, "pkl@smollm2")
     name, figs, met = heal_stats.bars(s, ["xtoken@q"], ["xtoken@q"])[-1]
     assert "no gap" in figs and met is None
+
+
+def test_rated_continuations_are_paired_with_ce_per_seed():
+    rows = _rows()
+    for r in rows:
+        if r.get("kind") == "student":
+            rated = {"ce": 3.0, "xtoken@q": 2.5}.get(r["arm"])
+            if rated is not None:
+                r["heldout"]["continuation"] = {"bits_per_byte": rated + r["seed"] / 10,
+                                                "scorer": "q"}  # fmt: skip
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    c = s["arms"]["xtoken@q"]["heldout"]["continuation"]
+    assert c["mean"] == pytest.approx(2.6) and c["diff"]["values"] == pytest.approx([-0.5] * 3)
+    assert "continuation" not in s["arms"]["gold@q"]["heldout"]
+    assert "continuation" not in s["arms"]["xtoken@q"]["fresh"]
+
+
+def test_the_report_tables_the_rated_continuations_beside_ce(tmp_path):
+    from benchmarks.quality.heal_report import report_heal
+
+    names = {"xtoken@q": "xtoken@qwen2.5-coder-0.5b", "gold@q": "gold@smollm2"}  # real teachers
+    rows = []
+    for r in _rows():
+        if r.get("kind") != "student":
+            continue
+        r.update(mode="heal", parent_arm="pkl@smollm2", student_tokenizer="smollm2")
+        r["arm"] = names.get(r["arm"], r["arm"])
+        for split in heal_stats.SPLITS:
+            rated = 3.0 if r["arm"] == "ce" else 2.0
+            r[split]["continuation"] = {"bits_per_byte": rated, "scorer": "qwen2.5-coder-0.5b"}
+        rows.append(r)
+    md = report_heal(rows, tmp_path)
+    assert "own continuations, rated by qwen2.5-coder-0.5b" in md
+    line = next(x for x in md.splitlines() if x.startswith("| xtoken@qwen2.5-coder-0.5b | 2.0000"))
+    assert "-1.0000" in line
