@@ -89,7 +89,12 @@ HEAL_ARMS = (
     "xtoken@qwen2.5-coder-0.5b",
     "pkl@gemma3-270m",
 )
-SMOKE_ARMS = ("ce", "pkl@smollm2", "xtoken@qwen2.5-coder-0.5b")
+SMOKE_ARMS = (
+    "ce",
+    "pkl@smollm2",
+    "xtoken@qwen2.5-coder-0.5b",
+    "pkl@qwen2.5-coder-0.5b:on_policy=0.5",
+)
 HEAL_DEFAULTS = {
     "student": "smollm2:drop=10-19",
     "steps": 150,
@@ -414,6 +419,7 @@ def _smoke_setup(args) -> None:
     args.eval_limit = args.eval_limit or 6
     args.limit = args.limit or 32
     args.nextline_lines, args.nextline_new_tokens = 4, 6
+    args.continuations = min(args.continuations or 3, 3)
     args.parallel = min(args.parallel, 2)
     args.teacher_eval = True
     if args.arms is None:

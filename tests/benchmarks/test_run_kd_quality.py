@@ -174,6 +174,7 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
     assert kinds == [
         ("before", "before"),
         ("student", "ce"),
+        ("student", "pkl@qwen2.5-coder-0.5b:on_policy=0.5"),
         ("student", "pkl@smollm2"),
         ("student", "xtoken@qwen2.5-coder-0.5b"),
         ("teacher", "qwen2.5-coder-0.5b"),
@@ -186,21 +187,27 @@ def test_heal_smoke_trains_arms_with_their_own_teachers_scores_both_splits_and_r
             assert sum(c["bytes"] for c in h["per_category"].values()) == h["bytes"]
             assert 0 < h["bits_per_byte"] < 20 and h["nextline"]["lines"] == 4
     assert all(r["exit"] == 0 and r["steps"] == 4 for r in students)
-    assert len({r["tokens"] for r in students}) == 1  # one data order for every arm of a seed
+    off = [r for r in students if not r["on_policy"]]
+    assert len({r["tokens"] for r in off}) == 1  # one data order for every off-policy arm
+    for r in students + [r for r in rows if r["kind"] == "before"]:  # one scorer for all
+        rated = r["heldout"]["continuation"]
+        assert rated["scorer"] == "qwen2.5-coder-0.5b" and rated["continuations"] >= 1
+        assert 0 < rated["bits_per_byte"] < 40
     assert next(r for r in students if r["arm"] == "pkl@smollm2")["parent"] is True
 
     again = run("--out", str(tmp_path / "out2"), "--resume", str(out / "heal_rows.jsonl"))
     assert "0 runs to go" in again.stderr and not (tmp_path / "out2" / "heal_rows.jsonl").exists()
     # rows lost (a call cut short after training): the same work dir scores without training
     rescored = run("--out", str(tmp_path / "out3"))
-    assert "0 runs to go (0 arm runs done before, 3 trained but not scored)" in rescored.stderr
+    assert "0 runs to go (0 arm runs done before, 4 trained but not scored)" in rescored.stderr
     again_rows = (tmp_path / "out3" / "heal_rows.jsonl").read_text().splitlines()
-    assert sum(json.loads(line)["kind"] == "student" for line in again_rows) == 3
+    assert sum(json.loads(line)["kind"] == "student" for line in again_rows) == 4
 
     report = run_script("--report", str(out / "heal_rows.jsonl"), "--out", str(out), timeout=300)
     md = (out / "heal.md").read_text()
     assert "### fresh" in md and "| pruned student, before training |" in md
     assert "best cross-tokenizer arm closes >= 50% of the gap" in md
+    assert "own continuations, rated by qwen2.5-coder-0.5b" in md
     if importlib.util.find_spec("matplotlib") is None:  # the plot needs the bench extra
         assert "no plot: matplotlib is not installed" in report.stderr
     else:
