@@ -120,14 +120,17 @@ class StepResult:
 
     @property
     def metrics(self) -> dict[str, float]:
+        """Loss parts, ``grad_norm``, ``lr``, ``tokens`` (waits for the step's GPU work)."""
         return self._get()[0]
 
     @property
     def times(self) -> dict[str, float]:
+        """Seconds per phase (waits for the step's GPU work)."""
         return self._get()[1]
 
     @property
     def skipped(self) -> bool:
+        """Whether the update was skipped (waits for the step's GPU work)."""
         return self._get()[2]
 
     def __repr__(self) -> str:
