@@ -126,6 +126,7 @@ class TeacherClient:
         self._gone: set[str] = set()  # incarnations found dead or replaced
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
         self._copy_stream: torch.cuda.Stream | None = None  # peer copies beside the forward
+        self._slot_devices: dict[str | None, torch.device] = {}  # ring device per incarnation
 
     @property
     def waiting(self) -> bool:
@@ -196,28 +197,26 @@ class TeacherClient:
         device = self.worker.device
         if p.record is None or p.prefetched is not None or device.type != "cuda":
             return
-        result, _, _ = p.record
+        result, fields, _ = p.record
         if result.error or result.handle is None or self.config.verify_logits:
             return
-        if (result.rows, result.length) != tuple(p.shape):
-            return
         try:
-            where = self.reader.slot_device(result.descriptor)
-        except Exception:  # a stale handle, a dead ring: logits() meets it and asks again
-            return
-        if where.type != "cuda" or where == device:
-            return
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        try:
+            where = self._slot_devices.get(result.teacher)
+            if where is None:  # one ring per incarnation: its device is looked up once
+                where = self._slot_devices[result.teacher] = self.reader.slot_device(
+                    result.descriptor
+                )
+            if where.type != "cuda" or where == device:
+                return
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device)
             with torch.cuda.stream(self._copy_stream):
-                view_BUW = self.reader.view(result.descriptor, result.handle)
                 # the copy runs on the teacher GPU's stream once that waited for the slot, and
                 # this stream waits for the copy; the forward on the step's stream is not behind
-                logits_BUW = view_BUW.to(device, non_blocking=True)
+                logits_BUW = self._open(p, result, fields)
                 copied = torch.cuda.Event()
                 copied.record(self._copy_stream)
-        except Exception:  # a stale handle, a dead ring: logits() meets it and asks again
+        except Exception:  # a stale handle, a dead ring, a bad shape: logits() meets it again
             return
         p.prefetched = (p.record, logits_BUW, copied)
 

@@ -90,13 +90,19 @@ def _asked() -> Asked:
     return Asked(rows=[torch.arange(U)], shape=(B, U))
 
 
+def _answered(queue, writer, client, teacher: str = "t") -> Asked:
+    """A micro-batch asked for and answered by ``teacher`` (its record not taken yet)."""
+    p = _asked()
+    client.ask(p)
+    _answer(queue, writer, p.request_key, teacher=teacher)
+    return p
+
+
 def test_a_request_waiting_on_a_dead_teacher_is_put_again_at_once_and_only_once(ring):
     writer, reader = ring
     queue = _Queue()
     client = _client(queue, reader)
-    first = _asked()
-    client.ask(first)
-    _answer(queue, writer, first.request_key)
+    first = _answered(queue, writer, client)
     assert client.logits(first).shape == (B, U, W)  # the ring the rank watches from now on
     client.done(first)
 
@@ -141,9 +147,7 @@ def test_a_successor_s_first_result_asks_again_at_once_what_its_predecessor_held
     writer, reader = ring
     queue = _Queue()
     client = _client(queue, reader)
-    first = _asked()
-    client.ask(first)
-    _answer(queue, writer, first.request_key, teacher="t1")
+    first = _answered(queue, writer, client, teacher="t1")
     client.logits(first)
     client.done(first)
     held, later = _asked(), _asked()
@@ -206,9 +210,7 @@ def test_a_result_the_successor_wrote_on_an_old_request_gives_its_slot_back(ring
     writer, reader = ring
     queue = _Queue()
     client = _client(queue, reader)
-    first = _asked()
-    client.ask(first)
-    _answer(queue, writer, first.request_key, teacher="t1")
+    first = _answered(queue, writer, client, teacher="t1")
     client.logits(first)
     client.done(first)
     held, later, other = _asked(), _asked(), _asked()
@@ -245,9 +247,7 @@ def test_prefetch_off_a_cuda_device_leaves_the_logits_to_the_wait(ring):
     writer, reader = ring
     queue = _Queue()
     client = _client(queue, reader)
-    p = _asked()
-    client.ask(p)
-    _answer(queue, writer, p.request_key)
+    p = _answered(queue, writer, client)
     client.claim_records(0.01)
     assert reader.slot_device(writer.descriptor) == torch.device("cpu")
     client.prefetch(p)
