@@ -327,13 +327,18 @@ def recompile_check(
     args, B: int, T: int, student_dir: str, teacher_dir: str, projection: str, steps: int = 50
 ) -> dict:
     """The default step over ``steps`` demo-corpus batches of every length: graphs compiled after
-    the start-up step, and the padding's share of the batches' tokens."""
+    the start-up (the student's and the compiled teacher's), and the padding's share of the
+    batches' tokens."""
     from xtoken_core.data.corpus import build_demo_corpus
 
     demo = build_demo_corpus()
-    worker = _bare_worker(args, "pkl", B, T, student_dir, projection, eager=False)
-    teacher = _bare_teacher(args, teacher_dir, eager=False)
     batches = collated(args, B, T, Path(demo.train_path), steps)
+    # Dynamo counts graphs per process: the teacher's layers compile at its first forward, so that
+    # forward runs before the student's start-up step; a later graph of either is a recompile
+    teacher = _bare_teacher(args, teacher_dir, eager=False)
+    with torch.inference_mode():
+        teacher(input_ids=batches[0]["teacher_input_ids"].to(args.device), use_cache=False)
+    worker = _bare_worker(args, "pkl", B, T, student_dir, projection, eager=False)
     real = padded = 0
     lengths = set()
     for batch in batches:

@@ -14,12 +14,20 @@ token whose bytes are no valid UTF-8), the teacher tokenization of that text, th
 sample also carries :data:`services.protocol.rollout.ROLLOUT_FIELDS`: the weights' version, the
 prompt's length, and which teacher tokens (and bytes) belong to the continuation.
 
+GPU memory: ``generate`` grows its KV cache by one token per step (a new, slightly larger tensor
+each time), which leaves the caching allocator's fixed-size blocks unusable for the next request:
+on an H100 a batch of 64 prompts x (128 + 384) tokens of the Qwen3-0.6B preset peaked at 4.8 GiB
+allocated but held 35.8 GiB, starving the trainer that shares the GPU. The worker therefore uses
+expandable segments (one segment that grows, :func:`use_expandable_segments`; not when the user
+set ``PYTORCH_ALLOC_CONF``) and hands its free cache back after every batch.
+
 Legend: B prompts of a batch, L the longest prompt, N new tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +41,28 @@ from services.rollout.prompts import Prompt
 from xtoken_core.tokenizers.base import TokenizedText
 
 logger = logging.getLogger(__name__)
+
+# the allocator's settings, by their current and their older name
+ALLOCATOR_ENVS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def use_expandable_segments(environ: dict[str, str] | None = None) -> bool:
+    """Make this process's CUDA caching allocator grow one segment instead of caching blocks of
+    every size (unless ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` is set: the user's
+    settings stand).
+
+    Returns:
+        True when the setting was made.
+    """
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in ALLOCATOR_ENVS):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # no public setter
+    if setter is None:  # torch before 2.9
+        setter = torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+    return True
+
 
 
 def continuation_bounds(
@@ -103,6 +133,8 @@ class RolloutWorker:
 
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            use_expandable_segments()
         student_tok = load_tokenizer(config.student_tokenizer)
         self.collator = CrossTokenizerCollator(
             student_tokenizer=student_tok,
@@ -188,6 +220,8 @@ class RolloutWorker:
                 suppress_tokens=self.beyond_vocab or None,
                 stopping_criteria=stopping_criteria(stop),
             ).cpu()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the batch's KV cache held goes back to the trainer
         rows = []
         for b, p in enumerate(prompts):
             new = out_BT[b, L:].tolist()

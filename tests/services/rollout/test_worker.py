@@ -12,7 +12,12 @@ from services.collator.worker import samples_to_put_fields
 from services.protocol.rollout import ROLLOUT_FIELDS
 from services.rollout.config import RolloutConfig
 from services.rollout.prompts import Prompt, PromptSource
-from services.rollout.worker import RolloutWorker, continuation_bounds, stopping_criteria
+from services.rollout.worker import (
+    RolloutWorker,
+    continuation_bounds,
+    stopping_criteria,
+    use_expandable_segments,
+)
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
 from xtoken_core.ipc.policy_weights import WeightPublisher
@@ -186,3 +191,26 @@ def test_samples_pack_into_one_put_with_the_on_policy_fields(tmp_path, published
     assert set(fields) == set(schema.FIELD_NAMES)
     assert [int(s["policy_version"]) for s in samples] == [9, 9]
     assert [int(s["prompt_lengths"]) for s in samples] == [2, 1]
+
+
+def test_the_users_allocator_settings_stand_and_otherwise_segments_expand(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    assert not use_expandable_segments({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"})
+    assert not use_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert calls == []
+    assert use_expandable_segments({})
+    assert calls == ["expandable_segments:True"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_rollout_batch_leaves_no_more_gpu_memory_reserved_than_its_peak(tmp_path, published):
+    """The KV cache grows a token per step. With blocks of every size cached, a batch of 64 x 512
+    tokens of the Qwen3-0.6B preset held 35.8 GiB for a 4.8 GiB peak on an H100; with expandable
+    segments and the cache handed back after each batch it holds 1.2 GiB (the weights)."""
+    worker = RolloutWorker(config(tmp_path, device="cuda", max_new_tokens=48, batch=16))
+    worker.refresh()
+    torch.cuda.reset_peak_memory_stats()
+    worker.sample([p.ids for p in prompts_of(worker, TEXTS * 4)[:16] if p.ids] or [[1]], seed=0)
+    assert torch.cuda.memory_reserved() <= torch.cuda.max_memory_allocated()
