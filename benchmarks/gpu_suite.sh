@@ -50,7 +50,8 @@ want spread_gold_profiled && step spread_gold_profiled $PY benchmarks/losses/ben
 # the student step and the pipeline: bf16 + compile against the eager baseline (needs the data
 # plane's wheels: pyzmq, the tokenizer packages)
 want trainer_gpu_tests && step trainer_gpu_tests $PY -m pytest -q -m gpu -p no:cacheprovider \
-  tests/services/trainer tests/services/teacher tests/xtoken_core/kernels/test_row_ce.py
+  tests/services/trainer tests/services/teacher tests/services/rollout tests/services/supervise/test_mps.py \
+  tests/xtoken_core/kernels/test_row_ce.py
 # the student step's variants (compiled, CUDA graphs, fused head) and the teacher forward's
 want bench_student_step && step bench_student_step $PY benchmarks/e2e/bench_student_step.py \
   --shapes ${STEP_SHAPES:-1x4096 4x2048} ${STEP_VARIANTS:+--variants $STEP_VARIANTS} \

@@ -45,7 +45,6 @@ CPU smoke test (and with ``--pack``)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -397,6 +396,7 @@ def pipeline(
             "ctx_teacher": T,
             "trainers": trainers,
             "teachers": trainers,
+            "mps": bool(getattr(args, "mps", False)),
             "data": {
                 "train": str(corpus),
                 "heldout": str(corpus),
@@ -618,9 +618,8 @@ def main() -> int:
     p.add_argument(
         "--mps",
         action="store_true",
-        help="run every process under an MPS control daemon of its own (started in the work "
-        "folder, stopped at the end): the trainer and its colocated teacher then share each GPU "
-        "kernel by kernel instead of by time slices",
+        help="the pipeline runs with mps: true (an MPS daemon of each run's own): the trainer "
+        "and its colocated teacher then share each GPU kernel by kernel instead of by time slices",
     )
     p.add_argument(
         "--trainer-extra",
@@ -643,46 +642,7 @@ def main() -> int:
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    if args.mps:
-        with mps_daemon(work / "mps"):
-            return run_all(args, work)
     return run_all(args, work)
-
-
-@contextlib.contextmanager
-def mps_daemon(folder: Path):
-    """An MPS control daemon whose pipe folder is ``folder`` (the processes started inside
-    inherit ``CUDA_MPS_PIPE_DIRECTORY`` and become its clients); stopped on the way out.
-
-    Raises:
-        SystemExit: no ``nvidia-cuda-mps-control`` on this machine, or it did not start.
-    """
-    import shutil
-    import subprocess
-
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH; run without --mps")
-    env = {
-        "CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"),
-        "CUDA_MPS_LOG_DIRECTORY": str(folder / "log"),
-    }
-    for path in env.values():
-        Path(path).mkdir(parents=True, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    started = subprocess.run([control, "-d"], capture_output=True, text=True)
-    if started.returncode != 0:
-        raise SystemExit(f"--mps: {control} -d failed: {started.stderr.strip()}")
-    try:
-        yield
-    finally:
-        subprocess.run([control], input="quit\n", text=True, capture_output=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_all(args, work: Path) -> int:

@@ -207,6 +207,7 @@ class LiveRun:
             self.queue_history.save()
             if j.record(rid)["state"] not in ACTIVE:
                 _release(run.launcher)
+                run.release()
                 self.monitor.forget(self)
 
     def _on_tick(self, status: str) -> None:

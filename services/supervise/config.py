@@ -237,6 +237,14 @@ class RunConfig:
             "null: never"
         },
     )
+    mps: bool = field(
+        default=False,
+        metadata={
+            "help": "run the GPU processes as clients of an MPS daemon of the run's own, so the "
+            "teacher's, trainer's and rollouts' kernels on one GPU run side by side instead of "
+            "taking turns (needs nvidia-cuda-mps-control; the processes on this machine)"
+        },
+    )
     data: DataConfig = field(default_factory=DataConfig)
     collator: CollatorSection = field(default_factory=CollatorSection)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -316,6 +324,12 @@ class RunConfig:
                 "ranks r with r % teachers == group, so extra teachers would idle"
             )
         self._check_on_policy()
+        if self.mps and not any(d.startswith("cuda") for _, d in self.devices()):
+            raise ValueError(
+                "mps: true but no process of the run is on a CUDA device ("
+                + ", ".join(f"{k}={d}" for k, d in self.devices())
+                + "): set mps: false, or put them on cuda"
+            )
 
     def _check_on_policy(self) -> None:
         """``data.on_policy_fraction`` reaches the trainer (``trainer.on_policy.fraction``), and
@@ -376,6 +390,16 @@ class RunConfig:
         rollouts = self.rollouts if self.on_policy else 0
         collators = 0 if self.data.on_policy_fraction == 1.0 else self.collator.workers
         return own_queue + collators + teachers + self.trainers + rollouts
+
+    def devices(self) -> list[tuple[str, str]]:
+        """``(key, device)`` of each kind of process that runs a model: the trainer, the teacher
+        when the loss uses one, the rollout workers with on-policy samples."""
+        out = [("trainer.device", str(self.trainer.device))]
+        if self.trainer.loss.uses_teacher:
+            out.append(("teacher.device", str(self.teacher.device)))
+        if self.on_policy:
+            out.append(("rollout.device", str(self.rollout.device)))
+        return out
 
     @property
     def on_policy(self) -> bool:

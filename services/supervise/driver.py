@@ -34,6 +34,7 @@ from services.supervise.events import (
     Restarted,
     Unresponsive,
 )
+from services.supervise.mps import MpsDaemon
 from services.supervise.plan import Plan, RunContext, make_plan
 from services.supervise.policy import Decision, RestartPolicy
 from services.supervise.preflight import Inputs, preflight
@@ -88,10 +89,15 @@ class Driver:
                 f"dead_after_s={dead_after_s:g} of the supervisor is not above two heartbeats "
                 f"(heartbeat_s={config.heartbeat_s:g}): lower the run's heartbeat_s"
             )
-        if launcher is None:
-            from services.launch.local import LocalLauncher
+        from services.launch.local import LocalLauncher
 
+        if launcher is None:
             launcher = LocalLauncher()
+        if config.mps and not isinstance(launcher, LocalLauncher):
+            raise ValueError(
+                f"mps: true needs the run's processes on this machine, but they are launched by "
+                f"{type(launcher).__name__}: set mps: false (or start an MPS daemon on each node)"
+            )
         self.config = config
         self.dead_after_s = dead_after_s
         self.heartbeats: dict[str, dict[str, Any]] = {}
@@ -118,6 +124,8 @@ class Driver:
         self._pending: dict[str, tuple[float, Decision, str]] = {}
         self._progress_line: RunProgress | None = None
         self._started = time.monotonic()
+        # the run's MPS daemon (``mps: true``): started by launch, stopped by release
+        self.mps = MpsDaemon(self.run_dir / "mps") if config.mps else None
 
     # ------------------------------------------------------------------ the run's context
 
@@ -201,6 +209,8 @@ class Driver:
         else:
             q = self._start(self.specs["queue"])
             L.wait_ready(q, 60)
+        if self.mps is not None:
+            self.mps.start()  # before its clients (a relaunch finds it up)
         for spec in self.specs.values():
             if spec.role != "queue":
                 self._start(spec)
@@ -311,8 +321,14 @@ class Driver:
             return 1
         finally:
             self.launcher.stop(grace_s=60)
+            self.release()
             if self._progress_line is not None:
                 self._progress_line.close()
+
+    def release(self) -> None:
+        """What the run holds beside its processes, once they ended: its MPS daemon quits."""
+        if self.mps is not None:
+            self.mps.stop()
 
     def watch(
         self,

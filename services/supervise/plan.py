@@ -20,6 +20,7 @@ from services.common.heartbeat import HEARTBEAT_ENV, HEARTBEAT_S_ENV
 from services.launch.spec import ProcessSpec
 from services.protocol.names import policy_dir
 from services.supervise.config import RunConfig
+from services.supervise.mps import mps_env
 from services.supervise.preflight import Inputs, slug
 from services.trainer.config import TrainerConfig
 
@@ -290,7 +291,8 @@ def make_specs(
 ) -> list[ProcessSpec]:
     """The processes of one launch: the queue (unless external), the collator (unless every
     sample is on-policy), a teacher per group (when the loss uses one), a trainer per rank and
-    the rollout workers (with on-policy samples), each with its heartbeat file. Each one's argv
+    the rollout workers (with on-policy samples), each with its heartbeat file (and, with
+    ``mps: true``, each GPU process with the run's MPS daemon's folders). Each one's argv
     names its section file and the shared context (a rollout worker's: its section and the run
     directory)."""
     cfg = config
@@ -393,6 +395,8 @@ def make_specs(
     for spec in specs:
         spec.env[HEARTBEAT_ENV] = str(d / "heartbeat" / spec.name)
         spec.env[HEARTBEAT_S_ENV] = str(cfg.heartbeat_s)
+        if cfg.mps and spec.resources.get("gpu"):  # a client of the run's MPS daemon
+            spec.env.update(mps_env(d / "mps"))
     return specs
 
 

@@ -70,7 +70,8 @@ def preflight(config: RunConfig) -> Inputs:
         The run's :class:`Inputs`.
 
     Raises:
-        ValueError: a CUDA device this machine lacks, a tracker (``trainer.report_to``) whose
+        ValueError: a CUDA device this machine lacks, ``mps: true`` without the MPS control
+            program, a tracker (``trainer.report_to``) whose
             package is not installed, a missing or unreadable corpus, an unknown
             tokenizer, a model whose vocab does not fit its tokenizer, a projection built for
             other tokenizers (each names the key and the fix).
@@ -79,6 +80,10 @@ def preflight(config: RunConfig) -> Inputs:
     from xtoken_core.tokenizers import load_tokenizer
 
     check_devices(config)
+    if config.mps:
+        from services.supervise.mps import control_binary
+
+        control_binary()  # installed, before anything starts
     check_installed(config.trainer.report_to)  # a tracker's package, before anything starts
     train, heldout, train_limit = config.data.train, config.data.heldout, config.data.limit
     if train is None:
@@ -215,12 +220,7 @@ def check_devices(config: RunConfig) -> None:
     Raises:
         ValueError: ``cuda`` without CUDA, or ``cuda:N`` past the GPUs there (names the key).
     """
-    wanted = [("trainer.device", config.trainer.device)]
-    if config.trainer.loss.uses_teacher:
-        wanted.append(("teacher.device", config.teacher.device))
-    if config.on_policy:
-        wanted.append(("rollout.device", config.rollout.device))
-    wanted = [(key, str(value)) for key, value in wanted if str(value).startswith("cuda")]
+    wanted = [(key, value) for key, value in config.devices() if value.startswith("cuda")]
     if not wanted:
         return
     import torch
