@@ -584,6 +584,8 @@ class TrainerWorker:
         except torch.OutOfMemoryError as e:
             raise self._out_of_memory(length) from e
         except Exception as e:  # Dynamo / Inductor failures have many types
+            if is_allocation_failure(e):  # out of memory inside a library: not compile's fault
+                raise self._out_of_memory(length) from e
             if not self.compiled:
                 raise
             logger.warning(
@@ -655,15 +657,12 @@ class TrainerWorker:
             self.master.zero_grad()
 
     def _out_of_memory(self, length: int) -> StartupOutOfMemory:
-        total = ""
+        total = others = None
         if self.device.type == "cuda":
-            total = (
-                f" ({torch.cuda.get_device_properties(self.device).total_memory / 2**30:.0f} GiB)"
-            )
+            free, total = torch.cuda.mem_get_info(self.device)
+            others = max(0, total - free - torch.cuda.memory_reserved(self.device))
         return StartupOutOfMemory(
-            f"a student step of micro_batch={self.config.micro_batch} x {length} tokens does not "
-            f"fit in {self.device}'s memory{total}: lower trainer.micro_batch, or set "
-            "trainer.activation_checkpointing: true"
+            startup_oom_message(self.config.micro_batch, length, str(self.device), total, others)
         )
 
     def recompiles(self) -> int | None:
@@ -923,6 +922,50 @@ class TrainerWorker:
 
 class StartupOutOfMemory(RuntimeError):
     """The student's start-up step ran out of device memory (the message names the fix)."""
+
+
+# memory other processes may hold on the trainer's GPU before the message names them (this
+# process's own CUDA context counts as "other" too: ~0.5 GiB)
+OTHERS_NAMED_BYTES = 2 * 2**30
+
+
+def startup_oom_message(
+    micro_batch: int, length: int, device: str, total: int | None, others: int | None
+) -> str:
+    """What a start-up step that did not fit says: the settings to lower and, when other
+    processes hold much of the GPU (a colocated teacher, rollout workers, another run), that.
+
+    Args:
+        total: the device's bytes (None: unknown).
+        others: bytes neither free nor held by this process's allocator (None: unknown).
+    """
+    size = f" ({total / 2**30:.0f} GiB)" if total else ""
+    text = (
+        f"a student step of micro_batch={micro_batch} x {length} tokens does not fit in "
+        f"{device}'s memory{size}: lower trainer.micro_batch, or set "
+        "trainer.activation_checkpointing: true"
+    )
+    if others is not None and others >= OTHERS_NAMED_BYTES:
+        text += (
+            f"; other processes hold {others / 2**30:.1f} GiB of it (a teacher, rollout workers "
+            "or another job on this GPU: nvidia-smi lists them), so giving them less or another "
+            "GPU also helps"
+        )
+    return text
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """An error that is the device running out of memory under another name (cuBLAS failing to
+    create its handle, an allocator's message), anywhere in its chain of causes."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        text = str(error)
+        if "CUBLAS_STATUS_ALLOC_FAILED" in text or "out of memory" in text.lower():
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _is_prefix_mask(mask_BT: torch.Tensor) -> bool:

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from services.trainer.config import TrainerConfig
-from services.trainer.worker import TrainerWorker, lr_lambda
+from services.trainer.worker import (
+    TrainerWorker,
+    is_allocation_failure,
+    lr_lambda,
+    startup_oom_message,
+)
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.losses import CrossTokenizerLossConfig
 
@@ -215,3 +220,32 @@ def test_activation_checkpointing_of_a_model_without_it_names_the_setting():
     config = setup.trainer_config(None, activation_checkpointing=True)
     with pytest.raises(ValueError, match="activation_checkpointing=false"):
         TrainerWorker(config, model=Bare(vocab))
+
+
+def test_a_startup_step_that_does_not_fit_names_the_settings_and_the_other_processes():
+    alone = startup_oom_message(4, 2048, "cuda:0", 80 * 2**30, int(0.6 * 2**30))
+    assert alone == (
+        "a student step of micro_batch=4 x 2048 tokens does not fit in cuda:0's memory (80 GiB): "
+        "lower trainer.micro_batch, or set trainer.activation_checkpointing: true"
+    )
+    shared = startup_oom_message(4, 2048, "cuda:0", 80 * 2**30, 54 * 2**30)
+    assert shared.startswith(alone)
+    assert "other processes hold 54.0 GiB of it (a teacher, rollout workers" in shared
+    assert startup_oom_message(1, 64, "cpu", None, None).endswith(
+        "cpu's memory: lower trainer.micro_batch, or set trainer.activation_checkpointing: true"
+    )
+
+
+def test_out_of_memory_under_another_name_is_told_from_a_compile_failure():
+    cublas = RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    )
+    assert is_allocation_failure(cublas)
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB")
+        except torch.OutOfMemoryError as oom:
+            raise RuntimeError("Inductor: compiling the backward failed") from oom
+    except RuntimeError as wrapped:
+        assert is_allocation_failure(wrapped)
+    assert not is_allocation_failure(RuntimeError("Dynamo cannot trace this call"))
