@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import field
 
+KV_CACHES = ("dynamic", "static")
+
 
 @dataclasses.dataclass
 class RolloutConfig:
@@ -79,6 +81,14 @@ class RolloutConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0: greedy)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep this mass"})
     batch: int = field(default=8, metadata={"help": "prompts sampled together (one put)"})
+    kv_cache: str = field(
+        default="dynamic",
+        metadata={
+            "help": "dynamic: the KV cache grows a token per step; static: allocated once for "
+            "the longest prompt + max_new_tokens (on CUDA transformers then compiles the "
+            "decoding step and replays it as CUDA graphs)"
+        },
+    )
     max_pending: int | None = field(
         default=None,
         metadata={
@@ -110,6 +120,8 @@ class RolloutConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.batch < 1:
             raise ValueError(f"batch={self.batch}: must be >= 1")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache={self.kv_cache!r}: use one of {', '.join(KV_CACHES)}")
         if self.max_pending is not None and self.max_pending < 1:
             raise ValueError(f"max_pending={self.max_pending}: must be >= 1, or None")
         if not 0 <= self.worker < self.workers:

@@ -64,7 +64,6 @@ def use_expandable_segments(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
-
 def continuation_bounds(
     student: TokenizedText, teacher: TokenizedText, prompt_length: int
 ) -> tuple[int, int]:
@@ -217,6 +216,7 @@ class RolloutWorker:
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
                 use_cache=True,
+                **({"cache_implementation": "static"} if cfg.kv_cache == "static" else {}),
                 suppress_tokens=self.beyond_vocab or None,
                 stopping_criteria=stopping_criteria(stop),
             ).cpu()

@@ -118,6 +118,21 @@ def test_sampling_at_temperature_zero_is_greedy_and_batched_rows_do_not_mix(tmp_
     assert together == alone  # left padding: each row continues its own prompt
 
 
+def test_a_static_kv_cache_samples_the_same_greedy_continuations(tmp_path, published):
+    rows = {}
+    for kind in ("dynamic", "static"):
+        worker = RolloutWorker(config(tmp_path, temperature=0.0, kv_cache=kind))
+        worker.refresh()
+        prompts = prompts_of(worker, [t for t in TEXTS if t])
+        rows[kind] = worker.sample([p.ids for p in prompts], seed=1)
+    assert rows["static"] == rows["dynamic"]
+
+
+def test_an_unknown_kv_cache_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"kv_cache='paged': use one of dynamic, static"):
+        config(tmp_path, kv_cache="paged")
+
+
 def test_ids_past_the_tokenizer_in_a_wider_output_layer_are_never_sampled(tmp_path):
     vocab = load_tokenizer(STUDENT).vocab_size
     wide = load_model("tiny", vocab_size=vocab + 64, seed=7)
