@@ -76,7 +76,10 @@ class MpsDaemon:
         """A daemon answers on this run's pipe folder."""
         if not (Path(self.env[PIPE_ENV]) / "control").exists():
             return False
-        return self._control(command="get_server_list\n").returncode == 0
+        try:
+            return self._control(command="get_server_list\n").returncode == 0
+        except subprocess.TimeoutExpired:  # a pipe left by a daemon that is gone
+            return False
 
     def start(self) -> None:
         """Start the daemon, unless this run's is already up (a relaunch after a restart).
