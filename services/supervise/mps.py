@@ -78,7 +78,7 @@ class MpsDaemon:
             return False
         try:
             return self._control(command="get_server_list\n").returncode == 0
-        except subprocess.TimeoutExpired:  # a pipe left by a daemon that is gone
+        except (ValueError, subprocess.TimeoutExpired):  # no program, or a pipe left by a gone one
             return False
 
     def start(self) -> None:
