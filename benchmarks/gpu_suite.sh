@@ -74,6 +74,9 @@ want teacher_no_graphs && step teacher_no_graphs $PY benchmarks/e2e/bench_pipeli
 want bench_on_policy && step bench_on_policy $PY benchmarks/e2e/bench_on_policy.py --shape 4x2048 \
   --fractions 0 0.5 1 --rollouts 2 --rollout-batch 128 --sync-every 8 --max-staleness 16 \
   --results "$OUT/e2e_on_policy.jsonl"
+# one rollout worker: new tokens/s and device memory, growing vs static KV cache
+want bench_rollout && step bench_rollout $PY benchmarks/e2e/bench_rollout.py --batch 64 \
+  --kv-cache dynamic static --results "$OUT/e2e_rollout.jsonl"
 # TRL GOLD against the default step, tokens/s and memory at 1 x 4096 (TRL importable by $PY)
 want peers_speed && step peers_speed $PY benchmarks/peers/bench_trl_gold.py --parts speed --shapes 4096 \
   --teacher-tokenizer llama3 --teacher-vocab 0 --trl-python $PY --results "$OUT/peers_trl_gold.jsonl"
