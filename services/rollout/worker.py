@@ -57,10 +57,7 @@ def use_expandable_segments(environ: dict[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     if any(environ.get(name) for name in ALLOCATOR_ENVS):
         return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # no public setter
-    if setter is None:  # torch before 2.9
-        setter = torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:True")
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")  # no public setter
     return True
 
 
