@@ -224,7 +224,9 @@ def test_a_rollout_batch_leaves_no_more_gpu_memory_reserved_than_its_peak(tmp_pa
     """The KV cache grows a token per step. With blocks of every size cached, a batch of 64 x 512
     tokens of the Qwen3-0.6B preset held 35.8 GiB for a 4.8 GiB peak on an H100; with expandable
     segments and the cache handed back after each batch it holds 1.2 GiB (the weights)."""
-    worker = RolloutWorker(config(tmp_path, device="cuda", max_new_tokens=48, batch=16))
+    worker = RolloutWorker(
+        config(tmp_path, device="cuda", max_new_tokens=48, batch=16, ctx_student=64, ctx_teacher=96)
+    )
     worker.refresh()
     torch.cuda.reset_peak_memory_stats()
     worker.sample([p.ids for p in prompts_of(worker, TEXTS * 4)[:16] if p.ids] or [[1]], seed=0)
