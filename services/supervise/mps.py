@@ -11,6 +11,10 @@ The run starts ``nvidia-cuda-mps-control -d`` with its pipe and log folders unde
 ``RUN_DIR/mps/`` (so it is this run's daemon, not a machine-wide one), gives every GPU process
 ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``, and sends the daemon ``quit`` when
 the run ends. The processes of the run must be on this machine (the local launcher).
+
+The server sees the GPUs the daemon was started with and numbers them from 0: a run started
+with ``CUDA_VISIBLE_DEVICES=2,3`` gives its clients ``0,1`` (the same ``2,3`` would name GPUs the
+server does not have: "No CUDA GPUs are available"). A list of UUIDs is kept as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 # seconds a control command may take (starting the daemon, quit)
 TIMEOUT_S = 30.0
 
@@ -45,10 +50,37 @@ def control_binary() -> str:
     return path
 
 
-def mps_env(folder: str | os.PathLike[str]) -> dict[str, str]:
-    """The variables that make a CUDA process a client of the daemon of ``folder``."""
+def client_visible_devices(visible: str | None) -> str | None:
+    """A client's ``CUDA_VISIBLE_DEVICES`` under a daemon started with ``visible``.
+
+    Args:
+        visible: the daemon's ``CUDA_VISIBLE_DEVICES`` (None: unset).
+
+    Returns:
+        ``"0,...,n-1"`` for a list of n indices (the server numbers its GPUs from 0), None where
+        the client keeps what it inherits (unset or empty, or UUIDs, which name the same GPU in
+        the server).
+    """
+    items = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    if not items or not all(d.isdigit() for d in items):
+        return None
+    return ",".join(str(i) for i in range(len(items)))
+
+
+def mps_env(folder: str | os.PathLike[str], visible: str | None = None) -> dict[str, str]:
+    """The variables that make a CUDA process a client of the daemon of ``folder``.
+
+    Args:
+        folder: the daemon's folder (``RUN_DIR/mps``).
+        visible: the ``CUDA_VISIBLE_DEVICES`` the daemon starts with (see
+            :func:`client_visible_devices`).
+    """
     folder = Path(folder)
-    return {PIPE_ENV: str(folder / "pipe"), LOG_ENV: str(folder / "log")}
+    env = {PIPE_ENV: str(folder / "pipe"), LOG_ENV: str(folder / "log")}
+    client = client_visible_devices(visible)
+    if client is not None:
+        env[VISIBLE_ENV] = client
+    return env
 
 
 class MpsDaemon:

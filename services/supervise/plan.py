@@ -396,7 +396,7 @@ def make_specs(
         spec.env[HEARTBEAT_ENV] = str(d / "heartbeat" / spec.name)
         spec.env[HEARTBEAT_S_ENV] = str(cfg.heartbeat_s)
         if cfg.mps and spec.resources.get("gpu"):  # a client of the run's MPS daemon
-            spec.env.update(mps_env(d / "mps"))
+            spec.env.update(mps_env(d / "mps", os.environ.get("CUDA_VISIBLE_DEVICES")))
     return specs
 
 

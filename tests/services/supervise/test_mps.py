@@ -11,7 +11,15 @@ import pytest
 from services.common import config as cfgmod
 from services.supervise.config import run_config_from_dict
 from services.supervise.driver import Driver
-from services.supervise.mps import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon, control_binary
+from services.supervise.mps import (
+    CONTROL,
+    LOG_ENV,
+    PIPE_ENV,
+    VISIBLE_ENV,
+    MpsDaemon,
+    client_visible_devices,
+    control_binary,
+)
 from services.supervise.plan import Host, RunContext, make_plan
 from services.supervise.preflight import Inputs, preflight
 
@@ -43,6 +51,35 @@ def test_the_gpu_processes_are_clients_of_the_runs_daemon_and_the_others_are_not
     plain = run_config_from_dict({**cfgmod.to_dict(config), "mps": False})
     plan = make_plan(plain, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
     assert all(PIPE_ENV not in spec.env for spec in plan.specs)
+
+
+def test_clients_number_the_gpus_of_a_daemon_started_on_some_of_them_from_zero(
+    tmp_path, monkeypatch
+):
+    """A daemon started with CUDA_VISIBLE_DEVICES=2,3 serves those GPUs as 0 and 1: a client
+    that kept 2,3 found no GPU (two ranks on GPUs 2 and 3 of a four-GPU host)."""
+    monkeypatch.setenv(VISIBLE_ENV, "2,3")
+    config = _config(tmp_path)
+    context = RunContext.of(config, "r1")
+    inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
+    plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
+    env = {spec.name: spec.env for spec in plan.specs}
+    assert env["trainer0"][VISIBLE_ENV] == env["teacher0"][VISIBLE_ENV] == "0,1"
+    assert VISIBLE_ENV not in env["queue"]
+
+
+@pytest.mark.parametrize(
+    "visible, client",
+    [
+        (None, None),
+        ("", None),
+        ("3", "0"),
+        ("1, 0", "0,1"),
+        ("GPU-5f2a,GPU-77c1", None),  # UUIDs name the same GPUs in the server
+    ],
+)
+def test_a_clients_visible_devices_follow_the_daemons(visible, client):
+    assert client_visible_devices(visible) == client
 
 
 def test_mps_without_a_process_on_a_gpu_is_refused_naming_the_setting(tmp_path):
