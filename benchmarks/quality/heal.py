@@ -40,6 +40,11 @@ dequantizes each GGUF into ``$XTOKEN_CACHE`` (here, on 2 CPU cores: 44 s for qwe
 ~2 min of loads + ~1.5 min start-up + 2.5-4 min training + ~3 min scoring. ``--deadline-s``
 starts no run that would end after it (at the longest wall time seen so far in the call). The
 first call's ``wall_s`` / ``train_s`` per row tell what the next calls can afford.
+Memory, measured: on one 80 GB H100, six runs with the Qwen2.5-Coder teacher and a rollout worker
+each (on-policy arms) did not fit (every trainer stopped at its start-up step with 75 GiB held by
+the others); three CE and three P-KL runs did. Give on-policy arms ``--parallel 3`` per 80 GB GPU
+(an H200 holds six), or one call per GPU with ``CUDA_VISIBLE_DEVICES`` and ``--report`` over their
+row files.
 
 Commands (``runs/`` is git-ignored, so ``--work runs/heal`` stays on a warm machine between
 calls; the split is git-ignored data: hand it to a GPU machine with the working tree)::
