@@ -152,18 +152,26 @@ def _generation(run_dir: Path, rollouts: int, since: float) -> dict:
     (waits included) and while sampling, samples/s."""
     from services.common.metrics import read_jsonl
 
-    batches = []
+    every = []
     for i in range(rollouts):
         path = run_dir / "metrics" / f"rollout{i}.jsonl"
         if path.exists():
-            batches += [
-                r for r in read_jsonl(path) if r["event"] == "rollout" and r["time"] > since
-            ]
-    if not batches:
-        return {"generated_tokens_per_s": None, "rollout_batches": 0}
-    # every worker's tokens over one worker's mean busy time (one batch: that worker's own rate)
-    busy = sum(r["sample_s"] + r["collate_s"] for r in batches) / min(rollouts, len(batches))
-    sampling = sum(r["generated_tokens"] for r in batches) / busy if busy else None
+            every += [r for r in read_jsonl(path) if r["event"] == "rollout"]
+    batches = [r for r in every if r["time"] > since]
+
+    def rate_while_sampling(rs: list[dict]) -> float | None:
+        # every worker's tokens over one worker's mean busy time (one batch: that worker's rate)
+        busy = sum(r["sample_s"] + r["collate_s"] for r in rs) / min(rollouts, len(rs))
+        return sum(r["generated_tokens"] for r in rs) / busy if busy else None
+
+    if not batches:  # the workers filled ahead during the warm-up and waited since
+        return {
+            "generated_tokens_per_s": None,
+            "generated_tokens_per_s_sampling": rate_while_sampling(every) if every else None,
+            "sampling_rate_over": "whole run" if every else None,
+            "rollout_batches": 0,
+        }
+    sampling = rate_while_sampling(batches)
     if len(batches) < 2:  # no span between puts: only the rate while sampling
         return {
             "generated_tokens_per_s": None,

@@ -1,8 +1,9 @@
-"""The on-policy benchmark's CPU smoke run: a row per fraction, the on-policy figures where the
-fraction is above 0, nothing written to the results."""
+"""The on-policy benchmark: its CPU smoke run (a row per fraction, the on-policy figures where the
+fraction is above 0, nothing written to the results) and its rollout rates from metrics files."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.e2e import bench_on_policy as bench  # noqa: E402
 
 
 @pytest.mark.slow
@@ -37,3 +41,30 @@ def test_cpu_smoke_prints_a_row_per_fraction_with_the_rollouts_figures(tmp_path)
     assert float(rows[1][6]) > 0
     assert rows[1][5] == "-" or float(rows[1][5]) > 0
     assert {p: p.stat().st_mtime_ns for p in results.glob("e2e_on_policy*")} == before
+
+
+def _rollout_records(run_dir, worker, records):
+    path = run_dir / "metrics" / f"rollout{worker}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"event": "rollout", **r}) + "\n" for r in records))
+
+
+def test_workers_that_filled_ahead_before_the_window_still_give_their_sampling_rate(tmp_path):
+    """At fraction 0.5 a batch of 64 serves the measured steps: no batch is put inside the window,
+    and the rate while sampling comes from the run's batches (it was missing from the row)."""
+    batch = {"sample_s": 9.0, "collate_s": 1.0, "generated_tokens": 20_000, "samples": 64}
+    _rollout_records(tmp_path, 0, [{"time": 5.0, **batch}])
+    _rollout_records(tmp_path, 1, [{"time": 6.0, **batch}])
+    got = bench._generation(tmp_path, rollouts=2, since=100.0)
+    assert got["rollout_batches"] == 0 and got["generated_tokens_per_s"] is None
+    assert got["generated_tokens_per_s_sampling"] == pytest.approx(40_000 / 10.0)
+    assert got["sampling_rate_over"] == "whole run"
+
+
+def test_batches_inside_the_window_give_the_rate_over_their_span(tmp_path):
+    batch = {"sample_s": 4.0, "collate_s": 1.0, "generated_tokens": 10_000, "samples": 32}
+    _rollout_records(tmp_path, 0, [{"time": t, **batch} for t in (1.0, 10.0, 15.0, 20.0)])
+    got = bench._generation(tmp_path, rollouts=1, since=5.0)
+    assert got["rollout_batches"] == 3
+    assert got["generated_tokens_per_s"] == pytest.approx(20_000 / 10.0)  # after the first put
+    assert got["generated_tokens_per_s_sampling"] == pytest.approx(30_000 / 15.0)
