@@ -43,8 +43,8 @@ first call's ``wall_s`` / ``train_s`` per row tell what the next calls can affor
 Memory, measured: on one 80 GB H100, six runs with the Qwen2.5-Coder teacher and a rollout worker
 each (on-policy arms) did not fit (every trainer stopped at its start-up step with 75 GiB held by
 the others); three CE and three P-KL runs did. Give on-policy arms ``--parallel 3`` per 80 GB GPU
-(an H200 holds six), or one call per GPU with ``CUDA_VISIBLE_DEVICES`` and ``--report`` over their
-row files.
+(an H200 holds six); ``--gpus 0 1 2 3`` spreads the runs over several GPUs, ``--parallel`` on
+each.
 
 Commands (``runs/`` is git-ignored, so ``--work runs/heal`` stays on a warm machine between
 calls; the split is git-ignored data: hand it to a GPU machine with the working tree)::
@@ -665,6 +665,7 @@ def run_heal(args) -> int:
         on_done=on_done,
         side_tasks=side,
         finish_by_deadline=True,
+        gpus=args.gpus,
     )
     logger.info("[heal] rows -> %s (%.0fs)", rows_path, time.monotonic() - t_start)
     return 1 if failed else 0

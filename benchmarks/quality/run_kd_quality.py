@@ -549,20 +549,24 @@ def launch_all(
     on_done=None,
     side_tasks=None,
     finish_by_deadline: bool = False,
+    gpus: list[int] | None = None,
 ):
-    """Run ``xtoken run`` for every job, ``parallel`` at a time; none is started past
-    ``deadline`` (monotonic).
+    """Run ``xtoken run`` for every job, ``parallel`` at a time (per GPU with ``gpus``); none is
+    started past ``deadline`` (monotonic).
 
     Args:
         jobs: ``(arm, seed, config path)``, or ``(arm, seed, argv)`` for another command.
         work: the work dir (``logs/`` goes there).
-        parallel: runs at once.
+        parallel: runs at once, on each GPU of ``gpus``.
         deadline: monotonic time after which no run starts.
         on_done: called as ``on_done(arm, seed, exit code, wall seconds)`` as each run ends (a
             run not started past the deadline: code -1).
         side_tasks: callables run one at a time in the main process while runs train.
         finish_by_deadline: also start no run that would end past ``deadline`` at the longest
             wall time of the runs finished so far.
+        gpus: indices of the GPUs this process sees to spread the runs over (each run sees
+            its GPU alone, as ``cuda``: ``CUDA_VISIBLE_DEVICES``); a new run goes to the GPU
+            with the fewest running. None: every run sees what this process sees.
 
     Returns:
         {(arm, seed): (exit code, wall seconds)}.
@@ -570,9 +574,10 @@ def launch_all(
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    visible = gpu_names(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else [None]
     pending = list(jobs)
     side = list(side_tasks or [])
-    running: dict[tuple[str, int], tuple[subprocess.Popen, float, Any]] = {}
+    running: dict[tuple[str, int], tuple[subprocess.Popen, float, Any, str | None]] = {}
     done: dict[tuple[str, int], tuple[int, float]] = {}
     (work / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -581,8 +586,15 @@ def launch_all(
         if on_done is not None:
             on_done(*key, code, wall)
 
+    def free_gpu() -> str | None | bool:
+        load = {g: 0 for g in visible}
+        for *_, g in running.values():
+            load[g] += 1
+        gpu = min(visible, key=lambda g: load[g])
+        return gpu if load[gpu] < parallel else False
+
     while pending or running or side:
-        while pending and len(running) < parallel:
+        while pending and (gpu := free_gpu()) is not False:
             arm, seed, cfg = pending.pop(0)
             walls = [w for c, w in done.values() if c == 0] if finish_by_deadline else []
             if time.monotonic() + max(walls, default=0.0) > deadline:
@@ -595,12 +607,16 @@ def launch_all(
                 if isinstance(cfg, list)
                 else [sys.executable, "-m", "services.cli", "run", str(cfg), "--no-progress"]
             )
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running[(arm, seed)] = (proc, time.monotonic(), log)
-            logger.info("[quality] started %s seed %d (pid %d)", arm, seed, proc.pid)
+            run_env = env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT
+            )
+            running[(arm, seed)] = (proc, time.monotonic(), log, gpu)
+            where = "" if gpu is None else f" on GPU {gpu}"
+            logger.info("[quality] started %s seed %d%s (pid %d)", arm, seed, where, proc.pid)
         if side:
             side.pop(0)()
-        for key, (proc, t0, log) in list(running.items()):
+        for key, (proc, t0, log, _) in list(running.items()):
             code = proc.poll()
             if code is None:
                 continue
@@ -611,6 +627,27 @@ def launch_all(
             finish(key, code, wall)
         time.sleep(0.5)
     return done
+
+
+def gpu_names(gpus: list[int], visible: str | None) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value of each of ``gpus`` (indices of the GPUs this process
+    sees: the entries of ``visible`` where it is set).
+
+    Raises:
+        ValueError: an index this process does not see, or one given twice.
+    """
+    seen = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus {gpus}: an index given twice")
+    out = []
+    for i in gpus:
+        if i < 0 or (seen is not None and i >= len(seen)):
+            raise ValueError(
+                f"--gpus: GPU {i} is not one this process sees (CUDA_VISIBLE_DEVICES={visible}); "
+                "give indices from 0"
+            )
+        out.append(seen[i] if seen is not None else str(i))
+    return out
 
 
 def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
@@ -697,7 +734,7 @@ def train_and_eval(args) -> int:
             shutil.rmtree(cfg["run_dir"], ignore_errors=True)
             jobs.append((arm, seed, path))
     logger.info("[quality] students: %s parameters; %d runs", params, len(jobs))
-    codes = launch_all(jobs, work, args.parallel, deadline)
+    codes = launch_all(jobs, work, args.parallel, deadline, gpus=args.gpus)
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
     tok = load_tokenizer(STUDENT_TOKENIZER)
     split = args.score_split  # the key of the scores in the rows, too
@@ -1018,7 +1055,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-limit", type=int, default=None, help="held-out texts (default: all)")
     p.add_argument("--limit", type=int, default=None, help="train on the first N texts only")
     p.add_argument("--collators", type=int, default=2, help="collator workers per run")
-    p.add_argument("--parallel", type=int, default=3, help="runs at once")
+    p.add_argument("--parallel", type=int, default=3, help="runs at once (per GPU with --gpus)")
+    p.add_argument(
+        "--gpus",
+        nargs="+",
+        type=int,
+        default=None,
+        help="spread the runs over these GPUs (indices), --parallel on each; scoring uses --device",
+    )
     p.add_argument(
         "--deadline-s",
         type=float,

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,35 @@ def test_arm_spec_carries_loss_overrides_into_the_run_config(tmp_path):
 def test_arm_spec_refuses_unknown_arms_keys_and_ce_overrides(bad):
     with pytest.raises(ValueError, match=bad.split(":")[0] if ":" not in bad else "arm"):
         _module().parse_arm(bad)
+
+
+def test_runs_spread_over_gpus_each_sees_its_own_and_none_holds_more_than_parallel(
+    tmp_path, monkeypatch
+):
+    """--gpus 0 1 --parallel 1: four real processes, each started with the one GPU it was given
+    (the name this process sees under CUDA_VISIBLE_DEVICES), never two at once on one GPU."""
+    q = _module()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    out = tmp_path / "seen"
+    out.mkdir()
+    prog = (
+        "import os, sys, time; t = time.time(); time.sleep(0.3); "
+        "open(sys.argv[1], 'w').write(f\"{os.environ['CUDA_VISIBLE_DEVICES']} {t} {time.time()}\")"
+    )
+    jobs = [("arm", i, [sys.executable, "-c", prog, str(out / f"run{i}")]) for i in range(4)]
+    done = q.launch_all(jobs, tmp_path, 1, time.monotonic() + 600, gpus=[0, 1])
+    assert all(code == 0 for code, _ in done.values())
+    runs = [(out / f"run{i}").read_text().split() for i in range(4)]
+    assert sorted(gpu for gpu, *_ in runs) == ["2", "2", "3", "3"]
+    for gpu in ("2", "3"):
+        (_, a0, a1), (_, b0, b1) = [r for r in runs if r[0] == gpu]
+        assert float(a1) <= float(b0) or float(b1) <= float(a0)  # one after the other
+
+
+@pytest.mark.parametrize("gpus, visible", [([0, 0], None), ([2], "4,5"), ([-1], None)])
+def test_gpu_indices_that_this_process_does_not_see_are_refused(gpus, visible):
+    with pytest.raises(ValueError, match="--gpus"):
+        _module().gpu_names(gpus, visible)
 
 
 def test_ablation_table_pairs_each_arm_with_ce_of_the_same_seed_on_validation():
