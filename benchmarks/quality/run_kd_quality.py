@@ -1120,6 +1120,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.gpus:
+        try:  # refused before anything loads
+            gpu_names(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as e:
+            print(f"run_kd_quality: {e}", file=sys.stderr)
+            return 2
     if args.split_only:
         print(json.dumps(build_split(Path(args.split_only)), indent=1))
         return 0

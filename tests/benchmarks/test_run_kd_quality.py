@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -138,6 +139,29 @@ def test_runs_spread_over_gpus_each_sees_its_own_and_none_holds_more_than_parall
 def test_gpu_indices_that_this_process_does_not_see_are_refused(gpus, visible):
     with pytest.raises(ValueError, match="--gpus"):
         _module().gpu_names(gpus, visible)
+
+
+def test_the_script_refuses_a_gpu_it_does_not_see_with_one_line_and_exit_2(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--preset",
+            "heal",
+            "--gpus",
+            "0",
+            "1",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "--gpus: GPU 1" in done.stderr
 
 
 def test_ablation_table_pairs_each_arm_with_ce_of_the_same_seed_on_validation():
