@@ -138,16 +138,18 @@ class HealArm:
     teacher: str | None
     overrides: dict[str, Any]
     on_policy: float = 0.0
+    agree: str | None = None  # collator.kd_where_agrees: KD only where this tokenizer agrees
 
 
 def parse_heal_arm(spec: str) -> HealArm:
     """An arm spec ``ce`` or ``BASE@TEACHER[:key=value,...]``; the key ``on_policy`` (in
-    (0, 1]) is the share of each step's samples the student writes itself, the others are loss
-    settings.
+    (0, 1]) is the share of each step's samples the student writes itself, ``agree`` a
+    tokenizer where KD is kept only on chunks it would also cut 1:1
+    (``collator.kd_where_agrees``), the others are loss settings.
 
     Args:
         spec: e.g. ``"pkl@smollm2"``, ``"gold@qwen2.5-coder-0.5b:uncommon_topk=1"``,
-            ``"pkl@qwen2.5-coder-0.5b:on_policy=0.5"``.
+            ``"pkl@qwen2.5-coder-0.5b:on_policy=0.5"``, ``"pkl@smollm2:agree=qwen3"``.
 
     Returns:
         The arm.
@@ -177,8 +179,14 @@ def parse_heal_arm(spec: str) -> HealArm:
             on_policy = float("nan")
         if not 0.0 < on_policy <= 1.0:
             raise ValueError(f"arm {spec!r}: {pair!r} must be a share in (0, 1]")
+    agree = None
+    for pair in [p for p in pairs if p.partition("=")[0] == "agree"]:
+        pairs.remove(pair)
+        agree = pair.partition("=")[2]
+        if not agree:
+            raise ValueError(f"arm {spec!r}: {pair!r} must name a tokenizer, e.g. agree=qwen3")
     _, overrides = kd.parse_arm(f"{base}:{','.join(pairs)}" if pairs else base)
-    return HealArm(spec, base, teacher, overrides, on_policy)
+    return HealArm(spec, base, teacher, overrides, on_policy, agree)
 
 
 def parse_aliases(items: list[str] | None) -> dict[str, str]:
@@ -275,6 +283,8 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
             loss,
         ),
     }
+    if arm.agree:
+        cfg["collator"]["kd_where_agrees"] = arm.agree
     if arm.on_policy:  # rows as long as the collator's: a quarter prompt, the rest written
         cfg["data"].update(on_policy_fraction=arm.on_policy, ordered=False)
         cfg["rollouts"] = 1

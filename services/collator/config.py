@@ -77,6 +77,14 @@ class WorkerConfig:
             "trainers and teachers must pack too (xtoken run: collator.pack)"
         },
     )
+    kd_where_agrees: str | None = field(
+        default=None,
+        metadata={
+            "help": "a third tokenizer name or path: KD terms only on chunks whose student "
+            "tokens are each also one token of it, covering the same bytes (None: every chunk)",
+            "path": "tokenizer",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("ctx_student", "ctx_teacher"):

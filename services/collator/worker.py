@@ -116,6 +116,9 @@ class CollatorWorker:
             ctx_length_student=config.ctx_student,
             ctx_length_teacher=config.ctx_teacher,
             pack=config.pack,
+            kd_where_agrees=(
+                load_tokenizer(config.kd_where_agrees) if config.kd_where_agrees else None
+            ),
         )
         self._client = client
         self._stop = stop  # abandons a put in flight when set (SIGTERM, whatever the queue does)

@@ -89,6 +89,15 @@ class RolloutConfig:
             "decoding step and replays it as CUDA graphs)"
         },
     )
+    kd_where_agrees: str | None = field(
+        default=None,
+        metadata={
+            "help": "a third tokenizer name or path: KD terms only on chunks whose student "
+            "tokens are each also one token of it (as the collators: xtoken run sets it from "
+            "collator.kd_where_agrees)",
+            "path": "tokenizer",
+        },
+    )
     max_pending: int | None = field(
         default=None,
         metadata={

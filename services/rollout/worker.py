@@ -138,6 +138,9 @@ class RolloutWorker:
             aligner=TokenAligner(),
             ctx_length_student=config.ctx_student,
             ctx_length_teacher=config.ctx_teacher,
+            kd_where_agrees=(
+                load_tokenizer(config.kd_where_agrees) if config.kd_where_agrees else None
+            ),
         )
         self.tokenizer = student_tok
         self.pad_id = resolve_pad_id(student_tok)

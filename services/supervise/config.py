@@ -135,6 +135,15 @@ class CollatorSection:
             "trainer.pack and teacher.pack"
         },
     )
+    kd_where_agrees: str | None = field(
+        default=None,
+        metadata={
+            "help": "a third tokenizer name or path: the KD loss only on chunks whose student "
+            "tokens are each also one token of it, covering the same bytes (e.g. KD from a "
+            "same-tokenizer parent where another teacher's tokenizer would also align 1:1); "
+            "the rollouts' samples too. None: every chunk"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.batch < 1:
@@ -318,6 +327,14 @@ class RunConfig:
                     f"(the run sets {section}.pack from it)"
                 )
         tr.pack = t.pack = self.collator.pack
+        agree = self.rollout.kd_where_agrees
+        if agree is not None and agree != self.collator.kd_where_agrees:
+            raise ValueError(
+                f"rollout.kd_where_agrees={agree!r} but collator.kd_where_agrees="
+                f"{self.collator.kd_where_agrees!r}; set collator.kd_where_agrees only (the run "
+                "gives the rollouts the same)"
+            )
+        self.rollout.kd_where_agrees = self.collator.kd_where_agrees
         if self.teachers > self.trainers:
             raise ValueError(
                 f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "

@@ -179,6 +179,7 @@ def make_data_sections(
             "ctx_student": cfg.ctx_student,
             "ctx_teacher": cfg.ctx_teacher,
             "pack": cfg.collator.pack,
+            "kd_where_agrees": cfg.collator.kd_where_agrees,
         },
     }
     return out
@@ -277,6 +278,7 @@ def rollout_sections(
             text_field=r.text_field if own_prompts else cfg.data.text_field,
             max_pending=max(r.batch, share) if r.max_pending is None else r.max_pending,
             state_dir=str(context.run_dir / "rollout"),
+            kd_where_agrees=cfg.collator.kd_where_agrees,
         )  # fmt: skip
         out[f"rollout{i}"] = cfgmod.to_dict(section)
     return out

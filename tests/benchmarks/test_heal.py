@@ -184,6 +184,24 @@ def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context
     run_config_from_dict(cfg)  # the run accepts it as it is
 
 
+def test_an_agree_arm_keeps_kd_where_another_tokenizer_cuts_alike_and_the_run_accepts_it(tmp_path):
+    arm = heal.parse_heal_arm("pkl@smollm2:agree=qwen3,temperature=2")
+    assert arm.agree == "qwen3" and arm.overrides == {"temperature": 2} and arm.on_policy == 0
+    args = argparse.Namespace(
+        device="cpu", work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
+        batch=16, limit=None, steps=150, epochs=3, eval_every=50, eval_texts=64, lr=5e-4,
+        warmup=20, temperature=1.0, kl_weight=1.0, aliases={},
+    )  # fmt: skip
+    cfg = heal.run_config(arm, 0, args, tmp_path / "student", tmp_path / "p.pt")
+    assert cfg["collator"]["kd_where_agrees"] == "qwen3"
+    assert cfg["data"]["ordered"] is True  # paired with the parent's arm, same micro-batches
+    from services.run import run_config_from_dict
+
+    assert run_config_from_dict(cfg).collator.kd_where_agrees == "qwen3"
+    with pytest.raises(ValueError, match="must name a tokenizer"):
+        heal.parse_heal_arm("pkl@smollm2:agree=")
+
+
 @pytest.mark.parametrize("bad", ["on_policy=0", "on_policy=1.5", "on_policy=half"])
 def test_an_on_policy_share_outside_0_1_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match="must be a share in"):

@@ -32,6 +32,7 @@ Shape legend: B texts, T student tokens, U teacher tokens, C chunks (alignment p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -89,6 +90,9 @@ class CrossTokenizerCollator:
         add_special_tokens: let each tokenizer add its usual specials (BOS...).
         pack: put several whole documents into each sample (a row of ``ctx_length_*`` tokens
             per side) instead of one text per sample; see :mod:`xtoken_core.data.packing`.
+        kd_where_agrees: a third tokenizer: a chunk stays ``pair_valid`` (a KD term) only where
+            each of its student tokens is also one token of this tokenizer, covering the same
+            bytes (:func:`restrict_to_agreement`). None: every chunk as aligned.
 
     Raises:
         ValueError: on a context length or divisor < 1 (or not an int).
@@ -106,6 +110,7 @@ class CrossTokenizerCollator:
         make_seq_div_by_teacher: int = 1,
         add_special_tokens: bool = True,
         pack: bool = False,
+        kd_where_agrees: Any | None = None,
     ) -> None:
         for name, value in (
             ("ctx_length_student", ctx_length_student),
@@ -124,6 +129,7 @@ class CrossTokenizerCollator:
         self.make_seq_div_by_teacher = int(make_seq_div_by_teacher)
         self.add_special_tokens = bool(add_special_tokens)
         self.pack = bool(pack)
+        self.kd_where_agrees = kd_where_agrees
         self.student_pad_id = resolve_pad_id(student_tokenizer)
         self.teacher_pad_id = resolve_pad_id(teacher_tokenizer)
 
@@ -204,7 +210,7 @@ class CrossTokenizerCollator:
             schema.STUDENT_TOKEN: schema.round_up(max(lengths_s), self.make_seq_div_by_student),
             schema.TEACHER_TOKEN: schema.round_up(max(lengths_u), self.make_seq_div_by_teacher),
         }
-        alignments = [self.aligner.align_tokenized(s, t) for s, t in zip(student, teacher)]
+        alignments = [self._align(s, t) for s, t in zip(student, teacher)]
         widths[schema.CHUNK] = max([1] + [int(a.num_chunks) for a in alignments])
         alignment = AlignmentBatch.from_samples(
             alignments,
@@ -359,7 +365,7 @@ class CrossTokenizerCollator:
         Returns:
             The sample dict (see :meth:`collate_one`); ``sample_mask`` is 0.0 for an empty text.
         """
-        alignment = self.aligner.align_tokenized(student, teacher)
+        alignment = self._align(student, teacher)
         s, t = student, teacher
         out: dict[str, torch.Tensor] = {
             "input_ids": torch.from_numpy(np.array(s.ids, dtype=np.int64)),
@@ -372,6 +378,43 @@ class CrossTokenizerCollator:
         }
         out.update(alignment.to_flat_dict(prefix=schema.ALIGNMENT_PREFIX))
         return {name: out[name] for name in schema.FIELD_NAMES}
+
+    def _align(self, student: TokenizedText, teacher: TokenizedText) -> Any:
+        alignment = self.aligner.align_tokenized(student, teacher)
+        if self.kd_where_agrees is None or len(student) == 0:
+            return alignment
+        return restrict_to_agreement(alignment, student, self.kd_where_agrees, self.aligner)
+
+
+def restrict_to_agreement(
+    alignment: Any, student: TokenizedText, other_tokenizer: Any, aligner: Any
+) -> Any:
+    """``alignment`` with its chunks' ``pair_valid`` kept only where every student token of the
+    chunk is a 1:1 chunk of the student and ``other_tokenizer`` tokenizations of the same text
+    (the same bytes, one token each side): KD only where a third tokenizer agrees with the
+    student's cut (e.g. KD from a same-tokenizer parent at the positions another teacher's
+    tokenizer would also give one-to-one).
+
+    Args:
+        alignment: the student-teacher ``SampleAlignment`` of the text.
+        student: the student tokens (``student.text`` is the text).
+        other_tokenizer: the third tokenizer.
+        aligner: a ``TokenAligner``.
+
+    Returns:
+        A ``SampleAlignment`` (the same one, ``pair_valid`` narrowed).
+    """
+    other = other_tokenizer.encode_batch([student.text], False)[0]
+    # past the student's last byte nothing is compared; keep what covers it
+    other = other.truncated(max(len(student) * 4, 1))
+    agree_T = np.asarray(aligner.align_tokenized(student, other).student_exact_partition_mask)
+    chunk_T = np.asarray(alignment.student_chunk_id)
+    disagree = chunk_T[(chunk_T >= 0) & ~agree_T[: len(chunk_T)].astype(bool)]
+    if disagree.size:
+        valid = np.array(alignment.pair_valid, dtype=bool, copy=True)
+        valid[np.unique(disagree)] = False
+        alignment = dataclasses.replace(alignment, pair_valid=valid)
+    return alignment
 
 
 def _pad_rows(rows: list[np.ndarray], width: int, pad: int) -> torch.Tensor:

@@ -155,3 +155,20 @@ def test_a_config_the_on_policy_path_cannot_run_names_the_key_and_the_fix(
 ):
     with pytest.raises(ConfigError, match=pattern):
         config(tmp_path, **overrides)
+
+
+def test_kd_where_agrees_reaches_the_collator_and_every_rollout_worker(tmp_path):
+    """The collators and the rollouts narrow their samples' KD chunks alike: off- and on-policy
+    samples of one run keep KD at the same kind of positions."""
+    cfg = config(tmp_path, **{"data.on_policy_fraction": 0.5, "collator.kd_where_agrees": "qwen3"})
+    p = plan(cfg)
+    assert p.sections["collator"]["worker"]["kd_where_agrees"] == "qwen3"
+    for i in (0, 1):
+        assert cfgmod.from_dict(RolloutConfig, p.sections[f"rollout{i}"]).kd_where_agrees == "qwen3"
+    plain = plan(config(tmp_path, **{"data.on_policy_fraction": 0.5}))
+    assert plain.sections["collator"]["worker"]["kd_where_agrees"] is None
+
+
+def test_a_rollout_kd_where_agrees_other_than_the_collators_is_refused_naming_both(tmp_path):
+    with pytest.raises(ValueError, match="set collator.kd_where_agrees only"):
+        config(tmp_path, **{"data.on_policy_fraction": 0.5, "rollout.kd_where_agrees": "qwen3"})

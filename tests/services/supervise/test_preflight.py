@@ -53,6 +53,26 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_refused_naming_the_key(
         check_devices(config)
 
 
+def test_xtoken_run_with_an_unknown_kd_where_agrees_tokenizer_exits_2_naming_the_key(tmp_path):
+    train = _corpus(tmp_path / "train.jsonl", 80)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({
+        "run_dir": str(tmp_path / "run"), "data": {"train": str(train)},
+        "student_tokenizer": "mistral", "teacher_tokenizer": "mistral",
+        "teacher": {"model": "tiny"}, "trainer": {"student": "tiny", "loss": {"mode": "pkl"}},
+        "collator": {"kd_where_agrees": "no-such-tokenizer"},
+    }))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(config), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "collator.kd_where_agrees" in ln]
+    assert len(lines) == 1 and "no-such-tokenizer" in lines[0]
+    assert not (tmp_path / "run" / "logs").exists()  # refused before any process started
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_xtoken_run_with_teacher_device_cuda_exits_2_with_one_line(tmp_path):
     train = _corpus(tmp_path / "train.jsonl", 8)

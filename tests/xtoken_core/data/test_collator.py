@@ -218,3 +218,37 @@ def test_pad_id_falls_back_to_eos_then_zero():
     assert resolve_pad_id(types.SimpleNamespace(pad_id=None, eos_id=2)) == 2
     assert resolve_pad_id(types.SimpleNamespace(pad_id=None, eos_id=None)) == 0
     assert resolve_pad_id(object()) == 0
+
+
+def _agreeing_student_tokens(student_tok, other_tok, text):
+    """Student token indices that are one token of ``other_tok`` over the same bytes: their
+    byte spans match a span of the other tokenization exactly (brute force, no aligner)."""
+    s = student_tok.encode_batch([text], False)[0]
+    o = other_tok.encode_batch([text], False)[0]
+    other_spans = {tuple(int(x) for x in sp) for sp, role in zip(o.spans, o.roles) if sp[1] > sp[0]}
+    return {i for i, sp in enumerate(s.spans) if tuple(int(x) for x in sp) in other_spans}
+
+
+@pytest.mark.parametrize("text", [LONG, "Hello, world!", "emoji 🙂🙃 and ½ ≠ 0.5", ""])
+def test_kd_where_another_tokenizer_agrees_keeps_exactly_its_one_to_one_tokens(tokenizers, text):
+    """Same tokenizer both sides (qwen3: identity chunks, every one valid); with
+    ``kd_where_agrees=mistral`` a chunk stays valid exactly where its token is also one mistral
+    token over the same bytes; ids, lengths and chunk ids are unchanged."""
+    qwen, mistral = tokenizers
+    plain = _collator((qwen, qwen), ctx_length_student=512, ctx_length_teacher=512)
+    narrowed = _collator(
+        (qwen, qwen), ctx_length_student=512, ctx_length_teacher=512, kd_where_agrees=mistral
+    )
+    a, b = plain.collate_one(text), narrowed.collate_one(text)
+    for name in S.FIELD_NAMES:
+        if name != "alignment_pair_valid":
+            assert torch.equal(a[name], b[name]), name
+    chunk_T = b["alignment_student_chunk_id"].tolist()
+    valid = b["alignment_pair_valid"].tolist()
+    kept = {i for i, c in enumerate(chunk_T) if c >= 0 and valid[c]}
+    assert kept == _agreeing_student_tokens(qwen, mistral, text)
+    assert bool(a["alignment_pair_valid"].all())
+    if text == LONG:  # CJK and code: mistral cuts some of them otherwise
+        assert 0 < len(kept) < len(chunk_T)
+    batch = narrowed([text, "Hello, world!"])  # the padded batch narrows alike
+    assert batch["alignment_pair_valid"][0, : len(valid)].tolist() == valid
