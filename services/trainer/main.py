@@ -251,12 +251,15 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             if register
             else f"not registered: {config.epochs} epochs read every sample again",
         )
+        clock = None
         while True:
             lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
             if config.max_steps and worker.step >= config.max_steps:
                 break
             profiler.step_begins(worker.step + 1)
-            clock = PhaseClock(device)
+            # one clock until a step trains: the waits of the tries that found no data (a
+            # missing on-policy share, an empty queue) count in that step's data wait
+            clock = clock or PhaseClock(device)
             with clock.phase("data_wait"):
                 mbs = feed.next_step(config.grad_accum)
             with clock.phase("sync"):
@@ -272,7 +275,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 if feed.ended or config.idle_timeout_s is not None:
                     break
                 continue
-            result = worker.train_step(mbs, clock)
+            result, clock = worker.train_step(mbs, clock), None
             feed.ack(mbs)
             if publisher is not None:
                 publisher.after_step()

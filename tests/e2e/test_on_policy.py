@@ -69,6 +69,9 @@ def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp
         if op["samples"]:
             assert op["mean_staleness"] <= config.trainer.on_policy.max_staleness
             assert op["teacher_logprob_per_byte"] < 0
+        # the step's wait for rollouts is inside its data wait (also across tries that found
+        # no whole step): a step's time holds every wait before it
+        assert op["wait_s"] <= step["times"]["data_wait"] + 1e-3, (op, step["times"])
     dropped = steps[-1]["on_policy"]["dropped_stale"]
     assert len(on) + dropped >= share * len(steps)
     generated = [r for r in read_jsonl(run_dir / "metrics" / "rollout0.jsonl")]
@@ -158,3 +161,35 @@ def test_a_rollout_worker_killed_mid_batch_loses_no_prompt_and_stores_no_sample_
         assert int(sample["policy_version"]) == 0
         assert int(sample["input_lengths"]) >= int(sample["prompt_lengths"]) >= 1
     assert torch.is_tensor(samples[0]["input_ids"])
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_waiting_for_rollouts_counts_every_wait_in_the_next_steps_data_wait(
+    procs, tmp_path, demo
+):
+    """Every sample on-policy, claims that give up after 0.2 s: the trainer tries several times
+    per step while the rollout samples. Each step record's data wait holds all of it (it held
+    only the last try's, so a trainer starved by its rollouts reported ~0% waiting)."""
+    paths, _ = corpus_parts(demo, tmp_path / "data", n=16, parts=1)
+    run_dir = tmp_path / "run"
+    sets = {
+        "data.train": str(paths[0]),
+        "data.heldout": str(demo.heldout_path),
+        "data.limit": "null",
+        "data.on_policy_fraction": "1.0",
+        "trainer.claim_timeout_s": "0.2",
+        "trainer.max_steps": "4",
+        "trainer.export": "false",
+        "trainer.checkpoint_every": "0",
+        "rollout.max_new_tokens": "48",
+    }
+    argv = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
+    run = procs.start("run", argv, ready=False)
+    assert run.wait(170) == 0, run.tail()
+    steps = step_records(run_dir, 0)
+    assert len(steps) == 4
+    waits = [(s["on_policy"]["wait_s"], s["times"]["data_wait"]) for s in steps]
+    assert all(wait <= data_wait + 1e-3 for wait, data_wait in waits), waits
+    assert sum(wait for wait, _ in waits) > 0.2, waits  # it did wait past one try
