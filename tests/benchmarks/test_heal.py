@@ -164,14 +164,19 @@ def test_report_refuses_rows_of_different_experiments(tmp_path):
         )
 
 
-def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context(tmp_path):
-    arm = heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b:on_policy=0.5,temperature=2")
-    assert arm.on_policy == 0.5 and arm.overrides == {"temperature": 2}
-    args = argparse.Namespace(
-        device="cuda", work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
+def _run_args(tmp_path, device: str) -> argparse.Namespace:
+    """The command-line values ``heal.run_config`` reads, the experiment's defaults."""
+    return argparse.Namespace(
+        device=device, work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
         batch=16, limit=None, steps=150, epochs=3, eval_every=50, eval_texts=64, lr=5e-4,
         warmup=20, temperature=1.0, kl_weight=1.0, aliases={},
     )  # fmt: skip
+
+
+def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context(tmp_path):
+    arm = heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b:on_policy=0.5,temperature=2")
+    assert arm.on_policy == 0.5 and arm.overrides == {"temperature": 2}
+    args = _run_args(tmp_path, "cuda")
     cfg = heal.run_config(arm, 2, args, tmp_path / "student", tmp_path / "p.pt")
     assert cfg["data"]["on_policy_fraction"] == 0.5 and cfg["data"]["ordered"] is False
     assert cfg["rollouts"] == 1 and cfg["rollout"]["device"] == "cuda"
@@ -187,11 +192,7 @@ def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context
 def test_an_agree_arm_keeps_kd_where_another_tokenizer_cuts_alike_and_the_run_accepts_it(tmp_path):
     arm = heal.parse_heal_arm("pkl@smollm2:agree=qwen3,temperature=2")
     assert arm.agree == "qwen3" and arm.overrides == {"temperature": 2} and arm.on_policy == 0
-    args = argparse.Namespace(
-        device="cpu", work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
-        batch=16, limit=None, steps=150, epochs=3, eval_every=50, eval_texts=64, lr=5e-4,
-        warmup=20, temperature=1.0, kl_weight=1.0, aliases={},
-    )  # fmt: skip
+    args = _run_args(tmp_path, "cpu")
     cfg = heal.run_config(arm, 0, args, tmp_path / "student", tmp_path / "p.pt")
     assert cfg["collator"]["kd_where_agrees"] == "qwen3"
     assert cfg["data"]["ordered"] is True  # paired with the parent's arm, same micro-batches

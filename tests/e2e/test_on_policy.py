@@ -34,8 +34,9 @@ from xtoken_core.data import sample as schema
 EXAMPLE = ROOT / "examples" / "on_policy.yaml"
 
 
-@pytest.mark.timeout(180)
-def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp_path, demo):
+def _run_example(procs, tmp_path, demo, **extra: str) -> tuple[pathlib.Path, list]:
+    """``xtoken run examples/on_policy.yaml`` on 16 demo texts (``extra``: more ``--set``
+    pairs, dots as ``__``); returns the run dir and the corpus once the run ended with 0."""
     paths, corpus = corpus_parts(demo, tmp_path / "data", n=16, parts=1)
     run_dir = tmp_path / "run"
     sets = {
@@ -44,12 +45,19 @@ def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp
         "data.limit": "null",
         "trainer.export": "false",
         "trainer.checkpoint_every": "0",
+        **{key.replace("__", "."): value for key, value in extra.items()},
     }
     argv = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
     run = procs.start("run", argv, ready=False)
     assert run.wait(170) == 0, run.tail()
+    return run_dir, corpus
+
+
+@pytest.mark.timeout(180)
+def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp_path, demo):
+    run_dir, corpus = _run_example(procs, tmp_path, demo)
 
     config = load_run_config(EXAMPLE)
     step_size = config.trainer.micro_batch * config.trainer.grad_accum
@@ -170,24 +178,10 @@ def test_a_trainer_waiting_for_rollouts_counts_every_wait_in_the_next_steps_data
     """Every sample on-policy, claims that give up after 0.2 s: the trainer tries several times
     per step while the rollout samples. Each step record's data wait holds all of it (it held
     only the last try's, so a trainer starved by its rollouts reported ~0% waiting)."""
-    paths, _ = corpus_parts(demo, tmp_path / "data", n=16, parts=1)
-    run_dir = tmp_path / "run"
-    sets = {
-        "data.train": str(paths[0]),
-        "data.heldout": str(demo.heldout_path),
-        "data.limit": "null",
-        "data.on_policy_fraction": "1.0",
-        "trainer.claim_timeout_s": "0.2",
-        "trainer.max_steps": "4",
-        "trainer.export": "false",
-        "trainer.checkpoint_every": "0",
-        "rollout.max_new_tokens": "48",
-    }
-    argv = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
-    for key, value in sets.items():
-        argv += ["--set", f"{key}={value}"]
-    run = procs.start("run", argv, ready=False)
-    assert run.wait(170) == 0, run.tail()
+    run_dir, _ = _run_example(
+        procs, tmp_path, demo, data__on_policy_fraction="1.0", trainer__claim_timeout_s="0.2",
+        trainer__max_steps="4", rollout__max_new_tokens="48",
+    )  # fmt: skip
     steps = step_records(run_dir, 0)
     assert len(steps) == 4
     waits = [(s["on_policy"]["wait_s"], s["times"]["data_wait"]) for s in steps]

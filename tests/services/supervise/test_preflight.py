@@ -33,6 +33,19 @@ def _config(tmp_path, **sections):
     return run_config_from_dict(data)
 
 
+def _xtoken_run_refused(tmp_path, run: dict) -> str:
+    """``xtoken run`` of ``run`` (a run config) must exit 2 without a traceback: its stderr."""
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(run))
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(config), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
 def _corpus(path, n: int, bad_line: int | None = None):
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"text": f"text number {i}."}) for i in range(n)]
@@ -55,20 +68,13 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_refused_naming_the_key(
 
 def test_xtoken_run_with_an_unknown_kd_where_agrees_tokenizer_exits_2_naming_the_key(tmp_path):
     train = _corpus(tmp_path / "train.jsonl", 80)
-    config = tmp_path / "run.json"
-    config.write_text(json.dumps({
+    stderr = _xtoken_run_refused(tmp_path, {
         "run_dir": str(tmp_path / "run"), "data": {"train": str(train)},
         "student_tokenizer": "mistral", "teacher_tokenizer": "mistral",
         "teacher": {"model": "tiny"}, "trainer": {"student": "tiny", "loss": {"mode": "pkl"}},
         "collator": {"kd_where_agrees": "no-such-tokenizer"},
-    }))  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run", str(config), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if "collator.kd_where_agrees" in ln]
+    })  # fmt: skip
+    lines = [ln for ln in stderr.splitlines() if "collator.kd_where_agrees" in ln]
     assert len(lines) == 1 and "no-such-tokenizer" in lines[0]
     assert not (tmp_path / "run" / "logs").exists()  # refused before any process started
 
@@ -76,18 +82,11 @@ def test_xtoken_run_with_an_unknown_kd_where_agrees_tokenizer_exits_2_naming_the
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_xtoken_run_with_teacher_device_cuda_exits_2_with_one_line(tmp_path):
     train = _corpus(tmp_path / "train.jsonl", 8)
-    config = tmp_path / "run.json"
-    config.write_text(json.dumps({
+    stderr = _xtoken_run_refused(tmp_path, {
         "run_dir": str(tmp_path / "run"), "data": {"train": str(train)},
         "teacher": {"device": "cuda"}, "trainer": {"loss": {"mode": "pkl"}},
-    }))  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run", str(config), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert "teacher.device='cuda' but this machine has no CUDA device" in proc.stderr
+    })  # fmt: skip
+    assert "teacher.device='cuda' but this machine has no CUDA device" in stderr
 
 
 def test_data_train_takes_a_folder_or_a_glob_as_the_collator_does(tmp_path):
