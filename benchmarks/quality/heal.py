@@ -170,21 +170,24 @@ def parse_heal_arm(spec: str) -> HealArm:
     teacher, colon, extra = rest.partition(":")
     teacher_tokenizer(teacher)
     pairs = [p for p in extra.split(",") if p] if colon else []
+    # the run's own keys (the rest are loss settings): the last of each given
+    run_keys = {
+        p.partition("=")[0]: p for p in pairs if p.partition("=")[0] in ("on_policy", "agree")
+    }
+    pairs = [p for p in pairs if p.partition("=")[0] not in run_keys]
     on_policy = 0.0
-    for pair in [p for p in pairs if p.partition("=")[0] == "on_policy"]:
-        pairs.remove(pair)
+    if "on_policy" in run_keys:
         try:
-            on_policy = float(pair.partition("=")[2])
+            on_policy = float(run_keys["on_policy"].partition("=")[2])
         except ValueError:
             on_policy = float("nan")
         if not 0.0 < on_policy <= 1.0:
-            raise ValueError(f"arm {spec!r}: {pair!r} must be a share in (0, 1]")
-    agree = None
-    for pair in [p for p in pairs if p.partition("=")[0] == "agree"]:
-        pairs.remove(pair)
-        agree = pair.partition("=")[2]
-        if not agree:
-            raise ValueError(f"arm {spec!r}: {pair!r} must name a tokenizer, e.g. agree=qwen3")
+            raise ValueError(f"arm {spec!r}: {run_keys['on_policy']!r} must be a share in (0, 1]")
+    agree = run_keys["agree"].partition("=")[2] if "agree" in run_keys else None
+    if agree == "":
+        raise ValueError(
+            f"arm {spec!r}: {run_keys['agree']!r} must name a tokenizer, e.g. agree=qwen3"
+        )
     _, overrides = kd.parse_arm(f"{base}:{','.join(pairs)}" if pairs else base)
     return HealArm(spec, base, teacher, overrides, on_policy, agree)
 

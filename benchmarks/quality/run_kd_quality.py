@@ -586,15 +586,12 @@ def launch_all(
         if on_done is not None:
             on_done(*key, code, wall)
 
-    def free_gpu() -> str | None | bool:
-        load = {g: 0 for g in visible}
-        for *_, g in running.values():
-            load[g] += 1
-        gpu = min(visible, key=lambda g: load[g])
-        return gpu if load[gpu] < parallel else False
-
     while pending or running or side:
-        while pending and (gpu := free_gpu()) is not False:
+        while pending:
+            on = [g for *_, g in running.values()]
+            gpu = min(visible, key=on.count)  # the least busy GPU (None: no --gpus)
+            if on.count(gpu) >= parallel:
+                break
             arm, seed, cfg = pending.pop(0)
             walls = [w for c, w in done.values() if c == 0] if finish_by_deadline else []
             if time.monotonic() + max(walls, default=0.0) > deadline:

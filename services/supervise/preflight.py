@@ -112,17 +112,17 @@ def preflight(config: RunConfig) -> Inputs:
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
     tokenizers = {}
-    for key in ("student_tokenizer", "teacher_tokenizer"):
+    names = {
+        "student_tokenizer": config.student_tokenizer,
+        "teacher_tokenizer": config.teacher_tokenizer,
+        "collator.kd_where_agrees": config.collator.kd_where_agrees,
+    }
+    for key, name in names.items():
         try:
-            tokenizers[key] = load_tokenizer(getattr(config, key))
+            tokenizers[key] = load_tokenizer(name) if name else None
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
     s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
-    if config.collator.kd_where_agrees:
-        try:
-            load_tokenizer(config.collator.kd_where_agrees)
-        except ValueError as e:
-            raise ValueError(f"collator.kd_where_agrees: {e}") from None
     check_vocabs(config, s_tok.vocab_size, t_tok.vocab_size)
     projection = config.trainer.loss.projection
     if config.trainer.loss.uses_teacher and not projection:

@@ -405,11 +405,13 @@ def restrict_to_agreement(
         A ``SampleAlignment`` (the same one, ``pair_valid`` narrowed).
     """
     other = other_tokenizer.encode_batch([student.text], False)[0]
-    # past the student's last byte nothing is compared; keep what covers it
-    other = other.truncated(max(len(student) * 4, 1))
-    agree_T = np.asarray(aligner.align_tokenized(student, other).student_exact_partition_mask)
+    # the other tokens that start before the student's last byte ends (content spans are
+    # non-decreasing): past it nothing is compared
+    end = int(student.spans_N2[:, 1].max()) if len(student) else 0
+    other = other.truncated(int(np.searchsorted(other.spans_N2[:, 0], end, side="left")))
+    agree_T = aligner.align_tokenized(student, other).student_exact_partition_mask
     chunk_T = np.asarray(alignment.student_chunk_id)
-    disagree = chunk_T[(chunk_T >= 0) & ~agree_T[: len(chunk_T)].astype(bool)]
+    disagree = chunk_T[(chunk_T >= 0) & ~np.asarray(agree_T, dtype=bool)]
     if disagree.size:
         valid = np.array(alignment.pair_valid, dtype=bool, copy=True)
         valid[np.unique(disagree)] = False
