@@ -2,11 +2,11 @@
 
 A model samples ids, not text: its sequence may end inside a UTF-8 character (a byte-level BPE
 token or a ``<0xHH>`` byte-fallback piece that holds part of one), or hold bytes that are no
-UTF-8 at all. :func:`decode_sampled` keeps the ids as sampled and cuts the sequence before the
-first token whose bytes reach past the longest valid UTF-8 prefix of the whole byte string:
-at an incomplete last character that is the last whole character (at a token boundary); an
-invalid byte anywhere cuts there too, so that the text is always valid and both tokenizers see
-exactly the same bytes.
+UTF-8 at all. :func:`decode_sampled` keeps the ids as sampled and cuts the sequence to its
+longest prefix of whole tokens whose bytes are valid UTF-8: at an incomplete last character
+that is the last whole character at a token boundary; an invalid byte anywhere cuts there too
+(and further back where the token holding it also held the end of the character before it), so
+that the text is always valid and both tokenizers see exactly the same bytes.
 
 The spans are the ones :meth:`XTokenizer.encode` gives where the token bytes spell the text:
 each content token covers its own bytes in order (the first one without SentencePiece's dummy
@@ -54,14 +54,17 @@ def decode_sampled(tokenizer: XTokenizer, ids: Sequence[int] | np.ndarray) -> To
     lens_N = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
     ends_N = np.cumsum(lens_N)
     data = b"".join(pieces)
-    try:
-        text = data.decode("utf-8")
-        keep = len(ids_N)
-    except UnicodeDecodeError as e:
-        # tokens reaching past the valid prefix go, with everything after them
-        keep = int(np.argmax(ends_N > e.start))
-        data = data[: int(ends_N[keep - 1]) if keep else 0]
-        text = data.decode("utf-8")
+    keep = len(ids_N)
+    while True:
+        try:
+            text = data.decode("utf-8")
+            break
+        except UnicodeDecodeError as e:
+            # tokens reaching past the valid prefix go, with everything after them; the cut may
+            # itself end inside a character whose last bytes were in the first token cut (a
+            # token of a character's tail and an invalid byte), so decode again
+            keep = int(np.argmax(ends_N[:keep] > e.start))
+            data = data[: int(ends_N[keep - 1]) if keep else 0]
     ends_N = ends_N[:keep]
     spans_N2 = np.stack([ends_N - lens_N[:keep], ends_N], axis=1)
     return TokenizedText(ids_N[:keep].copy(), spans_N2, roles_N[:keep].copy(), text)

@@ -24,10 +24,22 @@ def tok(name: str):
 
 
 @functools.cache
-def high_byte_ids(name: str) -> list[int]:
-    """Ids of tokens that are one byte >= 0x80: a run of them is rarely valid UTF-8."""
+def partial_ids(name: str) -> list[int]:
+    """Ids of tokens whose bytes are no valid UTF-8 alone (a single byte >= 0x80, a character's
+    head or tail, a tail with the next character's head): a run of them is rarely valid."""
     t = tok(name)
-    return [i for i in range(t.vocab_size) if len(b := t.token_bytes(i)) == 1 and b[0] >= 0x80]
+    out = []
+    for i in range(t.vocab_size):
+        try:
+            t.token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:
+            out.append(i)
+    return out
+
+
+def byte_token(t, value: int) -> int:
+    """The id of the token that is the one byte ``value``."""
+    return next(i for i in range(t.vocab_size) if t.token_bytes(i) == bytes([value]))
 
 
 def all_bytes(t, ids) -> bytes:
@@ -40,11 +52,11 @@ def all_bytes(t, ids) -> bytes:
 
 @st.composite
 def sampled(draw, name: str) -> list[int]:
-    """What a student might sample: a text's tokens, random ids, single high bytes (invalid or
+    """What a student might sample: a text's tokens, random ids, pieces of characters (invalid or
     incomplete UTF-8, often at the end)."""
     t = tok(name)
     head = t.encode(draw(st.text(max_size=30))).ids.tolist() if draw(st.booleans()) else []
-    pick = st.one_of(st.integers(0, t.vocab_size - 1), st.sampled_from(high_byte_ids(name)))
+    pick = st.one_of(st.integers(0, t.vocab_size - 1), st.sampled_from(partial_ids(name)))
     return head + draw(st.lists(pick, max_size=24))
 
 
@@ -89,9 +101,19 @@ def test_sampled_ids_give_the_longest_valid_prefix_of_whole_tokens(name, data):
     ends = got.spans[content, 1]
     assert (ends[:-1] == got.spans[content, 0][1:]).all() if len(ends) else True
     assert (int(ends[-1]) if len(ends) else 0) == len(text_bytes)
-    if n < len(ids):  # cut: the whole is no valid UTF-8, and the cut token reaches past its
-        whole = all_bytes(t, ids)  # longest valid prefix
-        with pytest.raises(UnicodeDecodeError) as err:
-            whole.decode("utf-8")
-        assert len(text_bytes) <= err.value.start < len(all_bytes(t, ids[: n + 1]))
-        assert t.roles_table[ids[n]] == ROLE_CONTENT
+    for m in range(n + 1, len(ids) + 1):  # the longest: every longer prefix is no valid UTF-8
+        with pytest.raises(UnicodeDecodeError):
+            all_bytes(t, ids[:m]).decode("utf-8")
+
+
+def test_a_cut_that_ends_inside_a_character_is_cut_again():
+    """F0 9D 90 | 82 AC: the token holding the invalid byte AC also holds the last byte of the
+    four-byte character before it, so cutting that token leaves F0 9D 90 (no whole character):
+    the cut goes back to the last whole one (what a rollout once died of)."""
+    t = tok("qwen3")
+    tail = next(i for i in range(t.vocab_size) if t.token_bytes(i) == b"\x82\xac")
+    head = t.encode("ab").ids.tolist()
+    ids = head + [byte_token(t, b) for b in (0xF0, 0x9D, 0x90)] + [tail]
+    got = decode_sampled(t, ids)
+    assert got.text == "ab"
+    assert got.ids.tolist() == head
