@@ -46,7 +46,10 @@ coarse bin of more than B / 2 elements, more open elements than ``max_open_row``
 reference. The host waits for the device once, for the rows to refer and the numbers of open
 bins and open elements (:func:`topm_l1_signs` ``before_wait`` queues other work before it, for
 the GPU to run while the host waits); the lists are sized by the open elements, which they are
-a part of, so the host then queues every pass to the end without waiting.
+a part of, so the host then queues every pass to the end without waiting. A call whose every row
+goes to the reference still runs the counts' kernels once per widths and ``m``, on two made-up
+rows (:func:`_compile_counts`): compiled in the start-up step, not in the first later step with a
+row they can do.
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
 F fine bins, P most open bins in a row, Q open bins in all, O open elements in all (the
@@ -64,6 +67,7 @@ from ._utils import (
     MAX_COMBINE,
     SUM_COMBINE,
     cdiv,
+    interpret_mode,
     lazy_jit,
     next_power_of_2,
     read_later,
@@ -447,8 +451,10 @@ if tl is not None:
             tl.store(foffs_ptr + q * 256 + f, tl.associative_scan(listed, 0, SUM_COMBINE) - listed)
             tl.store(nlist_ptr + q, tl.reduce(listed, 0, SUM_COMBINE))
 
-    @lazy_jit(  # N: the batch's chunk count; the row bases are carved from one buffer
-        do_not_specialize=("N",), do_not_specialize_on_alignment=("obase_ptr",)
+    @lazy_jit(  # N: the batch's chunk count; NPROGS from its open elements; the row bases are
+        # carved from one buffer
+        do_not_specialize=("N", "NPROGS"),
+        do_not_specialize_on_alignment=("obase_ptr",),
     )
     def _mark_kernel(
         rec_val_ptr,
@@ -522,7 +528,7 @@ if tl is not None:
         tl.store(sums_ptr + n * NPROGS + block, tl.reduce(total_a, 0, SUM_COMBINE))
         tl.store(sums_ptr + (N + n) * NPROGS + block, tl.reduce(total_b, 0, SUM_COMBINE))
 
-    @lazy_jit(do_not_specialize=("N",))  # N: the batch's chunk count
+    @lazy_jit(do_not_specialize=("N", "P"))  # N: the batch's chunk count; P its most open bins
     def _resolve_kernel(
         fhist_ptr,
         top_ptr,
@@ -800,8 +806,12 @@ def topm_l1_signs(
     if before_wait is not None:
         before_wait()
     max_bins, n_bins, n_bad, max_open, n_open = sizes()  # wait for the device
+    widths = (A, B, m, str(device), interpret_mode())
     if n_bad == N:
+        if widths not in _COUNTS_COMPILED:
+            _compile_counts(A, B, m, device)
         return _reference_signs(a_NA, b_NB, m)
+    _COUNTS_COMPILED.add(widths)
     bins = dict(K=COARSE_BINS, BASE=COARSE_BASE, SHIFT=COARSE_SHIFT, FSHIFT=FINE_SHIFT)
     P, Q = max(max_bins, 1), max(n_bins, 1)  # (no empty grids or pointers)
     fhist_Q2F = torch.zeros((Q, 2, FINE_BINS), **i32)
@@ -850,6 +860,28 @@ def topm_l1_signs(
         ref = _reference_signs(a_NA[bad], b_NB[bad], m)
         l1_N[bad], gsum_N[bad], state_NA[bad] = ref
     return TopmSigns(l1_N, gsum_N, state_NA)
+
+
+#: ``(A, B, m, device, interpreted)`` of the rows the counts' kernels have run on in this process.
+_COUNTS_COMPILED: set[tuple[int, int, int, str, bool]] = set()
+
+
+def _compile_counts(A: int, B: int, m: int, device: torch.device) -> None:
+    """Run the counts' kernels once on two rows of these widths that they can do, so that
+    Triton compiles them now.
+
+    A call whose every row goes to the reference launches none of them (a young model's rows
+    are nearly flat: their top-m bins hold too many elements); the first later batch with a row
+    the counts can do would compile five kernels mid-run, seconds on that step (at 4x2048 gold
+    beside its teacher: 2.4 s on one step). Called from the first such call, the trainer's
+    start-up step. The rows: log-probs spread evenly over 1..200 nats, a few hundred elements
+    a coarse bin. Same widths, same ``m``: the variants the real rows use (the row count and
+    the counts of open bins and elements are not specialized on).
+    """
+    a_2A = -torch.linspace(1.0, 200.0, A, device=device).expand(2, A).contiguous()
+    b_2B = -torch.linspace(1.5, 200.0, B, device=device).expand(2, B).contiguous()
+    _COUNTS_COMPILED.add((A, B, m, str(device), interpret_mode()))  # tried once, done or not
+    topm_l1_signs(a_2A, b_2B, m)
 
 
 def topm_gradient(a_NA: torch.Tensor, state_NA: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,45 @@ def test_topm_l1_falls_back_when_a_row_needs_too_large_a_pool(monkeypatch):
     torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
 
 
+class _CountLaunches:
+    """Stands in for ``_count_kernel``: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_topm_l1_compiles_its_counts_kernels_when_every_row_goes_to_the_reference(monkeypatch):
+    # a young model's flat rows all go to the reference: the counts' kernels run once anyway,
+    # on two rows of the same widths, so that they compile in that (start-up) step and not in
+    # the first later step with a row they can do
+    monkeypatch.setattr(tm, "_COUNTS_COMPILED", set())
+    launches = _CountLaunches(tm._count_kernel)
+    monkeypatch.setattr(tm, "_count_kernel", launches)
+    a, b = _rows(2, 128, 128, seed=5, ties=40)
+    l1_ref, _, gsum_ref = tm.topm_l1_reference(a, b, 60)
+    l1, _, gsum = tm.topm_l1(a, b, 60, max_open_row=8)  # every row needs too large a pool
+    assert [grid[0] for grid in launches.grids] == [2]  # the warm-up's two rows
+    torch.testing.assert_close(l1, l1_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gsum, gsum_ref, rtol=1e-5, atol=1e-7)
+    tm.topm_l1(a, b, 60, max_open_row=8)
+    tm.topm_l1(a[:, :100], b[:, :90], 60, max_open_row=8)  # other widths: once more
+    assert [grid[0] for grid in launches.grids] == [2, 2]
+
+
+def test_topm_l1_needs_no_warm_up_after_its_counts_have_run(monkeypatch):
+    monkeypatch.setattr(tm, "_COUNTS_COMPILED", set())
+    launches = _CountLaunches(tm._count_kernel)
+    monkeypatch.setattr(tm, "_count_kernel", launches)
+    a, b = _rows(3, 128, 128, seed=5, ties=40)
+    tm.topm_l1(a, b, 60)  # rows the counts do
+    tm.topm_l1(a, b, 60, max_open_row=8)  # then none
+    assert [grid[0] for grid in launches.grids] == [3]
+
+
 @pytest.mark.parametrize("why", ["ties larger than the list", "top-m below the range"])
 def test_topm_l1_sends_only_the_rows_it_cannot_do_to_the_reference(monkeypatch, why):
     rows_seen = []
