@@ -11,6 +11,8 @@ time and the kernels compiled during it (Triton's ``jit_post_compile_hook``).
 Usage (GPU)::
 
     python benchmarks/losses/bench_loss_recompiles.py --shapes 1x4096 4x2048 --modes pkl gold xtoken
+    # a young model: gold's rows all go to its reference for 4 calls, then not
+    python benchmarks/losses/bench_loss_recompiles.py --shapes 4x2048 --modes gold --flat-calls 4
 
 Logits are random (the loss's cost does not depend on the model); student vocab 151,936
 (Qwen3), teacher 32,768 (Mistral), the projection built from the two tokenizers.
@@ -121,6 +123,8 @@ def run(args, mode: str, B: int, T: int, corpus: Path, projection: str, counter)
         batch = {k: v.to(device) for k, v in batch.items()}
         Ts, Tt = batch["input_ids"].shape[1], batch["teacher_input_ids"].shape[1]
         z_s = torch.randn(B, Ts, args.student_vocab, device=device, generator=g)
+        if call < args.flat_calls:  # a young model's nearly flat rows
+            z_s.mul_(0.01)
         z_s = z_s.to(torch.bfloat16).requires_grad_(True)
         z_t = torch.randn(B, Tt, args.teacher_vocab, device=device, generator=g)
         z_t = z_t.to(torch.bfloat16)
@@ -165,6 +169,13 @@ def main() -> int:
     p.add_argument("--teacher-vocab", type=int, default=32768)
     p.add_argument("--device", default="cuda")
     p.add_argument("--keep-cache", action="store_true", help="use Triton's usual cache dir")
+    p.add_argument(
+        "--flat-calls",
+        type=int,
+        default=0,
+        help="the first calls' student logits scaled by 0.01 (a young model's flat rows, which "
+        "gold sends to its top-k reference): kernels first needed by later calls show",
+    )
     p.add_argument("--tag", default="")
     p.add_argument("--work", default="/tmp/xtoken_bench_recompiles")
     p.add_argument("--results", default=str(RESULTS_DIR / "losses_recompiles.jsonl"))
