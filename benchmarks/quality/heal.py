@@ -41,7 +41,7 @@ dequantizes each GGUF into ``$XTOKEN_CACHE`` (here, on 2 CPU cores: 44 s for qwe
 starts no run that would end after it (at the longest wall time seen so far in the call). The
 first call's ``wall_s`` / ``train_s`` per row tell what the next calls can afford.
 Memory, measured: on one 80 GB H100, six runs with the Qwen2.5-Coder teacher and a rollout worker
-each (on-policy arms) did not fit (every trainer stopped at its start-up step with 75 GiB held by
+each (on-policy arms; now ``--rollouts``, default 3 x the on-policy share rounded up) did not fit (every trainer stopped at its start-up step with 75 GiB held by
 the others); three CE and three P-KL runs did. Give on-policy arms ``--parallel 3`` per 80 GB GPU
 (an H200 holds six); ``--gpus 0 1 2 3`` spreads the runs over several GPUs, ``--parallel`` on
 each.
@@ -75,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 from pathlib import Path
@@ -290,7 +291,8 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
         cfg["collator"]["kd_where_agrees"] = arm.agree
     if arm.on_policy:  # rows as long as the collator's: a quarter prompt, the rest written
         cfg["data"].update(on_policy_fraction=arm.on_policy, ordered=False)
-        cfg["rollouts"] = 1
+        # sampling 3/4 of each row is the run's slowest part: workers in proportion to the share
+        cfg["rollouts"] = args.rollouts or math.ceil(3 * arm.on_policy)
         cfg["rollout"] = {
             "prompt_tokens": args.ctx // 4,
             "max_new_tokens": args.ctx - args.ctx // 4,

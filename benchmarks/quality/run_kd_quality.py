@@ -1052,6 +1052,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-limit", type=int, default=None, help="held-out texts (default: all)")
     p.add_argument("--limit", type=int, default=None, help="train on the first N texts only")
     p.add_argument("--collators", type=int, default=2, help="collator workers per run")
+    p.add_argument(
+        "--rollouts",
+        type=int,
+        default=None,
+        help="rollout workers per on-policy run (heal; default: 3 x its on-policy share, rounded "
+        "up: 2 at 0.5, 3 at 1)",
+    )
     p.add_argument("--parallel", type=int, default=3, help="runs at once (per GPU with --gpus)")
     p.add_argument(
         "--gpus",

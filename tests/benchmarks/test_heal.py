@@ -169,7 +169,7 @@ def _run_args(tmp_path, device: str) -> argparse.Namespace:
     return argparse.Namespace(
         device=device, work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
         batch=16, limit=None, steps=150, epochs=3, eval_every=50, eval_texts=64, lr=5e-4,
-        warmup=20, temperature=1.0, kl_weight=1.0, aliases={},
+        warmup=20, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
     )  # fmt: skip
 
 
@@ -179,7 +179,12 @@ def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context
     args = _run_args(tmp_path, "cuda")
     cfg = heal.run_config(arm, 2, args, tmp_path / "student", tmp_path / "p.pt")
     assert cfg["data"]["on_policy_fraction"] == 0.5 and cfg["data"]["ordered"] is False
-    assert cfg["rollouts"] == 1 and cfg["rollout"]["device"] == "cuda"
+    assert cfg["rollouts"] == 2 and cfg["rollout"]["device"] == "cuda"  # 3 x 0.5, rounded up
+    whole = heal.run_config(heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b:on_policy=1"), 2, args,
+                            tmp_path / "student", tmp_path / "p.pt")  # fmt: skip
+    assert whole["rollouts"] == 3
+    args.rollouts = 1
+    assert heal.run_config(arm, 2, args, tmp_path / "student", tmp_path / "p.pt")["rollouts"] == 1
     assert cfg["rollout"]["prompt_tokens"] + cfg["rollout"]["max_new_tokens"] == 512
     assert cfg["trainer"]["loss"]["temperature"] == 2
     off = heal.run_config(heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b"), 2, args, tmp_path, None)
