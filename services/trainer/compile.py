@@ -28,6 +28,8 @@ then falls back to eager (:func:`uncompile`) with one warning.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from xtoken_core.models.layers import decoder_layers
@@ -88,7 +90,35 @@ def uncompile(module: torch.nn.Module) -> None:
 
 
 def compiled_graphs() -> int:
-    """Graphs Dynamo has compiled in this process so far (a later increase is a recompile)."""
+    """Graphs Dynamo has compiled and Triton kernels JIT-compiled in this process so far (a
+    later increase is a recompile: either stalls its step, a Triton kernel the loss first needs
+    mid-run for seconds on an empty cache). Triton's count starts at the first call."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    return int(counters["stats"]["unique_graphs"]) + _kernel_compiles()
+
+
+_triton_compiles = 0  # Triton kernels compiled since the hook went in
+_triton_hooked = False
+
+
+def _kernel_compiles() -> int:
+    """Triton kernels JIT-compiled in this process since the first call (Triton's
+    ``jit_post_compile_hook``, chained to a hook already set); 0 without Triton."""
+    global _triton_hooked
+    if not _triton_hooked:
+        _triton_hooked = True
+        try:
+            import triton
+        except ImportError:
+            return 0
+        knobs = triton.knobs.runtime
+        before = knobs.jit_post_compile_hook
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            global _triton_compiles
+            _triton_compiles += 1
+            return before(*args, **kwargs) if before is not None else False
+
+        knobs.jit_post_compile_hook = counted
+    return _triton_compiles

@@ -666,7 +666,8 @@ class TrainerWorker:
         )
 
     def recompiles(self) -> int | None:
-        """Graphs Dynamo compiled since the start-up step (None: the student is not compiled)."""
+        """Graphs Dynamo compiled and Triton kernels JIT-compiled (the loss's) since the start-up
+        step (None: the student is not compiled)."""
         if not self.compiled or self._graphs_warm is None:
             return None
         return compiled_graphs() - self._graphs_warm
@@ -845,7 +846,9 @@ class TrainerWorker:
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         vec = torch.zeros(MAX_METRICS + 2, dtype=torch.float32, device=device)  # no data: zeros
         if sums:
-            vec[: len(sums)] = torch.stack([sums[n].to(device, torch.float32) for n in sorted(sums)])
+            vec[: len(sums)] = torch.stack(
+                [sums[n].to(device, torch.float32) for n in sorted(sums)]
+            )
         counts = [float(sum(mb.num_tokens for mb in micro_batches)), float(len(micro_batches))]
         vec[-2:] = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
         if self.world_size > 1:

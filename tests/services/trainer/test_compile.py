@@ -110,3 +110,21 @@ def test_a_mask_with_a_hole_is_not_a_prefix():
 def test_cuda_graphs_off_a_cuda_device_name_the_setting():
     with pytest.raises(ValueError, match="trainer.cuda_graphs: .*not a cuda device.*: false"):
         TrainerWorker(setup.trainer_config(None, cuda_graphs=True))
+
+
+def test_a_triton_kernel_compiled_after_the_start_up_step_counts_as_a_recompile(monkeypatch):
+    # a loss kernel first needed mid-run compiles then (seconds on an empty cache): the run's
+    # recompile count shows it, through Triton's post-compile hook, which keeps a hook set before
+    triton = pytest.importorskip("triton")
+    from services.trainer import compile as trainer_compile
+
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(1))
+    monkeypatch.setattr(trainer_compile, "_triton_hooked", False)
+    monkeypatch.setattr(trainer_compile, "_triton_compiles", 0)
+    worker = _compiled_worker(max_length=40)
+    assert worker.warm_up() is not None and worker.recompiles() == 0
+    triton.knobs.runtime.jit_post_compile_hook(
+        fn=None, key="k"
+    )  # what Triton calls after a compile
+    assert worker.recompiles() == 1 and seen == [1]
