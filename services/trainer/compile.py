@@ -37,6 +37,7 @@ from xtoken_core.models.layers import decoder_layers
 __all__ = [
     "compile_student",
     "compiled_graphs",
+    "compiled_kernels",
     "decoder_layers",
     "mark_step",
     "uncompile",
@@ -90,21 +91,20 @@ def uncompile(module: torch.nn.Module) -> None:
 
 
 def compiled_graphs() -> int:
-    """Graphs Dynamo has compiled and Triton kernels JIT-compiled in this process so far (a
-    later increase is a recompile: either stalls its step, a Triton kernel the loss first needs
-    mid-run for seconds on an empty cache). Triton's count starts at the first call."""
+    """Graphs Dynamo has compiled in this process so far (a later increase is a recompile)."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"]) + _kernel_compiles()
+    return int(counters["stats"]["unique_graphs"])
 
 
 _triton_compiles = 0  # Triton kernels compiled since the hook went in
 _triton_hooked = False
 
 
-def _kernel_compiles() -> int:
+def compiled_kernels() -> int:
     """Triton kernels JIT-compiled in this process since the first call (Triton's
-    ``jit_post_compile_hook``, chained to a hook already set); 0 without Triton."""
+    ``jit_post_compile_hook``, chained to a hook already set); 0 without Triton. A later
+    increase is a kernel first needed then: seconds on its step with an empty Triton cache."""
     global _triton_hooked
     if not _triton_hooked:
         _triton_hooked = True

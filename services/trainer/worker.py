@@ -33,6 +33,7 @@ import torch
 from services.trainer.compile import (
     compile_student,
     compiled_graphs,
+    compiled_kernels,
     decoder_layers,
     mark_step,
     uncompile,
@@ -280,6 +281,8 @@ class TrainerWorker:
         self._metric_names: list[str] = []  # the loss's metrics, from the last step with data
         self.compile_s: float | None = None  # the start-up step's seconds (warm_up)
         self._graphs_warm: int | None = None  # Dynamo's graph count after the start-up step
+        # Triton's kernel count after the first step (whose loss compiles the loss's kernels)
+        self._kernels_warm: int | None = None
 
     @property
     def skipped_steps(self) -> int:
@@ -666,11 +669,13 @@ class TrainerWorker:
         )
 
     def recompiles(self) -> int | None:
-        """Graphs Dynamo compiled and Triton kernels JIT-compiled (the loss's) since the start-up
-        step (None: the student is not compiled)."""
+        """Graphs Dynamo compiled since the start-up step, and Triton kernels (the loss's)
+        JIT-compiled since the first step, which compiles those the loss needs (None: the
+        student is not compiled)."""
         if not self.compiled or self._graphs_warm is None:
             return None
-        return compiled_graphs() - self._graphs_warm
+        kernels = 0 if self._kernels_warm is None else compiled_kernels() - self._kernels_warm
+        return compiled_graphs() - self._graphs_warm + kernels
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -759,6 +764,8 @@ class TrainerWorker:
             read_metrics = self._reduce_metrics(sums, micro_batches, grad_norm, finite_1)
         self.settle()  # the step before's figures (long done): at most one step is unread
         self.step += 1
+        if self._kernels_warm is None:
+            self._kernels_warm = compiled_kernels()
         step = self.step
 
         def read() -> tuple[dict[str, float], dict[str, float], bool]:

@@ -48,8 +48,8 @@ bins and open elements (:func:`topm_l1_signs` ``before_wait`` queues other work 
 the GPU to run while the host waits); the lists are sized by the open elements, which they are
 a part of, so the host then queues every pass to the end without waiting. A call whose every row
 goes to the reference still runs the counts' kernels once per widths and ``m``, on two made-up
-rows (:func:`_compile_counts`): compiled in the start-up step, not in the first later step with a
-row they can do.
+rows (:func:`_compile_counts`): compiled at the first call (a run's first step), not in the
+first later step with a row they can do.
 
 Legend: N rows, A / B the student / teacher columns, m the top-m length, K coarse bins,
 F fine bins, P most open bins in a row, Q open bins in all, O open elements in all (the
@@ -873,8 +873,8 @@ def _compile_counts(A: int, B: int, m: int, device: torch.device) -> None:
     A call whose every row goes to the reference launches none of them (a young model's rows
     are nearly flat: their top-m bins hold too many elements); the first later batch with a row
     the counts can do would compile five kernels mid-run, seconds on that step (at 4x2048 gold
-    beside its teacher: 2.4 s on one step). Called from the first such call, the trainer's
-    start-up step. The rows: log-probs spread evenly over 1..200 nats, a few hundred elements
+    beside its teacher: 2.4 s on one step). Called from the first such call (a run's first
+    step, which compiles the loss's other kernels too). The rows: log-probs spread evenly over 1..200 nats, a few hundred elements
     a coarse bin. Same widths, same ``m``: the variants the real rows use (the row count and
     the counts of open bins and elements are not specialized on).
     """

@@ -152,7 +152,7 @@ class _CountLaunches:
 
 def test_topm_l1_compiles_its_counts_kernels_when_every_row_goes_to_the_reference(monkeypatch):
     # a young model's flat rows all go to the reference: the counts' kernels run once anyway,
-    # on two rows of the same widths, so that they compile in that (start-up) step and not in
+    # on two rows of the same widths, so that they compile in that (a run's first) step and not in
     # the first later step with a row they can do
     monkeypatch.setattr(tm, "_COUNTS_COMPILED", set())
     launches = _CountLaunches(tm._count_kernel)
