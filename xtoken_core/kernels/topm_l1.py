@@ -806,7 +806,7 @@ def topm_l1_signs(
     if before_wait is not None:
         before_wait()
     max_bins, n_bins, n_bad, max_open, n_open = sizes()  # wait for the device
-    widths = (A, B, m, str(device), interpret_mode())
+    widths = _widths(A, B, m, device)
     if n_bad == N:
         if widths not in _COUNTS_COMPILED:
             _compile_counts(A, B, m, device)
@@ -874,14 +874,20 @@ def _compile_counts(A: int, B: int, m: int, device: torch.device) -> None:
     are nearly flat: their top-m bins hold too many elements); the first later batch with a row
     the counts can do would compile five kernels mid-run, seconds on that step (at 4x2048 gold
     beside its teacher: 2.4 s on one step). Called from the first such call (a run's first
-    step, which compiles the loss's other kernels too). The rows: log-probs spread evenly over 1..200 nats, a few hundred elements
-    a coarse bin. Same widths, same ``m``: the variants the real rows use (the row count and
-    the counts of open bins and elements are not specialized on).
+    step, which compiles the loss's other kernels too). The rows: log-probs spread evenly over
+    1..200 nats, a few hundred elements a coarse bin. Same widths, same ``m``: the variants the
+    real rows use (the row count and the counts of open bins and elements are not specialized
+    on).
     """
     a_2A = -torch.linspace(1.0, 200.0, A, device=device).expand(2, A).contiguous()
     b_2B = -torch.linspace(1.5, 200.0, B, device=device).expand(2, B).contiguous()
-    _COUNTS_COMPILED.add((A, B, m, str(device), interpret_mode()))  # tried once, done or not
+    _COUNTS_COMPILED.add(_widths(A, B, m, device))  # tried once, whether the rows do or not
     topm_l1_signs(a_2A, b_2B, m)
+
+
+def _widths(A: int, B: int, m: int, device: torch.device) -> tuple[int, int, int, str, bool]:
+    """The key of :data:`_COUNTS_COMPILED`: what the counts' kernels compile for."""
+    return A, B, m, str(device), interpret_mode()
 
 
 def topm_gradient(a_NA: torch.Tensor, state_NA: torch.Tensor) -> torch.Tensor:
