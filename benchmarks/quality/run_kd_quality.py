@@ -1124,6 +1124,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.rollouts is not None and args.rollouts < 1:
+        print(
+            f"run_kd_quality: --rollouts {args.rollouts}: rollout workers per on-policy run must "
+            "be >= 1 (leave it out for 3 x the run's on-policy share)",
+            file=sys.stderr,
+        )
+        return 2
     if args.gpus:
         try:  # refused before anything loads
             gpu_names(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -298,3 +298,25 @@ def test_heal_peer_gold_trains_the_same_pair_with_trl_and_scores_it_like_the_arm
     )
     run_script("--report", str(out / "heal_rows.jsonl"), "--out", str(out), timeout=300)
     assert "at least as good as TRL GOLD" in (out / "heal.md").read_text()
+
+
+def test_the_script_refuses_fewer_than_one_rollout_worker_with_one_line_and_exit_2(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--preset",
+            "heal",
+            "--rollouts",
+            "0",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rollouts 0" in lines[0] and ">= 1" in lines[0]
+    assert not any(tmp_path.iterdir())  # refused before anything ran
