@@ -187,3 +187,34 @@ def test_cuda_kernels_compile_once_however_the_batch_sizes_vary(mode):
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+@pytest.mark.gpu
+def test_cuda_gold_compiles_its_top_m_counts_at_the_first_batch_even_when_its_rows_are_flat(
+    monkeypatch,
+):
+    # a young model's rows are flat: every row goes to the top-k reference and the counting
+    # kernels are not needed; the first later batch with a row they can do must not compile
+    # them mid-run (2.4 s on a step at 4x2048 with an empty Triton cache)
+    import triton
+
+    from xtoken_core.kernels import topm_l1
+
+    for name in ("_count_kernel", "_fine_plan_kernel", "_mark_kernel", "_resolve_kernel"):
+        monkeypatch.setattr(getattr(topm_l1, name), "_by_mode", {})  # compiled afresh here
+    monkeypatch.setattr(topm_l1, "_COUNTS_COMPILED", set())
+    compiled = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(kw["fn"].name)
+    )
+    flat = _case(40, torch.bfloat16, Bn=2, Tn=515, Un=509, Vn=20016, Wn=18016, Cn=400)
+    flat = (flat[0] * 0.001, flat[1] * 0.001, *flat[2:])  # one coarse bin per row: no counts
+    _run("kernel", "gold", *flat, vocab_topk=1500, uncommon_topk=512)
+    torch.cuda.synchronize()
+    compiled.clear()
+    peaked = _case(41, torch.bfloat16, Bn=2, Tn=515, Un=509, Vn=20016, Wn=18016, Cn=400)
+    ref, _ = _run("reference", "gold", *peaked, vocab_topk=1500, uncommon_topk=512)
+    got, _ = _run("kernel", "gold", *peaked, vocab_topk=1500, uncommon_topk=512)
+    torch.cuda.synchronize()
+    assert compiled == []
+    torch.testing.assert_close(got.kd, ref.kd, rtol=1e-4, atol=1e-6)
