@@ -41,10 +41,10 @@ dequantizes each GGUF into ``$XTOKEN_CACHE`` (here, on 2 CPU cores: 44 s for qwe
 starts no run that would end after it (at the longest wall time seen so far in the call). The
 first call's ``wall_s`` / ``train_s`` per row tell what the next calls can afford.
 Memory, measured: on one 80 GB H100, six runs with the Qwen2.5-Coder teacher and a rollout worker
-each (on-policy arms; now ``--rollouts``, default 3 x the on-policy share rounded up) did not fit (every trainer stopped at its start-up step with 75 GiB held by
-the others); three CE and three P-KL runs did. Give on-policy arms ``--parallel 3`` per 80 GB GPU
-(an H200 holds six); ``--gpus 0 1 2 3`` spreads the runs over several GPUs, ``--parallel`` on
-each.
+each (on-policy arms; now ``--rollouts`` of them, default 3 x the on-policy share rounded up)
+did not fit (every trainer stopped at its start-up step with 75 GiB held by the others); three
+CE and three P-KL runs did. Give on-policy arms ``--parallel 3`` per 80 GB GPU (an H200 holds
+six); ``--gpus 0 1 2 3`` spreads the runs over several GPUs, ``--parallel`` on each.
 
 Commands (``runs/`` is git-ignored, so ``--work runs/heal`` stays on a warm machine between
 calls; the split is git-ignored data: hand it to a GPU machine with the working tree)::
