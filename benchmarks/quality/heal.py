@@ -298,10 +298,12 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
             "max_new_tokens": args.ctx - args.ctx // 4,
             "temperature": 1.0,
             "top_p": 1.0,
-            "batch": args.batch,
+            "batch": args.rollout_batch or args.batch,
+            "kv_cache": args.kv_cache or "dynamic",
             "device": args.device,
         }
-        cfg["trainer"]["on_policy"] = {"sync_every": 1, "max_staleness": 4}
+        staleness = args.max_staleness or 4
+        cfg["trainer"]["on_policy"] = {"sync_every": 1, "max_staleness": staleness}
     return cfg
 
 

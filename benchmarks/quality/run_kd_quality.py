@@ -1059,6 +1059,25 @@ def main(argv: list[str] | None = None) -> int:
         help="rollout workers per on-policy run (heal; default: 3 x its on-policy share, rounded "
         "up: 2 at 0.5, 3 at 1)",
     )
+    p.add_argument(
+        "--rollout-batch",
+        type=int,
+        default=None,
+        help="prompts a rollout worker samples together (heal; default: --batch)",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="on-policy samples more than this many weight versions old are dropped (heal; "
+        "the weights are published every step; default 4)",
+    )
+    p.add_argument(
+        "--kv-cache",
+        choices=("dynamic", "static"),
+        default=None,
+        help="the rollout workers' KV cache (heal; default dynamic)",
+    )
     p.add_argument("--parallel", type=int, default=3, help="runs at once (per GPU with --gpus)")
     p.add_argument(
         "--gpus",
@@ -1131,6 +1150,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    for flag, value in (
+        ("--rollout-batch", args.rollout_batch),
+        ("--max-staleness", args.max_staleness),
+    ):
+        if value is not None and value < 1:
+            print(
+                f"run_kd_quality: {flag} {value}: must be >= 1 (leave it out for the default)",
+                file=sys.stderr,
+            )
+            return 2
     if args.gpus:
         try:  # refused before anything loads
             gpu_names(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))

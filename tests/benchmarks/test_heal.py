@@ -170,6 +170,7 @@ def _run_args(tmp_path, device: str) -> argparse.Namespace:
         device=device, work=tmp_path, corpus=tmp_path, student_tokenizer="smollm2", ctx=512,
         batch=16, limit=None, steps=150, epochs=3, eval_every=50, eval_texts=64, lr=5e-4,
         warmup=20, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
+        rollout_batch=None, max_staleness=None, kv_cache=None,
     )  # fmt: skip
 
 
@@ -185,6 +186,13 @@ def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context
     assert whole["rollouts"] == 3
     args.rollouts = 1
     assert heal.run_config(arm, 2, args, tmp_path / "student", tmp_path / "p.pt")["rollouts"] == 1
+    assert cfg["rollout"]["batch"] == 16 and cfg["rollout"]["kv_cache"] == "dynamic"
+    assert cfg["trainer"]["on_policy"]["max_staleness"] == 4
+    args.rollout_batch, args.max_staleness, args.kv_cache = 32, 8, "static"
+    bigger = heal.run_config(arm, 2, args, tmp_path / "student", tmp_path / "p.pt")
+    assert bigger["rollout"]["batch"] == 32 and bigger["rollout"]["kv_cache"] == "static"
+    assert bigger["trainer"]["on_policy"]["max_staleness"] == 8
+    bigger = bigger
     assert cfg["rollout"]["prompt_tokens"] + cfg["rollout"]["max_new_tokens"] == 512
     assert cfg["trainer"]["loss"]["temperature"] == 2
     off = heal.run_config(heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b"), 2, args, tmp_path, None)
@@ -192,6 +200,7 @@ def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context
     from services.run import run_config_from_dict
 
     run_config_from_dict(cfg)  # the run accepts it as it is
+    run_config_from_dict(bigger)
 
 
 def test_an_agree_arm_keeps_kd_where_another_tokenizer_cuts_alike_and_the_run_accepts_it(tmp_path):

@@ -320,3 +320,19 @@ def test_the_script_refuses_fewer_than_one_rollout_worker_with_one_line_and_exit
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--rollouts 0" in lines[0] and ">= 1" in lines[0]
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+@pytest.mark.parametrize("flag", ["--rollout-batch", "--max-staleness"])
+def test_the_script_refuses_a_rollout_batch_or_staleness_below_one_with_one_line_and_exit_2(
+    tmp_path, flag
+):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--preset", "heal", flag, "0", "--work", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} 0" in lines[0] and ">= 1" in lines[0]
+    assert not any(tmp_path.iterdir())
