@@ -150,6 +150,7 @@ def report_heal(rows: list[dict], out: Path) -> str:
                 if all(r.get(sp) for r in trl)
             },
         }
+    md += on_policy_section(rows, arms)
     md += ["### bars", "", "| bar | figures | met |", "|---|---|---|"]
     for name, figs, met in heal_stats.bars(s, cross, kd_arms, gold):
         md.append(
@@ -162,6 +163,69 @@ def report_heal(rows: list[dict], out: Path) -> str:
     (out / "heal_summary.json").write_text(json.dumps(s, indent=1, default=str))
     _plot(s, arms, out)
     return text
+
+
+def off_policy_arm(spec: str) -> str | None:
+    """The arm an on-policy arm is measured against: its spec without ``on_policy=`` (None: the
+    arm is off-policy)."""
+    head, colon, extra = spec.partition(":")
+    pairs = [p for p in extra.split(",") if p] if colon else []
+    kept = [p for p in pairs if not p.startswith("on_policy=")]
+    if len(kept) == len(pairs):
+        return None
+    return head + (":" + ",".join(kept) if kept else "")
+
+
+def on_policy_section(rows: list[dict], arms: list[str]) -> list[str]:
+    """Markdown lines: every on-policy arm against its off-policy arm, paired by seed (held-out
+    bits/byte and the scorer's bits/byte of the students' continuations, per split), with what
+    its rollouts gave (rows' ``rollout`` totals). Empty without a pair."""
+    by = {(r["arm"], r.get("seed")): r for r in rows if r.get("kind") == "student"}
+    pairs = [(a, off_policy_arm(a)) for a in arms]
+    pairs = [(a, o) for a, o in pairs if o is not None and o in arms]
+    if not pairs:
+        return []
+    md = [
+        "### on-policy arms against their off-policy arm",
+        "",
+        "Paired by seed (same seed: same initial order of the texts): arm - off-policy arm, "
+        "mean [95% CI]; lower is better everywhere. `bits/byte`: the split's texts; "
+        "`continuations`: the scorer's bits/byte of the student's own greedy continuations. "
+        "Rollouts: on-policy samples trained over the seeds, their mean staleness (weight "
+        "versions), samples dropped as too stale, generated tokens/s per worker while sampling.",
+        "",
+        "| arm | against | seeds | "
+        + " | ".join(f"{sp} bits/byte | {sp} continuations" for sp in heal_stats.SPLITS)
+        + " | rollouts |",
+        "|---|---|---|" + "---|---|" * len(heal_stats.SPLITS) + "---|",
+    ]
+    for arm, off in pairs:
+        seeds = sorted(s for (a, s) in by if a == arm and (off, s) in by)
+        if not seeds:
+            continue
+        cells = []
+        for sp in heal_stats.SPLITS:
+            for value in (heal_stats.bpb, heal_stats.continuation_bpb):
+                d = [value(by[(arm, s)], sp) for s in seeds]
+                o = [value(by[(off, s)], sp) for s in seeds]
+                if None in d or None in o:
+                    cells.append("-")
+                    continue
+                t = heal_stats.t_interval([x - y for x, y in zip(d, o)])
+                ci = f" [{t['lo']:+.4f}, {t['hi']:+.4f}]" if t["lo"] is not None else ""
+                cells.append(f"{t['mean']:+.4f}{ci}")
+        tot = [by[(arm, s)].get("rollout") for s in seeds]
+        if all(tot):
+            n = sum(t["samples"] for t in tot)
+            stale = sum((t["mean_staleness"] or 0) * t["samples"] for t in tot) / n if n else 0
+            rates = [t["tokens_per_s_per_worker"] for t in tot if t["tokens_per_s_per_worker"]]
+            rate = f", {statistics.fmean(rates):,.0f} tok/s" if rates else ""
+            dropped = sum(t["dropped_stale"] for t in tot)
+            cells.append(f"{n:,} samples, staleness {stale:.2f}, {dropped:,} dropped{rate}")
+        else:
+            cells.append("-")
+        md.append(f"| {arm} | {off} | {len(seeds)} | " + " | ".join(cells) + " |")
+    return md + [""]
 
 
 def _plot(summary: dict, arms: list[str], out: Path) -> None:

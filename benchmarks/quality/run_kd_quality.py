@@ -662,7 +662,7 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
             if r.get("event") == "eval":
                 teacher = r["bits_per_byte"]
     every = max(1, len(steps) // 200)
-    return {
+    out = {
         "steps": len(steps),
         "tokens": int(sum(r.get("tokens", 0) for r in steps)),
         "train_s": round(sum(r.get("step_s", 0.0) for r in steps), 2),
@@ -678,6 +678,36 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
         ],
         "teacher_val_bits_per_byte": teacher,
         "skipped_steps": sum(1 for r in steps if r.get("skipped")),
+    }
+    if any(r.get("on_policy") for r in steps):
+        out["rollout"] = on_policy_totals(steps, run_dir)
+    return out
+
+
+def on_policy_totals(steps: list[dict], run_dir: Path) -> dict[str, Any]:
+    """What the rollouts gave a run: on-policy samples trained, their mean staleness (weight
+    versions), the samples dropped as too stale, the trainer's wait for them, and what the
+    rollout workers generated (``rollout*.jsonl``)."""
+    from services.common.metrics import read_jsonl
+
+    ons = [r["on_policy"] for r in steps if r.get("on_policy")]
+    samples = sum(o.get("samples") or 0 for o in ons)
+    stale = sum((o.get("mean_staleness") or 0.0) * (o.get("samples") or 0) for o in ons)
+    batches = [
+        r
+        for path in sorted((run_dir / "metrics").glob("rollout*.jsonl"))
+        for r in read_jsonl(path)
+        if r.get("event") == "rollout"
+    ]
+    busy = sum(r.get("sample_s", 0.0) + r.get("collate_s", 0.0) for r in batches)
+    generated = sum(r.get("generated_tokens", 0) for r in batches)
+    return {
+        "samples": samples,
+        "mean_staleness": round(stale / samples, 3) if samples else None,
+        "dropped_stale": max((o.get("dropped_stale") or 0 for o in ons), default=0),
+        "wait_s": round(sum(o.get("wait_s") or 0.0 for o in ons), 2),
+        "generated_tokens": generated,
+        "tokens_per_s_per_worker": round(generated / busy, 1) if busy else None,
     }
 
 

@@ -21,6 +21,11 @@ allocated but held 35.8 GiB, starving the trainer that shares the GPU. The worke
 expandable segments (one segment that grows, :func:`use_expandable_segments`; not when the user
 set ``PYTORCH_ALLOC_CONF``) and hands its free cache back after every batch.
 
+With ``kv_cache: static`` every batch has one shape, ``batch`` x ``prompt_tokens`` (a short
+batch filled with copies of its last prompt, whose rows are dropped): transformers compiles the
+decoding step for the first batch and reuses it for every later one, where a new shape would
+compile it again.
+
 Legend: B prompts of a batch, L the longest prompt, N new tokens.
 """
 
@@ -195,7 +200,14 @@ class RolloutWorker:
             B rows: the prompt's ids, then the sampled ids up to (not including) the first EOS.
         """
         cfg = self.config
-        B, L = len(prompts), max(len(p) for p in prompts)
+        given = len(prompts)
+        B, L = given, max(len(p) for p in prompts)
+        if cfg.kv_cache == "static":
+            # one shape for every batch, so the compiled decoding step is never compiled again:
+            # a short batch is filled with copies of its last prompt (their rows are dropped),
+            # prompts are left-padded to prompt_tokens
+            prompts = [*prompts, *[prompts[-1]] * (cfg.batch - given)]
+            B, L = len(prompts), max(L, cfg.prompt_tokens)
         ids_BL = torch.full((B, L), self.pad_id, dtype=torch.int64)
         mask_BL = torch.zeros((B, L), dtype=torch.int64)
         for b, p in enumerate(prompts):  # left padding: every row's next token is at column L
@@ -223,7 +235,7 @@ class RolloutWorker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the batch's KV cache held goes back to the trainer
         rows = []
-        for b, p in enumerate(prompts):
+        for b, p in enumerate(prompts[:given]):
             new = out_BT[b, L:].tolist()
             if self.eos_id is not None and self.eos_id in new:
                 new = new[: new.index(self.eos_id)]

@@ -229,3 +229,32 @@ def test_the_continuations_scorer_is_the_on_policy_arms_teacher_first():
     assert heal.default_scorer(arms) == "gemma3-270m"
     assert heal.default_scorer(arms[:2]) == "smollm2"
     assert heal.default_scorer(arms[:1]) is None
+
+
+def test_an_on_policy_arm_is_reported_against_its_off_policy_arm_paired_by_seed():
+    from benchmarks.quality.heal_report import off_policy_arm, on_policy_section
+
+    assert off_policy_arm("pkl@q:on_policy=0.5") == "pkl@q"
+    assert off_policy_arm("pkl@q:temperature=2,on_policy=1") == "pkl@q:temperature=2"
+    assert off_policy_arm("pkl@q:temperature=2") is None and off_policy_arm("ce") is None
+
+    def row(arm, seed, held, cont, rollout=None):
+        split = {"bits_per_byte": held, "continuation": {"bits_per_byte": cont}}
+        r = {"kind": "student", "arm": arm, "seed": seed, "heldout": split, "fresh": split}
+        return {**r, "rollout": rollout} if rollout else r
+
+    totals = {"samples": 10, "mean_staleness": 2.0, "dropped_stale": 1,
+              "tokens_per_s_per_worker": 800.0}  # fmt: skip
+    rows = [
+        row("pkl@q", 0, 1.00, 0.30), row("pkl@q", 1, 1.10, 0.20), row("pkl@q", 2, 1.20, 0.25),
+        row("pkl@q:on_policy=0.5", 0, 1.02, 0.28, totals),
+        row("pkl@q:on_policy=0.5", 1, 1.12, 0.17, {**totals, "mean_staleness": 4.0}),
+        row("pkl@q:on_policy=0.5", 9, 2.00, 0.10),  # no off-policy run of seed 9: left out
+    ]  # fmt: skip
+    md = on_policy_section(rows, ["pkl@q", "pkl@q:on_policy=0.5"])
+    line = next(ln for ln in md if ln.startswith("| pkl@q:on_policy=0.5 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:3] == ["pkl@q:on_policy=0.5", "pkl@q", "2"]
+    assert cells[3].startswith("+0.0200 [") and cells[4].startswith("-0.0250 [")
+    assert cells[-1] == "20 samples, staleness 3.00, 2 dropped, 800 tok/s"
+    assert on_policy_section(rows[:3], ["pkl@q"]) == []  # no on-policy arm: no section

@@ -336,3 +336,32 @@ def test_the_script_refuses_a_rollout_batch_or_staleness_below_one_with_one_line
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{flag} 0" in lines[0] and ">= 1" in lines[0]
     assert not any(tmp_path.iterdir())
+
+
+def test_a_runs_totals_hold_what_its_rollouts_gave_when_it_trained_on_policy(tmp_path):
+    from benchmarks.quality.run_kd_quality import collect
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    steps = [
+        {"event": "step", "step": i, "tokens": 100, "step_s": 1.0,
+         "on_policy": {"samples": n, "mean_staleness": st, "dropped_stale": d, "wait_s": 0.5}}
+        for i, (n, st, d) in enumerate([(8, 1.0, 0), (8, 3.0, 4), (0, None, 4)])
+    ]  # fmt: skip
+    (metrics / "trainer.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    batches = [
+        {"event": "rollout", "generated_tokens": 300, "sample_s": 2.5, "collate_s": 0.5},
+        {"event": "rollout", "generated_tokens": 100, "sample_s": 0.9, "collate_s": 0.1},
+    ]
+    (metrics / "rollout0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in batches))
+    totals = collect("pkl:on_policy=0.5", 0, tmp_path)["rollout"]
+    assert totals == {
+        "samples": 16,
+        "mean_staleness": 2.0,
+        "dropped_stale": 4,
+        "wait_s": 1.5,
+        "generated_tokens": 400,
+        "tokens_per_s_per_worker": 100.0,
+    }
+    (metrics / "trainer.rank0.jsonl").write_text(json.dumps({"event": "step", "step": 0}) + "\n")
+    assert "rollout" not in collect("ce", 0, tmp_path)  # an off-policy run has none

@@ -128,6 +128,30 @@ def test_a_static_kv_cache_samples_the_same_greedy_continuations(tmp_path, publi
     assert rows["static"] == rows["dynamic"]
 
 
+def test_a_static_kv_cache_samples_every_batch_in_one_shape_and_returns_only_the_given_rows(
+    tmp_path, published
+):
+    worker = RolloutWorker(config(tmp_path, temperature=0.0, kv_cache="static"))
+    worker.refresh()
+    shapes, generate = [], worker.model.generate
+
+    def recording(**kw):  # the real generate; its input shape is what a compiled step sees
+        shapes.append(tuple(kw["input_ids"].shape))
+        return generate(**kw)
+
+    worker.model.generate = recording
+    prompts = prompts_of(worker, [t for t in TEXTS if t])
+    short = [p.ids[:3] for p in prompts[:2]]  # fewer prompts than a batch, shorter than 8
+    rows = worker.sample(short, seed=1)
+    full = worker.sample([p.ids for p in prompts[:3]], seed=1)
+    assert shapes == [(3, 8), (3, 8)]  # batch 3 x prompt_tokens 8 both times
+    assert len(rows) == 2 and [r[:3] for r in rows] == short
+    dynamic = RolloutWorker(config(tmp_path, temperature=0.0))
+    dynamic.refresh()
+    assert rows == dynamic.sample(short, seed=1)  # the filling changes no given row
+    assert full == dynamic.sample([p.ids for p in prompts[:3]], seed=1)
+
+
 def test_an_unknown_kv_cache_is_refused_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache='paged': use one of dynamic, static"):
         config(tmp_path, kv_cache="paged")
