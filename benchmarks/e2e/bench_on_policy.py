@@ -18,7 +18,7 @@ The bar: at fraction 0.5 the trainer waits < 5% of its step for data.
 
 Usage (GPU; presets with random weights, saved once as local folders like bench_pipeline.py)::
 
-    python benchmarks/e2e/bench_on_policy.py --shape 4x2048 --fractions 0 0.5 1
+    python benchmarks/e2e/bench_on_policy.py --shape 4x2048 --fractions 0 0.5 1 [--kv-cache dynamic static]
 
 CPU smoke test (tiny models, a few steps; prints the table, writes no results)::
 
@@ -47,7 +47,7 @@ from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # 
 
 def run_fraction(
     args, fraction: float, B: int, T: int, student_dir: str, teacher_dir: str, corpus: Path,
-    projection: str, run_dir: Path,
+    projection: str, run_dir: Path, kv_cache: str = "dynamic",
 ) -> dict:  # fmt: skip
     """``xtoken run`` with ``fraction`` of each step on-policy; the figures of its records."""
     from services.common.metrics import read_jsonl
@@ -84,6 +84,7 @@ def run_fraction(
                 "temperature": args.temperature,
                 "top_p": args.top_p,
                 "batch": args.rollout_batch,
+                "kv_cache": kv_cache,
             },
             "trainer": {
                 "student": student_dir,
@@ -198,6 +199,13 @@ def main() -> int:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--rollouts", type=int, default=1, help="rollout worker processes")
     p.add_argument("--rollout-batch", type=int, default=16, help="prompts sampled together")
+    p.add_argument(
+        "--kv-cache",
+        nargs="+",
+        choices=["dynamic", "static"],
+        default=["dynamic"],
+        help="the rollouts' KV cache kinds, each a run per fraction",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=384, help="tokens sampled per prompt")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -244,32 +252,35 @@ def main() -> int:
     }
     print(f"device {dev}; student {args.student} teacher {args.teacher}; {args.shape} {args.mode}")
     header = (
-        f"{'lambda':>6} {'tok/s':>8} {'step s':>7} {'data wait':>9} {'rollout wait':>12} "
+        f"{'kv':>7} {'lambda':>6} {'tok/s':>8} {'step s':>7} {'data wait':>9} {'rollout wait':>12} "
         f"{'gen tok/s':>9} {'gen tok/s busy':>14} {'staleness':>9} {'dropped':>7} "
         f"{'teacher lp/B first->last':>24}"
     )
     lines = []
-    for fraction in args.fractions:
+    runs = [(kv, f) for kv in args.kv_cache for f in args.fractions]
+    for kv, fraction in runs:
         row = run_fraction(
             args, fraction, B, T, student_dir, teacher_dir, corpus, projection,
-            work / f"run_{args.shape}_{fraction:g}",
+            work / f"run_{args.shape}_{fraction:g}_{kv}", kv_cache=kv,
         )  # fmt: skip
         bp._free()
         if args.results:
-            append_rows(args.results, [{**stamp, "on_policy_fraction": fraction, **row}])
+            append_rows(
+                args.results, [{**stamp, "kv_cache": kv, "on_policy_fraction": fraction, **row}]
+            )
         if "error" in row:
-            print(f"lambda {fraction:g}: failed: {row['error']}")
+            print(f"lambda {fraction:g} ({kv} KV cache): failed: {row['error']}")
             continue
         lp = row.get("teacher_logprob_per_byte")
         lines.append(
-            f"{fraction:>6g} {row['tokens_per_s']:>8.0f} {row['step_s']:>7.3f} "
+            f"{kv:>7} {fraction:>6g} {row['tokens_per_s']:>8.0f} {row['step_s']:>7.3f} "
             f"{_pct(row['data_wait_fraction']):>9} {_pct(row.get('rollout_wait_fraction')):>12} "
             f"{bp._f(row.get('generated_tokens_per_s'), 0):>9} "
             f"{bp._f(row.get('generated_tokens_per_s_sampling'), 0):>14} "
             f"{bp._f(row.get('mean_staleness'), 2):>9} {row.get('dropped_stale', '-')!s:>7} "
             f"{(f'{lp[0]:.3f} -> {lp[1]:.3f}' if lp else '-'):>24}"
         )
-        print(f"lambda {fraction:g}: {json.dumps(row)}")
+        print(f"lambda {fraction:g} ({kv} KV cache): {json.dumps(row)}")
     print(header)
     print("\n".join(lines))
     return 0

@@ -1,5 +1,6 @@
-"""The on-policy benchmark: its CPU smoke run (a row per fraction, the on-policy figures where the
-fraction is above 0, nothing written to the results) and its rollout rates from metrics files."""
+"""The on-policy benchmark: its CPU smoke run (a row per KV cache kind and fraction, the
+on-policy figures where the fraction is above 0, nothing written to the results) and its rollout
+rates from metrics files."""
 
 from __future__ import annotations
 
@@ -18,22 +19,25 @@ from tests.benchmarks.e2e.smoke import run_smoke  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_cpu_smoke_prints_a_row_per_fraction_with_the_rollouts_figures(tmp_path):
+def test_cpu_smoke_prints_a_row_per_kv_cache_and_fraction_with_the_rollouts_figures(tmp_path):
     rows = run_smoke(
         "bench_on_policy.py",
         ["--device", "cpu", "--student", "tiny", "--teacher", "tiny",
          "--student-tokenizer", "mistral", "--teacher-tokenizer", "smollm2",
          "--student-vocab", "0", "--teacher-vocab", "0", "--shape", "2x64",
          "--prompt-tokens", "16", "--new-tokens", "16", "--rollout-batch", "4",
-         "--fractions", "0", "0.5", "--steps", "4", "--warmup", "1", "--work", str(tmp_path)],
-        "lambda tok/s", "e2e_on_policy*", timeout=880,
+         "--fractions", "0", "0.5", "--kv-cache", "dynamic", "static", "--steps", "4",
+         "--warmup", "1", "--work", str(tmp_path)],
+        "kv lambda", "e2e_on_policy*", timeout=880,
     )  # fmt: skip
-    assert [r[0] for r in rows] == ["0", "0.5"]
-    assert rows[0][4] == "-" and rows[1][4].endswith("%")  # the wait for rollouts: lambda 0.5
-    # generated tokens/s while sampling (a batch put after the warm-up), and over the puts' span
-    # where two batches fell in the measured steps (one rollout batch serves several steps)
-    assert float(rows[1][6]) > 0
-    assert rows[1][5] == "-" or float(rows[1][5]) > 0
+    assert [r[:2] for r in rows] == [["dynamic", "0"], ["dynamic", "0.5"], ["static", "0"],
+                                     ["static", "0.5"]]  # fmt: skip
+    for off, on in (rows[0], rows[1]), (rows[2], rows[3]):
+        assert off[5] == "-" and on[5].endswith("%")  # the wait for rollouts: lambda 0.5
+        # generated tokens/s while sampling (a batch put after the warm-up), and over the puts'
+        # span where two batches fell in the measured steps (one batch serves several steps)
+        assert float(on[7]) > 0
+        assert on[6] == "-" or float(on[6]) > 0
 
 
 def _rollout_records(run_dir, worker, records):
