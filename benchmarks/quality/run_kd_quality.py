@@ -1173,20 +1173,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.rollouts is not None and args.rollouts < 1:
-        print(
-            f"run_kd_quality: --rollouts {args.rollouts}: rollout workers per on-policy run must "
-            "be >= 1 (leave it out for 3 x the run's on-policy share)",
-            file=sys.stderr,
-        )
-        return 2
-    for flag, value in (
-        ("--rollout-batch", args.rollout_batch),
-        ("--max-staleness", args.max_staleness),
+    for flag, value, default in (
+        ("--rollouts", args.rollouts, "3 x the run's on-policy share"),
+        ("--rollout-batch", args.rollout_batch, "--batch"),
+        ("--max-staleness", args.max_staleness, "4"),
     ):
         if value is not None and value < 1:
             print(
-                f"run_kd_quality: {flag} {value}: must be >= 1 (leave it out for the default)",
+                f"run_kd_quality: {flag} {value}: must be >= 1 (leave it out for {default})",
                 file=sys.stderr,
             )
             return 2
