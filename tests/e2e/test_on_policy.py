@@ -92,8 +92,11 @@ def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp
 # ----------------------------------------------------------------------------- SIGKILL
 
 
-def _rollout_config(queue: str, tmp_path: pathlib.Path, prompts: pathlib.Path) -> RolloutConfig:
+def _rollout_config(
+    queue: str, tmp_path: pathlib.Path, prompts: pathlib.Path, kv_cache: str = "dynamic"
+) -> RolloutConfig:
     return RolloutConfig(
+        kv_cache=kv_cache,
         queue=queue,
         partition="train",
         student="tiny",
@@ -114,8 +117,9 @@ def _rollout_config(queue: str, tmp_path: pathlib.Path, prompts: pathlib.Path) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
 def test_a_rollout_worker_killed_mid_batch_loses_no_prompt_and_stores_no_sample_twice(
-    procs, pipeline, tmp_path, demo
+    procs, pipeline, tmp_path, demo, kv_cache
 ):
     import torch
 
@@ -126,7 +130,7 @@ def test_a_rollout_worker_killed_mid_batch_loses_no_prompt_and_stores_no_sample_
 
     paths, _ = corpus_parts(demo, tmp_path / "data", n=40, parts=1)
     pipeline.start_queue()
-    config = _rollout_config(pipeline.queue, tmp_path, paths[0])
+    config = _rollout_config(pipeline.queue, tmp_path, paths[0], kv_cache)
     student = load_tokenizer(STUDENT_TOKENIZER)
     model = load_model("tiny", vocab_size=student.vocab_size, seed=3)
     path = write_config(tmp_path / "config" / "rollout.json", config)
