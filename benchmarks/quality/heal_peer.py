@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -28,21 +29,27 @@ COMPARE_TO = "gold@qwen2.5-coder-0.5b"
 
 
 def trl_python(given: str | None) -> str | None:
-    """The python that imports trl and datasets: ``given``, else ``.venv-bench/bin/python`` where
-    it exists; None (and one log line naming the install) where none does."""
+    """The python that imports trl and datasets: ``given`` (a path, or a command found on
+    ``PATH`` such as ``python3``), else ``.venv-bench/bin/python`` where it exists; None (and one
+    log line naming the install and why the probe failed) where none does."""
     candidates = [given] if given else [str(ROOT / ".venv-bench" / "bin" / "python")]
-    for py in candidates:
-        if not Path(py).exists():
+    why = "not found"
+    for name in candidates:
+        py = name if Path(name).exists() else shutil.which(name)
+        if py is None:
             continue
         probe = subprocess.run(
             [py, "-c", "import trl, datasets"], capture_output=True, text=True, check=False
         )
         if probe.returncode == 0:
             return py
+        lines = probe.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exit {probe.returncode}"
     logger.warning(
-        "[heal] --peer-gold skipped: trl is not importable by %s (./scripts/setup.sh test peers, "
-        "or --trl-python PY)",
+        "[heal] --peer-gold skipped: trl is not importable by %s (%s; ./scripts/setup.sh test "
+        "peers, or --trl-python PY)",
         candidates[0],
+        why,
     )
     return None
 

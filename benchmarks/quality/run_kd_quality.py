@@ -446,20 +446,23 @@ def build_student(out: Path, seed: int, smoke: bool) -> int:
 def build_projection_file(
     out: Path, teacher_tokenizer: str, top_k: int, student_tokenizer: str = STUDENT_TOKENIZER
 ) -> dict[str, Any]:
-    """Build the student -> teacher projection once (all KD arms of a teacher read the same file).
+    """Build the student -> teacher projection once (all KD arms of a teacher read the same file),
+    with the tokenizers it was built for recorded.
 
     Returns:
         Its coverage stats (exact rows, strict / relaxed common vocab).
     """
-    import torch
-
-    from xtoken_core.data.projection_build import build_projection_with_stats
+    from xtoken_core.data.projection_build import (
+        build_projection_with_stats,
+        projection_metadata,
+        save_projection,
+    )
     from xtoken_core.tokenizers import load_tokenizer
 
-    proj, stats = build_projection_with_stats(
-        load_tokenizer(student_tokenizer), load_tokenizer(teacher_tokenizer), top_k
-    )
-    torch.save(proj, out)
+    s_tok, t_tok = load_tokenizer(student_tokenizer), load_tokenizer(teacher_tokenizer)
+    proj, stats = build_projection_with_stats(s_tok, t_tok, top_k)
+    # the tokenizers recorded: the run checks the file against its own
+    save_projection(proj, out, projection_metadata(s_tok, t_tok))
     try:
         return dataclasses.asdict(stats)
     except TypeError:

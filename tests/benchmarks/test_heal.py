@@ -4,6 +4,7 @@ model aliases, run configs, and same-tokenizer P-KL being the per-token KL."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -152,6 +153,39 @@ def test_peer_texts_are_cut_after_ctx_tokens_of_both_tokenizers():
     lengths = [len(tok.encode(cut, add_special_tokens=False).ids) for tok in (s, t)]
     assert max(lengths) == 16
     assert cut_to_tokens("short", [s, t], 16) == "short"
+
+
+def _python_named(tmp_path, name: str, packages: list[str]) -> None:
+    """An interpreter called ``name`` on ``PATH``: this python, seeing only ``packages``."""
+    pkgs = tmp_path / f"{name}-site"
+    for pkg in packages:
+        (pkgs / pkg).mkdir(parents=True)
+        (pkgs / pkg / "__init__.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / name
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH={pkgs} exec {sys.executable} -S "$@"\n')
+    exe.chmod(0o755)
+
+
+def test_peer_python_given_by_command_name_is_found_on_path(tmp_path, monkeypatch):
+    from benchmarks.quality.heal_peer import trl_python
+
+    _python_named(tmp_path, "py-with-trl", ["trl", "datasets"])
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    assert trl_python("py-with-trl") == str(tmp_path / "bin" / "py-with-trl")
+
+
+def test_peer_python_without_trl_is_skipped_with_the_reason(tmp_path, monkeypatch, caplog):
+    from benchmarks.quality.heal_peer import trl_python
+
+    _python_named(tmp_path, "py-no-trl", ["datasets"])
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with caplog.at_level("WARNING", logger="kd_quality.heal"):
+        assert trl_python("py-no-trl") is None
+        assert trl_python("no-such-python-here") is None
+    assert "No module named 'trl'" in caplog.text
+    assert "not importable by no-such-python-here (not found;" in caplog.text
 
 
 def test_report_refuses_rows_of_different_experiments(tmp_path):

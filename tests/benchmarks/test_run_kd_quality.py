@@ -365,3 +365,19 @@ def test_a_runs_totals_hold_what_its_rollouts_gave_when_it_trained_on_policy(tmp
     }
     (metrics / "trainer.rank0.jsonl").write_text(json.dumps({"event": "step", "step": 0}) + "\n")
     assert "rollout" not in collect("ce", 0, tmp_path)  # an off-policy run has none
+
+
+def test_projection_file_records_its_tokenizers_so_runs_check_it(tmp_path, caplog):
+    from xtoken_core.data.projection import check_projection_tokenizers
+    from xtoken_core.data.projection_file import read_projection_metadata
+    from xtoken_core.tokenizers import load_tokenizer
+
+    q = _module()
+    path = tmp_path / "projection_smollm2_smollm2_k8.pt"
+    q.build_projection_file(path, "smollm2", 8, "smollm2")
+    meta = read_projection_metadata(path)
+    assert (meta["student"], meta["teacher"]) == ("smollm2", "smollm2")
+    tok = load_tokenizer("smollm2")
+    with caplog.at_level("WARNING"):
+        report = check_projection_tokenizers(path, tok, tok)
+    assert report["checked"] and "records no tokenizers" not in caplog.text
