@@ -1172,7 +1172,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also train the student from qwen2.5-coder-0.5b with TRL's GOLD trainer (heal_peer)",
     )
     heal.add_argument(
-        "--trl-python", default=None, help="python that imports trl (default .venv-bench's)"
+        "--trl-python",
+        default=None,
+        help="python that imports trl: a path or a command on PATH (default .venv-bench's)",
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
