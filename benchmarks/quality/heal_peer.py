@@ -35,7 +35,7 @@ def trl_python(given: str | None) -> str | None:
     candidates = [given] if given else [str(ROOT / ".venv-bench" / "bin" / "python")]
     why = "not found"
     for name in candidates:
-        py = name if Path(name).exists() else shutil.which(name)
+        py = shutil.which(name)  # a path is checked as given, a bare name looked up on PATH
         if py is None:
             continue
         probe = subprocess.run(
