@@ -202,7 +202,8 @@ class TrainerConfig:
         metadata={
             "help": "replay each compiled decoder layer as CUDA graphs, one per length: the host "
             "launches one graph per layer instead of one kernel at a time (None: on where it can "
-            "run: compiled on a cuda device, bf16 parameters, one process or ddp)"
+            "run: compiled on a cuda device, bf16 parameters, one process or ddp, no activation "
+            "checkpointing)"
         },
     )
     max_length: int = field(

@@ -327,6 +327,10 @@ class TrainerWorker:
             why = f"parallel {self.config.parallel} (CUDA graphs need one process or ddp)"
         elif self.master is None:
             why = "the parameters are float32 (CUDA graphs need trainer.param_dtype bfloat16)"
+        elif self.config.activation_checkpointing:
+            why = (
+                "trainer.activation_checkpointing is on (its recomputed forward breaks the replay)"
+            )
         if why and self.config.cuda_graphs:
             raise ValueError(f"trainer.cuda_graphs: {why}; set trainer.cuda_graphs: false")
         return why is None

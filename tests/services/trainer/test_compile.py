@@ -112,6 +112,20 @@ def test_cuda_graphs_off_a_cuda_device_name_the_setting():
         TrainerWorker(setup.trainer_config(None, cuda_graphs=True))
 
 
+def test_activation_checkpointing_turns_cuda_graphs_off_and_refuses_them_when_asked():
+    # the recomputed forward of a checkpointed layer breaks the graphs' replay (Inductor stops
+    # the run at the first one): where CUDA graphs could otherwise run, checkpointing leaves
+    # them off by default and an explicit `cuda_graphs: true` names the setting to change
+    worker = TrainerWorker(setup.trainer_config(None, activation_checkpointing=True))
+    worker.device, worker.compiled, worker.master = torch.device("cuda", 0), True, object()
+    assert worker._resolve_cuda_graphs() is False
+    worker.config.activation_checkpointing = False
+    assert worker._resolve_cuda_graphs() is True
+    worker.config.activation_checkpointing, worker.config.cuda_graphs = True, True
+    with pytest.raises(ValueError, match="trainer.cuda_graphs: trainer.activation_checkpointing"):
+        worker._resolve_cuda_graphs()
+
+
 def test_a_triton_kernel_compiled_after_the_first_step_counts_as_a_recompile(monkeypatch):
     # the first step compiles the loss's kernels; one compiled later (first needed mid-run)
     # stalls its step for seconds on an empty cache: the run's recompile count shows it, through

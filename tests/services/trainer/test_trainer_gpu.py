@@ -128,3 +128,17 @@ def test_cuda_graph_replays_train_as_the_compiled_step():
     assert worker.cuda_graphs and worker.recompiles() == 0
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     assert float((weights[1] - weights[0]).abs().max()) <= 2e-4
+
+
+def test_a_checkpointed_compiled_step_trains_without_cuda_graphs():
+    """Activation checkpointing with the compiled layers: CUDA graphs stay off (their replay
+    breaks on the recomputed forward) and the steps train with finite losses, no recompile."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    worker = _worker(grad_accum=2, activation_checkpointing=True)
+    worker.warm_up()
+    assert worker.compiled and not worker.cuda_graphs
+    mbs = _batches(1000)
+    losses = [worker.train_step([mbs[i % 4], mbs[(i + 1) % 4]]).metrics["loss"] for i in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and worker.recompiles() == 0
