@@ -6,7 +6,10 @@ failure (an exception, CUDA out of memory) or its memory peak stays inside this 
 (local HF tokenizer folders), ``data`` (JSONL of ``{"prompt", "completion"}``), ``max_length``,
 ``steps``, ``warmup``, ``lr``, ``device`` ("cuda" or "cpu"), ``save`` (folder for the trained
 student, or null), ``extended_uld`` (byte-offset alignment, TRL's default), optionally ``batch``
-(texts per step, default 1). OUT gets the result,
+(texts per step, default 1), ``lr_warmup_steps`` and ``lr_min_ratio`` (a linear warm-up and a
+cosine decay to ``lr_min_ratio x lr``, as xtoken's trainer schedules; default: a constant rate).
+OUT gets the result (``first_nonfinite_step``: the first step whose loss or gradient norm was not
+finite, or null),
 or ``{"error": ..., "error_type": ...}``.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -52,14 +56,20 @@ def run(spec: dict) -> dict:
     student = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], dtype=dtype)
     n_steps = spec["warmup"] + spec["steps"]
+    schedule: dict = {"lr_scheduler_type": "constant", "warmup_steps": 0}
+    if spec.get("lr_min_ratio") is not None:  # xtoken's schedule: warm-up, cosine to a floor
+        schedule = {
+            "lr_scheduler_type": "cosine_with_min_lr",
+            "warmup_steps": int(spec.get("lr_warmup_steps", 0)),
+            "lr_scheduler_kwargs": {"min_lr_rate": float(spec["lr_min_ratio"])},
+        }
     args = GOLDConfig(
         output_dir=spec["output_dir"],
         max_steps=n_steps,
         per_device_train_batch_size=spec.get("batch", 1),
         gradient_accumulation_steps=1,
         learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        **schedule,
         weight_decay=0.01,
         adam_beta2=0.95,
         max_grad_norm=1.0,
@@ -83,6 +93,8 @@ def run(spec: dict) -> dict:
     times: list[float] = []
     tokens: list[int] = []
     losses: list[float] = []
+    grad_norms: list[float] = []
+    nonfinite: list[int | None] = [None]  # the first step with a non-finite loss or norm
 
     class Timer(TrainerCallback):
         """Wall time of each optimizer step, synchronized with the device."""
@@ -99,9 +111,13 @@ def run(spec: dict) -> dict:
             if len(times) == spec["warmup"] and cuda:
                 torch.cuda.reset_peak_memory_stats()
 
-        def on_log(self, _args, _state, _control, logs=None, **k):
+        def on_log(self, _args, state, _control, logs=None, **k):
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
+                norm = float(logs.get("grad_norm", 0.0))
+                grad_norms.append(norm)
+                if nonfinite[0] is None and not math.isfinite(losses[-1] * norm):
+                    nonfinite[0] = state.global_step
 
     trainer = GOLDTrainer(
         model=student,
@@ -132,6 +148,9 @@ def run(spec: dict) -> dict:
         "tokens_per_s": sum(measured_tokens) / sum(measured) if measured else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": losses,
+        "grad_norms": grad_norms,
+        "first_nonfinite_step": nonfinite[0],
+        "lr_schedule": schedule["lr_scheduler_type"],
         "wall_s": wall,
         "trained_tokens": sum(tokens),
         "gradient_checkpointing": bool(args.gradient_checkpointing),

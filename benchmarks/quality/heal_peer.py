@@ -7,8 +7,10 @@ train split in the seed's shuffled order, ``shuffled_texts``, which is what ``da
 ``batch`` texts per step for ``steps`` steps, one pass, each cut after ``ctx`` tokens of both
 tokenizers (what xtoken's runs train); TRL orders them with its own sampler. Each text is a completion after TRL's prompt
 ``"Continue the text.\\n"`` (GOLD trains on prompt/completion pairs; the loss is on the
-completion). The learning rate is constant (the worker's schedule), xtoken's has a warm-up and a
-cosine decay: the row is a reference point, not a paired arm.
+completion). The learning rate follows xtoken's schedule (the same warm-up steps, a cosine decay
+to a tenth); TRL orders the texts with its own sampler, so the row is a reference point, not a
+paired arm. A run whose loss or gradient norm turns non-finite is not scored: its row names the
+step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "benchmarks" / "peers" / "trl_gold_worker.py"
 PROMPT = "Continue the text.\n"
 TRL_ARM = "trl-gold@qwen2.5-coder-0.5b"
+LR_MIN_RATIO = 0.1  # the trainer's default floor of the cosine (OptimConfig.min_lr_ratio)
 COMPARE_TO = "gold@qwen2.5-coder-0.5b"
 
 
@@ -107,6 +110,8 @@ def peer_job(
         "warmup": 0,
         "batch": args.batch,
         "lr": args.lr,
+        "lr_warmup_steps": args.warmup,
+        "lr_min_ratio": LR_MIN_RATIO,
         "device": "cuda" if args.device.startswith("cuda") else "cpu",
         "save": str(work / "final"),
         "output_dir": str(work / "trl_out"),
@@ -124,8 +129,16 @@ def peer_result(args, seed: int) -> tuple[dict, Path | None]:
     if not path.is_file():
         return {"error": "the worker wrote no result (see its log)"}, None
     res = json.loads(path.read_text())
-    keep = ("trl_version", "steps_run", "step_s", "tokens_per_s", "trained_tokens", "wall_s")
+    keep = ("trl_version", "steps_run", "step_s", "tokens_per_s", "trained_tokens", "wall_s",
+            "lr_schedule", "first_nonfinite_step")  # fmt: skip
     out = {k: res.get(k) for k in keep if k in res}
     if res.get("error"):
         return {**out, "error": res["error"]}, None
+    bad = res.get("first_nonfinite_step")
+    if bad is not None:
+        return {
+            **out,
+            "error": f"TRL GOLD's loss or gradient norm was not finite from step {bad} of "
+            f"{res.get('steps_run')} (lr {args.lr}): its weights are not scored",
+        }, None
     return out, work / "final"

@@ -151,6 +151,7 @@ def report_heal(rows: list[dict], out: Path) -> str:
             },
         }
     md += on_policy_section(rows, arms)
+    md += validation_section(rows, arms)
     md += ["### bars", "", "| bar | figures | met |", "|---|---|---|"]
     for name, figs, met in heal_stats.bars(s, cross, kd_arms, gold):
         md.append(
@@ -163,6 +164,34 @@ def report_heal(rows: list[dict], out: Path) -> str:
     (out / "heal_summary.json").write_text(json.dumps(s, indent=1, default=str))
     _plot(s, arms, out)
     return text
+
+
+def validation_section(rows: list[dict], arms: list[str]) -> list[str]:
+    """The validation split at each run's last step, per arm, beside CE on the same seeds:
+    where settings (temperature, KL weight, learning rate) are chosen, never on held-out."""
+    last = {
+        (r["arm"], r.get("seed")): r["val_curve"][-1]["bits_per_byte"]
+        for r in rows
+        if r.get("kind") == "student" and r.get("val_curve")
+    }
+    if not last:
+        return []
+    md = [
+        "### validation split (what settings are chosen on)",
+        "",
+        "| arm | seeds | bits/byte at the last step, per seed | arm - CE, same seeds (mean) |",
+        "|---|---|---|---|",
+    ]
+    for arm in arms:
+        seeds = sorted(s for a, s in last if a == arm)
+        if not seeds:
+            continue
+        vals = [last[(arm, s)] for s in seeds]
+        paired = [last[(arm, s)] - last[("ce", s)] for s in seeds if ("ce", s) in last]
+        diff = f"{statistics.fmean(paired):+.4f}" if paired and arm != "ce" else "-"
+        per = ", ".join(f"s{s} {v:.4f}" for s, v in zip(seeds, vals))
+        md.append(f"| {arm} | {len(seeds)} | {per} | {diff} |")
+    return md + [""]
 
 
 def off_policy_arm(spec: str) -> str | None:

@@ -185,10 +185,23 @@ def bars(
         The rows of the bar table.
     """
     arms, out = summary["arms"], []
+    ce_heldout = arms.get("ce", {}).get("heldout", {})
     for arm in kd_arms:
         a = arms.get(arm)
         if not a or "diff" not in a.get("heldout", {}):
             out.append((f"{arm} beats CE by > 2 seed sd, every seed, both splits", "no rows", None))
+            continue
+        seeds, ce_seeds = len(a["heldout"]["seeds"]), len(ce_heldout.get("seeds", []))
+        if seeds < ce_seeds:  # a sweep on one seed: "every seed" cannot be judged
+            d = a["heldout"]["diff"]["values"]
+            out.append(
+                (
+                    f"{arm} beats CE by > 2 seed sd, every seed, both splits",
+                    f"{seeds} of CE's {ce_seeds} seeds (a sweep row, not judged); heldout "
+                    + ", ".join(f"{v:+.4f}" for v in d),
+                    None,
+                )
+            )
             continue
         worst, ok = [], True
         for split in SPLITS:
@@ -205,7 +218,12 @@ def bars(
     closed = {
         arm: [arms.get(arm, {}).get(s, {}).get("gap_closed") for s in SPLITS] for arm in cross_arms
     }
-    closed = {k: v for k, v in closed.items() if None not in v}
+    full = len(ce_heldout.get("seeds", []))  # sweep rows on fewer seeds are not candidates
+    closed = {
+        k: v
+        for k, v in closed.items()
+        if None not in v and len(arms[k]["heldout"].get("seeds", [])) >= full
+    }
     if closed:
         best = max(closed, key=lambda k: min(closed[k]))
         figs = ", ".join(f"{s} {g:.0%}" for s, g in zip(SPLITS, closed[best]))

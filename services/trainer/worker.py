@@ -312,6 +312,10 @@ class TrainerWorker:
         one at once; under DDP autograd adds each into the reducer's bucket, which holds it for
         the run (:mod:`services.trainer.precision`). FSDP's gradients stay where autograd put
         them, and an fp32 model has no masters.
+        Activation checkpointing recomputes a layer's forward inside the backward, which keeps a
+        recorded graph's input alive where the recording saw it freed: Inductor's CUDA graph trees
+        stop the run at the first replay ("graph recording observed an input tensor
+        deallocate", pytorch/pytorch#154306).
 
         Raises:
             ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).

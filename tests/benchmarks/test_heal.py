@@ -4,6 +4,7 @@ model aliases, run configs, and same-tokenizer P-KL being the per-token KL."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -186,6 +187,24 @@ def test_peer_python_without_trl_is_skipped_with_the_reason(tmp_path, monkeypatc
         assert trl_python("no-such-python-here") is None
     assert "No module named 'trl'" in caplog.text
     assert "not importable by no-such-python-here (not found;" in caplog.text
+
+
+def test_a_trl_run_whose_loss_turned_nan_is_not_scored_and_names_the_step(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks.quality.heal_peer import peer_result
+
+    args = SimpleNamespace(work=tmp_path, lr=5e-4)
+    work = tmp_path / "trl" / "s0"
+    work.mkdir(parents=True)
+    res = {"steps_run": 150, "losses": [2.0, float("nan")], "first_nonfinite_step": 37}
+    (work / "result.json").write_text(json.dumps(res))
+    out, model = peer_result(args, 0)
+    assert model is None and out["first_nonfinite_step"] == 37
+    assert "not finite from step 37 of 150 (lr 0.0005)" in out["error"]
+    (work / "result.json").write_text(json.dumps({**res, "first_nonfinite_step": None}))
+    out, model = peer_result(args, 0)
+    assert model == work / "final" and "error" not in out
 
 
 def test_report_refuses_rows_of_different_experiments(tmp_path):

@@ -91,6 +91,15 @@ def test_bars_need_every_seed_beyond_twice_the_seed_sd_and_half_the_gap():
     assert gold[-1][2] is False
 
 
+def test_an_arm_on_fewer_seeds_than_ce_is_not_judged_nor_the_best():
+    # a validation sweep runs one seed: "every seed" and the best arm need CE's seeds
+    rows = _rows() + [_row("pkl@q:kl_weight=0.5", 0, 1.5, 2.0)]
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    bars = heal_stats.bars(s, ["xtoken@q", "pkl@q:kl_weight=0.5"], ["pkl@q:kl_weight=0.5"])
+    assert bars[0][2] is None and "1 of CE's 3 seeds" in bars[0][1]
+    assert "xtoken@q" in bars[-1][1]
+
+
 def test_gap_bar_says_when_the_parent_kd_left_no_gap():
     rows = [r for r in _rows() if r.get("arm") != "pkl@smollm2"]
     rows += [_row("pkl@smollm2", s, 2.1, 2.6) for s in range(3)]
@@ -132,3 +141,18 @@ def test_the_report_tables_the_rated_continuations_beside_ce(tmp_path):
     assert "own continuations, rated by qwen2.5-coder-0.5b" in md
     line = next(x for x in md.splitlines() if x.startswith("| xtoken@qwen2.5-coder-0.5b | 2.0000"))
     assert "-1.0000" in line
+
+
+def test_the_report_tables_the_validation_split_per_seed_beside_ce():
+    from benchmarks.quality.heal_report import validation_section
+
+    rows = []
+    for r in _rows():
+        if r.get("kind") == "student":
+            end = {"ce": 0.9, "pkl@smollm2": 0.88}.get(r["arm"], 0.95) + r["seed"] / 100
+            r["val_curve"] = [{"step": 0, "bits_per_byte": 2.0}, {"step": 9, "bits_per_byte": end}]
+            rows.append(r)
+    md = validation_section(rows, ["ce", "pkl@smollm2", "gold@q"])
+    assert "| ce | 3 | s0 0.9000, s1 0.9100, s2 0.9200 | - |" in md
+    assert "| pkl@smollm2 | 3 | s0 0.8800, s1 0.8900, s2 0.9000 | -0.0200 |" in md
+    assert validation_section([r for r in rows if False], ["ce"]) == []

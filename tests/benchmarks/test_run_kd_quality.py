@@ -293,6 +293,8 @@ def test_heal_peer_gold_trains_the_same_pair_with_trl_and_scores_it_like_the_arm
     rows = [json.loads(line) for line in (out / "heal_rows.jsonl").read_text().splitlines()]
     peer = next(r for r in rows if r["kind"] == "peer")
     assert peer["trl"]["steps_run"] == 4 and "error" not in peer["trl"]
+    assert peer["trl"]["lr_schedule"] == "cosine_with_min_lr"  # xtoken's schedule
+    assert peer["trl"]["first_nonfinite_step"] is None
     assert (
         0 < peer["fresh"]["bits_per_byte"] < 20 and peer["compare_to"] == "gold@qwen2.5-coder-0.5b"
     )
