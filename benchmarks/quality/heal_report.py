@@ -94,23 +94,23 @@ def report_heal(rows: list[dict], out: Path) -> str:
         a for a in arms for sp in heal_stats.SPLITS if s["arms"][a].get(sp, {}).get("continuation")
     ]
     if rated:
-        scorer = next(
-            r[sp]["continuation"]["scorer"]
-            for r in rows
-            for sp in heal_stats.SPLITS
-            if (r.get(sp) or {}).get("continuation")
-        )
+        scorers: dict[str, set] = {}  # each arm's rows may name another scorer (its teacher)
+        for r in rows:
+            for sp in heal_stats.SPLITS:
+                c = (r.get(sp) or {}).get("continuation")
+                if c and c.get("scorer"):
+                    scorers.setdefault(r["arm"], set()).add(c["scorer"])
         md += [
-            f"### the students' own continuations, rated by {scorer}",
+            "### the students' own continuations, rated by a teacher",
             "",
             "Each student continues the first quarter-context of the split's first texts "
             "greedily; the scorer's bits/byte of what it wrote (lower: the scorer finds it more "
-            "likely; what on-policy distillation optimizes).",
+            "likely; what on-policy distillation optimizes). Compare rows of one scorer only.",
             "",
-            "| arm | "
+            "| arm | scorer | "
             + " | ".join(f"{sp} (mean ± sd) | {sp}: arm - CE (95% CI)" for sp in heal_stats.SPLITS)
             + " |",
-            "|---|" + "---|---|" * len(heal_stats.SPLITS),
+            "|---|---|" + "---|---|" * len(heal_stats.SPLITS),
         ]
         before = next((r for r in rows if r.get("kind") == "before"), None)
         if before is not None and any(
@@ -120,7 +120,8 @@ def report_heal(rows: list[dict], out: Path) -> str:
             for sp in heal_stats.SPLITS:
                 v = heal_stats.continuation_bpb(before, sp)
                 cells += ["-" if v is None else f"{v:.4f}", "-"]
-            md.append("| pruned student, before training | " + " | ".join(cells) + " |")
+            who = ", ".join(sorted(scorers.get("before", []))) or "-"
+            md.append(f"| pruned student, before training | {who} | " + " | ".join(cells) + " |")
         for arm in dict.fromkeys(rated):
             cells = []
             for sp in heal_stats.SPLITS:
@@ -134,7 +135,8 @@ def report_heal(rows: list[dict], out: Path) -> str:
                     ci = f" [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d["lo"] is not None else ""
                     diff = f"{d['mean']:+.4f}{ci}"
                 cells += [f"{c['mean']:.4f} ± {c['sd']:.4f}", diff]
-            md.append(f"| {arm} | " + " | ".join(cells) + " |")
+            who = ", ".join(sorted(scorers.get(arm, []))) or "-"
+            md.append(f"| {arm} | {who} | " + " | ".join(cells) + " |")
         md.append("")
     kd_arms = [a for a in arms if a != "ce"]
     s_tok = next((r["student_tokenizer"] for r in rows if r.get("student_tokenizer")), None)

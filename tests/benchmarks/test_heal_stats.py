@@ -138,8 +138,12 @@ def test_the_report_tables_the_rated_continuations_beside_ce(tmp_path):
             r[split]["continuation"] = {"bits_per_byte": rated, "scorer": "qwen2.5-coder-0.5b"}
         rows.append(r)
     md = report_heal(rows, tmp_path)
-    assert "own continuations, rated by qwen2.5-coder-0.5b" in md
-    line = next(x for x in md.splitlines() if x.startswith("| xtoken@qwen2.5-coder-0.5b | 2.0000"))
+    assert "own continuations, rated by a teacher" in md
+    line = next(
+        x
+        for x in md.splitlines()
+        if x.startswith("| xtoken@qwen2.5-coder-0.5b | qwen2.5-coder-0.5b | 2.0000")
+    )
     assert "-1.0000" in line
 
 
