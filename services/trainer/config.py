@@ -290,6 +290,15 @@ class TrainerConfig:
     profile_start: int = field(
         default=3, metadata={"help": "first traced step (after the compile's warm-up steps)"}
     )
+    gc_every: int = field(
+        default=50,
+        metadata={
+            "help": "after the start-up step, freeze the heap that exists, turn Python's "
+            "automatic garbage collector off and collect every gc_every steps, on every rank at "
+            "the same step (an automatic full collection pauses one rank at a time, and under "
+            "DDP the others wait for it); 0: Python's automatic collector"
+        },
+    )
     lease_s: float = field(
         default=300.0, metadata={"help": "lease of claimed samples (redelivered if we die)"}
     )
@@ -336,7 +345,9 @@ class TrainerConfig:
         for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in ("max_steps", "checkpoint_every", "eval_every", "max_length", "profile_steps"):
+        for name in (
+            "max_steps", "checkpoint_every", "eval_every", "max_length", "profile_steps", "gc_every"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("lease_s", "teacher_timeout_s", "claim_timeout_s", "queue_timeout_s"):

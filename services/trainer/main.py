@@ -30,6 +30,7 @@ from services.common.metrics import JsonlWriter
 from services.queue.client import connect
 from services.queue.errors import QueueError
 from services.trainer import checkpoint, tracking
+from services.trainer.collector import CollectorClock, CollectorSchedule
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import TeacherFeed
 from services.trainer.model_card import card_facts, write_model_card
@@ -194,6 +195,9 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         config.profile_start, config.profile_steps, run_dir / "profile", rank, device
     )
     unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
+    gc_clock, gc_schedule = CollectorClock(), CollectorSchedule(config.gc_every)
+    gc_schedule.start()  # the start-up heap frozen, collections on the schedule from here
+    gc_clock.install()  # the steps' collections (not the start's)
 
     def write_steps() -> None:
         """Write the record of the step not written yet (reads its figures from the GPU)."""
@@ -289,8 +293,10 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                     "epoch": epoch,
                     "feed": dict(feed.counters),
                     "on_policy": feed.on_policy_stats(),
+                    **gc_clock.read(),  # the collections since the step before
                 }
             )
+            gc_schedule.after_step(result.step)  # while the GPU runs the step just queued
             profiler.step_ended(result.step)
             if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
                 write_steps()
@@ -311,6 +317,8 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     feed.give_back()
     write_steps()
     profiler.close()
+    gc_schedule.close()
+    gc_clock.remove()
     lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:
         checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)

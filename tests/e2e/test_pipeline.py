@@ -52,6 +52,10 @@ def test_pipeline_trains_every_sample_once_and_every_process_exits_cleanly(pipel
     assert before_after["after"] < before_after["before"], before_after
     losses = [r["loss"] for r in step_records(run_dir, 0)]
     assert losses[-1] < losses[0], losses
+    # each step says how long the host spent in Python's garbage collector since the step
+    # before: with the default schedule (gc_every 50) no collection falls in a run this short
+    gcs = [(r["gc_s"], r["gc_full"]) for r in step_records(run_dir, 0)]
+    assert gcs == [(0.0, 0)] * len(gcs), gcs
 
     # rank 0 alone writes TensorBoard events: the JSONL's metrics, same names, values and steps
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
