@@ -457,6 +457,7 @@ def pipeline(
     tokens = sum(r["tokens"] for r in measured)
     split = {k: statistics.mean(r["times"][k] for r in measured) for k in measured[0]["times"]}
     split_by_rank = {}  # each rank's own step split (rank 0's is ``split``)
+    stalls_by_rank = {}  # each rank's steps over 3x its median, and its garbage collections
     for rank in range(trainers):
         rows = [
             r
@@ -467,6 +468,7 @@ def pipeline(
             split_by_rank[rank] = {
                 k: statistics.mean(r["times"][k] for r in rows) for k in rows[0]["times"]
             }
+            stalls_by_rank[rank] = step_stalls(rows)
     step_s = statistics.mean(r["step_s"] for r in measured)
     waits = split.get("data_wait", 0) + split.get("teacher_wait", 0)
     hidden_bytes = None
@@ -484,6 +486,7 @@ def pipeline(
         "teacher_peak_mem_gib": max(teacher_mem) / 1024 if teacher_mem else None,
         "split_s": split,
         "split_s_by_rank": split_by_rank,
+        "stalls_by_rank": stalls_by_rank,
         "wait_fraction": waits / step_s if step_s else None,
         "teacher_wait_ms": 1000 * split.get("teacher_wait", 0.0),
         "bytes_per_step": hidden_bytes if transport == "hidden" else 0,
@@ -491,6 +494,23 @@ def pipeline(
         "wall_s": wall,
         "feed": measured[-1].get("feed"),
         "losses": [r.get("loss") for r in steps],
+    }
+
+
+def step_stalls(rows: list[dict], factor: float = 3.0) -> dict:
+    """A rank's measured steps longer than ``factor`` x its median step (``slow_steps``, their
+    step numbers), the median and slowest step in ms, and the seconds and full collections of
+    Python's garbage collector over the steps and within the slow ones (``gc_s``, ``gc_full``:
+    what each step record carries)."""
+    median = statistics.median(r["step_s"] for r in rows)
+    slow = [r for r in rows if r["step_s"] > factor * median]
+    return {
+        "median_ms": round(1000 * median, 1),
+        "slowest_ms": round(1000 * max(r["step_s"] for r in rows), 1),
+        "slow_steps": [r["step"] for r in slow],
+        "gc_s": round(sum(r.get("gc_s", 0.0) for r in rows), 4),
+        "gc_full": sum(r.get("gc_full", 0) for r in rows),
+        "gc_full_in_slow_steps": sum(r.get("gc_full", 0) for r in slow),
     }
 
 
@@ -809,6 +829,9 @@ def run_all(args, work: Path) -> int:
                     for rank, times in pl["split_s_by_rank"].items():
                         split = {k: round(v * 1000, 1) for k, v in times.items()}
                         print(f"        rank {rank} split (ms/step): {json.dumps(split)}")
+                        stalls = pl.get("stalls_by_rank", {}).get(rank)
+                        if stalls:
+                            print(f"        rank {rank} stalls: {json.dumps(stalls)}")
                     if eager_tps:
                         split = {k: round(v * 1000, 1) for k, v in eager["split_s"].items()}
                         print(f"        eager split (ms/step): {json.dumps(split)}")
