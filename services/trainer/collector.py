@@ -21,8 +21,11 @@ step's record carries ``gc_s`` (seconds the host spent collecting since the step
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class CollectorClock:
@@ -74,15 +77,31 @@ class CollectorSchedule:
         self.every = every
         self._was_enabled = gc.isenabled()
         self._started = False
+        #: ``{"full_collection_s", "frozen"}`` of :meth:`start` (what the start-up heap costs a
+        #: full collection), None before
+        self.start_report: dict[str, float | int] | None = None
 
     def start(self) -> None:
         """After the start-up step: collect once, freeze what is alive, collector off."""
         if not self.every or self._started:
             return
+        t0 = time.perf_counter()
         gc.collect()
+        seconds = time.perf_counter() - t0
         gc.freeze()
         gc.disable()
         self._started = True
+        self.start_report = {
+            "full_collection_s": round(seconds, 4),
+            "frozen": gc.get_freeze_count(),
+        }
+        logger.info(
+            "[trainer] garbage collector: a full collection took %.2f s; %d objects frozen, "
+            "collecting every %d steps (trainer.gc_every)",
+            seconds,
+            self.start_report["frozen"],
+            self.every,
+        )
 
     def after_step(self, step: int) -> None:
         """Collect when ``step`` is a multiple of ``every`` (every rank reaches the same step)."""

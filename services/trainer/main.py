@@ -197,6 +197,8 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
     gc_clock, gc_schedule = CollectorClock(), CollectorSchedule(config.gc_every)
     gc_schedule.start()  # the start-up heap frozen, collections on the schedule from here
+    if gc_schedule.start_report is not None:
+        metrics.write("gc", **gc_schedule.start_report)
     gc_clock.install()  # the steps' collections (not the start's)
 
     def write_steps() -> None:
