@@ -11,7 +11,7 @@ other rank waits for it in the next gradient all-reduce.
 step out of the collector's sight (``gc.freeze``), turns the automatic collector off and collects
 every ``gc_every`` steps, on every rank at the same step, after the step is queued (the host
 collects while the GPU runs). What becomes garbage in cycles between two collections waits for
-the next one.
+the next one; a trainer that finds no data collects every :data:`IDLE_S` seconds while it waits.
 
 :class:`CollectorClock` measures the collections of either kind through ``gc.callbacks``: each
 step's record carries ``gc_s`` (seconds the host spent collecting since the step before) and
@@ -26,6 +26,9 @@ import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+#: seconds between two collections while the trainer finds no data (no steps, no schedule)
+IDLE_S = 30.0
 
 
 class CollectorClock:
@@ -77,6 +80,7 @@ class CollectorSchedule:
         self.every = every
         self._was_enabled = gc.isenabled()
         self._started = False
+        self._last = 0.0  # monotonic time of the last collection
         #: ``{"full_collection_s", "frozen"}`` of :meth:`start` (what the start-up heap costs a
         #: full collection), None before
         self.start_report: dict[str, float | int] | None = None
@@ -91,6 +95,7 @@ class CollectorSchedule:
         gc.freeze()
         gc.disable()
         self._started = True
+        self._last = time.monotonic()
         self.start_report = {
             "full_collection_s": round(seconds, 4),
             "frozen": gc.get_freeze_count(),
@@ -106,7 +111,17 @@ class CollectorSchedule:
     def after_step(self, step: int) -> None:
         """Collect when ``step`` is a multiple of ``every`` (every rank reaches the same step)."""
         if self._started and step % self.every == 0:
-            gc.collect()
+            self._collect()
+
+    def when_idle(self) -> None:
+        """A try that found no data: collect if the last collection is ``IDLE_S`` old, so that
+        a trainer waiting for data (no steps, so no scheduled collection) stays bounded."""
+        if self._started and time.monotonic() - self._last >= IDLE_S:
+            self._collect()
+
+    def _collect(self) -> None:
+        gc.collect()
+        self._last = time.monotonic()
 
     def close(self) -> None:
         """Give the process back its collector (the frozen objects become collectable again)."""

@@ -280,6 +280,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 write_steps()  # no step follows soon: the last one's record waits no longer
                 if feed.ended or config.idle_timeout_s is not None:
                     break
+                gc_schedule.when_idle()  # a trainer that waits for hours stays bounded
                 continue
             result, clock = worker.train_step(mbs, clock), None
             feed.ack(mbs)

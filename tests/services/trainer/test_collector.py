@@ -56,6 +56,26 @@ def test_the_schedule_collects_cycles_only_at_its_steps_and_gives_the_collector_
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_a_trainer_waiting_for_data_collects_every_idle_period(clock, monkeypatch):
+    from services.trainer import collector
+
+    now = [1000.0]
+    monkeypatch.setattr(collector.time, "monotonic", lambda: now[0])
+    schedule = CollectorSchedule(50)
+    schedule.start()
+    try:
+        clock.read()
+        schedule.when_idle()  # just collected at the start
+        assert clock.read()["gc_full"] == 0
+        now[0] += collector.IDLE_S
+        schedule.when_idle()
+        assert clock.read()["gc_full"] == 1
+        schedule.when_idle()  # not again until the next period
+        assert clock.read()["gc_full"] == 0
+    finally:
+        schedule.close()
+
+
 def test_gc_every_zero_leaves_pythons_collector_as_it_is():
     schedule = CollectorSchedule(0)
     schedule.start()
