@@ -93,8 +93,7 @@ def run(spec: dict) -> dict:
     times: list[float] = []
     tokens: list[int] = []
     losses: list[float] = []
-    grad_norms: list[float] = []
-    nonfinite: list[int | None] = [None]  # the first step with a non-finite loss or norm
+    nonfinite: list[int] = []  # the steps whose loss or gradient norm was not finite
 
     class Timer(TrainerCallback):
         """Wall time of each optimizer step, synchronized with the device."""
@@ -115,9 +114,8 @@ def run(spec: dict) -> dict:
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
                 norm = float(logs.get("grad_norm", 0.0))
-                grad_norms.append(norm)
-                if nonfinite[0] is None and not math.isfinite(losses[-1] * norm):
-                    nonfinite[0] = state.global_step
+                if not (math.isfinite(losses[-1]) and math.isfinite(norm)):
+                    nonfinite.append(state.global_step)
 
     trainer = GOLDTrainer(
         model=student,
@@ -148,8 +146,7 @@ def run(spec: dict) -> dict:
         "tokens_per_s": sum(measured_tokens) / sum(measured) if measured else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "losses": losses,
-        "grad_norms": grad_norms,
-        "first_nonfinite_step": nonfinite[0],
+        "first_nonfinite_step": nonfinite[0] if nonfinite else None,
         "lr_schedule": schedule["lr_scheduler_type"],
         "wall_s": wall,
         "trained_tokens": sum(tokens),

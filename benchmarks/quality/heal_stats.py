@@ -185,13 +185,13 @@ def bars(
         The rows of the bar table.
     """
     arms, out = summary["arms"], []
-    ce_heldout = arms.get("ce", {}).get("heldout", {})
+    ce_seeds = len(arms.get("ce", {}).get("heldout", {}).get("seeds", []))
     for arm in kd_arms:
         a = arms.get(arm)
         if not a or "diff" not in a.get("heldout", {}):
             out.append((f"{arm} beats CE by > 2 seed sd, every seed, both splits", "no rows", None))
             continue
-        seeds, ce_seeds = len(a["heldout"]["seeds"]), len(ce_heldout.get("seeds", []))
+        seeds = len(a["heldout"]["seeds"])
         if seeds < ce_seeds:  # a sweep on one seed: "every seed" cannot be judged
             d = a["heldout"]["diff"]["values"]
             out.append(
@@ -218,11 +218,10 @@ def bars(
     closed = {
         arm: [arms.get(arm, {}).get(s, {}).get("gap_closed") for s in SPLITS] for arm in cross_arms
     }
-    full = len(ce_heldout.get("seeds", []))  # sweep rows on fewer seeds are not candidates
-    closed = {
+    closed = {  # sweep rows on fewer seeds than CE are not candidates
         k: v
         for k, v in closed.items()
-        if None not in v and len(arms[k]["heldout"].get("seeds", [])) >= full
+        if None not in v and len(arms[k]["heldout"].get("seeds", [])) >= ce_seeds
     }
     if closed:
         best = max(closed, key=lambda k: min(closed[k]))
