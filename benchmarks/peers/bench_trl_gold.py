@@ -65,6 +65,16 @@ NEMO_RL = {
 }
 
 
+def visible_gpu(cuda_visible_devices: str | None) -> str:
+    """The nvidia-smi id (index or UUID) of the GPU the run's ``cuda:0`` is.
+
+    nvidia-smi numbers every GPU of the host and ignores ``CUDA_VISIBLE_DEVICES``, so a run
+    limited to one GPU of several would otherwise sample GPU 0, whatever runs there.
+    """
+    first = (cuda_visible_devices or "").split(",")[0].strip()
+    return first or "0"
+
+
 class GpuMemorySampler:
     """Peak of the device's used memory (nvidia-smi) while a block runs, over its baseline."""
 
@@ -77,7 +87,13 @@ class GpuMemorySampler:
     @staticmethod
     def _used_mib() -> int:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+                "-i",
+                visible_gpu(os.environ.get("CUDA_VISIBLE_DEVICES")),
+            ],
             capture_output=True,
             text=True,
             check=False,
@@ -150,7 +166,9 @@ def tokenizer_dirs(work: Path, student: str, teacher: str) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def fitted_texts(student: str, teacher: str, T: int, count: int, heldout: bool = False) -> list[str]:
+def fitted_texts(
+    student: str, teacher: str, T: int, count: int, heldout: bool = False
+) -> list[str]:
     """``count`` texts of the demo corpus (train or held-out split), each cut at a student
     token boundary so that it is at most ``T - 16`` tokens for both tokenizers."""
     from xtoken_core.data.corpus import build_demo_corpus, iter_texts
@@ -169,11 +187,15 @@ def fitted_texts(student: str, teacher: str, T: int, count: int, heldout: bool =
         s_spans = st.encode(buf, add_special_tokens=False).spans_N2
         t_spans = tt.encode(buf, add_special_tokens=False).spans_N2
         # the byte end that both sides reach within the budget
-        end = min(int(s_spans[min(budget, len(s_spans)) - 1][1]), int(t_spans[min(budget, len(t_spans)) - 1][1]))
+        end = min(
+            int(s_spans[min(budget, len(s_spans)) - 1][1]),
+            int(t_spans[min(budget, len(t_spans)) - 1][1]),
+        )
         cut = raw[:end].decode("utf-8", errors="ignore")
-        while len(st.encode(cut, add_special_tokens=False).ids_N) > budget or len(
-            tt.encode(cut, add_special_tokens=False).ids_N
-        ) > budget:
+        while (
+            len(st.encode(cut, add_special_tokens=False).ids_N) > budget
+            or len(tt.encode(cut, add_special_tokens=False).ids_N) > budget
+        ):
             cut = cut[: int(len(cut) * 0.97)]
         texts.append(cut)
         buf = ""
@@ -329,7 +351,13 @@ def heldout_bpb(args, model_dir: str, texts: list[str]) -> dict:
 
 
 def trl_spec(
-    args, dirs: dict, data: Path, T: int, steps: int, warmup: int, save: str | None,
+    args,
+    dirs: dict,
+    data: Path,
+    T: int,
+    steps: int,
+    warmup: int,
+    save: str | None,
     extended: bool = False,
 ) -> dict:
     """The worker's spec for one TRL run (``extended``: TRL's byte-offset ULD alignment, its
@@ -433,7 +461,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="xtoken warm-up steps")
     p.add_argument("--trl-steps", type=int, default=3, help="measured TRL steps")
     p.add_argument("--trl-warmup", type=int, default=2, help="TRL warm-up steps")
-    p.add_argument("--quality-steps", type=int, default=20, help="texts (steps) trained for quality")
+    p.add_argument(
+        "--quality-steps", type=int, default=20, help="texts (steps) trained for quality"
+    )
     p.add_argument("--quality-T", type=int, default=2048)
     p.add_argument("--heldout-texts", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4, help="constant learning rate (quality)")
@@ -535,18 +565,31 @@ def main() -> int:
             trl_row = None
             for uld in trl_ulds:
                 trl = run_trl(
-                    args, work, f"speed_{T}_{uld}",
+                    args,
+                    work,
+                    f"speed_{T}_{uld}",
                     trl_spec(
-                        args, dirs, trl_data, T, args.trl_steps, args.trl_warmup, None,
+                        args,
+                        dirs,
+                        trl_data,
+                        T,
+                        args.trl_steps,
+                        args.trl_warmup,
+                        None,
                         extended=uld == "extended",
                     ),
                 )
                 stamp["trl_version"] = trl.get("trl_version", stamp.get("trl_version"))
                 trl_row = {
-                    "part": "speed", "T": T, "system": "TRL GOLD", "mode": f"uld {uld}",
-                    "tokens_per_s": trl.get("tokens_per_s"), "step_s": trl.get("step_s"),
+                    "part": "speed",
+                    "T": T,
+                    "system": "TRL GOLD",
+                    "mode": f"uld {uld}",
+                    "tokens_per_s": trl.get("tokens_per_s"),
+                    "step_s": trl.get("step_s"),
                     "device_peak_gib": trl.get("device_peak_gib"),
-                    "torch_peak_gib": trl.get("peak_mem_gib"), "error": trl.get("error"),
+                    "torch_peak_gib": trl.get("peak_mem_gib"),
+                    "error": trl.get("error"),
                     "trl": trl,
                 }
                 speed.append(trl_row)
@@ -561,8 +604,12 @@ def main() -> int:
             for mode in args.modes:
                 xt = run_xtoken(args, work, mode, T, xt_corpus, dirs)
                 row = {
-                    "part": "speed", "T": T, "system": "xtoken", "mode": mode,
-                    "tokens_per_s": xt.get("tokens_per_s"), "step_s": xt.get("step_s"),
+                    "part": "speed",
+                    "T": T,
+                    "system": "xtoken",
+                    "mode": mode,
+                    "tokens_per_s": xt.get("tokens_per_s"),
+                    "step_s": xt.get("step_s"),
                     "device_peak_gib": xt.get("device_peak_gib"),
                     "torch_peak_gib": (xt["peak_mem_mb"] / 1024) if xt.get("peak_mem_mb") else None,
                     "error": xt.get("error"),
@@ -595,17 +642,28 @@ def main() -> int:
         )
         base = {"part": "quality", "steps": args.quality_steps, "tokens": tokens, "T": T}
         quality.append(
-            {**base, "system": "student before", "steps": 0, "tokens": 0, **heldout_bpb(args, student_dir, held)}
+            {
+                **base,
+                "system": "student before",
+                "steps": 0,
+                "tokens": 0,
+                **heldout_bpb(args, student_dir, held),
+            }
         )
         save = str(work / "trl_quality_student")
         shutil.rmtree(save, ignore_errors=True)
         for uld in trl_ulds:
             trl = run_trl(
-                args, work, f"quality_{uld}",
+                args,
+                work,
+                f"quality_{uld}",
                 trl_spec(args, dirs, trl_data, T, args.quality_steps, 0, save, uld == "extended"),
             )
             row = {
-                **base, "system": "TRL GOLD", "mode": f"uld {uld}", "wall_s": trl.get("wall_s"),
+                **base,
+                "system": "TRL GOLD",
+                "mode": f"uld {uld}",
+                "wall_s": trl.get("wall_s"),
                 "error": trl.get("error"),
             }
             if not trl.get("error"):
@@ -616,7 +674,13 @@ def main() -> int:
                 break
         for mode in args.modes:
             xq = xtoken_quality(args, work, mode, T, xt_corpus, dirs)
-            row = {**base, "system": "xtoken", "mode": mode, "wall_s": xq.get("wall_s"), "error": xq.get("error")}
+            row = {
+                **base,
+                "system": "xtoken",
+                "mode": mode,
+                "wall_s": xq.get("wall_s"),
+                "error": xq.get("error"),
+            }
             if not xq.get("error"):
                 row.update(heldout_bpb(args, xq["model"], held))
             quality.append(row)

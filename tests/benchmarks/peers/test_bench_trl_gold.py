@@ -76,3 +76,14 @@ def test_cpu_smoke_records_trl_refusal_and_both_trainers_figures(tmp_path):
     assert all(math.isfinite(r["bits_per_byte"]) and r["bits_per_byte"] > 0 for r in quality)
     md = results.with_suffix(".md").read_text()
     assert "NeMo RL" in md and "| 64 | xtoken | xtoken |" in md
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [(None, "0"), ("", "0"), ("2", "2"), ("3,1", "3"), (" GPU-ab12 ,GPU-cd34", "GPU-ab12")],
+)
+def test_memory_sampler_reads_the_gpu_cuda_visible_devices_names_first(visible, expected):
+    """nvidia-smi ignores CUDA_VISIBLE_DEVICES: the sampler asks for the run's own GPU."""
+    from benchmarks.peers.bench_trl_gold import visible_gpu
+
+    assert visible_gpu(visible) == expected
