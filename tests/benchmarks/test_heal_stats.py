@@ -160,3 +160,14 @@ def test_the_report_tables_the_validation_split_per_seed_beside_ce():
     assert "| ce | 3 | s0 0.9000, s1 0.9100, s2 0.9200 | - |" in md
     assert "| pkl@smollm2 | 3 | s0 0.8800, s1 0.8900, s2 0.9000 | -0.0200 |" in md
     assert validation_section([r for r in rows if False], ["ce"]) == []
+
+
+def test_gap_bar_is_judged_on_the_splits_where_the_parent_kd_left_a_gap():
+    # the parent's KD beats CE on fresh only: the best arm is judged there, held-out is named
+    rows = [r for r in _rows() if r.get("arm") != "pkl@smollm2"]
+    rows += [_row("pkl@smollm2", s, 2.1 + j, 2.1 + j) for s, j in enumerate((0.0, 0.01, -0.01))]
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    name, figs, met = heal_stats.bars(s, ["xtoken@q", "gold@q"], ["xtoken@q"])[-1]
+    # fresh: CE 2.5, parent 2.1, xtoken 2.25 -> 62.5% of the gap (printed 63%)
+    assert figs.startswith("xtoken@q: fresh 63%") and "heldout: the parent's KD" in figs
+    assert met is True
