@@ -497,11 +497,15 @@ def pipeline(
     }
 
 
+SERIES = ("steps", "step_ms", "gc_ms")  # step_stalls' per-step lists (stored, not printed)
+
+
 def step_stalls(rows: list[dict], factor: float = 3.0) -> dict:
     """A rank's measured steps longer than ``factor`` x its median step (``slow_steps``, their
     step numbers), the median and slowest step in ms, and the seconds and full collections of
     Python's garbage collector over the steps and within the slow ones (``gc_s``, ``gc_full``:
-    what each step record carries)."""
+    what each step record carries), and the series behind them (``steps``, ``step_ms``,
+    ``gc_ms``: one entry per measured step)."""
     median = statistics.median(r["step_s"] for r in rows)
     slow = [r for r in rows if r["step_s"] > factor * median]
     return {
@@ -511,6 +515,9 @@ def step_stalls(rows: list[dict], factor: float = 3.0) -> dict:
         "gc_s": round(sum(r.get("gc_s", 0.0) for r in rows), 4),
         "gc_full": sum(r.get("gc_full", 0) for r in rows),
         "gc_full_in_slow_steps": sum(r.get("gc_full", 0) for r in slow),
+        "steps": [r["step"] for r in rows],
+        "step_ms": [round(1000 * r["step_s"], 1) for r in rows],
+        "gc_ms": [round(1000 * r.get("gc_s", 0.0), 1) for r in rows],
     }
 
 
@@ -831,7 +838,8 @@ def run_all(args, work: Path) -> int:
                         print(f"        rank {rank} split (ms/step): {json.dumps(split)}")
                         stalls = pl.get("stalls_by_rank", {}).get(rank)
                         if stalls:
-                            print(f"        rank {rank} stalls: {json.dumps(stalls)}")
+                            brief = {k: v for k, v in stalls.items() if k not in SERIES}
+                            print(f"        rank {rank} stalls: {json.dumps(brief)}")
                     if eager_tps:
                         split = {k: round(v * 1000, 1) for k, v in eager["split_s"].items()}
                         print(f"        eager split (ms/step): {json.dumps(split)}")

@@ -12,6 +12,10 @@ has it, the ``two-gpu`` row of one rank fed by a teacher on the other GPU. Three
 * the step time of one rank split into data wait, teacher wait, forward, loss, backward and
   optimizer (``pipeline.split_s``), stacked.
 
+and, from the rows of the collector A/B (tags ``two-gpu-gc50`` / ``two-gpu-gc0``), a second PNG
+(``scaling_2gpu_gc.png``): each rank's per-step time with the trainer's scheduled collector and
+with Python's automatic one, the steps with a full collection marked.
+
 Where the tag has rows from more than one commit, the newest commit's are drawn.
 
 Usage::
@@ -214,6 +218,80 @@ def plot(by_ranks: dict[int, dict], path: Path, own_gpu: dict | None = None) -> 
     return path
 
 
+GC_TAGS = {"two-gpu-gc50": "gc_every 50", "two-gpu-gc0": "Python's collector"}
+GC_PNG = "scaling_2gpu_gc.png"
+
+
+def gc_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the collector A/B (``GC_TAGS``) of the newest commit that has them, each with
+    its per-step series (``stalls_by_rank[rank]["step_ms"]``); [] where there are none."""
+    tagged = [
+        r
+        for r in rows
+        if r.get("tag") in GC_TAGS
+        and all("step_ms" in v for v in r["pipeline"].get("stalls_by_rank", {}).values())
+        and r["pipeline"].get("stalls_by_rank")
+    ]
+    if not tagged:
+        return []
+    newest = max(tagged, key=lambda r: r.get("time", ""))["commit"]
+    return [r for r in tagged if r["commit"] == newest]
+
+
+def plot_gc(rows: list[dict], path: Path) -> Path:
+    """Write the per-step time of every rank, one panel per mode: 1 rank and 2 ranks with the
+    trainer's scheduled collector (``gc_every`` 50) against 2 ranks with Python's automatic one;
+    a step in which a rank spent > 100 ms in a collection is marked and labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: list(MODES).index(m))
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.4), dpi=120, squeeze=False)
+    style = {  # (tag, ranks) -> colour per rank, line style
+        ("two-gpu-gc50", 1): (("tab:gray",), "-"),
+        ("two-gpu-gc50", 2): (("tab:blue", "tab:cyan"), "-"),
+        ("two-gpu-gc0", 2): (("tab:red", "tab:orange"), "--"),
+    }
+    for ax, mode in zip(axes[0], modes):
+        for r in (x for x in rows if x["mode"] == mode):
+            colors, ls = style.get((r["tag"], r["trainers"]), (("black", "black"), ":"))
+            for rank, st in sorted(r["pipeline"]["stalls_by_rank"].items()):
+                c = colors[int(rank) % len(colors)]
+                label = (
+                    f"{r['trainers']} rank{'s' if r['trainers'] > 1 else ''}, "
+                    f"{GC_TAGS[r['tag']]}: rank {rank} ({r['pipeline']['tokens_per_s']:,.0f} tok/s)"
+                )
+                ax.plot(st["steps"], st["step_ms"], ls, color=c, marker=".", label=label)
+                for step, ms, gc in zip(st["steps"], st["step_ms"], st["gc_ms"]):
+                    if gc > 100:
+                        ax.plot([step], [ms], "X", color=c, markersize=10)
+                        ax.annotate(
+                            f"rank {rank}: full collection {gc:.0f} ms",
+                            (step, ms),
+                            textcoords="offset points",
+                            xytext=(6, -4),
+                            fontsize=7,
+                        )
+        ax.set_title(f"{MODES.get(mode, mode)}, {rows[0]['shape']}")
+        ax.set_xlabel("step (after the warm-up)")
+        ax.set_ylabel("step time, ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center right")
+    fig.suptitle(
+        f"Per-step time of each trainer rank on 2 x {rows[0]['device']} (commit "
+        f"{rows[0]['commit']}): a full collection of Python's collector stalls one rank, the "
+        "other waits for it",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> Path:
     """Read the committed rows, write the PNG, return its path."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -225,6 +303,9 @@ def main(argv: list[str] | None = None) -> Path:
     by_ranks = pick(rows, args.tag)
     path = plot(by_ranks, args.out_dir / PNG, own_gpu_teacher(rows, by_ranks[1]))
     print(path)
+    gc = gc_rows(rows)
+    if gc:
+        print(plot_gc(gc, args.out_dir / GC_PNG))
     return path
 
 

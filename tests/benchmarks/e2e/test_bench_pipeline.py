@@ -22,6 +22,9 @@ def test_steps_over_three_medians_are_named_with_the_collections_inside_them():
     assert out["median_ms"] == 100.0 and out["slowest_ms"] == 650.0
     assert out["slow_steps"] == [10, 11]  # 290 ms is under 3 x 100
     assert out["gc_s"] == 0.55 and out["gc_full"] == 1 and out["gc_full_in_slow_steps"] == 1
+    # the per-step series the plot of a run draws
+    assert out["steps"] == list(range(1, 13)) and out["step_ms"][9] == 650.0
+    assert out["gc_ms"][9] == 550.0 and sum(out["gc_ms"]) == 550.0
 
 
 def test_records_without_collector_figures_count_none():
