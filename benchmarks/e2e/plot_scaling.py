@@ -46,6 +46,17 @@ PHASES = (
 )
 
 
+def _save(fig, path: Path, top: float) -> Path:
+    """Lay out ``fig`` under its title (the top ``1 - top`` of the figure), write it, close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=(0, 0, 1, top))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def pick(rows: list[dict], tag: str = TAG) -> dict[int, dict]:
     """The rows of ``tag`` by trainer ranks (1, 2), from the newest commit that has both.
 
@@ -211,11 +222,7 @@ def plot(by_ranks: dict[int, dict], path: Path, own_gpu: dict | None = None) -> 
         + ("; green: 1 rank, its teacher on the other GPU" if own_gpu is not None else ""),
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path, top=0.95)
 
 
 GC_TAGS = {"two-gpu-gc50": "gc_every 50", "two-gpu-gc0": "Python's collector"}
@@ -285,11 +292,7 @@ def plot_gc(rows: list[dict], path: Path) -> Path:
         "other waits for it",
         fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path, top=0.94)
 
 
 def main(argv: list[str] | None = None) -> Path:
