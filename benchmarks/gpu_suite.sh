@@ -114,6 +114,13 @@ want two_gpu_profile && step two_gpu_profile $PY benchmarks/e2e/bench_pipeline.p
   --trainer-extra '{"profile_steps": 2, "profile_start": 4}' --tag two-gpu-profile \
   --results "$OUT/e2e_pipeline.jsonl" --work /tmp/xtoken_bench_profile && \
   cp /tmp/xtoken_bench_profile/run_1x4096_pkl_cuda_ipc_r2_same/profile/* "$OUT/"
+# the trainer's scheduled garbage collection (gc_every 50, the default) against Python's automatic
+# one at two ranks, 1x4096, each rank's per-step times kept in the rows (plot_scaling.py draws them)
+GC_AB="--shapes 1x4096 --modes pkl gold --baseline none --no-bare --recompile-steps 0 --steps 16 \
+  --warmup 4 --results $OUT/e2e_pipeline.jsonl"
+want two_gpu_gc && step two_gpu_gc $PY benchmarks/e2e/bench_pipeline.py $GC_AB --trainers 1 2 \
+  --tag two-gpu-gc50 && step two_gpu_gc0 $PY benchmarks/e2e/bench_pipeline.py $GC_AB --trainers 2 \
+  --trainer-extra '{"gc_every": 0}' --tag two-gpu-gc0 --work /tmp/xtoken_bench_gc0
 want two_gpu_hidden && step two_gpu_hidden $PY benchmarks/e2e/bench_pipeline.py --shapes 4x2048 \
   --modes pkl --transports hidden --trainers 1 --teacher-devices cuda:1 --baseline none \
   --recompile-steps 0 --no-bare --steps 8 --warmup 3 --tag two-gpu --results "$OUT/e2e_pipeline.jsonl"
