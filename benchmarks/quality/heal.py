@@ -140,17 +140,20 @@ class HealArm:
     overrides: dict[str, Any]
     on_policy: float = 0.0
     agree: str | None = None  # collator.kd_where_agrees: KD only where this tokenizer agrees
+    lr: float | None = None  # the arm's peak learning rate (None: the call's --lr)
 
 
 def parse_heal_arm(spec: str) -> HealArm:
-    """An arm spec ``ce`` or ``BASE@TEACHER[:key=value,...]``; the key ``on_policy`` (in
+    """An arm spec ``ce[:lr=X]`` or ``BASE@TEACHER[:key=value,...]``; the key ``on_policy`` (in
     (0, 1]) is the share of each step's samples the student writes itself, ``agree`` a
     tokenizer where KD is kept only on chunks it would also cut 1:1
-    (``collator.kd_where_agrees``), the others are loss settings.
+    (``collator.kd_where_agrees``), ``lr`` the arm's peak learning rate (a learning-rate
+    sweep on the validation split: the call's ``--lr`` otherwise), the others are loss settings.
 
     Args:
         spec: e.g. ``"pkl@smollm2"``, ``"gold@qwen2.5-coder-0.5b:uncommon_topk=1"``,
-            ``"pkl@qwen2.5-coder-0.5b:on_policy=0.5"``, ``"pkl@smollm2:agree=qwen3"``.
+            ``"pkl@qwen2.5-coder-0.5b:on_policy=0.5"``, ``"pkl@smollm2:agree=qwen3"``,
+            ``"ce:lr=0.001"``, ``"pkl@qwen2.5-coder-0.5b:kl_weight=0.5,lr=0.001"``.
 
     Returns:
         The arm.
@@ -162,6 +165,11 @@ def parse_heal_arm(spec: str) -> HealArm:
     base, at, rest = spec.partition("@")
     if base == "ce" and not at:
         return HealArm(spec, "ce", None, {})
+    if base.startswith("ce:") and not at:  # CE takes a learning rate and nothing else
+        pairs = [p for p in base[3:].split(",") if p]
+        if not pairs or any(p.partition("=")[0] != "lr" for p in pairs):
+            raise ValueError(f"arm {spec!r}: the CE arm takes only lr=VALUE, e.g. ce:lr=0.001")
+        return HealArm(spec, "ce", None, {}, lr=_arm_lr(spec, pairs[-1]))
     if base == "ce":
         raise ValueError(f"arm {spec!r}: the CE arm has no teacher; write ce")
     if base not in kd.ARMS:
@@ -173,7 +181,7 @@ def parse_heal_arm(spec: str) -> HealArm:
     pairs = [p for p in extra.split(",") if p] if colon else []
     # the run's own keys (the rest are loss settings): the last of each given
     run_keys = {
-        p.partition("=")[0]: p for p in pairs if p.partition("=")[0] in ("on_policy", "agree")
+        p.partition("=")[0]: p for p in pairs if p.partition("=")[0] in ("on_policy", "agree", "lr")
     }
     pairs = [p for p in pairs if p.partition("=")[0] not in run_keys]
     on_policy = 0.0
@@ -189,8 +197,24 @@ def parse_heal_arm(spec: str) -> HealArm:
         raise ValueError(
             f"arm {spec!r}: {run_keys['agree']!r} must name a tokenizer, e.g. agree=qwen3"
         )
+    lr = _arm_lr(spec, run_keys["lr"]) if "lr" in run_keys else None
     _, overrides = kd.parse_arm(f"{base}:{','.join(pairs)}" if pairs else base)
-    return HealArm(spec, base, teacher, overrides, on_policy, agree)
+    return HealArm(spec, base, teacher, overrides, on_policy, agree, lr)
+
+
+def _arm_lr(spec: str, pair: str) -> float:
+    """The learning rate of an arm's ``lr=VALUE`` pair.
+
+    Raises:
+        ValueError: the value is not a number > 0.
+    """
+    try:
+        lr = float(pair.partition("=")[2])
+    except ValueError:
+        lr = float("nan")
+    if not lr > 0 or lr == float("inf"):
+        raise ValueError(f"arm {spec!r}: {pair!r} must be a learning rate > 0, e.g. lr=0.001")
+    return lr
 
 
 def parse_aliases(items: list[str] | None) -> dict[str, str]:
@@ -287,6 +311,8 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
             loss,
         ),
     }
+    if arm.lr is not None:
+        cfg["trainer"]["optim"]["lr"] = arm.lr
     if arm.agree:
         cfg["collator"]["kd_where_agrees"] = arm.agree
     if arm.on_policy:  # rows as long as the collator's: a quarter prompt, the rest written
@@ -651,6 +677,8 @@ def run_heal(args) -> int:
             "parent": spec == parent_arm,
             "on_policy": arm.on_policy,
         }
+        if arm.lr is not None:
+            row["lr"] = arm.lr
         if code == 0 and (run_dir / "final" / "config.json").is_file():
             row.update(kd.collect(spec, seed, run_dir))
             model = load_model(str(run_dir / "final"), dtype=torch.float32, device=device)

@@ -138,7 +138,8 @@ def report_heal(rows: list[dict], out: Path) -> str:
             who = ", ".join(sorted(scorers.get(arm, []))) or "-"
             md.append(f"| {arm} | {who} | " + " | ".join(cells) + " |")
         md.append("")
-    kd_arms = [a for a in arms if a != "ce"]
+    # CE at another learning rate (``ce:lr=...``, a validation sweep) is a row, not a KD arm
+    kd_arms = [a for a in arms if heal.parse_heal_arm(a).base != "ce"]
     s_tok = next((r["student_tokenizer"] for r in rows if r.get("student_tokenizer")), None)
     cross = [a for a in kd_arms if heal.teacher_tokenizer(heal.parse_heal_arm(a).teacher) != s_tok]
     trl = [r for r in rows if r.get("kind") == "peer" and r.get("heldout")]

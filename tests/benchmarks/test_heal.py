@@ -311,3 +311,36 @@ def test_an_on_policy_arm_is_reported_against_its_off_policy_arm_paired_by_seed(
     assert cells[3].startswith("+0.0200 [") and cells[4].startswith("-0.0250 [")
     assert cells[-1] == "20 samples, staleness 3.00, 2 dropped, 800 tok/s"
     assert on_policy_section(rows[:3], ["pkl@q"]) == []  # no on-policy arm: no section
+
+
+def test_an_arm_of_its_own_learning_rate_trains_at_it_and_the_run_accepts_it(tmp_path):
+    # a learning-rate sweep on the validation split: CE and KD arms each at their own lr
+    args = _run_args(tmp_path, "cpu")
+    ce = heal.parse_heal_arm("ce:lr=0.001")
+    assert (ce.base, ce.teacher, ce.lr) == ("ce", None, 0.001)
+    kd = heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b:kl_weight=0.5,lr=2.5e-4")
+    assert kd.lr == 2.5e-4 and kd.overrides == {"kl_weight": 0.5}
+    cfg = heal.run_config(kd, 0, args, tmp_path / "student", tmp_path / "p.pt")
+    assert cfg["trainer"]["optim"]["lr"] == 2.5e-4 and "lr" not in cfg["trainer"]["loss"]
+    assert heal.run_config(ce, 0, args, tmp_path / "s", None)["trainer"]["optim"]["lr"] == 0.001
+    plain = heal.run_config(heal.parse_heal_arm("ce"), 0, args, tmp_path / "s", None)
+    assert plain["trainer"]["optim"]["lr"] == 5e-4 and heal.parse_heal_arm("ce").lr is None
+    from services.run import run_config_from_dict
+
+    assert run_config_from_dict(cfg).trainer.optim.lr == 2.5e-4
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("ce:lr=0", "learning rate > 0"),
+        ("ce:lr=fast", "learning rate > 0"),
+        ("ce:kl_weight=0.5", "only lr=VALUE"),
+        ("ce:", "only lr=VALUE"),
+        ("gold@qwen2.5-coder-0.5b:lr=-1", "learning rate > 0"),
+        ("gold@qwen2.5-coder-0.5b:lr=inf", "learning rate > 0"),
+    ],
+)
+def test_a_learning_rate_that_is_not_a_positive_number_is_refused_naming_it(bad, match):
+    with pytest.raises(ValueError, match=match):
+        heal.parse_heal_arm(bad)

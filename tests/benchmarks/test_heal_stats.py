@@ -171,3 +171,20 @@ def test_gap_bar_is_judged_on_the_splits_where_the_parent_kd_left_a_gap():
     # fresh: CE 2.5, parent 2.1, xtoken 2.25 -> 62.5% of the gap (printed 63%)
     assert figs.startswith("xtoken@q: fresh 63%") and "heldout: the parent's KD" in figs
     assert met is True
+
+
+def test_ce_at_another_learning_rate_is_a_row_of_the_report_and_no_kd_arm(tmp_path):
+    from benchmarks.quality.heal_report import report_heal
+
+    rows = []
+    for r in _rows():
+        if r.get("kind") != "student" or r["arm"] not in ("ce", "pkl@smollm2"):
+            continue
+        r.update(mode="heal", parent_arm="pkl@smollm2", student_tokenizer="smollm2")
+        rows.append(r)
+    rows += [
+        {**_row("ce:lr=0.001", 0, 1.95, 2.45), "mode": "heal", "parent_arm": "pkl@smollm2"},
+    ]
+    md = report_heal(rows, tmp_path)
+    assert any(x.startswith("| ce:lr=0.001 | 1 |") for x in md.splitlines())
+    assert "ce:lr=0.001 beats CE" not in md  # not judged as a KD arm
