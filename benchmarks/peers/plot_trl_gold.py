@@ -7,7 +7,7 @@ per system and setting, the x-TRL ratio above xtoken's bars, and the bars as lin
 
 Sources, both read by this script:
 
-* ``benchmarks/results/peers_trl_gold.jsonl``: the rows of the section "Current figures: a
+* ``benchmarks/results/peers_trl_gold.jsonl``: the rows of the section "Earlier: a
   byte-level teacher tokenizer" of ``peers_trl_gold.md`` (``part == "speed"``, ``teacher_tokenizer ==
   "llama3"``, the commit that section's table names for its rows: TRL GOLD and xtoken with
   activation checkpointing);
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-SECTION = "## Current figures: a byte-level teacher tokenizer"
+SECTION = "## Earlier: a byte-level teacher tokenizer"
 PNG = "peers_trl_gold.png"
 SHAPES = (2048, 4096)
 SPEED_BAR = {2048: 20, 4096: 50}  # the bars: xtoken tok/s over TRL's
