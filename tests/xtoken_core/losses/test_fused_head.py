@@ -220,12 +220,14 @@ def test_several_teachers_with_their_own_alignments_split_no_chunk_of_either():
 
 
 def test_dynamic_scaling_runs_as_one_block_and_equals_the_materialized_loss():
-    """|ce| / |kd| of the whole micro-batch does not split over blocks: one block, exact."""
+    """|ce| / |kd| of the whole micro-batch does not split over blocks: one block, exact (fp64;
+    the cosine of two equal gradients reads 1 to within a few units of its last place)."""
     batch = _masked_batch(10)
     hidden, weight, zt = _inputs(10, torch.float64)
     loss_fn = _loss_fn("pkl", "reference", dynamic_scaling=True)
     ref = materialized(loss_fn, hidden, weight, zt, batch)
-    assert_close_results(through_head(loss_fn, hidden, weight, zt, batch), ref, rel=1e-10, cos=1)
+    got = through_head(loss_fn, hidden, weight, zt, batch)
+    assert_close_results(got, ref, rel=1e-10, cos=1 - 1e-12)
 
 
 def test_global_denominators_divide_every_block_and_the_metrics_add_up():
