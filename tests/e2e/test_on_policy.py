@@ -175,6 +175,7 @@ def test_a_rollout_worker_killed_mid_batch_loses_no_prompt_and_stores_no_sample_
     assert torch.is_tensor(samples[0]["input_ids"])
 
 
+@pytest.mark.slow  # a second on-policy run of real processes (~30 s): `pytest -m slow`
 @pytest.mark.timeout(180)
 def test_a_trainer_waiting_for_rollouts_counts_every_wait_in_the_next_steps_data_wait(
     procs, tmp_path, demo
