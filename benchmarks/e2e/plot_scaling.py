@@ -232,13 +232,12 @@ GC_PNG = "scaling_2gpu_gc.png"
 def gc_rows(rows: list[dict]) -> list[dict]:
     """The rows of the collector A/B (``GC_TAGS``) of the newest commit that has them, each with
     its per-step series (``stalls_by_rank[rank]["step_ms"]``); [] where there are none."""
-    tagged = [
-        r
-        for r in rows
-        if r.get("tag") in GC_TAGS
-        and all("step_ms" in v for v in r["pipeline"].get("stalls_by_rank", {}).values())
-        and r["pipeline"].get("stalls_by_rank")
-    ]
+
+    def drawable(r: dict) -> bool:
+        ranks = r["pipeline"].get("stalls_by_rank") or {}
+        return bool(ranks) and all("step_ms" in v for v in ranks.values())
+
+    tagged = [r for r in rows if r.get("tag") in GC_TAGS and drawable(r)]
     if not tagged:
         return []
     newest = max(tagged, key=lambda r: r.get("time", ""))["commit"]

@@ -212,7 +212,7 @@ def _arm_lr(spec: str, pair: str) -> float:
         lr = float(pair.partition("=")[2])
     except ValueError:
         lr = float("nan")
-    if not lr > 0 or lr == float("inf"):
+    if not 0 < lr < math.inf:  # nan fails too
         raise ValueError(f"arm {spec!r}: {pair!r} must be a learning rate > 0, e.g. lr=0.001")
     return lr
 

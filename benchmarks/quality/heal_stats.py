@@ -228,9 +228,9 @@ def bars(
         if any(arms[a].get(s, {}).get("gap_closed") is not None for a in candidates)
     ]
     bar = "best cross-tokenizer arm closes >= 50% of the gap"
-    if gap_splits:
-        closed = {a: [arms[a].get(s, {}).get("gap_closed") for s in gap_splits] for a in candidates}
-        closed = {a: v for a, v in closed.items() if None not in v}
+    closed = {a: [arms[a].get(s, {}).get("gap_closed") for s in gap_splits] for a in candidates}
+    closed = {a: v for a, v in closed.items() if v and None not in v}
+    if closed:
         best = max(closed, key=lambda k: min(closed[k]))
         figs = ", ".join(f"{s} {g:.0%}" for s, g in zip(gap_splits, closed[best]))
         none = [s for s in SPLITS if s not in gap_splits]
