@@ -13,8 +13,27 @@ from benchmarks.quality import heal, heal_eval, heal_peer, heal_stats
 
 logger = logging.getLogger("kd_quality.heal")
 
-#: what makes rows comparable: rows that differ here belong to different experiments
+#: what makes rows comparable: rows that differ here belong to different experiments (an arm
+#: that names its own learning rate, ``ce:lr=X`` or ``...,lr=X``, carries it in its name)
 SETUP = ("student", "steps", "batch", "ctx", "lr", "smoke")
+
+
+def experiments(rows: list[dict]) -> set[tuple]:
+    """The distinct :data:`SETUP` values of ``rows``; a row whose arm names its own learning
+    rate matches an experiment of any rate."""
+    i = SETUP.index("lr")
+    fixed, loose = set(), set()
+    for r in rows:
+        own_lr = r.get("kind") == "student" and any(
+            p.startswith("lr=") for p in heal_stats.split_settings(r.get("arm", ""))[1]
+        )
+        setup = tuple(r.get(k) for k in SETUP)
+        if own_lr:
+            loose.add(setup[:i] + (None,) + setup[i + 1 :])
+        else:
+            fixed.add(setup)
+    rest = {s[:i] + s[i + 1 :] for s in fixed}
+    return fixed | {s for s in loose if s[:i] + s[i + 1 :] not in rest}
 
 
 def report_heal(rows: list[dict], out: Path) -> str:
@@ -32,7 +51,7 @@ def report_heal(rows: list[dict], out: Path) -> str:
         ValueError: rows of different experiments (:data:`SETUP`).
     """
     rows = [r for r in rows if r.get("mode") == "heal"]
-    setups = {tuple(r.get(k) for k in SETUP) for r in rows}
+    setups = experiments(rows)
     if len(setups) > 1:
         raise ValueError(
             f"the row files mix {len(setups)} experiments ({', '.join(SETUP)}: "
@@ -171,7 +190,8 @@ def report_heal(rows: list[dict], out: Path) -> str:
 
 def validation_section(rows: list[dict], arms: list[str]) -> list[str]:
     """The validation split at each run's last step, per arm, beside CE on the same seeds:
-    where settings (temperature, KL weight, learning rate) are chosen, never on held-out."""
+    where settings (temperature, KL weight, learning rate) are chosen, never on held-out. A KD
+    arm is paired with CE at its learning rate; a CE arm at another rate with ``ce``."""
     last = {
         (r["arm"], r.get("seed")): r["val_curve"][-1]["bits_per_byte"]
         for r in rows
@@ -179,6 +199,7 @@ def validation_section(rows: list[dict], arms: list[str]) -> list[str]:
     }
     if not last:
         return []
+    refs = heal_stats.references(arms, None)
     md = [
         "### validation split (what settings are chosen on)",
         "",
@@ -189,9 +210,12 @@ def validation_section(rows: list[dict], arms: list[str]) -> list[str]:
         seeds = sorted(s for a, s in last if a == arm)
         if not seeds:
             continue
+        ce = refs[arm]["ce"] if refs[arm]["ce"] != arm else "ce"
         vals = [last[(arm, s)] for s in seeds]
-        paired = [last[(arm, s)] - last[("ce", s)] for s in seeds if ("ce", s) in last]
-        diff = f"{statistics.fmean(paired):+.4f}" if paired and arm != "ce" else "-"
+        paired = [last[(arm, s)] - last[(ce, s)] for s in seeds if (ce, s) in last]
+        diff = "-" if not paired or arm == ce else f"{statistics.fmean(paired):+.4f}"
+        if paired and ce not in ("ce", arm):
+            diff += f" (vs {ce})"
         per = ", ".join(f"s{s} {v:.4f}" for s, v in zip(seeds, vals))
         md.append(f"| {arm} | {len(seeds)} | {per} | {diff} |")
     return md + [""]

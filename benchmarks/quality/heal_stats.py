@@ -10,10 +10,15 @@ Share of gap closed (bits/byte, per split): ``(CE - arm) / (CE - parent KD)`` on
 seeds, where "parent KD" is the same-tokenizer P-KL arm from the unpruned parent. 1 = as good as
 the parent's KD, 0 = no better than CE.
 
-Bars: (1) every KD arm beats CE on both splits on every seed by more than twice the seed spread
-(the standard deviation of CE's bits/byte over seeds on that split); (2) the best
-cross-tokenizer arm closes at least 50% of the gap on both splits; (3) where a TRL GOLD row is
-given, xtoken's gold arm on the same teacher against it.
+An arm is compared at its own settings: its CE is CE at the arm's learning rate (``ce`` or
+``ce:lr=X``), its parent the parent's KD at the arm's settings (loss keys and ``lr``; e.g.
+``gold@q:kl_weight=0.5`` against ``pkl@smollm2:kl_weight=0.5``). ``on_policy`` and ``agree`` name
+the arm itself, not a setting.
+
+Bars: (1) every KD arm beats its CE on both splits on every seed by more than twice the seed
+spread (the standard deviation of that CE's bits/byte over seeds on the split); (2) the best
+cross-tokenizer arm closes at least 50% of the gap, on the splits where its parent's KD leaves
+one; (3) where a TRL GOLD row is given, xtoken's gold arm on the same teacher against it.
 """
 
 from __future__ import annotations
@@ -98,6 +103,36 @@ def continuation_bpb(row: dict, split: str) -> float | None:
     return (row.get(split) or {}).get("continuation", {}).get("bits_per_byte")
 
 
+#: keys of an arm spec that name the arm itself; the others (loss keys, ``lr``) are its settings
+IDENTITY_KEYS = ("on_policy", "agree")
+
+
+def split_settings(spec: str) -> tuple[str, frozenset[str]]:
+    """An arm spec as (the arm without its settings, its settings' ``key=value`` pairs).
+
+    ``"gold@q:kl_weight=0.5,lr=0.001"`` -> ``("gold@q", {"kl_weight=0.5", "lr=0.001"})``;
+    ``"pkl@q:on_policy=0.5"`` -> ``("pkl@q:on_policy=0.5", {})``; ``"ce:lr=0.001"`` ->
+    ``("ce", {"lr=0.001"})``.
+    """
+    head, _, extra = spec.partition(":")
+    pairs = [p for p in extra.split(",") if p]
+    own = [p for p in pairs if p.partition("=")[0] in IDENTITY_KEYS]
+    return head + (":" + ",".join(own) if own else ""), frozenset(p for p in pairs if p not in own)
+
+
+def references(arms: list[str], parent_arm: str | None) -> dict[str, dict[str, str | None]]:
+    """Each arm's ``{"ce", "parent"}`` among ``arms`` (None where that arm is missing): CE at the
+    arm's learning rate and the parent's KD at the arm's settings."""
+    by_key = {split_settings(a): a for a in arms}
+    out = {}
+    for arm in arms:
+        _, settings = split_settings(arm)
+        lr = frozenset(p for p in settings if p.startswith("lr="))
+        parent = by_key.get((parent_arm, settings)) if parent_arm else None
+        out[arm] = {"ce": by_key.get(("ce", lr)), "parent": parent}
+    return out
+
+
 def summarize_heal(rows: list[dict], parent_arm: str | None) -> dict[str, Any]:
     """Everything the report prints, from the rows of finished students.
 
@@ -108,20 +143,26 @@ def summarize_heal(rows: list[dict], parent_arm: str | None) -> dict[str, Any]:
 
     Returns:
         ``{"arms": {arm: {split: {"mean", "sd", "seeds", "per_seed", "diff", "gap_closed",
-        "nextline", "accuracy", "cat", "continuation"}}}, "ce_sd": {split: sd}}``
-        (``continuation``: ``{"mean", "sd", "seeds", "diff"}`` of the scorer's bits/byte of the
-        students' own continuations, where the rows have them).
+        "nextline", "accuracy", "cat", "continuation"}}}, "refs": {arm: {"ce", "parent"}},
+        "ce_sd": {ce arm: {split: sd}}}`` (``diff`` and ``gap_closed`` against the arm's
+        references, see :func:`references`; ``continuation``: ``{"mean", "sd", "seeds",
+        "diff"}`` of the scorer's bits/byte of the students' own continuations, where the rows
+        have them).
     """
     by_arm: dict[str, dict[int, dict]] = {}
     for r in rows:
         if r.get("kind") == "student" and r.get("heldout"):
             by_arm.setdefault(r["arm"], {})[r["seed"]] = r
-    out: dict[str, Any] = {"arms": {}, "ce_sd": {}}
-    ce = by_arm.get("ce", {})
-    for split in SPLITS:
-        vals = [bpb(r, split) for r in ce.values() if bpb(r, split) is not None]
-        out["ce_sd"][split] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    refs = references(list(by_arm), parent_arm)
+    out: dict[str, Any] = {"arms": {}, "refs": refs, "ce_sd": {}}
+    for ce_arm in {r["ce"] for r in refs.values() if r["ce"]}:
+        out["ce_sd"][ce_arm] = {}
+        for split in SPLITS:
+            vals = [bpb(r, split) for r in by_arm[ce_arm].values() if bpb(r, split) is not None]
+            out["ce_sd"][ce_arm][split] = statistics.stdev(vals) if len(vals) > 1 else 0.0
     for arm, seeds in by_arm.items():
+        ce_arm = refs[arm]["ce"]
+        ce = by_arm.get(ce_arm, {}) if ce_arm != arm else {}
         a: dict[str, Any] = {}
         for split in SPLITS:
             per_seed = {s: bpb(r, split) for s, r in seeds.items() if bpb(r, split) is not None}
@@ -153,19 +194,22 @@ def summarize_heal(rows: list[dict], parent_arm: str | None) -> dict[str, Any]:
                 }
                 ce_rated = {k: continuation_bpb(r, split) for k, r in ce.items()}
                 d = [rated[k] - ce_rated[k] for k in sorted(rated) if ce_rated.get(k) is not None]
-                if arm != "ce" and d:
+                if d:
                     s["continuation"]["diff"] = t_interval(d)
             ce_seed = {k: bpb(r, split) for k, r in ce.items()}
             diffs = [per_seed[k] - ce_seed[k] for k in sorted(per_seed) if ce_seed.get(k)]
-            if arm != "ce" and diffs:
+            if diffs:
                 s["diff"] = t_interval(diffs)
             a[split] = s
         out["arms"][arm] = a
-    for split in SPLITS:
-        ce_mean = out["arms"].get("ce", {}).get(split, {}).get("mean")
-        par = out["arms"].get(parent_arm or "", {}).get(split, {}).get("mean")
-        for arm, a in out["arms"].items():
-            if split in a and ce_mean is not None and par is not None and arm != "ce":
+    for arm, a in out["arms"].items():
+        ce_arm, parent = refs[arm]["ce"], refs[arm]["parent"]
+        if ce_arm in (None, arm) or parent is None:
+            continue
+        for split in a:
+            ce_mean = out["arms"][ce_arm].get(split, {}).get("mean")
+            par = out["arms"][parent].get(split, {}).get("mean")
+            if ce_mean is not None and par is not None:
                 a[split]["gap_closed"] = gap_closed(ce_mean, a[split]["mean"], par)
     return out
 
@@ -184,59 +228,57 @@ def bars(
     Returns:
         The rows of the bar table.
     """
-    arms, out = summary["arms"], []
-    ce_seeds = len(arms.get("ce", {}).get("heldout", {}).get("seeds", []))
+    arms, refs, out = summary["arms"], summary["refs"], []
+
+    def ce_seeds(arm: str) -> int:
+        return len(arms.get(refs[arm]["ce"] or "", {}).get("heldout", {}).get("seeds", []))
+
     for arm in kd_arms:
         a = arms.get(arm)
+        ce_arm = refs.get(arm, {}).get("ce")
+        vs = "CE" if ce_arm in (None, "ce") else f"CE at {ce_arm.partition(':')[2]}"
+        name = f"{arm} beats {vs} by > 2 seed sd, every seed, both splits"
         if not a or "diff" not in a.get("heldout", {}):
-            out.append((f"{arm} beats CE by > 2 seed sd, every seed, both splits", "no rows", None))
+            why = "no rows" if not a else f"no CE rows at its learning rate ({ce_arm or 'none'})"
+            out.append((name, why, None))
             continue
-        seeds = len(a["heldout"]["seeds"])
-        if seeds < ce_seeds:  # a sweep on one seed: "every seed" cannot be judged
-            d = a["heldout"]["diff"]["values"]
-            out.append(
-                (
-                    f"{arm} beats CE by > 2 seed sd, every seed, both splits",
-                    f"{seeds} of CE's {ce_seeds} seeds (a sweep row, not judged); heldout "
-                    + ", ".join(f"{v:+.4f}" for v in d),
-                    None,
-                )
-            )
+        seeds, need = len(a["heldout"]["seeds"]), ce_seeds(arm)
+        if seeds < max(need, 2):  # a sweep on one seed: "every seed" and a spread need more
+            d = ", ".join(f"{v:+.4f}" for v in a["heldout"]["diff"]["values"])
+            why = f"{seeds} seed{'s' * (seeds > 1)}, CE {need} (a sweep row, not judged)"
+            out.append((name, f"{why}; heldout {d}", None))
             continue
         worst, ok = [], True
         for split in SPLITS:
             if split not in a or "diff" not in a[split]:
                 ok = False
                 continue
-            margin = 2 * summary["ce_sd"][split]
+            margin = 2 * summary["ce_sd"][ce_arm][split]
             d = max(a[split]["diff"]["values"])  # the worst seed (closest to CE)
             worst.append(f"{split} worst {d:+.4f} vs -{margin:.4f}")
             ok = ok and d < -margin
-        out.append(
-            (f"{arm} beats CE by > 2 seed sd, every seed, both splits", "; ".join(worst), ok)
-        )
-    # the share of the parent's gap closed, judged on the splits where the parent's KD beats CE
-    # (elsewhere there is no gap); sweep rows on fewer seeds than CE are not candidates
-    candidates = [
-        arm
-        for arm in cross_arms
-        if len(arms.get(arm, {}).get("heldout", {}).get("seeds", [])) >= ce_seeds
-    ]
-    gap_splits = [
-        s
-        for s in SPLITS
-        if any(arms[a].get(s, {}).get("gap_closed") is not None for a in candidates)
-    ]
+        out.append((name, "; ".join(worst), ok))
+    # the share of the parent's gap closed, each arm judged on the splits where its parent's KD
+    # (at the arm's settings) beats its CE (elsewhere there is no gap); sweep rows on fewer
+    # seeds than their CE (or on one) are not candidates
     bar = "best cross-tokenizer arm closes >= 50% of the gap"
-    closed = {a: [arms[a].get(s, {}).get("gap_closed") for s in gap_splits] for a in candidates}
-    closed = {a: v for a, v in closed.items() if v and None not in v}
-    if closed:
-        best = max(closed, key=lambda k: min(closed[k]))
-        figs = ", ".join(f"{s} {g:.0%}" for s, g in zip(gap_splits, closed[best]))
-        none = [s for s in SPLITS if s not in gap_splits]
+    closed = {}
+    for arm in cross_arms:
+        n = len(arms.get(arm, {}).get("heldout", {}).get("seeds", []))
+        if n < max(ce_seeds(arm), 2):
+            continue
+        judged = {sp: arms[arm].get(sp, {}).get("gap_closed") for sp in SPLITS}
+        judged = {sp: g for sp, g in judged.items() if g is not None}
+        if judged:
+            closed[arm] = judged
+    if closed:  # an arm judged on more splits first, then the least it closes on one
+        best = max(closed, key=lambda k: (len(closed[k]), min(closed[k].values())))
+        figs = ", ".join(f"{sp} {g:.0%}" for sp, g in closed[best].items())
+        none = [sp for sp in SPLITS if sp not in closed[best]]
         if none:
             figs += f" ({', '.join(none)}: the parent's KD is no better than CE, no gap)"
-        out.append((bar, f"{best}: {figs}", min(closed[best]) >= 0.5))
+        parent = refs[best]["parent"]
+        out.append((bar, f"{best} (parent {parent}): {figs}", min(closed[best].values()) >= 0.5))
     else:
         scored = any(arms.get(a, {}).get("heldout") for a in cross_arms)
         why = "the parent's KD is no better than CE on a split: no gap" if scored else "no rows"

@@ -217,6 +217,18 @@ def test_report_refuses_rows_of_different_experiments(tmp_path):
         )
 
 
+def test_an_arm_naming_its_own_learning_rate_is_of_the_same_experiment_another_rate_is_not():
+    from benchmarks.quality.heal_report import experiments
+
+    base = {"mode": "heal", "kind": "student", "seed": 0, "steps": 150, "lr": 5e-4}
+    rows = [{**base, "arm": "ce"}, {**base, "arm": "ce:lr=0.001", "lr": 1e-3},
+            {**base, "arm": "gold@q:kl_weight=0.5,lr=0.001", "lr": 1e-3}]  # fmt: skip
+    assert len(experiments(rows)) == 1
+    assert len(experiments(rows + [{**base, "arm": "ce", "lr": 1e-3}])) == 2
+    alone = [r for r in rows if r["arm"] != "ce"]  # only own-rate arms: one experiment
+    assert len(experiments(alone)) == 1
+
+
 def _run_args(tmp_path, device: str) -> argparse.Namespace:
     """The command-line values ``heal.run_config`` reads, the experiment's defaults."""
     return argparse.Namespace(

@@ -76,7 +76,7 @@ def test_summary_pairs_seeds_and_measures_the_gap_on_both_splits():
         assert x[split]["diff"]["values"] == pytest.approx([-0.25, -0.25, -0.25])
         assert x[split]["gap_closed"] == pytest.approx(0.625)
         assert x[split]["nextline"] == 0.25
-    assert s["ce_sd"]["heldout"] == pytest.approx(0.01)
+    assert s["ce_sd"]["ce"]["heldout"] == pytest.approx(0.01)
     assert "diff" not in s["arms"]["ce"]["heldout"]
 
 
@@ -96,7 +96,7 @@ def test_an_arm_on_fewer_seeds_than_ce_is_not_judged_nor_the_best():
     rows = _rows() + [_row("pkl@q:kl_weight=0.5", 0, 1.5, 2.0)]
     s = heal_stats.summarize_heal(rows, "pkl@smollm2")
     bars = heal_stats.bars(s, ["xtoken@q", "pkl@q:kl_weight=0.5"], ["pkl@q:kl_weight=0.5"])
-    assert bars[0][2] is None and "1 of CE's 3 seeds" in bars[0][1]
+    assert bars[0][2] is None and "1 seed, CE 3 (a sweep row" in bars[0][1]
     assert "xtoken@q" in bars[-1][1]
 
 
@@ -160,6 +160,17 @@ def test_the_report_tables_the_validation_split_per_seed_beside_ce():
     assert "| ce | 3 | s0 0.9000, s1 0.9100, s2 0.9200 | - |" in md
     assert "| pkl@smollm2 | 3 | s0 0.8800, s1 0.8900, s2 0.9000 | -0.0200 |" in md
     assert validation_section([r for r in rows if False], ["ce"]) == []
+    # a KD arm at its own learning rate against CE at that rate; CE at another rate against ce
+    for r in list(rows):
+        if r["arm"] in ("ce", "gold@q"):
+            arm = {"ce": "ce:lr=0.001", "gold@q": "gold@q:lr=0.001"}[r["arm"]]
+            end = r["val_curve"][-1]["bits_per_byte"] - 0.05
+            rows.append({**r, "arm": arm, "val_curve": [{"step": 9, "bits_per_byte": end}]})
+    md = validation_section(rows, ["ce", "gold@q", "ce:lr=0.001", "gold@q:lr=0.001"])
+    assert "| ce:lr=0.001 | 3 | s0 0.8500, s1 0.8600, s2 0.8700 | -0.0500 |" in md
+    assert (
+        "| gold@q:lr=0.001 | 3 | s0 0.9000, s1 0.9100, s2 0.9200 | +0.0500 (vs ce:lr=0.001) |" in md
+    )
 
 
 def test_gap_bar_is_judged_on_the_splits_where_the_parent_kd_left_a_gap():
@@ -169,7 +180,8 @@ def test_gap_bar_is_judged_on_the_splits_where_the_parent_kd_left_a_gap():
     s = heal_stats.summarize_heal(rows, "pkl@smollm2")
     name, figs, met = heal_stats.bars(s, ["xtoken@q", "gold@q"], ["xtoken@q"])[-1]
     # fresh: CE 2.5, parent 2.1, xtoken 2.25 -> 62.5% of the gap (printed 63%)
-    assert figs.startswith("xtoken@q: fresh 63%") and "heldout: the parent's KD" in figs
+    assert figs.startswith("xtoken@q (parent pkl@smollm2): fresh 63%")
+    assert "heldout: the parent's KD" in figs
     assert met is True
 
 
@@ -188,3 +200,74 @@ def test_ce_at_another_learning_rate_is_a_row_of_the_report_and_no_kd_arm(tmp_pa
     md = report_heal(rows, tmp_path)
     assert any(x.startswith("| ce:lr=0.001 | 1 |") for x in md.splitlines())
     assert "ce:lr=0.001 beats CE" not in md  # not judged as a KD arm
+
+
+def test_an_arm_names_its_settings_apart_from_what_it_is():
+    assert heal_stats.split_settings("gold@q:kl_weight=0.5,lr=0.001") == (
+        "gold@q",
+        frozenset({"kl_weight=0.5", "lr=0.001"}),
+    )
+    assert heal_stats.split_settings("pkl@q:on_policy=0.5,kl_weight=0.5") == (
+        "pkl@q:on_policy=0.5",
+        frozenset({"kl_weight=0.5"}),
+    )
+    assert heal_stats.split_settings("ce:lr=0.001") == ("ce", frozenset({"lr=0.001"}))
+    refs = heal_stats.references(
+        ["ce", "ce:lr=0.001", "pkl@smollm2", "pkl@smollm2:kl_weight=0.5",
+         "gold@q:lr=0.001,kl_weight=0.5", "gold@q:kl_weight=0.5", "gold@q:temperature=2"],
+        "pkl@smollm2",
+    )  # fmt: skip
+    assert refs["gold@q:lr=0.001,kl_weight=0.5"] == {"ce": "ce:lr=0.001", "parent": None}
+    assert refs["gold@q:kl_weight=0.5"] == {"ce": "ce", "parent": "pkl@smollm2:kl_weight=0.5"}
+    assert refs["gold@q:temperature=2"] == {"ce": "ce", "parent": None}
+    assert refs["ce:lr=0.001"]["ce"] == "ce:lr=0.001"
+
+
+def _at(rows, suffix, shift):
+    """Copies of ``rows``' students as arms with ``suffix`` settings, ``shift`` bits/byte lower."""
+    out = []
+    for r in rows:
+        if r.get("kind") == "student":
+            head, colon, extra = r["arm"].partition(":")
+            arm = f"{r['arm']},{suffix}" if colon else f"{head}:{suffix}"
+            out.append(_row(arm, r["seed"], r["heldout"]["bits_per_byte"] - shift,
+                            r["fresh"]["bits_per_byte"] - shift))  # fmt: skip
+    return out
+
+
+def test_an_arm_at_its_own_learning_rate_is_paired_with_ce_at_that_rate():
+    # at lr=0.001 everything is 0.3 lower: against CE at 0.001 the differences are the same,
+    # against the call's CE they would be 0.3 better
+    rows = _rows() + _at(_rows(), "lr=0.001", 0.3)
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    x = s["arms"]["xtoken@q:lr=0.001"]["heldout"]
+    assert s["refs"]["xtoken@q:lr=0.001"] == {"ce": "ce:lr=0.001", "parent": "pkl@smollm2:lr=0.001"}
+    assert x["diff"]["values"] == pytest.approx([-0.25] * 3)
+    assert x["gap_closed"] == pytest.approx(0.625)
+    assert "diff" not in s["arms"]["ce:lr=0.001"]["heldout"]
+    bars = heal_stats.bars(s, ["xtoken@q:lr=0.001"], ["gold@q:lr=0.001", "xtoken@q:lr=0.001"])
+    assert bars[0][0].startswith("gold@q:lr=0.001 beats CE at lr=0.001") and bars[0][2] is False
+    assert bars[1][2] is True and "vs -0.0200" in bars[1][1]  # CE at 0.001's spread
+    assert "parent pkl@smollm2:lr=0.001" in bars[-1][1]
+
+
+def test_a_kd_arm_without_ce_at_its_rate_or_on_one_seed_is_not_judged():
+    rows = _rows() + [_row("xtoken@q:lr=0.002", s, 1.5, 2.0) for s in range(3)]
+    rows += [_row("ce:lr=0.0001", 0, 2.2, 2.7), _row("xtoken@q:lr=0.0001", 0, 2.1, 2.6)]
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    bars = heal_stats.bars(s, [], ["xtoken@q:lr=0.002", "xtoken@q:lr=0.0001"])
+    assert bars[0][2] is None and "no CE rows at its learning rate" in bars[0][1]
+    assert bars[1][2] is None and "1 seed, CE 1 (a sweep row" in bars[1][1]
+
+
+def test_the_gap_bar_prefers_an_arm_judged_on_both_splits():
+    # weight 1: the parent leaves a gap on fresh only, where xtoken closes 62.5%; at weight 0.5
+    # it leaves one on both splits and xtoken closes 55% on each: that arm is the best
+    rows = [r for r in _rows() if r.get("arm") not in ("pkl@smollm2", "gold@q")]
+    rows += [_row("pkl@smollm2", s, 2.1, 2.1) for s in range(3)]
+    rows += [_row("pkl@smollm2:kl_weight=0.5", s, 1.6, 2.1) for s in range(3)]
+    rows += [_row("xtoken@q:kl_weight=0.5", s, 1.78, 2.28) for s in range(3)]
+    s = heal_stats.summarize_heal(rows, "pkl@smollm2")
+    name, figs, met = heal_stats.bars(s, ["xtoken@q", "xtoken@q:kl_weight=0.5"], [])[-1]
+    assert figs.startswith("xtoken@q:kl_weight=0.5 (parent pkl@smollm2:kl_weight=0.5): heldout 55%")
+    assert "fresh 55%" in figs and met is True
