@@ -285,7 +285,8 @@ def on_policy_section(rows: list[dict], arms: list[str]) -> list[str]:
 
 
 def _plot(summary: dict, arms: list[str], out: Path) -> None:
-    """Paired differences against CE with their 95% intervals, one panel per split."""
+    """Paired differences against CE (at each arm's learning rate) with their 95% intervals, one
+    panel per split."""
     try:
         import matplotlib
     except ImportError:
@@ -307,7 +308,7 @@ def _plot(summary: dict, arms: list[str], out: Path) -> None:
                 errs.append(0.0 if d["lo"] is None else d["hi"] - d["mean"])
         ax.barh(names, means, xerr=errs, color="tab:blue", alpha=0.7)
         ax.axvline(0, color="black", lw=0.8)
-        ax.set_title(f"{split}: arm - CE bits/byte (95% CI)")
+        ax.set_title(f"{split}: arm - CE at its rate, bits/byte (95% CI)", fontsize=10)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "heal_diff.png")
