@@ -231,7 +231,8 @@ def bars(
     arms, refs, out = summary["arms"], summary["refs"], []
 
     def ce_seeds(arm: str) -> int:
-        return len(arms.get(refs[arm]["ce"] or "", {}).get("heldout", {}).get("seeds", []))
+        ce_arm = refs.get(arm, {}).get("ce") or ""
+        return len(arms.get(ce_arm, {}).get("heldout", {}).get("seeds", []))
 
     for arm in kd_arms:
         a = arms.get(arm)

@@ -258,6 +258,13 @@ def test_a_kd_arm_without_ce_at_its_rate_or_on_one_seed_is_not_judged():
     bars = heal_stats.bars(s, [], ["xtoken@q:lr=0.002", "xtoken@q:lr=0.0001"])
     assert bars[0][2] is None and "no CE rows at its learning rate" in bars[0][1]
     assert bars[1][2] is None and "1 seed, CE 1 (a sweep row" in bars[1][1]
+    # an arm asked for but never scored: no rows, and no best arm from it
+    none = heal_stats.bars(s, ["gold@q:lr=0.002"], ["gold@q:lr=0.002"])
+    assert none[0][1] == "no rows" and none[-1] == (
+        "best cross-tokenizer arm closes >= 50% of the gap",
+        "no rows",
+        None,
+    )
 
 
 def test_the_gap_bar_prefers_an_arm_judged_on_both_splits():
