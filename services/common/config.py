@@ -69,6 +69,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 from services.common.flags import add_deprecated_alias
+from xtoken_core.errors import SettingsError
 
 __all__ = [
     "ConfigError",
@@ -98,8 +99,9 @@ _NONE_WORDS = ("none", "null")
 _MISSING = dataclasses.MISSING
 
 
-class ConfigError(ValueError):
-    """A config that cannot be built: the message names the dotted path and what to change."""
+class ConfigError(SettingsError):
+    """A config that cannot be built: the message names the dotted path and what to change (a
+    ``ValueError``; a process that raises it exits 2)."""
 
 
 # ----------------------------------------------------------------------------- type helpers

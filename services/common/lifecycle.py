@@ -36,10 +36,21 @@ What it does, once, for everyone:
   control plane), the process writes ``{"pid": ..., "code": ...}`` there as it exits, so a
   supervisor that is not its parent (one re-attached after a restart) still learns the code
   (:func:`read_exit_code`). A process killed by a signal writes none.
-* **Exit code**: 0 when main returns (also after a stop by signal, once it drained); 2 for a
-  ``ValueError`` (``ConfigError`` included: bad input or config), logged as
-  ``[name] error: ...`` without a traceback; 1 for any other exception, with its traceback;
-  an ``int`` returned by main is passed through.
+* **Exit code**: what the outcome was, decided where it was checked:
+
+  ====  ==================================================================================
+  0     main returned (also after a stop by signal, once it drained)
+  2     bad settings: a :class:`~xtoken_core.errors.SettingsError` (``ConfigError``
+        included) whenever raised, or any ``ValueError`` raised before :meth:`Lifecycle.ready`
+        (a check at start-up: settings or inputs found bad before work starts)
+  3     bad data: a :class:`~xtoken_core.errors.DataError` whenever raised
+  1     a fault: any other exception, and a ``ValueError`` raised once the process serves
+        (a run's own file found damaged mid-run, a peer's bad reply): a restart may cure it
+  ====  ==================================================================================
+
+  2 and 3 are logged as ``[name] error: ...`` without a traceback (the message names the cause
+  and the fix) and a supervisor never restarts them; 1 is logged with its traceback. An ``int``
+  returned by main is passed through.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.heartbeat import Heartbeat
+from xtoken_core.errors import EXIT_DATA, EXIT_SETTINGS, DataError, SettingsError
 
 __all__ = [
     "EXIT_FILE_ENV",
@@ -519,6 +531,16 @@ def read_exit_code(path: str | os.PathLike[str], pid: int | None = None) -> int 
     return code
 
 
+def _value_error_code(error: ValueError, *, serving: bool) -> int:
+    """The exit code of a ``ValueError`` that ended main: its class decides (settings 2, data
+    3); any other is bad input at start-up (2) and a fault once the process serves (1)."""
+    if isinstance(error, DataError):
+        return EXIT_DATA
+    if isinstance(error, SettingsError) or not serving:
+        return EXIT_SETTINGS
+    return 1
+
+
 def run_process(
     name: str,
     main: Callable[[Lifecycle], int | None],
@@ -539,19 +561,21 @@ def run_process(
 
     Returns:
         The exit code: main's int (None -> 0; also 0 after a stop by signal once main
-        returned); 2 for a ``ValueError`` (bad input or config: ``[name] error: ...``, no
-        traceback); 1 for any other exception (logged with its traceback); 130 when a second
-        SIGINT interrupted the drain.
+        returned); 2 for a :class:`~xtoken_core.errors.SettingsError`, or a ``ValueError``
+        before main called ``ready``; 3 for a :class:`~xtoken_core.errors.DataError` (both
+        ``[name] error: ...``, no traceback); 1 for any other exception, a ``ValueError`` once
+        the process serves included (logged with its traceback); 130 when a second SIGINT
+        interrupted the drain.
     """
     try:
         configure_logging(name, log_level)
         lifecycle = Lifecycle(
             name, ready_file=ready_file, parent_pid=parent_pid, heartbeat=Heartbeat.from_env(name)
         )
-    except ValueError as e:
+    except ValueError as e:  # the process's own settings (log level, environment)
         print(f"[{name}] error: {e}", file=sys.stderr, flush=True)
-        write_exit_code(2)
-        return 2
+        write_exit_code(EXIT_SETTINGS)
+        return EXIT_SETTINGS
     global _current
     lifecycle.install()
     _current = lifecycle
@@ -560,9 +584,12 @@ def run_process(
         code = main(lifecycle)
         code = 0 if code is None else int(code)
     except ValueError as e:
-        logger.error("[%s] error: %s", name, e)
-        logger.debug("[%s] traceback of the error", name, exc_info=True)
-        code = 2
+        code = _value_error_code(e, serving=lifecycle.ready_info is not None)
+        if code == 1:
+            logger.exception("[%s] failed: %s: %s", name, type(e).__name__, e)
+        else:
+            logger.error("[%s] error: %s", name, e)
+            logger.debug("[%s] traceback of the error", name, exc_info=True)
     except KeyboardInterrupt:
         logger.warning("[%s] interrupted", name)
         code = 130

@@ -73,11 +73,34 @@ def test_a_normal_return_exits_zero_and_an_int_passes_through():
     assert _exit_of("return 3")[0] == 3
 
 
-def test_a_value_error_exits_two_with_the_message_and_no_traceback():
+def test_a_value_error_before_ready_exits_two_with_the_message_and_no_traceback():
     code, err = _exit_of("raise ValueError('lr=-1: must be > 0 (--lr)')")
     assert code == 2
     assert "[svc] error: lr=-1: must be > 0 (--lr)" in err
     assert "Traceback" not in err
+
+
+def test_a_value_error_once_the_process_serves_is_a_fault_exit_one_with_its_traceback():
+    # reading a run's own file mid-run (a damaged descriptor): a restart may cure it
+    code, err = _exit_of(
+        """
+        lc.ready()
+        b"\\xb6".decode("utf-8")
+        """
+    )
+    assert code == 1
+    assert "[svc] failed: UnicodeDecodeError" in err and "Traceback" in err
+
+
+@pytest.mark.parametrize("ready", [False, True], ids=["at start-up", "once serving"])
+def test_a_settings_error_exits_two_and_a_data_error_three_whenever_raised(ready):
+    first = "lc.ready()\n" if ready else ""
+    for cls, want in (("SettingsError", 2), ("DataError", 3)):
+        code, err = _exit_of(
+            f"from xtoken_core.errors import {cls}\n{first}raise {cls}('the cause; the fix')"
+        )
+        assert code == want, err
+        assert "[svc] error: the cause; the fix" in err and "Traceback" not in err
 
 
 def test_a_config_error_is_a_value_error():
