@@ -37,6 +37,7 @@ from services.queue.errors import QueueError
 from services.rollout.config import RolloutConfig
 from services.rollout.prompts import PromptSource, PromptState
 from services.rollout.worker import RolloutWorker
+from xtoken_core.errors import SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,13 @@ def serve(config: RolloutConfig, lc: Lifecycle, *, run_dir: str | None = None) -
     """Sample batches until stopped; returns 0.
 
     Raises:
-        ValueError: a missing prompt corpus, unknown tokenizers or model, weights of another
-            model (exit code 2).
+        SettingsError: no prompt corpus, or weights of another model (exit code 2, also once
+            sampling).
+        DataError: the corpus gives this worker no prompt (exit code 3).
+        ValueError: unknown tokenizers or model (before the process serves: exit code 2).
     """
     if not config.prompts:
-        raise ValueError("no prompt corpus: pass --prompts FILE (xtoken run: data.train)")
+        raise SettingsError("no prompt corpus: pass --prompts FILE (xtoken run: data.train)")
     state = PromptState(config.state_dir, config.worker)
     start = state.load()
     worker = RolloutWorker(config)

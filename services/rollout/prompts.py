@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.protocol.rollout import rollout_key
+from xtoken_core.errors import DataError
 from xtoken_core.tokenizers import ROLE_CONTENT
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class PromptSource:
         """Prompts in order from ``start``, pass after pass.
 
         Raises:
-            ValueError: a pass over the corpus gives this worker no prompt (names the corpus).
+            DataError: a pass over the corpus gives this worker no prompt (names the corpus).
         """
         pass_index, skip = self.start
         while True:
@@ -100,7 +101,7 @@ class PromptSource:
                 found = True
                 yield Prompt(rollout_key(pass_index, key), (pass_index, index), ids.tolist())
             if not found and skip == 0:
-                raise ValueError(
+                raise DataError(
                     f"the prompt corpus {self.corpus} gives rollout worker {self.worker} of "
                     f"{self.workers} no prompt (no text with content tokens at its positions); "
                     "give a larger corpus or fewer rollout workers"

@@ -173,7 +173,8 @@ class RolloutWorker:
             The version taken, or None when nothing newer is published.
 
         Raises:
-            ValueError: the published weights are of another model.
+            SettingsError: the published weights are of another model (the rollout's student
+                is not the trainer's). A damaged publication is no error: nothing newer yet.
         """
         version = self.weights.load_into(self.model)
         if version is not None:

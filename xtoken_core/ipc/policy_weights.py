@@ -6,8 +6,11 @@ the student between two generation batches. Neither side waits for the other: th
 writes the slot the readers are not reading, a reader copies the newest complete slot.
 
 Both sides meet in a directory (the run's ``policy/``) that holds ``descriptor.msgpack``, written
-atomically (temporary name, then rename) once per publisher: what the transport is and where the
-weights are. Transports:
+atomically (temporary name, flushed to disk, then renamed) by each publisher: what the transport
+is and where the weights are. A descriptor found damaged (bytes that do not decode) costs no run:
+a reader keeps the publisher it has mapped, or has none yet and waits, with one warning naming
+the file; the publisher writes its descriptor again at its next publication when the file no
+longer holds it (and leaves a successor's alone). Transports:
 
 * ``file``: ``weights.safetensors`` beside it, written whole under a temporary name and renamed,
   so a reader opens one complete version (its ``version`` is in the file's metadata). Works
@@ -49,6 +52,7 @@ from typing import Any
 import msgpack
 import torch
 
+from xtoken_core.errors import SettingsError
 from xtoken_core.ipc.cuda import CudaIpcHandle
 from xtoken_core.ipc.shm import ShmReader, ShmSegment
 from xtoken_core.jagged import DTYPE_NAMES, WIRE_DTYPES
@@ -111,9 +115,45 @@ def layout(
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` under a temporary name, flush it to disk, then rename it into place: a
+    reader opens the old bytes or the new ones, whole, even after a crash of the machine."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def parse_descriptor(data: bytes) -> tuple[dict[str, Any], list[Entry], torch.dtype]:
+    """A descriptor's fields, its layout and dtype, from the bytes of its file.
+
+    Args:
+        data: the bytes of ``descriptor.msgpack``.
+
+    Returns:
+        ``(descriptor, entries, dtype)``.
+
+    Raises:
+        ValueError: the bytes are no descriptor of this format (damaged, or written by another
+            format); the message says what is wrong with them.
+    """
+    try:
+        d = msgpack.unpackb(data, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ValueError(f"not a weight descriptor of format {FORMAT}")
+    if d.get("transport") not in TRANSPORTS or d.get("dtype") not in WIRE_DTYPES:
+        raise ValueError(f"unknown transport {d.get('transport')!r} or dtype {d.get('dtype')!r}")
+    try:
+        entries = [
+            Entry(str(n), tuple(int(s) for s in shape), int(o)) for n, shape, o in d["entries"]
+        ]
+        int(d["instance"]), int(d["numel"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"its layout does not read ({type(e).__name__}: {e})") from None
+    return d, entries, WIRE_DTYPES[d["dtype"]]
 
 
 class WeightPublisher:
@@ -176,7 +216,8 @@ class WeightPublisher:
         self._closed = False
         # a publisher that is never closed (an exception, the interpreter exiting) still unlinks
         self._finalizer = weakref.finalize(self, _unlink_all, list(self._segments))
-        _write_atomic(self.directory / DESCRIPTOR, msgpack.packb(descriptor, use_bin_type=True))
+        self._descriptor = msgpack.packb(descriptor, use_bin_type=True)
+        _write_atomic(self.directory / DESCRIPTOR, self._descriptor)
         logger.info(
             "[policy] publishing %d tensors (%.1f MiB, %s) by %s in %s",
             len(self.entries),
@@ -234,6 +275,29 @@ class WeightPublisher:
             else:
                 self._publish_slot(named, version)
         self.version = version
+        self._keep_descriptor()
+
+    def _keep_descriptor(self) -> None:
+        """Write the descriptor again when its file no longer holds it: gone, or damaged (bytes
+        that are no descriptor). A valid descriptor of another publisher (a restarted trainer
+        took over) is left alone."""
+        path = self.directory / DESCRIPTOR
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            data = None
+        if data == self._descriptor:
+            return
+        if data is not None:
+            try:
+                parse_descriptor(data)
+            except ValueError as e:
+                logger.warning("[policy] %s was damaged (%s): written again", path, e)
+            else:
+                return  # a successor's
+        else:
+            logger.warning("[policy] %s was gone: written again", path)
+        _write_atomic(path, self._descriptor)
 
     def _publish_file(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         from safetensors.torch import save_file
@@ -296,7 +360,7 @@ def _unlink_all(segments: list[ShmSegment]) -> None:
 
 @dataclass
 class _Mapped:
-    """What a reader holds of one publisher."""
+    """What a reader holds of one publisher (``stamp``: of the file it was last read from)."""
 
     stamp: tuple[int, int]  # the descriptor file's (inode, mtime_ns)
     descriptor: dict[str, Any]
@@ -310,6 +374,10 @@ class _Mapped:
 class WeightSubscriber:
     """A rollout worker's side: copies the newest publication into its model.
 
+    A damaged descriptor or weights file is waited out, never raised: the reader goes on with
+    the publisher it has mapped (or, with none yet, has nothing to load) and warns once per
+    damaged file; the publisher's next publication writes them whole again.
+
     Args:
         directory: the publisher's directory.
     """
@@ -320,6 +388,8 @@ class WeightSubscriber:
         self._mapped: _Mapped | None = None
         self._file_stamp: tuple[int, int] | None = None
         self._file_version: int | None = None
+        # (inode, mtime_ns) of a file found damaged: warned once, read again once it changes
+        self._damaged: set[tuple[str, tuple[int, int]]] = set()
 
     def newest(self) -> int | None:
         """The version of the newest complete publication (None: nothing published yet, or
@@ -347,7 +417,7 @@ class WeightSubscriber:
             The version loaded, or None when nothing newer is published.
 
         Raises:
-            ValueError: the publication is of another model (names the first difference).
+            SettingsError: the publication is of another model (names the first difference).
         """
         mapped = self._map()
         if mapped is None:
@@ -361,8 +431,21 @@ class WeightSubscriber:
 
     # ------------------------------------------------------------------ internals
 
+    def _damaged_once(self, path: Path, stamp: tuple[int, int], why: str) -> None:
+        """Warn that ``path`` (as of ``stamp``) is damaged, once per version of the file."""
+        if (path.name, stamp) in self._damaged:
+            return
+        self._damaged.add((path.name, stamp))
+        logger.warning(
+            "[policy] %s is damaged (%s): waiting for the trainer's next publication, which "
+            "writes it again",
+            path,
+            why,
+        )
+
     def _map(self) -> _Mapped | None:
-        """The current descriptor (re-read and re-mapped when its file changed)."""
+        """The current descriptor (re-read and re-mapped when its file changed; while it is
+        damaged, the publisher mapped before, if any)."""
         path = self.directory / DESCRIPTOR
         try:
             st = path.stat()
@@ -371,15 +454,19 @@ class WeightSubscriber:
         stamp = (st.st_ino, st.st_mtime_ns)
         if self._mapped is not None and self._mapped.stamp == stamp:
             return self._mapped
-        d = msgpack.unpackb(path.read_bytes(), raw=False)
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"{path} is no weight descriptor of format {FORMAT}")
-        if d.get("transport") not in TRANSPORTS or d.get("dtype") not in WIRE_DTYPES:
-            raise ValueError(f"{path}: unknown transport {d.get('transport')!r} or dtype")
-        entries = [
-            Entry(str(n), tuple(int(s) for s in shape), int(o)) for n, shape, o in d["entries"]
-        ]
-        mapped = _Mapped(stamp, d, entries, WIRE_DTYPES[d["dtype"]])
+        if (path.name, stamp) in self._damaged:
+            return self._mapped
+        try:
+            d, entries, dtype = parse_descriptor(path.read_bytes())
+        except FileNotFoundError:  # replaced between the stat and the read: next call
+            return self._mapped
+        except ValueError as e:
+            self._damaged_once(path, stamp, str(e))
+            return self._mapped
+        if self._mapped is not None and d == self._mapped.descriptor:
+            self._mapped.stamp = stamp  # written again as it was: the same buffers
+            return self._mapped
+        mapped = _Mapped(stamp, d, entries, dtype)
         if d["transport"] != "file":
             try:
                 self._map_slots(mapped)
@@ -421,34 +508,51 @@ class WeightSubscriber:
         mapped.header_H, mapped.buffer_SP = header_H, buffer_SP
 
     def _file_newest(self) -> int | None:
+        """The version in the weights file's metadata (None: no file, or a damaged one)."""
         path = self.directory / WEIGHTS_FILE
         try:
             st = path.stat()
         except FileNotFoundError:
             return None
         stamp = (st.st_ino, st.st_mtime_ns)
+        if (path.name, stamp) in self._damaged:
+            return None
         if stamp != self._file_stamp:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
             try:
                 with safe_open(str(path), framework="pt") as f:
                     self._file_version = int(f.metadata()["version"])
             except FileNotFoundError:  # replaced between the stat and the open
                 return self._file_version
+            except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+                self._damaged_once(path, stamp, f"{type(e).__name__}: {e}")
+                return None
             self._file_stamp = stamp
         return self._file_version
 
     def _load_file(self, params: dict[str, torch.nn.Parameter]) -> int | None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         newest = self._file_newest()
         if newest is None or newest == self.version:
             return None
-        # the open file is one version whatever replaces the name meanwhile
-        with safe_open(str(self.directory / WEIGHTS_FILE), framework="pt") as f:
-            version = int(f.metadata()["version"])
-            for name, p in params.items():
-                p.copy_(f.get_tensor(name))
+        path = self.directory / WEIGHTS_FILE
+        # the open file is one version whatever replaces the name meanwhile; every tensor is
+        # read before any is copied, so a file that fails to read leaves the model as it was
+        try:
+            st = path.stat()
+            stamp = (st.st_ino, st.st_mtime_ns)
+            with safe_open(str(path), framework="pt") as f:
+                version = int(f.metadata()["version"])
+                tensors = {name: f.get_tensor(name) for name in params}
+        except FileNotFoundError:
+            return None
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+            self._damaged_once(path, stamp, f"{type(e).__name__}: {e}")
+            return None
+        for name, p in params.items():
+            p.copy_(tensors[name])
         self.version = version
         return version
 
@@ -491,23 +595,23 @@ def _check_model(entries: list[Entry], params: dict[str, torch.nn.Parameter]) ->
     """The published tensors are exactly the model's parameters.
 
     Raises:
-        ValueError: names the first name or shape that differs.
+        SettingsError: names the first name or shape that differs.
     """
     published = {e.name: e.shape for e in entries}
     for name, p in params.items():
         if name not in published:
-            raise ValueError(
+            raise SettingsError(
                 f"the published weights have no {name!r}: the rollout's student is not the "
                 "trainer's (give both the same student model)"
             )
         if tuple(p.shape) != published[name]:
-            raise ValueError(
+            raise SettingsError(
                 f"published {name!r} is {list(published[name])}, the rollout's is "
                 f"{list(p.shape)}: the rollout's student is not the trainer's"
             )
     extra = sorted(set(published) - set(params))
     if extra:
-        raise ValueError(
+        raise SettingsError(
             f"the published weights hold {extra[0]!r}, which the rollout's student lacks: it is "
             "not the trainer's student"
         )

@@ -20,6 +20,7 @@ from services.rollout.worker import (
 )
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
+from xtoken_core.errors import DataError, SettingsError
 from xtoken_core.ipc.policy_weights import WeightPublisher
 from xtoken_core.models import load_model
 from xtoken_core.tokenizers import load_tokenizer
@@ -220,6 +221,31 @@ def test_prompts_are_shared_by_the_workers_and_resume_after_a_position(tmp_path)
     assert not {p.key for p in w0} & {p.key for p in w1}
     assert [p.position for p in take(2, start=(1, 1))] == [(1, 1), (1, 3)]
     assert all(len(p.ids) <= 4 for p in alone)
+
+
+def test_a_corpus_that_gives_a_worker_no_prompt_is_a_data_error_naming_it(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": TEXTS[1]}) + "\n")
+    source = PromptSource(str(corpus), load_tokenizer(STUDENT), 4, worker=1, workers=2)
+    with pytest.raises(DataError, match=f"the prompt corpus {corpus} gives rollout worker 1"):
+        next(iter(source))
+
+
+def test_weights_of_another_student_are_a_settings_error(tmp_path, published):
+    other = load_model("tiny", vocab_size=load_tokenizer(STUDENT).vocab_size + 8, seed=7)
+    worker = RolloutWorker(config(tmp_path), model=other)
+    with pytest.raises(SettingsError, match="the rollout's student is not the trainer's"):
+        worker.refresh()
+
+
+def test_a_damaged_descriptor_is_no_weights_yet_and_the_next_publication_is_taken(
+    tmp_path, trained, published
+):
+    (tmp_path / "policy" / "descriptor.msgpack").write_bytes(b"\x82\xa2\xb6\xb6\x01")
+    worker = RolloutWorker(config(tmp_path))
+    assert worker.refresh() is None and worker.version is None  # waits, as before a publication
+    published.publish(trained.named_parameters(), version=6)
+    assert worker.refresh() == 6 and worker.version == 6
 
 
 def test_samples_pack_into_one_put_with_the_on_policy_fields(tmp_path, published):

@@ -4,12 +4,18 @@ publisher (a restarted trainer)."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 
 import pytest
 import torch
 
-from xtoken_core.ipc.policy_weights import WeightPublisher, WeightSubscriber
+from xtoken_core.ipc.policy_weights import (
+    DESCRIPTOR,
+    WEIGHTS_FILE,
+    WeightPublisher,
+    WeightSubscriber,
+)
 
 TRANSPORTS = ["file", "shm"]
 
@@ -68,6 +74,75 @@ def test_weights_of_another_model_are_refused_naming_the_parameter(tmp_path, tra
         pub.publish(small_model().named_parameters(), version=0)
         with pytest.raises(ValueError, match=r"published '1.weight' is \[3, 8\], the rollout's"):
             WeightSubscriber(tmp_path).load_into(other)
+
+
+# a descriptor whose bytes were damaged: msgpack's str of 2 bytes, not UTF-8
+DAMAGED = b"\x82\xa2\xb6\xb6\x01\xa6format\x01"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_damaged_descriptor_is_waited_out_until_the_next_publication_rewrites_it(
+    tmp_path, transport, caplog
+):
+    trained, rollout = small_model(0), small_model(1)
+    reader = WeightSubscriber(tmp_path)
+    with WeightPublisher(tmp_path, trained.named_parameters(), transport=transport) as pub:
+        pub.publish(trained.named_parameters(), version=1)
+        (tmp_path / DESCRIPTOR).write_bytes(DAMAGED)
+        fresh = WeightSubscriber(tmp_path)  # one that never read the good descriptor
+        with caplog.at_level(logging.WARNING, logger="xtoken_core.ipc.policy_weights"):
+            assert fresh.load_into(rollout) is None and fresh.newest() is None
+            assert fresh.load_into(rollout) is None
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1, warned  # once per damaged file, not per call
+        assert str(tmp_path / DESCRIPTOR) in warned[0] and "damaged" in warned[0]
+        assert "next publication" in warned[0]
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(1.0)
+        pub.publish(trained.named_parameters(), version=2)  # rewrites the descriptor
+        assert fresh.load_into(rollout) == 2 and same_params(trained, rollout)
+        assert reader.load_into(rollout) == 2
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_reader_keeps_its_publisher_while_the_descriptor_is_damaged(tmp_path, transport):
+    trained, rollout = small_model(0), small_model(1)
+    reader = WeightSubscriber(tmp_path)
+    with WeightPublisher(tmp_path, trained.named_parameters(), transport=transport) as pub:
+        pub.publish(trained.named_parameters(), version=1)
+        assert reader.load_into(rollout) == 1
+        (tmp_path / DESCRIPTOR).write_bytes(DAMAGED)
+        assert reader.load_into(rollout) is None  # nothing newer, and no error
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(1.0)
+        pub.publish(trained.named_parameters(), version=2)
+        assert reader.load_into(rollout) == 2 and same_params(trained, rollout)
+
+
+def test_a_publisher_leaves_the_descriptor_of_its_successor_alone(tmp_path):
+    first, second, rollout = small_model(0), small_model(2), small_model(1)
+    old = WeightPublisher(tmp_path, first.named_parameters(), transport="shm")
+    try:
+        with WeightPublisher(tmp_path, second.named_parameters(), transport="shm") as new:
+            new.publish(second.named_parameters(), version=4)
+            old.publish(first.named_parameters(), version=9)  # the old trainer, not yet gone
+            assert WeightSubscriber(tmp_path).load_into(rollout) == 4
+            assert same_params(second, rollout)
+    finally:
+        old.close()
+
+
+def test_a_damaged_weights_file_is_waited_out_until_the_next_publication(tmp_path):
+    trained, rollout = small_model(0), small_model(1)
+    reader = WeightSubscriber(tmp_path)
+    with WeightPublisher(tmp_path, trained.named_parameters(), transport="file") as pub:
+        pub.publish(trained.named_parameters(), version=1)
+        (tmp_path / WEIGHTS_FILE).write_bytes(b"\xb6" * 64)
+        assert reader.newest() is None and reader.load_into(rollout) is None
+        pub.publish(trained.named_parameters(), version=2)
+        assert reader.load_into(rollout) == 2 and same_params(trained, rollout)
 
 
 def test_cuda_ipc_needs_parameters_on_a_gpu(tmp_path):
