@@ -1,5 +1,9 @@
 """Local launcher: worker processes as subprocesses in their own process groups, with logs,
 ready files and signals. The control plane reuses it; it knows only a :class:`ProcessSpec`.
+
+Each process has a reaper thread that waits for it and stamps the moment it ended
+(:attr:`LocalProcess.exited_at`): the driver tells which rank of a group died first by that
+stamp, not by the order its polls found the exits in.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,14 +27,35 @@ __all__ = ["LocalLauncher", "LocalProcess", "ProcessSpec"]
 logger = logging.getLogger(__name__)
 
 
+# seconds poll() waits for the reaper's stamp of an exit it found (the stamp follows at once)
+_STAMP_WAIT_S = 1.0
+
+
 class LocalProcess:
-    """A started process and its spec."""
+    """A started process and its spec.
+
+    Attributes:
+        exited_at: when the process ended (seconds since the epoch, stamped by a thread that
+            waits for it), or None while it runs.
+    """
 
     def __init__(self, spec: ProcessSpec, popen: subprocess.Popen, log: Any) -> None:
         self.spec = spec
         self.popen = popen
         self._log = log
         self.started = time.monotonic()
+        self.exited_at: float | None = None
+        self._reaped = threading.Event()
+        threading.Thread(target=self._reap, name=f"reap-{spec.name}", daemon=True).start()
+
+    def _reap(self) -> None:
+        """Wait for the process and stamp its end (the thread only waits: the process's
+        dead-parent signal is tied to the thread that started it, not to this one)."""
+        try:
+            self.popen.wait()
+        finally:
+            self.exited_at = time.time()
+            self._reaped.set()
 
     @property
     def pid(self) -> int:
@@ -42,9 +68,14 @@ class LocalProcess:
         return socket.gethostname()
 
     def poll(self) -> int | None:
-        """Exit code, or None while running."""
+        """Exit code (negative: killed by that signal), or None while running; once it is
+        known, so is :attr:`exited_at`."""
         code = self.popen.poll()
-        if code is not None and not self._log.closed:
+        if code is None:
+            return None
+        if not self._reaped.wait(_STAMP_WAIT_S) and self.exited_at is None:
+            self.exited_at = time.time()  # no stamp (no reaper): when it was found
+        if not self._log.closed:
             self._log.close()
         return code
 
@@ -99,9 +130,7 @@ class LocalLauncher:
         env.pop("XTOKEN_PARENT_PID", None)
         if self.parent_sentinel:
             env["XTOKEN_PARENT_PID"] = str(os.getpid())
-        argv = [self.python, "-m", "services.cli", *spec.argv]
-        if spec.ready_file:
-            argv += ["--ready-file", spec.ready_file]
+        argv = self.command(spec)
         popen = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -109,6 +138,13 @@ class LocalLauncher:
         self.processes[spec.name] = proc
         logger.info("[run] started %s (pid %d): xtoken %s", spec.name, popen.pid, " ".join(spec.argv))
         return proc
+
+    def command(self, spec: ProcessSpec) -> list[str]:
+        """The command line of ``spec``: ``python -m services.cli <argv> [--ready-file F]``."""
+        argv = [self.python, "-m", "services.cli", *spec.argv]
+        if spec.ready_file:
+            argv += ["--ready-file", spec.ready_file]
+        return argv
 
     def wait_ready(self, proc: LocalProcess, timeout_s: float) -> dict[str, Any]:
         """Wait for the ready file of ``proc``.

@@ -12,7 +12,9 @@ What runs where, and why:
 * The queue runs on the driver's node: the run (``Run``) talks to it at its loopback address.
 * The actor starts ``python -m services.cli <argv>`` (its node's interpreter) in its own process
   group, writes stdout and stderr to ``spec.log_file`` on its node, reads the ready file there,
-  forwards signals to the group and reports pid, host and the exit code (a SIGKILL shows as -9).
+  forwards signals to the group and reports pid, host, the exit code (a SIGKILL shows as -9) and
+  the exit time, stamped on the node by a thread of the actor that waits for the worker (the
+  driver names the rank of a group that died first by it, not by the order it heard of them).
   The worker's supervising parent is the actor (``XTOKEN_PARENT_PID``): when the actor dies
   (driver gone, ``ray stop``), the worker stops too.
 * torch.distributed: ``RANK``/``WORLD_SIZE``/``MASTER_PORT`` come from the spec;
@@ -36,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -150,6 +153,8 @@ class WorkerActor:
         self.spec = ProcessSpec(**spec)
         self.popen: subprocess.Popen | None = None
         self._log: Any = None
+        self.exited_at: float | None = None
+        self._reaped = threading.Event()
 
     def node(self) -> dict[str, Any]:
         """Where the actor runs: ``host``, ``node_ip``, ``node_id``, ``gpu_ids``."""
@@ -190,12 +195,26 @@ class WorkerActor:
             cwd=cwd,
             start_new_session=True,
         )
+        # waits only: the worker's dead-parent signal is tied to the thread that started it
+        threading.Thread(target=self._reap, name="reap", daemon=True).start()
         return self.popen.pid
 
+    def _reap(self) -> None:
+        """Wait for the worker and stamp the moment it ended."""
+        assert self.popen is not None
+        try:
+            self.popen.wait()
+        finally:
+            self.exited_at = time.time()
+            self._reaped.set()
+
     def status(self) -> dict[str, Any]:
-        """``code`` (None while running) and ``ready`` (the ready file's JSON, or None)."""
+        """``code`` (None while running), ``exited_at`` (when it ended, seconds since the epoch
+        on this node; None while running) and ``ready`` (the ready file's JSON, or None)."""
         assert self.popen is not None, "status() before start()"
         code = self.popen.poll()
+        if code is not None and not self._reaped.wait(1.0) and self.exited_at is None:
+            self.exited_at = time.time()  # no stamp: when it was found
         if code is not None and self._log is not None and not self._log.closed:
             self._log.close()
         ready = None
@@ -207,7 +226,8 @@ class WorkerActor:
                     ready = json.loads(text)
                 except json.JSONDecodeError:
                     ready = {"text": text.strip()}
-        return {"code": code, "ready": ready}
+        exited_at = self.exited_at if code is not None else None
+        return {"code": code, "ready": ready, "exited_at": exited_at}
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the worker's process group."""
@@ -238,6 +258,8 @@ class RayProcess:
     Attributes:
         spec: its spec.
         node: ``host``, ``node_ip``, ``node_id``, ``gpu_ids`` of its actor.
+        exited_at: when the worker ended (seconds since the epoch, stamped on its node; when the
+            driver found it lost, for a lost actor), or None while it runs.
     """
 
     def __init__(
@@ -252,6 +274,7 @@ class RayProcess:
         self._timeout_s = timeout_s
         self._code: int | None = None
         self._tail = ""
+        self.exited_at: float | None = None
 
     @property
     def pid(self) -> int:
@@ -276,10 +299,12 @@ class RayProcess:
             logger.warning("[ray] %s: its actor is gone (%s): process lost", self.spec.name,
                            type(e).__name__)
             self._code = EXIT_LOST
+            self.exited_at = time.time()
             self.release()
             return {"code": self._code, "ready": None}
         if status["code"] is not None:
             self._code = int(status["code"])
+            self.exited_at = status.get("exited_at") or time.time()
             self._tail = self._actor_tail(KEPT_TAIL_LINES)
             self.release()
         return status

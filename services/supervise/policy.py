@@ -11,9 +11,13 @@ Per role (the default :data:`SCOPES`):
 * the ``queue`` holds the run's samples in memory, so its loss restarts the **run**: every
   process again, the trainers from their checkpoint, the collators re-putting the corpus.
 
-An exit with a code of :data:`DETERMINISTIC_CODES` (2: bad input or config, from the process
-lifecycle; 3: a data error, from the collator) fails the run at once: the same process would fail
-the same way again.
+An exit with a code of :data:`DETERMINISTIC_CODES` (2: bad settings, 3: bad data; the process
+lifecycle decides them by the class of the error, ``xtoken_core.errors``) fails the run at once:
+the same process would fail the same way again. Any other exit is a fault, restarted.
+
+When a rank dies its peers fail too, a moment later (their next collective). The restart of the
+group is caused by the rank that died first, by exit time (:func:`first_cause`), whichever exit
+the launcher happened to report first.
 
 A budget of ``max_restarts`` per restart key (a process name, ``trainers`` or ``run``); the n-th
 restart waits ``backoff_s * 2 ** (n - 1)`` seconds, at most ``max_backoff_s``.
@@ -22,6 +26,7 @@ restart waits ``backoff_s * 2 ** (n - 1)`` seconds, at most ``max_backoff_s``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 # role -> restart scope
 SCOPES: dict[str, str] = {
@@ -33,9 +38,38 @@ SCOPES: dict[str, str] = {
 }
 
 
-# exit codes of a failure a restart repeats: 2 bad input or config (services.common.lifecycle),
-# 3 a data error (the collator's EXIT_DATA)
-DETERMINISTIC_CODES = frozenset({2, 3})
+# exit codes of a failure a restart repeats (xtoken_core.errors: EXIT_SETTINGS, EXIT_DATA)
+DETERMINISTIC = {2: "bad settings", 3: "bad data"}
+DETERMINISTIC_CODES = frozenset(DETERMINISTIC)
+# exits of one group this close in time count as simultaneous: a death by a signal among them is
+# the cause (the others failed because of it), whatever their clocks or reports say
+SIGNAL_TIE_S = 0.5
+# the largest signal number: an exit code -1..-SIGNAL_MAX is a death by that signal
+_SIGNAL_MAX = 64
+
+
+def first_cause(exits: Mapping[str, tuple[int, float]], tie_s: float = SIGNAL_TIE_S) -> str:
+    """Which of a group's exits caused the others: the earliest; among the exits within ``tie_s``
+    of the earliest, a death by a signal (a SIGKILL, the OOM killer) before an exit code (a rank
+    that exits 1 because its peer died).
+
+    Args:
+        exits: process name -> ``(exit code, exit time)`` (a negative code: killed by that
+            signal; the time in seconds since the epoch, as close to the process as observed).
+        tie_s: exits this close to the earliest count as simultaneous.
+
+    Returns:
+        The name of the process that died first.
+
+    Raises:
+        ValueError: no exit given.
+    """
+    if not exits:
+        raise ValueError("first_cause() got no exit")
+    earliest = min(at for _, at in exits.values())
+    near = [(at, name, code) for name, (code, at) in exits.items() if at - earliest <= tie_s]
+    killed = [x for x in near if -_SIGNAL_MAX <= x[2] < 0]
+    return min(killed or near)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +132,15 @@ class RestartPolicy:
                 raise ValueError(f"scope of {role!r} is {scope!r}: use process, group or run")
         self.used: dict[str, int] = {}
 
-    def decide(self, name: str, role: str, code: int, *, finished_ok: bool = False) -> Decision:
+    def decide(
+        self,
+        name: str,
+        role: str,
+        code: int,
+        *,
+        finished_ok: bool = False,
+        cause: str | None = None,
+    ) -> Decision:
         """The decision for process ``name`` of ``role`` that exited with ``code``.
 
         Args:
@@ -106,19 +148,22 @@ class RestartPolicy:
             role: its role (``teacher``).
             code: its exit code (negative: killed by that signal).
             finished_ok: the exit is the process's normal end (a collator or trainer exiting 0).
+            cause: the start of a restart's reason (default ``"<name> exited with code <code>"``;
+                a group's names the exits that followed).
 
         Returns:
             A :class:`Decision`; a restart is counted against the budget at once.
         """
         if finished_ok:
             return Decision("done", reason=f"{name} finished")
-        if code in DETERMINISTIC_CODES:
+        if code in DETERMINISTIC:
             return Decision(
                 "fail",
-                reason=f"{name} exited with code {code} (bad input, config or data: a restart "
-                "would fail the same way; its log names the cause); not restarted",
+                reason=f"{name} exited with code {code} ({DETERMINISTIC[code]}: a restart would "
+                "fail the same way; not restarted)",
+                code=code,
             )
-        return self.decide_lost(name, role, f"{name} exited with code {code}", code=code)
+        return self.decide_lost(name, role, cause or f"{name} exited with code {code}", code=code)
 
     def decide_lost(self, name: str, role: str, cause: str, code: int | None = None) -> Decision:
         """The decision after what ``name`` of ``role`` held was lost while no process exited

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.common.lifecycle import EXIT_FILE_ENV, read_exit_code
+from services.launch.local import LocalLauncher
 from services.supervise.attach import EXIT_UNKNOWN, AttachedProcess
 from services.supervise.config import run_config_from_dict
 from services.supervise.driver import Driver
@@ -144,3 +145,60 @@ def test_exit_codes_2_and_3_are_never_retried_and_others_are():
         assert policy.decide("collator", "collator", code).action == "fail"
     assert policy.decide("collator", "collator", 1).action == "restart"
     assert policy.decide("teacher0", "teacher", -9).action == "restart"
+
+
+# a service that serves, then meets an error of the kind argv[2] names
+_SERVING = textwrap.dedent(
+    """
+    import sys
+    from services.common.lifecycle import run_process
+    from xtoken_core.errors import DataError
+
+    def main(lc):
+        lc.ready()
+        if sys.argv[2] == "data":
+            raise DataError("corpus.jsonl:7 is not JSON: fix the line or skip it (skip_bad_lines)")
+        b"\\xb6".decode("utf-8")  # a run's own file found damaged mid-run
+
+    sys.exit(run_process(sys.argv[1], main))
+    """
+)
+
+
+class _Serving(LocalLauncher):
+    """The local launcher, its processes playing :data:`_SERVING`."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(parent_sentinel=False)
+        self.error = error
+
+    def command(self, spec):
+        return [sys.executable, "-c", _SERVING, spec.name, self.error]
+
+
+def _run_to_its_exit(tmp_path: Path, error: str) -> tuple[Driver, str]:
+    driver = _reattached_driver(tmp_path)
+    driver.launcher = _Serving(error)
+    proc = driver._start(driver.specs["teacher0"])
+    try:
+        proc.popen.wait(60)
+        return driver, driver.poll_once()
+    finally:
+        driver.launcher.stop(grace_s=5)
+
+
+def test_a_data_error_mid_run_fails_the_run_with_the_processs_one_line_message(tmp_path):
+    driver, status = _run_to_its_exit(tmp_path, "data")
+    assert status == "failed" and driver.failed.exit_code == 3
+    assert driver.failed.reason == (
+        "teacher0 exited with code 3 (bad data: a restart would fail the same way; not "
+        "restarted): corpus.jsonl:7 is not JSON: fix the line or skip it (skip_bad_lines)"
+    )
+    assert "\n" not in driver.failed.reason
+
+
+def test_a_value_error_mid_run_is_a_fault_the_process_is_restarted(tmp_path):
+    driver, status = _run_to_its_exit(tmp_path, "damaged file")
+    assert status == "recovering" and driver.failed is None
+    assert driver.launcher.processes["teacher0"].poll() == 1
+    assert "UnicodeDecodeError" in driver.launcher.processes["teacher0"].tail()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.supervise.policy import RestartPolicy
+from services.supervise.policy import SIGNAL_TIE_S, RestartPolicy, first_cause
 
 
 def test_collators_and_teachers_restart_in_place_with_doubling_backoff_until_the_budget():
@@ -48,3 +48,37 @@ def test_a_lost_data_plane_without_an_exit_spends_the_budget_of_its_scope():
     assert p.decide_lost("queue", "queue", "x").action == "fail"
     with pytest.raises(ValueError, match="none may be negative"):
         RestartPolicy(max_restarts=-1)
+
+
+def test_exit_2_fails_the_run_as_bad_settings_and_exit_3_as_bad_data_never_restarted():
+    p = RestartPolicy(max_restarts=3)
+    settings, data = p.decide("teacher0", "teacher", 2), p.decide("collator", "collator", 3)
+    assert settings.action == data.action == "fail" and p.restarts() == {}
+    assert settings.reason.startswith("teacher0 exited with code 2 (bad settings")
+    assert data.reason.startswith("collator exited with code 3 (bad data")
+    assert "not restarted" in settings.reason and "not restarted" in data.reason
+    assert (settings.code, data.code) == (2, 3)
+
+
+def test_a_restart_names_the_cause_it_is_given():
+    p = RestartPolicy(max_restarts=1, backoff_s=0.0)
+    d = p.decide("trainer1", "trainer", -9, cause="trainer1 exited with code -9 (first)")
+    assert d.reason == "trainer1 exited with code -9 (first): restart 1 of 1 (group) in 0.0s"
+
+
+def test_the_first_cause_of_a_group_is_the_earliest_exit_and_a_kill_wins_a_tie():
+    # (code, exit time): the exit seen first is not the first exit
+    assert first_cause({"trainer0": (1, 10.30), "trainer1": (-9, 10.00)}) == "trainer1"
+    assert first_cause({"trainer0": (1, 10.00), "trainer1": (1, 10.30)}) == "trainer0"
+    # a signal death and a consequent exit 1 whose times tie (clocks of two hosts, late stamps)
+    assert first_cause({"trainer0": (1, 10.00), "trainer1": (-9, 10.00 + SIGNAL_TIE_S / 2)}) == (
+        "trainer1"
+    )
+    assert first_cause({"trainer0": (1, 10.00), "trainer1": (-9, 10.00 + 2 * SIGNAL_TIE_S)}) == (
+        "trainer0"
+    )
+    # an exit code nobody knows (a lost node) is no signal death
+    assert first_cause({"trainer0": (-1000, 10.00), "trainer1": (1, 10.01)}) == "trainer0"
+    assert first_cause({"trainer3": (-9, 5.0)}) == "trainer3"
+    with pytest.raises(ValueError, match="no exit"):
+        first_cause({})
