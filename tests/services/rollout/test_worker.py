@@ -18,6 +18,7 @@ from services.rollout.worker import (
     stopping_criteria,
     use_expandable_segments,
 )
+from tests.extras import require_tokenizers
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
 from xtoken_core.errors import DataError, SettingsError
@@ -53,6 +54,7 @@ def config(tmp_path, **overrides) -> RolloutConfig:
 @pytest.fixture(scope="module")
 def trained():
     """The trainer's student (another seed than the rollout's own init)."""
+    require_tokenizers(STUDENT)
     vocab = load_tokenizer(STUDENT).vocab_size
     return load_model("tiny", vocab_size=vocab, seed=7)
 
@@ -274,6 +276,7 @@ def test_a_rollout_batch_leaves_no_more_gpu_memory_reserved_than_its_peak(tmp_pa
     """The KV cache grows a token per step. With blocks of every size cached, a batch of 64 x 512
     tokens of the Qwen3-0.6B preset held 35.8 GiB for a 4.8 GiB peak on an H100; with expandable
     segments and the cache handed back after each batch it holds 1.2 GiB (the weights)."""
+    require_tokenizers(STUDENT, TEACHER)
     worker = RolloutWorker(
         config(tmp_path, device="cuda", max_new_tokens=48, batch=16, ctx_student=64, ctx_teacher=96)
     )

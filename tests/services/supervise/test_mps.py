@@ -22,6 +22,7 @@ from services.supervise.mps import (
 )
 from services.supervise.plan import Host, RunContext, make_plan
 from services.supervise.preflight import Inputs, preflight
+from tests.extras import require_tokenizers
 
 
 def _config(tmp_path, device="cuda", **run):
@@ -141,6 +142,7 @@ def test_a_run_with_mps_trains_as_clients_of_its_daemon_and_stops_it(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    require_tokenizers("mistral", "smollm2")
     run_dir = tmp_path / "run"
     config = tmp_path / "run.yaml"
     config.write_text(

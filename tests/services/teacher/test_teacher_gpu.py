@@ -7,8 +7,15 @@ import torch
 
 from services import protocol as proto
 from services.teacher.worker import TeacherConfig, TeacherWorker
+from tests.extras import require_tokenizers
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _tokenizer_installed():
+    """Every teacher here reads the mistral tokenizer (an optional package)."""
+    require_tokenizers("mistral")
 
 
 def _request(worker: TeacherWorker, B: int = 2, U: int = 48, rank: int = 0) -> proto.Request:

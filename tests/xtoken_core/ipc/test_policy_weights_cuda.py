@@ -15,25 +15,30 @@ pytestmark = pytest.mark.gpu
 ELEMENTS = 1 << 24  # 32 MiB of bf16 per version
 
 
-def _publisher(directory: str, versions: int, started, finished, done) -> None:
+def _publisher(directory: str, versions: int, started, copied, finished, done) -> None:
     """Child: a trainer on cuda:0 that publishes ``versions`` versions, each filled with its
-    number."""
+    number; the later ones only once the reader copied the first, then as fast as it can."""
     torch.cuda.set_device(0)
     param = torch.nn.Parameter(torch.zeros(ELEMENTS, dtype=torch.bfloat16, device="cuda:0"))
     with WeightPublisher(directory, [("w", param)], transport="cuda_ipc") as pub:
         for v in range(versions):
             param.data.fill_(float(v))
             pub.publish([("w", param)], version=v)
-            started.set()
+            if v == 0:
+                started.set()
+                copied.wait(120)
         finished.set()
         done.wait(120)
 
 
 def test_a_reader_on_the_gpu_copies_whole_versions_while_the_trainer_publishes(tmp_path):
+    versions = 200
     ctx = mp.get_context("spawn")
-    started, finished, done = ctx.Event(), ctx.Event(), ctx.Event()
+    started, copied, finished, done = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     proc = ctx.Process(
-        target=_publisher, args=(str(tmp_path), 200, started, finished, done), daemon=True
+        target=_publisher,
+        args=(str(tmp_path), versions, started, copied, finished, done),
+        daemon=True,
     )
     proc.start()
     try:
@@ -43,14 +48,22 @@ def test_a_reader_on_the_gpu_copies_whole_versions_while_the_trainer_publishes(t
             torch.full((ELEMENTS,), -1.0, dtype=torch.bfloat16, device="cuda:0")
         )
         reader, seen = WeightSubscriber(tmp_path), []
-        while not finished.is_set():
+
+        def copy() -> None:
             version = reader.load_into(model)
             if version is None:
-                continue
+                return  # nothing newer, or every try overlapped a publication: the next call
             seen.append(version)
             values = model.w.detach()
+            # one version, whole: every element the value the publisher wrote for it
             assert torch.equal(values, torch.full_like(values, float(version))), version
-        assert seen == sorted(seen) and len(seen) >= 2
+            copied.set()
+
+        while not finished.is_set():  # however fast the publisher runs beside it
+            copy()
+        copy()  # after the last publication: the final version
+        assert seen[0] == 0 and seen[-1] == versions - 1, seen
+        assert seen == sorted(seen) and len(set(seen)) == len(seen)
     finally:
         done.set()
         proc.join(60)
