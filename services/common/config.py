@@ -40,6 +40,11 @@ Field metadata understood here (all optional):
 * ``path``: the field names a path: ``"file"`` (a file or folder), ``"model"`` (a model spec
   that may be a folder or ``gguf:FILE``), ``"tokenizer"`` (a tokenizer name or a path), ``"run"``
   (a run directory). Read by :func:`marks` (the control plane confines these paths).
+* ``trained``: True when the field changes what is trained (the samples, their order and
+  batches, the models, the loss, the optimizer, the seeds), False when it does not (steps,
+  cadence, timeouts, devices, compute settings, paths of caches). A run's fingerprint is the
+  values of the True ones (:func:`services.supervise.resume.fingerprint`); every field of a run
+  config carries the mark either way (a test walks :func:`leaf_paths`).
 
 Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
 ``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
@@ -78,6 +83,7 @@ __all__ = [
     "from_args",
     "from_dict",
     "from_parsed",
+    "leaf_paths",
     "load_context",
     "load_file",
     "marks",
@@ -422,6 +428,30 @@ def marks(cls: type, name: str) -> dict[str, Any]:
         nested = _optional_dataclass(hints[f.name])
         if nested is not None:
             out.update({f"{f.name}.{k}": v for k, v in marks(nested, name).items()})
+    return out
+
+
+def leaf_paths(cls: type) -> list[str]:
+    """Every setting of a config tree: the dotted path of each field that is not a section.
+
+    Args:
+        cls: the config dataclass (nested dataclass fields, ``D | None`` included, are walked;
+            fields that are not ``__init__`` arguments are left out).
+
+    Returns:
+        Dotted field paths (``trainer.optim.lr``), in field order.
+    """
+    _check_dataclass(cls)
+    out: list[str] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        nested = _optional_dataclass(hints[f.name])
+        if nested is None:
+            out.append(f.name)
+        else:
+            out.extend(f"{f.name}.{k}" for k in leaf_paths(nested))
     return out
 
 

@@ -22,72 +22,113 @@ class RolloutConfig:
     (``data.train`` unless given) and the worker's index; a run config sets the rest.
     """
 
-    queue: str = field(default="tcp://127.0.0.1:5555", metadata={"help": "queue server address"})
+    queue: str = field(
+        default="tcp://127.0.0.1:5555", metadata={"help": "queue server address", "trained": False}
+    )
     partition: str = field(
         default="train",
         metadata={
-            "help": "the run's sample partition; on-policy samples go to <partition>.rollout"
+            "help": "the run's sample partition; on-policy samples go to <partition>.rollout",
+            "trained": False,
         },
     )
     worker: int = field(
         default=0,
-        metadata={"help": "this worker's index: it takes prompt i when i % workers is it"},
+        metadata={
+            "help": "this worker's index: it takes prompt i when i % workers is it",
+            "trained": False,
+        },
     )
-    workers: int = field(default=1, metadata={"help": "rollout workers of the run"})
+    workers: int = field(
+        default=1, metadata={"help": "rollout workers of the run", "trained": False}
+    )
     student: str = field(
         default="student-25m",
-        metadata={"help": "student model spec (the trainer's): its weights come from the trainer"},
+        metadata={
+            "help": "student model spec (the trainer's): its weights come from the trainer",
+            "trained": True,
+        },
     )
     vocab_size: int | None = field(
-        default=None, metadata={"help": "vocab of a preset student (default: its tokenizer's)"}
+        default=None,
+        metadata={"help": "vocab of a preset student (default: its tokenizer's)", "trained": True},
     )
-    seed: int = field(default=0, metadata={"help": "seed of the student init and of the sampling"})
-    student_tokenizer: str = field(default="qwen3", metadata={"help": "student tokenizer"})
-    teacher_tokenizer: str = field(default="smollm2", metadata={"help": "teacher tokenizer"})
-    ctx_student: int = field(default=512, metadata={"help": "student tokens kept per sample"})
-    ctx_teacher: int = field(default=512, metadata={"help": "teacher tokens kept per sample"})
-    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    seed: int = field(
+        default=0,
+        metadata={"help": "seed of the student init and of the sampling", "trained": True},
+    )
+    student_tokenizer: str = field(
+        default="qwen3", metadata={"help": "student tokenizer", "trained": True}
+    )
+    teacher_tokenizer: str = field(
+        default="smollm2", metadata={"help": "teacher tokenizer", "trained": True}
+    )
+    ctx_student: int = field(
+        default=512, metadata={"help": "student tokens kept per sample", "trained": True}
+    )
+    ctx_teacher: int = field(
+        default=512, metadata={"help": "teacher tokens kept per sample", "trained": True}
+    )
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N", "trained": False})
     dtype: str = field(
-        default="auto", metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)"}
+        default="auto",
+        metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)", "trained": False},
     )
     weights: str = field(
         default="runs/default/policy",
-        metadata={"help": "directory where the trainer publishes the student's weights"},
+        metadata={
+            "help": "directory where the trainer publishes the student's weights",
+            "trained": False,
+        },
     )
     prompts: str | None = field(
         default=None,
         metadata={
             "help": "prompt corpus (.jsonl/.txt/.parquet file, folder or glob); xtoken run: "
-            "data.train unless set"
+            "data.train unless set",
+            "trained": True,
         },
     )
     limit: int | None = field(
-        default=None, metadata={"help": "use only the first N texts of the prompt corpus"}
+        default=None,
+        metadata={"help": "use only the first N texts of the prompt corpus", "trained": True},
     )
     text_field: str = field(
-        default="text", metadata={"help": "JSON field / parquet column of the texts"}
+        default="text",
+        metadata={"help": "JSON field / parquet column of the texts", "trained": True},
     )
     prompt_field: str | None = field(
         default=None,
         metadata={
             "help": "JSON field / column holding a prompt; None: a prompt is the first "
-            "prompt_tokens student tokens of each text"
+            "prompt_tokens student tokens of each text",
+            "trained": True,
         },
     )
     prompt_tokens: int = field(
-        default=32, metadata={"help": "most student tokens of a prompt (BOS included)"}
+        default=32,
+        metadata={"help": "most student tokens of a prompt (BOS included)", "trained": True},
     )
-    max_new_tokens: int = field(default=64, metadata={"help": "most tokens sampled per prompt"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0: greedy)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep this mass"})
-    batch: int = field(default=8, metadata={"help": "prompts sampled together (one put)"})
+    max_new_tokens: int = field(
+        default=64, metadata={"help": "most tokens sampled per prompt", "trained": True}
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "sampling temperature (0: greedy)", "trained": True}
+    )
+    top_p: float = field(
+        default=1.0, metadata={"help": "nucleus sampling: keep this mass", "trained": True}
+    )
+    batch: int = field(
+        default=8, metadata={"help": "prompts sampled together (one put)", "trained": False}
+    )
     kv_cache: str = field(
         default="dynamic",
         metadata={
             "help": "dynamic: the KV cache grows a token per step; static: allocated for batch "
             "x (prompt_tokens + max_new_tokens), every batch filled to that shape (on CUDA "
             "transformers compiles the decoding step once and replays it as CUDA graphs: "
-            "3.3x the new tokens/s of dynamic on an H100, after ~13 s more in the first batch)"
+            "3.3x the new tokens/s of dynamic on an H100, after ~13 s more in the first batch)",
+            "trained": False,
         },
     )
     kd_where_agrees: str | None = field(
@@ -97,6 +138,7 @@ class RolloutConfig:
             "tokens are each also one token of it (as the collators: xtoken run sets it from "
             "collator.kd_where_agrees)",
             "path": "tokenizer",
+            "trained": True,
         },
     )
     max_pending: int | None = field(
@@ -104,24 +146,29 @@ class RolloutConfig:
         metadata={
             "help": "wait while the rollout partition holds this many samples no trainer took "
             "(more would only grow stale); None: two batches (xtoken run: a step of the "
-            "trainers' on-policy samples, at least a batch)"
+            "trainers' on-policy samples, at least a batch)",
+            "trained": False,
         },
     )
     state_dir: str | None = field(
         default=None,
         metadata={
             "help": "keep the position in the prompts here (a restarted worker goes on from "
-            "it); None: start from the first prompt"
+            "it); None: start from the first prompt",
+            "trained": False,
         },
     )
     poll_s: float = field(
-        default=0.2, metadata={"help": "seconds between two looks for weights or queue room"}
+        default=0.2,
+        metadata={"help": "seconds between two looks for weights or queue room", "trained": False},
     )
     queue_timeout_s: float = field(
-        default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
+        default=10.0,
+        metadata={"help": "seconds to wait for a queue reply before failing", "trained": False},
     )
     put_timeout_s: float = field(
-        default=300.0, metadata={"help": "seconds a put may wait for queue capacity"}
+        default=300.0,
+        metadata={"help": "seconds a put may wait for queue capacity", "trained": False},
     )
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import field
-from typing import Any
+from typing import Any, Literal
 
 from services.common import config as cfgmod
 from services.common.overrides import Override, apply_overrides
@@ -62,6 +62,7 @@ class DataConfig:
             "help": "training corpus: a .jsonl/.txt/.parquet file, a folder of them or a glob "
             "(as the collator's --data); None: the demo corpus",
             "path": "file",
+            "trained": True,
         },
     )
     heldout: str | None = field(
@@ -70,17 +71,30 @@ class DataConfig:
             "help": "held-out corpus for bits/byte; None: the last trainer.eval_texts texts of "
             "data.train (not trained on), or the demo's with the demo corpus",
             "path": "file",
+            "trained": True,
         },
     )
-    limit: int | None = field(default=None, metadata={"help": "use only the first N texts"})
+    limit: int | None = field(
+        default=None, metadata={"help": "use only the first N texts", "trained": True}
+    )
     text_field: str = field(
-        default="text", metadata={"help": "JSON field / parquet or Hugging Face dataset column"}
+        default="text",
+        metadata={"help": "JSON field / parquet or Hugging Face dataset column", "trained": True},
+    )
+    txt_split: Literal["blank_line", "line"] = field(
+        default="blank_line",
+        metadata={
+            "help": "how a .txt file is cut into texts: blank_line (a text is a run of non-blank "
+            "lines; blank lines separate texts) or line (every non-blank line is a text)",
+            "trained": True,
+        },
     )
     skip_bad_lines: bool = field(
         default=False,
         metadata={
             "help": "skip (log and count) corpus lines without usable text instead of stopping "
-            "the run at the first (the collator's --skip-bad-lines)"
+            "the run at the first (the collator's --skip-bad-lines)",
+            "trained": True,
         },
     )
 
@@ -88,7 +102,8 @@ class DataConfig:
         default=None,
         metadata={
             "help": "shuffle the training texts with this seed before they are put (the "
-            "collator holds them in memory); null: corpus order"
+            "collator holds them in memory); null: corpus order",
+            "trained": True,
         },
     )
     ordered: bool = field(
@@ -97,7 +112,8 @@ class DataConfig:
             "help": "every run of one config trains the same micro-batches in the same steps, "
             "with or without a teacher: one collator worker puts in order and the trainer "
             "claims whole steps (micro_batch x grad_accum samples), sorted only within a step; "
-            "needs collator.workers 1 and trainers 1"
+            "needs collator.workers 1 and trainers 1",
+            "trained": True,
         },
     )
 
@@ -106,7 +122,8 @@ class DataConfig:
         metadata={
             "help": "share of each step's samples the student samples itself (on-policy, GKD's "
             "lambda): rollout workers continue prompts of the corpus with the trainer's "
-            "weights, the teacher scores them with the same loss; 0: off-policy only"
+            "weights, the teacher scores them with the same loss; 0: off-policy only",
+            "trained": True,
         },
     )
 
@@ -121,10 +138,15 @@ class DataConfig:
 class CollatorSection:
     """The collator process."""
 
-    workers: int = field(default=1, metadata={"help": "collator worker processes"})
+    workers: int = field(
+        default=1, metadata={"help": "collator worker processes", "trained": False}
+    )
     batch: int = field(
         default=16,
-        metadata={"help": "texts per put (with pack: the texts packed together; hundreds)"},
+        metadata={
+            "help": "texts per put (with pack: the texts packed together; hundreds)",
+            "trained": True,
+        },
     )
     pack: bool = field(
         default=False,
@@ -132,7 +154,8 @@ class CollatorSection:
             "help": "pack whole documents into rows of ctx_student / ctx_teacher tokens instead "
             "of one text per sample: positions restart per document, attention, chunks and "
             "next-token targets stay within a document (docs/design.md, Packing); the run sets "
-            "trainer.pack and teacher.pack"
+            "trainer.pack and teacher.pack",
+            "trained": True,
         },
     )
     kd_where_agrees: str | None = field(
@@ -141,7 +164,8 @@ class CollatorSection:
             "help": "a third tokenizer name or path: the KD loss only on chunks whose student "
             "tokens are each also one token of it, covering the same bytes (e.g. KD from a "
             "same-tokenizer parent where another teacher's tokenizer would also align 1:1); "
-            "the rollouts' samples too. None: every chunk"
+            "the rollouts' samples too. None: every chunk",
+            "trained": True,
         },
     )
 
@@ -160,7 +184,8 @@ class QueueSection:
         default=None,
         metadata={
             "help": "address of a running queue server (tcp://host:port or ipc://path) the run "
-            "uses instead of starting its own; its partitions there are prefixed with the run id"
+            "uses instead of starting its own; its partitions there are prefixed with the run id",
+            "trained": False,
         },
     )
 
@@ -201,49 +226,75 @@ class RunConfig:
 
     run_dir: str = field(
         default="runs/default",
-        metadata={"help": "run directory (the demo has its own, runs/demo)", "path": "run"},
+        metadata={
+            "help": "run directory (the demo has its own, runs/demo)",
+            "path": "run",
+            "trained": False,
+        },
     )
-    partition: str = field(default="train", metadata={"help": "queue partition of the samples"})
+    partition: str = field(
+        default="train", metadata={"help": "queue partition of the samples", "trained": False}
+    )
     student_tokenizer: str = field(
-        default="qwen3", metadata={"help": "student tokenizer", "path": "tokenizer"}
+        default="qwen3",
+        metadata={"help": "student tokenizer", "path": "tokenizer", "trained": True},
     )
     teacher_tokenizer: str = field(
-        default="smollm2", metadata={"help": "teacher tokenizer", "path": "tokenizer"}
+        default="smollm2",
+        metadata={"help": "teacher tokenizer", "path": "tokenizer", "trained": True},
     )
-    ctx_student: int = field(default=512, metadata={"help": "student tokens per text"})
-    ctx_teacher: int = field(default=512, metadata={"help": "teacher tokens per text"})
+    ctx_student: int = field(
+        default=512, metadata={"help": "student tokens per text", "trained": True}
+    )
+    ctx_teacher: int = field(
+        default=512, metadata={"help": "teacher tokens per text", "trained": True}
+    )
     projection_top_k: int = field(
-        default=8, metadata={"help": "slots per row of a projection built for the run"}
+        default=8,
+        metadata={"help": "slots per row of a projection built for the run", "trained": True},
     )
     queue_capacity: str = field(
-        default="4GiB", metadata={"help": "capacity of the run's own queue in bytes"}
+        default="4GiB",
+        metadata={"help": "capacity of the run's own queue in bytes", "trained": False},
     )
     queue: QueueSection = field(default_factory=QueueSection)
-    teachers: int = field(default=1, metadata={"help": "teacher processes (groups)"})
-    trainers: int = field(default=1, metadata={"help": "trainer ranks"})
+    teachers: int = field(
+        default=1, metadata={"help": "teacher processes (groups)", "trained": False}
+    )
+    trainers: int = field(default=1, metadata={"help": "trainer ranks", "trained": True})
     rollouts: int = field(
         default=1,
-        metadata={"help": "rollout processes (started when data.on_policy_fraction > 0)"},
+        metadata={
+            "help": "rollout processes (started when data.on_policy_fraction > 0)",
+            "trained": False,
+        },
     )
     max_restarts: int = field(
         default=2,
-        metadata={"help": "restarts per process (per trainer group, per run) before failing"},
+        metadata={
+            "help": "restarts per process (per trainer group, per run) before failing",
+            "trained": False,
+        },
     )
     restart_backoff_s: float = field(
-        default=1.0, metadata={"help": "wait before a restart; doubles with each further one"}
+        default=1.0,
+        metadata={"help": "wait before a restart; doubles with each further one", "trained": False},
     )
     ready_timeout_s: float = field(
-        default=600.0, metadata={"help": "seconds a process may take to get ready"}
+        default=600.0,
+        metadata={"help": "seconds a process may take to get ready", "trained": False},
     )
     heartbeat_s: float = field(
-        default=1.0, metadata={"help": "seconds between two heartbeats of every process"}
+        default=1.0,
+        metadata={"help": "seconds between two heartbeats of every process", "trained": False},
     )
     hang_after_s: float | None = field(
         default=600.0,
         metadata={
             "help": "a process whose main loop made no progress this long (steps, requests; "
             "checkpoints and evals excepted) is hung: killed and restarted per policy; "
-            "null: never"
+            "null: never",
+            "trained": False,
         },
     )
     mps: bool = field(
@@ -251,7 +302,8 @@ class RunConfig:
         metadata={
             "help": "run the GPU processes as clients of an MPS daemon of the run's own, so the "
             "teacher's, trainer's and rollouts' kernels on one GPU run side by side instead of "
-            "taking turns (needs nvidia-cuda-mps-control; the processes on this machine)"
+            "taking turns (needs nvidia-cuda-mps-control; the processes on this machine)",
+            "trained": False,
         },
     )
     data: DataConfig = field(default_factory=DataConfig)

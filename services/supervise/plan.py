@@ -173,6 +173,7 @@ def make_data_sections(
         "batch": cfg.collator.batch,
         "limit": limit or None,
         "text_field": cfg.data.text_field,
+        "txt_split": cfg.data.txt_split,
         "shuffle_seed": cfg.data.seed,
         "skip_bad_lines": cfg.data.skip_bad_lines,
         "worker": {

@@ -92,7 +92,7 @@ def preflight(config: RunConfig) -> Inputs:
         demo = build_demo_corpus()
         train = str(demo.train_path)
         heldout = heldout or str(demo.heldout_path)
-    check_train(train, config.data.text_field)
+    check_train(train, config.data.text_field, txt_split=config.data.txt_split)
     if config.on_policy and config.rollout.prompts is not None:
         check_train(config.rollout.prompts, config.rollout.text_field, "rollout.prompts")
     if heldout is None:
@@ -132,9 +132,12 @@ def preflight(config: RunConfig) -> Inputs:
     return Inputs(train, heldout, projection, train_limit)
 
 
-def check_train(train: str, text_field: str, key: str = "data.train") -> None:
+def check_train(
+    train: str, text_field: str, key: str = "data.train", *, txt_split: str = "blank_line"
+) -> None:
     """``data.train`` names what the collator reads (a corpus file, a folder of them or a glob)
-    and its first file with text has some (``key``: the setting, e.g. ``rollout.prompts``).
+    and its first file with text has some (``key``: the setting, e.g. ``rollout.prompts``;
+    ``txt_split``: how a ``.txt`` file is cut into texts).
 
     Raises:
         ValueError: nothing there, no corpus file in a folder or glob, or no usable text.
@@ -149,7 +152,7 @@ def check_train(train: str, text_field: str, key: str = "data.train") -> None:
             "point it at a corpus"
         ) from None
     try:
-        first_text(str(files[0]), text_field)
+        first_text(str(files[0]), text_field, txt_split)
     except ValueError as e:
         raise ValueError(f"{key}: {e}") from None
 
@@ -178,12 +181,15 @@ def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
     on_bad = (lambda err: None) if data.skip_bad_lines else None
     tail: collections.deque[str] = collections.deque(maxlen=n)
     total = 0
-    digest = hashlib.sha256(f"{n}\0{data.text_field}".encode())
+    digest = hashlib.sha256(f"{n}\0{data.text_field}\0{data.txt_split}".encode())
     try:
         for path in files:
             st = path.stat()
             digest.update(f"\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-            for _, text in iter_texts(path, text_field=data.text_field, on_bad=on_bad):
+            texts = iter_texts(
+                path, text_field=data.text_field, txt_split=data.txt_split, on_bad=on_bad
+            )
+            for _, text in texts:
                 total += 1
                 tail.append(text)
     except BadCorpusLine as e:
@@ -376,15 +382,15 @@ def spec_vocab_size(spec: str, preset_vocab: int) -> int:
     )
 
 
-def first_text(path: str, text_field: str) -> str:
-    """The first non-blank text of a corpus file.
+def first_text(path: str, text_field: str, txt_split: str = "blank_line") -> str:
+    """The first non-blank text of a corpus file (``txt_split``: how a ``.txt`` file is cut).
 
     Raises:
         ValueError: the file has no such text or cannot be read as a corpus (names the file).
     """
     from xtoken_core.data.corpus import iter_texts
 
-    for _, text in iter_texts(path, text_field=text_field):
+    for _, text in iter_texts(path, text_field=text_field, txt_split=txt_split):
         if text.strip():
             return text
     raise ValueError(f"corpus {path!r} has no usable text; point it at a corpus with text")

@@ -1,91 +1,66 @@
 """Whose checkpoint is in a run directory: a run resumes only its own, unless told otherwise.
 
-A run directory records its run's fingerprint (``fingerprint.json``: the settings that decide
-what is trained: models, tokenizers, data, loss, batch, optimizer, seeds, ranks). At start:
+A run directory records its run's fingerprint (``fingerprint.json``): the value of every setting
+whose field is marked ``trained`` (it changes what is trained: the data and how it is cut,
+ordered, packed and batched, the held-out texts kept out of it, the models, tokenizers, loss,
+optimizer, seeds, ranks; :mod:`services.common.config`). At start:
 
 * no checkpoint: a fresh run (the fingerprint is written);
 * a checkpoint of the same fingerprint: resumed ("resuming step N of M"), or, when its run
-  ended (``summary.json`` of an unstopped run at the checkpoint's step, ``max_steps`` reached),
-  "already complete" at once;
+  ended (``summary.json`` of an unstopped run at the checkpoint's step) with nothing left to
+  train (``max_steps`` reached, or every epoch done: its data ended), "already complete" at once;
 * a checkpoint of another fingerprint, or of none: refused before any process starts, naming
-  what differs, ``--resume`` (take the checkpoint anyway; the trainer loads it where the shapes
-  allow) and ``--fresh`` (the old directory is moved aside, never deleted, and the run starts
-  over).
+  each changed key with its two values, ``--resume`` (take the checkpoint anyway; the trainer
+  loads it where the shapes allow) and ``--fresh`` (the old directory is moved aside, never
+  deleted, and the run starts over).
 
-What may change between a run and its resume without a new fingerprint: ``max_steps`` (a run is
-extended), checkpoint and eval cadence, timeouts, devices, the compute settings (dtype,
-compile), the projection file's path (a cache).
+What may change between a run and its resume (fields marked ``trained: False``): ``max_steps``
+(a run is extended), checkpoint and eval cadence, timeouts, devices, the compute settings
+(dtype, compile, kernels), the projection file's path (a cache).
+
+A fingerprint written by an earlier version records fewer keys (and the optimizer as one
+mapping): it is compared on the keys both record, and a resume records the whole one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+from services.common.config import marks
+
 __all__ = ["FINGERPRINT_FILE", "StartPlan", "fingerprint", "plan_start"]
 
 FINGERPRINT_FILE = "fingerprint.json"
 
-# (section, keys) of the run config that decide what is trained
-_FINGERPRINT_KEYS: dict[str | None, tuple[str, ...]] = {
-    None: (
-        "student_tokenizer",
-        "teacher_tokenizer",
-        "ctx_student",
-        "ctx_teacher",
-        "projection_top_k",
-        "trainers",
-    ),
-    "data": ("train", "limit", "text_field"),
-    "teacher": ("model", "vocab_size", "seed"),
-    "trainer": (
-        "student",
-        "vocab_size",
-        "teacher_vocab_size",
-        "micro_batch",
-        "grad_accum",
-        "epochs",
-        "seed",
-        "parallel",
-        "optim",
-    ),
-}
-_LOSS_KEYS = (
-    "mode",
-    "temperature",
-    "kl_weight",
-    "ce_weight",
-    "vocab_topk",
-    "topk_columns",
-    "uncommon_topk",
-    "reverse_kl",
-    "dynamic_scaling",
-)
-
 
 def fingerprint(config: Any) -> dict[str, Any]:
-    """The settings of a run config that decide what is trained, as a flat JSON-able dict.
+    """The settings of a run config that decide what is trained, as a flat JSON-able dict: every
+    field marked ``trained: True``, by its dotted key.
 
     Args:
         config: a RunConfig.
 
     Returns:
-        ``{"trainer.student": ..., "trainer.loss.mode": ..., ...}``.
+        ``{"trainer.student": ..., "trainer.optim.lr": ..., "collator.pack": ..., ...}``.
     """
     out: dict[str, Any] = {}
-    for section, keys in _FINGERPRINT_KEYS.items():
-        obj = config if section is None else getattr(config, section)
-        for key in keys:
-            value = getattr(obj, key)
-            if dataclasses.is_dataclass(value):
-                value = dataclasses.asdict(value)
-            out[key if section is None else f"{section}.{key}"] = value
-    for key in _LOSS_KEYS:
-        out[f"trainer.loss.{key}"] = getattr(config.trainer.loss, key)
-    return json.loads(json.dumps(out, default=str))
+    for key, trained in marks(type(config), "trained").items():
+        if trained is True:
+            value: Any = config
+            for part in key.split("."):
+                value = getattr(value, part, None)
+            out[key] = value
+    return json.loads(json.dumps(out, default=_jsonable))
+
+
+def _jsonable(value: Any) -> Any:
+    """An enum by its value; anything else JSON has no form for (a path) as text."""
+    return value.value if isinstance(value, enum.Enum) else str(value)
 
 
 @dataclasses.dataclass
@@ -139,16 +114,18 @@ def plan_start(config: Any, *, resume: bool = False, fresh: bool = False) -> Sta
     total = config.trainer.max_steps
     of_total = f" of {total}" if total else ""
     recorded = _read_fingerprint(run_dir)
-    if recorded != mine and not resume:
+    changes = _changes(recorded, mine)
+    if changes and not resume:
         raise ValueError(
-            f"run directory {str(run_dir)!r} holds a checkpoint (step {step}) of another run"
-            f"{_differences(recorded, mine)}; pass --resume to train on from it anyway, or "
-            "--fresh to start over (the old directory is moved aside)"
+            f"run directory {str(run_dir)!r} holds a checkpoint (step {step}) of another run "
+            f"({changes}); pass --resume to train on from it anyway, or --fresh to start over "
+            "(the old directory is moved aside)"
         )
-    if recorded != mine:
+    if recorded != mine:  # changed (--resume), or recorded by an earlier version: whole now
         _write_fingerprint(run_dir, mine)
+    if changes:
         return StartPlan("resume", f"resuming step {step}{of_total} with a changed config")
-    if _complete(run_dir, step, total):
+    if _complete(run_dir, latest, step, config):
         return StartPlan("complete", f"already complete: {step} steps in {run_dir}")
     return StartPlan("resume", f"resuming step {step}{of_total}")
 
@@ -160,34 +137,61 @@ def _write_fingerprint(run_dir: Path, values: dict[str, Any]) -> None:
 
 def _read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((run_dir / FINGERPRINT_FILE).read_text())
+        recorded = json.loads((run_dir / FINGERPRINT_FILE).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    return recorded if isinstance(recorded, dict) and recorded else None
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Mappings as dotted keys (an earlier version recorded ``trainer.optim`` as one mapping)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _changes(recorded: dict[str, Any] | None, mine: dict[str, Any]) -> str:
+    """Each key recorded with another value, ``key: old -> new``, comma-separated; empty when
+    none. A key only one side records (a setting of another version) is not compared."""
+    if recorded is None:
+        return "it records no fingerprint"
+    old, new = _flat(recorded), _flat(mine)
+    keys = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    return ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in keys)
+
+
+def _checkpoint_meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's record of rank 0 (or the first rank that has one): step, epoch, ..."""
+    for meta in sorted(path.glob("rank*.json")):
+        try:
+            record = json.loads(meta.read_text())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            return record
+    return {}
 
 
 def _checkpoint_step(path: Path) -> int:
-    for meta in sorted(path.glob("rank*.json")):
-        try:
-            return int(json.loads(meta.read_text())["step"])
-        except (ValueError, KeyError, json.JSONDecodeError):
-            continue
-    return int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else 0
+    try:
+        return int(_checkpoint_meta(path)["step"])
+    except (KeyError, TypeError, ValueError):
+        return int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else 0
 
 
-def _complete(run_dir: Path, step: int, max_steps: int) -> bool:
-    """The run ended (not stopped) at its last checkpoint, with its steps done."""
+def _complete(run_dir: Path, checkpoint: Path, step: int, config: Any) -> bool:
+    """The run ended (not stopped) at its last checkpoint with nothing left to train: its
+    ``max_steps`` reached, or every epoch done (its data ended)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
-    ended = not summary.get("stopped", True) and summary.get("step") == step
-    return ended and (not max_steps or step >= max_steps)
-
-
-def _differences(recorded: dict[str, Any] | None, mine: dict[str, Any]) -> str:
-    if recorded is None:
-        return " (it records no fingerprint)"
-    keys = sorted(k for k in set(recorded) | set(mine) if recorded.get(k) != mine.get(k))
-    shown = ", ".join(f"{k}: {recorded.get(k)!r} -> {mine.get(k)!r}" for k in keys[:4])
-    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
-    return f" ({shown}{more})"
+    if summary.get("stopped", True) or summary.get("step") != step:
+        return False
+    max_steps = config.trainer.max_steps
+    epoch = _checkpoint_meta(checkpoint).get("epoch", summary.get("epoch", 0))
+    return bool(max_steps and step >= max_steps) or int(epoch) >= config.trainer.epochs

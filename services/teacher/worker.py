@@ -50,19 +50,25 @@ class TeacherConfig:
 
     queue: str = field(
         default="tcp://127.0.0.1:5555",
-        metadata={"help": "queue server address", "context": "queue"},
+        metadata={"help": "queue server address", "context": "queue", "trained": False},
     )
     partition: str = field(
-        default="train", metadata={"help": "sample partition of the run", "context": "partition"}
+        default="train",
+        metadata={"help": "sample partition of the run", "context": "partition", "trained": False},
     )
     group: int = field(
-        default=0, metadata={"help": "teacher group served: requests of <partition>.teacher<group>"}
+        default=0,
+        metadata={
+            "help": "teacher group served: requests of <partition>.teacher<group>",
+            "trained": False,
+        },
     )
     model: str = field(
         default="smollm2",
         metadata={
             "help": "teacher model: a local HF directory, a preset name, or smollm2",
             "path": "model",
+            "trained": True,
         },
     )
     tokenizer: str = field(
@@ -71,40 +77,54 @@ class TeacherConfig:
             "help": "teacher tokenizer name or path",
             "context": "teacher_tokenizer",
             "path": "tokenizer",
+            "trained": True,
         },
     )
     vocab_size: int | None = field(
         default=None,
-        metadata={"help": "model vocab of a preset model (default: the tokenizer's vocab)"},
+        metadata={
+            "help": "model vocab of a preset model (default: the tokenizer's vocab)",
+            "trained": True,
+        },
     )
-    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N", "trained": False})
     dtype: str = field(
-        default="auto", metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)"}
+        default="auto",
+        metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)", "trained": False},
     )
     transport: Literal["shm", "cuda_ipc", "hidden"] = field(
-        default="shm", metadata={"help": "how logits reach the trainer: shm, cuda_ipc, hidden"}
+        default="shm",
+        metadata={"help": "how logits reach the trainer: shm, cuda_ipc, hidden", "trained": False},
     )
-    slots: int = field(default=2, metadata={"help": "slots of the logit ring (>= 2)"})
-    max_batch: int = field(default=8, metadata={"help": "most rows of one request (slot rows)"})
+    slots: int = field(
+        default=2, metadata={"help": "slots of the logit ring (>= 2)", "trained": False}
+    )
+    max_batch: int = field(
+        default=8, metadata={"help": "most rows of one request (slot rows)", "trained": False}
+    )
     forward_rows: int = field(
         default=8,
         metadata={
             "help": "most rows of one forward: requests of one length that wait together share "
             "a forward up to this many rows (1: a forward per request; a larger request still "
-            "gets one of its own)"
+            "gets one of its own)",
+            "trained": False,
         },
     )
     max_length: int = field(
-        default=2048, metadata={"help": "longest teacher row (the teacher context length)"}
+        default=2048,
+        metadata={"help": "longest teacher row (the teacher context length)", "trained": False},
     )
     logits_dtype: str = field(
-        default="bfloat16", metadata={"help": "dtype of the logits in the ring / hidden states"}
+        default="bfloat16",
+        metadata={"help": "dtype of the logits in the ring / hidden states", "trained": False},
     )
     compile: bool | None = field(
         default=None,
         metadata={
             "help": "torch.compile each decoder layer (dynamic shapes, so no recompile per "
-            "length); unset: on for cuda, off on cpu; a failed compile falls back to eager"
+            "length); unset: on for cuda, off on cpu; a failed compile falls back to eager",
+            "trained": False,
         },
     )
     cuda_graphs: bool = field(
@@ -113,33 +133,43 @@ class TeacherConfig:
             "help": "replay each compiled decoder layer as CUDA graphs, one per row count and "
             "length: the host launches one graph per layer instead of one kernel at a time "
             "(needs compiled layers on a cuda device; measured: no change to the pipeline's "
-            "tokens/s at 1x4096 or 4x2048, so it is off by default)"
+            "tokens/s at 1x4096 or 4x2048, so it is off by default)",
+            "trained": False,
         },
     )
     pack: bool = field(
         default=False,
         metadata={
             "help": "requests hold packed rows of several documents (collator.pack; xtoken run "
-            "sets it): the model runs packed_attention"
+            "sets it): the model runs packed_attention",
+            "trained": True,
         },
     )
     packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
         default="auto",
         metadata={
             "help": "attention of packed rows: flex_attention (a document BlockMask), sdpa (a "
-            "[B, 1, T, T] mask) or auto (flex_attention on cuda, sdpa elsewhere)"
+            "[B, 1, T, T] mask) or auto (flex_attention on cuda, sdpa elsewhere)",
+            "trained": False,
         },
     )
     checksum: bool = field(
         default=False,
-        metadata={"help": "put a checksum of each slot (int64 sum of its bits) in its handle"},
+        metadata={
+            "help": "put a checksum of each slot (int64 sum of its bits) in its handle",
+            "trained": False,
+        },
     )
     lease_s: float = field(
-        default=120.0, metadata={"help": "lease of a claimed request (redelivered if we die)"}
+        default=120.0,
+        metadata={"help": "lease of a claimed request (redelivered if we die)", "trained": False},
     )
-    claim_timeout_s: float = field(default=1.0, metadata={"help": "server-side wait of a claim"})
+    claim_timeout_s: float = field(
+        default=1.0, metadata={"help": "server-side wait of a claim", "trained": False}
+    )
     queue_timeout_s: float = field(
-        default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
+        default=10.0,
+        metadata={"help": "seconds to wait for a queue reply before failing", "trained": False},
     )
     ring_heartbeat_s: float = field(
         default=0.5,
@@ -147,22 +177,33 @@ class TeacherConfig:
             "help": "seconds between two heartbeats in each logit ring (trainers call a teacher "
             "whose ring beat is older than their teacher_dead_after_s dead)",
             "deprecated_keys": ("heartbeat_s",),
+            "trained": False,
         },
     )
-    seed: int = field(default=0, metadata={"help": "seed of a preset model's random weights"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of a preset model's random weights", "trained": True}
+    )
     max_rings: int = field(
         default=64,
-        metadata={"help": "most trainer ranks served (one logit ring each); others are refused"},
+        metadata={
+            "help": "most trainer ranks served (one logit ring each); others are refused",
+            "trained": False,
+        },
     )
     heldout: str | None = field(
         default=None,
         metadata={
             "help": "held-out corpus: report the teacher's bits/byte once at start",
             "path": "file",
+            "trained": False,
         },
     )
-    eval_texts: int = field(default=32, metadata={"help": "held-out texts of that eval"})
-    eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
+    eval_texts: int = field(
+        default=32, metadata={"help": "held-out texts of that eval", "trained": False}
+    )
+    eval_ctx: int = field(
+        default=512, metadata={"help": "tokens per eval window", "trained": False}
+    )
     run_dir: str | None = field(
         default=None,
         metadata={
@@ -170,6 +211,7 @@ class TeacherConfig:
             "default_text": "no metrics file",
             "context": "run_dir",
             "path": "run",
+            "trained": False,
         },
     )
 

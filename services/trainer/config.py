@@ -17,17 +17,21 @@ TRACKERS = ("tensorboard", "wandb")
 class OptimConfig:
     """AdamW with linear warmup and a cosine decay to ``min_lr_ratio * lr``."""
 
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate", "trained": True})
+    weight_decay: float = field(
+        default=0.01, metadata={"help": "AdamW weight decay", "trained": True}
+    )
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1", "trained": True})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2", "trained": True})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon", "trained": True})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps", "trained": True})
     min_lr_ratio: float = field(
-        default=0.1, metadata={"help": "final learning rate as a fraction of lr (cosine end)"}
+        default=0.1,
+        metadata={"help": "final learning rate as a fraction of lr (cosine end)", "trained": True},
     )
     grad_clip: float = field(
-        default=1.0, metadata={"help": "clip the global gradient norm to this (0: off)"}
+        default=1.0,
+        metadata={"help": "clip the global gradient norm to this (0: off)", "trained": True},
     )
 
     def __post_init__(self) -> None:
@@ -61,25 +65,31 @@ class OnPolicyConfig:
         default=0.0,
         metadata={
             "help": "share of each step's samples taken from the rollout workers (GKD's lambda; "
-            "0: off-policy only); xtoken run sets it from data.on_policy_fraction"
+            "0: off-policy only); xtoken run sets it from data.on_policy_fraction",
+            "trained": True,
         },
     )
     sync_every: int = field(
         default=1,
-        metadata={"help": "publish the student's weights to the rollout workers every N steps"},
+        metadata={
+            "help": "publish the student's weights to the rollout workers every N steps",
+            "trained": True,
+        },
     )
     max_staleness: int = field(
         default=4,
         metadata={
             "help": "drop (never train) an on-policy sample whose weights are more than this "
-            "many publications behind the trainer's"
+            "many publications behind the trainer's",
+            "trained": True,
         },
     )
     ce: bool = field(
         default=False,
         metadata={
             "help": "also train the student's CE on the tokens it sampled itself (off: it would "
-            "reinforce its own mistakes; the KD term always counts)"
+            "reinforce its own mistakes; the KD term always counts)",
+            "trained": True,
         },
     )
     weights: Literal["auto", "file", "shm", "cuda_ipc"] = field(
@@ -87,7 +97,8 @@ class OnPolicyConfig:
         metadata={
             "help": "how the weights reach the rollout workers: auto (cuda_ipc for a student on a "
             "GPU, shm on the CPU: one node), file (a safetensors file in RUN_DIR/policy, renamed "
-            "into place: rollout workers on other nodes with a shared filesystem)"
+            "into place: rollout workers on other nodes with a shared filesystem)",
+            "trained": False,
         },
     )
 
@@ -120,10 +131,11 @@ class TrainerConfig:
 
     queue: str = field(
         default="tcp://127.0.0.1:5555",
-        metadata={"help": "queue server address", "context": "queue"},
+        metadata={"help": "queue server address", "context": "queue", "trained": False},
     )
     partition: str = field(
-        default="train", metadata={"help": "sample partition of the run", "context": "partition"}
+        default="train",
+        metadata={"help": "sample partition of the run", "context": "partition", "trained": False},
     )
     student: str = field(
         default="student-25m",
@@ -131,6 +143,7 @@ class TrainerConfig:
             "help": "student model: a local HF directory, a preset name or gguf:PATH; "
             ":drop=A-B after it removes those decoder layers",
             "path": "model",
+            "trained": True,
         },
     )
     student_tokenizer: str = field(
@@ -139,6 +152,7 @@ class TrainerConfig:
             "help": "student tokenizer",
             "context": "student_tokenizer",
             "path": "tokenizer",
+            "trained": True,
         },
     )
     teacher_tokenizer: str = field(
@@ -147,6 +161,7 @@ class TrainerConfig:
             "help": "teacher tokenizer",
             "context": "teacher_tokenizer",
             "path": "tokenizer",
+            "trained": True,
         },
     )
     teacher_model: str | None = field(
@@ -154,47 +169,61 @@ class TrainerConfig:
         metadata={
             "help": "teacher model spec (the hidden transport loads its output layer)",
             "path": "model",
+            "trained": True,
         },
     )
     teacher_vocab_size: int | None = field(
-        default=None, metadata={"help": "vocab of a preset teacher (default: its tokenizer's)"}
+        default=None,
+        metadata={"help": "vocab of a preset teacher (default: its tokenizer's)", "trained": True},
     )
     teacher_seed: int = field(
         default=0,
         metadata={
-            "help": "seed of a preset teacher (the hidden transport rebuilds its output layer)"
+            "help": "seed of a preset teacher (the hidden transport rebuilds its output layer)",
+            "trained": True,
         },
     )
     teacher_groups: int = field(
-        default=1, metadata={"help": "teacher groups; rank r asks group r % teacher_groups"}
+        default=1,
+        metadata={"help": "teacher groups; rank r asks group r % teacher_groups", "trained": False},
     )
     vocab_size: int | None = field(
-        default=None, metadata={"help": "vocab of a preset student (default: its tokenizer's)"}
+        default=None,
+        metadata={"help": "vocab of a preset student (default: its tokenizer's)", "trained": True},
     )
     device: str = field(
-        default="cpu", metadata={"help": "cpu, or cuda (each rank takes cuda:LOCAL_RANK)"}
+        default="cpu",
+        metadata={"help": "cpu, or cuda (each rank takes cuda:LOCAL_RANK)", "trained": False},
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "compute dtype: auto (bfloat16 autocast on cuda, float32 on cpu)"},
+        metadata={
+            "help": "compute dtype: auto (bfloat16 autocast on cuda, float32 on cpu)",
+            "trained": False,
+        },
     )
     parallel: Literal["ddp", "fsdp"] = field(
         default="ddp",
-        metadata={"help": "data parallel: ddp, or fsdp (fully_shard) for big students"},
+        metadata={
+            "help": "data parallel: ddp, or fsdp (fully_shard) for big students",
+            "trained": True,
+        },
     )
     param_dtype: Literal["auto", "float32", "bfloat16"] = field(
         default="auto",
         metadata={
             "help": "dtype of the student's parameters in the forward and backward: auto "
             "(bfloat16 on cuda, with fp32 master weights in the optimizer; float32 on cpu), "
-            "float32 (fp32 parameters under autocast: the eager baseline) or bfloat16"
+            "float32 (fp32 parameters under autocast: the eager baseline) or bfloat16",
+            "trained": False,
         },
     )
     compile: bool | None = field(
         default=None,
         metadata={
             "help": "torch.compile each decoder layer of the student (None: on for cuda, off "
-            "on cpu); compiled once per run, at start, with symbolic lengths"
+            "on cpu); compiled once per run, at start, with symbolic lengths",
+            "trained": False,
         },
     )
     cuda_graphs: bool | None = field(
@@ -203,7 +232,8 @@ class TrainerConfig:
             "help": "replay each compiled decoder layer as CUDA graphs, one per length: the host "
             "launches one graph per layer instead of one kernel at a time (None: on where it can "
             "run: compiled on a cuda device, bf16 parameters, one process or ddp, no activation "
-            "checkpointing)"
+            "checkpointing)",
+            "trained": False,
         },
     )
     max_length: int = field(
@@ -211,7 +241,8 @@ class TrainerConfig:
         metadata={
             "help": "longest student micro-batch in tokens (xtoken run sets it to ctx_student); "
             "the start-up step that compiles the student and checks that a step fits in memory "
-            "runs at micro_batch x max_length (0: 128 tokens)"
+            "runs at micro_batch x max_length (0: 128 tokens)",
+            "trained": True,
         },
     )
     pack: bool = field(
@@ -219,7 +250,8 @@ class TrainerConfig:
         metadata={
             "help": "the samples are packed rows of several documents (collator.pack; xtoken "
             "run sets it): positions restart per document, attention stays within a document, "
-            "and the start-up step compiles for that"
+            "and the start-up step compiles for that",
+            "trained": True,
         },
     )
     packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
@@ -227,7 +259,8 @@ class TrainerConfig:
         metadata={
             "help": "attention of packed rows: flex_attention (a document BlockMask whose blocks "
             "across documents are skipped), sdpa (a [B, 1, T, T] mask) or auto (flex_attention "
-            "on cuda, sdpa elsewhere)"
+            "on cuda, sdpa elsewhere)",
+            "trained": False,
         },
     )
     fused_head: bool = field(
@@ -236,46 +269,70 @@ class TrainerConfig:
             "help": "compute the output layer and the loss together, one chunk-aligned block of "
             "rows at a time, never the whole [B*T, V] logits (xtoken_core.losses.fused_head): "
             "the forward runs the backbone, the head takes its hidden states and the output "
-            "weight (one process only; off by default until its GPU speed is measured)"
+            "weight (one process only; off by default until its GPU speed is measured)",
+            "trained": False,
         },
     )
     activation_checkpointing: bool = field(
         default=False,
         metadata={
             "help": "recompute each decoder layer's activations in the backward instead of "
-            "keeping them (less memory for about one more forward of compute)"
+            "keeping them (less memory for about one more forward of compute)",
+            "trained": False,
         },
     )
-    micro_batch: int = field(default=4, metadata={"help": "samples per micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    max_steps: int = field(
-        default=100, metadata={"help": "optimizer steps (0: until the data ends)"}
+    micro_batch: int = field(
+        default=4, metadata={"help": "samples per micro-batch", "trained": True}
     )
-    epochs: int = field(default=1, metadata={"help": "passes over the data"})
+    grad_accum: int = field(
+        default=1, metadata={"help": "micro-batches per optimizer step", "trained": True}
+    )
+    max_steps: int = field(
+        default=100, metadata={"help": "optimizer steps (0: until the data ends)", "trained": False}
+    )
+    epochs: int = field(default=1, metadata={"help": "passes over the data", "trained": True})
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: CrossTokenizerLossConfig = field(default_factory=CrossTokenizerLossConfig)
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     run_dir: str = field(
         default="runs/default",
-        metadata={"help": "metrics, checkpoints, export", "context": "run_dir", "path": "run"},
+        metadata={
+            "help": "metrics, checkpoints, export",
+            "context": "run_dir",
+            "path": "run",
+            "trained": False,
+        },
     )
     checkpoint_every: int = field(
-        default=50, metadata={"help": "steps between checkpoints (0: off)"}
+        default=50, metadata={"help": "steps between checkpoints (0: off)", "trained": False}
     )
-    eval_every: int = field(default=50, metadata={"help": "steps between held-out evals (0: off)"})
+    eval_every: int = field(
+        default=50, metadata={"help": "steps between held-out evals (0: off)", "trained": False}
+    )
     heldout: str | None = field(
         default=None,
-        metadata={"help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte", "path": "file"},
+        metadata={
+            "help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte",
+            "path": "file",
+            "trained": False,
+        },
     )
-    eval_texts: int = field(default=32, metadata={"help": "held-out texts per eval"})
-    eval_ctx: int = field(default=512, metadata={"help": "tokens per eval window"})
-    export: bool = field(default=True, metadata={"help": "export the final student (HF dir)"})
+    eval_texts: int = field(
+        default=32, metadata={"help": "held-out texts per eval", "trained": True}
+    )
+    eval_ctx: int = field(
+        default=512, metadata={"help": "tokens per eval window", "trained": False}
+    )
+    export: bool = field(
+        default=True, metadata={"help": "export the final student (HF dir)", "trained": False}
+    )
     report_to: list[str] = field(
         default_factory=list,
         metadata={
             "help": "experiment trackers that rank 0 also writes its metrics to: tensorboard "
             "(RUN_DIR/tensorboard), wandb (offline unless WANDB_MODE says otherwise, "
-            "RUN_DIR/wandb); pip install 'xtoken[tracking]'"
+            "RUN_DIR/wandb); pip install 'xtoken[tracking]'",
+            "trained": False,
         },
     )
     profile_steps: int = field(
@@ -284,11 +341,16 @@ class TrainerConfig:
             "help": "trace this many steps with torch.profiler from step profile_start, data "
             "wait and the time between steps included: RUN_DIR/profile/trainer.rank<r>"
             ".trace.json.gz (Perfetto or chrome://tracing) and .ops.txt (the top operators); "
-            "0: off"
+            "0: off",
+            "trained": False,
         },
     )
     profile_start: int = field(
-        default=3, metadata={"help": "first traced step (after the compile's warm-up steps)"}
+        default=3,
+        metadata={
+            "help": "first traced step (after the compile's warm-up steps)",
+            "trained": False,
+        },
     )
     gc_every: int = field(
         default=50,
@@ -296,29 +358,39 @@ class TrainerConfig:
             "help": "after the start-up step, freeze the heap that exists, turn Python's "
             "automatic garbage collector off and collect every gc_every steps, on every rank at "
             "the same step (an automatic full collection pauses one rank at a time, and under "
-            "DDP the others wait for it); 0: Python's automatic collector"
+            "DDP the others wait for it); 0: Python's automatic collector",
+            "trained": False,
         },
     )
     lease_s: float = field(
-        default=300.0, metadata={"help": "lease of claimed samples (redelivered if we die)"}
+        default=300.0,
+        metadata={"help": "lease of claimed samples (redelivered if we die)", "trained": False},
     )
     teacher_timeout_s: float = field(
         default=300.0,
-        metadata={"help": "wait this long for a teacher result before asking again"},
+        metadata={
+            "help": "wait this long for a teacher result before asking again",
+            "trained": False,
+        },
     )
-    claim_timeout_s: float = field(default=1.0, metadata={"help": "server-side wait of a claim"})
+    claim_timeout_s: float = field(
+        default=1.0, metadata={"help": "server-side wait of a claim", "trained": False}
+    )
     queue_timeout_s: float = field(
-        default=10.0, metadata={"help": "seconds to wait for a queue reply before failing"}
+        default=10.0,
+        metadata={"help": "seconds to wait for a queue reply before failing", "trained": False},
     )
     idle_timeout_s: float | None = field(
         default=None,
         metadata={
             "help": "end the epoch after this long without data even without the collators' "
-            "end-of-data marker (None: wait for the marker)"
+            "end-of-data marker (None: wait for the marker)",
+            "trained": False,
         },
     )
     verify_logits: bool = field(
-        default=False, metadata={"help": "check each slot's checksum (teacher checksum=true)"}
+        default=False,
+        metadata={"help": "check each slot's checksum (teacher checksum=true)", "trained": False},
     )
     teacher_dead_after_s: float = field(
         default=5.0,
@@ -326,10 +398,15 @@ class TrainerConfig:
             "help": "a teacher whose logit-ring heartbeat is older than this is dead: what it "
             "did not answer is asked of its successor",
             "deprecated_keys": ("dead_after_s",),
+            "trained": False,
         },
     )
     seed: int = field(
-        default=0, metadata={"help": "seed of the student init (data.seed shuffles the texts)"}
+        default=0,
+        metadata={
+            "help": "seed of the student init (data.seed shuffles the texts)",
+            "trained": True,
+        },
     )
     ordered: bool = field(
         default=False,
@@ -337,7 +414,8 @@ class TrainerConfig:
             "help": "claim exactly micro_batch x grad_accum samples per step in queue order and "
             "sort only within the step, so that runs on the same queue order train the same "
             "micro-batches; N ranks take fixed shares of N such steps (xtoken run sets it from "
-            "data.ordered)"
+            "data.ordered)",
+            "trained": True,
         },
     )
 

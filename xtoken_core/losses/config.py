@@ -76,7 +76,8 @@ class CrossTokenizerLossConfig:
         default="pkl",
         metadata={
             "help": "pkl (projected KL), gold, xtoken (relaxed gold) or ce (the student CE alone, "
-            "no teacher)"
+            "no teacher)",
+            "trained": True,
         },
     )
     projection: ProjectionSource | Sequence[ProjectionSource] | None = field(
@@ -85,16 +86,24 @@ class CrossTokenizerLossConfig:
             "help": "projection file (xtoken projection build), or one per teacher; needed "
             "unless mode=ce (in code also an (indices, likelihoods) tensor pair)",
             "path": "file",
+            "trained": False,
         },
     )
     temperature: float = field(
         default=1.0,
-        metadata={"help": "softmax temperature T of the KD term (> 0); the KD term is times T**2"},
+        metadata={
+            "help": "softmax temperature T of the KD term (> 0); the KD term is times T**2",
+            "trained": True,
+        },
     )
-    kl_weight: float = field(default=1.0, metadata={"help": "weight of the KD term"})
-    ce_weight: float = field(default=1.0, metadata={"help": "weight of the student CE term"})
+    kl_weight: float = field(
+        default=1.0, metadata={"help": "weight of the KD term", "trained": True}
+    )
+    ce_weight: float = field(
+        default=1.0, metadata={"help": "weight of the student CE term", "trained": True}
+    )
     vocab_topk: int | None = field(
-        default=8192, metadata={"help": "teacher columns kept by P-KL (None: all)"}
+        default=8192, metadata={"help": "teacher columns kept by P-KL (None: all)", "trained": True}
     )
     topk_columns: TopkColumns = field(
         default="valid",
@@ -102,21 +111,34 @@ class CrossTokenizerLossConfig:
             "help": "positions that pick P-KL's top-k teacher columns (the ids with the largest "
             "max-logit): valid (the positions that belong to a chunk after the next-token "
             "shift) or all (every position, padding and the last one included: NeMo RL's "
-            "rule); they differ only when vocab_topk < the teacher vocab"
+            "rule); they differ only when vocab_topk < the teacher vocab",
+            "trained": True,
         },
     )
-    uncommon_topk: int = field(default=8192, metadata={"help": "gold: sorted-L1 length cap"})
-    reverse_kl: bool = field(default=False, metadata={"help": "KL(student || teacher)"})
+    uncommon_topk: int = field(
+        default=8192, metadata={"help": "gold: sorted-L1 length cap", "trained": True}
+    )
+    reverse_kl: bool = field(
+        default=False, metadata={"help": "KL(student || teacher)", "trained": True}
+    )
     dynamic_scaling: bool = field(
-        default=False, metadata={"help": "scale the KD term by |ce| / |kd| (detached)"}
+        default=False,
+        metadata={"help": "scale the KD term by |ce| / |kd| (detached)", "trained": True},
     )
     exact_token_match_only: bool = field(
         default=False,
-        metadata={"help": "only chunks whose two sides cover identical text count"},
+        metadata={
+            "help": "only chunks whose two sides cover identical text count",
+            "trained": True,
+        },
     )
     teacher_weights: Sequence[float] | None = field(
         default=None,
-        metadata={"help": "one weight per teacher (None: one teacher, weight 1)", "cli": False},
+        metadata={
+            "help": "one weight per teacher (None: one teacher, weight 1)",
+            "cli": False,
+            "trained": True,
+        },
     )
     teacher_vocab_size: int | Sequence[int | None] | None = field(
         default=None,
@@ -124,6 +146,7 @@ class CrossTokenizerLossConfig:
             "help": "true teacher vocab (or one per teacher): wider teacher logits (lm_head "
             "padding) are sliced to it; None: the logits' width. The trainer sets it",
             "cli": False,
+            "trained": True,
         },
     )
     backend: Backend = field(
@@ -132,12 +155,16 @@ class CrossTokenizerLossConfig:
             "help": "loss backend, chosen once: auto (the Triton kernels on CUDA, else the "
             "CPU path: the reference's math with fewer passes over the logits), reference, or "
             "kernel (the kernels wherever Triton runs: CUDA or TRITON_INTERPRET=1); fp64 "
-            "logits always take the reference"
+            "logits always take the reference",
+            "trained": False,
         },
     )
     check_inputs: bool = field(
         default=True,
-        metadata={"help": "run the cheap input checks (shapes, chunk-id range, finite logits)"},
+        metadata={
+            "help": "run the cheap input checks (shapes, chunk-id range, finite logits)",
+            "trained": False,
+        },
     )
     projections: tuple[ProjectionSource, ...] = field(init=False, repr=False)
 

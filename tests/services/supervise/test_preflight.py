@@ -130,3 +130,23 @@ def test_a_bad_line_past_the_first_is_found_before_launch_naming_file_line_and_t
     config = _config(tmp_path, data={"train": str(train), "skip_bad_lines": True})
     _, keep = split_heldout(config, str(train))
     assert keep == 15  # 19 good texts, the last 4 held out
+
+
+def test_data_txt_split_cuts_txt_files_for_the_held_out_split_and_the_collator(tmp_path):
+    train = tmp_path / "train.txt"
+    train.write_text("".join(f"line {i}\n" for i in range(6)))  # no blank line
+    config = _config(tmp_path, data={"train": str(train), "txt_split": "line"})
+    config.trainer.eval_texts = 2
+    heldout, keep = split_heldout(config, str(train))
+    assert keep == 4 and [json.loads(r)["text"] for r in open(heldout)] == ["line 4", "line 5"]
+    inputs = preflight(config)
+    sections = make_data_sections(config, inputs, RunContext.of(config))
+    assert sections["collator"]["txt_split"] == "line"
+    # the default cuts at blank lines: the whole file is one text, too few to hold any out
+    with pytest.raises(ValueError, match=r"has 1 texts: too few"):
+        split_heldout(_config(tmp_path, data={"train": str(train)}), str(train))
+
+
+def test_an_unknown_txt_split_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"data\.txt_split: expected one of 'blank_line', 'line'"):
+        _config(tmp_path, data={"txt_split": "paragraph"})

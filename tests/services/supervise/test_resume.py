@@ -1,5 +1,5 @@
-"""A run resumes only its own checkpoint: the fingerprint, --resume, --fresh, "already complete"
-(the plan alone, then `xtoken run` as a user starts it)."""
+"""A run resumes only its own checkpoint: the fingerprint (derived from the fields' marks),
+--resume, --fresh, "already complete" (the plan alone, then `xtoken run` as a user starts it)."""
 
 from __future__ import annotations
 
@@ -10,31 +10,145 @@ from pathlib import Path
 
 import pytest
 
-from services.supervise.config import run_config_from_dict
-from services.supervise.resume import FINGERPRINT_FILE, plan_start
+from services.common.config import leaf_paths, marks
+from services.supervise.config import RunConfig, run_config_from_dict
+from services.supervise.resume import FINGERPRINT_FILE, fingerprint, plan_start
 
 ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "examples" / "tiny.yaml"
 
 
-def _config(run_dir: Path, **trainer):
-    return run_config_from_dict(
-        {
-            "run_dir": str(run_dir),
-            "trainer": {"student": "tiny", "max_steps": 10, "loss": {"mode": "ce"}, **trainer},
-        }
-    )
+def _config(run_dir: Path, sections: dict | None = None, **trainer):
+    data = {
+        "run_dir": str(run_dir),
+        "trainer": {"student": "tiny", "max_steps": 10, "loss": {"mode": "ce"}, **trainer},
+    }
+    for key, value in (sections or {}).items():
+        data.setdefault(key, {}).update(value)
+    return run_config_from_dict(data)
 
 
-def _checkpoint(run_dir: Path, step: int) -> None:
-    """What the trainer leaves of a checkpoint that the start reads: ``latest`` and rank0.json."""
+def _checkpoint(run_dir: Path, step: int, epoch: int = 0) -> None:
+    """What the trainer leaves of a checkpoint that the start reads: ``latest`` and rank0.json
+    (``epoch``: the epochs done when it was written; a run whose data ended wrote its last one
+    with every epoch done)."""
     path = run_dir / "checkpoints" / f"step_{step:08d}"
     path.mkdir(parents=True)
-    (path / "rank0.json").write_text(json.dumps({"step": step}))
+    (path / "rank0.json").write_text(json.dumps({"step": step, "epoch": epoch}))
     (run_dir / "checkpoints" / "latest").write_text(path.name)
 
 
-def _finish(run_dir: Path, step: int) -> None:
-    (run_dir / "summary.json").write_text(json.dumps({"step": step, "stopped": False}))
+def _finish(run_dir: Path, step: int, epoch: int = 0) -> None:
+    summary = {"step": step, "epoch": epoch, "stopped": False}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_every_field_of_every_section_says_whether_it_changes_what_is_trained():
+    marked = marks(RunConfig, "trained")
+    unmarked = [key for key in leaf_paths(RunConfig) if key not in marked]
+    assert not unmarked, f"mark these fields 'trained': True or False: {unmarked}"
+    assert {key for key, value in marked.items() if not isinstance(value, bool)} == set()
+
+
+def test_the_fingerprint_holds_every_data_loss_optimizer_and_model_setting():
+    keys = set(fingerprint(_config(Path("r"))))
+    expected = {
+        key
+        for key in leaf_paths(RunConfig)
+        if key.startswith(("data.", "trainer.optim.", "trainer.loss."))
+    } - {"trainer.loss.projection", "trainer.loss.backend", "trainer.loss.check_inputs"}
+    assert expected <= keys, sorted(expected - keys)
+    assert {
+        "collator.pack",
+        "data.on_policy_fraction",
+        "data.heldout",
+        "trainer.eval_texts",
+        "trainer.student",
+        "teacher.model",
+        "student_tokenizer",
+        "trainers",
+    } <= keys
+    # what may change on a resume: the steps, cadence, timeouts, devices, compute, the projection
+    assert not keys & {
+        "trainer.max_steps",
+        "trainer.checkpoint_every",
+        "trainer.eval_every",
+        "trainer.teacher_timeout_s",
+        "trainer.device",
+        "teacher.device",
+        "trainer.dtype",
+        "trainer.compile",
+        "trainer.loss.projection",
+        "run_dir",
+    }
+
+
+@pytest.mark.parametrize(
+    ("sections", "change"),
+    [
+        ({"collator": {"pack": True}}, "collator.pack: False -> True"),
+        ({"trainer": {"eval_texts": 8}}, "trainer.eval_texts: 32 -> 8"),
+        ({"data": {"heldout": "held.jsonl"}}, "data.heldout: None -> 'held.jsonl'"),
+        ({"trainer": {"optim": {"lr": 0.003}}}, "trainer.optim.lr: 0.001 -> 0.003"),
+    ],
+    ids=["pack", "eval-texts", "heldout", "lr"],
+)
+def test_a_setting_that_changes_what_is_trained_refuses_the_resume_naming_it(
+    tmp_path, sections, change
+):
+    plan_start(_config(tmp_path))
+    _checkpoint(tmp_path, 4)
+    with pytest.raises(ValueError) as refused:
+        plan_start(_config(tmp_path, sections))
+    assert change in str(refused.value)
+
+
+def test_the_refusal_is_one_line_naming_each_changed_key_with_its_two_values(tmp_path):
+    plan_start(_config(tmp_path))
+    _checkpoint(tmp_path, 4)
+    changed = {
+        "collator": {"pack": True, "batch": 8},
+        "data": {"limit": 50, "seed": 3},
+        "trainer": {"seed": 7, "optim": {"lr": 0.003}},
+    }
+    with pytest.raises(ValueError) as refused:
+        plan_start(_config(tmp_path, changed))
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and "{" not in message
+    for change in (
+        "collator.batch: 16 -> 8",
+        "collator.pack: False -> True",
+        "data.limit: None -> 50",
+        "data.seed: None -> 3",
+        "trainer.optim.lr: 0.001 -> 0.003",
+        "trainer.seed: 0 -> 7",
+    ):
+        assert change in message
+
+
+def _old_fingerprint(config) -> dict:
+    """A fingerprint as the hand-written key list of earlier versions wrote it: the optimizer as
+    one dict, no collator, on-policy or held-out keys."""
+    new = fingerprint(config)
+    old = {k: v for k, v in new.items() if k.split(".")[0] in ("trainer", "teacher")}
+    old = {k: v for k, v in old.items() if not k.startswith(("trainer.optim.", "trainer.on_"))}
+    old = {k: v for k, v in old.items() if k != "trainer.eval_texts"}
+    old["trainer.optim"] = {k.rsplit(".", 1)[1]: v for k, v in new.items() if ".optim." in k}
+    old.update({k: new[k] for k in ("student_tokenizer", "trainers", "data.train")})
+    return old
+
+
+def test_a_fingerprint_of_an_earlier_version_is_compared_on_the_keys_it_records(tmp_path):
+    config = _config(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / FINGERPRINT_FILE).write_text(json.dumps(_old_fingerprint(config)))
+    _checkpoint(tmp_path, 4)
+    with pytest.raises(ValueError, match=r"trainer\.optim\.lr: 0\.001 -> 0\.003"):
+        plan_start(_config(tmp_path, {"trainer": {"optim": {"lr": 0.003}}}))
+    plan = plan_start(_config(tmp_path))  # the same on what it records: its own run
+    assert (plan.action, plan.message) == ("resume", "resuming step 4 of 10")
+    recorded = json.loads((tmp_path / FINGERPRINT_FILE).read_text())
+    assert recorded == fingerprint(config)  # recorded whole from now on
 
 
 def test_a_new_directory_starts_fresh_and_records_the_fingerprint(tmp_path):
@@ -94,6 +208,25 @@ def test_a_finished_run_is_complete_and_a_longer_one_resumes(tmp_path):
     assert plan_start(_config(tmp_path)).action == "complete"
     plan = plan_start(_config(tmp_path, max_steps=20))  # extended: trains on
     assert (plan.action, plan.message) == ("resume", "resuming step 10 of 20")
+    plan = plan_start(_config(tmp_path, max_steps=0))  # until the data ends: trains on
+    assert (plan.action, plan.message) == ("resume", "resuming step 10")
+
+
+def test_a_run_whose_data_ended_before_max_steps_is_complete(tmp_path):
+    plan_start(_config(tmp_path))
+    _checkpoint(tmp_path, 4, epoch=1)  # one epoch of 4 steps: every epoch done
+    _finish(tmp_path, 4, epoch=1)
+    plan = plan_start(_config(tmp_path))
+    assert (plan.action, plan.message) == ("complete", f"already complete: 4 steps in {tmp_path}")
+    assert plan_start(_config(tmp_path, max_steps=20)).action == "complete"  # no data left
+    assert plan_start(_config(tmp_path, max_steps=0)).action == "complete"
+
+
+def test_a_stopped_run_resumes_whatever_its_steps(tmp_path):
+    plan_start(_config(tmp_path))
+    _checkpoint(tmp_path, 4)
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 4, "epoch": 0, "stopped": True}))
+    assert plan_start(_config(tmp_path)).action == "resume"
 
 
 def test_resume_and_fresh_together_are_refused(tmp_path):
@@ -101,13 +234,13 @@ def test_resume_and_fresh_together_are_refused(tmp_path):
         plan_start(_config(tmp_path), resume=True, fresh=True)
 
 
-def _xtoken_run(config: Path, *flags: str) -> subprocess.CompletedProcess:
+def _xtoken_run(config: Path, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", "run", str(config), "--no-progress", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 
@@ -126,6 +259,22 @@ def test_xtoken_run_of_a_finished_run_says_already_complete_and_starts_nothing(t
     assert not (run_dir / "logs").exists()  # no process started
 
 
+def test_xtoken_run_with_pack_toggled_on_a_run_directory_exits_2_naming_the_change(tmp_path):
+    run_dir = tmp_path / "run"
+    plan_start(_config(run_dir))
+    _checkpoint(run_dir, 4)
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"run_dir: {run_dir}\ntrainer:\n  student: tiny\n  max_steps: 10\n  loss:\n    mode: ce\n"
+    )
+    proc = _xtoken_run(path, "--set", "collator.pack=true", "--set", "trainer.optim.lr=0.003")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "another run (collator.pack: False -> True, " in proc.stderr
+    assert ", trainer.optim.lr: 0.001 -> 0.003, " in proc.stderr
+    assert not (run_dir / "logs").exists()
+
+
 def test_xtoken_run_of_another_config_on_a_run_directory_exits_2_before_launch(tmp_path):
     run_dir = tmp_path / "run"
     plan_start(_config(run_dir))
@@ -136,3 +285,20 @@ def test_xtoken_run_of_another_config_on_a_run_directory_exits_2_before_launch(t
     assert proc.returncode == 2
     assert "holds a checkpoint (step 4) of another run" in proc.stderr
     assert not (run_dir / "logs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_xtoken_run_again_after_the_data_ended_says_already_complete_and_starts_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ("--set", "trainer.checkpoint_every=3", "--run-dir", str(run_dir))
+    first = _xtoken_run(TINY, *flags, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps = json.loads((run_dir / "summary.json").read_text())["step"]
+    logs = {p.name: p.read_bytes() for p in (run_dir / "logs").iterdir()}
+    # the same run, then one asking for more steps than its one epoch of data holds
+    for more in ((), ("--set", f"trainer.max_steps={steps + 6}")):
+        again = _xtoken_run(TINY, *flags, *more)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"already complete: {steps} steps in {run_dir}" in again.stderr
+        assert {p.name: p.read_bytes() for p in (run_dir / "logs").iterdir()} == logs
