@@ -30,6 +30,10 @@ from services.trainer.config import OptimConfig, TrainerConfig
 from xtoken_core.losses import CrossTokenizerLossConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # pytest run as `pytest`: benchmarks/ is not importable yet
+    sys.path.insert(0, str(ROOT))
+# the keys logs' reader and the count against the corpus, shared with the fault campaign
+from benchmarks.faults.lineage import tally, trained_records  # noqa: E402, F401 (re-exported)
 
 STUDENT_TOKENIZER = "mistral"
 TEACHER_TOKENIZER = "smollm2"
@@ -114,14 +118,6 @@ def cmdline(pid: int) -> str:
 # ----------------------------------------------------------------------------- run directory
 
 
-def trained_records(run_dir: pathlib.Path) -> list[dict]:
-    """Every ``trained`` record of every rank's keys log, in file order per rank."""
-    out = []
-    for path in sorted((run_dir / "keys").glob("trainer.rank*.jsonl")):
-        out += [r for r in read_jsonl(path) if r.get("event") == "trained"]
-    return out
-
-
 def trained_keys(run_dir: pathlib.Path) -> list[str]:
     """The keys trained by every rank, one entry per time a key was trained."""
     return [k for r in trained_records(run_dir) for k in r["keys"]]
@@ -197,12 +193,10 @@ def rings_in_flight(teacher: Proc) -> list[list[int]]:
 
 def assert_exactly_once(trained: list[str], corpus: list[str]) -> None:
     """Every corpus key trained exactly once: no duplicate, none missing, nothing else."""
-    dups = sorted({k for k in trained if trained.count(k) > 1})
-    assert not dups, f"trained more than once: {dups}"
-    missing = sorted(set(corpus) - set(trained))
-    assert not missing, f"never trained: {missing}"
-    extra = sorted(set(trained) - set(corpus))
-    assert not extra, f"trained but not in the corpus: {extra}"
+    counted = tally(trained, corpus)
+    assert not counted.twice, f"trained more than once: {counted.twice}"
+    assert not counted.missing, f"never trained: {counted.missing}"
+    assert not counted.extra, f"trained but not in the corpus: {counted.extra}"
 
 
 # ----------------------------------------------------------------------------- processes
