@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+from argparse import SUPPRESS
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -16,6 +17,14 @@ logger = logging.getLogger(__name__)
 
 # argparse dests of the settings' flags: prefixed so that they never meet the global flags
 _DEST = "control_setting:"
+# settings read from the environment or --config FILE only
+_NO_FLAG = frozenset({"token"})
+_REFUSED_TOKEN = "control_refused:token"
+TOKEN_ON_ARGV = (
+    "--token is not accepted: a command line is visible to every local user (ps); set "
+    "XTOKEN_CONTROL_TOKEN in the environment, or put the token in a file and pass "
+    "--token-file FILE (XTOKEN_CONTROL_TOKEN_FILE)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON or YAML file of these settings (keys as below, e.g. runs_root); the "
         "environment and flags override it",
     )
+    # the token has no flag: every local user can read a process's command line (ps)
+    serve.add_argument(
+        "--token", dest=_REFUSED_TOKEN, nargs="?", default=argparse.SUPPRESS, help=SUPPRESS
+    )
     for name, field in Settings.model_fields.items():
+        if name in _NO_FLAG:
+            continue
         default = field.get_default(call_default_factory=True)
         if isinstance(default, list):  # list settings read comma-separated, as from the env
             default = ",".join(map(str, default)) or "none"
@@ -62,12 +77,15 @@ def settings_from_args(args: argparse.Namespace):
     given.
 
     Raises:
+        ValueError: ``--token`` was given (says to use the environment or a token file).
         pydantic.ValidationError: a bad value (names the setting).
         ConfigError: a config file that cannot be read, or an unknown key in it.
     """
     from services.common.config import ConfigError, load_file
     from services.control.settings import Settings
 
+    if hasattr(args, _REFUSED_TOKEN):
+        raise ValueError(TOKEN_ON_ARGV)
     data: dict = load_file(args.config) if getattr(args, "config", None) else {}
     unknown = sorted(set(data) - set(Settings.model_fields))
     if unknown:
@@ -97,11 +115,7 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         settings.check_bind()
     except ValidationError as e:
-        errors = "; ".join(
-            f"--{str(err['loc'][0]).replace('_', '-')} (XTOKEN_CONTROL_"
-            f"{str(err['loc'][0]).upper()}): {err['msg']}"
-            for err in e.errors()
-        )
+        errors = "; ".join(_setting_error(err) for err in e.errors())
         print(f"xtoken control serve: {errors}", file=sys.stderr)
         return 2
     except ValueError as e:
@@ -126,6 +140,16 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     endpoint = f"http://{settings.host}:{port}"
     return _serve(settings, sock, endpoint, args.ready_file)
+
+
+def _setting_error(err: dict) -> str:
+    """One pydantic error as ``--flag (XTOKEN_CONTROL_NAME): message`` (a check across settings,
+    without a field, as its message)."""
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if not err.get("loc"):
+        return message
+    name = str(err["loc"][0])
+    return f"--{name.replace('_', '-')} (XTOKEN_CONTROL_{name.upper()}): {message}"
 
 
 def _serve(settings, sock: socket.socket, endpoint: str, ready_file: str | None) -> int:

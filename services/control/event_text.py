@@ -159,6 +159,15 @@ def _stop_requested(d: dict[str, Any]) -> str:
     )
 
 
+def _resumed(d: dict[str, Any]) -> str:
+    left = f"resumed from {d['from_state']}"
+    if d.get("checkpoint") is None:
+        return f"{left} with no checkpoint: training starts over"
+    if d.get("step") is None:
+        return f"{left} at checkpoint {d['checkpoint']}"
+    return f"{left} at the checkpoint of step {d['step']}"
+
+
 def _reattached(d: dict[str, Any]) -> str:
     names = ", ".join(str(n) for n in d["processes"])
     return f"re-attached after a control-plane restart: {names}"
@@ -187,6 +196,7 @@ SENTENCES: dict[str, Callable[[dict[str, Any]], str]] = {
     "failed": _failed,
     "data_complete": _data_complete,
     "stop_requested": _stop_requested,
+    "resumed": _resumed,
     "reattached": _reattached,
     "queue_restarted": _queue_restarted,
     "queue_unreachable": _queue_unreachable,

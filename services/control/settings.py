@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.control.body import BodyLimits
@@ -21,7 +21,15 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to bind (non-loopback needs a token)")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
     token: str | None = Field(
-        None, description="bearer token that mutating calls must present (None: no check)"
+        None,
+        description="bearer token that mutating calls must present (None: no check); from the "
+        "environment or token_file only, never a flag: every local user can read a process's "
+        "command line",
+    )
+    token_file: Path | None = Field(
+        None,
+        description="file holding the bearer token (its first line; surrounding whitespace "
+        "dropped), instead of XTOKEN_CONTROL_TOKEN",
     )
     runs_root: Path = Field(Path("runs"), description="run directories live under it")
     data_root: Annotated[list[Path], NoDecode] = Field(
@@ -63,6 +71,25 @@ class Settings(BaseSettings):
         description="address of a running queue server (tcp://HOST:PORT) that runs use when "
         "their config names none; None: each run starts its own queue",
     )
+
+    @field_validator("token_file")
+    @classmethod
+    def _token_file_readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            _read_token(value)  # ValueError names the file and what to do
+        return value
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> Settings:
+        if self.token_file is None:
+            return self
+        if self.token:
+            raise ValueError(
+                "both XTOKEN_CONTROL_TOKEN and XTOKEN_CONTROL_TOKEN_FILE (--token-file) are set; "
+                "keep one"
+            )
+        self.token = _read_token(self.token_file)
+        return self
 
     @field_validator("queue")
     @classmethod
@@ -116,8 +143,30 @@ class Settings(BaseSettings):
             return
         raise ValueError(
             f"refusing to bind {self.host!r} without a token: anyone who reaches it could start "
-            "processes; set XTOKEN_CONTROL_TOKEN (or --token) or bind 127.0.0.1"
+            "processes; set XTOKEN_CONTROL_TOKEN or XTOKEN_CONTROL_TOKEN_FILE (--token-file), "
+            "or bind 127.0.0.1"
         )
+
+
+def _read_token(path: Path) -> str:
+    """The token in a token file: its first line, stripped.
+
+    Raises:
+        ValueError: the file cannot be read or holds no token (names it and the fix).
+    """
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(
+            f"token_file={str(path)!r}: cannot read it ({reason}); give a readable file "
+            "holding the token"
+        ) from None
+    lines = text.strip().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"token_file={str(path)!r} is empty; write the token into it")
+    return token
 
 
 def is_loopback(host: str) -> bool:

@@ -111,6 +111,7 @@ class Supervisor:
         self.max_processes = max_processes
         self.host = socket.gethostname()
         self._live: dict[str, LiveRun] = {}  # run id -> its live side (kept after it ends)
+        self._sizes: dict[str, int] = {}  # run id -> its process count (the caps)
         # of the runs this control plane does not watch: their last step ("updated", "step") and
         # their compared curves, each read again only when its metrics file changed
         self._last_step = LastSteps()
@@ -234,21 +235,25 @@ class Supervisor:
                 f"dead_after_s ({self.dead_after_s:g}); lower heartbeat_s"
             )
         _check_files(config)
-        self._check_processes(run_config)
+        self._check_run_size(run_config)
+        # one lock from the checks to the record: a run counts against the cap and owns its
+        # directory from the moment it is recorded, so concurrent submissions see each other
         with self._lock:
             self._check_run_dir(Path(config["run_dir"]))
+            self._check_capacity(run_config.process_count)
             self._plan_start(run_config)
             self.store.create_run(run_id, name or run_id, config, config["run_dir"])
+            self._sizes[run_id] = run_config.process_count
         self.journal.event(run_id, "state", {"state": PENDING})
         logger.info("[control] run %s submitted (run_dir %s)", run_id, config["run_dir"])
         self._spawn(run_id, config, launch=True)
         return self.get(run_id)
 
-    def _check_processes(self, run_config: Any) -> None:
-        """The run's processes fit the caps of one run and of the control plane.
+    def _check_run_size(self, run_config: Any) -> None:
+        """The run's processes fit the cap of one run.
 
         Raises:
-            ConfigError: over a cap (names the setting).
+            ConfigError: over the cap (names the setting).
         """
         from services.common.config import ConfigError
 
@@ -260,13 +265,17 @@ class Supervisor:
                 f"processes, more than {self.max_run_processes} (XTOKEN_CONTROL_MAX_RUN_PROCESSES)"
                 "; use fewer, or raise the setting"
             )
-        active = 0
-        for rec in self.store.list_runs():
-            if rec["state"] in ACTIVE:
-                try:
-                    active += _run_config(rec["config"]).process_count
-                except ValueError:
-                    continue
+
+    def _check_capacity(self, n: int) -> None:
+        """``n`` more processes fit the cap of the control plane beside every active run's.
+        Called under the lock, in the same hold as the record that makes the run active.
+
+        Raises:
+            ConfigError: over the cap (names the setting; retry once a run ended).
+        """
+        from services.common.config import ConfigError
+
+        active = sum(self._size(rec) for rec in self.store.list_runs() if rec["state"] in ACTIVE)
         if active + n > self.max_processes:
             raise ConfigError(
                 f"the run would start {n} processes and active runs hold {active}: more than "
@@ -274,9 +283,23 @@ class Supervisor:
                 "stop one, or raise the setting"
             )
 
+    def _size(self, rec: dict[str, Any]) -> int:
+        """The processes of a recorded run (0 for a config that no longer builds: it fails at
+        its launch); kept per run, as a record's config never changes."""
+        n = self._sizes.get(rec["id"])
+        if n is None:
+            try:
+                n = _run_config(rec["config"]).process_count
+            except ValueError:
+                n = 0
+            self._sizes[rec["id"]] = n
+        return n
+
     def _check_run_dir(self, run_dir: Path) -> None:
-        """No other active run and not the control database own ``run_dir`` (the same directory,
-        one inside the other, or the database's files).
+        """No run record and not the control database own ``run_dir`` (the same directory, one
+        inside the other, or the database's files). A record owns its directory for good: its
+        metrics, checkpoints and queue history are read from there, so a second run in it would
+        mix into them; a resume goes on in it under the same record.
 
         Raises:
             Conflict: names the owner and what to do.
@@ -295,11 +318,16 @@ class Supervisor:
                 f"run_dir={str(run_dir)!r} is a file, not a directory; pick another run_dir"
             )
         for rec in self.store.list_runs():
-            if rec["state"] in ACTIVE and _nested(run_dir, Path(rec["run_dir"])):
+            if not _nested(run_dir, Path(rec["run_dir"])):
+                continue
+            owner = f"run_dir={str(run_dir)!r} overlaps {rec['run_dir']!r} of run {rec['id']} "
+            state = rec["state"]
+            if state in RESUMABLE:
                 raise Conflict(
-                    f"run_dir={str(run_dir)!r} overlaps {rec['run_dir']!r} of run {rec['id']} "
-                    f"({rec['state']}); pick another run_dir or stop that run"
+                    f"{owner}({state}); go on with that run (POST /v1/runs/{rec['id']}/resume), "
+                    "or pick another run_dir"
                 )
+            raise Conflict(f"{owner}({state}), which keeps its records there; pick another run_dir")
 
     def _plan_start(self, run_config: Any) -> None:
         """A run directory holding the checkpoint of another run (another fingerprint) or of a
@@ -342,20 +370,26 @@ class Supervisor:
         return self.get(run_id)
 
     def resume(self, run_id: str) -> dict[str, Any]:
-        """Start a stopped, failed or interrupted run again from its latest checkpoint.
+        """Start a stopped, failed or interrupted run again from its latest checkpoint, under
+        the same record and in the same directory; recorded as event ``resumed`` (the state it
+        left, the checkpoint it goes on from).
 
         Raises:
             RunNotFound: no such run.
             Conflict: the run is active or succeeded.
+            ConfigError: its processes do not fit the control plane's cap now (names the
+                setting; retry once a run ended).
         """
-        rec = self.journal.record(run_id)
-        with self._lock:
+        with self._lock:  # the state, the cap and the new state in one hold (as submit)
+            rec = self.journal.record(run_id)
             h = self._live.get(run_id)
             if rec["state"] not in RESUMABLE or (h is not None and h.alive()):
                 raise Conflict(
                     f"run {run_id} is {rec['state']}; only a run in "
                     f"{', '.join(sorted(RESUMABLE))} can be resumed"
                 )
+            self._check_capacity(self._size(rec))
+            checkpoint = _latest_checkpoint(rec["run_dir"]) or {}
             self.store.update_run(
                 run_id,
                 state=PENDING,
@@ -366,6 +400,16 @@ class Supervisor:
                 log_tail=None,
                 runtime=None,
             )
+        self.journal.event(
+            run_id,
+            "resumed",
+            {
+                "from_state": rec["state"],
+                "step": checkpoint.get("step"),
+                "checkpoint": checkpoint.get("path"),
+            },
+        )
+        logger.info("[control] run %s resumed from %s", run_id, checkpoint.get("path") or "scratch")
         self.journal.event(run_id, "state", {"state": PENDING, "resume": True})
         self._spawn(run_id, rec["config"], launch=True)
         return self.get(run_id)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from services.control import logs as log_files
 from services.control.body import parse_body
 from services.control.deps import check_host, get_supervisor, require_token
 from services.control.schemas import (
@@ -45,7 +45,7 @@ SSE_KEEPALIVE_S = 15.0
     responses={
         **_ERRORS,
         403: {"model": ErrorOut, "description": "a path outside the runs / data roots"},
-        409: {"model": ErrorOut, "description": "the run directory is in use"},
+        409: {"model": ErrorOut, "description": "another run owns the run directory (named)"},
         413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
         422: {"model": ErrorOut, "description": "a bad config: names the key and the fix"},
     },
@@ -109,10 +109,15 @@ def stop_run(
     status_code=202,
     response_model=RunOut,
     dependencies=[Depends(require_token)],
-    responses={**_ERRORS, 409: {"model": ErrorOut, "description": "the run is not resumable"}},
+    responses={
+        **_ERRORS,
+        409: {"model": ErrorOut, "description": "the run is not resumable"},
+        422: {"model": ErrorOut, "description": "its processes are past the control plane's cap"},
+    },
 )
 def resume_run(run_id: str, sup: Supervisor = Depends(get_supervisor)) -> dict[str, Any]:
-    """Start a STOPPED, FAILED or INTERRUPTED run again from its latest checkpoint."""
+    """Start a STOPPED, FAILED or INTERRUPTED run again from its latest checkpoint, under the same
+    record and directory (event ``resumed``)."""
     return sup.resume(run_id)
 
 
@@ -234,34 +239,25 @@ async def get_logs(
     lines: int = Query(200, ge=1, le=100000, description="last lines to show first"),
     sup: Supervisor = Depends(get_supervisor),
 ) -> Any:
-    """The log of one process: its last ``lines`` lines; ``follow=true`` keeps streaming."""
-    path = sup.log_path(run_id, process)
-    head = _tail(path, lines)
+    """The log of one process: its last ``lines`` lines (at most 4 MiB of them, read from the
+    file's end); ``follow=true`` keeps streaming what is appended until the run ends."""
+    # every file read in a worker thread: a large log or a slow disk never holds the event loop
+    path = await asyncio.to_thread(sup.log_path, run_id, process)
+    head, pos = await asyncio.to_thread(log_files.tail, path, lines)
     if not follow:
-        return PlainTextResponse(head)
+        return PlainTextResponse(head.decode(errors="replace"))
 
     async def stream() -> AsyncIterator[bytes]:
-        yield head.encode()
-        pos = path.stat().st_size if path.exists() else 0
+        nonlocal pos
+        yield head
         while not await request.is_disconnected():
-            size = path.stat().st_size if path.exists() else 0
-            if size > pos:
-                with open(path, "rb") as fh:
-                    fh.seek(pos)
-                    chunk = fh.read(size - pos)
-                pos = size
+            chunk, pos = await asyncio.to_thread(log_files.read_new, path, pos)
+            if chunk:
                 yield chunk
-            elif sup.get(run_id)["state"] not in ACTIVE:
+                if len(chunk) == log_files.FOLLOW_CHUNK_BYTES:
+                    continue  # more is waiting
+            elif (await asyncio.to_thread(sup.journal.record, run_id))["state"] not in ACTIVE:
                 return
             await asyncio.sleep(0.25)
 
     return StreamingResponse(stream(), media_type="text/plain; charset=utf-8")
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-    out = text.splitlines()[-lines:]
-    return "\n".join(out) + ("\n" if out else "")

@@ -1,9 +1,11 @@
 """Control-plane fixtures: `xtoken control serve` as a real subprocess on loopback, a data root with
 a small corpus, tiny run configs, and a cleanup that ends every process a test's runs started; for
-the Supervisor without HTTP, `make`: a Supervisor whose runs' processes are scripted stand-ins."""
+the Supervisor without HTTP, `make`: a Supervisor whose runs' processes are scripted stand-ins;
+`serve_app`: an app (over such a Supervisor) under a real uvicorn on loopback, in a thread."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -12,7 +14,9 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -168,6 +172,31 @@ def wait_state(client: httpx.Client, run_id: str, states: set[str], timeout_s: f
         time.sleep(0.2)
     pytest.fail(f"run {run_id} not in {states} after {timeout_s:.0f}s: "
                 f"{json.dumps({k: run.get(k) for k in ('state', 'reason', 'step')})}")
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """``app`` under a real uvicorn on a free loopback port, in a thread of this process; yields
+    its base URL and stops the server after (a given supervisor is left to its owner)."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            pytest.fail("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
 
 
 @pytest.fixture

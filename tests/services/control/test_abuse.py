@@ -1,14 +1,16 @@
 """Abuse of the control plane with a valid token: alias bombs and deep nesting are refused while
-/healthz answers; run directories the database or another run owns, process counts past the caps
-and values no process could use are refused with 4xx naming the setting or key; reads answer
-only an allowed Host (or the token)."""
+/healthz answers; run directories the database or another run record owns, process counts past
+the caps (fifty submissions at once included) and values no process could use are refused with
+4xx naming the setting, key or owner; reads answer only an allowed Host (or the token)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.common.config import ConfigError
@@ -16,7 +18,7 @@ from services.control.states import Conflict
 from services.control.store import Store
 from services.supervise.config import run_config_from_dict
 from services.supervise.resume import FINGERPRINT_FILE
-from tests.services.control.conftest import ControlServer, tiny_config
+from tests.services.control.conftest import ControlServer, serve_app, tiny_config
 
 TOKEN = "abuse-token"
 
@@ -111,6 +113,24 @@ def test_the_database_is_no_run_directory(api):
             assert "database" in r.json()["error"]
 
 
+def test_a_post_into_the_directory_of_a_stopped_run_gets_409_naming_it(api):
+    run_dir = (api.runs_root / "kept").resolve()
+    store = Store(api.runs_root / "control.db")  # the server's store, as a second writer
+    try:
+        config = {**tiny_config(), "run_dir": str(run_dir)}
+        store.create_run("stopped-run", "stopped-run", config, str(run_dir))
+        store.update_run("stopped-run", state="STOPPED")
+    finally:
+        store.close()
+    with api.client() as c:
+        before = len(c.get("/v1/runs").json()["runs"])
+        r = c.post("/v1/runs", json=tiny_config(run_dir="kept"))
+        assert r.status_code == 409, r.text
+        assert "run stopped-run (STOPPED)" in r.json()["error"]
+        assert "POST /v1/runs/stopped-run/resume" in r.json()["error"]
+        assert len(c.get("/v1/runs").json()["runs"]) == before
+
+
 def test_reads_answer_only_an_allowed_host_or_the_token(api):
     rebound = {"Host": "rebound.example:8000"}
     with api.client(token=None) as anon, api.client() as owner:
@@ -153,6 +173,11 @@ def _active(sup, run_id: str, run_dir: Path, **overrides) -> None:
     sup.store.create_run(run_id, run_id, config, str(run_dir))
 
 
+def _ended(sup, run_id: str, run_dir: Path, state: str, **overrides) -> None:
+    _active(sup, run_id, run_dir, **overrides)
+    sup.store.update_run(run_id, state=state)
+
+
 def test_a_directory_of_an_active_run_is_refused_inside_and_around(sup, tmp_path):
     _active(sup, "other", tmp_path / "runs" / "a" / "b")
     for run_dir in ("a/b", "a/b/inner", "a"):
@@ -177,3 +202,54 @@ def test_the_control_planes_process_cap_counts_every_active_run(sup, tmp_path):
     with pytest.raises(ConfigError, match="XTOKEN_CONTROL_MAX_PROCESSES"):
         sup.submit(tiny_config())
     assert run_config_from_dict(tiny_config(trainers=8)).process_count == 11
+
+
+@pytest.mark.parametrize("state", ["STOPPED", "FAILED", "INTERRUPTED"])
+def test_a_directory_a_resumable_run_owns_is_refused_naming_it_and_its_resume(sup, tmp_path, state):
+    _ended(sup, "old", tmp_path / "runs" / "old", state)
+    for run_dir in ("old", "old/inner"):
+        with pytest.raises(Conflict, match=rf"run old \({state}\).*POST /v1/runs/old/resume"):
+            sup.submit(tiny_config(run_dir=run_dir))
+    assert [r["id"] for r in sup.store.list_runs()] == ["old"]
+    assert sup.get("old")["state"] == state
+
+
+def test_a_directory_a_finished_run_owns_is_refused_without_offering_a_resume(sup, tmp_path):
+    _ended(sup, "done", tmp_path / "runs" / "done", "SUCCEEDED")
+    with pytest.raises(Conflict, match=r"run done \(SUCCEEDED\).*pick another run_dir") as err:
+        sup.submit(tiny_config(run_dir="done"))
+    assert "resume" not in str(err.value)
+
+
+def test_a_resume_past_the_process_cap_is_refused_and_the_run_stays_as_it_was(sup, tmp_path):
+    _ended(sup, "old", tmp_path / "runs" / "old", "STOPPED")  # 4 processes
+    _active(sup, "big", tmp_path / "runs" / "big", trainers=8, teachers=1)  # 11 of the 12
+    with pytest.raises(ConfigError, match="XTOKEN_CONTROL_MAX_PROCESSES"):
+        sup.resume("old")
+    assert sup.get("old")["state"] == "STOPPED"
+    assert not [e for e in sup.events("old") if e["kind"] in ("resumed", "state")]
+
+
+def test_fifty_submissions_at_once_never_hold_more_processes_than_the_cap(make, tmp_path):
+    from services.control.app import create_app
+    from services.control.settings import Settings
+
+    (tmp_path / "data").mkdir()
+    sup = make({}, max_processes=8)  # two runs of 4 processes
+    settings = Settings(runs_root=tmp_path / "runs", data_root=[tmp_path / "data"])
+    n = 50
+    barrier = threading.Barrier(n)
+
+    def post(url: str) -> httpx.Response:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            barrier.wait()
+            return c.post("/v1/runs", json=tiny_config())
+
+    with serve_app(create_app(settings, supervisor=sup)) as url, ThreadPoolExecutor(n) as pool:
+        replies = list(pool.map(post, [url] * n))
+    codes = sorted(r.status_code for r in replies)
+    assert codes == [201] * 2 + [422] * (n - 2), [r.text for r in replies if r.status_code != 422]
+    for r in replies:
+        if r.status_code == 422:
+            assert "XTOKEN_CONTROL_MAX_PROCESSES" in r.json()["error"]
+    assert len(sup.store.list_runs()) == 2

@@ -150,6 +150,16 @@ def test_the_cases_cover_every_engine_kind():
             "stop requested: the trainers get 300 s to checkpoint",
         ),
         (
+            "resumed",
+            {"from_state": "STOPPED", "step": 12, "checkpoint": "/runs/a/checkpoints/step_12"},
+            "resumed from STOPPED at the checkpoint of step 12",
+        ),
+        (
+            "resumed",
+            {"from_state": "FAILED", "step": None, "checkpoint": None},
+            "resumed from FAILED with no checkpoint: training starts over",
+        ),
+        (
             "reattached",
             {"processes": ["collator", "queue", "trainer0"]},
             "re-attached after a control-plane restart: collator, queue, trainer0",

@@ -289,6 +289,28 @@ def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable
         sup2.resume(rid)
 
 
+def test_a_resume_is_an_event_on_the_run_naming_the_checkpoint_it_goes_on_from(make):
+    sup = make({})
+    rid = sup.submit(tiny_config())["id"]
+    wait_state(sup, rid, {"RUNNING"})
+    sup.stop(rid, grace_s=5)
+    run_dir = Path(wait_state(sup, rid, {"STOPPED"})["run_dir"])
+    (run_dir / "checkpoints" / "step_6").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_6")
+
+    sup.resume(rid)
+    wait_state(sup, rid, {"RUNNING"})
+    resumed = [e for e in sup.events(rid) if e["kind"] == "resumed"]
+    assert [e["data"] for e in resumed] == [
+        {"from_state": "STOPPED", "step": 6, "checkpoint": str(run_dir / "checkpoints" / "step_6")}
+    ]
+    assert resumed[0]["text"] == "resumed from STOPPED at the checkpoint of step 6"
+    seq = kinds(sup, rid)
+    at = seq.index(("resumed", None))
+    assert seq[at - 1 : at + 2] == [("state", "STOPPED"), ("resumed", None), ("state", "PENDING")]
+    assert [r["id"] for r in sup.list()] == [rid]  # the same record, no second one
+
+
 def test_a_reused_pid_is_not_reattached(tmp_path):
     from services.launch.spec import ProcessSpec
     from services.supervise.attach import attach, identity
