@@ -3,10 +3,12 @@
 * :mod:`.names`: partitions, record fields, consumer tasks, the teacher logits' transports;
 * :mod:`.teacher`: a trainer's request for teacher logits and the teacher's result;
 * :mod:`.end_of_data`: the collators' end-of-data marker;
+* :mod:`.incarnation`: the teachers' announcements (which one serves a group now);
 * :mod:`.rollout`: the rollout workers' on-policy samples.
 """
 
 from services.protocol.end_of_data import EOF_KEY, eof_fields, eof_samples, put_eof
+from services.protocol.incarnation import announce_teacher, teacher_incarnations
 from services.protocol.names import (
     ROLLOUT_TASK,
     TEACHER_TASK,
@@ -51,6 +53,7 @@ __all__ = [
     "TRANSPORTS",
     "Request",
     "Result",
+    "announce_teacher",
     "decode_request",
     "eof_fields",
     "eof_samples",
@@ -69,6 +72,7 @@ __all__ = [
     "rollout_key",
     "rollout_partition",
     "rollout_values",
+    "teacher_incarnations",
     "trainer_task",
     "unpack_blob",
 ]

@@ -48,6 +48,8 @@ def serve(config: TeacherConfig, lc: Lifecycle) -> int:
             if metrics is not None:
                 metrics.write("eval", who="teacher", **result)
         lc.ready(instance=worker.instance, transport=config.transport, width=worker.width)
+        # the trainers ask this teacher again for what a dead predecessor held leased
+        proto.announce_teacher(client, config.partition, config.group, worker.instance)
         logger.info(
             "[teacher] %s serving %s (%s, %s on %s)",
             worker.instance,

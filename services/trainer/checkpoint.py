@@ -54,7 +54,13 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def save(
-    worker: Any, run_dir: str | os.PathLike, *, epoch: int, task_start: int, trained: set[str]
+    worker: Any,
+    run_dir: str | os.PathLike,
+    *,
+    epoch: int,
+    task_start: int,
+    trained: set[str],
+    before: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``worker`` (collective: every rank calls it).
 
@@ -64,6 +70,8 @@ def save(
         epoch: current epoch.
         task_start: step at which this epoch's consumer task started (names the task).
         trained: keys this rank trained in the epoch.
+        before: the student's held-out figures before training (the run summary's
+            ``student_before``), kept for the summary of a resumed run; None: not evaluated.
 
     Returns:
         The checkpoint directory.
@@ -80,6 +88,7 @@ def save(
         "scheduler": _jsonable(worker.scheduler.state_dict()),
         "skipped_steps": worker.skipped_steps,
         "world_size": worker.world_size,
+        "student_before": before,
     }
     _atomic_write(path / f"rank{worker.rank}.json", json.dumps(meta))
     rng = {"cpu": torch.get_rng_state()}
@@ -102,8 +111,8 @@ def load(worker: Any, path: Path) -> dict[str, Any]:
     """Restore ``worker`` from a checkpoint (collective).
 
     Returns:
-        ``{"step", "epoch", "task_start", "trained"}`` with the union of every rank's keys of the
-        checkpoint's epoch.
+        ``{"step", "epoch", "task_start", "trained", "student_before"}`` with the union of every
+        rank's keys of the checkpoint's epoch (``student_before``: as given to :func:`save`).
 
     Raises:
         ValueError: the checkpoint lacks its rank files (names the directory).
@@ -148,6 +157,7 @@ def load(worker: Any, path: Path) -> dict[str, Any]:
         "epoch": int(mine["epoch"]),
         "task_start": int(mine["task_start"]),
         "trained": trained,
+        "student_before": mine.get("student_before"),
     }
 
 

@@ -141,17 +141,20 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     # again: it registers nothing, and the queue must hold the whole corpus.
     register = config.epochs == 1
     epoch, task_start, trained = 0, 0, set()
+    summary: dict[str, Any] = {"rank_count": world}
     latest = checkpoint.latest_checkpoint(run_dir)
     if latest is not None:
         state = checkpoint.load(worker, latest)
         epoch, trained = state["epoch"], state["trained"]
         task_start = worker.step  # a fresh consumer task: every untrained sample comes again
+        if state["student_before"] is not None:
+            summary["student_before"] = state["student_before"]
+    summary["resumed_from"] = worker.step
     metrics = JsonlWriter(run_dir / "metrics" / f"trainer.rank{rank}.jsonl", rank=rank)
     if rank == 0 and config.report_to:  # TensorBoard, W&B: fed the same records
         metrics = tracking.tracked_metrics(metrics, config, run_dir, start_step=worker.step)
     keys_log = JsonlWriter(run_dir / "keys" / f"trainer.rank{rank}.jsonl", rank=rank)
     lc.ready(rank=rank, world_size=world, step=worker.step)
-    summary: dict[str, Any] = {"rank_count": world, "resumed_from": worker.step}
     lifecycle.pause_progress()  # a compile of unknown length is no hang
     if worker.compiled:
         metrics.write("compile", state="start")
@@ -232,8 +235,18 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
 
     stopped = False
     last_ckpt = worker.step
+    # this launch's name in its consumer tasks: no earlier launch used it, so what a dead launch
+    # held leased is pending for this one at once (its leases lapse unseen)
+    launch = _launch_id(world)
+    feed = None
+    if epoch >= config.epochs:
+        logger.info(
+            "[trainer] the checkpoint at step %d holds every epoch (%d): nothing to train",
+            worker.step,
+            config.epochs,
+        )
     while epoch < config.epochs and not stopped:
-        task = f"trainer/e{epoch}/s{task_start}"
+        task = f"trainer/e{epoch}/s{task_start}/{launch}"
         feed = TeacherFeed(
             client,
             config,
@@ -305,7 +318,12 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
                 write_steps()
                 lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
                 checkpoint.save(
-                    worker, run_dir, epoch=epoch, task_start=task_start, trained=trained
+                    worker,
+                    run_dir,
+                    epoch=epoch,
+                    task_start=task_start,
+                    trained=trained,
+                    before=summary.get("student_before"),
                 )
                 feed.commit()  # retention: what the checkpoint holds may be dropped now
                 last_ckpt = worker.step
@@ -317,18 +335,37 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             break
         feed.give_back()
         epoch, task_start, trained = epoch + 1, worker.step, set()
-    feed.give_back()
+    if feed is not None:
+        feed.give_back()
     write_steps()
     profiler.close()
     gc_schedule.close()
     gc_clock.remove()
     lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:
-        checkpoint.save(worker, run_dir, epoch=epoch, task_start=task_start, trained=trained)
+        checkpoint.save(
+            worker,
+            run_dir,
+            epoch=epoch,
+            task_start=task_start,
+            trained=trained,
+            before=summary.get("student_before"),
+        )
         try:
-            feed.commit()
+            if feed is not None:
+                feed.commit()
         except QueueError as e:  # saved: a resumed launch consumes them (replaces), or a clear
             logger.warning("[trainer] could not ack the samples of the last checkpoint: %s", e)
+    if not stopped and config.max_steps and worker.step < config.max_steps and rank == 0:
+        logger.warning(
+            "[trainer] the data ended at step %d, before trainer.max_steps=%d (%d epoch%s of "
+            "the corpus): raise trainer.epochs or give more data to train longer",
+            worker.step,
+            config.max_steps,
+            config.epochs,
+            "" if config.epochs == 1 else "s",
+        )
+        summary["data_ended_before_max_steps"] = True
     if not stopped:
         evaluate("after")
         if config.export:
@@ -347,6 +384,17 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     if reader is not None:
         reader.close()
     return 0
+
+
+def _launch_id(world: int) -> str:
+    """A name for this launch of the trainer group, the same on every rank (rank 0's, sent to
+    the others): a fresh process-instance id (``<pid>-<8 hex>``)."""
+    from services.protocol.names import new_instance
+
+    ids = [new_instance()]
+    if world > 1:
+        dist.broadcast_object_list(ids, src=0, group=_HOST_GROUP)
+    return ids[0]
 
 
 def _memory_mb(device: torch.device) -> float:

@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 # Samples claimed at once when consuming for a replaced task (keys only: no fields travel).
 _CONSUME_BATCH = 4096
+# Seconds between two reads of the end-of-data marker while its total is not known.
+MARKER_EVERY_S = 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,6 +128,11 @@ class SampleFeed:
         # ordered mode: fresh samples claimed in queue order, not yet a whole step
         self._step: list[tuple[str, dict[str, torch.Tensor], Any]] = []
         self._others: dict[str, Any] = {}  # ordered over ranks: others' shares, key -> lease
+        # several ranks, not ordered: this rank's fair share of the epoch (_share_left)
+        self._untrained_at_start = -len(trained)  # + the marker's total, once it is known
+        self._total: int | None = None
+        self._marker_read_at = -MARKER_EVERY_S
+        self._claimed: set[str] = set()  # fresh keys this rank claimed in this epoch
 
     @property
     def ended(self) -> bool:
@@ -151,8 +158,49 @@ class SampleFeed:
         """
         if self.config.ordered:
             return self._claim_step(block)
-        fresh = self._claim_fresh(micro_batches * self.config.micro_batch, block)
+        want = micro_batches * self.config.micro_batch
+        left = self._share_left()
+        # a claim ahead stops at the share; a rank with no data for its step claims on past it
+        # (a sample whose lease lapsed comes again, and some rank must take it)
+        if left is not None and (left > 0 or not block):
+            if left == 0:
+                return None
+            want = min(want, left)
+        fresh = self._claim_fresh(want, block)
+        if fresh is not None and left is not None:
+            self._claimed.update(k for k, _, _ in fresh)
         return None if fresh is None else self._micro_batches(fresh)
+
+    def _share_left(self) -> int | None:
+        """Samples this rank may still claim in this epoch: several ranks claim from one task,
+        and a rank that claimed ahead could take what another needs for the same step, which
+        would then train an empty step; so once the collators' marker tells the total, each rank
+        claims at most its share of what the launch found untrained (``total - trained``,
+        split evenly over the ranks, the first ones taking the remainder). None: no cap (one
+        rank, the ordered mode, or the total is not known yet)."""
+        if self.ranks == 1 or self.config.ordered:
+            return None
+        if self._total is None:
+            now = time.monotonic()
+            if now - self._marker_read_at < MARKER_EVERY_S:
+                return None
+            self._marker_read_at = now
+            self._total = self._marker_total()
+            if self._total is None:
+                return None
+        untrained = max(0, self._total + self._untrained_at_start)
+        share = untrained // self.ranks + (1 if self.rank < untrained % self.ranks else 0)
+        return max(0, share - len(self._claimed))
+
+    def _marker_total(self) -> int | None:
+        """The sample count of the collators' end-of-data marker (None before they are done)."""
+        try:
+            marker = self.client.get(meta_partition(self.config.partition), [EOF_KEY])
+        except QueueError as e:
+            if e.code in ("not_found", "missing_field"):
+                return None
+            raise
+        return eof_samples(marker["fields"])
 
     def _claim_step(self, block: bool) -> list[Claimed] | None:
         """Ordered mode: gather fresh samples in queue order until a whole step (of all ranks) is
@@ -193,6 +241,27 @@ class SampleFeed:
         Returns:
             ``(key, sample, lease id)`` of the fresh ones in claim order; None when none came.
         """
+        fresh: list[tuple[str, dict[str, torch.Tensor], Any]] = []
+        # samples trained before take no place: claim again until ``samples`` fresh ones came
+        # or the queue has no more now, so a resumed epoch cuts the steps of an uninterrupted one
+        while len(fresh) < samples:
+            got = self._claim_once(samples - len(fresh), block and not fresh)
+            if got is None:
+                break
+            fresh += got[0]
+            if not got[1]:  # nothing trained before came: the queue gave what it had
+                break
+        return fresh or None
+
+    def _claim_once(
+        self, samples: int, block: bool
+    ) -> tuple[list[tuple[str, dict[str, torch.Tensor], Any]], int] | None:
+        """One claim of up to ``samples`` samples; acks those trained before.
+
+        Returns:
+            The fresh ``(key, sample, lease id)`` in claim order and the count of samples
+            trained before; None when none came.
+        """
         cfg = self.config
         got = self.client.claim(
             cfg.partition,
@@ -220,7 +289,7 @@ class SampleFeed:
             if len(later) < len(seen):
                 done = [k for k in seen if k not in self._uncheckpointed]
                 self.client.ack(cfg.partition, self.task, lease_id, done)
-        return fresh
+        return fresh, len(seen)
 
     def _micro_batches(
         self, fresh: list[tuple[str, dict[str, torch.Tensor], Any]]
@@ -350,13 +419,9 @@ class SampleFeed:
             logger.info("[trainer] no data for %.0fs (idle_timeout_s): epoch ends", idle)
             self._ended = True
             return
-        try:
-            marker = self.client.get(meta_partition(self.config.partition), [EOF_KEY])
-        except QueueError as e:
-            if e.code in ("not_found", "missing_field"):
-                return  # the collators are not done
-            raise
-        total = eof_samples(marker["fields"])
+        total = self._marker_total()
+        if total is None:
+            return  # the collators are not done
         status = self.client.status(self.config.partition, self.task)
         # samples retention dropped (acked by every registered task) were put too
         put = status["samples"] + status.get("dropped", 0)

@@ -83,6 +83,10 @@ class Asked:
     prefetched: Any = None  # (record, logits on the trainer's GPU, their copy's event)
 
 
+# Seconds between two reads of the teacher announcements while a rank waits for a result.
+ANNOUNCEMENTS_EVERY_S = 1.0
+
+
 class TeacherClient:
     """One rank's requests to its teacher group and their results.
 
@@ -127,6 +131,13 @@ class TeacherClient:
         self.counters = {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
         self._copy_stream: torch.cuda.Stream | None = None  # peer copies beside the forward
         self._slot_devices: dict[str | None, torch.device] = {}  # ring device per incarnation
+        # the teacher serving the group now, if one announced itself: the requests are stamped
+        # with it from the first (its predecessors are gone)
+        announced = proto.teacher_incarnations(client, config.partition, self.group)
+        if announced:
+            self.teacher = announced[-1]
+            self._gone.update(announced[:-1])
+        self._announcements_at = time.monotonic()  # when they were last read
 
     @property
     def waiting(self) -> bool:
@@ -230,6 +241,25 @@ class TeacherClient:
         self.client.ack(self.req_partition, self.trainer_task, lease_id, [p.request_key])
         self.client.clear(self.req_partition, [p.request_key])
 
+    def check_successor(self) -> None:
+        """Read the group's teacher announcements (``services/protocol/incarnation.py``), at
+        most every :data:`ANNOUNCEMENTS_EVERY_S`: a teacher newer than the serving one replaced
+        it (a group has one teacher at a time), so the requests put under the old one (or before
+        any teacher was known) are asked again now, not when their lease ends. This is how a
+        teacher that died before this rank saw a result of it is noticed."""
+        now = time.monotonic()
+        if now - self._announcements_at < ANNOUNCEMENTS_EVERY_S:
+            return
+        self._announcements_at = now
+        announced = proto.teacher_incarnations(self.client, self.config.partition, self.group)
+        if not announced or announced[-1] in self._gone:
+            return
+        newest, replaced = announced[-1], [t for t in announced[:-1] if t not in self._gone]
+        if newest != self.teacher:  # requests asked again from here on are stamped with it
+            self.teacher, self._ring = newest, None
+        for old in replaced:
+            self._gone_teacher(old, f"teacher {old} was replaced by teacher {newest}")
+
     def poll(self, waiting: Asked) -> None:
         """One round of the wait for ``waiting``'s result: take the records that arrived, free
         the ring for it when later results fill it, ask again after ``teacher_timeout_s``.
@@ -238,6 +268,8 @@ class TeacherClient:
         longer than ``hang_after_s``; a round that never returns is still a hang)."""
         lifecycle.waiting()
         self.claim_records(self.config.claim_timeout_s)
+        if waiting.record is None:
+            self.check_successor()
         if waiting.record is None:
             self._free_ring_for(waiting)
         if waiting.record is None and self.teacher is not None:

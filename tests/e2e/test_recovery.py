@@ -90,6 +90,37 @@ def test_killed_trainer_rank_resumes_from_checkpoint_and_trains_each_sample_once
     assert feed_totals(run_dir)["checksum_mismatch"] == 0
 
 
+@pytest.mark.timeout(420)
+def test_trainer_ranks_killed_twice_before_any_checkpoint_lose_no_sample(pipeline, demo):
+    # a restart before the first checkpoint (an OOM in a run's first steps), twice: every launch
+    # starts from no checkpoint, while the dead launches' claims stay leased for lease_s
+    paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)
+    queue = pipeline.start_queue()
+    teacher = pipeline.start_teacher(pipeline.teacher_config())
+    trainer_cfg = pipeline.trainer_config(grad_accum=2, checkpoint_every=1000, lease_s=300.0)
+    collator = pipeline.start_collator("collator", paths[0], batch=16)
+    assert collator.wait(90) == 0, collator.tail()
+    pipeline.put_eof()
+    run_dir = pipeline.run_dir
+    for _ in range(2):
+        lines = key_log_lines(run_dir)
+        trainers = pipeline.start_trainers(trainer_cfg)
+        wait_for(lambda lines=lines: len(keys_after(run_dir, lines)) >= 8, 120, "a trained step")
+        assert trainers[1].kill() == -signal.SIGKILL
+        try:
+            trainers[0].popen.wait(30)
+        except subprocess.TimeoutExpired:
+            trainers[0].stop(grace_s=10)
+        assert latest_checkpoint(run_dir) is None
+    lines = key_log_lines(run_dir)
+    trainers = pipeline.start_trainers(trainer_cfg)
+    for t in trainers:
+        assert t.wait(180) == 0, t.tail()
+    _stop_servers(teacher, queue)
+    # no checkpoint before the last launch: it trained the whole corpus, once
+    assert_exactly_once(keys_after(run_dir, lines), corpus)
+
+
 @pytest.mark.timeout(300)
 def test_killed_teacher_is_never_trained_on_and_its_batches_are_recomputed(pipeline, demo):
     paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)

@@ -37,7 +37,10 @@ def test_save_then_load_restores_weights_optimizer_step_schedule_rng_and_trained
     saved = _worker()
     _train(saved, 3)
     saved.skipped_steps = 1
-    path = checkpoint.save(saved, tmp_path, epoch=1, task_start=2, trained={"k1", "k2"})
+    before = {"bits_per_byte": 4.5}
+    path = checkpoint.save(
+        saved, tmp_path, epoch=1, task_start=2, trained={"k1", "k2"}, before=before
+    )
     rng = torch.get_rng_state()
     assert checkpoint.latest_checkpoint(tmp_path) == path
     # another rank of the same checkpoint trained other keys of the same epoch
@@ -51,7 +54,13 @@ def test_save_then_load_restores_weights_optimizer_step_schedule_rng_and_trained
     )
     state = checkpoint.load(fresh, path)
 
-    assert state == {"step": 3, "epoch": 1, "task_start": 2, "trained": {"k1", "k2", "k3"}}
+    assert state == {
+        "step": 3,
+        "epoch": 1,
+        "task_start": 2,
+        "trained": {"k1", "k2", "k3"},
+        "student_before": before,
+    }
     assert fresh.step == 3 and fresh.skipped_steps == 1
     for (name, a), b in zip(saved.module.named_parameters(), fresh.module.parameters()):
         assert torch.equal(a, b), name
@@ -92,6 +101,7 @@ def test_a_rank_without_its_own_file_resumes_from_another_ranks(tmp_path):
         "epoch": 0,
         "task_start": 0,
         "trained": {"a"},
+        "student_before": None,
     }
     assert fresh.scheduler.state_dict()["last_epoch"] == 2
 

@@ -164,3 +164,46 @@ def test_two_ordered_ranks_train_in_each_step_the_samples_of_one_rank_with_twice
     assert [sorted(a + b) for a, b in pair_steps] == solo_steps
     assert pair_steps[0] == [[f"k{i:02d}" for i in range(4)], [f"k{i:02d}" for i in range(4, 8)]]
     assert pair_steps[1] == [["k08", "k09", "k10"], []]  # the short last step: rank order
+
+
+def _drain_ahead(feed: SampleFeed) -> list[str]:
+    """Every key ``feed`` takes when it claims far ahead without waiting (as a rank whose
+    backward runs while another rank is still claiming for the same step)."""
+    keys: list[str] = []
+    while (got := feed.claim(8, block=False)) is not None:
+        keys += [k for c in got for k in c.keys]
+    return keys
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("trained", [0, 4], ids=["fresh", "resumed"])
+def test_two_ranks_claiming_ahead_split_the_untrained_samples_of_the_epoch_evenly(queue, trained):
+    config = setup.trainer_config(None, queue=queue, partition=PARTITION, grad_accum=2)
+    done = {f"k{i:02d}" for i in range(trained)}
+    with QueueClient(queue, timeout_s=10) as client:
+        _put(client, 0, N)
+        put_eof(client, PARTITION, N)
+        first = SampleFeed(client, config, PADS, "t", set(done), rank=0, ranks=2)
+        second = SampleFeed(client, config, PADS, "t", set(done), rank=1, ranks=2)
+        greedy, late = _drain_ahead(first), _drain_ahead(second)
+    untrained = N - trained
+    # the first rank claims no more than its share, whatever it asks for: the other rank's
+    # steps are never empty
+    assert len(greedy) == untrained - untrained // 2 and len(late) == untrained // 2
+    assert sorted(greedy + late) == sorted(f"k{i:02d}" for i in range(trained, N))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_past_its_share_with_no_data_for_its_step_claims_what_is_pending(queue):
+    # e.g. a sample whose lease lapsed comes again after the ranks claimed their shares: a rank
+    # with no data for its step (a claim that waits) takes it, so the epoch can end
+    config = setup.trainer_config(None, queue=queue, partition=PARTITION, grad_accum=2)
+    with QueueClient(queue, timeout_s=10) as client:
+        _put(client, 0, N)
+        put_eof(client, PARTITION, N)
+        first = SampleFeed(client, config, PADS, "t", set(), rank=0, ranks=2)
+        share = _drain_ahead(first)
+        assert first.claim(1, block=False) is None  # ahead: its share is claimed
+        more = first.claim(1, block=True)
+    assert len(share) == N - N // 2 and more is not None
+    assert not {k for c in more for k in c.keys} & set(share)
