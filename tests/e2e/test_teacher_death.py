@@ -62,3 +62,48 @@ def test_trainers_ask_a_restarted_teacher_again_within_seconds_of_a_sigkill(pipe
         assert stall <= STALL_BEYOND_LOAD_S + load_s, (rank, stall, load_s)
     assert_exactly_once(trained_keys(run_dir), corpus)
     assert feed_totals(run_dir)["checksum_mismatch"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_teacher_dead_before_any_result_is_replaced_without_waiting_for_its_leases(
+    pipeline, demo
+):
+    # e.g. an OOM on the teacher's first forward: it holds the first requests leased (120 s) and
+    # no rank has seen a result of it, so no ring of it is known to watch
+    from services import protocol as proto
+    from services.queue.client import QueueClient
+
+    paths, corpus = corpus_parts(demo, pipeline.root / "data", n=48, parts=1)
+    queue = pipeline.start_queue()
+    collator = pipeline.start_collator("collator", paths[0], batch=16)
+    assert collator.wait(90) == 0, collator.tail()
+    pipeline.put_eof()
+    # a long claim: the frozen teacher's claim waits on the server, which leases it the requests
+    teacher_cfg = pipeline.teacher_config(claim_timeout_s=60.0)
+    teacher = pipeline.start_teacher(teacher_cfg)
+    teacher.wait_ready(120)
+    time.sleep(1.0)  # into its first claim
+    teacher.signal(signal.SIGSTOP)
+    trainer_cfg = pipeline.trainer_config(micro_batch=2, grad_accum=2, teacher_timeout_s=600.0)
+    trainers = pipeline.start_trainers(trainer_cfg)
+    with QueueClient(pipeline.queue, timeout_s=10, name="e2e") as client:
+        requests = proto.request_partition(trainer_cfg.partition, 0)
+        wait_for(lambda: client.status(requests, proto.TEACHER_TASK)["leased"] > 0, 120,
+                 "requests leased to the frozen teacher")
+    teacher.kill()
+    killed_at = time.time()
+    successor = pipeline.start_teacher(teacher_cfg, name="teacher-restarted")
+    successor.wait_ready(120)
+    load_s = time.time() - killed_at
+    for t in trainers:
+        assert t.wait(240) == 0, t.tail()
+    successor.signal(signal.SIGTERM)
+    queue.signal(signal.SIGTERM)
+
+    for rank in (0, 1):
+        first = step_records(run_dir := pipeline.run_dir, rank)[0]["time"]
+        print(f"rank {rank}: first step {first - killed_at:.1f} s after the kill, load {load_s:.1f} s")
+        assert first - killed_at <= STALL_BEYOND_LOAD_S + load_s, (rank, first - killed_at, load_s)
+        assert "was replaced by teacher" in trainers[rank].log()
+    assert_exactly_once(trained_keys(run_dir), corpus)
+    assert feed_totals(run_dir)["checksum_mismatch"] == 0
