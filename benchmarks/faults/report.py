@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+FULL_RUNS = 30  # the campaign's size; fewer runs are a trial of the harness
+
 HOW = """\
 Each run is a real `xtoken run` of `examples/tiny.yaml` on 64 demo texts (two gloo trainer
 ranks, one shm teacher, tiny models, 8 steps, a checkpoint every 2, the run's own in-memory
@@ -42,19 +44,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
     twice = [r for r in rows if r.get("twice")]
     text = (
         f"**{len(rows)} runs, {landed} kills landed: {ok} ok; "
-        f"{len(lost)} runs lost samples ({sum(r['missing'] for r in lost)} texts never trained), "
-        f"{len(twice)} trained some twice ({sum(r['twice'] for r in twice)} texts).**"
+        f"texts lost in {len(lost)} runs ({sum(r['missing'] for r in lost)} never trained), "
+        f"trained twice in {len(twice)} runs ({sum(r['twice'] for r in twice)} texts).**"
     )
-    failing = sorted({r["victim"] for r in rows if r["outcome"] != "ok"})
-    if failing:
-        text += (
-            " Not ok: "
-            + ", ".join(
-                f"{v} ({'; '.join(sorted({_why(r) for r in rows if r['victim'] == v and r['outcome'] != 'ok'}))})"
-                for v in failing
-            )
-            + "."
-        )
+    if len(rows) < FULL_RUNS:
+        text += f" A trial: the campaign is {FULL_RUNS} runs or more (`--runs {FULL_RUNS}`)."
+    bad = [r for r in rows if r["outcome"] != "ok"]
+    if bad:
+        per = {
+            v: sorted({_why(r) for r in bad if r["victim"] == v})
+            for v in sorted({r["victim"] for r in bad})
+        }
+        text += " Not ok: " + ", ".join(f"{v} ({'; '.join(why)})" for v, why in per.items()) + "."
     return text
 
 
@@ -64,28 +65,27 @@ def _why(row: dict[str, Any]) -> str:
     return f"{row['moment']}, {where}: {row['outcome']}"
 
 
-def write_report(
-    path: Path, rows: list[dict[str, Any]], info: dict[str, Any], command: str
-) -> None:
+def write_report(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write the report: the figures and the command, what a run checks, per victim, per run.
 
     Args:
         path: the markdown file.
-        rows: the campaign's rows (one per run).
-        info: ``commit``, ``machine``, ``date``, ``jobs``.
-        command: the command that ran the campaign.
+        rows: the campaign's rows (one per run; the first one's ``commit``, ``tree``,
+            ``machine``, ``date``, ``jobs`` and ``command`` describe the campaign).
     """
+    info = rows[0]
+    tree = "" if info.get("tree", "clean") == "clean" else f" ({info['tree']})"
     victims = sorted({r["victim"] for r in rows})
     lines = [
         "# Random-fault campaign",
         "",
         summary(rows),
         "",
-        f"Commit `{info['commit']}`, {info['machine']}, {info['date']}, {info['jobs']} run(s) at "
-        "a time:",
+        f"Commit `{info['commit']}`{tree}, {info['machine']}, {info['date']}, {info['jobs']} "
+        "run(s) at a time:",
         "",
         "```bash",
-        command,
+        info.get("command", "python benchmarks/faults/campaign.py"),
         "```",
         "",
         HOW,

@@ -92,9 +92,30 @@ def test_a_runs_seed_decides_its_victim_and_moment():
     for p in plans:
         assert 0 <= p.delay_s <= 1
         if p.victim == "collator":
-            assert p.unit == "sample" and 0 <= p.at < campaign.TEXTS
+            assert p.unit == "sample" and 0 <= p.at <= campaign.TEXTS - 16 and p.delay_s <= 0.25
         else:
             steps = campaign.ON_POLICY_STEPS if p.victim == "rollout0" else campaign.TINY_STEPS
             assert p.unit == "step" and 0 <= p.at < steps
     only = [campaign.plan_run(i, s, ("queue",)) for i, s in enumerate(seeds)]
     assert {p.victim for p in only} == {"queue"}
+
+
+def test_the_report_names_the_command_and_each_run_that_was_not_ok(tmp_path):
+    from benchmarks.faults.report import write_report
+
+    info = {"commit": "abc1234", "tree": "clean", "machine": "cpu", "date": "2026-01-01",
+            "jobs": 1, "command": "python benchmarks/faults/campaign.py --runs 2 --seed 3"}  # fmt: skip
+    ok = {"run": 0, "seed": 11, "victim": "queue", "moment": "step 2 +0.10s", "landed": True,
+          "at_step": 2, "checkpoint": 2, "outcome": "ok", "exit": 0, "missing": 0, "twice": 0,
+          "rolled_back": 0, "wall_s": 80.0, **info}  # fmt: skip
+    lost = {**ok, "run": 1, "seed": 12, "victim": "trainer1", "moment": "step 1 +0.50s",
+            "at_step": 1, "checkpoint": None, "outcome": "8 missing", "missing": 8}  # fmt: skip
+    path = tmp_path / "fault_campaign.md"
+    write_report(path, [ok, lost])
+    text = path.read_text()
+    assert text.startswith(
+        "# Random-fault campaign\n\n**2 runs, 2 kills landed: 1 ok; texts lost in 1 runs"
+    )
+    assert info["command"] in text and "`abc1234`" in text
+    assert "trainer1 (step 1 +0.50s, before the first checkpoint: 8 missing)" in text
+    assert "| 1 | 12 | trainer1 | step 1 +0.50s | step 1, ckpt - | 8 missing | 8 | 0 |" in text
