@@ -63,7 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.overrides import parse_override
 
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/demo)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40)")
+    parser.add_argument(
+        "--steps",
+        type=_step_count,
+        default=None,
+        help="optimizer steps (default 40; 0: until the demo's data ends, as trainer.max_steps)",
+    )
     parser.add_argument("--mode", default=None, help="loss mode: pkl, gold, xtoken, ce")
     parser.add_argument(
         "--set",
@@ -85,6 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _step_count(text: str) -> int:
+    """``--steps``: a count of optimizer steps, 0 or more."""
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if steps < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a step count; give 0 or more (0: until the data ends)"
+        )
+    return steps
+
+
 def demo_data(args: argparse.Namespace | None = None) -> dict:
     """The demo's run config as a dict (with the options and ``--set`` overrides applied)."""
     import copy
@@ -95,7 +113,7 @@ def demo_data(args: argparse.Namespace | None = None) -> dict:
     if args is not None:
         if args.run_dir:
             data["run_dir"] = args.run_dir
-        if args.steps:
+        if args.steps is not None:
             data["trainer"]["max_steps"] = args.steps
         if args.mode:
             data["trainer"]["loss"]["mode"] = args.mode

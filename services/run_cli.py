@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -114,21 +115,40 @@ def format_report(table: dict, run_dir) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config and execute the run."""
+    """Load the config and execute the run. A run refused (exit code 2) leaves no directory it
+    created; its config and corpora are checked before anything heavy is imported or started."""
     from services.common.config import ConfigError
     from services.supervise.config import load_run_config
-    from services.supervise.resume import plan_start
+    from services.supervise.preflight import check_corpora
 
     try:
         config = load_run_config(args.config, getattr(args, "overrides", ()))
         if args.run_dir:
             config.run_dir = args.run_dir
-        start = plan_start(
-            config, resume=getattr(args, "resume", False), fresh=getattr(args, "fresh", False)
-        )
+        check_corpora(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtoken run: {e}", file=sys.stderr)
         return 2
+    from services.supervise.resume import plan_start
+
+    run_dir = Path(config.run_dir)
+    existed = run_dir.exists()
+    try:  # refuses before it writes anything
+        start = plan_start(
+            config, resume=getattr(args, "resume", False), fresh=getattr(args, "fresh", False)
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"xtoken run: {e}", file=sys.stderr)
+        return 2
+    code = _launch(args, config, start)
+    if code == 2 and (start.moved_to is not None or not existed):
+        shutil.rmtree(run_dir, ignore_errors=True)  # refused: nothing it made stays behind
+    return code
+
+
+def _launch(args: argparse.Namespace, config: Any, start: Any) -> int:
+    """Start the run as ``start`` (a :class:`~services.supervise.resume.StartPlan`) says: at
+    once when it is complete, else with the chosen launcher; returns the exit code."""
     if start.message:
         print(f"xtoken run: {start.message}", file=sys.stderr)
     if start.action == "complete":

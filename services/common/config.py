@@ -316,7 +316,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         The config instance.
 
     Raises:
-        ConfigError: an unknown key (names the known keys and a close match), a missing
+        ConfigError: an unknown key (names the closest keys and the file defining them), a missing
             required key, a value of the wrong type (names the expected type and the value),
             or a ``ValueError`` of the dataclass's ``__post_init__`` (with the path prefixed).
         TypeError: ``cls`` is not a dataclass, or a field has an unsupported type.
@@ -341,14 +341,7 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         if key not in fields and key in removed:
             raise ConfigError(f"key {_join(path, key)!r} was removed: {removed[key]}")
         if key not in fields:
-            close = [_join(path, k) for k in difflib.get_close_matches(str(key), list(fields))]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            if len(close) > 1:
-                hint += f" (also close: {', '.join(map(repr, close[1:]))})"
-            raise ConfigError(
-                f"unknown key {_join(path, key)!r}: {cls.__name__} knows "
-                f"{', '.join(fields) or 'no keys'}{hint}"
-            )
+            raise ConfigError(_unknown_key(cls, path, str(key), list(fields)))
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key_path = _join(path, name)
@@ -377,6 +370,26 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         return cls(**kwargs)
     except ValueError as e:  # __post_init__ validation (ConfigError included)
         raise ConfigError(f"{path}: {e}" if path else str(e)) from e
+
+
+def _unknown_key(cls: type, path: str, key: str, names: list[str]) -> str:
+    """One short line: the unknown key, the closest valid names, the file that defines them."""
+    close = difflib.get_close_matches(key, names, n=3)
+    # past the closest, only the names nearly as close, or that hold the key (or it them)
+    close = close[:1] + [
+        n for n in close[1:] if difflib.SequenceMatcher(None, key, n).ratio() > 0.8
+    ]
+    close += [n for n in names if n not in close and (key in n or n in key)][: 3 - len(close)]
+    shown = [repr(_join(path, n)) for n in close]
+    hint = f": did you mean {' or '.join(shown)}?" if shown else ""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    owner = cls
+    for base in cls.__mro__[1:]:  # a subclass that adds no field: the file of the fields
+        if dataclasses.is_dataclass(base) and {f.name for f in dataclasses.fields(base)} == fields:
+            owner = base
+    where = f"{path}'s keys" if path else f"the keys of {cls.__name__}"
+    module = owner.__module__.replace(".", "/")
+    return f"unknown key {_join(path, key)!r}{hint} ({where}: {module}.py)"
 
 
 def _renamed(fields: dict[str, dataclasses.Field], data: Mapping[str, Any], path: str) -> Any:

@@ -85,6 +85,7 @@ def preflight(config: RunConfig) -> Inputs:
 
         control_binary()  # installed, before anything starts
     check_installed(config.trainer.report_to)  # a tracker's package, before anything starts
+    check_corpora(config)
     train, heldout, train_limit = config.data.train, config.data.heldout, config.data.limit
     if train is None:
         from xtoken_core.data.corpus import build_demo_corpus
@@ -92,25 +93,8 @@ def preflight(config: RunConfig) -> Inputs:
         demo = build_demo_corpus()
         train = str(demo.train_path)
         heldout = heldout or str(demo.heldout_path)
-    check_train(train, config.data.text_field, txt_split=config.data.txt_split)
-    if config.on_policy and config.rollout.prompts is not None:
-        check_train(config.rollout.prompts, config.rollout.text_field, "rollout.prompts")
     if heldout is None:
         heldout, train_limit = split_heldout(config, train)
-    corpora = {
-        "data.heldout": heldout,
-        "trainer.heldout": config.trainer.heldout,
-        "teacher.heldout": config.teacher.heldout,
-    }
-    for key, path in corpora.items():
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise ValueError(f"{key}={path!r} is not a file; point it at a corpus file")
-        try:
-            first_text(path, "text")
-        except ValueError as e:
-            raise ValueError(f"{key}: {e}") from None
     tokenizers = {}
     names = {
         "student_tokenizer": config.student_tokenizer,
@@ -130,6 +114,36 @@ def preflight(config: RunConfig) -> Inputs:
     elif config.trainer.loss.uses_teacher:
         check_projection(config, projection, s_tok, t_tok)
     return Inputs(train, heldout, projection, train_limit)
+
+
+def check_corpora(config: RunConfig) -> None:
+    """The corpora a config names are there and hold text: ``data.train``, the rollouts'
+    ``rollout.prompts`` (with on-policy samples) and the held-out files. Only each first text
+    is read and no model code is imported, so that ``xtoken run`` refuses a missing corpus at
+    once, before it starts or loads anything.
+
+    Raises:
+        ValueError: a corpus that is missing, unreadable or without text (names the key).
+    """
+    data = config.data
+    if data.train is not None:
+        check_train(data.train, data.text_field, txt_split=data.txt_split)
+    if config.on_policy and config.rollout.prompts is not None:
+        check_train(config.rollout.prompts, config.rollout.text_field, "rollout.prompts")
+    corpora = {
+        "data.heldout": data.heldout,
+        "trainer.heldout": config.trainer.heldout,
+        "teacher.heldout": config.teacher.heldout,
+    }
+    for key, path in corpora.items():
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ValueError(f"{key}={path!r} is not a file; point it at a corpus file")
+        try:
+            first_text(path, "text")
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
 
 
 def check_train(
@@ -154,7 +168,14 @@ def check_train(
     try:
         first_text(str(files[0]), text_field, txt_split)
     except ValueError as e:
-        raise ValueError(f"{key}: {e}") from None
+        field_key = f"{key.rpartition('.')[0]}.text_field"
+        raise ValueError(f"{key}: {_as_setting(e, field_key)}") from None
+
+
+def _as_setting(error: Exception, key: str) -> str:
+    """A corpus reader's message with the library's argument (``pass text_field=``) as the run
+    config's setting ``key`` (a user sets ``data.text_field``, not an argument)."""
+    return str(error).replace("pass text_field=", f"set {key}")
 
 
 def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
@@ -194,7 +215,8 @@ def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
                 tail.append(text)
     except BadCorpusLine as e:
         raise ValueError(
-            f"data.train: {e}; fix the line, or set data.skip_bad_lines: true to skip bad lines"
+            f"data.train: {_as_setting(e, 'data.text_field')}; fix the line, or set "
+            "data.skip_bad_lines: true to skip bad lines"
         ) from None
     if total <= n:
         raise ValueError(

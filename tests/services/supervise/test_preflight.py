@@ -15,7 +15,13 @@ import torch
 
 from services.run import run_config_from_dict
 from services.supervise.plan import RunContext, make_data_sections
-from services.supervise.preflight import check_devices, check_train, preflight, split_heldout
+from services.supervise.preflight import (
+    Inputs,
+    check_devices,
+    check_train,
+    preflight,
+    split_heldout,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -139,9 +145,10 @@ def test_data_txt_split_cuts_txt_files_for_the_held_out_split_and_the_collator(t
     config.trainer.eval_texts = 2
     heldout, keep = split_heldout(config, str(train))
     assert keep == 4 and [json.loads(r)["text"] for r in open(heldout)] == ["line 4", "line 5"]
-    inputs = preflight(config)
+    check_train(str(train), "text", txt_split="line")
+    inputs = Inputs(str(train), heldout, None, keep)
     sections = make_data_sections(config, inputs, RunContext.of(config))
-    assert sections["collator"]["txt_split"] == "line"
+    assert sections["collator"]["txt_split"] == "line" and sections["collator"]["limit"] == 4
     # the default cuts at blank lines: the whole file is one text, too few to hold any out
     with pytest.raises(ValueError, match=r"has 1 texts: too few"):
         split_heldout(_config(tmp_path, data={"train": str(train)}), str(train))
@@ -150,3 +157,21 @@ def test_data_txt_split_cuts_txt_files_for_the_held_out_split_and_the_collator(t
 def test_an_unknown_txt_split_is_refused_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"data\.txt_split: expected one of 'blank_line', 'line'"):
         _config(tmp_path, data={"txt_split": "paragraph"})
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_a_corpus_without_its_text_field_names_the_run_setting(tmp_path, suffix):
+    path = tmp_path / f"train.{suffix}"
+    if suffix == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"body": ["a text"]}), path)
+    else:
+        path.write_text(json.dumps({"body": "a text"}) + "\n")
+    with pytest.raises(ValueError) as refused:
+        check_train(str(path), "text")
+    assert "set data.text_field" in str(refused.value)
+    assert "text_field=" not in str(refused.value)
+    with pytest.raises(ValueError, match="set rollout.text_field"):
+        check_train(str(path), "text", "rollout.prompts")

