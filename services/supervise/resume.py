@@ -80,7 +80,8 @@ class StartPlan:
 
 def plan_start(config: Any, *, resume: bool = False, fresh: bool = False) -> StartPlan:
     """Decide how a run starts in its directory (see the module docstring); writes the
-    fingerprint of a run that starts fresh or resumes with ``--resume``.
+    fingerprint of a run that starts fresh, resumes with ``--resume``, or resumes a record of
+    an earlier version (then recorded whole).
 
     Args:
         config: the RunConfig.
@@ -91,8 +92,8 @@ def plan_start(config: Any, *, resume: bool = False, fresh: bool = False) -> Sta
         The :class:`StartPlan`.
 
     Raises:
-        ValueError: both flags, or a checkpoint of another run without either (names the
-            differences and the two flags).
+        ValueError: both flags, or a checkpoint of another run without either (names each
+            changed key with its two values, and the two flags).
     """
     from services.trainer.checkpoint import latest_checkpoint
 
