@@ -32,9 +32,20 @@ class _Queue:
         self.cleared: list[str] = []
         self.acked: list[str] = []
         self.arrived: list[tuple[str, proto.Result]] = []
+        self.meta: list[str] = []  # the meta partition's keys (the teachers' announcements)
 
     def put(self, partition, keys, fields):
+        if partition == proto.meta_partition(_client_partition()):
+            self.meta += keys
+            return
         self.puts += keys
+
+    def list(self, partition):
+        return {
+            "keys": list(self.meta)
+            if partition == proto.meta_partition(_client_partition())
+            else []
+        }
 
     def claim(self, partition, task, needs, n, *, fields, timeout_s, lease_s):
         got, self.arrived = self.arrived, []
@@ -73,6 +84,10 @@ def _answer(queue: _Queue, writer: LogitRingWriter, key: str, teacher: str = "t"
     handle = writer.publish(slot, rows=B, length=U)
     result = proto.Result("shm", teacher, writer.descriptor, handle, W, B, U)
     queue.arrived.append((key, result))
+
+
+def _client_partition() -> str:
+    return TrainerConfig(loss=CrossTokenizerLossConfig(mode="ce")).partition
 
 
 def _client(queue, reader) -> TeacherClient:
@@ -293,3 +308,28 @@ def test_logits_of_a_teacher_on_another_gpu_are_copied_before_the_forward_and_eq
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_teacher_replaced_before_any_result_has_its_requests_asked_again_at_once(
+    ring, monkeypatch
+):
+    # the teacher that held the requests died before this rank saw a result of it (no ring to
+    # watch): its successor's announcement is the sign
+    from services.trainer import teacher_client
+
+    monkeypatch.setattr(teacher_client, "ANNOUNCEMENTS_EVERY_S", 0.0)
+    _, reader = ring
+    queue = _Queue()
+    proto.announce_teacher(queue, _client_partition(), 0, "first")
+    client = _client(queue, reader)
+    waiting = _asked()
+    client.ask(waiting)
+    old_key = waiting.request_key
+    client.poll(waiting)  # the same teacher serves: not asked again
+    assert queue.puts == [old_key]
+    proto.announce_teacher(queue, _client_partition(), 0, "successor")
+    client.poll(waiting)
+    assert waiting.request_key != old_key and waiting.teacher == "successor"
+    assert queue.puts == [old_key, waiting.request_key]
+    client.poll(waiting)  # asked again once
+    assert len(queue.puts) == 2 and client.counters["re_requests"] == 1
