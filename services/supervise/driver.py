@@ -6,16 +6,14 @@ per policy, draw the progress line, stop them; what happens is reported as typed
 
 A group restart names its first cause. When a trainer rank dies, its peers fail a moment later
 (their next collective): the driver records every rank's exit, and at a group's first exit waits
-up to :data:`GROUP_EXITS_WAIT_S` for the others' before it decides; the cause is the rank that
-died first by the exit time its launcher stamped (:func:`~services.supervise.policy.first_cause`),
-not the exit a poll happened to find first.
+briefly for the others' before it decides; the cause is the rank that died first by the exit time
+its launcher stamped, not the exit a poll happened to find first (:mod:`services.supervise.exits`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
 import socket
 import threading
@@ -41,18 +39,14 @@ from services.supervise.events import (
     Restarted,
     Unresponsive,
 )
+from services.supervise.exits import GroupExits, error_line, exit_time
 from services.supervise.mps import MpsDaemon
 from services.supervise.plan import Plan, RunContext, make_plan
-from services.supervise.policy import DETERMINISTIC_CODES, Decision, RestartPolicy, first_cause
+from services.supervise.policy import DETERMINISTIC_CODES, Decision, RestartPolicy
 from services.supervise.preflight import Inputs, preflight
 from services.supervise.progress import RunProgress, count_texts, estimated_steps
 
 logger = logging.getLogger(__name__)
-
-# seconds a group's decision waits, after its first exit, for the exits of its other processes
-GROUP_EXITS_WAIT_S = 2.0
-# a process's one-line error in its log (services.common.lifecycle: "[name] error: ...")
-_ERROR_LINE = re.compile(r"\[[\w.-]+\] error: (.+)$")
 
 
 def free_port() -> int:
@@ -84,8 +78,8 @@ class Driver:
         failed: the :class:`Failure` that ended the run, or None.
         heartbeats: process name -> its last heartbeat record.
         plan: the current launch's :class:`~services.supervise.plan.Plan` (None before one).
-        group_exits_wait_s: how long a group's first exit waits for its other processes' exits
-            before the restart is decided (:data:`GROUP_EXITS_WAIT_S`).
+        group_exits: the exits of a group (the trainer ranks) held until its restart is
+            decided (:class:`~services.supervise.exits.GroupExits`).
     """
 
     def __init__(
@@ -136,11 +130,7 @@ class Driver:
         self._finished: set[str] = set()
         # budget key -> (monotonic due time, decision, the exited process)
         self._pending: dict[str, tuple[float, Decision, str]] = {}
-        self.group_exits_wait_s = GROUP_EXITS_WAIT_S
-        # exits of a group's processes that wait for its decision: name -> (code, exit time)
-        self._group_exits: dict[str, tuple[int, float]] = {}
-        # role of a group -> monotonic time its first exit was found
-        self._group_since: dict[str, float] = {}
+        self.group_exits = GroupExits()
         self._progress_line: RunProgress | None = None
         self._started = time.monotonic()
         # the run's MPS daemon (``mps: true``): started by launch, stopped by release
@@ -404,7 +394,7 @@ class Driver:
                 self._restart_now(decision, name)
         L = self.launcher
         for name, proc in list(L.processes.items()):
-            if name in self._finished or name in self._group_exits or name in self._waiting():
+            if name in self._finished or name in self.group_exits or name in self._waiting():
                 continue
             code = proc.poll()
             if code is None:
@@ -416,8 +406,7 @@ class Driver:
             self._emit(Exited(process=name, role=spec.role, code=code))
             if not finished and self.policy.scopes.get(spec.role) == "group":
                 # its peers fail a moment after it: the decision waits for their exits
-                self._group_exits[name] = (code, _exit_time(proc))
-                self._group_since.setdefault(spec.role, time.monotonic())
+                self.group_exits.hold(name, spec.role, code, exit_time(proc))
                 continue
             decision = self.policy.decide(name, spec.role, code, finished_ok=finished)
             if decision.action == "done":
@@ -433,7 +422,7 @@ class Driver:
                 break
         if self._decide_groups() == "failed":
             return "failed"
-        if self._pending or self._group_since:
+        if self._pending or self.group_exits:
             return "recovering"
         trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
         if trainers and all(n in self._finished for n in trainers):
@@ -441,42 +430,22 @@ class Driver:
         return "running"
 
     def _decide_groups(self) -> str | None:
-        """Decide the restart of each group whose exits are in: every process of it exited, or
-        :attr:`group_exits_wait_s` passed since its first exit (a rank blocked in a collective
-        may never exit by itself; the restart stops it). The cause is the first to die.
+        """Decide the restart of each group whose exits are in (:meth:`GroupExits.due`): the
+        cause is the process that died first.
 
         Returns:
             ``failed`` when a decision failed the run (:attr:`failed` says why), else None.
         """
         L = self.launcher
-        for role, since in list(self._group_since.items()):
-            members = [n for n, s in self.specs.items() if s.role == role]
-            exits = {n: self._group_exits[n] for n in members if n in self._group_exits}
-            if not exits:  # a restart that covers the group took them over
-                del self._group_since[role]
-                continue
-            running = [
-                n
-                for n in members
-                if n not in exits
-                and n not in self._finished
-                and n in L.processes
-                and L.processes[n].poll() is None
-            ]
-            if running and time.monotonic() - since < self.group_exits_wait_s:
-                continue
-            del self._group_since[role]
-            for n in exits:
-                del self._group_exits[n]
-            name = first_cause(exits)
-            code, at = exits[name]
-            cause = f"{name} exited with code {code}"
-            followed = sorted((t, n, c) for n, (c, t) in exits.items() if n != name)
-            if followed:
-                then = ", ".join(
-                    f"{n} exited with code {c} {_later(t - at)}" for t, n, c in followed
-                )
-                cause += f" (the first of the {role}s to end; then {then})"
+
+        def running(name: str) -> bool:
+            proc = L.processes.get(name)
+            return name not in self._finished and proc is not None and proc.poll() is None
+
+        def members(role: str) -> list[str]:
+            return [n for n, s in self.specs.items() if s.role == role]
+
+        for role, name, code, cause in self.group_exits.due(members, running):
             logger.info("[run] %s", cause)
             decision = self.policy.decide(name, role, code, cause=cause)
             if decision.action == "fail":
@@ -493,7 +462,7 @@ class Driver:
         tail = proc.tail()
         reason = decision.reason
         if code in DETERMINISTIC_CODES:
-            error = _error_line(tail)
+            error = error_line(tail)
             if error:
                 reason = f"{reason}: {error}"
         return Failure(
@@ -562,8 +531,7 @@ class Driver:
             The trainers' exit codes.
         """
         self._pending.clear()
-        self._group_exits.clear()
-        self._group_since.clear()
+        self.group_exits.clear()
         trainers = [n for n, s in self.specs.items() if s.role == "trainer"]
         codes = self.launcher.stop(trainers, grace_s=grace_s)
         self.launcher.stop(grace_s=60)
@@ -639,8 +607,7 @@ class Driver:
         run stops now; :meth:`poll_once` starts the processes when the backoff is over."""
         logger.warning("[run] %s", decision.reason)
         covered = self._covered(decision.scope, name)
-        for n in covered:  # their exits are this restart's to handle
-            self._group_exits.pop(n, None)
+        self.group_exits.forget(covered)  # their exits are this restart's to handle
         for key, (_, queued, queued_name) in list(self._pending.items()):
             # this restart starts the queued one's processes too: both would start them twice
             if self._covered(queued.scope, queued_name) <= covered:
@@ -807,27 +774,6 @@ def _inputs_written(run_dir: Path) -> Inputs | None:
     data = run.get("data") or {}
     projection = ((run.get("trainer") or {}).get("loss") or {}).get("projection")
     return Inputs(data.get("train"), data.get("heldout"), projection)
-
-
-def _exit_time(proc: Any) -> float:
-    """When ``proc`` ended: its launcher's stamp (``exited_at``, taken as close to the process
-    as it can), else now (a process re-attached after a control-plane restart has none)."""
-    at = getattr(proc, "exited_at", None)
-    return float(at) if at is not None else time.time()
-
-
-def _later(seconds: float) -> str:
-    """``0.31s later`` (``0.02s earlier`` for an exit stamped before the cause's)."""
-    return f"{abs(seconds):.2f}s {'later' if seconds >= 0 else 'earlier'}"
-
-
-def _error_line(tail: str) -> str | None:
-    """The last ``[name] error: ...`` line of a process's log tail: its message, or None."""
-    for line in reversed(tail.splitlines()):
-        match = _ERROR_LINE.search(line)
-        if match:
-            return match.group(1).strip()
-    return None
 
 
 def _is_local_process(proc: Any) -> bool:

@@ -14,8 +14,9 @@ import pytest
 
 from services.launch.local import LocalLauncher
 from services.supervise.config import run_config_from_dict
-from services.supervise.driver import GROUP_EXITS_WAIT_S, Driver
+from services.supervise.driver import Driver
 from services.supervise.events import Exited, Recovering
+from services.supervise.exits import GROUP_EXITS_WAIT_S, error_line
 from tests.e2e.conftest import wait_for
 
 # A trainer rank as far as its peers see it: rank 0 listens on MASTER_PORT, rank 1 connects;
@@ -151,11 +152,21 @@ def test_a_rank_that_does_not_exit_delays_the_decision_only_briefly(tmp_path):
     launcher = _Reported(polls, ("trainer0", 1, time.time(), 0), ("trainer1", -9, 0.0, 99))
     events: list = []
     driver = _driver(tmp_path, launcher, events)
-    assert driver.group_exits_wait_s == GROUP_EXITS_WAIT_S > 0
+    assert driver.group_exits.wait_s == GROUP_EXITS_WAIT_S > 0
     assert driver.poll_once() == "recovering"
     assert not [e for e in events if isinstance(e, Recovering)]
-    driver.group_exits_wait_s = 0.0  # the wait is over; trainer1 still hangs in its collective
+    driver.group_exits.wait_s = 0.0  # the wait is over; trainer1 still hangs in its collective
     polls[0] += 1
     assert driver.poll_once() == "recovering"
     (recovering,) = [e for e in events if isinstance(e, Recovering)]
     assert (recovering.process, recovering.code) == ("trainer0", 1)
+
+
+def test_the_one_line_error_of_a_process_is_its_last_error_line():
+    tail = (
+        "2026-01-01 10:00:00,000 INFO [collator] reading data.jsonl\n"
+        "2026-01-01 10:00:01,000 ERROR [collator] error: data.jsonl:7 is not JSON: fix it\n"
+        "2026-01-01 10:00:01,001 INFO [collator] stopped\n"
+    )
+    assert error_line(tail) == "data.jsonl:7 is not JSON: fix it"
+    assert error_line("Traceback (most recent call last):\n  boom") is None
