@@ -8,16 +8,19 @@ import pytest
 import torch
 
 from services.trainer.worker import MicroBatch, StartupOutOfMemory, TrainerWorker
+from tests.extras import missing_tokenizers
 from tests.services.trainer import distill_setup as setup
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("needs CUDA", allow_module_level=True)
+if (missing := missing_tokenizers("qwen3")) is not None:  # pragma: no cover
+    pytest.skip(missing, allow_module_level=True)
 
 
 def _worker(**overrides) -> TrainerWorker:
-    # CE only, with tokenizers that ship with the core install (no teacher model)
+    # CE only, with the tokenizer of the core install (no teacher model)
     fields = {
         "device": "cuda",
         "max_length": 32,
