@@ -166,6 +166,20 @@ def runs_of(cells: list[tuple[Block, int]]) -> list[tuple[Block, int, int]]:
     return runs
 
 
+# Called before rows are read: (storage data pointer, first byte, end byte in that storage).
+Check = Callable[[int, int, int], None]
+
+
+def check_cells(cells: list[tuple[Block, int]], check: Check) -> None:
+    """Call ``check`` on the bytes each run of the cells' rows occupies in its storage."""
+    for block, r0, r1 in runs_of(cells):
+        values = block.values
+        storage = values.untyped_storage().data_ptr()
+        at = values.data_ptr() - storage
+        first, stop = (block.offs[r0], block.offs[r1]) if block.jagged else (r0, r1)
+        check(storage, at + first * block.row_stride, at + stop * block.row_stride)
+
+
 def assemble(cells: list[tuple[Block, int]]) -> FieldValue:
     """Build one field of N rows from (block, row) cells; a single run is a zero-copy view."""
     runs = runs_of(cells)

@@ -8,8 +8,10 @@ retried claim may leave a lease unanswered, which the server redelivers when it 
 Jagged fields of replies are ``JaggedColumn`` (values + offsets views of the received frames).
 Every reply names the server instance (``epoch``, random per start); a client remembers the first
 and, when a reply comes from another, counts the restart (``epoch_changes``), logs it and calls
-``on_epoch(old, new)``: whatever it built on the old instance (its puts, its leases) is gone. An
-ack or nack of an old instance's lease raises ``StaleEpochError``.
+``on_epoch(old, new)``: its leases are gone, and so is everything else it built on the old
+instance unless the server is durable (``--data-dir``; its hello says so, ``server_durable``, and
+the log line says what was kept). An ack or nack of an old instance's lease raises
+``StaleEpochError``.
 A dead server is noticed within ~2 s (its connection closes, or ZMTP heartbeats go unanswered
 for 1.5 s): the request in flight is sent again at once on a fresh socket, and reaches the
 server's replacement as soon as one listens (``disconnects`` counts them). Every request is safe
@@ -22,7 +24,11 @@ Every new connection starts with a ``hello`` sent ahead of its first request (no
 waited for): it presents the token of a server that needs one (``token=``, else
 ``XTOKEN_QUEUE_TOKEN`` / ``XTOKEN_QUEUE_TOKEN_FILE``, auth.py) and the client's ``instance`` (by
 default one random id per process), which owns the leases it claims: any client of the same
-instance may ack or nack them, a client of another gets ``not_owner``.
+instance may ack or nack them, a client of another gets ``not_owner``. A client with a token
+also presents it in the ZMTP handshake (PLAIN), which a server with a token checks before the
+connection may carry anything; a handshake the server refuses raises ``unauthorized`` (no or a
+wrong token) or the retryable ``too_many_connections`` (``--max-connections``) at once, and a
+server without a token (NULL) is talked to without one.
 Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
 to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py).
 """
@@ -40,7 +46,7 @@ from typing import Any
 import zmq
 
 from services.queue import errors as codes
-from services.queue.auth import load_token, process_instance
+from services.queue.auth import TOKEN_ENV, ZAP_BUSY, check_token, load_token, process_instance
 from services.queue.errors import QueueError, StaleEpochError
 from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
@@ -69,6 +75,13 @@ HEARTBEAT_TIMEOUT_S = 1.5
 MAX_RESENDS = 10
 # With a stop event, waits are sliced so that a stop is seen within this many ms.
 _STOP_POLL_MS = 50
+# What a connection's monitor reports: a drop, or a handshake the server refused.
+_MONITORED = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
 
 
 def _ms(seconds: float | None) -> int | None:
@@ -82,6 +95,7 @@ class _Tries:
     attempt: int = 0
     resends: int = 0
     rehello: bool = False
+    unshaken: int = 0  # connections the server closed in their handshake
 
 
 class _Requests:
@@ -112,10 +126,17 @@ class _Requests:
         self.epoch: str | None = None  # the server instance of the last reply
         self.epoch_changes = 0  # restarts of the server seen by this client
         self.on_epoch = on_epoch
-        self.token = token if token is not None else load_token()
+        self.token = check_token(token, "token") if token is not None else load_token()
         self.instance = instance or process_instance()
         self.stop = stop
         self.disconnects = 0  # connections found dead while a request waited
+        # The token goes into the ZMTP handshake (PLAIN) until a server answers that it takes
+        # none (NULL); then it travels in the hello only.
+        self._plain = self.token is not None
+        self._refusal: tuple[int, int] | None = None  # (event, value) of a refused handshake
+        self._handshaken = False  # whether this socket's connection completed a handshake
+        self.server_durable: bool | None = None  # the last hello reply's "durable"
+        self._hello_epoch: str | None = None  # the instance that hello reply came from
 
     def _stopped(self) -> bool:
         stop = self.stop
@@ -137,19 +158,89 @@ class _Requests:
         self._socket_options(sock)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
-        # the connection's fate: EVENT_DISCONNECTED when the server died or went silent
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self._plain:  # the token in the handshake: a server with one checks it there
+            sock.setsockopt(zmq.PLAIN_USERNAME, self.name.encode()[:255])
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self.token.encode())
+        # the connection's fate: EVENT_DISCONNECTED when the server died or went silent, a
+        # handshake failure when it refused the connection
+        monitor = sock.get_monitor_socket(_MONITORED)
         sock.connect(self.address)
         return sock, monitor
 
-    @staticmethod
-    def _drain_monitor(monitor: zmq.Socket) -> bool:
-        """Whether the connection dropped since the last look (drains the monitor)."""
+    def _drain_monitor(self, monitor: zmq.Socket) -> bool:
+        """Whether the connection dropped since the last look (drains the monitor); a refused
+        handshake is kept in ``_refusal``."""
+        from zmq.utils.monitor import parse_monitor_message
+
         dropped = False
         while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            monitor.recv_multipart(zmq.NOBLOCK)
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+                continue
+            if kind != zmq.EVENT_DISCONNECTED:
+                self._refusal = (int(kind), int(event["value"]))
             dropped = True
         return dropped
+
+    def _refused(self, msg_type: str, tries: _Tries) -> bool:
+        """After a drop: act on a connection the server closed in its handshake. Returns True
+        to send the request again at once, after switching between a handshake with the token
+        and one without (a server that takes none, or one restarted with one).
+
+        A server whose mechanism differs (PLAIN with a token, NULL without) closes the
+        connection as soon as it reads the client's greeting, sometimes before its own greeting
+        left: then no reason reaches the client, only the close. A client with a token switches
+        handshakes on such a close; one without takes the third in a row for a refusal.
+
+        Raises:
+            QueueError: ``unauthorized`` (this client has no token, or a wrong one) or the
+                retryable ``too_many_connections``.
+        """
+        refusal, self._refusal = self._refusal, None
+        if self._handshaken:
+            return False  # an ordinary drop of a connection that was up
+        event, value = refusal or (0, 0)
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if str(value) == ZAP_BUSY:
+                raise QueueError(
+                    codes.TOO_MANY_CONNECTIONS,
+                    f"the queue at {self.address} refused this connection: it holds its "
+                    "--max-connections already; close idle clients, retry later, or raise the "
+                    "server's --max-connections",
+                    retryable=True,
+                    request_type=msg_type,
+                )
+            raise QueueError(
+                codes.UNAUTHORIZED,
+                f"the queue at {self.address} refused this client's token in the handshake (it "
+                f"does not match the server's --auth-token-file): fix {TOKEN_ENV} (or "
+                "XTOKEN_QUEUE_TOKEN_FILE), or QueueClient(token=...)",
+                request_type=msg_type,
+            )
+        if event and value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return False  # a garbled handshake: treated as a dropped connection
+        tries.unshaken += 1
+        if self.token is not None:
+            if tries.unshaken > 4:
+                return False  # not a mechanism: resent like any drop
+            self._plain = not self._plain  # the server has the other mechanism: switch to it
+            logger.debug(
+                "[queue] %s closed the handshake: trying %s the token",
+                self.address,
+                "with" if self._plain else "without",
+            )
+            return True
+        if refusal is None and tries.unshaken < 3:
+            return False  # resent (a server restarting mid-handshake closes it too)
+        raise QueueError(
+            codes.UNAUTHORIZED,
+            f"the queue at {self.address} requires a token and refused this connection in "
+            f"its handshake: set {TOKEN_ENV} (or XTOKEN_QUEUE_TOKEN_FILE) to the token the "
+            "server reads from --auth-token-file, or pass QueueClient(token=...)",
+            request_type=msg_type,
+        )
 
     def _refused_unread(self, error: QueueError, tries: _Tries) -> bool:
         """Whether an error reply refused the request before reading it (a server that forgot
@@ -164,6 +255,9 @@ class _Requests:
         MAX_RESENDS), a timeout's is retried up to ``retries`` times, then raises ``timeout``."""
         if dropped and tries.resends < MAX_RESENDS:
             tries.resends += 1
+            if not self._handshaken:  # closed in its handshake (a refusal is seen on a retry)
+                logger.debug("[queue] connection to %s closed in its handshake", self.address)
+                return
             self.disconnects += 1
             logger.warning(
                 "[queue] connection to %s dropped while waiting for %s (server dead, hung "
@@ -206,13 +300,27 @@ class _Requests:
             return
         self.epoch_changes += 1
         logger.warning(
-            "[queue] %s restarted (instance %s -> %s): its samples and leases are gone",
+            "[queue] %s restarted (instance %s -> %s): %s",
             self.address,
             old,
             epoch,
+            self._restart_loses(epoch),
         )
         if self.on_epoch is not None:
             self.on_epoch(old, epoch)
+
+    def _restart_loses(self, epoch: str) -> str:
+        """What a restart into instance ``epoch`` took, as its hello reply told."""
+        if self._hello_epoch != epoch:
+            return (
+                "its leases are gone, and its samples too unless it runs with --data-dir (durable)"
+            )
+        if self.server_durable:
+            return (
+                "it is durable (--data-dir): its samples and what was acked are kept, its leases "
+                "are gone (their samples are claimable again)"
+            )
+        return "its samples and leases are gone (memory only)"
 
     def _socket_options(self, sock: zmq.Socket) -> None:
         # a random routing id: a server binds this connection's hello (token, instance) to it,
@@ -238,10 +346,16 @@ class _Requests:
             raise QueueError(
                 e.code, f"undecodable reply to {msg_type}: {e.message}", request_type=msg_type
             ) from None
+        body = msg.body
+        if msg.msg_type == "reply" and body.get("server") == "xtoken-queue":
+            # a hello's reply (often the one sent ahead of a request, dropped below): what
+            # kind of instance answers, before a new epoch is reported
+            self.server_durable = bool(body.get("durable"))
+            self._hello_epoch = body.get("epoch")
         if msg.request_id != request_id:
             logger.debug("dropping stale reply %d (waiting for %d)", msg.request_id, request_id)
             return None
-        self._see_epoch(msg.body.get("epoch"))
+        self._see_epoch(body.get("epoch"))
         if msg.msg_type == "error":
             body = msg.body
             error = StaleEpochError if body.get("code") == codes.STALE_EPOCH else QueueError
@@ -352,6 +466,7 @@ class QueueClient(_Requests):
 
     def _socket(self, msg_type: str = "hello") -> zmq.Socket:
         if self._sock is None:
+            self._handshaken = False
             sock, self._monitor = self._new_socket()
             self._sock = sock
             self._poller = zmq.Poller()
@@ -414,6 +529,7 @@ class QueueClient(_Requests):
                 # dropped while idle: the socket reconnects on its own, maybe to a restarted
                 # server that never saw this connection's hello (token, lease owner): say it again
                 send_frames(sock, self._hello_frames())
+            self._refusal = None  # only a refusal of this try's handshake counts
             send_frames(sock, frames)
             deadline = time.monotonic() + budget_s
             dropped = forgotten = False
@@ -440,6 +556,8 @@ class QueueClient(_Requests):
                     dropped = True
                     break
             self.close()
+            if dropped and self._refused(msg_type, tries):
+                continue  # the same request again, the other handshake
             if not forgotten:  # else a new connection, its hello first
                 self._next_try(msg_type, budget_s, tries, dropped)
 

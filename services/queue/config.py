@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common.endpoint import check_endpoint
-from services.queue.auth import TOKEN_ENV, is_loopback
+from services.queue.auth import TOKEN_ENV, check_token, is_loopback
 
 __all__ = ["DEFAULT_MAX_KEYS", "ServerConfig", "format_size", "parse_size"]
 
 DEFAULT_MAX_KEYS = 1 << 24  # tombstones per partition: 16 Mi keys = 128 MiB of hashes at most
+# Most client connections a server keeps open by default (each QueueClient holds one).
+DEFAULT_MAX_CONNECTIONS = 1024
 
 _UNITS = {
     "": 1,
@@ -104,10 +106,12 @@ class ServerConfig:
             room is needed.
         shm_reserve_s: seconds a shared-memory reservation stays valid without a put
             (``--shm-reserve-timeout-s``).
-        shm_reserve_max_bytes: most bytes one client (the instance its hello names, over all
-            its connections) may hold reserved and not yet stored; None = a quarter of ``capacity_bytes``. A larger reserve is refused at
-            once (``bad_request``; the client sends frames), one that would pass it with the
-            client's other reservations gets ``queue_full`` at once instead of waiting.
+        shm_reserve_max_bytes: most bytes held reserved and not yet stored per authenticated
+            identity; the queue's one credential is its token (or none), so this bounds all
+            clients together, however many instance ids or connections they use. None = a
+            quarter of ``capacity_bytes``. A larger reserve is refused at once (``bad_request``;
+            the client sends frames), one that would pass it with the reservations already held
+            gets ``shm_busy`` at once (the client sends that put as frames) instead of waiting.
         tombstone_max_keys: most keys per partition remembered as consumed after retention
             dropped their samples (``--tombstones``; 8 bytes each).
         max_claim_wait_s: largest ``timeout_ms`` a claim may ask for (``--max-claim-wait-s``);
@@ -142,8 +146,19 @@ class ServerConfig:
         auth_token: the shared secret every client presents in its hello; None serves anyone
             who can connect. Never a flag: ``ps`` would show it.
         insecure: allow a bind reachable from other hosts without a token (``--insecure``).
+        max_connections: most client connections the server keeps open
+            (``--max-connections``; each ``QueueClient`` holds one). One more is refused in its
+            ZMTP handshake, before it can send a message: the client raises a retryable
+            ``too_many_connections`` naming this setting.
         pool_idle_s: a free shared-memory segment unused this long is unlinked
             (``--pool-idle-s``): an idle server gives its pool's memory back.
+        shm_verify: hash the bytes of every put stored in the shared-memory pool and check
+            them before any read serves or copies them (``--shm-verify``, on by default): any
+            process of the server's user (root in a container) can open a pool file and write
+            into it, and such a change is then refused (``corrupt``, the samples dropped)
+            instead of being served. Costs one hash pass (~4 GB/s, xxh3) over a put's bytes
+            and over the rows each read returns; ``--no-shm-verify`` where nothing else can
+            reach the queue's /dev/shm.
         log_every_s: seconds between ``[queue] stats:`` log lines (``--log-every-s``; 0 = off).
 
     Raises:
@@ -214,7 +229,8 @@ class ServerConfig:
             "parse": parse_size,
             "metavar": "SIZE",
             "default_text": "a quarter of --capacity",
-            "help": "most bytes one client may hold reserved in the shared-memory pool at once",
+            "help": "most bytes all clients together may hold reserved (not yet put) in the "
+            "shared-memory pool; a put past it travels as frames",
         },
     )
     shm_reserve_s: float = field(
@@ -346,6 +362,14 @@ class ServerConfig:
             "gives its pool's memory back"
         },
     )
+    shm_verify: bool = field(
+        default=True,
+        metadata={
+            "help": "hash what each shared-memory put stores and check it before every read: "
+            "bytes another process wrote into a pool file after the put are refused, never "
+            "served (costs a hash pass, ~4 GB/s, over put and read bytes)"
+        },
+    )
     insecure: bool = field(
         default=False,
         metadata={
@@ -361,6 +385,13 @@ class ServerConfig:
             "deprecated_flags": ("log-every",),
         },
     )
+    max_connections: int = field(
+        default=DEFAULT_MAX_CONNECTIONS,
+        metadata={
+            "help": "most client connections kept open (each QueueClient holds one); one more is "
+            "refused in its handshake, before it sends anything"
+        },
+    )
     auth_token: str | None = field(default=None, repr=False, metadata={"cli": False})
     # the wire limits of every message, from max_message_bytes
     limits: Any = field(init=False, repr=False, compare=False)
@@ -369,6 +400,13 @@ class ServerConfig:
         check_endpoint(self.bind, "--bind")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token is empty: give a token or None (--auth-token-file)")
+        if self.auth_token is not None:
+            check_token(self.auth_token, "auth_token (--auth-token-file)")
+        if self.max_connections < 1:
+            raise ValueError(
+                f"max_connections={self.max_connections}: must be >= 1 (--max-connections; each "
+                "QueueClient holds one connection)"
+            )
         if self.auth_token is None and not self.insecure and not is_loopback(self.bind):
             raise ValueError(
                 f"bind={self.bind!r} is reachable from other hosts, and this queue has no token "

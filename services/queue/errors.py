@@ -11,9 +11,15 @@ QUEUE_FULL = "queue_full"
 TIMEOUT = "timeout"
 SHUTTING_DOWN = "shutting_down"
 SHM_UNAVAILABLE = "shm_unavailable"
+# a reserve that would pass --shm-reserve-max with the reservations not yet put: send frames
+SHM_BUSY = "shm_busy"
+# a stored put's bytes changed in its shared-memory segment after the put: never served
+CORRUPT = "corrupt"
 STALE_EPOCH = "stale_epoch"
 UNAUTHORIZED = "unauthorized"  # a server with a token: this connection's hello did not present it
 NOT_OWNER = "not_owner"  # an ack/nack of a lease another client instance claimed
+# client side: the server refused the connection in its handshake, --max-connections being open
+TOO_MANY_CONNECTIONS = "too_many_connections"
 STOPPED = "stopped"  # client side: the caller's stop event was set while it waited
 INTERNAL = "internal"
 

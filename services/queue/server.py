@@ -6,7 +6,10 @@ reply and an ack of a lease of an earlier instance is refused as ``stale_epoch``
 success), except in durable mode when that instance logged the ack before it died: the resent
 ack (its reply lost to the kill) is answered as acked, with the count it acked. A lease belongs to the client instance that claimed it (auth.py): an ack or nack from
 another is ``not_owner``. With a token (``auth_token``), a connection is served only once its
-hello presented it; every other request is answered ``unauthorized``.
+hello presented it; every other request is answered ``unauthorized``. Before that, the token is
+checked in the ZMTP handshake (PLAIN + the server's ZAP handler, ``_Gate``): a connection without
+it is closed before it can send a single message, and connections past ``--max-connections``
+are refused there too.
 
 One thread, one event loop: requests are decoded and answered in arrival order; claims that find
 nothing ready and puts (or shared-memory reservations) that do not fit are parked (never polled,
@@ -37,12 +40,26 @@ import zmq
 
 from services.common.lifecycle import progress as lifecycle_progress
 from services.queue import errors as codes
-from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, token_matches
+from services.queue.auth import (
+    MAX_INSTANCE_CHARS,
+    TOKEN_ENV,
+    ZAP_BUSY,
+    ZAP_DOMAIN,
+    ZAP_OK,
+    token_matches,
+    zap_verdict,
+)
 from services.queue.config import ServerConfig
 from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
 from services.queue.oplog import OpLog
-from services.queue.shm_pool import PoolSegment, ShmPool, segment_bytes, sweep_dead_pools
+from services.queue.shm_pool import (
+    PoolSegment,
+    ShmPool,
+    TamperedError,
+    segment_bytes,
+    sweep_dead_pools,
+)
 from services.queue.shm_transport import ORPHAN_AGE_S
 from services.queue.store import SampleStore
 from services.queue.transport import COPY_BELOW, recv_frames, send_frames
@@ -83,6 +100,116 @@ _MAX_ACKED_LEASES = 65536
 # for CONTENDED_PAUSE_S (the loop blocks in poll and is woken by the next request).
 CONTENDED_YIELD_S = 0.001
 CONTENDED_PAUSE_S = 1.0
+# A connection that has not completed its ZMTP handshake (greeting, token) within this long is
+# closed: how long a peer without the token can keep the one handshake command libzmq reads.
+HANDSHAKE_S = 10.0
+# The endpoint libzmq sends ZAP requests to (RFC 27), one per context.
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+
+
+class _Gate:
+    """The ZMTP handshake's checks of a ROUTER socket: its ZAP handler and connection count.
+
+    With a token the socket is a ZMTP PLAIN server: a connection presents the token as its
+    password in the handshake, and libzmq passes it to this handler before the connection may
+    carry any message; a connection without it (NULL, or a wrong password) is closed there,
+    so its messages never reach the server's memory. Every connection, with a token or not, is
+    also counted (socket monitor: accepted, disconnected) and refused past ``max_connections``.
+    Called from the server's event loop (``service`` when ``pollables`` are readable).
+
+    Args:
+        ctx: the server's zmq context (its ZAP endpoint is bound here).
+        sock: the ROUTER, before it binds.
+        token: the server's token, or None.
+        max_connections: most connections kept open (``--max-connections``).
+        oplog: where refusals are logged and counted.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        sock: zmq.Socket,
+        token: str | None,
+        max_connections: int,
+        oplog: OpLog,
+    ) -> None:
+        self.token = token
+        self.max_connections = max_connections
+        self._oplog = oplog
+        self.open: set[int] = set()  # file descriptors of open connections
+        self.refused = 0  # connections refused in the handshake (no or wrong token)
+        self.busy = 0  # connections refused past max_connections
+        self._zap = ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(_ZAP_ENDPOINT)
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._monitor = sock.get_monitor_socket(events)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        if token is not None:
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+
+    def pollables(self) -> list[zmq.Socket]:
+        """The sockets whose readiness means work for ``service``."""
+        return [self._zap, self._monitor]
+
+    def service(self) -> None:
+        """Note connections opened and closed, then answer every waiting ZAP request."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            kind, fd = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self.open.add(fd)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.open.discard(fd)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and self.token is not None:
+                # mostly a client without the token (ZMTP NULL against this PLAIN server)
+                self.refused += 1
+                self._refusal("a connection offered no token in its handshake")
+        while self._zap.poll(0):
+            request = self._zap.recv_multipart()
+            version, request_id = request[0], request[1]
+            address, mechanism = request[3], request[5]
+            status, text = zap_verdict(
+                mechanism, request[6:], self.token, len(self.open), self.max_connections
+            )
+            if status == ZAP_BUSY:
+                self.busy += 1
+                self._oplog.error(
+                    codes.TOO_MANY_CONNECTIONS,
+                    f"refused a connection from {address.decode(errors='replace') or 'ipc'}: "
+                    f"{self.max_connections} connections are open (--max-connections); close "
+                    "idle clients or raise --max-connections",
+                    None,
+                )
+            elif status != ZAP_OK:
+                self.refused += 1
+                self._refusal(
+                    f"a connection from {address.decode(errors='replace') or 'ipc'} presented "
+                    f"{text}"
+                )
+            self._zap.send_multipart(
+                [version, request_id, status.encode(), text.encode(), b"", b""]
+            )
+
+    def _refusal(self, what: str) -> None:
+        self._oplog.error(
+            codes.UNAUTHORIZED,
+            f"{what} and was closed before sending anything: clients set {TOKEN_ENV} (or "
+            "XTOKEN_QUEUE_TOKEN_FILE) to the token of --auth-token-file",
+            None,
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Connections open now, and those refused in the handshake so far."""
+        return {"open": len(self.open), "refused": self.refused, "busy": self.busy}
+
+    def close(self) -> None:
+        """Close the ZAP and monitor sockets (the ROUTER first: nothing waits on them then)."""
+        self._zap.close(linger=0)
+        self._monitor.close(linger=0)
 
 
 class BusyPoll:
@@ -176,6 +303,7 @@ class QueueServer:
             config.shm_reserve_s,
             idle_s=config.pool_idle_s,
             instance=self.epoch,
+            verify=config.shm_verify,
         )
         self.store = SampleStore(
             config.capacity_bytes,
@@ -183,14 +311,18 @@ class QueueServer:
             trim=self.pool.trim,
             on_release=lambda ptr: self.pool.release(ptr, self._send_seq),
             tombstone_max_keys=config.tombstone_max_keys,
+            check=self.pool.check if config.shm_verify else None,
         )
         # Zero-copy replies still owned by zmq: a released pool segment is not written again
         # before those sent before its release are gone (shm_pool.py).
         self._send_seq = 0
         self._trackers: collections.deque[tuple[int, zmq.MessageTracker]] = collections.deque()
         self._refs: list[tuple[str, int, int]] = []
-        self._ctx = context or zmq.Context.instance()
+        # A context of its own: the ZAP endpoint (_Gate) is one per context.
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
         self._sock: zmq.Socket | None = None
+        self._gate: _Gate | None = None
         self._stop = threading.Event()
         self._parked_claims: dict[str, collections.deque[_Parked]] = collections.defaultdict(
             collections.deque
@@ -309,6 +441,11 @@ class QueueServer:
         # zmq drops peers above MAXMSGSIZE without a reply; keep it above the wire limit so that
         # an oversize message is decoded far enough to get a "too_large" error reply.
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes + (1 << 20))
+        if self._gate is not None:  # an earlier bind that failed
+            self._gate.close()
+        self._gate = _Gate(
+            self._ctx, sock, self.config.auth_token, self.config.max_connections, self.oplog
+        )
         sock.bind(self.config.bind)
         self._sock = sock
         # pool segments of servers that died (their lock files are free: SIGKILL, whatever
@@ -350,10 +487,17 @@ class QueueServer:
             self.pool.close()
             if self.log is not None:
                 self.log.close()
+            if self._gate is not None:
+                self._gate.close()
+            if self._own_ctx:
+                self._ctx.destroy(linger=0)
 
     def _loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        gate = self._gate
+        for pollable in gate.pollables():  # handshakes: ZAP requests, connections
+            poller.register(pollable, zmq.POLLIN)
         if self.log is not None:  # the writer's reports, and its death
             for pollable in self.log.pollables():
                 poller.register(pollable, zmq.POLLIN)
@@ -370,6 +514,7 @@ class QueueServer:
                     self._on_frames(frames)
                     if not poller.poll(0):  # cheaper than the zmq.Again of an empty recv
                         break
+                gate.service()
                 busy.handled()
             if self.log is not None:
                 self._log_progress()
@@ -595,18 +740,23 @@ class QueueServer:
         return None
 
     def _quota_owner(self, ident: bytes) -> bytes:
-        """Whom a connection's reservations count against: the client instance its hello named
-        (every connection of one client shares one ``--shm-reserve-max``), else the connection.
+        """Whom a connection's reservations count against: the identity it authenticated as.
+
+        The queue knows one credential, its token (none without one), so every client shares
+        one ``--shm-reserve-max``. A client's instance id is its own choice and proves nothing:
+        counting per instance let a process that named a fresh one on each connection hold the
+        whole capacity in reservations.
         """
-        return self._owner(ident).encode()
+        return b"token" if self.config.auth_token is not None else b"anonymous"
 
     def _check_reserve_quota(self, ident: bytes, nbytes: int) -> None:
-        """Refuse a reserve past ``shm_reserve_max_bytes`` for this client, at once.
+        """Refuse a reserve past ``shm_reserve_max_bytes`` of reserved-not-put bytes, at once.
 
-        Checked before any segment is made: one client must not hold a large share of the
-        capacity (a reserve commits no memory, but its bytes count against the capacity). The
-        bound holds per client identity (its hello's instance), not per connection: more
-        connections get a client no more reserved bytes.
+        Checked before any segment is made: reservations must not hold a large share of the
+        capacity (a reserve commits no memory, but its bytes count against the capacity). A
+        reserve that would pass the bound with the reservations already held is ``shm_busy``
+        (retryable; a ``QueueClient`` then sends that put as frames), so a put is never kept
+        waiting by reservations, whoever holds them.
         """
         from services.queue.cli import format_size
 
@@ -617,18 +767,19 @@ class QueueServer:
             raise StoreError(
                 codes.BAD_REQUEST,
                 f"reserve of {format_size(nbytes)} ({format_size(size)} as a segment) by {who} "
-                f"is more than one client may hold reserved: --shm-reserve-max is "
+                f"is more than may be held reserved: --shm-reserve-max is "
                 f"{format_size(limit)} (queue serve; a quarter of --capacity by default); send "
                 "the put as frames, split it, or raise --shm-reserve-max",
             )
         held = self.pool.client_bytes(self._quota_owner(ident))
         if held + size > limit:
             raise StoreError(
-                codes.QUEUE_FULL,
-                f"reserve of {format_size(nbytes)}: {who} already holds {format_size(held)} "
-                f"reserved and not yet put, and one client may hold at most --shm-reserve-max "
-                f"= {format_size(limit)} (queue serve); put into those reservations or let them "
-                "lapse (--shm-reserve-timeout-s) first, or raise --shm-reserve-max",
+                codes.SHM_BUSY,
+                f"reserve of {format_size(nbytes)} by {who}: reservations not yet put hold "
+                f"{format_size(held)} of --shm-reserve-max = {format_size(limit)} (all clients "
+                "of this queue together); send this put as frames (QueueClient does), or put "
+                "into those reservations or let them lapse (--shm-reserve-timeout-s) first, "
+                "or raise --shm-reserve-max",
                 retryable=True,
             )
 
@@ -664,8 +815,34 @@ class QueueServer:
         seg = self.pool.locate(tensor)
         return None if seg is None else (seg.name, seg.size, seg.ptr)
 
+    def _read(self, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A store read (get, claim). A pool segment whose bytes changed after its put is not
+        read: its samples are dropped and the request answered ``corrupt`` (retryable)."""
+        try:
+            return read(*args, **kwargs)
+        except TamperedError as e:
+            raise self._drop_tampered(e) from None
+
+    def _drop_tampered(self, error: TamperedError) -> StoreError:
+        """Drop the samples stored in a segment another process wrote into; the error to answer."""
+        self.pool.condemn(error.ptr)  # unlinked once its samples are gone, never lent again
+        dropped = self.store.keys_viewing(error.ptr)
+        for partition, keys in dropped.items():
+            self.store.clear(partition, keys)
+        n = sum(len(keys) for keys in dropped.values())
+        where = ", ".join(f"{len(k)} of partition {p!r}" for p, k in dropped.items())
+        logger.warning(
+            "[queue] dropped %d samples (%s): their bytes in shared-memory segment %s changed "
+            "after their put (another process wrote into it); producers must put them again",
+            n,
+            where or "none left",
+            error.name,
+        )
+        return StoreError(codes.CORRUPT, f"{error} ({n} samples dropped: {where})", retryable=True)
+
     def _on_get(self, ident, rid, body, frames):
-        batch = self.store.get(
+        batch = self._read(
+            self.store.get,
             body["partition"],
             body["keys"],
             body.get("fields"),
@@ -777,6 +954,8 @@ class QueueServer:
         stats["parked_dropped"] = self.dropped_parked  # of clients found gone
         stats["requests"] = self.requests
         stats["unauthorized"] = self.refused
+        if self._gate is not None:
+            stats["connections"] = self._gate.stats()
         stats["shm_pool"] = self.pool.stats()
         return stats
 
@@ -795,7 +974,8 @@ class QueueServer:
             )
         lease_ms = body.get("lease_ms")
         lease_s = self.config.lease_s if lease_ms is None else lease_ms / 1000
-        batch = self.store.claim(
+        batch = self._read(
+            self.store.claim,
             body["partition"],
             body["task"],
             body["required_fields"],

@@ -39,6 +39,11 @@ Segment life cycle (one region = one whole segment)::
   ``max_free_bytes``.
 * A released segment is reused only after the zero-copy replies sent before its release have
   left the process (``ready``), so a reply is never overwritten while on its way out.
+* Checked (``verify``): when a put is stored, the server hashes the bytes it references, 1 MiB
+  at a time (xxh3-64 under a per-server random seed; CRC32 where xxhash is missing), and
+  ``check`` hashes the chunks under every row range it is about to read again. A process that
+  wrote into the file after the put (any process of the server's user can open it; root in a
+  container too) makes the read fail with ``TamperedError``: the changed bytes are never served.
 
 No sockets here: the server shell (server.py) calls it from its event loop.
 """
@@ -59,6 +64,20 @@ import torch
 
 from services.queue import errors as codes
 from services.queue.errors import StoreError
+
+try:  # ~4 GB/s; xxhash comes with the dev extras (datasets), not always installed
+    import xxhash
+
+    def _digest(buf: memoryview, seed: int) -> int:
+        return xxhash.xxh3_64_intdigest(buf, seed)
+
+except ImportError:  # pragma: no cover - depends on the install
+    import zlib
+
+    def _digest(buf: memoryview, seed: int) -> int:
+        return zlib.crc32(buf, seed & 0xFFFFFFFF)
+
+
 from xtoken_core.ipc.shm import (
     ALIGN,
     NAME_RE,
@@ -81,6 +100,31 @@ RETIRE_MIN_S = 10.0
 USED_TOKENS = 1024
 # Lock files of pools: <SHM_DIR>/xtkpool_<instance>.lock (not an xtk_ segment name).
 LOCK_PREFIX = "xtkpool_"
+# Stored bytes are hashed in chunks of this size: a read checks only the chunks under its rows.
+DIGEST_CHUNK = 1 << 20
+
+
+class TamperedError(StoreError):
+    """Bytes of a stored put changed in its pool segment after the put: a process other than the
+    server wrote into the file. Retryable: the server drops that put's samples, a retry reads
+    the others.
+
+    Attributes:
+        ptr: the segment's mapping address (the storage of the stored views).
+        name: the segment's name.
+    """
+
+    def __init__(self, ptr: int, name: str, chunk: int) -> None:
+        super().__init__(
+            codes.CORRUPT,
+            f"bytes of shared-memory segment {name} changed after their put (at byte "
+            f"{chunk * DIGEST_CHUNK} or later: another process wrote into {SHM_DIR}/{name}); "
+            "its samples are dropped, never served: put them again, and keep other processes "
+            "out of the queue's /dev/shm (run it under its own user or IPC namespace)",
+            retryable=True,
+        )
+        self.ptr = ptr
+        self.name = name
 
 
 class PoolLock:
@@ -225,6 +269,9 @@ class PoolSegment:
     owner: bytes = b""  # the client a reserved or staged segment counts against
     freed_at: float = 0.0  # clock seconds when it last became free
     backed: int = 0  # bytes [0, backed) are known to have memory behind them (check_refs)
+    written: int = 0  # bytes [0, written) hold what the staged or stored put references
+    digests: list[int] | None = None  # of each DIGEST_CHUNK of [0, written), once stored
+    condemned: bool = False  # another process wrote into it: unlinked when released
 
     @property
     def name(self) -> str:
@@ -252,6 +299,8 @@ class ShmPool:
         idle_s: a free segment unused this long is unlinked (``--pool-idle-s``).
         instance: names the lock file (``PoolLock``) made with the first segment; None makes
             none (logic-object tests).
+        verify: hash what a stored put references and check it before every read (``check``;
+            ``--shm-verify``).
 
     Raises:
         ValueError: negative ``max_free_bytes``, a non-positive ``reserve_s`` or ``idle_s``.
@@ -265,6 +314,7 @@ class ShmPool:
         clock: Callable[[], float] = time.monotonic,
         idle_s: float = 30.0,
         instance: str | None = None,
+        verify: bool = True,
     ) -> None:
         if not idle_s > 0:
             raise ValueError(f"idle_s={idle_s}: must be > 0 (--pool-idle-s)")
@@ -294,6 +344,9 @@ class ShmPool:
         self.idle_unlinked = 0  # free segments given back after idle_s
         self._instance = instance
         self._lock: PoolLock | None = None
+        self.verify = verify
+        self._seed = secrets.randbits(64)  # digests another process cannot compute ahead
+        self.tampered = 0  # reads refused because a stored put's bytes changed
 
     def _listed(self, segment: ShmSegment) -> ShmSegment:
         """Name a new segment in the lock file, so that a next server sweeps it if this one is
@@ -508,6 +561,7 @@ class ShmPool:
                     f"put references {name}[{start}:{end}], outside its reservation "
                     f"{seg.name}[0:{seg.size}]",
                 )
+            seg.written = max(seg.written, end)
             if end > seg.backed:  # pages once backed stay so: a warm put checks nothing
                 ranges.append((start, end))
         if not ranges:
@@ -544,6 +598,43 @@ class ShmPool:
         self.held_bytes -= seg.size
         if not referenced:
             self.release(seg.ptr, -1)
+        elif self.verify:
+            data = self._bytes(seg)
+            seg.digests = [
+                _digest(data[i : min(i + DIGEST_CHUNK, seg.written)], self._seed)
+                for i in range(0, seg.written, DIGEST_CHUNK)
+            ]
+
+    @staticmethod
+    def _bytes(seg: PoolSegment) -> memoryview:
+        """The segment's mapping as bytes (no copy)."""
+        return memoryview(seg.base_S.numpy())
+
+    def check(self, ptr: int, start: int, end: int) -> None:
+        """Before bytes ``[start, end)`` of storage ``ptr`` are read (served, copied): if the
+        storage is a stored pool segment, make sure they are what its put stored.
+
+        Args:
+            ptr: data pointer of the storage the rows view.
+            start: first byte of the rows in that storage.
+            end: byte after the rows.
+
+        Raises:
+            TamperedError: a chunk under the range hashes differently than when it was stored.
+        """
+        seg = self._by_ptr.get(ptr)
+        if seg is None or seg.digests is None or start >= end:
+            return
+        data = self._bytes(seg)
+        first, last = start // DIGEST_CHUNK, min(end, seg.written) - 1
+        for chunk in range(first, last // DIGEST_CHUNK + 1):
+            at = chunk * DIGEST_CHUNK
+            if (
+                _digest(data[at : min(at + DIGEST_CHUNK, seg.written)], self._seed)
+                != (seg.digests[chunk])
+            ):
+                self.tampered += 1
+                raise TamperedError(ptr, seg.name, chunk)
 
     def unstage(self, seg: PoolSegment) -> None:
         """A staged put was refused or timed out: the segment is free again (no reply ever
@@ -564,11 +655,19 @@ class ShmPool:
         self.held_bytes += seg.size
         self._to_free(seg, send_seq)
 
+    def condemn(self, ptr: int) -> None:
+        """Never lend the segment at ``ptr`` again (a process other than its producer wrote into
+        it): it is unlinked once the store drops its samples."""
+        seg = self._by_ptr.get(ptr)
+        if seg is not None:
+            seg.condemned = True
+
     def _to_free(self, seg: PoolSegment, send_seq: int) -> None:
         self._disown(seg)
         seg.state, seg.token, seg.released_seq = "free", "", send_seq
+        seg.written, seg.digests = 0, None
         seg.freed_at = self.clock()
-        if self.free_bytes + seg.size > self.max_free_bytes:
+        if seg.condemned or self.free_bytes + seg.size > self.max_free_bytes:
             self._unlink(seg)
             return
         self._free.append(seg)
@@ -648,6 +747,8 @@ class ShmPool:
             "unlinked": self.unlinked,
             "expired": self.expired,
             "idle_unlinked": self.idle_unlinked,
+            "verify": self.verify,
+            "tampered": self.tampered,
         }
 
     def close(self) -> int:

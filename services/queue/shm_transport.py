@@ -148,6 +148,7 @@ class ShmPuts:
         self.server_epoch: str | None = None  # the instance ``server`` (its hello) describes
         self.puts = 0
         self.rereserved = 0  # puts whose reservation an earlier server instance made
+        self.busy = 0  # puts sent as frames because reservations held --shm-reserve-max
         self._region_epochs: dict[str, str | None] = {}  # reservation token -> instance
         # segment name -> bytes from 0 this client committed in it: pages stay allocated while
         # the segment lives and a name is never reused, so a warm put commits nothing again
@@ -268,10 +269,13 @@ class ShmPuts:
             nbytes = fields_layout_bytes(body["fields"])
             limit = self.server.get("shm_reserve_max_bytes", nbytes)
             if nbytes > limit and self.mode != "always":
-                return None  # more than one client may reserve: this put travels as frames
+                return None  # more than may be held reserved: this put travels as frames
             try:
                 region = self.reserve(client, nbytes, wait_s)
             except QueueError as e:
+                if e.code == codes.SHM_BUSY:
+                    self.busy += 1  # reservations hold --shm-reserve-max: this put as frames
+                    return None
                 if e.code not in (codes.SHM_UNAVAILABLE, UNKNOWN_TYPE):
                     raise
                 self.give_up(str(e))

@@ -36,6 +36,7 @@ import torch
 from services.queue.blocks import (
     COMPACT_BELOW,
     Block,
+    Check,
     FieldValue,
     Locate,
     WireValue,
@@ -43,6 +44,7 @@ from services.queue.blocks import (
     assemble,
     assemble_shm,
     assemble_wire,
+    check_cells,
     copy_rows,
     gather_rows,
     schema_of,
@@ -194,6 +196,9 @@ class SampleStore:
         on_release: called with a storage's data pointer when the store drops its last view
             of it (a pool takes its segment back).
         tombstone_max_keys: most consumed keys remembered per partition (8 bytes each).
+        check: called with ``(storage data pointer, first byte, end byte)`` before rows are
+            read from that storage (a get, a claim, a compaction's copy); raises a StoreError
+            to refuse the read (a pool whose file was changed: ``TamperedError``).
 
     Raises:
         ValueError: capacity_bytes is not positive.
@@ -209,6 +214,7 @@ class SampleStore:
         trim: Callable[[int], int] | None = None,
         on_release: Callable[[int], None] | None = None,
         tombstone_max_keys: int = DEFAULT_MAX_KEYS,
+        check: Check | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0; pass e.g. 8GiB")
@@ -226,6 +232,7 @@ class SampleStore:
         self._held = held or (lambda: 0)
         self._trim = trim
         self._on_release = on_release
+        self._check = check
         self.tombstone_max_keys = int(tombstone_max_keys)
 
     def room(self) -> int:
@@ -1008,9 +1015,29 @@ class SampleStore:
             else:
                 self._storages[sid] = count
 
+    def keys_viewing(self, ptr: int) -> dict[str, list[str]]:
+        """Partition -> keys of the samples with a field stored in the storage at ``ptr``."""
+        out: dict[str, list[str]] = {}
+        for name, part in self._parts.items():
+            keys = {
+                k
+                for block in part.blocks
+                if any(sid[0] == ptr for sid in block.storages)
+                for k in block.keys
+                if k is not None
+            }
+            if keys:
+                out[name] = sorted(keys, key=part.index.__getitem__)
+        return out
+
     def _compact_block(self, part: _Partition, block: Block) -> None:
         rows = [r for r, k in enumerate(block.keys) if k is not None]
         keys = [block.keys[r] for r in rows]
+        if self._check is not None:
+            try:
+                check_cells([(block, r) for r in rows], self._check)
+            except StoreError:
+                return  # changed bytes are not copied: the next read of these rows refuses them
         value = JaggedColumn(block.values, block.offsets) if block.jagged else block.values
         fresh = Block(block.partition, block.field, copy_rows(gather_rows(value, rows)), keys)
         self._drop_block(part, block)
@@ -1047,6 +1074,8 @@ class SampleStore:
                     )
                 cells.append(cell)
                 nbytes += cell[0].row_nbytes[cell[1]]
+            if self._check is not None:
+                check_cells(cells, self._check)
             if not wire:
                 out[name] = assemble(cells)
             elif shm is not None:

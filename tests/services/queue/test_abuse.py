@@ -66,23 +66,24 @@ def test_a_lease_above_max_lease_is_refused_naming_the_flag(make_server):
         assert got["keys"] == ["k0"]
 
 
-def test_the_reservation_cap_holds_per_client_not_per_connection(make_server):
+def test_fresh_instance_ids_do_not_multiply_the_reservation_cap(make_server):
     srv = make_server("--capacity", "64MiB", "--shm-reserve-max", "16MiB")
-    # four connections of one client (one instance, as every client of a process has)
-    clients = [QueueClient(srv.address, timeout_s=5, instance="abuser") for _ in range(4)]
-    other = QueueClient(srv.address, timeout_s=5, instance="producer")
+    # one process posing as four clients: a fresh instance id on each connection
+    posers = [QueueClient(srv.address, timeout_s=5, instance=f"fresh-{i}") for i in range(4)]
+    honest = QueueClient(srv.address, timeout_s=5, instance="producer")
     try:
-        held = [clients[0].reserve(12 * MIB, timeout_s=0)]
-        for c in clients[1:]:
+        held = [posers[0].reserve(12 * MIB, timeout_s=0)]
+        for c in posers[1:]:
             with pytest.raises(QueueError) as err:
                 held.append(c.reserve(12 * MIB, timeout_s=0))
-            assert err.value.code == "queue_full" and "--shm-reserve-max" in str(err.value)
-        # another client is not blocked: its own quota, and the capacity is not held
-        region = other.reserve(12 * MIB, timeout_s=0)
-        put = other.put("p", ["k0"], payload(8 * MIB, 0), timeout_s=0, reservation=region)
+            assert err.value.code == "shm_busy" and err.value.retryable
+            assert "--shm-reserve-max" in str(err.value)
+        # an honest put is not blocked: it goes as frames while the reservations hold the cap
+        put = honest.put("p", ["k0"], payload(8 * MIB, 0), timeout_s=0)
         assert put["new_samples"] == 1
+        assert honest.get("p", ["k0"])["fields"]["x"].sum().item() == 0
     finally:
-        for c in [*clients, other]:
+        for c in [*posers, honest]:
             c.close()
 
 

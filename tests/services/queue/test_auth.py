@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from services.queue.auth import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback, load_token
 from services.queue.client import QueueClient
@@ -41,12 +42,16 @@ def secured(make_server, tmp_path):
     return make_server("--auth-token-file", str(path), env=_env())
 
 
-def _raw(address: str, *frames: bytes) -> dict:
-    """Send raw frames on a fresh DEALER (no hello) and return the decoded reply."""
+def _raw(address: str, *frames: bytes, token: str | None = None) -> dict:
+    """Send raw frames on a fresh DEALER (no hello; ``token`` in its ZMTP handshake) and return
+    the decoded reply."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
+    if token is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"raw")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
     sock.connect(address)
     try:
         sock.send_multipart(list(frames))
@@ -54,6 +59,31 @@ def _raw(address: str, *frames: bytes) -> dict:
         return {"type": msg.msg_type, **msg.body}
     finally:
         sock.close()
+
+
+def refused_at_handshake(address: str, token: str | None = None) -> int:
+    """Connect a DEALER (``token`` as its ZMTP PLAIN password) and return the handshake
+    failure its monitor reports."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if token is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"raw")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())
+    failed = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    try:
+        while monitor.poll(10_000):
+            event = recv_monitor_message(monitor)["event"]
+            if event & failed:
+                return event
+            raise AssertionError(f"the handshake succeeded ({event})")
+        raise AssertionError("no handshake outcome in 10 s")
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
 
 
 def _put(client: QueueClient, partition: str, n: int = 2) -> None:
@@ -69,9 +99,12 @@ def test_client_without_token_is_refused_and_server_keeps_serving(secured):
     assert err.value.code == "unauthorized"
     assert not err.value.retryable
     assert TOKEN_ENV in err.value.message and "--auth-token-file" in err.value.message
-    # a raw client that never says hello: every request refused, with an error reply
+    # a raw client without the token: closed in its handshake, before it sends anything
+    assert refused_at_handshake(secured.address) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    assert refused_at_handshake(secured.address, "wrong") == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    # one with the token that never says hello: every request refused, with an error reply
     body = encode_message("stats", {}, request_id=7)
-    reply = _raw(secured.address, *body)
+    reply = _raw(secured.address, *body, token=TOKEN)
     assert reply["type"] == "error" and reply["code"] == "unauthorized"
     with QueueClient(secured.address, timeout_s=5, retries=0, token=TOKEN) as ok:
         assert ok.hello()["auth"] is True
@@ -86,6 +119,7 @@ def test_wrong_token_is_refused(secured):
             bad.hello()
         assert err.value.code == "unauthorized"
         assert "does not match" in err.value.message
+        assert TOKEN_ENV in err.value.message
         with pytest.raises(QueueError) as err:
             bad.list()
         assert err.value.code == "unauthorized"
@@ -106,9 +140,9 @@ def test_client_reads_token_from_env(secured, monkeypatch, tmp_path):
 
 
 def test_garbage_before_hello_gets_an_error_reply(secured):
-    reply = _raw(secured.address, b"\x00garbage-header", b"\xff\xfe")
+    reply = _raw(secured.address, b"\x00garbage-header", b"\xff\xfe", token=TOKEN)
     assert reply["type"] == "error"
-    reply = _raw(secured.address, b"just one frame")
+    reply = _raw(secured.address, b"just one frame", token=TOKEN)
     assert reply["type"] == "error"
     with QueueClient(secured.address, timeout_s=5, retries=0, token=TOKEN) as ok:
         ok.stats()
@@ -134,7 +168,7 @@ def test_second_client_cannot_ack_or_nack_the_first_clients_lease(secured):
             {"partition": "auth-own", "task": "t", "lease_id": lease, "keys": None},
             request_id=3,
         )
-        assert _raw(secured.address, *frames)["code"] == "unauthorized"
+        assert _raw(secured.address, *frames, token=TOKEN)["code"] == "unauthorized"
         status = a.status("auth-own", "t")
         assert (status["leased"], status["consumed"]) == (2, 0)
         # another client of the same instance (a helper thread's, a reconnect) may ack
@@ -165,6 +199,9 @@ def test_leases_are_bound_without_a_token_too(make_server):
         assert _raw(srv.address, *frames)["code"] == "not_owner"
         a.close()  # a new connection of the same client still owns the lease
         assert a.ack("open-own", "t", lease)["count"] == 2
+        # a client with a token talks to a server without one (its handshake falls back)
+        with QueueClient(srv.address, timeout_s=5, retries=0, token=TOKEN) as c:
+            assert c.list("open-own")["keys"] == ["k0", "k1"]
     finally:
         a.close()
         b.close()

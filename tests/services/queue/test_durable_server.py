@@ -3,6 +3,7 @@ registrations and tombstones survive a SIGKILL and a restart; leases do not."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -87,3 +88,26 @@ def test_a_clean_restart_recovers_too_and_reports_it(tmp_path):
         assert "recovered 2 samples" in second.log()
     finally:
         second.stop()
+
+
+def test_a_durable_restart_is_not_reported_as_lost_samples(tmp_path, caplog):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    args = ("--bind", address, "--data-dir", str(tmp_path / "data"), "--fsync", "always")
+    first = ServerProcess(tmp_path, *args)
+    second = None
+    try:
+        with QueueClient(address, timeout_s=5, retries=5) as c:
+            c.put("p", ["k1"], ids(["k1"]))  # answered once fsynced: survives the SIGKILL
+            kill(first)
+            second = ServerProcess(tmp_path, *args)
+            with caplog.at_level(logging.WARNING, logger="services.queue.client"):
+                assert c.list("p")["keys"] == ["k1"]  # the sample is there
+        lines = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "durable" in lines[0] and "samples and what was acked are kept" in lines[0]
+        assert "samples and leases are gone" not in lines[0]
+        assert c.server_durable is True
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()

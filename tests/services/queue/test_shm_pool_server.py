@@ -281,15 +281,16 @@ print("same" if torch.equal(reply.body["fields"]["x"], want) else "corrupted", f
 """
 
 
-def test_a_segment_is_not_lent_again_while_a_frames_reply_of_it_is_still_on_its_way(server):
+def test_a_segment_is_not_lent_again_while_a_frames_reply_of_it_is_still_on_its_way(
+    make_server,
+):
     keys = ["a", "b"]
     old = {"x": torch.arange(2 * (8 << 20), dtype=torch.int32).view(2, -1)}  # 64 MiB
     new = {"x": torch.full((2, 8 << 20), -7, dtype=torch.int32)}
-    # its own client identity: the reserve quota is per client, and other tests of this
-    # process may still hold reservations on the shared server
-    with QueueClient(
-        server.address, timeout_s=30, shm_min_bytes=0, instance="pool-race"
-    ) as producer:
+    # a server of its own: --shm-reserve-max (64 MiB here) bounds all clients together, and
+    # other tests may still hold reservations on the shared server
+    server = make_server("--capacity", "256MiB")
+    with QueueClient(server.address, timeout_s=30, shm_min_bytes=0) as producer:
         # a reader whose claim waits for the data, and that stops reading before it arrives:
         # most of its frames reply then waits in the server's zmq queue, zero-copy over the
         # pool segment

@@ -139,7 +139,7 @@ def test_consumer_views_of_the_pool_are_read_only(server):
         client.clear("trust-ro")
 
 
-def test_a_reserve_past_the_per_client_bound_is_refused_at_once(make_server):
+def test_a_reserve_past_the_reservation_bound_is_refused_at_once(make_server):
     srv = make_server("--capacity", "32MiB")  # shm_reserve_max_bytes: a quarter, 8 MiB
     with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0) as client:
         assert client.hello()["shm_reserve_max_bytes"] == 8 << 20
@@ -149,13 +149,18 @@ def test_a_reserve_past_the_per_client_bound_is_refused_at_once(make_server):
         assert e.value.code == "bad_request" and "--shm-reserve-max" in e.value.message
         first = client.reserve(6 << 20, timeout_s=30)
         with pytest.raises(QueueError) as e:
-            client.reserve(3 << 20, timeout_s=30)  # 6 + 3 > 8 held by this client
-        assert e.value.code == "queue_full" and e.value.retryable
+            client.reserve(3 << 20, timeout_s=30)  # 6 + 3 > 8 held reserved
+        assert e.value.code == "shm_busy" and e.value.retryable
         assert "--shm-reserve-max" in e.value.message
         assert time.monotonic() - t < 5  # answered at once, not after the 30 s wait
-        # another client (instance) has its own quota; another connection of this one not
+        # another instance shares the bound (instance ids prove nothing); its put goes as frames
         with QueueClient(srv.address, timeout_s=10, shm_min_bytes=0, instance="other") as other:
-            assert other.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20
+            with pytest.raises(QueueError) as e:
+                other.reserve(3 << 20, timeout_s=30)
+            assert e.value.code == "shm_busy"
+            assert other.put("other", ["o"], {"x": torch.ones(1, 3 << 18)})["written"] == 1
+            assert other._shm.busy == 1 and other._shm.puts == 0
+            other.clear("other")
         client.put("big", ["a"], {"x": torch.ones(1, 1 << 10)}, reservation=first)
         assert client.reserve(3 << 20, timeout_s=30).nbytes >= 3 << 20  # the put freed it
         # a put larger than the bound travels as frames instead of failing
