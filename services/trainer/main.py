@@ -188,6 +188,17 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
         if world > 1:
             dist.barrier()
 
+    def save_checkpoint() -> None:
+        """Checkpoint the epoch as it stands (collective), with the summary's eval before."""
+        checkpoint.save(
+            worker,
+            run_dir,
+            epoch=epoch,
+            task_start=task_start,
+            trained=trained,
+            before=summary.get("student_before"),
+        )
+
     if worker.step == 0:
         evaluate("before")
     # on-policy samples: the rollout workers sample with these weights, then with each update
@@ -317,14 +328,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
             if config.checkpoint_every and worker.step % config.checkpoint_every == 0:
                 write_steps()
                 lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
-                checkpoint.save(
-                    worker,
-                    run_dir,
-                    epoch=epoch,
-                    task_start=task_start,
-                    trained=trained,
-                    before=summary.get("student_before"),
-                )
+                save_checkpoint()
                 feed.commit()  # retention: what the checkpoint holds may be dropped now
                 last_ckpt = worker.step
             if config.eval_every and worker.step % config.eval_every == 0:
@@ -343,14 +347,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     gc_clock.remove()
     lifecycle.pause_progress()
     if worker.step != last_ckpt or stopped:
-        checkpoint.save(
-            worker,
-            run_dir,
-            epoch=epoch,
-            task_start=task_start,
-            trained=trained,
-            before=summary.get("student_before"),
-        )
+        save_checkpoint()
         try:
             if feed is not None:
                 feed.commit()

@@ -199,6 +199,32 @@ def assert_exactly_once(trained: list[str], corpus: list[str]) -> None:
     assert not counted.extra, f"trained but not in the corpus: {counted.extra}"
 
 
+def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, projection: str,
+                    **trainer: Any) -> Any:
+    """The run config of ``xtoken run`` tests: two tiny P-KL trainer ranks (4 x 2 samples a step
+    each), one shm teacher with checksums, one collator worker; ``trainer`` overrides the
+    trainer's settings (no checkpoint, no export by default)."""
+    from services.run import CollatorSection, DataConfig, RunConfig
+
+    settings = dict(
+        student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,
+        eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
+        loss=CrossTokenizerLossConfig(projection=projection),
+        optim=OptimConfig(lr=3e-3, warmup_steps=1),
+    )
+    return RunConfig(
+        run_dir=str(run_dir), student_tokenizer=STUDENT_TOKENIZER,
+        teacher_tokenizer=TEACHER_TOKENIZER, ctx_student=CTX, ctx_teacher=CTX,
+        queue_capacity="1GiB", trainers=2,
+        data=DataConfig(train=str(train), heldout=heldout),
+        collator=CollatorSection(workers=1, batch=16),
+        teacher=TeacherConfig(
+            model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
+        ),
+        trainer=TrainerConfig(**{**settings, **trainer}),
+    )
+
+
 # ----------------------------------------------------------------------------- processes
 
 

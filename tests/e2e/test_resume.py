@@ -1,5 +1,5 @@
-"""``xtoken run`` stopped by Ctrl-C and run again: the resumed run trains the steps an uninterrupted run
-would (no empty or NaN step on any rank), every sample once, and keeps the summary's
+"""``xtoken run`` stopped by Ctrl-C and run again: the resumed run trains the steps an
+uninterrupted run would (no empty or NaN step on any rank), every sample once, and keeps the summary's
 ``student before``."""
 
 from __future__ import annotations
@@ -11,13 +11,7 @@ import signal
 import pytest
 
 from services.common.metrics import read_jsonl
-from services.run import CollatorSection, DataConfig, RunConfig
-from services.teacher.worker import TeacherConfig
-from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
-    CTX,
-    STUDENT_TOKENIZER,
-    TEACHER_TOKENIZER,
     assert_exactly_once,
     checkpoint_keys,
     corpus_parts,
@@ -25,10 +19,10 @@ from tests.e2e.conftest import (
     keys_after,
     latest_checkpoint,
     step_records,
+    tiny_run_config,
     wait_for,
     write_config,
 )
-from xtoken_core.losses import CrossTokenizerLossConfig
 
 pytestmark = pytest.mark.slow
 
@@ -39,25 +33,8 @@ def test_a_run_resumed_after_ctrl_c_trains_the_steps_of_an_uninterrupted_run(
 ):
     paths, corpus = corpus_parts(demo, tmp_path / "data", n=96, parts=1)
     run_dir = tmp_path / "run"
-    config = RunConfig(
-        run_dir=str(run_dir),
-        student_tokenizer=STUDENT_TOKENIZER,
-        teacher_tokenizer=TEACHER_TOKENIZER,
-        ctx_student=CTX,
-        ctx_teacher=CTX,
-        queue_capacity="1GiB",
-        trainers=2,
-        data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
-        collator=CollatorSection(workers=1, batch=16),
-        teacher=TeacherConfig(
-            model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
-        ),
-        trainer=TrainerConfig(
-            student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=2,
-            eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
-            loss=CrossTokenizerLossConfig(projection=projection),
-            optim=OptimConfig(lr=3e-3, warmup_steps=1),
-        ),
+    config = tiny_run_config(
+        run_dir, paths[0], str(demo.heldout_path), projection, checkpoint_every=2
     )
     per_step = 2 * 4 * 2  # ranks x micro_batch x grad_accum
     steps_in_data = len(corpus) // per_step

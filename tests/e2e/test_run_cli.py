@@ -23,6 +23,7 @@ from tests.e2e.conftest import (
     latest_checkpoint,
     pid_alive,
     step_records,
+    tiny_run_config,
     trained_keys,
     wait_for,
     write_config,
@@ -37,26 +38,7 @@ def test_sigterm_on_xtoken_run_checkpoints_exits_zero_and_leaves_no_process(
 ):
     paths, corpus = corpus_parts(demo, tmp_path / "data", n=96, parts=1)
     run_dir = tmp_path / "run"
-    config = RunConfig(
-        run_dir=str(run_dir),
-        student_tokenizer=STUDENT_TOKENIZER,
-        teacher_tokenizer=TEACHER_TOKENIZER,
-        ctx_student=CTX,
-        ctx_teacher=CTX,
-        queue_capacity="1GiB",
-        trainers=2,
-        data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
-        collator=CollatorSection(workers=1, batch=16),
-        teacher=TeacherConfig(
-            model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
-        ),
-        trainer=TrainerConfig(
-            student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,
-            eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
-            loss=CrossTokenizerLossConfig(projection=projection),
-            optim=OptimConfig(lr=3e-3, warmup_steps=1),
-        ),
-    )
+    config = tiny_run_config(run_dir, paths[0], str(demo.heldout_path), projection)
     steps_in_data = len(corpus) // (2 * 4 * 2)  # ranks x micro_batch x grad_accum
     run = procs.start("run", ["run", str(write_config(tmp_path / "run.json", config)),
                               "--no-progress"], ready=False)

@@ -25,6 +25,21 @@ pytestmark = pytest.mark.slow
 STALL_BEYOND_LOAD_S = 10.0
 
 
+def _kill_and_replace(pipeline, teacher, teacher_cfg, trainers, queue) -> tuple[float, float]:
+    """SIGKILL ``teacher``, start its successor at once (as the run engine does), let the
+    trainers finish, stop the rest; returns the kill's time and the successor's load time."""
+    assert teacher.kill() == -signal.SIGKILL
+    killed_at = time.time()
+    successor = pipeline.start_teacher(teacher_cfg, name="teacher-restarted")
+    successor.wait_ready(120)
+    load_s = time.time() - killed_at
+    for t in trainers:
+        assert t.wait(240) == 0, t.tail()
+    successor.signal(signal.SIGTERM)
+    queue.signal(signal.SIGTERM)
+    return killed_at, load_s
+
+
 @pytest.mark.timeout(300)
 def test_trainers_ask_a_restarted_teacher_again_within_seconds_of_a_sigkill(pipeline, demo):
     paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)
@@ -41,16 +56,7 @@ def test_trainers_ask_a_restarted_teacher_again_within_seconds_of_a_sigkill(pipe
     run_dir = pipeline.run_dir
 
     wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 120, "two trained steps")
-    assert teacher.kill() == -signal.SIGKILL
-    killed_at = time.time()
-    # restarted at once, as the run engine does
-    successor = pipeline.start_teacher(teacher_cfg, name="teacher-restarted")
-    successor.wait_ready(120)
-    load_s = time.time() - killed_at
-    for t in trainers:
-        assert t.wait(240) == 0, t.tail()
-    successor.signal(signal.SIGTERM)
-    queue.signal(signal.SIGTERM)
+    killed_at, load_s = _kill_and_replace(pipeline, teacher, teacher_cfg, trainers, queue)
 
     for rank in (0, 1):
         times = [r["time"] for r in step_records(run_dir, rank)]
@@ -90,15 +96,7 @@ def test_a_teacher_dead_before_any_result_is_replaced_without_waiting_for_its_le
         requests = proto.request_partition(trainer_cfg.partition, 0)
         wait_for(lambda: client.status(requests, proto.TEACHER_TASK)["leased"] > 0, 120,
                  "requests leased to the frozen teacher")
-    teacher.kill()
-    killed_at = time.time()
-    successor = pipeline.start_teacher(teacher_cfg, name="teacher-restarted")
-    successor.wait_ready(120)
-    load_s = time.time() - killed_at
-    for t in trainers:
-        assert t.wait(240) == 0, t.tail()
-    successor.signal(signal.SIGTERM)
-    queue.signal(signal.SIGTERM)
+    killed_at, load_s = _kill_and_replace(pipeline, teacher, teacher_cfg, trainers, queue)
 
     for rank in (0, 1):
         first = step_records(run_dir := pipeline.run_dir, rank)[0]["time"]
