@@ -427,8 +427,8 @@ class CollatorRun:
         self._stored = []  # what the earlier instances stored is gone
         self.summary.restarts += 1
         logger.warning(
-            "[collator] the queue restarted (new instance %s): what it held is lost; the end "
-            "of this pass puts it again",
+            "[collator] the queue restarted (new instance %s): the end of this pass puts again "
+            "what it lacks (nothing, if it is durable: --data-dir keeps its samples)",
             epoch,
         )
         self._epoch = epoch
