@@ -82,6 +82,7 @@ def execute(config, *, progress: bool = True, launcher=None, show_report: bool =
     """Run ``config`` (a RunConfig) with ``launcher`` (None: local subprocesses), print the
     held-out table (unless ``show_report`` is False); returns the exit code."""
     from services.supervise.driver import Driver
+    from xtoken_core.errors import EXIT_DATA, EXIT_SETTINGS, DataError
 
     run = Driver(config, launcher=launcher, progress=progress)
     install_stop(run)
@@ -89,7 +90,7 @@ def execute(config, *, progress: bool = True, launcher=None, show_report: bool =
         code = run.run()
     except ValueError as e:
         print(f"xtoken run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_DATA if isinstance(e, DataError) else EXIT_SETTINGS
     finally:
         if hasattr(launcher, "close"):
             launcher.close()  # Ray: actors and placement groups back to the cluster
@@ -115,11 +116,12 @@ def format_report(table: dict, run_dir) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config and execute the run. A run refused (exit code 2) leaves no directory it
-    created; its config and corpora are checked before anything heavy is imported or started."""
+    """Load the config and execute the run. A run refused (exit code 2: settings, 3: data) leaves
+    no directory it created; its config and corpora are checked before anything heavy is imported or started."""
     from services.common.config import ConfigError
     from services.supervise.config import load_run_config
     from services.supervise.preflight import check_corpora
+    from xtoken_core.errors import EXIT_DATA, EXIT_SETTINGS, DataError
 
     try:
         config = load_run_config(args.config, getattr(args, "overrides", ()))
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         check_corpora(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtoken run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_DATA if isinstance(e, DataError) else EXIT_SETTINGS
     from services.supervise.resume import plan_start
 
     run_dir = Path(config.run_dir)
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"xtoken run: {e}", file=sys.stderr)
         return 2
     code = _launch(args, config, start)
-    if code == 2 and (start.moved_to is not None or not existed):
+    if code in (2, 3) and (start.moved_to is not None or not existed):
         shutil.rmtree(run_dir, ignore_errors=True)  # refused: nothing it made stays behind
     return code
 

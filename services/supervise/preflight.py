@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from services.supervise.config import RunConfig
+from xtoken_core.errors import DataError, SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ def check_corpora(config: RunConfig) -> None:
     once, before it starts or loads anything.
 
     Raises:
-        ValueError: a corpus that is missing, unreadable or without text (names the key).
+        SettingsError: a held-out setting that names no file (names the key).
+        DataError: a held-out corpus without text (names the key).
+        ValueError: a training corpus that is missing, unreadable or without text.
     """
     data = config.data
     if data.train is not None:
@@ -139,11 +142,11 @@ def check_corpora(config: RunConfig) -> None:
         if path is None:
             continue
         if not Path(path).is_file():
-            raise ValueError(f"{key}={path!r} is not a file; point it at a corpus file")
+            raise SettingsError(f"{key}={path!r} is not a file; point it at a corpus file")
         try:
             first_text(path, "text")
         except ValueError as e:
-            raise ValueError(f"{key}: {e}") from None
+            raise DataError(f"{key}: {e}") from None
 
 
 def check_train(

@@ -96,6 +96,18 @@ def test_a_refused_run_leaves_no_directory_it_created(tmp_path, override, refusa
     assert not (tmp_path / "r").exists()
 
 
+def test_a_held_out_corpus_without_text_is_bad_data_exit_3_naming_the_key(tmp_path):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n\n")
+    proc = _xtoken_run(tmp_path, "--set", f"data.heldout={blank}")
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"xtoken run: data.heldout: corpus '{blank}' has no usable text; point it at a corpus "
+        "with text"
+    ]
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_refused_run_leaves_a_directory_it_did_not_create_as_it_was(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "notes.txt").write_text("mine")

@@ -53,6 +53,8 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 
+from xtoken_core.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 # Bump when the chunking or record format changes: old caches are then rebuilt.
@@ -380,7 +382,7 @@ def _decode_line(raw: bytes, path: pathlib.Path, line_number: int, line_offset: 
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(
+        raise DataError(
             f"{path}: line {line_number}: invalid UTF-8 at byte offset {line_offset + exc.start} "
             f"of the file (byte {exc.start} of the line: {raw[exc.start : exc.start + 4]!r}); "
             f"re-encode the file as UTF-8"
@@ -507,7 +509,7 @@ def _iter_parquet(
         )
     column_type = parquet.schema_arrow.field(field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise ValueError(f"{path}: column {field!r} has type {column_type}, expected string")
+        raise DataError(f"{path}: column {field!r} has type {column_type}, expected string")
     row = 0
     for batch in parquet.iter_batches(columns=[field], batch_size=1024):
         for value in batch.column(0).to_pylist():
@@ -540,7 +542,7 @@ def _iter_arrow(
         )
     column_type = schema.field(field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise ValueError(f"{path}: column {field!r} has type {column_type}, expected string")
+        raise DataError(f"{path}: column {field!r} has type {column_type}, expected string")
     row = 0
     for batch in batches:
         for value in batch.column(field).to_pylist():
@@ -620,7 +622,7 @@ def _hf_dataset_files(folder: pathlib.Path) -> list[pathlib.Path] | None:
         return None
     files = [folder / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
     if not files:
-        raise ValueError(f"{state}: lists no data files; save the dataset again")
+        raise DataError(f"{state}: lists no data files; save the dataset again")
     return files
 
 
@@ -739,5 +741,5 @@ def read_texts(path: str | os.PathLike, limit: int, *, text_field: str = "text")
         if len(texts) >= limit:
             break
     if not texts:
-        raise ValueError(f"held-out corpus {str(path)!r} has no usable text; point it at a corpus")
+        raise DataError(f"held-out corpus {str(path)!r} has no usable text; point it at a corpus")
     return texts

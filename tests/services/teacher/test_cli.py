@@ -46,7 +46,7 @@ def test_an_unreachable_queue_exits_2_naming_the_address_and_the_setting():
     assert seconds < 30  # imports + one second, not a hang
 
 
-def test_a_held_out_file_without_text_exits_2_before_touching_the_queue(tmp_path):
+def test_a_held_out_file_without_text_exits_3_before_touching_the_queue(tmp_path):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n")
     address = f"tcp://127.0.0.1:{closed_port()}"
@@ -54,7 +54,7 @@ def test_a_held_out_file_without_text_exits_2_before_touching_the_queue(tmp_path
         "teacher", "--queue", address, "--queue-timeout-s", "30", "--heldout", str(blank),
         "--model", "tiny", "--tokenizer", "smollm2",
     )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 3, proc.stderr
     assert f"held-out corpus '{blank}' has no usable text" in proc.stderr
     assert "unreachable" not in proc.stderr
 

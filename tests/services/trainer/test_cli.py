@@ -22,12 +22,12 @@ def test_an_unreachable_queue_exits_2_naming_the_address_and_the_setting(tmp_pat
     assert seconds < 30  # imports + one second, not a hang
 
 
-def test_a_held_out_file_without_text_exits_2_before_touching_the_queue(tmp_path):
+def test_a_held_out_file_without_text_exits_3_before_touching_the_queue(tmp_path):
     blank = tmp_path / "blank.txt"
     blank.write_text("  \n\n")
     address = f"tcp://127.0.0.1:{closed_port()}"
     proc, _ = _trainer(address, "--queue-timeout-s", "30", "--heldout", str(blank))
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 3, proc.stderr
     assert f"held-out corpus '{blank}' has no usable text" in proc.stderr
     assert "unreachable" not in proc.stderr
 
