@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"xtoken control serve: {e}", file=sys.stderr)
         return 2
+    # read once: the runs' processes do not inherit the token
+    os.environ.pop("XTOKEN_CONTROL_TOKEN", None)
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     # IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (a response written as headers
     # + body would otherwise wait ~40 ms for a delayed ACK)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import CHILD_ENV, ROOT, corpus_parts, free_port
+from tests.e2e.conftest import CHILD_ENV, ROOT, corpus_parts, free_port, wait_for
 from tests.services.control.conftest import ControlServer, tiny_config, wait_state
 
 TOKEN = "s3cret-token"
@@ -251,6 +252,14 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         assert run["run_dir"] == str((api.runs_root / "tiny-run").resolve())
         assert run["config"]["data"]["train"] == str(corpus.resolve())
         rid = run["id"]
+
+        def queue_pid() -> int | None:
+            procs = c.get(f"/v1/runs/{rid}/processes").json()["processes"]
+            return next((p["pid"] for p in procs if p["name"] == "queue" and p["pid"]), None)
+
+        # the run's processes do not inherit the control plane's token
+        environ = pathlib.Path(f"/proc/{wait_for(queue_pid, 60, 'its queue')}/environ")
+        assert b"XTOKEN_CONTROL_TOKEN=" not in environ.read_bytes()
         # a second run into the same run directory is refused while the first is active
         r = c.post("/v1/runs", json=config)
         assert r.status_code == 409 and "tiny-run" in r.json()["error"]
