@@ -185,6 +185,10 @@ def _queue_unreachable(d: dict[str, Any]) -> str:
     return f"queue {d['address']} unreachable for {float(d['down_s']):g} s: {d['error']}"
 
 
+def _relaunched(d: dict[str, Any]) -> str:
+    return f"run started again: {d['reason']}"
+
+
 # kind -> its sentence; the engine's kinds (services.supervise.events) and the control plane's
 SENTENCES: dict[str, Callable[[dict[str, Any]], str]] = {
     "state": _state,
@@ -198,6 +202,7 @@ SENTENCES: dict[str, Callable[[dict[str, Any]], str]] = {
     "stop_requested": _stop_requested,
     "resumed": _resumed,
     "reattached": _reattached,
+    "relaunched": _relaunched,
     "queue_restarted": _queue_restarted,
     "queue_unreachable": _queue_unreachable,
 }

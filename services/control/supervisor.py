@@ -54,6 +54,7 @@ from services.control.states import (  # noqa: F401 (STATES, RunNotFound: re-exp
     INTERRUPTED,
     PENDING,
     RESUMABLE,
+    STARTING,
     STATES,
     STOPPING,
     Conflict,
@@ -132,8 +133,9 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
 
     def recover(self) -> None:
-        """After a (re)start: re-attach the live processes of every active run from the store;
-        a run with none left becomes INTERRUPTED (resumable)."""
+        """After a (re)start: re-attach the live processes of every active run from the store; a
+        run it was starting (PENDING, or STARTING with no process to attach) starts again; a run
+        that was running with none left becomes INTERRUPTED (resumable)."""
         for rec in self.store.list_runs():
             if rec["state"] not in ACTIVE:
                 continue
@@ -160,6 +162,15 @@ class Supervisor:
             for p in procs:
                 if p["state"] == "running":
                     self.store.put_process(run_id, p["name"], state="gone")
+            if rec["state"] == STARTING:  # it died while starting the run: start it again
+                self.store.update_run(run_id, state=PENDING, runtime=None)
+                self.journal.event(
+                    run_id,
+                    "relaunched",
+                    {"reason": "the control plane restarted while it was starting the run"},
+                )
+                self._spawn(run_id, rec["config"], launch=True)
+                return
             self.journal.set_state(
                 run_id,
                 INTERRUPTED,

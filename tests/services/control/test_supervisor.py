@@ -289,6 +289,27 @@ def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable
         sup2.resume(rid)
 
 
+def test_a_run_the_control_plane_died_while_starting_is_started_again(make, tmp_path):
+    store = Store(tmp_path / "control.db")
+    sup = make({}, store=store)
+    rid = sup.submit(tiny_config())["id"]
+    wait_state(sup, rid, {"RUNNING"})
+    pids = [p["pid"] for p in sup.processes(rid)]
+    sup.shutdown()
+    for pid in pids:
+        os.killpg(pid, signal.SIGKILL)
+    for launcher in sup.launchers:
+        for proc in launcher.processes.values():
+            proc.popen.wait(5)
+    store.update_run(rid, state="STARTING", runtime=None)  # as when it died mid-launch
+
+    sup2 = make({"trainer0": [(0.5, 0)]}, store=store)
+    sup2.recover()
+    assert wait_state(sup2, rid, {"SUCCEEDED", "FAILED"})["state"] == "SUCCEEDED"
+    relaunched = [e for e in sup2.events(rid) if e["kind"] == "relaunched"]
+    assert relaunched and "while it was starting the run" in relaunched[0]["text"]
+
+
 def test_a_resume_is_an_event_on_the_run_naming_the_checkpoint_it_goes_on_from(make):
     sup = make({})
     rid = sup.submit(tiny_config())["id"]
