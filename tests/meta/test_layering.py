@@ -77,6 +77,7 @@ NETWORK_ALLOWED = {
     "services/queue/cli.py",
     "services/queue/client.py",
     "services/queue/durable.py",
+    "services/queue/gate.py",
     "services/queue/log_writer.py",
     "services/queue/server.py",
     "services/queue/transport.py",
