@@ -265,8 +265,8 @@ def test_a_reattached_run_restarts_its_processes_with_the_sections_they_were_lau
     assert {p.name: p.read_bytes() for p in sorted(config_dir.glob("*.json"))} == launched
 
 
-def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable(make, tmp_path):
-    store = Store(tmp_path / "control.db")
+def _running_then_gone(make, store) -> str:
+    """A run started, its control plane shut down and every process of it SIGKILLed; its id."""
     sup = make({}, store=store)
     rid = sup.submit(tiny_config())["id"]
     wait_state(sup, rid, {"RUNNING"})
@@ -277,6 +277,12 @@ def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable
     for launcher in sup.launchers:
         for proc in launcher.processes.values():
             proc.popen.wait(5)
+    return rid
+
+
+def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable(make, tmp_path):
+    store = Store(tmp_path / "control.db")
+    rid = _running_then_gone(make, store)
 
     sup2 = make({"trainer0": [(0.5, 0)]}, store=store)
     sup2.recover()
@@ -291,16 +297,7 @@ def test_a_run_with_no_process_left_after_a_restart_is_interrupted_and_resumable
 
 def test_a_run_the_control_plane_died_while_starting_is_started_again(make, tmp_path):
     store = Store(tmp_path / "control.db")
-    sup = make({}, store=store)
-    rid = sup.submit(tiny_config())["id"]
-    wait_state(sup, rid, {"RUNNING"})
-    pids = [p["pid"] for p in sup.processes(rid)]
-    sup.shutdown()
-    for pid in pids:
-        os.killpg(pid, signal.SIGKILL)
-    for launcher in sup.launchers:
-        for proc in launcher.processes.values():
-            proc.popen.wait(5)
+    rid = _running_then_gone(make, store)
     store.update_run(rid, state="STARTING", runtime=None)  # as when it died mid-launch
 
     sup2 = make({"trainer0": [(0.5, 0)]}, store=store)
