@@ -4,7 +4,10 @@ checkpoint holds them), tells when the data ended, gives back what was not train
 Per rank: claim ``micro_batch * grad_accum`` samples from the partition (task
 ``trainer/e<epoch>/s<start>``), skip the keys the checkpoint says were trained (acked at once),
 sort by teacher length and split into padded micro-batches; after the optimizer step: ack the
-samples. A claim takes what is ready, so which samples share a micro-batch depends on timing.
+samples. A claim takes what is ready, so which samples share a micro-batch depends on timing;
+with several ranks, once the collators' marker gives the total, a rank claims ahead at most its
+share of the epoch's untrained samples (:meth:`SampleFeed._share_left`), so no rank's step is
+empty while another holds two steps.
 
 Ordered (``TrainerConfig.ordered``): the feed gathers exactly ``micro_batch * grad_accum`` fresh
 samples in the queue's order (claims are in put order) before it hands out a step, and sorts only
@@ -129,7 +132,7 @@ class SampleFeed:
         self._step: list[tuple[str, dict[str, torch.Tensor], Any]] = []
         self._others: dict[str, Any] = {}  # ordered over ranks: others' shares, key -> lease
         # several ranks, not ordered: this rank's fair share of the epoch (_share_left)
-        self._untrained_at_start = -len(trained)  # + the marker's total, once it is known
+        self._trained_at_start = len(trained)
         self._total: int | None = None
         self._marker_read_at = -MARKER_EVERY_S
         self._claimed: set[str] = set()  # fresh keys this rank claimed in this epoch
@@ -167,7 +170,7 @@ class SampleFeed:
                 return None
             want = min(want, left)
         fresh = self._claim_fresh(want, block)
-        if fresh is not None and left is not None:
+        if fresh is not None and self.ranks > 1:  # counted before the total is known too
             self._claimed.update(k for k, _, _ in fresh)
         return None if fresh is None else self._micro_batches(fresh)
 
@@ -188,7 +191,7 @@ class SampleFeed:
             self._total = self._marker_total()
             if self._total is None:
                 return None
-        untrained = max(0, self._total + self._untrained_at_start)
+        untrained = max(0, self._total - self._trained_at_start)
         share = untrained // self.ranks + (1 if self.rank < untrained % self.ranks else 0)
         return max(0, share - len(self._claimed))
 
