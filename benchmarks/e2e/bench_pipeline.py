@@ -173,7 +173,7 @@ EAGER_TEACHER = {"compile": False}
 def _teacher_has_compile() -> bool:
     import dataclasses
 
-    from services.teacher.worker import TeacherConfig
+    from services.teacher.config import TeacherConfig
 
     return any(f.name == "compile" for f in dataclasses.fields(TeacherConfig))
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from services.common import config as cfgmod
 from services.common.overrides import Override, apply_overrides
 from services.rollout.config import RolloutConfig
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 
 # the longest context a run may ask for (tokens per text); beyond it no model here fits

@@ -11,7 +11,7 @@ from services.common.lifecycle import run_process
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of every TeacherConfig field, ``--config FILE``, ``--context FILE``, ``--ready-file``."""
-    from services.teacher.worker import TeacherConfig
+    from services.teacher.config import TeacherConfig
 
     cfg.add_arguments(parser, TeacherConfig)
     # internal (hidden from --help): the ready handshake, {pid, instance} once serving
@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the config and run the teacher process."""
+    from services.teacher.config import TeacherConfig
     from services.teacher.main import serve
-    from services.teacher.worker import TeacherConfig
 
     def main(lc):
         return serve(cfg.from_args(TeacherConfig, args), lc)

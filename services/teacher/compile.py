@@ -28,36 +28,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def resolve_compile(flag: bool | None, device: str | torch.device) -> bool:
-    """Whether to compile: ``teacher.compile`` as given, or for None on when ``device`` is CUDA."""
-    if flag is None:
-        return torch.device(device).type == "cuda"
-    return flag
-
-
-def resolve_cuda_graphs(flag: bool, compiled: bool, device: str | torch.device) -> bool:
-    """Whether the compiled layers replay as CUDA graphs (``teacher.cuda_graphs``).
-
-    Args:
-        flag: the setting.
-        compiled: whether the layers compile (``resolve_compile``).
-        device: the teacher's device.
-
-    Raises:
-        ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
-    """
-    if not flag:
-        return False
-    why = None
-    if torch.device(device).type != "cuda":
-        why = f"the teacher runs on {device}, not a cuda device"
-    elif not compiled:
-        why = "teacher.compile is off"
-    if why:
-        raise ValueError(f"teacher.cuda_graphs: {why}; set teacher.cuda_graphs: false")
-    return True
-
-
 class RegionalCompile:
     """Runs the teacher's forwards under inference mode, through compiled decoder layers if asked.
 
@@ -68,8 +38,8 @@ class RegionalCompile:
 
     Args:
         model: the teacher causal LM.
-        enabled: compile its decoder layers (see :func:`resolve_compile`).
-        cuda_graphs: replay the compiled layers as CUDA graphs (see :func:`resolve_cuda_graphs`).
+        enabled: compile its decoder layers (see :func:`services.teacher.config.resolve_compile`).
+        cuda_graphs: replay the compiled layers as CUDA graphs (see :func:`services.teacher.config.resolve_cuda_graphs`).
     """
 
     def __init__(self, model: torch.nn.Module, enabled: bool, cuda_graphs: bool = False) -> None:

@@ -22,7 +22,8 @@ from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter, device_memory_mb
 from services.queue.client import connect
 from services.queue.errors import QueueError
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
 from xtoken_core.data.corpus import read_texts
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import pytest
 from services.common.config import to_dict
 from services.common.lifecycle import PARENT_PID_ENV, read_ready
 from services.common.metrics import read_jsonl
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from xtoken_core.losses import CrossTokenizerLossConfig
 

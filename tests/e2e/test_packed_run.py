@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from services.run import CollatorSection, DataConfig, RunConfig
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     STUDENT_TOKENIZER,

@@ -11,7 +11,7 @@ import pytest
 
 from services.collator.cli import EXIT_STOPPED
 from services.run import CollatorSection, DataConfig, RunConfig
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,

@@ -26,7 +26,7 @@ from services.run import (
 from services.supervise.driver import write_sections
 from services.supervise.plan import make_context, make_plan, make_sections
 from services.supervise.preflight import Inputs
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]

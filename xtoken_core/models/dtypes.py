@@ -1,8 +1,33 @@
-"""Model dtypes by name: ``auto`` and the torch float dtypes that configs name."""
+"""Model dtypes by name: ``auto`` and the torch float dtypes that configs name.
+
+The names are checked without importing torch (configs validate before any model is touched);
+:func:`resolve_dtype` imports it when a process builds its model.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+FLOAT_DTYPES = frozenset(
+    {
+        "float16", "half", "bfloat16", "float32", "float", "float64", "double",
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+    }
+)  # fmt: skip
+"""The float dtype names of torch a config may name (besides ``auto``)."""
+
+
+def check_dtype_name(name: str) -> None:
+    """Raise unless ``name`` is ``auto`` or a torch float dtype name (no torch import).
+
+    Raises:
+        ValueError: names the dtype and the usual choices.
+    """
+    if name != "auto" and name not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {name!r} is not a float dtype; use auto, bfloat16, float32")
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -18,9 +43,9 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     Raises:
         ValueError: an unknown dtype name.
     """
+    import torch
+
+    check_dtype_name(name)
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a float dtype; use auto, bfloat16, float32")
-    return dtype
+    return getattr(torch, name)

@@ -21,7 +21,7 @@ from services.common import config as cfgmod
 from services.common.config import ConfigError
 from services.control.store import Store
 from services.control.supervisor import Conflict, RunNotFound
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 from tests.services.control.conftest import FOREVER, LIFECYCLE, tiny_config
 

@@ -18,7 +18,7 @@ import pytest
 
 from services.common.metrics import read_jsonl
 from services.run import CollatorSection, DataConfig, RunConfig
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,

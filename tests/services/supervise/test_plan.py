@@ -15,7 +15,7 @@ from services.supervise.driver import Driver, write_sections
 from services.supervise.events import Failed, Failure
 from services.supervise.plan import Host, RunContext, make_plan
 from services.supervise.preflight import Inputs
-from services.teacher.worker import TeacherConfig
+from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 
 
@@ -107,7 +107,7 @@ def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_e
 
 
 def test_collator_pack_packs_the_collator_and_tells_the_trainers_and_teachers(tmp_path):
-    from services.teacher.worker import TeacherConfig
+    from services.teacher.config import TeacherConfig
 
     data = {"run_dir": str(tmp_path / "run"), "collator": {"pack": True}}
     config = run_config_from_dict(data)

@@ -12,8 +12,9 @@ import torch
 
 from services import protocol as proto
 from services.common import config as cfg
-from services.teacher.compile import decoder_layers, resolve_compile, resolve_cuda_graphs
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.compile import decoder_layers
+from services.teacher.config import TeacherConfig, resolve_compile, resolve_cuda_graphs
+from services.teacher.worker import TeacherWorker
 from xtoken_core.models import load_model
 
 TOKENIZER = "smollm2"

@@ -13,7 +13,8 @@ import torch
 from services import protocol as proto
 from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
 from tests.services.queue.conftest import ServerProcess
 from xtoken_core.ipc.logit_ring import LogitRingReader
 from xtoken_core.wire import JaggedColumn

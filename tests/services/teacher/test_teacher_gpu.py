@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from services import protocol as proto
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
 from tests.extras import require_tokenizers
 
 pytestmark = pytest.mark.gpu

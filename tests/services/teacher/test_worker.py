@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services import protocol as proto
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
 from xtoken_core.ipc.logit_ring import LogitRingReader
 
 TOKENIZER = "smollm2"

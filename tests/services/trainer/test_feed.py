@@ -16,7 +16,8 @@ from services.collator.worker import samples_to_put_fields
 from services.protocol import put_eof
 from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
 from services.trainer.feed import TeacherFeed
 from services.trainer.worker import TrainerWorker
 from tests.services.queue.conftest import ServerProcess

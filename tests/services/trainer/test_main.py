@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.teacher.worker import TeacherConfig, TeacherWorker
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
 from services.trainer.main import teacher_output_layer
 from tests.services.trainer import distill_setup as setup
 

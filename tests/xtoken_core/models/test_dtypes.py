@@ -21,9 +21,3 @@ def test_a_float_name_is_its_torch_dtype():
 def test_a_name_that_is_not_a_float_dtype_is_a_value_error_naming_it(name):
     with pytest.raises(ValueError, match=name):
         resolve_dtype(name, "cpu")
-
-
-def test_the_teacher_worker_still_exports_it():
-    from services.teacher.worker import resolve_dtype as old
-
-    assert old is resolve_dtype

@@ -1,0 +1,260 @@
+"""The teacher process's config (the ``teacher`` section of a run config).
+
+Imports nothing heavy: the CLI builds its parser from this dataclass and a run config validates it
+before any model is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import field
+from typing import Literal
+
+from services.protocol.names import TRANSPORTS
+from xtoken_core.models.dtypes import check_dtype_name
+
+__all__ = ["TeacherConfig", "resolve_compile", "resolve_cuda_graphs"]
+
+
+def _device_type(device: object) -> str:
+    """``cuda`` for ``cuda``, ``cuda:1`` or a ``torch.device`` on a GPU; ``cpu`` etc. alike."""
+    return str(device).split(":", 1)[0]
+
+
+def resolve_compile(flag: bool | None, device: object) -> bool:
+    """Whether to compile: ``teacher.compile`` as given, or for None on when ``device`` is CUDA."""
+    if flag is None:
+        return _device_type(device) == "cuda"
+    return flag
+
+
+def resolve_cuda_graphs(flag: bool, compiled: bool, device: object) -> bool:
+    """Whether the compiled layers replay as CUDA graphs (``teacher.cuda_graphs``).
+
+    Args:
+        flag: the setting.
+        compiled: whether the layers compile (``resolve_compile``).
+        device: the teacher's device.
+
+    Raises:
+        ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
+    """
+    if not flag:
+        return False
+    why = None
+    if _device_type(device) != "cuda":
+        why = f"the teacher runs on {device}, not a cuda device"
+    elif not compiled:
+        why = "teacher.compile is off"
+    if why:
+        raise ValueError(f"teacher.cuda_graphs: {why}; set teacher.cuda_graphs: false")
+    return True
+
+
+@dataclasses.dataclass
+class TeacherConfig:
+    """Settings of one teacher process (the ``teacher`` section of a run config)."""
+
+    queue: str = field(
+        default="tcp://127.0.0.1:5555",
+        metadata={"help": "queue server address", "context": "queue", "trained": False},
+    )
+    partition: str = field(
+        default="train",
+        metadata={"help": "sample partition of the run", "context": "partition", "trained": False},
+    )
+    group: int = field(
+        default=0,
+        metadata={
+            "help": "teacher group served: requests of <partition>.teacher<group>",
+            "trained": False,
+        },
+    )
+    model: str = field(
+        default="smollm2",
+        metadata={
+            "help": "teacher model: a local HF directory, a preset name, or smollm2",
+            "path": "model",
+            "trained": True,
+        },
+    )
+    tokenizer: str = field(
+        default="smollm2",
+        metadata={
+            "help": "teacher tokenizer name or path",
+            "context": "teacher_tokenizer",
+            "path": "tokenizer",
+            "trained": True,
+        },
+    )
+    vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "model vocab of a preset model (default: the tokenizer's vocab)",
+            "trained": True,
+        },
+    )
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N", "trained": False})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)", "trained": False},
+    )
+    transport: Literal["shm", "cuda_ipc", "hidden"] = field(
+        default="shm",
+        metadata={"help": "how logits reach the trainer: shm, cuda_ipc, hidden", "trained": False},
+    )
+    slots: int = field(
+        default=2, metadata={"help": "slots of the logit ring (>= 2)", "trained": False}
+    )
+    max_batch: int = field(
+        default=8, metadata={"help": "most rows of one request (slot rows)", "trained": False}
+    )
+    forward_rows: int = field(
+        default=8,
+        metadata={
+            "help": "most rows of one forward: requests of one length that wait together share "
+            "a forward up to this many rows (1: a forward per request; a larger request still "
+            "gets one of its own)",
+            "trained": False,
+        },
+    )
+    max_length: int = field(
+        default=2048,
+        metadata={"help": "longest teacher row (the teacher context length)", "trained": False},
+    )
+    logits_dtype: str = field(
+        default="bfloat16",
+        metadata={"help": "dtype of the logits in the ring / hidden states", "trained": False},
+    )
+    compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile each decoder layer (dynamic shapes, so no recompile per "
+            "length); unset: on for cuda, off on cpu; a failed compile falls back to eager",
+            "trained": False,
+        },
+    )
+    cuda_graphs: bool = field(
+        default=False,
+        metadata={
+            "help": "replay each compiled decoder layer as CUDA graphs, one per row count and "
+            "length: the host launches one graph per layer instead of one kernel at a time "
+            "(needs compiled layers on a cuda device; measured: no change to the pipeline's "
+            "tokens/s at 1x4096 or 4x2048, so it is off by default)",
+            "trained": False,
+        },
+    )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": "requests hold packed rows of several documents (collator.pack; xtoken run "
+            "sets it): the model runs packed_attention",
+            "trained": True,
+        },
+    )
+    packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
+        default="auto",
+        metadata={
+            "help": "attention of packed rows: flex_attention (a document BlockMask), sdpa (a "
+            "[B, 1, T, T] mask) or auto (flex_attention on cuda, sdpa elsewhere)",
+            "trained": False,
+        },
+    )
+    checksum: bool = field(
+        default=False,
+        metadata={
+            "help": "put a checksum of each slot (int64 sum of its bits) in its handle",
+            "trained": False,
+        },
+    )
+    lease_s: float = field(
+        default=120.0,
+        metadata={"help": "lease of a claimed request (redelivered if we die)", "trained": False},
+    )
+    claim_timeout_s: float = field(
+        default=1.0, metadata={"help": "server-side wait of a claim", "trained": False}
+    )
+    queue_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds to wait for a queue reply before failing", "trained": False},
+    )
+    ring_heartbeat_s: float = field(
+        default=0.5,
+        metadata={
+            "help": "seconds between two heartbeats in each logit ring (trainers call a teacher "
+            "whose ring beat is older than their teacher_dead_after_s dead)",
+            "deprecated_keys": ("heartbeat_s",),
+            "trained": False,
+        },
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed of a preset model's random weights", "trained": True}
+    )
+    max_rings: int = field(
+        default=64,
+        metadata={
+            "help": "most trainer ranks served (one logit ring each); others are refused",
+            "trained": False,
+        },
+    )
+    heldout: str | None = field(
+        default=None,
+        metadata={
+            "help": "held-out corpus: report the teacher's bits/byte once at start",
+            "path": "file",
+            "trained": False,
+        },
+    )
+    eval_texts: int = field(
+        default=32, metadata={"help": "held-out texts of that eval", "trained": False}
+    )
+    eval_ctx: int = field(
+        default=512, metadata={"help": "tokens per eval window", "trained": False}
+    )
+    run_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "write metrics under RUN_DIR/metrics",
+            "default_text": "no metrics file",
+            "context": "run_dir",
+            "path": "run",
+            "trained": False,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: use one of {', '.join(TRANSPORTS)}")
+        if self.transport == "cuda_ipc" and not str(self.device).startswith("cuda"):
+            raise ValueError(
+                f"transport=cuda_ipc needs a CUDA device, got device={self.device!r}; use "
+                "transport=shm on CPU"
+            )
+        if self.slots < 2:
+            raise ValueError(
+                f"slots={self.slots}: the ring needs >= 2 slots so that the teacher computes "
+                "batch k+1 while the trainer trains on batch k"
+            )
+        for name in ("max_batch", "max_length", "forward_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.group < 0:
+            raise ValueError(f"group={self.group}: must be >= 0")
+        for name in ("lease_s", "claim_timeout_s", "queue_timeout_s", "ring_heartbeat_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:  # nan and 1e999 (inf) too
+                raise ValueError(f"{name}={value}: must be a finite number of seconds > 0")
+        if self.max_length > 1 << 20 or self.eval_ctx > 1 << 20:
+            raise ValueError(
+                f"max_length={self.max_length}, eval_ctx={self.eval_ctx}: at most {1 << 20} tokens"
+            )
+        check_dtype_name(self.dtype)
+        check_dtype_name(self.logits_dtype)
+        resolve_cuda_graphs(
+            self.cuda_graphs, resolve_compile(self.compile, self.device), self.device
+        )
+        if self.packed_attention not in ("auto", "flex_attention", "sdpa"):
+            raise ValueError(
+                f"packed_attention={self.packed_attention!r}: use auto, flex_attention or sdpa"
+            )
