@@ -123,7 +123,7 @@ def demo_data(args: argparse.Namespace | None = None) -> dict:
 
 def demo_config(args: argparse.Namespace | None = None):
     """The demo's RunConfig (with the options applied)."""
-    from services.run import run_config_from_dict
+    from services.supervise.config import run_config_from_dict
 
     return run_config_from_dict(demo_data(args))
 
@@ -142,7 +142,7 @@ def baseline_data(args: argparse.Namespace | None = None) -> dict:
         ConfigError: the config does not make a CE-only run (names ``--no-baseline``).
     """
     from services.common.config import ConfigError
-    from services.run import run_config_from_dict
+    from services.supervise.config import run_config_from_dict
 
     data = demo_data(args)
     data["run_dir"] = str(Path(data["run_dir"]) / BASELINE_DIR)

@@ -51,7 +51,8 @@ def run_fraction(
 ) -> dict:  # fmt: skip
     """``xtoken run`` with ``fraction`` of each step on-policy; the figures of its records."""
     from services.common.metrics import read_jsonl
-    from services.run import Run, run_config_from_dict
+    from services.supervise.config import run_config_from_dict
+    from services.supervise.driver import Driver
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
     n_steps = args.warmup + args.steps
@@ -103,7 +104,7 @@ def run_fraction(
         }
     )
     config.trainer.heldout = None
-    run = Run(config, progress=False)
+    run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()
     wall = time.perf_counter() - t0

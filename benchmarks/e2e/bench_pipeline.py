@@ -109,22 +109,21 @@ def save_models(args, out: Path) -> tuple[str, str]:
 def build_projection(args, work: Path) -> str:
     """The top-8 projection file for ``args``' student and teacher tokenizers, built (or found in
     the cache) the way ``xtoken run`` builds one when a run config names none."""
-    from services.run import Run, run_config_from_dict
+    from services.supervise.config import run_config_from_dict
+    from services.supervise.preflight import build_cached_projection
     from xtoken_core.tokenizers import load_tokenizer
 
-    prep = Run(
-        run_config_from_dict(
-            {
-                "run_dir": str(work / "prep"),
-                "student_tokenizer": args.student_tokenizer,
-                "teacher_tokenizer": args.teacher_tokenizer,
-                "projection_top_k": 8,
-            }
-        )
+    config = run_config_from_dict(
+        {
+            "run_dir": str(work / "prep"),
+            "student_tokenizer": args.student_tokenizer,
+            "teacher_tokenizer": args.teacher_tokenizer,
+            "projection_top_k": 8,
+        }
     )
     return str(
-        prep._projection(
-            load_tokenizer(args.student_tokenizer), load_tokenizer(args.teacher_tokenizer)
+        build_cached_projection(
+            config, load_tokenizer(args.student_tokenizer), load_tokenizer(args.teacher_tokenizer)
         )
     )
 
@@ -380,7 +379,8 @@ def pipeline(
     import shutil
 
     from services.common.metrics import read_jsonl
-    from services.run import Run, run_config_from_dict
+    from services.supervise.config import run_config_from_dict
+    from services.supervise.driver import Driver
 
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
     n_steps = args.warmup + args.steps
@@ -434,7 +434,7 @@ def pipeline(
         }
     )
     config.trainer.heldout = None
-    run = Run(config, progress=False)
+    run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()
     wall = time.perf_counter() - t0

@@ -279,7 +279,8 @@ def run_xtoken(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict) ->
 
 def xtoken_quality(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict) -> dict:
     """Train ``--quality-steps`` texts with ``xtoken run`` and export the student."""
-    from services.run import Run, run_config_from_dict
+    from services.supervise.config import run_config_from_dict
+    from services.supervise.driver import Driver
 
     run_dir = work / f"xtq_{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -315,7 +316,7 @@ def xtoken_quality(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict
         }
     )
     config.trainer.heldout = None
-    run = Run(config, progress=False)
+    run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()
     if code != 0:

@@ -262,7 +262,7 @@ def test_an_on_policy_arm_runs_rollouts_unordered_with_rows_of_the_whole_context
     assert cfg["trainer"]["loss"]["temperature"] == 2
     off = heal.run_config(heal.parse_heal_arm("pkl@qwen2.5-coder-0.5b"), 2, args, tmp_path, None)
     assert "rollout" not in off and off["data"]["ordered"] is True
-    from services.run import run_config_from_dict
+    from services.supervise.config import run_config_from_dict
 
     run_config_from_dict(cfg)  # the run accepts it as it is
     run_config_from_dict(bigger)
@@ -275,7 +275,7 @@ def test_an_agree_arm_keeps_kd_where_another_tokenizer_cuts_alike_and_the_run_ac
     cfg = heal.run_config(arm, 0, args, tmp_path / "student", tmp_path / "p.pt")
     assert cfg["collator"]["kd_where_agrees"] == "qwen3"
     assert cfg["data"]["ordered"] is True  # paired with the parent's arm, same micro-batches
-    from services.run import run_config_from_dict
+    from services.supervise.config import run_config_from_dict
 
     assert run_config_from_dict(cfg).collator.kd_where_agrees == "qwen3"
     with pytest.raises(ValueError, match="must name a tokenizer"):
@@ -337,7 +337,7 @@ def test_an_arm_of_its_own_learning_rate_trains_at_it_and_the_run_accepts_it(tmp
     assert heal.run_config(ce, 0, args, tmp_path / "s", None)["trainer"]["optim"]["lr"] == 0.001
     plain = heal.run_config(heal.parse_heal_arm("ce"), 0, args, tmp_path / "s", None)
     assert plain["trainer"]["optim"]["lr"] == 5e-4 and heal.parse_heal_arm("ce").lr is None
-    from services.run import run_config_from_dict
+    from services.supervise.config import run_config_from_dict
 
     assert run_config_from_dict(cfg).trainer.optim.lr == 2.5e-4
 

@@ -204,7 +204,7 @@ def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, pr
     """The run config of ``xtoken run`` tests: two tiny P-KL trainer ranks (4 x 2 samples a step
     each), one shm teacher with checksums, one collator worker; ``trainer`` overrides the
     trainer's settings (no checkpoint, no export by default)."""
-    from services.run import CollatorSection, DataConfig, RunConfig
+    from services.supervise.config import CollatorSection, DataConfig, RunConfig
 
     settings = dict(
         student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,

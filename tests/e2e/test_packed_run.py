@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from services.run import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import CollatorSection, DataConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from services.collator.cli import EXIT_STOPPED
-from services.run import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import CollatorSection, DataConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (

@@ -93,7 +93,7 @@ def test_demo_steps_0_trains_until_the_data_ends_and_a_negative_count_is_refused
 def test_the_ce_only_run_is_the_same_run_without_the_teacher():
     from services.cli import build_parser
     from services.demo import BASELINE_DIR, baseline_data, demo_config
-    from services.run import run_config_from_dict
+    from services.supervise.config import run_config_from_dict
 
     args = build_parser().parse_args(["demo", "--steps", "3", "--run-dir", "runs/d"])
     kd, ce = demo_config(args), run_config_from_dict(baseline_data(args))

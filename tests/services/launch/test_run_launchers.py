@@ -17,7 +17,7 @@ import time
 import pytest
 
 from services.common.metrics import read_jsonl
-from services.run import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import CollatorSection, DataConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (

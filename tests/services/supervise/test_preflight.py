@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.run import run_config_from_dict
+from services.supervise.config import run_config_from_dict
 from services.supervise.plan import RunContext, make_data_sections
 from services.supervise.preflight import (
     Inputs,

@@ -1,4 +1,4 @@
-"""The run config and Run.prepare: every bad input is refused before any process starts, with a
+"""The run config and Driver.prepare: every bad input is refused before any process starts, with a
 message that names the key and the fix; the sections written for the processes build their
 configs."""
 
@@ -14,22 +14,14 @@ import pytest
 from services.collator.config import RunConfig as CollatorConfig
 from services.common import config as cfgmod
 from services.common.config import ConfigError
-from services.run import (
-    PENDING_PROJECTION,
-    Run,
-    RunConfig,
-    default_run_id,
-    load_run_config,
-    run_config_from_dict,
-    spec_vocab_size,
-)
-from services.supervise.driver import write_sections
-from services.supervise.plan import make_context, make_plan, make_sections
-from services.supervise.preflight import Inputs
+from services.supervise.config import RunConfig, load_run_config, run_config_from_dict
+from services.supervise.driver import Driver, write_sections
+from services.supervise.plan import default_run_id, make_context, make_plan, make_sections
+from services.supervise.preflight import Inputs, spec_vocab_size
 from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = {"collator": CollatorConfig, "teacher": TeacherConfig, "trainer": TrainerConfig}
 
 
@@ -39,7 +31,7 @@ CONFIGS = {"collator": CollatorConfig, "teacher": TeacherConfig, "trainer": Trai
 def test_the_default_run_config_is_valid_and_waits_for_its_projection():
     config = run_config_from_dict({})
     assert isinstance(config, RunConfig)
-    assert config.trainer.loss.projection == PENDING_PROJECTION
+    assert config.trainer.loss.projection is None
     assert config.trainer.teacher_groups == config.teachers == 1
     ce = run_config_from_dict({"trainer": {"loss": {"mode": "ce"}}})
     assert ce.trainer.loss.projection is None
@@ -175,7 +167,7 @@ def corpus(tmp_path) -> dict[str, str]:
     return {"train": str(train), "heldout": str(heldout), "blank": str(blank)}
 
 
-def _run(tmp_path, corpus, **sections) -> Run:
+def _run(tmp_path, corpus, **sections) -> Driver:
     data = {
         "run_dir": str(tmp_path / "run"),
         "student_tokenizer": "mistral",
@@ -189,10 +181,10 @@ def _run(tmp_path, corpus, **sections) -> Run:
             data.setdefault(key, {}).update(value)
         else:
             data[key] = value
-    return Run(run_config_from_dict(data), progress=False)
+    return Driver(run_config_from_dict(data), progress=False)
 
 
-def _sections(run: Run, queue: str) -> dict:
+def _sections(run: Driver, queue: str) -> dict:
     """The teachers' and the trainer's sections as their processes read them: with the shared
     context of a launch on ``queue``."""
     shared = make_context(run.config, run.context, queue=queue)
@@ -202,7 +194,7 @@ def _sections(run: Run, queue: str) -> dict:
     }
 
 
-def _written(run: Run, name: str) -> dict:
+def _written(run: Driver, name: str) -> dict:
     """The section file of process ``name`` as the process reads it: with the written context."""
     config_dir = run.run_dir / "config"
     section = json.loads((config_dir / f"{name}.json").read_text())
@@ -210,7 +202,7 @@ def _written(run: Run, name: str) -> dict:
     return cfgmod.with_context(CONFIGS[name.rstrip("0123456789")], section, shared)
 
 
-def _specs(run: Run, queue: str, port: int) -> list:
+def _specs(run: Driver, queue: str, port: int) -> list:
     """The specs of a launch on ``queue``, its section files written as a launch writes them."""
     plan = make_plan(
         run.config, Inputs.given(run.config), run.context, queue=queue, master_port=port
@@ -418,7 +410,7 @@ def test_every_process_gets_its_own_heartbeat_file_in_the_run_dir(tmp_path, corp
     assert files == {str(run.run_dir / "heartbeat" / s.name) for s in specs}
     assert {s.env["XTOKEN_HEARTBEAT_S"] for s in specs} == {"0.5"}
     with pytest.raises(ValueError, match=r"dead_after_s=1 .*heartbeat_s=0\.5"):
-        Run(run.config, dead_after_s=1.0)
+        Driver(run.config, dead_after_s=1.0)
 
 
 def test_a_run_on_an_external_queue_starts_none_and_prefixes_its_partitions(tmp_path, corpus):

@@ -1,7 +1,7 @@
-"""Run's restarts with stand-in processes (the control tests' ScriptedLauncher): a restart of the
+"""The run engine's restarts with stand-in processes (the control tests' ScriptedLauncher): a restart of the
 whole run cancels every restart queued before it, so each process starts exactly once on the
 relaunch, whether the run-wide restart follows the exit of the run's own queue (``xtoken run``) or
-the loss of a shared queue's samples (:meth:`Run.restart_all`, called by the control plane)."""
+the loss of a shared queue's samples (:meth:`Driver.restart_all`, called by the control plane)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import time
 
 import pytest
 
-from services.run import Run, run_config_from_dict
+from services.supervise.config import run_config_from_dict
+from services.supervise.driver import Driver
 from services.supervise.preflight import Inputs
 from tests.services.control.conftest import ScriptedLauncher, tiny_config
 
 
 @pytest.fixture
 def make_run(tmp_path):
-    """make_run(**overrides) -> (a launched Run of tiny_config, its ScriptedLauncher); every
+    """make_run(**overrides) -> (a launched Driver of tiny_config, its ScriptedLauncher); every
     process it started is killed after the test."""
     launchers: list[ScriptedLauncher] = []
 
@@ -26,7 +27,7 @@ def make_run(tmp_path):
         launchers.append(ScriptedLauncher({}))
         # stand-in inputs: the scripted processes read no file
         inputs = Inputs("train.jsonl", "heldout.txt", "projection.pt")
-        run = Run(config, launcher=launchers[-1], progress=False, run_id="t", inputs=inputs)
+        run = Driver(config, launcher=launchers[-1], progress=False, run_id="t", inputs=inputs)
         run.events = []
         run.on_event = lambda event: run.events.append((event.kind, event.data()))
         run.launch()
