@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Any
 
+from services.queue.config import format_size
+
 logger = logging.getLogger("services.queue.server")
 
 
@@ -45,8 +47,6 @@ class OpLog:
 
     def stats(self, stats: dict[str, Any], now: float) -> None:
         """Log the stats line (from the server's ``stats`` reply) and start a new interval."""
-        from services.queue.cli import format_size
-
         self._next = now + self.every_s
         used, cap = stats.get("bytes_used", 0), stats.get("capacity_bytes", 0)
         rates, parts = stats.get("rates", {}), stats.get("partitions", {})

@@ -41,7 +41,7 @@ import zmq
 from services.common.lifecycle import progress as lifecycle_progress
 from services.queue import errors as codes
 from services.queue.auth import MAX_INSTANCE_CHARS, TOKEN_ENV, token_matches
-from services.queue.config import ServerConfig
+from services.queue.config import ServerConfig, format_size
 from services.queue.durable import DurableLog, apply_record, encode_record
 from services.queue.errors import StoreError
 from services.queue.gate import ConnectionGate
@@ -336,8 +336,6 @@ class QueueServer:
         sweep_dead_pools()
         sweep_orphans(min_age_s=ORPHAN_AGE_S)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        from services.queue.cli import format_size
-
         logger.info(
             "[queue] listening on %s (capacity %s, protocol v%d, instance %s, %s)",
             self.endpoint,
@@ -641,8 +639,6 @@ class QueueServer:
         (retryable; a ``QueueClient`` then sends that put as frames), so a put is never kept
         waiting by reservations, whoever holds them.
         """
-        from services.queue.cli import format_size
-
         limit = self.config.shm_reserve_max_bytes
         size = segment_bytes(nbytes)
         who = self._names.get(ident) or f"connection {ident.hex()[:12]}"
@@ -1067,8 +1063,6 @@ class QueueServer:
         return out + [p for p in self._parked_puts if not p.done]
 
     def _full_error(self, nbytes: int) -> StoreError:
-        from services.queue.cli import format_size
-
         used, cap = self.store.bytes_used, self.store.capacity_bytes
         need = f"{format_size(nbytes)} more" if nbytes else "more bytes"
         return StoreError(

@@ -49,6 +49,7 @@ from services.queue.blocks import (
     gather_rows,
     schema_of,
 )
+from services.queue.config import format_size
 from services.queue.errors import StoreError
 from services.queue.tombstones import DEFAULT_MAX_KEYS, KeyTombstones
 from xtoken_core.wire.tensors import JaggedColumn
@@ -94,8 +95,6 @@ def too_large_message(nbytes: int, samples: int, capacity_bytes: int) -> str:
     """Why a put of ``samples`` samples and ``nbytes`` bytes can never fit, and the fix, in
     human sizes: ``--capacity`` of the queue server, or fewer samples per put when one would do.
     """
-    from services.queue.cli import format_size
-
     size, capacity = format_size(nbytes), format_size(capacity_bytes)
     per_sample = nbytes / max(samples, 1)
     if samples == 1:

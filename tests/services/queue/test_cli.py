@@ -13,8 +13,9 @@ import torch
 from services import cli
 from services.common.lifecycle import read_ready
 from services.queue import cli as queue_cli
-from services.queue.cli import format_size, format_stats, parse_size
+from services.queue.cli import format_stats
 from services.queue.client import QueueClient
+from services.queue.config import format_size, parse_size
 from tests.services.queue.conftest import ROOT
 
 
