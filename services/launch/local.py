@@ -8,18 +8,16 @@ stamp, not by the order its polls found the exits in.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+from services.launch.base import Launcher, open_log, read_ready_file, tail_file, worker_command
 from services.launch.spec import ProcessSpec
 
 __all__ = ["LocalLauncher", "LocalProcess", "ProcessSpec"]
@@ -88,14 +86,10 @@ class LocalProcess:
 
     def tail(self, lines: int = 20) -> str:
         """The last lines of the process log."""
-        try:
-            text = Path(self.spec.log_file).read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return tail_file(self.spec.log_file, lines)
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """Start, watch and stop the processes of a run on this machine.
 
     Args:
@@ -115,84 +109,30 @@ class LocalLauncher:
         Raises:
             ValueError: a process of that name is running, or the spec has no log file.
         """
-        if spec.name in self.processes and self.processes[spec.name].poll() is None:
-            raise ValueError(f"process {spec.name!r} is already running")
-        if not spec.log_file:
-            raise ValueError(
-                f"process {spec.name!r} has no log_file; set one (its stdout and stderr go there)"
-            )
-        if spec.ready_file:
-            Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(spec.ready_file).unlink(missing_ok=True)
-        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
-        log = open(spec.log_file, "ab")  # noqa: SIM115 (closed when the process ends)
+        self.check_startable(spec)
+        log = open_log(spec)
         env = {**os.environ, **spec.env}
         env.pop("XTOKEN_PARENT_PID", None)
         if self.parent_sentinel:
             env["XTOKEN_PARENT_PID"] = str(os.getpid())
-        argv = self.command(spec)
         popen = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.command(spec),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         proc = LocalProcess(spec, popen, log)
         self.processes[spec.name] = proc
-        logger.info("[run] started %s (pid %d): xtoken %s", spec.name, popen.pid, " ".join(spec.argv))
+        logger.info(
+            "[run] started %s (pid %d): xtoken %s", spec.name, popen.pid, " ".join(spec.argv)
+        )
         return proc
 
     def command(self, spec: ProcessSpec) -> list[str]:
-        """The command line of ``spec``: ``python -m services.cli <argv> [--ready-file F]``."""
-        argv = [self.python, "-m", "services.cli", *spec.argv]
-        if spec.ready_file:
-            argv += ["--ready-file", spec.ready_file]
-        return argv
+        """The command line of ``spec`` (:func:`~services.launch.base.worker_command`)."""
+        return worker_command(self.python, spec)
 
-    def wait_ready(self, proc: LocalProcess, timeout_s: float) -> dict[str, Any]:
-        """Wait for the ready file of ``proc``.
-
-        Raises:
-            RuntimeError: the process exited first (with its last log lines) or did not get
-                ready within ``timeout_s``.
-            ValueError: the spec has no ready file.
-        """
-        if not proc.spec.ready_file:
-            raise ValueError(
-                f"process {proc.spec.name!r} has no ready_file, so it never reports ready; give "
-                "its spec one"
-            )
-        deadline = time.monotonic() + timeout_s
-        path = Path(proc.spec.ready_file)
-        while time.monotonic() < deadline:
-            if path.is_file():  # written atomically: complete once it exists
-                text = path.read_text()
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError:
-                    return {"text": text.strip()}
-            code = proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"{proc.spec.name} exited with code {code} before it was ready; last log "
-                    f"lines ({proc.spec.log_file}):\n{proc.tail()}"
-                )
-            time.sleep(0.05)
-        raise RuntimeError(
-            f"{proc.spec.name} was not ready within {timeout_s:.0f}s; log: {proc.spec.log_file}"
-        )
-
-    def stop(self, names: list[str] | None = None, grace_s: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM the processes (``names``; None: all), SIGKILL what is left after ``grace_s``;
-        returns exit codes."""
-        names = list(self.processes) if names is None else names
-        procs = [self.processes[n] for n in names if n in self.processes]
-        for p in procs:
-            if p.poll() is None:
-                p.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for p in procs:
-            if p.poll() is None:
-                logger.warning("[run] %s did not stop within %.0fs: killing it", p.spec.name, grace_s)
-                p.signal(signal.SIGKILL)
-                p.popen.wait(timeout=10)
-        return {p.spec.name: p.poll() for p in procs}
+    def ready(self, proc: Any) -> dict[str, Any] | None:
+        """The ready file of ``proc`` once it wrote it, else None."""
+        return read_ready_file(proc.spec.ready_file)

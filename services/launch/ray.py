@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +46,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from services.launch.base import Launcher, open_log, read_ready_file, tail_file, worker_command
 from services.launch.spec import ProcessSpec
 
 logger = logging.getLogger(__name__)
@@ -169,11 +168,7 @@ class WorkerActor:
     def start(self, env: dict[str, str], cwd: str | None) -> int:
         """Start ``python -m services.cli <argv>`` in its own process group; returns its pid."""
         spec = self.spec
-        if spec.ready_file:
-            Path(spec.ready_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(spec.ready_file).unlink(missing_ok=True)
-        Path(spec.log_file).parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(spec.log_file, "ab")  # noqa: SIM115 (closed when the process ends)
+        self._log = open_log(spec)
         full_env = {**os.environ, **env}
         gpu_ids = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
         if gpu_ids:
@@ -182,13 +177,10 @@ class WorkerActor:
                 full_env["LOCAL_RANK"] = "0"  # the rank's GPU is device 0 of what it sees
         # The actor supervises the worker: a worker whose actor died stops (lifecycle sentinel).
         full_env[PARENT_PID_ENV] = str(os.getpid())
-        argv = [sys.executable, "-m", "services.cli", *spec.argv]
-        if spec.ready_file:
-            argv += ["--ready-file", spec.ready_file]
         if cwd is not None and not Path(cwd).is_dir():
             cwd = None
         self.popen = subprocess.Popen(
-            argv,
+            worker_command(sys.executable, spec),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=full_env,
@@ -219,13 +211,7 @@ class WorkerActor:
             self._log.close()
         ready = None
         if code is None and self.spec.ready_file:
-            path = Path(self.spec.ready_file)
-            if path.is_file():  # written atomically: complete once it exists
-                text = path.read_text()
-                try:
-                    ready = json.loads(text)
-                except json.JSONDecodeError:
-                    ready = {"text": text.strip()}
+            ready = read_ready_file(self.spec.ready_file)
         exited_at = self.exited_at if code is not None else None
         return {"code": code, "ready": ready, "exited_at": exited_at}
 
@@ -240,11 +226,7 @@ class WorkerActor:
 
     def tail(self, lines: int) -> str:
         """The last ``lines`` lines of the worker's log on this node."""
-        try:
-            text = Path(self.spec.log_file).read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return tail_file(self.spec.log_file, lines)
 
 
 # max_concurrency=1: every call runs on the actor's main thread, the thread that started the
@@ -263,7 +245,13 @@ class RayProcess:
     """
 
     def __init__(
-        self, spec: ProcessSpec, actor: Any, pg: Any, node: dict[str, Any], pid: int, timeout_s: float
+        self,
+        spec: ProcessSpec,
+        actor: Any,
+        pg: Any,
+        node: dict[str, Any],
+        pid: int,
+        timeout_s: float,
     ) -> None:
         self.spec = spec
         self.node = node
@@ -293,11 +281,13 @@ class RayProcess:
             status = ray.get(self._actor.status.remote(), timeout=self._timeout_s)
         except (RayActorError, GetTimeoutError) as e:
             if isinstance(e, GetTimeoutError):
-                logger.warning("[ray] %s: no answer from its actor in %.0fs", self.spec.name,
-                               self._timeout_s)
+                logger.warning(
+                    "[ray] %s: no answer from its actor in %.0fs", self.spec.name, self._timeout_s
+                )
                 return {"code": None, "ready": None}
-            logger.warning("[ray] %s: its actor is gone (%s): process lost", self.spec.name,
-                           type(e).__name__)
+            logger.warning(
+                "[ray] %s: its actor is gone (%s): process lost", self.spec.name, type(e).__name__
+            )
             self._code = EXIT_LOST
             self.exited_at = time.time()
             self.release()
@@ -325,8 +315,9 @@ class RayProcess:
         try:
             ray.get(self._actor.signal.remote(int(signum)), timeout=self._timeout_s)
         except (RayActorError, GetTimeoutError) as e:
-            logger.warning("[ray] %s: signal %d not delivered (%s)", self.spec.name, signum,
-                           type(e).__name__)
+            logger.warning(
+                "[ray] %s: signal %d not delivered (%s)", self.spec.name, signum, type(e).__name__
+            )
 
     def tail(self, lines: int = 20) -> str:
         """The last lines of the worker's log (read on its node; kept once it ended)."""
@@ -360,7 +351,7 @@ class RayProcess:
             self._pg = None
 
 
-class RayLauncher:
+class RayLauncher(Launcher):
     """Start, watch and stop the processes of a run as Ray actors on a running cluster.
 
     Args:
@@ -474,12 +465,7 @@ class RayLauncher:
                 cluster has no room for it, or its actor could not start the worker (names
                 the cause and the fix).
         """
-        if spec.name in self.processes and self.processes[spec.name].poll() is None:
-            raise ValueError(f"process {spec.name!r} is already running")
-        if not spec.log_file:
-            raise ValueError(
-                f"process {spec.name!r} has no log_file; set one (its stdout and stderr go there)"
-            )
+        self.check_startable(spec)
         pg = self._place(spec)
         bundle = _bundle(spec.resources, self.cpus_per_process)
         options: dict[str, Any] = {
@@ -517,55 +503,13 @@ class RayLauncher:
         )
         return proc
 
-    def wait_ready(self, proc: RayProcess, timeout_s: float) -> dict[str, Any]:
-        """Wait until ``proc``'s worker wrote its ready file (read on its node).
+    def ready(self, proc: Any) -> dict[str, Any] | None:
+        """``proc``'s ready file (read on its node) once its worker wrote it, else None."""
+        return proc.ready()
 
-        Raises:
-            RuntimeError: the process exited first (with its last log lines) or did not get
-                ready within ``timeout_s``.
-            ValueError: the spec has no ready file.
-        """
-        if not proc.spec.ready_file:
-            raise ValueError(
-                f"process {proc.spec.name!r} has no ready_file, so it never reports ready; give "
-                "its spec one"
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = proc._status()
-            if status["ready"] is not None:
-                return status["ready"]
-            if status["code"] is not None:
-                raise RuntimeError(
-                    f"{proc.spec.name} exited with code {status['code']} before it was ready; "
-                    f"last log lines ({proc.host}:{proc.spec.log_file}):\n{proc.tail()}"
-                )
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"{proc.spec.name} was not ready within {timeout_s:.0f}s; log: "
-                    f"{proc.host}:{proc.spec.log_file}"
-                )
-            time.sleep(0.05)
-
-    def stop(self, names: list[str] | None = None, grace_s: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM the processes (``names``; None: all), SIGKILL what is left after ``grace_s``;
-        returns exit codes."""
-        names = list(self.processes) if names is None else names
-        procs = [self.processes[n] for n in names if n in self.processes]
-        for p in procs:
-            if p.poll() is None:
-                p.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for p in procs:
-            if p.poll() is None:
-                logger.warning("[run] %s did not stop within %.0fs: killing it", p.spec.name, grace_s)
-                p.signal(signal.SIGKILL)
-                kill_deadline = time.monotonic() + 10
-                while p.poll() is None and time.monotonic() < kill_deadline:
-                    time.sleep(0.05)
-        return {p.spec.name: p.poll() for p in procs}
+    def log_place(self, proc: Any) -> str:
+        """``HOST:PATH`` of ``proc``'s log (on its node)."""
+        return f"{proc.host}:{proc.spec.log_file}"
 
     def close(self) -> None:
         """Stop every process and release every actor and placement group (the cluster stays)."""
