@@ -3,11 +3,11 @@
 The README's "Measured" table and the tables of docs/results.md have a `figure` column and a
 `results` column. Each number of a figure (a ratio, tokens/s, GiB, ms, bits/byte, a count) must
 appear in a results file its row links: in that file's current figures (the text before its
-first `## Earlier` heading), or in a row of a `.jsonl` file that results file links and whose commit
-its current text names (all rows of a `.jsonl` a claims table links itself), rounded as
-the figure is written (2.7440 is any value in [2.74395, 2.74405]; 41,881 any in [41880.5,
+first `## Earlier` heading), or in a row of a `.jsonl` file that results file links and whose
+commit its current text names (every row of a `.jsonl` a claims table links itself), rounded
+as the figure is written (2.7440 is any value in [2.74395, 2.74405]; 41,881 any in [41880.5,
 41881.5]; a percentage may be a fraction in the rows). Signs are not compared, and numbers
-inside lists of a row (curves, per-step times) are not read. Shapes (`1x4096`, `4 x 128`) and
+inside lists of a row (curves, per-step times) are not read. Shapes (`1x4096`, `4 x 128`),
 numbers glued to letters (`0.6B`, `SmolLM2`, commit ids) and dates are names, not figures.
 
 And every file and folder of benchmarks/results (history/ aside) is linked from docs/results.md
