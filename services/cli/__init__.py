@@ -1,4 +1,9 @@
-"""The `xtoken` console script: one subcommand per module, imported only when used."""
+"""The `xtoken` console script: the parser of every subcommand and the dispatch to it.
+
+The commands that belong to no one service live beside it (:mod:`.run`, :mod:`.demo`,
+:mod:`.projection`, :mod:`.collate_stats`); a service's own command stays with the service
+(``services/<svc>/cli.py``).
+"""
 
 from __future__ import annotations
 
@@ -11,21 +16,23 @@ import sys
 # name -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 # Imports are lazy so that `xtoken projection build` never imports zmq or fastapi.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("services.demo", "run the main job: a distillation on the embedded CPU default"),
-    "run": ("services.run_cli", "run a whole distillation (queue, collators, teachers, trainers)"),
+    "demo": ("services.cli.demo", "run the main job: a distillation on the embedded CPU default"),
+    "run": ("services.cli.run", "run a whole distillation (queue, collators, teachers, trainers)"),
     "teacher": ("services.teacher.cli", "serve teacher logits to trainers"),
     "trainer": ("services.trainer.cli", "train a student (one rank; torchrun-compatible)"),
     "rollout": ("services.rollout.cli", "sample on-policy continuations with a student copy"),
     "collate-stats": (
-        "services.collate_stats",
+        "services.cli.collate_stats",
         "alignment statistics of two tokenizers on a corpus",
     ),
-    "projection": ("services.projection_cli", "build or inspect projection matrices"),
+    "projection": ("services.cli.projection", "build or inspect projection matrices"),
     "queue": ("services.queue.cli", "run or query a transfer-queue server"),
     "collator": ("services.collator.cli", "collate a text corpus into a queue"),
     "control": ("services.control.cli", "serve the control plane (REST API for runs)"),
 }
 
+
+DESCRIPTION = "The `xtoken` console script: one subcommand per module, imported only when used."
 
 # Exit code after the reader of stdout went away (`xtoken queue stats | head`): 128 + SIGPIPE,
 # what a shell reports for a program that SIGPIPE stopped.
@@ -46,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparser per :data:`SUBCOMMANDS` entry."""
     from services.common.flags import add_global_flags
 
-    parser = argparse.ArgumentParser(prog="xtoken", description=__doc__)
+    parser = argparse.ArgumentParser(prog="xtoken", description=DESCRIPTION)
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (None: the command line) and run its subcommand; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -94,7 +102,3 @@ def main(argv: list[str] | None = None) -> int:
         # flushes stdout at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -206,7 +206,7 @@ def format_table(kd: dict, ce: dict | None, config) -> str:
     """The demo's held-out table: teacher, student before, after KD and after CE alone.
 
     Args:
-        kd: :func:`services.run_cli.report` of the KD run.
+        kd: :func:`services.cli.run.report` of the KD run.
         ce: the same of the CE-only run, or None.
         config: the demo's RunConfig.
 
@@ -270,8 +270,8 @@ def _warm_caches(config) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo distillation and, beside it, its CE-only baseline; print the held-out
     table."""
+    from services.cli.run import execute, report
     from services.common.config import ConfigError
-    from services.run_cli import execute, report
 
     # glibc returns every freed block above 32 MiB to the kernel, so each [B, T, V] tensor of a
     # CPU step costs fresh page faults: the demo's processes keep their freed memory instead

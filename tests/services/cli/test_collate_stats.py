@@ -11,7 +11,9 @@ from services import cli
 
 
 def test_collate_stats_prints_alignment_table_for_16_texts(tmp_path, capsys):
-    rc = cli.main(["collate-stats", "--limit", "16", "--batch-size", "5", "--corpus-dir", str(tmp_path)])
+    rc = cli.main(
+        ["collate-stats", "--limit", "16", "--batch-size", "5", "--corpus-dir", str(tmp_path)]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert out.startswith("xtoken collate-stats: 16 texts from ")
@@ -50,13 +52,16 @@ def test_collate_stats_rejects_bad_options(tmp_path, capsys):
     assert cli.main(["collate-stats", "--limit", "0", "--corpus-dir", str(tmp_path)]) == 2
     assert "--limit" in capsys.readouterr().err
     assert (
-        cli.main(["collate-stats", "--limit", "2", "--ctx-student", "0", "--corpus-dir", str(tmp_path)]) == 2
+        cli.main(
+            ["collate-stats", "--limit", "2", "--ctx-student", "0", "--corpus-dir", str(tmp_path)]
+        )
+        == 2
     )
     assert "ctx_length_student" in capsys.readouterr().err
 
 
 def test_collate_stats_totals_agree_with_alignment_stats():
-    from services.collate_stats import _Totals
+    from services.cli.collate_stats import _Totals
     from xtoken_core.align import AlignmentBatch, TokenAligner, alignment_stats
     from xtoken_core.data.collator import CrossTokenizerCollator
     from xtoken_core.tokenizers import load_tokenizer

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.demo import MARKER, fresh_run_dir
+from services.cli.demo import MARKER, fresh_run_dir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_new_directory_is_made_and_marked_as_the_demos(tmp_path):
@@ -66,8 +66,8 @@ def test_xtoken_demo_on_a_working_tree_exits_2_and_deletes_nothing(tmp_path):
 
 def test_demo_overrides_apply_after_its_options_and_are_checked():
     from services.cli import build_parser
+    from services.cli.demo import demo_config
     from services.common.config import ConfigError
-    from services.demo import demo_config
 
     parser = build_parser()
     args = parser.parse_args(["demo", "--steps", "5", "--set", "trainer.max_steps=7"])
@@ -79,7 +79,7 @@ def test_demo_overrides_apply_after_its_options_and_are_checked():
 
 def test_demo_steps_0_trains_until_the_data_ends_and_a_negative_count_is_refused(capsys):
     from services.cli import build_parser
-    from services.demo import demo_config
+    from services.cli.demo import demo_config
 
     parser = build_parser()
     assert demo_config(parser.parse_args(["demo", "--steps", "0"])).trainer.max_steps == 0
@@ -92,7 +92,7 @@ def test_demo_steps_0_trains_until_the_data_ends_and_a_negative_count_is_refused
 
 def test_the_ce_only_run_is_the_same_run_without_the_teacher():
     from services.cli import build_parser
-    from services.demo import BASELINE_DIR, baseline_data, demo_config
+    from services.cli.demo import BASELINE_DIR, baseline_data, demo_config
     from services.supervise.config import run_config_from_dict
 
     args = build_parser().parse_args(["demo", "--steps", "3", "--run-dir", "runs/d"])
@@ -106,7 +106,7 @@ def test_the_ce_only_run_is_the_same_run_without_the_teacher():
 
 def test_the_held_out_table_shows_kd_beside_ce_only():
     from services.cli import build_parser
-    from services.demo import demo_config, format_table
+    from services.cli.demo import demo_config, format_table
 
     config = demo_config(build_parser().parse_args(["demo"]))
     kd = {"teacher": 0.95, "student_before": 4.0, "student_after": 2.75, "steps": 40}

@@ -14,7 +14,7 @@ from services.common.config import ConfigError
 from services.common.overrides import parse_override
 from services.supervise.config import load_run_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "examples" / "tiny.yaml"
 
 
