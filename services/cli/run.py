@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 EPILOG = """\
 examples:
   xtoken run examples/tiny.yaml
+  xtoken run examples/tiny.yaml --check
   xtoken run examples/tiny.yaml --set trainer.max_steps=20 --set trainer.optim.lr=1e-3
   xtoken run examples/tiny.yaml --set data.train=corpus.jsonl --set data.limit=null --fresh
   xtoken run examples/tiny.yaml --launcher ray --ray-address auto
@@ -48,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override one setting of the config (repeatable), e.g. --set trainer.optim.lr=1e-4",
     )
     parser.add_argument("--run-dir", default=None, help="override run_dir of the config")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config and its corpora, then exit without starting anything (0: the "
+        "run would start; 2: bad settings; 3: bad data)",
+    )
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (or progress lines)"
     )
@@ -131,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtoken run: {e}", file=sys.stderr)
         return EXIT_DATA if isinstance(e, DataError) else EXIT_SETTINGS
+    if getattr(args, "check", False):
+        print(f"xtoken run: {args.config}: the config and its corpora are good")
+        return 0
     from services.supervise.resume import plan_start
 
     run_dir = Path(config.run_dir)

@@ -5,42 +5,65 @@
 * :mod:`.end_of_data`: the collators' end-of-data marker;
 * :mod:`.incarnation`: the teachers' announcements (which one serves a group now);
 * :mod:`.rollout`: the rollout workers' on-policy samples.
+
+Each name below is importable from the package as well; a module is imported when one of its
+names is first asked for, so that the names (which a settings module reads) never import torch.
 """
 
-from services.protocol.end_of_data import EOF_KEY, eof_fields, eof_samples, put_eof
-from services.protocol.incarnation import announce_teacher, teacher_incarnations
-from services.protocol.names import (
-    ROLLOUT_TASK,
-    TEACHER_TASK,
-    TRANSPORTS,
-    hidden_field,
-    meta_partition,
-    new_instance,
-    policy_dir,
-    request_partition,
-    result_field,
-    rollout_partition,
-    trainer_task,
-)
-from services.protocol.rollout import (
-    ROLLOUT_FIELDS,
-    is_rollout_sample,
-    rollout_key,
-    rollout_values,
-)
-from services.protocol.teacher import (
-    MAX_BLOB_BYTES,
-    POSITIONS_FIELD,
-    REQUEST_FIELDS,
-    Request,
-    Result,
-    decode_request,
-    hidden_column,
-    hidden_from_column,
-    pack_blob,
-    request_fields,
-    unpack_blob,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module of this package that defines it
+_HOMES = {
+    **dict.fromkeys(("EOF_KEY", "eof_fields", "eof_samples", "put_eof"), "end_of_data"),
+    **dict.fromkeys(("announce_teacher", "teacher_incarnations"), "incarnation"),
+    **dict.fromkeys(
+        (
+            "ROLLOUT_TASK",
+            "TEACHER_TASK",
+            "TRANSPORTS",
+            "hidden_field",
+            "meta_partition",
+            "new_instance",
+            "policy_dir",
+            "request_partition",
+            "result_field",
+            "rollout_partition",
+            "trainer_task",
+        ),
+        "names",
+    ),
+    **dict.fromkeys(
+        ("ROLLOUT_FIELDS", "is_rollout_sample", "rollout_key", "rollout_values"), "rollout"
+    ),
+    **dict.fromkeys(
+        (
+            "MAX_BLOB_BYTES",
+            "POSITIONS_FIELD",
+            "REQUEST_FIELDS",
+            "Request",
+            "Result",
+            "decode_request",
+            "hidden_column",
+            "hidden_from_column",
+            "pack_blob",
+            "request_fields",
+            "unpack_blob",
+        ),
+        "teacher",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``name`` from the module that defines it (imported on first use)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
     "EOF_KEY",

@@ -132,6 +132,20 @@ def test_a_missing_corpus_is_refused_before_the_run_imports_its_engine_or_tokeni
     assert "data.train='missing.jsonl' is not a file" in proc.stderr
 
 
+def test_check_accepts_a_good_config_and_starts_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    assert cli.main(["run", str(TINY), "--run-dir", str(run_dir), "--check"]) == 0
+    assert capsys.readouterr().out == (f"xtoken run: {TINY}: the config and its corpora are good\n")
+    assert not run_dir.exists()
+
+
+def test_check_refuses_a_bad_config_as_the_run_would(tmp_path, capsys):
+    argv = ["run", str(TINY), "--run-dir", str(tmp_path / "r"), "--check"]
+    assert cli.main([*argv, "--set", "data.train=missing.jsonl"]) == 2
+    assert "data.train='missing.jsonl' is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_bad_value_exits_2_naming_the_key_the_type_and_the_value(tmp_path, capsys):
     code, err = _run(tmp_path, capsys, "--set", "trainer.max_steps=many")
     assert code == 2
