@@ -1,4 +1,4 @@
-"""The end-of-data marker: its record round trips, and the former homes still export it."""
+"""The end-of-data marker: its record round trips into the meta partition."""
 
 from __future__ import annotations
 
