@@ -48,17 +48,15 @@ from services.control.paths import confine
 from services.control.queue_history import FIELDS as QUEUE_FIELDS
 from services.control.queue_history import QueueHistory, history_path
 from services.control.queue_monitor import QueueMonitor
-from services.control.states import (  # noqa: F401 (STATES, RunNotFound: re-exported)
+from services.control.states import (
     ACTIVE,
     FAILED,
     INTERRUPTED,
     PENDING,
     RESUMABLE,
     STARTING,
-    STATES,
     STOPPING,
     Conflict,
-    RunNotFound,
 )
 from services.control.store import Store
 from services.supervise.attach import attach_run, kill_leftovers

@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # pytest run as `pytest`: benchmarks/ is not importable yet
     sys.path.insert(0, str(ROOT))
 # the keys logs' reader and the count against the corpus, shared with the fault campaign
-from benchmarks.faults.lineage import tally, trained_records  # noqa: E402, F401 (re-exported)
+from benchmarks.faults.lineage import tally, trained_records  # noqa: E402
 
 STUDENT_TOKENIZER = "mistral"
 TEACHER_TOKENIZER = "smollm2"

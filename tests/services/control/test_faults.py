@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.faults.lineage import trained_records
 from services.control.store import Store
 from tests.e2e.conftest import (
     assert_exactly_once,
@@ -27,7 +28,6 @@ from tests.e2e.conftest import (
     keys_after,
     latest_checkpoint,
     trained_keys,
-    trained_records,
 )
 from tests.services.control.conftest import ControlServer, tiny_config, wait_state
 

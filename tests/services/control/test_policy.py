@@ -7,7 +7,7 @@ import pytest
 
 from services.control import prometheus
 from services.control.paths import DATA_KEYS, PathNotAllowed, confine
-from services.control.supervisor import STATES
+from services.control.states import STATES
 
 
 def test_confine_makes_relative_paths_absolute_under_their_roots(tmp_path):

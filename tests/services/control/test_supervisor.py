@@ -19,8 +19,8 @@ import pytest
 from services.collator.config import RunConfig as CollatorConfig
 from services.common import config as cfgmod
 from services.common.config import ConfigError
+from services.control.states import Conflict, RunNotFound
 from services.control.store import Store
-from services.control.supervisor import Conflict, RunNotFound
 from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 from tests.services.control.conftest import FOREVER, LIFECYCLE, tiny_config
@@ -444,7 +444,7 @@ def test_a_config_may_keep_a_queue_of_its_own_or_name_another(make, external_que
 
 def test_the_snapshot_has_the_memory_of_every_trainer_rank_and_teacher(make):
     from services.control import prometheus
-    from services.control.supervisor import STATES
+    from services.control.states import STATES
 
     sup = make({})
     run = sup.submit(tiny_config(trainers=2, teachers=2))
@@ -477,7 +477,7 @@ def test_a_rollout_worker_restarts_in_place_and_its_figures_reach_the_run_and_th
     make,
 ):
     from services.control import prometheus
-    from services.control.supervisor import STATES
+    from services.control.states import STATES
 
     sup = make({"rollout0": [(0.3, 1), FOREVER], "trainer0": [(3.0, 0)]})
     run = sup.submit(
