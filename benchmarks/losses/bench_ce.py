@@ -1,9 +1,9 @@
 """Benchmark: the student CE, reference (fp32 copy + log-softmax) vs the row_ce kernels, fwd + bwd.
 
 For each (B, T) shape at vocab V (bf16 logits, a token mask with a padded tail) it times the
-forward and backward of :func:`xtoken_core.losses.reference.student_ce_loss` (the logits cast to
-fp32, a full log-softmax, the same again in the backward) and of
-:func:`xtoken_core.losses.fused.student_ce` (the kernels of ``xtoken_core/kernels/row_ce.py``:
+forward and backward of :func:`xtoken_core.losses.backends.reference.student_ce_loss` (the logits
+cast to fp32, a full log-softmax, the same again in the backward) and of
+:func:`xtoken_core.kernels.row_ce.row_cross_entropy` (the kernel backend's CE:
 each row's logsumexp, target logit and argmax on the bf16 logits; a one-pass backward), and
 reports the median ms, the peak memory above the inputs (GiB, and as a multiple of the logits'
 bytes: the gradient alone is 1x), the loss's relative difference and the gradients' cosine.
@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
 
 from xtoken_core.kernels.logit_rows import row_logsumexp  # noqa: E402
-from xtoken_core.losses.fused import student_ce  # noqa: E402
-from xtoken_core.losses.reference import student_ce_loss  # noqa: E402
+from xtoken_core.kernels.row_ce import row_cross_entropy  # noqa: E402
+from xtoken_core.losses.backends.reference import student_ce_loss  # noqa: E402
 
 SHAPES = [(1, 4096), (4, 2048)]
 VOCAB = 151936
@@ -66,10 +66,10 @@ def run_shape(B: int, T: int, V: int, device: torch.device, reps: int, copy_bps)
     x = logits.requires_grad_()
     targets = (ids, token_mask, sample_mask)
     ref = _fwd_bwd(student_ce_loss, x, *targets)
-    ker = _fwd_bwd(student_ce, x, *targets)
+    ker = _fwd_bwd(row_cross_entropy, x, *targets)
     with torch.no_grad():
         lse_R = row_logsumexp(logits, None, 1.0)
-    ker_lse = _fwd_bwd(student_ce, x, *targets, lse_R=lse_R)
+    ker_lse = _fwd_bwd(row_cross_entropy, x, *targets, lse_R=lse_R)
 
     nll_ref, correct_ref = ref()
     grad_ref = x.grad.float()

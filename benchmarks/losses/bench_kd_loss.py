@@ -3,7 +3,7 @@
 For each mode (P-KL, gold, relaxed gold / xtoken), each (B, T, V_s, V_t) shape, bf16 logits and
 ~0.8 T chunks of 1-2 tokens per side, it times ``CrossTokenizerLoss(...)(...)`` forward and
 backward with ``backend="reference"`` (one-hot bmm chunk averages, fp32 [B, T, V] copies) and
-``backend="kernel"`` (the kernel engine, xtoken_core/losses/kernel_engine.py), and reports the median
+``backend="kernel"`` (the kernel backend, xtoken_core/losses/backends/kernel.py), and reports the median
 time (at least 5 runs and 0.3 s of runs: the fast cases are host-bound, and host jitter is
 their noise), the peak memory above the inputs, both ratios, the relative loss difference and the
 relative gradient error (norm of the difference over the norm of the reference gradient).

@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 from bench_kd_loss import TEMPERATURE, VOCAB_TOPK, _projection  # noqa: E402
 
+from xtoken_core.data.projection import Projection  # noqa: E402
 from xtoken_core.kernels import logit_rows, pkl_chunk_kl, pkl_projection  # noqa: E402
 from xtoken_core.losses.modes.pkl import PROB_EPS  # noqa: E402
-from xtoken_core.losses.utils import sparse_projection_from_topk  # noqa: E402
 
 #: (block_n, block_v, warps) candidates; the first is the default before the first sweep
 #: (KERNEL_CONFIG now holds the winner, (16, 256, 4)).
@@ -178,9 +178,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
     indices, likelihoods = _projection(V_s, V_t, gen, device)
-    M = sparse_projection_from_topk(
-        indices, likelihoods, student_vocab_size=V_s, teacher_vocab_size=V_t
-    )
+    M = Projection.from_topk(indices, likelihoods, device).sparse(V_s, V_t)
     idx_K = torch.sort(torch.randperm(V_t, device=device)[:VOCAB_TOPK]).values
     tables = pkl_projection.restrict_tables(pkl_projection.build_projection_tables(M), idx_K)
     nidx_R = torch.arange(T, device=device)

@@ -1,8 +1,8 @@
-"""Profile: where the KD loss's fwd+bwd time goes, kernel engine vs the reference engine (GPU).
+"""Profile: where the KD loss's fwd+bwd time goes, kernel backend vs the reference backend (GPU).
 
 Runs ``torch.profiler`` over one fwd+bwd of ``CrossTokenizerLoss`` (after a warm-up) for each
-mode at one shape, prints the top kernels by CUDA time per path and writes the full tables to
-``--out``. Usage: ``python benchmarks/losses/profile_kd_loss.py --out /tmp/profile``.
+mode and backend at one shape, prints the top kernels by CUDA time per backend and writes the
+full tables to ``--out``. Usage: ``python benchmarks/losses/profile_kd_loss.py --out /tmp/profile``.
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ import argparse
 import os
 import sys
 import time
-from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kd_loss import _make_inputs, make_loss  # noqa: E402
-
-from xtoken_core.losses import fused  # noqa: E402
 
 
 def _launch_costs(device, n: int = 300) -> None:
@@ -88,7 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--B", type=int, default=2)
     parser.add_argument("--T", type=int, default=4096)
     parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--paths", nargs="+", default=["fused", "reference"])
+    parser.add_argument(
+        "--backends", nargs="+", default=["kernel", "reference"], choices=["kernel", "reference"]
+    )
     parser.add_argument("--modes", nargs="+", default=["pkl", "gold"], choices=["pkl", "gold"])
     parser.add_argument(
         "--host", action="store_true", help="also time the host side (launch costs, fwd/bwd)"
@@ -104,35 +103,33 @@ def main(argv=None) -> int:
     student, teacher, batch, projection, _ = _make_inputs(args.B, args.T, 151936, 131072, device, 1)
     x = student.clone().requires_grad_()
     for mode in args.modes:
-        loss_fn = make_loss(mode, projection, "kernel")
-        for path in args.paths:
-            patch = mock.patch.object(fused, "fused_path_available", return_value=path == "fused")
-            with patch:
-                for _ in range(2):  # warm-up: compile, caches
-                    x.grad = None
-                    loss_fn(x, teacher, batch)[0].backward()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
+        for backend in args.backends:
+            loss_fn = make_loss(mode, projection, backend)  # the backend is chosen once, here
+            for _ in range(2):  # warm-up: compile, caches
+                x.grad = None
+                loss_fn(x, teacher, batch)[0].backward()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            x.grad = None
+            loss_fn(x, teacher, batch)[0].backward()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            fwd = lambda fn=loss_fn: fn(x, teacher, batch)[0]  # noqa: E731
+            if args.host:
+                _fwd_bwd_split(fwd, x, f"{mode} {backend}")
+            if args.cprofile:
+                _python_profile(fwd, x, args.cprofile, args.top)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 x.grad = None
                 loss_fn(x, teacher, batch)[0].backward()
                 torch.cuda.synchronize()
-                wall_ms = (time.perf_counter() - t0) * 1e3
-                fwd = lambda fn=loss_fn: fn(x, teacher, batch)[0]  # noqa: E731
-                if args.host:
-                    _fwd_bwd_split(fwd, x, f"{mode} {path}")
-                if args.cprofile:
-                    _python_profile(fwd, x, args.cprofile, args.top)
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    x.grad = None
-                    loss_fn(x, teacher, batch)[0].backward()
-                    torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-            with open(os.path.join(args.out, f"profile_{mode}_{path}.txt"), "w") as fh:
+            with open(os.path.join(args.out, f"profile_{mode}_{backend}.txt"), "w") as fh:
                 fh.write(table)
             events = [e for e in prof.key_averages() if e.device_time_total > 0]
             events.sort(key=lambda e: -e.self_device_time_total)
             total = sum(e.self_device_time_total for e in events) / 1e3
-            print(f"== {mode} {path} B={args.B} T={args.T}: {total:.2f} ms of kernels")
+            print(f"== {mode} {backend} B={args.B} T={args.T}: {total:.2f} ms of kernels")
             for e in events[: args.top]:
                 ms = e.self_device_time_total / 1e3
                 print(f"  {ms:8.2f} ms  x{e.count:<4d} {e.key[:90]}")

@@ -4,8 +4,9 @@
 optional masks) into everything the fused loss kernels index with, on the device and without a
 host sync; it replaces ~50 small PyTorch ops (shift, clamp, chunk sizes, validity, the
 valid-chunk numbering, and per side a sort + searchsorted). Same results as
-:func:`xtoken_core.losses.utils.shift_chunk_ids`, :func:`~xtoken_core.losses.reference.chunk_validity`
-and :func:`~xtoken_core.losses.utils.chunk_rows` (a stable sort: rows keep their order).
+:func:`xtoken_core.losses.alignment.shift_chunk_ids`,
+:func:`~xtoken_core.losses.alignment.chunk_validity` and
+:func:`~xtoken_core.losses.alignment.chunk_rows` (a stable sort: rows keep their order).
 
 Legend (shape suffixes):
     B batch, T student tokens, U teacher tokens, C chunk slots, S flattened ``[B, C]`` slots,
@@ -243,7 +244,7 @@ class ChunkPlan:
     Attributes:
         student_chunk_id_BT: int64 [B, T] shifted student ids, clamped to ``[-1, C)``.
         teacher_chunk_id_BU: int64 [B, U] shifted teacher ids, clamped.
-        valid_BC: bool [B, C], :func:`~xtoken_core.losses.reference.chunk_validity`.
+        valid_BC: bool [B, C], :func:`~xtoken_core.losses.alignment.chunk_validity`.
         stats_5: int64 [5], raw ``(student min, max, teacher min, max)`` before the shift (min >
             max for no ids) and N, the valid-chunk count.
         nidx_2: per side int64 [R] valid-chunk index of each row (-1 = none).
@@ -271,7 +272,7 @@ class ChunkPlan:
                 on the device.
 
         Returns:
-            The fields of :class:`xtoken_core.losses.utils.ChunkRows`, in order.
+            The fields of :class:`xtoken_core.losses.alignment.ChunkRows`, in order.
         """
         if num_valid is None:
             return self.nidx_2[side], self.order_2[side], self.offsets_2[side], self.sizes_2[side]

@@ -3,8 +3,9 @@
 These kernels let the whole cross-tokenizer loss run from the bf16 logits plus one fp32 scalar
 per row, never an fp32 ``[B, T, V]`` copy. The P-KL projection kernels live in
 :mod:`xtoken_core.kernels.pkl_projection`, the gold backward in :mod:`xtoken_core.kernels.gold_student`; all
-three read their block sizes from :data:`KERNEL_CONFIG` here. :mod:`xtoken_core.losses.fused`
-composes them (docs/design.md, "The loss math", has the math they implement).
+three read their block sizes from :data:`KERNEL_CONFIG` here. The modes' kernel paths
+(:mod:`xtoken_core.losses.modes`) compose them (docs/design.md, "The loss math", has the math
+they implement).
 
 Legend (shape suffixes):
     R rows of the logits (flattened B x T), V vocabulary of the logits, N valid chunks,

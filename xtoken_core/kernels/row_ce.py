@@ -1,10 +1,11 @@
 """Student next-token cross-entropy from the logits in their own dtype: row kernels, autograd.
 
-The PyTorch path (:func:`xtoken_core.losses.reference.student_ce_loss`) casts ``[B, T, V]`` to
-fp32 and runs a full log-softmax, then does the same again in its backward. Here the forward
-reads each row once (online logsumexp, the target logit, the argmax) and keeps one fp32 scalar
-and one int32 target per row; the backward reads the row once more with that logsumexp and
-writes the gradient in the logits' dtype. No ``[B, T, V]`` intermediate in either pass.
+The PyTorch path (:func:`xtoken_core.losses.backends.reference.student_ce_loss`) casts
+``[B, T, V]`` to fp32 and runs a full log-softmax, then does the same again in its backward.
+Here the forward reads each row once (online logsumexp, the target logit, the argmax) and keeps
+one fp32 scalar and one int32 target per row; the backward reads the row once more with that
+logsumexp and writes the gradient in the logits' dtype. No ``[B, T, V]`` intermediate in either
+pass.
 
 Legend (shape suffixes):
     B batch, T positions, V vocabulary, R = B*T rows of the logits (flattened positions).
@@ -358,8 +359,8 @@ def row_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy summed over the counted targets, by the Triton kernels.
 
-    The contract of :func:`xtoken_core.losses.reference.student_ce_loss` (which
-    :func:`xtoken_core.losses.fused.student_ce` falls back to where Triton does not run).
+    The contract of :func:`xtoken_core.losses.backends.reference.student_ce_loss` (which
+    :func:`xtoken_core.losses.student_ce` falls back to where Triton does not run).
 
     Shape:
         logits_BTV: [B, T, V], fp32 / bf16 / fp16; last dim contiguous or it is copied (row

@@ -1,19 +1,61 @@
-"""Cross-tokenizer losses: the public loss API (loss.py, config.py); one module per KD mode
-(modes/: each mode's PyTorch reference, kernel path and CPU path, and their registry); three
-engines that run a mode over every teacher, the reference (engine.py), the Triton kernels
-(kernel_engine.py) and the CPU path (cpu_engine.py); the shared reference pieces
-(reference.py), kernel plumbing (fused.py), CPU plumbing (cpu.py) and chunk plumbing (utils.py);
-the fused output head (fused_head.py, head_blocks.py)."""
+"""Cross-tokenizer losses: the public loss API (loss.py) and its settings (config.py); one module
+per KD mode (modes/: each mode's PyTorch reference, kernel path and CPU path, and their
+registry); one module per backend that runs a mode over every teacher (backends/: the reference,
+the Triton kernels, the CPU path), chosen once when a loss is built; the records they take
+(inputs.py), the alignment and chunk plumbing (alignment.py), the input checks (checks.py), the
+DP count (distributed.py); the fused output head (fused_head.py, head_blocks.py).
 
-from xtoken_core.losses.config import CrossTokenizerLossConfig
-from xtoken_core.losses.loss import METRIC_KEYS, CrossTokenizerLoss
-from xtoken_core.losses.utils import Fp32SparseMM, dp_all_reduce_sum, shift_chunk_ids
+The public names load on first use (PEP 562 ``__getattr__``), so that importing the config alone
+(``xtoken_core.losses.config``, which runs this file first) imports no torch or Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xtoken_core.losses.alignment import shift_chunk_ids
+    from xtoken_core.losses.backends import student_ce
+    from xtoken_core.losses.backends.reference import Fp32SparseMM
+    from xtoken_core.losses.config import CrossTokenizerLossConfig
+    from xtoken_core.losses.distributed import dp_all_reduce_sum
+    from xtoken_core.losses.fused_head import FusedHead
+    from xtoken_core.losses.loss import METRIC_KEYS, CrossTokenizerLoss
+
+#: public name -> the module that defines it
+_PUBLIC = {
+    "METRIC_KEYS": "xtoken_core.losses.loss",
+    "CrossTokenizerLoss": "xtoken_core.losses.loss",
+    "CrossTokenizerLossConfig": "xtoken_core.losses.config",
+    "FusedHead": "xtoken_core.losses.fused_head",
+    "Fp32SparseMM": "xtoken_core.losses.backends.reference",
+    "dp_all_reduce_sum": "xtoken_core.losses.distributed",
+    "shift_chunk_ids": "xtoken_core.losses.alignment",
+    "student_ce": "xtoken_core.losses.backends",
+}
 
 __all__ = [
     "METRIC_KEYS",
     "CrossTokenizerLoss",
     "CrossTokenizerLossConfig",
     "Fp32SparseMM",
+    "FusedHead",
     "dp_all_reduce_sum",
     "shift_chunk_ids",
+    "student_ce",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module at first use."""
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

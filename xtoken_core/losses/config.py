@@ -1,29 +1,43 @@
 """CrossTokenizerLossConfig: the typed, validated settings of the cross-tokenizer loss, used as
-is by the library and by the trainer (the ``trainer.loss`` section of a run config)."""
+is by the library and by the trainer (the ``trainer.loss`` section of a run config). Imports no
+torch or Triton: a run config is parsed and checked before either loads."""
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
+if TYPE_CHECKING:
+    from torch import Tensor
+else:
 
-from xtoken_core.losses.modes import MODES as KD_MODES
+    class _TensorType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+            return torch is not None and isinstance(obj, torch.Tensor)
+
+    class Tensor(metaclass=_TensorType):
+        """``torch.Tensor`` in the field types without importing torch: ``isinstance(x, Tensor)``
+        is ``isinstance(x, torch.Tensor)``."""
+
 
 #: A projection is a file path (dense top-k or sparse format) or an in-memory dense top-k pair
 #: ``(indices Long[V_s, K], likelihoods Float[V_s, K])`` with -1 for "no entry".
-ProjectionSource = str | os.PathLike | tuple[torch.Tensor, torch.Tensor]
+ProjectionSource = str | os.PathLike | tuple[Tensor, Tensor]
 
+#: The KD modes, one module each in :mod:`xtoken_core.losses.modes`; its registry
+#: (:data:`xtoken_core.losses.modes.MODES`) maps these names to their classes (a test checks).
+KD_MODES = ("pkl", "gold", "xtoken")
 #: The mode that trains on the student CE alone: no teacher, no projection, no KD term.
 CE_ONLY = "ce"
-#: Every ``mode``: the KD modes of the registry (:data:`xtoken_core.losses.modes.MODES`), then
-#: :data:`CE_ONLY`.
+#: Every ``mode``: :data:`KD_MODES`, then :data:`CE_ONLY`.
 MODE_NAMES = (*KD_MODES, CE_ONLY)
-Mode = Literal[MODE_NAMES]  # type: ignore[valid-type]  # built from the registry
+Mode = Literal[MODE_NAMES]  # type: ignore[valid-type]  # built from the names above
 Backend = Literal["auto", "reference", "kernel"]
 BACKENDS = typing.get_args(Backend)
 TopkColumns = Literal["valid", "all"]
@@ -34,13 +48,13 @@ def _is_single_projection(value: object) -> bool:
     if isinstance(value, str | os.PathLike):
         return True
     return (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and all(isinstance(v, torch.Tensor) for v in value)
+        isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, Tensor) for v in value)
     )
 
 
-def _check_topk_pair(pair: tuple[torch.Tensor, torch.Tensor], where: str) -> None:
+def _check_topk_pair(pair: tuple[Tensor, Tensor], where: str) -> None:
+    import torch  # loaded already: the pair holds tensors
+
     indices, likelihoods = pair
     if indices.dim() != 2 or indices.shape != likelihoods.shape:
         raise ValueError(

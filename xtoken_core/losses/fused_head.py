@@ -44,12 +44,16 @@ from typing import Any
 
 import torch
 
-from xtoken_core.kernels import logit_rows
-from xtoken_core.losses import fused
-from xtoken_core.losses.engine import check_alignment_shapes, valid_chunks
+from xtoken_core.losses.alignment import (
+    alignment_from_batch,
+    check_alignment_shapes,
+    check_chunk_ids,
+    shift_chunk_ids,
+    valid_chunks,
+)
+from xtoken_core.losses.backends import student_ce
 from xtoken_core.losses.head_blocks import RowBlock, plan_blocks
 from xtoken_core.losses.loss import CrossTokenizerLoss
-from xtoken_core.losses.utils import alignment_from_batch, check_chunk_ids, shift_chunk_ids
 
 __all__ = ["DEFAULT_BLOCK_ROWS", "FusedHead", "FusedHeadFunction"]
 
@@ -69,7 +73,7 @@ class FusedHead:
         loss.backward()                                    # dh, dW kept from the forward
 
     Args:
-        loss_fn: the cross-tokenizer loss whose config and engines the blocks use; None: the
+        loss_fn: the cross-tokenizer loss whose config and backends the blocks use; None: the
             student CE alone (``global_valid_tokens`` over the micro-batches of the step).
         block_rows: rows per block wanted (a block ends on the last chunk boundary at or below
             it; a chunk longer than that makes its block longer).
@@ -218,17 +222,14 @@ class FusedHead:
                 fillers.append(z_t.new_zeros(z_t.shape[-1]))
                 continue
             with torch.no_grad():
-                z_BUW = fused.last_dim_contiguous(z_t.detach())
+                z_BUW = z_t.detach()
                 # rows with a (shifted) teacher chunk id pick; under "all" every row does
                 rows_Q = shift_chunk_ids(alignment_from_batch(batch, i).teacher_chunk_id)
                 rows_Q = rows_Q.reshape(-1).to(z_t.device)
                 if cfg.topk_columns == "all":
                     rows_Q = torch.zeros_like(rows_Q)
-                if fused.fused_path_available(z_BUW, z_BUW):
-                    max_W = logit_rows.column_max(z_BUW, rows_Q)
-                else:
-                    unused_BU1 = (rows_Q < 0).view(*z_BUW.shape[:2], 1)
-                    max_W = z_BUW.masked_fill(unused_BU1, float("-inf")).amax(dim=(0, 1))
+                # the kernel where the loss's backend takes these logits, else a masked amax
+                max_W = self.loss_fn.backend_for(z_BUW, [z_BUW]).column_max(z_BUW, rows_Q)
                 # -inf only where no row picks (finite logits): no chunk counts, any row does
                 max_W = torch.where(torch.isinf(max_W), torch.zeros_like(max_W), max_W)
                 fillers.append(max_W.to(z_t.dtype))
@@ -253,9 +254,7 @@ class _Run:
         batch = {k: v.to(device, non_blocking=True) for k, v in block.batch.items()}
         loss_fn = self.head.loss_fn
         if loss_fn is None:
-            nll, correct, _ = fused.student_ce(
-                logits_LV[None], batch["input_ids"], batch["token_mask"]
-            )
+            nll, correct, _ = student_ce(logits_LV[None], batch["input_ids"], batch["token_mask"])
             denom = self.counts["global_valid_tokens"].to(torch.float32).clamp_min(1.0)
             loss = nll / denom
             metrics = {"loss": loss.detach(), "ce_loss": loss.detach(), "accuracy": correct / denom}

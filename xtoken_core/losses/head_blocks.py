@@ -6,7 +6,7 @@ time; the chunk terms are exact only when no chunk is split between two blocks, 
 Everything here is pure index work on the host (CPU tensors in, CPU tensors out).
 
 Row targets. The logits of flat row ``r = b * T + p`` belong to the chunk of token ``p + 1``
-(:func:`~xtoken_core.losses.utils.shift_chunk_ids`) and predict ``input_ids[b, p + 1]``. A block
+(:func:`~xtoken_core.losses.alignment.shift_chunk_ids`) and predict ``input_ids[b, p + 1]``. A block
 batch is one sample of ``L + 1`` positions laid out so that the loss's own shift gives row ``j``
 of the block (flat row ``rows_L[j]``) exactly those targets: position 0 holds nothing, position
 ``j + 1`` holds the targets of row ``j``, and the block's logits get one filler row at the end
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xtoken_core.losses.utils import alignment_from_batch, shift_chunk_ids
+from xtoken_core.losses.alignment import alignment_from_batch, shift_chunk_ids
 
 __all__ = ["RowBlock", "block_batch", "block_ends", "cut_allowed", "plan_blocks", "row_targets"]
 

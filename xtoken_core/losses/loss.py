@@ -1,12 +1,12 @@
 """CrossTokenizerLoss: the public loss API. The loss builds its KD mode (the registry of
-:mod:`xtoken_core.losses.modes`) and chooses its engine once, from ``backend`` and what the
-machine has (:func:`choose_engine`: the reference engine of :mod:`xtoken_core.losses.engine`,
-the kernel engine of :mod:`xtoken_core.losses.kernel_engine` or the CPU engine of
-:mod:`xtoken_core.losses.cpu_engine`). A call lets the engine start on
-the student logits (the GPU then works while the host goes on), prepares the inputs (shapes,
-teacher vocab, alignment, projection), asks the engine for the KD term and the student CE, and
-combines the two. A call whose logits the chosen engine cannot take (fp64; CPU logits for the
-kernels without the interpreter) runs on the reference engine.
+:mod:`xtoken_core.losses.modes`) and chooses its backend once, from ``backend`` and what the
+machine has (:func:`~xtoken_core.losses.backends.choose_backend`: the reference, the Triton
+kernels or the CPU path, one module each in :mod:`xtoken_core.losses.backends`). A call lets the
+backend start on the student logits (the GPU then works while the host goes on), prepares the
+inputs (shapes, teacher vocab, alignment, projection), asks the backend for the KD term and the
+student CE, and combines the two (:func:`combine_losses`). A call whose logits the chosen backend
+cannot take (fp64; CPU logits for the kernels without the interpreter) runs on the reference
+backend.
 
 Every metric returned is already divided by its *global* denominator (valid chunks or valid CE
 tokens over all micro-batches and DP ranks), so metrics are additive: summing them over the
@@ -28,21 +28,14 @@ from typing import Any
 import torch
 
 from xtoken_core.data.projection import Projection, open_projection
-from xtoken_core.kernels._utils import triton
-from xtoken_core.losses import reference
+from xtoken_core.losses.alignment import alignment_from_batch, check_alignment_shapes, valid_chunks
+from xtoken_core.losses.backends import Backend, choose_backend
+from xtoken_core.losses.backends.reference import ReferenceBackend, compute_dtype
 from xtoken_core.losses.checks import DeferredChecks
 from xtoken_core.losses.config import CrossTokenizerLossConfig
-from xtoken_core.losses.cpu_engine import CpuEngine
-from xtoken_core.losses.engine import (
-    KDEngine,
-    ReferenceEngine,
-    TeacherInputs,
-    check_alignment_shapes,
-    valid_chunks,
-)
-from xtoken_core.losses.kernel_engine import KernelEngine
+from xtoken_core.losses.distributed import dp_all_reduce_sum
+from xtoken_core.losses.inputs import TeacherInputs
 from xtoken_core.losses.modes import MODES, KDMode
-from xtoken_core.losses.utils import alignment_from_batch, dp_all_reduce_sum
 
 METRIC_KEYS = (
     "loss",
@@ -71,21 +64,22 @@ class CrossTokenizerLoss:
 
     Raises:
         ValueError: ``mode: ce`` (no KD term: the student CE alone is
-            :func:`~xtoken_core.losses.fused.student_ce`, or a
+            :func:`~xtoken_core.losses.backends.student_ce`, or a
             :class:`~xtoken_core.losses.fused_head.FusedHead` without a loss), or no projection.
 
     Attributes:
         mode: the KD mode (:data:`~xtoken_core.losses.modes.MODES` of ``config.mode``).
-        engine: the engine chosen at construction (:func:`choose_engine`).
-        reference: the reference engine (``engine`` itself, or the fallback for calls the
-            kernels cannot take).
+        backend: the backend chosen at construction
+            (:func:`~xtoken_core.losses.backends.choose_backend`).
+        reference: the reference backend (``backend`` itself, or the fallback for calls whose
+            logits ``backend`` cannot take).
     """
 
     def __init__(self, config: CrossTokenizerLossConfig) -> None:
         if not config.uses_teacher:
             raise ValueError(
                 f"mode={config.mode!r} has no KD term: compute the student CE alone "
-                "(xtoken_core.losses.fused.student_ce, or FusedHead(None)), or set a KD mode "
+                "(xtoken_core.losses.student_ce, or FusedHead(None)), or set a KD mode "
                 f"({', '.join(MODES)})"
             )
         if not config.projections:
@@ -94,8 +88,8 @@ class CrossTokenizerLoss:
             )
         self.config = config
         self.mode: KDMode = MODES[config.mode](config)
-        self.reference = ReferenceEngine(config, self.mode)
-        self.engine: KDEngine = choose_engine(config, self.mode, self.reference)
+        self.reference = ReferenceBackend(config, self.mode)
+        self.backend: Backend = choose_backend(config, self.mode, self.reference)
         self._projections: dict[tuple[int, torch.device], Projection] = {}
         self._fits: dict[tuple[int, torch.device], set[tuple[int, int]]] = {}
 
@@ -134,29 +128,21 @@ class CrossTokenizerLoss:
         if student_logits.dim() != 3:
             raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
         teacher_logits = self._teacher_logits(teacher_logits)
-        engine = self.engine_for(student_logits, teacher_logits)
+        backend = self.backend_for(student_logits, teacher_logits)
         checks = DeferredChecks() if cfg.check_inputs else None
-        started = engine.start(student_logits, checks)  # the GPU starts; the host prepares
-        dtype = reference.compute_dtype(student_logits)
-        teachers = self._teachers(student_logits, teacher_logits, batch)
-        chunk_denoms = self._chunk_denoms(global_valid_chunks, dtype, student_logits.device)
+        started = backend.start(student_logits, checks)  # the GPU starts; the host prepares
+        dtype = compute_dtype(student_logits)
+        teachers = self._teachers(student_logits, teacher_logits, batch, global_valid_chunks)
         input_ids = self._ce_targets(student_logits, batch, checks)
-        kd = engine.kd(
-            student_logits,
-            teachers,
-            sample_mask_B=batch.get("sample_mask"),
-            chunk_denoms=chunk_denoms,
-            checks=checks,
-            started=started,
-        )
+        kd = backend.kd(student_logits, teachers, checks, started)
         ce, accuracy = self._ce(
-            engine, started, student_logits, batch, input_ids, global_valid_tokens, dtype
+            backend, started, student_logits, batch, input_ids, global_valid_tokens, dtype
         )
         if ce is None and not cfg.dynamic_scaling:  # no CE term: kl_weight * kd alone
             loss = kd.kd if cfg.kl_weight == 1.0 else cfg.kl_weight * kd.kd
         else:
             zero = student_logits.new_zeros((), dtype=dtype)
-            loss = reference.combine_losses(
+            loss = combine_losses(
                 kd.kd,
                 zero if ce is None else ce,
                 kl_weight=cfg.kl_weight,
@@ -216,21 +202,24 @@ class CrossTokenizerLoss:
             "global_valid_tokens": dp_all_reduce_sum(tokens),
         }
 
-    def engine_for(
+    def backend_for(
         self, student_logits: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
-    ) -> KDEngine:
-        """The engine of this call: :attr:`engine`, or :attr:`reference` for logits it does not
-        take (the kernels: fp64 logits, CPU logits without ``TRITON_INTERPRET=1``, or CPU
-        logits under ``backend: auto``).
+    ) -> Backend:
+        """The backend of this call: :attr:`backend`, or :attr:`reference` for logits it does
+        not take (fp64 logits; the kernels: CPU logits without ``TRITON_INTERPRET=1``, or CPU
+        logits under ``backend: auto``). The one place a call's logits are looked at: below
+        it, the backend's code trusts the choice.
 
         Args:
             student_logits: the student logits.
             teacher_logits: every teacher's logits.
 
         Returns:
-            :attr:`engine` or :attr:`reference`.
+            :attr:`backend` or :attr:`reference`.
         """
-        return self.engine if self.engine.takes(student_logits, teacher_logits) else self.reference
+        if self.backend.takes(student_logits, teacher_logits):
+            return self.backend
+        return self.reference
 
     # ----------------------------------------------------------------- input preparation
 
@@ -253,13 +242,17 @@ class CrossTokenizerLoss:
         return logits
 
     def _teachers(
-        self, student_logits: torch.Tensor, logits: list[torch.Tensor], batch: Mapping[str, Any]
+        self,
+        student_logits: torch.Tensor,
+        logits: list[torch.Tensor],
+        batch: Mapping[str, Any],
+        global_valid_chunks: torch.Tensor | float | Sequence[float] | None,
     ) -> list[TeacherInputs]:
         """Each teacher's logits (:meth:`_teacher_logits`) sliced to its vocab, alignment
-        (shapes checked) and projection."""
+        (shapes checked), projection and global valid-chunk count."""
         cfg = self.config
         B, T, V = student_logits.shape
-        teachers = []
+        prepared = []
         for i, z_t in enumerate(logits):
             name = "teacher_logits" if cfg.num_teachers == 1 else f"teacher_logits[{i}]"
             if z_t.dim() != 3 or z_t.shape[0] != B:
@@ -274,9 +267,23 @@ class CrossTokenizerLoss:
             if cfg.check_inputs:
                 check_alignment_shapes(alignment, B, T, z_t.shape[1])
             projection = self._projection(i, V, W, student_logits.device)
-            weight = cfg.teacher_weights[i]
-            teachers.append(TeacherInputs(i, name, z_t[..., :W], alignment, projection, weight))
-        return teachers
+            prepared.append((name, z_t[..., :W], alignment, projection))
+        dtype, device = compute_dtype(student_logits), student_logits.device
+        denoms = self._chunk_denoms(global_valid_chunks, dtype, device)
+        sample_mask = batch.get("sample_mask")
+        return [
+            TeacherInputs(
+                index=i,
+                name=name,
+                logits_BUW=z_BUW,
+                alignment=alignment,
+                projection=projection,
+                weight=cfg.teacher_weights[i],
+                sample_mask_B=sample_mask,
+                denominator_1=None if denoms is None else denoms[i : i + 1],
+            )
+            for i, (name, z_BUW, alignment, projection) in enumerate(prepared)
+        ]
 
     def _projection(self, i: int, V: int, W: int, device: torch.device) -> Projection:
         """Teacher i's projection on ``device`` (loaded once), checked against the vocabularies."""
@@ -330,9 +337,9 @@ class CrossTokenizerLoss:
             checks.ce_targets(input_ids, token_mask, batch.get("sample_mask"), V)
         return input_ids
 
-    def _ce(self, engine, started, student_logits, batch, input_ids, global_valid_tokens, dtype):
+    def _ce(self, backend, started, student_logits, batch, input_ids, global_valid_tokens, dtype):
         """``(ce, accuracy)`` over the global token count, or ``(None, None)`` without targets;
-        the sums by the engine's CE (``started``: what the engine's ``start`` returned)."""
+        the sums by the backend's CE (``started``: what the backend's ``start`` returned)."""
         if input_ids is None:  # no CE tokens: both terms are 0 over any denominator
             return None, None
         device = student_logits.device
@@ -342,35 +349,44 @@ class CrossTokenizerLoss:
             None if token_mask is None else token_mask.to(device),
             None if sample_mask is None else sample_mask.to(device),
         )
-        nll_sum, correct, n_tokens = engine.ce(student_logits, targets, started)
+        nll_sum, correct, n_tokens = backend.ce(student_logits, targets, started)
         if global_valid_tokens is not None:
             n_tokens = torch.as_tensor(global_valid_tokens, dtype=dtype, device=device)
         denom = n_tokens.to(dtype).clamp_min(1)
         return nll_sum.to(dtype) / denom, correct.to(dtype) / denom
 
 
-def choose_engine(
-    config: CrossTokenizerLossConfig, mode: KDMode, reference_engine: ReferenceEngine
-) -> KDEngine:
-    """The loss's engine, chosen once from ``config.backend`` and the machine: "reference" the
-    reference; "kernel" the kernels wherever Triton is installed (they run on CUDA, or on the
-    CPU under ``TRITON_INTERPRET=1``); "auto" the kernels where CUDA is available, else the CPU
-    path (:class:`~xtoken_core.losses.cpu_engine.CpuEngine`).
+def combine_losses(
+    kd: torch.Tensor,
+    ce: torch.Tensor,
+    *,
+    kl_weight: float,
+    ce_weight: float,
+    dynamic_scaling: bool,
+) -> torch.Tensor:
+    """Combine the (already normalized) KD and CE terms.
+
+    Static: ``kl_weight * kd + ce_weight * ce``. Dynamic: ``kl_weight * s * kd + ce_weight * ce``
+    with ``s = |ce| / |kd|`` detached (0 when ``kd`` is 0), so the KD term has the CE term's
+    magnitude while keeping its own gradient direction.
 
     Args:
-        config: the loss settings.
-        mode: the loss's KD mode.
-        reference_engine: the reference engine (returned when it is the choice).
+        kd: scalar KD term.
+        ce: scalar CE term.
+        kl_weight: weight of the KD term.
+        ce_weight: weight of the CE term.
+        dynamic_scaling: use the dynamic scale s.
 
     Returns:
-        The engine.
+        Scalar loss.
     """
-    kernels = triton is not None and (
-        config.backend == "kernel" or (config.backend == "auto" and torch.cuda.is_available())
+    if not dynamic_scaling:
+        return kl_weight * kd + ce_weight * ce
+    kd_abs = kd.detach().abs()
+    scale = torch.where(
+        kd_abs > 0, ce.detach().abs() / kd_abs.clamp_min(1e-30), torch.zeros_like(kd_abs)
     )
-    if kernels:
-        return KernelEngine(config, mode)
-    return CpuEngine(config, mode) if config.backend == "auto" else reference_engine
+    return kl_weight * scale * kd + ce_weight * ce
 
 
 def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:

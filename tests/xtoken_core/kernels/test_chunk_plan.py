@@ -5,8 +5,7 @@ import torch
 
 from tests.xtoken_core.kernels.conftest import DEVICE
 from xtoken_core.kernels import chunk_plan
-from xtoken_core.losses import reference
-from xtoken_core.losses.utils import chunk_rows, shift_chunk_ids
+from xtoken_core.losses.alignment import chunk_rows, chunk_validity, shift_chunk_ids
 
 pytest.importorskip("triton")
 
@@ -22,7 +21,7 @@ def _ids(B, L, C, gen, lo=-1, hi=None):
 def _expected(s_raw, t_raw, pair_valid, C, **masks):
     s_ids = shift_chunk_ids(s_raw.clamp(-1, C - 1))
     t_ids = shift_chunk_ids(t_raw.clamp(-1, C - 1))
-    valid = reference.chunk_validity(s_ids, t_ids, pair_valid, **masks)
+    valid = chunk_validity(s_ids, t_ids, pair_valid, **masks)
     N = int(valid.sum())
     return s_ids, t_ids, valid, N, chunk_rows(s_ids, valid, N), chunk_rows(t_ids, valid, N)
 

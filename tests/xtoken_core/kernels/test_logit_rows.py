@@ -151,7 +151,7 @@ def test_chunk_mean_log_softmax_columns_is_the_mean_of_the_log_softmax_over_thos
 
 @pytest.mark.gpu
 def test_cuda_topk_selects_the_same_ids_sorted_or_not_under_ties():
-    # fused.py asks torch.topk for an unsorted selection: on CUDA the selected set (ties
+    # P-KL's kernel path asks torch.topk for an unsorted selection: on CUDA the selected set (ties
     # included) must not depend on ``sorted``. bf16 maxima tie a lot.
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = (torch.randn(131072, generator=gen, device="cuda") * 3).to(torch.bfloat16).float()

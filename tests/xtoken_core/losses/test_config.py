@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+from xtoken_core.losses.config import KD_MODES, MODE_NAMES
 from xtoken_core.losses.modes import MODES
 
 PROJ = (torch.tensor([[0, -1], [1, 0]]), torch.tensor([[1.0, 0.0], [0.5, 0.5]]))
@@ -17,6 +22,26 @@ def test_mode_picks_its_class_from_the_registry():
         assert type(loss_fn.mode) is cls
     assert CrossTokenizerLossConfig(projection=PROJ).mode == "pkl"
     assert issubclass(MODES["xtoken"], MODES["gold"]) and MODES["xtoken"].relaxed
+
+
+def test_the_config_names_every_mode_of_the_registry_in_its_order():
+    assert KD_MODES == tuple(MODES)
+    assert MODE_NAMES == (*MODES, "ce")
+
+
+def test_the_config_imports_neither_torch_nor_triton():
+    code = (
+        "import sys\n"
+        "from xtoken_core.losses.config import CrossTokenizerLossConfig\n"
+        "CrossTokenizerLossConfig()\n"
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[3]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_mode_ce_needs_no_projection_and_has_no_kd_loss():

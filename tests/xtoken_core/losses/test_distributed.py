@@ -1,4 +1,5 @@
-"""Global denominators: 2 gloo ranks x micro-batches give the single-process full-batch gradient."""
+"""Global denominators: 2 gloo ranks x micro-batches give the single-process full-batch gradient;
+the DP count without a process group."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, dp_all_reduce_sum
 
 B, T, U, D, V, W, C = 8, 10, 9, 4, 12, 10, 6
 WORLD = 2
@@ -97,3 +98,12 @@ def test_micro_batches_on_two_ranks_sum_to_the_full_batch_gradient(tmp_path):
         loss.backward()
         assert metrics["num_valid_chunks"].item() > 0
         torch.testing.assert_close(torch.load(path), weight_full.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_dp_all_reduce_sum_is_a_fresh_float32_copy_without_distributed():
+    local = torch.tensor(7, dtype=torch.int64)
+    out = dp_all_reduce_sum(local)
+    assert out.dtype == torch.float32 and out.item() == 7.0
+    out += 1
+    assert local.item() == 7
+    assert dp_all_reduce_sum(3).item() == 3.0

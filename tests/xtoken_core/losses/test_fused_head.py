@@ -3,7 +3,7 @@ student CE): loss, metrics and the gradients of the hidden states and the output
 mode, with several blocks per sample, odd vocabularies, tied embeddings, and at full size on a GPU.
 
 Tolerances: loss relative error <= 1e-3 and gradient cosine >= 0.999 wherever rounding differs
-(the kernel engine against the fp64 reference, bf16); fp64 on the reference engine is exact to
+(the kernel backend against the fp64 reference, bf16); fp64 on the reference backend is exact to
 rounding (1e-10).
 """
 
@@ -23,8 +23,13 @@ from tests.xtoken_core.losses.test_loss import (
     make_logits,
     make_projection,
 )
-from xtoken_core.losses import METRIC_KEYS, CrossTokenizerLoss, CrossTokenizerLossConfig, fused
-from xtoken_core.losses.fused_head import FusedHead
+from xtoken_core.losses import (
+    METRIC_KEYS,
+    CrossTokenizerLoss,
+    CrossTokenizerLossConfig,
+    FusedHead,
+    student_ce,
+)
 
 D = 8
 CE_KEYS = ("loss", "ce_loss", "accuracy")
@@ -32,7 +37,7 @@ CE_KEYS = ("loss", "ce_loss", "accuracy")
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """The kernel engine's device: CUDA, else the CPU with the Triton interpreter on."""
+    """The kernel backend's device: CUDA, else the CPU with the Triton interpreter on."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         return "cuda"
@@ -65,7 +70,7 @@ def materialized(loss_fn, hidden, weight, zt, batch, **counts):
     logits = h @ w.t()
     if loss_fn is None:
         targets = (batch["input_ids"], batch["token_mask"], batch.get("sample_mask"))
-        nll, correct, n = fused.student_ce(logits, *targets)
+        nll, correct, n = student_ce(logits, *targets)
         denom = counts.get("global_valid_tokens", n)
         loss = nll / denom
         metrics = {"loss": loss.detach(), "ce_loss": loss.detach(), "accuracy": correct / denom}
@@ -116,7 +121,7 @@ MODE_IDS = ["pkl", "pkl-topk", "gold", "xtoken", "ce"]
 
 @pytest.mark.parametrize(("mode", "cfg"), MODES, ids=MODE_IDS)
 def test_fp64_head_equals_the_materialized_reference(mode, cfg):
-    """fp64, reference engine: the blocks sum to the whole loss to rounding (1e-10)."""
+    """fp64, reference backend: the blocks sum to the whole loss to rounding (1e-10)."""
     batch = _masked_batch(1)
     hidden, weight, zt = _inputs(1, torch.float64)
     loss_fn = _loss_fn(mode, "reference", **cfg)
@@ -129,7 +134,7 @@ def test_fp64_head_equals_the_materialized_reference(mode, cfg):
 
 @pytest.mark.parametrize(("mode", "cfg"), MODES, ids=MODE_IDS)
 def test_kernel_head_matches_the_materialized_kernels_and_the_fp64_reference(mode, cfg, interpret):
-    """Kernel engine (Triton; interpreted on CPU), fp32: against the materialized kernel path
+    """Kernel backend (Triton; interpreted on CPU), fp32: against the materialized kernel path
     and against the fp64 reference, loss relative error <= 1e-3, gradient cosine >= 0.999."""
     batch = _masked_batch(2)
     on = {k: v.to(interpret) for k, v in batch.items()}
@@ -145,7 +150,7 @@ def test_kernel_head_matches_the_materialized_kernels_and_the_fp64_reference(mod
 
 @pytest.mark.parametrize("mode", ["pkl", "gold", "ce"])
 def test_bf16_head_matches_the_materialized_bf16_path(mode, interpret):
-    """bf16 hidden states and weight, kernel engine: loss relative error <= 1e-3, gradient
+    """bf16 hidden states and weight, kernel backend: loss relative error <= 1e-3, gradient
     cosine >= 0.999 against the materialized bf16 path; the gradients keep their dtypes."""
     batch = _masked_batch(3)
     on = {k: v.to(interpret) for k, v in batch.items()}
@@ -324,7 +329,7 @@ def _full_size_case(mode: str):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken", "ce"])
 def test_full_size_bf16_head_matches_the_materialized_path_in_less_memory(mode):
-    """B*T = 4096, V = 151936, bf16, kernel engine: loss relative error <= 1e-3, gradient
+    """B*T = 4096, V = 151936, bf16, kernel backend: loss relative error <= 1e-3, gradient
     cosine >= 0.999, and the head's peak memory below the materialized path's."""
     loss_fn, hidden, weight, zt, batch = _full_size_case(mode)
     on = {k: v.cuda() for k, v in batch.items()}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.xtoken_core.losses.test_loss import make_projection
 from xtoken_core.losses import CrossTokenizerLossConfig
-from xtoken_core.losses.engine import valid_chunks
+from xtoken_core.losses.alignment import alignment_from_batch, shift_chunk_ids, valid_chunks
 from xtoken_core.losses.head_blocks import (
     block_ends,
     cut_allowed,
@@ -19,7 +19,6 @@ from xtoken_core.losses.head_blocks import (
     plan_blocks,
     row_targets,
 )
-from xtoken_core.losses.utils import alignment_from_batch, shift_chunk_ids
 
 
 def random_batch(seed: int, num_teachers: int = 1) -> dict[str, torch.Tensor]:

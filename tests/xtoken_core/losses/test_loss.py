@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from xtoken_core.losses import METRIC_KEYS, CrossTokenizerLoss, CrossTokenizerLossConfig
+from xtoken_core.losses.loss import combine_losses
 
 B, T, U, V, W, C, K = 3, 12, 11, 13, 11, 7, 3
 
@@ -373,6 +374,17 @@ def test_dynamic_scaling_matches_the_ce_magnitude_and_keeps_both_gradients():
     torch.testing.assert_close(grad_dyn, expected, rtol=1e-9, atol=1e-12)
 
 
+def test_combine_losses_static_and_dynamic():
+    kd, ce = torch.tensor(4.0), torch.tensor(2.0)
+    assert combine_losses(kd, ce, kl_weight=0.5, ce_weight=2.0, dynamic_scaling=False) == 6.0
+    dyn = combine_losses(kd, ce, kl_weight=1.0, ce_weight=1.0, dynamic_scaling=True)
+    assert dyn.item() == 4.0  # 0.5 * 4 + 2
+    zero_kd = combine_losses(
+        torch.tensor(0.0), ce, kl_weight=1.0, ce_weight=1.0, dynamic_scaling=True
+    )
+    assert zero_kd.item() == 2.0
+
+
 def test_exact_token_match_only_keeps_only_correct_pairs():
     zs, zt = make_logits(11)
     batch = make_batch(11)
@@ -457,7 +469,7 @@ def test_kernel_backend_matches_reference_values_and_gradients(mode, interpret, 
 
 
 def test_kernel_gold_takes_logits_whose_vocab_dim_is_strided(monkeypatch):
-    # [B, T, V] views of [B, V, T] storage: the engine copies them once, and the gradient
+    # [B, T, V] views of [B, V, T] storage: the backend copies them once, and the gradient
     # reaches the strided leaf as the reference's does
     device = _kernel_device(monkeypatch)
     zs, zt = make_logits(17)
@@ -491,7 +503,7 @@ def test_bf16_logits_are_computed_in_fp32_close_to_the_fp64_result():
 
 
 def _kernel_device(monkeypatch) -> str:
-    """Where the kernel engine's tests run: CUDA when there is one, else the CPU with the Triton
+    """Where the kernel backend's tests run: CUDA when there is one, else the CPU with the Triton
     interpreter switched on for this test (interpreted kernels on CPU tensors only)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
@@ -629,7 +641,7 @@ def test_kernel_backend_gold_rejects_inf_in_a_row_outside_every_chunk(which, mon
 @pytest.mark.parametrize("mode", ["pkl", "gold"])
 def test_kernel_backend_gives_the_same_loss_with_and_without_input_checks(mode, monkeypatch):
     device = _kernel_device(monkeypatch)
-    zs, zt = make_logits(21)  # fp32: the fused path (fp64 takes the reference engine)
+    zs, zt = make_logits(21)  # fp32: the fused path (fp64 takes the reference backend)
     zs, zt = zs.detach().float().to(device).requires_grad_(), zt.float().to(device)
     batch = _on(device, make_batch(21))
     got = {}
@@ -817,7 +829,7 @@ def test_topk_columns_all_matches_the_nemo_rule_and_differs_from_valid(reverse):
 @pytest.mark.parametrize(
     "dtype", [torch.float64, torch.float32], ids=["reference-fallback", "kernels"]
 )
-def test_topk_columns_rule_is_the_same_in_the_kernel_engine(rule, dtype, monkeypatch):
+def test_topk_columns_rule_is_the_same_in_the_kernel_backend(rule, dtype, monkeypatch):
     device = _kernel_device(monkeypatch)
     zs, zt, batch = _topk_columns_case()
     zs, zt, batch = (

@@ -1,5 +1,5 @@
-"""The student CE inside CrossTokenizerLoss: the kernel engine's CE (kernels.row_ce through
-fused.student_ce) against the reference backend, in every mode."""
+"""The student CE inside CrossTokenizerLoss: the kernel backend's CE (kernels.row_ce) against the
+reference backend, in every mode."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_kernel_ce_of_bf16_logits_is_close_to_the_fp64_reference():
     assert got["accuracy"].item() == pytest.approx(ref["accuracy"].item(), abs=1e-7)
 
 
-def test_ce_only_gradient_of_the_kernel_engine_is_the_softmax_minus_onehot():
+def test_ce_only_gradient_of_the_kernel_backend_is_the_softmax_minus_onehot():
     zs, zt, batch = _case(42, torch.float32)
     cfg = dict(mode="gold", kl_weight=0.0, ce_weight=1.0)
     _, grad, metrics = _run(zs, zt, batch, "kernel", **cfg)

@@ -4,26 +4,27 @@ returns (:class:`KDTerms`).
 A mode holds its PyTorch reference (the ground truth: any float dtype, fp64 included), its
 kernel path (the Triton kernels: fp32/bf16/fp16 logits on CUDA or under ``TRITON_INTERPRET=1``)
 and optionally a CPU path (the reference's math with fewer passes over CPU logits; without one
-the reference runs). The engines (:mod:`xtoken_core.losses.engine`,
-:mod:`xtoken_core.losses.kernel_engine`, :mod:`xtoken_core.losses.cpu_engine`) call one of them
-per teacher; what both share (chunk ids, validity, denominators, the input checks,
-the sum over teachers) stays in the engines.
-
-Legend (shape suffixes in this file):
-    B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.
+the reference runs). Each path takes one teacher's
+:class:`~xtoken_core.losses.inputs.LossInputs`; the loss's backend
+(:mod:`xtoken_core.losses.backends`, chosen once when the loss is built) calls one of them per
+teacher and does what every mode shares (chunk ids, validity, denominators, the input checks,
+the sum over teachers).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from xtoken_core.data.projection import Projection
+    from xtoken_core.kernels.chunk_plan import ChunkPlan
+    from xtoken_core.losses.backends.cpu import RowStats
     from xtoken_core.losses.config import CrossTokenizerLossConfig
+    from xtoken_core.losses.inputs import LossInputs
 
 __all__ = ["KDMode", "KDTerms"]
 
@@ -48,7 +49,7 @@ class KDTerms:
 
 
 class KDMode(ABC):
-    """One KD loss mode over one teacher: its reference and its kernel path.
+    """One KD loss mode over one teacher: its reference, its kernel path and its CPU path.
 
     A loss builds its mode once from its config (the registry of
     :mod:`xtoken_core.losses.modes` maps the config's ``mode`` to the class) and reads the
@@ -59,7 +60,7 @@ class KDMode(ABC):
     """
 
     #: The kernel path reads every row's logsumexp of both logits at the temperature and N on
-    #: the host: the kernel engine makes the student's before the teachers are prepared (the
+    #: the host: the kernel backend makes the student's before the teachers are prepared (the
     #: GPU then works while the host prepares), and reads N back behind the chunk plans.
     row_logsumexps: bool = False
 
@@ -67,24 +68,11 @@ class KDMode(ABC):
         self.config = config
 
     @abstractmethod
-    def reference(
-        self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        student_chunk_id_BT: torch.Tensor,
-        teacher_chunk_id_BU: torch.Tensor,
-        valid_BC: torch.Tensor,
-        projection: Projection,
-    ) -> KDTerms:
+    def reference(self, inputs: LossInputs, projection: Projection) -> KDTerms:
         """The KD sums of one teacher by the PyTorch reference.
 
         Args:
-            student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
-            teacher_logits_BUW: ``[B, U, W]`` teacher logits sliced to the teacher vocab
-                (constants).
-            student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-            teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-            valid_BC: ``[B, C]`` bool, the valid chunks.
+            inputs: the teacher's :class:`~xtoken_core.losses.inputs.LossInputs`.
             projection: the teacher's projection on the logits' device, checked against V, W.
 
         Returns:
@@ -94,22 +82,21 @@ class KDMode(ABC):
     @abstractmethod
     def kernel(
         self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        plan: Any,
+        inputs: LossInputs,
         projection: Projection,
         *,
+        plan: ChunkPlan,
         num_valid: int | None = None,
         row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> KDTerms:
         """The KD sums of one teacher by the Triton kernels.
 
         Args:
-            student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
-            teacher_logits_BUW: ``[B, U, W]`` teacher logits sliced to the teacher vocab.
+            inputs: the teacher's :class:`~xtoken_core.losses.inputs.LossInputs`, whose ids and
+                validity are the plan's.
+            projection: the teacher's projection on the logits' device, checked against V, W.
             plan: the teacher's :class:`~xtoken_core.kernels.chunk_plan.ChunkPlan` (shifted
                 ids, validity, N and both sides' rows, on the device).
-            projection: the teacher's projection on the logits' device, checked against V, W.
             num_valid: N on the host (given to modes with :attr:`row_logsumexps`), else None.
             row_lse: ``(student [B*T], teacher [B*U])`` fp32 row logsumexps of ``z / T`` over
                 every row (given to modes with :attr:`row_logsumexps`), else None.
@@ -119,40 +106,23 @@ class KDMode(ABC):
         """
 
     def cpu(
-        self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        student_chunk_id_BT: torch.Tensor,
-        teacher_chunk_id_BU: torch.Tensor,
-        valid_BC: torch.Tensor,
-        projection: Projection,
-        *,
-        stats: Any = None,
+        self, inputs: LossInputs, projection: Projection, *, stats: RowStats | None = None
     ) -> KDTerms:
-        """The KD sums of one teacher on the CPU path (:mod:`xtoken_core.losses.cpu`): the
-        reference's math with fewer passes over CPU logits. A mode without one runs its
-        :meth:`reference` (this default).
+        """The KD sums of one teacher on the CPU path
+        (:mod:`xtoken_core.losses.backends.cpu`): the reference's math with fewer passes over
+        CPU logits (fp32/bf16/fp16). A mode without one runs its :meth:`reference` (this
+        default).
 
         Args:
-            student_logits_BTV: ``[B, T, V]`` CPU student logits, fp32/bf16/fp16.
-            teacher_logits_BUW: ``[B, U, W]`` teacher logits sliced to the teacher vocab.
-            student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-            teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-            valid_BC: ``[B, C]`` bool, the valid chunks.
+            inputs: the teacher's :class:`~xtoken_core.losses.inputs.LossInputs`.
             projection: the teacher's projection, checked against V, W.
-            stats: the call's :class:`~xtoken_core.losses.cpu.RowStats` of the student logits.
+            stats: the call's :class:`~xtoken_core.losses.backends.cpu.RowStats` of the
+                student logits.
 
         Returns:
             :class:`KDTerms`.
         """
-        return self.reference(
-            student_logits_BTV,
-            teacher_logits_BUW,
-            student_chunk_id_BT,
-            teacher_chunk_id_BU,
-            valid_BC,
-            projection,
-        )
+        return self.reference(inputs, projection)
 
     def picks_columns(self, teacher_vocab_size: int) -> bool:
         """Whether the mode keeps a subset of the teacher columns picked over the whole

@@ -8,7 +8,7 @@ common-vocab KL in one pass over both logits (chunk means, KL, chunk gradient, a
 sorted top-m L1 of the compact uncommon blocks from counts (:mod:`xtoken_core.kernels.topm_l1`),
 and a backward that rebuilds ``dz`` from the logits, the row logsumexp and the compact chunk
 gradient (:func:`kernel_kd_loss`). :class:`Gold` and :class:`RelaxedGold` are the modes the
-engines call.
+backends call; without a CPU path of their own, the CPU backend runs their reference.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab,
@@ -17,16 +17,25 @@ Legend (shape suffixes in this file):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from xtoken_core.data.projection import Projection
 from xtoken_core.kernels import gold_student, logit_rows
 from xtoken_core.kernels.topm_l1 import COARSE_BINS
-from xtoken_core.losses import fused
+from xtoken_core.losses.backends.kernel import kernel_inputs
+from xtoken_core.losses.backends.reference import (
+    argmax_agree,
+    chunk_average_log_probs,
+    compute_dtype,
+)
+from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes.base import KDMode, KDTerms
-from xtoken_core.losses.reference import argmax_agree, chunk_average_log_probs, compute_dtype
+
+if TYPE_CHECKING:
+    from xtoken_core.data.projection import Projection
+    from xtoken_core.kernels.chunk_plan import ChunkPlan
+    from xtoken_core.losses.config import CrossTokenizerLossConfig
 
 __all__ = [
     "Gold",
@@ -38,6 +47,10 @@ __all__ = [
     "terms_from_sums",
 ]
 
+#: An exact-token map: ``common_student``/``common_teacher`` (paired), ``uncommon_student``,
+#: ``uncommon_teacher`` id tensors (:meth:`~xtoken_core.data.projection.Projection.exact_map`).
+ExactMap = dict[str, torch.Tensor]
+
 
 # --------------------------------------------------------------------------- reference
 
@@ -45,7 +58,7 @@ __all__ = [
 def chunk_terms(
     teacher_log_probs_NW: torch.Tensor,
     student_log_probs_NV: torch.Tensor,
-    exact_map: dict[str, torch.Tensor],
+    exact_map: ExactMap,
     *,
     uncommon_topk: int,
     reverse_kl: bool,
@@ -81,83 +94,64 @@ def chunk_terms(
 
 
 def reference_kd_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_logits_BUW: torch.Tensor,
-    student_chunk_id_BT: torch.Tensor,
-    teacher_chunk_id_BU: torch.Tensor,
-    valid_BC: torch.Tensor,
-    exact_map: dict[str, torch.Tensor],
-    *,
-    temperature: float,
-    uncommon_topk: int,
-    reverse_kl: bool,
+    inputs: LossInputs, exact_map: ExactMap, config: CrossTokenizerLossConfig
 ) -> KDTerms:
     """Gold (or relaxed gold, depending on ``exact_map``) loss summed over valid chunks.
 
     Args:
-        student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
-        teacher_logits_BUW: ``[B, U, W]`` teacher logits (treated as constants).
-        student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-        teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-        valid_BC: ``[B, C]`` bool from :func:`~xtoken_core.losses.reference.chunk_validity`.
+        inputs: one teacher's logits, shifted chunk ids and valid chunks.
         exact_map: strict or relaxed common/uncommon partition.
-        temperature: T.
-        uncommon_topk: cap on the sorted-probability L1 length.
-        reverse_kl: reverse KL on the common vocab.
+        config: the loss settings (``temperature``, ``uncommon_topk``: the cap on the
+            sorted-probability L1 length, ``reverse_kl``: reverse KL on the common vocab).
 
     Returns:
         :class:`KDTerms`.
     """
-    C = valid_BC.shape[1]
-    dtype = compute_dtype(student_logits_BTV)
-    student_lp_BTV = torch.log_softmax(student_logits_BTV.to(dtype) / temperature, -1)
-    teacher_lp_BUW = torch.log_softmax(teacher_logits_BUW.detach().to(dtype) / temperature, -1)
-    student_lp_BCV, _ = chunk_average_log_probs(student_lp_BTV, student_chunk_id_BT, C)
-    teacher_lp_BCW, _ = chunk_average_log_probs(teacher_lp_BUW, teacher_chunk_id_BU, C)
-    return terms_from_chunks(
-        teacher_lp_BCW,
-        student_lp_BCV,
-        valid_BC,
-        exact_map,
-        temperature=temperature,
-        uncommon_topk=uncommon_topk,
-        reverse_kl=reverse_kl,
-    )
+    C = inputs.valid_BC.shape[1]
+    T = config.temperature
+    dtype = compute_dtype(inputs.student_logits_BTV)
+    student_lp_BTV = torch.log_softmax(inputs.student_logits_BTV.to(dtype) / T, -1)
+    teacher_lp_BUW = torch.log_softmax(inputs.teacher_logits_BUW.detach().to(dtype) / T, -1)
+    student_lp_BCV, _ = chunk_average_log_probs(student_lp_BTV, inputs.student_chunk_id_BT, C)
+    teacher_lp_BCW, _ = chunk_average_log_probs(teacher_lp_BUW, inputs.teacher_chunk_id_BU, C)
+    return terms_from_chunks(teacher_lp_BCW, student_lp_BCV, inputs.valid_BC, exact_map, config)
 
 
 def terms_from_chunks(
     teacher_lp_BCW: torch.Tensor,
     student_lp_BCV: torch.Tensor,
     valid_BC: torch.Tensor,
-    exact_map: dict[str, torch.Tensor],
-    *,
-    temperature: float,
-    uncommon_topk: int,
-    reverse_kl: bool,
+    exact_map: ExactMap,
+    config: CrossTokenizerLossConfig,
 ) -> KDTerms:
-    """Gold KD sums from chunk-averaged log-probs (shared by the reference and kernel paths).
+    """Gold KD sums from chunk-averaged log-probs.
 
     Args:
         teacher_lp_BCW: ``[B, C, W]`` chunk-averaged teacher log-probs.
         student_lp_BCV: ``[B, C, V]`` chunk-averaged student log-probs.
         valid_BC: ``[B, C]`` bool.
         exact_map: common/uncommon partition.
-        temperature: T (for the T**2 factor).
-        uncommon_topk: cap on the sorted-probability L1 length.
-        reverse_kl: reverse KL on the common vocab.
+        config: the loss settings (``temperature`` for the T**2 factor, ``uncommon_topk``,
+            ``reverse_kl``).
 
     Returns:
         :class:`KDTerms`.
     """
     teacher_lp_NW, student_lp_NV = teacher_lp_BCW[valid_BC], student_lp_BCV[valid_BC]
     kl_N, l1_N = chunk_terms(
-        teacher_lp_NW, student_lp_NV, exact_map, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl
+        teacher_lp_NW,
+        student_lp_NV,
+        exact_map,
+        uncommon_topk=config.uncommon_topk,
+        reverse_kl=config.reverse_kl,
     )
     correct = argmax_agree(
         student_lp_NV.detach()[:, exact_map["common_student"]],
         teacher_lp_NW[:, exact_map["common_teacher"]],
     )
-    return terms_from_sums(kl_N.sum(), l1_N.sum(), correct, valid_BC, temperature=temperature)
+    return terms_from_sums(
+        kl_N.sum(), l1_N.sum(), correct, valid_BC, temperature=config.temperature
+    )
 
 
 def terms_from_sums(
@@ -194,49 +188,55 @@ def terms_from_sums(
 # --------------------------------------------------------------------------- kernel path
 
 
-def _kernel_kd_loss(
-    student_logits_BTV,
-    teacher_logits_BUW,
-    student_chunk_id_BT,
-    teacher_chunk_id_BU,
-    valid_BC,
-    exact_map,
+def kernel_kd_loss(
+    inputs: LossInputs,
+    exact_map: ExactMap,
+    config: CrossTokenizerLossConfig,
     *,
-    temperature,
-    uncommon_topk,
-    reverse_kl,
-    num_valid,
-    plan,
-    row_lse=None,
-    places_V=None,
+    num_valid: int | None = None,
+    plan: ChunkPlan | None = None,
+    row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
+    places_V: torch.Tensor | None = None,
 ) -> KDTerms:
-    zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = fused.kernel_inputs(
-        student_logits_BTV,
-        teacher_logits_BUW,
-        student_chunk_id_BT,
-        teacher_chunk_id_BU,
-        valid_BC,
-        num_valid,
-        plan,
-    )
+    """Gold / relaxed gold summed over valid chunks by the kernels (where they run:
+    :func:`~xtoken_core.losses.backends.kernel.kernels_run_on`). See :func:`reference_kd_loss`.
+
+    Args:
+        inputs: one teacher's logits, shifted chunk ids and valid chunks.
+        exact_map: strict or relaxed common/uncommon partition (ids on the logits' device).
+        config: the loss settings (``temperature``, ``uncommon_topk``, ``reverse_kl``).
+        num_valid: N = ``valid_BC.sum()`` when the caller read it already; None: counted here.
+        plan: the chunk plan of this batch (:func:`xtoken_core.kernels.chunk_plan.plan_chunks`,
+            the kernel backend's): its rows replace the grouping done here, and its shifted ids
+            and validity must be the ones of ``inputs``.
+        row_lse: ``(student [B*T], teacher [B*U])`` fp32 row logsumexps of ``z / temperature``
+            over every row (:func:`~xtoken_core.kernels.logit_rows.row_logsumexp` with
+            ``nidx_R=None``) when the caller made them (the kernel backend); None: made here.
+        places_V: ``[V]`` int32 :func:`~xtoken_core.kernels.gold_student.vocab_places` of
+            ``exact_map`` when the caller keeps it (the kernel backend); None: made here.
+
+    Returns:
+        :class:`~xtoken_core.losses.modes.base.KDTerms`.
+    """
+    T = config.temperature
+    zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = kernel_inputs(inputs, num_valid, plan)
     ut = exact_map["uncommon_teacher"]
-    m = min(exact_map["uncommon_student"].numel(), ut.numel(), uncommon_topk)
+    m = min(exact_map["uncommon_student"].numel(), ut.numel(), config.uncommon_topk)
     lse_s_R, lse_t_R = (None, None) if row_lse is None else row_lse
     with torch.no_grad():
         if lse_s_R is None:
-            lse_s_R = logit_rows.row_logsumexp(zs_BTV, s_rows.nidx_R, temperature)
+            lse_s_R = logit_rows.row_logsumexp(zs_BTV, s_rows.nidx_R, T)
         if lse_t_R is None:
-            lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, temperature)
+            lse_t_R = logit_rows.row_logsumexp(zt_BUW, t_rows.nidx_R, T)
         unc_means = hist_2NK = None
         if m > 0:  # both sides' uncommon chunk means and the top-m's coarse histograms of them
             hist_2NK = torch.zeros((2, N, COARSE_BINS), dtype=torch.int32, device=zs_BTV.device)
             s_unc_NU = logit_rows.chunk_mean_columns(
-                zs_BTV, lse_s_R, s_rows.order_R, s_rows.offsets_N1, temperature,
+                zs_BTV, lse_s_R, s_rows.order_R, s_rows.offsets_N1, T,
                 exact_map["uncommon_student"], hist_NK=hist_2NK[0],
             )  # fmt: skip
             t_unc_NX = logit_rows.chunk_mean_columns(
-                zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, temperature, ut,
-                hist_NK=hist_2NK[1],
+                zt_BUW, lse_t_R, t_rows.order_R, t_rows.offsets_N1, T, ut, hist_NK=hist_2NK[1],
             )  # fmt: skip
             unc_means = (s_unc_NU, t_unc_NX)
     kl_sum, l1_sum, correct = gold_student.GoldStudent.apply(
@@ -249,70 +249,10 @@ def _kernel_kd_loss(
         m,
         exact_map,
         places_V,
-        float(temperature),
-        bool(reverse_kl),
+        float(T),
+        bool(config.reverse_kl),
     )
-    return terms_from_sums(kl_sum, l1_sum, correct, valid_BC, temperature=temperature)
-
-
-def kernel_kd_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_logits_BUW: torch.Tensor,
-    student_chunk_id_BT: torch.Tensor,
-    teacher_chunk_id_BU: torch.Tensor,
-    valid_BC: torch.Tensor,
-    exact_map: dict[str, torch.Tensor],
-    *,
-    temperature: float,
-    uncommon_topk: int,
-    reverse_kl: bool,
-    num_valid: int | None = None,
-    plan=None,
-    row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
-    places_V: torch.Tensor | None = None,
-) -> KDTerms:
-    """Gold / relaxed gold summed over valid chunks, kernel-backed. See :func:`reference_kd_loss`.
-
-    The kernels when :func:`~xtoken_core.losses.fused.fused_path_available`, else
-    :func:`reference_kd_loss`.
-
-    Args:
-        student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
-        teacher_logits_BUW: ``[B, U, W]`` teacher logits (constants).
-        student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-        teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-        valid_BC: ``[B, C]`` bool.
-        exact_map: strict or relaxed common/uncommon partition (ids on the logits' device).
-        temperature: T.
-        uncommon_topk: cap on the sorted-probability L1 length.
-        reverse_kl: reverse KL on the common vocab.
-        num_valid: N = ``valid_BC.sum()`` when the caller read it already; None: counted here.
-        plan: :func:`~xtoken_core.losses.fused.plan_chunks` of this batch (fused path): its
-            rows replace the grouping done here, and its shifted ids and validity must be the
-            ones passed.
-        row_lse: ``(student [B*T], teacher [B*U])`` fp32 row logsumexps of ``z / temperature``
-            over every row (:func:`~xtoken_core.kernels.logit_rows.row_logsumexp` with
-            ``nidx_R=None``) when the caller made them (fused path); None: made here.
-        places_V: ``[V]`` int32 :func:`~xtoken_core.kernels.gold_student.vocab_places` of
-            ``exact_map`` when the caller keeps it (fused path); None: made here.
-
-    Returns:
-        :class:`~xtoken_core.losses.modes.base.KDTerms`.
-    """
-    args = (
-        student_logits_BTV,
-        teacher_logits_BUW,
-        student_chunk_id_BT,
-        teacher_chunk_id_BU,
-        valid_BC,
-        exact_map,
-    )
-    opts = dict(temperature=temperature, uncommon_topk=uncommon_topk, reverse_kl=reverse_kl)
-    if fused.fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _kernel_kd_loss(
-            *args, **opts, num_valid=num_valid, plan=plan, row_lse=row_lse, places_V=places_V
-        )
-    return reference_kd_loss(*args, **opts)
+    return terms_from_sums(kl_sum, l1_sum, correct, valid_BC, temperature=T)
 
 
 # --------------------------------------------------------------------------- the modes
@@ -327,61 +267,34 @@ class Gold(KDMode):
     relaxed = False
     row_logsumexps = True
 
-    def reference(
-        self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        student_chunk_id_BT: torch.Tensor,
-        teacher_chunk_id_BU: torch.Tensor,
-        valid_BC: torch.Tensor,
-        projection: Projection,
-    ) -> KDTerms:
+    def reference(self, inputs: LossInputs, projection: Projection) -> KDTerms:
         """See :meth:`KDMode.reference`."""
-        V, W = student_logits_BTV.shape[-1], teacher_logits_BUW.shape[-1]
+        V, W = inputs.vocab_sizes
         exact = projection.exact_map(W, xtoken_loss=self.relaxed, student_vocab_size=V)
-        return reference_kd_loss(
-            student_logits_BTV,
-            teacher_logits_BUW,
-            student_chunk_id_BT,
-            teacher_chunk_id_BU,
-            valid_BC,
-            exact,
-            **self._options(),
-        )
+        return reference_kd_loss(inputs, exact, self.config)
 
     def kernel(
         self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        plan: Any,
+        inputs: LossInputs,
         projection: Projection,
         *,
+        plan: ChunkPlan,
         num_valid: int | None = None,
         row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> KDTerms:
         """See :meth:`KDMode.kernel`: takes N on the host and both sides' row logsumexps."""
-        V, W = student_logits_BTV.shape[-1], teacher_logits_BUW.shape[-1]
+        V, W = inputs.vocab_sizes
         exact = projection.exact_map(
             W, xtoken_loss=self.relaxed, student_vocab_size=V, index_dtype=torch.int32
         )
         return kernel_kd_loss(
-            student_logits_BTV,
-            teacher_logits_BUW,
-            plan.student_chunk_id_BT,
-            plan.teacher_chunk_id_BU,
-            plan.valid_BC,
+            inputs,
             exact,
-            **self._options(),
+            self.config,
             num_valid=num_valid,
             plan=plan,
             row_lse=row_lse,
             places_V=projection.gold_places(V, W, xtoken_loss=self.relaxed),
-        )
-
-    def _options(self) -> dict[str, Any]:
-        cfg = self.config
-        return dict(
-            temperature=cfg.temperature, uncommon_topk=cfg.uncommon_topk, reverse_kl=cfg.reverse_kl
         )
 
 

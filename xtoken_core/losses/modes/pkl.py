@@ -8,7 +8,7 @@ and both sides chunk-averaged by one-hot matrices; :func:`reference_kd_loss`. Ke
 ``q = softmax(z/T) @ M[:, idx]`` by CSC gathers from the logits, every chunk term (mean,
 renormalization, KL, argmax check) in one kernel, backward by ELL gathers (never a
 ``[B, T, V]`` probability tensor); with a chunk plan, N stays on the device;
-:func:`kernel_kd_loss`. :class:`PKL` is the mode the engines call.
+:func:`kernel_kd_loss`. :class:`PKL` is the mode the backends call.
 
 CPU path (:func:`cpu_kd_loss`): the same sums over the rows of the valid chunks and the J
 student ids that have a weight in the selected columns only; ``p @ M[:, idx]`` and its transpose
@@ -30,16 +30,27 @@ Legend (shape suffixes in this file):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xtoken_core.data.projection import Projection
 from xtoken_core.kernels import logit_rows, pkl_chunk_kl, pkl_projection
-from xtoken_core.losses import cpu, fused
+from xtoken_core.losses.alignment import ChunkRows, chunk_row_index
+from xtoken_core.losses.backends import cpu
+from xtoken_core.losses.backends.kernel import kernel_inputs
+from xtoken_core.losses.backends.reference import (
+    Fp32SparseMM,
+    argmax_agree,
+    chunk_average_log_probs,
+    compute_dtype,
+)
+from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes.base import KDMode, KDTerms
-from xtoken_core.losses.reference import argmax_agree, chunk_average_log_probs, compute_dtype
-from xtoken_core.losses.utils import ChunkRows, Fp32SparseMM, chunk_row_index
+
+if TYPE_CHECKING:
+    from xtoken_core.data.projection import Projection
+    from xtoken_core.kernels.chunk_plan import ChunkPlan
+    from xtoken_core.losses.config import CrossTokenizerLossConfig
 
 __all__ = [
     "PKL",
@@ -166,54 +177,39 @@ def chunk_kl(
 
 
 def reference_kd_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_logits_BUW: torch.Tensor,
-    student_chunk_id_BT: torch.Tensor,
-    teacher_chunk_id_BU: torch.Tensor,
-    valid_BC: torch.Tensor,
-    projection_VW: torch.Tensor,
-    *,
-    temperature: float,
-    vocab_topk: int | None,
-    reverse_kl: bool,
-    topk_columns: str = "valid",
+    inputs: LossInputs, projection_VW: torch.Tensor, config: CrossTokenizerLossConfig
 ) -> KDTerms:
     """P-KL loss summed over valid chunks (reference).
 
     Args:
-        student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
-        teacher_logits_BUW: ``[B, U, W]`` teacher logits (treated as constants).
-        student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-        teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-        valid_BC: ``[B, C]`` bool from :func:`~xtoken_core.losses.reference.chunk_validity`.
+        inputs: one teacher's logits, shifted chunk ids and valid chunks.
         projection_VW: sparse COO ``M[V, W]``.
-        temperature: T.
-        vocab_topk: number of teacher columns kept (None: all).
-        reverse_kl: reverse KL.
-        topk_columns: positions that pick the columns, "valid" or "all"
-            (:func:`select_teacher_columns`).
+        config: the loss settings (``temperature``, ``vocab_topk``: the teacher columns kept,
+            ``topk_columns``: the positions that pick them (:func:`select_teacher_columns`),
+            ``reverse_kl``).
 
     Returns:
         :class:`KDTerms` (``l1`` is 0).
     """
-    C = valid_BC.shape[1]
-    teacher_logits_BUW = teacher_logits_BUW.detach()
+    C = inputs.valid_BC.shape[1]
+    T = config.temperature
+    teacher_logits_BUW = inputs.teacher_logits_BUW.detach()
     idx_K = select_teacher_columns(
-        teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk, topk_columns
+        teacher_logits_BUW, inputs.teacher_chunk_id_BU, config.vocab_topk, config.topk_columns
     )
-    dtype = compute_dtype(student_logits_BTV)
-    teacher_lp_BUK = torch.log_softmax(teacher_logits_BUW[..., idx_K].to(dtype) / temperature, -1)
-    teacher_lp_BCK, _ = chunk_average_log_probs(teacher_lp_BUK, teacher_chunk_id_BU, C)
+    dtype = compute_dtype(inputs.student_logits_BTV)
+    teacher_lp_BUK = torch.log_softmax(teacher_logits_BUW[..., idx_K].to(dtype) / T, -1)
+    teacher_lp_BCK, _ = chunk_average_log_probs(teacher_lp_BUK, inputs.teacher_chunk_id_BU, C)
     q_BTK = project_student_probs(
-        student_logits_BTV, restrict_columns(projection_VW, idx_K), temperature
+        inputs.student_logits_BTV, restrict_columns(projection_VW, idx_K), T
     )
-    q_BCK, _ = chunk_average_log_probs(q_BTK, student_chunk_id_BT, C)
+    q_BCK, _ = chunk_average_log_probs(q_BTK, inputs.student_chunk_id_BT, C)
     return terms_from_chunks(
-        teacher_lp_BCK[valid_BC],
-        q_BCK[valid_BC],
-        valid_BC,
-        temperature=temperature,
-        reverse_kl=reverse_kl,
+        teacher_lp_BCK[inputs.valid_BC],
+        q_BCK[inputs.valid_BC],
+        inputs.valid_BC,
+        temperature=T,
+        reverse_kl=config.reverse_kl,
     )
 
 
@@ -353,56 +349,44 @@ def _valid_rows(chunk_id_BT: torch.Tensor, valid_BC: torch.Tensor, N: int):
 
 
 def cpu_kd_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_logits_BUW: torch.Tensor,
-    student_chunk_id_BT: torch.Tensor,
-    teacher_chunk_id_BU: torch.Tensor,
-    valid_BC: torch.Tensor,
+    inputs: LossInputs,
     projection_VW: torch.Tensor,
+    config: CrossTokenizerLossConfig,
     *,
-    temperature: float,
-    vocab_topk: int | None,
-    reverse_kl: bool,
-    topk_columns: str = "valid",
     stats: cpu.RowStats | None = None,
 ) -> KDTerms:
     """P-KL summed over valid chunks on the CPU path. See :func:`reference_kd_loss` (same sums
     within float rounding).
 
     Args:
-        student_logits_BTV: ``[B, T, V]`` CPU student logits, fp32/bf16/fp16 (gradient flows
-            here).
-        teacher_logits_BUW: ``[B, U, W]`` teacher logits (constants).
-        student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-        teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-        valid_BC: ``[B, C]`` bool from :func:`~xtoken_core.losses.reference.chunk_validity`.
+        inputs: one teacher's logits (CPU student logits, fp32/bf16/fp16), shifted chunk ids and
+            valid chunks.
         projection_VW: coalesced sparse COO ``M[V, W]``.
-        temperature: T.
-        vocab_topk: number of teacher columns kept (None: all).
-        reverse_kl: reverse KL.
-        topk_columns: positions that pick the columns, "valid" or "all"
-            (:func:`select_teacher_columns`).
-        stats: the call's :class:`~xtoken_core.losses.cpu.RowStats` of the student logits
-            (shared with the CE); None: the row logsumexps are made here.
+        config: the loss settings (``temperature``, ``vocab_topk``, ``topk_columns``,
+            ``reverse_kl``).
+        stats: the call's :class:`~xtoken_core.losses.backends.cpu.RowStats` of the student
+            logits (shared with the CE); None: the row logsumexps are made here.
 
     Returns:
         :class:`KDTerms` (``l1`` is 0).
     """
+    student_logits_BTV, valid_BC = inputs.student_logits_BTV, inputs.valid_BC
+    temperature = config.temperature
     dtype = compute_dtype(student_logits_BTV)
-    W = teacher_logits_BUW.shape[-1]
+    W = inputs.teacher_logits_BUW.shape[-1]
     N = int(valid_BC.sum())
-    teacher_logits_BUW = teacher_logits_BUW.detach()
+    teacher_logits_BUW = inputs.teacher_logits_BUW.detach()
     idx_K = select_teacher_columns(
-        teacher_logits_BUW, teacher_chunk_id_BU, vocab_topk, topk_columns
+        teacher_logits_BUW, inputs.teacher_chunk_id_BU, config.vocab_topk, config.topk_columns
     )
     # teacher: L_c, the chunk means of log_softmax(z_t[idx] / T) over the valid chunks' rows
-    rows_G, seg_G, t_sizes_N = _valid_rows(teacher_chunk_id_BU, valid_BC, N)
+    rows_G, seg_G, t_sizes_N = _valid_rows(inputs.teacher_chunk_id_BU, valid_BC, N)
     zt_GK = teacher_logits_BUW.reshape(-1, W)[rows_G[:, None], idx_K[None, :]].to(dtype)
     teacher_lp_GK = torch.log_softmax(zt_GK / temperature, dim=-1)
     teacher_lp_NK = teacher_lp_GK.new_zeros(N, idx_K.numel()).index_add_(0, seg_G, teacher_lp_GK)
     teacher_lp_NK /= t_sizes_N.clamp_min(1).to(dtype)[:, None]
     # student: q_c, the chunk means of softmax(z_s / T) @ M[:, idx]
-    rows_A, seg_A, s_sizes_N = _valid_rows(student_chunk_id_BT, valid_BC, N)
+    rows_A, seg_A, s_sizes_N = _valid_rows(inputs.student_chunk_id_BT, valid_BC, N)
     z_RV = student_logits_BTV.detach().reshape(-1, student_logits_BTV.shape[-1])
     if stats is not None:
         lse_A = stats.get(temperature)[0][rows_A]
@@ -423,7 +407,7 @@ def cpu_kd_loss(
         idx_K.numel(),
     )
     return terms_from_chunks(
-        teacher_lp_NK, q_NK, valid_BC, temperature=temperature, reverse_kl=reverse_kl
+        teacher_lp_NK, q_NK, valid_BC, temperature=temperature, reverse_kl=config.reverse_kl
     )
 
 
@@ -492,43 +476,44 @@ def kernel_tables(projection_VW: torch.Tensor):
     return pkl_projection.build_projection_tables(projection_VW)
 
 
-def _kernel_kd_loss(
-    student_logits_BTV,
-    teacher_logits_BUW,
-    student_chunk_id_BT,
-    teacher_chunk_id_BU,
-    valid_BC,
-    projection_VW,
+def kernel_kd_loss(
+    inputs: LossInputs,
+    projection_VW: torch.Tensor,
+    config: CrossTokenizerLossConfig,
     *,
-    temperature,
-    vocab_topk,
-    reverse_kl,
-    num_valid,
-    plan,
-    topk_columns="valid",
-    projection_tables=None,
+    plan: ChunkPlan | None = None,
+    projection_tables: pkl_projection.ProjectionTables | None = None,
 ) -> KDTerms:
-    zs_BTV, zt_BUW, valid_BC, N, s_rows, t_rows = fused.kernel_inputs(
-        student_logits_BTV,
-        teacher_logits_BUW,
-        student_chunk_id_BT,
-        teacher_chunk_id_BU,
-        valid_BC,
-        num_valid,
-        plan,
-        device_n=True,
-    )
+    """P-KL summed over valid chunks by the kernels (where they run:
+    :func:`~xtoken_core.losses.backends.kernel.kernels_run_on`). See :func:`reference_kd_loss`.
+
+    Args:
+        inputs: one teacher's logits, shifted chunk ids and valid chunks.
+        projection_VW: sparse COO ``M[V, W]``.
+        config: the loss settings (``temperature``, ``vocab_topk``, ``topk_columns``,
+            ``reverse_kl``).
+        plan: the chunk plan of this batch (:func:`xtoken_core.kernels.chunk_plan.plan_chunks`,
+            the kernel backend's): its rows replace the grouping done here (one host sync for N),
+            and its shifted ids and validity must be the ones of ``inputs``.
+        projection_tables: the kernels' tables of ``projection_VW``
+            (:meth:`~xtoken_core.data.projection.Projection.kernel_tables`); None: built here.
+
+    Returns:
+        :class:`~xtoken_core.losses.modes.base.KDTerms`.
+    """
+    T = config.temperature
+    zs_BTV, zt_BUW, _, _, s_rows, t_rows = kernel_inputs(inputs, None, plan, device_n=True)
     # With a plan, N stays on the device: the chunk kernels cover every slot and skip n >= N.
     device_N = None if plan is None else plan.stats_5[4:5]
     teacher_lp_NK, restricted = teacher_side(
         zt_BUW,
-        teacher_chunk_id_BU,
+        inputs.teacher_chunk_id_BU,
         t_rows,
         projection_tables or kernel_tables(projection_VW),
-        temperature=temperature,
-        vocab_topk=vocab_topk,
+        temperature=T,
+        vocab_topk=config.vocab_topk,
         device_N=device_N,
-        topk_columns=topk_columns,
+        topk_columns=config.topk_columns,
     )
     kd, sums_3 = pkl_chunk_kl.ProjectedChunkKL.apply(
         zs_BTV,
@@ -537,78 +522,13 @@ def _kernel_kd_loss(
         s_rows.offsets_N1,
         teacher_lp_NK,
         *restricted,
-        float(temperature),
-        bool(reverse_kl),
+        float(T),
+        bool(config.reverse_kl),
         PROB_EPS,
         device_N,
     )
     l1, correct, num_valid = sums_3.unbind()
     return KDTerms(kd=kd, kl=kd.detach(), l1=l1, correct=correct, num_valid=num_valid)
-
-
-def kernel_kd_loss(
-    student_logits_BTV: torch.Tensor,
-    teacher_logits_BUW: torch.Tensor,
-    student_chunk_id_BT: torch.Tensor,
-    teacher_chunk_id_BU: torch.Tensor,
-    valid_BC: torch.Tensor,
-    projection_VW: torch.Tensor,
-    *,
-    temperature: float,
-    vocab_topk: int | None,
-    reverse_kl: bool,
-    num_valid: int | None = None,
-    plan=None,
-    topk_columns: str = "valid",
-    projection_tables=None,
-) -> KDTerms:
-    """P-KL summed over valid chunks, kernel-backed. See :func:`reference_kd_loss`.
-
-    The kernels when :func:`~xtoken_core.losses.fused.fused_path_available`, else
-    :func:`reference_kd_loss`.
-
-    Args:
-        student_logits_BTV: ``[B, T, V]`` student logits (gradient flows here).
-        teacher_logits_BUW: ``[B, U, W]`` teacher logits (constants).
-        student_chunk_id_BT: ``[B, T]`` shifted student chunk ids.
-        teacher_chunk_id_BU: ``[B, U]`` shifted teacher chunk ids.
-        valid_BC: ``[B, C]`` bool from :func:`~xtoken_core.losses.reference.chunk_validity`.
-        projection_VW: sparse COO ``M[V, W]``.
-        temperature: T.
-        vocab_topk: number of teacher columns kept (None: all).
-        reverse_kl: reverse KL.
-        num_valid: N = ``valid_BC.sum()`` when the caller read it already (spares the fused
-            path its host sync); None: counted here.
-        plan: :func:`~xtoken_core.losses.fused.plan_chunks` of this batch (fused path): its
-            rows replace the grouping done here, and its shifted ids and validity must be the
-            ones passed.
-        topk_columns: positions that pick the columns, "valid" or "all"
-            (:func:`select_teacher_columns`).
-        projection_tables: the fused path's tables of ``projection_VW``
-            (:meth:`~xtoken_core.data.projection.Projection.kernel_tables`); None: built here.
-
-    Returns:
-        :class:`~xtoken_core.losses.modes.base.KDTerms`.
-    """
-    args = (
-        student_logits_BTV,
-        teacher_logits_BUW,
-        student_chunk_id_BT,
-        teacher_chunk_id_BU,
-        valid_BC,
-        projection_VW,
-    )
-    opts = dict(
-        temperature=temperature,
-        vocab_topk=vocab_topk,
-        reverse_kl=reverse_kl,
-        topk_columns=topk_columns,
-    )
-    if fused.fused_path_available(student_logits_BTV, teacher_logits_BUW):
-        return _kernel_kd_loss(
-            *args, **opts, num_valid=num_valid, plan=plan, projection_tables=projection_tables
-        )
-    return reference_kd_loss(*args, **opts)
 
 
 # --------------------------------------------------------------------------- the mode
@@ -619,86 +539,38 @@ class PKL(KDMode):
     :func:`cpu_kd_loss` of the config's ``temperature``, ``vocab_topk``, ``topk_columns`` and
     ``reverse_kl``, through the teacher's sparse projection."""
 
-    def reference(
-        self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        student_chunk_id_BT: torch.Tensor,
-        teacher_chunk_id_BU: torch.Tensor,
-        valid_BC: torch.Tensor,
-        projection: Projection,
-    ) -> KDTerms:
+    def reference(self, inputs: LossInputs, projection: Projection) -> KDTerms:
         """See :meth:`KDMode.reference`."""
-        V, W = student_logits_BTV.shape[-1], teacher_logits_BUW.shape[-1]
-        return reference_kd_loss(
-            student_logits_BTV,
-            teacher_logits_BUW,
-            student_chunk_id_BT,
-            teacher_chunk_id_BU,
-            valid_BC,
-            projection.sparse(V, W),
-            **self._options(),
-        )
+        return reference_kd_loss(inputs, projection.sparse(*inputs.vocab_sizes), self.config)
 
     def kernel(
         self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        plan: Any,
+        inputs: LossInputs,
         projection: Projection,
         *,
+        plan: ChunkPlan,
         num_valid: int | None = None,
         row_lse: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> KDTerms:
         """See :meth:`KDMode.kernel`: N stays on the device (``num_valid`` and ``row_lse``
         are not used)."""
-        V, W = student_logits_BTV.shape[-1], teacher_logits_BUW.shape[-1]
+        V, W = inputs.vocab_sizes
         return kernel_kd_loss(
-            student_logits_BTV,
-            teacher_logits_BUW,
-            plan.student_chunk_id_BT,
-            plan.teacher_chunk_id_BU,
-            plan.valid_BC,
+            inputs,
             projection.sparse(V, W),
-            **self._options(),
+            self.config,
             plan=plan,
             projection_tables=projection.kernel_tables(V, W),
         )
 
     def cpu(
-        self,
-        student_logits_BTV: torch.Tensor,
-        teacher_logits_BUW: torch.Tensor,
-        student_chunk_id_BT: torch.Tensor,
-        teacher_chunk_id_BU: torch.Tensor,
-        valid_BC: torch.Tensor,
-        projection: Projection,
-        *,
-        stats: Any = None,
+        self, inputs: LossInputs, projection: Projection, *, stats: cpu.RowStats | None = None
     ) -> KDTerms:
         """See :meth:`KDMode.cpu`: :func:`cpu_kd_loss`."""
-        V, W = student_logits_BTV.shape[-1], teacher_logits_BUW.shape[-1]
-        return cpu_kd_loss(
-            student_logits_BTV,
-            teacher_logits_BUW,
-            student_chunk_id_BT,
-            teacher_chunk_id_BU,
-            valid_BC,
-            projection.sparse(V, W),
-            **self._options(),
-            stats=stats,
-        )
+        projection_VW = projection.sparse(*inputs.vocab_sizes)
+        return cpu_kd_loss(inputs, projection_VW, self.config, stats=stats)
 
     def picks_columns(self, teacher_vocab_size: int) -> bool:
         """See :meth:`KDMode.picks_columns`: when ``vocab_topk`` < W."""
         vocab_topk = self.config.vocab_topk
         return vocab_topk is not None and vocab_topk < teacher_vocab_size
-
-    def _options(self) -> dict[str, Any]:
-        cfg = self.config
-        return dict(
-            temperature=cfg.temperature,
-            vocab_topk=cfg.vocab_topk,
-            reverse_kl=cfg.reverse_kl,
-            topk_columns=cfg.topk_columns,
-        )

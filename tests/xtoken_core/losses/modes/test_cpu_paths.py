@@ -8,20 +8,21 @@ import torch
 
 from tests.xtoken_core.losses.modes.test_kernel_paths import _case
 from xtoken_core.data.projection import Projection
-from xtoken_core.losses import CrossTokenizerLossConfig, cpu
+from xtoken_core.losses import CrossTokenizerLossConfig
+from xtoken_core.losses.backends import cpu
+from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes import MODES, pkl
-from xtoken_core.losses.utils import sparse_projection_from_topk
 
 
 def _pkl(path, case, **kw):
     zs, zt, s_ids, t_ids, valid, indices, likelihoods = case
-    M = sparse_projection_from_topk(
-        indices, likelihoods, student_vocab_size=zs.shape[-1], teacher_vocab_size=zt.shape[-1]
-    )
+    M = Projection.from_topk(indices, likelihoods, "cpu").sparse(zs.shape[-1], zt.shape[-1])
     x = zs.detach().clone().requires_grad_()
     opts = dict(temperature=1.7, reverse_kl=False, vocab_topk=17)
     opts.update(kw)
-    terms = getattr(pkl, f"{path}_kd_loss")(x, zt, s_ids, t_ids, valid, M, **opts)
+    config = CrossTokenizerLossConfig(**opts)
+    inputs = LossInputs(x, zt, s_ids, t_ids, valid)
+    terms = getattr(pkl, f"{path}_kd_loss")(inputs, M, config)
     (3.0 * terms.kd).backward()
     return terms, x.grad
 
@@ -84,6 +85,6 @@ def test_a_mode_without_a_cpu_path_runs_its_reference(mode):
     config = CrossTokenizerLossConfig(mode=mode, projection=(indices, likelihoods))
     m = MODES[mode](config)
     projection = Projection.from_topk(indices, likelihoods, torch.device("cpu"))
-    args = (zs, zt, s_ids, t_ids, valid, projection)
-    got, ref = m.cpu(*args), m.reference(*args)
+    inputs = LossInputs(zs, zt, s_ids, t_ids, valid)
+    got, ref = m.cpu(inputs, projection), m.reference(inputs, projection)
     assert got.kd.item() == ref.kd.item() and got.l1.item() == ref.l1.item()

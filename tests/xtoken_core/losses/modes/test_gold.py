@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.xtoken_core.losses.test_reference import tiny_case
+from tests.xtoken_core.losses.backends.test_reference import tiny_case
+from xtoken_core.losses import CrossTokenizerLossConfig
+from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes import gold
 
 
@@ -31,10 +33,11 @@ def test_gold_terms_of_a_hand_computed_chunk():
 @pytest.mark.parametrize("reverse", [False, True])
 def test_gold_reference_gradcheck(reverse):
     zs, zt, s_ids, t_ids, valid, _, exact = tiny_case(4)
+    config = CrossTokenizerLossConfig(
+        mode="gold", temperature=2.0, uncommon_topk=2, reverse_kl=reverse
+    )
 
     def f(z):
-        return gold.reference_kd_loss(
-            z, zt, s_ids, t_ids, valid, exact, temperature=2.0, uncommon_topk=2, reverse_kl=reverse
-        ).kd
+        return gold.reference_kd_loss(LossInputs(z, zt, s_ids, t_ids, valid), exact, config).kd
 
     assert torch.autograd.gradcheck(f, (zs,))

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from xtoken_core.data.projection import Projection, exact_token_map_from_topk
-from xtoken_core.losses import fused, reference
+from xtoken_core.losses import CrossTokenizerLossConfig
+from xtoken_core.losses.alignment import chunk_validity, shift_chunk_ids
+from xtoken_core.losses.backends.kernel import kernels_run_on
+from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes import gold, pkl
-from xtoken_core.losses.utils import shift_chunk_ids, sparse_projection_from_topk
 
 pytest.importorskip("triton")
 
@@ -46,7 +48,7 @@ def _projection(Vn, Wn, gen, n_exact=20):
 def _case(seed, dtype, Bn=B, Tn=T, Un=U, Vn=V, Wn=W, Cn=C, valid_p=0.8):
     gen = torch.Generator().manual_seed(seed)
     s_ids, t_ids = _chunk_ids(Bn, Tn, Cn, gen), _chunk_ids(Bn, Un, Cn, gen)
-    valid = reference.chunk_validity(s_ids, t_ids, torch.rand(Bn, Cn, generator=gen) < valid_p)
+    valid = chunk_validity(s_ids, t_ids, torch.rand(Bn, Cn, generator=gen) < valid_p)
     indices, likelihoods = _projection(Vn, Wn, gen)
     zs = (3 * torch.randn(Bn, Tn, Vn, generator=gen)).to(dtype)
     zt = (3 * torch.randn(Bn, Un, Wn, generator=gen)).to(dtype)
@@ -62,26 +64,29 @@ def _run(path, mode, zs, zt, s_ids, t_ids, valid, indices, likelihoods, **kw):
     """The KD terms and the logits' gradient of ``path`` ("reference" or "kernel")."""
     kd_loss = getattr(MODULES[mode], f"{path}_kd_loss")
     x = zs.detach().clone().requires_grad_()
-    Wn = zt.shape[-1]
-    opts = dict(temperature=kw.get("temperature", 1.7), reverse_kl=kw.get("reverse_kl", False))
+    inputs = LossInputs(x, zt, s_ids, t_ids, valid)
+    config = CrossTokenizerLossConfig(
+        mode=mode,
+        temperature=kw.get("temperature", 1.7),
+        reverse_kl=kw.get("reverse_kl", False),
+        vocab_topk=kw.get("vocab_topk", 17),
+    )
+    config.uncommon_topk = kw.get("uncommon_topk", 9)  # 0 too, which a run config refuses
+    Vn, Wn = zs.shape[-1], zt.shape[-1]
     if mode == "pkl":
-        M = sparse_projection_from_topk(
-            indices, likelihoods, student_vocab_size=zs.shape[-1], teacher_vocab_size=Wn
-        )
-        terms = kd_loss(x, zt, s_ids, t_ids, valid, M, vocab_topk=kw.get("vocab_topk", 17), **opts)
+        M = Projection.from_topk(indices, likelihoods, zs.device).sparse(Vn, Wn)
+        terms = kd_loss(inputs, M, config)
     else:
         exact = kw.get("exact") or exact_token_map_from_topk(
             indices, likelihoods, xtoken_loss=mode == "xtoken", teacher_vocab_size=Wn
         )
-        terms = kd_loss(
-            x, zt, s_ids, t_ids, valid, exact, uncommon_topk=kw.get("uncommon_topk", 9), **opts
-        )
+        terms = kd_loss(inputs, exact, config)
     terms.kd.backward()
     return terms, x.grad
 
 
 def _assert_match(mode, case, grad_tol, **kw):
-    assert fused.fused_path_available(case[0], case[1])
+    assert kernels_run_on(case[0], case[1])
     ref, g_ref = _run("reference", mode, *case, **kw)
     got, g_got = _run("kernel", mode, *case, **kw)
     for name in ("kd", "kl", "l1", "num_valid"):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.xtoken_core.losses.test_reference import tiny_case
+from tests.xtoken_core.losses.backends.test_reference import tiny_case
+from xtoken_core.data.projection import Projection
+from xtoken_core.losses import CrossTokenizerLossConfig
+from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes import pkl
-from xtoken_core.losses.utils import sparse_projection_from_topk
 
 
 def test_teacher_columns_are_the_topk_by_max_logit_over_chunked_positions():
@@ -26,9 +28,7 @@ def test_teacher_columns_are_the_topk_by_max_logit_over_chunked_positions():
 def test_restricted_projection_keeps_only_the_selected_columns_in_order():
     indices = torch.tensor([[0, 2], [3, -1], [1, 2]])
     likelihoods = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.25, 0.75]])
-    M = sparse_projection_from_topk(
-        indices, likelihoods, student_vocab_size=4, teacher_vocab_size=4
-    )
+    M = Projection.from_topk(indices, likelihoods, "cpu").sparse(4, 4)
     sub = pkl.restrict_columns(M, torch.tensor([2, 3]))
     assert sub.to_dense().tolist() == [[0.5, 0.0], [0.0, 1.0], [0.75, 0.0], [0.0, 0.0]]
 
@@ -51,11 +51,10 @@ def test_pkl_kl_of_a_hand_computed_chunk():
 @pytest.mark.parametrize("reverse", [False, True])
 def test_pkl_reference_gradcheck(reverse):
     zs, zt, s_ids, t_ids, valid, M, _ = tiny_case(3)
+    config = CrossTokenizerLossConfig(temperature=1.5, vocab_topk=4, reverse_kl=reverse)
 
     def f(z):
-        return pkl.reference_kd_loss(
-            z, zt, s_ids, t_ids, valid, M, temperature=1.5, vocab_topk=4, reverse_kl=reverse
-        ).kd
+        return pkl.reference_kd_loss(LossInputs(z, zt, s_ids, t_ids, valid), M, config).kd
 
     assert torch.autograd.gradcheck(f, (zs,))
 
@@ -64,17 +63,9 @@ def test_pkl_reference_gradcheck(reverse):
 def test_pkl_reference_of_an_empty_batch_is_a_zero_with_a_gradient(vocab_topk):
     zs, zt, s_ids, t_ids, valid, M, _ = tiny_case(3)
     zs0 = zs[:0].detach().requires_grad_()
-    terms = pkl.reference_kd_loss(
-        zs0,
-        zt[:0],
-        s_ids[:0],
-        t_ids[:0],
-        valid[:0],
-        M,
-        temperature=1.0,
-        vocab_topk=vocab_topk,
-        reverse_kl=False,
-    )
+    inputs = LossInputs(zs0, zt[:0], s_ids[:0], t_ids[:0], valid[:0])
+    config = CrossTokenizerLossConfig(temperature=1.0, vocab_topk=vocab_topk, reverse_kl=False)
+    terms = pkl.reference_kd_loss(inputs, M, config)
     assert terms.kd.item() == 0.0 and terms.num_valid.item() == 0
     terms.kd.backward()
     assert zs0.grad.shape == zs0.shape

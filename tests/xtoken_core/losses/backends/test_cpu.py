@@ -1,4 +1,4 @@
-"""The CPU path (xtoken_core/losses/cpu.py, cpu_engine.py): its pieces and the whole loss on CPU
+"""The CPU backend (xtoken_core/losses/backends/cpu.py): its pieces and the whole loss on CPU
 logits against the PyTorch reference, forward, gradient and metrics."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tests.xtoken_core.losses.test_loss import make_batch, make_logits, make_projection
-from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig, cpu, reference
-from xtoken_core.losses.cpu_engine import CpuEngine
-from xtoken_core.losses.engine import ReferenceEngine
+from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig
+from xtoken_core.losses.backends import cpu, reference
+from xtoken_core.losses.backends.cpu import CpuBackend
+from xtoken_core.losses.backends.reference import ReferenceBackend
 
 
 def _odd_logits(seed, B=3, T=7, V=37, dtype=torch.float32):
@@ -86,7 +87,7 @@ def _loss_and_grad(zs, zt, batch, backend, **cfg):
 
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
-def test_the_cpu_engine_gives_the_reference_loss_gradient_and_metrics(mode, temperature):
+def test_the_cpu_backend_gives_the_reference_loss_gradient_and_metrics(mode, temperature):
     zs, zt = make_logits(7)
     zs, zt = zs.detach().float(), zt.float()
     batch = make_batch(7)
@@ -94,15 +95,15 @@ def test_the_cpu_engine_gives_the_reference_loss_gradient_and_metrics(mode, temp
     cfg = dict(mode=mode, vocab_topk=5, temperature=temperature, kl_weight=0.6, ce_weight=0.4)
     fn, loss_c, grad_c, m_c = _loss_and_grad(zs, zt, batch, "auto", **cfg)
     _, loss_r, grad_r, m_r = _loss_and_grad(zs, zt, batch, "reference", **cfg)
-    assert isinstance(fn.engine, CpuEngine) and fn.engine_for(zs, [zt]) is fn.engine
+    assert isinstance(fn.backend, CpuBackend) and fn.backend_for(zs, [zt]) is fn.backend
     torch.testing.assert_close(loss_c, loss_r)
     torch.testing.assert_close(grad_c, grad_r, rtol=1e-4, atol=1e-7)
     for key in m_r:
         torch.testing.assert_close(m_c[key], m_r[key], msg=key)
 
 
-def test_fp64_logits_take_the_reference_engine_under_auto():
+def test_fp64_logits_take_the_reference_backend_under_auto():
     zs, zt = make_logits(0)
     fn = CrossTokenizerLoss(CrossTokenizerLossConfig(projection=make_projection()))
-    engine = fn.engine_for(zs.detach(), [zt])
-    assert isinstance(engine, ReferenceEngine) and not isinstance(engine, CpuEngine)
+    backend = fn.backend_for(zs.detach(), [zt])
+    assert isinstance(backend, ReferenceBackend) and not isinstance(backend, CpuBackend)

@@ -1,5 +1,7 @@
-"""The CPU path's shared plumbing: the losses' math of :mod:`xtoken_core.losses.reference` for CPU
-logits, with fewer passes over the ``[B, T, V]`` logits and no full-size fp32 copies of them.
+"""The CPU backend: each mode's CPU path (:meth:`KDMode.cpu`) and the student CE for CPU logits,
+the reference's math with fewer passes over the ``[B, T, V]`` logits and no full-size fp32
+copies of them, around the reference backend's steps (chunk ids, validity, the input checks read
+back before any term, the sum over teachers).
 
 On a CPU the step is bound by memory traffic and by ``exp`` over the student vocabulary
 (V = 151,669 for Qwen3): the reference writes several ``[B, T, V]`` fp32 tensors per call
@@ -12,10 +14,11 @@ path reads the logits in blocks of rows that stay in the cache while they are re
   the only full-size tensor of a backward (a mode adds its few sparse columns on top);
 * :func:`student_ce`: the student CE from the row logsumexps and the target logits.
 
-A mode's CPU path (``cpu_kd_loss`` of :mod:`xtoken_core.losses.modes`) builds on these; the
-engine that runs them is :class:`~xtoken_core.losses.cpu_engine.CpuEngine`. The results equal
-the reference's within float rounding (tests/xtoken_core/losses/test_cpu.py and
-tests/xtoken_core/losses/modes/test_cpu_paths.py).
+:meth:`CpuBackend.start` gives the call one :class:`RowStats`: each row's logsumexp is made once
+per temperature and shared, so at temperature 1 the KD term and the CE read the logits'
+exponentials once in the forward. A mode's CPU path (P-KL's ``cpu_kd_loss``) builds on these
+pieces; a mode without one runs its reference. The results equal the reference's within float
+rounding (tests/xtoken_core/losses/test_cpu.py and tests/xtoken_core/losses/modes/test_cpu_paths.py).
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, V student vocab, R rows (``B*T``), A the rows a call reads.
@@ -23,15 +26,22 @@ Legend (shape suffixes in this file):
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xtoken_core.losses.reference import compute_dtype
+from xtoken_core.losses.backends.reference import ReferenceBackend, ce_targets, compute_dtype
+
+if TYPE_CHECKING:
+    from xtoken_core.losses.checks import DeferredChecks
+    from xtoken_core.losses.inputs import LossInputs, TeacherInputs
+    from xtoken_core.losses.modes.base import KDTerms
 
 __all__ = [
     "BLOCK_ELEMENTS",
     "CPU_DTYPES",
+    "CpuBackend",
     "RowStats",
     "cpu_path_available",
     "grad_buffer",
@@ -60,6 +70,42 @@ def cpu_path_available(*logits: torch.Tensor) -> bool:
         True when all of them are CPU tensors of a :data:`CPU_DTYPES` dtype.
     """
     return all(z.device.type == "cpu" and z.dtype in CPU_DTYPES for z in logits)
+
+
+class CpuBackend(ReferenceBackend):
+    """The KD term by each mode's CPU path and the CE by :func:`student_ce`; CPU logits in
+    fp32/bf16/fp16 (:meth:`takes`), the reference backend's steps around them.
+
+    Args:
+        config: the loss settings.
+        mode: the loss's KD mode.
+    """
+
+    def takes(self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]):
+        """Whether the CPU path runs on these logits (:func:`cpu_path_available`: every tensor
+        on the CPU, fp32/bf16/fp16; fp64 takes the reference).
+
+        Args:
+            student_logits_BTV: the student logits.
+            teacher_logits: every teacher's logits.
+
+        Returns:
+            True when the student's and every teacher's logits can take the CPU path.
+        """
+        return cpu_path_available(student_logits_BTV, *teacher_logits)
+
+    def start(self, student_logits_BTV: torch.Tensor, checks: DeferredChecks | None) -> RowStats:
+        """See :class:`~xtoken_core.losses.backends.base.Backend`: the call's :class:`RowStats`
+        (made lazily, shared by :meth:`kd` and :meth:`ce`)."""
+        return RowStats(student_logits_BTV)
+
+    def _terms(self, inputs: LossInputs, teacher: TeacherInputs, started: Any) -> KDTerms:
+        """One teacher's KD sums: the mode's CPU path."""
+        return self.mode.cpu(inputs, teacher.projection, stats=started)
+
+    def ce(self, student_logits_BTV: torch.Tensor, targets: tuple, started: Any = None) -> tuple:
+        """See :class:`~xtoken_core.losses.backends.base.Backend`: :func:`student_ce`."""
+        return student_ce(student_logits_BTV, *targets, stats=started)
 
 
 def row_slices(rows_A: torch.Tensor, width: int) -> list[tuple[int, int, int]]:
@@ -257,7 +303,7 @@ def student_ce(
     stats: RowStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Student next-token CE, summed, on the CPU path. See
-    :func:`~xtoken_core.losses.reference.student_ce_loss` (same values within float rounding).
+    :func:`~xtoken_core.losses.backends.reference.student_ce_loss` (same values within float rounding).
 
     Reads each row's logsumexp and max once (from ``stats`` when the KD term made them at
     temperature 1) and the target logits; the backward writes ``softmax - onehot`` of the
@@ -275,12 +321,7 @@ def student_ce(
     """
     B, T, V = student_logits_BTV.shape
     dtype = compute_dtype(student_logits_BTV)
-    targets_BT = input_ids_BT[:, 1:].long()
-    mask_BT = torch.ones_like(targets_BT, dtype=torch.bool)
-    if token_mask_BT is not None:
-        mask_BT = mask_BT & token_mask_BT[:, 1:].bool()
-    if sample_mask_B is not None:
-        mask_BT = mask_BT & sample_mask_B.bool().view(-1, 1)
+    targets_BT, mask_BT = ce_targets(input_ids_BT, token_mask_BT, sample_mask_B)
     # row b * T + p of the logits predicts targets_BT[b, p] (p < T - 1)
     rows_BT = torch.arange(B).view(-1, 1) * T + torch.arange(max(T - 1, 0)).view(1, -1)
     rows_A, targets_A = rows_BT[mask_BT], targets_BT[mask_BT]
