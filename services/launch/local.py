@@ -20,7 +20,7 @@ from typing import Any
 from services.launch.base import Launcher, open_log, read_ready_file, tail_file, worker_command
 from services.launch.spec import ProcessSpec
 
-__all__ = ["LocalLauncher", "LocalProcess", "ProcessSpec"]
+__all__ = ["LocalLauncher", "LocalProcess"]
 
 logger = logging.getLogger(__name__)
 

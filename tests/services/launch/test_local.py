@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from services.launch.local import LocalLauncher, ProcessSpec
+from services.launch.local import LocalLauncher
+from services.launch.spec import ProcessSpec
 
 
 def _queue_spec(tmp_path, name: str = "queue") -> ProcessSpec:
