@@ -54,22 +54,24 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def save(
-    worker: Any,
+    student: Any,
     run_dir: str | os.PathLike,
     *,
     epoch: int,
     task_start: int,
     trained: set[str],
+    skipped_steps: int = 0,
     before: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint of ``worker`` (collective: every rank calls it).
+    """Write a checkpoint of ``student`` (collective: every rank calls it).
 
     Args:
-        worker: the TrainerWorker (model, optimizer, scheduler, step).
+        student: the Student (model, optimizer, scheduler, step, rank, device).
         run_dir: the run directory.
         epoch: current epoch.
         task_start: step at which this epoch's consumer task started (names the task).
         trained: keys this rank trained in the epoch.
+        skipped_steps: steps whose update was skipped for a non-finite gradient so far.
         before: the student's held-out figures before training (the run summary's
             ``student_before``), kept for the summary of a resumed run; None: not evaluated.
 
@@ -77,26 +79,26 @@ def save(
         The checkpoint directory.
     """
     root = checkpoint_root(run_dir)
-    path = root / f"step_{worker.step:08d}"
-    model_sd, optim_sd = get_state_dict(worker.state_model, worker.optimizer)
+    path = root / f"step_{student.step:08d}"
+    model_sd, optim_sd = get_state_dict(student.state_model, student.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     meta = {
-        "step": worker.step,
+        "step": student.step,
         "epoch": epoch,
         "task_start": task_start,
         "trained": sorted(trained),
-        "scheduler": _jsonable(worker.scheduler.state_dict()),
-        "skipped_steps": worker.skipped_steps,
-        "world_size": worker.world_size,
+        "scheduler": _jsonable(student.scheduler.state_dict()),
+        "skipped_steps": skipped_steps,
+        "world_size": student.world_size,
         "student_before": before,
     }
-    _atomic_write(path / f"rank{worker.rank}.json", json.dumps(meta))
+    _atomic_write(path / f"rank{student.rank}.json", json.dumps(meta))
     rng = {"cpu": torch.get_rng_state()}
-    if worker.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(worker.device)
-    torch.save(rng, path / f"rng.rank{worker.rank}.pt")
+    if student.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(student.device)
+    torch.save(rng, path / f"rng.rank{student.rank}.pt")
     _barrier()
-    if worker.rank == 0:
+    if student.rank == 0:
         _atomic_write(root / "latest", path.name)
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
@@ -107,12 +109,14 @@ def save(
     return path
 
 
-def load(worker: Any, path: Path) -> dict[str, Any]:
-    """Restore ``worker`` from a checkpoint (collective).
+def load(student: Any, path: Path) -> dict[str, Any]:
+    """Restore ``student`` from a checkpoint (collective): weights, optimizer, schedule, step and
+    this rank's RNG.
 
     Returns:
-        ``{"step", "epoch", "task_start", "trained", "student_before"}`` with the union of every
-        rank's keys of the checkpoint's epoch (``student_before``: as given to :func:`save`).
+        ``{"step", "epoch", "task_start", "trained", "skipped_steps", "student_before"}`` with
+        the union of every rank's keys of the checkpoint's epoch (``skipped_steps``,
+        ``student_before``: as given to :func:`save`).
 
     Raises:
         ValueError: the checkpoint lacks its rank files (names the directory).
@@ -121,26 +125,25 @@ def load(worker: Any, path: Path) -> dict[str, Any]:
     if not metas:
         raise ValueError(f"checkpoint {path} has no rank*.json: it is incomplete; delete it")
     # a rank new to this checkpoint (a larger world) takes the schedule of another rank
-    mine = metas.get(f"rank{worker.rank}.json") or next(iter(metas.values()))
-    model_sd, optim_sd = get_state_dict(worker.state_model, worker.optimizer)
+    mine = metas.get(f"rank{student.rank}.json") or next(iter(metas.values()))
+    model_sd, optim_sd = get_state_dict(student.state_model, student.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        worker.state_model,
-        worker.optimizer,
+        student.state_model,
+        student.optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
     )
-    worker.publish()  # bf16 compute copy from the fp32 masters just loaded
-    worker.scheduler.load_state_dict(mine["scheduler"])
-    worker.step = int(mine["step"])
-    worker.skipped_steps = int(mine.get("skipped_steps", 0))
-    rng_file = path / f"rng.rank{worker.rank}.pt"
+    student.publish()  # bf16 compute copy from the fp32 masters just loaded
+    student.scheduler.load_state_dict(mine["scheduler"])
+    student.step = int(mine["step"])
+    rng_file = path / f"rng.rank{student.rank}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and worker.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], worker.device)
+        if "cuda" in rng and student.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], student.device)
     trained: set[str] = set()
     for m in metas.values():
         if m["epoch"] == mine["epoch"]:
@@ -148,15 +151,16 @@ def load(worker: Any, path: Path) -> dict[str, Any]:
     logger.info(
         "[trainer] resumed from %s: step %d, epoch %d, %d keys already trained",
         path,
-        worker.step,
+        student.step,
         mine["epoch"],
         len(trained),
     )
     return {
-        "step": worker.step,
+        "step": student.step,
         "epoch": int(mine["epoch"]),
         "task_start": int(mine["task_start"]),
         "trained": trained,
+        "skipped_steps": int(mine.get("skipped_steps", 0)),
         "student_before": mine.get("student_before"),
     }
 

@@ -35,6 +35,7 @@ import torch
 from xtoken_core.models.layers import decoder_layers
 
 __all__ = [
+    "CompileCounts",
     "compile_student",
     "compiled_graphs",
     "compiled_kernels",
@@ -122,3 +123,29 @@ def compiled_kernels() -> int:
 
         knobs.jit_post_compile_hook = counted
     return _triton_compiles
+
+
+class CompileCounts:
+    """What was compiled after the start-up: Dynamo graphs since the start-up step, and Triton
+    kernels since the first step (which compiles those the loss needs)."""
+
+    def __init__(self) -> None:
+        self._graphs: int | None = None
+        self._kernels: int | None = None
+
+    def after_start_up(self) -> None:
+        """Count from here the graphs Dynamo builds (after the start-up step)."""
+        self._graphs = compiled_graphs()
+
+    def after_step(self) -> None:
+        """Count from here the Triton kernels compiled (after the first step; later ones count
+        nothing)."""
+        if self._kernels is None:
+            self._kernels = compiled_kernels()
+
+    def since(self) -> int | None:
+        """Graphs and kernels compiled since (None: no start-up step was counted)."""
+        if self._graphs is None:
+            return None
+        kernels = 0 if self._kernels is None else compiled_kernels() - self._kernels
+        return compiled_graphs() - self._graphs + kernels

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from services.trainer.config import TrainerConfig
 from services.trainer.on_policy import OnPolicyFeed
 from services.trainer.samples import Claimed, SampleFeed
+from services.trainer.step import MicroBatch
 from services.trainer.teacher_client import Asked, TeacherClient
-from services.trainer.worker import MicroBatch
 
-# The end-of-data marker is importable from here too (its former home).
 __all__ = ["TeacherFeed"]
 
 
@@ -38,9 +40,12 @@ class TeacherFeed:
         client: a QueueClient (this thread's).
         config: the trainer settings.
         rank: this trainer rank.
-        worker: the TrainerWorker (pad ids, device, rank).
-        task, trained, stop, register, replaces: as :class:`services.trainer.samples.SampleFeed`.
-        reader, output_layer: as :class:`services.trainer.teacher_client.TeacherClient`.
+        task, trained, pads, stop, register, replaces: as
+            :class:`services.trainer.samples.SampleFeed`.
+        device, reader, output_layer: as :class:`services.trainer.teacher_client.TeacherClient`.
+        ranks: the data-parallel size.
+        version, teacher_vocab: as :class:`services.trainer.on_policy.OnPolicyFeed` (read with
+            ``on_policy.fraction`` above 0).
     """
 
     def __init__(
@@ -48,10 +53,14 @@ class TeacherFeed:
         client: Any,
         config: TrainerConfig,
         rank: int,
-        worker: Any,
         task: str,
         trained: set[str],
         *,
+        pads: dict[str, int],
+        device: torch.device | None = None,
+        ranks: int = 1,
+        version: Callable[[], int] | None = None,
+        teacher_vocab: int | None = None,
         reader: Any = None,
         output_layer: Any = None,
         stop: Any = None,
@@ -59,23 +68,29 @@ class TeacherFeed:
         replaces: str = "",
     ) -> None:
         self.config = config
-        feed = OnPolicyFeed if config.on_policy.enabled else SampleFeed
-        self.samples = feed(
-            client,
-            config,
-            worker,
-            task,
-            trained,
-            stop=stop,
-            register=register,
-            replaces=replaces,
-            rank=rank,
-            ranks=getattr(worker, "world_size", 1),
-        )
+        common = dict(stop=stop, register=register, replaces=replaces, rank=rank, ranks=ranks)
+        if config.on_policy.enabled:
+            self.samples = OnPolicyFeed(
+                client,
+                config,
+                pads,
+                task,
+                trained,
+                version=version,
+                teacher_vocab=teacher_vocab,
+                **common,
+            )
+        else:
+            self.samples = SampleFeed(client, config, pads, task, trained, **common)
         # the mixed feed (on-policy samples), or None
         self.on_policy = self.samples if isinstance(self.samples, OnPolicyFeed) else None
         self.teacher = TeacherClient(
-            client, config, rank, worker, reader=reader, output_layer=output_layer
+            client,
+            config,
+            rank,
+            device or torch.device("cpu"),
+            reader=reader,
+            output_layer=output_layer,
         )
         self._want = 0  # micro-batches kept claimed and requested ahead (set by next_step)
         self._pending: deque[_Pending] = deque()

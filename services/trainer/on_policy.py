@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,11 +75,21 @@ class _Stats:
 class OnPolicyFeed(SampleFeed):
     """A :class:`SampleFeed` that mixes in the rollout workers' samples (module docstring).
 
-    Args: as :class:`~services.trainer.samples.SampleFeed`.
+    Args: as :class:`~services.trainer.samples.SampleFeed`, and
+        version: the trainer's step now (the version of the weights it trains).
+        teacher_vocab: the teacher's vocab (the logits' columns scored), or None: every column.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        version: Callable[[], int],
+        teacher_vocab: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.version = version
+        self.teacher_vocab = teacher_vocab
         op = self.config.on_policy
         self.fraction = op.fraction
         self.window = op.max_staleness * op.sync_every  # steps a sample's weights may lag
@@ -161,7 +171,7 @@ class OnPolicyFeed(SampleFeed):
             self._ack_rollouts({lease_id: stale})
 
     def _is_stale(self, sample: dict[str, torch.Tensor]) -> bool:
-        behind = self.worker.step - int(sample["policy_version"])
+        behind = self.version() - int(sample["policy_version"])
         return behind < 0 or behind > self.window
 
     def _pad(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -186,7 +196,7 @@ class OnPolicyFeed(SampleFeed):
                     self._dropped.add(key)
                     self.dropped_stale += 1
                 else:
-                    behind = self.worker.step - int(sample["policy_version"])
+                    behind = self.version() - int(sample["policy_version"])
                     self._stats.samples += 1
                     self._stats.staleness += behind / self.config.on_policy.sync_every
 
@@ -202,8 +212,7 @@ class OnPolicyFeed(SampleFeed):
             claimed: the micro-batch.
             logits_BUW: its teacher logits (a view of the ring slot).
         """
-        width = getattr(getattr(self.worker, "loss_fn", None), "config", None)
-        width = width.teacher_vocab_size[0] if width is not None else None
+        width = self.teacher_vocab
         ids_BU = claimed.batch["teacher_input_ids"]
         total = torch.zeros((), dtype=torch.float32, device=logits_BUW.device)
         scored = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.protocol.names import policy_dir
-from services.trainer.config import TrainerConfig
+from services.trainer.config import OnPolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,55 +24,55 @@ class PolicyPublisher:
     """Publishes a trainer's student for its rollout workers.
 
     Args:
-        worker: the TrainerWorker (its ``compute`` model and ``step``).
-        config: the trainer settings (``on_policy``).
+        student: the student (its ``compute`` model, ``device`` and ``step``).
+        on_policy: the trainer's on-policy settings (``sync_every``, ``weights``).
         run_dir: the run directory.
 
     Raises:
         ValueError: a transport that cannot serve this trainer (cuda_ipc on the CPU).
     """
 
-    def __init__(self, worker: Any, config: TrainerConfig, run_dir: str | Path) -> None:
+    def __init__(self, student: Any, on_policy: OnPolicyConfig, run_dir: str | Path) -> None:
         from xtoken_core.ipc.policy_weights import WeightPublisher
 
-        self.worker = worker
-        self.sync_every = config.on_policy.sync_every
-        transport = config.on_policy.weights
+        self.student = student
+        self.sync_every = on_policy.sync_every
+        transport = on_policy.weights
         if transport == "auto":
-            transport = "cuda_ipc" if worker.device.type == "cuda" else "shm"
+            transport = "cuda_ipc" if student.device.type == "cuda" else "shm"
         self.publisher = WeightPublisher(
-            policy_dir(run_dir), worker.compute.named_parameters(), transport=transport
+            policy_dir(run_dir), student.compute.named_parameters(), transport=transport
         )
         self.seconds = 0.0  # of the last publication
 
     @classmethod
     def create(
-        cls, worker: Any, config: TrainerConfig, run_dir: str | Path, *, rank: int, world: int
+        cls, student: Any, on_policy: OnPolicyConfig, run_dir: str | Path
     ) -> PolicyPublisher | None:
         """The publisher of rank 0 of a run with on-policy samples; None elsewhere.
 
         Raises:
             ValueError: on-policy samples under FSDP (each rank holds a shard of the weights).
         """
-        if not config.on_policy.enabled:
+        if not on_policy.enabled:
             return None
-        if world > 1 and config.parallel == "fsdp":
+        if student.sharded:
             raise ValueError(
                 "on_policy.fraction > 0 with parallel fsdp: the rollout workers need the whole "
                 "student, which no FSDP rank holds; use parallel ddp, or fraction 0"
             )
-        return cls(worker, config, run_dir) if rank == 0 else None
+        return cls(student, on_policy, run_dir) if student.rank == 0 else None
 
     def publish(self) -> None:
         """Publish the weights now, as the version of the trainer's step."""
         started = time.perf_counter()
-        self.publisher.publish(self.worker.compute.named_parameters(), version=self.worker.step)
+        self.publisher.publish(self.student.compute.named_parameters(), version=self.student.step)
         self.seconds = time.perf_counter() - started
-        logger.debug("[trainer] published the weights of step %d", self.worker.step)
+        logger.debug("[trainer] published the weights of step %d", self.student.step)
 
     def after_step(self) -> None:
         """Publish when the step count is a multiple of ``sync_every``."""
-        if self.worker.step % self.sync_every == 0:
+        if self.student.step % self.sync_every == 0:
             self.publish()
 
     def close(self) -> None:

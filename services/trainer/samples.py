@@ -82,7 +82,7 @@ class SampleFeed:
     Args:
         client: a QueueClient (this thread's).
         config: the trainer settings.
-        worker: the TrainerWorker (pad ids).
+        pads: the pad ids of the padded fields (``student_pad_id``, ``teacher_pad_id``).
         task: consumer task name on the sample partition (epoch + resume generation).
         trained: keys trained in this epoch (the checkpoint's); skipped when claimed again.
         stop: a threading.Event; set = stop waiting for data.
@@ -99,7 +99,7 @@ class SampleFeed:
         self,
         client: Any,
         config: TrainerConfig,
-        worker: Any,
+        pads: dict[str, int],
         task: str,
         trained: set[str],
         *,
@@ -111,7 +111,7 @@ class SampleFeed:
     ) -> None:
         self.client = client
         self.config = config
-        self.worker = worker
+        self.pads = pads
         # ordered over several ranks: every rank reads every sample (its own task) and keeps
         # its share, so the tasks of this launch are <task>/r<rank>
         self._shared = config.ordered and ranks > 1
@@ -406,11 +406,7 @@ class SampleFeed:
         return task == self.task or task.startswith(self.launch_task + "/r")
 
     def _pad(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return schema.pad_samples(
-            samples,
-            student_pad_id=self.worker.student_pad_id,
-            teacher_pad_id=self.worker.teacher_pad_id,
-        )
+        return schema.pad_samples(samples, **self.pads)
 
     def _check_end(self) -> None:
         """Decide whether this epoch's data ended for this rank."""

@@ -94,7 +94,7 @@ class TeacherClient:
         client: a QueueClient (this thread's).
         config: the trainer settings.
         rank: this trainer rank (its group is ``rank % teacher_groups``).
-        worker: the TrainerWorker (its device).
+        device: this rank's device (the logits' destination).
         reader: a LogitRingReader (ring transports), or None.
         output_layer: the teacher's output layer (hidden transport), or None.
     """
@@ -104,7 +104,7 @@ class TeacherClient:
         client: Any,
         config: TrainerConfig,
         rank: int,
-        worker: Any,
+        device: torch.device,
         *,
         reader: Any = None,
         output_layer: Any = None,
@@ -112,7 +112,7 @@ class TeacherClient:
         self.client = client
         self.config = config
         self.rank = rank
-        self.worker = worker
+        self.device = device
         self.reader = reader
         self.output_layer = output_layer
         self.instance = proto.new_instance()
@@ -162,7 +162,7 @@ class TeacherClient:
         """Block until the teacher logits of ``p`` are valid.
 
         Returns:
-            ``[B, U, W]`` on the worker's device.
+            ``[B, U, W]`` on this rank's device.
 
         Raises:
             RuntimeError: the teacher refused the request.
@@ -205,7 +205,7 @@ class TeacherClient:
         :meth:`logits` only makes the step's stream wait for it. Anything else (no result yet,
         the teacher on this GPU, the hidden transport, a stale handle) is left to
         :meth:`logits`."""
-        device = self.worker.device
+        device = self.device
         if p.record is None or p.prefetched is not None or device.type != "cuda":
             return
         result, fields, _ = p.record
@@ -377,7 +377,7 @@ class TeacherClient:
                 f"teacher result {p.request_key!r} is {result.rows} x {result.length}, the "
                 f"micro-batch is {B} x {U}"
             )
-        device = self.worker.device
+        device = self.device
         if result.transport == "hidden":
             hidden_BUd = proto.hidden_from_column(
                 fields[self.hidden_field], B, U, p.request_key

@@ -61,15 +61,20 @@ def samples() -> list[dict[str, torch.Tensor]]:
     return collator.collate_samples(TEXTS)
 
 
-def micro_batches(size: int = 2) -> list[dict[str, torch.Tensor]]:
-    """The samples padded into consecutive micro-batches of ``size`` (the feed's padding)."""
+def pads() -> dict[str, int]:
+    """The pad ids of the test tokenizers, as the feed pads with them."""
     from xtoken_core.data.collator import resolve_pad_id
-    from xtoken_core.data.sample import pad_samples
 
     student, teacher = tokenizers()
-    pads = {"student_pad_id": resolve_pad_id(student), "teacher_pad_id": resolve_pad_id(teacher)}
+    return {"student_pad_id": resolve_pad_id(student), "teacher_pad_id": resolve_pad_id(teacher)}
+
+
+def micro_batches(size: int = 2) -> list[dict[str, torch.Tensor]]:
+    """The samples padded into consecutive micro-batches of ``size`` (the feed's padding)."""
+    from xtoken_core.data.sample import pad_samples
+
     rows = samples()
-    return [pad_samples(rows[i : i + size], **pads) for i in range(0, len(rows), size)]
+    return [pad_samples(rows[i : i + size], **pads()) for i in range(0, len(rows), size)]
 
 
 @functools.cache
@@ -98,13 +103,9 @@ def packed_samples(ctx: int = 2 * CTX) -> list[dict[str, torch.Tensor]]:
 
 def pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Jagged samples (or packed rows) padded into one micro-batch (the feed's padding)."""
-    from xtoken_core.data.collator import resolve_pad_id
     from xtoken_core.data.sample import pad_samples
 
-    student, teacher = tokenizers()
-    return pad_samples(
-        rows, student_pad_id=resolve_pad_id(student), teacher_pad_id=resolve_pad_id(teacher)
-    )
+    return pad_samples(rows, **pads())
 
 
 @torch.no_grad()
@@ -148,7 +149,7 @@ def trainer_config(projection: str | None, **overrides):
 
 def micro_batch(batch: dict[str, torch.Tensor], keys: list[str], with_teacher: bool = True):
     """A MicroBatch whose teacher logits come from the tiny teacher (counts its calls)."""
-    from services.trainer.worker import MicroBatch
+    from services.trainer.step import MicroBatch
 
     calls = {"teacher": 0, "done": 0}
 

@@ -1,7 +1,7 @@
 """A data-parallel rank for the gradient tests, run by torch.multiprocessing.spawn: gloo (or NCCL)
-process group, one TrainerWorker step over this rank's micro-batches under DDP or FSDP2, then the
+process group, one student step over this rank's micro-batches under DDP or FSDP2, then the
 full gradients the optimizer saw and the full parameters it left (and, given a checkpoint
-directory, the parameters a fresh worker loads back from a checkpoint of that step)."""
+directory, the parameters a fresh student loads back from a checkpoint of that step)."""
 
 from __future__ import annotations
 
@@ -20,23 +20,24 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def full_params(worker) -> dict[str, torch.Tensor]:
-    """Every parameter of the worker's model, whole (collective under FSDP2)."""
-    return {name: full(p) for name, p in worker.module.named_parameters()}
+def full_params(student) -> dict[str, torch.Tensor]:
+    """Every parameter of the student's model, whole (collective under FSDP2)."""
+    return {name: full(p) for name, p in student.module.named_parameters()}
 
 
-def capture_step_gradients(worker, micro_batches):
-    """Run one ``train_step``; returns the whole gradients as ``optimizer.step`` received them
+def capture_step_gradients(step, micro_batches):
+    """Run one student step; returns the whole gradients as ``optimizer.step`` received them
     (gathered on every rank under FSDP2) and the step result."""
     grads: dict[str, torch.Tensor] = {}
+    student = step.student
 
     def capture(optimizer, args, kwargs) -> None:
-        for name, p in worker.module.named_parameters():
+        for name, p in student.module.named_parameters():
             grads[name] = full(p.grad)
 
-    hook = worker.optimizer.register_step_pre_hook(capture)
+    hook = student.optimizer.register_step_pre_hook(capture)
     try:
-        result = worker.train_step(micro_batches)
+        result = step.run(micro_batches)
     finally:
         hook.remove()
     assert not result.skipped and grads, "the optimizer never stepped"
@@ -61,7 +62,7 @@ def run_rank(
     trainer settings. With bf16 compute parameters it also saves ``"held"``: whether each compute
     gradient is still the tensor it was before the step, zeroed (the DDP bucket's view)."""
     from services.trainer import checkpoint
-    from services.trainer.worker import TrainerWorker
+    from services.trainer.trainer import build_step
 
     torch.set_num_threads(1)
     if device == "cuda":
@@ -74,8 +75,8 @@ def run_rank(
         timeout=datetime.timedelta(seconds=120),
     )
 
-    def worker(seed: int = 0) -> TrainerWorker:
-        return TrainerWorker(
+    def student_step(seed: int = 0):
+        return build_step(
             setup.trainer_config(
                 projection,
                 grad_accum=len(plan[rank]),
@@ -90,7 +91,8 @@ def run_rank(
         )
 
     try:
-        trained = worker()
+        step = student_step()
+        trained = step.student
         batches = setup.micro_batches()
         mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in plan[rank]]
         if device == "cuda":
@@ -100,7 +102,7 @@ def run_rank(
         before = None
         if trained.master is not None:
             before = [p.grad.data_ptr() for p in trained.compute.parameters()]
-        grads, result = capture_step_gradients(trained, mbs)
+        grads, result = capture_step_gradients(step, mbs)
         saved = {
             "grads": grads,
             "params": full_params(trained),
@@ -115,7 +117,7 @@ def run_rank(
             )
         if checkpoint_dir is not None:
             path = checkpoint.save(trained, checkpoint_dir, epoch=0, task_start=0, trained=set())
-            fresh = worker(seed=7)  # other initial weights: the load must overwrite every one
+            fresh = student_step(seed=7).student  # other initial weights: the load overwrites all
             checkpoint.load(fresh, path)
             saved["loaded"] = full_params(fresh)
             saved["loaded_step"] = fresh.step

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from services.trainer import checkpoint
-from services.trainer.worker import TrainerWorker
+from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
 from tests.services.trainer.dp_ranks import capture_step_gradients, run_rank
 
@@ -37,10 +37,10 @@ def test_two_ranks_with_accumulation_apply_the_full_batch_gradient(projection, t
     mp.spawn(run_rank, args=(2, _free_port(), projection, plan, out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True)["grads"] for r in range(2)]
 
-    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=3))
+    step = build_step(setup.trainer_config(projection, grad_accum=3))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2)]
-    full, _ = capture_step_gradients(worker, mbs)
+    full, _ = capture_step_gradients(step, mbs)
 
     assert set(ranks[0]) == set(full)
     for name, grad in full.items():
@@ -67,10 +67,10 @@ def test_bf16_ranks_accumulate_in_the_ddp_buckets_and_apply_the_full_batch_gradi
     saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
     assert saved[0]["held"] and saved[1]["held"]
 
-    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=4, **bf16))
+    step = build_step(setup.trainer_config(projection, grad_accum=4, **bf16))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2, 3)]
-    full, _ = capture_step_gradients(worker, mbs)
+    full, _ = capture_step_gradients(step, mbs)
     cosines = []
     for name, grad in full.items():
         ranks = [s["grads"][name] for s in saved]
@@ -102,12 +102,13 @@ def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_b
     )
     ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
 
-    worker = TrainerWorker(setup.trainer_config(projection, grad_accum=3))
+    step = build_step(setup.trainer_config(projection, grad_accum=3))
+    student = step.student
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2)]
-    before = {name: p.detach().clone() for name, p in worker.module.named_parameters()}
-    grads, result = capture_step_gradients(worker, mbs)
-    params = {name: p.detach().clone() for name, p in worker.module.named_parameters()}
+    before = {name: p.detach().clone() for name, p in student.module.named_parameters()}
+    grads, result = capture_step_gradients(step, mbs)
+    params = {name: p.detach().clone() for name, p in student.module.named_parameters()}
 
     # AdamW's first step is about lr * sign(grad), blind to the gradient's scale: the gradients
     # and their norm are what show a rank average where a sum is due
@@ -123,19 +124,19 @@ def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_b
                 rank["params"][name][settled], params[name][settled], rtol=1e-4, atol=1e-6
             )
             assert not torch.equal(params[name], before[name]), f"{name} did not move"
-        # the checkpoint of the step, loaded into a fresh FSDP2 worker of other initial weights
+        # the checkpoint of the step, loaded into a fresh FSDP2 student of other initial weights
         assert rank["loaded_step"] == 1
         for name, p in rank["params"].items():
             assert torch.equal(rank["loaded"][name], p), name
 
     # the same sharded checkpoint resumes a single process (DCP reshards on load)
     path = checkpoint.latest_checkpoint(tmp_path / "run")
-    single = TrainerWorker(setup.trainer_config(projection, grad_accum=3, seed=7))
+    single = build_step(setup.trainer_config(projection, grad_accum=3, seed=7)).student
     assert checkpoint.load(single, path)["step"] == 1
     for name, p in single.module.named_parameters():
         assert torch.equal(p.detach(), ranks[0]["params"][name]), name
-    for p, q in zip(single.module.parameters(), worker.module.parameters()):
-        state, want = single.optimizer.state[p], worker.optimizer.state[q]
+    for p, q in zip(single.module.parameters(), student.module.parameters()):
+        state, want = single.optimizer.state[p], student.optimizer.state[q]
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(state[key], want[key], rtol=1e-4, atol=1e-9)
 
@@ -158,15 +159,13 @@ def test_two_nccl_ranks_replaying_cuda_graphs_apply_the_gradient_of_one_rank(
     assert saved[0]["cuda_graphs"] and saved[0]["held"] and saved[1]["held"]
     ranks = [s["grads"] for s in saved]
     indices = [i for rank in plan for i in rank]
-    worker = TrainerWorker(
-        setup.trainer_config(projection, grad_accum=len(indices), device="cuda")
-    )
+    step = build_step(setup.trainer_config(projection, grad_accum=len(indices), device="cuda"))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in indices]
     for mb in mbs:
         logits = mb.teacher_logits
-        mb.teacher_logits = lambda f=logits: f().to(worker.device)
-    full = {k: v.cpu() for k, v in capture_step_gradients(worker, mbs)[0].items()}
+        mb.teacher_logits = lambda f=logits: f().to(step.student.device)
+    full = {k: v.cpu() for k, v in capture_step_gradients(step, mbs)[0].items()}
     for name, grad in full.items():
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], grad, rtol=0.05, atol=1e-4, msg=name)

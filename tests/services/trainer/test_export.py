@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from services.trainer.model_card import card_facts, render_card, write_model_card
-from services.trainer.worker import TrainerWorker
+from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.tokenizers import load_tokenizer
 
@@ -28,14 +28,15 @@ def exported(tmp_path_factory):
     teacher_eval = {"event": "eval", "bits_per_byte": 3.25, "who": "teacher"}
     (run_dir / "metrics" / "teacher.group0.jsonl").write_text(json.dumps(teacher_eval) + "\n")
     config = setup.trainer_config(None, max_steps=3, run_dir=str(run_dir))
-    worker = TrainerWorker(config)
-    summary = {"student_before": worker.evaluate(setup.TEXTS)}
+    step = build_step(config)
+    student = step.student
+    summary = {"student_before": student.evaluate(setup.TEXTS, config.eval_ctx)}
     batch = setup.micro_batches()[0]
     for _ in range(3):
-        worker.train_step([setup.micro_batch(batch, ["a", "b"], with_teacher=False)])
-    summary["student_after"] = worker.evaluate(setup.TEXTS)
-    worker.export(run_dir / "final")
-    facts = card_facts(config, run_dir, summary, step=worker.step, world_size=1)
+        step.run([setup.micro_batch(batch, ["a", "b"], with_teacher=False)])
+    summary["student_after"] = student.evaluate(setup.TEXTS, config.eval_ctx)
+    student.export(run_dir / "final")
+    facts = card_facts(config, run_dir, summary, step=student.step, world_size=1)
     write_model_card(run_dir / "final", facts)
     return run_dir / "final", summary
 

@@ -19,7 +19,7 @@ from services.teacher import main as teacher_main
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
 from services.trainer.feed import TeacherFeed
-from services.trainer.worker import TrainerWorker
+from services.trainer.trainer import build_step
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.ipc.logit_ring import LogitRingReader
@@ -71,10 +71,12 @@ def test_every_sample_trains_once_with_its_teacher_logits(queue, teacher, projec
     config = setup.trainer_config(
         projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True
     )
-    worker = TrainerWorker(config)
+    step = build_step(config)
     trained: set[str] = set()
     with QueueClient(queue, timeout_s=10) as client, LogitRingReader() as reader:
-        feed = TeacherFeed(client, config, 0, worker, "trainer/e0/s0", trained, reader=reader)
+        feed = TeacherFeed(
+            client, config, 0, "trainer/e0/s0", trained, pads=setup.pads(), reader=reader
+        )
         rows, seen = [], []
         while not feed.ended:
             mbs = feed.next_step(1)
@@ -84,14 +86,14 @@ def test_every_sample_trains_once_with_its_teacher_logits(queue, teacher, projec
             logits = mb.teacher_logits()
             want = setup.teacher_logits(mb.batch).to(logits.dtype)
             assert torch.equal(logits, want), mb.keys  # the slot holds the teacher's forward
-            result = worker.train_step(mbs)
+            result = step.run(mbs)
             assert not result.skipped
             feed.ack(mbs)
             rows.append(len(mb.keys))
             seen += mb.keys
         feed.give_back()
     assert sorted(seen) == keys and trained == set(keys)
-    assert sorted(rows) == [1, 2, 2] and worker.step == 3
+    assert sorted(rows) == [1, 2, 2] and step.student.step == 3
     assert feed.counters == {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 0}
     assert teacher.computed == 3
     assert all(ring.in_flight() == [] for ring in teacher.rings.values())  # every slot released
@@ -144,7 +146,6 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True,
         grad_accum=3, teacher_timeout_s=600.0,
     )  # fmt: skip
-    worker = TrainerWorker(config)
     with (
         TeacherWorker(_teacher_config(queue)) as teacher_worker,
         QueueClient(queue, timeout_s=10) as teacher_client,
@@ -152,7 +153,9 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         LogitRingReader() as reader,
     ):
         teacher = _ManualTeacher(teacher_client, teacher_worker)
-        feed = TeacherFeed(client, config, 0, worker, "trainer/e0/s0", set(), reader=reader)
+        feed = TeacherFeed(
+            client, config, 0, "trainer/e0/s0", set(), pads=setup.pads(), reader=reader
+        )
         a, b, c = feed.next_step(3)
         asked = [mb.context.request_key for mb in (a, b, c)]
         assert teacher.claim(3) == asked
@@ -206,7 +209,6 @@ def test_a_result_that_arrived_during_the_backward_is_taken_before_its_micro_bat
         projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True,
         grad_accum=2,
     )  # fmt: skip
-    worker = TrainerWorker(config)
     with (
         TeacherWorker(_teacher_config(queue)) as teacher_worker,
         QueueClient(queue, timeout_s=10) as teacher_client,
@@ -214,7 +216,9 @@ def test_a_result_that_arrived_during_the_backward_is_taken_before_its_micro_bat
         LogitRingReader() as reader,
     ):
         teacher = _ManualTeacher(teacher_client, teacher_worker)
-        feed = TeacherFeed(client, config, 0, worker, "trainer/e0/s0", set(), reader=reader)
+        feed = TeacherFeed(
+            client, config, 0, "trainer/e0/s0", set(), pads=setup.pads(), reader=reader
+        )
         a, b = feed.next_step(2)
         asked = teacher.claim(2)
         teacher.serve(asked[0])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 
 import pytest
 
@@ -50,10 +49,11 @@ def _feed(client, queue, partition, register, task="trainer/e0/s0", trained=(), 
         **{"micro_batch": 4, "grad_accum": 2, "claim_timeout_s": 0.2, "checkpoint_every": 2,
            **config},
     )  # fmt: skip
-    worker = types.SimpleNamespace(student_pad_id=0, teacher_pad_id=0)
+    pads = {"student_pad_id": 0, "teacher_pad_id": 0}
     return TeacherFeed(
-        client, config, 0, worker, task, set(trained), register=register, replaces="trainer/e0/"
-    )
+        client, config, 0, task, set(trained), pads=pads, register=register,
+        replaces="trainer/e0/",
+    )  # fmt: skip
 
 
 def _train(feed, steps=None, failed=lambda: None) -> list[str]:

@@ -9,33 +9,36 @@ import math
 import pytest
 import torch
 
-from services.trainer.worker import TrainerWorker
+from services.trainer.startup import warm_step
+from services.trainer.step import StudentStep
+from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
 
 
-def _worker(projection, mode: str, fused: bool, **overrides) -> TrainerWorker:
+def _step(projection, mode: str, fused: bool, **overrides) -> StudentStep:
     loss = {"mode": mode, "ce_weight": 0.5} if mode != "ce" else {}
     config = setup.trainer_config(
         None if mode == "ce" else projection, loss=loss, fused_head=fused, **overrides
     )
-    worker = TrainerWorker(config)
-    if worker.head is not None:
-        worker.head.block_rows = 7  # several blocks per sample
-    return worker
+    step = build_step(config)
+    if step.head is not None:
+        step.head.block_rows = 7  # several blocks per sample
+    return step
 
 
-def _steps(worker: TrainerWorker, batches, n: int) -> list[dict[str, float]]:
-    with_teacher = worker.loss_fn is not None
+def _steps(step: StudentStep, batches, n: int) -> list[dict[str, float]]:
+    with_teacher = step.loss_fn is not None
     mbs = [setup.micro_batch(b, [f"k{i}"] * 2, with_teacher) for i, b in enumerate(batches)]
-    return [worker.train_step(mbs).metrics for _ in range(n)]
+    return [step.run(mbs).metrics for _ in range(n)]
 
 
 def test_fused_head_is_off_on_the_cpu_unless_asked_for(projection):
-    assert _worker(projection, "pkl", None).head is None
-    worker = _worker(projection, "pkl", True)
-    assert worker.head is not None and worker.head.loss_fn is worker.loss_fn
+    assert _step(projection, "pkl", None).head is None
+    step = _step(projection, "pkl", True)
+    assert step.head is not None and step.head.loss_fn is step.loss_fn
     # tied embeddings: the head's weight is the embedding's parameter
-    assert worker._lm_head.weight is worker.compute.get_input_embeddings().weight
+    student = step.student
+    assert student.lm_head.weight is student.compute.get_input_embeddings().weight
 
 
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken", "ce"])
@@ -47,10 +50,10 @@ def test_fused_head_steps_equal_the_materialized_steps(projection, mode):
     batches = setup.micro_batches()[:2]
     runs = {}
     for fused in (False, True):
-        worker = _worker(projection, mode, fused)
-        start = torch.cat([p.detach().flatten() for p in worker.module.parameters()])
-        metrics = _steps(worker, batches, 3)
-        end = torch.cat([p.detach().flatten() for p in worker.module.parameters()])
+        step = _step(projection, mode, fused)
+        start = torch.cat([p.detach().flatten() for p in step.student.module.parameters()])
+        metrics = _steps(step, batches, 3)
+        end = torch.cat([p.detach().flatten() for p in step.student.module.parameters()])
         runs[fused] = (metrics, end - start)
     (m0, p0), (m1, p1) = runs[False], runs[True]
     for a, b in zip(m0, m1, strict=True):
@@ -63,17 +66,17 @@ def test_fused_head_steps_equal_the_materialized_steps(projection, mode):
 
 
 def test_start_up_step_through_the_head_leaves_no_gradient(projection):
-    worker = _worker(projection, "gold", True)
-    worker._warm_step(worker._pad_ids(24))
-    assert all(p.grad is None for p in worker.module.parameters())
-    metrics = _steps(worker, setup.micro_batches()[:1], 1)[0]
+    step = _step(projection, "gold", True)
+    warm_step(step.student, step.student.pads(2, 24), step.head)
+    assert all(p.grad is None for p in step.student.module.parameters())
+    metrics = _steps(step, setup.micro_batches()[:1], 1)[0]
     assert math.isfinite(metrics["loss"]) and metrics["loss"] > 0
 
 
 def test_fused_head_with_several_processes_is_refused_naming_the_setting(projection):
     config = setup.trainer_config(projection, fused_head=True)
     with pytest.raises(ValueError, match="fused_head.*one process.*fused_head: false"):
-        TrainerWorker(config, world_size=2)
+        build_step(config, world_size=2)
 
 
 @pytest.mark.slow
@@ -84,11 +87,11 @@ def test_a_200_step_run_with_the_fused_head_ends_within_the_seed_noise(projectio
     batches = setup.micro_batches()
     finals = {}
     for name, fused, seed in (("mat0", False, 0), ("mat1", False, 1), ("head0", True, 0)):
-        worker = _worker(projection, "pkl", fused, seed=seed, max_steps=200)
+        step = _step(projection, "pkl", fused, seed=seed, max_steps=200)
         losses = []
-        for step in range(200):
-            batch = batches[step % len(batches)]
-            losses += [m["loss"] for m in _steps(worker, [batch], 1)]
+        for i in range(200):
+            batch = batches[i % len(batches)]
+            losses += [m["loss"] for m in _steps(step, [batch], 1)]
         finals[name] = sum(losses[-20:]) / 20
     noise = abs(finals["mat0"] - finals["mat1"])
     print(f"final losses {finals}, seed noise {noise:.4f}")

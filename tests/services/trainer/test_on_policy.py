@@ -33,8 +33,8 @@ def queue(tmp_path):
 
 
 def trainer(step: int = 0):
-    """What the feed reads of the trainer worker: its step and pad ids."""
-    return types.SimpleNamespace(step=step, student_pad_id=0, teacher_pad_id=0, loss_fn=None)
+    """The trainer's step count, as the feed reads it (the version of the weights it trains)."""
+    return types.SimpleNamespace(step=step)
 
 
 def config(grad_accum: int = 2, **on_policy):
@@ -78,8 +78,9 @@ def put_on_policy(client, versions: list[int], prefix: str = "on") -> list[str]:
     return keys
 
 
-def feed_of(client, cfg, worker) -> OnPolicyFeed:
-    return OnPolicyFeed(client, cfg, worker, "trainer/e0/s0", set())
+def feed_of(client, cfg, trainer) -> OnPolicyFeed:
+    pads = {"student_pad_id": 0, "teacher_pad_id": 0}
+    return OnPolicyFeed(client, cfg, pads, "trainer/e0/s0", set(), version=lambda: trainer.step)
 
 
 def test_the_share_rounds_and_keeps_one_on_policy_sample():
@@ -139,10 +140,10 @@ def test_a_sample_too_old_or_from_the_future_is_dropped_at_its_claim(queue):
 def test_a_sample_gone_stale_before_its_step_starts_is_masked_and_not_trained(queue):
     with QueueClient(queue, timeout_s=10) as client:
         on = put_on_policy(client, [4, 5])
-        worker = trainer(step=5)
-        feed = feed_of(client, config(1, fraction=1.0), worker)
+        at = trainer(step=5)
+        feed = feed_of(client, config(1, fraction=1.0), at)
         step = feed.claim(1, block=True)  # fresh when claimed
-        worker.step = 7  # two steps later (claimed ahead): version 4 is 3 behind, > 2
+        at.step = 7  # two steps later (claimed ahead): version 4 is 3 behind, > 2
         feed.start_step(step)
         (c,) = step
         rows = {k: b for b, k in enumerate(c.keys)}

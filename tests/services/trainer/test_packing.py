@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.worker import TrainerWorker
+from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
 from tests.services.trainer.dp_ranks import capture_step_gradients
 
 
 def _step(projection: str, batch: dict, **config) -> tuple[dict, dict, dict]:
-    worker = TrainerWorker(setup.trainer_config(projection, **config))
+    step = build_step(setup.trainer_config(projection, **config))
     keys = [str(i) for i in range(batch["input_ids"].shape[0])]
     mb = setup.micro_batch(batch, keys)
-    counts = {k: float(v.sum()) for k, v in worker.count_valid([mb]).items()}
-    grads, result = capture_step_gradients(worker, [mb])
+    counts = {k: float(v.sum()) for k, v in step.count_valid([mb]).items()}
+    grads, result = capture_step_gradients(step, [mb])
     return counts, grads, result.metrics
 
 
@@ -46,8 +46,8 @@ def test_a_packed_micro_batch_trains_the_loss_and_gradients_of_its_documents_unp
 
 def test_a_packed_ce_step_counts_one_target_less_per_document(projection):
     packed = setup.pad(setup.packed_samples())
-    worker = TrainerWorker(setup.trainer_config(None, pack=True))
-    counts = worker.count_valid([setup.micro_batch(packed, ["a", "b"], with_teacher=False)])
+    step = build_step(setup.trainer_config(None, pack=True))
+    counts = step.count_valid([setup.micro_batch(packed, ["a", "b"], with_teacher=False)])
     documents = sum(int(s["sample_mask"]) for s in setup.samples())
     # each document's first token is the target of no logits, as in a row of its own
     assert float(counts["global_valid_tokens"]) == int(packed["input_lengths"].sum()) - documents

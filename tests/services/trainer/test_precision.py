@@ -7,12 +7,13 @@ import torch
 
 from services.trainer import checkpoint
 from services.trainer.precision import resolve_param_dtype
-from services.trainer.worker import TrainerWorker
+from services.trainer.step import StudentStep
+from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
 
 
-def _bf16_worker(**overrides) -> TrainerWorker:
-    return TrainerWorker(setup.trainer_config(None, param_dtype="bfloat16", **overrides))
+def _bf16_step(**overrides) -> StudentStep:
+    return build_step(setup.trainer_config(None, param_dtype="bfloat16", **overrides))
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -26,18 +27,19 @@ def test_auto_param_dtype_is_bf16_on_cuda_and_fp32_on_cpu():
 
 
 def test_bf16_compute_copy_is_the_fp32_masters_rounded_after_each_update():
-    worker = _bf16_worker()
-    assert worker.master is not None
-    assert all(p.dtype == torch.float32 for p in worker.module.parameters())
-    assert all(p.dtype == torch.bfloat16 for p in worker.compute.parameters())
+    step = _bf16_step()
+    student = step.student
+    assert student.master is not None
+    assert all(p.dtype == torch.float32 for p in student.module.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in student.compute.parameters())
     mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
     for _ in range(2):
-        worker.train_step([mb])
-    for m, c in zip(worker.module.parameters(), worker.compute.parameters(), strict=True):
+        step.run([mb])
+    for m, c in zip(student.module.parameters(), student.compute.parameters(), strict=True):
         assert torch.equal(c, m.to(torch.bfloat16))
     # the optimizer steps the fp32 masters, not the compute copy
-    stepped = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
-    assert stepped == {id(p) for p in worker.module.parameters()}
+    stepped = {id(p) for g in student.optimizer.param_groups for p in g["params"]}
+    assert stepped == {id(p) for p in student.module.parameters()}
 
 
 def test_bf16_update_follows_the_fp32_update():
@@ -46,48 +48,51 @@ def test_bf16_update_follows_the_fp32_update():
     mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
     updates = []
     for dtype in ("float32", "bfloat16"):
-        worker = TrainerWorker(setup.trainer_config(None, param_dtype=dtype))
-        before = torch.cat([p.detach().flatten().clone() for p in worker.module.parameters()])
-        worker.train_step([mb])
-        after = torch.cat([p.detach().flatten() for p in worker.module.parameters()])
+        step = build_step(setup.trainer_config(None, param_dtype=dtype))
+        params = step.student.module.parameters
+        before = torch.cat([p.detach().flatten().clone() for p in params()])
+        step.run([mb])
+        after = torch.cat([p.detach().flatten() for p in params()])
         updates.append(after - before)
     assert _cosine(*updates) >= 0.98
 
 
 def test_micro_batches_accumulate_into_fp32_master_gradients():
-    worker = _bf16_worker()
+    step = _bf16_step()
+    student = step.student
     batch = setup.micro_batches()[0]
     mb = setup.micro_batch(batch, ["a"], with_teacher=False)
-    counts = worker.count_valid([mb, mb])
-    device_batch = worker._to_device(mb.batch)
-    logits = worker._forward(device_batch["input_ids"], None)
-    loss, _ = worker._loss(logits, device_batch, counts, None)
+    counts = step.count_valid([mb, mb])
+    device_batch = step.to_device(mb.batch)
+    logits = student.forward(device_batch["input_ids"], None)
+    loss, _ = step.loss(logits, device_batch, counts, None)
     loss.backward()
     # each bf16 gradient went into its master as autograd made it, and was freed
-    assert all(c.grad is None for c in worker.compute.parameters())
-    grads = [m.grad for m in worker.module.parameters() if m.grad is not None]
+    assert all(c.grad is None for c in student.compute.parameters())
+    grads = [m.grad for m in student.module.parameters() if m.grad is not None]
     assert grads and all(g.dtype == torch.float32 for g in grads)
     first = [g.clone() for g in grads]
-    logits = worker._forward(device_batch["input_ids"], None)
-    loss, _ = worker._loss(logits, device_batch, counts, None)
+    logits = student.forward(device_batch["input_ids"], None)
+    loss, _ = step.loss(logits, device_batch, counts, None)
     loss.backward()
     for g, g1 in zip(grads, first, strict=True):
         torch.testing.assert_close(g, 2 * g1, rtol=1e-6, atol=0)
 
 
 def test_checkpoint_keeps_the_fp32_masters_and_resume_rebuilds_the_compute_copy(tmp_path):
-    worker = _bf16_worker(run_dir=str(tmp_path))
+    step = _bf16_step(run_dir=str(tmp_path))
     mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
     for _ in range(3):
-        worker.train_step([mb])
-    path = checkpoint.save(worker, tmp_path, epoch=0, task_start=0, trained={"a"})
-    resumed = _bf16_worker(run_dir=str(tmp_path))
+        step.run([mb])
+    path = checkpoint.save(step.student, tmp_path, epoch=0, task_start=0, trained={"a"})
+    resumed_step = _bf16_step(run_dir=str(tmp_path))
+    resumed = resumed_step.student
     checkpoint.load(resumed, path)
     assert resumed.step == 3
-    for m, r in zip(worker.module.parameters(), resumed.module.parameters(), strict=True):
+    for m, r in zip(step.student.module.parameters(), resumed.module.parameters(), strict=True):
         assert torch.equal(m, r)  # the fp32 masters, not their bf16 rounding
     for m, c in zip(resumed.module.parameters(), resumed.compute.parameters(), strict=True):
         assert torch.equal(c, m.to(torch.bfloat16))
     # the two go on identically
-    a, b = worker.train_step([mb]), resumed.train_step([mb])
+    a, b = step.run([mb]), resumed_step.run([mb])
     assert a.metrics["loss"] == b.metrics["loss"]

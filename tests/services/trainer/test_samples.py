@@ -6,7 +6,6 @@ stop."""
 from __future__ import annotations
 
 import time
-import types
 
 import pytest
 
@@ -18,7 +17,7 @@ from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 
 PARTITION = "train"
-PADS = types.SimpleNamespace(student_pad_id=0, teacher_pad_id=0)
+PADS = {"student_pad_id": 0, "teacher_pad_id": 0}
 N = 11  # micro_batch 2 x grad_accum 2: steps of 4, 4 and a last one of 3
 
 

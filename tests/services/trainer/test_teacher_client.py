@@ -8,7 +8,6 @@ result the successor already wrote on one keeps no slot of its ring."""
 from __future__ import annotations
 
 import time
-import types
 
 import pytest
 import torch
@@ -97,8 +96,7 @@ def _client(queue, reader) -> TeacherClient:
         teacher_timeout_s=300.0,
         teacher_dead_after_s=0.3,
     )
-    worker = types.SimpleNamespace(device=torch.device("cpu"))
-    return TeacherClient(queue, config, 0, worker, reader=reader)
+    return TeacherClient(queue, config, 0, torch.device("cpu"), reader=reader)
 
 
 def _asked() -> Asked:
@@ -283,8 +281,7 @@ def test_logits_of_a_teacher_on_another_gpu_are_copied_before_the_forward_and_eq
     reader = LogitRingReader(device="cuda:0", dead_after_s=5.0)
     queue = _Queue()
     config = TrainerConfig(loss=CrossTokenizerLossConfig(mode="ce"), claim_timeout_s=0.01)
-    worker = types.SimpleNamespace(device=torch.device("cuda:0"))
-    client = TeacherClient(queue, config, 0, worker, reader=reader)
+    client = TeacherClient(queue, config, 0, torch.device("cuda:0"), reader=reader)
     try:
         got = []
         for prefetch in (True, False):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.worker import MicroBatch, StartupOutOfMemory, TrainerWorker
+from services.trainer.startup import StartupOutOfMemory, warm_up
+from services.trainer.step import MicroBatch, StudentStep
+from services.trainer.trainer import build_step
 from tests.extras import missing_tokenizers
 from tests.services.trainer import distill_setup as setup
 
@@ -19,16 +21,19 @@ if (missing := missing_tokenizers("qwen3")) is not None:  # pragma: no cover
     pytest.skip(missing, allow_module_level=True)
 
 
-def _worker(**overrides) -> TrainerWorker:
+def _step(**overrides) -> StudentStep:
     # CE only, with the tokenizer of the core install (no teacher model)
     fields = {
         "device": "cuda",
-        "max_length": 32,
         "student_tokenizer": "qwen3",
         "teacher_tokenizer": "qwen3",
         **overrides,
     }
-    return TrainerWorker(setup.trainer_config(None, **fields))
+    return build_step(setup.trainer_config(None, **fields))
+
+
+def _warm_up(step: StudentStep, micro_batch: int = 2, max_length: int = 32) -> float | None:
+    return warm_up(step.student, micro_batch=micro_batch, max_length=max_length, head=step.head)
 
 
 def _batches(vocab: int, lengths=((15, 13), (18, 15), (25, 5), (21, 13))) -> list[MicroBatch]:
@@ -59,13 +64,14 @@ def test_default_cuda_step_is_bf16_compiled_and_follows_the_eager_fp32_step():
     mb = _batches(1000)[0]
     results, updates = [], []
     for overrides in ({"param_dtype": "float32", "compile": False}, {}):
-        worker = _worker(**overrides)
-        worker.warm_up()
-        before = torch.cat([p.detach().flatten().clone() for p in worker.module.parameters()])
-        results.append(worker.train_step([mb]).metrics["loss"])
-        after = torch.cat([p.detach().flatten() for p in worker.module.parameters()])
+        step = _step(**overrides)
+        _warm_up(step)
+        params = step.student.module.parameters
+        before = torch.cat([p.detach().flatten().clone() for p in params()])
+        results.append(step.run([mb]).metrics["loss"])
+        after = torch.cat([p.detach().flatten() for p in params()])
         updates.append(after - before)
-    assert worker.compiled and worker.master is not None
+    assert step.student.compiled and step.student.master is not None
     assert abs(results[1] - results[0]) <= 0.02 * abs(results[0])
     cos = torch.nn.functional.cosine_similarity(updates[0], updates[1], dim=0)
     assert float(cos) >= 0.98
@@ -75,38 +81,39 @@ def test_default_cuda_step_compiles_once_for_every_batch_length():
     import torch._dynamo
 
     torch._dynamo.reset()
-    worker = _worker()
-    worker.warm_up()
-    assert worker.compile_s is not None and worker.recompiles() == 0
-    for mb in _batches(worker.vocab):  # four lengths
-        worker.train_step([mb])
-    assert worker.recompiles() == 0
+    step = _step()
+    assert _warm_up(step) is not None and step.student.recompiles() == 0
+    for mb in _batches(step.student.vocab):  # four lengths
+        step.run([mb])
+    assert step.student.recompiles() == 0
 
 
 def test_a_start_up_step_too_large_for_the_gpu_names_micro_batch_and_checkpointing():
     free, _ = torch.cuda.mem_get_info()
-    worker = _worker(compile=False, micro_batch=64, max_length=int(free // (64 * 4 * 1000)))
+    step = _step(compile=False)
     with pytest.raises(StartupOutOfMemory, match="trainer.micro_batch.*activation_checkpointing"):
-        worker.warm_up()
+        _warm_up(step, micro_batch=64, max_length=int(free // (64 * 4 * 1000)))
 
 
 def test_a_non_finite_gradient_skips_the_fused_update_on_the_gpu():
     """The finite check and the clip run inside the fused AdamW: a NaN gradient leaves weights,
     optimizer state and step count as they were."""
-    worker = _worker()
-    mb = _batches(worker.vocab)[0]
-    worker.train_step([mb])
-    weights = [p.detach().clone() for p in worker.module.parameters()]
-    state = {k: v.clone() for k, v in worker.optimizer.state[worker.module.lm_head.weight].items()}
-    handle = next(worker.compute.parameters()).register_hook(lambda g: g * float("nan"))
-    result = worker.train_step([mb])
+    step = _step()
+    student = step.student
+    mb = _batches(student.vocab)[0]
+    step.run([mb])
+    weights = [p.detach().clone() for p in student.module.parameters()]
+    head = student.module.lm_head.weight
+    state = {k: v.clone() for k, v in student.optimizer.state[head].items()}
+    handle = next(student.compute.parameters()).register_hook(lambda g: g * float("nan"))
+    result = step.run([mb])
     handle.remove()
-    assert result.skipped and worker.skipped_steps == 1
-    assert all(torch.equal(w, p) for w, p in zip(weights, worker.module.parameters()))
-    after = worker.optimizer.state[worker.module.lm_head.weight]
+    assert result.skipped and step.skipped_steps == 1
+    assert all(torch.equal(w, p) for w, p in zip(weights, student.module.parameters()))
+    after = student.optimizer.state[head]
     assert all(torch.equal(state[k], after[k]) for k in state)
-    assert not worker.train_step([mb]).skipped
-    assert not torch.equal(weights[0], next(worker.module.parameters()))
+    assert not step.run([mb]).skipped
+    assert not torch.equal(weights[0], next(student.module.parameters()))
 
 
 def test_cuda_graph_replays_train_as_the_compiled_step():
@@ -121,14 +128,14 @@ def test_cuda_graph_replays_train_as_the_compiled_step():
     losses, weights = [], []
     for overrides in ({"cuda_graphs": False}, {}):
         torch._dynamo.reset()
-        worker = _worker(grad_accum=2, **overrides)
-        worker.warm_up()
-        run = [worker.train_step([mbs[i % 4], mbs[(i + 1) % 4]]).metrics["loss"] for i in range(5)]
+        step = _step(grad_accum=2, **overrides)
+        _warm_up(step)
+        run = [step.run([mbs[i % 4], mbs[(i + 1) % 4]]).metrics["loss"] for i in range(5)]
         losses.append(run)
         weights.append(
-            torch.cat([p.detach().flatten().clone() for p in worker.module.parameters()])
+            torch.cat([p.detach().flatten().clone() for p in step.student.module.parameters()])
         )
-    assert worker.cuda_graphs and worker.recompiles() == 0
+    assert step.student.cuda_graphs and step.student.recompiles() == 0
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     assert float((weights[1] - weights[0]).abs().max()) <= 2e-4
 
@@ -139,9 +146,9 @@ def test_a_checkpointed_compiled_step_trains_without_cuda_graphs():
     import torch._dynamo
 
     torch._dynamo.reset()
-    worker = _worker(grad_accum=2, activation_checkpointing=True)
-    worker.warm_up()
-    assert worker.compiled and not worker.cuda_graphs
+    step = _step(grad_accum=2, activation_checkpointing=True)
+    _warm_up(step)
+    assert step.student.compiled and not step.student.cuda_graphs
     mbs = _batches(1000)
-    losses = [worker.train_step([mbs[i % 4], mbs[(i + 1) % 4]]).metrics["loss"] for i in range(4)]
-    assert all(torch.isfinite(torch.tensor(losses))) and worker.recompiles() == 0
+    losses = [step.run([mbs[i % 4], mbs[(i + 1) % 4]]).metrics["loss"] for i in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and step.student.recompiles() == 0

@@ -1,0 +1,163 @@
+"""The student's start-up step: every compiled graph built before training, and a step shown to fit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from services.trainer.compile import mark_step, warm_lengths
+from services.trainer.student import Student
+
+logger = logging.getLogger(__name__)
+
+# Legend: B rows, T student tokens, D hidden size, V student vocab.
+
+# memory other processes may hold on the trainer's GPU before the message names them (this
+# process's own CUDA context counts as "other" too: ~0.5 GiB)
+OTHERS_NAMED_BYTES = 2 * 2**30
+
+
+class StartupOutOfMemory(RuntimeError):
+    """The student's start-up step ran out of device memory (the message names the fix)."""
+
+
+def warm_up(
+    student: Student, *, micro_batch: int, max_length: int, head: Any = None
+) -> float | None:
+    """One forward and backward at ``micro_batch x max_length`` before training: compiles the
+    student (once per run), and shows at start that a step's activations fit in memory.
+
+    A student that ``torch.compile`` cannot handle runs eagerly, with one warning. CPU runs
+    without compile skip it (the demo starts at once).
+
+    Args:
+        student: the student.
+        micro_batch: samples per micro-batch.
+        max_length: the longest micro-batch in tokens (0: 128).
+        head: the step's fused output head, or None (the student's logits).
+
+    Returns:
+        Seconds the step took (compile included), or None when skipped.
+
+    Raises:
+        StartupOutOfMemory: the step does not fit the device (names the settings to lower).
+    """
+    if not (student.compiled or student.device.type == "cuda"):
+        return None
+    length = max_length or 128
+    # the longest first (the memory check), then the shorter ones that need graphs of their
+    # own (services/trainer/compile.py); eager needs the longest only
+    lengths = warm_lengths(length) if student.compiled else [length]
+    # CUDA graph trees run a function's first call in a length as a warm-up and record it at
+    # the second: two steps per length, so that a run's first steps replay
+    repeats = 2 if student.cuda_graphs else 1
+    t0 = time.perf_counter()
+    try:
+        for n in lengths:
+            for _ in range(repeats):
+                warm_step(student, student.pads(micro_batch, n), head)
+    except torch.OutOfMemoryError as e:
+        raise _out_of_memory(student.device, micro_batch, length) from e
+    except Exception as e:  # Dynamo / Inductor failures have many types
+        if is_allocation_failure(e):  # out of memory inside a library: not compile's fault
+            raise _out_of_memory(student.device, micro_batch, length) from e
+        if not student.compiled:
+            raise
+        logger.warning(
+            "[trainer] torch.compile failed on the student (%s: %s); training eagerly. Set "
+            "trainer.compile: false to skip the attempt",
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
+        student.uncompile()
+        student.zero_grads()
+        try:
+            warm_step(student, student.pads(micro_batch, length), head)
+        except torch.OutOfMemoryError as oom:
+            raise _out_of_memory(student.device, micro_batch, length) from oom
+    if student.device.type == "cuda":
+        torch.cuda.synchronize(student.device)
+    seconds = time.perf_counter() - t0
+    student.compiles.after_start_up()
+    return seconds
+
+
+def warm_step(student: Student, ids_BT: torch.Tensor, head: Any = None) -> None:
+    """A forward and backward of pads that trains nothing (no gradient is left)."""
+    if student.cuda_graphs:
+        mark_step()
+    mask, position_ids = student.filler_attention(ids_BT)
+    with student.gradient_sync(last=False):
+        if head is not None:  # the head's blocks of logits, not the whole logits
+            _warm_head(student, head, ids_BT, mask, position_ids)
+        else:
+            logits_BTV = student.forward(ids_BT, mask, position_ids)
+            (logits_BTV.sum() * 0.0).backward()
+            del logits_BTV
+    student.zero_grads()
+
+
+def _warm_head(
+    student: Student, head: Any, ids_BT: torch.Tensor, mask: Any = None, position_ids: Any = None
+) -> None:
+    """A forward and backward through the fused head (its student CE: no teacher at
+    start-up), with the blocks and their gradients a step holds."""
+    from xtoken_core.losses import FusedHead
+
+    hidden_BTD = student.hidden(ids_BT, mask, position_ids)
+    ones_BT = torch.ones_like(ids_BT, dtype=torch.bool)
+    batch = {"input_ids": ids_BT, "token_mask": ones_BT}
+    ce_head = FusedHead(None, head.block_rows)
+    with student.train_autocast():
+        loss, _ = ce_head(hidden_BTD, student.lm_head.weight, None, batch)
+    (loss * 0.0).backward()
+
+
+def _out_of_memory(device: torch.device, micro_batch: int, length: int) -> StartupOutOfMemory:
+    total = others = None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        others = max(0, total - free - torch.cuda.memory_reserved(device))
+    return StartupOutOfMemory(startup_oom_message(micro_batch, length, str(device), total, others))
+
+
+def startup_oom_message(
+    micro_batch: int, length: int, device: str, total: int | None, others: int | None
+) -> str:
+    """What a start-up step that did not fit says: the settings to lower and, when other
+    processes hold much of the GPU (a colocated teacher, rollout workers, another run), that.
+
+    Args:
+        total: the device's bytes (None: unknown).
+        others: bytes neither free nor held by this process's allocator (None: unknown).
+    """
+    size = f" ({total / 2**30:.0f} GiB)" if total else ""
+    text = (
+        f"a student step of micro_batch={micro_batch} x {length} tokens does not fit in "
+        f"{device}'s memory{size}: lower trainer.micro_batch, or set "
+        "trainer.activation_checkpointing: true"
+    )
+    if others is not None and others >= OTHERS_NAMED_BYTES:
+        text += (
+            f"; other processes hold {others / 2**30:.1f} GiB of it (a teacher, rollout workers "
+            "or another job on this GPU: nvidia-smi lists them), so giving them less or another "
+            "GPU also helps"
+        )
+    return text
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """An error that is the device running out of memory under another name (cuBLAS failing to
+    create its handle, an allocator's message), anywhere in its chain of causes."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        text = str(error)
+        if "CUBLAS_STATUS_ALLOC_FAILED" in text or "out of memory" in text.lower():
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False

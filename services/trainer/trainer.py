@@ -1,0 +1,549 @@
+"""The trainer: epochs of optimizer steps over the queue's samples, with checkpoints, evals and export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common import lifecycle
+from services.common.metrics import JsonlWriter
+from services.queue.errors import QueueError
+from services.trainer import checkpoint as checkpoints
+from services.trainer import tracking
+from services.trainer.collector import CollectorClock, CollectorSchedule
+from services.trainer.config import TrainerConfig
+from services.trainer.feed import TeacherFeed
+from services.trainer.model_card import card_facts, write_model_card
+from services.trainer.policy import PolicyPublisher
+from services.trainer.profiling import StepProfiler
+from services.trainer.startup import warm_up
+from services.trainer.step import MicroBatch, PhaseClock, StudentStep, build_loss
+from services.trainer.student import Student
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """This process's place in the trainer group and the group's host collectives (the shell's).
+
+    Attributes:
+        rank: this trainer rank.
+        world: the number of trainer ranks.
+        sum: the ranks' sum of a few floats (the step flags: has data, stop).
+        barrier: waits for every rank.
+    """
+
+    rank: int = 0
+    world: int = 1
+    sum: Callable[[list[float]], list[float]] = lambda flags: flags
+    barrier: Callable[[], None] = lambda: None
+
+
+def build_step(
+    config: TrainerConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str | None = None,
+    model: torch.nn.Module | None = None,
+) -> StudentStep:
+    """The student of ``config`` and its step, with the loss of ``config.loss`` (its projection
+    checked against both tokenizers).
+
+    Args:
+        config: the trainer settings.
+        rank, world_size: data-parallel rank and size (> 1 needs an initialized process group).
+        device: this rank's device (default: ``config.device``).
+        model: an already built student (tests); default: loaded from ``config.student``.
+
+    Raises:
+        ValueError: vocab mismatches between the student, its tokenizer and the projection; a
+            setting that cannot run here (names it).
+    """
+    from xtoken_core.tokenizers import load_tokenizer
+
+    student = Student(
+        config.student,
+        config.student_tokenizer,
+        vocab_size=config.vocab_size,
+        seed=config.seed,
+        device=device or config.device,
+        rank=rank,
+        world_size=world_size,
+        parallel=config.parallel,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        compile=config.compile,
+        cuda_graphs=config.cuda_graphs,
+        activation_checkpointing=config.activation_checkpointing,
+        fused_head=config.fused_head,
+        pack=config.pack,
+        packed_attention=config.packed_attention,
+        optim=config.optim,
+        max_steps=config.max_steps,
+        model=model,
+    )
+    loss_fn = None
+    if config.loss.uses_teacher:
+        teacher_tokenizer = load_tokenizer(config.teacher_tokenizer)
+        loss_fn = build_loss(
+            config.loss,
+            student_vocab=student.vocab,
+            teacher_vocab=config.teacher_vocab_size or teacher_tokenizer.vocab_size,
+            teacher_tokenizer=config.teacher_tokenizer,
+            tokenizers=(student.tokenizer, teacher_tokenizer),
+        )
+    return StudentStep(student, loss_fn, grad_clip=config.optim.grad_clip)
+
+
+def teacher_output_layer(
+    model: str, *, tokenizer: str, vocab_size: int | None, seed: int, device: torch.device
+) -> torch.nn.Module:
+    """The output layer of the teacher ``model`` for the hidden transport, built as the teacher
+    builds its model (a preset: the teacher tokenizer's vocab and the teacher's seed).
+
+    Raises:
+        ValueError: as ``xtoken_core.models.load_output_layer``.
+    """
+    from xtoken_core.models import load_output_layer
+    from xtoken_core.tokenizers import load_tokenizer
+
+    return load_output_layer(
+        model,
+        vocab_size=vocab_size or load_tokenizer(tokenizer).vocab_size,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        device=device,
+        seed=seed,
+    )
+
+
+class Trainer:
+    """One trainer rank: epochs of optimizer steps over the samples its feed claims, until
+    ``max_steps``, the end of the data (every epoch) or a stop.
+
+    Built (the set-up) with the student, its step, the teacher link, the state of the last
+    checkpoint and the metrics files; :meth:`train` then runs the named steps: :meth:`start` (the
+    start-up step, the eval before), :meth:`run_epoch` per epoch, :meth:`step` per optimizer step,
+    :meth:`checkpoint` and :meth:`evaluate` on their schedules, :meth:`finish`.
+
+    Exactly once: each launch claims under a consumer task no earlier launch used
+    (``trainer/e<epoch>/s<step>/<launch>``), skips the keys its checkpoint trained, and acks a
+    step's samples after its optimizer step (or, when the run registers its task for retention,
+    once a checkpoint holds them). Every rank agrees at each step boundary (the flags' sum) on
+    whether anyone has data and whether anyone was asked to stop, so all ranks stop at the same
+    step and write one checkpoint together.
+
+    Args:
+        config: the trainer settings.
+        client: a QueueClient (the feed's).
+        heldout: the held-out texts this rank evaluates ([]: none).
+        ranks: the trainer group (default: one rank).
+        device: this rank's device (default: ``config.device``).
+        stop: set to stop at the next step boundary (default: never set).
+        launch: this launch's name in its consumer tasks, the same on every rank (default: a
+            fresh one).
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        client: Any,
+        *,
+        heldout: Sequence[str] = (),
+        ranks: Ranks | None = None,
+        device: torch.device | str | None = None,
+        stop: threading.Event | None = None,
+        launch: str | None = None,
+    ) -> None:
+        from xtoken_core.data.collator import resolve_pad_id
+        from xtoken_core.tokenizers import load_tokenizer
+
+        self.config = config
+        self.client = client
+        self.heldout = list(heldout)
+        self.ranks = ranks or Ranks()
+        self.rank, self.world = self.ranks.rank, self.ranks.world
+        self.device = torch.device(device or config.device)
+        self.stop = stop or threading.Event()
+        if launch is None:
+            from services.protocol.names import new_instance
+
+            launch = new_instance()
+        self.launch = launch
+        self.run_dir = Path(config.run_dir)
+        self.student_step = build_step(
+            config, rank=self.rank, world_size=self.world, device=self.device
+        )
+        self.student: Student = self.student_step.student
+        teacher_pad_id = resolve_pad_id(load_tokenizer(config.teacher_tokenizer))
+        self.pads = {"student_pad_id": self.student.pad_id, "teacher_pad_id": teacher_pad_id}
+        self.reader = self.output_layer = None  # the teacher link
+        if config.loss.uses_teacher:
+            from xtoken_core.ipc.logit_ring import LogitRingReader
+
+            self.reader = LogitRingReader(
+                device=self.device, dead_after_s=config.teacher_dead_after_s
+            )
+            if config.teacher_model:
+                self.output_layer = teacher_output_layer(
+                    config.teacher_model,
+                    tokenizer=config.teacher_tokenizer,
+                    vocab_size=config.teacher_vocab_size,
+                    seed=config.teacher_seed,
+                    device=self.device,
+                )
+        # Retention: a run that reads its partition once registers its consumer task, so that the
+        # queue drops each sample once a checkpoint holds it and a corpus larger than its
+        # --capacity streams through it (feed.py). A run of several epochs reads every sample
+        # again: it registers nothing, and the queue must hold the whole corpus.
+        self.register = config.epochs == 1
+        self.epoch, self.task_start, self.trained = 0, 0, set()
+        self.summary: dict[str, Any] = {"rank_count": self.world}
+        self._resume()
+        self.summary["resumed_from"] = self.student.step
+        self.metrics = JsonlWriter(
+            self.run_dir / "metrics" / f"trainer.rank{self.rank}.jsonl", rank=self.rank
+        )
+        if self.rank == 0 and config.report_to:  # TensorBoard, W&B: fed the same records
+            self.metrics = tracking.tracked_metrics(
+                self.metrics, config, self.run_dir, start_step=self.student.step
+            )
+        self.keys_log = JsonlWriter(
+            self.run_dir / "keys" / f"trainer.rank{self.rank}.jsonl", rank=self.rank
+        )
+        self.feed: TeacherFeed | None = None
+        self.publisher: PolicyPublisher | None = None
+        self.profiler: StepProfiler | None = None
+        self.gc_clock, self.gc_schedule = CollectorClock(), CollectorSchedule(config.gc_every)
+        self.stopped = False
+        self._last_checkpoint = self.student.step
+        self._unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
+
+    def _resume(self) -> None:
+        """Take the state of the run's latest checkpoint, if any: the weights, the step, the
+        epoch and what it trained (a fresh consumer task: every untrained sample comes again)."""
+        latest = checkpoints.latest_checkpoint(self.run_dir)
+        if latest is None:
+            return
+        state = checkpoints.load(self.student, latest)
+        self.student_step.skipped_steps = state["skipped_steps"]
+        self.epoch, self.trained = state["epoch"], state["trained"]
+        self.task_start = self.student.step
+        if state["student_before"] is not None:
+            self.summary["student_before"] = state["student_before"]
+
+    # ------------------------------------------------------------------ the named steps
+
+    def train(self) -> None:
+        """Train until ``max_steps``, the end of the data (every epoch) or a stop, then finish:
+        the last checkpoint, the eval after, the export and the summary."""
+        self.start()
+        if self.epoch >= self.config.epochs:
+            logger.info(
+                "[trainer] the checkpoint at step %d holds every epoch (%d): nothing to train",
+                self.student.step,
+                self.config.epochs,
+            )
+        while self.epoch < self.config.epochs and self.run_epoch():
+            self.epoch, self.task_start, self.trained = self.epoch + 1, self.student.step, set()
+        self.finish()
+
+    def start(self) -> None:
+        """Before the first step: the start-up step (the compile), the eval before training, the
+        first weights for the rollout workers, the profiler and the collector's schedule."""
+        config, student = self.config, self.student
+        lifecycle.pause_progress()  # a compile of unknown length is no hang
+        if student.compiled:
+            self.metrics.write("compile", state="start")
+            if self.rank == 0:
+                logger.info("[trainer] compiling the student...")
+        compile_s = warm_up(
+            student,
+            micro_batch=config.micro_batch,
+            max_length=config.max_length,
+            head=self.student_step.head,
+        )
+        if compile_s is not None:
+            self.metrics.write(
+                "compile", state="done", seconds=round(compile_s, 3), compiled=student.compiled
+            )
+            self.summary["compile_s"] = round(compile_s, 3)
+            if self.rank == 0:
+                logger.info(
+                    "[trainer] start-up step %s in %.1f s",
+                    "(compile)" if student.compiled else "(eager)",
+                    compile_s,
+                )
+        if student.step == 0:
+            self.evaluate("before")
+        # on-policy samples: the rollout workers sample with these weights, then with each update
+        self.publisher = PolicyPublisher.create(student, config.on_policy, self.run_dir)
+        if self.publisher is not None:
+            self.publisher.publish()
+        self.profiler = StepProfiler(
+            config.profile_start, config.profile_steps, self.run_dir / "profile", self.rank,
+            self.device,
+        )  # fmt: skip
+        self.gc_schedule.start()  # the start-up heap frozen, collections on the schedule from here
+        if self.gc_schedule.start_report is not None:
+            self.metrics.write("gc", **self.gc_schedule.start_report)
+        self.gc_clock.install()  # the steps' collections (not the start's)
+
+    def run_epoch(self) -> bool:
+        """Train the steps of the current epoch (``self.epoch``) under a fresh consumer task.
+
+        Returns:
+            True when the epoch's data ended (the next epoch follows); False on a stop or at
+            ``max_steps``.
+        """
+        config = self.config
+        self.feed = feed = self._open_feed()
+        clock = None
+        while True:
+            lifecycle.progress()  # the heartbeat shows a loop that moves (a hung one is restarted)
+            if self._at_max_steps():
+                break
+            self.profiler.step_begins(self.student.step + 1)
+            # one clock until a step trains: the waits of the tries that found no data (a
+            # missing on-policy share, an empty queue) count in that step's data wait
+            clock = clock or PhaseClock(self.device)
+            with clock.phase("data_wait"):
+                micro_batches = feed.next_step(config.grad_accum)
+            with clock.phase("sync"):
+                has_data, stop = self.ranks.sum(
+                    [float(bool(micro_batches)), float(self.stop.is_set())]
+                )
+            if stop:
+                feed.give_back(micro_batches)
+                self.stopped = True
+                break
+            if not has_data:
+                self._write_steps()  # no step follows soon: the last one's record waits no longer
+                if feed.ended or config.idle_timeout_s is not None:
+                    break
+                self.gc_schedule.when_idle()  # a trainer that waits for hours stays bounded
+                continue
+            self.step(micro_batches, clock)
+            clock = None
+        if self.stopped or self._at_max_steps():
+            return False
+        feed.give_back()
+        return True
+
+    def step(self, micro_batches: list[MicroBatch], clock: PhaseClock) -> None:
+        """One optimizer step over this rank's micro-batches, then their acks, the weights for
+        the rollout workers, the keys trained, the step before's record, and a checkpoint or an
+        eval when one is due.
+
+        Args:
+            micro_batches: this rank's micro-batches (empty when another rank has data only).
+            clock: the step's phase clock, holding its data wait.
+        """
+        config, student, feed = self.config, self.student, self.feed
+        result = self.student_step.run(micro_batches, clock)
+        feed.ack(micro_batches)
+        if self.publisher is not None:
+            self.publisher.after_step()
+        self.keys_log.write("trained", step=result.step, epoch=self.epoch, keys=result.keys)
+        # the step before's record: its figures are read now, while this step runs on the
+        # GPU (reading them at once would leave the GPU idle until the next step is queued)
+        self._write_steps()
+        self._unwritten.append(
+            {
+                "result": result,
+                "epoch": self.epoch,
+                "feed": dict(feed.counters),
+                "on_policy": feed.on_policy_stats(),
+                **self.gc_clock.read(),  # the collections since the step before
+            }
+        )
+        self.gc_schedule.after_step(result.step)  # while the GPU runs the step just queued
+        self.profiler.step_ended(result.step)
+        if config.checkpoint_every and student.step % config.checkpoint_every == 0:
+            self._write_steps()
+            lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
+            self.checkpoint()
+            feed.commit()  # retention: what the checkpoint holds may be dropped now
+        if config.eval_every and student.step % config.eval_every == 0:
+            self._write_steps()
+            lifecycle.pause_progress()
+            self.evaluate(f"step{student.step}")
+
+    def checkpoint(self) -> None:
+        """Checkpoint the epoch as it stands (collective), with the summary's eval before."""
+        checkpoints.save(
+            self.student,
+            self.run_dir,
+            epoch=self.epoch,
+            task_start=self.task_start,
+            trained=self.trained,
+            skipped_steps=self.student_step.skipped_steps,
+            before=self.summary.get("student_before"),
+        )
+        self._last_checkpoint = self.student.step
+
+    def evaluate(self, tag: str) -> None:
+        """The student's held-out bits per byte, recorded as ``student_<tag>`` (rank 0; every
+        rank under FSDP, whose eval is collective); the ranks wait for each other."""
+        if self.heldout:
+            result = self.student.evaluate(self.heldout, self.config.eval_ctx)
+            if self.rank == 0:
+                self.metrics.write("eval", step=self.student.step, tag=tag, who="student", **result)
+                self.summary[f"student_{tag}"] = result
+                logger.info(
+                    "[trainer] eval %s at step %d: %.4f bits/byte",
+                    tag,
+                    self.student.step,
+                    result["bits_per_byte"],
+                )
+        self.ranks.barrier()
+
+    def finish(self) -> None:
+        """After the last step: give back what was claimed, write the last records and the last
+        checkpoint; without a stop the eval after training and the export; the summary (rank 0);
+        close the files."""
+        config, student = self.config, self.student
+        if self.feed is not None:
+            self.feed.give_back()
+        self._write_steps()
+        self.profiler.close()
+        self.gc_schedule.close()
+        self.gc_clock.remove()
+        lifecycle.pause_progress()
+        if student.step != self._last_checkpoint or self.stopped:
+            self.checkpoint()
+            try:
+                if self.feed is not None:
+                    self.feed.commit()
+            except QueueError as e:  # saved: a resumed launch consumes them (replaces), or a clear
+                logger.warning("[trainer] could not ack the samples of the last checkpoint: %s", e)
+        ended_early = config.max_steps and student.step < config.max_steps
+        if not self.stopped and ended_early and self.rank == 0:
+            logger.warning(
+                "[trainer] the data ended at step %d, before trainer.max_steps=%d (%d epoch%s of "
+                "the corpus): raise trainer.epochs or give more data to train longer",
+                student.step,
+                config.max_steps,
+                config.epochs,
+                "" if config.epochs == 1 else "s",
+            )
+            self.summary["data_ended_before_max_steps"] = True
+        if not self.stopped:
+            self.evaluate("after")
+            if config.export:
+                self.export()
+        if self.rank == 0:
+            self.summary.update(
+                step=student.step,
+                epoch=self.epoch,
+                stopped=self.stopped,
+                skipped=self.student_step.skipped_steps,
+            )
+            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1))
+        if self.publisher is not None:
+            self.publisher.close()
+        self.metrics.close()
+        self.keys_log.close()
+        if self.reader is not None:
+            self.reader.close()
+
+    def export(self) -> None:
+        """The student as a Hugging Face folder, ``run_dir/final``, with its model card (rank 0)."""
+        final = self.run_dir / "final"
+        self.student.export(final)
+        if self.rank == 0:
+            facts = card_facts(
+                self.config, self.run_dir, self.summary, step=self.student.step,
+                world_size=self.world,
+            )  # fmt: skip
+            write_model_card(final, facts)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open_feed(self) -> TeacherFeed:
+        """The feed of the current epoch, under this launch's consumer task."""
+        config = self.config
+        feed = TeacherFeed(
+            self.client,
+            config,
+            self.rank,
+            f"trainer/e{self.epoch}/s{self.task_start}/{self.launch}",
+            self.trained,
+            pads=self.pads,
+            device=self.device,
+            ranks=self.world,
+            version=lambda: self.student.step,
+            teacher_vocab=_teacher_vocab(self.student_step.loss_fn),
+            reader=self.reader,
+            output_layer=self.output_layer,
+            stop=self.stop,
+            register=self.register,
+            replaces=f"trainer/e{self.epoch}/",
+        )
+        logger.info(
+            "[trainer] rank %d epoch %d (task %s, %d trained, %s)",
+            self.rank,
+            self.epoch,
+            feed.samples.task,
+            len(self.trained),
+            "registered: the queue drops what a checkpoint holds"
+            if self.register
+            else f"not registered: {config.epochs} epochs read every sample again",
+        )
+        return feed
+
+    def _at_max_steps(self) -> bool:
+        return bool(self.config.max_steps and self.student.step >= self.config.max_steps)
+
+    def _write_steps(self) -> None:
+        """Write the record of the step not written yet (reads its figures from the GPU)."""
+        while self._unwritten:
+            entry = self._unwritten.pop(0)
+            result, on_policy = entry.pop("result"), entry.pop("on_policy")
+            step_s = sum(result.times.values())
+            self.metrics.write(
+                "step",
+                step=result.step,
+                skipped=result.skipped,
+                step_s=round(step_s, 6),
+                tokens_per_s=round(result.metrics["tokens"] / step_s, 2) if step_s else None,
+                times={k: round(v, 6) for k, v in result.times.items()},
+                memory_mb=_memory_mb(self.device),
+                recompiles=self.student.recompiles(),
+                **entry,
+                **({} if on_policy is None else {"on_policy": on_policy}),
+                **{k: round(v, 6) for k, v in result.metrics.items()},
+            )
+            if self.rank == 0:
+                logger.info(
+                    "[trainer] step %d loss %.4f (kd %.4f ce %.4f) %.0f tok/s",
+                    result.step,
+                    result.metrics.get("loss", float("nan")),
+                    result.metrics.get("kl_loss", 0.0),
+                    result.metrics.get("ce_loss", 0.0),
+                    result.metrics["tokens"] / step_s if step_s else 0.0,
+                )
+
+
+def _teacher_vocab(loss_fn: Any) -> int | None:
+    """The teacher vocab the loss reads (the logits' columns), or None without a loss."""
+    return None if loss_fn is None else loss_fn.config.teacher_vocab_size[0]
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    try:
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    except ImportError:  # pragma: no cover
+        return 0.0

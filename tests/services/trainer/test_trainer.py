@@ -1,0 +1,108 @@
+"""The Trainer on a real queue (CE, no teacher): a run trains every sample once and evaluates,
+checkpoints and summarizes; a launch that resumes from a checkpoint trains only the rest; a stop
+ends at a step boundary with a checkpoint; the hidden transport's output layer is the teacher's."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from services.collator.worker import samples_to_put_fields
+from services.protocol import put_eof
+from services.queue.client import QueueClient
+from services.teacher.config import TeacherConfig
+from services.teacher.worker import TeacherWorker
+from services.trainer.trainer import Trainer, teacher_output_layer
+from tests.services.queue.conftest import ServerProcess
+from tests.services.trainer import distill_setup as setup
+
+PARTITION = "train"
+
+# single-process DCP (no process group) is what these runs mean
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture
+def queue(tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("queue"), "--capacity", "64MiB")
+    yield server.address
+    server.stop()
+
+
+def _put(address: str, n: int) -> list[str]:
+    """The first ``n`` test samples put into the partition, with the end-of-data marker."""
+    samples = setup.samples()[:n]
+    keys = [f"s{i}" for i in range(n)]
+    with QueueClient(address, timeout_s=10) as client:
+        client.put(PARTITION, keys, samples_to_put_fields(samples))
+        put_eof(client, PARTITION, n)
+    return keys
+
+
+def _run(address: str, run_dir, heldout=(), stop=None, **overrides) -> Trainer:
+    config = setup.trainer_config(
+        None, queue=address, partition=PARTITION, run_dir=str(run_dir), claim_timeout_s=0.2,
+        export=False, **{"max_steps": 0, **overrides},
+    )  # fmt: skip
+    with QueueClient(address, timeout_s=10) as client:
+        trainer = Trainer(config, client, heldout=heldout, stop=stop)
+        trainer.train()
+    return trainer
+
+
+def _trained(run_dir) -> list[str]:
+    lines = (run_dir / "keys" / "trainer.rank0.jsonl").read_text().splitlines()
+    return [k for line in lines for k in json.loads(line)["keys"]]
+
+
+def test_a_run_trains_every_sample_once_then_evaluates_and_writes_its_summary(queue, tmp_path):
+    keys = _put(queue, 5)
+    trainer = _run(queue, tmp_path, heldout=setup.TEXTS[:2])
+    assert sorted(_trained(tmp_path)) == keys  # micro-batches of 2: steps of 2, 2 and 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 3 and not summary["stopped"] and summary["skipped"] == 0
+    assert summary["student_after"]["bits_per_byte"] < summary["student_before"]["bits_per_byte"]
+    events = [json.loads(line) for line in (tmp_path / "metrics" / "trainer.rank0.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+    assert [e["tag"] for e in events if e["event"] == "eval"] == ["before", "after"]
+    assert trainer.student.step == 3 and (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_a_resumed_launch_trains_what_its_checkpoint_did_not_hold(queue, tmp_path):
+    keys = _put(queue, 6)
+    _run(queue, tmp_path, max_steps=1)  # one step, then its checkpoint
+    first = _trained(tmp_path)
+    assert len(first) == 2
+    resumed = _run(queue, tmp_path)
+    everything = _trained(tmp_path)
+    assert sorted(everything) == keys and len(everything) == len(set(everything))
+    assert resumed.summary["resumed_from"] == 1 and resumed.student.step == 3
+
+
+def test_a_stop_ends_at_a_step_boundary_with_a_checkpoint(queue, tmp_path):
+    _put(queue, 4)
+    stop = threading.Event()
+    stop.set()  # asked to stop before the first step
+    trainer = _run(queue, tmp_path, stop=stop)
+    assert trainer.stopped and trainer.student.step == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped"]
+    assert (tmp_path / "checkpoints" / "step_00000000").is_dir()
+    assert not (tmp_path / "keys" / "trainer.rank0.jsonl").read_text()
+
+
+def test_the_hidden_transport_output_layer_is_the_preset_teachers_own():
+    teacher = TeacherWorker(
+        TeacherConfig(model="tiny", tokenizer=setup.TEACHER_TOKENIZER, transport="hidden", seed=4)
+    )
+    cpu = torch.device("cpu")
+    layer = teacher_output_layer(
+        "tiny", tokenizer=setup.TEACHER_TOKENIZER, vocab_size=None, seed=4, device=cpu
+    )
+    assert torch.equal(layer.weight, teacher.lm_head.weight)
+    other = teacher_output_layer(
+        "tiny", tokenizer=setup.TEACHER_TOKENIZER, vocab_size=None, seed=5, device=cpu
+    )
+    assert not torch.equal(other.weight, teacher.lm_head.weight)
