@@ -60,7 +60,7 @@ BASELINE_DIR = "ce-only"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the demo run."""
-    from services.common.overrides import parse_override
+    from services.common.flags import add_set_flag
 
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/demo)")
     parser.add_argument(
@@ -70,14 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimizer steps (default 40; 0: until the demo's data ends, as trainer.max_steps)",
     )
     parser.add_argument("--mode", default=None, help="loss mode: pkl, gold, xtoken, ce")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        type=parse_override,
-        metavar="KEY=VALUE",
-        help="override one setting of the demo's run config (repeatable; as xtoken run --set), "
+    add_set_flag(
+        parser,
+        "override one setting of the demo's run config (repeatable; as xtoken run --set), "
         "e.g. --set trainer.optim.lr=1e-3",
     )
     parser.add_argument(

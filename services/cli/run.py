@@ -32,21 +32,16 @@ key or value is refused as it would be in the file (exit code 2). A later --set 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``CONFIG`` and overrides."""
-    from services.common.overrides import parse_override
+    from services.common.flags import add_set_flag
 
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "config", help="run config (YAML or JSON); a complete CPU example: examples/tiny.yaml"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        type=parse_override,
-        metavar="KEY=VALUE",
-        help="override one setting of the config (repeatable), e.g. --set trainer.optim.lr=1e-4",
+    add_set_flag(
+        parser,
+        "override one setting of the config (repeatable), e.g. --set trainer.optim.lr=1e-4",
     )
     parser.add_argument("--run-dir", default=None, help="override run_dir of the config")
     parser.add_argument(

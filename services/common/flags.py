@@ -19,6 +19,7 @@ __all__ = [
     "INTERNAL",
     "add_deprecated_alias",
     "add_global_flags",
+    "add_set_flag",
     "subparsers",
 ]
 
@@ -91,6 +92,27 @@ def subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPar
                         seen.add(id(child))
                         stack.append(child)
                         yield child
+
+
+def add_set_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--set KEY=VALUE`` (repeatable; into ``args.overrides``): a dotted key of a run config and
+    a YAML value, applied to the config's settings before they are checked.
+
+    Args:
+        parser: the command's parser.
+        help_text: its ``--help`` line.
+    """
+    from services.common.overrides import parse_override
+
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=parse_override,
+        metavar="KEY=VALUE",
+        help=help_text,
+    )
 
 
 def add_global_flags(parser: argparse.ArgumentParser) -> None:
