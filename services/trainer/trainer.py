@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import threading
@@ -73,24 +74,11 @@ def build_step(
     student = Student(
         config.student,
         config.student_tokenizer,
-        vocab_size=config.vocab_size,
-        seed=config.seed,
-        device=device or config.device,
-        rank=rank,
-        world_size=world_size,
-        parallel=config.parallel,
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
-        compile=config.compile,
-        cuda_graphs=config.cuda_graphs,
-        activation_checkpointing=config.activation_checkpointing,
-        fused_head=config.fused_head,
-        pack=config.pack,
-        packed_attention=config.packed_attention,
-        optim=config.optim,
-        max_steps=config.max_steps,
-        model=model,
-    )
+        **settings_of(
+            Student, config, device=device or config.device, rank=rank, world_size=world_size,
+            model=model,
+        ),
+    )  # fmt: skip
     loss_fn = None
     if config.loss.uses_teacher:
         teacher_tokenizer = load_tokenizer(config.teacher_tokenizer)
@@ -104,10 +92,23 @@ def build_step(
     return StudentStep(student, loss_fn, grad_clip=config.optim.grad_clip)
 
 
+def settings_of(component: Callable[..., Any], config: TrainerConfig, **given: Any) -> dict:
+    """The keyword arguments of ``component`` that are trainer settings of the same name, read
+    from ``config``, and ``given`` over them (the values the trainer settles itself)."""
+    names = {f.name for f in dataclasses.fields(config)}
+    taken = {n: getattr(config, n) for n in inspect.signature(component).parameters if n in names}
+    return {**taken, **given}
+
+
 def teacher_output_layer(
-    model: str, *, tokenizer: str, vocab_size: int | None, seed: int, device: torch.device
+    teacher_model: str,
+    *,
+    teacher_tokenizer: str,
+    teacher_vocab_size: int | None,
+    teacher_seed: int,
+    device: torch.device,
 ) -> torch.nn.Module:
-    """The output layer of the teacher ``model`` for the hidden transport, built as the teacher
+    """The output layer of the teacher model for the hidden transport, built as the teacher
     builds its model (a preset: the teacher tokenizer's vocab and the teacher's seed).
 
     Raises:
@@ -117,11 +118,11 @@ def teacher_output_layer(
     from xtoken_core.tokenizers import load_tokenizer
 
     return load_output_layer(
-        model,
-        vocab_size=vocab_size or load_tokenizer(tokenizer).vocab_size,
+        teacher_model,
+        vocab_size=teacher_vocab_size or load_tokenizer(teacher_tokenizer).vocab_size,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         device=device,
-        seed=seed,
+        seed=teacher_seed,
     )
 
 
@@ -194,11 +195,7 @@ class Trainer:
             )
             if config.teacher_model:
                 self.output_layer = teacher_output_layer(
-                    config.teacher_model,
-                    tokenizer=config.teacher_tokenizer,
-                    vocab_size=config.teacher_vocab_size,
-                    seed=config.teacher_seed,
-                    device=self.device,
+                    **settings_of(teacher_output_layer, config, device=self.device)
                 )
         # Retention: a run that reads its partition once registers its consumer task, so that the
         # queue drops each sample once a checkpoint holds it and a corpus larger than its

@@ -1,9 +1,12 @@
 """The Trainer on a real queue (CE, no teacher): a run trains every sample once and evaluates,
 checkpoints and summarizes; a launch that resumes from a checkpoint trains only the rest; a stop
-ends at a step boundary with a checkpoint; the hidden transport's output layer is the teacher's."""
+ends at a step boundary with a checkpoint; the hidden transport's output layer is the teacher's;
+the components take the trainer settings of their parameters' names."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import threading
 
@@ -15,7 +18,9 @@ from services.protocol import put_eof
 from services.queue.client import QueueClient
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
-from services.trainer.trainer import Trainer, teacher_output_layer
+from services.trainer.config import TrainerConfig
+from services.trainer.student import Student
+from services.trainer.trainer import Trainer, settings_of, teacher_output_layer
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 
@@ -93,16 +98,33 @@ def test_a_stop_ends_at_a_step_boundary_with_a_checkpoint(queue, tmp_path):
     assert not (tmp_path / "keys" / "trainer.rank0.jsonl").read_text()
 
 
+def _teacher(teacher_seed: int) -> dict:
+    """The teacher settings of a trainer of the tiny preset teacher."""
+    config = setup.trainer_config(None, teacher_model="tiny", teacher_seed=teacher_seed)
+    return settings_of(teacher_output_layer, config, device=torch.device("cpu"))
+
+
 def test_the_hidden_transport_output_layer_is_the_preset_teachers_own():
     teacher = TeacherWorker(
         TeacherConfig(model="tiny", tokenizer=setup.TEACHER_TOKENIZER, transport="hidden", seed=4)
     )
-    cpu = torch.device("cpu")
-    layer = teacher_output_layer(
-        "tiny", tokenizer=setup.TEACHER_TOKENIZER, vocab_size=None, seed=4, device=cpu
-    )
+    layer = teacher_output_layer(**_teacher(teacher_seed=4))
     assert torch.equal(layer.weight, teacher.lm_head.weight)
-    other = teacher_output_layer(
-        "tiny", tokenizer=setup.TEACHER_TOKENIZER, vocab_size=None, seed=5, device=cpu
-    )
+    other = teacher_output_layer(**_teacher(teacher_seed=5))
     assert not torch.equal(other.weight, teacher.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    ("component", "given"),
+    [
+        (Student, {"spec", "tokenizer", "device", "rank", "world_size", "model"}),
+        (teacher_output_layer, {"device"}),
+    ],
+    ids=["student", "teacher_output_layer"],
+)
+def test_every_setting_a_component_takes_by_name_is_a_trainer_setting(component, given):
+    # settings_of passes the trainer settings by name: a parameter no setting is named after
+    # would silently keep its default
+    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
+    missing = set(inspect.signature(component).parameters) - given - fields
+    assert not missing, f"{component.__name__} takes {sorted(missing)}: no trainer setting"
