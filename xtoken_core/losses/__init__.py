@@ -23,6 +23,17 @@ if TYPE_CHECKING:
     from xtoken_core.losses.fused_head import FusedHead
     from xtoken_core.losses.loss import METRIC_KEYS, CrossTokenizerLoss
 
+__all__ = [
+    "METRIC_KEYS",
+    "CrossTokenizerLoss",
+    "CrossTokenizerLossConfig",
+    "Fp32SparseMM",
+    "FusedHead",
+    "dp_all_reduce_sum",
+    "shift_chunk_ids",
+    "student_ce",
+]
+
 #: public name -> the module that defines it
 _PUBLIC = {
     "METRIC_KEYS": "xtoken_core.losses.loss",
@@ -34,17 +45,6 @@ _PUBLIC = {
     "shift_chunk_ids": "xtoken_core.losses.alignment",
     "student_ce": "xtoken_core.losses.backends",
 }
-
-__all__ = [
-    "METRIC_KEYS",
-    "CrossTokenizerLoss",
-    "CrossTokenizerLossConfig",
-    "Fp32SparseMM",
-    "FusedHead",
-    "dp_all_reduce_sum",
-    "shift_chunk_ids",
-    "student_ce",
-]
 
 
 def __getattr__(name: str) -> Any:

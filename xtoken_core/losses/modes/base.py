@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from xtoken_core.data.projection import Projection
     from xtoken_core.kernels.chunk_plan import ChunkPlan
-    from xtoken_core.losses.backends.cpu import RowStats
     from xtoken_core.losses.config import CrossTokenizerLossConfig
     from xtoken_core.losses.inputs import LossInputs
 
@@ -105,9 +104,7 @@ class KDMode(ABC):
             :class:`KDTerms`.
         """
 
-    def cpu(
-        self, inputs: LossInputs, projection: Projection, *, stats: RowStats | None = None
-    ) -> KDTerms:
+    def cpu(self, inputs: LossInputs, projection: Projection, *, stats: Any = None) -> KDTerms:
         """The KD sums of one teacher on the CPU path
         (:mod:`xtoken_core.losses.backends.cpu`): the reference's math with fewer passes over
         CPU logits (fp32/bf16/fp16). A mode without one runs its :meth:`reference` (this
