@@ -60,7 +60,9 @@ class Backend(ABC):
         self.mode = mode
         self.scales = MetricScales(config.num_teachers)
 
-    def takes(self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]):
+    def takes(
+        self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
+    ) -> bool:
         """Whether the backend runs on these logits (the loss gives a call it does not take to
         the reference backend); here: every call."""
         return True
@@ -88,8 +90,9 @@ class Backend(ABC):
 
     @abstractmethod
     def column_max(self, logits_BUW: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[W]`` column-wise max of the rows with ``rows_R >= 0`` (-inf where none):
-        the max-logits that pick P-KL's teacher columns."""
+        """``[W]`` column-wise max of the rows with ``rows_R >= 0`` (-inf where none): the
+        max-logits that pick P-KL's teacher columns (fp32 from the kernels, else the logits'
+        dtype)."""
 
 
 class MetricScales:

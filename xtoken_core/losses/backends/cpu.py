@@ -81,7 +81,9 @@ class CpuBackend(ReferenceBackend):
         mode: the loss's KD mode.
     """
 
-    def takes(self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]):
+    def takes(
+        self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
+    ) -> bool:
         """Whether the CPU path runs on these logits (:func:`cpu_path_available`: every tensor
         on the CPU, fp32/bf16/fp16; fp64 takes the reference).
 

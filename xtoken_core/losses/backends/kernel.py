@@ -79,7 +79,9 @@ class KernelBackend(Backend):
         mode: the loss's KD mode.
     """
 
-    def takes(self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]):
+    def takes(
+        self, student_logits_BTV: torch.Tensor, teacher_logits: Sequence[torch.Tensor]
+    ) -> bool:
         """Whether the kernels run on these logits (:func:`kernels_run_on`, and CUDA logits
         under ``backend: auto``).
 

@@ -73,8 +73,8 @@ class ReferenceBackend(Backend):
     def kd(
         self, student_logits_BTV: torch.Tensor, teachers: Sequence[TeacherInputs], checks, started
     ) -> KDResult:
-        """See :class:`Backend`: the checks are read back
-        before any KD term is computed (``started`` None: :meth:`start` runs here)."""
+        """See :class:`Backend`: the checks are read back before any KD term is computed
+        (``started`` None: :meth:`start` runs here)."""
         if started is None:
             started = self.start(student_logits_BTV, None)
         device = student_logits_BTV.device
