@@ -10,9 +10,9 @@ import sys
 
 from services.common import config as cfg
 from services.common.flags import INTERNAL, add_deprecated_alias
-from services.queue.config import ServerConfig, format_size, parse_size
+from services.queue.config import ServerConfig, format_size
 
-__all__ = ["EXIT_BAD_DATA", "add_arguments", "format_size", "parse_size", "run"]
+__all__ = ["EXIT_BAD_DATA", "add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
