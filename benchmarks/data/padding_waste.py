@@ -1,6 +1,6 @@
 """Padding's share of the tokens when the demo corpus is collated into micro-batches of B x T
 (each micro-batch right-padded to its longest row), student and teacher side: one text per row,
-and packed (``collator.pack``: whole documents fill rows of T tokens per side, packed within each
+and packed (``pack``: whole documents fill rows of T tokens per side, packed within each
 put of ``--windows`` texts), with each row's fill and the valid chunks each layout keeps. CPU
 only; no model.
 

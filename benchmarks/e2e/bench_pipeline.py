@@ -25,7 +25,7 @@ over the pipeline's tokens/s, ``student_mfu`` the student step alone. A recompil
 steps of the default on demo-corpus texts of every length (no filled context) and counts the
 graphs Dynamo compiles after the start-up step; it reports the padding waste of those batches.
 
-``--pack`` measures packed rows instead (``collator.pack``): the demo corpus's texts as they are
+``--pack`` measures packed rows instead (``pack``): the demo corpus's texts as they are
 (not joined into long texts), whole documents packed into rows of T tokens per side within puts
 of ``--pack-window`` texts, with document-boundary attention in the student and the teacher
 (FlexAttention on CUDA, ``trainer.packed_attention``); the bare step and the recompile check

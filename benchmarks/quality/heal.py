@@ -139,7 +139,7 @@ class HealArm:
     teacher: str | None
     overrides: dict[str, Any]
     on_policy: float = 0.0
-    agree: str | None = None  # collator.kd_where_agrees: KD only where this tokenizer agrees
+    agree: str | None = None  # kd_where_agrees: KD only where this tokenizer agrees
     lr: float | None = None  # the arm's peak learning rate (None: the call's --lr)
 
 
@@ -147,7 +147,7 @@ def parse_heal_arm(spec: str) -> HealArm:
     """An arm spec ``ce[:lr=X]`` or ``BASE@TEACHER[:key=value,...]``; the key ``on_policy`` (in
     (0, 1]) is the share of each step's samples the student writes itself, ``agree`` a
     tokenizer where KD is kept only on chunks it would also cut 1:1
-    (``collator.kd_where_agrees``), ``lr`` the arm's peak learning rate (a learning-rate
+    (``kd_where_agrees``), ``lr`` the arm's peak learning rate (a learning-rate
     sweep on the validation split: the call's ``--lr`` otherwise), the others are loss settings.
 
     Args:
@@ -314,7 +314,7 @@ def run_config(arm: HealArm, seed: int, args, student_dir: Path, proj: Path | No
     if arm.lr is not None:
         cfg["trainer"]["optim"]["lr"] = arm.lr
     if arm.agree:
-        cfg["collator"]["kd_where_agrees"] = arm.agree
+        cfg["kd_where_agrees"] = arm.agree
     if arm.on_policy:  # rows as long as the collator's: a quarter prompt, the rest written
         cfg["data"].update(on_policy_fraction=arm.on_policy, ordered=False)
         # sampling 3/4 of each row is the run's slowest part: workers in proportion to the share

@@ -374,7 +374,8 @@ def bench_collator(address: str | None, limit: int, workers_list: list[int]) -> 
     """Collator service samples/s into a real queue (demo corpus, qwen3 -> mistral)."""
     import logging
 
-    from services.collator.runner import CollatorRun, RunConfig
+    from services.collator.config import CollatorConfig, CorpusConfig
+    from services.collator.runner import CollatorRun
     from services.collator.worker import WorkerConfig
     from xtoken_core.data.corpus import build_demo_corpus
 
@@ -393,8 +394,8 @@ def bench_collator(address: str | None, limit: int, workers_list: list[int]) -> 
     rows = []
     try:
         for workers in workers_list:
-            config = RunConfig(
-                data=str(corpus.train_path),
+            config = CollatorConfig(
+                data=CorpusConfig(train=str(corpus.train_path), limit=limit),
                 worker=WorkerConfig(
                     queue=address,
                     partition=f"collator-{workers}-{time.monotonic_ns()}",
@@ -403,7 +404,6 @@ def bench_collator(address: str | None, limit: int, workers_list: list[int]) -> 
                 ),
                 workers=workers,
                 batch=16,
-                limit=limit,
                 log_every_s=60,
             )
             s = CollatorRun(config).run()

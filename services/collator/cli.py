@@ -1,7 +1,8 @@
 """`xtoken collator`: collate a text corpus into a transfer queue with N worker processes.
 
-The flags are generated from ``RunConfig`` (services/collator/config.py), ``--config FILE`` reads
-the same settings from JSON/YAML (the worker's under ``worker``). Exit codes: see ``EPILOG``
+The flags are generated from ``CollatorConfig`` (services/collator/config.py), ``--config FILE``
+reads the same settings from JSON/YAML (the corpus's under ``data``, the worker's under
+``worker``). Exit codes: see ``EPILOG``
 (also in ``--help`` and the README); a run that did not put the whole corpus never exits 0.
 """
 
@@ -42,12 +43,12 @@ exit codes:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the collator options (one per ``RunConfig`` field) to ``parser``."""
-    from services.collator.config import RunConfig
+    """Add the collator options (one per ``CollatorConfig`` field) to ``parser``."""
+    from services.collator.config import CollatorConfig
 
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    cfg.add_arguments(parser, RunConfig)
+    cfg.add_arguments(parser, CollatorConfig)
     # internal (hidden from --help): the run summary as JSON, and the ready handshake: once the
     # queue answered, {"pid", "name": "collator", "queue", "partition"} JSON in this file
     parser.add_argument("--summary-json", default=None, help=INTERNAL)
@@ -59,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
     from services.common.lifecycle import Lifecycle, run_process
 
     def main(lifecycle: Lifecycle) -> int:
-        from services.collator.config import RunConfig
+        from services.collator.config import CollatorConfig
         from services.collator.runner import CollatorRun, QueueUnreachableError
         from services.queue.errors import QueueError
         from xtoken_core.data.corpus import BadCorpusLine
 
-        config = cfg.from_args(RunConfig, args)  # ConfigError: exit code 2
+        config = cfg.from_args(CollatorConfig, args)  # ConfigError: exit code 2
         job = CollatorRun(config, stop=lifecycle.stop)
         ready = {"queue": config.worker.queue, "partition": config.worker.partition}
         try:
@@ -90,14 +91,14 @@ def run(args: argparse.Namespace) -> int:
         if summary.stopped:
             logger.warning(
                 "[collator] stopped before the end of %s: exit code %d (rerun to complete)",
-                config.data,
+                config.data.train,
                 EXIT_STOPPED,
             )
             return EXIT_STOPPED
         if summary.read == 0:
             logger.error(
                 "[collator] error: no text in --data %s (empty, or only blank lines): exit code %d",
-                config.data,
+                config.data.train,
                 EXIT_EMPTY,
             )
             return EXIT_EMPTY

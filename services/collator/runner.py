@@ -2,7 +2,7 @@
 
 The parent process reads the texts (``iter_texts``: keys ``"<file id>:<line>"``, the same on
 every restart on the same file, distinct for files of one name in different folders; in corpus
-order, or shuffled by ``shuffle_seed``), asks the queue which keys it already holds (``list``)
+order, or shuffled by ``data.seed``), asks the queue which keys it already holds (``list``)
 and skips them, groups the rest into batches of ``batch`` texts and hands them to N
 ``worker_main`` processes through a bounded queue (one worker puts the batches in that order;
 several put them in the order they finish). Workers
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.collator.config import RunConfig, WorkerConfig
+from services.collator.config import CollatorConfig, WorkerConfig
 from services.collator.progress import Eta
 from services.collator.worker import worker_main
 from services.common import lifecycle
@@ -46,9 +46,9 @@ from services.queue.cli import format_size
 from xtoken_core.data.corpus import BadCorpusLine
 
 __all__ = [
+    "CollatorConfig",
     "CollatorRun",
     "QueueUnreachableError",
-    "RunConfig",
     "RunSummary",
     "WorkerConfig",
     "check_queue",
@@ -220,7 +220,7 @@ class CollatorRun:
             one by default (see ``request_stop``).
     """
 
-    def __init__(self, config: RunConfig, stop: threading.Event | None = None) -> None:
+    def __init__(self, config: CollatorConfig, stop: threading.Event | None = None) -> None:
         self.config = config
         self.summary = RunSummary()
         self.stop = stop if stop is not None else threading.Event()
@@ -320,9 +320,9 @@ class CollatorRun:
 
         cfg = self.config
         on_bad = None
-        if cfg.skip_bad_lines:
+        if cfg.data.skip_bad_lines:
             on_bad = self._skip_bad_replayed if replay else self._skip_bad
-        files = corpus_files(cfg.data)  # a missing input fails here, before the first batch
+        files = corpus_files(cfg.data.train)  # a missing input fails here, before the first batch
         if self._progress is None:
             self._progress = CorpusProgress(files)
         progress = self._progress
@@ -331,18 +331,18 @@ class CollatorRun:
             for i, path in enumerate(files):
                 for key, text in iter_texts(
                     path,
-                    text_field=cfg.text_field,
-                    txt_split=cfg.txt_split,
+                    text_field=cfg.data.text_field,
+                    txt_split=cfg.data.txt_split,
                     key_root=cfg.key_root,
                     on_bad=on_bad,
                 ):
                     progress.seen(i, key)
                     yield key, text
 
-        if cfg.shuffle_seed is None:
+        if cfg.data.seed is None:
             return texts()
         # the same order on every pass (a replay after a queue restart reads it again)
-        return iter(shuffled_texts(texts(), cfg.shuffle_seed, cfg.limit))
+        return iter(shuffled_texts(texts(), cfg.data.seed, cfg.data.limit))
 
     def _skip_bad(self, err: Exception) -> None:
         """--skip-bad-lines: count a bad line, log the first ``_BAD_LINES_LOGGED``."""
@@ -380,7 +380,7 @@ class CollatorRun:
                 "what it held: reading %s again to put what it lacks (%d keys it holds skipped)",
                 started_on,
                 self._epoch,
-                cfg.data,
+                cfg.data.train,
                 len(queued),
             )
             texts, replay = self._texts(replay=True), True
@@ -470,7 +470,7 @@ class CollatorRun:
                     if not self._submit(batch, runs):
                         return False
                     batch, runs = [], []
-            if cfg.limit is not None and pos + 1 >= cfg.limit:
+            if cfg.data.limit is not None and pos + 1 >= cfg.data.limit:
                 break
         return not batch or self._submit(batch, runs)
 
@@ -490,7 +490,7 @@ class CollatorRun:
         logger.info(
             "[collator] %d worker(s) collating %s into %s partition %r (%s -> %s)",
             cfg.workers,
-            cfg.data,
+            cfg.data.train,
             cfg.worker.queue,
             cfg.worker.partition,
             cfg.worker.student,

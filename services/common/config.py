@@ -30,21 +30,28 @@ Field metadata understood here (all optional):
   and in a file (e.g. a byte size ``"8GiB"``); a ``ValueError`` it raises names the problem.
 * ``metavar``: the flag's metavar.
 * ``cli``: False leaves the field out of the flags (it is still read from ``--config``).
-* ``deprecated_flags``: old flag names (without ``--`` or section prefix) still accepted, hidden
-  from ``--help``, each printing one line that names the flag (:mod:`services.common.flags`).
-* ``deprecated_keys``: old key names of a renamed field: still read from a mapping (one warning
-  naming the new key) and accepted as hidden flags.
 * ``default_text``: the default as ``--help`` shows it (``"8GiB"``) instead of the value.
+* ``required``: the process needs a value although the field defaults to None (the run sets it
+  in a run config's section); :func:`from_parsed` refuses it missing, naming its flag.
 * ``context``: the key of the run-wide :class:`~services.common.context.Context` this field takes
   its value from when ``--context FILE`` is given and neither the config file nor a flag sets it.
-* ``path``: the field names a path: ``"file"`` (a file or folder), ``"model"`` (a model spec
-  that may be a folder or ``gguf:FILE``), ``"tokenizer"`` (a tokenizer name or a path), ``"run"``
-  (a run directory). Read by :func:`marks` (the control plane confines these paths).
+  In a run config such a field is no key of its own: the run's top-level key of that name is.
+* ``derived``: the run computes this field for each process from another setting and writes it
+  into the process's section: the dotted key of the run config it comes from (a copy) or, in
+  words, what it is made of. In a run config such a field is no key of its own either.
+* ``path``: the field names a path: ``"file"`` (a file, a folder or a glob of them, read),
+  ``"dir"`` (a folder the process writes or keys by; it need not exist), ``"model"`` (a model
+  spec that may be a folder or ``gguf:FILE``), ``"tokenizer"`` (a tokenizer name or a path),
+  ``"run"`` (a run directory). Read by :func:`marks` (the control plane confines these paths).
 * ``trained``: True when the field changes what is trained (the samples, their order and
   batches, the models, the loss, the optimizer, the seeds), False when it does not (steps,
   cadence, timeouts, devices, compute settings, paths of caches). A run's fingerprint is the
   values of the True ones (:func:`services.supervise.resume.fingerprint`); every field of a run
   config carries the mark either way (a test walks :func:`leaf_paths`).
+
+Class attributes understood here: ``MOVED_KEYS`` (``{old dotted key: new dotted key}``, both
+relative to the class): a mapping that still holds an old key is refused with one line, ``OLD
+moved to NEW``; ``REMOVED_KEYS`` (``{old key: why}``): refused with the reason.
 
 Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
 ``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
@@ -63,7 +70,6 @@ import difflib
 import enum
 import functools
 import json
-import logging
 import os
 import pathlib
 import re
@@ -73,7 +79,6 @@ import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
-from services.common.flags import add_deprecated_alias
 from xtoken_core.errors import SettingsError
 
 __all__ = [
@@ -83,17 +88,17 @@ __all__ = [
     "from_args",
     "from_dict",
     "from_parsed",
+    "has_key",
     "leaf_paths",
     "load_context",
     "load_file",
     "marks",
     "section",
+    "without_marked",
     "to_dict",
     "with_context",
     "yaml_loader",
 ]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -335,7 +340,9 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         )
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    data = _renamed(fields, data, path)
+    for old, new in getattr(cls, "MOVED_KEYS", {}).items():
+        if has_key(data, old):
+            raise ConfigError(f"{_join(path, old)} moved to {_join(path, new)}")
     removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
         if key not in fields and key in removed:
@@ -392,25 +399,14 @@ def _unknown_key(cls: type, path: str, key: str, names: list[str]) -> str:
     return f"unknown key {_join(path, key)!r}{hint} ({where}: {module}.py)"
 
 
-def _renamed(fields: dict[str, dataclasses.Field], data: Mapping[str, Any], path: str) -> Any:
-    """``data`` with the old keys of renamed fields (``deprecated_keys``) under their new names."""
-    new_names = {
-        old: f.name for f in fields.values() for old in f.metadata.get("deprecated_keys", ())
-    }
-    if not new_names.keys() & set(data):
-        return data
-    out = dict(data)
-    for old, name in new_names.items():
-        if old not in out:
-            continue
-        if name in out:
-            raise ConfigError(
-                f"{_join(path, old)!r} and {_join(path, name)!r} are one setting (renamed); "
-                f"keep only {_join(path, name)!r}"
-            )
-        logger.warning("[config] key %r is deprecated; use %r", _join(path, old), _join(path, name))
-        out[name] = out.pop(old)
-    return out
+def has_key(data: Mapping[str, Any], dotted: str) -> bool:
+    """A mapping holds the dotted key (through nested mappings)."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _flag_name(path: str) -> str:
@@ -503,24 +499,35 @@ def _fill_context(cls: type, data: dict[str, Any], values: Mapping[str, Any]) ->
     return data
 
 
-def section(config: Any) -> dict[str, Any]:
+def section(config: Any, without: tuple[str, ...] = ("context",)) -> dict[str, Any]:
     """A process's own section: the JSON form of its config without the context-marked fields
     (those come from the run's shared context; :func:`with_context` puts them back).
 
     Args:
         config: a config dataclass instance.
+        without: the marks whose fields are left out (a run config's own record leaves out
+            ``derived`` ones too: the run sets those).
 
     Returns:
-        :func:`to_dict` of ``config`` less every field marked ``context``.
+        :func:`to_dict` of ``config`` less every field carrying one of the marks.
     """
-    out = to_dict(config)
-    for path in marks(type(config), "context"):
-        *parents, leaf = path.split(".")
-        node: Any = out
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+    return without_marked(type(config), to_dict(config), without)
+
+
+def without_marked(
+    cls: type, data: Mapping[str, Any], marks_: tuple[str, ...] = ("context",)
+) -> dict[str, Any]:
+    """A copy of a config mapping of ``cls`` less every key whose field carries one of the
+    marks (nested sections included)."""
+    out = copy.deepcopy(dict(data))
+    for mark in marks_:
+        for path in marks(cls, mark):
+            *parents, leaf = path.split(".")
+            node: Any = out
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(leaf, None)
     return out
 
 
@@ -693,7 +700,6 @@ def _parse_yaml(text: str, path: pathlib.Path, kind: str) -> Any:
 class _Leaf:
     path: str  # dotted field path, the key in from_dict
     flag: str  # "--optim.lr"
-    prefix: str  # the flag's section prefix ("optim.")
     tp: Any
     field: dataclasses.Field
     owner: type  # the dataclass holding the field
@@ -711,7 +717,7 @@ def _leaves(cls: type, path: str = "", flag_prefix: str = "") -> Iterator[_Leaf]
             prefix = f"{flag_prefix}{segment}." if segment else flag_prefix
             yield from _leaves(nested, _join(path, f.name), prefix)
         else:
-            yield _Leaf(_join(path, f.name), f"--{flag_prefix}{segment}", flag_prefix, tp, f, cls)
+            yield _Leaf(_join(path, f.name), f"--{flag_prefix}{segment}", tp, f, cls)
 
 
 def _none_or(conv: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -924,13 +930,22 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             help=help_text.replace("%", "%%"),
             **kwargs,
         )
-        meta = leaf.field.metadata
-        olds = [
-            *meta.get("deprecated_flags", ()),
-            *map(_flag_name, meta.get("deprecated_keys", ())),
-        ]
-        for old in olds:
-            add_deprecated_alias(target, f"--{leaf.prefix}{old}", leaf.flag)
+
+
+def _check_required(cls: type, config: Any) -> None:
+    """Every field marked ``required`` holds a value (one a run would set in its section).
+
+    Raises:
+        ConfigError: the first missing one, named as a missing key with its flag.
+    """
+    leaves = {leaf.path: leaf for leaf in _leaves(cls)}
+    for path in marks(cls, "required"):
+        if _value_at(config, path) is not None:
+            continue
+        leaf = leaves.get(path)
+        kind = _type_name(_non_none(leaf.tp)[0]) if leaf and _is_union(leaf.tp) else "a value"
+        where = f"the config file or with {leaf.flag}" if leaf else "the config file"
+        raise ConfigError(f"missing required key {path!r} ({kind}): set it in {where}")
 
 
 def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
@@ -1005,7 +1020,9 @@ def from_parsed(cls: type[T], data: Mapping[str, Any], args: argparse.Namespace)
         ConfigError: as :func:`from_dict`, with the config and context files named.
     """
     try:
-        return from_dict(cls, data)
+        config = from_dict(cls, data)
+        _check_required(cls, config)
+        return config
     except ConfigError as e:
         files = [
             f"{what} file {name!r}"

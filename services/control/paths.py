@@ -1,7 +1,7 @@
 """Confinement of every path in a submitted run config to the control plane's run and data roots.
 
 The keys come from the config dataclasses: every field marked ``path`` is confined, every field
-marked ``context`` (set by the run for each process) is refused."""
+of a section that the run sets for its process (marked ``context``) is refused."""
 
 from __future__ import annotations
 
@@ -11,21 +11,29 @@ from pathlib import Path
 from typing import Any
 
 
-def _marked() -> tuple[dict[str, str], tuple[str, ...]]:
-    """The run config's path-bearing keys (its fields marked ``path``) and the keys the run sets
-    for every process (its fields marked ``context``)."""
+def run_owned_keys() -> tuple[str, ...]:
+    """The keys of a run config's sections that the run sets for every process (its fields
+    marked ``context``): a submitted value is refused rather than silently replaced."""
     from services.common.config import marks
     from services.supervise.config import RunConfig
 
-    owned = tuple(marks(RunConfig, "context"))
-    paths = {k: kind for k, kind in marks(RunConfig, "path").items() if kind != "run"}
-    return {k: kind for k, kind in paths.items() if k not in owned}, owned
+    return tuple(marks(RunConfig, "context"))
 
 
-# dotted key -> what stands there: "file" (a path only), "model" or "tokenizer" (a name of one
-# or a path); and the keys set by the run for every process (a submitted value is refused
-# rather than silently replaced)
-DATA_KEYS, RUN_OWNED_KEYS = _marked()
+def data_keys() -> dict[str, str]:
+    """The run config's path-bearing keys a submission may set (its fields marked ``path``, but
+    those the run sets: ``context``, ``derived`` and the fields below them), each with what
+    stands there: ``"file"`` (a file, a folder or a glob to read), ``"dir"`` (a folder a process
+    writes), ``"model"`` or ``"tokenizer"`` (a name of one or a path)."""
+    from services.common.config import marks
+    from services.supervise.config import RunConfig
+
+    owned = (*marks(RunConfig, "context"), *marks(RunConfig, "derived"))
+    return {
+        key: kind
+        for key, kind in marks(RunConfig, "path").items()
+        if kind != "run" and not any(key == o or key.startswith(f"{o}.") for o in owned)
+    }
 
 
 class PathNotAllowed(ValueError):
@@ -90,8 +98,8 @@ def confine(
     """A copy of ``raw`` with every path made absolute and checked against its root.
 
     ``run_dir``: a relative value is taken under ``runs_root``; it must stay inside it.
-    Data files, model folders, tokenizer files and the projection: a relative value is taken
-    under the first data root; each must resolve (symlinks followed) inside one of
+    Data files and folders, model folders, tokenizer files and the projection: a relative value
+    is taken under the first data root; each must resolve (symlinks followed) inside one of
     ``data_roots``. Names that are not paths (model presets, ``smollm2``, bundled tokenizers)
     pass unchanged.
 
@@ -120,7 +128,7 @@ def confine(
             "relative to it (or leave run_dir out: the control plane picks one)",
         )
     out["run_dir"] = str(rd)
-    for key in RUN_OWNED_KEYS:
+    for key in run_owned_keys():
         node, leaf = _get(out, key)
         if node is not None and leaf in node:
             raise PathNotAllowed(
@@ -129,7 +137,7 @@ def confine(
                 "settings; remove it from the config",
             )
     roots = [Path(r).resolve() for r in data_roots]
-    for key, kind in DATA_KEYS.items():
+    for key, kind in data_keys().items():
         node, leaf = _get(out, key)
         if node is None or leaf not in node or not isinstance(node[leaf], str):
             continue
@@ -137,7 +145,7 @@ def confine(
         prefix = suffix = ""
         if kind == "model":  # gguf:PATH and a :drop= suffix keep their form around the path
             value, prefix, suffix = _model_path(value)
-        if kind != "file" and not prefix and value in _names(kind):
+        if kind in ("model", "tokenizer") and not prefix and value in _names(kind):
             continue
         path = Path(value)
         path = (roots[0] / path if not path.is_absolute() else path).resolve()

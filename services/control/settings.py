@@ -96,9 +96,9 @@ class Settings(BaseSettings):
     def _queue_address(cls, value: str | None) -> str | None:
         if not value:
             return None
-        from services.supervise.config import QueueSection
+        from services.supervise.config import QueueConfig
 
-        QueueSection(address=value)  # ValueError names the forms accepted
+        QueueConfig(address=value)  # ValueError names the forms accepted
         return value
 
     @field_validator("data_root", "allowed_hosts", mode="before")

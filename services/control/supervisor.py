@@ -728,9 +728,9 @@ def _check_files(config: dict[str, Any]) -> None:
         ConfigError: a missing file (names the key).
     """
     from services.common.config import ConfigError
-    from services.control.paths import DATA_KEYS
+    from services.control.paths import data_keys
 
-    for key, kind in DATA_KEYS.items():
+    for key, kind in data_keys().items():
         if kind != "file":
             continue
         node: Any = config

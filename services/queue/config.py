@@ -48,13 +48,16 @@ def parse_size(text: str) -> int:
         The size in bytes.
 
     Raises:
-        ValueError: not a size, or not positive.
+        ValueError: not a size, not finite, or not positive.
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise ValueError(f"size {text!r} is not understood; write e.g. 512MiB, 8GiB, 2GB or 1e9")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    try:
+        size = int(float(m.group(1)) * _UNITS[unit])
+    except OverflowError:  # 1e999: an infinite float
+        raise ValueError(f"size {text!r} is not finite; write e.g. 512MiB or 8GiB") from None
     if size <= 0:
         raise ValueError(f"size {text!r} must be > 0")
     return size
@@ -86,83 +89,14 @@ def format_size(nbytes: float) -> str:
 
 @dataclass
 class ServerConfig:
-    """Settings of one queue server process (``xtoken queue serve``: a flag per field).
-
-    Args:
-        bind: ZMQ endpoint, ``tcp://host:port`` (port ``*`` = any free port) or ``ipc://path``.
-        capacity_bytes: store capacity (``--capacity``).
-        put_timeout_s: how long a put waits for capacity when it gives no ``timeout_ms``.
-        claim_timeout_s: how long a claim waits for data when it gives no ``timeout_ms``.
-        lease_s: lease length when a claim gives no ``lease_ms``.
-        max_message_bytes: largest accepted message (``--max-message-bytes``); None: the wire
-            default. :attr:`limits` holds the wire limits enforced on every message.
-        busy_poll_us: after handling requests, poll the socket without sleeping for this long
-            before blocking (``--busy-poll-us``). A sleeping process is woken in ~0.1 ms on a
-            loaded or virtualized host, a spinning one at once: this trades up to this much CPU
-            per burst of requests for round trips 2-3x shorter. 0 always blocks. Paused for a
-            second whenever another task holds the server's core (``BusyPoll``).
-        shm_pool_free_bytes: most bytes of free shared-memory segments kept for reuse
-            (``--shm-pool-free``); they count against the capacity and are dropped first when
-            room is needed.
-        shm_reserve_s: seconds a shared-memory reservation stays valid without a put
-            (``--shm-reserve-timeout-s``).
-        shm_reserve_max_bytes: most bytes held reserved and not yet stored per authenticated
-            identity; the queue's one credential is its token (or none), so this bounds all
-            clients together, however many instance ids or connections they use. None = a
-            quarter of ``capacity_bytes``. A larger reserve is refused at once (``bad_request``;
-            the client sends frames), one that would pass it with the reservations already held
-            gets ``shm_busy`` at once (the client sends that put as frames) instead of waiting.
-        tombstone_max_keys: most keys per partition remembered as consumed after retention
-            dropped their samples (``--tombstones``; 8 bytes each).
-        max_claim_wait_s: largest ``timeout_ms`` a claim may ask for (``--max-claim-wait-s``);
-            a larger one is refused (``bad_request`` naming the bound).
-        max_put_wait_s: largest ``timeout_ms`` a put or reserve may ask for
-            (``--max-put-wait-s``).
-        max_lease_s: largest ``lease_ms`` a claim may ask for (``--max-lease-s``); a longer one is
-            refused (``bad_request`` naming the bound): a lease outlives its client by at most
-            this much.
-        heartbeat_s: the server pings every client connection this often (ZMTP heartbeats,
-            answered by the client's zmq I/O thread) and closes one that sent nothing for 3
-            periods (``--heartbeat-s``; 0 = off): a hung or unreachable client's parked requests
-            are then dropped like those of a client whose process died.
-        data_dir: durable mode (``--data-dir``): samples not yet consumed, consumed sets,
-            registrations and tombstones are logged there (durable.py, written by a writer
-            process that holds the directory's lock with the server) and recovered on the next
-            start; None keeps everything in memory. Leases never survive a restart.
-        fsync: ``always`` (every put, ack and clear is answered once fsynced), ``interval``
-            (fsync every ``fsync_interval_s``; acks and clears are answered once written, puts
-            at once while the log lags by less than ``log_lag_bytes``) or ``never``
-            (``--fsync``).
-        fsync_interval_s: with ``interval``, seconds between fsyncs (``--fsync-interval-s``).
-        log_lag_bytes: most bytes of answered puts not yet written to the log
-            (``--log-lag``): past it, puts are answered once written.
-        salvage: durable mode: a corrupt record in the middle of the log is dropped and the
-            valid records after it are kept (``--salvage``); without it such a log stops the
-            start (``CorruptLogError``, exit code 3, naming the file and offset).
-        compact_min_bytes: the log is compacted to a snapshot once it is larger than this and
-            twice the bytes stored (``--compact-min``).
-        auth_token_file: a file holding the token (``--auth-token-file``); the shell reads it
-            (else ``XTOKEN_QUEUE_TOKEN``, auth.py) into ``auth_token``.
-        auth_token: the shared secret every client presents in its hello; None serves anyone
-            who can connect. Never a flag: ``ps`` would show it.
-        insecure: allow a bind reachable from other hosts without a token (``--insecure``).
-        max_connections: most client connections the server keeps open
-            (``--max-connections``; each ``QueueClient`` holds one). One more is refused in its
-            ZMTP handshake, before it can send a message: the client raises a retryable
-            ``too_many_connections`` naming this setting.
-        pool_idle_s: a free shared-memory segment unused this long is unlinked
-            (``--pool-idle-s``): an idle server gives its pool's memory back.
-        shm_verify: hash the bytes of every put stored in the shared-memory pool and check
-            them before any read serves or copies them (``--shm-verify``, on by default): any
-            process of the server's user (root in a container) can open a pool file and write
-            into it, and such a change is then refused (``corrupt``, the samples dropped)
-            instead of being served. Costs one hash pass (~4 GB/s, xxh3) over a put's bytes
-            and over the rows each read returns; ``--no-shm-verify`` where nothing else can
-            reach the queue's /dev/shm.
-        log_every_s: seconds between ``[queue] stats:`` log lines (``--log-every-s``; 0 = off).
+    """Settings of one queue server process: ``xtoken queue serve`` has a flag per field (its
+    help says what the field does), and a run config's ``queue`` section is this class. A server
+    holds samples in memory (or, with ``data_dir``, in a durable log) up to ``capacity_bytes``,
+    passes same-host puts through a shared-memory pool, leases what a claim takes, and refuses
+    waits, leases and messages past its bounds with ``bad_request`` naming the bound.
 
     Raises:
-        ValueError: a non-positive capacity or a negative timeout.
+        ValueError: a setting out of range or two that contradict each other (names the flag).
     """
 
     bind: str = field(
@@ -170,6 +104,7 @@ class ServerConfig:
         metadata={
             "help": "ZMQ endpoint: tcp://HOST:PORT (PORT * = any free) or ipc://PATH",
             "context": "queue",
+            "trained": False,
         },
     )
     capacity_bytes: int = field(
@@ -180,27 +115,28 @@ class ServerConfig:
             "metavar": "SIZE",
             "default_text": "8GiB",
             "help": "bytes of samples the queue holds before puts wait",
+            "trained": False,
         },
     )
     put_timeout_s: float = field(
         default=30.0,
         metadata={
             "help": "seconds a put waits for capacity when it gives no timeout_ms",
-            "deprecated_flags": ("put-timeout",),
+            "trained": False,
         },
     )
     claim_timeout_s: float = field(
         default=1.0,
         metadata={
             "help": "seconds a claim waits for data when it gives no timeout_ms",
-            "deprecated_flags": ("claim-timeout",),
+            "trained": False,
         },
     )
     lease_s: float = field(
         default=60.0,
         metadata={
             "help": "lease seconds when a claim gives no lease_ms",
-            "deprecated_flags": ("lease",),
+            "trained": False,
         },
     )
     busy_poll_us: int = field(
@@ -208,7 +144,8 @@ class ServerConfig:
         metadata={
             "help": "after requests, poll without sleeping (yielding the core) this many "
             "microseconds before blocking: shorter round trips on a host slow to wake a process; "
-            "0 = off"
+            "0 = off",
+            "trained": False,
         },
     )
     shm_pool_free_bytes: int = field(
@@ -220,6 +157,7 @@ class ServerConfig:
             "default_text": "1GiB",
             "help": "most bytes of free shared-memory segments kept for reuse by same-host puts; "
             "they count against --capacity and are dropped first when room is needed",
+            "trained": False,
         },
     )
     shm_reserve_max_bytes: int | None = field(
@@ -231,6 +169,7 @@ class ServerConfig:
             "default_text": "a quarter of --capacity",
             "help": "most bytes all clients together may hold reserved (not yet put) in the "
             "shared-memory pool; a put past it travels as frames",
+            "trained": False,
         },
     )
     shm_reserve_s: float = field(
@@ -238,21 +177,21 @@ class ServerConfig:
         metadata={
             "flag": "shm-reserve-timeout-s",
             "help": "seconds a shared-memory reservation stays valid without its put",
-            "deprecated_flags": ("shm-reserve-timeout",),
+            "trained": False,
         },
     )
     max_claim_wait_s: float = field(
         default=300.0,
         metadata={
             "help": "largest wait (seconds) a claim may ask for; a longer timeout_ms is refused",
-            "deprecated_flags": ("max-claim-wait",),
+            "trained": False,
         },
     )
     max_put_wait_s: float = field(
         default=3600.0,
         metadata={
             "help": "largest wait (seconds) a put or reserve may ask for",
-            "deprecated_flags": ("max-put-wait",),
+            "trained": False,
         },
     )
     max_lease_s: float = field(
@@ -260,7 +199,7 @@ class ServerConfig:
         metadata={
             "help": "longest lease (seconds) a claim may ask for; a longer lease_ms is refused: "
             "bounds how long a gone client's claim holds its samples",
-            "deprecated_flags": ("max-lease",),
+            "trained": False,
         },
     )
     heartbeat_s: float = field(
@@ -268,7 +207,7 @@ class ServerConfig:
         metadata={
             "help": "seconds between pings of each client connection; one silent for 3 pings is "
             "closed and its parked requests dropped (0 = off)",
-            "deprecated_flags": ("heartbeat",),
+            "trained": False,
         },
     )
     tombstone_max_keys: int = field(
@@ -277,16 +216,18 @@ class ServerConfig:
             "flag": "tombstones",
             "help": "most keys per partition remembered as consumed once retention dropped their "
             "samples (8 bytes each; past it the oldest quarter is forgotten)",
+            "trained": False,
         },
     )
     data_dir: str | None = field(
         default=None,
         metadata={
-            "path": "file",
+            "path": "dir",
             "default_text": "memory only",
             "help": "durable mode: log samples not yet consumed, consumed sets, registrations "
             "and tombstones to this directory and recover them on the next start (leases do not "
             "survive; the shared-memory pool is off)",
+            "trained": False,
         },
     )
     fsync: Literal["always", "interval", "never"] = field(
@@ -295,14 +236,15 @@ class ServerConfig:
             "help": "with --data-dir: always = answer puts, acks and clears once fsynced; "
             "interval = fsync every --fsync-interval-s, answer acks and clears once written "
             "(survive a SIGKILL) and puts at once while the log lags by less than --log-lag; "
-            "never = no fsync"
+            "never = no fsync",
+            "trained": False,
         },
     )
     fsync_interval_s: float = field(
         default=1.0,
         metadata={
             "help": "seconds between fsyncs of the log with --fsync interval",
-            "deprecated_flags": ("fsync-interval",),
+            "trained": False,
         },
     )
     log_lag_bytes: int = field(
@@ -314,6 +256,7 @@ class ServerConfig:
             "default_text": "256MiB",
             "help": "most bytes of answered puts not yet written to the log; past it puts are "
             "answered once written",
+            "trained": False,
         },
     )
     compact_min_bytes: int = field(
@@ -325,6 +268,7 @@ class ServerConfig:
             "default_text": "64MiB",
             "help": "compact the log to a snapshot once it is larger than this and twice the "
             "bytes stored (bounds the recovery time)",
+            "trained": False,
         },
     )
     salvage: bool = field(
@@ -332,7 +276,8 @@ class ServerConfig:
         metadata={
             "help": "with --data-dir: keep the valid records after a corrupt one in the middle "
             "of the log and drop only its bad bytes (without it such a log stops the start, exit "
-            "code 3)"
+            "code 3)",
+            "trained": False,
         },
     )
     max_message_bytes: int | None = field(
@@ -342,6 +287,7 @@ class ServerConfig:
             "metavar": "SIZE",
             "default_text": "the wire default, 2GiB",
             "help": "largest accepted message",
+            "trained": False,
         },
     )
     auth_token_file: str | None = field(
@@ -353,13 +299,15 @@ class ServerConfig:
             "XTOKEN_QUEUE_TOKEN_FILE names, else no authentication",
             "help": "require clients to present the token in FILE in their hello; clients read "
             "the same variables",
+            "trained": False,
         },
     )
     pool_idle_s: float = field(
         default=30.0,
         metadata={
             "help": "unlink free shared-memory pool segments unused this long: an idle server "
-            "gives its pool's memory back"
+            "gives its pool's memory back",
+            "trained": False,
         },
     )
     shm_verify: bool = field(
@@ -367,13 +315,15 @@ class ServerConfig:
         metadata={
             "help": "hash what each shared-memory put stores and check it before every read: "
             "bytes another process wrote into a pool file after the put are refused, never "
-            "served (costs a hash pass, ~4 GB/s, over put and read bytes)"
+            "served (costs a hash pass, ~4 GB/s, over put and read bytes)",
+            "trained": False,
         },
     )
     insecure: bool = field(
         default=False,
         metadata={
-            "help": "serve a --bind reachable from other hosts without a token (refused otherwise)"
+            "help": "serve a --bind reachable from other hosts without a token (refused otherwise)",
+            "trained": False,
         },
     )
     log_every_s: float = field(
@@ -382,17 +332,28 @@ class ServerConfig:
             "help": "seconds between [queue] stats log lines (samples, bytes, rates, parked "
             "requests, connects and errors since the last; 0 = off). Connects and the first "
             "error of each kind per interval are logged as they happen",
-            "deprecated_flags": ("log-every",),
+            "trained": False,
         },
     )
     max_connections: int = field(
         default=DEFAULT_MAX_CONNECTIONS,
         metadata={
             "help": "most client connections kept open (each QueueClient holds one); one more is "
-            "refused in its handshake, before it sends anything"
+            "refused in its handshake, before it sends anything",
+            "trained": False,
         },
     )
-    auth_token: str | None = field(default=None, repr=False, metadata={"cli": False})
+    # the shared secret every client presents in its hello (None: anyone who can connect may
+    # talk to the server); never a flag, as ps would show it, and no key of a run config
+    auth_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "cli": False,
+            "derived": "the token of auth_token_file, else XTOKEN_QUEUE_TOKEN",
+            "trained": False,
+        },
+    )
     # the wire limits of every message, from max_message_bytes
     limits: Any = field(init=False, repr=False, compare=False)
 

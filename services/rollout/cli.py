@@ -11,13 +11,12 @@ from services.common.lifecycle import run_process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of every RolloutConfig field, ``--config FILE``, ``--ready-file``, ``--run-dir``."""
+    """Flags of every RolloutConfig field, ``--config FILE``, ``--context FILE``, ``--ready-file``."""
     from services.rollout.config import RolloutConfig
 
     cfg.add_arguments(parser, RolloutConfig)
     # internal (hidden from --help): the ready handshake, {pid, worker} once the model is loaded
     parser.add_argument("--ready-file", default=None, help=INTERNAL)
-    parser.add_argument("--run-dir", default=None, help="write metrics under RUN_DIR/metrics")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +25,6 @@ def run(args: argparse.Namespace) -> int:
     from services.rollout.main import serve
 
     def main(lc):
-        return serve(cfg.from_args(RolloutConfig, args), lc, run_dir=args.run_dir)
+        return serve(cfg.from_args(RolloutConfig, args), lc)
 
     return run_process("rollout", main, ready_file=args.ready_file, log_level=args.log_level)

@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import field
 
+from services.common.context import shared_field
+
 KV_CACHES = ("dynamic", "static")
 
 
@@ -17,58 +19,58 @@ KV_CACHES = ("dynamic", "static")
 class RolloutConfig:
     """One rollout worker: a copy of the student that samples continuations of prompts.
 
-    ``xtoken run`` sets the queue, the partition, the tokenizers, the context lengths, the
-    student (``trainer.student``, its vocab and seed), the weights directory, the prompts
-    (``data.train`` unless given) and the worker's index; a run config sets the rest.
+    In a run, the queue, the partition, the tokenizers, the context lengths, ``kd_where_agrees``
+    and the run directory come from its shared context; the worker's index, the student (the
+    trainer's spec, vocab and seed) and the weights directory are the run's (``derived``); the
+    prompts default to ``data.train``; a run config's ``rollout`` section sets the rest.
     """
 
-    queue: str = field(
-        default="tcp://127.0.0.1:5555", metadata={"help": "queue server address", "trained": False}
+    queue: str = shared_field(
+        "queue", default="tcp://127.0.0.1:5555", help="queue server address", trained=False
     )
-    partition: str = field(
-        default="train",
-        metadata={
-            "help": "the run's sample partition; on-policy samples go to <partition>.rollout",
-            "trained": False,
-        },
+    partition: str = shared_field(
+        "partition", help="the run's sample partition; on-policy samples go to <partition>.rollout"
     )
     worker: int = field(
         default=0,
         metadata={
             "help": "this worker's index: it takes prompt i when i % workers is it",
+            "derived": "each rollout worker's index",
             "trained": False,
         },
     )
     workers: int = field(
-        default=1, metadata={"help": "rollout workers of the run", "trained": False}
+        default=1,
+        metadata={"help": "rollout workers of the run", "derived": "rollouts", "trained": False},
     )
     student: str = field(
         default="student-25m",
         metadata={
             "help": "student model spec (the trainer's): its weights come from the trainer",
+            "derived": "trainer.student",
             "trained": True,
         },
     )
     vocab_size: int | None = field(
         default=None,
-        metadata={"help": "vocab of a preset student (default: its tokenizer's)", "trained": True},
+        metadata={
+            "help": "vocab of a preset student (default: its tokenizer's)",
+            "derived": "trainer.vocab_size",
+            "trained": True,
+        },
     )
     seed: int = field(
         default=0,
-        metadata={"help": "seed of the student init and of the sampling", "trained": True},
+        metadata={
+            "help": "seed of the student init and of the sampling",
+            "derived": "trainer.seed",
+            "trained": True,
+        },
     )
-    student_tokenizer: str = field(
-        default="qwen3", metadata={"help": "student tokenizer", "trained": True}
-    )
-    teacher_tokenizer: str = field(
-        default="smollm2", metadata={"help": "teacher tokenizer", "trained": True}
-    )
-    ctx_student: int = field(
-        default=512, metadata={"help": "student tokens kept per sample", "trained": True}
-    )
-    ctx_teacher: int = field(
-        default=512, metadata={"help": "teacher tokens kept per sample", "trained": True}
-    )
+    student_tokenizer: str = shared_field("student_tokenizer")
+    teacher_tokenizer: str = shared_field("teacher_tokenizer")
+    ctx_student: int = shared_field("ctx_student", help="student tokens kept per sample")
+    ctx_teacher: int = shared_field("ctx_teacher", help="teacher tokens kept per sample")
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N", "trained": False})
     dtype: str = field(
         default="auto",
@@ -78,6 +80,7 @@ class RolloutConfig:
         default="runs/default/policy",
         metadata={
             "help": "directory where the trainer publishes the student's weights",
+            "derived": "RUN_DIR/policy",
             "trained": False,
         },
     )
@@ -86,6 +89,7 @@ class RolloutConfig:
         metadata={
             "help": "prompt corpus (.jsonl/.txt/.parquet file, folder or glob); xtoken run: "
             "data.train unless set",
+            "path": "file",
             "trained": True,
         },
     )
@@ -131,15 +135,10 @@ class RolloutConfig:
             "trained": False,
         },
     )
-    kd_where_agrees: str | None = field(
-        default=None,
-        metadata={
-            "help": "a third tokenizer name or path: KD terms only on chunks whose student "
-            "tokens are each also one token of it (as the collators: xtoken run sets it from "
-            "collator.kd_where_agrees)",
-            "path": "tokenizer",
-            "trained": True,
-        },
+    kd_where_agrees: str | None = shared_field(
+        "kd_where_agrees",
+        help="a third tokenizer name or path: KD terms only on chunks whose student tokens are "
+        "each also one token of it (as the collators)",
     )
     max_pending: int | None = field(
         default=None,
@@ -155,8 +154,15 @@ class RolloutConfig:
         metadata={
             "help": "keep the position in the prompts here (a restarted worker goes on from "
             "it); None: start from the first prompt",
+            "derived": "RUN_DIR/rollout",
             "trained": False,
         },
+    )
+    run_dir: str | None = shared_field(
+        "run_dir",
+        default=None,
+        help="write metrics under RUN_DIR/metrics (rollout<worker>.jsonl)",
+        default_text="no metrics file",
     )
     poll_s: float = field(
         default=0.2,
@@ -183,12 +189,7 @@ class RolloutConfig:
             raise ValueError(f"max_pending={self.max_pending}: must be >= 1, or None")
         if not 0 <= self.worker < self.workers:
             raise ValueError(f"worker={self.worker}: must be in [0, workers={self.workers})")
-        if self.prompt_tokens + self.max_new_tokens > self.ctx_student:
-            raise ValueError(
-                f"prompt_tokens={self.prompt_tokens} + max_new_tokens={self.max_new_tokens} > "
-                f"ctx_student={self.ctx_student}: a sample would not fit the student's context; "
-                "lower one of them or raise ctx_student"
-            )
+        self.check_fits()
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature}: must be >= 0 (0: greedy)")
         if not 0 < self.top_p <= 1:
@@ -199,6 +200,19 @@ class RolloutConfig:
             value = getattr(self, name)
             if not 0 < value < math.inf:
                 raise ValueError(f"{name}={value}: must be a finite number of seconds > 0")
+
+    def check_fits(self) -> None:
+        """A prompt and its continuation fit the student's context.
+
+        Raises:
+            ValueError: names the three settings and the fix.
+        """
+        if self.prompt_tokens + self.max_new_tokens > self.ctx_student:
+            raise ValueError(
+                f"prompt_tokens={self.prompt_tokens} + max_new_tokens={self.max_new_tokens} > "
+                f"ctx_student={self.ctx_student}: a sample would not fit the student's context; "
+                "lower one of them or raise ctx_student"
+            )
 
     @property
     def pending_bound(self) -> int:

@@ -14,7 +14,7 @@ restarted worker samples the same prompts again under the same keys (a key put b
 position was kept is stored once: puts are idempotent, a consumed key is refused). SIGTERM ends
 the generation in flight at the next token and exits without putting it.
 
-Metrics (``--run-dir``): ``RUN_DIR/metrics/rollout<worker>.jsonl``, one ``rollout`` record per
+Metrics (``run_dir``, from the run's context): ``RUN_DIR/metrics/rollout<worker>.jsonl``, one ``rollout`` record per
 batch put: the weights' version, samples, generated tokens, the seconds of sampling and
 collating, generated tokens/s and samples/s of the batch, the seconds waited for weights or for
 room before it, and the partition's pending samples.
@@ -42,7 +42,7 @@ from xtoken_core.errors import SettingsError
 logger = logging.getLogger(__name__)
 
 
-def serve(config: RolloutConfig, lc: Lifecycle, *, run_dir: str | None = None) -> int:
+def serve(config: RolloutConfig, lc: Lifecycle) -> int:
     """Sample batches until stopped; returns 0.
 
     Raises:
@@ -69,9 +69,10 @@ def serve(config: RolloutConfig, lc: Lifecycle, *, run_dir: str | None = None) -
     )
     client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"rollout{config.worker}")
     metrics = None
-    if run_dir:
+    if config.run_dir:
         metrics = JsonlWriter(
-            Path(run_dir) / "metrics" / f"rollout{config.worker}.jsonl", worker=config.worker
+            Path(config.run_dir) / "metrics" / f"rollout{config.worker}.jsonl",
+            worker=config.worker,
         )
     partition = rollout_partition(config.partition)
     lc.ready(worker=config.worker, partition=partition)

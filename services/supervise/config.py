@@ -1,8 +1,13 @@
 """The run config: one typed config of a whole distillation run (``xtoken run CONFIG.yaml``).
 
-Values that must agree across processes (queue address, partition, tokenizers, context lengths,
-run directory) are set once at the top; each process's own section is nested below it
-(:mod:`services.supervise.plan` writes every process only its own).
+Its top-level keys are the run's own (processes, restarts, heartbeats) and the settings several
+processes share (:class:`~services.common.context.Shared`: the queue partition, tokenizers,
+context lengths, packing, run directory); each process's section is that process's own config
+class (``queue``, ``collator``, ``teacher``, ``trainer``, ``rollout``) and ``data`` the
+collator's corpus with the run's held-out corpus and sample mix. A section's fields that the
+run sets (marked ``context`` or ``derived``) are no keys of a run config: a value given there
+is refused, naming the key to set instead. :mod:`services.supervise.plan` writes every process
+only its own section and the shared context.
 """
 
 from __future__ import annotations
@@ -10,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import field
-from typing import Any, Literal
+from typing import Any, ClassVar
 
+from services.collator.config import CollatorConfig, CorpusConfig
 from services.common import config as cfgmod
+from services.common.context import Shared
 from services.common.overrides import Override, apply_overrides
+from services.queue.config import ServerConfig
 from services.rollout.config import RolloutConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
@@ -24,20 +32,6 @@ from services.trainer.config import TrainerConfig
 MAX_CONTEXT = 1 << 20
 # the largest queue a run may ask for
 MAX_QUEUE_BYTES = 1 << 50
-
-
-def parse_size(text: object) -> int:
-    """A byte size from ``512MiB``, ``8GiB``, ``2GB``, ``1e9`` or ``1048576``.
-
-    Raises:
-        ValueError: not a size, not positive, or not finite (names the value and the forms).
-    """
-    from services.queue.cli import parse_size as parse
-
-    try:
-        return parse(str(text))
-    except OverflowError:  # 1e999: an infinite float
-        raise ValueError(f"size {text!r} is not finite; write e.g. 512MiB or 8GiB") from None
 
 
 def check_finite(obj: object, *names: str) -> None:
@@ -52,57 +46,26 @@ def check_finite(obj: object, *names: str) -> None:
             raise ValueError(f"{name}={value}: must be a finite number")
 
 
-@dataclasses.dataclass
-class DataConfig:
-    """Training and held-out text."""
+def _with_default(cls: type, name: str, default: Any, shown: str | None = None) -> Any:
+    """The field ``name`` of ``cls`` with another default (its metadata kept)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    metadata = dict(f.metadata)
+    if shown is not None:
+        metadata["default_text"] = shown
+    return field(default=default, metadata=metadata)
 
-    train: str | None = field(
-        default=None,
-        metadata={
-            "help": "training corpus: a .jsonl/.txt/.parquet file, a folder of them or a glob "
-            "(as the collator's --data); None: the demo corpus",
-            "path": "file",
-            "trained": True,
-        },
-    )
+
+@dataclasses.dataclass
+class DataConfig(CorpusConfig):
+    """The training corpus (the collator's, and the rollouts' prompts unless they name their
+    own), the held-out corpus, and where each step's samples come from."""
+
     heldout: str | None = field(
         default=None,
         metadata={
             "help": "held-out corpus for bits/byte; None: the last trainer.eval_texts texts of "
             "data.train (not trained on), or the demo's with the demo corpus",
             "path": "file",
-            "trained": True,
-        },
-    )
-    limit: int | None = field(
-        default=None, metadata={"help": "use only the first N texts", "trained": True}
-    )
-    text_field: str = field(
-        default="text",
-        metadata={"help": "JSON field / parquet or Hugging Face dataset column", "trained": True},
-    )
-    txt_split: Literal["blank_line", "line"] = field(
-        default="blank_line",
-        metadata={
-            "help": "how a .txt file is cut into texts: blank_line (a text is a run of non-blank "
-            "lines; blank lines separate texts) or line (every non-blank line is a text)",
-            "trained": True,
-        },
-    )
-    skip_bad_lines: bool = field(
-        default=False,
-        metadata={
-            "help": "skip (log and count) corpus lines without usable text instead of stopping "
-            "the run at the first (the collator's --skip-bad-lines)",
-            "trained": True,
-        },
-    )
-
-    seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "shuffle the training texts with this seed before they are put (the "
-            "collator holds them in memory); null: corpus order",
             "trained": True,
         },
     )
@@ -116,7 +79,6 @@ class DataConfig:
             "trained": True,
         },
     )
-
     on_policy_fraction: float = field(
         default=0.0,
         metadata={
@@ -128,58 +90,17 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit={self.limit}: must be >= 1, or null for the whole corpus")
+        super().__post_init__()
         if not (math.isfinite(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1):
             raise ValueError(f"on_policy_fraction={self.on_policy_fraction}: must be in [0, 1]")
 
 
 @dataclasses.dataclass
-class CollatorSection:
-    """The collator process."""
+class QueueConfig(ServerConfig):
+    """The run's transfer queue: the settings of its own server (started with the run), or the
+    address of an external one."""
 
-    workers: int = field(
-        default=1, metadata={"help": "collator worker processes", "trained": False}
-    )
-    batch: int = field(
-        default=16,
-        metadata={
-            "help": "texts per put (with pack: the texts packed together; hundreds)",
-            "trained": True,
-        },
-    )
-    pack: bool = field(
-        default=False,
-        metadata={
-            "help": "pack whole documents into rows of ctx_student / ctx_teacher tokens instead "
-            "of one text per sample: positions restart per document, attention, chunks and "
-            "next-token targets stay within a document (docs/design.md, Packing); the run sets "
-            "trainer.pack and teacher.pack",
-            "trained": True,
-        },
-    )
-    kd_where_agrees: str | None = field(
-        default=None,
-        metadata={
-            "help": "a third tokenizer name or path: the KD loss only on chunks whose student "
-            "tokens are each also one token of it, covering the same bytes (e.g. KD from a "
-            "same-tokenizer parent where another teacher's tokenizer would also align 1:1); "
-            "the rollouts' samples too. None: every chunk",
-            "trained": True,
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.batch < 1:
-            raise ValueError("collator.workers and collator.batch must be >= 1")
-        if self.batch > 1 << 20:
-            raise ValueError(f"batch={self.batch}: at most {1 << 20} texts per put")
-
-
-@dataclasses.dataclass
-class QueueSection:
-    """The run's transfer queue: its own (started with the run) or an external one."""
-
+    capacity_bytes: int = _with_default(ServerConfig, "capacity_bytes", 4 << 30, "4GiB")
     address: str | None = field(
         default=None,
         metadata={
@@ -190,6 +111,11 @@ class QueueSection:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.capacity_bytes > MAX_QUEUE_BYTES:
+            raise ValueError(
+                f"capacity_bytes={self.capacity_bytes}: at most {MAX_QUEUE_BYTES} bytes (1PiB)"
+            )
         a = self.address
         if a is None:
             return
@@ -206,13 +132,36 @@ class QueueSection:
 
 
 @dataclasses.dataclass
+class RunCollatorConfig(CollatorConfig):
+    """The collator section of a run config: a :class:`CollatorConfig` that puts smaller batches
+    by default (the run's first steps wait for them)."""
+
+    batch: int = _with_default(CollatorConfig, "batch", 16)
+
+
+@dataclasses.dataclass
+class RunRolloutConfig(RolloutConfig):
+    """The rollout section of a run config: the run checks that a sample fits ``ctx_student``
+    (the rollouts' context length comes from the run's)."""
+
+    def check_fits(self) -> None:
+        """Checked by the run (:meth:`RunConfig.check_on_policy`) against its ``ctx_student``."""
+
+
+@dataclasses.dataclass
 class RunTrainerConfig(TrainerConfig):
     """The trainer section of a run config: a :class:`TrainerConfig` whose ``loss.projection``
     may be left empty when the loss needs one; the run then builds it (or finds it in the cache),
-    and the plan checks the trainer's section again with that file."""
+    and the plan checks the trainer's section again with that file. Its on-policy settings are
+    checked by the run, with the run's keys (the fraction is ``data.on_policy_fraction``)."""
 
     def check_projection(self) -> None:
         """A projection left empty is the run's to build (:attr:`projection_to_build`)."""
+
+    def check_on_policy(self, names: dict[str, str] | None = None) -> None:
+        """Checked by the run (:meth:`RunConfig.check_on_policy`), naming the run's keys."""
+        if names is not None:
+            super().check_on_policy(names)
 
     @property
     def projection_to_build(self) -> bool:
@@ -221,43 +170,20 @@ class RunTrainerConfig(TrainerConfig):
 
 
 @dataclasses.dataclass
-class RunConfig:
+class RunConfig(Shared):
     """A whole distillation run (``xtoken run CONFIG.yaml``)."""
 
-    run_dir: str = field(
-        default="runs/default",
-        metadata={
-            "help": "run directory (the demo has its own, runs/demo)",
-            "path": "run",
-            "trained": False,
-        },
-    )
-    partition: str = field(
-        default="train", metadata={"help": "queue partition of the samples", "trained": False}
-    )
-    student_tokenizer: str = field(
-        default="qwen3",
-        metadata={"help": "student tokenizer", "path": "tokenizer", "trained": True},
-    )
-    teacher_tokenizer: str = field(
-        default="smollm2",
-        metadata={"help": "teacher tokenizer", "path": "tokenizer", "trained": True},
-    )
-    ctx_student: int = field(
-        default=512, metadata={"help": "student tokens per text", "trained": True}
-    )
-    ctx_teacher: int = field(
-        default=512, metadata={"help": "teacher tokens per text", "trained": True}
-    )
+    #: keys of older run configs under their new names (services.common.config)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "queue_capacity": "queue.capacity_bytes",
+        "collator.pack": "pack",
+        "collator.kd_where_agrees": "kd_where_agrees",
+    }
+
     projection_top_k: int = field(
         default=8,
         metadata={"help": "slots per row of a projection built for the run", "trained": True},
     )
-    queue_capacity: str = field(
-        default="4GiB",
-        metadata={"help": "capacity of the run's own queue in bytes", "trained": False},
-    )
-    queue: QueueSection = field(default_factory=QueueSection)
     teachers: int = field(
         default=1, metadata={"help": "teacher processes (groups)", "trained": False}
     )
@@ -307,10 +233,11 @@ class RunConfig:
         },
     )
     data: DataConfig = field(default_factory=DataConfig)
-    collator: CollatorSection = field(default_factory=CollatorSection)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    collator: RunCollatorConfig = field(default_factory=RunCollatorConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     trainer: RunTrainerConfig = field(default_factory=RunTrainerConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RunRolloutConfig = field(default_factory=RunRolloutConfig)
 
     def __post_init__(self) -> None:
         for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
@@ -321,14 +248,6 @@ class RunConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)}: at most {MAX_CONTEXT} tokens per text"
                 )
-        try:
-            size = parse_size(self.queue_capacity)
-        except ValueError as e:
-            raise ValueError(f"queue_capacity={self.queue_capacity!r}: {e}") from None
-        if size > MAX_QUEUE_BYTES:
-            raise ValueError(
-                f"queue_capacity={self.queue_capacity!r}: at most {MAX_QUEUE_BYTES} bytes (1PiB)"
-            )
         check_finite(self, "restart_backoff_s", "ready_timeout_s", "heartbeat_s", "hang_after_s")
         if not self.ready_timeout_s > 0:
             raise ValueError(f"ready_timeout_s={self.ready_timeout_s}: must be > 0")
@@ -356,43 +275,18 @@ class RunConfig:
                     f"teacher.max_length={t.max_length} < ctx_teacher={self.ctx_teacher}: raise "
                     "teacher.max_length to at least ctx_teacher"
                 )
-            if t.transport == "hidden" and not tr.teacher_model:
-                # the trainer applies the teacher's output layer: it loads the same model
-                tr.teacher_model = t.model
-        if tr.teacher_groups != 1 and tr.teacher_groups != self.teachers:
-            raise ValueError(
-                f"trainer.teacher_groups={tr.teacher_groups} but teachers={self.teachers}; leave "
-                "teacher_groups unset (the run sets it)"
-            )
-        tr.teacher_groups = self.teachers
         if self.data.ordered and self.collator.workers > 1:
             raise ValueError(
                 f"data.ordered needs one collator worker (collator.workers="
                 f"{self.collator.workers}): several put in the order they finish; set "
                 "collator.workers: 1, or data.ordered: false"
             )
-        tr.ordered = tr.ordered or self.data.ordered
-        for section, value in (("trainer", tr.pack), ("teacher", t.pack)):
-            if value and not self.collator.pack:
-                raise ValueError(
-                    f"{section}.pack: true but collator.pack is false; set collator.pack: true "
-                    f"(the run sets {section}.pack from it)"
-                )
-        tr.pack = t.pack = self.collator.pack
-        agree = self.rollout.kd_where_agrees
-        if agree is not None and agree != self.collator.kd_where_agrees:
-            raise ValueError(
-                f"rollout.kd_where_agrees={agree!r} but collator.kd_where_agrees="
-                f"{self.collator.kd_where_agrees!r}; set collator.kd_where_agrees only (the run "
-                "gives the rollouts the same)"
-            )
-        self.rollout.kd_where_agrees = self.collator.kd_where_agrees
         if self.teachers > self.trainers:
             raise ValueError(
                 f"teachers={self.teachers} > trainers={self.trainers}: a teacher group serves "
                 "ranks r with r % teachers == group, so extra teachers would idle"
             )
-        self._check_on_policy()
+        self.check_on_policy()
         if self.mps and not any(d.startswith("cuda") for _, d in self.devices()):
             raise ValueError(
                 "mps: true but no process of the run is on a CUDA device ("
@@ -400,23 +294,20 @@ class RunConfig:
                 + "): set mps: false, or put them on cuda"
             )
 
-    def _check_on_policy(self) -> None:
-        """``data.on_policy_fraction`` reaches the trainer (``trainer.on_policy.fraction``), and
-        the rollout workers fit the run.
+    def check_on_policy(self) -> None:
+        """The trainer can take ``data.on_policy_fraction`` of its steps from rollout workers,
+        and the rollout workers fit the run.
 
         Raises:
             ValueError: names the key that conflicts and the fix.
         """
-        fraction, op = self.data.on_policy_fraction, self.trainer.on_policy
-        if op.fraction not in (0.0, fraction):
-            raise ValueError(
-                f"trainer.on_policy.fraction={op.fraction:g} but data.on_policy_fraction="
-                f"{fraction:g}; set data.on_policy_fraction only (the run sets the trainer's)"
-            )
-        op.fraction = fraction
-        if not op.enabled:
+        fraction = self.data.on_policy_fraction
+        if not fraction:
             return
-        self.trainer.check_on_policy(
+        tr = self.trainer
+        # the trainer as the run hands it its fraction and order (checked, not kept)
+        on_policy = dataclasses.replace(tr.on_policy, fraction=fraction)
+        dataclasses.replace(tr, on_policy=on_policy, ordered=self.data.ordered).check_on_policy(
             {
                 "fraction": "data.on_policy_fraction",
                 "loss.mode": "trainer.loss.mode",
@@ -425,7 +316,7 @@ class RunConfig:
             }
         )
         r = self.rollout
-        if self.trainers > 1 and self.trainer.parallel == "fsdp":
+        if self.trainers > 1 and tr.parallel == "fsdp":
             raise ValueError(
                 f"data.on_policy_fraction={fraction:g} with trainer.parallel=fsdp: the rollout "
                 "workers need the whole student, which no FSDP rank holds; use parallel ddp, "
@@ -439,8 +330,9 @@ class RunConfig:
                 f"{r.max_new_tokens} > ctx_student={self.ctx_student}: an on-policy sample must "
                 "fit the student's context; lower them or raise ctx_student"
             )
-        gpu_weights = op.weights == "cuda_ipc" or (
-            op.weights == "auto" and str(self.trainer.device).startswith("cuda")
+        weights = tr.on_policy.weights
+        gpu_weights = weights == "cuda_ipc" or (
+            weights == "auto" and str(tr.device).startswith("cuda")
         )
         if gpu_weights and not str(r.device).startswith("cuda"):
             raise ValueError(
@@ -509,11 +401,60 @@ def load_run_config(path: str | os.PathLike, overrides: Iterable[Override] = ())
     return run_config_from_dict(apply_overrides(cfgmod.load_file(path), overrides))
 
 
-def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     """Validate a run config given as a mapping (the trainer's projection may be left empty:
     the run builds it).
 
     Raises:
-        ConfigError: as :func:`services.common.config.from_dict`.
+        ConfigError: as :func:`services.common.config.from_dict`, or a key of a section that
+            the run sets (marked ``context`` or ``derived``; names the key to set instead).
     """
-    return cfgmod.from_dict(RunConfig, data)
+    for key, shared in cfgmod.marks(RunConfig, "context").items():
+        if cfgmod.has_key(data, key):
+            raise cfgmod.ConfigError(_set_by_context(key, shared))
+    derived = cfgmod.marks(RunConfig, "derived")
+    for key, source in derived.items():
+        if cfgmod.has_key(data, key) and not is_run_key(source):
+            raise cfgmod.ConfigError(f"{key} is set by the run ({source}); remove it")
+    config = cfgmod.from_dict(RunConfig, data)
+    for key, source in derived.items():
+        if not (is_run_key(source) and cfgmod.has_key(data, key)):
+            continue
+        value, wanted = value_at(config, key), value_at(config, source)
+        if dataclasses.is_dataclass(value):
+            raise cfgmod.ConfigError(f"{key} is set by the run from {source}; set {source} only")
+        if value != wanted:
+            raise cfgmod.ConfigError(
+                f"{key}={value!r} but {source}={wanted!r}; set {source} only (the run sets "
+                f"{key} from it)"
+            )
+    return config
+
+
+def run_config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """The JSON form of a run config as :func:`run_config_from_dict` reads it back: its own keys,
+    without the fields of its sections that the run sets (marked ``context`` or ``derived``)."""
+    return cfgmod.section(config, without=("context", "derived"))
+
+
+def value_at(config: Any, key: str) -> Any:
+    """The value of a dotted key of a config (``trainer.optim.lr``)."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def is_run_key(source: str | None) -> bool:
+    """A ``derived`` mark names a key of the run config, a setting or a section (else it says
+    in words what the run makes the value of)."""
+    keys = cfgmod.leaf_paths(RunConfig)
+    return source is not None and any(k == source or k.startswith(f"{source}.") for k in keys)
+
+
+def _set_by_context(key: str, shared: str) -> str:
+    if shared == "queue":
+        return (
+            f"{key} is set by the run: its queue's address (queue.address, or the queue it "
+            "starts); remove it"
+        )
+    return f"{key} is set by the run from {shared}; set {shared} only"

@@ -41,7 +41,7 @@ from services.supervise.events import (
 )
 from services.supervise.exits import GroupExits, error_line, exit_time
 from services.supervise.mps import MpsDaemon
-from services.supervise.plan import Plan, RunContext, make_plan
+from services.supervise.plan import Plan, RunPlace, make_plan
 from services.supervise.policy import DETERMINISTIC_CODES, Decision, RestartPolicy
 from services.supervise.preflight import Inputs, preflight
 from services.supervise.progress import RunProgress, count_texts, estimated_steps
@@ -116,7 +116,7 @@ class Driver:
         self.launcher = launcher
         self.progress = progress
         self.on_event = on_event
-        self.context = RunContext.of(config, run_id)
+        self.place = RunPlace.of(config, run_id)
         self.inputs = inputs
         self.stop_requested = threading.Event()
         self.policy = RestartPolicy(config.max_restarts, config.restart_backoff_s)
@@ -136,27 +136,27 @@ class Driver:
         # the run's MPS daemon (``mps: true``): started by launch, stopped by release
         self.mps = MpsDaemon(self.run_dir / "mps") if config.mps else None
 
-    # ------------------------------------------------------------------ the run's context
+    # ------------------------------------------------------------------ the run's place
 
     @property
     def run_dir(self) -> Path:
         """The run directory (absolute)."""
-        return self.context.run_dir
+        return self.place.run_dir
 
     @property
     def run_id(self) -> str:
         """The run's id."""
-        return self.context.run_id
+        return self.place.run_id
 
     @property
     def external_queue(self) -> str | None:
         """The address of the running queue the run uses, or None for a queue of its own."""
-        return self.context.external_queue
+        return self.place.external_queue
 
     @property
     def partition(self) -> str:
         """The samples' partition (prefixed with the run id on an external queue)."""
-        return self.context.partition
+        return self.place.partition
 
     @property
     def failure(self) -> str | None:
@@ -198,7 +198,7 @@ class Driver:
                 :meth:`prepare`).
         """
         inputs = self.inputs or Inputs.given(self.config)
-        return make_plan(self.config, inputs, self.context, queue=queue, master_port=master_port)
+        return make_plan(self.config, inputs, self.place, queue=queue, master_port=master_port)
 
     def launch(self) -> None:
         """Start the queue (and wait until it is ready), the collator, the teachers and trainers.
@@ -756,7 +756,7 @@ class Driver:
 def write_sections(plan: Plan) -> None:
     """Write a launch's section files (``config/<process>.json``, the shared
     ``config/context.json``, ``config/run.json``) and make its log directory."""
-    d = plan.context.run_dir
+    d = plan.place.run_dir
     (d / "config").mkdir(parents=True, exist_ok=True)
     (d / "logs").mkdir(parents=True, exist_ok=True)
     for name, section in plan.sections.items():

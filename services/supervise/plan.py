@@ -1,9 +1,10 @@
 """The plan of a run: from its config and settled inputs to each process's own section and the
 process specs a launcher starts. Pure: nothing here writes a file or starts a process.
 
-Each process gets only its own section (``run_dir/config/<process>.json``) and the run's shared
-context (``run_dir/config/context.json``: queue address, partition, tokenizers, run directory,
-written once); its argv only names the two files.
+Each process gets only its own section (``run_dir/config/<process>.json``: its config class,
+less the fields marked ``context``, with the fields marked ``derived`` computed here from their
+one source) and the run's shared context (``run_dir/config/context.json``, written once); its
+argv only names the two files. Nothing computed here is written back into the run config.
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from services.collator.config import CollatorConfig, CorpusConfig
 from services.common import config as cfgmod
-from services.common.context import CONTEXT_FILE, Context
+from services.common.context import CONTEXT_FILE, Context, Shared
 from services.common.heartbeat import HEARTBEAT_ENV, HEARTBEAT_S_ENV
 from services.launch.spec import ProcessSpec
 from services.protocol.names import policy_dir
-from services.supervise.config import RunConfig
+from services.queue.config import ServerConfig
+from services.rollout.config import RolloutConfig
+from services.supervise.config import RunConfig, is_run_key, run_config_to_dict, value_at
 from services.supervise.mps import mps_env
 from services.supervise.preflight import Inputs, slug
+from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
 
 
@@ -33,7 +38,7 @@ def default_run_id(run_dir: Path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunContext:
+class RunPlace:
     """Where a run lives and how it names itself on its queue.
 
     Attributes:
@@ -52,8 +57,8 @@ class RunContext:
     partition: str
 
     @classmethod
-    def of(cls, config: RunConfig, run_id: str | None = None) -> RunContext:
-        """The context of ``config`` (``run_id`` None: :func:`default_run_id`)."""
+    def of(cls, config: RunConfig, run_id: str | None = None) -> RunPlace:
+        """The place of ``config`` (``run_id`` None: :func:`default_run_id`)."""
         run_dir = Path(config.run_dir).resolve()
         run_id = run_id or default_run_id(run_dir)
         external = config.queue.address
@@ -88,18 +93,19 @@ class Plan:
     """One launch of a run: every process's section and spec.
 
     Attributes:
-        context: the run's :class:`RunContext`.
+        place: the run's :class:`RunPlace`.
         queue: the queue address every process connects to.
         master_port: the trainer ranks' rendezvous port.
         shared: the run-wide :class:`~services.common.context.Context` as a JSON mapping
             (``config/context.json``).
         sections: file stem (``queue``, ``collator``, ``trainer``, ``teacher0``) -> that
             process's own section as a JSON mapping.
-        run_section: the whole run config with its settled inputs (``config/run.json``).
+        run_section: the whole run config with its settled inputs (``config/run.json``): its
+            own keys, without the fields the run sets.
         specs: the processes, in start order (the queue first when the run has its own).
     """
 
-    context: RunContext
+    place: RunPlace
     queue: str
     master_port: int
     shared: dict[str, Any]
@@ -111,7 +117,7 @@ class Plan:
 def make_plan(
     config: RunConfig,
     inputs: Inputs,
-    context: RunContext,
+    place: RunPlace,
     *,
     queue: str,
     master_port: int,
@@ -120,10 +126,10 @@ def make_plan(
     """Plan one launch of a run.
 
     Args:
-        config: the run config.
+        config: the run config (not modified).
         inputs: its settled inputs (:func:`services.supervise.preflight.preflight`, or
             :meth:`Inputs.given` for a config that names them all).
-        context: the run's :class:`RunContext`.
+        place: the run's :class:`RunPlace`.
         queue: the queue address.
         master_port: the trainer ranks' rendezvous port.
         host: the machine (default: :meth:`Host.here`).
@@ -132,63 +138,76 @@ def make_plan(
         ValueError: a section that does not build (a loss that needs a projection and has none).
     """
     host = host or Host.here()
-    shared = cfgmod.to_dict(make_context(config, context, queue=queue))
+    context = make_context(config, place, queue=queue)
     sections = {
-        **make_data_sections(config, inputs, context),
-        **make_sections(config, inputs, gpus=host.gpus),
+        **make_data_sections(config, inputs, place, context),
+        **make_sections(config, inputs, context, gpus=host.gpus),
     }
     if config.on_policy:
-        sections.update(rollout_sections(config, inputs, context, queue=queue, gpus=host.gpus))
-    run_section = cfgmod.to_dict(config)
+        sections.update(rollout_sections(config, inputs, place, context, gpus=host.gpus))
+    run_section = run_config_to_dict(config)
     run_section["data"].update(train=inputs.train, heldout=inputs.heldout)
     run_section["trainer"]["loss"]["projection"] = inputs.projection
-    specs = make_specs(config, context, master_port=master_port, host=host)
-    return Plan(context, queue, master_port, shared, sections, run_section, tuple(specs))
+    specs = make_specs(config, place, master_port=master_port, host=host)
+    shared = cfgmod.to_dict(context)
+    return Plan(place, queue, master_port, shared, sections, run_section, tuple(specs))
 
 
-def make_context(config: RunConfig, context: RunContext, *, queue: str) -> Context:
-    """The run-wide values every process of a launch on ``queue`` shares."""
-    return Context(
-        queue=queue,
-        partition=context.partition,
-        student_tokenizer=config.student_tokenizer,
-        teacher_tokenizer=config.teacher_tokenizer,
-        run_dir=str(context.run_dir),
-    )
+def make_context(config: RunConfig, place: RunPlace, *, queue: str) -> Context:
+    """The run-wide values every process of a launch on ``queue`` shares: the run config's
+    shared settings (:class:`~services.common.context.Shared`) as the launch settles them."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Shared)}
+    values.update(run_dir=str(place.run_dir), partition=place.partition)
+    return Context(**values, queue=queue)
+
+
+def own(cls: type, section: Any, context: Context, **derived: Any) -> dict[str, Any]:
+    """A process's section file: the fields of ``cls`` taken from its run-config ``section`` (of
+    ``cls`` or a run-facing subclass of it) and the values the run derives for it, less the
+    fields the shared context gives; checked as the process builds it, with ``context``.
+
+    Raises:
+        ValueError: a section the process would refuse (names the key).
+    """
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    data = {k: v for k, v in cfgmod.to_dict(section).items() if k in names}
+    for name, value in derived.items():
+        data[name] = cfgmod.to_dict(value) if dataclasses.is_dataclass(value) else value
+    data = cfgmod.without_marked(cls, data)
+    cfgmod.from_dict(cls, cfgmod.with_context(cls, data, context))
+    return data
+
+
+def copies(config: RunConfig, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` whose ``derived`` mark names a key of the run config, with that
+    key's value (``trainer.teacher_groups`` <- ``teachers``)."""
+    return {
+        f.name: value_at(config, f.metadata["derived"])
+        for f in dataclasses.fields(cls)
+        if f.init and is_run_key(f.metadata.get("derived"))
+    }
 
 
 def make_data_sections(
-    config: RunConfig, inputs: Inputs, context: RunContext
+    config: RunConfig, inputs: Inputs, place: RunPlace, context: Context
 ) -> dict[str, dict[str, Any]]:
-    """The section of the run's own queue (none on an external one) and of its collator."""
+    """The section of the run's own queue (none on an external one) and of its collator: the
+    corpus as the preflight settled it (the demo's when ``data.train`` is unset; its limit
+    lowered when the held-out texts are its last ones)."""
     cfg = config
-    # the held-out texts may be the last ones of data.train: the collator stops before them
-    limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
     out: dict[str, dict[str, Any]] = {}
-    if not context.external_queue:
-        out["queue"] = {"capacity_bytes": cfg.queue_capacity}
-    out["collator"] = {
-        "data": str(inputs.train),
-        "workers": cfg.collator.workers,
-        "batch": cfg.collator.batch,
-        "limit": limit or None,
-        "text_field": cfg.data.text_field,
-        "txt_split": cfg.data.txt_split,
-        "shuffle_seed": cfg.data.seed,
-        "skip_bad_lines": cfg.data.skip_bad_lines,
-        "worker": {
-            "ctx_student": cfg.ctx_student,
-            "ctx_teacher": cfg.ctx_teacher,
-            "pack": cfg.collator.pack,
-            "kd_where_agrees": cfg.collator.kd_where_agrees,
-        },
-    }
+    if not place.external_queue:
+        out["queue"] = own(ServerConfig, cfg.queue, context)
+    limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
+    corpus = own(CorpusConfig, cfg.data, context, train=inputs.train, limit=limit or None)
+    out["collator"] = own(CollatorConfig, cfg.collator, context, data=corpus)
     return out
 
 
 def make_sections(
     config: RunConfig,
     inputs: Inputs,
+    context: Context,
     *,
     gpus: int | None = None,
 ) -> dict[str, dict[str, Any]]:
@@ -200,35 +219,35 @@ def make_sections(
         ValueError: a trainer section that does not build (names the key).
     """
     cfg = config
-    teacher = cfg.teacher
-    trainer_fields = {
-        f.name: getattr(cfg.trainer, f.name) for f in dataclasses.fields(TrainerConfig)
-    }
-    trainer_own = {
-        **trainer_fields,
-        "loss": dataclasses.replace(cfg.trainer.loss, projection=inputs.projection),
-        "teacher_vocab_size": cfg.trainer.teacher_vocab_size or cfg.teacher.vocab_size,
-        "teacher_seed": cfg.teacher.seed,
-        "heldout": cfg.trainer.heldout or inputs.heldout,
-        "teacher_groups": cfg.teachers,
-        "max_length": cfg.trainer.max_length or cfg.ctx_student,
-    }
-    trainer = TrainerConfig(**trainer_own)  # checked; its context fields are left out
-    out = {"trainer": cfgmod.section(trainer)}
+    teacher, tr = cfg.teacher, cfg.trainer
+    hidden = tr.loss.uses_teacher and teacher.transport == "hidden"
+    trainer = own(
+        TrainerConfig,
+        tr,
+        context,
+        **copies(cfg, TrainerConfig),
+        on_policy=dataclasses.replace(tr.on_policy, **copies(cfg, type(tr.on_policy))),
+        loss=dataclasses.replace(tr.loss, projection=inputs.projection),
+        heldout=tr.heldout or inputs.heldout,
+        max_length=tr.max_length or cfg.ctx_student,
+        # the hidden transport: the trainer applies the teacher's output layer, of its model
+        teacher_model=tr.teacher_model or (teacher.model if hidden else None),
+    )  # checked: a loss that needs a projection has one now
+    out = {"trainer": trainer}
     for g in range(cfg.teachers):
         device = teacher.device
         if device == "cuda":
             gpus = _gpu_count() if gpus is None else gpus
             device = f"cuda:{g % max(1, gpus)}"
-        out[f"teacher{g}"] = cfgmod.section(
-            dataclasses.replace(
-                teacher,
-                group=g,
-                device=device,
-                heldout=(teacher.heldout or inputs.heldout) if g == 0 else None,
-                eval_ctx=cfg.trainer.eval_ctx,
-                eval_texts=cfg.trainer.eval_texts,
-            )
+        out[f"teacher{g}"] = own(
+            TeacherConfig,
+            teacher,
+            context,
+            **copies(cfg, TeacherConfig),
+            group=g,
+            device=device,
+            # only the first group evaluates the held-out text
+            heldout=(teacher.heldout or inputs.heldout) if g == 0 else None,
         )
     return out
 
@@ -236,58 +255,49 @@ def make_sections(
 def rollout_sections(
     config: RunConfig,
     inputs: Inputs,
-    context: RunContext,
+    place: RunPlace,
+    context: Context,
     *,
-    queue: str,
     gpus: int | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The section of each rollout worker (``rollout<i>``): the run's queue, partition,
-    tokenizers, context lengths and student (the trainer's spec, vocab and seed), the trainer's
-    weights directory, the prompts (``data.train`` and its limit unless ``rollout.prompts``),
-    and, unless ``rollout.max_pending`` is set, a step of on-policy samples of every rank (at
-    least a batch) waiting at most: the trainers claim a step ahead, and more would only grow
-    stale."""
+    """The section of each rollout worker (``rollout<i>``): its index, the student (the
+    trainer's spec, vocab and seed), the trainer's weights directory, the prompts (``data.train``
+    and its limit unless ``rollout.prompts``), and, unless ``rollout.max_pending`` is set, a step
+    of on-policy samples of every rank (at least a batch) waiting at most: the trainers claim a
+    step ahead, and more would only grow stale. The queue, partition, tokenizers, context
+    lengths and run directory come from the shared context."""
     cfg, r = config, config.rollout
     tr = cfg.trainer
     per_step = tr.micro_batch * tr.grad_accum * cfg.trainers
     share = max(1, round(cfg.data.on_policy_fraction * per_step))
     own_prompts = r.prompts is not None
+    corpus_limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
     out = {}
     for i in range(cfg.rollouts):
         device = r.device
         if device == "cuda":
             gpus = _gpu_count() if gpus is None else gpus
             device = f"cuda:{i % max(1, gpus)}"
-        section = dataclasses.replace(
+        out[f"rollout{i}"] = own(
+            RolloutConfig,
             r,
-            queue=queue,
-            partition=context.partition,
+            context,
+            **copies(cfg, RolloutConfig),
             worker=i,
-            workers=cfg.rollouts,
-            student=tr.student,
-            vocab_size=tr.vocab_size,
-            seed=tr.seed,
-            student_tokenizer=cfg.student_tokenizer,
-            teacher_tokenizer=cfg.teacher_tokenizer,
-            ctx_student=cfg.ctx_student,
-            ctx_teacher=cfg.ctx_teacher,
             device=device,
-            weights=policy_dir(context.run_dir),
+            weights=str(policy_dir(place.run_dir)),
+            state_dir=str(place.run_dir / "rollout"),
             prompts=r.prompts if own_prompts else inputs.train,
-            limit=r.limit if own_prompts else (cfg.data.limit if inputs.train_limit is None
-                                               else inputs.train_limit),
+            limit=r.limit if own_prompts else corpus_limit,
             text_field=r.text_field if own_prompts else cfg.data.text_field,
             max_pending=max(r.batch, share) if r.max_pending is None else r.max_pending,
-            state_dir=str(context.run_dir / "rollout"),
-            kd_where_agrees=cfg.collator.kd_where_agrees,
-        )  # fmt: skip
-        out[f"rollout{i}"] = cfgmod.to_dict(section)
+        )
     return out
 
 
 def make_specs(
     config: RunConfig,
-    context: RunContext,
+    place: RunPlace,
     *,
     master_port: int,
     host: Host | None = None,
@@ -296,11 +306,10 @@ def make_specs(
     sample is on-policy), a teacher per group (when the loss uses one), a trainer per rank and
     the rollout workers (with on-policy samples), each with its heartbeat file (and, with
     ``mps: true``, each GPU process with the run's MPS daemon's folders). Each one's argv
-    names its section file and the shared context (a rollout worker's: its section and the run
-    directory)."""
+    names its section file and the shared context, and nothing else."""
     cfg = config
     host = host or Host.here()
-    d = context.run_dir
+    d = place.run_dir
 
     def argv(command: list[str], section: str) -> list[str]:
         config_dir = d / "config"
@@ -313,7 +322,7 @@ def make_specs(
         ]
 
     specs = []
-    if not context.external_queue:
+    if not place.external_queue:
         specs.append(
             ProcessSpec(
                 "queue",
@@ -380,13 +389,7 @@ def make_specs(
             ProcessSpec(
                 f"rollout{i}",
                 "rollout",
-                [
-                    "rollout",
-                    "--config",
-                    str(d / "config" / f"rollout{i}.json"),
-                    "--run-dir",
-                    str(d),
-                ],
+                argv(["rollout"], f"rollout{i}"),
                 env=dict(threads) if cfg.rollout.device == "cpu" else {},
                 log_file=str(d / "logs" / f"rollout{i}.log"),
                 ready_file=str(d / "ready" / f"rollout{i}"),

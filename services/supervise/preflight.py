@@ -100,7 +100,7 @@ def preflight(config: RunConfig) -> Inputs:
     names = {
         "student_tokenizer": config.student_tokenizer,
         "teacher_tokenizer": config.teacher_tokenizer,
-        "collator.kd_where_agrees": config.collator.kd_where_agrees,
+        "kd_where_agrees": config.kd_where_agrees,
     }
     for key, name in names.items():
         try:

@@ -3,7 +3,8 @@
 A run directory records its run's fingerprint (``fingerprint.json``): the value of every setting
 whose field is marked ``trained`` (it changes what is trained: the data and how it is cut,
 ordered, packed and batched, the held-out texts kept out of it, the models, tokenizers, loss,
-optimizer, seeds, ranks; :mod:`services.common.config`). At start:
+optimizer, seeds, ranks; :mod:`services.common.config`), each by the key a run config sets it
+with (a section's field that the run sets is recorded by its source). At start:
 
 * no checkpoint: a fresh run (the fingerprint is written);
 * a checkpoint of the same fingerprint: resumed ("resuming step N of M"), or, when its run
@@ -46,11 +47,14 @@ def fingerprint(config: Any) -> dict[str, Any]:
         config: a RunConfig.
 
     Returns:
-        ``{"trainer.student": ..., "trainer.optim.lr": ..., "collator.pack": ..., ...}``.
+        ``{"trainer.student": ..., "trainer.optim.lr": ..., "pack": ..., ...}``.
     """
+    cls = type(config)
+    # a field the run sets (marked context or derived) is recorded once, by its source's key
+    run_set = (*marks(cls, "context"), *marks(cls, "derived"))
     out: dict[str, Any] = {}
-    for key, trained in marks(type(config), "trained").items():
-        if trained is True:
+    for key, trained in marks(cls, "trained").items():
+        if trained is True and not any(key == k or key.startswith(f"{k}.") for k in run_set):
             value: Any = config
             for part in key.split("."):
                 value = getattr(value, part, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from services.protocol.names import TRANSPORTS
 from xtoken_core.models.dtypes import check_dtype_name
@@ -56,6 +56,9 @@ def resolve_cuda_graphs(flag: bool, compiled: bool, device: object) -> bool:
 class TeacherConfig:
     """Settings of one teacher process (the ``teacher`` section of a run config)."""
 
+    #: keys of older configs under their new names (services.common.config)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"heartbeat_s": "ring_heartbeat_s"}
+
     queue: str = field(
         default="tcp://127.0.0.1:5555",
         metadata={"help": "queue server address", "context": "queue", "trained": False},
@@ -68,6 +71,7 @@ class TeacherConfig:
         default=0,
         metadata={
             "help": "teacher group served: requests of <partition>.teacher<group>",
+            "derived": "each teacher group's index",
             "trained": False,
         },
     )
@@ -148,8 +152,9 @@ class TeacherConfig:
     pack: bool = field(
         default=False,
         metadata={
-            "help": "requests hold packed rows of several documents (collator.pack; xtoken run "
-            "sets it): the model runs packed_attention",
+            "help": "requests hold packed rows of several documents (as the collators pack them): "
+            "the model runs packed_attention",
+            "context": "pack",
             "trained": True,
         },
     )
@@ -184,7 +189,6 @@ class TeacherConfig:
         metadata={
             "help": "seconds between two heartbeats in each logit ring (trainers call a teacher "
             "whose ring beat is older than their teacher_dead_after_s dead)",
-            "deprecated_keys": ("heartbeat_s",),
             "trained": False,
         },
     )
@@ -207,10 +211,20 @@ class TeacherConfig:
         },
     )
     eval_texts: int = field(
-        default=32, metadata={"help": "held-out texts of that eval", "trained": False}
+        default=32,
+        metadata={
+            "help": "held-out texts of that eval",
+            "derived": "trainer.eval_texts",
+            "trained": False,
+        },
     )
     eval_ctx: int = field(
-        default=512, metadata={"help": "tokens per eval window", "trained": False}
+        default=512,
+        metadata={
+            "help": "tokens per eval window",
+            "derived": "trainer.eval_ctx",
+            "trained": False,
+        },
     )
     run_dir: str | None = field(
         default=None,

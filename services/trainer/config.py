@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 
@@ -66,6 +66,7 @@ class OnPolicyConfig:
         metadata={
             "help": "share of each step's samples taken from the rollout workers (GKD's lambda; "
             "0: off-policy only); xtoken run sets it from data.on_policy_fraction",
+            "derived": "data.on_policy_fraction",
             "trained": True,
         },
     )
@@ -129,6 +130,9 @@ class OnPolicyConfig:
 class TrainerConfig:
     """Settings of one trainer rank (rank and world size come from torchrun's environment)."""
 
+    #: keys of older configs under their new names (services.common.config)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"dead_after_s": "teacher_dead_after_s"}
+
     queue: str = field(
         default="tcp://127.0.0.1:5555",
         metadata={"help": "queue server address", "context": "queue", "trained": False},
@@ -174,18 +178,27 @@ class TrainerConfig:
     )
     teacher_vocab_size: int | None = field(
         default=None,
-        metadata={"help": "vocab of a preset teacher (default: its tokenizer's)", "trained": True},
+        metadata={
+            "help": "vocab of a preset teacher (default: its tokenizer's)",
+            "derived": "teacher.vocab_size",
+            "trained": True,
+        },
     )
     teacher_seed: int = field(
         default=0,
         metadata={
             "help": "seed of a preset teacher (the hidden transport rebuilds its output layer)",
+            "derived": "teacher.seed",
             "trained": True,
         },
     )
     teacher_groups: int = field(
         default=1,
-        metadata={"help": "teacher groups; rank r asks group r % teacher_groups", "trained": False},
+        metadata={
+            "help": "teacher groups; rank r asks group r % teacher_groups",
+            "derived": "teachers",
+            "trained": False,
+        },
     )
     vocab_size: int | None = field(
         default=None,
@@ -248,9 +261,10 @@ class TrainerConfig:
     pack: bool = field(
         default=False,
         metadata={
-            "help": "the samples are packed rows of several documents (collator.pack; xtoken "
-            "run sets it): positions restart per document, attention stays within a document, "
-            "and the start-up step compiles for that",
+            "help": "the samples are packed rows of several documents (as the collators pack "
+            "them): positions restart per document, attention stays within a document, and the "
+            "start-up step compiles for that",
+            "context": "pack",
             "trained": True,
         },
     )
@@ -397,7 +411,6 @@ class TrainerConfig:
         metadata={
             "help": "a teacher whose logit-ring heartbeat is older than this is dead: what it "
             "did not answer is asked of its successor",
-            "deprecated_keys": ("dead_after_s",),
             "trained": False,
         },
     )
@@ -415,6 +428,7 @@ class TrainerConfig:
             "sort only within the step, so that runs on the same queue order train the same "
             "micro-batches; N ranks take fixed shares of N such steps (xtoken run sets it from "
             "data.ordered)",
+            "derived": "data.ordered",
             "trained": True,
         },
     )

@@ -273,11 +273,11 @@ def test_an_agree_arm_keeps_kd_where_another_tokenizer_cuts_alike_and_the_run_ac
     assert arm.agree == "qwen3" and arm.overrides == {"temperature": 2} and arm.on_policy == 0
     args = _run_args(tmp_path, "cpu")
     cfg = heal.run_config(arm, 0, args, tmp_path / "student", tmp_path / "p.pt")
-    assert cfg["collator"]["kd_where_agrees"] == "qwen3"
+    assert cfg["kd_where_agrees"] == "qwen3"
     assert cfg["data"]["ordered"] is True  # paired with the parent's arm, same micro-batches
     from services.supervise.config import run_config_from_dict
 
-    assert run_config_from_dict(cfg).collator.kd_where_agrees == "qwen3"
+    assert run_config_from_dict(cfg).kd_where_agrees == "qwen3"
     with pytest.raises(ValueError, match="must name a tokenizer"):
         heal.parse_heal_arm("pkl@smollm2:agree=")
 

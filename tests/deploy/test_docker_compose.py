@@ -190,7 +190,7 @@ def _run_config(data: pathlib.Path) -> dict:
         "teacher_tokenizer": "smollm2",
         "ctx_student": 64,
         "ctx_teacher": 64,
-        "queue_capacity": "256MiB",
+        "queue": {"capacity_bytes": "256MiB"},
         "trainers": 1,
         "teachers": 1,
         "data": {"train": "/data/train.jsonl", "heldout": "/data/heldout.jsonl"},

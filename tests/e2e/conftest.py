@@ -60,9 +60,13 @@ def free_port() -> int:
 
 
 def write_config(path: pathlib.Path, config: Any) -> pathlib.Path:
-    """Write a config dataclass as the JSON a ``--config`` flag reads; returns ``path``."""
+    """Write a config dataclass as the JSON a ``--config`` flag (or ``xtoken run``) reads;
+    returns ``path``."""
+    from services.supervise.config import RunConfig, run_config_to_dict
+
+    data = run_config_to_dict(config) if isinstance(config, RunConfig) else to_dict(config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(config), indent=1))
+    path.write_text(json.dumps(data, indent=1))
     return path
 
 
@@ -204,7 +208,7 @@ def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, pr
     """The run config of ``xtoken run`` tests: two tiny P-KL trainer ranks (4 x 2 samples a step
     each), one shm teacher with checksums, one collator worker; ``trainer`` overrides the
     trainer's settings (no checkpoint, no export by default)."""
-    from services.supervise.config import CollatorSection, DataConfig, RunConfig
+    from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 
     settings = dict(
         student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,
@@ -215,9 +219,9 @@ def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, pr
     return RunConfig(
         run_dir=str(run_dir), student_tokenizer=STUDENT_TOKENIZER,
         teacher_tokenizer=TEACHER_TOKENIZER, ctx_student=CTX, ctx_teacher=CTX,
-        queue_capacity="1GiB", trainers=2,
+        queue=QueueConfig(capacity_bytes=1 << 30), trainers=2,
         data=DataConfig(train=str(train), heldout=heldout),
-        collator=CollatorSection(workers=1, batch=16),
+        collator=RunCollatorConfig(workers=1, batch=16),
         teacher=TeacherConfig(
             model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
         ),

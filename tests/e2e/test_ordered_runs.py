@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 from services.common.metrics import read_jsonl
-from services.supervise.config import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
@@ -43,10 +43,10 @@ def _config(
         teacher_tokenizer=TEACHER_TOKENIZER,
         ctx_student=CTX,
         ctx_teacher=CTX,
-        queue_capacity="1GiB",
+        queue=QueueConfig(capacity_bytes=1 << 30),
         trainers=trainers,
         data=DataConfig(train=str(train), heldout=str(heldout), seed=7, ordered=True),
-        collator=CollatorSection(workers=1, batch=3),
+        collator=RunCollatorConfig(workers=1, batch=3),
         teacher=TeacherConfig(model="tiny", transport="shm", max_batch=2, max_length=CTX),
         trainer=TrainerConfig(
             student="tiny", micro_batch=2, grad_accum=grad_accum, max_steps=0, checkpoint_every=0,

@@ -1,4 +1,4 @@
-"""``collator.pack`` through ``xtoken run``: a P-KL run of tiny models on packed rows (several
+"""``pack`` through ``xtoken run``: a P-KL run of tiny models on packed rows (several
 demo-corpus texts per row, a shm teacher, one trainer) finishes, trains every text exactly once in
 fewer samples than texts, and its loss and held-out bits/byte go down."""
 
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from services.supervise.config import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
@@ -38,9 +38,10 @@ def test_a_packed_run_trains_every_text_once_in_fewer_rows(procs, tmp_path, demo
         teacher_tokenizer=TEACHER_TOKENIZER,
         ctx_student=CTX,
         ctx_teacher=CTX,
-        queue_capacity="1GiB",
+        queue=QueueConfig(capacity_bytes=1 << 30),
         data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
-        collator=CollatorSection(workers=1, batch=TEXTS, pack=True),
+        pack=True,
+        collator=RunCollatorConfig(workers=1, batch=TEXTS),
         teacher=TeacherConfig(model="tiny", transport="shm", max_batch=2, max_length=CTX),
         trainer=TrainerConfig(
             student="tiny", micro_batch=2, grad_accum=1, max_steps=0, checkpoint_every=0,

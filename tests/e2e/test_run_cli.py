@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from services.collator.cli import EXIT_STOPPED
-from services.supervise.config import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
@@ -84,10 +84,10 @@ def test_fsdp_run_trains_each_sample_once_evaluates_and_exports_a_loadable_stude
         teacher_tokenizer=TEACHER_TOKENIZER,
         ctx_student=CTX,
         ctx_teacher=CTX,
-        queue_capacity="1GiB",
+        queue=QueueConfig(capacity_bytes=1 << 30),
         trainers=2,
         data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
-        collator=CollatorSection(workers=1, batch=16),
+        collator=RunCollatorConfig(workers=1, batch=16),
         teacher=TeacherConfig(model="tiny", transport="shm", max_batch=4, max_length=CTX),
         trainer=TrainerConfig(
             student="tiny", parallel="fsdp", micro_batch=4, grad_accum=1, max_steps=0,

@@ -14,7 +14,6 @@ import pytest
 
 from services import cli
 from services.common.flags import subparsers
-from services.queue import cli as queue_cli
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -137,26 +136,11 @@ def test_every_duration_flag_ends_in_s():
     assert {"--lease-s", "--timeout-s", "--queue-timeout-s", "--idle-timeout-s"} <= set(checked)
 
 
-@pytest.mark.parametrize("old", queue_cli.SERVE_RENAMED)
-def test_the_old_spelling_of_a_queue_duration_flag_still_works_with_a_warning(old, capsys):
-    parser = cli.build_parser()
-    new = parser.parse_args(["queue", "serve", f"{old}-s", "7"])
-    assert capsys.readouterr().err == ""
-    given = parser.parse_args(["queue", "serve", old, "7"])
-    assert vars(given) == vars(new)
-    assert capsys.readouterr().err == (
-        f"xtoken queue serve: {old} is deprecated and will be removed; use {old}-s\n"
-    )
-
-
 @pytest.mark.parametrize(
     ("argv", "old"),
     [
         (["queue", "stats", "--queue", "tcp://127.0.0.1:1"], "--timeout"),
         (["queue", "drain", "--queue", "tcp://h:1", "--partition", "p", "--task", "t"], "--wait"),
-        (COLLATOR, "--log-every"),
-        (COLLATOR, "--put-timeout"),
-        (COLLATOR, "--queue-timeout"),
     ],
 )
 def test_old_spellings_of_other_duration_flags_still_work(argv, old, capsys):
@@ -165,6 +149,21 @@ def test_old_spellings_of_other_duration_flags_still_work(argv, old, capsys):
         parser.parse_args([*argv, f"{old}-s", "3"])
     )
     assert f"{old} is deprecated" in capsys.readouterr().err
+
+
+def test_a_generated_flag_has_one_spelling():
+    """The flags generated from a config's fields are its keys, with no alias of an old name."""
+    for prog, sub in _parsers():
+        if not prog.endswith(("collator", "queue serve", "teacher", "trainer", "rollout")):
+            continue
+        hidden = [
+            s
+            for a in sub._actions
+            if a.help == argparse.SUPPRESS and a.option_strings
+            for s in a.option_strings
+            if s not in INTERNAL_FLAGS
+        ]
+        assert not hidden, f"{prog} keeps hidden spellings {hidden}"
 
 
 def test_global_flags_are_accepted_before_and_after_the_subcommand():

@@ -244,7 +244,7 @@ def pad_samples(
     if any(packed) and not all(packed):
         raise ValueError(
             f"{sum(packed)} of {len(samples)} samples are packed rows (position_ids) and the "
-            "others are not; a batch comes from one collator setting (collator.pack)"
+            "others are not; a batch comes from one setting (the run's pack)"
         )
     divisors = {
         STUDENT_TOKEN: int(make_seq_div_by_student),

@@ -118,7 +118,7 @@ def document_attention_mask(
         raise ValueError(
             f"packed rows need document-boundary attention, built here for "
             f"{', '.join(IMPLEMENTATIONS)}; the model runs {implementation!r}: load it with "
-            "attn_implementation='sdpa', or set collator.pack: false"
+            "attn_implementation='sdpa', or set pack: false"
         )
     doc_BT = document_ids(position_ids_BT)
 
@@ -139,7 +139,7 @@ def document_attention_mask(
         if kind not in _LAYER_WINDOWS:
             raise ValueError(
                 f"packed rows: the model has {kind!r} layers; document masks are built for "
-                f"{', '.join(_LAYER_WINDOWS)} layers only; set collator.pack: false"
+                f"{', '.join(_LAYER_WINDOWS)} layers only; set pack: false"
             )
         out[kind] = build(int(config.sliding_window) if _LAYER_WINDOWS[kind] else None)
     return out
@@ -183,6 +183,6 @@ def use_packed_attention(model: torch.nn.Module, implementation: str) -> None:
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(
             f"{type(model).__name__} cannot switch to {implementation!r} attention for packed "
-            "rows; set packed_attention: sdpa, or collator.pack: false"
+            "rows; set packed_attention: sdpa, or pack: false"
         )
     model.set_attn_implementation(implementation)

@@ -167,12 +167,12 @@ def test_unreachable_queue_names_the_address_and_the_timeout_setting(corpus_slic
 
 def test_a_config_file_with_a_worker_section_and_flags_over_it_build_the_run_config(tmp_path):
     from services import cli
-    from services.collator.config import RunConfig
+    from services.collator.config import CollatorConfig, CorpusConfig
     from services.common.config import from_args
 
     path = tmp_path / "collator.yaml"
     path.write_text(
-        "data: c.jsonl\nbatch: 8\nworker:\n  queue: tcp://q:1\n  student: qwen3\n"
+        "data:\n  train: c.jsonl\nbatch: 8\nworker:\n  queue: tcp://q:1\n  student: qwen3\n"
         "  teacher: mistral\n  ctx_student: 128\n"
     )
     args = cli.build_parser().parse_args(
@@ -181,8 +181,8 @@ def test_a_config_file_with_a_worker_section_and_flags_over_it_build_the_run_con
     worker = WorkerConfig(
         queue="tcp://q:1", student="qwen3", teacher="mistral", ctx_student=128, ctx_teacher=64
     )
-    assert from_args(RunConfig, args) == RunConfig(
-        data="c.jsonl", worker=worker, workers=3, batch=8
+    assert from_args(CollatorConfig, args) == CollatorConfig(
+        data=CorpusConfig("c.jsonl"), worker=worker, workers=3, batch=8
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.collator.runner import RunConfig
+from services.collator.config import CollatorConfig, CorpusConfig
 from services.collator.worker import (
     CollatorWorker,
     WorkerConfig,
@@ -114,10 +114,11 @@ def test_samples_to_put_fields_names_a_missing_field(worker):
     ("kwargs", "match"),
     [({"workers": 0}, "--workers"), ({"batch": 0}, "--batch"), ({"limit": 0}, "limit=0")],
 )
-def test_run_config_rejects_bad_counts(kwargs, match):
+def test_collator_config_rejects_bad_counts(kwargs, match):
     worker = WorkerConfig(queue="tcp://127.0.0.1:1", partition="p", student="a", teacher="b")
+    limit = kwargs.pop("limit", None)
     with pytest.raises(ValueError, match=match):
-        RunConfig(data="x.jsonl", worker=worker, **kwargs)
+        CollatorConfig(data=CorpusConfig("x.jsonl", limit), worker=worker, **kwargs)
 
 
 def test_worker_config_rejects_a_zero_context_length():

@@ -7,7 +7,7 @@ import enum
 import json
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pytest
 
@@ -324,12 +324,17 @@ class Link:
 
 @dataclass
 class Proc:
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"beat": "beat_s", "link.address": "link.queue"}
+
     link: Link = field(default_factory=Link)
     spare: Link | None = None
     run_dir: str = field(default="runs/x", metadata={"context": "run_dir", "path": "run"})
-    beat_s: float = field(
-        default=1.0, metadata={"deprecated_keys": ("beat",), "default_text": "one second"}
-    )
+    beat_s: float = field(default=1.0, metadata={"default_text": "one second"})
+
+
+@dataclass
+class Needs:
+    host: str | None = field(default=None, metadata={"required": True, "flag": "at"})
 
 
 CONTEXT = {
@@ -392,18 +397,18 @@ def test_only_a_config_with_context_fields_takes_a_context_flag():
     assert "--context" not in parser._option_string_actions
 
 
-def test_a_renamed_key_is_still_read_with_one_warning_and_never_twice(caplog):
-    with caplog.at_level("WARNING"):
-        assert from_dict(Proc, {"beat": 2.0}).beat_s == 2.0
-    assert "key 'beat' is deprecated; use 'beat_s'" in caplog.text
-    with pytest.raises(ConfigError, match=r"'beat' and 'beat_s' are one setting"):
-        from_dict(Proc, {"beat": 2.0, "beat_s": 3.0})
+def test_a_moved_key_is_refused_in_one_line_naming_its_new_key():
+    with pytest.raises(ConfigError, match=r"^beat moved to beat_s$"):
+        from_dict(Proc, {"beat": 2.0})
+    with pytest.raises(ConfigError, match=r"^proc\.link\.address moved to proc\.link\.queue$"):
+        from_dict(Proc, {"link": {"address": "tcp://h:1"}}, path="proc")
+    assert from_dict(Proc, {"beat_s": 2.0}).beat_s == 2.0
 
 
-def test_a_renamed_key_keeps_its_flag_hidden_with_a_warning(capsys):
-    assert _proc(["--beat", "4"]).beat_s == 4.0
-    assert "t: --beat is deprecated and will be removed; use --beat-s" in capsys.readouterr().err
+def test_a_required_mark_is_checked_where_the_process_reads_its_flags():
+    assert from_dict(Needs, {}).host is None  # a run's section: the run sets it
     parser = argparse.ArgumentParser(prog="t")
-    add_arguments(parser, Proc)
-    text = parser.format_help()
-    assert "--beat " not in text and "(default: one second)" in text
+    add_arguments(parser, Needs)
+    with pytest.raises(ConfigError, match=r"missing required key 'host' \(str\): .* with --at$"):
+        from_args(Needs, parser.parse_args([]))
+    assert from_args(Needs, parser.parse_args(["--at", "h"])).host == "h"

@@ -1,14 +1,12 @@
 """Flag conventions: deprecated spellings (hidden, one warning line), internal flags, global flags
-after a subcommand, deprecated names of generated config flags."""
+after a subcommand."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.config import add_arguments, from_args
 from services.common.flags import INTERNAL, add_deprecated_alias, add_global_flags
 
 
@@ -59,30 +57,3 @@ def test_global_flags_are_accepted_after_nested_subcommands():
     assert parser.parse_args(["--log-level", "DEBUG", "queue", "serve"]).log_level == "DEBUG"
     assert parser.parse_args(["queue", "serve", "--log-level", "ERROR"]).log_level == "ERROR"
     assert parser.parse_args(["queue", "--log-level", "WARNING", "serve"]).log_level == "WARNING"
-
-
-@dataclass
-class Worker:
-    queue_timeout_s: float = field(
-        default=10.0, metadata={"help": "seconds", "deprecated_flags": ("queue-timeout",)}
-    )
-
-
-@dataclass
-class Job:
-    worker: Worker = field(default_factory=Worker)
-    every_s: float = field(default=1.0, metadata={"deprecated_flags": ("every",)})
-
-
-def test_a_generated_flag_keeps_its_deprecated_name_with_its_section_prefix(capsys):
-    parser = argparse.ArgumentParser(prog="job")
-    add_arguments(parser, Job)
-    config = from_args(Job, parser.parse_args(["--worker.queue-timeout", "2", "--every", "3"]))
-    assert (config.worker.queue_timeout_s, config.every_s) == (2.0, 3.0)
-    err = capsys.readouterr().err.splitlines()
-    assert err == [
-        "job: --worker.queue-timeout is deprecated and will be removed; use "
-        "--worker.queue-timeout-s",
-        "job: --every is deprecated and will be removed; use --every-s",
-    ]
-    assert "--every " not in parser.format_help()

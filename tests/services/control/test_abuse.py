@@ -85,8 +85,8 @@ def test_a_bomb_is_refused_naming_its_limit_while_healthz_answers(api, body, cty
 @pytest.mark.parametrize(
     ("body", "key", "pattern"),
     [
-        ('{"queue_capacity": "lots"}', "queue_capacity", "not understood"),
-        ('{"queue_capacity": "1e999"}', "queue_capacity", "not finite"),
+        ('{"queue": {"capacity_bytes": "lots"}}', "queue.capacity_bytes", "not understood"),
+        ('{"queue": {"capacity_bytes": "1e999"}}', "queue.capacity_bytes", "not finite"),
         ('{"trainer": {"optim": {"lr": 1e999}}}', "trainer.optim", "finite"),
         ('{"ctx_student": 1e40}', "ctx_student", "expected int"),
         ('{"ctx_student": 10000000000000000000000000000000000000000}', "ctx_student", "at most"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.control import prometheus
-from services.control.paths import DATA_KEYS, PathNotAllowed, confine
+from services.control.paths import PathNotAllowed, confine, data_keys
 from services.control.states import STATES
 
 
@@ -86,8 +86,9 @@ def test_confine_checks_the_path_of_a_gguf_spec_and_keeps_names_and_drop_suffixe
 
 
 def test_the_marked_fields_are_confined_and_the_run_wide_ones_refused(tmp_path):
-    assert DATA_KEYS["trainer.loss.projection"] == "file"  # marked in the library's loss config
-    assert DATA_KEYS["teacher.model"] == "model" and "run_dir" not in DATA_KEYS
+    keys = data_keys()
+    assert keys["trainer.loss.projection"] == "file"  # marked in the library's loss config
+    assert keys["teacher.model"] == "model" and "run_dir" not in keys
     with pytest.raises(PathNotAllowed, match="outside the data roots") as e:
         confine(
             {"teacher": {"heldout": "/etc/passwd"}},

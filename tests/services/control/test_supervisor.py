@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.collator.config import RunConfig as CollatorConfig
+from services.collator.config import CollatorConfig
 from services.common import config as cfgmod
 from services.common.config import ConfigError
 from services.control.states import Conflict, RunNotFound

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from services.common.metrics import read_jsonl
-from services.supervise.config import CollatorSection, DataConfig, RunConfig
+from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
 from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
@@ -56,11 +56,11 @@ def _config(tmp_path, demo, projection, n: int, **trainer) -> tuple[RunConfig, l
         teacher_tokenizer=TEACHER_TOKENIZER,
         ctx_student=CTX,
         ctx_teacher=CTX,
-        queue_capacity="1GiB",
+        queue=QueueConfig(capacity_bytes=1 << 30),
         trainers=2,
         restart_backoff_s=0.5,
         data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
-        collator=CollatorSection(workers=2, batch=8),
+        collator=RunCollatorConfig(workers=2, batch=8),
         teacher=TeacherConfig(
             model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
         ),

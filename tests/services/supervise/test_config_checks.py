@@ -16,9 +16,17 @@ from services.trainer.config import OptimConfig
 @pytest.mark.parametrize(
     ("data", "pattern"),
     [
-        ({"queue_capacity": "lots"}, r"queue_capacity='lots'.*not understood"),
-        ({"queue_capacity": "1e999"}, r"queue_capacity='1e999'.*not finite"),
-        ({"queue_capacity": "2PiB"}, r"queue_capacity='2PiB'"),
+        (
+            {"queue": {"capacity_bytes": "lots"}},
+            r"queue\.capacity_bytes: size 'lots'.*not understood",
+        ),
+        (
+            {"queue": {"capacity_bytes": "1e999"}},
+            r"queue\.capacity_bytes: size '1e999'.*not finite",
+        ),
+        ({"queue": {"capacity_bytes": "2PiB"}}, r"queue\.capacity_bytes: size '2PiB'"),
+        ({"queue": {"capacity_bytes": "2048TiB"}}, r"queue: capacity_bytes=.*at most .* \(1PiB\)"),
+        ({"queue_capacity": "4GiB"}, r"^queue_capacity moved to queue\.capacity_bytes$"),
         ({"ctx_student": MAX_CONTEXT + 1}, r"ctx_student=.*at most"),
         ({"ctx_teacher": 1e40}, r"ctx_teacher: expected int"),
         ({"restart_backoff_s": math.inf}, r"restart_backoff_s=inf: must be a finite"),

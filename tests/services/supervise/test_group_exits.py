@@ -51,14 +51,22 @@ class _Ranks(LocalLauncher):
 
 def _driver(tmp_path: Path, launcher, events: list) -> Driver:
     config = run_config_from_dict(
-        {"run_dir": str(tmp_path / "run"), "trainers": 2, "max_restarts": 2,
-         "restart_backoff_s": 60}  # fmt: skip
+        {
+            "run_dir": str(tmp_path / "run"),
+            "trainers": 2,
+            "max_restarts": 2,
+            "restart_backoff_s": 60,
+        }  # fmt: skip
     )
     driver = Driver(config, launcher=launcher, progress=False, on_event=events.append)
     inputs = {"train": "train.jsonl", "heldout": "heldout.jsonl", "projection": "proj.pt"}
     driver.restore(
-        {"queue": "tcp://127.0.0.1:1", "master_port": _free_port(), "segment_started": 0.0,
-         "inputs": inputs}  # fmt: skip
+        {
+            "queue": "tcp://127.0.0.1:1",
+            "master_port": _free_port(),
+            "segment_started": 0.0,
+            "inputs": inputs,
+        }  # fmt: skip
     )
     return driver
 

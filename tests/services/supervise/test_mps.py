@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from services.common import config as cfgmod
-from services.supervise.config import run_config_from_dict
+from services.supervise.config import run_config_from_dict, run_config_to_dict
 from services.supervise.driver import Driver
 from services.supervise.mps import (
     CONTROL,
@@ -20,7 +20,7 @@ from services.supervise.mps import (
     client_visible_devices,
     control_binary,
 )
-from services.supervise.plan import Host, RunContext, make_plan
+from services.supervise.plan import Host, RunPlace, make_plan
 from services.supervise.preflight import Inputs, preflight
 from tests.extras import require_tokenizers
 
@@ -39,7 +39,7 @@ def _config(tmp_path, device="cuda", **run):
 
 def test_the_gpu_processes_are_clients_of_the_runs_daemon_and_the_others_are_not(tmp_path):
     config = _config(tmp_path)
-    context = RunContext.of(config, "r1")
+    context = RunPlace.of(config, "r1")
     inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
     plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
     env = {spec.name: spec.env for spec in plan.specs}
@@ -49,7 +49,7 @@ def test_the_gpu_processes_are_clients_of_the_runs_daemon_and_the_others_are_not
         assert env[name][LOG_ENV] == str(folder / "log")
     for name in ("queue", "collator"):
         assert PIPE_ENV not in env[name]
-    plain = run_config_from_dict({**cfgmod.to_dict(config), "mps": False})
+    plain = run_config_from_dict({**run_config_to_dict(config), "mps": False})
     plan = make_plan(plain, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
     assert all(PIPE_ENV not in spec.env for spec in plan.specs)
 
@@ -61,7 +61,7 @@ def test_clients_number_the_gpus_of_a_daemon_started_on_some_of_them_from_zero(
     that kept 2,3 found no GPU (two ranks on GPUs 2 and 3 of a four-GPU host)."""
     monkeypatch.setenv(VISIBLE_ENV, "2,3")
     config = _config(tmp_path)
-    context = RunContext.of(config, "r1")
+    context = RunPlace.of(config, "r1")
     inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
     plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
     env = {spec.name: spec.env for spec in plan.specs}

@@ -12,7 +12,7 @@ from services.common import config as cfgmod
 from services.common.config import ConfigError
 from services.rollout.config import RolloutConfig
 from services.supervise.config import run_config_from_dict
-from services.supervise.plan import Host, RunContext, make_plan
+from services.supervise.plan import Host, RunPlace, make_plan
 from services.supervise.preflight import Inputs
 from services.trainer.config import TrainerConfig
 
@@ -48,18 +48,25 @@ def config(tmp_path: Path, **overrides):
 
 def plan(cfg):
     return make_plan(
-        cfg, Inputs.given(cfg), RunContext.of(cfg), queue="tcp://127.0.0.1:9", master_port=1,
+        cfg, Inputs.given(cfg), RunPlace.of(cfg), queue="tcp://127.0.0.1:9", master_port=1,
         host=Host(gpus=0, cores=4),
     )  # fmt: skip
+
+
+def built(p, name: str, cls):
+    """Process ``name``'s config as it reads it: its section and the shared context."""
+    return cfgmod.from_dict(cls, cfgmod.with_context(cls, p.sections[name], p.shared))
 
 
 def test_each_rollout_worker_gets_the_runs_values_and_a_process(tmp_path):
     cfg = config(tmp_path, **{"data.on_policy_fraction": 0.25})
     p = plan(cfg)
-    trainer = cfgmod.from_dict(TrainerConfig, p.sections["trainer"])
+    trainer = built(p, "trainer", TrainerConfig)
     assert trainer.on_policy.fraction == 0.25
+    assert cfg.trainer.on_policy.fraction == 0.0  # computed for the trainer, not written back
     for i in (0, 1):
-        r = cfgmod.from_dict(RolloutConfig, p.sections[f"rollout{i}"])
+        assert not {"queue", "partition", "ctx_student"} & set(p.sections[f"rollout{i}"])
+        r = built(p, f"rollout{i}", RolloutConfig)
         assert (r.worker, r.workers) == (i, 2)
         assert (r.queue, r.partition) == ("tcp://127.0.0.1:9", "train")
         assert (r.student, r.seed) == ("tiny", 5)  # the trainer's student: its weights come
@@ -68,13 +75,18 @@ def test_each_rollout_worker_gets_the_runs_values_and_a_process(tmp_path):
         assert r.weights == str(tmp_path / "run" / "policy")
         assert (r.prompts, r.limit) == ("/corpus/train.jsonl", 40)  # the corpus, its limit
         assert r.state_dir == str(tmp_path / "run" / "rollout")
+        assert r.run_dir == str(tmp_path / "run")
         # a step of both ranks' on-policy samples (2 x round(0.25 x 8)), at least a batch
         assert r.max_pending == 4
     specs = {s.name: s for s in p.specs}
     assert {"collator", "rollout0", "rollout1"} <= set(specs)
     assert specs["rollout1"].role == "rollout"
     assert specs["rollout1"].group == specs["trainer0"].group  # beside the publishing rank
-    assert specs["rollout1"].argv[:3] == ["rollout", "--config", str(tmp_path / "run" / "config" / "rollout1.json")]  # fmt: skip
+    config_dir = tmp_path / "run" / "config"
+    assert specs["rollout1"].argv == [
+        "rollout", "--config", str(config_dir / "rollout1.json"),
+        "--context", str(config_dir / "context.json"),
+    ]  # fmt: skip
     assert specs["rollout1"].env["XTOKEN_HEARTBEAT_FILE"].endswith("heartbeat/rollout1")
     # four CPU processes (a teacher, two trainers, two rollouts) share four cores
     assert specs["rollout0"].env["OMP_NUM_THREADS"] == "1"
@@ -92,7 +104,7 @@ def test_own_prompts_keep_their_corpus_and_fraction_one_starts_no_collator(tmp_p
         },
     )
     p = plan(cfg)
-    r = cfgmod.from_dict(RolloutConfig, p.sections["rollout0"])
+    r = built(p, "rollout0", RolloutConfig)
     assert (r.prompts, r.limit, r.prompt_field) == ("/prompts.jsonl", None, "prompt")
     names = {s.name for s in p.specs}
     assert "collator" not in names and {"rollout0", "rollout1"} <= names
@@ -160,15 +172,29 @@ def test_a_config_the_on_policy_path_cannot_run_names_the_key_and_the_fix(
 def test_kd_where_agrees_reaches_the_collator_and_every_rollout_worker(tmp_path):
     """The collators and the rollouts narrow their samples' KD chunks alike: off- and on-policy
     samples of one run keep KD at the same kind of positions."""
-    cfg = config(tmp_path, **{"data.on_policy_fraction": 0.5, "collator.kd_where_agrees": "qwen3"})
+    from services.collator.config import CollatorConfig
+
+    cfg = config(tmp_path, **{"data.on_policy_fraction": 0.5, "kd_where_agrees": "qwen3"})
     p = plan(cfg)
-    assert p.sections["collator"]["worker"]["kd_where_agrees"] == "qwen3"
+    assert p.shared["kd_where_agrees"] == "qwen3"
+    assert built(p, "collator", CollatorConfig).worker.kd_where_agrees == "qwen3"
     for i in (0, 1):
-        assert cfgmod.from_dict(RolloutConfig, p.sections[f"rollout{i}"]).kd_where_agrees == "qwen3"
+        assert built(p, f"rollout{i}", RolloutConfig).kd_where_agrees == "qwen3"
     plain = plan(config(tmp_path, **{"data.on_policy_fraction": 0.5}))
-    assert plain.sections["collator"]["worker"]["kd_where_agrees"] is None
+    assert built(plain, "collator", CollatorConfig).worker.kd_where_agrees is None
 
 
-def test_a_rollout_kd_where_agrees_other_than_the_collators_is_refused_naming_both(tmp_path):
-    with pytest.raises(ValueError, match="set collator.kd_where_agrees only"):
-        config(tmp_path, **{"data.on_policy_fraction": 0.5, "rollout.kd_where_agrees": "qwen3"})
+@pytest.mark.parametrize(
+    ("key", "pattern"),
+    [
+        ("rollout.kd_where_agrees", r"^rollout\.kd_where_agrees is set by the run from "
+         r"kd_where_agrees; set kd_where_agrees only$"),
+        ("collator.kd_where_agrees", r"^collator\.kd_where_agrees moved to kd_where_agrees$"),
+        ("rollout.queue", r"^rollout\.queue is set by the run: its queue's address"),
+        ("rollout.weights", r"^rollout\.weights is set by the run \(RUN_DIR/policy\)"),
+        ("rollout.student", r"^rollout\.student='x' but trainer\.student='tiny'; set trainer\.student only"),
+    ],
+)  # fmt: skip
+def test_a_rollout_key_the_run_sets_is_refused_never_replaced(tmp_path, key, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        config(tmp_path, **{"data.on_policy_fraction": 0.5, key: "x"})

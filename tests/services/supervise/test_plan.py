@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from services.collator.config import RunConfig as CollatorConfig
+from services.collator.config import CollatorConfig
 from services.common import config as cfgmod
 from services.queue.config import ServerConfig
 from services.supervise.config import run_config_from_dict
 from services.supervise.driver import Driver, write_sections
 from services.supervise.events import Failed, Failure
-from services.supervise.plan import Host, RunContext, make_plan
+from services.supervise.plan import Host, RunPlace, make_plan
 from services.supervise.preflight import Inputs
 from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
@@ -46,7 +46,7 @@ def test_a_trainer_section_still_checks_everything_but_the_projection(tmp_path):
 
 def test_the_plan_writes_nothing_and_carries_the_settled_projection(tmp_path):
     config = _config(tmp_path)
-    context = RunContext.of(config, "r1")
+    context = RunPlace.of(config, "r1")
     inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
     plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
     assert not context.run_dir.exists()  # nothing written
@@ -54,7 +54,7 @@ def test_the_plan_writes_nothing_and_carries_the_settled_projection(tmp_path):
     assert trainer.loss.projection == "/cache/proj.pt"
     assert plan.run_section["trainer"]["loss"]["projection"] == "/cache/proj.pt"
     assert plan.run_section["data"]["train"] == "/data/train.jsonl"
-    assert plan.sections["collator"]["data"] == "/data/train.jsonl"
+    assert plan.sections["collator"]["data"]["train"] == "/data/train.jsonl"
     assert config.trainer.loss.projection is None  # the config is left as it was
     write_sections(plan)
     written = json.loads((context.run_dir / "config" / "trainer.json").read_text())
@@ -63,7 +63,7 @@ def test_the_plan_writes_nothing_and_carries_the_settled_projection(tmp_path):
 
 def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_else(tmp_path):
     config = _config(tmp_path)
-    context = RunContext.of(config, "r1")
+    context = RunPlace.of(config, "r1")
     inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
     plan = make_plan(config, inputs, context, queue="tcp://127.0.0.1:7", master_port=9, host=Host())
     write_sections(plan)
@@ -74,6 +74,10 @@ def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_e
         "partition": "train",
         "student_tokenizer": "qwen3",
         "teacher_tokenizer": "smollm2",
+        "ctx_student": 512,
+        "ctx_teacher": 512,
+        "pack": False,
+        "kd_where_agrees": None,
         "run_dir": str(context.run_dir),
     }
     classes = {
@@ -98,7 +102,7 @@ def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_e
         )
         if spec.role == "collator":
             assert (built.worker.queue, built.worker.partition) == (shared["queue"], "train")
-            assert (built.worker.student, built.data) == ("qwen3", "/data/train.jsonl")
+            assert (built.worker.student, built.data.train) == ("qwen3", "/data/train.jsonl")
         elif spec.role == "queue":
             assert built.bind == shared["queue"] and built.capacity_bytes == 4 << 30
         else:
@@ -106,34 +110,49 @@ def test_each_process_is_handed_its_section_and_the_shared_context_and_nothing_e
             assert built.run_dir == str(context.run_dir)
 
 
-def test_collator_pack_packs_the_collator_and_tells_the_trainers_and_teachers(tmp_path):
-    from services.teacher.config import TeacherConfig
-
-    data = {"run_dir": str(tmp_path / "run"), "collator": {"pack": True}}
+def test_pack_packs_the_collator_and_tells_the_trainers_and_teachers(tmp_path):
+    data = {"run_dir": str(tmp_path / "run"), "pack": True}
     config = run_config_from_dict(data)
-    assert config.trainer.pack and config.teacher.pack
+    assert not config.trainer.pack and not config.teacher.pack  # the run's, not copied
     inputs = Inputs("/data/train.jsonl", "/data/heldout.txt", "/cache/proj.pt")
-    plan = make_plan(config, inputs, RunContext.of(config), queue="q", master_port=9, host=Host())
-    assert plan.sections["collator"]["worker"]["pack"] is True
-    assert cfgmod.from_dict(TrainerConfig, plan.sections["trainer"]).pack
-    assert cfgmod.from_dict(TeacherConfig, plan.sections["teacher0"]).pack
-    assert run_config_from_dict(plan.run_section).collator.pack  # a re-read run stays packed
+    queue = "tcp://127.0.0.1:7"
+    plan = make_plan(config, inputs, RunPlace.of(config), queue=queue, master_port=9, host=Host())
+    assert plan.shared["pack"] is True
+    # the context's, once
+    assert "pack" not in plan.sections["trainer"] and "pack" not in plan.sections["teacher0"]
+    assert "pack" not in plan.sections["collator"]["worker"]
+    built = {
+        name: cfgmod.from_dict(cls, cfgmod.with_context(cls, plan.sections[name], plan.shared))
+        for name, cls in (
+            ("collator", CollatorConfig),
+            ("trainer", TrainerConfig),
+            ("teacher0", TeacherConfig),
+        )
+    }
+    assert built["collator"].worker.pack and built["trainer"].pack and built["teacher0"].pack
+    assert run_config_from_dict(plan.run_section).pack  # a re-read run stays packed
     unpacked = make_plan(
         run_config_from_dict({"run_dir": str(tmp_path / "run")}),
         inputs,
-        RunContext.of(config),
-        queue="q",
+        RunPlace.of(config),
+        queue=queue,
         master_port=9,
         host=Host(),
     )
-    assert not unpacked.sections["collator"]["worker"]["pack"]
-    assert not cfgmod.from_dict(TrainerConfig, unpacked.sections["trainer"]).pack
+    assert unpacked.shared["pack"] is False
 
 
-@pytest.mark.parametrize("section", ["trainer", "teacher"])
-def test_a_packed_trainer_or_teacher_without_a_packing_collator_is_refused(section):
-    with pytest.raises(cfgmod.ConfigError, match=rf"{section}.pack: true but collator.pack"):
-        run_config_from_dict({section: {"pack": True}})
+@pytest.mark.parametrize("section", ["trainer", "teacher", "collator.worker"])
+def test_a_section_that_packs_on_its_own_is_refused_naming_the_runs_key(section):
+    data: dict = {}
+    node = data
+    for part in section.split("."):
+        node = node.setdefault(part, {})
+    node["pack"] = True
+    with pytest.raises(cfgmod.ConfigError, match=rf"^{section}.pack is set by the run from pack"):
+        run_config_from_dict(data)
+    with pytest.raises(cfgmod.ConfigError, match=r"^collator\.pack moved to pack$"):
+        run_config_from_dict({"collator": {"pack": True}})
 
 
 def test_a_plan_without_the_projection_it_needs_is_refused(tmp_path):
@@ -142,8 +161,8 @@ def test_a_plan_without_the_projection_it_needs_is_refused(tmp_path):
         make_plan(
             config,
             Inputs.given(config),
-            RunContext.of(config),
-            queue="q",
+            RunPlace.of(config),
+            queue="tcp://127.0.0.1:7",
             master_port=1,
             host=Host(),
         )

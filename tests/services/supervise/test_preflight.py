@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.supervise.config import run_config_from_dict
-from services.supervise.plan import RunContext, make_data_sections
+from services.supervise.plan import RunPlace, make_context, make_data_sections
 from services.supervise.preflight import (
     Inputs,
     check_devices,
@@ -37,6 +37,13 @@ def _config(tmp_path, **sections):
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     return run_config_from_dict(data)
+
+
+def _data_sections(config, inputs):
+    place = RunPlace.of(config)
+    return make_data_sections(
+        config, inputs, place, make_context(config, place, queue="tcp://127.0.0.1:1")
+    )
 
 
 def _xtoken_run_refused(tmp_path, run: dict) -> str:
@@ -78,9 +85,9 @@ def test_xtoken_run_with_an_unknown_kd_where_agrees_tokenizer_exits_2_naming_the
         "run_dir": str(tmp_path / "run"), "data": {"train": str(train)},
         "student_tokenizer": "mistral", "teacher_tokenizer": "mistral",
         "teacher": {"model": "tiny"}, "trainer": {"student": "tiny", "loss": {"mode": "pkl"}},
-        "collator": {"kd_where_agrees": "no-such-tokenizer"},
+        "kd_where_agrees": "no-such-tokenizer",
     })  # fmt: skip
-    lines = [ln for ln in stderr.splitlines() if "collator.kd_where_agrees" in ln]
+    lines = [ln for ln in stderr.splitlines() if "kd_where_agrees" in ln]
     assert len(lines) == 1 and "no-such-tokenizer" in lines[0]
     assert not (tmp_path / "run" / "logs").exists()  # refused before any process started
 
@@ -116,8 +123,8 @@ def test_without_data_heldout_the_last_texts_of_data_train_are_held_out_and_anno
     held = [json.loads(line)["text"] for line in open(inputs.heldout)]
     assert held == [f"text number {i}." for i in range(16, 20)]
     assert inputs.train == str(train) and inputs.train_limit == 16
-    sections = make_data_sections(config, inputs, RunContext.of(config))
-    assert sections["collator"]["limit"] == 16  # held-out texts not read
+    sections = _data_sections(config, inputs)
+    assert sections["collator"]["data"]["limit"] == 16  # held-out texts not read
 
 
 def test_a_named_heldout_or_the_demo_corpus_is_used_as_given(tmp_path, monkeypatch):
@@ -147,8 +154,8 @@ def test_data_txt_split_cuts_txt_files_for_the_held_out_split_and_the_collator(t
     assert keep == 4 and [json.loads(r)["text"] for r in open(heldout)] == ["line 4", "line 5"]
     check_train(str(train), "text", txt_split="line")
     inputs = Inputs(str(train), heldout, None, keep)
-    sections = make_data_sections(config, inputs, RunContext.of(config))
-    assert sections["collator"]["txt_split"] == "line" and sections["collator"]["limit"] == 4
+    corpus = _data_sections(config, inputs)["collator"]["data"]
+    assert corpus["txt_split"] == "line" and corpus["limit"] == 4
     # the default cuts at blank lines: the whole file is one text, too few to hold any out
     with pytest.raises(ValueError, match=r"has 1 texts: too few"):
         split_heldout(_config(tmp_path, data={"train": str(train)}), str(train))

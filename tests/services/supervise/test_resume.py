@@ -24,7 +24,10 @@ def _config(run_dir: Path, sections: dict | None = None, **trainer):
         "trainer": {"student": "tiny", "max_steps": 10, "loss": {"mode": "ce"}, **trainer},
     }
     for key, value in (sections or {}).items():
-        data.setdefault(key, {}).update(value)
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
     return run_config_from_dict(data)
 
 
@@ -59,7 +62,7 @@ def test_the_fingerprint_holds_every_data_loss_optimizer_and_model_setting():
     } - {"trainer.loss.projection", "trainer.loss.backend", "trainer.loss.check_inputs"}
     assert expected <= keys, sorted(expected - keys)
     assert {
-        "collator.pack",
+        "pack",
         "data.on_policy_fraction",
         "data.heldout",
         "trainer.eval_texts",
@@ -86,7 +89,7 @@ def test_the_fingerprint_holds_every_data_loss_optimizer_and_model_setting():
 @pytest.mark.parametrize(
     ("sections", "change"),
     [
-        ({"collator": {"pack": True}}, "collator.pack: False -> True"),
+        ({"pack": True}, "pack: False -> True"),
         ({"trainer": {"eval_texts": 8}}, "trainer.eval_texts: 32 -> 8"),
         ({"data": {"heldout": "held.jsonl"}}, "data.heldout: None -> 'held.jsonl'"),
         ({"trainer": {"optim": {"lr": 0.003}}}, "trainer.optim.lr: 0.001 -> 0.003"),
@@ -107,7 +110,8 @@ def test_the_refusal_is_one_line_naming_each_changed_key_with_its_two_values(tmp
     plan_start(_config(tmp_path))
     _checkpoint(tmp_path, 4)
     changed = {
-        "collator": {"pack": True, "batch": 8},
+        "pack": True,
+        "collator": {"batch": 8},
         "data": {"limit": 50, "seed": 3},
         "trainer": {"seed": 7, "optim": {"lr": 0.003}},
     }
@@ -117,7 +121,7 @@ def test_the_refusal_is_one_line_naming_each_changed_key_with_its_two_values(tmp
     assert len(message.splitlines()) == 1 and "{" not in message
     for change in (
         "collator.batch: 16 -> 8",
-        "collator.pack: False -> True",
+        "pack: False -> True",
         "data.limit: None -> 50",
         "data.seed: None -> 3",
         "trainer.optim.lr: 0.001 -> 0.003",
@@ -267,11 +271,11 @@ def test_xtoken_run_with_pack_toggled_on_a_run_directory_exits_2_naming_the_chan
     path.write_text(
         f"run_dir: {run_dir}\ntrainer:\n  student: tiny\n  max_steps: 10\n  loss:\n    mode: ce\n"
     )
-    proc = _xtoken_run(path, "--set", "collator.pack=true", "--set", "trainer.optim.lr=0.003")
+    proc = _xtoken_run(path, "--set", "pack=true", "--set", "trainer.optim.lr=0.003")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
-    assert "another run (collator.pack: False -> True, " in proc.stderr
-    assert ", trainer.optim.lr: 0.001 -> 0.003, " in proc.stderr
+    assert "another run (pack: False -> True, " in proc.stderr
+    assert ", trainer.optim.lr: 0.001 -> 0.003)" in proc.stderr
     assert not (run_dir / "logs").exists()
 
 

@@ -11,12 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from services.collator.config import RunConfig as CollatorConfig
+from services.collator.config import CollatorConfig
 from services.common import config as cfgmod
 from services.common.config import ConfigError
 from services.supervise.config import RunConfig, load_run_config, run_config_from_dict
 from services.supervise.driver import Driver, write_sections
-from services.supervise.plan import default_run_id, make_context, make_plan, make_sections
+from services.supervise.plan import (
+    RunPlace,
+    default_run_id,
+    make_context,
+    make_plan,
+    make_sections,
+)
 from services.supervise.preflight import Inputs, spec_vocab_size
 from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
@@ -32,7 +38,6 @@ def test_the_default_run_config_is_valid_and_waits_for_its_projection():
     config = run_config_from_dict({})
     assert isinstance(config, RunConfig)
     assert config.trainer.loss.projection is None
-    assert config.trainer.teacher_groups == config.teachers == 1
     ce = run_config_from_dict({"trainer": {"loss": {"mode": "ce"}}})
     assert ce.trainer.loss.projection is None
 
@@ -43,8 +48,16 @@ def test_the_example_config_loads():
 
 
 def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
-    config = run_config_from_dict({"teacher": {"transport": "hidden", "model": "tiny"}})
-    assert config.trainer.teacher_model == "tiny"
+    config = run_config_from_dict(
+        {
+            "teacher": {"transport": "hidden", "model": "tiny"},
+            "trainer": {"loss": {"projection": "/p"}},
+        }
+    )
+    shared = make_context(config, RunPlace.of(config), queue="tcp://127.0.0.1:1")
+    trainer = make_sections(config, Inputs.given(config), shared)["trainer"]
+    assert trainer["teacher_model"] == "tiny"
+    assert config.trainer.teacher_model is None  # the plan's, not written back
 
 
 @pytest.mark.parametrize(
@@ -81,7 +94,7 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
         ),
         (
             {"trainer": {"teacher_groups": 2}, "teachers": 1, "trainers": 2},
-            r"trainer\.teacher_groups=2 but teachers=1; leave teacher_groups unset",
+            r"trainer\.teacher_groups=2 but teachers=1; set teachers only",
         ),
         ({"data": {"limit": 0}}, r"data: limit=0: must be >= 1"),
         (
@@ -187,10 +200,10 @@ def _run(tmp_path, corpus, **sections) -> Driver:
 def _sections(run: Driver, queue: str) -> dict:
     """The teachers' and the trainer's sections as their processes read them: with the shared
     context of a launch on ``queue``."""
-    shared = make_context(run.config, run.context, queue=queue)
+    shared = make_context(run.config, run.place, queue=queue)
     return {
         name: cfgmod.with_context(CONFIGS[name.rstrip("0123456789")], section, shared)
-        for name, section in make_sections(run.config, Inputs.given(run.config)).items()
+        for name, section in make_sections(run.config, Inputs.given(run.config), shared).items()
     }
 
 
@@ -204,9 +217,7 @@ def _written(run: Driver, name: str) -> dict:
 
 def _specs(run: Driver, queue: str, port: int) -> list:
     """The specs of a launch on ``queue``, its section files written as a launch writes them."""
-    plan = make_plan(
-        run.config, Inputs.given(run.config), run.context, queue=queue, master_port=port
-    )
+    plan = make_plan(run.config, Inputs.given(run.config), run.place, queue=queue, master_port=port)
     write_sections(plan)
     return list(plan.specs)
 
@@ -391,13 +402,13 @@ def test_data_seed_and_ordered_reach_the_collator_and_the_trainer(tmp_path, corp
     run = _run(tmp_path, corpus, data={"seed": 7, "ordered": True})
     _specs(run, "tcp://127.0.0.1:9", 29500)
     collator = _written(run, "collator")
-    assert collator["shuffle_seed"] == 7
+    assert collator["data"]["seed"] == 7
     assert collator["workers"] == 1
     section = json.loads((run.run_dir / "config" / "trainer.json").read_text())
     assert section["ordered"] is True
     plain = _run(tmp_path, corpus)
     _specs(plain, "tcp://127.0.0.1:9", 29500)
-    assert _written(plain, "collator")["shuffle_seed"] is None
+    assert _written(plain, "collator")["data"]["seed"] is None
     assert json.loads((plain.run_dir / "config" / "trainer.json").read_text())["ordered"] is False
 
 
@@ -431,4 +442,5 @@ def test_a_run_on_an_external_queue_starts_none_and_prefixes_its_partitions(tmp_
     # the same run directory name elsewhere is another run
     assert default_run_id(tmp_path / "x" / "run") != run.run_id
     own = _run(tmp_path, corpus)
-    assert own.partition == "train" and "queue" in {s.name for s in _specs(own, "q", 1)}
+    assert own.partition == "train"
+    assert "queue" in {s.name for s in _specs(own, "tcp://127.0.0.1:9", 1)}

@@ -55,8 +55,8 @@ def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():
         from_dict(TrainerConfig, {"loss": {"mode": "pkl", "cuda_graphs": True}})
 
 
-def test_the_former_teacher_death_key_still_sets_teacher_dead_after_s(caplog):
-    with caplog.at_level("WARNING"):
-        config = from_dict(TrainerConfig, {"loss": {"mode": "ce"}, "dead_after_s": 2.5})
-    assert config.teacher_dead_after_s == 2.5
-    assert "key 'dead_after_s' is deprecated; use 'teacher_dead_after_s'" in caplog.text
+def test_the_former_teacher_death_key_is_refused_naming_its_new_key():
+    with pytest.raises(ConfigError, match=r"^dead_after_s moved to teacher_dead_after_s$"):
+        from_dict(TrainerConfig, {"loss": {"mode": "ce"}, "dead_after_s": 2.5})
+    with pytest.raises(ConfigError, match=r"^trainer\.dead_after_s moved to trainer\.teacher_"):
+        from_dict(TrainerConfig, {"dead_after_s": 2.5}, path="trainer")

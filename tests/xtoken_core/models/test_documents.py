@@ -146,7 +146,7 @@ def test_packed_attention_is_flex_on_cuda_and_sdpa_elsewhere():
 
 def test_an_attention_without_a_document_mask_is_refused_naming_the_fix(tiny):
     config = type("C", (), {"_attn_implementation": "flash_attention_2"})()
-    with pytest.raises(ValueError, match="runs 'flash_attention_2'.*collator.pack: false"):
+    with pytest.raises(ValueError, match="runs 'flash_attention_2'.*set pack: false"):
         document_attention_mask(config, torch.zeros(1, 4, dtype=torch.long))
 
 
