@@ -1,28 +1,39 @@
-"""The xtoken wire: msgpack messages over ZMQ frames with zero-copy tensors (see proto/)."""
+"""The xtoken wire: msgpack messages over ZMQ frames with zero-copy tensors (see proto/).
 
-from xtoken_core.wire.errors import (
-    BAD_BODY,
-    BAD_FRAMES,
-    BAD_HEADER,
-    BAD_VERSION,
-    DEFAULT_LIMITS,
-    TOO_LARGE,
-    UNKNOWN_TYPE,
-    WIRE_ERROR_CODES,
-    WireError,
-    WireLimits,
-)
-from xtoken_core.wire.header import HEADER_SIZE, MESSAGE_TYPES, PROTOCOL_VERSION
-from xtoken_core.wire.message import (
-    EXT_JAGGED,
-    EXT_TENSOR,
-    INLINE_MAX_BYTES,
-    Message,
-    decode_message,
-    encode_message,
-)
-from xtoken_core.wire.schema import BODY_SPECS, json_schema, validate_body
-from xtoken_core.wire.tensors import WIRE_DTYPES, JaggedColumn, RawJagged, RawTensor, is_jagged
+The names load on first use (``xtoken_core.lazy``): a config that reads the wire's limits
+(``errors.py``) imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xtoken_core.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from xtoken_core.wire.errors import (
+        BAD_BODY,
+        BAD_FRAMES,
+        BAD_HEADER,
+        BAD_VERSION,
+        DEFAULT_LIMITS,
+        TOO_LARGE,
+        UNKNOWN_TYPE,
+        WIRE_ERROR_CODES,
+        WireError,
+        WireLimits,
+    )
+    from xtoken_core.wire.header import HEADER_SIZE, MESSAGE_TYPES, PROTOCOL_VERSION
+    from xtoken_core.wire.message import (
+        EXT_JAGGED,
+        EXT_TENSOR,
+        INLINE_MAX_BYTES,
+        Message,
+        decode_message,
+        encode_message,
+    )
+    from xtoken_core.wire.schema import BODY_SPECS, json_schema, validate_body
+    from xtoken_core.wire.tensors import WIRE_DTYPES, JaggedColumn, RawJagged, RawTensor, is_jagged
 
 __all__ = [
     "BAD_BODY",
@@ -53,3 +64,36 @@ __all__ = [
     "json_schema",
     "validate_body",
 ]
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "BAD_BODY": "xtoken_core.wire.errors",
+        "BAD_FRAMES": "xtoken_core.wire.errors",
+        "BAD_HEADER": "xtoken_core.wire.errors",
+        "BAD_VERSION": "xtoken_core.wire.errors",
+        "BODY_SPECS": "xtoken_core.wire.schema",
+        "DEFAULT_LIMITS": "xtoken_core.wire.errors",
+        "EXT_JAGGED": "xtoken_core.wire.message",
+        "EXT_TENSOR": "xtoken_core.wire.message",
+        "HEADER_SIZE": "xtoken_core.wire.header",
+        "INLINE_MAX_BYTES": "xtoken_core.wire.message",
+        "MESSAGE_TYPES": "xtoken_core.wire.header",
+        "PROTOCOL_VERSION": "xtoken_core.wire.header",
+        "TOO_LARGE": "xtoken_core.wire.errors",
+        "UNKNOWN_TYPE": "xtoken_core.wire.errors",
+        "WIRE_DTYPES": "xtoken_core.wire.tensors",
+        "WIRE_ERROR_CODES": "xtoken_core.wire.errors",
+        "JaggedColumn": "xtoken_core.wire.tensors",
+        "Message": "xtoken_core.wire.message",
+        "RawJagged": "xtoken_core.wire.tensors",
+        "RawTensor": "xtoken_core.wire.tensors",
+        "WireError": "xtoken_core.wire.errors",
+        "WireLimits": "xtoken_core.wire.errors",
+        "decode_message": "xtoken_core.wire.message",
+        "encode_message": "xtoken_core.wire.message",
+        "is_jagged": "xtoken_core.wire.tensors",
+        "json_schema": "xtoken_core.wire.schema",
+        "validate_body": "xtoken_core.wire.schema",
+    },
+)
