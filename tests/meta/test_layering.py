@@ -62,9 +62,9 @@ def test_every_public_function_and_class_in_core_has_a_docstring():
 
 
 # Files allowed to import the network and process-group stacks (STYLE.md: clients, servers,
-# shells, launchers; the trainer worker wraps DDP/FSDP2 lazily and checkpoints with DCP, and its
-# precision module reduces bf16 gradients in fp32 under DDP; losses.utils all-reduces the global
-# counts).
+# shells, launchers; the trainer's parallel module wraps DDP/FSDP2 and its checkpoint module
+# saves with DCP, its precision module reduces bf16 gradients in fp32 under DDP; the losses'
+# distributed module all-reduces the global counts).
 NETWORK_ALLOWED = {
     "services/control/app.py",
     "services/control/cli.py",
@@ -83,9 +83,9 @@ NETWORK_ALLOWED = {
     "services/queue/transport.py",
     "services/trainer/checkpoint.py",
     "services/trainer/main.py",
+    "services/trainer/parallel.py",
     "services/trainer/precision.py",
-    "services/trainer/worker.py",
-    "xtoken_core/losses/utils.py",
+    "xtoken_core/losses/distributed.py",
 }
 NETWORK_MODULES = ("zmq", "fastapi", "uvicorn", "ray", "torch.distributed", "torch.nn.parallel")
 
