@@ -1,16 +1,4 @@
-"""Trainer process shell: process group, device, queue client, launch id, lifecycle.
-
-torchrun-compatible: the rank, world size and local rank come from ``RANK``, ``WORLD_SIZE`` and
-``LOCAL_RANK`` (``MASTER_ADDR`` / ``MASTER_PORT`` for the rendezvous); NCCL on CUDA, gloo on CPU,
-and a gloo group beside NCCL for the step flags. The training itself is the
-:class:`~services.trainer.trainer.Trainer`'s; the shell gives it the queue client, this rank's
-place in the group with its host collectives, the stop event of SIGTERM and the launch's name.
-
-Files under ``run_dir``: ``metrics/trainer.rank<r>.jsonl`` (steps, evals), ``keys/
-trainer.rank<r>.jsonl`` (the keys trained per step), ``checkpoints/``, ``final/`` (the exported
-student with its tokenizer and model card, rank 0), ``summary.json`` (rank 0), and the trackers'
-files of ``report_to`` (``tensorboard/``, ``wandb/``; rank 0, see tracking.py).
-"""
+"""Trainer process shell: process group, device, queue client, launch id and lifecycle."""
 
 from __future__ import annotations
 
@@ -68,7 +56,14 @@ def _host_group(device: torch.device) -> None:
 
 
 def serve(config: TrainerConfig, lc: Lifecycle) -> int:
-    """Train until ``max_steps``, the end of the data (all epochs) or a stop; returns 0."""
+    """Train until ``max_steps``, the end of the data (all epochs) or a stop; returns 0.
+
+    torchrun-compatible: the rank, world size and local rank come from ``RANK``, ``WORLD_SIZE``
+    and ``LOCAL_RANK`` (``MASTER_ADDR`` / ``MASTER_PORT`` for the rendezvous); NCCL on CUDA, gloo
+    on CPU, and a gloo group beside NCCL for the step flags. The training is the
+    :class:`~services.trainer.trainer.Trainer`'s; the shell gives it the queue client, this rank's
+    place in the group with its host collectives, the stop event of SIGTERM and the launch's name.
+    """
     rank, world, local = dist_env()
     device = torch.device(config.device)
     if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""The student's start-up step: every compiled graph built before training, and a step shown to fit."""
+"""The student's start-up step: the compiled graphs built before training, a step shown to fit."""
 
 from __future__ import annotations
 

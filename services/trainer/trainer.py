@@ -1,4 +1,4 @@
-"""The trainer: epochs of optimizer steps over the queue's samples, with checkpoints, evals and export."""
+"""The trainer: epochs of steps over the queue's samples, with checkpoints, evals and the export."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from services.common import lifecycle
 from services.common.metrics import JsonlWriter
+from services.protocol.names import new_instance
 from services.queue.errors import QueueError
 from services.trainer import checkpoint as checkpoints
 from services.trainer import tracking
@@ -135,6 +136,11 @@ class Trainer:
     start-up step, the eval before), :meth:`run_epoch` per epoch, :meth:`step` per optimizer step,
     :meth:`checkpoint` and :meth:`evaluate` on their schedules, :meth:`finish`.
 
+    Files under ``run_dir``: ``metrics/trainer.rank<r>.jsonl`` (steps, evals), ``keys/
+    trainer.rank<r>.jsonl`` (the keys trained per step), ``checkpoints/``, ``final/`` (the
+    exported student with its tokenizer and model card, rank 0), ``summary.json`` (rank 0), and
+    the trackers' files of ``report_to`` (``tensorboard/``, ``wandb/``; rank 0, see tracking.py).
+
     Exactly once: each launch claims under a consumer task no earlier launch used
     (``trainer/e<epoch>/s<step>/<launch>``), skips the keys its checkpoint trained, and acks a
     step's samples after its optimizer step (or, when the run registers its task for retention,
@@ -174,11 +180,7 @@ class Trainer:
         self.rank, self.world = self.ranks.rank, self.ranks.world
         self.device = torch.device(device or config.device)
         self.stop = stop or threading.Event()
-        if launch is None:
-            from services.protocol.names import new_instance
-
-            launch = new_instance()
-        self.launch = launch
+        self.launch = launch or new_instance()
         self.run_dir = Path(config.run_dir)
         self.student_step = build_step(
             config, rank=self.rank, world_size=self.world, device=self.device
@@ -186,17 +188,7 @@ class Trainer:
         self.student: Student = self.student_step.student
         teacher_pad_id = resolve_pad_id(load_tokenizer(config.teacher_tokenizer))
         self.pads = {"student_pad_id": self.student.pad_id, "teacher_pad_id": teacher_pad_id}
-        self.reader = self.output_layer = None  # the teacher link
-        if config.loss.uses_teacher:
-            from xtoken_core.ipc.logit_ring import LogitRingReader
-
-            self.reader = LogitRingReader(
-                device=self.device, dead_after_s=config.teacher_dead_after_s
-            )
-            if config.teacher_model:
-                self.output_layer = teacher_output_layer(
-                    **settings_of(teacher_output_layer, config, device=self.device)
-                )
+        self.reader, self.output_layer = self._teacher_link()
         # Retention: a run that reads its partition once registers its consumer task, so that the
         # queue drops each sample once a checkpoint holds it and a corpus larger than its
         # --capacity streams through it (feed.py). A run of several epochs reads every sample
@@ -206,16 +198,7 @@ class Trainer:
         self.summary: dict[str, Any] = {"rank_count": self.world}
         self._resume()
         self.summary["resumed_from"] = self.student.step
-        self.metrics = JsonlWriter(
-            self.run_dir / "metrics" / f"trainer.rank{self.rank}.jsonl", rank=self.rank
-        )
-        if self.rank == 0 and config.report_to:  # TensorBoard, W&B: fed the same records
-            self.metrics = tracking.tracked_metrics(
-                self.metrics, config, self.run_dir, start_step=self.student.step
-            )
-        self.keys_log = JsonlWriter(
-            self.run_dir / "keys" / f"trainer.rank{self.rank}.jsonl", rank=self.rank
-        )
+        self.metrics, self.keys_log = self._open_logs()
         self.feed: TeacherFeed | None = None
         self.publisher: PolicyPublisher | None = None
         self.profiler: StepProfiler | None = None
@@ -223,6 +206,34 @@ class Trainer:
         self.stopped = False
         self._last_checkpoint = self.student.step
         self._unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
+
+    def _teacher_link(self) -> tuple[Any, Any]:
+        """``(ring reader, teacher output layer)`` of a loss that reads the teacher: the reader of
+        the teachers' logit rings, and the output layer the hidden transport applies (with
+        ``teacher_model``); Nones for the student's CE alone."""
+        config = self.config
+        if not config.loss.uses_teacher:
+            return None, None
+        from xtoken_core.ipc.logit_ring import LogitRingReader
+
+        reader = LogitRingReader(device=self.device, dead_after_s=config.teacher_dead_after_s)
+        output_layer = None
+        if config.teacher_model:
+            output_layer = teacher_output_layer(
+                **settings_of(teacher_output_layer, config, device=self.device)
+            )
+        return reader, output_layer
+
+    def _open_logs(self) -> tuple[Any, JsonlWriter]:
+        """``(metrics, keys log)``: this rank's metrics records, teed on rank 0 into the trackers
+        of ``report_to`` (TensorBoard, W&B: fed the same records), and its keys trained."""
+        name = f"trainer.rank{self.rank}.jsonl"
+        metrics = JsonlWriter(self.run_dir / "metrics" / name, rank=self.rank)
+        if self.rank == 0 and self.config.report_to:
+            metrics = tracking.tracked_metrics(
+                metrics, self.config, self.run_dir, start_step=self.student.step
+            )
+        return metrics, JsonlWriter(self.run_dir / "keys" / name, rank=self.rank)
 
     def _resume(self) -> None:
         """Take the state of the run's latest checkpoint, if any: the weights, the step, the
