@@ -88,6 +88,8 @@ def _loss_and_grad(zs, zt, batch, backend, **cfg):
 @pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
 def test_the_cpu_backend_gives_the_reference_loss_gradient_and_metrics(mode, temperature):
+    if torch.cuda.is_available():
+        pytest.skip("auto takes the kernels where CUDA is available")
     zs, zt = make_logits(7)
     zs, zt = zs.detach().float(), zt.float()
     batch = make_batch(7)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.xtoken_core.losses.modes.test_kernel_paths import _case
+from tests.xtoken_core.losses.modes import test_kernel_paths
 from xtoken_core.data.projection import Projection
 from xtoken_core.losses import CrossTokenizerLossConfig
 from xtoken_core.losses.backends import cpu
@@ -14,9 +14,15 @@ from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes import MODES, pkl
 
 
+def _case(*args, **kwargs):
+    """The kernel tests' odd-shaped case, on the CPU (the CPU path's device, CUDA or not)."""
+    return tuple(x.cpu() for x in test_kernel_paths._case(*args, **kwargs))
+
+
 def _pkl(path, case, **kw):
     zs, zt, s_ids, t_ids, valid, indices, likelihoods = case
-    M = Projection.from_topk(indices, likelihoods, "cpu").sparse(zs.shape[-1], zt.shape[-1])
+    projection = Projection.from_topk(indices, likelihoods, indices.device)
+    M = projection.sparse(zs.shape[-1], zt.shape[-1])
     x = zs.detach().clone().requires_grad_()
     opts = dict(temperature=1.7, reverse_kl=False, vocab_topk=17)
     opts.update(kw)
