@@ -12,8 +12,7 @@ names is first asked for, so that the names (which a settings module reads) neve
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from xtoken_core.lazy import lazy_names
 
 # name -> the module of this package that defines it
 _HOMES = {
@@ -57,14 +56,6 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """``name`` from the module that defines it (imported on first use)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
-
-
 __all__ = [
     "EOF_KEY",
     "MAX_BLOB_BYTES",
@@ -99,3 +90,7 @@ __all__ = [
     "trainer_task",
     "unpack_blob",
 ]
+
+__getattr__, __dir__ = lazy_names(
+    __name__, {name: f"{__name__}.{home}" for name, home in _HOMES.items()}
+)

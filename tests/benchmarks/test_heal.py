@@ -98,6 +98,8 @@ def test_same_tokenizer_pkl_is_per_token_kl(tmp_path):
     from xtoken_core.align.aligner import TokenAligner
     from xtoken_core.data.projection import get_sparse_projection_matrix
     from xtoken_core.data.projection_build import build_projection_with_stats
+    from xtoken_core.losses import CrossTokenizerLossConfig
+    from xtoken_core.losses.inputs import LossInputs
     from xtoken_core.losses.modes.pkl import reference_kd_loss
     from xtoken_core.tokenizers import load_tokenizer
 
@@ -135,7 +137,9 @@ def test_same_tokenizer_pkl_is_per_token_kl(tmp_path):
     valid = torch.ones(1, T, dtype=torch.bool)
     valid[0, 0] = False  # chunk 0 (the first token) is predicted by no position
     terms = reference_kd_loss(
-        z_s, z_t, shifted, shifted, valid, M, temperature=1.0, vocab_topk=None, reverse_kl=False
+        LossInputs(z_s, z_t, shifted, shifted, valid),
+        M,
+        CrossTokenizerLossConfig(temperature=1.0, vocab_topk=None, reverse_kl=False),
     )
     lp_t, lp_s = z_t[0, :-1].log_softmax(-1), z_s[0, :-1].log_softmax(-1)
     kl = (lp_t.exp() * (lp_t - lp_s)).sum()

@@ -5,14 +5,15 @@ the Triton kernels, the CPU path), chosen once when a loss is built; the records
 (inputs.py), the alignment and chunk plumbing (alignment.py), the input checks (checks.py), the
 DP count (distributed.py); the fused output head (fused_head.py, head_blocks.py).
 
-The public names load on first use (PEP 562 ``__getattr__``), so that importing the config alone
+The public names load on first use (``xtoken_core.lazy``), so that importing the config alone
 (``xtoken_core.losses.config``, which runs this file first) imports no torch or Triton.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xtoken_core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from xtoken_core.losses.alignment import shift_chunk_ids
@@ -34,28 +35,16 @@ __all__ = [
     "student_ce",
 ]
 
-#: public name -> the module that defines it
-_PUBLIC = {
-    "METRIC_KEYS": "xtoken_core.losses.loss",
-    "CrossTokenizerLoss": "xtoken_core.losses.loss",
-    "CrossTokenizerLossConfig": "xtoken_core.losses.config",
-    "FusedHead": "xtoken_core.losses.fused_head",
-    "Fp32SparseMM": "xtoken_core.losses.backends.reference",
-    "dp_all_reduce_sum": "xtoken_core.losses.distributed",
-    "shift_chunk_ids": "xtoken_core.losses.alignment",
-    "student_ce": "xtoken_core.losses.backends",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module at first use."""
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "METRIC_KEYS": "xtoken_core.losses.loss",
+        "CrossTokenizerLoss": "xtoken_core.losses.loss",
+        "CrossTokenizerLossConfig": "xtoken_core.losses.config",
+        "FusedHead": "xtoken_core.losses.fused_head",
+        "Fp32SparseMM": "xtoken_core.losses.backends.reference",
+        "dp_all_reduce_sum": "xtoken_core.losses.distributed",
+        "shift_chunk_ids": "xtoken_core.losses.alignment",
+        "student_ce": "xtoken_core.losses.backends",
+    },
+)
