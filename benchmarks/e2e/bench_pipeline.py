@@ -397,6 +397,7 @@ def pipeline(
             "trainers": trainers,
             "teachers": trainers,
             "mps": bool(getattr(args, "mps", False)),
+            "pack": pack,
             "data": {
                 "train": str(corpus),
                 "heldout": str(corpus),
@@ -406,7 +407,6 @@ def pipeline(
             "collator": {
                 "workers": 1 if ordered else 2,
                 "batch": args.pack_window if pack else max(1, B),
-                "pack": pack,
             },
             "teacher": {
                 "model": teacher_dir,

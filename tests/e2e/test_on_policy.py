@@ -5,6 +5,7 @@ SIGKILLed mid-batch and restarted loses no prompt and stores no sample twice."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import signal
@@ -61,7 +62,11 @@ def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp
 
     config = load_run_config(EXAMPLE)
     step_size = config.trainer.micro_batch * config.trainer.grad_accum
-    share = config.trainer.on_policy.share(step_size)
+    # the trainer's on-policy settings as the run hands them to it (its fraction: the data's)
+    on_policy = dataclasses.replace(
+        config.trainer.on_policy, fraction=config.data.on_policy_fraction
+    )
+    share = on_policy.share(step_size)
     records = trained_records(run_dir)
     off = [k for r in records for k in r["keys"] if not k.startswith("p")]
     on = [k for r in records for k in r["keys"] if k.startswith("p")]
