@@ -903,8 +903,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             metavar="FILE",
             default=None,
             help="the run-wide settings a run's processes share (queue, partition, tokenizers, "
-            "run directory), as xtoken run writes them (RUN_DIR/config/context.json); --config "
-            "and flags override them",
+            "context lengths, packing, run directory), as xtoken run writes them "
+            "(RUN_DIR/config/context.json); --config and flags override them",
         )
     groups: dict[str, Any] = {}
     for leaf in _leaves(cls):
