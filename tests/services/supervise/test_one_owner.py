@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import subprocess
+import sys
 from dataclasses import field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from services.supervise.plan import Host, RunPlace, make_plan
 from services.supervise.preflight import Inputs
 from services.supervise.resume import fingerprint
 
+ROOT = Path(__file__).resolve().parents[3]
 SPILL = {"help": "a file the collator also reads", "path": "file", "trained": True}
 
 
@@ -100,6 +103,11 @@ def test_a_new_field_of_a_section_is_a_flag_a_key_a_set_a_rest_key_a_path_and_tr
         assert r.status_code == 403 and r.json()["key"] == "collator.spill", r.text
         r = client.post("/v1/runs", json={"run_dir": "r3", "collator": {"spill": 3}})
         assert r.status_code == 422 and r.json()["key"] == "collator.spill", r.text
+        r = client.post("/v1/runs", json={"run_dir": "r4", "queue_capacity": "1GiB"})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == "queue_capacity moved to queue.capacity_bytes"
+        r = client.post("/v1/runs", json={"run_dir": "r5", "rollout": {"queue": "tcp://h:1"}})
+        assert r.status_code == 403 and r.json()["key"] == "rollout.queue", r.text
 
 
 @contextlib.contextmanager
@@ -205,8 +213,19 @@ def test_a_value_equal_to_its_source_is_accepted_and_the_run_configs_record_read
     assert run_config.run_config_to_dict(again) == record
 
 
+def test_xtoken_run_refuses_a_moved_key_in_one_line_exit_2(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("queue_capacity: 1GiB\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(path), "--check"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == "xtoken run: queue_capacity moved to queue.capacity_bytes\n"
+
+
 def test_every_example_config_loads():
-    examples = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
     assert examples
     for path in examples:
         load_run_config(path)
