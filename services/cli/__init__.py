@@ -51,9 +51,9 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``xtoken`` parser: global flags (accepted before or after the subcommand) and one
     subparser per :data:`SUBCOMMANDS` entry."""
-    from services.common.flags import add_global_flags
+    from services.common.flags import add_global_flags, subparsers
 
-    parser = argparse.ArgumentParser(prog="xtoken", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="xtoken", description=DESCRIPTION, allow_abbrev=False)
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.add_arguments(sp)
     add_global_flags(parser)
+    for child in subparsers(parser):  # a flag has one spelling: no prefix of it stands for it
+        child.allow_abbrev = False
     return parser
 
 

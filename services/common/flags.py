@@ -1,23 +1,18 @@
-"""Command-line conventions shared by every ``xtoken`` command: deprecated flag spellings (hidden,
-one warning line), internal flags (hidden from ``--help``), global flags accepted at every level.
+"""Command-line conventions shared by every ``xtoken`` command: internal flags (hidden from
+``--help``), global flags accepted at every level, the run configs' ``--set``.
 
-Durations are in seconds and their flags end in ``-s`` (``--queue-timeout-s``, ``--lease-s``); an
-old spelling stays accepted as a hidden alias that prints one line naming the new one::
-
-    parser.add_argument("--lease-s", type=float, default=60.0, help="...")
-    add_deprecated_alias(parser, "--lease", "--lease-s")
+Durations are in seconds and their flags end in ``-s`` (``--queue-timeout-s``, ``--lease-s``); a
+flag has one spelling, and no abbreviation of it is accepted (parsers are built with
+``allow_abbrev=False``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
-from typing import Any
 
 __all__ = [
     "INTERNAL",
-    "add_deprecated_alias",
     "add_global_flags",
     "add_set_flag",
     "subparsers",
@@ -26,57 +21,6 @@ __all__ = [
 INTERNAL = argparse.SUPPRESS
 """``help=INTERNAL``: a flag the run engine passes to its children (``--ready-file``,
 ``--summary-json``): accepted, left out of ``--help``."""
-
-
-class _DeprecatedAlias(argparse.Action):
-    """An old spelling of a flag: warns once on stderr, then does what the new flag does."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, target: argparse.Action, **kw):
-        super().__init__(option_strings, dest, **kw)
-        self.target = target
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        new = self.target.option_strings[0]
-        print(
-            f"{parser.prog}: {option_string} is deprecated and will be removed; use {new}",
-            file=sys.stderr,
-        )
-        self.target(parser, namespace, values, new)
-
-
-def add_deprecated_alias(parser: Any, old: str, new: str) -> None:
-    """Accept ``old`` as a hidden, deprecated spelling of the flag ``new`` of ``parser``.
-
-    Args:
-        parser: the parser (or argument group) that holds ``new``.
-        old: the old option string (``--lease``).
-        new: the option string of the flag it stands for (``--lease-s``).
-
-    Raises:
-        ValueError: ``parser`` has no flag ``new``.
-    """
-    target = parser._option_string_actions.get(new)
-    if target is None:
-        raise ValueError(f"cannot alias {old}: the parser has no flag {new}")
-    parser.add_argument(
-        old,
-        dest=target.dest,
-        nargs=target.nargs,
-        const=target.const,
-        type=target.type,
-        choices=target.choices,
-        metavar=target.metavar,
-        default=argparse.SUPPRESS,
-        help=argparse.SUPPRESS,
-        action=_DeprecatedAlias,
-        target=target,
-    )
 
 
 def subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from services.common import config as cfg
-from services.common.flags import INTERNAL, add_deprecated_alias
+from services.common.flags import INTERNAL
 from services.queue.config import ServerConfig, format_size
 
 __all__ = ["EXIT_BAD_DATA", "add_arguments", "run"]
@@ -33,21 +33,6 @@ def _endpoint_arg(flag: str):
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
 
     return parse
-
-
-def _renamed_serve_flags() -> tuple[str, ...]:
-    """The duration flags of `queue serve` before they took the `-s` suffix of every seconds
-    flag: still accepted (hidden, with one deprecation line)."""
-    import dataclasses
-
-    return tuple(
-        f"--{old}"
-        for f in dataclasses.fields(ServerConfig)
-        for old in f.metadata.get("deprecated_flags", ())
-    )
-
-
-SERVE_RENAMED = _renamed_serve_flags()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stats.add_argument(
         "--timeout-s", type=float, default=5.0, help="seconds to wait for a reply (default 5)"
     )
-    add_deprecated_alias(stats, "--timeout", "--timeout-s")
     _add_operator_commands(sub)
 
 
@@ -219,7 +203,6 @@ def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument(
             "--timeout-s", type=float, default=5.0, help="seconds to wait for a reply (default 5)"
         )
-        add_deprecated_alias(p, "--timeout", "--timeout-s")
         if partition:
             p.add_argument("--partition", required=True, help="partition name")
         return p
@@ -240,7 +223,6 @@ def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
         help="seconds a claim waits for more data before the drain stops (default 0: stop "
         "when nothing is ready)",
     )
-    add_deprecated_alias(drain, "--wait", "--wait-s")
     drain.add_argument(
         "--register",
         action="store_true",

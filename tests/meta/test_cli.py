@@ -136,21 +136,6 @@ def test_every_duration_flag_ends_in_s():
     assert {"--lease-s", "--timeout-s", "--queue-timeout-s", "--idle-timeout-s"} <= set(checked)
 
 
-@pytest.mark.parametrize(
-    ("argv", "old"),
-    [
-        (["queue", "stats", "--queue", "tcp://127.0.0.1:1"], "--timeout"),
-        (["queue", "drain", "--queue", "tcp://h:1", "--partition", "p", "--task", "t"], "--wait"),
-    ],
-)
-def test_old_spellings_of_other_duration_flags_still_work(argv, old, capsys):
-    parser = cli.build_parser()
-    assert vars(parser.parse_args([*argv, old, "3"])) == vars(
-        parser.parse_args([*argv, f"{old}-s", "3"])
-    )
-    assert f"{old} is deprecated" in capsys.readouterr().err
-
-
 def test_a_generated_flag_has_one_spelling():
     """The flags generated from a config's fields are its keys, with no alias of an old name."""
     for prog, sub in _parsers():
