@@ -42,7 +42,7 @@ from services.collator.config import CollatorConfig, WorkerConfig
 from services.collator.progress import Eta
 from services.collator.worker import worker_main
 from services.common import lifecycle
-from services.queue.cli import format_size
+from services.queue.config import format_size
 from xtoken_core.data.corpus import BadCorpusLine
 
 __all__ = [
