@@ -206,7 +206,7 @@ class Student:
         self.compute = compute  # what the forward and backward run on
         # the fused output head's halves (the step's head runs the output layer), or Nones
         self.backbone, self.lm_head = (
-            _split_head(compute, world_size) if fused_head else (None,) * 2
+            _split_head(compute, world_size) if fused_head else (None, None)
         )
         self.model = parallelize(
             compute,
