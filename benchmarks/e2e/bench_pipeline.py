@@ -10,7 +10,7 @@ For each shape (B x T) and loss mode (pkl, gold, xtoken, ce), in one run on one 
   the decoder layers compiled (student and teacher);
 
 * **bare**: one process, no queue, no IPC: teacher forward (bf16, no grad) + the student's
-  optimizer step with the same loss (services.trainer.worker.TrainerWorker.train_step), on the
+  optimizer step with the same loss (services.trainer.trainer.build_step, then StudentStep.run), on the
   same collated samples; tokens/s from CUDA-synchronized wall time.
 * **pipeline**: ``xtoken run`` of the same models: queue, collator, teacher (``cuda_ipc`` or
   ``hidden``) and trainer as real processes on one GPU; tokens/s from the trainer's step records
@@ -45,6 +45,7 @@ CPU smoke test (and with ``--pack``)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -52,6 +53,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,11 +179,40 @@ def _teacher_has_compile() -> bool:
     return any(f.name == "compile" for f in dataclasses.fields(TeacherConfig))
 
 
-def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: str, eager: bool):
-    """The trainer's worker of a bare run (its start-up step done): the eager baseline's keys, or
-    ``args.trainer_extra`` (``--trainer-extra``) over the defaults."""
+@dataclasses.dataclass
+class BareStep:
+    """The trainer's student step of a bare run, its start-up step done.
+
+    Attributes:
+        step: the ``StudentStep`` (services/trainer/step.py).
+        compile_s: seconds of the start-up step (the compile), None when it was skipped.
+    """
+
+    step: Any
+    compile_s: float | None
+
+    @property
+    def device(self) -> torch.device:
+        """The student's device."""
+        return self.step.student.device
+
+    def run(self, micro_batches: list) -> Any:
+        """One optimizer step over ``micro_batches`` (the ``StepResult``)."""
+        return self.step.run(micro_batches)
+
+    def recompiles(self) -> int | None:
+        """Graphs compiled since the start-up step (None: the student is not compiled)."""
+        return self.step.student.recompiles()
+
+
+def _bare_student(
+    args, mode: str, B: int, T: int, student_dir: str, projection: str, eager: bool
+) -> BareStep:
+    """The trainer's student step of a bare run (its start-up step done): the eager baseline's
+    keys, or ``args.trainer_extra`` (``--trainer-extra``) over the defaults."""
     from services.trainer.config import OptimConfig, TrainerConfig
-    from services.trainer.worker import TrainerWorker
+    from services.trainer.startup import warm_up
+    from services.trainer.trainer import build_step
     from xtoken_core.losses import CrossTokenizerLossConfig
 
     extra = EAGER_TRAINER if eager else getattr(args, "trainer_extra", None) or {}
@@ -199,9 +230,9 @@ def _bare_worker(args, mode: str, B: int, T: int, student_dir: str, projection: 
         pack=getattr(args, "pack", False),
         **extra,
     )
-    worker = TrainerWorker(cfg, device=torch.device(args.device))
-    worker.warm_up()
-    return worker
+    step = build_step(cfg, device=torch.device(args.device))
+    compile_s = warm_up(step.student, micro_batch=B, max_length=T, head=step.head)
+    return BareStep(step, compile_s)
 
 
 def _bare_teacher(args, teacher_dir: str, eager: bool):
@@ -221,8 +252,8 @@ def _bare_teacher(args, teacher_dir: str, eager: bool):
     return teacher
 
 
-def _bare_step(worker, teacher, batch: dict, mode: str) -> None:
-    from services.trainer.worker import MicroBatch
+def _bare_step(worker: BareStep, teacher, batch: dict, mode: str) -> None:
+    from services.trainer.step import MicroBatch
 
     device = worker.device
     logits = None
@@ -245,7 +276,7 @@ def _bare_step(worker, teacher, batch: dict, mode: str) -> None:
     mb = MicroBatch(
         keys=[], batch=batch, teacher_logits=None if logits is None else (lambda: logits)
     )
-    worker.train_step([mb])
+    worker.run([mb])
 
 
 def bare(
@@ -261,7 +292,7 @@ def bare(
 ) -> dict:
     """Teacher forward + student step in one process; tokens/s."""
     device = torch.device(args.device)
-    worker = _bare_worker(args, mode, B, T, student_dir, projection, eager)
+    worker = _bare_student(args, mode, B, T, student_dir, projection, eager)
     teacher = _bare_teacher(args, teacher_dir, eager) if mode != "ce" else None
     batches = collated(args, B, T, corpus, 4)
 
@@ -336,7 +367,7 @@ def recompile_check(
     teacher = _bare_teacher(args, teacher_dir, eager=False)
     with torch.inference_mode():
         teacher(input_ids=batches[0]["teacher_input_ids"].to(args.device), use_cache=False)
-    worker = _bare_worker(args, "pkl", B, T, student_dir, projection, eager=False)
+    worker = _bare_student(args, "pkl", B, T, student_dir, projection, eager=False)
     real = padded = 0
     lengths = set()
     for batch in batches:

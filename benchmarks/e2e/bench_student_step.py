@@ -1,7 +1,7 @@
 """The student step and the teacher forward, variant against variant, each in a process of its own.
 
-Student variants (the trainer's ``TrainerWorker.train_step`` on the same collated batches and the
-same teacher logits, computed once):
+Student variants (the trainer's ``StudentStep.run`` on the same collated batches and the same
+teacher logits, computed once):
 
 * ``eager``: fp32 parameters under bf16 autocast, nothing compiled (the baseline);
 * ``compiled``: bf16 parameters with fp32 masters, each decoder layer compiled;
@@ -86,7 +86,7 @@ def _teacher_logits(teacher, batch: dict, device) -> torch.Tensor:
 
 
 def one_student(args, variant: str, B: int, T: int) -> dict:
-    from services.trainer.worker import MicroBatch
+    from services.trainer.step import MicroBatch
 
     device = torch.device(args.device)
     student_dir, teacher_dir = bp.save_models(args, Path(args.work))
@@ -99,7 +99,7 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         del teacher
         bp._free()
     args.trainer_extra = STUDENT[variant]  # the default run's keys of bench_pipeline's worker
-    worker = bp._bare_worker(args, args.mode, B, T, student_dir, projection, eager=False)
+    worker = bp._bare_student(args, args.mode, B, T, student_dir, projection, eager=False)
     start_s = worker.compile_s
 
     def step(i: int):
@@ -108,7 +108,7 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         mb = MicroBatch(
             keys=[], batch=batches[k], teacher_logits=None if t is None else (lambda: t)
         )
-        return worker.train_step([mb])
+        return worker.run([mb])
 
     for i in range(args.warmup):
         step(i)

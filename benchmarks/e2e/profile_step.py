@@ -52,7 +52,7 @@ def main() -> int:
     device = torch.device(args.device)
     for variant in args.variants:
         eager = variant == "eager"
-        worker = bp._bare_worker(args, args.mode, B, T, student_dir, projection, eager)
+        worker = bp._bare_student(args, args.mode, B, T, student_dir, projection, eager)
         teacher = bp._bare_teacher(args, teacher_dir, eager)
         t_ms = _teacher_ms(teacher, batches[0], device)
         for i in range(3):
@@ -68,10 +68,10 @@ def main() -> int:
                 logits = logits.clone()
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            from services.trainer.worker import MicroBatch
+            from services.trainer.step import MicroBatch
 
             mb = MicroBatch(keys=[], batch=batches[i % 4], teacher_logits=lambda x=logits: x)
-            result = worker.train_step([mb])
+            result = worker.run([mb])
             torch.cuda.synchronize()
             walls.append(1000 * (time.perf_counter() - t1))
             phases.append(result.times)

@@ -6,7 +6,7 @@ import torch
 
 from services.common.config import ConfigError, from_dict
 from services.trainer.config import TrainerConfig
-from services.trainer.worker import TrainerWorker
+from services.trainer.step import build_loss
 from xtoken_core.losses import CrossTokenizerLossConfig
 
 
@@ -16,26 +16,32 @@ def test_topk_columns_is_validated_naming_the_choices():
         CrossTokenizerLossConfig(topk_columns="padded")
 
 
-def _worker(tmp_path, **loss) -> TrainerWorker:
+def _config(tmp_path, **loss) -> TrainerConfig:
     path = tmp_path / "proj.pt"
     indices = torch.tensor([[0, -1], [1, -1], [2, -1]])
     torch.save({"indices": indices, "likelihoods": (indices >= 0).float()}, path)
-    worker = TrainerWorker.__new__(TrainerWorker)  # only _build_loss: no model, no queue
-    worker.config = from_dict(TrainerConfig, {"loss": {"projection": str(path), **loss}})
-    worker.vocab = 3
-    return worker
+    return from_dict(TrainerConfig, {"loss": {"projection": str(path), **loss}})
+
+
+def _loss(config: TrainerConfig, teacher_vocab: int):
+    return build_loss(
+        config.loss,
+        student_vocab=3,
+        teacher_vocab=teacher_vocab,
+        teacher_tokenizer=config.teacher_tokenizer,
+    )
 
 
 def test_topk_columns_reaches_the_loss_config(tmp_path):
-    assert _worker(tmp_path, topk_columns="all")._build_loss(3).config.topk_columns == "all"
+    assert _loss(_config(tmp_path, topk_columns="all"), 3).config.topk_columns == "all"
 
 
 def test_the_run_config_loss_section_reaches_the_loss_as_is_with_the_teacher_vocab(tmp_path):
     section = {"mode": "gold", "temperature": 2.0, "exact_token_match_only": True}
-    worker = _worker(tmp_path, **section)
-    loss_fn = worker._build_loss(4)
-    assert loss_fn.config is not worker.config.loss  # the run config is left as it was
-    assert worker.config.loss.teacher_vocab_size == (None,)
+    config = _config(tmp_path, **section)
+    loss_fn = _loss(config, 4)
+    assert loss_fn.config is not config.loss  # the run config is left as it was
+    assert config.loss.teacher_vocab_size == (None,)
     assert loss_fn.config.teacher_vocab_size == (4,)
     for key, value in section.items():
         assert getattr(loss_fn.config, key) == value
