@@ -74,15 +74,10 @@ def run_config(texts: int, run_dir: str | None = None) -> dict:
         "collator": {"batch": 16},
         "teacher": {"model": "tiny", "transport": "shm", "max_batch": 4, "max_length": 64},
         "trainer": {
-            "student": "tiny",
-            "micro_batch": 4,
-            "grad_accum": 1,
-            "epochs": 1,
-            "checkpoint_every": 5,
-            "eval_every": 0,
-            "eval_texts": 2,
-            "eval_ctx": 64,
-            "export": False,
+            "student": {"model": "tiny"},
+            "feed": {"micro_batch": 4, "grad_accum": 1},
+            "schedule": {"epochs": 1, "checkpoint_every": 5, "eval_every": 0, "export": False},
+            "eval": {"texts": 2, "ctx": 64},
             "optim": {"lr": 0.003, "warmup_steps": 1},
         },
     }
@@ -90,13 +85,12 @@ def run_config(texts: int, run_dir: str | None = None) -> dict:
         # 4 x 2048 tokens (8 x 2048 runs out of the H100's 80 GB): enough GPU work per step that the host's launch jitter is hidden
         config.update(ctx_student=2048, ctx_teacher=2048)  # CE: no teacher is started
         config["data"]["train"] = GPU["corpus"]
-        config["trainer"].update(
-            student="qwen3-0.6b",
-            device="cuda",
-            micro_batch=4,
-            loss={"mode": "ce"},
-            checkpoint_every=1_000_000,  # a 0.6B checkpoint takes ~15 s: only the final one
-        )
+        trainer = config["trainer"]
+        trainer.update(student={"model": "qwen3-0.6b"}, compute={"device": "cuda"})
+        trainer["feed"]["micro_batch"] = 4
+        trainer["loss"] = {"mode": "ce"}
+        # a 0.6B checkpoint takes ~15 s: only the final one
+        trainer["schedule"]["checkpoint_every"] = 1_000_000
     if run_dir:
         config["run_dir"] = run_dir
     return config
@@ -433,7 +427,7 @@ def measure_interleaved(
     try:
         c = httpx.Client(base_url=server.url, timeout=30)
         config = run_config(texts)
-        config["trainer"]["epochs"] = epochs  # a long steady run from a small corpus
+        config["trainer"]["schedule"]["epochs"] = epochs  # a long steady run from a small corpus
         rid = c.post("/v1/runs", json=config).json()["id"]
         windows: list[tuple[float, float, bool]] = []
         on, state = True, "PENDING"

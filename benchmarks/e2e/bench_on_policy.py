@@ -88,22 +88,23 @@ def run_fraction(
                 "kv_cache": kv_cache,
             },
             "trainer": {
-                "student": student_dir,
-                "device": args.device,
-                "micro_batch": B,
-                "grad_accum": args.grad_accum,
-                "max_steps": n_steps,
-                "checkpoint_every": 0,
-                "eval_every": 0,
-                "export": False,
-                "heldout": None,
+                "student": {"model": student_dir},
+                "compute": {"device": args.device},
+                "feed": {"micro_batch": B, "grad_accum": args.grad_accum},
+                "schedule": {
+                    "max_steps": n_steps,
+                    "checkpoint_every": 0,
+                    "eval_every": 0,
+                    "export": False,
+                },
+                "eval": {"heldout": None},
                 "optim": {"warmup_steps": 0},
                 "loss": {"mode": args.mode, "projection": projection},
                 "on_policy": {"sync_every": args.sync_every, "max_staleness": args.max_staleness},
             },
         }
     )
-    config.trainer.heldout = None
+    config.trainer.eval.heldout = None
     run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()

@@ -4,8 +4,8 @@ and the pipeline against its own bare compute.
 For each shape (B x T) and loss mode (pkl, gold, xtoken, ce), in one run on one machine:
 
 * **eager** (``--baseline eager``): the pipeline with the eager step: fp32 parameters under bf16
-  autocast, nothing compiled (``trainer.param_dtype: float32``, ``trainer.compile: false``,
-  ``teacher.compile: false``);
+  autocast, nothing compiled (``trainer.compute.param_dtype: float32``,
+  ``trainer.compute.compile: false``, ``teacher.compile: false``);
 * **default**: the same pipeline with the defaults: bf16 parameters with fp32 master weights,
   the decoder layers compiled (student and teacher);
 
@@ -28,8 +28,8 @@ graphs Dynamo compiles after the start-up step; it reports the padding waste of 
 ``--pack`` measures packed rows instead (``pack``): the demo corpus's texts as they are
 (not joined into long texts), whole documents packed into rows of T tokens per side within puts
 of ``--pack-window`` texts, with document-boundary attention in the student and the teacher
-(FlexAttention on CUDA, ``trainer.packed_attention``); the bare step and the recompile check
-train packed micro-batches too. Tokens/s count real tokens; MFU's attention term counts the
+(FlexAttention on CUDA, ``trainer.compute.packed_attention``); the bare step and the recompile
+check train packed micro-batches too. Tokens/s count real tokens; MFU's attention term counts the
 whole row of T (an upper bound: each document attends within itself).
 
 Usage (GPU)::
@@ -167,8 +167,17 @@ def collated(args, B: int, T: int, corpus: Path, n: int) -> list[dict]:
 
 
 # the trainer and teacher keys of the eager baseline (the defaults need none)
-EAGER_TRAINER = {"param_dtype": "float32", "compile": False}
+EAGER_TRAINER = {"compute": {"param_dtype": "float32", "compile": False}}
 EAGER_TEACHER = {"compile": False}
+
+
+def with_sections(settings: dict, extra: dict) -> dict:
+    """``settings`` with ``extra`` over it, a section (a mapping in both) merged key by key."""
+    out = dict(settings)
+    for key, value in extra.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = {**out[key], **value} if both else value
+    return out
 
 
 def _teacher_has_compile() -> bool:
@@ -210,26 +219,24 @@ def _bare_student(
 ) -> BareStep:
     """The trainer's student step of a bare run (its start-up step done): the eager baseline's
     keys, or ``args.trainer_extra`` (``--trainer-extra``) over the defaults."""
-    from services.trainer.config import OptimConfig, TrainerConfig
+    from services.common.config import from_dict
+    from services.trainer.config import TrainerConfig
     from services.trainer.startup import warm_up
     from services.trainer.trainer import build_step
-    from xtoken_core.losses import CrossTokenizerLossConfig
 
     extra = EAGER_TRAINER if eager else getattr(args, "trainer_extra", None) or {}
-
-    cfg = TrainerConfig(
-        student=student_dir,
-        student_tokenizer=args.student_tokenizer,
-        teacher_tokenizer=args.teacher_tokenizer,
-        device=args.device,
-        micro_batch=B,
-        max_length=T,
-        max_steps=10**6,
-        optim=OptimConfig(warmup_steps=0),
-        loss=CrossTokenizerLossConfig(mode=mode, projection=projection if mode != "ce" else None),
-        pack=getattr(args, "pack", False),
-        **extra,
-    )
+    settings = {
+        "student_tokenizer": args.student_tokenizer,
+        "teacher_tokenizer": args.teacher_tokenizer,
+        "pack": getattr(args, "pack", False),
+        "student": {"model": student_dir, "max_length": T},
+        "compute": {"device": args.device},
+        "feed": {"micro_batch": B},
+        "schedule": {"max_steps": 10**6},
+        "optim": {"warmup_steps": 0},
+        "loss": {"mode": mode, "projection": projection if mode != "ce" else None},
+    }
+    cfg = from_dict(TrainerConfig, with_sections(settings, extra))
     step = build_step(cfg, device=torch.device(args.device))
     compile_s = warm_up(step.student, micro_batch=B, max_length=T, head=step.head)
     return BareStep(step, compile_s)
@@ -448,23 +455,26 @@ def pipeline(
                 "slots": 2,
                 **(teacher_extra or {}),
             },
-            "trainer": {
-                "student": student_dir,
-                "device": args.device,
-                "micro_batch": B,
-                "grad_accum": grad_accum,
-                "max_steps": n_steps,
-                "checkpoint_every": 0,
-                "eval_every": 0,
-                "export": False,
-                "heldout": None,
-                "optim": {"warmup_steps": 0},
-                "loss": {"mode": mode, "projection": projection},
-                **(trainer_extra or {}),
-            },
+            "trainer": with_sections(
+                {
+                    "student": {"model": student_dir},
+                    "compute": {"device": args.device},
+                    "feed": {"micro_batch": B, "grad_accum": grad_accum},
+                    "schedule": {
+                        "max_steps": n_steps,
+                        "checkpoint_every": 0,
+                        "eval_every": 0,
+                        "export": False,
+                    },
+                    "eval": {"heldout": None},
+                    "optim": {"warmup_steps": 0},
+                    "loss": {"mode": mode, "projection": projection},
+                },
+                trainer_extra or {},
+            ),  # fmt: skip
         }
     )
-    config.trainer.heldout = None
+    config.trainer.eval.heldout = None
     run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()
@@ -683,7 +693,8 @@ def main() -> int:
         "--trainer-extra",
         type=json.loads,
         default={},
-        help="trainer keys of the default runs, as JSON (e.g. '{\"cuda_graphs\": true}')",
+        help="trainer keys of the default runs, as JSON, a section merged key by key (e.g. "
+        '\'{"compute": {"cuda_graphs": true}}\')',
     )
     p.add_argument(
         "--teacher-extra",

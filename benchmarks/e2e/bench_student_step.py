@@ -5,9 +5,9 @@ teacher logits, computed once):
 
 * ``eager``: fp32 parameters under bf16 autocast, nothing compiled (the baseline);
 * ``compiled``: bf16 parameters with fp32 masters, each decoder layer compiled;
-* ``graphs``: ``compiled`` with each layer replayed as CUDA graphs (``trainer.cuda_graphs``):
-  the default;
-* ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.fused_head``);
+* ``graphs``: ``compiled`` with each layer replayed as CUDA graphs
+  (``trainer.compute.cuda_graphs``): the default;
+* ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.compute.fused_head``);
 * ``fused_graphs``: both.
 
 Teacher variants (the forward under ``inference_mode``): ``t_eager``, ``t_compiled`` (each layer,
@@ -41,12 +41,13 @@ import bench_pipeline as bp  # noqa: E402
 
 from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # noqa: E402
 
+# each variant's trainer.compute keys
 STUDENT = {
-    "eager": {"param_dtype": "float32", "compile": False},
-    "compiled": {"cuda_graphs": False},
+    "eager": {"compute": {"param_dtype": "float32", "compile": False}},
+    "compiled": {"compute": {"cuda_graphs": False}},
     "graphs": {},  # the default on a cuda device
-    "fused": {"fused_head": True, "cuda_graphs": False},
-    "fused_graphs": {"fused_head": True},
+    "fused": {"compute": {"fused_head": True, "cuda_graphs": False}},
+    "fused_graphs": {"compute": {"fused_head": True}},
 }
 TEACHER = {"t_eager": None, "t_compiled": "default", "t_graphs": "reduce-overhead"}
 

@@ -74,13 +74,13 @@ ON_POLICY_TEXTS = 32  # the on-policy run's (two off-policy samples a step: 16 s
 TINY = ROOT / "examples" / "tiny.yaml"
 TINY_SETS: dict[str, Any] = {
     "data.limit": None,
-    "trainer.grad_accum": 1,
-    "trainer.export": False,
+    "trainer.feed.grad_accum": 1,
+    "trainer.schedule.export": False,
     "collator.batch": 4,  # small puts: a kill of the collator lands mid-corpus
 }
 TINY_STEPS = 8
 ON_POLICY = ROOT / "examples" / "on_policy.yaml"
-ON_POLICY_SETS: dict[str, Any] = {"data.limit": ON_POLICY_TEXTS, "trainer.export": False}
+ON_POLICY_SETS: dict[str, Any] = {"data.limit": ON_POLICY_TEXTS, "trainer.schedule.export": False}
 ON_POLICY_STEPS = 16
 # Two cores run every process of a run: one intra-op thread each keeps them from fighting.
 ENV = {

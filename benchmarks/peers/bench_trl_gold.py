@@ -254,7 +254,9 @@ def run_xtoken(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict) ->
                 dirs["projection"],
                 transport,
                 work / f"xt_{mode}_{T}",
-                trainer_extra={"activation_checkpointing": args.activation_checkpointing},
+                trainer_extra={
+                    "compute": {"activation_checkpointing": args.activation_checkpointing}
+                },
             )
         except ValueError as exc:  # a refused configuration is a result too
             res = {"error": f"ValueError: {exc}"}
@@ -303,19 +305,21 @@ def xtoken_quality(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict
                 "slots": 2,
             },
             "trainer": {
-                "student": dirs["student"],
-                "device": args.device,
-                "micro_batch": 1,
-                "max_steps": args.quality_steps,
-                "checkpoint_every": 0,
-                "eval_every": 0,
-                "export": True,
+                "student": {"model": dirs["student"]},
+                "compute": {"device": args.device},
+                "feed": {"micro_batch": 1},
+                "schedule": {
+                    "max_steps": args.quality_steps,
+                    "checkpoint_every": 0,
+                    "eval_every": 0,
+                    "export": True,
+                },
                 "optim": {"lr": args.lr, "warmup_steps": 0, "min_lr_ratio": 1.0},
                 "loss": {"mode": mode, "projection": dirs["projection"]},
             },
         }
     )
-    config.trainer.heldout = None
+    config.trainer.eval.heldout = None
     run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()

@@ -80,8 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (None: the command line) and run its subcommand; returns the exit code."""
+    from services.common.config import moved_flag
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a flag of a moved key is named with its new flag; any other as argparse does
+        moved = moved_flag(args, unknown)
+        if moved is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        print(moved, file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(message)s",

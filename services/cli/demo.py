@@ -40,15 +40,15 @@ DEMO_CONFIG = {
         "slots": 2,
     },
     "trainer": {
-        "student": "tiny",
-        "param_dtype": "bfloat16",  # bf16 compute, fp32 master weights
-        "micro_batch": 4,
-        "grad_accum": 1,
-        "max_steps": 40,
-        "checkpoint_every": 0,  # the demo starts fresh every time: no checkpoint to resume
-        "eval_every": 0,
-        "eval_texts": 6,
-        "eval_ctx": 256,
+        "student": {"model": "tiny"},
+        "compute": {"param_dtype": "bfloat16"},  # bf16 compute, fp32 master weights
+        "feed": {"micro_batch": 4, "grad_accum": 1},
+        "schedule": {
+            "max_steps": 40,
+            "checkpoint_every": 0,  # the demo starts fresh every time: no checkpoint to resume
+            "eval_every": 0,
+        },
+        "eval": {"texts": 6, "ctx": 256},
         "optim": {"lr": 3e-3, "warmup_steps": 4, "weight_decay": 0.0},
         "loss": {"mode": "pkl", "vocab_topk": 4096},
     },
@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps",
         type=_step_count,
         default=None,
-        help="optimizer steps (default 40; 0: until the demo's data ends, as trainer.max_steps)",
+        help="optimizer steps (default 40; 0: until the demo's data ends, as "
+        "trainer.schedule.max_steps)",
     )
     parser.add_argument("--mode", default=None, help="loss mode: pkl, gold, xtoken, ce")
     add_set_flag(
@@ -109,7 +110,7 @@ def demo_data(args: argparse.Namespace | None = None) -> dict:
         if args.run_dir:
             data["run_dir"] = args.run_dir
         if args.steps is not None:
-            data["trainer"]["max_steps"] = args.steps
+            data["trainer"]["schedule"]["max_steps"] = args.steps
         if args.mode:
             data["trainer"]["loss"]["mode"] = args.mode
         data = apply_overrides(data, getattr(args, "overrides", ()))
@@ -144,7 +145,7 @@ def baseline_data(args: argparse.Namespace | None = None) -> dict:
     loss = data["trainer"].setdefault("loss", {})
     loss["mode"] = "ce"
     loss.pop("projection", None)
-    data["trainer"]["export"] = False
+    data["trainer"].setdefault("schedule", {})["export"] = False
     try:
         run_config_from_dict(data)
     except ConfigError as e:
@@ -210,7 +211,7 @@ def format_table(kd: dict, ce: dict | None, config) -> str:
     """
     trainer = config.trainer
     mode = trainer.loss.mode
-    tokens = f"{trainer.micro_batch * trainer.grad_accum} x {config.ctx_student} tokens"
+    tokens = f"{trainer.feed.step_samples} x {config.ctx_student} tokens"
     rows = [
         ("teacher", kd.get("teacher")),
         ("student before", kd.get("student_before")),

@@ -20,7 +20,7 @@ EPILOG = """\
 examples:
   xtoken run examples/tiny.yaml
   xtoken run examples/tiny.yaml --check
-  xtoken run examples/tiny.yaml --set trainer.max_steps=20 --set trainer.optim.lr=1e-3
+  xtoken run examples/tiny.yaml --set trainer.schedule.max_steps=20 --set trainer.optim.lr=1e-3
   xtoken run examples/tiny.yaml --set data.train=corpus.jsonl --set data.limit=null --fresh
   xtoken run examples/tiny.yaml --launcher ray --ray-address auto
 

@@ -51,7 +51,9 @@ Field metadata understood here (all optional):
 
 Class attributes understood here: ``MOVED_KEYS`` (``{old dotted key: new dotted key}``, both
 relative to the class): a mapping that still holds an old key is refused with one line, ``OLD
-moved to NEW``; ``REMOVED_KEYS`` (``{old key: why}``): refused with the reason.
+moved to NEW`` (an old key that names a section now, ``student`` moved to ``student.model``, is
+the old key only with a value that is no mapping); ``REMOVED_KEYS`` (``{old key: why}``):
+refused with the reason.
 
 Supported field types: ``bool`` (``--x/--no-x``), ``int``, ``float``, ``str``, ``pathlib.Path``,
 ``X | None`` (``none`` on the command line), ``Literal[...]`` (choices), enums, ``list[X]``,
@@ -93,6 +95,7 @@ __all__ = [
     "load_context",
     "load_file",
     "marks",
+    "moved_flag",
     "section",
     "without_marked",
     "to_dict",
@@ -106,6 +109,7 @@ T = TypeVar("T")
 _DEST = "xtoken_cfg:"
 _CONFIG_DEST = "xtoken_cfg_file"
 _CONTEXT_DEST = "xtoken_cfg_context"
+_MOVED_DEST = "xtoken_cfg_moved"
 _NONE_WORDS = ("none", "null")
 _MISSING = dataclasses.MISSING
 
@@ -341,7 +345,7 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for old, new in getattr(cls, "MOVED_KEYS", {}).items():
-        if has_key(data, old):
+        if _holds_moved_key(cls, data, old):
             raise ConfigError(f"{_join(path, old)} moved to {_join(path, new)}")
     removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
@@ -379,15 +383,33 @@ def _build(cls: type[T], data: Any, path: str, flags: str | None) -> T:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from e
 
 
+def _holds_moved_key(cls: type, data: Mapping[str, Any], old: str) -> bool:
+    """``data`` holds the moved key ``old``. Where ``old`` names a section of ``cls`` now (a
+    trainer's ``student`` string moved to ``student.model``), only a value that is no mapping
+    (nor an instance) of that section is the old key."""
+    if not has_key(data, old):
+        return False
+    node: Any = data
+    owner: Any = cls
+    for part in old.split("."):
+        node = node[part]
+        hint = _hints(owner).get(part) if owner is not None else None
+        owner = None if hint is None else _optional_dataclass(hint)
+    return owner is None or not isinstance(node, Mapping | owner)
+
+
 def _unknown_key(cls: type, path: str, key: str, names: list[str]) -> str:
-    """One short line: the unknown key, the closest valid names, the file that defines them."""
+    """One short line: the unknown key, the closest valid names, the file that defines them (a
+    close moved key is named by its new key: ``max_step`` -> ``schedule.max_steps``)."""
+    moved = {old: new for old, new in getattr(cls, "MOVED_KEYS", {}).items() if "." not in old}
+    names = names + [old for old in moved if old not in names]
     close = difflib.get_close_matches(key, names, n=3)
     # past the closest, only the names nearly as close, or that hold the key (or it them)
     close = close[:1] + [
         n for n in close[1:] if difflib.SequenceMatcher(None, key, n).ratio() > 0.8
     ]
     close += [n for n in names if n not in close and (key in n or n in key)][: 3 - len(close)]
-    shown = [repr(_join(path, n)) for n in close]
+    shown = list(dict.fromkeys(repr(_join(path, moved.get(n, n))) for n in close))
     hint = f": did you mean {' or '.join(shown)}?" if shown else ""
     fields = {f.name for f in dataclasses.fields(cls)}
     owner = cls
@@ -873,7 +895,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
     Flags are ``--name`` (underscores become dashes), nested ``--section.name``; ``bool``
     fields get ``--name/--no-name``. The defaults stay in the dataclass: a flag not given on the
-    command line leaves the value of ``--config`` or the default (the help shows it).
+    command line leaves the value of ``--config`` or the default (the help shows it). A key of
+    ``MOVED_KEYS`` has no flag (a flag has one spelling); given anyway, :func:`moved_flag` names
+    its new one.
 
     Args:
         parser: the parser (or subcommand parser) to extend.
@@ -896,6 +920,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             default=None,
             help="JSON or YAML file with these settings; flags given here override it",
         )
+    moved = _moved_flags(cls)
+    if moved:  # no flag of their own (one spelling): named by moved_flag when given
+        parser.set_defaults(**{_MOVED_DEST: (parser.prog, moved)})
     if marks(cls, "context") and "--context" not in parser._option_string_actions:
         parser.add_argument(
             "--context",
@@ -930,6 +957,47 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             help=help_text.replace("%", "%%"),
             **kwargs,
         )
+
+
+def _moved_flags(cls: type) -> dict[str, str]:
+    """``{old flag: new flag}`` of the ``MOVED_KEYS`` of a config tree (``--micro-batch`` ->
+    ``--feed.micro-batch``), less any old flag that is a flag again."""
+    leaves = {leaf.path: leaf for leaf in _leaves(cls)}
+    out: dict[str, str] = {}
+
+    def walk(owner: type, path: str, prefix: str) -> None:
+        for old, new in getattr(owner, "MOVED_KEYS", {}).items():
+            leaf = leaves.get(_join(path, new))
+            old_flag = f"--{prefix}{_flag_name(old)}"
+            out[old_flag] = leaf.flag if leaf else f"--{prefix}{_flag_name(new)}"
+            if leaf and _flag_kwargs(leaf).get("action") is argparse.BooleanOptionalAction:
+                out[f"--no-{old_flag[2:]}"] = f"--no-{leaf.flag[2:]}"
+        hints = _hints(owner)
+        for f in dataclasses.fields(owner):
+            nested = _optional_dataclass(hints[f.name]) if f.init else None
+            if nested is not None and f.metadata.get("cli", True) is not False:
+                segment = _flag_name(f.metadata.get("flag", f.name))
+                walk(nested, _join(path, f.name), f"{prefix}{segment}." if segment else prefix)
+
+    walk(cls, "", "")
+    current = {leaf.flag for leaf in leaves.values()}
+    return {old: new for old, new in out.items() if old not in current}
+
+
+def moved_flag(args: argparse.Namespace, unknown: Sequence[str]) -> str | None:
+    """The one line that refuses a flag of a moved key among the arguments a parser did not
+    know (``xtoken trainer: --micro-batch moved to --feed.micro-batch``), or None.
+
+    Args:
+        args: the namespace of ``parse_known_args`` (of a parser given :func:`add_arguments`).
+        unknown: the arguments it did not know.
+    """
+    prog, moved = getattr(args, _MOVED_DEST, ("", {}))
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag in moved:
+            return f"{prog}: {flag} moved to {moved[flag]}"
+    return None
 
 
 def _check_required(cls: type, config: Any) -> None:

@@ -37,7 +37,8 @@ def parse_override(text: str) -> Override:
 
     Args:
         text: ``trainer.optim.lr=1e-4``; the value is a YAML scalar, list or mapping
-            (``trainer.max_steps=100``, ``data.heldout=null``, ``data.train=corpus.jsonl``).
+            (``trainer.schedule.max_steps=100``, ``data.heldout=null``,
+            ``data.train=corpus.jsonl``).
 
     Returns:
         The :class:`Override`.

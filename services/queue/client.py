@@ -754,13 +754,17 @@ class QueueClient(_Requests):
         return self.request("stats", {})
 
 
-def connect(address: str, *, timeout_s: float, name: str) -> QueueClient:
+def connect(
+    address: str, *, timeout_s: float, name: str, setting: str = "queue_timeout_s"
+) -> QueueClient:
     """A QueueClient after a successful handshake (worker processes: teacher, trainer).
 
     Args:
         address: the queue's endpoint.
         timeout_s: seconds to wait for the hello's reply, and for every later reply.
         name: client name sent in ``hello``.
+        setting: the key of ``timeout_s`` in the process's config (``feed.queue_timeout_s``),
+            named with its flag in the message of a queue that does not answer.
 
     Raises:
         ValueError: no reply within ``timeout_s`` (names the address and the setting; a bad
@@ -774,8 +778,8 @@ def connect(address: str, *, timeout_s: float, name: str) -> QueueClient:
         if e.code != codes.TIMEOUT:
             raise
         raise ValueError(
-            f"queue {address} is unreachable: no reply within {timeout_s:g}s (queue_timeout_s, "
-            f"--queue-timeout-s); start it with `xtoken queue serve --bind {address}` or fix "
-            "the address (queue, --queue)"
+            f"queue {address} is unreachable: no reply within {timeout_s:g}s ({setting}, "
+            f"--{setting.replace('_', '-')}); start it with `xtoken queue serve --bind "
+            f"{address}` or fix the address (queue, --queue)"
         ) from None
     return QueueClient(address, timeout_s=timeout_s, name=name)

@@ -47,7 +47,7 @@ class RolloutConfig:
         default="student-25m",
         metadata={
             "help": "student model spec (the trainer's): its weights come from the trainer",
-            "derived": "trainer.student",
+            "derived": "trainer.student.model",
             "trained": True,
         },
     )
@@ -55,7 +55,7 @@ class RolloutConfig:
         default=None,
         metadata={
             "help": "vocab of a preset student (default: its tokenizer's)",
-            "derived": "trainer.vocab_size",
+            "derived": "trainer.student.vocab_size",
             "trained": True,
         },
     )
@@ -63,7 +63,7 @@ class RolloutConfig:
         default=0,
         metadata={
             "help": "seed of the student init and of the sampling",
-            "derived": "trainer.seed",
+            "derived": "trainer.student.seed",
             "trained": True,
         },
     )

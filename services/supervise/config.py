@@ -63,7 +63,7 @@ class DataConfig(CorpusConfig):
     heldout: str | None = field(
         default=None,
         metadata={
-            "help": "held-out corpus for bits/byte; None: the last trainer.eval_texts texts of "
+            "help": "held-out corpus for bits/byte; None: the last trainer.eval.texts texts of "
             "data.train (not trained on), or the demo's with the demo corpus",
             "path": "file",
             "trained": True,
@@ -265,10 +265,11 @@ class RunConfig(Shared):
             )
         t, tr = self.teacher, self.trainer
         if tr.loss.uses_teacher:
-            if t.max_batch < tr.micro_batch:
+            if t.max_batch < tr.feed.micro_batch:
                 raise ValueError(
-                    f"teacher.max_batch={t.max_batch} < trainer.micro_batch={tr.micro_batch}: a "
-                    "micro-batch must fit one teacher slot; raise teacher.max_batch"
+                    f"teacher.max_batch={t.max_batch} < trainer.feed.micro_batch="
+                    f"{tr.feed.micro_batch}: a micro-batch must fit one teacher slot; raise "
+                    "teacher.max_batch"
                 )
             if t.max_length < self.ctx_teacher:
                 raise ValueError(
@@ -307,20 +308,21 @@ class RunConfig(Shared):
         tr = self.trainer
         # the trainer as the run hands it its fraction and order (checked, not kept)
         on_policy = dataclasses.replace(tr.on_policy, fraction=fraction)
-        dataclasses.replace(tr, on_policy=on_policy, ordered=self.data.ordered).check_on_policy(
+        feed = dataclasses.replace(tr.feed, ordered=self.data.ordered)
+        dataclasses.replace(tr, on_policy=on_policy, feed=feed).check_on_policy(
             {
                 "fraction": "data.on_policy_fraction",
                 "loss.mode": "trainer.loss.mode",
                 "ordered": "data.ordered",
-                "max_steps": "trainer.max_steps",
+                "max_steps": "trainer.schedule.max_steps",
             }
         )
         r = self.rollout
-        if self.trainers > 1 and tr.parallel == "fsdp":
+        if self.trainers > 1 and tr.compute.parallel == "fsdp":
             raise ValueError(
-                f"data.on_policy_fraction={fraction:g} with trainer.parallel=fsdp: the rollout "
-                "workers need the whole student, which no FSDP rank holds; use parallel ddp, "
-                "or fraction 0"
+                f"data.on_policy_fraction={fraction:g} with trainer.compute.parallel=fsdp: the "
+                "rollout workers need the whole student, which no FSDP rank holds; use parallel "
+                "ddp, or fraction 0"
             )
         if self.rollouts < 1:
             raise ValueError(f"rollouts={self.rollouts}: must be >= 1 with on-policy samples")
@@ -332,7 +334,7 @@ class RunConfig(Shared):
             )
         weights = tr.on_policy.weights
         gpu_weights = weights == "cuda_ipc" or (
-            weights == "auto" and str(tr.device).startswith("cuda")
+            weights == "auto" and str(tr.compute.device).startswith("cuda")
         )
         if gpu_weights and not str(r.device).startswith("cuda"):
             raise ValueError(
@@ -355,7 +357,7 @@ class RunConfig(Shared):
     def devices(self) -> list[tuple[str, str]]:
         """``(key, device)`` of each kind of process that runs a model: the trainer, the teacher
         when the loss uses one, the rollout workers with on-policy samples."""
-        out = [("trainer.device", str(self.trainer.device))]
+        out = [("trainer.compute.device", str(self.trainer.compute.device))]
         if self.trainer.loss.uses_teacher:
             out.append(("teacher.device", str(self.teacher.device)))
         if self.on_policy:

@@ -693,12 +693,17 @@ class Driver:
             put_eof(client, self.partition, n)
         logger.info("[run] collator done: %d samples", n)
         self.eof_done = True
-        if self._progress_line is not None and not self.config.trainer.max_steps:
+        if self._progress_line is not None and not self.config.trainer.schedule.max_steps:
             tr = self.config.trainer
-            share = tr.on_policy.share(tr.micro_batch * tr.grad_accum)
+            share = tr.on_policy.share(tr.feed.step_samples)
             self._progress_line.set_total(
                 estimated_steps(
-                    n, tr.micro_batch, tr.grad_accum, self.config.trainers, tr.epochs, share
+                    n,
+                    tr.feed.micro_batch,
+                    tr.feed.grad_accum,
+                    self.config.trainers,
+                    tr.schedule.epochs,
+                    share,
                 ),
                 final=True,
             )
@@ -727,15 +732,15 @@ class Driver:
             dequantizes = not smollm2_cached()
         progress = self._progress_line = RunProgress(
             self.run_dir / "metrics" / "trainer.rank0.jsonl",
-            tr.max_steps or None,
+            tr.schedule.max_steps or None,
             teacher_ready=teachers,
             student_ready=ready.get("trainer0"),
             dequantizes=dequantizes,
-            total_is_exact=bool(tr.max_steps),
+            total_is_exact=bool(tr.schedule.max_steps),
             since=self.segment_started or None,
         )
         train = self.inputs.train if self.inputs is not None else config.data.train
-        if not tr.max_steps and train is not None:
+        if not tr.schedule.max_steps and train is not None:
             limit = self.inputs.train_limit if self.inputs is not None else config.data.limit
 
             def count() -> None:
@@ -743,9 +748,14 @@ class Driver:
                     texts = count_texts(train, text_field=config.data.text_field, limit=limit)
                 except (OSError, ValueError):
                     return  # no total: the collator reports the corpus's problem
-                share = tr.on_policy.share(tr.micro_batch * tr.grad_accum)
+                share = tr.on_policy.share(tr.feed.step_samples)
                 steps = estimated_steps(
-                    texts, tr.micro_batch, tr.grad_accum, config.trainers, tr.epochs, share
+                    texts,
+                    tr.feed.micro_batch,
+                    tr.feed.grad_accum,
+                    config.trainers,
+                    tr.schedule.epochs,
+                    share,
                 )
                 progress.set_total(steps)  # unless the collator's count came first
 

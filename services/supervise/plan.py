@@ -166,25 +166,37 @@ def own(cls: type, section: Any, context: Context, **derived: Any) -> dict[str, 
     ``cls`` or a run-facing subclass of it) and the values the run derives for it, less the
     fields the shared context gives; checked as the process builds it, with ``context``.
 
+    Args:
+        cls: the process's config class.
+        section: its section of the run config.
+        context: the launch's shared context.
+        derived: the values the run sets, by field name or by the dotted key of a field of a
+            nested section (``**{"teacher.groups": 2}``).
+
     Raises:
         ValueError: a section the process would refuse (names the key).
     """
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     data = {k: v for k, v in cfgmod.to_dict(section).items() if k in names}
-    for name, value in derived.items():
-        data[name] = cfgmod.to_dict(value) if dataclasses.is_dataclass(value) else value
+    for key, value in derived.items():
+        *parents, name = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[name] = cfgmod.to_dict(value) if dataclasses.is_dataclass(value) else value
     data = cfgmod.without_marked(cls, data)
     cfgmod.from_dict(cls, cfgmod.with_context(cls, data, context))
     return data
 
 
 def copies(config: RunConfig, cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` whose ``derived`` mark names a key of the run config, with that
-    key's value (``trainer.teacher_groups`` <- ``teachers``)."""
+    """The fields of ``cls`` (those of its nested sections by their dotted keys) whose
+    ``derived`` mark names a key of the run config, with that key's value (the trainer's
+    ``teacher.groups`` <- ``teachers``)."""
     return {
-        f.name: value_at(config, f.metadata["derived"])
-        for f in dataclasses.fields(cls)
-        if f.init and is_run_key(f.metadata.get("derived"))
+        key: value_at(config, source)
+        for key, source in cfgmod.marks(cls, "derived").items()
+        if is_run_key(source)
     }
 
 
@@ -226,12 +238,13 @@ def make_sections(
         tr,
         context,
         **copies(cfg, TrainerConfig),
-        on_policy=dataclasses.replace(tr.on_policy, **copies(cfg, type(tr.on_policy))),
-        loss=dataclasses.replace(tr.loss, projection=inputs.projection),
-        heldout=tr.heldout or inputs.heldout,
-        max_length=tr.max_length or cfg.ctx_student,
-        # the hidden transport: the trainer applies the teacher's output layer, of its model
-        teacher_model=tr.teacher_model or (teacher.model if hidden else None),
+        **{
+            "loss.projection": inputs.projection,
+            "eval.heldout": tr.eval.heldout or inputs.heldout,
+            "student.max_length": tr.student.max_length or cfg.ctx_student,
+            # the hidden transport: the trainer applies the teacher's output layer, of its model
+            "teacher.model": tr.teacher.model or (teacher.model if hidden else None),
+        },
     )  # checked: a loss that needs a projection has one now
     out = {"trainer": trainer}
     for g in range(cfg.teachers):
@@ -268,7 +281,7 @@ def rollout_sections(
     lengths and run directory come from the shared context."""
     cfg, r = config, config.rollout
     tr = cfg.trainer
-    per_step = tr.micro_batch * tr.grad_accum * cfg.trainers
+    per_step = tr.feed.step_samples * cfg.trainers
     share = max(1, round(cfg.data.on_policy_fraction * per_step))
     own_prompts = r.prompts is not None
     corpus_limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
@@ -347,7 +360,7 @@ def make_specs(
     threads = cpu_threads(
         host,
         teachers if cfg.teacher.device == "cpu" else 0,
-        cfg.trainers if cfg.trainer.device == "cpu" else 0,
+        cfg.trainers if cfg.trainer.compute.device == "cpu" else 0,
         rollouts if cfg.rollout.device == "cpu" else 0,
     )
     for g in range(teachers):
@@ -370,7 +383,7 @@ def make_specs(
             "LOCAL_RANK": str(r),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(master_port),
-            **(threads if cfg.trainer.device == "cpu" else {}),
+            **(threads if cfg.trainer.compute.device == "cpu" else {}),
         }
         specs.append(
             ProcessSpec(
@@ -380,7 +393,7 @@ def make_specs(
                 env=env,
                 log_file=str(d / "logs" / f"trainer{r}.log"),
                 ready_file=str(d / "ready" / f"trainer{r}"),
-                resources={"gpu": 1} if cfg.trainer.device.startswith("cuda") else {},
+                resources={"gpu": 1} if cfg.trainer.compute.device.startswith("cuda") else {},
                 group=str(r % cfg.teachers),
             )
         )

@@ -72,7 +72,7 @@ def preflight(config: RunConfig) -> Inputs:
 
     Raises:
         ValueError: a CUDA device this machine lacks, ``mps: true`` without the MPS control
-            program, a tracker (``trainer.report_to``) whose
+            program, a tracker (``trainer.observe.report_to``) whose
             package is not installed, a missing or unreadable corpus, an unknown
             tokenizer, a model whose vocab does not fit its tokenizer, a projection built for
             other tokenizers (each names the key and the fix).
@@ -85,7 +85,7 @@ def preflight(config: RunConfig) -> Inputs:
         from services.supervise.mps import control_binary
 
         control_binary()  # installed, before anything starts
-    check_installed(config.trainer.report_to)  # a tracker's package, before anything starts
+    check_installed(config.trainer.observe.report_to)  # a tracker's package, before anything starts
     check_corpora(config)
     train, heldout, train_limit = config.data.train, config.data.heldout, config.data.limit
     if train is None:
@@ -135,7 +135,7 @@ def check_corpora(config: RunConfig) -> None:
         check_train(config.rollout.prompts, config.rollout.text_field, "rollout.prompts")
     corpora = {
         "data.heldout": data.heldout,
-        "trainer.heldout": config.trainer.heldout,
+        "trainer.eval.heldout": config.trainer.eval.heldout,
         "teacher.heldout": config.teacher.heldout,
     }
     for key, path in corpora.items():
@@ -182,7 +182,7 @@ def _as_setting(error: Exception, key: str) -> str:
 
 
 def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
-    """Hold out the last ``trainer.eval_texts`` texts of ``data.train`` (a run that names no
+    """Hold out the last ``trainer.eval.texts`` texts of ``data.train`` (a run that names no
     ``data.heldout``): they are written to a file of the cache, and the collator reads only the
     texts before them. Announced in the output.
 
@@ -199,7 +199,7 @@ def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
 
     from xtoken_core.data.corpus import BadCorpusLine, corpus_files, iter_texts
 
-    n = config.trainer.eval_texts
+    n = config.trainer.eval.texts
     data = config.data
     files = corpus_files(train)
     on_bad = (lambda err: None) if data.skip_bad_lines else None
@@ -224,7 +224,7 @@ def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
     if total <= n:
         raise ValueError(
             f"data.train={train!r} has {total} texts: too few to hold out the last "
-            f"trainer.eval_texts={n} and train on the rest; name a data.heldout corpus"
+            f"trainer.eval.texts={n} and train on the rest; name a data.heldout corpus"
         )
     out = _cache_dir() / "heldout" / f"{slug(train)}_{digest.hexdigest()[:16]}.jsonl"
     if not out.is_file():
@@ -250,8 +250,8 @@ def _cache_dir() -> Path:
 
 
 def check_devices(config: RunConfig) -> None:
-    """A CUDA device the config asks for (``trainer.device``, ``teacher.device`` when the loss
-    uses a teacher, ``rollout.device`` with on-policy samples) is on this machine.
+    """A CUDA device the config asks for (``trainer.compute.device``, ``teacher.device`` when the
+    loss uses a teacher, ``rollout.device`` with on-policy samples) is on this machine.
 
     Raises:
         ValueError: ``cuda`` without CUDA, or ``cuda:N`` past the GPUs there (names the key).
@@ -316,7 +316,12 @@ def check_vocabs(config: RunConfig, student_vocab: int, teacher_vocab: int) -> N
 
     cfg = config
     for key, spec, override, tok_vocab in (
-        ("trainer.student", cfg.trainer.student, cfg.trainer.vocab_size, student_vocab),
+        (
+            "trainer.student.model",
+            cfg.trainer.student.model,
+            cfg.trainer.student.vocab_size,
+            student_vocab,
+        ),
         ("teacher.model", cfg.teacher.model, cfg.teacher.vocab_size, teacher_vocab),
     ):
         if key == "teacher.model" and not cfg.trainer.loss.uses_teacher:

@@ -77,7 +77,7 @@ class RunProgress:
     Before the first step it names the start-up phase the run is in (loading the teacher, the
     GGUF dequantized on the first run only; loading the student; compiling it; waiting for the
     first step), then the step, loss (KD and CE), tokens/s and ETA. The total is
-    ``trainer.max_steps``, or for a run that ends with its data the steps its corpus makes
+    ``trainer.schedule.max_steps``, or for a run that ends with its data the steps its corpus makes
     (:func:`estimated_steps`; :meth:`set_total` once known).
 
     Args:

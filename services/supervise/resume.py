@@ -47,7 +47,7 @@ def fingerprint(config: Any) -> dict[str, Any]:
         config: a RunConfig.
 
     Returns:
-        ``{"trainer.student": ..., "trainer.optim.lr": ..., "pack": ..., ...}``.
+        ``{"trainer.student.model": ..., "trainer.optim.lr": ..., "pack": ..., ...}``.
     """
     cls = type(config)
     # a field the run sets (marked context or derived) is recorded once, by its source's key
@@ -116,7 +116,7 @@ def plan_start(config: Any, *, resume: bool = False, fresh: bool = False) -> Sta
         note = f"started over; the old run is in {moved}" if moved else ""
         return StartPlan("fresh", note, moved)
     step = _checkpoint_step(latest)
-    total = config.trainer.max_steps
+    total = config.trainer.schedule.max_steps
     of_total = f" of {total}" if total else ""
     recorded = _read_fingerprint(run_dir)
     changes = _changes(recorded, mine)
@@ -197,6 +197,6 @@ def _complete(run_dir: Path, checkpoint: Path, step: int, config: Any) -> bool:
         return False
     if summary.get("stopped", True) or summary.get("step") != step:
         return False
-    max_steps = config.trainer.max_steps
+    max_steps = config.trainer.schedule.max_steps
     epoch = _checkpoint_meta(checkpoint).get("epoch", summary.get("epoch", 0))
-    return bool(max_steps and step >= max_steps) or int(epoch) >= config.trainer.epochs
+    return bool(max_steps and step >= max_steps) or int(epoch) >= config.trainer.schedule.epochs

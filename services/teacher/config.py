@@ -188,7 +188,7 @@ class TeacherConfig:
         default=0.5,
         metadata={
             "help": "seconds between two heartbeats in each logit ring (trainers call a teacher "
-            "whose ring beat is older than their teacher_dead_after_s dead)",
+            "whose ring beat is older than their trainer.teacher.dead_after_s dead)",
             "trained": False,
         },
     )
@@ -214,7 +214,7 @@ class TeacherConfig:
         default=32,
         metadata={
             "help": "held-out texts of that eval",
-            "derived": "trainer.eval_texts",
+            "derived": "trainer.eval.texts",
             "trained": False,
         },
     )
@@ -222,7 +222,7 @@ class TeacherConfig:
         default=512,
         metadata={
             "help": "tokens per eval window",
-            "derived": "trainer.eval_ctx",
+            "derived": "trainer.eval.ctx",
             "trained": False,
         },
     )

@@ -7,10 +7,10 @@ after a compile. Python starts one whenever enough objects have survived since t
 moment of its own on each rank; under DDP the rank it pauses enqueues its step late and every
 other rank waits for it in the next gradient all-reduce.
 
-:class:`CollectorSchedule` (``trainer.gc_every``) moves the heap that exists after the start-up
-step out of the collector's sight (``gc.freeze``), turns the automatic collector off and collects
-every ``gc_every`` steps, on every rank at the same step, after the step is queued (the host
-collects while the GPU runs). What becomes garbage in cycles between two collections waits for
+:class:`CollectorSchedule` (``trainer.compute.gc_every``) moves the heap that exists after the
+start-up step out of the collector's sight (``gc.freeze``), turns the automatic collector off and
+collects every ``gc_every`` steps, on every rank at the same step, after the step is queued (the
+host collects while the GPU runs). What becomes garbage in cycles between two collections waits for
 the next one; a trainer that finds no data collects every :data:`IDLE_S` seconds while it waits.
 
 :class:`CollectorClock` measures the collections of either kind through ``gc.callbacks``: each
@@ -102,7 +102,7 @@ class CollectorSchedule:
         }
         logger.info(
             "[trainer] garbage collector: a full collection took %.2f s; %d objects frozen, "
-            "collecting every %d steps (trainer.gc_every)",
+            "collecting every %d steps (trainer.compute.gc_every)",
             seconds,
             self.start_report["frozen"],
             self.every,

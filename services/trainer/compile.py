@@ -16,8 +16,8 @@ ladder of lengths ``max_length, max_length / 2, ...`` (:func:`warm_lengths`) and
 find their graph already built. Dynamo also specializes a size of 1: a last partial micro-batch
 of a single sample is compiled once more.
 
-CUDA graphs (``trainer.cuda_graphs``): each compiled layer's forward and backward are recorded
-once per length and replayed (Inductor's CUDA graph trees, ``mode="reduce-overhead"``): one
+CUDA graphs (``trainer.compute.cuda_graphs``): each compiled layer's forward and backward are
+recorded once per length and replayed (Inductor's CUDA graph trees, ``mode="reduce-overhead"``): one
 launch per layer call instead of one per kernel, so the host no longer sets the pace. A replay
 reuses its output buffers, so every micro-batch's forward starts a new generation
 (:func:`mark_step`); nothing of a micro-batch's graph outputs may be kept past its backward.

@@ -127,21 +127,10 @@ class OnPolicyConfig:
 
 
 @dataclasses.dataclass
-class TrainerConfig:
-    """Settings of one trainer rank (rank and world size come from torchrun's environment)."""
+class StudentConfig:
+    """The student model: what is trained, and the length its start-up step runs at."""
 
-    #: keys of older configs under their new names (services.common.config)
-    MOVED_KEYS: ClassVar[dict[str, str]] = {"dead_after_s": "teacher_dead_after_s"}
-
-    queue: str = field(
-        default="tcp://127.0.0.1:5555",
-        metadata={"help": "queue server address", "context": "queue", "trained": False},
-    )
-    partition: str = field(
-        default="train",
-        metadata={"help": "sample partition of the run", "context": "partition", "trained": False},
-    )
-    student: str = field(
+    model: str = field(
         default="student-25m",
         metadata={
             "help": "student model: a local HF directory, a preset name or gguf:PATH; "
@@ -150,60 +139,36 @@ class TrainerConfig:
             "trained": True,
         },
     )
-    student_tokenizer: str = field(
-        default="qwen3",
-        metadata={
-            "help": "student tokenizer",
-            "context": "student_tokenizer",
-            "path": "tokenizer",
-            "trained": True,
-        },
-    )
-    teacher_tokenizer: str = field(
-        default="smollm2",
-        metadata={
-            "help": "teacher tokenizer",
-            "context": "teacher_tokenizer",
-            "path": "tokenizer",
-            "trained": True,
-        },
-    )
-    teacher_model: str | None = field(
-        default=None,
-        metadata={
-            "help": "teacher model spec (the hidden transport loads its output layer)",
-            "path": "model",
-            "trained": True,
-        },
-    )
-    teacher_vocab_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "vocab of a preset teacher (default: its tokenizer's)",
-            "derived": "teacher.vocab_size",
-            "trained": True,
-        },
-    )
-    teacher_seed: int = field(
-        default=0,
-        metadata={
-            "help": "seed of a preset teacher (the hidden transport rebuilds its output layer)",
-            "derived": "teacher.seed",
-            "trained": True,
-        },
-    )
-    teacher_groups: int = field(
-        default=1,
-        metadata={
-            "help": "teacher groups; rank r asks group r % teacher_groups",
-            "derived": "teachers",
-            "trained": False,
-        },
-    )
     vocab_size: int | None = field(
         default=None,
         metadata={"help": "vocab of a preset student (default: its tokenizer's)", "trained": True},
     )
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": "seed of the student init (data.seed shuffles the texts)",
+            "trained": True,
+        },
+    )
+    max_length: int = field(
+        default=0,
+        metadata={
+            "help": "longest student micro-batch in tokens (xtoken run sets it to ctx_student "
+            "when 0); the start-up step that compiles the student and checks that a step fits "
+            "in memory runs at feed.micro_batch x max_length (0: 128 tokens)",
+            "trained": True,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_length < 0:
+            raise ValueError(f"max_length={self.max_length}: must be >= 0 (0: 128 tokens)")
+
+
+@dataclasses.dataclass
+class ComputeConfig:
+    """How the student computes: device, precision, parallelism, compile and kernels."""
+
     device: str = field(
         default="cpu",
         metadata={"help": "cpu, or cuda (each rank takes cuda:LOCAL_RANK)", "trained": False},
@@ -215,13 +180,6 @@ class TrainerConfig:
             "trained": False,
         },
     )
-    parallel: Literal["ddp", "fsdp"] = field(
-        default="ddp",
-        metadata={
-            "help": "data parallel: ddp, or fsdp (fully_shard) for big students",
-            "trained": True,
-        },
-    )
     param_dtype: Literal["auto", "float32", "bfloat16"] = field(
         default="auto",
         metadata={
@@ -229,6 +187,13 @@ class TrainerConfig:
             "(bfloat16 on cuda, with fp32 master weights in the optimizer; float32 on cpu), "
             "float32 (fp32 parameters under autocast: the eager baseline) or bfloat16",
             "trained": False,
+        },
+    )
+    parallel: Literal["ddp", "fsdp"] = field(
+        default="ddp",
+        metadata={
+            "help": "data parallel: ddp, or fsdp (fully_shard) for big students",
+            "trained": True,
         },
     )
     compile: bool | None = field(
@@ -246,34 +211,6 @@ class TrainerConfig:
             "launches one graph per layer instead of one kernel at a time (None: on where it can "
             "run: compiled on a cuda device, bf16 parameters, one process or ddp, no activation "
             "checkpointing)",
-            "trained": False,
-        },
-    )
-    max_length: int = field(
-        default=0,
-        metadata={
-            "help": "longest student micro-batch in tokens (xtoken run sets it to ctx_student); "
-            "the start-up step that compiles the student and checks that a step fits in memory "
-            "runs at micro_batch x max_length (0: 128 tokens)",
-            "trained": True,
-        },
-    )
-    pack: bool = field(
-        default=False,
-        metadata={
-            "help": "the samples are packed rows of several documents (as the collators pack "
-            "them): positions restart per document, attention stays within a document, and the "
-            "start-up step compiles for that",
-            "context": "pack",
-            "trained": True,
-        },
-    )
-    packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
-        default="auto",
-        metadata={
-            "help": "attention of packed rows: flex_attention (a document BlockMask whose blocks "
-            "across documents are skipped), sdpa (a [B, 1, T, T] mask) or auto (flex_attention "
-            "on cuda, sdpa elsewhere)",
             "trained": False,
         },
     )
@@ -295,34 +232,188 @@ class TrainerConfig:
             "trained": False,
         },
     )
+    packed_attention: Literal["auto", "flex_attention", "sdpa"] = field(
+        default="auto",
+        metadata={
+            "help": "attention of packed rows: flex_attention (a document BlockMask whose blocks "
+            "across documents are skipped), sdpa (a [B, 1, T, T] mask) or auto (flex_attention "
+            "on cuda, sdpa elsewhere)",
+            "trained": False,
+        },
+    )
+    gc_every: int = field(
+        default=50,
+        metadata={
+            "help": "after the start-up step, freeze the heap that exists, turn Python's "
+            "automatic garbage collector off and collect every gc_every steps, on every rank at "
+            "the same step (an automatic full collection pauses one rank at a time, and under "
+            "DDP the others wait for it); 0: Python's automatic collector",
+            "trained": False,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"param_dtype={self.param_dtype!r}: use auto, float32 or bfloat16")
+        if self.packed_attention not in ("auto", "flex_attention", "sdpa"):
+            raise ValueError(
+                f"packed_attention={self.packed_attention!r}: use auto, flex_attention or sdpa"
+            )
+        if self.gc_every < 0:
+            raise ValueError(f"gc_every={self.gc_every}: must be >= 0")
+
+
+@dataclasses.dataclass
+class FeedConfig:
+    """The samples each step claims from the queue: how many, in what order, with what waits."""
+
     micro_batch: int = field(
         default=4, metadata={"help": "samples per micro-batch", "trained": True}
     )
     grad_accum: int = field(
         default=1, metadata={"help": "micro-batches per optimizer step", "trained": True}
     )
+    ordered: bool = field(
+        default=False,
+        metadata={
+            "help": "claim exactly micro_batch x grad_accum samples per step in queue order and "
+            "sort only within the step, so that runs on the same queue order train the same "
+            "micro-batches; N ranks take fixed shares of N such steps (xtoken run sets it from "
+            "data.ordered)",
+            "derived": "data.ordered",
+            "trained": True,
+        },
+    )
+    lease_s: float = field(
+        default=300.0,
+        metadata={"help": "lease of claimed samples (redelivered if we die)", "trained": False},
+    )
+    claim_timeout_s: float = field(
+        default=1.0, metadata={"help": "server-side wait of a claim", "trained": False}
+    )
+    queue_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds to wait for a queue reply before failing", "trained": False},
+    )
+    idle_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "end the epoch after this long without data even without the collators' "
+            "end-of-data marker (None: wait for the marker)",
+            "trained": False,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("lease_s", "claim_timeout_s", "queue_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+
+    @property
+    def step_samples(self) -> int:
+        """Samples of one rank's optimizer step: ``micro_batch x grad_accum``."""
+        return self.micro_batch * self.grad_accum
+
+
+@dataclasses.dataclass
+class TeacherLinkConfig:
+    """The trainer's side of its teacher: whose logits it reads, from which group, how long it
+    waits for them."""
+
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "teacher model spec (the hidden transport loads its output layer; xtoken run "
+            "sets it from teacher.model for that transport)",
+            "path": "model",
+            "trained": True,
+        },
+    )
+    vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "vocab of a preset teacher (default: its tokenizer's)",
+            "derived": "teacher.vocab_size",
+            "trained": True,
+        },
+    )
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": "seed of a preset teacher (the hidden transport rebuilds its output layer)",
+            "derived": "teacher.seed",
+            "trained": True,
+        },
+    )
+    groups: int = field(
+        default=1,
+        metadata={
+            "help": "teacher groups; rank r asks group r % groups",
+            "derived": "teachers",
+            "trained": False,
+        },
+    )
+    timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "wait this long for a teacher result before asking again",
+            "trained": False,
+        },
+    )
+    dead_after_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "a teacher whose logit-ring heartbeat is older than this is dead: what it "
+            "did not answer is asked of its successor",
+            "trained": False,
+        },
+    )
+    verify_logits: bool = field(
+        default=False,
+        metadata={"help": "check each slot's checksum (teacher checksum=true)", "trained": False},
+    )
+
+    def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"groups={self.groups}: must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: must be > 0 seconds")
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    """When the loop stops, checkpoints, evaluates and exports. (The export is here, not under
+    ``eval``: like a checkpoint it is something the loop does at a point of the run.)"""
+
     max_steps: int = field(
         default=100, metadata={"help": "optimizer steps (0: until the data ends)", "trained": False}
     )
     epochs: int = field(default=1, metadata={"help": "passes over the data", "trained": True})
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: CrossTokenizerLossConfig = field(default_factory=CrossTokenizerLossConfig)
-    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
-    run_dir: str = field(
-        default="runs/default",
-        metadata={
-            "help": "metrics, checkpoints, export",
-            "context": "run_dir",
-            "path": "run",
-            "trained": False,
-        },
-    )
     checkpoint_every: int = field(
         default=50, metadata={"help": "steps between checkpoints (0: off)", "trained": False}
     )
     eval_every: int = field(
         default=50, metadata={"help": "steps between held-out evals (0: off)", "trained": False}
     )
+    export: bool = field(
+        default=True, metadata={"help": "export the final student (HF dir)", "trained": False}
+    )
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"epochs={self.epochs}: must be >= 1")
+        for name in ("max_steps", "checkpoint_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """The held-out bits per byte: which texts, how many, in what windows."""
+
     heldout: str | None = field(
         default=None,
         metadata={
@@ -331,15 +422,20 @@ class TrainerConfig:
             "trained": False,
         },
     )
-    eval_texts: int = field(
-        default=32, metadata={"help": "held-out texts per eval", "trained": True}
-    )
-    eval_ctx: int = field(
-        default=512, metadata={"help": "tokens per eval window", "trained": False}
-    )
-    export: bool = field(
-        default=True, metadata={"help": "export the final student (HF dir)", "trained": False}
-    )
+    texts: int = field(default=32, metadata={"help": "held-out texts per eval", "trained": True})
+    ctx: int = field(default=512, metadata={"help": "tokens per eval window", "trained": False})
+
+    def __post_init__(self) -> None:
+        if self.texts < 1:
+            raise ValueError(f"texts={self.texts}: must be >= 1")
+        if self.ctx < 2:
+            raise ValueError(f"ctx={self.ctx}: must be >= 2 tokens")
+
+
+@dataclasses.dataclass
+class ObserveConfig:
+    """What rank 0 reports beside its metrics files: experiment trackers and profiler traces."""
+
     report_to: list[str] = field(
         default_factory=list,
         metadata={
@@ -366,101 +462,133 @@ class TrainerConfig:
             "trained": False,
         },
     )
-    gc_every: int = field(
-        default=50,
-        metadata={
-            "help": "after the start-up step, freeze the heap that exists, turn Python's "
-            "automatic garbage collector off and collect every gc_every steps, on every rank at "
-            "the same step (an automatic full collection pauses one rank at a time, and under "
-            "DDP the others wait for it); 0: Python's automatic collector",
-            "trained": False,
-        },
-    )
-    lease_s: float = field(
-        default=300.0,
-        metadata={"help": "lease of claimed samples (redelivered if we die)", "trained": False},
-    )
-    teacher_timeout_s: float = field(
-        default=300.0,
-        metadata={
-            "help": "wait this long for a teacher result before asking again",
-            "trained": False,
-        },
-    )
-    claim_timeout_s: float = field(
-        default=1.0, metadata={"help": "server-side wait of a claim", "trained": False}
-    )
-    queue_timeout_s: float = field(
-        default=10.0,
-        metadata={"help": "seconds to wait for a queue reply before failing", "trained": False},
-    )
-    idle_timeout_s: float | None = field(
-        default=None,
-        metadata={
-            "help": "end the epoch after this long without data even without the collators' "
-            "end-of-data marker (None: wait for the marker)",
-            "trained": False,
-        },
-    )
-    verify_logits: bool = field(
-        default=False,
-        metadata={"help": "check each slot's checksum (teacher checksum=true)", "trained": False},
-    )
-    teacher_dead_after_s: float = field(
-        default=5.0,
-        metadata={
-            "help": "a teacher whose logit-ring heartbeat is older than this is dead: what it "
-            "did not answer is asked of its successor",
-            "trained": False,
-        },
-    )
-    seed: int = field(
-        default=0,
-        metadata={
-            "help": "seed of the student init (data.seed shuffles the texts)",
-            "trained": True,
-        },
-    )
-    ordered: bool = field(
-        default=False,
-        metadata={
-            "help": "claim exactly micro_batch x grad_accum samples per step in queue order and "
-            "sort only within the step, so that runs on the same queue order train the same "
-            "micro-batches; N ranks take fixed shares of N such steps (xtoken run sets it from "
-            "data.ordered)",
-            "derived": "data.ordered",
-            "trained": True,
-        },
-    )
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "grad_accum", "epochs", "teacher_groups", "eval_texts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        for name in (
-            "max_steps", "checkpoint_every", "eval_every", "max_length", "profile_steps", "gc_every"
-        ):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        for name in ("lease_s", "teacher_timeout_s", "claim_timeout_s", "queue_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
-        if self.profile_start < 1:
-            raise ValueError(f"profile_start={self.profile_start}: steps count from 1")
-        if self.param_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"param_dtype={self.param_dtype!r}: use auto, float32 or bfloat16")
-        if self.packed_attention not in ("auto", "flex_attention", "sdpa"):
-            raise ValueError(
-                f"packed_attention={self.packed_attention!r}: use auto, flex_attention or sdpa"
-            )
         unknown = [name for name in self.report_to if name not in TRACKERS]
         if unknown:
             raise ValueError(
                 f"report_to: unknown tracker {unknown[0]!r}; use a list of {', '.join(TRACKERS)} "
                 "(or [] for none)"
             )
-        if self.eval_ctx < 2:
-            raise ValueError(f"eval_ctx={self.eval_ctx}: must be >= 2 tokens")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps={self.profile_steps}: must be >= 0")
+        if self.profile_start < 1:
+            raise ValueError(f"profile_start={self.profile_start}: steps count from 1")
+
+
+def _moved(section: str, *names: str) -> dict[str, str]:
+    return {name: f"{section}.{name}" for name in names}
+
+
+# the flat keys of earlier trainer configs, each under its section now
+_MOVED_KEYS = {
+    "student": "student.model",  # a string; a mapping there is the section
+    **_moved("student", "vocab_size", "seed", "max_length"),
+    **_moved(
+        "compute",
+        "device",
+        "dtype",
+        "param_dtype",
+        "parallel",
+        "compile",
+        "cuda_graphs",
+        "fused_head",
+        "activation_checkpointing",
+        "packed_attention",
+        "gc_every",
+    ),  # fmt: skip
+    **_moved(
+        "feed",
+        "micro_batch",
+        "grad_accum",
+        "ordered",
+        "lease_s",
+        "claim_timeout_s",
+        "queue_timeout_s",
+        "idle_timeout_s",
+    ),  # fmt: skip
+    "teacher_model": "teacher.model",
+    "teacher_vocab_size": "teacher.vocab_size",
+    "teacher_seed": "teacher.seed",
+    "teacher_groups": "teacher.groups",
+    "teacher_timeout_s": "teacher.timeout_s",
+    "teacher_dead_after_s": "teacher.dead_after_s",
+    "dead_after_s": "teacher.dead_after_s",
+    "verify_logits": "teacher.verify_logits",
+    **_moved("schedule", "max_steps", "epochs", "checkpoint_every", "eval_every", "export"),
+    "heldout": "eval.heldout",
+    "eval_texts": "eval.texts",
+    "eval_ctx": "eval.ctx",
+    **_moved("observe", "report_to", "profile_steps", "profile_start"),
+}
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Settings of one trainer rank (rank and world size come from torchrun's environment): the
+    run-wide values it shares with the run's other processes (marked ``context``), then one
+    section per part of the trainer, each given to the part that reads it and to no other."""
+
+    #: keys of older configs under their new names (services.common.config)
+    MOVED_KEYS: ClassVar[dict[str, str]] = _MOVED_KEYS
+
+    queue: str = field(
+        default="tcp://127.0.0.1:5555",
+        metadata={"help": "queue server address", "context": "queue", "trained": False},
+    )
+    partition: str = field(
+        default="train",
+        metadata={"help": "sample partition of the run", "context": "partition", "trained": False},
+    )
+    student_tokenizer: str = field(
+        default="qwen3",
+        metadata={
+            "help": "student tokenizer",
+            "context": "student_tokenizer",
+            "path": "tokenizer",
+            "trained": True,
+        },
+    )
+    teacher_tokenizer: str = field(
+        default="smollm2",
+        metadata={
+            "help": "teacher tokenizer",
+            "context": "teacher_tokenizer",
+            "path": "tokenizer",
+            "trained": True,
+        },
+    )
+    run_dir: str = field(
+        default="runs/default",
+        metadata={
+            "help": "metrics, checkpoints, export",
+            "context": "run_dir",
+            "path": "run",
+            "trained": False,
+        },
+    )
+    pack: bool = field(
+        default=False,
+        metadata={
+            "help": "the samples are packed rows of several documents (as the collators pack "
+            "them): positions restart per document, attention stays within a document, and the "
+            "start-up step compiles for that",
+            "context": "pack",
+            "trained": True,
+        },
+    )
+    student: StudentConfig = field(default_factory=StudentConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    feed: FeedConfig = field(default_factory=FeedConfig)
+    teacher: TeacherLinkConfig = field(default_factory=TeacherLinkConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: CrossTokenizerLossConfig = field(default_factory=CrossTokenizerLossConfig)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+
+    def __post_init__(self) -> None:
         self.check_projection()
         if isinstance(self.loss.projection, list | tuple) or self.loss.num_teachers != 1:
             raise ValueError(
@@ -473,7 +601,7 @@ class TrainerConfig:
         if self.loss.teacher_vocab_size != (None,):
             raise ValueError(
                 f"loss.teacher_vocab_size={self.loss.teacher_vocab_size[0]}: the trainer sets it "
-                "from the teacher (trainer.teacher_vocab_size, else its tokenizer's vocab); "
+                "from the teacher (teacher.vocab_size, else its tokenizer's vocab); "
                 "delete the key"
             )
 
@@ -490,8 +618,8 @@ class TrainerConfig:
         keys = {
             "fraction": "on_policy.fraction",
             "loss.mode": "loss.mode",
-            "ordered": "ordered",
-            "max_steps": "max_steps",
+            "ordered": "feed.ordered",
+            "max_steps": "schedule.max_steps",
             **(names or {}),
         }
         fraction = f"{keys['fraction']}={self.on_policy.fraction:g}"
@@ -501,13 +629,13 @@ class TrainerConfig:
                 "scores the student's samples with the teacher; use a KD mode (pkl, gold, "
                 "xtoken) or fraction 0"
             )
-        if self.ordered:
+        if self.feed.ordered:
             raise ValueError(
                 f"{fraction} with {keys['ordered']}: on-policy samples come as the rollout "
                 f"workers make them, never in a fixed order; set {keys['ordered']} false or "
                 "fraction 0"
             )
-        if self.on_policy.fraction == 1.0 and not self.max_steps:
+        if self.on_policy.fraction == 1.0 and not self.schedule.max_steps:
             raise ValueError(
                 f"{fraction} with {keys['max_steps']}=0: every sample comes from the rollout "
                 f"workers, which never run out; set {keys['max_steps']}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.config import TrainerConfig
+from services.trainer.config import FeedConfig, OnPolicyConfig, TeacherLinkConfig
 from services.trainer.on_policy import OnPolicyFeed
 from services.trainer.samples import Claimed, SampleFeed
 from services.trainer.step import MicroBatch
@@ -38,10 +38,13 @@ class TeacherFeed:
 
     Args:
         client: a QueueClient (this thread's).
-        config: the trainer settings.
+        config: the trainer's feed section.
+        teacher: the trainer's teacher section (the teacher client's).
         rank: this trainer rank.
-        task, trained, pads, stop, register, replaces: as
+        task, trained, partition, pack, pads, stop, register, checkpoint_every, replaces: as
             :class:`services.trainer.samples.SampleFeed`.
+        uses_teacher: the loss reads teacher logits (False: none are asked for).
+        on_policy: the trainer's on-policy section (None, or a fraction of 0: off-policy only).
         device, reader, output_layer: as :class:`services.trainer.teacher_client.TeacherClient`.
         ranks: the data-parallel size.
         version, teacher_vocab: as :class:`services.trainer.on_policy.OnPolicyFeed` (read with
@@ -51,11 +54,16 @@ class TeacherFeed:
     def __init__(
         self,
         client: Any,
-        config: TrainerConfig,
+        config: FeedConfig,
+        teacher: TeacherLinkConfig,
         rank: int,
         task: str,
         trained: set[str],
         *,
+        partition: str,
+        pack: bool = False,
+        uses_teacher: bool = True,
+        on_policy: OnPolicyConfig | None = None,
         pads: dict[str, int],
         device: torch.device | None = None,
         ranks: int = 1,
@@ -65,17 +73,23 @@ class TeacherFeed:
         output_layer: Any = None,
         stop: Any = None,
         register: bool = False,
+        checkpoint_every: int = 0,
         replaces: str = "",
     ) -> None:
         self.config = config
-        common = dict(stop=stop, register=register, replaces=replaces, rank=rank, ranks=ranks)
-        if config.on_policy.enabled:
+        self.pack, self.uses_teacher = pack, uses_teacher
+        common = dict(
+            partition=partition, pack=pack, stop=stop, register=register,
+            checkpoint_every=checkpoint_every, replaces=replaces, rank=rank, ranks=ranks,
+        )  # fmt: skip
+        if on_policy is not None and on_policy.enabled:
             self.samples = OnPolicyFeed(
                 client,
                 config,
                 pads,
                 task,
                 trained,
+                on_policy=on_policy,
                 version=version,
                 teacher_vocab=teacher_vocab,
                 **common,
@@ -86,9 +100,12 @@ class TeacherFeed:
         self.on_policy = self.samples if isinstance(self.samples, OnPolicyFeed) else None
         self.teacher = TeacherClient(
             client,
-            config,
+            teacher,
+            partition,
             rank,
             device or torch.device("cpu"),
+            lease_s=config.lease_s,
+            claim_timeout_s=config.claim_timeout_s,
             reader=reader,
             output_layer=output_layer,
         )
@@ -115,7 +132,7 @@ class TeacherFeed:
 
         Also asks for the next step's teacher logits ahead.
         """
-        self._want = want = 2 * n if self.config.loss.uses_teacher else n
+        self._want = want = 2 * n if self.uses_teacher else n
         while len(self._pending) < want and not self._ending():
             if not self._claim(want - len(self._pending), block=len(self._pending) < n):
                 break
@@ -161,12 +178,10 @@ class TeacherFeed:
             p = _Pending(
                 **{f.name: getattr(c, f.name) for f in dataclasses.fields(Claimed)},
                 rows=[s["teacher_input_ids"] for s in c.samples],
-                positions=[s["teacher_position_ids"] for s in c.samples]
-                if self.config.pack
-                else None,
+                positions=[s["teacher_position_ids"] for s in c.samples] if self.pack else None,
                 shape=tuple(c.batch["teacher_input_ids"].shape),
             )
-            if self.config.loss.uses_teacher:
+            if self.uses_teacher:
                 self.teacher.ask(p)
             self._pending.append(p)
         return True
@@ -182,7 +197,7 @@ class TeacherFeed:
         on_policy = self.on_policy
         keys = p.keys if on_policy is None else on_policy.trained_keys(p)
         mb = MicroBatch(keys=keys, batch=p.batch, context=p)
-        if self.config.loss.uses_teacher:
+        if self.uses_teacher:
             if on_policy is None:
                 mb.teacher_logits = lambda: self.teacher.logits(p)
             else:  # the teacher's log-probs of the student's continuations: a metric

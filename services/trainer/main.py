@@ -56,7 +56,7 @@ def _host_group(device: torch.device) -> None:
 
 
 def serve(config: TrainerConfig, lc: Lifecycle) -> int:
-    """Train until ``max_steps``, the end of the data (all epochs) or a stop; returns 0.
+    """Train until ``schedule.max_steps``, the end of the data (all epochs) or a stop; returns 0.
 
     torchrun-compatible: the rank, world size and local rank come from ``RANK``, ``WORLD_SIZE``
     and ``LOCAL_RANK`` (``MASTER_ADDR`` / ``MASTER_PORT`` for the rendezvous); NCCL on CUDA, gloo
@@ -65,14 +65,14 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
     place in the group with its host collectives, the stop event of SIGTERM and the launch's name.
     """
     rank, world, local = dist_env()
-    device = torch.device(config.device)
+    device = torch.device(config.compute.device)
     if device.type == "cuda":
         device = torch.device("cuda", local if device.index is None else device.index)
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=max(600.0, 2 * config.teacher_timeout_s)),
+            timeout=datetime.timedelta(seconds=max(600.0, 2 * config.teacher.timeout_s)),
         )
         _host_group(device)
     try:
@@ -87,9 +87,13 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
 def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) -> int:
     # bad input first: a held-out file without text fails before the queue and the model; under
     # FSDP every rank takes part in the eval forward (the parameters are sharded)
-    evaluates = rank == 0 or (world > 1 and config.parallel == "fsdp")
-    heldout = read_texts(config.heldout, config.eval_texts) if evaluates and config.heldout else []
-    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"trainer{rank}")
+    evaluates = rank == 0 or (world > 1 and config.compute.parallel == "fsdp")
+    ev = config.eval
+    heldout = read_texts(ev.heldout, ev.texts) if evaluates and ev.heldout else []
+    client = connect(
+        config.queue, timeout_s=config.feed.queue_timeout_s, name=f"trainer{rank}",
+        setting="feed.queue_timeout_s",
+    )  # fmt: skip
     ranks = Ranks()
     if world > 1:
         ranks = Ranks(

@@ -48,6 +48,7 @@ import torch
 from services.protocol.names import ROLLOUT_TASK, rollout_partition
 from services.protocol.rollout import ROLLOUT_FIELDS, is_rollout_sample
 from services.queue.errors import QueueError
+from services.trainer.config import OnPolicyConfig
 from services.trainer.samples import Claimed, SampleFeed
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
@@ -76,6 +77,7 @@ class OnPolicyFeed(SampleFeed):
     """A :class:`SampleFeed` that mixes in the rollout workers' samples (module docstring).
 
     Args: as :class:`~services.trainer.samples.SampleFeed`, and
+        on_policy: the trainer's on-policy section.
         version: the trainer's step now (the version of the weights it trains).
         teacher_vocab: the teacher's vocab (the logits' columns scored), or None: every column.
     """
@@ -83,6 +85,7 @@ class OnPolicyFeed(SampleFeed):
     def __init__(
         self,
         *args: Any,
+        on_policy: OnPolicyConfig,
         version: Callable[[], int],
         teacher_vocab: int | None = None,
         **kwargs: Any,
@@ -90,10 +93,10 @@ class OnPolicyFeed(SampleFeed):
         super().__init__(*args, **kwargs)
         self.version = version
         self.teacher_vocab = teacher_vocab
-        op = self.config.on_policy
+        self.on_policy = op = on_policy
         self.fraction = op.fraction
         self.window = op.max_staleness * op.sync_every  # steps a sample's weights may lag
-        self.rollouts = rollout_partition(self.config.partition)
+        self.rollouts = rollout_partition(self.partition)
         self._off: list[tuple[str, dict[str, torch.Tensor], Any]] = []  # waiting for a mix
         self._on: list[tuple[str, dict[str, torch.Tensor], Any]] = []
         self._leases: dict[str, Any] = {}  # on-policy key -> lease id, claimed and not acked
@@ -121,8 +124,8 @@ class OnPolicyFeed(SampleFeed):
             The step's micro-batches, longest teacher rows first; None while a share is missing
             (what came waits for the next call) or when the data ended.
         """
-        size = self.config.micro_batch * self.config.grad_accum
-        n_on = self.config.on_policy.share(size)
+        size = self.config.step_samples
+        n_on = self.on_policy.share(size)
         n_off = size - n_on
         while len(self._off) < n_off and not self._ended:
             fresh = self._claim_fresh(n_off - len(self._off), block)
@@ -176,7 +179,7 @@ class OnPolicyFeed(SampleFeed):
 
     def _pad(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         batch = super()._pad(samples)
-        if not self.config.on_policy.ce:  # no CE on the tokens the student sampled
+        if not self.on_policy.ce:  # no CE on the tokens the student sampled
             for b, sample in enumerate(samples):
                 if is_rollout_sample(sample):
                     batch["token_mask"][b, int(sample["prompt_lengths"]) :] = False
@@ -198,7 +201,7 @@ class OnPolicyFeed(SampleFeed):
                 else:
                     behind = self.version() - int(sample["policy_version"])
                     self._stats.samples += 1
-                    self._stats.staleness += behind / self.config.on_policy.sync_every
+                    self._stats.staleness += behind / self.on_policy.sync_every
 
     def trained_keys(self, claimed: Claimed) -> list[str]:
         """The keys of a micro-batch that its step trains (without those dropped as stale)."""

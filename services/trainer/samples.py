@@ -9,7 +9,7 @@ with several ranks, once the collators' marker gives the total, a rank claims ah
 share of the epoch's untrained samples (:meth:`SampleFeed._share_left`), so no rank's step is
 empty while another holds two steps.
 
-Ordered (``TrainerConfig.ordered``): the feed gathers exactly ``micro_batch * grad_accum`` fresh
+Ordered (``FeedConfig.ordered``): the feed gathers exactly ``micro_batch * grad_accum`` fresh
 samples in the queue's order (claims are in put order) before it hands out a step, and sorts only
 within that step; the last step of the data may be short. With one collator worker (puts in
 corpus order) every run of one config trains the same micro-batches in the same steps, with a
@@ -47,7 +47,7 @@ import torch
 from services.protocol.end_of_data import EOF_KEY, eof_samples
 from services.protocol.names import meta_partition
 from services.queue.errors import QueueError
-from services.trainer.config import TrainerConfig
+from services.trainer.config import FeedConfig
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
 
@@ -81,14 +81,17 @@ class SampleFeed:
 
     Args:
         client: a QueueClient (this thread's).
-        config: the trainer settings.
+        config: the trainer's feed section.
         pads: the pad ids of the padded fields (``student_pad_id``, ``teacher_pad_id``).
         task: consumer task name on the sample partition (epoch + resume generation).
         trained: keys trained in this epoch (the checkpoint's); skipped when claimed again.
+        partition: the run's sample partition.
+        pack: the samples are packed rows (their document fields are claimed too).
         stop: a threading.Event; set = stop waiting for data.
         register: register ``task`` for the partition (retention, PROTOCOL.md): the queue
             drops each sample once acked. Only for a partition read once (one epoch). With
             ``checkpoint_every``, acks wait for :meth:`commit`.
+        checkpoint_every: steps between the trainer's checkpoints (0: none).
         replaces: name prefix of the registered tasks of earlier launches this one takes over
             (``trainer/e<epoch>/``); :meth:`commit` consumes what they hold.
         rank, ranks: this rank and the data-parallel size; in ordered mode with several ranks
@@ -98,19 +101,23 @@ class SampleFeed:
     def __init__(
         self,
         client: Any,
-        config: TrainerConfig,
+        config: FeedConfig,
         pads: dict[str, int],
         task: str,
         trained: set[str],
         *,
+        partition: str,
+        pack: bool = False,
         stop: Any = None,
         register: bool = False,
+        checkpoint_every: int = 0,
         replaces: str = "",
         rank: int = 0,
         ranks: int = 1,
     ) -> None:
         self.client = client
         self.config = config
+        self.partition, self.pack = partition, pack
         self.pads = pads
         # ordered over several ranks: every rank reads every sample (its own task) and keeps
         # its share, so the tasks of this launch are <task>/r<rank>
@@ -123,7 +130,8 @@ class SampleFeed:
         self.register = register
         self.replaces = replaces
         # acks wait for a checkpoint that holds their samples (a registered task's are final)
-        self._defer = register and config.checkpoint_every > 0
+        self.checkpoint_every = checkpoint_every
+        self._defer = register and checkpoint_every > 0
         self._unacked: list[tuple[Any, list[str]]] = []  # (lease id, keys) trained, not acked
         self._uncheckpointed: set[str] = set()  # keys trained since the last commit
         self._ended = False
@@ -198,7 +206,7 @@ class SampleFeed:
     def _marker_total(self) -> int | None:
         """The sample count of the collators' end-of-data marker (None before they are done)."""
         try:
-            marker = self.client.get(meta_partition(self.config.partition), [EOF_KEY])
+            marker = self.client.get(meta_partition(self.partition), [EOF_KEY])
         except QueueError as e:
             if e.code in ("not_found", "missing_field"):
                 return None
@@ -209,7 +217,7 @@ class SampleFeed:
         """Ordered mode: gather fresh samples in queue order until a whole step (of all ranks) is
         claimed, then hand out this rank's share of it (of the samples gathered so far at the end
         of the data)."""
-        share = self.config.micro_batch * self.config.grad_accum
+        share = self.config.step_samples
         size = share * self.ranks
         while len(self._step) < size and not self._ended:
             fresh = self._claim_fresh(size - len(self._step), block)
@@ -267,9 +275,9 @@ class SampleFeed:
         """
         cfg = self.config
         got = self.client.claim(
-            cfg.partition,
+            self.partition,
             self.task,
-            schema.FIELD_NAMES + (schema.PACKED_FIELD_NAMES if cfg.pack else ()),
+            schema.FIELD_NAMES + (schema.PACKED_FIELD_NAMES if self.pack else ()),
             samples,
             timeout_s=cfg.claim_timeout_s if block else 0.001,
             lease_s=cfg.lease_s,
@@ -291,7 +299,7 @@ class SampleFeed:
                 self._unacked.append((lease_id, later))
             if len(later) < len(seen):
                 done = [k for k in seen if k not in self._uncheckpointed]
-                self.client.ack(cfg.partition, self.task, lease_id, done)
+                self.client.ack(self.partition, self.task, lease_id, done)
         return fresh, len(seen)
 
     def _micro_batches(
@@ -326,11 +334,11 @@ class SampleFeed:
             self._uncheckpointed.update(k for c in trained for k in c.keys)
         else:
             for lease_id, keys in by_lease.items():
-                self.client.ack(self.config.partition, self.task, lease_id, keys)
+                self.client.ack(self.partition, self.task, lease_id, keys)
         self.trained.update(k for c in trained for k in c.keys)
         others, self._others = self._others, {}
         for lease_id, keys in _group(others).items():
-            self.client.ack(self.config.partition, self.task, lease_id, keys)
+            self.client.ack(self.partition, self.task, lease_id, keys)
 
     def commit(self) -> None:
         """After a checkpoint that holds every trained key was saved (each rank, its own):
@@ -346,7 +354,7 @@ class SampleFeed:
         lapsed = 0
         for lease_id, keys in unacked:
             try:
-                self.client.ack(self.config.partition, self.task, lease_id, keys)
+                self.client.ack(self.partition, self.task, lease_id, keys)
             except QueueError as e:
                 if e.code not in ("unknown_lease", "stale_epoch"):
                     raise
@@ -354,11 +362,11 @@ class SampleFeed:
         if lapsed:
             logger.warning(
                 "[trainer] the leases of %d trained samples lapsed before the checkpoint: they "
-                "come again and are acked then; raise lease_s (now %gs) above the time of "
-                "checkpoint_every (%d) steps",
+                "come again and are acked then; raise trainer.feed.lease_s (now %gs) above the "
+                "time of trainer.schedule.checkpoint_every (%d) steps",
                 lapsed,
                 self.config.lease_s,
-                self.config.checkpoint_every,
+                self.checkpoint_every,
             )
 
     def give_back(self, untrained: Iterable[Claimed]) -> None:
@@ -374,7 +382,7 @@ class SampleFeed:
         for held in leases:
             for lease_id, keys in _group(held).items():
                 try:
-                    self.client.nack(self.config.partition, self.task, lease_id, keys)
+                    self.client.nack(self.partition, self.task, lease_id, keys)
                 except QueueError as e:
                     logger.warning("[trainer] could not give back lease %s: %s", lease_id, e)
 
@@ -383,13 +391,13 @@ class SampleFeed:
         not consumed (no fields travel): this task alone holds them then."""
         if not self.replaces:
             return
-        part = self.client.stats()["partitions"].get(self.config.partition, {})
+        part = self.client.stats()["partitions"].get(self.partition, {})
         for task in part.get("registered", []):
             if not task.startswith(self.replaces) or self._of_this_launch(task):
                 continue
             while True:
                 got = self.client.claim(
-                    self.config.partition,
+                    self.partition,
                     task,
                     [],
                     _CONSUME_BATCH,
@@ -399,7 +407,7 @@ class SampleFeed:
                 )
                 if not got["keys"]:
                     break
-                self.client.ack(self.config.partition, task, got["lease_id"])
+                self.client.ack(self.partition, task, got["lease_id"])
 
     def _of_this_launch(self, task: str) -> bool:
         """``task`` is this launch's consumer task (or, ordered over ranks, another rank's)."""
@@ -421,7 +429,7 @@ class SampleFeed:
         total = self._marker_total()
         if total is None:
             return  # the collators are not done
-        status = self.client.status(self.config.partition, self.task)
+        status = self.client.status(self.partition, self.task)
         # samples retention dropped (acked by every registered task) were put too
         put = status["samples"] + status.get("dropped", 0)
         if status["pending"] == 0 and put >= total:

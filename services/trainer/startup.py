@@ -68,7 +68,7 @@ def warm_up(
             raise
         logger.warning(
             "[trainer] torch.compile failed on the student (%s: %s); training eagerly. Set "
-            "trainer.compile: false to skip the attempt",
+            "trainer.compute.compile: false to skip the attempt",
             type(e).__name__,
             str(e).splitlines()[0][:200] if str(e) else "",
         )
@@ -137,8 +137,8 @@ def startup_oom_message(
     size = f" ({total / 2**30:.0f} GiB)" if total else ""
     text = (
         f"a student step of micro_batch={micro_batch} x {length} tokens does not fit in "
-        f"{device}'s memory{size}: lower trainer.micro_batch, or set "
-        "trainer.activation_checkpointing: true"
+        f"{device}'s memory{size}: lower trainer.feed.micro_batch, or set "
+        "trainer.compute.activation_checkpointing: true"
     )
     if others is not None and others >= OTHERS_NAMED_BYTES:
         text += (

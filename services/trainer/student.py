@@ -55,8 +55,8 @@ def resolve_cuda_graphs(
     masters: bool,
     activation_checkpointing: bool,
 ) -> bool:
-    """Whether the compiled layers replay as CUDA graphs (``trainer.cuda_graphs``; None: where
-    they can run).
+    """Whether the compiled layers replay as CUDA graphs (``trainer.compute.cuda_graphs``; None:
+    where they can run).
 
     A replay writes its outputs into buffers the next replay reuses, so a gradient must leave
     them before the next micro-batch: on one process the fp32 master weights' hooks take each
@@ -69,12 +69,12 @@ def resolve_cuda_graphs(
     deallocate", pytorch/pytorch#154306).
 
     Args:
-        setting: ``trainer.cuda_graphs``.
+        setting: ``trainer.compute.cuda_graphs``.
         device: the trainer's device.
         compiled: whether the decoder layers are compiled.
         parallel, world_size: the data parallel of the run.
         masters: whether the parameters are low-precision copies of fp32 masters.
-        activation_checkpointing: ``trainer.activation_checkpointing``.
+        activation_checkpointing: ``trainer.compute.activation_checkpointing``.
 
     Raises:
         ValueError: ``cuda_graphs: true`` where it cannot run (names the setting to change).
@@ -85,15 +85,20 @@ def resolve_cuda_graphs(
     if device.type != "cuda":
         why = f"the trainer runs on {device}, not a cuda device"
     elif not compiled:
-        why = "trainer.compile is off"
+        why = "trainer.compute.compile is off"
     elif world_size > 1 and parallel != "ddp":
         why = f"parallel {parallel} (CUDA graphs need one process or ddp)"
     elif not masters:
-        why = "the parameters are float32 (CUDA graphs need trainer.param_dtype bfloat16)"
+        why = "the parameters are float32 (CUDA graphs need trainer.compute.param_dtype bfloat16)"
     elif activation_checkpointing:
-        why = "trainer.activation_checkpointing is on (its recomputed forward breaks the replay)"
+        why = (
+            "trainer.compute.activation_checkpointing is on (its recomputed forward breaks the "
+            "replay)"
+        )
     if why and setting:
-        raise ValueError(f"trainer.cuda_graphs: {why}; set trainer.cuda_graphs: false")
+        raise ValueError(
+            f"trainer.compute.cuda_graphs: {why}; set trainer.compute.cuda_graphs: false"
+        )
     return why is None
 
 
@@ -119,7 +124,7 @@ class Student:
             packed_attention: the trainer settings of the same names.
         optim: AdamW and its schedule.
         max_steps: the schedule's last step (0: constant after warmup).
-        model: an already built student (tests); default ``load_model(spec)``.
+        module: an already built student model (tests); default ``load_model(spec)``.
 
     Raises:
         ValueError: a vocab mismatch between the student and its tokenizer, a setting that cannot
@@ -147,7 +152,7 @@ class Student:
         packed_attention: str = "auto",
         optim: OptimConfig | None = None,
         max_steps: int = 0,
-        model: torch.nn.Module | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         from xtoken_core.data.collator import resolve_pad_id
         from xtoken_core.models import check_vocab, load_model, model_vocab_size
@@ -166,6 +171,7 @@ class Student:
         self.tokenizer = load_tokenizer(tokenizer)
         self.pad_id = resolve_pad_id(self.tokenizer)
         torch.manual_seed(seed)
+        model = module
         if model is None:
             model = load_model(
                 spec,
@@ -417,8 +423,8 @@ def is_prefix_mask(mask_BT: torch.Tensor) -> bool:
 
 
 def _split_head(compute: torch.nn.Module, world_size: int) -> tuple[Any, Any]:
-    """``(backbone, lm_head)`` of the fused output head (``trainer.fused_head``): the forward
-    runs the backbone, the step's head the output layer.
+    """``(backbone, lm_head)`` of the fused output head (``trainer.compute.fused_head``): the
+    forward runs the backbone, the step's head the output layer.
 
     Raises:
         ValueError: where it cannot run (several processes, a model with no plain linear output
@@ -439,7 +445,7 @@ def _split_head(compute: torch.nn.Module, world_size: int) -> tuple[Any, Any]:
         if lm_head is not None and getattr(lm_head, "bias", None) is not None:
             why = "the student's output layer has a bias"
     if why is not None:
-        raise ValueError(f"fused_head: {why}; set trainer.fused_head: false")
+        raise ValueError(f"fused_head: {why}; set trainer.compute.fused_head: false")
     return backbone, lm_head
 
 
@@ -452,7 +458,7 @@ def _checkpoint_activations(module: torch.nn.Module) -> None:
     if not getattr(module, "supports_gradient_checkpointing", False):
         raise ValueError(
             f"activation_checkpointing: the student {type(module).__name__} supports no gradient "
-            "checkpointing; set trainer.activation_checkpointing=false"
+            "checkpointing; set trainer.compute.activation_checkpointing=false"
         )
     # non-reentrant: works under no_sync / FSDP and with inputs that need no grad
     kwargs = {"use_reentrant": False}

@@ -21,7 +21,7 @@ that incarnation is gone, the requests put under it (or before any result) that 
 are put again at once, for the successor. An incarnation is gone when
 
 * the heartbeat of its ring (the ring of this rank it wrote results into), watched while the
-  rank waits, is older than ``teacher_dead_after_s``, or the ring closed;
+  rank waits, is older than ``teacher.dead_after_s``, or the ring closed;
 * a result of another incarnation arrives: a group has one teacher at a time, so a successor
   serves now. A successor that is ready before the death shows in the heartbeat (and serves
   requests the dead one had not claimed) reveals it at once; for the hidden transport, which
@@ -30,7 +30,7 @@ are put again at once, for the successor. An incarnation is gone when
 The old records stay in the queue (the successor may already have written a result on one, whose
 ring slot a clear would lose); their results, when they come, are dropped, their slots released,
 never trained on (one the dead teacher held is computed once more when its lease ends). A teacher
-that does not answer within ``teacher_timeout_s`` is asked again (the fallback for a teacher that
+that does not answer within ``teacher.timeout_s`` is asked again (the fallback for a teacher that
 died before this rank saw a result of it: no incarnation of the group is known to have gone). A
 request asked again (or redelivered after its teacher died) may come after requests of later
 micro-batches; when their results hold every slot of the ring, they give their slots back and are
@@ -50,7 +50,7 @@ import torch
 
 from services import protocol as proto
 from services.common import lifecycle
-from services.trainer.config import TrainerConfig
+from services.trainer.config import TeacherLinkConfig
 from xtoken_core.wire import JaggedColumn
 
 logger = logging.getLogger(__name__)
@@ -92,9 +92,13 @@ class TeacherClient:
 
     Args:
         client: a QueueClient (this thread's).
-        config: the trainer settings.
-        rank: this trainer rank (its group is ``rank % teacher_groups``).
+        config: the trainer's teacher section.
+        partition: the run's sample partition (its teacher groups' request partitions are
+            named after it).
+        rank: this trainer rank (its group is ``rank % config.groups``).
         device: this rank's device (the logits' destination).
+        lease_s: lease of the claimed result records (the feed's ``lease_s``).
+        claim_timeout_s: server-side wait of a claim of results (the feed's).
         reader: a LogitRingReader (ring transports), or None.
         output_layer: the teacher's output layer (hidden transport), or None.
     """
@@ -102,22 +106,27 @@ class TeacherClient:
     def __init__(
         self,
         client: Any,
-        config: TrainerConfig,
+        config: TeacherLinkConfig,
+        partition: str,
         rank: int,
         device: torch.device,
         *,
+        lease_s: float,
+        claim_timeout_s: float,
         reader: Any = None,
         output_layer: Any = None,
     ) -> None:
         self.client = client
         self.config = config
+        self.partition = partition
+        self.lease_s, self.claim_timeout_s = lease_s, claim_timeout_s
         self.rank = rank
         self.device = device
         self.reader = reader
         self.output_layer = output_layer
         self.instance = proto.new_instance()
-        self.group = rank % config.teacher_groups
-        self.req_partition = proto.request_partition(config.partition, self.group)
+        self.group = rank % config.groups
+        self.req_partition = proto.request_partition(partition, self.group)
         self.result_field = proto.result_field(rank)
         self.hidden_field = proto.hidden_field(rank)
         self.trainer_task = proto.trainer_task(rank, self.instance)
@@ -133,7 +142,7 @@ class TeacherClient:
         self._slot_devices: dict[str | None, torch.device] = {}  # ring device per incarnation
         # the teacher serving the group now, if one announced itself: the requests are stamped
         # with it from the first (its predecessors are gone)
-        announced = proto.teacher_incarnations(client, config.partition, self.group)
+        announced = proto.teacher_incarnations(client, partition, self.group)
         if announced:
             self.teacher = announced[-1]
             self._gone.update(announced[:-1])
@@ -251,7 +260,7 @@ class TeacherClient:
         if now - self._announcements_at < ANNOUNCEMENTS_EVERY_S:
             return
         self._announcements_at = now
-        announced = proto.teacher_incarnations(self.client, self.config.partition, self.group)
+        announced = proto.teacher_incarnations(self.client, self.partition, self.group)
         if not announced or announced[-1] in self._gone:
             return
         newest, replaced = announced[-1], [t for t in announced[:-1] if t not in self._gone]
@@ -262,27 +271,25 @@ class TeacherClient:
 
     def poll(self, waiting: Asked) -> None:
         """One round of the wait for ``waiting``'s result: take the records that arrived, free
-        the ring for it when later results fill it, ask again after ``teacher_timeout_s``.
+        the ring for it when later results fill it, ask again after ``teacher.timeout_s``.
 
         Each round tells the heartbeat the main loop is alive (a teacher's start-up may take
         longer than ``hang_after_s``; a round that never returns is still a hang)."""
         lifecycle.waiting()
-        self.claim_records(self.config.claim_timeout_s)
+        self.claim_records(self.claim_timeout_s)
         if waiting.record is None:
             self.check_successor()
         if waiting.record is None:
             self._free_ring_for(waiting)
         if waiting.record is None and self.teacher is not None:
             self._watch(self.teacher, self._ring)
-        if (
-            waiting.record is None
-            and time.monotonic() - waiting.asked_at > self.config.teacher_timeout_s
-        ):
+        if waiting.record is None and time.monotonic() - waiting.asked_at > self.config.timeout_s:
             self.counters["re_requests"] += 1
             logger.warning(
-                "[trainer] no teacher result for %s in %.0fs (teacher_timeout_s): asking again",
+                "[trainer] no teacher result for %s in %.0fs (trainer.teacher.timeout_s): asking "
+                "again",
                 waiting.request_key,
-                self.config.teacher_timeout_s,
+                self.config.timeout_s,
             )
             self._by_request.pop(waiting.request_key, None)
             self.ask(waiting)
@@ -298,7 +305,7 @@ class TeacherClient:
             fields=[self.result_field]
             + ([self.hidden_field] if self.output_layer is not None else []),
             timeout_s=timeout_s,
-            lease_s=self.config.lease_s,
+            lease_s=self.lease_s,
         )
         keys = list(got["keys"])
         teachers: list[tuple[str, dict | None]] = []

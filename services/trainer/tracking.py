@@ -1,5 +1,5 @@
-"""Experiment trackers (``trainer.report_to``): TensorBoard and Weights & Biases receive the
-trainer's metric records, with the run config as hyperparameters. Only rank 0 writes.
+"""Experiment trackers (``trainer.observe.report_to``): TensorBoard and Weights & Biases receive
+the trainer's metric records, with the run config as hyperparameters. Only rank 0 writes.
 
 A JSONL record ``{"event": "step", "step": 7, "loss": 2.1, "times": {"forward": 0.03}}`` becomes
 the scalars ``step/loss`` and ``step/times/forward`` at step 7: the record's event, then its
@@ -51,7 +51,7 @@ def check_installed(names: list[str]) -> None:
     """Every tracker in ``names`` can be imported here.
 
     Args:
-        names: tracker names (``trainer.report_to``).
+        names: tracker names (``trainer.observe.report_to``).
 
     Raises:
         ValueError: one line naming the first missing package and the pip extra that installs it.
@@ -60,8 +60,8 @@ def check_installed(names: list[str]) -> None:
         module = MODULES[name]
         if importlib.util.find_spec(module) is None:
             raise ValueError(
-                f"trainer.report_to: {name} needs the {module!r} package, which is not installed; "
-                f"install the tracking extra: {EXTRA_INSTALL}"
+                f"trainer.observe.report_to: {name} needs the {module!r} package, which is not "
+                f"installed; install the tracking extra: {EXTRA_INSTALL}"
             )
 
 
@@ -208,7 +208,7 @@ def open_trackers(
     """Start the trackers named in ``names``.
 
     Args:
-        names: ``trainer.report_to``.
+        names: ``trainer.observe.report_to``.
         run_dir: the run directory.
         hparams: the run config (nested).
         start_step: the optimizer step the trainer starts from.
@@ -234,13 +234,16 @@ def open_trackers(
     return trackers
 
 
-def tracked_metrics(jsonl: Any, config: Any, run_dir: Path, start_step: int = 0) -> TrackedMetrics:
-    """The trainer's metrics writer, teeing into the trackers of ``config.report_to``.
+def tracked_metrics(
+    jsonl: Any, observe: Any, run_dir: Path, hparams: dict[str, Any], start_step: int = 0
+) -> TrackedMetrics:
+    """The trainer's metrics writer, teeing into the trackers of ``observe.report_to``.
 
     Args:
         jsonl: the ``JsonlWriter`` of the trainer's metrics.
-        config: the ``TrainerConfig``.
+        observe: the trainer's ``observe`` section.
         run_dir: the run directory.
+        hparams: the run config the trackers log (:func:`run_hparams`).
         start_step: the optimizer step the trainer starts from.
 
     Returns:
@@ -249,10 +252,7 @@ def tracked_metrics(jsonl: Any, config: Any, run_dir: Path, start_step: int = 0)
     Raises:
         ValueError: as :func:`open_trackers`.
     """
-    from services.common.config import to_dict
-
-    hparams = run_hparams(to_dict(config), run_dir)
-    trackers = open_trackers(config.report_to, run_dir, hparams, start_step)
+    trackers = open_trackers(observe.report_to, run_dir, hparams, start_step)
     return TrackedMetrics(jsonl, trackers, start_step)
 
 

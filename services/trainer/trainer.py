@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from services.common import lifecycle
+from services.common.config import to_dict
 from services.common.metrics import JsonlWriter
 from services.protocol.names import new_instance
 from services.queue.errors import QueueError
@@ -57,14 +58,14 @@ def build_step(
     device: torch.device | str | None = None,
     model: torch.nn.Module | None = None,
 ) -> StudentStep:
-    """The student of ``config`` and its step, with the loss of ``config.loss`` (its projection
-    checked against both tokenizers).
+    """The student of ``config.student`` computing as ``config.compute`` says, and its step, with
+    the loss of ``config.loss`` (its projection checked against both tokenizers).
 
     Args:
         config: the trainer settings.
         rank, world_size: data-parallel rank and size (> 1 needs an initialized process group).
-        device: this rank's device (default: ``config.device``).
-        model: an already built student (tests); default: loaded from ``config.student``.
+        device: this rank's device (default: ``config.compute.device``).
+        model: an already built student (tests); default: loaded from ``config.student.model``.
 
     Raises:
         ValueError: vocab mismatches between the student, its tokenizer and the projection; a
@@ -73,11 +74,12 @@ def build_step(
     from xtoken_core.tokenizers import load_tokenizer
 
     student = Student(
-        config.student,
+        config.student.model,
         config.student_tokenizer,
         **settings_of(
-            Student, config, device=device or config.device, rank=rank, world_size=world_size,
-            model=model,
+            Student, config.student, config.compute, device=device or config.compute.device,
+            rank=rank, world_size=world_size, module=model, pack=config.pack, optim=config.optim,
+            max_steps=config.schedule.max_steps,
         ),
     )  # fmt: skip
     loss_fn = None
@@ -86,31 +88,51 @@ def build_step(
         loss_fn = build_loss(
             config.loss,
             student_vocab=student.vocab,
-            teacher_vocab=config.teacher_vocab_size or teacher_tokenizer.vocab_size,
+            teacher_vocab=config.teacher.vocab_size or teacher_tokenizer.vocab_size,
             teacher_tokenizer=config.teacher_tokenizer,
             tokenizers=(student.tokenizer, teacher_tokenizer),
         )
     return StudentStep(student, loss_fn, grad_clip=config.optim.grad_clip)
 
 
-def settings_of(component: Callable[..., Any], config: TrainerConfig, **given: Any) -> dict:
-    """The keyword arguments of ``component`` that are trainer settings of the same name, read
-    from ``config``, and ``given`` over them (the values the trainer settles itself)."""
-    names = {f.name for f in dataclasses.fields(config)}
-    taken = {n: getattr(config, n) for n in inspect.signature(component).parameters if n in names}
+def settings_of(component: Callable[..., Any], *sections: Any, **given: Any) -> dict:
+    """The keyword arguments of ``component`` that are settings of the same name in its own
+    sections of the trainer config, and ``given`` over them (the values the trainer settles
+    itself: the context's, a sibling section's, the rank's).
+
+    Args:
+        component: the class or function built.
+        sections: the config sections it is built from (``config.student``,
+            ``config.compute``); no two of them name the same setting.
+        given: keyword arguments passed as they are.
+    """
+    parameters = inspect.signature(component).parameters
+    taken: dict[str, Any] = {}
+    for section in sections:
+        for f in dataclasses.fields(section):
+            if f.name in parameters:
+                assert f.name not in taken, f"{f.name}: a setting of two sections"
+                taken[f.name] = getattr(section, f.name)
     return {**taken, **given}
 
 
 def teacher_output_layer(
-    teacher_model: str,
+    model: str,
     *,
-    teacher_tokenizer: str,
-    teacher_vocab_size: int | None,
-    teacher_seed: int,
+    tokenizer: str,
+    vocab_size: int | None,
+    seed: int,
     device: torch.device,
 ) -> torch.nn.Module:
     """The output layer of the teacher model for the hidden transport, built as the teacher
     builds its model (a preset: the teacher tokenizer's vocab and the teacher's seed).
+
+    Args:
+        model: the teacher model spec (``trainer.teacher.model``).
+        tokenizer: the teacher tokenizer (a preset's vocab, unless ``vocab_size``).
+        vocab_size: vocab of a preset teacher, or None: the tokenizer's.
+        seed: seed of a preset teacher.
+        device: this rank's device.
 
     Raises:
         ValueError: as ``xtoken_core.models.load_output_layer``.
@@ -119,17 +141,17 @@ def teacher_output_layer(
     from xtoken_core.tokenizers import load_tokenizer
 
     return load_output_layer(
-        teacher_model,
-        vocab_size=teacher_vocab_size or load_tokenizer(teacher_tokenizer).vocab_size,
+        model,
+        vocab_size=vocab_size or load_tokenizer(tokenizer).vocab_size,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         device=device,
-        seed=teacher_seed,
+        seed=seed,
     )
 
 
 class Trainer:
     """One trainer rank: epochs of optimizer steps over the samples its feed claims, until
-    ``max_steps``, the end of the data (every epoch) or a stop.
+    ``schedule.max_steps``, the end of the data (every epoch) or a stop.
 
     Built (the set-up) with the student, its step, the teacher link, the state of the last
     checkpoint and the metrics files; :meth:`train` then runs the named steps: :meth:`start` (the
@@ -139,7 +161,8 @@ class Trainer:
     Files under ``run_dir``: ``metrics/trainer.rank<r>.jsonl`` (steps, evals), ``keys/
     trainer.rank<r>.jsonl`` (the keys trained per step), ``checkpoints/``, ``final/`` (the
     exported student with its tokenizer and model card, rank 0), ``summary.json`` (rank 0), and
-    the trackers' files of ``report_to`` (``tensorboard/``, ``wandb/``; rank 0, see tracking.py).
+    the trackers' files of ``observe.report_to`` (``tensorboard/``, ``wandb/``; rank 0, see
+    tracking.py).
 
     Exactly once: each launch claims under a consumer task no earlier launch used
     (``trainer/e<epoch>/s<step>/<launch>``), skips the keys its checkpoint trained, and acks a
@@ -153,7 +176,7 @@ class Trainer:
         client: a QueueClient (the feed's).
         heldout: the held-out texts this rank evaluates ([]: none).
         ranks: the trainer group (default: one rank).
-        device: this rank's device (default: ``config.device``).
+        device: this rank's device (default: ``config.compute.device``).
         stop: set to stop at the next step boundary (default: never set).
         launch: this launch's name in its consumer tasks, the same on every rank (default: a
             fresh one).
@@ -178,7 +201,7 @@ class Trainer:
         self.heldout = list(heldout)
         self.ranks = ranks or Ranks()
         self.rank, self.world = self.ranks.rank, self.ranks.world
-        self.device = torch.device(device or config.device)
+        self.device = torch.device(device or config.compute.device)
         self.stop = stop or threading.Event()
         self.launch = launch or new_instance()
         self.run_dir = Path(config.run_dir)
@@ -193,7 +216,7 @@ class Trainer:
         # queue drops each sample once a checkpoint holds it and a corpus larger than its
         # --capacity streams through it (feed.py). A run of several epochs reads every sample
         # again: it registers nothing, and the queue must hold the whole corpus.
-        self.register = config.epochs == 1
+        self.register = config.schedule.epochs == 1
         self.epoch, self.task_start, self.trained = 0, 0, set()
         self.summary: dict[str, Any] = {"rank_count": self.world}
         self._resume()
@@ -202,7 +225,8 @@ class Trainer:
         self.feed: TeacherFeed | None = None
         self.publisher: PolicyPublisher | None = None
         self.profiler: StepProfiler | None = None
-        self.gc_clock, self.gc_schedule = CollectorClock(), CollectorSchedule(config.gc_every)
+        self.gc_clock = CollectorClock()
+        self.gc_schedule = CollectorSchedule(config.compute.gc_every)
         self.stopped = False
         self._last_checkpoint = self.student.step
         self._unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
@@ -210,28 +234,37 @@ class Trainer:
     def _teacher_link(self) -> tuple[Any, Any]:
         """``(ring reader, teacher output layer)`` of a loss that reads the teacher: the reader of
         the teachers' logit rings, and the output layer the hidden transport applies (with
-        ``teacher_model``); Nones for the student's CE alone."""
+        ``teacher.model``); Nones for the student's CE alone."""
         config = self.config
         if not config.loss.uses_teacher:
             return None, None
         from xtoken_core.ipc.logit_ring import LogitRingReader
 
-        reader = LogitRingReader(device=self.device, dead_after_s=config.teacher_dead_after_s)
+        teacher = config.teacher
+        reader = LogitRingReader(device=self.device, dead_after_s=teacher.dead_after_s)
         output_layer = None
-        if config.teacher_model:
+        if teacher.model:
             output_layer = teacher_output_layer(
-                **settings_of(teacher_output_layer, config, device=self.device)
-            )
+                **settings_of(
+                    teacher_output_layer, teacher, tokenizer=config.teacher_tokenizer,
+                    device=self.device,
+                )
+            )  # fmt: skip
         return reader, output_layer
 
     def _open_logs(self) -> tuple[Any, JsonlWriter]:
         """``(metrics, keys log)``: this rank's metrics records, teed on rank 0 into the trackers
-        of ``report_to`` (TensorBoard, W&B: fed the same records), and its keys trained."""
+        of ``observe.report_to`` (TensorBoard, W&B: fed the same records, with the run config as
+        their hyperparameters), and its keys trained."""
         name = f"trainer.rank{self.rank}.jsonl"
         metrics = JsonlWriter(self.run_dir / "metrics" / name, rank=self.rank)
-        if self.rank == 0 and self.config.report_to:
+        if self.rank == 0 and self.config.observe.report_to:
             metrics = tracking.tracked_metrics(
-                metrics, self.config, self.run_dir, start_step=self.student.step
+                metrics,
+                self.config.observe,
+                self.run_dir,
+                tracking.run_hparams(to_dict(self.config), self.run_dir),
+                start_step=self.student.step,
             )
         return metrics, JsonlWriter(self.run_dir / "keys" / name, rank=self.rank)
 
@@ -251,16 +284,17 @@ class Trainer:
     # ------------------------------------------------------------------ the named steps
 
     def train(self) -> None:
-        """Train until ``max_steps``, the end of the data (every epoch) or a stop, then finish:
-        the last checkpoint, the eval after, the export and the summary."""
+        """Train until ``schedule.max_steps``, the end of the data (every epoch) or a stop, then
+        finish: the last checkpoint, the eval after, the export and the summary."""
+        epochs = self.config.schedule.epochs
         self.start()
-        if self.epoch >= self.config.epochs:
+        if self.epoch >= epochs:
             logger.info(
                 "[trainer] the checkpoint at step %d holds every epoch (%d): nothing to train",
                 self.student.step,
-                self.config.epochs,
+                epochs,
             )
-        while self.epoch < self.config.epochs and self.run_epoch():
+        while self.epoch < epochs and self.run_epoch():
             self.epoch, self.task_start, self.trained = self.epoch + 1, self.student.step, set()
         self.finish()
 
@@ -275,8 +309,8 @@ class Trainer:
                 logger.info("[trainer] compiling the student...")
         compile_s = warm_up(
             student,
-            micro_batch=config.micro_batch,
-            max_length=config.max_length,
+            micro_batch=config.feed.micro_batch,
+            max_length=config.student.max_length,
             head=self.student_step.head,
         )
         if compile_s is not None:
@@ -297,8 +331,8 @@ class Trainer:
         if self.publisher is not None:
             self.publisher.publish()
         self.profiler = StepProfiler(
-            config.profile_start, config.profile_steps, self.run_dir / "profile", self.rank,
-            self.device,
+            config.observe.profile_start, config.observe.profile_steps,
+            self.run_dir / "profile", self.rank, self.device,
         )  # fmt: skip
         self.gc_schedule.start()  # the start-up heap frozen, collections on the schedule from here
         if self.gc_schedule.start_report is not None:
@@ -310,9 +344,9 @@ class Trainer:
 
         Returns:
             True when the epoch's data ended (the next epoch follows); False on a stop or at
-            ``max_steps``.
+            ``schedule.max_steps``.
         """
-        config = self.config
+        feed_config = self.config.feed
         self.feed = feed = self._open_feed()
         clock = None
         while True:
@@ -324,7 +358,7 @@ class Trainer:
             # missing on-policy share, an empty queue) count in that step's data wait
             clock = clock or PhaseClock(self.device)
             with clock.phase("data_wait"):
-                micro_batches = feed.next_step(config.grad_accum)
+                micro_batches = feed.next_step(feed_config.grad_accum)
             with clock.phase("sync"):
                 has_data, stop = self.ranks.sum(
                     [float(bool(micro_batches)), float(self.stop.is_set())]
@@ -335,7 +369,7 @@ class Trainer:
                 break
             if not has_data:
                 self._write_steps()  # no step follows soon: the last one's record waits no longer
-                if feed.ended or config.idle_timeout_s is not None:
+                if feed.ended or feed_config.idle_timeout_s is not None:
                     break
                 self.gc_schedule.when_idle()  # a trainer that waits for hours stays bounded
                 continue
@@ -355,7 +389,7 @@ class Trainer:
             micro_batches: this rank's micro-batches (empty when another rank has data only).
             clock: the step's phase clock, holding its data wait.
         """
-        config, student, feed = self.config, self.student, self.feed
+        schedule, student, feed = self.config.schedule, self.student, self.feed
         result = self.student_step.run(micro_batches, clock)
         feed.ack(micro_batches)
         if self.publisher is not None:
@@ -375,12 +409,12 @@ class Trainer:
         )
         self.gc_schedule.after_step(result.step)  # while the GPU runs the step just queued
         self.profiler.step_ended(result.step)
-        if config.checkpoint_every and student.step % config.checkpoint_every == 0:
+        if schedule.checkpoint_every and student.step % schedule.checkpoint_every == 0:
             self._write_steps()
             lifecycle.pause_progress()  # a save (or eval) of unknown length is no hang
             self.checkpoint()
             feed.commit()  # retention: what the checkpoint holds may be dropped now
-        if config.eval_every and student.step % config.eval_every == 0:
+        if schedule.eval_every and student.step % schedule.eval_every == 0:
             self._write_steps()
             lifecycle.pause_progress()
             self.evaluate(f"step{student.step}")
@@ -402,7 +436,7 @@ class Trainer:
         """The student's held-out bits per byte, recorded as ``student_<tag>`` (rank 0; every
         rank under FSDP, whose eval is collective); the ranks wait for each other."""
         if self.heldout:
-            result = self.student.evaluate(self.heldout, self.config.eval_ctx)
+            result = self.student.evaluate(self.heldout, self.config.eval.ctx)
             if self.rank == 0:
                 self.metrics.write("eval", step=self.student.step, tag=tag, who="student", **result)
                 self.summary[f"student_{tag}"] = result
@@ -418,7 +452,7 @@ class Trainer:
         """After the last step: give back what was claimed, write the last records and the last
         checkpoint; without a stop the eval after training and the export; the summary (rank 0);
         close the files."""
-        config, student = self.config, self.student
+        schedule, student = self.config.schedule, self.student
         if self.feed is not None:
             self.feed.give_back()
         self._write_steps()
@@ -433,20 +467,21 @@ class Trainer:
                     self.feed.commit()
             except QueueError as e:  # saved: a resumed launch consumes them (replaces), or a clear
                 logger.warning("[trainer] could not ack the samples of the last checkpoint: %s", e)
-        ended_early = config.max_steps and student.step < config.max_steps
+        ended_early = schedule.max_steps and student.step < schedule.max_steps
         if not self.stopped and ended_early and self.rank == 0:
             logger.warning(
-                "[trainer] the data ended at step %d, before trainer.max_steps=%d (%d epoch%s of "
-                "the corpus): raise trainer.epochs or give more data to train longer",
+                "[trainer] the data ended at step %d, before trainer.schedule.max_steps=%d (%d "
+                "epoch%s of the corpus): raise trainer.schedule.epochs or give more data to train "
+                "longer",
                 student.step,
-                config.max_steps,
-                config.epochs,
-                "" if config.epochs == 1 else "s",
+                schedule.max_steps,
+                schedule.epochs,
+                "" if schedule.epochs == 1 else "s",
             )
             self.summary["data_ended_before_max_steps"] = True
         if not self.stopped:
             self.evaluate("after")
-            if config.export:
+            if schedule.export:
                 self.export()
         if self.rank == 0:
             self.summary.update(
@@ -481,7 +516,8 @@ class Trainer:
         config = self.config
         feed = TeacherFeed(
             self.client,
-            config,
+            config.feed,
+            config.teacher,
             self.rank,
             f"trainer/e{self.epoch}/s{self.task_start}/{self.launch}",
             self.trained,
@@ -492,8 +528,13 @@ class Trainer:
             teacher_vocab=_teacher_vocab(self.student_step.loss_fn),
             reader=self.reader,
             output_layer=self.output_layer,
+            partition=config.partition,
+            pack=config.pack,
+            uses_teacher=config.loss.uses_teacher,
+            on_policy=config.on_policy,
             stop=self.stop,
             register=self.register,
+            checkpoint_every=config.schedule.checkpoint_every,
             replaces=f"trainer/e{self.epoch}/",
         )
         logger.info(
@@ -504,12 +545,13 @@ class Trainer:
             len(self.trained),
             "registered: the queue drops what a checkpoint holds"
             if self.register
-            else f"not registered: {config.epochs} epochs read every sample again",
+            else f"not registered: {config.schedule.epochs} epochs read every sample again",
         )
         return feed
 
     def _at_max_steps(self) -> bool:
-        return bool(self.config.max_steps and self.student.step >= self.config.max_steps)
+        max_steps = self.config.schedule.max_steps
+        return bool(max_steps and self.student.step >= max_steps)
 
     def _write_steps(self) -> None:
         """Write the record of the step not written yet (reads its figures from the GPU)."""

@@ -87,8 +87,8 @@ def test_run_config_gives_each_arm_its_teacher_and_one_data_order_per_seed(tmp_p
     assert same["vocab_topk"] is None and cfgs["pkl@smollm2"]["teacher_tokenizer"] == "smollm2"
     for cfg in cfgs.values():
         assert cfg["data"]["seed"] == 1 and cfg["data"]["ordered"] is True
-        assert cfg["collator"]["workers"] == 1 and cfg["trainer"]["seed"] == 1
-        assert cfg["trainer"]["student"] == str(student)
+        assert cfg["collator"]["workers"] == 1 and cfg["trainer"]["student"]["seed"] == 1
+        assert cfg["trainer"]["student"]["model"] == str(student)
     assert cfgs["ce"]["trainer"]["loss"] == {"mode": "ce"}
 
 

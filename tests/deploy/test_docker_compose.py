@@ -198,9 +198,12 @@ def _run_config(data: pathlib.Path) -> dict:
         "teacher": {"model": "tiny", "transport": "shm", "max_batch": 4, "max_length": 64,
                     "checksum": True},
         "trainer": {
-            "student": "tiny", "micro_batch": 4, "grad_accum": 2, "max_steps": 0, "epochs": 1,
-            "checkpoint_every": 2, "eval_every": 0, "eval_texts": 4, "eval_ctx": 64,
-            "verify_logits": True, "optim": {"lr": 0.003, "warmup_steps": 1},
+            "student": {"model": "tiny"},
+            "feed": {"micro_batch": 4, "grad_accum": 2},
+            "schedule": {"max_steps": 0, "epochs": 1, "checkpoint_every": 2, "eval_every": 0},
+            "eval": {"texts": 4, "ctx": 64},
+            "teacher": {"verify_logits": True},
+            "optim": {"lr": 0.003, "warmup_steps": 1},
             "loss": {"mode": "pkl"},
         },
     }

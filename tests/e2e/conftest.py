@@ -26,14 +26,14 @@ from services.common.config import to_dict
 from services.common.lifecycle import PARENT_PID_ENV, read_ready
 from services.common.metrics import read_jsonl
 from services.teacher.config import TeacherConfig
-from services.trainer.config import OptimConfig, TrainerConfig
-from xtoken_core.losses import CrossTokenizerLossConfig
+from services.trainer.config import TrainerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # pytest run as `pytest`: benchmarks/ is not importable yet
     sys.path.insert(0, str(ROOT))
 # the keys logs' reader and the count against the corpus, shared with the fault campaign
 from benchmarks.faults.lineage import tally, trained_records  # noqa: E402
+from tests.sections import build, merged  # noqa: E402
 
 STUDENT_TOKENIZER = "mistral"
 TEACHER_TOKENIZER = "smollm2"
@@ -203,6 +203,22 @@ def assert_exactly_once(trained: list[str], corpus: list[str]) -> None:
     assert not counted.extra, f"trained but not in the corpus: {counted.extra}"
 
 
+def tiny_trainer(projection: str | None, **overrides: Any) -> TrainerConfig:
+    """The tiny-preset P-KL trainer of the run tests: micro-batches of 4, no checkpoint, eval or
+    export, every slot checked; ``overrides`` are its keys, a section as a mapping merged into
+    the one here (``feed={"grad_accum": 2}``)."""
+    settings = {
+        "student": {"model": "tiny"},
+        "feed": {"micro_batch": 4},
+        "schedule": {"max_steps": 0, "checkpoint_every": 0, "eval_every": 0, "export": False},
+        "eval": {"texts": 4, "ctx": CTX},
+        "teacher": {"verify_logits": True},
+        "loss": {"mode": "pkl", "projection": projection},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+    }
+    return build(TrainerConfig, settings, overrides)
+
+
 def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, projection: str,
                     **trainer: Any) -> Any:
     """The run config of ``xtoken run`` tests: two tiny P-KL trainer ranks (4 x 2 samples a step
@@ -210,12 +226,6 @@ def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, pr
     trainer's settings (no checkpoint, no export by default)."""
     from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 
-    settings = dict(
-        student="tiny", micro_batch=4, grad_accum=2, max_steps=0, checkpoint_every=0,
-        eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
-        loss=CrossTokenizerLossConfig(projection=projection),
-        optim=OptimConfig(lr=3e-3, warmup_steps=1),
-    )
     return RunConfig(
         run_dir=str(run_dir), student_tokenizer=STUDENT_TOKENIZER,
         teacher_tokenizer=TEACHER_TOKENIZER, ctx_student=CTX, ctx_teacher=CTX,
@@ -225,7 +235,7 @@ def tiny_run_config(run_dir: pathlib.Path, train: pathlib.Path, heldout: str, pr
         teacher=TeacherConfig(
             model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
         ),
-        trainer=TrainerConfig(**{**settings, **trainer}),
+        trainer=tiny_trainer(projection, **merged({"feed": {"grad_accum": 2}}, trainer)),
     )
 
 
@@ -453,17 +463,11 @@ class Pipeline:
         return TeacherConfig(**{**values, **overrides})
 
     def trainer_config(self, **overrides: Any) -> TrainerConfig:
-        """A tiny-preset P-KL trainer that checks every slot, for this run's queue."""
-        loss = CrossTokenizerLossConfig(mode="pkl", projection=self.projection)
-        values = dict(
-            queue=self.queue, partition=PARTITION, student="tiny",
-            student_tokenizer=STUDENT_TOKENIZER, teacher_tokenizer=TEACHER_TOKENIZER,
-            micro_batch=4, grad_accum=1, max_steps=0, epochs=1, loss=loss,
-            optim=OptimConfig(lr=3e-3, warmup_steps=1), run_dir=str(self.run_dir),
-            checkpoint_every=0, eval_every=0, heldout=None, eval_texts=4, eval_ctx=CTX,
-            export=False, verify_logits=True,
-        )
-        return TrainerConfig(**{**values, **overrides})
+        """:func:`tiny_trainer` for this run's queue, partition and directory."""
+        return tiny_trainer(
+            self.projection, queue=self.queue, partition=PARTITION, run_dir=str(self.run_dir),
+            student_tokenizer=STUDENT_TOKENIZER, teacher_tokenizer=TEACHER_TOKENIZER, **overrides,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ processes
 

@@ -44,8 +44,8 @@ def _run_example(procs, tmp_path, demo, **extra: str) -> tuple[pathlib.Path, lis
         "data.train": str(paths[0]),
         "data.heldout": str(demo.heldout_path),
         "data.limit": "null",
-        "trainer.export": "false",
-        "trainer.checkpoint_every": "0",
+        "trainer.schedule.export": "false",
+        "trainer.schedule.checkpoint_every": "0",
         **{key.replace("__", "."): value for key, value in extra.items()},
     }
     argv = ["run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
@@ -61,7 +61,7 @@ def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp
     run_dir, corpus = _run_example(procs, tmp_path, demo)
 
     config = load_run_config(EXAMPLE)
-    step_size = config.trainer.micro_batch * config.trainer.grad_accum
+    step_size = config.trainer.feed.micro_batch * config.trainer.feed.grad_accum
     # the trainer's on-policy settings as the run hands them to it (its fraction: the data's)
     on_policy = dataclasses.replace(
         config.trainer.on_policy, fraction=config.data.on_policy_fraction
@@ -189,8 +189,8 @@ def test_a_trainer_waiting_for_rollouts_counts_every_wait_in_the_next_steps_data
     per step while the rollout samples. Each step record's data wait holds all of it (it held
     only the last try's, so a trainer starved by its rollouts reported ~0% waiting)."""
     run_dir, _ = _run_example(
-        procs, tmp_path, demo, data__on_policy_fraction="1.0", trainer__claim_timeout_s="0.2",
-        trainer__max_steps="4", rollout__max_new_tokens="48",
+        procs, tmp_path, demo, data__on_policy_fraction="1.0", trainer__feed__claim_timeout_s="0.2",
+        trainer__schedule__max_steps="4", rollout__max_new_tokens="48",
     )  # fmt: skip
     steps = step_records(run_dir, 0)
     assert len(steps) == 4

@@ -14,12 +14,12 @@ import pytest
 from services.common.metrics import read_jsonl
 from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
-from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,
     STUDENT_TOKENIZER,
     TEACHER_TOKENIZER,
     corpus_parts,
+    tiny_trainer,
     trained_records,
     write_config,
 )
@@ -48,10 +48,9 @@ def _config(
         data=DataConfig(train=str(train), heldout=str(heldout), seed=7, ordered=True),
         collator=RunCollatorConfig(workers=1, batch=3),
         teacher=TeacherConfig(model="tiny", transport="shm", max_batch=2, max_length=CTX),
-        trainer=TrainerConfig(
-            student="tiny", micro_batch=2, grad_accum=grad_accum, max_steps=0, checkpoint_every=0,
-            eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, loss=loss,
-            optim=OptimConfig(lr=3e-3, warmup_steps=1),
+        trainer=tiny_trainer(
+            None, loss=loss, feed={"micro_batch": 2, "grad_accum": grad_accum},
+            teacher={"verify_logits": False},
         ),
     )  # fmt: skip
 

@@ -11,18 +11,17 @@ import pytest
 
 from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
-from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     STUDENT_TOKENIZER,
     TEACHER_TOKENIZER,
     assert_exactly_once,
     corpus_parts,
     step_records,
+    tiny_trainer,
     trained_keys,
     write_config,
 )
 from xtoken_core.data.packing import document_keys
-from xtoken_core.losses import CrossTokenizerLossConfig
 
 CTX = 1024  # rows of 1024 tokens hold about three demo-corpus texts (~340 tokens each)
 TEXTS = 40
@@ -43,11 +42,8 @@ def test_a_packed_run_trains_every_text_once_in_fewer_rows(procs, tmp_path, demo
         pack=True,
         collator=RunCollatorConfig(workers=1, batch=TEXTS),
         teacher=TeacherConfig(model="tiny", transport="shm", max_batch=2, max_length=CTX),
-        trainer=TrainerConfig(
-            student="tiny", micro_batch=2, grad_accum=1, max_steps=0, checkpoint_every=0,
-            eval_every=0, eval_texts=4, eval_ctx=64, export=False,
-            loss=CrossTokenizerLossConfig(mode="pkl", projection=projection),
-            optim=OptimConfig(lr=3e-3, warmup_steps=1),
+        trainer=tiny_trainer(
+            projection, feed={"micro_batch": 2}, teacher={"verify_logits": False}
         ),
     )  # fmt: skip
     path = write_config(tmp_path / "packed.json", config)

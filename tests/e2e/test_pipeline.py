@@ -28,7 +28,11 @@ def test_pipeline_trains_every_sample_once_and_every_process_exits_cleanly(pipel
     queue = pipeline.start_queue()
     teacher = pipeline.start_teacher(pipeline.teacher_config())
     trainers = pipeline.start_trainers(
-        pipeline.trainer_config(heldout=pipeline.heldout, report_to=["tensorboard"], export=True)
+        pipeline.trainer_config(
+            eval={"heldout": pipeline.heldout},
+            observe={"report_to": ["tensorboard"]},
+            schedule={"export": True},
+        )
     )
     collators = [pipeline.start_collator(f"collator{i}", p) for i, p in enumerate(paths)]
 

@@ -44,7 +44,7 @@ def test_killed_trainer_rank_resumes_from_checkpoint_and_trains_each_sample_once
     paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)
     queue = pipeline.start_queue()
     teacher = pipeline.start_teacher(pipeline.teacher_config())
-    trainer_cfg = pipeline.trainer_config(grad_accum=2, checkpoint_every=2)
+    trainer_cfg = pipeline.trainer_config(feed={"grad_accum": 2}, schedule={"checkpoint_every": 2})
     trainers = pipeline.start_trainers(trainer_cfg)
     collator = pipeline.start_collator("collator", paths[0], batch=16)
     assert collator.wait(90) == 0, collator.tail()
@@ -97,7 +97,9 @@ def test_trainer_ranks_killed_twice_before_any_checkpoint_lose_no_sample(pipelin
     paths, corpus = corpus_parts(demo, pipeline.root / "data", n=96, parts=1)
     queue = pipeline.start_queue()
     teacher = pipeline.start_teacher(pipeline.teacher_config())
-    trainer_cfg = pipeline.trainer_config(grad_accum=2, checkpoint_every=1000, lease_s=300.0)
+    trainer_cfg = pipeline.trainer_config(
+        feed={"grad_accum": 2, "lease_s": 300.0}, schedule={"checkpoint_every": 1000}
+    )
     collator = pipeline.start_collator("collator", paths[0], batch=16)
     assert collator.wait(90) == 0, collator.tail()
     pipeline.put_eof()
@@ -129,9 +131,12 @@ def test_killed_teacher_is_never_trained_on_and_its_batches_are_recomputed(pipel
     teacher_cfg = pipeline.teacher_config(ring_heartbeat_s=0.2, lease_s=10.0)
     teacher = pipeline.start_teacher(teacher_cfg)
     # four micro-batches a step: the trainers read the teacher's slots most of the time
-    trainers = pipeline.start_trainers(pipeline.trainer_config(
-        micro_batch=2, grad_accum=4, teacher_dead_after_s=1.0, teacher_timeout_s=20.0,
-    ))
+    trainers = pipeline.start_trainers(
+        pipeline.trainer_config(
+            feed={"micro_batch": 2, "grad_accum": 4},
+            teacher={"dead_after_s": 1.0, "timeout_s": 20.0},
+        )
+    )
     collator = pipeline.start_collator("collator", paths[0], batch=16)
     assert collator.wait(90) == 0, collator.tail()
     pipeline.put_eof()

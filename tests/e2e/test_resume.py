@@ -34,7 +34,7 @@ def test_a_run_resumed_after_ctrl_c_trains_the_steps_of_an_uninterrupted_run(
     paths, corpus = corpus_parts(demo, tmp_path / "data", n=96, parts=1)
     run_dir = tmp_path / "run"
     config = tiny_run_config(
-        run_dir, paths[0], str(demo.heldout_path), projection, checkpoint_every=2
+        run_dir, paths[0], str(demo.heldout_path), projection, schedule={"checkpoint_every": 2}
     )
     per_step = 2 * 4 * 2  # ranks x micro_batch x grad_accum
     steps_in_data = len(corpus) // per_step

@@ -12,7 +12,6 @@ import pytest
 from services.collator.cli import EXIT_STOPPED
 from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
-from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,
     STUDENT_TOKENIZER,
@@ -24,11 +23,11 @@ from tests.e2e.conftest import (
     pid_alive,
     step_records,
     tiny_run_config,
+    tiny_trainer,
     trained_keys,
     wait_for,
     write_config,
 )
-from xtoken_core.losses import CrossTokenizerLossConfig
 
 
 @pytest.mark.slow
@@ -89,11 +88,9 @@ def test_fsdp_run_trains_each_sample_once_evaluates_and_exports_a_loadable_stude
         data=DataConfig(train=str(paths[0]), heldout=str(demo.heldout_path)),
         collator=RunCollatorConfig(workers=1, batch=16),
         teacher=TeacherConfig(model="tiny", transport="shm", max_batch=4, max_length=CTX),
-        trainer=TrainerConfig(
-            student="tiny", parallel="fsdp", micro_batch=4, grad_accum=1, max_steps=0,
-            checkpoint_every=2, eval_every=0, eval_texts=4, eval_ctx=CTX,
-            loss=CrossTokenizerLossConfig(projection=projection),
-            optim=OptimConfig(lr=3e-3, warmup_steps=1),
+        trainer=tiny_trainer(
+            projection, compute={"parallel": "fsdp"},
+            schedule={"checkpoint_every": 2, "export": True}, teacher={"verify_logits": False},
         ),
     )
     run = procs.start("run", ["run", str(write_config(tmp_path / "run.json", config)),

@@ -47,7 +47,7 @@ def test_trainers_ask_a_restarted_teacher_again_within_seconds_of_a_sigkill(pipe
     teacher_cfg = pipeline.teacher_config()  # the default request lease: 120 s
     assert teacher_cfg.lease_s >= 100
     teacher = pipeline.start_teacher(teacher_cfg)
-    trainer_cfg = pipeline.trainer_config(micro_batch=2, grad_accum=2)
+    trainer_cfg = pipeline.trainer_config(feed={"micro_batch": 2, "grad_accum": 2})
     assert trainer_cfg.teacher_dead_after_s == 5.0 and trainer_cfg.teacher_timeout_s >= 100
     trainers = pipeline.start_trainers(trainer_cfg)
     collator = pipeline.start_collator("collator", paths[0], batch=16)
@@ -90,7 +90,9 @@ def test_a_teacher_dead_before_any_result_is_replaced_without_waiting_for_its_le
     teacher.wait_ready(120)
     time.sleep(1.0)  # into its first claim
     teacher.signal(signal.SIGSTOP)
-    trainer_cfg = pipeline.trainer_config(micro_batch=2, grad_accum=2, teacher_timeout_s=600.0)
+    trainer_cfg = pipeline.trainer_config(
+        feed={"micro_batch": 2, "grad_accum": 2}, teacher={"timeout_s": 600.0}
+    )
     trainers = pipeline.start_trainers(trainer_cfg)
     with QueueClient(pipeline.queue, timeout_s=10, name="e2e") as client:
         requests = proto.request_partition(trainer_cfg.partition, 0)

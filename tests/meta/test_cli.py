@@ -133,7 +133,8 @@ def test_every_duration_flag_ends_in_s():
                 if not flag.endswith("-s"):
                     wrong.append(f"{prog} {flag}")
     assert not wrong, f"duration flags without the -s suffix: {wrong}"
-    assert {"--lease-s", "--timeout-s", "--queue-timeout-s", "--idle-timeout-s"} <= set(checked)
+    durations = {"--lease-s", "--timeout-s", "--queue-timeout-s", "--feed.idle-timeout-s"}
+    assert durations <= set(checked)
 
 
 def test_a_generated_flag_has_one_spelling():
@@ -164,11 +165,21 @@ OPTIONS_FILE = Path(__file__).with_name("cli_options.json")
 
 
 def test_every_command_line_option_stays_and_a_new_one_is_listed():
-    """Frozen options: a flag users may have scripted is never dropped; an added one (or a hidden
-    alias of a renamed one) goes into tests/meta/cli_options.json with its change."""
+    """Frozen options: a flag users may have scripted is never dropped, unless its key moved (the
+    old flag is then refused naming the new one, services.common.config.moved_flag); an added or
+    renamed one goes into tests/meta/cli_options.json with its change."""
     now = {prog: {s for a in p._actions for s in a.option_strings} for prog, p in _parsers()}
     frozen = json.loads(OPTIONS_FILE.read_text())
     gone = {prog: sorted(set(opts) - now.get(prog, set())) for prog, opts in frozen.items()}
     assert not {prog: opts for prog, opts in gone.items() if opts}, "options removed"
     new = {prog: sorted(opts - set(frozen.get(prog, ()))) for prog, opts in now.items()}
     assert not {prog: opts for prog, opts in new.items() if opts}, f"list them in {OPTIONS_FILE}"
+
+
+def test_the_flag_of_a_moved_key_is_refused_naming_its_new_flag(capsys):
+    assert cli.main(["trainer", "--micro-batch", "4"]) == 2
+    assert capsys.readouterr().err == "xtoken trainer: --micro-batch moved to --feed.micro-batch\n"
+    with pytest.raises(SystemExit) as exc:  # any other unknown flag: argparse's own error
+        cli.main(["trainer", "--micro-batchh", "4"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --micro-batchh 4" in capsys.readouterr().err

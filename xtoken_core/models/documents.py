@@ -149,7 +149,7 @@ def packed_attention(setting: str, device: torch.device | str) -> str:
     """The attention implementation a model runs for packed rows.
 
     Args:
-        setting: ``auto``, ``flex_attention`` or ``sdpa`` (``trainer.packed_attention``,
+        setting: ``auto``, ``flex_attention`` or ``sdpa`` (``trainer.compute.packed_attention``,
             ``teacher.packed_attention``).
         device: the model's device.
 

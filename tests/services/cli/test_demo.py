@@ -70,8 +70,8 @@ def test_demo_overrides_apply_after_its_options_and_are_checked():
     from services.common.config import ConfigError
 
     parser = build_parser()
-    args = parser.parse_args(["demo", "--steps", "5", "--set", "trainer.max_steps=7"])
-    assert demo_config(args).trainer.max_steps == 7  # a later --set wins over --steps
+    args = parser.parse_args(["demo", "--steps", "5", "--set", "trainer.schedule.max_steps=7"])
+    assert demo_config(args).trainer.schedule.max_steps == 7  # a later --set wins over --steps
     args = parser.parse_args(["demo", "--set", "trainer.optim.lrr=1"])
     with pytest.raises(ConfigError, match=r"did you mean 'trainer\.optim\.lr'\?"):
         demo_config(args)
@@ -82,8 +82,8 @@ def test_demo_steps_0_trains_until_the_data_ends_and_a_negative_count_is_refused
     from services.cli.demo import demo_config
 
     parser = build_parser()
-    assert demo_config(parser.parse_args(["demo", "--steps", "0"])).trainer.max_steps == 0
-    assert demo_config(parser.parse_args(["demo"])).trainer.max_steps == 40
+    assert demo_config(parser.parse_args(["demo", "--steps", "0"])).trainer.schedule.max_steps == 0
+    assert demo_config(parser.parse_args(["demo"])).trainer.schedule.max_steps == 40
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["demo", "--steps", "-1"])
     assert exc.value.code == 2
@@ -98,10 +98,16 @@ def test_the_ce_only_run_is_the_same_run_without_the_teacher():
     args = build_parser().parse_args(["demo", "--steps", "3", "--run-dir", "runs/d"])
     kd, ce = demo_config(args), run_config_from_dict(baseline_data(args))
     assert ce.trainer.loss.mode == "ce" and kd.trainer.loss.mode == "pkl"
-    assert ce.run_dir == f"runs/d/{BASELINE_DIR}" and not ce.trainer.export
+    assert ce.run_dir == f"runs/d/{BASELINE_DIR}" and not ce.trainer.schedule.export
     # the ordered data mode: both runs train the same micro-batches in the same steps
-    assert kd.data.ordered and (ce.data, ce.trainer.max_steps) == (kd.data, kd.trainer.max_steps)
-    assert ce.trainer.optim == kd.trainer.optim and ce.trainer.student == kd.trainer.student
+    assert kd.data.ordered and (ce.data, ce.trainer.schedule.max_steps) == (
+        kd.data,
+        kd.trainer.schedule.max_steps,
+    )
+    assert (
+        ce.trainer.optim == kd.trainer.optim
+        and ce.trainer.student.model == kd.trainer.student.model
+    )
 
 
 def test_the_held_out_table_shows_kd_beside_ce_only():

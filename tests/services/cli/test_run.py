@@ -21,22 +21,30 @@ TINY = ROOT / "examples" / "tiny.yaml"
 def test_overrides_replace_the_files_values_and_keep_the_rest():
     config = load_run_config(
         TINY,
-        [parse_override("trainer.optim.lr=1e-4"), parse_override("trainer.max_steps=100")],
+        [parse_override("trainer.optim.lr=1e-4"), parse_override("trainer.schedule.max_steps=100")],
     )
-    assert config.trainer.optim.lr == 1e-4 and config.trainer.max_steps == 100
-    assert config.trainer.grad_accum == 2 and config.trainers == 2  # from the file
+    assert config.trainer.optim.lr == 1e-4 and config.trainer.schedule.max_steps == 100
+    assert config.trainer.feed.grad_accum == 2 and config.trainers == 2  # from the file
 
 
 @pytest.mark.parametrize(
     ("file_text", "override"),
     [
         ("trainer:\n  optim:\n    lrr: 0.1\n", "trainer.optim.lrr=0.1"),
-        ("trainer:\n  micro_batch: 2.5\n", "trainer.micro_batch=2.5"),
+        ("trainer:\n  feed:\n    micro_batch: 2.5\n", "trainer.feed.micro_batch=2.5"),
+        ("trainer:\n  micro_batch: 2\n", "trainer.micro_batch=2"),
         ("trainer:\n  loss:\n    mode: pkll\n", "trainer.loss.mode=pkll"),
         ("trainer:\n  optim: fast\n", "trainer.optim=fast"),
         ("heartbeat_s: 1\nhang_after_s: 1.5\n", "hang_after_s=1.5"),
     ],
-    ids=["unknown-key", "float-for-int", "bad-choice", "section-not-a-mapping", "cross-check"],
+    ids=[
+        "unknown-key",
+        "float-for-int",
+        "moved-key",
+        "bad-choice",
+        "section-not-a-mapping",
+        "cross-check",
+    ],
 )
 def test_an_override_is_refused_with_the_message_the_file_gets(tmp_path, file_text, override):
     bad_file = tmp_path / "bad.yaml"
@@ -61,7 +69,7 @@ def test_an_unknown_key_exits_2_in_one_short_line_naming_the_closest_keys_and_wh
     code, err = _run(tmp_path, capsys, "--set", "trainer.max_step=10")
     assert code == 2
     assert err == (
-        "xtoken run: unknown key 'trainer.max_step': did you mean 'trainer.max_steps'? "
+        "xtoken run: unknown key 'trainer.max_step': did you mean 'trainer.schedule.max_steps'? "
         "(trainer's keys: services/trainer/config.py)\n"
     )
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
@@ -147,21 +155,21 @@ def test_check_refuses_a_bad_config_as_the_run_would(tmp_path, capsys):
 
 
 def test_a_bad_value_exits_2_naming_the_key_the_type_and_the_value(tmp_path, capsys):
-    code, err = _run(tmp_path, capsys, "--set", "trainer.max_steps=many")
+    code, err = _run(tmp_path, capsys, "--set", "trainer.schedule.max_steps=many")
     assert code == 2
-    assert err == "xtoken run: trainer.max_steps: expected int, got 'many' (str)\n"
+    assert err == "xtoken run: trainer.schedule.max_steps: expected int, got 'many' (str)\n"
 
 
 def test_a_set_without_a_value_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        _run(tmp_path, capsys, "--set", "trainer.max_steps")
+        _run(tmp_path, capsys, "--set", "trainer.schedule.max_steps")
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --set: 'trainer.max_steps': write KEY=VALUE" in err
+    assert "argument --set: 'trainer.schedule.max_steps': write KEY=VALUE" in err
 
 
 def test_the_global_log_level_is_accepted_after_the_config(tmp_path, capsys):
     args = cli.build_parser().parse_args(
-        ["run", str(TINY), "--set", "trainer.max_steps=1", "--log-level", "DEBUG"]
+        ["run", str(TINY), "--set", "trainer.schedule.max_steps=1", "--log-level", "DEBUG"]
     )
     assert args.log_level == "DEBUG" and args.overrides[0].value == 1

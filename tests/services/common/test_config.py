@@ -19,6 +19,7 @@ from services.common.config import (
     load_context,
     load_file,
     marks,
+    moved_flag,
     section,
     to_dict,
     with_context,
@@ -403,6 +404,36 @@ def test_a_moved_key_is_refused_in_one_line_naming_its_new_key():
     with pytest.raises(ConfigError, match=r"^proc\.link\.address moved to proc\.link\.queue$"):
         from_dict(Proc, {"link": {"address": "tcp://h:1"}}, path="proc")
     assert from_dict(Proc, {"beat_s": 2.0}).beat_s == 2.0
+
+
+@dataclass
+class Renamed:
+    """A flat ``link`` string moved into the section of that name; ``beat`` into ``timing``."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"link": "link.queue", "beat": "timing.beat_s"}
+
+    link: Link = field(default_factory=Link)
+    timing: Proc = field(default_factory=Proc)
+
+
+def test_a_key_moved_into_the_section_of_its_name_is_the_old_key_only_when_no_mapping():
+    with pytest.raises(ConfigError, match=r"^link moved to link\.queue$"):
+        from_dict(Renamed, {"link": "tcp://h:1"})
+    assert from_dict(Renamed, {"link": {"queue": "tcp://h:1"}}).link.queue == "tcp://h:1"
+    given = Link(queue="tcp://h:2")
+    assert from_dict(Renamed, {"link": given}).link is given
+
+
+def test_the_flag_of_a_moved_key_is_named_with_its_new_flag():
+    parser = argparse.ArgumentParser(prog="t", allow_abbrev=False)  # as xtoken's parsers
+    add_arguments(parser, Renamed)
+    args, unknown = parser.parse_known_args(["--beat", "2", "--timing.beat-s", "3"])
+    assert moved_flag(args, unknown) == "t: --beat moved to --timing.beat-s"
+    args, unknown = parser.parse_known_args(["--timing.beat=2"])  # the nested class's own move
+    assert moved_flag(args, unknown) == "t: --timing.beat moved to --timing.beat-s"
+    args, unknown = parser.parse_known_args(["--link", "tcp://h:1"])
+    assert moved_flag(args, unknown) == "t: --link moved to --link.queue"
+    assert moved_flag(*parser.parse_known_args(["--other", "1"])) is None
 
 
 def test_a_required_mark_is_checked_where_the_process_reads_its_flags():

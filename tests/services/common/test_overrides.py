@@ -14,7 +14,7 @@ from services.common.overrides import apply_overrides, parse_override
     ("text", "key", "value"),
     [
         ("trainer.optim.lr=1e-4", "trainer.optim.lr", 1e-4),
-        ("trainer.max_steps=100", "trainer.max_steps", 100),
+        ("trainer.schedule.max_steps=100", "trainer.schedule.max_steps", 100),
         ("trainer.loss.mode=gold", "trainer.loss.mode", "gold"),
         ("data.heldout=null", "data.heldout", None),
         ("data.skip_bad_lines=true", "data.skip_bad_lines", True),
@@ -29,7 +29,9 @@ def test_a_value_is_read_as_yaml(text, key, value):
     assert type(override.value) is type(value)
 
 
-@pytest.mark.parametrize("text", ["trainer.max_steps", "=3", "trainer..lr=1", "a b=1", "1x=2"])
+@pytest.mark.parametrize(
+    "text", ["trainer.schedule.max_steps", "=3", "trainer..lr=1", "a b=1", "1x=2"]
+)
 def test_a_malformed_override_shows_the_form(text):
     with pytest.raises(argparse.ArgumentTypeError, match=r"write KEY=VALUE .*--set trainer"):
         parse_override(text)

@@ -49,14 +49,10 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
         "collator": {"batch": 8},
         "teacher": {"model": "tiny", "transport": "shm", "max_batch": 4, "max_length": 64},
         "trainer": {
-            "student": "tiny",
-            "micro_batch": 4,
-            "grad_accum": 1,
-            "epochs": 1,
-            "checkpoint_every": 2,
-            "eval_every": 0,
-            "eval_texts": 2,
-            "eval_ctx": 64,
+            "student": {"model": "tiny"},
+            "feed": {"micro_batch": 4, "grad_accum": 1},
+            "schedule": {"epochs": 1, "checkpoint_every": 2, "eval_every": 0},
+            "eval": {"texts": 2, "ctx": 64},
             "optim": {"lr": 0.003, "warmup_steps": 1},
         },
     }

@@ -98,7 +98,7 @@ def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype
         ({"data": {"train": "../../../etc/passwd"}}, "data.train"),
         ({"run_dir": "/tmp/elsewhere"}, "run_dir"),
         ({"run_dir": "../escape"}, "run_dir"),
-        ({"trainer": {"student": "/usr/lib"}}, "trainer.student"),
+        ({"trainer": {"student": {"model": "/usr/lib"}}}, "trainer.student.model"),
         ({"trainer": {"loss": {"projection": "/root/x.pt"}}}, "trainer.loss.projection"),
         ({"student_tokenizer": "/etc/tokenizer.json"}, "student_tokenizer"),
         ({"trainer": {"run_dir": "x"}}, "trainer.run_dir"),
@@ -338,7 +338,7 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
 
 def test_sigterm_ends_the_server_promptly_even_with_an_open_event_stream(server):
     with server.client() as c:
-        run = c.post("/v1/runs", json=tiny_config(**{"trainer.max_steps": 1}))
+        run = c.post("/v1/runs", json=tiny_config(**{"trainer.schedule.max_steps": 1}))
         assert run.status_code == 201, run.text
         rid = run.json()["id"]
         with (

@@ -81,9 +81,10 @@ def test_a_run_started_from_the_page_shows_a_growing_loss_curve_and_stops_from_t
             **{
                 "data.train": "c/part0.jsonl",
                 "data.heldout": "h/part0.jsonl",
-                "trainer.epochs": 50,  # far more steps than the test waits for: it is stopped
-                "trainer.eval_every": 2,
-                "trainer.eval_texts": 2,
+                # far more steps than the test waits for: it is stopped
+                "trainer.schedule.epochs": 50,
+                "trainer.schedule.eval_every": 2,
+                "trainer.eval.texts": 2,
             }
         )
         config_file = tmp_path / "run.yaml"

@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
             name="lr-1e-3",
             steps=40,
             start=START + 100,
-            config=tiny_config(**{"trainer.optim.lr": 0.001, "trainer.max_steps": 40}),
+            config=tiny_config(**{"trainer.optim.lr": 0.001, "trainer.schedule.max_steps": 40}),
             loss0=20.0,
             memory_mb=1200.0,
             tokens=512.0,
@@ -92,8 +92,8 @@ def test_the_config_diff_lists_only_the_keys_that_differ(runs):
     server, ids = runs
     diff = _compare(server, ids["a"], ids["b"]).json()["config_diff"]
     assert diff == [
-        {"key": "trainer.max_steps", "values": {ids["b"]: 40}},  # a lacks it
         {"key": "trainer.optim.lr", "values": {ids["a"]: 0.003, ids["b"]: 0.001}},
+        {"key": "trainer.schedule.max_steps", "values": {ids["b"]: 40}},  # a lacks it
     ]
     assert _compare(server, ids["a"], ids["a"]).json()["config_diff"] == []  # counted once
 

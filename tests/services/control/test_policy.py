@@ -15,7 +15,7 @@ def test_confine_makes_relative_paths_absolute_under_their_roots(tmp_path):
     out = confine(
         {
             "data": {"train": "c/train.jsonl"},
-            "trainer": {"student": "tiny"},
+            "trainer": {"student": {"model": "tiny"}},
             "teacher": {"model": "models/t"},
             "student_tokenizer": "qwen3",
         },
@@ -26,7 +26,7 @@ def test_confine_makes_relative_paths_absolute_under_their_roots(tmp_path):
     assert out["run_dir"] == str(runs.resolve() / "r1")
     assert out["data"]["train"] == str(data.resolve() / "c" / "train.jsonl")
     assert out["teacher"]["model"] == str(data.resolve() / "models" / "t")
-    assert out["trainer"]["student"] == "tiny" and out["student_tokenizer"] == "qwen3"
+    assert out["trainer"]["student"]["model"] == "tiny" and out["student_tokenizer"] == "qwen3"
     second_root = confine(
         {"teacher": {"model": str(tmp_path / "models" / "m")}},
         run_dir="r",
@@ -57,14 +57,14 @@ def test_confine_checks_the_path_of_a_gguf_spec_and_keeps_names_and_drop_suffixe
     runs, data = tmp_path / "runs", tmp_path / "data"
     out = confine(
         {
-            "trainer": {"student": "smollm2:drop=10-19"},
+            "trainer": {"student": {"model": "smollm2:drop=10-19"}},
             "teacher": {"model": "gguf:m/teacher.gguf:drop=2"},
         },
         run_dir="r",
         runs_root=runs,
         data_roots=[data],
     )
-    assert out["trainer"]["student"] == "smollm2:drop=10-19"
+    assert out["trainer"]["student"]["model"] == "smollm2:drop=10-19"
     assert out["teacher"]["model"] == f"gguf:{data.resolve() / 'm' / 'teacher.gguf'}:drop=2"
     assert (
         confine(

@@ -19,7 +19,6 @@ import pytest
 from services.common.metrics import read_jsonl
 from services.supervise.config import DataConfig, QueueConfig, RunCollatorConfig, RunConfig
 from services.teacher.config import TeacherConfig
-from services.trainer.config import OptimConfig, TrainerConfig
 from tests.e2e.conftest import (
     CTX,
     STUDENT_TOKENIZER,
@@ -30,11 +29,11 @@ from tests.e2e.conftest import (
     feed_totals,
     pid_alive,
     step_records,
+    tiny_trainer,
     trained_keys,
     wait_for,
     write_config,
 )
-from xtoken_core.losses import CrossTokenizerLossConfig
 
 LAUNCHERS = [
     pytest.param("local", marks=pytest.mark.slow),
@@ -44,12 +43,6 @@ LAUNCHERS = [
 
 def _config(tmp_path, demo, projection, n: int, **trainer) -> tuple[RunConfig, list[str]]:
     paths, corpus = corpus_parts(demo, tmp_path / "data", n=n, parts=1)
-    values = dict(
-        student="tiny", micro_batch=4, grad_accum=1, max_steps=0, checkpoint_every=0,
-        eval_every=0, eval_texts=4, eval_ctx=CTX, export=False, verify_logits=True,
-        loss=CrossTokenizerLossConfig(projection=projection),
-        optim=OptimConfig(lr=3e-3, warmup_steps=1),
-    )
     config = RunConfig(
         run_dir=str(tmp_path / "run"),
         student_tokenizer=STUDENT_TOKENIZER,
@@ -64,7 +57,7 @@ def _config(tmp_path, demo, projection, n: int, **trainer) -> tuple[RunConfig, l
         teacher=TeacherConfig(
             model="tiny", transport="shm", max_batch=4, max_length=CTX, checksum=True
         ),
-        trainer=TrainerConfig(**{**values, **trainer}),
+        trainer=tiny_trainer(projection, **trainer),
     )
     return config, corpus
 
@@ -175,7 +168,7 @@ def test_xtoken_run_trains_every_sample_once_and_every_process_exits_cleanly(
 def test_a_sigkilled_trainer_rank_under_ray_is_restarted_from_the_checkpoint_losing_nothing(
     request, procs, tmp_path, demo, projection
 ):
-    config, corpus = _config(tmp_path, demo, projection, n=64, checkpoint_every=2)
+    config, corpus = _config(tmp_path, demo, projection, n=64, schedule={"checkpoint_every": 2})
     run_dir = pathlib.Path(config.run_dir)
     watcher = _Watcher(run_dir)
     run = procs.start(
@@ -217,7 +210,7 @@ def test_a_sigkilled_trainer_rank_under_ray_is_restarted_from_the_checkpoint_los
 def test_sigterm_on_xtoken_run_under_ray_checkpoints_exits_zero_and_leaves_no_process(
     request, procs, tmp_path, demo, projection
 ):
-    config, corpus = _config(tmp_path, demo, projection, n=96, grad_accum=2)
+    config, corpus = _config(tmp_path, demo, projection, n=96, feed={"grad_accum": 2})
     run_dir = pathlib.Path(config.run_dir)
     watcher = _Watcher(run_dir)
     run = procs.start(

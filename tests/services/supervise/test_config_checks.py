@@ -33,7 +33,7 @@ from services.trainer.config import OptimConfig
         ({"hang_after_s": math.nan}, r"hang_after_s=nan"),
         ({"trainer": {"optim": {"lr": math.inf}}}, r"trainer.optim: lr=inf"),
         ({"trainer": {"loss": {"temperature": math.inf}}}, r"temperature=inf"),
-        ({"trainer": {"lease_s": math.nan}}, r"trainer.lease_s=nan"),
+        ({"trainer": {"feed": {"lease_s": math.nan}}}, r"trainer.feed.lease_s=nan"),
         ({"teacher": {"queue_timeout_s": math.inf}}, r"queue_timeout_s=inf"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, dict) else "",

@@ -30,7 +30,7 @@ def _config(tmp_path, device="cuda", **run):
         {
             "run_dir": str(tmp_path / "run"),
             "mps": True,
-            "trainer": {"student": "tiny", "device": device},
+            "trainer": {"student": {"model": "tiny"}, "compute": {"device": device}},
             "teacher": {"model": "tiny", "device": device},
             **run,
         }
@@ -87,7 +87,7 @@ def test_mps_without_a_process_on_a_gpu_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(
         cfgmod.ConfigError,
         match=r"mps: true but no process of the run is on a "
-        r"CUDA device \(trainer.device=cpu, teacher.device=cpu\): set mps: false",
+        r"CUDA device \(trainer.compute.device=cpu, teacher.device=cpu\): set mps: false",
     ):
         _config(tmp_path, device="cpu")
 
@@ -97,7 +97,8 @@ def test_mps_without_the_control_program_is_refused_before_anything_starts(tmp_p
     with pytest.raises(ValueError, match=rf"{CONTROL} is not on PATH .*set mps: false"):
         control_binary()
     config = _config(tmp_path)
-    config.trainer.device = config.teacher.device = "cpu"  # past the device check, to the program
+    # past the device check, to the program
+    config.trainer.compute.device = config.teacher.device = "cpu"
     with pytest.raises(ValueError, match=rf"{CONTROL} is not on PATH"):
         preflight(config)
     assert not (tmp_path / "run").exists()
@@ -107,7 +108,8 @@ def test_mps_without_the_control_program_is_refused_before_anything_starts(tmp_p
 def test_xtoken_run_with_mps_but_no_control_program_exits_2_with_one_line(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(
-        f"run_dir: {tmp_path / 'run'}\nmps: true\ntrainer: {{student: tiny, device: cuda}}\n"
+        f"run_dir: {tmp_path / 'run'}\nmps: true\n"
+        "trainer: {student: {model: tiny}, compute: {device: cuda}}\n"
     )
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "run", str(config)],
@@ -119,7 +121,7 @@ def test_xtoken_run_with_mps_but_no_control_program_exits_2_with_one_line(tmp_pa
     errors = [line for line in done.stderr.splitlines() if line.startswith("xtoken run:")]
     assert len(errors) == 1, done.stderr
     # a machine without a GPU names the device first; one with a GPU, the control program
-    assert "trainer.device='cuda'" in errors[0] or CONTROL in errors[0]
+    assert "trainer.compute.device='cuda'" in errors[0] or CONTROL in errors[0]
 
 
 def test_a_run_launched_elsewhere_than_this_machine_cannot_have_mps(tmp_path):
@@ -158,9 +160,9 @@ def test_a_run_with_mps_trains_as_clients_of_its_daemon_and_stops_it(tmp_path):
                 "collator: {workers: 1, batch: 16}",
                 "teacher: {model: tiny, device: cuda, transport: cuda_ipc, max_batch: 4, "
                 "max_length: 64}",
-                "trainer: {student: tiny, device: cuda, micro_batch: 4, grad_accum: 1, "
-                "max_steps: 4, checkpoint_every: 0, eval_every: 0, eval_texts: 4, eval_ctx: 64, "
-                "export: false}",
+                "trainer: {student: {model: tiny}, compute: {device: cuda}, "
+                "feed: {micro_batch: 4, grad_accum: 1}, schedule: {max_steps: 4, "
+                "checkpoint_every: 0, eval_every: 0, export: false}, eval: {texts: 4, ctx: 64}}",
             ]
         )
         + "\n"

@@ -29,10 +29,8 @@ def config(tmp_path: Path, **overrides):
         "data": {"train": "/corpus/train.jsonl", "heldout": "/corpus/h.jsonl", "limit": 40},
         "teacher": {"model": "tiny"},
         "trainer": {
-            "student": "tiny",
-            "seed": 5,
-            "micro_batch": 4,
-            "grad_accum": 2,
+            "student": {"model": "tiny", "seed": 5},
+            "feed": {"micro_batch": 4, "grad_accum": 2},
             "loss": {"mode": "pkl", "projection": "/x/proj.pt"},
         },
         "rollout": {"prompt_tokens": 16, "max_new_tokens": 48, "batch": 4},
@@ -98,7 +96,7 @@ def test_own_prompts_keep_their_corpus_and_fraction_one_starts_no_collator(tmp_p
         tmp_path,
         **{
             "data.on_policy_fraction": 1.0,
-            "trainer.max_steps": 10,
+            "trainer.schedule.max_steps": 10,
             "rollout.prompts": "/prompts.jsonl",
             "rollout.prompt_field": "prompt",
         },
@@ -131,8 +129,9 @@ def test_without_on_policy_samples_nothing_of_it_is_planned(tmp_path):
             r"data\.on_policy_fraction=0\.5 with data\.ordered: .*set data\.ordered false",
         ),  # fmt: skip
         (
-            {"data.on_policy_fraction": 1.0, "trainer.max_steps": 0},
-            r"with trainer\.max_steps=0: .*never run out; set trainer\.max_steps",
+            {"data.on_policy_fraction": 1.0, "trainer.schedule.max_steps": 0},
+            r"with trainer\.schedule\.max_steps=0: .*never run out; set "
+            r"trainer\.schedule\.max_steps",
         ),
         (
             {"data.on_policy_fraction": 0.5, "rollout.max_new_tokens": 90},
@@ -144,7 +143,7 @@ def test_without_on_policy_samples_nothing_of_it_is_planned(tmp_path):
             r"data\.on_policy_fraction only",
         ),
         (
-            {"data.on_policy_fraction": 0.5, "trainer.device": "cuda"},
+            {"data.on_policy_fraction": 0.5, "trainer.compute.device": "cuda"},
             r"rollout\.device='cpu' cannot map the trainer's weights on its GPU \(cuda_ipc\)",
         ),
         (
@@ -153,8 +152,8 @@ def test_without_on_policy_samples_nothing_of_it_is_planned(tmp_path):
         ),
         ({"rollout.top_p": 0.0}, r"rollout: top_p=0\.0: must be in \(0, 1\]"),
         (
-            {"data.on_policy_fraction": 0.5, "trainer.parallel": "fsdp"},
-            r"with trainer\.parallel=fsdp: the rollout workers need the whole student",
+            {"data.on_policy_fraction": 0.5, "trainer.compute.parallel": "fsdp"},
+            r"with trainer\.compute\.parallel=fsdp: the rollout workers need the whole student",
         ),
     ],
     ids=[
@@ -192,7 +191,8 @@ def test_kd_where_agrees_reaches_the_collator_and_every_rollout_worker(tmp_path)
         ("collator.kd_where_agrees", r"^collator\.kd_where_agrees moved to kd_where_agrees$"),
         ("rollout.queue", r"^rollout\.queue is set by the run: its queue's address"),
         ("rollout.weights", r"^rollout\.weights is set by the run \(RUN_DIR/policy\)"),
-        ("rollout.student", r"^rollout\.student='x' but trainer\.student='tiny'; set trainer\.student only"),
+        ("rollout.student", r"^rollout\.student='x' but trainer\.student\.model='tiny'; set "
+         r"trainer\.student\.model only"),
     ],
 )  # fmt: skip
 def test_a_rollout_key_the_run_sets_is_refused_never_replaced(tmp_path, key, pattern):

@@ -108,6 +108,9 @@ def test_a_new_field_of_a_section_is_a_flag_a_key_a_set_a_rest_key_a_path_and_tr
         assert r.json()["error"] == "queue_capacity moved to queue.capacity_bytes"
         r = client.post("/v1/runs", json={"run_dir": "r5", "rollout": {"queue": "tcp://h:1"}})
         assert r.status_code == 403 and r.json()["key"] == "rollout.queue", r.text
+        r = client.post("/v1/runs", json={"run_dir": "r6", "trainer": {"micro_batch": 4}})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == "trainer.micro_batch moved to trainer.feed.micro_batch"
 
 
 @contextlib.contextmanager
@@ -156,8 +159,9 @@ def test_every_key_a_section_copies_reaches_its_process_from_its_source(tmp_path
             "run_dir": str(tmp_path / "run"), "teachers": 2, "trainers": 2, "rollouts": 1,
             "data": {"on_policy_fraction": 0.5},
             "teacher": {"seed": 3, "vocab_size": 300, "model": "tiny"},
-            "trainer": {"student": "tiny", "seed": 5, "vocab_size": 200, "eval_texts": 7,
-                        "eval_ctx": 99, "max_steps": 3, "loss": {"projection": "/p.pt"}},
+            "trainer": {"student": {"model": "tiny", "seed": 5, "vocab_size": 200},
+                        "eval": {"texts": 7, "ctx": 99}, "schedule": {"max_steps": 3},
+                        "loss": {"projection": "/p.pt"}},
         }
     )  # fmt: skip
     plan = make_plan(
@@ -191,11 +195,17 @@ def test_every_key_a_section_copies_reaches_its_process_from_its_source(tmp_path
         ({"collator": {"data": {"limit": 3}}}, r"^collator\.data is set by the run from data; "
          r"set data only$"),
         ({"teacher": {"group": 1}}, r"^teacher\.group is set by the run \(each teacher group"),
-        ({"teacher": {"eval_ctx": 64}}, r"^teacher\.eval_ctx=64 but trainer\.eval_ctx=512; set "
-         r"trainer\.eval_ctx only"),
-        ({"trainer": {"ordered": True}}, r"^trainer\.ordered=True but data\.ordered=False"),
+        ({"teacher": {"eval_ctx": 64}}, r"^teacher\.eval_ctx=64 but trainer\.eval\.ctx=512; set "
+         r"trainer\.eval\.ctx only"),
+        ({"trainer": {"feed": {"ordered": True}}}, r"^trainer\.feed\.ordered=True but "
+         r"data\.ordered=False"),
+        ({"trainer": {"teacher": {"groups": 2}}}, r"^trainer\.teacher\.groups=2 but teachers=1"),
         ({"trainer": {"dead_after_s": 2}}, r"^trainer\.dead_after_s moved to "
-         r"trainer\.teacher_dead_after_s$"),
+         r"trainer\.teacher\.dead_after_s$"),
+        ({"trainer": {"micro_batch": 2}}, r"^trainer\.micro_batch moved to "
+         r"trainer\.feed\.micro_batch$"),
+        ({"trainer": {"student": "tiny"}}, r"^trainer\.student moved to trainer\.student\.model$"),
+        ({"trainer": {"ordered": True}}, r"^trainer\.ordered moved to trainer\.feed\.ordered$"),
         ({"teacher": {"heartbeat_s": 2}}, r"^teacher\.heartbeat_s moved to "
          r"teacher\.ring_heartbeat_s$"),
     ],
@@ -206,22 +216,36 @@ def test_a_key_the_run_sets_is_refused_naming_the_one_to_set(data, pattern):
 
 
 def test_a_value_equal_to_its_source_is_accepted_and_the_run_configs_record_reads_back():
-    config = run_config_from_dict({"teachers": 2, "trainers": 2, "trainer": {"teacher_groups": 2}})
+    config = run_config_from_dict(
+        {"teachers": 2, "trainers": 2, "trainer": {"teacher": {"groups": 2}}}
+    )
     record = run_config.run_config_to_dict(config)
-    assert "teacher_groups" not in record["trainer"] and "queue" not in record["trainer"]
+    assert "groups" not in record["trainer"]["teacher"] and "queue" not in record["trainer"]
     again = run_config_from_dict(json.loads(json.dumps(record)))
     assert run_config.run_config_to_dict(again) == record
 
 
-def test_xtoken_run_refuses_a_moved_key_in_one_line_exit_2(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "sets", "line"),
+    [
+        ("queue_capacity: 1GiB\n", [], "queue_capacity moved to queue.capacity_bytes"),
+        ("trainer:\n  teacher_timeout_s: 5\n", [],
+         "trainer.teacher_timeout_s moved to trainer.teacher.timeout_s"),
+        ("", ["--set", "trainer.micro_batch=4"],
+         "trainer.micro_batch moved to trainer.feed.micro_batch"),
+        ("", ["--set", "trainer.student=tiny"], "trainer.student moved to trainer.student.model"),
+    ],
+    ids=["run-key", "yaml", "set", "set-section-name"],
+)  # fmt: skip
+def test_xtoken_run_refuses_a_moved_key_in_one_line_exit_2(tmp_path, text, sets, line):
     path = tmp_path / "run.yaml"
-    path.write_text("queue_capacity: 1GiB\n")
+    path.write_text(text)
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run", str(path), "--check"],
+        [sys.executable, "-m", "services.cli", "run", str(path), "--check", *sets],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert proc.stderr == "xtoken run: queue_capacity moved to queue.capacity_bytes\n"
+    assert proc.stderr == f"xtoken run: {line}\n"
 
 
 def test_every_example_config_loads():

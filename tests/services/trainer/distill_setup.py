@@ -126,25 +126,57 @@ def teacher_logits(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def trainer_config(projection: str | None, **overrides):
-    """A TrainerConfig of the tiny student (P-KL with ``projection``; ``mode="ce"`` without)."""
-    from services.trainer.config import OptimConfig, TrainerConfig
-    from xtoken_core.losses import CrossTokenizerLossConfig
+    """A TrainerConfig of the tiny student (P-KL with ``projection``; ``mode="ce"`` without);
+    ``overrides`` are its keys, a section as a mapping merged into the one here
+    (``feed={"grad_accum": 2}``)."""
+    from services.trainer.config import TrainerConfig
+    from tests.sections import build
 
-    loss = {"mode": "pkl" if projection else "ce", "projection": projection, "vocab_topk": 512}
-    loss.update(overrides.pop("loss", {}))
-    optim = {"lr": 3e-3, "warmup_steps": 0, "grad_clip": 0.0}
-    optim.update(overrides.pop("optim", {}))
-    fields = dict(
-        student="tiny",
-        student_tokenizer=STUDENT_TOKENIZER,
-        teacher_tokenizer=TEACHER_TOKENIZER,
-        micro_batch=2,
-        max_steps=20,
-        optim=OptimConfig(**optim),
-        loss=CrossTokenizerLossConfig(**loss),
-    )
-    fields.update(overrides)
-    return TrainerConfig(**fields)
+    base = {
+        "student_tokenizer": STUDENT_TOKENIZER,
+        "teacher_tokenizer": TEACHER_TOKENIZER,
+        "student": {"model": "tiny"},
+        "feed": {"micro_batch": 2},
+        "schedule": {"max_steps": 20},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "grad_clip": 0.0},
+        "loss": {
+            "mode": "pkl" if projection else "ce",
+            "projection": projection,
+            "vocab_topk": 512,
+        },
+    }
+    return build(TrainerConfig, base, overrides)
+
+
+def feed_settings(config) -> dict:
+    """What a feed takes from a TrainerConfig beside its own section (``config.feed``), as the
+    trainer gives it: the run's partition and packing, the checkpoint cadence."""
+    return {
+        "partition": config.partition,
+        "pack": config.pack,
+        "checkpoint_every": config.schedule.checkpoint_every,
+    }
+
+
+def teacher_feed(
+    client,
+    config,
+    trained: set[str] | None = None,
+    *,
+    rank: int = 0,
+    task: str = "trainer/e0/s0",
+    **kwargs,
+):
+    """The TeacherFeed of a TrainerConfig as the trainer opens it: its feed and teacher sections
+    with the loss's use of the teacher, the on-policy section and :func:`feed_settings`;
+    ``kwargs`` as TeacherFeed's (``pads``, ``reader``, ``register``...)."""
+    from services.trainer.feed import TeacherFeed
+
+    return TeacherFeed(
+        client, config.feed, config.teacher, rank, task, set() if trained is None else trained,
+        uses_teacher=config.loss.uses_teacher, on_policy=config.on_policy,
+        **feed_settings(config), **kwargs,
+    )  # fmt: skip
 
 
 def micro_batch(batch: dict[str, torch.Tensor], keys: list[str], with_teacher: bool = True):

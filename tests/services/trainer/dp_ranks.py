@@ -10,6 +10,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from tests.sections import merged
 from tests.services.trainer import distill_setup as setup
 
 
@@ -79,11 +80,14 @@ def run_rank(
         return build_step(
             setup.trainer_config(
                 projection,
-                grad_accum=len(plan[rank]),
-                device=device,
-                parallel=parallel,
-                seed=seed,
-                **(overrides or {}),
+                **merged(
+                    {
+                        "feed": {"grad_accum": len(plan[rank])},
+                        "compute": {"device": device, "parallel": parallel},
+                        "student": {"seed": seed},
+                    },
+                    overrides or {},
+                ),
             ),
             rank=rank,
             world_size=world,

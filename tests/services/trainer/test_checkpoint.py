@@ -19,7 +19,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 def _step(seed: int = 0) -> StudentStep:
     return build_step(
-        setup.trainer_config(None, seed=seed, optim={"warmup_steps": 2}, max_steps=10)
+        setup.trainer_config(
+            None, student={"seed": seed}, optim={"warmup_steps": 2}, schedule={"max_steps": 10}
+        )
     )
 
 

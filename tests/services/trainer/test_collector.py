@@ -10,7 +10,7 @@ import weakref
 import pytest
 
 from services.trainer.collector import CollectorClock, CollectorSchedule
-from services.trainer.config import TrainerConfig
+from services.trainer.config import ComputeConfig, TrainerConfig
 
 
 class _Node:
@@ -87,6 +87,6 @@ def test_gc_every_zero_leaves_pythons_collector_as_it_is():
 
 def test_a_negative_gc_every_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="gc_every=-1: must be >= 0"):
-        TrainerConfig(gc_every=-1)
+        TrainerConfig(compute=ComputeConfig(gc_every=-1))
     with pytest.raises(ValueError, match="gc_every=-1: must be >= 0"):
         CollectorSchedule(-1)

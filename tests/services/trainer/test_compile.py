@@ -31,7 +31,7 @@ def _fresh_dynamo():
 
 
 def _compiled_step(backend="aot_eager", **overrides) -> StudentStep:
-    step = build_step(setup.trainer_config(None, compile=False, **overrides))
+    step = build_step(setup.trainer_config(None, compute={"compile": False}, **overrides))
     step.student.compiled = compile_student(step.student.compute, backend=backend) > 0
     return step
 
@@ -90,7 +90,7 @@ def test_a_student_compile_cannot_build_trains_eagerly_after_one_warning(caplog)
     with caplog.at_level(logging.WARNING, logger="services.trainer.startup"):
         assert _warm_up(step) is not None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "trainer.compile: false" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "trainer.compute.compile: false" in warnings[0].getMessage()
     assert not step.student.compiled and step.student.recompiles() is None
     result = step.run([setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)])
     assert result.metrics["loss"] > 0 and step.student.step == 1

@@ -1,11 +1,13 @@
 """The trainer's loss section is the library's loss config: its keys are validated and reach the
 loss as they are (the teacher vocab added by the trainer); removed keys are refused."""
 
+import re
+
 import pytest
 import torch
 
-from services.common.config import ConfigError, from_dict
-from services.trainer.config import TrainerConfig
+from services.common.config import ConfigError, from_dict, leaf_paths
+from services.trainer.config import StudentConfig, TrainerConfig
 from services.trainer.step import build_loss
 from xtoken_core.losses import CrossTokenizerLossConfig
 
@@ -61,8 +63,54 @@ def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():
         from_dict(TrainerConfig, {"loss": {"mode": "pkl", "cuda_graphs": True}})
 
 
-def test_the_former_teacher_death_key_is_refused_naming_its_new_key():
-    with pytest.raises(ConfigError, match=r"^dead_after_s moved to teacher_dead_after_s$"):
+def test_the_former_teacher_death_keys_are_refused_naming_the_new_key():
+    with pytest.raises(ConfigError, match=r"^dead_after_s moved to teacher\.dead_after_s$"):
         from_dict(TrainerConfig, {"loss": {"mode": "ce"}, "dead_after_s": 2.5})
-    with pytest.raises(ConfigError, match=r"^trainer\.dead_after_s moved to trainer\.teacher_"):
-        from_dict(TrainerConfig, {"dead_after_s": 2.5}, path="trainer")
+    for old in ("dead_after_s", "teacher_dead_after_s"):
+        with pytest.raises(ConfigError, match=rf"^trainer\.{old} moved to trainer\.teacher\."):
+            from_dict(TrainerConfig, {old: 2.5}, path="trainer")
+
+
+@pytest.mark.parametrize("old", sorted(TrainerConfig.MOVED_KEYS))
+def test_each_flat_key_of_earlier_configs_is_refused_naming_its_section(old):
+    new = TrainerConfig.MOVED_KEYS[old]
+    assert new in leaf_paths(TrainerConfig)
+    value = "tiny" if old == "student" else 1
+    with pytest.raises(ConfigError, match=rf"^trainer\.{old} moved to trainer\.{re.escape(new)}$"):
+        from_dict(TrainerConfig, {old: value}, path="trainer")
+
+
+def test_the_student_section_is_a_mapping_and_a_student_string_is_the_old_key():
+    config = from_dict(TrainerConfig, {"student": {"model": "tiny"}, "loss": {"mode": "ce"}})
+    assert config.student == StudentConfig(model="tiny")
+    student = StudentConfig(model="tiny")  # an instance, as code passes it
+    assert from_dict(TrainerConfig, {"student": student, "loss": {"mode": "ce"}}).student is student
+    with pytest.raises(ConfigError, match=r"^student moved to student\.model$"):
+        from_dict(TrainerConfig, {"student": "tiny"})
+
+
+@pytest.mark.parametrize(
+    ("section", "pattern"),
+    [
+        ({"feed": {"micro_batch": 0}}, r"^trainer\.feed: micro_batch=0: must be >= 1$"),
+        ({"teacher": {"groups": 0}}, r"^trainer\.teacher: groups=0: must be >= 1$"),
+        ({"schedule": {"epochs": 0}}, r"^trainer\.schedule: epochs=0: must be >= 1$"),
+        ({"eval": {"ctx": 1}}, r"^trainer\.eval: ctx=1: must be >= 2 tokens$"),
+        ({"observe": {"report_to": ["mlflow"]}}, r"^trainer\.observe: report_to: unknown"),
+        ({"compute": {"gc_every": -1}}, r"^trainer\.compute: gc_every=-1: must be >= 0$"),
+        ({"student": {"max_length": -1}}, r"^trainer\.student: max_length=-1: must be >= 0"),
+    ],
+)
+def test_a_section_checks_its_own_settings_naming_the_section(section, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        from_dict(TrainerConfig, {"loss": {"mode": "ce"}, **section}, path="trainer")
+
+
+def test_a_check_across_sections_names_the_keys_of_both():
+    config = {"loss": {"mode": "pkl", "projection": "p.pt"}, "on_policy": {"fraction": 0.5}}
+    with pytest.raises(ConfigError, match=r"^on_policy\.fraction=0\.5 with feed\.ordered: "):
+        from_dict(TrainerConfig, {**config, "feed": {"ordered": True}})
+    with pytest.raises(ConfigError, match=r"^on_policy\.fraction=1 with schedule\.max_steps=0: "):
+        from_dict(
+            TrainerConfig, {**config, "on_policy": {"fraction": 1.0}, "schedule": {"max_steps": 0}}
+        )

@@ -37,7 +37,7 @@ def test_two_ranks_with_accumulation_apply_the_full_batch_gradient(projection, t
     mp.spawn(run_rank, args=(2, _free_port(), projection, plan, out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True)["grads"] for r in range(2)]
 
-    step = build_step(setup.trainer_config(projection, grad_accum=3))
+    step = build_step(setup.trainer_config(projection, feed={"grad_accum": 3}))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2)]
     full, _ = capture_step_gradients(step, mbs)
@@ -61,13 +61,13 @@ def test_bf16_ranks_accumulate_in_the_ddp_buckets_and_apply_the_full_batch_gradi
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     out = str(tmp_path / "grads")
-    bf16 = {"param_dtype": "bfloat16"}
+    bf16 = {"compute": {"param_dtype": "bfloat16"}}
     args = (2, _free_port(), projection, plan, out, "cpu", "ddp", None, bf16)
     mp.spawn(run_rank, args=args, nprocs=2, join=True)
     saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
     assert saved[0]["held"] and saved[1]["held"]
 
-    step = build_step(setup.trainer_config(projection, grad_accum=4, **bf16))
+    step = build_step(setup.trainer_config(projection, feed={"grad_accum": 4}, **bf16))
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2, 3)]
     full, _ = capture_step_gradients(step, mbs)
@@ -102,7 +102,7 @@ def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_b
     )
     ranks = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
 
-    step = build_step(setup.trainer_config(projection, grad_accum=3))
+    step = build_step(setup.trainer_config(projection, feed={"grad_accum": 3}))
     student = step.student
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2)]
@@ -131,7 +131,9 @@ def test_two_fsdp_ranks_apply_the_full_batch_update_and_their_checkpoint_loads_b
 
     # the same sharded checkpoint resumes a single process (DCP reshards on load)
     path = checkpoint.latest_checkpoint(tmp_path / "run")
-    single = build_step(setup.trainer_config(projection, grad_accum=3, seed=7)).student
+    single = build_step(
+        setup.trainer_config(projection, feed={"grad_accum": 3}, student={"seed": 7})
+    ).student
     assert checkpoint.load(single, path)["step"] == 1
     for name, p in single.module.named_parameters():
         assert torch.equal(p.detach(), ranks[0]["params"][name]), name
@@ -159,7 +161,11 @@ def test_two_nccl_ranks_replaying_cuda_graphs_apply_the_gradient_of_one_rank(
     assert saved[0]["cuda_graphs"] and saved[0]["held"] and saved[1]["held"]
     ranks = [s["grads"] for s in saved]
     indices = [i for rank in plan for i in rank]
-    step = build_step(setup.trainer_config(projection, grad_accum=len(indices), device="cuda"))
+    step = build_step(
+        setup.trainer_config(
+            projection, feed={"grad_accum": len(indices)}, compute={"device": "cuda"}
+        )
+    )
     batches = setup.micro_batches()
     mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in indices]
     for mb in mbs:

@@ -27,14 +27,14 @@ def exported(tmp_path_factory):
     (run_dir / "metrics").mkdir()
     teacher_eval = {"event": "eval", "bits_per_byte": 3.25, "who": "teacher"}
     (run_dir / "metrics" / "teacher.group0.jsonl").write_text(json.dumps(teacher_eval) + "\n")
-    config = setup.trainer_config(None, max_steps=3, run_dir=str(run_dir))
+    config = setup.trainer_config(None, schedule={"max_steps": 3}, run_dir=str(run_dir))
     step = build_step(config)
     student = step.student
-    summary = {"student_before": student.evaluate(setup.TEXTS, config.eval_ctx)}
+    summary = {"student_before": student.evaluate(setup.TEXTS, config.eval.ctx)}
     batch = setup.micro_batches()[0]
     for _ in range(3):
         step.run([setup.micro_batch(batch, ["a", "b"], with_teacher=False)])
-    summary["student_after"] = student.evaluate(setup.TEXTS, config.eval_ctx)
+    summary["student_after"] = student.evaluate(setup.TEXTS, config.eval.ctx)
     student.export(run_dir / "final")
     facts = card_facts(config, run_dir, summary, step=student.step, world_size=1)
     write_model_card(run_dir / "final", facts)

@@ -18,7 +18,6 @@ from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
-from services.trainer.feed import TeacherFeed
 from services.trainer.trainer import build_step
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
@@ -69,14 +68,16 @@ def test_every_sample_trains_once_with_its_teacher_logits(queue, teacher, projec
         client.put(PARTITION, keys, samples_to_put_fields(samples))
         put_eof(client, PARTITION, len(samples))
     config = setup.trainer_config(
-        projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True
+        projection,
+        queue=queue,
+        partition=PARTITION,
+        feed={"claim_timeout_s": 0.2},
+        teacher={"verify_logits": True},
     )
     step = build_step(config)
     trained: set[str] = set()
     with QueueClient(queue, timeout_s=10) as client, LogitRingReader() as reader:
-        feed = TeacherFeed(
-            client, config, 0, "trainer/e0/s0", trained, pads=setup.pads(), reader=reader
-        )
+        feed = setup.teacher_feed(client, config, trained, pads=setup.pads(), reader=reader)
         rows, seen = [], []
         while not feed.ended:
             mbs = feed.next_step(1)
@@ -143,9 +144,12 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
     with QueueClient(queue, timeout_s=10) as client:
         client.put(PARTITION, keys, samples_to_put_fields(samples))
     config = setup.trainer_config(
-        projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True,
-        grad_accum=3, teacher_timeout_s=600.0,
-    )  # fmt: skip
+        projection,
+        queue=queue,
+        partition=PARTITION,
+        feed={"claim_timeout_s": 0.2, "grad_accum": 3},
+        teacher={"verify_logits": True, "timeout_s": 600.0},
+    )
     with (
         TeacherWorker(_teacher_config(queue)) as teacher_worker,
         QueueClient(queue, timeout_s=10) as teacher_client,
@@ -153,9 +157,7 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         LogitRingReader() as reader,
     ):
         teacher = _ManualTeacher(teacher_client, teacher_worker)
-        feed = TeacherFeed(
-            client, config, 0, "trainer/e0/s0", set(), pads=setup.pads(), reader=reader
-        )
+        feed = setup.teacher_feed(client, config, pads=setup.pads(), reader=reader)
         a, b, c = feed.next_step(3)
         asked = [mb.context.request_key for mb in (a, b, c)]
         assert teacher.claim(3) == asked
@@ -206,9 +208,12 @@ def test_a_result_that_arrived_during_the_backward_is_taken_before_its_micro_bat
     with QueueClient(queue, timeout_s=10) as client:
         client.put(PARTITION, keys, samples_to_put_fields(samples))
     config = setup.trainer_config(
-        projection, queue=queue, partition=PARTITION, claim_timeout_s=0.2, verify_logits=True,
-        grad_accum=2,
-    )  # fmt: skip
+        projection,
+        queue=queue,
+        partition=PARTITION,
+        feed={"claim_timeout_s": 0.2, "grad_accum": 2},
+        teacher={"verify_logits": True},
+    )
     with (
         TeacherWorker(_teacher_config(queue)) as teacher_worker,
         QueueClient(queue, timeout_s=10) as teacher_client,
@@ -216,9 +221,7 @@ def test_a_result_that_arrived_during_the_backward_is_taken_before_its_micro_bat
         LogitRingReader() as reader,
     ):
         teacher = _ManualTeacher(teacher_client, teacher_worker)
-        feed = TeacherFeed(
-            client, config, 0, "trainer/e0/s0", set(), pads=setup.pads(), reader=reader
-        )
+        feed = setup.teacher_feed(client, config, pads=setup.pads(), reader=reader)
         a, b = feed.next_step(2)
         asked = teacher.claim(2)
         teacher.serve(asked[0])

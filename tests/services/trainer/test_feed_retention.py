@@ -14,7 +14,7 @@ import pytest
 from services.collator.worker import samples_to_put_fields
 from services.protocol import put_eof
 from services.queue.client import QueueClient
-from services.trainer.feed import TeacherFeed
+from tests.sections import merged
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 from xtoken_core.wire import JaggedColumn
@@ -46,12 +46,15 @@ def _feed(client, queue, partition, register, task="trainer/e0/s0", trained=(), 
     """A trainer rank's feed of the CE loss (no teacher), as main.py builds it."""
     config = setup.trainer_config(
         None, queue=queue, partition=partition,
-        **{"micro_batch": 4, "grad_accum": 2, "claim_timeout_s": 0.2, "checkpoint_every": 2,
-           **config},
+        **merged(
+            {"feed": {"micro_batch": 4, "grad_accum": 2, "claim_timeout_s": 0.2},
+             "schedule": {"checkpoint_every": 2}},
+            config,
+        ),
     )  # fmt: skip
     pads = {"student_pad_id": 0, "teacher_pad_id": 0}
-    return TeacherFeed(
-        client, config, 0, task, set(trained), pads=pads, register=register,
+    return setup.teacher_feed(
+        client, config, set(trained), task=task, pads=pads, register=register,
         replaces="trainer/e0/",
     )  # fmt: skip
 
@@ -68,7 +71,7 @@ def _train(feed, steps=None, failed=lambda: None) -> list[str]:
         feed.ack(mbs)
         seen += [k for mb in mbs for k in mb.keys]
         step += 1
-        if step % feed.config.checkpoint_every == 0:
+        if step % feed.samples.checkpoint_every == 0:
             feed.commit()
     return seen
 
@@ -129,7 +132,7 @@ def test_a_resumed_feed_trains_again_what_no_checkpoint_held_and_frees_the_dead_
             client.put("resume", keys[8 * r : 8 * r + 8], fields)
         put_eof(client, "resume", len(keys))
         # the first launch: 2 steps, a checkpoint, 1 more step, then it dies (no commit)
-        first = _feed(client, queue, "resume", register=True, lease_s=1.5)
+        first = _feed(client, queue, "resume", register=True, feed={"lease_s": 1.5})
         saved = set(_train(first, steps=2))  # committed after step 2
         lapse_at = time.monotonic() + 1.5
         lost = _train(first, steps=1)  # trained, in no checkpoint: its acks wait
@@ -156,7 +159,10 @@ def test_samples_whose_lease_lapsed_before_the_checkpoint_are_acked_when_they_co
     with QueueClient(queue, timeout_s=10, shm="never") as client:
         client.put("lapse", keys, fields)
         put_eof(client, "lapse", len(keys))
-        feed = _feed(client, queue, "lapse", register=True, lease_s=0.5, checkpoint_every=10)
+        feed = _feed(
+            client, queue, "lapse", register=True, feed={"lease_s": 0.5},
+            schedule={"checkpoint_every": 10},
+        )  # fmt: skip
         assert sorted(_train(feed, steps=1)) == keys  # acks wait for the checkpoint
         time.sleep(0.7)
         feed.commit()  # the leases lapsed: the samples are back, not dropped

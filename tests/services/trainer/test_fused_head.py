@@ -1,6 +1,6 @@
-"""The trainer's fused output head (trainer.fused_head): off on the CPU by default, the same steps
-as the materialized logits in every mode, its start-up step, the cases it refuses, and a 200-step
-run that ends where the materialized run ends."""
+"""The trainer's fused output head (trainer.compute.fused_head): off on the CPU by default, the
+same steps as the materialized logits in every mode, its start-up step, the cases it refuses, and
+a 200-step run that ends where the materialized run ends."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
 
 
-def _step(projection, mode: str, fused: bool, **overrides) -> StudentStep:
+def _step(projection, mode: str, fused: bool | None, **overrides) -> StudentStep:
+    """``fused``: ``compute.fused_head``, None to leave it unset."""
     loss = {"mode": mode, "ce_weight": 0.5} if mode != "ce" else {}
+    compute = {} if fused is None else {"fused_head": fused}
     config = setup.trainer_config(
-        None if mode == "ce" else projection, loss=loss, fused_head=fused, **overrides
+        None if mode == "ce" else projection, loss=loss, compute=compute, **overrides
     )
     step = build_step(config)
     if step.head is not None:
@@ -74,7 +76,7 @@ def test_start_up_step_through_the_head_leaves_no_gradient(projection):
 
 
 def test_fused_head_with_several_processes_is_refused_naming_the_setting(projection):
-    config = setup.trainer_config(projection, fused_head=True)
+    config = setup.trainer_config(projection, compute={"fused_head": True})
     with pytest.raises(ValueError, match="fused_head.*one process.*fused_head: false"):
         build_step(config, world_size=2)
 
@@ -87,7 +89,7 @@ def test_a_200_step_run_with_the_fused_head_ends_within_the_seed_noise(projectio
     batches = setup.micro_batches()
     finals = {}
     for name, fused, seed in (("mat0", False, 0), ("mat1", False, 1), ("head0", True, 0)):
-        step = _step(projection, "pkl", fused, seed=seed, max_steps=200)
+        step = _step(projection, "pkl", fused, student={"seed": seed}, schedule={"max_steps": 200})
         losses = []
         for i in range(200):
             batch = batches[i % len(batches)]

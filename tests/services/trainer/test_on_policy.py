@@ -44,9 +44,8 @@ def config(grad_accum: int = 2, **on_policy):
         None,
         queue="",
         partition=PARTITION,
-        grad_accum=grad_accum,
-        claim_timeout_s=0.2,
-        max_steps=10,
+        feed={"grad_accum": grad_accum, "claim_timeout_s": 0.2},
+        schedule={"max_steps": 10},
         loss={"mode": "pkl", "projection": "unused.pt"},
         on_policy=OnPolicyConfig(**values),
     )
@@ -80,7 +79,10 @@ def put_on_policy(client, versions: list[int], prefix: str = "on") -> list[str]:
 
 def feed_of(client, cfg, trainer) -> OnPolicyFeed:
     pads = {"student_pad_id": 0, "teacher_pad_id": 0}
-    return OnPolicyFeed(client, cfg, pads, "trainer/e0/s0", set(), version=lambda: trainer.step)
+    return OnPolicyFeed(
+        client, cfg.feed, pads, "trainer/e0/s0", set(), on_policy=cfg.on_policy,
+        version=lambda: trainer.step, **setup.feed_settings(cfg),
+    )  # fmt: skip
 
 
 def test_the_share_rounds_and_keeps_one_on_policy_sample():

@@ -23,7 +23,7 @@ def _step(projection: str, batch: dict, **config) -> tuple[dict, dict, dict]:
 
 @pytest.mark.parametrize(
     "mode, extra",
-    [("pkl", {}), ("gold", {}), ("pkl", {"fused_head": True})],
+    [("pkl", {}), ("gold", {}), ("pkl", {"compute": {"fused_head": True}})],
     ids=["pkl", "gold", "pkl-fused-head"],
 )
 def test_a_packed_micro_batch_trains_the_loss_and_gradients_of_its_documents_unpacked(

@@ -13,7 +13,7 @@ from tests.services.trainer import distill_setup as setup
 
 
 def _bf16_step(**overrides) -> StudentStep:
-    return build_step(setup.trainer_config(None, param_dtype="bfloat16", **overrides))
+    return build_step(setup.trainer_config(None, compute={"param_dtype": "bfloat16"}, **overrides))
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,7 +48,7 @@ def test_bf16_update_follows_the_fp32_update():
     mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
     updates = []
     for dtype in ("float32", "bfloat16"):
-        step = build_step(setup.trainer_config(None, param_dtype=dtype))
+        step = build_step(setup.trainer_config(None, compute={"param_dtype": dtype}))
         params = step.student.module.parameters
         before = torch.cat([p.detach().flatten().clone() for p in params()])
         step.run([mb])

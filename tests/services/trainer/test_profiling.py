@@ -55,7 +55,10 @@ def test_zero_steps_trace_nothing(tmp_path):
 
 @pytest.mark.parametrize(
     ("settings", "message"),
-    [({"profile_steps": -1}, "profile_steps=-1"), ({"profile_start": 0}, "profile_start=0")],
+    [
+        ({"observe": {"profile_steps": -1}}, "profile_steps=-1"),
+        ({"observe": {"profile_start": 0}}, "profile_start=0"),
+    ],
 )
 def test_bad_profile_settings_are_refused_naming_the_value(settings, message):
     with pytest.raises((ConfigError, ValueError), match=message):

@@ -33,6 +33,14 @@ def _samples():
     return [base[i % len(base)] for i in range(N)]
 
 
+def _feed(client, config, task: str, trained=(), **kwargs) -> SampleFeed:
+    """The sample feed of ``config`` as the trainer opens it (its feed section, the run's
+    partition); ``kwargs``: ``rank``, ``ranks``."""
+    return SampleFeed(
+        client, config.feed, PADS, task, set(trained), **setup.feed_settings(config), **kwargs
+    )
+
+
 def _put(client, first: int, count: int) -> None:
     samples = _samples()[first : first + count]
     keys = [f"k{i:02d}" for i in range(first, first + count)]
@@ -43,11 +51,14 @@ def _steps(queue: str, task: str, put_sizes: list[int], *, ahead: int) -> list[l
     """Train through an ordered feed: puts of ``put_sizes`` interleaved with claims of
     ``ahead`` micro-batches that do not wait; returns each step's micro-batches' keys."""
     config = setup.trainer_config(
-        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2
+        None,
+        queue=queue,
+        partition=PARTITION,
+        feed={"grad_accum": 2, "ordered": True, "claim_timeout_s": 0.2},
     )
     steps: list[list[list[str]]] = []
     with QueueClient(queue, timeout_s=10) as client:
-        feed = SampleFeed(client, config, PADS, task, set())
+        feed = _feed(client, config, task)
         put = 0
         for size in put_sizes:
             if put < N:
@@ -85,10 +96,10 @@ def test_ordered_steps_are_the_next_samples_in_put_order_whatever_the_timing(que
 @pytest.mark.timeout(60)
 def test_without_ordered_a_claim_mixes_what_is_ready_across_steps(queue):
     """What ordered mode fixes: the plain feed sorts whatever one claim brought."""
-    config = setup.trainer_config(None, queue=queue, partition=PARTITION, grad_accum=2)
+    config = setup.trainer_config(None, queue=queue, partition=PARTITION, feed={"grad_accum": 2})
     with QueueClient(queue, timeout_s=10) as client:
         _put(client, 0, N)
-        feed = SampleFeed(client, config, PADS, "t", set())
+        feed = _feed(client, config, "t")
         got = feed.claim(6, block=True)  # 6 micro-batches ahead: 11 samples sorted together
     keys = [k for c in got for k in c.keys]
     assert len(keys) == N
@@ -98,11 +109,14 @@ def test_without_ordered_a_claim_mixes_what_is_ready_across_steps(queue):
 @pytest.mark.timeout(60)
 def test_a_step_being_gathered_is_given_back_on_a_stop(queue):
     config = setup.trainer_config(
-        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2
+        None,
+        queue=queue,
+        partition=PARTITION,
+        feed={"grad_accum": 2, "ordered": True, "claim_timeout_s": 0.2},
     )
     with QueueClient(queue, timeout_s=10) as client:
         _put(client, 0, 3)  # less than a step
-        feed = SampleFeed(client, config, PADS, "t", set())
+        feed = _feed(client, config, "t")
         assert feed.claim(2, block=True) is None
         assert client.status(PARTITION, "t")["leased"] == 3
         feed.give_back([])
@@ -113,12 +127,14 @@ def test_a_step_being_gathered_is_given_back_on_a_stop(queue):
 @pytest.mark.timeout(60)
 def test_a_sample_whose_lease_lapsed_while_its_step_was_gathered_keeps_its_place(queue):
     config = setup.trainer_config(
-        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2,
-        lease_s=0.5,
-    )  # fmt: skip
+        None,
+        queue=queue,
+        partition=PARTITION,
+        feed={"grad_accum": 2, "ordered": True, "claim_timeout_s": 0.2, "lease_s": 0.5},
+    )
     with QueueClient(queue, timeout_s=10) as client:
         _put(client, 0, 3)
-        feed = SampleFeed(client, config, PADS, "t", set())
+        feed = _feed(client, config, "t")
         assert feed.claim(2, block=True) is None  # 3 of 4 gathered
         time.sleep(0.8)  # their leases lapse: the next claim brings k00 again first
         _put(client, 3, 2)
@@ -133,16 +149,22 @@ def test_two_ordered_ranks_train_in_each_step_the_samples_of_one_rank_with_twice
     """Fixed shares: rank r keeps the r-th half of each 8-sample step (in put order), acks the
     other half for its own task, and both ranks see the end of the data."""
     one = setup.trainer_config(
-        None, queue=queue, partition=PARTITION, grad_accum=4, ordered=True, claim_timeout_s=0.2
+        None,
+        queue=queue,
+        partition=PARTITION,
+        feed={"grad_accum": 4, "ordered": True, "claim_timeout_s": 0.2},
     )
     two = setup.trainer_config(
-        None, queue=queue, partition=PARTITION, grad_accum=2, ordered=True, claim_timeout_s=0.2
+        None,
+        queue=queue,
+        partition=PARTITION,
+        feed={"grad_accum": 2, "ordered": True, "claim_timeout_s": 0.2},
     )
     with QueueClient(queue, timeout_s=10) as client:
         _put(client, 0, N)
         put_eof(client, PARTITION, N)
-        single = SampleFeed(client, one, PADS, "solo", set())
-        ranks = [SampleFeed(client, two, PADS, "pair", set(), rank=r, ranks=2) for r in (0, 1)]
+        single = _feed(client, one, "solo")
+        ranks = [_feed(client, two, "pair", rank=r, ranks=2) for r in (0, 1)]
         assert [f.task for f in ranks] == ["pair/r0", "pair/r1"]
         solo_steps, pair_steps = [], []
         while not single.ended:
@@ -177,13 +199,13 @@ def _drain_ahead(feed: SampleFeed) -> list[str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("trained", [0, 4], ids=["fresh", "resumed"])
 def test_two_ranks_claiming_ahead_split_the_untrained_samples_of_the_epoch_evenly(queue, trained):
-    config = setup.trainer_config(None, queue=queue, partition=PARTITION, grad_accum=2)
+    config = setup.trainer_config(None, queue=queue, partition=PARTITION, feed={"grad_accum": 2})
     done = {f"k{i:02d}" for i in range(trained)}
     with QueueClient(queue, timeout_s=10) as client:
         _put(client, 0, N)
         put_eof(client, PARTITION, N)
-        first = SampleFeed(client, config, PADS, "t", set(done), rank=0, ranks=2)
-        second = SampleFeed(client, config, PADS, "t", set(done), rank=1, ranks=2)
+        first = _feed(client, config, "t", done, rank=0, ranks=2)
+        second = _feed(client, config, "t", done, rank=1, ranks=2)
         greedy, late = _drain_ahead(first), _drain_ahead(second)
     untrained = N - trained
     # the first rank claims no more than its share, whatever it asks for: the other rank's
@@ -196,11 +218,11 @@ def test_two_ranks_claiming_ahead_split_the_untrained_samples_of_the_epoch_evenl
 def test_a_rank_past_its_share_with_no_data_for_its_step_claims_what_is_pending(queue):
     # e.g. a sample whose lease lapsed comes again after the ranks claimed their shares: a rank
     # with no data for its step (a claim that waits) takes it, so the epoch can end
-    config = setup.trainer_config(None, queue=queue, partition=PARTITION, grad_accum=2)
+    config = setup.trainer_config(None, queue=queue, partition=PARTITION, feed={"grad_accum": 2})
     with QueueClient(queue, timeout_s=10) as client:
         _put(client, 0, N)
         put_eof(client, PARTITION, N)
-        first = SampleFeed(client, config, PADS, "t", set(), rank=0, ranks=2)
+        first = _feed(client, config, "t", rank=0, ranks=2)
         share = _drain_ahead(first)
         assert first.claim(1, block=False) is None  # ahead: its share is claimed
         more = first.claim(1, block=True)

@@ -12,13 +12,14 @@ def test_a_startup_step_that_does_not_fit_names_the_settings_and_the_other_proce
     alone = startup_oom_message(4, 2048, "cuda:0", 80 * 2**30, int(0.6 * 2**30))
     assert alone == (
         "a student step of micro_batch=4 x 2048 tokens does not fit in cuda:0's memory (80 GiB): "
-        "lower trainer.micro_batch, or set trainer.activation_checkpointing: true"
+        "lower trainer.feed.micro_batch, or set trainer.compute.activation_checkpointing: true"
     )
     shared = startup_oom_message(4, 2048, "cuda:0", 80 * 2**30, 54 * 2**30)
     assert shared.startswith(alone)
     assert "other processes hold 54.0 GiB of it (a teacher, rollout workers" in shared
     assert startup_oom_message(1, 64, "cpu", None, None).endswith(
-        "cpu's memory: lower trainer.micro_batch, or set trainer.activation_checkpointing: true"
+        "cpu's memory: lower trainer.feed.micro_batch, or set "
+        "trainer.compute.activation_checkpointing: true"
     )
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.config import TrainerConfig
+from services.trainer.config import StudentConfig, TrainerConfig
 from services.trainer.step import StudentStep
 from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
@@ -20,7 +20,9 @@ def _params(step: StudentStep) -> dict[str, torch.Tensor]:
 
 
 def test_a_step_reports_the_learning_rate_it_used():
-    config = setup.trainer_config(None, optim={"lr": 1e-3, "warmup_steps": 4}, max_steps=8)
+    config = setup.trainer_config(
+        None, optim={"lr": 1e-3, "warmup_steps": 4}, schedule={"max_steps": 8}
+    )
     step = build_step(config)
     batch = setup.micro_batches()[0]
     lrs = [step.run([setup.micro_batch(batch, ["a"], False)]).metrics["lr"] for _ in range(5)]
@@ -91,7 +93,7 @@ def test_a_non_finite_gradient_skips_the_update_and_counts_it():
 
 def test_ce_mode_needs_no_projection_nor_teacher():
     config = TrainerConfig(
-        student="tiny",
+        student=StudentConfig(model="tiny"),
         student_tokenizer=setup.STUDENT_TOKENIZER,
         teacher_tokenizer=setup.TEACHER_TOKENIZER,
         loss=CrossTokenizerLossConfig(mode="ce"),
@@ -116,11 +118,14 @@ def test_pkl_mode_without_a_projection_is_a_config_error_naming_the_fix():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"micro_batch": 0}, "micro_batch=0: must be >= 1"),
+        ({"feed": {"micro_batch": 0}}, r"^feed: micro_batch=0: must be >= 1$"),
         ({"optim": {"min_lr_ratio": 1.5}}, r"min_lr_ratio=1.5: must be in \[0, 1\]"),
         ({"loss": {"mode": "ce", "ce_weight": 0.0}}, "trains nothing"),
-        ({"queue_timeout_s": 0.0}, "queue_timeout_s=0.0: must be > 0 seconds"),
-        ({"packed_attention": "dense"}, "packed_attention='dense': use auto, flex_attention"),
+        ({"feed": {"queue_timeout_s": 0.0}}, "queue_timeout_s=0.0: must be > 0 seconds"),
+        (
+            {"compute": {"packed_attention": "dense"}},
+            "packed_attention: expected one of 'auto', 'flex_attention', 'sdpa', got 'dense'",
+        ),
     ],
 )
 def test_trainer_config_names_a_bad_value_and_the_fix(overrides, message):

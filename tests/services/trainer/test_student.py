@@ -36,7 +36,9 @@ def test_activation_checkpointing_keeps_the_gradients_and_saves_fewer_activation
     batch = setup.micro_batches()[1]
     grads, saved = {}, {}
     for ckpt in (False, True):
-        step = build_step(setup.trainer_config(projection, activation_checkpointing=ckpt))
+        step = build_step(
+            setup.trainer_config(projection, compute={"activation_checkpointing": ckpt})
+        )
         assert step.student.module.model.layers[0].gradient_checkpointing is ckpt
         count = [0]  # elements the forward keeps for the backward
 
@@ -64,7 +66,7 @@ def test_activation_checkpointing_of_a_model_without_it_names_the_setting():
             self.lm_head = torch.nn.Linear(4, vocab, bias=False)
 
     vocab = load_tokenizer(setup.STUDENT_TOKENIZER).vocab_size
-    config = setup.trainer_config(None, activation_checkpointing=True)
+    config = setup.trainer_config(None, compute={"activation_checkpointing": True})
     with pytest.raises(ValueError, match="activation_checkpointing=false"):
         build_step(config, model=Bare(vocab))
 
@@ -82,10 +84,14 @@ def test_activation_checkpointing_turns_cuda_graphs_off_and_refuses_them_when_as
     }
     assert resolve_cuda_graphs(None, activation_checkpointing=True, **where) is False
     assert resolve_cuda_graphs(None, activation_checkpointing=False, **where) is True
-    with pytest.raises(ValueError, match="trainer.cuda_graphs: trainer.activation_checkpointing"):
+    with pytest.raises(
+        ValueError, match="trainer.compute.cuda_graphs: trainer.compute.activation_checkpointing"
+    ):
         resolve_cuda_graphs(True, activation_checkpointing=True, **where)
 
 
 def test_cuda_graphs_off_a_cuda_device_name_the_setting():
-    with pytest.raises(ValueError, match="trainer.cuda_graphs: .*not a cuda device.*: false"):
-        build_step(setup.trainer_config(None, cuda_graphs=True))
+    with pytest.raises(
+        ValueError, match="trainer.compute.cuda_graphs: .*not a cuda device.*: false"
+    ):
+        build_step(setup.trainer_config(None, compute={"cuda_graphs": True}))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services import protocol as proto
-from services.trainer.config import TrainerConfig
+from services.trainer.config import TeacherLinkConfig, TrainerConfig
 from services.trainer.teacher_client import Asked, TeacherClient
 from xtoken_core.ipc.logit_ring import LogitRingReader, LogitRingWriter
 from xtoken_core.losses import CrossTokenizerLossConfig
@@ -89,14 +89,11 @@ def _client_partition() -> str:
     return TrainerConfig(loss=CrossTokenizerLossConfig(mode="ce")).partition
 
 
-def _client(queue, reader) -> TeacherClient:
-    config = TrainerConfig(
-        loss=CrossTokenizerLossConfig(mode="ce"),
-        claim_timeout_s=0.01,
-        teacher_timeout_s=300.0,
-        teacher_dead_after_s=0.3,
-    )
-    return TeacherClient(queue, config, 0, torch.device("cpu"), reader=reader)
+def _client(queue, reader, device: str = "cpu") -> TeacherClient:
+    return TeacherClient(
+        queue, TeacherLinkConfig(timeout_s=300.0, dead_after_s=0.3), _client_partition(), 0,
+        torch.device(device), lease_s=300.0, claim_timeout_s=0.01, reader=reader,
+    )  # fmt: skip
 
 
 def _asked() -> Asked:
@@ -280,8 +277,7 @@ def test_logits_of_a_teacher_on_another_gpu_are_copied_before_the_forward_and_eq
     )  # fmt: skip
     reader = LogitRingReader(device="cuda:0", dead_after_s=5.0)
     queue = _Queue()
-    config = TrainerConfig(loss=CrossTokenizerLossConfig(mode="ce"), claim_timeout_s=0.01)
-    client = TeacherClient(queue, config, 0, torch.device("cuda:0"), reader=reader)
+    client = _client(queue, reader, "cuda:0")
     try:
         got = []
         for prefetch in (True, False):

@@ -1,5 +1,5 @@
-"""``trainer.report_to``: the real TensorBoard event files and W&B offline run files hold the
-trainer's metric records under the same names and values as its JSONL, and the run config as
+"""``trainer.observe.report_to``: the real TensorBoard event files and W&B offline run files hold
+the trainer's metric records under the same names and values as its JSONL, and the run config as
 hyperparameters; unknown or missing trackers are refused in one line."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from services.common.config import to_dict
 from services.common.metrics import JsonlWriter, read_jsonl
 from services.trainer import tracking
-from services.trainer.config import TrainerConfig
+from services.trainer.config import ObserveConfig, TrainerConfig
 from xtoken_core.losses import CrossTokenizerLossConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -36,8 +36,15 @@ RECORDS = [
     ("eval", {"step": 3, "tag": "after", "who": "student", "bits_per_byte": 3.5, "bytes": 900,
               "tokens": 300, "accuracy": 0.02}),
 ]  # fmt: skip
-HPARAMS = {"run_dir": "runs/x", "trainer": {"optim": {"lr": 0.001}, "report_to": ["tensorboard"],
-                                            "heldout": None, "loss": {"mode": "pkl"}}}  # fmt: skip
+HPARAMS = {
+    "run_dir": "runs/x",
+    "trainer": {
+        "optim": {"lr": 0.001},
+        "observe": {"report_to": ["tensorboard"]},
+        "eval": {"heldout": None},
+        "loss": {"mode": "pkl"},
+    },
+}
 
 
 def _write(run_dir: Path, names: list[str], start_step: int = 0, records=RECORDS) -> Path:
@@ -94,8 +101,8 @@ def test_tensorboard_event_files_hold_every_jsonl_metric_and_the_run_config(tmp_
     hparams = start.session_start_info.hparams
     assert hparams["trainer.optim.lr"].number_value == pytest.approx(0.001)
     assert hparams["trainer.loss.mode"].string_value == "pkl"
-    assert hparams["trainer.report_to"].string_value == '["tensorboard"]'
-    assert hparams["trainer.heldout"].string_value == "null"
+    assert hparams["trainer.observe.report_to"].string_value == '["tensorboard"]'
+    assert hparams["trainer.eval.heldout"].string_value == "null"
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(text.removeprefix("```json\n").removesuffix("\n```")) == HPARAMS
 
@@ -179,7 +186,9 @@ def test_every_wandb_launch_of_a_run_logs_to_one_run_id(tmp_path, monkeypatch):
 
 
 def test_the_trainer_logs_its_own_config_when_the_run_wrote_none(tmp_path):
-    config = TrainerConfig(report_to=["tensorboard"], loss=CrossTokenizerLossConfig(mode="ce"))
+    config = TrainerConfig(
+        observe=ObserveConfig(report_to=["tensorboard"]), loss=CrossTokenizerLossConfig(mode="ce")
+    )
     assert tracking.run_hparams(to_dict(config), tmp_path) == {"trainer": to_dict(config)}
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "run.json").write_text(json.dumps(HPARAMS))
@@ -193,13 +202,13 @@ def test_a_tracker_whose_package_is_missing_names_the_pip_extra(name, monkeypatc
         tracking.check_installed(["tensorboard", "wandb"])
     message = str(e.value)
     assert "\n" not in message
-    assert f"trainer.report_to: {name} needs the '{name}' package" in message
+    assert f"trainer.observe.report_to: {name} needs the '{name}' package" in message
     assert message.endswith("install the tracking extra: " + tracking.EXTRA_INSTALL)
 
 
 def test_xtoken_run_with_a_missing_tracker_package_exits_2_in_one_line(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(f"run_dir: {tmp_path / 'run'}\ntrainer:\n  report_to: [wandb]\n")
+    config.write_text(f"run_dir: {tmp_path / 'run'}\ntrainer:\n  observe: {{report_to: [wandb]}}\n")
     code = (
         "import sys; sys.modules['wandb'] = None\n"  # wandb not installed
         "from services.cli import main\n"
@@ -211,8 +220,8 @@ def test_xtoken_run_with_a_missing_tracker_package_exits_2_in_one_line(tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == (
-        "xtoken run: trainer.report_to: wandb needs the 'wandb' package, which is not installed; "
-        "install the tracking extra: pip install 'xtoken[tracking]' (in a checkout: pip install "
-        "-e '.[tracking]')"
+        "xtoken run: trainer.observe.report_to: wandb needs the 'wandb' package, which is not "
+        "installed; install the tracking extra: pip install 'xtoken[tracking]' (in a checkout: "
+        "pip install -e '.[tracking]')"
     ), proc.stderr
     assert "Traceback" not in proc.stderr

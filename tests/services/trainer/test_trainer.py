@@ -18,9 +18,10 @@ from services.protocol import put_eof
 from services.queue.client import QueueClient
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
-from services.trainer.config import TrainerConfig
+from services.trainer.config import ComputeConfig, StudentConfig, TeacherLinkConfig
 from services.trainer.student import Student
 from services.trainer.trainer import Trainer, settings_of, teacher_output_layer
+from tests.sections import merged
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 
@@ -49,9 +50,13 @@ def _put(address: str, n: int) -> list[str]:
 
 def _run(address: str, run_dir, heldout=(), stop=None, **overrides) -> Trainer:
     config = setup.trainer_config(
-        None, queue=address, partition=PARTITION, run_dir=str(run_dir), claim_timeout_s=0.2,
-        export=False, **{"max_steps": 0, **overrides},
-    )  # fmt: skip
+        None,
+        queue=address,
+        partition=PARTITION,
+        run_dir=str(run_dir),
+        feed={"claim_timeout_s": 0.2},
+        **merged({"schedule": {"export": False, "max_steps": 0}}, overrides),
+    )
     with QueueClient(address, timeout_s=10) as client:
         trainer = Trainer(config, client, heldout=heldout, stop=stop)
         trainer.train()
@@ -78,7 +83,7 @@ def test_a_run_trains_every_sample_once_then_evaluates_and_writes_its_summary(qu
 
 def test_a_resumed_launch_trains_what_its_checkpoint_did_not_hold(queue, tmp_path):
     keys = _put(queue, 6)
-    _run(queue, tmp_path, max_steps=1)  # one step, then its checkpoint
+    _run(queue, tmp_path, schedule={"max_steps": 1})  # one step, then its checkpoint
     first = _trained(tmp_path)
     assert len(first) == 2
     resumed = _run(queue, tmp_path)
@@ -100,8 +105,11 @@ def test_a_stop_ends_at_a_step_boundary_with_a_checkpoint(queue, tmp_path):
 
 def _teacher(teacher_seed: int) -> dict:
     """The teacher settings of a trainer of the tiny preset teacher."""
-    config = setup.trainer_config(None, teacher_model="tiny", teacher_seed=teacher_seed)
-    return settings_of(teacher_output_layer, config, device=torch.device("cpu"))
+    config = setup.trainer_config(None, teacher={"model": "tiny", "seed": teacher_seed})
+    return settings_of(
+        teacher_output_layer, config.teacher, tokenizer=config.teacher_tokenizer,
+        device=torch.device("cpu"),
+    )  # fmt: skip
 
 
 def test_the_hidden_transport_output_layer_is_the_preset_teachers_own():
@@ -115,16 +123,22 @@ def test_the_hidden_transport_output_layer_is_the_preset_teachers_own():
 
 
 @pytest.mark.parametrize(
-    ("component", "given"),
+    ("component", "sections", "given"),
     [
-        (Student, {"spec", "tokenizer", "device", "rank", "world_size", "model"}),
-        (teacher_output_layer, {"device"}),
+        (
+            Student,
+            (StudentConfig, ComputeConfig),
+            {"spec", "tokenizer", "device", "rank", "world_size", "module", "pack", "optim",
+             "max_steps"},
+        ),
+        (teacher_output_layer, (TeacherLinkConfig,), {"tokenizer", "device"}),
     ],
     ids=["student", "teacher_output_layer"],
-)
-def test_every_setting_a_component_takes_by_name_is_a_trainer_setting(component, given):
-    # settings_of passes the trainer settings by name: a parameter no setting is named after
-    # would silently keep its default
-    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
+)  # fmt: skip
+def test_every_setting_a_component_takes_by_name_is_one_of_its_sections(component, sections, given):
+    # settings_of passes the settings of a component's own sections by name: a parameter no
+    # setting there is named after (and the trainer does not give) would silently keep its
+    # default
+    fields = {f.name for section in sections for f in dataclasses.fields(section)}
     missing = set(inspect.signature(component).parameters) - given - fields
-    assert not missing, f"{component.__name__} takes {sorted(missing)}: no trainer setting"
+    assert not missing, f"{component.__name__} takes {sorted(missing)}: no setting of its sections"

@@ -21,15 +21,14 @@ if (missing := missing_tokenizers("qwen3")) is not None:  # pragma: no cover
     pytest.skip(missing, allow_module_level=True)
 
 
-def _step(**overrides) -> StudentStep:
-    # CE only, with the tokenizer of the core install (no teacher model)
-    fields = {
-        "device": "cuda",
-        "student_tokenizer": "qwen3",
-        "teacher_tokenizer": "qwen3",
-        **overrides,
-    }
-    return build_step(setup.trainer_config(None, **fields))
+def _step(grad_accum: int = 1, **compute) -> StudentStep:
+    # CE only, with the tokenizer of the core install (no teacher model); ``compute``: settings
+    # of the compute section over cuda's defaults
+    config = setup.trainer_config(
+        None, student_tokenizer="qwen3", teacher_tokenizer="qwen3",
+        compute={"device": "cuda", **compute}, feed={"grad_accum": grad_accum},
+    )  # fmt: skip
+    return build_step(config)
 
 
 def _warm_up(step: StudentStep, micro_batch: int = 2, max_length: int = 32) -> float | None:
@@ -91,7 +90,9 @@ def test_default_cuda_step_compiles_once_for_every_batch_length():
 def test_a_start_up_step_too_large_for_the_gpu_names_micro_batch_and_checkpointing():
     free, _ = torch.cuda.mem_get_info()
     step = _step(compile=False)
-    with pytest.raises(StartupOutOfMemory, match="trainer.micro_batch.*activation_checkpointing"):
+    with pytest.raises(
+        StartupOutOfMemory, match="trainer.feed.micro_batch.*activation_checkpointing"
+    ):
         _warm_up(step, micro_batch=64, max_length=int(free // (64 * 4 * 1000)))
 
 
