@@ -21,6 +21,7 @@ def lazy_names(
         ``(__getattr__, __dir__)`` to assign in the package's ``__init__``.
     """
     namespace = importlib.import_module(package).__dict__
+    namespace["__lazy_homes__"] = dict(public)  # name -> module, for tests and readers
 
     def getattr_(name: str) -> Any:
         module = public.get(name)

@@ -7,14 +7,16 @@ import sys
 
 import pytest
 
-LAZY_PACKAGES = ["xtoken_core.models", "xtoken_core.wire", "xtoken_core.losses"]
+LAZY_PACKAGES = ["xtoken_core.models", "xtoken_core.wire", "xtoken_core.losses", "services.protocol"]
 
 
 @pytest.mark.parametrize("package", LAZY_PACKAGES)
 def test_every_public_name_of_a_lazy_package_loads_from_its_module(package):
     module = importlib.import_module(package)
-    for name in module.__all__:
-        assert getattr(module, name) is not None, name
+    homes = module.__lazy_homes__
+    assert sorted(module.__all__) == sorted(homes)
+    for name, home in homes.items():
+        assert getattr(module, name) is getattr(importlib.import_module(home), name), name
     assert set(module.__all__) <= set(dir(module))
 
 
