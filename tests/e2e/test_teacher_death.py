@@ -48,7 +48,7 @@ def test_trainers_ask_a_restarted_teacher_again_within_seconds_of_a_sigkill(pipe
     assert teacher_cfg.lease_s >= 100
     teacher = pipeline.start_teacher(teacher_cfg)
     trainer_cfg = pipeline.trainer_config(feed={"micro_batch": 2, "grad_accum": 2})
-    assert trainer_cfg.teacher_dead_after_s == 5.0 and trainer_cfg.teacher_timeout_s >= 100
+    assert trainer_cfg.teacher.dead_after_s == 5.0 and trainer_cfg.teacher.timeout_s >= 100
     trainers = pipeline.start_trainers(trainer_cfg)
     collator = pipeline.start_collator("collator", paths[0], batch=16)
     assert collator.wait(90) == 0, collator.tail()
