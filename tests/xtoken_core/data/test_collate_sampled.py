@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from xtoken_core.align import TokenAligner
@@ -82,16 +82,30 @@ def test_a_sampled_sequence_becomes_a_valid_exactly_aligned_sample(student, teac
 @pytest.mark.parametrize(("student", "teacher"), PAIRS)
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(max_size=60))
+@example(text="a▁b")
 def test_the_student_tokenization_of_a_text_gives_the_collators_sample_of_it(
     student, teacher, text
 ):
     col = collator(student, teacher)
     ids = col.student_tokenizer.encode(text).ids.tolist()
     assume(len(ids) <= CTX)  # a longer text's sample holds teacher tokens past the student's
+    # SentencePiece reads a literal "▁" as a space (both are the same ids), so its ids can
+    # only stand for one of the two texts: the property holds for texts the ids spell
+    (spelled,), _ = col.tokenize_sampled([ids])
+    assume(spelled.text == text)
     (got,) = col.collate_sampled([ids])
     (want,) = col.collate_samples([text])
     for name in schema.FIELD_NAMES:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_a_sentencepiece_students_ids_of_a_literal_word_boundary_mean_a_space():
+    col = collator("mistral", "qwen3")
+    ids = col.student_tokenizer.encode("a▁b").ids.tolist()
+    assert ids == col.student_tokenizer.encode("a b").ids.tolist()
+    (spelled,), (teacher,) = col.tokenize_sampled([ids])
+    assert spelled.text == "a b"
+    assert teacher.ids_N.tolist() == col.teacher_tokenizer.encode("a b").ids.tolist()
 
 
 def test_an_id_outside_the_student_vocabulary_is_refused_naming_it():
