@@ -96,6 +96,7 @@ __all__ = [
     "load_file",
     "marks",
     "moved_flag",
+    "moved_keys",
     "section",
     "without_marked",
     "to_dict",
@@ -459,6 +460,19 @@ def marks(cls: type, name: str) -> dict[str, Any]:
         nested = _optional_dataclass(hints[f.name])
         if nested is not None:
             out.update({f"{f.name}.{k}": v for k, v in marks(nested, name).items()})
+    return out
+
+
+def moved_keys(cls: type) -> dict[str, str]:
+    """The ``MOVED_KEYS`` of a config tree by their full dotted keys (``trainer.micro_batch`` ->
+    ``trainer.feed.micro_batch``): what a record of an earlier version calls each setting."""
+    _check_dataclass(cls)
+    out = dict(getattr(cls, "MOVED_KEYS", {}))
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        nested = _optional_dataclass(hints[f.name]) if f.init else None
+        if nested is not None:
+            out.update({f"{f.name}.{o}": f"{f.name}.{n}" for o, n in moved_keys(nested).items()})
     return out
 
 

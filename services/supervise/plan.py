@@ -237,10 +237,10 @@ def make_sections(
         TrainerConfig,
         tr,
         context,
-        **copies(cfg, TrainerConfig),
         **{
+            **copies(cfg, TrainerConfig),
             "loss.projection": inputs.projection,
-            "eval.heldout": tr.eval.heldout or inputs.heldout,
+            "eval.heldout": inputs.heldout,
             "student.max_length": tr.student.max_length or cfg.ctx_student,
             # the hidden transport: the trainer applies the teacher's output layer, of its model
             "teacher.model": tr.teacher.model or (teacher.model if hidden else None),
@@ -256,11 +256,13 @@ def make_sections(
             TeacherConfig,
             teacher,
             context,
-            **copies(cfg, TeacherConfig),
-            group=g,
-            device=device,
-            # only the first group evaluates the held-out text
-            heldout=(teacher.heldout or inputs.heldout) if g == 0 else None,
+            **{
+                **copies(cfg, TeacherConfig),
+                "group": g,
+                "device": device,
+                # only the first group evaluates the held-out text
+                "heldout": inputs.heldout if g == 0 else None,
+            },
         )
     return out
 

@@ -133,20 +133,15 @@ def check_corpora(config: RunConfig) -> None:
         check_train(data.train, data.text_field, txt_split=data.txt_split)
     if config.on_policy and config.rollout.prompts is not None:
         check_train(config.rollout.prompts, config.rollout.text_field, "rollout.prompts")
-    corpora = {
-        "data.heldout": data.heldout,
-        "trainer.eval.heldout": config.trainer.eval.heldout,
-        "teacher.heldout": config.teacher.heldout,
-    }
-    for key, path in corpora.items():
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise SettingsError(f"{key}={path!r} is not a file; point it at a corpus file")
+    if data.heldout is not None:
+        if not Path(data.heldout).is_file():
+            raise SettingsError(
+                f"data.heldout={data.heldout!r} is not a file; point it at a corpus file"
+            )
         try:
-            first_text(path, "text")
+            first_text(data.heldout, "text")
         except ValueError as e:
-            raise DataError(f"{key}: {e}") from None
+            raise DataError(f"data.heldout: {e}") from None
 
 
 def check_train(

@@ -20,7 +20,9 @@ What may change between a run and its resume (fields marked ``trained: False``):
 (dtype, compile, kernels), the projection file's path (a cache).
 
 A fingerprint written by an earlier version records fewer keys (and the optimizer as one
-mapping): it is compared on the keys both record, and a resume records the whole one.
+mapping), some by a name that has moved since (``trainer.micro_batch``, now
+``trainer.feed.micro_batch``): it is compared on the keys both record, each under its current
+name, and a resume records the whole one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.common.config import marks
+from services.common.config import marks, moved_keys
 
 __all__ = ["FINGERPRINT_FILE", "StartPlan", "fingerprint", "plan_start"]
 
@@ -119,7 +121,7 @@ def plan_start(config: Any, *, resume: bool = False, fresh: bool = False) -> Sta
     total = config.trainer.schedule.max_steps
     of_total = f" of {total}" if total else ""
     recorded = _read_fingerprint(run_dir)
-    changes = _changes(recorded, mine)
+    changes = _changes(recorded, mine, moved_keys(type(config)))
     if changes and not resume:
         raise ValueError(
             f"run directory {str(run_dir)!r} holds a checkpoint (step {step}) of another run "
@@ -159,12 +161,16 @@ def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _changes(recorded: dict[str, Any] | None, mine: dict[str, Any]) -> str:
+def _changes(
+    recorded: dict[str, Any] | None, mine: dict[str, Any], moved: dict[str, str]
+) -> str:
     """Each key recorded with another value, ``key: old -> new``, comma-separated; empty when
-    none. A key only one side records (a setting of another version) is not compared."""
+    none. A key an earlier version recorded by a name that has moved (``moved``: old key -> new
+    key) is compared under its new name; a key only one side records is not compared."""
     if recorded is None:
         return "it records no fingerprint"
-    old, new = _flat(recorded), _flat(mine)
+    old = {moved.get(k, k): v for k, v in _flat(recorded).items()}
+    new = _flat(mine)
     keys = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
     return ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in keys)
 

@@ -207,6 +207,7 @@ class TeacherConfig:
         metadata={
             "help": "held-out corpus: report the teacher's bits/byte once at start",
             "path": "file",
+            "derived": "data.heldout",
             "trained": False,
         },
     )

@@ -419,6 +419,7 @@ class EvalConfig:
         metadata={
             "help": "held-out corpus (.jsonl/.txt/.parquet) for bits/byte",
             "path": "file",
+            "derived": "data.heldout",
             "trained": False,
         },
     )

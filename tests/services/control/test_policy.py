@@ -91,12 +91,12 @@ def test_the_marked_fields_are_confined_and_the_run_wide_ones_refused(tmp_path):
     assert keys["teacher.model"] == "model" and "run_dir" not in keys
     with pytest.raises(PathNotAllowed, match="outside the data roots") as e:
         confine(
-            {"teacher": {"heldout": "/etc/passwd"}},
+            {"data": {"heldout": "/etc/passwd"}},
             run_dir="r",
             runs_root=tmp_path / "runs",
             data_roots=[tmp_path / "data"],
         )
-    assert e.value.key == "teacher.heldout"
+    assert e.value.key == "data.heldout"
     for key in ("teacher.tokenizer", "trainer.partition", "teacher.run_dir"):
         section, leaf = key.split(".")
         with pytest.raises(PathNotAllowed, match="set by the control plane") as e:

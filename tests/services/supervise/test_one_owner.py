@@ -200,6 +200,10 @@ def test_every_key_a_section_copies_reaches_its_process_from_its_source(tmp_path
         ({"trainer": {"feed": {"ordered": True}}}, r"^trainer\.feed\.ordered=True but "
          r"data\.ordered=False"),
         ({"trainer": {"teacher": {"groups": 2}}}, r"^trainer\.teacher\.groups=2 but teachers=1"),
+        ({"trainer": {"eval": {"heldout": "h.jsonl"}}}, r"^trainer\.eval\.heldout='h\.jsonl' "
+         r"but data\.heldout=None; set data\.heldout only"),
+        ({"teacher": {"heldout": "h.jsonl"}}, r"^teacher\.heldout='h\.jsonl' but "
+         r"data\.heldout=None; set data\.heldout only"),
         ({"trainer": {"dead_after_s": 2}}, r"^trainer\.dead_after_s moved to "
          r"trainer\.teacher\.dead_after_s$"),
         ({"trainer": {"micro_batch": 2}}, r"^trainer\.micro_batch moved to "

@@ -168,10 +168,11 @@ def _flat_fingerprint(config) -> dict:
     return {old_key.get(k, k): v for k, v in fingerprint(config).items()}
 
 
-def test_a_run_directory_of_flat_trainer_keys_is_compared_on_the_keys_both_record(tmp_path):
+def test_a_run_directory_of_flat_trainer_keys_is_compared_under_their_new_names(tmp_path):
     config = _config(tmp_path)
     flat = _flat_fingerprint(config)
     assert flat["trainer.student"] == "tiny" and "trainer.student.model" not in flat
+    assert "trainer.micro_batch" in flat and "trainer.feed.micro_batch" not in flat
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / FINGERPRINT_FILE).write_text(json.dumps(flat))
     (tmp_path / "config").mkdir()
@@ -184,6 +185,9 @@ def test_a_run_directory_of_flat_trainer_keys_is_compared_on_the_keys_both_recor
     _checkpoint(tmp_path, 4)
     with pytest.raises(ValueError, match=r"trainer\.optim\.lr: 0\.001 -> 0\.003"):
         plan_start(_config(tmp_path, {"trainer": {"optim": {"lr": 0.003}}}))
+    # a moved key's change is named by its new key
+    with pytest.raises(ValueError, match=r"\(trainer\.feed\.micro_batch: 4 -> 2\)"):
+        plan_start(_config(tmp_path, {"trainer": {"feed": {"micro_batch": 2}}}))
     plan = plan_start(_config(tmp_path))  # the same on the keys both record: its own run
     assert (plan.action, plan.message) == ("resume", "resuming step 4 of 10")
     assert json.loads((tmp_path / FINGERPRINT_FILE).read_text()) == fingerprint(config)
