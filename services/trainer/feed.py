@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from services.trainer.config import FeedConfig, OnPolicyConfig, TeacherLinkConfig
 from services.trainer.on_policy import OnPolicyFeed
 from services.trainer.samples import Claimed, SampleFeed
+from services.trainer.sections import FeedConfig, OnPolicyConfig, TeacherLinkConfig
 from services.trainer.step import MicroBatch
 from services.trainer.teacher_client import Asked, TeacherClient
 

@@ -48,8 +48,8 @@ import torch
 from services.protocol.names import ROLLOUT_TASK, rollout_partition
 from services.protocol.rollout import ROLLOUT_FIELDS, is_rollout_sample
 from services.queue.errors import QueueError
-from services.trainer.config import OnPolicyConfig
 from services.trainer.samples import Claimed, SampleFeed
+from services.trainer.sections import OnPolicyConfig
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
 

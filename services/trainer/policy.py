@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.protocol.names import policy_dir
-from services.trainer.config import OnPolicyConfig
+from services.trainer.sections import OnPolicyConfig
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ import torch
 from services.protocol.end_of_data import EOF_KEY, eof_samples
 from services.protocol.names import meta_partition
 from services.queue.errors import QueueError
-from services.trainer.config import FeedConfig
+from services.trainer.sections import FeedConfig
 from xtoken_core.data import sample as schema
 from xtoken_core.data_plane.codec import columns_to_samples
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from services.trainer.compile import CompileCounts, compile_student, uncompile
-from services.trainer.config import OptimConfig
 from services.trainer.parallel import full_state_dict, gradient_sync, most_over_ranks, parallelize
 from services.trainer.precision import MasterWeights, resolve_param_dtype
+from services.trainer.sections import OptimConfig
 from xtoken_core.models.dtypes import resolve_dtype
 
 logger = logging.getLogger(__name__)

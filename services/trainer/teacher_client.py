@@ -50,7 +50,7 @@ import torch
 
 from services import protocol as proto
 from services.common import lifecycle
-from services.trainer.config import TeacherLinkConfig
+from services.trainer.sections import TeacherLinkConfig
 from xtoken_core.wire import JaggedColumn
 
 logger = logging.getLogger(__name__)

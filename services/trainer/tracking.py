@@ -26,7 +26,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.trainer.config import TRACKERS
+from services.trainer.sections import TRACKERS
 
 logger = logging.getLogger(__name__)
 

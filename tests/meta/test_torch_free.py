@@ -17,6 +17,7 @@ CONFIG_MODULES = (
     "services.collator.config",
     "services.teacher.config",
     "services.trainer.config",
+    "services.trainer.sections",
     "services.rollout.config",
     "services.supervise.config",
     "services.common.context",

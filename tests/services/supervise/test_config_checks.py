@@ -10,7 +10,7 @@ import pytest
 from services.common.config import ConfigError
 from services.supervise.config import MAX_CONTEXT, run_config_from_dict
 from services.teacher.config import TeacherConfig
-from services.trainer.config import OptimConfig
+from services.trainer.sections import OptimConfig
 
 
 @pytest.mark.parametrize(

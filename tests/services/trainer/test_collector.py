@@ -10,7 +10,8 @@ import weakref
 import pytest
 
 from services.trainer.collector import CollectorClock, CollectorSchedule
-from services.trainer.config import ComputeConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
+from services.trainer.sections import ComputeConfig
 
 
 class _Node:

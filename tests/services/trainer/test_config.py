@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from services.common.config import ConfigError, from_dict, leaf_paths
-from services.trainer.config import StudentConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
+from services.trainer.sections import StudentConfig
 from services.trainer.step import build_loss
 from xtoken_core.losses import CrossTokenizerLossConfig
 

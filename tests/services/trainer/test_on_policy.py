@@ -15,8 +15,8 @@ from services.collator.worker import samples_to_put_fields
 from services.protocol import ROLLOUT_FIELDS, ROLLOUT_TASK, put_eof, rollout_partition
 from services.protocol.rollout import rollout_values
 from services.queue.client import QueueClient
-from services.trainer.config import OnPolicyConfig
 from services.trainer.on_policy import OnPolicyFeed
+from services.trainer.sections import OnPolicyConfig
 from tests.services.queue.conftest import ServerProcess
 from tests.services.trainer import distill_setup as setup
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from services.trainer.config import StudentConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
+from services.trainer.sections import StudentConfig
 from services.trainer.step import StudentStep
 from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from services import protocol as proto
-from services.trainer.config import TeacherLinkConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
+from services.trainer.sections import TeacherLinkConfig
 from services.trainer.teacher_client import Asked, TeacherClient
 from xtoken_core.ipc.logit_ring import LogitRingReader, LogitRingWriter
 from xtoken_core.losses import CrossTokenizerLossConfig

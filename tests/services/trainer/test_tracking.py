@@ -15,7 +15,8 @@ import pytest
 from services.common.config import to_dict
 from services.common.metrics import JsonlWriter, read_jsonl
 from services.trainer import tracking
-from services.trainer.config import ObserveConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
+from services.trainer.sections import ObserveConfig
 from xtoken_core.losses import CrossTokenizerLossConfig
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -18,7 +18,7 @@ from services.protocol import put_eof
 from services.queue.client import QueueClient
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
-from services.trainer.config import ComputeConfig, StudentConfig, TeacherLinkConfig
+from services.trainer.sections import ComputeConfig, StudentConfig, TeacherLinkConfig
 from services.trainer.student import Student
 from services.trainer.trainer import Trainer, settings_of, teacher_output_layer
 from tests.sections import merged
