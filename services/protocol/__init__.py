@@ -20,6 +20,7 @@ _HOMES = {
     **dict.fromkeys(("announce_teacher", "teacher_incarnations"), "incarnation"),
     **dict.fromkeys(
         (
+            "QUEUE_TRANSPORTS",
             "ROLLOUT_TASK",
             "TEACHER_TASK",
             "TRANSPORTS",
@@ -30,6 +31,7 @@ _HOMES = {
             "request_partition",
             "result_field",
             "rollout_partition",
+            "topk_fields",
             "trainer_task",
         ),
         "names",
@@ -49,6 +51,8 @@ _HOMES = {
             "hidden_from_column",
             "pack_blob",
             "request_fields",
+            "topk_columns",
+            "topk_from_columns",
             "unpack_blob",
         ),
         "teacher",
@@ -60,6 +64,7 @@ __all__ = [
     "EOF_KEY",
     "MAX_BLOB_BYTES",
     "POSITIONS_FIELD",
+    "QUEUE_TRANSPORTS",
     "REQUEST_FIELDS",
     "ROLLOUT_FIELDS",
     "ROLLOUT_TASK",
@@ -87,6 +92,9 @@ __all__ = [
     "rollout_partition",
     "rollout_values",
     "teacher_incarnations",
+    "topk_columns",
+    "topk_fields",
+    "topk_from_columns",
     "trainer_task",
     "unpack_blob",
 ]

@@ -20,8 +20,11 @@ import os
 import secrets
 
 # How the teacher logits reach a trainer: a ring slot in host shared memory, a ring slot in GPU
-# memory shared by CUDA IPC, or the final hidden states through the queue.
-TRANSPORTS = ("shm", "cuda_ipc", "hidden")
+# memory shared by CUDA IPC, the final hidden states through the queue, or the top-K
+# log-probabilities per position through the queue.
+TRANSPORTS = ("shm", "cuda_ipc", "hidden", "topk")
+# The transports that write through the queue, with no logit ring.
+QUEUE_TRANSPORTS = ("hidden", "topk")
 # Consumer task of the teachers on a request partition.
 TEACHER_TASK = "teacher"
 # Consumer task of the trainer ranks on the rollout partition (one task: each sample goes to one
@@ -57,6 +60,12 @@ def result_field(rank: int) -> str:
 def hidden_field(rank: int) -> str:
     """Field holding the hidden states for trainer rank ``rank`` (``hidden`` transport)."""
     return f"hidden{rank}"
+
+
+def topk_fields(rank: int) -> tuple[str, str, str]:
+    """Fields holding the top-K targets for trainer rank ``rank`` (``topk`` transport): the ids,
+    their log-probabilities and the log of the rest mass."""
+    return (f"topk_ids{rank}", f"topk_logprobs{rank}", f"topk_rest{rank}")
 
 
 def trainer_task(rank: int, instance: str) -> str:

@@ -17,7 +17,11 @@ size depends on them is a 1-row jagged column.
 A teacher of the group claims requests (task ``teacher``), runs its forward and writes the result
 onto the same record, field by field: ``result<rank>`` (a msgpack blob, see :class:`Result`) and,
 for the ``hidden`` transport, ``hidden<rank>``: the final hidden states ``[B, U, d]`` as one
-jagged row of ``B * U`` vectors of size d (see :func:`hidden_column`). Trainer
+jagged row of ``B * U`` vectors of size d (see :func:`hidden_column`); for the ``topk``
+transport, ``topk_ids<rank>``, ``topk_logprobs<rank>`` and ``topk_rest<rank>``: per teacher
+position its K largest log-probabilities (int32 ids, fp32 log-probs: one jagged row of ``B * U``
+vectors of size K each) and the log of the rest mass (fp32, one jagged row of ``B * U``
+scalars; see :func:`topk_columns` and ``xtoken_core.wire.topk``). Trainer
 rank r claims the records that carry ``result<r>`` (task ``trainer<r>/<instance>``), so a rank
 never sees another rank's records, and clears each record once it released the slot.
 
@@ -25,7 +29,8 @@ Partition, field and task names: :mod:`services.protocol.names`.
 
 Blobs are msgpack of plain values (str, int, float, bytes, lists, maps); nothing is unpickled.
 
-Legend: B rows of a micro-batch, U the longest teacher row, d the teacher's hidden size.
+Legend: B rows of a micro-batch, U the longest teacher row, d the teacher's hidden size, K the
+top-K ids per teacher position.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from typing import Any
 import msgpack
 import torch
 
-from services.protocol.names import TRANSPORTS
-from xtoken_core.wire import JaggedColumn
+from services.protocol.names import QUEUE_TRANSPORTS, TRANSPORTS
+from xtoken_core.wire import JaggedColumn, TopK
 
 REQUEST_FIELDS = ("teacher_input_ids", "teacher_lengths", "rank")
 # Sent with the requests of packed rows only.
@@ -64,7 +69,9 @@ def unpack_blob(column: Any, what: str) -> Any:
         ValueError: not a 1-row uint8 column, too large, or not msgpack; names ``what``.
     """
     if not isinstance(column, JaggedColumn) or column.values.dtype != torch.uint8:
-        raise ValueError(f"{what}: expected a 1-row uint8 jagged field, got {type(column).__name__}")
+        raise ValueError(
+            f"{what}: expected a 1-row uint8 jagged field, got {type(column).__name__}"
+        )
     row = column.row(0)
     if row.numel() > MAX_BLOB_BYTES:
         raise ValueError(f"{what}: {row.numel()} bytes is over the {MAX_BLOB_BYTES}-byte limit")
@@ -80,7 +87,9 @@ def request_fields(
     """Fields of one request record: B teacher-id rows of trainer ``rank`` (and, for packed
     rows, their positions: one row of each length per id row)."""
     lengths_B = torch.tensor([int(r.numel()) for r in rows], dtype=torch.int64)
-    ids = torch.cat([r.to(torch.int64) for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
+    ids = (
+        torch.cat([r.to(torch.int64) for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
+    )
     fields = {
         "teacher_input_ids": _one_row(ids),
         "teacher_lengths": _one_row(lengths_B),
@@ -120,6 +129,54 @@ def hidden_from_column(column: Any, rows: int, length: int, key: str) -> torch.T
             f"{what}: {row.shape[0]} vectors, but the result says {rows} rows x {length} tokens"
         )
     return row.reshape(rows, length, row.shape[1])
+
+
+def topk_columns(targets: TopK) -> tuple[JaggedColumn, JaggedColumn, JaggedColumn]:
+    """The ``topk_ids<rank>``, ``topk_logprobs<rank>`` and ``topk_rest<rank>`` fields (in the
+    order of :func:`~services.protocol.names.topk_fields`): ``[B, U, K]``, ``[B, U, K]`` and
+    ``[B, U]`` as one jagged row of ``B * U`` entries each (B and U travel in the
+    :class:`Result`; the fields' trailing shapes are K, K and none)."""
+    ids_BUK, logprobs_BUK, rest_BU = targets
+    K = int(ids_BUK.shape[-1])
+    return (
+        _one_row(ids_BUK.reshape(-1, K)),
+        _one_row(logprobs_BUK.reshape(-1, K)),
+        _one_row(rest_BU.reshape(-1)),
+    )
+
+
+def topk_from_columns(columns: Any, rows: int, length: int, key: str) -> TopK:
+    """The top-K targets ``[B, U, K]``, ``[B, U, K]``, ``[B, U]`` of the three ``topk`` fields
+    (row 0 of each, in the order of :func:`~services.protocol.names.topk_fields`), B = ``rows``,
+    U = ``length``.
+
+    Raises:
+        ValueError: not three jagged fields of int32 ids, float log-probs of the same ``[B * U,
+            K]`` shape and ``B * U`` fp32 rests (names the record key).
+    """
+    what = f"top-k targets of request {key!r}"
+    if len(columns) != 3 or not all(isinstance(c, JaggedColumn) for c in columns):
+        raise ValueError(f"{what}: expected three 1-row jagged fields (ids, logprobs, rest)")
+    ids, logprobs, rest = (c.row(0) for c in columns)
+    if ids.dtype != torch.int32 or ids.dim() != 2:
+        raise ValueError(f"{what}: ids are {ids.dtype} {tuple(ids.shape)}, not int32 [B * U, K]")
+    if not logprobs.is_floating_point() or logprobs.shape != ids.shape:
+        raise ValueError(
+            f"{what}: logprobs are {logprobs.dtype} {tuple(logprobs.shape)}, not float "
+            f"{tuple(ids.shape)} like the ids"
+        )
+    if rest.dtype != torch.float32 or tuple(rest.shape) != (ids.shape[0],):
+        raise ValueError(
+            f"{what}: rest is {rest.dtype} {tuple(rest.shape)}, not float32 ({ids.shape[0]},)"
+        )
+    if ids.shape[0] != rows * length:
+        raise ValueError(
+            f"{what}: {ids.shape[0]} positions, but the result says {rows} rows x {length} tokens"
+        )
+    K = int(ids.shape[1])
+    return TopK(
+        ids.reshape(rows, length, K), logprobs.reshape(rows, length, K), rest.reshape(rows, length)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +229,12 @@ def decode_request(key: str, fields: dict[str, Any], index: int, pad_id: int) ->
             what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"request {key!r}: {name} is {what}, not an integer tensor")
     lengths_B, rank = lengths_B.to(torch.int64), int(rank_t)
-    if flat.dim() != 1 or lengths_B.dim() != 1 or (lengths_B < 0).any() or int(
-        lengths_B.sum()
-    ) != flat.numel():
+    if (
+        flat.dim() != 1
+        or lengths_B.dim() != 1
+        or (lengths_B < 0).any()
+        or int(lengths_B.sum()) != flat.numel()
+    ):
         raise ValueError(
             f"request {key!r}: teacher_lengths {lengths_B.tolist()} do not add up to the "
             f"{flat.numel()} ids sent"
@@ -219,7 +279,7 @@ class Result:
     """What a teacher wrote for one request.
 
     Attributes:
-        transport: ``shm``, ``cuda_ipc`` or ``hidden``.
+        transport: ``shm``, ``cuda_ipc``, ``hidden`` or ``topk``.
         teacher: the teacher instance that computed it.
         descriptor: the logit ring's descriptor (ring transports), else None.
         handle: the slot handle (ring transports), else None.
@@ -259,10 +319,17 @@ class Result:
         for name in ("width", "rows", "length"):
             if type(d[name]) is not int or d[name] < 0:
                 raise ValueError(f"{what}: {name}={d[name]!r} must be an int >= 0")
-        for name, kind in (("teacher", str), ("error", str), ("descriptor", dict), ("handle", dict)):
+        for name, kind in (
+            ("teacher", str),
+            ("error", str),
+            ("descriptor", dict),
+            ("handle", dict),
+        ):
             if not isinstance(d[name], kind) and (d[name] is not None or name == "teacher"):
-                raise ValueError(f"{what}: {name} is a {type(d[name]).__name__}, not a {kind.__name__}")
-        ring = d["transport"] != "hidden" and d["error"] is None
+                raise ValueError(
+                    f"{what}: {name} is a {type(d[name]).__name__}, not a {kind.__name__}"
+                )
+        ring = d["transport"] not in QUEUE_TRANSPORTS and d["error"] is None
         if ring and (d["descriptor"] is None or d["handle"] is None):
             raise ValueError(f"{what}: a {d['transport']} result needs a descriptor and a handle")
         return cls(**d)

@@ -14,7 +14,11 @@ from typing import ClassVar, Literal
 from services.protocol.names import TRANSPORTS
 from xtoken_core.models.dtypes import check_dtype_name
 
-__all__ = ["TeacherConfig", "resolve_compile", "resolve_cuda_graphs"]
+__all__ = ["TeacherConfig", "check_tensor_parallel", "resolve_compile", "resolve_cuda_graphs"]
+
+# Transports a tensor-parallel teacher group serves: each shard writes its vocab slice of a ring
+# slot (shm, cuda_ipc), or rank 0 sends the replicated hidden states (hidden).
+TENSOR_PARALLEL_TRANSPORTS = ("shm", "cuda_ipc", "hidden")
 
 
 def _device_type(device: object) -> str:
@@ -27,6 +31,52 @@ def resolve_compile(flag: bool | None, device: object) -> bool:
     if flag is None:
         return _device_type(device) == "cuda"
     return flag
+
+
+def check_tensor_parallel(size: int, model_config: object, model: str = "the model") -> None:
+    """Refuse a ``teacher.tensor_parallel`` that does not divide the shapes it shards.
+
+    A tensor-parallel group splits the attention heads, the KV heads and the MLP's intermediate
+    size over its ranks (the vocab may split unevenly). Imports nothing: a run's pre-flight calls
+    it on a model's config before any process starts.
+
+    Args:
+        size: the group's ranks (``teacher.tensor_parallel``).
+        model_config: a transformers config, or any object or dict with ``num_attention_heads``,
+            ``num_key_value_heads`` (default: the heads) and ``intermediate_size``.
+        model: the model's name, for the message.
+
+    Raises:
+        ValueError: ``size`` is not an int >= 1, the config lacks a size, or ``size`` does not
+            divide them (one line naming ``teacher.tensor_parallel`` and the sizes that would).
+    """
+    if type(size) is not int or size < 1:
+        raise ValueError(f"teacher.tensor_parallel={size!r}: must be an int >= 1")
+
+    def get(name: str, default: object = None) -> object:
+        if isinstance(model_config, dict):
+            return model_config.get(name, default)
+        return getattr(model_config, name, default)
+
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads") or heads
+    intermediate = get("intermediate_size")
+    sizes = {"attention heads": heads, "KV heads": kv_heads, "intermediate size": intermediate}
+    for what, value in sizes.items():
+        if type(value) is not int or value < 1:
+            raise ValueError(
+                f"teacher.tensor_parallel={size}: {model} has no {what} to shard (got {value!r}); "
+                "set teacher.tensor_parallel: 1"
+            )
+    values = list(sizes.values())
+    if all(v % size == 0 for v in values):
+        return
+    fits = [t for t in range(1, min(values) + 1) if all(v % t == 0 for v in values)]
+    raise ValueError(
+        f"teacher.tensor_parallel={size} does not divide {model}'s {heads} attention heads, "
+        f"{kv_heads} KV heads and intermediate size {intermediate}; use one of "
+        f"{', '.join(map(str, fits))}"
+    )
 
 
 def resolve_cuda_graphs(flag: bool, compiled: bool, device: object) -> bool:
@@ -104,9 +154,22 @@ class TeacherConfig:
         default="auto",
         metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)", "trained": False},
     )
-    transport: Literal["shm", "cuda_ipc", "hidden"] = field(
+    transport: Literal["shm", "cuda_ipc", "hidden", "topk"] = field(
         default="shm",
-        metadata={"help": "how logits reach the trainer: shm, cuda_ipc, hidden", "trained": False},
+        metadata={
+            "help": "how logits reach the trainer: shm, cuda_ipc (a ring slot), hidden (the final "
+            "hidden states through the queue) or topk (the top_k log-probs per token and the "
+            "rest mass through the queue)",
+            "trained": False,
+        },
+    )
+    top_k: int = field(
+        default=64,
+        metadata={
+            "help": "transport=topk: log-probs sent per teacher token (the rest of the mass is "
+            "spread evenly over the other ids); at most the teacher's vocab",
+            "trained": True,
+        },
     )
     slots: int = field(
         default=2, metadata={"help": "slots of the logit ring (>= 2)", "trained": False}
@@ -195,6 +258,16 @@ class TeacherConfig:
     seed: int = field(
         default=0, metadata={"help": "seed of a preset model's random weights", "trained": True}
     )
+    tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "processes of this teacher group, one GPU each, that split the model by "
+            "tensor parallelism (attention heads, MLP, vocab); more than 1: start the group with "
+            "torchrun --nproc-per-node N, and N must divide the model's heads, KV heads and "
+            "intermediate size",
+            "trained": False,
+        },
+    )
     max_rings: int = field(
         default=64,
         metadata={
@@ -246,6 +319,11 @@ class TeacherConfig:
                 f"transport=cuda_ipc needs a CUDA device, got device={self.device!r}; use "
                 "transport=shm on CPU"
             )
+        if type(self.top_k) is not int or self.top_k < 1:
+            raise ValueError(
+                f"top_k={self.top_k!r}: the log-probs sent per teacher token must be an int >= 1; "
+                "set teacher.top_k >= 1"
+            )
         if self.slots < 2:
             raise ValueError(
                 f"slots={self.slots}: the ring needs >= 2 slots so that the teacher computes "
@@ -256,6 +334,17 @@ class TeacherConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.group < 0:
             raise ValueError(f"group={self.group}: must be >= 0")
+        if type(self.tensor_parallel) is not int or self.tensor_parallel < 1:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel!r}: must be an int >= 1 (1: one process "
+                "holds the whole teacher)"
+            )
+        if self.tensor_parallel > 1 and self.transport not in TENSOR_PARALLEL_TRANSPORTS:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} with transport={self.transport}: a "
+                f"tensor-parallel teacher serves {', '.join(TENSOR_PARALLEL_TRANSPORTS)}; set "
+                "teacher.tensor_parallel: 1 or another transport"
+            )
         for name in ("lease_s", "claim_timeout_s", "queue_timeout_s", "ring_heartbeat_s"):
             value = getattr(self, name)
             if not 0 < value < math.inf:  # nan and 1e999 (inf) too

@@ -25,6 +25,7 @@ from services.queue.errors import QueueError
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
 from xtoken_core.data.corpus import read_texts
+from xtoken_core.wire.topk import check_top_k
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ def serve(config: TeacherConfig, lc: Lifecycle) -> int:
     client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"teacher{config.group}")
     partition = proto.request_partition(config.partition, config.group)
     with TeacherWorker(config) as worker:
+        if config.transport == "topk":  # bad settings, before serving: exit 2 with one line
+            check_top_k(config.top_k, worker.width)
         metrics = None
         if config.run_dir:
             metrics = JsonlWriter(

@@ -17,6 +17,9 @@ Transports (docs/design.md, "The teacher-to-trainer logit ring"):
   when its rank's ring has a free slot (:meth:`try_acquire`).
 * ``hidden``: the final (post-norm) hidden states travel through the queue; the trainer applies
   the teacher's output layer itself. About W/d fewer bytes than logits.
+* ``topk``: per position the ``teacher.top_k`` largest log-probabilities, their ids and the log of
+  the rest mass travel through the queue (``xtoken_core.wire.topk``); the trainer spreads the
+  rest evenly over the other ids. ``8 K + 4`` bytes per token.
 
 Legend: B rows of a request, U its longest row, R rows of one forward (the B of every request
 it serves), W the teacher vocab (logits width), d hidden size.
@@ -29,8 +32,14 @@ from typing import Any
 
 import torch
 
-from services.protocol.names import hidden_field, new_instance, result_field
-from services.protocol.teacher import Request, Result, hidden_column
+from services.protocol.names import (
+    QUEUE_TRANSPORTS,
+    hidden_field,
+    new_instance,
+    result_field,
+    topk_fields,
+)
+from services.protocol.teacher import Request, Result, hidden_column, topk_columns
 from services.teacher.compile import RegionalCompile
 from services.teacher.config import TeacherConfig, resolve_compile, resolve_cuda_graphs
 from xtoken_core.models.dtypes import resolve_dtype
@@ -111,8 +120,8 @@ class TeacherWorker:
 
     def try_acquire(self, rank: int) -> int | None:
         """A free slot of ``rank``'s ring, or None while its trainer holds every slot
-        (always 0 for the hidden transport, which has no ring)."""
-        if self.config.transport == "hidden":
+        (always 0 for the hidden and topk transports, which have no ring)."""
+        if self.config.transport in QUEUE_TRANSPORTS:
             return 0
         try:
             return self.ring(rank).acquire(timeout_s=0)
@@ -127,8 +136,13 @@ class TeacherWorker:
         B, U = request.ids_BU.shape
         if B < 1:
             return f"request {request.key!r} has no rows"
+        if cfg.transport == "topk" and cfg.top_k > self.width:
+            return (
+                f"teacher.top_k={cfg.top_k} is over the teacher's vocab of {self.width}: set "
+                f"teacher.top_k <= {self.width}"
+            )
         if (
-            cfg.transport != "hidden"
+            cfg.transport not in QUEUE_TRANSPORTS
             and request.rank not in self.rings
             and len(self.rings) >= cfg.max_rings
         ):
@@ -158,6 +172,16 @@ class TeacherWorker:
         if self.config.transport == "hidden":  # a hidden-transport trainer claims both fields
             empty = torch.zeros((0, 0, self.hidden_size), dtype=self.logits_dtype)
             fields[hidden_field(rank)] = hidden_column(empty)
+        elif self.config.transport == "topk":  # a topk trainer claims the topk fields too
+            from xtoken_core.wire.topk import TopK
+
+            K = self.config.top_k
+            empty = TopK(
+                torch.zeros((0, 0, K), dtype=torch.int32),
+                torch.zeros((0, 0, K), dtype=torch.float32),
+                torch.zeros((0, 0), dtype=torch.float32),
+            )
+            fields.update(zip(topk_fields(rank), topk_columns(empty), strict=True))
         return fields
 
     def fits(self, group: list[Request], request: Request) -> bool:
@@ -255,7 +279,7 @@ class TeacherWorker:
         for i, request in enumerate(requests):
             problem = self.check(request)
             if problem is not None:
-                if slots[i] is not None and self.config.transport != "hidden":
+                if slots[i] is not None and self.config.transport not in QUEUE_TRANSPORTS:
                     self.ring(request.rank).abandon(slots[i])
                 logger.warning("[teacher] refusing %s", problem)
                 out[i] = self.error_fields(request.key, request.rank, problem)
@@ -276,7 +300,7 @@ class TeacherWorker:
     def _serve(self, requests: list[Request], slots: list[int | None]) -> list[dict[str, Any]]:
         """One forward for ``requests`` (checked, one length U), each result written on its own."""
         cfg = self.config
-        if cfg.transport != "hidden":  # every request holds its slot before the forward
+        if cfg.transport not in QUEUE_TRANSPORTS:  # each request holds its slot before the forward
             slots = [
                 self.ring(r.rank).acquire() if s is None else s for r, s in zip(requests, slots)
             ]
@@ -318,6 +342,14 @@ class TeacherWorker:
                 result = Result("hidden", self.instance, None, None, self.width, B, U)
                 sent_BUd = hidden_BUd.to(self.logits_dtype).cpu()
                 fields = {hidden_field(request.rank): hidden_column(sent_BUd)}
+            elif cfg.transport == "topk":
+                from xtoken_core.wire.topk import TopK, encode_topk
+
+                result = Result("topk", self.instance, None, None, self.width, B, U)
+                with torch.inference_mode():  # log_softmax in fp32 inside encode_topk
+                    targets = encode_topk(self.lm_head(hidden_BUd), cfg.top_k)
+                sent = TopK(*(t.cpu() for t in targets))
+                fields = dict(zip(topk_fields(request.rank), topk_columns(sent), strict=True))
             else:
                 ring = self.ring(request.rank)
                 try:
@@ -338,7 +370,7 @@ class TeacherWorker:
         return out
 
     def _abandon(self, requests: list[Request], slots: list[int | None]) -> None:
-        if self.config.transport == "hidden":
+        if self.config.transport in QUEUE_TRANSPORTS:
             return
         for request, slot in zip(requests, slots, strict=True):
             if slot is not None:

@@ -1,14 +1,16 @@
 """The trainer's teacher client: asks its teacher group for the logits of a micro-batch, opens
-the result (a zero-copy view of a ring slot, or the teacher's output layer applied to hidden
-states), releases the slot once the backward read it.
+the result (a zero-copy view of a ring slot, the teacher's output layer applied to hidden
+states, or dense log-probabilities decoded from top-K targets), releases the slot once the
+backward read it.
 
 Per rank (records and names: services/protocol/):
 
 1. put one request per micro-batch into ``<partition>.teacher<group>``;
 2. wait for its record (``result<rank>``; records that already arrived are taken after each
    backward is queued, off the step's critical path), open the slot (``LogitRingReader.view``:
-   the stream waits on the teacher's event) or apply the teacher's output layer to the hidden
-   states; a stale handle (dead teacher, overwritten slot) or a checksum mismatch is never
+   the stream waits on the teacher's event), apply the teacher's output layer to the hidden
+   states, or decode the top-K targets (``xtoken_core.wire.topk``: the rest mass spread evenly
+   over the other ids); a stale handle (dead teacher, overwritten slot) or a checksum mismatch is never
    trained on: the micro-batch is requested again;
 3. after its backward: release the slot (once the GPU finished reading it), ack and clear the
    record.
@@ -24,8 +26,8 @@ are put again at once, for the successor. An incarnation is gone when
   rank waits, is older than ``teacher.dead_after_s``, or the ring closed;
 * a result of another incarnation arrives: a group has one teacher at a time, so a successor
   serves now. A successor that is ready before the death shows in the heartbeat (and serves
-  requests the dead one had not claimed) reveals it at once; for the hidden transport, which
-  has no ring, this is the only sign.
+  requests the dead one had not claimed) reveals it at once; for the hidden and topk
+  transports, which have no ring, this is the only sign.
 
 The old records stay in the queue (the successor may already have written a result on one, whose
 ring slot a clear would lose); their results, when they come, are dropped, their slots released,
@@ -35,6 +37,10 @@ died before this rank saw a result of it: no incarnation of the group is known t
 request asked again (or redelivered after its teacher died) may come after requests of later
 micro-batches; when their results hold every slot of the ring, they give their slots back and are
 asked again once the waiting micro-batch has its result (the teacher has a slot for it).
+
+The fields a record's result needs beyond ``result<rank>`` are claimed with it: ``hidden<rank>``
+when the trainer has the teacher's output layer; the three ``topk`` fields once a topk result
+was seen (the first topk records of a run have theirs fetched by key, one ``get`` per claim).
 
 Legend: B rows of a micro-batch, U teacher tokens, W teacher vocab, d teacher hidden size.
 """
@@ -129,6 +135,12 @@ class TeacherClient:
         self.req_partition = proto.request_partition(partition, self.group)
         self.result_field = proto.result_field(rank)
         self.hidden_field = proto.hidden_field(rank)
+        self.topk_fields = proto.topk_fields(rank)
+        # claimed with each result: the hidden states when we hold the teacher's output layer;
+        # the topk fields join once a topk result was seen (claim_records)
+        self.claimed_fields = [self.result_field]
+        if output_layer is not None:
+            self.claimed_fields.append(self.hidden_field)
         self.trainer_task = proto.trainer_task(rank, self.instance)
         self._seq = 0
         self._by_request: dict[str, Asked] = {}
@@ -302,18 +314,22 @@ class TeacherClient:
             self.trainer_task,
             [self.result_field],
             4,
-            fields=[self.result_field]
-            + ([self.hidden_field] if self.output_layer is not None else []),
+            fields=list(self.claimed_fields),
             timeout_s=timeout_s,
             lease_s=self.lease_s,
         )
         keys = list(got["keys"])
+        results = [
+            proto.Result.from_blob(_row_column(got["fields"][self.result_field], i), key)
+            for i, key in enumerate(keys)
+        ]
+        extra = [f for f in self.claimed_fields if f != self.result_field]
+        by_key = [
+            {name: _row_column(got["fields"][name], i) for name in extra} for i in range(len(keys))
+        ]
+        self._fetch_topk(keys, results, by_key)
         teachers: list[tuple[str, dict | None]] = []
-        for i, key in enumerate(keys):
-            result = proto.Result.from_blob(_row_column(got["fields"][self.result_field], i), key)
-            fields = {}
-            if self.hidden_field in got["fields"]:
-                fields[self.hidden_field] = _row_column(got["fields"][self.hidden_field], i)
+        for key, result, fields in zip(keys, results, by_key, strict=True):
             p = self._by_request.pop(key, None)
             record = (result, fields, got["lease_id"])
             if p is None:  # another instance's, or a request we asked again
@@ -324,6 +340,27 @@ class TeacherClient:
             teachers.append((result.teacher, result.descriptor if result.handle else None))
         for teacher, descriptor in teachers:  # after every record of the round is attached
             self._seen(teacher, descriptor)
+
+    def _fetch_topk(
+        self, keys: list[str], results: list[proto.Result], by_key: list[dict[str, Any]]
+    ) -> None:
+        """Add the topk fields to the claimed records of topk results that lack them (the first
+        topk records this rank meets): one ``get`` by key; later claims take them along."""
+        missing = [
+            i
+            for i, result in enumerate(results)
+            if result.transport == "topk" and self.topk_fields[0] not in by_key[i]
+        ]
+        if not missing:
+            return
+        got = self.client.get(
+            self.req_partition, [keys[i] for i in missing], fields=list(self.topk_fields)
+        )
+        row = {key: j for j, key in enumerate(got["keys"])}
+        for i in missing:
+            for name in self.topk_fields:
+                by_key[i][name] = _row_column(got["fields"][name], row[keys[i]])
+        self.claimed_fields += [f for f in self.topk_fields if f not in self.claimed_fields]
 
     def _seen(self, teacher: str, descriptor: dict | None) -> None:
         """A result of incarnation ``teacher`` (its ring's ``descriptor``, None for the hidden
@@ -391,6 +428,15 @@ class TeacherClient:
             ).to(device, non_blocking=True)
             with torch.no_grad():
                 return self.output_layer(hidden_BUd.to(self.output_layer.weight.dtype))
+        if result.transport == "topk":
+            from xtoken_core.wire.topk import decode_topk
+
+            columns = [fields[name] for name in self.topk_fields]
+            targets = proto.topk_from_columns(columns, B, U, p.request_key)
+            try:
+                return decode_topk(targets, result.width, device=device)
+            except ValueError as e:
+                raise ValueError(f"top-k targets of request {p.request_key!r}: {e}") from None
         logits_BUW = self.reader.view(result.descriptor, result.handle)
         if self.config.verify_logits and not self.reader.verify(logits_BUW, result.handle):
             raise _ChecksumError(f"slot of {p.request_key!r} does not match its checksum")

@@ -1,4 +1,5 @@
-"""The xtoken wire: msgpack messages over ZMQ frames with zero-copy tensors (see proto/).
+"""The xtoken wire: msgpack messages over ZMQ frames with zero-copy tensors (see proto/), and the
+sparse top-K teacher targets that travel in them (``topk.py``).
 
 The names load on first use (``xtoken_core.lazy``): a config that reads the wire's limits
 (``errors.py``) imports no torch.
@@ -34,6 +35,14 @@ if TYPE_CHECKING:
     )
     from xtoken_core.wire.schema import BODY_SPECS, json_schema, validate_body
     from xtoken_core.wire.tensors import WIRE_DTYPES, JaggedColumn, RawJagged, RawTensor, is_jagged
+    from xtoken_core.wire.topk import (
+        LOG_FLOOR,
+        TopK,
+        check_top_k,
+        decode_topk,
+        encode_topk,
+        topk_bytes_per_token,
+    )
 
 __all__ = [
     "BAD_BODY",
@@ -46,6 +55,7 @@ __all__ = [
     "EXT_TENSOR",
     "HEADER_SIZE",
     "INLINE_MAX_BYTES",
+    "LOG_FLOOR",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "TOO_LARGE",
@@ -56,12 +66,17 @@ __all__ = [
     "Message",
     "RawJagged",
     "RawTensor",
+    "TopK",
     "WireError",
     "WireLimits",
+    "check_top_k",
     "decode_message",
+    "decode_topk",
     "encode_message",
+    "encode_topk",
     "is_jagged",
     "json_schema",
+    "topk_bytes_per_token",
     "validate_body",
 ]
 
@@ -78,6 +93,7 @@ __getattr__, __dir__ = lazy_names(
         "EXT_TENSOR": "xtoken_core.wire.message",
         "HEADER_SIZE": "xtoken_core.wire.header",
         "INLINE_MAX_BYTES": "xtoken_core.wire.message",
+        "LOG_FLOOR": "xtoken_core.wire.topk",
         "MESSAGE_TYPES": "xtoken_core.wire.header",
         "PROTOCOL_VERSION": "xtoken_core.wire.header",
         "TOO_LARGE": "xtoken_core.wire.errors",
@@ -88,12 +104,17 @@ __getattr__, __dir__ = lazy_names(
         "Message": "xtoken_core.wire.message",
         "RawJagged": "xtoken_core.wire.tensors",
         "RawTensor": "xtoken_core.wire.tensors",
+        "TopK": "xtoken_core.wire.topk",
         "WireError": "xtoken_core.wire.errors",
         "WireLimits": "xtoken_core.wire.errors",
+        "check_top_k": "xtoken_core.wire.topk",
         "decode_message": "xtoken_core.wire.message",
+        "decode_topk": "xtoken_core.wire.topk",
         "encode_message": "xtoken_core.wire.message",
+        "encode_topk": "xtoken_core.wire.topk",
         "is_jagged": "xtoken_core.wire.tensors",
         "json_schema": "xtoken_core.wire.schema",
+        "topk_bytes_per_token": "xtoken_core.wire.topk",
         "validate_body": "xtoken_core.wire.schema",
     },
 )

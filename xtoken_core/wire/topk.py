@@ -1,0 +1,185 @@
+"""Sparse teacher targets: the K largest log-probabilities per position, their ids and the log of
+the remaining mass (encode on the teacher, decode into dense teacher logits on the trainer).
+
+This is what the ``topk`` teacher transport sends through the queue and what a store of teacher
+outputs keeps: ``8 K + 4`` bytes per teacher token (int32 ids, fp32 log-probs, an fp32 rest)
+instead of ``2 W`` for bf16 logits. Decoding spreads the rest mass uniformly over the ``W - K``
+ids outside the top K. The dense result holds log-probabilities, which any softmax-based loss may
+take as logits: ``softmax((z - c) / T) == softmax(z / T)`` for a per-position constant ``c``.
+
+Legend: N positions (any leading shape, e.g. ``[B, U]``), W teacher vocab, K ids kept per
+position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "LOG_FLOOR",
+    "TopK",
+    "check_top_k",
+    "decode_topk",
+    "encode_topk",
+    "topk_bytes_per_token",
+]
+
+#: The log-probability given to an id outside the top K when the rest mass is 0 (K covers the
+#: vocab, or the mass underflowed fp32): finite, so no loss meets ``-inf`` (``0 * -inf`` is NaN),
+#: yet ``exp`` of it (or of it over any temperature >= 0.01) is exactly 0 in fp32.
+LOG_FLOOR = -1.0e4
+
+#: Elements of one fp32 working block of :func:`encode_topk` (256 MiB): bounds its memory on a
+#: long batch of a large vocab.
+_BLOCK_ELEMENTS = 1 << 26
+
+#: Log-prob dtypes the targets may travel in.
+LOGPROB_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class TopK(NamedTuple):
+    """Sparse teacher targets of N positions.
+
+    Attributes:
+        ids_NK: ``[..., K]`` int32 teacher ids, by decreasing log-probability.
+        logprobs_NK: ``[..., K]`` their log-probabilities (fp32, or bf16).
+        rest_N: ``[...]`` fp32 log of the probability mass outside the K ids (``-inf`` when there
+            is none).
+    """
+
+    ids_NK: torch.Tensor
+    logprobs_NK: torch.Tensor
+    rest_N: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        """K, the ids kept per position."""
+        return int(self.ids_NK.shape[-1])
+
+
+def check_top_k(k: int, width: int, setting: str = "teacher.top_k") -> None:
+    """Refuse a K the vocab cannot serve.
+
+    Args:
+        k: ids kept per position.
+        width: the teacher vocab W (its logits' width).
+        setting: the setting that chose ``k`` (named in the message).
+
+    Raises:
+        ValueError: ``k < 1`` or ``k > width``.
+    """
+    if type(k) is not int or not 1 <= k <= width:
+        raise ValueError(
+            f"{setting}={k!r} must be between 1 and the teacher's vocab of {width}; set "
+            f"{setting} <= {width}"
+        )
+
+
+def encode_topk(
+    logits_NW: torch.Tensor, k: int, *, logprobs_dtype: torch.dtype = torch.float32
+) -> TopK:
+    """The K largest log-probabilities per position (``log_softmax`` in fp32), their ids and the
+    log of the remaining mass.
+
+    The rest is the log-sum-exp of the logits outside the top K minus that of all of them, so it
+    stays exact when the top K hold nearly all the mass (``log(1 - sum p)`` would cancel). The
+    positions are worked through in blocks of at most 256 MiB of fp32.
+
+    Args:
+        logits_NW: ``[..., W]`` logits, any float dtype, on any device.
+        k: ids kept per position (``1 <= k <= W``).
+        logprobs_dtype: dtype of the log-probs sent: fp32 (exact) or bf16 (half the bytes,
+            rounded to 8 bits of mantissa).
+
+    Returns:
+        :class:`TopK` on the logits' device: ``ids_NK`` int32 ``[..., K]``, ``logprobs_NK``
+        ``[..., K]``, ``rest_N`` fp32 ``[...]``.
+
+    Raises:
+        ValueError: ``k`` outside ``[1, W]``, a logits tensor that is not float or has no vocab
+            dim, or an unsupported ``logprobs_dtype``.
+    """
+    if logits_NW.dim() < 1 or not logits_NW.is_floating_point():
+        raise ValueError(
+            f"logits of shape {tuple(logits_NW.shape)} and dtype {logits_NW.dtype}: expected "
+            "float logits [..., W]"
+        )
+    if logprobs_dtype not in LOGPROB_DTYPES:
+        raise ValueError(f"logprobs_dtype={logprobs_dtype}: use torch.float32 or torch.bfloat16")
+    W = int(logits_NW.shape[-1])
+    check_top_k(k, W, "k")
+    lead = tuple(logits_NW.shape[:-1])
+    flat_NW = logits_NW.reshape(-1, W)
+    N = flat_NW.shape[0]
+    device = logits_NW.device
+    ids_NK = torch.empty((N, k), dtype=torch.int32, device=device)
+    logprobs_NK = torch.empty((N, k), dtype=logprobs_dtype, device=device)
+    rest_N = torch.empty((N,), dtype=torch.float32, device=device)
+    step = max(1, _BLOCK_ELEMENTS // max(W, 1))
+    for start in range(0, N, step):
+        stop = min(N, start + step)
+        z_nW = flat_NW[start:stop].to(torch.float32, copy=True)  # masked in place below
+        lse_n = torch.logsumexp(z_nW, dim=-1)
+        top_nK, idx_nK = torch.topk(z_nW, k, dim=-1)
+        z_nW.scatter_(-1, idx_nK, float("-inf"))
+        rest_N[start:stop] = torch.logsumexp(z_nW, dim=-1) - lse_n
+        logprobs_NK[start:stop] = top_nK - lse_n[:, None]
+        ids_NK[start:stop] = idx_nK
+    return TopK(ids_NK.reshape(*lead, k), logprobs_NK.reshape(*lead, k), rest_N.reshape(lead))
+
+
+def decode_topk(
+    targets: TopK,
+    width: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense teacher log-probabilities from sparse targets, usable as teacher logits.
+
+    The top-K ids get their log-probs; every other id gets ``log(rest / (W - K))`` (the rest mass
+    spread uniformly), at least :data:`LOG_FLOOR`, so a rest of 0 gives finite values.
+
+    Args:
+        targets: :class:`TopK` of N positions (``[..., K]``, ``[..., K]``, ``[...]``).
+        width: the teacher vocab W.
+        device: where the dense tensor goes (default: the targets' device).
+        dtype: its dtype (fp32: the log-probs as sent).
+
+    Returns:
+        ``[..., W]`` log-probabilities.
+
+    Raises:
+        ValueError: shapes that disagree, K outside ``[1, W]``, non-integer ids or ids outside
+            ``[0, W)``.
+    """
+    ids_NK, logprobs_NK, rest_N = targets
+    if ids_NK.shape != logprobs_NK.shape or tuple(ids_NK.shape[:-1]) != tuple(rest_N.shape):
+        raise ValueError(
+            f"top-k targets of shapes ids {tuple(ids_NK.shape)}, logprobs "
+            f"{tuple(logprobs_NK.shape)}, rest {tuple(rest_N.shape)}: expected [..., K], "
+            "[..., K], [...]"
+        )
+    if ids_NK.is_floating_point() or ids_NK.dtype == torch.bool:
+        raise ValueError(f"top-k ids are {ids_NK.dtype}, not an integer tensor")
+    K = int(ids_NK.shape[-1])
+    check_top_k(K, width, "top-k targets' K")
+    if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
+        raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
+    device = torch.device(device) if device is not None else ids_NK.device
+    ids_NK = ids_NK.to(device, torch.int64, non_blocking=True)
+    logprobs_NK = logprobs_NK.to(device, dtype, non_blocking=True)
+    fill_N = torch.full(rest_N.shape, LOG_FLOOR, dtype=torch.float32, device=device)
+    if width > K:  # ids outside the top K exist: each gets an equal share of the rest
+        rest_N = rest_N.to(device, torch.float32, non_blocking=True)
+        fill_N = (rest_N - math.log(width - K)).clamp_min(LOG_FLOOR)
+    dense_NW = fill_N.to(dtype)[..., None].expand(*fill_N.shape, width).contiguous()
+    return dense_NW.scatter_(-1, ids_NK, logprobs_NK)
+
+
+def topk_bytes_per_token(k: int, logprobs_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one teacher position's targets: K int32 ids, K log-probs, one fp32 rest."""
+    return k * (4 + torch.empty((), dtype=logprobs_dtype).element_size()) + 4
