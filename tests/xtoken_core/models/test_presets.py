@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from xtoken_core.models import PRESETS, load_model, model_vocab_size
 
-# Millions of parameters (tied embeddings counted once), as in the presets module docstring.
+# Millions of parameters (tied embeddings counted once; non-embedding: without the embedding and
+# the output layer), as in the presets module docstring.
 COUNTS = {
     "tiny": {"non_embedding": 0.07, 32_768: 2.17, 49_152: 3.22, 151_669: 9.78},
     "student-25m": {"non_embedding": 6.29, 32_768: 14.68, 49_152: 18.88, 151_669: 45.12},
@@ -16,6 +17,20 @@ COUNTS = {
         32_768: 1360.67,
         49_152: 1385.84,
         151_669: 1543.30,
+    },
+    "qwen3-1.7b": {"non_embedding": 1409.41, 32_768: 1476.52, 49_152: 1510.07, 151_669: 1720.03},
+    "qwen2.5-7b": {"non_embedding": 6525.62, 32_768: 6760.50, 49_152: 6877.94, 151_669: 7612.79},
+    "qwen2.5-14b": {
+        "non_embedding": 13212.90,
+        32_768: 13548.44,
+        49_152: 13716.21,
+        151_669: 14765.99,
+    },
+    "qwen2.5-32b": {
+        "non_embedding": 31206.74,
+        32_768: 31542.29,
+        49_152: 31710.06,
+        151_669: 32759.83,
     },
 }
 
@@ -32,6 +47,8 @@ def test_preset_parameter_counts_match_the_documented_table(name):
         model = _meta_model(name, vocab)
         total = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
+        if not model.config.tie_word_embeddings:
+            embedding += model.get_output_embeddings().weight.numel()
         assert round(total / 1e6, 2) == COUNTS[name][vocab]
         assert round((total - embedding) / 1e6, 2) == COUNTS[name]["non_embedding"]
         assert model_vocab_size(model) == vocab
@@ -47,6 +64,30 @@ def test_big_presets_have_the_reference_shapes():
         28,
         1536,
     )
+
+
+# The real models' config.json values: (type, layers, hidden, heads, KV heads, head dim,
+# intermediate, rope theta, RMS-norm epsilon, tied output layer).
+SHAPES = {
+    "qwen3-1.7b": ("qwen3", 28, 2048, 16, 8, 128, 6144, 1e6, 1e-6, True),
+    "qwen2.5-7b": ("qwen2", 28, 3584, 28, 4, 128, 18_944, 1e6, 1e-6, False),
+    "qwen2.5-14b": ("qwen2", 48, 5120, 40, 8, 128, 13_824, 1e6, 1e-5, False),
+    "qwen2.5-32b": ("qwen2", 64, 5120, 40, 8, 128, 27_648, 1e6, 1e-5, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_large_teacher_presets_have_the_real_models_shapes(name):
+    c = PRESETS[name].config(152_064)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope_theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or c.rope_theta
+    got = (
+        c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+        c.num_key_value_heads, head_dim, c.intermediate_size, rope_theta, c.rms_norm_eps,
+        c.tie_word_embeddings,
+    )  # fmt: skip
+    assert got == SHAPES[name]
+    assert c.vocab_size == 152_064
 
 
 def test_tiny_preset_takes_the_vocab_from_the_caller():
