@@ -27,9 +27,10 @@ __all__ = [
     "topk_bytes_per_token",
 ]
 
-#: The log-probability given to an id outside the top K when the rest mass is 0 (K covers the
-#: vocab, or the mass underflowed fp32): finite, so no loss meets ``-inf`` (``0 * -inf`` is NaN),
-#: yet ``exp`` of it (or of it over any temperature >= 0.01) is exactly 0 in fp32.
+#: The least log-probability an id outside the top K gets: where the rest mass is 0 (the teacher
+#: masks those ids at ``-inf``) or below ``exp(LOG_FLOOR)``, decode gives this finite value, so no
+#: loss meets ``-inf`` (``0 * -inf`` is NaN), yet ``exp`` of it (or of it over any temperature
+#: >= 0.01) is exactly 0 in fp32. The rest itself is computed in log space and never underflows.
 LOG_FLOOR = -1.0e4
 
 #: Elements of one fp32 working block of :func:`encode_topk` (256 MiB): bounds its memory on a
@@ -141,7 +142,8 @@ def decode_topk(
     """Dense teacher log-probabilities from sparse targets, usable as teacher logits.
 
     The top-K ids get their log-probs; every other id gets ``log(rest / (W - K))`` (the rest mass
-    spread uniformly), at least :data:`LOG_FLOOR`, so a rest of 0 gives finite values.
+    spread uniformly), at least :data:`LOG_FLOOR`, so a rest of 0 gives finite values. When K
+    covers the vocab the result is the teacher's ``log_softmax`` itself.
 
     Args:
         targets: :class:`TopK` of N positions (``[..., K]``, ``[..., K]``, ``[...]``).
