@@ -97,14 +97,12 @@ def run_fraction(
                     "eval_every": 0,
                     "export": False,
                 },
-                "eval": {"heldout": None},
                 "optim": {"warmup_steps": 0},
                 "loss": {"mode": args.mode, "projection": projection},
                 "on_policy": {"sync_every": args.sync_every, "max_staleness": args.max_staleness},
             },
         }
     )
-    config.trainer.eval.heldout = None
     run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()

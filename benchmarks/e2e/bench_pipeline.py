@@ -466,7 +466,6 @@ def pipeline(
                         "eval_every": 0,
                         "export": False,
                     },
-                    "eval": {"heldout": None},
                     "optim": {"warmup_steps": 0},
                     "loss": {"mode": mode, "projection": projection},
                 },
@@ -474,7 +473,6 @@ def pipeline(
             ),  # fmt: skip
         }
     )
-    config.trainer.eval.heldout = None
     run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()

@@ -319,7 +319,6 @@ def xtoken_quality(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict
             },
         }
     )
-    config.trainer.eval.heldout = None
     run = Driver(config, progress=False)
     t0 = time.perf_counter()
     code = run.run()

@@ -20,6 +20,9 @@ class ProcessSpec:
             launcher reserves them as the process's placement-group bundle).
         group: colocation group: processes of one group run on the same node (a teacher and
             the trainer ranks it serves through shared memory or CUDA IPC), or None.
+        unit: processes that start, stop and restart together, one rendezvous port among them
+            (the ranks of a tensor-parallel teacher group: one cannot go on without the
+            others), or None.
     """
 
     name: str
@@ -30,3 +33,4 @@ class ProcessSpec:
     ready_file: str | None = None
     resources: dict[str, float] = dataclasses.field(default_factory=dict)
     group: str | None = None
+    unit: str | None = None

@@ -148,12 +148,44 @@ class RunRolloutConfig(RolloutConfig):
         """Checked by the run (:meth:`RunConfig.check_on_policy`) against its ``ctx_student``."""
 
 
+def _gpus_field(help_text: str) -> Any:
+    return field(default=None, metadata={"help": help_text, "trained": False})
+
+
+def _check_gpus(key: str, gpus: list[int] | None) -> None:
+    if gpus is not None and (not gpus or any(g < 0 for g in gpus)):
+        raise ValueError(f"{key}={gpus}: name GPU indices >= 0, or null for the default")
+
+
+@dataclasses.dataclass
+class RunTeacherConfig(TeacherConfig):
+    """The teacher section of a run config: a :class:`TeacherConfig` and the GPUs its groups
+    run on (services/supervise/layout.py)."""
+
+    gpus: list[int] | None = _gpus_field(
+        "GPUs of the teacher groups: group g takes gpus[g*k:(g+1)*k], k = tensor_parallel "
+        "(null: GPUs g*k.. modulo the GPUs there)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_gpus("gpus", self.gpus)
+
+
 @dataclasses.dataclass
 class RunTrainerConfig(TrainerConfig):
     """The trainer section of a run config: a :class:`TrainerConfig` whose ``loss.projection``
     may be left empty when the loss needs one; the run then builds it (or finds it in the cache),
     and the plan checks the trainer's section again with that file. Its on-policy settings are
     checked by the run, with the run's keys (the fraction is ``data.on_policy_fraction``)."""
+
+    gpus: list[int] | None = _gpus_field(
+        "GPU of each trainer rank: rank r on gpus[r] (null: GPU r)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_gpus("gpus", self.gpus)
 
     def check_projection(self) -> None:
         """A projection left empty is the run's to build (:attr:`projection_to_build`)."""
@@ -235,7 +267,7 @@ class RunConfig(Shared):
     data: DataConfig = field(default_factory=DataConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     collator: RunCollatorConfig = field(default_factory=RunCollatorConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    teacher: RunTeacherConfig = field(default_factory=RunTeacherConfig)
     trainer: RunTrainerConfig = field(default_factory=RunTrainerConfig)
     rollout: RunRolloutConfig = field(default_factory=RunRolloutConfig)
 

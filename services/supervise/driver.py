@@ -243,6 +243,12 @@ class Driver:
         """Start one process; the exit code of its predecessor goes first (a code found later
         is this process's)."""
         self.exit_file(spec.name).unlink(missing_ok=True)
+        if spec.unit is not None and spec.env.get("RANK") == "0":
+            # a unit's first rank starts first: the unit's rendezvous on a fresh port
+            port = str(free_port())
+            for peer in self.specs.values():
+                if peer.unit == spec.unit:
+                    peer.env["MASTER_PORT"] = port
         return self.launcher.start(spec)
 
     def _clear_partitions(self) -> None:
@@ -588,8 +594,11 @@ class Driver:
 
     def _covered(self, scope: str, name: str) -> set[str]:
         """The processes a restart of ``scope`` after the exit of ``name`` starts."""
-        if scope == "process":
-            return {name}
+        if scope == "process":  # with the rest of its unit (a tensor-parallel group)
+            unit = self.specs[name].unit
+            return {n for n, s in self.specs.items() if unit is not None and s.unit == unit} | {
+                name
+            }
         if scope == "group":
             role = self.specs[name].role
             return {n for n, s in self.specs.items() if s.role == role}
@@ -629,8 +638,9 @@ class Driver:
             )
         )
         L = self.launcher
-        if decision.scope == "group":
-            # a peer of a dead rank cannot checkpoint alone (the save is collective)
+        if decision.scope == "group" or len(covered) > 1:
+            # a peer of a dead rank cannot checkpoint alone (the save is collective), nor can a
+            # tensor-parallel rank compute without its unit
             L.stop([n for n in self.specs if n in covered], grace_s=10)
             self._finished.difference_update(covered)
         elif decision.scope == "run":
@@ -640,7 +650,10 @@ class Driver:
 
     def _restart_now(self, decision: Decision, name: str) -> None:
         if decision.scope == "process":
-            self._start(self.specs[name])
+            covered = self._covered("process", name)
+            for spec in self.specs.values():  # in start order: a unit's first rank first
+                if spec.name in covered:
+                    self._start(spec)
         elif decision.scope == "group":
             role = self.specs[name].role
             self.master_port = free_port()

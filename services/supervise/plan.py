@@ -24,6 +24,7 @@ from services.protocol.names import policy_dir
 from services.queue.config import ServerConfig
 from services.rollout.config import RolloutConfig
 from services.supervise.config import RunConfig, is_run_key, run_config_to_dict, value_at
+from services.supervise.layout import Layout, plan_layout
 from services.supervise.mps import mps_env
 from services.supervise.preflight import Inputs, slug
 from services.teacher.config import TeacherConfig
@@ -247,11 +248,12 @@ def make_sections(
         },
     )  # checked: a loss that needs a projection has one now
     out = {"trainer": trainer}
+    layout = _layout(cfg, gpus)
     for g in range(cfg.teachers):
         device = teacher.device
-        if device == "cuda":
-            gpus = _gpu_count() if gpus is None else gpus
-            device = f"cuda:{g % max(1, gpus)}"
+        if layout.teacher_gpus:  # one GPU: named; a tensor-parallel rank: cuda:LOCAL_RANK
+            one = teacher.tensor_parallel == 1
+            device = f"cuda:{layout.teacher_gpus[g][0]}" if one else "cuda"
         out[f"teacher{g}"] = own(
             TeacherConfig,
             teacher,
@@ -359,30 +361,41 @@ def make_specs(
         specs += collators
     teachers = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
     rollouts = cfg.rollouts if cfg.on_policy else 0
+    k = cfg.teacher.tensor_parallel
     threads = cpu_threads(
         host,
-        teachers if cfg.teacher.device == "cpu" else 0,
+        teachers * k if cfg.teacher.device == "cpu" else 0,
         cfg.trainers if cfg.trainer.compute.device == "cpu" else 0,
         rollouts if cfg.rollout.device == "cpu" else 0,
     )
+    layout = _layout(cfg, host.gpus)
     for g in range(teachers):
-        specs.append(
-            ProcessSpec(
-                f"teacher{g}",
-                "teacher",
-                argv(["teacher"], f"teacher{g}"),
-                env=dict(threads) if cfg.teacher.device == "cpu" else {},
-                log_file=str(d / "logs" / f"teacher{g}.log"),
-                ready_file=str(d / "ready" / f"teacher{g}"),
-                resources={"gpu": 1} if cfg.teacher.device.startswith("cuda") else {},
-                group=str(g),
+        for i in range(k):
+            name = f"teacher{g}" if i == 0 else f"teacher{g}.{i}"
+            env = dict(threads) if cfg.teacher.device == "cpu" else {}
+            if k > 1:  # torchrun's environment; the driver sets MASTER_PORT as the unit starts
+                env.update(RANK=str(i), WORLD_SIZE=str(k), MASTER_ADDR="127.0.0.1")
+                if layout.teacher_gpus:
+                    env["LOCAL_RANK"] = str(layout.teacher_gpus[g][i])
+            specs.append(
+                ProcessSpec(
+                    name,
+                    "teacher",
+                    argv(["teacher"], f"teacher{g}"),
+                    env=env,
+                    log_file=str(d / "logs" / f"{name}.log"),
+                    ready_file=str(d / "ready" / name),
+                    resources={"gpu": 1} if cfg.teacher.device.startswith("cuda") else {},
+                    group=str(g),
+                    unit=f"teacher{g}" if k > 1 else None,
+                )
             )
-        )
     for r in range(cfg.trainers):
         env = {
             "RANK": str(r),
             "WORLD_SIZE": str(cfg.trainers),
-            "LOCAL_RANK": str(r),
+            # the rank's GPU (cuda:LOCAL_RANK): trainer.gpus[r], else GPU r
+            "LOCAL_RANK": str(layout.trainer_gpus[r] if layout.trainer_gpus else r),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(master_port),
             **(threads if cfg.trainer.compute.device == "cpu" else {}),
@@ -431,6 +444,14 @@ def cpu_threads(
     if not procs or host.threads_set:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, host.cores // procs))}
+
+
+def _layout(config: RunConfig, gpus: int | None) -> Layout:
+    """The run's :class:`Layout`, the GPUs counted only when a process runs on one."""
+    if gpus is None:
+        cuda = any(device.startswith("cuda") for _, device in config.devices())
+        gpus = _gpu_count() if cuda else 0
+    return plan_layout(config, gpus)
 
 
 def _gpu_count() -> int:

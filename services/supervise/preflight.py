@@ -109,6 +109,7 @@ def preflight(config: RunConfig) -> Inputs:
             raise ValueError(f"{key}: {e}") from None
     s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
     check_vocabs(config, s_tok.vocab_size, t_tok.vocab_size)
+    check_run_layout(config, s_tok.vocab_size, t_tok.vocab_size)
     projection = config.trainer.loss.projection
     if config.trainer.loss.uses_teacher and not projection:
         projection = str(build_cached_projection(config, s_tok, t_tok))
@@ -269,6 +270,46 @@ def check_devices(config: RunConfig) -> None:
                 f"{key}={value!r} but this machine has {gpus} CUDA device(s): use cuda (the "
                 f"first free one), cuda:0..cuda:{gpus - 1}, or cpu"
             )
+
+
+def check_run_layout(config: RunConfig, student_vocab: int, teacher_vocab: int) -> None:
+    """The trainer ranks' and teacher groups' GPUs are there, a tensor-parallel teacher divides
+    its heads, and on GPUs each one's share of the models fits (services/supervise/layout.py).
+
+    Raises:
+        SettingsError: one line naming the key and what would fit.
+    """
+    from services.supervise.layout import (
+        check_layout,
+        gpu_memory,
+        model_config,
+        parameter_count,
+        plan_layout,
+    )
+
+    t, tr = config.teacher, config.trainer
+    cuda = any(device.startswith("cuda") for _, device in config.devices())
+    named = t.gpus is not None or tr.gpus is not None or t.tensor_parallel > 1
+    if not (cuda or named):
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    layout = plan_layout(config, gpus)
+    teacher_cfg = None
+    if tr.loss.uses_teacher:
+        teacher_cfg = model_config(t.model, t.vocab_size or teacher_vocab)
+    memory = gpu_memory() if cuda else None
+    sizes: dict[str, int | None] = {"teacher_params": None, "student_params": None}
+    if memory is not None:
+        if teacher_cfg is not None and layout.teacher_gpus:
+            sizes["teacher_params"] = parameter_count(teacher_cfg)
+        student_cfg = model_config(tr.student.model, tr.student.vocab_size or student_vocab)
+        if student_cfg is not None and layout.trainer_gpus:
+            sizes["student_params"] = parameter_count(student_cfg)
+    check_layout(config, layout, gpus, memory, teacher_model_config=teacher_cfg, **sizes)
+    if layout.trainer_gpus or layout.teacher_gpus:
+        logger.info("[run] layout: %s", layout.describe())
 
 
 def check_projection(config: RunConfig, path: str, s_tok: Any, t_tok: Any) -> None:

@@ -30,6 +30,21 @@ def check_dtype_name(name: str) -> None:
         raise ValueError(f"dtype {name!r} is not a float dtype; use auto, bfloat16, float32")
 
 
+_BYTES = {"float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2}
+
+
+def dtype_bytes(name: str, device: str) -> int:
+    """Bytes per element of a dtype name as :func:`resolve_dtype` resolves it (no torch import).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    check_dtype_name(name)
+    if name == "auto":
+        return 2 if str(device).startswith("cuda") else 4
+    return _BYTES.get(name, 2 if name == "bfloat16" else 1)
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """``auto`` -> bfloat16 on CUDA, float32 elsewhere; else the torch dtype of that name.
 

@@ -129,3 +129,22 @@ def test_a_restarts_events_name_the_exit_code_and_the_attempt_of_its_budget(make
         1,
         2,
     )
+
+
+def test_a_dead_rank_of_a_tensor_parallel_teacher_restarts_its_whole_group_on_a_fresh_port(
+    make_run,
+):
+    run, launcher = make_run(**{"teacher.tensor_parallel": 2})
+    group = ["teacher0", "teacher0.1"]
+    assert [run.specs[n].unit for n in group] == ["teacher0", "teacher0"]
+    first = {n: launcher.envs[n][0]["MASTER_PORT"] for n in group}
+    assert len(set(first.values())) == 1  # one rendezvous
+    _kill(run, "teacher0.1")
+    assert run.poll_once() == "recovering"
+    assert run.restart_queued("process")
+    _poll_until_running(run)
+    assert {n: launcher.starts[n] for n in group} == dict.fromkeys(group, 2)
+    assert launcher.starts["trainer0"] == 1  # the trainers go on
+    again = {launcher.envs[n][1]["MASTER_PORT"] for n in group}
+    assert len(again) == 1 and again != set(first.values())
+    assert run.policy.restarts() == {"teacher0.1": 1}

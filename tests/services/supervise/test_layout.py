@@ -1,0 +1,125 @@
+"""The run's layout: which GPU each trainer rank and teacher rank takes, the processes a
+tensor-parallel teacher group is launched as, and the pre-flight refusals of a layout the
+machine cannot run (one line naming the key and what would fit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.supervise.config import run_config_from_dict
+from services.supervise.layout import (
+    GIB,
+    GpuMemory,
+    Layout,
+    check_layout,
+    model_config,
+    parameter_count,
+    plan_layout,
+)
+from services.supervise.plan import Host, RunPlace, make_context, make_sections, make_specs
+from services.supervise.preflight import Inputs
+from tests.services.control.conftest import tiny_config
+from xtoken_core.errors import SettingsError
+
+
+def _config(**overrides):
+    return run_config_from_dict(tiny_config(**overrides))
+
+
+def _cuda(**overrides):
+    return _config(**{"trainer.compute.device": "cuda", "teacher.device": "cuda", **overrides})
+
+
+def test_by_default_trainer_rank_r_takes_gpu_r_and_teacher_group_g_its_gpus_from_g_times_k():
+    one = plan_layout(_cuda(), 4)
+    assert one == Layout(trainer_gpus=(0,), teacher_gpus=((0,),))  # colocated, as before
+    tp = plan_layout(_cuda(trainers=2, teachers=2, **{"teacher.tensor_parallel": 2}), 4)
+    assert tp == Layout(trainer_gpus=(0, 1), teacher_gpus=((0, 1), (2, 3)))
+    assert tp.describe() == (
+        "trainer ranks on GPU 0,1; teacher group 0 (tensor parallel 2) on GPU 0,1; "
+        "teacher group 1 (tensor parallel 2) on GPU 2,3"
+    )
+    assert plan_layout(_config(), 4) == Layout()  # on the CPU: no GPU taken
+
+
+def test_named_gpus_place_dedicated_teacher_groups_and_trainer_ranks():
+    config = _cuda(
+        trainers=2,
+        **{"trainer.gpus": [0, 1], "teacher.gpus": [2, 3], "teacher.tensor_parallel": 2},
+    )
+    layout = plan_layout(config, 4)
+    assert layout == Layout(trainer_gpus=(0, 1), teacher_gpus=((2, 3),))
+    check_layout(config, layout, 4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "pattern"),
+    [
+        ({"teacher.gpus": [5]}, 4, r"^teacher\.gpus names GPU 5, but this machine shows 4 "
+         r"\(GPUs 0-3\); name GPUs that are there$"),
+        ({"trainer.gpus": [0, 1]}, 4, r"^trainer\.gpus names 2 GPU\(s\) for trainers=1; name one "
+         r"GPU per trainer rank$"),
+        ({"teacher.gpus": [1, 2, 3], "teacher.tensor_parallel": 2}, 4,
+         r"^teacher\.gpus names 3 GPU\(s\) for teachers=1 x teacher\.tensor_parallel=2; name 2$"),
+        ({"teacher.gpus": [1, 1], "teacher.tensor_parallel": 2}, 4,
+         r"^teacher\.gpus puts two ranks of teacher group 0 on one GPU \(1,1\)"),
+        ({"trainers": 2, "trainer.gpus": [1, 1], "teacher.max_batch": 4}, 4,
+         r"^trainer\.gpus=\[1, 1\] puts two trainer ranks on one GPU"),
+        ({}, 0, r"^trainer\.gpus names GPU 0, but this machine shows 0 \(GPUs none\)"),
+    ],
+)  # fmt: skip
+def test_a_layout_the_machine_cannot_run_is_refused_naming_the_key(overrides, gpus, pattern):
+    config = _cuda(**overrides)
+    with pytest.raises(SettingsError, match=pattern):
+        check_layout(config, plan_layout(config, gpus), gpus)
+
+
+def test_a_parallel_size_that_does_not_divide_the_teachers_heads_is_refused_with_what_fits():
+    config = _config(**{"teacher.tensor_parallel": 3})  # tiny: 4 heads
+    shape = model_config("tiny", 1000)
+    with pytest.raises(SettingsError, match=r"teacher\.tensor_parallel=3 does not divide tiny"
+                       r"'s 4 attention heads, 2 KV heads .*; use one of 1, 2$"):  # fmt: skip
+        check_layout(config, plan_layout(config, 0), 0, teacher_model_config=shape)
+    ok = _config(**{"teacher.tensor_parallel": 2})
+    check_layout(ok, plan_layout(ok, 0), 0, teacher_model_config=shape)
+
+
+def test_a_teacher_too_big_for_its_gpu_is_refused_naming_the_parallel_size_that_fits():
+    config = _cuda(**{"teacher.model": "teacher-1.5b"})
+    params = parameter_count(model_config("teacher-1.5b", 151_669))
+    assert 1.5e9 < params < 1.6e9  # counted on the meta device, the tied output layer once
+    gpu = GpuMemory(total=4 * GIB, free=3 * GIB)
+    with pytest.raises(SettingsError) as refused:
+        check_layout(config, plan_layout(config, 1), 1, [gpu], teacher_params=params)
+    assert str(refused.value) == (
+        "GPU 0 would hold at least 3.9 GiB (2.9 GiB of teacher group 0's weights) but has "
+        "3.0 GiB free; set teacher.tensor_parallel: 2 (1.4 GiB of teacher weights per GPU), "
+        "or put the teacher on GPUs of its own (teacher.gpus)"
+    )
+    check_layout(config, plan_layout(config, 1), 1, [GpuMemory(80 * GIB, 79 * GIB)],
+                 teacher_params=params, student_params=params)  # fmt: skip
+
+
+def test_a_tensor_parallel_group_is_k_teacher_processes_of_one_unit_in_torchruns_environment(
+    tmp_path,
+):
+    config = _cuda(trainers=2, **{"teacher.tensor_parallel": 2, "teacher.gpus": [2, 3]})
+    place = RunPlace.of(run_config_from_dict(tiny_config(run_dir=str(tmp_path / "run"))))
+    specs = {s.name: s for s in make_specs(config, place, master_port=1, host=Host(cores=8,
+                                                                                  gpus=4))}  # fmt: skip
+    group = [specs["teacher0"], specs["teacher0.1"]]
+    assert [s.unit for s in group] == ["teacher0", "teacher0"]
+    assert [(s.env["RANK"], s.env["WORLD_SIZE"], s.env["LOCAL_RANK"]) for s in group] == [
+        ("0", "2", "2"),
+        ("1", "2", "3"),
+    ]
+    assert group[0].argv == group[1].argv  # one section file: teacher0.json
+    assert [specs[f"trainer{r}"].env["LOCAL_RANK"] for r in range(2)] == ["0", "1"]
+    inputs = Inputs("train.jsonl", "heldout.txt", "projection.pt")
+    sections = make_sections(config, inputs, make_context(config, place, queue="tcp://q:1"),
+                             gpus=4)  # fmt: skip
+    assert sections["teacher0"]["device"] == "cuda"  # each rank: cuda:LOCAL_RANK
+    assert sections["teacher0"]["tensor_parallel"] == 2
+    one = _cuda(**{"teacher.gpus": [3]})
+    assert make_sections(one, inputs, make_context(one, place, queue="tcp://q:1"),
+                         gpus=4)["teacher0"]["device"] == "cuda:3"  # fmt: skip
