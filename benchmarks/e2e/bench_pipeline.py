@@ -405,6 +405,7 @@ def pipeline(
     transport: str,
     run_dir: Path,
     trainers: int = 1,
+    teachers: int | None = None,
     teacher_device: str | None = None,
     grad_accum: int = 1,
     trainer_extra: dict | None = None,
@@ -412,8 +413,9 @@ def pipeline(
     ordered: bool = False,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records
-    (``trainer_extra`` / ``teacher_extra``: more keys of the run config's sections; ``ordered``:
-    ``data.ordered`` with one collator worker, every rank count training the same steps)."""
+    (``teachers``: teacher groups, default one per rank; ``trainer_extra`` / ``teacher_extra``:
+    more keys of the run config's sections; ``ordered``: ``data.ordered`` with one collator
+    worker, every rank count training the same steps)."""
     import shutil
 
     from services.common.metrics import read_jsonl
@@ -433,7 +435,7 @@ def pipeline(
             "ctx_student": T,
             "ctx_teacher": T,
             "trainers": trainers,
-            "teachers": trainers,
+            "teachers": teachers or trainers,
             "mps": bool(getattr(args, "mps", False)),
             "pack": pack,
             "data": {
