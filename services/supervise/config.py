@@ -157,6 +157,24 @@ def _check_gpus(key: str, gpus: list[int] | None) -> None:
         raise ValueError(f"{key}={gpus}: name GPU indices >= 0, or null for the default")
 
 
+def _resources_field(role: str) -> Any:
+    return field(
+        default=None,
+        metadata={
+            "help": f"Ray resources each {role} process asks for beside its GPU (e.g. "
+            "{node_a: 1}); teachers and trainers that ask for different ones are placed apart "
+            "(on other nodes) and talk through the queue",
+            "trained": False,
+        },
+    )
+
+
+def _check_resources(key: str, resources: dict[str, float] | None) -> None:
+    for name, amount in (resources or {}).items():
+        if not (math.isfinite(amount) and amount > 0):
+            raise ValueError(f"{key}.{name}={amount}: a resource amount must be > 0")
+
+
 @dataclasses.dataclass
 class RunTeacherConfig(TeacherConfig):
     """The teacher section of a run config: a :class:`TeacherConfig` and the GPUs its groups
@@ -167,9 +185,12 @@ class RunTeacherConfig(TeacherConfig):
         "(null: GPUs g*k.. modulo the GPUs there)"
     )
 
+    resources: dict[str, float] | None = _resources_field("teacher")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_gpus("gpus", self.gpus)
+        _check_resources("resources", self.resources)
 
 
 @dataclasses.dataclass
@@ -183,9 +204,12 @@ class RunTrainerConfig(TrainerConfig):
         "GPU of each trainer rank: rank r on gpus[r] (null: GPU r)"
     )
 
+    resources: dict[str, float] | None = _resources_field("trainer")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_gpus("gpus", self.gpus)
+        _check_resources("resources", self.resources)
 
     def check_projection(self) -> None:
         """A projection left empty is the run's to build (:attr:`projection_to_build`)."""
@@ -272,6 +296,17 @@ class RunConfig(Shared):
     rollout: RunRolloutConfig = field(default_factory=RunRolloutConfig)
 
     def __post_init__(self) -> None:
+        # a section given as its process's own class (``teacher=TeacherConfig(...)``, the
+        # library's way) becomes the run's class of it, the run's keys at their defaults
+        for name, cls in (
+            ("collator", RunCollatorConfig),
+            ("teacher", RunTeacherConfig),
+            ("trainer", RunTrainerConfig),
+            ("rollout", RunRolloutConfig),
+        ):
+            section = getattr(self, name)
+            if not isinstance(section, cls):
+                setattr(self, name, cfgmod.from_dict(cls, cfgmod.to_dict(section)))
         for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -395,6 +430,13 @@ class RunConfig(Shared):
         if self.on_policy:
             out.append(("rollout.device", str(self.rollout.device)))
         return out
+
+    @property
+    def teachers_apart(self) -> bool:
+        """The teacher groups and the trainer ranks ask for different Ray resources: they are
+        placed apart (other nodes), not pinned together, and the logits cannot take a ring."""
+        uses = self.trainer.loss.uses_teacher
+        return uses and (self.teacher.resources or {}) != (self.trainer.resources or {})
 
     @property
     def on_policy(self) -> bool:

@@ -385,8 +385,9 @@ def make_specs(
                     env=env,
                     log_file=str(d / "logs" / f"{name}.log"),
                     ready_file=str(d / "ready" / name),
-                    resources={"gpu": 1} if cfg.teacher.device.startswith("cuda") else {},
-                    group=str(g),
+                    resources=_resources(cfg.teacher.device, cfg.teacher.resources),
+                    # beside the ranks it serves (a ring), or by its resources (the queue)
+                    group=f"teacher{g}" if cfg.teachers_apart else str(g),
                     unit=f"teacher{g}" if k > 1 else None,
                 )
             )
@@ -408,7 +409,7 @@ def make_specs(
                 env=env,
                 log_file=str(d / "logs" / f"trainer{r}.log"),
                 ready_file=str(d / "ready" / f"trainer{r}"),
-                resources={"gpu": 1} if cfg.trainer.compute.device.startswith("cuda") else {},
+                resources=_resources(cfg.trainer.compute.device, cfg.trainer.resources),
                 group=str(r % cfg.teachers),
             )
         )
@@ -444,6 +445,11 @@ def cpu_threads(
     if not procs or host.threads_set:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, host.cores // procs))}
+
+
+def _resources(device: str, extra: dict[str, float] | None) -> dict[str, float]:
+    """A process's resources: a GPU on CUDA, and the custom ones its role asks for."""
+    return {**({"gpu": 1} if device.startswith("cuda") else {}), **(extra or {})}
 
 
 def _layout(config: RunConfig, gpus: int | None) -> Layout:

@@ -123,3 +123,20 @@ def test_a_tensor_parallel_group_is_k_teacher_processes_of_one_unit_in_torchruns
     one = _cuda(**{"teacher.gpus": [3]})
     assert make_sections(one, inputs, make_context(one, place, queue="tcp://q:1"),
                          gpus=4)["teacher0"]["device"] == "cuda:3"  # fmt: skip
+
+
+def test_teachers_asking_for_other_resources_than_the_trainers_are_placed_apart_by_them(tmp_path):
+    config = _config(
+        run_dir=str(tmp_path / "run"),
+        trainers=2,
+        **{"teacher.resources": {"teacher_node": 1}, "teacher.transport": "topk"},
+    )
+    assert config.teachers_apart
+    specs = {s.name: s for s in make_specs(config, RunPlace.of(config), master_port=1)}
+    assert specs["teacher0"].resources == {"teacher_node": 1}
+    assert specs["teacher0"].group == "teacher0"  # not pinned beside the ranks it serves
+    assert [specs[f"trainer{r}"].group for r in range(2)] == ["0", "0"]
+    together = _config(run_dir=str(tmp_path / "run"))
+    assert not together.teachers_apart
+    specs = {s.name: s for s in make_specs(together, RunPlace.of(together), master_port=1)}
+    assert specs["teacher0"].group == specs["trainer0"].group == "0"
