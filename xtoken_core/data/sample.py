@@ -26,11 +26,24 @@ row of several whole documents and carries two more per-token fields, :data:`PAC
 marks where a document starts. Padding writes 0 there: every pad token is a document of its own.
 Either every sample of a batch has them or none; the frames of a put grow by the two fields'
 buffers, never per document.
+
+Several teachers (``CrossTokenizerCollator(teacher_tokenizers=[...])``): teacher 0's fields keep
+the names above; teacher ``i >= 1`` has its own copy of every field that depends on the teacher
+(:data:`TEACHER_FIELDS`), named by :func:`teacher_field_name`: ``teacher_<x>`` becomes
+``teacher{i}_<x>`` (``teacher1_input_ids``, ``teacher1_token_mask``, ``teacher1_position_ids``)
+and ``alignment_<x>`` becomes ``teacher{i}_alignment_<x>``, the key the loss reads for teacher
+``i``. Its teacher-token fields are on its own axis ``U_i`` (``teacher{i}_token``, length
+``teacher{i}_input_lengths``, padded to a multiple of its divisor with its pad id), its chunk
+fields on its own axis ``C_i`` (``teacher{i}_chunk``, length ``teacher{i}_alignment_num_chunks``);
+its student-token fields (``teacher{i}_alignment_student_chunk_id``, ...) are on the shared
+``T``. The student fields and ``sample_mask`` are shared by every teacher.
+:func:`sample_fields` lists every field of a sample of N teachers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -103,41 +116,237 @@ LENGTH_FIELD: dict[str, str] = {
     CHUNK: "alignment_num_chunks",
 }
 
+# Teacher 0's fields that every further teacher has a copy of (its tokens and its alignment with
+# the student); the others (the student's tokens, ``sample_mask``) are shared by every teacher.
+TEACHER_FIELDS: tuple[FieldSpec, ...] = tuple(
+    f for f in SAMPLE_FIELDS + PACKED_FIELDS if f.name.startswith(("teacher_", ALIGNMENT_PREFIX))
+)
+_TEACHER_FIELD_NAMES = frozenset(f.name for f in TEACHER_FIELDS)
+# teacher{i}_<rest> with i >= 1 (teacher 0 has no number)
+_NUMBERED = re.compile(r"teacher([1-9][0-9]*)_(.+)")
 
-def fields_on_axis(axis: str) -> tuple[str, ...]:
-    """Names of the fields on one axis (packed rows' position fields included).
+
+def teacher_field_name(name: str, teacher: int) -> str:
+    """The name of teacher ``teacher``'s copy of one of teacher 0's fields.
+
+    ``teacher_<x>`` becomes ``teacher{i}_<x>`` and ``alignment_<x>`` becomes
+    ``teacher{i}_alignment_<x>`` (the loss's per-teacher key); teacher 0 keeps the name.
+
+    Args:
+        name: a field of :data:`TEACHER_FIELDS` (``"teacher_input_ids"``,
+            ``"alignment_pair_valid"``, ...).
+        teacher: the teacher's index, >= 0.
+
+    Returns:
+        The field name, e.g. ``"teacher1_input_ids"``, ``"teacher1_alignment_pair_valid"``.
+
+    Raises:
+        ValueError: ``name`` is no per-teacher field, or ``teacher`` < 0.
+    """
+    if name not in _TEACHER_FIELD_NAMES:
+        raise ValueError(
+            f"{name!r} is not a per-teacher field; use one of {sorted(_TEACHER_FIELD_NAMES)}"
+        )
+    if isinstance(teacher, bool) or not isinstance(teacher, int) or teacher < 0:
+        raise ValueError(f"teacher index must be an int >= 0, got {teacher!r}")
+    if teacher == 0:
+        return name
+    if name.startswith("teacher_"):
+        return f"teacher{teacher}_{name.removeprefix('teacher_')}"
+    return f"teacher{teacher}_{name}"
+
+
+def teacher_axis(axis: str, teacher: int) -> str:
+    """Teacher ``teacher``'s copy of an axis: ``teacher{i}_token`` for the teacher tokens,
+    ``teacher{i}_chunk`` for its chunks; the student-token and sample axes are shared.
 
     Args:
         axis: one of ``"student_token"``, ``"teacher_token"``, ``"chunk"``, ``"sample"``.
+        teacher: the teacher's index, >= 0 (0: the axis itself).
+
+    Returns:
+        The axis name.
+    """
+    if teacher == 0 or axis in (STUDENT_TOKEN, SAMPLE):
+        return axis
+    return f"teacher{teacher}_token" if axis == TEACHER_TOKEN else f"teacher{teacher}_chunk"
+
+
+def teacher_pad_symbol(teacher: int) -> str:
+    """The symbolic pad value of teacher ``teacher``'s ids (``"teacher_pad_id"``,
+    ``"teacher1_pad_id"``, ...), resolved by :func:`pad_values`.
+
+    Args:
+        teacher: the teacher's index, >= 0.
+
+    Returns:
+        The symbol.
+    """
+    return TEACHER_PAD_ID if teacher == 0 else f"teacher{teacher}_pad_id"
+
+
+def teacher_fields(teacher: int, *, packed: bool = False) -> tuple[FieldSpec, ...]:
+    """The field specs of one teacher: its token ids, lengths, mask and alignment (and its
+    positions in packed rows), on its own axes with its own pad id.
+
+    Args:
+        teacher: the teacher's index, >= 0 (0: the unprefixed fields).
+        packed: include ``teacher{i}_position_ids``.
+
+    Returns:
+        The specs, in schema order.
+    """
+    return tuple(
+        FieldSpec(
+            teacher_field_name(f.name, teacher),
+            f.dtype,
+            teacher_axis(f.axis, teacher),
+            teacher_pad_symbol(teacher) if f.pad == TEACHER_PAD_ID else f.pad,
+        )
+        for f in TEACHER_FIELDS
+        if packed or f not in PACKED_FIELDS
+    )
+
+
+def sample_fields(num_teachers: int = 1, *, packed: bool = False) -> tuple[FieldSpec, ...]:
+    """Every field of a sample of ``num_teachers`` teachers: the one-teacher schema
+    (:data:`SAMPLE_FIELDS`, and :data:`PACKED_FIELDS` when packed), then teacher 1's fields,
+    teacher 2's, ... (:func:`teacher_fields`).
+
+    Args:
+        num_teachers: N >= 1.
+        packed: packed rows (the position fields of the student and of every teacher).
+
+    Returns:
+        The specs; for one teacher exactly ``SAMPLE_FIELDS`` (``+ PACKED_FIELDS``).
+
+    Raises:
+        ValueError: ``num_teachers`` < 1.
+    """
+    n = _check_num_teachers(num_teachers)
+    specs = SAMPLE_FIELDS + (PACKED_FIELDS if packed else ())
+    for i in range(1, n):
+        specs += teacher_fields(i, packed=packed)
+    return specs
+
+
+def field_names(num_teachers: int = 1, *, packed: bool = False) -> tuple[str, ...]:
+    """Names of :func:`sample_fields` (what a consumer of N teachers' samples claims).
+
+    Args:
+        num_teachers: N >= 1.
+        packed: packed rows.
+
+    Returns:
+        The names, in schema order.
+    """
+    return tuple(f.name for f in sample_fields(num_teachers, packed=packed))
+
+
+def num_teachers_of(sample: Mapping[str, object]) -> int:
+    """How many teachers a sample (or a padded batch) carries fields of: 1 + the highest ``i``
+    of a ``teacher{i}_<field>`` key naming a per-teacher field.
+
+    Args:
+        sample: a jagged sample or a padded batch.
+
+    Returns:
+        N >= 1.
+    """
+    highest = 0
+    for key in sample:
+        match = _NUMBERED.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            continue
+        rest = match.group(2)
+        if rest in _TEACHER_FIELD_NAMES or f"teacher_{rest}" in _TEACHER_FIELD_NAMES:
+            highest = max(highest, int(match.group(1)))
+    return highest + 1
+
+
+def length_fields(num_teachers: int = 1) -> dict[str, str]:
+    """The per-sample field holding each jagged axis' length, for N teachers.
+
+    Args:
+        num_teachers: N >= 1.
+
+    Returns:
+        ``{axis: length field}``: :data:`LENGTH_FIELD`, then ``teacher{i}_token`` ->
+        ``teacher{i}_input_lengths`` and ``teacher{i}_chunk`` ->
+        ``teacher{i}_alignment_num_chunks`` for each further teacher.
+    """
+    out = dict(LENGTH_FIELD)
+    for i in range(1, _check_num_teachers(num_teachers)):
+        for axis in (TEACHER_TOKEN, CHUNK):
+            out[teacher_axis(axis, i)] = teacher_field_name(LENGTH_FIELD[axis], i)
+    return out
+
+
+def _check_num_teachers(num_teachers: int) -> int:
+    if isinstance(num_teachers, bool) or not isinstance(num_teachers, int) or num_teachers < 1:
+        raise ValueError(f"num_teachers must be an int >= 1, got {num_teachers!r}")
+    return num_teachers
+
+
+def _per_teacher(name: str, value: object, n: int | None) -> tuple[int, ...] | None:
+    """``value`` as one int per teacher (a sequence), or None for a single int."""
+    if isinstance(value, list | tuple):
+        if n is not None and len(value) != n:
+            raise ValueError(
+                f"{name} has {len(value)} entries for {n} teachers; give one per teacher"
+            )
+        if not value:
+            raise ValueError(f"{name} is empty; give one entry per teacher")
+        return tuple(int(v) for v in value)
+    return None
+
+
+def fields_on_axis(axis: str, num_teachers: int = 1) -> tuple[str, ...]:
+    """Names of the fields on one axis (packed rows' position fields included).
+
+    Args:
+        axis: ``"student_token"``, ``"teacher_token"``, ``"chunk"``, ``"sample"``, or a further
+            teacher's ``"teacher{i}_token"`` / ``"teacher{i}_chunk"`` (:func:`teacher_axis`).
+        num_teachers: N >= 1, the teachers whose fields count.
 
     Returns:
         The field names, in schema order.
 
     Raises:
-        ValueError: on an unknown axis.
+        ValueError: on an axis no field of N teachers is on.
     """
-    if axis not in (STUDENT_TOKEN, TEACHER_TOKEN, CHUNK, SAMPLE):
-        raise ValueError(
-            f"unknown axis {axis!r}; use one of {STUDENT_TOKEN}, {TEACHER_TOKEN}, {CHUNK}, {SAMPLE}"
-        )
-    return tuple(f.name for f in SAMPLE_FIELDS + PACKED_FIELDS if f.axis == axis)
+    specs = sample_fields(num_teachers, packed=True)
+    axes = list(dict.fromkeys(f.axis for f in specs))
+    if axis not in axes:
+        raise ValueError(f"unknown axis {axis!r}; use one of {', '.join(axes)}")
+    return tuple(f.name for f in specs if f.axis == axis)
 
 
-def pad_values(*, student_pad_id: int, teacher_pad_id: int) -> dict[str, int | float | bool]:
+def pad_values(
+    *, student_pad_id: int, teacher_pad_id: int | Sequence[int]
+) -> dict[str, int | float | bool]:
     """Concrete pad value of every padded field for one run.
 
     Args:
         student_pad_id: id written into padding of ``input_ids``.
-        teacher_pad_id: id written into padding of ``teacher_input_ids``.
+        teacher_pad_id: id written into padding of ``teacher_input_ids``, or one per teacher
+            (teacher i's into ``teacher{i}_input_ids``).
 
     Returns:
         ``{field name: pad value}`` for every field that is not per-sample (packed rows'
-        position fields included).
+        position fields included), of every teacher.
+
+    Raises:
+        ValueError: an empty sequence of teacher pad ids.
     """
-    resolved = {STUDENT_PAD_ID: int(student_pad_id), TEACHER_PAD_ID: int(teacher_pad_id)}
+    per_teacher = _per_teacher("teacher_pad_id", teacher_pad_id, None)
+    teacher_ids = per_teacher if per_teacher is not None else (int(teacher_pad_id),)
+    resolved: dict[str, int] = {STUDENT_PAD_ID: int(student_pad_id)}
+    for i, pad_id in enumerate(teacher_ids):
+        resolved[teacher_pad_symbol(i)] = pad_id
     return {
         f.name: resolved.get(f.pad, f.pad) if isinstance(f.pad, str) else f.pad
-        for f in SAMPLE_FIELDS + PACKED_FIELDS
+        for f in sample_fields(len(teacher_ids), packed=True)
         if f.axis != SAMPLE
     }
 
@@ -154,6 +363,13 @@ def is_packed(sample: Mapping[str, torch.Tensor]) -> bool:
     return PACKED_FIELDS[0].name in sample
 
 
+def _has_packed_field(sample: Mapping[str, torch.Tensor], n: int) -> bool:
+    """Whether any position field of the student or of N teachers is in ``sample``."""
+    names = [f.name for f in PACKED_FIELDS]
+    names += [teacher_field_name(PACKED_FIELDS[1].name, i) for i in range(1, n)]
+    return any(name in sample for name in names)
+
+
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``max(n, 1)`` (padded widths are never 0).
 
@@ -168,25 +384,36 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def validate_sample(sample: Mapping[str, torch.Tensor]) -> None:
+def validate_sample(sample: Mapping[str, torch.Tensor], num_teachers: int | None = None) -> None:
     """Check that a jagged sample follows the schema.
 
     Args:
         sample: ``{field name: tensor}`` as made by ``CrossTokenizerCollator.collate_one``.
             Extra keys are allowed (e.g. a key or teacher handle added later); a packed row
-            has both fields of :data:`PACKED_FIELDS`.
+            has the position fields of the student and of every teacher.
+        num_teachers: the teachers the sample must carry (every teacher's fields checked);
+            None: as many as its keys name (:func:`num_teachers_of`).
 
     Raises:
-        ValueError: on a missing field, a wrong dtype or rank, or a length that disagrees with
-            its length field; the message names the field.
+        ValueError: on a missing field (of any teacher), fields of more teachers than
+            ``num_teachers``, a wrong dtype or rank, or a length that disagrees with its length
+            field; the message names the field.
     """
-    missing = [name for name in FIELD_NAMES if name not in sample]
-    specs = SAMPLE_FIELDS
-    if any(name in sample for name in PACKED_FIELD_NAMES):
-        missing += [name for name in PACKED_FIELD_NAMES if name not in sample]
-        specs = SAMPLE_FIELDS + PACKED_FIELDS
+    found = num_teachers_of(sample)
+    n = found if num_teachers is None else _check_num_teachers(num_teachers)
+    if found > n:
+        raise ValueError(
+            f"sample carries fields of teacher {found - 1} but {n} teacher(s) were expected; "
+            f"collate it with {n} teacher tokenizer(s) or expect {found}"
+        )
+    packed = _has_packed_field(sample, n)
+    specs = sample_fields(n, packed=packed)
+    missing = [spec.name for spec in specs if spec.name not in sample]
     if missing:
-        raise ValueError(f"sample lacks fields {missing}; build it with collate_one()")
+        raise ValueError(
+            f"sample lacks fields {missing}; build it with collate_one() of a collator of "
+            f"{n} teacher(s)"
+        )
     for spec in specs:
         value = sample[spec.name]
         if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype:
@@ -197,14 +424,15 @@ def validate_sample(sample: Mapping[str, torch.Tensor]) -> None:
             raise ValueError(
                 f"field {spec.name!r}: expected {want_dim}-d, got shape {tuple(value.shape)}"
             )
+    lengths = length_fields(n)
     for spec in specs:
         if spec.axis == SAMPLE:
             continue
-        length = int(sample[LENGTH_FIELD[spec.axis]])
+        length = int(sample[lengths[spec.axis]])
         if sample[spec.name].shape[0] != length:
             raise ValueError(
                 f"field {spec.name!r} has {sample[spec.name].shape[0]} entries but "
-                f"{LENGTH_FIELD[spec.axis]} = {length}"
+                f"{lengths[spec.axis]} = {length}"
             )
 
 
@@ -212,58 +440,74 @@ def pad_samples(
     samples: Sequence[Mapping[str, torch.Tensor]],
     *,
     student_pad_id: int,
-    teacher_pad_id: int,
+    teacher_pad_id: int | Sequence[int],
     make_seq_div_by_student: int = 1,
-    make_seq_div_by_teacher: int = 1,
+    make_seq_div_by_teacher: int | Sequence[int] = 1,
 ) -> dict[str, torch.Tensor]:
     """Materialize a right-padded batch from jagged samples: each row is copied once, into its
     rectangle (:func:`xtoken_core.data_plane.codec.pad_rows`).
 
     Args:
         samples: B jagged samples (see :func:`validate_sample`), e.g. row views of claimed
-            columns (:func:`xtoken_core.data_plane.codec.columns_to_samples`).
+            columns (:func:`xtoken_core.data_plane.codec.columns_to_samples`), all of the same
+            teachers.
         student_pad_id: pad id of ``input_ids``.
-        teacher_pad_id: pad id of ``teacher_input_ids``.
+        teacher_pad_id: pad id of ``teacher_input_ids``; for samples of N > 1 teachers one per
+            teacher (``CrossTokenizerCollator.pad_kwargs()`` gives them).
         make_seq_div_by_student: T is rounded up to a multiple of this.
-        make_seq_div_by_teacher: U is rounded up to a multiple of this.
+        make_seq_div_by_teacher: U is rounded up to a multiple of this; one for every teacher,
+            or one per teacher (teacher i's ``U_i``).
 
     Returns:
-        ``{field: tensor}``: per-student-token fields [B, T], per-teacher-token [B, U],
-        per-chunk [B, C], per-sample [B]; dtypes as in :data:`SAMPLE_FIELDS` (and
-        :data:`PACKED_FIELDS` for packed rows).
+        ``{field: tensor}``: per-student-token fields [B, T], teacher i's per-teacher-token
+        fields [B, U_i], its per-chunk fields [B, C_i], per-sample [B]; dtypes as in
+        :func:`sample_fields`.
 
     Raises:
-        ValueError: on an empty ``samples``, a divisor < 1, a sample that breaks the schema, or
+        ValueError: on an empty ``samples``, a divisor < 1, a sample that breaks the schema,
+            samples of different teachers, pad ids or divisors that are not one per teacher, or
             packed rows mixed with unpacked samples.
     """
     if not samples:
         raise ValueError("pad_samples needs at least one sample, got an empty sequence")
+    pad_ids = _per_teacher("teacher_pad_id", teacher_pad_id, None)
+    n = num_teachers_of(samples[0]) if pad_ids is None else len(pad_ids)
+    if pad_ids is None and n > 1:
+        raise ValueError(
+            f"the samples carry {n} teachers but teacher_pad_id is one int; pass one pad id per "
+            "teacher (CrossTokenizerCollator.pad_kwargs())"
+        )
     for sample in samples:
-        validate_sample(sample)
+        validate_sample(sample, n)
     packed = [is_packed(s) for s in samples]
     if any(packed) and not all(packed):
         raise ValueError(
             f"{sum(packed)} of {len(samples)} samples are packed rows (position_ids) and the "
             "others are not; a batch comes from one setting (the run's pack)"
         )
-    divisors = {
-        STUDENT_TOKEN: int(make_seq_div_by_student),
-        TEACHER_TOKEN: int(make_seq_div_by_teacher),
-        CHUNK: 1,
-    }
+    teacher_divs = _per_teacher("make_seq_div_by_teacher", make_seq_div_by_teacher, n)
+    if teacher_divs is None:
+        teacher_divs = (int(make_seq_div_by_teacher),) * n
     for arg, div in (
         ("make_seq_div_by_student", make_seq_div_by_student),
-        ("make_seq_div_by_teacher", make_seq_div_by_teacher),
+        *(("make_seq_div_by_teacher", d) for d in teacher_divs),
     ):
         if int(div) < 1:
             raise ValueError(f"{arg} must be >= 1, got {div!r}")
-    pads = pad_values(student_pad_id=student_pad_id, teacher_pad_id=teacher_pad_id)
+    divisors = {STUDENT_TOKEN: int(make_seq_div_by_student)}
+    for i in range(n):
+        divisors[teacher_axis(TEACHER_TOKEN, i)] = teacher_divs[i]
+        divisors[teacher_axis(CHUNK, i)] = 1
+    pads = pad_values(
+        student_pad_id=student_pad_id,
+        teacher_pad_id=pad_ids if pad_ids is not None else teacher_pad_id,
+    )
     widths = {
         axis: round_up(max(int(s[length]) for s in samples), divisors[axis])
-        for axis, length in LENGTH_FIELD.items()
+        for axis, length in length_fields(n).items()
     }
     batch: dict[str, torch.Tensor] = {}
-    for spec in SAMPLE_FIELDS + (PACKED_FIELDS if packed[0] else ()):
+    for spec in sample_fields(n, packed=packed[0]):
         rows = [s[spec.name] for s in samples]
         if spec.axis == SAMPLE:
             batch[spec.name] = torch.stack(rows)
