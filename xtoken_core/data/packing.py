@@ -59,35 +59,73 @@ def pack_rows(
     Raises:
         ValueError: the lengths differ in count, or a document is longer than a row.
     """
-    if len(student_lengths) != len(teacher_lengths):
+    return pack_rows_per_teacher(student_lengths, [teacher_lengths], ctx_student, [ctx_teacher])
+
+
+def pack_rows_per_teacher(
+    student_lengths: Sequence[int],
+    teacher_lengths: Sequence[Sequence[int]],
+    ctx_student: int,
+    ctx_teacher: Sequence[int],
+) -> list[list[int]]:
+    """:func:`pack_rows` for N teachers: a row holds a document when it fits the student's row
+    and every teacher's (longest first by the largest of its shares over every side).
+
+    Args:
+        student_lengths: D student token counts, each <= ``ctx_student``.
+        teacher_lengths: N lists of D token counts, teacher i's each <= ``ctx_teacher[i]``.
+        ctx_student: student tokens per row, >= 1.
+        ctx_teacher: N teacher contexts, each >= 1.
+
+    Returns:
+        R lists of document indices (every index once; ``[]`` for D = 0).
+
+    Raises:
+        ValueError: no teacher, a count of lengths or contexts that disagrees, or a document
+            longer than a row on some side.
+    """
+    if not teacher_lengths or len(teacher_lengths) != len(ctx_teacher):
         raise ValueError(
-            f"{len(student_lengths)} student lengths but {len(teacher_lengths)} teacher lengths"
+            f"{len(teacher_lengths)} teachers' lengths but {len(ctx_teacher)} teacher contexts; "
+            "give one list of lengths and one context per teacher (at least one)"
         )
-    for i, (s, u) in enumerate(zip(student_lengths, teacher_lengths)):
-        if not (0 <= s <= ctx_student and 0 <= u <= ctx_teacher):
+    names = ["teacher"] + [f"teacher{i}" for i in range(1, len(teacher_lengths))]
+    for name, lengths in zip(names, teacher_lengths):
+        if len(student_lengths) != len(lengths):
             raise ValueError(
-                f"document {i} has {s} student / {u} teacher tokens, over a row of "
-                f"{ctx_student} / {ctx_teacher}: truncate it to the context first"
+                f"{len(student_lengths)} student lengths but {len(lengths)} {name} lengths"
             )
-    empty = [i for i, (s, u) in enumerate(zip(student_lengths, teacher_lengths)) if s == u == 0]
+    sides = [list(student_lengths)] + [list(lengths) for lengths in teacher_lengths]
+    contexts = [ctx_student, *ctx_teacher]
+    docs = list(zip(*sides)) if sides[0] else []
+    for i, doc in enumerate(docs):
+        if not all(0 <= n <= ctx for n, ctx in zip(doc, contexts)):
+            counts = " / ".join(f"{n} {name}" for n, name in zip(doc, ["student", *names]))
+            over = " / ".join(str(ctx) for ctx in contexts)
+            raise ValueError(
+                f"document {i} has {counts} tokens, over a row of {over}: truncate it to the "
+                "context first"
+            )
+    empty = [i for i, doc in enumerate(docs) if not any(doc)]
     order = sorted(
-        (i for i, (s, u) in enumerate(zip(student_lengths, teacher_lengths)) if s or u),
-        key=lambda i: (-max(student_lengths[i] / ctx_student, teacher_lengths[i] / ctx_teacher), i),
+        (i for i, doc in enumerate(docs) if any(doc)),
+        key=lambda i: (-max(n / ctx for n, ctx in zip(docs[i], contexts)), i),
     )
     rows: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # per row: (student, teacher) tokens left
+    room: list[list[int]] = []  # per row: tokens left on each side (student first)
     for i in order:
-        s, u = student_lengths[i], teacher_lengths[i]
+        doc = docs[i]
         best = None
-        for r, (left_s, left_u) in enumerate(room):
-            if s <= left_s and u <= left_u and (best is None or left_s < room[best][0]):
+        for r, left in enumerate(room):
+            fits = all(n <= k for n, k in zip(doc, left))
+            if fits and (best is None or left[0] < room[best][0]):
                 best = r
         if best is None:
             rows.append([i])
-            room.append((ctx_student - s, ctx_teacher - u))
+            room.append([ctx - n for ctx, n in zip(contexts, doc)])
         else:
             rows[best].append(i)
-            room[best] = (room[best][0] - s, room[best][1] - u)
+            room[best] = [k - n for k, n in zip(room[best], doc)]
     rows = sorted((sorted(row) for row in rows), key=lambda row: row[0])
     if empty:
         rows[:1] = [sorted(rows[0] + empty)] if rows else [empty]
@@ -99,55 +137,91 @@ def join_documents(documents: Sequence[Mapping[str, torch.Tensor]]) -> dict[str,
     the jagged samples of whole documents, in order.
 
     A document whose ``sample_mask`` is 0 (an empty text) adds no token. Chunk ids are offset by
-    the chunks of the documents before (-1 stays -1); positions restart at 0 per document.
+    the chunks of the documents before (-1 stays -1), each teacher's by its own chunks;
+    positions restart at 0 per document, on the student's side and on every teacher's. Teachers
+    whose fields are the same tensors in every document (one tokenizer, tokenized once) share
+    the row's tensors too.
 
     Args:
         documents: unpacked jagged samples (``CrossTokenizerCollator.collate_samples`` of one
-            text each), in row order.
+            text each), in row order, all of the same teachers.
 
     Returns:
-        The row's fields: the schema's, plus ``position_ids`` [T] and ``teacher_position_ids``
-        [U] (int32). ``sample_mask`` is 1.0 when the row holds a token, else 0.0.
+        The row's fields: the schema's of its teachers plus ``position_ids`` [T],
+        ``teacher_position_ids`` [U] and each further teacher's ``teacher{i}_position_ids``
+        [U_i] (int32). ``sample_mask`` is 1.0 when the row holds a token, else 0.0.
 
     Raises:
-        ValueError: a document breaks the schema or is already a packed row.
+        ValueError: a document breaks the schema, is already a packed row, or has other
+            teachers than the first.
     """
+    n = schema.num_teachers_of(documents[0]) if documents else 1
     kept = []
     for doc in documents:
-        schema.validate_sample(doc)
+        schema.validate_sample(doc, n)
         if schema.is_packed(doc):
             raise ValueError("join_documents takes unpacked samples; this one is a packed row")
         if float(doc["sample_mask"]) != 0.0:
             kept.append(doc)
+    student_specs = [f for f in schema.SAMPLE_FIELDS if f not in schema.TEACHER_FIELDS]
+    out = _join_side(kept, student_specs, None)
+    out["position_ids"] = _positions(kept, "input_lengths")
+    joined: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+    for i in range(n):
+        specs = schema.teacher_fields(i)
+        # the same tensors in every document: the same row (its tensors shared)
+        same = tuple(id(doc[spec.name]) for doc in kept for spec in specs)
+        fields = joined.get(same)
+        if fields is None:
+            fields = _join_side(kept, specs, i)
+            joined[same] = fields
+        out.update(fields)
+    out["input_lengths"] = torch.tensor(int(out["input_ids"].numel()), dtype=torch.int64)
+    out["sample_mask"] = torch.tensor(1.0 if out["input_ids"].numel() else 0.0)
+    return {name: out[name] for name in schema.field_names(n, packed=True)}
+
+
+def _join_side(
+    kept: Sequence[Mapping[str, torch.Tensor]],
+    specs: Sequence[schema.FieldSpec],
+    teacher: int | None,
+) -> dict[str, torch.Tensor]:
+    """The per-token and per-chunk fields of ``specs`` concatenated over the documents; for a
+    teacher also its offset chunk ids, its positions and its lengths."""
     out: dict[str, torch.Tensor] = {}
-    for spec in schema.SAMPLE_FIELDS:
+    for spec in specs:
         if spec.axis == schema.SAMPLE:
             continue
         rows = [doc[spec.name] for doc in kept]
         out[spec.name] = torch.cat(rows) if rows else torch.zeros(0, dtype=spec.dtype)
+    if teacher is None:
+        return out
+
+    def name(field: str) -> str:
+        return schema.teacher_field_name(field, teacher)
+
     offset = 0
-    student_ids, teacher_ids = [], []
+    chunk_ids: dict[str, list[torch.Tensor]] = {"student": [], "teacher": []}
     for doc in kept:
-        for side, into in (("student", student_ids), ("teacher", teacher_ids)):
-            ids = doc[f"alignment_{side}_chunk_id"]
+        for side, into in chunk_ids.items():
+            ids = doc[name(f"alignment_{side}_chunk_id")]
             into.append(torch.where(ids >= 0, ids + offset, ids))
-        offset += int(doc["alignment_num_chunks"])
-    for side, rows in (("student", student_ids), ("teacher", teacher_ids)):
-        name = f"alignment_{side}_chunk_id"
-        out[name] = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    for name, length in (
-        ("position_ids", "input_lengths"),
-        ("teacher_position_ids", "teacher_input_lengths"),
-    ):
-        positions = [torch.arange(int(doc[length]), dtype=torch.int32) for doc in kept]
-        out[name] = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32)
-    out["input_lengths"] = torch.tensor(int(out["input_ids"].numel()), dtype=torch.int64)
-    out["teacher_input_lengths"] = torch.tensor(
-        int(out["teacher_input_ids"].numel()), dtype=torch.int64
+        offset += int(doc[name("alignment_num_chunks")])
+    for side, rows in chunk_ids.items():
+        field = name(f"alignment_{side}_chunk_id")
+        out[field] = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    out[name("teacher_position_ids")] = _positions(kept, name("teacher_input_lengths"))
+    out[name("teacher_input_lengths")] = torch.tensor(
+        int(out[name("teacher_input_ids")].numel()), dtype=torch.int64
     )
-    out["sample_mask"] = torch.tensor(1.0 if out["input_ids"].numel() else 0.0)
-    out["alignment_num_chunks"] = torch.tensor(offset, dtype=torch.int64)
-    return {name: out[name] for name in schema.FIELD_NAMES + schema.PACKED_FIELD_NAMES}
+    out[name("alignment_num_chunks")] = torch.tensor(offset, dtype=torch.int64)
+    return out
+
+
+def _positions(kept: Sequence[Mapping[str, torch.Tensor]], length: str) -> torch.Tensor:
+    """int32 positions restarting at 0 at each document (lengths in field ``length``)."""
+    positions = [torch.arange(int(doc[length]), dtype=torch.int32) for doc in kept]
+    return torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32)
 
 
 def row_key(keys: Sequence[str]) -> str:
@@ -180,27 +254,34 @@ def document_targets(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     In a packed batch a document's first token (position 0) is the target of the previous
     document's last logits; here it is no target: ``token_mask`` False (student CE) and chunk id
     -1 on each side (``alignment_student_chunk_id`` at student position 0,
-    ``alignment_teacher_chunk_id`` at teacher position 0). The loss shifts these by one position,
-    so each document's logits meet only its own targets, as in a row of its own, where the first
-    token is no target either. An unpacked batch is returned as it is.
+    ``alignment_teacher_chunk_id`` at teacher position 0), for every teacher
+    (``teacher{i}_alignment_*_chunk_id``, teacher i's starts read from
+    ``teacher{i}_position_ids``). The loss shifts these by one position, so each document's
+    logits meet only its own targets, as in a row of its own, where the first token is no
+    target either. An unpacked batch is returned as it is.
 
     Args:
-        batch: padded fields ``[B, T]`` / ``[B, U]`` (``pad_samples``), packed or not.
+        batch: padded fields ``[B, T]`` / ``[B, U_i]`` (``pad_samples``), packed or not.
 
     Returns:
-        A new dict with the three fields replaced (packed), or ``batch`` itself (unpacked). The
-        attention still reads the untouched ``position_ids``.
+        A new dict with the chunk ids and ``token_mask`` replaced (packed), or ``batch`` itself
+        (unpacked). The attention still reads the untouched position fields.
     """
     if not schema.is_packed(batch):
         return batch  # type: ignore[return-value]
     out = dict(batch)
     starts_BT = batch["position_ids"] == 0
-    starts_BU = batch["teacher_position_ids"] == 0
     out["token_mask"] = batch["token_mask"] & ~starts_BT
-    for name, starts in (
-        ("alignment_student_chunk_id", starts_BT),
-        ("alignment_teacher_chunk_id", starts_BU),
-    ):
-        if name in batch:
-            out[name] = batch[name].masked_fill(starts, -1)
+    for i in range(schema.num_teachers_of(batch)):
+
+        def name(field: str, i: int = i) -> str:
+            return schema.teacher_field_name(field, i)
+
+        positions = batch.get(name("teacher_position_ids"))
+        for field, starts in (
+            ("alignment_student_chunk_id", starts_BT),
+            ("alignment_teacher_chunk_id", None if positions is None else positions == 0),
+        ):
+            if name(field) in batch and starts is not None:
+                out[name(field)] = batch[name(field)].masked_fill(starts, -1)
     return out
