@@ -32,6 +32,8 @@ from xtoken_core.data import sample as schema
 
 # The separator of document keys in a packed row's key (``<key 1>|<key 2>|...``).
 ROW_KEY_SEPARATOR = "|"
+# A teacher's fields of an unpacked sample, under teacher 0's names (a row adds its positions).
+_TEACHER = tuple(f for f in schema.TEACHER_FIELDS if f not in schema.PACKED_FIELDS)
 
 
 def pack_rows(
@@ -163,65 +165,60 @@ def join_documents(documents: Sequence[Mapping[str, torch.Tensor]]) -> dict[str,
             raise ValueError("join_documents takes unpacked samples; this one is a packed row")
         if float(doc["sample_mask"]) != 0.0:
             kept.append(doc)
-    student_specs = [f for f in schema.SAMPLE_FIELDS if f not in schema.TEACHER_FIELDS]
-    out = _join_side(kept, student_specs, None)
-    out["position_ids"] = _positions(kept, "input_lengths")
+    out: dict[str, torch.Tensor] = {}
+    for spec in schema.SAMPLE_FIELDS:
+        if spec.axis != schema.SAMPLE and spec not in schema.TEACHER_FIELDS:
+            out[spec.name] = _cat([doc[spec.name] for doc in kept], spec.dtype)
+    out["position_ids"] = _positions([int(doc["input_lengths"]) for doc in kept])
     joined: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     for i in range(n):
-        specs = schema.teacher_fields(i)
-        # the same tensors in every document: the same row (its tensors shared)
-        same = tuple(id(doc[spec.name]) for doc in kept for spec in specs)
-        fields = joined.get(same)
-        if fields is None:
-            fields = _join_side(kept, specs, i)
-            joined[same] = fields
-        out.update(fields)
+        views = [
+            {f.name: doc[schema.teacher_field_name(f.name, i)] for f in _TEACHER} for doc in kept
+        ]
+        # the same tensors in every document (one tokenization): the same row, shared
+        same = tuple(id(value) for view in views for value in view.values())
+        if same not in joined:
+            joined[same] = _join_teacher(views)
+        for name, value in joined[same].items():
+            out[schema.teacher_field_name(name, i)] = value
     out["input_lengths"] = torch.tensor(int(out["input_ids"].numel()), dtype=torch.int64)
     out["sample_mask"] = torch.tensor(1.0 if out["input_ids"].numel() else 0.0)
     return {name: out[name] for name in schema.field_names(n, packed=True)}
 
 
-def _join_side(
-    kept: Sequence[Mapping[str, torch.Tensor]],
-    specs: Sequence[schema.FieldSpec],
-    teacher: int | None,
-) -> dict[str, torch.Tensor]:
-    """The per-token and per-chunk fields of ``specs`` concatenated over the documents; for a
-    teacher also its offset chunk ids, its positions and its lengths."""
+def _join_teacher(views: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One teacher's row from its fields of the kept documents (under teacher 0's names): the
+    per-token and per-chunk fields concatenated, the chunk ids offset by the chunks before,
+    positions restarting per document, the lengths of the row."""
     out: dict[str, torch.Tensor] = {}
-    for spec in specs:
-        if spec.axis == schema.SAMPLE:
-            continue
-        rows = [doc[spec.name] for doc in kept]
-        out[spec.name] = torch.cat(rows) if rows else torch.zeros(0, dtype=spec.dtype)
-    if teacher is None:
-        return out
-
-    def name(field: str) -> str:
-        return schema.teacher_field_name(field, teacher)
-
+    for spec in _TEACHER:
+        if spec.axis != schema.SAMPLE:
+            out[spec.name] = _cat([view[spec.name] for view in views], spec.dtype)
     offset = 0
     chunk_ids: dict[str, list[torch.Tensor]] = {"student": [], "teacher": []}
-    for doc in kept:
+    for view in views:
         for side, into in chunk_ids.items():
-            ids = doc[name(f"alignment_{side}_chunk_id")]
+            ids = view[f"alignment_{side}_chunk_id"]
             into.append(torch.where(ids >= 0, ids + offset, ids))
-        offset += int(doc[name("alignment_num_chunks")])
+        offset += int(view["alignment_num_chunks"])
     for side, rows in chunk_ids.items():
-        field = name(f"alignment_{side}_chunk_id")
-        out[field] = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    out[name("teacher_position_ids")] = _positions(kept, name("teacher_input_lengths"))
-    out[name("teacher_input_lengths")] = torch.tensor(
-        int(out[name("teacher_input_ids")].numel()), dtype=torch.int64
+        out[f"alignment_{side}_chunk_id"] = _cat(rows, torch.int64)
+    out["teacher_position_ids"] = _positions([int(view["teacher_input_lengths"]) for view in views])
+    out["teacher_input_lengths"] = torch.tensor(
+        int(out["teacher_input_ids"].numel()), dtype=torch.int64
     )
-    out[name("alignment_num_chunks")] = torch.tensor(offset, dtype=torch.int64)
+    out["alignment_num_chunks"] = torch.tensor(offset, dtype=torch.int64)
     return out
 
 
-def _positions(kept: Sequence[Mapping[str, torch.Tensor]], length: str) -> torch.Tensor:
-    """int32 positions restarting at 0 at each document (lengths in field ``length``)."""
-    positions = [torch.arange(int(doc[length]), dtype=torch.int32) for doc in kept]
-    return torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32)
+def _cat(rows: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The rows one after the other (an empty tensor of ``dtype`` for none)."""
+    return torch.cat(list(rows)) if rows else torch.zeros(0, dtype=dtype)
+
+
+def _positions(lengths: Sequence[int]) -> torch.Tensor:
+    """int32 positions restarting at 0 at each document of the given lengths."""
+    return _cat([torch.arange(n, dtype=torch.int32) for n in lengths], torch.int32)
 
 
 def row_key(keys: Sequence[str]) -> str:
