@@ -172,3 +172,21 @@ def test_a_row_key_names_its_documents():
     assert key == "a/data.jsonl:3|a/data.jsonl:7"
     assert packing.document_keys(key) == ["a/data.jsonl:3", "a/data.jsonl:7"]
     assert packing.document_keys("a/data.jsonl:3") == ["a/data.jsonl:3"]
+
+
+def test_pack_rows_of_several_teachers_fits_every_teachers_row():
+    s = [5, 9, 3, 10, 1, 7, 0, 4]
+    u = [6, 2, 8, 9, 1, 7, 0, 4]
+    v = [6, 2, 2, 2, 2, 2, 0, 6]
+    rows = packing.pack_rows_per_teacher(s, [u, v], 10, [10, 10])
+    assert sorted(i for row in rows for i in row) == list(range(len(s)))
+    for row in rows:
+        assert sum(s[i] for i in row) <= 10 and sum(u[i] for i in row) <= 10
+        assert sum(v[i] for i in row) <= 10
+    assert not any({0, 7} <= set(row) for row in rows)  # together 12 tokens of teacher 1
+    assert any({0, 7} <= set(row) for row in packing.pack_rows(s, u, 10, 10))
+    assert packing.pack_rows_per_teacher(s, [u], 10, [10]) == packing.pack_rows(s, u, 10, 10)
+    with pytest.raises(ValueError, match="document 1 has 3 student / 2 teacher / 11 teacher1"):
+        packing.pack_rows_per_teacher([2, 3], [[2, 2], [2, 11]], 10, [10, 10])
+    with pytest.raises(ValueError, match="2 teachers' lengths but 1 teacher contexts"):
+        packing.pack_rows_per_teacher([2], [[2], [2]], 10, [10])
