@@ -19,16 +19,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the config and run the teacher process."""
+    """Build the config and run the teacher process (one rank of a group under torchrun)."""
+    import os
+
     from services.teacher.config import TeacherConfig
     from services.teacher.main import serve
 
     def main(lc):
         return serve(cfg.from_args(TeacherConfig, args), lc)
 
-    return run_process(
-        "teacher",
-        main,
-        ready_file=args.ready_file,
-        log_level=args.log_level,
-    )
+    ready_file = args.ready_file
+    if os.environ.get("RANK", "0") != "0":
+        # torchrun gives every rank of a tensor-parallel group the same command and environment:
+        # rank 0 speaks for the group (ready file, heartbeat, exit code)
+        ready_file = None
+        for name in ("XTOKEN_HEARTBEAT_FILE", "XTOKEN_EXIT_FILE"):
+            os.environ.pop(name, None)
+    return run_process("teacher", main, ready_file=ready_file, log_level=args.log_level)

@@ -17,8 +17,9 @@ from xtoken_core.models.dtypes import check_dtype_name
 __all__ = ["TeacherConfig", "check_tensor_parallel", "resolve_compile", "resolve_cuda_graphs"]
 
 # Transports a tensor-parallel teacher group serves: each shard writes its vocab slice of a ring
-# slot (shm, cuda_ipc), or rank 0 sends the replicated hidden states (hidden).
-TENSOR_PARALLEL_TRANSPORTS = ("shm", "cuda_ipc", "hidden")
+# slot (shm, cuda_ipc), rank 0 sends the replicated hidden states (hidden) or the top-K of the
+# logits all-gathered from the shards (topk).
+TENSOR_PARALLEL_TRANSPORTS = ("shm", "cuda_ipc", "hidden", "topk")
 
 
 def _device_type(device: object) -> str:

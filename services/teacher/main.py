@@ -8,11 +8,15 @@ share its forward (:meth:`~services.teacher.worker.TeacherWorker.fits`: same len
 onto its record and acks it. A request is acked only after its result is stored, so a teacher
 killed mid-request leaves it leased: it is redelivered to a restarted teacher when the lease ends.
 A malformed request gets an error result (the trainer raises it) and the loop goes on.
+
+A tensor-parallel group (``teacher.tensor_parallel`` > 1, started by torchrun) serves the same
+way from its rank 0; the other ranks follow it (services/teacher/tensor_parallel.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +35,45 @@ logger = logging.getLogger(__name__)
 
 
 def serve(config: TeacherConfig, lc: Lifecycle) -> int:
-    """Serve requests until stopped (metrics under ``config.run_dir``, if set); returns 0."""
+    """Serve requests until stopped (metrics under ``config.run_dir``, if set); returns 0.
+
+    With ``teacher.tensor_parallel`` > 1 (or under torchrun) this process is one rank of a
+    tensor-parallel group (:func:`_serve_group`).
+    """
     # bad input first: a held-out file without text fails before the queue and the model
     texts = read_texts(config.heldout, config.eval_texts) if config.heldout else []
+    if config.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _serve_group(config, lc, texts)
+    return _serve_queue(config, lc, texts, TeacherWorker)
+
+
+def _serve_group(config: TeacherConfig, lc: Lifecycle, texts: list[str]) -> int:
+    """One rank of a tensor-parallel group: rank 0 serves the queue as one teacher does, the
+    others serve what it sends them; the settings are checked against torchrun's group and the
+    model's shapes before any weight is loaded."""
+    from services.teacher import tensor_parallel as tp
+
+    tp.check_world_size(config)
+    shapes, _ = tp.model_config(config.model, config.vocab_size)
+    group = tp.TeacherGroup.start(config, shapes)
+    try:
+        if group.rank == 0:
+            return _serve_queue(config, lc, texts, lambda c: tp.TensorParallelTeacher(c, group))
+        with tp.TensorParallelTeacher(config, group) as worker:
+            if texts:
+                worker.evaluate(texts)
+            lc.ready(rank=group.rank, tensor_parallel=group.size)
+            worker.follow()
+        return 0
+    finally:
+        group.close()
+
+
+def _serve_queue(config: TeacherConfig, lc: Lifecycle, texts: list[str], make_worker) -> int:
+    """Serve the queue with ``make_worker(config)`` until stopped; returns 0."""
     client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"teacher{config.group}")
     partition = proto.request_partition(config.partition, config.group)
-    with TeacherWorker(config) as worker:
+    with make_worker(config) as worker:
         if config.transport == "topk":  # bad settings, before serving: exit 2 with one line
             check_top_k(config.top_k, worker.width)
         metrics = None
@@ -97,7 +134,9 @@ def _loop(
         batch = _next_batch(worker, backlog)
         if batch:
             _serve_batch(client, worker, partition, batch, metrics)
-        elif len(backlog) < BACKLOG:
+            continue
+        worker.idle()
+        if len(backlog) < BACKLOG:
             got = client.claim(
                 partition,
                 proto.TEACHER_TASK,

@@ -118,6 +118,10 @@ class TeacherWorker:
             )
         return ring
 
+    def idle(self) -> None:
+        """Called by the serving loop on each round that served nothing (a tensor-parallel
+        group's rank 0 tells its other ranks that it lives); nothing for one process."""
+
     def try_acquire(self, rank: int) -> int | None:
         """A free slot of ``rank``'s ring, or None while its trainer holds every slot
         (always 0 for the hidden and topk transports, which have no ring)."""
@@ -312,7 +316,7 @@ class TeacherWorker:
         try:
             hidden_RUd = self._hidden(ids_RU, lengths_R, positions_RU)
         except Exception:
-            if len(requests) == 1:
+            if len(requests) == 1 or self.config.tensor_parallel > 1:  # a group fails together
                 self._abandon(requests, slots)
                 raise
             logger.warning(

@@ -64,7 +64,8 @@ def test_every_public_function_and_class_in_core_has_a_docstring():
 # Files allowed to import the network and process-group stacks (STYLE.md: clients, servers,
 # shells, launchers; the trainer's parallel module wraps DDP/FSDP2 and its checkpoint module
 # saves with DCP, its precision module reduces bf16 gradients in fp32 under DDP; the losses'
-# distributed module all-reduces the global counts).
+# distributed module all-reduces the global counts; the teacher's tensor-parallel group and its
+# model shards are DTensors over a process group).
 NETWORK_ALLOWED = {
     "services/control/app.py",
     "services/control/cli.py",
@@ -81,6 +82,8 @@ NETWORK_ALLOWED = {
     "services/queue/log_writer.py",
     "services/queue/server.py",
     "services/queue/transport.py",
+    "services/teacher/shards.py",
+    "services/teacher/tensor_parallel.py",
     "services/trainer/checkpoint.py",
     "services/trainer/main.py",
     "services/trainer/parallel.py",

@@ -28,6 +28,12 @@ instance is the ring's, the ring is not closed, the heartbeat is younger than ``
 and ``generation == published_gen[slot] > released_gen[slot]`` (``SlotTable``). Anything else
 raises ``StaleHandleError``: the batch is recomputed, never trained on.
 
+A tensor-parallel teacher group writes one ring from several processes: its rank 0 owns the
+``LogitRingWriter`` (acquire, publish, the header), and every other rank opens the same slots
+from the descriptor with a ``LogitRingSliceWriter`` and writes its own vocab columns
+``[:, :, lo:hi]`` of the slot rank 0 acquired; rank 0 publishes once every slice is written
+(the group's barrier orders the writes before the publish).
+
 Lifetime: the teacher unlinks both segments on ``close`` (also at interpreter exit). The trainer
 maps with ``unlink=False`` so that a restarted trainer maps the same ring again. A SIGKILLed
 teacher leaves its two ``xtk_<pid>_*`` files; ``sweep_orphans`` removes them.
@@ -74,7 +80,13 @@ from xtoken_core.ipc.shm import SHM_DIR, ShmReader, ShmSegment
 from xtoken_core.ipc.slots import SlotTable, StaleHandleError
 from xtoken_core.jagged import DTYPE_NAMES, WIRE_DTYPES
 
-__all__ = ["LogitRingReader", "LogitRingWriter", "StaleHandleError", "checksum_of"]
+__all__ = [
+    "LogitRingReader",
+    "LogitRingSliceWriter",
+    "LogitRingWriter",
+    "StaleHandleError",
+    "checksum_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -445,6 +457,103 @@ class LogitRingWriter:
             f"slots={self.num_slots}x{list(self.slot_shape)}, {DTYPE_NAMES[self.dtype]}, "
             f"{self.device}, closed={self.closed})"
         )
+
+
+class LogitRingSliceWriter:
+    """Another process's writer of a vocab slice of a ring's slots (a rank of a tensor-parallel
+    teacher group; the ring's ``LogitRingWriter`` lives in the group's rank 0).
+
+    It maps the slots of the descriptor (shm: the /dev/shm segment, read-write; cuda_ipc: the
+    CUDA buffer, on the ring's GPU, which must be visible here) and never touches the slot
+    table: the owner acquires and publishes. Write ``buffer(slot)`` for a slot the owner
+    acquired and told this process about, then tell the owner it is written (on CUDA: after the
+    writes completed, e.g. a stream sync), and the owner publishes.
+
+    Args:
+        descriptor: the ring's ``LogitRingWriter.descriptor`` (after msgpack is fine).
+        columns: ``(lo, hi)``, the vocab columns this process writes, ``0 <= lo < hi <= W``.
+
+    Raises:
+        ValueError: a malformed descriptor, columns out of range, a header that is not the
+            descriptor's ring, a closed ring, or (cuda_ipc) the ring's GPU not visible here.
+        StaleHandleError: the ring's segments are gone (its owner closed it or died).
+    """
+
+    def __init__(self, descriptor: dict, *, columns: tuple[int, int]) -> None:
+        desc = parse_descriptor(descriptor)
+        width = desc.slot_shape[2]
+        if (
+            not isinstance(columns, tuple | list)
+            or len(columns) != 2
+            or not all(type(c) is int for c in columns)
+            or not 0 <= columns[0] < columns[1] <= width
+        ):
+            raise ValueError(
+                f"LogitRingSliceWriter columns={columns!r}: use (lo, hi) with "
+                f"0 <= lo < hi <= {width}, the ring's vocab width"
+            )
+        self.descriptor = descriptor
+        self.instance = desc.instance
+        self.columns = (int(columns[0]), int(columns[1]))
+        self.num_slots = desc.num_slots
+        self._export: CudaIpcHandle | None = None
+        words = HEADER_WORDS + 2 * desc.num_slots
+        base_H = LogitRingReader._segment(desc, "header", desc.header, segment_size(words * 8))
+        self._header_H = base_H[: words * 8].view(torch.int64)
+        identity = identity_words(
+            desc.transport, desc.instance, desc.pid, desc.num_slots, desc.slot_shape, desc.dtype,
+            desc.data,
+        )  # fmt: skip
+        for name, (word, want) in identity.items():
+            if int(self._header_H[word]) != want:
+                raise ValueError(
+                    f"logit ring header {desc.header} has another {name} than the descriptor: "
+                    "pass LogitRingWriter.descriptor on unchanged"
+                )
+        self._check_open()
+        shape_SBUW = (desc.num_slots, *desc.slot_shape)
+        if desc.transport == "shm":
+            nbytes = data_bytes(desc.num_slots, desc.slot_shape, desc.dtype)
+            base_D = LogitRingReader._segment(desc, "data", desc.data, segment_size(nbytes))
+            self._data_SBUW = base_D[:nbytes].view(desc.dtype).view(shape_SBUW)
+            self.device = torch.device("cpu")
+        else:
+            index = local_cuda_index(desc.device)
+            self._export = replace(desc.data, device=index)
+            self._data_SBUW = self._export.open()
+            self.device = torch.device("cuda", index)
+
+    def _check_open(self) -> None:
+        if self._header_H is None or int(self._header_H[W_CLOSED]):
+            raise ValueError(
+                f"logit ring {self.instance:#x} is closed; open the slice writer of its new ring"
+            )
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        """This process's columns of a slot: ``[B, U, hi - lo]`` (strided: rows of the slot's
+        ``[B, U, W]``) on the ring's device (the CPU for shm, the ring's GPU for cuda_ipc).
+
+        Raises:
+            ValueError: ``slot`` out of range, or the ring is closed.
+        """
+        self._check_open()
+        check_int("LogitRingSliceWriter.buffer", "slot", slot, 0, self.num_slots - 1)
+        lo, hi = self.columns
+        return self._data_SBUW[slot, :, :, lo:hi]
+
+    def close(self) -> None:
+        """Drop the mappings (the owner unlinks the segments). Idempotent."""
+        if self._export is not None:
+            cuda_ipc.forget(self._export)
+            self._export = None
+        self._data_SBUW = None
+        self._header_H = None
+
+    def __enter__(self) -> LogitRingSliceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
