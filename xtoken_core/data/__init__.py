@@ -13,8 +13,12 @@ from xtoken_core.data.corpus import (
 from xtoken_core.data.sample import (
     SAMPLE_FIELDS,
     FieldSpec,
+    field_names,
+    num_teachers_of,
     pad_samples,
     pad_values,
+    sample_fields,
+    teacher_field_name,
     validate_sample,
 )
 
@@ -27,10 +31,14 @@ __all__ = [
     "chunk_text",
     "corpus_key_prefix",
     "default_demo_dir",
+    "field_names",
     "iter_texts",
+    "num_teachers_of",
     "pad_samples",
     "pad_values",
     "resolve_pad_id",
+    "sample_fields",
+    "teacher_field_name",
     "validate_sample",
 ]
 
