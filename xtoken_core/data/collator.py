@@ -272,9 +272,7 @@ class CrossTokenizerCollator:
         lengths_s = [len(t) for t in student]
         width_s = schema.round_up(max(lengths_s), self.make_seq_div_by_student)
         out: dict[str, torch.Tensor] = {}
-        out["input_ids"] = _pad_rows(
-            [t.ids for t in student], width_s, self.pad_values()["input_ids"]
-        )
+        out["input_ids"] = _pad_rows([t.ids for t in student], width_s, self.student_pad_id)
         out["input_lengths"] = torch.tensor(lengths_s, dtype=torch.int64)
         out["token_mask"] = _length_mask(out["input_lengths"], width_s)
         out["sample_mask"] = torch.tensor([1.0 if t else 0.0 for t in texts], dtype=torch.float32)
