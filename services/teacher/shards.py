@@ -221,14 +221,17 @@ def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
         )
 
 
-def _meta_model(config: Any, mesh: DeviceMesh, dtype: torch.dtype, device) -> torch.nn.Module:
-    """The model of ``config``, parallelized, its local shards allocated (uninitialised) on
-    ``device``; nothing whole is ever allocated."""
+def _meta_model(
+    config: Any, mesh: DeviceMesh | None, dtype: torch.dtype, device
+) -> torch.nn.Module:
+    """The model of ``config``, parallelized over ``mesh`` (None: not), its local shards
+    allocated (uninitialised) on ``device``; nothing whole is allocated in a group."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model = _parallelize(model, mesh)
+    if mesh is not None:
+        model = _parallelize(model, mesh)
     model.to_empty(device=device)
     _rebuild_rotary(model, device)
     return model
@@ -264,8 +267,10 @@ def init_shards(model: torch.nn.Module, seed: int, rank: int) -> None:
     """
     std = float(getattr(model.config, "initializer_range", 0.02))
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     head_param = head.weight
+    # tied, but its own tensor since the split (a shared tensor is drawn once, as the embedding)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    tied = tied and head_param is not embedding.weight
     for name, param in model.named_parameters():
         if tied and param is head_param:
             continue
@@ -356,7 +361,7 @@ def load_shards(model: torch.nn.Module, folder: Path, rank: int) -> None:
 
 def build_sharded_model(
     spec: str,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     vocab_size: int | None,
     dtype: torch.dtype,
@@ -368,7 +373,8 @@ def build_sharded_model(
     Args:
         spec: a preset name (random weights, ``init_shards``) or a checkpoint folder spec
             (``smollm2``, a GGUF preset, ``gguf:PATH``, a local folder: ``load_shards``).
-        mesh: the group's 1-D device mesh.
+        mesh: the group's 1-D device mesh; None: one process, the whole model on ``device``,
+            built the same way (no DTensors; a benchmark's one-GPU baseline).
         vocab_size: a preset's vocab (required for a preset); a checkpoint's is its own.
         dtype: the parameter dtype.
         device: this rank's device.
@@ -386,7 +392,7 @@ def build_sharded_model(
     if folder is None and vocab_size is None:
         raise ValueError(f"preset {spec!r} needs vocab_size=...: pass the tokenizer's vocab_size")
     model = _meta_model(config, mesh, dtype, device)
-    rank = mesh.get_local_rank()
+    rank = 0 if mesh is None else mesh.get_local_rank()
     if folder is None:
         init_shards(model, seed, rank)
     else:
@@ -395,7 +401,7 @@ def build_sharded_model(
     logger.info(
         "[teacher] rank %d of %d built its shards of %s (%.1f M of %.1f M params, %s on %s) in "
         "%.1f s",
-        rank, mesh.size(), spec, local / 1e6, sum(p.numel() for p in model.parameters()) / 1e6,
+        rank, 1 if mesh is None else mesh.size(), spec, local / 1e6, sum(p.numel() for p in model.parameters()) / 1e6,
         dtype, device, time.perf_counter() - start,
     )  # fmt: skip
     return model.eval()

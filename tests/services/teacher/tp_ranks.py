@@ -166,3 +166,51 @@ def meta_shards(rank: int, size: int, preset: str, vocab: int, out: str) -> None
         },
         Path(out) / f"meta{rank}.pt",
     )
+
+
+def serve_cuda_ipc_group(rank: int, size: int, out: str) -> None:
+    """Two GPUs (NCCL, ``cuda_ipc``): the tiny preset (seed 3) loaded whole and sharded serves a
+    request through both ranks' columns of a ring slot on rank 0's GPU; then the qwen3-1.7b
+    preset, built shard by shard on each GPU, serves one. Rank 0 saves what it read, a
+    one-process teacher's logits of the tiny preset, and whether the layers stayed compiled."""
+    from services import protocol as proto
+    from services.teacher.config import TeacherConfig
+    from services.teacher.tensor_parallel import TeacherGroup, TensorParallelTeacher
+    from services.teacher.worker import TeacherWorker
+    from xtoken_core.ipc.logit_ring import LogitRingReader
+    from xtoken_core.models import load_model
+
+    common = dict(
+        tokenizer="smollm2", device="cuda", transport="cuda_ipc", max_batch=2, max_length=64,
+        tensor_parallel=size, checksum=True,
+    )  # fmt: skip
+    config = TeacherConfig(model="tiny", seed=3, **common)
+    group = TeacherGroup.start(config)
+    saved: dict[str, Any] = {}
+    for name, model in (
+        ("tiny", load_model("tiny", vocab_size=49152, seed=3, dtype=torch.bfloat16)),
+        ("qwen3-1.7b", None),
+    ):
+        cfg = TeacherConfig(model=name, seed=3, **common)
+        with TensorParallelTeacher(cfg, group, model=model) as worker:
+            if rank != 0:
+                worker.follow()
+                continue
+            request = _requests(worker.width, worker.pad_id)[0]
+            result = proto.Result.from_blob(
+                worker.compute(request)[proto.result_field(0)], request.key
+            )
+            assert result.error is None, result.error
+            with LogitRingReader(device="cuda:0") as reader:
+                view = reader.view(result.descriptor, result.handle)
+                saved[f"{name}:verified"] = reader.verify(view, result.handle)
+                saved[name] = view.float().cpu()
+                reader.release(result.descriptor, result.handle)
+            saved[f"{name}:compiled"] = worker.compiled.active
+    if rank == 0:
+        one_config = TeacherConfig(
+            model="tiny", seed=3, tokenizer="smollm2", device="cuda:0", max_batch=2, max_length=64
+        )
+        with TeacherWorker(one_config) as one:
+            saved["one:tiny"] = one.logits(_requests(one.width, one.pad_id)[0]).float().cpu()
+        torch.save(saved, out)
