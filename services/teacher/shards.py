@@ -285,7 +285,7 @@ def init_shards(model: torch.nn.Module, seed: int, rank: int) -> None:
             local.normal_(0.0, std, generator=generator)
     if tied:
         local, dim = _local(head_param)
-        assert dim == 0, dim
+        assert dim in (0, None), dim  # its vocab rows, or all of them (no mesh)
         lo, hi = column_bounds(head_param.shape[0], _mesh_size(head_param), rank)
         local.copy_(embedding.weight[lo:hi])
 

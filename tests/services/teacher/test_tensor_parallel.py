@@ -288,3 +288,21 @@ def test_a_group_started_by_torchrun_serves_a_queue_with_one_teachers_results(
                 os.killpg(group.pid, signal.SIGKILL)
             log.close()
     assert json.loads(exit_file.read_text())["code"] == 0, (tmp_path / "group.log").read_text()
+
+
+def test_a_preset_built_without_a_group_is_whole_tied_and_repeats_its_seed():
+    from services.teacher.shards import build_sharded_model
+
+    def build(seed: int) -> torch.nn.Module:
+        return build_sharded_model(
+            "tiny", None, vocab_size=1000, dtype=torch.float32, device=torch.device("cpu"),
+            seed=seed,
+        )  # fmt: skip
+
+    a, b, c = build(1), build(1), build(2)
+    ids = torch.arange(10)[None]
+    with torch.inference_mode():
+        logits_a, logits_b, logits_c = (m(ids).logits for m in (a, b, c))
+    assert logits_a.shape == (1, 10, 1000) and torch.isfinite(logits_a).all()
+    assert torch.equal(logits_a, logits_b) and not torch.equal(logits_a, logits_c)
+    assert torch.equal(a.lm_head.weight, a.model.embed_tokens.weight)  # the preset is tied
