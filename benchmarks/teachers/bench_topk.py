@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 def _pct(value: float | None) -> str:
     if value is None:
         return ""
-    return "0" if value == 0 else f"{100 * value:.2g}%"
+    return "0" if value == 0 else f"{100 * value:.3g}%" if value >= 0.995 else f"{100 * value:.2g}%"
 
 
 def markdown(rows: list[dict], seconds: float) -> str:
@@ -239,7 +239,7 @@ def markdown(rows: list[dict], seconds: float) -> str:
         f"**Current figures** (commit {first['commit']}, {first['date']}, {first['device']}; "
         f"teacher {first['teacher']}, W = {first['W']:,}; student {first['student']}; "
         f"{first['texts']} demo-corpus texts, {first['teacher_tokens']:,} teacher tokens; "
-        f"{seconds:.0f} s): at K = 64 (the default, fp32 log-probs, "
+        f"{seconds:.0f} s wall on a machine shared with other jobs): at K = 64 (the default, fp32 log-probs, "
         f"{topk_bytes_per_token(64)} bytes per teacher token against "
         f"{2 * first['W']:,} for bf16 logits in a ring slot) the loss is off by "
         + ", ".join(f"{_pct(r['loss_rel_err'])} ({MODES.get(m, m)})" for m, r in k64.items() if r)
@@ -255,7 +255,10 @@ def markdown(rows: list[dict], seconds: float) -> str:
         "of the KD term and `||g - g_ref|| / ||g_ref||` of its gradient w.r.t. the student "
         "logits, at the loss defaults (temperature 1, P-KL's `vocab_topk` 8192, gold's "
         "`uncommon_topk` 8192). Mass: the teacher probability the top K hold, averaged over "
-        "the teacher tokens. Rows: [teachers_topk.jsonl](teachers_topk.jsonl).",
+        "the teacher tokens. The student logits come from `--student-model` (`qwen3:tiny`: "
+        "the qwen3 tokenizer, the tiny preset with random weights, a student at the start of "
+        "distillation; one closer to the teacher has a smaller gradient, so a larger relative "
+        "error). Rows: [teachers_topk.jsonl](teachers_topk.jsonl).",
         "",
         "| transport | K | log-probs | bytes / teacher token | mass | "
         + " | ".join(f"{MODES.get(m, m)} loss err | {MODES.get(m, m)} grad err" for m in modes)
