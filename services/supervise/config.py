@@ -188,7 +188,10 @@ class RunTeacherConfig(TeacherConfig):
     resources: dict[str, float] | None = _resources_field("teacher")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        auto = self.transport == "auto"
+        super().__post_init__()  # checks the transport auto stands for on one node
+        if auto:  # the plan decides, where it knows the placement (teachers_apart)
+            self.transport = "auto"
         _check_gpus("gpus", self.gpus)
         _check_resources("resources", self.resources)
 
@@ -343,6 +346,12 @@ class RunConfig(Shared):
                     f"teacher.max_length={t.max_length} < ctx_teacher={self.ctx_teacher}: raise "
                     "teacher.max_length to at least ctx_teacher"
                 )
+        if self.teachers_apart and t.transport in ("shm", "cuda_ipc"):
+            raise ValueError(
+                f"teacher.transport={t.transport}: a ring cannot reach trainer ranks on other "
+                "nodes (teacher.resources differ from trainer.resources); use teacher.transport "
+                "auto, topk or hidden"
+            )
         if self.data.ordered and self.collator.workers > 1:
             raise ValueError(
                 f"data.ordered needs one collator worker (collator.workers="

@@ -38,6 +38,7 @@ __all__ = [
     "model_config",
     "parameter_count",
     "plan_layout",
+    "run_transport",
 ]
 
 GIB = 1 << 30
@@ -111,6 +112,21 @@ def plan_layout(config: Any, gpu_count: int) -> Layout:
         else:
             teachers = tuple(tuple((g * k + i) % count for i in range(k)) for g in range(n))
     return Layout(trainer, teachers)
+
+
+def run_transport(config: Any) -> str:
+    """The teachers' transport: as set, or for ``auto`` ``topk`` when they are placed apart
+    from the trainer ranks (:attr:`~services.supervise.config.RunConfig.teachers_apart`), else a ring: ``cuda_ipc`` when
+    the teachers and the trainers are on GPUs, ``shm`` otherwise."""
+    t = config.teacher.transport
+    if t != "auto":
+        return t
+    if config.teachers_apart:
+        return "topk"
+    on_gpus = all(
+        d.startswith("cuda") for d in (config.teacher.device, config.trainer.compute.device)
+    )
+    return "cuda_ipc" if on_gpus else "shm"
 
 
 @dataclasses.dataclass(frozen=True)

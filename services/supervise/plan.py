@@ -24,7 +24,7 @@ from services.protocol.names import policy_dir
 from services.queue.config import ServerConfig
 from services.rollout.config import RolloutConfig
 from services.supervise.config import RunConfig, is_run_key, run_config_to_dict, value_at
-from services.supervise.layout import Layout, plan_layout
+from services.supervise.layout import Layout, plan_layout, run_transport
 from services.supervise.mps import mps_env
 from services.supervise.preflight import Inputs, slug
 from services.teacher.config import TeacherConfig
@@ -249,6 +249,7 @@ def make_sections(
     )  # checked: a loss that needs a projection has one now
     out = {"trainer": trainer}
     layout = _layout(cfg, gpus)
+    transport = run_transport(cfg)
     for g in range(cfg.teachers):
         device = teacher.device
         if layout.teacher_gpus:  # one GPU: named; a tensor-parallel rank: cuda:LOCAL_RANK
@@ -262,6 +263,7 @@ def make_sections(
                 **copies(cfg, TeacherConfig),
                 "group": g,
                 "device": device,
+                "transport": transport,
                 # only the first group evaluates the held-out text
                 "heldout": inputs.heldout if g == 0 else None,
             },
@@ -384,7 +386,8 @@ def make_specs(
                     argv(["teacher"], f"teacher{g}"),
                     env=env,
                     log_file=str(d / "logs" / f"{name}.log"),
-                    ready_file=str(d / "ready" / name),
+                    # rank 0 speaks for its group (ready file, heartbeat, exit code)
+                    ready_file=str(d / "ready" / name) if i == 0 else None,
                     resources=_resources(cfg.teacher.device, cfg.teacher.resources),
                     # beside the ranks it serves (a ring), or by its resources (the queue)
                     group=f"teacher{g}" if cfg.teachers_apart else str(g),

@@ -110,6 +110,14 @@ def preflight(config: RunConfig) -> Inputs:
     s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
     check_vocabs(config, s_tok.vocab_size, t_tok.vocab_size)
     check_run_layout(config, s_tok.vocab_size, t_tok.vocab_size)
+    if config.teachers_apart:
+        from services.supervise.layout import run_transport
+
+        logger.info(
+            "[run] the teacher groups are placed apart from the trainer ranks (teacher.resources "
+            "differ from trainer.resources): transport %s",
+            run_transport(config),
+        )
     projection = config.trainer.loss.projection
     if config.trainer.loss.uses_teacher and not projection:
         projection = str(build_cached_projection(config, s_tok, t_tok))

@@ -161,9 +161,7 @@ def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _changes(
-    recorded: dict[str, Any] | None, mine: dict[str, Any], moved: dict[str, str]
-) -> str:
+def _changes(recorded: dict[str, Any] | None, mine: dict[str, Any], moved: dict[str, str]) -> str:
     """Each key recorded with another value, ``key: old -> new``, comma-separated; empty when
     none. A key an earlier version recorded by a name that has moved (``moved``: old key -> new
     key) is compared under its new name; a key only one side records is not compared."""

@@ -14,7 +14,13 @@ from typing import ClassVar, Literal
 from services.protocol.names import TRANSPORTS
 from xtoken_core.models.dtypes import check_dtype_name
 
-__all__ = ["TeacherConfig", "check_tensor_parallel", "resolve_compile", "resolve_cuda_graphs"]
+__all__ = [
+    "TeacherConfig",
+    "check_tensor_parallel",
+    "resolve_compile",
+    "resolve_cuda_graphs",
+    "ring_transport",
+]
 
 # Transports a tensor-parallel teacher group serves: each shard writes its vocab slice of a ring
 # slot (shm, cuda_ipc), rank 0 sends the replicated hidden states (hidden) or the top-K of the
@@ -25,6 +31,11 @@ TENSOR_PARALLEL_TRANSPORTS = ("shm", "cuda_ipc", "hidden", "topk")
 def _device_type(device: object) -> str:
     """``cuda`` for ``cuda``, ``cuda:1`` or a ``torch.device`` on a GPU; ``cpu`` etc. alike."""
     return str(device).split(":", 1)[0]
+
+
+def ring_transport(device: object) -> str:
+    """The logit ring of a teacher on ``device``: ``cuda_ipc`` on a GPU, else ``shm``."""
+    return "cuda_ipc" if _device_type(device) == "cuda" else "shm"
 
 
 def resolve_compile(flag: bool | None, device: object) -> bool:
@@ -155,12 +166,13 @@ class TeacherConfig:
         default="auto",
         metadata={"help": "model dtype: auto (bfloat16 on cuda, else float32)", "trained": False},
     )
-    transport: Literal["shm", "cuda_ipc", "hidden", "topk"] = field(
-        default="shm",
+    transport: Literal["auto", "shm", "cuda_ipc", "hidden", "topk"] = field(
+        default="auto",
         metadata={
             "help": "how logits reach the trainer: shm, cuda_ipc (a ring slot), hidden (the final "
-            "hidden states through the queue) or topk (the top_k log-probs per token and the "
-            "rest mass through the queue)",
+            "hidden states through the queue), topk (the top_k log-probs per token and the "
+            "rest mass through the queue), or auto: a ring (cuda_ipc on a GPU, else shm), topk "
+            "for trainers on other nodes (xtoken run decides)",
             "trained": False,
         },
     )
@@ -313,6 +325,8 @@ class TeacherConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.transport == "auto":
+            self.transport = ring_transport(self.device)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}: use one of {', '.join(TRANSPORTS)}")
         if self.transport == "cuda_ipc" and not str(self.device).startswith("cuda"):

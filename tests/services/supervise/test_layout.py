@@ -114,6 +114,7 @@ def test_a_tensor_parallel_group_is_k_teacher_processes_of_one_unit_in_torchruns
         ("1", "2", "3"),
     ]
     assert group[0].argv == group[1].argv  # one section file: teacher0.json
+    assert group[0].ready_file and group[1].ready_file is None  # rank 0 speaks for the group
     assert [specs[f"trainer{r}"].env["LOCAL_RANK"] for r in range(2)] == ["0", "1"]
     inputs = Inputs("train.jsonl", "heldout.txt", "projection.pt")
     sections = make_sections(config, inputs, make_context(config, place, queue="tcp://q:1"),
@@ -140,3 +141,18 @@ def test_teachers_asking_for_other_resources_than_the_trainers_are_placed_apart_
     assert not together.teachers_apart
     specs = {s.name: s for s in make_specs(together, RunPlace.of(together), master_port=1)}
     assert specs["teacher0"].group == specs["trainer0"].group == "0"
+
+
+def test_transport_auto_is_a_ring_beside_the_trainers_and_topk_apart_from_them():
+    from services.supervise.layout import run_transport
+
+    auto = {"teacher.transport": "auto"}
+    assert _config(**auto).teacher.transport == "auto"  # the run decides, knowing the placement
+    assert run_transport(_config(**auto)) == "shm"
+    assert run_transport(_cuda(**auto)) == "cuda_ipc"
+    apart = _config(**auto, **{"trainer.resources": {"trainer_node": 1}})
+    assert apart.teachers_apart and run_transport(apart) == "topk"
+    assert run_transport(_config(**{"teacher.transport": "hidden"})) == "hidden"
+    with pytest.raises(ValueError, match=r"^teacher\.transport=shm: a ring cannot reach trainer "
+                       r"ranks on other nodes .*; use teacher\.transport auto, topk or hidden$"):
+        _config(**{"teacher.resources": {"teacher_node": 1}})
