@@ -32,13 +32,22 @@ def head_into(lm_head: torch.nn.Module, hidden_BUd: torch.Tensor, out_BUW: torch
     A plain ``nn.Linear`` whose weight has the dtype of ``hidden_BUd`` and ``out_BUW`` writes each
     row's ``[U, W]`` product straight into ``out_BUW[b]`` (one matmul each): no ``[B, U, W]``
     temporary, which at 1 x 4096 x 128k vocab is a GiB, and no copy of it. Any other head (or
-    dtype, or a row that is not contiguous) computes ``lm_head(hidden_BUd)`` and copies it.
+    dtype, or a row that is not contiguous) computes ``lm_head(hidden_BUd)`` and copies it; an
+    ``out_BUW`` on another GPU gets the product staged on that GPU first.
 
     Args:
         lm_head: the output layer of :func:`split_lm_head`.
         hidden_BUd: [B, U, d] final hidden states.
         out_BUW: [B, U, W] destination (no gradient flows: the teacher's logits are data).
     """
+    if out_BUW.is_cuda and hidden_BUd.is_cuda and out_BUW.device != hidden_BUd.device:
+        # another GPU's memory (a tensor-parallel rank writing its columns of rank 0's ring slot):
+        # a contiguous peer copy to that GPU (a memcpy, no kernel reads across devices), then
+        # the strided write by a kernel of that GPU
+        staged_BUW = lm_head(hidden_BUd).to(out_BUW.device)
+        with torch.cuda.device(out_BUW.device):
+            out_BUW.copy_(staged_BUW)
+        return
     weight = getattr(lm_head, "weight", None)
     direct = (
         type(lm_head) is torch.nn.Linear

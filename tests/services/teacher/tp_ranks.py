@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+# the GPU group's tokenizer: one the base install ships (no optional package on a bare machine)
+TOKENIZER = "qwen3"
+
 
 def free_port() -> int:
     """A loopback port free now."""
@@ -179,16 +182,25 @@ def serve_cuda_ipc_group(rank: int, size: int, out: str) -> None:
     from services.teacher.worker import TeacherWorker
     from xtoken_core.ipc.logit_ring import LogitRingReader
     from xtoken_core.models import load_model
+    from xtoken_core.tokenizers import load_tokenizer
 
     common = dict(
-        tokenizer="smollm2", device="cuda", transport="cuda_ipc", max_batch=2, max_length=64,
+        tokenizer=TOKENIZER, device="cuda", transport="cuda_ipc", max_batch=2, max_length=64,
         tensor_parallel=size, checksum=True,
     )  # fmt: skip
     config = TeacherConfig(model="tiny", seed=3, **common)
     group = TeacherGroup.start(config)
     saved: dict[str, Any] = {}
     for name, model in (
-        ("tiny", load_model("tiny", vocab_size=49152, seed=3, dtype=torch.bfloat16)),
+        (
+            "tiny",
+            load_model(
+                "tiny",
+                vocab_size=load_tokenizer(TOKENIZER).vocab_size,
+                seed=3,
+                dtype=torch.bfloat16,
+            ),
+        ),
         ("qwen3-1.7b", None),
     ):
         cfg = TeacherConfig(model=name, seed=3, **common)
@@ -209,7 +221,7 @@ def serve_cuda_ipc_group(rank: int, size: int, out: str) -> None:
             saved[f"{name}:compiled"] = worker.compiled.active
     if rank == 0:
         one_config = TeacherConfig(
-            model="tiny", seed=3, tokenizer="smollm2", device="cuda:0", max_batch=2, max_length=64
+            model="tiny", seed=3, tokenizer=TOKENIZER, device="cuda:0", max_batch=2, max_length=64
         )
         with TeacherWorker(one_config) as one:
             saved["one:tiny"] = one.logits(_requests(one.width, one.pad_id)[0]).float().cpu()
