@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from benchmarks._common import commit  # noqa: E402
+
 # Dense bf16 peak of one GPU, TFLOP/s, by a substring of its name.
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 COLUMNS = [
@@ -99,7 +101,7 @@ def run_rank(args: argparse.Namespace) -> None:
         dist.init_process_group("nccl", device_id=device)
         mesh = init_device_mesh("cuda", (world,))
     row = {
-        "date": dt.date.today().isoformat(), "commit": _commit(), "device": torch.cuda.get_device_name(device),
+        "date": dt.date.today().isoformat(), "commit": commit(), "device": torch.cuda.get_device_name(device),
         "gpus": world, "teacher": args.preset, "teacher_tp": world, "shape": f"{B}x{U}",
         "dtype": "bfloat16", "compile": args.compile, "iters": args.iters,
     }  # fmt: skip
@@ -165,16 +167,6 @@ def run_rank(args: argparse.Namespace) -> None:
         _print([row])
     if mesh is not None:
         dist.destroy_process_group()
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _print(rows: list[dict]) -> None:
