@@ -235,3 +235,37 @@ def test_sigterm_on_xtoken_run_under_ray_checkpoints_exits_zero_and_leaves_no_pr
     assert latest == f"step_{summary['step']:08d}"  # checkpoint_every=0: written by the stop
     trained = trained_keys(run_dir)
     assert len(trained) == len(set(trained)) and set(trained) <= set(corpus)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_sample(
+    request, procs, tmp_path, demo, projection, second_node
+):
+    config, corpus = _config(tmp_path, demo, projection, n=64)
+    config.teacher.transport = "auto"
+    config.teacher.resources = {second_node: 1}  # the teacher on the second node, by resources
+    run_dir = pathlib.Path(config.run_dir)
+    watcher = _Watcher(run_dir)
+    run = procs.start(
+        "run",
+        ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress",
+         *_launcher_args("ray", request)],
+        ready=False,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
+        victim, _ = watcher.seen["teacher0"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: watcher.seen["teacher0"][0] != victim, 120, "teacher0 restarted")
+        assert run.wait(300) == 0, run.tail()
+    finally:
+        watcher.close()
+    log = run.log()
+    assert "placed apart from the trainer ranks" in log and "transport topk" in log, run.tail()
+    assert "teacher0 exited with code -9" in log, run.tail()
+    nodes = dict(re.findall(r"started (\w+) \(pid \d+ on [^,]+, ray node (\w+)", log))
+    assert nodes["teacher0"] != nodes["trainer0"] == nodes["trainer1"], nodes
+    section = json.loads((run_dir / "config" / "teacher0.json").read_text())
+    assert section["transport"] == "topk"
+    assert_exactly_once(trained_keys(run_dir), corpus)
