@@ -77,8 +77,10 @@ def _qwen2(
     heads: int,
     kv_heads: int,
     rms_norm_eps: float,
+    tied: bool = False,
 ):
-    """A Qwen2.5 shape (untied output layer, rope theta 1e6, 32k positions)."""
+    """A Qwen2 / Qwen2.5 shape (rope theta 1e6, 32k positions; the output layer untied unless
+    ``tied``)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -91,7 +93,7 @@ def _qwen2(
         max_position_embeddings=32_768,
         rope_theta=1_000_000.0,
         rms_norm_eps=rms_norm_eps,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
 
 
@@ -110,13 +112,14 @@ def _qwen2_5_32b(vocab_size: int):
                   rms_norm_eps=1e-5)  # fmt: skip
 
 
-def _qwen3_1_7b(vocab_size: int):
+def _qwen3(vocab_size: int, *, hidden: int, intermediate: int):
+    """A Qwen3 shape of 28 layers, 16 heads of 128 (8 KV), tied output layer."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=2048,
-        intermediate_size=6144,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=28,
         num_attention_heads=16,
         num_key_value_heads=8,
@@ -126,6 +129,10 @@ def _qwen3_1_7b(vocab_size: int):
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     )
+
+
+def _qwen3_1_7b(vocab_size: int):
+    return _qwen3(vocab_size, hidden=2048, intermediate=6144)
 
 
 def _tiny(vocab_size: int):
@@ -160,38 +167,12 @@ def _student_25m(vocab_size: int):
 
 
 def _qwen3_0_6b(vocab_size: int):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40_960,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
+    return _qwen3(vocab_size, hidden=1024, intermediate=3072)
 
 
 def _teacher_1_5b(vocab_size: int):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32_768,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
+    return _qwen2(vocab_size, hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2,
+                  rms_norm_eps=1e-6, tied=True)  # fmt: skip
 
 
 PRESETS: dict[str, Preset] = {

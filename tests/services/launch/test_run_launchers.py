@@ -68,6 +68,12 @@ def _launcher_args(kind: str, request) -> list[str]:
     return ["--launcher", "ray", "--ray-address", request.getfixturevalue("ray_cluster")]
 
 
+def _xtoken_run(procs, tmp_path, config: RunConfig, kind: str, request):
+    """``xtoken run`` of ``config`` through launcher ``kind``, as a user starts it."""
+    argv = ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress"]
+    return procs.start("run", [*argv, *_launcher_args(kind, request)], ready=False)
+
+
 class _Watcher:
     """Records the pid (and parent pid) of every process that writes a ready file in a run."""
 
@@ -123,12 +129,7 @@ def test_xtoken_run_trains_every_sample_once_and_every_process_exits_cleanly(
     run_dir = pathlib.Path(config.run_dir)
     watcher = _Watcher(run_dir)
     started = time.monotonic()
-    run = procs.start(
-        "run",
-        ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress",
-         *_launcher_args(kind, request)],
-        ready=False,
-    )
+    run = _xtoken_run(procs, tmp_path, config, kind, request)
     try:
         assert run.wait(300) == 0, run.tail()
     finally:
@@ -171,12 +172,7 @@ def test_a_sigkilled_trainer_rank_under_ray_is_restarted_from_the_checkpoint_los
     config, corpus = _config(tmp_path, demo, projection, n=64, schedule={"checkpoint_every": 2})
     run_dir = pathlib.Path(config.run_dir)
     watcher = _Watcher(run_dir)
-    run = procs.start(
-        "run",
-        ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress",
-         *_launcher_args("ray", request)],
-        ready=False,
-    )
+    run = _xtoken_run(procs, tmp_path, config, "ray", request)
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file()
                  and len(step_records(run_dir, 1)) >= 3, 240, "a checkpoint and a step after it")
@@ -213,12 +209,7 @@ def test_sigterm_on_xtoken_run_under_ray_checkpoints_exits_zero_and_leaves_no_pr
     config, corpus = _config(tmp_path, demo, projection, n=96, feed={"grad_accum": 2})
     run_dir = pathlib.Path(config.run_dir)
     watcher = _Watcher(run_dir)
-    run = procs.start(
-        "run",
-        ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress",
-         *_launcher_args("ray", request)],
-        ready=False,
-    )
+    run = _xtoken_run(procs, tmp_path, config, "ray", request)
     try:
         wait_for(lambda: step_records(run_dir, 0), 240, "the first trained step")
         run.signal(signal.SIGTERM)
@@ -247,12 +238,7 @@ def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_s
     config.teacher.resources = {second_node: 1}  # the teacher on the second node, by resources
     run_dir = pathlib.Path(config.run_dir)
     watcher = _Watcher(run_dir)
-    run = procs.start(
-        "run",
-        ["run", str(write_config(tmp_path / "run.json", config)), "--no-progress",
-         *_launcher_args("ray", request)],
-        ready=False,
-    )  # fmt: skip
+    run = _xtoken_run(procs, tmp_path, config, "ray", request)
     try:
         wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
         victim, _ = watcher.seen["teacher0"]
