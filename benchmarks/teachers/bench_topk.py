@@ -11,7 +11,8 @@ logits in a ring slot; bf16 hidden states through the teacher's output layer). E
 relative: ``|L - L_ref| / |L_ref|`` and ``||g - g_ref|| / ||g_ref||``.
 
 Prints one table, appends its rows to benchmarks/results/teachers_topk.jsonl and rewrites
-benchmarks/results/teachers_topk.md with the current figures.
+benchmarks/results/teachers_topk.md with the current figures (the figures it held move under its
+``## Earlier`` heading).
 
     python benchmarks/teachers/bench_topk.py                      # 4 texts of 128 tokens, CPU
     python benchmarks/teachers/bench_topk.py --texts 2 --ctx 128 --no-write   # a quick look
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import re
 import sys
 import time
 from pathlib import Path
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         (("hidden",), None, "bfloat16", 2 * d, hidden_BUW),
     ]
     mass: dict[tuple[int, str], float] = {}
-    # K = W: no truncation at all, the log-probs themselves (what the loss makes of log-probs)
+    # K = W: no truncation at all, the decode gives the logits themselves
     for k in [*ks, W]:
         dtypes = [("float32", torch.float32)] + (
             [("bfloat16", torch.bfloat16)] if k == BF16_K else []
@@ -187,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     _common.print_table(rows, [*cols, "loss", "loss_rel_err", "grad_rel_err"])
     if not args.no_write:
         _common.append_rows(JSONL, rows)
-        MARKDOWN.write_text(markdown(rows, time.perf_counter() - start), encoding="utf-8")
+        previous = MARKDOWN.read_text(encoding="utf-8") if MARKDOWN.exists() else ""
+        text = markdown(rows, time.perf_counter() - start) + earlier(previous)
+        MARKDOWN.write_text(text, encoding="utf-8")
         print(f"wrote {JSONL} and {MARKDOWN}")
     return 0
 
@@ -217,11 +221,11 @@ def markdown(rows: list[dict], seconds: float) -> str:
     notes = []
     if pkl_full is not None:
         notes.append(
-            f"P-KL at its default `vocab_topk` (8192 of {W:,} columns) is off by "
-            f"{_pct(pkl_full['grad_rel_err'])} in its gradient even at K = W, where the "
-            "targets are the exact log-probs: it picks its columns by the largest logit over "
-            "the positions, which a per-position shift (log-probs instead of logits) changes. "
-            "The error of its `topk` rows is that choice, not the truncation."
+            "At K = W the decoded targets are the teacher's logits (the log-probs plus the "
+            "log-partition sent with them), so P-KL at its default `vocab_topk` (8192 of "
+            f"{W:,} columns, picked by the largest logit over the positions) picks the "
+            f"reference's columns: off by {_pct(pkl_full['grad_rel_err'])} in its gradient. "
+            "The error of the smaller K is the truncation."
         )
     if pkl_all is not None:
         notes.append(
@@ -249,7 +253,8 @@ def markdown(rows: list[dict], seconds: float) -> str:
         "",
         *([" ".join(notes), ""] if notes else []),
         "Reference: the full fp32 teacher logits. `topk`: the targets decoded as the trainer "
-        "decodes them (the rest mass spread evenly over the other ids). `shm` / `cuda_ipc`: "
+        "decodes them (the logits at the top K ids, the rest mass spread evenly over the other "
+        "ids). `shm` / `cuda_ipc`: "
         "bf16 logits in a ring slot; `hidden`: bf16 hidden states through the teacher's output "
         "layer (each at the default `teacher.logits_dtype`). Errors: `|L - L_ref| / |L_ref|` "
         "of the KD term and `||g - g_ref|| / ||g_ref||` of its gradient w.r.t. the student "
@@ -292,6 +297,19 @@ def markdown(rows: list[dict], seconds: float) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     return "\n".join(lines)
+
+
+def earlier(previous: str) -> str:
+    """The ``## Earlier`` section of the results file: the figures ``previous`` (the file as it
+    was) held as current, headed by their commit and date, above the earlier ones it kept."""
+    current, _, older = previous.partition("\n## Earlier\n")
+    body = current.split("\n", 1)[1].strip() if current.startswith("# ") else current.strip()
+    if not body:
+        return ""
+    found = re.search(r"\(commit (\w+), ([\d-]+)", body)
+    heading = f"### Commit {found[1]}, {found[2]}" if found else "### Earlier figures"
+    body = body.replace("**Current figures**", "**Figures**", 1)
+    return "\n## Earlier\n\n" + heading + "\n\n" + body + "\n" + older.rstrip("\n") + "\n"
 
 
 if __name__ == "__main__":

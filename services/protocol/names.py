@@ -62,10 +62,10 @@ def hidden_field(rank: int) -> str:
     return f"hidden{rank}"
 
 
-def topk_fields(rank: int) -> tuple[str, str, str]:
+def topk_fields(rank: int) -> tuple[str, str, str, str]:
     """Fields holding the top-K targets for trainer rank ``rank`` (``topk`` transport): the ids,
-    their log-probabilities and the log of the rest mass."""
-    return (f"topk_ids{rank}", f"topk_logprobs{rank}", f"topk_rest{rank}")
+    their log-probabilities, the log of the rest mass and the log-partition."""
+    return (f"topk_ids{rank}", f"topk_logprobs{rank}", f"topk_rest{rank}", f"topk_lse{rank}")
 
 
 def trainer_task(rank: int, instance: str) -> str:

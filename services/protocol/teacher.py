@@ -18,10 +18,11 @@ A teacher of the group claims requests (task ``teacher``), runs its forward and 
 onto the same record, field by field: ``result<rank>`` (a msgpack blob, see :class:`Result`) and,
 for the ``hidden`` transport, ``hidden<rank>``: the final hidden states ``[B, U, d]`` as one
 jagged row of ``B * U`` vectors of size d (see :func:`hidden_column`); for the ``topk``
-transport, ``topk_ids<rank>``, ``topk_logprobs<rank>`` and ``topk_rest<rank>``: per teacher
-position its K largest log-probabilities (int32 ids, fp32 log-probs: one jagged row of ``B * U``
-vectors of size K each) and the log of the rest mass (fp32, one jagged row of ``B * U``
-scalars; see :func:`topk_columns` and ``xtoken_core.wire.topk``). Trainer
+transport, ``topk_ids<rank>``, ``topk_logprobs<rank>``, ``topk_rest<rank>`` and
+``topk_lse<rank>``: per teacher position its K largest log-probabilities (int32 ids, fp32
+log-probs: one jagged row of ``B * U`` vectors of size K each), the log of the rest mass and the
+log-partition of the logits (fp32 each, one jagged row of ``B * U`` scalars; see
+:func:`topk_columns` and ``xtoken_core.wire.topk``). Trainer
 rank r claims the records that carry ``result<r>`` (task ``trainer<r>/<instance>``), so a rank
 never sees another rank's records, and clears each record once it released the slot.
 
@@ -131,33 +132,36 @@ def hidden_from_column(column: Any, rows: int, length: int, key: str) -> torch.T
     return row.reshape(rows, length, row.shape[1])
 
 
-def topk_columns(targets: TopK) -> tuple[JaggedColumn, JaggedColumn, JaggedColumn]:
-    """The ``topk_ids<rank>``, ``topk_logprobs<rank>`` and ``topk_rest<rank>`` fields (in the
-    order of :func:`~services.protocol.names.topk_fields`): ``[B, U, K]``, ``[B, U, K]`` and
-    ``[B, U]`` as one jagged row of ``B * U`` entries each (B and U travel in the
-    :class:`Result`; the fields' trailing shapes are K, K and none)."""
-    ids_BUK, logprobs_BUK, rest_BU = targets
+def topk_columns(targets: TopK) -> tuple[JaggedColumn, JaggedColumn, JaggedColumn, JaggedColumn]:
+    """The ``topk_ids<rank>``, ``topk_logprobs<rank>``, ``topk_rest<rank>`` and
+    ``topk_lse<rank>`` fields (in the order of :func:`~services.protocol.names.topk_fields`):
+    ``[B, U, K]``, ``[B, U, K]``, ``[B, U]`` and ``[B, U]`` as one jagged row of ``B * U`` entries
+    each (B and U travel in the :class:`Result`; the fields' trailing shapes are K, K, none and
+    none)."""
+    ids_BUK, logprobs_BUK, rest_BU, lse_BU = targets
     K = int(ids_BUK.shape[-1])
     return (
         _one_row(ids_BUK.reshape(-1, K)),
         _one_row(logprobs_BUK.reshape(-1, K)),
         _one_row(rest_BU.reshape(-1)),
+        _one_row(lse_BU.reshape(-1)),
     )
 
 
 def topk_from_columns(columns: Any, rows: int, length: int, key: str) -> TopK:
-    """The top-K targets ``[B, U, K]``, ``[B, U, K]``, ``[B, U]`` of the three ``topk`` fields
-    (row 0 of each, in the order of :func:`~services.protocol.names.topk_fields`), B = ``rows``,
-    U = ``length``.
+    """The top-K targets ``[B, U, K]``, ``[B, U, K]``, ``[B, U]``, ``[B, U]`` of the four ``topk``
+    fields (row 0 of each, in the order of :func:`~services.protocol.names.topk_fields`), B =
+    ``rows``, U = ``length``.
 
     Raises:
-        ValueError: not three jagged fields of int32 ids, float log-probs of the same ``[B * U,
-            K]`` shape and ``B * U`` fp32 rests (names the record key).
+        ValueError: not four jagged fields of int32 ids, float log-probs of the same ``[B * U,
+            K]`` shape, ``B * U`` fp32 rests and ``B * U`` fp32 log-partitions (names the record
+            key).
     """
     what = f"top-k targets of request {key!r}"
-    if len(columns) != 3 or not all(isinstance(c, JaggedColumn) for c in columns):
-        raise ValueError(f"{what}: expected three 1-row jagged fields (ids, logprobs, rest)")
-    ids, logprobs, rest = (c.row(0) for c in columns)
+    if len(columns) != 4 or not all(isinstance(c, JaggedColumn) for c in columns):
+        raise ValueError(f"{what}: expected four 1-row jagged fields (ids, logprobs, rest, lse)")
+    ids, logprobs, rest, lse = (c.row(0) for c in columns)
     if ids.dtype != torch.int32 or ids.dim() != 2:
         raise ValueError(f"{what}: ids are {ids.dtype} {tuple(ids.shape)}, not int32 [B * U, K]")
     if not logprobs.is_floating_point() or logprobs.shape != ids.shape:
@@ -165,17 +169,22 @@ def topk_from_columns(columns: Any, rows: int, length: int, key: str) -> TopK:
             f"{what}: logprobs are {logprobs.dtype} {tuple(logprobs.shape)}, not float "
             f"{tuple(ids.shape)} like the ids"
         )
-    if rest.dtype != torch.float32 or tuple(rest.shape) != (ids.shape[0],):
-        raise ValueError(
-            f"{what}: rest is {rest.dtype} {tuple(rest.shape)}, not float32 ({ids.shape[0]},)"
-        )
+    for name, scalars in (("rest", rest), ("lse", lse)):
+        if scalars.dtype != torch.float32 or tuple(scalars.shape) != (ids.shape[0],):
+            raise ValueError(
+                f"{what}: {name} is {scalars.dtype} {tuple(scalars.shape)}, not float32 "
+                f"({ids.shape[0]},)"
+            )
     if ids.shape[0] != rows * length:
         raise ValueError(
             f"{what}: {ids.shape[0]} positions, but the result says {rows} rows x {length} tokens"
         )
     K = int(ids.shape[1])
     return TopK(
-        ids.reshape(rows, length, K), logprobs.reshape(rows, length, K), rest.reshape(rows, length)
+        ids.reshape(rows, length, K),
+        logprobs.reshape(rows, length, K),
+        rest.reshape(rows, length),
+        lse.reshape(rows, length),
     )
 
 

@@ -184,6 +184,7 @@ class TeacherWorker:
                 torch.zeros((0, 0, K), dtype=torch.int32),
                 torch.zeros((0, 0, K), dtype=torch.float32),
                 torch.zeros((0, 0), dtype=torch.float32),
+                torch.zeros((0, 0), dtype=torch.float32),
             )
             fields.update(zip(topk_fields(rank), topk_columns(empty), strict=True))
         return fields

@@ -1,6 +1,6 @@
 """The trainer's teacher client: asks its teacher group for the logits of a micro-batch, opens
 the result (a zero-copy view of a ring slot, the teacher's output layer applied to hidden
-states, or dense log-probabilities decoded from top-K targets), releases the slot once the
+states, or dense teacher logits decoded from top-K targets), releases the slot once the
 backward read it.
 
 Per rank (records and names: services/protocol/):
@@ -10,8 +10,8 @@ Per rank (records and names: services/protocol/):
    backward is queued, off the step's critical path), open the slot (``LogitRingReader.view``:
    the stream waits on the teacher's event), apply the teacher's output layer to the hidden
    states, or decode the top-K targets (``xtoken_core.wire.topk``: the rest mass spread evenly
-   over the other ids); a stale handle (dead teacher, overwritten slot) or a checksum mismatch is never
-   trained on: the micro-batch is requested again;
+   over the other ids, the log-partition added back); a stale handle (dead teacher, overwritten
+   slot) or a checksum mismatch is never trained on: the micro-batch is requested again;
 3. after its backward: release the slot (once the GPU finished reading it), ack and clear the
    record.
 
@@ -39,7 +39,7 @@ micro-batches; when their results hold every slot of the ring, they give their s
 asked again once the waiting micro-batch has its result (the teacher has a slot for it).
 
 The fields a record's result needs beyond ``result<rank>`` are claimed with it: ``hidden<rank>``
-when the trainer has the teacher's output layer; the three ``topk`` fields once a topk result
+when the trainer has the teacher's output layer; the four ``topk`` fields once a topk result
 was seen (the first topk records of a run have theirs fetched by key, one ``get`` per claim).
 
 Legend: B rows of a micro-batch, U teacher tokens, W teacher vocab, d teacher hidden size.

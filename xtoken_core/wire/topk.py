@@ -1,11 +1,15 @@
-"""Sparse teacher targets: the K largest log-probabilities per position, their ids and the log of
-the remaining mass (encode on the teacher, decode into dense teacher logits on the trainer).
+"""Sparse teacher targets: the K largest log-probabilities per position, their ids, the log of the
+remaining mass and the log-partition (encode on the teacher, decode into dense teacher logits on
+the trainer).
 
 This is what the ``topk`` teacher transport sends through the queue and what a store of teacher
-outputs keeps: ``8 K + 4`` bytes per teacher token (int32 ids, fp32 log-probs, an fp32 rest)
-instead of ``2 W`` for bf16 logits. Decoding spreads the rest mass uniformly over the ``W - K``
-ids outside the top K. The dense result holds log-probabilities, which any softmax-based loss may
-take as logits: ``softmax((z - c) / T) == softmax(z / T)`` for a per-position constant ``c``.
+outputs keeps: ``8 K + 8`` bytes per teacher token (int32 ids, fp32 log-probs, an fp32 rest, an
+fp32 log-partition) instead of ``2 W`` for bf16 logits. Decoding spreads the rest mass uniformly
+over the ``W - K`` ids outside the top K and adds the log-partition back, so that where K covers
+the vocab the dense result is the teacher's logits themselves. A softmax would not need the
+log-partition (``softmax(z - c) == softmax(z)``), but a loss that picks columns by the largest
+logit over the positions (P-KL's ``vocab_topk``) does: log-probs shift each position by its own
+constant and change which columns win.
 
 Legend: N positions (any leading shape, e.g. ``[B, U]``), W teacher vocab, K ids kept per
 position.
@@ -27,10 +31,11 @@ __all__ = [
     "topk_bytes_per_token",
 ]
 
-#: The least log-probability an id outside the top K gets: where the rest mass is 0 (the teacher
-#: masks those ids at ``-inf``) or below ``exp(LOG_FLOOR)``, decode gives this finite value, so no
-#: loss meets ``-inf`` (``0 * -inf`` is NaN), yet ``exp`` of it (or of it over any temperature
-#: >= 0.01) is exactly 0 in fp32. The rest itself is computed in log space and never underflows.
+#: The least log-probability an id outside the top K gets, before decode adds the log-partition:
+#: where the rest mass is 0 (the teacher masks those ids at ``-inf``) or below ``exp(LOG_FLOOR)``,
+#: decode gives this finite value (plus the log-partition), so no loss meets ``-inf`` (``0 * -inf``
+#: is NaN), yet ``exp`` of it relative to the row (or of that over any temperature up to 90) is
+#: exactly 0 in fp32. The rest itself is computed in log space and never underflows.
 LOG_FLOOR = -1.0e4
 
 #: Elements of one fp32 working block of :func:`encode_topk` (256 MiB): bounds its memory on a
@@ -49,11 +54,14 @@ class TopK(NamedTuple):
         logprobs_NK: ``[..., K]`` their log-probabilities (fp32, or bf16).
         rest_N: ``[...]`` fp32 log of the probability mass outside the K ids (``-inf`` when there
             is none).
+        lse_N: ``[...]`` fp32 log-partition ``logsumexp(z)`` of the logits: log-prob + lse is the
+            logit.
     """
 
     ids_NK: torch.Tensor
     logprobs_NK: torch.Tensor
     rest_N: torch.Tensor
+    lse_N: torch.Tensor
 
     @property
     def k(self) -> int:
@@ -82,8 +90,8 @@ def check_top_k(k: int, width: int, setting: str = "teacher.top_k") -> None:
 def encode_topk(
     logits_NW: torch.Tensor, k: int, *, logprobs_dtype: torch.dtype = torch.float32
 ) -> TopK:
-    """The K largest log-probabilities per position (``log_softmax`` in fp32), their ids and the
-    log of the remaining mass.
+    """The K largest log-probabilities per position (``log_softmax`` in fp32), their ids, the log
+    of the remaining mass and the log-partition of the logits.
 
     The rest is the log-sum-exp of the logits outside the top K minus that of all of them, so it
     stays exact when the top K hold nearly all the mass (``log(1 - sum p)`` would cancel). The
@@ -97,7 +105,7 @@ def encode_topk(
 
     Returns:
         :class:`TopK` on the logits' device: ``ids_NK`` int32 ``[..., K]``, ``logprobs_NK``
-        ``[..., K]``, ``rest_N`` fp32 ``[...]``.
+        ``[..., K]``, ``rest_N`` and ``lse_N`` fp32 ``[...]``.
 
     Raises:
         ValueError: ``k`` outside ``[1, W]``, a logits tensor that is not float or has no vocab
@@ -119,6 +127,7 @@ def encode_topk(
     ids_NK = torch.empty((N, k), dtype=torch.int32, device=device)
     logprobs_NK = torch.empty((N, k), dtype=logprobs_dtype, device=device)
     rest_N = torch.empty((N,), dtype=torch.float32, device=device)
+    lse_N = torch.empty((N,), dtype=torch.float32, device=device)
     step = max(1, _BLOCK_ELEMENTS // max(W, 1))
     for start in range(0, N, step):
         stop = min(N, start + step)
@@ -129,7 +138,13 @@ def encode_topk(
         rest_N[start:stop] = torch.logsumexp(z_nW, dim=-1) - lse_n
         logprobs_NK[start:stop] = top_nK - lse_n[:, None]
         ids_NK[start:stop] = idx_nK
-    return TopK(ids_NK.reshape(*lead, k), logprobs_NK.reshape(*lead, k), rest_N.reshape(lead))
+        lse_N[start:stop] = lse_n
+    return TopK(
+        ids_NK.reshape(*lead, k),
+        logprobs_NK.reshape(*lead, k),
+        rest_N.reshape(lead),
+        lse_N.reshape(lead),
+    )
 
 
 def decode_topk(
@@ -139,49 +154,62 @@ def decode_topk(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Dense teacher log-probabilities from sparse targets, usable as teacher logits.
+    """Dense teacher logits from sparse targets.
 
-    The top-K ids get their log-probs; every other id gets ``log(rest / (W - K))`` (the rest mass
-    spread uniformly), at least :data:`LOG_FLOOR`, so a rest of 0 gives finite values. When K
-    covers the vocab the result is the teacher's ``log_softmax`` itself.
+    The top-K ids get their log-prob plus the log-partition; every other id gets
+    ``log(rest / (W - K))`` (the rest mass spread uniformly), at least :data:`LOG_FLOOR`, plus the
+    log-partition. The floor applies before the log-partition is added, so a rest of 0 gives
+    finite values whose ``exp`` relative to the row is still 0. When K covers the vocab the result
+    is the teacher's logits (up to fp32 rounding); otherwise its softmax is the top-K
+    probabilities with the rest spread evenly.
 
     Args:
-        targets: :class:`TopK` of N positions (``[..., K]``, ``[..., K]``, ``[...]``).
+        targets: :class:`TopK` of N positions (``[..., K]``, ``[..., K]``, ``[...]``, ``[...]``).
         width: the teacher vocab W.
         device: where the dense tensor goes (default: the targets' device).
-        dtype: its dtype (fp32: the log-probs as sent).
+        dtype: its dtype (fp32: the values as sent, summed in fp32).
 
     Returns:
-        ``[..., W]`` log-probabilities.
+        ``[..., W]`` logits.
 
     Raises:
-        ValueError: shapes that disagree, K outside ``[1, W]``, non-integer ids or ids outside
-            ``[0, W)``.
+        ValueError: shapes that disagree, a log-partition that is not fp32, K outside ``[1, W]``,
+            non-integer ids or ids outside ``[0, W)``.
     """
-    ids_NK, logprobs_NK, rest_N = targets
-    if ids_NK.shape != logprobs_NK.shape or tuple(ids_NK.shape[:-1]) != tuple(rest_N.shape):
+    ids_NK, logprobs_NK, rest_N, lse_N = targets
+    lead = tuple(ids_NK.shape[:-1])
+    if (
+        ids_NK.shape != logprobs_NK.shape
+        or tuple(rest_N.shape) != lead
+        or tuple(lse_N.shape) != lead
+    ):
         raise ValueError(
             f"top-k targets of shapes ids {tuple(ids_NK.shape)}, logprobs "
-            f"{tuple(logprobs_NK.shape)}, rest {tuple(rest_N.shape)}: expected [..., K], "
-            "[..., K], [...]"
+            f"{tuple(logprobs_NK.shape)}, rest {tuple(rest_N.shape)}, lse {tuple(lse_N.shape)}: "
+            "expected [..., K], [..., K], [...], [...]"
         )
     if ids_NK.is_floating_point() or ids_NK.dtype == torch.bool:
         raise ValueError(f"top-k ids are {ids_NK.dtype}, not an integer tensor")
+    if lse_N.dtype != torch.float32:
+        raise ValueError(f"top-k log-partition is {lse_N.dtype}, not float32")
     K = int(ids_NK.shape[-1])
     check_top_k(K, width, "top-k targets' K")
     if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
         raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
     device = torch.device(device) if device is not None else ids_NK.device
     ids_NK = ids_NK.to(device, torch.int64, non_blocking=True)
-    logprobs_NK = logprobs_NK.to(device, dtype, non_blocking=True)
-    fill_N = torch.full(rest_N.shape, LOG_FLOOR, dtype=torch.float32, device=device)
+    lse_N = lse_N.to(device, non_blocking=True)
+    logits_NK = logprobs_NK.to(device, torch.float32, non_blocking=True) + lse_N[..., None]
+    fill_N = torch.full(lead, LOG_FLOOR, dtype=torch.float32, device=device)
     if width > K:  # ids outside the top K exist: each gets an equal share of the rest
         rest_N = rest_N.to(device, torch.float32, non_blocking=True)
         fill_N = (rest_N - math.log(width - K)).clamp_min(LOG_FLOOR)
-    dense_NW = fill_N.to(dtype)[..., None].expand(*fill_N.shape, width).contiguous()
-    return dense_NW.scatter_(-1, ids_NK, logprobs_NK)
+    fill_N = fill_N + lse_N
+    dense_NW = fill_N.to(dtype)[..., None].expand(*lead, width).contiguous()
+    return dense_NW.scatter_(-1, ids_NK, logits_NK.to(dtype))
 
 
 def topk_bytes_per_token(k: int, logprobs_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one teacher position's targets: K int32 ids, K log-probs, one fp32 rest."""
-    return k * (4 + torch.empty((), dtype=logprobs_dtype).element_size()) + 4
+    """Bytes of one teacher position's targets: K int32 ids, K log-probs, an fp32 rest and an
+    fp32 log-partition."""
+    return k * (4 + torch.empty((), dtype=logprobs_dtype).element_size()) + 8

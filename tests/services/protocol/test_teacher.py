@@ -262,6 +262,92 @@ def test_garbage_hidden_states_are_a_value_error_naming_the_request_key(column, 
     assert "'rq:7'" in str(exc.value)
 
 
+# ----------------------------------------------------------------------------- top-k targets
+
+
+def _topk_columns() -> list[JaggedColumn]:
+    """The four topk fields of 3 rows x 5 tokens at K = 4 (in ``topk_fields`` order)."""
+    from xtoken_core.wire.topk import encode_topk
+
+    return list(proto.topk_columns(encode_topk(torch.randn(3, 5, 11), 4)))
+
+
+def test_topk_targets_round_trip_as_four_one_row_jagged_fields():
+    from xtoken_core.wire.topk import encode_topk
+
+    z_BUW = torch.randn(3, 5, 11)
+    targets = encode_topk(z_BUW, 4)
+    columns = proto.topk_columns(targets)
+    assert proto.topk_fields(2) == ("topk_ids2", "topk_logprobs2", "topk_rest2", "topk_lse2")
+    assert [(c.num_rows, tuple(c.values.shape)) for c in columns] == [
+        (1, (15, 4)),
+        (1, (15, 4)),
+        (1, (15,)),
+        (1, (15,)),
+    ]
+    back = proto.topk_from_columns(columns, 3, 5, "t:1")
+    for got, want in zip(back, targets, strict=True):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(back.lse_N, torch.logsumexp(z_BUW, -1))
+
+
+def _replace(columns: list[JaggedColumn], i: int, values: torch.Tensor) -> list[JaggedColumn]:
+    return [*columns[:i], _column(values), *columns[i + 1 :]]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c[:3], r"expected four 1-row jagged fields \(ids, logprobs, rest, lse\)"),
+        (lambda c: [*c[:3], c[3].values], r"expected four 1-row jagged fields"),
+        (
+            lambda c: _replace(c, 3, torch.zeros(14)),
+            r"lse is torch.float32 \(14,\), not float32 \(15,\)",
+        ),
+        (
+            lambda c: _replace(c, 3, torch.zeros(15, 1)),
+            r"lse is torch.float32 \(15, 1\), not float32 \(15,\)",
+        ),
+        (
+            lambda c: _replace(c, 3, torch.zeros(15, dtype=torch.float64)),
+            r"lse is torch.float64 \(15,\), not float32",
+        ),
+        (
+            lambda c: _replace(c, 2, torch.zeros(15, dtype=torch.bfloat16)),
+            r"rest is torch.bfloat16 \(15,\), not float32",
+        ),
+        (
+            lambda c: _replace(c, 0, torch.zeros(15, 4)),
+            r"ids are torch.float32 \(15, 4\), not int32",
+        ),
+        (
+            lambda c: _replace(c, 1, torch.zeros(15, 3)),
+            r"logprobs are torch.float32 \(15, 3\), not float \(15, 4\)",
+        ),
+    ],
+    ids=[
+        "lse-missing",
+        "lse-dense",
+        "lse-short",
+        "lse-2d",
+        "lse-fp64",
+        "rest-bf16",
+        "ids-float",
+        "logprobs-shape",
+    ],  # fmt: skip
+)
+def test_garbage_topk_fields_are_refused_in_one_line_naming_the_request_key(edit, message):
+    with pytest.raises(ValueError, match=message) as exc:
+        proto.topk_from_columns(edit(_topk_columns()), 3, 5, "rq:7")
+    assert str(exc.value).startswith("top-k targets of request 'rq:7': ")
+    assert "\n" not in str(exc.value)
+
+
+def test_topk_fields_of_another_batch_shape_are_refused():
+    with pytest.raises(ValueError, match="15 positions, but the result says 3 rows x 4 tokens"):
+        proto.topk_from_columns(_topk_columns(), 3, 4, "rq:7")
+
+
 # ----------------------------------------------------------------------------- through a queue
 
 

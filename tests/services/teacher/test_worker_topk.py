@@ -1,5 +1,5 @@
 """The teacher's topk transport (tiny teacher, smollm2 tokenizer): each request's fields hold the
-top-K log-probabilities of the teacher logits, no ring is made, a refused request still carries
+top-K log-probabilities of the teacher logits and their log-partition, no ring is made, a refused request still carries
 empty topk fields, and a K over the vocab (or below 1) is refused in one line, by the process
 before it serves."""
 
@@ -45,7 +45,7 @@ def _result(fields: dict, rank: int = 0, key: str = "t:1") -> proto.Result:
     return proto.Result.from_blob(fields[proto.result_field(rank)], key)
 
 
-def test_topk_fields_hold_the_top_k_log_probs_of_the_teacher_logits(worker):
+def test_topk_fields_hold_the_top_k_log_probs_and_the_log_partition_of_the_teacher_logits(worker):
     request = _request(worker, [MAX_U, 5], rank=1)
     assert worker.try_acquire(1) == 0
     fields = worker.compute(request, 0)
@@ -56,17 +56,23 @@ def test_topk_fields_hold_the_top_k_log_probs_of_the_teacher_logits(worker):
     assert worker.rings == {} and worker.computed == 1  # nothing but the queue fields
 
     columns = [fields[name] for name in proto.topk_fields(1)]
-    assert [tuple(c.values.shape) for c in columns] == [(2 * MAX_U, K), (2 * MAX_U, K), (24,)]
+    assert [tuple(c.values.shape) for c in columns] == [(24, K), (24, K), (24,), (24,)]
     targets = proto.topk_from_columns(columns, 2, MAX_U, "t:1")
     want = encode_topk(worker.logits(request), K)
     for got_t, want_t in zip(targets, want, strict=True):
         assert torch.equal(got_t, want_t)
-    # and they are the log_softmax of the logits at their K largest ids
-    lp_BUW = torch.log_softmax(worker.logits(request).float(), -1)
+    # and they are the log_softmax of the logits at their K largest ids, and its log-partition
+    z_BUW = worker.logits(request).float()
+    lp_BUW = torch.log_softmax(z_BUW, -1)
     top_BUK = lp_BUW.topk(K, -1)
     torch.testing.assert_close(targets.logprobs_NK, top_BUK.values, rtol=0, atol=1e-5)
+    lse_BU = torch.logsumexp(z_BUW, -1)
+    torch.testing.assert_close(targets.lse_N, lse_BU, rtol=0, atol=1e-5)
+    # decoded: the teacher's logits at the top K ids, the same partition over the row
     dense_BUW = decode_topk(targets, VOCAB)
-    torch.testing.assert_close(dense_BUW.exp().sum(-1), torch.ones(2, MAX_U))
+    top_ids = targets.ids_NK.long()
+    torch.testing.assert_close(dense_BUW.gather(-1, top_ids), z_BUW.gather(-1, top_ids))
+    torch.testing.assert_close(torch.logsumexp(dense_BUW, -1), lse_BU)
 
 
 def test_a_refused_topk_request_still_carries_empty_topk_fields(worker):
@@ -74,10 +80,11 @@ def test_a_refused_topk_request_still_carries_empty_topk_fields(worker):
     result = _result(fields)
     assert result.error is not None and "max_length" in result.error
     columns = [fields[name] for name in proto.topk_fields(0)]
-    # the partition's trailing shapes (K, K, none) and dtypes, with no positions
+    # the partition's trailing shapes (K, K, none, none) and dtypes, with no positions
     assert [(tuple(c.values.shape), c.values.dtype) for c in columns] == [
         ((0, K), torch.int32),
         ((0, K), torch.float32),
+        ((0,), torch.float32),
         ((0,), torch.float32),
     ]
     assert proto.topk_from_columns(columns, 0, 0, "t:1").ids_NK.shape == (0, 0, K)

@@ -1,6 +1,6 @@
 """TeacherClient with the topk transport, on a real queue with a teacher serving it from a thread:
 each micro-batch's teacher logits are the dense decode of the teacher's top-K log-probabilities
-on the trainer's device (the first record's fields fetched by key, later ones claimed with their
+and log-partition on the trainer's device (the teacher's logits at the top-K ids) (the first record's fields fetched by key, later ones claimed with their
 result), the records are cleared once done, and a refused request raises the teacher's message."""
 
 from __future__ import annotations
@@ -80,14 +80,18 @@ def _asked(lengths: list[int], seed: int) -> Asked:
     return Asked(rows=rows, shape=(len(rows), max(lengths)))
 
 
+def _logits(worker: TeacherWorker, p: Asked) -> torch.Tensor:
+    """The teacher's logits ``[B, U, W]`` of ``p``."""
+    fields = proto.request_fields(p.rows, 0)
+    return worker.logits(proto.decode_request("want", fields, 0, worker.pad_id))
+
+
 def _want(worker: TeacherWorker, p: Asked) -> torch.Tensor:
     """What the trainer should get: the decode of the teacher's own top-K encoding."""
-    fields = proto.request_fields(p.rows, 0)
-    request = proto.decode_request("want", fields, 0, worker.pad_id)
-    return decode_topk(encode_topk(worker.logits(request), K), worker.width)
+    return decode_topk(encode_topk(_logits(worker, p), K), worker.width)
 
 
-def test_topk_results_decode_to_the_teachers_log_probs_on_the_trainer(teacher, trainer_queue):
+def test_topk_results_decode_to_the_teachers_logits_on_the_trainer(teacher, trainer_queue):
     client = _client(trainer_queue)
     first, second = _asked([MAX_U, 9], seed=1), _asked([5], seed=2)
     client.ask(first)
@@ -99,7 +103,10 @@ def test_topk_results_decode_to_the_teachers_log_probs_on_the_trainer(teacher, t
         assert got.dtype == torch.float32 and got.shape == (*p.shape, teacher.width)
         assert torch.equal(got, _want(teacher, p))
         assert got.isfinite().all() and got.min() > LOG_FLOOR
-        torch.testing.assert_close(got.exp().sum(-1), torch.ones(p.shape))
+        z_BUW = _logits(teacher, p).float()
+        top_ids = z_BUW.topk(K, -1).indices
+        torch.testing.assert_close(got.gather(-1, top_ids), z_BUW.gather(-1, top_ids))
+        torch.testing.assert_close(torch.logsumexp(got, -1), torch.logsumexp(z_BUW, -1))
         client.done(p)
     part = proto.request_partition(PARTITION, 0)
     assert trainer_queue.list(part)["keys"] == []  # acked and cleared
