@@ -73,8 +73,9 @@ class AlignmentView:
 def alignment_from_batch(batch: Mapping[str, Any], teacher_index: int = 0) -> AlignmentView:
     """Read one teacher's alignment from the flat ``alignment_*`` keys of a batch.
 
-    Teacher ``i`` reads ``teacher{i}_alignment_<field>`` when the batch has it (several teachers
-    with different tokenizers), else the shared ``alignment_<field>``.
+    Teacher ``i`` reads its own ``teacher{i}_alignment_<field>`` keys when the batch has any
+    (several teachers with different tokenizers; then it must have every required one), else
+    the shared ``alignment_<field>``.
 
     Args:
         batch: the batch mapping.
@@ -87,13 +88,15 @@ def alignment_from_batch(batch: Mapping[str, Any], teacher_index: int = 0) -> Al
         ValueError: a required field is missing, or chunk ids of a non-integer dtype.
     """
 
-    def get(field: str) -> torch.Tensor | None:
-        for key in (f"teacher{teacher_index}_alignment_{field}", f"alignment_{field}"):
-            if key in batch:
-                return batch[key]
-        return None
+    # a teacher with alignment keys of its own has all of them: a missing one must not fall back
+    # to another teacher's (the shared keys are teacher 0's)
+    own = f"teacher{teacher_index}_alignment_"
+    prefix = own if any(str(k).startswith(own) for k in batch) else "alignment_"
 
-    missing = [f"alignment_{f}" for f in REQUIRED_ALIGNMENT_FIELDS if get(f) is None]
+    def get(field: str) -> torch.Tensor | None:
+        return batch.get(f"{prefix}{field}")
+
+    missing = [f"{prefix}{f}" for f in REQUIRED_ALIGNMENT_FIELDS if get(f) is None]
     if missing:
         raise ValueError(
             f"batch lacks {missing} (teacher {teacher_index}); batches must carry the collator's "

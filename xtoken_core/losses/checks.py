@@ -24,7 +24,8 @@ class DeferredChecks:
         self._items: list[tuple[str, str, Any, tuple[torch.Tensor, ...]]] = []
 
     def _add(self, kind: str, name: str, extra: Any, *pieces: torch.Tensor) -> None:
-        self._items.append((kind, name, extra, pieces))
+        # checks read values, never gradients (a denominator may be part of the graph)
+        self._items.append((kind, name, extra, tuple(p.detach() for p in pieces)))
 
     def finite(self, name: str, x: torch.Tensor, total: torch.Tensor | None = None) -> None:
         """Queue the NaN/inf check of ``x``; ``total``: its fp32 sums (any shape: the row sums)

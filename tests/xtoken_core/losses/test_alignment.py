@@ -57,3 +57,21 @@ def test_chunk_validity_drops_masked_samples_and_incorrect_pairs_on_request():
     assert exact.tolist() == [[True, False, True], [True, True, True]]
     with pytest.raises(ValueError, match="pair_is_correct"):
         chunk_validity(ids, ids, pair_valid, exact_token_match_only=True)
+
+
+def test_a_teacher_with_alignment_keys_of_its_own_reads_only_them_and_needs_them_all():
+    from xtoken_core.losses.alignment import alignment_from_batch
+
+    def fields(prefix: str, chunk: int) -> dict:
+        return {
+            f"{prefix}pair_valid": torch.ones(1, 2, dtype=torch.bool),
+            f"{prefix}student_chunk_id": torch.full((1, 3), chunk),
+            f"{prefix}teacher_chunk_id": torch.full((1, 4), chunk),
+        }
+
+    batch = {**fields("alignment_", 0), **fields("teacher1_alignment_", 1)}
+    assert alignment_from_batch(batch, 0).student_chunk_id.unique().tolist() == [0]
+    assert alignment_from_batch(batch, 1).student_chunk_id.unique().tolist() == [1]
+    del batch["teacher1_alignment_teacher_chunk_id"]  # never teacher 0's in its place
+    with pytest.raises(ValueError, match=r"lacks \['teacher1_alignment_teacher_chunk_id'\]"):
+        alignment_from_batch(batch, 1)
