@@ -224,12 +224,19 @@ def markdown(rows: list[dict], seconds: float) -> str:
             "At K = W the decoded targets are the teacher's logits (the log-probs plus the "
             "log-partition sent with them), so P-KL at its default `vocab_topk` (8192 of "
             f"{W:,} columns, picked by the largest logit over the positions) picks the "
-            f"reference's columns: off by {_pct(pkl_full['grad_rel_err'])} in its gradient. "
-            "The error of the smaller K is the truncation."
+            f"reference's columns: off by {_pct(pkl_full['grad_rel_err'])} in its gradient."
         )
     if pkl_all is not None:
+        pkl_64 = k64.get("pkl")
         notes.append(
-            "With every column (`trainer.loss.vocab_topk: null`, rows `pkl-all`) P-KL is off "
+            (
+                "Below K = W it ranks columns whose values outside the top K are one value per "
+                "position (the rest spread evenly), so it still picks other columns than the "
+                f"reference: off by {_pct(pkl_64['grad_rel_err'])} in its gradient at K = 64. "
+                if pkl_64 is not None
+                else ""
+            )
+            + "With every column (`trainer.loss.vocab_topk: null`, rows `pkl-all`) P-KL is off "
             f"by {_pct(pkl_all['grad_rel_err'])} in its gradient at K = 64."
         )
     if ring is not None:

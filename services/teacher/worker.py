@@ -17,9 +17,10 @@ Transports (docs/design.md, "The teacher-to-trainer logit ring"):
   when its rank's ring has a free slot (:meth:`try_acquire`).
 * ``hidden``: the final (post-norm) hidden states travel through the queue; the trainer applies
   the teacher's output layer itself. About W/d fewer bytes than logits.
-* ``topk``: per position the ``teacher.top_k`` largest log-probabilities, their ids and the log of
-  the rest mass travel through the queue (``xtoken_core.wire.topk``); the trainer spreads the
-  rest evenly over the other ids. ``8 K + 4`` bytes per token.
+* ``topk``: per position the ``teacher.top_k`` largest log-probabilities, their ids, the log of
+  the rest mass and the log-partition travel through the queue (``xtoken_core.wire.topk``); the
+  trainer spreads the rest evenly over the other ids and adds the log-partition back (the
+  teacher's logits at the top K ids). ``8 K + 8`` bytes per token.
 
 Legend: B rows of a request, U its longest row, R rows of one forward (the B of every request
 it serves), W the teacher vocab (logits width), d hidden size.
