@@ -170,9 +170,9 @@ class TeacherConfig:
         default="auto",
         metadata={
             "help": "how logits reach the trainer: shm, cuda_ipc (a ring slot), hidden (the final "
-            "hidden states through the queue), topk (the top_k log-probs per token and the "
-            "rest mass through the queue), or auto: a ring (cuda_ipc on a GPU, else shm), topk "
-            "for trainers on other nodes (xtoken run decides)",
+            "hidden states through the queue), topk (the top_k log-probs per token, the rest "
+            "mass and the log-partition through the queue), or auto: a ring (cuda_ipc on a "
+            "GPU, else shm), topk for trainers on other nodes (xtoken run decides)",
             "trained": False,
         },
     )
