@@ -412,14 +412,21 @@ def _unknown_key(cls: type, path: str, key: str, names: list[str]) -> str:
     close += [n for n in names if n not in close and (key in n or n in key)][: 3 - len(close)]
     shown = list(dict.fromkeys(repr(_join(path, moved.get(n, n))) for n in close))
     hint = f": did you mean {' or '.join(shown)}?" if shown else ""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    owner = cls
-    for base in cls.__mro__[1:]:  # a subclass that adds no field: the file of the fields
-        if dataclasses.is_dataclass(base) and {f.name for f in dataclasses.fields(base)} == fields:
-            owner = base
+    # the files that declare the fields, most first (a run's section adds a few to its process's)
+    declared: dict[str, int] = {}
+    for klass in cls.__mro__:
+        own = [n for n in vars(klass).get("__annotations__", {}) if n in fields_of(cls)]
+        if dataclasses.is_dataclass(klass) and own:
+            module = klass.__module__.replace(".", "/") + ".py"
+            declared[module] = declared.get(module, 0) + len(own)
     where = f"{path}'s keys" if path else f"the keys of {cls.__name__}"
-    module = owner.__module__.replace(".", "/")
-    return f"unknown key {_join(path, key)!r}{hint} ({where}: {module}.py)"
+    files = ", ".join(sorted(declared, key=lambda m: -declared[m]))
+    return f"unknown key {_join(path, key)!r}{hint} ({where}: {files})"
+
+
+def fields_of(cls: type) -> set[str]:
+    """The field names of a dataclass."""
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def has_key(data: Mapping[str, Any], dotted: str) -> bool:

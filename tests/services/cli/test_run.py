@@ -70,13 +70,13 @@ def test_an_unknown_key_exits_2_in_one_short_line_naming_the_closest_keys_and_wh
     assert code == 2
     assert err == (
         "xtoken run: unknown key 'trainer.max_step': did you mean 'trainer.schedule.max_steps'? "
-        "(trainer's keys: services/trainer/config.py)\n"
+        "(trainer's keys: services/trainer/config.py, services/supervise/config.py)\n"
     )
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
     code, err = _run(tmp_path, capsys, "--set", "trainr.seed=1")
     assert err == (
         "xtoken run: unknown key 'trainr': did you mean 'trainer' or 'trainers'? "
-        "(the keys of RunConfig: services/supervise/config.py)\n"
+        "(the keys of RunConfig: services/supervise/config.py, services/common/context.py)\n"
     )
 
 
