@@ -27,7 +27,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from services.teacher.config import check_tensor_parallel
+from services.teacher.config import check_tensor_parallel, ring_transport
 from xtoken_core.errors import SettingsError
 
 __all__ = [
@@ -123,10 +123,9 @@ def run_transport(config: Any) -> str:
         return t
     if config.teachers_apart:
         return "topk"
-    on_gpus = all(
-        d.startswith("cuda") for d in (config.teacher.device, config.trainer.compute.device)
-    )
-    return "cuda_ipc" if on_gpus else "shm"
+    # a cuda_ipc ring only where the trainers read it on a GPU too
+    on_gpu = config.trainer.compute.device.startswith("cuda")
+    return ring_transport(config.teacher.device) if on_gpu else "shm"
 
 
 @dataclasses.dataclass(frozen=True)

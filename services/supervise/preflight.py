@@ -110,7 +110,7 @@ def preflight(config: RunConfig) -> Inputs:
     s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
     check_vocabs(config, s_tok.vocab_size, t_tok.vocab_size)
     check_run_layout(config, s_tok.vocab_size, t_tok.vocab_size)
-    check_topk_loss(config, t_tok.vocab_size)
+    check_transport(config, t_tok.vocab_size)
     projection = config.trainer.loss.projection
     if config.trainer.loss.uses_teacher and not projection:
         projection = str(build_cached_projection(config, s_tok, t_tok))
@@ -273,12 +273,13 @@ def check_devices(config: RunConfig) -> None:
             )
 
 
-def check_topk_loss(config: RunConfig, teacher_vocab: int) -> None:
-    """Say where the teachers go and what their transport costs the loss: with ``topk``
-    targets, P-KL's column pick (``trainer.loss.vocab_topk`` columns by the largest teacher
-    logit) sees the K sent ids and an equal value for every other one, and its gradient moves
-    far more than over every column (benchmarks/results/teachers_topk.md: 38% against 1.8% at
-    K = 64); one warning line names the setting."""
+def check_transport(config: RunConfig, teacher_vocab: int) -> None:
+    """Say the teachers' transport where the run places them apart from the trainers, and what
+    it costs the loss: with ``topk`` targets, P-KL's column pick (``trainer.loss.vocab_topk``
+    columns by the largest teacher logit) sees the K sent ids and an equal value for every other
+    one, and its gradient moves far more than over every column
+    (benchmarks/results/teachers_topk.md: 38% against 1.8% at K = 64); one warning line names
+    the setting."""
     from services.supervise.layout import run_transport
 
     transport = run_transport(config)

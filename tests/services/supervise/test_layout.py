@@ -173,17 +173,17 @@ def test_the_big_teacher_example_plans_one_four_gpu_group_beside_four_trainer_ra
 
 
 def test_topk_targets_under_pkl_over_a_column_subset_get_one_warning_naming_the_setting(caplog):
-    from services.supervise.preflight import check_topk_loss
+    from services.supervise.preflight import check_transport
 
     topk = _config(**{"teacher.transport": "topk", "trainer.loss.mode": "pkl"})
     with caplog.at_level("WARNING"):
-        check_topk_loss(topk, 49_152)
+        check_transport(topk, 49_152)
     assert [r.message.rsplit("; ", 1)[1] for r in caplog.records] == [
         "set trainer.loss.vocab_topk: null"
     ]
     caplog.clear()
     every = _config(**{"teacher.transport": "topk", "trainer.loss.vocab_topk": None})
     with caplog.at_level("WARNING"):
-        check_topk_loss(every, 49_152)
-        check_topk_loss(_config(), 49_152)  # a ring: the logits themselves
+        check_transport(every, 49_152)
+        check_transport(_config(), 49_152)  # a ring: the logits themselves
     assert not caplog.records

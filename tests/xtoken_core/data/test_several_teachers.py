@@ -50,8 +50,8 @@ def _one(teacher: str, ctx: int, div: int, *, pack: bool = False, agrees: str | 
     )
 
 
-@functools.cache
-def _several(pack: bool = False) -> CrossTokenizerCollator:
+def _make_several(**settings) -> CrossTokenizerCollator:
+    """The two-teacher collator of these tests (``settings``: more of its arguments)."""
     return CrossTokenizerCollator(
         student_tokenizer=_tok("mistral"),
         teacher_tokenizers=[_tok(name) for name in TEACHERS],
@@ -60,8 +60,13 @@ def _several(pack: bool = False) -> CrossTokenizerCollator:
         ctx_length_teacher=list(CTX_TEACHERS),
         make_seq_div_by_student=4,
         make_seq_div_by_teacher=DIVS,
-        pack=pack,
+        **settings,
     )
+
+
+@functools.cache
+def _several(pack: bool = False) -> CrossTokenizerCollator:
+    return _make_several(pack=pack)
 
 
 def _ones(pack: bool = False):
@@ -240,16 +245,7 @@ def test_teachers_of_one_tokenizer_share_the_tokenization_alignment_and_tensors(
 
 def test_kd_where_agrees_narrows_every_teacher_or_each_its_own():
     def several(agrees):
-        return CrossTokenizerCollator(
-            student_tokenizer=_tok("mistral"),
-            teacher_tokenizers=[_tok(name) for name in TEACHERS],
-            aligner=TokenAligner(),
-            ctx_length_student=CTX_STUDENT,
-            ctx_length_teacher=list(CTX_TEACHERS),
-            make_seq_div_by_student=4,
-            make_seq_div_by_teacher=DIVS,
-            kd_where_agrees=agrees,
-        )
+        return _make_several(kd_where_agrees=agrees)
 
     llama = _tok("llama3")
     everyone = several(llama).collate_samples(TEXTS)
