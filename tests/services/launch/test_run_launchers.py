@@ -255,3 +255,41 @@ def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_s
     section = json.loads((run_dir / "config" / "teacher0.json").read_text())
     assert section["transport"] == "topk"
     assert_exactly_once(trained_keys(run_dir), corpus)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_sigkilled_rank_of_a_tensor_parallel_teacher_restarts_its_group_losing_no_sample(
+    request, procs, tmp_path, demo, projection
+):
+    config, corpus = _config(tmp_path, demo, projection, n=64)
+    config.teacher.tensor_parallel = 2  # two gloo ranks, one unit
+    run_dir = pathlib.Path(config.run_dir)
+    watcher = _Watcher(run_dir)
+    run = _xtoken_run(procs, tmp_path, config, "local", request)
+    try:
+        wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
+        rank0 = watcher.seen["teacher0"][0]
+        victim = next(
+            p for p in _children(watcher.seen["teacher0"][1]) if p != rank0 and "teacher" in
+            _cmdline(p)
+        )  # fmt: skip
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: watcher.seen["teacher0"][0] != rank0, 120, "the group restarted")
+        assert run.wait(300) == 0, run.tail()
+    finally:
+        watcher.close()
+    assert "teacher0.1 exited with code -9" in run.log(), run.tail()
+    assert_exactly_once(trained_keys(run_dir), corpus)
+
+
+def _children(ppid: int) -> list[int]:
+    """The pids whose parent is ``ppid``."""
+    out = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
