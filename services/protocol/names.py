@@ -6,7 +6,8 @@ Partitions of a run with sample partition ``<partition>``:
 * ``<partition>``: the collators' samples, claimed by trainers;
 * ``<partition>.meta``: the run's markers (the collators' end of data, :mod:`.end_of_data`);
 * ``<partition>.teacher<group>``: trainer requests for teacher group ``group`` and the teacher's
-  results written onto them (:mod:`.teacher`);
+  results written onto them (:mod:`.teacher`); a run's further teachers (teacher ``j >= 1``, of
+  tokenizer families of their own) have theirs in ``<partition>.t<j>.teacher<group>``;
 * ``<partition>.rollout``: the rollout workers' on-policy samples (:mod:`.rollout`), claimed by
   trainers under task :data:`ROLLOUT_TASK`.
 
@@ -37,9 +38,14 @@ def meta_partition(partition: str) -> str:
     return f"{partition}.meta"
 
 
-def request_partition(partition: str, group: int) -> str:
-    """Partition where trainers put requests for teacher group ``group``."""
-    return f"{partition}.teacher{group}"
+def request_partition(partition: str, group: int, teacher: int = 0) -> str:
+    """Partition where trainers put requests for group ``group`` of the run's teacher
+    ``teacher`` (0: the first, the one-teacher name)."""
+    if teacher < 0:
+        raise ValueError(f"teacher={teacher}: teachers count from 0")
+    if teacher == 0:
+        return f"{partition}.teacher{group}"
+    return f"{partition}.t{teacher}.teacher{group}"
 
 
 def rollout_partition(partition: str) -> str:

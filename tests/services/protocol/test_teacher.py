@@ -392,3 +392,9 @@ def test_records_of_any_batch_size_and_length_share_one_partition(tmp_path):
                 )
     finally:
         server.stop()
+
+
+def test_a_further_teachers_requests_have_a_partition_of_their_own():
+    assert proto.request_partition("train", 0, teacher=0) == "train.teacher0"
+    assert proto.request_partition("train", 2, teacher=1) == "train.t1.teacher2"
+    assert proto.request_partition("train", 2, teacher=1) != proto.request_partition("train", 2)
