@@ -22,10 +22,16 @@ if TYPE_CHECKING:
     from xtoken_core.losses.config import CrossTokenizerLossConfig
     from xtoken_core.losses.distributed import dp_all_reduce_sum
     from xtoken_core.losses.fused_head import FusedHead
-    from xtoken_core.losses.loss import METRIC_KEYS, CrossTokenizerLoss
+    from xtoken_core.losses.loss import (
+        METRIC_KEYS,
+        TEACHER_METRICS,
+        CrossTokenizerLoss,
+        teacher_metric_keys,
+    )
 
 __all__ = [
     "METRIC_KEYS",
+    "TEACHER_METRICS",
     "CrossTokenizerLoss",
     "CrossTokenizerLossConfig",
     "Fp32SparseMM",
@@ -33,12 +39,14 @@ __all__ = [
     "dp_all_reduce_sum",
     "shift_chunk_ids",
     "student_ce",
+    "teacher_metric_keys",
 ]
 
 __getattr__, __dir__ = lazy_names(
     __name__,
     {
         "METRIC_KEYS": "xtoken_core.losses.loss",
+        "TEACHER_METRICS": "xtoken_core.losses.loss",
         "CrossTokenizerLoss": "xtoken_core.losses.loss",
         "CrossTokenizerLossConfig": "xtoken_core.losses.config",
         "FusedHead": "xtoken_core.losses.fused_head",
@@ -46,5 +54,6 @@ __getattr__, __dir__ = lazy_names(
         "dp_all_reduce_sum": "xtoken_core.losses.distributed",
         "shift_chunk_ids": "xtoken_core.losses.alignment",
         "student_ce": "xtoken_core.losses.backends",
+        "teacher_metric_keys": "xtoken_core.losses.loss",
     },
 )

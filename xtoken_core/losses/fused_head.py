@@ -22,7 +22,8 @@ What is global in a mode is made once over the micro-batch before the blocks:
   the head runs it as one block (exact, without the memory saving).
 
 Every other term is per chunk or per row. Rows whose logits reach no term (padding) are skipped.
-The metrics are the loss's, summed over the blocks (each is already over a global denominator).
+The metrics are the loss's (with several teachers each one's own too), summed over the
+blocks (each is already over a global denominator).
 
 Shape:
     hidden ``[B, T, D]`` and weight ``[V, D]`` in, scalar loss out; gradients ``[B, T, D]`` and

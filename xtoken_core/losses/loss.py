@@ -14,7 +14,9 @@ micro-batches of a step and over the DP ranks gives the step's value. ``num_vali
 the local count (summed the same way). ``kl_common`` (the common-vocab KL of gold, the KL of
 P-KL) and ``l1_uncommon`` (the uncommon-vocab sorted L1 of gold, 0 for P-KL) are reported
 after the ``T**2`` factor, as ``kl_loss`` is (NeMo RL reports them before it: divide by
-``temperature**2`` to compare).
+``temperature**2`` to compare). With several teachers each one's own figures come too
+(``teacher{i}_kl_loss`` and the rest: :func:`teacher_metric_keys`), unweighted and over that
+teacher's own denominator.
 
 Legend (shape suffixes in this file):
     B batch, T student tokens, U teacher tokens, V student vocab, W teacher vocab, C chunk slots.
@@ -37,6 +39,10 @@ from xtoken_core.losses.distributed import dp_all_reduce_sum
 from xtoken_core.losses.inputs import TeacherInputs
 from xtoken_core.losses.modes import MODES, KDMode
 
+#: The metrics of every call. With several teachers the metrics also hold each teacher's own
+#: (:func:`teacher_metric_keys`); ``kl_loss``, ``kl_common`` and ``l1_uncommon`` are then the
+#: weighted sums of the teachers' (each over its own denominator), ``proj_accuracy`` and
+#: ``num_valid_chunks`` their means over the teachers.
 METRIC_KEYS = (
     "loss",
     "kl_loss",
@@ -47,6 +53,29 @@ METRIC_KEYS = (
     "num_valid_chunks",
     "accuracy",
 )
+
+#: The figures each teacher has of its own with several teachers, named ``teacher{i}_<figure>``
+#: (teacher 0 included): its KD term unweighted by its teacher weight (``kl_loss``) and its
+#: ``kl_common``, ``l1_uncommon`` and ``proj_accuracy``, each divided by its own global
+#: valid-chunk count, and its local ``num_valid_chunks`` (additive like :data:`METRIC_KEYS`).
+TEACHER_METRICS = ("kl_loss", "kl_common", "l1_uncommon", "proj_accuracy", "num_valid_chunks")
+
+
+def teacher_metric_keys(num_teachers: int) -> tuple[str, ...]:
+    """The per-teacher metric keys a loss of ``num_teachers`` teachers returns besides
+    :data:`METRIC_KEYS`.
+
+    Args:
+        num_teachers: the loss's teacher count.
+
+    Returns:
+        ``teacher{i}_<figure>`` for every teacher i and :data:`TEACHER_METRICS` figure, teacher
+        by teacher (``teacher0_kl_loss``, ``teacher0_kl_common``, ..., ``teacher1_kl_loss``,
+        ...); empty with one teacher (its figures are the totals).
+    """
+    if num_teachers < 2:
+        return ()
+    return tuple(f"teacher{i}_{name}" for i in range(num_teachers) for name in TEACHER_METRICS)
 
 
 class CrossTokenizerLoss:
@@ -117,7 +146,8 @@ class CrossTokenizerLoss:
             global_valid_tokens: CE token count over the global batch; None: this micro-batch's.
 
         Returns:
-            ``(loss, metrics)``: scalar loss and detached scalar metrics (:data:`METRIC_KEYS`).
+            ``(loss, metrics)``: scalar loss and detached scalar metrics (:data:`METRIC_KEYS`;
+            with several teachers also :func:`teacher_metric_keys`).
 
         Raises:
             ValueError: shape mismatches, chunk ids out of range or not integer, a projection
@@ -161,6 +191,9 @@ class CrossTokenizerLoss:
             "num_valid_chunks": _detached(num_valid),
             "accuracy": no_ce if accuracy is None else _detached(accuracy),
         }
+        if kd.teachers_N5 is not None:
+            keys = teacher_metric_keys(cfg.num_teachers)
+            metrics.update(zip(keys, _detached(kd.teachers_N5).reshape(-1).unbind(), strict=True))
         return loss, metrics
 
     def count_valid(

@@ -10,7 +10,8 @@ calls one of the mode's paths on a :class:`~xtoken_core.losses.inputs.LossInputs
 does what every mode shares (chunk ids, validity, checks, the sum over teachers).
 
 Legend (shape suffixes in this file):
-    B batch, T student tokens, V student vocab, U teacher tokens, W teacher vocab.
+    B batch, T student tokens, V student vocab, U teacher tokens, W teacher vocab, N teachers,
+    R rows of a teacher's scaled sums (its share of the totals; its own, with several teachers).
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ class KDResult:
         kd: scalar KD term (weighted, divided by the denominators; gradient to the student).
         metrics_4: detached ``(kl_common, l1_uncommon, proj_accuracy, num_valid_chunks)``, each
             already divided as :data:`~xtoken_core.losses.loss.METRIC_KEYS` says.
+        teachers_N5: with several teachers, detached ``[num_teachers, 5]``: each teacher's own
+            ``(kd, kl_common, l1_uncommon, proj_accuracy, num_valid_chunks)``, unweighted, the
+            first four divided by that teacher's denominator, the last its local count
+            (:func:`~xtoken_core.losses.loss.teacher_metric_keys`); None with one teacher.
     """
 
     kd: torch.Tensor
     metrics_4: torch.Tensor
+    teachers_N5: torch.Tensor | None = None
 
 
 class Backend(ABC):
@@ -96,9 +102,11 @@ class Backend(ABC):
 
 
 class MetricScales:
-    """``(coef_5, bias_5)`` with ``sums_5 * (coef_5 / denom + bias_5)`` the scaled sums
+    """``(coef_R5, bias_R5)`` with ``sums_5 * (coef_R5 / denom + bias_R5)`` the scaled sums
     ``(kd, kl, l1, correct, num_valid)`` of one teacher, kept per device (no host-to-device copy
-    per call).
+    per call). Row 0 is the teacher's share of the totals (``kd, kl, l1`` weighted, the accuracy
+    and the chunk count averaged over the teachers); with several teachers, row 1 is the
+    teacher's own figures (unweighted, over its own denominator; its own chunk count).
 
     Args:
         num_teachers: the count the accuracy and chunk count are averaged over.
@@ -119,14 +127,19 @@ class MetricScales:
             device: the logits' device.
 
         Returns:
-            ``(coef_5, bias_5)``.
+            ``(coef_R5, bias_R5)``, R = 1 with one teacher, else 2.
         """
         key = (weight, dtype, device)
         if key not in self._kept:
             per_teacher = 1.0 / self.num_teachers
+            coef = [[weight] * 3 + [per_teacher, 0.0]]
+            bias = [[0.0] * 4 + [per_teacher]]
+            if self.num_teachers > 1:
+                coef.append([1.0] * 4 + [0.0])
+                bias.append([0.0] * 4 + [1.0])
             self._kept[key] = (
-                torch.tensor([weight] * 3 + [per_teacher, 0.0], dtype=dtype, device=device),
-                torch.tensor([0.0] * 4 + [per_teacher], dtype=dtype, device=device),
+                torch.tensor(coef, dtype=dtype, device=device),
+                torch.tensor(bias, dtype=dtype, device=device),
             )
         return self._kept[key]
 
@@ -138,7 +151,9 @@ def sum_teacher_terms(
     dtype: torch.dtype,
     device: torch.device,
 ) -> KDResult:
-    """Weight and divide each teacher's sums, and add them up.
+    """Weight and divide each teacher's sums, and add them up; with several teachers, also
+    each teacher's own figures (:attr:`KDResult.teachers_N5`), made by the same launches (no
+    host sync).
 
     Args:
         terms: one :class:`~xtoken_core.losses.modes.base.KDTerms` per teacher (sums over its
@@ -151,18 +166,21 @@ def sum_teacher_terms(
     Returns:
         The :class:`KDResult`.
     """
-    kd, acc_5 = None, None
+    kd, scaled = None, []
     for t, terms_t in zip(teachers, terms, strict=True):
         denom = terms_t.num_valid if t.denominator_1 is None else t.denominator_1
-        # five sums updated in three launches: [kd, kl, l1] * w / d, correct / d / n_t,
-        # num_valid / n_t; the metrics are detached, the gradient takes one multiply
-        coef_5, bias_5 = scales(t.weight, dtype, device)
-        scale_5 = torch.addcdiv(bias_5, coef_5, denom.to(dtype).clamp_min(1))
+        # five sums scaled in three launches: row 0 [kd, kl, l1] * w / d, correct / d / n_t,
+        # num_valid / n_t; row 1 (several teachers) [kd, kl, l1, correct] / d, num_valid; the
+        # metrics are detached, the gradient takes one multiply
+        coef_R5, bias_R5 = scales(t.weight, dtype, device)
+        scale_R5 = torch.addcdiv(bias_R5, coef_R5, denom.to(dtype).clamp_min(1))
         sums_5 = torch.stack(
             [terms_t.kd.detach(), terms_t.kl, terms_t.l1, terms_t.correct, terms_t.num_valid]
         )
-        scaled_5 = sums_5.to(dtype) * scale_5
-        kd_t = terms_t.kd.to(dtype) * scale_5[0]
-        acc_5 = scaled_5 if acc_5 is None else acc_5 + scaled_5
+        scaled.append(sums_5.to(dtype) * scale_R5)
+        kd_t = terms_t.kd.to(dtype) * scale_R5[0, 0]
         kd = kd_t if kd is None else kd + kd_t
-    return KDResult(kd=kd, metrics_4=acc_5[1:])
+    if len(scaled) == 1:
+        return KDResult(kd=kd, metrics_4=scaled[0][0, 1:])
+    scaled_N25 = torch.stack(scaled)  # the totals and every teacher's own in two launches
+    return KDResult(kd=kd, metrics_4=scaled_N25[:, 0, 1:].sum(0), teachers_N5=scaled_N25[:, 1])
