@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-# fields of a step record kept in the series (the rest stays in the file)
+# fields of a step record kept in the series (the rest stays in the file), and each teacher's own
+# KD term of a run of several teachers (teacher{i}_kl_loss, teacher 0 included)
+TEACHER_KD_FIELD = re.compile(r"teacher\d+_kl_loss")
 STEP_FIELDS = (
     "step",
     "epoch",
@@ -111,7 +114,8 @@ class LatestRecord:
 
 
 class Series:
-    """Step and eval records of one run, appended as the trainer writes them. Each kept step
+    """Step and eval records of one run, appended as the trainer writes them (the fields of
+    ``STEP_FIELDS`` and each teacher's ``teacher{i}_kl_loss``). Each kept step
     also has ``tokens_seen``: the tokens of every step up to it on the run's trajectory (a
     replay after a restart from a checkpoint counts once).
 
@@ -140,6 +144,7 @@ class Series:
             event = record.get("event")
             if event == "step":
                 point = {k: record[k] for k in STEP_FIELDS if k in record}
+                point.update((k, v) for k, v in record.items() if TEACHER_KD_FIELD.fullmatch(k))
                 point["tokens_seen"] = self._tokens_before(point.get("step")) + _number(
                     record.get("tokens")
                 )

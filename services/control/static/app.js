@@ -24,6 +24,8 @@
   const EVENT_KINDS = ["state", "launched", "exited", "recovering", "restarted", "failed",
     "data_complete", "stop_requested", "reattached", "unresponsive", "queue_restarted",
     "queue_unreachable"];
+  // the KD lines of a run's teachers (teacher 0, 1, ...), dashed beside the total KD's blue
+  const TEACHER_COLORS = ["#0891b2", "#7c3aed", "#ea580c", "#16a34a", "#db2777", "#ca8a04"];
   const TICK_MS = 2000;
   const MAX_EVENTS = 200;
   // the server keeps at most 2048 queue samples a run (thinned evenly past that); the page
@@ -196,14 +198,38 @@
     return { fig, chart };
   }
 
+  // The loss chart: total, KD, CE, then one KD line per teacher of a run of several teachers
+  // (its steps carry teacher{i}_kl_loss; a run of one teacher has none).
+  function lossChart(teachers) {
+    const lines = [
+      { label: "total", color: "#111827" },
+      { label: "KD", color: "#2563eb" },
+      { label: "CE", color: "#dc2626" },
+    ];
+    for (let i = 0; i < teachers; i++) {
+      lines.push({ label: "teacher " + i, color: TEACHER_COLORS[i % TEACHER_COLORS.length], dash: [4, 3] });
+    }
+    const c = makeChart("chart-loss", lines);
+    c.teachers = teachers;
+    c.fig.dataset.teachers = String(teachers);
+    c.fig.querySelector("figcaption").textContent = teachers
+      ? "Loss (total, KD, CE, KD of each teacher) by step" : "Loss (total, KD, CE) by step";
+    return c;
+  }
+
+  // teachers whose own KD term the steps carry (teacher0_kl_loss, teacher1_kl_loss, ...)
+  function teacherCount(steps) {
+    let n = 0;
+    for (const s of steps) {
+      while (("teacher" + n + "_kl_loss") in s) n++;
+    }
+    return n;
+  }
+
   function buildCharts() {
     for (const c of Object.values(S.charts)) c.chart.destroy();
     S.charts = {
-      loss: makeChart("chart-loss", [
-        { label: "total", color: "#111827" },
-        { label: "KD", color: "#2563eb" },
-        { label: "CE", color: "#dc2626" },
-      ]),
+      loss: lossChart(0),
       tps: makeChart("chart-tps", [{ label: "tokens/s", color: "#059669", digits: 0 }]),
       times: makeChart("chart-times", PHASES.map((p) => ({ label: p, color: PHASE_COLORS[p], digits: 4 }))
         .concat([{ label: "total", color: "#111827", dash: [4, 3], digits: 4 }])),
@@ -242,8 +268,15 @@
   function draw() {
     S.drawTimer = null;
     const x = S.steps.map((s) => s.step);
+    const teachers = teacherCount(S.steps);
+    if (S.charts.loss && S.charts.loss.teachers !== teachers) {  // a line per teacher: rebuilt
+      S.charts.loss.chart.destroy();
+      S.charts.loss = lossChart(teachers);
+    }
+    const perTeacher = [];
+    for (let i = 0; i < teachers; i++) perTeacher.push(S.steps.map((s) => num(s["teacher" + i + "_kl_loss"])));
     setSeries("loss", [x, S.steps.map((s) => num(s.loss)), S.steps.map((s) => num(s.kl_loss)),
-      S.steps.map((s) => num(s.ce_loss))], x.length);
+      S.steps.map((s) => num(s.ce_loss))].concat(perTeacher), x.length);
     setSeries("tps", [x, S.steps.map((s) => num(s.tokens_per_s))], x.length);
     setSeries("times", [x].concat(PHASES.map((p) => S.steps.map((s) => num((s.times || {})[p]))),
       [S.steps.map((s) => num(s.step_s))]), x.length);

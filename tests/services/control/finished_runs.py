@@ -30,6 +30,7 @@ def write_finished_run(
     queue_samples: int = 0,
     state: str = "SUCCEEDED",
     on_policy: bool = False,
+    teachers: int = 1,
 ) -> str:
     """A finished run as the control plane leaves it: its record and events in the runs root's
     store (``control.db``, what ``xtoken control serve --runs-root`` opens), rank 0's metrics file
@@ -43,6 +44,9 @@ def write_finished_run(
         events: (kind, data) recorded after the state events.
         on_policy: step records carry the on-policy figures (2 samples, staleness 1.5, one
             more sample dropped as stale every 10 steps, teacher log-prob -2 - step / 100).
+        teachers: a run of several teachers: step records carry each teacher's own figures as
+            the loss names them (``teacher{i}_kl_loss`` = ``kl_loss * 2 (i + 1) / (teachers + 1)``,
+            whose mean is ``kl_loss``: equal teacher weights ``1 / teachers``).
 
     Returns:
         The run's id.
@@ -65,6 +69,17 @@ def write_finished_run(
             tokens=84849,
             accuracy=0.01,
         )
+
+    def per_teacher(kl: float) -> dict[str, float]:
+        figures = {}
+        for i in range(teachers if teachers > 1 else 0):
+            share = 2 * (i + 1) / (teachers + 1)
+            figures[f"teacher{i}_kl_loss"] = round(kl * share, 6)
+            figures[f"teacher{i}_kl_common"] = round(kl * share, 6)
+            figures[f"teacher{i}_l1_uncommon"] = 0.0
+            figures[f"teacher{i}_proj_accuracy"] = 0.004
+            figures[f"teacher{i}_num_valid_chunks"] = 40.0 + i
+        return figures
 
     def step_record(step: int) -> None:
         kl, ce = 0.6 * loss0 / (1 + 0.2 * step), 0.4 * loss0 / (1 + 0.1 * step)
@@ -113,6 +128,7 @@ def write_finished_run(
                 if on_policy
                 else {}
             ),
+            **per_teacher(kl),
         )
         if step in evals:
             eval_after(step)

@@ -263,7 +263,8 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
     run's queue depth as the control plane records them): ticked in the list, their curves are
     overlaid on each x axis, smoothing redraws them, the config diff names the key that differs;
     one run opened shows its memory curve, its recorded queue depth (the other: "no queue
-    samples"), and its events as sentences."""
+    samples"), its events as sentences, and a KD line per teacher (it has two; the other
+    run, of one teacher, none)."""
     from services.supervise.events import Exited, Recovering, Restarted
     from tests.services.control.finished_runs import write_finished_run
 
@@ -289,6 +290,7 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
         events=tuple((e.kind, e.data()) for e in (crash, recovering, restarted)),
         queue_samples=20,
         on_policy=True,
+        teachers=2,
     )
     b = write_finished_run(
         runs_root,
@@ -355,6 +357,10 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
         assert page.text_content("#fact-memory") == "1.2 GiB"  # 900 + 10 * 30 MiB
         assert page.is_visible("#chart-on-policy") and _points(page, "chart-on-policy") == 30
         assert page.text_content("#fact-on-policy") == "2 / 1.50 / 3"  # samples, staleness, drops
+        assert page.get_attribute("#chart-loss", "data-teachers") == "2"
+        legend = page.locator("#chart-loss .u-legend .u-series").all_text_contents()
+        assert any("teacher 0" in s for s in legend) and any("teacher 1" in s for s in legend)
+        assert _points(page, "chart-loss") == 30
         page.wait_for_function(
             "() => +document.querySelector('#chart-queue').dataset.points === 20", timeout=15_000
         )
@@ -384,6 +390,9 @@ def test_two_finished_runs_compared_side_by_side_with_memory_and_events_as_sente
             "() => +document.querySelector('#chart-memory').dataset.points === 24", timeout=15_000
         )
         assert page.is_hidden("#chart-on-policy") and page.is_hidden("#fact-on-policy-box")
+        assert page.get_attribute("#chart-loss", "data-teachers") == "0"
+        legend = page.locator("#chart-loss .u-legend .u-series").all_text_contents()
+        assert not any("teacher" in s for s in legend), legend
         page.screenshot(path=str(artifacts / "run-no-queue-samples.png"), full_page=True)
 
         # "updated" of a finished run is its last step, long ago, not the state change just now
