@@ -115,6 +115,7 @@ def main() -> int:
     p.add_argument("--mode", default="pkl")
     p.add_argument("--transport", default="cuda_ipc")
     p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--work", default="/tmp/xtoken_bench_teachers")
@@ -155,6 +156,7 @@ def main() -> int:
             args, args.mode, B, T, args.student, args.teacher, corpus, projection,
             args.transport, work / f"run_{name}", trainers=lay["trainers"],
             teachers=lay["teachers"], teacher_extra=teacher_extra, trainer_extra=trainer_extra,
+            grad_accum=args.grad_accum,
         )  # fmt: skip
         tps = got.get("tokens_per_s")
         row = {
@@ -171,6 +173,7 @@ def main() -> int:
             "trainers": lay["trainers"],
             "student": args.student,
             "shape": args.shape,
+            "grad_accum": args.grad_accum,
             "mode": args.mode,
             "transport": args.transport,
             "top_k": args.top_k if args.transport == "topk" else None,

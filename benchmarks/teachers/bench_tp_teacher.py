@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (teacher)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak of one GPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile", default=None, help="rank 0 writes the top CUDA operators of 3 forwards here"
+    )
     p.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     return p.parse_args(argv)
 
@@ -136,6 +139,8 @@ def run_rank(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         seconds = sorted(times)[len(times) // 2]
+        if args.profile:
+            _profile(forward, args.profile, rank, world)
     except torch.cuda.OutOfMemoryError:
         error, seconds = "out of memory", float("nan")
     flags = torch.tensor(
@@ -167,6 +172,21 @@ def run_rank(args: argparse.Namespace) -> None:
         _print([row])
     if mesh is not None:
         dist.destroy_process_group()
+
+
+def _profile(forward, path: str, rank: int, world: int) -> None:
+    """Three forwards under torch.profiler; rank 0 writes the operators by CUDA time."""
+    import torch
+
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(3):
+            forward()
+        torch.cuda.synchronize()
+    if rank == 0:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        Path(path).write_text(f"tp {world}\n{table}\n", encoding="utf-8")
 
 
 def _print(rows: list[dict]) -> None:
