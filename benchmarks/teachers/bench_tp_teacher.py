@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak of one GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--profile", default=None, help="rank 0 writes the top CUDA operators of 3 forwards here"
+        "--profile", default=None, help="rank 0 appends the top CUDA operators of 3 forwards here"
     )
     p.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     return p.parse_args(argv)
@@ -186,7 +186,8 @@ def _profile(forward, path: str, rank: int, world: int) -> None:
         torch.cuda.synchronize()
     if rank == 0:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        Path(path).write_text(f"tp {world}\n{table}\n", encoding="utf-8")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"tp {world}\n{table}\n")
 
 
 def _print(rows: list[dict]) -> None:
