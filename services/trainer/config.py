@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from services.trainer.sections import (
     ComputeConfig,
     EvalConfig,
+    ExtraTeacherLinkConfig,
     FeedConfig,
     ObserveConfig,
     OnPolicyConfig,
@@ -125,6 +126,17 @@ class TrainerConfig:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     feed: FeedConfig = field(default_factory=FeedConfig)
     teacher: TeacherLinkConfig = field(default_factory=TeacherLinkConfig)
+    extra_teachers: list[ExtraTeacherLinkConfig] = field(
+        default_factory=list,
+        metadata={
+            "help": "the loss's further teachers (teacher 1, 2, ...), each of a tokenizer family "
+            "of its own: its tokenizer, projection and weight, and the link to its groups "
+            "(ExtraTeacherLinkConfig); [] distills teacher 0 alone",
+            "cli": False,  # a list of sections: set in --config
+            "derived": "xtoken run writes one entry per entry of the run's extra_teachers",
+            "trained": True,
+        },
+    )
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
@@ -134,20 +146,35 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.check_projection()
-        if isinstance(self.loss.projection, list | tuple) or self.loss.num_teachers != 1:
+        loss = self.loss
+        if isinstance(loss.projection, list | tuple):
             raise ValueError(
-                f"loss.projection={self.loss.projection!r}, loss.teacher_weights="
-                f"{list(self.loss.teacher_weights)}: a trainer distills one teacher; give one "
-                "projection file and at most one weight"
+                f"loss.projection={loss.projection!r}: give teacher 0's projection file alone; "
+                "each further teacher is an entry of extra_teachers, with its tokenizer, "
+                "projection and weight"
+            )
+        if loss.teacher_weights != (1.0,):
+            raise ValueError(
+                f"loss.teacher_weights={list(loss.teacher_weights)}: the trainer sets it from "
+                "teacher.weight and each extra_teachers[j].weight; set those and delete the key"
             )
         if self.on_policy.enabled:
             self.check_on_policy()
-        if self.loss.teacher_vocab_size != (None,):
+        if loss.teacher_vocab_size != (None,):
             raise ValueError(
-                f"loss.teacher_vocab_size={self.loss.teacher_vocab_size[0]}: the trainer sets it "
-                "from the teacher (teacher.vocab_size, else its tokenizer's vocab); "
+                f"loss.teacher_vocab_size={loss.teacher_vocab_size[0]}: the trainer sets it "
+                "from each teacher (teacher.vocab_size, else its tokenizer's vocab); "
                 "delete the key"
             )
+
+    def teachers(self) -> list[Teacher]:
+        """The loss's teachers in order: teacher 0 (``teacher``, ``teacher_tokenizer``,
+        ``loss.projection``), then one per entry of ``extra_teachers``."""
+        out = [Teacher(0, self.teacher, self.teacher_tokenizer, self.loss.projection, "teacher")]
+        for j, extra in enumerate(self.extra_teachers):
+            key = f"extra_teachers[{j}]"
+            out.append(Teacher(j + 1, extra, extra.tokenizer, extra.projection, key))
+        return out
 
     def check_on_policy(self, names: dict[str, str] | None = None) -> None:
         """On-policy samples need a teacher, unordered claims and an end the data cannot give.
@@ -167,6 +194,12 @@ class TrainerConfig:
             **(names or {}),
         }
         fraction = f"{keys['fraction']}={self.on_policy.fraction:g}"
+        if self.extra_teachers:
+            raise ValueError(
+                f"{fraction} with {len(self.extra_teachers)} extra_teachers: the rollout "
+                "workers' samples carry teacher 0's tokens and alignment alone; distill one "
+                "teacher on-policy, or set the fraction to 0"
+            )
         if not self.loss.uses_teacher:
             raise ValueError(
                 f"{fraction} with {keys['loss.mode']}={self.loss.mode}: on-policy distillation "
@@ -186,13 +219,51 @@ class TrainerConfig:
             )
 
     def check_projection(self) -> None:
-        """A loss that compares with a teacher names its projection file.
+        """A loss that compares with teachers names the projection file of each.
 
         Raises:
-            ValueError: a teacher's loss mode without ``loss.projection`` (names the fix).
+            ValueError: a teacher's loss mode without ``loss.projection``, or with an entry of
+                ``extra_teachers`` without its ``projection`` (names the key and the fix).
         """
-        if self.loss.uses_teacher and not self.loss.projection:
-            raise ValueError(
-                f"loss.mode={self.loss.mode} needs loss.projection (a file from `xtoken projection "
-                "build`); `xtoken run` builds one when the run config leaves it empty"
+        if not self.loss.uses_teacher:
+            return
+        for teacher in self.teachers():
+            if teacher.projection:
+                continue
+            tokenizer = (
+                f" for {teacher.tokenizer_key}={teacher.tokenizer!r}" if teacher.index else ""
             )
+            raise ValueError(
+                f"loss.mode={self.loss.mode} needs {teacher.projection_key} (a file from `xtoken "
+                f"projection build`{tokenizer}); `xtoken run` builds one when the run config "
+                "leaves it empty"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """One teacher of the trainer's loss, with the key of its settings (named in messages).
+
+    Attributes:
+        index: its place in the loss's list (0: the first, ``teacher``).
+        link: its link section (``teacher``, or its entry of ``extra_teachers``).
+        tokenizer: its tokenizer, a name or a path.
+        projection: its projection file (None: none yet).
+        key: the key of its link section (``teacher``, ``extra_teachers[0]``).
+    """
+
+    index: int
+    link: TeacherLinkConfig
+    tokenizer: str
+    projection: Any
+    key: str
+
+    @property
+    def tokenizer_key(self) -> str:
+        """The key of its tokenizer (``teacher_tokenizer``, ``extra_teachers[0].tokenizer``)."""
+        return f"{self.key}.tokenizer" if self.index else "teacher_tokenizer"
+
+    @property
+    def projection_key(self) -> str:
+        """The key of its projection (``loss.projection``, ``extra_teachers[0].projection``)."""
+        return f"{self.key}.projection" if self.index else "loss.projection"

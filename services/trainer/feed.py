@@ -2,8 +2,10 @@
 zero-copy view of a ring slot.
 
 ``TeacherFeed`` composes the sample feed (services/trainer/samples.py: claim, ack after the
-step or the checkpoint, end of data, give back) and the teacher client
-(services/trainer/teacher_client.py: request, result, slot release). Up to one step of
+step or the checkpoint, end of data, give back) and one teacher client per teacher of the loss
+(services/trainer/teacher_client.py: request, result, slot release): teacher ``j`` is asked
+with its own rows of each sample (``teacher{j}_input_ids``; teacher 0's are
+``teacher_input_ids``), and a micro-batch's logits are one per teacher. Up to one step of
 micro-batches is kept claimed and requested ahead, so the teacher computes step k+1 while this
 rank trains on step k; the next ones are claimed and requested while each backward runs.
 With ``on_policy.fraction`` above 0 the sample feed is the mixed one
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,13 +26,21 @@ from services.trainer.samples import Claimed, SampleFeed
 from services.trainer.sections import FeedConfig, OnPolicyConfig, TeacherLinkConfig
 from services.trainer.step import MicroBatch
 from services.trainer.teacher_client import Asked, TeacherClient
+from xtoken_core.data.sample import teacher_field_name
 
 __all__ = ["TeacherFeed"]
 
 
 @dataclasses.dataclass(eq=False)
-class _Pending(Asked, Claimed):
-    """A micro-batch claimed (:class:`Claimed`) and requested (:class:`Asked`)."""
+class _Pending(Claimed):
+    """A micro-batch claimed (:class:`Claimed`) and requested of each teacher.
+
+    Attributes:
+        asked: one request per teacher of the loss, teacher 0 first ([] when the loss reads
+            no teacher).
+    """
+
+    asked: list[Asked] = dataclasses.field(default_factory=list)
 
 
 class TeacherFeed:
@@ -39,13 +49,16 @@ class TeacherFeed:
     Args:
         client: a QueueClient (this thread's).
         config: the trainer's feed section.
-        teacher: the trainer's teacher section (the teacher client's).
+        teachers: the link section of each teacher of the loss, teacher 0 first (``teacher``,
+            then the entries of ``extra_teachers``); each has a teacher client of its own.
         rank: this trainer rank.
         task, trained, partition, pack, pads, stop, register, checkpoint_every, replaces: as
             :class:`services.trainer.samples.SampleFeed`.
         uses_teacher: the loss reads teacher logits (False: none are asked for).
         on_policy: the trainer's on-policy section (None, or a fraction of 0: off-policy only).
-        device, reader, output_layer: as :class:`services.trainer.teacher_client.TeacherClient`.
+        device: as :class:`services.trainer.teacher_client.TeacherClient`.
+        readers, output_layers: one per teacher, as the teacher client's ``reader`` and
+            ``output_layer`` (None: none for any).
         ranks: the data-parallel size.
         version, teacher_vocab: as :class:`services.trainer.on_policy.OnPolicyFeed` (read with
             ``on_policy.fraction`` above 0).
@@ -55,7 +68,7 @@ class TeacherFeed:
         self,
         client: Any,
         config: FeedConfig,
-        teacher: TeacherLinkConfig,
+        teachers: Sequence[TeacherLinkConfig],
         rank: int,
         task: str,
         trained: set[str],
@@ -64,13 +77,13 @@ class TeacherFeed:
         pack: bool = False,
         uses_teacher: bool = True,
         on_policy: OnPolicyConfig | None = None,
-        pads: dict[str, int],
+        pads: dict[str, Any],
         device: torch.device | None = None,
         ranks: int = 1,
         version: Callable[[], int] | None = None,
         teacher_vocab: int | None = None,
-        reader: Any = None,
-        output_layer: Any = None,
+        readers: Sequence[Any] | None = None,
+        output_layers: Sequence[Any] | None = None,
         stop: Any = None,
         register: bool = False,
         checkpoint_every: int = 0,
@@ -78,9 +91,11 @@ class TeacherFeed:
     ) -> None:
         self.config = config
         self.pack, self.uses_teacher = pack, uses_teacher
+        n = len(teachers)
         common = dict(
             partition=partition, pack=pack, stop=stop, register=register,
             checkpoint_every=checkpoint_every, replaces=replaces, rank=rank, ranks=ranks,
+            teachers=n,
         )  # fmt: skip
         if on_policy is not None and on_policy.enabled:
             self.samples = OnPolicyFeed(
@@ -98,29 +113,38 @@ class TeacherFeed:
             self.samples = SampleFeed(client, config, pads, task, trained, **common)
         # the mixed feed (on-policy samples), or None
         self.on_policy = self.samples if isinstance(self.samples, OnPolicyFeed) else None
-        self.teacher = TeacherClient(
-            client,
-            teacher,
-            partition,
-            rank,
-            device or torch.device("cpu"),
-            lease_s=config.lease_s,
-            claim_timeout_s=config.claim_timeout_s,
-            reader=reader,
-            output_layer=output_layer,
-        )
+        readers = list(readers) if readers is not None else [None] * n
+        output_layers = list(output_layers) if output_layers is not None else [None] * n
+        self.teachers = [
+            TeacherClient(
+                client,
+                link,
+                partition,
+                rank,
+                device or torch.device("cpu"),
+                lease_s=config.lease_s,
+                claim_timeout_s=config.claim_timeout_s,
+                reader=readers[j],
+                output_layer=output_layers[j],
+                index=j,
+            )
+            for j, link in enumerate(teachers)
+        ]
+        # each teacher's fields of a sample: its rows, its positions (packed), its padded ids
+        self._ids = [teacher_field_name("teacher_input_ids", j) for j in range(n)]
+        self._positions = [teacher_field_name("teacher_position_ids", j) for j in range(n)]
         self._want = 0  # micro-batches kept claimed and requested ahead (set by next_step)
         self._pending: deque[_Pending] = deque()
 
     @property
     def counters(self) -> dict[str, int]:
-        """The teacher client's counts: stale, checksum_mismatch, orphans, re_requests."""
-        return self.teacher.counters
-
-    @property
-    def trainer_task(self) -> str:
-        """This process's consumer task on the request partition."""
-        return self.teacher.trainer_task
+        """The teacher clients' counts: stale, checksum_mismatch, orphans, re_requests, summed
+        over the teachers; with several, each teacher's too (``teacher{j}_re_requests``...)."""
+        out = {name: sum(t.counters[name] for t in self.teachers) for name in _COUNTERS}
+        if len(self.teachers) > 1:
+            for t in self.teachers:
+                out.update({f"teacher{t.index}_{k}": v for k, v in t.counters.items()})
+        return out
 
     @property
     def ended(self) -> bool:
@@ -159,30 +183,35 @@ class TeacherFeed:
         """Stop: return every sample claimed but not trained, release held slots."""
         pend = list(self._pending) + [mb.context for mb in micro_batches]
         self._pending.clear()
-        self.teacher.deferred.clear()
+        for teacher in self.teachers:
+            teacher.deferred.clear()
         for p in pend:
-            if p.record is not None:
-                self.teacher.drop_record(p)
+            for teacher, asked in zip(self.teachers, p.asked):
+                if asked.record is not None:
+                    teacher.drop_record(asked)
         self.samples.give_back(pend)
 
     def _ending(self) -> bool:
         return self.samples.ended or self.samples.stopping()
 
     def _claim(self, micro_batches: int, block: bool) -> bool:
-        """Claim up to ``micro_batches`` micro-batches and ask for their logits; False when no
-        sample came."""
+        """Claim up to ``micro_batches`` micro-batches and ask each teacher for their logits;
+        False when no sample came."""
         claimed = self.samples.claim(micro_batches, block)
         if claimed is None:
             return False
         for c in claimed:
-            p = _Pending(
-                **{f.name: getattr(c, f.name) for f in dataclasses.fields(Claimed)},
-                rows=[s["teacher_input_ids"] for s in c.samples],
-                positions=[s["teacher_position_ids"] for s in c.samples] if self.pack else None,
-                shape=tuple(c.batch["teacher_input_ids"].shape),
-            )
+            p = _Pending(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Claimed)})
             if self.uses_teacher:
-                self.teacher.ask(p)
+                for teacher in self.teachers:
+                    ids, positions = self._ids[teacher.index], self._positions[teacher.index]
+                    asked = Asked(
+                        rows=[s[ids] for s in c.samples],
+                        positions=[s[positions] for s in c.samples] if self.pack else None,
+                        shape=tuple(c.batch[ids].shape),
+                    )
+                    p.asked.append(asked)
+                    teacher.ask(asked)
             self._pending.append(p)
         return True
 
@@ -198,19 +227,34 @@ class TeacherFeed:
         keys = p.keys if on_policy is None else on_policy.trained_keys(p)
         mb = MicroBatch(keys=keys, batch=p.batch, context=p)
         if self.uses_teacher:
-            if on_policy is None:
-                mb.teacher_logits = lambda: self.teacher.logits(p)
-            else:  # the teacher's log-probs of the student's continuations: a metric
-                mb.teacher_logits = lambda: on_policy.score(p, self.teacher.logits(p))
+            if on_policy is not None:  # the teacher's log-probs of the student's continuations
+                mb.teacher_logits = lambda: on_policy.score(p, self._logits(p))
+            else:
+                mb.teacher_logits = lambda: self._logits(p)
             mb.done = lambda: self._done(p)
-            mb.prefetch = lambda: self.teacher.prefetch(p)
+            mb.prefetch = lambda: self._prefetch(p)
         return mb
 
+    def _logits(self, p: _Pending) -> torch.Tensor | list[torch.Tensor]:
+        """The teacher logits of ``p``: ``[B, U, W]`` of one teacher, or one per teacher."""
+        logits = [teacher.logits(asked) for teacher, asked in zip(self.teachers, p.asked)]
+        return logits[0] if len(logits) == 1 else logits
+
+    def _prefetch(self, p: _Pending) -> None:
+        for teacher, asked in zip(self.teachers, p.asked):
+            teacher.prefetch(asked)
+
     def _done(self, p: _Pending) -> None:
-        """After the backward of ``p`` was queued: release its slot, ack and clear its record;
+        """After the backward of ``p`` was queued: release its slots, ack and clear its records;
         claim ahead, and take the results that already arrived, so that the next micro-batch
-        opens its slot without a queue round trip in its step."""
-        self.teacher.done(p)
+        opens its slots without a queue round trip in its step."""
+        for teacher, asked in zip(self.teachers, p.asked):
+            teacher.done(asked)
         self._top_up()
-        if self.teacher.waiting:
-            self.teacher.claim_records(0.0)
+        for teacher in self.teachers:
+            if teacher.waiting:
+                teacher.claim_records(0.0)
+
+
+# the teacher clients' counts
+_COUNTERS = ("stale", "checksum_mismatch", "orphans", "re_requests")

@@ -70,9 +70,11 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
         device = torch.device("cuda", local if device.index is None else device.index)
         torch.cuda.set_device(device)
     if world > 1:
+        # a rank may wait for its slowest teacher's answer while the others wait in a collective
+        wait_s = max(t.link.timeout_s for t in config.teachers())
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=max(600.0, 2 * config.teacher.timeout_s)),
+            timeout=datetime.timedelta(seconds=max(600.0, 2 * wait_s)),
         )
         _host_group(device)
     try:

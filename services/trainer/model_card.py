@@ -1,4 +1,4 @@
-"""The model card (``README.md``) of an exported student: teacher, student, tokenizers, loss,
+"""The model card (``README.md``) of an exported student: teachers, student, tokenizers, loss,
 data, steps and held-out bits/byte, as far as the run knows them."""
 
 from __future__ import annotations
@@ -42,12 +42,23 @@ def card_facts(
             if record.get("event") == "eval" and "bits_per_byte" in record:
                 teacher_bpb = record["bits_per_byte"]
     loss = config.loss
+    run_extra = run.get("extra_teachers") or []
+    extra_teachers = [
+        {
+            "model": (run_extra[j] if j < len(run_extra) else {}).get("model") or extra.model,
+            "tokenizer": extra.tokenizer,
+            "weight": extra.weight,
+        }
+        for j, extra in enumerate(config.extra_teachers)
+    ]
     return {
         "name": run_dir.name,
         "student": config.student.model,
         "student_tokenizer": config.student_tokenizer,
         "teacher": teacher.get("model") or config.teacher.model,
         "teacher_tokenizer": config.teacher_tokenizer,
+        "teacher_weight": config.teacher.weight,
+        "extra_teachers": extra_teachers,
         "loss_mode": loss.mode,
         "temperature": loss.temperature if loss.uses_teacher else None,
         "kl_weight": loss.kl_weight if loss.uses_teacher else None,
@@ -86,9 +97,19 @@ def render_card(facts: dict[str, Any]) -> str:
             f"kl_weight {facts['kl_weight']:g}, ce_weight {facts['ce_weight']:g}"
         )
     teacher = f"{_code(facts['teacher'])}, tokenizer {_code(facts['teacher_tokenizer'])}"
+    extra = facts.get("extra_teachers") or []
+    if extra and mode != "ce":  # several teachers: each one's weight in the loss
+        teacher += f", weight {facts['teacher_weight']:g}"
     rows = [
         ("student", f"{_code(facts['student'])}, tokenizer {_code(facts['student_tokenizer'])}"),
         ("teacher", "none" if mode == "ce" else teacher),
+        *(
+            (
+                f"teacher {j + 1}",
+                f"{_code(e['model'])}, tokenizer {_code(e['tokenizer'])}, weight {e['weight']:g}",
+            )
+            for j, e in enumerate(extra if mode != "ce" else [])
+        ),
         ("loss", loss),
         ("training data", _code(facts["train_data"])),
         ("held-out data", _code(facts["heldout_data"])),

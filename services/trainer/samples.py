@@ -82,7 +82,8 @@ class SampleFeed:
     Args:
         client: a QueueClient (this thread's).
         config: the trainer's feed section.
-        pads: the pad ids of the padded fields (``student_pad_id``, ``teacher_pad_id``).
+        pads: the pad ids of the padded fields: ``student_pad_id``, and ``teacher_pad_id``
+            (one per teacher with several: ``xtoken_core.data.sample.pad_samples``).
         task: consumer task name on the sample partition (epoch + resume generation).
         trained: keys trained in this epoch (the checkpoint's); skipped when claimed again.
         partition: the run's sample partition.
@@ -96,6 +97,8 @@ class SampleFeed:
             (``trainer/e<epoch>/``); :meth:`commit` consumes what they hold.
         rank, ranks: this rank and the data-parallel size; in ordered mode with several ranks
             the consumer task is ``<task>/r<rank>`` and the rank keeps its share of each step.
+        teachers: the teachers of the loss: a claim takes every teacher's fields
+            (``xtoken_core.data.sample.field_names``).
     """
 
     def __init__(
@@ -114,10 +117,12 @@ class SampleFeed:
         replaces: str = "",
         rank: int = 0,
         ranks: int = 1,
+        teachers: int = 1,
     ) -> None:
         self.client = client
         self.config = config
         self.partition, self.pack = partition, pack
+        self.fields = schema.field_names(teachers, packed=pack)
         self.pads = pads
         # ordered over several ranks: every rank reads every sample (its own task) and keeps
         # its share, so the tasks of this launch are <task>/r<rank>
@@ -277,7 +282,7 @@ class SampleFeed:
         got = self.client.claim(
             self.partition,
             self.task,
-            schema.FIELD_NAMES + (schema.PACKED_FIELD_NAMES if self.pack else ()),
+            self.fields,
             samples,
             timeout_s=cfg.claim_timeout_s if block else 0.001,
             lease_s=cfg.lease_s,

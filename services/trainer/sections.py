@@ -375,12 +375,55 @@ class TeacherLinkConfig:
         default=False,
         metadata={"help": "check each slot's checksum (teacher checksum=true)", "trained": False},
     )
+    weight: float = field(
+        default=1.0,
+        metadata={
+            "help": "weight of this teacher's KD term in the loss (the loss sums the teachers' "
+            "terms, each over its own valid chunks, times its weight)",
+            "derived": "teacher.weight",
+            "trained": True,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.groups < 1:
             raise ValueError(f"groups={self.groups}: must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: must be > 0 seconds")
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            raise ValueError(f"weight={self.weight}: must be a finite number >= 0")
+
+
+@dataclasses.dataclass
+class ExtraTeacherLinkConfig(TeacherLinkConfig):
+    """A further teacher of the loss (teacher j >= 1, an entry of ``extra_teachers``), of a
+    tokenizer family of its own: its tokenizer and projection, and the link to its groups as
+    teacher 0's (its ``groups``, ``model``, ``vocab_size``, ``seed``, ``weight`` and timeouts are
+    its own)."""
+
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "this teacher's tokenizer, a name or a path (required)",
+            "path": "tokenizer",
+            "trained": True,
+        },
+    )
+    projection: str | None = field(
+        default=None,
+        metadata={
+            "help": "projection file from the student's tokenizer to this teacher's (xtoken "
+            "projection build); needed unless loss.mode=ce (xtoken run builds one when its "
+            "run config leaves it empty)",
+            "path": "file",
+            "trained": False,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.tokenizer:
+            raise ValueError("tokenizer is required: this teacher's tokenizer, a name or a path")
 
 
 @dataclasses.dataclass

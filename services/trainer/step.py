@@ -17,13 +17,14 @@ from services.trainer.student import Student
 logger = logging.getLogger(__name__)
 
 # Legend: B samples, T student tokens, U teacher tokens, D hidden size, V student vocab,
-# W teacher vocab.
+# W teacher vocab (U_i, W_i: teacher i's).
 
 # sync: the host at the step's boundary collectives (every rank's data and stop flags, the
 # metrics' sum), waiting for the slowest rank; one rank only reads its metrics back
 PHASES = ("data_wait", "sync", "teacher_wait", "forward", "loss", "backward", "optimizer")
-# Slots of the per-step metric vector all-reduced over the DP group: a fixed length, so that a
-# rank without data in a step (it does not know the loss's metric names) joins the same reduce.
+# Slots of the per-step metric vector all-reduced over the DP group, per teacher of the loss (a
+# loss of several teachers adds each one's own metrics): a fixed length, so that a rank without
+# data in a step (it does not know the loss's metric names) joins the same reduce.
 MAX_METRICS = 32
 
 
@@ -34,8 +35,10 @@ class MicroBatch:
     Attributes:
         keys: sample keys, in row order.
         batch: padded fields (``xtoken_core.data.sample.pad_samples``), on the CPU.
-        teacher_logits: returns ``[B, U, W']`` teacher logits (blocks until the teacher is done;
-            may raise to say the micro-batch must be dropped); None when the loss needs none.
+        teacher_logits: returns the ``[B, U, W']`` teacher logits, or a list of one
+            ``[B, U_i, W_i']`` per teacher of a loss of several (blocks until the teachers are
+            done; may raise to say the micro-batch must be dropped); None when the loss needs
+            none.
         done: called after the micro-batch's backward was queued (releases its ring slot).
         context: the feed's bookkeeping (leases, request), opaque to the step.
         prefetch: called before the micro-batch's forward: starts moving the teacher logits to
@@ -44,7 +47,7 @@ class MicroBatch:
 
     keys: list[str]
     batch: dict[str, torch.Tensor]
-    teacher_logits: Callable[[], torch.Tensor] | None = None
+    teacher_logits: Callable[[], torch.Tensor | list[torch.Tensor]] | None = None
     done: Callable[[], None] | None = None
     context: Any = None
     prefetch: Callable[[], None] | None = None
@@ -146,45 +149,88 @@ class PhaseClock:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LossTeacher:
+    """One teacher as the loss reads it.
+
+    Attributes:
+        projection: its projection file (student rows, this teacher's columns).
+        vocab: its vocab size (the columns of its logits the loss reads).
+        weight: the weight of its KD term.
+        tokenizer: its tokenizer's name (named in a message).
+        key: the setting that names its projection (``loss.projection``,
+            ``extra_teachers[0].projection``), named in a message.
+    """
+
+    projection: str
+    vocab: int
+    weight: float = 1.0
+    tokenizer: str = ""
+    key: str = "loss.projection"
+
+
 def build_loss(
     loss: Any,
     *,
     student_vocab: int,
-    teacher_vocab: int,
-    teacher_tokenizer: str,
-    tokenizers: tuple[Any, Any] | None = None,
+    teachers: Sequence[LossTeacher],
+    tokenizers: Sequence[Any] | None = None,
 ) -> Any:
-    """The loss of the ``loss`` section after checking its projection file against the run.
+    """The loss of the ``loss`` section with its teachers, after checking each teacher's
+    projection file against the run.
+
+    One teacher gives the loss of ``loss`` with its vocab and weight; several give it one
+    projection, weight and vocab per teacher, in order (``loss`` names teacher 0's projection).
 
     Args:
         loss: the trainer's loss section (a ``CrossTokenizerLossConfig``), left as it is.
-        student_vocab: the student model's vocab size (the projection's rows).
-        teacher_vocab: the teacher's vocab size (its logits' width; the loss's
-            ``teacher_vocab_size``).
-        teacher_tokenizer: the teacher tokenizer's name (named in a message).
-        tokenizers: the run's ``(student, teacher)`` tokenizers; the file's recorded tokenizers
-            must be these and it must have usable rows
+        student_vocab: the student model's vocab size (every projection's rows).
+        teachers: the loss's teachers, teacher 0 first.
+        tokenizers: the run's tokenizers, the student's then each teacher's; each file's
+            recorded tokenizers must be its pair's and it must have usable rows
             (:func:`~xtoken_core.data.projection.check_projection_tokenizers`). None: only the
             vocab sizes are checked.
 
     Raises:
-        ValueError: a projection built for other tokenizers or vocab sizes, or with no usable row.
+        ValueError: a projection built for other tokenizers or vocab sizes, or with no usable
+            row (names the setting of that projection).
     """
     from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
     from xtoken_core.losses import CrossTokenizerLoss
     from xtoken_core.models import check_vocab
 
-    if tokenizers is not None:  # a trainer started by hand gets the check `xtoken run` does
-        check_projection_tokenizers(loss.projection, *tokenizers)
-    _, _, rows, cols = parse_projection_file(loss.projection)
-    check_vocab(f"projection {loss.projection!r} (student rows)", student_vocab, rows)
-    if cols > teacher_vocab:
-        raise ValueError(
-            f"projection {loss.projection!r} has {cols} teacher columns but the teacher vocab is "
-            f"{teacher_vocab}: build it for this teacher tokenizer ({teacher_tokenizer!r}) with "
-            "`xtoken projection build`"
+    for i, teacher in enumerate(teachers):
+        path = teacher.projection
+        # teacher 0's file is "projection" as it always was; a further one names its key
+        label = "projection" if i == 0 else teacher.key
+        if tokenizers is not None:  # a trainer started by hand gets the check `xtoken run` does
+            try:
+                check_projection_tokenizers(path, tokenizers[0], tokenizers[1 + i])
+            except ValueError as e:
+                if i == 0:
+                    raise
+                raise type(e)(f"{teacher.key}: {e}") from None
+        _, _, rows, cols = parse_projection_file(path)
+        check_vocab(f"{label} {path!r} (student rows)", student_vocab, rows)
+        if cols > teacher.vocab:
+            raise ValueError(
+                f"{label} {path!r} has {cols} teacher columns but the teacher vocab is "
+                f"{teacher.vocab}: build it for this teacher tokenizer ({teacher.tokenizer!r}) "
+                "with `xtoken projection build`"
+            )
+    if len(teachers) == 1:
+        (only,) = teachers
+        config = dataclasses.replace(
+            loss, teacher_vocab_size=only.vocab, teacher_weights=(only.weight,)
         )
-    return CrossTokenizerLoss(dataclasses.replace(loss, teacher_vocab_size=teacher_vocab))
+    else:
+        config = dataclasses.replace(
+            loss,
+            projection=[t.projection for t in teachers],
+            teacher_weights=[t.weight for t in teachers],
+            teacher_vocab_size=[t.vocab for t in teachers],
+        )
+    return CrossTokenizerLoss(config)
 
 
 class StudentStep:
@@ -218,6 +264,8 @@ class StudentStep:
         self._skipped_steps = 0
         self._unread: StepResult | None = None  # the last step, its GPU figures not read yet
         self._metric_names: list[str] = []  # the loss's metrics, from the last step with data
+        teachers = 1 if loss_fn is None else loss_fn.config.num_teachers
+        self.metric_slots = MAX_METRICS * teachers
 
     @property
     def skipped_steps(self) -> int:
@@ -317,6 +365,9 @@ class StudentStep:
                 if mb.done is not None:
                     mb.done()
                 for k, v in metrics.items():
+                    # every figure is over the global denominators, so the step's value is the
+                    # sum over micro-batches and ranks; the total chunk count is left out of the
+                    # records (a loss of several teachers counts each one's, which stay)
                     if k != "num_valid_chunks":
                         sums[k] = sums.get(k, 0.0) + v.detach().float()
         lr = float(student.optimizer.param_groups[0]["lr"])  # this step's (the schedule moves on)
@@ -424,10 +475,11 @@ class StudentStep:
         if sums:
             self._metric_names = sorted(sums)
         names = self._metric_names
-        assert len(sums) <= MAX_METRICS, f"{len(sums)} loss metrics > MAX_METRICS={MAX_METRICS}"
+        slots = self.metric_slots
+        assert len(sums) <= slots, f"{len(sums)} loss metrics > {slots} slots (MAX_METRICS)"
         device = self.student.device
         device = device if device.type == "cuda" else torch.device("cpu")
-        vec = torch.zeros(MAX_METRICS + 2, dtype=torch.float32, device=device)  # no data: zeros
+        vec = torch.zeros(slots + 2, dtype=torch.float32, device=device)  # no data: zeros
         if sums:
             vec[: len(sums)] = torch.stack(
                 [sums[n].to(device, torch.float32) for n in sorted(sums)]
@@ -442,9 +494,9 @@ class StudentStep:
         def values() -> tuple[dict[str, float], bool]:
             got = read()
             out = {n: float(got[i]) for i, n in enumerate(names)}
-            out["tokens"] = float(got[MAX_METRICS])
-            out["micro_batches"] = float(got[MAX_METRICS + 1])
-            out["grad_norm"] = float(got[MAX_METRICS + 2])
-            return out, bool(got[MAX_METRICS + 3])
+            out["tokens"] = float(got[slots])
+            out["micro_batches"] = float(got[slots + 1])
+            out["grad_norm"] = float(got[slots + 2])
+            return out, bool(got[slots + 3])
 
         return values

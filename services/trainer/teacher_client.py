@@ -3,9 +3,11 @@ the result (a zero-copy view of a ring slot, the teacher's output layer applied 
 states, or dense teacher logits decoded from top-K targets), releases the slot once the
 backward read it.
 
-Per rank (records and names: services/protocol/):
+Per rank and teacher of the loss (records and names: services/protocol/); a loss of several
+teachers has one client per teacher, each asking its own teacher's groups:
 
-1. put one request per micro-batch into ``<partition>.teacher<group>``;
+1. put one request per micro-batch into ``<partition>.teacher<group>`` (a further teacher ``j``:
+   ``<partition>.t<j>.teacher<group>``);
 2. wait for its record (``result<rank>``; records that already arrived are taken after each
    backward is queued, off the step's critical path), open the slot (``LogitRingReader.view``:
    the stream waits on the teacher's event), apply the teacher's output layer to the hidden
@@ -107,6 +109,8 @@ class TeacherClient:
         claim_timeout_s: server-side wait of a claim of results (the feed's).
         reader: a LogitRingReader (ring transports), or None.
         output_layer: the teacher's output layer (hidden transport), or None.
+        index: the teacher's place in the loss's list (0: the first): its groups' request
+            partitions and announcements are its own.
     """
 
     def __init__(
@@ -121,10 +125,12 @@ class TeacherClient:
         claim_timeout_s: float,
         reader: Any = None,
         output_layer: Any = None,
+        index: int = 0,
     ) -> None:
         self.client = client
         self.config = config
         self.partition = partition
+        self.index = index
         self.lease_s, self.claim_timeout_s = lease_s, claim_timeout_s
         self.rank = rank
         self.device = device
@@ -132,7 +138,7 @@ class TeacherClient:
         self.output_layer = output_layer
         self.instance = proto.new_instance()
         self.group = rank % config.groups
-        self.req_partition = proto.request_partition(partition, self.group)
+        self.req_partition = proto.request_partition(partition, self.group, index)
         self.result_field = proto.result_field(rank)
         self.hidden_field = proto.hidden_field(rank)
         self.topk_fields = proto.topk_fields(rank)
@@ -154,7 +160,7 @@ class TeacherClient:
         self._slot_devices: dict[str | None, torch.device] = {}  # ring device per incarnation
         # the teacher serving the group now, if one announced itself: the requests are stamped
         # with it from the first (its predecessors are gone)
-        announced = proto.teacher_incarnations(client, partition, self.group)
+        announced = proto.teacher_incarnations(client, partition, self.group, index)
         if announced:
             self.teacher = announced[-1]
             self._gone.update(announced[:-1])
@@ -272,7 +278,7 @@ class TeacherClient:
         if now - self._announcements_at < ANNOUNCEMENTS_EVERY_S:
             return
         self._announcements_at = now
-        announced = proto.teacher_incarnations(self.client, self.partition, self.group)
+        announced = proto.teacher_incarnations(self.client, self.partition, self.group, self.index)
         if not announced or announced[-1] in self._gone:
             return
         newest, replaced = announced[-1], [t for t in announced[:-1] if t not in self._gone]
@@ -298,10 +304,10 @@ class TeacherClient:
         if waiting.record is None and time.monotonic() - waiting.asked_at > self.config.timeout_s:
             self.counters["re_requests"] += 1
             logger.warning(
-                "[trainer] no teacher result for %s in %.0fs (trainer.teacher.timeout_s): asking "
-                "again",
+                "[trainer] no teacher result for %s in %.0fs (trainer.%s.timeout_s): asking again",
                 waiting.request_key,
                 self.config.timeout_s,
+                "teacher" if self.index == 0 else f"extra_teachers[{self.index - 1}]",
             )
             self._by_request.pop(waiting.request_key, None)
             self.ask(waiting)

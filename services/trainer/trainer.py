@@ -27,7 +27,7 @@ from services.trainer.model_card import card_facts, write_model_card
 from services.trainer.policy import PolicyPublisher
 from services.trainer.profiling import StepProfiler
 from services.trainer.startup import warm_up
-from services.trainer.step import MicroBatch, PhaseClock, StudentStep, build_loss
+from services.trainer.step import LossTeacher, MicroBatch, PhaseClock, StudentStep, build_loss
 from services.trainer.student import Student
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,9 @@ def build_step(
     model: torch.nn.Module | None = None,
 ) -> StudentStep:
     """The student of ``config.student`` computing as ``config.compute`` says, and its step, with
-    the loss of ``config.loss`` (its projection checked against both tokenizers).
+    the loss of ``config.loss`` and its teachers (``teacher`` and each of ``extra_teachers``:
+    each one's projection checked against the student's tokenizer and its own, its vocab
+    ``vocab_size`` or its tokenizer's, its weight).
 
     Args:
         config: the trainer settings.
@@ -84,13 +86,22 @@ def build_step(
     )  # fmt: skip
     loss_fn = None
     if config.loss.uses_teacher:
-        teacher_tokenizer = load_tokenizer(config.teacher_tokenizer)
+        teachers = config.teachers()
+        tokenizers = [load_tokenizer(t.tokenizer) for t in teachers]
         loss_fn = build_loss(
             config.loss,
             student_vocab=student.vocab,
-            teacher_vocab=config.teacher.vocab_size or teacher_tokenizer.vocab_size,
-            teacher_tokenizer=config.teacher_tokenizer,
-            tokenizers=(student.tokenizer, teacher_tokenizer),
+            teachers=[
+                LossTeacher(
+                    t.projection,
+                    t.link.vocab_size or tokenizer.vocab_size,
+                    t.link.weight,
+                    t.tokenizer,
+                    t.projection_key,
+                )
+                for t, tokenizer in zip(teachers, tokenizers)
+            ],
+            tokenizers=(student.tokenizer, *tokenizers),
         )
     return StudentStep(student, loss_fn, grad_clip=config.optim.grad_clip)
 
@@ -209,9 +220,11 @@ class Trainer:
             config, rank=self.rank, world_size=self.world, device=self.device
         )
         self.student: Student = self.student_step.student
-        teacher_pad_id = resolve_pad_id(load_tokenizer(config.teacher_tokenizer))
+        # each teacher's rows padded with its own pad id (a list of one per teacher with several)
+        pad_ids = [resolve_pad_id(load_tokenizer(t.tokenizer)) for t in config.teachers()]
+        teacher_pad_id = pad_ids[0] if len(pad_ids) == 1 else pad_ids
         self.pads = {"student_pad_id": self.student.pad_id, "teacher_pad_id": teacher_pad_id}
-        self.reader, self.output_layer = self._teacher_link()
+        self.readers, self.output_layers = self._teacher_links()
         # Retention: a run that reads its partition once registers its consumer task, so that the
         # queue drops each sample once a checkpoint holds it and a corpus larger than its
         # --capacity streams through it (feed.py). A run of several epochs reads every sample
@@ -231,26 +244,30 @@ class Trainer:
         self._last_checkpoint = self.student.step
         self._unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
 
-    def _teacher_link(self) -> tuple[Any, Any]:
-        """``(ring reader, teacher output layer)`` of a loss that reads the teacher: the reader of
-        the teachers' logit rings, and the output layer the hidden transport applies (with
-        ``teacher.model``); Nones for the student's CE alone."""
+    def _teacher_links(self) -> tuple[list[Any], list[Any]]:
+        """``(ring readers, teacher output layers)``, one of each per teacher of a loss that
+        reads teachers: the reader of the teacher's logit rings (its own ``dead_after_s``), and
+        the output layer the hidden transport applies (with the teacher's ``model``, else
+        None); empty lists for the student's CE alone."""
         config = self.config
         if not config.loss.uses_teacher:
-            return None, None
+            return [], []
         from xtoken_core.ipc.logit_ring import LogitRingReader
 
-        teacher = config.teacher
-        reader = LogitRingReader(device=self.device, dead_after_s=teacher.dead_after_s)
-        output_layer = None
-        if teacher.model:
-            output_layer = teacher_output_layer(
-                **settings_of(
-                    teacher_output_layer, teacher, tokenizer=config.teacher_tokenizer,
-                    device=self.device,
-                )
-            )  # fmt: skip
-        return reader, output_layer
+        readers, output_layers = [], []
+        for teacher in config.teachers():
+            link = teacher.link
+            readers.append(LogitRingReader(device=self.device, dead_after_s=link.dead_after_s))
+            output_layer = None
+            if link.model:
+                output_layer = teacher_output_layer(
+                    **settings_of(
+                        teacher_output_layer, link, tokenizer=teacher.tokenizer,
+                        device=self.device,
+                    )
+                )  # fmt: skip
+            output_layers.append(output_layer)
+        return readers, output_layers
 
     def _open_logs(self) -> tuple[Any, JsonlWriter]:
         """``(metrics, keys log)``: this rank's metrics records, teed on rank 0 into the trackers
@@ -495,8 +512,8 @@ class Trainer:
             self.publisher.close()
         self.metrics.close()
         self.keys_log.close()
-        if self.reader is not None:
-            self.reader.close()
+        for reader in self.readers:
+            reader.close()
 
     def export(self) -> None:
         """The student as a Hugging Face folder, ``run_dir/final``, with its model card (rank 0)."""
@@ -517,7 +534,7 @@ class Trainer:
         feed = TeacherFeed(
             self.client,
             config.feed,
-            config.teacher,
+            [teacher.link for teacher in config.teachers()],
             self.rank,
             f"trainer/e{self.epoch}/s{self.task_start}/{self.launch}",
             self.trained,
@@ -526,8 +543,8 @@ class Trainer:
             ranks=self.world,
             version=lambda: self.student.step,
             teacher_vocab=_teacher_vocab(self.student_step.loss_fn),
-            reader=self.reader,
-            output_layer=self.output_layer,
+            readers=self.readers or None,
+            output_layers=self.output_layers or None,
             partition=config.partition,
             pack=config.pack,
             uses_teacher=config.loss.uses_teacher,
@@ -573,13 +590,19 @@ class Trainer:
                 **{k: round(v, 6) for k, v in result.metrics.items()},
             )
             if self.rank == 0:
+                metrics = result.metrics
+                # several teachers: each one's KD term after the total's ("kd 0.41 [0.38 0.45]")
+                each = [metrics.get(f"teacher{i}_kl_loss") for i in range(len(self.readers))]
+                several = len(each) > 1 and None not in each
+                kd_each = f" [{' '.join(f'{v:.4f}' for v in each)}]" if several else ""
                 logger.info(
-                    "[trainer] step %d loss %.4f (kd %.4f ce %.4f) %.0f tok/s",
+                    "[trainer] step %d loss %.4f (kd %.4f%s ce %.4f) %.0f tok/s",
                     result.step,
-                    result.metrics.get("loss", float("nan")),
-                    result.metrics.get("kl_loss", 0.0),
-                    result.metrics.get("ce_loss", 0.0),
-                    result.metrics["tokens"] / step_s if step_s else 0.0,
+                    metrics.get("loss", float("nan")),
+                    metrics.get("kl_loss", 0.0),
+                    kd_each,
+                    metrics.get("ce_loss", 0.0),
+                    metrics["tokens"] / step_s if step_s else 0.0,
                 )
 
 

@@ -1,15 +1,16 @@
 """The trainer's loss section is the library's loss config: its keys are validated and reach the
-loss as they are (the teacher vocab added by the trainer); removed keys are refused."""
+loss as they are (the teachers' vocab, weight and projections added by the trainer); removed keys
+are refused; further teachers are entries of extra_teachers, each checked naming its key."""
 
 import re
 
 import pytest
 import torch
 
-from services.common.config import ConfigError, from_dict, leaf_paths
+from services.common.config import ConfigError, from_dict, leaf_paths, to_dict
 from services.trainer.config import TrainerConfig
 from services.trainer.sections import StudentConfig
-from services.trainer.step import build_loss
+from services.trainer.step import LossTeacher, build_loss
 from xtoken_core.losses import CrossTokenizerLossConfig
 
 
@@ -27,12 +28,8 @@ def _config(tmp_path, **loss) -> TrainerConfig:
 
 
 def _loss(config: TrainerConfig, teacher_vocab: int):
-    return build_loss(
-        config.loss,
-        student_vocab=3,
-        teacher_vocab=teacher_vocab,
-        teacher_tokenizer=config.teacher_tokenizer,
-    )
+    teacher = LossTeacher(config.loss.projection, teacher_vocab, tokenizer=config.teacher_tokenizer)
+    return build_loss(config.loss, student_vocab=3, teachers=[teacher])
 
 
 def test_topk_columns_reaches_the_loss_config(tmp_path):
@@ -50,12 +47,100 @@ def test_the_run_config_loss_section_reaches_the_loss_as_is_with_the_teacher_voc
         assert getattr(loss_fn.config, key) == value
 
 
-def test_the_teacher_vocab_is_the_trainers_and_one_teacher_is_distilled():
+def test_the_teacher_vocab_and_weights_are_the_trainers_and_a_further_teacher_is_an_extra_one():
     with pytest.raises(ConfigError, match=r"loss.teacher_vocab_size=5: the trainer sets it"):
         from_dict(TrainerConfig, {"loss": {"mode": "ce", "teacher_vocab_size": 5}})
-    for listed in (["a.pt", "b.pt"], ["a.pt"]):  # one file, never a list of them
-        with pytest.raises(ConfigError, match="a trainer distills one teacher"):
+    for listed in (["a.pt", "b.pt"], ["a.pt"]):  # teacher 0's file, never a list of them
+        with pytest.raises(
+            ConfigError, match=r"^loss\.projection=\[.*give teacher 0's projection file alone; "
+            r"each further teacher is an entry of extra_teachers"
+        ):  # fmt: skip
             from_dict(TrainerConfig, {"loss": {"projection": listed}})
+    for weights in ([0.5, 0.5], [0.5]):
+        with pytest.raises(
+            ConfigError, match=r"^loss\.teacher_weights=\[0\.5.*: the trainer sets it from "
+            r"teacher\.weight and each extra_teachers\[j\]\.weight; set those"
+        ):  # fmt: skip
+            from_dict(TrainerConfig, {"loss": {"projection": "a.pt", "teacher_weights": weights}})
+
+
+def test_the_teachers_are_teacher_0_then_each_extra_teacher_with_its_own_keys():
+    config = from_dict(
+        TrainerConfig,
+        {
+            "teacher_tokenizer": "smollm2",
+            "teacher": {"weight": 0.25, "groups": 2},
+            "loss": {"projection": "p0.pt"},
+            "extra_teachers": [
+                {"tokenizer": "qwen3", "projection": "p1.pt", "weight": 0.75, "vocab_size": 300},
+                {"tokenizer": "deepseek", "projection": "p2.pt", "timeout_s": 9.0},
+            ],
+        },
+    )
+    teachers = config.teachers()
+    assert [(t.index, t.tokenizer, t.projection) for t in teachers] == [
+        (0, "smollm2", "p0.pt"), (1, "qwen3", "p1.pt"), (2, "deepseek", "p2.pt"),
+    ]  # fmt: skip
+    assert [t.link.weight for t in teachers] == [0.25, 0.75, 1.0]
+    assert [t.link.groups for t in teachers] == [2, 1, 1]  # each teacher's groups its own
+    assert teachers[1].link.vocab_size == 300 and teachers[2].link.timeout_s == 9.0
+    assert [t.projection_key for t in teachers] == [
+        "loss.projection", "extra_teachers[0].projection", "extra_teachers[1].projection",
+    ]  # fmt: skip
+    assert teachers[2].tokenizer_key == "extra_teachers[1].tokenizer"
+    again = from_dict(TrainerConfig, to_dict(config))  # the section file reads back
+    assert again.extra_teachers == config.extra_teachers and again.teacher == config.teacher
+
+
+@pytest.mark.parametrize(
+    ("config", "pattern"),
+    [
+        (
+            {"loss": {"projection": "p.pt"}, "extra_teachers": [{"tokenizer": "qwen3"}]},
+            r"^loss\.mode=pkl needs extra_teachers\[0\]\.projection \(a file from `xtoken "
+            r"projection build` for extra_teachers\[0\]\.tokenizer='qwen3'\); `xtoken run` builds",
+        ),
+        (
+            {"loss": {"mode": "ce"}, "extra_teachers": [{"projection": "p.pt"}]},
+            r"^extra_teachers\[0\]: tokenizer is required: this teacher's tokenizer",
+        ),
+        (
+            {"loss": {"mode": "ce"}, "extra_teachers": [{"tokenizer": "qwen3", "weight": -1}]},
+            r"^extra_teachers\[0\]: weight=-1\.0: must be a finite number >= 0$",
+        ),
+        (
+            {"loss": {"mode": "ce"}, "teacher": {"weight": float("nan")}},
+            r"^teacher: weight=nan: must be a finite number >= 0$",
+        ),
+        (
+            {"loss": {"mode": "ce"}, "extra_teachers": [{"tokenizer": "qwen3", "groupz": 2}]},
+            r"^unknown key 'extra_teachers\[0\]\.groupz': did you mean "
+            r"'extra_teachers\[0\]\.groups'\?",
+        ),
+        (
+            {
+                "loss": {"projection": "p.pt"},
+                "on_policy": {"fraction": 0.5},
+                "extra_teachers": [{"tokenizer": "qwen3", "projection": "q.pt"}],
+            },
+            r"^on_policy\.fraction=0\.5 with 1 extra_teachers: the rollout workers' samples "
+            r"carry teacher 0's tokens and alignment alone; distill one teacher on-policy, or set "
+            r"the fraction to 0$",
+        ),
+    ],
+    ids=["no-projection", "no-tokenizer", "negative-weight", "nan-weight", "unknown-key",
+         "on-policy"],
+)  # fmt: skip
+def test_a_bad_extra_teacher_is_refused_in_one_line_naming_its_key(config, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        from_dict(TrainerConfig, config)
+
+
+def test_a_ce_trainer_takes_extra_teachers_without_projections():
+    config = from_dict(
+        TrainerConfig, {"loss": {"mode": "ce"}, "extra_teachers": [{"tokenizer": "qwen3"}]}
+    )
+    assert len(config.teachers()) == 2
 
 
 def test_a_config_with_the_removed_cuda_graphs_key_is_refused_naming_it():

@@ -105,3 +105,17 @@ def test_a_kd_card_shows_the_loss_and_the_teachers_bits_per_byte():
     assert "| training data | unknown |" in card
     assert "| teacher | 0.9000 |" in card and "| student after | 1.1000 |" in card
     assert "student before" not in card  # unknown values are left out, never made up
+
+
+def test_a_card_of_several_teachers_names_each_with_its_tokenizer_and_weight():
+    facts = {
+        "name": "two", "student": "qwen3-0.6b", "student_tokenizer": "qwen3",
+        "teacher": "/models/t", "teacher_tokenizer": "llama3", "teacher_weight": 0.5,
+        "extra_teachers": [{"model": "gemma3-270m", "tokenizer": "gemma3", "weight": 0.5}],
+        "loss_mode": "pkl", "temperature": 1.0, "kl_weight": 1.0, "ce_weight": 1.0,
+        "train_data": None, "heldout_data": None, "steps": 5, "global_batch": 8, "lr": 1e-3,
+        "teacher_bpb": None, "student_before_bpb": None, "student_after_bpb": None,
+    }  # fmt: skip
+    card = render_card(facts)
+    assert "| teacher | `/models/t`, tokenizer `llama3`, weight 0.5 |" in card
+    assert "| teacher 1 | `gemma3-270m`, tokenizer `gemma3`, weight 0.5 |" in card

@@ -159,7 +159,7 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         teacher = _ManualTeacher(teacher_client, teacher_worker)
         feed = setup.teacher_feed(client, config, pads=setup.pads(), reader=reader)
         a, b, c = feed.next_step(3)
-        asked = [mb.context.request_key for mb in (a, b, c)]
+        asked = [mb.context.asked[0].request_key for mb in (a, b, c)]
         assert teacher.claim(3) == asked
         teacher.serve(asked[1])
         teacher.serve(asked[2])
@@ -167,18 +167,19 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         assert sorted(ring.in_flight()) == [0, 1]  # b and c hold the ring: a has no slot
 
         # one round of a's wait: it takes b's and c's results, sees them hold the whole ring
-        feed.teacher.poll(a.context)
-        assert a.context.record is None
+        teacher_client = feed.teachers[0]
+        teacher_client.poll(a.context.asked[0])
+        assert a.context.asked[0].record is None
         assert ring.in_flight() == []  # released: the teacher has both slots again
-        assert feed.teacher.deferred == [b.context, c.context]
-        assert b.context.record is None and c.context.record is None
+        assert teacher_client.deferred == [b.context.asked[0], c.context.asked[0]]
+        assert b.context.asked[0].record is None and c.context.asked[0].record is None
         assert feed.counters["re_requests"] == 0  # not yet: after a has its result
 
         teacher.serve(asked[0])  # a slot is free: the teacher computes a
         logits = a.teacher_logits()
         assert torch.equal(logits, setup.teacher_logits(a.batch).to(logits.dtype))
-        assert feed.teacher.deferred == [] and feed.counters["re_requests"] == 2
-        again = [b.context.request_key, c.context.request_key]
+        assert teacher_client.deferred == [] and feed.counters["re_requests"] == 2
+        again = [b.context.asked[0].request_key, c.context.asked[0].request_key]
         assert set(again).isdisjoint(asked)
         a.done()
         assert teacher.claim(2) == again  # b and c asked again, after a, in their order
@@ -192,7 +193,7 @@ def test_later_results_holding_every_slot_are_given_back_and_asked_again_after_t
         assert ring.in_flight() == [] and teacher_worker.computed == 5
         assert feed.counters == {"stale": 0, "checksum_mismatch": 0, "orphans": 0, "re_requests": 2}
         # every request record was cleared, the given-back results' included
-        assert client.status(teacher.partition, feed.trainer_task)["samples"] == 0
+        assert client.status(teacher.partition, teacher_client.trainer_task)["samples"] == 0
         feed.ack([a, b, c])
         feed.give_back()
 
@@ -226,10 +227,10 @@ def test_a_result_that_arrived_during_the_backward_is_taken_before_its_micro_bat
         asked = teacher.claim(2)
         teacher.serve(asked[0])
         a.teacher_logits()
-        assert b.context.record is None  # not computed yet
+        assert b.context.asked[0].record is None  # not computed yet
         teacher.serve(asked[1])
         a.done()
-        assert b.context.record is not None  # taken while a's backward ran
+        assert b.context.asked[0].record is not None  # taken while a's backward ran
         logits = b.teacher_logits()
         assert torch.equal(logits, setup.teacher_logits(b.batch).to(logits.dtype))
         b.done()

@@ -3,7 +3,8 @@ waiting on a dead teacher is put again at once, once; a live teacher is never as
 result of an old request is dropped, its slot released, never trained on. A result of a successor
 (another incarnation of the group's teacher) tells the death at once, before the dead one's
 heartbeat is stale, for the ring and the hidden transport alike; the old records stay, so a
-result the successor already wrote on one keeps no slot of its ring."""
+result the successor already wrote on one keeps no slot of its ring. Each teacher of a loss of
+several has its own requests and successors."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class _Queue:
 
     def __init__(self) -> None:
         self.puts: list[str] = []
+        self.partitions: list[str] = []  # the request partition of each put
         self.cleared: list[str] = []
         self.acked: list[str] = []
         self.arrived: list[tuple[str, proto.Result]] = []
@@ -39,6 +41,7 @@ class _Queue:
             self.meta += keys
             return
         self.puts += keys
+        self.partitions += [partition] * len(keys)
 
     def list(self, partition):
         return {
@@ -90,10 +93,10 @@ def _client_partition() -> str:
     return TrainerConfig(loss=CrossTokenizerLossConfig(mode="ce")).partition
 
 
-def _client(queue, reader, device: str = "cpu") -> TeacherClient:
+def _client(queue, reader, device: str = "cpu", index: int = 0) -> TeacherClient:
     return TeacherClient(
         queue, TeacherLinkConfig(timeout_s=300.0, dead_after_s=0.3), _client_partition(), 0,
-        torch.device(device), lease_s=300.0, claim_timeout_s=0.01, reader=reader,
+        torch.device(device), lease_s=300.0, claim_timeout_s=0.01, reader=reader, index=index,
     )  # fmt: skip
 
 
@@ -327,3 +330,33 @@ def test_a_teacher_replaced_before_any_result_has_its_requests_asked_again_at_on
     assert queue.puts == [old_key, waiting.request_key]
     client.poll(waiting)  # asked again once
     assert len(queue.puts) == 2 and client.counters["re_requests"] == 1
+
+
+def test_each_teacher_of_the_loss_has_its_own_requests_and_its_own_successors(ring, monkeypatch):
+    # a loss of two teachers: one client each, on its teacher's request partition; a successor
+    # announced for teacher 1's group is asked teacher 1's requests again, and teacher 0's client
+    # (whose group has the same number) sees no change
+    from services.trainer import teacher_client
+
+    monkeypatch.setattr(teacher_client, "ANNOUNCEMENTS_EVERY_S", 0.0)
+    _, reader = ring
+    queue = _Queue()
+    partition = _client_partition()
+    proto.announce_teacher(queue, partition, 0, "first")
+    proto.announce_teacher(queue, partition, 0, "first-of-1", teacher=1)
+    clients = [_client(queue, reader, index=j) for j in (0, 1)]
+    assert [c.teacher for c in clients] == ["first", "first-of-1"]
+    waiting = [_asked(), _asked()]
+    for client, p in zip(clients, waiting):
+        client.ask(p)
+    assert queue.partitions == [f"{partition}.teacher0", f"{partition}.t1.teacher0"]
+    first_keys = [p.request_key for p in waiting]
+
+    proto.announce_teacher(queue, partition, 0, "successor-of-1", teacher=1)
+    for client, p in zip(clients, waiting):
+        client.poll(p)
+    assert waiting[0].request_key == first_keys[0] and waiting[0].teacher == "first"
+    assert clients[0].counters["re_requests"] == 0 and clients[0].teacher == "first"
+    assert waiting[1].request_key != first_keys[1] and waiting[1].teacher == "successor-of-1"
+    assert clients[1].counters["re_requests"] == 1
+    assert queue.partitions[-1] == f"{partition}.t1.teacher0"  # asked again of teacher 1 alone
