@@ -62,9 +62,10 @@ def second_tokenizer():
 
 
 @functools.cache
-def two_teacher_samples() -> list[dict[str, torch.Tensor]]:
+def two_teacher_samples(pack: bool = False) -> list[dict[str, torch.Tensor]]:
     """One jagged sample of two teachers per text of :data:`TEXTS`: teacher 0 of
-    :data:`TEACHER_TOKENIZER`, teacher 1 of :data:`SECOND_TEACHER_TOKENIZER`."""
+    :data:`TEACHER_TOKENIZER`, teacher 1 of :data:`SECOND_TEACHER_TOKENIZER` (``pack``: the
+    texts packed into rows of ``2 * CTX`` tokens per side, as a packing collator puts them)."""
     from xtoken_core.align import TokenAligner
     from xtoken_core.data.collator import CrossTokenizerCollator
 
@@ -73,8 +74,9 @@ def two_teacher_samples() -> list[dict[str, torch.Tensor]]:
         student_tokenizer=student,
         teacher_tokenizers=[teacher, second_tokenizer()],
         aligner=TokenAligner(),
-        ctx_length_student=CTX,
-        ctx_length_teacher=CTX,
+        ctx_length_student=2 * CTX if pack else CTX,
+        ctx_length_teacher=2 * CTX if pack else CTX,
+        pack=pack,
     )
     return collator.collate_samples(TEXTS)
 

@@ -1,12 +1,14 @@
 """A trainer of two teachers of different tokenizer families (student mistral, teachers smollm2
 and qwen3), each served by a real TeacherWorker on a real queue: every micro-batch asks each
 teacher for the logits of its own rows, on its own request partition, and gets them back in
-order; every sample trains once; the step records hold each teacher's figures beside the totals
-(in the JSONL file and the trackers alike); each teacher's projection is checked against its
-own tokenizer."""
+order (packed rows with each teacher's own positions); every sample trains once; the step records
+hold each teacher's figures beside the totals (in the JSONL file and the trackers alike); the
+hidden transport of a further teacher applies its own output layer; each teacher's projection
+is checked against its own tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import types
@@ -43,46 +45,55 @@ def queue(tmp_path_factory):
     server.stop()
 
 
-def _teacher_config(queue: str, teacher: int) -> TeacherConfig:
+def _teacher_config(queue: str, teacher: int, pack: bool = False) -> TeacherConfig:
     """Teacher 0: the tiny preset of the first teacher tokenizer (seed 1,
     ``setup.teacher_model``); teacher 1: of the second's (seed 2, ``setup.second_teacher_model``).
     """
     tokenizer = setup.TEACHER_TOKENIZER if teacher == 0 else setup.SECOND_TEACHER_TOKENIZER
     return TeacherConfig(
         queue=queue, partition=PARTITION, model="tiny", tokenizer=tokenizer, slots=2,
-        max_batch=2, max_length=setup.CTX, seed=1 + teacher, checksum=True, claim_timeout_s=0.1,
+        max_batch=2, max_length=2 * setup.CTX if pack else setup.CTX, seed=1 + teacher,
+        checksum=True, claim_timeout_s=0.1, pack=pack,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _serving(queue: str, pack: bool = False):
+    """Both teachers, each serving group 0 of its own request partition from a thread."""
+    served = []
+    try:
+        for teacher in (0, 1):
+            config = _teacher_config(queue, teacher, pack)
+            worker = TeacherWorker(config)
+            client = QueueClient(queue, timeout_s=10, name=f"teacher-{teacher}")
+            lc = types.SimpleNamespace(stop=threading.Event())
+            partition = proto.request_partition(PARTITION, 0, teacher)
+            thread = threading.Thread(
+                target=teacher_main._loop,
+                args=(client, worker, partition, config, lc, None),
+                daemon=True,
+            )
+            thread.start()
+            served.append((worker, client, lc, thread))
+        yield [worker for worker, *_ in served]
+    finally:
+        for worker, client, lc, thread in served:
+            lc.stop.set()
+            thread.join(timeout=20)
+            client.close()
+            worker.close()
 
 
 @pytest.fixture
 def teachers(queue):
-    """Both teachers, each serving group 0 of its own request partition from a thread."""
-    served = []
-    for teacher in (0, 1):
-        config = _teacher_config(queue, teacher)
-        worker = TeacherWorker(config)
-        client = QueueClient(queue, timeout_s=10, name=f"teacher-{teacher}")
-        lc = types.SimpleNamespace(stop=threading.Event())
-        partition = proto.request_partition(PARTITION, 0, teacher)
-        thread = threading.Thread(
-            target=teacher_main._loop,
-            args=(client, worker, partition, config, lc, None),
-            daemon=True,
-        )
-        thread.start()
-        served.append((worker, client, lc, thread))
-    yield [worker for worker, *_ in served]
-    for worker, client, lc, thread in served:
-        lc.stop.set()
-        thread.join(timeout=20)
-        client.close()
-        worker.close()
+    with _serving(queue) as workers:
+        yield workers
 
 
-def _put(address: str, n: int) -> list[str]:
-    """The first ``n`` samples of two teachers put into the partition, with the end-of-data
-    marker."""
-    samples = setup.two_teacher_samples()[:n]
+def _put(address: str, n: int, pack: bool = False) -> list[str]:
+    """The first ``n`` samples (or packed rows) of two teachers put into the partition, with the
+    end-of-data marker."""
+    samples = setup.two_teacher_samples(pack)[:n]
     keys = [f"s{i}" for i in range(n)]
     with QueueClient(address, timeout_s=10) as client:
         client.put(PARTITION, keys, setup.put_fields(samples))
@@ -90,13 +101,15 @@ def _put(address: str, n: int) -> list[str]:
     return keys
 
 
-def _config(projection: str, second_projection: str, **overrides):
-    """A P-KL trainer of both teachers, weighted 0.25 and 0.75."""
+def _config(projection: str, second_projection: str, extra=None, **overrides):
+    """A P-KL trainer of both teachers, weighted 0.25 and 0.75 (``extra``: more keys of teacher
+    1's entry of extra_teachers; ``overrides``: as ``setup.trainer_config``'s)."""
     extra = {
         "tokenizer": setup.SECOND_TEACHER_TOKENIZER,
         "projection": second_projection,
         "weight": WEIGHTS[1],
         "verify_logits": True,
+        **(extra or {}),
     }
     return setup.trainer_config(
         projection,
@@ -186,6 +199,53 @@ def test_a_run_of_two_teachers_writes_each_teachers_figures_into_its_step_record
     batch = pad_samples(setup.two_teacher_samples()[:4], **setup.two_teacher_pads())
     counted = trainer.student_step.loss_fn.count_valid([batch])["global_valid_chunks"]
     assert chunks == counted.tolist() and min(chunks) > 0
+
+
+@pytest.mark.timeout(300)
+def test_packed_rows_ask_each_teacher_with_its_own_positions(queue, projection, second_projection):
+    rows = setup.two_teacher_samples(pack=True)
+    assert len(rows) >= 2 and all("teacher1_position_ids" in row for row in rows)
+    keys = _put(queue, len(rows), pack=True)
+    config = _config(projection, second_projection, queue=queue, pack=True)
+    step = build_step(config)
+    seen, asked = [], 0
+    with (
+        _serving(queue, pack=True) as workers,
+        QueueClient(queue, timeout_s=10) as client,
+        LogitRingReader() as reader,
+    ):
+        feed = setup.teacher_feed(client, config, pads=setup.two_teacher_pads(), reader=reader)
+        while not feed.ended:
+            mbs = feed.next_step(1)
+            for mb in mbs:
+                for teacher, got in enumerate(mb.teacher_logits()):
+                    # each document of a row attends within itself, in each teacher's tokens
+                    want = setup.teacher_logits(mb.batch, teacher).to(got.dtype)
+                    assert torch.equal(got, want), (teacher, mb.keys)
+            if mbs:
+                assert not step.run(mbs).skipped
+                feed.ack(mbs)
+                seen += [k for mb in mbs for k in mb.keys]
+                asked += len(mbs)  # one request of each teacher per micro-batch
+        feed.give_back()
+        assert [worker.computed for worker in workers] == [asked, asked]
+    assert sorted(seen) == sorted(keys)
+
+
+def test_the_hidden_transport_of_an_extra_teacher_applies_that_teachers_own_output_layer(
+    projection, second_projection, tmp_path
+):
+    extra = {"model": "tiny", "seed": 4}  # the hidden transport: its output layer here
+    config = _config(projection, second_projection, extra, run_dir=str(tmp_path))
+    trainer = Trainer(config, client=None)
+    assert trainer.output_layers[0] is None  # teacher 0 serves logits through a ring
+    teacher = TeacherWorker(
+        TeacherConfig(
+            model="tiny", tokenizer=setup.SECOND_TEACHER_TOKENIZER, transport="hidden", seed=4
+        )
+    )
+    assert torch.equal(trainer.output_layers[1].weight, teacher.lm_head.weight)
+    assert trainer.pads["teacher_pad_id"] == setup.two_teacher_pads()["teacher_pad_id"]
 
 
 def test_an_extra_teachers_projection_of_another_tokenizer_is_refused_naming_its_key(
