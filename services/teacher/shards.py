@@ -8,6 +8,13 @@ output left sharded on the vocab: rank r computes the logits of columns ``[lo_r,
 (``column_bounds``: ``torch.chunk``'s split, the one DTensor uses, so the vocab may split
 unevenly). The embedding and the norms are replicated.
 
+The forward runs on plain local tensors (``localize``, once the shards are filled): a column-
+parallel layer is an ``nn.Linear`` of this rank's rows of the weight, a row-parallel one a
+:class:`RowParallelLinear` (its local product, one all-reduce over the group, then the bias).
+DTensor's own forward dispatch costs ~0.1 ms of CPU per sharded matmul, which left the GPUs of a
+group waiting on the CPU: a Qwen2.5-7B-shaped forward at 1x4096 over two H200s took 343 ms under
+DTensor against 113 ms on one GPU (benchmarks/results/teachers.md).
+
 A preset is built on the ``meta`` device, parallelized, and each rank draws its own shards on
 its own device (``init_shards``: seeded by the preset seed, the parameter's name and the rank); a
 checkpoint folder is built the same way and each rank reads only its slices of the safetensors
@@ -36,10 +43,12 @@ from services.teacher.config import check_tensor_parallel
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "RowParallelLinear",
     "build_sharded_model",
     "column_bounds",
     "init_shards",
     "load_shards",
+    "localize",
     "model_config",
     "shard_model",
     "tensor_parallel_plan",
@@ -174,6 +183,64 @@ def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
+class RowParallelLinear(torch.nn.Module):
+    """A row-parallel linear layer on plain tensors: this rank's input columns times its columns
+    of the weight, summed over the group by one all-reduce (traceable by ``torch.compile``: a
+    functional collective), then the bias (once, not once per rank).
+
+    Args:
+        weight: this rank's ``[out, in / k]`` slice.
+        bias: the whole ``[out]`` bias, or None.
+        group: the group's process group.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        y = funcol.all_reduce(torch.nn.functional.linear(x, self.weight), "sum", self.group)
+        return y if self.bias is None else y + self.bias
+
+
+def localize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """The parallelized model's forward on plain local tensors: each layer of the plan takes
+    its local shard as a plain parameter and loses DTensor's hooks; a row-parallel layer
+    becomes a :class:`RowParallelLinear`. The replicated parameters were plain already. The
+    output layer keeps its vocab rows and says the whole vocab in ``whole_out_features``.
+
+    Args:
+        model: a model ``parallelize_module`` split over ``mesh``, its shards filled.
+        mesh: the group's 1-D device mesh.
+
+    Returns:
+        The same module, no DTensor left in it.
+    """
+    group = mesh.get_group()
+    head = model.get_output_embeddings()
+    for name, style in tensor_parallel_plan(model).items():
+        module = model.get_submodule(name)
+        if module is head:  # its vocab rows here; the vocab (model_vocab_size) is the whole
+            module.whole_out_features = int(module.weight.shape[0])
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
+        weight = _local(module.weight)[0]
+        bias = None if module.bias is None else _local(module.bias)[0]
+        if isinstance(style, RowwiseParallel):
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, RowParallelLinear(weight, bias, group))
+        else:
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                module.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return model
+
+
 def _parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     config = getattr(model, "config", None)
     check_tensor_parallel(mesh.size(), config, type(model).__name__)
@@ -190,12 +257,12 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, device: torch.device) 
         device: this rank's device.
 
     Returns:
-        The same module, its sharded weights DTensors.
+        The same module on its local shards (:func:`localize`).
 
     Raises:
         ValueError: the model cannot be split over the mesh (``check_tensor_parallel``).
     """
-    return _parallelize(model.to(device), mesh)
+    return localize(_parallelize(model.to(device), mesh), mesh)
 
 
 def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
@@ -398,10 +465,13 @@ def build_sharded_model(
     else:
         load_shards(model, folder, rank)
     local = sum(_local(p)[0].numel() for p in model.parameters())
+    whole = sum(p.numel() for p in model.parameters())
+    if mesh is not None:
+        model = localize(model, mesh)
     logger.info(
         "[teacher] rank %d of %d built its shards of %s (%.1f M of %.1f M params, %s on %s) in "
         "%.1f s",
-        rank, 1 if mesh is None else mesh.size(), spec, local / 1e6, sum(p.numel() for p in model.parameters()) / 1e6,
+        rank, 1 if mesh is None else mesh.size(), spec, local / 1e6, whole / 1e6,
         dtype, device, time.perf_counter() - start,
     )  # fmt: skip
     return model.eval()

@@ -17,13 +17,17 @@ def model_vocab_size(model: torch.nn.Module) -> int:
 
     Returns:
         The output layer's out_features (``config.vocab_size`` where it has no output layer
-        with a weight).
+        with a weight); an output layer split by vocab rows over a tensor-parallel group (its
+        ``whole_out_features`` set) counts the whole vocab.
 
     Raises:
         ValueError: the model has neither an output layer nor a ``config.vocab_size``.
     """
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    whole = getattr(head, "whole_out_features", None)
+    if isinstance(whole, int):
+        return whole
     weight = getattr(head, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[0])
