@@ -35,6 +35,17 @@ class WorkerConfig:
     )
     student: str | None = shared_field("student_tokenizer", default=None, required=True)
     teacher: str | None = shared_field("teacher_tokenizer", default=None, required=True)
+    extra_teachers: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "tokenizer names or paths of the run's further teachers (teacher 1, 2, ...): "
+            "each sample also carries their tokens and alignment, as teacher<i>_ fields; a text "
+            "is tokenized once per distinct tokenizer",
+            "path": "tokenizer",
+            "derived": "the tokenizer of each entry of extra_teachers",
+            "trained": True,
+        },
+    )
     partition: str = shared_field("partition", help="queue partition")
     ctx_student: int = shared_field("ctx_student", default=2048)
     ctx_teacher: int = shared_field("ctx_teacher", default=2048)
@@ -59,6 +70,11 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
+        if any(not isinstance(t, str) or not t for t in self.extra_teachers):
+            raise ValueError(
+                f"extra_teachers={list(self.extra_teachers)}: give each further teacher's "
+                "tokenizer name or path (--extra-teachers)"
+            )
         for name in ("ctx_student", "ctx_teacher"):
             if getattr(self, name) < 1:
                 raise ValueError(

@@ -494,7 +494,7 @@ class CollatorRun:
             cfg.worker.queue,
             cfg.worker.partition,
             cfg.worker.student,
-            cfg.worker.teacher,
+            ", ".join(map(str, (cfg.worker.teacher, *cfg.worker.extra_teachers))),
         )
 
     def _should_stop(self) -> bool:

@@ -2,8 +2,9 @@
 
 Two layers, as for every service:
 
-* ``CollatorWorker`` (logic, no process): owns the tokenizers and the collator, turns a batch of
-  ``(key, text)`` pairs into one ``put`` (keys + fields) and sends it through a queue client.
+* ``CollatorWorker`` (logic, no process): owns the tokenizers and the collator (the student's,
+  teacher 0's and any further teachers'), turns a batch of ``(key, text)`` pairs into one ``put``
+  (keys + fields of every teacher) and sends it through a queue client.
 * ``worker_main`` (process shell): the loop of one ``multiprocessing`` worker: loads the
   tokenizers once, takes batches from a task queue, reports counts to a result queue, stops on a
   ``None`` task, on the shared stop event, on SIGTERM/SIGINT or when the collator parent dies
@@ -37,7 +38,9 @@ logger = logging.getLogger(__name__)
 _TASK_POLL_S = 0.2
 
 
-def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+def samples_to_put_fields(
+    samples: Sequence[Mapping[str, torch.Tensor]], num_teachers: int = 1
+) -> dict[str, Any]:
     """Pack N jagged samples (``collate_samples`` output) into the fields of one ``put``.
 
     Per-sample (0-d) fields are stacked to ``[N]``; per-token and per-chunk fields always become a
@@ -45,8 +48,11 @@ def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict
     happens to have the same length, so that a field's layout never changes between puts.
 
     Args:
-        samples: N >= 1 dicts with the fields of ``xtoken_core.data.sample.SAMPLE_FIELDS`` (and
-            of ``PACKED_FIELDS`` for packed rows, judged by the first sample).
+        samples: N >= 1 dicts with the fields of
+            ``xtoken_core.data.sample.sample_fields(num_teachers, packed)`` (packed rows judged by
+            the first sample).
+        num_teachers: the teachers the samples carry fields of (teacher 0's under the
+            one-teacher names, teacher i's as ``teacher{i}_...``).
 
     Returns:
         field name -> ``[N]`` tensor or ``JaggedColumn`` of N rows.
@@ -57,8 +63,8 @@ def samples_to_put_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict
     if not samples:
         raise ValueError("samples_to_put_fields needs at least one sample, got none")
     fields: dict[str, Any] = {}
-    packed = schema.PACKED_FIELDS if schema.is_packed(samples[0]) else ()
-    for spec in schema.SAMPLE_FIELDS + packed:
+    specs = schema.sample_fields(num_teachers, packed=schema.is_packed(samples[0]))
+    for spec in specs:
         try:
             rows = [s[spec.name] for s in samples]
         except KeyError:
@@ -109,9 +115,11 @@ class CollatorWorker:
         from xtoken_core.tokenizers import load_tokenizer
 
         self.config = config
+        # one tokenizer object per distinct name: teachers of one tokenizer share a tokenization
+        loaded = {name: load_tokenizer(name) for name in (config.teacher, *config.extra_teachers)}
         self.collator = CrossTokenizerCollator(
             student_tokenizer=load_tokenizer(config.student),
-            teacher_tokenizer=load_tokenizer(config.teacher),
+            teacher_tokenizers=[loaded[t] for t in (config.teacher, *config.extra_teachers)],
             aligner=TokenAligner(),
             ctx_length_student=config.ctx_student,
             ctx_length_teacher=config.ctx_teacher,
@@ -149,15 +157,16 @@ class CollatorWorker:
             one per packed row, keyed by its documents' keys joined (``packing.row_key``).
         """
         texts = [t for _, t in items]
+        n = self.collator.num_teachers
         if not self.collator.pack:
             return [k for k, _ in items], samples_to_put_fields(
-                self.collator.collate_samples(texts)
+                self.collator.collate_samples(texts), n
             )
         from xtoken_core.data.packing import row_key
 
         rows = self.collator.pack_samples(texts)
         keys = [row_key([items[i][0] for i in indices]) for indices, _ in rows]
-        return keys, samples_to_put_fields([row for _, row in rows])
+        return keys, samples_to_put_fields([row for _, row in rows], n)
 
     def process(self, items: Sequence[tuple[str, str]]) -> dict[str, int]:
         """Collate a batch and put it (one message; idempotent by key).

@@ -25,8 +25,21 @@ from services.common.context import Shared
 from services.common.overrides import Override, apply_overrides
 from services.queue.config import ServerConfig
 from services.rollout.config import RolloutConfig
-from services.teacher.config import TeacherConfig
+from services.supervise.teachers import (
+    RunExtraTeacherConfig,
+    RunTeacher,
+    RunTeacherConfig,
+    check_extra_teachers,
+    check_gpus,
+    check_resources,
+    entry_mapping,
+    extra_teacher_entry,
+    gpus_field,
+    resources_field,
+    teacher_list,
+)
 from services.trainer.config import TrainerConfig
+from services.trainer.sections import ExtraTeacherLinkConfig
 
 # the longest context a run may ask for (tokens per text); beyond it no model here fits
 MAX_CONTEXT = 1 << 20
@@ -148,54 +161,6 @@ class RunRolloutConfig(RolloutConfig):
         """Checked by the run (:meth:`RunConfig.check_on_policy`) against its ``ctx_student``."""
 
 
-def _gpus_field(help_text: str) -> Any:
-    return field(default=None, metadata={"help": help_text, "trained": False})
-
-
-def _check_gpus(key: str, gpus: list[int] | None) -> None:
-    if gpus is not None and (not gpus or any(g < 0 for g in gpus)):
-        raise ValueError(f"{key}={gpus}: name GPU indices >= 0, or null for the default")
-
-
-def _resources_field(role: str) -> Any:
-    return field(
-        default=None,
-        metadata={
-            "help": f"Ray resources each {role} process asks for beside its GPU (e.g. "
-            "{node_a: 1}); teachers and trainers that ask for different ones are placed apart "
-            "(on other nodes) and talk through the queue",
-            "trained": False,
-        },
-    )
-
-
-def _check_resources(key: str, resources: dict[str, float] | None) -> None:
-    for name, amount in (resources or {}).items():
-        if not (math.isfinite(amount) and amount > 0):
-            raise ValueError(f"{key}.{name}={amount}: a resource amount must be > 0")
-
-
-@dataclasses.dataclass
-class RunTeacherConfig(TeacherConfig):
-    """The teacher section of a run config: a :class:`TeacherConfig` and the GPUs its groups
-    run on (services/supervise/layout.py)."""
-
-    gpus: list[int] | None = _gpus_field(
-        "GPUs of the teacher groups: group g takes gpus[g*k:(g+1)*k], k = tensor_parallel "
-        "(null: GPUs g*k.. modulo the GPUs there)"
-    )
-
-    resources: dict[str, float] | None = _resources_field("teacher")
-
-    def __post_init__(self) -> None:
-        auto = self.transport == "auto"
-        super().__post_init__()  # checks the transport auto stands for on one node
-        if auto:  # the plan decides, where it knows the placement (teachers_apart)
-            self.transport = "auto"
-        _check_gpus("gpus", self.gpus)
-        _check_resources("resources", self.resources)
-
-
 @dataclasses.dataclass
 class RunTrainerConfig(TrainerConfig):
     """The trainer section of a run config: a :class:`TrainerConfig` whose ``loss.projection``
@@ -203,16 +168,14 @@ class RunTrainerConfig(TrainerConfig):
     and the plan checks the trainer's section again with that file. Its on-policy settings are
     checked by the run, with the run's keys (the fraction is ``data.on_policy_fraction``)."""
 
-    gpus: list[int] | None = _gpus_field(
-        "GPU of each trainer rank: rank r on gpus[r] (null: GPU r)"
-    )
+    gpus: list[int] | None = gpus_field("GPU of each trainer rank: rank r on gpus[r] (null: GPU r)")
 
-    resources: dict[str, float] | None = _resources_field("trainer")
+    resources: dict[str, float] | None = resources_field("trainer")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_gpus("gpus", self.gpus)
-        _check_resources("resources", self.resources)
+        check_gpus("gpus", self.gpus)
+        check_resources("resources", self.resources)
 
     def check_projection(self) -> None:
         """A projection left empty is the run's to build (:attr:`projection_to_build`)."""
@@ -295,6 +258,15 @@ class RunConfig(Shared):
     queue: QueueConfig = field(default_factory=QueueConfig)
     collator: RunCollatorConfig = field(default_factory=RunCollatorConfig)
     teacher: RunTeacherConfig = field(default_factory=RunTeacherConfig)
+    extra_teachers: list[RunExtraTeacherConfig] = field(
+        default_factory=list,
+        metadata={
+            "help": "further teachers (teacher 1, 2, ...), each of a tokenizer family of its "
+            "own: its tokenizer and model (required), weight, projection and groups; every "
+            "other key not given takes the teacher section's value",
+            "trained": True,
+        },
+    )
     trainer: RunTrainerConfig = field(default_factory=RunTrainerConfig)
     rollout: RunRolloutConfig = field(default_factory=RunRolloutConfig)
 
@@ -310,6 +282,17 @@ class RunConfig(Shared):
             section = getattr(self, name)
             if not isinstance(section, cls):
                 setattr(self, name, cfgmod.from_dict(cls, cfgmod.to_dict(section)))
+        # an entry given as a mapping takes the teacher section's keys it does not give
+        self.extra_teachers = [
+            e
+            if isinstance(e, RunExtraTeacherConfig)
+            else cfgmod.from_dict(
+                RunExtraTeacherConfig,
+                extra_teacher_entry(self.teacher, entry_mapping(e, i), f"extra_teachers[{i}]"),
+                path=f"extra_teachers[{i}]",
+            )
+            for i, e in enumerate(self.extra_teachers)
+        ]
         for name in ("ctx_student", "ctx_teacher", "teachers", "trainers", "projection_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -352,6 +335,7 @@ class RunConfig(Shared):
                 "nodes (teacher.resources differ from trainer.resources); use teacher.transport "
                 "auto, topk or hidden"
             )
+        check_extra_teachers(self)
         if self.data.ordered and self.collator.workers > 1:
             raise ValueError(
                 f"data.ordered needs one collator worker (collator.workers="
@@ -371,6 +355,10 @@ class RunConfig(Shared):
                 + "): set mps: false, or put them on cuda"
             )
 
+    def teacher_list(self) -> list[RunTeacher]:
+        """Every teacher of the run in the loss's order (:func:`teacher_list`)."""
+        return teacher_list(self)
+
     def check_on_policy(self) -> None:
         """The trainer can take ``data.on_policy_fraction`` of its steps from rollout workers,
         and the rollout workers fit the run.
@@ -382,10 +370,14 @@ class RunConfig(Shared):
         if not fraction:
             return
         tr = self.trainer
-        # the trainer as the run hands it its fraction and order (checked, not kept)
+        # the trainer as the run hands it its fraction, order and further teachers (checked,
+        # not kept)
         on_policy = dataclasses.replace(tr.on_policy, fraction=fraction)
         feed = dataclasses.replace(tr.feed, ordered=self.data.ordered)
-        dataclasses.replace(tr, on_policy=on_policy, feed=feed).check_on_policy(
+        extra = [ExtraTeacherLinkConfig(tokenizer=e.tokenizer) for e in self.extra_teachers]
+        dataclasses.replace(
+            tr, on_policy=on_policy, feed=feed, extra_teachers=extra
+        ).check_on_policy(
             {
                 "fraction": "data.on_policy_fraction",
                 "loss.mode": "trainer.loss.mode",
@@ -424,7 +416,8 @@ class RunConfig(Shared):
         """Processes the run starts: its queue (unless external), the collator's workers (none
         when every sample is on-policy), a teacher per group (when the loss uses one), a
         trainer per rank and the rollout workers (with on-policy samples)."""
-        teachers = self.teachers if self.trainer.loss.uses_teacher else 0
+        uses = self.trainer.loss.uses_teacher
+        teachers = sum(t.groups for t in self.teacher_list()) if uses else 0
         own_queue = 0 if self.queue.address else 1
         rollouts = self.rollouts if self.on_policy else 0
         collators = 0 if self.data.on_policy_fraction == 1.0 else self.collator.workers
@@ -435,7 +428,7 @@ class RunConfig(Shared):
         when the loss uses one, the rollout workers with on-policy samples."""
         out = [("trainer.compute.device", str(self.trainer.compute.device))]
         if self.trainer.loss.uses_teacher:
-            out.append(("teacher.device", str(self.teacher.device)))
+            out += [(f"{t.key}.device", str(t.section.device)) for t in self.teacher_list()]
         if self.on_policy:
             out.append(("rollout.device", str(self.rollout.device)))
         return out
@@ -444,8 +437,13 @@ class RunConfig(Shared):
     def teachers_apart(self) -> bool:
         """The teacher groups and the trainer ranks ask for different Ray resources: they are
         placed apart (other nodes), not pinned together, and the logits cannot take a ring."""
+        return self.apart(self.teacher)
+
+    def apart(self, teacher: RunTeacherConfig) -> bool:
+        """The groups of ``teacher`` (the teacher section or an entry of ``extra_teachers``) and
+        the trainer ranks ask for different Ray resources (:attr:`teachers_apart`)."""
         uses = self.trainer.loss.uses_teacher
-        return uses and (self.teacher.resources or {}) != (self.trainer.resources or {})
+        return uses and (teacher.resources or {}) != (self.trainer.resources or {})
 
     @property
     def on_policy(self) -> bool:
@@ -465,6 +463,9 @@ def _check_tree(config: object, prefix: str = "") -> None:
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             _check_tree(value, f"{key}.")
+        elif isinstance(value, list) and all(dataclasses.is_dataclass(v) for v in value):
+            for i, v in enumerate(value):
+                _check_tree(v, f"{key}[{i}].")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}={value}: must be a finite number")
         elif isinstance(value, int) and ("ctx" in f.name or f.name == "max_length"):
@@ -501,6 +502,17 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     for key, source in derived.items():
         if cfgmod.has_key(data, key) and not is_run_key(source):
             raise cfgmod.ConfigError(f"{key} is set by the run ({source}); remove it")
+    extra = data.get("extra_teachers")
+    if isinstance(extra, list | tuple):
+        data = {
+            **data,
+            "extra_teachers": [
+                extra_teacher_entry(data.get("teacher"), e, f"extra_teachers[{i}]")
+                if isinstance(e, Mapping)
+                else e
+                for i, e in enumerate(extra)
+            ],
+        }
     config = cfgmod.from_dict(RunConfig, data)
     for key, source in derived.items():
         if not (is_run_key(source) and cfgmod.has_key(data, key)):
@@ -518,8 +530,13 @@ def run_config_from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 def run_config_to_dict(config: RunConfig) -> dict[str, Any]:
     """The JSON form of a run config as :func:`run_config_from_dict` reads it back: its own keys,
-    without the fields of its sections that the run sets (marked ``context`` or ``derived``)."""
-    return cfgmod.section(config, without=("context", "derived"))
+    without the fields of its sections that the run sets (marked ``context`` or ``derived``),
+    every key of each ``extra_teachers`` entry given."""
+    out = cfgmod.section(config, without=("context", "derived"))
+    out["extra_teachers"] = [
+        cfgmod.section(e, without=("context", "derived")) for e in config.extra_teachers
+    ]
+    return out
 
 
 def value_at(config: Any, key: str) -> Any:

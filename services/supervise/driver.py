@@ -796,7 +796,8 @@ def _inputs_written(run_dir: Path) -> Inputs | None:
         return None
     data = run.get("data") or {}
     projection = ((run.get("trainer") or {}).get("loss") or {}).get("projection")
-    return Inputs(data.get("train"), data.get("heldout"), projection)
+    extra = tuple(e.get("projection") for e in run.get("extra_teachers") or ())
+    return Inputs(data.get("train"), data.get("heldout"), projection, None, extra)
 
 
 def _is_local_process(proc: Any) -> bool:

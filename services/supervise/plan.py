@@ -149,6 +149,8 @@ def make_plan(
     run_section = run_config_to_dict(config)
     run_section["data"].update(train=inputs.train, heldout=inputs.heldout)
     run_section["trainer"]["loss"]["projection"] = inputs.projection
+    for entry, projection in zip(run_section["extra_teachers"], inputs.extra_projections):
+        entry["projection"] = projection
     specs = make_specs(config, place, master_port=master_port, host=host)
     shared = cfgmod.to_dict(context)
     return Plan(place, queue, master_port, shared, sections, run_section, tuple(specs))
@@ -162,7 +164,14 @@ def make_context(config: RunConfig, place: RunPlace, *, queue: str) -> Context:
     return Context(**values, queue=queue)
 
 
-def own(cls: type, section: Any, context: Context, **derived: Any) -> dict[str, Any]:
+def own(
+    cls: type,
+    section: Any,
+    context: Context,
+    *,
+    over_context: dict[str, Any] | None = None,
+    **derived: Any,
+) -> dict[str, Any]:
     """A process's section file: the fields of ``cls`` taken from its run-config ``section`` (of
     ``cls`` or a run-facing subclass of it) and the values the run derives for it, less the
     fields the shared context gives; checked as the process builds it, with ``context``.
@@ -171,6 +180,8 @@ def own(cls: type, section: Any, context: Context, **derived: Any) -> dict[str, 
         cls: the process's config class.
         section: its section of the run config.
         context: the launch's shared context.
+        over_context: values of fields marked ``context`` that this process has its own of
+            (a further teacher's ``tokenizer``): written into its section, over the context's.
         derived: the values the run sets, by field name or by the dotted key of a field of a
             nested section (``**{"teacher.groups": 2}``).
 
@@ -184,10 +195,20 @@ def own(cls: type, section: Any, context: Context, **derived: Any) -> dict[str, 
         node = data
         for part in parents:
             node = node[part]
-        node[name] = cfgmod.to_dict(value) if dataclasses.is_dataclass(value) else value
+        node[name] = _plain(value)
     data = cfgmod.without_marked(cls, data)
+    data.update(over_context or {})
     cfgmod.from_dict(cls, cfgmod.with_context(cls, data, context))
     return data
+
+
+def _plain(value: Any) -> Any:
+    """A derived value as its section file holds it (a section, or a list of them, as JSON)."""
+    if dataclasses.is_dataclass(value):
+        return cfgmod.to_dict(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def copies(config: RunConfig, cls: type) -> dict[str, Any]:
@@ -213,7 +234,11 @@ def make_data_sections(
         out["queue"] = own(ServerConfig, cfg.queue, context)
     limit = cfg.data.limit if inputs.train_limit is None else inputs.train_limit
     corpus = own(CorpusConfig, cfg.data, context, train=inputs.train, limit=limit or None)
-    out["collator"] = own(CollatorConfig, cfg.collator, context, data=corpus)
+    # the further teachers' tokenizers: every sample carries each teacher's tokens
+    extra = [e.tokenizer for e in cfg.extra_teachers]
+    out["collator"] = own(
+        CollatorConfig, cfg.collator, context, data=corpus, **{"worker.extra_teachers": extra}
+    )
     return out
 
 
@@ -224,49 +249,80 @@ def make_sections(
     *,
     gpus: int | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The section of the trainer ranks (``trainer``) and of each teacher group (``teacher<g>``):
-    without the run-wide values (:func:`make_context`), which every process reads from the
-    shared context. The rollout workers' sections: :func:`rollout_sections`.
+    """The section of the trainer ranks (``trainer``) and of each teacher group (``teacher<g>``;
+    ``t<j>.teacher<g>`` of the run's teacher j >= 1, an entry of ``extra_teachers``): without the
+    run-wide values (:func:`make_context`), which every process reads from the shared context.
+    The rollout workers' sections: :func:`rollout_sections`.
 
     Raises:
         ValueError: a trainer section that does not build (names the key).
     """
     cfg = config
     teacher, tr = cfg.teacher, cfg.trainer
-    hidden = tr.loss.uses_teacher and teacher.transport == "hidden"
-    trainer = own(
-        TrainerConfig,
-        tr,
-        context,
-        **{
-            **copies(cfg, TrainerConfig),
-            "loss.projection": inputs.projection,
-            "eval.heldout": inputs.heldout,
-            "student.max_length": tr.student.max_length or cfg.ctx_student,
-            # the hidden transport: the trainer applies the teacher's output layer, of its model
-            "teacher.model": tr.teacher.model or (teacher.model if hidden else None),
-        },
-    )  # checked: a loss that needs a projection has one now
+    uses = tr.loss.uses_teacher
+    hidden = uses and run_transport(cfg) == "hidden"
+    derived: dict[str, Any] = {
+        **copies(cfg, TrainerConfig),
+        "loss.projection": inputs.projection,
+        "eval.heldout": inputs.heldout,
+        "student.max_length": tr.student.max_length or cfg.ctx_student,
+        # the hidden transport: the trainer applies the teacher's output layer, of its model
+        "teacher.model": tr.teacher.model or (teacher.model if hidden else None),
+        "extra_teachers": extra_links(cfg, inputs),
+    }
+    trainer = own(TrainerConfig, tr, context, **derived)  # checked: every projection is there
     out = {"trainer": trainer}
     layout = _layout(cfg, gpus)
-    transport = run_transport(cfg)
-    for g in range(cfg.teachers):
-        device = teacher.device
-        if layout.teacher_gpus:  # one GPU: named; a tensor-parallel rank: cuda:LOCAL_RANK
-            one = teacher.tensor_parallel == 1
-            device = f"cuda:{layout.teacher_gpus[g][0]}" if one else "cuda"
-        out[f"teacher{g}"] = own(
-            TeacherConfig,
-            teacher,
-            context,
-            **{
-                **copies(cfg, TeacherConfig),
-                "group": g,
-                "device": device,
-                "transport": transport,
-                # only the first group evaluates the held-out text
-                "heldout": inputs.heldout if g == 0 else None,
-            },
+    for view in cfg.teacher_list():
+        t = view.section
+        placed = layout.teacher(view.index)
+        for g in range(view.groups):
+            device = t.device
+            if placed:  # one GPU: named; a tensor-parallel rank: cuda:LOCAL_RANK
+                device = f"cuda:{placed[g][0]}" if t.tensor_parallel == 1 else "cuda"
+            out[view.name(g)] = own(
+                TeacherConfig,
+                t,
+                context,
+                over_context={"tokenizer": view.tokenizer} if view.index else None,
+                **{
+                    **copies(cfg, TeacherConfig),
+                    "teacher": view.index,
+                    "group": g,
+                    "device": device,
+                    "transport": run_transport(cfg, t),
+                    # only the first group of the first teacher evaluates the held-out text
+                    "heldout": inputs.heldout if view.index == 0 and g == 0 else None,
+                },
+            )
+    return out
+
+
+def extra_links(config: RunConfig, inputs: Inputs) -> list[dict[str, Any]]:
+    """The trainer's link to each further teacher (its ``extra_teachers`` entries): the
+    teacher's tokenizer, weight, projection (as the pre-flight settled it), groups, preset vocab
+    and seed, its model where the trainer applies its output layer (the hidden transport), and
+    the waits and checks of ``trainer.teacher``, which the run gives every teacher's link."""
+    link = config.trainer.teacher
+    out = []
+    views = config.teacher_list()[1:]
+    projections = inputs.extra_projections or tuple(v.projection for v in views)
+    for view, projection in zip(views, projections, strict=True):
+        e = view.section
+        hidden = run_transport(config, e) == "hidden"
+        out.append(
+            {
+                "tokenizer": view.tokenizer,
+                "weight": e.weight,
+                "projection": projection,
+                "model": e.model if hidden else None,
+                "vocab_size": e.vocab_size,
+                "seed": e.seed,
+                "groups": view.groups,
+                "timeout_s": link.timeout_s,
+                "dead_after_s": link.dead_after_s,
+                "verify_logits": link.verify_logits,
+            }
         )
     return out
 
@@ -361,39 +417,43 @@ def make_specs(
     ]
     if cfg.data.on_policy_fraction < 1.0:  # every sample on-policy: no collator to read
         specs += collators
-    teachers = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+    views = cfg.teacher_list() if cfg.trainer.loss.uses_teacher else []
     rollouts = cfg.rollouts if cfg.on_policy else 0
-    k = cfg.teacher.tensor_parallel
     threads = cpu_threads(
         host,
-        teachers * k if cfg.teacher.device == "cpu" else 0,
+        sum(v.groups * v.section.tensor_parallel for v in views if v.section.device == "cpu"),
         cfg.trainers if cfg.trainer.compute.device == "cpu" else 0,
         rollouts if cfg.rollout.device == "cpu" else 0,
     )
     layout = _layout(cfg, host.gpus)
-    for g in range(teachers):
-        for i in range(k):
-            name = f"teacher{g}" if i == 0 else f"teacher{g}.{i}"
-            env = dict(threads) if cfg.teacher.device == "cpu" else {}
-            if k > 1:  # torchrun's environment; the driver sets MASTER_PORT as the unit starts
-                env.update(RANK=str(i), WORLD_SIZE=str(k), MASTER_ADDR="127.0.0.1")
-                if layout.teacher_gpus:
-                    env["LOCAL_RANK"] = str(layout.teacher_gpus[g][i])
-            specs.append(
-                ProcessSpec(
-                    name,
-                    "teacher",
-                    argv(["teacher"], f"teacher{g}"),
-                    env=env,
-                    log_file=str(d / "logs" / f"{name}.log"),
-                    # rank 0 speaks for its group (ready file, heartbeat, exit code)
-                    ready_file=str(d / "ready" / name) if i == 0 else None,
-                    resources=_resources(cfg.teacher.device, cfg.teacher.resources),
-                    # beside the ranks it serves (a ring), or by its resources (the queue)
-                    group=f"teacher{g}" if cfg.teachers_apart else str(g),
-                    unit=f"teacher{g}" if k > 1 else None,
+    for view in views:
+        t, k = view.section, view.section.tensor_parallel
+        placed = layout.teacher(view.index)
+        for g in range(view.groups):
+            unit = view.name(g)  # teacher0; t1.teacher0 for the run's teacher 1
+            for i in range(k):
+                name = unit if i == 0 else f"{unit}.{i}"
+                env = dict(threads) if t.device == "cpu" else {}
+                if k > 1:  # torchrun's environment; the driver sets MASTER_PORT as the unit starts
+                    env.update(RANK=str(i), WORLD_SIZE=str(k), MASTER_ADDR="127.0.0.1")
+                    if placed:
+                        env["LOCAL_RANK"] = str(placed[g][i])
+                specs.append(
+                    ProcessSpec(
+                        name,
+                        "teacher",
+                        argv(["teacher"], unit),
+                        env=env,
+                        log_file=str(d / "logs" / f"{name}.log"),
+                        # rank 0 speaks for its group (ready file, heartbeat, exit code)
+                        ready_file=str(d / "ready" / name) if i == 0 else None,
+                        resources=_resources(t.device, t.resources),
+                        # beside the ranks it serves (a ring: rank r is in group r % teachers),
+                        # or by its resources (the queue)
+                        group=unit if cfg.apart(t) else str(g % cfg.teachers),
+                        unit=unit if k > 1 else None,
+                    )
                 )
-            )
     for r in range(cfg.trainers):
         env = {
             "RANK": str(r),

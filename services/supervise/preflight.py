@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from services.supervise.config import RunConfig
+from services.supervise.teachers import RunTeacher
 from xtoken_core.errors import DataError, SettingsError
 
 logger = logging.getLogger(__name__)
@@ -25,16 +27,19 @@ class Inputs:
     Attributes:
         train: the training corpus (the config's, or the demo corpus).
         heldout: the held-out corpus (the config's, or the demo's).
-        projection: the projection file (the config's, or the one built for the run); None when
-            the loss needs none.
+        projection: teacher 0's projection file (the config's, or the one built for the run);
+            None when the loss needs none.
         train_limit: texts of ``train`` the collator reads (the config's ``data.limit``, or
             fewer when the held-out texts are the last ones of ``train``); None: all.
+        extra_projections: the projection file of each further teacher (``extra_teachers``), as
+            ``projection`` is teacher 0's.
     """
 
     train: str | None
     heldout: str | None
     projection: str | None
     train_limit: int | None = None
+    extra_projections: tuple[str | None, ...] = ()
 
     @classmethod
     def given(cls, config: RunConfig) -> Inputs:
@@ -45,18 +50,25 @@ class Inputs:
             config.data.heldout,
             config.trainer.loss.projection,
             config.data.limit,
+            tuple(e.projection for e in config.extra_teachers),
         )
 
-    def to_dict(self) -> dict[str, str | None]:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON mapping (a run's runtime record keeps it: a re-attached run plans the same
         sections as the launched one)."""
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["extra_projections"] = list(self.extra_projections)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Inputs:
         """The inverse of :meth:`to_dict`."""
         return cls(
-            data.get("train"), data.get("heldout"), data.get("projection"), data.get("train_limit")
+            data.get("train"),
+            data.get("heldout"),
+            data.get("projection"),
+            data.get("train_limit"),
+            tuple(data.get("extra_projections") or ()),
         )
 
 
@@ -97,9 +109,10 @@ def preflight(config: RunConfig) -> Inputs:
     if heldout is None:
         heldout, train_limit = split_heldout(config, train)
     tokenizers = {}
+    views = config.teacher_list()
     names = {
         "student_tokenizer": config.student_tokenizer,
-        "teacher_tokenizer": config.teacher_tokenizer,
+        **{view.tokenizer_key: view.tokenizer for view in views},
         "kd_where_agrees": config.kd_where_agrees,
     }
     for key, name in names.items():
@@ -107,16 +120,21 @@ def preflight(config: RunConfig) -> Inputs:
             tokenizers[key] = load_tokenizer(name) if name else None
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
-    s_tok, t_tok = tokenizers["student_tokenizer"], tokenizers["teacher_tokenizer"]
-    check_vocabs(config, s_tok.vocab_size, t_tok.vocab_size)
-    check_run_layout(config, s_tok.vocab_size, t_tok.vocab_size)
-    check_transport(config, t_tok.vocab_size)
-    projection = config.trainer.loss.projection
-    if config.trainer.loss.uses_teacher and not projection:
-        projection = str(build_cached_projection(config, s_tok, t_tok))
-    elif config.trainer.loss.uses_teacher:
-        check_projection(config, projection, s_tok, t_tok)
-    return Inputs(train, heldout, projection, train_limit)
+    s_tok = tokenizers["student_tokenizer"]
+    t_toks = [tokenizers[view.tokenizer_key] for view in views]
+    vocabs = [t.vocab_size for t in t_toks]
+    check_vocabs(config, s_tok.vocab_size, vocabs[0], vocabs[1:])
+    check_run_layout(config, s_tok.vocab_size, vocabs[0], vocabs[1:])
+    check_transport(config, vocabs[0], vocabs[1:])
+    projections: list[str | None] = []
+    for view, t_tok in zip(views, t_toks, strict=True):
+        projection = view.projection
+        if config.trainer.loss.uses_teacher and not projection:
+            projection = str(build_cached_projection(config, s_tok, t_tok, view.tokenizer))
+        elif config.trainer.loss.uses_teacher:
+            check_projection(config, projection, s_tok, t_tok, view)
+        projections.append(projection)
+    return Inputs(train, heldout, projections[0], train_limit, tuple(projections[1:]))
 
 
 def check_corpora(config: RunConfig) -> None:
@@ -273,43 +291,77 @@ def check_devices(config: RunConfig) -> None:
             )
 
 
-def check_transport(config: RunConfig, teacher_vocab: int) -> None:
-    """Say the teachers' transport where the run places them apart from the trainers, and what
-    it costs the loss: with ``topk`` targets, P-KL's column pick (``trainer.loss.vocab_topk``
-    columns by the largest teacher logit) sees the K sent ids and an equal value for every other
-    one, and its gradient moves far more than over every column
-    (benchmarks/results/teachers_topk.md: 38% against 1.8% at K = 64); one warning line names
-    the setting."""
+def check_transport(
+    config: RunConfig, teacher_vocab: int, extra_vocabs: Sequence[int] = ()
+) -> None:
+    """Say each teacher's transport where the run places it apart from the trainers, refuse a
+    ``top_k`` its vocab cannot serve, and say what ``topk`` targets cost the loss: P-KL's column
+    pick (``trainer.loss.vocab_topk`` columns by the largest teacher logit) sees the K sent ids
+    and an equal value for every other one, and its gradient moves far more than over every
+    column (benchmarks/results/teachers_topk.md: 38% against 1.8% at K = 64); one warning line
+    names the setting.
+
+    Args:
+        config: the run config.
+        teacher_vocab: teacher 0's tokenizer vocab.
+        extra_vocabs: each further teacher's tokenizer vocab.
+
+    Raises:
+        ValueError: a teacher with ``topk`` targets whose ``top_k`` is larger than its model's
+            vocab (names the key).
+    """
     from services.supervise.layout import run_transport
+    from xtoken_core.wire.topk import check_top_k
 
-    transport = run_transport(config)
-    if config.teachers_apart:
-        logger.info(
-            "[run] the teacher groups are placed apart from the trainer ranks (teacher.resources "
-            "differ from trainer.resources): transport %s",
-            transport,
-        )
-    loss, t = config.trainer.loss, config.teacher
-    vocab = t.vocab_size or teacher_vocab
-    if (
-        transport == "topk"
-        and loss.mode == "pkl"
-        and loss.vocab_topk is not None
-        and loss.vocab_topk < vocab
-        and t.top_k < vocab
-    ):
-        logger.warning(
-            "[run] teacher.transport topk (top_k=%d) with P-KL over trainer.loss.vocab_topk=%d "
-            "columns: the column pick sees only the sent ids, which moves the loss's gradient "
-            "(38%% at K = 64 against 1.8%% over every column); set trainer.loss.vocab_topk: null",
-            t.top_k,
-            loss.vocab_topk,
-        )
+    loss = config.trainer.loss
+    for view, tok_vocab in zip(config.teacher_list(), (teacher_vocab, *extra_vocabs), strict=False):
+        t, key = view.section, view.key
+        transport = run_transport(config, t)
+        if config.apart(t):
+            logger.info(
+                "[run] the groups of %s are placed apart from the trainer ranks (%s.resources "
+                "differ from trainer.resources): transport %s",
+                key,
+                key,
+                transport,
+            )
+        if transport != "topk" or not loss.uses_teacher:
+            continue
+        vocab = t.vocab_size or tok_vocab
+        try:
+            vocab = spec_vocab_size(str(t.model), vocab)
+        except ValueError:
+            pass  # check_vocabs names a model it cannot read
+        check_top_k(t.top_k, vocab, f"{key}.top_k")
+        if (
+            loss.mode == "pkl"
+            and loss.vocab_topk is not None
+            and loss.vocab_topk < vocab
+            and t.top_k < vocab
+        ):
+            logger.warning(
+                "[run] %s.transport topk (top_k=%d) with P-KL over trainer.loss.vocab_topk=%d "
+                "columns: the column pick sees only the sent ids, which moves the loss's "
+                "gradient (38%% at K = 64 against 1.8%% over every column); set "
+                "trainer.loss.vocab_topk: null",
+                key,
+                t.top_k,
+                loss.vocab_topk,
+            )
 
 
-def check_run_layout(config: RunConfig, student_vocab: int, teacher_vocab: int) -> None:
-    """The trainer ranks' and teacher groups' GPUs are there, a tensor-parallel teacher divides
-    its heads, and on GPUs each one's share of the models fits (services/supervise/layout.py).
+def check_run_layout(
+    config: RunConfig, student_vocab: int, teacher_vocab: int, extra_vocabs: Sequence[int] = ()
+) -> None:
+    """The trainer ranks' and every teacher's groups' GPUs are there, a tensor-parallel teacher
+    divides its heads, and on GPUs each one's share of the models fits, the teachers on one GPU
+    added up (services/supervise/layout.py).
+
+    Args:
+        config: the run config.
+        student_vocab: the student tokenizer's vocab.
+        teacher_vocab: teacher 0's tokenizer vocab.
+        extra_vocabs: each further teacher's tokenizer vocab.
 
     Raises:
         SettingsError: one line naming the key and what would fit.
@@ -322,63 +374,98 @@ def check_run_layout(config: RunConfig, student_vocab: int, teacher_vocab: int) 
         plan_layout,
     )
 
-    t, tr = config.teacher, config.trainer
+    tr = config.trainer
+    views = config.teacher_list()
     cuda = any(device.startswith("cuda") for _, device in config.devices())
-    named = t.gpus is not None or tr.gpus is not None or t.tensor_parallel > 1
+    named = tr.gpus is not None or any(
+        v.section.gpus is not None or v.section.tensor_parallel > 1 for v in views
+    )
     if not (cuda or named):
         return
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     layout = plan_layout(config, gpus)
-    teacher_cfg = None
+    shapes: list[Any] = [None] * len(views)
     if tr.loss.uses_teacher:
-        teacher_cfg = model_config(t.model, t.vocab_size or teacher_vocab)
+        for i, (view, vocab) in enumerate(zip(views, (teacher_vocab, *extra_vocabs), strict=False)):
+            shapes[i] = model_config(str(view.section.model), view.section.vocab_size or vocab)
     memory = gpu_memory() if cuda else None
-    sizes: dict[str, int | None] = {"teacher_params": None, "student_params": None}
+    params: list[int | None] = [None] * len(views)
+    student_params = None
     if memory is not None:
-        if teacher_cfg is not None and layout.teacher_gpus:
-            sizes["teacher_params"] = parameter_count(teacher_cfg)
+        for i, shape in enumerate(shapes):
+            if shape is not None and layout.teacher(i):
+                params[i] = parameter_count(shape)
         student_cfg = model_config(tr.student.model, tr.student.vocab_size or student_vocab)
         if student_cfg is not None and layout.trainer_gpus:
-            sizes["student_params"] = parameter_count(student_cfg)
-    check_layout(config, layout, gpus, memory, teacher_model_config=teacher_cfg, **sizes)
-    if layout.trainer_gpus or layout.teacher_gpus:
+            student_params = parameter_count(student_cfg)
+    check_layout(
+        config,
+        layout,
+        gpus,
+        memory,
+        teacher_params=params[0],
+        teacher_model_config=shapes[0],
+        student_params=student_params,
+        extra_teacher_params=params[1:],
+        extra_teacher_model_configs=shapes[1:],
+    )
+    if layout.trainer_gpus or layout.groups():
         logger.info("[run] layout: %s", layout.describe())
 
 
-def check_projection(config: RunConfig, path: str, s_tok: Any, t_tok: Any) -> None:
-    """A given projection file must fit the run's tokenizers (rows: student, columns: teacher),
-    be built for them (the tokenizers it records; a file without that record is accepted
-    with a warning) and have usable rows; its coverage is logged.
+def check_projection(
+    config: RunConfig, path: str, s_tok: Any, t_tok: Any, view: RunTeacher | None = None
+) -> None:
+    """A given projection file must fit the run's tokenizers (rows: the student's, columns: its
+    teacher's), be built for them (the tokenizers it records; a file without that record is
+    accepted with a warning) and have usable rows; its coverage is logged.
+
+    Args:
+        config: the run config.
+        path: the file.
+        s_tok: the student tokenizer.
+        t_tok: its teacher's tokenizer.
+        view: the teacher it is for (default: teacher 0, ``trainer.loss.projection``).
 
     Raises:
         ValueError: a missing or unreadable file, one built for other vocabularies or
-            tokenizers, or one without a usable row.
+            tokenizers, or one without a usable row (names the key).
     """
     from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
 
+    view = view or config.teacher_list()[0]
+    key = view.projection_key
     student_vocab, teacher_vocab = s_tok.vocab_size, t_tok.vocab_size
     try:
         _, _, rows, cols = parse_projection_file(path)
     except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"trainer.loss.projection: {e}") from None
+        raise ValueError(f"{key}: {e}") from None
     if rows > student_vocab or cols > teacher_vocab:
         raise ValueError(
-            f"trainer.loss.projection={path!r} is {rows} x {cols} (student x teacher ids) but "
-            f"the run's tokenizers have {student_vocab} and {teacher_vocab} ids: build one for "
-            f"{config.student_tokenizer} -> {config.teacher_tokenizer} with `xtoken "
-            "projection build`, or leave it empty and xtoken run builds it"
+            f"{key}={path!r} is {rows} x {cols} (student x teacher ids) but the run's "
+            f"tokenizers have {student_vocab} and {teacher_vocab} ids: build one for "
+            f"{config.student_tokenizer} -> {view.tokenizer} with `xtoken projection build`, or "
+            "leave it empty and xtoken run builds it"
         )
     try:
         check_projection_tokenizers(path, s_tok, t_tok)
     except ValueError as e:
-        raise ValueError(f"trainer.loss.projection: {e}") from None
+        raise ValueError(f"{key}: {e}") from None
 
 
-def check_vocabs(config: RunConfig, student_vocab: int, teacher_vocab: int) -> None:
-    """The student (and, when the loss uses one, the teacher) has a logit per token id of its
-    tokenizer.
+def check_vocabs(
+    config: RunConfig, student_vocab: int, teacher_vocab: int, extra_vocabs: Sequence[int] = ()
+) -> None:
+    """The student (and, when the loss uses them, every teacher) has a logit per token id of
+    its tokenizer.
+
+    Args:
+        config: the run config.
+        student_vocab: the student tokenizer's vocab.
+        teacher_vocab: teacher 0's tokenizer vocab.
+        extra_vocabs: each further teacher's tokenizer vocab.
 
     Raises:
         ValueError: a model spec that cannot be read, or whose vocab does not fit (names the key).
@@ -386,17 +473,19 @@ def check_vocabs(config: RunConfig, student_vocab: int, teacher_vocab: int) -> N
     from xtoken_core.models import check_vocab
 
     cfg = config
-    for key, spec, override, tok_vocab in (
+    models = [
         (
             "trainer.student.model",
             cfg.trainer.student.model,
             cfg.trainer.student.vocab_size,
             student_vocab,
-        ),
-        ("teacher.model", cfg.teacher.model, cfg.teacher.vocab_size, teacher_vocab),
-    ):
-        if key == "teacher.model" and not cfg.trainer.loss.uses_teacher:
-            continue
+        )
+    ]
+    if cfg.trainer.loss.uses_teacher:
+        for view, vocab in zip(cfg.teacher_list(), (teacher_vocab, *extra_vocabs), strict=False):
+            t = view.section
+            models.append((f"{view.key}.model", str(t.model), t.vocab_size, vocab))
+    for key, spec, override, tok_vocab in models:
         try:
             model_vocab = spec_vocab_size(spec, override or tok_vocab)
         except ValueError as e:
@@ -404,33 +493,55 @@ def check_vocabs(config: RunConfig, student_vocab: int, teacher_vocab: int) -> N
         check_vocab(f"{key}={spec!r}", model_vocab, tok_vocab)
 
 
-def projection_cache_path(config: RunConfig) -> Path:
-    """Where the projection of the run's tokenizers and ``projection_top_k`` is cached
-    (``$XTOKEN_CACHE``, default ``~/.cache/xtoken``)."""
+def projection_cache_path(config: RunConfig, teacher_tokenizer: str | None = None) -> Path:
+    """Where the projection of the run's student tokenizer to ``teacher_tokenizer`` (default:
+    ``teacher_tokenizer``, teacher 0's) with ``projection_top_k`` slots is cached
+    (``$XTOKEN_CACHE``, default ``~/.cache/xtoken``): one file per pair of tokenizers."""
     cache = _cache_dir()
     k = config.projection_top_k
-    name = f"{slug(config.student_tokenizer)}_{slug(config.teacher_tokenizer)}_k{k}.pt"
+    teacher = teacher_tokenizer or config.teacher_tokenizer
+    name = f"{slug(config.student_tokenizer)}_{slug(teacher)}_k{k}.pt"
     return cache / "projections" / name
 
 
-def build_cached_projection(config: RunConfig, s_tok: Any, t_tok: Any) -> Path:
-    """The projection of the run's tokenizers from the cache, built there first when missing
-    (written to a temporary name and renamed: a concurrent run never reads half a file)."""
+def build_cached_projection(
+    config: RunConfig, s_tok: Any, t_tok: Any, teacher_tokenizer: str | None = None
+) -> Path:
+    """The projection of the run's student tokenizer to ``teacher_tokenizer`` (default: teacher
+    0's; ``t_tok`` is its tokenizer) from the cache, built there first when missing or built for
+    other tokenizers (written to a temporary name and renamed: a concurrent run never reads half
+    a file)."""
     from xtoken_core.data.projection_build import (
         build_projection,
         projection_metadata,
         save_projection,
     )
 
-    path = projection_cache_path(config)
-    if not path.is_file():
-        logger.info("[run] building projection %s", path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        k = config.projection_top_k
-        save_projection(build_projection(s_tok, t_tok, k), tmp, projection_metadata(s_tok, t_tok))
-        os.replace(tmp, path)
+    path = projection_cache_path(config, teacher_tokenizer)
+    if path.is_file() and _built_for(path, s_tok, t_tok):
+        return path
+    logger.info("[run] building projection %s", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    k = config.projection_top_k
+    save_projection(build_projection(s_tok, t_tok, k), tmp, projection_metadata(s_tok, t_tok))
+    os.replace(tmp, path)
     return path
+
+
+def _built_for(path: Path, s_tok: Any, t_tok: Any) -> bool:
+    """A cached projection was built for these tokenizers (a file without the record is taken:
+    the cache names it by the tokenizers; another tokenizer of the same name, a path's last part,
+    is told apart by its record)."""
+    from xtoken_core.data.projection import read_projection_metadata
+    from xtoken_core.data.projection_build import vocab_hash
+
+    meta = read_projection_metadata(path) or {}
+    for side, tok in (("student", s_tok), ("teacher", t_tok)):
+        recorded = meta.get(f"{side}_vocab_hash")
+        if recorded is not None and recorded != vocab_hash(tok):
+            return False
+    return True
 
 
 def spec_vocab_size(spec: str, preset_vocab: int) -> int:

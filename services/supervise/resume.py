@@ -51,6 +51,12 @@ def fingerprint(config: Any) -> dict[str, Any]:
     Returns:
         ``{"trainer.student.model": ..., "trainer.optim.lr": ..., "pack": ..., ...}``.
     """
+    return json.loads(json.dumps(_trained(config), default=_jsonable))
+
+
+def _trained(config: Any) -> dict[str, Any]:
+    """The trained settings of a config tree by dotted key; a list of sections (a run's
+    ``extra_teachers``) as a list of each entry's trained settings."""
     cls = type(config)
     # a field the run sets (marked context or derived) is recorded once, by its source's key
     run_set = (*marks(cls, "context"), *marks(cls, "derived"))
@@ -60,8 +66,10 @@ def fingerprint(config: Any) -> dict[str, Any]:
             value: Any = config
             for part in key.split("."):
                 value = getattr(value, part, None)
+            if isinstance(value, list) and value and all(map(dataclasses.is_dataclass, value)):
+                value = [_trained(v) for v in value]
             out[key] = value
-    return json.loads(json.dumps(out, default=_jsonable))
+    return out
 
 
 def _jsonable(value: Any) -> Any:

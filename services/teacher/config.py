@@ -20,6 +20,7 @@ __all__ = [
     "resolve_compile",
     "resolve_cuda_graphs",
     "ring_transport",
+    "teacher_name",
 ]
 
 # Transports a tensor-parallel teacher group serves: each shard writes its vocab slice of a ring
@@ -36,6 +37,13 @@ def _device_type(device: object) -> str:
 def ring_transport(device: object) -> str:
     """The logit ring of a teacher on ``device``: ``cuda_ipc`` on a GPU, else ``shm``."""
     return "cuda_ipc" if _device_type(device) == "cuda" else "shm"
+
+
+def teacher_name(teacher: int, group: int) -> str:
+    """The name of group ``group`` of the run's teacher ``teacher``: its process, log, ready and
+    heartbeat files (``teacher0``; ``t1.teacher0`` for the run's second teacher). The ranks of a
+    tensor-parallel group past the first add ``.<rank>``."""
+    return f"teacher{group}" if teacher == 0 else f"t{teacher}.teacher{group}"
 
 
 def resolve_compile(flag: bool | None, device: object) -> bool:
@@ -129,10 +137,21 @@ class TeacherConfig:
         default="train",
         metadata={"help": "sample partition of the run", "context": "partition", "trained": False},
     )
+    teacher: int = field(
+        default=0,
+        metadata={
+            "help": "which of the run's teachers this is: 0 the first (the teacher section), "
+            "j >= 1 the run's extra_teachers[j-1], whose requests are in "
+            "<partition>.t<j>.teacher<group>",
+            "derived": "each teacher's index in the run (0: teacher, j: extra_teachers[j-1])",
+            "trained": False,
+        },
+    )
     group: int = field(
         default=0,
         metadata={
-            "help": "teacher group served: requests of <partition>.teacher<group>",
+            "help": "teacher group served: requests of <partition>.teacher<group> (of "
+            "<partition>.t<teacher>.teacher<group> for teacher >= 1)",
             "derived": "each teacher group's index",
             "trained": False,
         },
@@ -349,6 +368,10 @@ class TeacherConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.group < 0:
             raise ValueError(f"group={self.group}: must be >= 0")
+        if type(self.teacher) is not int or self.teacher < 0:
+            raise ValueError(
+                f"teacher={self.teacher!r}: must be an int >= 0 (0: the run's first teacher)"
+            )
         if type(self.tensor_parallel) is not int or self.tensor_parallel < 1:
             raise ValueError(
                 f"tensor_parallel={self.tensor_parallel!r}: must be an int >= 1 (1: one process "

@@ -1,6 +1,7 @@
 """Teacher process shell: queue client, claim loop, results written back, lifecycle.
 
-Claims requests of its group (``<partition>.teacher<group>``, task ``teacher``) into a small
+Claims requests of its group (``<partition>.teacher<group>``, or
+``<partition>.t<j>.teacher<group>`` for the run's teacher j >= 1; task ``teacher``) into a small
 backlog, serves the oldest one whose trainer rank has a free ring slot with
 :class:`~services.teacher.worker.TeacherWorker`, together with the other waiting requests that
 share its forward (:meth:`~services.teacher.worker.TeacherWorker.fits`: same length, up to
@@ -26,7 +27,7 @@ from services.common.lifecycle import Lifecycle
 from services.common.metrics import JsonlWriter, device_memory_mb
 from services.queue.client import connect
 from services.queue.errors import QueueError
-from services.teacher.config import TeacherConfig
+from services.teacher.config import TeacherConfig, teacher_name
 from services.teacher.worker import TeacherWorker
 from xtoken_core.data.corpus import read_texts
 from xtoken_core.wire.topk import check_top_k
@@ -71,15 +72,16 @@ def _serve_group(config: TeacherConfig, lc: Lifecycle, texts: list[str]) -> int:
 
 def _serve_queue(config: TeacherConfig, lc: Lifecycle, texts: list[str], make_worker) -> int:
     """Serve the queue with ``make_worker(config)`` until stopped; returns 0."""
-    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"teacher{config.group}")
-    partition = proto.request_partition(config.partition, config.group)
+    name = teacher_name(config.teacher, config.group)
+    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=name)
+    partition = proto.request_partition(config.partition, config.group, config.teacher)
     with make_worker(config) as worker:
         if config.transport == "topk":  # bad settings, before serving: exit 2 with one line
             check_top_k(config.top_k, worker.width)
         metrics = None
         if config.run_dir:
             metrics = JsonlWriter(
-                Path(config.run_dir) / "metrics" / f"teacher.group{config.group}.jsonl",
+                Path(config.run_dir) / "metrics" / metrics_name(config),
                 group=config.group,
                 instance=worker.instance,
             )
@@ -90,7 +92,9 @@ def _serve_queue(config: TeacherConfig, lc: Lifecycle, texts: list[str], make_wo
                 metrics.write("eval", who="teacher", **result)
         lc.ready(instance=worker.instance, transport=config.transport, width=worker.width)
         # the trainers ask this teacher again for what a dead predecessor held leased
-        proto.announce_teacher(client, config.partition, config.group, worker.instance)
+        proto.announce_teacher(
+            client, config.partition, config.group, worker.instance, config.teacher
+        )
         logger.info(
             "[teacher] %s serving %s (%s, %s on %s)",
             worker.instance,
@@ -111,6 +115,13 @@ def _serve_queue(config: TeacherConfig, lc: Lifecycle, texts: list[str], make_wo
                 metrics.close()
             client.close()
     return 0
+
+
+def metrics_name(config: TeacherConfig) -> str:
+    """The metrics file of a teacher group: ``teacher.group<g>.jsonl``; the run's teacher j >= 1
+    writes ``t<j>.teacher.group<g>.jsonl``."""
+    prefix = f"t{config.teacher}." if config.teacher else ""
+    return f"{prefix}teacher.group{config.group}.jsonl"
 
 
 # Most requests held claimed at once (waiting for their rank's ring to free a slot).

@@ -169,3 +169,32 @@ def test_a_packed_put_is_a_fixed_number_of_frames_whatever_its_rows(packed_worke
         sizes.append(len(frames))
     # header + body, a values and an offsets frame per jagged field, a frame per dense field
     assert sizes == [2 + 2 * jagged + 4] * 3
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["one-text-a-sample", "packed"])
+def test_a_worker_of_several_teachers_puts_every_teachers_fields(pack):
+    """Teacher 0's fields under their names, teacher i's as teacher{i}_...; a text's tokens of
+    each teacher are what a one-teacher worker of its tokenizer puts (packed rows fit every
+    teacher's context, so they may hold other documents than one teacher's would)."""
+    ctx = 32 if pack else CTX
+    settings = dict(queue="tcp://127.0.0.1:1", partition="p", student=STUDENT, ctx_student=ctx,
+                    ctx_teacher=ctx, pack=pack)  # fmt: skip
+    several = CollatorWorker(
+        WorkerConfig(teacher=TEACHER, extra_teachers=("smollm2",), **settings), client=FakeClient()
+    )
+    _, fields = several.collate(TEXTS)
+    assert set(fields) == set(schema.field_names(2, packed=pack))
+    rows = columns_to_samples(fields)
+    for row in rows:
+        schema.validate_sample(row, 2)
+    if pack:
+        return
+    alone = CollatorWorker(WorkerConfig(teacher="smollm2", **settings), client=FakeClient())
+    _, theirs = alone.collate(TEXTS)
+    for row, own in zip(rows, columns_to_samples(theirs), strict=True):
+        assert torch.equal(row["teacher1_input_ids"], own["teacher_input_ids"])
+
+
+def test_the_extra_teachers_flag_names_each_tokenizer():
+    with pytest.raises(ValueError, match="--extra-teachers"):
+        WorkerConfig(queue="q", partition="p", student="a", teacher="b", extra_teachers=("",))

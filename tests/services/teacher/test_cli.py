@@ -63,3 +63,17 @@ def test_a_bad_flag_value_exits_2_naming_it():
     proc, _ = run_cli("teacher", "--slots", "1", "--model", "tiny")
     assert proc.returncode == 2
     assert "slots=1: the ring needs >= 2 slots" in proc.stderr
+
+
+def test_a_negative_teacher_index_exits_2_naming_it():
+    proc, _ = run_cli("teacher", "--teacher", "-1", "--model", "tiny")
+    assert proc.returncode == 2
+    assert "teacher=-1: must be an int >= 0" in proc.stderr
+
+
+def test_each_teachers_groups_have_names_of_their_own():
+    from services.teacher.config import teacher_name
+
+    assert [teacher_name(0, 1), teacher_name(1, 0), teacher_name(2, 3)] == [
+        "teacher1", "t1.teacher0", "t2.teacher3"
+    ]  # fmt: skip

@@ -174,3 +174,45 @@ def test_a_stopping_teacher_does_not_wait_on_a_queue_that_went_away(tmp_path):
         client.close()
     # one attempt of GIVE_BACK_TIMEOUT_S for all three, not 3 keys x 3 attempts x 10 s
     assert elapsed < teacher_main.GIVE_BACK_TIMEOUT_S + 2.0, elapsed
+
+
+def test_the_runs_teacher_1_serves_its_own_partition_and_announces_itself_apart(queue, tmp_path):
+    """A further teacher (``teacher: 1``) claims from ``<partition>.t1.teacher<g>``, never from
+    teacher 0's partition, announces itself as ``t1.teacher<g>/<instance>`` and writes its
+    metrics apart from teacher 0's."""
+    config = TeacherConfig(
+        queue=queue, partition=PARTITION, teacher=1, model="tiny", tokenizer="mistral", slots=2,
+        max_batch=2, max_length=16, claim_timeout_s=0.1, run_dir=str(tmp_path),
+    )  # fmt: skip
+    lc = types.SimpleNamespace(stop=threading.Event(), ready=lambda **info: None)
+    errors: list[BaseException] = []
+
+    def serve():
+        try:
+            teacher_main._serve_queue(config, lc, [], TeacherWorker)
+        except BaseException as e:  # surfaced by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    ours, theirs = proto.request_partition(PARTITION, 0, 1), proto.request_partition(PARTITION, 0)
+    assert ours == f"{PARTITION}.t1.teacher0"
+    with QueueClient(queue, timeout_s=10) as client, LogitRingReader():
+        client.put(theirs, ["t0:0"], proto.request_fields([torch.arange(5)], rank=0))
+        client.put(ours, ["t1:0"], proto.request_fields([torch.arange(6)], rank=0))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            got: dict = {"keys": []}
+            while not got["keys"] and time.monotonic() < deadline:
+                got = client.claim(ours, "test-trainer0", [proto.result_field(0)], 1, timeout_s=0.2)
+            assert got["keys"] == ["t1:0"]
+            assert proto.teacher_incarnations(client, PARTITION, 0, 1)  # announced as teacher 1
+            assert proto.teacher_incarnations(client, PARTITION, 0) == []  # not as teacher 0
+            left = client.claim(theirs, "test-trainer0", [proto.result_field(0)], 1, timeout_s=0.2)
+            assert left["keys"] == []  # teacher 0's request stays teacher 0's
+        finally:
+            lc.stop.set()
+            thread.join(timeout=20)
+    assert not thread.is_alive() and not errors, errors
+    assert (tmp_path / "metrics" / "t1.teacher.group0.jsonl").is_file()
+    assert not (tmp_path / "metrics" / "teacher.group0.jsonl").exists()
