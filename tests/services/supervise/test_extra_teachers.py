@@ -313,3 +313,18 @@ def test_an_unknown_tokenizer_or_a_top_k_past_the_vocab_is_refused_naming_the_en
     with pytest.raises(ValueError, match=r"^extra_teachers\[0\]\.top_k=40000 must be between 1 "
                        r"and the teacher's vocab of 32768"):  # fmt: skip
         preflight(_preflight_config(tmp_path, topk))
+
+
+def test_the_two_teacher_example_plans_both_teachers():
+    from pathlib import Path
+
+    from services.supervise.config import load_run_config
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "two_teachers.yaml"
+    config = load_run_config(example)
+    assert [(t.tokenizer, t.section.weight) for t in config.teacher_list()] == [
+        ("smollm2", 0.5), ("qwen3", 0.5)
+    ]  # fmt: skip
+    assert config.extra_teachers[0].transport == "shm"  # the teacher section's
+    plan = _plan(config, Inputs(None, None, "/p/0.pt", None, ("/p/1.pt",)))
+    assert {"teacher0", "t1.teacher0"} <= set(plan.sections)
