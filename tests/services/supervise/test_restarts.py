@@ -148,3 +148,24 @@ def test_a_dead_rank_of_a_tensor_parallel_teacher_restarts_its_whole_group_on_a_
     again = {launcher.envs[n][1]["MASTER_PORT"] for n in group}
     assert len(again) == 1 and again != set(first.values())
     assert run.policy.restarts() == {"teacher0.1": 1}
+
+
+def test_a_dead_rank_of_a_further_teacher_restarts_its_own_group_alone(make_run):
+    run, launcher = make_run(
+        extra_teachers=[
+            {"tokenizer": "qwen3", "model": "tiny", "tensor_parallel": 2, "projection": "p1.pt"}
+        ]
+    )
+    group = ["t1.teacher0", "t1.teacher0.1"]
+    assert [run.specs[n].unit for n in group] == ["t1.teacher0", "t1.teacher0"]
+    assert run.specs["teacher0"].unit is None  # teacher 0 is one process of its own
+    _kill(run, "t1.teacher0.1")
+    assert run.poll_once() == "recovering"
+    _poll_until_running(run)
+    assert {n: launcher.starts[n] for n in group} == dict.fromkeys(group, 2)
+    assert launcher.starts["teacher0"] == 1 and launcher.starts["trainer0"] == 1
+    assert run.policy.restarts() == {"t1.teacher0.1": 1}
+    _kill(run, "teacher0")  # teacher 0 restarts in place; teacher 1's group goes on
+    assert run.poll_once() == "recovering"
+    _poll_until_running(run)
+    assert launcher.starts["teacher0"] == 2 and launcher.starts["t1.teacher0"] == 2
