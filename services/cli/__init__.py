@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "alignment statistics of two tokenizers on a corpus",
     ),
     "projection": ("services.cli.projection", "build or inspect projection matrices"),
+    "cache": ("services.cli.cache", "build, inspect or verify a teacher cache"),
     "queue": ("services.queue.cli", "run or query a transfer-queue server"),
     "collator": ("services.collator.cli", "collate a text corpus into a queue"),
     "control": ("services.control.cli", "serve the control plane (REST API for runs)"),

@@ -1,0 +1,235 @@
+"""The teacher cache's row schema and the codecs of its top-K payload.
+
+One Parquet row per sample (docs/design.md, "The teacher cache"):
+
+| column | Arrow type | per sample |
+|---|---|---|
+| ``key`` | string | the corpus key of the text (the collator's sample key) |
+| ``length`` | int32 | U, teacher tokens (the text at the teacher context) |
+| ``teacher_ids`` | list<int32> | the U teacher token ids |
+| ``topk_ids`` | list<uint16 or uint32> | U x K ids (codec ``ids``) |
+| ``topk_logprobs`` | list<uint8, uint16 or float32> | U x K log-probabilities (codec ``logprobs``) |
+| ``lp_max`` | list<float32> | U top-1 log-probabilities (``u8`` only) |
+| ``lp_scale`` | list<float32> | U nats per code step (``u8`` only) |
+| ``rest`` | list<float32> | U logs of the mass outside the top K |
+| ``lse`` | list<float32> | U log-partitions of the logits |
+
+Codecs of the ids: ``delta``: each position's K ids sorted ascending, the first as it is and
+each next one as its difference from the one before (small numbers, which Parquet's zstd
+compresses well), their log-probs in the same order; ``plain``: by decreasing log-prob, as the
+``topk`` transport sends them. Both in the narrowest unsigned type the vocab fits (uint16 up to
+65,536 ids). Codecs of the log-probs: ``fp32`` (exact: the decode is the transport's bit for bit),
+``bf16`` (the upper half of the fp32 bits, rounded to nearest even), ``u8``: ``lp_max - code *
+lp_scale`` with ``lp_scale = (lp_max - lp_min) / 255`` per position (the top-1 exact, the others
+within half a step).
+
+Legend: U teacher positions of a sample, K ids kept per position, W the teacher vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FORMAT_VERSION",
+    "IDS_CODECS",
+    "LOGPROB_CODECS",
+    "Codec",
+    "Row",
+    "decode_positions",
+    "encode_positions",
+    "id_dtype",
+    "schema",
+]
+
+#: The version of the shard format (bumped when a reader of an older version could misread).
+FORMAT_VERSION = 1
+IDS_CODECS = ("delta", "plain")
+LOGPROB_CODECS = ("u8", "bf16", "fp32")
+# the code steps of the u8 codec
+_U8_STEPS = 255
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How the top-K payload is stored.
+
+    Attributes:
+        ids: ``delta`` (sorted per position, delta-coded) or ``plain``.
+        logprobs: ``u8``, ``bf16`` or ``fp32``.
+
+    Raises:
+        ValueError: an unknown codec name (names the choices).
+    """
+
+    ids: str = "delta"
+    logprobs: str = "u8"
+
+    def __post_init__(self) -> None:
+        if self.ids not in IDS_CODECS:
+            raise ValueError(f"ids codec {self.ids!r}: use one of {', '.join(IDS_CODECS)}")
+        if self.logprobs not in LOGPROB_CODECS:
+            raise ValueError(
+                f"log-prob codec {self.logprobs!r}: use one of {', '.join(LOGPROB_CODECS)}"
+            )
+
+    def as_dict(self) -> dict[str, str]:
+        """The codec as the manifest records it."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Row:
+    """One sample's targets, decoded.
+
+    Attributes:
+        key: the sample key.
+        teacher_ids_U: ``[U]`` int32 teacher ids.
+        ids_UK: ``[U, K]`` int32 top-K ids.
+        logprobs_UK: ``[U, K]`` float32 their log-probabilities.
+        rest_U: ``[U]`` float32 log of the mass outside them.
+        lse_U: ``[U]`` float32 log-partition.
+    """
+
+    key: str
+    teacher_ids_U: np.ndarray
+    ids_UK: np.ndarray
+    logprobs_UK: np.ndarray
+    rest_U: np.ndarray
+    lse_U: np.ndarray
+
+
+def id_dtype(width: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of a vocab of ``width``."""
+    return np.dtype(np.uint16) if width <= 1 << 16 else np.dtype(np.uint32)
+
+
+def schema(codec: Codec, width: int) -> Any:
+    """The Arrow schema of a shard of ``codec`` for a teacher vocab of ``width``."""
+    import pyarrow as pa
+
+    ids_type = pa.uint16() if id_dtype(width) == np.uint16 else pa.uint32()
+    lp_type = {"u8": pa.uint8(), "bf16": pa.uint16(), "fp32": pa.float32()}[codec.logprobs]
+    fields = [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("teacher_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("topk_ids", pa.list_(ids_type), nullable=False),
+        pa.field("topk_logprobs", pa.list_(lp_type), nullable=False),
+    ]
+    if codec.logprobs == "u8":
+        fields += [
+            pa.field("lp_max", pa.list_(pa.float32()), nullable=False),
+            pa.field("lp_scale", pa.list_(pa.float32()), nullable=False),
+        ]
+    fields += [
+        pa.field("rest", pa.list_(pa.float32()), nullable=False),
+        pa.field("lse", pa.list_(pa.float32()), nullable=False),
+    ]
+    return pa.schema(fields)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """The bf16 bits (as uint16) of float32 values, rounded to nearest even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def encode_positions(
+    ids_UK: np.ndarray, logprobs_UK: np.ndarray, codec: Codec, width: int
+) -> dict[str, np.ndarray]:
+    """The stored columns of U positions' top-K ids and log-probs.
+
+    Args:
+        ids_UK: ``[U, K]`` integer ids in ``[0, width)``, distinct per position.
+        logprobs_UK: ``[U, K]`` float log-probabilities.
+        codec: how to store them.
+        width: the teacher vocab W.
+
+    Returns:
+        ``topk_ids`` and ``topk_logprobs`` flat (``U * K``), and for ``u8`` ``lp_max`` and
+        ``lp_scale`` (``U``).
+
+    Raises:
+        ValueError: shapes that disagree or ids outside ``[0, width)``.
+    """
+    ids_UK = np.asarray(ids_UK)
+    logprobs_UK = np.asarray(logprobs_UK, dtype=np.float32)
+    if ids_UK.ndim != 2 or ids_UK.shape != logprobs_UK.shape:
+        raise ValueError(
+            f"top-k ids {ids_UK.shape} and log-probs {logprobs_UK.shape}: expected [U, K] both"
+        )
+    if ids_UK.size and (int(ids_UK.min()) < 0 or int(ids_UK.max()) >= width):
+        raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
+    ids_UK = ids_UK.astype(np.int64)
+    if codec.ids == "delta":
+        order_UK = np.argsort(ids_UK, axis=1, kind="stable")
+        ids_UK = np.take_along_axis(ids_UK, order_UK, axis=1)
+        logprobs_UK = np.take_along_axis(logprobs_UK, order_UK, axis=1)
+        stored_UK = ids_UK.copy()
+        stored_UK[:, 1:] = np.diff(ids_UK, axis=1)
+    else:
+        stored_UK = ids_UK
+    out = {"topk_ids": stored_UK.astype(id_dtype(width)).reshape(-1)}
+    if codec.logprobs == "fp32":
+        out["topk_logprobs"] = logprobs_UK.reshape(-1)
+    elif codec.logprobs == "bf16":
+        out["topk_logprobs"] = _bf16_bits(logprobs_UK).reshape(-1)
+    else:
+        U = logprobs_UK.shape[0]
+        if logprobs_UK.shape[1] == 0:
+            lp_max_U = lp_min_U = np.zeros(U, dtype=np.float32)
+        else:
+            lp_max_U = logprobs_UK.max(axis=1)
+            lp_min_U = logprobs_UK.min(axis=1)
+        scale_U = ((lp_max_U - lp_min_U) / np.float32(_U8_STEPS)).astype(np.float32)
+        safe_U = np.where(scale_U > 0, scale_U, np.float32(1))
+        codes_UK = np.rint((lp_max_U[:, None] - logprobs_UK) / safe_U[:, None])
+        out["topk_logprobs"] = np.clip(codes_UK, 0, _U8_STEPS).astype(np.uint8).reshape(-1)
+        out["lp_max"] = lp_max_U.astype(np.float32)
+        out["lp_scale"] = scale_U
+    return out
+
+
+def decode_positions(
+    columns: dict[str, np.ndarray], length: int, k: int, codec: Codec
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``[U, K]`` int32 ids and float32 log-probs of one sample's stored columns.
+
+    Args:
+        columns: ``topk_ids``, ``topk_logprobs`` (and ``lp_max``, ``lp_scale`` for ``u8``) of
+            the sample, flat.
+        length: U.
+        k: K.
+        codec: how they were stored.
+
+    Raises:
+        ValueError: columns whose sizes are not ``U * K`` (and ``U``).
+    """
+    stored = np.asarray(columns["topk_ids"])
+    codes = np.asarray(columns["topk_logprobs"])
+    if stored.size != length * k or codes.size != length * k:
+        raise ValueError(
+            f"{stored.size} ids and {codes.size} log-probs for {length} positions of top-{k}"
+        )
+    ids_UK = stored.reshape(length, k).astype(np.int64)
+    if codec.ids == "delta":
+        ids_UK = np.cumsum(ids_UK, axis=1)
+    if codec.logprobs == "fp32":
+        logprobs_UK = codes.astype(np.float32).reshape(length, k)
+    elif codec.logprobs == "bf16":
+        bits = codes.astype(np.uint32) << np.uint32(16)
+        logprobs_UK = bits.view(np.float32).reshape(length, k)
+    else:
+        lp_max_U = np.asarray(columns["lp_max"], dtype=np.float32)
+        scale_U = np.asarray(columns["lp_scale"], dtype=np.float32)
+        if lp_max_U.size != length or scale_U.size != length:
+            raise ValueError(f"{lp_max_U.size} lp_max / {scale_U.size} lp_scale for {length}")
+        logprobs_UK = (
+            lp_max_U[:, None] - codes.reshape(length, k).astype(np.float32) * (scale_U[:, None])
+        )
+    return ids_UK.astype(np.int32), np.ascontiguousarray(logprobs_UK, dtype=np.float32)
