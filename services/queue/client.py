@@ -31,6 +31,9 @@ wrong token) or the retryable ``too_many_connections`` (``--max-connections``) a
 server without a token (NULL) is talked to without one.
 Same-host QueueClients put through the server's shared-memory pool and may ask claims and gets
 to answer with views of it (``shm=True``; the lifetime contract is in shm_transport.py).
+A put also takes a ``TensorDict [N]`` (jagged nested, dense and non-tensor leaves), and a claim
+or get returns one with ``as_tensordict=True``: its jagged leaves view the received frames
+(xtoken_core/data_plane/tensordict_io.py; the wire is the same).
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ from services.queue.auth import TOKEN_ENV, ZAP_BUSY, check_token, load_token, pr
 from services.queue.errors import QueueError, StaleEpochError
 from services.queue.shm_transport import DEFAULT_SHM_MIN_BYTES, ShmPuts
 from services.queue.transport import recv_frames, send_frames
+from xtoken_core.data_plane.tensordict_io import (
+    fields_to_tensordict,
+    is_tensordict,
+    tensordict_to_fields,
+)
 from xtoken_core.ipc.shm import ShmReader, ShmRegion
 from xtoken_core.wire import (
     BAD_BODY,
@@ -579,7 +587,10 @@ class QueueClient(_Requests):
         Args:
             partition: partition name.
             keys: N unique keys.
-            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows.
+            fields: name -> tensor [N, ...], torch.jagged nested tensor or JaggedColumn of N rows;
+                or a ``TensorDict`` with ``batch_size=[N]`` (dense leaves, torch.jagged nested
+                leaves, ``NonTensorStack`` / ``NonTensorData`` of msgpack values), sent as the
+                same fields (tensordict_io.py).
             timeout_s: how long the server may wait for capacity (None: server default).
             reservation: a region from ``reserve``: tensors built in it are sent by reference
                 (no copy), the others are copied into it. One put per reservation.
@@ -591,7 +602,11 @@ class QueueClient(_Requests):
         Raises:
             QueueError: ``queue_full`` (retryable) after ``timeout_s``, ``bad_body``,
                 ``bad_request`` for a reservation that expired or was used already, ...
+            ValueError: a TensorDict whose batch is not ``[len(keys)]``, or a non-tensor leaf
+                msgpack cannot carry (``NonTensorLeafError``, one line naming the key).
         """
+        if is_tensordict(fields):
+            fields = tensordict_to_fields(fields, keys)
         body = self.body_put(partition, keys, fields, timeout_s)
         if reservation is not None:
             return self._shm.put(self, body, timeout_s or 0.0, reservation)
@@ -636,6 +651,7 @@ class QueueClient(_Requests):
         *,
         shm: bool = False,
         copy: bool = False,
+        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """Read fields of samples by key; returns ``{"keys", "fields"}``.
 
@@ -647,15 +663,32 @@ class QueueClient(_Requests):
                 valid until the samples are cleared (shm_transport.py); ignored unless this
                 client shares memory with the server.
             copy: with ``shm``, return private copies instead of views.
+            as_tensordict: ``fields`` is a ``TensorDict [len(keys)]``: jagged fields as
+                torch.jagged nested tensors viewing the received buffers (no copy), non-tensor
+                fields restored.
         """
         body = {
             "partition": partition,
             "keys": list(keys),
             "fields": None if fields is None else list(fields),
         }
-        return self._shm_request("get", body, 0.0, shm, copy)
+        return self._shm_request("get", body, 0.0, shm, copy, as_tensordict)
 
     def _shm_request(
+        self,
+        msg_type: str,
+        body: dict[str, Any],
+        wait_s: float,
+        shm: bool,
+        copy: bool,
+        as_tensordict: bool = False,
+    ) -> dict[str, Any]:
+        reply = self._fields_request(msg_type, body, wait_s, shm, copy)
+        if as_tensordict:
+            reply["fields"] = fields_to_tensordict(reply.get("fields") or {}, reply["keys"])
+        return reply
+
+    def _fields_request(
         self, msg_type: str, body: dict[str, Any], wait_s: float, shm: bool, copy: bool
     ) -> dict[str, Any]:
         if not (shm and self._shm.pool(self)):
@@ -703,6 +736,7 @@ class QueueClient(_Requests):
         shm: bool = False,
         copy: bool = False,
         register: bool = False,
+        as_tensordict: bool = False,
     ) -> dict[str, Any]:
         """Lease up to ``batch_size`` ready samples, waiting up to ``timeout_s`` for data.
 
@@ -718,6 +752,9 @@ class QueueClient(_Requests):
                 (no bytes through the socket), valid until the samples are cleared
                 (shm_transport.py); ignored unless this client shares memory with the server.
             copy: with ``shm``, return private copies instead of views.
+            as_tensordict: ``fields`` is a ``TensorDict [len(keys)]`` (``[0]`` on timeout):
+                jagged fields as torch.jagged nested tensors viewing the received buffers (no
+                copy), non-tensor fields restored.
 
         Returns:
             ``{"keys", "fields", "lease_id"}``; ``keys`` is empty (lease_id None) on timeout.
@@ -725,7 +762,7 @@ class QueueClient(_Requests):
         body = self.body_claim(
             partition, task, required_fields, batch_size, fields, timeout_s, lease_s, register
         )
-        return self._shm_request("claim", body, timeout_s, shm, copy)
+        return self._shm_request("claim", body, timeout_s, shm, copy, as_tensordict)
 
     def ack(
         self, partition: str, task: str, lease_id: int | str, keys: Sequence[str] | None = None
