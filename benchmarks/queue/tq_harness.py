@@ -7,6 +7,10 @@ server process started with multiprocessing, without a Ray cluster, and the clie
 them over TCP like it does under Ray. One storage unit (our queue is one server process too).
 "get" is TransferQueue's consumer path: ``get_meta`` (sample selection, marks them consumed
 for the task) + ``get_data`` (fetch from the storage unit).
+
+``--xtoken`` (main venv: ``python benchmarks/queue/tq_harness.py --xtoken``) runs the same
+TransferQueue client code against an xtoken queue server, through xtoken's TransferQueue-style
+client (``services/queue/tq_client.py``): only the server start and the import differ.
 """
 
 from __future__ import annotations
@@ -54,6 +58,60 @@ def _tensordict(cols):
     return TensorDict(fields, batch_size=[n])
 
 
+def _start_transfer_queue():
+    """TransferQueue's server process and client: (client, server pid, stop, system name)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(child,), daemon=True)
+    server.start()
+    controller_info, unit_info, pid = parent.recv()
+
+    import transfer_queue
+    from transfer_queue import TransferQueueClient
+
+    client = TransferQueueClient("bench", controller_info)
+    client.initialize_storage_manager("SimpleStorage", {"zmq_info": {"unit0": unit_info}})
+
+    def stop() -> None:
+        parent.send("stop")
+        server.join(10)
+        if server.is_alive():
+            server.terminate()
+
+    return client, pid, stop, f"TransferQueue {getattr(transfer_queue, '__version__', '?')}"
+
+
+def _start_xtoken():
+    """An xtoken queue server process and the TransferQueue-style client over it."""
+    import subprocess
+    import tempfile
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from services.common.lifecycle import read_ready
+    from services.queue.tq_client import TransferQueueClient
+
+    ready = pathlib.Path(tempfile.mkdtemp()) / "ready"
+    cmd = [sys.executable, "-m", "services.cli", "queue", "serve", "--bind", "tcp://127.0.0.1:*"]
+    cmd += ["--ready-file", str(ready), "--capacity", "4GiB", "--log-level", "WARNING"]
+    server = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError("the xtoken queue server did not start")
+        time.sleep(0.05)
+    # frames over loopback TCP, like for like with TransferQueue (no shared-memory pool)
+    client = TransferQueueClient("bench", read_ready(ready)["endpoint"], timeout_s=120, shm="never")
+
+    def stop() -> None:
+        client.close()
+        server.terminate()
+        server.wait(20)
+
+    return client, server.pid, stop, "xtoken (TransferQueue-style client)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=10)
@@ -61,27 +119,21 @@ def main() -> int:
     parser.add_argument("--rss-mb", type=int, default=500)
     parser.add_argument("--lat-iters", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--xtoken", action="store_true", help="drive an xtoken queue server instead"
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)
 
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(child,), daemon=True)
     t0 = time.perf_counter()
-    server.start()
-    controller_info, unit_info, pid = parent.recv()
+    client, pid, stop, system = _start_xtoken() if args.xtoken else _start_transfer_queue()
     startup_s = time.perf_counter() - t0
 
     import numpy as np
     import torch
-    import transfer_queue
-    from transfer_queue import TransferQueueClient
 
     torch.set_num_threads(1)
-    client = TransferQueueClient("bench", controller_info)
-    client.initialize_storage_manager("SimpleStorage", {"zmq_info": {"unit0": unit_info}})
-    version = getattr(transfer_queue, "__version__", "?")
-    out: dict = {"system": f"TransferQueue {version}", "startup_s": startup_s}
+    out: dict = {"system": system, "startup_s": startup_s}
     fields = list(workloads.FIELDS)
 
     def put(cols, partition):
@@ -189,10 +241,7 @@ def main() -> int:
     }
     client.clear_partition("lat")
     client.close()
-    parent.send("stop")
-    server.join(10)
-    if server.is_alive():
-        server.terminate()
+    stop()
     print(json.dumps(out))
     return 0
 

@@ -1,15 +1,22 @@
-"""Benchmark: a claim's jagged fields -> the trainer's padded micro-batches.
+"""Benchmark: a claim's jagged fields -> the trainer's padded micro-batches, two ways.
 
 Input: the decoded reply of one claim of N collated samples (jagged columns viewing the received
-frames, what ``QueueClient.claim`` returns; the socket round trip is not timed). Output: the N
-samples sorted by teacher length and cut into padded micro-batches of ``--micro-batch`` samples,
-the trainer's path (``services/trainer/samples.py``): row views of the columns (no copy), each
-row copied once into its rectangle (``columns_to_samples`` + ``pad_samples``). The comparison
-with re-concatenated columns and with a TensorDict path is in
-benchmarks/results/wire_claim_pad.md.
+frames, what ``QueueClient.claim`` returns; the socket round trip, the same for every arm, is not
+timed). Output: the N samples sorted by teacher length and cut into padded micro-batches of
+``--micro-batch`` samples. Arms, bitwise equal (checked before timing):
+
+* ``rows``: the trainer's path (``services/trainer/samples.py``): row views of the columns (no
+  copy), each row copied once into its rectangle (``columns_to_samples`` + ``pad_samples``).
+* ``materialize``: the TensorDict path: the claim as a TensorDict (what ``claim(...,
+  as_tensordict=True)`` builds: nested tensors over the same buffers), its rows put in teacher
+  order once (one gather per field), each micro-batch a slice padded by ``materialize`` with the
+  schema's pad values.
+* ``materialize_once``: the whole claim padded by one ``materialize``, each micro-batch its rows
+  of those rectangles cut to the micro-batch's widths (made contiguous, as ``pad_samples``'s).
 
 Usage:  python benchmarks/wire/bench_claim_pad.py [--claims 8 32] [--threads 1] [--quick]
-Rows are appended to benchmarks/results/wire_claim_pad.jsonl.
+Rows are appended to benchmarks/results/wire_claim_pad.jsonl; the figures and their reading are
+in benchmarks/results/wire_claim_pad.md.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import statistics
 import sys
+import time
 
 import torch
 
@@ -25,12 +34,19 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402
 
 from xtoken_core.data import sample as schema  # noqa: E402
-from xtoken_core.data_plane.codec import columns_to_samples  # noqa: E402
-from xtoken_core.wire import WireLimits, decode_message, encode_message  # noqa: E402
+from xtoken_core.data_plane.codec import (  # noqa: E402
+    columns_to_samples,
+    materialize,
+    samples_to_columns,
+)
+from xtoken_core.data_plane.njt import is_njt, njt_parts  # noqa: E402
+from xtoken_core.data_plane.tensordict_io import fields_to_tensordict  # noqa: E402
+from xtoken_core.wire import JaggedColumn, WireLimits, decode_message, encode_message  # noqa: E402
 
 RESULTS = _common.RESULTS_DIR / "wire_claim_pad.jsonl"
 LIMITS = WireLimits(max_frames=1 << 20)
 PADS = {"student_pad_id": 151_643, "teacher_pad_id": 2}
+PAD_VALUES = schema.pad_values(**PADS)  # the schema's pad value of every field
 
 
 def _sample(g: torch.Generator, t: int) -> dict[str, torch.Tensor]:
@@ -60,12 +76,10 @@ def _sample(g: torch.Generator, t: int) -> dict[str, torch.Tensor]:
 
 def claim_reply(n: int, max_len: int, seed: int = 0) -> tuple[list[str], dict]:
     """Keys and decoded fields of a claim of n samples of max_len/2..max_len student tokens."""
-    from services.collator.worker import samples_to_put_fields
-
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max_len // 2, max_len + 1, (n,), generator=g).tolist()
     keys = [f"k{i}" for i in range(n)]
-    fields = samples_to_put_fields([_sample(g, t) for t in lengths])
+    fields = samples_to_columns([_sample(g, t) for t in lengths])
     frames = encode_message(
         "put", {"partition": "p", "keys": keys, "fields": fields}, limits=LIMITS
     )
@@ -81,6 +95,88 @@ def rows_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
         schema.pad_samples([r for _, r in fresh[i : i + mb]], **PADS)
         for i in range(0, len(fresh), mb)
     ]
+
+
+def _teacher_order(td) -> torch.Tensor:
+    """Rows by teacher length, longest first (stable: ties keep the claim order)."""
+    return torch.argsort(-td.get("teacher_input_lengths"), stable=True)
+
+
+def materialize_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
+    """The claim as a TensorDict, its rows in teacher order, each micro-batch a slice padded by
+    materialize."""
+    td = fields_to_tensordict(fields, keys)
+    order = _teacher_order(td)
+    picked = order.tolist()
+    columns: dict = {}
+    for name in td.keys():
+        leaf = td.get(name)
+        if is_njt(leaf):
+            values, offsets = njt_parts(leaf)
+            lengths = offsets.diff()
+            rows = values.split(lengths.tolist())
+            sorted_offsets = torch.zeros(len(picked) + 1, dtype=torch.int64)
+            torch.cumsum(lengths[order], 0, out=sorted_offsets[1:])
+            columns[name] = (torch.cat([rows[i] for i in picked]), sorted_offsets)
+        else:
+            columns[name] = leaf.index_select(0, order)
+    out = []
+    for a in range(0, len(picked), mb):
+        b = min(a + mb, len(picked))
+        micro: dict = {}
+        for name, col in columns.items():
+            if isinstance(col, tuple):
+                values, offsets = col
+                start, end = int(offsets[a]), int(offsets[b])
+                micro[name] = JaggedColumn(values[start:end], offsets[a : b + 1] - start)
+            else:
+                micro[name] = col[a:b]
+        out.append(materialize(micro, "padded", PAD_VALUES))
+    return out
+
+
+def materialize_once_arm(keys: list[str], fields: dict, mb: int) -> list[dict]:
+    """The claim as a TensorDict padded by one materialize; each micro-batch its rows of those
+    rectangles, cut to its own widths."""
+    td = fields_to_tensordict(fields, keys)
+    padded = materialize(td, "padded", PAD_VALUES)
+    order = _teacher_order(td)
+    lengths = {axis: td.get(field) for axis, field in schema.length_fields(1).items()}
+    out = []
+    for a in range(0, len(order), mb):
+        idx = order[a : a + mb]
+        widths = {axis: int(n[idx].max()) for axis, n in lengths.items()}
+        micro = {}
+        for spec in schema.sample_fields(1):
+            rect = padded[spec.name].index_select(0, idx)
+            if spec.axis != schema.SAMPLE:
+                rect = rect[:, : widths[spec.axis]].contiguous()
+            micro[spec.name] = rect
+        out.append(micro)
+    return out
+
+
+ARMS = {"rows": rows_arm, "materialize": materialize_arm, "materialize_once": materialize_once_arm}
+
+
+def _same(got: list[dict], want: list[dict], arm: str) -> None:
+    assert len(got) == len(want), arm
+    for x, y in zip(got, want, strict=True):
+        for name in y:
+            same = x[name].dtype == y[name].dtype and torch.equal(x[name], y[name])
+            assert same, f"{arm}: field {name} differs from the rows arm"
+
+
+def _interleaved_medians(keys: list[str], fields: dict, mb: int, reps: int) -> dict[str, float]:
+    """Median ms of each arm over ``reps`` rounds, the arms taking turns within a round (so that
+    a load change on a shared machine hits every arm alike)."""
+    samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for _ in range(reps):
+        for arm, fn in ARMS.items():
+            start = time.perf_counter()
+            fn(keys, fields, mb)
+            samples[arm].append((time.perf_counter() - start) * 1e3)
+    return {arm: statistics.median(ms) for arm, ms in samples.items()}
 
 
 def main() -> None:
@@ -99,25 +195,33 @@ def main() -> None:
     load = [round(x, 2) for x in os.getloadavg()]
     commit = _common.commit()
     rows = []
-    print(f"{'N':>4} {'mb':>3} {'rows ms':>10} {'per micro-batch ms':>19}")
+    print(
+        f"{'N':>4} {'mb':>3} {'rows ms':>9} {'materialize ms':>15} {'once ms':>9} "
+        f"{'materialize/rows':>17} {'once/rows':>10}"
+    )
     for n in claims:
         keys, fields = claim_reply(n, args.max_len)
-        rows_arm(keys, fields, args.micro_batch)  # warm-up
-        ms = _common.cpu_median_ms(
-            lambda keys=keys, fields=fields: rows_arm(keys, fields, args.micro_batch), reps
+        want = rows_arm(keys, fields, args.micro_batch)
+        for arm, fn in ARMS.items():
+            _same(fn(keys, fields, args.micro_batch), want, arm)  # also the warm-up
+        ms = _interleaved_medians(keys, fields, args.micro_batch, reps)
+        row = {
+            "commit": commit,
+            "device": device,
+            "load_1_5_15": load,
+            "shape": {"claim": n, "micro_batch": args.micro_batch, "max_len": args.max_len},
+            "rows_ms": round(ms["rows"], 3),
+            "materialize_ms": round(ms["materialize"], 3),
+            "materialize_once_ms": round(ms["materialize_once"], 3),
+            "materialize_over_rows": round(ms["materialize"] / ms["rows"], 2),
+            "materialize_once_over_rows": round(ms["materialize_once"] / ms["rows"], 2),
+        }
+        rows.append(row)
+        print(
+            f"{n:>4} {args.micro_batch:>3} {ms['rows']:>9.3f} {ms['materialize']:>15.3f} "
+            f"{ms['materialize_once']:>9.3f} {row['materialize_over_rows']:>17.2f} "
+            f"{row['materialize_once_over_rows']:>10.2f}"
         )
-        per_mb = ms / -(-n // args.micro_batch)
-        rows.append(
-            {
-                "commit": commit,
-                "device": device,
-                "load_1_5_15": load,
-                "shape": {"claim": n, "micro_batch": args.micro_batch, "max_len": args.max_len},
-                "rows_ms": round(ms, 3),
-                "per_micro_batch_ms": round(per_mb, 3),
-            }
-        )
-        print(f"{n:>4} {args.micro_batch:>3} {ms:>10.3f} {per_mb:>19.3f}")
     print(f"load average at the start: {load}")
     if not args.quick:
         _common.append_rows(RESULTS, rows)
