@@ -7,8 +7,8 @@ One Parquet row per sample (docs/design.md, "The teacher cache"):
 | ``key`` | string | the corpus key of the text (the collator's sample key) |
 | ``length`` | int32 | U, teacher tokens (the text at the teacher context) |
 | ``teacher_ids`` | list<int32> | the U teacher token ids |
-| ``topk_ids`` | list<uint16 or uint32> | U x K ids (codec ``ids``) |
-| ``topk_logprobs`` | list<uint8, uint16 or float32> | U x K log-probabilities (codec ``logprobs``) |
+| ``topk_ids`` | binary | U x K ids, little-endian uint16 or uint32 (codec ``ids``) |
+| ``topk_logprobs`` | binary | U x K log-probs, little-endian uint8, bf16 bits or float32 (codec ``logprobs``) |
 | ``lp_max`` | list<float32> | U top-1 log-probabilities (``u8`` only) |
 | ``lp_scale`` | list<float32> | U nats per code step (``u8`` only) |
 | ``rest`` | list<float32> | U logs of the mass outside the top K |
@@ -18,7 +18,9 @@ Codecs of the ids: ``delta``: each position's K ids sorted ascending, the first 
 each next one as its difference from the one before (small numbers, which Parquet's zstd
 compresses well), their log-probs in the same order; ``plain``: by decreasing log-prob, as the
 ``topk`` transport sends them. Both in the narrowest unsigned type the vocab fits (uint16 up to
-65,536 ids). Codecs of the log-probs: ``fp32`` (exact: the decode is the transport's bit for bit),
+65,536 ids). The two payload columns are raw bytes (``numpy.frombuffer(value, dtype)`` reads
+one): Parquet has no 8- or 16-bit physical type and would store a list<uint16> in 4 bytes a
+value. Codecs of the log-probs: ``fp32`` (exact: the decode is the transport's bit for bit),
 ``bf16`` (the upper half of the fp32 bits, rounded to nearest even), ``u8``: ``lp_max - code *
 lp_scale`` with ``lp_scale = (lp_max - lp_min) / 255`` per position (the top-1 exact, the others
 within half a step).
@@ -111,14 +113,12 @@ def schema(codec: Codec, width: int) -> Any:
     """The Arrow schema of a shard of ``codec`` for a teacher vocab of ``width``."""
     import pyarrow as pa
 
-    ids_type = pa.uint16() if id_dtype(width) == np.uint16 else pa.uint32()
-    lp_type = {"u8": pa.uint8(), "bf16": pa.uint16(), "fp32": pa.float32()}[codec.logprobs]
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("length", pa.int32(), nullable=False),
         pa.field("teacher_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("topk_ids", pa.list_(ids_type), nullable=False),
-        pa.field("topk_logprobs", pa.list_(lp_type), nullable=False),
+        pa.field("topk_ids", pa.binary(), nullable=False),
+        pa.field("topk_logprobs", pa.binary(), nullable=False),
     ]
     if codec.logprobs == "u8":
         fields += [
@@ -195,23 +195,29 @@ def encode_positions(
     return out
 
 
+def logprob_dtype(codec: Codec) -> np.dtype:
+    """The stored dtype of the log-prob codes of ``codec``."""
+    return np.dtype({"u8": np.uint8, "bf16": np.uint16, "fp32": np.float32}[codec.logprobs])
+
+
 def decode_positions(
-    columns: dict[str, np.ndarray], length: int, k: int, codec: Codec
+    columns: dict[str, Any], length: int, k: int, codec: Codec, width: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``[U, K]`` int32 ids and float32 log-probs of one sample's stored columns.
 
     Args:
-        columns: ``topk_ids``, ``topk_logprobs`` (and ``lp_max``, ``lp_scale`` for ``u8``) of
-            the sample, flat.
+        columns: ``topk_ids``, ``topk_logprobs`` (bytes, or flat arrays) and for ``u8``
+            ``lp_max``, ``lp_scale`` of the sample.
         length: U.
         k: K.
         codec: how they were stored.
+        width: the teacher vocab W (the ids' stored width).
 
     Raises:
         ValueError: columns whose sizes are not ``U * K`` (and ``U``).
     """
-    stored = np.asarray(columns["topk_ids"])
-    codes = np.asarray(columns["topk_logprobs"])
+    stored = _array(columns["topk_ids"], id_dtype(width))
+    codes = _array(columns["topk_logprobs"], logprob_dtype(codec))
     if stored.size != length * k or codes.size != length * k:
         raise ValueError(
             f"{stored.size} ids and {codes.size} log-probs for {length} positions of top-{k}"
@@ -233,3 +239,9 @@ def decode_positions(
             lp_max_U[:, None] - codes.reshape(length, k).astype(np.float32) * (scale_U[:, None])
         )
     return ids_UK.astype(np.int32), np.ascontiguousarray(logprobs_UK, dtype=np.float32)
+
+
+def _array(value: Any, dtype: np.dtype) -> np.ndarray:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return np.frombuffer(value, dtype=dtype.newbyteorder("<"))
+    return np.asarray(value, dtype=dtype)

@@ -22,6 +22,7 @@ A sample belongs to builder ``i`` of ``n`` when :func:`key_shard` of its key is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,7 @@ from xtoken_core.errors import DataError
 
 __all__ = [
     "FORMAT_NAME",
+    "DiskFullError",
     "LOCK_FILE",
     "MANIFEST_FILE",
     "SHARDS_DIR",
@@ -67,6 +69,16 @@ RUN_KEYS = (
 )
 
 
+# errnos of a disk that cannot take more bytes (a quota's, a file-size limit's)
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+class DiskFullError(OSError):
+    """The disk (or a quota, or a file-size limit) took no more bytes; the file being written was
+    removed, every shard written before is kept (a shard not yet in the manifest is recorded by
+    the next build)."""
+
+
 def key_shard(key: str, n: int) -> int:
     """The builder (of ``n``) that owns sample ``key``: a hash of the key modulo ``n``, the same
     on every machine and every run."""
@@ -98,9 +110,13 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
+            raise DiskFullError(
+                e.errno, f"no space for {path.name}: {os.strerror(e.errno)}"
+            ) from None
         raise
     fsync_dir(path.parent)
 

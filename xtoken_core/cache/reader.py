@@ -124,10 +124,10 @@ class CacheReader:
 
         key = table.column("key")[i].as_py()
         U = int(table.column("length")[i].as_py())
-        names = ["topk_ids", "topk_logprobs"]
+        columns = {n: table.column(n)[i].as_py() for n in ("topk_ids", "topk_logprobs")}
         if self.codec.logprobs == "u8":
-            names += ["lp_max", "lp_scale"]
-        ids_UK, logprobs_UK = decode_positions({n: values(n) for n in names}, U, self.k, self.codec)
+            columns.update(lp_max=values("lp_max"), lp_scale=values("lp_scale"))
+        ids_UK, logprobs_UK = decode_positions(columns, U, self.k, self.codec, self.width)
         return Row(
             key=key,
             teacher_ids_U=values("teacher_ids").astype(np.int32),

@@ -170,12 +170,11 @@ def _check_rows(
             cols = {name: table.column(name).combine_chunks() for name in table.column_names}
             for i in range(table.num_rows):
                 U = int(cols["length"][i].as_py())
-                parts = {
-                    name: cols[name][i].values.to_numpy(zero_copy_only=False)
-                    for name in ("topk_ids", "topk_logprobs", "lp_max", "lp_scale")
-                    if name in cols
-                }
-                decode_positions(parts, U, k, codec)
+                parts = {n: cols[n][i].as_py() for n in ("topk_ids", "topk_logprobs")}
+                for name in ("lp_max", "lp_scale"):
+                    if name in cols:
+                        parts[name] = cols[name][i].values.to_numpy(zero_copy_only=False)
+                decode_positions(parts, U, k, codec, int(manifest["width"]))
                 for name in ("teacher_ids", "rest", "lse"):
                     if len(cols[name][i].values) != U:
                         raise ValueError(f"{name} has {len(cols[name][i].values)} of {U} values")

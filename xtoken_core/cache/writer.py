@@ -10,7 +10,6 @@ the build writes the rest.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -21,19 +20,12 @@ from typing import Any
 import numpy as np
 
 from xtoken_core.cache.format import FORMAT_VERSION, Codec, encode_positions, schema
-from xtoken_core.cache.manifest import SHARDS_DIR, fsync_dir
+from xtoken_core.cache.manifest import FULL_ERRNOS, SHARDS_DIR, DiskFullError, fsync_dir
 
 __all__ = ["DiskFullError", "ShardWriter", "entry_of_file", "row_group_ranges", "shard_prefix"]
 
-# errnos of a disk that cannot take more bytes
-_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 # the key of the shard's own record in the Parquet file's metadata
 META_KEY = b"xtoken.cache"
-
-
-class DiskFullError(OSError):
-    """The disk (or a quota, or a file-size limit) took no more bytes; the shard being written
-    was removed, every shard written before is kept."""
 
 
 def shard_prefix(index: int, count: int) -> str:
@@ -144,8 +136,10 @@ class ShardWriter:
         self._rows["key"].append(key)
         self._rows["length"].append(U)
         for name, values in cols.items():
-            self._rows[name].append(values)
             self.nbytes += values.nbytes
+            if name in ("topk_ids", "topk_logprobs"):  # raw little-endian bytes
+                values = values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+            self._rows[name].append(values)
         self.rows += 1
         self.tokens += U
 
@@ -245,7 +239,7 @@ def _write_whole(final: Path, data: bytes) -> None:
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if e.errno in _FULL:
+        if e.errno in FULL_ERRNOS:
             raise DiskFullError(
                 e.errno,
                 f"no space for shard {final.name} ({len(data)} bytes): {os.strerror(e.errno)}",
