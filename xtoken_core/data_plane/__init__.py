@@ -1,1 +1,2 @@
-"""Data plane helpers: the jagged <-> padded codec (``xtoken_core.data_plane.codec``)."""
+"""Data plane helpers: the jagged <-> padded codec (``codec``), TensorDicts <-> queue fields
+(``tensordict_io``) and fast access to ``torch.jagged`` nested tensors (``njt``)."""
