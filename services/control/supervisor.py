@@ -728,19 +728,18 @@ def _check_files(config: dict[str, Any]) -> None:
         ConfigError: a missing file (names the key).
     """
     from services.common.config import ConfigError
-    from services.control.paths import data_keys
+    from services.control.paths import data_keys, find
 
-    for key, kind in data_keys().items():
+    for pattern, kind in data_keys().items():
         if kind != "file":
             continue
-        node: Any = config
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, str) and not Path(node).is_file():
-            raise ConfigError(
-                f"{key}={node!r} is not a file; put it under a data root and give its path "
-                "relative to that root"
-            )
+        for node, leaf, key in find(config, pattern):
+            value = node[leaf]
+            if isinstance(value, str) and not Path(value).is_file():
+                raise ConfigError(
+                    f"{key}={value!r} is not a file; put it under a data root and give its path "
+                    "relative to that root"
+                )
 
 
 def _latest_checkpoint(run_dir: str) -> dict[str, Any] | None:

@@ -102,6 +102,26 @@ def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype
         ({"trainer": {"loss": {"projection": "/root/x.pt"}}}, "trainer.loss.projection"),
         ({"student_tokenizer": "/etc/tokenizer.json"}, "student_tokenizer"),
         ({"trainer": {"run_dir": "x"}}, "trainer.run_dir"),
+        (
+            {"extra_teachers": [{"tokenizer": "qwen3", "model": "/usr/lib"}]},
+            "extra_teachers[0].model",
+        ),
+        (
+            {"extra_teachers": [{"tokenizer": "/etc/tok.json", "model": "tiny"}]},
+            "extra_teachers[0].tokenizer",
+        ),
+        (
+            {
+                "extra_teachers": [
+                    {"tokenizer": "qwen3", "model": "tiny", "projection": "/root/p.pt"}
+                ]
+            },
+            "extra_teachers[0].projection",
+        ),
+        (
+            {"extra_teachers": [{"tokenizer": "qwen3", "model": "tiny", "queue": "tcp://h:1"}]},
+            "extra_teachers[0].queue",
+        ),
     ],
     ids=[
         "absolute-data",
@@ -112,6 +132,10 @@ def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype
         "projection",
         "tokenizer-file",
         "run-owned",
+        "extra-teacher-model",
+        "extra-teacher-tokenizer",
+        "extra-teacher-projection",
+        "extra-teacher-run-owned",
     ],
 )
 def test_a_path_outside_the_roots_gets_403_naming_the_key(api, config, key):

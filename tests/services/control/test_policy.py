@@ -109,6 +109,60 @@ def test_the_marked_fields_are_confined_and_the_run_wide_ones_refused(tmp_path):
         assert e.value.key == key
 
 
+@pytest.mark.parametrize(
+    ("leaf", "value"),
+    [("model", "/opt/models/t"), ("model", "gguf:/opt/t.gguf"), ("projection", "/opt/p.pt"),
+     ("tokenizer", "/opt/tok/tokenizer.json"), ("tokenizer", "../../opt/tok")],
+)  # fmt: skip
+def test_a_further_teachers_path_outside_the_data_roots_is_refused_as_teacher_0s_is(
+    tmp_path, leaf, value
+):
+    roots = {"run_dir": "r", "runs_root": tmp_path / "runs", "data_roots": [tmp_path / "data"]}
+    section = {"tokenizer": "deepseek", "model": "tiny", leaf: value}
+    with pytest.raises(PathNotAllowed) as further:
+        confine({"extra_teachers": [{"tokenizer": "deepseek", "model": "tiny"}, section]}, **roots)
+    assert further.value.key == f"extra_teachers[1].{leaf}"
+    teacher_0 = {"model": ("teacher", "model"), "projection": ("trainer", "loss", "projection"),
+                 "tokenizer": ("teacher_tokenizer",)}[leaf]  # fmt: skip
+    raw: dict = {}
+    node = raw
+    for part in teacher_0[:-1]:
+        node = node.setdefault(part, {})
+    node[teacher_0[-1]] = value
+    with pytest.raises(PathNotAllowed) as first:
+        confine(raw, **roots)
+    assert str(further.value) == str(first.value).replace(first.value.key, further.value.key, 1)
+    assert "\n" not in str(further.value) and "outside the data roots" in str(further.value)
+
+
+def test_a_further_teachers_paths_inside_the_roots_are_made_absolute_and_names_kept(tmp_path):
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    out = confine(
+        {"extra_teachers": [
+            {"tokenizer": "deepseek", "model": "tiny"},
+            {"tokenizer": "tok/t.json", "model": "gguf:m/t.gguf:drop=2", "projection": "p.pt"},
+        ]},
+        run_dir="r", runs_root=runs, data_roots=[data],
+    )  # fmt: skip
+    assert out["extra_teachers"][0] == {"tokenizer": "deepseek", "model": "tiny"}
+    assert out["extra_teachers"][1] == {
+        "tokenizer": str(data.resolve() / "tok" / "t.json"),
+        "model": f"gguf:{data.resolve() / 'm' / 't.gguf'}:drop=2",
+        "projection": str(data.resolve() / "p.pt"),
+    }
+    keys = data_keys()
+    assert {k: keys[k] for k in keys if k.startswith("extra_teachers")} == {
+        "extra_teachers[].model": "model",
+        "extra_teachers[].tokenizer": "tokenizer",
+        "extra_teachers[].projection": "file",
+    }
+    assert not [k for k in keys if k.startswith("trainer.extra_teachers")]  # the run writes it
+    with pytest.raises(PathNotAllowed, match="set by the control plane") as e:
+        confine({"extra_teachers": [{"tokenizer": "deepseek", "model": "tiny", "run_dir": "x"}]},
+                run_dir="r", runs_root=runs, data_roots=[data])  # fmt: skip
+    assert e.value.key == "extra_teachers[0].run_dir"
+
+
 def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     snapshot = {
         "started": 100.0,
