@@ -43,9 +43,11 @@ DASHBOARD_HEADERS = {
 # the platform's table can lack them or name .js text/plain (browsers refuse it under nosniff)
 mimetypes.add_type("text/javascript", ".js")
 mimetypes.add_type("text/css", ".css")
+# a dotted key, an entry of a list of sections included (extra_teachers[0].model)
+_KEY = r"[a-z_][\w.]*(?:\[\d+\][\w.]*)*"
 _KEY_PATTERNS = (
-    re.compile(r"unknown key '([\w.]+)'"),
-    re.compile(r"^([a-z_][\w.]*)(?::|=| )"),
+    re.compile(rf"unknown key '({_KEY})'"),
+    re.compile(rf"^({_KEY})(?::|=| )"),
 )
 
 
@@ -61,7 +63,7 @@ def config_error_key(message: str) -> str | None:
     """The dotted config key a ConfigError message names, if any."""
     for pattern in _KEY_PATTERNS:
         m = pattern.search(message)
-        if m and m.group(1).split(".")[0] in _config_roots():
+        if m and re.split(r"[.\[]", m.group(1))[0] in _config_roots():
             return m.group(1)
     return None
 

@@ -70,6 +70,14 @@ def test_healthz_and_openapi_docs_answer_in_milliseconds(api):
             "data.train",
             "is not a file",
         ),
+        (
+            json.dumps(
+                {"extra_teachers": [{"tokenizer": "qwen3", "model": "tiny", "projection": "p.pt"}]}
+            ),
+            "application/json",
+            "extra_teachers[0].projection",
+            "is not a file",
+        ),
     ],
     ids=[
         "unknown-key-yaml",
@@ -80,6 +88,7 @@ def test_healthz_and_openapi_docs_answer_in_milliseconds(api):
         "empty",
         "not-a-mapping",
         "missing-file",
+        "missing-projection-of-a-further-teacher",
     ],
 )
 def test_a_malformed_config_gets_422_naming_the_key_and_the_fix(api, body, ctype, key, pattern):
