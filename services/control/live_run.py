@@ -88,8 +88,9 @@ class LiveRun:
         self.queue_history = QueueHistory(history_path(run.run_dir))
         self.known: dict[str, tuple] = {}  # process name -> last stored row (changes only)
         self.runtime: dict[str, Any] | None = None
-        # (role, rank or teacher group) -> the latest memory_mb of that process's metrics file
-        self.memory: dict[tuple[str, int], LatestMemory] = {}
+        # (role, teacher, rank or group or worker) -> the latest memory_mb of that process's
+        # metrics file and whether it is GPU memory (teacher: the teacher's index, 0 for the rest)
+        self.memory: dict[tuple[str, int, int], tuple[LatestMemory, bool]] = {}
         # rollout worker -> its latest batch (generated tokens/s, samples/s, weights' version)
         self.rollouts: dict[int, LatestRecord] = {}
         # a shared queue: the instance a re-attached run started on (from its record), what the
@@ -114,26 +115,18 @@ class LiveRun:
         """The run's thread runs."""
         return self.thread is not None and self.thread.is_alive()
 
-    def memory_rows(self, config: dict[str, Any]) -> list[dict[str, Any]]:
-        """The latest memory figure of each trainer rank and teacher group of the run.
-
-        Args:
-            config: the run's config as recorded (the devices say GPU or host memory).
-        """
-        devices = {
-            role: str((config.get(role) or {}).get("device", "cpu"))
-            for role in ("trainer", "teacher", "rollout")
-        }
-        return [
-            {
-                "role": role,
-                "rank": i,
-                "mb": m.mb,
-                "memory": "gpu" if devices[role].startswith("cuda") else "host",
-            }
-            for (role, i), m in sorted(self.memory.items())
-            if m.mb is not None
-        ]
+    def memory_rows(self) -> list[dict[str, Any]]:
+        """The latest memory figure of each trainer rank, teacher group (of every teacher of the
+        run: ``teacher`` is its index) and rollout worker: ``role``, ``rank`` (the trainer rank,
+        teacher group or worker), ``mb`` and ``memory`` (``gpu``: allocated on its CUDA device,
+        ``host``: its RSS)."""
+        rows = []
+        for (role, teacher, i), (m, gpu) in sorted(self.memory.items()):
+            if m.mb is None:
+                continue
+            who = {"role": role, "teacher": teacher} if role == "teacher" else {"role": role}
+            rows.append({**who, "rank": i, "mb": m.mb, "memory": "gpu" if gpu else "host"})
+        return rows
 
     def rollout_rows(self) -> list[dict[str, Any]]:
         """Each rollout worker's latest batch: generated tokens/s and samples/s (while it
@@ -294,29 +287,49 @@ class LiveRun:
 
     def poll_series(self) -> None:
         """New step and eval records of rank 0 (live ``metrics`` events), the latest memory
-        figure of every trainer rank, teacher group and rollout worker, and each rollout
-        worker's latest batch."""
+        figure of every trainer rank, group of each teacher and rollout worker, and each
+        rollout worker's latest batch."""
         for record in self.series.poll():
             self.journal.publish(
                 self.run_id, {"kind": "metrics", "time": time.time(), "data": record}
             )
         cfg = self.run.config
         metrics = Path(self.run.run_dir) / "metrics"
-        groups = cfg.teachers if cfg.trainer.loss.uses_teacher else 0
+        for key, name, gpu in self._metrics_files():
+            if key not in self.memory:
+                self.memory[key] = (LatestMemory(metrics / name), gpu)
+            self.memory[key][0].poll()
         rollouts = cfg.rollouts if cfg.on_policy else 0
-        for role, n, name in (
-            ("trainer", cfg.trainers, "trainer.rank"),
-            ("teacher", groups, "teacher.group"),
-            ("rollout", rollouts, "rollout"),
-        ):
-            for i in range(n):
-                if (role, i) not in self.memory:
-                    self.memory[role, i] = LatestMemory(metrics / f"{name}{i}.jsonl")
-                self.memory[role, i].poll()
         for i in range(rollouts):
             if i not in self.rollouts:
                 self.rollouts[i] = LatestRecord(metrics / f"rollout{i}.jsonl", "rollout")
             self.rollouts[i].poll()
+
+    def _metrics_files(self) -> list[tuple[tuple[str, int, int], str, bool]]:
+        """``((role, teacher, index), metrics file name, on a GPU)`` of each trainer rank, each
+        group of every teacher (teacher j >= 1 writes ``t<j>.teacher.group<g>.jsonl``, as
+        ``services.teacher.main.metrics_name`` names it) and each rollout worker."""
+        cfg = self.run.config
+        out = [
+            (("trainer", 0, r), f"trainer.rank{r}.jsonl", _gpu(cfg.trainer.compute.device))
+            for r in range(cfg.trainers)
+        ]
+        for view in cfg.teacher_list() if cfg.trainer.loss.uses_teacher else []:
+            prefix = f"t{view.index}." if view.index else ""
+            out += [
+                (("teacher", view.index, g), f"{prefix}teacher.group{g}.jsonl",
+                 _gpu(view.section.device))
+                for g in range(view.groups)
+            ]  # fmt: skip
+        out += [
+            (("rollout", 0, i), f"rollout{i}.jsonl", _gpu(cfg.rollout.device))
+            for i in range(cfg.rollouts if cfg.on_policy else 0)
+        ]
+        return out
+
+
+def _gpu(device: Any) -> bool:
+    return str(device).startswith("cuda")
 
 
 def _release(launcher: Any) -> None:

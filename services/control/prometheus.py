@@ -49,7 +49,8 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
     """The text exposition of a :meth:`Supervisor.snapshot`.
 
     Labels: ``run`` (the run id), ``state``, ``phase``, ``part``, ``partition``, ``role``,
-    ``rank``, ``memory``, ``process``: a handful of values each (no step numbers, no keys).
+    ``teacher``, ``rank``, ``memory``, ``process``: a handful of values each (no step numbers,
+    no keys).
 
     Args:
         snapshot: the supervisor's snapshot.
@@ -74,8 +75,9 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
         "mem": _Family(
             "xtoken_process_memory_bytes",
             "gauge",
-            "Peak memory of each trainer rank, teacher and rollout worker (rank: the trainer rank, "
-            "teacher group or rollout worker; memory=gpu: allocated on its CUDA device; "
+            "Peak memory of each trainer rank, teacher group and rollout worker (rank: the "
+            "trainer rank, teacher group or rollout worker; teacher: the teacher of the run a "
+            "group is of, 0 for the teacher section; memory=gpu: allocated on its CUDA device; "
             "memory=host: its RSS, on a CPU).",
         ),
         "q_samples": _Family("xtoken_queue_samples", "gauge", "Samples held by the queue."),
@@ -141,9 +143,10 @@ def render(snapshot: dict[str, Any], *, states: tuple[str, ...], now: float) -> 
                 f["q_samples"].add(stats.get("samples"), run=rid, partition=part)
                 f["q_bytes"].add(stats.get("bytes"), run=rid, partition=part)
         for m in run.get("memory") or []:
-            f["mem"].add(
-                round(m["mb"] * 2**20), run=rid, role=m["role"], rank=m["rank"], memory=m["memory"]
-            )
+            who = {"role": m["role"]}
+            if "teacher" in m:  # a teacher group: of which teacher of the run
+                who["teacher"] = m["teacher"]
+            f["mem"].add(round(m["mb"] * 2**20), run=rid, **who, rank=m["rank"], memory=m["memory"])
         restarts: dict[str, int] = {}
         for p in run.get("processes") or []:
             f["worker_up"].add(1 if p["state"] == "running" else 0, run=rid, process=p["name"])

@@ -623,7 +623,7 @@ class Supervisor:
                     "steps_total": h.series.steps_total if h else 0,
                     "queue": h.queue_stats if h else None,
                     "processes": self.processes(rec["id"]) if h else [],
-                    "memory": h.memory_rows(rec["config"]) if h else [],
+                    "memory": h.memory_rows() if h else [],
                     "rollouts": h.rollout_rows() if h else [],
                 }
             )

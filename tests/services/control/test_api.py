@@ -357,10 +357,9 @@ def test_a_tiny_run_succeeds_with_metrics_events_and_logs(api, demo):
         assert f'xtoken_step_seconds{{run="{rid}",phase="forward"}}' in text
         assert f'xtoken_loss{{run="{rid}",part="kd"}}' in text
         assert 'xtoken_runs{state="SUCCEEDED"}' in text
-        for role in ("trainer", "teacher"):  # every process's memory, from its metrics file
+        for who in ('role="trainer"', 'role="teacher",teacher="0"'):  # from each metrics file
             assert (
-                f'xtoken_process_memory_bytes{{run="{rid}",role="{role}",rank="0",memory="host"}}'
-                in text
+                f'xtoken_process_memory_bytes{{run="{rid}",{who},rank="0",memory="host"}}' in text
             ), text
 
         r = c.post(f"/v1/runs/{rid}/stop")

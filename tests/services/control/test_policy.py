@@ -190,7 +190,8 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
                     "partitions": {"train": {"samples": 3, "bytes": 7}},
                 },
                 "memory": [
-                    {"role": "teacher", "rank": 0, "mb": 3.0, "memory": "gpu"},
+                    {"role": "teacher", "teacher": 0, "rank": 0, "mb": 3.0, "memory": "gpu"},
+                    {"role": "teacher", "teacher": 1, "rank": 0, "mb": 4.0, "memory": "gpu"},
                     {"role": "trainer", "rank": 0, "mb": 1.5, "memory": "gpu"},
                     {"role": "trainer", "rank": 1, "mb": 2.0, "memory": "gpu"},
                 ],
@@ -213,7 +214,11 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     assert 'xtoken_worker_restarts_total{run="r\\"1",role="trainer"} 1' in text  # one group
     mem = 'xtoken_process_memory_bytes{run="r\\"1",role="%s",rank="%d",memory="gpu"} %d'
     assert mem % ("trainer", 0, 1572864) in text and mem % ("trainer", 1, 2097152) in text
-    assert mem % ("teacher", 0, 3145728) in text
+    teacher = (
+        'xtoken_process_memory_bytes{run="r\\"1",role="teacher",teacher="%d",rank="0",'
+        'memory="gpu"} %d'
+    )
+    assert teacher % (0, 3145728) in text and teacher % (1, 4194304) in text
     assert "xtoken_trainer_memory_bytes" not in text
     assert 'xtoken_runs{state="RUNNING"} 1' in text and 'xtoken_runs{state="FAILED"} 0' in text
     assert "xtoken_control_uptime_seconds 10" in text

@@ -442,33 +442,41 @@ def test_a_config_may_keep_a_queue_of_its_own_or_name_another(make, external_que
         sup.submit(tiny_config(**{"queue.address": "5555"}))
 
 
-def test_the_snapshot_has_the_memory_of_every_trainer_rank_and_teacher(make):
+def test_the_snapshot_has_the_memory_of_every_trainer_rank_and_every_teachers_groups(make):
     from services.control import prometheus
     from services.control.states import STATES
 
     sup = make({})
-    run = sup.submit(tiny_config(trainers=2, teachers=2))
+    further = {"tokenizer": "qwen3", "model": "tiny", "groups": 2}
+    run = sup.submit(tiny_config(trainers=2, teachers=2, extra_teachers=[further]))
     rid = run["id"]
     wait_state(sup, rid, {"RUNNING"})
     metrics = Path(run["run_dir"]) / "metrics"
     metrics.mkdir(parents=True, exist_ok=True)
-    figures = {"trainer.rank0": 10.0, "trainer.rank1": 11.0, "teacher.group1": 21.0}
+    figures = {"trainer.rank0": 10.0, "trainer.rank1": 11.0, "teacher.group1": 21.0,
+               "t1.teacher.group0": 30.0, "t1.teacher.group1": 31.0}  # fmt: skip
     for name, mb in figures.items():
         with open(metrics / f"{name}.jsonl", "a") as f:  # an older figure, then the latest
             f.write(json.dumps({"event": "step", "memory_mb": 1.0}) + "\n")
             f.write(json.dumps({"event": "step", "memory_mb": mb}) + "\n")
     deadline = time.monotonic() + 10
-    while len(memory := sup.snapshot()["runs"][0]["memory"]) < 3:
+    while len(memory := sup.snapshot()["runs"][0]["memory"]) < 5:
         assert time.monotonic() < deadline, memory
         time.sleep(0.05)
     assert memory == [
-        {"role": "teacher", "rank": 1, "mb": 21.0, "memory": "host"},
+        {"role": "teacher", "teacher": 0, "rank": 1, "mb": 21.0, "memory": "host"},
+        {"role": "teacher", "teacher": 1, "rank": 0, "mb": 30.0, "memory": "host"},
+        {"role": "teacher", "teacher": 1, "rank": 1, "mb": 31.0, "memory": "host"},
         {"role": "trainer", "rank": 0, "mb": 10.0, "memory": "host"},
         {"role": "trainer", "rank": 1, "mb": 11.0, "memory": "host"},
     ]
     text = prometheus.render(sup.snapshot(), states=STATES, now=time.time())
     line = f'xtoken_process_memory_bytes{{run="{rid}",role="trainer",rank="1",memory="host"}}'
     assert f"{line} {11 * 2**20}" in text
+    for teacher, group, mb in ((0, 1, 21), (1, 0, 30), (1, 1, 31)):
+        line = (f'xtoken_process_memory_bytes{{run="{rid}",role="teacher",teacher="{teacher}",'
+                f'rank="{group}",memory="host"}}')  # fmt: skip
+        assert f"{line} {mb * 2**20}" in text
     sup.stop(rid, grace_s=5)
     wait_state(sup, rid, {"STOPPED"})
 
