@@ -295,7 +295,7 @@ class LiveRun:
             )
         cfg = self.run.config
         metrics = Path(self.run.run_dir) / "metrics"
-        for key, name, gpu in self._metrics_files():
+        for key, name, gpu in metrics_files(cfg):
             if key not in self.memory:
                 self.memory[key] = (LatestMemory(metrics / name), gpu)
             self.memory[key][0].poll()
@@ -305,27 +305,32 @@ class LiveRun:
                 self.rollouts[i] = LatestRecord(metrics / f"rollout{i}.jsonl", "rollout")
             self.rollouts[i].poll()
 
-    def _metrics_files(self) -> list[tuple[tuple[str, int, int], str, bool]]:
-        """``((role, teacher, index), metrics file name, on a GPU)`` of each trainer rank, each
-        group of every teacher (teacher j >= 1 writes ``t<j>.teacher.group<g>.jsonl``, as
-        ``services.teacher.main.metrics_name`` names it) and each rollout worker."""
-        cfg = self.run.config
-        out = [
-            (("trainer", 0, r), f"trainer.rank{r}.jsonl", _gpu(cfg.trainer.compute.device))
-            for r in range(cfg.trainers)
-        ]
-        for view in cfg.teacher_list() if cfg.trainer.loss.uses_teacher else []:
-            prefix = f"t{view.index}." if view.index else ""
-            out += [
-                (("teacher", view.index, g), f"{prefix}teacher.group{g}.jsonl",
-                 _gpu(view.section.device))
-                for g in range(view.groups)
-            ]  # fmt: skip
+
+def metrics_files(config: Any) -> list[tuple[tuple[str, int, int], str, bool]]:
+    """The metrics files whose ``memory_mb`` the control plane follows for a run config.
+
+    Returns:
+        ``((role, teacher, index), file name, on a GPU)`` of each trainer rank, each group of
+        every teacher (teacher j >= 1 writes ``t<j>.teacher.group<g>.jsonl``, as
+        ``services.teacher.main.metrics_name`` names it) and each rollout worker; ``teacher`` is
+        the teacher's index for a teacher group, 0 for the rest.
+    """
+    out = [
+        (("trainer", 0, r), f"trainer.rank{r}.jsonl", _gpu(config.trainer.compute.device))
+        for r in range(config.trainers)
+    ]
+    for view in config.teacher_list() if config.trainer.loss.uses_teacher else []:
+        prefix = f"t{view.index}." if view.index else ""
         out += [
-            (("rollout", 0, i), f"rollout{i}.jsonl", _gpu(cfg.rollout.device))
-            for i in range(cfg.rollouts if cfg.on_policy else 0)
-        ]
-        return out
+            (("teacher", view.index, g), f"{prefix}teacher.group{g}.jsonl",
+             _gpu(view.section.device))
+            for g in range(view.groups)
+        ]  # fmt: skip
+    out += [
+        (("rollout", 0, i), f"rollout{i}.jsonl", _gpu(config.rollout.device))
+        for i in range(config.rollouts if config.on_policy else 0)
+    ]
+    return out
 
 
 def _gpu(device: Any) -> bool:
