@@ -1,6 +1,7 @@
 """The checks before any process of a run starts, and the inputs they settle: the corpora (readable,
-with text), the tokenizers and the models' vocabularies, and the projection (given and checked, or
-built once into the cache)."""
+with text), the tokenizers and the models' vocabularies, the devices and the layout, and each
+teacher's projection (services/supervise/projections.py: given and checked, or built once into
+the cache)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,34 @@ from pathlib import Path
 from typing import Any
 
 from services.supervise.config import RunConfig
-from services.supervise.teachers import RunTeacher
+from services.supervise.projections import (
+    build_cached_projection,
+    cache_dir,
+    check_projection,
+    projection_cache_path,
+    settle_projections,
+    slug,
+)
 from xtoken_core.errors import DataError, SettingsError
+
+# What other modules import from here (the projections' names live in projections.py).
+__all__ = [
+    "Inputs",
+    "build_cached_projection",
+    "check_corpora",
+    "check_devices",
+    "check_projection",
+    "check_run_layout",
+    "check_train",
+    "check_transport",
+    "check_vocabs",
+    "first_text",
+    "preflight",
+    "projection_cache_path",
+    "slug",
+    "spec_vocab_size",
+    "split_heldout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +153,7 @@ def preflight(config: RunConfig) -> Inputs:
     check_vocabs(config, s_tok.vocab_size, vocabs[0], vocabs[1:])
     check_run_layout(config, s_tok.vocab_size, vocabs[0], vocabs[1:])
     check_transport(config, vocabs[0], vocabs[1:])
-    projections: list[str | None] = []
-    for view, t_tok in zip(views, t_toks, strict=True):
-        projection = view.projection
-        if config.trainer.loss.uses_teacher and not projection:
-            projection = str(build_cached_projection(config, s_tok, t_tok, view.tokenizer))
-        elif config.trainer.loss.uses_teacher:
-            check_projection(config, projection, s_tok, t_tok, view)
-        projections.append(projection)
+    projections = settle_projections(config, s_tok, t_toks)
     return Inputs(train, heldout, projections[0], train_limit, tuple(projections[1:]))
 
 
@@ -241,7 +261,7 @@ def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
             f"data.train={train!r} has {total} texts: too few to hold out the last "
             f"trainer.eval.texts={n} and train on the rest; name a data.heldout corpus"
         )
-    out = _cache_dir() / "heldout" / f"{slug(train)}_{digest.hexdigest()[:16]}.jsonl"
+    out = cache_dir() / "heldout" / f"{slug(train)}_{digest.hexdigest()[:16]}.jsonl"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
@@ -258,10 +278,6 @@ def split_heldout(config: RunConfig, train: str) -> tuple[str, int]:
         keep,
     )
     return str(out), keep
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XTOKEN_CACHE", Path.home() / ".cache" / "xtoken"))
 
 
 def check_devices(config: RunConfig) -> None:
@@ -415,46 +431,6 @@ def check_run_layout(
         logger.info("[run] layout: %s", layout.describe())
 
 
-def check_projection(
-    config: RunConfig, path: str, s_tok: Any, t_tok: Any, view: RunTeacher | None = None
-) -> None:
-    """A given projection file must fit the run's tokenizers (rows: the student's, columns: its
-    teacher's), be built for them (the tokenizers it records; a file without that record is
-    accepted with a warning) and have usable rows; its coverage is logged.
-
-    Args:
-        config: the run config.
-        path: the file.
-        s_tok: the student tokenizer.
-        t_tok: its teacher's tokenizer.
-        view: the teacher it is for (default: teacher 0, ``trainer.loss.projection``).
-
-    Raises:
-        ValueError: a missing or unreadable file, one built for other vocabularies or
-            tokenizers, or one without a usable row (names the key).
-    """
-    from xtoken_core.data.projection import check_projection_tokenizers, parse_projection_file
-
-    view = view or config.teacher_list()[0]
-    key = view.projection_key
-    student_vocab, teacher_vocab = s_tok.vocab_size, t_tok.vocab_size
-    try:
-        _, _, rows, cols = parse_projection_file(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise ValueError(f"{key}: {e}") from None
-    if rows > student_vocab or cols > teacher_vocab:
-        raise ValueError(
-            f"{key}={path!r} is {rows} x {cols} (student x teacher ids) but the run's "
-            f"tokenizers have {student_vocab} and {teacher_vocab} ids: build one for "
-            f"{config.student_tokenizer} -> {view.tokenizer} with `xtoken projection build`, or "
-            "leave it empty and xtoken run builds it"
-        )
-    try:
-        check_projection_tokenizers(path, s_tok, t_tok)
-    except ValueError as e:
-        raise ValueError(f"{key}: {e}") from None
-
-
 def check_vocabs(
     config: RunConfig, student_vocab: int, teacher_vocab: int, extra_vocabs: Sequence[int] = ()
 ) -> None:
@@ -491,57 +467,6 @@ def check_vocabs(
         except ValueError as e:
             raise ValueError(f"{key}: {e}") from None
         check_vocab(f"{key}={spec!r}", model_vocab, tok_vocab)
-
-
-def projection_cache_path(config: RunConfig, teacher_tokenizer: str | None = None) -> Path:
-    """Where the projection of the run's student tokenizer to ``teacher_tokenizer`` (default:
-    ``teacher_tokenizer``, teacher 0's) with ``projection_top_k`` slots is cached
-    (``$XTOKEN_CACHE``, default ``~/.cache/xtoken``): one file per pair of tokenizers."""
-    cache = _cache_dir()
-    k = config.projection_top_k
-    teacher = teacher_tokenizer or config.teacher_tokenizer
-    name = f"{slug(config.student_tokenizer)}_{slug(teacher)}_k{k}.pt"
-    return cache / "projections" / name
-
-
-def build_cached_projection(
-    config: RunConfig, s_tok: Any, t_tok: Any, teacher_tokenizer: str | None = None
-) -> Path:
-    """The projection of the run's student tokenizer to ``teacher_tokenizer`` (default: teacher
-    0's; ``t_tok`` is its tokenizer) from the cache, built there first when missing or built for
-    other tokenizers (written to a temporary name and renamed: a concurrent run never reads half
-    a file)."""
-    from xtoken_core.data.projection_build import (
-        build_projection,
-        projection_metadata,
-        save_projection,
-    )
-
-    path = projection_cache_path(config, teacher_tokenizer)
-    if path.is_file() and _built_for(path, s_tok, t_tok):
-        return path
-    logger.info("[run] building projection %s", path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    k = config.projection_top_k
-    save_projection(build_projection(s_tok, t_tok, k), tmp, projection_metadata(s_tok, t_tok))
-    os.replace(tmp, path)
-    return path
-
-
-def _built_for(path: Path, s_tok: Any, t_tok: Any) -> bool:
-    """A cached projection was built for these tokenizers (a file without the record is taken:
-    the cache names it by the tokenizers; another tokenizer of the same name, a path's last part,
-    is told apart by its record)."""
-    from xtoken_core.data.projection import read_projection_metadata
-    from xtoken_core.data.projection_build import vocab_hash
-
-    meta = read_projection_metadata(path) or {}
-    for side, tok in (("student", s_tok), ("teacher", t_tok)):
-        recorded = meta.get(f"{side}_vocab_hash")
-        if recorded is not None and recorded != vocab_hash(tok):
-            return False
-    return True
 
 
 def spec_vocab_size(spec: str, preset_vocab: int) -> int:
@@ -606,8 +531,3 @@ def first_text(path: str, text_field: str, txt_split: str = "blank_line") -> str
         if text.strip():
             return text
     raise ValueError(f"corpus {path!r} has no usable text; point it at a corpus with text")
-
-
-def slug(name: str) -> str:
-    """A file-name-safe form of the last part of ``name``."""
-    return "".join(c if c.isalnum() else "_" for c in Path(name).name or name)

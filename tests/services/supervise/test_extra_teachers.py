@@ -21,7 +21,8 @@ from services.supervise.config import (
 )
 from services.supervise.layout import GIB, GpuMemory, Layout, check_layout, plan_layout
 from services.supervise.plan import Host, RunPlace, make_plan
-from services.supervise.preflight import Inputs, preflight, projection_cache_path
+from services.supervise.preflight import Inputs, preflight
+from services.supervise.projections import projection_cache_path
 from services.supervise.resume import fingerprint
 from services.teacher.config import TeacherConfig
 from services.trainer.config import TrainerConfig
