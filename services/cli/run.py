@@ -100,14 +100,16 @@ def execute(config, *, progress: bool = True, launcher=None, show_report: bool =
         print(f"xtoken run: {run.failure or 'failed'}", file=sys.stderr)
         return code
     if show_report:
-        print(format_report(report(run.run_dir), run.run_dir))
+        teachers = len(config.teacher_list())
+        print(format_report(report(run.run_dir), run.run_dir, teachers=teachers))
     return 0
 
 
-def format_report(table: dict, run_dir) -> str:
-    """The held-out bits/byte table of a run."""
+def format_report(table: dict, run_dir, teachers: int = 1) -> str:
+    """The held-out bits/byte table of a run (``teachers``: the run's teachers; only teacher 0
+    evaluates the held-out text, so a run of several names its row ``teacher 0``)."""
     rows = [
-        ("teacher", table.get("teacher")),
+        ("teacher 0" if teachers > 1 else "teacher", table.get("teacher")),
         ("student before", table.get("student_before")),
         ("student after", table.get("student_after")),
     ]
@@ -184,7 +186,8 @@ def _launch(args: argparse.Namespace, config: Any, start: Any) -> int:
 
 
 def report(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run's held-out bits/byte: teacher, student before and after (from its metrics)."""
+    """The run's held-out bits/byte: teacher (teacher 0, the one that evaluates the held-out
+    text), student before and after (from its metrics)."""
     from services.common.metrics import read_jsonl
 
     run_dir = Path(run_dir)

@@ -173,3 +173,22 @@ def test_the_global_log_level_is_accepted_after_the_config(tmp_path, capsys):
         ["run", str(TINY), "--set", "trainer.schedule.max_steps=1", "--log-level", "DEBUG"]
     )
     assert args.log_level == "DEBUG" and args.overrides[0].value == 1
+
+
+def test_the_closing_report_names_teacher_0_as_the_one_that_evaluated_the_held_out_text(tmp_path):
+    from services.cli.run import format_report, report
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "summary.json").write_text(
+        '{"step": 6, "student_before": {"bits_per_byte": 4.0}, '
+        '"student_after": {"bits_per_byte": 3.5}}'
+    )
+    eval_record = '{{"event": "eval", "who": "teacher", "bits_per_byte": {}}}\n'
+    (tmp_path / "metrics" / "teacher.group0.jsonl").write_text(eval_record.format(3.25))
+    (tmp_path / "metrics" / "t1.teacher.group0.jsonl").write_text(eval_record.format(9.0))
+    table = report(tmp_path)
+    assert table["teacher"] == 3.25  # teacher 0's figure, never a further teacher's
+    two = format_report(table, "r", teachers=2).splitlines()
+    assert two[1].split() == ["teacher", "0", "3.2500"]
+    assert [line.split()[0] for line in two[2:]] == ["student", "student"]
+    assert format_report(table, "r").splitlines()[1].split() == ["teacher", "3.2500"]
