@@ -323,8 +323,9 @@ def test_the_two_teacher_example_plans_both_teachers():
 
     example = Path(__file__).resolve().parents[3] / "examples" / "two_teachers.yaml"
     config = load_run_config(example)
+    assert config.student_tokenizer == "qwen3"  # every tokenizer of the default install
     assert [(t.tokenizer, t.section.weight) for t in config.teacher_list()] == [
-        ("smollm2", 0.5), ("qwen3", 0.5)
+        ("smollm2", 0.5), ("deepseek", 0.5)
     ]  # fmt: skip
     assert config.extra_teachers[0].transport == "shm"  # the teacher section's
     plan = _plan(config, Inputs(None, None, "/p/0.pt", None, ("/p/1.pt",)))
