@@ -9,6 +9,11 @@ What runs where, and why:
 * Colocation: the first process of a ``group`` is placed wherever Ray finds room; every later
   process of that group gets a bundle pinned (``ray.io/node-id`` label) to the same node: a
   teacher and the trainer ranks it serves share /dev/shm or a GPU's IPC handles.
+* A unit of k ranks (a tensor-parallel teacher group: ``unit`` set, ``WORLD_SIZE`` k, one
+  rendezvous) is reserved at once as its rank 0 starts: one placement group of k bundles (one
+  per rank, each the spec's resources) under ``STRICT_PACK``, so Ray finds one node with room
+  for every rank or places none, and rank i's actor takes bundle i. A unit never straddles
+  nodes, and never half-starts on a node that has room for its first ranks only.
 * The queue runs on the driver's node: the run (``Run``) talks to it at its loopback address.
 * The actor starts ``python -m services.cli <argv>`` (its node's interpreter) in its own process
   group, writes stdout and stderr to ``spec.log_file`` on its node, reads the ready file there,
@@ -89,6 +94,19 @@ def _bundle(resources: dict[str, float], default_cpus: float) -> dict[str, float
             out[name] = float(amount)
     out.setdefault("CPU", float(default_cpus))
     return out
+
+
+def _unit_rank(spec: ProcessSpec) -> tuple[int, int]:
+    """``(ranks of its unit, its rank)`` of a spec: a rank of a unit has ``unit`` set and
+    torchrun's ``WORLD_SIZE`` / ``RANK``; any other process is ``(1, 0)``."""
+    if spec.unit is None:
+        return 1, 0
+    size, rank = int(spec.env.get("WORLD_SIZE", "1")), int(spec.env.get("RANK", "0"))
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"{spec.name}: RANK={rank} is not below WORLD_SIZE={size} of its unit {spec.unit!r}"
+        )
+    return size, rank
 
 
 def _is_loopback(host: str) -> bool:
@@ -234,6 +252,41 @@ class WorkerActor:
 _RemoteWorker = ray.remote(max_restarts=0, max_concurrency=1)(WorkerActor)
 
 
+class Placement:
+    """A placement group of a run and the processes that hold its bundles: one process, or the
+    ranks of a unit (bundle i: rank i). Removed from the cluster once the last holder leaves.
+
+    Attributes:
+        pg: the Ray placement group (ready).
+        holders: names of the processes whose actors hold a bundle of it.
+        taken: the bundle indices handed out (a bundle is never handed out twice: a rank started
+            again gets a new placement group, with its unit).
+        removed: the group was given back to the cluster.
+    """
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+        self.holders: set[str] = set()
+        self.taken: set[int] = set()
+        self.removed = False
+
+    def hold(self, name: str, index: int) -> None:
+        """Hand bundle ``index`` to process ``name``."""
+        assert index not in self.taken, f"bundle {index} handed out twice"
+        self.taken.add(index)
+        self.holders.add(name)
+
+    def leave(self, name: str) -> None:
+        """Process ``name`` gave back its bundle; the last one out removes the group."""
+        self.holders.discard(name)
+        if not self.holders and not self.removed:
+            self.removed = True
+            try:
+                remove_placement_group(self.pg)
+            except Exception as e:  # noqa: BLE001 (already gone is fine)
+                logger.debug("[ray] remove placement group of %s: %s", name, e)
+
+
 class RayProcess:
     """A process of a run started by :class:`RayLauncher` (driver side).
 
@@ -248,7 +301,8 @@ class RayProcess:
         self,
         spec: ProcessSpec,
         actor: Any,
-        pg: Any,
+        placement: Placement,
+        bundle: int,
         node: dict[str, Any],
         pid: int,
         timeout_s: float,
@@ -257,7 +311,8 @@ class RayProcess:
         self.node = node
         self.started = time.monotonic()
         self._actor = actor
-        self._pg = pg
+        self._placement: Placement | None = placement
+        self._bundle = bundle
         self._pid = pid
         self._timeout_s = timeout_s
         self._code: int | None = None
@@ -273,6 +328,14 @@ class RayProcess:
     def host(self) -> str:
         """The host name of the node the worker runs on."""
         return str(self.node["host"])
+
+    @property
+    def bundle(self) -> tuple[Any, int] | None:
+        """``(placement group, bundle index)`` its actor holds (the ranks of a unit share one
+        group, rank i in bundle i), or None once it gave it back."""
+        if self._placement is None:
+            return None
+        return self._placement.pg, self._bundle
 
     def _status(self) -> dict[str, Any]:
         if self._code is not None:
@@ -336,19 +399,17 @@ class RayProcess:
             return "\n".join(text.splitlines()[-lines:])
 
     def release(self) -> None:
-        """Kill the actor and free its placement group (the worker has ended or is killed)."""
+        """Kill the actor and give back its bundle (the worker has ended or is killed): its
+        placement group is freed once no process of it holds a bundle."""
         if self._actor is not None:
             try:
                 ray.kill(self._actor, no_restart=True)
             except Exception as e:  # noqa: BLE001 (already gone is fine)
                 logger.debug("[ray] kill %s: %s", self.spec.name, e)
             self._actor = None
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception as e:  # noqa: BLE001
-                logger.debug("[ray] remove placement group of %s: %s", self.spec.name, e)
-            self._pg = None
+        if self._placement is not None:
+            self._placement.leave(self.spec.name)
+            self._placement = None
 
 
 class RayLauncher(Launcher):
@@ -385,6 +446,7 @@ class RayLauncher(Launcher):
         self.call_timeout_s = call_timeout_s
         self.processes: dict[str, RayProcess] = {}
         self._groups: dict[str, str] = {}  # colocation group -> node id
+        self._units: dict[str, Placement] = {}  # unit -> the placement group of its ranks
         if not ray.is_initialized():
             _probe(address, connect_timeout_s)
             try:
@@ -406,11 +468,31 @@ class RayLauncher(Launcher):
 
     # ------------------------------------------------------------------ placement
 
-    def _place(self, spec: ProcessSpec) -> Any:
-        """A ready placement group of one bundle for ``spec`` (pinned to a node when it must be).
+    def _place(self, spec: ProcessSpec) -> tuple[Placement, int]:
+        """The placement group and bundle index of ``spec``: a group of one bundle of its own,
+        or for a rank of a unit its unit's group (reserved as the unit's rank 0 starts, with one
+        bundle per rank) and the bundle of its rank.
 
         Raises:
-            ValueError: the cluster cannot give the bundle within ``place_timeout_s``.
+            ValueError: the cluster cannot give the bundles within ``place_timeout_s``.
+        """
+        size, rank = _unit_rank(spec)
+        if size == 1:
+            placement, rank = Placement(self._reserve(spec, 1)), 0
+        else:
+            placement = self._units.get(str(spec.unit))
+            if placement is None or placement.removed or rank == 0 or rank in placement.taken:
+                placement = self._units[str(spec.unit)] = Placement(self._reserve(spec, size))
+        placement.hold(spec.name, rank)
+        return placement, rank
+
+    def _reserve(self, spec: ProcessSpec, size: int) -> Any:
+        """A ready placement group of ``size`` bundles of ``spec``'s resources on one node
+        (``STRICT_PACK``), pinned to a node when it must be (its colocation group's, or the
+        driver's for the queue).
+
+        Raises:
+            ValueError: the cluster cannot give the bundles within ``place_timeout_s``.
         """
         bundle = _bundle(spec.resources, self.cpus_per_process)
         node = None
@@ -418,11 +500,11 @@ class RayLauncher(Launcher):
             node = self._groups[spec.group]
         elif spec.role == "queue":
             node = self.driver_node_id
-        selector = [{NODE_LABEL: node}] if node else None
+        selector = [{NODE_LABEL: node}] * size if node else None
         pg = placement_group(
-            [bundle],
+            [dict(bundle) for _ in range(size)],
             strategy="STRICT_PACK",
-            name=f"xtoken-{spec.name}-{os.getpid()}",
+            name=f"xtoken-{spec.unit if size > 1 else spec.name}-{os.getpid()}",
             bundle_label_selector=selector,
         )
         try:
@@ -430,8 +512,9 @@ class RayLauncher(Launcher):
         except GetTimeoutError:
             remove_placement_group(pg)
             where = f" on node {node} (colocation group {spec.group!r})" if node else ""
+            what = f"{bundle}" if size == 1 else f"{size} x {bundle} on one node (unit {spec.unit})"
             raise ValueError(
-                f"cannot place {spec.name}: the cluster has no room for {bundle}{where} within "
+                f"cannot place {spec.name}: the cluster has no room for {what}{where} within "
                 f"{self.place_timeout_s:.0f}s; `ray status` shows what is free: add nodes or "
                 "resources, or lower the run's processes"
             ) from None
@@ -466,12 +549,12 @@ class RayLauncher(Launcher):
                 the cause and the fix).
         """
         self.check_startable(spec)
-        pg = self._place(spec)
+        placement, index = self._place(spec)
         bundle = _bundle(spec.resources, self.cpus_per_process)
         options: dict[str, Any] = {
             "num_cpus": bundle.get("CPU", 0),
             "num_gpus": bundle.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placement.pg, index),
         }
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         if custom:
@@ -483,14 +566,14 @@ class RayLauncher(Launcher):
             pid = ray.get(actor.start.remote(env, os.getcwd()), timeout=self.call_timeout_s)
         except Exception as e:
             ray.kill(actor, no_restart=True)
-            remove_placement_group(pg)
+            placement.leave(spec.name)
             raise ValueError(
                 f"could not start {spec.name} under Ray ({type(e).__name__}: {e}); every node "
                 "needs xtoken installed (with the ray extra) in the Python that runs `ray start`"
             ) from e
         if spec.group is not None:
             self._groups.setdefault(spec.group, node["node_id"])
-        proc = RayProcess(spec, actor, pg, node, pid, self.call_timeout_s)
+        proc = RayProcess(spec, actor, placement, index, node, pid, self.call_timeout_s)
         self.processes[spec.name] = proc
         logger.info(
             "[run] started %s (pid %d on %s, ray node %s%s): xtoken %s",

@@ -188,3 +188,65 @@ def test_on_two_nodes_groups_stay_together_the_queue_by_the_driver_and_ranks_rea
     assert envs["trainer1"]["MASTER_ADDR"] == rank0.node["node_ip"]
     assert not envs["trainer1"]["MASTER_ADDR"].startswith("127.")
     assert launcher.stop(grace_s=30) == {name: 0 for name in node}
+
+
+def test_the_ranks_of_a_unit_are_reserved_at_once_or_not_at_all(launcher, tmp_path):
+    """A unit of three one-GPU ranks on a cluster of two GPUs: its rank 0 is refused before
+    anything starts (one rank per GPU would have left the third with no room, the group
+    half-started)."""
+
+    def rank(i: int) -> ProcessSpec:
+        env = {"RANK": str(i), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+        name = "teacher0" if i == 0 else f"teacher0.{i}"
+        return _queue_spec(tmp_path, name, role="teacher", env=env, resources={"gpu": 1},
+                           group="teacher0", unit="teacher0")  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"^cannot place teacher0: the cluster has no room for 3 "
+                       r"x \{'GPU': 1.0, 'CPU': 0.25\} on one node \(unit teacher0\)"):  # fmt: skip
+        launcher.start(rank(0))
+    assert launcher.processes == {}
+    one = launcher.start(_queue_spec(tmp_path, "trainer0", role="trainer", resources={"gpu": 1}))
+    launcher.wait_ready(one, 60)  # every GPU was given back
+
+
+def test_a_tensor_parallel_teacher_groups_gloo_ranks_run_on_one_node_in_one_placement_group(
+    launcher, second_node, tmp_path, demo, projection
+):
+    """A run's two-rank CPU teacher group (teacher.tensor_parallel 2, gloo, an shm ring), on a
+    cluster of two nodes either of which could hold the group: its ranks hold bundles 0 and 1 of
+    one STRICT_PACK placement group, on one node, rendezvous there and serve the trainer."""
+    import ray
+
+    from services.supervise.config import run_config_from_dict, run_config_to_dict
+    from services.supervise.driver import Driver
+    from tests.e2e.conftest import corpus_parts, step_records, tiny_run_config, wait_for
+
+    paths, _ = corpus_parts(demo, tmp_path / "data", n=16, parts=1)
+    base = tiny_run_config(tmp_path / "run", paths[0], str(demo.heldout_path), projection)
+    data = run_config_to_dict(base)
+    data["trainers"] = 1
+    data["teacher"]["tensor_parallel"] = 2
+    run = Driver(run_config_from_dict(data), launcher=launcher, progress=False)
+    run.prepare()
+    run.launch()
+    try:
+        ranks = [launcher.processes[name] for name in ("teacher0", "teacher0.1")]
+        launcher.wait_ready(ranks[0], 180)  # after both ranks joined the group and loaded
+        assert ranks[1].poll() is None, ranks[1].tail()
+        (pg, first), (other, second) = ranks[0].bundle, ranks[1].bundle
+        assert other is pg and (first, second) == (0, 1)
+        table = ray.util.placement_group_table(pg)
+        assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
+        assert table["bundles"][0] == {"CPU": 0.25} == table["bundles"][1]
+        assert len(set(table["bundles_to_node_id"].values())) == 1
+        assert ranks[0].node["node_id"] == ranks[1].node["node_id"]
+        assert ranks[0].node["node_id"] in table["bundles_to_node_id"].values()
+        envs = [_environ(p.pid) for p in ranks]
+        assert [e["RANK"] for e in envs] == ["0", "1"]
+        assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+        assert envs[1]["MASTER_ADDR"] == "127.0.0.1"  # one node: rank 0 at loopback
+        wait_for(lambda: step_records(run.run_dir, 0), 240, "a step served by the group")
+    finally:
+        codes = launcher.stop(grace_s=30)
+    assert codes["teacher0"] == 0 and codes["teacher0.1"] in (0, -signal.SIGTERM), codes
+    assert pg is not None and ray.util.placement_group_table(pg)["state"] == "REMOVED"
