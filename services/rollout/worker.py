@@ -34,15 +34,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from services.collator.worker import samples_to_put_fields
 from services.protocol.rollout import ROLLOUT_FIELDS, rollout_values
 from services.rollout.config import RolloutConfig
 from services.rollout.prompts import Prompt
+from xtoken_core.data import sample as schema
+from xtoken_core.data_plane.codec import samples_to_columns
 from xtoken_core.tokenizers.base import TokenizedText
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,27 @@ def continuation_bounds(
     if first >= len(teacher):
         return first, 0
     return first, int(ends.max()) - int(teacher.spans[first, 0])
+
+
+def samples_to_fields(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+    """The fields of one put of on-policy samples: every field of a collated sample, then the
+    :data:`ROLLOUT_FIELDS`, in that order (the put's layout never depends on what else a sample
+    holds).
+
+    Args:
+        samples: N >= 1 samples of :meth:`RolloutWorker.make_samples`.
+
+    Returns:
+        field name -> ``[N]`` tensor (per-sample fields) or ``JaggedColumn`` of N rows.
+
+    Raises:
+        ValueError: no samples, or a sample misses a field (names it).
+    """
+    names = (*schema.FIELD_NAMES, *ROLLOUT_FIELDS)
+    try:
+        return samples_to_columns([{name: s[name] for name in names} for s in samples])
+    except KeyError as e:
+        raise ValueError(f"an on-policy sample misses field {e.args[0]!r}") from None
 
 
 def stopping_criteria(stop: Callable[[], bool] | None) -> Any:
@@ -295,9 +317,7 @@ class RolloutWorker:
         rows = self.sample([p.ids for p in prompts], seed=self._seed(prompts[0]), stop=stop)
         sampled = time.perf_counter()
         samples = self.make_samples(rows, [len(p.ids) for p in prompts], version)
-        fields = samples_to_put_fields(samples)
-        for name in ROLLOUT_FIELDS:
-            fields[name] = torch.stack([s[name] for s in samples])
+        fields = samples_to_fields(samples)
         counts = {
             "samples": len(samples),
             "generated_tokens": sum(len(r) - len(p.ids) for r, p in zip(rows, prompts)),

@@ -182,3 +182,29 @@ def test_the_services_packages_import_each_other_without_a_cycle():
 
     for unit in sorted(graph):
         visit(unit, [])
+
+
+# Producers of samples build their puts with the codec (xtoken_core/data_plane/codec.py), never
+# with each other's process code: a rollout worker runs without the collator's package.
+ROLLOUT = ROOT / "services" / "rollout"
+
+
+@pytest.mark.parametrize("path", _python_files(ROLLOUT), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_rollout_imports_nothing_from_the_collator(path):
+    bad = sorted(
+        m
+        for m in _imported_modules(path)
+        if m == "services.collator" or m.startswith("services.collator.")
+    )
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bad += [  # from services import collator
+        f"services.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "services"
+        for alias in node.names
+        if alias.name == "collator"
+    ]
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports {bad}: build puts with "
+        "xtoken_core.data_plane.codec (samples_to_columns), not the collator's code"
+    )

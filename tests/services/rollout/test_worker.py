@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from services.collator.worker import samples_to_put_fields
 from services.protocol.rollout import ROLLOUT_FIELDS
 from services.rollout.config import RolloutConfig
 from services.rollout.prompts import Prompt, PromptSource
 from services.rollout.worker import (
     RolloutWorker,
     continuation_bounds,
+    samples_to_fields,
     stopping_criteria,
     use_expandable_segments,
 )
@@ -254,10 +254,23 @@ def test_samples_pack_into_one_put_with_the_on_policy_fields(tmp_path, published
     worker = RolloutWorker(config(tmp_path))
     worker.refresh()
     samples = worker.make_samples([[1, 100, 200], [1, 300]], [2, 1], version=9)
-    fields = samples_to_put_fields(samples)
-    assert set(fields) == set(schema.FIELD_NAMES)
-    assert [int(s["policy_version"]) for s in samples] == [9, 9]
-    assert [int(s["prompt_lengths"]) for s in samples] == [2, 1]
+    fields = samples_to_fields(samples)
+    assert list(fields) == [*schema.FIELD_NAMES, *ROLLOUT_FIELDS]
+    assert fields["policy_version"].tolist() == [9, 9]
+    assert fields["prompt_lengths"].tolist() == [2, 1]
+    for sample, row in zip(samples, columns_to_samples(fields), strict=True):
+        schema.validate_sample(row)
+        for name in fields:
+            assert torch.equal(row[name], sample[name]) and row[name].dtype == sample[name].dtype
+
+
+def test_a_sample_without_an_on_policy_field_is_refused_naming_it(tmp_path, published):
+    worker = RolloutWorker(config(tmp_path))
+    worker.refresh()
+    (sample,) = worker.make_samples([[1, 100, 200]], [2], version=9)
+    del sample["scored_bytes"]
+    with pytest.raises(ValueError, match="an on-policy sample misses field 'scored_bytes'"):
+        samples_to_fields([sample])
 
 
 def test_the_users_allocator_settings_stand_and_otherwise_segments_expand(monkeypatch):
