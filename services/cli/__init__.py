@@ -33,6 +33,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# subcommand -> the extra of pyproject.toml that installs the packages it needs beyond xtoken's
+# own dependencies (its module imports them; without them its parser is built without its flags)
+EXTRAS: dict[str, str] = {"control": "control"}
+
 DESCRIPTION = "The `xtoken` console script: one subcommand per module, imported only when used."
 
 # Exit code after the reader of stdout went away (`xtoken queue stats | head`): 128 + SIGPIPE,
@@ -47,6 +51,19 @@ def _version() -> str:
         return version("xtoken")
     except PackageNotFoundError:  # a source tree that was never installed
         return "unknown (not installed)"
+
+
+def missing_message(command: str) -> str:
+    """The one line of a subcommand whose packages are not installed: the extra and how to
+    install it."""
+    extra = EXTRAS.get(command)
+    if extra is None:
+        return f"xtoken {command}: not available in this build"
+    return (
+        f"xtoken {command}: the `{extra}` extra is not installed; install it with "
+        f"`pip install -e '.[{extra}]'` in the xtoken clone (scripts/setup.sh installs it), "
+        f"or `pip install 'xtoken[{extra}]'`"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "_missing", False):  # before its flags, which its parser does not know
+        print(missing_message(args.command), file=sys.stderr)
+        return 2
     if unknown:  # a flag of a moved key is named with its new flag; any other as argparse does
         moved = moved_flag(args, unknown)
         if moved is None:
@@ -97,9 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not getattr(args, "command", None):
         parser.print_help()
-        return 2
-    if getattr(args, "_missing", False):
-        print(f"xtoken {args.command}: not available in this build", file=sys.stderr)
         return 2
     module = importlib.import_module(args._module)
     try:

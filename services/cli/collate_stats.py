@@ -13,8 +13,11 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the demo's options on its subcommand parser."""
+    # the defaults are tokenizers every install ships (xtoken's own dependencies)
     parser.add_argument("--student", default="qwen3", help="student tokenizer (default qwen3)")
-    parser.add_argument("--teacher", default="mistral", help="teacher tokenizer (default mistral)")
+    parser.add_argument(
+        "--teacher", default="deepseek", help="teacher tokenizer (default deepseek)"
+    )
     parser.add_argument(
         "--corpus",
         default=None,

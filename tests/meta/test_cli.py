@@ -183,3 +183,24 @@ def test_the_flag_of_a_moved_key_is_refused_naming_its_new_flag(capsys):
         cli.main(["trainer", "--micro-batchh", "4"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --micro-batchh 4" in capsys.readouterr().err
+
+
+def test_control_without_its_extra_names_the_extra_and_its_install_line():
+    """As on an install without FastAPI: the flags of `control serve` are not known then, and the
+    line says what to install instead of calling them unrecognized."""
+    blocked = ("fastapi", "uvicorn", "pydantic_settings", "starlette")
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None  # import fails as when absent\n"
+        "from services import cli\n"
+        "sys.exit(cli.main(['control', 'serve', '--runs-root', 'runs', '--data-root', 'data']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        "xtoken control: the `control` extra is not installed; install it with "
+        "`pip install -e '.[control]'` in the xtoken clone (scripts/setup.sh installs it), or "
+        "`pip install 'xtoken[control]'`\n"
+    )

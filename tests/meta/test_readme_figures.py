@@ -211,6 +211,13 @@ def test_the_readme_has_a_measured_table():
     assert len(README_ROWS) >= 5
 
 
+@pytest.mark.parametrize("row", README_ROWS, ids=lambda r: r.where)
+def test_a_readme_figure_cell_holds_one_figure(row):
+    """The README states one figure per claim; ranges, other shapes and caveats live in the
+    results file the row links."""
+    assert len(figures(row.figure)) == 1, f"{row.where}: {row.figure!r} is not one figure"
+
+
 @pytest.mark.parametrize("row", README_ROWS + INDEX_ROWS, ids=lambda r: r.where)
 def test_every_figure_is_in_the_results_file_its_row_links(row):
     assert row.sources, f"{row.where}: the row links no results file in benchmarks/results"

@@ -18,7 +18,7 @@ def test_collate_stats_prints_alignment_table_for_16_texts(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("xtoken collate-stats: 16 texts from ")
     rows = dict(line.split(None, 1) for line in out.splitlines()[1:])
-    assert rows["student"].strip() == "qwen3" and rows["teacher"].strip() == "mistral"
+    assert rows["student"].strip() == "qwen3" and rows["teacher"].strip() == "deepseek"
     assert int(rows["samples"]) == 16
     assert int(rows["chunks"]) > 16
     assert 0.5 < float(rows["valid_pair_fraction"]) <= 1.0
@@ -33,7 +33,7 @@ def test_collate_stats_json_via_subprocess_on_a_given_corpus(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "collate-stats", "--json"]
-        + ["--corpus", str(corpus), "--teacher", "deepseek", "--ctx-teacher", "20"]
+        + ["--corpus", str(corpus), "--teacher", "smollm2", "--ctx-teacher", "20"]
         + ["--div-student", "8", "--limit", "16"],
         capture_output=True,
         text=True,
@@ -42,7 +42,7 @@ def test_collate_stats_json_via_subprocess_on_a_given_corpus(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout)
-    assert stats["teacher"] == "deepseek" and stats["samples"] == len(texts)
+    assert stats["teacher"] == "smollm2" and stats["samples"] == len(texts)
     assert stats["empty_samples"] == 1
     assert stats["teacher_samples_at_ctx"] == 1  # only the long text reaches 20 tokens
     assert stats["samples_per_second"] > 0
