@@ -758,7 +758,12 @@ class Driver:
 
             def count() -> None:
                 try:
-                    texts = count_texts(train, text_field=config.data.text_field, limit=limit)
+                    texts = count_texts(
+                        train,
+                        text_field=config.data.text_field,
+                        txt_split=config.data.txt_split,
+                        limit=limit,
+                    )
                 except (OSError, ValueError):
                     return  # no total: the collator reports the corpus's problem
                 share = tr.on_policy.share(tr.feed.step_samples)

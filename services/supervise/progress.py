@@ -288,10 +288,15 @@ def estimated_steps(
 
 
 def count_texts(
-    train: str | os.PathLike, *, text_field: str = "text", limit: int | None = None
+    train: str | os.PathLike,
+    *,
+    text_field: str = "text",
+    txt_split: str = "blank_line",
+    limit: int | None = None,
 ) -> int:
     """The texts the collator reads from ``train`` (a file, folder or glob): what
-    :func:`~xtoken_core.data.corpus.iter_corpus` yields, bad lines skipped, at most ``limit``.
+    :func:`~xtoken_core.data.corpus.iter_corpus` yields (a ``.txt`` file cut by ``txt_split``,
+    as the collator cuts it), bad lines skipped, at most ``limit``.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`~xtoken_core.data.corpus.iter_corpus`.
@@ -299,7 +304,9 @@ def count_texts(
     from xtoken_core.data.corpus import iter_corpus
 
     n = 0
-    for _ in iter_corpus(train, text_field=text_field, on_bad=lambda err: None):
+    for _ in iter_corpus(
+        train, text_field=text_field, txt_split=txt_split, on_bad=lambda err: None
+    ):
         n += 1
         if limit is not None and n >= limit:
             break

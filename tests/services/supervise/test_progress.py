@@ -173,6 +173,7 @@ def test_the_corpus_is_counted_as_the_collator_reads_it(tmp_path):
     assert count_texts(corpus) == 5 + 3  # the bad line skipped, .txt split at blank lines
     assert count_texts(corpus, limit=4) == 4
     assert count_texts(corpus / "a.jsonl", text_field="body") == 0
+    assert count_texts(corpus / "b.txt", txt_split="line") == 4  # a text per non-blank line
 
 
 def test_the_eta_waits_for_two_steps_of_this_launch(tmp_path):
