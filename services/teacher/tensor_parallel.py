@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from services.common import lifecycle
+from services.protocol.names import QUEUE_TRANSPORTS
 from services.protocol.teacher import Request
 from services.teacher.config import TeacherConfig, check_tensor_parallel
 from services.teacher.shards import build_sharded_model, column_bounds, model_config, shard_model
@@ -362,7 +363,7 @@ class TensorParallelTeacher(TeacherWorker):
         slots = list(slots) if slots is not None else [None] * len(requests)
         if self.group.rank == 0:
             rings = []
-            if self.config.transport != "hidden":
+            if self.config.transport not in QUEUE_TRANSPORTS:  # a ring slot per request
                 for i, request in enumerate(requests):
                     if self.check(request) is not None:
                         continue  # refused alike on every rank, without a slot

@@ -117,13 +117,14 @@ def test_topk_is_served_by_a_group_and_a_preset_with_hidden_is_refused():
 # ----------------------------------------------------------------------------- spawned groups
 
 
-@pytest.mark.parametrize("transport", ["shm", "hidden"])
+@pytest.mark.parametrize("transport", ["shm", "hidden", "topk"])
 def test_a_whole_model_sharded_over_two_ranks_serves_one_teachers_results(tmp_path, transport):
     out = tmp_path / "saved.pt"
     spawn_group(serve_whole_then_sharded, 2, transport, str(out))
     saved = torch.load(out)
+    prefix = {"hidden": "one_hidden", "topk": "one_topk"}.get(transport, "one")
     for key in ("a:0", "b:0"):
-        want = saved[f"one_hidden:{key}" if transport == "hidden" else f"one:{key}"]
+        want = saved[f"{prefix}:{key}"]
         _close(saved[key], want)  # each rank wrote its vocab columns of the slot (shm)
     torch.testing.assert_close(saved["gathered"], saved["one:a:0"], rtol=1e-5, atol=1e-5)
     assert saved["bpb"] == pytest.approx(saved["one_bpb"], rel=1e-5)  # the held-out eval

@@ -100,6 +100,12 @@ def serve_whole_then_sharded(rank: int, size: int, transport: str, out: str) -> 
                 B, U = request.ids_BU.shape
                 if transport == "hidden":
                     got = proto.hidden_from_column(f[proto.hidden_field(request.rank)], B, U, "k")
+                elif transport == "topk":  # the trainer's decode of the group's targets
+                    from xtoken_core.wire.topk import decode_topk
+
+                    columns = [f[name] for name in proto.topk_fields(request.rank)]
+                    targets = proto.topk_from_columns(columns, B, U, request.key)
+                    got = decode_topk(targets, result.width)
                 else:
                     got = reader.view(result.descriptor, result.handle).clone()
                     reader.release(result.descriptor, result.handle)
@@ -111,6 +117,11 @@ def serve_whole_then_sharded(rank: int, size: int, transport: str, out: str) -> 
         saved["one_bpb"] = one.evaluate(texts)["bits_per_byte"]
         for request in requests:
             saved[f"one:{request.key}"] = one.logits(request).float()
+            if transport == "topk":  # the one-process teacher's targets, decoded alike
+                from xtoken_core.wire.topk import decode_topk, encode_topk
+
+                targets = encode_topk(one.logits(request), config.top_k)
+                saved[f"one_topk:{request.key}"] = decode_topk(targets, one.width).float()
             saved[f"one_hidden:{request.key}"] = one.hidden_states(request).float()
     torch.save(saved, out)
 
