@@ -121,10 +121,18 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/xtoken_bench_teachers")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "teachers.jsonl"))
     p.add_argument("--tag", default="")
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="run with mps: true (the teacher's and the trainers' kernels on one GPU side by "
+        "side instead of in turns; needs nvidia-cuda-mps-control)",
+    )
+    p.add_argument(
+        "--forward-rows", type=int, default=None, help="teacher.forward_rows (default: its own)"
+    )
     args = p.parse_args()
     args.pack = False
     args.pack_window = 1
-    args.mps = False
 
     from bench_pipeline import build_projection, long_corpus, pipeline
 
@@ -147,6 +155,8 @@ def main() -> int:
         lay = layout_of(name, args.gpus)
         on_gpu = args.device == "cuda"
         teacher_extra = {"tensor_parallel": lay["tp"], "top_k": args.top_k}
+        if args.forward_rows is not None:
+            teacher_extra["forward_rows"] = args.forward_rows
         trainer_extra = {"student": {"model": args.student}}
         if on_gpu:
             teacher_extra["gpus"] = lay["teacher_gpus"]
@@ -174,6 +184,8 @@ def main() -> int:
             "student": args.student,
             "shape": args.shape,
             "grad_accum": args.grad_accum,
+            "mps": args.mps,
+            "forward_rows": args.forward_rows,
             "mode": args.mode,
             "transport": args.transport,
             "top_k": args.top_k if args.transport == "topk" else None,
