@@ -46,6 +46,17 @@ class WorkerConfig:
             "trained": True,
         },
     )
+    teacher_cache: tuple[str | None, ...] = field(
+        default=(),
+        metadata={
+            "help": "one teacher cache folder (xtoken cache build) per teacher (teacher, then "
+            "extra_teachers), none for a live one: each sample also carries that teacher's "
+            "cached top-K targets, as teacher_topk_ / teacher<i>_topk_ fields (default: none)",
+            "path": "file",
+            "derived": "data.teacher_cache, one entry per teacher",
+            "trained": True,
+        },
+    )
     partition: str = shared_field("partition", help="queue partition")
     ctx_student: int = shared_field("ctx_student", default=2048)
     ctx_teacher: int = shared_field("ctx_teacher", default=2048)
@@ -80,6 +91,17 @@ class WorkerConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})"
                 )
+        teachers = 1 + len(self.extra_teachers)
+        if self.teacher_cache and len(self.teacher_cache) != teachers:
+            raise ValueError(
+                f"teacher_cache names {len(self.teacher_cache)} folder(s) for {teachers} "
+                "teacher(s): give one per teacher, none for a live one (--teacher-cache)"
+            )
+        if any(self.teacher_cache) and self.pack:
+            raise ValueError(
+                "teacher_cache with pack: a cache holds the targets of each text, and packed "
+                "rows join texts; pass --no-pack"
+            )
         for name in ("queue_timeout_s", "put_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(

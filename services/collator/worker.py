@@ -4,7 +4,8 @@ Two layers, as for every service:
 
 * ``CollatorWorker`` (logic, no process): owns the tokenizers and the collator (the student's,
   teacher 0's and any further teachers'), turns a batch of ``(key, text)`` pairs into one ``put``
-  (keys + fields of every teacher) and sends it through a queue client.
+  (keys + fields of every teacher, and the cached top-K targets of each teacher a teacher cache
+  serves, looked up by the sample key) and sends it through a queue client.
 * ``worker_main`` (process shell): the loop of one ``multiprocessing`` worker: loads the
   tokenizers once, takes batches from a task queue, reports counts to a result queue, stops on a
   ``None`` task, on the shared stop event, on SIGTERM/SIGINT or when the collator parent dies
@@ -39,7 +40,9 @@ _TASK_POLL_S = 0.2
 
 
 def samples_to_put_fields(
-    samples: Sequence[Mapping[str, torch.Tensor]], num_teachers: int = 1
+    samples: Sequence[Mapping[str, torch.Tensor]],
+    num_teachers: int = 1,
+    cached: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Pack N jagged samples (``collate_samples`` output) into the fields of one ``put``.
 
@@ -53,6 +56,8 @@ def samples_to_put_fields(
             the first sample).
         num_teachers: the teachers the samples carry fields of (teacher 0's under the
             one-teacher names, teacher i's as ``teacher{i}_...``).
+        cached: the teachers whose cached top-K targets the samples carry (None: those the
+            first sample carries, ``xtoken_core.data.sample.cached_teachers_of``).
 
     Returns:
         field name -> ``[N]`` tensor or ``JaggedColumn`` of N rows.
@@ -63,7 +68,9 @@ def samples_to_put_fields(
     if not samples:
         raise ValueError("samples_to_put_fields needs at least one sample, got none")
     fields: dict[str, Any] = {}
-    specs = schema.sample_fields(num_teachers, packed=schema.is_packed(samples[0]))
+    if cached is None:
+        cached = schema.cached_teachers_of(samples[0])
+    specs = schema.sample_fields(num_teachers, packed=schema.is_packed(samples[0]), cached=cached)
     for spec in specs:
         try:
             rows = [s[spec.name] for s in samples]
@@ -128,6 +135,8 @@ class CollatorWorker:
                 load_tokenizer(config.kd_where_agrees) if config.kd_where_agrees else None
             ),
         )
+        # a reader per cached teacher (data.teacher_cache), None for a live one
+        self.caches = [_open_cache(d) if d else None for d in config.teacher_cache]
         self._client = client
         self._stop = stop  # abandons a put in flight when set (SIGTERM, whatever the queue does)
 
@@ -159,9 +168,16 @@ class CollatorWorker:
         texts = [t for _, t in items]
         n = self.collator.num_teachers
         if not self.collator.pack:
-            return [k for k, _ in items], samples_to_put_fields(
-                self.collator.collate_samples(texts), n
-            )
+            keys = [k for k, _ in items]
+            samples = self.collator.collate_samples(texts)
+            cached = [j for j, reader in enumerate(self.caches) if reader is not None]
+            if cached:
+                from xtoken_core.cache.attach import attach_targets
+
+                for key, sample in zip(keys, samples, strict=True):
+                    for j in cached:
+                        attach_targets(sample, key, self.caches[j], j)
+            return keys, samples_to_put_fields(samples, n, cached)
         from xtoken_core.data.packing import row_key
 
         rows = self.collator.pack_samples(texts)
@@ -216,6 +232,13 @@ class CollatorWorker:
         """Close the queue client."""
         if self._client is not None and hasattr(self._client, "close"):
             self._client.close()
+
+
+def _open_cache(directory: str) -> Any:
+    """A reader of a teacher cache folder (``xtoken_core.cache.reader.CacheReader``)."""
+    from xtoken_core.cache.reader import CacheReader
+
+    return CacheReader(directory)
 
 
 class _AnySet:

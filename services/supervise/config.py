@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from services.collator.config import CollatorConfig, CorpusConfig
 from services.common import config as cfgmod
@@ -102,10 +102,40 @@ class DataConfig(CorpusConfig):
         },
     )
 
+    teacher_cache: str | list[str | None] | None = field(
+        default=None,
+        metadata={
+            "help": "a teacher cache folder (xtoken cache build) to train from instead of "
+            "running the teacher: no teacher process starts, each sample carries its cached "
+            "top-K targets; a list gives one per teacher (teacher, then extra_teachers), null "
+            "for a teacher that stays live",
+            "path": "file",
+            "trained": True,
+        },
+    )
+    teacher_cache_missing: Literal["error", "online"] = field(
+        default="error",
+        metadata={
+            "help": "a corpus sample the teacher cache lacks: error (refused before the run "
+            "starts, naming how many and their builder shards); online (ask a live teacher) is "
+            "not built yet",
+            "trained": True,
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (math.isfinite(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1):
             raise ValueError(f"on_policy_fraction={self.on_policy_fraction}: must be in [0, 1]")
+        if self.teacher_cache_missing == "online":
+            raise ValueError(
+                "teacher_cache_missing=online (a live teacher for the samples the cache lacks) "
+                "is not built yet: build them into the cache (`xtoken cache build` writes only "
+                "what is missing), or set teacher_cache_missing: error"
+            )
+        caches = self.teacher_cache if isinstance(self.teacher_cache, list) else []
+        if caches and all(c is None for c in caches):
+            self.teacher_cache = None
 
 
 @dataclasses.dataclass
@@ -336,6 +366,7 @@ class RunConfig(Shared):
                 "auto, topk or hidden"
             )
         check_extra_teachers(self)
+        self.check_teacher_cache()
         if self.data.ordered and self.collator.workers > 1:
             raise ValueError(
                 f"data.ordered needs one collator worker (collator.workers="
@@ -358,6 +389,36 @@ class RunConfig(Shared):
     def teacher_list(self) -> list[RunTeacher]:
         """Every teacher of the run in the loss's order (:func:`teacher_list`)."""
         return teacher_list(self)
+
+    def check_teacher_cache(self) -> None:
+        """``data.teacher_cache`` fits the run: one entry per teacher, a loss that reads
+        teachers, unpacked samples (the cache is keyed by text), no on-policy samples (their
+        continuations need a live teacher). Its fingerprint and the samples it holds are checked
+        by the pre-flight (``services.cache.check``).
+
+        Raises:
+            ValueError: names the key that conflicts and the fix.
+        """
+        cached = [v.key for v in self.teacher_list() if not v.live]
+        if not cached:
+            return
+        given = f"data.teacher_cache serves {', '.join(cached)}"
+        if not self.trainer.loss.uses_teacher:
+            raise ValueError(
+                f"{given}, but trainer.loss.mode={self.trainer.loss.mode} reads no teacher: "
+                "remove data.teacher_cache"
+            )
+        if self.pack:
+            raise ValueError(
+                f"{given}: a cache holds the targets of each text, and pack: true joins texts "
+                "into rows; set pack: false"
+            )
+        if self.on_policy:
+            raise ValueError(
+                f"{given}: on-policy samples (data.on_policy_fraction="
+                f"{self.data.on_policy_fraction:g}) need a live teacher to score them; set "
+                "data.on_policy_fraction: 0, or leave that teacher's entry null"
+            )
 
     def check_on_policy(self) -> None:
         """The trainer can take ``data.on_policy_fraction`` of its steps from rollout workers,
@@ -414,21 +475,24 @@ class RunConfig(Shared):
     @property
     def process_count(self) -> int:
         """Processes the run starts: its queue (unless external), the collator's workers (none
-        when every sample is on-policy), a teacher per group (when the loss uses one), a
+        when every sample is on-policy), a teacher per group (when the loss uses one; none for a
+        teacher a cache serves), a
         trainer per rank and the rollout workers (with on-policy samples)."""
         uses = self.trainer.loss.uses_teacher
-        teachers = sum(t.groups for t in self.teacher_list()) if uses else 0
+        teachers = sum(t.groups for t in self.teacher_list() if t.live) if uses else 0
         own_queue = 0 if self.queue.address else 1
         rollouts = self.rollouts if self.on_policy else 0
         collators = 0 if self.data.on_policy_fraction == 1.0 else self.collator.workers
         return own_queue + collators + teachers + self.trainers + rollouts
 
     def devices(self) -> list[tuple[str, str]]:
-        """``(key, device)`` of each kind of process that runs a model: the trainer, the teacher
-        when the loss uses one, the rollout workers with on-policy samples."""
+        """``(key, device)`` of each kind of process that runs a model: the trainer, each live
+        teacher when the loss uses one, the rollout workers with on-policy samples."""
         out = [("trainer.compute.device", str(self.trainer.compute.device))]
         if self.trainer.loss.uses_teacher:
-            out += [(f"{t.key}.device", str(t.section.device)) for t in self.teacher_list()]
+            out += [
+                (f"{t.key}.device", str(t.section.device)) for t in self.teacher_list() if t.live
+            ]
         if self.on_policy:
             out.append(("rollout.device", str(self.rollout.device)))
         return out

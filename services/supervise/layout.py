@@ -125,8 +125,10 @@ def plan_layout(config: Any, gpu_count: int) -> Layout:
     trainer: tuple[int, ...] = ()
     if _cuda(str(tr.compute.device)):
         trainer = tuple(tr.gpus) if tr.gpus is not None else tuple(range(config.trainers))
-    teachers = [
-        _teacher_gpus(view.section, view.groups, count) if tr.loss.uses_teacher else ()
+    teachers = [  # a teacher a cache serves runs no process: no GPU
+        _teacher_gpus(view.section, view.groups, count)
+        if tr.loss.uses_teacher and view.live
+        else ()
         for view in config.teacher_list()
     ]
     return Layout(trainer, teachers[0], tuple(teachers[1:]))

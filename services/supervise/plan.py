@@ -236,8 +236,14 @@ def make_data_sections(
     corpus = own(CorpusConfig, cfg.data, context, train=inputs.train, limit=limit or None)
     # the further teachers' tokenizers: every sample carries each teacher's tokens
     extra = [e.tokenizer for e in cfg.extra_teachers]
+    # each teacher's cache (or none): the collator puts the cached targets beside the fields
+    caches = [v.cache for v in cfg.teacher_list()] if cfg.data.teacher_cache else []
     out["collator"] = own(
-        CollatorConfig, cfg.collator, context, data=corpus, **{"worker.extra_teachers": extra}
+        CollatorConfig,
+        cfg.collator,
+        context,
+        data=corpus,
+        **{"worker.extra_teachers": extra, "worker.teacher_cache": caches},
     )
     return out
 
@@ -260,7 +266,7 @@ def make_sections(
     cfg = config
     teacher, tr = cfg.teacher, cfg.trainer
     uses = tr.loss.uses_teacher
-    hidden = uses and run_transport(cfg) == "hidden"
+    hidden = uses and run_transport(cfg) == "hidden" and cfg.teacher_list()[0].live
     derived: dict[str, Any] = {
         **copies(cfg, TrainerConfig),
         "loss.projection": inputs.projection,
@@ -269,11 +275,14 @@ def make_sections(
         # the hidden transport: the trainer applies the teacher's output layer, of its model
         "teacher.model": tr.teacher.model or (teacher.model if hidden else None),
         "extra_teachers": extra_links(cfg, inputs),
+        "teacher.cache": cfg.teacher_list()[0].cache,
     }
     trainer = own(TrainerConfig, tr, context, **derived)  # checked: every projection is there
     out = {"trainer": trainer}
     layout = _layout(cfg, gpus)
     for view in cfg.teacher_list():
+        if not view.live:  # its targets come from its cache: no teacher process
+            continue
         t = view.section
         placed = layout.teacher(view.index)
         for g in range(view.groups):
@@ -309,7 +318,7 @@ def extra_links(config: RunConfig, inputs: Inputs) -> list[dict[str, Any]]:
     projections = inputs.extra_projections or tuple(v.projection for v in views)
     for view, projection in zip(views, projections, strict=True):
         e = view.section
-        hidden = run_transport(config, e) == "hidden"
+        hidden = run_transport(config, e) == "hidden" and view.live
         out.append(
             {
                 "tokenizer": view.tokenizer,
@@ -322,6 +331,7 @@ def extra_links(config: RunConfig, inputs: Inputs) -> list[dict[str, Any]]:
                 "timeout_s": link.timeout_s,
                 "dead_after_s": link.dead_after_s,
                 "verify_logits": link.verify_logits,
+                "cache": view.cache,
             }
         )
     return out
@@ -378,7 +388,8 @@ def make_specs(
     host: Host | None = None,
 ) -> list[ProcessSpec]:
     """The processes of one launch: the queue (unless external), the collator (unless every
-    sample is on-policy), a teacher per group (when the loss uses one), a trainer per rank and
+    sample is on-policy), a teacher per group (when the loss uses one; none for a teacher that
+    ``data.teacher_cache`` serves), a trainer per rank and
     the rollout workers (with on-policy samples), each with its heartbeat file (and, with
     ``mps: true``, each GPU process with the run's MPS daemon's folders). Each one's argv
     names its section file and the shared context, and nothing else."""
@@ -417,7 +428,7 @@ def make_specs(
     ]
     if cfg.data.on_policy_fraction < 1.0:  # every sample on-policy: no collator to read
         specs += collators
-    views = cfg.teacher_list() if cfg.trainer.loss.uses_teacher else []
+    views = [v for v in cfg.teacher_list() if v.live] if cfg.trainer.loss.uses_teacher else []
     rollouts = cfg.rollouts if cfg.on_policy else 0
     threads = cpu_threads(
         host,

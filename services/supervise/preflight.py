@@ -1,7 +1,8 @@
 """The checks before any process of a run starts, and the inputs they settle: the corpora (readable,
-with text), the tokenizers and the models' vocabularies, the devices and the layout, and each
-teacher's projection (services/supervise/projections.py: given and checked, or built once into
-the cache)."""
+with text), the tokenizers and the models' vocabularies, the devices and the layout, each teacher
+cache of ``data.teacher_cache`` (services/cache/check.py: built for its teacher, holding every
+sample), and each teacher's projection (services/supervise/projections.py: given and checked, or
+built once into the cache)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.cache.check import check_teacher_caches
 from services.supervise.config import RunConfig
 from services.supervise.projections import (
     build_cached_projection,
@@ -153,6 +155,8 @@ def preflight(config: RunConfig) -> Inputs:
     check_vocabs(config, s_tok.vocab_size, vocabs[0], vocabs[1:])
     check_run_layout(config, s_tok.vocab_size, vocabs[0], vocabs[1:])
     check_transport(config, vocabs[0], vocabs[1:])
+    # each teacher a cache serves: built for it, and holding every sample the collator reads
+    check_teacher_caches(config, train, train_limit)
     projections = settle_projections(config, s_tok, t_toks)
     return Inputs(train, heldout, projections[0], train_limit, tuple(projections[1:]))
 

@@ -22,6 +22,7 @@ __all__ = [
     "RunTeacherConfig",
     "check_extra_teachers",
     "extra_teacher_entry",
+    "teacher_caches",
     "teacher_list",
 ]
 
@@ -194,6 +195,8 @@ class RunTeacher:
         groups: its groups (``teachers`` for teacher 0, an entry's ``groups`` or ``teachers``).
         projection: its projection file as the config names it (None: the run builds it).
         projection_key: the key that sets it.
+        cache: its teacher cache folder (its entry of ``data.teacher_cache``), or None: its
+            groups run as processes.
     """
 
     index: int
@@ -204,6 +207,12 @@ class RunTeacher:
     groups: int
     projection: str | None
     projection_key: str
+    cache: str | None = None
+
+    @property
+    def live(self) -> bool:
+        """Its groups run as processes (no teacher cache serves it)."""
+        return self.cache is None
 
     def name(self, group: int) -> str:
         """The process name of its group ``group`` (``teacher0``, ``t1.teacher0``)."""
@@ -225,10 +234,12 @@ def entry_mapping(entry: Any, i: int) -> Mapping[str, Any]:
 def teacher_list(config: Any) -> list[RunTeacher]:
     """Every teacher of a run config in the loss's order: teacher 0 (the ``teacher`` section),
     then one per entry of ``extra_teachers``."""
+    caches = teacher_caches(config.data.teacher_cache, 1 + len(config.extra_teachers))
     out = [
         RunTeacher(
             0, "teacher", config.teacher, config.teacher_tokenizer, "teacher_tokenizer",
             config.teachers, config.trainer.loss.projection, "trainer.loss.projection",
+            caches[0],
         )
     ]  # fmt: skip
     for i, e in enumerate(config.extra_teachers):
@@ -236,10 +247,32 @@ def teacher_list(config: Any) -> list[RunTeacher]:
         out.append(
             RunTeacher(
                 i + 1, key, e, str(e.tokenizer), f"{key}.tokenizer",
-                e.groups or config.teachers, e.projection, f"{key}.projection",
+                e.groups or config.teachers, e.projection, f"{key}.projection", caches[i + 1],
             )
         )  # fmt: skip
     return out
+
+
+def teacher_caches(value: str | list[str | None] | None, n: int) -> list[str | None]:
+    """``data.teacher_cache`` as one entry per teacher (None: the teacher stays live).
+
+    Args:
+        value: a folder (teacher 0's cache), a list of one entry per teacher, or None.
+        n: the run's teachers (``teacher`` and each ``extra_teachers`` entry).
+
+    Raises:
+        ValueError: a list whose length is not ``n`` (names both and the fix).
+    """
+    if value is None:
+        return [None] * n
+    if isinstance(value, str):
+        return [value] + [None] * (n - 1)
+    if len(value) != n:
+        raise ValueError(
+            f"data.teacher_cache has {len(value)} entries for {n} teacher(s) (teacher, then "
+            "each of extra_teachers): give one per teacher, null for a teacher that stays live"
+        )
+    return [v or None for v in value]
 
 
 def check_extra_teachers(config: Any) -> None:

@@ -10,6 +10,11 @@ micro-batches is kept claimed and requested ahead, so the teacher computes step 
 rank trains on step k; the next ones are claimed and requested while each backward runs.
 With ``on_policy.fraction`` above 0 the sample feed is the mixed one
 (services/trainer/on_policy.py): part of each step comes from the rollout workers.
+
+A teacher a cache serves (its link's ``cache``, a run's ``data.teacher_cache``) has no client:
+its samples carry its top-K targets (``teacher_topk_*`` fields, claimed with the others), and
+its logits are those targets decoded (``xtoken_core.wire.topk.decode_topk``), as the ``topk``
+transport's client decodes a teacher's result.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class TeacherFeed:
         readers, output_layers: one per teacher, as the teacher client's ``reader`` and
             ``output_layer`` (None: none for any).
         ranks: the data-parallel size.
+        cached_widths: per teacher, the logits' width W of the cache that serves it (its
+            targets travel with the samples and are decoded here), or None for a live teacher
+            (None: every teacher is live).
         version, teacher_vocab: as :class:`services.trainer.on_policy.OnPolicyFeed` (read with
             ``on_policy.fraction`` above 0).
     """
@@ -84,6 +92,7 @@ class TeacherFeed:
         teacher_vocab: int | None = None,
         readers: Sequence[Any] | None = None,
         output_layers: Sequence[Any] | None = None,
+        cached_widths: Sequence[int | None] | None = None,
         stop: Any = None,
         register: bool = False,
         checkpoint_every: int = 0,
@@ -92,6 +101,10 @@ class TeacherFeed:
         self.config = config
         self.pack, self.uses_teacher = pack, uses_teacher
         n = len(teachers)
+        widths = list(cached_widths) if cached_widths is not None else [None] * n
+        # teacher j -> the width of the cache that serves it (its targets come with the samples)
+        self.cached = {j: int(w) for j, w in enumerate(widths) if w is not None}
+        self.device = device or torch.device("cpu")
         common = dict(
             partition=partition, pack=pack, stop=stop, register=register,
             checkpoint_every=checkpoint_every, replaces=replaces, rank=rank, ranks=ranks,
@@ -110,18 +123,21 @@ class TeacherFeed:
                 **common,
             )
         else:
-            self.samples = SampleFeed(client, config, pads, task, trained, **common)
+            self.samples = SampleFeed(
+                client, config, pads, task, trained, cached=sorted(self.cached), **common
+            )
         # the mixed feed (on-policy samples), or None
         self.on_policy = self.samples if isinstance(self.samples, OnPolicyFeed) else None
         readers = list(readers) if readers is not None else [None] * n
         output_layers = list(output_layers) if output_layers is not None else [None] * n
+        # a client per live teacher (a cached one's logits are decoded from its samples)
         self.teachers = [
             TeacherClient(
                 client,
                 link,
                 partition,
                 rank,
-                device or torch.device("cpu"),
+                self.device,
                 lease_s=config.lease_s,
                 claim_timeout_s=config.claim_timeout_s,
                 reader=readers[j],
@@ -129,7 +145,9 @@ class TeacherFeed:
                 index=j,
             )
             for j, link in enumerate(teachers)
+            if j not in self.cached
         ]
+        self._n = n
         # each teacher's fields of a sample: its rows, its positions (packed), its padded ids
         self._ids = [teacher_field_name("teacher_input_ids", j) for j in range(n)]
         self._positions = [teacher_field_name("teacher_position_ids", j) for j in range(n)]
@@ -236,9 +254,28 @@ class TeacherFeed:
         return mb
 
     def _logits(self, p: _Pending) -> torch.Tensor | list[torch.Tensor]:
-        """The teacher logits of ``p``: ``[B, U, W]`` of one teacher, or one per teacher."""
-        logits = [teacher.logits(asked) for teacher, asked in zip(self.teachers, p.asked)]
+        """The teacher logits of ``p``: ``[B, U, W]`` of one teacher, or one per teacher (a
+        live teacher's from its client, a cached one's decoded from the batch's targets)."""
+        live = iter(zip(self.teachers, p.asked, strict=True))
+        logits = []
+        for j in range(self._n):
+            if j in self.cached:
+                logits.append(self._decode(p, j))
+            else:
+                teacher, asked = next(live)
+                logits.append(teacher.logits(asked))
         return logits[0] if len(logits) == 1 else logits
+
+    def _decode(self, p: _Pending, j: int) -> torch.Tensor:
+        """Cached teacher ``j``'s ``[B, U, W]`` logits of ``p``: the top-K targets its samples
+        carry, decoded as the ``topk`` transport's client decodes a result."""
+        from xtoken_core.cache.attach import topk_of_batch
+        from xtoken_core.wire.topk import decode_topk
+
+        try:
+            return decode_topk(topk_of_batch(p.batch, j), self.cached[j], device=self.device)
+        except ValueError as e:
+            raise ValueError(f"cached top-k targets of teacher {j} of {p.keys[:3]}: {e}") from None
 
     def _prefetch(self, p: _Pending) -> None:
         for teacher, asked in zip(self.teachers, p.asked):

@@ -99,6 +99,7 @@ class SampleFeed:
             the consumer task is ``<task>/r<rank>`` and the rank keeps its share of each step.
         teachers: the teachers of the loss: a claim takes every teacher's fields
             (``xtoken_core.data.sample.field_names``).
+        cached: the teachers a teacher cache serves: a claim also takes their top-K targets.
     """
 
     def __init__(
@@ -118,11 +119,12 @@ class SampleFeed:
         rank: int = 0,
         ranks: int = 1,
         teachers: int = 1,
+        cached: tuple[int, ...] | list[int] = (),
     ) -> None:
         self.client = client
         self.config = config
         self.partition, self.pack = partition, pack
-        self.fields = schema.field_names(teachers, packed=pack)
+        self.fields = schema.field_names(teachers, packed=pack, cached=cached)
         self.pads = pads
         # ordered over several ranks: every rank reads every sample (its own task) and keeps
         # its share, so the tasks of this launch are <task>/r<rank>

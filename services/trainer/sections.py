@@ -385,6 +385,18 @@ class TeacherLinkConfig:
         },
     )
 
+    cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "a teacher cache folder (xtoken cache build) whose top-K targets the "
+            "samples carry: the trainer decodes them instead of asking a teacher (null: ask "
+            "the teacher's groups)",
+            "path": "file",
+            "derived": "this teacher's entry of data.teacher_cache",
+            "trained": True,
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.groups < 1:
             raise ValueError(f"groups={self.groups}: must be >= 1")

@@ -225,6 +225,8 @@ class Trainer:
         teacher_pad_id = pad_ids[0] if len(pad_ids) == 1 else pad_ids
         self.pads = {"student_pad_id": self.student.pad_id, "teacher_pad_id": teacher_pad_id}
         self.readers, self.output_layers = self._teacher_links()
+        # per teacher, the width of the cache that serves it (None: a live teacher)
+        self.cached_widths = [cache_width(t.link.cache) for t in config.teachers()]
         # Retention: a run that reads its partition once registers its consumer task, so that the
         # queue drops each sample once a checkpoint holds it and a corpus larger than its
         # --capacity streams through it (feed.py). A run of several epochs reads every sample
@@ -545,6 +547,7 @@ class Trainer:
             teacher_vocab=_teacher_vocab(self.student_step.loss_fn),
             readers=self.readers or None,
             output_layers=self.output_layers or None,
+            cached_widths=self.cached_widths if config.loss.uses_teacher else None,
             partition=config.partition,
             pack=config.pack,
             uses_teacher=config.loss.uses_teacher,
@@ -604,6 +607,23 @@ class Trainer:
                     metrics.get("ce_loss", 0.0),
                     metrics["tokens"] / step_s if step_s else 0.0,
                 )
+
+
+def cache_width(directory: str | None) -> int | None:
+    """The logits' width W of the teacher cache in ``directory`` (None: no cache).
+
+    Raises:
+        SettingsError: no teacher cache there.
+    """
+    if directory is None:
+        return None
+    from xtoken_core.cache.manifest import read_manifest
+    from xtoken_core.errors import SettingsError
+
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise SettingsError(f"teacher.cache {directory} holds no teacher cache (no manifest)")
+    return int(manifest["width"])
 
 
 def _teacher_vocab(loss_fn: Any) -> int | None:

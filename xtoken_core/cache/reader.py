@@ -1,13 +1,15 @@
 """Reading the teacher cache: a sample's targets by its key.
 
 The reader indexes the keys of every shard the manifest lists (the ``key`` column alone) and
-reads a shard one row group at a time, keeping the last one it read: samples asked for in the
-order they were built cost one row group read per ``row_group_rows`` samples.
+reads a shard one row group at a time, keeping the last :data:`HELD_ROW_GROUPS` it read: the
+builder writes a window of texts sorted by length, so samples asked for in corpus order visit a
+few row groups back and forth, each read once.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,10 @@ from xtoken_core.cache.format import FORMAT_VERSION, Codec, Row, decode_position
 from xtoken_core.cache.manifest import key_shard, read_manifest
 from xtoken_core.errors import DataError, SettingsError
 
-__all__ = ["CacheReader", "missing_line"]
+__all__ = ["HELD_ROW_GROUPS", "CacheReader", "missing_line"]
+
+#: Row groups a reader keeps decoded (the last ones read).
+HELD_ROW_GROUPS = 16
 
 
 class CacheReader:
@@ -65,7 +70,7 @@ class CacheReader:
             starts = np.cumsum([0] + [rg["rows"] for rg in entry["row_groups"]]).tolist()
             self._starts.append(starts)
         self._files: dict[int, Any] = {}
-        self._held: tuple[int, int, Any] | None = None  # (shard, row group, its table)
+        self._held: OrderedDict[tuple[int, int], Any] = OrderedDict()  # (shard, group) -> table
 
     def __len__(self) -> int:
         return len(self._index)
@@ -96,8 +101,10 @@ class CacheReader:
         return self._decode(table, i)
 
     def _row_group(self, shard: int, group: int) -> Any:
-        if self._held is not None and self._held[:2] == (shard, group):
-            return self._held[2]
+        table = self._held.get((shard, group))
+        if table is not None:
+            self._held.move_to_end((shard, group))
+            return table
         import pyarrow.parquet as pq
 
         path = self.directory / self.shards[shard]
@@ -111,7 +118,9 @@ class CacheReader:
                 f"teacher cache shard {path} row group {group} cannot be read ({e}); run "
                 f"`xtoken cache verify {self.directory}`"
             ) from None
-        self._held = (shard, group, table)
+        self._held[shard, group] = table
+        if len(self._held) > HELD_ROW_GROUPS:
+            self._held.popitem(last=False)
         return table
 
     def _decode(self, table: Any, i: int) -> Row:

@@ -38,6 +38,14 @@ fields on its own axis ``C_i`` (``teacher{i}_chunk``, length ``teacher{i}_alignm
 its student-token fields (``teacher{i}_alignment_student_chunk_id``, ...) are on the shared
 ``T``. The student fields and ``sample_mask`` are shared by every teacher.
 :func:`sample_fields` lists every field of a sample of N teachers.
+
+Cached teachers (a run's ``data.teacher_cache``): a sample carries a cached teacher's top-K
+targets, :data:`TOPK_FIELDS`, on that teacher's token axis (``teacher_topk_ids`` ``[U, K]``
+int32, ``teacher_topk_logprobs`` ``[U, K]`` float32, ``teacher_topk_rest`` and
+``teacher_topk_lse`` ``[U]`` float32; teacher i's as ``teacher{i}_topk_...``): the ``topk``
+transport's payload, decoded by the trainer with ``xtoken_core.wire.topk.decode_topk``. The
+``[U, K]`` fields have one trailing dim (:attr:`FieldSpec.inner`); the pads of a padded batch
+(ids 0, log-probs, rest and log-partition 0) are masked by ``teacher_token_mask``.
 """
 
 from __future__ import annotations
@@ -75,12 +83,14 @@ class FieldSpec:
             ``"sample"`` (0-d in a sample, [B] in a batch; never padded).
         pad: value written into padding: a number/bool, or ``"student_pad_id"`` /
             ``"teacher_pad_id"`` (resolved by :func:`pad_values`); None for per-sample fields.
+        inner: trailing dims of each entry (1 for the ``[U, K]`` top-K fields, else 0).
     """
 
     name: str
     dtype: torch.dtype
     axis: str
     pad: int | float | bool | str | None
+    inner: int = 0
 
 
 SAMPLE_FIELDS: tuple[FieldSpec, ...] = (
@@ -104,7 +114,17 @@ PACKED_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("position_ids", torch.int32, STUDENT_TOKEN, 0),
     FieldSpec("teacher_position_ids", torch.int32, TEACHER_TOKEN, 0),
 )
-FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in SAMPLE_FIELDS + PACKED_FIELDS}
+# A cached teacher's top-K targets (data.teacher_cache), per teacher token: K ids, their K
+# log-probabilities, the log of the mass outside them and the log-partition.
+TOPK_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec("teacher_topk_ids", torch.int32, TEACHER_TOKEN, 0, inner=1),
+    FieldSpec("teacher_topk_logprobs", torch.float32, TEACHER_TOKEN, 0.0, inner=1),
+    FieldSpec("teacher_topk_rest", torch.float32, TEACHER_TOKEN, 0.0),
+    FieldSpec("teacher_topk_lse", torch.float32, TEACHER_TOKEN, 0.0),
+)
+FIELDS_BY_NAME: dict[str, FieldSpec] = {
+    f.name: f for f in SAMPLE_FIELDS + PACKED_FIELDS + TOPK_FIELDS
+}
 # The fields every sample has (a trainer's claim requires them).
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
 PACKED_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in PACKED_FIELDS)
@@ -121,7 +141,7 @@ LENGTH_FIELD: dict[str, str] = {
 TEACHER_FIELDS: tuple[FieldSpec, ...] = tuple(
     f for f in SAMPLE_FIELDS + PACKED_FIELDS if f.name.startswith(("teacher_", ALIGNMENT_PREFIX))
 )
-_TEACHER_FIELD_NAMES = frozenset(f.name for f in TEACHER_FIELDS)
+_TEACHER_FIELD_NAMES = frozenset(f.name for f in TEACHER_FIELDS + TOPK_FIELDS)
 # teacher{i}_<rest> with i >= 1 (teacher 0 has no number)
 _NUMBERED = re.compile(r"teacher([1-9][0-9]*)_(.+)")
 
@@ -208,39 +228,81 @@ def teacher_fields(teacher: int, *, packed: bool = False) -> tuple[FieldSpec, ..
     )
 
 
-def sample_fields(num_teachers: int = 1, *, packed: bool = False) -> tuple[FieldSpec, ...]:
+def topk_fields(teacher: int) -> tuple[FieldSpec, ...]:
+    """The top-K target fields of cached teacher ``teacher`` (:data:`TOPK_FIELDS`, named as
+    :func:`teacher_field_name` names its fields, on its own token axis).
+
+    Args:
+        teacher: the teacher's index, >= 0 (0: ``teacher_topk_ids``, ...).
+
+    Returns:
+        The four specs: ids, log-probs, rest, log-partition.
+    """
+    return tuple(
+        dataclasses.replace(
+            f, name=teacher_field_name(f.name, teacher), axis=teacher_axis(f.axis, teacher)
+        )
+        for f in TOPK_FIELDS
+    )
+
+
+def cached_teachers_of(sample: Mapping[str, object]) -> tuple[int, ...]:
+    """The teachers whose top-K targets a sample (or a padded batch) carries.
+
+    Args:
+        sample: a jagged sample or a padded batch.
+
+    Returns:
+        Their indices, increasing.
+    """
+    n = num_teachers_of(sample)
+    return tuple(i for i in range(n) if teacher_field_name(TOPK_FIELDS[0].name, i) in sample)
+
+
+def sample_fields(
+    num_teachers: int = 1, *, packed: bool = False, cached: Sequence[int] = ()
+) -> tuple[FieldSpec, ...]:
     """Every field of a sample of ``num_teachers`` teachers: the one-teacher schema
     (:data:`SAMPLE_FIELDS`, and :data:`PACKED_FIELDS` when packed), then teacher 1's fields,
-    teacher 2's, ... (:func:`teacher_fields`).
+    teacher 2's, ... (:func:`teacher_fields`), then the top-K targets of each cached teacher
+    (:func:`topk_fields`).
 
     Args:
         num_teachers: N >= 1.
         packed: packed rows (the position fields of the student and of every teacher).
+        cached: the teachers (indices < N) whose top-K targets the samples carry.
 
     Returns:
         The specs; for one teacher exactly ``SAMPLE_FIELDS`` (``+ PACKED_FIELDS``).
 
     Raises:
-        ValueError: ``num_teachers`` < 1.
+        ValueError: ``num_teachers`` < 1, or a cached teacher index outside ``[0, N)``.
     """
     n = _check_num_teachers(num_teachers)
     specs = SAMPLE_FIELDS + (PACKED_FIELDS if packed else ())
     for i in range(1, n):
         specs += teacher_fields(i, packed=packed)
+    for i in sorted(set(cached)):
+        if not 0 <= i < n:
+            raise ValueError(f"cached teacher {i}: the samples have teachers 0..{n - 1}")
+        specs += topk_fields(i)
     return specs
 
 
-def field_names(num_teachers: int = 1, *, packed: bool = False) -> tuple[str, ...]:
+def field_names(
+    num_teachers: int = 1, *, packed: bool = False, cached: Sequence[int] = ()
+) -> tuple[str, ...]:
     """Names of :func:`sample_fields` (what a consumer of N teachers' samples claims).
 
     Args:
         num_teachers: N >= 1.
         packed: packed rows.
+        cached: the teachers whose top-K targets the samples carry.
 
     Returns:
         The names, in schema order.
     """
-    return tuple(f.name for f in sample_fields(num_teachers, packed=packed))
+    return tuple(f.name for f in sample_fields(num_teachers, packed=packed, cached=cached))
 
 
 def num_teachers_of(sample: Mapping[str, object]) -> int:
@@ -346,7 +408,7 @@ def pad_values(
         resolved[teacher_pad_symbol(i)] = pad_id
     return {
         f.name: resolved.get(f.pad, f.pad) if isinstance(f.pad, str) else f.pad
-        for f in sample_fields(len(teacher_ids), packed=True)
+        for f in sample_fields(len(teacher_ids), packed=True, cached=range(len(teacher_ids)))
         if f.axis != SAMPLE
     }
 
@@ -407,7 +469,7 @@ def validate_sample(sample: Mapping[str, torch.Tensor], num_teachers: int | None
             f"collate it with {n} teacher tokenizer(s) or expect {found}"
         )
     packed = _has_packed_field(sample, n)
-    specs = sample_fields(n, packed=packed)
+    specs = sample_fields(n, packed=packed, cached=cached_teachers_of(sample))
     missing = [spec.name for spec in specs if spec.name not in sample]
     if missing:
         raise ValueError(
@@ -419,7 +481,7 @@ def validate_sample(sample: Mapping[str, torch.Tensor], num_teachers: int | None
         if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype:
             got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"field {spec.name!r}: expected a {spec.dtype} tensor, got {got}")
-        want_dim = 0 if spec.axis == SAMPLE else 1
+        want_dim = (0 if spec.axis == SAMPLE else 1) + spec.inner
         if value.dim() != want_dim:
             raise ValueError(
                 f"field {spec.name!r}: expected {want_dim}-d, got shape {tuple(value.shape)}"
@@ -479,6 +541,12 @@ def pad_samples(
         )
     for sample in samples:
         validate_sample(sample, n)
+    cached = cached_teachers_of(samples[0])
+    if any(cached_teachers_of(s) != cached for s in samples[1:]):
+        raise ValueError(
+            "samples carry the cached top-K targets of different teachers; a batch comes from "
+            "one run (its data.teacher_cache)"
+        )
     packed = [is_packed(s) for s in samples]
     if any(packed) and not all(packed):
         raise ValueError(
@@ -507,7 +575,7 @@ def pad_samples(
         for axis, length in length_fields(n).items()
     }
     batch: dict[str, torch.Tensor] = {}
-    for spec in sample_fields(n, packed=packed[0]):
+    for spec in sample_fields(n, packed=packed[0], cached=cached):
         rows = [s[spec.name] for s in samples]
         if spec.axis == SAMPLE:
             batch[spec.name] = torch.stack(rows)

@@ -1,0 +1,77 @@
+"""``xtoken run`` trained from a teacher cache that ``xtoken cache build`` wrote, as real
+processes: no teacher process starts, the run completes, every sample is trained exactly once
+with a KD term from the cached targets; a cache of another teacher is refused before any
+process starts, in one line naming the key that differs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import (
+    CHILD_ENV,
+    assert_exactly_once,
+    corpus_parts,
+    step_records,
+    tiny_run_config,
+    trained_keys,
+    write_config,
+)
+
+
+def _xtoken(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, **CHILD_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_run_from_a_built_cache_starts_no_teacher_and_trains_each_sample_once(
+    procs, tmp_path, demo, projection
+):
+    paths, corpus = corpus_parts(demo, tmp_path / "data", n=24, parts=1)
+    run_dir = tmp_path / "run"
+    cache = tmp_path / "cache"
+    config = tiny_run_config(run_dir, paths[0], str(demo.heldout_path), projection)
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, teacher_cache=str(cache))
+    )
+    path = write_config(tmp_path / "run.json", config)
+    built = _xtoken("cache", "build", str(path), "--out", str(cache), "--no-progress")
+    assert built.returncode == 0, built.stderr
+
+    run = procs.start("run", ["run", str(path), "--no-progress"], ready=False)
+    assert run.wait(240) == 0, run.tail()
+
+    assert_exactly_once(trained_keys(run_dir), corpus)
+    assert not list((run_dir / "logs").glob("*teacher*")), "a teacher process started"
+    assert not (run_dir / "config" / "teacher0.json").exists()
+    for rank in (0, 1):
+        steps = step_records(run_dir, rank)
+        assert steps, f"rank {rank} recorded no step"
+        for record in steps:
+            assert math.isfinite(record["kl_loss"]) and record["kl_loss"] > 0, record
+
+    other = _xtoken(
+        "run", str(path), "--no-progress", "--set", f"run_dir={tmp_path / 'other'}",
+        "--set", "teacher.seed=7",
+    )  # fmt: skip
+    assert other.returncode == 2, other.stderr
+    assert "teacher.weights_hash" in other.stderr and "was built for another teacher" in (
+        other.stderr
+    ), other.stderr
+    assert not (tmp_path / "other" / "logs").exists() or not list(
+        (tmp_path / "other" / "logs").iterdir()
+    )
