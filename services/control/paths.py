@@ -148,12 +148,18 @@ def _model_path(spec: str) -> tuple[str, str, str]:
     return spec, "", suffix
 
 
-def _given(data: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, str, str]]:
-    """``(mapping, last part, key, kind)`` of each path-bearing key ``data`` gives as a string."""
+def _given(data: dict[str, Any]) -> Iterator[tuple[Any, Any, str, str]]:
+    """``(container, index, key, kind)`` of each path ``data`` gives as a string: a
+    path-bearing key's value, or each string entry of its list (``data.teacher_cache[1]``)."""
     for pattern, kind in data_keys().items():
         for node, leaf, key in find(data, pattern):
-            if isinstance(node[leaf], str):
+            value = node[leaf]
+            if isinstance(value, str):
                 yield node, leaf, key, kind
+            elif isinstance(value, list):
+                for i, entry in enumerate(value):
+                    if isinstance(entry, str):
+                        yield value, i, f"{key}[{i}]", kind
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -224,3 +224,16 @@ def test_the_exposition_has_help_type_and_escaped_low_cardinality_labels():
     assert "xtoken_control_uptime_seconds 10" in text
     for line in text.splitlines():
         assert line.startswith("#") or line.startswith("xtoken_"), line
+
+
+def test_each_folder_of_a_teacher_cache_list_is_confined_like_one_folder(tmp_path):
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    roots = {"run_dir": "r", "runs_root": runs, "data_roots": [data]}
+    out = confine({"data": {"teacher_cache": ["caches/a", None]}}, **roots)
+    assert out["data"]["teacher_cache"] == [str(data.resolve() / "caches" / "a"), None]
+    with pytest.raises(PathNotAllowed, match="outside the data roots") as e:
+        confine({"data": {"teacher_cache": ["caches/a", "/etc"]}}, **roots)
+    assert e.value.key == "data.teacher_cache[1]"
+    with pytest.raises(PathNotAllowed) as one:
+        confine({"data": {"teacher_cache": "/etc"}}, **roots)
+    assert one.value.key == "data.teacher_cache"
