@@ -44,7 +44,10 @@ def samples_to_put_fields(
     num_teachers: int = 1,
     cached: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Pack N jagged samples (``collate_samples`` output) into the fields of one ``put``.
+    """Pack N jagged samples (``collate_samples`` output) into the fields of one ``put``: each
+    sample's schema fields, in schema order and dtype, packed by the data-plane codec
+    (:func:`xtoken_core.data_plane.codec.samples_to_columns`, the one place samples become put
+    columns; the rollout workers pack theirs there too).
 
     Per-sample (0-d) fields are stacked to ``[N]``; per-token and per-chunk fields always become a
     ``JaggedColumn`` (one values ``[R]`` + one offsets ``[N+1]`` buffer), even when every row
@@ -65,25 +68,21 @@ def samples_to_put_fields(
     Raises:
         ValueError: no samples, or a sample misses a schema field.
     """
+    from xtoken_core.data_plane.codec import samples_to_columns
+
     if not samples:
         raise ValueError("samples_to_put_fields needs at least one sample, got none")
-    fields: dict[str, Any] = {}
     if cached is None:
         cached = schema.cached_teachers_of(samples[0])
     specs = schema.sample_fields(num_teachers, packed=schema.is_packed(samples[0]), cached=cached)
-    for spec in specs:
-        try:
-            rows = [s[spec.name] for s in samples]
-        except KeyError:
-            raise ValueError(
-                f"a sample misses field {spec.name!r}; samples must come from "
-                "CrossTokenizerCollator.collate_samples"
-            ) from None
-        if spec.axis == schema.SAMPLE:
-            fields[spec.name] = torch.stack(rows)
-        else:
-            fields[spec.name] = JaggedColumn.from_rows(list(rows), dtype=spec.dtype)
-    return fields
+    try:
+        rows = [{spec.name: s[spec.name].to(spec.dtype) for spec in specs} for s in samples]
+    except KeyError as e:
+        raise ValueError(
+            f"a sample misses field {e.args[0]!r}; samples must come from "
+            "CrossTokenizerCollator.collate_samples"
+        ) from None
+    return samples_to_columns(rows)
 
 
 def put_nbytes(fields: Mapping[str, Any]) -> int:
