@@ -8,7 +8,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from xtoken_core.cache.manifest import read_manifest
+
+# The default suite keeps one quick end-to-end run (tests/e2e/test_pipeline.py); the cache's
+# build and refusals as real processes stay in it through tests/services/cache/test_build.py.
+pytestmark = pytest.mark.slow
 
 
 def _xtoken(*argv: str) -> subprocess.CompletedProcess:
