@@ -32,6 +32,7 @@ from xtoken_core.cache.format import FORMAT_VERSION, Codec
 from xtoken_core.cache.manifest import (
     FORMAT_NAME,
     MANIFEST_FILE,
+    RUN_KEYS,
     SHARDS_DIR,
     fingerprint_changes,
     key_shard,
@@ -47,20 +48,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BuildOptions", "BuildSummary", "CacheBuilder"]
 
 # the fingerprint keys a build into an existing cache must match (RUN_KEYS, K and the corpus)
-BUILD_KEYS = (
-    "format_version",
-    "teacher.model",
-    "teacher.weights_hash",
-    "teacher.width",
-    "tokenizer.name",
-    "tokenizer.vocab_size",
-    "tokenizer.vocab_hash",
-    "ctx_teacher",
-    "k",
-    "temperature",
-    "add_special_tokens",
-    "corpus",
-)
+BUILD_KEYS = (*RUN_KEYS, "k", "corpus")
 
 
 @dataclasses.dataclass

@@ -197,17 +197,7 @@ class ShardWriter:
         entry = {
             "path": f"{SHARDS_DIR}/{name}",
             **info,
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "row_groups": [
-                {
-                    "offset": off,
-                    "length": length,
-                    "rows": rows,
-                    "sha256": hashlib.sha256(data[off : off + length]).hexdigest(),
-                }
-                for off, length, rows in row_group_ranges(metadata)
-            ],
+            **_checksums(data, metadata),
             "first_key": self._rows["key"][0],
             "last_key": self._rows["key"][-1],
         }
@@ -271,6 +261,16 @@ def entry_of_file(directory: str | os.PathLike, path: str | os.PathLike) -> dict
         "builder": info["builder"],
         "samples": info["samples"],
         "teacher_tokens": info["teacher_tokens"],
+        **_checksums(data, f.metadata),
+        "first_key": keys[0].as_py() if len(keys) else None,
+        "last_key": keys[-1].as_py() if len(keys) else None,
+    }
+
+
+def _checksums(data: bytes, metadata: Any) -> dict[str, Any]:
+    """A shard's size, sha256 and its row groups' byte ranges, rows and sha256 (what
+    ``xtoken cache verify`` checks), from its bytes and Parquet metadata."""
+    return {
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
         "row_groups": [
@@ -280,8 +280,6 @@ def entry_of_file(directory: str | os.PathLike, path: str | os.PathLike) -> dict
                 "rows": rows,
                 "sha256": hashlib.sha256(data[off : off + length]).hexdigest(),
             }
-            for off, length, rows in row_group_ranges(f.metadata)
+            for off, length, rows in row_group_ranges(metadata)
         ],
-        "first_key": keys[0].as_py() if len(keys) else None,
-        "last_key": keys[-1].as_py() if len(keys) else None,
     }
