@@ -393,6 +393,14 @@ def recompile_check(
     return out
 
 
+def pipeline_limit(args, B: int, T: int, trainers: int = 1, grad_accum: int = 1) -> int:
+    """The texts :func:`pipeline` reads: its steps' samples and four steps more (packed: a row
+    holds several demo-corpus texts of ~300 tokens each)."""
+    texts_per_sample = max(1, T // 128) if getattr(args, "pack", False) else 1
+    n_steps = args.warmup + args.steps
+    return trainers * B * grad_accum * (n_steps + 4) * texts_per_sample
+
+
 def pipeline(
     args,
     mode: str,
@@ -411,11 +419,12 @@ def pipeline(
     trainer_extra: dict | None = None,
     teacher_extra: dict | None = None,
     ordered: bool = False,
+    data_extra: dict | None = None,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records
-    (``teachers``: teacher groups, default one per rank; ``trainer_extra`` / ``teacher_extra``:
-    more keys of the run config's sections; ``ordered``: ``data.ordered`` with one collator
-    worker, every rank count training the same steps)."""
+    (``teachers``: teacher groups, default one per rank; ``trainer_extra`` / ``teacher_extra`` /
+    ``data_extra``: more keys of the run config's sections; ``ordered``: ``data.ordered`` with
+    one collator worker, every rank count training the same steps)."""
     import shutil
 
     from services.common.metrics import read_jsonl
@@ -425,8 +434,6 @@ def pipeline(
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
     n_steps = args.warmup + args.steps
     pack = getattr(args, "pack", False)
-    # packed: a row holds several demo-corpus texts (~300 tokens each); put enough of them
-    texts_per_sample = max(1, T // 128) if pack else 1
     config = run_config_from_dict(
         {
             "run_dir": str(run_dir),
@@ -441,8 +448,9 @@ def pipeline(
             "data": {
                 "train": str(corpus),
                 "heldout": str(corpus),
-                "limit": trainers * B * grad_accum * (n_steps + 4) * texts_per_sample,
+                "limit": pipeline_limit(args, B, T, trainers, grad_accum),
                 "ordered": ordered,
+                **(data_extra or {}),
             },
             "collator": {
                 "workers": 1 if ordered else 2,
