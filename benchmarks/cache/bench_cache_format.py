@@ -5,8 +5,8 @@ The real SmolLM2-135M teacher reads texts of the demo corpus. Storage: its top-K
 and 64) of ``--texts`` texts of ``--ctx`` tokens are written as real shards
 (``xtoken_core.cache.writer``) with each lever on or off: the ids as the ``topk`` transport sends
 them (int32) or in the vocab's width (uint16 for SmolLM2's 49,152 ids), plain or sorted and
-delta-coded per position; the log-probs in fp32, bf16 or u8 (steps below each position's top-1);
-Parquet without compression or with zstd. Bytes per teacher token are the shard file's bytes
+delta-coded per position; the log-probs in fp32, bf16, u8 or u4 (steps below each position's
+top-1); the per-position floats (lp_max, lp_scale, rest, lse) in fp32 or fp16; Parquet without compression or with zstd. Bytes per teacher token are the shard file's bytes
 (keys, teacher ids, lengths and Parquet's own pages included) over its teacher tokens. Quality:
 as ``benchmarks/teachers/bench_topk.py``, the KD loss and its gradient w.r.t. the student
 logits (a student of another tokenizer, qwen3) from the targets as read back from a shard and
@@ -56,20 +56,34 @@ JSONL = _common.RESULTS_DIR / "teacher_cache.jsonl"
 MARKDOWN = _common.RESULTS_DIR / "teacher_cache.md"
 TEACHER = "smollm2"
 KS = (32, 64)
-# (label, ids codec, log-prob codec, compression, ids as int32): each lever added in turn
+# (label, ids codec, log-prob codec, per-position floats, compression, ids as int32): each lever
+# added in turn, then the levers tried on top of the default
 LEVERS = (
     (
         "int32 ids, fp32 log-probs (the topk transport's payload), no compression",
         "plain",
         "fp32",
+        "fp32",
         "none",
         True,
     ),
-    ("+ ids in the vocab's width (uint16)", "plain", "fp32", "none", False),
-    ("+ zstd", "plain", "fp32", "zstd", False),
-    ("+ ids sorted, delta-coded", "delta", "fp32", "zstd", False),
-    ("+ log-probs bf16", "delta", "bf16", "zstd", False),
-    ("+ log-probs u8 (default)", "delta", "u8", "zstd", False),
+    ("+ ids in the vocab's width (uint16)", "plain", "fp32", "fp32", "none", False),
+    ("+ zstd", "plain", "fp32", "fp32", "zstd", False),
+    ("+ ids sorted, delta-coded", "delta", "fp32", "fp32", "zstd", False),
+    ("+ log-probs bf16", "delta", "bf16", "fp32", "zstd", False),
+    ("+ log-probs u8 (default)", "delta", "u8", "fp32", "zstd", False),
+    ("default, lp_max/lp_scale/rest/lse fp16", "delta", "u8", "fp16", "zstd", False),
+    ("default, log-probs u4", "delta", "u4", "fp32", "zstd", False),
+    ("default, log-probs u4, floats fp16", "delta", "u4", "fp16", "zstd", False),
+)
+# (log-prob codec, per-position floats) of the loss error
+LOSS_CODECS = (
+    ("fp32", "fp32"),
+    ("bf16", "fp32"),
+    ("u8", "fp32"),
+    ("u8", "fp16"),
+    ("u4", "fp32"),
+    ("u4", "fp16"),
 )
 MODE_SETTINGS = {
     "pkl-all": {"mode": "pkl", "vocab_topk": None},
@@ -159,19 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     for k in KS:
         targets = encode_topk(zt_BUW, k)
         mass = float(targets.logprobs_NK.exp().sum(-1)[mask_BU].mean())
-        for label, ids_codec, lp_codec, compression, int32_ids in LEVERS:
-            nbytes, _ = shard_round_trip(
-                targets, ids_BU, lengths, Codec(ids_codec, lp_codec), compression, W, int32_ids
-            )
+        for label, ids_codec, lp_codec, scalars, compression, int32_ids in LEVERS:
+            codec = Codec(ids_codec, lp_codec, scalars)
+            nbytes, _ = shard_round_trip(targets, ids_BU, lengths, codec, compression, W, int32_ids)
             rows.append({
                 **common, "k": k, "lever": label, "ids": "int32" if int32_ids else ids_codec,
-                "logprobs": lp_codec, "compression": compression,
+                "logprobs": lp_codec, "scalars": scalars, "compression": compression,
                 "bytes_per_teacher_token": round(nbytes / tokens, 1),
                 "payload_bytes_per_teacher_token": topk_bytes_per_token(k), "topk_mass": mass,
             })  # fmt: skip
     if not args.no_loss:
         rows += loss_rows(args, corpus, teacher_tok, backbone, lm_head, W, common, start)
-    cols = ["mode", "k", "ids", "logprobs", "compression", "bytes_per_teacher_token",
+    cols = ["mode", "k", "ids", "logprobs", "scalars", "compression", "bytes_per_teacher_token",
             "loss_rel_err", "grad_rel_err"]  # fmt: skip
     _common.print_table(rows, cols)
     if not args.no_write:
@@ -214,12 +227,12 @@ def loss_rows(args, corpus, teacher_tok, backbone, lm_head, W, common, start) ->
         ref_loss, ref_grad = loss_grad(zq_BUW)
         for k in KS:
             targets = encode_topk(zq_BUW, k)
-            for lp_codec in ("fp32", "bf16", "u8"):
+            for lp_codec, scalars in LOSS_CODECS:
                 _, got = shard_round_trip(
                     targets,
                     batch["teacher_input_ids"],
                     lengths_q,
-                    Codec("delta", lp_codec),
+                    Codec("delta", lp_codec, scalars),
                     "zstd",
                     W,
                     False,
@@ -230,7 +243,8 @@ def loss_rows(args, corpus, teacher_tok, backbone, lm_head, W, common, start) ->
                 rows.append({
                     **common, "mode": mode, "student": f"{args.student}:{args.student_model}",
                     "shape": f"{len(lengths_q)}x{args.loss_ctx}", "k": k,
-                    "ids": "delta", "logprobs": lp_codec, "compression": "zstd",
+                    "ids": "delta", "logprobs": lp_codec, "scalars": scalars,
+                    "compression": "zstd",
                     "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
                     "grad_rel_err": relative(grad, ref_grad), "quality_delta": loss - ref_loss,
                 })  # fmt: skip

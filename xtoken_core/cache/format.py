@@ -8,11 +8,13 @@ One Parquet row per sample (docs/design.md, "The teacher cache"):
 | ``length`` | int32 | U, teacher tokens (the text at the teacher context) |
 | ``teacher_ids`` | list<int32> | the U teacher token ids |
 | ``topk_ids`` | binary | U x K ids, little-endian uint16 or uint32 (codec ``ids``) |
-| ``topk_logprobs`` | binary | U x K log-probs, little-endian uint8, bf16 bits or float32 (codec ``logprobs``) |
-| ``lp_max`` | list<float32> | U top-1 log-probabilities (``u8`` only) |
-| ``lp_scale`` | list<float32> | U nats per code step (``u8`` only) |
+| ``topk_logprobs`` | binary | U x K log-probs: uint8, two 4-bit codes a byte, bf16 bits or float32 (codec ``logprobs``) |
+| ``lp_max`` | list<float32> | U top-1 log-probabilities (``u8`` and ``u4`` only) |
+| ``lp_scale`` | list<float32> | U nats per code step (``u8`` and ``u4`` only) |
 | ``rest`` | list<float32> | U logs of the mass outside the top K |
 | ``lse`` | list<float32> | U log-partitions of the logits |
+
+The four per-position float columns are float16 instead under codec ``scalars="fp16"``.
 
 Codecs of the ids: ``delta``: each position's K ids sorted ascending, the first as it is and
 each next one as its difference from the one before (small numbers, which Parquet's zstd
@@ -23,7 +25,10 @@ one): Parquet has no 8- or 16-bit physical type and would store a list<uint16> i
 value. Codecs of the log-probs: ``fp32`` (exact: the decode is the transport's bit for bit),
 ``bf16`` (the upper half of the fp32 bits, rounded to nearest even), ``u8``: ``lp_max - code *
 lp_scale`` with ``lp_scale = (lp_max - lp_min) / 255`` per position (the top-1 exact, the others
-within half a step).
+within half a step); ``u4``: the same with 15 steps, two codes a byte (the low nibble first).
+Codecs of the per-position floats (``scalars``): ``fp32``; ``fp16`` (half the bytes; ``lse``
+within 2**-11 of its value, ``lp_max`` and ``lp_scale`` rounded before the codes are computed, so
+the top-1 decodes to the stored ``lp_max`` and the others stay within half a stored step).
 
 Legend: U teacher positions of a sample, K ids kept per position, W the teacher vocab.
 """
@@ -39,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IDS_CODECS",
     "LOGPROB_CODECS",
+    "SCALAR_CODECS",
     "Codec",
     "Row",
     "decode_positions",
@@ -50,9 +56,10 @@ __all__ = [
 #: The version of the shard format (bumped when a reader of an older version could misread).
 FORMAT_VERSION = 1
 IDS_CODECS = ("delta", "plain")
-LOGPROB_CODECS = ("u8", "bf16", "fp32")
-# the code steps of the u8 codec
-_U8_STEPS = 255
+LOGPROB_CODECS = ("u8", "u4", "bf16", "fp32")
+SCALAR_CODECS = ("fp32", "fp16")
+# the code steps of the stepped codecs
+_STEPS = {"u8": 255, "u4": 15}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +68,9 @@ class Codec:
 
     Attributes:
         ids: ``delta`` (sorted per position, delta-coded) or ``plain``.
-        logprobs: ``u8``, ``bf16`` or ``fp32``.
+        logprobs: ``u8``, ``u4``, ``bf16`` or ``fp32``.
+        scalars: ``fp32`` or ``fp16``: the per-position ``lp_max``, ``lp_scale``, ``rest`` and
+            ``lse``.
 
     Raises:
         ValueError: an unknown codec name (names the choices).
@@ -69,6 +78,7 @@ class Codec:
 
     ids: str = "delta"
     logprobs: str = "u8"
+    scalars: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.ids not in IDS_CODECS:
@@ -77,6 +87,22 @@ class Codec:
             raise ValueError(
                 f"log-prob codec {self.logprobs!r}: use one of {', '.join(LOGPROB_CODECS)}"
             )
+        if self.scalars not in SCALAR_CODECS:
+            raise ValueError(
+                f"scalars codec {self.scalars!r}: use one of {', '.join(SCALAR_CODECS)}"
+            )
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the log-probs are steps below each position's top-1 (``lp_max``,
+        ``lp_scale`` stored)."""
+        return self.logprobs in _STEPS
+
+    def scalar_type(self) -> Any:
+        """The Arrow type of the per-position floats."""
+        import pyarrow as pa
+
+        return pa.float16() if self.scalars == "fp16" else pa.float32()
 
     def as_dict(self) -> dict[str, str]:
         """The codec as the manifest records it."""
@@ -120,14 +146,15 @@ def schema(codec: Codec, width: int) -> Any:
         pa.field("topk_ids", pa.binary(), nullable=False),
         pa.field("topk_logprobs", pa.binary(), nullable=False),
     ]
-    if codec.logprobs == "u8":
+    f = codec.scalar_type()
+    if codec.stepped:
         fields += [
-            pa.field("lp_max", pa.list_(pa.float32()), nullable=False),
-            pa.field("lp_scale", pa.list_(pa.float32()), nullable=False),
+            pa.field("lp_max", pa.list_(f), nullable=False),
+            pa.field("lp_scale", pa.list_(f), nullable=False),
         ]
     fields += [
-        pa.field("rest", pa.list_(pa.float32()), nullable=False),
-        pa.field("lse", pa.list_(pa.float32()), nullable=False),
+        pa.field("rest", pa.list_(f), nullable=False),
+        pa.field("lse", pa.list_(f), nullable=False),
     ]
     return pa.schema(fields)
 
@@ -151,8 +178,9 @@ def encode_positions(
         width: the teacher vocab W.
 
     Returns:
-        ``topk_ids`` and ``topk_logprobs`` flat (``U * K``), and for ``u8`` ``lp_max`` and
-        ``lp_scale`` (``U``).
+        ``topk_ids`` and ``topk_logprobs`` flat (``U * K``; ``u4``: ``ceil(U * K / 2)`` bytes),
+        and for ``u8`` and ``u4`` ``lp_max`` and ``lp_scale`` (``U``, float16 under
+        ``scalars="fp16"``).
 
     Raises:
         ValueError: shapes that disagree or ids outside ``[0, width)``.
@@ -180,24 +208,39 @@ def encode_positions(
     elif codec.logprobs == "bf16":
         out["topk_logprobs"] = _bf16_bits(logprobs_UK).reshape(-1)
     else:
+        steps = _STEPS[codec.logprobs]
         U = logprobs_UK.shape[0]
         if logprobs_UK.shape[1] == 0:
             lp_max_U = lp_min_U = np.zeros(U, dtype=np.float32)
         else:
             lp_max_U = logprobs_UK.max(axis=1)
             lp_min_U = logprobs_UK.min(axis=1)
-        scale_U = ((lp_max_U - lp_min_U) / np.float32(_U8_STEPS)).astype(np.float32)
-        safe_U = np.where(scale_U > 0, scale_U, np.float32(1))
-        codes_UK = np.rint((lp_max_U[:, None] - logprobs_UK) / safe_U[:, None])
-        out["topk_logprobs"] = np.clip(codes_UK, 0, _U8_STEPS).astype(np.uint8).reshape(-1)
-        out["lp_max"] = lp_max_U.astype(np.float32)
+        scale_U = ((lp_max_U - lp_min_U) / np.float32(steps)).astype(np.float32)
+        if codec.scalars == "fp16":  # the codes against the values as stored
+            lp_max_U = lp_max_U.astype(np.float16)
+            scale16_U = scale_U.astype(np.float16)
+            low_U = scale16_U.astype(np.float32) < scale_U  # rounded down: one step up
+            scale16_U[low_U] = np.nextafter(scale16_U[low_U], np.float16(np.inf))
+            scale_U = scale16_U
+        lp_max32_U = lp_max_U.astype(np.float32)
+        scale32_U = scale_U.astype(np.float32)
+        safe_U = np.where(scale32_U > 0, scale32_U, np.float32(1))
+        codes_UK = np.rint((lp_max32_U[:, None] - logprobs_UK) / safe_U[:, None])
+        codes = np.clip(codes_UK, 0, steps).astype(np.uint8).reshape(-1)
+        if codec.logprobs == "u4":
+            codes = np.concatenate([codes, np.zeros(codes.size % 2, np.uint8)])
+            codes = codes[0::2] | (codes[1::2] << np.uint8(4))
+        out["topk_logprobs"] = codes
+        out["lp_max"] = lp_max_U
         out["lp_scale"] = scale_U
     return out
 
 
 def logprob_dtype(codec: Codec) -> np.dtype:
     """The stored dtype of the log-prob codes of ``codec``."""
-    return np.dtype({"u8": np.uint8, "bf16": np.uint16, "fp32": np.float32}[codec.logprobs])
+    return np.dtype(
+        {"u8": np.uint8, "u4": np.uint8, "bf16": np.uint16, "fp32": np.float32}[codec.logprobs]
+    )
 
 
 def decode_positions(
@@ -206,8 +249,8 @@ def decode_positions(
     """The ``[U, K]`` int32 ids and float32 log-probs of one sample's stored columns.
 
     Args:
-        columns: ``topk_ids``, ``topk_logprobs`` (bytes, or flat arrays) and for ``u8``
-            ``lp_max``, ``lp_scale`` of the sample.
+        columns: ``topk_ids``, ``topk_logprobs`` (bytes, or flat arrays) and for ``u8`` and
+            ``u4`` ``lp_max``, ``lp_scale`` of the sample.
         length: U.
         k: K.
         codec: how they were stored.
@@ -218,6 +261,11 @@ def decode_positions(
     """
     stored = _array(columns["topk_ids"], id_dtype(width))
     codes = _array(columns["topk_logprobs"], logprob_dtype(codec))
+    if codec.logprobs == "u4":
+        if codes.size != (length * k + 1) // 2:
+            raise ValueError(f"{codes.size} bytes of 4-bit codes for {length} positions of top-{k}")
+        codes = np.stack([codes & np.uint8(15), codes >> np.uint8(4)], axis=1).reshape(-1)
+        codes = codes[: length * k]
     if stored.size != length * k or codes.size != length * k:
         raise ValueError(
             f"{stored.size} ids and {codes.size} log-probs for {length} positions of top-{k}"

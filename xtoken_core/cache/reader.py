@@ -134,7 +134,7 @@ class CacheReader:
         key = table.column("key")[i].as_py()
         U = int(table.column("length")[i].as_py())
         columns = {n: table.column(n)[i].as_py() for n in ("topk_ids", "topk_logprobs")}
-        if self.codec.logprobs == "u8":
+        if self.codec.stepped:
             columns.update(lp_max=values("lp_max"), lp_scale=values("lp_scale"))
         ids_UK, logprobs_UK = decode_positions(columns, U, self.k, self.codec, self.width)
         return Row(

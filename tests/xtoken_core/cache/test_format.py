@@ -123,5 +123,49 @@ def test_the_missing_line_names_the_count_some_keys_and_their_builder_shards():
 
 
 def test_an_unknown_codec_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match="u8, bf16, fp32"):
+    with pytest.raises(ValueError, match="u8, u4, bf16, fp32"):
         Codec("delta", "int4")
+    with pytest.raises(ValueError, match="fp32, fp16"):
+        Codec("delta", "u8", "bf8")
+
+
+@pytest.mark.parametrize("logprobs, steps", [("u8", 255), ("u4", 15)])
+@pytest.mark.parametrize("scalars", ["fp32", "fp16"])
+@pytest.mark.parametrize("k", [7, 8])  # U x K odd and even: the 4-bit codes' last byte
+def test_stepped_log_probs_decode_within_half_a_stored_step(logprobs, steps, scalars, k):
+    rng = np.random.default_rng(2)
+    U = 5
+    ids_UK = np.stack([rng.choice(W, k, replace=False) for _ in range(U)])
+    lp_UK = -np.sort(rng.random((U, k)).astype(np.float32) * 20, axis=1)
+    codec = Codec("delta", logprobs, scalars)
+    cols = encode_positions(ids_UK, lp_UK, codec, W)
+    assert cols["topk_logprobs"].size == (U * k if logprobs == "u8" else (U * k + 1) // 2)
+    cols = {n: v.tobytes() if n.startswith("topk") else v for n, v in cols.items()}
+    got_ids, got_lp = decode_positions(cols, U, k, codec, W)
+    order = np.argsort(ids_UK, axis=1)
+    assert (got_ids == np.take_along_axis(ids_UK, order, 1)).all()
+    want = np.take_along_axis(lp_UK, order, 1)
+    scale_U = np.asarray(cols["lp_scale"], np.float32)
+    assert (scale_U * steps >= lp_UK.max(1) - lp_UK.min(1)).all()  # a step never too small
+    max_U = np.asarray(cols["lp_max"], np.float32)
+    half = scale_U[:, None] / 2 + np.abs(max_U - lp_UK.max(1))[:, None]
+    assert (np.abs(got_lp - want) <= half + 1e-5).all()
+    assert (got_lp.max(1) == max_U).all()
+
+
+def test_fp16_floats_shard_reads_back_within_their_rounding(tmp_path):
+    rows = _rows()
+    _cache(tmp_path, Codec("delta", "u4", "fp16"), rows)
+    reader = CacheReader(tmp_path)
+    for key, (teacher_ids, sent) in rows.items():
+        got = reader.get(key)
+        assert (got.teacher_ids_U == teacher_ids).all()
+        assert got.rest_U.dtype == np.float32 and got.lse_U.dtype == np.float32
+        for read, want in ((got.rest_U, sent[2]), (got.lse_U, sent[3])):
+            want = want.numpy()
+            assert np.allclose(read, want, rtol=2**-11, atol=2**-24)
+        lp = sent[1].numpy()
+        span = lp.max(1) - lp.min(1)
+        top = np.sort(got.logprobs_UK, axis=1)[:, ::-1]
+        assert (np.abs(top[:, 0] - lp.max(1)) <= np.abs(lp.max(1)) * 2**-11 + 1e-6).all()
+        assert np.allclose(np.sort(got.logprobs_UK, 1), np.sort(lp, 1), atol=span.max() / 30 + 0.01)
