@@ -55,10 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     build.add_argument(
         "--logprobs",
-        choices=("u8", "bf16", "fp32"),
+        choices=("u8", "u4", "bf16", "fp32"),
         default="u8",
         help="how the log-probs are stored: u8 steps below each position's top-1 (default), "
-        "bf16, or fp32 (exact)",
+        "u4 (15 steps, two a byte; ~4x the u8 gradient error), bf16, or fp32 (exact)",
+    )
+    build.add_argument(
+        "--scalars",
+        choices=("fp32", "fp16"),
+        default="fp32",
+        help="how each position's top-1, step, rest mass and log-partition are stored: fp32 "
+        "(default) or fp16 (7 fewer bytes a token, no measurable error)",
     )
     build.add_argument("--device", default=None, help="teacher device (default: teacher.device)")
     build.add_argument(
@@ -118,7 +125,7 @@ def _build(args: argparse.Namespace) -> int:
             shard=parse_shard(args.shard),
             teacher=args.teacher,
             k=args.top_k,
-            codec=Codec(ids=args.ids, logprobs=args.logprobs),
+            codec=Codec(ids=args.ids, logprobs=args.logprobs, scalars=args.scalars),
             device=args.device,
             batch_tokens=args.batch_tokens,
             shard_mb=args.shard_mb,
@@ -163,7 +170,8 @@ def _info(args: argparse.Namespace) -> int:
         "ctx_teacher": fp["ctx_teacher"],
         "k": m["k"],
         "width": m["width"],
-        "codec": f"ids {m['codec']['ids']}, log-probs {m['codec']['logprobs']}",
+        "codec": f"ids {m['codec']['ids']}, log-probs {m['codec']['logprobs']}, "
+        f"per-position floats {m['codec'].get('scalars', 'fp32')}",
         "format_version": m["format_version"],
         "corpus files": len(fp["corpus"]["files"]),
         "samples": m.get("samples", 0),
