@@ -3,8 +3,9 @@
 twice on the same GPU: with the teacher live (``--transport``, default the ``cuda_ipc`` ring) and
 from the cache (``data.teacher_cache``: no teacher process, the collators attach the targets).
 
-Each row: the build's teacher tokens/s (its loop, the model load excluded) and the share of it
-the teacher forward and the top-K encode take, the cache's bytes per teacher token, and the two
+Each row: the build's teacher tokens/s (its loop after the batches that compile the teacher;
+the rate with them beside it) and the share of the loop the teacher forward and the top-K encode
+take, the cache's bytes per teacher token, and the two
 runs' tokens/s (all ranks, after the warm-up) with their ratio ``speedup_vs_online``. The student
 step alone is ``benchmarks/e2e/bench_student_step.py`` on the same GPU (its row beside these).
 
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--build-texts",
+        type=int,
+        default=0,
+        help="texts the build reads (default: the runs' own; more give a steadier build rate)",
+    )
     p.add_argument("--work", default="/tmp/xtoken_bench_cache")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "teacher_cache.jsonl"))
     p.add_argument("--tag", default="")
@@ -98,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     B, T = (int(x) for x in args.shape.split("x"))
-    corpus = long_corpus(work / f"corpus_{T}.jsonl", chars=6 * T, count=400)
+    corpus = long_corpus(work / f"corpus_{T}.jsonl", chars=6 * T, count=max(400, args.build_texts))
     projection = build_projection(args, work)
     limit = pipeline_limit(args, B, T, grad_accum=args.grad_accum)
     cache = work / f"cache_{args.teacher}_k{args.k}"
-    built = build_cache(args, B, T, corpus, limit, cache)
+    built = build_cache(args, B, T, corpus, max(limit, args.build_texts), cache)
     manifest = read_manifest(cache)
     runs = {}
     for arm, extra in (
@@ -126,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode,
         "k": args.k,
         "bytes_per_teacher_token": manifest.get("bytes_per_teacher_token"),
-        "build_tokens_per_s": built.tokens_per_s,
+        "build_tokens_per_s": built.steady_tokens_per_s or built.tokens_per_s,
+        "build_tokens_per_s_with_warmup": built.tokens_per_s,
+        "build_teacher_tokens": built.teacher_tokens,
         "build_forward_share": built.forward_s / built.seconds if built.seconds else None,
         "tokens_per_s_online": online,
         "tokens_per_s_cached": cached,

@@ -420,11 +420,13 @@ def pipeline(
     teacher_extra: dict | None = None,
     ordered: bool = False,
     data_extra: dict | None = None,
+    run_extra: dict | None = None,
 ) -> dict:
     """``xtoken run`` of the same models; tokens/s (all ranks) from rank 0's step records
     (``teachers``: teacher groups, default one per rank; ``trainer_extra`` / ``teacher_extra`` /
-    ``data_extra``: more keys of the run config's sections; ``ordered``: ``data.ordered`` with
-    one collator worker, every rank count training the same steps)."""
+    ``data_extra``: more keys of the run config's sections; ``run_extra``: more top-level keys,
+    e.g. ``extra_teachers``; ``ordered``: ``data.ordered`` with one collator worker, every rank
+    count training the same steps)."""
     import shutil
 
     from services.common.metrics import read_jsonl
@@ -481,6 +483,7 @@ def pipeline(
                 },
                 trainer_extra or {},
             ),  # fmt: skip
+            **(run_extra or {}),
         }
     )
     run = Driver(config, progress=False)

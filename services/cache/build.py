@@ -82,6 +82,9 @@ class BuildOptions:
     progress: bool = True
 
 
+WARM_BATCHES = 2  # batches whose forwards compile the teacher, kept out of the steady rate
+
+
 @dataclasses.dataclass
 class BuildSummary:
     """What a build did.
@@ -93,6 +96,9 @@ class BuildSummary:
         shards: shard files written now.
         seconds: seconds of the build loop (the model load excluded).
         forward_s: seconds of the teacher forward and the top-K encode.
+        steady_tokens: teacher positions written after the first ``WARM_BATCHES`` batches
+            (whose forwards compile the teacher for their lengths).
+        steady_s: seconds of the build loop after those batches.
         complete: every builder of the cache finished.
     """
 
@@ -102,12 +108,19 @@ class BuildSummary:
     shards: int = 0
     seconds: float = 0.0
     forward_s: float = 0.0
+    steady_tokens: int = 0
+    steady_s: float = 0.0
     complete: bool = False
 
     @property
     def tokens_per_s(self) -> float:
         """Teacher tokens written per second of the build loop."""
         return self.teacher_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def steady_tokens_per_s(self) -> float | None:
+        """Teacher tokens per second after the warm-up batches (None: no batch after them)."""
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
 
 
 class CacheBuilder:
@@ -333,6 +346,7 @@ class CacheBuilder:
         budget = opts.batch_tokens or max(1, self.view.section.max_batch) * ctx
         bar = _bar(total, opts.progress)
         started = time.monotonic()
+        batches, steady_from = 0, None
         try:
             for window in _windows(self.texts(done), opts.window):
                 encoded = tokenizer.encode_batch([t for _, t in window], True)
@@ -344,10 +358,15 @@ class CacheBuilder:
                     t0 = time.monotonic()
                     targets = self._forward(batch)
                     summary.forward_s += time.monotonic() - t0
+                    batches += 1
                     for (key, ids), t in zip(batch, targets):
                         writer.add(key, ids, *t)
                         summary.written += 1
                         summary.teacher_tokens += len(ids)
+                        if steady_from is not None:
+                            summary.steady_tokens += len(ids)
+                    if batches == WARM_BATCHES:
+                        steady_from = time.monotonic()
                     if writer.nbytes >= opts.shard_mb * (1 << 20):
                         summary.shards += self._commit(writer, tag)
                     if bar is not None:
@@ -359,6 +378,8 @@ class CacheBuilder:
             if bar is not None:
                 bar.close()
         summary.seconds = time.monotonic() - started
+        if steady_from is not None and summary.steady_tokens:
+            summary.steady_s = time.monotonic() - steady_from
 
         def finish(m: dict[str, Any]) -> None:
             m["builders"][tag]["done"] = True
