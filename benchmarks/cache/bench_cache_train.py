@@ -58,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--work", default="/tmp/xtoken_bench_cache")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "teacher_cache.jsonl"))
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=["online", "cached"],
+        choices=["online", "cached"],
+        help="the runs to make (online alone: no build; each arm on its own GPU, in parallel)",
+    )
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     args.pack = False
@@ -109,13 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     projection = build_projection(args, work)
     limit = pipeline_limit(args, B, T, grad_accum=args.grad_accum)
     cache = work / f"cache_{args.teacher}_k{args.k}"
-    built = build_cache(args, B, T, corpus, max(limit, args.build_texts), cache)
-    manifest = read_manifest(cache)
-    runs = {}
+    built, manifest = None, {}
+    if "cached" in args.arms:
+        built = build_cache(args, B, T, corpus, max(limit, args.build_texts), cache)
+        manifest = read_manifest(cache)
+    runs = {"online": {}, "cached": {}}
     for arm, extra in (
         ("online", {}),
         ("cached", {"teacher_cache": str(cache)}),
     ):
+        if arm not in args.arms:
+            continue
         runs[arm] = pipeline(
             args, args.mode, B, T, args.student, args.teacher, corpus, projection,
             args.transport, work / f"run_{arm}", grad_accum=args.grad_accum,
@@ -133,16 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode,
         "k": args.k,
         "bytes_per_teacher_token": manifest.get("bytes_per_teacher_token"),
-        "build_tokens_per_s": built.steady_tokens_per_s or built.tokens_per_s,
-        "build_tokens_per_s_with_warmup": built.tokens_per_s,
-        "build_teacher_tokens": built.teacher_tokens,
-        "build_forward_share": built.forward_s / built.seconds if built.seconds else None,
+        "build_tokens_per_s": built and (built.steady_tokens_per_s or built.tokens_per_s),
+        "build_tokens_per_s_with_warmup": built and built.tokens_per_s,
+        "build_teacher_tokens": built and built.teacher_tokens,
+        "build_forward_share": built.forward_s / built.seconds if built and built.seconds else None,
         "tokens_per_s_online": online,
         "tokens_per_s_cached": cached,
         "speedup_vs_online": cached / online if online and cached else None,
         "peak_mem_gib_online": (runs["online"].get("peak_mem_mb") or 0) / 1024 or None,
         "peak_mem_gib_cached": (runs["cached"].get("peak_mem_mb") or 0) / 1024 or None,
-        "transport_online": args.transport,
+        "transport_online": args.transport if "online" in args.arms else None,
         "error": runs["online"].get("error") or runs["cached"].get("error"),
         "tag": args.tag,
     }

@@ -230,8 +230,11 @@ def main() -> int:
         base = None
         for variant in args.variants:
             argv = [sys.executable, __file__, "--one", f"{variant}:{shape}"]
-            for k in ("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"):
-                argv += [f"--{k}", str(getattr(args, k))]
+            for k in (
+                *("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"),
+                *("student_tokenizer", "teacher_tokenizer", "student_vocab", "teacher_vocab"),
+            ):
+                argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
