@@ -56,6 +56,7 @@ def _run_example(procs, tmp_path, demo, **extra: str) -> tuple[pathlib.Path, lis
     return run_dir, corpus
 
 
+@pytest.mark.slow  # ~60 s of real processes; CI keeps tests/e2e/test_pipeline.py: `pytest -m slow`
 @pytest.mark.timeout(180)
 def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp_path, demo):
     run_dir, corpus = _run_example(procs, tmp_path, demo)
