@@ -147,20 +147,6 @@ def encode_topk(
     )
 
 
-def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None):
-    """``t`` on ``device`` (as ``dtype``). A host tensor bound for a GPU is staged in pinned
-    memory first: a copy from pageable memory would hold the host until every kernel queued
-    before it has run (the previous step's backward and optimizer), so the step could not be
-    queued ahead of the GPU."""
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
-    return (
-        t.to(device, dtype, non_blocking=True)
-        if dtype is not None
-        else t.to(device, non_blocking=True)
-    )
-
-
 def decode_topk(
     targets: TopK,
     width: int,
@@ -211,12 +197,12 @@ def decode_topk(
     if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
         raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
     device = torch.device(device) if device is not None else ids_NK.device
-    ids_NK = _moved(ids_NK, device, torch.int64)
-    lse_N = _moved(lse_N, device)
-    logits_NK = _moved(logprobs_NK, device, torch.float32) + lse_N[..., None]
+    ids_NK = ids_NK.to(device, torch.int64, non_blocking=True)
+    lse_N = lse_N.to(device, non_blocking=True)
+    logits_NK = logprobs_NK.to(device, torch.float32, non_blocking=True) + lse_N[..., None]
     fill_N = torch.full(lead, LOG_FLOOR, dtype=torch.float32, device=device)
     if width > K:  # ids outside the top K exist: each gets an equal share of the rest
-        rest_N = _moved(rest_N, device, torch.float32)
+        rest_N = rest_N.to(device, torch.float32, non_blocking=True)
         fill_N = (rest_N - math.log(width - K)).clamp_min(LOG_FLOOR)
     fill_N = fill_N + lse_N
     dense_NW = fill_N.to(dtype)[..., None].expand(*lead, width).contiguous()
