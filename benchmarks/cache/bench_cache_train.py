@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["online", "cached"],
         help="the runs to make (online alone: no build; each arm on its own GPU, in parallel)",
     )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="trace this many steps after the warm-up with torch.profiler in each run "
+        "(trainer.observe.profile_steps: RUN_DIR/profile/)",
+    )
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     args.pack = False
@@ -121,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         built = build_cache(args, B, T, corpus, max(limit, args.build_texts), cache)
         manifest = read_manifest(cache)
     runs = {"online": {}, "cached": {}}
+    observe = (
+        {"observe": {"profile_steps": args.profile_steps, "profile_start": args.warmup + 1}}
+        if args.profile_steps
+        else None
+    )
     for arm, extra in (
         ("online", {}),
         ("cached", {"teacher_cache": str(cache)}),
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[arm] = pipeline(
             args, args.mode, B, T, args.student, args.teacher, corpus, projection,
             args.transport, work / f"run_{arm}", grad_accum=args.grad_accum,
-            teacher_extra={"top_k": args.k}, data_extra=extra,
+            teacher_extra={"top_k": args.k}, data_extra=extra, trainer_extra=observe,
         )  # fmt: skip
     online, cached = runs["online"].get("tokens_per_s"), runs["cached"].get("tokens_per_s")
     row = {
