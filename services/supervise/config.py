@@ -215,6 +215,10 @@ class RunTrainerConfig(TrainerConfig):
         if names is not None:
             super().check_on_policy(names)
 
+    def check_deterministic(self, ordered: str = "feed.ordered") -> None:
+        """Checked by the run, against ``data.ordered`` (the trainer's ``feed.ordered`` is set
+        from it)."""
+
     @property
     def projection_to_build(self) -> bool:
         """The loss needs a projection and the config names none: the run builds it."""
@@ -367,6 +371,12 @@ class RunConfig(Shared):
             )
         check_extra_teachers(self)
         self.check_teacher_cache()
+        if tr.compute.deterministic and not self.data.ordered:
+            raise ValueError(
+                "trainer.compute.deterministic needs data.ordered: true and collator.workers: 1 "
+                "(otherwise which samples share a micro-batch depends on timing); set both, or "
+                "trainer.compute.deterministic: false"
+            )
         if self.data.ordered and self.collator.workers > 1:
             raise ValueError(
                 f"data.ordered needs one collator worker (collator.workers="

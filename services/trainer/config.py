@@ -160,6 +160,7 @@ class TrainerConfig:
             )
         if self.on_policy.enabled:
             self.check_on_policy()
+        self.check_deterministic()
         if loss.teacher_vocab_size != (None,):
             raise ValueError(
                 f"loss.teacher_vocab_size={loss.teacher_vocab_size[0]}: the trainer sets it "
@@ -216,6 +217,23 @@ class TrainerConfig:
             raise ValueError(
                 f"{fraction} with {keys['max_steps']}=0: every sample comes from the rollout "
                 f"workers, which never run out; set {keys['max_steps']}"
+            )
+
+    def check_deterministic(self, ordered: str = "feed.ordered") -> None:
+        """Bitwise-reproducible steps need the same micro-batches in every run.
+
+        Args:
+            ordered: the key that fixes the order, named in the message (a run config's:
+                ``data.ordered``).
+
+        Raises:
+            ValueError: ``compute.deterministic`` without a fixed order (names the key to set).
+        """
+        if self.compute.deterministic and not self.feed.ordered:
+            raise ValueError(
+                f"compute.deterministic needs {ordered}: true (without it a claim takes what is "
+                "ready, so which samples share a micro-batch depends on timing); set "
+                f"{ordered}: true, or compute.deterministic: false"
             )
 
     def check_projection(self) -> None:

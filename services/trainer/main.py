@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from services.common.lifecycle import Lifecycle
 from services.queue.client import connect
+from services.trainer import determinism
 from services.trainer.config import TrainerConfig
 from services.trainer.trainer import Ranks, Trainer
 from xtoken_core.data.corpus import read_texts
@@ -60,11 +61,15 @@ def serve(config: TrainerConfig, lc: Lifecycle) -> int:
 
     torchrun-compatible: the rank, world size and local rank come from ``RANK``, ``WORLD_SIZE``
     and ``LOCAL_RANK`` (``MASTER_ADDR`` / ``MASTER_PORT`` for the rendezvous); NCCL on CUDA, gloo
-    on CPU, and a gloo group beside NCCL for the step flags. The training is the
-    :class:`~services.trainer.trainer.Trainer`'s; the shell gives it the queue client, this rank's
-    place in the group with its host collectives, the stop event of SIGTERM and the launch's name.
+    on CPU, and a gloo group beside NCCL for the step flags; ``compute.deterministic`` sets the
+    process's deterministic algorithms and seeds first (:mod:`services.trainer.determinism`).
+    The training is the :class:`~services.trainer.trainer.Trainer`'s; the shell gives it the
+    queue client, this rank's place in the group with its host collectives, the stop event of
+    SIGTERM and the launch's name.
     """
     rank, world, local = dist_env()
+    # before the device is touched: cuBLAS's workspace setting is read at its first call
+    determinism.configure(config.compute.deterministic, config.student.seed)
     device = torch.device(config.compute.device)
     if device.type == "cuda":
         device = torch.device("cuda", local if device.index is None else device.index)

@@ -241,6 +241,16 @@ class ComputeConfig:
             "trained": False,
         },
     )
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "bitwise-reproducible steps: deterministic PyTorch algorithms (an op without "
+            "one fails), cuDNN deterministic and unbenchmarked, CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+            "torch, numpy and random seeded from student.seed; needs feed.ordered "
+            "(data.ordered in a run config)",
+            "trained": False,
+        },
+    )
     gc_every: int = field(
         default=50,
         metadata={
