@@ -117,7 +117,15 @@ def _steps(config, batches, n: int) -> tuple[list[str], dict[str, bytes]]:
     return hex_losses(losses), weight_bits(step.student.module)
 
 
-@pytest.mark.parametrize("mode", ["pkl", "gold", "xtoken"])
+# gold and xtoken (~7 s each on two cores) run with `pytest -m slow`; pkl stays in the default suite
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "pkl",
+        pytest.param("gold", marks=pytest.mark.slow),
+        pytest.param("xtoken", marks=pytest.mark.slow),
+    ],
+)
 def test_two_deterministic_step_sequences_of_each_kd_mode_are_bitwise_equal(
     process_settings, projection, mode
 ):
