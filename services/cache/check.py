@@ -1,6 +1,7 @@
 """A run's teacher caches (``data.teacher_cache``) checked before any process starts: each cache
 was built for its teacher (the fingerprint keys the teacher decides) and holds every sample of
-the run's corpus.
+the run's corpus, or, with ``data.teacher_cache_missing: online``, the samples it lacks are
+counted (its live teacher serves them).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def corpus_keys(config: Any, train: str, limit: int | None) -> list[str]:
 
 def check_teacher_caches(config: Any, train: str | None, limit: int | None) -> None:
     """Refuse a teacher cache that does not serve its teacher of the run, or lacks a sample of
-    the corpus.
+    the corpus (with ``data.teacher_cache_missing: online``, log how many its live teacher
+    serves instead).
 
     Args:
         config: the run config.
@@ -81,9 +83,10 @@ def check_teacher_caches(config: Any, train: str | None, limit: int | None) -> N
     Raises:
         SettingsError: one line: a folder holding no cache; the first fingerprint key whose
             value differs (``key: cached -> run``); how many samples the cache lacks, a few of
-            their keys and their builder shards (``xtoken_core.cache.reader.missing_line``).
+            their keys and their builder shards (``xtoken_core.cache.reader.missing_line``),
+            unless its teacher is online.
     """
-    views = [v for v in config.teacher_list() if not v.live]
+    views = [v for v in config.teacher_list() if v.cache is not None]
     if not views or train is None:
         return
     from xtoken_core.cache.reader import CacheReader, missing_line
@@ -113,6 +116,19 @@ def check_teacher_caches(config: Any, train: str | None, limit: int | None) -> N
         if keys is None:
             keys = corpus_keys(config, train, limit)
         missing = CacheReader(directory).missing(keys)
+        if view.online:
+            logger.info(
+                "[run] %s is served by the teacher cache %s (top-%d) for %d of the %d samples of "
+                "the corpus, by its live groups for the %d it lacks "
+                "(data.teacher_cache_missing: online)",
+                view.key,
+                directory,
+                int(manifest["k"]),
+                len(keys) - len(missing),
+                len(keys),
+                len(missing),
+            )
+            continue
         if missing:
             builders = {int(b.split("/")[1]) for b in manifest.get("builders", {})} or {1}
             raise SettingsError(missing_line(directory, missing, max(builders)))

@@ -57,6 +57,16 @@ class WorkerConfig:
             "trained": True,
         },
     )
+    teacher_cache_missing: Literal["error", "online"] = field(
+        default="error",
+        metadata={
+            "help": "a sample a teacher cache lacks: error (the worker stops, naming its key); "
+            "online (it carries zero targets, marked teacher_topk_cached false: the trainer "
+            "asks that teacher's live groups for it)",
+            "derived": "data.teacher_cache_missing",
+            "trained": True,
+        },
+    )
     partition: str = shared_field("partition", help="queue partition")
     ctx_student: int = shared_field("ctx_student", default=2048)
     ctx_teacher: int = shared_field("ctx_teacher", default=2048)
@@ -96,6 +106,11 @@ class WorkerConfig:
             raise ValueError(
                 f"teacher_cache names {len(self.teacher_cache)} folder(s) for {teachers} "
                 "teacher(s): give one per teacher, none for a live one (--teacher-cache)"
+            )
+        if self.teacher_cache_missing not in ("error", "online"):
+            raise ValueError(
+                f"teacher_cache_missing={self.teacher_cache_missing!r}: use error or online "
+                "(--teacher-cache-missing)"
             )
         if any(self.teacher_cache) and self.pack:
             raise ValueError(

@@ -5,7 +5,8 @@ Two layers, as for every service:
 * ``CollatorWorker`` (logic, no process): owns the tokenizers and the collator (the student's,
   teacher 0's and any further teachers'), turns a batch of ``(key, text)`` pairs into one ``put``
   (keys + fields of every teacher, and the cached top-K targets of each teacher a teacher cache
-  serves, looked up by the sample key) and sends it through a queue client.
+  serves, looked up by the sample key; with ``teacher_cache_missing: online`` a sample the cache
+  lacks is marked for the live teacher) and sends it through a queue client.
 * ``worker_main`` (process shell): the loop of one ``multiprocessing`` worker: loads the
   tokenizers once, takes batches from a task queue, reports counts to a result queue, stops on a
   ``None`` task, on the shared stop event, on SIGTERM/SIGINT or when the collator parent dies
@@ -173,9 +174,10 @@ class CollatorWorker:
             if cached:
                 from xtoken_core.cache.attach import attach_targets
 
+                online = self.config.teacher_cache_missing == "online"
                 for key, sample in zip(keys, samples, strict=True):
                     for j in cached:
-                        attach_targets(sample, key, self.caches[j], j)
+                        attach_targets(sample, key, self.caches[j], j, online=online)
             return keys, samples_to_put_fields(samples, n, cached)
         from xtoken_core.data.packing import row_key
 

@@ -117,8 +117,8 @@ class DataConfig(CorpusConfig):
         default="error",
         metadata={
             "help": "a corpus sample the teacher cache lacks: error (refused before the run "
-            "starts, naming how many and their builder shards); online (ask a live teacher) is "
-            "not built yet",
+            "starts, naming how many and their builder shards); online (the run also starts "
+            "that teacher's groups, which the trainer asks for the samples the cache lacks)",
             "trained": True,
         },
     )
@@ -127,12 +127,6 @@ class DataConfig(CorpusConfig):
         super().__post_init__()
         if not (math.isfinite(self.on_policy_fraction) and 0 <= self.on_policy_fraction <= 1):
             raise ValueError(f"on_policy_fraction={self.on_policy_fraction}: must be in [0, 1]")
-        if self.teacher_cache_missing == "online":
-            raise ValueError(
-                "teacher_cache_missing=online (a live teacher for the samples the cache lacks) "
-                "is not built yet: build them into the cache (`xtoken cache build` writes only "
-                "what is missing), or set teacher_cache_missing: error"
-            )
         caches = self.teacher_cache if isinstance(self.teacher_cache, list) else []
         if caches and all(c is None for c in caches):
             self.teacher_cache = None
@@ -409,7 +403,7 @@ class RunConfig(Shared):
         Raises:
             ValueError: names the key that conflicts and the fix.
         """
-        cached = [v.key for v in self.teacher_list() if not v.live]
+        cached = [v.key for v in self.teacher_list() if v.cache is not None]
         if not cached:
             return
         given = f"data.teacher_cache serves {', '.join(cached)}"
@@ -486,8 +480,8 @@ class RunConfig(Shared):
     def process_count(self) -> int:
         """Processes the run starts: its queue (unless external), the collator's workers (none
         when every sample is on-policy), a teacher per group (when the loss uses one; none for a
-        teacher a cache serves), a
-        trainer per rank and the rollout workers (with on-policy samples)."""
+        teacher a cache serves alone), a trainer per rank and the rollout workers (with on-policy
+        samples)."""
         uses = self.trainer.loss.uses_teacher
         teachers = sum(t.groups for t in self.teacher_list() if t.live) if uses else 0
         own_queue = 0 if self.queue.address else 1

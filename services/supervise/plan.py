@@ -243,7 +243,11 @@ def make_data_sections(
         cfg.collator,
         context,
         data=corpus,
-        **{"worker.extra_teachers": extra, "worker.teacher_cache": caches},
+        **{
+            "worker.extra_teachers": extra,
+            "worker.teacher_cache": caches,
+            "worker.teacher_cache_missing": cfg.data.teacher_cache_missing,
+        },
     )
     return out
 
@@ -281,7 +285,7 @@ def make_sections(
     out = {"trainer": trainer}
     layout = _layout(cfg, gpus)
     for view in cfg.teacher_list():
-        if not view.live:  # its targets come from its cache: no teacher process
+        if not view.live:  # its targets come from its cache alone: no teacher process
             continue
         t = view.section
         placed = layout.teacher(view.index)
@@ -332,6 +336,7 @@ def extra_links(config: RunConfig, inputs: Inputs) -> list[dict[str, Any]]:
                 "dead_after_s": link.dead_after_s,
                 "verify_logits": link.verify_logits,
                 "cache": view.cache,
+                "cache_missing": config.data.teacher_cache_missing,
             }
         )
     return out
@@ -389,10 +394,10 @@ def make_specs(
 ) -> list[ProcessSpec]:
     """The processes of one launch: the queue (unless external), the collator (unless every
     sample is on-policy), a teacher per group (when the loss uses one; none for a teacher that
-    ``data.teacher_cache`` serves), a trainer per rank and
-    the rollout workers (with on-policy samples), each with its heartbeat file (and, with
-    ``mps: true``, each GPU process with the run's MPS daemon's folders). Each one's argv
-    names its section file and the shared context, and nothing else."""
+    ``data.teacher_cache`` serves, unless ``data.teacher_cache_missing`` is ``online``), a
+    trainer per rank and the rollout workers (with on-policy samples), each with its heartbeat
+    file (and, with ``mps: true``, each GPU process with the run's MPS daemon's folders). Each
+    one's argv names its section file and the shared context, and nothing else."""
     cfg = config
     host = host or Host.here()
     d = place.run_dir

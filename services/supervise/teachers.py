@@ -197,6 +197,8 @@ class RunTeacher:
         projection_key: the key that sets it.
         cache: its teacher cache folder (its entry of ``data.teacher_cache``), or None: its
             groups run as processes.
+        online: a cache serves it and its groups run too, for the samples the cache lacks
+            (``data.teacher_cache_missing: online``).
     """
 
     index: int
@@ -208,11 +210,13 @@ class RunTeacher:
     projection: str | None
     projection_key: str
     cache: str | None = None
+    online: bool = False
 
     @property
     def live(self) -> bool:
-        """Its groups run as processes (no teacher cache serves it)."""
-        return self.cache is None
+        """Its groups run as processes: no teacher cache serves it, or one does and they serve
+        the samples it lacks (:attr:`online`)."""
+        return self.cache is None or self.online
 
     def name(self, group: int) -> str:
         """The process name of its group ``group`` (``teacher0``, ``t1.teacher0``)."""
@@ -235,11 +239,12 @@ def teacher_list(config: Any) -> list[RunTeacher]:
     """Every teacher of a run config in the loss's order: teacher 0 (the ``teacher`` section),
     then one per entry of ``extra_teachers``."""
     caches = teacher_caches(config.data.teacher_cache, 1 + len(config.extra_teachers))
+    online = config.data.teacher_cache_missing == "online"
     out = [
         RunTeacher(
             0, "teacher", config.teacher, config.teacher_tokenizer, "teacher_tokenizer",
             config.teachers, config.trainer.loss.projection, "trainer.loss.projection",
-            caches[0],
+            caches[0], online and caches[0] is not None,
         )
     ]  # fmt: skip
     for i, e in enumerate(config.extra_teachers):
@@ -248,6 +253,7 @@ def teacher_list(config: Any) -> list[RunTeacher]:
             RunTeacher(
                 i + 1, key, e, str(e.tokenizer), f"{key}.tokenizer",
                 e.groups or config.teachers, e.projection, f"{key}.projection", caches[i + 1],
+                online and caches[i + 1] is not None,
             )
         )  # fmt: skip
     return out

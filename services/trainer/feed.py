@@ -14,7 +14,13 @@ With ``on_policy.fraction`` above 0 the sample feed is the mixed one
 A teacher a cache serves (its link's ``cache``, a run's ``data.teacher_cache``) has no client:
 its samples carry its top-K targets (``teacher_topk_*`` fields, claimed with the others), and
 its logits are those targets decoded (``xtoken_core.wire.topk.decode_topk``), as the ``topk``
-transport's client decodes a teacher's result.
+transport's client decodes a teacher's result. With ``cache_missing: online`` it has a client
+too: a sample the cache lacked (``teacher_topk_cached`` False) is asked of the live teacher,
+only those rows of the micro-batch (none asked when the cache held every one), and their logits
+take the place of the decoded rows.
+
+Legend: B samples of a micro-batch, b the rows of it asked of a live teacher, U teacher tokens,
+W teacher vocab.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ class _Pending(Claimed):
     """A micro-batch claimed (:class:`Claimed`) and requested of each teacher.
 
     Attributes:
-        asked: one request per teacher of the loss, teacher 0 first ([] when the loss reads
-            no teacher).
+        asked: one request per teacher client of the feed, in their order ([] when the loss
+            reads no teacher); None for a cached teacher whose cache held every sample.
+        missing: per cached teacher asked for the samples its cache lacked, their ``[b]`` rows
+            in the micro-batch (the request holds those rows alone).
     """
 
-    asked: list[Asked] = dataclasses.field(default_factory=list)
+    asked: list[Asked | None] = dataclasses.field(default_factory=list)
+    missing: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class TeacherFeed:
@@ -67,7 +76,8 @@ class TeacherFeed:
         ranks: the data-parallel size.
         cached_widths: per teacher, the logits' width W of the cache that serves it (its
             targets travel with the samples and are decoded here), or None for a live teacher
-            (None: every teacher is live).
+            (None: every teacher is live). A cached teacher whose link has ``cache_missing:
+            online`` has a client too, asked for the samples its cache lacked.
         version, teacher_vocab: as :class:`services.trainer.on_policy.OnPolicyFeed` (read with
             ``on_policy.fraction`` above 0).
     """
@@ -104,6 +114,9 @@ class TeacherFeed:
         widths = list(cached_widths) if cached_widths is not None else [None] * n
         # teacher j -> the width of the cache that serves it (its targets come with the samples)
         self.cached = {j: int(w) for j, w in enumerate(widths) if w is not None}
+        # the cached teachers whose live groups serve the samples their cache lacked
+        self.online = {j for j in self.cached if teachers[j].cache_missing == "online"}
+        self._online_trained = 0  # samples trained on such a teacher's live logits
         self.device = device or torch.device("cpu")
         common = dict(
             partition=partition, pack=pack, stop=stop, register=register,
@@ -130,7 +143,8 @@ class TeacherFeed:
         self.on_policy = self.samples if isinstance(self.samples, OnPolicyFeed) else None
         readers = list(readers) if readers is not None else [None] * n
         output_layers = list(output_layers) if output_layers is not None else [None] * n
-        # a client per live teacher (a cached one's logits are decoded from its samples)
+        # a client per live teacher (a cached one's logits are decoded from its samples, but
+        # for the samples its cache lacked when it is online)
         self.teachers = [
             TeacherClient(
                 client,
@@ -145,7 +159,7 @@ class TeacherFeed:
                 index=j,
             )
             for j, link in enumerate(teachers)
-            if j not in self.cached
+            if j not in self.cached or j in self.online
         ]
         self._n = n
         # each teacher's fields of a sample: its rows, its positions (packed), its padded ids
@@ -157,11 +171,15 @@ class TeacherFeed:
     @property
     def counters(self) -> dict[str, int]:
         """The teacher clients' counts: stale, checksum_mismatch, orphans, re_requests, summed
-        over the teachers; with several, each teacher's too (``teacher{j}_re_requests``...)."""
+        over the teachers; with several, each teacher's too (``teacher{j}_re_requests``...).
+        With an online cached teacher, ``cache_missing``: the samples trained (acked) on its
+        live logits because its cache lacked them (summed over such teachers)."""
         out = {name: sum(t.counters[name] for t in self.teachers) for name in _COUNTERS}
         if len(self.teachers) > 1:
             for t in self.teachers:
                 out.update({f"teacher{t.index}_{k}": v for k, v in t.counters.items()})
+        if self.online:
+            out["cache_missing"] = self._online_trained
         return out
 
     @property
@@ -191,6 +209,10 @@ class TeacherFeed:
         """Mark the samples of trained micro-batches consumed (after the optimizer step); a
         registered feed with checkpoints keeps the acks for :meth:`commit`."""
         self.samples.ack(mb.context for mb in micro_batches)
+        if self.online:
+            self._online_trained += sum(
+                len(rows_b) for mb in micro_batches for rows_b in mb.context.missing.values()
+            )
 
     def commit(self) -> None:
         """After a checkpoint that holds every trained key was saved: see
@@ -205,7 +227,7 @@ class TeacherFeed:
             teacher.deferred.clear()
         for p in pend:
             for teacher, asked in zip(self.teachers, p.asked):
-                if asked.record is not None:
+                if asked is not None and asked.record is not None:
                     teacher.drop_record(asked)
         self.samples.give_back(pend)
 
@@ -222,16 +244,33 @@ class TeacherFeed:
             p = _Pending(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Claimed)})
             if self.uses_teacher:
                 for teacher in self.teachers:
-                    ids, positions = self._ids[teacher.index], self._positions[teacher.index]
-                    asked = Asked(
-                        rows=[s[ids] for s in c.samples],
-                        positions=[s[positions] for s in c.samples] if self.pack else None,
-                        shape=tuple(c.batch[ids].shape),
-                    )
+                    asked = self._request(p, teacher.index)
                     p.asked.append(asked)
-                    teacher.ask(asked)
+                    if asked is not None:
+                        teacher.ask(asked)
             self._pending.append(p)
         return True
+
+    def _request(self, p: _Pending, j: int) -> Asked | None:
+        """What teacher ``j`` is asked for micro-batch ``p``: every row (a live teacher), the
+        rows its cache lacked (an online cached teacher: recorded in ``p.missing``), or nothing
+        (None: its cache held every row)."""
+        ids, positions = self._ids[j], self._positions[j]
+        if j not in self.online:
+            return Asked(
+                rows=[s[ids] for s in p.samples],
+                positions=[s[positions] for s in p.samples] if self.pack else None,
+                shape=tuple(p.batch[ids].shape),
+            )
+        from xtoken_core.cache.attach import cached_of_batch
+
+        rows_b = (~cached_of_batch(p.batch, j)).nonzero().flatten()
+        if not len(rows_b):
+            return None
+        p.missing[j] = rows_b
+        rows = [p.samples[i][ids] for i in rows_b.tolist()]
+        # the teacher pads the rows to the longest of them (the micro-batch's U or less)
+        return Asked(rows=rows, shape=(len(rows), max(1, max(int(r.numel()) for r in rows))))
 
     def _top_up(self) -> None:
         """Claim and ask ahead without waiting: called while the GPU runs a backward, so that the
@@ -255,16 +294,42 @@ class TeacherFeed:
 
     def _logits(self, p: _Pending) -> torch.Tensor | list[torch.Tensor]:
         """The teacher logits of ``p``: ``[B, U, W]`` of one teacher, or one per teacher (a
-        live teacher's from its client, a cached one's decoded from the batch's targets)."""
-        live = iter(zip(self.teachers, p.asked, strict=True))
+        live teacher's from its client, a cached one's decoded from the batch's targets, with
+        the rows its cache lacked from its client when it is online)."""
+        clients = {t.index: (t, asked) for t, asked in zip(self.teachers, p.asked, strict=True)}
         logits = []
         for j in range(self._n):
-            if j in self.cached:
+            teacher, asked = clients.get(j, (None, None))
+            if j not in self.cached:
+                logits.append(teacher.logits(asked))
+            elif asked is None:
                 logits.append(self._decode(p, j))
             else:
-                teacher, asked = next(live)
-                logits.append(teacher.logits(asked))
+                logits.append(self._merge(p, j, teacher.logits(asked)))
         return logits[0] if len(logits) == 1 else logits
+
+    def _merge(self, p: _Pending, j: int, live_bUW: torch.Tensor) -> torch.Tensor:
+        """Online cached teacher ``j``'s ``[B, U, W]`` logits of ``p``: the live teacher's
+        ``[b, U', W]`` (U' <= U) for the rows its cache lacked, the decoded cached targets for
+        the others; the live logits alone when no row of ``p`` was cached.
+
+        Raises:
+            ValueError: the live teacher's logits are of another width than its cache's.
+        """
+        rows_b = p.missing[j]
+        B, U = p.batch[self._ids[j]].shape
+        if len(rows_b) == B and live_bUW.shape[1] == U:
+            return live_bUW
+        W = self.cached[j]
+        if live_bUW.shape[-1] != W:
+            raise ValueError(
+                f"teacher {j}'s live logits are {live_bUW.shape[-1]} wide and its cache's {W}: "
+                "a cache of another teacher; build it again with `xtoken cache build`"
+            )
+        logits_BUW = self._decode(p, j)
+        rows_b = rows_b.to(logits_BUW.device)
+        logits_BUW[rows_b, : live_bUW.shape[1]] = live_bUW.to(logits_BUW.dtype)
+        return logits_BUW
 
     def _decode(self, p: _Pending, j: int) -> torch.Tensor:
         """Cached teacher ``j``'s ``[B, U, W]`` logits of ``p``: the top-K targets its samples
@@ -279,14 +344,16 @@ class TeacherFeed:
 
     def _prefetch(self, p: _Pending) -> None:
         for teacher, asked in zip(self.teachers, p.asked):
-            teacher.prefetch(asked)
+            if asked is not None:
+                teacher.prefetch(asked)
 
     def _done(self, p: _Pending) -> None:
         """After the backward of ``p`` was queued: release its slots, ack and clear its records;
         claim ahead, and take the results that already arrived, so that the next micro-batch
         opens its slots without a queue round trip in its step."""
         for teacher, asked in zip(self.teachers, p.asked):
-            teacher.done(asked)
+            if asked is not None:
+                teacher.done(asked)
         self._top_up()
         for teacher in self.teachers:
             if teacher.waiting:

@@ -406,6 +406,15 @@ class TeacherLinkConfig:
             "trained": True,
         },
     )
+    cache_missing: Literal["error", "online"] = field(
+        default="error",
+        metadata={
+            "help": "with a cache: a sample it lacks (teacher_topk_cached false) is an error, "
+            "or online: asked of the teacher's groups, as a live teacher's micro-batch is",
+            "derived": "data.teacher_cache_missing",
+            "trained": True,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.groups < 1:

@@ -1,7 +1,9 @@
 """``xtoken run`` trained from a teacher cache that ``xtoken cache build`` wrote, as real
 processes: no teacher process starts, the run completes, every sample is trained exactly once
 with a KD term from the cached targets; a cache of another teacher is refused before any
-process starts, in one line naming the key that differs."""
+process starts, in one line naming the key that differs. With ``data.teacher_cache_missing:
+online`` a cache of half the corpus serves a run over all of it: the run starts the teacher,
+which serves exactly the samples the cache lacks, and every sample is trained exactly once."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import sys
 
 import pytest
 
+from services.common.metrics import read_jsonl
 from tests.e2e.conftest import (
     CHILD_ENV,
     assert_exactly_once,
     corpus_parts,
+    feed_totals,
     step_records,
     tiny_run_config,
     trained_keys,
@@ -75,3 +79,44 @@ def test_a_run_from_a_built_cache_starts_no_teacher_and_trains_each_sample_once(
     assert not (tmp_path / "other" / "logs").exists() or not list(
         (tmp_path / "other" / "logs").iterdir()
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_online_a_cache_of_half_the_corpus_serves_a_run_over_all_of_it_beside_the_live_teacher(
+    procs, tmp_path, demo, projection
+):
+    from xtoken_core.cache.reader import CacheReader
+
+    paths, corpus = corpus_parts(demo, tmp_path / "data", n=24, parts=1)
+    run_dir = tmp_path / "run"
+    cache = tmp_path / "cache"
+    config = tiny_run_config(run_dir, paths[0], str(demo.heldout_path), projection)
+    data = dataclasses.replace(
+        config.data, teacher_cache=str(cache), teacher_cache_missing="online"
+    )
+    path = write_config(tmp_path / "run.json", dataclasses.replace(config, data=data))
+    # builder 0 of 2 alone: the texts whose keys hash to it, about half, spread over the corpus
+    built = _xtoken("cache", "build", str(path), "--out", str(cache), "--shard", "0/2",
+                    "--no-progress")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    missing = CacheReader(cache).missing(corpus)
+    assert 0 < len(missing) < len(corpus), missing
+
+    run = procs.start("run", ["run", str(path), "--no-progress"], ready=False)
+    assert run.wait(400) == 0, run.tail()
+
+    assert_exactly_once(trained_keys(run_dir), corpus)
+    assert (run_dir / "config" / "teacher0.json").exists(), "the live teacher did not start"
+    assert f"by its live groups for the {len(missing)} it lacks" in run.log(), run.tail()
+    # the live teacher served the samples the cache lacks, each once, and nothing else
+    totals = feed_totals(run_dir)
+    assert totals["cache_missing"] == len(missing), totals
+    served = read_jsonl(run_dir / "metrics" / "teacher.group0.jsonl")
+    rows = sum(r["rows"] for r in served if r.get("event") == "request")
+    assert rows == len(missing) and totals["re_requests"] == 0, (rows, totals)
+    for rank in (0, 1):
+        steps = step_records(run_dir, rank)
+        assert steps, f"rank {rank} recorded no step"
+        for record in steps:
+            assert math.isfinite(record["kl_loss"]) and record["kl_loss"] > 0, record

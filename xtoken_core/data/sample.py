@@ -45,7 +45,10 @@ int32, ``teacher_topk_logprobs`` ``[U, K]`` float32, ``teacher_topk_rest`` and
 ``teacher_topk_lse`` ``[U]`` float32; teacher i's as ``teacher{i}_topk_...``): the ``topk``
 transport's payload, decoded by the trainer with ``xtoken_core.wire.topk.decode_topk``. The
 ``[U, K]`` fields have one trailing dim (:attr:`FieldSpec.inner`); the pads of a padded batch
-(ids 0, log-probs, rest and log-partition 0) are masked by ``teacher_token_mask``.
+(ids 0, log-probs, rest and log-partition 0) are masked by ``teacher_token_mask``. Beside them,
+``teacher_topk_cached`` (bool, per sample, :data:`TOPK_CACHED`): False for a sample the cache
+lacks (``data.teacher_cache_missing: online``), whose targets are zeros the trainer never reads:
+it asks the live teacher for that sample instead.
 """
 
 from __future__ import annotations
@@ -122,8 +125,11 @@ TOPK_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("teacher_topk_rest", torch.float32, TEACHER_TOKEN, 0.0),
     FieldSpec("teacher_topk_lse", torch.float32, TEACHER_TOKEN, 0.0),
 )
+# Whether a sample's top-K targets came from the cache (False: the cache lacks the sample, its
+# targets are zeros, and the trainer asks the live teacher for it).
+TOPK_CACHED = FieldSpec("teacher_topk_cached", torch.bool, SAMPLE, None)
 FIELDS_BY_NAME: dict[str, FieldSpec] = {
-    f.name: f for f in SAMPLE_FIELDS + PACKED_FIELDS + TOPK_FIELDS
+    f.name: f for f in SAMPLE_FIELDS + PACKED_FIELDS + TOPK_FIELDS + (TOPK_CACHED,)
 }
 # The fields every sample has (a trainer's claim requires them).
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SAMPLE_FIELDS)
@@ -141,7 +147,7 @@ LENGTH_FIELD: dict[str, str] = {
 TEACHER_FIELDS: tuple[FieldSpec, ...] = tuple(
     f for f in SAMPLE_FIELDS + PACKED_FIELDS if f.name.startswith(("teacher_", ALIGNMENT_PREFIX))
 )
-_TEACHER_FIELD_NAMES = frozenset(f.name for f in TEACHER_FIELDS + TOPK_FIELDS)
+_TEACHER_FIELD_NAMES = frozenset(f.name for f in TEACHER_FIELDS + TOPK_FIELDS + (TOPK_CACHED,))
 # teacher{i}_<rest> with i >= 1 (teacher 0 has no number)
 _NUMBERED = re.compile(r"teacher([1-9][0-9]*)_(.+)")
 
@@ -229,20 +235,21 @@ def teacher_fields(teacher: int, *, packed: bool = False) -> tuple[FieldSpec, ..
 
 
 def topk_fields(teacher: int) -> tuple[FieldSpec, ...]:
-    """The top-K target fields of cached teacher ``teacher`` (:data:`TOPK_FIELDS`, named as
-    :func:`teacher_field_name` names its fields, on its own token axis).
+    """The top-K target fields of cached teacher ``teacher`` (:data:`TOPK_FIELDS` and
+    :data:`TOPK_CACHED`, named as :func:`teacher_field_name` names its fields, on its own token
+    axis).
 
     Args:
         teacher: the teacher's index, >= 0 (0: ``teacher_topk_ids``, ...).
 
     Returns:
-        The four specs: ids, log-probs, rest, log-partition.
+        The five specs: ids, log-probs, rest, log-partition, and whether the cache held them.
     """
     return tuple(
         dataclasses.replace(
             f, name=teacher_field_name(f.name, teacher), axis=teacher_axis(f.axis, teacher)
         )
-        for f in TOPK_FIELDS
+        for f in (*TOPK_FIELDS, TOPK_CACHED)
     )
 
 

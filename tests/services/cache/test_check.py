@@ -1,7 +1,8 @@
 """A run's teacher cache checked before any process starts: one built for the run's teacher and
 corpus passes; one of another teacher (weights, tokenizer, context, K) is refused in one line
 naming the first key that differs; one that lacks samples of the corpus names how many and their
-builder shards; a folder that holds no cache says how to build one."""
+builder shards, or with ``data.teacher_cache_missing: online`` counts them in one line; a folder
+that holds no cache says how to build one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from xtoken_core.errors import SettingsError
 TEXTS = [f"text number {i}: " + "word " * (i % 5) for i in range(10)]
 
 
-def _config(tmp: Path, corpus: str = "corpus.jsonl", teacher=None, **top):
+def _config(tmp: Path, corpus: str = "corpus.jsonl", teacher=None, data=None, **top):
     return run_config_from_dict(
         {
             "run_dir": str(tmp / "run"),
@@ -26,7 +27,8 @@ def _config(tmp: Path, corpus: str = "corpus.jsonl", teacher=None, **top):
             "teacher_tokenizer": "smollm2",
             "ctx_student": 32,
             "ctx_teacher": 32,
-            "data": {"train": str(tmp / corpus), "teacher_cache": str(tmp / "cache")},
+            "data": {"train": str(tmp / corpus), "teacher_cache": str(tmp / "cache")}
+            | (data or {}),
             "teacher": {"model": "tiny", "max_batch": 4, "max_length": 32, "top_k": 8}
             | (teacher or {}),
             **top,
@@ -74,6 +76,27 @@ def test_a_corpus_sample_the_cache_lacks_is_named_with_its_count_and_builder_sha
     (tmp / "more.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in more))
     with pytest.raises(SettingsError, match=r"lacks 12 sample\(s\) of the corpus .* builder"):
         _check(_config(tmp, corpus="more.jsonl"))
+
+
+def test_with_online_the_samples_the_cache_lacks_are_counted_in_one_line_not_refused(
+    tmp, tmp_path, caplog
+):
+    from xtoken_core.cache.reader import CacheReader
+
+    half = tmp_path / "half"  # builder 0 of 2 alone: about half the corpus
+    CacheBuilder(_config(tmp), BuildOptions(out=str(half), shard=(0, 2), progress=False)).run()
+    held = len(CacheReader(half))
+    assert 0 < held < len(TEXTS)
+    data = {"teacher_cache": str(half), "teacher_cache_missing": "online"}
+    with caplog.at_level("INFO", logger="services.cache.check"):
+        _check(_config(tmp, data=data))
+    (line,) = [r.getMessage() for r in caplog.records if "live groups" in r.getMessage()]
+    assert f"for {held} of the {len(TEXTS)} samples" in line, line
+    assert f"for the {len(TEXTS) - held} it lacks" in line, line
+    with pytest.raises(SettingsError, match=r"lacks .* sample\(s\) of the corpus"):
+        _check(_config(tmp, data={"teacher_cache": str(half)}))
+    with pytest.raises(SettingsError, match="was built for another teacher"):  # still checked
+        _check(_config(tmp, teacher={"seed": 3}, data=data))
 
 
 def test_a_folder_without_a_cache_is_refused_naming_the_build_command(tmp, tmp_path):

@@ -1,7 +1,8 @@
 """Training from a teacher cache, in process: the collator worker puts each sample's cached top-K
 targets beside its fields, the trainer's feed decodes them, and the loss equals the loss of the
 live ``topk`` transport on the same samples at the same K; a sample the cache does not hold, or
-holds for other teacher tokens, is refused naming its key."""
+holds for other teacher tokens, is refused naming its key; with ``teacher_cache_missing:
+online`` a sample the cache does not hold is put marked for the live teacher instead."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _keys(tmp: Path, config) -> list[str]:
     return corpus_keys(config, str(tmp / "corpus.jsonl"), None)
 
 
-def _worker(cache: str) -> CollatorWorker:
+def _worker(cache: str, missing: str = "error") -> CollatorWorker:
     config = WorkerConfig(
         queue="tcp://127.0.0.1:1",
         student="mistral",
@@ -77,6 +78,7 @@ def _worker(cache: str) -> CollatorWorker:
         ctx_student=CTX,
         ctx_teacher=CTX,
         teacher_cache=(cache,),
+        teacher_cache_missing=missing,
     )
     return CollatorWorker(config, client=object())
 
@@ -126,6 +128,19 @@ def test_a_sample_the_cache_lacks_is_refused_naming_its_key(built):
     tmp, _ = built
     with pytest.raises(KeyError, match=r"lacks sample 'elsewhere:7'"):
         _worker(str(tmp / "cache")).collate([("elsewhere:7", "some text")])
+
+
+def test_with_online_a_sample_the_cache_lacks_is_put_marked_not_cached_with_zero_targets(built):
+    tmp, builder = built
+    keys = _keys(tmp, builder.config)[:2] + ["elsewhere:7"]
+    texts = TEXTS[:2] + ["a text the cache never saw"]
+    _, fields = _worker(str(tmp / "cache"), "online").collate(list(zip(keys, texts)))
+    assert fields["teacher_topk_cached"].tolist() == [True, True, False]
+    samples = columns_to_samples(fields)
+    U = int(samples[2]["teacher_input_lengths"])
+    assert samples[2]["teacher_topk_ids"].shape == (U, K)
+    assert not samples[2]["teacher_topk_ids"].any() and not samples[2]["teacher_topk_lse"].any()
+    assert samples[0]["teacher_topk_lse"].any()  # the cached ones carry their targets
 
 
 def test_a_sample_of_other_teacher_tokens_than_the_cached_ones_is_refused(built):
