@@ -117,7 +117,15 @@ def test_topk_is_served_by_a_group_and_a_preset_with_hidden_is_refused():
 # ----------------------------------------------------------------------------- spawned groups
 
 
-@pytest.mark.parametrize("transport", ["shm", "hidden", "topk"])
+# each transport ~5 s of two spawned ranks: shm in the default suite, the others `pytest -m slow`
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "shm",
+        pytest.param("hidden", marks=pytest.mark.slow),
+        pytest.param("topk", marks=pytest.mark.slow),
+    ],
+)
 def test_a_whole_model_sharded_over_two_ranks_serves_one_teachers_results(tmp_path, transport):
     out = tmp_path / "saved.pt"
     spawn_group(serve_whole_then_sharded, 2, transport, str(out))
@@ -227,7 +235,7 @@ def _claim(client, rank: int, fields: list[str], want: int, timeout_s: float = 6
     return out
 
 
-@pytest.mark.parametrize("transport", ["shm", "hidden"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("hidden", marks=pytest.mark.slow)])
 def test_a_group_started_by_torchrun_serves_a_queue_with_one_teachers_results(
     tmp_path, queue, tiny_folder, transport
 ):
