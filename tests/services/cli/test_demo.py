@@ -83,7 +83,7 @@ def test_demo_steps_0_trains_until_the_data_ends_and_a_negative_count_is_refused
 
     parser = build_parser()
     assert demo_config(parser.parse_args(["demo", "--steps", "0"])).trainer.schedule.max_steps == 0
-    assert demo_config(parser.parse_args(["demo"])).trainer.schedule.max_steps == 40
+    assert demo_config(parser.parse_args(["demo"])).trainer.schedule.max_steps == 36
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["demo", "--steps", "-1"])
     assert exc.value.code == 2
@@ -97,7 +97,7 @@ def test_the_ce_only_run_is_the_same_run_without_the_teacher():
 
     args = build_parser().parse_args(["demo", "--steps", "3", "--run-dir", "runs/d"])
     kd, ce = demo_config(args), run_config_from_dict(baseline_data(args))
-    assert ce.trainer.loss.mode == "ce" and kd.trainer.loss.mode == "pkl"
+    assert ce.trainer.loss.mode == "ce" and kd.trainer.loss.mode == "xtoken"
     assert ce.run_dir == f"runs/d/{BASELINE_DIR}" and not ce.trainer.schedule.export
     # the ordered data mode: both runs train the same micro-batches in the same steps
     assert kd.data.ordered and (ce.data, ce.trainer.schedule.max_steps) == (
@@ -110,14 +110,20 @@ def test_the_ce_only_run_is_the_same_run_without_the_teacher():
     )
 
 
-def test_the_held_out_table_shows_kd_beside_ce_only():
+def test_the_held_out_table_shows_kd_beside_ce_only_and_their_signed_difference():
     from services.cli import build_parser
     from services.cli.demo import demo_config, format_table
 
     config = demo_config(build_parser().parse_args(["demo"]))
-    kd = {"teacher": 0.95, "student_before": 4.0, "student_after": 2.75, "steps": 40}
-    table = format_table(kd, {"student_after": 2.5}, config).splitlines()
-    assert table[0] == "held-out bits/byte (run runs/demo, 40 steps of 4 x 128 tokens)"
-    assert table[3].split() == ["student", "after", "KD", "(pkl)", "2.7500"]
-    assert table[4].split() == ["student", "after", "CE", "only", "2.5000"]
+    kd = {"teacher": 0.95, "student_before": 4.0, "student_after": 2.5, "steps": 36}
+    table = format_table(kd, {"student_after": 2.75}, config).splitlines()
+    assert table[0] == (
+        "held-out bits/byte, lower is better (run runs/demo, 36 steps of 2 x 128 tokens)"
+    )
+    assert table[3].split() == ["student", "after", "KD", "(xtoken)", "2.5000"]
+    assert table[4].split() == ["student", "after", "CE", "only", "2.7500"]
+    assert table[5].split() == ["KD", "minus", "CE", "only", "-0.2500"]
+    assert len({len(line) for line in table[1:6]}) == 1  # the figures end in one column
+    behind = format_table({**kd, "student_after": 3.0}, {"student_after": 2.75}, config)
+    assert behind.splitlines()[5].split()[-1] == "+0.2500"
     assert len(format_table(kd, None, config).splitlines()) == 4  # --no-baseline
