@@ -209,7 +209,7 @@ class RunTrainerConfig(TrainerConfig):
         if names is not None:
             super().check_on_policy(names)
 
-    def check_deterministic(self, ordered: str = "feed.ordered") -> None:
+    def check_deterministic(self) -> None:
         """Checked by the run, against ``data.ordered`` (the trainer's ``feed.ordered`` is set
         from it)."""
 

@@ -219,21 +219,17 @@ class TrainerConfig:
                 f"workers, which never run out; set {keys['max_steps']}"
             )
 
-    def check_deterministic(self, ordered: str = "feed.ordered") -> None:
+    def check_deterministic(self) -> None:
         """Bitwise-reproducible steps need the same micro-batches in every run.
 
-        Args:
-            ordered: the key that fixes the order, named in the message (a run config's:
-                ``data.ordered``).
-
         Raises:
-            ValueError: ``compute.deterministic`` without a fixed order (names the key to set).
+            ValueError: ``compute.deterministic`` without ``feed.ordered`` (names the key to set).
         """
         if self.compute.deterministic and not self.feed.ordered:
             raise ValueError(
-                f"compute.deterministic needs {ordered}: true (without it a claim takes what is "
+                "compute.deterministic needs feed.ordered: true (without it a claim takes what is "
                 "ready, so which samples share a micro-batch depends on timing); set "
-                f"{ordered}: true, or compute.deterministic: false"
+                "feed.ordered: true, or compute.deterministic: false"
             )
 
     def check_projection(self) -> None:
