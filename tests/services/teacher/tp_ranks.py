@@ -3,8 +3,10 @@ spawned processes unpickle these functions by name)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -38,16 +40,25 @@ def _rank_main(rank: int, size: int, port: int, fn, args) -> None:
         MASTER_PORT=str(port), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
     )  # fmt: skip
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     try:
         fn(rank, size, *args)
+        if dist.is_initialized():
+            dist.barrier()  # every rank is done with the group before any leaves it
     except BaseException:
         traceback.print_exc()
         raise
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
+    # A clean exit without interpreter finalization: gloo's worker threads, still referenced by
+    # the sharded model's DTensors, can abort the process (SIGABRT, "terminate called without an
+    # active exception") when finalization destroys them; the rank's work is saved by now.
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _requests(width: int, pad_id: int):
