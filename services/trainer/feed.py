@@ -335,10 +335,12 @@ class TeacherFeed:
         """Cached teacher ``j``'s ``[B, U, W]`` logits of ``p``: the top-K targets its samples
         carry, decoded as the ``topk`` transport's client decodes a result."""
         from xtoken_core.cache.attach import topk_of_batch
-        from xtoken_core.wire.topk import decode_topk
+        from xtoken_core.wire.topk import decode_dtype, decode_topk
 
         try:
-            return decode_topk(topk_of_batch(p.batch, j), self.cached[j], device=self.device)
+            targets = topk_of_batch(p.batch, j)
+            dtype = decode_dtype(self.device)
+            return decode_topk(targets, self.cached[j], device=self.device, dtype=dtype)
         except ValueError as e:
             raise ValueError(f"cached top-k targets of teacher {j} of {p.keys[:3]}: {e}") from None
 

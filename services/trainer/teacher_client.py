@@ -435,12 +435,12 @@ class TeacherClient:
             with torch.no_grad():
                 return self.output_layer(hidden_BUd.to(self.output_layer.weight.dtype))
         if result.transport == "topk":
-            from xtoken_core.wire.topk import decode_topk
+            from xtoken_core.wire.topk import decode_dtype, decode_topk
 
             columns = [fields[name] for name in self.topk_fields]
             targets = proto.topk_from_columns(columns, B, U, p.request_key)
             try:
-                return decode_topk(targets, result.width, device=device)
+                return decode_topk(targets, result.width, device=device, dtype=decode_dtype(device))
             except ValueError as e:
                 raise ValueError(f"top-k targets of request {p.request_key!r}: {e}") from None
         logits_BUW = self.reader.view(result.descriptor, result.handle)

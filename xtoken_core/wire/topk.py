@@ -26,6 +26,7 @@ __all__ = [
     "LOG_FLOOR",
     "TopK",
     "check_top_k",
+    "decode_dtype",
     "decode_topk",
     "encode_topk",
     "topk_bytes_per_token",
@@ -207,6 +208,14 @@ def decode_topk(
     fill_N = fill_N + lse_N
     dense_NW = fill_N.to(dtype)[..., None].expand(*lead, width).contiguous()
     return dense_NW.scatter_(-1, ids_NK, logits_NK.to(dtype))
+
+
+def decode_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype a trainer decodes targets into on ``device``: bf16 on a GPU (the dtype of the
+    logits a teacher on a GPU sends through the ring, so a run from targets holds the dense
+    tensor at the size the ring's slot has, half an fp32 one: 1 GiB at 4096 positions of a
+    129,280-id vocab), fp32 on the CPU (where the teacher's logits are fp32)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def topk_bytes_per_token(k: int, logprobs_dtype: torch.dtype = torch.float32) -> int:

@@ -19,6 +19,7 @@ from xtoken_core.wire.topk import (
     LOG_FLOOR,
     TopK,
     check_top_k,
+    decode_dtype,
     decode_topk,
     encode_topk,
     topk_bytes_per_token,
@@ -119,6 +120,15 @@ def test_bf16_logprobs_are_the_fp32_ones_rounded():
     assert torch.equal(bf16.logprobs_NK, fp32.logprobs_NK.to(torch.bfloat16))
     assert torch.equal(bf16.rest_N, fp32.rest_N)  # the rest and the log-partition stay fp32
     assert bf16.lse_N.dtype == torch.float32 and torch.equal(bf16.lse_N, fp32.lse_N)
+
+
+def test_a_gpu_trainer_decodes_into_bf16_the_fp32_decode_rounded_once():
+    assert decode_dtype("cuda:1") == torch.bfloat16  # the ring's dtype: half the fp32 tensor
+    assert decode_dtype(torch.device("cpu")) == torch.float32
+    targets = encode_topk(_logits(5, 40, seed=6), 7)
+    fp32 = decode_topk(targets, 40)
+    bf16 = decode_topk(targets, 40, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
 
 
 def test_bytes_per_token_count_ids_logprobs_the_rest_and_the_log_partition():
