@@ -45,7 +45,7 @@ from xtoken_core.errors import SettingsError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BuildOptions", "BuildSummary", "CacheBuilder"]
+__all__ = ["BuildOptions", "BuildSummary", "CacheBuilder", "build_cache"]
 
 # the fingerprint keys a build into an existing cache must match (RUN_KEYS, K and the corpus)
 BUILD_KEYS = (*RUN_KEYS, "k", "corpus")
@@ -188,10 +188,15 @@ class CacheBuilder:
 
     def fingerprint(self) -> dict[str, Any]:
         """The fingerprint of this build (the teacher's and the corpus's)."""
-        from services.cache.fingerprint import corpus_fingerprint, teacher_fingerprint
+        from services.cache.fingerprint import (
+            corpus_fingerprint,
+            preset_draw,
+            teacher_fingerprint,
+        )
         from xtoken_core.tokenizers import load_tokenizer
 
         section = self.view.section
+        teacher = self.teacher_config()
         files, data = self.corpus()
         fp = teacher_fingerprint(
             section.model,
@@ -202,6 +207,7 @@ class CacheBuilder:
             seed=section.seed,
             ctx_teacher=self.config.ctx_teacher,
             k=self.k,
+            draw=preset_draw(teacher.tensor_parallel, teacher.device),
         )
         fp["corpus"] = corpus_fingerprint(files, data)
         return fp
@@ -394,7 +400,6 @@ class CacheBuilder:
         import torch
 
         from services.protocol.teacher import Request
-        from xtoken_core.wire.topk import encode_topk
 
         worker = self.worker
         lengths = [len(ids) for _, ids in batch]
@@ -413,9 +418,16 @@ class CacheBuilder:
             ids_BU[b, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
         request = Request("cache", 0, ids_BU, torch.tensor(lengths, dtype=torch.int64))
         with torch.inference_mode():
-            targets = encode_topk(worker.logits(request), k)
+            targets = self.targets(request)
         ids, lps, rest, lse = (t.cpu().numpy() for t in targets)
         return [(ids[b, :L], lps[b, :L], rest[b, :L], lse[b, :L]) for b, L in enumerate(lengths)]
+
+    def targets(self, request: Any) -> Any:
+        """The top-K targets (``xtoken_core.wire.topk.TopK``, ``[B, U, K]``) of a request of
+        teacher-id rows: its whole logits' top K."""
+        from xtoken_core.wire.topk import encode_topk
+
+        return encode_topk(self.worker.logits(request), self.k)
 
     def _commit(self, writer: Any, tag: str) -> int:
         """Write the gathered rows as a shard and record it; 1 if a shard was written."""
@@ -430,6 +442,30 @@ class CacheBuilder:
         update_manifest(self.out, record)
         logger.debug("[cache] wrote %s (%d samples)", entry["path"], entry["samples"])
         return 1
+
+
+def build_cache(config: Any, options: BuildOptions) -> BuildSummary | None:
+    """Build a cache as ``xtoken cache build`` does: with one process, or, for a teacher whose
+    section says ``tensor_parallel: k`` (or under torchrun), as this rank of a tensor-parallel
+    group (``services/cache/group.py``).
+
+    Args:
+        config: the run config.
+        options: :class:`BuildOptions`.
+
+    Returns:
+        The :class:`BuildSummary`; None on a rank of a group other than 0 (rank 0 reports).
+
+    Raises:
+        SettingsError: as :class:`CacheBuilder`.
+        ValueError: a group's size other than torchrun's (one line: how to start it).
+    """
+    builder = CacheBuilder(config, options)
+    if builder.view.section.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from services.cache.group import build_with_group
+
+        return build_with_group(builder)
+    return builder.run()
 
 
 def check_folder(out: Path) -> None:

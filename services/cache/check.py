@@ -28,7 +28,7 @@ def run_fingerprint(config: Any, view: Any) -> dict[str, Any]:
         config: the run config.
         view: the teacher (a :class:`services.supervise.teachers.RunTeacher`).
     """
-    from services.cache.fingerprint import teacher_fingerprint
+    from services.cache.fingerprint import preset_draw, teacher_fingerprint
     from xtoken_core.tokenizers import load_tokenizer
 
     section = view.section
@@ -41,6 +41,7 @@ def run_fingerprint(config: Any, view: Any) -> dict[str, Any]:
         seed=section.seed,
         ctx_teacher=config.ctx_teacher,
         k=section.top_k,
+        draw=preset_draw(section.tensor_parallel, section.device),
     )
 
 

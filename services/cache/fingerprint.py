@@ -16,7 +16,7 @@ from typing import Any
 
 from xtoken_core.cache.format import FORMAT_VERSION
 
-__all__ = ["corpus_fingerprint", "teacher_fingerprint", "weights_hash"]
+__all__ = ["corpus_fingerprint", "preset_draw", "teacher_fingerprint", "weights_hash"]
 
 # file suffixes of a model folder whose bytes make its weights (and the config that reads them)
 _WEIGHT_FILES = (".safetensors", ".bin", ".gguf", "config.json")
@@ -59,15 +59,24 @@ def file_sha256(path: str | os.PathLike) -> str:
     return memo[stamp]
 
 
-def weights_hash(spec: str, vocab_size: int | None, seed: int) -> str:
+def weights_hash(spec: str, vocab_size: int | None, seed: int, draw: str | None = None) -> str:
     """A hash of the weights a model spec loads.
 
     A local folder: its weight and config files' bytes; ``gguf:PATH``: the file's bytes; a
     preset or a packaged model (``smollm2``, ``qwen2.5-coder-0.5b``): its name, vocab and seed
     (a preset's weights are drawn from the seed; a packaged model's files are pinned by their
     package). A ``:drop=`` suffix is part of the spec hashed.
+
+    Args:
+        spec: the model spec.
+        vocab_size: a preset's vocab.
+        seed: a preset's seed.
+        draw: how a preset's weights were drawn, when not as one process draws them (a
+            tensor-parallel group's shard-wise draw: :func:`preset_draw`); hashed for a
+            preset only, since a checkpoint's weights do not depend on who reads them.
     """
     from xtoken_core.models.layer_drop import split_spec
+    from xtoken_core.models.presets import PRESETS
 
     base, _ = split_spec(spec)
     digest = hashlib.sha256()
@@ -82,7 +91,24 @@ def weights_hash(spec: str, vocab_size: int | None, seed: int) -> str:
         digest.update(f"gguf={file_sha256(base[5:])}|spec={spec.split(':drop=')[-1]}".encode())
     else:
         digest.update(f"named={spec}|vocab={vocab_size}|seed={seed}".encode())
+        if draw is not None and base in PRESETS:
+            digest.update(f"|draw={draw}".encode())
     return "sha256:" + digest.hexdigest()[:32]
+
+
+def preset_draw(tensor_parallel: int, device: str) -> str | None:
+    """How a teacher's preset weights are drawn: None as one process draws them; a
+    tensor-parallel group's ranks draw their own shards, seeded per rank on their own device
+    (``services/teacher/shards.py`` ``init_shards``), so the weights depend on the group's size
+    and device type (``tensor_parallel=2/cuda``).
+
+    Args:
+        tensor_parallel: the teacher's ``tensor_parallel``.
+        device: its device (``cpu``, ``cuda``).
+    """
+    if tensor_parallel <= 1:
+        return None
+    return f"tensor_parallel={int(tensor_parallel)}/{str(device).split(':')[0]}"
 
 
 def teacher_fingerprint(
@@ -95,8 +121,11 @@ def teacher_fingerprint(
     seed: int,
     ctx_teacher: int,
     k: int,
+    draw: str | None = None,
 ) -> dict[str, Any]:
-    """The fingerprint keys a teacher decides (everything but the corpus).
+    """The fingerprint keys a teacher decides (everything but the corpus). A checkpoint's are
+    the same whether one process or a tensor-parallel group reads it (the group's size is no
+    key); a preset's weights hash names a group's draw (:func:`preset_draw`).
 
     Args:
         model: the teacher's model spec.
@@ -107,6 +136,7 @@ def teacher_fingerprint(
         seed: the config's seed of a preset.
         ctx_teacher: teacher tokens kept per text.
         k: ids kept per position.
+        draw: a preset's draw when not one process's (:func:`preset_draw`).
     """
     from xtoken_core.data.projection_build import vocab_hash
 
@@ -114,7 +144,7 @@ def teacher_fingerprint(
         "format_version": FORMAT_VERSION,
         "teacher": {
             "model": model,
-            "weights_hash": weights_hash(model, vocab_size, seed),
+            "weights_hash": weights_hash(model, vocab_size, seed, draw),
             "width": int(width),
         },
         "tokenizer": {

@@ -118,7 +118,7 @@ def _build(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         config = load_run_config(args.config, getattr(args, "overrides", ()))
-        from services.cache.build import BuildOptions, CacheBuilder, summary_line
+        from services.cache.build import BuildOptions, build_cache, summary_line
 
         options = BuildOptions(
             out=args.out,
@@ -131,7 +131,8 @@ def _build(args: argparse.Namespace) -> int:
             shard_mb=args.shard_mb,
             progress=not args.no_progress,
         )
-        summary = CacheBuilder(config, options).run()
+        # a teacher with tensor_parallel: k builds as a group (torchrun): rank 0 reports
+        summary = build_cache(config, options)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtoken cache build: {e}", file=sys.stderr)
         return EXIT_DATA if isinstance(e, DataError) else EXIT_SETTINGS
@@ -146,7 +147,8 @@ def _build(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print(summary_line(summary, args.out))
+    if summary is not None:
+        print(summary_line(summary, args.out))
     return 0
 
 

@@ -22,6 +22,7 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -191,6 +192,16 @@ class TeacherGroup:
         parts = [torch.empty_like(local_RW) for _ in range(self.size)]
         dist.all_gather(parts, local_RW.contiguous(), group=self.mesh.get_group())
         return torch.cat(parts, dim=-1)[..., :width]
+
+    def all_gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``local`` (one shape and dtype on every rank), in rank order."""
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.mesh.get_group())
+        return parts
+
+    def barrier(self) -> None:
+        """Every rank: returns once every rank of the group has called it."""
+        dist.barrier(group=self.host)
 
     def close(self) -> None:
         """Leave the group (destroys the process group)."""
@@ -373,12 +384,29 @@ class TensorParallelTeacher(TeacherWorker):
                     if ring.descriptor["instance"] not in self._sent:
                         rings.append([request.rank, ring.descriptor])
                         self._sent.add(ring.descriptor["instance"])
-            self.group.send(
-                {"op": "batch", "rings": rings, "slots": slots,
-                 "requests": [_encode(r) for r in requests]}
-            )  # fmt: skip
-            self._last_sent = time.monotonic()
+            self.send_batch(requests, slots, rings)
         return super().compute_many(requests, slots)
+
+    def send_batch(
+        self,
+        requests: list[Request],
+        slots: list[int | None] | None = None,
+        rings: list[list[Any]] | None = None,
+    ) -> None:
+        """Rank 0: send a batch of requests to the other ranks, which serve it in :meth:`follow`.
+
+        Args:
+            requests: the batch (every rank runs its forward).
+            slots: per request, its slot of its trainer's ring (None: none, or no ring).
+            rings: ``[trainer rank, descriptor]`` of each ring the other ranks have not seen.
+        """
+        assert self.group.rank == 0
+        self.group.send(
+            {"op": "batch", "rings": rings or [],
+             "slots": slots if slots is not None else [None] * len(requests),
+             "requests": [_encode(r) for r in requests]}
+        )  # fmt: skip
+        self._last_sent = time.monotonic()
 
     def idle(self) -> None:
         """Rank 0, between requests: tell the other ranks the group lives (every
@@ -387,8 +415,14 @@ class TensorParallelTeacher(TeacherWorker):
             self.group.send({"op": "alive"})
             self._last_sent = time.monotonic()
 
-    def follow(self) -> None:
-        """Another rank: serve the batches rank 0 sends until it says stop."""
+    def follow(self, serve: Callable[[list[Request]], object] | None = None) -> None:
+        """Another rank: serve the batches rank 0 sends until it says stop.
+
+        Args:
+            serve: what this rank runs for each batch, as rank 0 runs it after
+                :meth:`send_batch` (default: :meth:`TeacherWorker.compute_many` with rank 0's
+                slots, the serving loop's).
+        """
         assert self.group.rank != 0
         while True:
             message = self.group.receive()
@@ -400,7 +434,10 @@ class TensorParallelTeacher(TeacherWorker):
                 for rank, descriptor in message["rings"]:
                     self._attach(rank, descriptor)
                 requests = [_decode(d) for d in message["requests"]]
-                super().compute_many(requests, message["slots"])
+                if serve is None:
+                    super().compute_many(requests, message["slots"])
+                else:
+                    serve(requests)
 
     # ------------------------------------------------------------------ whole logits
 
