@@ -8,7 +8,9 @@ teacher logits, computed once):
 * ``graphs``: ``compiled`` with each layer replayed as CUDA graphs
   (``trainer.compute.cuda_graphs``): the default;
 * ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.compute.fused_head``);
-* ``fused_graphs``: both.
+* ``fused_graphs``: both;
+* ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
+  steps: deterministic algorithms, ordered attention backwards and index adds), its cost.
 
 Teacher variants (the forward under ``inference_mode``): ``t_eager``, ``t_compiled`` (each layer,
 symbolic lengths, as the teacher service compiles), ``t_graphs`` (``t_compiled`` replayed as
@@ -48,6 +50,7 @@ STUDENT = {
     "graphs": {},  # the default on a cuda device
     "fused": {"compute": {"fused_head": True, "cuda_graphs": False}},
     "fused_graphs": {"compute": {"fused_head": True}},
+    "deterministic": {"compute": {"deterministic": True}, "feed": {"ordered": True}},
 }
 TEACHER = {"t_eager": None, "t_compiled": "default", "t_graphs": "reduce-overhead"}
 
@@ -90,6 +93,10 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
     from services.trainer.step import MicroBatch
 
     device = torch.device(args.device)
+    if STUDENT[variant].get("compute", {}).get("deterministic"):
+        from services.trainer import determinism
+
+        determinism.configure(True, seed=0)  # before the first CUDA call, as the trainer's shell
     student_dir, teacher_dir = bp.save_models(args, Path(args.work))
     projection = bp.build_projection(args, Path(args.work)) if args.mode != "ce" else None
     batches = _batches(args, B, T)
