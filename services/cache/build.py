@@ -15,6 +15,10 @@ sample is written exactly once. Several builders share a corpus by key (``--shar
 keys whose :func:`~xtoken_core.cache.manifest.key_shard` is ``i``), each writing its own shards
 into the same folder; the manifest is updated under a lock.
 
+A teacher whose section says ``tensor_parallel: k`` builds as a group of k processes under
+torchrun (:func:`build_cache`, ``services/cache/group.py``): rank 0 is this builder, its
+forwards run on every rank.
+
 Legend: B texts of a forward, U their longest teacher row, K ids kept, W teacher vocab.
 """
 

@@ -10,7 +10,9 @@ other ranks over the group's host (gloo) group, and every rank runs the forward 
 Ring transports: rank 0 owns each ring; the other ranks open it (``LogitRingSliceWriter``) and
 each writes its own vocab columns of the slot; after a barrier rank 0 publishes. ``hidden``:
 the hidden states are replicated, rank 0 sends them. ``topk``: the ranks all-gather whole logit
-rows and rank 0 sends their top-K (a gather of ``[R, U, W]`` per forward).
+rows and rank 0 sends their top-K (a gather of ``[R, U, W]`` per forward). A teacher cache's
+build (``services/cache/group.py``) sends its batches with :meth:`TensorParallelTeacher.send_batch`
+and the other ranks serve them with its own step (``follow(serve)``).
 
 Legend: B rows, U tokens, R rows of one forward, W vocab, d hidden size, k the group's ranks.
 """
