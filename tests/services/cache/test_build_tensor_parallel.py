@@ -185,6 +185,23 @@ def test_a_groups_cache_is_a_one_process_builds_of_the_same_weights(tmp_path, ti
         assert not fingerprint_changes(got["fingerprint"], wanted, CACHE_RUN_KEYS)
 
 
+@pytest.mark.slow
+def test_a_group_and_one_process_share_a_corpus_by_key_into_one_cache(tmp_path, tiny_folder):
+    n = _setup(tmp_path, tiny_folder, 20)
+    out = tmp_path / "cache"
+    spawn_group(build_with_group, 2, str(tmp_path / "run2.yaml"), str(out), {"shard": (0, 2)})
+    summary = json.loads((tmp_path / "cache.rank0.json").read_text())["summary"]
+    assert not summary["complete"]  # builder 1/2 is still to run
+    first = set(_keys(out))
+    options = BuildOptions(
+        out=str(out), shard=(1, 2), codec=Codec(logprobs="fp32"), progress=False
+    )  # the same fingerprint: one process may build the other half
+    assert CacheBuilder(load_run_config(tmp_path / "run1.yaml"), options).run().complete
+    keys = _keys(out)
+    assert len(keys) == len(set(keys)) == n and first < set(keys)
+    assert read_manifest(out)["builders"] == {"0/2": {"done": True}, "1/2": {"done": True}}
+
+
 def _descendants(pid: int) -> list[int]:
     """The processes under ``pid`` (torchrun starts each rank in a session of its own)."""
     found, todo = [], [pid]

@@ -15,9 +15,7 @@ def build_with_group(rank: int, size: int, config: str, out: str, flags: dict) -
     from services.supervise.config import load_run_config
     from xtoken_core.cache.format import Codec
 
-    options = BuildOptions(
-        out=out, codec=Codec(logprobs="fp32"), progress=False, **flags
-    )  # fmt: skip
+    options = BuildOptions(out=out, codec=Codec(logprobs="fp32"), progress=False, **flags)
     summary = build_cache(load_run_config(config), options)
     saved = {"rank": rank, "summary": None}
     if summary is not None:
