@@ -331,8 +331,6 @@ def continuation_bits_per_byte(
         ``{"bits_per_byte", "bytes", "continuations", "empty"}`` (``bits_per_byte`` None when
         every continuation is empty).
     """
-    import math
-
     import torch
     from transformers import GenerationConfig
 
@@ -384,23 +382,11 @@ def continuation_bits_per_byte(
                     full = whole_chars(text_bytes(student_tok, p[1:] + written))
                     pairs.append((head, full[len(head) :]))
             bits, nbytes, empty = 0.0, 0, 0
-            s_start = scorer_tok.bos_id if scorer_tok.bos_id is not None else scorer_tok.eos_id
             for head, tail in pairs:
                 if not tail:
                     empty += 1
                     continue
-                text = (head + tail).decode("utf-8")
-                ids = [s_start] + scorer_tok.encode(text, add_special_tokens=False).ids.tolist()
-                inside, at = 0, 0  # scorer tokens wholly inside the prompt, their bytes
-                for i in ids[1:]:
-                    at += len(scorer_tok.token_bytes(i))
-                    if at > len(head):
-                        break
-                    inside += 1
-                x = torch.tensor([ids], device=device)
-                logp = torch.log_softmax(scorer(input_ids=x, use_cache=False).logits.float()[0], -1)
-                token_logp = logp[:-1].gather(1, x[0, 1:, None])[:, 0]  # of ids[1:]
-                bits += float(-token_logp[inside:].sum()) / math.log(2)
+                bits += scorer_bits(scorer, scorer_tok, head, tail, device=device)
                 nbytes += len(tail)
     finally:
         student.train(was[0])
@@ -411,6 +397,50 @@ def continuation_bits_per_byte(
         "continuations": len(pairs) - empty,
         "empty": empty,
     }
+
+
+def scorer_bits(scorer, scorer_tok, head: bytes, tail: bytes, *, device) -> float:
+    """A scorer's bits of ``tail`` given ``head``: the scorer reads head + tail as one text in its
+    own tokenization (its start token first); the tail's tokens are those after the longest run
+    of tokens that lies wholly inside the head's bytes (a token across the boundary counts for the
+    tail).
+
+    Args:
+        scorer: the scoring model (a transformers causal LM) on ``device``.
+        scorer_tok: its XTokenizer.
+        head: the prompt, whole UTF-8 characters.
+        tail: what follows it, whole UTF-8 characters.
+        device: the scorer's device.
+
+    Returns:
+        The bits (divide by ``len(tail)`` for bits/byte).
+    """
+    import math
+
+    import torch
+
+    start = scorer_tok.bos_id if scorer_tok.bos_id is not None else scorer_tok.eos_id
+    text = (head + tail).decode("utf-8")
+    ids = [start] + scorer_tok.encode(text, add_special_tokens=False).ids.tolist()
+    inside, at = 0, 0  # scorer tokens wholly inside the prompt, their bytes
+    for i in ids[1:]:
+        at += len(scorer_tok.token_bytes(i))
+        if at > len(head):
+            break
+        inside += 1
+    was = scorer.training
+    scorer.eval()
+    autocast = torch.autocast(
+        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
+    )
+    try:
+        with torch.inference_mode(), autocast:
+            x = torch.tensor([ids], device=device)
+            logp = torch.log_softmax(scorer(input_ids=x, use_cache=False).logits.float()[0], -1)
+            token_logp = logp[:-1].gather(1, x[0, 1:, None])[:, 0]  # of ids[1:]
+    finally:
+        scorer.train(was)
+    return float(-token_logp[inside:].sum()) / math.log(2)
 
 
 def whole_chars(raw: bytes) -> bytes:

@@ -1,0 +1,526 @@
+"""The healing experiment at scale, with a fair grid: every arm tuned the same way on the
+validation split, then its chosen setting trained on every seed and scored once on the held-out
+and fresh splits; rows to ``<out>/quality_scale.jsonl``, the report to ``quality_scale.md``.
+
+The task is ``heal.py``'s: SmolLM2-135M without decoder layers 10-19 (``smollm2:drop=10-19``)
+healed by KD from its parent (``pkl@smollm2``, same tokenizer: the upper reference),
+Qwen2.5-Coder-0.5B and Gemma-3-270M (other tokenizers), against CE only. The arms
+(``scale_arms.SCALE_ARMS``): CE; P-KL, gold and relaxed gold from each teacher; both teachers in
+one run (``extra_teachers``); the teacher cache against the same teacher online (top-K, the same
+K); top-K targets K = 32 and 64 against full logits; on-policy at fractions 0.25 and 0.5 after an
+off-policy start (half the budget). Every off-policy run is bitwise reproducible
+(``trainer.compute.deterministic`` with ``data.ordered``; the row says ``deterministic: true``);
+an on-policy stage cannot be (its samples come in no fixed order) and its row says false.
+
+* **Budget**: ``--tokens`` student tokens per run (default 20 M), as steps of ``--batch`` samples
+  of at most ``--ctx`` tokens (the mean sample's tokens measured on the training split).
+* **Grid** (``scale_grid``): the KL weight and temperature of each KD family on a small grid at
+  the middle learning rate, then the learning-rate grid (the same for every arm) extended one
+  ``--lr-factor`` step at a time until each arm's best is interior (at most ``--max-extend``
+  steps a side), all on seed ``--grid-seed`` and the validation split only
+  (``scale_score.score_validation``); then the chosen setting on every seed, scored on held-out
+  and fresh (``scale_final``, the only reader of those splits): bits/byte, next-line exact
+  match, and greedy completion of held-out functions rated by a teacher (``heal_complete``).
+  Each row carries its validation curve (one point per ``--eval-every`` steps), so the report
+  shows whether CE converged. One arm's seed (``--rerun-arm``) is trained and scored again: its
+  row must come out bitwise equal.
+* **Lanes** (``scale_lanes``): one run per GPU at a time (``--gpus``, ``CUDA_VISIBLE_DEVICES``
+  per run; ``--lanes N`` on the CPU), each run (training, then scoring on the same GPU) stopped
+  past ``--run-timeout-s``; a row is appended as soon as its run ends, and a later call skips
+  every run that has a scored row (a run trained but not scored is scored without training).
+
+Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm machine)::
+
+    python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split
+    python benchmarks/quality/scale.py --gpus 0 1 2 3 --corpus benchmarks/quality/heal_split \\
+        --work runs/scale --out $OUT --tokens 20000000 \\
+        --model-alias qwen2.5-coder-0.5b=gguf:/PATH/qwen.gguf gemma3-270m=gguf:/PATH/gemma.gguf
+    python benchmarks/quality/scale.py --report --out $OUT
+
+CPU smoke (heal.py's tiny stand-ins; arms ce and pkl@smollm2, 2 seeds, learning rates 5e-4 and
+1e-3 with no extension, 4 steps; ``tests/benchmarks/quality/test_scale.py``, marker ``slow``)::
+
+    python benchmarks/quality/scale.py --smoke --work /tmp/scale_smoke
+
+The rerun of the smoke runs on the CPU; whether a GPU run's rerun is bitwise equal is the GPU
+run's own check (its rerun row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.quality import heal, scale_arms, scale_final, scale_grid  # noqa: E402
+from benchmarks.quality import run_kd_quality as kd  # noqa: E402
+from benchmarks.quality.scale_grid import RunKey  # noqa: E402
+from benchmarks.quality.scale_lanes import Job, Lanes  # noqa: E402
+
+logger = logging.getLogger("kd_quality.scale")
+
+ROWS_FILE = "quality_scale.jsonl"
+SMOKE_LRS = (5e-4, 1e-3)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", nargs="+", default=None, help="arm specs (scale_arms.SCALE_ARMS)")
+    p.add_argument("--tokens", type=int, default=20_000_000, help="student tokens per run")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of final runs")
+    p.add_argument("--grid-seed", type=int, default=0, help="the seed every choice is made on")
+    p.add_argument("--lrs", nargs="+", type=float, default=[2.5e-4, 5e-4, 1e-3])
+    p.add_argument("--lr-factor", type=float, default=2.0, help="one extension step of the rate")
+    p.add_argument("--max-extend", type=int, default=3, help="most extension steps on each side")
+    p.add_argument("--kl-weights", nargs="+", type=float, default=[0.25, 0.5, 1.0])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[1.0, 2.0])
+    p.add_argument(
+        "--rerun-arm", default=None, help="the arm trained twice (default: the first KD arm; none)"
+    )
+    p.add_argument("--gpus", nargs="+", type=int, default=None, help="one lane per GPU (indices)")
+    p.add_argument("--lanes", type=int, default=1, help="lanes without --gpus (CPU runs)")
+    p.add_argument("--run-timeout-s", type=float, default=5400.0, help="most seconds per run")
+    p.add_argument("--batch", type=int, default=16, help="samples per step")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per sample, both sides")
+    p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    p.add_argument("--eval-every", type=int, default=100, help="validation curve period (steps)")
+    p.add_argument("--eval-texts", type=int, default=64, help="validation texts per curve point")
+    p.add_argument("--val-limit", type=int, default=None, help="validation texts scored (all)")
+    p.add_argument("--eval-limit", type=int, default=None, help="held-out / fresh texts (all)")
+    p.add_argument("--nextline-lines", type=int, default=300, help="next-line items per split")
+    p.add_argument("--nextline-new-tokens", type=int, default=64)
+    p.add_argument("--functions", type=int, default=200, help="held-out functions to complete")
+    p.add_argument("--completion-new-tokens", type=int, default=128)
+    p.add_argument("--scorer", default=None, help="teacher rating completions (qwen2.5-coder)")
+    p.add_argument("--student", default="smollm2:drop=10-19")
+    p.add_argument("--student-tokenizer", default=None)
+    p.add_argument("--model-alias", nargs="+", default=None, help="NAME=SPEC (gguf:PATH)")
+    p.add_argument("--corpus", default=None, help="the split (default: built into --work)")
+    p.add_argument("--limit", type=int, default=None, help="train on the first N texts only")
+    p.add_argument("--top-k", type=int, default=8, help="projection slots per row")
+    p.add_argument("--rollouts", type=int, default=None)
+    p.add_argument("--rollout-batch", type=int, default=None)
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--kv-cache", choices=("dynamic", "static"), default=None)
+    p.add_argument("--work", default="runs/scale")
+    p.add_argument("--out", default=None, help="rows and report (default benchmarks/results)")
+    p.add_argument("--report", action="store_true", help="write the report from the rows")
+    p.add_argument("--smoke", action="store_true", help="CPU smoke with tiny stand-in models")
+    return p.parse_args(argv)
+
+
+def smoke_setup(args: argparse.Namespace) -> None:
+    """The CPU smoke's settings (``heal._smoke_setup``'s tiny models and sizes, two seeds, two
+    learning rates, one KL weight and temperature, no extension)."""
+    args.arms = args.arms or list(scale_arms.SMOKE_ARMS)
+    args.eval_limit, args.limit, args.continuations, args.parallel = None, None, 0, 2
+    heal._smoke_setup(args)
+    args.seeds, args.lrs, args.max_extend = [0, 1], list(SMOKE_LRS), 0
+    args.kl_weights, args.temperatures = [0.5], [1.0]
+    args.gpus, args.lanes = None, 2
+    args.functions, args.completion_new_tokens, args.val_limit = 4, 16, 6
+    args.rerun_arm = args.rerun_arm or "ce"
+
+
+def check_installed(name: str, aliases: dict[str, str]) -> None:
+    """A teacher's model can be loaded here (nothing is loaded).
+
+    Raises:
+        ValueError: names the teacher and what to install or pass.
+    """
+    spec = heal.resolve(name, aliases)
+    if spec.startswith("gguf:"):
+        if not Path(spec[5:]).is_file():
+            raise ValueError(f"teacher {name}: {spec[5:]} is no file; fix --model-alias")
+        return
+    if name in aliases:
+        return  # a folder or a preset by alias: load_model says what is wrong with it
+    if name == "smollm2":
+        from xtoken_core.models.smollm2 import smollm2_gguf_path
+
+        smollm2_gguf_path()
+        return
+    from xtoken_core.models.gguf import GGUF_PRESETS
+    from xtoken_core.tokenizers.gguf_parts import get_split_gguf, locate_parts
+
+    try:
+        locate_parts(get_split_gguf(GGUF_PRESETS[name].split))
+    except ValueError as e:
+        raise ValueError(
+            f"teacher {name} is not installed: {e}; or pass --model-alias {name}=gguf:PATH"
+        ) from None
+
+
+class Experiment:
+    """One call: the arms, the grid, the prepared student and teachers, and the rows."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.work).resolve()
+        self.out = Path(args.out).resolve()
+        self.rows_path = self.out / ROWS_FILE
+        self.specs = list(args.arms)
+        self.arms = [scale_arms.parse_scale_arm(s) for s in self.specs]
+        self.grid = scale_grid.GridSpec(
+            tuple(args.lrs),
+            tuple(args.kl_weights),
+            tuple(args.temperatures),
+            args.lr_factor,
+            args.max_extend,
+            args.grid_seed,
+            tuple(args.seeds),
+        )
+        kd_arms = [a.spec for a in self.arms if not a.is_ce]
+        rerun = args.rerun_arm or (kd_arms[0] if kd_arms else self.specs[0])
+        if rerun != "none" and rerun not in self.specs:
+            raise ValueError(f"--rerun-arm {rerun}: not one of the arms {self.specs}; or none")
+        self.rerun = None if rerun == "none" else rerun
+        self.teachers = sorted({t for a in self.arms for t in a.teachers} | self._families())
+        self.scorer = args.scorer or heal.default_scorer([a.heal for a in self.arms])
+        for name in self.teachers + ([self.scorer] if self.scorer else []):
+            check_installed(name, args.aliases)
+        self.results: dict[RunKey, float | None] = {}
+        self.in_flight: set = set()
+        self.caches_ready: set[tuple[str, int]] = set()
+
+    def _families(self) -> set[str]:
+        fams = [scale_arms.parse_scale_arm(a.family) for a in self.arms if not a.is_ce]
+        return {t for f in fams for t in f.teachers}
+
+    # ----------------------------------------------------------------- preparation
+
+    def prepare(self) -> None:
+        """The split, the budget in steps, the student folder, projections and teachers."""
+        import torch
+
+        from xtoken_core.models import export_hf, load_model
+        from xtoken_core.tokenizers import load_tokenizer
+
+        a = self.args
+        self.work.mkdir(parents=True, exist_ok=True)
+        if a.corpus is None:
+            a.corpus = self.work / "corpus"
+            if not (a.corpus / "split.json").is_file():
+                kd.build_split(a.corpus)
+        a.corpus = Path(a.corpus).resolve()
+        scale_final.check_final_splits(a.corpus)
+        train = kd.read_jsonl_texts(a.corpus / "train.jsonl", a.limit)
+        s_tok = load_tokenizer(a.student_tokenizer)
+        self.sample_tokens = scale_arms.mean_sample_tokens(train[:2000], s_tok, a.ctx)
+        if a.smoke:  # a few steps, whatever --tokens says
+            a.tokens = round(a.steps * a.batch * self.sample_tokens)
+        else:
+            a.steps = scale_arms.steps_for(a.tokens, a.batch, self.sample_tokens)
+        a.epochs = math.ceil(a.steps * a.batch / max(1, len(train))) + 1
+        self.student_dir = self.work / "student" / heal.slug(heal.resolve(a.student, a.aliases))
+        if not (self.student_dir / "config.json").is_file():
+            model = load_model(heal.resolve(a.student, a.aliases), dtype=torch.float32)
+            export_hf(model, self.student_dir, tokenizer=a.student_tokenizer)
+        self.projections: dict[str, Path] = {}
+        for name in self.teachers:
+            t_tok = heal.teacher_tokenizer(name)
+            path = self.work / f"projection_{a.student_tokenizer}_{t_tok}_k{a.top_k}.pt"
+            if not path.is_file():
+                kd.build_projection_file(path, t_tok, a.top_k, a.student_tokenizer)
+            self.projections[t_tok] = path
+        for name in self.teachers:  # dequantize a GGUF once, before the lanes read its cache
+            heal.load_teacher(name, a.aliases)
+        self.caches = {
+            (arm.teachers[0], arm.cache): self.work / "caches" / f"{arm.teachers[0]}_k{arm.cache}"
+            for arm in self.arms
+            if arm.cache
+        }
+        self.caches_ready = {k for k, p in self.caches.items() if p.with_suffix(".done").exists()}
+        split = json.loads((a.corpus / "split.json").read_text())
+        self.meta = {
+            "mode": "scale",
+            "commit": kd.commit(),
+            "device": kd.device_name("cuda" if a.gpus else "cpu"),
+            "date": time.strftime("%Y-%m-%d"),
+            "student": a.student,
+            "student_tokenizer": a.student_tokenizer,
+            "batch": a.batch,
+            "ctx": a.ctx,
+            "steps_budget": a.steps,
+            "tokens_budget": a.tokens,
+            "sample_tokens": round(self.sample_tokens, 1),
+            "epochs_allowed": a.epochs,
+            "fresh_commit": split.get("fresh", {}).get("commit"),
+            "smoke": bool(a.smoke),
+        }
+        for row in heal.read_rows([self.rows_path]):
+            if row.get("mode") == "scale" and row.get("validation_bpb") is not None:
+                self.results[scale_grid.row_key(row)] = row["validation_bpb"]
+        logger.info(
+            "[scale] %d arms, %d steps of %d x %d (%.0f tokens a sample), %d scored runs before",
+            len(self.arms), a.steps, a.batch, a.ctx, self.sample_tokens, len(self.results),
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------- jobs
+
+    def plan(self) -> scale_grid.Plan:
+        """The grid's plan from the runs done so far."""
+        return scale_grid.plan(self.arms, self.results, self.grid, self.rerun)
+
+    def next_jobs(self, n: int) -> list[Job]:
+        """At most ``n`` jobs ready now: cache builds first, then the plan's runs."""
+        jobs: list[Job] = []
+        for key in self.plan().pending:
+            if len(jobs) >= n:
+                break
+            if key in self.in_flight:
+                continue
+            arm = scale_arms.parse_scale_arm(key.arm)
+            if arm.cache and (arm.teachers[0], arm.cache) not in self.caches_ready:
+                ckey = ("cache", arm.teachers[0], arm.cache)
+                if ckey not in self.in_flight:
+                    self.in_flight.add(ckey)
+                    jobs.append(self.cache_job(arm, ckey))
+                continue
+            self.in_flight.add(key)
+            jobs.append(self.run_job(key, arm))
+        return jobs
+
+    def run_dir(self, key: RunKey) -> Path:
+        """Where a run trains (a final run of a grid run's setting and seed shares its folder:
+        the same config, trained once)."""
+        kl = "-" if key.kl_weight is None else f"{key.kl_weight:g}"
+        t = "-" if key.temperature is None else f"{key.temperature:g}"
+        name = f"{heal.slug(key.arm)}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}"
+        return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
+
+    def configs(self, key: RunKey, arm: scale_arms.ScaleArm) -> list[dict]:
+        """The run configs of one run."""
+        return scale_arms.run_configs(
+            arm, key.seed, key.setting, self.args, self.student_dir, self.projections,
+            self.run_dir(key), self.caches,
+        )  # fmt: skip
+
+    def run_job(self, key: RunKey, arm: scale_arms.ScaleArm) -> Job:
+        """Train (each stage not trained before with the same config), then score."""
+        commands = []
+        for cfg in self.configs(key, arm):
+            run_dir = Path(cfg["run_dir"])
+            path = self.work / "configs" / f"{run_dir.name}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(cfg, indent=1)
+            if path.is_file() and path.read_text() == text and (run_dir / "final").is_dir():
+                continue
+            path.write_text(text)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            commands.append(
+                [sys.executable, "-m", "services.cli", "run", str(path), "--no-progress"]
+            )
+        a = self.args
+        score = self.work / "scores" / f"{key.phase}_{self.run_dir(key).name}.json"
+        score.parent.mkdir(parents=True, exist_ok=True)
+        result = score.with_suffix(".result.json")
+        result.unlink(missing_ok=True)
+        spec = {
+            "phase": key.phase,
+            "model": str(self.run_dir(key) / "final"),
+            "student_tokenizer": a.student_tokenizer,
+            "corpus": str(a.corpus),
+            "ctx": a.ctx,
+            "device": "cuda" if a.gpus else "cpu",
+            "val_limit": a.val_limit,
+            "eval_limit": a.eval_limit,
+            "nextline_lines": a.nextline_lines,
+            "nextline_new_tokens": a.nextline_new_tokens,
+            "functions": a.functions,
+            "completion_new_tokens": a.completion_new_tokens,
+            "scorer": self.scorer,
+            "aliases": a.aliases,
+            "result": str(result),
+        }
+        score.write_text(json.dumps(spec, indent=1))
+        commands.append([sys.executable, "-m", "benchmarks.quality.scale_score", str(score)])
+        return Job(key, commands, self.work / "logs" / f"{score.stem}.log")
+
+    def cache_job(self, arm: scale_arms.ScaleArm, ckey: tuple) -> Job:
+        """``xtoken cache build`` of a cache arm's teacher over the training data."""
+        cfg = scale_arms.cache_build_config(arm, self.args, self.student_dir, self.projections)
+        path = self.work / "configs" / f"cache_{arm.teachers[0]}_k{arm.cache}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cfg, indent=1))
+        out = self.caches[(arm.teachers[0], arm.cache)]
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "services.cli", "cache", "build", str(path), "--out", str(out)]
+        return Job(
+            ckey, [cmd + ["--top-k", str(arm.cache)]], self.work / "logs" / f"{path.stem}.log"
+        )
+
+    # ----------------------------------------------------------------- rows
+
+    def on_done(self, job: Job, code: int, wall: float, lane: str | None) -> None:
+        """Record a finished job: a cache as ready, a run as its row."""
+        self.in_flight.discard(job.key)
+        if job.key[0] == "cache":
+            cache = self.caches[job.key[1:]]
+            if code == 0:
+                cache.with_suffix(".done").write_text("built\n")
+                self.caches_ready.add(job.key[1:])
+            else:  # its arms' runs fail at once: no row waits for a cache that never comes
+                for key in self.plan().pending:
+                    arm = scale_arms.parse_scale_arm(key.arm)
+                    if (arm.teachers[:1], arm.cache) == (job.key[1:2], job.key[2]):
+                        self.results[key] = None
+            return
+        row = self.row(job.key, code, wall, lane)
+        self.results[job.key] = row["validation_bpb"]
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.rows_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        print(_line(row), flush=True)
+
+    def row(self, key: RunKey, code: int, wall: float, lane: str | None) -> dict:
+        """The row of a finished run."""
+        arm = scale_arms.parse_scale_arm(key.arm)
+        cfgs = self.configs(key, arm)
+        result_path = self.work / "scores" / f"{key.phase}_{self.run_dir(key).name}.result.json"
+        res = json.loads(result_path.read_text()) if code == 0 and result_path.is_file() else {}
+        stages = [
+            kd.collect(key.arm, key.seed, Path(c["run_dir"]))
+            for c in cfgs
+            if (Path(c["run_dir"]) / "metrics").is_dir()
+        ]
+        curve, offset = [], 0
+        for st in stages:  # an on-policy run's stages, one curve
+            curve += [
+                {"step": p["step"] + offset, "bits_per_byte": p["bits_per_byte"]}
+                for p in st["val_curve"]
+            ]
+            offset += st["steps"]
+        final = res.get("final", {})
+        heldout, fresh = final.get("heldout", {}), final.get("fresh", {})
+        completion = heldout.get("completion") or {}
+        row = {
+            **self.meta,
+            "phase": key.phase,
+            "arm": key.arm,
+            "family": arm.family,
+            "teachers": list(arm.teachers),
+            "seed": key.seed,
+            "lr": key.lr,
+            "kl_weight": key.kl_weight,
+            "temperature": key.temperature,
+            "tokens": sum(st["tokens"] for st in stages),
+            "steps": sum(st["steps"] for st in stages),
+            "deterministic": all(c["trainer"]["compute"]["deterministic"] for c in cfgs),
+            "exit": code,
+            "wall_s": round(wall, 1),
+            "lane": lane,
+            "validation_bpb": res.get("validation", {}).get("bits_per_byte"),
+            "heldout_bpb": heldout.get("bits_per_byte"),
+            "fresh_bpb": fresh.get("bits_per_byte"),
+            "next_line_em": fresh.get("nextline", {}).get("exact_match"),
+            "next_line_em_heldout": heldout.get("nextline", {}).get("exact_match"),
+            "completion_teacher_bpb": completion.get("bits_per_byte"),
+            "completion": completion or None,
+            "scorer": self.scorer if completion else None,
+            "on_policy": arm.on_policy,
+            "twin": scale_arms.twin_of(arm, self.specs),
+            "lr_interior": self.plan().interior.get(key.arm),
+            "weights_sha256": res.get("weights_sha256"),
+            "val_curve": curve,
+            "train_s": round(sum(st["train_s"] for st in stages), 2),
+            "scores": {s: _brief(v) for s, v in final.items()} or None,
+        }
+        if key.phase == "rerun":
+            first = next(
+                (r for r in heal.read_rows([self.rows_path]) if r.get("mode") == "scale"
+                 and r["phase"] == "final" and scale_grid.row_key(r) == key._replace(phase="final")),
+                None,
+            )  # fmt: skip
+            row["bitwise_equal"] = first is not None and all(
+                first.get(k) == row[k] and row[k] is not None
+                for k in ("weights_sha256", "validation_bpb", "heldout_bpb", "fresh_bpb")
+            )
+        return row
+
+    def run(self) -> int:
+        """Run the grid and the final runs; returns 1 if a run failed or an arm stalled."""
+        a = self.args
+        lanes = kd.gpu_names(a.gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if a.gpus else None
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        Lanes(lanes or [None] * a.lanes, a.run_timeout_s, ROOT, env).run(
+            self.next_jobs, self.on_done
+        )
+        p = self.plan()
+        status = {
+            "chosen": {k: v and dataclasses.asdict(v) for k, v in p.chosen.items()},
+            "interior": p.interior,
+            "stalled": p.stalled,
+        }
+        (self.out / "quality_scale_plan.json").write_text(json.dumps(status, indent=1))
+        failed = [k for k, v in self.results.items() if v is None]
+        for arm in p.stalled:
+            logger.error("[scale] %s: every run of a grid step failed; see %s/logs", arm, self.work)
+        return 1 if failed or p.stalled else 0
+
+
+def _brief(scores: dict) -> dict:
+    """A split's scores without the bulky parts."""
+    return {k: v for k, v in scores.items() if k not in ("completion",)}
+
+
+def _line(row: dict) -> str:
+    keys = ("validation_bpb", "heldout_bpb", "fresh_bpb")
+    figs = " ".join(f"{k} {row[k]:.4f}" for k in keys if row[k] is not None)
+    head = f"{row['phase']:>6} {row['arm']:>36} s{row['seed']} lr {row['lr']:g}"
+    return f"{head}: {figs or 'exit ' + str(row['exit'])}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: run the experiment, or ``--report`` its rows; bad settings: one line, exit 2."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args.out = args.out or (
+        str(Path(args.work) / "out") if args.smoke else str(ROOT / "benchmarks" / "results")
+    )
+    if args.report:
+        from benchmarks.quality import scale_report
+
+        rows = heal.read_rows([Path(args.out) / ROWS_FILE])
+        print(scale_report.write_report(rows, Path(args.out)))
+        return 0
+    try:
+        args.aliases = heal.parse_aliases(args.model_alias)
+        args.arms = args.arms or list(
+            scale_arms.SMOKE_ARMS if args.smoke else scale_arms.SCALE_ARMS
+        )
+        for spec in args.arms:  # refused before anything loads
+            scale_arms.parse_scale_arm(spec)
+        if args.smoke:
+            args.work = Path(args.work).resolve()
+            smoke_setup(args)
+        args.student_tokenizer = heal.student_tokenizer(args.student, args.student_tokenizer)
+        args.kl_weight, args.temperature, args.lr = args.kl_weights[0], args.temperatures[0], None
+        if args.gpus:
+            kd.gpu_names(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            args.device = "cuda"
+        elif not args.smoke:
+            args.device = "cpu"
+        exp = Experiment(args)
+        exp.prepare()
+    except ValueError as e:
+        print(f"scale: {e}", file=sys.stderr)
+        return 2
+    return exp.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

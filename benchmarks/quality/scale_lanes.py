@@ -1,0 +1,149 @@
+"""Lanes: jobs of the scaled healing experiment spread over the visible GPUs, one job per GPU at a
+time (each sees its GPU alone through ``CUDA_VISIBLE_DEVICES``), each job a list of commands run
+in order on its lane, stopped (its whole process group) past a per-job timeout.
+
+Jobs are asked for whenever a lane is free, so what runs next can depend on what has finished
+(the grid extends a learning rate, a final run waits for its arm's choice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+logger = logging.getLogger("kd_quality.scale")
+
+#: the exit code of a job stopped by its timeout (as ``timeout(1)`` reports one)
+TIMED_OUT = 124
+
+
+@dataclasses.dataclass
+class Job:
+    """Commands run one after another on one lane (the first that fails ends the job), their
+    output appended to ``log``."""
+
+    key: Hashable
+    commands: list[list[str]]
+    log: Path
+
+
+@dataclasses.dataclass
+class _Running:
+    job: Job
+    lane: str | None
+    proc: subprocess.Popen
+    step: int
+    t0: float
+    log: object
+
+
+class Lanes:
+    """Runs jobs on lanes.
+
+    Args:
+        lanes: one ``CUDA_VISIBLE_DEVICES`` value per lane, or None for a lane that sees what this
+            process sees (CPU runs).
+        timeout_s: most seconds one job may take (all its commands); past it its process group
+            gets SIGTERM, then SIGKILL 15 s later, and the job ends with :data:`TIMED_OUT`.
+        cwd: where the commands run.
+        env: their environment (default: this process's).
+    """
+
+    def __init__(
+        self,
+        lanes: list[str | None],
+        timeout_s: float,
+        cwd: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not lanes:
+            raise ValueError("no lanes: give --gpus or --lanes >= 1")
+        if not timeout_s > 0:
+            raise ValueError(f"--run-timeout-s {timeout_s}: must be > 0 seconds")
+        self.lanes, self.timeout_s, self.cwd = list(lanes), timeout_s, cwd
+        self.env = dict(os.environ if env is None else env)
+
+    def run(
+        self,
+        next_jobs: Callable[[int], list[Job]],
+        on_done: Callable[[Job, int, float, str | None], None],
+        poll_s: float = 0.5,
+    ) -> None:
+        """Run jobs until ``next_jobs`` gives none and none runs.
+
+        Args:
+            next_jobs: ``next_jobs(n)``: at most ``n`` jobs ready to start (asked again after
+                every finished job; each job it gives is started, once per key in this call).
+            on_done: ``on_done(job, exit code, wall seconds, lane)`` as each job ends.
+            poll_s: seconds between looks at the running jobs.
+        """
+        running: dict[int, _Running] = {}  # by lane index (CPU lanes all see None)
+        started: set[Hashable] = set()
+        ask = True
+        while True:
+            free = [i for i in range(len(self.lanes)) if i not in running]
+            if free and ask:
+                ready = [j for j in next_jobs(len(free)) if j.key not in started]
+                for i, job in zip(free, ready):
+                    started.add(job.key)
+                    running[i] = self._start(job, self.lanes[i], 0, time.monotonic(), None)
+                ask = False
+            if not running:
+                break
+            time.sleep(poll_s)
+            for i, r in list(running.items()):
+                code = r.proc.poll()
+                wall = time.monotonic() - r.t0
+                if code is None and wall > self.timeout_s:
+                    logger.warning("[scale] %s timed out after %.0fs: stopping it", r.job.key, wall)
+                    _stop(r.proc)
+                    code = TIMED_OUT
+                if code is None:
+                    continue
+                if code == 0 and r.step + 1 < len(r.job.commands):
+                    running[i] = self._start(r.job, r.lane, r.step + 1, r.t0, r.log)
+                    continue
+                r.log.close()
+                del running[i]
+                logger.info("[scale] %s exited %d after %.0fs", r.job.key, code, wall)
+                on_done(r.job, code, wall, r.lane)
+                ask = True
+
+    def _start(self, job: Job, lane: str | None, step: int, t0: float, log) -> _Running:
+        if log is None:
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            log = open(job.log, "a", encoding="utf-8")
+        env = self.env if lane is None else {**self.env, "CUDA_VISIBLE_DEVICES": lane}
+        log.write(f"$ {' '.join(job.commands[step])}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            job.commands[step],
+            cwd=self.cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a timeout stops its children too
+        )
+        where = "" if lane is None else f" on GPU {lane}"
+        logger.info("[scale] %s step %d%s (pid %d)", job.key, step, where, proc.pid)
+        return _Running(job, lane, proc, step, t0, log)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the job's process group, SIGKILL 15 s later if it is still there."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,388 @@
+"""The report of the scaled healing experiment: the table of final runs (mean ± sd over seeds per
+split, paired differences against the tuned CE with 95% t-intervals, ``heal_stats``), the bars,
+CE's validation curve, the grid's choices and a plot of the validation curves per arm.
+
+Bars (each row of the bar table says met, missed, or not decidable from the rows):
+
+1. every cross-tokenizer KD arm beats the tuned CE on held-out and fresh by more than 3x CE's
+   seed standard deviation (mean paired difference);
+2. the best cross-tokenizer arm closes >= 50% of the parent's gain on each split
+   (``heal_stats.gap_closed``);
+3. two teachers in one run are at least as good as the better of the two alone (same loss);
+4. a teacher cache is within 2x its online twin's seed sd of that twin on each split;
+5. on-policy after an off-policy start rates better (teacher bits/byte of its completions) than
+   its off-policy twin by more than the seed spread, losing <= 0.01 held-out bits/byte;
+6. the rerun of one arm's seed gives a bitwise-equal row (weights and every figure);
+7. CE has converged: its validation bits/byte fell by less than 3x its seed sd over the last
+   quarter of its steps (else the comparison is about the speed of early learning).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.quality import heal, heal_stats
+
+logger = logging.getLogger("kd_quality.scale")
+
+SPLITS = ("heldout", "fresh")
+FIGURES = {"validation": "validation_bpb", "heldout": "heldout_bpb", "fresh": "fresh_bpb"}
+ONPOLICY_HELDOUT_LOSS = 0.01
+
+
+def _stats(values: dict[int, float]) -> dict[str, Any]:
+    v = list(values.values())
+    return {
+        "mean": statistics.fmean(v),
+        "sd": statistics.stdev(v) if len(v) > 1 else 0.0,
+        "n": len(v),
+        "per_seed": values,
+    }
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Per-arm figures of the final rows.
+
+    Args:
+        rows: scale rows (grid, final, rerun; failed ones are left out).
+
+    Returns:
+        ``{"arms": {arm: {"row": a final row, split: stats, "completion": stats, "next_line_em":
+        mean, "diff": {split: t-interval vs CE}}}, "ce": the CE arm or None, "parent": the
+        parent's arm or None, "cross": cross-tokenizer KD arms}``.
+    """
+    final: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        if r.get("phase") == "final" and r.get("heldout_bpb") is not None:
+            final.setdefault(r["arm"], {})[r["seed"]] = r
+    ce = next((a for a, s in final.items() if not next(iter(s.values()))["teachers"]), None)
+    parent = cross = None
+    cross = []
+    for arm, seeds in final.items():
+        r = next(iter(seeds.values()))
+        toks = [heal.teacher_tokenizer(t) for t in r["teachers"]]
+        if not toks:
+            continue
+        same = r["student_tokenizer"] in toks
+        if same and len(toks) == 1 and arm == r["family"] and parent is None:
+            parent = arm
+        elif not same:
+            cross.append(arm)
+    out: dict[str, Any] = {"arms": {}, "ce": ce, "parent": parent, "cross": cross}
+    for arm, seeds in final.items():
+        a: dict[str, Any] = {
+            "row": next(iter(seeds.values())),
+            "rows": [seeds[k] for k in sorted(seeds)],
+            "seeds": sorted(seeds),
+        }
+        for split, key in FIGURES.items():
+            vals = {s: r[key] for s, r in seeds.items() if r.get(key) is not None}
+            if vals:
+                a[split] = _stats(vals)
+        rated = {s: r["completion_teacher_bpb"] for s, r in seeds.items()}
+        rated = {s: v for s, v in rated.items() if v is not None}
+        if rated:
+            a["completion"] = _stats(rated)
+        em = [r["next_line_em"] for r in seeds.values() if r.get("next_line_em") is not None]
+        a["next_line_em"] = statistics.fmean(em) if em else None
+        out["arms"][arm] = a
+    for arm, a in out["arms"].items():
+        a["diff"] = {}
+        if ce is None or arm == ce:
+            continue
+        for split in SPLITS:
+            d = paired(a.get(split), out["arms"][ce].get(split))
+            if d:
+                a["diff"][split] = heal_stats.t_interval(d)
+    return out
+
+
+def paired(arm: dict | None, ref: dict | None) -> list[float]:
+    """``arm - ref`` per seed both have (stats of :func:`summarize`)."""
+    if not arm or not ref:
+        return []
+    return [
+        arm["per_seed"][s] - ref["per_seed"][s]
+        for s in sorted(arm["per_seed"])
+        if s in ref["per_seed"]
+    ]
+
+
+def bars(summary: dict[str, Any], rows: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """The bars as ``(bar, figures, met)`` (met None: not decidable from the rows).
+
+    Args:
+        summary: :func:`summarize`'s result.
+        rows: every row (the rerun's and CE's curves are read from them).
+
+    Returns:
+        The rows of the bar table.
+    """
+    arms, ce, out = summary["arms"], summary["ce"], []
+    ce_sd = {s: arms[ce][s]["sd"] for s in SPLITS if ce and s in arms[ce]}
+    for arm in summary["cross"]:
+        name = f"{arm} beats tuned CE by > 3 CE seed sd on both splits"
+        d = arms[arm]["diff"]
+        if ce is None or len(d) < len(SPLITS):
+            out.append((name, "no CE rows", None))
+            continue
+        figs = [f"{s} {d[s]['mean']:+.4f} vs -{3 * ce_sd[s]:.4f}" for s in SPLITS]
+        out.append((name, "; ".join(figs), all(d[s]["mean"] < -3 * ce_sd[s] for s in SPLITS)))
+    out.append(_gap_bar(summary))
+    for arm, a in arms.items():
+        teachers = a["row"]["teachers"]
+        if len(teachers) < 2:
+            continue
+        base = arm.partition("@")[0]
+        singles = [
+            s
+            for s, b in arms.items()
+            if b["row"]["teachers"] in [[t] for t in teachers]
+            and s.partition("@")[0] == base
+            and s == b["row"]["family"]
+        ]
+        name = f"{arm} at least as good as the better single teacher"
+        if len(singles) < len(teachers):
+            out.append((name, f"single-teacher arms missing (have {singles})", None))
+            continue
+        figs, ok = [], True
+        for s in SPLITS:
+            best = min(singles, key=lambda x: arms[x][s]["mean"])
+            figs.append(f"{s} {a[s]['mean']:.4f} vs {best} {arms[best][s]['mean']:.4f}")
+            ok = ok and a[s]["mean"] <= arms[best][s]["mean"]
+        out.append((name, "; ".join(figs), ok))
+    for arm, a in arms.items():
+        twin = a["row"].get("twin")
+        if not twin:
+            continue
+        if a["row"].get("on_policy"):
+            out.append(_on_policy_bar(arm, twin, arms))
+            continue
+        if ":cache" not in arm and ",cache" not in arm:
+            continue
+        name = f"{arm} within 2 seed sd of {twin}"
+        if twin not in arms:
+            out.append((name, "no rows of its twin", None))
+            continue
+        figs, ok = [], True
+        for s in SPLITS:
+            gap, sd = abs(a[s]["mean"] - arms[twin][s]["mean"]), arms[twin][s]["sd"]
+            figs.append(f"{s} |{gap:.4f}| vs {2 * sd:.4f}")
+            ok = ok and gap <= 2 * sd
+        out.append((name, "; ".join(figs), ok))
+    out.append(_rerun_bar(rows))
+    out.append(_convergence_bar(summary))
+    return out
+
+
+def _gap_bar(summary: dict) -> tuple[str, str, bool | None]:
+    arms, ce, parent = summary["arms"], summary["ce"], summary["parent"]
+    name = "best cross-tokenizer arm closes >= 50% of the parent's gain on each split"
+    if not (ce and parent and summary["cross"]):
+        return name, "needs CE, the parent and a cross-tokenizer arm", None
+    closed = {}
+    for arm in summary["cross"]:
+        g = {
+            s: heal_stats.gap_closed(
+                arms[ce][s]["mean"], arms[arm][s]["mean"], arms[parent][s]["mean"]
+            )
+            for s in SPLITS
+        }
+        if None in g.values():
+            return name, "the parent is no better than CE on a split: no gain to close", None
+        closed[arm] = g
+    best = max(closed, key=lambda a: min(closed[a].values()))
+    figs = ", ".join(f"{s} {g:.0%}" for s, g in closed[best].items())
+    return name, f"{best}: {figs}", min(closed[best].values()) >= 0.5
+
+
+def _on_policy_bar(arm: str, twin: str, arms: dict) -> tuple[str, str, bool | None]:
+    name = f"{arm} rates better than {twin} beyond the seed spread, held-out loss <= {ONPOLICY_HELDOUT_LOSS}"
+    a, b = arms[arm], arms.get(twin)
+    if not b or "completion" not in a or "completion" not in b:
+        return name, "no rated completions of it or its twin", None
+    rated = paired(a["completion"], b["completion"])
+    held = paired(a["heldout"], b["heldout"])
+    spread = max(a["completion"]["sd"], b["completion"]["sd"])
+    d_rated, d_held = statistics.fmean(rated), statistics.fmean(held)
+    figs = f"completions {d_rated:+.4f} vs -{spread:.4f}; held-out {d_held:+.4f}"
+    return name, figs, d_rated < -spread and d_held <= ONPOLICY_HELDOUT_LOSS
+
+
+def _rerun_bar(rows: list[dict]) -> tuple[str, str, bool | None]:
+    reruns = [r for r in rows if r.get("phase") == "rerun" and r.get("exit") == 0]
+    name = "a rerun of one arm's config gives a bitwise-equal row"
+    if not reruns:
+        return name, "no rerun row", None
+    figs = ", ".join(
+        f"{r['arm']} s{r['seed']}: {'equal' if r.get('bitwise_equal') else 'differs'}"
+        for r in reruns
+    )
+    return name, figs, all(r.get("bitwise_equal") for r in reruns)
+
+
+def convergence(curve: list[dict]) -> float | None:
+    """How much a validation curve fell over the last quarter of its steps (bits/byte; None
+    with fewer than two points)."""
+    if len(curve) < 2:
+        return None
+    last = curve[-1]["step"]
+    at = min(curve, key=lambda p: abs(p["step"] - 0.75 * last))
+    return at["bits_per_byte"] - curve[-1]["bits_per_byte"]
+
+
+def _convergence_bar(summary: dict) -> tuple[str, str, bool | None]:
+    name = "CE converged: validation fell < 3 CE seed sd over its last quarter"
+    ce = summary["ce"]
+    if ce is None:
+        return name, "no CE rows", None
+    falls = [convergence(r.get("val_curve") or []) for r in summary["arms"][ce]["rows"]]
+    falls = [f for f in falls if f is not None]
+    if not falls or "validation" not in summary["arms"][ce]:
+        return name, "CE's curves have fewer than two points", None
+    fall, sd = statistics.fmean(falls), summary["arms"][ce]["validation"]["sd"]
+    return name, f"fell {fall:.4f} vs {3 * sd:.4f}", fall < 3 * sd
+
+
+def _fmt(stats: dict | None) -> str:
+    return f"{stats['mean']:.4f} ± {stats['sd']:.4f}" if stats else "-"
+
+
+def _ci(d: dict | None) -> str:
+    if not d:
+        return "-"
+    if d["lo"] is None:
+        return f"{d['mean']:+.4f}"
+    return f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]"
+
+
+def markdown(rows: list[dict]) -> str:
+    """The report's markdown (table first)."""
+    rows = [r for r in rows if r.get("mode") == "scale"]
+    s = summarize(rows)
+    devices = sorted({r["device"] for r in rows})
+    commits = sorted({r["commit"] for r in rows})
+    head = rows[0] if rows else {}
+    md = [
+        "# Healing a pruned SmolLM2 at scale: every arm tuned alike, then "
+        f"{max((len(a['seeds']) for a in s['arms'].values()), default=0)} seeds",
+        "",
+        f"Devices: {', '.join(devices) or '-'}; commits {', '.join(commits) or '-'}; "
+        f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "
+        f"steps of {head.get('batch')} x {head.get('ctx')}); the settings chosen on validation "
+        "(seed 0), then scored once on held-out and fresh. Command: "
+        "`python benchmarks/quality/scale.py --gpus ...` (`benchmarks/quality/scale.py`).",
+        "",
+        "| arm | seeds | lr | KL w | T | tokens | det. | validation | held-out | fresh "
+        "| held-out - CE (95% CI) | fresh - CE (95% CI) | next-line EM | completion b/B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, a in s["arms"].items():
+        r = a["row"]
+        interior = "" if r.get("lr_interior") in (True, None) else " (edge)"
+        md.append(
+            f"| {arm} | {len(a['seeds'])} | {r['lr']:g}{interior} | {r.get('kl_weight') or '-'} "
+            f"| {r.get('temperature') or '-'} | {r['tokens']:,} | {'yes' if r['deterministic'] else 'no'} "
+            f"| {_fmt(a.get('validation'))} | {_fmt(a.get('heldout'))} | {_fmt(a.get('fresh'))} "
+            f"| {_ci(a['diff'].get('heldout'))} | {_ci(a['diff'].get('fresh'))} "
+            f"| {a['next_line_em'] if a['next_line_em'] is None else format(a['next_line_em'], '.3f')} "
+            f"| {_fmt(a.get('completion'))} |"
+        )
+    md += ["", "## Bars", "", "| bar | figures | met |", "|---|---|---|"]
+    for name, figs, met in bars(s, rows):
+        md.append(f"| {name} | {figs} | {'-' if met is None else 'yes' if met else 'no'} |")
+    if s["ce"]:
+        md += [
+            "",
+            f"## CE's validation curve ({s['ce']}, mean over seeds)",
+            "",
+            "| step | bits/byte |",
+            "|---|---|",
+        ]
+        md += [f"| {step} | {bpb:.4f} |" for step, bpb in mean_curve(s["arms"][s["ce"]]["rows"])]
+    md += [
+        "",
+        "## Grid (seed 0, validation bits/byte; * chosen)",
+        "",
+        "| arm | lr | KL w | T | validation |",
+        "|---|---|---|---|---|",
+    ]
+    chosen = {
+        (r["arm"], r["lr"], r.get("kl_weight"), r.get("temperature"))
+        for r in rows
+        if r["phase"] == "final"
+    }
+    for r in sorted(
+        (r for r in rows if r["phase"] == "grid"),
+        key=lambda r: (r["arm"], r["lr"], str(r.get("kl_weight")), str(r.get("temperature"))),
+    ):
+        mark = (
+            "*" if (r["arm"], r["lr"], r.get("kl_weight"), r.get("temperature")) in chosen else ""
+        )
+        v = "failed" if r.get("validation_bpb") is None else f"{r['validation_bpb']:.4f}{mark}"
+        md.append(
+            f"| {r['arm']} | {r['lr']:g} | {r.get('kl_weight') or '-'} | {r.get('temperature') or '-'} | {v} |"
+        )
+    return "\n".join(md) + "\n"
+
+
+def mean_curve(rows: list[dict]) -> list[tuple[int, float]]:
+    """The mean validation curve of rows (steps every row has)."""
+    by_step: dict[int, list[float]] = {}
+    for r in rows:
+        for p in r.get("val_curve") or []:
+            by_step.setdefault(p["step"], []).append(p["bits_per_byte"])
+    return [(k, statistics.fmean(v)) for k, v in sorted(by_step.items()) if len(v) == len(rows)]
+
+
+def write_report(rows: list[dict], out: Path) -> str:
+    """Write ``quality_scale.md`` (and ``quality_scale.png`` where matplotlib is installed).
+
+    Args:
+        rows: the experiment's rows.
+        out: the folder.
+
+    Returns:
+        The markdown.
+    """
+    md = markdown(rows)
+    if importlib.util.find_spec("matplotlib") is None:
+        md += "\nNo plot: matplotlib is not installed (pip install matplotlib).\n"
+        logger.warning("[scale] no plot: matplotlib is not installed")
+    else:
+        _plot(rows, out / "quality_scale.png")
+        md += "\n![validation curves per arm](quality_scale.png)\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality_scale.md").write_text(md)
+    summary = summarize([r for r in rows if r.get("mode") == "scale"])
+    for a in summary["arms"].values():
+        del a["rows"], a["row"]
+    (out / "quality_scale_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return md
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    finals: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("mode") == "scale" and r.get("phase") == "final" and r.get("val_curve"):
+            finals.setdefault(r["arm"], []).append(r)
+    for arm, rs in finals.items():
+        curve = mean_curve(rs)
+        ax.plot([c[0] for c in curve], [c[1] for c in curve], label=arm, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation bits/byte (mean over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,451 @@
+"""The scaled healing experiment (benchmarks/quality/scale*.py): arm specs, the grid's extension
+until the best learning rate is interior, the held-out splits read only by the final scoring,
+the lanes, the report's bars on rows made up here, refusals of bad settings, and (slow) the CPU
+smoke end to end through real ``xtoken run`` processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.quality import scale, scale_arms, scale_grid, scale_report  # noqa: E402
+from benchmarks.quality.scale_grid import GridSpec, RunKey  # noqa: E402
+from benchmarks.quality.scale_lanes import TIMED_OUT, Job, Lanes  # noqa: E402
+
+Q, G = "qwen2.5-coder-0.5b", "gemma3-270m"
+
+# --------------------------------------------------------------------------- arm specs
+
+
+def test_arm_specs_name_teachers_variants_and_family():
+    two = scale_arms.parse_scale_arm(f"pkl@{Q}+{G}")
+    assert two.teachers == (Q, G) and two.family == f"pkl@{Q}+{G}"
+    top = scale_arms.parse_scale_arm(f"gold@{Q}:topk=32,kl_weight=0.5")
+    assert (top.topk, top.family, top.pinned) == (32, f"gold@{Q}", {"kl_weight": 0.5})
+    assert scale_arms.parse_scale_arm(f"pkl@{Q}:cache").cache == scale_arms.DEFAULT_CACHE_K
+    on = scale_arms.parse_scale_arm(f"pkl@{Q}:on_policy=0.25,start=0.4")
+    assert (on.on_policy, on.start, on.family) == (0.25, 0.4, f"pkl@{Q}")
+    ce = scale_arms.parse_scale_arm("ce:lr=0.001")
+    assert ce.is_ce and ce.family == "ce" and ce.pinned == {"lr": 0.001}
+    assert [scale_arms.parse_scale_arm(a).spec for a in scale_arms.SCALE_ARMS] == list(
+        scale_arms.SCALE_ARMS
+    )
+
+
+def test_twins_are_the_online_top_k_of_a_cache_and_the_plain_arm_of_a_variant():
+    specs = list(scale_arms.SCALE_ARMS)
+    twin = lambda s: scale_arms.twin_of(scale_arms.parse_scale_arm(s), specs)  # noqa: E731
+    assert twin(f"pkl@{Q}:cache=64") == f"pkl@{Q}:topk=64"
+    assert twin(f"pkl@{Q}:topk=32") == f"pkl@{Q}"
+    assert twin(f"pkl@{Q}:on_policy=0.5") == f"pkl@{Q}"
+    assert twin(f"pkl@{Q}") is None and twin("ce") is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("kd@smollm2", "not one of"),
+        ("pkl@llama9", "not one of"),
+        (f"pkl@{Q}+smollm2+{Q}", "share a tokenizer"),
+        (f"pkl@{Q}:topk=0", "whole number >= 1"),
+        (f"pkl@{Q}:topk=32,cache", "not both"),
+        (f"pkl@{Q}:start=0.5", "on_policy arm"),
+        (f"pkl@{Q}:on_policy=0.5,cache", "one teacher off-policy"),
+        (f"pkl@{Q}+{G}:on_policy=0.5", "one teacher"),
+        ("ce:topk=4", "no teacher"),
+        (f"pkl@{Q}+", "empty teacher"),
+    ],
+)
+def test_a_bad_arm_spec_is_refused_naming_it(bad, match):
+    with pytest.raises(ValueError, match=match):
+        scale_arms.parse_scale_arm(bad)
+
+
+def test_the_token_budget_becomes_steps_and_a_budget_below_one_step_is_refused():
+    assert scale_arms.steps_for(20_000_000, 16, 400.0) == 3125
+    assert scale_arms.steps_for(6400, 16, 400.0) == 1
+    with pytest.raises(ValueError, match="below one step.*--tokens 6400"):
+        scale_arms.steps_for(6399, 16, 400.0)
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+def test_the_learning_rate_grid_extends_until_the_best_is_interior():
+    spec = GridSpec(lrs=(1e-3, 2e-3), max_extend=2)
+    choice = scale_grid.choose_lr({}, spec)
+    assert choice.pending == [1e-3, 2e-3] and choice.chosen is None
+    # best at the top: one step up
+    assert scale_grid.choose_lr({1e-3: 3.0, 2e-3: 2.9}, spec).pending == [4e-3]
+    # the step up is worse: 2e-3 is interior
+    done = scale_grid.choose_lr({1e-3: 3.0, 2e-3: 2.9, 4e-3: 2.95}, spec)
+    assert (done.pending, done.chosen, done.interior) == ([], 2e-3, True)
+    # best at the bottom twice: two steps down, then no more (max_extend), not interior
+    r = {1e-3: 2.0, 2e-3: 2.9, 5e-4: 1.9, 2.5e-4: 1.8}
+    edge = scale_grid.choose_lr(r, spec)
+    assert (edge.pending, edge.chosen, edge.interior) == ([], 2.5e-4, False)
+    # a failed run is never chosen, and counts as worse (a rate that diverged brackets the best)
+    assert scale_grid.choose_lr({1e-3: 2.0, 2e-3: None}, spec).pending == [5e-4]
+    failed_below = scale_grid.choose_lr({1e-3: None, 2e-3: 2.9, 4e-3: 3.0}, spec)
+    assert (failed_below.chosen, failed_below.interior) == (2e-3, True)
+
+
+def _fill(plan, results, score):
+    for key in plan.pending:
+        results[key] = score(key)
+
+
+def test_kd_families_choose_kl_and_temperature_first_then_every_arm_its_rate_then_finals():
+    arms = [scale_arms.parse_scale_arm(s) for s in ("ce", f"pkl@{Q}", f"pkl@{Q}:topk=32")]
+    spec = GridSpec(lrs=(5e-4, 1e-3, 2e-3), kl_weights=(0.5, 1.0), temperatures=(1.0,))
+    results: dict = {}
+    first = scale_grid.plan(arms, results, spec, rerun_arm="ce")
+    assert all(k.phase == "grid" for k in first.pending)
+    kd = [k for k in first.pending if k.arm != "ce"]
+    assert {(k.arm, k.lr, k.kl_weight) for k in kd} == {
+        (f"pkl@{Q}", 1e-3, 0.5),
+        (f"pkl@{Q}", 1e-3, 1.0),
+    }
+    assert {k.lr for k in first.pending if k.arm == "ce"} == {5e-4, 1e-3, 2e-3}
+
+    # a made-up landscape: best lr 1e-3 for every arm, KL weight 0.5 better
+    def score(k: RunKey) -> float:
+        return 1.0 + abs(k.lr - 1e-3) * 100 + (0.1 if k.kl_weight == 1.0 else 0.0)
+
+    for _ in range(6):
+        p = scale_grid.plan(arms, results, spec, rerun_arm="ce")
+        assert not p.stalled
+        _fill(p, results, score)
+    p = scale_grid.plan(arms, results, spec, rerun_arm="ce")
+    assert p.pending == [] and p.interior == {a.spec: True for a in arms}
+    assert p.chosen[f"pkl@{Q}:topk=32"] == scale_arms.Setting(1e-3, 0.5, 1.0)
+    finals = {(k.arm, k.seed) for k, _ in results.items() if k.phase == "final"}
+    assert finals == {(a.spec, s) for a in arms for s in spec.seeds}
+    assert [k for k in results if k.phase == "rerun"] == [
+        RunKey("rerun", "ce", 0, 1e-3, None, None)
+    ]
+    # the variant's rate was searched at its family's chosen KL weight, the family's mid-rate
+    # run at that weight served both grids
+    assert all(k.kl_weight == 0.5 for k in results if k.arm.endswith("topk=32"))
+
+
+def test_a_final_run_waits_for_its_arm_choice_and_a_failed_grid_step_stalls_the_arm():
+    arms = [scale_arms.parse_scale_arm("ce")]
+    spec = GridSpec(lrs=(1e-3, 2e-3), max_extend=0, seeds=(0, 1))
+    results = {RunKey("grid", "ce", 0, 1e-3, None, None): 2.0}
+    assert [k.phase for k in scale_grid.plan(arms, results, spec).pending] == ["grid"]
+    results[RunKey("grid", "ce", 0, 2e-3, None, None)] = None
+    p = scale_grid.plan(arms, results, spec)
+    assert [(k.phase, k.seed) for k in p.pending] == [("final", 0), ("final", 1)]
+    assert p.interior == {"ce": False}
+    results[RunKey("grid", "ce", 0, 1e-3, None, None)] = None
+    assert scale_grid.plan(arms, results, spec).stalled == ["ce"]
+
+
+# --------------------------------------------------------------------------- held-out read once
+
+
+def test_only_the_final_scoring_names_the_held_out_and_fresh_splits():
+    names = re.compile(r"heldout\.jsonl|fresh\.jsonl")
+    readers = [
+        p.name
+        for p in sorted((ROOT / "benchmarks" / "quality").glob("scale*.py"))
+        if names.search(p.read_text())
+    ]
+    assert readers == ["scale_final.py"]
+    src = (ROOT / "benchmarks" / "quality" / "scale_score.py").read_text()
+    gate = src.index('if spec["phase"] != "grid":')
+    assert gate < src.index("from benchmarks.quality import scale_final")  # imported past it
+
+
+def _args(tmp_path: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        device="cuda", work=tmp_path, corpus=tmp_path / "split", student_tokenizer="smollm2",
+        ctx=512, batch=16, limit=None, steps=2000, epochs=4, eval_every=100, eval_texts=64,
+        lr=5e-4, warmup=100, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
+        rollout_batch=None, kv_cache=None, max_staleness=None,
+    )  # fmt: skip
+
+
+def test_no_run_config_of_any_arm_points_at_the_held_out_or_fresh_split(tmp_path):
+    args = _args(tmp_path)
+    projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
+    caches = {(Q, 64): tmp_path / "cache"}
+    for spec in scale_arms.SCALE_ARMS:
+        arm = scale_arms.parse_scale_arm(spec)
+        setting = scale_arms.Setting(1e-3, None if arm.is_ce else 0.5, None if arm.is_ce else 1.0)
+        cfgs = scale_arms.run_configs(
+            arm, 1, setting, args, tmp_path / "student", projections, tmp_path / "run", caches
+        )
+        if arm.cache:
+            cfgs.append(scale_arms.cache_build_config(arm, args, tmp_path / "student", projections))
+        text = json.dumps(cfgs)
+        assert "heldout.jsonl" not in text and "fresh.jsonl" not in text
+        assert cfgs[-1 - bool(arm.cache)]["trainer"]["optim"]["lr"] == 1e-3
+        # every off-policy stage is deterministic on an ordered feed; an on-policy one cannot be
+        for cfg in cfgs[: len(cfgs) - bool(arm.cache)]:
+            det = cfg["trainer"]["compute"]["deterministic"]
+            assert det == (cfg["data"].get("on_policy_fraction", 0) == 0) == cfg["data"]["ordered"]
+
+
+def test_arm_variants_set_their_transport_cache_second_teacher_and_off_policy_start(tmp_path):
+    args = _args(tmp_path)
+    projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
+    caches = {(Q, 64): tmp_path / "cache"}
+
+    def cfgs(spec):
+        arm = scale_arms.parse_scale_arm(spec)
+        s = scale_arms.Setting(1e-3, 0.5, 2.0)
+        return scale_arms.run_configs(
+            arm, 0, s, args, tmp_path, projections, tmp_path / "r", caches
+        )
+
+    (top,) = cfgs(f"pkl@{Q}:topk=32")
+    assert top["teacher"]["transport"] == "topk" and top["teacher"]["top_k"] == 32
+    assert top["trainer"]["loss"]["kl_weight"] == 0.5 and top["trainer"]["loss"]["temperature"] == 2
+    (cached,) = cfgs(f"pkl@{Q}:cache")
+    assert cached["data"]["teacher_cache"] == str(tmp_path / "cache")
+    (two,) = cfgs(f"pkl@{Q}+{G}")
+    assert two["teacher"]["weight"] == 0.5 and two["extra_teachers"][0]["tokenizer"] == "gemma3"
+    assert two["extra_teachers"][0]["projection"] == str(tmp_path / "gemma3.pt")
+    start, on = cfgs(f"pkl@{Q}:on_policy=0.25,start=0.25")
+    assert start["trainer"]["schedule"]["max_steps"] == 500
+    assert on["trainer"]["schedule"]["max_steps"] == 1500
+    assert on["trainer"]["student"]["model"] == str(Path(start["run_dir"]) / "final")
+    assert on["data"]["on_policy_fraction"] == 0.25 and "on_policy_fraction" not in start["data"]
+
+
+def test_the_grid_scoring_reads_the_validation_split_alone(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.quality import scale_score
+    from xtoken_core.tokenizers import load_tokenizer
+
+    corpus = tmp_path / "split"
+    corpus.mkdir()
+    text = "def f(x):\n    return x + 1\n" * 4
+    (corpus / "val.jsonl").write_text(json.dumps({"text": text, "source": "a.py"}) + "\n")
+    vocab = load_tokenizer("smollm2").vocab_size
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=2)
+    )  # fmt: skip
+    model.save_pretrained(tmp_path / "model")
+    spec = {
+        "phase": "grid",
+        "model": str(tmp_path / "model"),
+        "student_tokenizer": "smollm2",
+        "corpus": str(corpus),
+        "ctx": 32,
+        "device": "cpu",
+    }
+    out = scale_score.score_run(spec)  # no heldout.jsonl nor fresh.jsonl exists
+    assert set(out) == {"validation", "weights_sha256"} and out["validation"]["bits_per_byte"] > 0
+    assert out["weights_sha256"] == scale_score.weights_sha256(tmp_path / "model")
+
+
+# --------------------------------------------------------------------------- lanes
+
+
+def test_lanes_run_one_job_per_lane_in_order_stop_at_a_failure_and_at_the_timeout(tmp_path):
+    py = sys.executable
+    mark = tmp_path / "marks"
+    mark.mkdir()
+    jobs = [
+        Job("ok", [[py, "-c", f"open('{mark}/a','w')"], [py, "-c", f"open('{mark}/b','w')"]], tmp_path / "l1"),
+        Job("fails", [[py, "-c", "raise SystemExit(3)"], [py, "-c", f"open('{mark}/c','w')"]], tmp_path / "l2"),
+        Job("slow", [[py, "-c", "import time; time.sleep(30)"]], tmp_path / "l3"),
+    ]  # fmt: skip
+    done, asked = {}, []
+
+    def next_jobs(n):
+        asked.append(n)
+        ready = [j for j in jobs if j.key not in done][:n]
+        return ready
+
+    Lanes([None, None], timeout_s=2.5, cwd=tmp_path).run(
+        next_jobs, lambda job, code, wall, lane: done.setdefault(job.key, (code, wall)), 0.1
+    )
+    assert done["ok"][0] == 0 and done["fails"][0] == 3 and done["slow"][0] == TIMED_OUT
+    assert done["slow"][1] < 25
+    assert sorted(p.name for p in mark.iterdir()) == ["a", "b"]  # c never ran
+    assert max(asked) <= 2  # never more than the free lanes
+
+
+# --------------------------------------------------------------------------- report bars
+
+
+def _row(arm, seed, held, fresh, teachers=(), family=None, **extra):
+    return {
+        "mode": "scale", "phase": "final", "arm": arm, "seed": seed, "teachers": list(teachers),
+        "family": family or arm, "student_tokenizer": "smollm2", "lr": 1e-3, "kl_weight": 0.5,
+        "temperature": 1.0, "tokens": 1000, "deterministic": True, "device": "cpu",
+        "commit": "abc", "validation_bpb": held, "heldout_bpb": held, "fresh_bpb": fresh,
+        "next_line_em": 0.1, "completion_teacher_bpb": extra.pop("rated", None),
+        "val_curve": extra.pop("curve", []), "twin": None, "on_policy": 0.0, **extra,
+    }  # fmt: skip
+
+
+def _rows():
+    rows = []
+    noise = (0.001, -0.001, 0.0)
+    for s, e in enumerate(noise):
+        curve = [{"step": 100, "bits_per_byte": 1.5}, {"step": 300, "bits_per_byte": 1.0 + e},
+                 {"step": 400, "bits_per_byte": 1.0 + e}]  # fmt: skip
+        rows += [
+            _row("ce", s, 1.00 + e, 1.50 + e, curve=curve, rated=2.0 + e),
+            _row("pkl@smollm2", s, 0.90 + e, 1.40 + e, ["smollm2"]),
+            _row(f"pkl@{Q}", s, 0.94 + e, 1.44 + e, [Q], rated=1.9 + e),
+            _row(f"pkl@{G}", s, 0.96 + e, 1.46 + e, [G]),
+            _row(f"pkl@{Q}+{G}", s, 0.93 + e, 1.43 + e, [Q, G]),
+            _row(f"pkl@{Q}:topk=64", s, 0.941 + e, 1.441 + e, [Q], f"pkl@{Q}", twin=f"pkl@{Q}"),
+            _row(
+                f"pkl@{Q}:cache=64", s, 0.99 + e, 1.49 + e, [Q], f"pkl@{Q}", twin=f"pkl@{Q}:topk=64"
+            ),  # fmt: skip
+            _row(
+                f"pkl@{Q}:on_policy=0.5",
+                s,
+                0.945 + e,
+                1.445 + e,
+                [Q],
+                f"pkl@{Q}",
+                twin=f"pkl@{Q}",
+                on_policy=0.5,
+                rated=1.7 + e,
+            ),  # fmt: skip
+        ]
+    rows.append({**rows[0], "phase": "rerun", "exit": 0, "bitwise_equal": True})
+    return rows
+
+
+def test_the_report_checks_each_bar_on_made_up_rows():
+    rows = _rows()
+    summary = scale_report.summarize(rows)
+    assert summary["ce"] == "ce" and summary["parent"] == "pkl@smollm2"
+    met = {name: ok for name, _, ok in scale_report.bars(summary, rows)}
+    assert met[f"pkl@{Q} beats tuned CE by > 3 CE seed sd on both splits"] is True
+    # 0.04 of the parent's 0.10: 60% on both splits for the best arm (the two-teacher one: 70%)
+    assert met["best cross-tokenizer arm closes >= 50% of the parent's gain on each split"] is True
+    assert met[f"pkl@{Q}+{G} at least as good as the better single teacher"] is True
+    assert met[f"pkl@{Q}:cache=64 within 2 seed sd of pkl@{Q}:topk=64"] is False  # 0.049 off
+    on = next(k for k in met if k.startswith(f"pkl@{Q}:on_policy=0.5 rates better"))
+    assert met[on] is True
+    assert met["a rerun of one arm's config gives a bitwise-equal row"] is True
+    assert met["CE converged: validation fell < 3 CE seed sd over its last quarter"] is True
+    diff = summary["arms"][f"pkl@{Q}"]["diff"]["heldout"]
+    assert diff["mean"] == pytest.approx(-0.06) and diff["n"] == 3
+    # CE still falling fast over its last quarter: not converged
+    for r in rows:
+        if r["arm"] == "ce":
+            r["val_curve"] = [{"step": s, "bits_per_byte": 2 - s / 400} for s in (100, 300, 400)]
+    met = {name: ok for name, _, ok in scale_report.bars(scale_report.summarize(rows), rows)}
+    assert met["CE converged: validation fell < 3 CE seed sd over its last quarter"] is False
+
+
+def test_the_report_opens_with_the_table_and_says_when_it_has_no_plot(tmp_path):
+    import importlib.util
+
+    md = scale_report.write_report(_rows(), tmp_path)
+    assert md.startswith("# ") and md.splitlines()[4].startswith("| arm | seeds | lr |")
+    assert f"| pkl@{Q} | 3 | 0.001 |" in md and "## Bars" in md
+    assert (tmp_path / "quality_scale.md").read_text() == md
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "No plot: matplotlib is not installed" in md
+    else:
+        assert (tmp_path / "quality_scale.png").stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- bad settings
+
+
+def _refused(capsys, argv) -> str:
+    assert scale.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_unknown_arm_is_refused_in_one_line_with_exit_2(tmp_path, capsys):
+    line = _refused(capsys, ["--arms", "ce", "kd@smollm2", "--work", str(tmp_path)])
+    assert "kd@smollm2" in line and "not one of" in line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_teacher_not_installed_is_refused_in_one_line_with_exit_2(tmp_path, capsys):
+    line = _refused(
+        capsys,
+        ["--arms", f"pkl@{G}", "--model-alias", f"{G}=gguf:{tmp_path}/nope.gguf",
+         "--work", str(tmp_path / "w")],
+    )  # fmt: skip
+    assert G in line and "nope.gguf" in line and "--model-alias" in line
+
+
+def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, capsys):
+    corpus = tmp_path / "split"
+    corpus.mkdir()
+    for name in ("train", "val", "heldout", "fresh"):
+        rec = {"text": "def f():\n    return 1\n" * 20, "source": "a.py"}
+        (corpus / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
+    (corpus / "split.json").write_text("{}")
+    line = _refused(
+        capsys,
+        ["--arms", "ce", "--tokens", "100", "--corpus", str(corpus), "--work", str(tmp_path / "w")],
+    )
+    assert "--tokens 100" in line and "below one step" in line
+
+
+# --------------------------------------------------------------------------- smoke
+
+
+@pytest.mark.slow
+def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_path):
+    work = tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality" / "scale.py"), "--smoke"]
+    done = subprocess.run(
+        cmd + ["--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(x) for x in (work / "out" / "quality_scale.jsonl").read_text().splitlines()]
+    grid = [r for r in rows if r["phase"] == "grid"]
+    final = [r for r in rows if r["phase"] == "final"]
+    assert sorted((r["arm"], r["lr"]) for r in grid) == [
+        ("ce", 5e-4), ("ce", 1e-3), ("pkl@smollm2", 5e-4), ("pkl@smollm2", 1e-3)
+    ]  # fmt: skip
+    assert all(r["heldout_bpb"] is None and r["fresh_bpb"] is None for r in grid)
+    assert sorted((r["arm"], r["seed"]) for r in final) == [
+        ("ce", 0), ("ce", 1), ("pkl@smollm2", 0), ("pkl@smollm2", 1)
+    ]  # fmt: skip
+    for r in final:
+        best = min((g for g in grid if g["arm"] == r["arm"]), key=lambda g: g["validation_bpb"])
+        assert r["lr"] == best["lr"] and r["lr_interior"] is False  # two rates, no extension
+        assert r["deterministic"] is True and r["steps"] == 4 and r["exit"] == 0
+        assert 0 < r["heldout_bpb"] < 20 and 0 < r["fresh_bpb"] < 20
+        assert 0 <= r["next_line_em"] <= 1 and r["val_curve"]
+        assert r["completion"]["functions"] >= 1
+    seed0 = next(r for r in final if (r["arm"], r["seed"]) == ("ce", 0))
+    (rerun,) = [r for r in rows if r["phase"] == "rerun"]
+    assert rerun["bitwise_equal"] is True and rerun["weights_sha256"] == seed0["weights_sha256"]
+    assert rerun["heldout_bpb"] == seed0["heldout_bpb"]
+
+    again = subprocess.run(
+        cmd + ["--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0 and "9 scored runs before" in again.stderr
+    assert len((work / "out" / "quality_scale.jsonl").read_text().splitlines()) == len(rows)
+    report = subprocess.run(
+        cmd + ["--work", str(work), "--report"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert report.returncode == 0
+    md = (work / "out" / "quality_scale.md").read_text()
+    assert "| ce | 2 |" in md and "## Bars" in md and "bitwise-equal row | ce s0: equal | yes" in md
