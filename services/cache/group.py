@@ -40,7 +40,14 @@ from xtoken_core.wire.topk import TopK
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupCacheBuilder", "build_with_group", "group_topk", "merge_topk", "slice_topk"]
+__all__ = [
+    "GroupCacheBuilder",
+    "build_with_group",
+    "check_slices",
+    "group_topk",
+    "merge_topk",
+    "slice_topk",
+]
 
 # Elements of one fp32 block of a slice's logits (256 MiB), as encode_topk bounds its own.
 _BLOCK_ELEMENTS = 1 << 26
