@@ -11,13 +11,14 @@ student-25m   llama  6       256 (4 h, 4 kv)      yes    6.29           14.68   
 qwen3-0.6b    qwen3  28      1024 (16 h, 8 kv)    yes    440.47         474.02    490.80    595.78
 teacher-1.5b  qwen2  28      1536 (12 h, 2 kv)    yes    1310.34        1360.67   1385.84   1543.30
 qwen3-1.7b    qwen3  28      2048 (16 h, 8 kv)    yes    1409.41        1476.52   1510.07   1720.03
+qwen3-4b      qwen3  36      2560 (32 h, 8 kv)    yes    3633.51        3717.40   3759.34   4021.78
 qwen2.5-7b    qwen2  28      3584 (28 h, 4 kv)    no     6525.62        6760.50   6877.94   7612.79
 qwen2.5-14b   qwen2  48      5120 (40 h, 8 kv)    no     13212.90       13548.44  13716.21  14765.99
 qwen2.5-32b   qwen2  64      5120 (40 h, 8 kv)    no     31206.74       31542.29  31710.06  32759.83
 ============  =====  ======  ===================  =====  =============  ========  ========  =========
 
 ``student-25m`` is ~25 M parameters with a ~75k vocab; with a 150k vocab its embedding alone is
-39 M. ``qwen3-0.6b``, ``qwen3-1.7b``, ``teacher-1.5b`` (Qwen2-1.5B), ``qwen2.5-7b``,
+39 M. ``qwen3-0.6b``, ``qwen3-1.7b``, ``qwen3-4b``, ``teacher-1.5b`` (Qwen2-1.5B), ``qwen2.5-7b``,
 ``qwen2.5-14b`` and ``qwen2.5-32b`` are the shapes of those models (layers, hidden, heads, KV
 heads, intermediate size, rope theta, RMS-norm epsilon, tied output layer or not; the Qwen2.5
 models carry q/k/v biases); ``test_presets`` checks these counts. The larger ones are teachers
@@ -112,16 +113,18 @@ def _qwen2_5_32b(vocab_size: int):
                   rms_norm_eps=1e-5)  # fmt: skip
 
 
-def _qwen3(vocab_size: int, *, hidden: int, intermediate: int):
-    """A Qwen3 shape of 28 layers, 16 heads of 128 (8 KV), tied output layer."""
+def _qwen3(
+    vocab_size: int, *, hidden: int, intermediate: int, layers: int = 28, heads: int = 16
+):
+    """A Qwen3 shape: heads of 128 (8 KV), tied output layer."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=28,
-        num_attention_heads=16,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=40_960,
@@ -133,6 +136,10 @@ def _qwen3(vocab_size: int, *, hidden: int, intermediate: int):
 
 def _qwen3_1_7b(vocab_size: int):
     return _qwen3(vocab_size, hidden=2048, intermediate=6144)
+
+
+def _qwen3_4b(vocab_size: int):
+    return _qwen3(vocab_size, hidden=2560, intermediate=9728, layers=36, heads=32)
 
 
 def _tiny(vocab_size: int):
@@ -183,6 +190,7 @@ PRESETS: dict[str, Preset] = {
         Preset("qwen3-0.6b", "Qwen3-0.6B shape: 28 layers, hidden 1024", _qwen3_0_6b),
         Preset("teacher-1.5b", "Qwen2-1.5B shape: 28 layers, hidden 1536", _teacher_1_5b),
         Preset("qwen3-1.7b", "Qwen3-1.7B shape: 28 layers, hidden 2048", _qwen3_1_7b),
+        Preset("qwen3-4b", "Qwen3-4B shape: 36 layers, hidden 2560", _qwen3_4b),
         Preset("qwen2.5-7b", "Qwen2.5-7B shape: 28 layers, hidden 3584, untied", _qwen2_5_7b),
         Preset("qwen2.5-14b", "Qwen2.5-14B shape: 48 layers, hidden 5120, untied", _qwen2_5_14b),
         Preset("qwen2.5-32b", "Qwen2.5-32B shape: 64 layers, hidden 5120, untied", _qwen2_5_32b),

@@ -19,6 +19,7 @@ COUNTS = {
         151_669: 1543.30,
     },
     "qwen3-1.7b": {"non_embedding": 1409.41, 32_768: 1476.52, 49_152: 1510.07, 151_669: 1720.03},
+    "qwen3-4b": {"non_embedding": 3633.51, 32_768: 3717.40, 49_152: 3759.34, 151_669: 4021.78},
     "qwen2.5-7b": {"non_embedding": 6525.62, 32_768: 6760.50, 49_152: 6877.94, 151_669: 7612.79},
     "qwen2.5-14b": {
         "non_embedding": 13212.90,
@@ -70,6 +71,7 @@ def test_big_presets_have_the_reference_shapes():
 # intermediate, rope theta, RMS-norm epsilon, tied output layer).
 SHAPES = {
     "qwen3-1.7b": ("qwen3", 28, 2048, 16, 8, 128, 6144, 1e6, 1e-6, True),
+    "qwen3-4b": ("qwen3", 36, 2560, 32, 8, 128, 9728, 1e6, 1e-6, True),
     "qwen2.5-7b": ("qwen2", 28, 3584, 28, 4, 128, 18_944, 1e6, 1e-6, False),
     "qwen2.5-14b": ("qwen2", 48, 5120, 40, 8, 128, 13_824, 1e6, 1e-5, False),
     "qwen2.5-32b": ("qwen2", 64, 5120, 40, 8, 128, 27_648, 1e6, 1e-5, False),
