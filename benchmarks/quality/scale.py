@@ -29,6 +29,17 @@ an on-policy stage cannot be (its samples come in no fixed order) and its row sa
   past ``--run-timeout-s``; a row is appended as soon as its run ends, and a later call skips
   every run that has a scored row (a run trained but not scored is scored without training).
 
+Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
+hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 20 M tokens are
+~3,850 steps, ~8 passes over its 7,395 training texts. Those runs summed 0.08-0.12 s a step for
+CE and 0.12-0.23 s for P-KL from Qwen2.5-Coder with two runs sharing one GPU; alone on an H100,
+~0.05-0.08 and ~0.08-0.15 s: one 20 M-token run takes ~3-5 min (CE) or ~5-10 min (KD), plus
+~1-1.5 min of start-up and ~1-2 min of final scoring, before the unmeasured cost of
+deterministic mode; on-policy stages are bound by sampling and slower. The default grid is ~125
+trainings (8 KD families x 6 KL weight / temperature pairs, 14 arms x 3-4 rates, 14 x 2 final
+seeds beyond the grid's), ~5 h on four H100s; ``--deadline-s`` ends a call early and the next
+call goes on from the rows (``--kl-weights 0.5 1 --temperatures 1`` makes it ~3 h).
+
 Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm machine)::
 
     python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split
@@ -79,9 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", nargs="+", default=None, help="arm specs (scale_arms.SCALE_ARMS)")
     p.add_argument("--tokens", type=int, default=20_000_000, help="student tokens per run")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of final runs")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds of final runs (0 1 2)")
     p.add_argument("--grid-seed", type=int, default=0, help="the seed every choice is made on")
-    p.add_argument("--lrs", nargs="+", type=float, default=[2.5e-4, 5e-4, 1e-3])
+    p.add_argument(
+        "--lrs", nargs="+", type=float, default=None, help="learning-rate grid (2.5e-4 5e-4 1e-3)"
+    )
     p.add_argument("--lr-factor", type=float, default=2.0, help="one extension step of the rate")
     p.add_argument("--max-extend", type=int, default=3, help="most extension steps on each side")
     p.add_argument("--kl-weights", nargs="+", type=float, default=[0.25, 0.5, 1.0])
@@ -89,9 +102,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rerun-arm", default=None, help="the arm trained twice (default: the first KD arm; none)"
     )
-    p.add_argument("--gpus", nargs="+", type=int, default=None, help="one lane per GPU (indices)")
+    p.add_argument(
+        "--gpus", nargs="+", default=None, help="one lane per GPU: indices, 0 1 2 3 or 0,1,2,3"
+    )
     p.add_argument("--lanes", type=int, default=1, help="lanes without --gpus (CPU runs)")
     p.add_argument("--run-timeout-s", type=float, default=5400.0, help="most seconds per run")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no run after this many seconds (a later call goes on from the rows)",
+    )
     p.add_argument("--batch", type=int, default=16, help="samples per step")
     p.add_argument("--ctx", type=int, default=512, help="tokens per sample, both sides")
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
@@ -118,7 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="rows and report (default benchmarks/results)")
     p.add_argument("--report", action="store_true", help="write the report from the rows")
     p.add_argument("--smoke", action="store_true", help="CPU smoke with tiny stand-in models")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.gpus:
+        try:
+            args.gpus = [int(g) for item in args.gpus for g in item.split(",") if g]
+        except ValueError:
+            p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
+    return args
 
 
 def smoke_setup(args: argparse.Namespace) -> None:
@@ -126,8 +153,10 @@ def smoke_setup(args: argparse.Namespace) -> None:
     learning rates, one KL weight and temperature, no extension)."""
     args.arms = args.arms or list(scale_arms.SMOKE_ARMS)
     args.eval_limit, args.limit, args.continuations, args.parallel = None, None, 0, 2
+    seeds, lrs = args.seeds, args.lrs  # what the command line gave (heal's smoke sets [0])
     heal._smoke_setup(args)
-    args.seeds, args.lrs, args.max_extend = [0, 1], list(SMOKE_LRS), 0
+    args.seeds, args.lrs = seeds or [0, 1], lrs or list(SMOKE_LRS)
+    args.max_extend = 0
     args.kl_weights, args.temperatures = [0.5], [1.0]
     args.gpus, args.lanes = None, 2
     args.functions, args.completion_new_tokens, args.val_limit = 4, 16, 6
@@ -135,15 +164,21 @@ def smoke_setup(args: argparse.Namespace) -> None:
 
 
 def check_installed(name: str, aliases: dict[str, str]) -> None:
-    """A teacher's model can be loaded here (nothing is loaded).
+    """A teacher can be loaded here: its tokenizer is loaded, its model only located.
 
     Raises:
         ValueError: names the teacher and what to install or pass.
     """
+    from xtoken_core.tokenizers import load_tokenizer
+
     spec = heal.resolve(name, aliases)
+    if spec.startswith("gguf:") and not Path(spec[5:]).is_file():
+        raise ValueError(f"teacher {name}: {spec[5:]} is no file; fix --model-alias")
+    try:
+        load_tokenizer(heal.teacher_tokenizer(name))
+    except ValueError as e:
+        raise ValueError(f"teacher {name}: {e}") from None
     if spec.startswith("gguf:"):
-        if not Path(spec[5:]).is_file():
-            raise ValueError(f"teacher {name}: {spec[5:]} is no file; fix --model-alias")
         return
     if name in aliases:
         return  # a folder or a preset by alias: load_model says what is wrong with it
@@ -168,6 +203,7 @@ class Experiment:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.t_start = time.monotonic()
         self.work = Path(args.work).resolve()
         self.out = Path(args.out).resolve()
         self.rows_path = self.out / ROWS_FILE
@@ -456,8 +492,9 @@ class Experiment:
         lanes = kd.gpu_names(a.gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if a.gpus else None
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        deadline = None if a.deadline_s is None else self.t_start + a.deadline_s
         Lanes(lanes or [None] * a.lanes, a.run_timeout_s, ROOT, env).run(
-            self.next_jobs, self.on_done
+            self.next_jobs, self.on_done, deadline=deadline
         )
         p = self.plan()
         status = {
@@ -466,6 +503,8 @@ class Experiment:
             "stalled": p.stalled,
         }
         (self.out / "quality_scale_plan.json").write_text(json.dumps(status, indent=1))
+        if p.pending:
+            logger.warning("[scale] %d runs left for a later call (--deadline-s)", len(p.pending))
         failed = [k for k, v in self.results.items() if v is None]
         for arm in p.stalled:
             logger.error("[scale] %s: every run of a grid step failed; see %s/logs", arm, self.work)
@@ -507,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             args.work = Path(args.work).resolve()
             smoke_setup(args)
+        args.seeds = args.seeds or [0, 1, 2]
+        args.lrs = args.lrs or [2.5e-4, 5e-4, 1e-3]
         args.student_tokenizer = heal.student_tokenizer(args.student, args.student_tokenizer)
         args.kl_weight, args.temperature, args.lr = args.kl_weights[0], args.temperatures[0], None
         if args.gpus:

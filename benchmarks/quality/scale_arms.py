@@ -10,7 +10,8 @@ keys of its own:
 * ``cache`` or ``cache=K``: the teacher's top-K targets come from a teacher cache built once
   (``xtoken cache build``, K = 64 when not given) and no teacher process runs;
 * ``start=S`` (on-policy arms): the share of the budget trained off-policy first (default 0.5);
-  the on-policy stage starts from that student, with the rest of the budget.
+  the on-policy stage starts from that student, with the rest of the budget (a new optimizer,
+  its own warm-up and cosine schedule: a run cannot resume with another on-policy share).
 
 An arm's **family** is its spec without the keys of a variant (``topk``, ``cache``,
 ``on_policy``, ``start``) or of a tuned setting (``lr``, ``kl_weight``, ``temperature``): the

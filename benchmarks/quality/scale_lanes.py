@@ -74,6 +74,7 @@ class Lanes:
         next_jobs: Callable[[int], list[Job]],
         on_done: Callable[[Job, int, float, str | None], None],
         poll_s: float = 0.5,
+        deadline: float | None = None,
     ) -> None:
         """Run jobs until ``next_jobs`` gives none and none runs.
 
@@ -82,13 +83,15 @@ class Lanes:
                 every finished job; each job it gives is started, once per key in this call).
             on_done: ``on_done(job, exit code, wall seconds, lane)`` as each job ends.
             poll_s: seconds between looks at the running jobs.
+            deadline: ``time.monotonic()`` past which no job starts (those running finish).
         """
         running: dict[int, _Running] = {}  # by lane index (CPU lanes all see None)
         started: set[Hashable] = set()
         ask = True
         while True:
             free = [i for i in range(len(self.lanes)) if i not in running]
-            if free and ask:
+            late = deadline is not None and time.monotonic() > deadline
+            if free and ask and not late:
                 ready = [j for j in next_jobs(len(free)) if j.key not in started]
                 for i, job in zip(free, ready):
                     started.add(job.key)

@@ -177,6 +177,8 @@ def _args(tmp_path: Path) -> argparse.Namespace:
 
 
 def test_no_run_config_of_any_arm_points_at_the_held_out_or_fresh_split(tmp_path):
+    from services.supervise.config import run_config_from_dict
+
     args = _args(tmp_path)
     projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
     caches = {(Q, 64): tmp_path / "cache"}
@@ -191,6 +193,8 @@ def test_no_run_config_of_any_arm_points_at_the_held_out_or_fresh_split(tmp_path
         text = json.dumps(cfgs)
         assert "heldout.jsonl" not in text and "fresh.jsonl" not in text
         assert cfgs[-1 - bool(arm.cache)]["trainer"]["optim"]["lr"] == 1e-3
+        for cfg in cfgs:
+            run_config_from_dict(cfg)  # the run accepts it as it is
         # every off-policy stage is deterministic on an ordered feed; an on-policy one cannot be
         for cfg in cfgs[: len(cfgs) - bool(arm.cache)]:
             det = cfg["trainer"]["compute"]["deterministic"]
@@ -449,3 +453,42 @@ def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_pa
     assert report.returncode == 0
     md = (work / "out" / "quality_scale.md").read_text()
     assert "| ce | 2 |" in md and "## Bars" in md and "bitwise-equal row | ce s0: equal | yes" in md
+
+
+def test_lanes_start_nothing_past_the_deadline_and_gpus_read_either_way(tmp_path):
+    import time
+
+    job = Job("late", [[sys.executable, "-c", "pass"]], tmp_path / "log")
+    done = []
+    Lanes([None], 60.0, tmp_path).run(
+        lambda n: [job], lambda *a: done.append(a), deadline=time.monotonic() - 1
+    )
+    assert done == [] and not (tmp_path / "log").exists()
+    assert scale.parse_args(["--gpus", "0,1,2,3"]).gpus == [0, 1, 2, 3]
+    assert scale.parse_args(["--gpus", "0", "2"]).gpus == [0, 2]
+
+
+def test_the_smoke_runs_two_seeds_and_two_rates_unless_told_otherwise(tmp_path):
+    args = scale.parse_args(["--smoke", "--work", str(tmp_path)])
+    args.work, args.aliases = tmp_path, {}
+    scale.smoke_setup(args)
+    assert (args.seeds, args.lrs, args.arms) == ([0, 1], [5e-4, 1e-3], ["ce", "pkl@smollm2"])
+    assert args.device == "cpu" and args.max_extend == 0 and args.rerun_arm == "ce"
+    args = scale.parse_args(["--smoke", "--seeds", "3", "--lrs", "0.01"])
+    args.work, args.aliases = tmp_path, {}
+    scale.smoke_setup(args)
+    assert (args.seeds, args.lrs) == ([3], [0.01])
+
+
+def _gemma_installed() -> bool:
+    from xtoken_core.tokenizers.gguf_parts import get_split_gguf, parts_installed
+
+    return parts_installed(get_split_gguf(G))
+
+
+@pytest.mark.skipif(_gemma_installed(), reason="the gemma3-270m part packages are installed here")
+def test_a_preset_teacher_whose_packages_are_missing_is_refused_with_the_pip_command(
+    tmp_path, capsys
+):
+    line = _refused(capsys, ["--arms", "ce", f"pkl@{G}", "--work", str(tmp_path)])
+    assert line.startswith(f"scale: teacher {G}") and "pip install" in line
