@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from xtoken_core.kernels._utils import read_later
+from xtoken_core.losses.sparse_teacher import SparseTeacher
 
 __all__ = ["DeferredChecks"]
 
@@ -34,6 +35,8 @@ class DeferredChecks:
         # One fp32-accumulated read instead of isfinite(x).all(), which writes a bool [B, T, V]
         # copy: NaN and inf propagate through the sums. A non-finite sum of finite (huge) values
         # is possible, so only then is the exact element-wise check paid.
+        if isinstance(x, SparseTeacher):  # its K logits hold every value it yields
+            x, total = x.finite_values(), None
         self._add("finite", name, x, x.sum(dtype=torch.float32) if total is None else total)
 
     def id_range(self, name: str, ids_BT: torch.Tensor, num_chunks: int) -> None:

@@ -155,7 +155,7 @@ class FusedHead:
             return []
         if teacher_logits is None:
             raise ValueError("the loss needs teacher logits; pass them (or use the CE alone)")
-        return self.loss_fn._teacher_logits(teacher_logits)
+        return self.loss_fn._teacher_logits(teacher_logits, dense=True)  # whole rows a block
 
     def _check_alignment(self, batch, B: int, T: int, teachers: list[torch.Tensor]) -> None:
         """The shape and id-range checks the blocks can no longer make (a split batch hides a

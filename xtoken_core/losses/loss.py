@@ -38,6 +38,7 @@ from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.distributed import dp_all_reduce_sum
 from xtoken_core.losses.inputs import TeacherInputs
 from xtoken_core.losses.modes import MODES, KDMode
+from xtoken_core.losses.sparse_teacher import SparseTeacher
 
 #: The metrics of every call. With several teachers the metrics also hold each teacher's own
 #: (:func:`teacher_metric_keys`); ``kl_loss``, ``kl_common`` and ``l1_uncommon`` are then the
@@ -257,9 +258,16 @@ class CrossTokenizerLoss:
     # ----------------------------------------------------------------- input preparation
 
     def _teacher_logits(
-        self, teacher_logits: torch.Tensor | Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """The teacher logits as a list, one per teacher (counted)."""
+        self,
+        teacher_logits: torch.Tensor | SparseTeacher | Sequence[torch.Tensor | SparseTeacher],
+        dense: bool = False,
+    ) -> list[torch.Tensor | SparseTeacher]:
+        """The teacher logits as a list, one per teacher (counted). Top-K targets
+        (:class:`~xtoken_core.losses.sparse_teacher.SparseTeacher`) stay sparse where the mode
+        reads them so (:meth:`reads_sparse`) and ``dense`` is off, else are decoded (bf16 on a
+        GPU, fp32 on the CPU: ``xtoken_core.wire.topk.decode_dtype``)."""
+        from xtoken_core.wire.topk import decode_dtype
+
         cfg = self.config
         logits = (
             list(teacher_logits) if isinstance(teacher_logits, list | tuple) else [teacher_logits]
@@ -270,9 +278,23 @@ class CrossTokenizerLoss:
                 f"(teacher_weights={cfg.teacher_weights}); pass one per teacher"
             )
         for i, z_t in enumerate(logits):
-            if not isinstance(z_t, torch.Tensor):
+            if isinstance(z_t, SparseTeacher):
+                if dense or not self.reads_sparse(i, z_t.width):
+                    logits[i] = z_t.dense(decode_dtype(z_t.device))
+            elif not isinstance(z_t, torch.Tensor):
                 raise ValueError(f"teacher logits {i} is a {type(z_t).__name__}, not a tensor")
         return logits
+
+    def reads_sparse(self, i: int, width: int) -> bool:
+        """Whether teacher ``i``'s top-K targets of ``width`` ids are read without their dense
+        logits: P-KL keeping fewer columns than the teacher vocab (``vocab_topk``) reads only
+        those (:mod:`xtoken_core.losses.sparse_teacher`); gold's sorted tails and a P-KL over
+        every column read whole rows."""
+        cfg = self.config
+        W = cfg.teacher_vocab_size[i] or width
+        return (
+            cfg.mode == "pkl" and W == width and cfg.vocab_topk is not None and cfg.vocab_topk < W
+        )
 
     def _teachers(
         self,
@@ -300,7 +322,9 @@ class CrossTokenizerLoss:
             if cfg.check_inputs:
                 check_alignment_shapes(alignment, B, T, z_t.shape[1])
             projection = self._projection(i, V, W, student_logits.device)
-            prepared.append((name, z_t[..., :W], alignment, projection))
+            if not isinstance(z_t, SparseTeacher):  # targets are W wide (reads_sparse)
+                z_t = z_t[..., :W]
+            prepared.append((name, z_t, alignment, projection))
         dtype, device = compute_dtype(student_logits), student_logits.device
         denoms = self._chunk_denoms(global_valid_chunks, dtype, device)
         sample_mask = batch.get("sample_mask")

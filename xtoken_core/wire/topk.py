@@ -26,6 +26,7 @@ __all__ = [
     "LOG_FLOOR",
     "TopK",
     "check_top_k",
+    "check_targets",
     "decode_dtype",
     "decode_topk",
     "encode_topk",
@@ -148,34 +149,12 @@ def encode_topk(
     )
 
 
-def decode_topk(
-    targets: TopK,
-    width: int,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Dense teacher logits from sparse targets.
-
-    The top-K ids get their log-prob plus the log-partition; every other id gets
-    ``log(rest / (W - K))`` (the rest mass spread uniformly), at least :data:`LOG_FLOOR`, plus the
-    log-partition. The floor applies before the log-partition is added, so a rest of 0 gives
-    finite values whose ``exp`` relative to the row is still 0. When K covers the vocab the result
-    is the teacher's logits (up to fp32 rounding); otherwise its softmax is the top-K
-    probabilities with the rest spread evenly.
-
-    Args:
-        targets: :class:`TopK` of N positions (``[..., K]``, ``[..., K]``, ``[...]``, ``[...]``).
-        width: the teacher vocab W.
-        device: where the dense tensor goes (default: the targets' device).
-        dtype: its dtype (fp32: the values as sent, summed in fp32).
-
-    Returns:
-        ``[..., W]`` logits.
+def check_targets(targets: TopK, width: int) -> None:
+    """Refuse targets that :func:`decode_topk` cannot decode into ``width`` columns.
 
     Raises:
         ValueError: shapes that disagree, a log-partition that is not fp32, K outside ``[1, W]``,
-            non-integer ids or ids outside ``[0, W)``.
+            non-integer ids or ids outside ``[0, W)`` (ids on a GPU are read back: one sync).
     """
     ids_NK, logprobs_NK, rest_N, lse_N = targets
     lead = tuple(ids_NK.shape[:-1])
@@ -197,6 +176,42 @@ def decode_topk(
     check_top_k(K, width, "top-k targets' K")
     if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
         raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
+
+
+def decode_topk(
+    targets: TopK,
+    width: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense teacher logits from sparse targets.
+
+    The top-K ids get their log-prob plus the log-partition; every other id gets
+    ``log(rest / (W - K))`` (the rest mass spread uniformly), at least :data:`LOG_FLOOR`, plus the
+    log-partition, and at most the position's K-th logit. The floor applies before the
+    log-partition is added, so a rest of 0 gives finite values whose ``exp`` relative to the row
+    is still 0. When K covers the vocab the result
+    is the teacher's logits (up to fp32 rounding); otherwise its softmax is the top-K
+    probabilities with the rest spread evenly.
+
+    Args:
+        targets: :class:`TopK` of N positions (``[..., K]``, ``[..., K]``, ``[...]``, ``[...]``).
+        width: the teacher vocab W.
+        device: where the dense tensor goes (default: the targets' device).
+        dtype: its dtype (fp32: the values as sent, summed in fp32).
+
+    Returns:
+        ``[..., W]`` logits.
+
+    Raises:
+        ValueError: shapes that disagree, a log-partition that is not fp32, K outside ``[1, W]``,
+            non-integer ids or ids outside ``[0, W)``.
+    """
+    check_targets(targets, width)
+    ids_NK, logprobs_NK, rest_N, lse_N = targets
+    lead = tuple(ids_NK.shape[:-1])
+    K = int(ids_NK.shape[-1])
     device = torch.device(device) if device is not None else ids_NK.device
     ids_NK = ids_NK.to(device, torch.int64, non_blocking=True)
     lse_N = lse_N.to(device, non_blocking=True)
@@ -205,9 +220,19 @@ def decode_topk(
     if width > K:  # ids outside the top K exist: each gets an equal share of the rest
         rest_N = rest_N.to(device, torch.float32, non_blocking=True)
         fill_N = (rest_N - math.log(width - K)).clamp_min(LOG_FLOOR)
-    fill_N = fill_N + lse_N
+    fill_N = _at_most_the_kth(fill_N + lse_N, logits_NK)
     dense_NW = fill_N.to(dtype)[..., None].expand(*lead, width).contiguous()
     return dense_NW.scatter_(-1, ids_NK, logits_NK.to(dtype))
+
+
+def _at_most_the_kth(fill_N: torch.Tensor, logits_NK: torch.Tensor) -> torch.Tensor:
+    """The fill of each position kept at most its K-th logit: an id outside the top K is never
+    above one in it. True of every encode (the rest's average probability is at most the K-th
+    largest); quantised log-probs may land a hair below the average, and a loss that picks
+    columns by their largest logit (P-KL's ``vocab_topk``) must not see a fill win there."""
+    if logits_NK.shape[-1] == 0:
+        return fill_N
+    return torch.minimum(fill_N, logits_NK.amin(-1))
 
 
 def decode_dtype(device: torch.device | str) -> torch.dtype:

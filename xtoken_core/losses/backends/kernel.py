@@ -34,6 +34,7 @@ from xtoken_core.losses.alignment import ChunkRows, chunk_rows, valid_chunk_numb
 from xtoken_core.losses.backends.base import Backend, KDResult, sum_teacher_terms
 from xtoken_core.losses.backends.reference import compute_dtype
 from xtoken_core.losses.inputs import LossInputs
+from xtoken_core.losses.sparse_teacher import SparseTeacher
 
 if TYPE_CHECKING:
     from xtoken_core.losses.checks import DeferredChecks
@@ -234,7 +235,9 @@ def kernel_inputs(
         ``(zs_BTV, zt_BUW, valid_BC, N, student_rows, teacher_rows)``.
     """
     zs_BTV = last_dim_contiguous(inputs.student_logits_BTV)
-    zt_BUW = last_dim_contiguous(inputs.teacher_logits_BUW.detach())
+    zt_BUW = inputs.teacher_logits_BUW.detach()
+    if not isinstance(zt_BUW, SparseTeacher):  # top-K targets: the mode reads its columns
+        zt_BUW = last_dim_contiguous(zt_BUW)
     if plan is not None:
         if device_n:
             s_rows, t_rows = ChunkRows(*plan.rows(0, None)), ChunkRows(*plan.rows(1, None))

@@ -46,6 +46,7 @@ from xtoken_core.losses.backends.reference import (
 )
 from xtoken_core.losses.inputs import LossInputs
 from xtoken_core.losses.modes.base import KDMode, KDTerms
+from xtoken_core.losses.sparse_teacher import SparseTeacher
 
 if TYPE_CHECKING:
     from xtoken_core.data.projection import Projection
@@ -63,6 +64,7 @@ __all__ = [
     "reference_kd_loss",
     "restrict_columns",
     "select_teacher_columns",
+    "teacher_columns",
     "teacher_side",
     "terms_from_chunks",
 ]
@@ -96,7 +98,14 @@ def select_teacher_columns(
     if vocab_topk is None or vocab_topk >= W:
         return torch.arange(W, device=teacher_logits_BUW.device)
     with torch.no_grad():
-        if teacher_logits_BUW.shape[0] * teacher_logits_BUW.shape[1] == 0:
+        if isinstance(teacher_logits_BUW, SparseTeacher):  # the same maxima, from the targets
+            rows = (
+                teacher_chunk_id_BU
+                if topk_columns != "all"
+                else torch.zeros_like(teacher_chunk_id_BU)
+            )
+            max_W = teacher_logits_BUW.column_max(rows)
+        elif teacher_logits_BUW.shape[0] * teacher_logits_BUW.shape[1] == 0:
             # no position (an empty batch): every column ties at -inf, like the kernel's max
             max_W = teacher_logits_BUW.new_full((W,), float("-inf"))
         elif topk_columns == "all":
@@ -107,6 +116,16 @@ def select_teacher_columns(
             max_W = masked_BUW.amax(dim=(0, 1))
         idx_K = torch.topk(max_W.float(), vocab_topk).indices
     return torch.sort(idx_K).values
+
+
+def teacher_columns(
+    teacher_logits_BUW: torch.Tensor | SparseTeacher, idx_K: torch.Tensor
+) -> torch.Tensor:
+    """``[B, U, K]`` the teacher logits of columns ``idx_K`` (top-K targets: the same values,
+    without the dense tensor)."""
+    if isinstance(teacher_logits_BUW, SparseTeacher):
+        return teacher_logits_BUW.columns(idx_K)
+    return teacher_logits_BUW[..., idx_K]
 
 
 def restrict_columns(projection_VW: torch.Tensor, idx_K: torch.Tensor) -> torch.Tensor:
@@ -198,7 +217,7 @@ def reference_kd_loss(
         teacher_logits_BUW, inputs.teacher_chunk_id_BU, config.vocab_topk, config.topk_columns
     )
     dtype = compute_dtype(inputs.student_logits_BTV)
-    teacher_lp_BUK = torch.log_softmax(teacher_logits_BUW[..., idx_K].to(dtype) / T, -1)
+    teacher_lp_BUK = torch.log_softmax(teacher_columns(teacher_logits_BUW, idx_K).to(dtype) / T, -1)
     teacher_lp_BCK, _ = chunk_average_log_probs(teacher_lp_BUK, inputs.teacher_chunk_id_BU, C)
     q_BTK = project_student_probs(
         inputs.student_logits_BTV, restrict_columns(projection_VW, idx_K), T
@@ -381,7 +400,10 @@ def cpu_kd_loss(
     )
     # teacher: L_c, the chunk means of log_softmax(z_t[idx] / T) over the valid chunks' rows
     rows_G, seg_G, t_sizes_N = _valid_rows(inputs.teacher_chunk_id_BU, valid_BC, N)
-    zt_GK = teacher_logits_BUW.reshape(-1, W)[rows_G[:, None], idx_K[None, :]].to(dtype)
+    if isinstance(teacher_logits_BUW, SparseTeacher):
+        zt_GK = teacher_logits_BUW.columns(idx_K).reshape(-1, idx_K.numel())[rows_G].to(dtype)
+    else:
+        zt_GK = teacher_logits_BUW.reshape(-1, W)[rows_G[:, None], idx_K[None, :]].to(dtype)
     teacher_lp_GK = torch.log_softmax(zt_GK / temperature, dim=-1)
     teacher_lp_NK = teacher_lp_GK.new_zeros(N, idx_K.numel()).index_add_(0, seg_G, teacher_lp_GK)
     teacher_lp_NK /= t_sizes_N.clamp_min(1).to(dtype)[:, None]
@@ -456,16 +478,25 @@ def teacher_side(
             rows_R = teacher_chunk_id_BU.reshape(-1).contiguous()
             if topk_columns == "all":  # every row counts as used
                 rows_R = torch.zeros_like(rows_R)
-            max_W = logit_rows.column_max(teacher_logits_BUW, rows_R)
+            if isinstance(teacher_logits_BUW, SparseTeacher):
+                max_W = teacher_logits_BUW.column_max(rows_R)
+            else:
+                max_W = logit_rows.column_max(teacher_logits_BUW, rows_R)
             # On CUDA the selected set (ties too) does not depend on ``sorted``: it gathers,
             # then sorts the values; skip that sort. The CPU kernel may break ties differently
             # without it, so it keeps sorted=True there. The ids go in ascending order by one
             # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
             top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
             idx_K = logit_rows.ascending_ids(top.indices, W)
-        teacher_lp_NK = logit_rows.chunk_mean_log_softmax_columns(
-            teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
-        )
+        if isinstance(teacher_logits_BUW, SparseTeacher):  # the selected columns alone
+            teacher_lp_NK = logit_rows.chunk_mean_log_softmax_columns(
+                teacher_logits_BUW.columns(idx_K), t_rows.order_R, t_rows.offsets_N1,
+                temperature, None, device_N,
+            )  # fmt: skip
+        else:
+            teacher_lp_NK = logit_rows.chunk_mean_log_softmax_columns(
+                teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
+            )
         restricted = pkl_projection.restrict_tables(tables, idx_K)
     return teacher_lp_NK, restricted
 
