@@ -345,4 +345,5 @@ def cache_build_config(
     run_dir = Path(args.work) / "cache_build_run"
     cfg = _stage(plain, plain.heal, 0, args, student_dir, proj, run_dir, projections, {})
     cfg["trainer"]["compute"]["deterministic"] = False
+    del cfg["trainer"]["optim"]  # nothing is trained: no learning rate to name
     return cfg

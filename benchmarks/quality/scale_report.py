@@ -128,8 +128,8 @@ def bars(summary: dict[str, Any], rows: list[dict]) -> list[tuple[str, str, bool
     for arm in summary["cross"]:
         name = f"{arm} beats tuned CE by > 3 CE seed sd on both splits"
         d = arms[arm]["diff"]
-        if ce is None or len(d) < len(SPLITS):
-            out.append((name, "no CE rows", None))
+        if ce is None or len(d) < len(SPLITS) or arms[ce]["heldout"]["n"] < 2:
+            out.append((name, "no CE rows on 2 seeds or more (no spread)", None))
             continue
         figs = [f"{s} {d[s]['mean']:+.4f} vs -{3 * ce_sd[s]:.4f}" for s in SPLITS]
         out.append((name, "; ".join(figs), all(d[s]["mean"] < -3 * ce_sd[s] for s in SPLITS)))
@@ -166,8 +166,8 @@ def bars(summary: dict[str, Any], rows: list[dict]) -> list[tuple[str, str, bool
         if ":cache" not in arm and ",cache" not in arm:
             continue
         name = f"{arm} within 2 seed sd of {twin}"
-        if twin not in arms:
-            out.append((name, "no rows of its twin", None))
+        if twin not in arms or arms[twin]["heldout"]["n"] < 2:
+            out.append((name, "its twin has fewer than 2 seeds: no spread", None))
             continue
         figs, ok = [], True
         for s in SPLITS:
@@ -206,6 +206,8 @@ def _on_policy_bar(arm: str, twin: str, arms: dict) -> tuple[str, str, bool | No
     a, b = arms[arm], arms.get(twin)
     if not b or "completion" not in a or "completion" not in b:
         return name, "no rated completions of it or its twin", None
+    if min(a["completion"]["n"], b["completion"]["n"]) < 2:
+        return name, "fewer than 2 seeds: no spread", None
     rated = paired(a["completion"], b["completion"])
     held = paired(a["heldout"], b["heldout"])
     spread = max(a["completion"]["sd"], b["completion"]["sd"])
@@ -265,12 +267,13 @@ def markdown(rows: list[dict]) -> str:
     """The report's markdown (table first)."""
     rows = [r for r in rows if r.get("mode") == "scale"]
     s = summarize(rows)
+    n_seeds = max((len(a["seeds"]) for a in s["arms"].values()), default=0)
     devices = sorted({r["device"] for r in rows})
     commits = sorted({r["commit"] for r in rows})
     head = rows[0] if rows else {}
     md = [
         "# Healing a pruned SmolLM2 at scale: every arm tuned alike, then "
-        f"{max((len(a['seeds']) for a in s['arms'].values()), default=0)} seeds",
+        f"{n_seeds} seed{'s' * (n_seeds != 1)}",
         "",
         f"Devices: {', '.join(devices) or '-'}; commits {', '.join(commits) or '-'}; "
         f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "

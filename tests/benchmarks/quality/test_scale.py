@@ -171,7 +171,7 @@ def _args(tmp_path: Path) -> argparse.Namespace:
     return argparse.Namespace(
         device="cuda", work=tmp_path, corpus=tmp_path / "split", student_tokenizer="smollm2",
         ctx=512, batch=16, limit=None, steps=2000, epochs=4, eval_every=100, eval_texts=64,
-        lr=5e-4, warmup=100, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
+        lr=None, warmup=100, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
         rollout_batch=None, kv_cache=None, max_staleness=None,
     )  # fmt: skip
 
