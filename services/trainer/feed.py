@@ -38,6 +38,7 @@ from services.trainer.sections import FeedConfig, OnPolicyConfig, TeacherLinkCon
 from services.trainer.step import MicroBatch
 from services.trainer.teacher_client import Asked, TeacherClient
 from xtoken_core.data.sample import teacher_field_name
+from xtoken_core.losses.sparse_teacher import SparseTeacher
 
 __all__ = ["TeacherFeed"]
 
@@ -285,17 +286,18 @@ class TeacherFeed:
         mb = MicroBatch(keys=keys, batch=p.batch, context=p)
         if self.uses_teacher:
             if on_policy is not None:  # the teacher's log-probs of the student's continuations
-                mb.teacher_logits = lambda: on_policy.score(p, self._logits(p))
+                mb.teacher_logits = lambda: on_policy.score(p, self._dense(self._logits(p)))
             else:
                 mb.teacher_logits = lambda: self._logits(p)
             mb.done = lambda: self._done(p)
             mb.prefetch = lambda: self._prefetch(p)
         return mb
 
-    def _logits(self, p: _Pending) -> torch.Tensor | list[torch.Tensor]:
+    def _logits(self, p: _Pending) -> Any:
         """The teacher logits of ``p``: ``[B, U, W]`` of one teacher, or one per teacher (a
-        live teacher's from its client, a cached one's decoded from the batch's targets, with
-        the rows its cache lacked from its client when it is online)."""
+        live teacher's from its client, a cached one's the batch's top-K targets as a
+        :class:`~xtoken_core.losses.sparse_teacher.SparseTeacher`, decoded with the rows its
+        cache lacked from its client when it is online)."""
         clients = {t.index: (t, asked) for t, asked in zip(self.teachers, p.asked, strict=True)}
         logits = []
         for j in range(self._n):
@@ -326,23 +328,34 @@ class TeacherFeed:
                 f"teacher {j}'s live logits are {live_bUW.shape[-1]} wide and its cache's {W}: "
                 "a cache of another teacher; build it again with `xtoken cache build`"
             )
-        logits_BUW = self._decode(p, j)
+        logits_BUW = self._dense(self._decode(p, j))
+        live_bUW = self._dense(live_bUW)  # the topk transport's targets
         rows_b = rows_b.to(logits_BUW.device)
         logits_BUW[rows_b, : live_bUW.shape[1]] = live_bUW.to(logits_BUW.dtype)
         return logits_BUW
 
-    def _decode(self, p: _Pending, j: int) -> torch.Tensor:
-        """Cached teacher ``j``'s ``[B, U, W]`` logits of ``p``: the top-K targets its samples
-        carry, decoded as the ``topk`` transport's client decodes a result."""
+    def _decode(self, p: _Pending, j: int) -> SparseTeacher:
+        """Cached teacher ``j``'s logits of ``p``: the top-K targets its samples carry, on the
+        device, as the ``topk`` transport's client hands a result to the loss (which decodes
+        them into ``[B, U, W]`` where its mode reads whole rows)."""
         from xtoken_core.cache.attach import topk_of_batch
-        from xtoken_core.wire.topk import decode_dtype, decode_topk
 
         try:
             targets = topk_of_batch(p.batch, j)
-            dtype = decode_dtype(self.device)
-            return decode_topk(targets, self.cached[j], device=self.device, dtype=dtype)
+            return SparseTeacher.from_targets(targets, self.cached[j], device=self.device)
         except ValueError as e:
             raise ValueError(f"cached top-k targets of teacher {j} of {p.keys[:3]}: {e}") from None
+
+    def _dense(self, logits: Any) -> Any:
+        """``logits`` (one teacher's or a list) with top-K targets decoded into ``[B, U, W]``
+        (bf16 on a GPU: ``xtoken_core.wire.topk.decode_dtype``), for what reads whole rows."""
+        from xtoken_core.wire.topk import decode_dtype
+
+        if isinstance(logits, list):
+            return [self._dense(z) for z in logits]
+        if isinstance(logits, SparseTeacher):
+            return logits.dense(decode_dtype(self.device))
+        return logits
 
     def _prefetch(self, p: _Pending) -> None:
         for teacher, asked in zip(self.teachers, p.asked):

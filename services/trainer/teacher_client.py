@@ -185,11 +185,12 @@ class TeacherClient:
         )
         self._by_request[p.request_key] = p
 
-    def logits(self, p: Asked) -> torch.Tensor:
+    def logits(self, p: Asked) -> Any:
         """Block until the teacher logits of ``p`` are valid.
 
         Returns:
-            ``[B, U, W]`` on this rank's device.
+            ``[B, U, W]`` on this rank's device; the ``topk`` transport's targets as a
+            :class:`~xtoken_core.losses.sparse_teacher.SparseTeacher` there.
 
         Raises:
             RuntimeError: the teacher refused the request.
@@ -420,7 +421,7 @@ class TeacherClient:
         p.record = None
         p.prefetched = None
 
-    def _open(self, p: Asked, result: proto.Result, fields: dict) -> torch.Tensor:
+    def _open(self, p: Asked, result: proto.Result, fields: dict) -> Any:
         B, U = p.shape
         if result.rows != B or result.length != U:
             raise ValueError(
@@ -435,12 +436,12 @@ class TeacherClient:
             with torch.no_grad():
                 return self.output_layer(hidden_BUd.to(self.output_layer.weight.dtype))
         if result.transport == "topk":
-            from xtoken_core.wire.topk import decode_dtype, decode_topk
+            from xtoken_core.losses.sparse_teacher import SparseTeacher
 
             columns = [fields[name] for name in self.topk_fields]
             targets = proto.topk_from_columns(columns, B, U, p.request_key)
-            try:
-                return decode_topk(targets, result.width, device=device, dtype=decode_dtype(device))
+            try:  # the loss decodes them where its mode reads whole rows
+                return SparseTeacher.from_targets(targets, result.width, device=device)
             except ValueError as e:
                 raise ValueError(f"top-k targets of request {p.request_key!r}: {e}") from None
         logits_BUW = self.reader.view(result.descriptor, result.handle)

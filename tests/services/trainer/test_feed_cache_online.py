@@ -32,6 +32,7 @@ from xtoken_core.cache.attach import topk_of_batch
 from xtoken_core.cache.format import Codec
 from xtoken_core.data.sample import pad_samples
 from xtoken_core.data_plane.codec import columns_to_samples
+from xtoken_core.losses.sparse_teacher import SparseTeacher, dense_teacher_logits
 from xtoken_core.wire.topk import decode_topk
 
 PARTITION = "train"
@@ -166,7 +167,9 @@ def test_the_live_teacher_serves_the_rows_the_cache_lacks_with_the_caches_logits
             kinds.append(
                 "cached" if not missing else "live" if len(missing) == len(mb.keys) else "mixed"
             )
-            logits_BUW = mb.teacher_logits()
+            got = mb.teacher_logits()
+            assert isinstance(got, SparseTeacher) or missing  # cached: the targets alone
+            logits_BUW = dense_teacher_logits(got)
             want = pad_samples([reference[k] for k in mb.keys], **setup.pads())
             want_BUW = decode_topk(topk_of_batch(want), W)
             mask_BU = mb.batch["teacher_token_mask"]
@@ -174,7 +177,7 @@ def test_the_live_teacher_serves_the_rows_the_cache_lacks_with_the_caches_logits
             torch.manual_seed(0)
             T = mb.batch["input_ids"].shape[1]
             student_BTV = torch.randn(len(mb.keys), T, step.student.vocab)
-            loss, _ = step.loss_fn(student_BTV, logits_BUW, mb.batch)
+            loss, _ = step.loss_fn(student_BTV, got, mb.batch)
             want_loss, _ = step.loss_fn(student_BTV, want_BUW, want)
             assert torch.isfinite(loss)
             torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-5)

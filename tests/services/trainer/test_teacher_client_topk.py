@@ -19,6 +19,7 @@ from services.teacher.worker import TeacherWorker
 from services.trainer.sections import TeacherLinkConfig
 from services.trainer.teacher_client import Asked, TeacherClient
 from tests.services.queue.conftest import ServerProcess
+from xtoken_core.losses.sparse_teacher import SparseTeacher
 from xtoken_core.wire.topk import LOG_FLOOR, decode_topk, encode_topk
 
 PARTITION = "train"
@@ -91,7 +92,7 @@ def _want(worker: TeacherWorker, p: Asked) -> torch.Tensor:
     return decode_topk(encode_topk(_logits(worker, p), K), worker.width)
 
 
-def test_topk_results_decode_to_the_teachers_logits_on_the_trainer(teacher, trainer_queue):
+def test_topk_results_reach_the_loss_as_targets_that_decode_to_the_teachers_logits(teacher, trainer_queue):
     client = _client(trainer_queue)
     first, second = _asked([MAX_U, 9], seed=1), _asked([5], seed=2)
     client.ask(first)
@@ -99,7 +100,9 @@ def test_topk_results_decode_to_the_teachers_logits_on_the_trainer(teacher, trai
     assert client.claimed_fields == [proto.result_field(0), *proto.topk_fields(0)]
     client.ask(second)
     got_second = client.logits(second)  # claimed with its result
-    for p, got in ((first, got_first), (second, got_second)):
+    for p, targets in ((first, got_first), (second, got_second)):
+        assert isinstance(targets, SparseTeacher)  # handed to the loss as targets
+        got = targets.dense()
         assert got.dtype == torch.float32 and got.shape == (*p.shape, teacher.width)
         assert torch.equal(got, _want(teacher, p))
         assert got.isfinite().all() and got.min() > LOG_FLOOR
