@@ -229,6 +229,7 @@ class Experiment:
             check_installed(name, args.aliases)
         self.results: dict[RunKey, float | None] = {}
         self.in_flight: set = set()
+        self.busy: dict[RunKey, set[Path]] = {}  # the run folders of the jobs running
         self.caches_ready: set[tuple[str, int]] = set()
 
     def _families(self) -> set[str]:
@@ -325,8 +326,13 @@ class Experiment:
                     self.in_flight.add(ckey)
                     jobs.append(self.cache_job(arm, ckey))
                 continue
+            cfgs = self.configs(key, arm)
+            dirs = {Path(c["run_dir"]) for c in cfgs}
+            if dirs & set().union(*self.busy.values()):
+                continue  # an on-policy start another lane trains now: reused once it is done
             self.in_flight.add(key)
-            jobs.append(self.run_job(key, arm))
+            self.busy[key] = dirs
+            jobs.append(self.run_job(key, cfgs))
         return jobs
 
     def run_dir(self, key: RunKey) -> Path:
@@ -337,22 +343,34 @@ class Experiment:
         name = f"{heal.slug(key.arm)}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}"
         return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
 
+    def start_dir(self, key: RunKey, arm: scale_arms.ScaleArm) -> Path | None:
+        """Where an on-policy run's off-policy start trains: one folder for every on-policy arm
+        of a family at one setting, start share and seed (the same config, trained once)."""
+        if not arm.on_policy:
+            return None
+        kl = "-" if key.kl_weight is None else f"{key.kl_weight:g}"
+        t = "-" if key.temperature is None else f"{key.temperature:g}"
+        name = f"{heal.slug(arm.family)}_start{arm.start:g}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}"
+        return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
+
     def configs(self, key: RunKey, arm: scale_arms.ScaleArm) -> list[dict]:
         """The run configs of one run."""
         return scale_arms.run_configs(
             arm, key.seed, key.setting, self.args, self.student_dir, self.projections,
-            self.run_dir(key), self.caches,
+            self.run_dir(key), self.caches, self.start_dir(key, arm),
         )  # fmt: skip
 
-    def run_job(self, key: RunKey, arm: scale_arms.ScaleArm) -> Job:
-        """Train (each stage not trained before with the same config), then score."""
+    def run_job(self, key: RunKey, cfgs: list[dict]) -> Job:
+        """Train each stage not trained before with the same config (and every stage after one
+        that trains), then score."""
         commands = []
-        for cfg in self.configs(key, arm):
+        for cfg in cfgs:
             run_dir = Path(cfg["run_dir"])
             path = self.work / "configs" / f"{run_dir.name}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             text = json.dumps(cfg, indent=1)
-            if path.is_file() and path.read_text() == text and (run_dir / "final").is_dir():
+            same = path.is_file() and path.read_text() == text
+            if not commands and same and (run_dir / "final").is_dir():
                 continue
             path.write_text(text)
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -403,6 +421,7 @@ class Experiment:
     def on_done(self, job: Job, code: int, wall: float, lane: str | None) -> None:
         """Record a finished job: a cache as ready, a run as its row."""
         self.in_flight.discard(job.key)
+        self.busy.pop(job.key, None)
         if job.key[0] == "cache":
             cache = self.caches[job.key[1:]]
             if code == 0:

@@ -254,6 +254,7 @@ def run_configs(
     projections: dict[str, Path],
     run_dir: Path,
     caches: dict[tuple[str, int], Path],
+    start_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The ``xtoken run`` configs of one arm, setting and seed, in the order they run: one, or
     for an on-policy arm its off-policy start and then its on-policy stage (from the start's
@@ -270,8 +271,9 @@ def run_configs(
         args: the healing run's values (``heal.run_config``'s, with ``steps`` the budget's).
         student_dir: the pruned student's folder.
         projections: the projection file of each teacher tokenizer.
-        run_dir: where the (last stage's) run goes; a start goes to ``<run_dir>_start``.
+        run_dir: where the (last stage's) run goes.
         caches: the teacher cache folder of each (teacher, K).
+        start_dir: where an on-policy arm's start goes (default ``<run_dir>_start``).
 
     Returns:
         The configs.
@@ -289,7 +291,7 @@ def run_configs(
     start_steps = max(1, round(args.steps * arm.start))
     a.steps = start_steps
     off = dataclasses.replace(arm.heal, on_policy=0.0)
-    start_dir = run_dir.with_name(run_dir.name + "_start")
+    start_dir = start_dir or run_dir.with_name(run_dir.name + "_start")
     cfgs = [_stage(arm, off, seed, a, student_dir, proj, start_dir, projections, caches)]
     b = copy.copy(a)
     b.steps = max(1, args.steps - start_steps)

