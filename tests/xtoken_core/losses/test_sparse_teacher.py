@@ -145,3 +145,17 @@ def test_targets_of_another_vocab_or_shape_are_refused_in_one_line():
         SparseTeacher.from_targets(TopK(ids, logprobs, rest, lse), 300)
     with pytest.raises(ValueError, match=r"^top-k targets of shapes"):
         SparseTeacher.from_targets(TopK(ids, logprobs, rest[:, :3], lse), W)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [2, 16])
+def test_pkl_from_targets_equals_pkl_from_their_fp32_decode_on_the_gpus_kernels(k):
+    zs, targets, batch = _case(k)
+    zs = zs.cuda()
+    batch = {key: v.cuda() if torch.is_tensor(v) else v for key, v in batch.items()}
+    targets = TopK(*(t.cuda() for t in targets))
+    want = _pkl(zs, decode_topk(targets, W), batch, "kernel", 64)
+    got = _pkl(zs, SparseTeacher.from_targets(targets, W), batch, "kernel", 64)
+    assert want[0].item() > 0
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
