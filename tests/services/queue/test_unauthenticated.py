@@ -61,13 +61,18 @@ def flood(address: str, n: int, nbytes: int, timeout_s: float = 20.0) -> str:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a DEALER whose only peer refused it has no pipe left to queue on: a send blocks for good
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     monitor = sock.get_monitor_socket(_FAILED)
     sock.connect(address)
     big = memoryview(bytearray(nbytes))
     head = encode_message("stats", {}, request_id=1)
     try:
         for _ in range(n):
-            sock.send_multipart([*head, big], copy=False)
+            try:
+                sock.send_multipart([*head, big], copy=False)
+            except zmq.Again:  # refused before this send: the monitor says so below
+                break
         answered = 0
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
