@@ -103,7 +103,15 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 
 def paired(arm: dict | None, ref: dict | None) -> list[float]:
-    """``arm - ref`` per seed both have (stats of :func:`summarize`)."""
+    """Paired differences.
+
+    Args:
+        arm: an arm's stats on a split (:func:`summarize`), or None.
+        ref: the reference's stats on the same split, or None.
+
+    Returns:
+        ``arm - ref`` for every seed both have, in seed order (empty if either is None).
+    """
     if not arm or not ref:
         return []
     return [
@@ -264,7 +272,15 @@ def _ci(d: dict | None) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The report's markdown (table first)."""
+    """The report's markdown: the table of final runs first, then the bars, CE's validation
+    curve and the grid.
+
+    Args:
+        rows: the experiment's rows (rows of other experiments are left out).
+
+    Returns:
+        The markdown.
+    """
     rows = [r for r in rows if r.get("mode") == "scale"]
     s = summarize(rows)
     n_seeds = max((len(a["seeds"]) for a in s["arms"].values()), default=0)
@@ -335,7 +351,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def mean_curve(rows: list[dict]) -> list[tuple[int, float]]:
-    """The mean validation curve of rows (steps every row has)."""
+    """The mean validation curve of rows.
+
+    Args:
+        rows: rows with ``val_curve`` (``[{"step", "bits_per_byte"}]``).
+
+    Returns:
+        ``(step, mean bits/byte)`` for every step all the rows have, in step order.
+    """
     by_step: dict[int, list[float]] = {}
     for r in rows:
         for p in r.get("val_curve") or []:
