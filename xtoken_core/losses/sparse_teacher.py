@@ -140,12 +140,16 @@ class SparseTeacher:
         ``[..., idx_X]``, exactly."""
         lead = tuple(self.targets.ids_NK.shape[:-1])
         K, X = self.k, int(idx_X.numel())
-        pos_W = torch.full((self.width,), X, dtype=torch.int64, device=self.device)
+        pos_W = torch.full((self.width,), -1, dtype=torch.int64, device=self.device)
         pos_W[idx_X.to(self.device)] = torch.arange(X, device=self.device)
-        pos_RK = pos_W[self.targets.ids_NK.reshape(-1, K)]  # X: not a selected column
-        out_RX1 = self.fill().reshape(-1, 1).expand(-1, X + 1).contiguous()
-        out_RX1.scatter_(1, pos_RK, self.top_logits().reshape(-1, K))
-        return out_RX1[:, :X].reshape(*lead, X).contiguous()
+        pos_RK = pos_W[self.targets.ids_NK.reshape(-1, K)]
+        # an id outside the columns goes to a spare column of its own (X + its rank): every
+        # index of a row distinct, so the scatter is deterministic
+        spare_K = torch.arange(X, X + K, device=self.device)
+        pos_RK = torch.where(pos_RK >= 0, pos_RK, spare_K)
+        out_RXK = self.fill().reshape(-1, 1).expand(-1, X + K).contiguous()
+        out_RXK.scatter_(1, pos_RK, self.top_logits().reshape(-1, K))
+        return out_RXK[:, :X].reshape(*lead, X).contiguous()
 
     def finite_values(self) -> torch.Tensor:
         """``[B, U, K]`` the values an input check reads (the K logits: a NaN or an infinite

@@ -159,3 +159,10 @@ def test_pkl_from_targets_equals_pkl_from_their_fp32_decode_on_the_gpus_kernels(
     got = _pkl(zs, SparseTeacher.from_targets(targets, W), batch, "kernel", 64)
     assert want[0].item() > 0
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # trainer.compute.deterministic: the targets' path has deterministic algorithms too
+    torch.use_deterministic_algorithms(True)
+    try:
+        again = _pkl(zs, SparseTeacher.from_targets(targets, W), batch, "kernel", 64)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
