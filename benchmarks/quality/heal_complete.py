@@ -183,48 +183,21 @@ def complete_functions(
     Returns:
         One completion per item, whole UTF-8 characters only.
     """
-    import torch
-    from transformers import GenerationConfig
-
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     ends = {pad, tokenizer.eos_id}
-    gen = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_id,
-    )
     prompts = [heal_eval.prompt_ids(tokenizer, item.prompt, ctx) for item in items]
-    order = sorted(range(len(items)), key=lambda k: -len(prompts[k]))
-    out: list[str] = [""] * len(items)
-    was = model.training
-    model.eval()
-    autocast = torch.autocast(
-        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
+    written_ids = heal_eval.greedy_batches(
+        model, tokenizer, prompts, device=device, max_new_tokens=max_new_tokens, batch=batch
     )
-    try:
-        with torch.inference_mode(), autocast:
-            for b in range(0, len(order), batch):
-                ks = order[b : b + batch]
-                L = max(len(prompts[k]) for k in ks)
-                ids = torch.full((len(ks), L), pad, dtype=torch.long)
-                mask = torch.zeros(len(ks), L, dtype=torch.long)
-                for r, k in enumerate(ks):
-                    ids[r, L - len(prompts[k]) :] = torch.tensor(prompts[k])
-                    mask[r, L - len(prompts[k]) :] = 1
-                gen_ids = model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen
-                )
-                for r, k in enumerate(ks):
-                    written = []
-                    for i in gen_ids[r, L:].tolist():
-                        if i in ends:
-                            break
-                        written.append(i)
-                    raw = heal_eval.whole_chars(b"".join(tokenizer.token_bytes(i) for i in written))
-                    out[k] = body_of(raw.decode("utf-8"), items[k].indent)
-    finally:
-        model.train(was)
+    out: list[str] = []
+    for item, new in zip(items, written_ids, strict=True):
+        written = []
+        for i in new:
+            if i in ends:
+                break
+            written.append(i)
+        raw = heal_eval.whole_chars(b"".join(tokenizer.token_bytes(i) for i in written))
+        out.append(body_of(raw.decode("utf-8"), item.indent))
     return out
 
 

@@ -206,6 +206,72 @@ def line_matches(decoded: str, line: str) -> bool:
     return decoded[m.end() :].split("\n", 1)[0].rstrip() == line.rstrip()
 
 
+def greedy_batches(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    *,
+    device,
+    max_new_tokens: int,
+    batch: int,
+    stopping=None,
+) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (token ids), longest prompts batched together and
+    left-padded, under bf16 autocast on a GPU; the model's train mode is restored after.
+
+    Args:
+        model: a transformers causal LM on ``device``.
+        tokenizer: its XTokenizer (pad and end ids).
+        prompts: one list of ids per prompt.
+        device: the model's device.
+        max_new_tokens: most tokens written per prompt.
+        batch: prompts per ``generate`` call.
+        stopping: ``L -> StoppingCriteriaList`` for a batch whose prompts are L wide, or None.
+
+    Returns:
+        The written ids of each prompt, in the prompts' order (padding included after an end).
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=tokenizer.eos_id,
+    )
+    order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
+    out: list[list[int]] = [[] for _ in prompts]
+    was = model.training
+    model.eval()
+    autocast = torch.autocast(
+        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
+    )
+    try:
+        with torch.inference_mode(), autocast:
+            for b in range(0, len(order), batch):
+                ks = order[b : b + batch]
+                L = max(len(prompts[k]) for k in ks)
+                ids = torch.full((len(ks), L), pad, dtype=torch.long)
+                mask = torch.zeros(len(ks), L, dtype=torch.long)
+                for r, k in enumerate(ks):
+                    ids[r, L - len(prompts[k]) :] = torch.tensor(prompts[k])
+                    mask[r, L - len(prompts[k]) :] = 1
+                extra = {} if stopping is None else {"stopping_criteria": stopping(L)}
+                gen_ids = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    generation_config=gen,
+                    **extra,
+                )
+                for r, k in enumerate(ks):
+                    out[k] = gen_ids[r, L:].tolist()
+    finally:
+        model.train(was)
+    return out
+
+
 def next_line_exact_match(
     model,
     tokenizer,
@@ -233,7 +299,7 @@ def next_line_exact_match(
         ``{"exact_match", "lines", "matched"}``.
     """
     import torch
-    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
 
@@ -252,42 +318,15 @@ def next_line_exact_match(
             done = [written_line(decode(row)) is not None for row in new]
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
-    gen = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_id,
-    )
     prompts = [prompt_ids(tokenizer, texts[i.text][: i.start].rstrip(), ctx) for i in items]
-    order = sorted(range(len(items)), key=lambda k: -len(prompts[k]))
+    written = greedy_batches(
+        model, tokenizer, prompts, device=device, max_new_tokens=max_new_tokens, batch=batch,
+        stopping=lambda L: StoppingCriteriaList([StopAfterLine(L)]),
+    )  # fmt: skip
     matched = 0
-    was = model.training
-    model.eval()
-    autocast = torch.autocast(
-        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
-    )
-    try:
-        with torch.inference_mode(), autocast:
-            for b in range(0, len(order), batch):
-                ks = order[b : b + batch]
-                L = max(len(prompts[k]) for k in ks)
-                ids = torch.full((len(ks), L), pad, dtype=torch.long)
-                mask = torch.zeros(len(ks), L, dtype=torch.long)
-                for r, k in enumerate(ks):
-                    ids[r, L - len(prompts[k]) :] = torch.tensor(prompts[k])
-                    mask[r, L - len(prompts[k]) :] = 1
-                out = model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    generation_config=gen,
-                    stopping_criteria=StoppingCriteriaList([StopAfterLine(L)]),
-                )
-                for r, k in enumerate(ks):
-                    item = items[k]
-                    line = texts[item.text][item.start : item.end]
-                    matched += line_matches(decode(out[r, L:].tolist()), line)
-    finally:
-        model.train(was)
+    for item, new in zip(items, written, strict=True):
+        line = texts[item.text][item.start : item.end]
+        matched += line_matches(decode(new), line)
     return {"exact_match": matched / max(1, len(items)), "lines": len(items), "matched": matched}
 
 
