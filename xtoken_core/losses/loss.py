@@ -287,14 +287,10 @@ class CrossTokenizerLoss:
 
     def reads_sparse(self, i: int, width: int) -> bool:
         """Whether teacher ``i``'s top-K targets of ``width`` ids are read without their dense
-        logits: P-KL keeping fewer columns than the teacher vocab (``vocab_topk``) reads only
-        those (:mod:`xtoken_core.losses.sparse_teacher`); gold's sorted tails and a P-KL over
-        every column read whole rows."""
+        logits: P-KL's teacher side is made from them (:mod:`xtoken_core.losses.sparse_teacher`);
+        gold's sorted tails read whole rows."""
         cfg = self.config
-        W = cfg.teacher_vocab_size[i] or width
-        return (
-            cfg.mode == "pkl" and W == width and cfg.vocab_topk is not None and cfg.vocab_topk < W
-        )
+        return cfg.mode == "pkl" and (cfg.teacher_vocab_size[i] or width) == width
 
     def _teachers(
         self,

@@ -31,7 +31,12 @@ import torch
 
 from xtoken_core.wire.topk import LOG_FLOOR, TopK, check_targets, decode_topk
 
-__all__ = ["SparseTeacher", "dense_teacher_logits"]
+__all__ = ["FILL_LOG_PROB_FLOOR", "SparseTeacher", "dense_teacher_logits"]
+
+#: The least log-prob a row's fill gets in :meth:`SparseTeacher.chunk_mean_log_softmax`: ``exp``
+#: of it is 0 in fp32 (below its least subnormal, e^-103), as of the decode's floor, while the
+#: sums that add and take it away keep fp32's precision of the log-probs.
+FILL_LOG_PROB_FLOOR = -200.0
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,57 @@ class SparseTeacher:
         out_RXK = self.fill().reshape(-1, 1).expand(-1, X + K).contiguous()
         out_RXK.scatter_(1, pos_RK, self.top_logits().reshape(-1, K))
         return out_RXK[:, :X].reshape(*lead, X).contiguous()
+
+    def chunk_mean_log_softmax(
+        self,
+        nidx_R: torch.Tensor,
+        sizes_N: torch.Tensor,
+        temperature: float,
+        idx_X: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[N, X]`` fp32 chunk means of ``log_softmax(z[r, idx_X] / T)`` over each chunk's rows,
+        ``z`` the dense logits, made without any ``[B, U, X]`` tensor (P-KL's teacher side; X may
+        be the whole vocab). A row's log-softmax is its fill less its log-partition over the
+        columns everywhere, plus its logit less its fill at its ids among the columns: the chunk
+        means are a per-chunk base and those corrections, added at their places. Equal to the
+        dense tensor's within fp32 rounding (another order of the same sums), except that a
+        fill's log-prob is at least :data:`FILL_LOG_PROB_FLOOR` (a fill at the decode's floor,
+        ~-1e4 when no rest is left, would leave ~1e-3 of its cancellation in every column; both
+        are probability 0 in fp32).
+
+        Args:
+            nidx_R: ``[B * U]`` int64 chunk of each row (-1: none).
+            sizes_N: ``[N]`` rows per chunk (a chunk without rows gives a row of zeros).
+            temperature: T.
+            idx_X: ``[X]`` distinct column ids.
+        """
+        K, X, N = self.k, int(idx_X.numel()), int(sizes_N.numel())
+        device = self.device
+        pos_W = torch.full((self.width,), -1, dtype=torch.int64, device=device)
+        pos_W[idx_X.to(device)] = torch.arange(X, device=device)
+        pos_RK = pos_W[self.targets.ids_NK.reshape(-1, K)]
+        in_RK = pos_RK >= 0
+        z_RK = self.top_logits().reshape(-1, K) / temperature
+        f_R = self.fill().reshape(-1) / temperature
+        others_R = (X - in_RK.sum(-1)).to(torch.float32)  # kept columns holding the fill
+        terms_RK1 = torch.cat(
+            [z_RK.masked_fill(~in_RK, float("-inf")), (others_R.log() + f_R)[:, None]], dim=-1
+        )
+        lse_R = torch.logsumexp(terms_RK1, dim=-1)
+        nidx_R = nidx_R.reshape(-1).to(device)
+        n_R = nidx_R.clamp_min(0)
+        inv_R = (nidx_R >= 0).to(torch.float32) / sizes_N.to(device, torch.float32).clamp_min(1)[
+            n_R
+        ]
+        fill_lp_R = (f_R - lse_R).clamp_min(FILL_LOG_PROB_FLOOR)
+        base_N = torch.zeros(N, dtype=torch.float32, device=device)
+        base_N.index_add_(0, n_R, fill_lp_R * inv_R)
+        out_NX = base_N[:, None].expand(N, X).contiguous()
+        lp_RK = z_RK - lse_R[:, None]
+        corr_RK = ((lp_RK - fill_lp_R[:, None]) * inv_R[:, None]).masked_fill(~in_RK, 0.0)
+        flat_RK = n_R[:, None] * X + pos_RK.clamp_min(0)
+        out_NX.view(-1).index_add_(0, flat_RK.reshape(-1), corr_RK.reshape(-1))
+        return out_NX
 
     def finite_values(self) -> torch.Tensor:
         """``[B, U, K]`` the values an input check reads (the K logits: a NaN or an infinite

@@ -488,11 +488,10 @@ def teacher_side(
             # flag + prefix-sum launch (torch.sort is a dozen launches of host time).
             top = torch.topk(max_W, vocab_topk, sorted=not max_W.is_cuda)
             idx_K = logit_rows.ascending_ids(top.indices, W)
-        if isinstance(teacher_logits_BUW, SparseTeacher):  # the selected columns alone
-            teacher_lp_NK = logit_rows.chunk_mean_log_softmax_columns(
-                teacher_logits_BUW.columns(idx_K), t_rows.order_R, t_rows.offsets_N1,
-                temperature, None, device_N,
-            )  # fmt: skip
+        if isinstance(teacher_logits_BUW, SparseTeacher):  # no [B, U, K] tensor at all
+            teacher_lp_NK = teacher_logits_BUW.chunk_mean_log_softmax(
+                t_rows.nidx_R, t_rows.sizes_N, temperature, idx_K
+            )
         else:
             teacher_lp_NK = logit_rows.chunk_mean_log_softmax_columns(
                 teacher_logits_BUW, t_rows.order_R, t_rows.offsets_N1, temperature, idx_K, device_N
