@@ -114,6 +114,7 @@ def check_teacher_caches(config: Any, train: str | None, limit: int | None) -> N
                 + (f" (and {len(changes) - 1} more key(s))" if len(changes) > 1 else "")
                 + f"; build a cache of this teacher (`xtoken cache build`) or fix {view.key}"
             )
+        warn_column_pick(config, view.key, int(manifest["k"]), manifest.get("width"))
         if keys is None:
             keys = corpus_keys(config, train, limit)
         missing = CacheReader(directory).missing(keys)
@@ -140,4 +141,30 @@ def check_teacher_caches(config: Any, train: str | None, limit: int | None) -> N
             directory,
             len(keys),
             int(manifest["k"]),
+        )
+
+
+def warn_column_pick(config: Any, key: str, k: int, width: int | None) -> None:
+    """Warn in one line when P-KL keeps a column subset (``trainer.loss.vocab_topk``) of a
+    cache's top-K targets: it picks the columns by their largest logit, which the targets hold
+    only at their ids, so the gradient moves by ~40% against the full logits (1.8% over every
+    column: ``benchmarks/results/teachers_topk.md``), as for the ``topk`` transport.
+
+    Args:
+        config: the run config.
+        key: the teacher's section (``teacher``, ``extra_teachers[0]``).
+        k: the cache's K.
+        width: its teacher vocab W (None: unknown, no warning).
+    """
+    loss = config.trainer.loss
+    if width is None or loss.mode != "pkl" or loss.vocab_topk is None:
+        return
+    if loss.vocab_topk < int(width) and k < int(width):
+        logger.warning(
+            "[run] %s reads a teacher cache (top_k=%d) with P-KL over trainer.loss.vocab_topk=%d "
+            "columns: the column pick sees only the cached ids, which moves the loss's gradient "
+            "(38%% at K = 64 against 1.8%% over every column); set trainer.loss.vocab_topk: null",
+            key,
+            k,
+            loss.vocab_topk,
         )

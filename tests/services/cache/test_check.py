@@ -2,7 +2,7 @@
 corpus passes; one of another teacher (weights, tokenizer, context, K) is refused in one line
 naming the first key that differs; one that lacks samples of the corpus names how many and their
 builder shards, or with ``data.teacher_cache_missing: online`` counts them in one line; a folder
-that holds no cache says how to build one."""
+that holds no cache says how to build one; P-KL over a column subset of the cached ids is warned."""
 
 from __future__ import annotations
 
@@ -104,3 +104,22 @@ def test_a_folder_without_a_cache_is_refused_naming_the_build_command(tmp, tmp_p
     config.data.teacher_cache = str(tmp_path)
     with pytest.raises(SettingsError, match=r"holds no teacher cache .* `xtoken cache build"):
         _check(config)
+
+
+@pytest.mark.parametrize(
+    "loss, warned",
+    [
+        ({"mode": "pkl"}, True),
+        ({"mode": "pkl", "vocab_topk": None}, False),
+        ({"mode": "gold"}, False),
+    ],
+)
+def test_pkl_over_a_column_subset_of_cached_targets_is_warned_in_one_line(
+    tmp, caplog, loss, warned
+):
+    with caplog.at_level("WARNING", logger="services.cache.check"):
+        _check(_config(tmp, trainer={"loss": loss}))
+    lines = [r.getMessage() for r in caplog.records if "column pick" in r.getMessage()]
+    assert len(lines) == warned
+    if warned:
+        assert "top_k=8" in lines[0] and lines[0].endswith("set trainer.loss.vocab_topk: null")
