@@ -18,6 +18,12 @@ An arm's **family** is its spec without the keys of a variant (``topk``, ``cache
 KL weight and temperature are chosen once per family, on its plain arm. An arm's **twin** is the
 arm it is judged against: a cache arm's is the online top-K arm of the same K (else the plain
 arm), a top-K or on-policy arm's the plain arm of its family.
+
+Every P-KL arm runs over every teacher column (``trainer.loss.vocab_topk: null``, unless its spec
+sets it): top-K targets need it (a column subset picked by the largest logit sees only the sent
+ids, which moves P-KL's gradient by ~40% against the full logits, 1.8% over every column:
+``benchmarks/results/teachers_topk.md``), and the plain arms take it too, so that a top-K or cache
+arm differs from its twin in the targets alone.
 """
 
 from __future__ import annotations
@@ -305,6 +311,8 @@ def _stage(arm, heal_arm, seed, args, student_dir, proj, run_dir, projections, c
     cfg = heal.run_config(heal_arm, seed, args, student_dir, proj)
     cfg["run_dir"] = str(run_dir)
     trainer = cfg["trainer"]
+    if heal_arm.base == "pkl" and "vocab_topk" not in heal_arm.overrides:
+        trainer["loss"]["vocab_topk"] = None  # every column in every P-KL arm (module docstring)
     trainer["compute"]["deterministic"] = not heal_arm.on_policy
     trainer["schedule"]["epochs"] = args.epochs
     if len(arm.teachers) > 1:

@@ -218,6 +218,11 @@ def test_arm_variants_set_their_transport_cache_second_teacher_and_off_policy_st
     assert top["trainer"]["loss"]["kl_weight"] == 0.5 and top["trainer"]["loss"]["temperature"] == 2
     (cached,) = cfgs(f"pkl@{Q}:cache")
     assert cached["data"]["teacher_cache"] == str(tmp_path / "cache")
+    # P-KL over every column in every P-KL arm: the top-K arms differ from their twin in targets
+    (plain,) = cfgs(f"pkl@{Q}")
+    assert [c["trainer"]["loss"]["vocab_topk"] for c in (top, cached, plain)] == [None] * 3
+    (gold,) = cfgs(f"gold@{Q}:topk=32")
+    assert "vocab_topk" not in gold["trainer"]["loss"]
     (two,) = cfgs(f"pkl@{Q}+{G}")
     assert two["teacher"]["weight"] == 0.5 and two["extra_teachers"][0]["tokenizer"] == "gemma3"
     assert two["extra_teachers"][0]["projection"] == str(tmp_path / "gemma3.pt")
