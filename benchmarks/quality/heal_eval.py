@@ -24,11 +24,13 @@ tables, and greedy next-line exact match.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,33 +245,45 @@ def greedy_batches(
     )
     order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
     out: list[list[int]] = [[] for _ in prompts]
-    was = model.training
-    model.eval()
+    with inference(model, device=device):
+        for b in range(0, len(order), batch):
+            ks = order[b : b + batch]
+            L = max(len(prompts[k]) for k in ks)
+            ids = torch.full((len(ks), L), pad, dtype=torch.long)
+            mask = torch.zeros(len(ks), L, dtype=torch.long)
+            for r, k in enumerate(ks):
+                ids[r, L - len(prompts[k]) :] = torch.tensor(prompts[k])
+                mask[r, L - len(prompts[k]) :] = 1
+            extra = {} if stopping is None else {"stopping_criteria": stopping(L)}
+            gen_ids = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=gen,
+                **extra,
+            )
+            for r, k in enumerate(ks):
+                out[k] = gen_ids[r, L:].tolist()
+    return out
+
+
+@contextlib.contextmanager
+def inference(*models, device) -> Iterator[None]:
+    """``models`` in eval mode under ``torch.inference_mode`` and bf16 autocast on a GPU; their
+    train modes back after."""
+    import torch
+
+    was = [m.training for m in models]
+    for m in models:
+        m.eval()
     autocast = torch.autocast(
         "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
     )
     try:
         with torch.inference_mode(), autocast:
-            for b in range(0, len(order), batch):
-                ks = order[b : b + batch]
-                L = max(len(prompts[k]) for k in ks)
-                ids = torch.full((len(ks), L), pad, dtype=torch.long)
-                mask = torch.zeros(len(ks), L, dtype=torch.long)
-                for r, k in enumerate(ks):
-                    ids[r, L - len(prompts[k]) :] = torch.tensor(prompts[k])
-                    mask[r, L - len(prompts[k]) :] = 1
-                extra = {} if stopping is None else {"stopping_criteria": stopping(L)}
-                gen_ids = model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    generation_config=gen,
-                    **extra,
-                )
-                for r, k in enumerate(ks):
-                    out[k] = gen_ids[r, L:].tolist()
+            yield
     finally:
-        model.train(was)
-    return out
+        for m, w in zip(models, was, strict=True):
+            m.train(w)
 
 
 def next_line_exact_match(
@@ -467,18 +481,10 @@ def scorer_bits(scorer, scorer_tok, head: bytes, tail: bytes, *, device) -> floa
         if at > len(head):
             break
         inside += 1
-    was = scorer.training
-    scorer.eval()
-    autocast = torch.autocast(
-        "cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
-    )
-    try:
-        with torch.inference_mode(), autocast:
-            x = torch.tensor([ids], device=device)
-            logp = torch.log_softmax(scorer(input_ids=x, use_cache=False).logits.float()[0], -1)
-            token_logp = logp[:-1].gather(1, x[0, 1:, None])[:, 0]  # of ids[1:]
-    finally:
-        scorer.train(was)
+    with inference(scorer, device=device):
+        x = torch.tensor([ids], device=device)
+        logp = torch.log_softmax(scorer(input_ids=x, use_cache=False).logits.float()[0], -1)
+        token_logp = logp[:-1].gather(1, x[0, 1:, None])[:, 0]  # of ids[1:]
     return float(-token_logp[inside:].sum()) / math.log(2)
 
 
