@@ -40,7 +40,7 @@ from xtoken_core.data.collator import CrossTokenizerCollator  # noqa: E402
 from xtoken_core.data.corpus import build_demo_corpus, read_texts  # noqa: E402
 from xtoken_core.data.projection_build import build_projection  # noqa: E402
 from xtoken_core.losses import CrossTokenizerLoss, CrossTokenizerLossConfig  # noqa: E402
-from xtoken_core.models import load_model, model_vocab_size, split_lm_head  # noqa: E402
+from xtoken_core.models import load_model, split_lm_head  # noqa: E402
 from xtoken_core.tokenizers import load_tokenizer  # noqa: E402
 from xtoken_core.wire.topk import decode_topk, encode_topk, topk_bytes_per_token  # noqa: E402
 
@@ -88,13 +88,14 @@ def kd_loss_and_grad(
     return float(loss.detach()), grad_BTV
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    ks = [int(k) for k in args.ks.split(",")]
-    modes = args.modes.split(",")
+def setup(args: argparse.Namespace) -> tuple:
+    """The measured material: the collated batch of ``args.texts`` demo texts, the SmolLM2
+    teacher's backbone and output layer, its hidden states and fp32 logits ``[B, U, W]``, the
+    student's logits ``[B, T, V]`` and the projection (as ``xtoken projection build`` builds it).
 
+    Returns:
+        ``(batch, projection, lm_head, hidden_BUd, zt_BUW, zs_BTV)``.
+    """
     corpus = build_demo_corpus()
     texts = read_texts(corpus.train_path, args.texts)
     student_tok, teacher_tok = load_tokenizer(args.student), load_tokenizer(TEACHER)
@@ -109,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     batch = collator(texts)
 
     teacher = load_model(TEACHER).eval()
-    W = model_vocab_size(teacher)
     backbone, lm_head = split_lm_head(teacher)
     V = int(projection["indices"].shape[0])
     student = load_model(args.student_model, vocab_size=V, seed=0).eval()
@@ -118,6 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         zt_BUW = lm_head(hidden_BUd).float()
         zs_BTV = student(batch["input_ids"], attention_mask=batch["token_mask"].long()).logits
         zs_BTV = zs_BTV[..., :V].float()
+    return batch, projection, lm_head, hidden_BUd, zt_BUW, zs_BTV
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    ks = [int(k) for k in args.ks.split(",")]
+    modes = args.modes.split(",")
+    batch, projection, lm_head, hidden_BUd, zt_BUW, zs_BTV = setup(args)
+    W, V = zt_BUW.shape[-1], zs_BTV.shape[-1]
+    with torch.no_grad():
         # what the other transports carry at their default logits_dtype (bfloat16)
         ring_BUW = zt_BUW.to(torch.bfloat16)
         hidden_BUW = lm_head(hidden_BUd.to(torch.bfloat16).float()).float()
