@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="trace this many steps after the warm-up with torch.profiler in each run "
         "(trainer.observe.profile_steps: RUN_DIR/profile/)",
     )
+    p.add_argument(
+        "--vocab-topk",
+        default="default",
+        help="P-KL's kept teacher columns in both arms: default (the loss's), all (every column, "
+        "the setting top-K targets call for), or a number",
+    )
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     args.pack = False
@@ -128,11 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         built = build_cache(args, B, T, corpus, max(limit, args.build_texts), cache)
         manifest = read_manifest(cache)
     runs = {"online": {}, "cached": {}}
-    observe = (
-        {"observe": {"profile_steps": args.profile_steps, "profile_start": args.warmup + 1}}
-        if args.profile_steps
-        else None
-    )
+    trainer_extra: dict = {}
+    if args.profile_steps:
+        trainer_extra["observe"] = {
+            "profile_steps": args.profile_steps,
+            "profile_start": args.warmup + 1,
+        }
+    if args.vocab_topk != "default":  # both arms alike: P-KL's kept teacher columns
+        vocab_topk = None if args.vocab_topk == "all" else int(args.vocab_topk)
+        trainer_extra["loss"] = {"vocab_topk": vocab_topk}
     for arm, extra in (
         ("online", {}),
         ("cached", {"teacher_cache": str(cache)}),
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[arm] = pipeline(
             args, args.mode, B, T, args.student, args.teacher, corpus, projection,
             args.transport, work / f"run_{arm}", grad_accum=args.grad_accum,
-            teacher_extra={"top_k": args.k}, data_extra=extra, trainer_extra=observe,
+            teacher_extra={"top_k": args.k}, data_extra=extra, trainer_extra=trainer_extra or None,
         )  # fmt: skip
     online, cached = runs["online"].get("tokens_per_s"), runs["cached"].get("tokens_per_s")
     row = {
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": args.shape,
         "mode": args.mode,
         "k": args.k,
+        "vocab_topk": args.vocab_topk,
         "bytes_per_teacher_token": manifest.get("bytes_per_teacher_token"),
         "build_tokens_per_s": built and (built.steady_tokens_per_s or built.tokens_per_s),
         "build_tokens_per_s_with_warmup": built and built.tokens_per_s,

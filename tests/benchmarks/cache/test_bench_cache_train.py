@@ -26,6 +26,7 @@ def test_cpu_smoke_trains_online_and_from_the_cache_and_writes_a_row(tmp_path):
         "--device", "cpu", "--teacher", "tiny", "--student", "tiny",
         "--teacher-tokenizer", "smollm2", "--shape", "1x64", "--k", "8", "--steps", "2",
         "--warmup", "1", "--transport", "shm", "--work", str(tmp_path / "work"), "--out", str(out),
+        "--vocab-topk", "all",  # P-KL over every column, as top-K targets call for
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=800, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -33,3 +34,4 @@ def test_cpu_smoke_trains_online_and_from_the_cache_and_writes_a_row(tmp_path):
     assert KEYS <= set(row) and row["error"] is None
     assert row["tokens_per_s_online"] > 0 and row["tokens_per_s_cached"] > 0
     assert 0 < row["bytes_per_teacher_token"] < 4 * 8 + 16  # far below the full logits' bytes
+    assert row["vocab_topk"] == "all"
