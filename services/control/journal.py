@@ -47,6 +47,10 @@ class Journal:
         log it and tell the subscribers (event ``state``, without the log tail)."""
         if state in (RUNNING, STARTING):
             fields.setdefault("reason", None)  # a recovery's cause is over
+        data = {"state": state, **{k: v for k, v in fields.items() if k != "log_tail"}}
+        # the event first, then the record, then the subscribers: whoever reads the new state
+        # finds its event, and whoever is told of the event finds the new state
+        event = self.store.add_event(run_id, "state", data)
         self.store.update_run(run_id, state=state, **fields)
         logger.info(
             "[control] run %s: %s%s",
@@ -54,8 +58,7 @@ class Journal:
             state,
             f" ({fields['reason']})" if fields.get("reason") else "",
         )
-        data = {"state": state, **{k: v for k, v in fields.items() if k != "log_tail"}}
-        self.event(run_id, "state", data)
+        self.publish(run_id, {**event, "text": describe("state", data)})
 
     def event(self, run_id: str, kind: str, data: dict[str, Any]) -> None:
         """Record an event of the run and tell the subscribers (with its sentence, ``text``)."""
