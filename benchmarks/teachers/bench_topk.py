@@ -61,12 +61,17 @@ TEACHER = "smollm2"
 COMMAND = "python benchmarks/teachers/bench_topk.py"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_material_args(p: argparse.ArgumentParser) -> None:
+    """The flags of :func:`setup`'s material: the texts, their length and the student."""
     p.add_argument("--texts", type=int, default=4, help="demo-corpus texts (B)")
     p.add_argument("--ctx", type=int, default=128, help="most tokens per text on each side")
     p.add_argument("--student", default="qwen3", help="student tokenizer")
     p.add_argument("--student-model", default="tiny", help="student model spec")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_material_args(p)
     p.add_argument("--ks", default=",".join(map(str, KS)), help="K values, comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--no-write", action="store_true", help="print only")

@@ -48,10 +48,7 @@ KEPT = 8192  # P-KL's default vocab_topk
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--texts", type=int, default=4, help="demo-corpus texts (B)")
-    p.add_argument("--ctx", type=int, default=128, help="most tokens per text on each side")
-    p.add_argument("--student", default="qwen3", help="student tokenizer")
-    p.add_argument("--student-model", default="tiny", help="student model spec")
+    bench_topk.add_material_args(p)
     p.add_argument("--ks", default="32,64,256,1024", help="K values, comma-separated")
     p.add_argument("--no-write", action="store_true", help="print only")
     return p.parse_args(argv)
