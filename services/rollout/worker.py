@@ -151,6 +151,7 @@ class RolloutWorker:
         from xtoken_core.ipc.policy_weights import WeightSubscriber
         from xtoken_core.models import load_model
         from xtoken_core.models.dtypes import resolve_dtype
+        from xtoken_core.models.loading import student_vocab_size
         from xtoken_core.models.vocab import model_vocab_size
         from xtoken_core.tokenizers import load_tokenizer
 
@@ -175,7 +176,8 @@ class RolloutWorker:
         if model is None:
             model = load_model(
                 config.student,
-                vocab_size=config.vocab_size or student_tok.vocab_size,
+                vocab_size=config.vocab_size
+                or student_vocab_size(config.student, student_tok.vocab_size),
                 dtype=resolve_dtype(config.dtype, str(self.device)),
                 device=self.device,
                 seed=config.seed,

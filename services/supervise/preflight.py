@@ -404,6 +404,8 @@ def check_run_layout(
         return
     import torch
 
+    from xtoken_core.models.loading import student_vocab_size
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     layout = plan_layout(config, gpus)
     shapes: list[Any] = [None] * len(views)
@@ -417,7 +419,10 @@ def check_run_layout(
         for i, shape in enumerate(shapes):
             if shape is not None and layout.teacher(i):
                 params[i] = parameter_count(shape)
-        student_cfg = model_config(tr.student.model, tr.student.vocab_size or student_vocab)
+        student_cfg = model_config(
+            tr.student.model,
+            tr.student.vocab_size or student_vocab_size(tr.student.model, student_vocab),
+        )
         if student_cfg is not None and layout.trainer_gpus:
             student_params = parameter_count(student_cfg)
     check_layout(

@@ -156,6 +156,7 @@ class Student:
     ) -> None:
         from xtoken_core.data.collator import resolve_pad_id
         from xtoken_core.models import check_vocab, load_model, model_vocab_size
+        from xtoken_core.models.loading import student_vocab_size
         from xtoken_core.tokenizers import load_tokenizer
 
         optim = optim or OptimConfig()
@@ -175,7 +176,7 @@ class Student:
         if model is None:
             model = load_model(
                 spec,
-                vocab_size=vocab_size or self.tokenizer.vocab_size,
+                vocab_size=vocab_size or student_vocab_size(spec, self.tokenizer.vocab_size),
                 dtype=torch.float32,
                 device=self.device,
                 seed=seed,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         model_spec_names,
     )
     from xtoken_core.models.presets import PRESETS, Preset
-    from xtoken_core.models.vocab import check_vocab, model_vocab_size
+    from xtoken_core.models.vocab import check_vocab, model_vocab_size, preset_vocab_size
 
 __all__ = [
     "GGUF_PRESETS",
@@ -42,6 +42,7 @@ __all__ = [
     "load_output_layer",
     "model_spec_names",
     "model_vocab_size",
+    "preset_vocab_size",
     "resolve_dtype",
     "split_lm_head",
 ]
@@ -62,6 +63,7 @@ __getattr__, __dir__ = lazy_names(
         "load_output_layer": "xtoken_core.models.loading",
         "model_spec_names": "xtoken_core.models.loading",
         "model_vocab_size": "xtoken_core.models.vocab",
+        "preset_vocab_size": "xtoken_core.models.vocab",
         "resolve_dtype": "xtoken_core.models.dtypes",
         "split_lm_head": "xtoken_core.models.heads",
     },

@@ -28,7 +28,7 @@ import torch
 
 from xtoken_core.models.heads import split_lm_head
 from xtoken_core.models.presets import PRESETS, get_preset
-from xtoken_core.models.vocab import check_vocab, model_vocab_size
+from xtoken_core.models.vocab import check_vocab, model_vocab_size, preset_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,21 @@ def _build_preset(name: str, vocab_size: int | None, dtype, device, seed: int) -
         torch.default_generator.manual_seed(int(seed))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.to(dtype=dtype, device=device)
+
+
+def student_vocab_size(spec: str | os.PathLike, tokenizer_vocab: int) -> int:
+    """The ``vocab_size`` a student is loaded with when its config names none: a preset's output
+    layer rounded up to a multiple of 128 (``preset_vocab_size``), any other model's the
+    tokenizer's (the model's own output layer is checked against it).
+
+    Args:
+        spec: the student's model spec (a ``:drop=`` suffix allowed).
+        tokenizer_vocab: the student tokenizer's ``vocab_size``.
+    """
+    from xtoken_core.models.layer_drop import split_spec
+
+    base, _ = split_spec(os.fspath(spec))
+    return preset_vocab_size(tokenizer_vocab) if base in PRESETS else tokenizer_vocab
 
 
 def load_model(

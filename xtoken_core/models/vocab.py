@@ -8,6 +8,28 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# rows of a preset student's output layer are a multiple of this (Qwen, Llama and Megatron pad
+# theirs alike): a matrix product whose output rows are not a multiple of 8 elements cannot use
+# the GPU's fast kernels (``benchmarks/results/teacher_cache.md``)
+PRESET_VOCAB_MULTIPLE = 128
+
+
+def preset_vocab_size(tokenizer_vocab: int, multiple: int = PRESET_VOCAB_MULTIPLE) -> int:
+    """The output-layer rows of a preset student built for a tokenizer of ``tokenizer_vocab``
+    ids: rounded up to a multiple of ``multiple`` (151,669 -> 151,680). The ids
+    past the tokenizer have no text; their logits are never a label and never sampled.
+
+    Args:
+        tokenizer_vocab: the tokenizer's ``vocab_size``.
+        multiple: the rounding (> 0).
+
+    Raises:
+        ValueError: a size is not a positive int.
+    """
+    _check_int("tokenizer_vocab", tokenizer_vocab)
+    _check_int("multiple", multiple)
+    return -(-tokenizer_vocab // multiple) * multiple
+
 
 def model_vocab_size(model: torch.nn.Module) -> int:
     """Number of logits the model produces per position (rows of its output layer).

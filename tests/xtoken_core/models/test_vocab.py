@@ -2,7 +2,7 @@
 
 import pytest
 
-from xtoken_core.models import check_vocab, load_model, model_vocab_size
+from xtoken_core.models import check_vocab, load_model, model_vocab_size, preset_vocab_size
 
 
 def test_model_vocab_size_is_the_output_layer_width():
@@ -34,3 +34,25 @@ def test_a_projection_past_the_models_logits_is_refused():
 def test_sizes_must_be_positive_ints(args):
     with pytest.raises(ValueError, match="must be a positive int"):
         check_vocab("x", *args)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_vocab", "rows"), [(151669, 151680), (49152, 49152), (1, 128), (129, 256)]
+)
+def test_a_preset_output_layer_is_rounded_up_to_a_multiple_of_128(tokenizer_vocab, rows):
+    assert preset_vocab_size(tokenizer_vocab) == rows
+
+
+def test_a_preset_student_is_padded_and_any_other_model_keeps_the_tokenizers_size():
+    from xtoken_core.models.loading import student_vocab_size
+
+    assert student_vocab_size("qwen3-1.7b", 151669) == 151680
+    assert student_vocab_size("student-25m:drop=1", 151669) == 151680
+    assert student_vocab_size("smollm2:drop=10-19", 49152) == 49152
+    assert student_vocab_size("/models/qwen3", 151669) == 151669
+    assert student_vocab_size("gguf:/m/x.gguf", 151669) == 151669
+
+
+def test_a_preset_vocab_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="tokenizer_vocab must be a positive int"):
+        preset_vocab_size(0)
