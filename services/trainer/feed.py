@@ -286,18 +286,21 @@ class TeacherFeed:
         mb = MicroBatch(keys=keys, batch=p.batch, context=p)
         if self.uses_teacher:
             if on_policy is not None:  # the teacher's log-probs of the student's continuations
-                mb.teacher_logits = lambda: on_policy.score(p, self._dense(self._logits(p)))
+                mb.teacher_logits = lambda: on_policy.score(
+                    p, self._dense(self._logits(p, mb.on_device))
+                )
             else:
-                mb.teacher_logits = lambda: self._logits(p)
+                mb.teacher_logits = lambda: self._logits(p, mb.on_device)
             mb.done = lambda: self._done(p)
             mb.prefetch = lambda: self._prefetch(p)
         return mb
 
-    def _logits(self, p: _Pending) -> Any:
+    def _logits(self, p: _Pending, on_device: dict[str, torch.Tensor] | None = None) -> Any:
         """The teacher logits of ``p``: ``[B, U, W]`` of one teacher, or one per teacher (a
         live teacher's from its client, a cached one's the batch's top-K targets as a
         :class:`~xtoken_core.losses.sparse_teacher.SparseTeacher`, decoded with the rows its
-        cache lacked from its client when it is online)."""
+        cache lacked from its client when it is online). ``on_device``: ``p``'s fields already
+        on the device (the step's copy), where cached targets are read when given."""
         clients = {t.index: (t, asked) for t, asked in zip(self.teachers, p.asked, strict=True)}
         logits = []
         for j in range(self._n):
@@ -305,12 +308,18 @@ class TeacherFeed:
             if j not in self.cached:
                 logits.append(teacher.logits(asked))
             elif asked is None:
-                logits.append(self._decode(p, j))
+                logits.append(self._decode(p, j, on_device))
             else:
-                logits.append(self._merge(p, j, teacher.logits(asked)))
+                logits.append(self._merge(p, j, teacher.logits(asked), on_device))
         return logits[0] if len(logits) == 1 else logits
 
-    def _merge(self, p: _Pending, j: int, live_bUW: torch.Tensor) -> torch.Tensor:
+    def _merge(
+        self,
+        p: _Pending,
+        j: int,
+        live_bUW: torch.Tensor,
+        on_device: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Online cached teacher ``j``'s ``[B, U, W]`` logits of ``p``: the live teacher's
         ``[b, U', W]`` (U' <= U) for the rows its cache lacked, the decoded cached targets for
         the others; the live logits alone when no row of ``p`` was cached.
@@ -328,21 +337,33 @@ class TeacherFeed:
                 f"teacher {j}'s live logits are {live_bUW.shape[-1]} wide and its cache's {W}: "
                 "a cache of another teacher; build it again with `xtoken cache build`"
             )
-        logits_BUW = self._dense(self._decode(p, j))
+        logits_BUW = self._dense(self._decode(p, j, on_device))
         live_bUW = self._dense(live_bUW)  # the topk transport's targets
         rows_b = rows_b.to(logits_BUW.device)
         logits_BUW[rows_b, : live_bUW.shape[1]] = live_bUW.to(logits_BUW.dtype)
         return logits_BUW
 
-    def _decode(self, p: _Pending, j: int) -> SparseTeacher:
+    def _decode(
+        self, p: _Pending, j: int, on_device: dict[str, torch.Tensor] | None = None
+    ) -> SparseTeacher:
         """Cached teacher ``j``'s logits of ``p``: the top-K targets its samples carry, on the
         device, as the ``topk`` transport's client hands a result to the loss (which decodes
-        them into ``[B, U, W]`` where its mode reads whole rows)."""
+        them into ``[B, U, W]`` where its mode reads whole rows).
+
+        The ids are checked on the host copy (no read-back from the GPU); the targets are taken
+        from ``on_device`` when given (the step's copy of the batch: no second transfer, whose
+        pageable copy would wait for the forward just queued), else moved from the host."""
         from xtoken_core.cache.attach import topk_of_batch
+        from xtoken_core.wire.topk import check_targets
 
         try:
             targets = topk_of_batch(p.batch, j)
-            return SparseTeacher.from_targets(targets, self.cached[j], device=self.device)
+            check_targets(targets, self.cached[j])
+            if on_device is not None:
+                targets = topk_of_batch(on_device, j)
+            return SparseTeacher.from_targets(
+                targets, self.cached[j], device=self.device, checked=True
+            )
         except ValueError as e:
             raise ValueError(f"cached top-k targets of teacher {j} of {p.keys[:3]}: {e}") from None
 

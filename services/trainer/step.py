@@ -43,6 +43,9 @@ class MicroBatch:
         context: the feed's bookkeeping (leases, request), opaque to the step.
         prefetch: called before the micro-batch's forward: starts moving the teacher logits to
             this GPU if they are ready elsewhere (a teacher on another GPU), or does nothing.
+        on_device: ``batch``'s fields on the student's device, set by the step before it asks
+            for the teacher logits (cached top-K targets are read from there: moved once, with
+            the rest of the batch, and never waited for in the middle of the step).
     """
 
     keys: list[str]
@@ -51,6 +54,7 @@ class MicroBatch:
     done: Callable[[], None] | None = None
     context: Any = None
     prefetch: Callable[[], None] | None = None
+    on_device: dict[str, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -339,7 +343,7 @@ class StudentStep:
                 if mb is None:
                     self._empty_backward()
                     continue
-                batch = batches[i]
+                batch = mb.on_device = batches[i]
                 # with the fused head the forward stops at the hidden states; the output layer
                 # runs in the loss phase, its backward too (the head makes dh and dW there)
                 forward = student.forward if self.head is None else student.hidden

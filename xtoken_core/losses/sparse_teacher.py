@@ -54,15 +54,23 @@ class SparseTeacher:
 
     @classmethod
     def from_targets(
-        cls, targets: TopK, width: int, device: torch.device | str | None = None
+        cls,
+        targets: TopK,
+        width: int,
+        device: torch.device | str | None = None,
+        *,
+        checked: bool = False,
     ) -> SparseTeacher:
-        """Targets moved to ``device`` (the ids as int64), checked as ``decode_topk`` checks them.
+        """Targets moved to ``device`` (the ids as int64), checked as ``decode_topk`` checks them
+        unless ``checked`` (the caller checked them, or a copy of them on the host: the id check
+        reads GPU ids back, a sync).
 
         Raises:
             ValueError: what :func:`~xtoken_core.wire.topk.check_targets` refuses (shapes,
                 dtypes, K, ids outside the vocab).
         """
-        check_targets(targets, width)
+        if not checked:
+            check_targets(targets, width)
         ids, logprobs, rest, lse = targets
         device = torch.device(device) if device is not None else ids.device
         moved = TopK(

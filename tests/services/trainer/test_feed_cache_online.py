@@ -189,3 +189,40 @@ def test_the_live_teacher_serves_the_rows_the_cache_lacks_with_the_caches_logits
     assert sorted(kinds) == ["cached", "cached", "live", "mixed"]
     assert sorted(live_teacher.rows) == [1, 2]  # one request per micro-batch that lacks a row
     assert counters["cache_missing"] == len(lacking) and counters["re_requests"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_cached_targets_are_read_from_the_steps_device_copy_and_checked_on_the_host(
+    queue, built, projection
+):
+    from xtoken_core.data.sample import TOPK_FIELDS, teacher_field_name
+
+    cache, builder, keys = built
+    put_keys, fields = _collate(cache, keys)
+    with QueueClient(queue, timeout_s=10) as client:
+        client.put(PARTITION, put_keys, fields)
+        put_eof(client, PARTITION, len(keys))
+    config = setup.trainer_config(
+        projection, queue=queue, partition=PARTITION, feed={"claim_timeout_s": 0.2},
+        teacher={"cache": cache}, loss={"vocab_topk": None},
+    )  # fmt: skip
+    W = builder.worker.width
+    ids, logprobs = (teacher_field_name(f.name, 0) for f in TOPK_FIELDS[:2])
+    with QueueClient(queue, timeout_s=10) as client:
+        feed = setup.teacher_feed(client, config, set(), pads=setup.pads(), cached_widths=[W])
+        mbs = []
+        while not mbs:
+            mbs = feed.next_step(1)
+        (mb,) = mbs
+        # the step's copy of the batch (here another CPU tensor): the targets come from it
+        mb.on_device = {k: v.clone() for k, v in mb.batch.items()}
+        mb.on_device[logprobs] -= 1.0
+        got = mb.teacher_logits()
+        torch.testing.assert_close(
+            got.targets.logprobs_NK.float(), mb.on_device[logprobs].float(), rtol=0, atol=0
+        )
+        # the ids are checked on the host copy (no read-back from a GPU)
+        mb.batch[ids][0, 0, 0] = W
+        with pytest.raises(ValueError, match=r"top-k ids outside \[0, "):
+            mb.teacher_logits()
+        feed.give_back()
