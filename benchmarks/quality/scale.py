@@ -25,7 +25,8 @@ an on-policy stage cannot be (its samples come in no fixed order) and its row sa
   shows whether CE converged. One arm's seed (``--rerun-arm``) is trained and scored again: its
   row must come out bitwise equal.
 * **Lanes** (``scale_lanes``): one run per GPU at a time (``--gpus``, ``CUDA_VISIBLE_DEVICES``
-  per run; ``--lanes N`` on the CPU), each run (training, then scoring on the same GPU) stopped
+  per run; ``--runs-per-gpu N`` for N at a time, as small students and teachers leave a GPU
+  idle; ``--lanes N`` on the CPU), each run (training, then scoring on the same GPU) stopped
   past ``--run-timeout-s``; a row is appended as soon as its run ends, and a later call skips
   every run that has a scored row (a run trained but not scored is scored without training).
 
@@ -105,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--gpus", nargs="+", default=None, help="one lane per GPU: indices, 0 1 2 3 or 0,1,2,3"
     )
+    p.add_argument(
+        "--runs-per-gpu", type=int, default=1, help="runs sharing each GPU of --gpus at a time"
+    )
     p.add_argument("--lanes", type=int, default=1, help="lanes without --gpus (CPU runs)")
     p.add_argument("--run-timeout-s", type=float, default=5400.0, help="most seconds per run")
     p.add_argument(
@@ -145,7 +149,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.gpus = [int(g) for item in args.gpus for g in item.split(",") if g]
         except ValueError:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
+    if args.runs_per_gpu < 1:
+        p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
     return args
+
+
+def gpu_lanes(gpus: list[int], runs_per_gpu: int, visible: str | None) -> list[str]:
+    """One lane (a ``CUDA_VISIBLE_DEVICES`` value) per run that may run at a time: each GPU
+    ``runs_per_gpu`` times, the GPUs taken in turn, so the first runs spread over every GPU.
+
+    Raises:
+        ValueError: as ``run_kd_quality.gpu_names`` (an index not seen or given twice).
+    """
+    return kd.gpu_names(gpus, visible) * runs_per_gpu
 
 
 def smoke_setup(args: argparse.Namespace) -> None:
@@ -508,7 +524,8 @@ class Experiment:
     def run(self) -> int:
         """Run the grid and the final runs; returns 1 if a run failed or an arm stalled."""
         a = self.args
-        lanes = kd.gpu_names(a.gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if a.gpus else None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        lanes = gpu_lanes(a.gpus, a.runs_per_gpu, visible) if a.gpus else None
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         deadline = None if a.deadline_s is None else self.t_start + a.deadline_s

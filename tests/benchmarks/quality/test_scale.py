@@ -528,3 +528,17 @@ def test_on_policy_arms_of_one_family_and_setting_share_their_trained_off_policy
     rerun = keys[0]._replace(phase="rerun")
     again = exp.configs(rerun, scale_arms.parse_scale_arm(rerun.arm))
     assert again[0]["run_dir"] != cfgs[0][0]["run_dir"]  # a rerun trains its start again
+
+
+def test_several_runs_share_each_gpu_spread_over_the_gpus_first():
+    assert scale.gpu_lanes([0, 1], 2, None) == ["0", "1", "0", "1"]
+    assert scale.gpu_lanes([1], 3, "4,6") == ["6", "6", "6"]
+    with pytest.raises(ValueError, match="given twice"):
+        scale.gpu_lanes([0, 0], 1, None)
+
+
+def test_runs_per_gpu_below_one_is_refused_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        scale.parse_args(["--gpus", "0", "--runs-per-gpu", "0"])
+    assert e.value.code == 2
+    assert "--runs-per-gpu 0: give 1 or more" in capsys.readouterr().err
