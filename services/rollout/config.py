@@ -54,7 +54,7 @@ class RolloutConfig:
     vocab_size: int | None = field(
         default=None,
         metadata={
-            "help": "vocab of a preset student (default: its tokenizer's)",
+            "help": "vocab of a preset student (default: its tokenizer's, rounded up to a multiple of 128)",
             "derived": "trainer.student.vocab_size",
             "trained": True,
         },

@@ -141,7 +141,10 @@ class StudentConfig:
     )
     vocab_size: int | None = field(
         default=None,
-        metadata={"help": "vocab of a preset student (default: its tokenizer's)", "trained": True},
+        metadata={
+            "help": "vocab of a preset student (default: its tokenizer's, rounded up to a multiple of 128)",
+            "trained": True,
+        },
     )
     seed: int = field(
         default=0,

@@ -115,7 +115,8 @@ class Student:
     Args:
         spec: the student model (``xtoken_core.models.load_model``).
         tokenizer: the student tokenizer (pad id, eval, export).
-        vocab_size: vocab of a preset student (default: the tokenizer's).
+        vocab_size: vocab of a preset student (default: the tokenizer's, rounded up to a multiple
+            of 128: ``student_vocab_size``).
         seed: seed of the student's init.
         device: this rank's device.
         rank, world_size: data-parallel rank and size (> 1 needs an initialized process group).
