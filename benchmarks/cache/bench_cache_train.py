@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench_pipeline import build_projection, long_corpus, pipeline, pipeline_limit
 
     from xtoken_core.cache.manifest import read_manifest
+    from xtoken_core.models.loading import student_vocab_size
+    from xtoken_core.tokenizers import load_tokenizer
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name() if args.device == "cuda" else "cpu",
         "teacher": args.teacher,
         "student": args.student,
+        # the trainer's output-layer rows: a preset's tokenizer ids rounded up to 128
+        "student_vocab": student_vocab_size(
+            args.student, load_tokenizer(args.student_tokenizer).vocab_size
+        ),
         "shape": args.shape,
         "mode": args.mode,
         "k": args.k,

@@ -139,6 +139,7 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
     return {
         "kind": "student_step",
         "variant": variant,
+        "student_vocab": worker.step.student.vocab,
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens / step_s,
         "split_ms": {k: round(v, 2) for k, v in split.items()},
