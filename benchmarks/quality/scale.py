@@ -221,6 +221,7 @@ class Experiment:
         self.args = args
         self.t_start = time.monotonic()
         self.work = Path(args.work).resolve()
+        args.work = self.work  # the run configs (heal.run_config) join paths to it
         self.out = Path(args.out).resolve()
         self.rows_path = self.out / ROWS_FILE
         self.specs = list(args.arms)

@@ -542,3 +542,11 @@ def test_runs_per_gpu_below_one_is_refused_with_exit_2(capsys):
         scale.parse_args(["--gpus", "0", "--runs-per-gpu", "0"])
     assert e.value.code == 2
     assert "--runs-per-gpu 0: give 1 or more" in capsys.readouterr().err
+
+
+def test_the_work_folder_given_as_text_is_the_resolved_path_the_run_configs_join(tmp_path):
+    work, out = str(tmp_path / "w"), str(tmp_path / "o")
+    args = scale.parse_args(["--arms", "ce", "--work", work, "--out", out, "--seeds", "0"])
+    args.lrs, args.kl_weight, args.temperature = [5e-4], 0.5, 1.0
+    exp = scale.Experiment(args)
+    assert exp.args.work == (tmp_path / "w").resolve() == exp.work
