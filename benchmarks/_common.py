@@ -143,6 +143,32 @@ def extra_peak_bytes(fn: Callable[[], object], necessary_bytes: int = 0) -> int:
     return peak
 
 
+def steady_rate(steps: list[dict], warmup: int) -> tuple[float | None, float | None, int]:
+    """Tokens per second of a run's steps after the first ``warmup``, from its step records.
+
+    A step's record is written once the next step is queued (the last one's at once, at the
+    end), so the records' ``time`` says nothing exact about when a step ran. Each record's
+    ``started`` (the wall-clock time its step began) does: the measured steps but the last are
+    counted over the time from the first one's start to the last one's, which holds every
+    launch, wait and gap between them.
+
+    Args:
+        steps: a rank's ``step`` records in order.
+        warmup: the steps left out.
+
+    Returns:
+        ``(tokens_per_s, span_s, counted)``: ``(None, None, 0)`` when fewer than two measured
+        steps carry ``started``.
+    """
+    measured = [r for r in steps if r["step"] > warmup and "started" in r]
+    if len(measured) < 2:
+        return None, None, 0
+    span = measured[-1]["started"] - measured[0]["started"]
+    counted = measured[:-1]
+    tokens = sum(r["tokens"] for r in counted)
+    return (tokens / span if span > 0 else None), span, len(counted)
+
+
 # --------------------------------------------------------------------------- output
 
 

@@ -6,7 +6,7 @@ For each fraction, ``xtoken run`` of the same models on one machine (queue, coll
 fraction is 1, teacher, trainer, and with a fraction above 0 the rollout workers, all on the
 GPU; the weights reach the rollouts by CUDA IPC):
 
-* trainer tokens/s from rank 0's step records after the warm-up (wall time between records; the
+* trainer tokens/s from rank 0's step records after the warm-up (wall time between their starts; the
   tokens of on-policy samples are their prompt and continuation), its step-time split, the share
   of its step it waits for data (``data_wait``) and for rollouts (``on_policy.wait_s``);
 * the rollouts' generated tokens/s: all workers' continuation tokens over the wall time of their
@@ -42,7 +42,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pipeline as bp  # noqa: E402
 
-from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    RESULTS_DIR,
+    append_rows,
+    commit,
+    device_name,
+    steady_rate,
+)
 
 
 def run_fraction(
@@ -113,12 +119,12 @@ def run_fraction(
         r for r in read_jsonl(run_dir / "metrics" / "trainer.rank0.jsonl") if r["event"] == "step"
     ]
     measured = [r for r in steps if r["step"] > args.warmup]
-    span = measured[-1]["time"] - steps[args.warmup - 1]["time"] if args.warmup else None
+    rate, _, _ = steady_rate(steps, args.warmup)
     tokens = sum(r["tokens"] for r in measured)
     step_s = statistics.mean(r["step_s"] for r in measured)
     split = {k: statistics.mean(r["times"][k] for r in measured) for k in measured[0]["times"]}
     row = {
-        "tokens_per_s": tokens / span if span else tokens / sum(r["step_s"] for r in measured),
+        "tokens_per_s": rate or tokens / sum(r["step_s"] for r in measured),
         "step_s": step_s,
         "split_s": split,
         "data_wait_fraction": split.get("data_wait", 0.0) / step_s if step_s else None,

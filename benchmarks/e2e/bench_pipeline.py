@@ -14,7 +14,7 @@ For each shape (B x T) and loss mode (pkl, gold, xtoken, ce), in one run on one 
   same collated samples; tokens/s from CUDA-synchronized wall time.
 * **pipeline**: ``xtoken run`` of the same models: queue, collator, teacher (``cuda_ipc`` or
   ``hidden``) and trainer as real processes on one GPU; tokens/s from the trainer's step records
-  after the warm-up (wall time between records), the step-time split, the trainer's wait for data
+  after the warm-up (wall time between their starts), the step-time split, the trainer's wait for data
   and teacher, and the bytes each transport moves per step.
 
 Models are built from presets (random weights) and saved once as local HF folders, so every
@@ -60,7 +60,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    RESULTS_DIR,
+    append_rows,
+    commit,
+    device_name,
+    steady_rate,
+)
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
 
@@ -505,8 +511,7 @@ def pipeline(
         else []
     )
     measured = [r for r in steps if r["step"] > args.warmup]
-    span = measured[-1]["time"] - steps[args.warmup - 1]["time"] if args.warmup else None
-    tokens = sum(r["tokens"] for r in measured)
+    rate, span, counted = steady_rate(steps, args.warmup)
     split = {k: statistics.mean(r["times"][k] for r in measured) for k in measured[0]["times"]}
     split_by_rank = {}  # each rank's own step split (rank 0's is ``split``)
     stalls_by_rank = {}  # each rank's steps over 3x its median, and its garbage collections
@@ -527,10 +532,12 @@ def pipeline(
     if transport == "hidden":
         hidden = json.loads((Path(teacher_dir) / "config.json").read_text())["hidden_size"]
         hidden_bytes = B * T * hidden * 2
-    # wall time between rank 0's step records that no phase of its steps accounts for
-    between = (span - sum(r["step_s"] for r in measured)) / len(measured) if span else None
+    # wall time between rank 0's steps that no phase of them accounts for
+    phases_s = sum(r["step_s"] for r in measured[:counted])
+    between = (span - phases_s) / counted if counted else None
     return {
-        "tokens_per_s": tokens / span if span else tokens / sum(r["step_s"] for r in measured),
+        "tokens_per_s": rate
+        or sum(r["tokens"] for r in measured) / sum(r["step_s"] for r in measured),
         "step_s": step_s,
         "between_steps_ms": None if between is None else 1000 * between,
         "compile_s": compiled[-1]["seconds"] if compiled else None,

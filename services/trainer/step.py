@@ -128,6 +128,9 @@ class PhaseClock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        # wall-clock time the step began (its data wait's start): the step records' ``started``,
+        # whose differences are the steps' intervals however late each record is written
+        self.started = time.time()
         self.host: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.events: list[tuple[str, Any, Any]] = []
 

@@ -421,6 +421,7 @@ class Trainer:
             {
                 "result": result,
                 "epoch": self.epoch,
+                "started": round(clock.started, 6),
                 "feed": dict(feed.counters),
                 "on_policy": feed.on_policy_stats(),
                 **self.gc_clock.read(),  # the collections since the step before

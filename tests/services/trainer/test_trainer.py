@@ -76,7 +76,11 @@ def test_a_run_trains_every_sample_once_then_evaluates_and_writes_its_summary(qu
     assert summary["step"] == 3 and not summary["stopped"] and summary["skipped"] == 0
     assert summary["student_after"]["bits_per_byte"] < summary["student_before"]["bits_per_byte"]
     events = [json.loads(line) for line in (tmp_path / "metrics" / "trainer.rank0.jsonl").open()]
-    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    # each step's start, in order and before its record (written once the next step is queued)
+    starts = [e["started"] for e in steps]
+    assert starts == sorted(starts) and all(e["started"] <= e["time"] for e in steps)
     assert [e["tag"] for e in events if e["event"] == "eval"] == ["before", "after"]
     assert trainer.student.step == 3 and (tmp_path / "checkpoints" / "latest").exists()
 
