@@ -95,6 +95,7 @@ def long_corpus(path: Path, chars: int, count: int) -> Path:
 def save_models(args, out: Path) -> tuple[str, str]:
     """Build the student and teacher presets once and save them as HF folders."""
     from xtoken_core.models import export_hf, load_model
+    from xtoken_core.models.loading import student_vocab_size
     from xtoken_core.tokenizers import load_tokenizer
 
     dirs = []
@@ -104,7 +105,9 @@ def save_models(args, out: Path) -> tuple[str, str]:
     ):
         d = out / f"{who}_{preset}"
         if not (d / "config.json").is_file():
-            vocab = vocab or load_tokenizer(tok).vocab_size
+            if not vocab:  # the width the trainer gives the preset (a student's padded to 128)
+                vocab = load_tokenizer(tok).vocab_size
+                vocab = student_vocab_size(preset, vocab) if who == "student" else vocab
             t0 = time.perf_counter()
             model = load_model(preset, vocab_size=vocab, dtype=torch.float32, seed=1)
             export_hf(model, d, tokenizer=tok)
@@ -626,7 +629,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher", default="teacher-1.5b")
     p.add_argument("--student-tokenizer", default="qwen3")
     p.add_argument("--teacher-tokenizer", default="mistral")
-    p.add_argument("--student-vocab", type=int, default=151936)
+    p.add_argument(
+        "--student-vocab",
+        type=int,
+        default=None,
+        help="the student's output-layer rows (default: the trainer's, its tokenizer's ids "
+        "rounded up to a multiple of 128: 151,680 for qwen3)",
+    )
     p.add_argument("--teacher-vocab", type=int, default=32768)
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", default="/tmp/xtoken_bench_e2e")

@@ -242,7 +242,8 @@ def main() -> int:
                 *("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"),
                 *("student_tokenizer", "teacher_tokenizer", "student_vocab", "teacher_vocab"),
             ):
-                argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+                if getattr(args, k) is not None:  # None: the child's own default
+                    argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)

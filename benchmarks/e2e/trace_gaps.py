@@ -7,7 +7,8 @@ sync (a pageable copy, ``.item()``), the Python of a feed thread holding the GIL
 This reads a trace that ``trainer.observe.profile_steps`` wrote (``RUN_DIR/profile/*.json.gz``)
 and prints the GPU's busy share of the traced window, the largest gaps, and for each the host
 operations (``cpu_op`` and ``python_function`` events) that were running when it began, deepest
-last.
+last; then the CUDA runtime calls that held the host longest (a synchronization, a copy from
+pageable memory) with the operations around each.
 
 Usage::
 
@@ -117,12 +118,36 @@ def gaps(events: list[dict[str, Any]], min_us: float = 50.0) -> tuple[float, flo
     return window, busy_us, found
 
 
+def long_runtime_calls(
+    events: list[dict[str, Any]], min_us: float = 1000.0
+) -> list[tuple[float, str, tuple[str, ...]]]:
+    """The CUDA runtime calls that took at least ``min_us`` on the host, longest first: where the
+    host waited on the GPU (a synchronization, a copy from pageable memory, a full launch queue,
+    an allocation), each with the host events around it, outermost first.
+
+    Returns:
+        ``(duration_us, name, host)`` per call.
+    """
+    out = []
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or float(e["dur"]) < min_us:
+            continue
+        mid = float(e["ts"]) + float(e["dur"]) / 2
+        host = tuple(n for n in host_at(events, mid) if n != e.get("name"))
+        out.append((float(e["dur"]), str(e.get("name", "?")), host))
+    out.sort(key=lambda c: -c[0])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace", help="a chrome trace (.json or .json.gz)")
     p.add_argument("--top", type=int, default=15, help="gaps printed")
     p.add_argument("--min-us", type=float, default=50.0, help="shortest gap counted")
     p.add_argument("--depth", type=int, default=4, help="innermost host events named per gap")
+    p.add_argument(
+        "--min-call-ms", type=float, default=1.0, help="shortest CUDA runtime call listed"
+    )
     args = p.parse_args(argv)
     try:
         events = read_trace(args.trace)
@@ -142,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     for g in found[: args.top]:
         host = " > ".join(g.host[-args.depth :]) or "(no host event)"
         print(f"{g.length_us / 1e3:8.2f} ms at +{(g.start_us - origin) / 1e3:7.1f} ms  {host}")
+    calls = long_runtime_calls(events, args.min_call_ms * 1e3)
+    print(f"{len(calls)} CUDA runtime calls of >= {args.min_call_ms:g} ms (the host waiting):")
+    for dur, name, host in calls[: args.top]:
+        print(f"{dur / 1e3:8.2f} ms  {' > '.join(host[-args.depth :])} > {name}")
     return 0
 
 

@@ -54,3 +54,11 @@ def test_the_cli_reads_a_gzipped_trace_and_refuses_a_file_that_is_not_one(tmp_pa
     empty = tmp_path / "cpu.json"
     empty.write_text(json.dumps({"traceEvents": [_event("cpu_op", "aten::mm", 0, 5)]}))
     assert trace_gaps.main([str(empty)]) == 2
+
+
+def test_the_runtime_calls_that_held_the_host_come_longest_first_with_their_operations():
+    calls = trace_gaps.long_runtime_calls(EVENTS, min_us=100)
+    assert calls == [
+        (250.0, "cudaStreamSynchronize", ("feed.py(340): _decode", "aten::to")),
+    ]
+    assert trace_gaps.long_runtime_calls(EVENTS, min_us=251) == []
