@@ -405,8 +405,12 @@ class StudentStep:
         return result
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A micro-batch's padded fields on the student's device."""
-        return {k: v.to(self.student.device, non_blocking=True) for k, v in batch.items()}
+        """A micro-batch's padded fields on the student's device, through pinned memory on a GPU:
+        a copy from pageable memory would hold the host until the step before's kernels ran
+        (``xtoken_core.ops.transfer``), idling the GPU while the host then queues this step."""
+        from xtoken_core.ops.transfer import to_device
+
+        return {k: to_device(v, self.student.device) for k, v in batch.items()}
 
     def loss(self, logits_BTV, batch, counts, teacher_logits) -> tuple[torch.Tensor, dict]:
         """A micro-batch's loss and metrics from the student's logits (the student's CE alone

@@ -71,13 +71,16 @@ class SparseTeacher:
         """
         if not checked:
             check_targets(targets, width)
+        from xtoken_core.ops.transfer import to_device
+
         ids, logprobs, rest, lse = targets
         device = torch.device(device) if device is not None else ids.device
+        # host targets (the topk transport's) go through pinned memory: no host wait mid-step
         moved = TopK(
-            ids.to(device, torch.int64, non_blocking=True),
-            logprobs.to(device, non_blocking=True),
-            rest.to(device, torch.float32, non_blocking=True),
-            lse.to(device, torch.float32, non_blocking=True),
+            to_device(ids, device, torch.int64),
+            to_device(logprobs, device),
+            to_device(rest, device, torch.float32),
+            to_device(lse, device, torch.float32),
         )
         return cls(moved, int(width))
 
