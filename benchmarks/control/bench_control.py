@@ -463,9 +463,10 @@ def measure_interleaved(
     by_state: dict[bool, list[float]] = {True: [], False: []}
     by_window: list[list[float]] = [[] for _ in windows]
     for r in steps:
-        start = r["time"] - r["step_s"]
+        # the step's own interval (its record is written once the next step is queued)
+        start = r.get("started", r["time"] - r["step_s"])
         for i, (a, b, flag) in enumerate(windows):
-            if a <= start and r["time"] <= b and r.get("tokens"):
+            if a <= start and start + r["step_s"] <= b and r.get("tokens"):
                 by_state[flag].append(r["step_s"] / r["tokens"])
                 by_window[i].append(r["step_s"] / r["tokens"])
                 break
