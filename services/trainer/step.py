@@ -136,17 +136,20 @@ class PhaseClock:
 
     @contextlib.contextmanager
     def phase(self, name: str, gpu: bool = False) -> Iterator[None]:
-        """Time a phase (``gpu``: by CUDA events on a CUDA device, read in :meth:`seconds`)."""
-        if gpu and self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        """Time a phase (``gpu``: by CUDA events on a CUDA device, read in :meth:`seconds`); a
+        profiler trace shows it as the range ``phase:<name>``."""
+        with torch.profiler.record_function(f"phase:{name}"):
+            if gpu and self.cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self.events.append((name, start, end))
+                return
+            t0 = time.perf_counter()
             yield
-            end.record()
-            self.events.append((name, start, end))
-            return
-        t0 = time.perf_counter()
-        yield
-        self.host[name] += time.perf_counter() - t0
+            self.host[name] += time.perf_counter() - t0
 
     def seconds(self) -> dict[str, float]:
         """Seconds per phase (call after the step's host sync)."""

@@ -63,3 +63,20 @@ def test_zero_steps_trace_nothing(tmp_path):
 def test_bad_profile_settings_are_refused_naming_the_value(settings, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         from_dict(TrainerConfig, settings)
+
+
+def test_a_traced_step_shows_each_timed_phase_as_a_named_range(tmp_path):
+    from services.trainer.step import PhaseClock
+
+    profiler = StepProfiler(start=1, steps=1, out_dir=tmp_path, rank=0, device="cpu")
+    profiler.step_begins(1)
+    clock = PhaseClock(torch.device("cpu"))
+    with clock.phase("teacher_wait"):
+        _work(2)
+    with clock.phase("forward", gpu=True):
+        _work(2)
+    profiler.step_ended(1)
+    events = json.loads(gzip.decompress((tmp_path / "trainer.rank0.trace.json.gz").read_bytes()))
+    names = {e.get("name") for e in events["traceEvents"]}
+    assert {"phase:teacher_wait", "phase:forward"} <= names
+    assert clock.seconds()["teacher_wait"] > 0 and clock.seconds()["forward"] > 0
