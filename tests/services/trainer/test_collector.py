@@ -42,7 +42,9 @@ def test_the_schedule_collects_cycles_only_at_its_steps_and_gives_the_collector_
     try:
         assert not gc.isenabled() and gc.get_freeze_count() > 0
         report = schedule.start_report
-        assert report["frozen"] == gc.get_freeze_count() and report["full_collection_s"] >= 0
+        # frozen objects still die by their reference counts (another thread's, here), so
+        # the count can only have fallen since the report
+        assert 0 < gc.get_freeze_count() <= report["frozen"] and report["full_collection_s"] >= 0
         clock.read()
         node = _Node()
         dead = weakref.ref(node)
