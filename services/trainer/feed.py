@@ -351,8 +351,8 @@ class TeacherFeed:
         them into ``[B, U, W]`` where its mode reads whole rows).
 
         The ids are checked on the host copy (no read-back from the GPU); the targets are taken
-        from ``on_device`` when given (the step's copy of the batch: no second transfer, whose
-        pageable copy would wait for the forward just queued), else moved from the host."""
+        from ``on_device`` when given (the step's copy of the batch: no second transfer in the
+        middle of the step), else moved from the host."""
         from xtoken_core.cache.attach import topk_of_batch
         from xtoken_core.wire.topk import check_targets
 

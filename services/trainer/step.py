@@ -13,6 +13,7 @@ import torch
 
 from services.trainer.compile import mark_step
 from services.trainer.student import Student
+from xtoken_core.ops import transfer
 
 logger = logging.getLogger(__name__)
 
@@ -411,9 +412,7 @@ class StudentStep:
         """A micro-batch's padded fields on the student's device, through pinned memory on a GPU:
         a copy from pageable memory would hold the host until the step before's kernels ran
         (``xtoken_core.ops.transfer``), idling the GPU while the host then queues this step."""
-        from xtoken_core.ops.transfer import to_device
-
-        return {k: to_device(v, self.student.device) for k, v in batch.items()}
+        return {k: transfer.to_device(v, self.student.device) for k, v in batch.items()}
 
     def loss(self, logits_BTV, batch, counts, teacher_logits) -> tuple[torch.Tensor, dict]:
         """A micro-batch's loss and metrics from the student's logits (the student's CE alone

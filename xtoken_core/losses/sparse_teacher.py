@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtoken_core.ops.transfer import to_device
 from xtoken_core.wire.topk import LOG_FLOOR, TopK, check_targets, decode_topk
 
 __all__ = ["FILL_LOG_PROB_FLOOR", "SparseTeacher", "dense_teacher_logits"]
@@ -71,8 +72,6 @@ class SparseTeacher:
         """
         if not checked:
             check_targets(targets, width)
-        from xtoken_core.ops.transfer import to_device
-
         ids, logprobs, rest, lse = targets
         device = torch.device(device) if device is not None else ids.device
         # host targets (the topk transport's) go through pinned memory: no host wait mid-step
