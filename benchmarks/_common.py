@@ -143,30 +143,39 @@ def extra_peak_bytes(fn: Callable[[], object], necessary_bytes: int = 0) -> int:
     return peak
 
 
-def steady_rate(steps: list[dict], warmup: int) -> tuple[float | None, float | None, int]:
+def steady_rate(
+    steps: list[dict], warmup: int, exclude: Iterable[int] = ()
+) -> tuple[float | None, float | None, int]:
     """Tokens per second of a run's steps after the first ``warmup``, from its step records.
 
     A step's record is written once the next step is queued (the last one's at once, at the
     end), so the records' ``time`` says nothing exact about when a step ran. Each record's
-    ``started`` (the wall-clock time its step began) does: the measured steps but the last are
-    counted over the time from the first one's start to the last one's, which holds every
-    launch, wait and gap between them.
+    ``started`` (the wall-clock time its step began) does: a measured step lasts from its start
+    to the next step's, which holds every launch, wait and gap between them; the last step,
+    with no next one, is not counted.
 
     Args:
         steps: a rank's ``step`` records in order.
         warmup: the steps left out.
+        exclude: more steps left out (a profiled step and the trace's export are no steady
+            step).
 
     Returns:
-        ``(tokens_per_s, span_s, counted)``: ``(None, None, 0)`` when fewer than two measured
-        steps carry ``started``.
+        ``(tokens_per_s, span_s, counted)``: the tokens of the counted steps over the sum of
+        their durations ``span_s``; ``(None, None, 0)`` when no step has a next one to time it.
     """
+    skip = set(exclude)
     measured = [r for r in steps if r["step"] > warmup and "started" in r]
-    if len(measured) < 2:
+    timed = [
+        (r["tokens"], after["started"] - r["started"])
+        for r, after in zip(measured, measured[1:])
+        if r["step"] not in skip and after["step"] == r["step"] + 1
+    ]
+    if not timed:
         return None, None, 0
-    span = measured[-1]["started"] - measured[0]["started"]
-    counted = measured[:-1]
-    tokens = sum(r["tokens"] for r in counted)
-    return (tokens / span if span > 0 else None), span, len(counted)
+    span = sum(s for _, s in timed)
+    tokens = sum(t for t, _ in timed)
+    return (tokens / span if span > 0 else None), span, len(timed)
 
 
 # --------------------------------------------------------------------------- output

@@ -513,8 +513,12 @@ def pipeline(
         if (run_dir / "metrics" / "teacher.group0.jsonl").exists()
         else []
     )
-    measured = [r for r in steps if r["step"] > args.warmup]
-    rate, span, counted = steady_rate(steps, args.warmup)
+    # profiled steps (and the trace's export at the last one's end) are no steady step
+    observe = (trainer_extra or {}).get("observe", {})
+    first = observe.get("profile_start", 1)
+    profiled = set(range(first, first + observe.get("profile_steps", 0)))
+    measured = [r for r in steps if r["step"] > args.warmup and r["step"] not in profiled]
+    rate, span, counted = steady_rate(steps, args.warmup, exclude=profiled)
     split = {k: statistics.mean(r["times"][k] for r in measured) for k in measured[0]["times"]}
     split_by_rank = {}  # each rank's own step split (rank 0's is ``split``)
     stalls_by_rank = {}  # each rank's steps over 3x its median, and its garbage collections
@@ -536,7 +540,8 @@ def pipeline(
         hidden = json.loads((Path(teacher_dir) / "config.json").read_text())["hidden_size"]
         hidden_bytes = B * T * hidden * 2
     # wall time between rank 0's steps that no phase of them accounts for
-    phases_s = sum(r["step_s"] for r in measured[:counted])
+    timed = [r for r, after in zip(measured, measured[1:]) if after["step"] == r["step"] + 1]
+    phases_s = sum(r["step_s"] for r in timed)
     between = (span - phases_s) / counted if counted else None
     return {
         "tokens_per_s": rate

@@ -435,11 +435,11 @@ def make_specs(
         specs += collators
     views = [v for v in cfg.teacher_list() if v.live] if cfg.trainer.loss.uses_teacher else []
     rollouts = cfg.rollouts if cfg.on_policy else 0
-    threads = cpu_threads(
+    threads = process_threads(
         host,
-        sum(v.groups * v.section.tensor_parallel for v in views if v.section.device == "cpu"),
-        cfg.trainers if cfg.trainer.compute.device == "cpu" else 0,
-        rollouts if cfg.rollout.device == "cpu" else 0,
+        sum(v.groups * v.section.tensor_parallel for v in views),
+        cfg.trainers,
+        rollouts,
     )
     layout = _layout(cfg, host.gpus)
     for view in views:
@@ -449,7 +449,7 @@ def make_specs(
             unit = view.name(g)  # teacher0; t1.teacher0 for the run's teacher 1
             for i in range(k):
                 name = unit if i == 0 else f"{unit}.{i}"
-                env = dict(threads) if t.device == "cpu" else {}
+                env = dict(threads)
                 if k > 1:  # torchrun's environment; the driver sets MASTER_PORT as the unit starts
                     env.update(RANK=str(i), WORLD_SIZE=str(k), MASTER_ADDR="127.0.0.1")
                     if placed:
@@ -478,7 +478,7 @@ def make_specs(
             "LOCAL_RANK": str(layout.trainer_gpus[r] if layout.trainer_gpus else r),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(master_port),
-            **(threads if cfg.trainer.compute.device == "cpu" else {}),
+            **threads,
         }
         specs.append(
             ProcessSpec(
@@ -498,7 +498,7 @@ def make_specs(
                 f"rollout{i}",
                 "rollout",
                 argv(["rollout"], f"rollout{i}"),
-                env=dict(threads) if cfg.rollout.device == "cpu" else {},
+                env=dict(threads),
                 log_file=str(d / "logs" / f"rollout{i}.log"),
                 ready_file=str(d / "ready" / f"rollout{i}"),
                 resources={"gpu": 1} if cfg.rollout.device.startswith("cuda") else {},
@@ -514,13 +514,18 @@ def make_specs(
     return specs
 
 
-def cpu_threads(
-    host: Host, cpu_teachers: int, cpu_trainers: int, cpu_rollouts: int = 0
-) -> dict[str, str]:
-    """Intra-op threads per CPU teacher / trainer / rollout process: the cores shared among them
-    (threads of several processes fighting over the same cores make each one slower, not
-    faster)."""
-    procs = cpu_teachers + cpu_trainers + cpu_rollouts
+def process_threads(host: Host, teachers: int, trainers: int, rollouts: int = 0) -> dict[str, str]:
+    """Intra-op threads per teacher / trainer / rollout process, on a CPU or a GPU: the cores
+    shared among them.
+
+    Threads of several processes fighting over the same cores make each one slower, not faster.
+    On a GPU it shows on the host's critical path: a trainer pads each step's batch and checks
+    its targets on the host while the GPU waits, and an OpenMP region of as many threads as the
+    machine has cores, beside other processes doing the same, waits for its slowest thread (a
+    1 MB fill took 31 ms on a 64-core host running four trainers). Collator workers take one
+    thread each of their own.
+    """
+    procs = teachers + trainers + rollouts
     if not procs or host.threads_set:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, host.cores // procs))}

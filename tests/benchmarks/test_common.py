@@ -40,3 +40,11 @@ def test_fewer_than_two_timed_steps_give_no_rate():
     assert steady_rate(_records([0.0, 1.0], [0.5, 1.5]), warmup=1) == (None, None, 0)
     untimed = [{"step": n, "time": float(n), "tokens": 10} for n in range(1, 6)]
     assert steady_rate(untimed, warmup=1) == (None, None, 0)
+
+
+def test_excluded_steps_such_as_profiled_ones_are_left_out_of_the_rate():
+    # step 4 (profiled, its trace written at its end) took 2 s; the others 0.2 s
+    starts = [0.0, 0.2, 0.4, 0.6, 2.6, 2.8, 3.0]
+    rate, span, counted = steady_rate(_records(starts, starts), warmup=1, exclude={4})
+    assert counted == 4 and span == pytest.approx(0.8)
+    assert rate == pytest.approx(5000.0)

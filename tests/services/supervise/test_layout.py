@@ -100,6 +100,20 @@ def test_a_teacher_too_big_for_its_gpu_is_refused_naming_the_parallel_size_that_
                  teacher_params=params, student_params=params)  # fmt: skip
 
 
+def test_gpu_trainers_and_teachers_share_the_hosts_cores_as_cpu_ones_do(tmp_path):
+    # 2 trainers and a group of 2 teacher ranks on a 16-core host: 4 intra-op threads each,
+    # not 16 each fighting over the same cores while the GPUs wait for the host
+    config = _cuda(trainers=2, **{"teacher.tensor_parallel": 2, "teacher.gpus": [2, 3]})
+    place = RunPlace.of(run_config_from_dict(tiny_config(run_dir=str(tmp_path / "run"))))
+    specs = make_specs(config, place, master_port=1, host=Host(cores=16, gpus=4))
+    threads = {s.name: s.env.get("OMP_NUM_THREADS") for s in specs if s.role != "collator"
+               and s.role != "queue"}  # fmt: skip
+    assert threads == {"teacher0": "4", "teacher0.1": "4", "trainer0": "4", "trainer1": "4"}
+    # a user's own setting stands
+    mine = make_specs(config, place, master_port=1, host=Host(cores=16, gpus=4, threads_set=True))
+    assert all("OMP_NUM_THREADS" not in s.env for s in mine)
+
+
 def test_a_tensor_parallel_group_is_k_teacher_processes_of_one_unit_in_torchruns_environment(
     tmp_path,
 ):
