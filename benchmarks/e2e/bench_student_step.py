@@ -9,6 +9,8 @@ teacher logits, computed once):
   (``trainer.compute.cuda_graphs``): the default;
 * ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.compute.fused_head``);
 * ``fused_graphs``: both;
+* ``fused_update``: ``graphs`` with AdamW's update and the bf16 copy in one pass per parameter
+  (``trainer.compute.fused_update``);
 * ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
   steps: deterministic algorithms, ordered attention backwards and index adds), its cost.
 
@@ -50,6 +52,7 @@ STUDENT = {
     "graphs": {},  # the default on a cuda device
     "fused": {"compute": {"fused_head": True, "cuda_graphs": False}},
     "fused_graphs": {"compute": {"fused_head": True}},
+    "fused_update": {"compute": {"fused_update": True}},
     "deterministic": {"compute": {"deterministic": True}, "feed": {"ordered": True}},
 }
 TEACHER = {"t_eager": None, "t_compiled": "default", "t_graphs": "reduce-overhead"}

@@ -119,6 +119,46 @@ class MasterWeights:
         """Copy the masters into the compute parameters (rounded to their dtype)."""
         torch._foreach_copy_(self.computes, self.masters)
 
+    def update(
+        self, optimizer: torch.optim.AdamW, *, grad_scale: torch.Tensor, found_inf: torch.Tensor
+    ) -> None:
+        """``optimizer.step()`` then :meth:`publish` in one pass per parameter
+        (``xtoken_core.kernels.adamw``): the same AdamW update, state and step counts, kept in
+        ``optimizer.state`` as torch's fused AdamW keeps them (checkpoints load either way).
+
+        Args:
+            optimizer: the AdamW over the masters (its groups' lr, betas, eps, weight decay).
+            grad_scale: 0-d tensor the gradients are divided by (the clip).
+            found_inf: 0-d tensor; nonzero skips the update and its step count.
+        """
+        from xtoken_core.kernels.adamw import adamw_publish_
+
+        compute_of = {id(m): c for m, c in zip(self.masters, self.computes, strict=True)}
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [_adamw_state(optimizer, p) for p in params]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = group["betas"]
+            adamw_publish_(
+                params,
+                [p.grad.contiguous() for p in params],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                steps,
+                [compute_of[id(p)] for p in params],
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
+            torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step is not counted
+
     def zero_grad(self) -> None:
         """Drop the compute gradients, or zero them in place where the DDP reducer's buckets
         hold them (the masters' are the optimizer's to zero)."""
@@ -129,6 +169,16 @@ class MasterWeights:
             return
         for c in self.computes:
             c.grad = None
+
+
+def _adamw_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """``p``'s AdamW state, made as torch's fused AdamW makes it on its first step."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def _accumulate_into(master: torch.Tensor, compute: torch.Tensor) -> None:

@@ -227,6 +227,15 @@ class ComputeConfig:
             "trained": False,
         },
     )
+    fused_update: bool = field(
+        default=False,
+        metadata={
+            "help": "AdamW's update of the fp32 masters and the write of their bf16 copy in one "
+            "pass per parameter (xtoken_core.kernels.adamw) instead of torch's fused AdamW and "
+            "a copy: bf16 parameters with fp32 masters, one process or ddp",
+            "trained": False,
+        },
+    )
     activation_checkpointing: bool = field(
         default=False,
         metadata={

@@ -461,10 +461,13 @@ class StudentStep:
             # host sync before the update is queued
             coef = (clip / (grad_norm.float() + 1e-6)).clamp(max=1.0)
             # 0-d, as GradScaler's: the kernel takes the step counts back by found_inf
-            optimizer.grad_scale = coef.reciprocal()
-            optimizer.found_inf = (~finite_1).float()
-            optimizer.step()
-            student.publish()  # unchanged masters where the update was skipped
+            grad_scale, found_inf = coef.reciprocal(), (~finite_1).float()
+            if student.fused_update:  # the update and the bf16 copy in one pass
+                student.master.update(optimizer, grad_scale=grad_scale, found_inf=found_inf)
+            else:
+                optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+                optimizer.step()
+                student.publish()  # unchanged masters where the update was skipped
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor

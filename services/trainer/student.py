@@ -121,8 +121,8 @@ class Student:
         device: this rank's device.
         rank, world_size: data-parallel rank and size (> 1 needs an initialized process group).
         parallel: ``ddp``, or ``fsdp`` (fully_shard).
-        dtype, param_dtype, compile, cuda_graphs, activation_checkpointing, fused_head, pack,
-            packed_attention: the trainer settings of the same names.
+        dtype, param_dtype, compile, cuda_graphs, activation_checkpointing, fused_head,
+            fused_update, pack, packed_attention: the trainer settings of the same names.
         optim: AdamW and its schedule.
         max_steps: the schedule's last step (0: constant after warmup).
         module: an already built student model (tests); default ``load_model(spec)``.
@@ -149,6 +149,7 @@ class Student:
         cuda_graphs: bool | None = None,
         activation_checkpointing: bool = False,
         fused_head: bool = False,
+        fused_update: bool = False,
         pack: bool = False,
         packed_attention: str = "auto",
         optim: OptimConfig | None = None,
@@ -228,6 +229,13 @@ class Student:
         # denominators, so the step scales it back to a sum (FSDP sums: parallelize)
         self.loss_scale = float(world_size) if parallel == "ddp" else 1.0
         self.optimizer = self._build_optimizer(optim)
+        if fused_update and self.master is None:
+            raise ValueError(
+                "fused_update: needs bf16 parameters with fp32 masters (param_dtype "
+                f"{self.param_dtype}, parallel {parallel}; on cuda param_dtype auto is bf16); "
+                "set trainer.compute.fused_update: false"
+            )
+        self.fused_update = fused_update
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.warmup_steps, max_steps, optim.min_lr_ratio)
         )

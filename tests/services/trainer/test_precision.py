@@ -96,3 +96,40 @@ def test_checkpoint_keeps_the_fp32_masters_and_resume_rebuilds_the_compute_copy(
     # the two go on identically
     a, b = step.run([mb]), resumed_step.run([mb])
     assert a.metrics["loss"] == b.metrics["loss"]
+
+
+def test_the_fused_update_steps_as_torchs_adamw_then_the_copy_and_keeps_its_state():
+    # one step from the same weights and gradients; later steps see bf16 copies that may differ
+    # by a rounding, which AdamW's normalised update turns into lr-sized differences
+    mb = setup.micro_batch(setup.micro_batches()[0], ["a"], with_teacher=False)
+    runs = []
+    for fused in (False, True):
+        step = build_step(
+            setup.trainer_config(None, compute={"param_dtype": "bfloat16", "fused_update": fused})
+        )
+        assert step.student.fused_update is fused
+        step.run([mb])
+        runs.append(step)
+    plain, fused = (s.student for s in runs)
+    for a, b in zip(plain.module.parameters(), fused.module.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    # the optimizer state torch's AdamW keeps (what a checkpoint saves and loads)
+    want, got = plain.optimizer.state_dict()["state"], fused.optimizer.state_dict()["state"]
+    assert want.keys() == got.keys()
+    for k in want:
+        assert float(got[k]["step"]) == float(want[k]["step"]) == 1.0
+        torch.testing.assert_close(got[k]["exp_avg"], want[k]["exp_avg"], rtol=1e-5, atol=1e-12)
+        torch.testing.assert_close(got[k]["exp_avg_sq"], want[k]["exp_avg_sq"], rtol=1e-5,
+                                   atol=1e-12)  # fmt: skip
+    runs[1].run([mb])
+    for m, c in zip(fused.module.parameters(), fused.compute.parameters(), strict=True):
+        assert torch.equal(c, m.to(torch.bfloat16))
+    assert all(float(s["step"]) == 2.0 for s in fused.optimizer.state.values())
+
+
+def test_the_fused_update_needs_masters():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"^fused_update: needs bf16 parameters with fp32 masters"):
+        build_step(setup.trainer_config(None, compute={"param_dtype": "float32",
+                                                       "fused_update": True}))  # fmt: skip
