@@ -312,12 +312,12 @@ class StudentStep:
             n = self.loss_fn.config.num_teachers
             chunks = torch.zeros(n, dtype=torch.float32, device=device)
             counts["global_valid_chunks"] = dp_all_reduce_sum(chunks)
-        tokens = torch.zeros((), dtype=torch.float32, device=device)
+        tokens = torch.zeros((), dtype=torch.float32)
         for mb in micro_batches:
             b = document_targets(mb.batch)
             mask = b["token_mask"][:, 1:].bool() & b["sample_mask"].bool()[:, None]
-            tokens += mask.sum().to(device)
-        counts["global_valid_tokens"] = dp_all_reduce_sum(tokens)
+            tokens += mask.sum()
+        counts["global_valid_tokens"] = dp_all_reduce_sum(transfer.to_device(tokens, device))
         return counts
 
     def run(self, micro_batches: Sequence[MicroBatch], clock: Any = None) -> StepResult:

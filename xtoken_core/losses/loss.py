@@ -39,6 +39,7 @@ from xtoken_core.losses.distributed import dp_all_reduce_sum
 from xtoken_core.losses.inputs import TeacherInputs
 from xtoken_core.losses.modes import MODES, KDMode
 from xtoken_core.losses.sparse_teacher import SparseTeacher
+from xtoken_core.ops.transfer import to_device
 
 #: The metrics of every call. With several teachers the metrics also hold each teacher's own
 #: (:func:`teacher_metric_keys`); ``kl_loss``, ``kl_common`` and ``l1_uncommon`` are then the
@@ -230,7 +231,9 @@ class CrossTokenizerLoss:
             tokens += _ce_token_count(batch, B, T).cpu()
         device = device or batch_device
         if device is not None and device.type == "cuda":  # NCCL reduces CUDA tensors only
-            chunks, tokens = chunks.to(device), tokens.to(device)
+            # queued through pinned memory: a blocking copy would make the host wait for the
+            # step before's kernels, and the GPU then idle while the host queues this step
+            chunks, tokens = to_device(chunks, device), to_device(tokens, device)
         return {
             "global_valid_chunks": dp_all_reduce_sum(chunks),
             "global_valid_tokens": dp_all_reduce_sum(tokens),

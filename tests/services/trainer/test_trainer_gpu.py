@@ -117,6 +117,52 @@ def test_a_non_finite_gradient_skips_the_fused_update_on_the_gpu():
     assert not torch.equal(weights[0], next(student.module.parameters()))
 
 
+def test_the_fused_update_trains_as_torchs_adamw_with_cuda_graphs_and_skips_a_nan_step():
+    """Five CUDA-graph steps of two micro-batches: ``fused_update`` against torch's fused AdamW
+    and the copy, losses within 1e-4 and fp32 weights within 2e-4 (as the replays against the
+    compiled step, for the same reason); a NaN gradient then writes nothing."""
+    import torch._dynamo
+
+    mbs = _batches(1000)
+    losses, weights, steps = [], [], []
+    for fused in (False, True):
+        torch._dynamo.reset()
+        step = _step(grad_accum=2, fused_update=fused)
+        _warm_up(step)
+        losses.append([step.run([mbs[i % 4], mbs[(i + 1) % 4]]).metrics["loss"] for i in range(5)])
+        weights.append(
+            torch.cat([p.detach().flatten().clone() for p in step.student.module.parameters()])
+        )
+        steps.append(step)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert float((weights[1] - weights[0]).abs().max()) <= 2e-4
+    student = steps[1].student
+    for m, c in zip(student.module.parameters(), student.compute.parameters(), strict=True):
+        assert torch.equal(c, m.to(torch.bfloat16))
+    handle = next(student.compute.parameters()).register_hook(lambda g: g * float("nan"))
+    before = [p.detach().clone() for p in student.module.parameters()]
+    assert steps[1].run([mbs[0]]).skipped
+    handle.remove()
+    assert all(torch.equal(w, p) for w, p in zip(before, student.module.parameters()))
+    assert all(float(s["step"]) == 5.0 for s in student.optimizer.state.values())
+
+
+def test_counting_a_steps_tokens_does_not_wait_for_the_gpu():
+    """The step's counts go to the GPU through pinned memory: the host comes back while a
+    queued 1 s GPU sleep still runs (a blocking copy would wait for it)."""
+    step = _step()
+    mb = _batches(step.student.vocab)[0]
+    step.count_valid([mb])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    counts = step.count_valid([mb])
+    assert not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert float(counts["global_valid_tokens"]) == float(
+        (mb.batch["token_mask"][:, 1:] & mb.batch["sample_mask"][:, None]).sum()
+    )
+
+
 def test_cuda_graph_replays_train_as_the_compiled_step():
     """Five steps of two micro-batches each (lengths change from step to step), CUDA graphs
     (the default) against the compiled step without them: losses within 1e-4 and fp32 weights
