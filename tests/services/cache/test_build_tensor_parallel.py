@@ -145,7 +145,8 @@ def test_a_top_k_that_takes_every_id_leaves_no_rest():
 
 
 def test_a_checkpoints_weights_hash_ignores_the_group_and_a_presets_names_its_draw(tiny_folder):
-    assert preset_draw(1, "cuda") is None
+    assert preset_draw(1, "cpu") is None  # one CPU stream
+    assert preset_draw(1, "cuda:1") == "tensor_parallel=1/cuda"  # a generator per tensor
     group = preset_draw(2, "cuda:0")
     assert group == "tensor_parallel=2/cuda"
     folder = str(tiny_folder)
