@@ -109,7 +109,9 @@ def save_models(args, out: Path) -> tuple[str, str]:
                 vocab = load_tokenizer(tok).vocab_size
                 vocab = student_vocab_size(preset, vocab) if who == "student" else vocab
             t0 = time.perf_counter()
-            model = load_model(preset, vocab_size=vocab, dtype=torch.float32, seed=1)
+            # drawn on the run's device (seconds on a GPU: xtoken_core.models.device_draw)
+            model = load_model(preset, vocab_size=vocab, dtype=torch.float32, seed=1,
+                               device=getattr(args, "device", "cpu"))  # fmt: skip
             export_hf(model, d, tokenizer=tok)
             del model
             print(f"  built {who} {preset} (vocab {vocab}) in {time.perf_counter() - t0:.0f}s")
