@@ -88,20 +88,14 @@ def _adamw_publish_kernel(
     tl.store(c_ptr + offs, (bits >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
-def _check(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    computes: Sequence[torch.Tensor],
-) -> None:
-    lists = (grads, exp_avgs, exp_avg_sqs, steps, computes)
+def _check(params: Sequence[torch.Tensor], *lists: Sequence[torch.Tensor]) -> None:
+    """``lists``: the gradients, first and second moments, steps and compute copies."""
     if any(len(x) != len(params) for x in lists):
         raise ValueError(
             "adamw_publish_ needs one gradient, moment pair, step and compute copy per parameter, "
             f"got {len(params)} parameters and {[len(x) for x in lists]}"
         )
+    grads, exp_avgs, exp_avg_sqs, _, computes = lists
     for i, (p, g, m, v, c) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, computes)):
         if p.dtype != torch.float32 or m.dtype != torch.float32 or v.dtype != torch.float32:
             raise ValueError(f"parameter {i}: the master and its moments must be float32")
