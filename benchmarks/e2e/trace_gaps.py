@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,20 @@ def host_at(events: list[dict[str, Any]], t_us: float) -> tuple[str, ...]:
     ]
     running.sort(key=lambda e: -float(e["dur"]))
     return tuple(str(e.get("name", "?")) for e in running)
+
+
+_OURS = re.compile(r"(?:^|/)((?:services|xtoken_core|benchmarks)/[^()]*\.py\(\d+\): .*)$")
+
+
+def our_frame(host: tuple[str, ...]) -> str | None:
+    """The innermost Python frame of this project's code among ``host`` (a trace taken with
+    stacks, as the trainer's is: ``services/trainer/step.py(338): run``), its path from the
+    package on; None when there is none."""
+    for name in reversed(host):
+        found = _OURS.search(name)
+        if found:
+            return found.group(1)
+    return None
 
 
 def gaps(events: list[dict[str, Any]], min_us: float = 50.0) -> tuple[float, float, list[Gap]]:
@@ -166,12 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     origin = gpu_intervals(events)[0][0]
     for g in found[: args.top]:
         host = " > ".join(g.host[-args.depth :]) or "(no host event)"
-        print(f"{g.length_us / 1e3:8.2f} ms at +{(g.start_us - origin) / 1e3:7.1f} ms  {host}")
+        print(
+            f"{g.length_us / 1e3:8.2f} ms at +{(g.start_us - origin) / 1e3:7.1f} ms  {host}"
+            + _from(g.host, args.depth)
+        )
     calls = long_runtime_calls(events, args.min_call_ms * 1e3)
     print(f"{len(calls)} CUDA runtime calls of >= {args.min_call_ms:g} ms (the host waiting):")
     for dur, name, host in calls[: args.top]:
-        print(f"{dur / 1e3:8.2f} ms  {' > '.join(host[-args.depth :])} > {name}")
+        print(f"{dur / 1e3:8.2f} ms  {' > '.join(host[-args.depth :])} > {name}" + _from(host, 1))
     return 0
+
+
+def _from(host: tuple[str, ...], shown: int) -> str:
+    """``  [from <our innermost frame>]`` where the innermost ``shown`` names leave it out."""
+    frame = our_frame(host)
+    if frame is None or any(frame in name for name in host[-shown:]):
+        return ""
+    return f"  [from {frame}]"
 
 
 if __name__ == "__main__":

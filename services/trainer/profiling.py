@@ -46,7 +46,9 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profile = torch.profiler.profile(activities=activities)
+        # with Python stacks: a trace names the line of the project's code under each wait
+        # (benchmarks/e2e/trace_gaps.py)
+        self._profile = torch.profiler.profile(activities=activities, with_stack=True)
         self._profile.__enter__()
 
     def step_ended(self, step: int) -> None:

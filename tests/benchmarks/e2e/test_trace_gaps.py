@@ -62,3 +62,26 @@ def test_the_runtime_calls_that_held_the_host_come_longest_first_with_their_oper
         (250.0, "cudaStreamSynchronize", ("feed.py(340): _decode", "aten::to")),
     ]
     assert trace_gaps.long_runtime_calls(EVENTS, min_us=251) == []
+
+
+def test_a_call_is_named_with_the_projects_innermost_frame_under_it(tmp_path, capsys):
+    events = [
+        _event("kernel", "gemm", 0, 100),
+        _event("kernel", "gemm", 600, 100),
+        _event("python_function", "/src/services/trainer/step.py(338): run", 50, 530),
+        _event("python_function", "/src/xtoken_core/losses/loss.py(236): count_valid", 60, 510),
+        _event("python_function", "torch/_tensor.py(40): wrapped", 65, 500),
+        _event("cpu_op", "aten::to", 70, 490),
+        _event("cpu_op", "aten::copy_", 75, 480),
+        _event("cuda_runtime", "cudaStreamSynchronize", 80, 470),  # the gap: 100-600
+    ]
+    host = ("/src/services/trainer/step.py(338): run", "torch/_tensor.py(40): wrapped")
+    assert trace_gaps.our_frame(host) == "services/trainer/step.py(338): run"
+    assert trace_gaps.our_frame(("torch/_tensor.py(40): wrapped", "aten::to")) is None
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert trace_gaps.main([str(trace), "--depth", "2", "--min-call-ms", "0.1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    frame = "[from xtoken_core/losses/loss.py(236): count_valid]"
+    assert out[1].endswith("aten::copy_ > cudaStreamSynchronize  " + frame)
+    assert out[-1].endswith("aten::copy_ > cudaStreamSynchronize  " + frame)

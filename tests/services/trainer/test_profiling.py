@@ -34,6 +34,9 @@ def test_traces_only_the_chosen_steps_and_writes_trace_and_table(tmp_path):
     assert {"step2", "step3"} <= names
     assert not names & {"step1", "step4", "step5"}
     assert "aten::mm" in (tmp_path / "profile" / "trainer.rank1.ops.txt").read_text()
+    # with Python stacks: the lines of code under each operation
+    frames = {e["name"] for e in events if e.get("cat") == "python_function"}
+    assert any("test_profiling.py(" in f and ": _work" in f for f in frames)
 
 
 def test_a_run_that_ends_inside_the_traced_steps_still_writes_its_trace(tmp_path):
