@@ -350,15 +350,17 @@ class TeacherFeed:
         device, as the ``topk`` transport's client hands a result to the loss (which decodes
         them into ``[B, U, W]`` where its mode reads whole rows).
 
-        The ids are checked on the host copy (no read-back from the GPU); the targets are taken
-        from ``on_device`` when given (the step's copy of the batch: no second transfer in the
-        middle of the step), else moved from the host."""
+        The ids were checked against the cache's vocab where the collator read them
+        (``xtoken_core.cache.format.decode_positions``), so the step's host scans none of them
+        (a pass over ``[B, U, K]`` on its critical path); the shapes and dtypes are checked here.
+        The targets are taken from ``on_device`` when given (the step's copy of the batch: no
+        second transfer in the middle of the step), else moved from the host."""
         from xtoken_core.cache.attach import topk_of_batch
         from xtoken_core.wire.topk import check_targets
 
         try:
             targets = topk_of_batch(p.batch, j)
-            check_targets(targets, self.cached[j])
+            check_targets(targets, self.cached[j], ids=False)
             if on_device is not None:
                 targets = topk_of_batch(on_device, j)
             return SparseTeacher.from_targets(

@@ -257,7 +257,9 @@ def decode_positions(
         width: the teacher vocab W (the ids' stored width).
 
     Raises:
-        ValueError: columns whose sizes are not ``U * K`` (and ``U``).
+        ValueError: columns whose sizes are not ``U * K`` (and ``U``), ids outside ``[0, W)``
+            (checked here, where a collator reads them, so that the trainer need not scan them
+            on its critical path).
     """
     stored = _array(columns["topk_ids"], id_dtype(width))
     codes = _array(columns["topk_logprobs"], logprob_dtype(codec))
@@ -273,6 +275,8 @@ def decode_positions(
     ids_UK = stored.reshape(length, k).astype(np.int64)
     if codec.ids == "delta":
         ids_UK = np.cumsum(ids_UK, axis=1)
+    if ids_UK.size and (int(ids_UK.min()) < 0 or int(ids_UK.max()) >= width):
+        raise ValueError(f"top-k ids outside [0, {width}): a damaged shard or another teacher's")
     if codec.logprobs == "fp32":
         logprobs_UK = codes.astype(np.float32).reshape(length, k)
     elif codec.logprobs == "bf16":

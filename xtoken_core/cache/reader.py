@@ -91,14 +91,21 @@ class CacheReader:
 
         Raises:
             KeyError: the cache does not hold it.
-            DataError: its shard cannot be read (names the shard).
+            DataError: its shard cannot be read, or its targets not decoded (ids outside the
+                vocab: names the shard and the key).
         """
         shard, row = self._index[key]
         starts = self._starts[shard]
         group = int(np.searchsorted(starts, row, side="right")) - 1
         table = self._row_group(shard, group)
         i = row - starts[group]
-        return self._decode(table, i)
+        try:
+            return self._decode(table, i)
+        except ValueError as e:
+            raise DataError(
+                f"teacher cache shard {self.directory / self.shards[shard]} sample {key!r}: {e}; "
+                f"run `xtoken cache verify {self.directory}`"
+            ) from None
 
     def _row_group(self, shard: int, group: int) -> Any:
         table = self._held.get((shard, group))

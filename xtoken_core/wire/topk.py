@@ -149,8 +149,11 @@ def encode_topk(
     )
 
 
-def check_targets(targets: TopK, width: int) -> None:
+def check_targets(targets: TopK, width: int, *, ids: bool = True) -> None:
     """Refuse targets that :func:`decode_topk` cannot decode into ``width`` columns.
+
+    ``ids``: also scan the ids' range (a pass over them; False where their producer checked
+    them, as a teacher cache's reader does).
 
     Raises:
         ValueError: shapes that disagree, a log-partition that is not fp32, K outside ``[1, W]``,
@@ -174,7 +177,7 @@ def check_targets(targets: TopK, width: int) -> None:
         raise ValueError(f"top-k log-partition is {lse_N.dtype}, not float32")
     K = int(ids_NK.shape[-1])
     check_top_k(K, width, "top-k targets' K")
-    if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
+    if ids and ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
         raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
 
 

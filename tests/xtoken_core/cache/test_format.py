@@ -169,3 +169,14 @@ def test_fp16_floats_shard_reads_back_within_their_rounding(tmp_path):
         top = np.sort(got.logprobs_UK, axis=1)[:, ::-1]
         assert (np.abs(top[:, 0] - lp.max(1)) <= np.abs(lp.max(1)) * 2**-11 + 1e-6).all()
         assert np.allclose(np.sort(got.logprobs_UK, 1), np.sort(lp, 1), atol=span.max() / 30 + 0.01)
+
+
+def test_stored_ids_outside_the_vocab_are_refused_where_they_are_read():
+    ids_UK = np.array([[1, 5, W - 1]])
+    lp_UK = np.array([[-0.5, -1.0, -2.0]], dtype=np.float32)
+    for codec in (Codec("delta", "fp32"), Codec("plain", "fp32")):
+        cols = encode_positions(ids_UK, lp_UK, codec, W)
+        got, _ = decode_positions(cols, 1, 3, codec, W)
+        assert sorted(got[0].tolist()) == [1, 5, W - 1]
+        with pytest.raises(ValueError, match=rf"^top-k ids outside \[0, {W - 1}\)"):
+            decode_positions(cols, 1, 3, codec, W - 1)  # read as a narrower teacher's
