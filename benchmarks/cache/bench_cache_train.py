@@ -183,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         "peak_mem_gib_online": (runs["online"].get("peak_mem_mb") or 0) / 1024 or None,
         "peak_mem_gib_cached": (runs["cached"].get("peak_mem_mb") or 0) / 1024 or None,
         "transport_online": args.transport if "online" in args.arms else None,
+        # mean ms per step of each phase (rank 0's measured steps) and between the steps
+        **{
+            f"split_ms_{arm}": {k: round(1000 * v, 2) for k, v in runs[arm]["split_s"].items()}
+            for arm in ("online", "cached")
+            if runs[arm].get("split_s")
+        },
+        **{
+            f"between_steps_ms_{arm}": runs[arm].get("between_steps_ms")
+            for arm in ("online", "cached")
+            if runs[arm].get("split_s")
+        },
         "error": runs["online"].get("error") or runs["cached"].get("error"),
         "tag": args.tag,
     }

@@ -36,3 +36,5 @@ def test_cpu_smoke_trains_online_and_from_the_cache_and_writes_a_row(tmp_path):
     assert 0 < row["bytes_per_teacher_token"] < 4 * 8 + 16  # far below the full logits' bytes
     assert row["vocab_topk"] == "all"
     assert row["student_vocab"] % 128 == 0  # a preset's output layer, rounded up
+    for arm in ("online", "cached"):  # where each arm's steps went
+        assert {"forward", "loss", "backward", "optimizer"} <= set(row[f"split_ms_{arm}"])
