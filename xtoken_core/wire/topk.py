@@ -177,8 +177,10 @@ def check_targets(targets: TopK, width: int, *, ids: bool = True) -> None:
         raise ValueError(f"top-k log-partition is {lse_N.dtype}, not float32")
     K = int(ids_NK.shape[-1])
     check_top_k(K, width, "top-k targets' K")
-    if ids and ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= width):
-        raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
+    if ids and ids_NK.numel():
+        lo, hi = torch.aminmax(ids_NK)  # one pass over the ids, not two
+        if int(lo) < 0 or int(hi) >= width:
+            raise ValueError(f"top-k ids outside [0, {width}): targets of another teacher vocab?")
 
 
 def decode_topk(
