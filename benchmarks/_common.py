@@ -143,16 +143,14 @@ def extra_peak_bytes(fn: Callable[[], object], necessary_bytes: int = 0) -> int:
     return peak
 
 
-def steady_rate(
-    steps: list[dict], warmup: int, exclude: Iterable[int] = ()
-) -> tuple[float | None, float | None, int]:
-    """Tokens per second of a run's steps after the first ``warmup``, from its step records.
+def timed_steps(steps: list[dict], warmup: int, exclude: Iterable[int] = ()) -> list[tuple]:
+    """A run's steady steps with their durations, from its step records.
 
     A step's record is written once the next step is queued (the last one's at once, at the
     end), so the records' ``time`` says nothing exact about when a step ran. Each record's
     ``started`` (the wall-clock time its step began) does: a measured step lasts from its start
     to the next step's, which holds every launch, wait and gap between them; the last step,
-    with no next one, is not counted.
+    with no next one, is not timed.
 
     Args:
         steps: a rank's ``step`` records in order.
@@ -161,20 +159,31 @@ def steady_rate(
             step).
 
     Returns:
-        ``(tokens_per_s, span_s, counted)``: the tokens of the counted steps over the sum of
-        their durations ``span_s``; ``(None, None, 0)`` when no step has a next one to time it.
+        ``(record, seconds)`` per timed step.
     """
     skip = set(exclude)
     measured = [r for r in steps if r["step"] > warmup and "started" in r]
-    timed = [
-        (r["tokens"], after["started"] - r["started"])
+    return [
+        (r, after["started"] - r["started"])
         for r, after in zip(measured, measured[1:])
         if r["step"] not in skip and after["step"] == r["step"] + 1
     ]
+
+
+def steady_rate(
+    steps: list[dict], warmup: int, exclude: Iterable[int] = ()
+) -> tuple[float | None, float | None, int]:
+    """Tokens per second of a run's steady steps (:func:`timed_steps`).
+
+    Returns:
+        ``(tokens_per_s, span_s, counted)``: the tokens of the timed steps over the sum of
+        their durations ``span_s``; ``(None, None, 0)`` when no step has a next one to time it.
+    """
+    timed = timed_steps(steps, warmup, exclude)
     if not timed:
         return None, None, 0
     span = sum(s for _, s in timed)
-    tokens = sum(t for t, _ in timed)
+    tokens = sum(r["tokens"] for r, _ in timed)
     return (tokens / span if span > 0 else None), span, len(timed)
 
 

@@ -66,6 +66,7 @@ from benchmarks._common import (  # noqa: E402
     commit,
     device_name,
     steady_rate,
+    timed_steps,
 )
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
@@ -520,6 +521,7 @@ def pipeline(
     first = observe.get("profile_start", 1)
     profiled = set(range(first, first + observe.get("profile_steps", 0)))
     measured = [r for r in steps if r["step"] > args.warmup and r["step"] not in profiled]
+    timed = timed_steps(steps, args.warmup, exclude=profiled)
     rate, span, counted = steady_rate(steps, args.warmup, exclude=profiled)
     split = {k: statistics.mean(r["times"][k] for r in measured) for k in measured[0]["times"]}
     split_by_rank = {}  # each rank's own step split (rank 0's is ``split``)
@@ -542,8 +544,7 @@ def pipeline(
         hidden = json.loads((Path(teacher_dir) / "config.json").read_text())["hidden_size"]
         hidden_bytes = B * T * hidden * 2
     # wall time between rank 0's steps that no phase of them accounts for
-    timed = [r for r, after in zip(measured, measured[1:]) if after["step"] == r["step"] + 1]
-    phases_s = sum(r["step_s"] for r in timed)
+    phases_s = sum(r["step_s"] for r, _ in timed)
     between = (span - phases_s) / counted if counted else None
     return {
         "tokens_per_s": rate

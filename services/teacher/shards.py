@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from services.teacher.config import check_tensor_parallel
-from xtoken_core.models.device_draw import draw_tensor_, meta_model
+from xtoken_core.models.device_draw import draw_tensor_, init_std, meta_model
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def init_shards(model: torch.nn.Module, seed: int, rank: int) -> None:
         seed: the preset seed (``teacher.seed``).
         rank: this rank of the mesh.
     """
-    std = float(getattr(model.config, "initializer_range", 0.02))
+    std = init_std(model.config)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     head_param = head.weight
     # tied, but its own tensor since the split (a shared tensor is drawn once, as the embedding)

@@ -73,6 +73,7 @@ class MasterWeights:
         shapes = [tuple(p.shape) for p in self.masters]
         if shapes != [tuple(p.shape) for p in self.computes]:
             raise ValueError("master and compute models have different parameters")
+        self._compute_of = {id(m): c for m, c in zip(self.masters, self.computes, strict=True)}
         self.hooks = []
         self.owned_by_reducer = not accumulate_in_hooks
         if accumulate_in_hooks:
@@ -133,7 +134,6 @@ class MasterWeights:
         """
         from xtoken_core.kernels.adamw import adamw_publish_
 
-        compute_of = {id(m): c for m, c in zip(self.masters, self.computes, strict=True)}
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -148,7 +148,7 @@ class MasterWeights:
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 steps,
-                [compute_of[id(p)] for p in params],
+                [self._compute_of[id(p)] for p in params],
                 lr=float(group["lr"]),
                 beta1=beta1,
                 beta2=beta2,

@@ -23,6 +23,7 @@ __all__ = [
     "draw_model",
     "draw_output_layer",
     "draw_tensor_",
+    "init_std",
     "meta_model",
     "rebuild_rotary",
     "seed_of",
@@ -63,19 +64,27 @@ def draw_output_layer(
     (its tensor's generator is its own, so nothing else need be drawn)."""
     from xtoken_core.models.heads import split_lm_head
 
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = _on_meta(config, dtype)
     model.tie_weights()
     _, head = split_lm_head(model)
-    name = next(n for n, p in model.named_parameters() if p is head.weight)
+    name = next(n for n, p in model.named_parameters() if p is head.weight)  # as draw_model's
     head = head.to_empty(device=device)
-    std = float(getattr(config, "initializer_range", 0.02))
-    for param_name, param in head.named_parameters():
-        draw_tensor_(param.data, name if param_name == "weight" else f"lm_head.{param_name}",
-                     seed, None, std)  # fmt: skip
+    for own, param in head.named_parameters():
+        drawn_as = name if own == "weight" else f"lm_head.{own}"
+        draw_tensor_(param.data, drawn_as, seed, None, init_std(config))
     return head
+
+
+def init_std(config: Any) -> float:
+    """The standard deviation of a preset's matrices (transformers' ``initializer_range``)."""
+    return float(getattr(config, "initializer_range", 0.02))
+
+
+def _on_meta(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def rebuild_rotary(model: torch.nn.Module, device: torch.device | str, setting: str) -> None:
@@ -114,10 +123,7 @@ def meta_model(
     """The causal LM of ``config`` made on ``meta``, then (after ``prepare(model)``, e.g. the
     tensor-parallel split, which returns the model) allocated uninitialised on ``device``, its
     rotary buffers computed. ``setting``: what to turn off when it cannot be drawn."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = _on_meta(config, dtype)
     if prepare is not None:
         model = prepare(model)
     model.to_empty(device=device)
@@ -129,7 +135,7 @@ def draw_model(config: Any, dtype: torch.dtype, device: torch.device | str, seed
     """A whole preset model drawn on ``device`` (one process; module doc)."""
     model = meta_model(config, dtype, device, setting="build the preset on the CPU")
     model.tie_weights()  # a tied output layer is the embedding, drawn once
-    std = float(getattr(config, "initializer_range", 0.02))
+    std = init_std(config)
     for name, param in model.named_parameters():
         draw_tensor_(param.data, name, seed, None, std)
     return model

@@ -233,9 +233,9 @@ def load_output_layer(
     """Only the output layer of a model spec (for the ``hidden`` teacher transport).
 
     The model is loaded once on the CPU and only its output layer is kept and moved to
-    ``device``; the rest is freed. A preset bound for a GPU is drawn there, a tensor at a time
-    (``xtoken_core.models.device_draw``): its output layer is drawn alone. ``lm_head(hidden_BUd)`` gives the model's logits when
-    ``hidden_BUd`` comes from ``split_lm_head(model)[0]``.
+    ``device``; the rest is freed (a preset bound for a GPU: its output layer alone is drawn
+    there, as ``xtoken_core.models.device_draw`` draws the model). ``lm_head(hidden_BUd)`` gives
+    the model's logits when ``hidden_BUd`` comes from ``split_lm_head(model)[0]``.
 
     Args:
         spec: as in ``load_model``.
