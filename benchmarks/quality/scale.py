@@ -140,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--kv-cache", choices=("dynamic", "static"), default=None)
     p.add_argument("--work", default="runs/scale")
+    p.add_argument(
+        "--caches",
+        default=None,
+        help="teacher caches' folder (default WORK/caches); another call's, to reuse its caches",
+    )
     p.add_argument("--out", default=None, help="rows and report (default benchmarks/results)")
     p.add_argument("--report", action="store_true", help="write the report from the rows")
     p.add_argument("--smoke", action="store_true", help="CPU smoke with tiny stand-in models")
@@ -214,6 +219,18 @@ def check_installed(name: str, aliases: dict[str, str]) -> None:
         ) from None
 
 
+def student_model(spec: str, vocab_size: int):
+    """The student's model in fp32: a random-init preset shape is built with the student
+    tokenizer's vocabulary (``vocab_size``), any other spec loads as it is."""
+    import torch
+
+    from xtoken_core.models import load_model
+    from xtoken_core.models.presets import PRESETS
+
+    vocab = vocab_size if spec.partition(":")[0] in PRESETS else None
+    return load_model(spec, dtype=torch.float32, vocab_size=vocab)
+
+
 class Experiment:
     """One call: the arms, the grid, the prepared student and teachers, and the rows."""
 
@@ -257,9 +274,8 @@ class Experiment:
 
     def prepare(self) -> None:
         """The split, the budget in steps, the student folder, projections and teachers."""
-        import torch
 
-        from xtoken_core.models import export_hf, load_model
+        from xtoken_core.models import export_hf
         from xtoken_core.tokenizers import load_tokenizer
 
         a = self.args
@@ -280,7 +296,7 @@ class Experiment:
         a.epochs = math.ceil(a.steps * a.batch / max(1, len(train))) + 1
         self.student_dir = self.work / "student" / heal.slug(heal.resolve(a.student, a.aliases))
         if not (self.student_dir / "config.json").is_file():
-            model = load_model(heal.resolve(a.student, a.aliases), dtype=torch.float32)
+            model = student_model(heal.resolve(a.student, a.aliases), s_tok.vocab_size)
             export_hf(model, self.student_dir, tokenizer=a.student_tokenizer)
         self.projections: dict[str, Path] = {}
         for name in self.teachers:
@@ -291,8 +307,10 @@ class Experiment:
             self.projections[t_tok] = path
         for name in self.teachers:  # dequantize a GGUF once, before the lanes read its cache
             heal.load_teacher(name, a.aliases)
+        # teacher caches hold the teacher's targets alone: any student (tokenizer) reuses them
+        caches = Path(a.caches).resolve() if a.caches else self.work / "caches"
         self.caches = {
-            (arm.teachers[0], arm.cache): self.work / "caches" / f"{arm.teachers[0]}_k{arm.cache}"
+            (arm.teachers[0], arm.cache): caches / f"{arm.teachers[0]}_k{arm.cache}"
             for arm in self.arms
             if arm.cache
         }
