@@ -8,6 +8,13 @@ parameter the forward reads (6 bytes more). Here one kernel per parameter does b
 the bf16 value from the fresh master while it still holds it, 30 bytes per parameter, and runs
 each parameter's update as one long elementwise pass.
 
+Every parameter of a call goes in **one launch** (as torch's multi-tensor ``_foreach`` kernels
+do): a table of the tensors' addresses and a map from each program to its parameter and block.
+A launch per parameter (~300 for a 1.7B student) costs the host more than the GPU takes to run
+them, and the next step's forward then waits for the host. The map is cached by the parameters'
+sizes, the address table by the addresses (the same tensors every step: one copy to the device
+the first time).
+
 Math per element, as ``torch.optim.AdamW`` (``fused=True``, no amsgrad, not maximizing) with
 ``grad_scale`` and ``found_inf`` (the trainer's clip and finite check), step ``t`` already
 counted:
@@ -39,15 +46,13 @@ ADAMW_BLOCK = 4096
 
 @lazy_jit
 def _adamw_publish_kernel(
-    p_ptr,
-    g_ptr,
-    m_ptr,
-    v_ptr,
-    c_ptr,
-    step_ptr,
+    addr_ptr,
+    owner_ptr,
+    first_ptr,
+    numel_ptr,
     scale_ptr,
     inf_ptr,
-    n,
+    n_params,
     lr,
     beta1,
     beta2,
@@ -55,16 +60,28 @@ def _adamw_publish_kernel(
     log_beta2,
     eps,
     weight_decay,
+    G_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_INF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    # program -> (parameter i, its block b); addr_ptr is int64 [6, n_params]: the master, the
+    # gradient, both moments, the compute copy (as int16) and the step of every parameter
+    pid = tl.program_id(0)
+    i = tl.load(owner_ptr + pid).to(tl.int64)
+    b = (pid - tl.load(first_ptr + i)).to(tl.int64)
+    n = tl.load(numel_ptr + i)
+    p_ptr = tl.load(addr_ptr + i).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(tl.float32))
+    c_ptr = tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.int16))
+    step_ptr = tl.load(addr_ptr + 5 * n_params + i).to(tl.pointer_type(tl.float32))
+    offs = b * BLOCK + tl.arange(0, BLOCK)
     if HAS_INF:  # a step skipped: no element read or written
         n = tl.where(tl.load(inf_ptr) == 0, n, 0)
     mask = offs < n
-    t = tl.load(step_ptr).to(tl.float32)
+    t = tl.load(step_ptr)
     bias1 = 1.0 - tl.exp(t * log_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp(t * log_beta2))
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -82,7 +99,7 @@ def _adamw_publish_kernel(
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     # the bf16 copy, rounded to nearest even on the bits (as PyTorch's cast; Triton's
-    # interpreter would truncate): c_ptr is the bf16 tensor seen as int16
+    # interpreter would truncate), stored through its int16 view
     bits = p.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     tl.store(c_ptr + offs, (bits >> 16).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
@@ -108,6 +125,12 @@ def _check(params: Sequence[torch.Tensor], *lists: Sequence[torch.Tensor]) -> No
             raise ValueError(f"parameter {i}: the compute copy is {c.dtype}, not bfloat16")
         if not all(x.is_contiguous() for x in (p, g, m, v, c)):
             raise ValueError(f"parameter {i}: every tensor must be contiguous")
+    for i, t in enumerate(lists[3]):
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(
+                f"parameter {i}: its step is {t.dtype} of {t.numel()} elements, not a float32 "
+                "scalar (torch's fused AdamW state)"
+            )
 
 
 def adamw_publish_(
@@ -132,7 +155,7 @@ def adamw_publish_(
         params: the fp32 masters (updated).
         grads: their gradients, any float dtype.
         exp_avgs, exp_avg_sqs: fp32 first and second moments (updated).
-        steps: each parameter's step count, a 0-d tensor already counting this step.
+        steps: each parameter's step count, a float32 0-d tensor already counting this step.
         computes: the bf16 compute copies (written: the new master, rounded).
         lr, beta1, beta2, eps, weight_decay: AdamW's settings of the parameters' group.
         grad_scale: 0-d tensor the gradients are divided by (None: 1).
@@ -140,7 +163,8 @@ def adamw_publish_(
 
     Raises:
         ValueError: lists of different lengths, a master or moment not float32, shapes that
-            differ, a compute copy that is not bf16, a tensor that is not contiguous.
+            differ, a compute copy that is not bf16, a tensor that is not contiguous, a step
+            that is not a float32 scalar.
     """
     _check(params, grads, exp_avgs, exp_avg_sqs, steps, computes)
     if not params:
@@ -150,21 +174,73 @@ def adamw_publish_(
                    beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
                    found_inf=found_inf)  # fmt: skip
         return
-    kernel = _adamw_publish_kernel
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.numel():
+            by_dtype.setdefault(grads[i].dtype, []).append(i)
     log_beta1, log_beta2 = math.log(beta1), math.log(beta2)
-    for p, g, m, v, t, c in zip(params, grads, exp_avgs, exp_avg_sqs, steps, computes):
-        n = p.numel()
-        if n == 0:
-            continue
-        kernel[(cdiv(n, ADAMW_BLOCK),)](
-            p, g, m, v, c.view(torch.int16), t,
-            grad_scale if grad_scale is not None else t,
-            found_inf if found_inf is not None else t,
-            n, float(lr), float(beta1), float(beta2), log_beta1, log_beta2, float(eps),
-            float(weight_decay),
-            HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
-            BLOCK=ADAMW_BLOCK, num_warps=8,
+    for g_dtype, idx in by_dtype.items():  # one launch per gradient dtype (one, in a trainer)
+        owner, first, numel, addrs = _launch_tables(
+            [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx], [computes[i] for i in idx], [steps[i] for i in idx],
         )  # fmt: skip
+        _adamw_publish_kernel[(owner.numel(),)](
+            addrs, owner, first, numel,
+            grad_scale if grad_scale is not None else numel,
+            found_inf if found_inf is not None else numel,
+            len(idx), float(lr), float(beta1), float(beta2), log_beta1, log_beta2, float(eps),
+            float(weight_decay),
+            G_DTYPE=_TL_DTYPES[g_dtype], HAS_SCALE=grad_scale is not None,
+            HAS_INF=found_inf is not None, BLOCK=ADAMW_BLOCK, num_warps=8,
+        )  # fmt: skip
+
+
+#: the gradient dtypes the kernel reads
+_TL_DTYPES = (
+    {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if tl is not None
+    else {}
+)
+
+# the launch tables last built, on their device: the program map by the sizes, the address
+# table by the addresses (a trainer passes the same tensors every step); a few entries
+_MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_ADDRS: dict[tuple, torch.Tensor] = {}
+_CACHED = 8
+
+
+def _launch_tables(
+    params, grads, exp_avgs, exp_avg_sqs, computes, steps
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped launch's tables on the parameters' device: ``owner`` (int32, the parameter
+    of each program), ``first`` (int32, each parameter's first program), ``numel`` (int64) and
+    ``addrs`` (int64 ``[6, P]``: master, gradient, moments, compute copy, step)."""
+    device = params[0].device
+    sizes = (device, tuple(p.numel() for p in params))
+    tables = _MAPS.get(sizes)
+    if tables is None:
+        blocks = torch.tensor([cdiv(n, ADAMW_BLOCK) for n in sizes[1]], dtype=torch.int64)
+        first = torch.cumsum(blocks, 0) - blocks
+        owner = torch.repeat_interleave(torch.arange(len(blocks)), blocks)
+        tables = (
+            owner.to(device=device, dtype=torch.int32),
+            first.to(device=device, dtype=torch.int32),
+            torch.tensor(sizes[1], dtype=torch.int64, device=device),
+        )
+        _remember(_MAPS, sizes, tables)
+    key = (device, *(t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs, computes,
+                                             steps) for t in ts))  # fmt: skip
+    addrs = _ADDRS.get(key)
+    if addrs is None:
+        addrs = torch.tensor(key[1:], dtype=torch.int64).view(6, len(params)).to(device)
+        _remember(_ADDRS, key, addrs)
+    return (*tables, addrs)
+
+
+def _remember(cache: dict, key: tuple, value) -> None:
+    if len(cache) >= _CACHED:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _reference(

@@ -97,6 +97,28 @@ def test_bf16_gradients_are_read_as_they_are():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_one_call_takes_gradients_of_two_dtypes_and_an_empty_parameter():
+    params = _params(4) + [torch.zeros(0, device=DEVICE)]
+    grads = _grads(params, 6)
+    grads[1] = grads[1].to(torch.bfloat16)  # a launch per gradient dtype
+    want, _ = _torch_steps(params, [grads], [None], [None], weight_decay=0.1)
+    got, *_, computes = _fused_steps(params, [grads], [None], [None], weight_decay=0.1)
+    for w, g, c in zip(want, got, computes, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, g.to(torch.bfloat16))
+
+
+def test_each_call_reads_the_gradients_it_is_given_not_those_of_an_earlier_call():
+    params = _params(5)
+    grads = [_grads(params, s) for s in range(3)]  # new tensors (new addresses) every step
+    grads.append(grads[0])  # and a step on tensors seen before
+    n = len(grads)
+    want, _ = _torch_steps(params, grads, [None] * n, [None] * n, weight_decay=0.0)
+    got, *_ = _fused_steps(params, grads, [None] * n, [None] * n, weight_decay=0.0)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_lists_that_do_not_pair_up_are_refused():
     p = torch.zeros(4, device=DEVICE)
     one = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
@@ -106,6 +128,8 @@ def test_lists_that_do_not_pair_up_are_refused():
         adamw_publish_([p.double()], [p], [p], [p], [p[0]], [p.bfloat16()], **one)
     with pytest.raises(ValueError, match="shapes"):
         adamw_publish_([p], [p[:2]], [p], [p], [p[0]], [p.bfloat16()], **one)
+    with pytest.raises(ValueError, match="not a float32 scalar"):
+        adamw_publish_([p], [p], [p], [p], [p[:1].long()], [p.bfloat16()], **one)
 
 
 @pytest.mark.usefixtures("no_interpreter")
