@@ -22,6 +22,9 @@ from typing import NamedTuple
 
 import torch
 
+from xtoken_core.kernels._utils import use_triton
+from xtoken_core.kernels.topk_rest import row_lse_rest
+
 __all__ = [
     "LOG_FLOOR",
     "TopK",
@@ -96,7 +99,9 @@ def encode_topk(
     of the remaining mass and the log-partition of the logits.
 
     The rest is the log-sum-exp of the logits outside the top K minus that of all of them, so it
-    stays exact when the top K hold nearly all the mass (``log(1 - sum p)`` would cancel). The
+    stays exact when the top K hold nearly all the mass (``log(1 - sum p)`` would cancel). On a
+    GPU (or in Triton's interpreter) the top K is taken on the logits as they are and one kernel
+    pass gives the log-partition and the rest (``xtoken_core.kernels.topk_rest``); elsewhere the
     positions are worked through in blocks of at most 256 MiB of fp32.
 
     Args:
@@ -131,13 +136,21 @@ def encode_topk(
     rest_N = torch.empty((N,), dtype=torch.float32, device=device)
     lse_N = torch.empty((N,), dtype=torch.float32, device=device)
     step = max(1, _BLOCK_ELEMENTS // max(W, 1))
+    fused = use_triton(flat_NW)
     for start in range(0, N, step):
         stop = min(N, start + step)
-        z_nW = flat_NW[start:stop].to(torch.float32, copy=True)  # masked in place below
-        lse_n = torch.logsumexp(z_nW, dim=-1)
-        top_nK, idx_nK = torch.topk(z_nW, k, dim=-1)
-        z_nW.scatter_(-1, idx_nK, float("-inf"))
-        rest_N[start:stop] = torch.logsumexp(z_nW, dim=-1) - lse_n
+        if fused:  # one kernel pass over the logits as they are: no fp32 copy, no scatter
+            z_nW = flat_NW[start:stop]
+            top_nK, idx_nK = torch.topk(z_nW, k, dim=-1)
+            lse_n, rest_n = row_lse_rest(z_nW, top_nK)
+            rest_N[start:stop] = rest_n
+            top_nK = top_nK.float()
+        else:
+            z_nW = flat_NW[start:stop].to(torch.float32, copy=True)  # masked in place below
+            lse_n = torch.logsumexp(z_nW, dim=-1)
+            top_nK, idx_nK = torch.topk(z_nW, k, dim=-1)
+            z_nW.scatter_(-1, idx_nK, float("-inf"))
+            rest_N[start:stop] = torch.logsumexp(z_nW, dim=-1) - lse_n
         logprobs_NK[start:stop] = top_nK - lse_n[:, None]
         ids_NK[start:stop] = idx_nK
         lse_N[start:stop] = lse_n
