@@ -31,10 +31,11 @@ LR_MIN_RATIO = 0.1  # the trainer's default floor of the cosine (OptimConfig.min
 COMPARE_TO = "gold@qwen2.5-coder-0.5b"
 
 
-def trl_python(given: str | None) -> str | None:
+def trl_python(given: str | None, what: str = "--peer-gold") -> str | None:
     """The python that imports trl and datasets: ``given`` (a path, or a command found on
     ``PATH`` such as ``python3``), else ``.venv-bench/bin/python`` where it exists; None (and one
-    log line naming the install and why the probe failed) where none does."""
+    log line saying that ``what`` is skipped, naming the install and why the probe failed) where
+    none does."""
     candidates = [given] if given else [str(ROOT / ".venv-bench" / "bin" / "python")]
     why = "not found"
     for name in candidates:
@@ -49,8 +50,9 @@ def trl_python(given: str | None) -> str | None:
         lines = probe.stderr.strip().splitlines()
         why = lines[-1] if lines else f"exit {probe.returncode}"
     logger.warning(
-        "[heal] --peer-gold skipped: trl is not importable by %s (%s; ./scripts/setup.sh test "
+        "[heal] %s skipped: trl is not importable by %s (%s; ./scripts/setup.sh test "
         "peers, or --trl-python PY)",
+        what,
         candidates[0],
         why,
     )
@@ -71,18 +73,30 @@ def cut_to_tokens(text: str, tokenizers, ctx: int) -> str:
 
 
 def peer_job(
-    args, seed: int, student_dir: Path, teacher_dir: Path, teacher_tokenizer: str, python: str
+    args,
+    seed: int,
+    student_dir: Path,
+    teacher_dir: Path,
+    teacher_tokenizer: str,
+    python: str,
+    *,
+    work: Path | None = None,
+    lr: float | None = None,
+    device: str | None = None,
 ) -> list[str]:
     """Write the worker's data and spec for one seed; returns its command line.
 
     Args:
-        args: the run's settings (``corpus``, ``limit``, ``steps``, ``batch``, ``ctx``, ``lr``,
-            ``device``, ``work``).
+        args: the run's settings (``corpus``, ``limit``, ``steps``, ``batch``, ``ctx``,
+            ``warmup``, ``student_tokenizer``; ``lr``, ``device`` and ``work`` unless given).
         seed: the data order.
         student_dir: the pruned student's folder (an HF model and tokenizer).
         teacher_dir: the teacher's folder (an HF model and tokenizer, ``export_hf``).
         teacher_tokenizer: its xtoken tokenizer (the texts are cut to ``ctx`` tokens of both).
         python: the python that imports trl.
+        work: the run's folder (default ``args.work / "trl" / "s<seed>"``).
+        lr: the peak learning rate (default ``args.lr``).
+        device: ``cuda`` or ``cpu`` (default from ``args.device``).
 
     Returns:
         ``[python, worker, spec, result]``.
@@ -90,7 +104,7 @@ def peer_job(
     from xtoken_core.data.corpus import iter_texts, shuffled_texts
     from xtoken_core.tokenizers import load_tokenizer
 
-    work = args.work / "trl" / f"s{seed}"
+    work = peer_dir(args, seed) if work is None else work
     work.mkdir(parents=True, exist_ok=True)
     texts = shuffled_texts(iter_texts(args.corpus / "train.jsonl"), seed, args.limit)
     n = args.steps * args.batch
@@ -109,10 +123,10 @@ def peer_job(
         "steps": args.steps,
         "warmup": 0,
         "batch": args.batch,
-        "lr": args.lr,
+        "lr": args.lr if lr is None else lr,
         "lr_warmup_steps": args.warmup,
         "lr_min_ratio": LR_MIN_RATIO,
-        "device": "cuda" if args.device.startswith("cuda") else "cpu",
+        "device": device or ("cuda" if args.device.startswith("cuda") else "cpu"),
         "save": str(work / "final"),
         "output_dir": str(work / "trl_out"),
         "extended_uld": True,
@@ -122,9 +136,18 @@ def peer_job(
     return [python, str(WORKER), str(work / "spec.json"), str(work / "result.json")]
 
 
-def peer_result(args, seed: int) -> tuple[dict, Path | None]:
-    """The worker's result for a seed and the trained student's folder (None on an error)."""
-    work = args.work / "trl" / f"s{seed}"
+def peer_dir(args, seed: int) -> Path:
+    """The healing experiment's folder of a seed's TRL run."""
+    return args.work / "trl" / f"s{seed}"
+
+
+def peer_result(
+    args, seed: int, work: Path | None = None, lr: float | None = None
+) -> tuple[dict, Path | None]:
+    """The worker's result for a seed and the trained student's folder (None on an error);
+    ``work`` and ``lr`` as :func:`peer_job` took them."""
+    work = peer_dir(args, seed) if work is None else work
+    lr = args.lr if lr is None else lr
     path = work / "result.json"
     if not path.is_file():
         return {"error": "the worker wrote no result (see its log)"}, None
@@ -139,6 +162,6 @@ def peer_result(args, seed: int) -> tuple[dict, Path | None]:
         return {
             **out,
             "error": f"TRL GOLD's loss or gradient norm was not finite from step {bad} of "
-            f"{res.get('steps_run')} (lr {args.lr}): its weights are not scored",
+            f"{res.get('steps_run')} (lr {lr}): its weights are not scored",
         }, None
     return out, work / "final"

@@ -8,9 +8,13 @@ Qwen2.5-Coder-0.5B and Gemma-3-270M (other tokenizers), against CE only. The arm
 (``scale_arms.SCALE_ARMS``): CE; P-KL, gold and relaxed gold from each teacher; both teachers in
 one run (``extra_teachers``); the teacher cache against the same teacher online (top-K, the same
 K); top-K targets K = 32 and 64 against full logits; on-policy at fractions 0.25 and 0.5 after an
-off-policy start (half the budget). Every off-policy run is bitwise reproducible
+off-policy start (half the budget); TRL's GOLD trainer on the same student, teacher, texts and
+budget (``trl-gold@qwen2.5-coder-0.5b``, tuned on the same rate grid, run under ``--trl-python``
+or ``.venv-bench``; left out with one line where trl is not installed; a reference point in the
+table, judged by no bar). Every off-policy xtoken run is bitwise reproducible
 (``trainer.compute.deterministic`` with ``data.ordered``; the row says ``deterministic: true``);
-an on-policy stage cannot be (its samples come in no fixed order) and its row says false.
+an on-policy stage cannot be (its samples come in no fixed order), nor can TRL's, and their rows
+say false.
 
 * **Budget**: ``--tokens`` student tokens per run (default 20 M), as steps of ``--batch`` samples
   of at most ``--ctx`` tokens (the mean sample's tokens measured on the training split).
@@ -75,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.quality import heal, scale_arms, scale_final, scale_grid  # noqa: E402
+from benchmarks.quality import heal, heal_peer, scale_arms, scale_final, scale_grid  # noqa: E402
 from benchmarks.quality import run_kd_quality as kd  # noqa: E402
 from benchmarks.quality.scale_grid import RunKey  # noqa: E402
 from benchmarks.quality.scale_lanes import Job, Lanes  # noqa: E402
@@ -140,6 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--kv-cache", choices=("dynamic", "static"), default=None)
     p.add_argument("--work", default="runs/scale")
+    p.add_argument(
+        "--trl-python",
+        default=None,
+        help="the python that imports trl for trl-gold arms (default .venv-bench/bin/python)",
+    )
     p.add_argument(
         "--caches",
         default=None,
@@ -231,6 +240,28 @@ def student_model(spec: str, vocab_size: int):
     return load_model(spec, dtype=torch.float32, vocab_size=vocab)
 
 
+def resolve_trl(args: argparse.Namespace, defaulted: bool) -> None:
+    """``args.trl``: the python TRL's arms run under (None without such an arm). Where trl is
+    not importable, default arms leave TRL's arm out (one log line); named ones are refused.
+
+    Raises:
+        ValueError: a trl-gold arm named, and no python that imports trl.
+    """
+    args.trl = None
+    peers = [s for s in args.arms if scale_arms.parse_scale_arm(s).peer]
+    if not peers:
+        return
+    args.trl = heal_peer.trl_python(args.trl_python, what=f"arm {peers[0]}")
+    if args.trl is not None:
+        return
+    if not defaulted:
+        raise ValueError(
+            f"arm {peers[0]} needs trl: ./scripts/setup.sh test peers, or --trl-python PY (a "
+            "python that imports trl and datasets), or leave the arm out"
+        )
+    args.arms = [s for s in args.arms if s not in peers]
+
+
 class Experiment:
     """One call: the arms, the grid, the prepared student and teachers, and the rows."""
 
@@ -252,7 +283,7 @@ class Experiment:
             args.grid_seed,
             tuple(args.seeds),
         )
-        kd_arms = [a.spec for a in self.arms if not a.is_ce]
+        kd_arms = [a.spec for a in self.arms if a.tunes_kd]
         rerun = args.rerun_arm or (kd_arms[0] if kd_arms else self.specs[0])
         if rerun != "none" and rerun not in self.specs:
             raise ValueError(f"--rerun-arm {rerun}: not one of the arms {self.specs}; or none")
@@ -267,7 +298,7 @@ class Experiment:
         self.caches_ready: set[tuple[str, int]] = set()
 
     def _families(self) -> set[str]:
-        fams = [scale_arms.parse_scale_arm(a.family) for a in self.arms if not a.is_ce]
+        fams = [scale_arms.parse_scale_arm(a.family) for a in self.arms if a.tunes_kd]
         return {t for f in fams for t in f.teachers}
 
     # ----------------------------------------------------------------- preparation
@@ -307,6 +338,13 @@ class Experiment:
             self.projections[t_tok] = path
         for name in self.teachers:  # dequantize a GGUF once, before the lanes read its cache
             heal.load_teacher(name, a.aliases)
+        self.peer_teachers: dict[str, Path] = {}
+        for name in sorted({arm.teachers[0] for arm in self.arms if arm.peer}):
+            folder = self.work / "trl" / f"teacher_{heal.slug(heal.resolve(name, a.aliases))}"
+            if not (folder / "config.json").is_file():  # TRL reads an HF folder
+                teacher = heal.load_teacher(name, a.aliases)
+                export_hf(teacher, folder, tokenizer=heal.teacher_tokenizer(name))
+            self.peer_teachers[name] = folder
         # teacher caches hold the teacher's targets alone: any student (tokenizer) reuses them
         caches = Path(a.caches).resolve() if a.caches else self.work / "caches"
         self.caches = {
@@ -362,7 +400,7 @@ class Experiment:
                     jobs.append(self.cache_job(arm, ckey))
                 continue
             cfgs = self.configs(key, arm)
-            dirs = {Path(c["run_dir"]) for c in cfgs}
+            dirs = {Path(c["run_dir"]) for c in cfgs} or {self.run_dir(key)}
             if dirs & set().union(*self.busy.values()):
                 continue  # an on-policy start another lane trains now: reused once it is done
             self.in_flight.add(key)
@@ -389,7 +427,9 @@ class Experiment:
         return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
 
     def configs(self, key: RunKey, arm: scale_arms.ScaleArm) -> list[dict]:
-        """The run configs of one run."""
+        """The run configs of one run (none for TRL's arm: its worker trains it)."""
+        if arm.peer:
+            return []
         return scale_arms.run_configs(
             arm, key.seed, key.setting, self.args, self.student_dir, self.projections,
             self.run_dir(key), self.caches, self.start_dir(key, arm),
@@ -398,7 +438,7 @@ class Experiment:
     def run_job(self, key: RunKey, cfgs: list[dict]) -> Job:
         """Train each stage not trained before with the same config (and every stage after one
         that trains), then score."""
-        commands = []
+        commands = self.peer_commands(key) if not cfgs else []
         for cfg in cfgs:
             run_dir = Path(cfg["run_dir"])
             path = self.work / "configs" / f"{run_dir.name}.json"
@@ -419,7 +459,7 @@ class Experiment:
         result.unlink(missing_ok=True)
         spec = {
             "phase": key.phase,
-            "model": str(self.run_dir(key) / "final"),
+            "model": str(self.run_dir(key) / "final"),  # TRL's worker saves there too
             "student_tokenizer": a.student_tokenizer,
             "corpus": str(a.corpus),
             "ctx": a.ctx,
@@ -437,6 +477,18 @@ class Experiment:
         score.write_text(json.dumps(spec, indent=1))
         commands.append([sys.executable, "-m", "benchmarks.quality.scale_score", str(score)])
         return Job(key, commands, self.work / "logs" / f"{score.stem}.log")
+
+    def peer_commands(self, key: RunKey) -> list[list[str]]:
+        """TRL's GOLD worker for one run (``heal_peer``): the same student, teacher, texts of the
+        seed, steps and learning-rate schedule; it saves the student in the run's ``final``."""
+        teacher = scale_arms.parse_scale_arm(key.arm).teachers[0]
+        return [
+            heal_peer.peer_job(
+                self.args, key.seed, self.student_dir, self.peer_teachers[teacher],
+                heal.teacher_tokenizer(teacher), self.args.trl, work=self.run_dir(key),
+                lr=key.lr, device="cuda" if self.args.gpus else "cpu",
+            )
+        ]  # fmt: skip
 
     def cache_job(self, arm: scale_arms.ScaleArm, ckey: tuple) -> Job:
         """``xtoken cache build`` of a cache arm's teacher over the training data."""
@@ -493,6 +545,11 @@ class Experiment:
                 for p in st["val_curve"]
             ]
             offset += st["steps"]
+        peer = (
+            heal_peer.peer_result(self.args, key.seed, self.run_dir(key), key.lr)[0]
+            if arm.peer
+            else {}
+        )
         final = res.get("final", {})
         heldout, fresh = final.get("heldout", {}), final.get("fresh", {})
         completion = heldout.get("completion") or {}
@@ -506,9 +563,13 @@ class Experiment:
             "lr": key.lr,
             "kl_weight": key.kl_weight,
             "temperature": key.temperature,
-            "tokens": sum(st["tokens"] for st in stages),
-            "steps": sum(st["steps"] for st in stages),
-            "deterministic": all(c["trainer"]["compute"]["deterministic"] for c in cfgs),
+            "tokens": peer.get("trained_tokens")
+            if arm.peer
+            else sum(st["tokens"] for st in stages),
+            "steps": peer.get("steps_run") if arm.peer else sum(st["steps"] for st in stages),
+            # TRL's worker makes no promise of bitwise-equal runs
+            "deterministic": bool(cfgs)
+            and all(c["trainer"]["compute"]["deterministic"] for c in cfgs),
             "exit": code,
             "wall_s": round(wall, 1),
             "lane": lane,
@@ -525,9 +586,13 @@ class Experiment:
             "lr_interior": self.plan().interior.get(key.arm),
             "weights_sha256": res.get("weights_sha256"),
             "val_curve": curve,
-            "train_s": round(sum(st["train_s"] for st in stages), 2),
+            "train_s": peer.get("wall_s")
+            if arm.peer
+            else round(sum(st["train_s"] for st in stages), 2),
             "scores": {s: _brief(v) for s, v in final.items()} or None,
         }
+        if arm.peer:
+            row["peer"] = peer  # TRL's version, its tokens/s, a non-finite step or an error
         if key.phase == "rerun":
             first = next(
                 (r for r in heal.read_rows([self.rows_path]) if r.get("mode") == "scale"
@@ -593,11 +658,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         args.aliases = heal.parse_aliases(args.model_alias)
+        defaulted = not args.arms
         args.arms = args.arms or list(
             scale_arms.SMOKE_ARMS if args.smoke else scale_arms.SCALE_ARMS
         )
         for spec in args.arms:  # refused before anything loads
             scale_arms.parse_scale_arm(spec)
+        resolve_trl(args, defaulted)
         if args.smoke:
             args.work = Path(args.work).resolve()
             smoke_setup(args)

@@ -13,6 +13,10 @@ keys of its own:
   the on-policy stage starts from that student, with the rest of the budget (a new optimizer,
   its own warm-up and cosine schedule: a run cannot resume with another on-policy share).
 
+``trl-gold@TEACHER[:lr=X]`` is TRL's ``GOLDTrainer`` (``heal_peer``: its worker in its own
+venv) distilling the same student from the same teacher over the same texts, tuned on the same
+learning-rate grid (its loss settings are TRL's); its twin is ``gold@TEACHER``.
+
 An arm's **family** is its spec without the keys of a variant (``topk``, ``cache``,
 ``on_policy``, ``start``) or of a tuned setting (``lr``, ``kl_weight``, ``temperature``): the
 KL weight and temperature are chosen once per family, on its plain arm. An arm's **twin** is the
@@ -52,6 +56,7 @@ SCALE_ARMS = (
     "pkl@qwen2.5-coder-0.5b:cache=64",
     "pkl@qwen2.5-coder-0.5b:on_policy=0.25",
     "pkl@qwen2.5-coder-0.5b:on_policy=0.5",
+    "trl-gold@qwen2.5-coder-0.5b",  # left out, with one line, where trl is not installed
 )
 SMOKE_ARMS = ("ce", "pkl@smollm2")
 VARIANT_KEYS = ("topk", "cache", "start", "on_policy")
@@ -71,11 +76,17 @@ class ScaleArm:
     cache: int | None = None
     start: float = 0.5
     family: str = "ce"
+    peer: bool = False
 
     @property
     def is_ce(self) -> bool:
         """No teacher: CE only."""
         return not self.teachers
+
+    @property
+    def tunes_kd(self) -> bool:
+        """Its KL weight and temperature are chosen on the grid (an xtoken KD arm)."""
+        return not self.is_ce and not self.peer
 
     @property
     def on_policy(self) -> float:
@@ -108,6 +119,8 @@ def parse_scale_arm(spec: str) -> ScaleArm:
     """
     head, colon, extra = spec.partition(":")
     pairs = [p for p in extra.split(",") if p] if colon else []
+    if head.partition("@")[0] == PEER_BASE:
+        return _parse_peer_arm(spec, head, pairs)
     own = {p.partition("=")[0]: p.partition("=")[2] for p in pairs if _key(p) in VARIANT_KEYS[:3]}
     rest = [p for p in pairs if _key(p) not in VARIANT_KEYS[:3]]
     base, at, names = head.partition("@")
@@ -155,6 +168,27 @@ def parse_scale_arm(spec: str) -> ScaleArm:
     return ScaleArm(spec, heal_arm, teachers, topk, cache, start, family_of(spec))
 
 
+#: the arm of TRL's GOLD trainer (``heal_peer``)
+PEER_BASE = "trl-gold"
+
+
+def _parse_peer_arm(spec: str, head: str, pairs: list[str]) -> ScaleArm:
+    """``trl-gold@TEACHER[:lr=X]``: one teacher, no key but ``lr``."""
+    teacher = head.partition("@")[2]
+    if not teacher or "+" in teacher:
+        raise ValueError(f"arm {spec!r}: TRL's GOLD trainer takes one teacher: trl-gold@TEACHER")
+    heal.teacher_tokenizer(teacher)  # a known teacher (names them)
+    bad = [p for p in pairs if _key(p) != "lr"]
+    if bad:
+        raise ValueError(
+            f"arm {spec!r}: TRL's GOLD arm takes only lr=VALUE (its loss settings are TRL's), "
+            f"not {bad}"
+        )
+    lr = heal._arm_lr(spec, pairs[-1]) if pairs else None
+    heal_arm = heal.HealArm(spec, PEER_BASE, teacher, {}, lr=lr)
+    return ScaleArm(spec, heal_arm, (teacher,), family=head, peer=True)
+
+
 def _key(pair: str) -> str:
     return pair.partition("=")[0]
 
@@ -180,6 +214,13 @@ def family_of(spec: str) -> str:
 
 def twin_of(arm: ScaleArm, specs: list[str]) -> str | None:
     """The arm ``arm`` is judged against, among ``specs`` (None: it has none there)."""
+    if arm.peer:
+        gold = f"gold@{arm.teachers[0]}"
+        for s in specs:
+            other = parse_scale_arm(s)
+            if other.family == gold and not (other.topk or other.cache or other.on_policy):
+                return s
+        return None
     if arm.is_ce or not (arm.topk or arm.cache or arm.on_policy):
         return None
     if arm.cache:

@@ -195,7 +195,7 @@ def plan(
     families: dict[str, tuple[float, float] | None] = {}
     for arm in arms:
         kd_setting: tuple[float | None, float | None] = (None, None)
-        if not arm.is_ce:
+        if arm.tunes_kd:
             pin = arm.pinned
             if "kl_weight" in pin and "temperature" in pin:
                 kd_setting = (rounded(pin["kl_weight"]), rounded(pin["temperature"]))

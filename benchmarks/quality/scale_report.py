@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.quality import heal, heal_stats
+from benchmarks.quality.scale_arms import PEER_BASE
 
 logger = logging.getLogger("kd_quality.scale")
 
@@ -69,6 +70,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         if not toks:
             continue
         same = r["student_tokenizer"] in toks
+        if r["family"].partition("@")[0] == PEER_BASE:
+            continue  # TRL's trainer: a reference point, not one of the arms the bars judge
         if same and len(toks) == 1 and arm == r["family"] and parent is None:
             parent = arm
         elif not same:

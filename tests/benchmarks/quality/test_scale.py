@@ -184,6 +184,8 @@ def test_no_run_config_of_any_arm_points_at_the_held_out_or_fresh_split(tmp_path
     caches = {(Q, 64): tmp_path / "cache"}
     for spec in scale_arms.SCALE_ARMS:
         arm = scale_arms.parse_scale_arm(spec)
+        if arm.peer:
+            continue  # TRL's worker: its texts are checked by the test of its job
         setting = scale_arms.Setting(1e-3, None if arm.is_ce else 0.5, None if arm.is_ce else 1.0)
         cfgs = scale_arms.run_configs(
             arm, 1, setting, args, tmp_path / "student", projections, tmp_path / "run", caches
@@ -555,3 +557,72 @@ def test_the_work_folder_given_as_text_is_the_resolved_path_the_run_configs_join
 def test_a_preset_student_is_built_with_its_tokenizers_vocabulary():
     model = scale.student_model("tiny", 1000)
     assert model.get_input_embeddings().weight.shape[0] == 1000
+
+
+# --------------------------------------------------------------------------- TRL's GOLD arm
+
+
+def test_the_trl_gold_arm_has_one_teacher_its_rate_alone_and_gold_as_twin():
+    arm = scale_arms.parse_scale_arm(f"trl-gold@{Q}")
+    assert arm.peer and not arm.tunes_kd and arm.teachers == (Q,)
+    assert arm.family == f"trl-gold@{Q}" and arm.pinned == {}
+    assert scale_arms.parse_scale_arm(f"trl-gold@{Q}:lr=0.001").pinned == {"lr": 1e-3}
+    specs = ["ce", f"gold@{Q}:topk=32", f"gold@{Q}", f"trl-gold@{Q}"]
+    assert scale_arms.twin_of(arm, specs) == f"gold@{Q}"
+    assert scale_arms.twin_of(arm, ["ce"]) is None
+    with pytest.raises(ValueError, match="takes only lr=VALUE"):
+        scale_arms.parse_scale_arm(f"trl-gold@{Q}:kl_weight=0.5")
+    with pytest.raises(ValueError, match="one teacher"):
+        scale_arms.parse_scale_arm(f"trl-gold@{Q}+{G}")
+
+
+def test_the_trl_gold_arm_is_tuned_on_the_rate_grid_alone():
+    arms = [scale_arms.parse_scale_arm(s) for s in (f"pkl@{Q}", f"trl-gold@{Q}")]
+    spec = GridSpec(lrs=(5e-4, 1e-3), kl_weights=(0.5, 1.0), temperatures=(1.0,))
+    pending = scale_grid.plan(arms, {}, spec).pending
+    trl = [k for k in pending if k.arm == f"trl-gold@{Q}"]
+    assert {(k.lr, k.kl_weight, k.temperature) for k in trl} == {(5e-4, None, None),
+                                                                (1e-3, None, None)}  # fmt: skip
+    assert {k.kl_weight for k in pending if k.arm == f"pkl@{Q}"} == {0.5, 1.0}
+
+
+def test_a_named_trl_arm_without_trl_is_refused_and_the_default_one_left_out(tmp_path):
+    args = argparse.Namespace(arms=["ce", f"trl-gold@{Q}"], trl_python=str(tmp_path / "nopy"))
+    with pytest.raises(ValueError, match=r"arm trl-gold@qwen2.5-coder-0.5b needs trl: "):
+        scale.resolve_trl(args, defaulted=False)
+    scale.resolve_trl(args, defaulted=True)
+    assert args.arms == ["ce"] and args.trl is None
+    plain = argparse.Namespace(arms=["ce"], trl_python=None)
+    scale.resolve_trl(plain, defaulted=False)
+    assert plain.trl is None
+
+
+def test_a_trl_run_trains_the_seeds_train_texts_at_its_rate_into_its_own_folder(tmp_path):
+    from benchmarks.quality import heal_peer
+
+    split = tmp_path / "split"
+    split.mkdir()
+    for name in ("train", "heldout", "fresh", "val"):
+        rows = [{"text": f"{name} text number {i}\n" * 3} for i in range(40)]
+        (split / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    args = _args(tmp_path)
+    args.corpus, args.steps, args.batch = split, 3, 4
+    run = tmp_path / "runs" / "trl-gold_s1_lr0.002"
+    argv = heal_peer.peer_job(args, 1, tmp_path / "student", tmp_path / "teacher", "qwen3",
+                              "python3", work=run, lr=2e-3, device="cpu")  # fmt: skip
+    assert argv[2:] == [str(run / "spec.json"), str(run / "result.json")]
+    spec = json.loads((run / "spec.json").read_text())
+    assert (spec["lr"], spec["device"], spec["steps"]) == (2e-3, "cpu", 3)
+    assert spec["save"] == str(run / "final")  # where the scoring reads the student
+    texts = [json.loads(x)["completion"] for x in (run / "data.jsonl").read_text().splitlines()]
+    assert len(texts) == 12 and all(t.startswith("train text") for t in texts)
+
+
+def test_the_trl_gold_arm_is_in_the_table_but_judged_by_no_bar():
+    rows = _rows()
+    for seed in range(3):  # TRL's rows: worse than CE, which would miss a cross-tokenizer bar
+        rows.append(_row(f"trl-gold@{Q}", seed, 1.2, 1.7, [Q], deterministic=False))
+    summary = scale_report.summarize(rows)
+    assert f"trl-gold@{Q}" in summary["arms"] and f"trl-gold@{Q}" not in summary["cross"]
+    names = [name for name, _, _ in scale_report.bars(summary, rows)]
+    assert not any("trl-gold" in name for name in names)
