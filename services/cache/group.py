@@ -36,6 +36,8 @@ import torch
 
 from services.cache.build import BuildSummary, CacheBuilder
 from xtoken_core.errors import SettingsError
+from xtoken_core.kernels._utils import use_triton
+from xtoken_core.kernels.topk_rest import row_lse_rest
 from xtoken_core.wire.topk import TopK
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,10 @@ def slice_topk(
         ids (int32), and the log-sum-exp of the slice's other logits (fp32; ``-inf`` when the
         K are all of them).
     """
+    if use_triton(logits_NV):  # one pass over the logits as they are (encode_topk's kernel)
+        values_NK, idx_NK = torch.topk(logits_NV, k, dim=-1)
+        lse_N, rest_N = row_lse_rest(logits_NV, values_NK)
+        return values_NK.float(), (idx_NK + lo).to(torch.int32), rest_N + lse_N
     z_NV = logits_NV.to(torch.float32, copy=True)  # masked in place below
     values_NK, idx_NK = torch.topk(z_NV, k, dim=-1)
     z_NV.scatter_(-1, idx_NK, float("-inf"))

@@ -14,7 +14,8 @@ from the top K:
 * ``rest = log(s_rest) - log(s_all)``: summed from the small terms themselves, so it stays
   exact when the top K hold nearly all the mass (``log(1 - sum p)`` would cancel).
 
-A row at ``-inf`` outside its top K gives ``rest = -inf``, as the log-sum-exp of nothing.
+A row at ``-inf`` outside its top K gives ``rest = -inf``, as the log-sum-exp of nothing; a row
+all ``-inf`` gives ``lse = rest = -inf``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _row_lse_rest_kernel(
     top = tl.load(top_ptr + row * stride_top + ks, mask=ks < K, other=float("inf"))
     top = top.to(tl.float32)
     m = tl.load(top_ptr + row * stride_top).to(tl.float32)  # the largest value
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row all -inf: every term 0, no NaN
     thr = tl.load(top_ptr + row * stride_top + K - 1).to(tl.float32)  # the K-th
     kept_ties = tl.reduce((top == thr).to(tl.float32), 0, SUM_COMBINE)
     s_all = tl.full((BLOCK_W,), 0.0, tl.float32)
@@ -66,7 +68,8 @@ def _row_lse_rest_kernel(
     rest_sum = below + left_out * tl.exp(thr - m)
     log_total = tl.log(total)
     tl.store(lse_ptr + row, m + log_total)
-    tl.store(rest_ptr + row, tl.log(rest_sum) - log_total)
+    rest = tl.where(total > 0, tl.log(rest_sum) - log_total, float("-inf"))
+    tl.store(rest_ptr + row, rest)
 
 
 def row_lse_rest(z_nW: torch.Tensor, top_nK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,9 +116,11 @@ def _reference(z_nW: torch.Tensor, top_nK: torch.Tensor) -> tuple[torch.Tensor, 
     z = z_nW.float()
     top = top_nK.float()
     m, thr = top[:, :1], top[:, -1:]
+    m = torch.where(torch.isneginf(m), 0.0, m)  # a row all -inf: every term 0, no NaN
     e = torch.exp(z - m)
     total = e.sum(-1)
     left_out = (z == thr).sum(-1) - (top == thr).sum(-1)
     rest_sum = torch.where(z < thr, e, 0.0).sum(-1) + left_out * torch.exp(thr - m).squeeze(-1)
     log_total = total.log()
-    return m.squeeze(-1) + log_total, rest_sum.log() - log_total
+    rest = torch.where(total > 0, rest_sum.log() - log_total, float("-inf"))
+    return m.squeeze(-1) + log_total, rest

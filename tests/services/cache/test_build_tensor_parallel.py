@@ -114,18 +114,22 @@ def _same_targets(got, want) -> None:
 # ----------------------------------------------------------------------------- the merge
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize(("W", "S", "k"), [(1001, 3, 8), (50, 2, 25), (7, 2, 3)])
-def test_the_slices_top_k_merge_into_the_whole_vocabs(W, S, k):
+def test_the_slices_top_k_merge_into_the_whole_vocabs(W, S, k, kernel, monkeypatch):
     g = torch.Generator().manual_seed(W)
     logits_NW = torch.randn(2, 5, W, generator=g).reshape(10, W) * 4
     logits_NW[0, : W // 2] = float("-inf")  # a position whose top K all lie in the last slice
+    want = encode_topk(logits_NW, k)  # the whole row, through PyTorch ops
+    if kernel:  # the slices through the one-pass kernel a GPU takes, in Triton's interpreter
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     parts = []
     for r in range(S):
         lo, hi = column_bounds(W, S, r)
         parts.append(slice_topk(logits_NW[:, lo:hi], k, lo))
     values, ids, tails = (torch.stack(t) for t in zip(*parts, strict=True))
     got = merge_topk(values, ids, tails, k)
-    want = encode_topk(logits_NW, k)
     assert torch.equal(got.ids_NK, want.ids_NK) and got.ids_NK.dtype == torch.int32
     torch.testing.assert_close(got.logprobs_NK, want.logprobs_NK, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.lse_N, want.lse_N, rtol=1e-6, atol=1e-5)

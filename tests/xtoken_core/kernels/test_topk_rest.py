@@ -60,6 +60,9 @@ def test_no_mass_outside_the_top_k_is_minus_infinity():
     assert float(rest[0]) == float("-inf") and torch.isfinite(lse).all()
     _, rest_all = row_lse_rest(z, torch.topk(z, 4, -1).values)  # K covers the row
     assert float(rest_all[1]) == float("-inf")
+    nothing = torch.full((1, 5), float("-inf"), device=DEVICE)  # a vocab slice all masked
+    lse, rest = row_lse_rest(nothing, torch.topk(nothing, 2, -1).values)
+    assert float(lse[0]) == float(rest[0]) == float("-inf")
 
 
 def test_rows_and_top_values_that_do_not_pair_up_are_refused():
