@@ -63,6 +63,7 @@ def _adamw_publish_kernel(
     G_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # program -> (parameter i, its block b); addr_ptr is int64 [6, n_params]: the master, the
@@ -77,6 +78,12 @@ def _adamw_publish_kernel(
     v_ptr = tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(tl.float32))
     c_ptr = tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.int16))
     step_ptr = tl.load(addr_ptr + 5 * n_params + i).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # every tensor starts on 16 bytes (checked on the host): wide loads and stores
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        c_ptr = tl.multiple_of(c_ptr, 16)
     offs = b * BLOCK + tl.arange(0, BLOCK)
     if HAS_INF:  # a step skipped: no element read or written
         n = tl.where(tl.load(inf_ptr) == 0, n, 0)
@@ -180,7 +187,7 @@ def adamw_publish_(
             by_dtype.setdefault(grads[i].dtype, []).append(i)
     log_beta1, log_beta2 = math.log(beta1), math.log(beta2)
     for g_dtype, idx in by_dtype.items():  # one launch per gradient dtype (one, in a trainer)
-        owner, first, numel, addrs = _launch_tables(
+        owner, first, numel, addrs, aligned = _launch_tables(
             [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
             [exp_avg_sqs[i] for i in idx], [computes[i] for i in idx], [steps[i] for i in idx],
         )  # fmt: skip
@@ -191,7 +198,7 @@ def adamw_publish_(
             len(idx), float(lr), float(beta1), float(beta2), log_beta1, log_beta2, float(eps),
             float(weight_decay),
             G_DTYPE=_TL_DTYPES[g_dtype], HAS_SCALE=grad_scale is not None,
-            HAS_INF=found_inf is not None, BLOCK=ADAMW_BLOCK, num_warps=8,
+            HAS_INF=found_inf is not None, ALIGNED=aligned, BLOCK=ADAMW_BLOCK, num_warps=8,
         )  # fmt: skip
 
 
@@ -205,16 +212,17 @@ _TL_DTYPES = (
 # the launch tables last built, on their device: the program map by the sizes, the address
 # table by the addresses (a trainer passes the same tensors every step); a few entries
 _MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_ADDRS: dict[tuple, torch.Tensor] = {}
+_ADDRS: dict[tuple, tuple[torch.Tensor, bool]] = {}
 _CACHED = 8
 
 
 def _launch_tables(
     params, grads, exp_avgs, exp_avg_sqs, computes, steps
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """The grouped launch's tables on the parameters' device: ``owner`` (int32, the parameter
-    of each program), ``first`` (int32, each parameter's first program), ``numel`` (int64) and
-    ``addrs`` (int64 ``[6, P]``: master, gradient, moments, compute copy, step)."""
+    of each program), ``first`` (int32, each parameter's first program), ``numel`` (int64),
+    ``addrs`` (int64 ``[6, P]``: master, gradient, moments, compute copy, step) and whether
+    every tensor but the steps starts on 16 bytes."""
     device = params[0].device
     sizes = (device, tuple(p.numel() for p in params))
     tables = _MAPS.get(sizes)
@@ -230,11 +238,13 @@ def _launch_tables(
         _remember(_MAPS, sizes, tables)
     key = (device, *(t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs, computes,
                                              steps) for t in ts))  # fmt: skip
-    addrs = _ADDRS.get(key)
-    if addrs is None:
+    entry = _ADDRS.get(key)
+    if entry is None:
         addrs = torch.tensor(key[1:], dtype=torch.int64).view(6, len(params)).to(device)
-        _remember(_ADDRS, key, addrs)
-    return (*tables, addrs)
+        aligned = all(a % 16 == 0 for a in key[1 : 1 + 5 * len(params)])
+        entry = (addrs, aligned)
+        _remember(_ADDRS, key, entry)
+    return (*tables, *entry)
 
 
 def _remember(cache: dict, key: tuple, value) -> None:

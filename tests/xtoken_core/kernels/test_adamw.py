@@ -119,6 +119,25 @@ def test_each_call_reads_the_gradients_it_is_given_not_those_of_an_earlier_call(
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_tensors_that_start_off_sixteen_bytes_update_as_well():
+    # views one element into their storage: no wide loads may be assumed (on a GPU a misaligned
+    # wide load is an error)
+    params = [torch.randn(n + 1, device=DEVICE)[1:] for n in (33, 4100)]
+    grads = [(torch.randn(n + 1, device=DEVICE) * 0.1)[1:] for n in (33, 4100)]
+    assert all(p.data_ptr() % 16 for p in params)
+    want, _ = _torch_steps(params, [grads], [None], [None], weight_decay=0.0)
+    masters = [torch.empty(p.numel() + 1, device=DEVICE)[1:].copy_(p) for p in params]
+    computes = [torch.empty(p.numel() + 1, device=DEVICE, dtype=torch.bfloat16)[1:] for p in params]
+    ms = [torch.zeros(p.numel() + 1, device=DEVICE)[1:] for p in params]
+    vs = [torch.zeros(p.numel() + 1, device=DEVICE)[1:] for p in params]
+    steps = [torch.ones((), device=DEVICE) for _ in params]
+    adamw_publish_(masters, grads, ms, vs, steps, computes, lr=1e-2, beta1=0.9, beta2=0.95,
+                   eps=1e-8, weight_decay=0.0)  # fmt: skip
+    for w, g, c in zip(want, masters, computes, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, g.to(torch.bfloat16))
+
+
 def test_lists_that_do_not_pair_up_are_refused():
     p = torch.zeros(4, device=DEVICE)
     one = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
