@@ -53,6 +53,7 @@ class Lanes:
             gets SIGTERM, then SIGKILL 15 s later, and the job ends with :data:`TIMED_OUT`.
         cwd: where the commands run.
         env: their environment (default: this process's).
+        name: the tag of its log lines.
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class Lanes:
         timeout_s: float,
         cwd: Path,
         env: dict[str, str] | None = None,
+        name: str = "scale",
     ) -> None:
         if not lanes:
             raise ValueError("no lanes: give --gpus or --lanes >= 1")
@@ -68,6 +70,7 @@ class Lanes:
             raise ValueError(f"--run-timeout-s {timeout_s}: must be > 0 seconds")
         self.lanes, self.timeout_s, self.cwd = list(lanes), timeout_s, cwd
         self.env = dict(os.environ if env is None else env)
+        self.name = name
 
     def run(
         self,
@@ -104,7 +107,9 @@ class Lanes:
                 code = r.proc.poll()
                 wall = time.monotonic() - r.t0
                 if code is None and wall > self.timeout_s:
-                    logger.warning("[scale] %s timed out after %.0fs: stopping it", r.job.key, wall)
+                    logger.warning(
+                        "[%s] %s timed out after %.0fs: stopping it", self.name, r.job.key, wall
+                    )
                     _stop(r.proc)
                     code = TIMED_OUT
                 if code is None:
@@ -114,7 +119,7 @@ class Lanes:
                     continue
                 r.log.close()
                 del running[i]
-                logger.info("[scale] %s exited %d after %.0fs", r.job.key, code, wall)
+                logger.info("[%s] %s exited %d after %.0fs", self.name, r.job.key, code, wall)
                 on_done(r.job, code, wall, r.lane)
                 ask = True
 
@@ -134,7 +139,7 @@ class Lanes:
             start_new_session=True,  # its own process group: a timeout stops its children too
         )
         where = "" if lane is None else f" on GPU {lane}"
-        logger.info("[scale] %s step %d%s (pid %d)", job.key, step, where, proc.pid)
+        logger.info("[%s] %s step %d%s (pid %d)", self.name, job.key, step, where, proc.pid)
         return _Running(job, lane, proc, step, t0, log)
 
 
