@@ -305,7 +305,6 @@ class Experiment:
 
     def prepare(self) -> None:
         """The split, the budget in steps, the student folder, projections and teachers."""
-
         from xtoken_core.models import export_hf
         from xtoken_core.tokenizers import load_tokenizer
 
