@@ -64,6 +64,7 @@ def _adamw_publish_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_INF: tl.constexpr,
     ALIGNED: tl.constexpr,
+    N16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # program -> (parameter i, its block b); addr_ptr is int64 [6, n_params]: the master, the
@@ -72,6 +73,8 @@ def _adamw_publish_kernel(
     i = tl.load(owner_ptr + pid).to(tl.int64)
     b = (pid - tl.load(first_ptr + i)).to(tl.int64)
     n = tl.load(numel_ptr + i)
+    if N16:  # every size a multiple of 16 (checked on the host): the mask keeps wide accesses
+        n = tl.multiple_of(n, 16)
     p_ptr = tl.load(addr_ptr + i).to(tl.pointer_type(tl.float32))
     g_ptr = tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE))
     m_ptr = tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(tl.float32))
@@ -187,7 +190,7 @@ def adamw_publish_(
             by_dtype.setdefault(grads[i].dtype, []).append(i)
     log_beta1, log_beta2 = math.log(beta1), math.log(beta2)
     for g_dtype, idx in by_dtype.items():  # one launch per gradient dtype (one, in a trainer)
-        owner, first, numel, addrs, aligned = _launch_tables(
+        owner, first, numel, addrs, aligned, n16 = _launch_tables(
             [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
             [exp_avg_sqs[i] for i in idx], [computes[i] for i in idx], [steps[i] for i in idx],
         )  # fmt: skip
@@ -198,7 +201,8 @@ def adamw_publish_(
             len(idx), float(lr), float(beta1), float(beta2), log_beta1, log_beta2, float(eps),
             float(weight_decay),
             G_DTYPE=_TL_DTYPES[g_dtype], HAS_SCALE=grad_scale is not None,
-            HAS_INF=found_inf is not None, ALIGNED=aligned, BLOCK=ADAMW_BLOCK, num_warps=8,
+            HAS_INF=found_inf is not None, ALIGNED=aligned, N16=n16, BLOCK=ADAMW_BLOCK,
+            num_warps=8,
         )  # fmt: skip
 
 
@@ -211,18 +215,18 @@ _TL_DTYPES = (
 
 # the launch tables last built, on their device: the program map by the sizes, the address
 # table by the addresses (a trainer passes the same tensors every step); a few entries
-_MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_MAPS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
 _ADDRS: dict[tuple, tuple[torch.Tensor, bool]] = {}
 _CACHED = 8
 
 
 def _launch_tables(
     params, grads, exp_avgs, exp_avg_sqs, computes, steps
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, bool]:
     """The grouped launch's tables on the parameters' device: ``owner`` (int32, the parameter
     of each program), ``first`` (int32, each parameter's first program), ``numel`` (int64),
-    ``addrs`` (int64 ``[6, P]``: master, gradient, moments, compute copy, step) and whether
-    every tensor but the steps starts on 16 bytes."""
+    ``addrs`` (int64 ``[6, P]``: master, gradient, moments, compute copy, step), whether every
+    tensor but the steps starts on 16 bytes, and whether every size is a multiple of 16."""
     device = params[0].device
     sizes = (device, tuple(p.numel() for p in params))
     tables = _MAPS.get(sizes)
@@ -234,6 +238,7 @@ def _launch_tables(
             owner.to(device=device, dtype=torch.int32),
             first.to(device=device, dtype=torch.int32),
             torch.tensor(sizes[1], dtype=torch.int64, device=device),
+            all(n % 16 == 0 for n in sizes[1]),
         )
         _remember(_MAPS, sizes, tables)
     key = (device, *(t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs, computes,
@@ -244,7 +249,9 @@ def _launch_tables(
         aligned = all(a % 16 == 0 for a in key[1 : 1 + 5 * len(params)])
         entry = (addrs, aligned)
         _remember(_ADDRS, key, entry)
-    return (*tables, *entry)
+    owner, first, numel, n16 = tables
+    addrs, aligned = entry
+    return owner, first, numel, addrs, aligned, n16
 
 
 def _remember(cache: dict, key: tuple, value) -> None:

@@ -119,6 +119,17 @@ def test_each_call_reads_the_gradients_it_is_given_not_those_of_an_earlier_call(
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_sizes_that_are_all_multiples_of_sixteen_update_as_well():
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(s, generator=gen).to(DEVICE) for s in ((16,), (ADAMW_BLOCK + 16,))]
+    grads = _grads(params, 8)
+    want, _ = _torch_steps(params, [grads], [None], [None], weight_decay=0.1)
+    got, *_, computes = _fused_steps(params, [grads], [None], [None], weight_decay=0.1)
+    for w, g, c in zip(want, got, computes, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, g.to(torch.bfloat16))
+
+
 def test_tensors_that_start_off_sixteen_bytes_update_as_well():
     # views one element into their storage: no wide loads may be assumed (on a GPU a misaligned
     # wide load is an error)
