@@ -267,6 +267,18 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=@-]+", "-", text)
 
 
+def student_model(spec: str, vocab_size: int):
+    """The student's model in fp32: a random-init preset shape is built with the student
+    tokenizer's vocabulary (``vocab_size``), any other spec loads as it is."""
+    import torch
+
+    from xtoken_core.models import load_model
+    from xtoken_core.models.presets import PRESETS
+
+    vocab = vocab_size if spec.partition(":")[0] in PRESETS else None
+    return load_model(spec, dtype=torch.float32, vocab_size=vocab)
+
+
 def load_teacher(name: str, aliases: dict[str, str], device="cpu"):
     """A teacher's model (float32), its vocab checked against its tokenizer's."""
     import torch
@@ -528,7 +540,7 @@ def run_heal(args) -> int:
 
     student_dir = args.work / "student" / slug(resolve(args.student, args.aliases))
     if not (student_dir / "config.json").is_file():
-        model = load_model(resolve(args.student, args.aliases), dtype=torch.float32)
+        model = student_model(resolve(args.student, args.aliases), s_tok.vocab_size)
         export_hf(model, student_dir, tokenizer=args.student_tokenizer)
         del model
     student_params = sum(

@@ -228,18 +228,6 @@ def check_installed(name: str, aliases: dict[str, str]) -> None:
         ) from None
 
 
-def student_model(spec: str, vocab_size: int):
-    """The student's model in fp32: a random-init preset shape is built with the student
-    tokenizer's vocabulary (``vocab_size``), any other spec loads as it is."""
-    import torch
-
-    from xtoken_core.models import load_model
-    from xtoken_core.models.presets import PRESETS
-
-    vocab = vocab_size if spec.partition(":")[0] in PRESETS else None
-    return load_model(spec, dtype=torch.float32, vocab_size=vocab)
-
-
 def resolve_trl(args: argparse.Namespace, defaulted: bool) -> None:
     """``args.trl``: the python TRL's arms run under (None without such an arm). Where trl is
     not importable, default arms leave TRL's arm out (one log line); named ones are refused.
@@ -326,7 +314,7 @@ class Experiment:
         a.epochs = math.ceil(a.steps * a.batch / max(1, len(train))) + 1
         self.student_dir = self.work / "student" / heal.slug(heal.resolve(a.student, a.aliases))
         if not (self.student_dir / "config.json").is_file():
-            model = student_model(heal.resolve(a.student, a.aliases), s_tok.vocab_size)
+            model = heal.student_model(heal.resolve(a.student, a.aliases), s_tok.vocab_size)
             export_hf(model, self.student_dir, tokenizer=a.student_tokenizer)
         self.projections: dict[str, Path] = {}
         for name in self.teachers:

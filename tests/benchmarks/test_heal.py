@@ -360,3 +360,10 @@ def test_an_arm_of_its_own_learning_rate_trains_at_it_and_the_run_accepts_it(tmp
 def test_a_learning_rate_that_is_not_a_positive_number_is_refused_naming_it(bad, match):
     with pytest.raises(ValueError, match=match):
         heal.parse_heal_arm(bad)
+
+
+def test_a_preset_student_is_built_with_its_tokenizers_vocabulary():
+    from benchmarks.quality.heal import student_model
+
+    model = student_model("tiny", 1000)
+    assert model.get_input_embeddings().weight.shape[0] == 1000

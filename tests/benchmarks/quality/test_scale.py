@@ -554,11 +554,6 @@ def test_the_work_folder_given_as_text_is_the_resolved_path_the_run_configs_join
     assert exp.args.work == (tmp_path / "w").resolve() == exp.work
 
 
-def test_a_preset_student_is_built_with_its_tokenizers_vocabulary():
-    model = scale.student_model("tiny", 1000)
-    assert model.get_input_embeddings().weight.shape[0] == 1000
-
-
 # --------------------------------------------------------------------------- TRL's GOLD arm
 
 

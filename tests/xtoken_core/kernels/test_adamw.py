@@ -97,15 +97,20 @@ def test_bf16_gradients_are_read_as_they_are():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _one_step_matches_torch(params, grads, weight_decay: float) -> None:
+    """One fused step equals torch's fused AdamW, and each copy is its master rounded."""
+    want, _ = _torch_steps(params, [grads], [None], [None], weight_decay=weight_decay)
+    got, *_, computes = _fused_steps(params, [grads], [None], [None], weight_decay=weight_decay)
+    for w, g, c in zip(want, got, computes, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, g.to(torch.bfloat16))
+
+
 def test_one_call_takes_gradients_of_two_dtypes_and_an_empty_parameter():
     params = _params(4) + [torch.zeros(0, device=DEVICE)]
     grads = _grads(params, 6)
     grads[1] = grads[1].to(torch.bfloat16)  # a launch per gradient dtype
-    want, _ = _torch_steps(params, [grads], [None], [None], weight_decay=0.1)
-    got, *_, computes = _fused_steps(params, [grads], [None], [None], weight_decay=0.1)
-    for w, g, c in zip(want, got, computes, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-        assert torch.equal(c, g.to(torch.bfloat16))
+    _one_step_matches_torch(params, grads, weight_decay=0.1)
 
 
 def test_each_call_reads_the_gradients_it_is_given_not_those_of_an_earlier_call():
@@ -122,12 +127,7 @@ def test_each_call_reads_the_gradients_it_is_given_not_those_of_an_earlier_call(
 def test_sizes_that_are_all_multiples_of_sixteen_update_as_well():
     gen = torch.Generator().manual_seed(7)
     params = [torch.randn(s, generator=gen).to(DEVICE) for s in ((16,), (ADAMW_BLOCK + 16,))]
-    grads = _grads(params, 8)
-    want, _ = _torch_steps(params, [grads], [None], [None], weight_decay=0.1)
-    got, *_, computes = _fused_steps(params, [grads], [None], [None], weight_decay=0.1)
-    for w, g, c in zip(want, got, computes, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-        assert torch.equal(c, g.to(torch.bfloat16))
+    _one_step_matches_torch(params, _grads(params, 8), weight_decay=0.1)
 
 
 def test_tensors_that_start_off_sixteen_bytes_update_as_well():

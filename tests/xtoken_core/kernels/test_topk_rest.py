@@ -65,6 +65,17 @@ def test_no_mass_outside_the_top_k_is_minus_infinity():
     assert float(lse[0]) == float(rest[0]) == float("-inf")
 
 
+@pytest.mark.usefixtures("no_interpreter")
+def test_the_cpu_reference_path_equals_float64_sums_too():
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(4, 300, generator=gen) * 4
+    z[0, 5:] = float("-inf")  # no rest
+    lse, rest = row_lse_rest(z, torch.topk(z, 5, -1).values)
+    want_lse, want_rest = _want(z, 5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
+    torch.testing.assert_close(rest.double(), want_rest, rtol=0, atol=2e-4)
+
+
 def test_rows_and_top_values_that_do_not_pair_up_are_refused():
     z = torch.zeros(3, 10, device=DEVICE)
     with pytest.raises(ValueError, match=r"logits \[n, W\] and their top values"):
