@@ -550,6 +550,8 @@ def pipeline(
         "tokens_per_s": rate
         or sum(r["tokens"] for r in measured) / sum(r["step_s"] for r in measured),
         "step_s": step_s,
+        # the steps the rate was counted over (rank 0's, from one start to the next)
+        "timed_steps": counted,
         "between_steps_ms": None if between is None else 1000 * between,
         "compile_s": compiled[-1]["seconds"] if compiled else None,
         "recompiles": measured[-1].get("recompiles"),

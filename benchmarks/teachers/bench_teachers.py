@@ -191,6 +191,9 @@ def main() -> int:
             "top_k": args.top_k if args.transport == "topk" else None,
             "bytes_per_teacher_token": bytes_per_teacher_token(args.transport, teacher, args.top_k),
             "tokens_per_s": tps,
+            # tokens over the spans from a step's start to the next's (benchmarks/_common.py)
+            "rate": "step_starts",
+            "timed_steps": got.get("timed_steps"),
             "tokens_per_s_per_gpu": tps / args.gpus if tps else None,
             "mfu_e2e": (s_flops + t_flops) * tps / (args.gpus * peak) if tps and peak else None,
             "student_params": student["params"],
