@@ -233,6 +233,7 @@ def main() -> int:
     stamp = {
         "commit": commit(),
         "device": _dev(args),
+        "student": args.student,
         "mode": args.mode,
     }
     print(f"device {stamp['device']}; mode {args.mode}")

@@ -18,6 +18,10 @@ say false.
 
 * **Budget**: ``--tokens`` student tokens per run (default 20 M), as steps of ``--batch`` samples
   of at most ``--ctx`` tokens (the mean sample's tokens measured on the training split).
+  ``--grid-tokens`` (default ``--tokens``) gives the grid's runs a smaller budget: every arm's
+  settings are then chosen alike on shorter runs, and the final runs train ``--tokens`` in
+  folders of their own (with one budget a final run of the grid's seed reuses its grid run).
+  Rows carry their run's budget; a later call counts only the rows of its own budgets.
 * **Grid** (``scale_grid``): the KL weight and temperature of each KD family on a small grid at
   the middle learning rate, then the learning-rate grid (the same for every arm) extended one
   ``--lr-factor`` step at a time until each arm's best is interior (at most ``--max-extend``
@@ -43,13 +47,17 @@ CE and 0.12-0.23 s for P-KL from Qwen2.5-Coder with two runs sharing one GPU; al
 deterministic mode; on-policy stages are bound by sampling and slower. The default grid is ~125
 trainings (8 KD families x 6 KL weight / temperature pairs, 14 arms x 3-4 rates, 14 x 2 final
 seeds beyond the grid's), ~5 h on four H100s; ``--deadline-s`` ends a call early and the next
-call goes on from the rows (``--kl-weights 0.5 1 --temperatures 1`` makes it ~3 h).
+call goes on from the rows (``--kl-weights 0.5 1 --temperatures 1`` makes it ~3 h). With
+``--grid-tokens 2000000`` the ~97 grid trainings take ~0.2 G student tokens and the 42 final runs
+0.84 G, against 2.5 G with one budget (measured since: 12 runs of 2 M tokens on four H200s, three
+a GPU, trained in ~61 s each and took ~340 s with start-up and scoring,
+``benchmarks/results/teacher_cache_quality.jsonl``).
 
 Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm machine)::
 
     python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split
     python benchmarks/quality/scale.py --gpus 0 1 2 3 --corpus benchmarks/quality/heal_split \\
-        --work runs/scale --out $OUT --tokens 20000000 \\
+        --work runs/scale --out $OUT --tokens 20000000 --grid-tokens 2000000 \\
         --model-alias qwen2.5-coder-0.5b=gguf:/PATH/qwen.gguf gemma3-270m=gguf:/PATH/gemma.gguf
     python benchmarks/quality/scale.py --report --out $OUT
 
@@ -65,6 +73,7 @@ run's own check (its rerun row).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -95,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", nargs="+", default=None, help="arm specs (scale_arms.SCALE_ARMS)")
     p.add_argument("--tokens", type=int, default=20_000_000, help="student tokens per run")
+    p.add_argument(
+        "--grid-tokens",
+        type=int,
+        default=None,
+        help="student tokens per grid run (default --tokens; the final runs train --tokens)",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds of final runs (0 1 2)")
     p.add_argument("--grid-seed", type=int, default=0, help="the seed every choice is made on")
     p.add_argument(
@@ -165,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
     if args.runs_per_gpu < 1:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
+    if args.grid_tokens is not None and not 0 < args.grid_tokens <= args.tokens:
+        p.error(
+            f"--grid-tokens {args.grid_tokens}: give a budget > 0 and at most --tokens "
+            f"({args.tokens}); the grid's runs choose the final runs' setting"
+        )
     return args
 
 
@@ -309,8 +329,11 @@ class Experiment:
         self.sample_tokens = scale_arms.mean_sample_tokens(train[:2000], s_tok, a.ctx)
         if a.smoke:  # a few steps, whatever --tokens says
             a.tokens = round(a.steps * a.batch * self.sample_tokens)
+            a.grid_steps, a.grid_tokens = a.steps, a.tokens
         else:
             a.steps = scale_arms.steps_for(a.tokens, a.batch, self.sample_tokens)
+            a.grid_tokens = a.grid_tokens or a.tokens
+            a.grid_steps = scale_arms.steps_for(a.grid_tokens, a.batch, self.sample_tokens)
         a.epochs = math.ceil(a.steps * a.batch / max(1, len(train))) + 1
         self.student_dir = self.work / "student" / heal.slug(heal.resolve(a.student, a.aliases))
         if not (self.student_dir / "config.json").is_file():
@@ -357,13 +380,45 @@ class Experiment:
             "fresh_commit": split.get("fresh", {}).get("commit"),
             "smoke": bool(a.smoke),
         }
+        other = self.load_results()
+        logger.info(
+            "[scale] %d arms, %d steps of %d x %d (%.0f tokens a sample; grid runs %d steps), "
+            "%d scored runs before, %d rows of another budget left out",
+            len(self.arms), a.steps, a.batch, a.ctx, self.sample_tokens, a.grid_steps,
+            len(self.results), other,
+        )  # fmt: skip
+
+    def load_results(self) -> int:
+        """The runs done before, from the rows of this budget (a grid run's of the grid's, a
+        final run's of ``--tokens``); returns how many rows of another budget were left out."""
+        other = 0
         for row in heal.read_rows([self.rows_path]):
             if row.get("mode") == "scale" and row.get("validation_bpb") is not None:
-                self.results[scale_grid.row_key(row)] = row["validation_bpb"]
-        logger.info(
-            "[scale] %d arms, %d steps of %d x %d (%.0f tokens a sample), %d scored runs before",
-            len(self.arms), a.steps, a.batch, a.ctx, self.sample_tokens, len(self.results),
-        )  # fmt: skip
+                key = scale_grid.row_key(row)
+                if row.get("steps_budget") != self.budget(key)["steps_budget"]:
+                    other += 1
+                    continue
+                self.results[key] = row["validation_bpb"]
+        return other
+
+    def budget(self, key: RunKey) -> dict:
+        """A run's budget: the grid's for a grid run, ``--tokens`` for the final runs."""
+        a = self.args
+        if key.phase == "grid":
+            return {"steps_budget": a.grid_steps, "tokens_budget": a.grid_tokens}
+        return {"steps_budget": a.steps, "tokens_budget": a.tokens}
+
+    def args_of(self, key: RunKey) -> argparse.Namespace:
+        """The run settings of one run: the budget's steps for its phase."""
+        a = copy.copy(self.args)
+        a.steps = self.budget(key)["steps_budget"]
+        return a
+
+    def short_grid(self, key: RunKey) -> str:
+        """A grid run's folder suffix where the grid trains fewer steps than the final runs
+        (they then train apart; with one budget a final run reuses its grid run's folder)."""
+        a = self.args
+        return f"_grid{a.grid_steps}" if key.phase == "grid" and a.grid_steps != a.steps else ""
 
     # ----------------------------------------------------------------- jobs
 
@@ -400,7 +455,7 @@ class Experiment:
         the same config, trained once)."""
         kl = "-" if key.kl_weight is None else f"{key.kl_weight:g}"
         t = "-" if key.temperature is None else f"{key.temperature:g}"
-        name = f"{heal.slug(key.arm)}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}"
+        name = f"{heal.slug(key.arm)}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}" + self.short_grid(key)
         return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
 
     def start_dir(self, key: RunKey, arm: scale_arms.ScaleArm) -> Path | None:
@@ -411,6 +466,7 @@ class Experiment:
         kl = "-" if key.kl_weight is None else f"{key.kl_weight:g}"
         t = "-" if key.temperature is None else f"{key.temperature:g}"
         name = f"{heal.slug(arm.family)}_start{arm.start:g}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}"
+        name += self.short_grid(key)
         return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
 
     def configs(self, key: RunKey, arm: scale_arms.ScaleArm) -> list[dict]:
@@ -418,7 +474,7 @@ class Experiment:
         if arm.peer:
             return []
         return scale_arms.run_configs(
-            arm, key.seed, key.setting, self.args, self.student_dir, self.projections,
+            arm, key.seed, key.setting, self.args_of(key), self.student_dir, self.projections,
             self.run_dir(key), self.caches, self.start_dir(key, arm),
         )  # fmt: skip
 
@@ -471,7 +527,7 @@ class Experiment:
         teacher = scale_arms.parse_scale_arm(key.arm).teachers[0]
         return [
             heal_peer.peer_job(
-                self.args, key.seed, self.student_dir, self.peer_teachers[teacher],
+                self.args_of(key), key.seed, self.student_dir, self.peer_teachers[teacher],
                 heal.teacher_tokenizer(teacher), self.args.trl, work=self.run_dir(key),
                 lr=key.lr, device="cuda" if self.args.gpus else "cpu",
             )
@@ -533,7 +589,7 @@ class Experiment:
             ]
             offset += st["steps"]
         peer = (
-            heal_peer.peer_result(self.args, key.seed, self.run_dir(key), key.lr)[0]
+            heal_peer.peer_result(self.args_of(key), key.seed, self.run_dir(key), key.lr)[0]
             if arm.peer
             else {}
         )
@@ -542,6 +598,7 @@ class Experiment:
         completion = heldout.get("completion") or {}
         row = {
             **self.meta,
+            **self.budget(key),
             "phase": key.phase,
             "arm": key.arm,
             "family": arm.family,

@@ -289,14 +289,22 @@ def markdown(rows: list[dict]) -> str:
     n_seeds = max((len(a["seeds"]) for a in s["arms"].values()), default=0)
     devices = sorted({r["device"] for r in rows})
     commits = sorted({r["commit"] for r in rows})
-    head = rows[0] if rows else {}
+    finals = [r for r in rows if r.get("phase") != "grid"]
+    head = finals[0] if finals else rows[0] if rows else {}
+    grid = next((r for r in rows if r.get("phase") == "grid"), {})
+    grid_note = (
+        f" (the grid's runs {grid['tokens_budget']:,} tokens, {grid['steps_budget']} steps)"
+        if grid and grid.get("steps_budget") != head.get("steps_budget")
+        else ""
+    )
     md = [
         "# Healing a pruned SmolLM2 at scale: every arm tuned alike, then "
         f"{n_seeds} seed{'s' * (n_seeds != 1)}",
         "",
         f"Devices: {', '.join(devices) or '-'}; commits {', '.join(commits) or '-'}; "
         f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "
-        f"steps of {head.get('batch')} x {head.get('ctx')}); the settings chosen on validation "
+        f"steps of {head.get('batch')} x {head.get('ctx')}){grid_note}; the settings chosen on "
+        "validation "
         "(seed 0), then scored once on held-out and fresh. Command: "
         "`python benchmarks/quality/scale.py --gpus ...` (`benchmarks/quality/scale.py`).",
         "",

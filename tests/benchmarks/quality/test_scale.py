@@ -171,6 +171,7 @@ def _args(tmp_path: Path) -> argparse.Namespace:
     return argparse.Namespace(
         device="cuda", work=tmp_path, corpus=tmp_path / "split", student_tokenizer="smollm2",
         ctx=512, batch=16, limit=None, steps=2000, epochs=4, eval_every=100, eval_texts=64,
+        tokens=20_000_000, grid_steps=2000, grid_tokens=20_000_000,
         lr=None, warmup=100, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
         rollout_batch=None, kv_cache=None, max_staleness=None,
     )  # fmt: skip
@@ -530,6 +531,53 @@ def test_on_policy_arms_of_one_family_and_setting_share_their_trained_off_policy
     rerun = keys[0]._replace(phase="rerun")
     again = exp.configs(rerun, scale_arms.parse_scale_arm(rerun.arm))
     assert again[0]["run_dir"] != cfgs[0][0]["run_dir"]  # a rerun trains its start again
+
+
+def test_grid_runs_train_the_grid_budget_apart_and_final_runs_the_full_one(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000
+    grid = RunKey("grid", f"pkl@{Q}", 0, 1e-3, 0.5, 1.0)
+    final = grid._replace(phase="final")
+    arm = scale_arms.parse_scale_arm(grid.arm)
+    (g,), (f,) = exp.configs(grid, arm), exp.configs(final, arm)
+    assert g["trainer"]["schedule"]["max_steps"] == 200
+    assert f["trainer"]["schedule"]["max_steps"] == 2000
+    assert g["run_dir"] != f["run_dir"] and g["run_dir"].endswith("_grid200")
+    assert exp.budget(grid) == {"steps_budget": 200, "tokens_budget": 2_000_000}
+    assert exp.budget(final) == {"steps_budget": 2000, "tokens_budget": 20_000_000}
+    on = RunKey("grid", f"pkl@{Q}:on_policy=0.5", 0, 1e-3, 0.5, 1.0)
+    start, stage = exp.configs(on, scale_arms.parse_scale_arm(on.arm))
+    assert start["trainer"]["schedule"]["max_steps"] == 100  # half the grid's budget
+    assert "_grid200" in start["run_dir"]
+    exp.args.grid_steps, exp.args.grid_tokens = 2000, 20_000_000  # one budget: one folder
+    assert exp.configs(grid, arm)[0]["run_dir"] == exp.configs(final, arm)[0]["run_dir"]
+
+
+def test_a_grid_budget_above_the_final_one_is_refused_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        scale.parse_args(["--tokens", "1000000", "--grid-tokens", "2000000"])
+    assert e.value.code == 2
+    assert "--grid-tokens 2000000: give a budget > 0 and at most --tokens" in (
+        capsys.readouterr().err
+    )
+
+
+def test_rows_of_another_budget_are_not_counted_as_runs_done(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000
+    exp.results, exp.rows_path = {}, tmp_path / "rows.jsonl"
+    key = {"mode": "scale", "arm": "ce", "seed": 0, "lr": 1e-3, "validation_bpb": 1.0}
+    rows = [
+        {**key, "phase": "grid", "steps_budget": 200},  # this call's grid
+        {**key, "phase": "grid", "steps_budget": 2000, "lr": 5e-4},  # another call's grid
+        {**key, "phase": "final", "steps_budget": 2000},  # this call's final
+        {**key, "phase": "final", "steps_budget": 200, "seed": 1},  # another budget's final
+    ]
+    exp.rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert exp.load_results() == 2
+    assert sorted(exp.results) == sorted(
+        [RunKey("grid", "ce", 0, 1e-3, None, None), RunKey("final", "ce", 0, 1e-3, None, None)]
+    )
 
 
 def test_several_runs_share_each_gpu_spread_over_the_gpus_first():
