@@ -100,6 +100,7 @@ def run_fraction(
                 "schedule": {
                     "max_steps": n_steps,
                     "checkpoint_every": 0,
+                    "final_checkpoint": False,
                     "eval_every": 0,
                     "export": False,
                 },

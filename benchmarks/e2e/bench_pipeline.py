@@ -487,6 +487,7 @@ def pipeline(
                     "schedule": {
                         "max_steps": n_steps,
                         "checkpoint_every": 0,
+                        "final_checkpoint": False,
                         "eval_every": 0,
                         "export": False,
                     },

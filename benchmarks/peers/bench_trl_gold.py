@@ -311,6 +311,7 @@ def xtoken_quality(args, work: Path, mode: str, T: int, corpus: Path, dirs: dict
                 "schedule": {
                     "max_steps": args.quality_steps,
                     "checkpoint_every": 0,
+                    "final_checkpoint": False,
                     "eval_every": 0,
                     "export": True,
                 },

@@ -531,6 +531,7 @@ def shared_sections(args, teacher: str, student_dir: Path, seed: int, loss: dict
                 "max_steps": args.steps,
                 "epochs": args.epochs,
                 "checkpoint_every": 0,
+                "final_checkpoint": False,
                 "eval_every": args.eval_every,
                 "export": True,
             },

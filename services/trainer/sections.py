@@ -487,6 +487,15 @@ class ScheduleConfig:
     export: bool = field(
         default=True, metadata={"help": "export the final student (HF dir)", "trained": False}
     )
+    final_checkpoint: bool = field(
+        default=True,
+        metadata={
+            "help": "checkpoint after the last step (false: none at the end, for runs whose "
+            "weights are thrown away, such as benchmarks: what was trained after the last "
+            "checkpoint is in none)",
+            "trained": False,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.epochs < 1:

@@ -480,7 +480,8 @@ class Trainer:
         self.gc_schedule.close()
         self.gc_clock.remove()
         lifecycle.pause_progress()
-        if student.step != self._last_checkpoint or self.stopped:
+        wanted = schedule.final_checkpoint  # off: nothing after the last periodic one is acked
+        if wanted and (student.step != self._last_checkpoint or self.stopped):
             self.checkpoint()
             try:
                 if self.feed is not None:

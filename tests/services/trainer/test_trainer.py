@@ -54,8 +54,10 @@ def _run(address: str, run_dir, heldout=(), stop=None, **overrides) -> Trainer:
         queue=address,
         partition=PARTITION,
         run_dir=str(run_dir),
-        feed={"claim_timeout_s": 0.2},
-        **merged({"schedule": {"export": False, "max_steps": 0}}, overrides),
+        **merged(
+            {"schedule": {"export": False, "max_steps": 0}, "feed": {"claim_timeout_s": 0.2}},
+            overrides,
+        ),
     )
     with QueueClient(address, timeout_s=10) as client:
         trainer = Trainer(config, client, heldout=heldout, stop=stop)
@@ -94,6 +96,22 @@ def test_a_resumed_launch_trains_what_its_checkpoint_did_not_hold(queue, tmp_pat
     everything = _trained(tmp_path)
     assert sorted(everything) == keys and len(everything) == len(set(everything))
     assert resumed.summary["resumed_from"] == 1 and resumed.student.step == 3
+
+
+def test_a_run_without_its_final_checkpoint_writes_none_and_a_later_launch_trains_again(
+    queue, tmp_path
+):
+    """``schedule.final_checkpoint: false`` (a benchmark's run): no checkpoint at the end, so no
+    checkpoint holds what it trained; a launch after it in the same folder starts from the
+    first weights and trains every sample again, each once."""
+    keys = _put(queue, 4)
+    first = _run(queue, tmp_path, schedule={"final_checkpoint": False, "checkpoint_every": 10})
+    assert first.student.step == 2 and sorted(_trained(tmp_path)) == keys
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+    (tmp_path / "keys" / "trainer.rank0.jsonl").unlink()  # what the second launch trains
+    second = _run(queue, tmp_path)
+    assert second.summary["resumed_from"] == 0 and sorted(_trained(tmp_path)) == keys
+    assert (tmp_path / "checkpoints" / "latest").exists()
 
 
 def test_a_stop_ends_at_a_step_boundary_with_a_checkpoint(queue, tmp_path):
