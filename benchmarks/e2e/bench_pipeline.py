@@ -461,7 +461,6 @@ def pipeline(
             "pack": pack,
             "data": {
                 "train": str(corpus),
-                "heldout": str(corpus),
                 "limit": pipeline_limit(args, B, T, trainers, grad_accum),
                 "ordered": ordered,
                 **(data_extra or {}),
@@ -484,6 +483,10 @@ def pipeline(
                     "student": {"model": student_dir},
                     "compute": {"device": args.device},
                     "feed": {"micro_batch": B, "grad_accum": grad_accum},
+                    # no held-out eval of the student before and after the steps, none of the
+                    # teacher at its start: nothing here reads them, and each runs the models
+                    # at the eval's lengths (compiled layers compile again for them)
+                    "eval": {"texts": 0},
                     "schedule": {
                         "max_steps": n_steps,
                         "checkpoint_every": 0,

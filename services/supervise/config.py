@@ -383,6 +383,11 @@ class RunConfig(Shared):
                 "ranks r with r % teachers == group, so extra teachers would idle"
             )
         self.check_on_policy()
+        if not self.trainer.eval.texts and self.data.heldout is not None:
+            raise ValueError(
+                f"data.heldout={self.data.heldout!r} names a held-out corpus, but "
+                "trainer.eval.texts: 0 turns the held-out eval off; drop one of them"
+            )
         if self.mps and not any(d.startswith("cuda") for _, d in self.devices()):
             raise ValueError(
                 "mps: true but no process of the run is on a CUDA device ("

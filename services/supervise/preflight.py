@@ -135,7 +135,9 @@ def preflight(config: RunConfig) -> Inputs:
         demo = build_demo_corpus()
         train = str(demo.train_path)
         heldout = heldout or str(demo.heldout_path)
-    if heldout is None:
+    if not config.trainer.eval.texts:  # no held-out eval: no split held out of data.train
+        heldout = None
+    elif heldout is None:
         heldout, train_limit = split_heldout(config, train)
     tokenizers = {}
     views = config.teacher_list()

@@ -518,12 +518,20 @@ class EvalConfig:
             "trained": False,
         },
     )
-    texts: int = field(default=32, metadata={"help": "held-out texts per eval", "trained": True})
+    texts: int = field(
+        default=32,
+        metadata={
+            "help": "held-out texts per eval (0: no held-out eval, of the student before, during "
+            "and after training nor of the teacher at its start; for runs that only measure "
+            "speed)",
+            "trained": True,
+        },
+    )
     ctx: int = field(default=512, metadata={"help": "tokens per eval window", "trained": False})
 
     def __post_init__(self) -> None:
-        if self.texts < 1:
-            raise ValueError(f"texts={self.texts}: must be >= 1")
+        if self.texts < 0:
+            raise ValueError(f"texts={self.texts}: must be >= 0 (0: no held-out eval)")
         if self.ctx < 2:
             raise ValueError(f"ctx={self.ctx}: must be >= 2 tokens")
 

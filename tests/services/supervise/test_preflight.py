@@ -130,6 +130,27 @@ def test_without_data_heldout_the_last_texts_of_data_train_are_held_out_and_anno
     assert sections["collator"]["data"]["limit"] == 16  # held-out texts not read
 
 
+def test_with_no_eval_texts_nothing_is_held_out_and_a_named_heldout_is_refused(
+    tmp_path, monkeypatch
+):
+    """``trainer.eval.texts: 0`` (a run that only measures speed): no split held out of
+    data.train, no held-out corpus for the trainer or the teacher; one that names data.heldout
+    too is refused in one line, exit 2."""
+    monkeypatch.setenv("XTOKEN_CACHE", str(tmp_path / "cache"))
+    train = _corpus(tmp_path / "train.jsonl", 20)
+    trainer = {"student": {"model": "tiny"}, "loss": {"mode": "ce"}, "eval": {"texts": 0}}
+    inputs = preflight(_config(tmp_path, data={"train": str(train)}, trainer=trainer))
+    assert inputs.heldout is None and inputs.train_limit is None
+    assert not (tmp_path / "cache" / "heldout").exists()
+    heldout = _corpus(tmp_path / "heldout.jsonl", 3)
+    stderr = _xtoken_run_refused(tmp_path, {
+        "run_dir": str(tmp_path / "run"), "data": {"train": str(train), "heldout": str(heldout)},
+        "trainer": {"eval": {"texts": 0}},
+    })  # fmt: skip
+    assert "trainer.eval.texts: 0 turns the held-out eval off; drop one of them" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
 def test_a_named_heldout_or_the_demo_corpus_is_used_as_given(tmp_path, monkeypatch):
     monkeypatch.setenv("XTOKEN_CACHE", str(tmp_path / "cache"))
     train = _corpus(tmp_path / "train.jsonl", 20)

@@ -182,6 +182,7 @@ def test_the_student_section_is_a_mapping_and_a_student_string_is_the_old_key():
         ({"teacher": {"groups": 0}}, r"^trainer\.teacher: groups=0: must be >= 1$"),
         ({"schedule": {"epochs": 0}}, r"^trainer\.schedule: epochs=0: must be >= 1$"),
         ({"eval": {"ctx": 1}}, r"^trainer\.eval: ctx=1: must be >= 2 tokens$"),
+        ({"eval": {"texts": -1}}, r"^trainer\.eval: texts=-1: must be >= 0 \(0: no held-out"),
         ({"observe": {"report_to": ["mlflow"]}}, r"^trainer\.observe: report_to: unknown"),
         ({"compute": {"gc_every": -1}}, r"^trainer\.compute: gc_every=-1: must be >= 0$"),
         ({"student": {"max_length": -1}}, r"^trainer\.student: max_length=-1: must be >= 0"),
