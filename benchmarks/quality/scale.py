@@ -327,9 +327,13 @@ class Experiment:
         train = kd.read_jsonl_texts(a.corpus / "train.jsonl", a.limit)
         s_tok = load_tokenizer(a.student_tokenizer)
         self.sample_tokens = scale_arms.mean_sample_tokens(train[:2000], s_tok, a.ctx)
-        if a.smoke:  # a few steps, whatever --tokens says
-            a.tokens = round(a.steps * a.batch * self.sample_tokens)
-            a.grid_steps, a.grid_tokens = a.steps, a.tokens
+        if a.smoke:  # a few steps, whatever --tokens says; --grid-tokens: fewer for the grid
+            per_step = a.batch * self.sample_tokens
+            a.tokens = round(a.steps * per_step)
+            a.grid_steps = a.steps
+            if a.grid_tokens is not None:
+                a.grid_steps = min(a.steps, max(1, math.ceil(a.grid_tokens / per_step)))
+            a.grid_tokens = round(a.grid_steps * per_step)
         else:
             a.steps = scale_arms.steps_for(a.tokens, a.batch, self.sample_tokens)
             a.grid_tokens = a.grid_tokens or a.tokens

@@ -422,8 +422,10 @@ def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, ca
 
 @pytest.mark.slow
 def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_path):
+    """The grid's runs train one step (``--grid-tokens``), the final runs four, apart."""
     work = tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quality" / "scale.py"), "--smoke"]
+    cmd += ["--grid-tokens", "2"]
     done = subprocess.run(
         cmd + ["--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
@@ -435,13 +437,21 @@ def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_pa
         ("ce", 5e-4), ("ce", 1e-3), ("pkl@smollm2", 5e-4), ("pkl@smollm2", 1e-3)
     ]  # fmt: skip
     assert all(r["heldout_bpb"] is None and r["fresh_bpb"] is None for r in grid)
+    assert {(r["steps"], r["steps_budget"]) for r in grid} == {(1, 1)}
+    assert sorted(p.name for p in (work / "runs").iterdir() if p.name.endswith("_grid1")) == [
+        "ce_s0_lr0.0005_kl-_t-_grid1",
+        "ce_s0_lr0.001_kl-_t-_grid1",
+        "pkl@smollm2_s0_lr0.0005_kl0.5_t1_grid1",
+        "pkl@smollm2_s0_lr0.001_kl0.5_t1_grid1",
+    ]  # the final runs of seed 0 trained in folders of their own
     assert sorted((r["arm"], r["seed"]) for r in final) == [
         ("ce", 0), ("ce", 1), ("pkl@smollm2", 0), ("pkl@smollm2", 1)
     ]  # fmt: skip
     for r in final:
         best = min((g for g in grid if g["arm"] == r["arm"]), key=lambda g: g["validation_bpb"])
         assert r["lr"] == best["lr"] and r["lr_interior"] is False  # two rates, no extension
-        assert r["deterministic"] is True and r["steps"] == 4 and r["exit"] == 0
+        assert r["deterministic"] is True and r["steps"] == r["steps_budget"] == 4
+        assert r["exit"] == 0
         assert 0 < r["heldout_bpb"] < 20 and 0 < r["fresh_bpb"] < 20
         assert 0 <= r["next_line_em"] <= 1 and r["val_curve"]
         assert r["completion"]["functions"] >= 1
