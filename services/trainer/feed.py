@@ -7,7 +7,11 @@ step or the checkpoint, end of data, give back) and one teacher client per teach
 with its own rows of each sample (``teacher{j}_input_ids``; teacher 0's are
 ``teacher_input_ids``), and a micro-batch's logits are one per teacher. Up to one step of
 micro-batches is kept claimed and requested ahead, so the teacher computes step k+1 while this
-rank trains on step k; the next ones are claimed and requested while each backward runs.
+rank trains on step k; the next ones are claimed and requested while each backward runs. With
+``feed.ahead_steps: 2`` (what ``xtoken run`` picks for teachers that answer through the queue,
+``topk`` and ``hidden``) two steps are: such a teacher sends a result only once its GPU work is
+done, and on a GPU it shares with the trainer that finishes late; one step more keeps its
+results ahead of the trainer.
 With ``on_policy.fraction`` above 0 the sample feed is the mixed one
 (services/trainer/on_policy.py): part of each step comes from the rollout workers.
 
@@ -167,6 +171,7 @@ class TeacherFeed:
         self._ids = [teacher_field_name("teacher_input_ids", j) for j in range(n)]
         self._positions = [teacher_field_name("teacher_position_ids", j) for j in range(n)]
         self._want = 0  # micro-batches kept claimed and requested ahead (set by next_step)
+        self._ahead = config.ahead_steps or 1  # steps of them beyond the one training
         self._pending: deque[_Pending] = deque()
 
     @property
@@ -191,9 +196,9 @@ class TeacherFeed:
     def next_step(self, n: int) -> list[MicroBatch]:
         """The oldest ``n`` micro-batches (fewer at the end of the data; [] when it ended).
 
-        Also asks for the next step's teacher logits ahead.
+        Also asks for the teacher logits of the next ``feed.ahead_steps`` steps ahead.
         """
-        self._want = want = 2 * n if self.uses_teacher else n
+        self._want = want = (1 + self._ahead) * n if self.uses_teacher else n
         while len(self._pending) < want and not self._ending():
             if not self._claim(want - len(self._pending), block=len(self._pending) < n):
                 break

@@ -259,6 +259,33 @@ def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_s
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_a_sigkilled_topk_teacher_asked_two_steps_ahead_restarts_losing_no_sample(
+    request, procs, tmp_path, demo, projection
+):
+    """A teacher that answers through the queue is asked two steps ahead (``feed.ahead_steps``
+    chosen by the plan): SIGKILLed with those requests out, its successor serves them again and
+    every sample trains once."""
+    config, corpus = _config(tmp_path, demo, projection, n=64)
+    config.teacher.transport = "topk"
+    run_dir = pathlib.Path(config.run_dir)
+    watcher = _Watcher(run_dir)
+    run = _xtoken_run(procs, tmp_path, config, "local", request)
+    try:
+        wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
+        victim, _ = watcher.seen["teacher0"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: watcher.seen["teacher0"][0] != victim, 120, "teacher0 restarted")
+        assert run.wait(300) == 0, run.tail()
+    finally:
+        watcher.close()
+    assert "teacher0 exited with code -9" in run.log(), run.tail()
+    trainer = json.loads((run_dir / "config" / "trainer.json").read_text())
+    assert trainer["feed"]["ahead_steps"] == 2
+    assert_exactly_once(trained_keys(run_dir), corpus)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_sigkilled_rank_of_a_tensor_parallel_teacher_restarts_its_group_losing_no_sample(
     request, procs, tmp_path, demo, projection
 ):

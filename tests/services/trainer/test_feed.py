@@ -100,6 +100,31 @@ def test_every_sample_trains_once_with_its_teacher_logits(queue, teacher, projec
     assert all(ring.in_flight() == [] for ring in teacher.rings.values())  # every slot released
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_feed_asks_the_teacher_for_as_many_steps_ahead_as_set(queue, projection, ahead):
+    """``feed.ahead_steps``: the step training and that many after it are claimed and asked of
+    the teacher (the requests wait in its partition; no teacher serves them here)."""
+    samples = setup.samples()[:8]  # four micro-batches of 2
+    keys = [f"s{i}" for i in range(len(samples))]
+    with QueueClient(queue, timeout_s=10) as client:
+        client.put(PARTITION, keys, samples_to_put_fields(samples))
+        put_eof(client, PARTITION, len(samples))
+    config = setup.trainer_config(
+        projection, queue=queue, partition=PARTITION,
+        feed={"claim_timeout_s": 0.2, "ahead_steps": ahead},
+    )  # fmt: skip
+    with QueueClient(queue, timeout_s=10) as client, LogitRingReader() as reader:
+        feed = setup.teacher_feed(client, config, pads=setup.pads(), reader=reader)
+        (mb,) = feed.next_step(1)
+        asked = client.claim(
+            proto.request_partition(PARTITION, 0), proto.TEACHER_TASK, ["teacher_input_ids"], 4,
+            fields=list(proto.REQUEST_FIELDS), timeout_s=0.5, lease_s=60,
+        )["keys"]  # fmt: skip
+        assert len(asked) == 1 + ahead and len(mb.keys) == 2
+        feed.give_back([mb])
+
+
 class _ManualTeacher:
     """The teacher's side of the request partition, one request at a time, in the test's order
     (the same serving code as the teacher's loop: ``teacher_main._serve``)."""
