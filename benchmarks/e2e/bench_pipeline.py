@@ -556,6 +556,10 @@ def pipeline(
         "step_s": step_s,
         # the steps the rate was counted over (rank 0's, from one start to the next)
         "timed_steps": counted,
+        # steps claimed and asked ahead (trainer.feed.ahead_steps, as the plan set it)
+        "ahead_steps": json.loads((run_dir / "config" / "trainer.json").read_text())["feed"].get(
+            "ahead_steps"
+        ),
         "between_steps_ms": None if between is None else 1000 * between,
         "compile_s": compiled[-1]["seconds"] if compiled else None,
         "recompiles": measured[-1].get("recompiles"),

@@ -130,6 +130,12 @@ def main() -> int:
     p.add_argument(
         "--forward-rows", type=int, default=None, help="teacher.forward_rows (default: its own)"
     )
+    p.add_argument(
+        "--ahead-steps",
+        type=int,
+        default=0,
+        help="trainer.feed.ahead_steps (0: xtoken run's choice, 2 for topk and hidden, else 1)",
+    )
     args = p.parse_args()
     args.pack = False
     args.pack_window = 1
@@ -158,6 +164,8 @@ def main() -> int:
         if args.forward_rows is not None:
             teacher_extra["forward_rows"] = args.forward_rows
         trainer_extra = {"student": {"model": args.student}}
+        if args.ahead_steps:
+            trainer_extra["feed"] = {"ahead_steps": args.ahead_steps}
         if on_gpu:
             teacher_extra["gpus"] = lay["teacher_gpus"]
             trainer_extra["gpus"] = lay["trainer_gpus"]
@@ -186,6 +194,7 @@ def main() -> int:
             "grad_accum": args.grad_accum,
             "mps": args.mps,
             "forward_rows": args.forward_rows,
+            "ahead_steps": got.get("ahead_steps"),
             "mode": args.mode,
             "transport": args.transport,
             "top_k": args.top_k if args.transport == "topk" else None,
