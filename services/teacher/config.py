@@ -319,7 +319,7 @@ class TeacherConfig:
     eval_texts: int = field(
         default=32,
         metadata={
-            "help": "held-out texts of that eval",
+            "help": "held-out texts of that eval (0: none)",
             "derived": "trainer.eval.texts",
             "trained": False,
         },

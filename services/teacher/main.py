@@ -42,7 +42,11 @@ def serve(config: TeacherConfig, lc: Lifecycle) -> int:
     tensor-parallel group (:func:`_serve_group`).
     """
     # bad input first: a held-out file without text fails before the queue and the model
-    texts = read_texts(config.heldout, config.eval_texts) if config.heldout else []
+    texts = (  # eval_texts 0: no held-out eval
+        read_texts(config.heldout, config.eval_texts)
+        if config.heldout and config.eval_texts
+        else []
+    )
     if config.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _serve_group(config, lc, texts)
     return _serve_queue(config, lc, texts, TeacherWorker)

@@ -96,7 +96,7 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     # FSDP every rank takes part in the eval forward (the parameters are sharded)
     evaluates = rank == 0 or (world > 1 and config.compute.parallel == "fsdp")
     ev = config.eval
-    heldout = read_texts(ev.heldout, ev.texts) if evaluates and ev.heldout else []
+    heldout = read_texts(ev.heldout, ev.texts) if evaluates and ev.heldout and ev.texts else []
     client = connect(
         config.queue, timeout_s=config.feed.queue_timeout_s, name=f"trainer{rank}",
         setting="feed.queue_timeout_s",

@@ -502,8 +502,8 @@ class ScheduleConfig:
     final_checkpoint: bool = field(
         default=True,
         metadata={
-            "help": "checkpoint after the last step (false: none at the end, for runs whose "
-            "weights are thrown away, such as benchmarks: what was trained after the last "
+            "help": "checkpoint after the last step and at a stop (false: none then, for runs "
+            "whose weights are thrown away, such as benchmarks: what was trained after the last "
             "checkpoint is in none)",
             "trained": False,
         },

@@ -480,7 +480,7 @@ class Trainer:
         self.gc_schedule.close()
         self.gc_clock.remove()
         lifecycle.pause_progress()
-        wanted = schedule.final_checkpoint  # off: nothing after the last periodic one is acked
+        wanted = schedule.final_checkpoint  # off: no checkpoint at the end, a stop's neither
         if wanted and (student.step != self._last_checkpoint or self.stopped):
             self.checkpoint()
             try:
