@@ -228,6 +228,23 @@ def test_sigterm_on_xtoken_run_under_ray_checkpoints_exits_zero_and_leaves_no_pr
     assert len(trained) == len(set(trained)) and set(trained) <= set(corpus)
 
 
+def _kill_teacher_after_two_steps(procs, tmp_path, config, kind: str, request):
+    """``xtoken run`` of ``config``: teacher0 SIGKILLed after rank 0's second step; waits for its
+    successor and for the run to exit 0. Returns the run."""
+    run_dir = pathlib.Path(config.run_dir)
+    watcher = _Watcher(run_dir)
+    run = _xtoken_run(procs, tmp_path, config, kind, request)
+    try:
+        wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
+        victim, _ = watcher.seen["teacher0"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: watcher.seen["teacher0"][0] != victim, 120, "teacher0 restarted")
+        assert run.wait(300) == 0, run.tail()
+    finally:
+        watcher.close()
+    return run
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_sample(
@@ -237,16 +254,7 @@ def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_s
     config.teacher.transport = "auto"
     config.teacher.resources = {second_node: 1}  # the teacher on the second node, by resources
     run_dir = pathlib.Path(config.run_dir)
-    watcher = _Watcher(run_dir)
-    run = _xtoken_run(procs, tmp_path, config, "ray", request)
-    try:
-        wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
-        victim, _ = watcher.seen["teacher0"]
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: watcher.seen["teacher0"][0] != victim, 120, "teacher0 restarted")
-        assert run.wait(300) == 0, run.tail()
-    finally:
-        watcher.close()
+    run = _kill_teacher_after_two_steps(procs, tmp_path, config, "ray", request)
     log = run.log()
     assert "placed apart from the trainer ranks" in log and "transport topk" in log, run.tail()
     assert "teacher0 exited with code -9" in log, run.tail()
@@ -268,16 +276,7 @@ def test_a_sigkilled_topk_teacher_asked_two_steps_ahead_restarts_losing_no_sampl
     config, corpus = _config(tmp_path, demo, projection, n=64)
     config.teacher.transport = "topk"
     run_dir = pathlib.Path(config.run_dir)
-    watcher = _Watcher(run_dir)
-    run = _xtoken_run(procs, tmp_path, config, "local", request)
-    try:
-        wait_for(lambda: len(step_records(run_dir, 0)) >= 2, 240, "two steps of rank 0")
-        victim, _ = watcher.seen["teacher0"]
-        os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: watcher.seen["teacher0"][0] != victim, 120, "teacher0 restarted")
-        assert run.wait(300) == 0, run.tail()
-    finally:
-        watcher.close()
+    run = _kill_teacher_after_two_steps(procs, tmp_path, config, "local", request)
     assert "teacher0 exited with code -9" in run.log(), run.tail()
     trainer = json.loads((run_dir / "config" / "trainer.json").read_text())
     assert trainer["feed"]["ahead_steps"] == 2
