@@ -377,8 +377,6 @@ class Experiment:
             "student_tokenizer": a.student_tokenizer,
             "batch": a.batch,
             "ctx": a.ctx,
-            "steps_budget": a.steps,
-            "tokens_budget": a.tokens,
             "sample_tokens": round(self.sample_tokens, 1),
             "epochs_allowed": a.epochs,
             "fresh_commit": split.get("fresh", {}).get("commit"),
@@ -602,7 +600,7 @@ class Experiment:
         completion = heldout.get("completion") or {}
         row = {
             **self.meta,
-            **self.budget(key),
+            **self.budget(key),  # the run's own: the grid's for a grid run
             "phase": key.phase,
             "arm": key.arm,
             "family": arm.family,
