@@ -556,7 +556,7 @@ def pipeline(
         "step_s": step_s,
         # the steps the rate was counted over (rank 0's, from one start to the next)
         "timed_steps": counted,
-        # steps claimed and asked ahead (trainer.feed.ahead_steps, as the plan set it)
+        # steps claimed and asked ahead (trainer.feed.ahead_steps, as the trainer section has it)
         "ahead_steps": json.loads((run_dir / "config" / "trainer.json").read_text())["feed"].get(
             "ahead_steps"
         ),

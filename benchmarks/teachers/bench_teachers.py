@@ -133,8 +133,8 @@ def main() -> int:
     p.add_argument(
         "--ahead-steps",
         type=int,
-        default=0,
-        help="trainer.feed.ahead_steps (0: xtoken run's choice, 2 for topk and hidden, else 1)",
+        default=None,
+        help="trainer.feed.ahead_steps (default: its own, 1)",
     )
     args = p.parse_args()
     args.pack = False
@@ -164,7 +164,7 @@ def main() -> int:
         if args.forward_rows is not None:
             teacher_extra["forward_rows"] = args.forward_rows
         trainer_extra = {"student": {"model": args.student}}
-        if args.ahead_steps:
+        if args.ahead_steps is not None:
             trainer_extra["feed"] = {"ahead_steps": args.ahead_steps}
         if on_gpu:
             teacher_extra["gpus"] = lay["teacher_gpus"]

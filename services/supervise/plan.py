@@ -20,7 +20,7 @@ from services.common import config as cfgmod
 from services.common.context import CONTEXT_FILE, Context, Shared
 from services.common.heartbeat import HEARTBEAT_ENV, HEARTBEAT_S_ENV
 from services.launch.spec import ProcessSpec
-from services.protocol.names import QUEUE_TRANSPORTS, policy_dir
+from services.protocol.names import policy_dir
 from services.queue.config import ServerConfig
 from services.rollout.config import RolloutConfig
 from services.supervise.config import RunConfig, is_run_key, run_config_to_dict, value_at
@@ -252,18 +252,6 @@ def make_data_sections(
     return out
 
 
-def ahead_steps(config: RunConfig) -> int:
-    """Steps of micro-batches the trainer claims and asks ahead (``trainer.feed.ahead_steps: 0``):
-    2 where every live teacher answers through the queue (``topk``, ``hidden``: it sends a result
-    once its GPU work is done, which on a GPU it shares with a trainer rank comes late) and no
-    sample is on-policy (those would grow staler); else 1 (a ring's two slots serve one step
-    ahead)."""
-    live = [view for view in config.teacher_list() if view.live]
-    queued = all(run_transport(config, view.section) in QUEUE_TRANSPORTS for view in live)
-    uses = config.trainer.loss.uses_teacher
-    return 2 if uses and live and queued and not config.on_policy else 1
-
-
 def make_sections(
     config: RunConfig,
     inputs: Inputs,
@@ -292,7 +280,6 @@ def make_sections(
         "teacher.model": tr.teacher.model or (teacher.model if hidden else None),
         "extra_teachers": extra_links(cfg, inputs),
         "teacher.cache": cfg.teacher_list()[0].cache,
-        "feed.ahead_steps": tr.feed.ahead_steps or ahead_steps(cfg),
     }
     trainer = own(TrainerConfig, tr, context, **derived)  # checked: every projection is there
     out = {"trainer": trainer}

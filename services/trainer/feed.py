@@ -7,11 +7,8 @@ step or the checkpoint, end of data, give back) and one teacher client per teach
 with its own rows of each sample (``teacher{j}_input_ids``; teacher 0's are
 ``teacher_input_ids``), and a micro-batch's logits are one per teacher. Up to one step of
 micro-batches is kept claimed and requested ahead, so the teacher computes step k+1 while this
-rank trains on step k; the next ones are claimed and requested while each backward runs. With
-``feed.ahead_steps: 2`` (what ``xtoken run`` picks for teachers that answer through the queue,
-``topk`` and ``hidden``) two steps are: such a teacher sends a result only once its GPU work is
-done, and on a GPU it shares with the trainer that finishes late; one step more keeps its
-results ahead of the trainer.
+rank trains on step k; the next ones are claimed and requested while each backward runs
+(``feed.ahead_steps`` steps ahead: 1 unless set).
 With ``on_policy.fraction`` above 0 the sample feed is the mixed one
 (services/trainer/on_policy.py): part of each step comes from the rollout workers.
 
@@ -171,7 +168,7 @@ class TeacherFeed:
         self._ids = [teacher_field_name("teacher_input_ids", j) for j in range(n)]
         self._positions = [teacher_field_name("teacher_position_ids", j) for j in range(n)]
         self._want = 0  # micro-batches kept claimed and requested ahead (set by next_step)
-        self._ahead = config.ahead_steps or 1  # steps of them beyond the one training
+        self._ahead = config.ahead_steps  # steps of them beyond the one training
         self._pending: deque[_Pending] = deque()
 
     @property

@@ -326,12 +326,12 @@ class FeedConfig:
         },
     )
     ahead_steps: int = field(
-        default=0,
+        default=1,
         metadata={
             "help": "steps of micro-batches claimed and asked of the teachers ahead of the one "
-            "training (0: xtoken run picks 2 where every live teacher sends its results through "
-            "the queue (topk, hidden), which it can only once its GPU work is done, and no "
-            "sample is on-policy; else 1, the most a ring's two slots serve)",
+            "training (1: the teacher computes step k+1 while this rank trains on step k; 2 "
+            "measured slower with a top-K teacher on the trainer's GPU: "
+            "benchmarks/results/teachers.md)",
             "trained": False,
         },
     )
@@ -340,8 +340,8 @@ class FeedConfig:
         for name in ("micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.ahead_steps < 0:
-            raise ValueError(f"ahead_steps={self.ahead_steps}: must be >= 0 (0: automatic)")
+        if self.ahead_steps < 1:
+            raise ValueError(f"ahead_steps={self.ahead_steps}: must be >= 1")
         for name in ("lease_s", "claim_timeout_s", "queue_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")

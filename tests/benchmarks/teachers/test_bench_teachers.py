@@ -55,7 +55,7 @@ def test_cpu_smoke_trains_a_one_process_teacher_and_a_tensor_parallel_group(tmp_
         assert KEYS <= row.keys() and row["error"] is None
         assert row["tokens_per_s"] > 0 and row["bytes_per_teacher_token"] == 2 * 49152
         assert row["rate"] == "step_starts" and row["timed_steps"] >= 1
-        assert row["ahead_steps"] == 1  # a ring transport (shm): one step ahead
+        assert row["ahead_steps"] == 1  # the default: one step ahead
     for run in ("run_coloc", "run_coloc-tp2"):  # the steps alone: no eval, no last checkpoint
         logs = "".join(p.read_text() for p in (tmp_path / "work" / run / "logs").glob("*.log"))
         assert "[eval]" not in logs and "held-out" not in logs

@@ -270,11 +270,12 @@ def test_a_teacher_placed_on_another_node_serves_topk_and_its_sigkill_loses_no_s
 def test_a_sigkilled_topk_teacher_asked_two_steps_ahead_restarts_losing_no_sample(
     request, procs, tmp_path, demo, projection
 ):
-    """A teacher that answers through the queue is asked two steps ahead (``feed.ahead_steps``
-    chosen by the plan): SIGKILLed with those requests out, its successor serves them again and
-    every sample trains once."""
+    """A teacher that answers through the queue, asked two steps ahead (``feed.ahead_steps:
+    2``): SIGKILLed with those requests out, its successor serves them again and every sample
+    trains once."""
     config, corpus = _config(tmp_path, demo, projection, n=64)
     config.teacher.transport = "topk"
+    config.trainer.feed.ahead_steps = 2
     run_dir = pathlib.Path(config.run_dir)
     run = _kill_teacher_after_two_steps(procs, tmp_path, config, "local", request)
     assert "teacher0 exited with code -9" in run.log(), run.tail()

@@ -61,29 +61,6 @@ def test_the_hidden_transport_gives_the_trainer_the_teacher_model():
 
 
 @pytest.mark.parametrize(
-    ("run", "ahead"),
-    [
-        ({"teacher": {"transport": "topk"}}, 2),
-        ({"teacher": {"transport": "hidden", "model": "tiny"}}, 2),
-        ({"teacher": {"transport": "shm"}}, 1),
-        ({"teacher": {"transport": "topk"}, "trainer": {"feed": {"ahead_steps": 1}}}, 1),
-        ({"teacher": {"transport": "topk"}, "data": {"on_policy_fraction": 0.5}}, 1),
-        ({"teacher": {"transport": "topk"}, "extra_teachers": [{"transport": "shm"}]}, 1),
-    ],
-)
-def test_teachers_that_answer_through_the_queue_are_asked_two_steps_ahead(run, ahead):
-    """``trainer.feed.ahead_steps: 0`` (the default): 2 where every teacher sends its results
-    through the queue and no sample is on-policy, else 1; a value set is kept."""
-    run = {**run, "trainer": {"loss": {"projection": "/p"}, **run.get("trainer", {})}}
-    for extra in run.get("extra_teachers", []):
-        extra.update(model="tiny", tokenizer="smollm2", projection="/p")
-    config = run_config_from_dict(run)
-    shared = make_context(config, RunPlace.of(config), queue="tcp://127.0.0.1:1")
-    trainer = make_sections(config, Inputs.given(config), shared)["trainer"]
-    assert trainer["feed"]["ahead_steps"] == ahead
-
-
-@pytest.mark.parametrize(
     ("data", "pattern"),
     [
         (

@@ -179,7 +179,7 @@ def test_the_student_section_is_a_mapping_and_a_student_string_is_the_old_key():
     ("section", "pattern"),
     [
         ({"feed": {"micro_batch": 0}}, r"^trainer\.feed: micro_batch=0: must be >= 1$"),
-        ({"feed": {"ahead_steps": -1}}, r"^trainer\.feed: ahead_steps=-1: must be >= 0 \("),
+        ({"feed": {"ahead_steps": 0}}, r"^trainer\.feed: ahead_steps=0: must be >= 1$"),
         ({"teacher": {"groups": 0}}, r"^trainer\.teacher: groups=0: must be >= 1$"),
         ({"schedule": {"epochs": 0}}, r"^trainer\.schedule: epochs=0: must be >= 1$"),
         ({"eval": {"ctx": 1}}, r"^trainer\.eval: ctx=1: must be >= 2 tokens$"),
