@@ -211,6 +211,9 @@ def main() -> int:
             "teacher_peak_mem_gib": got.get("teacher_peak_mem_gib"),
             "step_s": got.get("step_s"),
             "teacher_wait_ms": got.get("teacher_wait_ms"),
+            # rank 0's step phases, and the wall time between its steps that none accounts for
+            "split_ms": {k: round(1000 * v, 2) for k, v in (got.get("split_s") or {}).items()},
+            "between_steps_ms": got.get("between_steps_ms"),
             "error": got.get("error"),
             "wall_s": time.perf_counter() - t0,
             "tag": args.tag,
