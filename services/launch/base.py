@@ -170,22 +170,31 @@ class Launcher:
 
     def stop(self, names: list[str] | None = None, grace_s: float = 30.0) -> dict[str, int | None]:
         """SIGTERM ``names`` (None: all), SIGKILL what is left after ``grace_s``; returns their
-        exit codes (None: still running :data:`KILL_WAIT_S` after its SIGKILL)."""
+        exit codes (None: still running :data:`KILL_WAIT_S` after its SIGKILL).
+
+        A queue among them stops last, once the others ended (each group gets ``grace_s``): a
+        stopping worker gives what it holds leased back to a live queue, so those samples are
+        served again at once, not once their leases run out.
+        """
         names = list(self.processes) if names is None else names
         procs = [self.processes[n] for n in names if n in self.processes]
-        for p in procs:
-            if p.poll() is None:
-                p.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        for p in procs:
-            if p.poll() is None:
-                logger.warning(
-                    "[run] %s did not stop within %.0fs: killing it", p.spec.name, grace_s
-                )
-                p.signal(signal.SIGKILL)
-                kill_deadline = time.monotonic() + KILL_WAIT_S
-                while p.poll() is None and time.monotonic() < kill_deadline:
-                    time.sleep(POLL_S)
+        _stop_all([p for p in procs if p.spec.role != "queue"], grace_s)
+        _stop_all([p for p in procs if p.spec.role == "queue"], grace_s)
         return {p.spec.name: p.poll() for p in procs}
+
+
+def _stop_all(procs: list[Any], grace_s: float) -> None:
+    """SIGTERM ``procs`` together, SIGKILL those left after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for p in procs:
+        if p.poll() is None:
+            logger.warning("[run] %s did not stop within %.0fs: killing it", p.spec.name, grace_s)
+            p.signal(signal.SIGKILL)
+            kill_deadline = time.monotonic() + KILL_WAIT_S
+            while p.poll() is None and time.monotonic() < kill_deadline:
+                time.sleep(POLL_S)

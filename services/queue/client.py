@@ -19,7 +19,10 @@ to send twice: puts and clears are idempotent, a claim's unanswered lease lapses
 lease the server applied (or an old instance issued) is an error, never a double ack. A client
 given a ``stop`` (an event, or a callable returning True to stop) raises ``QueueError("stopped")``
 within ~50 ms of it being set, whatever the server does (SIGTERM of a collator or consumer whose
-queue is gone).
+queue is gone). A client given ``stopping`` (the same kinds) tries nothing twice once it is set:
+a request whose connection drops, or that gets no reply in time, raises ``QueueError("stopped")``
+at once, not sent again; a reply on its way is still waited for (a stopping teacher gives its
+leases back to a live queue, and spends no retries on one that went away).
 Every new connection starts with a ``hello`` sent ahead of its first request (no round trip
 waited for): it presents the token of a server that needs one (``token=``, else
 ``XTOKEN_QUEUE_TOKEN`` / ``XTOKEN_QUEUE_TOKEN_FILE``, auth.py) and the client's ``instance`` (by
@@ -96,6 +99,13 @@ def _ms(seconds: float | None) -> int | None:
     return None if seconds is None else max(0, int(round(seconds * 1000)))
 
 
+def _is_set(flag: Any) -> bool:
+    """Whether a ``stop`` or ``stopping`` (an event, a callable, or None: never) is set."""
+    if flag is None:
+        return False
+    return bool(flag.is_set() if hasattr(flag, "is_set") else flag())
+
+
 @dataclass
 class _Tries:
     """The tries of one request so far: timeouts, resends after a drop, a repeated hello."""
@@ -120,6 +130,7 @@ class _Requests:
         token: str | None = None,
         instance: str | None = None,
         stop: Any = None,
+        stopping: Any = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0 (seconds to wait for a reply)")
@@ -137,6 +148,7 @@ class _Requests:
         self.token = check_token(token, "token") if token is not None else load_token()
         self.instance = instance or process_instance()
         self.stop = stop
+        self.stopping = stopping
         self.disconnects = 0  # connections found dead while a request waited
         # The token goes into the ZMTP handshake (PLAIN) until a server answers that it takes
         # none (NULL); then it travels in the hello only.
@@ -146,14 +158,8 @@ class _Requests:
         self.server_durable: bool | None = None  # the last hello reply's "durable"
         self._hello_epoch: str | None = None  # the instance that hello reply came from
 
-    def _stopped(self) -> bool:
-        stop = self.stop
-        if stop is None:
-            return False
-        return bool(stop.is_set() if hasattr(stop, "is_set") else stop())
-
     def _check_stop(self, msg_type: str) -> None:
-        if self._stopped():
+        if _is_set(self.stop):
             raise QueueError(
                 codes.STOPPED,
                 f"{msg_type} to {self.address} abandoned: this client was told to stop",
@@ -260,7 +266,15 @@ class _Requests:
 
     def _next_try(self, msg_type: str, budget_s: float, tries: _Tries, dropped: bool) -> None:
         """Count a request's failed try: a dropped connection's is sent again at once (up to
-        MAX_RESENDS), a timeout's is retried up to ``retries`` times, then raises ``timeout``."""
+        MAX_RESENDS), a timeout's is retried up to ``retries`` times, then raises ``timeout``;
+        a stopping client's raises ``stopped`` at once (the queue may be gone with the run)."""
+        if _is_set(self.stopping):
+            why = "its connection dropped" if dropped else f"no reply within {budget_s:.1f}s"
+            raise QueueError(
+                codes.STOPPED,
+                f"{msg_type} to {self.address} not sent again ({why}): this client is stopping",
+                request_type=msg_type,
+            )
         if dropped and tries.resends < MAX_RESENDS:
             tries.resends += 1
             if not self._handshaken:  # closed in its handshake (a refusal is seen on a retry)
@@ -439,6 +453,9 @@ class QueueClient(_Requests):
         stop: an event (anything with ``is_set()``: threading, multiprocessing) or a
             callable returning True to stop; once set, a request waiting for its reply raises
             ``QueueError("stopped")`` (not retryable) within ~50 ms.
+        stopping: the same kinds as ``stop``; once set, a request is tried no more: a dropped
+            connection or a missing reply raises ``QueueError("stopped")`` instead of a resend
+            or a retry, while a reply on its way is still waited for.
         token: the server's shared secret, presented in every hello (None: the
             ``XTOKEN_QUEUE_TOKEN`` environment variable, else the file ``XTOKEN_QUEUE_TOKEN_FILE``
             names, else none).
@@ -464,8 +481,11 @@ class QueueClient(_Requests):
         stop: Any = None,
         token: str | None = None,
         instance: str | None = None,
+        stopping: Any = None,
     ) -> None:
-        super().__init__(address, timeout_s, retries, limits, name, on_epoch, token, instance, stop)
+        super().__init__(
+            address, timeout_s, retries, limits, name, on_epoch, token, instance, stop, stopping
+        )
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -792,7 +812,12 @@ class QueueClient(_Requests):
 
 
 def connect(
-    address: str, *, timeout_s: float, name: str, setting: str = "queue_timeout_s"
+    address: str,
+    *,
+    timeout_s: float,
+    name: str,
+    setting: str = "queue_timeout_s",
+    stopping: Any = None,
 ) -> QueueClient:
     """A QueueClient after a successful handshake (worker processes: teacher, trainer).
 
@@ -802,6 +827,8 @@ def connect(
         name: client name sent in ``hello``.
         setting: the key of ``timeout_s`` in the process's config (``feed.queue_timeout_s``),
             named with its flag in the message of a queue that does not answer.
+        stopping: the process's stop event: once set, the client tries nothing twice
+            (:class:`QueueClient`).
 
     Raises:
         ValueError: no reply within ``timeout_s`` (names the address and the setting; a bad
@@ -819,4 +846,4 @@ def connect(
             f"--{setting.replace('_', '-')}); start it with `xtoken queue serve --bind "
             f"{address}` or fix the address (queue, --queue)"
         ) from None
-    return QueueClient(address, timeout_s=timeout_s, name=name)
+    return QueueClient(address, timeout_s=timeout_s, name=name, stopping=stopping)

@@ -20,7 +20,9 @@ UNAUTHORIZED = "unauthorized"  # a server with a token: this connection's hello 
 NOT_OWNER = "not_owner"  # an ack/nack of a lease another client instance claimed
 # client side: the server refused the connection in its handshake, --max-connections being open
 TOO_MANY_CONNECTIONS = "too_many_connections"
-STOPPED = "stopped"  # client side: the caller's stop event was set while it waited
+# client side: the caller's stop event was set while it waited, or a request of a stopping client
+# failed (its connection dropped, or no reply came) and was not sent again
+STOPPED = "stopped"
 INTERNAL = "internal"
 
 

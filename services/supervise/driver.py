@@ -528,7 +528,7 @@ class Driver:
 
     def stop(self, grace_s: float = 300.0) -> dict[str, int | None]:
         """Graceful stop: SIGTERM the trainer ranks (they stop at one step boundary and write a
-        checkpoint), then every other process.
+        checkpoint), then every other process, the queue last (services/launch/base.py).
 
         Args:
             grace_s: seconds the trainers get before they are killed.

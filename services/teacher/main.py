@@ -77,7 +77,8 @@ def _serve_group(config: TeacherConfig, lc: Lifecycle, texts: list[str]) -> int:
 def _serve_queue(config: TeacherConfig, lc: Lifecycle, texts: list[str], make_worker) -> int:
     """Serve the queue with ``make_worker(config)`` until stopped; returns 0."""
     name = teacher_name(config.teacher, config.group)
-    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=name)
+    # stopping, it tries nothing twice: a queue that went away costs no retries
+    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=name, stopping=lc.stop)
     partition = proto.request_partition(config.partition, config.group, config.teacher)
     with make_worker(config) as worker:
         if config.transport == "topk":  # bad settings, before serving: exit 2 with one line
@@ -112,7 +113,8 @@ def _serve_queue(config: TeacherConfig, lc: Lifecycle, texts: list[str], make_wo
         except QueueError as e:
             if not lc.stop.is_set():
                 raise
-            # a run stops its processes together: the queue may go first; a stop, not a failure
+            # the run stops its queue last, but a queue may go first (a shared one, or all of a
+            # run's processes told at once when its launcher died): a stop, not a failure
             logger.info("[teacher] the queue went away while stopping: %s", e)
         finally:
             if metrics is not None:
@@ -195,8 +197,8 @@ def _next_batch(worker: TeacherWorker, backlog: dict[str, tuple[Any, Any]]) -> l
     return batch
 
 
-# Seconds a stopping teacher spends giving back its backlog: a run stops the queue together with
-# the teacher, and unserved leases expire on a live queue anyway.
+# Seconds a stopping teacher spends giving back its backlog: the queue may be gone already, and
+# unserved leases expire on a live queue anyway.
 GIVE_BACK_TIMEOUT_S = 2.0
 
 

@@ -1,14 +1,18 @@
-"""LocalLauncher with real processes: start, ready file, stop; a process that dies before it is
-ready fails the wait with its log tail."""
+"""LocalLauncher with real processes: start, ready file, stop (the queue last); a process that
+dies before it is ready fails the wait with its log tail."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
+import torch
 
+from services import protocol as proto
 from services.launch.local import LocalLauncher
 from services.launch.spec import ProcessSpec
+from services.queue.client import QueueClient
 
 
 def _queue_spec(tmp_path, name: str = "queue") -> ProcessSpec:
@@ -44,6 +48,50 @@ def test_start_wait_ready_and_stop_a_real_process(launcher, tmp_path):
         os.kill(proc.pid, 0)
     assert "[queue]" in proc.tail()
     assert not (tmp_path / "ready" / "queue").exists()  # removed when the process exited
+
+
+def test_a_stop_ends_the_teacher_while_its_queue_is_up_then_the_queue(launcher, tmp_path):
+    """The teacher gives the request it holds back to a live queue (no lease runs out), then the
+    queue stops: seconds in all, no reply waited for from a queue that is gone."""
+    queue = launcher.start(_queue_spec(tmp_path))
+    address = launcher.wait_ready(queue, 60)["endpoint"]
+    argv = ["teacher", "--queue", address, "--model", "tiny", "--tokenizer", "smollm2",
+            "--slots", "2", "--max-batch", "2", "--max-length", "16", "--claim-timeout-s", "5"]  # fmt: skip
+    teacher = launcher.start(
+        ProcessSpec(
+            "teacher0",
+            "teacher",
+            argv,
+            log_file=str(tmp_path / "logs" / "teacher0.log"),
+            ready_file=str(tmp_path / "ready" / "teacher0"),
+        )
+    )
+    launcher.wait_ready(teacher, 120)
+    part = proto.request_partition("train", 0)
+    with QueueClient(address, timeout_s=10) as client:
+        for i in range(3):  # no trainer frees a ring slot: two are served, the third waits
+            client.put(part, [f"r{i}"], proto.request_fields([torch.arange(5)], rank=0))
+        deadline = time.monotonic() + 60
+        status: dict = {}
+        while (status.get("consumed"), status.get("leased")) != (2, 1):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+            status = client.status(part, proto.TEACHER_TASK)
+    signalled: dict[str, float] = {}
+    for proc in (queue, teacher):
+        send = proc.signal
+        proc.signal = lambda signum, name=proc.spec.name, send=send: (
+            signalled.setdefault(name, time.time()),
+            send(signum),
+        )
+    t0 = time.monotonic()
+    assert launcher.stop(grace_s=30) == {"queue": 0, "teacher0": 0}
+    stop_s = time.monotonic() - t0
+    assert teacher.exited_at <= signalled["queue"]  # the queue was told once the teacher ended
+    log = teacher.tail(100)
+    assert "stopped (SIGTERM), exit code 0" in log
+    assert "could not give back" not in log and "went away" not in log, log
+    assert stop_s < 10, stop_s
 
 
 def test_a_process_that_exits_before_ready_raises_with_its_log_tail(launcher, tmp_path):

@@ -1,6 +1,7 @@
 """A dead, hung or restarted server is noticed within 2 s (the connection drops or ZMTP
 heartbeats go unanswered): the request in flight is sent again at once, to the replacement if
-one comes up, and a client told to stop gives up at once (real server processes)."""
+one comes up, a client told to stop gives up at once, and a stopping one sends nothing again
+(real server processes)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,40 @@ def test_a_client_waiting_on_a_dead_server_stops_at_once_when_told(tmp_path):
             thread.join(5)
             assert result["t"] - t0 < 0.5
             assert result["error"].code == "stopped" and not result["error"].retryable
+    finally:
+        server.stop()
+
+
+def test_a_stopping_client_takes_a_live_servers_reply_but_sends_nothing_again(tmp_path):
+    """``stopping`` (a worker's SIGTERM): a claim waiting at a live server ends as usual, one
+    whose server dies raises ``stopped`` at once, not sent again (30 s + 60 s per try, 4 tries)."""
+    server = ServerProcess(tmp_path)
+    stopping = threading.Event()
+    result: dict = {}
+    try:
+        with QueueClient(server.address, timeout_s=30, retries=3, stopping=stopping) as c:
+            c.put("p", ["a0"], ids(1))
+            stopping.set()
+            assert c.claim("p", "t", ["ids"], 1, timeout_s=5)["keys"] == ["a0"]
+            assert c.claim("p", "t", ["ids"], 1, timeout_s=0.5)["keys"] == []  # waited: no error
+
+            def claim():
+                try:
+                    c.claim("p", "t", ["ids"], 1, timeout_s=60)
+                except QueueError as e:
+                    result["error"] = e
+                result["t"] = time.monotonic()
+
+            thread = threading.Thread(target=claim, daemon=True)
+            thread.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            os.kill(server.proc.pid, signal.SIGKILL)
+            thread.join(10)
+            assert result["t"] - t0 < 2.5  # the drop is noticed within ~2 s
+            assert result["error"].code == "stopped" and not result["error"].retryable
+            assert "not sent again (its connection dropped)" in result["error"].message
+            assert c.disconnects == 0  # no resend
     finally:
         server.stop()
 

@@ -1,5 +1,6 @@
 """The teacher's serving loop in-process against a real queue: a rank whose trainer holds every
-slot never blocks another rank, and a malformed request gets an error result, not a crash."""
+slot never blocks another rank, a malformed request gets an error result, not a crash, and a
+stopping teacher spends no retries on a queue that went away."""
 
 from __future__ import annotations
 
@@ -174,6 +175,42 @@ def test_a_stopping_teacher_does_not_wait_on_a_queue_that_went_away(tmp_path):
         client.close()
     # one attempt of GIVE_BACK_TIMEOUT_S for all three, not 3 keys x 3 attempts x 10 s
     assert elapsed < teacher_main.GIVE_BACK_TIMEOUT_S + 2.0, elapsed
+
+
+def test_a_teacher_stopped_while_its_queue_dies_returns_without_retrying_it(tmp_path):
+    """Stopped while its claim waits at the queue, and the queue killed a moment later (it answers
+    nothing): the teacher returns in less than one reply's wait (queue_timeout_s), not after a
+    resend and two retries of queue_timeout_s + claim_timeout_s each (45 s here)."""
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    config = TeacherConfig(
+        queue=server.address, partition=PARTITION, model="tiny", tokenizer="smollm2", slots=2,
+        max_batch=2, max_length=16, claim_timeout_s=5.0, queue_timeout_s=10.0,
+    )  # fmt: skip
+    serving = threading.Event()
+    lc = types.SimpleNamespace(stop=threading.Event(), ready=lambda **info: serving.set())
+    result: dict = {}
+
+    def serve():
+        try:
+            result["code"] = teacher_main._serve_queue(config, lc, [], TeacherWorker)
+        except BaseException as e:  # surfaced by the test
+            result["error"] = e
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert serving.wait(60), result
+        time.sleep(1.0)  # its claim waits at the queue (claim_timeout_s)
+        lc.stop.set()  # SIGTERM: teacher and queue together
+        t0 = time.monotonic()
+        server.proc.kill()
+        thread.join(60)
+        stop_s = time.monotonic() - t0
+    finally:
+        lc.stop.set()
+        server.stop()
+    assert result == {"code": 0}, result
+    assert stop_s < config.queue_timeout_s, stop_s
 
 
 def test_the_runs_teacher_1_serves_its_own_partition_and_announces_itself_apart(queue, tmp_path):

@@ -5,6 +5,7 @@ before it serves."""
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -101,7 +102,9 @@ def test_a_k_over_the_vocab_refuses_each_request_naming_the_setting():
 
 def test_a_teacher_process_with_a_k_over_the_vocab_stops_before_it_serves(tmp_path):
     server = ServerProcess(tmp_path, "--capacity", "16MiB")
-    lc = types.SimpleNamespace(ready=lambda **_: pytest.fail("the teacher served"))
+    lc = types.SimpleNamespace(
+        stop=threading.Event(), ready=lambda **_: pytest.fail("the teacher served")
+    )
     try:
         with pytest.raises(ValueError) as exc:
             teacher_main.serve(_config(queue=server.address, top_k=VOCAB + 1), lc)
