@@ -5,8 +5,9 @@ Claims requests of its group (``<partition>.teacher<group>``, or
 backlog, serves the oldest one whose trainer rank has a free ring slot with
 :class:`~services.teacher.worker.TeacherWorker`, together with the other waiting requests that
 share its forward (:meth:`~services.teacher.worker.TeacherWorker.fits`: same length, up to
-``forward_rows`` rows, each with a free slot of its own rank), writes each one's result fields
-onto its record and acks it. A request is acked only after its result is stored, so a teacher
+``forward_rows`` rows, each with a free slot of its own rank), each rank's requests in the order
+they were claimed (:func:`_next_batch`), writes each one's result fields onto its record and
+acks it. A request is acked only after its result is stored, so a teacher
 killed mid-request leaves it leased: it is redelivered to a restarted teacher when the lease ends.
 A malformed request gets an error result (the trainer raises it) and the loop goes on.
 
@@ -179,18 +180,34 @@ def _next_batch(worker: TeacherWorker, backlog: dict[str, tuple[Any, Any]]) -> l
     :meth:`TeacherWorker.fits` with it and whose rank has a free slot too (each holds its slot
     from here). A malformed or refused request is taken alone (slot None): it gets its error
     reply in its own turn. Empty: nothing can be served now.
+
+    A rank's requests are served in the order they were claimed: once one of a rank is passed
+    over (its ring has no free slot, it does not fit the forward, or it waits for its own turn),
+    no later request of that rank is taken in this pass. Its trainer frees its slots in
+    micro-batch order and waits for its oldest request, so a later request must never take a
+    slot the earlier one could not (a slot freed while this pass runs, or a second free slot
+    taken by a later request of the forward's length): later results holding every slot of the
+    ring while the earlier request waits would stall the trainer until it gives them back. The
+    requests of other ranks are still served (no head-of-line blocking across ranks).
     """
     batch: list[tuple] = []
+    passed: set[int | None] = set()  # ranks with a request passed over in this pass
     for key, (request, lease_id) in list(backlog.items()):
+        rank = request.rank if isinstance(request, proto.Request) else _malformed_rank(request)
+        if rank in passed:
+            continue
         if not isinstance(request, proto.Request) or worker.check(request) is not None:
             if batch:
+                passed.add(rank)
                 continue
             del backlog[key]
             return [(key, request, lease_id, None)]
         if not worker.fits([b[1] for b in batch], request):
+            passed.add(rank)
             continue
-        slot = worker.try_acquire(request.rank)
+        slot = worker.try_acquire(rank)
         if slot is None:
+            passed.add(rank)
             continue
         del backlog[key]
         batch.append((key, request, lease_id, slot))
@@ -268,6 +285,11 @@ def _reply(client, partition: str, key: str, lease_id: Any, fields: dict | None)
             logger.debug("[teacher] %s was consumed before our ack: %s", key, e)
         else:  # the lease ended first: the request may be computed twice
             logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
+
+
+def _malformed_rank(request: Any) -> int | None:
+    """The rank of a malformed request's ``(message, rank)`` (None: not known)."""
+    return request[1] if isinstance(request, tuple) and len(request) == 2 else None
 
 
 def _rank_of(fields: dict, i: int) -> int | None:

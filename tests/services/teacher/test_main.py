@@ -253,3 +253,64 @@ def test_the_runs_teacher_1_serves_its_own_partition_and_announces_itself_apart(
     assert not thread.is_alive() and not errors, errors
     assert (tmp_path / "metrics" / "t1.teacher.group0.jsonl").is_file()
     assert not (tmp_path / "metrics" / "teacher.group0.jsonl").exists()
+
+
+@pytest.fixture
+def worker():
+    """A TeacherWorker (no queue) whose rings have 2 slots; up to 8 rows share a forward."""
+    config = TeacherConfig(
+        model="tiny", tokenizer="smollm2", transport="shm", slots=2, max_batch=2, max_length=16,
+        forward_rows=8,
+    )  # fmt: skip
+    with TeacherWorker(config) as worker:
+        yield worker
+
+
+def _waiting(*requests: tuple[str, int, int]) -> dict:
+    """A backlog as _loop holds it (oldest first) of ``(key, rank, length)`` requests."""
+    return {
+        key: (proto.Request(key, rank, torch.arange(length)[None], torch.tensor([length])), 1)
+        for key, rank, length in requests
+    }
+
+
+def test_a_slot_freed_while_a_pass_runs_goes_to_the_ranks_oldest_request_not_a_later_one(
+    worker,
+):
+    # rank 0's trainer holds both slots of its ring; it frees one (its reader does, once the
+    # GPU read it) just after the pass found none for a:0: a:1 must not take it, or a:1 and
+    # a:2 end up holding the ring while the trainer waits for a:0
+    ring = worker.ring(0)
+    held = [ring.publish(ring.acquire(timeout_s=0), rows=1, length=4) for _ in range(2)]
+    backlog = _waiting(("a:0", 0, 4), ("a:1", 0, 4), ("a:2", 0, 4), ("b:0", 1, 4))
+    try_acquire = worker.try_acquire
+    with LogitRingReader() as reader:
+
+        def acquire_then_free(rank: int) -> int | None:
+            slot = try_acquire(rank)
+            if rank == 0 and slot is None and ring.in_flight() == [0, 1]:
+                reader.release(ring.descriptor, held[0])  # the trainer frees slot 0 now
+            return slot
+
+        worker.try_acquire = acquire_then_free
+        batch = teacher_main._next_batch(worker, backlog)
+        assert [b[0] for b in batch] == ["b:0"]  # another rank is still served
+        assert list(backlog) == ["a:0", "a:1", "a:2"]
+        assert ring.in_flight() == [1]  # slot 0 is free, and waits for a:0
+
+        batch = teacher_main._next_batch(worker, backlog)
+        assert [(b[0], b[3]) for b in batch] == [("a:0", 0)]  # the oldest of rank 0 gets it
+        assert list(backlog) == ["a:1", "a:2"]
+
+
+def test_a_later_request_of_the_forwards_length_does_not_take_a_slot_before_an_earlier_one(
+    worker,
+):
+    # both slots free: a:0 starts a forward, a:1 has another length; a:2 (a:0's length) must
+    # not share a:0's forward, or a:0 and a:2 hold the ring while the trainer waits for a:1
+    backlog = _waiting(("a:0", 0, 5), ("a:1", 0, 7), ("a:2", 0, 5), ("b:0", 1, 5))
+    batch = teacher_main._next_batch(worker, backlog)
+    assert [b[0] for b in batch] == ["a:0", "b:0"]  # b:0 (another rank) shares the forward
+    assert [b[0] for b in teacher_main._next_batch(worker, backlog)] == ["a:1"]
+    assert teacher_main._next_batch(worker, backlog) == []  # a:2 waits for a slot, in turn
+    assert list(backlog) == ["a:2"]
