@@ -49,6 +49,38 @@ def test_two_ranks_with_accumulation_apply_the_full_batch_gradient(projection, t
         torch.testing.assert_close(ranks[0][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _bf16_ranks_against_one_process(projection: str, tmp_path, plan: list[list[int]]) -> None:
+    """gloo ranks with bf16 compute parameters and fp32 masters train ``plan`` (indices of
+    ``setup.micro_batches()``, one list a rank): each keeps its compute gradients in the DDP
+    buckets (``held``), every rank's master gradients are equal, and they are one process's,
+    accumulating every micro-batch in fp32, within bf16 precision."""
+    world = len(plan)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    out = str(tmp_path / "grads")
+    bf16 = {"compute": {"param_dtype": "bfloat16"}}
+    args = (world, _free_port(), projection, plan, out, "cpu", "ddp", None, bf16)
+    mp.spawn(run_rank, args=args, nprocs=world, join=True)
+    saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
+    assert all(s["held"] for s in saved)
+
+    indices = [i for mine in plan for i in mine]
+    step = build_step(setup.trainer_config(projection, feed={"grad_accum": len(indices)}, **bf16))
+    batches = setup.micro_batches()
+    full, _ = capture_step_gradients(
+        step, [setup.micro_batch(batches[i], [f"s{i}"]) for i in indices]
+    )
+    cosines = []
+    for name, grad in full.items():
+        ranks = [s["grads"][name] for s in saved]
+        for other in ranks[1:]:
+            torch.testing.assert_close(ranks[0], other, rtol=0, atol=0)
+        assert ranks[0].dtype == torch.float32  # the masters' gradients
+        torch.testing.assert_close(ranks[0], grad, rtol=0.05, atol=2e-3, msg=name)
+        cosines.append(torch.nn.functional.cosine_similarity(ranks[0].flatten(), grad.flatten(), 0))
+    assert min(cosines) > 0.999
+
+
 @pytest.mark.timeout(300)
 def test_bf16_ranks_accumulate_in_the_ddp_buckets_and_apply_the_full_batch_gradient(
     projection, tmp_path
@@ -57,28 +89,7 @@ def test_bf16_ranks_accumulate_in_the_ddp_buckets_and_apply_the_full_batch_gradi
     # reducer's bucket for the run (zeroed in place, never freed: a CUDA graph replay may not own
     # it); both ranks accumulate two micro-batches in bf16 there, the two ranks' sum is one bf16
     # addition. Against one process accumulating all four in fp32: bf16 precision
-    plan = [[0, 1], [2, 3]]
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    out = str(tmp_path / "grads")
-    bf16 = {"compute": {"param_dtype": "bfloat16"}}
-    args = (2, _free_port(), projection, plan, out, "cpu", "ddp", None, bf16)
-    mp.spawn(run_rank, args=args, nprocs=2, join=True)
-    saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
-    assert saved[0]["held"] and saved[1]["held"]
-
-    step = build_step(setup.trainer_config(projection, feed={"grad_accum": 4}, **bf16))
-    batches = setup.micro_batches()
-    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2, 3)]
-    full, _ = capture_step_gradients(step, mbs)
-    cosines = []
-    for name, grad in full.items():
-        ranks = [s["grads"][name] for s in saved]
-        torch.testing.assert_close(ranks[0], ranks[1], rtol=0, atol=0)
-        assert ranks[0].dtype == torch.float32  # the masters' gradients
-        torch.testing.assert_close(ranks[0], grad, rtol=0.05, atol=2e-3, msg=name)
-        cosines.append(torch.nn.functional.cosine_similarity(ranks[0].flatten(), grad.flatten(), 0))
-    assert min(cosines) > 0.999
+    _bf16_ranks_against_one_process(projection, tmp_path, [[0, 1], [2, 3]])
 
 
 @pytest.mark.slow
@@ -87,30 +98,8 @@ def test_four_bf16_ranks_sum_their_buckets_in_fp32_and_apply_the_full_batch_grad
     projection, tmp_path
 ):
     # above two ranks the bf16 buckets are summed in fp32 and rounded once
-    # (services/trainer/precision.py fp32_allreduce_hook): every rank applies the same gradient,
-    # that of one process accumulating the four micro-batches in fp32 within bf16 precision
-    plan = [[0], [1], [2], [3]]
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    out = str(tmp_path / "grads")
-    bf16 = {"compute": {"param_dtype": "bfloat16"}}
-    args = (4, _free_port(), projection, plan, out, "cpu", "ddp", None, bf16)
-    mp.spawn(run_rank, args=args, nprocs=4, join=True)
-    saved = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(4)]
-    assert all(s["held"] for s in saved)
-
-    step = build_step(setup.trainer_config(projection, feed={"grad_accum": 4}, **bf16))
-    batches = setup.micro_batches()
-    mbs = [setup.micro_batch(batches[i], [f"s{i}"]) for i in (0, 1, 2, 3)]
-    full, _ = capture_step_gradients(step, mbs)
-    cosines = []
-    for name, grad in full.items():
-        ranks = [s["grads"][name] for s in saved]
-        for other in ranks[1:]:
-            torch.testing.assert_close(ranks[0], other, rtol=0, atol=0)
-        torch.testing.assert_close(ranks[0], grad, rtol=0.05, atol=2e-3, msg=name)
-        cosines.append(torch.nn.functional.cosine_similarity(ranks[0].flatten(), grad.flatten(), 0))
-    assert min(cosines) > 0.999
+    # (services/trainer/precision.py fp32_allreduce_hook): every rank applies the same gradient
+    _bf16_ranks_against_one_process(projection, tmp_path, [[0], [1], [2], [3]])
 
 
 @pytest.mark.timeout(300)
