@@ -20,9 +20,10 @@ lease the server applied (or an old instance issued) is an error, never a double
 given a ``stop`` (an event, or a callable returning True to stop) raises ``QueueError("stopped")``
 within ~50 ms of it being set, whatever the server does (SIGTERM of a collator or consumer whose
 queue is gone). A client given ``stopping`` (the same kinds) tries nothing twice once it is set:
-a request whose connection drops, or that gets no reply in time, raises ``QueueError("stopped")``
-at once, not sent again; a reply on its way is still waited for (a stopping teacher gives its
-leases back to a live queue, and spends no retries on one that went away).
+a request whose connection drops (while it waits, or before it is sent), or that gets no reply in
+time, raises ``QueueError("stopped")`` at once, not sent (again); a reply on its way is still
+waited for (a stopping worker gives its leases back to a live queue, and spends no retries on one
+that went away).
 Every new connection starts with a ``hello`` sent ahead of its first request (no round trip
 waited for): it presents the token of a server that needs one (``token=``, else
 ``XTOKEN_QUEUE_TOKEN`` / ``XTOKEN_QUEUE_TOKEN_FILE``, auth.py) and the client's ``instance`` (by
@@ -264,17 +265,20 @@ class _Requests:
         tries.rehello = True
         return True
 
+    def _stopping_error(self, msg_type: str, what: str) -> QueueError:
+        return QueueError(
+            codes.STOPPED,
+            f"{msg_type} to {self.address} {what}: this client is stopping",
+            request_type=msg_type,
+        )
+
     def _next_try(self, msg_type: str, budget_s: float, tries: _Tries, dropped: bool) -> None:
         """Count a request's failed try: a dropped connection's is sent again at once (up to
         MAX_RESENDS), a timeout's is retried up to ``retries`` times, then raises ``timeout``;
         a stopping client's raises ``stopped`` at once (the queue may be gone with the run)."""
         if _is_set(self.stopping):
             why = "its connection dropped" if dropped else f"no reply within {budget_s:.1f}s"
-            raise QueueError(
-                codes.STOPPED,
-                f"{msg_type} to {self.address} not sent again ({why}): this client is stopping",
-                request_type=msg_type,
-            )
+            raise self._stopping_error(msg_type, f"not sent again ({why})")
         if dropped and tries.resends < MAX_RESENDS:
             tries.resends += 1
             if not self._handshaken:  # closed in its handshake (a refusal is seen on a retry)
@@ -454,8 +458,9 @@ class QueueClient(_Requests):
             callable returning True to stop; once set, a request waiting for its reply raises
             ``QueueError("stopped")`` (not retryable) within ~50 ms.
         stopping: the same kinds as ``stop``; once set, a request is tried no more: a dropped
-            connection or a missing reply raises ``QueueError("stopped")`` instead of a resend
-            or a retry, while a reply on its way is still waited for.
+            connection (found while it waits, or before it is sent) or a missing reply raises
+            ``QueueError("stopped")`` instead of a send, a resend or a retry, while a reply on
+            its way is still waited for.
         token: the server's shared secret, presented in every hello (None: the
             ``XTOKEN_QUEUE_TOKEN`` environment variable, else the file ``XTOKEN_QUEUE_TOKEN_FILE``
             names, else none).
@@ -554,6 +559,9 @@ class QueueClient(_Requests):
             self._check_stop(msg_type)
             sock = self._socket(msg_type)
             if self._dropped() and msg_type != "hello":
+                if _is_set(self.stopping):  # the queue went away (with the run): nothing is sent
+                    self.close()
+                    raise self._stopping_error(msg_type, "not sent (its connection dropped)")
                 # dropped while idle: the socket reconnects on its own, maybe to a restarted
                 # server that never saw this connection's hello (token, lease owner): say it again
                 send_frames(sock, self._hello_frames())

@@ -67,7 +67,9 @@ def serve(config: RolloutConfig, lc: Lifecycle) -> int:
         limit=config.limit,
         start=start,
     )
-    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=f"rollout{config.worker}")
+    # stopping, it tries nothing twice: a put to a queue that went away costs no retries
+    name = f"rollout{config.worker}"
+    client = connect(config.queue, timeout_s=config.queue_timeout_s, name=name, stopping=lc.stop)
     metrics = None
     if config.run_dir:
         metrics = JsonlWriter(

@@ -97,9 +97,10 @@ def _train(config: TrainerConfig, lc: Lifecycle, rank: int, world: int, device) 
     evaluates = rank == 0 or (world > 1 and config.compute.parallel == "fsdp")
     ev = config.eval
     heldout = read_texts(ev.heldout, ev.texts) if evaluates and ev.heldout and ev.texts else []
+    # stopping, it tries nothing twice: a queue that went away costs no retries (trainer.py)
     client = connect(
         config.queue, timeout_s=config.feed.queue_timeout_s, name=f"trainer{rank}",
-        setting="feed.queue_timeout_s",
+        setting="feed.queue_timeout_s", stopping=lc.stop,
     )  # fmt: skip
     ranks = Ranks()
     if world > 1:

@@ -47,6 +47,7 @@ import torch
 
 from services.protocol.names import ROLLOUT_TASK, rollout_partition
 from services.protocol.rollout import ROLLOUT_FIELDS, is_rollout_sample
+from services.queue import errors as codes
 from services.queue.errors import QueueError
 from services.trainer.samples import Claimed, SampleFeed
 from services.trainer.sections import OnPolicyConfig
@@ -289,6 +290,8 @@ class OnPolicyFeed(SampleFeed):
             try:
                 self.client.nack(self.rollouts, ROLLOUT_TASK, lease_id, keys)
             except QueueError as e:
+                if e.code == codes.STOPPED:  # as SampleFeed.give_back: the queue went away
+                    raise
                 logger.warning("[trainer] could not give back on-policy lease %s: %s", lease_id, e)
 
     def _split(self, claimed: Iterable[Claimed]) -> tuple[list[Claimed], dict[Any, list[str]]]:

@@ -46,6 +46,7 @@ import torch
 
 from services.protocol.end_of_data import EOF_KEY, eof_samples
 from services.protocol.names import meta_partition
+from services.queue import errors as codes
 from services.queue.errors import QueueError
 from services.trainer.sections import FeedConfig
 from xtoken_core.data import sample as schema
@@ -378,7 +379,12 @@ class SampleFeed:
 
     def give_back(self, untrained: Iterable[Claimed]) -> None:
         """Return the samples of micro-batches claimed but not trained (nack), and those of a
-        step still being gathered (ordered mode)."""
+        step still being gathered (ordered mode).
+
+        Raises:
+            QueueError: ``stopped``: the queue went away while the trainer stops (its client's
+                ``stopping``); what is left leased is served again once its lease runs out.
+        """
         leases = [c.leases for c in untrained]
         if self._step:
             leases.append({k: lease for k, _, lease in self._step})
@@ -391,6 +397,8 @@ class SampleFeed:
                 try:
                     self.client.nack(self.partition, self.task, lease_id, keys)
                 except QueueError as e:
+                    if e.code == codes.STOPPED:  # the queue went away as the rank stops: no more
+                        raise
                     logger.warning("[trainer] could not give back lease %s: %s", lease_id, e)
 
     def _consume_for_replaced(self) -> None:

@@ -17,6 +17,7 @@ from services.common import lifecycle
 from services.common.config import to_dict
 from services.common.metrics import JsonlWriter
 from services.protocol.names import new_instance
+from services.queue import errors as codes
 from services.queue.errors import QueueError
 from services.trainer import checkpoint as checkpoints
 from services.trainer import tracking
@@ -180,7 +181,11 @@ class Trainer:
     step's samples after its optimizer step (or, when the run registers its task for retention,
     once a checkpoint holds them). Every rank agrees at each step boundary (the flags' sum) on
     whether anyone has data and whether anyone was asked to stop, so all ranks stop at the same
-    step and write one checkpoint together.
+    step and write one checkpoint together. A rank whose queue went away while it stops (its
+    client's ``stopping``: ``QueueError("stopped")``) sends it nothing more: what it held leased
+    is served again once the lease runs out; found between two step boundaries, the rank ends
+    there without the stop's checkpoint (its step's samples may be neither trained nor acked, the
+    other ranks elsewhere), and the next launch resumes from the last one.
 
     Args:
         config: the trainer settings.
@@ -243,6 +248,7 @@ class Trainer:
         self.gc_clock = CollectorClock()
         self.gc_schedule = CollectorSchedule(config.compute.gc_every)
         self.stopped = False
+        self.queue_gone = False  # the queue went away while this rank stopped: nothing more sent
         self._last_checkpoint = self.student.step
         self._unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
 
@@ -304,7 +310,8 @@ class Trainer:
 
     def train(self) -> None:
         """Train until ``schedule.max_steps``, the end of the data (every epoch) or a stop, then
-        finish: the last checkpoint, the eval after, the export and the summary."""
+        finish: the last checkpoint, the eval after, the export and the summary (a stop whose
+        queue went away mid-step: no checkpoint, see the class)."""
         epochs = self.config.schedule.epochs
         self.start()
         if self.epoch >= epochs:
@@ -313,8 +320,18 @@ class Trainer:
                 self.student.step,
                 epochs,
             )
-        while self.epoch < epochs and self.run_epoch():
-            self.epoch, self.task_start, self.trained = self.epoch + 1, self.student.step, set()
+        try:
+            while self.epoch < epochs and self.run_epoch():
+                self.epoch, self.task_start, self.trained = self.epoch + 1, self.student.step, set()
+        except QueueError as e:
+            # between two step boundaries: a checkpoint now might hold a step whose keys it
+            # lacks, and the other ranks are elsewhere; the next launch resumes from the last one
+            last = self._last_checkpoint
+            then = f"no checkpoint at this stop: the next launch resumes from step {last}"
+            if not self._went_away(e, then):
+                raise
+            self.finish(checkpoint=False)
+            return
         self.finish()
 
     def start(self) -> None:
@@ -383,7 +400,7 @@ class Trainer:
                     [float(bool(micro_batches)), float(self.stop.is_set())]
                 )
             if stop:
-                feed.give_back(micro_batches)
+                self._give_back(micro_batches)
                 self.stopped = True
                 break
             if not has_data:
@@ -396,8 +413,8 @@ class Trainer:
             clock = None
         if self.stopped or self._at_max_steps():
             return False
-        feed.give_back()
-        return True
+        self._give_back()
+        return not self.queue_gone
 
     def step(self, micro_batches: list[MicroBatch], clock: PhaseClock) -> None:
         """One optimizer step over this rank's micro-batches, then their acks, the weights for
@@ -468,23 +485,27 @@ class Trainer:
                 )
         self.ranks.barrier()
 
-    def finish(self) -> None:
+    def finish(self, checkpoint: bool = True) -> None:
         """After the last step: give back what was claimed, write the last records and the last
         checkpoint; without a stop the eval after training and the export; the summary (rank 0);
-        close the files."""
+        close the files.
+
+        Args:
+            checkpoint: False: no checkpoint (the queue went away between two step boundaries).
+        """
         schedule, student = self.config.schedule, self.student
         if self.feed is not None:
-            self.feed.give_back()
+            self._give_back()
         self._write_steps()
         self.profiler.close()
         self.gc_schedule.close()
         self.gc_clock.remove()
         lifecycle.pause_progress()
         wanted = schedule.final_checkpoint  # off: no checkpoint at the end, a stop's neither
-        if wanted and (student.step != self._last_checkpoint or self.stopped):
+        if checkpoint and wanted and (student.step != self._last_checkpoint or self.stopped):
             self.checkpoint()
             try:
-                if self.feed is not None:
+                if self.feed is not None and not self.queue_gone:
                     self.feed.commit()
             except QueueError as e:  # saved: a resumed launch consumes them (replaces), or a clear
                 logger.warning("[trainer] could not ack the samples of the last checkpoint: %s", e)
@@ -570,6 +591,33 @@ class Trainer:
             else f"not registered: {config.schedule.epochs} epochs read every sample again",
         )
         return feed
+
+    def _give_back(self, micro_batches: list[MicroBatch] = ()) -> None:
+        """Give back what the feed holds (:meth:`TeacherFeed.give_back`), unless the queue went
+        away while this rank stops."""
+        if self.queue_gone:
+            return
+        try:
+            self.feed.give_back(micro_batches)
+        except QueueError as e:
+            if not self._went_away(e, f"it stops at step {self.student.step}"):
+                raise
+
+    def _went_away(self, error: QueueError, then: str) -> bool:
+        """Whether ``error`` says the queue went away while this rank stops (a stop, not a
+        failure): then it is logged, in one line saying what follows (``then``), and nothing
+        more is sent to the queue."""
+        if error.code != codes.STOPPED or not self.stop.is_set():
+            return False
+        logger.info(
+            "[trainer] the queue went away while stopping: %s; %s, and what rank %d held leased "
+            "is served again once its lease runs out",
+            error,
+            then,
+            self.rank,
+        )
+        self.queue_gone = self.stopped = True
+        return True
 
     def _at_max_steps(self) -> bool:
         max_steps = self.config.schedule.max_steps

@@ -1,7 +1,7 @@
 """A dead, hung or restarted server is noticed within 2 s (the connection drops or ZMTP
 heartbeats go unanswered): the request in flight is sent again at once, to the replacement if
-one comes up, a client told to stop gives up at once, and a stopping one sends nothing again
-(real server processes)."""
+one comes up, a client told to stop gives up at once, and a stopping one sends nothing again,
+nor anything into a connection that dropped while it was idle (real server processes)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from services.queue.client import QueueClient
@@ -134,6 +135,30 @@ def test_a_stopping_client_takes_a_live_servers_reply_but_sends_nothing_again(tm
             assert result["error"].code == "stopped" and not result["error"].retryable
             assert "not sent again (its connection dropped)" in result["error"].message
             assert c.disconnects == 0  # no resend
+    finally:
+        server.stop()
+
+
+def test_a_stopping_client_whose_idle_connection_dropped_sends_nothing(tmp_path):
+    """The queue died while the client was idle (a trainer's step computes while its run stops):
+    the next request raises ``stopped`` at once, not sent into a connection that reconnects to
+    nothing (where it would wait ``timeout_s`` for no reply)."""
+    server = ServerProcess(tmp_path)
+    stopping = threading.Event()
+    try:
+        with QueueClient(server.address, timeout_s=10, retries=2, stopping=stopping) as c:
+            c.put("p", ["a0"], ids(1))
+            os.kill(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(10)
+            time.sleep(0.5)  # the drop reaches the client's monitor
+            stopping.set()
+            t0 = time.monotonic()
+            with pytest.raises(QueueError) as exc:
+                c.stats()
+            assert time.monotonic() - t0 < 1.0
+            assert exc.value.code == "stopped" and not exc.value.retryable
+            assert "stats to " in exc.value.message
+            assert "not sent (its connection dropped): this client is stopping" in exc.value.message
     finally:
         server.stop()
 

@@ -1,21 +1,24 @@
 """The Trainer on a real queue (CE, no teacher): a run trains every sample once and evaluates,
 checkpoints and summarizes; a launch that resumes from a checkpoint trains only the rest; a stop
-ends at a step boundary with a checkpoint; the hidden transport's output layer is the teacher's;
-the components take the trainer settings of their parameters' names."""
+ends at a step boundary with a checkpoint, and one whose queue dies meanwhile ends in seconds,
+sending it nothing again; the hidden transport's output layer is the teacher's; the components
+take the trainer settings of their parameters' names."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import json
+import logging
 import threading
+import time
 
 import pytest
 import torch
 
 from services.collator.worker import samples_to_put_fields
 from services.protocol import put_eof
-from services.queue.client import QueueClient
+from services.queue.client import QueueClient, connect
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
 from services.trainer.sections import ComputeConfig, StudentConfig, TeacherLinkConfig
@@ -123,6 +126,108 @@ def test_a_stop_ends_at_a_step_boundary_with_a_checkpoint(queue, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["stopped"]
     assert (tmp_path / "checkpoints" / "step_00000000").is_dir()
     assert not (tmp_path / "keys" / "trainer.rank0.jsonl").read_text()
+
+
+def _stopping_trainer(address: str, run_dir, stop: threading.Event, **overrides) -> Trainer:
+    """A trainer as the trainer process makes it: its client stops trying once ``stop`` is set."""
+    config = setup.trainer_config(
+        None,
+        queue=address,
+        partition=PARTITION,
+        run_dir=str(run_dir),
+        **merged({"schedule": {"export": False, "max_steps": 0}}, overrides),
+    )
+    client = connect(address, timeout_s=10.0, name="trainer0", stopping=stop)  # 3 tries: 30 s
+    return Trainer(config, client, stop=stop)
+
+
+def _went_away(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "queue went away" in r.getMessage()]
+
+
+def test_a_trainer_stopped_while_its_queue_dies_mid_step_acks_nothing_and_ends_at_once(
+    tmp_path, caplog
+):
+    """SIGTERM of the whole run (its launcher died): the queue dies while a step computes. The
+    step's ack finds the connection dropped and is not sent (not retried 3 x 10 s, then a
+    failure): the trainer ends in a moment, without the stop's checkpoint, its samples leased."""
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    stop = threading.Event()
+    try:
+        _put(server.address, 2)
+        trainer = _stopping_trainer(
+            server.address, tmp_path / "run", stop, schedule={"checkpoint_every": 0}
+        )  # acks after each step
+        run = trainer.student_step.run
+        killed: dict[str, float] = {}
+
+        def step_while_the_run_stops(micro_batches, clock):
+            result = run(micro_batches, clock)
+            stop.set()
+            server.proc.kill()
+            server.proc.wait(10)
+            time.sleep(0.5)  # the connection's drop is seen before the ack is sent
+            killed["t"] = time.monotonic()
+            return result
+
+        trainer.student_step.run = step_while_the_run_stops
+        with caplog.at_level(logging.INFO, logger="services.trainer.trainer"):
+            trainer.train()
+        stop_s = time.monotonic() - killed["t"]
+        trainer.client.close()
+    finally:
+        stop.set()
+        server.stop()
+    assert stop_s < 5.0, stop_s  # one reply's wait is 10 s
+    assert trainer.stopped and trainer.queue_gone and trainer.student.step == 1
+    (line,) = _went_away(caplog)
+    assert "ack to " in line and "not sent (its connection dropped)" in line, line
+    assert "no checkpoint at this stop: the next launch resumes from step 0" in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()  # weights without their keys' acks
+    assert not (tmp_path / "run" / "keys" / "trainer.rank0.jsonl").read_text()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped"]
+
+
+def test_a_trainer_stopped_while_its_claim_waits_on_a_dying_queue_ends_in_seconds(tmp_path, caplog):
+    """Stopped while its claim waits at the queue (no samples yet), and the queue killed a
+    moment later: the drop is noticed within ~2 s and the claim is not sent again; train()
+    returns (the process exits 0), it does not fail after retries."""
+    server = ServerProcess(tmp_path, "--capacity", "64MiB")
+    stop = threading.Event()
+    result: dict = {}
+    try:
+        trainer = _stopping_trainer(
+            server.address, tmp_path / "run", stop, feed={"claim_timeout_s": 5.0}
+        )
+
+        def train():
+            try:
+                trainer.train()
+            except BaseException as e:  # surfaced by the test
+                result["error"] = e
+
+        with caplog.at_level(logging.INFO, logger="services.trainer.trainer"):
+            thread = threading.Thread(target=train, daemon=True)
+            thread.start()
+            with QueueClient(server.address, timeout_s=10) as probe:
+                deadline = time.monotonic() + 60
+                while not probe.stats().get("parked_claims"):  # its claim waits at the queue
+                    assert time.monotonic() < deadline and thread.is_alive(), result
+                    time.sleep(0.05)
+            stop.set()
+            t0 = time.monotonic()
+            server.proc.kill()
+            thread.join(60)
+            stop_s = time.monotonic() - t0
+        trainer.client.close()
+    finally:
+        stop.set()
+        server.stop()
+    assert result == {} and not thread.is_alive(), result
+    assert stop_s < 5.0, stop_s
+    (line,) = _went_away(caplog)
+    assert "claim to " in line and "not sent again (its connection dropped)" in line, line
+    assert trainer.stopped and trainer.student.step == 0
 
 
 def _teacher(teacher_seed: int) -> dict:
