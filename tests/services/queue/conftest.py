@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -64,6 +65,18 @@ class ServerProcess:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+
+
+def stop_with_queue(
+    stop: threading.Event, server: ServerProcess, worker: threading.Thread
+) -> float:
+    """A worker's SIGTERM and its queue's SIGKILL together (a run stopped with its queue): set
+    ``stop``, kill ``server``, wait for ``worker`` (60 s at most); the seconds it took to end."""
+    stop.set()
+    t0 = time.monotonic()
+    server.proc.kill()
+    worker.join(60)
+    return time.monotonic() - t0
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,22 @@ def wait_for(pred, timeout):
     return False
 
 
+def _claim_in_thread(client: QueueClient, result: dict) -> threading.Thread:
+    """A 60 s claim on a thread of its own (started): ``result`` gets its ``error`` (a
+    QueueError) and the time ``t`` it returned."""
+
+    def claim():
+        try:
+            client.claim("p", "t", ["ids"], 1, timeout_s=60)
+        except QueueError as e:
+            result["error"] = e
+        result["t"] = time.monotonic()
+
+    thread = threading.Thread(target=claim, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_a_put_parked_on_a_server_that_is_sigkilled_lands_on_its_replacement_at_once(tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     first = ServerProcess(tmp_path, "--bind", address, "--capacity", "100KB")
@@ -82,16 +98,7 @@ def test_a_client_waiting_on_a_dead_server_stops_at_once_when_told(tmp_path):
     try:
         with QueueClient(server.address, timeout_s=30, retries=3, stop=stop) as c:
             c.hello()
-
-            def claim():
-                try:
-                    c.claim("p", "t", ["ids"], 1, timeout_s=60)
-                except QueueError as e:
-                    result["error"] = e
-                result["t"] = time.monotonic()
-
-            thread = threading.Thread(target=claim, daemon=True)
-            thread.start()
+            thread = _claim_in_thread(c, result)
             time.sleep(0.3)
             os.kill(server.proc.pid, signal.SIGKILL)
             server.proc.wait(10)
@@ -117,16 +124,7 @@ def test_a_stopping_client_takes_a_live_servers_reply_but_sends_nothing_again(tm
             stopping.set()
             assert c.claim("p", "t", ["ids"], 1, timeout_s=5)["keys"] == ["a0"]
             assert c.claim("p", "t", ["ids"], 1, timeout_s=0.5)["keys"] == []  # waited: no error
-
-            def claim():
-                try:
-                    c.claim("p", "t", ["ids"], 1, timeout_s=60)
-                except QueueError as e:
-                    result["error"] = e
-                result["t"] = time.monotonic()
-
-            thread = threading.Thread(target=claim, daemon=True)
-            thread.start()
+            thread = _claim_in_thread(c, result)
             time.sleep(0.3)
             t0 = time.monotonic()
             os.kill(server.proc.pid, signal.SIGKILL)

@@ -26,7 +26,7 @@ from tests.e2e.conftest import (
     wait_for,
     write_config,
 )
-from tests.services.queue.conftest import ServerProcess
+from tests.services.queue.conftest import ServerProcess, stop_with_queue
 from xtoken_core.ipc.policy_weights import DESCRIPTOR, WeightPublisher
 
 # msgpack's map whose first key is a str of 2 bytes that are no UTF-8 (0xb6 0xb6)
@@ -36,9 +36,9 @@ DAMAGED = b"\x82\xa2\xb6\xb6\x01\xa6format\x01"
 @pytest.mark.slow  # a queue and a rollout process: ~20-50 s on two cores
 @pytest.mark.timeout(180)
 def test_a_damaged_descriptor_mid_run_is_waited_out_and_the_next_publication_is_sampled_with(
-    procs,
+    procs,  # noqa: F811 (fixture)
     tmp_path,
-    demo,  # noqa: F811 (fixtures)
+    demo,  # noqa: F811 (fixture)
 ):
     from xtoken_core.models import load_model
     from xtoken_core.tokenizers import load_tokenizer
@@ -140,11 +140,7 @@ def test_a_rollout_stopped_while_its_put_waits_on_a_dying_queue_returns_at_once(
             while not probe.stats().get("parked_puts"):  # the second batch waits for room
                 assert time.monotonic() < deadline and thread.is_alive(), result
                 time.sleep(0.05)
-        lc.stop.set()  # SIGTERM: the worker and the queue together
-        t0 = time.monotonic()
-        server.proc.kill()
-        thread.join(60)
-        stop_s = time.monotonic() - t0
+        stop_s = stop_with_queue(lc.stop, server, thread)  # a SIGTERM with the queue's SIGKILL
     finally:
         lc.stop.set()
         server.stop()

@@ -16,7 +16,7 @@ from services.queue.client import QueueClient
 from services.teacher import main as teacher_main
 from services.teacher.config import TeacherConfig
 from services.teacher.worker import TeacherWorker
-from tests.services.queue.conftest import ServerProcess
+from tests.services.queue.conftest import ServerProcess, stop_with_queue
 from xtoken_core.ipc.logit_ring import LogitRingReader
 from xtoken_core.wire import JaggedColumn
 
@@ -201,11 +201,7 @@ def test_a_teacher_stopped_while_its_queue_dies_returns_without_retrying_it(tmp_
     try:
         assert serving.wait(60), result
         time.sleep(1.0)  # its claim waits at the queue (claim_timeout_s)
-        lc.stop.set()  # SIGTERM: teacher and queue together
-        t0 = time.monotonic()
-        server.proc.kill()
-        thread.join(60)
-        stop_s = time.monotonic() - t0
+        stop_s = stop_with_queue(lc.stop, server, thread)  # a SIGTERM with the queue's SIGKILL
     finally:
         lc.stop.set()
         server.stop()

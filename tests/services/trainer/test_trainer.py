@@ -25,7 +25,7 @@ from services.trainer.sections import ComputeConfig, StudentConfig, TeacherLinkC
 from services.trainer.student import Student
 from services.trainer.trainer import Trainer, settings_of, teacher_output_layer
 from tests.sections import merged
-from tests.services.queue.conftest import ServerProcess
+from tests.services.queue.conftest import ServerProcess, stop_with_queue
 from tests.services.trainer import distill_setup as setup
 
 PARTITION = "train"
@@ -214,11 +214,7 @@ def test_a_trainer_stopped_while_its_claim_waits_on_a_dying_queue_ends_in_second
                 while not probe.stats().get("parked_claims"):  # its claim waits at the queue
                     assert time.monotonic() < deadline and thread.is_alive(), result
                     time.sleep(0.05)
-            stop.set()
-            t0 = time.monotonic()
-            server.proc.kill()
-            thread.join(60)
-            stop_s = time.monotonic() - t0
+            stop_s = stop_with_queue(stop, server, thread)  # a SIGTERM with the queue's SIGKILL
         trainer.client.close()
     finally:
         stop.set()
