@@ -172,7 +172,7 @@ def test_transport_auto_is_a_ring_beside_the_trainers_and_topk_apart_from_them()
         _config(**{"teacher.resources": {"teacher_node": 1}})
 
 
-def test_the_big_teacher_example_plans_one_four_gpu_group_beside_four_trainer_ranks():
+def test_the_big_teacher_example_plans_two_two_gpu_groups_beside_four_trainer_ranks():
     from pathlib import Path
 
     from services.supervise.config import load_run_config
@@ -180,7 +180,7 @@ def test_the_big_teacher_example_plans_one_four_gpu_group_beside_four_trainer_ra
     example = Path(__file__).resolve().parents[3] / "examples" / "big_teacher.yaml"
     config = load_run_config(example)
     layout = plan_layout(config, 4)
-    assert layout == Layout(trainer_gpus=(0, 1, 2, 3), teacher_gpus=((0, 1, 2, 3),))
+    assert layout == Layout(trainer_gpus=(0, 1, 2, 3), teacher_gpus=((0, 1), (2, 3)))
     check_layout(config, layout, 4, teacher_model_config=model_config("qwen2.5-32b", 129_280))
     with pytest.raises(SettingsError, match=r"trainer\.gpus names GPU 2, but this machine "):
         check_layout(config, plan_layout(config, 2), 2)
