@@ -47,7 +47,6 @@ import torch
 
 from services.protocol.names import ROLLOUT_TASK, rollout_partition
 from services.protocol.rollout import ROLLOUT_FIELDS, is_rollout_sample
-from services.queue import errors as codes
 from services.queue.errors import QueueError
 from services.trainer.samples import Claimed, SampleFeed
 from services.trainer.sections import OnPolicyConfig
@@ -287,12 +286,7 @@ class OnPolicyFeed(SampleFeed):
         super().give_back(off)
         self._dropped.clear()
         for lease_id, keys in on.items():
-            try:
-                self.client.nack(self.rollouts, ROLLOUT_TASK, lease_id, keys)
-            except QueueError as e:
-                if e.code == codes.STOPPED:  # as SampleFeed.give_back: the queue went away
-                    raise
-                logger.warning("[trainer] could not give back on-policy lease %s: %s", lease_id, e)
+            self._nack(self.rollouts, ROLLOUT_TASK, lease_id, keys, "on-policy lease")
 
     def _split(self, claimed: Iterable[Claimed]) -> tuple[list[Claimed], dict[Any, list[str]]]:
         """The off-policy part of micro-batches (as Claimed) and their on-policy keys by lease

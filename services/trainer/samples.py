@@ -394,12 +394,18 @@ class SampleFeed:
             self._others = {}
         for held in leases:
             for lease_id, keys in _group(held).items():
-                try:
-                    self.client.nack(self.partition, self.task, lease_id, keys)
-                except QueueError as e:
-                    if e.code == codes.STOPPED:  # the queue went away as the rank stops: no more
-                        raise
-                    logger.warning("[trainer] could not give back lease %s: %s", lease_id, e)
+                self._nack(self.partition, self.task, lease_id, keys, "lease")
+
+    def _nack(self, partition: str, task: str, lease_id: Any, keys: list[str], what: str) -> None:
+        """Give back one lease's ``keys``, best effort: a failure is logged (the lease runs
+        out), except ``stopped``, raised (the queue went away while the rank stops: nothing more
+        is sent)."""
+        try:
+            self.client.nack(partition, task, lease_id, keys)
+        except QueueError as e:
+            if e.code == codes.STOPPED:
+                raise
+            logger.warning("[trainer] could not give back %s %s: %s", what, lease_id, e)
 
     def _consume_for_replaced(self) -> None:
         """Claim and ack, for each registered task of an earlier launch, every sample it has
