@@ -193,7 +193,8 @@ def _next_batch(worker: TeacherWorker, backlog: dict[str, tuple[Any, Any]]) -> l
     batch: list[tuple] = []
     passed: set[int | None] = set()  # ranks with a request passed over in this pass
     for key, (request, lease_id) in list(backlog.items()):
-        rank = request.rank if isinstance(request, proto.Request) else _malformed_rank(request)
+        # a malformed request is (message, rank) (_decode)
+        rank = request.rank if isinstance(request, proto.Request) else request[1]
         if rank in passed:
             continue
         if not isinstance(request, proto.Request) or worker.check(request) is not None:
@@ -285,11 +286,6 @@ def _reply(client, partition: str, key: str, lease_id: Any, fields: dict | None)
             logger.debug("[teacher] %s was consumed before our ack: %s", key, e)
         else:  # the lease ended first: the request may be computed twice
             logger.warning("[teacher] ack of %s failed (%s); raise lease_s", key, e)
-
-
-def _malformed_rank(request: Any) -> int | None:
-    """The rank of a malformed request's ``(message, rank)`` (None: not known)."""
-    return request[1] if isinstance(request, tuple) and len(request) == 2 else None
 
 
 def _rank_of(fields: dict, i: int) -> int | None:
