@@ -92,7 +92,8 @@ def _put(client: QueueClient, partition: str, n: int = 2) -> None:
 
 
 def test_client_without_token_is_refused_and_server_keeps_serving(secured):
-    with QueueClient(secured.address, timeout_s=5, retries=0) as anon:
+    # the refusal comes in milliseconds; the budget only bounds a host too busy to see it
+    with QueueClient(secured.address, timeout_s=30, retries=0) as anon:
         assert anon.token is None
         with pytest.raises(QueueError) as err:
             anon.stats()
