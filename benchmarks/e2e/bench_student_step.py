@@ -4,13 +4,14 @@ Student variants (the trainer's ``StudentStep.run`` on the same collated batches
 teacher logits, computed once):
 
 * ``eager``: fp32 parameters under bf16 autocast, nothing compiled (the baseline);
-* ``compiled``: bf16 parameters with fp32 masters, each decoder layer compiled;
+* ``compiled``: bf16 parameters with fp32 masters, each decoder layer compiled, torch's fused
+  AdamW and a copy to the bf16 parameters (so are ``graphs``, ``fused`` and ``fused_graphs``);
 * ``graphs``: ``compiled`` with each layer replayed as CUDA graphs
-  (``trainer.compute.cuda_graphs``): the default;
+  (``trainer.compute.cuda_graphs``);
 * ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.compute.fused_head``);
 * ``fused_graphs``: both;
-* ``fused_update``: ``graphs`` with AdamW's update and the bf16 copy in one pass per parameter
-  (``trainer.compute.fused_update``);
+* ``fused_update``: ``graphs`` with AdamW's update and the bf16 copy in one launch
+  (``trainer.compute.fused_update``): the default on a cuda device;
 * ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
   steps: deterministic algorithms, ordered attention backwards and index adds), its cost.
 
@@ -48,11 +49,11 @@ from benchmarks._common import RESULTS_DIR, append_rows, commit, device_name  # 
 # each variant's trainer.compute keys
 STUDENT = {
     "eager": {"compute": {"param_dtype": "float32", "compile": False}},
-    "compiled": {"compute": {"cuda_graphs": False}},
-    "graphs": {},  # the default on a cuda device
-    "fused": {"compute": {"fused_head": True, "cuda_graphs": False}},
-    "fused_graphs": {"compute": {"fused_head": True}},
-    "fused_update": {"compute": {"fused_update": True}},
+    "compiled": {"compute": {"cuda_graphs": False, "fused_update": False}},
+    "graphs": {"compute": {"fused_update": False}},
+    "fused": {"compute": {"fused_head": True, "cuda_graphs": False, "fused_update": False}},
+    "fused_graphs": {"compute": {"fused_head": True, "fused_update": False}},
+    "fused_update": {},  # the default on a cuda device
     "deterministic": {"compute": {"deterministic": True}, "feed": {"ordered": True}},
 }
 TEACHER = {"t_eager": None, "t_compiled": "default", "t_graphs": "reduce-overhead"}

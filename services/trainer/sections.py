@@ -227,12 +227,13 @@ class ComputeConfig:
             "trained": False,
         },
     )
-    fused_update: bool = field(
-        default=False,
+    fused_update: bool | None = field(
+        default=None,
         metadata={
             "help": "AdamW's update of the fp32 masters and the write of their bf16 copy in one "
-            "pass per parameter (xtoken_core.kernels.adamw) instead of torch's fused AdamW and "
-            "a copy: bf16 parameters with fp32 masters, one process or ddp",
+            "Triton launch (xtoken_core.kernels.adamw) instead of torch's fused AdamW and a "
+            "copy: bf16 parameters with fp32 masters, one process or ddp (None: on where it can "
+            "run: a cuda device with fp32 masters)",
             "trained": False,
         },
     )

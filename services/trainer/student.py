@@ -149,7 +149,7 @@ class Student:
         cuda_graphs: bool | None = None,
         activation_checkpointing: bool = False,
         fused_head: bool = False,
-        fused_update: bool = False,
+        fused_update: bool | None = None,
         pack: bool = False,
         packed_attention: str = "auto",
         optim: OptimConfig | None = None,
@@ -229,6 +229,8 @@ class Student:
         # denominators, so the step scales it back to a sum (FSDP sums: parallelize)
         self.loss_scale = float(world_size) if parallel == "ddp" else 1.0
         self.optimizer = self._build_optimizer(optim)
+        if fused_update is None:  # where it can run: fp32 masters on a cuda device
+            fused_update = self.master is not None and self.device.type == "cuda"
         if fused_update and self.master is None:
             raise ValueError(
                 "fused_update: needs bf16 parameters with fp32 masters (param_dtype "

@@ -7,6 +7,7 @@ import torch
 
 from services.trainer import checkpoint
 from services.trainer.precision import resolve_param_dtype
+from services.trainer.sections import ComputeConfig
 from services.trainer.step import StudentStep
 from services.trainer.trainer import build_step
 from tests.services.trainer import distill_setup as setup
@@ -133,3 +134,10 @@ def test_the_fused_update_needs_masters():
     with pytest.raises(ValueError, match=r"^fused_update: needs bf16 parameters with fp32 masters"):
         build_step(setup.trainer_config(None, compute={"param_dtype": "float32",
                                                        "fused_update": True}))  # fmt: skip
+
+
+def test_the_fused_update_is_on_by_default_only_where_masters_are_on_a_cuda_device():
+    for compute in ({"param_dtype": "bfloat16"}, {"param_dtype": "float32"}, {}):
+        step = build_step(setup.trainer_config(None, compute=compute))
+        assert step.student.fused_update is False  # a cpu device: torch's AdamW
+    assert ComputeConfig().fused_update is None  # None: auto

@@ -76,6 +76,7 @@ def test_default_cuda_step_is_bf16_compiled_and_follows_the_eager_fp32_step():
         after = torch.cat([p.detach().flatten() for p in params()])
         updates.append(after - before)
     assert step.student.compiled and step.student.master is not None
+    assert step.student.fused_update  # the default on a cuda device with masters
     assert abs(results[1] - results[0]) <= 0.02 * abs(results[0])
     cos = torch.nn.functional.cosine_similarity(updates[0], updates[1], dim=0)
     assert float(cos) >= 0.98
