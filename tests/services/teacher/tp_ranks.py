@@ -245,6 +245,10 @@ def serve_cuda_ipc_group(rank: int, size: int, out: str) -> None:
         one_config = TeacherConfig(
             model="tiny", seed=3, tokenizer=TOKENIZER, device="cuda:0", max_batch=2, max_length=64
         )
-        with TeacherWorker(one_config) as one:
+        # the group's weights (drawn on the CPU: a preset built on a cuda device draws others)
+        tiny = load_model(
+            "tiny", vocab_size=load_tokenizer(TOKENIZER).vocab_size, seed=3, dtype=torch.bfloat16
+        )
+        with TeacherWorker(one_config, model=tiny.to("cuda:0")) as one:
             saved["one:tiny"] = one.logits(_requests(one.width, one.pad_id)[0]).float().cpu()
         torch.save(saved, out)
