@@ -8,7 +8,8 @@ first panel, hatched:
 1. the 32B-shaped teacher with its 1.7B student: end-to-end MFU per layout and GPU count, the
    0.35 bar as a line;
 2. the 7B-shaped teacher with its 1.7B student on one, two and four GPUs: tokens/s over the
-   one-GPU mean per layout, with the linear line and the 3.6x bar at four GPUs;
+   one-GPU mean at the same grad_accum, per layout, with the linear line and the 3.6x bar at
+   four GPUs;
 3. ``topk`` against the ring on one GPU: each topk run's tokens/s over the ring's of the same
    same commit and host load (the rows of one commit and ``tag``, grad_accum 1), per K and steps
    asked ahead, the 0.95x bar as a line.
@@ -54,19 +55,26 @@ def big_teacher(rows: list[dict]) -> list[tuple[str, float, bool]]:
     return sorted(out, key=lambda x: (x[0].split("\n")[1], x[0]))
 
 
-def scaling(rows: list[dict]) -> tuple[float, list[tuple[int, str, float]]]:
-    """The one-GPU mean tokens/s of the 7B teacher (ring, grad_accum 1) and ``(GPUs, layout,
-    ratio to it)`` of every multi-GPU run at grad_accum 1."""
+def scaling(rows: list[dict]) -> tuple[dict[int, float], list[tuple[int, str, int, float]]]:
+    """The one-GPU mean tokens/s of the 7B teacher (ring) per grad_accum, and ``(GPUs, layout,
+    grad_accum, ratio to the one-GPU mean of its grad_accum)`` of every multi-GPU run that has
+    one."""
     seven = [
         r for r in rows
-        if "7b" in r["teacher"] and r["transport"] != "topk" and r["grad_accum"] == 1
-        and r.get("teachers") is not None
+        if "7b" in r["teacher"] and r["transport"] != "topk" and r.get("teachers") is not None
     ]  # fmt: skip
-    one = [r["tokens_per_s"] for r in seven if r["gpus"] == 1 and r["layout"] == "coloc"]
+    one: dict[int, list[float]] = defaultdict(list)
+    for r in seven:
+        if r["gpus"] == 1 and r["layout"] == "coloc":
+            one[r["grad_accum"]].append(r["tokens_per_s"])
     if not one:
         raise ValueError("no one-GPU 7B rows between step starts to scale against")
-    base = statistics.mean(one)
-    more = [(r["gpus"], r["layout"], r["tokens_per_s"] / base) for r in seven if r["gpus"] > 1]
+    base = {ga: statistics.mean(v) for ga, v in sorted(one.items())}
+    more = [
+        (r["gpus"], r["layout"], r["grad_accum"], r["tokens_per_s"] / base[r["grad_accum"]])
+        for r in seven
+        if r["gpus"] > 1 and r["grad_accum"] in base
+    ]
     return base, sorted(more)
 
 
@@ -95,7 +103,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.8))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 5.2))
     big = big_teacher(rows)
     a.bar(
         range(len(big)), [m for _, m, _ in big], color="tab:blue",
@@ -106,25 +114,35 @@ def plot(rows: list[dict], path: Path) -> Path:
         a.annotate(f"{m:.3f}", (i, m), ha="center", va="bottom")
     a.axhline(MFU_BAR, color="tab:red", ls="--", label=f"bar {MFU_BAR} (four GPUs)")
     a.set_ylabel("end-to-end MFU")
-    a.set_title("32B-shaped teacher + 1.7B student, grad_accum 4")
+    a.set_title("32B-shaped teacher + 1.7B student, grad_accum 4", fontsize=10)
     a.legend(loc="upper right")
 
     base, more = scaling(timed(rows))
-    gpus = [1] + [g for g, _, _ in more]
+    gpus = [1] + [g for g, _, _, _ in more]
     b.plot([1, 4], [1, 4], color="0.6", ls=":", label="linear")
-    b.scatter([1], [1.0], color="black", label=f"one GPU ({base:,.0f} tok/s)")
+    one = ", ".join(f"{v:,.0f} at ga {ga}" for ga, v in base.items())
+    b.scatter([1], [1.0], color="black", label=f"one GPU ({one} tok/s)")
     colors = {"coloc": "tab:blue", "dedicated": "tab:green", "coloc-tp2": "tab:orange"}
-    for g, layout, x in more:
-        b.scatter([g], [x], color=colors.get(layout, "tab:purple"), label=layout, zorder=3)
-        b.annotate(f"{x:.2f}x", (g, x), textcoords="offset points", xytext=(6, -4))
+    runs: dict[tuple[int, str, int], list[float]] = defaultdict(list)
+    for g, layout, ga, x in more:
+        runs[(g, layout, ga)].append(x)
+    for (g, layout, ga), xs in runs.items():
+        b.scatter(
+            [g] * len(xs), xs, color=colors.get(layout, "tab:purple"),
+            marker="o" if ga == 1 else "s", label=f"{layout}, grad_accum {ga}", zorder=3,
+        )  # fmt: skip
+        text = "-".join(sorted({f"{x:.2f}" for x in xs}))
+        b.annotate(f"{text}x", (g, max(xs)), textcoords="offset points", xytext=(-58, -4))
     b.scatter([4], [SCALE_BAR], marker="_", s=400, color="tab:red", label=f"bar {SCALE_BAR}x")
     handles, labels = b.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
-    b.legend(unique.values(), unique.keys(), loc="upper left")
+    b.legend(unique.values(), unique.keys(), loc="upper left", fontsize=8)
     b.set_xticks(sorted(set(gpus)))
     b.set_xlabel("GPUs")
     b.set_ylabel("tokens/s over one GPU")
-    b.set_title("7B-shaped teacher + 1.7B student, grad_accum 1")
+    b.set_title(
+        "7B-shaped teacher + 1.7B student\n(over one GPU at the same grad_accum)", fontsize=10
+    )
 
     ratios = topk_ratios(timed(rows))
     keys = list(ratios)
@@ -138,7 +156,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     c.axhline(TOPK_BAR, color="tab:red", ls="--", label=f"bar {TOPK_BAR}x")
     c.axhline(1.0, color="0.6", ls=":")
     c.set_ylabel("topk tokens/s over the ring's (same commit, host load)")
-    c.set_title("top-K targets vs the ring, one GPU")
+    c.set_title("top-K targets vs the ring, one GPU", fontsize=10)
     c.legend(loc="lower right")
     fig.suptitle("Teachers at any size and place (NVIDIA H200; tokens between step starts)")
     fig.tight_layout()
