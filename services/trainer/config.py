@@ -38,6 +38,7 @@ _MOVED_KEYS = {
         "compile",
         "cuda_graphs",
         "fused_head",
+        "fused_head_rows",
         "fused_update",
         "activation_checkpointing",
         "packed_attention",

@@ -227,6 +227,16 @@ class ComputeConfig:
             "trained": False,
         },
     )
+    fused_head_rows: int = field(
+        default=1024,
+        metadata={
+            "help": "student rows per block of the fused head (a block ends on the last chunk "
+            "boundary at or below it): fewer, larger blocks take fewer launches and host waits "
+            "per micro-batch, and hold [rows, V] logits at a time (1024 x 151,936 in bf16: "
+            "311 MB)",
+            "trained": False,
+        },
+    )
     fused_update: bool | None = field(
         default=None,
         metadata={
@@ -284,6 +294,8 @@ class ComputeConfig:
             )
         if self.gc_every < 0:
             raise ValueError(f"gc_every={self.gc_every}: must be >= 0")
+        if self.fused_head_rows < 1:
+            raise ValueError(f"fused_head_rows={self.fused_head_rows}: must be >= 1")
 
 
 @dataclasses.dataclass

@@ -271,7 +271,7 @@ class StudentStep:
         if student.lm_head is not None:
             from xtoken_core.losses import FusedHead
 
-            self.head = FusedHead(loss_fn)
+            self.head = FusedHead(loss_fn, student.fused_head_rows)
         self._skipped_steps = 0
         self._unread: StepResult | None = None  # the last step, its GPU figures not read yet
         self._metric_names: list[str] = []  # the loss's metrics, from the last step with data

@@ -122,7 +122,8 @@ class Student:
         rank, world_size: data-parallel rank and size (> 1 needs an initialized process group).
         parallel: ``ddp``, or ``fsdp`` (fully_shard).
         dtype, param_dtype, compile, cuda_graphs, activation_checkpointing, fused_head,
-            fused_update, pack, packed_attention: the trainer settings of the same names.
+            fused_head_rows, fused_update, pack, packed_attention: the trainer settings of the
+            same names.
         optim: AdamW and its schedule.
         max_steps: the schedule's last step (0: constant after warmup).
         module: an already built student model (tests); default ``load_model(spec)``.
@@ -149,6 +150,7 @@ class Student:
         cuda_graphs: bool | None = None,
         activation_checkpointing: bool = False,
         fused_head: bool = False,
+        fused_head_rows: int = 1024,
         fused_update: bool | None = None,
         pack: bool = False,
         packed_attention: str = "auto",
@@ -217,6 +219,7 @@ class Student:
         self.backbone, self.lm_head = (
             _split_head(compute, world_size) if fused_head else (None, None)
         )
+        self.fused_head_rows = fused_head_rows
         self.model = parallelize(
             compute,
             parallel=parallel,

@@ -18,14 +18,12 @@ from tests.services.trainer import distill_setup as setup
 def _step(projection, mode: str, fused: bool | None, **overrides) -> StudentStep:
     """``fused``: ``compute.fused_head``, None to leave it unset."""
     loss = {"mode": mode, "ce_weight": 0.5} if mode != "ce" else {}
-    compute = {} if fused is None else {"fused_head": fused}
+    # several blocks per sample
+    compute = {} if fused is None else {"fused_head": fused, "fused_head_rows": 7}
     config = setup.trainer_config(
         None if mode == "ce" else projection, loss=loss, compute=compute, **overrides
     )
-    step = build_step(config)
-    if step.head is not None:
-        step.head.block_rows = 7  # several blocks per sample
-    return step
+    return build_step(config)
 
 
 def _steps(step: StudentStep, batches, n: int) -> list[dict[str, float]]:
@@ -38,6 +36,7 @@ def test_fused_head_is_off_on_the_cpu_unless_asked_for(projection):
     assert _step(projection, "pkl", None).head is None
     step = _step(projection, "pkl", True)
     assert step.head is not None and step.head.loss_fn is step.loss_fn
+    assert step.head.block_rows == 7  # trainer.compute.fused_head_rows
     # tied embeddings: the head's weight is the embedding's parameter
     student = step.student
     assert student.lm_head.weight is student.compute.get_input_embeddings().weight
@@ -98,3 +97,10 @@ def test_a_200_step_run_with_the_fused_head_ends_within_the_seed_noise(projectio
     noise = abs(finals["mat0"] - finals["mat1"])
     print(f"final losses {finals}, seed noise {noise:.4f}")
     assert abs(finals["head0"] - finals["mat0"]) <= noise
+
+
+def test_a_fused_head_block_of_no_rows_is_refused_naming_the_setting():
+    from services.trainer.sections import ComputeConfig
+
+    with pytest.raises(ValueError, match=r"^fused_head_rows=0: must be >= 1"):
+        ComputeConfig(fused_head_rows=0)
