@@ -53,6 +53,7 @@ from xtoken_core.losses.alignment import (
     valid_chunks,
 )
 from xtoken_core.losses.backends import student_ce
+from xtoken_core.losses.checks import DeferredChecks, check_target_range, counted_targets
 from xtoken_core.losses.head_blocks import RowBlock, plan_blocks
 from xtoken_core.losses.loss import CrossTokenizerLoss
 
@@ -138,6 +139,7 @@ class FusedHead:
         B, T, _ = hidden_BTD.shape
         teachers = self._teacher_list(teacher_logits)
         self._check_alignment(batch, B, T, teachers)
+        self._check_targets(batch, weight_VD.shape[0])
         dtype = hidden_BTD.dtype
         if torch.is_autocast_enabled(hidden_BTD.device.type):
             dtype = torch.get_autocast_dtype(hidden_BTD.device.type)
@@ -180,6 +182,18 @@ class FusedHead:
             C = alignment.max_chunks
             check_chunk_ids("alignment_student_chunk_id", alignment.student_chunk_id.cpu(), C)
             check_chunk_ids("alignment_teacher_chunk_id", alignment.teacher_chunk_id.cpu(), C)
+
+    def _check_targets(self, batch, V: int) -> None:
+        """The CE targets' range, on the host: the blocks' own check is read after the last
+        block, and a backend that indexes with the ids unclamped (the reference) would fail
+        first without naming them."""
+        ids_BT = batch.get("input_ids")
+        if self.loss_fn is None or not self.loss_fn.config.check_inputs or ids_BT is None:
+            return
+        counted_BT = counted_targets(ids_BT, batch.get("token_mask"), batch.get("sample_mask"))
+        targets = ids_BT[counted_BT]
+        if targets.numel():
+            check_target_range(int(targets.min()), int(targets.max()), V)
 
     def _counts(self, batch, global_valid_chunks, global_valid_tokens, device) -> dict:
         """The global denominators every block divides by: the caller's, or this micro-batch's
@@ -248,6 +262,11 @@ class _Run:
         self.counts = counts
         self.dtype = dtype
         self.metrics: dict[str, torch.Tensor] = {}
+        # the blocks' input checks, read once after the last block (a read per block would make
+        # the host wait for each block's kernels before it queues the next block's)
+        loss_fn = head.loss_fn
+        on = loss_fn is not None and loss_fn.config.check_inputs
+        self.checks = DeferredChecks(hold=True) if on else None
 
     def block_loss(self, logits_LV: torch.Tensor, block: RowBlock) -> torch.Tensor:
         """The block's share of the loss (its metrics added to :attr:`metrics`)."""
@@ -266,7 +285,9 @@ class _Run:
                     self.teachers, self.fillers, block.teacher_rows, strict=True
                 )
             ]
-            loss, metrics = loss_fn(logits_LV[None], teacher_blocks, batch, **self.counts)
+            loss, metrics = loss_fn(
+                logits_LV[None], teacher_blocks, batch, **self.counts, checks=self.checks
+            )
         for k, v in metrics.items():
             self.metrics[k] = v if k not in self.metrics else self.metrics[k] + v
         return loss
@@ -327,6 +348,8 @@ class FusedHeadFunction(torch.autograd.Function):
                 if need_w:
                     d_weight_VD.add_(dz_LV.t() @ h_LD)
                 del dz_LV
+            if run.checks is not None:
+                run.checks.finish()
         ctx.d_hidden = d_hidden_RD
         ctx.d_weight = None if d_weight_VD is None else d_weight_VD.to(weight_VD.dtype)
         return total

@@ -132,6 +132,7 @@ class CrossTokenizerLoss:
         *,
         global_valid_chunks: torch.Tensor | float | Sequence[float] | None = None,
         global_valid_tokens: torch.Tensor | float | None = None,
+        checks: DeferredChecks | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch.
 
@@ -146,6 +147,10 @@ class CrossTokenizerLoss:
                 teacher, finite and >= this micro-batch's count: :meth:`count_valid`); None: this
                 micro-batch's own count.
             global_valid_tokens: CE token count over the global batch; None: this micro-batch's.
+            checks: a caller's ``DeferredChecks(hold=True)`` that takes this call's input checks
+                (the caller reads them with its ``finish``: the fused head reads its blocks'
+                once); None: the call's own, read before it returns. Unused with
+                ``check_inputs`` off.
 
         Returns:
             ``(loss, metrics)``: scalar loss and detached scalar metrics (:data:`METRIC_KEYS`;
@@ -161,7 +166,10 @@ class CrossTokenizerLoss:
             raise ValueError(f"student_logits is {tuple(student_logits.shape)}, expected [B, T, V]")
         teacher_logits = self._teacher_logits(teacher_logits)
         backend = self.backend_for(student_logits, teacher_logits)
-        checks = DeferredChecks() if cfg.check_inputs else None
+        if not cfg.check_inputs:
+            checks = None
+        elif checks is None:
+            checks = DeferredChecks()
         started = backend.start(student_logits, checks)  # the GPU starts; the host prepares
         dtype = compute_dtype(student_logits)
         teachers = self._teachers(student_logits, teacher_logits, batch, global_valid_chunks)

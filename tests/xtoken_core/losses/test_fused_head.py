@@ -30,6 +30,7 @@ from xtoken_core.losses import (
     FusedHead,
     student_ce,
 )
+from xtoken_core.losses.head_blocks import plan_blocks
 
 D = 8
 CE_KEYS = ("loss", "ce_loss", "accuracy")
@@ -277,6 +278,58 @@ def test_bad_shapes_and_ids_are_refused_before_the_blocks():
         FusedHead(loss_fn)(hidden, weight, zt, bad)
     with pytest.raises(ValueError, match="block_rows=0"):
         FusedHead(loss_fn, 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_the_blocks_input_checks_are_read_once_after_the_last_block(backend, monkeypatch):
+    """The loss calls of the blocks queue their checks on one held set, read once (no host wait
+    per block); a CE target outside the vocab and a NaN in one block still fail with the loss's
+    own messages."""
+    from xtoken_core.losses.checks import DeferredChecks
+
+    if backend == "kernel":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    batch = _masked_batch(3)
+    hidden, weight, zt = _inputs(3, dtype)
+    loss_fn = _loss_fn("pkl", backend)
+    reads = []
+    read = DeferredChecks._read
+    monkeypatch.setattr(
+        DeferredChecks, "_read", lambda self, after: reads.append(1) or read(self, after)
+    )
+    head = FusedHead(loss_fn, block_rows=4)
+    assert len(plan_blocks(batch, 1, 4)) > 2
+    got = through_head(loss_fn, hidden, weight, zt, batch)
+    assert len(reads) == 1
+    assert_close_results(
+        got, materialized(loss_fn, hidden, weight, zt, batch), rel=1e-5, cos=0.9999
+    )
+    bad = dict(batch, input_ids=batch["input_ids"].clone())
+    bad["input_ids"][0, 3] = V + 5
+    bad["token_mask"] = torch.ones_like(bad["input_ids"], dtype=torch.bool)
+    with pytest.raises(ValueError, match=f"input_ids hold {V + 5} at a counted position"):
+        head(hidden, weight, zt, bad)
+    nan = hidden.clone()
+    nan[0, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match="student_logits holds NaN or inf"):
+        head(nan, weight, zt, batch)
+
+
+def test_held_checks_keep_only_their_sums_and_raise_when_finished():
+    from xtoken_core.losses.checks import DeferredChecks
+
+    checks = DeferredChecks(hold=True)
+    x = torch.tensor([1.0, float("inf")])
+    checks.finite("student_logits", x)
+    checks.run()  # each loss call's: nothing read yet
+    assert all(item[2] is None for item in checks._items)  # no block's logits kept alive
+    with pytest.raises(ValueError, match="student_logits holds NaN or inf"):
+        checks.finish()
+    checks.finite("student_logits", torch.ones(3))
+    checks.run()
+    checks.finish()  # what failed before is gone with that read
 
 
 # ----------------------------------------------------------------------------- full size, GPU
