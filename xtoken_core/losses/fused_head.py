@@ -266,7 +266,7 @@ class _Run:
         # the host wait for each block's kernels before it queues the next block's)
         loss_fn = head.loss_fn
         on = loss_fn is not None and loss_fn.config.check_inputs
-        self.checks = DeferredChecks(hold=True) if on else None
+        self.checks = _BlockChecks() if on else None
 
     def block_loss(self, logits_LV: torch.Tensor, block: RowBlock) -> torch.Tensor:
         """The block's share of the loss (its metrics added to :attr:`metrics`)."""
@@ -291,6 +291,17 @@ class _Run:
         for k, v in metrics.items():
             self.metrics[k] = v if k not in self.metrics else self.metrics[k] + v
         return loss
+
+
+class _BlockChecks(DeferredChecks):
+    """The blocks' input checks, held and read once after the last block; the CE targets are
+    not queued per block (the head checked the whole micro-batch's on the host)."""
+
+    def __init__(self) -> None:
+        super().__init__(hold=True)
+
+    def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
+        return None
 
 
 def _teacher_block(
