@@ -13,15 +13,17 @@ from xtoken_core.losses.sparse_teacher import SparseTeacher
 __all__ = ["DeferredChecks", "check_target_range", "counted_targets"]
 
 
-def counted_targets(input_ids_BT, token_mask_BT, sample_mask_B) -> torch.Tensor:
-    """``[B, T]`` bool: the positions whose id is a CE target (the token mask's and the sample
-    mask's, never the first token)."""
-    counted_BT = torch.ones_like(input_ids_BT, dtype=torch.bool)
+def counted_targets(
+    shape_BT: tuple[int, int], token_mask_BT, sample_mask_B, device=None
+) -> torch.Tensor:
+    """``[B, T]`` bool on ``device``: the positions whose id is a CE target (the token mask's
+    and the sample mask's, never the first token)."""
+    counted_BT = torch.ones(shape_BT, dtype=torch.bool, device=device)
     if token_mask_BT is not None:
         counted_BT = counted_BT & token_mask_BT.bool().to(counted_BT.device)
     if sample_mask_B is not None:
         counted_BT = counted_BT & sample_mask_B.bool().view(-1, 1).to(counted_BT.device)
-    counted_BT[:, 0] = False  # the first token is never a target
+    counted_BT[:, :1] = False  # the first token is never a target
     return counted_BT
 
 
@@ -82,7 +84,9 @@ class DeferredChecks:
         self._add("ids", name, num_chunks, minmax_2)
 
     def ce_targets(self, input_ids_BT, token_mask_BT, sample_mask_B, V: int) -> None:
-        counted_BT = counted_targets(input_ids_BT, token_mask_BT, sample_mask_B)
+        counted_BT = counted_targets(
+            input_ids_BT.shape, token_mask_BT, sample_mask_B, input_ids_BT.device
+        )
         if input_ids_BT.numel():  # uncounted positions read as 0, a valid id
             targets_BT = torch.where(counted_BT, input_ids_BT, 0)
             self._add("targets", "input_ids", V, *torch.aminmax(targets_BT))

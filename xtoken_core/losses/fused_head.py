@@ -55,7 +55,7 @@ from xtoken_core.losses.alignment import (
 from xtoken_core.losses.backends import student_ce
 from xtoken_core.losses.checks import DeferredChecks, check_target_range, counted_targets
 from xtoken_core.losses.head_blocks import RowBlock, plan_blocks
-from xtoken_core.losses.loss import CrossTokenizerLoss
+from xtoken_core.losses.loss import CrossTokenizerLoss, ce_token_count
 
 __all__ = ["DEFAULT_BLOCK_ROWS", "FusedHead", "FusedHeadFunction"]
 
@@ -190,7 +190,9 @@ class FusedHead:
         ids_BT = batch.get("input_ids")
         if self.loss_fn is None or not self.loss_fn.config.check_inputs or ids_BT is None:
             return
-        counted_BT = counted_targets(ids_BT, batch.get("token_mask"), batch.get("sample_mask"))
+        counted_BT = counted_targets(
+            ids_BT.shape, batch.get("token_mask"), batch.get("sample_mask"), ids_BT.device
+        )
         targets = ids_BT[counted_BT]
         if targets.numel():
             check_target_range(int(targets.min()), int(targets.max()), V)
@@ -201,13 +203,7 @@ class FusedHead:
         if global_valid_tokens is None and "input_ids" not in batch:
             global_valid_tokens = 0.0  # no CE term (the loss refuses that when ce_weight > 0)
         if global_valid_tokens is None:
-            mask_BT = torch.ones_like(batch["input_ids"], dtype=torch.bool)[:, 1:]
-            if batch.get("token_mask") is not None:
-                mask_BT = batch["token_mask"][:, 1:].bool()
-            if batch.get("sample_mask") is not None:
-                sample_B1 = batch["sample_mask"].bool().view(-1, 1).to(mask_BT.device)
-                mask_BT = mask_BT & sample_B1
-            global_valid_tokens = mask_BT.sum().float()
+            global_valid_tokens = ce_token_count(batch, *batch["input_ids"].shape)
         counts = {"global_valid_tokens": torch.as_tensor(global_valid_tokens).to(device)}
         if self.loss_fn is not None:
             if global_valid_chunks is None:

@@ -33,7 +33,7 @@ from xtoken_core.data.projection import Projection, open_projection
 from xtoken_core.losses.alignment import alignment_from_batch, check_alignment_shapes, valid_chunks
 from xtoken_core.losses.backends import Backend, choose_backend
 from xtoken_core.losses.backends.reference import ReferenceBackend, compute_dtype
-from xtoken_core.losses.checks import DeferredChecks
+from xtoken_core.losses.checks import DeferredChecks, counted_targets
 from xtoken_core.losses.config import CrossTokenizerLossConfig
 from xtoken_core.losses.distributed import dp_all_reduce_sum
 from xtoken_core.losses.inputs import TeacherInputs
@@ -236,7 +236,7 @@ class CrossTokenizerLoss:
                     check_alignment_shapes(alignment, B, T, None)
                 _, _, valid_BC = valid_chunks(alignment, self.config, batch.get("sample_mask"))
                 chunks[i] += valid_BC.sum().float().cpu()
-            tokens += _ce_token_count(batch, B, T).cpu()
+            tokens += ce_token_count(batch, B, T).cpu()
         device = device or batch_device
         if device is not None and device.type == "cuda":  # NCCL reduces CUDA tensors only
             # queued through pinned memory: a blocking copy would make the host wait for the
@@ -453,14 +453,12 @@ def combine_losses(
     return kl_weight * scale * kd + ce_weight * ce
 
 
-def _ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:
-    """Positions the CE counts in a batch (the first token is never a target)."""
-    mask_BT = torch.ones(B, max(T - 1, 0), dtype=torch.bool)
-    if batch.get("token_mask") is not None:
-        mask_BT = batch["token_mask"][:, 1:].bool()
-    if batch.get("sample_mask") is not None:
-        mask_BT = mask_BT & batch["sample_mask"].bool().view(-1, 1).to(mask_BT.device)
-    return mask_BT.sum().float()
+def ce_token_count(batch: Mapping[str, Any], B: int, T: int) -> torch.Tensor:
+    """Positions the CE counts in a batch (the first token is never a target), on the token
+    mask's device (the host without one)."""
+    token_mask = batch.get("token_mask")
+    device = None if token_mask is None else token_mask.device
+    return counted_targets((B, T), token_mask, batch.get("sample_mask"), device).sum().float()
 
 
 def _detached(x: torch.Tensor) -> torch.Tensor:
