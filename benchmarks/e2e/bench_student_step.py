@@ -9,8 +9,8 @@ teacher logits, computed once):
 * ``graphs``: ``compiled`` with each layer replayed as CUDA graphs
   (``trainer.compute.cuda_graphs``);
 * ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.compute.fused_head``);
-* ``fused_graphs``: both; ``fused_graphs_2048`` and ``fused_graphs_4096``: with blocks of 2,048
-  and 4,096 rows instead of 1,024 (``trainer.compute.fused_head_rows``);
+* ``fused_graphs``: both; ``fused_graphs_2048``, ``_4096`` and ``_8192``: with blocks of 2,048,
+  4,096 and 8,192 rows instead of 1,024 (``trainer.compute.fused_head_rows``);
 * ``fused_update``: ``graphs`` with AdamW's update and the bf16 copy in one launch
   (``trainer.compute.fused_update``): the default on a cuda device;
 * ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
@@ -58,7 +58,7 @@ STUDENT = {
         f"fused_graphs_{rows}": {
             "compute": {"fused_head": True, "fused_update": False, "fused_head_rows": rows}
         }
-        for rows in (2048, 4096)
+        for rows in (2048, 4096, 8192)
     },
     "fused_update": {},  # the default on a cuda device
     "deterministic": {"compute": {"deterministic": True}, "feed": {"ordered": True}},

@@ -311,6 +311,16 @@ def _teacher_block(
     return torch.cat([fill_1W, rows_GW, fill_1W])[None]
 
 
+def _add_outer(acc_VD: torch.Tensor, dz_LV: torch.Tensor, h_LD: torch.Tensor) -> None:
+    """``acc += dz^T @ h`` in place. On a cuda device with half-precision blocks the matmul adds
+    into the fp32 sum itself (cuBLAS with an fp32 output), so no ``[V, D]`` product is written in
+    half precision and read back for the add; elsewhere the product, then the add."""
+    if acc_VD.is_cuda and acc_VD.dtype == torch.float32 and dz_LV.dtype != torch.float32:
+        torch.addmm(acc_VD, dz_LV.t(), h_LD, out_dtype=torch.float32, out=acc_VD)
+    else:
+        acc_VD.add_(dz_LV.t() @ h_LD)
+
+
 class FusedHeadFunction(torch.autograd.Function):
     """``loss(hidden @ weight^T)`` with the gradients made block by block in the forward.
 
@@ -353,7 +363,7 @@ class FusedHeadFunction(torch.autograd.Function):
                 if need_h:
                     d_hidden_RD.index_copy_(0, rows_L, (dz_LV @ w_VD).to(hidden_RD.dtype))
                 if need_w:
-                    d_weight_VD.add_(dz_LV.t() @ h_LD)
+                    _add_outer(d_weight_VD, dz_LV, h_LD)
                 del dz_LV
             if run.checks is not None:
                 run.checks.finish()
