@@ -22,7 +22,10 @@ CUDA graphs).
 
 Each row: median step ms over ``--steps`` after ``--warmup`` (CUDA-synchronized wall time), the
 step's phases (forward / loss / backward / optimizer, CUDA events), its MFU (causal count, over
-the GPU's dense bf16 peak), peak memory, start-up (compile) seconds.
+the GPU's dense bf16 peak), peak memory, start-up (compile) seconds. ``--batches`` distinct
+micro-batches are cycled, the teacher logits of all of them held on the device (the default 4);
+``--batches 1`` holds one micro-batch's, what a trainer holds, for the largest micro-batch that
+fits.
 
 Usage (GPU)::
 
@@ -78,7 +81,7 @@ def _sync(device: torch.device) -> None:
 def _batches(args, B: int, T: int) -> list[dict]:
     work = Path(args.work)
     corpus = bp.long_corpus(work / f"corpus_{T}.jsonl", chars=8 * T, count=B * 8)
-    return bp.collated(args, B, T, corpus, 4)
+    return bp.collated(args, B, T, corpus, args.batches)
 
 
 def _teacher(args, teacher_dir: str, mode: str | None):
@@ -150,6 +153,7 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
     return {
         "kind": "student_step",
         "variant": variant,
+        "batches": len(batches),
         "student_vocab": worker.step.student.vocab,
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens / step_s,
@@ -223,6 +227,12 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant")
     p.add_argument("--profile", type=int, default=0, help="profile each student variant: top N")
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=4,
+        help="distinct micro-batches, their teacher logits all held (1: what a trainer holds)",
+    )
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: variant:shape
     p.add_argument("--results", default=str(RESULTS_DIR / "e2e_student_step.jsonl"))
     bp.add_model_args(p)
@@ -238,6 +248,7 @@ def main() -> int:
     bp.save_models(args, Path(args.work))  # once, before the children
     if args.mode != "ce":
         bp.build_projection(args, Path(args.work))
+    bp._free()  # the presets were drawn on the GPU: the children get its memory
     stamp = {
         "commit": commit(),
         "device": _dev(args),
@@ -252,6 +263,7 @@ def main() -> int:
             argv = [sys.executable, __file__, "--one", f"{variant}:{shape}"]
             for k in (
                 *("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"),
+                "batches",
                 *("student_tokenizer", "teacher_tokenizer", "student_vocab", "teacher_vocab"),
             ):
                 if getattr(args, k) is not None:  # None: the child's own default
