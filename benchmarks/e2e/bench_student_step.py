@@ -22,7 +22,8 @@ CUDA graphs).
 
 Each row: median step ms over ``--steps`` after ``--warmup`` (CUDA-synchronized wall time), the
 step's phases (forward / loss / backward / optimizer, CUDA events), its MFU (causal count, over
-the GPU's dense bf16 peak), peak memory, start-up (compile) seconds. ``--batches`` distinct
+the GPU's dense bf16 peak), peak memory allocated and reserved (a CUDA graph's private pool is
+reserved, not allocated, between its replays), start-up (compile) seconds. ``--batches`` distinct
 micro-batches are cycled, the teacher logits of all of them held on the device (the default 4);
 ``--batches 1`` holds one micro-batch's, what a trainer holds, for the largest micro-batch that
 fits.
@@ -160,6 +161,10 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         "split_ms": {k: round(v, 2) for k, v in split.items()},
         "student_mfu": bp.mfu(f_student, tokens / step_s, bp._peak(_dev(args))),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
+        if device.type == "cuda"
+        else None,
+        # with CUDA graphs, what the graphs' private pools hold is reserved, not allocated
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
         if device.type == "cuda"
         else None,
         "start_s": start_s,
