@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -146,7 +146,8 @@ class FusedHead:
         counts = self._counts(batch, global_valid_chunks, global_valid_tokens, hidden_BTD.device)
         one_block = self.loss_fn is not None and self.loss_fn.config.dynamic_scaling
         blocks = plan_blocks(batch, self.num_teachers, None if one_block else self.block_rows)
-        run = _Run(self, blocks, teachers, self._fillers(batch, teachers, dtype), counts, dtype)
+        fillers = self._fillers(batch, teachers, dtype)
+        run = _Run(self, blocks, teachers, fillers, counts, dtype, hidden_BTD.device)
         loss = FusedHeadFunction.apply(hidden_BTD.reshape(B * T, -1), weight_VD, run)
         return loss, run.metrics
 
@@ -204,7 +205,7 @@ class FusedHead:
             global_valid_tokens = 0.0  # no CE term (the loss refuses that when ce_weight > 0)
         if global_valid_tokens is None:
             global_valid_tokens = ce_token_count(batch, *batch["input_ids"].shape)
-        counts = {"global_valid_tokens": torch.as_tensor(global_valid_tokens).to(device)}
+        counts = {"global_valid_tokens": _to_device(torch.as_tensor(global_valid_tokens), device)}
         if self.loss_fn is not None:
             if global_valid_chunks is None:
                 cfg = self.loss_fn.config
@@ -219,7 +220,7 @@ class FusedHead:
                         for i in range(cfg.num_teachers)
                     ]
                 )
-            counts["global_valid_chunks"] = torch.as_tensor(global_valid_chunks).to(device)
+            counts["global_valid_chunks"] = _to_device(torch.as_tensor(global_valid_chunks), device)
         return counts
 
     def _fillers(self, batch, teachers: list[torch.Tensor], dtype) -> list[torch.Tensor]:
@@ -236,7 +237,7 @@ class FusedHead:
                 z_BUW = z_t.detach()
                 # rows with a (shifted) teacher chunk id pick; under "all" every row does
                 rows_Q = shift_chunk_ids(alignment_from_batch(batch, i).teacher_chunk_id)
-                rows_Q = rows_Q.reshape(-1).to(z_t.device)
+                rows_Q = _to_device(rows_Q.reshape(-1), z_t.device)
                 if cfg.topk_columns == "all":
                     rows_Q = torch.zeros_like(rows_Q)
                 # the kernel where the loss's backend takes these logits, else a masked amax
@@ -250,9 +251,11 @@ class FusedHead:
 class _Run:
     """One call's blocks and what each needs (the non-tensor argument of the Function)."""
 
-    def __init__(self, head, blocks, teachers, fillers, counts, dtype) -> None:
+    def __init__(self, head, blocks, teachers, fillers, counts, dtype, device) -> None:
         self.head = head
         self.blocks: list[RowBlock] = blocks
+        # every block's index tensors on the device before the first block's kernels are queued
+        self.staged: list[_Staged] = [_stage(block, device) for block in blocks]
         self.teachers = teachers
         self.fillers = fillers
         self.counts = counts
@@ -264,10 +267,9 @@ class _Run:
         on = loss_fn is not None and loss_fn.config.check_inputs
         self.checks = _BlockChecks() if on else None
 
-    def block_loss(self, logits_LV: torch.Tensor, block: RowBlock) -> torch.Tensor:
+    def block_loss(self, logits_LV: torch.Tensor, staged: _Staged) -> torch.Tensor:
         """The block's share of the loss (its metrics added to :attr:`metrics`)."""
-        device = logits_LV.device
-        batch = {k: v.to(device, non_blocking=True) for k, v in block.batch.items()}
+        batch = staged.batch
         loss_fn = self.head.loss_fn
         if loss_fn is None:
             nll, correct, _ = student_ce(logits_LV[None], batch["input_ids"], batch["token_mask"])
@@ -276,9 +278,9 @@ class _Run:
             metrics = {"loss": loss.detach(), "ce_loss": loss.detach(), "accuracy": correct / denom}
         else:
             teacher_blocks = [
-                _teacher_block(z_t, fill_W, rows.to(device, non_blocking=True))
+                _teacher_block(z_t, fill_W, rows)
                 for z_t, fill_W, rows in zip(
-                    self.teachers, self.fillers, block.teacher_rows, strict=True
+                    self.teachers, self.fillers, staged.teacher_rows, strict=True
                 )
             ]
             loss, metrics = loss_fn(
@@ -287,6 +289,33 @@ class _Run:
         for k, v in metrics.items():
             self.metrics[k] = v if k not in self.metrics else self.metrics[k] + v
         return loss
+
+
+class _Staged(NamedTuple):
+    """A block's index tensors and loss batch on the device."""
+
+    rows_L: torch.Tensor
+    teacher_rows: list[torch.Tensor]
+    batch: dict[str, torch.Tensor]
+
+
+def _stage(block: RowBlock, device: torch.device) -> _Staged:
+    return _Staged(
+        _to_device(block.rows_L, device),
+        [_to_device(rows, device) for rows in block.teacher_rows],
+        {k: _to_device(v, device) for k, v in block.batch.items()},
+    )
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a wait: a copy from pageable host memory waits for
+    every kernel already queued on the stream (CUDA's rule for such copies), so one bound for a
+    cuda device goes through pinned memory."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 class _BlockChecks(DeferredChecks):
@@ -345,13 +374,13 @@ class FusedHeadFunction(torch.autograd.Function):
                 torch.zeros(w_VD.shape, dtype=loss_dtype, device=device) if need_w else None
             )
             total = torch.zeros((), dtype=loss_dtype, device=device)
-            for block in run.blocks:
-                rows_L = block.rows_L.to(device, non_blocking=True)
+            for staged in run.staged:
+                rows_L = staged.rows_L
                 h_LD = h_RD.index_select(0, rows_L)
                 h_fill_LD = torch.cat([h_LD, h_LD.new_zeros(1, h_LD.shape[1])])
                 logits_LV = (h_fill_LD @ w_VD.t()).requires_grad_()
                 with torch.enable_grad():
-                    share = run.block_loss(logits_LV, block)
+                    share = run.block_loss(logits_LV, staged)
                 total = total + share.detach().to(loss_dtype)
                 if not (need_h or need_w) or not share.requires_grad:
                     continue

@@ -9,8 +9,11 @@ rounding (1e-10).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.xtoken_core.losses.test_head_blocks import random_batch
 from tests.xtoken_core.losses.test_loss import (
@@ -404,6 +407,50 @@ def test_full_size_bf16_head_matches_the_materialized_path_in_less_memory(mode):
     print(f"{mode}: peak GiB above inputs {peaks}")
     assert_close_results(runs["head"], runs["materialized"], rel=1e-3, cos=0.999)
     assert peaks["head"] < peaks["materialized"]
+
+
+class _HostCopies(TorchDispatchMode):
+    """Records each copy onto a ``device_type`` device from pageable host memory (onto a cuda
+    device such a copy waits for every kernel queued before it)."""
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.pageable: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            to = kwargs.get("device") if func is torch.ops.aten._to_copy.default else args[0].device
+            onto = to is not None and torch.device(to).type == self.device_type
+            if onto and src.device.type == "cpu" and src.numel() and not src.is_pinned():
+                self.pageable.append(f"{tuple(src.shape)} {src.dtype}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_pkl_head_queues_its_blocks_without_waiting_for_the_gpu():
+    """After a first call (the projection's tables), a micro-batch's P-KL forward and backward
+    by blocks of 1,024 rows: no synchronizing call and no copy from pageable host memory."""
+    loss_fn, hidden, weight, zt, batch = _full_size_case("pkl")
+    loss_fn = CrossTokenizerLoss(dataclasses.replace(loss_fn.config, check_inputs=False))
+    counts = {k: v.cuda() for k, v in loss_fn.count_valid([batch]).items()}
+    through_head(loss_fn, hidden, weight, zt, batch, 1024, **counts)
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    torch.cuda.synchronize()
+    copies = _HostCopies()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with copies:
+            loss, _ = FusedHead(loss_fn, 1024)(h, w, zt, batch, **counts)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert copies.pageable == []
+    assert torch.isfinite(loss) and h.grad is not None and w.grad is not None
 
 
 def test_a_batch_without_ce_targets_gives_the_kd_term_alone():
