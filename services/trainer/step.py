@@ -501,7 +501,7 @@ class StudentStep:
                 [sums[n].to(device, torch.float32) for n in sorted(sums)]
             )
         counts = [float(sum(mb.num_tokens for mb in micro_batches)), float(len(micro_batches))]
-        vec[-2:] = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
+        vec[-2:] = transfer.to_device(torch.tensor(counts, dtype=torch.float32), device)
         if self.student.world_size > 1:
             vec = dp_all_reduce_sum(vec)
         # the norm and the finite flag are the same on every rank (summed gradients): not summed

@@ -59,6 +59,7 @@ import torch
 from services import protocol as proto
 from services.common import lifecycle
 from services.trainer.sections import TeacherLinkConfig
+from xtoken_core.ops import transfer
 from xtoken_core.wire import JaggedColumn
 
 logger = logging.getLogger(__name__)
@@ -430,9 +431,9 @@ class TeacherClient:
             )
         device = self.device
         if result.transport == "hidden":
-            hidden_BUd = proto.hidden_from_column(
-                fields[self.hidden_field], B, U, p.request_key
-            ).to(device, non_blocking=True)
+            hidden_BUd = transfer.to_device(
+                proto.hidden_from_column(fields[self.hidden_field], B, U, p.request_key), device
+            )
             with torch.no_grad():
                 return self.output_layer(hidden_BUd.to(self.output_layer.weight.dtype))
         if result.transport == "topk":

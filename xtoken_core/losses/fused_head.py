@@ -56,6 +56,7 @@ from xtoken_core.losses.backends import student_ce
 from xtoken_core.losses.checks import DeferredChecks, check_target_range, counted_targets
 from xtoken_core.losses.head_blocks import RowBlock, plan_blocks
 from xtoken_core.losses.loss import CrossTokenizerLoss, ce_token_count
+from xtoken_core.ops.transfer import to_device
 
 __all__ = ["DEFAULT_BLOCK_ROWS", "FusedHead", "FusedHeadFunction"]
 
@@ -205,7 +206,7 @@ class FusedHead:
             global_valid_tokens = 0.0  # no CE term (the loss refuses that when ce_weight > 0)
         if global_valid_tokens is None:
             global_valid_tokens = ce_token_count(batch, *batch["input_ids"].shape)
-        counts = {"global_valid_tokens": _to_device(torch.as_tensor(global_valid_tokens), device)}
+        counts = {"global_valid_tokens": to_device(torch.as_tensor(global_valid_tokens), device)}
         if self.loss_fn is not None:
             if global_valid_chunks is None:
                 cfg = self.loss_fn.config
@@ -220,7 +221,7 @@ class FusedHead:
                         for i in range(cfg.num_teachers)
                     ]
                 )
-            counts["global_valid_chunks"] = _to_device(torch.as_tensor(global_valid_chunks), device)
+            counts["global_valid_chunks"] = to_device(torch.as_tensor(global_valid_chunks), device)
         return counts
 
     def _fillers(self, batch, teachers: list[torch.Tensor], dtype) -> list[torch.Tensor]:
@@ -237,7 +238,7 @@ class FusedHead:
                 z_BUW = z_t.detach()
                 # rows with a (shifted) teacher chunk id pick; under "all" every row does
                 rows_Q = shift_chunk_ids(alignment_from_batch(batch, i).teacher_chunk_id)
-                rows_Q = _to_device(rows_Q.reshape(-1), z_t.device)
+                rows_Q = to_device(rows_Q.reshape(-1), z_t.device)
                 if cfg.topk_columns == "all":
                     rows_Q = torch.zeros_like(rows_Q)
                 # the kernel where the loss's backend takes these logits, else a masked amax
@@ -254,7 +255,8 @@ class _Run:
     def __init__(self, head, blocks, teachers, fillers, counts, dtype, device) -> None:
         self.head = head
         self.blocks: list[RowBlock] = blocks
-        # every block's index tensors on the device before the first block's kernels are queued
+        # every block's index tensors on the device before the first block's kernels are queued,
+        # through pinned memory (a copy from pageable host memory waits for every queued kernel)
         self.staged: list[_Staged] = [_stage(block, device) for block in blocks]
         self.teachers = teachers
         self.fillers = fillers
@@ -301,21 +303,10 @@ class _Staged(NamedTuple):
 
 def _stage(block: RowBlock, device: torch.device) -> _Staged:
     return _Staged(
-        _to_device(block.rows_L, device),
-        [_to_device(rows, device) for rows in block.teacher_rows],
-        {k: _to_device(v, device) for k, v in block.batch.items()},
+        to_device(block.rows_L, device),
+        [to_device(rows, device) for rows in block.teacher_rows],
+        {k: to_device(v, device) for k, v in block.batch.items()},
     )
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a wait: a copy from pageable host memory waits for
-    every kernel already queued on the stream (CUDA's rule for such copies), so one bound for a
-    cuda device goes through pinned memory."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 class _BlockChecks(DeferredChecks):
