@@ -60,10 +60,10 @@ def warm_up(
             for _ in range(repeats):
                 warm_step(student, student.pads(micro_batch, n), head)
     except torch.OutOfMemoryError as e:
-        raise _out_of_memory(student.device, micro_batch, length) from e
+        raise _out_of_memory(student.device, micro_batch, length, head) from e
     except Exception as e:  # Dynamo / Inductor failures have many types
         if is_allocation_failure(e):  # out of memory inside a library: not compile's fault
-            raise _out_of_memory(student.device, micro_batch, length) from e
+            raise _out_of_memory(student.device, micro_batch, length, head) from e
         if not student.compiled:
             raise
         logger.warning(
@@ -77,7 +77,7 @@ def warm_up(
         try:
             warm_step(student, student.pads(micro_batch, length), head)
         except torch.OutOfMemoryError as oom:
-            raise _out_of_memory(student.device, micro_batch, length) from oom
+            raise _out_of_memory(student.device, micro_batch, length, head) from oom
     if student.device.type == "cuda":
         torch.cuda.synchronize(student.device)
     seconds = time.perf_counter() - t0
@@ -116,16 +116,28 @@ def _warm_head(
     (loss * 0.0).backward()
 
 
-def _out_of_memory(device: torch.device, micro_batch: int, length: int) -> StartupOutOfMemory:
+def _out_of_memory(
+    device: torch.device, micro_batch: int, length: int, head: Any
+) -> StartupOutOfMemory:
     total = others = None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         others = max(0, total - free - torch.cuda.memory_reserved(device))
-    return StartupOutOfMemory(startup_oom_message(micro_batch, length, str(device), total, others))
+    return StartupOutOfMemory(
+        startup_oom_message(
+            micro_batch, length, str(device), total, others, fused_head=head is not None
+        )
+    )
 
 
 def startup_oom_message(
-    micro_batch: int, length: int, device: str, total: int | None, others: int | None
+    micro_batch: int,
+    length: int,
+    device: str,
+    total: int | None,
+    others: int | None,
+    *,
+    fused_head: bool = True,
 ) -> str:
     """What a start-up step that did not fit says: the settings to lower and, when other
     processes hold much of the GPU (a colocated teacher, rollout workers, another run), that.
@@ -133,11 +145,19 @@ def startup_oom_message(
     Args:
         total: the device's bytes (None: unknown).
         others: bytes neither free nor held by this process's allocator (None: unknown).
+        fused_head: whether the step already runs the fused output head (when not, the message
+            names it: it never holds the whole logits).
     """
     size = f" ({total / 2**30:.0f} GiB)" if total else ""
+    head = (
+        ""
+        if fused_head
+        else "trainer.compute.fused_head: true (the output layer and the loss by row blocks, "
+        "never the whole logits) or "
+    )
     text = (
         f"a student step of micro_batch={micro_batch} x {length} tokens does not fit in "
-        f"{device}'s memory{size}: lower trainer.feed.micro_batch, or set "
+        f"{device}'s memory{size}: lower trainer.feed.micro_batch, or set {head}"
         "trainer.compute.activation_checkpointing: true"
     )
     if others is not None and others >= OTHERS_NAMED_BYTES:

@@ -23,6 +23,15 @@ def test_a_startup_step_that_does_not_fit_names_the_settings_and_the_other_proce
     )
 
 
+def test_a_step_with_the_whole_logits_that_does_not_fit_names_the_fused_head():
+    text = startup_oom_message(16, 4096, "cuda:0", 140 * 2**30, 0, fused_head=False)
+    assert text.endswith(
+        "lower trainer.feed.micro_batch, or set trainer.compute.fused_head: true (the output "
+        "layer and the loss by row blocks, never the whole logits) or "
+        "trainer.compute.activation_checkpointing: true"
+    )
+
+
 def test_out_of_memory_under_another_name_is_told_from_a_compile_failure():
     cublas = RuntimeError(
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
