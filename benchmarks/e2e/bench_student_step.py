@@ -9,8 +9,9 @@ teacher logits, computed once):
 * ``graphs``: ``compiled`` with each layer replayed as CUDA graphs
   (``trainer.compute.cuda_graphs``);
 * ``fused``: ``compiled`` with the fused output layer + loss head (``trainer.compute.fused_head``);
-* ``fused_graphs``: both; ``fused_graphs_2048``, ``_4096`` and ``_8192``: with blocks of 2,048,
-  4,096 and 8,192 rows instead of 1,024 (``trainer.compute.fused_head_rows``);
+* ``fused_graphs``: both, with blocks of 1,024 rows; ``fused_graphs_2048``, ``_4096`` (the
+  default of ``trainer.compute.fused_head_rows``) and ``_8192``: with blocks of 2,048, 4,096 and
+  8,192 rows;
 * ``fused_update``: ``graphs`` with AdamW's update and the bf16 copy in one launch
   (``trainer.compute.fused_update``): the default on a cuda device;
 * ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
@@ -57,7 +58,9 @@ STUDENT = {
     "compiled": {"compute": {"cuda_graphs": False, "fused_update": False}},
     "graphs": {"compute": {"fused_update": False}},
     "fused": {"compute": {"fused_head": True, "cuda_graphs": False, "fused_update": False}},
-    "fused_graphs": {"compute": {"fused_head": True, "fused_update": False}},
+    "fused_graphs": {
+        "compute": {"fused_head": True, "fused_update": False, "fused_head_rows": 1024}
+    },
     **{
         f"fused_graphs_{rows}": {
             "compute": {"fused_head": True, "fused_update": False, "fused_head_rows": rows}

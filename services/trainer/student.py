@@ -150,7 +150,7 @@ class Student:
         cuda_graphs: bool | None = None,
         activation_checkpointing: bool = False,
         fused_head: bool = False,
-        fused_head_rows: int = 1024,
+        fused_head_rows: int = 4096,
         fused_update: bool | None = None,
         pack: bool = False,
         packed_attention: str = "auto",

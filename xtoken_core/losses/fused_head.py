@@ -62,8 +62,9 @@ __all__ = ["DEFAULT_BLOCK_ROWS", "FusedHead", "FusedHeadFunction"]
 
 logger = logging.getLogger(__name__)
 
-#: Rows per block by default: a ``[1024, 151936]`` bf16 block of logits is 311 MB.
-DEFAULT_BLOCK_ROWS = 1024
+#: Rows per block by default: a ``[4096, 151936]`` bf16 block of logits is 1.2 GB (as fast as 8,192
+#: rows and 1.04-1.25x faster than 1,024 in the student-step benchmark, one H200).
+DEFAULT_BLOCK_ROWS = 4096
 
 
 class FusedHead:
