@@ -566,6 +566,9 @@ class Experiment:
                         self.results[key] = None
             return
         row = self.row(job.key, code, wall, lane)
+        # each command's wall seconds (the training stages, then the scoring): with train_s,
+        # where a run's time goes besides its steps (start-up, scoring)
+        row["command_s"] = list(job.command_s)
         self.results[job.key] = row["validation_bpb"]
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.rows_path, "a", encoding="utf-8") as f:

@@ -26,11 +26,12 @@ TIMED_OUT = 124
 @dataclasses.dataclass
 class Job:
     """Commands run one after another on one lane (the first that fails ends the job), their
-    output appended to ``log``."""
+    output appended to ``log``; ``command_s`` gets each ended command's wall seconds."""
 
     key: Hashable
     commands: list[list[str]]
     log: Path
+    command_s: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class _Running:
     step: int
     t0: float
     log: object
+    step_t0: float
 
 
 class Lanes:
@@ -114,6 +116,7 @@ class Lanes:
                     code = TIMED_OUT
                 if code is None:
                     continue
+                r.job.command_s.append(round(time.monotonic() - r.step_t0, 1))
                 if code == 0 and r.step + 1 < len(r.job.commands):
                     running[i] = self._start(r.job, r.lane, r.step + 1, r.t0, r.log)
                     continue
@@ -140,7 +143,7 @@ class Lanes:
         )
         where = "" if lane is None else f" on GPU {lane}"
         logger.info("[%s] %s step %d%s (pid %d)", self.name, job.key, step, where, proc.pid)
-        return _Running(job, lane, proc, step, t0, log)
+        return _Running(job, lane, proc, step, t0, log, time.monotonic())
 
 
 def _stop(proc: subprocess.Popen) -> None:

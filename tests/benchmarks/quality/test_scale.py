@@ -291,6 +291,9 @@ def test_lanes_run_one_job_per_lane_in_order_stop_at_a_failure_and_at_the_timeou
     )
     assert done["ok"][0] == 0 and done["fails"][0] == 3 and done["slow"][0] == TIMED_OUT
     assert done["slow"][1] < 25
+    # each command that ended has its wall seconds; the stopped one too
+    assert [len(j.command_s) for j in jobs] == [2, 1, 1]
+    assert 2.0 < jobs[2].command_s[0] < 25
     assert sorted(p.name for p in mark.iterdir()) == ["a", "b"]  # c never ran
     assert max(asked) <= 2  # never more than the free lanes
 
