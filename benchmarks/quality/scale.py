@@ -37,6 +37,11 @@ say false.
   idle; ``--lanes N`` on the CPU), each run (training, then scoring on the same GPU) stopped
   past ``--run-timeout-s``; a row is appended as soon as its run ends, and a later call skips
   every run that has a scored row (a run trained but not scored is scored without training).
+  With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
+  stopped before its end (its timeout, or the end of a call on a machine that keeps its work
+  folder) goes on from its last checkpoint when a later call asks for it with the same config;
+  its row says ``resumed``. Each row also has its commands' wall seconds (``command_s``: the
+  training stages, then the scoring) beside ``train_s``, the steps' own.
 
 Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
 hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 20 M tokens are
@@ -92,6 +97,7 @@ from benchmarks.quality import heal, heal_peer, scale_arms, scale_final, scale_g
 from benchmarks.quality import run_kd_quality as kd  # noqa: E402
 from benchmarks.quality.scale_grid import RunKey  # noqa: E402
 from benchmarks.quality.scale_lanes import Job, Lanes  # noqa: E402
+from services.trainer.checkpoint import latest_checkpoint  # noqa: E402
 
 logger = logging.getLogger("kd_quality.scale")
 
@@ -130,6 +136,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lanes", type=int, default=1, help="lanes without --gpus (CPU runs)")
     p.add_argument("--run-timeout-s", type=float, default=5400.0, help="most seconds per run")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between a run's checkpoints (0: none); with them a run stopped before its "
+        "end (--run-timeout-s, a call's end) resumes from its last one when a later call asks "
+        "for it with the same config, and its row says resumed",
+    )
     p.add_argument(
         "--deadline-s",
         type=float,
@@ -368,6 +382,7 @@ class Experiment:
         }
         self.caches_ready = {k for k, p in self.caches.items() if p.with_suffix(".done").exists()}
         split = json.loads((a.corpus / "split.json").read_text())
+        self.resumed: set[RunKey] = set()  # runs whose training went on from a checkpoint
         self.meta = {
             "mode": "scale",
             "commit": kd.commit(),
@@ -493,7 +508,13 @@ class Experiment:
             if not commands and same and (run_dir / "final").is_dir():
                 continue
             path.write_text(text)
-            shutil.rmtree(run_dir, ignore_errors=True)
+            # a stage stopped before its end goes on from its last checkpoint (xtoken run
+            # resumes a checkpoint of the same config); any other starts over
+            if not commands and same and latest_checkpoint(run_dir) is not None:
+                self.resumed.add(key)
+            else:
+                self.resumed.discard(key)
+                shutil.rmtree(run_dir, ignore_errors=True)
             commands.append(
                 [sys.executable, "-m", "services.cli", "run", str(path), "--no-progress"]
             )
@@ -634,6 +655,9 @@ class Experiment:
             "twin": scale_arms.twin_of(arm, self.specs),
             "lr_interior": self.plan().interior.get(key.arm),
             "weights_sha256": res.get("weights_sha256"),
+            # trained on from a checkpoint of an earlier call (bitwise equality is shown for
+            # runs trained in one go: the rerun check)
+            "resumed": key in self.resumed,
             "val_curve": curve,
             "train_s": peer.get("wall_s")
             if arm.peer

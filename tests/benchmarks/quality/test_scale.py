@@ -6,6 +6,7 @@ smoke end to end through real ``xtoken run`` processes."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import subprocess
@@ -522,6 +523,7 @@ def _bare_experiment(tmp_path: Path) -> scale.Experiment:
     args.gpus, args.val_limit, args.eval_limit, args.functions = None, None, None, 0
     args.nextline_lines, args.nextline_new_tokens, args.completion_new_tokens = 4, 8, 8
     exp.args, exp.work, exp.scorer, exp.caches = args, tmp_path, None, {}
+    exp.resumed = set()
     exp.student_dir = tmp_path / "student"
     exp.projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
     return exp
@@ -544,6 +546,31 @@ def test_on_policy_arms_of_one_family_and_setting_share_their_trained_off_policy
     rerun = keys[0]._replace(phase="rerun")
     again = exp.configs(rerun, scale_arms.parse_scale_arm(rerun.arm))
     assert again[0]["run_dir"] != cfgs[0][0]["run_dir"]  # a rerun trains its start again
+
+
+def test_with_checkpoints_a_run_asked_again_goes_on_from_its_last_one_and_says_so(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    exp.args.checkpoint_every = 50
+    key = RunKey("final", f"pkl@{Q}", 0, 1e-3, 0.5, 1.0)
+    (cfg,) = exp.configs(key, scale_arms.parse_scale_arm(key.arm))
+    schedule = cfg["trainer"]["schedule"]
+    assert schedule["checkpoint_every"] == 50 and schedule["final_checkpoint"] is True
+    run_dir = Path(cfg["run_dir"])
+    run_dir.mkdir(parents=True)
+    exp.run_job(key, [cfg])  # asked the first time: starts over
+    assert key not in exp.resumed and not run_dir.exists()
+    (run_dir / "checkpoints" / "step_50").mkdir(parents=True)  # stopped after step 50
+    (run_dir / "checkpoints" / "latest").write_text("step_50")
+    job = exp.run_job(key, [cfg])
+    assert key in exp.resumed and (run_dir / "checkpoints" / "step_50").is_dir()
+    assert [c[3] for c in job.commands[:1]] == ["run"]  # xtoken run resumes its checkpoint
+    changed = copy.deepcopy(cfg)
+    changed["trainer"]["optim"]["lr"] = 2e-3  # another config: starts over
+    exp.run_job(key, [changed])
+    assert key not in exp.resumed and not run_dir.exists()
+    exp.args.checkpoint_every = 0
+    (cfg,) = exp.configs(key, scale_arms.parse_scale_arm(key.arm))
+    assert cfg["trainer"]["schedule"].get("checkpoint_every", 0) == 0
 
 
 def test_grid_runs_train_the_grid_budget_apart_and_final_runs_the_full_one(tmp_path):
