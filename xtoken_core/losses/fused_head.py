@@ -255,7 +255,6 @@ class _Run:
 
     def __init__(self, head, blocks, teachers, fillers, counts, dtype, device) -> None:
         self.head = head
-        self.blocks: list[RowBlock] = blocks
         # every block's index tensors on the device before the first block's kernels are queued,
         # through pinned memory (a copy from pageable host memory waits for every queued kernel)
         self.staged: list[_Staged] = [_stage(block, device) for block in blocks]
