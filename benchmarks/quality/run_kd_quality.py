@@ -163,23 +163,29 @@ def split_of(source: str, heldout: float, val: float) -> str:
     return "train"
 
 
-def build_split(out_dir: Path, heldout: float = 0.06, val: float = 0.06) -> dict[str, Any]:
+def build_split(
+    out_dir: Path, heldout: float = 0.06, val: float = 0.06, fresh_rev: str = "HEAD"
+) -> dict[str, Any]:
     """Re-split the demo corpus by source file into train / val / heldout JSONL files, and write
-    the fresh split (``heal_eval.build_fresh``: this repository's sources at HEAD).
+    the fresh split (``heal_eval.build_fresh``: this repository's sources at ``fresh_rev``).
 
     Args:
         out_dir: where ``train.jsonl``, ``val.jsonl``, ``heldout.jsonl``, ``fresh.jsonl`` and
             ``split.json`` (the manifest, the fresh split's commit included) go.
         heldout: share of files held out (final report).
         val: share of files for validation (curves, tuning).
+        fresh_rev: the commit whose sources are the fresh split (an experiment spread over
+            several checkouts names one, so that every call scores the same texts).
 
     Returns:
         The split's manifest (texts, files and characters per split).
     """
+    from benchmarks.quality.heal_eval import build_fresh
     from xtoken_core.data.corpus import build_demo_corpus
 
-    demo = build_demo_corpus()
     out_dir.mkdir(parents=True, exist_ok=True)
+    fresh = build_fresh(out_dir / "fresh.jsonl", ROOT, fresh_rev)  # a wrong commit fails first
+    demo = build_demo_corpus()
     files = {s: open(out_dir / f"{s}.jsonl", "w", encoding="utf-8") for s in SPLITS}
     stats = {s: {"texts": 0, "chars": 0, "files": set()} for s in SPLITS}
     try:
@@ -204,9 +210,7 @@ def build_split(out_dir: Path, heldout: float = 0.06, val: float = 0.06) -> dict
             for s, st in stats.items()
         },
     }
-    from benchmarks.quality.heal_eval import build_fresh
-
-    manifest["fresh"] = build_fresh(out_dir / "fresh.jsonl", ROOT)
+    manifest["fresh"] = fresh
     (out_dir / "split.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -1131,6 +1135,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher-eval", action="store_true", help="also score the teacher")
     p.add_argument("--corpus", default=None, help="a split built before (train/val/heldout.jsonl)")
     p.add_argument("--split-only", default=None, help="build the by-file split into DIR and exit")
+    p.add_argument(
+        "--fresh-rev",
+        default="HEAD",
+        help="with --split-only: the commit whose sources are the fresh split (default HEAD)",
+    )
     p.add_argument("--work", default="/tmp/xtoken_kd_quality")
     p.add_argument("--out", default=str(RESULTS_DIR), help="rows, tables and plots go here")
     p.add_argument("--fresh", action="store_true", help="delete earlier runs in --work")
@@ -1199,7 +1208,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run_kd_quality: {e}", file=sys.stderr)
             return 2
     if args.split_only:
-        print(json.dumps(build_split(Path(args.split_only)), indent=1))
+        try:
+            manifest = build_split(Path(args.split_only), fresh_rev=args.fresh_rev)
+        except ValueError as e:  # a commit the checkout does not have
+            print(f"run_kd_quality: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(manifest, indent=1))
         return 0
     if args.report:
         return report(args)

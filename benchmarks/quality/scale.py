@@ -40,7 +40,8 @@ say false.
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
   folder) goes on from its last checkpoint when a later call asks for it with the same config;
-  its row says ``resumed``. Each row also has its commands' wall seconds (``command_s``: the
+  its row says ``resumed``. Final rows scored on another fresh split (``fresh_commit``) are not
+  counted as done: every call of one experiment builds its split with the same ``--fresh-rev``. Each row also has its commands' wall seconds (``command_s``: the
   training stages, then the scoring) beside ``train_s``, the steps' own.
 
 Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
@@ -60,7 +61,8 @@ a GPU, trained in ~61 s each and took ~340 s with start-up and scoring,
 
 Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm machine)::
 
-    python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split
+    python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split \
+        --fresh-rev COMMIT    # one commit for every call of an experiment: the same fresh texts
     python benchmarks/quality/scale.py --gpus 0 1 2 3 --corpus benchmarks/quality/heal_split \\
         --work runs/scale --out $OUT --tokens 20000000 --grid-tokens 2000000 \\
         --model-alias qwen2.5-coder-0.5b=gguf:/PATH/qwen.gguf gemma3-270m=gguf:/PATH/gemma.gguf
@@ -400,19 +402,23 @@ class Experiment:
         other = self.load_results()
         logger.info(
             "[scale] %d arms, %d steps of %d x %d (%.0f tokens a sample; grid runs %d steps), "
-            "%d scored runs before, %d rows of another budget left out",
+            "%d scored runs before, %d rows of another budget or fresh split left out",
             len(self.arms), a.steps, a.batch, a.ctx, self.sample_tokens, a.grid_steps,
             len(self.results), other,
         )  # fmt: skip
 
     def load_results(self) -> int:
         """The runs done before, from the rows of this budget (a grid run's of the grid's, a
-        final run's of ``--tokens``); returns how many rows of another budget were left out."""
+        final run's of ``--tokens``) and, for the final runs, scored on this fresh split (the
+        grid reads the validation split alone); returns how many rows were left out."""
         other = 0
         for row in heal.read_rows([self.rows_path]):
             if row.get("mode") == "scale" and row.get("validation_bpb") is not None:
                 key = scale_grid.row_key(row)
-                if row.get("steps_budget") != self.budget(key)["steps_budget"]:
+                fresh = row.get("fresh_commit") == self.meta["fresh_commit"]
+                if row.get("steps_budget") != self.budget(key)["steps_budget"] or (
+                    key.phase != "grid" and not fresh
+                ):
                     other += 1
                     continue
                 self.results[key] = row["validation_bpb"]

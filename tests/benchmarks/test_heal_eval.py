@@ -137,3 +137,15 @@ def test_a_scorer_rates_continuations_it_would_write_better_than_another_models(
     assert own["continuations"] + own["empty"] == len(texts) and own["bytes"] > 0
     assert theirs == again
     assert own["bits_per_byte"] < theirs["bits_per_byte"]
+
+
+def test_a_fresh_split_of_a_commit_the_checkout_lacks_is_refused_in_one_line_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/quality/run_kd_quality.py", "--split-only",
+         str(tmp_path / "split"), "--fresh-rev", "no-such-commit"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("run_kd_quality: fresh split: `git rev-parse --verify no-such")
+    assert proc.stderr.count("\n") == 1
+    assert not (tmp_path / "split" / "train.jsonl").exists()

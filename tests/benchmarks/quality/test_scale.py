@@ -602,21 +602,29 @@ def test_a_grid_budget_above_the_final_one_is_refused_with_exit_2(capsys):
     )
 
 
-def test_rows_of_another_budget_are_not_counted_as_runs_done(tmp_path):
+def test_rows_of_another_budget_or_fresh_split_are_not_counted_as_runs_done(tmp_path):
     exp = _bare_experiment(tmp_path)
     exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000
     exp.results, exp.rows_path = {}, tmp_path / "rows.jsonl"
+    exp.meta = {"fresh_commit": "aaa"}
     key = {"mode": "scale", "arm": "ce", "seed": 0, "lr": 1e-3, "validation_bpb": 1.0}
+    key["fresh_commit"] = "aaa"
     rows = [
         {**key, "phase": "grid", "steps_budget": 200},  # this call's grid
         {**key, "phase": "grid", "steps_budget": 2000, "lr": 5e-4},  # another call's grid
         {**key, "phase": "final", "steps_budget": 2000},  # this call's final
         {**key, "phase": "final", "steps_budget": 200, "seed": 1},  # another budget's final
-    ]
+        {**key, "phase": "final", "steps_budget": 2000, "seed": 2, "fresh_commit": "bbb"},
+        {**key, "phase": "grid", "steps_budget": 200, "seed": 3, "fresh_commit": "bbb"},
+    ]  # the last two: scored on another fresh split (the grid reads none)
     exp.rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert exp.load_results() == 2
+    assert exp.load_results() == 3
     assert sorted(exp.results) == sorted(
-        [RunKey("grid", "ce", 0, 1e-3, None, None), RunKey("final", "ce", 0, 1e-3, None, None)]
+        [
+            RunKey("grid", "ce", 0, 1e-3, None, None),
+            RunKey("final", "ce", 0, 1e-3, None, None),
+            RunKey("grid", "ce", 3, 1e-3, None, None),
+        ]
     )
 
 
