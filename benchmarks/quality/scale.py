@@ -87,6 +87,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -761,7 +762,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"scale: {e}", file=sys.stderr)
         return 2
+    # a SIGTERM (a call's time limit, `timeout`) stops the running jobs as Ctrl-C does: each
+    # gets SIGTERM (a run with checkpoints writes one) and no job outlives this process
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return exp.run()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,17 @@ class Lanes:
             deadline: ``time.monotonic()`` past which no job starts (those running finish).
         """
         running: dict[int, _Running] = {}  # by lane index (CPU lanes all see None)
+        try:
+            self._loop(running, next_jobs, on_done, poll_s, deadline)
+        finally:  # interrupted (Ctrl-C, SIGTERM as SystemExit): no job outlives this call
+            if running:
+                logger.warning("[%s] stopping %d running jobs", self.name, len(running))
+                _stop_all([r.proc for r in running.values()])
+                for r in running.values():
+                    r.log.close()
+
+    def _loop(self, running, next_jobs, on_done, poll_s, deadline) -> None:
+        """:meth:`run`'s loop; ``running`` (by lane) is the caller's, to stop what is left."""
         started: set[Hashable] = set()
         ask = True
         while True:
@@ -144,6 +155,27 @@ class Lanes:
         where = "" if lane is None else f" on GPU {lane}"
         logger.info("[%s] %s step %d%s (pid %d)", self.name, job.key, step, where, proc.pid)
         return _Running(job, lane, proc, step, t0, log, time.monotonic())
+
+
+def _stop_all(procs: list[subprocess.Popen], wait_s: float = 15.0) -> None:
+    """SIGTERM to every job's process group at once, SIGKILL to those still there ``wait_s``
+    later."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    end = time.monotonic() + wait_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -299,6 +302,33 @@ def test_lanes_run_one_job_per_lane_in_order_stop_at_a_failure_and_at_the_timeou
     assert max(asked) <= 2  # never more than the free lanes
 
 
+def test_a_sigterm_to_the_lanes_process_stops_its_running_jobs_too(tmp_path):
+    pidfile, log = tmp_path / "job.pid", tmp_path / "job.log"
+    job = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = (
+        "import signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from pathlib import Path\n"
+        "from benchmarks.quality.scale import _exit_on_sigterm\n"
+        "from benchmarks.quality.scale_lanes import Job, Lanes\n"
+        "signal.signal(signal.SIGTERM, _exit_on_sigterm)\n"
+        f"job = Job('slow', [[sys.executable, '-c', {job!r}]], Path({str(log)!r}))\n"
+        f"Lanes([None], 300.0, Path({str(tmp_path)!r})).run(lambda n: [job], print, 0.1)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the job never started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    with pytest.raises(ProcessLookupError):  # stopped and reaped with its lanes
+        os.kill(int(pidfile.read_text()), 0)
+
+
 # --------------------------------------------------------------------------- report bars
 
 
@@ -478,8 +508,6 @@ def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_pa
 
 
 def test_lanes_start_nothing_past_the_deadline_and_gpus_read_either_way(tmp_path):
-    import time
-
     job = Job("late", [[sys.executable, "-c", "pass"]], tmp_path / "log")
     done = []
     Lanes([None], 60.0, tmp_path).run(
