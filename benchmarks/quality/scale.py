@@ -41,8 +41,10 @@ say false.
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
   folder) goes on from its last checkpoint when a later call asks for it with the same config;
   its row says ``resumed``. Final rows scored on another fresh split (``fresh_commit``) are not
-  counted as done: every call of one experiment builds its split with the same ``--fresh-rev``. Each row also has its commands' wall seconds (``command_s``: the
-  training stages, then the scoring) beside ``train_s``, the steps' own.
+  counted as done: every call of one experiment builds its split with the same
+  ``--fresh-rev``. Each row also has its commands' wall seconds (``command_s``: the training
+  stages, then the scoring) beside ``train_s``, the steps' own. A SIGTERM or Ctrl-C stops the
+  running jobs with it.
 
 Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
 hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 20 M tokens are
@@ -61,7 +63,7 @@ a GPU, trained in ~61 s each and took ~340 s with start-up and scoring,
 
 Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm machine)::
 
-    python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split \
+    python benchmarks/quality/run_kd_quality.py --split-only benchmarks/quality/heal_split \\
         --fresh-rev COMMIT    # one commit for every call of an experiment: the same fresh texts
     python benchmarks/quality/scale.py --gpus 0 1 2 3 --corpus benchmarks/quality/heal_split \\
         --work runs/scale --out $OUT --tokens 20000000 --grid-tokens 2000000 \\
