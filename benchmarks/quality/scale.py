@@ -40,7 +40,8 @@ say false.
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
   folder) goes on from its last checkpoint when a later call asks for it with the same config;
-  its row says ``resumed``. Final rows scored on another fresh split (``fresh_commit``) are not
+  its row says ``resumed`` (on the CPU a run SIGTERMed at step 16 of 40 and resumed ends
+  with the weights of one trained in one go: ``test_scale.py``, marker ``slow``). Final rows scored on another fresh split (``fresh_commit``) are not
   counted as done: every call of one experiment builds its split with the same
   ``--fresh-rev``. Each row also has its commands' wall seconds (``command_s``: the training
   stages, then the scoring) beside ``train_s``, the steps' own. A SIGTERM or Ctrl-C stops the
@@ -107,6 +108,8 @@ from services.trainer.checkpoint import latest_checkpoint  # noqa: E402
 logger = logging.getLogger("kd_quality.scale")
 
 ROWS_FILE = "quality_scale.jsonl"
+#: in a run's folder: its training went on from a checkpoint of an earlier call
+RESUMED_MARK = "scale_resumed"
 SMOKE_LRS = (5e-4, 1e-3)
 
 
@@ -387,7 +390,6 @@ class Experiment:
         }
         self.caches_ready = {k for k, p in self.caches.items() if p.with_suffix(".done").exists()}
         split = json.loads((a.corpus / "split.json").read_text())
-        self.resumed: set[RunKey] = set()  # runs whose training went on from a checkpoint
         self.meta = {
             "mode": "scale",
             "commit": kd.commit(),
@@ -520,9 +522,8 @@ class Experiment:
             # a stage stopped before its end goes on from its last checkpoint (xtoken run
             # resumes a checkpoint of the same config); any other starts over
             if not commands and same and latest_checkpoint(run_dir) is not None:
-                self.resumed.add(key)
+                (run_dir / RESUMED_MARK).write_text("trained on from a checkpoint\n")
             else:
-                self.resumed.discard(key)
                 shutil.rmtree(run_dir, ignore_errors=True)
             commands.append(
                 [sys.executable, "-m", "services.cli", "run", str(path), "--no-progress"]
@@ -665,8 +666,9 @@ class Experiment:
             "lr_interior": self.plan().interior.get(key.arm),
             "weights_sha256": res.get("weights_sha256"),
             # trained on from a checkpoint of an earlier call (bitwise equality is shown for
-            # runs trained in one go: the rerun check)
-            "resumed": key in self.resumed,
+            # runs trained in one go: the rerun check); a final run that reuses a grid run's
+            # training says so too
+            "resumed": any((Path(c["run_dir"]) / RESUMED_MARK).exists() for c in cfgs),
             "val_curve": curve,
             "train_s": peer.get("wall_s")
             if arm.peer

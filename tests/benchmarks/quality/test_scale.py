@@ -25,6 +25,8 @@ from benchmarks.quality import scale, scale_arms, scale_grid, scale_report  # no
 from benchmarks.quality.scale_grid import GridSpec, RunKey  # noqa: E402
 from benchmarks.quality.scale_lanes import TIMED_OUT, Job, Lanes  # noqa: E402
 
+ROWS = scale.ROWS_FILE
+
 Q, G = "qwen2.5-coder-0.5b", "gemma3-270m"
 
 # --------------------------------------------------------------------------- arm specs
@@ -454,6 +456,61 @@ def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, ca
 # --------------------------------------------------------------------------- smoke
 
 
+_FORTY_STEPS = """
+import sys
+sys.path.insert(0, {root!r})
+from benchmarks.quality import heal, scale
+smoke = heal._smoke_setup
+def forty(args):
+    smoke(args)
+    args.steps = 40  # long enough to be stopped midway
+heal._smoke_setup = forty
+sys.exit(scale.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_resumes_when_asked_again_bitwise_equal_to_one_go(tmp_path):
+    """scale.py SIGTERMed while its run is past a checkpoint, then called again: the run goes
+    on from its checkpoint (its rows say resumed) and its weights equal a run trained in one
+    go."""
+    driver = tmp_path / "forty.py"
+    driver.write_text(_FORTY_STEPS.format(root=str(ROOT)))
+    args = ["--smoke", "--arms", "ce", "--seeds", "0", "--lrs", "1e-3", "--rerun-arm", "none"]
+    args += ["--checkpoint-every", "5"]
+
+    def call(work: Path, **kw) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, str(driver), *args, "--work", str(work)], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw,
+        )  # fmt: skip
+
+    def rows(work: Path) -> list[dict]:
+        return [json.loads(x) for x in (work / "out" / ROWS).read_text().splitlines()]
+
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    first = call(stopped)
+    latest = stopped / "runs" / "ce_s0_lr0.001_kl-_t-" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not (latest.exists() and latest.read_text().strip() >= "step_00000010"):
+        assert first.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == 128 + signal.SIGTERM
+    assert not (stopped / "out" / ROWS).exists()  # stopped before any row
+    for work in (stopped, whole):
+        proc = call(work)
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+    again, once = rows(stopped), rows(whole)
+    assert [(r["phase"], r["resumed"], r["steps"]) for r in again] == [
+        ("grid", True, 40), ("final", True, 40)
+    ]  # fmt: skip
+    assert [r["resumed"] for r in once] == [False, False]
+    assert [r["weights_sha256"] for r in again] == [r["weights_sha256"] for r in once]
+    assert [r["validation_bpb"] for r in again] == [r["validation_bpb"] for r in once]
+
+
 @pytest.mark.slow
 def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_path):
     """The grid's runs train one step (``--grid-tokens``), the final runs four, apart."""
@@ -551,7 +608,6 @@ def _bare_experiment(tmp_path: Path) -> scale.Experiment:
     args.gpus, args.val_limit, args.eval_limit, args.functions = None, None, None, 0
     args.nextline_lines, args.nextline_new_tokens, args.completion_new_tokens = 4, 8, 8
     exp.args, exp.work, exp.scorer, exp.caches = args, tmp_path, None, {}
-    exp.resumed = set()
     exp.student_dir = tmp_path / "student"
     exp.projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
     return exp
@@ -586,16 +642,17 @@ def test_with_checkpoints_a_run_asked_again_goes_on_from_its_last_one_and_says_s
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True)
     exp.run_job(key, [cfg])  # asked the first time: starts over
-    assert key not in exp.resumed and not run_dir.exists()
+    assert not run_dir.exists()
     (run_dir / "checkpoints" / "step_50").mkdir(parents=True)  # stopped after step 50
     (run_dir / "checkpoints" / "latest").write_text("step_50")
     job = exp.run_job(key, [cfg])
-    assert key in exp.resumed and (run_dir / "checkpoints" / "step_50").is_dir()
-    assert [c[3] for c in job.commands[:1]] == ["run"]  # xtoken run resumes its checkpoint
+    assert (run_dir / "checkpoints" / "step_50").is_dir()  # kept: xtoken run resumes it
+    assert (run_dir / scale.RESUMED_MARK).exists()  # the row will say resumed
+    assert [c[3] for c in job.commands[:1]] == ["run"]
     changed = copy.deepcopy(cfg)
     changed["trainer"]["optim"]["lr"] = 2e-3  # another config: starts over
     exp.run_job(key, [changed])
-    assert key not in exp.resumed and not run_dir.exists()
+    assert not run_dir.exists()
     exp.args.checkpoint_every = 0
     (cfg,) = exp.configs(key, scale_arms.parse_scale_arm(key.arm))
     assert cfg["trainer"]["schedule"].get("checkpoint_every", 0) == 0
