@@ -275,8 +275,8 @@ def _ci(d: dict | None) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The report's markdown: the table of final runs first, then the bars, CE's validation
-    curve and the grid.
+    """The report's markdown: the table of final runs first, then the bars, the runs' time and
+    resumes, CE's validation curve and the grid.
 
     Args:
         rows: the experiment's rows (rows of other experiments are left out).
@@ -326,6 +326,7 @@ def markdown(rows: list[dict]) -> str:
     md += ["", "## Bars", "", "| bar | figures | met |", "|---|---|---|"]
     for name, figs, met in bars(s, rows):
         md.append(f"| {name} | {figs} | {'-' if met is None else 'yes' if met else 'no'} |")
+    md += runs_table(rows)
     if s["ce"]:
         md += [
             "",
@@ -359,6 +360,31 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['arm']} | {r['lr']:g} | {r.get('kl_weight') or '-'} | {r.get('temperature') or '-'} | {v} |"
         )
     return "\n".join(md) + "\n"
+
+
+def runs_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: per phase, its runs, how many went on from a checkpoint of an earlier
+    call, and the median seconds of a run (training and scoring) and of its steps alone."""
+
+    def median(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.0f}" if xs else "-"
+
+    md = [
+        "",
+        "## Runs",
+        "",
+        "| phase | runs | resumed from a checkpoint | median s a run (training, scoring) "
+        "| median s of its steps |",
+        "|---|---|---|---|---|",
+    ]
+    for phase in ("grid", "final", "rerun"):
+        ps = [r for r in rows if r.get("phase") == phase]
+        if ps:
+            walls = [r["wall_s"] for r in ps if r.get("wall_s") is not None]
+            steps = [r["train_s"] for r in ps if r.get("train_s") is not None]
+            resumed = sum(1 for r in ps if r.get("resumed"))
+            md.append(f"| {phase} | {len(ps)} | {resumed} | {median(walls)} | {median(steps)} |")
+    return md
 
 
 def mean_curve(rows: list[dict]) -> list[tuple[int, float]]:

@@ -404,9 +404,14 @@ def test_the_report_checks_each_bar_on_made_up_rows():
 def test_the_report_opens_with_the_table_and_says_when_it_has_no_plot(tmp_path):
     import importlib.util
 
-    md = scale_report.write_report(_rows(), tmp_path)
+    rows = _rows()
+    for r in rows[:2]:
+        r.update(resumed=True, wall_s=300.0, train_s=100.0)
+    md = scale_report.write_report(rows, tmp_path)
     assert md.startswith("# ") and md.splitlines()[4].startswith("| arm | seeds | lr |")
     assert f"| pkl@{Q} | 3 | 0.001 |" in md and "## Bars" in md
+    finals = sum(1 for r in rows if r["phase"] == "final")
+    assert f"| final | {finals} | 2 | 300 | 100 |" in md  # the runs' time and resumes
     assert (tmp_path / "quality_scale.md").read_text() == md
     if importlib.util.find_spec("matplotlib") is None:
         assert "No plot: matplotlib is not installed" in md
