@@ -559,6 +559,14 @@ class QueueClient(_Requests):
             self._check_stop(msg_type)
             sock = self._socket(msg_type)
             if self._dropped() and msg_type != "hello":
+                if not self._handshaken:
+                    # refused in its handshake before this try was sent (a local server answers
+                    # fast): the refusal is this try's, and a socket the server closed with a
+                    # protocol error is not reconnected, so nothing sent on it would be answered
+                    self.close()
+                    if not self._refused(msg_type, tries):
+                        self._next_try(msg_type, budget_s, tries, dropped=True)
+                    continue
                 if _is_set(self.stopping):  # the queue went away (with the run): nothing is sent
                     self.close()
                     raise self._stopping_error(msg_type, "not sent (its connection dropped)")

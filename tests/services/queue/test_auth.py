@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,6 +90,19 @@ def refused_at_handshake(address: str, token: str | None = None) -> int:
 def _put(client: QueueClient, partition: str, n: int = 2) -> None:
     keys = [f"k{i}" for i in range(n)]
     client.put(partition, keys, {"ids": torch.arange(n * 3, dtype=torch.int64).view(n, 3)})
+
+
+def test_a_refusal_seen_before_the_request_is_sent_is_that_requests_refusal(secured):
+    """The connection is open (its hello sent) and refused in its handshake before the request
+    goes out: the request is refused at once, not sent on a socket that never reconnects."""
+    with QueueClient(secured.address, timeout_s=20, retries=0) as anon:
+        anon._socket("stats")  # connects and sends the hello, as a request's first step does
+        time.sleep(1.0)  # the local server refuses the handshake in milliseconds
+        t0 = time.monotonic()
+        with pytest.raises(QueueError) as err:
+            anon.stats()
+    assert err.value.code == "unauthorized"
+    assert time.monotonic() - t0 < 15  # refused, not timed out
 
 
 def test_client_without_token_is_refused_and_server_keeps_serving(secured):
