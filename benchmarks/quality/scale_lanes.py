@@ -123,7 +123,7 @@ class Lanes:
                     logger.warning(
                         "[%s] %s timed out after %.0fs: stopping it", self.name, r.job.key, wall
                     )
-                    _stop(r.proc)
+                    _stop_all([r.proc])
                     code = TIMED_OUT
                 if code is None:
                     continue
@@ -176,17 +176,3 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the job's process group, SIGKILL 15 s later if it is still there."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
