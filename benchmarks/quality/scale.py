@@ -202,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
     if args.runs_per_gpu < 1:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every {args.checkpoint_every}: give 0 (none) or more steps")
     if args.grid_tokens is not None and not 0 < args.grid_tokens <= args.tokens:
         p.error(
             f"--grid-tokens {args.grid_tokens}: give a budget > 0 and at most --tokens "

@@ -725,6 +725,13 @@ def test_several_runs_share_each_gpu_spread_over_the_gpus_first():
         scale.gpu_lanes([0, 0], 1, None)
 
 
+def test_a_negative_checkpoint_period_is_refused_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        scale.parse_args(["--checkpoint-every", "-5"])
+    assert e.value.code == 2
+    assert "--checkpoint-every -5: give 0 (none) or more steps" in capsys.readouterr().err
+
+
 def test_runs_per_gpu_below_one_is_refused_with_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         scale.parse_args(["--gpus", "0", "--runs-per-gpu", "0"])
