@@ -331,6 +331,17 @@ def _teacher_block(
     return torch.cat([fill_1W, rows_GW, fill_1W])[None]
 
 
+def _block_logits(h_LD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
+    """``[L + 1, V]``: ``h_L @ W^T`` and the filler row's logits (a zero hidden state's: zeros).
+    The matmul runs on the block's ``L`` rows alone, written into the first rows of the result:
+    an odd row count (``L + 1``) makes cuBLAS pick slower kernels."""
+    L = h_LD.shape[0]
+    logits_LV = h_LD.new_empty(L + 1, w_VD.shape[0])
+    torch.mm(h_LD, w_VD.t(), out=logits_LV[:L])
+    logits_LV[L].zero_()
+    return logits_LV
+
+
 def _add_outer(acc_VD: torch.Tensor, dz_LV: torch.Tensor, h_LD: torch.Tensor) -> None:
     """``acc += dz^T @ h`` in place. On a cuda device with half-precision blocks the matmul adds
     into the fp32 sum itself (cuBLAS with an fp32 output), so no ``[V, D]`` product is written in
@@ -368,8 +379,7 @@ class FusedHeadFunction(torch.autograd.Function):
             for staged in run.staged:
                 rows_L = staged.rows_L
                 h_LD = h_RD.index_select(0, rows_L)
-                h_fill_LD = torch.cat([h_LD, h_LD.new_zeros(1, h_LD.shape[1])])
-                logits_LV = (h_fill_LD @ w_VD.t()).requires_grad_()
+                logits_LV = _block_logits(h_LD, w_VD).requires_grad_()
                 with torch.enable_grad():
                     share = run.block_loss(logits_LV, staged)
                 total = total + share.detach().to(loss_dtype)
