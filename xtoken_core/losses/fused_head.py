@@ -324,11 +324,14 @@ def _teacher_block(
     z_BUW: torch.Tensor, fill_W: torch.Tensor, rows_G2: torch.Tensor
 ) -> torch.Tensor:
     """``[1, G + 2, W']`` teacher logits of a block: the filler row, the block's rows, the filler
-    row (``rows_G2`` marks the fillers with -1)."""
-    inner_G = rows_G2[1:-1]
-    rows_GW = z_BUW.detach().reshape(-1, z_BUW.shape[-1]).index_select(0, inner_G)
-    fill_1W = fill_W.to(z_BUW.dtype)[None]
-    return torch.cat([fill_1W, rows_GW, fill_1W])[None]
+    row (``rows_G2`` marks the fillers with -1). The rows are gathered straight into the
+    result's inner rows: one copy of the block's teacher logits, not a gather and a concatenation."""
+    z_QW = z_BUW.detach().reshape(-1, z_BUW.shape[-1])
+    block_GW = z_QW.new_empty(rows_G2.shape[0], z_QW.shape[1])
+    torch.index_select(z_QW, 0, rows_G2[1:-1], out=block_GW[1:-1])
+    block_GW[0] = fill_W
+    block_GW[-1] = fill_W
+    return block_GW[None]
 
 
 def _block_logits(h_LD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
