@@ -250,6 +250,7 @@ class Trainer:
         self.stopped = False
         self.queue_gone = False  # the queue went away while this rank stopped: nothing more sent
         self._last_checkpoint = self.student.step
+        self._last_eval: tuple[int, dict[str, Any]] | None = None  # (step, result) of the last eval
         self._unwritten: list[dict[str, Any]] = []  # the last step, its record not written yet
 
     def _teacher_links(self) -> tuple[list[Any], list[Any]]:
@@ -471,17 +472,27 @@ class Trainer:
 
     def evaluate(self, tag: str) -> None:
         """The student's held-out bits per byte, recorded as ``student_<tag>`` (rank 0; every
-        rank under FSDP, whose eval is collective); the ranks wait for each other."""
+        rank under FSDP, whose eval is collective); the ranks wait for each other. An eval at the
+        step of the last one (the eval after training, when the last step was a periodic eval's)
+        takes that result: the weights are the same, and an eval is a pass over every held-out
+        text."""
         if self.heldout:
-            result = self.student.evaluate(self.heldout, self.config.eval.ctx)
+            step = self.student.step
+            again = self._last_eval is not None and self._last_eval[0] == step
+            if again:
+                result = self._last_eval[1]
+            else:
+                result = self.student.evaluate(self.heldout, self.config.eval.ctx)
+                self._last_eval = (step, result)
             if self.rank == 0:
-                self.metrics.write("eval", step=self.student.step, tag=tag, who="student", **result)
+                self.metrics.write("eval", step=step, tag=tag, who="student", **result)
                 self.summary[f"student_{tag}"] = result
                 logger.info(
-                    "[trainer] eval %s at step %d: %.4f bits/byte",
+                    "[trainer] eval %s at step %d: %.4f bits/byte%s",
                     tag,
-                    self.student.step,
+                    step,
                     result["bits_per_byte"],
+                    " (this step's eval: the same weights)" if again else "",
                 )
         self.ranks.barrier()
 

@@ -90,6 +90,29 @@ def test_a_run_trains_every_sample_once_then_evaluates_and_writes_its_summary(qu
     assert trainer.student.step == 3 and (tmp_path / "checkpoints" / "latest").exists()
 
 
+def test_the_eval_after_training_takes_the_last_steps_eval_when_it_ran_on_those_weights(
+    queue, tmp_path, monkeypatch
+):
+    _put(queue, 5)  # steps of 2, 2 and 1: the periodic eval at step 3 is the last step's
+    passes = []
+    real = Student.evaluate
+
+    def counted(self, texts, ctx):
+        passes.append(self.step)
+        return real(self, texts, ctx)
+
+    monkeypatch.setattr(Student, "evaluate", counted)
+    _run(queue, tmp_path, heldout=setup.TEXTS[:2], schedule={"eval_every": 3})
+    assert passes == [0, 3]  # before, at step 3; the eval after reads step 3's
+    events = [json.loads(line) for line in (tmp_path / "metrics" / "trainer.rank0.jsonl").open()]
+    evals = {e["tag"]: e for e in events if e["event"] == "eval"}
+    assert list(evals) == ["before", "step3", "after"]
+    assert evals["after"]["step"] == 3
+    assert evals["after"]["bits_per_byte"] == evals["step3"]["bits_per_byte"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["student_after"] == summary["student_step3"]
+
+
 def test_a_resumed_launch_trains_what_its_checkpoint_did_not_hold(queue, tmp_path):
     keys = _put(queue, 6)
     _run(queue, tmp_path, schedule={"max_steps": 1})  # one step, then its checkpoint
