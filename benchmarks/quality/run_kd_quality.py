@@ -672,10 +672,18 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
             if r.get("event") == "eval":
                 teacher = r["bits_per_byte"]
     every = max(1, len(steps) // 200)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        summary = {}
     out = {
         "steps": len(steps),
         "tokens": int(sum(r.get("tokens", 0) for r in steps)),
         "train_s": round(sum(r.get("step_s", 0.0) for r in steps), 2),
+        # where a run's time goes besides its steps: the start-up step's compile (None: eager),
+        # and the first step, which waits for the teachers' first logits
+        "compile_s": summary.get("compile_s"),
+        "first_step_s": round(steps[0].get("step_s", 0.0), 2) if steps else None,
         "val_curve": evals,
         "loss_curve": [
             {

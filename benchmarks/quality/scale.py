@@ -41,11 +41,12 @@ say false.
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
   folder) goes on from its last checkpoint when a later call asks for it with the same config;
   its row says ``resumed`` (on the CPU a run SIGTERMed at step 16 of 40 and resumed ends
-  with the weights of one trained in one go: ``test_scale.py``, marker ``slow``). Final rows scored on another fresh split (``fresh_commit``) are not
-  counted as done: every call of one experiment builds its split with the same
-  ``--fresh-rev``. Each row also has its commands' wall seconds (``command_s``: the training
-  stages, then the scoring) beside ``train_s``, the steps' own. A SIGTERM or Ctrl-C stops the
-  running jobs with it.
+  with the weights of one trained in one go: ``test_scale.py``, marker ``slow``). Final rows
+  scored on another fresh split (``fresh_commit``) are not counted as done: every call of one
+  experiment builds its split with the same ``--fresh-rev``. Each row also has its commands'
+  wall seconds (``command_s``: the training stages, then the scoring) beside ``train_s``, the
+  steps' own, ``compile_s`` (the start-up step's compile) and ``first_step_s`` (the first step,
+  which waits for the first logits). A SIGTERM or Ctrl-C stops the running jobs with it.
 
 Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
 hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 20 M tokens are
@@ -675,6 +676,9 @@ class Experiment:
             "train_s": peer.get("wall_s")
             if arm.peer
             else round(sum(st["train_s"] for st in stages), 2),
+            # of the stages' start-up: compile (None: eager) and the first step's wait for logits
+            "compile_s": _stage_sum(stages, "compile_s"),
+            "first_step_s": _stage_sum(stages, "first_step_s"),
             "scores": {s: _brief(v) for s, v in final.items()} or None,
         }
         if arm.peer:
@@ -720,6 +724,12 @@ class Experiment:
 def _brief(scores: dict) -> dict:
     """A split's scores without the bulky parts."""
     return {k: v for k, v in scores.items() if k not in ("completion",)}
+
+
+def _stage_sum(stages: list[dict], key: str) -> float | None:
+    """The stages' sum of ``key`` (None when no stage has it)."""
+    values = [st[key] for st in stages if st.get(key) is not None]
+    return round(sum(values), 2) if values else None
 
 
 def _line(row: dict) -> str:
