@@ -80,10 +80,10 @@ CPU smoke (heal.py's tiny stand-ins; arms ce and pkl@smollm2, 2 seeds, learning 
 A rehearsal of every arm with the real models on the CPU, before GPU time is spent on them (the
 15 default arms, the teacher cache and the rerun: all exit 0 in ~30 min on two cores)::
 
-    python benchmarks/quality/scale.py --lanes 1 --work /tmp/rehearsal/work \
-        --out /tmp/rehearsal/out --tokens 800 --batch 2 --ctx 128 --lrs 1e-3 --max-extend 0 \
-        --kl-weights 0.5 --temperatures 1 --seeds 0 --warmup 1 --eval-every 2 --eval-texts 4 \
-        --val-limit 4 --eval-limit 4 --nextline-lines 2 --nextline-new-tokens 8 --functions 1 \
+    python benchmarks/quality/scale.py --lanes 1 --work /tmp/rehearsal/work \\
+        --out /tmp/rehearsal/out --tokens 800 --batch 2 --ctx 128 --lrs 1e-3 --max-extend 0 \\
+        --kl-weights 0.5 --temperatures 1 --seeds 0 --warmup 1 --eval-every 2 --eval-texts 4 \\
+        --val-limit 4 --eval-limit 4 --nextline-lines 2 --nextline-new-tokens 8 --functions 1 \\
         --completion-new-tokens 8 --limit 64 --rollouts 1 --rollout-batch 2
 
 The rerun of the smoke runs on the CPU; whether a GPU run's rerun is bitwise equal is the GPU
