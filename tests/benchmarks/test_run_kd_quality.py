@@ -370,6 +370,26 @@ def test_a_runs_totals_hold_what_its_rollouts_gave_when_it_trained_on_policy(tmp
     assert "rollout" not in collect("ce", 0, tmp_path)  # an off-policy run has none
 
 
+def test_a_runs_totals_split_its_start_up_compile_and_first_step_and_a_bad_summary_is_none(
+    tmp_path,
+):
+    from benchmarks.quality.run_kd_quality import collect
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    steps = [
+        {"event": "step", "step": i, "tokens": 10, "step_s": s} for i, s in ((1, 9.5), (2, 0.5))
+    ]
+    (metrics / "trainer.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "summary.json").write_text(json.dumps({"compile_s": 42.0}))
+    totals = collect("ce", 0, tmp_path)
+    assert (totals["compile_s"], totals["first_step_s"], totals["train_s"]) == (42.0, 9.5, 10.0)
+    (tmp_path / "summary.json").write_text("{not json")  # a run killed while writing it
+    assert collect("ce", 0, tmp_path)["compile_s"] is None
+    (tmp_path / "summary.json").unlink()
+    assert collect("ce", 0, tmp_path)["compile_s"] is None
+
+
 def test_projection_file_records_its_tokenizers_so_runs_check_it(tmp_path, caplog):
     from xtoken_core.data.projection import check_projection_tokenizers
     from xtoken_core.data.projection_file import read_projection_metadata
