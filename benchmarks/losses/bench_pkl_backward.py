@@ -10,13 +10,22 @@ autograd hands it) and column-major ([K, R], as pkl_chunk_kl writes it: one gath
 reads the block's rows from one or two sectors). Prints one table, appends rows to
 benchmarks/results/losses_pkl_backward.jsonl and, with ``--best``, writes the fastest choice as
 JSON (``bench_kd_loss.py --kernel-config`` reads it). GPU only.
+
+``--baseline DIR`` times the default configuration against another tree's kernel in one run:
+``DIR`` is a checkout of the baseline commit (``git worktree add DIR <rev>``); this script runs
+with ``--kernel-only`` importing that tree's ``xtoken_core``, then here, on the same seeded
+inputs; the rows carry ``tree`` (``baseline`` or ``current``), the ratio and whether the gradients are
+bitwise equal (``dz_sha``). ``--projection FILE`` uses a real projection file (as ``xtoken run``
+caches one, e.g. Qwen3 students from DeepSeek teachers) instead of the synthetic one.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -164,11 +173,86 @@ def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
     return rows
 
 
+def _kernel_only(args, z_BTV, tables, device, gen) -> int:
+    """Time the default config (column-major dq) at ``args.T``; with ``--baseline``, the other
+    tree's kernel first, in its own process, then this one, and their ratio."""
+    baseline = _run_baseline(args) if args.baseline else []
+    T, V_s = z_BTV.shape[1:]
+    nidx_R = torch.arange(T, device=device)
+    lse_R = logit_rows.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
+    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device).t().contiguous().t()
+    dot_R = torch.randn(T, generator=gen, device=device)
+
+    def run():
+        return pkl_projection.project_rows_backward(
+            z_BTV, lse_R, dq_RK, dot_R, *tables[4:], TEMPERATURE
+        )
+
+    dz = run()
+    ms = _common.bench_ms(run)
+    row = dict(
+        bench="pkl_backward_kernel",
+        tree=args.tree,
+        commit=_common.commit(),
+        device=_common.device_name(device),
+        T=T,
+        V_s=V_s,
+        K=VOCAB_TOPK,
+        P=int(tables[4].shape[0]),
+        projection=os.path.basename(args.projection) if args.projection else "synthetic",
+        block_n=logit_rows.KERNEL_CONFIG["pbwd_block_n"],
+        block_v=logit_rows.KERNEL_CONFIG["pbwd_block_v"],
+        warps=logit_rows.KERNEL_CONFIG["pbwd_warps"],
+        ms=ms,
+        gbs=2 * z_BTV.numel() * z_BTV.element_size() / ms / 1e6,
+        dz_sha=hashlib.sha256(dz.view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16],
+    )
+    rows = baseline + [row]
+    if baseline:
+        row["vs_baseline"] = baseline[0]["ms"] / ms
+        row["bitwise_equal"] = baseline[0]["dz_sha"] == row["dz_sha"]
+    _common.print_table(rows, ["tree", "commit", "T", "projection", "ms", "gbs", "dz_sha"])
+    if args.kernel_only and not args.baseline:
+        print("ROW " + json.dumps(row))
+    else:
+        _common.append_rows(args.results, rows)
+    return 0
+
+
+def _run_baseline(args) -> list[dict]:
+    """This script with ``--kernel-only``, importing ``xtoken_core`` from the baseline checkout
+    (first on ``PYTHONPATH``); its row."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.abspath(args.baseline), env.get("PYTHONPATH")) if p
+    )
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=args.baseline, capture_output=True, text=True
+    )
+    env["XTOKEN_COMMIT"] = args.baseline_commit or (
+        rev.stdout.strip() if rev.returncode == 0 else "unknown"
+    )
+    cmd = [sys.executable, os.path.abspath(__file__), "--kernel-only", "--T", str(args.T)]
+    cmd += ["--tree", "baseline"] + (["--projection", args.projection] if args.projection else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+    if out.returncode != 0 or not rows:
+        raise SystemExit(f"the baseline run failed ({out.returncode}): {out.stderr[-2000:]}")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="benchmarks/results/losses_pkl_backward.jsonl")
     parser.add_argument("--best", default=None, help="write the fastest config here (JSON)")
     parser.add_argument("--T", type=int, default=1024)
+    parser.add_argument("--kernel-only", action="store_true", help="time the default config only")
+    parser.add_argument("--baseline", default=None, help="a checkout of the baseline commit")
+    parser.add_argument(
+        "--baseline-commit", default=None, help="its commit, where DIR has no .git (an export)"
+    )
+    parser.add_argument("--projection", default=None, help="a projection file (.pt, top-k)")
+    parser.add_argument("--tree", default="current", help="the rows' tree label")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -177,10 +261,22 @@ def main(argv=None) -> int:
     V_s, V_t, T = 151936, 131072, args.T
     gen = torch.Generator(device=device).manual_seed(0)
     z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
-    indices, likelihoods = _projection(V_s, V_t, gen, device)
+    if args.projection:
+        saved_topk = torch.load(args.projection, weights_only=False)
+        indices, likelihoods = (
+            saved_topk["indices"].to(device),
+            saved_topk["likelihoods"].to(device),
+        )
+        V_t = int(saved_topk["meta"]["teacher_vocab_size"])
+        V_s = max(V_s, indices.shape[0])
+        z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
+    else:
+        indices, likelihoods = _projection(V_s, V_t, gen, device)
     M = Projection.from_topk(indices, likelihoods, device).sparse(V_s, V_t)
     idx_K = torch.sort(torch.randperm(V_t, device=device)[:VOCAB_TOPK]).values
     tables = pkl_projection.restrict_tables(pkl_projection.build_projection_tables(M), idx_K)
+    if args.kernel_only or args.baseline:
+        return _kernel_only(args, z_BTV, tables, device, gen)
     nidx_R = torch.arange(T, device=device)
     lse_R = logit_rows.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
     dq_row = torch.randn(T, VOCAB_TOPK, generator=gen, device=device)
@@ -194,7 +290,7 @@ def main(argv=None) -> int:
             dq_RK = dq_by_layout[layout]
             ms = _common.bench_ms(
                 lambda dq_RK=dq_RK: pkl_projection.project_rows_backward(
-                    z_BTV, lse_R, dq_RK, dot_R, tables[4], tables[5], TEMPERATURE
+                    z_BTV, lse_R, dq_RK, dot_R, *tables[4:], TEMPERATURE
                 )
             )
             rows.append(
