@@ -259,6 +259,7 @@ def main(argv=None) -> int:
         return 1
     device = torch.device("cuda")
     V_s, V_t, T = 151936, 131072, args.T
+    torch.manual_seed(0)  # idx_K below draws from the global generator
     gen = torch.Generator(device=device).manual_seed(0)
     z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
     if args.projection:
