@@ -8,12 +8,12 @@ Qwen2.5-Coder-0.5B and Gemma-3-270M (other tokenizers), against CE only. The arm
 (``scale_arms.SCALE_ARMS``): CE; P-KL, gold and relaxed gold from each teacher; both teachers in
 one run (``extra_teachers``); the teacher cache against the same teacher online (top-K, the same
 K); top-K targets K = 32 and 64 against full logits; on-policy at fractions 0.25 and 0.5 after an
-off-policy start (half the budget); TRL's GOLD trainer on the same student, teacher, texts and
+off-policy start (half the budget, in the same run: one optimizer and one schedule); TRL's GOLD trainer on the same student, teacher, texts and
 budget (``trl-gold@qwen2.5-coder-0.5b``, tuned on the same rate grid, run under ``--trl-python``
 or ``.venv-bench``; left out with one line where trl is not installed; a reference point in the
 table, judged by no bar). Every off-policy xtoken run is bitwise reproducible
 (``trainer.compute.deterministic`` with ``data.ordered``; the row says ``deterministic: true``);
-an on-policy stage cannot be (its samples come in no fixed order), nor can TRL's, and their rows
+an on-policy run cannot be (its samples come in no fixed order), nor can TRL's, and their rows
 say false.
 
 * **Budget**: ``--tokens`` student tokens per run (default 20 M), as steps of ``--batch`` samples
@@ -54,7 +54,7 @@ hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 
 CE and 0.12-0.23 s for P-KL from Qwen2.5-Coder with two runs sharing one GPU; alone on an H100,
 ~0.05-0.08 and ~0.08-0.15 s: one 20 M-token run takes ~3-5 min (CE) or ~5-10 min (KD), plus
 ~1-1.5 min of start-up and ~1-2 min of final scoring, before the unmeasured cost of
-deterministic mode; on-policy stages are bound by sampling and slower. The default grid is ~125
+deterministic mode; on-policy runs are bound by sampling and slower. The default grid is ~125
 trainings (8 KD families x 6 KL weight / temperature pairs, 14 arms x 3-4 rates, 14 x 2 final
 seeds beyond the grid's), ~5 h on four H100s; ``--deadline-s`` ends a call early and the next
 call goes on from the rows (``--kl-weights 0.5 1 --temperatures 1`` makes it ~3 h). With
@@ -484,7 +484,8 @@ class Experiment:
             cfgs = self.configs(key, arm)
             dirs = {Path(c["run_dir"]) for c in cfgs} or {self.run_dir(key)}
             if dirs & set().union(*self.busy.values()):
-                continue  # an on-policy start another lane trains now: reused once it is done
+                continue  # its folder trains in another lane (a final run of a grid run's
+                # setting and seed): reused once it is done
             self.in_flight.add(key)
             self.busy[key] = dirs
             jobs.append(self.run_job(key, cfgs))
@@ -498,24 +499,13 @@ class Experiment:
         name = f"{heal.slug(key.arm)}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}" + self.short_grid(key)
         return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
 
-    def start_dir(self, key: RunKey, arm: scale_arms.ScaleArm) -> Path | None:
-        """Where an on-policy run's off-policy start trains: one folder for every on-policy arm
-        of a family at one setting, start share and seed (the same config, trained once)."""
-        if not arm.on_policy:
-            return None
-        kl = "-" if key.kl_weight is None else f"{key.kl_weight:g}"
-        t = "-" if key.temperature is None else f"{key.temperature:g}"
-        name = f"{heal.slug(arm.family)}_start{arm.start:g}_s{key.seed}_lr{key.lr:g}_kl{kl}_t{t}"
-        name += self.short_grid(key)
-        return self.work / "runs" / (name + ("_rerun" if key.phase == "rerun" else ""))
-
     def configs(self, key: RunKey, arm: scale_arms.ScaleArm) -> list[dict]:
         """The run configs of one run (none for TRL's arm: its worker trains it)."""
         if arm.peer:
             return []
         return scale_arms.run_configs(
             arm, key.seed, key.setting, self.args_of(key), self.student_dir, self.projections,
-            self.run_dir(key), self.caches, self.start_dir(key, arm),
+            self.run_dir(key), self.caches,
         )  # fmt: skip
 
     def run_job(self, key: RunKey, cfgs: list[dict]) -> Job:
@@ -630,7 +620,7 @@ class Experiment:
             if (Path(c["run_dir"]) / "metrics").is_dir()
         ]
         curve, offset = [], 0
-        for st in stages:  # an on-policy run's stages, one curve
+        for st in stages:  # a run's stages (one each now), one curve
             curve += [
                 {"step": p["step"] + offset, "bits_per_byte": p["bits_per_byte"]}
                 for p in st["val_curve"]

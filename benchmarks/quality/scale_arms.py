@@ -9,9 +9,9 @@ keys of its own:
 * ``topk=K``: the teacher sends its top-K log-probs per token (``teacher.transport: topk``);
 * ``cache`` or ``cache=K``: the teacher's top-K targets come from a teacher cache built once
   (``xtoken cache build``, K = 64 when not given) and no teacher process runs;
-* ``start=S`` (on-policy arms): the share of the budget trained off-policy first (default 0.5);
-  the on-policy stage starts from that student, with the rest of the budget (a new optimizer,
-  its own warm-up and cosine schedule: a run cannot resume with another on-policy share).
+* ``start=S`` (on-policy arms): the share of the budget trained off-policy first (default 0.5),
+  in the same run (``trainer.on_policy.start_step``): one optimizer and one warm-up and cosine
+  schedule over the whole budget, the on-policy share taken from that step on.
 
 ``trl-gold@TEACHER[:lr=X]`` is TRL's ``GOLDTrainer`` (``heal_peer``: its worker in its own
 venv) distilling the same student from the same teacher over the same texts, tuned on the same
@@ -160,6 +160,11 @@ def parse_scale_arm(spec: str) -> ScaleArm:
             f"arm {spec!r}: a teacher cache serves one teacher off-policy; drop cache= or "
             "the on_policy / second teacher"
         )
+    if heal_arm.on_policy == 1.0:
+        raise ValueError(
+            f"arm {spec!r}: on_policy=1 runs no collator, so no off-policy start; use a share "
+            "below 1"
+        )
     if heal_arm.on_policy and len(teachers) > 1:
         raise ValueError(
             f"arm {spec!r}: on-policy samples are scored by one teacher; drop on_policy or the "
@@ -301,14 +306,13 @@ def run_configs(
     projections: dict[str, Path],
     run_dir: Path,
     caches: dict[tuple[str, int], Path],
-    start_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The ``xtoken run`` configs of one arm, setting and seed, in the order they run: one, or
-    for an on-policy arm its off-policy start and then its on-policy stage (from the start's
-    student).
+    """The ``xtoken run`` configs of one arm, setting and seed, in the order they run (one: an
+    on-policy arm's off-policy start is the first ``trainer.on_policy.start_step`` steps of its
+    run).
 
-    Every off-policy stage is bitwise-reproducible (``trainer.compute.deterministic``, with
-    ``data.ordered`` and one collator worker); an on-policy stage cannot be (the rollout workers'
+    Every off-policy run is bitwise-reproducible (``trainer.compute.deterministic``, with
+    ``data.ordered`` and one collator worker); an on-policy run cannot be (the rollout workers'
     samples come in no fixed order; the trainer refuses the pair).
 
     Args:
@@ -318,9 +322,8 @@ def run_configs(
         args: the healing run's values (``heal.run_config``'s, with ``steps`` the budget's).
         student_dir: the pruned student's folder.
         projections: the projection file of each teacher tokenizer.
-        run_dir: where the (last stage's) run goes.
+        run_dir: where the run goes.
         caches: the teacher cache folder of each (teacher, K).
-        start_dir: where an on-policy arm's start goes (default ``<run_dir>_start``).
 
     Returns:
         The configs.
@@ -333,19 +336,11 @@ def run_configs(
         a.temperature = setting.temperature
     first = arm.teachers[0] if arm.teachers else None
     proj = projections.get(heal.teacher_tokenizer(first)) if first else None
-    if not arm.on_policy:
-        return [_stage(arm, arm.heal, seed, a, student_dir, proj, run_dir, projections, caches)]
-    start_steps = max(1, round(args.steps * arm.start))
-    a.steps = start_steps
-    off = dataclasses.replace(arm.heal, on_policy=0.0)
-    start_dir = start_dir or run_dir.with_name(run_dir.name + "_start")
-    cfgs = [_stage(arm, off, seed, a, student_dir, proj, start_dir, projections, caches)]
-    b = copy.copy(a)
-    b.steps = max(1, args.steps - start_steps)
-    cfgs.append(
-        _stage(arm, arm.heal, seed, b, start_dir / "final", proj, run_dir, projections, caches)
-    )
-    return cfgs
+    cfg = _stage(arm, arm.heal, seed, a, student_dir, proj, run_dir, projections, caches)
+    if arm.on_policy:
+        start_step = max(1, round(args.steps * arm.start))
+        cfg["trainer"].setdefault("on_policy", {})["start_step"] = start_step
+    return [cfg]
 
 
 def _stage(arm, heal_arm, seed, args, student_dir, proj, run_dir, projections, caches) -> dict:

@@ -437,9 +437,15 @@ class RunConfig(Shared):
             ValueError: names the key that conflicts and the fix.
         """
         fraction = self.data.on_policy_fraction
-        if not fraction:
-            return
         tr = self.trainer
+        if not fraction:
+            if tr.on_policy.start_step:
+                raise ValueError(
+                    f"trainer.on_policy.start_step={tr.on_policy.start_step} with "
+                    "data.on_policy_fraction=0: there is no on-policy share to start; set the "
+                    "fraction above 0, or delete start_step"
+                )
+            return
         # the trainer as the run hands it its fraction, order and further teachers (checked,
         # not kept)
         on_policy = dataclasses.replace(tr.on_policy, fraction=fraction)
@@ -453,6 +459,7 @@ class RunConfig(Shared):
                 "loss.mode": "trainer.loss.mode",
                 "ordered": "data.ordered",
                 "max_steps": "trainer.schedule.max_steps",
+                "start_step": "trainer.on_policy.start_step",
             }
         )
         r = self.rollout

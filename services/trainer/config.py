@@ -194,6 +194,7 @@ class TrainerConfig:
             "loss.mode": "loss.mode",
             "ordered": "feed.ordered",
             "max_steps": "schedule.max_steps",
+            "start_step": "on_policy.start_step",
             **(names or {}),
         }
         fraction = f"{keys['fraction']}={self.on_policy.fraction:g}"
@@ -214,6 +215,19 @@ class TrainerConfig:
                 f"{fraction} with {keys['ordered']}: on-policy samples come as the rollout "
                 f"workers make them, never in a fixed order; set {keys['ordered']} false or "
                 "fraction 0"
+            )
+        start = self.on_policy.start_step
+        if start and self.on_policy.fraction == 1.0:
+            raise ValueError(
+                f"{keys['start_step']}={start} with {fraction}: the off-policy start reads the "
+                "collators' samples, and a fraction of 1 runs no collator; use a fraction "
+                "below 1, or start_step 0"
+            )
+        if start and self.schedule.max_steps and start >= self.schedule.max_steps:
+            raise ValueError(
+                f"{keys['start_step']}={start} with {keys['max_steps']}="
+                f"{self.schedule.max_steps}: the on-policy share would never start; set "
+                f"start_step below {keys['max_steps']}"
             )
         if self.on_policy.fraction == 1.0 and not self.schedule.max_steps:
             raise ValueError(

@@ -13,6 +13,9 @@ drops a sample once it is acked: each on-policy sample is consumed once):
   together into the step's micro-batches. Once the off-policy data ended, the last step keeps the
   mix on what is left. With fraction 1 nothing is read from the collators (the run ends at
   ``max_steps``).
+* **Off-policy start.** The steps before ``on_policy.start_step`` take no on-policy share: the
+  whole step comes from the collators (one optimizer and one schedule across both parts of the
+  run). The feed counts the steps it claims from the trainer's step when it opened.
 * **Staleness.** A sample sampled with the weights of version ``v`` (the trainer's step when it
   published them) while the trainer holds the weights of step ``t`` is ``(t - v) / sync_every``
   publications old. One more than ``max_staleness`` (or newer than the trainer's weights: from
@@ -96,6 +99,7 @@ class OnPolicyFeed(SampleFeed):
         self.on_policy = op = on_policy
         self.fraction = op.fraction
         self.window = op.max_staleness * op.sync_every  # steps a sample's weights may lag
+        self._next_step = version()  # the step the next claim is for (claims run ahead)
         self.rollouts = rollout_partition(self.partition)
         self._off: list[tuple[str, dict[str, torch.Tensor], Any]] = []  # waiting for a mix
         self._on: list[tuple[str, dict[str, torch.Tensor], Any]] = []
@@ -125,7 +129,8 @@ class OnPolicyFeed(SampleFeed):
             (what came waits for the next call) or when the data ended.
         """
         size = self.config.step_samples
-        n_on = self.on_policy.share(size)
+        past_start = self._next_step >= self.on_policy.start_step  # after the off-policy start
+        n_on = self.on_policy.share(size, self._next_step)
         n_off = size - n_on
         while len(self._off) < n_off and not self._ended:
             fresh = self._claim_fresh(n_off - len(self._off), block)
@@ -136,7 +141,7 @@ class OnPolicyFeed(SampleFeed):
             if not self._ended or not self._off:
                 return None
             n_off = len(self._off)  # the last step of the data: the same mix on what is left
-            n_on = round(n_off * self.fraction / (1.0 - self.fraction))
+            n_on = round(n_off * self.fraction / (1.0 - self.fraction)) if past_start else 0
         if len(self._on) < n_on:
             started = time.monotonic()
             self._claim_rollouts(n_on - len(self._on), block)
@@ -146,6 +151,7 @@ class OnPolicyFeed(SampleFeed):
                 return None
         off, self._off = self._off[:n_off], self._off[n_off:]
         on, self._on = self._on[:n_on], self._on[n_on:]
+        self._next_step += 1
         return self._micro_batches(off + on)
 
     def _claim_rollouts(self, samples: int, block: bool) -> None:

@@ -37,6 +37,8 @@ class PolicyPublisher:
 
         self.student = student
         self.sync_every = on_policy.sync_every
+        self.first_step = on_policy.first_publication  # none before: an off-policy start
+        self.version: int | None = None  # of the last publication
         transport = on_policy.weights
         if transport == "auto":
             transport = "cuda_ipc" if student.device.type == "cuda" else "shm"
@@ -67,12 +69,20 @@ class PolicyPublisher:
         """Publish the weights now, as the version of the trainer's step."""
         started = time.perf_counter()
         self.publisher.publish(self.student.compute.named_parameters(), version=self.student.step)
+        self.version = self.student.step
         self.seconds = time.perf_counter() - started
         logger.debug("[trainer] published the weights of step %d", self.student.step)
 
+    def start(self) -> None:
+        """Before the first step: publish, unless an off-policy start comes first."""
+        if self.student.step >= self.first_step:
+            self.publish()
+
     def after_step(self) -> None:
-        """Publish when the step count is a multiple of ``sync_every``."""
-        if self.student.step % self.sync_every == 0:
+        """Publish when the step count is a multiple of ``sync_every``, from the first step to
+        publish on (at it whatever the multiple)."""
+        step = self.student.step
+        if step >= self.first_step and (step % self.sync_every == 0 or self.version is None):
             self.publish()
 
     def close(self) -> None:

@@ -70,6 +70,16 @@ class OnPolicyConfig:
             "trained": True,
         },
     )
+    start_step: int = field(
+        default=0,
+        metadata={
+            "help": "steps trained off-policy only before each step takes its on-policy share "
+            "(an off-policy start, as GKD and Qwen3 recipes do; one optimizer and one "
+            "learning-rate schedule across both; the rollout workers get their first weights "
+            "max_staleness x sync_every steps before it)",
+            "trained": True,
+        },
+    )
     sync_every: int = field(
         default=1,
         metadata={
@@ -106,6 +116,10 @@ class OnPolicyConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fraction) and 0.0 <= self.fraction <= 1.0):
             raise ValueError(f"fraction={self.fraction}: must be in [0, 1]")
+        if isinstance(self.start_step, bool) or not isinstance(self.start_step, int):
+            raise ValueError(f"start_step={self.start_step!r}: must be an int >= 0")
+        if self.start_step < 0:
+            raise ValueError(f"start_step={self.start_step}: must be >= 0")
         if self.sync_every < 1:
             raise ValueError(f"sync_every={self.sync_every}: must be >= 1")
         if self.max_staleness < 0:
@@ -118,12 +132,19 @@ class OnPolicyConfig:
         """Some of each step comes from the rollout workers."""
         return self.fraction > 0
 
-    def share(self, samples: int) -> int:
+    def share(self, samples: int, step: int | None = None) -> int:
         """On-policy samples of a claim of ``samples``: ``round(fraction * samples)``, at least
-        one when the fraction is above 0 (a small step still gets its on-policy share)."""
-        if self.fraction <= 0:
+        one when the fraction is above 0 (a small step still gets its on-policy share); none
+        for a step before ``start_step`` (``step`` None: a step past the start)."""
+        if self.fraction <= 0 or (step is not None and step < self.start_step):
             return 0
         return min(samples, max(1, round(self.fraction * samples)))
+
+    @property
+    def first_publication(self) -> int:
+        """The first step whose weights go to the rollout workers: the samples made with them
+        are still fresh (``max_staleness`` publications old at most) at ``start_step``."""
+        return max(0, self.start_step - self.max_staleness * self.sync_every)
 
 
 @dataclasses.dataclass

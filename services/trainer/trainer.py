@@ -363,10 +363,11 @@ class Trainer:
                 )
         if student.step == 0:
             self.evaluate("before")
-        # on-policy samples: the rollout workers sample with these weights, then with each update
+        # on-policy samples: the rollout workers sample with these weights (from the first step to
+        # publish, after an off-policy start), then with each update
         self.publisher = PolicyPublisher.create(student, config.on_policy, self.run_dir)
         if self.publisher is not None:
-            self.publisher.publish()
+            self.publisher.start()
         self.profiler = StepProfiler(
             config.observe.profile_start, config.observe.profile_steps,
             self.run_dir / "profile", self.rank, self.device,

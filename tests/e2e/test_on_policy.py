@@ -95,6 +95,27 @@ def test_an_on_policy_run_mixes_each_step_and_trains_each_sample_once(procs, tmp
     assert before_after["after"] < before_after["before"], before_after
 
 
+@pytest.mark.slow  # ~60 s of real processes: `pytest -m slow`
+@pytest.mark.timeout(180)
+def test_an_off_policy_start_trains_its_first_steps_from_the_collator_alone(procs, tmp_path, demo):
+    # steps 0 and 1 off-policy only; the rollout worker's first weights are step 1's (samples at
+    # most one publication old at step 2)
+    run_dir, corpus = _run_example(
+        procs, tmp_path, demo, trainer__on_policy__start_step="2",
+        trainer__on_policy__max_staleness="1",
+    )  # fmt: skip
+    records = trained_records(run_dir)
+    on = [[k for k in r["keys"] if k.startswith("p")] for r in records]
+    assert on[:2] == [[], []] and any(on[2:])
+    off = [k for r in records for k in r["keys"] if not k.startswith("p")]
+    assert_exactly_once(off, corpus)
+    assert [len(r["keys"]) for r in records[:2]] == [4, 4]  # whole steps from the collator
+    generated = read_jsonl(run_dir / "metrics" / "rollout0.jsonl")
+    assert generated and min(r["version"] for r in generated) >= 1
+    steps = step_records(run_dir, 0)
+    assert [s["on_policy"]["samples"] for s in steps[:2]] == [0, 0]
+
+
 # ----------------------------------------------------------------------------- SIGKILL
 
 

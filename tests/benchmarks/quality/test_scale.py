@@ -65,6 +65,7 @@ def test_twins_are_the_online_top_k_of_a_cache_and_the_plain_arm_of_a_variant():
         (f"pkl@{Q}:topk=0", "whole number >= 1"),
         (f"pkl@{Q}:topk=32,cache", "not both"),
         (f"pkl@{Q}:start=0.5", "on_policy arm"),
+        (f"pkl@{Q}:on_policy=1", "no off-policy start"),
         (f"pkl@{Q}:on_policy=0.5,cache", "one teacher off-policy"),
         (f"pkl@{Q}+{G}:on_policy=0.5", "one teacher"),
         ("ce:topk=4", "no teacher"),
@@ -235,11 +236,12 @@ def test_arm_variants_set_their_transport_cache_second_teacher_and_off_policy_st
     (two,) = cfgs(f"pkl@{Q}+{G}")
     assert two["teacher"]["weight"] == 0.5 and two["extra_teachers"][0]["tokenizer"] == "gemma3"
     assert two["extra_teachers"][0]["projection"] == str(tmp_path / "gemma3.pt")
-    start, on = cfgs(f"pkl@{Q}:on_policy=0.25,start=0.25")
-    assert start["trainer"]["schedule"]["max_steps"] == 500
-    assert on["trainer"]["schedule"]["max_steps"] == 1500
-    assert on["trainer"]["student"]["model"] == str(Path(start["run_dir"]) / "final")
-    assert on["data"]["on_policy_fraction"] == 0.25 and "on_policy_fraction" not in start["data"]
+    # the off-policy start is the run's first quarter: one optimizer, one schedule
+    (on,) = cfgs(f"pkl@{Q}:on_policy=0.25,start=0.25")
+    assert on["trainer"]["schedule"]["max_steps"] == 2000
+    assert on["trainer"]["on_policy"]["start_step"] == 500
+    assert on["trainer"]["student"]["model"] == str(tmp_path)
+    assert on["data"]["on_policy_fraction"] == 0.25
 
 
 def test_the_grid_scoring_reads_the_validation_split_alone(tmp_path):
@@ -619,23 +621,14 @@ def _bare_experiment(tmp_path: Path) -> scale.Experiment:
     return exp
 
 
-def test_on_policy_arms_of_one_family_and_setting_share_their_trained_off_policy_start(tmp_path):
+def test_an_on_policy_arm_trains_its_off_policy_start_and_its_on_policy_part_in_one_run(tmp_path):
     exp = _bare_experiment(tmp_path)
     keys = [RunKey("grid", f"pkl@{Q}:on_policy={f}", 0, 1e-3, 0.5, 1.0) for f in (0.25, 0.5)]
     cfgs = [exp.configs(k, scale_arms.parse_scale_arm(k.arm)) for k in keys]
-    assert cfgs[0][0] == cfgs[1][0]  # one start: same folder, same config
-    assert cfgs[0][1]["run_dir"] != cfgs[1][1]["run_dir"]
+    assert [len(c) for c in cfgs] == [1, 1] and cfgs[0][0]["run_dir"] != cfgs[1][0]["run_dir"]
     first = exp.run_job(keys[0], cfgs[0])
     steps = [c[2] if c[2] == "benchmarks.quality.scale_score" else c[3] for c in first.commands]
-    assert steps == ["run", "run", "benchmarks.quality.scale_score"]  # start, on-policy, score
-    (Path(cfgs[0][0]["run_dir"]) / "final").mkdir(parents=True)  # the start finished
-    second = exp.run_job(keys[1], cfgs[1])
-    assert len(second.commands) == 2 and second.commands[0][-2].endswith(
-        Path(cfgs[1][1]["run_dir"]).name + ".json"
-    )
-    rerun = keys[0]._replace(phase="rerun")
-    again = exp.configs(rerun, scale_arms.parse_scale_arm(rerun.arm))
-    assert again[0]["run_dir"] != cfgs[0][0]["run_dir"]  # a rerun trains its start again
+    assert steps == ["run", "benchmarks.quality.scale_score"]  # one run, then its score
 
 
 def test_with_checkpoints_a_run_asked_again_goes_on_from_its_last_one_and_says_so(tmp_path):
@@ -677,9 +670,10 @@ def test_grid_runs_train_the_grid_budget_apart_and_final_runs_the_full_one(tmp_p
     assert exp.budget(grid) == {"steps_budget": 200, "tokens_budget": 2_000_000}
     assert exp.budget(final) == {"steps_budget": 2000, "tokens_budget": 20_000_000}
     on = RunKey("grid", f"pkl@{Q}:on_policy=0.5", 0, 1e-3, 0.5, 1.0)
-    start, stage = exp.configs(on, scale_arms.parse_scale_arm(on.arm))
-    assert start["trainer"]["schedule"]["max_steps"] == 100  # half the grid's budget
-    assert "_grid200" in start["run_dir"]
+    (o,) = exp.configs(on, scale_arms.parse_scale_arm(on.arm))
+    assert o["trainer"]["schedule"]["max_steps"] == 200
+    assert o["trainer"]["on_policy"]["start_step"] == 100  # half the grid's budget
+    assert "_grid200" in o["run_dir"]
     exp.args.grid_steps, exp.args.grid_tokens = 2000, 20_000_000  # one budget: one folder
     assert exp.configs(grid, arm)[0]["run_dir"] == exp.configs(final, arm)[0]["run_dir"]
 

@@ -152,13 +152,35 @@ def test_without_on_policy_samples_nothing_of_it_is_planned(tmp_path):
         ),
         ({"rollout.top_p": 0.0}, r"rollout: top_p=0\.0: must be in \(0, 1\]"),
         (
+            {"trainer.on_policy.start_step": 5},
+            r"^trainer\.on_policy\.start_step=5 with data\.on_policy_fraction=0: .*set the "
+            r"fraction above 0",
+        ),
+        (
+            {"data.on_policy_fraction": 1.0, "trainer.on_policy.start_step": 5,
+             "trainer.schedule.max_steps": 20},
+            r"^trainer\.on_policy\.start_step=5 with data\.on_policy_fraction=1: .*use a "
+            r"fraction below 1",
+        ),  # fmt: skip
+        (
+            {"data.on_policy_fraction": 0.5, "trainer.on_policy.start_step": 20,
+             "trainer.schedule.max_steps": 20},
+            r"^trainer\.on_policy\.start_step=20 with trainer\.schedule\.max_steps=20: the "
+            r"on-policy share would never start",
+        ),  # fmt: skip
+        (
+            {"data.on_policy_fraction": 0.5, "trainer.on_policy.start_step": -1},
+            r"trainer\.on_policy: start_step=-1: must be >= 0",
+        ),
+        (
             {"data.on_policy_fraction": 0.5, "trainer.compute.parallel": "fsdp"},
             r"with trainer\.compute\.parallel=fsdp: the rollout workers need the whole student",
         ),
     ],
     ids=[
         "fraction-range", "no-teacher", "ordered", "never-ends", "context", "two-fractions",
-        "gpu-weights-cpu-rollout", "sync-every", "top-p", "fsdp",
+        "gpu-weights-cpu-rollout", "sync-every", "top-p", "start-without-fraction",
+        "start-with-fraction-one", "start-past-the-end", "negative-start", "fsdp",
     ],
 )  # fmt: skip
 def test_a_config_the_on_policy_path_cannot_run_names_the_key_and_the_fix(

@@ -190,6 +190,46 @@ def test_the_last_step_of_the_data_keeps_the_mix(queue):
         assert sorted(k for s in steps for k in s if k.startswith("off")) == sorted(off)
 
 
+def test_the_steps_of_an_off_policy_start_take_no_on_policy_share_then_each_step_does(queue):
+    with QueueClient(queue, timeout_s=10) as client:
+        off = put_off_policy(client, 12)
+        put_on_policy(client, [2] * 4)  # fresh at steps 3 and 4 (max_staleness 2)
+        t = trainer(step=1)  # a feed opened at step 1 (a resume): its first claim is step 1
+        feed = feed_of(client, config(fraction=0.5, start_step=3), t)
+        kinds = []
+        for _ in range(4):  # steps 1, 2 (the start), then 3, 4 (half on-policy)
+            step = feed.claim(4, block=True)
+            feed.start_step(step)
+            feed.ack(step)
+            keys = [k for c in step for k in c.keys]
+            kinds.append(sum(k.startswith("on") for k in keys))
+            t.step += 1
+        assert kinds == [0, 0, 2, 2]
+        assert len(feed.trained) == 4 + 4 + 2 + 2 and feed.trained <= set(off)
+
+
+def test_the_last_step_of_an_off_policy_start_takes_what_is_left_off_policy(queue):
+    with QueueClient(queue, timeout_s=10) as client:
+        put_off_policy(client, 3)
+        put_eof(client, PARTITION, 3)
+        feed = feed_of(client, config(fraction=0.5, start_step=5), trainer())
+        steps = []
+        while not feed.ended:
+            got = feed.claim(2, block=True)
+            if got:
+                feed.ack(got)
+                steps.append([k for c in got for k in c.keys])
+        assert [len(s) for s in steps] == [3]  # no on-policy share before step 5, even here
+
+
+def test_the_start_step_moves_the_share_and_the_first_weights_for_the_rollout_workers():
+    op = OnPolicyConfig(fraction=0.5, start_step=10, max_staleness=2, sync_every=3)
+    assert [op.share(4, step) for step in (0, 9, 10, 11)] == [0, 0, 2, 2]
+    assert op.share(4) == 2  # a step past the start
+    assert op.first_publication == 4  # samples of step 4's weights: 2 publications old at 10
+    assert OnPolicyConfig(fraction=0.5, start_step=3, max_staleness=4).first_publication == 0
+
+
 def test_the_teacher_log_prob_of_the_continuations_is_measured(queue):
     with QueueClient(queue, timeout_s=10) as client:
         put_on_policy(client, [0, 0])
