@@ -176,13 +176,19 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
     }
 
 
+#: host calls that wait for the GPU or for the driver, counted by the profile (an idle GPU between
+#: kernels is often one of them)
+HOST_WAITS = ("Synchronize", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaHostAlloc")
+
+
 def _profile(step, device: torch.device, top: int) -> None:
-    """Two steps under the profiler: the kernels by total time, and the GPU's busy share."""
+    """Two steps under the profiler: the kernels by total time, the GPU's busy share, and the
+    host's calls that wait (synchronizations, allocations, copies) with their count and time."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(2):
             step(i)
         _sync(device)
@@ -191,6 +197,14 @@ def _profile(step, device: torch.device, top: int) -> None:
     busy_ms = sum(e.self_device_time_total for e in events) / 1e3
     print(f"profile: 2 steps, wall {wall_ms:.1f} ms, kernels {busy_ms:.1f} ms")
     print(events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90))
+    waits = [e for e in events if any(w in e.key for w in HOST_WAITS)]
+    print(
+        "host waits: "
+        + (
+            ", ".join(f"{e.key} x{e.count} {e.cpu_time_total / 1e3:.2f} ms" for e in waits)
+            or "none"
+        )
+    )
 
 
 def one_teacher(args, variant: str, B: int, T: int) -> dict:
