@@ -30,9 +30,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Triton's interpreter before its fix for triton-lang/triton#9171 turns a scalar kernel argument
-# into a one-element array and then calls int() on it, which NumPy 2.4 refuses (the DeprecationWarning
-# of NumPy 1.25 became a TypeError). Such a test says so and is skipped, not failed: the kernel is
-# not at fault, and the same test runs compiled on a GPU.
+# into a one-element array and then calls int() on it, which NumPy 2.4 refuses (the deprecation
+# of NumPy 1.25 became a TypeError). Such a test says so and is skipped, not failed: the kernel
+# is not at fault, and the same test runs compiled on a GPU.
 _INTERPRETER_NUMPY_CLASH = (
     "only 0-dimensional arrays can be converted to Python scalars",
     "Conversion of an array with ndim > 0 to a scalar",

@@ -14,8 +14,8 @@ JSON (``bench_kd_loss.py --kernel-config`` reads it). GPU only.
 ``--baseline DIR`` times the default configuration against another tree's kernel in one run:
 ``DIR`` is a checkout of the baseline commit (``git worktree add DIR <rev>``); this script runs
 with ``--kernel-only`` importing that tree's ``xtoken_core``, then here, on the same seeded
-inputs; the rows carry ``tree`` (``baseline`` or ``current``), the ratio and whether the gradients are
-bitwise equal (``dz_sha``). ``--projection FILE`` uses a real projection file (as ``xtoken run``
+inputs; the rows carry ``tree`` (``baseline`` or ``current``), the ratio and whether the gradients
+are bitwise equal (``dz_sha``). ``--projection FILE`` uses a real projection file (as ``xtoken run``
 caches one, e.g. Qwen3 students from DeepSeek teachers) instead of the synthetic one.
 """
 

@@ -8,11 +8,12 @@ Qwen2.5-Coder-0.5B and Gemma-3-270M (other tokenizers), against CE only. The arm
 (``scale_arms.SCALE_ARMS``): CE; P-KL, gold and relaxed gold from each teacher; both teachers in
 one run (``extra_teachers``); the teacher cache against the same teacher online (top-K, the same
 K); top-K targets K = 32 and 64 against full logits; on-policy at fractions 0.25 and 0.5 after an
-off-policy start (half the budget, in the same run: one optimizer and one schedule); TRL's GOLD trainer on the same student, teacher, texts and
-budget (``trl-gold@qwen2.5-coder-0.5b``, tuned on the same rate grid, run under ``--trl-python``
-or ``.venv-bench``; left out with one line where trl is not installed; a reference point in the
-table, judged by no bar). Every off-policy xtoken run is bitwise reproducible
-(``trainer.compute.deterministic`` with ``data.ordered``; the row says ``deterministic: true``);
+off-policy start (half the budget, in the same run: one optimizer and one schedule); TRL's GOLD
+trainer on the same student, teacher, texts and budget (``trl-gold@qwen2.5-coder-0.5b``, tuned on
+the same rate grid, run under ``--trl-python`` or ``.venv-bench``; left out with one line where
+trl is not installed; a reference point in the table, judged by no bar). Every off-policy xtoken
+run is bitwise reproducible (``trainer.compute.deterministic`` with ``data.ordered``; the row says
+``deterministic: true``);
 an on-policy run cannot be (its samples come in no fixed order), nor can TRL's, and their rows
 say false.
 
