@@ -13,9 +13,8 @@ trainer on the same student, teacher, texts and budget (``trl-gold@qwen2.5-coder
 the same rate grid, run under ``--trl-python`` or ``.venv-bench``; left out with one line where
 trl is not installed; a reference point in the table, judged by no bar). Every off-policy xtoken
 run is bitwise reproducible (``trainer.compute.deterministic`` with ``data.ordered``; the row says
-``deterministic: true``);
-an on-policy run cannot be (its samples come in no fixed order), nor can TRL's, and their rows
-say false.
+``deterministic: true``); an on-policy run cannot be (its samples come in no fixed order), nor
+can TRL's, and their rows say false.
 
 * **Budget**: ``--tokens`` student tokens per run (default 20 M), as steps of ``--batch`` samples
   of at most ``--ctx`` tokens (the mean sample's tokens measured on the training split).
