@@ -173,6 +173,19 @@ def _sweep_chunk_kl_backward(T: int, device, gen) -> list[dict]:
     return rows
 
 
+def _row_head(bench: str, device, T: int, V_s: int, tables) -> dict:
+    """The keys every projection-backward row opens with."""
+    return dict(
+        bench=bench,
+        commit=_common.commit(),
+        device=_common.device_name(device),
+        T=T,
+        V_s=V_s,
+        K=VOCAB_TOPK,
+        P=int(tables[4].shape[0]),
+    )
+
+
 def _kernel_only(args, z_BTV, tables, device, gen) -> int:
     """Time the default config (column-major dq) at ``args.T``; with ``--baseline``, the other
     tree's kernel first, in its own process, then this one, and their ratio."""
@@ -191,14 +204,8 @@ def _kernel_only(args, z_BTV, tables, device, gen) -> int:
     dz = run()
     ms = _common.bench_ms(run)
     row = dict(
-        bench="pkl_backward_kernel",
+        **_row_head("pkl_backward_kernel", device, T, V_s, tables),
         tree=args.tree,
-        commit=_common.commit(),
-        device=_common.device_name(device),
-        T=T,
-        V_s=V_s,
-        K=VOCAB_TOPK,
-        P=int(tables[4].shape[0]),
         projection=os.path.basename(args.projection) if args.projection else "synthetic",
         block_n=logit_rows.KERNEL_CONFIG["pbwd_block_n"],
         block_v=logit_rows.KERNEL_CONFIG["pbwd_block_v"],
@@ -296,13 +303,7 @@ def main(argv=None) -> int:
             )
             rows.append(
                 dict(
-                    bench="pkl_backward",
-                    commit=_common.commit(),
-                    device=_common.device_name(device),
-                    T=T,
-                    V_s=V_s,
-                    K=VOCAB_TOPK,
-                    P=int(tables[4].shape[0]),
+                    **_row_head("pkl_backward", device, T, V_s, tables),
                     block_n=bn,
                     block_v=bv,
                     warps=warps,
