@@ -46,7 +46,8 @@ can TRL's, and their rows say false.
   experiment builds its split with the same ``--fresh-rev``. Each row also has its commands'
   wall seconds (``command_s``: the training stages, then the scoring) beside ``train_s``, the
   steps' own, ``compile_s`` (the start-up step's compile) and ``first_step_s`` (the first step,
-  which waits for the first logits). A SIGTERM or Ctrl-C stops the running jobs with it.
+  which waits for the first logits); ``--compile off`` trains the students eagerly, without that
+compile, for slower steps. A SIGTERM or Ctrl-C stops the running jobs with it.
 
 Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
 hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 20 M tokens are
@@ -161,6 +162,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps between a run's checkpoints (0: none); with them a run stopped before its "
         "end (--run-timeout-s, a call's end) resumes from its last one when a later call asks "
         "for it with the same config, and its row says resumed",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the students' torch.compile (trainer.compute.compile; auto: on for a GPU): off "
+        "saves each run its start-up compile (the rows' compile_s) for slower steps",
     )
     p.add_argument(
         "--deadline-s",

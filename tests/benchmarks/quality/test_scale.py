@@ -657,6 +657,19 @@ def test_with_checkpoints_a_run_asked_again_goes_on_from_its_last_one_and_says_s
     assert cfg["trainer"]["schedule"].get("checkpoint_every", 0) == 0
 
 
+def test_compile_on_or_off_reaches_the_trainer_and_auto_leaves_its_default(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    key = RunKey("grid", f"pkl@{Q}", 0, 1e-3, 0.5, 1.0)
+    arm = scale_arms.parse_scale_arm(key.arm)
+    got = {}
+    for choice in ("auto", "on", "off"):
+        exp.args.compile = choice
+        (cfg,) = exp.configs(key, arm)
+        got[choice] = cfg["trainer"]["compute"].get("compile")
+    assert got == {"auto": None, "on": True, "off": False}
+    assert scale.parse_args(["--compile", "off"]).compile == "off"
+
+
 def test_grid_runs_train_the_grid_budget_apart_and_final_runs_the_full_one(tmp_path):
     exp = _bare_experiment(tmp_path)
     exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000
