@@ -233,12 +233,16 @@ def _run_baseline(args) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.abspath(args.baseline), env.get("PYTHONPATH")) if p
     )
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=args.baseline, capture_output=True, text=True
-    )
-    env["XTOKEN_COMMIT"] = args.baseline_commit or (
-        rev.stdout.strip() if rev.returncode == 0 else "unknown"
-    )
+    commit = args.baseline_commit
+    if commit is None:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=args.baseline,
+            capture_output=True,
+            text=True,
+        )
+        commit = rev.stdout.strip() if rev.returncode == 0 else "unknown"
+    env["XTOKEN_COMMIT"] = commit
     cmd = [sys.executable, os.path.abspath(__file__), "--kernel-only", "--T", str(args.T)]
     cmd += ["--tree", "baseline"] + (["--projection", args.projection] if args.projection else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -268,16 +272,14 @@ def main(argv=None) -> int:
     V_s, V_t, T = 151936, 131072, args.T
     torch.manual_seed(0)  # idx_K below draws from the global generator
     gen = torch.Generator(device=device).manual_seed(0)
-    z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
     if args.projection:
         saved_topk = torch.load(args.projection, weights_only=False)
-        indices, likelihoods = (
-            saved_topk["indices"].to(device),
-            saved_topk["likelihoods"].to(device),
-        )
         V_t = int(saved_topk["meta"]["teacher_vocab_size"])
-        V_s = max(V_s, indices.shape[0])
-        z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
+        V_s = max(V_s, saved_topk["indices"].shape[0])
+    z_BTV = (torch.randn(1, T, V_s, generator=gen, device=device) * 3).to(torch.bfloat16)
+    if args.projection:
+        indices = saved_topk["indices"].to(device)
+        likelihoods = saved_topk["likelihoods"].to(device)
     else:
         indices, likelihoods = _projection(V_s, V_t, gen, device)
     M = Projection.from_topk(indices, likelihoods, device).sparse(V_s, V_t)

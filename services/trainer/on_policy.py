@@ -129,8 +129,7 @@ class OnPolicyFeed(SampleFeed):
             (what came waits for the next call) or when the data ended.
         """
         size = self.config.step_samples
-        past_start = self._next_step >= self.on_policy.start_step  # after the off-policy start
-        n_on = self.on_policy.share(size, self._next_step)
+        n_on = self.on_policy.share(size, self._next_step)  # 0 before the off-policy start ends
         n_off = size - n_on
         while len(self._off) < n_off and not self._ended:
             fresh = self._claim_fresh(n_off - len(self._off), block)
@@ -141,7 +140,8 @@ class OnPolicyFeed(SampleFeed):
             if not self._ended or not self._off:
                 return None
             n_off = len(self._off)  # the last step of the data: the same mix on what is left
-            n_on = round(n_off * self.fraction / (1.0 - self.fraction)) if past_start else 0
+            if n_on:  # past the off-policy start
+                n_on = round(n_off * self.fraction / (1.0 - self.fraction))
         if len(self._on) < n_on:
             started = time.monotonic()
             self._claim_rollouts(n_on - len(self._on), block)
