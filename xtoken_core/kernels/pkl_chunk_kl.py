@@ -367,6 +367,7 @@ class ChunkKLSaved(NamedTuple):
     stats_N2: torch.Tensor
     ell_j_PS: torch.Tensor
     ell_w_PS: torch.Tensor
+    ell_n_S: torch.Tensor
 
 
 def projected_chunk_kl_forward(
@@ -381,6 +382,7 @@ def projected_chunk_kl_forward(
     w_E,
     ell_j_PS,
     ell_w_PS,
+    ell_n_S,
     temperature,
     reverse_kl,
     eps,
@@ -400,7 +402,7 @@ def projected_chunk_kl_forward(
         q_RK, order_R, offsets_N1, lp_NK, temperature, reverse_kl, eps, num_valid
     )
     saved = ChunkKLSaved(
-        nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j_PS, ell_w_PS
+        nidx_R, offsets_N1, lp_NK, lse_R, q_RK, qc_NK, stats_N2, ell_j_PS, ell_w_PS, ell_n_S
     )
     return out_N4.sum(0), saved
 
@@ -439,7 +441,14 @@ def projected_chunk_kl_backward(
         eps,
     )
     return project_rows_backward(
-        z_BTV, saved.lse_R, dq_RK, dot_R, saved.ell_j_PS, saved.ell_w_PS, temperature
+        z_BTV,
+        saved.lse_R,
+        dq_RK,
+        dot_R,
+        saved.ell_j_PS,
+        saved.ell_w_PS,
+        saved.ell_n_S,
+        temperature,
     )
 
 
@@ -447,7 +456,7 @@ class ProjectedChunkKL(torch.autograd.Function):
     """Sums of the P-KL chunk terms from the student logits, differentiable w.r.t. them.
 
     ``apply(z_BTV, nidx_R, order_R, offsets_N1, lp_NK, ptr_K1, rows_E, cols_E, w_E, ell_j_PS,
-    ell_w_PS, temperature, reverse_kl, eps, num_valid=None)`` returns ``(kd, metrics_3)``: the scalar KD sum
+    ell_w_PS, ell_n_S, temperature, reverse_kl, eps, num_valid=None)`` returns ``(kd, metrics_3)``: the scalar KD sum
     over the valid chunks (its gradient flows to ``z_BTV``) and the [3] fp32 sums
     ``(l1 = 0, correct, num_valid)`` (no gradient).
     The projection tables are those of :func:`xtoken_core.kernels.pkl_projection.restrict_tables`; the
@@ -459,7 +468,7 @@ class ProjectedChunkKL(torch.autograd.Function):
     def forward(ctx, z_BTV, *args):
         sums_4, saved = projected_chunk_kl_forward(z_BTV, *args)
         ctx.save_for_backward(z_BTV, *saved)
-        temperature, reverse_kl, eps = args[10:13]
+        temperature, reverse_kl, eps = args[11:14]
         ctx.opts = (float(temperature), bool(reverse_kl), float(eps))
         ctx.num_args = 1 + len(args)
         ctx.set_materialize_grads(False)  # the metrics get no gradient: no zeros for it

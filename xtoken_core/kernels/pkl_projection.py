@@ -115,6 +115,7 @@ if tl is not None:
         ptr_K1_ptr,
         ell_j_PS_ptr,
         ell_w_PS_ptr,
+        ell_n_S_ptr,
         K,
         S,
         P: tl.constexpr,
@@ -128,7 +129,7 @@ if tl is not None:
         # is selected; its column j is found by binary search in the ascending idx (no [W]
         # position map to fill). Kept entries go slot-major to the low slots in their original
         # order (the backward kernel stops at the first slot with no entry in its vocab block);
-        # the other slots get j = -1, w = 0.
+        # the other slots get j = -1, w = 0; each row's count of kept entries goes to ell_n.
         pid = tl.program_id(0)
         if pid == 0:
             offs_k = tl.arange(0, BLOCK_K)
@@ -165,6 +166,7 @@ if tl is not None:
                 tl.store(ell_j_PS_ptr + cnt * S + s64, lo.to(tl.int32), mask=keep)
                 tl.store(ell_w_PS_ptr + cnt * S + s64, w, mask=keep)
                 cnt += keep.to(tl.int64)
+            tl.store(ell_n_S_ptr + s64, cnt.to(tl.int32), mask=sm)
             for k in range(0, P):
                 fill = sm & (cnt <= k)
                 tl.store(ell_j_PS_ptr + k * S + s64, tl.full((BLOCK_S,), -1, tl.int32), mask=fill)
@@ -212,6 +214,7 @@ if tl is not None:
         dot_R_ptr,
         ell_j_PS_ptr,
         ell_w_PS_ptr,
+        ell_n_S_ptr,
         dz_ptr,
         R,
         T,
@@ -224,14 +227,15 @@ if tl is not None:
         dq_stride_j,
         scale2,
         inv_temp,
-        P: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         # Program (row block, vocab block), vocab blocks fastest (the row block's dq rows stay
         # in L2); with dq stored column-major one gather of column j reads the block's rows from
-        # one or two sectors instead of BLOCK_N. ELL slots are packed to the front of each row of M, so a slot with no entry in
-        # this vocab block ends the useful work; it is skipped without loading dq.
+        # one or two sectors instead of BLOCK_N. ELL slots are packed to the front of each row
+        # of M, so the block's largest kept count (one load with the logits, one reduction)
+        # bounds the slots it visits: no load, reduction and branch per empty slot, whose
+        # latencies, one after the other, were most of this kernel's time.
         #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
         pid = tl.program_id(0)
         nb = pid // num_vb
@@ -245,20 +249,20 @@ if tl is not None:
         mask = nm[:, None] & vm[None, :]
         rows = z_ptr + (n64 // T) * stride_b + (n64 % T) * stride_t
         z = tl.load(rows[:, None] + v[None, :], mask=mask, other=0.0).to(tl.float32)
+        slots = tl.reduce(tl.load(ell_n_S_ptr + v, mask=sm, other=0), 0, MAX_COMBINE)
         lse2 = tl.load(lse_R_ptr + n, mask=nm, other=float("inf")) * 1.4426950408889634
         p = tl.exp2(z * scale2 - lse2[:, None])
         dq_rows = dq_ptr + n64 * dq_stride_n
         dp = tl.full((BLOCK_N, BLOCK_V), 0.0, tl.float32)
-        for k in range(0, P):
+        for k in range(0, slots):
             j = tl.load(ell_j_PS_ptr + k * S + v, mask=sm, other=-1)
-            if tl.reduce(j, 0, MAX_COMBINE) >= 0:
-                w = tl.load(ell_w_PS_ptr + k * S + v, mask=sm, other=0.0)
-                g = tl.load(
-                    dq_rows[:, None] + j.to(tl.int64)[None, :] * dq_stride_j,
-                    mask=nm[:, None] & (j >= 0)[None, :],
-                    other=0.0,
-                )
-                dp += g * w[None, :]
+            w = tl.load(ell_w_PS_ptr + k * S + v, mask=sm, other=0.0)
+            g = tl.load(
+                dq_rows[:, None] + j.to(tl.int64)[None, :] * dq_stride_j,
+                mask=nm[:, None] & (j >= 0)[None, :],
+                other=0.0,
+            )
+            dp += g * w[None, :]
         dot = tl.load(dot_R_ptr + n, mask=nm, other=0.0)
         dz = p * (dp - dot[:, None]) * inv_temp
         tl.store(dz_ptr + n64[:, None] * V + v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
@@ -328,6 +332,7 @@ def project_rows_backward(
     dot_R: torch.Tensor,
     ell_j_PS: torch.Tensor,
     ell_w_PS: torch.Tensor,
+    ell_n_S: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
     """Gradient of :func:`project_rows_forward` w.r.t. the logits, in the logits dtype.
@@ -340,6 +345,7 @@ def project_rows_backward(
         ell_j_PS: [P, S] int32 (slot-major ELL) selected-column index of each row entry of M,
             -1 = none, entries packed to the low slots of each row (S <= V).
         ell_w_PS: [P, S] fp32 weights.
+        ell_n_S: [S] int32 entries of each row (its slots ``0 .. n - 1`` hold them).
         temperature: softmax temperature.
 
     Returns:
@@ -347,7 +353,7 @@ def project_rows_backward(
     """
     B, T, V = z_BTV.shape
     R = B * T
-    P, S = ell_j_PS.shape
+    S = ell_j_PS.shape[1]
     dz_BTV = torch.empty((B, T, V), device=z_BTV.device, dtype=z_BTV.dtype)
     if R == 0 or V == 0:
         return dz_BTV
@@ -361,6 +367,7 @@ def project_rows_backward(
         dot_R,
         ell_j_PS,
         ell_w_PS,
+        ell_n_S,
         dz_BTV,
         R,
         T,
@@ -373,7 +380,6 @@ def project_rows_backward(
         dq_RK.stride(1),
         LOG2E / temperature,
         1.0 / temperature,
-        P=P,
         BLOCK_N=bn,
         BLOCK_V=bv,
         num_warps=KERNEL_CONFIG["pbwd_warps"],
@@ -448,7 +454,9 @@ def build_projection_tables(projection_VW: torch.Tensor) -> ProjectionTables:
 
 def restrict_tables(
     tables: ProjectionTables, idx_K: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     """CSC lists and ELL column positions of ``M[:, idx]``, computed on the device (no host sync).
 
     The entry lists are sized for all E_M entries of M (the restricted count E is only known
@@ -459,12 +467,13 @@ def restrict_tables(
         idx_K: [K] int64 selected teacher columns, distinct and ascending.
 
     Returns:
-        ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS)``, the projection arguments of
+        ``(ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS, ell_n_S)``, the projection arguments of
         :class:`~xtoken_core.kernels.pkl_chunk_kl.ProjectedChunkKL` (the CSC lists go to
         :func:`project_rows_forward`, the ELL table to :func:`project_rows_backward`): CSC
         pointers [K + 1], student rows, selected-column index and weight of each entry ([E_M],
         valid up to ``ptr_K1[-1]``), and the slot-major ELL table [P, S] of selected-column
-        positions (-1 = none, packed to the low slots) with its weights (0 where none).
+        positions (-1 = none, packed to the low slots) with its weights (0 where none) and the
+        count of each row's entries (int32 [S]).
     """
     device = idx_K.device
     K = idx_K.numel()
@@ -476,6 +485,7 @@ def restrict_tables(
     w_E = torch.empty(E_M, dtype=torch.float32, device=device)
     ell_j_PS = torch.empty((P, S), dtype=torch.int32, device=device)
     ell_w_PS = torch.empty((P, S), dtype=torch.float32, device=device)
+    ell_n_S = torch.empty(S, dtype=torch.int32, device=device)
     block_s = 256
     _restrict_ell_kernel[(1 + cdiv(S, block_s),)](
         idx_K,
@@ -485,6 +495,7 @@ def restrict_tables(
         ptr_K1,
         ell_j_PS,
         ell_w_PS,
+        ell_n_S,
         K,
         S,
         P=P,
@@ -504,4 +515,4 @@ def restrict_tables(
             w_E,
             BLOCK=max(min(next_power_of_2(tables.max_col_count), 128), 16),
         )
-    return ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS
+    return ptr_K1, rows_E, cols_E, w_E, ell_j_PS, ell_w_PS, ell_n_S

@@ -28,7 +28,11 @@ def _restricted_projection(S, W, idx, seed, P=3):
     csc = (ptr, s_E[order].int(), j_E[order].int(), w_E[order].float())
     front = torch.argsort((j < 0).to(torch.int8), dim=1, stable=True)  # entries in low slots
     j, w = j.gather(1, front), w.gather(1, front)
-    ell = (j.t().contiguous().int(), torch.where(j >= 0, w, 0.0).t().contiguous().float())
+    ell = (
+        j.t().contiguous().int(),
+        torch.where(j >= 0, w, 0.0).t().contiguous().float(),
+        (j >= 0).sum(1).int(),
+    )
     return [x.to(DEVICE) for x in csc], [x.to(DEVICE) for x in ell], dense.to(DEVICE)
 
 
@@ -73,7 +77,7 @@ def test_restricted_tables_hold_exactly_the_selected_columns_of_m_packed_low():
     M = M.coalesce().to(DEVICE)
     dense_SW = M.to_dense().double().cpu()
     idx = torch.tensor([0, 3, 4, 8, 11, 20, 21, 30, 36], device=DEVICE)
-    ptr, rows_E, cols_E, w_E, ell_j, ell_w = pkl_projection.restrict_tables(
+    ptr, rows_E, cols_E, w_E, ell_j, ell_w, ell_n = pkl_projection.restrict_tables(
         pkl_projection.build_projection_tables(M), idx
     )
     want_SK = dense_SW[:, idx.cpu()]
@@ -90,6 +94,7 @@ def test_restricted_tables_hold_exactly_the_selected_columns_of_m_packed_low():
     assert ell_j.shape == (P, S)
     kept = ell_j >= 0
     assert bool((kept[1:] <= kept[:-1]).all())  # entries packed to the low slots
+    assert torch.equal(ell_n.cpu().long(), kept.sum(0))  # each row's count of entries
     assert bool((ell_w[~kept] == 0).all())
     s_idx = torch.arange(S).view(1, -1).expand(P, S)
     ell_SK = torch.zeros_like(want_SK).index_put_(
