@@ -17,6 +17,11 @@ with ``--kernel-only`` importing that tree's ``xtoken_core``, then here, on the 
 inputs; the rows carry ``tree`` (``baseline`` or ``current``), the ratio and whether the gradients
 are bitwise equal (``dz_sha``). ``--projection FILE`` uses a real projection file (as ``xtoken run``
 caches one, e.g. Qwen3 students from DeepSeek teachers) instead of the synthetic one.
+
+``--with-ce`` times the gradient of P-KL plus the student CE on the same logits two ways on the
+same inputs: apart (the projection backward, the CE backward, and their sum, as autograd makes
+it) and together (``project_rows_backward(..., ce=...)``: one read of the logits, one write of the
+gradient); rows ``pkl_backward_with_ce`` with the ratio and the largest difference.
 """
 
 from __future__ import annotations
@@ -226,6 +231,50 @@ def _kernel_only(args, z_BTV, tables, device, gen) -> int:
     return 0
 
 
+def _with_ce(args, z_BTV, tables, device, gen) -> int:
+    """The P-KL + CE gradient apart (two kernels and their sum) and together (one kernel)."""
+    from xtoken_core.kernels import row_ce
+
+    T, V_s = z_BTV.shape[1:]
+    nidx_R = torch.arange(T, device=device)
+    lse_R = logit_rows.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
+    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device).t().contiguous().t()
+    dot_R = torch.randn(T, generator=gen, device=device)
+    ids = torch.randint(0, V_s, (1, T), generator=gen, device=device)
+    _, ce_lse_R, target_R = row_ce.row_ce_forward(z_BTV, ids, None, None)
+    g_1 = torch.tensor([0.5], device=device)
+    ell = tables[4:]
+
+    def apart():
+        dz = row_ce.row_ce_backward(g_1, z_BTV, ce_lse_R, target_R)
+        return dz.add_(
+            pkl_projection.project_rows_backward(z_BTV, lse_R, dq_RK, dot_R, *ell, TEMPERATURE)
+        )
+
+    def together():
+        return pkl_projection.project_rows_backward(
+            z_BTV, lse_R, dq_RK, dot_R, *ell, TEMPERATURE, ce=(ce_lse_R, target_R, g_1)
+        )
+
+    diff = (apart().float() - together().float()).abs().max().item()
+    rows = []
+    for variant, fn in (("apart", apart), ("together", together)):
+        rows.append(
+            dict(
+                **_row_head("pkl_backward_with_ce", device, T, V_s, tables),
+                projection=os.path.basename(args.projection) if args.projection else "synthetic",
+                temperature=TEMPERATURE,
+                variant=variant,
+                ms=_common.bench_ms(fn),
+                max_abs_diff=diff,
+            )
+        )
+    rows[1]["vs_apart"] = rows[0]["ms"] / rows[1]["ms"]
+    _common.print_table(rows, ["variant", "T", "projection", "ms", "vs_apart", "max_abs_diff"])
+    _common.append_rows(args.results, rows)
+    return 0
+
+
 def _run_baseline(args) -> list[dict]:
     """This script with ``--kernel-only``, importing ``xtoken_core`` from the baseline checkout
     (first on ``PYTHONPATH``); its row."""
@@ -264,6 +313,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--projection", default=None, help="a projection file (.pt, top-k)")
     parser.add_argument("--tree", default="current", help="the rows' tree label")
+    parser.add_argument(
+        "--with-ce", action="store_true", help="P-KL + CE gradient: apart against together"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -285,6 +337,8 @@ def main(argv=None) -> int:
     M = Projection.from_topk(indices, likelihoods, device).sparse(V_s, V_t)
     idx_K = torch.sort(torch.randperm(V_t, device=device)[:VOCAB_TOPK]).values
     tables = pkl_projection.restrict_tables(pkl_projection.build_projection_tables(M), idx_K)
+    if args.with_ce:
+        return _with_ce(args, z_BTV, tables, device, gen)
     if args.kernel_only or args.baseline:
         return _kernel_only(args, z_BTV, tables, device, gen)
     nidx_R = torch.arange(T, device=device)

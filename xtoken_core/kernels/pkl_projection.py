@@ -205,7 +205,13 @@ if tl is not None:
 
     @lazy_jit(
         do_not_specialize=("R", "T", "dq_stride_j"),  # dq is [K, R] memory: stride R
-        do_not_specialize_on_alignment=("lse_R_ptr", "dot_R_ptr"),
+        do_not_specialize_on_alignment=(
+            "lse_R_ptr",
+            "dot_R_ptr",
+            "ce_lse_R_ptr",
+            "ce_target_R_ptr",
+            "ce_g_ptr",
+        ),
     )
     def _proj_bwd_kernel(
         z_ptr,
@@ -215,6 +221,9 @@ if tl is not None:
         ell_j_PS_ptr,
         ell_w_PS_ptr,
         ell_n_S_ptr,
+        ce_lse_R_ptr,
+        ce_target_R_ptr,
+        ce_g_ptr,
         dz_ptr,
         R,
         T,
@@ -227,6 +236,7 @@ if tl is not None:
         dq_stride_j,
         scale2,
         inv_temp,
+        HAS_CE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
@@ -237,6 +247,10 @@ if tl is not None:
         # bounds the slots it visits: no load, reduction and branch per empty slot, whose
         # latencies, one after the other, were most of this kernel's time.
         #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
+        # With HAS_CE the student CE's gradient of the same logits is added in the same pass
+        # (one read of z, one write of dz, where two kernels and their sum read and wrote the
+        # [R, V] logits five times more):
+        #   dz[n, v] += g_ce (exp(z[n, v] - lse1_n) - [v == y_n])   on counted rows (y_n >= 0)
         pid = tl.program_id(0)
         nb = pid // num_vb
         vb = pid % num_vb
@@ -265,6 +279,13 @@ if tl is not None:
             dp += g * w[None, :]
         dot = tl.load(dot_R_ptr + n, mask=nm, other=0.0)
         dz = p * (dp - dot[:, None]) * inv_temp
+        if HAS_CE:
+            y = tl.load(ce_target_R_ptr + n, mask=nm, other=-1)
+            lse1 = tl.load(ce_lse_R_ptr + n, mask=nm & (y >= 0), other=float("inf"))
+            g_ce = tl.load(ce_g_ptr).to(tl.float32)
+            p1 = tl.exp2(z * 1.4426950408889634 - (lse1 * 1.4426950408889634)[:, None])
+            hit = tl.where(v[None, :] == y[:, None], 1.0, 0.0)
+            dz += tl.where((y >= 0)[:, None], g_ce * (p1 - hit), 0.0)
         tl.store(dz_ptr + n64[:, None] * V + v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
@@ -334,8 +355,10 @@ def project_rows_backward(
     ell_w_PS: torch.Tensor,
     ell_n_S: torch.Tensor,
     temperature: float,
+    ce: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Gradient of :func:`project_rows_forward` w.r.t. the logits, in the logits dtype.
+    """Gradient of :func:`project_rows_forward` w.r.t. the logits, in the logits dtype; with
+    ``ce``, plus the student CE's gradient of the same logits, in the same pass.
 
     Args:
         z_BTV: [B, T, V] logits.
@@ -347,6 +370,9 @@ def project_rows_backward(
         ell_w_PS: [P, S] fp32 weights.
         ell_n_S: [S] int32 entries of each row (its slots ``0 .. n - 1`` hold them).
         temperature: softmax temperature.
+        ce: ``(lse_R, target_R, g_1)`` of :func:`xtoken_core.kernels.row_ce.row_ce_backward`
+            (fp32 row logsumexps at temperature 1, int32 targets with -1 on rows that do not
+            count, the nll sum's fp32 [1] gradient, read on the device), or None.
 
     Returns:
         dz_BTV, contiguous, every element written.
@@ -368,6 +394,7 @@ def project_rows_backward(
         ell_j_PS,
         ell_w_PS,
         ell_n_S,
+        *(ce if ce is not None else (lse_R, ell_n_S, lse_R)),  # unread without HAS_CE
         dz_BTV,
         R,
         T,
@@ -380,6 +407,7 @@ def project_rows_backward(
         dq_RK.stride(1),
         LOG2E / temperature,
         1.0 / temperature,
+        HAS_CE=ce is not None,
         BLOCK_N=bn,
         BLOCK_V=bv,
         num_warps=KERNEL_CONFIG["pbwd_warps"],

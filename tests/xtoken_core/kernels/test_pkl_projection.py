@@ -64,6 +64,30 @@ def test_projection_forward_and_backward_match_the_dense_formula(dtype):
     torch.testing.assert_close(dz.reshape(B * T, V).double(), z64.grad, **tol)
 
 
+@pytest.mark.parametrize("temp", [1.0, 1.6], ids=["T=1", "T=1.6"])
+def test_the_backward_with_the_ce_adds_the_ce_gradient_in_the_same_pass(temp):
+    from xtoken_core.kernels import row_ce
+
+    B, T, V, W, S = 2, 7, 67, 41, 60
+    idx = torch.tensor([1, 4, 5, 9, 13, 20, 22, 30, 33, 40])
+    _, ell, _ = _restricted_projection(S, W, idx, seed=11)
+    z = kd_logits(B, T, V, torch.float32, seed=12)
+    nidx, _, _ = kd_rows(B, T, 5, seed=13)
+    lse = kf.row_logsumexp(z, nidx, temp)
+    gen = torch.Generator().manual_seed(14)
+    dq = torch.randn(B * T, idx.numel(), generator=gen).to(DEVICE)
+    dot = torch.randn(B * T, generator=gen).to(DEVICE)
+    ids = torch.randint(0, V, (B, T), generator=gen).to(DEVICE)
+    token_mask = (torch.rand(B, T, generator=gen) < 0.7).to(DEVICE)
+    _, ce_lse, target = row_ce.row_ce_forward(z, ids, token_mask, None)
+    assert bool((target < 0).any()) and bool((target >= 0).any())  # both kinds of rows
+    g = torch.tensor([0.37], device=DEVICE)
+    both = pkl_projection.project_rows_backward(z, lse, dq, dot, *ell, temp, ce=(ce_lse, target, g))
+    apart = pkl_projection.project_rows_backward(z, lse, dq, dot, *ell, temp)
+    apart = apart + row_ce.row_ce_backward(g, z, ce_lse, target)
+    torch.testing.assert_close(both, apart, rtol=1e-5, atol=1e-7)
+
+
 def test_restricted_tables_hold_exactly_the_selected_columns_of_m_packed_low():
     S, W, P = 50, 37, 4
     gen = torch.Generator().manual_seed(3)
