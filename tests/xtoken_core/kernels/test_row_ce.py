@@ -21,9 +21,10 @@ def _inputs(B, T, V, dtype, seed, pad=0):
     """Logits ``[B, T, V]`` (a vocab-sliced view when pad > 0), ids with about a third of the
     targets at their row's argmax, a token mask with a padded tail, the last sample masked."""
     gen = torch.Generator().manual_seed(seed)
-    z = (torch.randn(B, T, V + pad, generator=gen) * 3).to(dtype)[..., :V]
+    # sliced on the device: a copy of a sliced view to another device is made contiguous
+    z = (torch.randn(B, T, V + pad, generator=gen) * 3).to(dtype).to(DEVICE)[..., :V]
     ids = torch.randint(0, V, (B, T), generator=gen)
-    top = z[:, :-1].float().argmax(-1)
+    top = z[:, :-1].float().argmax(-1).cpu()
     pick = torch.rand(B, T - 1, generator=gen) < 0.35
     ids[:, 1:] = torch.where(pick, top, ids[:, 1:])
     token_mask = torch.rand(B, T, generator=gen) > 0.2
@@ -31,7 +32,7 @@ def _inputs(B, T, V, dtype, seed, pad=0):
     sample_mask = torch.ones(B, dtype=torch.bool)
     if B > 1:
         sample_mask[-1] = False
-    return z.to(DEVICE), ids.to(DEVICE), token_mask.to(DEVICE), sample_mask.to(DEVICE)
+    return z, ids.to(DEVICE), token_mask.to(DEVICE), sample_mask.to(DEVICE)
 
 
 def _kernel(z, ids, token_mask, sample_mask, **kw):
