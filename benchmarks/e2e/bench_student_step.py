@@ -27,7 +27,9 @@ the GPU's dense bf16 peak), peak memory allocated and reserved (a CUDA graph's p
 reserved, not allocated, between its replays), start-up (compile) seconds. ``--batches`` distinct
 micro-batches are cycled, the teacher logits of all of them held on the device (the default 4);
 ``--batches 1`` holds one micro-batch's, what a trainer holds, for the largest micro-batch that
-fits.
+fits. ``--warm-process`` runs the first variant once, unmeasured, before the others: on a freshly
+started machine the first process of the fused head read 8-18% slow whichever code it ran, so
+variants compared in one call should not meet that process.
 
 Usage (GPU)::
 
@@ -240,6 +242,19 @@ def one_teacher(args, variant: str, B: int, T: int) -> dict:
     }
 
 
+def _child_argv(args, variant: str, shape: str) -> list[str]:
+    """The command line of the child process that measures ``variant`` at ``shape``."""
+    argv = [sys.executable, __file__, "--one", f"{variant}:{shape}"]
+    for k in (
+        *("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"),
+        "batches",
+        *("student_tokenizer", "teacher_tokenizer", "student_vocab", "teacher_vocab"),
+    ):
+        if getattr(args, k) is not None:  # None: the child's own default
+            argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    return argv
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["1x4096", "4x2048"])
@@ -254,6 +269,11 @@ def main() -> int:
         type=int,
         default=4,
         help="distinct micro-batches, their teacher logits all held (1: what a trainer holds)",
+    )
+    p.add_argument(
+        "--warm-process",
+        action="store_true",
+        help="run the first variant once, unmeasured, before the measured processes",
     )
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: variant:shape
     p.add_argument("--results", default=str(RESULTS_DIR / "e2e_student_step.jsonl"))
@@ -279,17 +299,19 @@ def main() -> int:
     }
     print(f"device {stamp['device']}; mode {args.mode}")
     lines = []
+    if args.warm_process:
+        t0 = time.perf_counter()
+        argv = _child_argv(args, args.variants[0], args.shapes[0])
+        argv += ["--steps", "2", "--warmup", "1", "--profile", "0"]  # the last flag wins
+        try:
+            subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        print(f"warm-up process (not measured): {time.perf_counter() - t0:.0f}s", flush=True)
     for shape in args.shapes:
         base = None
         for variant in args.variants:
-            argv = [sys.executable, __file__, "--one", f"{variant}:{shape}"]
-            for k in (
-                *("mode", "steps", "warmup", "work", "device", "student", "teacher", "profile"),
-                "batches",
-                *("student_tokenizer", "teacher_tokenizer", "student_vocab", "teacher_vocab"),
-            ):
-                if getattr(args, k) is not None:  # None: the child's own default
-                    argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+            argv = _child_argv(args, variant, shape)
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
