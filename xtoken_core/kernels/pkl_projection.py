@@ -128,8 +128,8 @@ if tl is not None:
         # Programs 1..: a block of rows s of M each. An entry with teacher id t is kept when t
         # is selected; its column j is found by binary search in the ascending idx (no [W]
         # position map to fill). Kept entries go slot-major to the low slots in their original
-        # order (the backward kernel stops at the first slot with no entry in its vocab block);
-        # the other slots get j = -1, w = 0; each row's count of kept entries goes to ell_n.
+        # order; the other slots get j = -1, w = 0; each row's count of kept entries goes to
+        # ell_n (the backward kernel visits a vocab block's slots up to its largest count).
         pid = tl.program_id(0)
         if pid == 0:
             offs_k = tl.arange(0, BLOCK_K)
@@ -248,8 +248,8 @@ if tl is not None:
         # latencies, one after the other, were most of this kernel's time.
         #   dp[n, s] = sum_k dq[n, j_ks] w_ks;   dz[n, s] = p[n, s] (dp[n, s] - dot_n) / T
         # With HAS_CE the student CE's gradient of the same logits is added in the same pass
-        # (one read of z, one write of dz, where two kernels and their sum read and wrote the
-        # [R, V] logits five times more):
+        # (one read of z and one write of dz, where the two kernels and the sum of their
+        # gradients read or write an [R, V] tensor seven times):
         #   dz[n, v] += g_ce (exp(z[n, v] - lse1_n) - [v == y_n])   on counted rows (y_n >= 0)
         pid = tl.program_id(0)
         nb = pid // num_vb
