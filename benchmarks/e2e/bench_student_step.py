@@ -15,7 +15,11 @@ teacher logits, computed once):
 * ``fused_update``: ``graphs`` with AdamW's update and the bf16 copy in one launch
   (``trainer.compute.fused_update``): the default on a cuda device;
 * ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
-  steps: deterministic algorithms, ordered attention backwards and index adds), its cost.
+  steps: deterministic algorithms, ordered attention backwards and index adds), its cost;
+* ``liger``: ``fused_update`` with the student's RMSNorms, SwiGLU MLPs and rotary embedding
+  replaced by Liger-Kernel's Triton kernels (``apply_liger_kernel_to_<model type>``) before its
+  layers are compiled: Inductor's own fusions of those ops against Liger's (needs
+  ``liger-kernel``).
 
 Teacher variants (the forward under ``inference_mode``): ``t_eager``, ``t_compiled`` (each layer,
 symbolic lengths, as the teacher service compiles), ``t_graphs`` (``t_compiled`` replayed as
@@ -70,6 +74,7 @@ STUDENT = {
         for rows in (2048, 4096, 8192)
     },
     "fused_update": {},  # the default on a cuda device
+    "liger": {},  # the default step, the model's norms, MLPs and rotary by Liger (_use_liger)
     "deterministic": {"compute": {"deterministic": True}, "feed": {"ordered": True}},
 }
 TEACHER = {"t_eager": None, "t_compiled": "default", "t_graphs": "reduce-overhead"}
@@ -109,10 +114,41 @@ def _teacher_logits(teacher, batch: dict, device) -> torch.Tensor:
         return teacher(input_ids=ids, use_cache=False).logits
 
 
+def _use_liger() -> None:
+    """Have the trainer's student hand its compute model to Liger-Kernel before compiling it:
+    RMSNorm, SwiGLU and the rotary embedding by Liger's kernels (its CE and fused linear CE
+    stay off: the loss is xtoken's)."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as e:
+        raise SystemExit(
+            f"the liger variant needs liger-kernel: pip install liger-kernel ({e})"
+        ) from e
+    from services.trainer import student
+
+    compile_first = student.compile_student
+
+    def compile_student(module, **kw):
+        patch = getattr(liger, f"apply_liger_kernel_to_{module.config.model_type}")
+        patch(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=False,
+            model=module,
+        )
+        return compile_first(module, **kw)
+
+    student.compile_student = compile_student
+
+
 def one_student(args, variant: str, B: int, T: int) -> dict:
     from services.trainer.step import MicroBatch
 
     device = torch.device(args.device)
+    if variant == "liger":
+        _use_liger()
     if STUDENT[variant].get("compute", {}).get("deterministic"):
         from services.trainer import determinism
 
