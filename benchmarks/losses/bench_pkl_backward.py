@@ -191,15 +191,27 @@ def _row_head(bench: str, device, T: int, V_s: int, tables) -> dict:
     )
 
 
+def _backward_inputs(z_BTV, device, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projection backward's seeded inputs at the default layout: the row logsumexps, ``dq``
+    column-major (as pkl_chunk_kl writes it) and ``dot``."""
+    T = z_BTV.shape[1]
+    lse_R = logit_rows.row_logsumexp(z_BTV, torch.arange(T, device=device), TEMPERATURE)
+    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device).t().contiguous().t()
+    dot_R = torch.randn(T, generator=gen, device=device)
+    return lse_R, dq_RK, dot_R
+
+
+def _projection_name(args) -> str:
+    """The rows' ``projection``: the file's name, or "synthetic"."""
+    return os.path.basename(args.projection) if args.projection else "synthetic"
+
+
 def _kernel_only(args, z_BTV, tables, device, gen) -> int:
     """Time the default config (column-major dq) at ``args.T``; with ``--baseline``, the other
     tree's kernel first, in its own process, then this one, and their ratio."""
     baseline = _run_baseline(args) if args.baseline else []
     T, V_s = z_BTV.shape[1:]
-    nidx_R = torch.arange(T, device=device)
-    lse_R = logit_rows.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
-    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device).t().contiguous().t()
-    dot_R = torch.randn(T, generator=gen, device=device)
+    lse_R, dq_RK, dot_R = _backward_inputs(z_BTV, device, gen)
 
     def run():
         return pkl_projection.project_rows_backward(
@@ -211,7 +223,7 @@ def _kernel_only(args, z_BTV, tables, device, gen) -> int:
     row = dict(
         **_row_head("pkl_backward_kernel", device, T, V_s, tables),
         tree=args.tree,
-        projection=os.path.basename(args.projection) if args.projection else "synthetic",
+        projection=_projection_name(args),
         block_n=logit_rows.KERNEL_CONFIG["pbwd_block_n"],
         block_v=logit_rows.KERNEL_CONFIG["pbwd_block_v"],
         warps=logit_rows.KERNEL_CONFIG["pbwd_warps"],
@@ -236,10 +248,7 @@ def _with_ce(args, z_BTV, tables, device, gen) -> int:
     from xtoken_core.kernels import row_ce
 
     T, V_s = z_BTV.shape[1:]
-    nidx_R = torch.arange(T, device=device)
-    lse_R = logit_rows.row_logsumexp(z_BTV, nidx_R, TEMPERATURE)
-    dq_RK = torch.randn(T, VOCAB_TOPK, generator=gen, device=device).t().contiguous().t()
-    dot_R = torch.randn(T, generator=gen, device=device)
+    lse_R, dq_RK, dot_R = _backward_inputs(z_BTV, device, gen)
     ids = torch.randint(0, V_s, (1, T), generator=gen, device=device)
     _, ce_lse_R, target_R = row_ce.row_ce_forward(z_BTV, ids, None, None)
     g_1 = torch.tensor([0.5], device=device)
@@ -262,7 +271,7 @@ def _with_ce(args, z_BTV, tables, device, gen) -> int:
         rows.append(
             dict(
                 **_row_head("pkl_backward_with_ce", device, T, V_s, tables),
-                projection=os.path.basename(args.projection) if args.projection else "synthetic",
+                projection=_projection_name(args),
                 temperature=TEMPERATURE,
                 variant=variant,
                 ms=_common.bench_ms(fn),
