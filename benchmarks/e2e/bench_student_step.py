@@ -16,6 +16,10 @@ teacher logits, computed once):
   (``trainer.compute.fused_update``): the default on a cuda device;
 * ``deterministic``: ``graphs`` with ``trainer.compute.deterministic`` (bitwise-reproducible
   steps: deterministic algorithms, ordered attention backwards and index adds), its cost;
+* ``checkpointed``, ``fused_checkpointed``: ``fused_update`` (and the fused head) with each
+  decoder layer's activations recomputed in the backward
+  (``trainer.compute.activation_checkpointing``, which turns CUDA graphs off): its cost, and the
+  micro-batch it lets fit;
 * ``liger``: ``fused_update`` with the student's RMSNorms, SwiGLU MLPs and rotary embedding
   replaced by Liger-Kernel's Triton kernels (``apply_liger_kernel_to_<model type>``) before its
   layers are compiled: Inductor's own fusions of those ops against Liger's (needs
@@ -74,6 +78,9 @@ STUDENT = {
         for rows in (2048, 4096, 8192)
     },
     "fused_update": {},  # the default on a cuda device
+    # each layer's activations recomputed in the backward (no CUDA graphs then)
+    "checkpointed": {"compute": {"activation_checkpointing": True}},
+    "fused_checkpointed": {"compute": {"activation_checkpointing": True, "fused_head": True}},
     "liger": {},  # the default step, the model's norms, MLPs and rotary by Liger (_use_liger)
     "deterministic": {"compute": {"deterministic": True}, "feed": {"ordered": True}},
 }
@@ -210,6 +217,7 @@ def one_student(args, variant: str, B: int, T: int) -> dict:
         else None,
         "start_s": start_s,
         "recompiles": worker.recompiles(),
+        "compiled": worker.step.student.compiled,  # False: the compile failed, the step ran eagerly
         "final_loss": res.metrics.get("loss"),
     }
 
@@ -355,6 +363,9 @@ def main() -> int:
             except subprocess.TimeoutExpired as e:
                 out = f"timed out after {args.timeout:.0f}s " + str(e.stdout or "")[-300:]
             rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+            for line in out.splitlines():  # the trainer's one line when the student's compile fails
+                if "torch.compile failed" in line:
+                    print(f"{shape} {variant}: {line.strip()}")
             if args.profile:
                 print("\n".join(x for x in out.splitlines() if not x.startswith("ROW ")))
             wall = time.perf_counter() - t0
