@@ -23,7 +23,8 @@ teacher logits, computed once):
 * ``liger``: ``fused_update`` with the student's RMSNorms, SwiGLU MLPs and rotary embedding
   replaced by Liger-Kernel's Triton kernels (``apply_liger_kernel_to_<model type>``) before its
   layers are compiled: Inductor's own fusions of those ops against Liger's (needs
-  ``liger-kernel``).
+  ``liger-kernel``; with liger-kernel 0.8.5 the layers then failed to compile and ran eagerly,
+  which the row's ``compiled: false`` and the trainer's line show).
 
 Teacher variants (the forward under ``inference_mode``): ``t_eager``, ``t_compiled`` (each layer,
 symbolic lengths, as the teacher service compiles), ``t_graphs`` (``t_compiled`` replayed as
