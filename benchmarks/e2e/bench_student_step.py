@@ -364,11 +364,12 @@ def main() -> int:
             except subprocess.TimeoutExpired as e:
                 out = f"timed out after {args.timeout:.0f}s " + str(e.stdout or "")[-300:]
             rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
-            for line in out.splitlines():  # the trainer's one line when the student's compile fails
-                if "torch.compile failed" in line:
-                    print(f"{shape} {variant}: {line.strip()}")
             if args.profile:
                 print("\n".join(x for x in out.splitlines() if not x.startswith("ROW ")))
+            else:  # the trainer's one line when the student's compile fails
+                for line in out.splitlines():
+                    if "torch.compile failed" in line:
+                        print(f"{shape} {variant}: {line.strip()}")
             wall = time.perf_counter() - t0
             if not rows:
                 tail = out.strip().splitlines()[-6:]

@@ -456,12 +456,13 @@ class ProjectedChunkKL(torch.autograd.Function):
     """Sums of the P-KL chunk terms from the student logits, differentiable w.r.t. them.
 
     ``apply(z_BTV, nidx_R, order_R, offsets_N1, lp_NK, ptr_K1, rows_E, cols_E, w_E, ell_j_PS,
-    ell_w_PS, ell_n_S, temperature, reverse_kl, eps, num_valid=None)`` returns ``(kd, metrics_3)``: the scalar KD sum
-    over the valid chunks (its gradient flows to ``z_BTV``) and the [3] fp32 sums
-    ``(l1 = 0, correct, num_valid)`` (no gradient).
-    The projection tables are those of :func:`xtoken_core.kernels.pkl_projection.restrict_tables`; the
-    rows are the student side's valid-chunk rows (index, order, offsets); ``num_valid`` is a
-    device N when the offsets cover more slots than valid chunks (:func:`chunk_kl_forward`).
+    ell_w_PS, ell_n_S, temperature, reverse_kl, eps, num_valid=None)`` returns
+    ``(kd, metrics_3)``: the scalar KD sum over the valid chunks (its gradient flows to
+    ``z_BTV``) and the [3] fp32 sums ``(l1 = 0, correct, num_valid)`` (no gradient).
+    The projection tables are those of
+    :func:`xtoken_core.kernels.pkl_projection.restrict_tables`; the rows are the student side's
+    valid-chunk rows (index, order, offsets); ``num_valid`` is a device N when the offsets cover
+    more slots than valid chunks (:func:`chunk_kl_forward`).
     """
 
     @staticmethod
