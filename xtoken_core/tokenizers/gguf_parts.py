@@ -200,7 +200,8 @@ def join_parts(
 
 
 def assembled_gguf(name: str) -> Path:
-    """The joined GGUF file of a split GGUF, built in the cache on first use.
+    """The joined GGUF file of a split GGUF, built in the cache on first use. A joined copy in
+    the cache serves without its part packages (they are needed only to build it).
 
     Args:
         name: one of ``SPLIT_GGUFS``.
@@ -213,10 +214,10 @@ def assembled_gguf(name: str) -> Path:
             joined file whose hash differs from the pinned one, or an unwritable cache.
     """
     split = get_split_gguf(name)
-    parts = locate_parts(split)
     stamp = {"format": _FORMAT, "file": split.file_name, "sha256": split.sha256}
 
     def build(out: Path) -> None:
+        parts = locate_parts(split)
         start = time.perf_counter()
         try:
             join_parts(parts, out / split.file_name, sha256=split.sha256, size=split.size)

@@ -1,6 +1,7 @@
 """Split GGUF files: parts joined in order and checked against the pinned size and SHA-256 (real
 files), located through installed distributions, missing ones named in one line."""
 
+import dataclasses
 import hashlib
 import importlib.metadata
 
@@ -67,6 +68,20 @@ def test_an_installed_split_is_located_joined_once_into_the_cache(tmp_path, monk
     assert gguf_parts.file_sha256(path) == split.sha256
     mtime = path.stat().st_mtime_ns
     assert assembled_gguf(split.name).stat().st_mtime_ns == mtime  # not joined again
+
+
+def test_a_joined_copy_in_the_cache_serves_without_its_part_packages(tmp_path, monkeypatch):
+    monkeypatch.setenv("XTOKEN_CACHE", str(tmp_path / "cache"))
+    split = _installed_split("kept")
+    monkeypatch.setitem(gguf_parts.SPLIT_GGUFS, split.name, split)
+    path = assembled_gguf(split.name)
+    gone = tuple(("xtoken-absent-part", "1.0", f"p{i}") for i in range(len(split.parts)))
+    monkeypatch.setitem(gguf_parts.SPLIT_GGUFS, split.name, dataclasses.replace(split, parts=gone))
+    assert assembled_gguf(split.name) == path  # the parts are uninstalled: the copy still serves
+    monkeypatch.setenv("XTOKEN_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="needs the PyPI package.*xtoken-absent-part"):
+        assembled_gguf(split.name)
+    assert not (tmp_path / "empty" / "gguf" / "kept").exists()
 
 
 def test_a_split_whose_pinned_hash_differs_says_to_reinstall_its_packages(tmp_path, monkeypatch):
