@@ -100,6 +100,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -412,6 +413,7 @@ class Experiment:
         split = json.loads((a.corpus / "split.json").read_text())
         self.meta = {
             "mode": "scale",
+            "command": getattr(a, "command", None),
             "commit": kd.commit(),
             "device": kd.device_name("cuda" if a.gpus else "cpu"),
             "date": time.strftime("%Y-%m-%d"),
@@ -749,6 +751,10 @@ def _line(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI: run the experiment, or ``--report`` its rows; bad settings: one line, exit 2."""
     args = parse_args(argv)
+    # the rows say how they were made
+    args.command = shlex.join(
+        ["python", "benchmarks/quality/scale.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out = args.out or (
         str(Path(args.work) / "out") if args.smoke else str(ROOT / "benchmarks" / "results")

@@ -297,17 +297,27 @@ def markdown(rows: list[dict]) -> str:
         if grid and grid.get("steps_budget") != head.get("steps_budget")
         else ""
     )
+    title = f"then {n_seeds} seed{'s' * (n_seeds != 1)}" if n_seeds else "the grid under way"
+    command = next((r["command"] for r in finals + rows if r.get("command")), None)
     md = [
-        "# Healing a pruned SmolLM2 at scale: every arm tuned alike, then "
-        f"{n_seeds} seed{'s' * (n_seeds != 1)}",
+        f"# Healing a pruned SmolLM2 at scale: every arm tuned alike, {title}",
         "",
         f"Devices: {', '.join(devices) or '-'}; commits {', '.join(commits) or '-'}; "
         f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "
         f"steps of {head.get('batch')} x {head.get('ctx')}){grid_note}; the settings chosen on "
         "validation "
         "(seed 0), then scored once on held-out and fresh. Command: "
-        "`python benchmarks/quality/scale.py --gpus ...` (`benchmarks/quality/scale.py`).",
+        + (f"`{command}`." if command else "`python benchmarks/quality/scale.py --gpus ...`."),
         "",
+    ]
+    if not n_seeds:
+        grid_runs = sum(1 for r in rows if r.get("phase") == "grid")
+        md += [
+            f"No final run is scored yet ({grid_runs} grid runs so far): this table fills as the "
+            "final runs are scored; the grid's validation figures (seed 0) are at the end.",
+            "",
+        ]
+    md += [
         "| arm | seeds | lr | KL w | T | tokens | det. | validation | held-out | fresh "
         "| held-out - CE (95% CI) | fresh - CE (95% CI) | next-line EM | completion b/B |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -373,9 +383,13 @@ def runs_table(rows: list[dict]) -> list[str]:
         "",
         "## Runs",
         "",
+        "Where a run's time goes (medians; a run trained in one call): its training command, of "
+        "which the start-up step (the students' compile and CUDA graph recording) and the steps; "
+        "then its scoring command.",
+        "",
         "| phase | runs | resumed from a checkpoint | median s a run (training, scoring) "
-        "| median s of its steps |",
-        "|---|---|---|---|---|",
+        "| median s of its steps | training command s | start-up step s | scoring command s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for phase in ("grid", "final", "rerun"):
         ps = [r for r in rows if r.get("phase") == phase]
@@ -383,7 +397,16 @@ def runs_table(rows: list[dict]) -> list[str]:
             walls = [r["wall_s"] for r in ps if r.get("wall_s") is not None]
             steps = [r["train_s"] for r in ps if r.get("train_s") is not None]
             resumed = sum(1 for r in ps if r.get("resumed"))
-            md.append(f"| {phase} | {len(ps)} | {resumed} | {median(walls)} | {median(steps)} |")
+            # command_s: each training stage's command, then the scoring's; one entry alone is
+            # a scoring of a run trained by an earlier call
+            whole = [r for r in ps if len(r.get("command_s") or []) > 1 and not r.get("resumed")]
+            train_cmd = [sum(r["command_s"][:-1]) for r in whole]
+            score_cmd = [r["command_s"][-1] for r in whole]
+            start_up = [r["compile_s"] for r in whole if r.get("compile_s") is not None]
+            md.append(
+                f"| {phase} | {len(ps)} | {resumed} | {median(walls)} | {median(steps)} "
+                f"| {median(train_cmd)} | {median(start_up)} | {median(score_cmd)} |"
+            )
     return md
 
 
@@ -429,6 +452,31 @@ def write_report(rows: list[dict], out: Path) -> str:
     return md
 
 
+def plotted_curves(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows whose validation curves the plot draws, per arm: the final runs' (every seed);
+    before any final run, each arm's grid run of the lowest validation bits/byte.
+
+    Args:
+        rows: the experiment's rows.
+
+    Returns:
+        ``{arm: [rows]}``.
+    """
+    rows = [r for r in rows if r.get("mode") == "scale" and r.get("val_curve")]
+    finals: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("phase") == "final":
+            finals.setdefault(r["arm"], []).append(r)
+    if finals:
+        return finals
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r.get("phase") == "grid" and r.get("validation_bpb") is not None:
+            if r["arm"] not in best or r["validation_bpb"] < best[r["arm"]]["validation_bpb"]:
+                best[r["arm"]] = r
+    return {arm: [r] for arm, r in best.items()}
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -436,15 +484,16 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    finals: dict[str, list[dict]] = {}
-    for r in rows:
-        if r.get("mode") == "scale" and r.get("phase") == "final" and r.get("val_curve"):
-            finals.setdefault(r["arm"], []).append(r)
-    for arm, rs in finals.items():
+    for arm, rs in plotted_curves(rows).items():
         curve = mean_curve(rs)
         ax.plot([c[0] for c in curve], [c[1] for c in curve], label=arm, lw=1.2)
+    finals = any(r.get("phase") == "final" for r in rows)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation bits/byte (mean over seeds)")
+    ax.set_ylabel(
+        "validation bits/byte (mean over seeds)"
+        if finals
+        else "validation bits/byte (grid, seed 0, each arm's best setting)"
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -421,6 +421,25 @@ def test_the_report_opens_with_the_table_and_says_when_it_has_no_plot(tmp_path):
         assert (tmp_path / "quality_scale.png").stat().st_size > 1000
 
 
+def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
+    rows = []
+    for arm, lr, bpb in (("ce", 1e-3, 0.73), ("ce", 5e-4, 0.75), (f"pkl@{Q}", 5e-4, 0.72)):
+        rows.append(
+            _row(arm, 0, None, None, phase="grid", validation_bpb=bpb, lr=lr, tokens_budget=2000,
+                 steps_budget=10, batch=16, ctx=512, command="python scale.py --gpus 0",
+                 command_s=[200.0, 20.0], compile_s=80.0, train_s=50.0, wall_s=220.0,
+                 curve=[{"step": 0, "bits_per_byte": 3.0}, {"step": 10, "bits_per_byte": bpb}])
+        )  # fmt: skip
+    rows.append({**rows[0], "command_s": [21.0]})  # scored again by a later call: not timed
+    md = scale_report.markdown(rows)
+    assert md.startswith("# Healing a pruned SmolLM2 at scale: every arm tuned alike, the grid")
+    assert "Command: `python scale.py --gpus 0`." in md
+    assert "No final run is scored yet (4 grid runs so far)" in md
+    assert "| grid | 4 | 0 | 220 | 50 | 200 | 80 | 20 |" in md
+    best = scale_report.plotted_curves(rows)
+    assert sorted(best) == ["ce", f"pkl@{Q}"] and best["ce"][0]["lr"] == 1e-3
+
+
 # --------------------------------------------------------------------------- bad settings
 
 
