@@ -62,7 +62,10 @@ call goes on from the rows (``--kl-weights 0.5 1 --temperatures 1`` makes it ~3 
 ``--grid-tokens 2000000`` the ~97 grid trainings take ~0.2 G student tokens and the 42 final runs
 0.84 G, against 2.5 G with one budget (measured since: 12 runs of 2 M tokens on four H200s, three
 a GPU, trained in ~61 s each and took ~340 s with start-up and scoring,
-``benchmarks/results/teacher_cache_quality.jsonl``).
+``benchmarks/results/teacher_cache_quality.jsonl``; on one H200, three a GPU, a grid run's
+training command took ~200 s: a ~74 s start-up step, ~47 s of steps, the rest process start-up
+and evaluations; ``benchmarks/results/quality_scale.md``). ``--phase grid`` starts grid runs alone:
+for calls too short for a final run, which then waits for a longer one.
 
 Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm machine)::
 
@@ -176,6 +179,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="start no run after this many seconds (a later call goes on from the rows)",
+    )
+    p.add_argument(
+        "--phase",
+        choices=("all", "grid"),
+        default="all",
+        help="grid: start grid runs alone (each arm's final runs wait for a later call): for a "
+        "call too short for a final run",
     )
     p.add_argument("--batch", type=int, default=16, help="samples per step")
     p.add_argument("--ctx", type=int, default=512, help="tokens per sample, both sides")
@@ -482,7 +492,7 @@ class Experiment:
         for key in self.plan().pending:
             if len(jobs) >= n:
                 break
-            if key in self.in_flight:
+            if key in self.in_flight or (self.args.phase == "grid" and key.phase != "grid"):
                 continue
             arm = scale_arms.parse_scale_arm(key.arm)
             if arm.cache and (arm.teachers[0], arm.cache) not in self.caches_ready:

@@ -302,12 +302,16 @@ def markdown(rows: list[dict]) -> str:
     md = [
         f"# Healing a pruned SmolLM2 at scale: every arm tuned alike, {title}",
         "",
+        headline(s, rows),
+        "",
         f"Devices: {', '.join(devices) or '-'}; commits {', '.join(commits) or '-'}; "
         f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "
         f"steps of {head.get('batch')} x {head.get('ctx')}){grid_note}; the settings chosen on "
         "validation "
         "(seed 0), then scored once on held-out and fresh. Command: "
-        + (f"`{command}`." if command else "`python benchmarks/quality/scale.py --gpus ...`."),
+        + (f"`{command}`." if command else "`python benchmarks/quality/scale.py --gpus ...`.")
+        + " Rows: [quality_scale.jsonl](quality_scale.jsonl); per-arm figures: "
+        "[quality_scale_summary.json](quality_scale_summary.json).",
         "",
     ]
     if not n_seeds:
@@ -370,6 +374,44 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['arm']} | {r['lr']:g} | {r.get('kl_weight') or '-'} | {r.get('temperature') or '-'} | {v} |"
         )
     return "\n".join(md) + "\n"
+
+
+def headline(summary: dict[str, Any], rows: list[dict]) -> str:
+    """The current figures in one bold line: the best cross-tokenizer arm against the tuned CE
+    on both splits once final runs exist; before them, the best validation figure of the grid's
+    CE and of its KD arms (seed 0).
+
+    Args:
+        summary: :func:`summarize`'s result.
+        rows: the experiment's rows.
+
+    Returns:
+        The line (markdown).
+    """
+    arms, ce = summary["arms"], summary["ce"]
+    scored = [a for a in summary["cross"] if all(s in arms[a]["diff"] for s in SPLITS)]
+    if ce and scored:
+        best = min(scored, key=lambda a: arms[a]["diff"]["heldout"]["mean"])
+        d = arms[best]["diff"]
+        return (
+            f"**Current figures: the best cross-tokenizer arm, {best}, minus the tuned CE: "
+            f"held-out {_ci(d['heldout'])}, fresh {_ci(d['fresh'])} bits/byte "
+            f"({len(arms[best]['seeds'])} seeds).**"
+        )
+    grid = [r for r in rows if r.get("phase") == "grid" and r.get("validation_bpb") is not None]
+    if not grid:
+        return "**Current figures: none yet (no run is scored).**"
+    parts = []
+    for name, pick in (("CE", lambda r: not r["teachers"]), ("KD", lambda r: bool(r["teachers"]))):
+        rs = [r for r in grid if pick(r)]
+        if rs:
+            r = min(rs, key=lambda r: r["validation_bpb"])
+            parts.append(f"{name} {r['validation_bpb']:.4f} ({r['arm']}, lr {r['lr']:g})")
+    return (
+        "**Current figures (the grid so far, seed 0, validation bits/byte, best of each): "
+        + "; ".join(parts)
+        + ".**"
+    )
 
 
 def runs_table(rows: list[dict]) -> list[str]:

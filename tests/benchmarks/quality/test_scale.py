@@ -180,7 +180,7 @@ def _args(tmp_path: Path) -> argparse.Namespace:
         ctx=512, batch=16, limit=None, steps=2000, epochs=4, eval_every=100, eval_texts=64,
         tokens=20_000_000, grid_steps=2000, grid_tokens=20_000_000,
         lr=None, warmup=100, temperature=1.0, kl_weight=1.0, aliases={}, rollouts=None,
-        rollout_batch=None, kv_cache=None, max_staleness=None,
+        rollout_batch=None, kv_cache=None, max_staleness=None, phase="all",
     )  # fmt: skip
 
 
@@ -410,7 +410,11 @@ def test_the_report_opens_with_the_table_and_says_when_it_has_no_plot(tmp_path):
     for r in rows[:2]:
         r.update(resumed=True, wall_s=300.0, train_s=100.0)
     md = scale_report.write_report(rows, tmp_path)
-    assert md.startswith("# ") and md.splitlines()[4].startswith("| arm | seeds | lr |")
+    assert md.startswith("# ") and md.splitlines()[6].startswith("| arm | seeds | lr |")
+    assert md.splitlines()[2].startswith(
+        f"**Current figures: the best cross-tokenizer arm, pkl@{Q}+{G}, minus the tuned CE: "
+        "held-out -0.0700 ["
+    )
     assert f"| pkl@{Q} | 3 | 0.001 |" in md and "## Bars" in md
     finals = sum(1 for r in rows if r["phase"] == "final")
     assert f"| final | {finals} | 2 | 300 | 100 |" in md  # the runs' time and resumes
@@ -425,7 +429,7 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
     rows = []
     for arm, lr, bpb in (("ce", 1e-3, 0.73), ("ce", 5e-4, 0.75), (f"pkl@{Q}", 5e-4, 0.72)):
         rows.append(
-            _row(arm, 0, None, None, phase="grid", validation_bpb=bpb, lr=lr, tokens_budget=2000,
+            _row(arm, 0, None, None, [Q] if arm != "ce" else [], phase="grid", validation_bpb=bpb, lr=lr, tokens_budget=2000,
                  steps_budget=10, batch=16, ctx=512, command="python scale.py --gpus 0",
                  command_s=[200.0, 20.0], compile_s=80.0, train_s=50.0, wall_s=220.0,
                  curve=[{"step": 0, "bits_per_byte": 3.0}, {"step": 10, "bits_per_byte": bpb}])
@@ -434,6 +438,10 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
     md = scale_report.markdown(rows)
     assert md.startswith("# Healing a pruned SmolLM2 at scale: every arm tuned alike, the grid")
     assert "Command: `python scale.py --gpus 0`." in md
+    assert md.splitlines()[2] == (
+        "**Current figures (the grid so far, seed 0, validation bits/byte, best of each): "
+        f"CE 0.7300 (ce, lr 0.001); KD 0.7200 (pkl@{Q}, lr 0.0005).**"
+    )
     assert "No final run is scored yet (4 grid runs so far)" in md
     assert "| grid | 4 | 0 | 220 | 50 | 200 | 80 | 20 |" in md
     best = scale_report.plotted_curves(rows)
@@ -638,6 +646,24 @@ def _bare_experiment(tmp_path: Path) -> scale.Experiment:
     exp.student_dir = tmp_path / "student"
     exp.projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
     return exp
+
+
+def test_a_grid_only_call_starts_no_final_run_while_the_grid_has_runs_left(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    exp.arms = [scale_arms.parse_scale_arm(s) for s in ("ce", f"pkl@{Q}")]
+    exp.grid = GridSpec(lrs=(5e-4, 1e-3, 2e-3), kl_weights=(0.5,), temperatures=(1.0,),
+                        seeds=(0, 1))  # fmt: skip
+    exp.rerun, exp.caches_ready, exp.in_flight, exp.busy = None, set(), set(), {}
+    exp.args.grid_steps = exp.args.steps
+    exp.results = {RunKey("grid", "ce", 0, lr, None, None): v
+                   for lr, v in ((5e-4, 0.75), (1e-3, 0.73), (2e-3, 0.76))}  # fmt: skip
+    assert {k.phase for k in exp.plan().pending} == {"grid", "final"}  # CE's finals are ready
+    exp.args.phase = "grid"
+    jobs = exp.next_jobs(10)
+    assert jobs and {j.key.phase for j in jobs} == {"grid"}
+    assert all(j.key.arm == f"pkl@{Q}" for j in jobs)
+    exp.args.phase, exp.in_flight, exp.busy = "all", set(), {}
+    assert "final" in {j.key.phase for j in exp.next_jobs(10)}
 
 
 def test_an_on_policy_arm_trains_its_off_policy_start_and_its_on_policy_part_in_one_run(tmp_path):
