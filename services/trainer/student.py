@@ -392,26 +392,34 @@ class Student:
         FSDP, where the eval calls the backbone and the output layer apart: the root's own
         parameters, embeddings and output layer, are gathered for the whole eval).
 
+        A compiled student evaluates eagerly: the eval's windows come in every length, and each
+        length range would compile an inference graph of its own (with CUDA graphs, record one
+        too) that no training step uses; a run's recompile count stays that of its steps.
+
         Args:
             texts: the held-out texts.
             ctx: tokens per eval window.
         """
         from xtoken_core.models.eval import bits_per_byte
 
-        if self.sharded:
-            with torch.no_grad():  # FSDP initializes itself on the first forward of the root
-                self.model(input_ids=self.pads(1, 1))
-            self.model.unshard()
-        self.module.eval()
-        try:
-            with self.autocast():
-                return bits_per_byte(
-                    self.module, self.tokenizer, texts, ctx=ctx, device=self.device
-                )
-        finally:
-            self.module.train()
+        eager = (
+            torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext()
+        )
+        with eager:
             if self.sharded:
-                self.model.reshard()
+                with torch.no_grad():  # FSDP initializes itself on the first forward of the root
+                    self.model(input_ids=self.pads(1, 1))
+                self.model.unshard()
+            self.module.eval()
+            try:
+                with self.autocast():
+                    return bits_per_byte(
+                        self.module, self.tokenizer, texts, ctx=ctx, device=self.device
+                    )
+            finally:
+                self.module.train()
+                if self.sharded:
+                    self.model.reshard()
 
     def export(self, out_dir: Any) -> None:
         """Export the student as a Hugging Face folder (collective under FSDP: the full weights

@@ -61,6 +61,19 @@ def test_compiled_student_trains_every_batch_length_without_recompiling():
     assert step.student.recompiles() == 0
 
 
+def test_a_compiled_student_evaluates_eagerly_compiling_nothing_for_its_windows():
+    step = _compiled_step()
+    assert _warm_up(step, max_length=40) is not None
+    texts = [f"def f(x):\n    return x + {i}\n" * (1 + 2 * i) for i in range(9)]
+    result = step.student.evaluate(texts, 32)  # windows of many lengths up to 32, batches of 8
+    assert step.student.recompiles() == 0
+    eager = build_step(setup.trainer_config(None)).student.evaluate(texts, 32)
+    assert result["bits_per_byte"] == pytest.approx(eager["bits_per_byte"], rel=1e-6)
+    for batch in setup.micro_batches():  # and the steps after it still replay what they built
+        step.run([setup.micro_batch(batch, ["a"], with_teacher=False)])
+    assert step.student.recompiles() == 0
+
+
 def test_compiled_student_gives_the_eager_logits_and_gradients():
     eager = build_step(setup.trainer_config(None)).student
     compiled = _compiled_step().student
