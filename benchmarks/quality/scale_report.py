@@ -416,7 +416,9 @@ def headline(summary: dict[str, Any], rows: list[dict]) -> str:
 
 def runs_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per phase, its runs, how many went on from a checkpoint of an earlier
-    call, and the median seconds of a run (training and scoring) and of its steps alone."""
+    call, the median seconds of a run (training and scoring) and of its steps alone, and, of the
+    runs trained in one call, the median seconds of the training command, of its start-up step
+    and of the scoring command."""
 
     def median(xs: list[float]) -> str:
         return f"{statistics.median(xs):.0f}" if xs else "-"
@@ -426,7 +428,7 @@ def runs_table(rows: list[dict]) -> list[str]:
         "## Runs",
         "",
         "Where a run's time goes (medians; a run trained in one call): its training command, of "
-        "which the start-up step (the students' compile and CUDA graph recording) and the steps; "
+        "which the start-up step (the student's compile and CUDA graph recording) and the steps; "
         "then its scoring command.",
         "",
         "| phase | runs | resumed from a checkpoint | median s a run (training, scoring) "
