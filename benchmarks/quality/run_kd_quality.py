@@ -163,6 +163,27 @@ def split_of(source: str, heldout: float, val: float) -> str:
     return "train"
 
 
+def split_digest(corpus: Path) -> str:
+    """A fingerprint of a split's training and validation texts (SHA-256 of ``train.jsonl`` and
+    ``val.jsonl``, 16 hex digits): rows of one experiment name it, so that runs on a split built
+    from other texts (another stdlib, another corpus builder) are never counted with them. The
+    held-out texts are the rest of the same source files, and the fresh split has its commit.
+
+    Args:
+        corpus: the split's folder.
+
+    Returns:
+        The fingerprint.
+    """
+    digest = hashlib.sha256()
+    for name in ("train.jsonl", "val.jsonl"):
+        digest.update(name.encode() + b"\0")
+        with open(corpus / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def build_split(
     out_dir: Path, heldout: float = 0.06, val: float = 0.06, fresh_rev: str = "HEAD"
 ) -> dict[str, Any]:

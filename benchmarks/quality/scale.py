@@ -35,7 +35,10 @@ can TRL's, and their rows say false.
 * **Lanes** (``scale_lanes``): one run per GPU at a time (``--gpus``, ``CUDA_VISIBLE_DEVICES``
   per run; ``--runs-per-gpu N`` for N at a time, as small students and teachers leave a GPU
   idle; ``--lanes N`` on the CPU), each run (training, then scoring on the same GPU) stopped
-  past ``--run-timeout-s``; a row is appended as soon as its run ends, and a later call skips
+  past ``--run-timeout-s``; a run that runs out of GPU memory beside others (its log says so)
+  runs again in the same call with a GPU to itself (no run starts beside it; its row says
+  ``gpu_alone``), so a number of runs per GPU too high for the largest arms costs time, not
+  rows; a row is appended as soon as its run ends, and a later call skips
   every run that has a scored row (a run trained but not scored is scored without training).
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
@@ -117,7 +120,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.quality import heal, heal_peer, scale_arms, scale_final, scale_grid  # noqa: E402
 from benchmarks.quality import run_kd_quality as kd  # noqa: E402
 from benchmarks.quality.scale_grid import RunKey  # noqa: E402
-from benchmarks.quality.scale_lanes import Job, Lanes  # noqa: E402
+from benchmarks.quality.scale_lanes import TIMED_OUT, Job, Lanes, ran_out_of_gpu_memory  # noqa: E402
 from services.trainer.checkpoint import latest_checkpoint  # noqa: E402
 
 logger = logging.getLogger("kd_quality.scale")
@@ -356,6 +359,7 @@ class Experiment:
         self.results: dict[RunKey, float | None] = {}
         self.in_flight: set = set()
         self.busy: dict[RunKey, set[Path]] = {}  # the run folders of the jobs running
+        self.alone: set = set()  # jobs that ran out of GPU memory beside others: run alone
         self.caches_ready: set[tuple[str, int]] = set()
 
     def _families(self) -> set[str]:
@@ -434,27 +438,32 @@ class Experiment:
             "sample_tokens": round(self.sample_tokens, 1),
             "epochs_allowed": a.epochs,
             "fresh_commit": split.get("fresh", {}).get("commit"),
+            "split_sha256": kd.split_digest(a.corpus),
             "smoke": bool(a.smoke),
         }
         other = self.load_results()
         logger.info(
             "[scale] %d arms, %d steps of %d x %d (%.0f tokens a sample; grid runs %d steps), "
-            "%d scored runs before, %d rows of another budget or fresh split left out",
+            "%d scored runs before, %d rows of another budget or split left out",
             len(self.arms), a.steps, a.batch, a.ctx, self.sample_tokens, a.grid_steps,
             len(self.results), other,
         )  # fmt: skip
 
     def load_results(self) -> int:
         """The runs done before, from the rows of this budget (a grid run's of the grid's, a
-        final run's of ``--tokens``) and, for the final runs, scored on this fresh split (the
-        grid reads the validation split alone); returns how many rows were left out."""
+        final run's of ``--tokens``), trained on this split's texts (``split_sha256``, where a
+        row has one) and, for the final runs, scored on this fresh split (the grid reads the
+        validation split alone); returns how many rows were left out."""
         other = 0
         for row in heal.read_rows([self.rows_path]):
             if row.get("mode") == "scale" and row.get("validation_bpb") is not None:
                 key = scale_grid.row_key(row)
                 fresh = row.get("fresh_commit") == self.meta["fresh_commit"]
-                if row.get("steps_budget") != self.budget(key)["steps_budget"] or (
-                    key.phase != "grid" and not fresh
+                split = row.get("split_sha256") in (None, self.meta.get("split_sha256"))
+                if (
+                    row.get("steps_budget") != self.budget(key)["steps_budget"]
+                    or not split
+                    or (key.phase != "grid" and not fresh)
                 ):
                     other += 1
                     continue
@@ -509,6 +518,8 @@ class Experiment:
             self.in_flight.add(key)
             self.busy[key] = dirs
             jobs.append(self.run_job(key, cfgs))
+        for job in jobs:
+            job.exclusive = job.key in self.alone
         return jobs
 
     def run_dir(self, key: RunKey) -> Path:
@@ -603,10 +614,21 @@ class Experiment:
 
     # ----------------------------------------------------------------- rows
 
-    def on_done(self, job: Job, code: int, wall: float, lane: str | None) -> None:
-        """Record a finished job: a cache as ready, a run as its row."""
+    def on_done(self, job: Job, code: int, wall: float, lane: str | None) -> bool:
+        """Record a finished job: a cache as ready, a run as its row; a job that ran out of GPU
+        memory beside other runs is given again, with a GPU of its own (returns True)."""
         self.in_flight.discard(job.key)
         self.busy.pop(job.key, None)
+        shared = bool(self.args.gpus) and self.args.runs_per_gpu > 1
+        if code not in (0, TIMED_OUT) and shared and not job.exclusive:
+            if ran_out_of_gpu_memory(job):
+                logger.warning(
+                    "[scale] %s ran out of GPU memory beside other runs: it runs again with "
+                    "a GPU of its own",
+                    job.key,
+                )
+                self.alone.add(job.key)
+                return True
         if job.key[0] == "cache":
             cache = self.caches[job.key[1:]]
             if code == 0:
@@ -617,7 +639,7 @@ class Experiment:
                     arm = scale_arms.parse_scale_arm(key.arm)
                     if (arm.teachers[:1], arm.cache) == (job.key[1:2], job.key[2]):
                         self.results[key] = None
-            return
+            return False
         row = self.row(job.key, code, wall, lane)
         # each command's wall seconds (the training stages, then the scoring): with train_s,
         # where a run's time goes besides its steps (start-up, scoring)
@@ -627,6 +649,7 @@ class Experiment:
         with open(self.rows_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         print(_line(row), flush=True)
+        return False
 
     def row(self, key: RunKey, code: int, wall: float, lane: str | None) -> dict:
         """The row of a finished run."""
@@ -691,6 +714,8 @@ class Experiment:
             # runs trained in one go: the rerun check); a final run that reuses a grid run's
             # training says so too
             "resumed": any((Path(c["run_dir"]) / RESUMED_MARK).exists() for c in cfgs),
+            # ran out of GPU memory beside other runs, then trained with the GPU to itself
+            "gpu_alone": key in self.alone,
             "val_curve": curve,
             "train_s": peer.get("wall_s")
             if arm.peer

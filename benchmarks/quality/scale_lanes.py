@@ -3,7 +3,9 @@ time (each sees its GPU alone through ``CUDA_VISIBLE_DEVICES``), each job a list
 in order on its lane, stopped (its whole process group) past a per-job timeout.
 
 Jobs are asked for whenever a lane is free, so what runs next can depend on what has finished
-(the grid extends a learning rate, a final run waits for its arm's choice).
+(the grid extends a learning rate, a final run waits for its arm's choice). Several lanes may
+name one GPU (runs sharing it); an ``exclusive`` job has its GPU to itself: it waits until the
+runs there end (no new one starts there meanwhile) and none starts beside it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
@@ -21,17 +25,24 @@ logger = logging.getLogger("kd_quality.scale")
 
 #: the exit code of a job stopped by its timeout (as ``timeout(1)`` reports one)
 TIMED_OUT = 124
+#: what a job's log says when a process of it ran out of GPU memory (PyTorch's error, the
+#: trainer's start-up check)
+OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|StartupOutOfMemory")
 
 
 @dataclasses.dataclass
 class Job:
     """Commands run one after another on one lane (the first that fails ends the job), their
-    output appended to ``log``; ``command_s`` gets each ended command's wall seconds."""
+    output appended to ``log``; ``command_s`` gets each ended command's wall seconds;
+    ``exclusive``: the job has its lane's GPU to itself; ``log_start``: the log's size when the
+    job started (what it wrote is the log from there)."""
 
     key: Hashable
     commands: list[list[str]]
     log: Path
     command_s: list[float] = dataclasses.field(default_factory=list)
+    exclusive: bool = False
+    log_start: int = 0
 
 
 @dataclasses.dataclass
@@ -77,7 +88,7 @@ class Lanes:
     def run(
         self,
         next_jobs: Callable[[int], list[Job]],
-        on_done: Callable[[Job, int, float, str | None], None],
+        on_done: Callable[[Job, int, float, str | None], bool | None],
         poll_s: float = 0.5,
         deadline: float | None = None,
     ) -> None:
@@ -85,8 +96,10 @@ class Lanes:
 
         Args:
             next_jobs: ``next_jobs(n)``: at most ``n`` jobs ready to start (asked again after
-                every finished job; each job it gives is started, once per key in this call).
-            on_done: ``on_done(job, exit code, wall seconds, lane)`` as each job ends.
+                every finished job; each job it gives is started, once per key in this call,
+                unless ``on_done`` asks for that key again).
+            on_done: ``on_done(job, exit code, wall seconds, lane)`` as each job ends; a true
+                return lets ``next_jobs`` give the job's key again (to run it another way).
             poll_s: seconds between looks at the running jobs.
             deadline: ``time.monotonic()`` past which no job starts (those running finish).
         """
@@ -103,15 +116,12 @@ class Lanes:
     def _loop(self, running, next_jobs, on_done, poll_s, deadline) -> None:
         """:meth:`run`'s loop; ``running`` (by lane) is the caller's, to stop what is left."""
         started: set[Hashable] = set()
+        held: list[Job] = []  # jobs given but not started (waiting for a GPU of their own)
         ask = True
         while True:
-            free = [i for i in range(len(self.lanes)) if i not in running]
             late = deadline is not None and time.monotonic() > deadline
-            if free and ask and not late:
-                ready = [j for j in next_jobs(len(free)) if j.key not in started]
-                for i, job in zip(free, ready):
-                    started.add(job.key)
-                    running[i] = self._start(job, self.lanes[i], 0, time.monotonic(), None)
+            if ask and not late:
+                held = self._start_ready(running, held, next_jobs, started)
                 ask = False
             if not running:
                 break
@@ -134,13 +144,65 @@ class Lanes:
                 r.log.close()
                 del running[i]
                 logger.info("[%s] %s exited %d after %.0fs", self.name, r.job.key, code, wall)
-                on_done(r.job, code, wall, r.lane)
+                if on_done(r.job, code, wall, r.lane):
+                    started.discard(r.job.key)
                 ask = True
+
+    def _start_ready(self, running, held, next_jobs, started) -> list[Job]:
+        """Start on the free lanes what may start: the jobs held before first, then new ones.
+
+        A GPU is closed to new jobs while an exclusive job runs there or waits for it (each
+        waiting exclusive job holds the GPU of the fewest runs not held by another); an
+        exclusive job starts on a GPU with no run. Returns the jobs given but not started.
+        """
+        reserved: set[str | None] = set()
+
+        def place(job: Job) -> int | None:
+            count = Counter(self.lanes[i] for i in running)
+            closed = reserved | {self.lanes[i] for i, r in running.items() if r.job.exclusive}
+            free = [i for i in range(len(self.lanes)) if i not in running]
+            if job.exclusive:
+                lane = next(
+                    (i for i in free if not count[self.lanes[i]] and self.lanes[i] not in reserved),
+                    None,
+                )
+                if lane is None:
+                    open_gpus = [g for g in dict.fromkeys(self.lanes) if g not in reserved]
+                    if open_gpus:
+                        reserved.add(min(open_gpus, key=lambda g: count[g]))
+                    logger.info("[%s] %s waits for a GPU of its own", self.name, job.key)
+                return lane
+            return next((i for i in free if self.lanes[i] not in closed), None)
+
+        waiting: list[Job] = []
+        for job in held:
+            if (lane := place(job)) is None:
+                waiting.append(job)
+            else:
+                self._launch(job, lane, running, started)
+        closed = reserved | {self.lanes[i] for i, r in running.items() if r.job.exclusive}
+        n_open = sum(
+            1 for i in range(len(self.lanes)) if i not in running and self.lanes[i] not in closed
+        )
+        if n_open:
+            for job in next_jobs(n_open):
+                if job.key in started:
+                    continue
+                if (lane := place(job)) is None:
+                    waiting.append(job)
+                else:
+                    self._launch(job, lane, running, started)
+        return waiting
+
+    def _launch(self, job: Job, lane: int, running: dict, started: set) -> None:
+        started.add(job.key)
+        running[lane] = self._start(job, self.lanes[lane], 0, time.monotonic(), None)
 
     def _start(self, job: Job, lane: str | None, step: int, t0: float, log) -> _Running:
         if log is None:
             job.log.parent.mkdir(parents=True, exist_ok=True)
             log = open(job.log, "a", encoding="utf-8")
+            job.log_start = log.tell()
         env = self.env if lane is None else {**self.env, "CUDA_VISIBLE_DEVICES": lane}
         log.write(f"$ {' '.join(job.commands[step])}\n")
         log.flush()
@@ -155,6 +217,18 @@ class Lanes:
         where = "" if lane is None else f" on GPU {lane}"
         logger.info("[%s] %s step %d%s (pid %d)", self.name, job.key, step, where, proc.pid)
         return _Running(job, lane, proc, step, t0, log, time.monotonic())
+
+
+def ran_out_of_gpu_memory(job: Job) -> bool:
+    """Whether the job's own part of its log (from ``job.log_start``) says that it ran out of GPU
+    memory."""
+    try:
+        with open(job.log, "rb") as f:
+            f.seek(job.log_start)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    return OUT_OF_MEMORY.search(text) is not None
 
 
 def _stop_all(procs: list[subprocess.Popen], wait_s: float = 15.0) -> None:

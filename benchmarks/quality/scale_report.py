@@ -289,6 +289,7 @@ def markdown(rows: list[dict]) -> str:
     n_seeds = max((len(a["seeds"]) for a in s["arms"].values()), default=0)
     devices = sorted({r["device"] for r in rows})
     commits = sorted({r["commit"] for r in rows})
+    splits = sorted({r["split_sha256"] for r in rows if r.get("split_sha256")})
     finals = [r for r in rows if r.get("phase") != "grid"]
     head = finals[0] if finals else rows[0] if rows else {}
     grid = next((r for r in rows if r.get("phase") == "grid"), {})
@@ -305,7 +306,8 @@ def markdown(rows: list[dict]) -> str:
         headline(s, rows),
         "",
         f"Devices: {', '.join(devices) or '-'}; commits {', '.join(commits) or '-'}; "
-        f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "
+        + (f"split {', '.join(splits)} (its train and val texts' SHA-256); " if splits else "")
+        + f"{head.get('tokens_budget', 0):,} student tokens per run ({head.get('steps_budget')} "
         f"steps of {head.get('batch')} x {head.get('ctx')}){grid_note}; the settings chosen on "
         "validation "
         "(seed 0), then scored once on held-out and fresh. Command: "
@@ -315,9 +317,11 @@ def markdown(rows: list[dict]) -> str:
         "",
     ]
     if not n_seeds:
-        grid_runs = sum(1 for r in rows if r.get("phase") == "grid")
+        grid = first_rows([r for r in rows if r.get("phase") == "grid"])
+        grid_runs = sum(1 for r in grid if r.get("validation_bpb") is not None)
         md += [
-            f"No final run is scored yet ({grid_runs} grid runs so far): this table fills as the "
+            f"No final run is scored yet ({grid_runs} grid settings scored so far): this table "
+            "fills as the "
             "final runs are scored; the grid's validation figures (seed 0) are at the end.",
             "",
         ]
@@ -341,6 +345,7 @@ def markdown(rows: list[dict]) -> str:
     for name, figs, met in bars(s, rows):
         md.append(f"| {name} | {figs} | {'-' if met is None else 'yes' if met else 'no'} |")
     md += runs_table(rows)
+    md += repeats(rows)
     if s["ce"]:
         md += [
             "",
@@ -363,7 +368,7 @@ def markdown(rows: list[dict]) -> str:
         if r["phase"] == "final"
     }
     for r in sorted(
-        (r for r in rows if r["phase"] == "grid"),
+        first_rows([r for r in rows if r["phase"] == "grid"]),
         key=lambda r: (r["arm"], r["lr"], str(r.get("kl_weight")), str(r.get("temperature"))),
     ):
         mark = (
@@ -412,6 +417,45 @@ def headline(summary: dict[str, Any], rows: list[dict]) -> str:
         + "; ".join(parts)
         + ".**"
     )
+
+
+def _setting(r: dict) -> tuple:
+    return (r["phase"], r["arm"], r["seed"], r["lr"], r.get("kl_weight"), r.get("temperature"))
+
+
+def first_rows(rows: list[dict]) -> list[dict]:
+    """One row per run setting: its first scored row, else its first row (a failure)."""
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        k = _setting(r)
+        if k not in by or (by[k].get("exit") != 0 and r.get("exit") == 0):
+            by[k] = r
+    return list(by.values())
+
+
+def repeats(rows: list[dict]) -> list[str]:
+    """Markdown lines on the settings trained more than once (deterministic runs, in other
+    calls or on other machines, as when a call's rows were not carried to the next): whether
+    every training of each gave the same weights and validation figure."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("exit") == 0 and r.get("deterministic") and r.get("weights_sha256"):
+            by.setdefault(_setting(r), []).append(r)
+    twice = {k: rs for k, rs in by.items() if len(rs) > 1}
+    if not twice:
+        return []
+    equal = [
+        k
+        for k, rs in twice.items()
+        if len({(r["weights_sha256"], r.get("validation_bpb")) for r in rs}) == 1
+    ]
+    return [
+        "",
+        f"Trained more than once: {len(twice)} settings "
+        f"({', '.join(sorted({k[1] for k in twice}))}), {sum(map(len, twice.values()))} "
+        f"trainings; bitwise-equal weights and validation figure for {len(equal)} of "
+        f"{len(twice)}.",
+    ]
 
 
 def runs_table(rows: list[dict]) -> list[str]:

@@ -23,7 +23,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.quality import scale, scale_arms, scale_grid, scale_report  # noqa: E402
 from benchmarks.quality.scale_grid import GridSpec, RunKey  # noqa: E402
-from benchmarks.quality.scale_lanes import TIMED_OUT, Job, Lanes  # noqa: E402
+from benchmarks.quality.scale_lanes import (  # noqa: E402
+    TIMED_OUT,
+    Job,
+    Lanes,
+    ran_out_of_gpu_memory,
+)
 
 ROWS = scale.ROWS_FILE
 
@@ -306,6 +311,123 @@ def test_lanes_run_one_job_per_lane_in_order_stop_at_a_failure_and_at_the_timeou
     assert max(asked) <= 2  # never more than the free lanes
 
 
+def _timed_job(key, tmp_path, sleep_s, exclusive=False):
+    """A job that writes its start and end times to ``<key>.times``."""
+    out = tmp_path / f"{key}.times"
+    code = (
+        f"import time; f = open({str(out)!r}, 'w'); f.write(repr(time.time()) + ' '); "
+        f"time.sleep({sleep_s}); f.write(repr(time.time()))"
+    )
+    return Job(key, [[sys.executable, "-c", code]], tmp_path / f"{key}.log", exclusive=exclusive)
+
+
+def _times(tmp_path, key):
+    start, end = (tmp_path / f"{key}.times").read_text().split()
+    return float(start), float(end)
+
+
+def test_an_exclusive_job_waits_for_its_gpu_to_empty_and_nothing_starts_beside_it(tmp_path):
+    jobs = [
+        _timed_job("a", tmp_path, 1.0),
+        _timed_job("alone", tmp_path, 1.0, exclusive=True),
+        _timed_job("b", tmp_path, 0.2),
+        _timed_job("other_gpu", tmp_path, 0.2),
+    ]
+    given, done = [], []
+
+    def next_jobs(n):
+        ready = [j for j in jobs if j.key not in given][:n]
+        given.extend(j.key for j in ready)
+        return ready
+
+    # two lanes share GPU 0, one lane is GPU 1
+    Lanes(["0", "0", "1"], 60.0, tmp_path).run(
+        next_jobs, lambda job, code, wall, lane: done.append((job.key, code, lane)), 0.05
+    )
+    # the exclusive job took the empty GPU; the others shared GPU 0, none beside it
+    assert sorted(done) == [("a", 0, "0"), ("alone", 0, "1"), ("b", 0, "0"), ("other_gpu", 0, "0")]
+
+
+def test_an_exclusive_job_on_a_shared_gpu_starts_once_the_runs_there_end(tmp_path):
+    jobs = [
+        _timed_job("a", tmp_path, 1.0),
+        _timed_job("alone", tmp_path, 0.5, exclusive=True),
+        _timed_job("b", tmp_path, 0.2),
+    ]
+    given, done = [], []
+
+    def next_jobs(n):
+        ready = [j for j in jobs if j.key not in given][:n]
+        given.extend(j.key for j in ready)
+        return ready
+
+    Lanes(["0", "0"], 60.0, tmp_path).run(
+        next_jobs, lambda job, code, wall, lane: done.append(job.key), 0.05
+    )
+    assert sorted(done) == ["a", "alone", "b"]
+    a, alone, b = (_times(tmp_path, k) for k in ("a", "alone", "b"))
+    assert alone[0] >= a[1]  # it waited for a to end
+    assert b[0] >= alone[1]  # and b, given after it, waited for it
+
+
+def test_a_job_that_ran_out_of_gpu_memory_is_given_again_when_on_done_asks(tmp_path):
+    flag = tmp_path / "failed_once"
+    code = (
+        "import pathlib, sys\n"
+        f"p = pathlib.Path({str(flag)!r})\n"
+        "if not p.exists():\n"
+        "    p.write_text('x')\n"
+        # (in pieces: the log's first line is the command itself)
+        "    print('torch.OutOfMemory' + 'Error: CUDA out of' + ' memory. Tried to allocate')\n"
+        "    sys.exit(1)\n"
+        "print('trained')\n"
+    )
+    job = Job("run", [[sys.executable, "-c", code]], tmp_path / "run.log")
+    ends = []
+
+    def next_jobs(n):
+        return [] if ends and ends[-1][1] == 0 else [job]
+
+    def on_done(j, code, wall, lane):
+        oom = ran_out_of_gpu_memory(j)
+        ends.append((j.exclusive, code, oom))
+        if code and oom and not j.exclusive:
+            j.exclusive, j.command_s = True, []
+            return True
+        return False
+
+    Lanes(["0", "0"], 60.0, tmp_path).run(next_jobs, on_done, 0.05)
+    # the second run reads only its own part of the log: no out-of-memory line there
+    assert ends == [(False, 1, True), (True, 0, False)]
+    assert "trained" in (tmp_path / "run.log").read_text()
+
+
+def test_a_run_out_of_gpu_memory_beside_others_is_run_again_alone_without_a_row(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    exp.args.gpus, exp.args.runs_per_gpu = [0], 3
+    exp.in_flight, exp.busy, exp.results, exp.out = set(), {}, {}, tmp_path
+    exp.rows_path = tmp_path / "rows.jsonl"
+    key = RunKey("grid", f"pkl@{Q}", 0, 5e-4, 0.5, 1.0)
+    exp.row = lambda *a: {"phase": "grid", "arm": key.arm, "seed": 0, "lr": 5e-4, "exit": 1,
+                          "validation_bpb": None, "heldout_bpb": None, "fresh_bpb": None}  # fmt: skip
+    log = tmp_path / "run.log"
+    log.write_text("an earlier call: torch.OutOfMemoryError\n")
+    job = Job(key, [["true"]], log, log_start=log.stat().st_size)
+    with open(log, "a") as f:
+        f.write("xtoken run: trainer0 exited with code 1\n")
+    assert exp.on_done(job, 1, 10.0, "0") is False  # failed otherwise: its row
+    assert len(exp.rows_path.read_text().splitlines()) == 1
+    with open(log, "a") as f:
+        f.write("services.trainer.startup.StartupOutOfMemory: a student step does not fit\n")
+    assert exp.on_done(job, 1, 10.0, "0") is True  # out of memory beside others: again
+    assert key in exp.alone and len(exp.rows_path.read_text().splitlines()) == 1
+    job.exclusive = True  # alone it fails again: now a row says so
+    assert exp.on_done(job, 1, 10.0, "0") is False
+    assert len(exp.rows_path.read_text().splitlines()) == 2
+    exp.args.runs_per_gpu, job.exclusive = 1, False  # it had its GPU to itself: no retry
+    assert exp.on_done(job, 1, 10.0, "0") is False
+
+
 def test_a_sigterm_to_the_lanes_process_stops_its_running_jobs_too(tmp_path):
     pidfile, log = tmp_path / "job.pid", tmp_path / "job.log"
     job = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
@@ -442,10 +564,31 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
         "**Current figures (the grid so far, seed 0, validation bits/byte, best of each): "
         f"CE 0.7300 (ce, lr 0.001); KD 0.7200 (pkl@{Q}, lr 0.0005).**"
     )
-    assert "No final run is scored yet (4 grid runs so far)" in md
+    assert "No final run is scored yet (3 grid settings scored so far)" in md
     assert "| grid | 4 | 0 | 220 | 50 | 200 | 80 | 20 |" in md
     best = scale_report.plotted_curves(rows)
     assert sorted(best) == ["ce", f"pkl@{Q}"] and best["ce"][0]["lr"] == 1e-3
+
+
+def test_the_grid_table_shows_a_setting_once_and_the_report_says_whether_repeats_were_equal():
+    base = {"phase": "grid", "arm": "ce", "seed": 0, "lr": 1e-3, "kl_weight": None,
+            "temperature": None, "deterministic": True}  # fmt: skip
+    rows = [
+        {**base, "exit": 1, "validation_bpb": None, "weights_sha256": None},  # out of memory
+        {**base, "exit": 0, "validation_bpb": 0.73, "weights_sha256": "aa"},
+        {**base, "exit": 0, "validation_bpb": 0.73, "weights_sha256": "aa"},  # trained again
+        {**base, "lr": 5e-4, "exit": 0, "validation_bpb": 0.75, "weights_sha256": "bb"},
+        {**base, "lr": 5e-4, "exit": 0, "validation_bpb": 0.75, "weights_sha256": "cc"},
+        {**base, "lr": 2e-3, "exit": 1, "validation_bpb": None, "weights_sha256": None},
+    ]
+    firsts = scale_report.first_rows(rows)
+    assert [(r["lr"], r["exit"]) for r in firsts] == [(1e-3, 0), (5e-4, 0), (2e-3, 1)]
+    assert firsts[0] is rows[1]  # the first scored row, not the failure before it
+    assert scale_report.repeats(rows)[-1] == (
+        "Trained more than once: 2 settings (ce), 4 trainings; bitwise-equal weights and "
+        "validation figure for 1 of 2."
+    )
+    assert scale_report.repeats(rows[:2] + rows[3:4]) == []
 
 
 # --------------------------------------------------------------------------- bad settings
@@ -643,6 +786,7 @@ def _bare_experiment(tmp_path: Path) -> scale.Experiment:
     args.gpus, args.val_limit, args.eval_limit, args.functions = None, None, None, 0
     args.nextline_lines, args.nextline_new_tokens, args.completion_new_tokens = 4, 8, 8
     exp.args, exp.work, exp.scorer, exp.caches = args, tmp_path, None, {}
+    exp.alone = set()
     exp.student_dir = tmp_path / "student"
     exp.projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
     return exp
@@ -745,11 +889,11 @@ def test_a_grid_budget_above_the_final_one_is_refused_with_exit_2(capsys):
     )
 
 
-def test_rows_of_another_budget_or_fresh_split_are_not_counted_as_runs_done(tmp_path):
+def test_rows_of_another_budget_split_or_fresh_split_are_not_counted_as_runs_done(tmp_path):
     exp = _bare_experiment(tmp_path)
     exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000
     exp.results, exp.rows_path = {}, tmp_path / "rows.jsonl"
-    exp.meta = {"fresh_commit": "aaa"}
+    exp.meta = {"fresh_commit": "aaa", "split_sha256": "s1"}
     key = {"mode": "scale", "arm": "ce", "seed": 0, "lr": 1e-3, "validation_bpb": 1.0}
     key["fresh_commit"] = "aaa"
     rows = [
@@ -759,14 +903,17 @@ def test_rows_of_another_budget_or_fresh_split_are_not_counted_as_runs_done(tmp_
         {**key, "phase": "final", "steps_budget": 200, "seed": 1},  # another budget's final
         {**key, "phase": "final", "steps_budget": 2000, "seed": 2, "fresh_commit": "bbb"},
         {**key, "phase": "grid", "steps_budget": 200, "seed": 3, "fresh_commit": "bbb"},
-    ]  # the last two: scored on another fresh split (the grid reads none)
+        {**key, "phase": "grid", "steps_budget": 200, "seed": 4, "split_sha256": "s2"},
+        {**key, "phase": "grid", "steps_budget": 200, "seed": 5, "split_sha256": "s1"},
+    ]  # seeds 2-3: scored on another fresh split (the grid reads none); seed 4: other texts
     exp.rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert exp.load_results() == 3
+    assert exp.load_results() == 4
     assert sorted(exp.results) == sorted(
         [
             RunKey("grid", "ce", 0, 1e-3, None, None),
             RunKey("final", "ce", 0, 1e-3, None, None),
             RunKey("grid", "ce", 3, 1e-3, None, None),
+            RunKey("grid", "ce", 5, 1e-3, None, None),
         ]
     )
 
