@@ -682,7 +682,7 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
     """Curves and totals of a finished run from its metrics."""
     from services.common.metrics import read_jsonl
 
-    steps, evals, teacher = [], [], None
+    steps, evals, teacher, teacher_mib = [], [], None, []
     for r in read_jsonl(run_dir / "metrics" / "trainer.rank0.jsonl"):
         if r.get("event") == "step":
             steps.append(r)
@@ -692,6 +692,9 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
         for r in read_jsonl(path):
             if r.get("event") == "eval":
                 teacher = r["bits_per_byte"]
+            if isinstance(r.get("memory_mb"), int | float):
+                teacher_mib.append(r["memory_mb"])
+    trainer_mib = [r["memory_mb"] for r in steps if isinstance(r.get("memory_mb"), int | float)]
     every = max(1, len(steps) // 200)
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -705,6 +708,12 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
         # and the first step, which waits for the teachers' first logits
         "compile_s": summary.get("compile_s"),
         "first_step_s": round(steps[0].get("step_s", 0.0), 2) if steps else None,
+        # the most GPU memory PyTorch allocated in the trainer and in any teacher process (MiB;
+        # its allocator reserves more): what decides how many runs share a GPU
+        "peak_memory_mib": {
+            "trainer": max(trainer_mib, default=None),
+            "teacher": max(teacher_mib, default=None),
+        },
         "val_curve": evals,
         "loss_curve": [
             {

@@ -723,6 +723,13 @@ class Experiment:
             # of the stages' start-up: compile (None: eager) and the first step's wait for logits
             "compile_s": _stage_sum(stages, "compile_s"),
             "first_step_s": _stage_sum(stages, "first_step_s"),
+            "peak_memory_mib": {
+                k: max(
+                    (v for st in stages if (v := st["peak_memory_mib"][k]) is not None),
+                    default=None,
+                )
+                for k in ("trainer", "teacher")
+            },
             "scores": {s: _brief(v) for s, v in final.items()} or None,
         }
         if arm.peer:

@@ -378,12 +378,17 @@ def test_a_runs_totals_split_its_start_up_compile_and_first_step_and_a_bad_summa
     metrics = tmp_path / "metrics"
     metrics.mkdir()
     steps = [
-        {"event": "step", "step": i, "tokens": 10, "step_s": s} for i, s in ((1, 9.5), (2, 0.5))
+        {"event": "step", "step": i, "tokens": 10, "step_s": s, "memory_mb": m}
+        for i, s, m in ((1, 9.5, 900.0), (2, 0.5, 1200.5))
     ]
     (metrics / "trainer.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (tmp_path / "summary.json").write_text(json.dumps({"compile_s": 42.0}))
     totals = collect("ce", 0, tmp_path)
     assert (totals["compile_s"], totals["first_step_s"], totals["train_s"]) == (42.0, 9.5, 10.0)
+    assert totals["peak_memory_mib"] == {"trainer": 1200.5, "teacher": None}
+    teacher = [{"event": "batch", "memory_mb": 3000.0}, {"event": "eval", "bits_per_byte": 0.7}]
+    (metrics / "teacher.group0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in teacher))
+    assert collect("pkl", 0, tmp_path)["peak_memory_mib"] == {"trainer": 1200.5, "teacher": 3000.0}
     (tmp_path / "summary.json").write_text("{not json")  # a run killed while writing it
     assert collect("ce", 0, tmp_path)["compile_s"] is None
     (tmp_path / "summary.json").unlink()
