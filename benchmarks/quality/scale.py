@@ -178,6 +178,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "saves each run its start-up compile (the rows' compile_s) for slower steps",
     )
     p.add_argument(
+        "--length-multiple",
+        type=int,
+        default=1,
+        help="pad the students' micro-batch lengths up to a multiple of this "
+        "(trainer.compute.length_multiple; it must divide --ctx): fewer distinct lengths, "
+        "fewer CUDA graphs recorded per run, for a little padding",
+    )
+    p.add_argument(
         "--deadline-s",
         type=float,
         default=None,
@@ -234,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
     if args.runs_per_gpu < 1:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
+    if args.length_multiple < 1 or args.ctx % args.length_multiple:
+        p.error(f"--length-multiple {args.length_multiple}: give a divisor of --ctx ({args.ctx})")
     if args.checkpoint_every < 0:
         p.error(f"--checkpoint-every {args.checkpoint_every}: give 0 (none) or more steps")
     if args.grid_tokens is not None and not 0 < args.grid_tokens <= args.tokens:

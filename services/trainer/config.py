@@ -163,6 +163,7 @@ class TrainerConfig:
         if self.on_policy.enabled:
             self.check_on_policy()
         self.check_deterministic()
+        self.check_length_multiple()
         if loss.teacher_vocab_size != (None,):
             raise ValueError(
                 f"loss.teacher_vocab_size={loss.teacher_vocab_size[0]}: the trainer sets it "
@@ -246,6 +247,20 @@ class TrainerConfig:
                 "compute.deterministic needs feed.ordered: true (without it a claim takes what is "
                 "ready, so which samples share a micro-batch depends on timing); set "
                 "feed.ordered: true, or compute.deterministic: false"
+            )
+
+    def check_length_multiple(self) -> None:
+        """Micro-batch lengths padded to a multiple stay within ``student.max_length``.
+
+        Raises:
+            ValueError: ``compute.length_multiple`` does not divide ``student.max_length``.
+        """
+        multiple, longest = self.compute.length_multiple, self.student.max_length or 128
+        if longest % multiple:
+            raise ValueError(
+                f"compute.length_multiple={multiple} does not divide student.max_length="
+                f"{longest}: a micro-batch padded up to it could outgrow the length the start-up "
+                "step checks; use a divisor (64 for 512, 4096)"
             )
 
     def check_projection(self) -> None:

@@ -297,6 +297,16 @@ class ComputeConfig:
             "trained": False,
         },
     )
+    length_multiple: int = field(
+        default=1,
+        metadata={
+            "help": "pad each micro-batch's student length up to a multiple of this (it must "
+            "divide student.max_length): with CUDA graphs a layer records one graph per "
+            "distinct length, so a multiple of 64 bounds the recordings at max_length / 64 for "
+            "up to 63 pad tokens a row; 1: the longest sample's length",
+            "trained": False,
+        },
+    )
     gc_every: int = field(
         default=50,
         metadata={
@@ -317,6 +327,8 @@ class ComputeConfig:
             )
         if self.gc_every < 0:
             raise ValueError(f"gc_every={self.gc_every}: must be >= 0")
+        if self.length_multiple < 1:
+            raise ValueError(f"length_multiple={self.length_multiple}: must be >= 1")
         if self.fused_head_rows < 1:
             raise ValueError(f"fused_head_rows={self.fused_head_rows}: must be >= 1")
 

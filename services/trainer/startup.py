@@ -25,7 +25,12 @@ class StartupOutOfMemory(RuntimeError):
 
 
 def warm_up(
-    student: Student, *, micro_batch: int, max_length: int, head: Any = None
+    student: Student,
+    *,
+    micro_batch: int,
+    max_length: int,
+    head: Any = None,
+    length_multiple: int = 1,
 ) -> float | None:
     """One forward and backward at ``micro_batch x max_length`` before training: compiles the
     student (once per run), and shows at start that a step's activations fit in memory.
@@ -38,6 +43,8 @@ def warm_up(
         micro_batch: samples per micro-batch.
         max_length: the longest micro-batch in tokens (0: 128).
         head: the step's fused output head, or None (the student's logits).
+        length_multiple: micro-batch lengths are multiples of it (``compute.length_multiple``):
+            so are the ladder's.
 
     Returns:
         Seconds the step took (compile included), or None when skipped.
@@ -51,6 +58,7 @@ def warm_up(
     # the longest first (the memory check), then the shorter ones that need graphs of their
     # own (services/trainer/compile.py); eager needs the longest only
     lengths = warm_lengths(length) if student.compiled else [length]
+    lengths = list(dict.fromkeys(-(-n // length_multiple) * length_multiple for n in lengths))
     # CUDA graph trees run a function's first call in a length as a warm-up and record it at
     # the second: two steps per length, so that a run's first steps replay
     repeats = 2 if student.cuda_graphs else 1

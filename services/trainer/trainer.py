@@ -228,7 +228,11 @@ class Trainer:
         # each teacher's rows padded with its own pad id (a list of one per teacher with several)
         pad_ids = [resolve_pad_id(load_tokenizer(t.tokenizer)) for t in config.teachers()]
         teacher_pad_id = pad_ids[0] if len(pad_ids) == 1 else pad_ids
-        self.pads = {"student_pad_id": self.student.pad_id, "teacher_pad_id": teacher_pad_id}
+        self.pads = {
+            "student_pad_id": self.student.pad_id,
+            "teacher_pad_id": teacher_pad_id,
+            "make_seq_div_by_student": config.compute.length_multiple,
+        }
         self.readers, self.output_layers = self._teacher_links()
         # per teacher, the width of the cache that serves it (None: a live teacher)
         self.cached_widths = [cache_width(t.link.cache) for t in config.teachers()]
@@ -349,6 +353,7 @@ class Trainer:
             micro_batch=config.feed.micro_batch,
             max_length=config.student.max_length,
             head=self.student_step.head,
+            length_multiple=config.compute.length_multiple,
         )
         if compile_s is not None:
             self.metrics.write(

@@ -859,6 +859,23 @@ def test_compile_on_or_off_reaches_the_trainer_and_auto_leaves_its_default(tmp_p
     assert scale.parse_args(["--compile", "off"]).compile == "off"
 
 
+def test_a_length_multiple_reaches_the_trainer_and_one_not_dividing_the_context_is_refused(
+    tmp_path, capsys
+):
+    exp = _bare_experiment(tmp_path)
+    key = RunKey("grid", "ce", 0, 1e-3, None, None)
+    arm = scale_arms.parse_scale_arm(key.arm)
+    (cfg,) = exp.configs(key, arm)
+    assert "length_multiple" not in cfg["trainer"]["compute"]  # the trainer's default
+    exp.args.length_multiple = 64
+    (cfg,) = exp.configs(key, arm)
+    assert cfg["trainer"]["compute"]["length_multiple"] == 64
+    with pytest.raises(SystemExit) as e:
+        scale.parse_args(["--length-multiple", "48", "--ctx", "512"])
+    assert e.value.code == 2
+    assert "--length-multiple 48: give a divisor of --ctx (512)" in capsys.readouterr().err
+
+
 def test_grid_runs_train_the_grid_budget_apart_and_final_runs_the_full_one(tmp_path):
     exp = _bare_experiment(tmp_path)
     exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000

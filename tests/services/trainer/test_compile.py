@@ -146,3 +146,37 @@ def test_a_triton_kernel_compiled_after_the_first_step_counts_as_a_recompile(mon
     assert step.student.recompiles() == 0
     triton.knobs.runtime.jit_post_compile_hook(fn=None, key="k")  # what Triton calls after one
     assert step.student.recompiles() == 1 and seen == [1, 1]
+
+
+def test_a_micro_batch_padded_to_a_length_multiple_trains_to_the_same_loss_and_weights(tmp_path):
+    from xtoken_core.data.sample import pad_samples
+
+    projection = setup.write_projection(tmp_path / "proj.pt")
+    rows = setup.samples()[:2]
+    plain = pad_samples(rows, **setup.pads())
+    padded = pad_samples(rows, **setup.pads(), make_seq_div_by_student=16)
+    assert plain["input_ids"].shape[1] % 16 and padded["input_ids"].shape[1] % 16 == 0
+    out = []
+    for batch in (plain, padded):
+        torch.manual_seed(0)
+        step = build_step(setup.trainer_config(projection, compute={"length_multiple": 16}))
+        loss = step.run([setup.micro_batch(batch, ["a", "b"])]).metrics["loss"]
+        out.append((loss, [p.detach().clone() for p in step.student.module.parameters()]))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-5)
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # AdamW: ~lr-sized steps
+
+
+def test_the_start_up_ladder_takes_lengths_of_the_multiple(monkeypatch):
+    import services.trainer.startup as startup
+
+    step = _compiled_step()
+    seen = []
+    monkeypatch.setattr(
+        startup, "warm_step", lambda student, ids, head=None: seen.append(ids.shape[1])
+    )
+    warm_up(step.student, micro_batch=2, max_length=192, length_multiple=48)
+    assert seen == [192, 96]  # multiples of 48 already
+    seen.clear()
+    warm_up(step.student, micro_batch=2, max_length=320, length_multiple=64)
+    assert seen == [320, 192, 128]  # 160 and 80 rounded up to multiples of 64

@@ -186,12 +186,24 @@ def test_the_student_section_is_a_mapping_and_a_student_string_is_the_old_key():
         ({"eval": {"texts": -1}}, r"^trainer\.eval: texts=-1: must be >= 0 \(0: no held-out"),
         ({"observe": {"report_to": ["mlflow"]}}, r"^trainer\.observe: report_to: unknown"),
         ({"compute": {"gc_every": -1}}, r"^trainer\.compute: gc_every=-1: must be >= 0$"),
+        (
+            {"compute": {"length_multiple": 0}},
+            r"^trainer\.compute: length_multiple=0: must be >= 1$",
+        ),
         ({"student": {"max_length": -1}}, r"^trainer\.student: max_length=-1: must be >= 0"),
     ],
 )
 def test_a_section_checks_its_own_settings_naming_the_section(section, pattern):
     with pytest.raises(ConfigError, match=pattern):
         from_dict(TrainerConfig, {"loss": {"mode": "ce"}, **section}, path="trainer")
+
+
+def test_a_length_multiple_that_does_not_divide_the_max_length_is_refused_naming_both():
+    base = {"loss": {"mode": "ce"}, "student": {"max_length": 512}}
+    with pytest.raises(ConfigError, match=r"^compute\.length_multiple=48 does not divide student"):
+        from_dict(TrainerConfig, {**base, "compute": {"length_multiple": 48}})
+    config = from_dict(TrainerConfig, {**base, "compute": {"length_multiple": 64}})
+    assert config.compute.length_multiple == 64
 
 
 def test_a_check_across_sections_names_the_keys_of_both():
