@@ -9,8 +9,9 @@ Qwen2.5-Coder-0.5B and Gemma-3-270M (other tokenizers), against CE only. The arm
 one run (``extra_teachers``); the teacher cache against the same teacher online (top-K, the same
 K); top-K targets K = 32 and 64 against full logits; on-policy at fractions 0.25 and 0.5 after an
 off-policy start (half the budget, in the same run: one optimizer and one schedule); TRL's GOLD
-trainer on the same student, teacher, texts and budget (``trl-gold@qwen2.5-coder-0.5b``, tuned on
-the same rate grid, run under ``--trl-python`` or ``.venv-bench``; left out with one line where
+trainer on the same student, teacher, texts and budget, or on ``--peer-tokens`` (a budget of its
+own, grid and final: it trains far slower) (``trl-gold@qwen2.5-coder-0.5b``, tuned on the same
+rate grid, run under ``--trl-python`` or ``.venv-bench``; left out with one line where
 trl is not installed; a reference point in the table, judged by no bar). Every off-policy xtoken
 run is bitwise reproducible (``trainer.compute.deterministic`` with ``data.ordered``; the row says
 ``deterministic: true``); an on-policy run cannot be (its samples come in no fixed order), nor
@@ -178,6 +179,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "saves each run its start-up compile (the rows' compile_s) for slower steps",
     )
     p.add_argument(
+        "--peer-tokens",
+        type=int,
+        default=None,
+        help="student tokens of every TRL GOLD run, grid and final (default: the others' "
+        "budgets): TRL's trainer is far slower, so the budget it can run in the time there is; "
+        "its rows and the table say how many tokens it trained",
+    )
+    p.add_argument(
         "--length-multiple",
         type=int,
         default=1,
@@ -242,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
     if args.runs_per_gpu < 1:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
+    if args.peer_tokens is not None and args.peer_tokens < 1:
+        p.error(f"--peer-tokens {args.peer_tokens}: give a budget > 0 student tokens")
     if args.length_multiple < 1 or args.ctx % args.length_multiple:
         p.error(f"--length-multiple {args.length_multiple}: give a divisor of --ctx ({args.ctx})")
     if args.checkpoint_every < 0:
@@ -405,6 +416,9 @@ class Experiment:
             a.steps = scale_arms.steps_for(a.tokens, a.batch, self.sample_tokens)
             a.grid_tokens = a.grid_tokens or a.tokens
             a.grid_steps = scale_arms.steps_for(a.grid_tokens, a.batch, self.sample_tokens)
+        a.peer_steps = None
+        if a.peer_tokens is not None:  # TRL's runs: a budget of their own
+            a.peer_steps = scale_arms.steps_for(a.peer_tokens, a.batch, self.sample_tokens)
         a.epochs = math.ceil(a.steps * a.batch / max(1, len(train))) + 1
         self.student_dir = self.work / "student" / heal.slug(heal.resolve(a.student, a.aliases))
         if not (self.student_dir / "config.json").is_file():
@@ -481,8 +495,11 @@ class Experiment:
         return other
 
     def budget(self, key: RunKey) -> dict:
-        """A run's budget: the grid's for a grid run, ``--tokens`` for the final runs."""
+        """A run's budget: the grid's for a grid run, ``--tokens`` for the final runs;
+        ``--peer-tokens`` for both of TRL's arm where it is given."""
         a = self.args
+        if getattr(a, "peer_steps", None) and scale_arms.parse_scale_arm(key.arm).peer:
+            return {"steps_budget": a.peer_steps, "tokens_budget": a.peer_tokens}
         if key.phase == "grid":
             return {"steps_budget": a.grid_steps, "tokens_budget": a.grid_tokens}
         return {"steps_budget": a.steps, "tokens_budget": a.tokens}

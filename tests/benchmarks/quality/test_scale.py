@@ -1023,6 +1023,26 @@ def test_a_trl_run_trains_the_seeds_train_texts_at_its_rate_into_its_own_folder(
     assert len(texts) == 12 and all(t.startswith("train text") for t in texts)
 
 
+def test_trl_runs_train_a_budget_of_their_own_where_one_is_given(tmp_path, capsys):
+    exp = _bare_experiment(tmp_path)
+    exp.args.grid_steps, exp.args.grid_tokens = 200, 2_000_000
+    trl = RunKey("grid", f"trl-gold@{Q}", 0, 1e-3, None, None)
+    ce = RunKey("grid", "ce", 0, 1e-3, None, None)
+    assert exp.budget(trl) == exp.budget(ce) == {"steps_budget": 200, "tokens_budget": 2_000_000}
+    exp.args.peer_tokens, exp.args.peer_steps = 200_000, 20
+    for phase in ("grid", "final"):
+        assert exp.budget(trl._replace(phase=phase)) == {
+            "steps_budget": 20,
+            "tokens_budget": 200_000,
+        }
+        assert exp.args_of(trl._replace(phase=phase)).steps == 20
+    assert exp.budget(ce) == {"steps_budget": 200, "tokens_budget": 2_000_000}
+    with pytest.raises(SystemExit) as e:
+        scale.parse_args(["--peer-tokens", "0"])
+    assert e.value.code == 2
+    assert "--peer-tokens 0: give a budget > 0 student tokens" in capsys.readouterr().err
+
+
 def test_the_trl_gold_arm_is_in_the_table_but_judged_by_no_bar():
     rows = _rows()
     for seed in range(3):  # TRL's rows: worse than CE, which would miss a cross-tokenizer bar
