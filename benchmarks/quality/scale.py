@@ -195,6 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fewer CUDA graphs recorded per run, for a little padding",
     )
     p.add_argument(
+        "--warm-shortest",
+        type=int,
+        default=None,
+        help="the students' start-up ladder stops at this length (trainer.compute."
+        "warm_shortest; default the trainer's 64): a micro-batch of --batch samples is as long "
+        "as its longest, so the short rungs may never serve a step",
+    )
+    p.add_argument(
         "--deadline-s",
         type=float,
         default=None,
@@ -251,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
     if args.runs_per_gpu < 1:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
+    if args.warm_shortest is not None and args.warm_shortest < 1:
+        p.error(f"--warm-shortest {args.warm_shortest}: give a length >= 1 token")
     if args.peer_tokens is not None and args.peer_tokens < 1:
         p.error(f"--peer-tokens {args.peer_tokens}: give a budget > 0 student tokens")
     if args.length_multiple < 1 or args.ctx % args.length_multiple:

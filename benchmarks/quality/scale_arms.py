@@ -355,6 +355,8 @@ def _stage(arm, heal_arm, seed, args, student_dir, proj, run_dir, projections, c
         trainer["compute"]["compile"] = args.compile == "on"
     if getattr(args, "length_multiple", 1) > 1:  # scale.py --length-multiple
         trainer["compute"]["length_multiple"] = args.length_multiple
+    if getattr(args, "warm_shortest", None):  # scale.py --warm-shortest
+        trainer["compute"]["warm_shortest"] = args.warm_shortest
     if getattr(args, "checkpoint_every", 0):  # a run a later call can go on with (scale.py)
         trainer["schedule"].update(checkpoint_every=args.checkpoint_every, final_checkpoint=True)
     if len(arm.teachers) > 1:

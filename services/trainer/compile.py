@@ -74,7 +74,8 @@ def mark_step() -> None:
 
 
 def warm_lengths(max_length: int, shortest: int = 64) -> list[int]:
-    """The start-up step's lengths: ``max_length`` halved down to ``shortest``."""
+    """The start-up step's lengths: ``max_length`` halved down to ``shortest``
+    (``trainer.compute.warm_shortest``); ``max_length`` alone where it is shorter."""
     lengths = [max_length]
     while lengths[-1] // 2 >= shortest:
         lengths.append(lengths[-1] // 2)

@@ -297,6 +297,17 @@ class ComputeConfig:
             "trained": False,
         },
     )
+    warm_shortest: int = field(
+        default=64,
+        metadata={
+            "help": "the start-up step compiles (and with CUDA graphs records) the ladder "
+            "max_length, max_length / 2, ... down to this length; a micro-batch shorter than "
+            "the ladder reaches compiles its own graph at its first step (once). Raise "
+            "it to the shortest micro-batch a run sees to save the rungs below: a micro-batch's "
+            "length is its longest sample's, so with many samples each it stays near the context",
+            "trained": False,
+        },
+    )
     length_multiple: int = field(
         default=1,
         metadata={
@@ -327,6 +338,8 @@ class ComputeConfig:
             )
         if self.gc_every < 0:
             raise ValueError(f"gc_every={self.gc_every}: must be >= 0")
+        if self.warm_shortest < 1:
+            raise ValueError(f"warm_shortest={self.warm_shortest}: must be >= 1")
         if self.length_multiple < 1:
             raise ValueError(f"length_multiple={self.length_multiple}: must be >= 1")
         if self.fused_head_rows < 1:

@@ -31,6 +31,7 @@ def warm_up(
     max_length: int,
     head: Any = None,
     length_multiple: int = 1,
+    shortest: int = 64,
 ) -> float | None:
     """One forward and backward at ``micro_batch x max_length`` before training: compiles the
     student (once per run), and shows at start that a step's activations fit in memory.
@@ -45,6 +46,7 @@ def warm_up(
         head: the step's fused output head, or None (the student's logits).
         length_multiple: micro-batch lengths are multiples of it (``compute.length_multiple``):
             so are the ladder's.
+        shortest: the ladder's shortest rung (``compute.warm_shortest``).
 
     Returns:
         Seconds the step took (compile included), or None when skipped.
@@ -57,7 +59,7 @@ def warm_up(
     length = max_length or 128
     # the longest first (the memory check), then the shorter ones that need graphs of their
     # own (services/trainer/compile.py); eager needs the longest only
-    lengths = warm_lengths(length) if student.compiled else [length]
+    lengths = warm_lengths(length, shortest) if student.compiled else [length]
     lengths = list(dict.fromkeys(-(-n // length_multiple) * length_multiple for n in lengths))
     # CUDA graph trees run a function's first call in a length as a warm-up and record it at
     # the second: two steps per length, so that a run's first steps replay

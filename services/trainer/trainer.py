@@ -354,6 +354,7 @@ class Trainer:
             max_length=config.student.max_length,
             head=self.student_step.head,
             length_multiple=config.compute.length_multiple,
+            shortest=config.compute.warm_shortest,
         )
         if compile_s is not None:
             self.metrics.write(

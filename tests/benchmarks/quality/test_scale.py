@@ -859,7 +859,7 @@ def test_compile_on_or_off_reaches_the_trainer_and_auto_leaves_its_default(tmp_p
     assert scale.parse_args(["--compile", "off"]).compile == "off"
 
 
-def test_a_length_multiple_reaches_the_trainer_and_one_not_dividing_the_context_is_refused(
+def test_a_length_multiple_and_ladder_reach_the_trainer_and_a_bad_multiple_is_refused(
     tmp_path, capsys
 ):
     exp = _bare_experiment(tmp_path)
@@ -867,9 +867,10 @@ def test_a_length_multiple_reaches_the_trainer_and_one_not_dividing_the_context_
     arm = scale_arms.parse_scale_arm(key.arm)
     (cfg,) = exp.configs(key, arm)
     assert "length_multiple" not in cfg["trainer"]["compute"]  # the trainer's default
-    exp.args.length_multiple = 64
+    exp.args.length_multiple, exp.args.warm_shortest = 64, 256
     (cfg,) = exp.configs(key, arm)
     assert cfg["trainer"]["compute"]["length_multiple"] == 64
+    assert cfg["trainer"]["compute"]["warm_shortest"] == 256
     with pytest.raises(SystemExit) as e:
         scale.parse_args(["--length-multiple", "48", "--ctx", "512"])
     assert e.value.code == 2

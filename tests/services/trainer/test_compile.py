@@ -180,3 +180,22 @@ def test_the_start_up_ladder_takes_lengths_of_the_multiple(monkeypatch):
     seen.clear()
     warm_up(step.student, micro_batch=2, max_length=320, length_multiple=64)
     assert seen == [320, 192, 128]  # 160 and 80 rounded up to multiples of 64
+
+
+def test_a_ladder_cut_short_still_trains_a_shorter_micro_batch_compiling_it_at_its_step(
+    monkeypatch,
+):
+    import services.trainer.startup as startup
+
+    step = _compiled_step()
+    seen = []
+    real = startup.warm_step
+    monkeypatch.setattr(
+        startup, "warm_step", lambda s, ids, head=None: (seen.append(ids.shape[1]), real(s, ids))
+    )
+    warm_up(step.student, micro_batch=2, max_length=512, shortest=256)
+    assert seen == [512, 256]  # no rungs below 256
+    assert warm_lengths(512) == [512, 256, 128, 64]  # the default reaches down to 64
+    batch = setup.micro_batches()[0]  # 15 tokens: below every rung
+    result = step.run([setup.micro_batch(batch, ["a"], with_teacher=False)])
+    assert result.metrics["loss"] > 0 and step.student.step == 1

@@ -186,6 +186,7 @@ def test_the_student_section_is_a_mapping_and_a_student_string_is_the_old_key():
         ({"eval": {"texts": -1}}, r"^trainer\.eval: texts=-1: must be >= 0 \(0: no held-out"),
         ({"observe": {"report_to": ["mlflow"]}}, r"^trainer\.observe: report_to: unknown"),
         ({"compute": {"gc_every": -1}}, r"^trainer\.compute: gc_every=-1: must be >= 0$"),
+        ({"compute": {"warm_shortest": 0}}, r"^trainer\.compute: warm_shortest=0: must be >= 1$"),
         (
             {"compute": {"length_multiple": 0}},
             r"^trainer\.compute: length_multiple=0: must be >= 1$",
