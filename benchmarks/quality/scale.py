@@ -473,6 +473,9 @@ class Experiment:
             "epochs_allowed": a.epochs,
             "fresh_commit": split.get("fresh", {}).get("commit"),
             "split_sha256": kd.split_digest(a.corpus),
+            # the students' start-up ladder and micro-batch padding (trainer.compute)
+            "length_multiple": a.length_multiple,
+            "warm_shortest": a.warm_shortest,
             "smoke": bool(a.smoke),
         }
         other = self.load_results()
