@@ -460,9 +460,9 @@ def repeats(rows: list[dict]) -> list[str]:
 
 def runs_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per phase, its runs, how many went on from a checkpoint of an earlier
-    call, the median seconds of a run (training and scoring) and of its steps alone, and, of the
-    runs trained in one call, the median seconds of the training command, of its start-up step
-    and of the scoring command."""
+    call, the median seconds of a run (training and scoring) and of its steps alone, of the
+    runs trained in one call the median seconds of the training command, of its start-up step
+    and of the scoring command, and the most GPU memory a trainer and a teacher allocated."""
 
     def median(xs: list[float]) -> str:
         return f"{statistics.median(xs):.0f}" if xs else "-"
@@ -476,8 +476,9 @@ def runs_table(rows: list[dict]) -> list[str]:
         "then its scoring command.",
         "",
         "| phase | runs | resumed from a checkpoint | median s a run (training, scoring) "
-        "| median s of its steps | training command s | start-up step s | scoring command s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| median s of its steps | training command s | start-up step s | scoring command s "
+        "| peak GiB, trainer / teacher (most) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for phase in ("grid", "final", "rerun"):
         ps = [r for r in rows if r.get("phase") == phase]
@@ -491,9 +492,15 @@ def runs_table(rows: list[dict]) -> list[str]:
             train_cmd = [sum(r["command_s"][:-1]) for r in whole]
             score_cmd = [r["command_s"][-1] for r in whole]
             start_up = [r["compile_s"] for r in whole if r.get("compile_s") is not None]
+            # the most GPU memory any run's trainer / teacher allocated (MiB in the rows)
+            most = [
+                max(((r.get("peak_memory_mib") or {}).get(k) or 0 for r in ps), default=0)
+                for k in ("trainer", "teacher")
+            ]
+            peaks = " / ".join(f"{m / 1024:.1f}" if m else "-" for m in most)
             md.append(
                 f"| {phase} | {len(ps)} | {resumed} | {median(walls)} | {median(steps)} "
-                f"| {median(train_cmd)} | {median(start_up)} | {median(score_cmd)} |"
+                f"| {median(train_cmd)} | {median(start_up)} | {median(score_cmd)} | {peaks} |"
             )
     return md
 

@@ -565,7 +565,10 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
         f"CE 0.7300 (ce, lr 0.001); KD 0.7200 (pkl@{Q}, lr 0.0005).**"
     )
     assert "No final run is scored yet (3 grid settings scored so far)" in md
-    assert "| grid | 4 | 0 | 220 | 50 | 200 | 80 | 20 |" in md
+    assert "| grid | 4 | 0 | 220 | 50 | 200 | 80 | 20 | - / - |" in md
+    rows[1]["peak_memory_mib"] = {"trainer": 2048.0, "teacher": None}
+    rows[2]["peak_memory_mib"] = {"trainer": 1024.0, "teacher": 6144.0}
+    assert "| 200 | 80 | 20 | 2.0 / 6.0 |" in scale_report.markdown(rows)
     best = scale_report.plotted_curves(rows)
     assert sorted(best) == ["ce", f"pkl@{Q}"] and best["ce"][0]["lr"] == 1e-3
 
