@@ -36,10 +36,12 @@ can TRL's, and their rows say false.
 * **Lanes** (``scale_lanes``): one run per GPU at a time (``--gpus``, ``CUDA_VISIBLE_DEVICES``
   per run; ``--runs-per-gpu N`` for N at a time, as small students and teachers leave a GPU
   idle; ``--lanes N`` on the CPU), each run (training, then scoring on the same GPU) stopped
-  past ``--run-timeout-s``; a run that runs out of GPU memory beside others (its log says so)
-  runs again in the same call with a GPU to itself (no run starts beside it; its row says
-  ``gpu_alone``), so a number of runs per GPU too high for the largest arms costs time, not
-  rows; a row is appended as soon as its run ends, and a later call skips
+  past ``--run-timeout-s``. ``--stagger-s S`` starts at most one run on a GPU every S seconds,
+  so that the runs' start-ups (host work, the GPU idle) fall beside other runs' steps. A run
+  that runs out of GPU memory beside others (its log says so) runs again in the same call with
+  a GPU to itself (no run starts beside it; its row says ``gpu_alone``), so a number of runs
+  per GPU too high for the largest arms costs time, not rows. A row is appended as soon as its
+  run ends, and a later call skips
   every run that has a scored row (a run trained but not scored is scored without training).
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
@@ -162,6 +164,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runs-per-gpu", type=int, default=1, help="runs sharing each GPU of --gpus at a time"
     )
     p.add_argument("--lanes", type=int, default=1, help="lanes without --gpus (CPU runs)")
+    p.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.0,
+        help="start at most one run on a GPU in this many seconds: runs sharing it then reach "
+        "their start-up (host work, the GPU idle) at different times, each beside the others' "
+        "steps (0: free lanes fill at once)",
+    )
     p.add_argument("--run-timeout-s", type=float, default=5400.0, help="most seconds per run")
     p.add_argument(
         "--checkpoint-every",
@@ -259,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gpus {' '.join(args.gpus)}: give GPU indices, e.g. 0 1 2 3 or 0,1,2,3")
     if args.runs_per_gpu < 1:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
+    if not args.stagger_s >= 0:
+        p.error(f"--stagger-s {args.stagger_s}: give 0 or more seconds")
     if args.warm_shortest is not None and args.warm_shortest < 1:
         p.error(f"--warm-shortest {args.warm_shortest}: give a length >= 1 token")
     if args.peer_tokens is not None and args.peer_tokens < 1:
@@ -794,7 +806,7 @@ class Experiment:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         deadline = None if a.deadline_s is None else self.t_start + a.deadline_s
-        Lanes(lanes or [None] * a.lanes, a.run_timeout_s, ROOT, env).run(
+        Lanes(lanes or [None] * a.lanes, a.run_timeout_s, ROOT, env, stagger_s=a.stagger_s).run(
             self.next_jobs, self.on_done, deadline=deadline
         )
         p = self.plan()

@@ -67,6 +67,10 @@ class Lanes:
         cwd: where the commands run.
         env: their environment (default: this process's).
         name: the tag of its log lines.
+        stagger_s: at most one job starts on a GPU in this many seconds, so that runs sharing
+            it reach their start-up (processes, compile: the host's work) at different times,
+            each beside the others' steps, instead of leaving the GPU idle together (0: free
+            lanes fill at once).
     """
 
     def __init__(
@@ -76,14 +80,19 @@ class Lanes:
         cwd: Path,
         env: dict[str, str] | None = None,
         name: str = "scale",
+        stagger_s: float = 0.0,
     ) -> None:
         if not lanes:
             raise ValueError("no lanes: give --gpus or --lanes >= 1")
         if not timeout_s > 0:
             raise ValueError(f"--run-timeout-s {timeout_s}: must be > 0 seconds")
+        if not stagger_s >= 0:
+            raise ValueError(f"--stagger-s {stagger_s}: must be >= 0 seconds")
         self.lanes, self.timeout_s, self.cwd = list(lanes), timeout_s, cwd
         self.env = dict(os.environ if env is None else env)
         self.name = name
+        self.stagger_s = stagger_s
+        self._started_at: dict[str | None, float] = {}  # a GPU's latest job start
 
     def run(
         self,
@@ -118,10 +127,11 @@ class Lanes:
         started: set[Hashable] = set()
         held: list[Job] = []  # jobs given but not started (waiting for a GPU of their own)
         ask = True
+        staggered = False  # free lanes wait out their GPU's stagger
         while True:
             late = deadline is not None and time.monotonic() > deadline
-            if ask and not late:
-                held = self._start_ready(running, held, next_jobs, started)
+            if (ask or staggered) and not late:
+                held, staggered = self._start_ready(running, held, next_jobs, started)
                 ask = False
             if not running:
                 break
@@ -148,19 +158,30 @@ class Lanes:
                     started.discard(r.job.key)
                 ask = True
 
-    def _start_ready(self, running, held, next_jobs, started) -> list[Job]:
+    def _cooling(self) -> set[str | None]:
+        """The GPUs on which a job started less than ``stagger_s`` ago."""
+        now = time.monotonic()
+        return {g for g, t in self._started_at.items() if now - t < self.stagger_s}
+
+    def _start_ready(self, running, held, next_jobs, started) -> tuple[list[Job], bool]:
         """Start on the free lanes what may start: the jobs held before first, then new ones.
 
         A GPU is closed to new jobs while an exclusive job runs there or waits for it (each
-        waiting exclusive job holds the GPU of the fewest runs not held by another); an
-        exclusive job starts on a GPU with no run. Returns the jobs given but not started.
+        waiting exclusive job holds the GPU of the fewest runs not held by another), and for
+        ``stagger_s`` after a job started there; an exclusive job starts on a GPU with no run.
+        Returns the jobs given but not started, and whether free lanes wait out a stagger.
         """
         reserved: set[str | None] = set()
 
         def place(job: Job) -> int | None:
             count = Counter(self.lanes[i] for i in running)
             closed = reserved | {self.lanes[i] for i, r in running.items() if r.job.exclusive}
-            free = [i for i in range(len(self.lanes)) if i not in running]
+            cooling = self._cooling()
+            free = [
+                i
+                for i in range(len(self.lanes))
+                if i not in running and self.lanes[i] not in cooling
+            ]
             if job.exclusive:
                 lane = next(
                     (i for i in free if not count[self.lanes[i]] and self.lanes[i] not in reserved),
@@ -181,9 +202,9 @@ class Lanes:
             else:
                 self._launch(job, lane, running, started)
         closed = reserved | {self.lanes[i] for i, r in running.items() if r.job.exclusive}
-        n_open = sum(
-            1 for i in range(len(self.lanes)) if i not in running and self.lanes[i] not in closed
-        )
+        cooling = self._cooling()
+        free = [i for i in range(len(self.lanes)) if i not in running]
+        n_open = sum(1 for i in free if self.lanes[i] not in closed | cooling)
         if n_open:
             for job in next_jobs(n_open):
                 if job.key in started:
@@ -192,11 +213,15 @@ class Lanes:
                     waiting.append(job)
                 else:
                     self._launch(job, lane, running, started)
-        return waiting
+        cooling = self._cooling()
+        free = [i for i in range(len(self.lanes)) if i not in running]
+        return waiting, any(self.lanes[i] in cooling for i in free)
 
     def _launch(self, job: Job, lane: int, running: dict, started: set) -> None:
         started.add(job.key)
         running[lane] = self._start(job, self.lanes[lane], 0, time.monotonic(), None)
+        if self.stagger_s:
+            self._started_at[self.lanes[lane]] = time.monotonic()
 
     def _start(self, job: Job, lane: str | None, step: int, t0: float, log) -> _Running:
         if log is None:

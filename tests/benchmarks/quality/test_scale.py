@@ -370,6 +370,32 @@ def test_an_exclusive_job_on_a_shared_gpu_starts_once_the_runs_there_end(tmp_pat
     assert b[0] >= alone[1]  # and b, given after it, waited for it
 
 
+def test_staggered_lanes_start_one_job_per_gpu_per_stagger_and_each_gpu_on_its_own(tmp_path):
+    jobs = [_timed_job(f"j{i}", tmp_path, 1.0) for i in range(5)]
+    given, done = [], []
+
+    def next_jobs(n):
+        ready = [j for j in jobs if j.key not in given][:n]
+        given.extend(j.key for j in ready)
+        return ready
+
+    Lanes(["0", "0", "0", "1", "1"], 60.0, tmp_path, stagger_s=0.5).run(
+        next_jobs, lambda job, code, wall, lane: done.append((job.key, lane)), 0.05
+    )
+    assert len(done) == 5
+    starts: dict[str, list[float]] = {}
+    for key, lane in done:
+        starts.setdefault(lane, []).append(_times(tmp_path, key)[0])
+    assert sorted(len(v) for v in starts.values()) == [2, 3]
+    for lane, ts in starts.items():  # one start a stagger on each GPU
+        ts.sort()
+        assert all(b - a >= 0.45 for a, b in zip(ts, ts[1:])), (lane, ts)
+    first = sorted(min(ts) for ts in starts.values())
+    assert first[1] - first[0] < 0.4  # the GPUs do not wait for each other
+    with pytest.raises(ValueError, match="--stagger-s -1: must be >= 0 seconds"):
+        Lanes(["0"], 60.0, tmp_path, stagger_s=-1)
+
+
 def test_a_job_that_ran_out_of_gpu_memory_is_given_again_when_on_done_asks(tmp_path):
     flag = tmp_path / "failed_once"
     code = (
@@ -951,6 +977,14 @@ def test_a_negative_checkpoint_period_is_refused_with_exit_2(capsys):
         scale.parse_args(["--checkpoint-every", "-5"])
     assert e.value.code == 2
     assert "--checkpoint-every -5: give 0 (none) or more steps" in capsys.readouterr().err
+
+
+def test_a_negative_stagger_is_refused_with_exit_2(capsys):
+    assert scale.parse_args(["--stagger-s", "40"]).stagger_s == 40.0
+    with pytest.raises(SystemExit) as e:
+        scale.parse_args(["--stagger-s", "-1"])
+    assert e.value.code == 2
+    assert "--stagger-s -1.0: give 0 or more seconds" in capsys.readouterr().err
 
 
 def test_runs_per_gpu_below_one_is_refused_with_exit_2(capsys):
