@@ -321,6 +321,18 @@ def _timed_job(key, tmp_path, sleep_s, exclusive=False):
     return Job(key, [[sys.executable, "-c", code]], tmp_path / f"{key}.log", exclusive=exclusive)
 
 
+def _each_once(jobs):
+    """``next_jobs`` of Lanes that gives each job once, in order."""
+    given = []
+
+    def next_jobs(n):
+        ready = [j for j in jobs if j.key not in given][:n]
+        given.extend(j.key for j in ready)
+        return ready
+
+    return next_jobs
+
+
 def _times(tmp_path, key):
     start, end = (tmp_path / f"{key}.times").read_text().split()
     return float(start), float(end)
@@ -333,12 +345,7 @@ def test_an_exclusive_job_waits_for_its_gpu_to_empty_and_nothing_starts_beside_i
         _timed_job("b", tmp_path, 0.2),
         _timed_job("other_gpu", tmp_path, 0.2),
     ]
-    given, done = [], []
-
-    def next_jobs(n):
-        ready = [j for j in jobs if j.key not in given][:n]
-        given.extend(j.key for j in ready)
-        return ready
+    next_jobs, done = _each_once(jobs), []
 
     # two lanes share GPU 0, one lane is GPU 1
     Lanes(["0", "0", "1"], 60.0, tmp_path).run(
@@ -354,12 +361,7 @@ def test_an_exclusive_job_on_a_shared_gpu_starts_once_the_runs_there_end(tmp_pat
         _timed_job("alone", tmp_path, 0.5, exclusive=True),
         _timed_job("b", tmp_path, 0.2),
     ]
-    given, done = [], []
-
-    def next_jobs(n):
-        ready = [j for j in jobs if j.key not in given][:n]
-        given.extend(j.key for j in ready)
-        return ready
+    next_jobs, done = _each_once(jobs), []
 
     Lanes(["0", "0"], 60.0, tmp_path).run(
         next_jobs, lambda job, code, wall, lane: done.append(job.key), 0.05
@@ -372,12 +374,7 @@ def test_an_exclusive_job_on_a_shared_gpu_starts_once_the_runs_there_end(tmp_pat
 
 def test_staggered_lanes_start_one_job_per_gpu_per_stagger_and_each_gpu_on_its_own(tmp_path):
     jobs = [_timed_job(f"j{i}", tmp_path, 1.0) for i in range(5)]
-    given, done = [], []
-
-    def next_jobs(n):
-        ready = [j for j in jobs if j.key not in given][:n]
-        given.extend(j.key for j in ready)
-        return ready
+    next_jobs, done = _each_once(jobs), []
 
     Lanes(["0", "0", "0", "1", "1"], 60.0, tmp_path, stagger_s=0.5).run(
         next_jobs, lambda job, code, wall, lane: done.append((job.key, lane)), 0.05
