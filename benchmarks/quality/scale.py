@@ -53,7 +53,10 @@ can TRL's, and their rows say false.
   wall seconds (``command_s``: the training stages, then the scoring) beside ``train_s``, the
   steps' own, ``compile_s`` (the start-up step's compile) and ``first_step_s`` (the first step,
   which waits for the first logits); ``--compile off`` trains the students eagerly, without
-  that compile, for slower steps. A SIGTERM or Ctrl-C stops the running jobs with it.
+  that compile, for slower steps; ``--length-multiple`` (fewer distinct micro-batch lengths,
+  fewer CUDA graphs recorded) and ``--warm-shortest`` (fewer start-up rungs) shorten it, each
+  measured against the defaults by ``scale_ab.py`` (two calls side by side, rows paired by
+  setting). A SIGTERM or Ctrl-C stops the running jobs with it.
 
 Budget (estimates from ``quality_heal.jsonl``, not measured here): the healing split's samples
 hold ~325 student tokens (16 x 512 steps trained 780 k tokens in 150 steps), so 20 M tokens are
