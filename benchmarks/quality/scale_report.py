@@ -481,8 +481,10 @@ def runs_table(rows: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for phase in ("grid", "final", "rerun"):
-        ps = [r for r in rows if r.get("phase") == phase]
-        if ps:
+        every = [r for r in rows if r.get("phase") == phase]
+        ps = [r for r in every if r.get("exit", 0) == 0]  # the times of the runs that ended well
+        if every:
+            failed = len(every) - len(ps)
             walls = [r["wall_s"] for r in ps if r.get("wall_s") is not None]
             steps = [r["train_s"] for r in ps if r.get("train_s") is not None]
             resumed = sum(1 for r in ps if r.get("resumed"))
@@ -499,7 +501,8 @@ def runs_table(rows: list[dict]) -> list[str]:
             ]
             peaks = " / ".join(f"{m / 1024:.1f}" if m else "-" for m in most)
             md.append(
-                f"| {phase} | {len(ps)} | {resumed} | {median(walls)} | {median(steps)} "
+                f"| {phase} | {len(every)}{f' ({failed} failed)' if failed else ''} | {resumed} "
+                f"| {median(walls)} | {median(steps)} "
                 f"| {median(train_cmd)} | {median(start_up)} | {median(score_cmd)} | {peaks} |"
             )
     return md
