@@ -1,5 +1,6 @@
 """The scaled healing runs' time, one way (A) against another (B): the same settings trained twice,
-paired by setting (phase, arm, seed, learning rate, KL weight, temperature), with B / A of each
+paired by setting (``scale_grid.row_key``: phase, arm, seed, learning rate, KL weight,
+temperature), with B / A of each
 run's wall seconds, training command, start-up step (compile, CUDA graph recording), steps and
 peak GPU memory, and B - A of its validation bits/byte (deterministic runs of one code path give
 0; padding or another compile path moves it by rounding alone).
@@ -8,13 +9,13 @@ The two row files come from two ``scale.py`` calls that differ in the lever alon
 side on one GPU in one call (each in its own work folder and rows folder, half the runs per GPU
 each), so that both see the same sharing. For instance, the students' start-up levers::
 
-    python benchmarks/quality/scale.py --gpus 0 --runs-per-gpu 3 --work /root/ab_a --out /root/ab_a \\
+    python benchmarks/quality/scale.py --gpus 0 --runs-per-gpu 3 --work runs/ab_a --out runs/ab_a \\
         --phase grid --arms ce pkl@smollm2 --lrs 5e-4 1e-3 --max-extend 0 --kl-weights 0.5 ... &
-    python benchmarks/quality/scale.py --gpus 0 --runs-per-gpu 3 --work /root/ab_b --out /root/ab_b \\
+    python benchmarks/quality/scale.py --gpus 0 --runs-per-gpu 3 --work runs/ab_b --out runs/ab_b \\
         --phase grid --arms ce pkl@smollm2 --lrs 5e-4 1e-3 --max-extend 0 --kl-weights 0.5 \\
         --length-multiple 64 --warm-shortest 512 ...
-    python benchmarks/quality/scale_ab.py --a /root/ab_a/quality_scale.jsonl \\
-        --b /root/ab_b/quality_scale.jsonl --label-a "ladder to 64" \\
+    python benchmarks/quality/scale_ab.py --a runs/ab_a/quality_scale.jsonl \\
+        --b runs/ab_b/quality_scale.jsonl --label-a "ladder to 64" \\
         --label-b "lengths of 64, one rung" --out benchmarks/results/scale_startup.md
 
 The report opens with its current figures (the medians) and the command, then a row per pair.
@@ -35,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.quality import heal  # noqa: E402
+from benchmarks.quality.scale_grid import row_key  # noqa: E402
 
 #: the figures compared, as ``(name, how a row gives it)``; None where a row lacks it
 FIGURES: tuple[tuple[str, Any], ...] = (
@@ -46,25 +48,13 @@ FIGURES: tuple[tuple[str, Any], ...] = (
 )  # fmt: skip
 
 
-def setting(row: dict) -> tuple:
-    """What pairs two rows: the run's phase, arm, seed and settings."""
-    return (
-        row["phase"],
-        row["arm"],
-        row["seed"],
-        row["lr"],
-        row.get("kl_weight"),
-        row.get("temperature"),
-    )
-
-
 def pairs(rows_a: list[dict], rows_b: list[dict]) -> list[tuple[dict, dict]]:
     """The settings scored in both (each side's first scored row), in A's order."""
     scored: list[dict[tuple, dict]] = [{}, {}]
     for side, rows in zip(scored, (rows_a, rows_b), strict=True):
         for r in rows:
             if r.get("exit") == 0 and r.get("validation_bpb") is not None:
-                side.setdefault(setting(r), r)
+                side.setdefault(row_key(r), r)
     return [(a, scored[1][k]) for k, a in scored[0].items() if k in scored[1]]
 
 
@@ -85,7 +75,7 @@ def compare(rows_a: list[dict], rows_b: list[dict]) -> dict[str, Any]:
                 ratios[name] = vb / va
         out.append(
             {
-                "setting": list(setting(a)),
+                "setting": list(row_key(a)),
                 "ratios": ratios,
                 "validation_diff": b["validation_bpb"] - a["validation_bpb"],
             }

@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks.quality import heal, heal_stats
 from benchmarks.quality.scale_arms import PEER_BASE
+from benchmarks.quality.scale_grid import row_key
 
 logger = logging.getLogger("kd_quality.scale")
 
@@ -419,15 +420,11 @@ def headline(summary: dict[str, Any], rows: list[dict]) -> str:
     )
 
 
-def _setting(r: dict) -> tuple:
-    return (r["phase"], r["arm"], r["seed"], r["lr"], r.get("kl_weight"), r.get("temperature"))
-
-
 def first_rows(rows: list[dict]) -> list[dict]:
     """One row per run setting: its first scored row, else its first row (a failure)."""
     by: dict[tuple, dict] = {}
     for r in rows:
-        k = _setting(r)
+        k = row_key(r)
         if k not in by or (by[k].get("exit") != 0 and r.get("exit") == 0):
             by[k] = r
     return list(by.values())
@@ -440,7 +437,7 @@ def repeats(rows: list[dict]) -> list[str]:
     by: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("exit") == 0 and r.get("deterministic") and r.get("weights_sha256"):
-            by.setdefault(_setting(r), []).append(r)
+            by.setdefault(row_key(r), []).append(r)
     twice = {k: rs for k, rs in by.items() if len(rs) > 1}
     if not twice:
         return []

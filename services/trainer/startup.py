@@ -10,6 +10,7 @@ import torch
 
 from services.trainer.compile import mark_step, warm_lengths
 from services.trainer.student import Student
+from xtoken_core.data.sample import round_up
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def warm_up(
     # the longest first (the memory check), then the shorter ones that need graphs of their
     # own (services/trainer/compile.py); eager needs the longest only
     lengths = warm_lengths(length, shortest) if student.compiled else [length]
-    lengths = list(dict.fromkeys(-(-n // length_multiple) * length_multiple for n in lengths))
+    lengths = list(dict.fromkeys(round_up(n, length_multiple) for n in lengths))
     # CUDA graph trees run a function's first call in a length as a warm-up and record it at
     # the second: two steps per length, so that a run's first steps replay
     repeats = 2 if student.cuda_graphs else 1
