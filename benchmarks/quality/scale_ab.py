@@ -123,7 +123,8 @@ def markdown(result: dict[str, Any], label_a: str, label_b: str, command: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: write the report; a row file that is missing: one line, exit 2."""
+    """CLI: write the report; a rows file missing, not JSON lines or not of scale rows: one
+    line, exit 2."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="rows of the baseline (quality_scale.jsonl)")
     p.add_argument("--b", required=True, help="rows of the other way")
@@ -137,7 +138,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"scale_ab.py: no rows file {path}; give two quality_scale.jsonl", file=sys.stderr
             )
             return 2
-    rows = [heal.read_rows([Path(path)]) for path in (args.a, args.b)]
+    rows = []
+    for path in (args.a, args.b):
+        try:
+            rows.append(heal.read_rows([Path(path)]))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            print(f"scale_ab.py: {path} is not JSON lines ({e}); give quality_scale.jsonl files",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if any(not isinstance(r, dict) or "phase" not in r for r in rows[-1]):
+            print(f"scale_ab.py: {path} holds lines that are not scale rows; give "
+                  "quality_scale.jsonl files", file=sys.stderr)  # fmt: skip
+            return 2
     result = compare(*rows)
     command = shlex.join(
         ["python", "benchmarks/quality/scale_ab.py", *(sys.argv[1:] if argv is None else argv)]

@@ -71,3 +71,19 @@ def test_no_pair_says_so_and_a_missing_rows_file_is_refused_in_one_line(tmp_path
     assert err == [
         f"scale_ab.py: no rows file {tmp_path / 'no.jsonl'}; give two quality_scale.jsonl"
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("{not json\n", "is not JSON lines"), ('{"a": 1}\n', "holds lines that are not scale rows")],
+)
+def test_a_malformed_rows_file_is_refused_in_one_line_and_writes_nothing(
+    tmp_path, capsys, text, says
+):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    out = tmp_path / "ab.md"
+    assert scale_ab.main(["--a", str(bad), "--b", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and str(bad) in err[0]
+    assert not out.exists()
