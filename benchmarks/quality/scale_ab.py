@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -89,8 +90,28 @@ def compare(rows_a: list[dict], rows_b: list[dict]) -> dict[str, Any]:
     return {"pairs": out, "medians": medians, "max_validation_diff": max(diffs, default=None)}
 
 
-def markdown(result: dict[str, Any], label_a: str, label_b: str, command: str) -> str:
-    """The report: the current figures (medians of B / A), the command, a row per pair."""
+def provenance(rows_a: list[dict], rows_b: list[dict]) -> str:
+    """Where the rows came from: their devices and commits, and the command that made each side's
+    rows (its first row's), so that the report names the machine and can be made again."""
+    rows = rows_a + rows_b
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    commits = sorted({r["commit"] for r in rows if r.get("commit")})
+    parts = [
+        f"Devices: {', '.join(devices) or 'not recorded'}",
+        f"commits {', '.join(commits) or 'not recorded'}",
+    ]
+    for side, side_rows in (("A", rows_a), ("B", rows_b)):
+        command = next((r["command"] for r in side_rows if r.get("command")), None)
+        if command:
+            parts.append(f"{side}'s rows by `{command}`")
+    return "; ".join(parts) + "."
+
+
+def markdown(
+    result: dict[str, Any], label_a: str, label_b: str, command: str, origin: str = ""
+) -> str:
+    """The report: the current figures (medians of B / A), the command, where the rows came from
+    (``origin``, see `provenance`), a row per pair."""
     med = result["medians"]
     if not result["pairs"]:
         head = "**Current figures: none (no setting is scored in both row files).**"
@@ -109,6 +130,7 @@ def markdown(result: dict[str, Any], label_a: str, label_b: str, command: str) -
         "",
         f"Command: `{command}`. B / A below 1: B is faster (or smaller).",
         "",
+        *([origin, ""] if origin else []),
         "| setting | " + " | ".join(f"{n} B / A" for n in names) + " | validation B - A |",
         "|---|" + "---|" * (len(names) + 1),
     ]
@@ -156,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(result, args.label_a, args.label_b, command))
+    links = ", ".join(
+        f"[{Path(p).name}]({Path(os.path.relpath(Path(p).resolve(), out.parent.resolve())).as_posix()})"
+        for p in (args.a, args.b, out.with_suffix(".json"))
+    )
+    origin = f"{provenance(*rows)} Rows and figures: {links}."
+    out.write_text(markdown(result, args.label_a, args.label_b, command, origin))
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     print(out.read_text().splitlines()[2])
     return 0

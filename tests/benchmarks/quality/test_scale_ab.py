@@ -47,6 +47,8 @@ def test_runs_pair_by_setting_and_the_report_opens_with_the_median_ratios(tmp_pa
     assert "trainer peak MiB" not in result["pairs"][1]["ratios"]  # A's row has none
     assert result["medians"]["run s"] == pytest.approx((0.7 + 0.8) / 2)
     assert result["max_validation_diff"] == pytest.approx(0.0002)
+    a[0].update(device="NVIDIA H200", commit="abc1234", command="python scale.py --x")
+    b[0].update(device="NVIDIA H200", commit="abc1234", command="python scale.py --y")
     for name, rows in (("a", a), ("b", b)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "ab.md"
@@ -58,6 +60,11 @@ def test_runs_pair_by_setting_and_the_report_opens_with_the_median_ratios(tmp_pa
     assert md[2].startswith("**Current figures (one rung / ladder, medians of 2 paired runs): ")
     assert "run s 0.75x" in md[2] and "at most 0.0002" in md[2]
     assert md[4].startswith("Command: `python benchmarks/quality/scale_ab.py --a ")
+    assert md[6] == (
+        "Devices: NVIDIA H200; commits abc1234; A's rows by `python scale.py --x`; "
+        "B's rows by `python scale.py --y`. Rows and figures: [a.jsonl](a.jsonl), "
+        "[b.jsonl](b.jsonl), [ab.json](ab.json)."
+    )
     assert json.loads(out.with_suffix(".json").read_text())["medians"]["start-up step s"] == 0.5
 
 
