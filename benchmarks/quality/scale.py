@@ -40,7 +40,9 @@ can TRL's, and their rows say false.
   so that the runs' start-ups (host work, the GPU idle) fall beside other runs' steps. A run
   that runs out of GPU memory beside others (its log says so) runs again in the same call with
   a GPU to itself (no run starts beside it; its row says ``gpu_alone``), so a number of runs
-  per GPU too high for the largest arms costs time, not rows. A row is appended as soon as its
+  per GPU too high for the largest arms costs time, not rows; ``--slots 'pkl@gemma3*=3'`` lets
+  the runs of arms known to be large take three of a GPU's slots from the start (their rows say
+  ``slots``). A row is appended as soon as its
   run ends, and a later call skips
   every run that has a scored row (a run trained but not scored is scored without training).
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
@@ -108,6 +110,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import fnmatch
 import json
 import logging
 import math
@@ -167,6 +170,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runs-per-gpu", type=int, default=1, help="runs sharing each GPU of --gpus at a time"
     )
     p.add_argument("--lanes", type=int, default=1, help="lanes without --gpus (CPU runs)")
+    p.add_argument(
+        "--slots",
+        nargs="+",
+        default=[],
+        metavar="ARM=N",
+        help="runs of the arms matching ARM (a shell pattern: 'pkl@gemma3*') take N of a GPU's "
+        "--runs-per-gpu slots, so a large run shares its GPU with fewer others (the first "
+        "pattern that matches counts; other runs take 1)",
+    )
     p.add_argument(
         "--stagger-s",
         type=float,
@@ -274,6 +286,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--runs-per-gpu {args.runs_per_gpu}: give 1 or more")
     if not args.stagger_s >= 0:
         p.error(f"--stagger-s {args.stagger_s}: give 0 or more seconds")
+    try:
+        args.slots = parse_slots(args.slots)
+    except ValueError as e:
+        p.error(str(e))
     if args.warm_shortest is not None and args.warm_shortest < 1:
         p.error(f"--warm-shortest {args.warm_shortest}: give a length >= 1 token")
     if args.peer_tokens is not None and args.peer_tokens < 1:
@@ -288,6 +304,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"({args.tokens}); the grid's runs choose the final runs' setting"
         )
     return args
+
+
+def parse_slots(items: list[str]) -> list[tuple[str, int]]:
+    """``--slots ARM=N ...`` as ``(pattern, N)`` in the order given.
+
+    Raises:
+        ValueError: an item without ``=``, an empty pattern, or N not a whole number >= 1.
+    """
+    out = []
+    for item in items:
+        pattern, _, n = item.rpartition("=")
+        if not pattern or not n.isdigit() or int(n) < 1:
+            raise ValueError(
+                f"--slots {item}: give ARM=N, a shell pattern of arms and a whole number of "
+                "slots >= 1, e.g. 'pkl@gemma3*=2'"
+            )
+        out.append((pattern, int(n)))
+    return out
+
+
+def slots_of(arm: str, slots: list[tuple[str, int]]) -> int:
+    """The slots a run of ``arm`` takes: the first ``--slots`` pattern that matches, else 1."""
+    return next((n for pattern, n in slots if fnmatch.fnmatchcase(arm, pattern)), 1)
 
 
 def gpu_lanes(gpus: list[int], runs_per_gpu: int, visible: str | None) -> list[str]:
@@ -575,6 +614,8 @@ class Experiment:
             jobs.append(self.run_job(key, cfgs))
         for job in jobs:
             job.exclusive = job.key in self.alone
+            if isinstance(job.key, RunKey):
+                job.slots = slots_of(job.key.arm, self.args.slots)
         return jobs
 
     def run_dir(self, key: RunKey) -> Path:
@@ -674,7 +715,7 @@ class Experiment:
         memory beside other runs is given again, with a GPU of its own (returns True)."""
         self.in_flight.discard(job.key)
         self.busy.pop(job.key, None)
-        shared = bool(self.args.gpus) and self.args.runs_per_gpu > 1
+        shared = bool(self.args.gpus) and job.slots < self.args.runs_per_gpu
         if code not in (0, TIMED_OUT) and shared and not job.exclusive:
             if ran_out_of_gpu_memory(job):
                 logger.warning(
@@ -771,6 +812,7 @@ class Experiment:
             "resumed": any((Path(c["run_dir"]) / RESUMED_MARK).exists() for c in cfgs),
             # ran out of GPU memory beside other runs, then trained with the GPU to itself
             "gpu_alone": key in self.alone,
+            "slots": slots_of(key.arm, self.args.slots),
             "val_curve": curve,
             "train_s": peer.get("wall_s")
             if arm.peer

@@ -4,8 +4,9 @@ in order on its lane, stopped (its whole process group) past a per-job timeout.
 
 Jobs are asked for whenever a lane is free, so what runs next can depend on what has finished
 (the grid extends a learning rate, a final run waits for its arm's choice). Several lanes may
-name one GPU (runs sharing it); an ``exclusive`` job has its GPU to itself: it waits until the
-runs there end (no new one starts there meanwhile) and none starts beside it.
+name one GPU (runs sharing it): each job takes ``slots`` of them (a large run counts as two or
+three small ones), and an ``exclusive`` job has its GPU to itself. A job that takes more than
+one waits until its slots are free, and no new job starts on the GPU it waits for meanwhile.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|StartupOutOfMem
 class Job:
     """Commands run one after another on one lane (the first that fails ends the job), their
     output appended to ``log``; ``command_s`` gets each ended command's wall seconds;
-    ``exclusive``: the job has its lane's GPU to itself; ``log_start``: the log's size when the
-    job started (what it wrote is the log from there)."""
+    ``slots``: how many of its GPU's lanes it takes (at most all of them); ``exclusive``: it
+    takes all of them, the GPU to itself; ``log_start``: the log's size when the job started
+    (what it wrote is the log from there)."""
 
     key: Hashable
     commands: list[list[str]]
@@ -43,6 +45,7 @@ class Job:
     command_s: list[float] = dataclasses.field(default_factory=list)
     exclusive: bool = False
     log_start: int = 0
+    slots: int = 1
 
 
 @dataclasses.dataclass
@@ -163,37 +166,44 @@ class Lanes:
         now = time.monotonic()
         return {g for g, t in self._started_at.items() if now - t < self.stagger_s}
 
+    def _slots_used(self, running) -> Counter:
+        """The slots the running jobs take on each GPU (an exclusive one takes them all)."""
+        capacity, used = Counter(self.lanes), Counter()
+        for r in running.values():
+            used[r.lane] += (
+                capacity[r.lane] if r.job.exclusive else min(r.job.slots, capacity[r.lane])
+            )
+        return used
+
     def _start_ready(self, running, held, next_jobs, started) -> tuple[list[Job], bool]:
         """Start on the free lanes what may start: the jobs held before first, then new ones.
 
-        A GPU is closed to new jobs while an exclusive job runs there or waits for it (each
-        waiting exclusive job holds the GPU of the fewest runs not held by another), and for
-        ``stagger_s`` after a job started there; an exclusive job starts on a GPU with no run.
-        Returns the jobs given but not started, and whether free lanes wait out a stagger.
+        A job starts on the first free lane (in lane order, so the first jobs spread over the
+        GPUs) whose GPU has its slots free and had no job start within ``stagger_s``. A job of
+        more than one slot that fits nowhere holds a GPU (the one of the fewest slots taken, not
+        held by another): no new job starts there until it does. Returns the jobs given but not
+        started, and whether free lanes wait out a stagger.
         """
         reserved: set[str | None] = set()
+        capacity = Counter(self.lanes)
 
         def place(job: Job) -> int | None:
-            count = Counter(self.lanes[i] for i in running)
-            closed = reserved | {self.lanes[i] for i, r in running.items() if r.job.exclusive}
-            cooling = self._cooling()
-            free = [
-                i
-                for i in range(len(self.lanes))
-                if i not in running and self.lanes[i] not in cooling
-            ]
-            if job.exclusive:
-                lane = next(
-                    (i for i in free if not count[self.lanes[i]] and self.lanes[i] not in reserved),
-                    None,
-                )
-                if lane is None:
-                    open_gpus = [g for g in dict.fromkeys(self.lanes) if g not in reserved]
-                    if open_gpus:
-                        reserved.add(min(open_gpus, key=lambda g: count[g]))
-                    logger.info("[%s] %s waits for a GPU of its own", self.name, job.key)
-                return lane
-            return next((i for i in free if self.lanes[i] not in closed), None)
+            used, cooling = self._slots_used(running), self._cooling()
+            for i, gpu in enumerate(self.lanes):
+                need = capacity[gpu] if job.exclusive else min(job.slots, capacity[gpu])
+                if (
+                    i not in running
+                    and gpu not in reserved | cooling
+                    and used[gpu] + need <= capacity[gpu]
+                ):
+                    return i
+            if job.exclusive or job.slots > 1:
+                open_gpus = [g for g in capacity if g not in reserved]
+                if open_gpus:
+                    reserved.add(min(open_gpus, key=lambda g: used[g]))
+                logger.info("[%s] %s waits for %s", self.name, job.key,
+                            "a GPU of its own" if job.exclusive else f"{job.slots} slots of a GPU")  # fmt: skip
+            return None
 
         waiting: list[Job] = []
         for job in held:
@@ -201,10 +211,8 @@ class Lanes:
                 waiting.append(job)
             else:
                 self._launch(job, lane, running, started)
-        closed = reserved | {self.lanes[i] for i, r in running.items() if r.job.exclusive}
-        cooling = self._cooling()
-        free = [i for i in range(len(self.lanes)) if i not in running]
-        n_open = sum(1 for i in free if self.lanes[i] not in closed | cooling)
+        used, shut = self._slots_used(running), reserved | self._cooling()
+        n_open = sum(max(0, capacity[g] - used[g]) for g in capacity if g not in shut)
         if n_open:
             for job in next_jobs(n_open):
                 if job.key in started:

@@ -311,14 +311,17 @@ def test_lanes_run_one_job_per_lane_in_order_stop_at_a_failure_and_at_the_timeou
     assert max(asked) <= 2  # never more than the free lanes
 
 
-def _timed_job(key, tmp_path, sleep_s, exclusive=False):
+def _timed_job(key, tmp_path, sleep_s, exclusive=False, slots=1):
     """A job that writes its start and end times to ``<key>.times``."""
     out = tmp_path / f"{key}.times"
     code = (
         f"import time; f = open({str(out)!r}, 'w'); f.write(repr(time.time()) + ' '); "
         f"time.sleep({sleep_s}); f.write(repr(time.time()))"
     )
-    return Job(key, [[sys.executable, "-c", code]], tmp_path / f"{key}.log", exclusive=exclusive)
+    return Job(
+        key, [[sys.executable, "-c", code]], tmp_path / f"{key}.log", exclusive=exclusive,
+        slots=slots,
+    )  # fmt: skip
 
 
 def _each_once(jobs):
@@ -370,6 +373,28 @@ def test_an_exclusive_job_on_a_shared_gpu_starts_once_the_runs_there_end(tmp_pat
     a, alone, b = (_times(tmp_path, k) for k in ("a", "alone", "b"))
     assert alone[0] >= a[1]  # it waited for a to end
     assert b[0] >= alone[1]  # and b, given after it, waited for it
+
+
+def test_a_job_of_two_slots_waits_for_two_and_holds_its_gpu_until_they_are_free(tmp_path):
+    jobs = [
+        _timed_job("a", tmp_path, 0.5),
+        _timed_job("b", tmp_path, 1.5),
+        _timed_job("big", tmp_path, 0.6, slots=2),
+        _timed_job("c", tmp_path, 0.2),
+    ]
+    next_jobs, done = _each_once(jobs), []
+
+    Lanes(["0", "0", "0"], 60.0, tmp_path).run(
+        next_jobs, lambda job, code, wall, lane: done.append((job.key, code)), 0.05
+    )
+    assert sorted(done) == [("a", 0), ("b", 0), ("big", 0), ("c", 0)]
+    a, b, big, c = (_times(tmp_path, k) for k in ("a", "b", "big", "c"))
+    assert a[1] <= big[0] < b[1]  # two of three slots free once a ended, b still running
+    assert c[0] >= min(big[1], b[1])  # c, given after it, took no slot it waited for
+    # never more than three slots' worth at once: b, big (2) or b, c, or big, c
+    for t in (big[0] + 0.01, c[0] + 0.01):
+        running = [k for k, (s0, s1) in zip("a b big c".split(), (a, b, big, c)) if s0 <= t < s1]
+        assert sum(2 if k == "big" else 1 for k in running) <= 3, running
 
 
 def test_staggered_lanes_start_one_job_per_gpu_per_stagger_and_each_gpu_on_its_own(tmp_path):
@@ -449,6 +474,10 @@ def test_a_run_out_of_gpu_memory_beside_others_is_run_again_alone_without_a_row(
     assert len(exp.rows_path.read_text().splitlines()) == 2
     exp.args.runs_per_gpu, job.exclusive = 1, False  # it had its GPU to itself: no retry
     assert exp.on_done(job, 1, 10.0, "0") is False
+    exp.args.runs_per_gpu, job.slots = 3, 3  # its slots were all of its GPU's: no retry
+    assert exp.on_done(job, 1, 10.0, "0") is False
+    job.slots = 2  # two of three: it had company, so it runs again alone
+    assert exp.on_done(job, 1, 10.0, "0") is True
 
 
 def test_a_sigterm_to_the_lanes_process_stops_its_running_jobs_too(tmp_path):
@@ -814,7 +843,7 @@ def _bare_experiment(tmp_path: Path) -> scale.Experiment:
     args.gpus, args.val_limit, args.eval_limit, args.functions = None, None, None, 0
     args.nextline_lines, args.nextline_new_tokens, args.completion_new_tokens = 4, 8, 8
     exp.args, exp.work, exp.scorer, exp.caches = args, tmp_path, None, {}
-    exp.alone = set()
+    exp.alone, args.slots = set(), []
     exp.student_dir = tmp_path / "student"
     exp.projections = {t: tmp_path / f"{t}.pt" for t in ("smollm2", "qwen3", "gemma3")}
     return exp
@@ -830,10 +859,10 @@ def test_a_grid_only_call_starts_no_final_run_while_the_grid_has_runs_left(tmp_p
     exp.results = {RunKey("grid", "ce", 0, lr, None, None): v
                    for lr, v in ((5e-4, 0.75), (1e-3, 0.73), (2e-3, 0.76))}  # fmt: skip
     assert {k.phase for k in exp.plan().pending} == {"grid", "final"}  # CE's finals are ready
-    exp.args.phase = "grid"
+    exp.args.phase, exp.args.slots = "grid", [("pkl@*", 2)]
     jobs = exp.next_jobs(10)
     assert jobs and {j.key.phase for j in jobs} == {"grid"}
-    assert all(j.key.arm == f"pkl@{Q}" for j in jobs)
+    assert all(j.key.arm == f"pkl@{Q}" and j.slots == 2 for j in jobs)
     exp.args.phase, exp.in_flight, exp.busy = "all", set(), {}
     assert "final" in {j.key.phase for j in exp.next_jobs(10)}
 
@@ -984,6 +1013,23 @@ def test_a_negative_stagger_is_refused_with_exit_2(capsys):
         scale.parse_args(["--stagger-s", "-1"])
     assert e.value.code == 2
     assert "--stagger-s -1.0: give 0 or more seconds" in capsys.readouterr().err
+
+
+def test_slot_patterns_give_large_arms_more_of_a_gpu_and_a_bad_one_is_refused_with_exit_2(
+    capsys,
+):
+    args = scale.parse_args(["--slots", "pkl@gemma3*=3", "*@gemma3*=2", "pkl@qwen*=2"])
+    assert args.slots == [("pkl@gemma3*", 3), ("*@gemma3*", 2), ("pkl@qwen*", 2)]
+    assert scale.slots_of("pkl@gemma3-270m", args.slots) == 3  # the first match counts
+    assert scale.slots_of("gold@gemma3-270m", args.slots) == 2
+    assert scale.slots_of("pkl@qwen2.5-coder-0.5b+gemma3-270m", args.slots) == 2
+    assert scale.slots_of("ce", args.slots) == 1
+    assert scale.parse_args([]).slots == []
+    for bad in ("pkl@gemma3*", "=2", "pkl@gemma3*=0", "pkl@gemma3*=two"):
+        with pytest.raises(SystemExit) as e:
+            scale.parse_args(["--slots", bad])
+        assert e.value.code == 2
+        assert f"--slots {bad}: give ARM=N" in capsys.readouterr().err
 
 
 def test_runs_per_gpu_below_one_is_refused_with_exit_2(capsys):
