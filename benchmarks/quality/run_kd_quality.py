@@ -707,6 +707,8 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
         # where a run's time goes besides its steps: the start-up step's compile (None: eager),
         # and the first step, which waits for the teachers' first logits
         "compile_s": summary.get("compile_s"),
+        # where the start-up step's seconds went: each call's, Inductor's cache lookups
+        "start_up": summary.get("start_up"),
         "first_step_s": round(steps[0].get("step_s", 0.0), 2) if steps else None,
         # the most GPU memory PyTorch allocated in the trainer and in any teacher process (MiB;
         # its allocator reserves more): what decides how many runs share a GPU

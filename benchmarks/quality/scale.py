@@ -820,6 +820,8 @@ class Experiment:
             # of the stages' start-up: compile (None: eager) and the first step's wait for logits
             "compile_s": _stage_sum(stages, "compile_s"),
             "first_step_s": _stage_sum(stages, "first_step_s"),
+            # each stage's start-up step: its calls' seconds and Inductor's cache lookups
+            "start_up": [st.get("start_up") for st in stages] or None,
             "peak_memory_mib": {
                 k: max(
                     (v for st in stages if (v := st["peak_memory_mib"][k]) is not None),

@@ -36,6 +36,7 @@ from xtoken_core.models.layers import decoder_layers
 
 __all__ = [
     "CompileCounts",
+    "compile_cache_counts",
     "compile_student",
     "compiled_graphs",
     "compiled_kernels",
@@ -97,6 +98,26 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+#: Inductor's on-disk caches as named in Dynamo's counters: (their name here, counter group,
+#: counter prefix); each counts ``hit``, ``miss`` and ``bypass`` (not cacheable)
+_CACHES = (
+    ("fx_graph", "inductor", "fxgraph_cache_"),
+    ("aot_autograd", "aot_autograd", "autograd_cache_"),
+)
+
+
+def compile_cache_counts() -> dict[str, dict[str, int]]:
+    """Lookups of Inductor's on-disk caches in this process so far: ``{"fx_graph": {"hit",
+    "miss", "bypass"}, "aot_autograd": {...}}``. A compile whose graphs hit both caches skips
+    Inductor's code generation (another run of the same model on this machine compiled them)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        name: {k: int(counters[group][prefix + k]) for k in ("hit", "miss", "bypass")}
+        for name, group, prefix in _CACHES
+    }
 
 
 _triton_compiles = 0  # Triton kernels compiled since the hook went in

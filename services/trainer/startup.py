@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.compile import mark_step, warm_lengths
+from services.trainer.compile import compile_cache_counts, mark_step, warm_lengths
 from services.trainer.student import Student
 from xtoken_core.data.sample import round_up
 
@@ -33,6 +33,7 @@ def warm_up(
     head: Any = None,
     length_multiple: int = 1,
     shortest: int = 64,
+    report: dict | None = None,
 ) -> float | None:
     """One forward and backward at ``micro_batch x max_length`` before training: compiles the
     student (once per run), and shows at start that a step's activations fit in memory.
@@ -48,6 +49,10 @@ def warm_up(
         length_multiple: micro-batch lengths are multiples of it (``compute.length_multiple``):
             so are the ladder's.
         shortest: the ladder's shortest rung (``compute.warm_shortest``).
+        report: filled, when given, with where the seconds went: ``calls``, ``[length, seconds]``
+            of each call in order (the first compiles; with CUDA graphs each length's second
+            call records), and ``caches``, Inductor's cache lookups meanwhile
+            (:func:`~services.trainer.compile.compile_cache_counts`).
 
     Returns:
         Seconds the step took (compile included), or None when skipped.
@@ -65,11 +70,18 @@ def warm_up(
     # CUDA graph trees run a function's first call in a length as a warm-up and record it at
     # the second: two steps per length, so that a run's first steps replay
     repeats = 2 if student.cuda_graphs else 1
+    calls: list[list] = []
+    caches_before = compile_cache_counts() if report is not None else None
     t0 = time.perf_counter()
     try:
         for n in lengths:
             for _ in range(repeats):
+                t_call = time.perf_counter()
                 warm_step(student, student.pads(micro_batch, n), head)
+                if report is not None:  # each call's own seconds: wait for its kernels
+                    if student.device.type == "cuda":
+                        torch.cuda.synchronize(student.device)
+                    calls.append([n, round(time.perf_counter() - t_call, 3)])
     except torch.OutOfMemoryError as e:
         raise _out_of_memory(student.device, micro_batch, length, head) from e
     except Exception as e:  # Dynamo / Inductor failures have many types
@@ -93,7 +105,39 @@ def warm_up(
         torch.cuda.synchronize(student.device)
     seconds = time.perf_counter() - t0
     student.compiles.after_start_up()
+    if report is not None:
+        after = compile_cache_counts()
+        report["calls"] = calls
+        report["caches"] = {
+            name: {k: after[name][k] - caches_before[name][k] for k in counts}
+            for name, counts in after.items()
+        }
     return seconds
+
+
+def start_up_brief(report: dict) -> str:
+    """One clause of where a start-up step's seconds went (a ``warm_up`` report): its first call
+    (the compile), the other calls (the other lengths' graphs, the recordings) and Inductor's
+    cache lookups; "" for an empty report."""
+    calls = report.get("calls") or []
+    if not calls:
+        return ""
+    rest = calls[1:]
+    lengths = len({n for n, _ in calls})
+    text = f": the first call {calls[0][1]:.1f} s"
+    if rest:
+        text += (
+            f", the {len(rest)} others {sum(t for _, t in rest):.1f} s ({lengths} "
+            f"length{'s' if lengths > 1 else ''})"
+        )
+    caches = report.get("caches") or {}
+    if caches:
+        total = {k: sum(c[k] for c in caches.values()) for k in ("hit", "miss", "bypass")}
+        text += (
+            f"; Inductor's caches {total['hit']} hits, {total['miss']} misses, "
+            f"{total['bypass']} bypassed"
+        )
+    return text
 
 
 def warm_step(student: Student, ids_BT: torch.Tensor, head: Any = None) -> None:

@@ -27,7 +27,7 @@ from services.trainer.feed import TeacherFeed
 from services.trainer.model_card import card_facts, write_model_card
 from services.trainer.policy import PolicyPublisher
 from services.trainer.profiling import StepProfiler
-from services.trainer.startup import warm_up
+from services.trainer.startup import start_up_brief, warm_up
 from services.trainer.step import LossTeacher, MicroBatch, PhaseClock, StudentStep, build_loss
 from services.trainer.student import Student
 
@@ -355,17 +355,21 @@ class Trainer:
             head=self.student_step.head,
             length_multiple=config.compute.length_multiple,
             shortest=config.compute.warm_shortest,
+            report=(start_up := {}),
         )
         if compile_s is not None:
             self.metrics.write(
-                "compile", state="done", seconds=round(compile_s, 3), compiled=student.compiled
-            )
+                "compile", state="done", seconds=round(compile_s, 3), compiled=student.compiled,
+                **start_up,
+            )  # fmt: skip
             self.summary["compile_s"] = round(compile_s, 3)
+            self.summary["start_up"] = start_up
             if self.rank == 0:
                 logger.info(
-                    "[trainer] start-up step %s in %.1f s",
+                    "[trainer] start-up step %s in %.1f s%s",
                     "(compile)" if student.compiled else "(eager)",
                     compile_s,
+                    start_up_brief(start_up) if student.compiled else "",
                 )
         if student.step == 0:
             self.evaluate("before")

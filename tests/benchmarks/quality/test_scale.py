@@ -780,7 +780,7 @@ def test_cpu_smoke_tunes_two_arms_runs_their_seeds_and_reruns_one_bitwise(tmp_pa
         assert 0 < r["heldout_bpb"] < 20 and 0 < r["fresh_bpb"] < 20
         assert 0 <= r["next_line_em"] <= 1 and r["val_curve"]
         assert r["completion"]["functions"] >= 1
-        assert 0 < r["first_step_s"] <= r["train_s"] and "compile_s" in r
+        assert 0 < r["first_step_s"] <= r["train_s"] and "compile_s" in r and "start_up" in r
     seed0 = next(r for r in final if (r["arm"], r["seed"]) == ("ce", 0))
     (rerun,) = [r for r in rows if r["phase"] == "rerun"]
     assert rerun["bitwise_equal"] is True and rerun["weights_sha256"] == seed0["weights_sha256"]

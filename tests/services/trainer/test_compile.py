@@ -199,3 +199,28 @@ def test_a_ladder_cut_short_still_trains_a_shorter_micro_batch_compiling_it_at_i
     batch = setup.micro_batches()[0]  # 15 tokens: below every rung
     result = step.run([setup.micro_batch(batch, ["a"], with_teacher=False)])
     assert result.metrics["loss"] > 0 and step.student.step == 1
+
+
+def test_the_start_up_report_times_each_call_and_counts_inductors_cache_lookups(
+    tmp_path, monkeypatch
+):
+    from services.trainer.startup import start_up_brief
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    reports = []
+    for _ in range(2):  # the second compile is another run's: it finds the first one's graphs
+        torch._dynamo.reset()
+        step = _compiled_step(backend="inductor")
+        report: dict = {}
+        seconds = warm_up(step.student, micro_batch=2, max_length=40, head=step.head,
+                          report=report)  # fmt: skip
+        assert [n for n, _ in report["calls"]] == warm_lengths(40, 64)
+        assert 0 < sum(t for _, t in report["calls"]) <= seconds + 0.001 * len(report["calls"])
+        reports.append(report["caches"])
+    first, second = (r["fx_graph"] for r in reports)
+    assert first["miss"] >= 1 and first["hit"] == 0
+    assert second["hit"] == first["miss"] and second["miss"] == 0
+    brief = start_up_brief({"calls": [[512, 60.0], [512, 3.0], [256, 2.5]], "caches": reports[1]})
+    assert brief.startswith(": the first call 60.0 s, the 2 others 5.5 s (2 lengths); ")
+    assert f"Inductor's caches {sum(c['hit'] for c in reports[1].values())} hits" in brief
+    assert start_up_brief({}) == ""
