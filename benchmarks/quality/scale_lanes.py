@@ -201,8 +201,8 @@ class Lanes:
                 open_gpus = [g for g in capacity if g not in reserved]
                 if open_gpus:
                     reserved.add(min(open_gpus, key=lambda g: used[g]))
-                logger.info("[%s] %s waits for %s", self.name, job.key,
-                            "a GPU of its own" if job.exclusive else f"{job.slots} slots of a GPU")  # fmt: skip
+                what = "a GPU of its own" if job.exclusive else f"{job.slots} slots of a GPU"
+                logger.info("[%s] %s waits for %s", self.name, job.key, what)
             return None
 
         waiting: list[Job] = []
