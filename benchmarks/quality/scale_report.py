@@ -502,7 +502,41 @@ def runs_table(rows: list[dict]) -> list[str]:
                 f"| {median(walls)} | {median(steps)} "
                 f"| {median(train_cmd)} | {median(start_up)} | {median(score_cmd)} | {peaks} |"
             )
+    md += [line for phase in ("grid", "final", "rerun") if (line := start_up_line(rows, phase))]
     return md
+
+
+def start_up_line(rows: list[dict], phase: str) -> str:
+    """Where the start-up steps of a phase's runs went, from the rows that say (``start_up``: per
+    training stage, its calls' ``[length, seconds]`` and Inductor's cache lookups): the median
+    seconds of the first call (the compile) and of the others (the ladder's other graphs, the
+    recordings), and the cache lookups of them all; "" when no row says."""
+    reports = [
+        rep
+        for r in rows
+        if r.get("phase") == phase and r.get("exit", 0) == 0
+        for rep in (r.get("start_up") or [])
+        if rep and rep.get("calls")
+    ]
+    if not reports:
+        return ""
+    first = statistics.median(rep["calls"][0][1] for rep in reports)
+    rest = statistics.median(sum(t for _, t in rep["calls"][1:]) for rep in reports)
+    text = (
+        f"\nStart-up steps of the {phase} runs ({len(reports)} that say): the first call (the "
+        f"compile) {first:.0f} s, the other calls (other lengths' graphs, CUDA graph recordings) "
+        f"{rest:.0f} s (medians)"
+    )
+    caches = [rep["caches"] for rep in reports if rep.get("caches")]
+    if caches:
+        total = {
+            k: sum(c[k] for rep in caches for c in rep.values()) for k in ("hit", "miss", "bypass")
+        }
+        text += (
+            f"; Inductor's on-disk caches: {total['hit']} hits, {total['miss']} misses, "
+            f"{total['bypass']} bypassed"
+        )
+    return text + "."
 
 
 def mean_curve(rows: list[dict]) -> list[tuple[int, float]]:

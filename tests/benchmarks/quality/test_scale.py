@@ -625,6 +625,16 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
     assert "| grid | 5 (1 failed) | 0 | 220 | 50 |" in scale_report.markdown(rows + [failed])
     best = scale_report.plotted_curves(rows)
     assert sorted(best) == ["ce", f"pkl@{Q}"] and best["ce"][0]["lr"] == 1e-3
+    assert "Start-up steps" not in md  # no row says where its start-up went
+    caches = {"fx_graph": {"hit": 0, "miss": 2, "bypass": 0},
+              "aot_autograd": {"hit": 1, "miss": 1, "bypass": 1}}  # fmt: skip
+    rows[0]["start_up"] = [{"calls": [[512, 60.0], [512, 4.0], [256, 6.0]], "caches": caches}]
+    rows[1]["start_up"] = [{"calls": [[512, 70.0], [512, 2.0]], "caches": caches}, None]
+    assert (
+        "Start-up steps of the grid runs (2 that say): the first call (the compile) 65 s, the "
+        "other calls (other lengths' graphs, CUDA graph recordings) 6 s (medians); Inductor's "
+        "on-disk caches: 2 hits, 6 misses, 2 bypassed."
+    ) in scale_report.markdown(rows)
 
 
 def test_the_grid_table_shows_a_setting_once_and_the_report_says_whether_repeats_were_equal():
