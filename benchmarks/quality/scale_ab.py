@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.quality import heal  # noqa: E402
 from benchmarks.quality.scale_grid import row_key  # noqa: E402
+from benchmarks.quality.scale_report import first_rows  # noqa: E402
 
 #: the figures compared, as ``(name, how a row gives it)``; None where a row lacks it
 FIGURES: tuple[tuple[str, Any], ...] = (
@@ -51,12 +52,17 @@ FIGURES: tuple[tuple[str, Any], ...] = (
 
 def pairs(rows_a: list[dict], rows_b: list[dict]) -> list[tuple[dict, dict]]:
     """The settings scored in both (each side's first scored row), in A's order."""
-    scored: list[dict[tuple, dict]] = [{}, {}]
-    for side, rows in zip(scored, (rows_a, rows_b), strict=True):
-        for r in rows:
-            if r.get("exit") == 0 and r.get("validation_bpb") is not None:
-                side.setdefault(row_key(r), r)
-    return [(a, scored[1][k]) for k, a in scored[0].items() if k in scored[1]]
+
+    def scored(rows: list[dict]) -> dict[tuple, dict]:
+        firsts = first_rows(rows)  # a setting's first scored row, else its first
+        return {
+            row_key(r): r
+            for r in firsts
+            if r.get("exit") == 0 and r.get("validation_bpb") is not None
+        }
+
+    a, b = scored(rows_a), scored(rows_b)
+    return [(row, b[k]) for k, row in a.items() if k in b]
 
 
 def compare(rows_a: list[dict], rows_b: list[dict]) -> dict[str, Any]:

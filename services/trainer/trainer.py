@@ -348,6 +348,7 @@ class Trainer:
             self.metrics.write("compile", state="start")
             if self.rank == 0:
                 logger.info("[trainer] compiling the student...")
+        start_up: dict = {}  # where the start-up step's seconds went (warm_up fills it)
         compile_s = warm_up(
             student,
             micro_batch=config.feed.micro_batch,
@@ -355,7 +356,7 @@ class Trainer:
             head=self.student_step.head,
             length_multiple=config.compute.length_multiple,
             shortest=config.compute.warm_shortest,
-            report=(start_up := {}),
+            report=start_up,
         )
         if compile_s is not None:
             self.metrics.write(
