@@ -193,7 +193,8 @@ def gguf_preset_dir(name: str) -> Path:
 
 
 def gguf_vocab_size(gguf_path: str | Path) -> int:
-    """Logits per position of a GGUF model, read from its metadata (no tensor is loaded).
+    """Logits per position of a GGUF model, read from its header (no tensor is loaded, no long
+    array decoded: milliseconds, :mod:`xtoken_core.tokenizers.gguf_header`).
 
     Args:
         gguf_path: the .gguf file.
@@ -208,21 +209,20 @@ def gguf_vocab_size(gguf_path: str | Path) -> int:
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise ValueError(f"model {GGUF_PREFIX}{path}: no such file; pass the path of a .gguf file")
-    check_gguf_installed(f"{GGUF_PREFIX}{path}")
-    from gguf import GGUFReader
+    check_gguf_installed(f"{GGUF_PREFIX}{path}")  # loading it needs the package: say so now
+    from xtoken_core.tokenizers.gguf_header import GgufArray, read_gguf_header
 
-    reader = GGUFReader(str(path))
-    arch = reader.fields.get("general.architecture")
-    if arch is not None:
-        field = reader.fields.get(f"{arch.contents()}.vocab_size")
-        if field is not None:
-            return int(field.contents())
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        return len(tokens.data)
-    for tensor in reader.tensors:
-        if tensor.name == "token_embd.weight":
-            return int(tensor.shape[-1])  # ggml order: [hidden, vocab]
+    header = read_gguf_header(path)
+    arch = header.fields.get("general.architecture")
+    if isinstance(arch, str):
+        vocab = header.fields.get(f"{arch}.vocab_size")
+        if isinstance(vocab, int):
+            return vocab
+    tokens = header.fields.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, GgufArray):
+        return tokens.count
+    if "token_embd.weight" in header.tensors:
+        return int(header.tensors["token_embd.weight"][-1])  # ggml order: [hidden, vocab]
     raise ValueError(
         f"{str(path)!r} names no vocab size (no vocab_size key, token list or token_embd "
         "tensor); pass a GGUF causal LM"

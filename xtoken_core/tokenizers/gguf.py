@@ -41,17 +41,12 @@ def read_gguf_field(gguf_path: str | Path, key: str):
         The value, or None.
 
     Raises:
-        ValueError: the ``gguf`` package is missing (says what to install).
+        ValueError: no such file, or not a GGUF file (read by
+            :func:`~xtoken_core.tokenizers.gguf_header.read_gguf_header`, no package needed).
     """
-    try:
-        from gguf import GGUFReader
-    except ImportError as exc:
-        raise ValueError(
-            "reading a GGUF file needs the `gguf` package; install it with "
-            "`pip install --no-deps gguf==0.19.0`"
-        ) from exc
-    field = GGUFReader(str(gguf_path)).fields.get(key)
-    return None if field is None else field.contents()
+    from xtoken_core.tokenizers.gguf_header import read_gguf_header
+
+    return read_gguf_header(gguf_path).value(key)
 
 
 def _restore_pre_tokenizer(tokenizer_json: Path, pre: str | None) -> None:
