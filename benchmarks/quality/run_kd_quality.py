@@ -682,7 +682,7 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
     """Curves and totals of a finished run from its metrics."""
     from services.common.metrics import read_jsonl
 
-    steps, evals, teacher, teacher_mib = [], [], None, []
+    steps, evals, teacher, teacher_mib, teacher_res = [], [], None, [], []
     for r in read_jsonl(run_dir / "metrics" / "trainer.rank0.jsonl"):
         if r.get("event") == "step":
             steps.append(r)
@@ -694,7 +694,14 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
                 teacher = r["bits_per_byte"]
             if isinstance(r.get("memory_mb"), int | float):
                 teacher_mib.append(r["memory_mb"])
+            if isinstance(r.get("memory_reserved_mb"), int | float):
+                teacher_res.append(r["memory_reserved_mb"])
     trainer_mib = [r["memory_mb"] for r in steps if isinstance(r.get("memory_mb"), int | float)]
+    trainer_res = [
+        r["memory_reserved_mb"]
+        for r in steps
+        if isinstance(r.get("memory_reserved_mb"), int | float)
+    ]
     every = max(1, len(steps) // 200)
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -715,6 +722,12 @@ def collect(arm: str, seed: int, run_dir: Path) -> dict[str, Any]:
         "peak_memory_mib": {
             "trainer": max(trainer_mib, default=None),
             "teacher": max(teacher_mib, default=None),
+        },
+        # what PyTorch's allocator held at most (its cached blocks and CUDA graphs' pools too;
+        # None off CUDA): with the CUDA context, what a process takes of a shared GPU
+        "peak_reserved_mib": {
+            "trainer": max(trainer_res, default=None),
+            "teacher": max(teacher_res, default=None),
         },
         "val_curve": evals,
         "loss_curve": [

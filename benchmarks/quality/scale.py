@@ -529,6 +529,10 @@ class Experiment:
             # the students' start-up ladder and micro-batch padding (trainer.compute)
             "length_multiple": a.length_multiple,
             "warm_shortest": a.warm_shortest,
+            # PyTorch's allocator settings the runs inherit (expandable segments hold less
+            # memory beside the allocation; the figures do not depend on them)
+            "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")
+            or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "smoke": bool(a.smoke),
         }
         other = self.load_results()
@@ -821,12 +825,15 @@ class Experiment:
             "first_step_s": _stage_sum(stages, "first_step_s"),
             # each stage's start-up step: its calls' seconds and Inductor's cache lookups
             "start_up": [st.get("start_up") for st in stages] or None,
-            "peak_memory_mib": {
-                k: max(
-                    (v for st in stages if (v := st["peak_memory_mib"][k]) is not None),
-                    default=None,
-                )
-                for k in ("trainer", "teacher")
+            **{
+                field: {
+                    k: max(
+                        (v for st in stages if (v := (st.get(field) or {}).get(k)) is not None),
+                        default=None,
+                    )
+                    for k in ("trainer", "teacher")
+                }
+                for field in ("peak_memory_mib", "peak_reserved_mib")
             },
             "scores": {s: _brief(v) for s, v in final.items()} or None,
         }

@@ -503,6 +503,41 @@ def runs_table(rows: list[dict]) -> list[str]:
                 f"| {median(train_cmd)} | {median(start_up)} | {median(score_cmd)} | {peaks} |"
             )
     md += [line for phase in ("grid", "final", "rerun") if (line := start_up_line(rows, phase))]
+    return md + memory_table(rows)
+
+
+def memory_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: per arm, the most GPU memory any of its runs' trainers and teachers had
+    PyTorch allocate and (rows that say) its allocator reserve, in GiB: what a run takes of a
+    GPU it shares (``scale.py --slots``); [] when no row says."""
+
+    def most(arm_rows: list[dict], field: str, who: str) -> str:
+        m = max(((r.get(field) or {}).get(who) or 0 for r in arm_rows), default=0)
+        return f"{m / 1024:.1f}" if m else "-"
+
+    arms: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("exit", 0) == 0 and (r.get("peak_memory_mib") or {}).get("trainer"):
+            arms.setdefault(r["arm"], []).append(r)
+    if not arms:
+        return []
+    md = [
+        "",
+        "Memory per arm (GiB, the most of its runs; reserved: what PyTorch's allocator held, its "
+        "cache and CUDA graphs' pools included; a process adds its CUDA context):",
+        "",
+        "| arm | runs | trainer allocated | trainer reserved | teacher allocated "
+        "| teacher reserved |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in sorted(arms):
+        rs = arms[arm]
+        md.append(
+            f"| {arm} | {len(rs)} | {most(rs, 'peak_memory_mib', 'trainer')} "
+            f"| {most(rs, 'peak_reserved_mib', 'trainer')} "
+            f"| {most(rs, 'peak_memory_mib', 'teacher')} "
+            f"| {most(rs, 'peak_reserved_mib', 'teacher')} |"
+        )
     return md
 
 

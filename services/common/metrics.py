@@ -53,6 +53,21 @@ def device_memory_mb(device: Any) -> float:
         return 0.0
 
 
+def device_reserved_mb(device: Any) -> float | None:
+    """Peak memory PyTorch's allocator reserved for this process on a CUDA ``device`` in MiB
+    (``torch.cuda.max_memory_reserved``: its cached blocks and CUDA graphs' pools besides what is
+    allocated; what decides how many processes share a GPU), None off CUDA.
+
+    Args:
+        device: a ``torch.device`` or a device string (``cuda:0``, ``cpu``).
+    """
+    if not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    return round(torch.cuda.max_memory_reserved(torch.device(device)) / 2**20, 1)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete record of a JSONL file (a torn last line is skipped)."""
     out = []

@@ -25,7 +25,7 @@ from typing import Any
 from services import protocol as proto
 from services.common import lifecycle
 from services.common.lifecycle import Lifecycle
-from services.common.metrics import JsonlWriter, device_memory_mb
+from services.common.metrics import JsonlWriter, device_memory_mb, device_reserved_mb
 from services.queue.client import connect
 from services.queue.errors import QueueError
 from services.teacher.config import TeacherConfig, teacher_name
@@ -272,6 +272,7 @@ def _serve_batch(client, worker, partition, batch: list[tuple], metrics) -> None
                 length=U,
                 forward_requests=len(batch),
                 memory_mb=device_memory_mb(worker.device),
+                memory_reserved_mb=device_reserved_mb(worker.device),
             )
 
 

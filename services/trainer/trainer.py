@@ -15,7 +15,7 @@ import torch
 
 from services.common import lifecycle
 from services.common.config import to_dict
-from services.common.metrics import JsonlWriter
+from services.common.metrics import JsonlWriter, device_memory_mb, device_reserved_mb
 from services.protocol.names import new_instance
 from services.queue import errors as codes
 from services.queue.errors import QueueError
@@ -659,7 +659,8 @@ class Trainer:
                 step_s=round(step_s, 6),
                 tokens_per_s=round(result.metrics["tokens"] / step_s, 2) if step_s else None,
                 times={k: round(v, 6) for k, v in result.times.items()},
-                memory_mb=_memory_mb(self.device),
+                memory_mb=device_memory_mb(self.device),
+                memory_reserved_mb=device_reserved_mb(self.device),
                 recompiles=self.student.recompiles(),
                 **entry,
                 **({} if on_policy is None else {"on_policy": on_policy}),
@@ -702,14 +703,3 @@ def cache_width(directory: str | None) -> int | None:
 def _teacher_vocab(loss_fn: Any) -> int | None:
     """The teacher vocab the loss reads (the logits' columns), or None without a loss."""
     return None if loss_fn is None else loss_fn.config.teacher_vocab_size[0]
-
-
-def _memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    try:
-        import resource
-
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    except ImportError:  # pragma: no cover
-        return 0.0

@@ -389,6 +389,12 @@ def test_a_runs_totals_split_its_start_up_compile_and_first_step_and_a_bad_summa
     teacher = [{"event": "batch", "memory_mb": 3000.0}, {"event": "eval", "bits_per_byte": 0.7}]
     (metrics / "teacher.group0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in teacher))
     assert collect("pkl", 0, tmp_path)["peak_memory_mib"] == {"trainer": 1200.5, "teacher": 3000.0}
+    assert collect("pkl", 0, tmp_path)["peak_reserved_mib"] == {"trainer": None, "teacher": None}
+    steps[1]["memory_reserved_mb"] = 2048.0  # on a GPU: what the allocator held
+    teacher[0]["memory_reserved_mb"] = 4096.0
+    (metrics / "trainer.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (metrics / "teacher.group0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in teacher))
+    assert collect("pkl", 0, tmp_path)["peak_reserved_mib"] == {"trainer": 2048.0, "teacher": 4096.0}
     (tmp_path / "summary.json").write_text("{not json")  # a run killed while writing it
     assert collect("ce", 0, tmp_path)["compile_s"] is None
     (tmp_path / "summary.json").unlink()

@@ -621,6 +621,9 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
     rows[1]["peak_memory_mib"] = {"trainer": 2048.0, "teacher": None}
     rows[2]["peak_memory_mib"] = {"trainer": 1024.0, "teacher": 6144.0}
     assert "| 200 | 80 | 20 | 2.0 / 6.0 |" in scale_report.markdown(rows)
+    assert "| ce | 1 | 2.0 | - | - | - |" in scale_report.markdown(rows)  # memory per arm
+    rows[2]["peak_reserved_mib"] = {"trainer": 3072.0, "teacher": 7168.0}
+    assert f"| pkl@{Q} | 1 | 1.0 | 3.0 | 6.0 | 7.0 |" in scale_report.markdown(rows)
     failed = {**rows[0], "exit": 1, "validation_bpb": None, "wall_s": 9.0, "command_s": [9.0]}
     assert "| grid | 5 (1 failed) | 0 | 220 | 50 |" in scale_report.markdown(rows + [failed])
     best = scale_report.plotted_curves(rows)
