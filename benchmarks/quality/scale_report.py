@@ -571,6 +571,14 @@ def start_up_line(rows: list[dict], phase: str) -> str:
             f"; Inductor's on-disk caches: {total['hit']} hits, {total['miss']} misses, "
             f"{total['bypass']} bypassed"
         )
+    phased = [rep["phases"] for rep in reports if rep.get("phases")]
+    if phased:  # the compiler's own timers (nested phases: they overlap)
+        names = {k for ph in phased for k in ph}
+        med = {k: statistics.median(ph.get(k, 0.0) for ph in phased) for k in names}
+        top = sorted(med.items(), key=lambda kv: -kv[1])[:5]
+        text += "; the compiler's largest phases (medians, nested): " + ", ".join(
+            f"`{k}` {v:.1f} s" for k, v in top
+        )
     return text + "."
 
 

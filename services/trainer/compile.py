@@ -37,6 +37,7 @@ from xtoken_core.models.layers import decoder_layers
 __all__ = [
     "CompileCounts",
     "compile_cache_counts",
+    "compile_phase_seconds",
     "compile_student",
     "compiled_graphs",
     "compiled_kernels",
@@ -118,6 +119,16 @@ def compile_cache_counts() -> dict[str, dict[str, int]]:
         name: {k: int(counters[group][prefix + k]) for k in ("hit", "miss", "bypass")}
         for name, group, prefix in _CACHES
     }
+
+
+def compile_phase_seconds() -> dict[str, float]:
+    """Seconds this process spent so far in each phase PyTorch's compiler times
+    (``torch._dynamo.utils.compilation_time_metrics``: Dynamo's tracing, AOTAutograd, Inductor's
+    code generation, cache loads, the wait for kernel compiles, CUDA graph recording...), summed
+    over its calls; phases nest, so they do not add up to a total."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
 
 
 _triton_compiles = 0  # Triton kernels compiled since the hook went in

@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from services.trainer.compile import compile_cache_counts, mark_step, warm_lengths
+from services.trainer.compile import (
+    compile_cache_counts,
+    compile_phase_seconds,
+    mark_step,
+    warm_lengths,
+)
 from services.trainer.student import Student
 from xtoken_core.data.sample import round_up
 
@@ -52,7 +57,9 @@ def warm_up(
         report: filled, when given, with where the seconds went: ``calls``, ``[length, seconds]``
             of each call in order (the first compiles; with CUDA graphs each length's second
             call records), and ``caches``, Inductor's cache lookups meanwhile
-            (:func:`~services.trainer.compile.compile_cache_counts`).
+            (:func:`~services.trainer.compile.compile_cache_counts`), and ``phases``, the
+            seconds of each compiler phase that took at least 0.05 s meanwhile
+            (:func:`~services.trainer.compile.compile_phase_seconds`; nested, so they overlap).
 
     Returns:
         Seconds the step took (compile included), or None when skipped.
@@ -72,6 +79,7 @@ def warm_up(
     repeats = 2 if student.cuda_graphs else 1
     calls: list[list] = []
     caches_before = compile_cache_counts() if report is not None else None
+    phases_before = compile_phase_seconds() if report is not None else None
     t0 = time.perf_counter()
     try:
         for n in lengths:
@@ -111,6 +119,11 @@ def warm_up(
         report["caches"] = {
             name: {k: after[name][k] - caches_before[name][k] for k in counts}
             for name, counts in after.items()
+        }
+        phases = compile_phase_seconds()
+        spent = {k: v - phases_before.get(k, 0.0) for k, v in phases.items()}
+        report["phases"] = {
+            k: round(v, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.05
         }
     return seconds
 

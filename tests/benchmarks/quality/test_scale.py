@@ -638,6 +638,12 @@ def test_a_report_of_grid_rows_alone_says_so_and_splits_a_runs_time():
         "other calls (other lengths' graphs, CUDA graph recordings) 6 s (medians); Inductor's "
         "on-disk caches: 2 hits, 6 misses, 2 bypassed."
     ) in scale_report.markdown(rows)
+    rows[0]["start_up"][0]["phases"] = {"_compile.compile_inner": 50.0, "async_compile.wait": 30.0}
+    rows[1]["start_up"][0]["phases"] = {"_compile.compile_inner": 40.0}
+    assert (
+        "2 bypassed; the compiler's largest phases (medians, nested): `_compile.compile_inner` "
+        "45.0 s, `async_compile.wait` 15.0 s."
+    ) in scale_report.markdown(rows)
 
 
 def test_the_grid_table_shows_a_setting_once_and_the_report_says_whether_repeats_were_equal():

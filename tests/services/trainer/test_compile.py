@@ -201,7 +201,7 @@ def test_a_ladder_cut_short_still_trains_a_shorter_micro_batch_compiling_it_at_i
     assert result.metrics["loss"] > 0 and step.student.step == 1
 
 
-def test_the_start_up_report_times_each_call_and_counts_inductors_cache_lookups(
+def test_the_start_up_report_times_each_call_counts_cache_lookups_and_names_compiler_phases(
     tmp_path, monkeypatch
 ):
     from services.trainer.startup import start_up_brief
@@ -216,6 +216,10 @@ def test_the_start_up_report_times_each_call_and_counts_inductors_cache_lookups(
                           report=report)  # fmt: skip
         assert [n for n, _ in report["calls"]] == warm_lengths(40, 64)
         assert 0 < sum(t for _, t in report["calls"]) <= seconds + 0.001 * len(report["calls"])
+        phases = report["phases"]  # the compiler's timers of this start-up alone, largest first
+        assert phases and all(v >= 0.05 for v in phases.values())
+        assert list(phases.values()) == sorted(phases.values(), reverse=True)
+        assert max(phases.values()) <= seconds + 0.01
         reports.append(report["caches"])
     first, second = (r["fx_graph"] for r in reports)
     assert first["miss"] >= 1 and first["hit"] == 0
