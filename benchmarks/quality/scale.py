@@ -42,7 +42,11 @@ can TRL's, and their rows say false.
   a GPU to itself (no run starts beside it; its row says ``gpu_alone``), so a number of runs
   per GPU too high for the largest arms costs time, not rows; ``--slots 'pkl@gemma3*=3'`` lets
   the runs of arms known to be large take three of a GPU's slots from the start (their rows say
-  ``slots``). A row is appended as soon as its run ends, and a later call skips every run that
+  ``slots``): the rows' ``peak_memory_mib`` and ``peak_reserved_mib`` (what PyTorch allocated and
+  what its allocator held, trainer and teacher; the report's memory per arm) say how large, and
+  ``alloc_conf`` the allocator settings the runs inherited (``PYTORCH_ALLOC_CONF``). Top-K
+  targets do not make P-KL small: over every teacher column (``vocab_topk: null``) it holds
+  the same fp32 tensors of the teacher's vocab as full logits do. A row is appended as soon as its run ends, and a later call skips every run that
   has a scored row (a run trained but not scored is scored without training).
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
