@@ -89,6 +89,8 @@ Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm mac
         --work runs/scale --out $OUT --tokens 20000000 --grid-tokens 2000000 \\
         --model-alias qwen2.5-coder-0.5b=gguf:/PATH/qwen.gguf gemma3-270m=gguf:/PATH/gemma.gguf
     python benchmarks/quality/scale.py --report --out $OUT
+    python benchmarks/quality/scale.py --plan ...  # the same options as a call: what it would
+        # start, in order, with each run's slots, and the settings chosen so far (no training)
 
 CPU smoke (heal.py's tiny stand-ins; arms ce and pkl@smollm2, 2 seeds, learning rates 5e-4 and
 1e-3 with no extension, 4 steps; ``tests/benchmarks/quality/test_scale.py``, marker ``slow``)::
@@ -278,6 +280,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="rows and report (default benchmarks/results)")
     p.add_argument("--report", action="store_true", help="write the report from the rows")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the runs this call would start, in order, with their slots, and the "
+        "settings chosen so far (from the rows and the split's budget; nothing trains)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU smoke with tiny stand-in models")
     args = p.parse_args(argv)
     if args.gpus:
@@ -487,6 +495,14 @@ class Experiment:
         if a.peer_tokens is not None:  # TRL's runs: a budget of their own
             a.peer_steps = scale_arms.steps_for(a.peer_tokens, a.batch, self.sample_tokens)
         a.epochs = math.ceil(a.steps * a.batch / max(1, len(train))) + 1
+        if a.plan:  # the rows of this budget and split are all a plan needs
+            split = json.loads((a.corpus / "split.json").read_text())
+            self.meta = {
+                "fresh_commit": split.get("fresh", {}).get("commit"),
+                "split_sha256": kd.split_digest(a.corpus),
+            }
+            self.load_results()
+            return
         self.student_dir = self.work / "student" / heal.slug(heal.resolve(a.student, a.aliases))
         if not (self.student_dir / "config.json").is_file():
             model = heal.student_model(heal.resolve(a.student, a.aliases), s_tok.vocab_size)
@@ -595,6 +611,37 @@ class Experiment:
     def plan(self) -> scale_grid.Plan:
         """The grid's plan from the runs done so far."""
         return scale_grid.plan(self.arms, self.results, self.grid, self.rerun)
+
+    def plan_lines(self) -> list[str]:
+        """What a call would start, in order (the runs ``--phase`` lets start, each with its
+        slots), the setting chosen for each arm so far and the arms whose grid stalled."""
+        p = self.plan()
+        runs = [k for k in p.pending if self.args.phase != "grid" or k.phase == "grid"]
+        phases = {ph: sum(1 for k in runs if k.phase == ph) for ph in ("grid", "final", "rerun")}
+        held = len(p.pending) - len(runs)
+        lines = [
+            f"{len(runs)} run{'' if len(runs) == 1 else 's'} to start ("
+            + ", ".join(f"{n} {ph}" for ph, n in phases.items() if n)
+            + (
+                f"; {held} final run{'' if held == 1 else 's'} wait for a call without --phase grid"
+                if held
+                else ""
+            )
+            + "), in order:"
+        ]
+        for k in runs:
+            kd_w = "-" if k.kl_weight is None else f"{k.kl_weight:g}"
+            temp = "-" if k.temperature is None else f"{k.temperature:g}"
+            lines.append(
+                f"  {k.phase:<6} {k.arm:<40} seed {k.seed}  lr {k.lr:g}  KL w {kd_w}  T {temp}  "
+                f"slots {slots_of(k.arm, self.args.slots)}"
+            )
+        for arm, setting in p.chosen.items():
+            if setting is not None:
+                where = {True: "interior", False: "at an edge", None: "pinned"}[p.interior[arm]]
+                lines.append(f"chosen: {arm} lr {setting.lr:g} ({where})")
+        lines += [f"stalled: {arm} (a failed grid run; see its log)" for arm in p.stalled]
+        return lines
 
     def next_jobs(self, n: int) -> list[Job]:
         """At most ``n`` jobs ready now: cache builds first, then the plan's runs."""
@@ -942,6 +989,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"scale: {e}", file=sys.stderr)
         return 2
+    if args.plan:
+        print("\n".join(exp.plan_lines()))
+        return 0
     # a SIGTERM (a call's time limit, `timeout`) stops the running jobs as Ctrl-C does: each
     # gets SIGTERM (a run with checkpoints writes one) and no job outlives this process
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -886,6 +886,26 @@ def test_a_grid_only_call_starts_no_final_run_while_the_grid_has_runs_left(tmp_p
     assert "final" in {j.key.phase for j in exp.next_jobs(10)}
 
 
+def test_the_plan_lists_the_runs_a_call_would_start_with_their_slots_and_the_choices(tmp_path):
+    exp = _bare_experiment(tmp_path)
+    exp.arms = [scale_arms.parse_scale_arm(s) for s in ("ce", f"pkl@{Q}")]
+    exp.grid = GridSpec(lrs=(5e-4, 1e-3, 2e-3), kl_weights=(0.5,), temperatures=(1.0,),
+                        seeds=(0, 1))  # fmt: skip
+    exp.rerun = None
+    exp.results = {RunKey("grid", "ce", 0, lr, None, None): v
+                   for lr, v in ((5e-4, 0.75), (1e-3, 0.73), (2e-3, 0.76))}  # fmt: skip
+    exp.args.phase, exp.args.slots = "grid", [("pkl@*", 2)]
+    lines = exp.plan_lines()
+    held = "2 final runs wait for a call without --phase grid"
+    assert lines[0] == f"1 run to start (1 grid; {held}), in order:"  # the family's KL weight
+    assert lines[1].split() == ["grid", f"pkl@{Q}", "seed", "0", "lr", "0.001", "KL", "w",
+                                "0.5", "T", "1", "slots", "2"]  # fmt: skip
+    assert lines[-1] == "chosen: ce lr 0.001 (interior)"
+    exp.args.phase = "all"
+    assert exp.plan_lines()[0] == "3 runs to start (1 grid, 2 final), in order:"
+    assert "  final  ce" in "\n".join(exp.plan_lines())
+
+
 def test_an_on_policy_arm_trains_its_off_policy_start_and_its_on_policy_part_in_one_run(tmp_path):
     exp = _bare_experiment(tmp_path)
     keys = [RunKey("grid", f"pkl@{Q}:on_policy={f}", 0, 1e-3, 0.5, 1.0) for f in (0.25, 0.5)]
