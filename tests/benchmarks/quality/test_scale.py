@@ -706,6 +706,23 @@ def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, ca
     assert "--tokens 100" in line and "below one step" in line
 
 
+def test_plan_prints_the_runs_a_call_would_start_and_builds_nothing(tmp_path, capsys):
+    corpus = tmp_path / "split"
+    corpus.mkdir()
+    for name in ("train", "val", "heldout", "fresh"):
+        rec = {"text": "def f():\n    return 1\n" * 20, "source": "a.py"}
+        (corpus / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
+    (corpus / "split.json").write_text("{}")
+    argv = ["--plan", "--arms", "ce", "--tokens", "100000", "--corpus", str(corpus),
+            "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert scale.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("3 runs to start (3 grid")  # CE's rate grid; finals wait for it
+    assert [line.split()[5] for line in lines[1:4]] == ["0.00025", "0.0005", "0.001"]
+    assert not (tmp_path / "w" / "student").exists()  # no student, projection or teacher built
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- smoke
 
 
