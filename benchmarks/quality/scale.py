@@ -90,7 +90,8 @@ Commands (``runs/`` is git-ignored, so ``--work runs/scale`` stays on a warm mac
         --model-alias qwen2.5-coder-0.5b=gguf:/PATH/qwen.gguf gemma3-270m=gguf:/PATH/gemma.gguf
     python benchmarks/quality/scale.py --report --out $OUT
     python benchmarks/quality/scale.py --plan ...  # the same options as a call: what it would
-        # start, in order, with each run's slots, and the settings chosen so far (no training)
+        # start, in order, with each run's slots and the memory its arm's runs took (so far,
+        # or its family's), and the settings chosen so far (no training)
 
 CPU smoke (heal.py's tiny stand-ins; arms ce and pkl@smollm2, 2 seeds, learning rates 5e-4 and
 1e-3 with no extension, 4 steps; ``tests/benchmarks/quality/test_scale.py``, marker ``slow``)::
@@ -283,8 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="print the runs this call would start, in order, with their slots, and the "
-        "settings chosen so far (from the rows and the split's budget; nothing trains)",
+        help="print the runs this call would start, in order, with their slots and the GPU "
+        "memory their arm's runs took so far, and the settings chosen so far (from the rows "
+        "and the split's budget; nothing trains)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU smoke with tiny stand-in models")
     args = p.parse_args(argv)
@@ -629,12 +631,16 @@ class Experiment:
             )
             + "), in order:"
         ]
+        memory = self.arm_memory()
         for k in runs:
             kd_w = "-" if k.kl_weight is None else f"{k.kl_weight:g}"
             temp = "-" if k.temperature is None else f"{k.temperature:g}"
+            family = scale_arms.parse_scale_arm(k.arm).family
+            mem = memory.get(k.arm) or memory.get(family)
             lines.append(
                 f"  {k.phase:<6} {k.arm:<40} seed {k.seed}  lr {k.lr:g}  KL w {kd_w}  T {temp}  "
                 f"slots {slots_of(k.arm, self.args.slots)}"
+                + (f"  ({mem}{'' if k.arm in memory else f' of {family}'})" if mem else "")
             )
         for arm, setting in p.chosen.items():
             if setting is not None:
@@ -642,6 +648,21 @@ class Experiment:
                 lines.append(f"chosen: {arm} lr {setting.lr:g} ({where})")
         lines += [f"stalled: {arm} (a failed grid run; see its log)" for arm in p.stalled]
         return lines
+
+    def arm_memory(self) -> dict[str, str]:
+        """Per arm with rows, the most GPU memory its runs took, as the plan shows it: GiB the
+        trainer and the teacher had PyTorch allocate, and reserve where the rows say."""
+        most: dict[str, dict[str, float]] = {}
+        for row in heal.read_rows([self.rows_path]):
+            for field, tag in (("peak_memory_mib", "alloc"), ("peak_reserved_mib", "reserved")):
+                for who, v in (row.get(field) or {}).items():
+                    if v:
+                        m = most.setdefault(row["arm"], {})
+                        m[f"{who} {tag}"] = max(m.get(f"{who} {tag}", 0.0), v)
+        return {
+            arm: "GiB " + ", ".join(f"{k} {v / 1024:.1f}" for k, v in sorted(m.items()))
+            for arm, m in most.items()
+        }
 
     def next_jobs(self, n: int) -> list[Job]:
         """At most ``n`` jobs ready now: cache builds first, then the plan's runs."""

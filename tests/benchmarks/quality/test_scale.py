@@ -912,15 +912,30 @@ def test_the_plan_lists_the_runs_a_call_would_start_with_their_slots_and_the_cho
     exp.results = {RunKey("grid", "ce", 0, lr, None, None): v
                    for lr, v in ((5e-4, 0.75), (1e-3, 0.73), (2e-3, 0.76))}  # fmt: skip
     exp.args.phase, exp.args.slots = "grid", [("pkl@*", 2)]
+    exp.rows_path = tmp_path / "rows.jsonl"
+    exp.rows_path.write_text(json.dumps({"arm": f"pkl@{Q}", "peak_memory_mib": {
+        "trainer": 23859.2, "teacher": 6348.8}, "peak_reserved_mib": {"trainer": 40960.0}}) + "\n")  # fmt: skip
     lines = exp.plan_lines()
     held = "2 final runs wait for a call without --phase grid"
     assert lines[0] == f"1 run to start (1 grid; {held}), in order:"  # the family's KL weight
-    assert lines[1].split() == ["grid", f"pkl@{Q}", "seed", "0", "lr", "0.001", "KL", "w",
-                                "0.5", "T", "1", "slots", "2"]  # fmt: skip
+    assert lines[1].split()[:13] == ["grid", f"pkl@{Q}", "seed", "0", "lr", "0.001", "KL", "w",
+                                     "0.5", "T", "1", "slots", "2"]  # fmt: skip
+    assert lines[1].endswith(
+        "(GiB teacher alloc 6.2, trainer alloc 23.3, trainer reserved 40.0)"
+    )  # what the arm's runs took so far: what its slots should cover
     assert lines[-1] == "chosen: ce lr 0.001 (interior)"
     exp.args.phase = "all"
     assert exp.plan_lines()[0] == "3 runs to start (1 grid, 2 final), in order:"
     assert "  final  ce" in "\n".join(exp.plan_lines())
+    exp.arms.append(scale_arms.parse_scale_arm(f"pkl@{Q}:topk=64"))
+    exp.results[RunKey("grid", f"pkl@{Q}", 0, 1e-3, 0.5, 1.0)] = 0.74  # the family's KL weight
+    topk = [line for line in exp.plan_lines() if "topk=64" in line]
+    assert topk and all(  # an arm without rows shows its family's
+        line.endswith(
+            f"(GiB teacher alloc 6.2, trainer alloc 23.3, trainer reserved 40.0 of pkl@{Q})"
+        )
+        for line in topk
+    )
 
 
 def test_an_on_policy_arm_trains_its_off_policy_start_and_its_on_policy_part_in_one_run(tmp_path):
