@@ -692,13 +692,19 @@ def test_a_teacher_not_installed_is_refused_in_one_line_with_exit_2(tmp_path, ca
     assert G in line and "nope.gguf" in line and "--model-alias" in line
 
 
-def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, capsys):
+def _tiny_split(tmp_path: Path) -> Path:
+    """A split folder of one short text per part (no fresh commit)."""
     corpus = tmp_path / "split"
     corpus.mkdir()
     for name in ("train", "val", "heldout", "fresh"):
         rec = {"text": "def f():\n    return 1\n" * 20, "source": "a.py"}
         (corpus / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
     (corpus / "split.json").write_text("{}")
+    return corpus
+
+
+def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, capsys):
+    corpus = _tiny_split(tmp_path)
     line = _refused(
         capsys,
         ["--arms", "ce", "--tokens", "100", "--corpus", str(corpus), "--work", str(tmp_path / "w")],
@@ -707,12 +713,7 @@ def test_a_budget_below_one_step_is_refused_in_one_line_with_exit_2(tmp_path, ca
 
 
 def test_plan_prints_the_runs_a_call_would_start_and_builds_nothing(tmp_path, capsys):
-    corpus = tmp_path / "split"
-    corpus.mkdir()
-    for name in ("train", "val", "heldout", "fresh"):
-        rec = {"text": "def f():\n    return 1\n" * 20, "source": "a.py"}
-        (corpus / f"{name}.jsonl").write_text(json.dumps(rec) + "\n")
-    (corpus / "split.json").write_text("{}")
+    corpus = _tiny_split(tmp_path)
     argv = ["--plan", "--arms", "ce", "--tokens", "100000", "--corpus", str(corpus),
             "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]  # fmt: skip
     assert scale.main(argv) == 0
