@@ -46,8 +46,9 @@ can TRL's, and their rows say false.
   what its allocator held, trainer and teacher; the report's memory per arm) say how large, and
   ``alloc_conf`` the allocator settings the runs inherited (``PYTORCH_ALLOC_CONF``). Top-K
   targets do not make P-KL small: over every teacher column (``vocab_topk: null``) it holds
-  the same fp32 tensors of the teacher's vocab as full logits do. A row is appended as soon as its run ends, and a later call skips every run that
-  has a scored row (a run trained but not scored is scored without training).
+  the same fp32 tensors of the teacher's vocab as full logits do. A row is appended as soon as
+  its run ends, and a later call skips every run that has a scored row (a run trained but not
+  scored is scored without training).
   With ``--checkpoint-every N`` each run checkpoints every N steps and at a stop, and a run
   stopped before its end (its timeout, or the end of a call on a machine that keeps its work
   folder) goes on from its last checkpoint when a later call asks for it with the same config;
@@ -652,17 +653,15 @@ class Experiment:
     def arm_memory(self) -> dict[str, str]:
         """Per arm with rows, the most GPU memory its runs took, as the plan shows it: GiB the
         trainer and the teacher had PyTorch allocate, and reserve where the rows say."""
-        most: dict[str, dict[str, float]] = {}
-        for row in heal.read_rows([self.rows_path]):
-            for field, tag in (("peak_memory_mib", "alloc"), ("peak_reserved_mib", "reserved")):
-                for who, v in (row.get(field) or {}).items():
-                    if v:
-                        m = most.setdefault(row["arm"], {})
-                        m[f"{who} {tag}"] = max(m.get(f"{who} {tag}", 0.0), v)
-        return {
-            arm: "GiB " + ", ".join(f"{k} {v / 1024:.1f}" for k, v in sorted(m.items()))
-            for arm, m in most.items()
-        }
+        from benchmarks.quality.scale_report import arm_peaks
+
+        def brief(peaks: dict[str, float]) -> str:  # "trainer allocated" -> "trainer alloc"
+            return "GiB " + ", ".join(
+                f"{k.replace('allocated', 'alloc')} {v / 1024:.1f}"
+                for k, v in sorted(peaks.items())
+            )
+
+        return {arm: brief(m) for arm, m in arm_peaks(heal.read_rows([self.rows_path])).items()}
 
     def next_jobs(self, n: int) -> list[Job]:
         """At most ``n`` jobs ready now: cache builds first, then the plan's runs."""

@@ -506,19 +506,36 @@ def runs_table(rows: list[dict]) -> list[str]:
     return md + memory_table(rows)
 
 
+#: the rows' peak memory fields, as the report and ``scale.py --plan`` name them
+PEAKS = (("peak_memory_mib", "allocated"), ("peak_reserved_mib", "reserved"))
+
+
+def _says_memory(r: dict) -> bool:
+    """A run that ended well and says its trainer's memory."""
+    return r.get("exit", 0) == 0 and bool((r.get("peak_memory_mib") or {}).get("trainer"))
+
+
+def arm_peaks(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per arm whose runs ended well and say their memory, the most GPU memory in MiB any of its
+    runs took: ``{"trainer allocated": ..., "teacher reserved": ...}`` for the figures its rows
+    give (allocated by PyTorch, reserved by its allocator)."""
+    most: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if not _says_memory(r):
+            continue
+        m = most.setdefault(r["arm"], {})
+        for field, tag in PEAKS:
+            for who, v in (r.get(field) or {}).items():
+                if v:
+                    m[f"{who} {tag}"] = max(m.get(f"{who} {tag}", 0.0), v)
+    return most
+
+
 def memory_table(rows: list[dict]) -> list[str]:
     """Markdown lines: per arm, the most GPU memory any of its runs' trainers and teachers had
     PyTorch allocate and (rows that say) its allocator reserve, in GiB: what a run takes of a
     GPU it shares (``scale.py --slots``); [] when no row says."""
-
-    def most(arm_rows: list[dict], field: str, who: str) -> str:
-        m = max(((r.get(field) or {}).get(who) or 0 for r in arm_rows), default=0)
-        return f"{m / 1024:.1f}" if m else "-"
-
-    arms: dict[str, list[dict]] = {}
-    for r in rows:
-        if r.get("exit", 0) == 0 and (r.get("peak_memory_mib") or {}).get("trainer"):
-            arms.setdefault(r["arm"], []).append(r)
+    arms = arm_peaks(rows)
     if not arms:
         return []
     md = [
@@ -531,13 +548,13 @@ def memory_table(rows: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for arm in sorted(arms):
-        rs = arms[arm]
-        md.append(
-            f"| {arm} | {len(rs)} | {most(rs, 'peak_memory_mib', 'trainer')} "
-            f"| {most(rs, 'peak_reserved_mib', 'trainer')} "
-            f"| {most(rs, 'peak_memory_mib', 'teacher')} "
-            f"| {most(rs, 'peak_reserved_mib', 'teacher')} |"
-        )
+        runs = sum(1 for r in rows if r["arm"] == arm and _says_memory(r))
+        cells = [
+            f"{m / 1024:.1f}" if (m := arms[arm].get(f"{who} {tag}")) else "-"
+            for who in ("trainer", "teacher")
+            for _, tag in PEAKS
+        ]
+        md.append(f"| {arm} | {runs} | " + " | ".join(cells) + " |")
     return md
 
 
